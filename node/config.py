@@ -1,0 +1,144 @@
+"""One frozen config for a swarm run, mirrored by the CLI's flags.
+
+Every peer of a local swarm receives the same ``RunConfig`` (as JSON) plus its own index; the
+launcher derives nothing else, so a peer started by hand with the same file behaves the same.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["RunConfig", "add_run_arguments", "config_from_args"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunConfig:
+    # --- swarm -----------------------------------------------------------------------------
+    swarm: str = "atoll-local"
+    peers: int = 3
+    seed: int = 0
+    # --- inner training (each island) -------------------------------------------------------
+    model: str = "small"
+    corpus: str | None = None  # None: the Python standard library's own .py files
+    corpus_max_bytes: int | None = None
+    steps: int = 600
+    batch_size: int = 16
+    lr: float = 3e-3
+    warmup_steps: int = 50
+    weight_decay: float = 0.1
+    threads: int = 1
+    device: str = "cpu"
+    # --- Decoupled DiLoCo --------------------------------------------------------------------
+    fragments: int = 4
+    inner_steps: int = 30  # H: every fragment is due once per H inner steps
+    codec: str = "int8"  # pseudo-gradient compression
+    block_size: int = 64
+    download_codec: str = "none"  # global fragments handed back by owners
+    outer_lr: float = 1.0
+    outer_momentum: float = 0.0
+    quorum: int = 1
+    grace_gamma: float = 0.8
+    grace_tau: int = 2
+    grace_cap_s: float = 10.0
+    staleness_bound: int = 2
+    late_policy: str = "carry"
+    adopt_alpha: float = 0.0
+    # --- evaluation and reporting ------------------------------------------------------------
+    eval_every: int = 100
+    eval_batches: int = 8
+    link: str = ""  # emulated link, e.g. "latency=50ms,bandwidth=10mbit,drop=0.01"
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.peers < 1:
+            problems.append(f"--peers must be >= 1, got {self.peers}")
+        if self.steps < 1:
+            problems.append(f"--steps must be >= 1, got {self.steps}")
+        if self.fragments < 1:
+            problems.append(f"--fragments must be >= 1, got {self.fragments}")
+        if self.inner_steps < 1:
+            problems.append(f"--inner-steps must be >= 1, got {self.inner_steps}")
+        if self.codec not in ("none", "bf16", "int8", "int4"):
+            problems.append(f"--codec must be none, bf16, int8 or int4, got {self.codec!r}")
+        if self.download_codec not in ("none", "bf16"):
+            problems.append(f"--download-codec must be none or bf16, got {self.download_codec!r}")
+        if self.late_policy not in ("carry", "drop"):
+            problems.append(f"--late-policy must be carry or drop, got {self.late_policy!r}")
+        if not 0.0 <= self.adopt_alpha < 1.0:
+            problems.append(f"--adopt-alpha must be in [0, 1), got {self.adopt_alpha}")
+        if self.quorum < 1:
+            problems.append(f"--quorum must be >= 1, got {self.quorum}")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> RunConfig:
+        data = json.loads(text)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown config keys {sorted(unknown)}; known: {sorted(known)}")
+        return cls(**data)
+
+    @classmethod
+    def load(cls, path: Path) -> RunConfig:
+        return cls.from_json(path.read_text())
+
+
+_HELP = {
+    "swarm": "swarm name (peers of different swarms refuse each other)",
+    "peers": "number of peer processes (islands)",
+    "seed": "seed for model init and data order",
+    "model": "model preset: tiny, small or medium",
+    "corpus": "a text file or folder to train on (default: the Python standard library's .py files)",
+    "corpus_max_bytes": "read at most this many corpus bytes",
+    "steps": "inner steps per island",
+    "batch_size": "sequences per inner step per island",
+    "lr": "inner AdamW learning rate",
+    "warmup_steps": "inner learning-rate warmup steps",
+    "weight_decay": "inner AdamW weight decay",
+    "threads": "torch threads per peer",
+    "device": "cpu or cuda",
+    "fragments": "P: number of model fragments synchronised separately",
+    "inner_steps": "H: inner steps between two syncs of the same fragment",
+    "codec": "pseudo-gradient compression: none, bf16, int8 or int4",
+    "block_size": "elements per absmax block for int8/int4",
+    "download_codec": "compression of global fragments sent back: none or bf16",
+    "outer_lr": "outer Nesterov learning rate (1.0 with momentum 0 = plain averaging)",
+    "outer_momentum": "outer Nesterov momentum",
+    "quorum": "K: minimum contributions before a merge may close",
+    "grace_gamma": "gamma: fraction of hidden time the grace window may spend",
+    "grace_tau": "tau: inner steps a fragment may stay in flight",
+    "grace_cap_s": "upper bound of the grace window in seconds",
+    "staleness_bound": "S: oldest base version (in versions) an owner accepts",
+    "late_policy": "late contributions: carry (into the next merge, discounted) or drop (resync)",
+    "adopt_alpha": "adoption blend: theta <- alpha*theta + (1-alpha)*global (0 = overwrite)",
+    "eval_every": "inner steps between held-out evaluations",
+    "eval_batches": "held-out batches per evaluation",
+    "link": "emulated link for every peer, e.g. latency=50ms,bandwidth=10mbit,drop=0.01",
+}
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, **defaults: Any) -> None:
+    """Add one flag per ``RunConfig`` field (``--inner-steps`` for ``inner_steps``)."""
+    for f in dataclasses.fields(RunConfig):
+        default = defaults.get(f.name, f.default)
+        flag = "--" + f.name.replace("_", "-")
+        kind = {"int": int, "float": float, "str": str}.get(
+            str(f.type).replace(" | None", ""), str
+        )
+        parser.add_argument(flag, type=kind, default=default,
+                            help=f"{_HELP.get(f.name, '')} (default: {default})")
+
+
+def config_from_args(args: argparse.Namespace) -> RunConfig:
+    names = {f.name for f in dataclasses.fields(RunConfig)}
+    return RunConfig(**{k: v for k, v in vars(args).items() if k in names})

@@ -1,0 +1,213 @@
+"""The island: a learner that trains its own replica and never waits on the network.
+
+``Island`` hooks the inner optimizer's ``step()`` (``register_step_post_hook``, as torchft's
+DiLoCo does), so a user's training loop barely changes::
+
+    island = Island(model, inner_optimizer, plan, link, IslandConfig(...))
+    for batch in loader:
+        loss = model(batch)...; loss.backward()
+        inner_optimizer.step()          # the hook adopts arrived fragments, ships due ones
+        inner_optimizer.zero_grad()
+        island.tokens(batch.numel())    # token count for the merge weights
+
+After every inner step the hook (1) adopts global fragments that arrived since the last step,
+(2) for each fragment due at this step snapshots the pseudo-gradient Δ_p = Θ_p^base − θ_p and
+hands it to the network side without waiting.
+
+When is a fragment due? First at its offset in the staggered schedule of
+``protocol.diloco.fragments`` (so fragments go out evenly), then H inner steps after each
+adoption of a new version of it. Counting from adoption keeps the swarm in phase by itself:
+every learner receives version v+1 at about the same moment, so their next contributions
+reach the owner together, inside the grace window, whatever their start-up skew was. A
+refused or undelivered contribution makes the fragment due again H steps later. Compression, signing and sending happen on the network thread. The only
+synchronisation is a lock around the inbox, held for a dict swap; time spent waiting for it is
+measured and reported as stalled steps (it should always be zero).
+
+Arrivals are adopted as θ_p ← α·θ_p + (1 − α)·Θ_p (α = 0: overwrite, the default); AdamW
+moments are kept. Versions act as fencing tokens: only a version above the one held is adopted.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from protocol.diloco.fragments import FragmentPlan, due_offset
+
+__all__ = ["Island", "IslandConfig", "IslandStats", "Outgoing"]
+
+STALL_THRESHOLD_S = 0.005
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class IslandConfig:
+    inner_steps: int = 30  # H
+    adopt_alpha: float = 0.0
+    in_flight_timeout_steps: int = 0  # 0: 2·H; a contribution unanswered this long is given up
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Outgoing:
+    """One due fragment's pseudo-gradient, handed from the trainer to the network side."""
+
+    fragment: int
+    base_version: int
+    tokens: int
+    steps: int
+    step_time: float
+    sender_step: int
+    delta: torch.Tensor  # [numel_p] float32, a private copy
+
+
+@dataclass
+class IslandStats:
+    step: int = 0
+    tokens_trained: int = 0
+    stalled_steps: int = 0
+    sent: int = 0
+    gave_up_in_flight: int = 0
+    adopted: int = 0
+    step_times: list[float] = field(default_factory=list)
+
+
+class Island:
+    """Wraps a model and its inner optimizer; talks to the swarm through ``submit``/``deliver``."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        plan: FragmentPlan,
+        submit: Callable[[Outgoing], None],
+        cfg: IslandConfig,
+    ) -> None:
+        self.model, self.plan, self.cfg = model, plan, cfg
+        self._submit = submit
+        named = dict(model.named_parameters())
+        missing = [n for f in plan.fragments for n in f.names if n not in named]
+        if missing:
+            raise ValueError(f"fragment plan names parameters the model lacks: {missing[:5]}")
+        self.params: list[list[nn.Parameter]] = [[named[n] for n in f.names] for f in plan.fragments]
+        self.global_flat: list[torch.Tensor] = [self._flatten(p).float() for p in range(len(self.params))]
+        self.versions: list[int] = [0] * len(self.params)
+        self.c_steps = [0] * len(self.params)
+        self.c_tokens = [0] * len(self.params)
+        self.in_flight: list[int | None] = [None] * len(self.params)  # step it was sent at
+        n, h = len(self.params), cfg.inner_steps
+        self.next_due = [due_offset(p, n, h) + 1 for p in range(n)]
+        self.stats = IslandStats()
+        self._inbox: dict[int, tuple[int, torch.Tensor]] = {}
+        self._lock = threading.Lock()
+        self._step_ema = 0.0
+        self._last_step_at: float | None = None
+        self._hook = optimizer.register_step_post_hook(self._after_step)
+
+    # --- called by the user's loop (trainer thread) --------------------------------------------
+    def tokens(self, n: int) -> None:
+        """Count ``n`` tokens trained in the step just taken (for the merge weights)."""
+        self.stats.tokens_trained += n
+        for p in range(len(self.c_tokens)):
+            self.c_tokens[p] += n
+
+    def close(self) -> None:
+        self._hook.remove()
+
+    # --- called by the network side (any thread) -----------------------------------------------
+    def deliver(self, fragment: int, version: int, flat: torch.Tensor) -> None:
+        """A verified global fragment arrived; it is adopted after the next inner step."""
+        with self._lock:
+            held = self._inbox.get(fragment)
+            if held is None or held[0] < version:
+                self._inbox[fragment] = (version, flat)
+
+    def resolved(self, fragment: int, accepted: bool) -> None:
+        """The owner answered a contribution; a refusal frees the fragment to be sent again."""
+        if not accepted:
+            self.in_flight[fragment] = None
+            self.next_due[fragment] = self.stats.step + self.cfg.inner_steps
+
+    def adopt_pending(self) -> int:
+        """Adopt whatever arrived; return how many fragments were adopted (trainer thread only)."""
+        t0 = time.perf_counter()
+        with self._lock:
+            waited = time.perf_counter() - t0
+            arrived, self._inbox = self._inbox, {}
+        if waited > STALL_THRESHOLD_S:
+            self.stats.stalled_steps += 1
+        for fragment, (version, flat) in sorted(arrived.items()):
+            if version > self.versions[fragment]:
+                self._adopt(fragment, version, flat)
+        return len(arrived)
+
+    # --- the hook ------------------------------------------------------------------------------
+    def _after_step(self, _opt: torch.optim.Optimizer, _args: object, _kwargs: object) -> None:
+        now = time.perf_counter()
+        if self._last_step_at is not None:
+            dt = now - self._last_step_at
+            self.stats.step_times.append(dt)
+            self._step_ema = dt if self._step_ema == 0 else 0.9 * self._step_ema + 0.1 * dt
+        self._last_step_at = now
+        self.stats.step += 1
+        for p in range(len(self.c_steps)):
+            self.c_steps[p] += 1
+        self.adopt_pending()
+        for p, due in enumerate(self.next_due):
+            if self.stats.step >= due:
+                self._ship(p)
+
+    def _ship(self, p: int) -> None:
+        timeout = self.cfg.in_flight_timeout_steps or 2 * self.cfg.inner_steps
+        sent_at = self.in_flight[p]
+        if sent_at is not None and self.stats.step - sent_at < timeout:
+            return
+        if sent_at is not None:
+            self.stats.gave_up_in_flight += 1
+        delta = self.global_flat[p] - self._flatten(p).float()  # [numel_p] fp32, Θ_base − θ
+        self.in_flight[p] = self.stats.step
+        self.next_due[p] = self.stats.step + self.cfg.inner_steps
+        self.stats.sent += 1
+        self._submit(Outgoing(
+            fragment=p, base_version=self.versions[p], tokens=self.c_tokens[p],
+            steps=max(self.c_steps[p], 1), step_time=self._step_ema, sender_step=self.stats.step,
+            delta=delta,
+        ))
+
+    def _adopt(self, p: int, version: int, flat: torch.Tensor) -> None:
+        alpha = self.cfg.adopt_alpha
+        with torch.no_grad():
+            offset = 0
+            for param in self.params[p]:
+                n = param.numel()
+                incoming = flat[offset:offset + n].view_as(param).to(param.dtype)
+                if alpha:
+                    param.mul_(alpha).add_(incoming, alpha=1.0 - alpha)
+                else:
+                    param.copy_(incoming)
+                offset += n
+        self.global_flat[p] = flat.float()
+        self.versions[p] = version
+        self.c_steps[p] = 0
+        self.c_tokens[p] = 0
+        self.in_flight[p] = None
+        self.next_due[p] = self.stats.step + self.cfg.inner_steps
+        self.stats.adopted += 1
+
+    def _flatten(self, p: int) -> torch.Tensor:
+        return torch.cat([t.detach().reshape(-1) for t in self.params[p]])
+
+    # --- the global model this island holds ----------------------------------------------------
+    def global_state(self) -> dict[str, torch.Tensor]:
+        """The global fragments this island last adopted, as a name → tensor dict."""
+        state: dict[str, torch.Tensor] = {}
+        for p, params in enumerate(self.params):
+            offset = 0
+            for name, param in zip(self.plan.fragments[p].names, params, strict=True):
+                n = param.numel()
+                state[name] = self.global_flat[p][offset:offset + n].view_as(param)
+                offset += n
+        return state

@@ -1,0 +1,199 @@
+"""The island's network side: ship contributions, long-poll owners, deliver verified versions.
+
+Runs on the node's event loop. ``submit`` is called from the trainer thread and only enqueues;
+compression (with error feedback), sealing and sending happen here, off the trainer's path.
+One long-poll per fragment asks the fragment's owner for "the next version after v", checks
+the owner's signature, that the signer is the fragment's owner, the swarm, fragment and version,
+then decompresses and hands the flat tensor to ``Island.deliver``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import aiohttp
+import torch
+
+from protocol.diloco.compression import compress
+from protocol.errors import RemoteProtocolError
+from protocol.wire.codec import encode
+from protocol.wire.messages import Ack, Contribution, FragmentState
+from protocol.wire.signing import Signer, open_sealed, seal, verify_sealed, ReplayWindow
+
+from node.island import Island, Outgoing
+from node.owner import flat_from_tensors
+from node.transport import LinkDropped, Transport
+
+__all__ = ["IslandNet", "LearnerStats"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LearnerStats:
+    contributions_sent: int = 0
+    contributions_accepted: int = 0
+    contributions_refused: int = 0
+    send_failures: int = 0
+    versions_received: int = 0
+    bad_versions: int = 0
+
+
+class IslandNet:
+    """Connects one ``Island`` to the owners of its fragments."""
+
+    def __init__(
+        self,
+        island: Island,
+        transport: Transport,
+        signer: Signer,
+        *,
+        swarm: str,
+        shapes: Sequence[Sequence[tuple[int, ...]]],
+        owner_of: Callable[[int], tuple[bytes, str] | None],
+        codec: str = "int8",
+        block_size: int = 64,
+        max_message: int = 256 << 20,
+    ) -> None:
+        self.island, self.transport, self.signer = island, transport, signer
+        self.swarm, self.shapes, self.owner_of = swarm, [list(s) for s in shapes], owner_of
+        self.codec, self.block_size, self.max_message = codec, block_size, max_message
+        self.stats = LearnerStats()
+        self.residuals: dict[tuple[int, int], torch.Tensor] = {}
+        self._queue: asyncio.Queue[Outgoing] = asyncio.Queue()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._replay = ReplayWindow()
+        self.received = [0] * len(self.shapes)  # highest version delivered, per fragment
+
+    # --- trainer thread ------------------------------------------------------------------------
+    def submit(self, out: Outgoing) -> None:
+        """Enqueue a due fragment without waiting (safe from any thread)."""
+        if self._loop is None:
+            raise RuntimeError("IslandNet.run() has not started")
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, out)
+
+    # --- event loop ----------------------------------------------------------------------------
+    async def run(self) -> None:
+        """Send contributions and poll every fragment's owner until cancelled."""
+        self._loop = asyncio.get_running_loop()
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(self._send_loop())
+            for p in range(len(self.shapes)):
+                tg.create_task(self._poll_loop(p))
+
+    async def _send_loop(self) -> None:
+        while True:
+            out = await self._queue.get()
+            try:
+                await self._send(out)
+            except (aiohttp.ClientError, LinkDropped, TimeoutError, OSError, RemoteProtocolError) as exc:
+                self.stats.send_failures += 1
+                log.warning("contribution for fragment %d not delivered: %r", out.fragment, exc)
+                self.island.resolved(out.fragment, accepted=False)
+
+    def _compress(self, out: Outgoing) -> Contribution:
+        tensors, offset = [], 0
+        for i, shape in enumerate(self.shapes[out.fragment]):
+            n = int(torch.Size(shape).numel())
+            part = out.delta[offset:offset + n].view(shape)
+            enc, self.residuals[(out.fragment, i)] = compress(
+                part, self.codec, block_size=self.block_size,
+                residual=self.residuals.get((out.fragment, i)),
+            )
+            tensors.append(enc)
+            offset += n
+        return Contribution(
+            swarm=self.swarm, fragment=out.fragment, base_version=out.base_version,
+            tokens=out.tokens, steps=out.steps, step_time=out.step_time,
+            sender_step=out.sender_step, tensors=tuple(tensors),
+        )
+
+    async def _send(self, out: Outgoing) -> None:
+        owner = self.owner_of(out.fragment)
+        if owner is None:
+            raise RemoteProtocolError(f"no live owner for fragment {out.fragment}")
+        _, url = owner
+        msg = await asyncio.to_thread(self._compress, out)
+        sealed = seal(encode(msg), self.signer, now=time.time(), nonce=os.urandom(16))
+        self.stats.contributions_sent += 1
+        status, buf, used, _ = await self.transport.request(
+            "POST", f"{url}/v1/rpc", chunks=sealed.iter_chunks(), size=sealed.size, timeout_s=60,
+        )
+        try:
+            if status != 200:
+                reason = bytes(memoryview(buf)[:used]).decode(errors="replace")
+                self.stats.contributions_refused += 1
+                log.info("fragment %d contribution refused (%d): %s", out.fragment, status, reason)
+                self.island.resolved(out.fragment, accepted=False)
+                return
+            reply = open_sealed(memoryview(buf)[:used], now=time.time(), replay=self._replay,
+                                max_size=1 << 16).message
+        finally:
+            self.transport.pool.give(buf)
+        if not isinstance(reply, Ack):
+            raise RemoteProtocolError(f"owner replied {type(reply).__name__}, expected Ack")
+        if reply.accepted:
+            self.stats.contributions_accepted += 1
+        else:
+            self.stats.contributions_refused += 1
+            log.info("fragment %d contribution refused: %s", out.fragment, reply.reason)
+        self.island.resolved(out.fragment, accepted=reply.accepted)
+
+    async def _poll_loop(self, p: int) -> None:
+        backoff = 0.2
+        while True:
+            try:
+                after = max(self.received[p], self.island.versions[p])
+                got = await self.fetch(p, after=after, wait_s=10.0)
+                if got is not None:
+                    version, flat = got
+                    self.received[p] = max(self.received[p], version)
+                    self.island.deliver(p, version, flat)
+                backoff = 0.2
+            except (aiohttp.ClientError, LinkDropped, TimeoutError, OSError, RemoteProtocolError) as exc:
+                if isinstance(exc, RemoteProtocolError):
+                    self.stats.bad_versions += 1
+                log.debug("poll for fragment %d failed: %r", p, exc)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+
+    async def fetch(self, p: int, *, after: int, wait_s: float, final: bool = False) -> tuple[int, torch.Tensor] | None:
+        """Fetch the owner's first version of fragment ``p`` above ``after`` (verified).
+
+        With ``final``, ask instead for the latest version once the owner declares it final.
+        Returns None if nothing new arrived within ``wait_s``. Raises ``RemoteProtocolError``
+        for a version that fails verification.
+        """
+        owner = self.owner_of(p)
+        if owner is None:
+            await asyncio.sleep(min(wait_s, 1.0))
+            return None
+        owner_id, url = owner
+        kind = "final" if final else "next"
+        status, buf, used, _ = await self.transport.request(
+            "GET", f"{url}/v1/fragments/{p}/{kind}?after={after}&wait={wait_s}",
+            timeout_s=wait_s + 30, max_reply=self.max_message,
+        )
+        try:
+            if status == 204:
+                return None
+            if status != 200:
+                raise RemoteProtocolError(f"owner answered {status} for fragment {p}")
+            opened = verify_sealed(memoryview(buf)[:used], max_size=self.max_message)
+            state = opened.message
+            if opened.peer_id != owner_id:
+                raise RemoteProtocolError(f"fragment {p} version signed by {opened.peer_id.hex()[:8]}, not its owner")
+            if not isinstance(state, FragmentState) or state.swarm != self.swarm or state.fragment != p:
+                raise RemoteProtocolError(f"owner sent the wrong message for fragment {p}")
+            if state.version <= after and not final:
+                raise RemoteProtocolError(f"owner sent version {state.version}, asked for one above {after}")
+            flat = await asyncio.to_thread(flat_from_tensors, state.tensors, self.shapes[p])
+        finally:
+            self.transport.pool.give(buf)
+        self.stats.versions_received += 1
+        return state.version, flat

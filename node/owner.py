@@ -1,0 +1,187 @@
+"""The owner of a fragment: drives ``protocol.diloco.merge`` and publishes global versions.
+
+For each fragment this peer owns, ``FragmentOwner`` holds the global fragment Θ_p (one flat fp32
+vector), its Nesterov buffer and version, and a ``FragmentMerger`` state machine. Contributions
+arrive through ``rpc``; they are checked against the fragment's shapes, decompressed (NaN/Inf
+refused), then fed to the merger with ``now``. A timer task calls ``on_tick`` at the merger's
+deadline. When the merger says "merge", the owner aggregates (radial-directional averaging, or
+a weighted mean for embedding fragments), applies the outer Nesterov step off the event loop,
+seals the new ``FragmentState`` with its own key and wakes every long-poll waiting for it.
+
+The sealed bytes are kept verbatim, so any peer holding them can re-serve the version: the
+owner's signature and content hash travel with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import time
+from collections.abc import Sequence
+
+import torch
+
+from protocol.diloco.compression import compress, decompress
+from protocol.diloco.fragments import Fragment
+from protocol.diloco.merge import Decision, FragmentMerger, MergeConfig, Phase
+from protocol.diloco.outer import OuterConfig, outer_step, radial_directional_average, weighted_mean
+from protocol.errors import DecodeError, Stale
+from protocol.wire.codec import encode
+from protocol.wire.messages import Ack, Contribution, FragmentState
+from protocol.wire.signing import Sealed, Signer, seal
+from protocol.wire.tensors import EncodedTensor
+
+__all__ = ["FragmentOwner", "content_hash", "flat_from_tensors"]
+
+log = logging.getLogger(__name__)
+
+
+def content_hash(tensors: Sequence[EncodedTensor]) -> bytes:
+    """SHA-256 over every tensor's data and scales, in order."""
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.data)
+        h.update(t.scales)
+    return h.digest()
+
+
+def flat_from_tensors(tensors: Sequence[EncodedTensor], shapes: Sequence[tuple[int, ...]]) -> torch.Tensor:
+    """Decompress a fragment's tensors into one flat fp32 vector, checking shapes.
+
+    Raises ``DecodeError`` on a wrong tensor count or shape, or non-finite values.
+    """
+    if len(tensors) != len(shapes):
+        raise DecodeError(f"fragment has {len(shapes)} tensors, message carries {len(tensors)}")
+    total = sum(int(torch.Size(s).numel()) for s in shapes)
+    out = torch.empty(total, dtype=torch.float32)
+    offset = 0
+    for i, (t, shape) in enumerate(zip(tensors, shapes, strict=True)):
+        if tuple(t.shape) != tuple(shape):
+            raise DecodeError(f"tensor {i}: shape {tuple(t.shape)} does not match the plan's {tuple(shape)}")
+        n = t.numel
+        decompress(t, out=out[offset:offset + n].view(shape))
+        offset += n
+    if not torch.isfinite(out).all():
+        raise DecodeError("fragment contains NaN or Inf values")
+    return out
+
+
+class FragmentOwner:
+    """Merges contributions for one fragment and serves its versions."""
+
+    def __init__(
+        self,
+        *,
+        swarm: str,
+        fragment: Fragment,
+        shapes: Sequence[tuple[int, ...]],
+        initial: torch.Tensor,
+        merge_cfg: MergeConfig,
+        outer_cfg: OuterConfig,
+        signer: Signer,
+        download_codec: str = "none",
+    ) -> None:
+        self.swarm, self.fragment, self.shapes = swarm, fragment, list(shapes)
+        self.theta = initial.detach().float().clone()  # [numel_p] fp32
+        self.buffer: torch.Tensor | None = None  # Nesterov momentum, created on first merge
+        self.outer_cfg, self.signer, self.download_codec = outer_cfg, signer, download_codec
+        self.merger = FragmentMerger(fragment.index, merge_cfg, version=0, now=time.monotonic())
+        self.version = 0
+        self.latest: Sealed = self._seal_state(0, self.theta)
+        self.merges: list[str] = []
+        self._changed = asyncio.Condition()
+        self._wake = asyncio.Event()
+
+    # --- inbound -------------------------------------------------------------------------------
+    async def contribute(self, sender: bytes, msg: Contribution) -> Ack:
+        """Check and feed one contribution to the merger. Raises ``RemoteProtocolError``."""
+        if msg.base_version > self.version:
+            raise Stale(f"base version {msg.base_version} is ahead of the owner's {self.version}")
+        flat = await asyncio.to_thread(flat_from_tensors, msg.tensors, self.shapes)
+        decision = self.merger.on_contribution(
+            sender, base_version=msg.base_version, tokens=msg.tokens, steps=msg.steps,
+            step_time=msg.step_time, payload=flat, now=time.monotonic(),
+        )
+        log.info("fragment %d: %s", self.fragment.index, decision.reason)
+        await self._apply(decision)
+        return Ack(accepted=decision.accepted, reason=decision.reason, version=self.version)
+
+    async def set_expected(self, n: int) -> None:
+        """Tell the merger how many live learners may contribute; may close the round."""
+        if self.merger.phase is Phase.MERGING:
+            return
+        await self._apply(self.merger.set_expected(n, now=time.monotonic()))
+
+    def idle(self) -> bool:
+        """No contribution is waiting and no merge is running: the latest version is final."""
+        return self.merger.phase is Phase.COLLECTING and self.merger.count == 0
+
+    async def wait_after(self, after: int, wait_s: float) -> Sealed | None:
+        """The sealed state of the first version above ``after``, waiting up to ``wait_s``."""
+        async with self._changed:
+            try:
+                async with asyncio.timeout(wait_s):
+                    await self._changed.wait_for(lambda: self.version > after)
+            except TimeoutError:
+                return None
+            return self.latest
+
+    # --- the timer -----------------------------------------------------------------------------
+    async def run(self) -> None:
+        """Call the merger's tick at its deadline, forever (cancel to stop)."""
+        while True:
+            deadline = self.merger.deadline()
+            self._wake.clear()
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                async with asyncio.timeout(timeout):
+                    await self._wake.wait()
+            except TimeoutError:
+                pass
+            deadline = self.merger.deadline()
+            if deadline is not None and time.monotonic() >= deadline:
+                await self._apply(self.merger.on_tick(time.monotonic()))
+
+    # --- merge ---------------------------------------------------------------------------------
+    async def _apply(self, decision: Decision) -> None:
+        """Carry out a merger decision: merge (and keep merging while it says so), wake the timer."""
+        while decision.kind == "merge":
+            decision = await self._merge(decision)
+        self._wake.set()
+
+    async def _merge(self, decision: Decision) -> Decision:
+        t0 = time.monotonic()
+        deltas = [e.payload for e in decision.entries]
+        weights = [e.weight for e in decision.entries]
+        try:
+            theta, buffer = await asyncio.to_thread(self._outer, deltas, weights)
+            latest = await asyncio.to_thread(self._seal_state, self.version + 1, theta)
+        except Exception as exc:  # a numerical failure must not kill the owner
+            log.exception("fragment %d: merge failed", self.fragment.index)
+            return self.merger.on_merge_failed(f"merge failed: {exc}", now=time.monotonic())
+        self.theta, self.buffer, self.version, self.latest = theta, buffer, self.version + 1, latest
+        self.merges.append(decision.reason)
+        log.info("fragment %d: published version %d (%s)", self.fragment.index, self.version, decision.reason)
+        async with self._changed:
+            self._changed.notify_all()
+        return self.merger.on_published(self.version, sync_time=time.monotonic() - t0, now=time.monotonic())
+
+    def _outer(self, deltas: list[torch.Tensor], weights: list[float]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        aggregate = weighted_mean if self.fragment.is_embedding else radial_directional_average
+        delta = aggregate(deltas, weights)  # [numel_p] fp32
+        return outer_step(self.theta, delta, self.buffer, self.outer_cfg)
+
+    def _seal_state(self, version: int, theta: torch.Tensor) -> Sealed:
+        tensors, offset = [], 0
+        for shape in self.shapes:
+            n = int(torch.Size(shape).numel())
+            enc, _ = compress(theta[offset:offset + n].view(shape), self.download_codec)
+            tensors.append(enc)
+            offset += n
+        state = FragmentState(
+            swarm=self.swarm, fragment=self.fragment.index, version=version,
+            tensors=tuple(tensors), content_hash=content_hash(tensors),
+        )
+        return seal(encode(state), self.signer, now=time.time(), nonce=os.urandom(16))

@@ -1,0 +1,194 @@
+"""``atoll local``: a multi-process swarm on 127.0.0.1.
+
+The launcher starts N peer processes (``python -m node peer``), tells every peer the others'
+addresses once all have bound their ports, shows live progress from the JSON lines the peers
+print, and when every peer has reported its final result it stops them, writes the JSON report
+and the plot, and prints a summary. Ctrl-C stops every peer cleanly.
+
+Peer ↔ launcher protocol (one JSON object per line):
+  peer → launcher  {"event": "listening", "index", "url", "peer_id"}
+                   {"event": "progress", "index", "step", "loss", "versions", "bytes_sent"}
+                   {"event": "done", "index", "result": {...}}
+  launcher → peer  {"members": [{"index", "url", "peer_id"}, ...]}   then, at the end, {"stop": true}
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from node.config import RunConfig
+from node.report import build_report, summary_lines, write_report
+
+__all__ = ["LocalSwarm", "run_local"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PeerProcess:
+    index: int
+    proc: asyncio.subprocess.Process
+    log_path: Path
+    url: str = ""
+    peer_id: str = ""
+    progress: dict[str, Any] = field(default_factory=dict)
+    result: dict[str, Any] | None = None
+    listening: asyncio.Event = field(default_factory=asyncio.Event)
+    finished: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class LocalSwarm:
+    """Start, watch and stop N peer processes; collect their results."""
+
+    def __init__(self, cfg: RunConfig, run_dir: Path, *, extra_peer_args: dict[int, list[str]] | None = None,
+                 quiet: bool = False, startup_timeout_s: float = 120.0, run_timeout_s: float | None = None) -> None:
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.extra = extra_peer_args or {}
+        self.quiet = quiet
+        self.startup_timeout_s = startup_timeout_s
+        self.run_timeout_s = run_timeout_s
+        self.peers: list[PeerProcess] = []
+
+    async def _spawn(self, index: int, config_path: Path) -> PeerProcess:
+        log_path = self.run_dir / f"peer{index}.log"
+        cmd = [sys.executable, "-m", "node", "peer", "--config", str(config_path),
+               "--index", str(index), *self.extra.get(index, [])]
+        proc = await asyncio.create_subprocess_exec(
+            *cmd, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            stderr=log_path.open("wb"), start_new_session=True,
+        )
+        return PeerProcess(index, proc, log_path)
+
+    async def _read(self, peer: PeerProcess) -> None:
+        assert peer.proc.stdout is not None
+        async for raw in peer.proc.stdout:
+            try:
+                msg = json.loads(raw)
+            except json.JSONDecodeError:
+                continue
+            event = msg.get("event")
+            if event == "listening":
+                peer.url, peer.peer_id = msg["url"], msg["peer_id"]
+                peer.listening.set()
+            elif event == "progress":
+                peer.progress = msg
+            elif event == "done":
+                peer.result = msg["result"]
+                peer.finished.set()
+        peer.finished.set()
+        peer.listening.set()
+
+    async def _send(self, peer: PeerProcess, msg: dict[str, Any]) -> None:
+        if peer.proc.stdin is None or peer.proc.returncode is not None:
+            return
+        with contextlib.suppress(ConnectionError, BrokenPipeError):
+            peer.proc.stdin.write((json.dumps(msg) + "\n").encode())
+            await peer.proc.stdin.drain()
+
+    async def _show_progress(self) -> None:
+        t0 = time.monotonic()
+        while True:
+            await asyncio.sleep(2.0)
+            if self.quiet:
+                continue
+            parts = []
+            for p in self.peers:
+                g = p.progress
+                if p.result is not None:
+                    parts.append(f"p{p.index}: done")
+                elif g:
+                    parts.append(f"p{p.index}: step {g['step']}/{self.cfg.steps} loss {g['loss']:.3f} "
+                                 f"v{g['versions']} {g['bytes_sent'] / 1e6:.1f}MB")
+                else:
+                    parts.append(f"p{p.index}: starting")
+            print(f"[{time.monotonic() - t0:6.1f}s] " + " | ".join(parts), flush=True)
+
+    async def run(self) -> list[dict[str, Any]]:
+        """Run the swarm to completion; return every peer's result (raises on a peer's failure)."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        config_path = self.run_dir / "config.json"
+        config_path.write_text(self.cfg.to_json())
+        self.peers = [await self._spawn(i, config_path) for i in range(self.cfg.peers)]
+        async with asyncio.TaskGroup() as tg:
+            readers = [tg.create_task(self._read(p)) for p in self.peers]
+            progress = tg.create_task(self._show_progress())
+            try:
+                await self._drive()
+            finally:
+                progress.cancel()
+                await self.stop()
+                for r in readers:
+                    r.cancel()
+        return [p.result for p in self.peers if p.result is not None]
+
+    async def _drive(self) -> None:
+        async with asyncio.timeout(self.startup_timeout_s):
+            await asyncio.gather(*(p.listening.wait() for p in self.peers))
+        dead = [p for p in self.peers if not p.url]
+        if dead:
+            raise RuntimeError(f"peer {dead[0].index} exited before listening; see {dead[0].log_path}")
+        members = [{"index": p.index, "url": p.url, "peer_id": p.peer_id} for p in self.peers]
+        for p in self.peers:
+            await self._send(p, {"members": members})
+        async with asyncio.timeout(self.run_timeout_s):
+            await asyncio.gather(*(p.finished.wait() for p in self.peers))
+        failed = [p for p in self.peers if p.result is None]
+        if failed:
+            tail = failed[0].log_path.read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"peer {failed[0].index} failed; last log lines:\n{tail}")
+
+    async def stop(self, grace_s: float = 10.0) -> None:
+        """Ask every peer to stop, then terminate, then kill what is left."""
+        for p in self.peers:
+            await self._send(p, {"stop": True})
+        for sig, wait in ((None, grace_s), (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+            alive = [p for p in self.peers if p.proc.returncode is None]
+            if not alive:
+                return
+            if sig is not None:
+                for p in alive:
+                    with contextlib.suppress(ProcessLookupError):
+                        p.proc.send_signal(sig)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(wait):
+                    await asyncio.gather(*(p.proc.wait() for p in alive))
+
+
+def run_local(cfg: RunConfig, *, report_path: Path | None, baseline: bool = False,
+              quiet: bool = False) -> dict[str, Any]:
+    """Run a local swarm end to end, write the report and plot, print the summary."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    report_path = report_path or Path("runs") / stamp / "report.json"
+    run_dir = report_path.parent / f"{report_path.stem}-peers"
+    swarm = LocalSwarm(cfg, run_dir, quiet=quiet)
+    t0 = time.monotonic()
+    print(f"atoll local: {cfg.peers} peers, {cfg.steps} steps, model {cfg.model}, "
+          f"{cfg.fragments} fragments, H={cfg.inner_steps}, codec {cfg.codec}; logs in {run_dir}",
+          flush=True)
+    try:
+        results = asyncio.run(swarm.run())
+    except KeyboardInterrupt:
+        print("interrupted: peers stopped", file=sys.stderr)
+        raise
+    report = build_report(dict(json.loads(cfg.to_json())), results, time.monotonic() - t0)
+    if baseline:
+        from node.baseline_run import baseline_for
+
+        report["baseline"] = baseline_for(cfg)
+        end = report["baseline"]["eval_loss_end"]
+        report["eval_loss_gap_rel"] = (report["eval_loss"]["end"] - end) / end
+    png = write_report(report, report_path)
+    for line in summary_lines(report):
+        print(line)
+    print(f"report: {report_path}  plot: {png}")
+    return report

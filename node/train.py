@@ -1,0 +1,167 @@
+"""A peer's main: build the island, train it, finalise, report (``python -m node peer``).
+
+Reads like nanoGPT: one loop top to bottom. The asyncio node runs on a background thread
+(``PeerNode.serve``); this thread only trains and talks to it through the island's hook.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import os
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from node.baseline import lr_at, make_inner_optimizer, train_config_for
+from node.config import RunConfig
+from node.corpus import BatchSampler, evaluate, load_corpus, split_corpus
+from node.island import Island, IslandConfig
+from node.model import GPT, GPTConfig, embedding_parameter_names
+from node.peer import PeerNode, emit
+from protocol.diloco.fragments import plan_fragments
+from protocol.wire.signing import Signer
+
+__all__ = ["global_param_hash", "run_peer"]
+
+log = logging.getLogger("atoll.train")
+
+
+def global_param_hash(state: dict[str, torch.Tensor]) -> str:
+    """SHA-256 over the global model's fp32 bytes, tensors in name order."""
+    h = hashlib.sha256()
+    for name in sorted(state):
+        h.update(name.encode())
+        h.update(state[name].detach().float().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _eval_global(model: GPT, island: Island, heldout: torch.Tensor, cfg: RunConfig) -> float:
+    scratch = GPT(model.config)
+    scratch.load_state_dict(island.global_state(), strict=True)
+    return evaluate(scratch, heldout, batch_size=cfg.batch_size, block_size=model.config.block_size,
+                    n_batches=cfg.eval_batches)
+
+
+def _read_stdin_line() -> dict[str, Any]:
+    line = sys.stdin.readline()
+    if not line:
+        return {"stop": True}
+    return dict(json.loads(line))
+
+
+def run_peer(cfg: RunConfig, index: int) -> None:
+    torch.set_num_threads(cfg.threads)
+    # --- model, data, optimizer -----------------------------------------------------------------
+    gcfg = GPTConfig.preset(cfg.model)
+    model = GPT(gcfg, seed=cfg.seed)  # identical on every peer: version 0 of every fragment
+    data = load_corpus(Path(cfg.corpus) if cfg.corpus else None, max_bytes=cfg.corpus_max_bytes)
+    train, heldout = split_corpus(data)
+    sampler = BatchSampler(train, batch_size=cfg.batch_size, block_size=gcfg.block_size,
+                           seed=cfg.seed * 1000 + index, shard=index, n_shards=cfg.peers)
+    tcfg = train_config_for(cfg)
+    optimizer = make_inner_optimizer(model, tcfg)
+    shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    plan = plan_fragments(shapes, cfg.fragments, embeddings=embedding_parameter_names(model))
+    signer = Signer.from_seed(os.urandom(32))
+
+    # --- the node, on its own thread ------------------------------------------------------------
+    node = PeerNode(cfg, index, signer, model, plan)
+    island_box: dict[str, Island] = {}
+    island = Island(model, optimizer, plan, submit=lambda out: node.net.submit(out) if node.net else None,
+                    cfg=IslandConfig(inner_steps=cfg.inner_steps, adopt_alpha=cfg.adopt_alpha))
+    island_box["island"] = island
+    thread = threading.Thread(target=lambda: asyncio.run(node.serve(island)), name="atoll-node", daemon=True)
+    thread.start()
+    if not node.ready.wait(60):
+        raise RuntimeError("the node did not start listening within 60 s")
+    emit("listening", index=index, url=node.transport.url, peer_id=signer.peer_id.hex())
+    hello = _read_stdin_line()
+    if "members" not in hello:
+        return
+    t0 = float(hello.get("t0", time.time()))
+    node.loop.call_soon_threadsafe(node.set_members, hello["members"])  # type: ignore[union-attr]
+    while node.net is None:
+        time.sleep(0.01)
+
+    eval_start = _eval_global(model, island, heldout, cfg)
+    curve_local: list[tuple[float, int, float]] = []
+    curve_global: list[tuple[float, int, float]] = [(time.time() - t0, 0, eval_start)]
+    # --- the training loop ----------------------------------------------------------------------
+    model.train()
+    last_progress, loss_ema = 0.0, float("nan")
+    for step in range(cfg.steps):
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, tcfg)
+        x, y = sampler.next()  # [B, T] int64 each
+        _, loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), tcfg.grad_clip)
+        optimizer.step()  # the island's hook: adopt arrived fragments, ship due ones
+        optimizer.zero_grad(set_to_none=True)
+        island.tokens(x.numel())
+        loss_ema = loss.item() if step == 0 else 0.95 * loss_ema + 0.05 * loss.item()
+        if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
+            curve_local.append((time.time() - t0, step + 1,
+                                evaluate(model, heldout, batch_size=cfg.batch_size,
+                                         block_size=gcfg.block_size, n_batches=cfg.eval_batches)))
+            if index == 0:
+                curve_global.append((time.time() - t0, step + 1, _eval_global(model, island, heldout, cfg)))
+        if time.monotonic() - last_progress > 1.0:
+            last_progress = time.monotonic()
+            emit("progress", index=index, step=step + 1, loss=loss_ema, versions=list(island.versions),
+                 bytes_sent=node.transport.bytes_sent)
+
+    # --- finalise: all peers end on the owners' final versions ---------------------------------
+    node.learning = False
+    final = node.call(_fetch_final(node, island), timeout=300)
+    for p, (version, flat) in final.items():
+        island.deliver(p, version, flat)
+    island.adopt_pending()
+    eval_end = _eval_global(model, island, heldout, cfg)
+    curve_global.append((time.time() - t0, cfg.steps, eval_end))
+    net = node.net
+    result = {
+        "index": index, "peer_id": signer.peer_id.hex(), "steps": island.stats.step,
+        "n_params": sum(p.numel() for p in model.parameters()),
+        "global_versions": list(island.versions),
+        "final_param_hash": global_param_hash(island.global_state()),
+        "eval_loss_start": eval_start, "eval_loss_end": eval_end,
+        "eval_curve_local": curve_local, "eval_curve_global": curve_global if index == 0 else [],
+        "tokens_trained": island.stats.tokens_trained, "bytes_sent": node.transport.bytes_sent,
+        "stalled_steps": island.stats.stalled_steps,
+        "median_step_s": statistics.median(island.stats.step_times) if island.stats.step_times else 0.0,
+        "contributions_sent": net.stats.contributions_sent, "contributions_accepted": net.stats.contributions_accepted,
+        "contributions_refused": net.stats.contributions_refused, "remote_errors": node.rpc.error_count,
+        "merges": {p: o.merges[-3:] for p, o in node.owners.items()},
+    }
+    emit("done", index=index, result=result)
+    while "stop" not in _read_stdin_line():
+        pass
+    node.stop()
+    thread.join(timeout=10)
+
+
+async def _fetch_final(node: PeerNode, island: Island) -> dict[int, tuple[int, torch.Tensor]]:
+    assert node.net is not None
+    out: dict[int, tuple[int, torch.Tensor]] = {}
+    while len(out) < len(island.versions):
+        for p in range(len(island.versions)):
+            if p in out:
+                continue
+            try:
+                got = await node.net.fetch(p, after=-1, wait_s=5.0, final=True)
+            except Exception as exc:  # keep trying: the owner may be finishing a merge
+                log.warning("final fetch of fragment %d failed: %r", p, exc)
+                await asyncio.sleep(0.5)
+                continue
+            if got is not None:
+                out[p] = got
+    return out

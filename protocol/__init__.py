@@ -1,0 +1,1 @@
+"""Atoll pure protocol logic (sans-IO)."""

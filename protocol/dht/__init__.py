@@ -1,0 +1,60 @@
+"""Atoll's Kademlia DHT, sans-IO (Maymounkov & Mazières, IPTPS 2002).
+
+``routing``: the k-bucket routing table, which asks for pings instead of sending them.
+``lookup``: the iterative FIND_NODE / FIND_VALUE as a state object the node drives.
+``records``: signed, expiring key -> subkey records, their store, and per-peer rate limits.
+``messages``: the DHT's wire messages (type codes 32-63).
+"""
+
+from protocol.dht.lookup import Lookup, LookupResult, ResponseNote
+from protocol.dht.messages import (
+    DHT_MESSAGES,
+    REPLY_TO,
+    FindNode,
+    FindValue,
+    NodesReply,
+    Ping,
+    Pong,
+    Store,
+    StoreReply,
+    ValueReply,
+    check_sender,
+)
+from protocol.dht.records import (
+    PutResult,
+    RateLimiter,
+    RecordSigner,
+    RecordStore,
+    SignedRecord,
+    TokenBucket,
+    sign_record,
+    verify_record,
+)
+from protocol.dht.routing import PingCandidate, RoutingTable
+
+__all__ = [
+    "DHT_MESSAGES",
+    "REPLY_TO",
+    "FindNode",
+    "FindValue",
+    "Lookup",
+    "LookupResult",
+    "NodesReply",
+    "Ping",
+    "PingCandidate",
+    "Pong",
+    "PutResult",
+    "RateLimiter",
+    "RecordSigner",
+    "RecordStore",
+    "ResponseNote",
+    "RoutingTable",
+    "SignedRecord",
+    "Store",
+    "StoreReply",
+    "TokenBucket",
+    "ValueReply",
+    "check_sender",
+    "sign_record",
+    "verify_record",
+]

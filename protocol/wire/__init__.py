@@ -1,0 +1,62 @@
+"""The wire: messages, their strict codec, signed envelopes and tensor wire forms."""
+
+from protocol.wire.codec import BodyReader, Encoded, decode, encode
+from protocol.wire.messages import (
+    CAPS,
+    MESSAGE_TYPES,
+    STRUCT_TYPES,
+    Ack,
+    Contribution,
+    FetchFragment,
+    FragmentState,
+    Hello,
+    Message,
+    PeerInfo,
+    WireStruct,
+    register,
+    register_struct,
+)
+from protocol.wire.signing import (
+    Envelope,
+    Opened,
+    ReplayWindow,
+    Sealed,
+    SealedReader,
+    Signer,
+    open_envelope,
+    open_sealed,
+    seal,
+    verify_sealed,
+)
+from protocol.wire.tensors import EncodedTensor
+
+__all__ = [
+    "CAPS",
+    "MESSAGE_TYPES",
+    "STRUCT_TYPES",
+    "Ack",
+    "BodyReader",
+    "Contribution",
+    "Encoded",
+    "EncodedTensor",
+    "Envelope",
+    "FetchFragment",
+    "FragmentState",
+    "Hello",
+    "Message",
+    "Opened",
+    "PeerInfo",
+    "ReplayWindow",
+    "Sealed",
+    "SealedReader",
+    "Signer",
+    "WireStruct",
+    "decode",
+    "encode",
+    "open_envelope",
+    "open_sealed",
+    "register",
+    "register_struct",
+    "seal",
+    "verify_sealed",
+]

@@ -1,0 +1,280 @@
+"""Signed expiring DHT records, the record store's rules and caps, and the rate limiter."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from protocol.dht.messages import (
+    DHT_MESSAGES,
+    MAX_REPLY_PEERS,
+    REPLY_TO,
+    FindNode,
+    FindValue,
+    NodesReply,
+    Ping,
+    Pong,
+    Store,
+    StoreReply,
+    ValueReply,
+    check_sender,
+)
+from protocol.dht.records import (
+    DEFAULT_MAX_VALUE_BYTES,
+    PutResult,
+    RateLimiter,
+    RecordStore,
+    SignedRecord,
+    TokenBucket,
+    sign_record,
+    verify_record,
+)
+from protocol.errors import (
+    BadSignature,
+    DecodeError,
+    LocalProtocolError,
+    NotAuthorized,
+    Oversize,
+    Stale,
+)
+from protocol.ids import key_id
+from protocol.wire import codec
+from protocol.wire.messages import MESSAGE_TYPES, STRUCT_TYPES, Message, PeerInfo
+from protocol.wire.signing import Signer
+
+ALICE = Signer(bytes(range(32)))
+BOB = Signer(bytes(range(1, 33)))
+MEMBERS = key_id("swarm/demo/members")
+NOW = 1_000.0
+
+
+def rec(signer: Signer = ALICE, value: bytes = b"http://a:1", ttl: float = 60.0) -> SignedRecord:
+    return sign_record(signer, MEMBERS, value, NOW + ttl)
+
+
+# ── signing and verification ────────────────────────────────────────────────────────────────
+
+
+def test_signed_record_verifies_and_subkey_is_signer() -> None:
+    r = rec()
+    assert r.subkey == ALICE.peer_id and r.public_key == ALICE.public_key
+    verify_record(r, now=NOW, max_ttl=3600)
+
+
+def test_tampered_fields_break_the_signature() -> None:
+    r = rec()
+    tampered = [
+        dataclasses.replace(r, value=b"http://evil:1"),
+        dataclasses.replace(r, expires_at=NOW + 61),
+        dataclasses.replace(r, key=key_id("x")),
+    ]
+    for bad in tampered:
+        with pytest.raises(BadSignature):
+            verify_record(bad, now=NOW, max_ttl=3600)
+
+
+def test_subkey_signed_by_someone_else_is_not_authorized() -> None:
+    forged = dataclasses.replace(rec(BOB), subkey=ALICE.peer_id)
+    with pytest.raises(NotAuthorized, match="signed by someone else"):
+        verify_record(forged, now=NOW, max_ttl=3600)
+    # Bob's key with Bob's signature over Alice's subkey still cannot pass
+    theft = dataclasses.replace(rec(ALICE), public_key=BOB.public_key)
+    with pytest.raises(NotAuthorized):
+        verify_record(theft, now=NOW, max_ttl=3600)
+
+
+def test_expired_record_is_stale() -> None:
+    r = rec(ttl=10.0)
+    with pytest.raises(Stale, match="expired"):
+        verify_record(r, now=NOW + 10.0, max_ttl=3600)
+
+
+def test_oversized_value_and_ttl() -> None:
+    with pytest.raises(Oversize, match="value"):
+        verify_record(rec(value=b"x" * 101), now=NOW, max_ttl=3600, max_value_bytes=100)
+    with pytest.raises(Oversize, match="ttl"):
+        verify_record(rec(ttl=7200.0), now=NOW, max_ttl=3600)
+
+
+def test_record_shape_is_checked() -> None:
+    good = rec()
+    with pytest.raises(DecodeError, match="key"):
+        dataclasses.replace(good, key=b"short")
+    with pytest.raises(DecodeError, match="signature"):
+        dataclasses.replace(good, signature=b"x" * 63)
+    with pytest.raises(DecodeError):
+        dataclasses.replace(good, value="text")  # type: ignore[arg-type]
+    with pytest.raises(DecodeError):
+        dataclasses.replace(good, expires_at=float("nan"))
+    assert dataclasses.replace(good, expires_at=2000).expires_at == 2000.0  # int -> float
+    assert DEFAULT_MAX_VALUE_BYTES >= 512
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.binary(max_size=200), st.floats(1.0, 1e6))
+def test_any_value_and_ttl_round_trip_verification(value: bytes, ttl: float) -> None:
+    verify_record(rec(value=value, ttl=ttl), now=NOW, max_ttl=1e6)
+
+
+# ── the store ───────────────────────────────────────────────────────────────────────────────
+
+
+def test_newest_expiry_wins_per_subkey() -> None:
+    store = RecordStore(max_ttl_s=3600)
+    assert store.put(rec(value=b"v1", ttl=100), NOW).stored
+    older = store.put(rec(value=b"v0", ttl=50), NOW)
+    assert older == PutResult(False, older.reason) and "held copy" in older.reason
+    assert not store.put(rec(value=b"same", ttl=100), NOW).stored  # equal expiry: keep held
+    newer = store.put(rec(value=b"v2", ttl=200), NOW)
+    assert newer.stored and "replaced" in newer.reason
+    assert [r.value for r in store.get(MEMBERS, NOW)] == [b"v2"]
+
+
+def test_subkeys_are_independent_and_expired_are_dropped() -> None:
+    store = RecordStore()
+    store.put(rec(ALICE, ttl=10), NOW)
+    store.put(rec(BOB, ttl=100), NOW)
+    assert len(store) == 2 and store.keys() == [MEMBERS]
+    assert [r.subkey for r in store.get(MEMBERS, NOW + 20)] == [BOB.peer_id]
+    assert store.prune(NOW + 200) == 1
+    assert len(store) == 0 and store.get(MEMBERS, NOW) == [] and store.prune(NOW) == 0
+
+
+def test_expired_held_copy_is_replaced_by_any_valid_record() -> None:
+    store = RecordStore()
+    store.put(rec(ttl=10), NOW)
+    later = sign_record(ALICE, MEMBERS, b"back", NOW + 15)
+    assert store.put(later, NOW + 12).stored
+
+
+def test_store_rejects_invalid_records_with_the_reason() -> None:
+    store = RecordStore(max_value_bytes=8, max_ttl_s=100)
+    with pytest.raises(Oversize):
+        store.put(rec(value=b"123456789"), NOW)
+    with pytest.raises(Oversize):
+        store.put(rec(ttl=101), NOW)
+    with pytest.raises(BadSignature):
+        store.put(dataclasses.replace(rec(value=b"a"), value=b"b"), NOW)
+    assert len(store) == 0
+
+
+def test_key_and_subkey_caps() -> None:
+    signers = [Signer(bytes([i]) * 32) for i in range(4)]
+    store = RecordStore(max_keys=2, max_subkeys_per_key=2)
+    store.put(rec(signers[0], ttl=10), NOW)
+    store.put(rec(signers[1], ttl=100), NOW)
+    with pytest.raises(Oversize, match="key full: 2/2") as full:
+        store.put(rec(signers[2]), NOW)
+    assert full.value.penalty == 0.0
+    assert store.put(rec(signers[0], ttl=50), NOW).stored  # refreshing a held subkey always fits
+    store.put(sign_record(ALICE, key_id("other"), b"x", NOW + 10), NOW)
+    with pytest.raises(Oversize, match="store full: 2/2 keys"):
+        store.put(sign_record(ALICE, key_id("third"), b"x", NOW + 10), NOW)
+    # once records expire there is room again
+    assert store.put(sign_record(ALICE, key_id("third"), b"x", NOW + 80), NOW + 60).stored
+    assert store.put(rec(signers[3], ttl=100), NOW + 60).stored
+
+
+def test_store_and_limiter_arguments_are_checked() -> None:
+    with pytest.raises(LocalProtocolError):
+        RecordStore(max_keys=0)
+    with pytest.raises(LocalProtocolError):
+        TokenBucket(rate=1, burst=0)
+    with pytest.raises(LocalProtocolError):
+        RateLimiter(rate=1, burst=1, max_peers=0)
+
+
+# ── rate limiting with a fake clock ─────────────────────────────────────────────────────────
+
+
+def test_token_bucket_refills_at_rate_up_to_burst() -> None:
+    bucket = TokenBucket(rate=2.0, burst=3.0)
+    assert [bucket.allow(0.0) for _ in range(4)] == [True, True, True, False]
+    assert bucket.allow(0.5) and not bucket.allow(0.5)  # 0.5 s * 2/s = one token
+    assert [bucket.allow(100.0) for _ in range(4)] == [True, True, True, False]  # capped at burst
+    assert not bucket.allow(50.0)  # a clock going back adds nothing
+    assert bucket.allow(101.0, cost=2.0) and not bucket.allow(101.0, cost=0.5)
+
+
+def test_rate_limiter_is_per_peer_and_bounded() -> None:
+    limiter = RateLimiter(rate=1.0, burst=2.0, max_peers=2)
+    assert limiter.allow(b"a", 0.0) and limiter.allow(b"a", 0.0) and not limiter.allow(b"a", 0.0)
+    assert limiter.allow(b"b", 0.0)  # another peer has its own bucket
+    assert limiter.allow(b"a", 1.0) and not limiter.allow(b"a", 1.0)
+    limiter.allow("c", 1.0)  # evicts the least recently used, b
+    assert len(limiter) == 2
+    assert not limiter.allow(b"a", 1.0)  # a was kept, still empty
+
+
+# ── wire messages ───────────────────────────────────────────────────────────────────────────
+
+ME = PeerInfo(peer_id=ALICE.peer_id, address="https://10.0.0.1:8443")
+NAT = PeerInfo(peer_id=BOB.peer_id)  # a learner behind NAT: no address
+
+
+@pytest.mark.parametrize(
+    "msg",
+    [
+        Ping(sender=ME),
+        Pong(sender=NAT),
+        FindNode(sender=ME, target=MEMBERS),
+        FindValue(sender=NAT, key=MEMBERS),
+        Store(sender=ME, records=(rec(), rec(BOB, value=b""))),
+        NodesReply(peers=()),
+        NodesReply(peers=(ME, PeerInfo(peer_id=BOB.peer_id, address="http://b:2"))),
+        ValueReply(records=(rec(),), peers=(ME,)),
+        ValueReply(records=(), peers=()),
+        StoreReply(accepted=1, reasons=("record signature does not verify",)),
+    ],
+    ids=lambda m: type(m).__name__,
+)
+def test_dht_messages_round_trip_through_the_codec(msg: Message) -> None:
+    back = codec.decode(codec.encode(msg).tobytes(), max_size=1 << 20)
+    assert back == msg and type(back) is type(msg)
+    for r in getattr(back, "records", ()):
+        verify_record(r, now=NOW, max_ttl=3600)  # signatures survive the trip
+
+
+def test_dht_codes_and_reply_table() -> None:
+    assert all(
+        32 <= cls.TYPE_CODE <= 63 and MESSAGE_TYPES[cls.TYPE_CODE] is cls for cls in DHT_MESSAGES
+    )
+    assert STRUCT_TYPES[32] is SignedRecord
+    assert set(REPLY_TO) | set(REPLY_TO.values()) == set(DHT_MESSAGES)
+
+
+@pytest.mark.parametrize(
+    ("build", "reason"),
+    [
+        (lambda: FindNode(sender=ME, target=b"x" * 31), "FindNode.target"),
+        (lambda: FindValue(sender=ME, key=b""), "FindValue.key"),
+        (lambda: Store(sender=ME, records=()), "no records"),
+        (lambda: Store(sender=ME, records=(rec(),) * 65), "cap"),
+        (lambda: NodesReply(peers=(ME,) * (MAX_REPLY_PEERS + 1)), "cap"),
+        (lambda: StoreReply(accepted=-1, reasons=()), ">= 0"),
+        (lambda: StoreReply(accepted=60, reasons=("x",) * 5), "65"),
+        (lambda: Ping(sender=rec()), "PeerInfo"),  # type: ignore[arg-type]
+    ],
+)
+def test_dht_messages_refuse_bad_values(build: object, reason: str) -> None:
+    with pytest.raises(DecodeError, match=reason):
+        build()  # type: ignore[operator]
+
+
+def test_tampered_record_bytes_on_the_wire_fail_verification() -> None:
+    wire = bytearray(codec.encode(Store(sender=ME, records=(rec(value=b"http://a:1"),))).tobytes())
+    at = wire.index(b"http://a:1")
+    wire[at : at + 10] = b"http://e:1"
+    back = codec.decode(bytes(wire), max_size=1 << 20)
+    assert isinstance(back, Store)
+    with pytest.raises(BadSignature):
+        verify_record(back.records[0], now=NOW, max_ttl=3600)
+
+
+def test_check_sender_binds_sender_to_envelope_key() -> None:
+    check_sender(ME, ALICE.public_key)
+    with pytest.raises(NotAuthorized):
+        check_sender(ME, BOB.public_key)
