@@ -51,6 +51,7 @@ class RunConfig:
     # --- evaluation and reporting ------------------------------------------------------------
     eval_every: int = 100
     eval_batches: int = 8
+    overlap_block: int = 0  # >0: alternate blocks of this many steps detached / in the swarm (bench)
     link: str = ""  # emulated link, e.g. "latency=50ms,bandwidth=10mbit,drop=0.01"
 
     def __post_init__(self) -> None:
@@ -97,7 +98,7 @@ _HELP = {
     "swarm": "swarm name (peers of different swarms refuse each other)",
     "peers": "number of peer processes (islands)",
     "seed": "seed for model init and data order",
-    "model": "model preset: tiny, small or medium",
+    "model": "model preset: tiny, small, base or medium",
     "corpus": "a text file or folder to train on (default: the Python standard library's .py files)",
     "corpus_max_bytes": "read at most this many corpus bytes",
     "steps": "inner steps per island",
@@ -123,6 +124,7 @@ _HELP = {
     "adopt_alpha": "adoption blend: theta <- alpha*theta + (1-alpha)*global (0 = overwrite)",
     "eval_every": "inner steps between held-out evaluations",
     "eval_batches": "held-out batches per evaluation",
+    "overlap_block": "measure overlap: alternate blocks of N steps trained alone and in the swarm (0: off)",
     "link": "emulated link for every peer, e.g. latency=50ms,bandwidth=10mbit,drop=0.01",
 }
 

@@ -73,6 +73,7 @@ class IslandStats:
     gave_up_in_flight: int = 0
     adopted: int = 0
     step_times: list[float] = field(default_factory=list)
+    step_times_detached: list[float] = field(default_factory=list)  # while ``enabled`` was False
 
 
 class Island:
@@ -105,6 +106,7 @@ class Island:
         self._lock = threading.Lock()
         self._step_ema = 0.0
         self._last_step_at: float | None = None
+        self.enabled = True  # False: train as if alone (no adoption, no shipping), for measurement
         self._hook = optimizer.register_step_post_hook(self._after_step)
 
     # --- called by the user's loop (trainer thread) --------------------------------------------
@@ -149,12 +151,14 @@ class Island:
         now = time.perf_counter()
         if self._last_step_at is not None:
             dt = now - self._last_step_at
-            self.stats.step_times.append(dt)
+            (self.stats.step_times if self.enabled else self.stats.step_times_detached).append(dt)
             self._step_ema = dt if self._step_ema == 0 else 0.9 * self._step_ema + 0.1 * dt
-        self._last_step_at = now
+        self._last_step_at = now  # the hook's own work counts in the next step's time
         self.stats.step += 1
         for p in range(len(self.c_steps)):
             self.c_steps[p] += 1
+        if not self.enabled:
+            return
         self.adopt_pending()
         for p, due in enumerate(self.next_due):
             if self.stats.step >= due:

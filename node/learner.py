@@ -19,15 +19,14 @@ from dataclasses import dataclass
 import aiohttp
 import torch
 
+from node.island import Island, Outgoing
+from node.owner import flat_from_tensors
+from node.transport import LinkDropped, Transport
 from protocol.diloco.compression import compress
 from protocol.errors import RemoteProtocolError
 from protocol.wire.codec import encode
 from protocol.wire.messages import Ack, Contribution, FragmentState
-from protocol.wire.signing import Signer, open_sealed, seal, verify_sealed, ReplayWindow
-
-from node.island import Island, Outgoing
-from node.owner import flat_from_tensors
-from node.transport import LinkDropped, Transport
+from protocol.wire.signing import ReplayWindow, Signer, open_sealed, seal, verify_sealed
 
 __all__ = ["IslandNet", "LearnerStats"]
 

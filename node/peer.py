@@ -12,40 +12,33 @@ evaluates it, prints its result, and serves until the launcher says stop.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
-import hashlib
 import json
 import logging
-import os
-import statistics
-import sys
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 from aiohttp import web
 
 from node.config import RunConfig
-from node.corpus import BatchSampler, evaluate, load_corpus, split_corpus
-from node.island import Island, IslandConfig
+from node.island import Island
 from node.learner import IslandNet
-from node.model import GPT, GPTConfig, embedding_parameter_names
+from node.model import GPTConfig
 from node.owner import FragmentOwner
 from node.rpc import RpcServer
 from node.transport import LinkEmulator, LinkProfile, Transport
-from protocol.diloco.fragments import FragmentPlan, owners_of, plan_fragments
+from protocol.diloco.fragments import FragmentPlan, owners_of
 from protocol.diloco.merge import MergeConfig
 from protocol.diloco.outer import OuterConfig
 from protocol.errors import NotAuthorized, UnknownFragment
 from protocol.wire.messages import Ack, Contribution, Hello, PeerInfo
 from protocol.wire.signing import Opened, Signer
 
-__all__ = ["Member", "PeerNode", "main"]
+__all__ = ["Member", "PeerNode", "emit"]
 
 log = logging.getLogger("atoll.peer")
 
@@ -101,7 +94,7 @@ class PeerNode:
         now = time.monotonic()
         self.members = {bytes.fromhex(m["peer_id"]): Member(m["index"], bytes.fromhex(m["peer_id"]), m["url"], now)
                         for m in members}
-        ids = list(self.members)
+        ids = self.owner_candidates()
         for p, fragment in enumerate(self.plan.fragments):
             if owners_of(self.cfg.swarm, p, ids, 1)[0] == self.signer.peer_id:
                 self.owners[p] = FragmentOwner(
@@ -112,11 +105,15 @@ class PeerNode:
         assert self._members_set is not None
         self._members_set.set()
 
+    def owner_candidates(self) -> list[bytes]:
+        """Members that can be dialled; one without an address is a learner only."""
+        return [m.peer_id for m in self.members.values() if m.url]
+
     def owner_of(self, p: int) -> tuple[bytes, str] | None:
-        alive = [m.peer_id for m in self.members.values()]
-        if not alive:
+        candidates = self.owner_candidates()
+        if not candidates:
             return None
-        owner = owners_of(self.cfg.swarm, p, alive, 1)[0]
+        owner = owners_of(self.cfg.swarm, p, candidates, 1)[0]
         return owner, self.members[owner].url
 
     def _merge_cfg(self) -> MergeConfig:
@@ -222,6 +219,8 @@ class PeerNode:
             for m in list(self.members.values()):
                 if m.peer_id == self.signer.peer_id:
                     m.last_seen, m.learning = time.monotonic(), self.learning
+                    continue
+                if not m.url:
                     continue
                 with contextlib.suppress(Exception):
                     status, buf, _, _ = await self.transport.request(

@@ -52,7 +52,8 @@ def build_report(config: dict[str, Any], peers: list[dict[str, Any]], wall_s: fl
         "remote_errors": sum(int(p.get("remote_errors", 0)) for p in peers),
         "per_peer": [
             {k: p[k] for k in ("index", "peer_id", "steps", "tokens_trained", "bytes_sent",
-                               "stalled_steps", "median_step_s", "eval_curve_local") if k in p}
+                               "stalled_steps", "median_step_s", "median_step_s_detached",
+                               "eval_curve_local") if k in p}
             for p in peers
         ],
         "eval_curve_global": reference.get("eval_curve_global", []),
@@ -82,17 +83,17 @@ def plot_report(report: dict[str, Any], png: Path) -> None:
     for peer in report["per_peer"]:
         curve = peer.get("eval_curve_local") or []
         if curve:
-            ax.plot([c[0] for c in curve], [c[2] for c in curve], alpha=0.6,
+            ax.plot([c[1] for c in curve], [c[2] for c in curve], alpha=0.6,
                     label=f"peer {peer['index']} (local)")
     glob = report.get("eval_curve_global") or []
     if glob:
-        ax.plot([c[0] for c in glob], [c[2] for c in glob], color="black", linewidth=2.5,
+        ax.plot([c[1] for c in glob], [c[2] for c in glob], color="black", linewidth=2.5,
                 label="global model")
     baseline = report.get("baseline", {}).get("eval_curve")
     if baseline:
         ax.plot([c[0] for c in baseline], [c[2] for c in baseline], "--", color="gray",
-                label="data-parallel baseline (by step)")
-    ax.set_xlabel("wall time (s)")
+                label="synchronous data-parallel, equal tokens")
+    ax.set_xlabel("inner step (per island)")
     ax.set_ylabel("held-out loss (nats/byte)")
     ax.set_title(f"atoll local: {report['peers']} peers, {report['steps']} steps")
     ax.grid(alpha=0.3)

@@ -19,12 +19,11 @@ from typing import Any
 
 from aiohttp import web
 
+from node.transport import Transport
 from protocol.errors import NotAuthorized, RemoteProtocolError
 from protocol.wire.codec import decode, encode
 from protocol.wire.messages import Message
 from protocol.wire.signing import Opened, ReplayWindow, Signer, open_sealed, seal
-
-from node.transport import Transport
 
 __all__ = ["Handler", "RpcServer", "error_response"]
 

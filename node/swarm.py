@@ -28,7 +28,7 @@ from typing import Any
 from node.config import RunConfig
 from node.report import build_report, summary_lines, write_report
 
-__all__ = ["LocalSwarm", "run_local"]
+__all__ = ["LocalSwarm", "baseline_for", "run_local"]
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,8 @@ class LocalSwarm:
     """Start, watch and stop N peer processes; collect their results."""
 
     def __init__(self, cfg: RunConfig, run_dir: Path, *, extra_peer_args: dict[int, list[str]] | None = None,
-                 quiet: bool = False, startup_timeout_s: float = 120.0, run_timeout_s: float | None = None) -> None:
+                 quiet: bool = False, startup_timeout_s: float = 120.0, run_timeout_s: float | None = None,
+                 extra_members: list[dict[str, Any]] | None = None) -> None:
         self.cfg = cfg
         self.run_dir = run_dir
         self.extra = extra_peer_args or {}
@@ -58,6 +59,8 @@ class LocalSwarm:
         self.startup_timeout_s = startup_timeout_s
         self.run_timeout_s = run_timeout_s
         self.peers: list[PeerProcess] = []
+        self.extra_members = extra_members or []  # e.g. a test's adversarial insider
+        self.listening = asyncio.Event()
 
     async def _spawn(self, index: int, config_path: Path) -> PeerProcess:
         log_path = self.run_dir / f"peer{index}.log"
@@ -138,8 +141,10 @@ class LocalSwarm:
         if dead:
             raise RuntimeError(f"peer {dead[0].index} exited before listening; see {dead[0].log_path}")
         members = [{"index": p.index, "url": p.url, "peer_id": p.peer_id} for p in self.peers]
+        members += self.extra_members
         for p in self.peers:
-            await self._send(p, {"members": members})
+            await self._send(p, {"members": members, "t0": time.time()})
+        self.listening.set()
         async with asyncio.timeout(self.run_timeout_s):
             await asyncio.gather(*(p.finished.wait() for p in self.peers))
         failed = [p for p in self.peers if p.result is None]
@@ -182,8 +187,7 @@ def run_local(cfg: RunConfig, *, report_path: Path | None, baseline: bool = Fals
         raise
     report = build_report(dict(json.loads(cfg.to_json())), results, time.monotonic() - t0)
     if baseline:
-        from node.baseline_run import baseline_for
-
+        print("training the synchronous data-parallel baseline at equal tokens ...", flush=True)
         report["baseline"] = baseline_for(cfg)
         end = report["baseline"]["eval_loss_end"]
         report["eval_loss_gap_rel"] = (report["eval_loss"]["end"] - end) / end
@@ -192,3 +196,16 @@ def run_local(cfg: RunConfig, *, report_path: Path | None, baseline: bool = Fals
         print(line)
     print(f"report: {report_path}  plot: {png}")
     return report
+
+
+def baseline_for(cfg: RunConfig) -> dict[str, Any]:
+    """Synchronous data-parallel training of the same model on the same shards and tokens."""
+    import torch
+
+    from node.baseline import train_config_for, train_data_parallel
+    from node.corpus import load_corpus, split_corpus
+
+    torch.set_num_threads(2)
+    data = load_corpus(Path(cfg.corpus) if cfg.corpus else None, max_bytes=cfg.corpus_max_bytes)
+    train, heldout = split_corpus(data)
+    return train_data_parallel(train_config_for(cfg), cfg.peers, train, heldout, log=None)

@@ -100,6 +100,8 @@ def run_peer(cfg: RunConfig, index: int) -> None:
     for step in range(cfg.steps):
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, tcfg)
+        if cfg.overlap_block:
+            island.enabled = (step // cfg.overlap_block) % 2 == 1
         x, y = sampler.next()  # [B, T] int64 each
         _, loss = model(x, y)
         loss.backward()
@@ -137,7 +139,8 @@ def run_peer(cfg: RunConfig, index: int) -> None:
         "eval_curve_local": curve_local, "eval_curve_global": curve_global if index == 0 else [],
         "tokens_trained": island.stats.tokens_trained, "bytes_sent": node.transport.bytes_sent,
         "stalled_steps": island.stats.stalled_steps,
-        "median_step_s": statistics.median(island.stats.step_times) if island.stats.step_times else 0.0,
+        "median_step_s": _median(island.stats.step_times),
+        "median_step_s_detached": _median(island.stats.step_times_detached),
         "contributions_sent": net.stats.contributions_sent, "contributions_accepted": net.stats.contributions_accepted,
         "contributions_refused": net.stats.contributions_refused, "remote_errors": node.rpc.error_count,
         "merges": {p: o.merges[-3:] for p, o in node.owners.items()},
@@ -147,6 +150,10 @@ def run_peer(cfg: RunConfig, index: int) -> None:
         pass
     node.stop()
     thread.join(timeout=10)
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else 0.0
 
 
 async def _fetch_final(node: PeerNode, island: Island) -> dict[int, tuple[int, torch.Tensor]]:

@@ -1,0 +1,280 @@
+"""Tensor codecs for pseudo-gradients and global fragments, with error feedback as values.
+
+Decoupled DiLoCo (arXiv 2604.21428, compression ablation, Table 10) sends outer gradients as
+blockwise absmax integers: int4 is close to lossless on text, 2- and 1-bit collapse. Four codecs:
+
+``none``  fp32 bytes; exact.
+``bf16``  round-to-nearest-even to bfloat16; ``|err| <= 2^-8 * |x| + 2^-134`` per element (the
+          second term only matters for subnormals). Finite values beyond the bf16 range saturate
+          to +-bf16 max instead of becoming Inf; the saturation error goes into the residual.
+``int8``  the flattened tensor is cut into blocks of ``block_size`` elements (the last one may be
+          partial); each block stores ``scale = absmax / 127`` as fp32 and one signed byte per
+          element, ``q = round(x / scale)`` in ``[-127, 127]``; ``|err| <= absmax_block / 254``.
+``int4``  as int8 with ``scale = absmax / 7`` and ``q`` in ``[-7, 7]``, stored as ``q + 8`` in a
+          nibble, two per byte (low nibble first; an odd count pads the last high nibble with 8);
+          ``|err| <= absmax_block / 14``.
+
+The integer bounds hold up to fp32 rounding of the scale and of ``q * scale``: a relative
+``2^-22`` of ``absmax_block`` when the scale is a normal float, and about ``128 * 2^-149``
+absolute when the block is so small that its scale is subnormal. An all-zero block has scale 0
+and decodes to zeros (nothing is divided by zero).
+
+Error feedback: ``compress(t, codec, residual=r)`` encodes ``x = t + r`` and returns the new
+residual ``x - decompress(encoded)`` as a fresh fp32 tensor of ``t``'s shape; neither ``t`` nor
+``r`` is modified. Without ``residual`` it starts from zero, so the first call already returns the
+residual to carry.
+
+Local tensors with NaN or Inf are our own bug: ``LocalProtocolError``. Remote bytes that would
+decode to NaN or Inf (a NaN fp32 payload, NaN, negative or out-of-range scales) are a peer's
+fault: ``DecodeError``. Decoding reads ``data``/``scales`` in place through ``torch.frombuffer``
+(read-only ``bytes`` make torch warn once per process that the buffer is not writable; nothing
+writes to it). Byte order is little-endian, the order of every machine torch runs on.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from protocol.errors import DecodeError, LocalProtocolError
+from protocol.wire.tensors import CODECS, EncodedTensor
+
+__all__ = ["QMAX", "compress", "decompress", "wire_bytes"]
+
+QMAX = {"int8": 127, "int4": 7}
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_F32_MAX = torch.finfo(torch.float32).max
+_BF16_MAX = torch.finfo(torch.bfloat16).max
+# Largest scale whose codes (int8 down to -128, int4 down to -8) cannot overflow fp32.
+_SCALE_LIMIT = {"int8": _F32_MAX / 128, "int4": _F32_MAX / 8}
+
+
+# ---------------------------------------------------------------- public API
+
+
+def wire_bytes(numel: int, codec: str, block_size: int = 64) -> int:
+    """Bytes on the wire (data plus scales) for ``numel`` elements under ``codec``.
+
+    Raises ``LocalProtocolError`` for an unknown codec, a negative ``numel`` or a block size < 1
+    with an integer codec.
+    """
+    _check_codec(codec, block_size)
+    if numel < 0:
+        raise LocalProtocolError(f"numel must be >= 0, got {numel}")
+    data = {"none": 4 * numel, "bf16": 2 * numel, "int8": numel, "int4": (numel + 1) // 2}[codec]
+    scales = 4 * -(-numel // block_size) if codec in QMAX else 0
+    return data + scales
+
+
+def compress(
+    t: torch.Tensor,
+    codec: str,
+    *,
+    block_size: int = 64,
+    residual: torch.Tensor | None = None,
+) -> tuple[EncodedTensor, torch.Tensor]:
+    """Encode ``t + residual`` with ``codec``; return it and the new fp32 residual.
+
+    Raises ``LocalProtocolError`` for an unknown codec, a bad block size, a dtype other than
+    float32/bfloat16/float16, a residual of another shape, or NaN/Inf in ``t``, in ``residual``
+    or in their sum.
+    """
+    _check_codec(codec, block_size)
+    dtype = _DTYPE_NAMES.get(t.dtype)
+    if dtype is None:
+        raise LocalProtocolError(f"cannot compress dtype {t.dtype}; use one of {_DTYPE_NAMES}")
+    x = _input_vector(t, residual)  # (n,) fp32; may alias t when residual is None
+    shape = tuple(t.shape)
+    if codec == "none":
+        if not _all_finite(x):
+            _raise_not_finite(t, residual)
+        data = _to_buffer(x.clone() if residual is None else x)
+        enc = EncodedTensor(codec="none", shape=shape, dtype=dtype, block_size=0, data=data, scales=b"")
+        return enc, torch.zeros(shape, dtype=torch.float32, device=t.device)
+    if codec == "bf16":
+        half, new_residual = _encode_bf16(x, t, residual)
+        enc = EncodedTensor(codec="bf16", shape=shape, dtype=dtype, block_size=0, data=half, scales=b"")
+        return enc, new_residual.view(shape)
+    codes, scales = _quantize(x, block_size, QMAX[codec])
+    if not bool(torch.isfinite(scales).all()):
+        _raise_not_finite(t, residual)
+    data = _to_buffer(_pack_int8(codes) if codec == "int8" else _pack_int4(codes))
+    enc = EncodedTensor(
+        codec=codec, shape=shape, dtype=dtype, block_size=block_size, data=data,
+        scales=_to_buffer(scales),
+    )
+    _scale_blocks(codes, scales, block_size)  # codes now hold exactly what decompress returns
+    torch.sub(x, codes, out=codes)
+    return enc, codes.view(shape)
+
+
+def decompress(enc: EncodedTensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode ``enc`` into a new fp32 tensor of its shape, or into ``out`` (any float dtype).
+
+    Raises ``DecodeError`` when ``out``'s shape differs from ``enc.shape`` or when the remote
+    bytes would decode to NaN/Inf (checked before ``out`` is written). A narrower ``out`` dtype
+    (fp16) saturates to Inf as ``Tensor.copy_`` does.
+    """
+    if out is not None and tuple(out.shape) != enc.shape:
+        raise DecodeError(f"tensor of shape {enc.shape} does not fit output of shape {tuple(out.shape)}")
+    n = enc.numel
+    direct = out is not None and out.dtype == torch.float32 and out.is_contiguous() and out.device.type == "cpu"
+    if n == 0:
+        return out if out is not None else torch.empty(enc.shape, dtype=torch.float32)
+    scales = _check_remote(enc)
+    target = out.view(-1) if out is not None and direct else torch.empty(n, dtype=torch.float32)
+    _decode_into(enc, target)
+    if scales is not None:
+        _scale_blocks(target, scales, enc.block_size)
+    if out is None:
+        return target.view(enc.shape)
+    if not direct:
+        out.copy_(target.view(enc.shape))
+    return out
+
+
+# ---------------------------------------------------------------- encoding
+
+
+def _check_codec(codec: str, block_size: int) -> None:
+    """Raise ``LocalProtocolError`` unless ``codec`` is known and ``block_size`` fits it."""
+    if codec not in CODECS:
+        raise LocalProtocolError(f"unknown codec {codec!r}; expected one of {CODECS}")
+    if codec in QMAX and (isinstance(block_size, bool) or block_size < 1):
+        raise LocalProtocolError(f"block_size must be >= 1 for {codec}, got {block_size}")
+
+
+def _input_vector(t: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    """``t + residual`` flattened to fp32 (a view of ``t`` when possible and no residual)."""
+    flat = t.detach().reshape(-1).to(torch.float32)
+    if residual is None:
+        return flat
+    if residual.shape != t.shape:
+        raise LocalProtocolError(f"residual shape {tuple(residual.shape)} != tensor shape {tuple(t.shape)}")
+    if not residual.is_floating_point():
+        raise LocalProtocolError(f"residual must be a float tensor, got {residual.dtype}")
+    return flat + residual.detach().reshape(-1).to(torch.float32)
+
+
+def _all_finite(x: torch.Tensor) -> bool:
+    """True when every element is finite: one min/max pass (NaN propagates), no temporary."""
+    if x.numel() == 0:
+        return True
+    low, high = torch.aminmax(x)
+    return bool(torch.isfinite(low) & torch.isfinite(high))
+
+
+def _raise_not_finite(t: torch.Tensor, residual: torch.Tensor | None) -> None:
+    """Say which local input is not finite; always raises ``LocalProtocolError``."""
+    if not bool(torch.isfinite(t).all()):
+        raise LocalProtocolError("tensor to compress contains NaN or Inf")
+    if residual is not None and not bool(torch.isfinite(residual).all()):
+        raise LocalProtocolError("error-feedback residual contains NaN or Inf")
+    raise LocalProtocolError("tensor + residual overflows float32")
+
+
+def _encode_bf16(
+    x: torch.Tensor, t: torch.Tensor, residual: torch.Tensor | None
+) -> tuple[memoryview, torch.Tensor]:
+    """bf16 bytes of ``x`` (saturating) and the fp32 residual ``x - decoded``."""
+    half = x.to(torch.bfloat16)
+    if not _all_finite(half):
+        if not _all_finite(x):
+            _raise_not_finite(t, residual)
+        half = x.clamp(-_BF16_MAX, _BF16_MAX).to(torch.bfloat16)
+    decoded = half.to(torch.float32)
+    torch.sub(x, decoded, out=decoded)
+    return _to_buffer(half), decoded
+
+
+def _quantize(x: torch.Tensor, block_size: int, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blockwise absmax codes (fp32 integers in [-qmax, qmax], shape of ``x``) and scales."""
+    n = x.numel()
+    codes = torch.empty(n, dtype=torch.float32, device=x.device)
+    scales = torch.empty(-(-n // block_size), dtype=torch.float32, device=x.device)
+    for lo, hi, first, rows in _spans(n, block_size):
+        xs, cs = x[lo:hi].view(rows, -1), codes[lo:hi].view(rows, -1)
+        ss = scales[first : first + rows]
+        low, high = torch.aminmax(xs, dim=1)  # NaN propagates into the scale
+        torch.maximum(high, low.neg_(), out=ss)
+        ss.div_(qmax)
+        safe = torch.where(ss > 0, ss, torch.ones_like(ss))
+        torch.div(xs, safe.unsqueeze(1), out=cs)
+        cs.round_().clamp_(-qmax, qmax)
+    return codes, scales
+
+
+def _pack_int8(codes: torch.Tensor) -> torch.Tensor:
+    """One signed byte per code."""
+    return codes.to(torch.int8)
+
+
+def _pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """Two nibbles ``q + 8`` per byte, low nibble first; an odd tail pads with 8 (zero)."""
+    n = codes.numel()
+    q = torch.empty(n + (n & 1), dtype=torch.int8, device=codes.device)
+    q[:n].copy_(codes)
+    q[n:] = 0
+    u = q.add_(8).view(torch.uint8)
+    packed = u[1::2] << 4
+    packed |= u[0::2]
+    return packed
+
+
+def _to_buffer(t: torch.Tensor) -> memoryview:
+    """A read-only byte view of a 1-D tensor's storage (moved to the CPU if needed)."""
+    flat = t.detach().to("cpu").contiguous().view(-1)
+    return flat.view(torch.uint8).numpy().data.toreadonly()
+
+
+# ---------------------------------------------------------------- decoding
+
+
+def _check_remote(enc: EncodedTensor) -> torch.Tensor | None:
+    """The scales (int codecs) after checking that ``enc`` decodes to finite values.
+
+    Raises ``DecodeError`` for NaN/Inf payloads or NaN, negative or out-of-range scales.
+    """
+    if enc.codec == "none" or enc.codec == "bf16":
+        view = torch.frombuffer(enc.data, dtype=torch.float32 if enc.codec == "none" else torch.bfloat16)
+        if not _all_finite(view):
+            raise DecodeError(f"{enc.codec} tensor payload contains NaN or Inf")
+        return None
+    scales = torch.frombuffer(enc.scales, dtype=torch.float32)
+    if not bool(((scales >= 0) & (scales <= _SCALE_LIMIT[enc.codec])).all()):
+        raise DecodeError(f"{enc.codec} tensor has NaN, negative or out-of-range block scales")
+    return scales
+
+
+def _decode_into(enc: EncodedTensor, target: torch.Tensor) -> None:
+    """Write the raw values (fp32 payload, bf16 values or integer codes) into fp32 ``target``."""
+    if enc.codec == "none":
+        target.copy_(torch.frombuffer(enc.data, dtype=torch.float32))
+    elif enc.codec == "bf16":
+        target.copy_(torch.frombuffer(enc.data, dtype=torch.bfloat16))
+    elif enc.codec == "int8":
+        target.copy_(torch.frombuffer(enc.data, dtype=torch.int8))
+    else:
+        packed = torch.frombuffer(enc.data, dtype=torch.uint8)
+        pairs = target.numel() // 2
+        both = target[: 2 * pairs].view(pairs, 2)
+        both[:, 0].copy_(packed[:pairs] & 15)
+        both[:, 1].copy_(packed[:pairs] >> 4)
+        if target.numel() & 1:
+            target[-1] = packed[-1] & 15
+        target.sub_(8)
+
+
+def _scale_blocks(codes: torch.Tensor, scales: torch.Tensor, block_size: int) -> None:
+    """Multiply each block of fp32 ``codes`` in place by its scale."""
+    for lo, hi, first, rows in _spans(codes.numel(), block_size):
+        codes[lo:hi].view(rows, -1).mul_(scales[first : first + rows].unsqueeze(1))
+
+
+def _spans(n: int, block_size: int) -> list[tuple[int, int, int, int]]:
+    """Non-empty (start, stop, first block, rows) spans: the full blocks, then the partial tail.
+
+    Each span is viewed as ``(rows, -1)``, so a vectorised op covers all its blocks at once.
+    """
+    full = n // block_size * block_size
+    spans = [(0, full, 0, full // block_size), (full, n, full // block_size, 1)]
+    return [s for s in spans if s[1] > s[0]]

@@ -1,0 +1,422 @@
+"""The owner's round for one fragment: quorum, adaptive grace window, staleness, late policy.
+
+Theory of operation (arXiv 2604.21428, the synchronizer's minimum quorum and adaptive grace
+window, made per-fragment and peer-to-peer as in docs/algorithm.md, "Owner loop"):
+
+A ``FragmentMerger`` holds fragment ``p`` at version ``v`` (the number of merges applied) and
+collects contributions for the round that produces ``v + 1``; a contribution's staleness is
+``v - base_version``. Phases::
+
+    COLLECTING --quorum K reached at t_q--> GRACE --window elapsed / all expected in--> MERGING
+    COLLECTING --quorum reached and all expected in (or window 0)------------------> MERGING
+    MERGING --on_published(v + 1)--> COLLECTING (round v + 1, carried contributions)
+    MERGING --on_merge_failed--> COLLECTING / GRACE (same contributions, retry after a delay)
+
+The grace window lasts ``clamp(gamma * (tau * xi_step - xi_quorum - xi_sync), 0, grace_cap_s)``
+from ``t_q``: ``xi_step`` is the slowest recent learner's step time (the largest per-peer EMA of
+reported step times among peers accepted in the last ``step_time_rounds`` rounds), ``xi_quorum``
+is how long the quorum took (``t_q`` minus the round's opening), ``xi_sync`` the EMA of the
+merge-plus-transfer times the node reports in ``on_published`` (0 until the first report). The
+window only spends time that a learner already hides behind ``tau`` inner steps.
+
+Acceptance: a contribution is refused with a reason (never raised: it is a peer's doing) when
+its counts are malformed, its base is ahead of ``v``, it is stale by more than
+``staleness_bound``, a contribution from the same peer is already in the round, or, under
+``late_policy="drop"``, its base is older than ``v`` (its own round closed; the learner should
+resync). Under ``"carry"`` older bases are accepted with weight ``stale_discount ** staleness``,
+and contributions arriving while MERGING are kept for round ``v + 1`` (their staleness counted
+against ``v + 1``); under ``"drop"`` those are refused too, so every merged contribution has
+staleness 0. Weights are ``tokens^2 / steps`` (tokens clamped to ``max_tokens_per_step * steps``)
+times the discount, then capped at ``max_weight_median_multiple`` times the median when the
+round closes; if every weight is 0 (no peer counted tokens) they fall back to the discounts.
+
+The merger never merges below quorum: with ``set_expected(n)`` it closes as soon as
+``max(K, n)`` contributions are in. It never waits past its deadline: any event at or after it
+in GRACE closes the window (a refused contribution then yields kind "merge" with ``refusal``
+set). Contributions carried for ``v + 1`` stay carried across a failed merge. ``_TABLE`` maps
+(phase, event) to a handler; an event not in it is our own misuse and raises
+``LocalProtocolError``, as do ``now`` going backwards and publishing a version other than v + 1.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+from protocol.diloco.outer import clamp_weights, staleness_discount, token_weight
+from protocol.errors import LocalProtocolError
+
+__all__ = ["Decision", "Entry", "FragmentMerger", "MergeConfig", "Phase"]
+
+LatePolicy = Literal["carry", "drop"]
+DecisionKind = Literal["accept", "refuse", "wait", "merge"]
+Refusal = Literal["invalid", "future", "stale", "closed", "duplicate"]
+
+
+class Phase(enum.Enum):
+    COLLECTING = "collecting"
+    GRACE = "grace"
+    MERGING = "merging"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MergeConfig:
+    """Owner round parameters (see the module docstring); validated on construction."""
+
+    quorum: int = 1
+    gamma: float = 0.8
+    tau: float = 2.0
+    grace_cap_s: float = 30.0
+    staleness_bound: int = 2
+    stale_discount: float = 0.5
+    late_policy: LatePolicy = "drop"
+    max_tokens_per_step: int | None = None
+    max_weight_median_multiple: float = 4.0
+    ema_alpha: float = 0.3
+    step_time_rounds: int = 4
+    retry_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.quorum >= 1, "quorum must be >= 1"),
+            (0.0 <= self.gamma <= 1.0, "gamma must be in [0, 1]"),
+            (0.0 <= self.tau < math.inf, "tau must be finite and >= 0"),
+            (0.0 <= self.grace_cap_s < math.inf, "grace_cap_s must be finite and >= 0"),
+            (self.staleness_bound >= 0, "staleness_bound must be >= 0"),
+            (0.0 < self.stale_discount <= 1.0, "stale_discount must be in (0, 1]"),
+            (self.late_policy in ("carry", "drop"), "late_policy must be 'carry' or 'drop'"),
+            (self.max_tokens_per_step is None or self.max_tokens_per_step >= 1,
+             "max_tokens_per_step must be None or >= 1"),
+            (self.max_weight_median_multiple >= 1.0, "max_weight_median_multiple must be >= 1"),
+            (0.0 < self.ema_alpha <= 1.0, "ema_alpha must be in (0, 1]"),
+            (self.step_time_rounds >= 1, "step_time_rounds must be >= 1"),
+            (0.0 <= self.retry_s < math.inf, "retry_s must be finite and >= 0"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise LocalProtocolError(f"MergeConfig: {message}: {self!r}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Entry:
+    """One contribution in a merge: its (clamped, discounted) weight and staleness."""
+
+    peer: bytes
+    payload: object
+    weight: float
+    staleness: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Decision:
+    """What the merger decided. ``version``: the version it holds (collecting for, or merging).
+
+    ``kind``: "accept" (contribution stored), "refuse" (see ``refusal``), "wait" (nothing to do
+    yet) or "merge" (run the outer step on ``entries``; the contribution that triggered it, if
+    any, was accepted: ``accepted``).
+    """
+
+    kind: DecisionKind
+    reason: str
+    version: int
+    accepted: bool = False
+    refusal: Refusal | None = None
+    entries: tuple[Entry, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class _Pending:
+    peer: bytes
+    base_version: int
+    weight: float  # token weight before discount and clamp
+    payload: object
+
+
+# Events, one class each: the keys of the transition table (with the phase).
+@dataclass(frozen=True, slots=True)
+class _Contribution:
+    peer: bytes
+    base_version: int
+    tokens: int
+    steps: int
+    step_time: float
+    payload: object
+
+
+@dataclass(frozen=True, slots=True)
+class _Tick:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class _Expect:
+    n: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class _Published:
+    new_version: int
+    sync_time: float
+
+
+@dataclass(frozen=True, slots=True)
+class _MergeFailed:
+    reason: str
+    discard: frozenset[bytes]
+
+
+class FragmentMerger:
+    """The owner's state machine for one fragment; see the module docstring."""
+
+    def __init__(self, fragment: int, config: MergeConfig, *, version: int = 0, now: float) -> None:
+        if fragment < 0 or version < 0 or not math.isfinite(now):
+            raise LocalProtocolError(f"bad merger start: fragment {fragment}, version {version}, now {now}")
+        self.fragment, self.config, self.version = fragment, config, version
+        self.phase = Phase.COLLECTING
+        self.expected: int | None = None
+        self._now = self._opened_at = now
+        self._quorum_at: float | None = None
+        self._deadline: float | None = None
+        self._entries: list[_Pending] = []
+        self._carried: list[_Pending] = []  # for round v + 1, only while MERGING
+        self._step_ema: dict[bytes, tuple[float, int]] = {}  # peer -> (EMA, version last seen)
+        self._sync_ema: float | None = None
+
+    # -- events ------------------------------------------------------------------------------
+
+    def on_contribution(
+        self, peer: bytes, *, base_version: int, tokens: int, steps: int, step_time: float,
+        payload: object, now: float,
+    ) -> Decision:
+        """A learner's contribution (payload opaque, e.g. the decoded pseudo-gradient)."""
+        return self._dispatch(_Contribution(peer, base_version, tokens, steps, step_time, payload), now)
+
+    def on_tick(self, now: float) -> Decision:
+        """Timer event; due at ``deadline()``. Closes an elapsed grace window."""
+        return self._dispatch(_Tick(), now)
+
+    def set_expected(self, n: int | None, *, now: float) -> Decision:
+        """Number of live learners expected to contribute (None: unknown); may close the round."""
+        if n is not None and n < 0:
+            raise LocalProtocolError(f"expected contributions must be >= 0, got {n}")
+        return self._dispatch(_Expect(n), now)
+
+    def on_published(self, new_version: int, *, sync_time: float, now: float) -> Decision:
+        """The node applied and published the merge; opens round ``new_version`` (== v + 1)."""
+        return self._dispatch(_Published(new_version, sync_time), now)
+
+    def on_merge_failed(self, reason: str, *, now: float, discard: Collection[bytes] = ()) -> Decision:
+        """The merge failed; drop ``discard`` peers' contributions and retry after ``retry_s``."""
+        return self._dispatch(_MergeFailed(reason, frozenset(discard)), now)
+
+    # -- queries -----------------------------------------------------------------------------
+
+    def deadline(self) -> float | None:
+        """When the node must next call ``on_tick`` (grace window end); None when no timer."""
+        return self._deadline if self.phase is Phase.GRACE else None
+
+    @property
+    def count(self) -> int:
+        """Contributions in the current round."""
+        return len(self._entries)
+
+    @property
+    def quorum_time(self) -> float | None:
+        """When the current round reached quorum (None before)."""
+        return self._quorum_at
+
+    def step_time_estimate(self) -> float:
+        """``xi_step``: the slowest recent learner's step-time EMA (0 with no reports)."""
+        horizon = self.version - self.config.step_time_rounds + 1
+        return max((ema for ema, seen in self._step_ema.values() if seen >= horizon), default=0.0)
+
+    def sync_time_estimate(self) -> float:
+        """``xi_sync``: EMA of reported merge-plus-transfer times (0 with no reports)."""
+        return 0.0 if self._sync_ema is None else self._sync_ema
+
+    # -- dispatch ----------------------------------------------------------------------------
+
+    def _dispatch(self, event: object, now: float) -> Decision:
+        if not now >= self._now:  # also catches NaN
+            raise LocalProtocolError(f"clock went backwards or is NaN: {now} after {self._now}")
+        handler = _TABLE.get((self.phase, type(event)))
+        if handler is None:
+            raise LocalProtocolError(
+                f"{type(event).__name__.strip('_')} not allowed while {self.phase.value} "
+                f"for version {self.version} of fragment {self.fragment}"
+            )
+        self._now = now
+        return handler(self, event)
+
+    # -- handlers ----------------------------------------------------------------------------
+
+    def _contribute(self, ev: _Contribution) -> Decision:
+        refused = self._refusal(ev, self.version, self._entries)
+        if refused is None:
+            self._admit(ev, self._entries)
+            return self._settle(True, f"accepted from {ev.peer.hex()[:8]} for version {self.version}")
+        if self.phase is Phase.GRACE and self._deadline is not None and self._deadline <= self._now:
+            closing = self._settle(False, "")  # the window elapsed: a refusal still closes it
+            return replace(closing, reason=f"{refused.reason}; {closing.reason}", refusal=refused.refusal)
+        return refused
+
+    def _carry(self, ev: _Contribution) -> Decision:
+        refused = self._refusal(ev, self.version + 1, self._carried)
+        if refused is not None:
+            return refused
+        self._admit(ev, self._carried)
+        stale = self.version + 1 - ev.base_version
+        return self._decide("accept", f"carried into round for version {self.version + 1} "
+                            f"(staleness {stale}; {len(self._carried)} carried)", accepted=True)
+
+    def _tick(self, ev: _Tick) -> Decision:
+        return self._settle(False, "")
+
+    def _tick_merging(self, ev: _Tick) -> Decision:
+        return self._decide("wait", f"merge for version {self.version} in progress")
+
+    def _expect(self, ev: _Expect) -> Decision:
+        self.expected = ev.n
+        return self._settle(False, f"expecting {ev.n}")
+
+    def _expect_merging(self, ev: _Expect) -> Decision:
+        self.expected = ev.n
+        return self._decide("wait", f"expecting {ev.n}; merge for version {self.version} in progress")
+
+    def _published(self, ev: _Published) -> Decision:
+        if ev.new_version != self.version + 1:
+            raise LocalProtocolError(f"published version {ev.new_version}, expected {self.version + 1}")
+        if not (math.isfinite(ev.sync_time) and ev.sync_time >= 0):
+            raise LocalProtocolError(f"sync_time must be finite and >= 0, got {ev.sync_time}")
+        self._sync_ema = _ema(self._sync_ema, ev.sync_time, self.config.ema_alpha)
+        self.version = ev.new_version
+        self._entries, self._carried = self._carried, []
+        self._reopen(Phase.COLLECTING, opened_at=self._now)
+        horizon = self.version - self.config.step_time_rounds + 1
+        self._step_ema = {p: v for p, v in self._step_ema.items() if v[1] >= horizon}
+        return self._settle(False, f"round for version {self.version} open with carried contributions")
+
+    def _merge_failed(self, ev: _MergeFailed) -> Decision:
+        kept = [e for e in self._entries if e.peer not in ev.discard]
+        dropped = len(self._entries) - len(kept)
+        self._entries = kept
+        reason = f"merge for version {self.version} failed ({ev.reason}); {dropped} discarded, {self._tally()} kept"
+        if len(kept) < self.config.quorum:
+            self._reopen(Phase.COLLECTING, opened_at=self._opened_at)
+            return self._decide("wait", f"{reason}; waiting for quorum {self.config.quorum}")
+        self._reopen(Phase.GRACE, opened_at=self._opened_at)
+        self._quorum_at = self._now
+        self._deadline = self._now + min(self.config.retry_s, self.config.grace_cap_s)
+        if self._deadline <= self._now:
+            return self._close(f"{reason}; retrying now", False)
+        return self._decide("wait", f"{reason}; retry in {self._deadline - self._now:.2f} s")
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _refusal(self, ev: _Contribution, target: int, pool: list[_Pending]) -> Decision | None:
+        """The refusal for ``ev`` joining the round for version ``target``, or None to accept."""
+        cfg, stale = self.config, target - ev.base_version
+        problem: tuple[Refusal, str] | None = None
+        if ev.steps < 1 or ev.tokens < 0:
+            problem = ("invalid", f"steps must be >= 1 and tokens >= 0, got {ev.steps} and {ev.tokens}")
+        elif not (math.isfinite(ev.step_time) and ev.step_time >= 0):
+            problem = ("invalid", f"step_time must be finite and >= 0, got {ev.step_time}")
+        elif ev.base_version > self.version:
+            problem = ("future", f"base version {ev.base_version} is ahead of version {self.version}")
+        elif stale > cfg.staleness_bound:
+            problem = ("stale", f"stale by {stale} versions (bound {cfg.staleness_bound}); resync")
+        elif cfg.late_policy == "drop" and stale > 0:
+            problem = ("closed", f"merge for version {ev.base_version} closed; resync")
+        elif any(e.peer == ev.peer for e in pool):
+            problem = ("duplicate", f"duplicate contribution from {ev.peer.hex()[:8]} for version {target}")
+        if problem is None:
+            return None
+        return self._decide("refuse", problem[1], refusal=problem[0])
+
+    def _admit(self, ev: _Contribution, pool: list[_Pending]) -> None:
+        w = token_weight(ev.tokens, ev.steps, max_tokens_per_step=self.config.max_tokens_per_step)
+        pool.append(_Pending(ev.peer, ev.base_version, w, ev.payload))
+        old = self._step_ema.get(ev.peer)
+        ema = _ema(None if old is None else old[0], ev.step_time, self.config.ema_alpha)
+        self._step_ema[ev.peer] = (ema, self.version)
+
+    def _settle(self, accepted: bool, otherwise: str) -> Decision:
+        """After a change while COLLECTING/GRACE: close, open the grace window, or keep going."""
+        n, k, expected = len(self._entries), self.config.quorum, self.expected
+        if n >= k and expected is not None and n >= expected:
+            return self._close(f"all {n}/{expected} expected contributions in", accepted)
+        if self.phase is Phase.COLLECTING and n >= k:
+            wait = self._open_grace()
+            reason = f"quorum {n}/{k} reached; grace window {wait:.2f} s"
+            if self._deadline is not None and self._deadline <= self._now:
+                return self._close(f"{reason}; closing with {self._tally()}", accepted)
+            return self._decide("accept" if accepted else "wait", reason, accepted=accepted)
+        if self.phase is Phase.GRACE and self._deadline is not None:
+            left = self._deadline - self._now
+            if left <= 0:
+                return self._close(f"grace window elapsed with {self._tally()}", accepted)
+            otherwise = f"{otherwise or 'grace window open'} ({self._tally()}; {left:.2f} s left)"
+        else:
+            otherwise = f"{otherwise or 'waiting for quorum'} ({self._tally()}; quorum {k})"
+        return self._decide("accept" if accepted else "wait", otherwise, accepted=accepted)
+
+    def _open_grace(self) -> float:
+        cfg = self.config
+        xi_quorum = self._now - self._opened_at
+        raw = cfg.gamma * (cfg.tau * self.step_time_estimate() - xi_quorum - self.sync_time_estimate())
+        wait = min(max(raw, 0.0), cfg.grace_cap_s)
+        self.phase, self._quorum_at, self._deadline = Phase.GRACE, self._now, self._now + wait
+        return wait
+
+    def _close(self, reason: str, accepted: bool) -> Decision:
+        self.phase, self._deadline = Phase.MERGING, None
+        return self._decide("merge", reason, accepted=accepted, entries=self._weighted())
+
+    def _weighted(self) -> tuple[Entry, ...]:
+        cfg = self.config
+        stale = [self.version - e.base_version for e in self._entries]
+        discounts = [staleness_discount(s, cfg.stale_discount) for s in stale]
+        weights = [e.weight * d for e, d in zip(self._entries, discounts, strict=True)]
+        if not any(w > 0 for w in weights):
+            weights = discounts
+        weights = clamp_weights(weights, max_median_multiple=cfg.max_weight_median_multiple)
+        return tuple(
+            Entry(peer=e.peer, payload=e.payload, weight=w, staleness=s)
+            for e, w, s in zip(self._entries, weights, stale, strict=True)
+        )
+
+    def _reopen(self, phase: Phase, *, opened_at: float) -> None:
+        self.phase, self._opened_at = phase, opened_at
+        self._quorum_at = self._deadline = None
+
+    def _tally(self) -> str:
+        n = len(self._entries)
+        return f"{n}/{self.expected} contributions" if self.expected is not None else f"{n} contributions"
+
+    def _decide(self, kind: DecisionKind, reason: str, *, accepted: bool = False,
+                refusal: Refusal | None = None, entries: tuple[Entry, ...] = ()) -> Decision:
+        return Decision(kind=kind, reason=reason, version=self.version, accepted=accepted,
+                        refusal=refusal, entries=entries)
+
+
+def _ema(old: float | None, value: float, alpha: float) -> float:
+    return value if old is None else alpha * value + (1.0 - alpha) * old
+
+
+_C, _G, _M = Phase.COLLECTING, Phase.GRACE, Phase.MERGING
+_TABLE: dict[tuple[Phase, type], Callable[[FragmentMerger, Any], Decision]] = {
+    (_C, _Contribution): FragmentMerger._contribute,
+    (_G, _Contribution): FragmentMerger._contribute,
+    (_M, _Contribution): FragmentMerger._carry,
+    (_C, _Tick): FragmentMerger._tick,
+    (_G, _Tick): FragmentMerger._tick,
+    (_M, _Tick): FragmentMerger._tick_merging,
+    (_C, _Expect): FragmentMerger._expect,
+    (_G, _Expect): FragmentMerger._expect,
+    (_M, _Expect): FragmentMerger._expect_merging,
+    (_M, _Published): FragmentMerger._published,
+    (_M, _MergeFailed): FragmentMerger._merge_failed,
+}

@@ -1,0 +1,237 @@
+"""The outer step of Decoupled DiLoCo: pseudo-gradients, merge weights, aggregation, Nesterov.
+
+Implements the owner's merge arithmetic of arXiv 2604.21428 (token-weighted merge, radial-
+directional averaging, outer Nesterov SGD as in DiLoCo):
+
+- ``pseudo_gradient``: ``Delta = Theta_base - theta_local``.
+- ``token_weight``: ``w = tokens^2 / steps`` (tokens times tokens per step), tokens clamped to
+  ``max_tokens_per_step * steps``; ``clamp_weights`` caps every weight at a multiple of the
+  median; ``staleness_discount`` is ``discount ** staleness``.
+- ``weighted_mean`` and ``radial_directional_average`` (RDA):
+  ``Delta = (sum w |Delta_m| / sum w) * unit(sum w unit(Delta_m) / sum w)``, which keeps the step
+  length when pseudo-gradients are near-orthogonal instead of shrinking it as ``1/sqrt(M)``.
+  Deltas are **flat fp32 vectors** of one fragment (the node flattens a fragment's tensors in
+  the plan's name order); any equal shapes work.
+- ``outer_step``: Nesterov SGD bit-identical to ``torch.optim.SGD(nesterov=True)`` fed the
+  pseudo-gradient as ``grad``: first step ``b = Delta``, later ``b = mu*b + Delta``;
+  ``Theta -= lr * (Delta + mu*b)``. With ``momentum = 0`` it is plain SGD; ``lr = 1`` then sets
+  ``Theta`` to the weighted average of the local parameters.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from protocol.errors import LocalProtocolError
+
+__all__ = [
+    "OuterConfig",
+    "clamp_weights",
+    "clip_to_median_norm",
+    "outer_step",
+    "outer_step_",
+    "pseudo_gradient",
+    "radial_directional_average",
+    "staleness_discount",
+    "token_weight",
+    "weighted_mean",
+]
+
+
+# ---------------------------------------------------------------- pseudo-gradients and weights
+
+
+def pseudo_gradient(global_: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``global_ - local`` in fp32, a new tensor; ``LocalProtocolError`` if shapes differ."""
+    if global_.shape != local.shape:
+        raise LocalProtocolError(f"shapes differ: {tuple(global_.shape)} vs {tuple(local.shape)}")
+    return torch.sub(global_.detach().to(torch.float32), local.detach().to(torch.float32))
+
+
+def token_weight(tokens: int, steps: int, *, max_tokens_per_step: int | None) -> float:
+    """Merge weight ``tokens^2 / steps`` with tokens clamped to ``max_tokens_per_step * steps``.
+
+    Zero steps give weight 0. Raises ``LocalProtocolError`` for negative tokens or steps or a
+    non-positive ``max_tokens_per_step``.
+    """
+    if tokens < 0 or steps < 0:
+        raise LocalProtocolError(f"tokens and steps must be >= 0, got {tokens} and {steps}")
+    if max_tokens_per_step is not None and max_tokens_per_step < 1:
+        raise LocalProtocolError(f"max_tokens_per_step must be >= 1, got {max_tokens_per_step}")
+    if steps == 0:
+        return 0.0
+    if max_tokens_per_step is not None:
+        tokens = min(tokens, max_tokens_per_step * steps)
+    return float(tokens) * float(tokens) / float(steps)
+
+
+def clamp_weights(weights: Sequence[float], *, max_median_multiple: float = 4.0) -> list[float]:
+    """``weights`` with each capped at ``max_median_multiple`` times their median.
+
+    Raises ``LocalProtocolError`` for negative or non-finite weights or a multiple below 1.
+    """
+    if not max_median_multiple >= 1.0:
+        raise LocalProtocolError(f"max_median_multiple must be >= 1, got {max_median_multiple}")
+    _check_weights(weights)
+    if not weights:
+        return []
+    cap = max_median_multiple * statistics.median(weights)
+    return [min(float(w), cap) for w in weights]
+
+
+def staleness_discount(staleness: int, discount: float) -> float:
+    """``discount ** staleness``; ``LocalProtocolError`` unless staleness >= 0, 0 <= discount <= 1."""
+    if staleness < 0:
+        raise LocalProtocolError(f"staleness must be >= 0, got {staleness}")
+    if not 0.0 <= discount <= 1.0:
+        raise LocalProtocolError(f"discount must be in [0, 1], got {discount}")
+    return float(discount**staleness)
+
+
+# ---------------------------------------------------------------- aggregation
+
+
+def weighted_mean(deltas: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
+    """``sum w_m Delta_m / sum w`` as a new fp32 tensor.
+
+    Raises ``LocalProtocolError`` for no deltas, mismatched lengths or shapes, negative or
+    non-finite weights, or a zero total weight.
+    """
+    total = _check_inputs(deltas, weights)
+    out = torch.zeros(deltas[0].shape, dtype=torch.float32, device=deltas[0].device)
+    for d, w in zip(deltas, weights, strict=True):
+        if w > 0:
+            out.add_(d.to(torch.float32), alpha=w / total)
+    return out
+
+
+def radial_directional_average(
+    deltas: Sequence[torch.Tensor],
+    weights: Sequence[float],
+    eps: float = 1e-12,
+    *,
+    min_direction: float = 1e-6,
+) -> torch.Tensor:
+    """Radial-directional average: the weighted mean norm along the weighted mean direction.
+
+    Deltas with norm <= ``eps`` count as zero (their norm 0 enters the mean norm, they add no
+    direction). The mean direction is an average of unit vectors (norm in [0, 1]); if its norm
+    is <= ``min_direction`` (all zero, or cancelling up to fp32 rounding) the result is zero.
+    Raises ``LocalProtocolError`` like ``weighted_mean``.
+    """
+    total = _check_inputs(deltas, weights)
+    direction = torch.zeros(deltas[0].shape, dtype=torch.float32, device=deltas[0].device)
+    radius = 0.0
+    for d, w in zip(deltas, weights, strict=True):
+        norm = float(torch.linalg.vector_norm(d.to(torch.float32)))
+        radius += w * norm / total
+        if w > 0 and norm > eps:
+            direction.add_(d.to(torch.float32), alpha=w / (total * norm))
+    length = float(torch.linalg.vector_norm(direction))
+    if length <= min_direction:
+        return direction.zero_()
+    return direction.mul_(radius / length)
+
+
+def clip_to_median_norm(deltas: Sequence[torch.Tensor], c: float) -> list[torch.Tensor]:
+    """Each delta scaled down to norm at most ``c`` times the median norm (new tensors).
+
+    Raises ``LocalProtocolError`` unless ``c > 0``.
+    """
+    if not c > 0:
+        raise LocalProtocolError(f"clip multiple c must be > 0, got {c}")
+    if not deltas:
+        return []
+    norms = [float(torch.linalg.vector_norm(d.to(torch.float32))) for d in deltas]
+    cap = c * statistics.median(norms)
+    return [
+        d.to(torch.float32) * (cap / n) if n > cap else d.to(torch.float32).clone()
+        for d, n in zip(deltas, norms, strict=True)
+    ]
+
+
+# ---------------------------------------------------------------- outer Nesterov
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OuterConfig:
+    """Outer SGD: ``lr`` eta, ``momentum`` mu, ``nesterov``. DiLoCo's defaults; short runs with
+    few outer steps did best with ``lr=1.0, momentum=0.0`` (plain averaging)."""
+
+    lr: float = 0.7
+    momentum: float = 0.9
+    nesterov: bool = True
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise LocalProtocolError(f"outer lr must be finite and > 0, got {self.lr}")
+        if not 0.0 <= self.momentum < 1.0:
+            raise LocalProtocolError(f"outer momentum must be in [0, 1), got {self.momentum}")
+
+
+def outer_step(
+    param: torch.Tensor, delta: torch.Tensor, buffer: torch.Tensor | None, cfg: OuterConfig
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(new param, new momentum buffer) without touching the inputs; see ``outer_step_``.
+
+    The buffer stays ``None`` when ``cfg.momentum == 0``.
+    """
+    new_param = param.detach().clone()
+    new_buffer = None if buffer is None else buffer.detach().clone()
+    return new_param, outer_step_(new_param, delta, new_buffer, cfg)
+
+
+def outer_step_(
+    param: torch.Tensor, delta: torch.Tensor, buffer: torch.Tensor | None, cfg: OuterConfig
+) -> torch.Tensor | None:
+    """In place: one SGD step on ``param`` (and ``buffer``) with ``delta`` as the gradient.
+
+    Replicates ``torch.optim.SGD``'s single-tensor op order exactly. Returns the buffer to keep
+    (a new one on the first momentum step, ``None`` without momentum). Raises
+    ``LocalProtocolError`` when shapes differ.
+    """
+    if param.shape != delta.shape or (buffer is not None and buffer.shape != param.shape):
+        raise LocalProtocolError(f"outer step shapes differ: param {tuple(param.shape)}, delta "
+                                 f"{tuple(delta.shape)}, buffer {None if buffer is None else tuple(buffer.shape)}")
+    grad = delta.detach()
+    if cfg.momentum != 0:
+        if buffer is None:
+            buffer = grad.clone()
+        else:
+            buffer.mul_(cfg.momentum).add_(grad, alpha=1)
+        grad = grad.add(buffer, alpha=cfg.momentum) if cfg.nesterov else buffer
+    with torch.no_grad():
+        param.add_(grad, alpha=-cfg.lr)
+    return buffer
+
+
+# ---------------------------------------------------------------- checks
+
+
+def _check_weights(weights: Sequence[float]) -> float:
+    """Sum of ``weights``; raises ``LocalProtocolError`` for a negative or non-finite one."""
+    for w in weights:
+        if not (math.isfinite(w) and w >= 0):
+            raise LocalProtocolError(f"merge weights must be finite and >= 0, got {w}")
+    return float(math.fsum(weights))
+
+
+def _check_inputs(deltas: Sequence[torch.Tensor], weights: Sequence[float]) -> float:
+    """Total weight after validating an aggregation's inputs (see ``weighted_mean``)."""
+    if not deltas:
+        raise LocalProtocolError("nothing to aggregate: no deltas")
+    if len(deltas) != len(weights):
+        raise LocalProtocolError(f"{len(deltas)} deltas but {len(weights)} weights")
+    shape = deltas[0].shape
+    bad = [tuple(d.shape) for d in deltas if d.shape != shape]
+    if bad:
+        raise LocalProtocolError(f"deltas differ in shape: {tuple(shape)} vs {bad[0]}")
+    total = _check_weights(weights)
+    if total <= 0:
+        raise LocalProtocolError(f"total merge weight is {total}; need a positive weight")
+    return total

@@ -1,0 +1,418 @@
+"""Signed envelopes around encoded messages, and the replay window.
+
+Theory of operation. A sealed message on the wire is::
+
+    envelope length (u32 BE) | envelope | message bytes (exactly as ``codec.encode`` made them)
+
+The envelope is msgpack ``[signed, signature]`` where ``signed`` is msgpack ``[version,
+public_key, timestamp, nonce, sha256(message bytes), message size]`` and ``signature`` is Ed25519
+over ``DOMAIN + signed``. The signer hashes the message parts streaming, so a 400 MB tensor is
+never copied to be signed. The receiver checks, in this order: the envelope (small, capped),
+its signature over the exact bytes received (``BadSignature``), the message size against the
+cap (``Oversize``) and the received length (``DecodeError``), the content hash (``BadSignature``),
+then timestamp skew and nonce reuse (``Replay``) and only then decodes the body. A forged packet
+can therefore neither poison the replay window nor make the receiver parse its body; with
+``SealedReader`` it cannot even make it allocate the body buffer.
+
+``verify_sealed`` skips the replay window on purpose: an owner's sealed ``FragmentState`` is
+cached and re-served verbatim by replicas for as long as it is the newest version, so the same
+bytes legitimately arrive many times and long after their timestamp. Freshness comes from the
+version number inside the message instead.
+
+Time (``now``) and nonces are arguments: this module reads no clock and draws no randomness.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import math
+import struct
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+from protocol.errors import BadSignature, DecodeError, LocalProtocolError, Oversize, Replay
+from protocol.ids import peer_id_from_public_key
+from protocol.wire.codec import BodyReader, Buffer, Encoded, byte_view, chunk_views, decode
+from protocol.wire.messages import Message
+
+__all__ = [
+    "DOMAIN",
+    "ENVELOPE_VERSION",
+    "MAX_ENVELOPE",
+    "NONCE_BYTES",
+    "Envelope",
+    "Opened",
+    "ReplayWindow",
+    "Sealed",
+    "SealedReader",
+    "Signer",
+    "digest_parts",
+    "envelope_length",
+    "open_envelope",
+    "open_sealed",
+    "seal",
+    "verify_sealed",
+]
+
+ENVELOPE_VERSION = 1
+NONCE_BYTES = 16
+KEY_BYTES = 32
+SIGNATURE_BYTES = 64
+DIGEST_BYTES = 32
+MAX_ENVELOPE = 512
+DOMAIN = b"atoll/envelope/v1\x00"
+_LENGTH = struct.Struct(">I")
+
+
+class Signer:
+    """An Ed25519 private key (raw 32 bytes) that signs for one peer."""
+
+    __slots__ = ("_key", "peer_id", "public_key")
+
+    def __init__(self, private_bytes: bytes) -> None:
+        """Raises LocalProtocolError unless ``private_bytes`` is 32 raw bytes."""
+        if len(private_bytes) != KEY_BYTES:
+            raise LocalProtocolError(f"private key must be 32 raw bytes, got {len(private_bytes)}")
+        self._key = Ed25519PrivateKey.from_private_bytes(bytes(private_bytes))
+        self.public_key = self._key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+        self.peer_id = peer_id_from_public_key(self.public_key)
+
+    @classmethod
+    def from_seed(cls, seed: bytes) -> Signer:
+        """A signer from a 32-byte seed (an Ed25519 private key is its seed)."""
+        return cls(seed)
+
+    def sign(self, data: bytes) -> bytes:
+        """The 64-byte Ed25519 signature of ``data``."""
+        return self._key.sign(data)
+
+    def __repr__(self) -> str:
+        return f"Signer(peer_id={self.peer_id.hex()[:16]}…)"
+
+
+def digest_parts(parts: Sequence[memoryview]) -> bytes:
+    """sha256 over the concatenation of ``parts``, without concatenating them."""
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(part)
+    return h.digest()
+
+
+@dataclass(frozen=True, slots=True)
+class Sealed:
+    """A signed message ready to send: ``envelope`` bytes plus the message's parts."""
+
+    envelope: bytes
+    message: Encoded
+
+    @property
+    def size(self) -> int:
+        return _LENGTH.size + len(self.envelope) + self.message.size
+
+    @property
+    def parts(self) -> list[memoryview]:
+        return [memoryview(_LENGTH.pack(len(self.envelope)) + self.envelope), *self.message.parts]
+
+    def iter_chunks(self, chunk_size: int = 1 << 20) -> Iterator[memoryview]:
+        """The whole wire form in chunks of at most ``chunk_size`` (big blobs not copied)."""
+        return chunk_views(self.parts, chunk_size)
+
+    def tobytes(self) -> bytes:
+        """The whole wire form as bytes (a copy; for small messages, caches and tests)."""
+        return b"".join(self.parts)
+
+
+def seal(encoded: Encoded, signer: Signer, *, now: float, nonce: bytes) -> Sealed:
+    """Sign ``encoded`` as sent by ``signer`` at time ``now`` with a fresh 16-byte ``nonce``.
+
+    Raises LocalProtocolError on a bad nonce or a non-finite ``now``.
+    """
+    if len(nonce) != NONCE_BYTES:
+        raise LocalProtocolError(f"nonce must be {NONCE_BYTES} bytes, got {len(nonce)}")
+    if not math.isfinite(now):
+        raise LocalProtocolError(f"timestamp {now} is not finite")
+    fields = [
+        ENVELOPE_VERSION,
+        signer.public_key,
+        float(now),
+        bytes(nonce),
+        digest_parts(encoded.parts),
+        encoded.size,
+    ]
+    signed = msgpack.packb(fields, use_bin_type=True)
+    envelope = msgpack.packb([signed, signer.sign(DOMAIN + signed)], use_bin_type=True)
+    return Sealed(envelope=envelope, message=encoded)
+
+
+# ── opening ──────────────────────────────────────────────────────────────────────────────────
+@dataclass(frozen=True, slots=True)
+class Opened:
+    """A verified, decoded message and who sent it when."""
+
+    public_key: bytes
+    peer_id: bytes
+    timestamp: float
+    nonce: bytes
+    message: Message
+
+
+@dataclass(frozen=True, slots=True)
+class Envelope:
+    """An envelope whose signature has been verified; the body is still to be checked."""
+
+    public_key: bytes
+    timestamp: float
+    nonce: bytes
+    digest: bytes
+    size: int
+
+    def open_body(self, body: Buffer, *, now: float, replay: ReplayWindow) -> Opened:
+        """Check ``body`` against this envelope, then replay and skew, then decode it.
+
+        Raises DecodeError (wrong length, malformed body), BadSignature (content hash
+        mismatch) or Replay.
+        """
+        mv = _body_view(self, body)
+        return self._finish(mv, hashlib.sha256(mv).digest(), now=now, replay=replay)
+
+    def verify_body(self, body: Buffer) -> Opened:
+        """Like ``open_body`` without the replay window (see ``verify_sealed``)."""
+        mv = _body_view(self, body)
+        return self._finish(mv, hashlib.sha256(mv).digest(), now=None, replay=None)
+
+    def _finish(
+        self, body: memoryview, digest: bytes, *, now: float | None, replay: ReplayWindow | None
+    ) -> Opened:
+        if digest != self.digest:
+            raise BadSignature("content hash mismatch")
+        if replay is not None and now is not None:
+            replay.accept(self.public_key, self.nonce, self.timestamp, now=now)
+        message = decode(body, max_size=self.size)
+        peer_id = peer_id_from_public_key(self.public_key)
+        return Opened(self.public_key, peer_id, self.timestamp, self.nonce, message)
+
+
+def _body_view(env: Envelope, body: Buffer) -> memoryview:
+    mv = byte_view(body)
+    if mv.nbytes != env.size:
+        raise DecodeError(f"message is {mv.nbytes} bytes, its envelope says {env.size}")
+    return mv
+
+
+def envelope_length(head: Buffer) -> int:
+    """The envelope length from the first 4 bytes of a sealed message.
+
+    Raises DecodeError if fewer than 4 bytes, Oversize if over ``MAX_ENVELOPE``.
+    """
+    mv = byte_view(head)
+    if mv.nbytes < _LENGTH.size:
+        raise DecodeError(f"truncated: {mv.nbytes} bytes is shorter than the envelope prefix")
+    (n,) = _LENGTH.unpack_from(mv)
+    if n > MAX_ENVELOPE:
+        raise Oversize(f"envelope of {n} bytes exceeds the cap of {MAX_ENVELOPE}")
+    return int(n)
+
+
+def _unpack_small(data: Buffer, n: int) -> tuple[Any, ...]:
+    try:
+        raw = msgpack.unpackb(
+            data,
+            raw=False,
+            use_list=False,
+            max_bin_len=MAX_ENVELOPE,
+            max_str_len=0,
+            max_array_len=8,
+            max_map_len=0,
+            max_ext_len=0,
+        )
+    except (ValueError, TypeError, OverflowError, msgpack.UnpackException) as e:
+        raise DecodeError(f"malformed envelope: {type(e).__name__}: {e}") from e
+    if type(raw) is not tuple or len(raw) != n:
+        raise DecodeError(f"envelope part is not an array of {n}")
+    return raw
+
+
+def _check_field(ok: bool, what: str) -> None:
+    if not ok:
+        raise DecodeError(f"bad envelope field: {what}")
+
+
+def open_envelope(envelope: Buffer, *, max_size: int) -> Envelope:
+    """Parse an envelope and verify its signature; nothing of the body is looked at.
+
+    Raises Oversize (envelope over ``MAX_ENVELOPE``, or declared message size over
+    ``max_size``), DecodeError (malformed) or BadSignature.
+    """
+    if byte_view(envelope).nbytes > MAX_ENVELOPE:
+        raise Oversize(f"envelope exceeds the cap of {MAX_ENVELOPE} bytes")
+    signed, signature = _unpack_small(envelope, 2)
+    _check_field(type(signed) is bytes and type(signature) is bytes, "not [bin, bin]")
+    version, key, ts, nonce, digest, size = _unpack_small(signed, 6)
+    _check_field(type(version) is int and version == ENVELOPE_VERSION, f"version {version!r}")
+    _check_field(type(key) is bytes and len(key) == KEY_BYTES, "public key")
+    _check_field(type(ts) is float and math.isfinite(ts), "timestamp")
+    _check_field(type(nonce) is bytes and len(nonce) == NONCE_BYTES, "nonce")
+    _check_field(type(digest) is bytes and len(digest) == DIGEST_BYTES, "digest")
+    _check_field(type(size) is int and size >= 0, "size")
+    _check_field(len(signature) == SIGNATURE_BYTES, "signature length")
+    try:
+        Ed25519PublicKey.from_public_bytes(key).verify(signature, DOMAIN + signed)
+    except (InvalidSignature, ValueError) as e:
+        raise BadSignature("envelope signature does not verify") from e
+    if size > max_size:
+        raise Oversize(f"message of {size} bytes exceeds the cap of {max_size}")
+    return Envelope(public_key=key, timestamp=ts, nonce=nonce, digest=digest, size=size)
+
+
+def _split(wire: Buffer, max_size: int) -> tuple[Envelope, memoryview]:
+    mv = byte_view(wire)
+    if mv.nbytes > _LENGTH.size + MAX_ENVELOPE + max_size:
+        raise Oversize(f"sealed message of {mv.nbytes} bytes exceeds the cap of {max_size}")
+    end = _LENGTH.size + envelope_length(mv)
+    if mv.nbytes < end:
+        raise DecodeError(f"truncated: envelope needs {end} bytes, have {mv.nbytes}")
+    env = open_envelope(mv[_LENGTH.size : end], max_size=max_size)
+    return env, mv[end:]
+
+
+def open_sealed(wire: Buffer, *, now: float, replay: ReplayWindow, max_size: int) -> Opened:
+    """Verify, replay-check and decode a whole sealed message (see the module docstring).
+
+    Raises Oversize, DecodeError, BadSignature or Replay.
+    """
+    env, body = _split(wire, max_size)
+    return env.open_body(body, now=now, replay=replay)
+
+
+def verify_sealed(wire: Buffer, *, max_size: int) -> Opened:
+    """Verify signature and content hash and decode, without the replay window: for cached
+    owner-signed states re-served verbatim by other peers. Raises as ``open_sealed``, less
+    Replay."""
+    env, body = _split(wire, max_size)
+    return env.verify_body(body)
+
+
+# ── streaming receive ────────────────────────────────────────────────────────────────────────
+class SealedReader:
+    """Receives a sealed message chunk by chunk (sans-IO), verifying the envelope first.
+
+    The body buffer is allocated only once the envelope's signature has verified and its
+    declared size is within ``max_size``; the body is hashed as it arrives. ``feed`` raises
+    what ``open_envelope`` and ``BodyReader.feed`` raise.
+    """
+
+    def __init__(self, max_size: int, buffer: bytearray | None = None) -> None:
+        self._head = bytearray()
+        self._body = BodyReader(max_size, buffer)
+        self._hash = hashlib.sha256()
+        self.envelope: Envelope | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.envelope is not None and self._body.done
+
+    @property
+    def buffer(self) -> bytearray | None:
+        """The body buffer, for reuse by a later reader."""
+        return self._body.buffer
+
+    def feed(self, chunk: Buffer) -> None:
+        data = byte_view(chunk)
+        if self.envelope is None:
+            data = self._feed_head(data)
+        if self.envelope is not None and data.nbytes:
+            self._body.feed(data)
+            self._hash.update(data)
+
+    def _feed_head(self, data: memoryview) -> memoryview:
+        while self.envelope is None:
+            target = _LENGTH.size
+            if len(self._head) >= target:
+                target += envelope_length(self._head)
+            take = target - len(self._head)
+            if take == 0:
+                envelope = bytes(self._head[_LENGTH.size :])
+                self.envelope = open_envelope(envelope, max_size=self._body.max_size)
+                self._body.expect(self.envelope.size)
+            elif data.nbytes == 0:
+                break
+            else:
+                self._head += data[:take]
+                data = data[take:]
+        return data
+
+    def open(self, *, now: float, replay: ReplayWindow) -> Opened:
+        """Hash check, replay check, decode; raises as ``Envelope.open_body``, or
+        LocalProtocolError before the message is complete."""
+        env = self._complete()
+        return env._finish(self._body.view(), self._hash.digest(), now=now, replay=replay)
+
+    def verify(self) -> Opened:
+        """Like ``open`` without the replay window (see ``verify_sealed``)."""
+        env = self._complete()
+        return env._finish(self._body.view(), self._hash.digest(), now=None, replay=None)
+
+    def _complete(self) -> Envelope:
+        if self.envelope is None or not self._body.done:
+            raise LocalProtocolError("sealed message incomplete")
+        return self.envelope
+
+
+# ── replay window ────────────────────────────────────────────────────────────────────────────
+class ReplayWindow:
+    """Remembers ``(public_key, nonce)`` pairs seen within the clock-skew window.
+
+    Entries older than ``now - max_skew_s`` are forgotten: their messages fail the skew check
+    anyway. When ``capacity`` is reached the oldest entry is forgotten early. Forgetting an
+    entry raises a floor, and timestamps at or below the floor are refused, so a forgotten
+    message can never be replayed; memory stays bounded by ``capacity``.
+    """
+
+    def __init__(self, max_skew_s: float = 60.0, capacity: int = 100_000) -> None:
+        if not max_skew_s > 0 or capacity < 1:
+            raise LocalProtocolError("max_skew_s must be > 0 and capacity >= 1")
+        self.max_skew_s = max_skew_s
+        self.capacity = capacity
+        self.floor = -math.inf
+        self._seen: set[tuple[bytes, bytes]] = set()
+        self._heap: list[tuple[float, bytes, bytes]] = []
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def accept(self, public_key: bytes, nonce: bytes, timestamp: float, *, now: float) -> None:
+        """Record a message, or raise Replay if it is a repeat, too far from ``now`` in either
+        direction (clock skew), or at or below the floor of forgotten entries."""
+        skew = timestamp - now
+        if not abs(skew) <= self.max_skew_s:
+            raise Replay(
+                f"timestamp {skew:+.1f} s from now exceeds the clock skew limit of "
+                f"{self.max_skew_s} s"
+            )
+        self.prune(now)
+        if timestamp <= self.floor:
+            raise Replay(f"timestamp {timestamp} at or below the replay floor {self.floor}")
+        key = (bytes(public_key), bytes(nonce))
+        if key in self._seen:
+            raise Replay("nonce already seen from this key")
+        if len(self._seen) >= self.capacity:
+            self._forget()
+        self._seen.add(key)
+        heapq.heappush(self._heap, (timestamp, *key))
+
+    def prune(self, now: float) -> None:
+        """Forget entries whose timestamp is older than ``now - max_skew_s``."""
+        while self._heap and self._heap[0][0] < now - self.max_skew_s:
+            self._forget()
+
+    def _forget(self) -> None:
+        timestamp, key, nonce = heapq.heappop(self._heap)
+        self._seen.discard((key, nonce))
+        self.floor = max(self.floor, timestamp)

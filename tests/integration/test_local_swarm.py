@@ -1,0 +1,142 @@
+"""Real peer processes on 127.0.0.1: a swarm trains, and survives a misbehaving insider."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import torch
+
+from node.config import RunConfig
+from node.model import GPT, GPTConfig, embedding_parameter_names
+from node.swarm import LocalSwarm
+from protocol.diloco.compression import compress
+from protocol.diloco.fragments import owners_of, plan_fragments
+from protocol.wire.codec import encode
+from protocol.wire.messages import Contribution
+from protocol.wire.signing import Signer, seal
+from protocol.wire.tensors import EncodedTensor
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
+
+ROOT = Path(__file__).resolve().parents[2]
+SMALL = dict(model="tiny", steps=200, fragments=4, inner_steps=20, eval_every=100,
+             corpus_max_bytes=2_000_000, peers=3)
+
+
+def test_three_peer_swarm_trains_to_one_global_model(tmp_path: Path) -> None:
+    report_path = tmp_path / "report.json"
+    args = [sys.executable, "-m", "node", "local", "--quiet", "--report", str(report_path)]
+    for key, value in SMALL.items():
+        args += [f"--{key.replace('_', '-')}", str(value)]
+    t0 = time.monotonic()
+    proc = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    wall = time.monotonic() - t0
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(report_path.read_text())
+    assert report["peers"] == 3 and report["steps"] == 200
+    assert report["eval_loss"]["end"] <= 0.7 * report["eval_loss"]["start"], report["eval_loss"]
+    hashes = set(report["final_param_hash"].values())
+    assert len(hashes) == 1 and len(report["final_param_hash"]) == 3
+    assert report["stalled_steps"] == 0
+    assert all(v >= 5 for v in report["global_versions"]), report["global_versions"]
+    assert report["bytes_sent"] < report["bytes_sent_ddp_equivalent"]
+    assert report["tokens_trained"] == 3 * 200 * 16 * 64
+    assert report_path.with_suffix(".png").stat().st_size > 1000
+    assert "final global model identical on all peers: yes" in proc.stdout
+    assert wall < 90, f"swarm took {wall:.0f} s"
+
+
+# --- a misbehaving insider ---------------------------------------------------------------------
+
+
+def _contribution(fragment: int, tensors: tuple[EncodedTensor, ...]) -> Contribution:
+    return Contribution(swarm="atoll-local", fragment=fragment, base_version=0, tokens=1024, steps=1,
+                        step_time=0.01, sender_step=1, tensors=tensors)
+
+
+def _sealed(signer: Signer, msg: Contribution) -> bytes:
+    return seal(encode(msg), signer, now=time.time(), nonce=os.urandom(16)).tobytes()
+
+
+def _fragment_shapes(cfg: RunConfig, fragment: int) -> list[tuple[int, ...]]:
+    model = GPT(GPTConfig.preset(cfg.model), seed=cfg.seed)
+    named = dict(model.named_parameters())
+    plan = plan_fragments([(n, tuple(p.shape)) for n, p in named.items()], cfg.fragments,
+                          embeddings=embedding_parameter_names(model))
+    return [tuple(named[n].shape) for n in plan.fragments[fragment].names]
+
+
+async def _attack(url: str, signer: Signer, shapes: list[tuple[int, ...]]) -> list[tuple[str, int, dict[str, Any]]]:
+    """Send one bad request of each kind to the owner of fragment 0; return (name, status, body)."""
+    good = tuple(compress(torch.zeros(s), "int8")[0] for s in shapes)
+    first = shapes[0]
+    nan = EncodedTensor(codec="none", shape=first, dtype="float32", block_size=0,
+                        data=torch.full(first, float("nan")).numpy().tobytes(), scales=b"")
+    wrong = compress(torch.zeros(first[::-1] + (1,)), "int8")[0]
+    valid = _sealed(signer, _contribution(0, (wrong, *good[1:])))
+    tampered = bytearray(valid)
+    tampered[-1] ^= 0xFF
+    cases = {
+        "garbage": os.urandom(3000),
+        "bad signature": bytes(tampered),
+        "unknown fragment": _sealed(signer, _contribution(99, good)),
+        "nan tensor": _sealed(signer, _contribution(0, (nan, *good[1:]))),
+        "non-member": _sealed(Signer.from_seed(os.urandom(32)), _contribution(0, good)),
+        "wrong shapes": valid,
+        "replay": valid,
+    }
+    out = []
+    async with aiohttp.ClientSession() as session:
+        for name, body in cases.items():
+            async with session.post(f"{url}/v1/rpc", data=body) as resp:
+                out.append((name, resp.status, json.loads(await resp.text())))
+    return out
+
+
+def test_running_node_refuses_garbage_bad_signatures_and_unknown_fragments(tmp_path: Path) -> None:
+    insider = Signer.from_seed(os.urandom(32))
+    cfg = RunConfig(**SMALL)  # type: ignore[arg-type]
+    swarm = LocalSwarm(cfg, tmp_path, quiet=True, run_timeout_s=120,
+                       extra_members=[{"index": 99, "url": "", "peer_id": insider.peer_id.hex()}])
+
+    async def scenario() -> tuple[list[dict[str, Any]], list[tuple[str, int, dict[str, Any]]], int]:
+        run = asyncio.create_task(swarm.run())
+        async with asyncio.timeout(60):
+            await swarm.listening.wait()
+        ids = [bytes.fromhex(p.peer_id) for p in swarm.peers]
+        owner = owners_of(cfg.swarm, 0, ids, 1)[0]
+        target = next(p for p in swarm.peers if bytes.fromhex(p.peer_id) == owner)
+        replies = await _attack(target.url, insider, _fragment_shapes(cfg, 0))
+        return await run, replies, target.index
+
+    results, replies, attacked = asyncio.run(scenario())
+    by_name = {name: (status, body) for name, status, body in replies}
+    assert by_name["garbage"][0] in (400, 413)
+    assert by_name["garbage"][1]["error"] in ("DecodeError", "Oversize")
+    assert by_name["bad signature"][0] == 401
+    assert by_name["non-member"][0] == 403
+    assert by_name["unknown fragment"][0] == 404
+    assert by_name["nan tensor"][0] == 400 and "NaN" in by_name["nan tensor"][1]["reason"]
+    assert by_name["wrong shapes"][0] == 400 and "shape" in by_name["wrong shapes"][1]["reason"]
+    assert by_name["replay"][0] == 409
+    assert all(400 <= status < 500 for _, status, _ in replies), replies
+    assert all(body.get("reason") for _, _, body in replies)
+    # the attacked node kept training, and everyone still agrees on the global model
+    assert len(results) == 3
+    victim = next(r for r in results if r["index"] == attacked)
+    assert victim["steps"] == 200
+    assert victim["remote_errors"] >= len(replies)
+    assert len({r["final_param_hash"] for r in results}) == 1
+    start, end = victim["eval_loss_start"], victim["eval_loss_end"]
+    assert math.isfinite(end) and end < 0.75 * start

@@ -1,0 +1,350 @@
+"""The owner's merge round: tables of (events, times) -> (decisions, reasons), and properties."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from protocol.diloco.merge import Decision, FragmentMerger, MergeConfig, Phase
+from protocol.errors import LocalProtocolError
+
+A, B, C, D = (bytes([b]) * 32 for b in (0xA1, 0xB2, 0xC3, 0xD4))
+# gamma 0.5 keeps window arithmetic exact in binary floating point
+EXACT = {"gamma": 0.5}
+
+Event = tuple[Any, ...]
+
+
+def c(now: float, peer: bytes, base: int = 0, **kw: Any) -> Event:
+    return ("c", now, peer, base, kw)
+
+
+def apply(m: FragmentMerger, event: Event) -> Decision:
+    op, now, *args = event
+    if op == "c":
+        peer, base, kw = args
+        fields = {"tokens": 100, "steps": 10, "step_time": 1.0, "payload": peer} | kw
+        return m.on_contribution(peer, base_version=base, now=now, **fields)
+    if op == "t":
+        return m.on_tick(now)
+    if op == "e":
+        return m.set_expected(args[0], now=now)
+    if op == "p":
+        return m.on_published(args[0], sync_time=args[1], now=now)
+    assert op == "f"
+    return m.on_merge_failed(args[0], now=now, discard=args[1])
+
+
+SCENARIOS: dict[str, tuple[dict[str, Any], int, list[tuple[Event, tuple[str, ...]]]]] = {
+    "quorum, grace window, elapsed": (EXACT, 0, [
+        (c(0.5, A), ("accept", "quorum 1/1 reached; grace window 0.75 s")),
+        (("t", 1.0), ("wait", "grace window open (1 contributions; 0.25 s left)")),
+        (c(1.05, B, step_time=2.0), ("accept", "accepted from b2b2b2b2 for version 0 (2 contributions; 0.20 s left)")),
+        (("t", 1.25), ("merge", "grace window elapsed with 2 contributions")),
+        (("t", 1.3), ("wait", "merge for version 0 in progress")),
+        (("e", 1.3, 4), ("wait", "expecting 4; merge for version 0 in progress")),
+        (("p", 1.5, 1, 0.25), ("wait", "round for version 1 open with carried contributions (0/4 contributions; quorum 1)")),
+        (("t", 1.6), ("wait", "waiting for quorum (0/4 contributions; quorum 1)")),
+    ]),
+    "all expected in during grace": (EXACT, 0, [
+        (("e", 0.0, 3), ("wait", "expecting 3 (0/3 contributions; quorum 1)")),
+        (c(1.0, A), ("accept", "quorum 1/1 reached; grace window 0.50 s")),
+        (c(1.1, B), ("accept", "accepted from b2b2b2b2 for version 0 (2/3 contributions; 0.40 s left)")),
+        (c(1.2, C), ("merge", "all 3/3 expected contributions in")),
+    ]),
+    "expected already in at quorum": ({"quorum": 2} | EXACT, 0, [
+        (("e", 0.0, 2), ("wait", "expecting 2 (0/2 contributions; quorum 2)")),
+        (c(0.1, A), ("accept", "accepted from a1a1a1a1 for version 0 (1/2 contributions; quorum 2)")),
+        (c(0.2, B), ("merge", "all 2/2 expected contributions in")),
+    ]),
+    "expected below quorum waits for quorum": ({"quorum": 2} | EXACT, 0, [
+        (("e", 0.0, 1), ("wait", "expecting 1 (0/1 contributions; quorum 2)")),
+        (c(0.5, A), ("accept", "accepted from a1a1a1a1 for version 0 (1/1 contributions; quorum 2)")),
+        (c(0.5, B), ("merge", "all 2/1 expected contributions in")),
+    ]),
+    "set_expected closes the grace window": (EXACT, 0, [
+        (c(0.5, A), ("accept", "quorum 1/1 reached; grace window 0.75 s")),
+        (c(0.6, B), ("accept", "accepted from b2b2b2b2 for version 0 (2 contributions; 0.65 s left)")),
+        (("e", 0.7, 2), ("merge", "all 2/2 expected contributions in")),
+    ]),
+    "window of zero closes at once": (EXACT, 0, [
+        (c(5.0, A), ("merge", "quorum 1/1 reached; grace window 0.00 s; closing with 1 contributions")),
+        (c(5.1, B), ("refuse", "merge for version 0 closed; resync", "closed")),
+    ]),
+    "window capped": ({"grace_cap_s": 10.0} | EXACT, 0, [
+        (c(0.5, A, step_time=100.0), ("accept", "quorum 1/1 reached; grace window 10.00 s")),
+        (("t", 10.25), ("wait", "grace window open (1 contributions; 0.25 s left)")),
+        (("t", 10.5), ("merge", "grace window elapsed with 1 contributions")),
+    ]),
+    "refusals under drop": ({"quorum": 3}, 5, [
+        (c(0.1, A, 5, steps=0), ("refuse", "steps must be >= 1 and tokens >= 0, got 0 and 100", "invalid")),
+        (c(0.1, A, 5, tokens=-1), ("refuse", "steps must be >= 1 and tokens >= 0, got 10 and -1", "invalid")),
+        (c(0.1, A, 5, step_time=math.nan), ("refuse", "step_time must be finite and >= 0, got nan", "invalid")),
+        (c(0.1, A, 5, step_time=-1.0), ("refuse", "step_time must be finite and >= 0, got -1.0", "invalid")),
+        (c(0.1, A, 5, step_time=math.inf), ("refuse", "step_time must be finite and >= 0, got inf", "invalid")),
+        (c(0.1, A, 6), ("refuse", "base version 6 is ahead of version 5", "future")),
+        (c(0.1, A, 2), ("refuse", "stale by 3 versions (bound 2); resync", "stale")),
+        (c(0.1, A, 4), ("refuse", "merge for version 4 closed; resync", "closed")),
+        (c(0.2, A, 5), ("accept", "accepted from a1a1a1a1 for version 5 (1 contributions; quorum 3)")),
+        (c(0.3, A, 5), ("refuse", "duplicate contribution from a1a1a1a1 for version 5", "duplicate")),
+    ]),
+    "carry late and stale contributions": ({"late_policy": "carry"} | EXACT, 5, [
+        (c(0.5, A, 4), ("accept", "quorum 1/1 reached; grace window 0.75 s")),
+        (c(0.6, B, 5), ("accept", "accepted from b2b2b2b2 for version 5 (2 contributions; 0.65 s left)")),
+        (c(0.7, C, 2), ("refuse", "stale by 3 versions (bound 2); resync", "stale")),
+        (("t", 1.25), ("merge", "grace window elapsed with 2 contributions")),
+        (c(1.3, C, 5), ("accept", "carried into round for version 6 (staleness 1; 1 carried)")),
+        (c(1.3, C, 5), ("refuse", "duplicate contribution from c3c3c3c3 for version 6", "duplicate")),
+        (c(1.3, D, 3), ("refuse", "stale by 3 versions (bound 2); resync", "stale")),
+        (c(1.3, D, 6), ("refuse", "base version 6 is ahead of version 5", "future")),
+        (c(1.4, D, 4), ("accept", "carried into round for version 6 (staleness 2; 2 carried)")),
+        (("p", 1.5, 6, 0.5), ("wait", "quorum 2/1 reached; grace window 0.75 s")),
+        (("t", 2.25), ("merge", "grace window elapsed with 2 contributions")),
+    ]),
+    "merge failure, retry, discard": ({"quorum": 2} | EXACT, 0, [
+        (c(0.25, A), ("accept", "accepted from a1a1a1a1 for version 0 (1 contributions; quorum 2)")),
+        (c(0.5, B), ("accept", "quorum 2/2 reached; grace window 0.75 s")),
+        (("t", 1.25), ("merge", "grace window elapsed with 2 contributions")),
+        (("f", 2.0, "replica down", ()), ("wait", "merge for version 0 failed (replica down); 0 discarded, 2 contributions kept; retry in 1.00 s")),
+        (("t", 2.5), ("wait", "grace window open (2 contributions; 0.50 s left)")),
+        (("t", 3.0), ("merge", "grace window elapsed with 2 contributions")),
+        (("f", 3.5, "bad shape", (A,)), ("wait", "merge for version 0 failed (bad shape); 1 discarded, 1 contributions kept; waiting for quorum 2")),
+        (c(3.75, A), ("merge", "quorum 2/2 reached; grace window 0.00 s; closing with 2 contributions")),
+        (("p", 4.0, 1, 0.0), ("wait", "round for version 1 open with carried contributions (0 contributions; quorum 2)")),
+    ]),
+    "immediate retry": ({"retry_s": 0.0} | EXACT, 0, [
+        (c(5.0, A), ("merge", "quorum 1/1 reached; grace window 0.00 s; closing with 1 contributions")),
+        (("f", 5.5, "oops", ()), ("merge", "merge for version 0 failed (oops); 0 discarded, 1 contributions kept; retrying now")),
+    ]),
+    "events after the deadline close the window": (EXACT, 0, [
+        (c(0.5, A), ("accept", "quorum 1/1 reached; grace window 0.75 s")),
+        (c(2.0, A), ("merge", "duplicate contribution from a1a1a1a1 for version 0; grace window elapsed with 1 contributions", "duplicate")),
+    ]),
+    "late accepted contribution joins the closing merge": (EXACT, 0, [
+        (c(0.5, A), ("accept", "quorum 1/1 reached; grace window 0.75 s")),
+        (c(2.0, B), ("merge", "grace window elapsed with 2 contributions")),
+    ]),
+    "set_expected after the deadline closes": (EXACT, 0, [
+        (c(0.5, A), ("accept", "quorum 1/1 reached; grace window 0.75 s")),
+        (("e", 2.0, 5), ("merge", "grace window elapsed with 1/5 contributions")),
+    ]),
+}
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_scenario(name: str) -> None:
+    cfg, version, steps = SCENARIOS[name]
+    m = FragmentMerger(3, MergeConfig(**cfg), version=version, now=0.0)
+    for event, want in steps:
+        got = apply(m, event)
+        assert (got.kind, got.reason) == want[:2], event
+        assert got.refusal == (want[2] if len(want) > 2 else None), event
+        assert got.accepted == (event[0] == "c" and got.refusal is None), event
+        if got.kind == "merge":
+            assert m.phase is Phase.MERGING and m.deadline() is None
+
+
+def test_merge_entries_carry_weights_and_staleness() -> None:
+    m = FragmentMerger(0, MergeConfig(late_policy="carry", **EXACT), version=5, now=0.0)
+    apply(m, c(0.5, A, 4, tokens=100, steps=10))  # 1000 * 0.5
+    apply(m, c(0.6, B, 5, tokens=100, steps=10))  # 1000
+    d = m.on_tick(2.0)
+    assert [(e.peer, e.weight, e.staleness, e.payload) for e in d.entries] == [(A, 500.0, 1, A), (B, 1000.0, 0, B)]
+    assert d.version == 5
+    apply(m, c(2.1, C, 5, tokens=40, steps=4))  # carried: 400 * 0.5
+    d = m.on_published(6, sync_time=0.0, now=2.2)
+    assert m.version == 6 and m.count == 1
+    d = m.on_tick(10.0)
+    assert [(e.peer, e.weight, e.staleness) for e in d.entries] == [(C, 200.0, 1)]
+    assert d.version == 6
+
+
+def test_weights_clamped_by_tokens_per_step_and_median() -> None:
+    cfg = MergeConfig(quorum=4, max_tokens_per_step=20)
+    m = FragmentMerger(0, cfg, now=0.0)
+    m.set_expected(4, now=0.0)
+    for peer, tokens in [(A, 10), (B, 10), (C, 10)]:
+        apply(m, c(0.1, peer, tokens=tokens, steps=1))
+    d = apply(m, c(0.1, D, tokens=1000, steps=1))  # clamped to 20 tokens -> 400
+    assert d.kind == "merge" and [e.weight for e in d.entries] == [100.0] * 3 + [400.0]
+    m = FragmentMerger(0, MergeConfig(quorum=3), now=0.0)
+    m.set_expected(3, now=0.0)
+    for peer, tokens in [(A, 10), (B, 10)]:
+        apply(m, c(0.1, peer, tokens=tokens, steps=1))
+    d = apply(m, c(0.1, C, tokens=1000, steps=1))  # 1e6 capped at 4 x median 100
+    assert [e.weight for e in d.entries] == [100.0, 100.0, 400.0]
+
+
+def test_zero_token_reports_fall_back_to_discounts() -> None:
+    m = FragmentMerger(0, MergeConfig(quorum=2, late_policy="carry"), version=1, now=0.0)
+    m.set_expected(2, now=0.0)
+    apply(m, c(0.1, A, 1, tokens=0))
+    d = apply(m, c(0.1, B, 0, tokens=0))
+    assert [e.weight for e in d.entries] == [1.0, 0.5]
+
+
+def test_step_and_sync_estimates() -> None:
+    cfg = MergeConfig(ema_alpha=0.5, step_time_rounds=2)
+    m = FragmentMerger(0, cfg, now=0.0)
+    assert m.step_time_estimate() == 0.0 and m.sync_time_estimate() == 0.0
+    apply(m, c(10.0, A, 0, step_time=2.0))  # window 0: merges at once
+    m.on_published(1, sync_time=1.0, now=10.0)
+    apply(m, c(20.0, A, 1, step_time=4.0))
+    assert m.step_time_estimate() == 3.0  # 0.5 * 4 + 0.5 * 2
+    m.on_published(2, sync_time=0.0, now=20.0)
+    assert m.sync_time_estimate() == 0.5
+    apply(m, c(30.0, B, 2, step_time=1.0))
+    assert m.step_time_estimate() == 3.0  # A seen at version 1, still within 2 rounds
+    m.on_published(3, sync_time=0.0, now=30.0)
+    apply(m, c(40.0, B, 3, step_time=1.0))
+    assert m.step_time_estimate() == 1.0  # A forgotten
+    m.on_published(4, sync_time=0.0, now=40.0)
+
+
+def test_grace_window_uses_sync_time_and_default_gamma() -> None:
+    m = FragmentMerger(0, MergeConfig(), version=0, now=0.0)
+    apply(m, c(0.0, A, step_time=0.5))
+    m.on_tick(100.0)
+    m.on_published(1, sync_time=0.25, now=100.0)
+    d = apply(m, c(100.5, A, 1, step_time=2.0))  # EMA 0.3*2 + 0.7*0.5 = 0.95
+    wait = 0.8 * (2 * 0.95 - 0.5 - 0.25)
+    assert d.reason == f"quorum 1/1 reached; grace window {wait:.2f} s"
+    assert m.quorum_time == 100.5 and m.deadline() == pytest.approx(100.5 + wait)
+
+
+# ---------------------------------------------------------------- misuse raises
+
+
+def test_events_outside_the_table_raise() -> None:
+    m = FragmentMerger(0, MergeConfig(**EXACT), now=0.0)
+    with pytest.raises(LocalProtocolError, match="Published not allowed while collecting"):
+        m.on_published(1, sync_time=0.0, now=0.0)
+    with pytest.raises(LocalProtocolError, match="MergeFailed not allowed while collecting"):
+        m.on_merge_failed("x", now=0.0)
+    apply(m, c(0.5, A))
+    assert m.phase is Phase.GRACE
+    with pytest.raises(LocalProtocolError, match="not allowed while grace"):
+        m.on_published(1, sync_time=0.0, now=0.5)
+
+
+def test_publish_and_clock_misuse_raise() -> None:
+    m = FragmentMerger(0, MergeConfig(), now=10.0)
+    with pytest.raises(LocalProtocolError, match="backwards"):
+        m.on_tick(9.0)
+    with pytest.raises(LocalProtocolError, match="NaN"):
+        m.on_tick(math.nan)
+    with pytest.raises(LocalProtocolError, match=">= 0"):
+        m.set_expected(-1, now=10.0)
+    apply(m, c(20.0, A))
+    assert m.phase is Phase.MERGING
+    with pytest.raises(LocalProtocolError, match="expected 1"):
+        m.on_published(2, sync_time=0.0, now=20.0)
+    with pytest.raises(LocalProtocolError, match="sync_time"):
+        m.on_published(1, sync_time=math.nan, now=20.0)
+    assert m.on_published(1, sync_time=0.0, now=20.0).kind == "wait"
+    with pytest.raises(LocalProtocolError, match="bad merger start"):
+        FragmentMerger(-1, MergeConfig(), now=0.0)
+    with pytest.raises(LocalProtocolError, match="bad merger start"):
+        FragmentMerger(0, MergeConfig(), now=math.inf)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"quorum": 0}, {"gamma": 1.5}, {"tau": -1.0}, {"grace_cap_s": math.inf}, {"staleness_bound": -1},
+     {"stale_discount": 0.0}, {"late_policy": "keep"}, {"max_tokens_per_step": 0},
+     {"max_weight_median_multiple": 0.5}, {"ema_alpha": 0.0}, {"step_time_rounds": 0},
+     {"retry_s": -1.0}],
+)
+def test_config_validation(kwargs: dict[str, Any]) -> None:
+    with pytest.raises(LocalProtocolError, match="MergeConfig"):
+        MergeConfig(**kwargs)
+
+
+# ---------------------------------------------------------------- properties over random orders
+
+PEERS = [bytes([i]) * 32 for i in range(1, 6)]
+
+op_contribution = st.tuples(
+    st.just("c"), st.integers(0, 4), st.sampled_from([0, 0, 0, 0, -1, -2, -3, 1]), st.integers(-1, 400),
+    st.integers(0, 12), st.sampled_from([0.0, 0.1, 0.5, 1.0, 3.0, math.nan]), st.floats(0, 2),
+)
+op_tick = st.tuples(st.just("t"), st.booleans(), st.floats(0, 3))
+op_expect = st.tuples(st.just("e"), st.one_of(st.none(), st.integers(0, 6)), st.floats(0, 1))
+op_finish = st.tuples(st.just("p"), st.booleans(), st.floats(0, 1), st.sets(st.integers(0, 4), max_size=2))
+configs = st.builds(
+    MergeConfig,
+    quorum=st.integers(1, 3),
+    gamma=st.sampled_from([0.5, 0.8, 1.0]),
+    grace_cap_s=st.sampled_from([0.0, 1.0, 30.0]),
+    staleness_bound=st.integers(0, 2),
+    late_policy=st.sampled_from(["carry", "drop"]),
+    max_tokens_per_step=st.sampled_from([None, 20]),
+    retry_s=st.sampled_from([0.0, 0.5]),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(configs, st.lists(st.one_of(op_contribution, op_tick, op_expect, op_finish, op_finish), min_size=15, max_size=60))
+def test_invariants_over_random_event_orders(cfg: MergeConfig, ops: list[tuple[Any, ...]]) -> None:
+    now = 0.0
+    m = FragmentMerger(0, cfg, now=now)
+    published: set[int] = set()
+    for op in ops:
+        if op[0] == "c":
+            _, who, offset, tokens, steps, step_time, dt = op
+            now += dt
+            d = m.on_contribution(PEERS[who], base_version=max(0, m.version + offset), tokens=tokens,
+                                  steps=steps, step_time=step_time, payload=who, now=now)
+        elif op[0] == "t":
+            _, at_deadline, dt = op
+            deadline = m.deadline()
+            now = max(now, deadline) if at_deadline and deadline is not None else now + dt
+            in_grace = m.phase is Phase.GRACE
+            d = m.on_tick(now)
+            if in_grace and deadline is not None and now >= deadline:
+                assert d.kind == "merge", d  # never waits past its deadline
+        elif op[0] == "e":
+            now += op[2]
+            d = m.set_expected(op[1], now=now)
+        else:
+            if m.phase is not Phase.MERGING:
+                continue
+            _, succeed, dt, discard = op
+            now += dt
+            if succeed:
+                published.add(m.version)
+                d = m.on_published(m.version + 1, sync_time=dt, now=now)
+            else:
+                d = m.on_merge_failed("test", now=now, discard=[PEERS[i] for i in discard])
+        check_decision(m, cfg, d, published, now)
+
+
+def check_decision(m: FragmentMerger, cfg: MergeConfig, d: Decision, published: set[int], now: float) -> None:
+    assert any(ch.isdigit() for ch in d.reason), d.reason  # reasons carry counts
+    assert (d.kind == "refuse") == (d.refusal is not None and not d.entries) or d.kind == "merge"
+    if d.kind == "merge":
+        assert m.phase is Phase.MERGING
+        assert len(d.entries) >= cfg.quorum  # never below quorum
+        assert d.version == m.version and d.version not in published  # no version merged twice
+        peers = [e.peer for e in d.entries]
+        assert len(set(peers)) == len(peers)
+        assert all(0 <= e.staleness <= cfg.staleness_bound for e in d.entries)
+        if cfg.late_policy == "drop":
+            assert all(e.staleness == 0 for e in d.entries)
+        weights = [e.weight for e in d.entries]
+        assert sum(weights) > 0
+        assert max(weights) <= cfg.max_weight_median_multiple * statistics.median(weights) * (1 + 1e-12)
+    if m.phase is Phase.GRACE:
+        deadline, t_q = m.deadline(), m.quorum_time
+        assert deadline is not None and t_q is not None
+        assert now < deadline <= t_q + cfg.grace_cap_s
+        assert m.count >= cfg.quorum
+    else:
+        assert m.deadline() is None
+    if m.phase is Phase.COLLECTING:
+        assert m.count < cfg.quorum

@@ -1,0 +1,211 @@
+"""Outer step: pseudo-gradients, weights, weighted mean and RDA, Nesterov vs torch.optim.SGD."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from protocol.diloco.outer import (
+    OuterConfig,
+    clamp_weights,
+    clip_to_median_norm,
+    outer_step,
+    outer_step_,
+    pseudo_gradient,
+    radial_directional_average,
+    staleness_discount,
+    token_weight,
+    weighted_mean,
+)
+from protocol.errors import LocalProtocolError
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+# ---------------------------------------------------------------- pseudo-gradient and weights
+
+
+def test_pseudo_gradient() -> None:
+    g, local = torch.tensor([1.0, 2.0]), torch.tensor([0.5, 3.0], dtype=torch.bfloat16)
+    d = pseudo_gradient(g, local)
+    assert d.dtype == torch.float32 and d.tolist() == [0.5, -1.0]
+    with pytest.raises(LocalProtocolError, match="shapes"):
+        pseudo_gradient(g, torch.zeros(3))
+
+
+def test_token_weight() -> None:
+    assert token_weight(1000, 10, max_tokens_per_step=None) == 100_000.0
+    assert token_weight(1000, 10, max_tokens_per_step=50) == 500.0 * 500.0 / 10
+    assert token_weight(0, 10, max_tokens_per_step=None) == 0.0
+    assert token_weight(1000, 0, max_tokens_per_step=None) == 0.0
+    for bad in [(-1, 1, None), (1, -1, None), (1, 1, 0)]:
+        with pytest.raises(LocalProtocolError):
+            token_weight(bad[0], bad[1], max_tokens_per_step=bad[2])
+
+
+def test_clamp_weights() -> None:
+    assert clamp_weights([1.0, 2.0, 3.0, 100.0]) == [1.0, 2.0, 3.0, 10.0]  # median 2.5
+    assert clamp_weights([1.0, 1.0, 50.0], max_median_multiple=2.0) == [1.0, 1.0, 2.0]
+    assert clamp_weights([5.0]) == [5.0]
+    assert clamp_weights([]) == []
+    assert clamp_weights([0.0, 0.0, 7.0]) == [0.0, 0.0, 0.0]
+    ws = clamp_weights([3.0, 8.0, 1.0, 40.0, 2.0], max_median_multiple=4.0)
+    assert max(ws) <= 4.0 * 3.0
+    for bad in ([-1.0], [math.nan], [math.inf]):
+        with pytest.raises(LocalProtocolError, match="finite"):
+            clamp_weights(bad)
+    with pytest.raises(LocalProtocolError, match="multiple"):
+        clamp_weights([1.0], max_median_multiple=0.5)
+
+
+def test_staleness_discount() -> None:
+    assert staleness_discount(0, 0.5) == 1.0
+    assert staleness_discount(3, 0.5) == 0.125
+    with pytest.raises(LocalProtocolError):
+        staleness_discount(-1, 0.5)
+    with pytest.raises(LocalProtocolError):
+        staleness_discount(1, 1.5)
+
+
+# ---------------------------------------------------------------- aggregation
+
+
+def orthogonal(m: int, n: int, radius: float) -> list[torch.Tensor]:
+    q, _ = torch.linalg.qr(torch.randn(n, m, generator=gen(0), dtype=torch.float64))
+    return [(q[:, i] * radius).to(torch.float32) for i in range(m)]
+
+
+@pytest.mark.parametrize("m", [2, 4, 8])
+def test_rda_keeps_the_norm_of_orthogonal_deltas(m: int) -> None:
+    deltas = orthogonal(m, 64, 3.0)
+    weights = [1.0] * m
+    rda = radial_directional_average(deltas, weights)
+    mean = weighted_mean(deltas, weights)
+    assert float(rda.norm()) == pytest.approx(3.0, rel=1e-5)
+    assert float(mean.norm()) == pytest.approx(3.0 / math.sqrt(m), rel=1e-5)
+    cos = float(torch.dot(rda, mean) / (rda.norm() * mean.norm()))
+    assert cos == pytest.approx(1.0, abs=1e-6)  # same direction, longer step
+
+
+def test_weighted_mean_and_rda_weights() -> None:
+    a, b = torch.tensor([4.0, 0.0]), torch.tensor([0.0, 2.0])
+    assert weighted_mean([a, b], [3.0, 1.0]).tolist() == [3.0, 0.5]
+    assert weighted_mean([a, b], [1.0, 0.0]).tolist() == [4.0, 0.0]
+    rda = radial_directional_average([a, b], [3.0, 1.0])
+    # radius (3*4 + 1*2)/4 = 3.5 along (3*(1,0) + (0,1))/4 normalised
+    expected = torch.tensor([3.0, 1.0]) / math.sqrt(10) * 3.5
+    assert torch.allclose(rda, expected)
+    same = radial_directional_average([a, a * 2], [1.0, 1.0])
+    assert torch.allclose(same, torch.tensor([6.0, 0.0]))
+
+
+def test_rda_degenerate_inputs() -> None:
+    zeros = [torch.zeros(3), torch.zeros(3)]
+    assert radial_directional_average(zeros, [1.0, 1.0]).tolist() == [0.0] * 3
+    a = torch.tensor([1.0, 2.0, 3.0])
+    assert radial_directional_average([a, -a], [1.0, 1.0]).tolist() == [0.0] * 3  # cancelling
+    # a zero delta adds no direction but halves the mean norm
+    half = radial_directional_average([a, torch.zeros(3)], [1.0, 1.0])
+    assert torch.allclose(half, a / 2)
+    single = radial_directional_average([a], [2.0])
+    assert torch.allclose(single, a)
+
+
+@pytest.mark.parametrize("fn", [weighted_mean, radial_directional_average])
+def test_aggregation_errors(fn: object) -> None:
+    assert callable(fn)
+    a = torch.ones(2)
+    with pytest.raises(LocalProtocolError, match="no deltas"):
+        fn([], [])
+    with pytest.raises(LocalProtocolError, match="weights"):
+        fn([a], [1.0, 2.0])
+    with pytest.raises(LocalProtocolError, match="shape"):
+        fn([a, torch.ones(3)], [1.0, 1.0])
+    with pytest.raises(LocalProtocolError, match="positive"):
+        fn([a, a], [0.0, 0.0])
+    with pytest.raises(LocalProtocolError, match="finite"):
+        fn([a], [math.nan])
+
+
+def test_clip_to_median_norm() -> None:
+    ds = [torch.tensor([3.0, 4.0]), torch.tensor([0.0, 1.0]), torch.tensor([0.0, 100.0]), torch.tensor([2.0, 0.0])]
+    before = [d.clone() for d in ds]
+    clipped = clip_to_median_norm(ds, 2.0)  # median norm 3.5 -> cap 7
+    assert [round(float(d.norm()), 5) for d in clipped] == [5.0, 1.0, 7.0, 2.0]
+    assert all(torch.equal(d, b) for d, b in zip(ds, before, strict=True))
+    assert clipped[0] is not ds[0]
+    assert clip_to_median_norm([], 1.0) == []
+    with pytest.raises(LocalProtocolError):
+        clip_to_median_norm(ds, 0.0)
+
+
+# ---------------------------------------------------------------- outer Nesterov
+
+
+def reference_sgd(cfg: OuterConfig, start: torch.Tensor, deltas: list[torch.Tensor], *, foreach: bool) -> list[torch.Tensor]:
+    p = torch.nn.Parameter(start.clone())
+    opt = torch.optim.SGD([p], lr=cfg.lr, momentum=cfg.momentum,
+                          nesterov=cfg.nesterov and cfg.momentum > 0, foreach=foreach)
+    out = []
+    for d in deltas:
+        p.grad = d.clone()
+        opt.step()
+        out.append(p.detach().clone())
+    return out
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [OuterConfig(), OuterConfig(lr=0.4, momentum=0.9), OuterConfig(lr=1.0, momentum=0.0),
+     OuterConfig(lr=0.7, momentum=0.5, nesterov=False)],
+)
+@pytest.mark.parametrize("foreach", [False, True])
+def test_outer_step_matches_torch_sgd_to_the_bit(cfg: OuterConfig, foreach: bool) -> None:
+    start = torch.randn(1000, generator=gen(1))
+    deltas = [torch.randn(1000, generator=gen(10 + i)) * 0.01 for i in range(6)]
+    expected = reference_sgd(cfg, start, deltas, foreach=foreach)
+    param, buffer = start.clone(), None
+    for d, want in zip(deltas, expected, strict=True):
+        p_before = param.clone()
+        b_before = None if buffer is None else buffer.clone()
+        param, buffer = outer_step(param, d, buffer, cfg)
+        assert torch.equal(param, want)
+        assert torch.equal(p_before, p_before)  # inputs untouched below
+        if b_before is not None:
+            assert buffer is not None and not torch.equal(b_before, buffer) or cfg.momentum == 0
+    assert (buffer is None) == (cfg.momentum == 0)
+    # the in-place variant gives the same bits
+    inplace, buf = start.clone(), None
+    for d in deltas:
+        buf = outer_step_(inplace, d, buf, cfg)
+    assert torch.equal(inplace, expected[-1])
+
+
+def test_outer_step_does_not_mutate_inputs() -> None:
+    p, d, b = torch.ones(3), torch.full((3,), 0.1), torch.full((3,), 0.2)
+    new_p, new_b = outer_step(p, d, b, OuterConfig())
+    assert p.tolist() == [1.0] * 3 and b.tolist() == [pytest.approx(0.2)] * 3
+    assert new_b is not None and new_b is not b and new_p is not p
+
+
+def test_plain_averaging_recovers_the_mean_local_params() -> None:
+    global_ = torch.randn(50, generator=gen(2))
+    locals_ = [global_ + torch.randn(50, generator=gen(3 + i)) * 0.1 for i in range(4)]
+    delta = weighted_mean([pseudo_gradient(global_, loc) for loc in locals_], [1.0] * 4)
+    new, buffer = outer_step(global_, delta, None, OuterConfig(lr=1.0, momentum=0.0))
+    assert buffer is None
+    assert torch.allclose(new, torch.stack(locals_).mean(0), atol=1e-6)
+
+
+def test_outer_config_and_shape_errors() -> None:
+    for kwargs in ({"lr": 0.0}, {"lr": math.inf}, {"momentum": 1.0}, {"momentum": -0.1}):
+        with pytest.raises(LocalProtocolError):
+            OuterConfig(**kwargs)  # type: ignore[arg-type]
+    with pytest.raises(LocalProtocolError, match="shapes"):
+        outer_step(torch.ones(2), torch.ones(3), None, OuterConfig())
+    with pytest.raises(LocalProtocolError, match="shapes"):
+        outer_step(torch.ones(2), torch.ones(2), torch.ones(3), OuterConfig())

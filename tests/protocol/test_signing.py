@@ -1,0 +1,311 @@
+"""Signed envelopes: verify before decode, tampering, replay and skew, streaming receive."""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from protocol.errors import (
+    BadSignature,
+    DecodeError,
+    LocalProtocolError,
+    Oversize,
+    RemoteProtocolError,
+    Replay,
+)
+from protocol.ids import peer_id_from_public_key
+from protocol.wire.codec import encode
+from protocol.wire.messages import Ack, Message
+from protocol.wire.signing import (
+    DOMAIN,
+    MAX_ENVELOPE,
+    ReplayWindow,
+    Sealed,
+    SealedReader,
+    Signer,
+    digest_parts,
+    envelope_length,
+    open_envelope,
+    open_sealed,
+    seal,
+    verify_sealed,
+)
+from tests.protocol.test_messages import contribution, messages, tensor
+
+ALICE = Signer.from_seed(bytes(range(32)))
+MALLORY = Signer.from_seed(b"m" * 32)
+NOW = 1_000_000.0
+MAX = 1 << 20
+
+
+def nonce(i: int = 0) -> bytes:
+    return i.to_bytes(16, "big")
+
+
+def sealed(
+    msg: Message | None = None, *, now: float = NOW, n: int = 0, signer: Signer = ALICE
+) -> Sealed:
+    return seal(encode(msg or contribution(tensors=(tensor(64),))), signer, now=now, nonce=nonce(n))
+
+
+def env_bounds(wire: bytes) -> tuple[int, int]:
+    return 4, 4 + struct.unpack(">I", wire[:4])[0]
+
+
+def resign(wire: bytes, change: dict[int, object], signer: Signer | None = None) -> bytes:
+    """Rewrite envelope fields (by index); re-sign with ``signer`` or keep the old signature."""
+    start, end = env_bounds(wire)
+    signed, signature = msgpack.unpackb(wire[start:end])
+    fields = msgpack.unpackb(signed)
+    for i, v in change.items():
+        fields[i] = v
+    signed = msgpack.packb(fields, use_bin_type=True)
+    if signer is not None:
+        signature = signer.sign(DOMAIN + signed)
+    env = msgpack.packb([signed, signature], use_bin_type=True)
+    return struct.pack(">I", len(env)) + env + wire[end:]
+
+
+# ── round trip ───────────────────────────────────────────────────────────────────────────────
+@settings(max_examples=40, deadline=None)
+@given(messages(), st.integers(1, 400))
+def test_sealed_messages_open_to_the_same_message(msg: Message, chunk_size: int) -> None:
+    s = seal(encode(msg), ALICE, now=NOW, nonce=nonce())
+    wire = s.tobytes()
+    assert len(wire) == s.size
+    chunks = list(s.iter_chunks(chunk_size))
+    assert all(0 < c.nbytes <= chunk_size for c in chunks) and b"".join(chunks) == wire
+    opened = open_sealed(wire, now=NOW + 1, replay=ReplayWindow(), max_size=MAX)
+    assert opened.message == msg
+    assert (opened.public_key, opened.peer_id) == (ALICE.public_key, ALICE.peer_id)
+    assert (opened.timestamp, opened.nonce) == (NOW, nonce())
+
+
+def test_signer_identity_and_misuse() -> None:
+    assert len(ALICE.public_key) == 32
+    assert ALICE.peer_id == peer_id_from_public_key(ALICE.public_key)
+    assert Signer(bytes(range(32))).public_key == ALICE.public_key
+    assert len(ALICE.sign(b"x")) == 64 and "Signer(" in repr(ALICE)
+    with pytest.raises(LocalProtocolError):
+        Signer(b"short")
+    enc = encode(Ack(accepted=True, reason="", version=0))
+    with pytest.raises(LocalProtocolError, match="nonce"):
+        seal(enc, ALICE, now=NOW, nonce=b"x")
+    with pytest.raises(LocalProtocolError, match="finite"):
+        seal(enc, ALICE, now=float("nan"), nonce=nonce())
+
+
+def test_digest_streams_over_parts() -> None:
+    s = sealed()
+    assert digest_parts(s.message.parts) == hashlib.sha256(s.message.tobytes()).digest()
+
+
+# ── tampering ────────────────────────────────────────────────────────────────────────────────
+def test_tampered_body_is_a_content_hash_mismatch_and_does_not_poison_replay() -> None:
+    wire = bytearray(sealed().tobytes())
+    wire[-1] ^= 1
+    replay = ReplayWindow()
+    with pytest.raises(BadSignature, match="content hash mismatch"):
+        open_sealed(bytes(wire), now=NOW, replay=replay, max_size=MAX)
+    assert len(replay) == 0
+    open_sealed(sealed().tobytes(), now=NOW, replay=replay, max_size=MAX)  # still accepted
+
+
+def test_every_flipped_envelope_byte_is_refused() -> None:
+    wire = sealed().tobytes()
+    start, end = env_bounds(wire)
+    for i in range(end):
+        bad = bytearray(wire)
+        bad[i] ^= 0x40
+        with pytest.raises(RemoteProtocolError):
+            open_sealed(bytes(bad), now=NOW, replay=ReplayWindow(), max_size=MAX)
+    signature_byte = bytearray(wire)
+    signature_byte[end - 1] ^= 1
+    with pytest.raises(BadSignature, match="envelope signature"):
+        verify_sealed(bytes(signature_byte), max_size=MAX)
+
+
+def test_envelope_claiming_another_key_is_refused() -> None:
+    wire = sealed().tobytes()
+    with pytest.raises(BadSignature):
+        open_sealed(
+            resign(wire, {1: MALLORY.public_key}), now=NOW, replay=ReplayWindow(), max_size=MAX
+        )
+    # A valid signature by Mallory over a body Alice sealed still opens as Mallory's.
+    opened = verify_sealed(resign(wire, {1: MALLORY.public_key}, MALLORY), max_size=MAX)
+    assert opened.peer_id == MALLORY.peer_id
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "reason"),
+    [
+        ({0: 2}, DecodeError, "version"),
+        ({1: b"k"}, DecodeError, "public key"),
+        ({2: 5}, DecodeError, "timestamp"),
+        ({2: float("inf")}, DecodeError, "timestamp"),
+        ({3: b"short"}, DecodeError, "nonce"),
+        ({4: b"d"}, DecodeError, "digest"),
+        ({5: -1}, DecodeError, "size"),
+        ({5: 1 << 40}, Oversize, "exceeds the cap"),
+        ({5: 10}, DecodeError, "envelope says 10"),
+    ],
+)
+def test_bad_envelope_fields(
+    change: dict[int, object], error: type[Exception], reason: str
+) -> None:
+    wire = resign(sealed().tobytes(), change, ALICE)
+    with pytest.raises(error, match=reason):
+        open_sealed(wire, now=NOW, replay=ReplayWindow(), max_size=MAX)
+
+
+@pytest.mark.parametrize(
+    ("envelope", "error"),
+    [
+        (b"\xc1", DecodeError),
+        (msgpack.packb([b"a"]), DecodeError),
+        (msgpack.packb(["a", b"b"]), DecodeError),
+        (msgpack.packb([msgpack.packb([1, 2]), b"s"]), DecodeError),
+        (msgpack.packb([msgpack.packb({"a": 1}), b"s"]), DecodeError),
+        (bytes(MAX_ENVELOPE + 1), Oversize),
+    ],
+)
+def test_malformed_envelopes(envelope: bytes, error: type[Exception]) -> None:
+    with pytest.raises(error):
+        open_envelope(envelope, max_size=MAX)
+
+
+def test_framing_errors() -> None:
+    wire = sealed().tobytes()
+    replay = ReplayWindow()
+    for n in range(len(wire)):
+        with pytest.raises(RemoteProtocolError):
+            open_sealed(wire[:n], now=NOW, replay=replay, max_size=MAX)
+    with pytest.raises(DecodeError, match="envelope says"):
+        open_sealed(wire + b"\0", now=NOW, replay=replay, max_size=MAX)
+    with pytest.raises(Oversize):
+        open_sealed(wire, now=NOW, replay=replay, max_size=100)
+    assert len(wire) > 4 + MAX_ENVELOPE + 1
+    with pytest.raises(Oversize, match="sealed message"):
+        open_sealed(wire, now=NOW, replay=replay, max_size=1)
+    with pytest.raises(Oversize):
+        envelope_length(struct.pack(">I", MAX_ENVELOPE + 1))
+    assert len(replay) == 0
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.integers(0, 10_000), st.integers(1, 255), st.binary(max_size=4))
+def test_mutated_sealed_messages_never_open(pos: int, xor: int, extra: bytes) -> None:
+    wire = bytearray(sealed().tobytes())
+    wire[pos % len(wire)] ^= xor
+    with pytest.raises(RemoteProtocolError):
+        open_sealed(bytes(wire) + extra, now=NOW, replay=ReplayWindow(), max_size=MAX)
+
+
+# ── replay window ────────────────────────────────────────────────────────────────────────────
+def test_replay_is_refused() -> None:
+    wire = sealed().tobytes()
+    replay = ReplayWindow()
+    open_sealed(wire, now=NOW, replay=replay, max_size=MAX)
+    with pytest.raises(Replay, match="already seen"):
+        open_sealed(wire, now=NOW + 1, replay=replay, max_size=MAX)
+    verify_sealed(wire, max_size=MAX)  # cached re-serving ignores the window
+    open_sealed(sealed(n=1).tobytes(), now=NOW, replay=replay, max_size=MAX)
+    open_sealed(sealed(signer=MALLORY).tobytes(), now=NOW, replay=replay, max_size=MAX)
+    assert len(replay) == 3
+
+
+@pytest.mark.parametrize("offset", [-61.0, 61.0])
+def test_skew_in_both_directions_is_refused(offset: float) -> None:
+    wire = sealed(now=NOW + offset).tobytes()
+    with pytest.raises(Replay, match="clock skew"):
+        open_sealed(wire, now=NOW, replay=ReplayWindow(max_skew_s=60), max_size=MAX)
+    open_sealed(wire, now=NOW + offset - 59 * (offset / 61), replay=ReplayWindow(), max_size=MAX)
+    assert verify_sealed(wire, max_size=MAX).timestamp == NOW + offset
+
+
+def test_window_prunes_by_now_and_never_accepts_a_forgotten_message() -> None:
+    w = ReplayWindow(max_skew_s=10)
+    for i in range(5):
+        w.accept(b"k" * 32, nonce(i), NOW + i, now=NOW + i)
+    assert len(w) == 5
+    w.prune(NOW + 12.5)  # entries at NOW, NOW+1, NOW+2 are older than now - 10
+    assert len(w) == 2 and w.floor == NOW + 2
+    with pytest.raises(Replay, match="floor"):
+        w.accept(b"k" * 32, nonce(2), NOW + 2, now=NOW + 3)  # clock stepped back
+    w.accept(b"k" * 32, nonce(9), NOW + 12, now=NOW + 13.5)
+    assert len(w) == 2  # NOW+3 pruned on the way
+
+
+def test_window_memory_is_bounded_by_capacity() -> None:
+    w = ReplayWindow(max_skew_s=60, capacity=3)
+    for i in range(10):
+        w.accept(b"k" * 32, nonce(i), NOW + i, now=NOW + 10)
+        assert len(w) <= 3
+    assert w.floor == NOW + 6
+    with pytest.raises(Replay, match="floor"):
+        w.accept(b"k" * 32, nonce(0), NOW, now=NOW + 10)  # evicted early, still refused
+    with pytest.raises(Replay, match="already seen"):
+        w.accept(b"k" * 32, nonce(9), NOW + 9, now=NOW + 10)
+    with pytest.raises(LocalProtocolError):
+        ReplayWindow(capacity=0)
+    with pytest.raises(LocalProtocolError):
+        ReplayWindow(max_skew_s=0)
+
+
+# ── streaming receive ────────────────────────────────────────────────────────────────────────
+@pytest.mark.parametrize("chunk", [1, 7, 100, 1 << 20])
+def test_sealed_reader_in_chunks(chunk: int) -> None:
+    s = sealed()
+    wire = s.tobytes()
+    reader = SealedReader(MAX)
+    for i in range(0, len(wire), chunk):
+        assert not reader.done
+        reader.feed(wire[i : i + chunk])
+    assert reader.done and reader.envelope is not None
+    assert reader.envelope.size == s.message.size
+    opened = reader.open(now=NOW, replay=ReplayWindow())
+    assert opened.message == contribution(tensors=(tensor(64),))
+    assert reader.verify().message == opened.message
+    assert reader.buffer is not None and len(reader.buffer) == s.message.size
+
+
+def test_sealed_reader_verifies_envelope_before_allocating_the_body() -> None:
+    wire = sealed().tobytes()
+    _, end = env_bounds(wire)
+    forged = bytearray(wire)
+    forged[end - 1] ^= 1  # signature
+    reader = SealedReader(MAX)
+    with pytest.raises(BadSignature):
+        reader.feed(bytes(forged[: end + 10]))
+    assert reader.buffer is None and reader.envelope is None
+
+    small = SealedReader(100)
+    with pytest.raises(Oversize):
+        small.feed(wire[:end])
+    assert small.buffer is None
+
+    incomplete = SealedReader(MAX)
+    incomplete.feed(wire[: end + 3])
+    assert incomplete.envelope is not None and not incomplete.done
+    with pytest.raises(LocalProtocolError, match="incomplete"):
+        incomplete.open(now=NOW, replay=ReplayWindow())
+    with pytest.raises(DecodeError, match="longer than"):
+        incomplete.feed(wire[end + 3 :] + b"x")
+
+
+def test_sealed_reader_tampered_body_and_empty_envelope() -> None:
+    wire = bytearray(sealed().tobytes())
+    wire[-2] ^= 1
+    reader = SealedReader(MAX)
+    reader.feed(bytes(wire))
+    replay = ReplayWindow()
+    with pytest.raises(BadSignature, match="content hash"):
+        reader.open(now=NOW, replay=replay)
+    assert len(replay) == 0
+    with pytest.raises(DecodeError):
+        SealedReader(MAX).feed(struct.pack(">I", 0) + b"rest")
