@@ -15,8 +15,11 @@ collects contributions for the round that produces ``v + 1``; a contribution's s
 The grace window lasts ``clamp(gamma * (tau * xi_step - xi_quorum - xi_sync), 0, grace_cap_s)``
 from ``t_q``: ``xi_step`` is the slowest recent learner's step time (the largest per-peer EMA of
 reported step times among peers accepted in the last ``step_time_rounds`` rounds), ``xi_quorum``
-is how long the quorum took (``t_q`` minus the round's opening), ``xi_sync`` the EMA of the
-merge-plus-transfer times the node reports in ``on_published`` (0 until the first report). The
+is how long the quorum took once the round's first contribution arrived (``t_q`` minus that
+arrival; 0 with K = 1), ``xi_sync`` the EMA of the merge-plus-transfer times the node reports in
+``on_published`` (0 until the first report). Measuring ``xi_quorum`` from the round's opening
+instead would spend the whole budget on the H inner steps between two contributions of a
+learner, and the window would always be 0 with staggered fragments. The
 window only spends time that a learner already hides behind ``tau`` inner steps.
 
 Acceptance: a contribution is refused with a reason (never raised: it is a peer's doing) when
@@ -179,6 +182,7 @@ class FragmentMerger:
         self.expected: int | None = None
         self._now = self._opened_at = now
         self._quorum_at: float | None = None
+        self._first_at: float | None = None  # arrival of the round's first contribution
         self._deadline: float | None = None
         self._entries: list[_Pending] = []
         self._carried: list[_Pending] = []  # for round v + 1, only while MERGING
@@ -295,6 +299,7 @@ class FragmentMerger:
         self.version = ev.new_version
         self._entries, self._carried = self._carried, []
         self._reopen(Phase.COLLECTING, opened_at=self._now)
+        self._first_at = self._now if self._entries else None
         horizon = self.version - self.config.step_time_rounds + 1
         self._step_ema = {p: v for p, v in self._step_ema.items() if v[1] >= horizon}
         return self._settle(False, f"round for version {self.version} open with carried contributions")
@@ -339,6 +344,8 @@ class FragmentMerger:
     def _admit(self, ev: _Contribution, pool: list[_Pending]) -> None:
         w = token_weight(ev.tokens, ev.steps, max_tokens_per_step=self.config.max_tokens_per_step)
         pool.append(_Pending(ev.peer, ev.base_version, w, ev.payload))
+        if pool is self._entries and self._first_at is None:
+            self._first_at = self._now
         old = self._step_ema.get(ev.peer)
         ema = _ema(None if old is None else old[0], ev.step_time, self.config.ema_alpha)
         self._step_ema[ev.peer] = (ema, self.version)
@@ -365,7 +372,7 @@ class FragmentMerger:
 
     def _open_grace(self) -> float:
         cfg = self.config
-        xi_quorum = self._now - self._opened_at
+        xi_quorum = self._now - (self._opened_at if self._first_at is None else self._first_at)
         raw = cfg.gamma * (cfg.tau * self.step_time_estimate() - xi_quorum - self.sync_time_estimate())
         wait = min(max(raw, 0.0), cfg.grace_cap_s)
         self.phase, self._quorum_at, self._deadline = Phase.GRACE, self._now, self._now + wait

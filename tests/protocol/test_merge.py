@@ -15,7 +15,7 @@ from protocol.errors import LocalProtocolError
 
 A, B, C, D = (bytes([b]) * 32 for b in (0xA1, 0xB2, 0xC3, 0xD4))
 # gamma 0.5 keeps window arithmetic exact in binary floating point
-EXACT = {"gamma": 0.5}
+EXACT: dict[str, Any] = {"gamma": 0.5}
 
 Event = tuple[Any, ...]
 
@@ -42,20 +42,21 @@ def apply(m: FragmentMerger, event: Event) -> Decision:
 
 SCENARIOS: dict[str, tuple[dict[str, Any], int, list[tuple[Event, tuple[str, ...]]]]] = {
     "quorum, grace window, elapsed": (EXACT, 0, [
-        (c(0.5, A), ("accept", "quorum 1/1 reached; grace window 0.75 s")),
-        (("t", 1.0), ("wait", "grace window open (1 contributions; 0.25 s left)")),
-        (c(1.05, B, step_time=2.0), ("accept", "accepted from b2b2b2b2 for version 0 (2 contributions; 0.20 s left)")),
-        (("t", 1.25), ("merge", "grace window elapsed with 2 contributions")),
-        (("t", 1.3), ("wait", "merge for version 0 in progress")),
-        (("e", 1.3, 4), ("wait", "expecting 4; merge for version 0 in progress")),
-        (("p", 1.5, 1, 0.25), ("wait", "round for version 1 open with carried contributions (0/4 contributions; quorum 1)")),
-        (("t", 1.6), ("wait", "waiting for quorum (0/4 contributions; quorum 1)")),
+        # xi_quorum is 0 with K = 1: the window is gamma * tau * xi_step = 0.5 * 2 * 1.0
+        (c(0.5, A), ("accept", "quorum 1/1 reached; grace window 1.00 s")),
+        (("t", 1.0), ("wait", "grace window open (1 contributions; 0.50 s left)")),
+        (c(1.25, B, step_time=2.0), ("accept", "accepted from b2b2b2b2 for version 0 (2 contributions; 0.25 s left)")),
+        (("t", 1.5), ("merge", "grace window elapsed with 2 contributions")),
+        (("t", 1.55), ("wait", "merge for version 0 in progress")),
+        (("e", 1.55, 4), ("wait", "expecting 4; merge for version 0 in progress")),
+        (("p", 1.75, 1, 0.25), ("wait", "round for version 1 open with carried contributions (0/4 contributions; quorum 1)")),
+        (("t", 1.85), ("wait", "waiting for quorum (0/4 contributions; quorum 1)")),
     ]),
     "all expected in during grace": (EXACT, 0, [
         (("e", 0.0, 3), ("wait", "expecting 3 (0/3 contributions; quorum 1)")),
-        (c(1.0, A), ("accept", "quorum 1/1 reached; grace window 0.50 s")),
-        (c(1.1, B), ("accept", "accepted from b2b2b2b2 for version 0 (2/3 contributions; 0.40 s left)")),
-        (c(1.2, C), ("merge", "all 3/3 expected contributions in")),
+        (c(1.0, A), ("accept", "quorum 1/1 reached; grace window 1.00 s")),
+        (c(1.5, B), ("accept", "accepted from b2b2b2b2 for version 0 (2/3 contributions; 0.50 s left)")),
+        (c(1.75, C), ("merge", "all 3/3 expected contributions in")),
     ]),
     "expected already in at quorum": ({"quorum": 2} | EXACT, 0, [
         (("e", 0.0, 2), ("wait", "expecting 2 (0/2 contributions; quorum 2)")),
@@ -68,12 +69,12 @@ SCENARIOS: dict[str, tuple[dict[str, Any], int, list[tuple[Event, tuple[str, ...
         (c(0.5, B), ("merge", "all 2/1 expected contributions in")),
     ]),
     "set_expected closes the grace window": (EXACT, 0, [
-        (c(0.5, A), ("accept", "quorum 1/1 reached; grace window 0.75 s")),
-        (c(0.6, B), ("accept", "accepted from b2b2b2b2 for version 0 (2 contributions; 0.65 s left)")),
-        (("e", 0.7, 2), ("merge", "all 2/2 expected contributions in")),
+        (c(0.5, A), ("accept", "quorum 1/1 reached; grace window 1.00 s")),
+        (c(1.0, B), ("accept", "accepted from b2b2b2b2 for version 0 (2 contributions; 0.50 s left)")),
+        (("e", 1.25, 2), ("merge", "all 2/2 expected contributions in")),
     ]),
     "window of zero closes at once": (EXACT, 0, [
-        (c(5.0, A), ("merge", "quorum 1/1 reached; grace window 0.00 s; closing with 1 contributions")),
+        (c(5.0, A, step_time=0.0), ("merge", "quorum 1/1 reached; grace window 0.00 s; closing with 1 contributions")),
         (c(5.1, B), ("refuse", "merge for version 0 closed; resync", "closed")),
     ]),
     "window capped": ({"grace_cap_s": 10.0} | EXACT, 0, [
@@ -94,22 +95,24 @@ SCENARIOS: dict[str, tuple[dict[str, Any], int, list[tuple[Event, tuple[str, ...
         (c(0.3, A, 5), ("refuse", "duplicate contribution from a1a1a1a1 for version 5", "duplicate")),
     ]),
     "carry late and stale contributions": ({"late_policy": "carry"} | EXACT, 5, [
-        (c(0.5, A, 4), ("accept", "quorum 1/1 reached; grace window 0.75 s")),
-        (c(0.6, B, 5), ("accept", "accepted from b2b2b2b2 for version 5 (2 contributions; 0.65 s left)")),
-        (c(0.7, C, 2), ("refuse", "stale by 3 versions (bound 2); resync", "stale")),
-        (("t", 1.25), ("merge", "grace window elapsed with 2 contributions")),
-        (c(1.3, C, 5), ("accept", "carried into round for version 6 (staleness 1; 1 carried)")),
-        (c(1.3, C, 5), ("refuse", "duplicate contribution from c3c3c3c3 for version 6", "duplicate")),
-        (c(1.3, D, 3), ("refuse", "stale by 3 versions (bound 2); resync", "stale")),
-        (c(1.3, D, 6), ("refuse", "base version 6 is ahead of version 5", "future")),
-        (c(1.4, D, 4), ("accept", "carried into round for version 6 (staleness 2; 2 carried)")),
-        (("p", 1.5, 6, 0.5), ("wait", "quorum 2/1 reached; grace window 0.75 s")),
-        (("t", 2.25), ("merge", "grace window elapsed with 2 contributions")),
+        (c(0.5, A, 4), ("accept", "quorum 1/1 reached; grace window 1.00 s")),
+        (c(1.0, B, 5), ("accept", "accepted from b2b2b2b2 for version 5 (2 contributions; 0.50 s left)")),
+        (c(1.25, C, 2), ("refuse", "stale by 3 versions (bound 2); resync", "stale")),
+        (("t", 1.5), ("merge", "grace window elapsed with 2 contributions")),
+        (c(1.55, C, 5), ("accept", "carried into round for version 6 (staleness 1; 1 carried)")),
+        (c(1.55, C, 5), ("refuse", "duplicate contribution from c3c3c3c3 for version 6", "duplicate")),
+        (c(1.55, D, 3), ("refuse", "stale by 3 versions (bound 2); resync", "stale")),
+        (c(1.55, D, 6), ("refuse", "base version 6 is ahead of version 5", "future")),
+        (c(1.6, D, 4), ("accept", "carried into round for version 6 (staleness 2; 2 carried)")),
+        # carried contributions count as arriving when the round opens: xi_quorum 0, xi_sync 0.5
+        (("p", 1.75, 6, 0.5), ("wait", "quorum 2/1 reached; grace window 0.75 s")),
+        (("t", 2.5), ("merge", "grace window elapsed with 2 contributions")),
     ]),
     "merge failure, retry, discard": ({"quorum": 2} | EXACT, 0, [
+        # xi_quorum: 0.5 s from the first contribution to the second
         (c(0.25, A), ("accept", "accepted from a1a1a1a1 for version 0 (1 contributions; quorum 2)")),
-        (c(0.5, B), ("accept", "quorum 2/2 reached; grace window 0.75 s")),
-        (("t", 1.25), ("merge", "grace window elapsed with 2 contributions")),
+        (c(0.75, B), ("accept", "quorum 2/2 reached; grace window 0.75 s")),
+        (("t", 1.5), ("merge", "grace window elapsed with 2 contributions")),
         (("f", 2.0, "replica down", ()), ("wait", "merge for version 0 failed (replica down); 0 discarded, 2 contributions kept; retry in 1.00 s")),
         (("t", 2.5), ("wait", "grace window open (2 contributions; 0.50 s left)")),
         (("t", 3.0), ("merge", "grace window elapsed with 2 contributions")),
@@ -118,19 +121,19 @@ SCENARIOS: dict[str, tuple[dict[str, Any], int, list[tuple[Event, tuple[str, ...
         (("p", 4.0, 1, 0.0), ("wait", "round for version 1 open with carried contributions (0 contributions; quorum 2)")),
     ]),
     "immediate retry": ({"retry_s": 0.0} | EXACT, 0, [
-        (c(5.0, A), ("merge", "quorum 1/1 reached; grace window 0.00 s; closing with 1 contributions")),
+        (c(5.0, A, step_time=0.0), ("merge", "quorum 1/1 reached; grace window 0.00 s; closing with 1 contributions")),
         (("f", 5.5, "oops", ()), ("merge", "merge for version 0 failed (oops); 0 discarded, 1 contributions kept; retrying now")),
     ]),
     "events after the deadline close the window": (EXACT, 0, [
-        (c(0.5, A), ("accept", "quorum 1/1 reached; grace window 0.75 s")),
+        (c(0.5, A), ("accept", "quorum 1/1 reached; grace window 1.00 s")),
         (c(2.0, A), ("merge", "duplicate contribution from a1a1a1a1 for version 0; grace window elapsed with 1 contributions", "duplicate")),
     ]),
     "late accepted contribution joins the closing merge": (EXACT, 0, [
-        (c(0.5, A), ("accept", "quorum 1/1 reached; grace window 0.75 s")),
+        (c(0.5, A), ("accept", "quorum 1/1 reached; grace window 1.00 s")),
         (c(2.0, B), ("merge", "grace window elapsed with 2 contributions")),
     ]),
     "set_expected after the deadline closes": (EXACT, 0, [
-        (c(0.5, A), ("accept", "quorum 1/1 reached; grace window 0.75 s")),
+        (c(0.5, A), ("accept", "quorum 1/1 reached; grace window 1.00 s")),
         (("e", 2.0, 5), ("merge", "grace window elapsed with 1/5 contributions")),
     ]),
 }
@@ -192,18 +195,22 @@ def test_step_and_sync_estimates() -> None:
     cfg = MergeConfig(ema_alpha=0.5, step_time_rounds=2)
     m = FragmentMerger(0, cfg, now=0.0)
     assert m.step_time_estimate() == 0.0 and m.sync_time_estimate() == 0.0
-    apply(m, c(10.0, A, 0, step_time=2.0))  # window 0: merges at once
-    m.on_published(1, sync_time=1.0, now=10.0)
+    apply(m, c(10.0, A, 0, step_time=2.0))
+    m.on_tick(20.0)  # the window (0.8 * 2 * 2.0 s) has elapsed
+    m.on_published(1, sync_time=1.0, now=20.0)
     apply(m, c(20.0, A, 1, step_time=4.0))
     assert m.step_time_estimate() == 3.0  # 0.5 * 4 + 0.5 * 2
-    m.on_published(2, sync_time=0.0, now=20.0)
+    m.on_tick(30.0)
+    m.on_published(2, sync_time=0.0, now=30.0)
     assert m.sync_time_estimate() == 0.5
     apply(m, c(30.0, B, 2, step_time=1.0))
     assert m.step_time_estimate() == 3.0  # A seen at version 1, still within 2 rounds
-    m.on_published(3, sync_time=0.0, now=30.0)
+    m.on_tick(40.0)
+    m.on_published(3, sync_time=0.0, now=40.0)
     apply(m, c(40.0, B, 3, step_time=1.0))
     assert m.step_time_estimate() == 1.0  # A forgotten
-    m.on_published(4, sync_time=0.0, now=40.0)
+    m.on_tick(50.0)
+    m.on_published(4, sync_time=0.0, now=50.0)
 
 
 def test_grace_window_uses_sync_time_and_default_gamma() -> None:
@@ -212,7 +219,7 @@ def test_grace_window_uses_sync_time_and_default_gamma() -> None:
     m.on_tick(100.0)
     m.on_published(1, sync_time=0.25, now=100.0)
     d = apply(m, c(100.5, A, 1, step_time=2.0))  # EMA 0.3*2 + 0.7*0.5 = 0.95
-    wait = 0.8 * (2 * 0.95 - 0.5 - 0.25)
+    wait = 0.8 * (2 * 0.95 - 0.0 - 0.25)  # xi_quorum 0: quorum K = 1 reached on arrival
     assert d.reason == f"quorum 1/1 reached; grace window {wait:.2f} s"
     assert m.quorum_time == 100.5 and m.deadline() == pytest.approx(100.5 + wait)
 
@@ -240,7 +247,7 @@ def test_publish_and_clock_misuse_raise() -> None:
         m.on_tick(math.nan)
     with pytest.raises(LocalProtocolError, match=">= 0"):
         m.set_expected(-1, now=10.0)
-    apply(m, c(20.0, A))
+    apply(m, c(20.0, A, step_time=0.0))
     assert m.phase is Phase.MERGING
     with pytest.raises(LocalProtocolError, match="expected 1"):
         m.on_published(2, sync_time=0.0, now=20.0)
