@@ -6,9 +6,9 @@ DiLoCo does), so a user's training loop barely changes::
     island = Island(model, inner_optimizer, plan, link, IslandConfig(...))
     for batch in loader:
         loss = model(batch)...; loss.backward()
+        island.tokens(batch.numel())    # tokens of this step, counted before the step ships
         inner_optimizer.step()          # the hook adopts arrived fragments, ships due ones
         inner_optimizer.zero_grad()
-        island.tokens(batch.numel())    # token count for the merge weights
 
 After every inner step the hook (1) adopts global fragments that arrived since the last step,
 (2) for each fragment due at this step snapshots the pseudo-gradient Δ_p = Θ_p^base − θ_p and
@@ -20,8 +20,10 @@ adoption of a new version of it. Counting from adoption keeps the swarm in phase
 every learner receives version v+1 at about the same moment, so their next contributions
 reach the owner together, inside the grace window, whatever their start-up skew was. A
 refused or undelivered contribution makes the fragment due again H steps later. Compression, signing and sending happen on the network thread. The only
-synchronisation is a lock around the inbox, held for a dict swap; time spent waiting for it is
-measured and reported as stalled steps (it should always be zero).
+synchronisation is a lock around the inbox, held for a dict swap, which the hook never waits
+for (a busy inbox is adopted a step later). The time each hook spends with the network side
+(taking the inbox, enqueueing due fragments — not the local tensor copies) is measured; a step
+where it exceeds max(20 ms, a quarter step) is reported as stalled.
 
 Arrivals are adopted as θ_p ← α·θ_p + (1 − α)·Θ_p (α = 0: overwrite, the default); AdamW
 moments are kept. Versions act as fencing tokens: only a version above the one held is adopted.
@@ -41,7 +43,10 @@ from protocol.diloco.fragments import FragmentPlan, due_offset
 
 __all__ = ["Island", "IslandConfig", "IslandStats", "Outgoing"]
 
-STALL_THRESHOLD_S = 0.005
+# A step counts as stalled when its exchange with the network side (taking the inbox, handing
+# off due fragments) took longer than this, or than a quarter of a step. Python's GIL switch
+# interval is 5 ms, so shorter delays are scheduling noise, not waiting on the network.
+STALL_MIN_S = 0.020
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -71,6 +76,7 @@ class IslandStats:
     stalled_steps: int = 0
     sent: int = 0
     gave_up_in_flight: int = 0
+    deferred_adoptions: int = 0
     adopted: int = 0
     step_times: list[float] = field(default_factory=list)
     step_times_detached: list[float] = field(default_factory=list)  # while ``enabled`` was False
@@ -105,13 +111,14 @@ class Island:
         self._inbox: dict[int, tuple[int, torch.Tensor]] = {}
         self._lock = threading.Lock()
         self._step_ema = 0.0
+        self._copy_s = self._submit_s = 0.0  # per-hook timing, for the stall count
         self._last_step_at: float | None = None
         self.enabled = True  # False: train as if alone (no adoption, no shipping), for measurement
         self._hook = optimizer.register_step_post_hook(self._after_step)
 
     # --- called by the user's loop (trainer thread) --------------------------------------------
     def tokens(self, n: int) -> None:
-        """Count ``n`` tokens trained in the step just taken (for the merge weights)."""
+        """Count ``n`` tokens for the step about to be taken (call before ``optimizer.step()``)."""
         self.stats.tokens_trained += n
         for p in range(len(self.c_tokens)):
             self.c_tokens[p] += n
@@ -133,14 +140,18 @@ class Island:
             self.in_flight[fragment] = None
             self.next_due[fragment] = self.stats.step + self.cfg.inner_steps
 
-    def adopt_pending(self) -> int:
-        """Adopt whatever arrived; return how many fragments were adopted (trainer thread only)."""
-        t0 = time.perf_counter()
-        with self._lock:
-            waited = time.perf_counter() - t0
+    def adopt_pending(self, *, block: bool = True) -> int:
+        """Adopt whatever arrived; return how many fragments were adopted (trainer thread only).
+
+        With ``block=False`` (the hook) a busy inbox is left for the next step instead of waited on.
+        """
+        if not self._lock.acquire(blocking=block):
+            self.stats.deferred_adoptions += 1
+            return 0
+        try:
             arrived, self._inbox = self._inbox, {}
-        if waited > STALL_THRESHOLD_S:
-            self.stats.stalled_steps += 1
+        finally:
+            self._lock.release()
         for fragment, (version, flat) in sorted(arrived.items()):
             if version > self.versions[fragment]:
                 self._adopt(fragment, version, flat)
@@ -159,10 +170,17 @@ class Island:
             self.c_steps[p] += 1
         if not self.enabled:
             return
-        self.adopt_pending()
+        t0 = time.perf_counter()
+        self.adopt_pending(block=False)
+        adopting = time.perf_counter()
         for p, due in enumerate(self.next_due):
             if self.stats.step >= due:
                 self._ship(p)
+        # time with the network side, excluding the local tensor copies of adoption and snapshots
+        waited = (adopting - t0 - self._copy_s) + self._submit_s
+        self._copy_s = self._submit_s = 0.0
+        if waited > max(STALL_MIN_S, 0.25 * self._step_ema):
+            self.stats.stalled_steps += 1
 
     def _ship(self, p: int) -> None:
         timeout = self.cfg.in_flight_timeout_steps or 2 * self.cfg.inner_steps
@@ -175,13 +193,17 @@ class Island:
         self.in_flight[p] = self.stats.step
         self.next_due[p] = self.stats.step + self.cfg.inner_steps
         self.stats.sent += 1
-        self._submit(Outgoing(
+        out = Outgoing(
             fragment=p, base_version=self.versions[p], tokens=self.c_tokens[p],
             steps=max(self.c_steps[p], 1), step_time=self._step_ema, sender_step=self.stats.step,
             delta=delta,
-        ))
+        )
+        t0 = time.perf_counter()
+        self._submit(out)
+        self._submit_s += time.perf_counter() - t0
 
     def _adopt(self, p: int, version: int, flat: torch.Tensor) -> None:
+        t0 = time.perf_counter()
         alpha = self.cfg.adopt_alpha
         with torch.no_grad():
             offset = 0
@@ -200,6 +222,7 @@ class Island:
         self.in_flight[p] = None
         self.next_due[p] = self.stats.step + self.cfg.inner_steps
         self.stats.adopted += 1
+        self._copy_s += time.perf_counter() - t0
 
     def _flatten(self, p: int) -> torch.Tensor:
         return torch.cat([t.detach().reshape(-1) for t in self.params[p]])

@@ -106,9 +106,9 @@ def run_peer(cfg: RunConfig, index: int) -> None:
         _, loss = model(x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), tcfg.grad_clip)
+        island.tokens(x.numel())  # counted into the contributions this step may ship
         optimizer.step()  # the island's hook: adopt arrived fragments, ship due ones
         optimizer.zero_grad(set_to_none=True)
-        island.tokens(x.numel())
         loss_ema = loss.item() if step == 0 else 0.95 * loss_ema + 0.05 * loss.item()
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
             curve_local.append((time.time() - t0, step + 1,

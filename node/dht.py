@@ -1,0 +1,598 @@
+"""The DHT node: drives ``protocol.dht`` (routing, lookup, records) over the shared transport.
+
+Theory of operation (Maymounkov & Mazières, "Kademlia", IPTPS 2002, sections 2.3-2.5).
+
+Serving. ``DHTRouter`` owns one POST route on a ``Transport``: ``{prefix}`` (default
+``/v1/dht``) for a process's default node and ``{prefix}/{name}`` for named ones, so one aiohttp
+server can host many DHT nodes (a peer mounts one node at the default path; the scale test
+mounts 500). A node's address is the full URL of its path, e.g. ``http://127.0.0.1:8080/v1/dht``.
+A request is verified over its exact bytes with the addressed node's replay window
+(``open_sealed``), then ``DHTNode.handle`` checks that the message's ``sender`` is the envelope's
+signer (``check_sender``), meters Store per sender (``RateLimited``, 429), tells the routing table
+it saw the sender, and answers from the explicit handler table. The reply is sealed with the
+node's own key. A peer's misbehaviour is a ``RemoteProtocolError``: 4xx, counted in
+``metrics.refusals``. A path with no node mounted (never mounted, or killed) answers 503.
+
+Routing. Every verified request and every verified reply is ``RoutingTable.on_seen``; when a full
+bucket asks for a ``PingCandidate`` the node pings the bucket's oldest contact in its own
+``TaskGroup`` and reports ``on_ping_result``. With no task group running (not started, or too many
+pings in flight) it keeps the old contact, as the paper prefers. Transport failures (timeout,
+refused connection, 5xx, a bad reply) are ``on_failed``; a 4xx refusal proves the peer alive and
+is only counted. A node without an address (behind NAT) never reaches anyone's routing table:
+``on_seen`` skips it, and it is never mounted.
+
+Client. ``find_node`` feeds a ``Lookup`` with ``alpha`` queries in flight, each bounded by
+``request_timeout_s``, the whole by ``lookup_timeout_s``. ``store`` signs a record in our own
+subkey, looks up the ``k`` nodes nearest the key and stores it on all of them (and locally when
+this node is itself among them); ``get`` runs a FIND_VALUE lookup, verifies every record
+returned, keeps the newest expiry per subkey and caches the result at the nearest node that
+answered without it (section 2.3's caching). ``maintain`` (looped by ``run``) refreshes buckets
+idle for ``refresh_interval_s`` (a fresh node's first pass is the paper's join refresh),
+re-signs and republishes our own records before they expire, and prunes the store.
+
+Time. ``clock`` (wall time, default ``time.time``) drives records, routing and rate limits;
+tests pass a fake one. Envelopes always carry real wall time, since peers check it for skew.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from node.rpc import error_response
+from node.transport import Transport
+from protocol.dht.lookup import Lookup, LookupResult
+from protocol.dht.messages import (
+    MAX_REPLY_PEERS,
+    MAX_REPLY_RECORDS,
+    MAX_STORE_RECORDS,
+    REPLY_TO,
+    FindNode,
+    FindValue,
+    NodesReply,
+    Ping,
+    Pong,
+    Store,
+    StoreReply,
+    ValueReply,
+    check_sender,
+)
+from protocol.dht.records import (
+    DEFAULT_MAX_VALUE_BYTES,
+    RateLimiter,
+    RecordStore,
+    SignedRecord,
+    sign_record,
+    verify_record,
+)
+from protocol.dht.routing import PingCandidate, RoutingTable
+from protocol.errors import (
+    DecodeError,
+    LocalProtocolError,
+    NotAuthorized,
+    RemoteProtocolError,
+)
+from protocol.ids import ID_BYTES, xor_distance
+from protocol.wire.codec import encode
+from protocol.wire.messages import Message, PeerInfo
+from protocol.wire.signing import Opened, ReplayWindow, Signer, open_sealed, seal
+
+__all__ = ["DHTConfig", "DHTMetrics", "DHTNode", "DHTRouter", "Maintenance", "RateLimited"]
+
+log = logging.getLogger(__name__)
+
+Request = Ping | FindNode | FindValue | Store
+_REFUSED = "refused: "  # StoreReply reasons with this prefix are refusals, others "already held"
+
+
+class RateLimited(RemoteProtocolError):
+    """A peer sent Store requests faster than its token bucket allows."""
+
+    status = 429
+
+
+@dataclass(frozen=True, slots=True)
+class DHTConfig:
+    """Kademlia parameters, timeouts and caps of one node."""
+
+    k: int = 20  # bucket size and replication factor
+    alpha: int = 3  # lookup queries in flight
+    request_timeout_s: float = 5.0
+    lookup_timeout_s: float = 30.0
+    refresh_interval_s: float = 3600.0  # refresh a bucket idle this long (paper: an hour)
+    republish_interval_s: float = 3600.0  # re-sign our records this often (or at half their ttl)
+    maintenance_period_s: float = 60.0  # how often run() wakes; 0: start() does not spawn it
+    record_ttl_cap_s: float = 24 * 3600.0
+    store_rate: float = 10.0  # Store requests a second per sender, after...
+    store_burst: float = 50.0  # ...a burst of this many
+    max_keys: int = 10_000
+    max_subkeys_per_key: int = 1_000
+    max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES
+    max_request: int = 1 << 20  # bytes of a sealed request (Store is at most 64 records)
+    max_reply: int = 8 << 20  # bytes of a sealed reply (a ValueReply of many subkeys)
+    max_failures: int = 3  # RPC failures before a contact is evicted
+    replacement_cache: int = 10
+    max_background_pings: int = 16
+
+
+@dataclass(slots=True)
+class DHTMetrics:
+    """Counters of one node. ``refusals``: inbound requests or records refused, by error class;
+    ``failures``: outbound calls that failed, by kind; hops: completed lookups by hop count."""
+
+    rpcs_in: Counter[str] = field(default_factory=Counter)
+    rpcs_out: Counter[str] = field(default_factory=Counter)
+    refusals: Counter[str] = field(default_factory=Counter)
+    failures: Counter[str] = field(default_factory=Counter)
+    node_hops: Counter[int] = field(default_factory=Counter)
+    value_hops: Counter[int] = field(default_factory=Counter)
+
+
+@dataclass(frozen=True, slots=True)
+class Maintenance:
+    """What one ``maintain`` pass did."""
+
+    refreshed: int
+    republished: int
+    pruned: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Failure:
+    reason: str
+    unreachable: bool  # counts against the peer in the routing table
+
+
+@dataclass(slots=True)
+class _OwnRecord:
+    record: SignedRecord
+    ttl_s: float
+    due_at: float
+
+
+# ── serving ─────────────────────────────────────────────────────────────────────────────────
+
+
+class DHTRouter:
+    """One POST route on ``transport`` serving every mounted ``DHTNode`` (see module docstring).
+
+    Create it before ``transport.start()`` (aiohttp freezes its routes then); mount nodes after.
+    """
+
+    def __init__(self, transport: Transport, *, prefix: str = "/v1/dht") -> None:
+        if not prefix.startswith("/") or prefix.endswith("/"):
+            raise LocalProtocolError(f"prefix must start and not end with '/', got {prefix!r}")
+        self.transport, self.prefix = transport, prefix
+        self.nodes: dict[str, DHTNode] = {}
+        self.errors: Counter[str] = Counter()
+        transport.app.router.add_post(prefix, self._serve)
+        transport.app.router.add_post(prefix + "/{name}", self._serve)
+
+    def url(self, name: str = "") -> str:
+        """The address of node ``name`` ("" is the default node). Needs a started transport."""
+        return self.transport.url + self.prefix + (f"/{name}" if name else "")
+
+    def mount(self, node: DHTNode, name: str = "") -> None:
+        """Serve ``node`` at ``url(name)``. Raises LocalProtocolError if the name is taken."""
+        if name in self.nodes or not all(c.isalnum() or c in "-_." for c in name):
+            raise LocalProtocolError(f"cannot mount a DHT node at {name!r}")
+        self.nodes[name] = node
+
+    def unmount(self, name: str = "") -> None:
+        """Stop serving ``name``: its path answers 503 from now on."""
+        self.nodes.pop(name, None)
+
+    async def _serve(self, request: web.Request) -> web.StreamResponse:
+        node = self.nodes.get(request.match_info.get("name", ""))
+        if node is None:
+            self.errors["unavailable"] += 1
+            body = {"error": "Unavailable", "reason": f"no DHT node at {request.path}"}
+            return web.json_response(body, status=503)
+        buf: bytearray | None = None
+        try:
+            buf, used = await self.transport.read_request(request, node.config.max_request)
+            opened = open_sealed(memoryview(buf)[:used], now=time.time(), replay=node.replay,
+                                 max_size=node.config.max_request)  # fmt: skip
+            reply = node.handle(opened)
+            return web.Response(body=node.seal(reply), content_type="application/octet-stream")
+        except RemoteProtocolError as exc:
+            self.errors[type(exc).__name__] += 1
+            node.metrics.refusals[type(exc).__name__] += 1
+            log.debug("refused DHT request from %s: %r", request.remote, exc)
+            return error_response(exc)
+        finally:
+            if buf is not None:
+                self.transport.pool.give(buf)
+
+
+# ── the node ────────────────────────────────────────────────────────────────────────────────
+
+
+class DHTNode:
+    """One Kademlia node with key ``signer``, dialled at ``address`` ("" when not dialable)."""
+
+    def __init__(
+        self,
+        signer: Signer,
+        transport: Transport,
+        address: str,
+        config: DHTConfig | None = None,
+        *,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.signer, self.transport, self.clock = signer, transport, clock
+        self.config = cfg = config or DHTConfig()
+        self.peer_id = signer.peer_id
+        self.me = PeerInfo(peer_id=self.peer_id, address=address)
+        self.routing = RoutingTable(self.peer_id, k=cfg.k, replacement_cache=cfg.replacement_cache,
+                                    max_failures=cfg.max_failures)  # fmt: skip
+        self.records = RecordStore(max_keys=cfg.max_keys, max_subkeys_per_key=cfg.max_subkeys_per_key,
+                                  max_value_bytes=cfg.max_value_bytes, max_ttl_s=cfg.record_ttl_cap_s)  # fmt: skip
+        self.limiter = RateLimiter(cfg.store_rate, cfg.store_burst)
+        self.replay, self._reply_replay = ReplayWindow(), ReplayWindow()
+        self.metrics = DHTMetrics()
+        self.rng = random.Random(int.from_bytes(self.peer_id[:8], "big"))
+        self._own: dict[bytes, _OwnRecord] = {}
+        self._handlers: dict[type[Message], Callable[[Any], Message]] = {
+            Ping: self._on_ping, FindNode: self._on_find_node,
+            FindValue: self._on_find_value, Store: self._on_store,
+        }  # fmt: skip
+        self._tg: asyncio.TaskGroup | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._pings = 0
+
+    @property
+    def dialable(self) -> bool:
+        return bool(self.me.address)
+
+    # ── lifecycle ───────────────────────────────────────────────────────────────────────────
+
+    async def start(self) -> None:
+        """Open the node's task group; spawn ``run`` unless ``maintenance_period_s`` is 0."""
+        if self._tg is not None:
+            raise LocalProtocolError("DHT node already started")
+        tg = asyncio.TaskGroup()
+        await tg.__aenter__()
+        self._tg = tg
+        if self.config.maintenance_period_s > 0:
+            self._spawn(self.run())
+
+    async def close(self) -> None:
+        """Cancel every background task and wait for all of them. Idempotent."""
+        tg, self._tg = self._tg, None
+        if tg is None:
+            return
+        for task in list(self._tasks):
+            task.cancel()
+        await tg.__aexit__(None, None, None)
+
+    async def __aenter__(self) -> DHTNode:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    def _spawn(self, coro: Any) -> bool:
+        if self._tg is None:
+            coro.close()
+            return False
+        task = self._tg.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return True
+
+    # ── serving ─────────────────────────────────────────────────────────────────────────────
+
+    def seal(self, msg: Message) -> bytes:
+        """``msg`` sealed by this node's key with the current wall time and a fresh nonce."""
+        return seal(encode(msg), self.signer, now=time.time(), nonce=os.urandom(16)).tobytes()
+
+    def handle(self, opened: Opened) -> Message:
+        """Answer one verified request.
+
+        Raises ``NotAuthorized`` (not a DHT request, or sender is not the signer) and
+        ``RateLimited`` (Store over the sender's budget).
+        """
+        msg = opened.message
+        if not isinstance(msg, Request):
+            raise NotAuthorized(f"no DHT handler for {type(msg).__name__}")
+        check_sender(msg.sender, opened.public_key)
+        if isinstance(msg, Store) and not self.limiter.allow(opened.peer_id, self.clock()):
+            raise RateLimited(f"Store rate over {self.config.store_rate}/s, burst {self.config.store_burst:.0f}",
+                              penalty=0.1)  # fmt: skip
+        self.metrics.rpcs_in[type(msg).__name__] += 1
+        self._seen(msg.sender)
+        return self._handlers[type(msg)](msg)
+
+    def _on_ping(self, msg: Ping) -> Pong:
+        return Pong(sender=self.me)
+
+    def _on_find_node(self, msg: FindNode) -> NodesReply:
+        return NodesReply(peers=tuple(self._nearest(msg.target)))
+
+    def _on_find_value(self, msg: FindValue) -> ValueReply:
+        records = self.records.get(msg.key, self.clock())[:MAX_REPLY_RECORDS]
+        return ValueReply(records=tuple(records), peers=tuple(self._nearest(msg.key)))
+
+    def _on_store(self, msg: Store) -> StoreReply:
+        now, accepted, reasons = self.clock(), 0, []
+        for rec in msg.records:
+            try:
+                put = self.records.put(rec, now)
+            except RemoteProtocolError as exc:
+                self.metrics.refusals[f"record {type(exc).__name__}"] += 1
+                reasons.append(f"{_REFUSED}{type(exc).__name__}: {exc.reason}")
+                continue
+            accepted += put.stored
+            if not put.stored:
+                reasons.append(put.reason)
+        return StoreReply(accepted=accepted, reasons=tuple(reasons))
+
+    def _nearest(self, target: bytes) -> list[PeerInfo]:
+        return self.routing.closest(target, min(self.config.k, MAX_REPLY_PEERS))
+
+    # ── routing table upkeep ────────────────────────────────────────────────────────────────
+
+    def _seen(self, contact: PeerInfo) -> None:
+        candidate = self.routing.on_seen(contact, self.clock())
+        if candidate is not None:
+            self._ping_oldest(candidate)
+
+    def _ping_oldest(self, cand: PingCandidate) -> None:
+        if self._pings < self.config.max_background_pings and self._spawn(self._probe(cand.oldest)):
+            self._pings += 1
+            return
+        self.metrics.failures["ping skipped, kept oldest"] += 1
+        self.routing.on_ping_result(cand.oldest.peer_id, True, self.clock())
+
+    async def _probe(self, oldest: PeerInfo) -> None:
+        try:
+            reply = await self._call(oldest.address, Ping(sender=self.me), oldest.peer_id)
+        finally:
+            self._pings -= 1
+        alive = not isinstance(reply, _Failure)
+        self.routing.on_ping_result(oldest.peer_id, alive, self.clock())
+
+    # ── one outbound call ───────────────────────────────────────────────────────────────────
+
+    async def _call(self, address: str, msg: Request, peer_id: bytes | None = None) -> Opened | _Failure:
+        """Send ``msg`` to ``address``; the verified reply, or why not (never raises)."""
+        self.metrics.rpcs_out[type(msg).__name__] += 1
+        sealed = self.seal(msg)
+        try:
+            status, buf, used, _ = await self.transport.request(
+                "POST", address, chunks=[sealed], size=len(sealed),
+                timeout_s=self.config.request_timeout_s, max_reply=self.config.max_reply,
+            )  # fmt: skip
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError, RemoteProtocolError) as exc:
+            return self._failed(peer_id, f"unreachable ({type(exc).__name__})", unreachable=True)
+        try:
+            if status != 200:
+                return self._failed(peer_id, f"status {status}", unreachable=status >= 500)
+            opened = self._open_reply(buf, used, msg, peer_id)
+        except RemoteProtocolError as exc:
+            return self._failed(peer_id, f"bad reply ({type(exc).__name__})", unreachable=True)
+        finally:
+            self.transport.pool.give(buf)
+        self._seen(PeerInfo(peer_id=opened.peer_id, address=address))
+        return opened
+
+    def _open_reply(self, buf: bytearray, used: int, msg: Request, peer_id: bytes | None) -> Opened:
+        opened = open_sealed(memoryview(buf)[:used], now=time.time(), replay=self._reply_replay,
+                             max_size=self.config.max_reply)  # fmt: skip
+        reply, expected = opened.message, REPLY_TO[type(msg)]
+        if type(reply) is not expected:
+            raise DecodeError(f"got {type(reply).__name__} for {type(msg).__name__}")
+        if peer_id is not None and opened.peer_id != peer_id:
+            raise NotAuthorized(f"reply signed by {opened.peer_id.hex()[:16]}, not the peer asked")
+        if isinstance(reply, Pong):
+            check_sender(reply.sender, opened.public_key)
+        return opened
+
+    def _failed(self, peer_id: bytes | None, reason: str, *, unreachable: bool) -> _Failure:
+        self.metrics.failures[reason] += 1
+        if unreachable and peer_id is not None:
+            self.routing.on_failed(peer_id, self.clock())
+        return _Failure(reason, unreachable)
+
+    # ── lookups ─────────────────────────────────────────────────────────────────────────────
+
+    async def _lookup(self, target: bytes, *, find_value: bool, quorum: int = 1) -> LookupResult:
+        cfg = self.config
+        _check_id(target)
+        self.routing.touch(target, self.clock())
+        lookup = Lookup(target, self.routing.closest(target), k=cfg.k, alpha=cfg.alpha,
+                        find_value=find_value, min_values=quorum, own_id=self.peer_id)  # fmt: skip
+        try:
+            async with asyncio.timeout(cfg.lookup_timeout_s):
+                await self._drive(lookup)
+        except TimeoutError:
+            self.metrics.failures["lookup timed out"] += 1
+        result = lookup.result()
+        hops = self.metrics.value_hops if find_value else self.metrics.node_hops
+        hops[result.hops] += 1
+        return result
+
+    async def _drive(self, lookup: Lookup) -> None:
+        async with asyncio.TaskGroup() as tg:
+            pending: set[asyncio.Task[tuple[PeerInfo, Opened | _Failure]]] = set()
+            while not lookup.done:
+                for contact in lookup.next_queries(self.clock()):
+                    pending.add(tg.create_task(self._query(lookup, contact)))
+                if not pending:
+                    break
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    self._feed(lookup, *task.result())
+            for task in pending:
+                task.cancel()
+
+    async def _query(self, lookup: Lookup, contact: PeerInfo) -> tuple[PeerInfo, Opened | _Failure]:
+        msg: Request = FindValue(sender=self.me, key=lookup.target) if lookup.find_value \
+            else FindNode(sender=self.me, target=lookup.target)  # fmt: skip
+        return contact, await self._call(contact.address, msg, contact.peer_id)
+
+    def _feed(self, lookup: Lookup, contact: PeerInfo, reply: Opened | _Failure) -> None:
+        now = self.clock()
+        if isinstance(reply, _Failure):
+            lookup.on_failure(contact.peer_id, now)
+            return
+        msg = reply.message
+        assert isinstance(msg, NodesReply | ValueReply)  # checked against REPLY_TO in _call
+        records = self._valid(msg.records, lookup.target) if isinstance(msg, ValueReply) else None
+        lookup.on_response(contact.peer_id, msg.peers, now, value=records)
+
+    def _valid(self, records: Iterable[SignedRecord], key: bytes) -> list[SignedRecord]:
+        now, good = self.clock(), []
+        for rec in records:
+            try:
+                if rec.key != key:
+                    raise DecodeError("record for another key")
+                verify_record(rec, now=now, max_ttl=self.config.record_ttl_cap_s,
+                              max_value_bytes=self.config.max_value_bytes)  # fmt: skip
+            except RemoteProtocolError as exc:
+                self.metrics.failures[f"bad record ({type(exc).__name__})"] += 1
+                continue
+            good.append(rec)
+        return good
+
+    # ── the public client API ───────────────────────────────────────────────────────────────
+
+    async def ping(self, address: str) -> PeerInfo | None:
+        """Ping ``address``; the peer that answered (its id now learned), or None."""
+        reply = await self._call(address, Ping(sender=self.me))
+        return None if isinstance(reply, _Failure) else PeerInfo(peer_id=reply.peer_id, address=address)
+
+    async def bootstrap(self, addresses: Sequence[str]) -> int:
+        """Join through ``addresses``: ping them, then look up our own id (section 2.3).
+
+        Returns how many of them answered; 0 means the join failed. The paper's refresh of the
+        farther buckets is the first ``maintain`` pass (every bucket of a new node is stale).
+        """
+        replies = await asyncio.gather(*(self.ping(a) for a in addresses))
+        reached = sum(r is not None for r in replies)
+        if reached:
+            await self.find_node(self.peer_id)
+        return reached
+
+    async def find_node(self, target: bytes) -> LookupResult:
+        """The ``k`` live nodes nearest ``target`` (32 bytes) that answered, nearest first."""
+        return await self._lookup(target, find_value=False)
+
+    async def find_value(self, key: bytes, *, quorum: int = 1) -> LookupResult:
+        """FIND_VALUE until ``quorum`` peers returned records; records are verified."""
+        return await self._lookup(key, find_value=True, quorum=quorum)
+
+    async def store(self, key: bytes, value: bytes, ttl_s: float) -> int:
+        """Sign ``value`` under ``key`` (32 bytes) in our subkey and store it on the ``k`` nodes
+        nearest the key; keep republishing it. Returns how many nodes hold it (this one counts
+        when it is among the nearest). Raises LocalProtocolError for a bad key, ttl or size."""
+        _check_id(key)
+        cfg = self.config
+        if not 0 < ttl_s <= cfg.record_ttl_cap_s or len(value) > cfg.max_value_bytes:
+            raise LocalProtocolError(
+                f"need 0 < ttl <= {cfg.record_ttl_cap_s}s and value <= {cfg.max_value_bytes} "
+                f"bytes; got {ttl_s}s, {len(value)} bytes"
+            )
+        rec = self._sign(key, value, ttl_s)
+        return await self._publish(key, (rec,))
+
+    async def get(self, key: bytes, *, quorum: int = 1) -> list[SignedRecord]:
+        """Verified records under ``key``: the newest expiry per subkey, ordered by subkey.
+
+        Caches what it found at the nearest node that answered without it.
+        """
+        result = await self.find_value(key, quorum=quorum)
+        local = self.records.get(key, self.clock()) if self.dialable else []
+        records = _newest_per_subkey([*local, *result.value], self.clock())
+        cache = result.closest_without_value
+        if result.found and cache is not None:
+            batch = tuple(sorted(records, key=lambda r: -r.expires_at)[:MAX_STORE_RECORDS])
+            await self._call(cache.address, Store(sender=self.me, records=batch), cache.peer_id)
+        return records
+
+    def forget(self, key: bytes) -> None:
+        """Stop republishing our record under ``key`` (it expires at its ttl)."""
+        self._own.pop(key, None)
+
+    def _sign(self, key: bytes, value: bytes, ttl_s: float) -> SignedRecord:
+        now = self.clock()
+        rec = sign_record(self.signer, key, value, now + ttl_s)
+        due = now + min(self.config.republish_interval_s, ttl_s / 2)
+        self._own[key] = _OwnRecord(rec, ttl_s, due)
+        return rec
+
+    async def _publish(self, key: bytes, records: tuple[SignedRecord, ...]) -> int:
+        targets = (await self.find_node(key)).closest
+        msg = Store(sender=self.me, records=records)
+        replies = await asyncio.gather(*(self._call(c.address, msg, c.peer_id) for c in targets))
+        held = sum(_holds(r) for r in replies)
+        return held + self._store_locally(key, records, targets)
+
+    def _store_locally(self, key: bytes, records: Sequence[SignedRecord], nearest: list[PeerInfo]) -> int:
+        """Hold ``records`` here too when this node is among the ``k`` nearest ``key``."""
+        near = len(nearest) < self.config.k or (
+            xor_distance(self.peer_id, key) < xor_distance(nearest[-1].peer_id, key))
+        if not (self.dialable and near):
+            return 0
+        for rec in records:
+            self.records.put(rec, self.clock())
+        return 1
+
+    # ── maintenance ─────────────────────────────────────────────────────────────────────────
+
+    async def run(self) -> None:
+        """``maintain`` every ``maintenance_period_s`` until cancelled."""
+        period = self.config.maintenance_period_s or self.config.refresh_interval_s
+        while True:
+            await self.maintain()
+            await asyncio.sleep(period)
+
+    async def maintain(self) -> Maintenance:
+        """One pass: refresh idle buckets, republish our records that are due, prune the store."""
+        now = self.clock()
+        targets = self.routing.stale_buckets(now, self.config.refresh_interval_s, self.rng)
+        for target in targets:
+            await self.find_node(target)
+        due = [(k, o) for k, o in self._own.items() if now >= o.due_at]
+        for key, own in due:
+            await self._publish(key, (self._sign(key, own.record.value, own.ttl_s),))
+        return Maintenance(refreshed=len(targets), republished=len(due),
+                           pruned=self.records.prune(self.clock()))  # fmt: skip
+
+
+# ── helpers ─────────────────────────────────────────────────────────────────────────────────
+
+
+def _check_id(value: bytes) -> None:
+    if len(value) != ID_BYTES:
+        raise LocalProtocolError(f"DHT keys and targets are {ID_BYTES} bytes, got {len(value)}")
+
+
+def _holds(reply: Opened | _Failure) -> bool:
+    """Whether a Store reply says the peer now holds the record (stored, or held already)."""
+    if isinstance(reply, _Failure):
+        return False
+    msg = reply.message
+    assert isinstance(msg, StoreReply)
+    return msg.accepted > 0 or (bool(msg.reasons) and not any(r.startswith(_REFUSED) for r in msg.reasons))
+
+
+def _newest_per_subkey(records: Iterable[SignedRecord], now: float) -> list[SignedRecord]:
+    best: dict[bytes, SignedRecord] = {}
+    for rec in records:
+        held = best.get(rec.subkey)
+        if rec.expires_at > now and (held is None or rec.expires_at > held.expires_at):
+            best[rec.subkey] = rec
+    return [best[s] for s in sorted(best)]

@@ -1,0 +1,116 @@
+"""The island's hook: due schedule, hand-off without waiting, adoption with version fencing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from node.island import Island, IslandConfig, Outgoing
+from protocol.diloco.fragments import plan_fragments
+
+
+def _island(h: int = 4, fragments: int = 2, alpha: float = 0.0) -> tuple[Island, nn.Module, torch.optim.Optimizer, list[Outgoing]]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    plan = plan_fragments([(n, tuple(p.shape)) for n, p in model.named_parameters()], fragments)
+    sent: list[Outgoing] = []
+    island = Island(model, opt, plan, sent.append, IslandConfig(inner_steps=h, adopt_alpha=alpha))
+    return island, model, opt, sent
+
+
+def _step(model: nn.Module, opt: torch.optim.Optimizer, island: Island) -> None:
+    loss = model(torch.randn(3, 4)).pow(2).sum()
+    loss.backward()
+    island.tokens(12)
+    opt.step()
+    opt.zero_grad()
+
+
+def test_fragments_go_out_staggered_then_h_steps_after_adoption() -> None:
+    island, model, opt, sent = _island(h=4, fragments=2)
+    for _ in range(3):
+        _step(model, opt, island)
+    assert [o.fragment for o in sent] == [0, 1]  # offsets 0 and 2: steps 1 and 3
+    assert sent[0].base_version == 0 and sent[0].steps == 1 and sent[0].tokens == 12
+    assert sent[1].steps == 3 and sent[1].tokens == 36
+    # while in flight nothing more goes out, even past H
+    for _ in range(5):
+        _step(model, opt, island)
+    assert len(sent) == 2
+    # a new version arrives: adopted at the next step, fragment due again H steps later
+    new = torch.zeros_like(island.global_flat[0])
+    island.deliver(0, 1, new)
+    _step(model, opt, island)
+    adopted_at = island.stats.step
+    assert island.versions[0] == 1 and island.c_steps[0] == 0
+    for _ in range(4):
+        _step(model, opt, island)
+    assert [o.fragment for o in sent][-1] == 0 and sent[-1].base_version == 1
+    assert sent[-1].sender_step == adopted_at + 4
+    assert island.stats.stalled_steps == 0
+
+
+def test_pseudo_gradient_is_global_minus_local() -> None:
+    island, model, opt, sent = _island(h=4, fragments=1)
+    before = island.global_flat[0].clone()
+    _step(model, opt, island)
+    local = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    order = [dict(model.named_parameters())[n] for n in island.plan.fragments[0].names]
+    local = torch.cat([p.detach().reshape(-1) for p in order])
+    assert torch.allclose(sent[0].delta, before - local)
+
+
+def test_overwrite_adoption_and_version_fencing() -> None:
+    island, model, opt, sent = _island(h=2, fragments=1)
+    _step(model, opt, island)
+    target = torch.full_like(island.global_flat[0], 0.5)
+    island.deliver(0, 3, target)
+    island.deliver(0, 2, torch.zeros_like(target))  # older than what is in the inbox: ignored
+    assert island.adopt_pending() == 1
+    assert all(torch.all(p == 0.5) for p in model.parameters())
+    island.deliver(0, 1, torch.zeros_like(target))  # older than held: not adopted
+    island.adopt_pending()
+    assert island.versions[0] == 3 and all(torch.all(p == 0.5) for p in model.parameters())
+    state = island.global_state()
+    assert set(state) == {n for n, _ in model.named_parameters()}
+
+
+def test_blend_adoption() -> None:
+    island, model, opt, _ = _island(h=2, fragments=1, alpha=0.5)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(1.0)
+    island.deliver(0, 1, torch.zeros_like(island.global_flat[0]))
+    island.adopt_pending()
+    assert all(torch.allclose(p, torch.full_like(p, 0.5)) for p in model.parameters())
+
+
+def test_refusal_frees_the_fragment_after_h_steps() -> None:
+    island, model, opt, sent = _island(h=3, fragments=1)
+    _step(model, opt, island)
+    island.resolved(0, accepted=False)
+    _step(model, opt, island)
+    _step(model, opt, island)
+    assert len(sent) == 1
+    _step(model, opt, island)
+    assert len(sent) == 2
+
+
+def test_detached_island_neither_ships_nor_adopts() -> None:
+    island, model, opt, sent = _island(h=2, fragments=1)
+    island.enabled = False
+    island.deliver(0, 1, torch.zeros_like(island.global_flat[0]))
+    for _ in range(4):
+        _step(model, opt, island)
+    assert sent == [] and island.versions[0] == 0
+    assert len(island.stats.step_times_detached) == 3
+
+
+def test_plan_must_match_model() -> None:
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    plan = plan_fragments([("other.weight", (2, 2))], 1)
+    with pytest.raises(ValueError, match="lacks"):
+        Island(model, opt, plan, lambda o: None, IslandConfig())

@@ -1,0 +1,84 @@
+"""Transport: link profiles, size caps, streamed bodies into pooled buffers, over real HTTP."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from aiohttp import web
+
+from node.transport import BufferPool, LinkDropped, LinkEmulator, LinkProfile, Transport
+from protocol.errors import Oversize
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_link_profile_parses_units_and_refuses_nonsense() -> None:
+    p = LinkProfile.parse("latency=50ms, bandwidth=10mbit, drop=0.01")
+    assert p == LinkProfile(0.05, 10e6, 0.01) and p.active
+    assert LinkProfile.parse("") == LinkProfile() and not LinkProfile().active
+    for bad in ("latency=fast", "jitter=1ms", "drop=2", "bandwidth"):
+        with pytest.raises(ValueError):
+            LinkProfile.parse(bad)
+
+
+def test_buffer_pool_reuses_buffers() -> None:
+    pool = BufferPool()
+    a = pool.take(10)
+    pool.give(a)
+    assert pool.take(5) is a
+
+
+async def _echo_server(max_body: int) -> Transport:
+    t = Transport(max_body=max_body)
+
+    async def echo(request: web.Request) -> web.StreamResponse:
+        try:
+            buf, used = await t.read_request(request)
+        except Oversize as exc:
+            return web.Response(status=413, text=exc.reason)
+        try:
+            return await t.stream_reply(request, [bytes(memoryview(buf)[:used])], used)
+        finally:
+            t.pool.give(buf)
+
+    t.app.router.add_post("/echo", echo)
+    await t.start()
+    return t
+
+
+async def test_streamed_round_trip_and_caps() -> None:
+    server = await _echo_server(max_body=3 << 20)
+    client = Transport()
+    await client.start()
+    try:
+        assert server.port != 0 and server.url.endswith(str(server.port))
+        payload = random.Random(1).randbytes(2_500_000)
+        chunks = [memoryview(payload)[i:i + (1 << 20)] for i in range(0, len(payload), 1 << 20)]
+        status, buf, used, _ = await client.request("POST", f"{server.url}/echo", chunks=chunks, size=len(payload))
+        assert status == 200 and bytes(memoryview(buf)[:used]) == payload
+        client.pool.give(buf)
+        assert client.bytes_sent == len(payload) and server.bytes_received == len(payload)
+        big = b"x" * (4 << 20)
+        status, buf, used, _ = await client.request("POST", f"{server.url}/echo", chunks=[big], size=len(big))
+        assert status == 413
+        with pytest.raises(Oversize):
+            await client.request("POST", f"{server.url}/echo", chunks=[payload], size=len(payload), max_reply=1000)
+    finally:
+        await client.close()
+        await server.close()
+
+
+async def test_link_emulator_drops_and_delays() -> None:
+    server = await _echo_server(max_body=1 << 20)
+    client = Transport(link=LinkEmulator(default=LinkProfile(drop_rate=1.0)))
+    await client.start()
+    try:
+        with pytest.raises(LinkDropped):
+            await client.request("POST", f"{server.url}/echo", chunks=[b"hi"], size=2)
+        client.link.per_peer[server.url] = LinkProfile(latency_s=0.05, bandwidth_bps=8e5)
+        status, buf, used, _ = await client.request("POST", f"{server.url}/echo", chunks=[b"y" * 10_000], size=10_000)
+        assert status == 200 and used == 10_000
+    finally:
+        await client.close()
+        await server.close()
