@@ -34,6 +34,11 @@ def _parser() -> argparse.ArgumentParser:
     peer = sub.add_parser("peer", help="one peer of a local swarm (used by atoll local)")
     peer.add_argument("--config", type=Path, required=True, help="the swarm's config.json")
     peer.add_argument("--index", type=int, required=True, help="this peer's index in the swarm")
+    peer.add_argument("--initial-peers", nargs="*", default=[], help="addresses of peers to join through")
+    peer.add_argument("--t0", type=float, default=0.0, help="wall-clock origin of the eval curves")
+    peer.add_argument("--initial-peers-from-stdin", action="store_true",
+                      help="read {\"initial_peers\": [...]} from stdin after loading the model and data")
+    peer.add_argument("--wait-members", type=int, default=1, help="start training once this many members joined")
     return parser
 
 
@@ -55,9 +60,12 @@ def main(argv: list[str] | None = None) -> int:
             return 130
         return 0
     if args.command == "peer":
-        from node.train import run_peer
+        from node.train import PeerOptions, run_peer
 
         logging.getLogger().setLevel(min(logging.INFO, logging.getLogger().level))
-        run_peer(RunConfig.load(args.config), args.index)
+        opts = PeerOptions(index=args.index, initial_peers=tuple(args.initial_peers), t0=args.t0,
+                           initial_peers_from_stdin=args.initial_peers_from_stdin,
+                           wait_members=args.wait_members)
+        run_peer(RunConfig.load(args.config), opts)
         return 0
     return 2

@@ -15,11 +15,12 @@ node's own key. A peer's misbehaviour is a ``RemoteProtocolError``: 4xx, counted
 
 Routing. Every verified request and every verified reply is ``RoutingTable.on_seen``; when a full
 bucket asks for a ``PingCandidate`` the node pings the bucket's oldest contact in its own
-``TaskGroup`` and reports ``on_ping_result``. With no task group running (not started, or too many
-pings in flight) it keeps the old contact, as the paper prefers. Transport failures (timeout,
-refused connection, 5xx, a bad reply) are ``on_failed``; a 4xx refusal proves the peer alive and
-is only counted. A node without an address (behind NAT) never reaches anyone's routing table:
-``on_seen`` skips it, and it is never mounted.
+``TaskGroup`` and reports ``on_ping_result``, unless it heard from that contact within
+``ping_fresh_s`` (the lazy probing of section 4.1: it is alive, no ping needed). With no task
+group running (not started, or too many pings in flight) it keeps the old contact, as the paper
+prefers. Transport failures (timeout, refused connection, 5xx, a bad reply) are ``on_failed``; a
+4xx refusal proves the peer alive and is only counted. A node without an address (behind NAT)
+never reaches anyone's routing table: ``on_seen`` skips it, and it is never mounted.
 
 Client. ``find_node`` feeds a ``Lookup`` with ``alpha`` queries in flight, each bounded by
 ``request_timeout_s``, the whole by ``lookup_timeout_s``. ``store`` signs a record in our own
@@ -42,7 +43,7 @@ import os
 import random
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,7 +92,7 @@ __all__ = ["DHTConfig", "DHTMetrics", "DHTNode", "DHTRouter", "Maintenance", "Ra
 
 log = logging.getLogger(__name__)
 
-Request = Ping | FindNode | FindValue | Store
+_Request = Ping | FindNode | FindValue | Store
 _REFUSED = "refused: "  # StoreReply reasons with this prefix are refusals, others "already held"
 
 
@@ -123,6 +124,7 @@ class DHTConfig:
     max_failures: int = 3  # RPC failures before a contact is evicted
     replacement_cache: int = 10
     max_background_pings: int = 16
+    ping_fresh_s: float = 60.0  # a full bucket's oldest contact heard from this recently is alive
 
 
 @dataclass(slots=True)
@@ -202,7 +204,7 @@ class DHTRouter:
         try:
             buf, used = await self.transport.read_request(request, node.config.max_request)
             opened = open_sealed(memoryview(buf)[:used], now=time.time(), replay=node.replay,
-                                 max_size=node.config.max_request)  # fmt: skip
+                                 max_size=node.config.max_request)
             reply = node.handle(opened)
             return web.Response(body=node.seal(reply), content_type="application/octet-stream")
         except RemoteProtocolError as exc:
@@ -235,9 +237,9 @@ class DHTNode:
         self.peer_id = signer.peer_id
         self.me = PeerInfo(peer_id=self.peer_id, address=address)
         self.routing = RoutingTable(self.peer_id, k=cfg.k, replacement_cache=cfg.replacement_cache,
-                                    max_failures=cfg.max_failures)  # fmt: skip
+                                    max_failures=cfg.max_failures)
         self.records = RecordStore(max_keys=cfg.max_keys, max_subkeys_per_key=cfg.max_subkeys_per_key,
-                                  max_value_bytes=cfg.max_value_bytes, max_ttl_s=cfg.record_ttl_cap_s)  # fmt: skip
+                                  max_value_bytes=cfg.max_value_bytes, max_ttl_s=cfg.record_ttl_cap_s)
         self.limiter = RateLimiter(cfg.store_rate, cfg.store_burst)
         self.replay, self._reply_replay = ReplayWindow(), ReplayWindow()
         self.metrics = DHTMetrics()
@@ -246,10 +248,11 @@ class DHTNode:
         self._handlers: dict[type[Message], Callable[[Any], Message]] = {
             Ping: self._on_ping, FindNode: self._on_find_node,
             FindValue: self._on_find_value, Store: self._on_store,
-        }  # fmt: skip
+        }
         self._tg: asyncio.TaskGroup | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._pings = 0
+        self._heard: dict[bytes, float] = {}  # contacts in the table: when last heard from
 
     @property
     def dialable(self) -> bool:
@@ -258,7 +261,11 @@ class DHTNode:
     # ── lifecycle ───────────────────────────────────────────────────────────────────────────
 
     async def start(self) -> None:
-        """Open the node's task group; spawn ``run`` unless ``maintenance_period_s`` is 0."""
+        """Open the node's task group; spawn ``run`` unless ``maintenance_period_s`` is 0.
+
+        The calling task is the group's parent: call ``close`` from it. Background tasks catch
+        every failure they expect, so one that raises is a bug and cancels the parent.
+        """
         if self._tg is not None:
             raise LocalProtocolError("DHT node already started")
         tg = asyncio.TaskGroup()
@@ -283,7 +290,7 @@ class DHTNode:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
 
-    def _spawn(self, coro: Any) -> bool:
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> bool:
         if self._tg is None:
             coro.close()
             return False
@@ -305,12 +312,12 @@ class DHTNode:
         ``RateLimited`` (Store over the sender's budget).
         """
         msg = opened.message
-        if not isinstance(msg, Request):
+        if not isinstance(msg, _Request):
             raise NotAuthorized(f"no DHT handler for {type(msg).__name__}")
         check_sender(msg.sender, opened.public_key)
         if isinstance(msg, Store) and not self.limiter.allow(opened.peer_id, self.clock()):
             raise RateLimited(f"Store rate over {self.config.store_rate}/s, burst {self.config.store_burst:.0f}",
-                              penalty=0.1)  # fmt: skip
+                              penalty=0.1)
         self.metrics.rpcs_in[type(msg).__name__] += 1
         self._seen(msg.sender)
         return self._handlers[type(msg)](msg)
@@ -345,16 +352,23 @@ class DHTNode:
     # ── routing table upkeep ────────────────────────────────────────────────────────────────
 
     def _seen(self, contact: PeerInfo) -> None:
-        candidate = self.routing.on_seen(contact, self.clock())
+        now = self.clock()
+        candidate = self.routing.on_seen(contact, now)
+        if contact.peer_id in self.routing:
+            self._heard[contact.peer_id] = now
         if candidate is not None:
-            self._ping_oldest(candidate)
+            self._ping_oldest(candidate, now)
 
-    def _ping_oldest(self, cand: PingCandidate) -> None:
+    def _ping_oldest(self, cand: PingCandidate, now: float) -> None:
+        """Probe the oldest contact of a full bucket, lazily (paper section 4.1)."""
+        if self._heard.get(cand.oldest.peer_id, -float("inf")) >= now - self.config.ping_fresh_s:
+            self.routing.on_ping_result(cand.oldest.peer_id, True, now)
+            return
         if self._pings < self.config.max_background_pings and self._spawn(self._probe(cand.oldest)):
             self._pings += 1
             return
         self.metrics.failures["ping skipped, kept oldest"] += 1
-        self.routing.on_ping_result(cand.oldest.peer_id, True, self.clock())
+        self.routing.on_ping_result(cand.oldest.peer_id, True, now)
 
     async def _probe(self, oldest: PeerInfo) -> None:
         try:
@@ -366,7 +380,7 @@ class DHTNode:
 
     # ── one outbound call ───────────────────────────────────────────────────────────────────
 
-    async def _call(self, address: str, msg: Request, peer_id: bytes | None = None) -> Opened | _Failure:
+    async def _call(self, address: str, msg: _Request, peer_id: bytes | None = None) -> Opened | _Failure:
         """Send ``msg`` to ``address``; the verified reply, or why not (never raises)."""
         self.metrics.rpcs_out[type(msg).__name__] += 1
         sealed = self.seal(msg)
@@ -374,7 +388,7 @@ class DHTNode:
             status, buf, used, _ = await self.transport.request(
                 "POST", address, chunks=[sealed], size=len(sealed),
                 timeout_s=self.config.request_timeout_s, max_reply=self.config.max_reply,
-            )  # fmt: skip
+            )
         except (aiohttp.ClientError, OSError, TimeoutError, ValueError, RemoteProtocolError) as exc:
             return self._failed(peer_id, f"unreachable ({type(exc).__name__})", unreachable=True)
         try:
@@ -388,9 +402,9 @@ class DHTNode:
         self._seen(PeerInfo(peer_id=opened.peer_id, address=address))
         return opened
 
-    def _open_reply(self, buf: bytearray, used: int, msg: Request, peer_id: bytes | None) -> Opened:
+    def _open_reply(self, buf: bytearray, used: int, msg: _Request, peer_id: bytes | None) -> Opened:
         opened = open_sealed(memoryview(buf)[:used], now=time.time(), replay=self._reply_replay,
-                             max_size=self.config.max_reply)  # fmt: skip
+                             max_size=self.config.max_reply)
         reply, expected = opened.message, REPLY_TO[type(msg)]
         if type(reply) is not expected:
             raise DecodeError(f"got {type(reply).__name__} for {type(msg).__name__}")
@@ -413,7 +427,7 @@ class DHTNode:
         _check_id(target)
         self.routing.touch(target, self.clock())
         lookup = Lookup(target, self.routing.closest(target), k=cfg.k, alpha=cfg.alpha,
-                        find_value=find_value, min_values=quorum, own_id=self.peer_id)  # fmt: skip
+                        find_value=find_value, min_values=quorum, own_id=self.peer_id)
         try:
             async with asyncio.timeout(cfg.lookup_timeout_s):
                 await self._drive(lookup)
@@ -439,8 +453,11 @@ class DHTNode:
                 task.cancel()
 
     async def _query(self, lookup: Lookup, contact: PeerInfo) -> tuple[PeerInfo, Opened | _Failure]:
-        msg: Request = FindValue(sender=self.me, key=lookup.target) if lookup.find_value \
-            else FindNode(sender=self.me, target=lookup.target)  # fmt: skip
+        msg: _Request = (
+            FindValue(sender=self.me, key=lookup.target)
+            if lookup.find_value
+            else FindNode(sender=self.me, target=lookup.target)
+        )
         return contact, await self._call(contact.address, msg, contact.peer_id)
 
     def _feed(self, lookup: Lookup, contact: PeerInfo, reply: Opened | _Failure) -> None:
@@ -460,7 +477,7 @@ class DHTNode:
                 if rec.key != key:
                     raise DecodeError("record for another key")
                 verify_record(rec, now=now, max_ttl=self.config.record_ttl_cap_s,
-                              max_value_bytes=self.config.max_value_bytes)  # fmt: skip
+                              max_value_bytes=self.config.max_value_bytes)
             except RemoteProtocolError as exc:
                 self.metrics.failures[f"bad record ({type(exc).__name__})"] += 1
                 continue
@@ -546,8 +563,12 @@ class DHTNode:
             xor_distance(self.peer_id, key) < xor_distance(nearest[-1].peer_id, key))
         if not (self.dialable and near):
             return 0
-        for rec in records:
-            self.records.put(rec, self.clock())
+        try:
+            for rec in records:
+                self.records.put(rec, self.clock())
+        except RemoteProtocolError as exc:  # our own store is full
+            self.metrics.failures[f"local store ({type(exc).__name__})"] += 1
+            return 0
         return 1
 
     # ── maintenance ─────────────────────────────────────────────────────────────────────────
@@ -568,8 +589,9 @@ class DHTNode:
         due = [(k, o) for k, o in self._own.items() if now >= o.due_at]
         for key, own in due:
             await self._publish(key, (self._sign(key, own.record.value, own.ttl_s),))
+        self._heard = {p: t for p, t in self._heard.items() if p in self.routing}
         return Maintenance(refreshed=len(targets), republished=len(due),
-                           pruned=self.records.prune(self.clock()))  # fmt: skip
+                           pruned=self.records.prune(self.clock()))
 
 
 # ── helpers ─────────────────────────────────────────────────────────────────────────────────

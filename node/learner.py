@@ -20,7 +20,7 @@ import aiohttp
 import torch
 
 from node.island import Island, Outgoing
-from node.owner import flat_from_tensors
+from node.owner import content_hash, flat_from_tensors
 from node.transport import LinkDropped, Transport
 from protocol.diloco.compression import compress
 from protocol.errors import RemoteProtocolError
@@ -68,6 +68,8 @@ class IslandNet:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._replay = ReplayWindow()
         self.received = [0] * len(self.shapes)  # highest version delivered, per fragment
+        self.latest: dict[int, tuple[int, torch.Tensor]] = {}  # newest verified version per fragment
+        self.island_initial = [g.clone() for g in island.global_flat]  # version 0, for a first owner
 
     # --- trainer thread ------------------------------------------------------------------------
     def submit(self, out: Outgoing) -> None:
@@ -148,11 +150,10 @@ class IslandNet:
         while True:
             try:
                 after = max(self.received[p], self.island.versions[p])
-                got = await self.fetch(p, after=after, wait_s=10.0)
+                got = await self.fetch(p, after=after, wait_s=5.0)
                 if got is not None:
-                    version, flat = got
-                    self.received[p] = max(self.received[p], version)
-                    self.island.deliver(p, version, flat)
+                    self.remember(p, *got)
+                    self.island.deliver(p, *got)
                 backoff = 0.2
             except (aiohttp.ClientError, LinkDropped, TimeoutError, OSError, RemoteProtocolError) as exc:
                 if isinstance(exc, RemoteProtocolError):
@@ -161,14 +162,21 @@ class IslandNet:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
 
-    async def fetch(self, p: int, *, after: int, wait_s: float, final: bool = False) -> tuple[int, torch.Tensor] | None:
+    def remember(self, p: int, version: int, flat: torch.Tensor) -> None:
+        """Keep the newest verified version of fragment ``p`` (a new owner starts from it)."""
+        if version > self.received[p]:
+            self.received[p] = version
+            self.latest[p] = (version, flat)
+
+    async def fetch(self, p: int, *, after: int, wait_s: float, final: bool = False,
+                    owner: tuple[bytes, str] | None = None) -> tuple[int, torch.Tensor] | None:
         """Fetch the owner's first version of fragment ``p`` above ``after`` (verified).
 
         With ``final``, ask instead for the latest version once the owner declares it final.
         Returns None if nothing new arrived within ``wait_s``. Raises ``RemoteProtocolError``
         for a version that fails verification.
         """
-        owner = self.owner_of(p)
+        owner = owner or self.owner_of(p)
         if owner is None:
             await asyncio.sleep(min(wait_s, 1.0))
             return None
@@ -189,6 +197,8 @@ class IslandNet:
                 raise RemoteProtocolError(f"fragment {p} version signed by {opened.peer_id.hex()[:8]}, not its owner")
             if not isinstance(state, FragmentState) or state.swarm != self.swarm or state.fragment != p:
                 raise RemoteProtocolError(f"owner sent the wrong message for fragment {p}")
+            if content_hash(state.tensors) != state.content_hash:
+                raise RemoteProtocolError(f"fragment {p} version {state.version}: content hash mismatch")
             if state.version <= after and not final:
                 raise RemoteProtocolError(f"owner sent version {state.version}, asked for one above {after}")
             flat = await asyncio.to_thread(flat_from_tensors, state.tensors, self.shapes[p])

@@ -78,6 +78,7 @@ class FragmentOwner:
         fragment: Fragment,
         shapes: Sequence[tuple[int, ...]],
         initial: torch.Tensor,
+        version: int = 0,
         merge_cfg: MergeConfig,
         outer_cfg: OuterConfig,
         signer: Signer,
@@ -87,10 +88,11 @@ class FragmentOwner:
         self.theta = initial.detach().float().clone()  # [numel_p] fp32
         self.buffer: torch.Tensor | None = None  # Nesterov momentum, created on first merge
         self.outer_cfg, self.signer, self.download_codec = outer_cfg, signer, download_codec
-        self.merger = FragmentMerger(fragment.index, merge_cfg, version=0, now=time.monotonic())
-        self.version = 0
-        self.latest: Sealed = self._seal_state(0, self.theta)
+        self.merger = FragmentMerger(fragment.index, merge_cfg, version=version, now=time.monotonic())
+        self.version = version
+        self.latest: Sealed = self._seal_state(version, self.theta)
         self.merges: list[str] = []
+        self.retired = False
         self._changed = asyncio.Condition()
         self._wake = asyncio.Event()
 
@@ -114,19 +116,49 @@ class FragmentOwner:
             return
         await self._apply(self.merger.set_expected(n, now=time.monotonic()))
 
+    @property
+    def merges_done(self) -> int:
+        return len(self.merges)
+
+    async def catch_up(self, version: int, flat: torch.Tensor) -> bool:
+        """Take over a newer version published by the previous owner, before our first merge.
+
+        Returns whether it was taken. Contributions collected so far stay (their staleness
+        counts against the new version).
+        """
+        if version <= self.version or self.merges or self.merger.phase is Phase.MERGING:
+            return False
+        merger = FragmentMerger(self.fragment.index, self.merger.config, version=version, now=time.monotonic())
+        self.theta, self.version, self.merger = flat.detach().float().clone(), version, merger
+        self.latest = await asyncio.to_thread(self._seal_state, version, self.theta)
+        async with self._changed:
+            self._changed.notify_all()
+        log.info("fragment %d: caught up with the previous owner at version %d", self.fragment.index, version)
+        return True
+
     def idle(self) -> bool:
         """No contribution is waiting and no merge is running: the latest version is final."""
         return self.merger.phase is Phase.COLLECTING and self.merger.count == 0
 
     async def wait_after(self, after: int, wait_s: float) -> Sealed | None:
-        """The sealed state of the first version above ``after``, waiting up to ``wait_s``."""
+        """The sealed state of the first version above ``after``, waiting up to ``wait_s``.
+
+        None on timeout, or at once when this peer stops owning the fragment (``retire``), so
+        long-polls move to the new owner without waiting out their timeout.
+        """
         async with self._changed:
             try:
                 async with asyncio.timeout(wait_s):
-                    await self._changed.wait_for(lambda: self.version > after)
+                    await self._changed.wait_for(lambda: self.version > after or self.retired)
             except TimeoutError:
                 return None
-            return self.latest
+            return None if self.version <= after else self.latest
+
+    async def retire(self) -> None:
+        """This peer no longer owns the fragment: release every long-poll."""
+        self.retired = True
+        async with self._changed:
+            self._changed.notify_all()
 
     # --- the timer -----------------------------------------------------------------------------
     async def run(self) -> None:

@@ -1,13 +1,18 @@
 """One peer of a swarm: an island (learner) and the owner of some fragments, in one process.
 
-The asyncio node (transport, RPC, owners, the island's network side, heartbeats) runs on its
-own thread; the training loop runs on the main thread and never waits on the network. The
-launcher (``node.swarm``) talks to the peer with JSON lines on stdin/stdout.
+The asyncio node (transport, RPC, DHT, owners, the island's network side, membership) runs on
+its own thread; the training loop runs on the main thread and never waits on the network.
 
-Shutdown: when its steps are done a peer stops contributing and says so in its heartbeats.
+Joining (``serve``): bind, start the DHT node and bootstrap from the initial peers, ask one of
+them to dial us back (reachable peers may own fragments; the others are learners only), read the
+member list, download every global fragment at its latest version from its current owner
+(verified against the owner's key), then publish our own member record. Only then may the
+rendezvous hash hand us fragments to own; a new owner starts from the version it synced and, for
+a few seconds, catches up with the previous owner's latest version (versions are fencing tokens).
+
+Shutdown: when its steps are done a peer stops learning and republishes its record saying so.
 An owner whose learners have all finished closes its last round; the fragment's state is then
-final. Every peer fetches every fragment's final version, so all hold the same global model,
-evaluates it, prints its result, and serves until the launcher says stop.
+final (``GET /v1/fragments/p/final``), and every peer ends on the same global model.
 """
 
 from __future__ import annotations
@@ -18,41 +23,43 @@ import json
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from aiohttp import web
 
 from node.config import RunConfig
+from node.dht import DHTConfig, DHTNode, DHTRouter
 from node.island import Island
 from node.learner import IslandNet
+from node.membership import MemberRecord, Membership, manifest_hash
 from node.model import GPTConfig
 from node.owner import FragmentOwner
 from node.rpc import RpcServer
+from node.state_sync import (
+    ManifestCache,
+    SyncFailed,
+    serve_manifest,
+    serve_sealed,
+    state_etag,
+    sync_fragments,
+)
 from node.transport import LinkEmulator, LinkProfile, Transport
-from protocol.diloco.fragments import FragmentPlan, owners_of
+from protocol.diloco.fragments import FragmentPlan
 from protocol.diloco.merge import MergeConfig
 from protocol.diloco.outer import OuterConfig
 from protocol.errors import NotAuthorized, UnknownFragment
-from protocol.wire.messages import Ack, Contribution, Hello, PeerInfo
+from protocol.wire.messages import Ack, Contribution
 from protocol.wire.signing import Opened, Signer
 
-__all__ = ["Member", "PeerNode", "emit"]
+__all__ = ["PeerNode", "emit"]
 
 log = logging.getLogger("atoll.peer")
 
-LIVENESS_S = 8.0
-HEARTBEAT_S = 1.0
-
-
-@dataclass
-class Member:
-    index: int
-    peer_id: bytes
-    url: str
-    last_seen: float = 0.0
-    learning: bool = True
+MEMBERSHIP_PERIOD_S = 2.0
+REPUBLISH_S = 6.0
+CATCH_UP_S = 6.0
+MAX_STATE = 1 << 30
 
 
 def emit(event: str, **fields: Any) -> None:
@@ -61,60 +68,115 @@ def emit(event: str, **fields: Any) -> None:
 
 
 class PeerNode:
-    """The peer's asyncio side: serves owners and RPC, drives the island's network side."""
+    """The peer's asyncio side: serves owners, RPC and the DHT, drives the island's network side."""
 
-    def __init__(self, cfg: RunConfig, index: int, signer: Signer, model: torch.nn.Module,
-                 plan: FragmentPlan) -> None:
-        self.cfg, self.index, self.signer, self.plan = cfg, index, signer, plan
-        self.transport = Transport(link=LinkEmulator(default=LinkProfile.parse(cfg.link)))
+    def __init__(self, cfg: RunConfig, signer: Signer, model: torch.nn.Module, plan: FragmentPlan, *,
+                 host: str = "127.0.0.1", port: int = 0, public_address: str | None = None) -> None:
+        self.cfg, self.signer, self.plan = cfg, signer, plan
+        self.public_address = public_address
+        self.transport = Transport(host, port, link=LinkEmulator(default=LinkProfile.parse(cfg.link)))
         self.rpc = RpcServer(self.transport, signer, authorize=self._is_member)
-        self.members: dict[bytes, Member] = {}
+        self.router = DHTRouter(self.transport)
+        self.dht: DHTNode | None = None
+        self.membership: Membership | None = None
+        self.manifest = manifest_hash(cfg)
         named = dict(model.named_parameters())
         self.shapes = [[tuple(named[n].shape) for n in f.names] for f in plan.fragments]
-        self.initial = [torch.cat([named[n].detach().reshape(-1).float() for n in f.names])
-                        for f in plan.fragments]
         self.owners: dict[int, FragmentOwner] = {}
+        self._owner_tasks: dict[int, asyncio.Task[None]] = {}
         self.net: IslandNet | None = None
         self.learning = True
+        self.reachable = False
+        self.step = 0
         self.loop: asyncio.AbstractEventLoop | None = None
-        self.ready = threading.Event()
+        self.ready = threading.Event()  # bound and listening
+        self.joined = threading.Event()  # synced and published: training may start
+        self.synced: dict[int, tuple[int, torch.Tensor]] = {}
+        self.failure: BaseException | None = None
         self._stop: asyncio.Event | None = None
-        self._members_set: asyncio.Event | None = None
+        self._tg: asyncio.TaskGroup | None = None
+        self._manifests = ManifestCache()
         self.rpc.route(Contribution, self._on_contribution)
-        self.rpc.route(Hello, self._on_hello)
         app = self.transport.app
         app.router.add_get("/v1/fragments/{p}/{kind}", self._on_fetch)
+        app.router.add_get("/v1/fragments/{p}/latest/manifest", self._on_manifest)
         app.router.add_get("/v1/status", self._on_status)
+        app.router.add_get("/v1/manifest", self._on_swarm_manifest)
+        app.router.add_get("/v1/dialback", self._on_dialback)
 
     # --- membership ----------------------------------------------------------------------------
     def _is_member(self, peer_id: bytes) -> bool:
-        return peer_id in self.members
-
-    def set_members(self, members: list[dict[str, Any]]) -> None:
-        now = time.monotonic()
-        self.members = {bytes.fromhex(m["peer_id"]): Member(m["index"], bytes.fromhex(m["peer_id"]), m["url"], now)
-                        for m in members}
-        ids = self.owner_candidates()
-        for p, fragment in enumerate(self.plan.fragments):
-            if owners_of(self.cfg.swarm, p, ids, 1)[0] == self.signer.peer_id:
-                self.owners[p] = FragmentOwner(
-                    swarm=self.cfg.swarm, fragment=fragment, shapes=self.shapes[p],
-                    initial=self.initial[p], merge_cfg=self._merge_cfg(), outer_cfg=self._outer_cfg(),
-                    signer=self.signer, download_codec=self.cfg.download_codec,
-                )
-        assert self._members_set is not None
-        self._members_set.set()
-
-    def owner_candidates(self) -> list[bytes]:
-        """Members that can be dialled; one without an address is a learner only."""
-        return [m.peer_id for m in self.members.values() if m.url]
+        return self.membership is not None and peer_id in self.membership.members
 
     def owner_of(self, p: int) -> tuple[bytes, str] | None:
-        candidates = self.owner_candidates()
-        if not candidates:
-            return None
-        owner = owners_of(self.cfg.swarm, p, candidates, 1)[0]
-        return owner, self.members[owner].url
+        return None if self.membership is None else self.membership.owner_of(self.cfg.swarm, p)
+
+    def expected_learners(self) -> int:
+        return 0 if self.membership is None else self.membership.learners()
+
+    def my_record(self) -> MemberRecord:
+        roles = ("learner", "owner") if self.reachable else ("learner",)
+        url = self.url if self.reachable else ""
+        return MemberRecord(url=url, roles=roles, reachable=self.reachable, manifest=self.manifest,
+                            learning=self.learning, step=self.step)
+
+    @property
+    def url(self) -> str:
+        return self.public_address or self.transport.url
+
+    async def _membership_loop(self) -> None:
+        assert self.membership is not None
+        published_at, published = 0.0, None
+        while True:
+            record = self.my_record()
+            if record != published or time.monotonic() - published_at > REPUBLISH_S:
+                with contextlib.suppress(Exception):
+                    await self.membership.publish(record)
+                    published, published_at = record, time.monotonic()
+            with contextlib.suppress(Exception):
+                await self.membership.refresh()
+            await self._reconcile_owners()
+            for owner in list(self.owners.values()):
+                await owner.set_expected(self.expected_learners())
+            await asyncio.sleep(MEMBERSHIP_PERIOD_S)
+
+    async def _reconcile_owners(self) -> None:
+        for p in range(len(self.plan.fragments)):
+            owner = self.owner_of(p)
+            mine = owner is not None and owner[0] == self.signer.peer_id
+            if mine and p not in self.owners:
+                self._start_owner(p)
+            elif not mine and p in self.owners:
+                log.info("fragment %d: no longer the owner (now %s)", p, owner[1] if owner else None)
+                await self.owners.pop(p).retire()
+                self._owner_tasks.pop(p).cancel()
+
+    def _start_owner(self, p: int) -> None:
+        assert self.net is not None and self._tg is not None
+        version, flat = self.net.latest.get(p, (0, self.net.island_initial[p]))
+        owner = FragmentOwner(
+            swarm=self.cfg.swarm, fragment=self.plan.fragments[p], shapes=self.shapes[p],
+            initial=flat, version=version, merge_cfg=self._merge_cfg(), outer_cfg=self._outer_cfg(),
+            signer=self.signer, download_codec=self.cfg.download_codec,
+        )
+        previous = self.membership.owner_of(self.cfg.swarm, p, exclude=self.signer.peer_id) if self.membership else None
+        self.owners[p] = owner
+        self._owner_tasks[p] = self._tg.create_task(self._run_owner(owner, previous))
+        log.info("fragment %d: now the owner, from version %d", p, version)
+
+    async def _run_owner(self, owner: FragmentOwner, previous: tuple[bytes, str] | None) -> None:
+        """Catch up with the previous owner's latest version for a few seconds, then merge."""
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(owner.run())
+            if previous is not None and self.net is not None:
+                deadline = time.monotonic() + CATCH_UP_S
+                while time.monotonic() < deadline and owner.merges_done == 0:
+                    with contextlib.suppress(Exception):
+                        got = await self.net.fetch(owner.fragment.index, after=owner.version, wait_s=1.0,
+                                                   owner=previous)
+                        if got is not None:
+                            await owner.catch_up(*got)
+                    await asyncio.sleep(0.5)
 
     def _merge_cfg(self) -> MergeConfig:
         c = self.cfg
@@ -125,10 +187,6 @@ class PeerNode:
     def _outer_cfg(self) -> OuterConfig:
         return OuterConfig(lr=self.cfg.outer_lr, momentum=self.cfg.outer_momentum)
 
-    def expected_learners(self) -> int:
-        now = time.monotonic()
-        return sum(1 for m in self.members.values() if m.learning and now - m.last_seen < LIVENESS_S)
-
     # --- handlers ------------------------------------------------------------------------------
     async def _on_contribution(self, opened: Opened) -> Ack:
         msg = opened.message
@@ -138,34 +196,43 @@ class PeerNode:
         owner = self.owners.get(msg.fragment)
         if owner is None:
             raise UnknownFragment(f"fragment {msg.fragment} is not owned here (plan has {len(self.plan.fragments)})")
-        self.members[opened.peer_id].last_seen = time.monotonic()
         return await owner.contribute(opened.peer_id, msg)
 
-    async def _on_hello(self, opened: Opened) -> Ack:
-        msg = opened.message
-        assert isinstance(msg, Hello)
-        member = self.members[opened.peer_id]
-        member.last_seen = time.monotonic()
-        member.learning = "learner" in msg.roles
-        return Ack(accepted=True, reason="hello", version=0)
-
-    async def _on_fetch(self, request: web.Request) -> web.StreamResponse:
+    def _fragment_owner(self, request: web.Request) -> FragmentOwner:
         try:
             p = int(request.match_info["p"])
+        except ValueError:
+            raise web.HTTPBadRequest(text="fragment index must be an integer") from None
+        owner = self.owners.get(p)
+        if owner is None:
+            raise web.HTTPNotFound(text=f"fragment {p} is not owned here")
+        return owner
+
+    async def _on_fetch(self, request: web.Request) -> web.StreamResponse:
+        owner = self._fragment_owner(request)
+        kind = request.match_info["kind"]
+        if kind == "latest":
+            return await serve_sealed(request, self.transport, owner.latest,
+                                      etag=state_etag(owner.latest, owner.version))
+        try:
             after = int(request.query.get("after", "-1"))
             wait_s = min(float(request.query.get("wait", "0")), 30.0)
         except ValueError:
-            return web.json_response({"error": "DecodeError", "reason": "p, after and wait must be numbers"}, status=400)
-        owner = self.owners.get(p)
-        if owner is None:
-            return web.json_response({"error": "UnknownFragment", "reason": f"fragment {p} is not owned here"}, status=404)
-        if request.match_info["kind"] == "final":
+            return web.json_response({"error": "DecodeError", "reason": "after and wait must be numbers"}, status=400)
+        if kind == "final":
             sealed = await self._wait_final(owner, wait_s)
-        else:
+        elif kind == "next":
             sealed = await owner.wait_after(after, wait_s)
+        else:
+            return web.json_response({"error": "DecodeError", "reason": f"unknown kind {kind!r}"}, status=404)
         if sealed is None:
             return web.Response(status=204)
         return await self.transport.stream_reply(request, sealed.iter_chunks(), sealed.size)
+
+    async def _on_manifest(self, request: web.Request) -> web.Response:
+        owner = self._fragment_owner(request)
+        return await serve_manifest(request, owner.latest, etag=state_etag(owner.latest, owner.version),
+                                    cache=self._manifests)
 
     async def _wait_final(self, owner: FragmentOwner, wait_s: float) -> Any:
         deadline = time.monotonic() + wait_s
@@ -176,59 +243,123 @@ class PeerNode:
             await asyncio.sleep(0.1)
         return None
 
+    async def _on_dialback(self, request: web.Request) -> web.Response:
+        """Ping the DHT node at ``?url=`` (a joining peer asks whether it can be dialled)."""
+        url = request.query.get("url", "")
+        if not url.startswith(("http://", "https://")) or self.dht is None:
+            return web.json_response({"error": "DecodeError", "reason": "url must be http(s)"}, status=400)
+        contact = await self.dht.ping(url.rstrip("/") + "/v1/dht")
+        return web.json_response({"reachable": contact is not None,
+                                  "peer_id": contact.peer_id.hex() if contact else None})
+
+    async def _on_swarm_manifest(self, _request: web.Request) -> web.Response:
+        return web.Response(text=self.cfg.to_json(), content_type="application/json")
+
     async def _on_status(self, _request: web.Request) -> web.Response:
         return web.json_response(self.status())
 
     def status(self) -> dict[str, Any]:
+        members = self.membership.members if self.membership else {}
+        owners = {}
+        for p in range(len(self.plan.fragments)):
+            o = self.owner_of(p)
+            owners[str(p)] = {"peer_id": o[0].hex(), "url": o[1]} if o else None
+        island_versions = self.net.island.versions if self.net else []
         return {
-            "peer_id": self.signer.peer_id.hex(), "url": self.transport.url,
-            "members": [{"index": m.index, "url": m.url, "learning": m.learning} for m in self.members.values()],
-            "owned": {p: o.version for p, o in self.owners.items()},
+            "swarm": self.cfg.swarm, "manifest": self.manifest,
+            "peer_id": self.signer.peer_id.hex(), "url": self.url, "reachable": self.reachable,
+            "learning": self.learning, "step": self.step,
+            "members": [{"peer_id": m.peer_id.hex(), "url": m.record.url, "roles": list(m.record.roles),
+                         "reachable": m.record.reachable, "learning": m.record.learning, "step": m.record.step}
+                        for m in members.values()],
+            "owners": owners,
+            "versions": list(island_versions),
+            "owned": {str(p): o.version for p, o in self.owners.items()},
+            "bytes_sent": self.transport.bytes_sent, "bytes_received": self.transport.bytes_received,
             "remote_errors": dict(self.rpc.errors),
         }
 
     # --- lifecycle -----------------------------------------------------------------------------
-    async def serve(self, island: Island) -> None:
+    async def serve(self, island: Island, initial_peers: list[str]) -> None:
         self.loop = asyncio.get_running_loop()
-        self._stop, self._members_set = asyncio.Event(), asyncio.Event()
+        self._stop = asyncio.Event()
         await self.transport.start()
+        self.dht = DHTNode(self.signer, self.transport, self.url + "/v1/dht",
+                           DHTConfig(maintenance_period_s=30.0, request_timeout_s=3.0))
+        self.router.mount(self.dht)
+        await self.dht.start()
+        self.membership = Membership(self.dht, self.cfg.swarm, self.manifest)
+        self.net = IslandNet(island, self.transport, self.signer, swarm=self.cfg.swarm, shapes=self.shapes,
+                             owner_of=self.owner_of, codec=self.cfg.codec, block_size=self.cfg.block_size)
         self.ready.set()
         try:
-            await self._members_set.wait()
-            self.net = IslandNet(island, self.transport, self.signer, swarm=self.cfg.swarm, shapes=self.shapes,
-                                 owner_of=self.owner_of, codec=self.cfg.codec, block_size=self.cfg.block_size)
             async with asyncio.TaskGroup() as tg:
-                tasks = [tg.create_task(self.net.run()), tg.create_task(self._heartbeat())]
-                tasks += [tg.create_task(o.run()) for o in self.owners.values()]
+                self._tg = tg
+                try:
+                    await self._join(initial_peers)
+                except BaseException as exc:
+                    self.failure = exc
+                    self.joined.set()
+                    raise
+                self.joined.set()
+                tasks = [tg.create_task(self.net.run()), tg.create_task(self._membership_loop())]
                 await self._stop.wait()
-                for t in tasks:
+                for t in [*tasks, *self._owner_tasks.values()]:
                     t.cancel()
         finally:
+            await self.dht.close()
             await self.transport.close()
+
+    async def _join(self, initial_peers: list[str]) -> None:
+        assert self.dht is not None and self.membership is not None and self.net is not None
+        if initial_peers:
+            reached = await self.dht.bootstrap([u.rstrip("/") + "/v1/dht" for u in initial_peers])
+            if not reached:
+                raise ConnectionError(f"none of the initial peers answered: {initial_peers}")
+            self.reachable = await self._dialback(initial_peers)
+        else:
+            self.reachable = True  # the first peer: others will reach it through its address
+        await self.membership.refresh()
+        if self.membership.owner_candidates():
+            await self._sync()
+        await self.membership.publish(self.my_record())
+        await self.membership.refresh()
+        await self._reconcile_owners()
+        log.info("joined swarm %s: %d members, reachable=%s", self.cfg.swarm,
+                 len(self.membership.members), self.reachable)
+
+    async def _dialback(self, initial_peers: list[str]) -> bool:
+        for base in initial_peers:
+            with contextlib.suppress(Exception):
+                status, buf, used, _ = await self.transport.request(
+                    "GET", f"{base.rstrip('/')}/v1/dialback?url={self.url}", timeout_s=10)
+                body = bytes(memoryview(buf)[:used])
+                self.transport.pool.give(buf)
+                if status == 200:
+                    answer = json.loads(body)
+                    return bool(answer.get("reachable")) and answer.get("peer_id") == self.signer.peer_id.hex()
+        return False
+
+    async def _sync(self) -> None:
+        """Download every fragment's latest version from its current owner (not us)."""
+        assert self.membership is not None and self.net is not None
+        me = self.signer.peer_id
+        held = [self.net.latest.get(p, (0, None))[0] for p in range(len(self.shapes))]
+        try:
+            got = await sync_fragments(
+                self.transport, lambda p: self.membership.owner_of(self.cfg.swarm, p, exclude=me),  # type: ignore[union-attr]
+                len(self.shapes), self.shapes, swarm=self.cfg.swarm, held_versions=held, max_size=MAX_STATE)
+        except SyncFailed as exc:
+            log.warning("state sync incomplete: %s", exc)
+            got = exc.fetched
+        for p, (version, flat) in got.items():
+            self.net.remember(p, version, flat)
+            self.net.island.deliver(p, version, flat)
+        self.synced = got
 
     def stop(self) -> None:
         if self.loop is not None and self._stop is not None:
             self.loop.call_soon_threadsafe(self._stop.set)
-
-    async def _heartbeat(self) -> None:
-        me = PeerInfo(peer_id=self.signer.peer_id, address=self.transport.url)
-        while True:
-            roles = ("learner", "owner") if self.learning else ("owner",)
-            hello = Hello(swarm=self.cfg.swarm, peer=me, roles=roles, step=0)
-            sealed = self.rpc.seal_reply(hello)
-            for m in list(self.members.values()):
-                if m.peer_id == self.signer.peer_id:
-                    m.last_seen, m.learning = time.monotonic(), self.learning
-                    continue
-                if not m.url:
-                    continue
-                with contextlib.suppress(Exception):
-                    status, buf, _, _ = await self.transport.request(
-                        "POST", f"{m.url}/v1/rpc", chunks=[sealed], size=len(sealed), timeout_s=5)
-                    self.transport.pool.give(buf)
-            for o in self.owners.values():
-                await o.set_expected(self.expected_learners())
-            await asyncio.sleep(HEARTBEAT_S)
 
     def call(self, coro: Any, timeout: float | None = None) -> Any:
         """Run a coroutine on the node's loop from the trainer thread and wait for it."""

@@ -1,15 +1,17 @@
 """``atoll local``: a multi-process swarm on 127.0.0.1.
 
-The launcher starts N peer processes (``python -m node peer``), tells every peer the others'
-addresses once all have bound their ports, shows live progress from the JSON lines the peers
-print, and when every peer has reported its final result it stops them, writes the JSON report
-and the plot, and prints a summary. Ctrl-C stops every peer cleanly.
+The launcher starts peer 0 (``python -m node peer``), waits for the address it bound, then
+starts the other peers giving them only that address: they find each other and the fragments'
+owners through the DHT, as peers joining over the internet do. It shows live progress from the
+JSON lines the peers print, and when every peer has reported its final result it stops them,
+writes the JSON report and the plot, and prints a summary. Ctrl-C stops every peer cleanly.
 
 Peer ↔ launcher protocol (one JSON object per line):
   peer → launcher  {"event": "listening", "index", "url", "peer_id"}
+                   {"event": "joined", "index", "versions", "synced"}
                    {"event": "progress", "index", "step", "loss", "versions", "bytes_sent"}
                    {"event": "done", "index", "result": {...}}
-  launcher → peer  {"members": [{"index", "url", "peer_id"}, ...]}   then, at the end, {"stop": true}
+  launcher → peer  {"stop": true}   (once every peer is done)
 """
 
 from __future__ import annotations
@@ -50,8 +52,7 @@ class LocalSwarm:
     """Start, watch and stop N peer processes; collect their results."""
 
     def __init__(self, cfg: RunConfig, run_dir: Path, *, extra_peer_args: dict[int, list[str]] | None = None,
-                 quiet: bool = False, startup_timeout_s: float = 120.0, run_timeout_s: float | None = None,
-                 extra_members: list[dict[str, Any]] | None = None) -> None:
+                 quiet: bool = False, startup_timeout_s: float = 120.0, run_timeout_s: float | None = None) -> None:
         self.cfg = cfg
         self.run_dir = run_dir
         self.extra = extra_peer_args or {}
@@ -59,13 +60,14 @@ class LocalSwarm:
         self.startup_timeout_s = startup_timeout_s
         self.run_timeout_s = run_timeout_s
         self.peers: list[PeerProcess] = []
-        self.extra_members = extra_members or []  # e.g. a test's adversarial insider
-        self.listening = asyncio.Event()
+        self.listening = asyncio.Event()  # every peer has bound its address
+        self.t0 = time.time()
 
     async def _spawn(self, index: int, config_path: Path) -> PeerProcess:
         log_path = self.run_dir / f"peer{index}.log"
-        cmd = [sys.executable, "-m", "node", "peer", "--config", str(config_path),
-               "--index", str(index), *self.extra.get(index, [])]
+        cmd = [sys.executable, "-m", "node", "peer", "--config", str(config_path), "--index", str(index),
+               "--t0", str(self.t0), "--initial-peers-from-stdin", "--wait-members", str(self.cfg.peers),
+               *self.extra.get(index, [])]
         proc = await asyncio.create_subprocess_exec(
             *cmd, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
             stderr=log_path.open("wb"), start_new_session=True,
@@ -121,11 +123,11 @@ class LocalSwarm:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         config_path = self.run_dir / "config.json"
         config_path.write_text(self.cfg.to_json())
-        self.peers = [await self._spawn(i, config_path) for i in range(self.cfg.peers)]
         async with asyncio.TaskGroup() as tg:
-            readers = [tg.create_task(self._read(p)) for p in self.peers]
+            readers: list[asyncio.Task[None]] = []
             progress = tg.create_task(self._show_progress())
             try:
+                await self._start_peers(config_path, tg, readers)
                 await self._drive()
             finally:
                 progress.cancel()
@@ -134,17 +136,29 @@ class LocalSwarm:
                     r.cancel()
         return [p.result for p in self.peers if p.result is not None]
 
-    async def _drive(self) -> None:
+    async def _start_peers(self, config_path: Path, tg: asyncio.TaskGroup,
+                           readers: list[asyncio.Task[None]]) -> None:
+        """Start all peers at once; peer 0 founds the swarm, the others join through its address."""
+        for i in range(self.cfg.peers):
+            peer = await self._spawn(i, config_path)
+            self.peers.append(peer)
+            readers.append(tg.create_task(self._read(peer)))
+        first = self.peers[0]
+        await self._send(first, {"initial_peers": []})
+        async with asyncio.timeout(self.startup_timeout_s):
+            await first.listening.wait()
+        if not first.url:
+            raise RuntimeError(f"peer 0 exited before listening; see {first.log_path}")
+        for peer in self.peers[1:]:
+            await self._send(peer, {"initial_peers": [first.url]})
         async with asyncio.timeout(self.startup_timeout_s):
             await asyncio.gather(*(p.listening.wait() for p in self.peers))
         dead = [p for p in self.peers if not p.url]
         if dead:
             raise RuntimeError(f"peer {dead[0].index} exited before listening; see {dead[0].log_path}")
-        members = [{"index": p.index, "url": p.url, "peer_id": p.peer_id} for p in self.peers]
-        members += self.extra_members
-        for p in self.peers:
-            await self._send(p, {"members": members, "t0": time.time()})
         self.listening.set()
+
+    async def _drive(self) -> None:
         async with asyncio.timeout(self.run_timeout_s):
             await asyncio.gather(*(p.finished.wait() for p in self.peers))
         failed = [p for p in self.peers if p.result is None]

@@ -15,6 +15,7 @@ import statistics
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +58,23 @@ def _read_stdin_line() -> dict[str, Any]:
     return dict(json.loads(line))
 
 
-def run_peer(cfg: RunConfig, index: int) -> None:
+@dataclass(frozen=True, slots=True)
+class PeerOptions:
+    """Where a peer listens and whom it joins through (not part of the swarm's config)."""
+
+    index: int = 0
+    initial_peers: tuple[str, ...] = ()
+    host: str = "127.0.0.1"
+    port: int = 0
+    public_address: str | None = None
+    t0: float = 0.0  # wall-clock origin of the eval curves (the launcher's start)
+    wait_for_stop: bool = True  # after the result, serve until the launcher says stop
+    initial_peers_from_stdin: bool = False  # the launcher sends {"initial_peers": [...]} once known
+    wait_members: int = 1  # start training once this many members are visible (a local swarm: all)
+
+
+def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
+    index = opts.index
     torch.set_num_threads(cfg.threads)
     # --- model, data, optimizer -----------------------------------------------------------------
     gcfg = GPTConfig.preset(cfg.model)
@@ -71,27 +88,31 @@ def run_peer(cfg: RunConfig, index: int) -> None:
     shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
     plan = plan_fragments(shapes, cfg.fragments, embeddings=embedding_parameter_names(model))
     signer = Signer.from_seed(os.urandom(32))
+    # the global model at the start: version 0 of every fragment is this deterministic init
+    eval_start = evaluate(model, heldout, batch_size=cfg.batch_size, block_size=gcfg.block_size,
+                          n_batches=cfg.eval_batches)
 
-    # --- the node, on its own thread ------------------------------------------------------------
-    node = PeerNode(cfg, index, signer, model, plan)
-    island_box: dict[str, Island] = {}
+    # --- the node, on its own thread: join the swarm, sync the global fragments ---------------
+    node = PeerNode(cfg, signer, model, plan, host=opts.host, port=opts.port,
+                    public_address=opts.public_address)
     island = Island(model, optimizer, plan, submit=lambda out: node.net.submit(out) if node.net else None,
                     cfg=IslandConfig(inner_steps=cfg.inner_steps, adopt_alpha=cfg.adopt_alpha))
-    island_box["island"] = island
-    thread = threading.Thread(target=lambda: asyncio.run(node.serve(island)), name="atoll-node", daemon=True)
+    initial = list(opts.initial_peers)
+    if opts.initial_peers_from_stdin:
+        initial += list(_read_stdin_line().get("initial_peers", []))
+    thread = threading.Thread(target=lambda: asyncio.run(node.serve(island, initial)),
+                              name="atoll-node", daemon=True)
     thread.start()
     if not node.ready.wait(60):
         raise RuntimeError("the node did not start listening within 60 s")
-    emit("listening", index=index, url=node.transport.url, peer_id=signer.peer_id.hex())
-    hello = _read_stdin_line()
-    if "members" not in hello:
-        return
-    t0 = float(hello.get("t0", time.time()))
-    node.loop.call_soon_threadsafe(node.set_members, hello["members"])  # type: ignore[union-attr]
-    while node.net is None:
-        time.sleep(0.01)
+    emit("listening", index=index, url=node.url, peer_id=signer.peer_id.hex())
+    if not node.joined.wait(120) or node.failure is not None:
+        raise RuntimeError(f"could not join the swarm: {node.failure!r}")
+    _wait_for_members(node, opts.wait_members)
+    island.adopt_pending()  # the synced global fragments
+    emit("joined", index=index, versions=list(island.versions), synced=sorted(node.synced))
+    t0 = opts.t0 or time.time()
 
-    eval_start = _eval_global(model, island, heldout, cfg)
     curve_local: list[tuple[float, int, float]] = []
     curve_global: list[tuple[float, int, float]] = [(time.time() - t0, 0, eval_start)]
     # --- the training loop ----------------------------------------------------------------------
@@ -118,12 +139,13 @@ def run_peer(cfg: RunConfig, index: int) -> None:
                 curve_global.append((time.time() - t0, step + 1, _eval_global(model, island, heldout, cfg)))
         if time.monotonic() - last_progress > 1.0:
             last_progress = time.monotonic()
+            node.step = step + 1
             emit("progress", index=index, step=step + 1, loss=loss_ema, versions=list(island.versions),
                  bytes_sent=node.transport.bytes_sent)
 
     # --- finalise: all peers end on the owners' final versions ---------------------------------
     node.learning = False
-    final = node.call(_fetch_final(node, island), timeout=300)
+    final = node.call(_fetch_final(node, island), timeout=600)
     for p, (version, flat) in final.items():
         island.deliver(p, version, flat)
     island.adopt_pending()
@@ -146,10 +168,22 @@ def run_peer(cfg: RunConfig, index: int) -> None:
         "merges": {p: o.merges[-3:] for p, o in node.owners.items()},
     }
     emit("done", index=index, result=result)
-    while "stop" not in _read_stdin_line():
-        pass
+    if opts.wait_for_stop:
+        while "stop" not in _read_stdin_line():
+            pass
     node.stop()
     thread.join(timeout=10)
+    return result
+
+
+def _wait_for_members(node: PeerNode, n: int, timeout_s: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while node.membership is None or len(node.membership.members) < n:
+        if time.monotonic() > deadline:
+            seen = len(node.membership.members) if node.membership else 0
+            raise RuntimeError(f"only {seen} of {n} expected members joined within {timeout_s:.0f} s")
+        time.sleep(0.1)
+    time.sleep(2.5)  # one membership period, so every peer's view of the owners has settled
 
 
 def _median(values: list[float]) -> float:

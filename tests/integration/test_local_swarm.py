@@ -17,10 +17,13 @@ import pytest
 import torch
 
 from node.config import RunConfig
+from node.dht import DHTConfig, DHTNode
+from node.membership import MemberRecord, Membership, manifest_hash
 from node.model import GPT, GPTConfig, embedding_parameter_names
 from node.swarm import LocalSwarm
+from node.transport import Transport
 from protocol.diloco.compression import compress
-from protocol.diloco.fragments import owners_of, plan_fragments
+from protocol.diloco.fragments import plan_fragments
 from protocol.wire.codec import encode
 from protocol.wire.messages import Contribution
 from protocol.wire.signing import Signer, seal
@@ -104,21 +107,47 @@ async def _attack(url: str, signer: Signer, shapes: list[tuple[int, ...]]) -> li
     return out
 
 
+async def _join_as_insider(entry_url: str, insider: Signer, cfg: RunConfig) -> tuple[Transport, DHTNode]:
+    """A member that cannot be dialled (behind NAT): it publishes a record, nothing more."""
+    transport = Transport()
+    await transport.start()
+    dht = DHTNode(insider, transport, "", DHTConfig(maintenance_period_s=0))
+    await dht.start()
+    assert await dht.bootstrap([entry_url + "/v1/dht"]) == 1
+    record = MemberRecord(url="", roles=("learner",), reachable=False, manifest=manifest_hash(cfg),
+                          learning=False)
+    assert await Membership(dht, cfg.swarm, manifest_hash(cfg)).publish(record) >= 1
+    return transport, dht
+
+
+async def _status(url: str) -> dict[str, Any]:
+    async with aiohttp.ClientSession() as session, session.get(f"{url}/v1/status") as resp:
+        return dict(await resp.json())
+
+
 def test_running_node_refuses_garbage_bad_signatures_and_unknown_fragments(tmp_path: Path) -> None:
     insider = Signer.from_seed(os.urandom(32))
     cfg = RunConfig(**SMALL)  # type: ignore[arg-type]
-    swarm = LocalSwarm(cfg, tmp_path, quiet=True, run_timeout_s=120,
-                       extra_members=[{"index": 99, "url": "", "peer_id": insider.peer_id.hex()}])
+    swarm = LocalSwarm(cfg, tmp_path, quiet=True, run_timeout_s=120)
 
-    async def scenario() -> tuple[list[dict[str, Any]], list[tuple[str, int, dict[str, Any]]], int]:
+    async def scenario() -> tuple[list[dict[str, Any]], list[tuple[str, int, dict[str, Any]]], str]:
         run = asyncio.create_task(swarm.run())
         async with asyncio.timeout(60):
             await swarm.listening.wait()
-        ids = [bytes.fromhex(p.peer_id) for p in swarm.peers]
-        owner = owners_of(cfg.swarm, 0, ids, 1)[0]
-        target = next(p for p in swarm.peers if bytes.fromhex(p.peer_id) == owner)
-        replies = await _attack(target.url, insider, _fragment_shapes(cfg, 0))
-        return await run, replies, target.index
+        transport, dht = await _join_as_insider(swarm.peers[0].url, insider, cfg)
+        try:
+            async with asyncio.timeout(60):  # until the owner of fragment 0 counts the insider in
+                while True:
+                    status = await _status(swarm.peers[0].url)
+                    owner = status["owners"]["0"]
+                    if owner and insider.peer_id.hex() in [m["peer_id"] for m in (await _status(owner["url"]))["members"]]:
+                        break
+                    await asyncio.sleep(0.5)
+            replies = await _attack(owner["url"], insider, _fragment_shapes(cfg, 0))
+        finally:
+            await dht.close()
+            await transport.close()
+        return await run, replies, owner["peer_id"]
 
     results, replies, attacked = asyncio.run(scenario())
     by_name = {name: (status, body) for name, status, body in replies}
@@ -134,7 +163,7 @@ def test_running_node_refuses_garbage_bad_signatures_and_unknown_fragments(tmp_p
     assert all(body.get("reason") for _, _, body in replies)
     # the attacked node kept training, and everyone still agrees on the global model
     assert len(results) == 3
-    victim = next(r for r in results if r["index"] == attacked)
+    victim = next(r for r in results if r["peer_id"] == attacked)
     assert victim["steps"] == 200
     assert victim["remote_errors"] >= len(replies)
     assert len({r["final_param_hash"] for r in results}) == 1

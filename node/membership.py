@@ -1,0 +1,133 @@
+"""Swarm membership over the DHT: signed, expiring member records under the swarm's key.
+
+Every peer publishes one record under ``key_id("atoll/<swarm>/members")`` in its own subkey (its
+peer id; the DHT refuses a subkey signed by anyone else): its address, its roles, whether a
+dial-back from another member reached it, the swarm manifest hash it trains with, whether it is
+still learning, and its step. Records expire after ``ttl_s`` unless republished, so a crashed
+peer leaves the member list by itself.
+
+Owners are chosen from this list by rendezvous hash over live members that are reachable,
+accept the owner role and share our manifest; a member that cannot be dialled is a learner only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+
+import msgpack
+
+from node.config import RunConfig
+from node.dht import DHTNode
+from protocol.diloco.fragments import owners_of
+from protocol.errors import DecodeError
+from protocol.ids import key_id
+
+__all__ = ["Member", "MemberRecord", "Membership", "manifest_hash", "members_key"]
+
+# The fields that must agree across a swarm: the model and how it is cut, merged and weighted.
+MANIFEST_FIELDS = ("swarm", "seed", "model", "batch_size", "fragments", "inner_steps", "codec",
+                   "block_size", "download_codec", "outer_lr", "outer_momentum", "quorum",
+                   "grace_gamma", "grace_tau", "grace_cap_s", "staleness_bound", "late_policy")
+ROLES = ("learner", "owner")
+
+
+def members_key(swarm: str) -> bytes:
+    return key_id(f"atoll/{swarm}/members")
+
+
+def manifest_hash(cfg: RunConfig) -> str:
+    """Hex SHA-256 over the swarm-wide fields of ``cfg`` (peers must agree on it)."""
+    fields = {name: getattr(cfg, name) for name in MANIFEST_FIELDS}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:32]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MemberRecord:
+    """What one member says of itself (the DHT record's value)."""
+
+    url: str
+    roles: tuple[str, ...]
+    reachable: bool
+    manifest: str
+    learning: bool
+    step: int = 0
+
+    def encode(self) -> bytes:
+        return msgpack.packb([self.url, list(self.roles), self.reachable, self.manifest,
+                              self.learning, self.step], use_bin_type=True)
+
+    @classmethod
+    def decode(cls, value: bytes) -> MemberRecord:
+        """Raises ``DecodeError`` for anything but a well-formed record."""
+        try:
+            url, roles, reachable, manifest, learning, step = msgpack.unpackb(
+                bytes(value), raw=False, strict_map_key=True, max_str_len=512, max_array_len=16)
+        except (ValueError, TypeError, msgpack.UnpackException) as exc:
+            raise DecodeError(f"bad member record: {exc}") from exc
+        if not (isinstance(url, str) and isinstance(manifest, str) and isinstance(step, int)
+                and isinstance(reachable, bool) and isinstance(learning, bool)
+                and isinstance(roles, list) and all(r in ROLES for r in roles)):
+            raise DecodeError("bad member record: wrong field types or unknown role")
+        if url and not url.startswith(("http://", "https://")):
+            raise DecodeError(f"bad member record: address {url!r} is not an http(s) URL")
+        return cls(url=url, roles=tuple(roles), reachable=reachable, manifest=manifest,
+                   learning=learning, step=step)
+
+
+@dataclass(frozen=True, slots=True)
+class Member:
+    peer_id: bytes
+    record: MemberRecord
+    expires_at: float
+
+    @property
+    def can_own(self) -> bool:
+        return bool(self.record.url) and self.record.reachable and "owner" in self.record.roles
+
+
+class Membership:
+    """Publishes our record and reads everyone's, through a ``DHTNode``."""
+
+    def __init__(self, dht: DHTNode, swarm: str, manifest: str, *, ttl_s: float = 20.0) -> None:
+        self.dht, self.swarm, self.manifest, self.ttl_s = dht, swarm, manifest, ttl_s
+        self.key = members_key(swarm)
+        self.members: dict[bytes, Member] = {}
+        self.refused: dict[bytes, str] = {}  # peer id -> why its record is ignored
+
+    async def publish(self, record: MemberRecord) -> int:
+        """Store our record at the nodes nearest the swarm key; return how many took it."""
+        return await self.dht.store(self.key, record.encode(), self.ttl_s)
+
+    async def refresh(self) -> dict[bytes, Member]:
+        """Read every member record; keep those that decode, are live and share our manifest."""
+        members: dict[bytes, Member] = {}
+        now = time.time()
+        for rec in await self.dht.get(self.key):
+            try:
+                record = MemberRecord.decode(rec.value)
+            except DecodeError as exc:
+                self.refused[rec.subkey] = exc.reason
+                continue
+            if record.manifest != self.manifest:
+                self.refused[rec.subkey] = f"manifest {record.manifest} differs from ours {self.manifest}"
+                continue
+            if rec.expires_at > now:
+                members[rec.subkey] = Member(rec.subkey, record, rec.expires_at)
+        self.members = members
+        return members
+
+    def owner_candidates(self, exclude: bytes | None = None) -> list[bytes]:
+        return [m.peer_id for m in self.members.values() if m.can_own and m.peer_id != exclude]
+
+    def owner_of(self, swarm: str, fragment: int, *, exclude: bytes | None = None) -> tuple[bytes, str] | None:
+        candidates = self.owner_candidates(exclude)
+        if not candidates:
+            return None
+        owner = owners_of(swarm, fragment, candidates, 1)[0]
+        return owner, self.members[owner].record.url
+
+    def learners(self) -> int:
+        return sum(1 for m in self.members.values() if m.record.learning and m.expires_at > time.time())

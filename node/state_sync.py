@@ -1,0 +1,719 @@
+"""State sync: a joining or restarted peer downloads every global fragment, resumably.
+
+Theory of operation. An owner's latest ``FragmentState`` is a ``Sealed`` blob: the envelope
+carries the owner's Ed25519 signature over the sha256 of the exact message bytes, so anyone
+holding the bytes may re-serve them and the receiver still knows they are the owner's.
+
+Serving (``serve_sealed``). The wire form is streamed in <= ``CHUNK`` views of the sealed
+parts, never joined. ``Range: bytes=N-`` / ``N-M`` / ``-K`` get a 206 with ``Content-Range``;
+multi-ranges and malformed ranges get the whole body (RFC 9110 lets a server ignore Range);
+a range past the end gets 416. The strong ETag ``v<version>-<sha256(envelope)[:16] hex>``
+names the exact bytes (the envelope holds the message hash, timestamp and nonce), so replicas
+re-serving the same version answer with the same ETag. ``If-Range`` with another ETag gets the
+whole new body with 200, so a resume never splices two versions together.
+
+Fetching (``fetch_sealed``). The body goes into one pooled buffer sized from Content-Length
+(capped before allocating). As soon as the envelope (<= 516 bytes) is in, its signature, the
+signer and the declared size are checked, so a wrong owner costs a few hundred bytes, not the
+fragment. A connection error, a stalled chunk (``chunk_timeout_s``) or a 5xx keeps the bytes so
+far and retries with ``Range: bytes=<have>-`` and ``If-Range: <etag>`` after an exponential
+backoff; ``retries`` consecutive failures without a chunk of progress give up with
+``DownloadFailed``, whose ``partial`` a later call (to any peer with the same version) can
+resume. The whole message is then checked with ``verify_sealed``: a corrupt byte anywhere makes
+the content hash mismatch, the buffer is discarded and the download restarts from 0, once;
+corruption twice is refused with ``DownloadFailed``. A corrupt state is never returned.
+
+Chunk manifests (``chunk_manifest``, ``serve_manifest``). Optional, for early detection: the
+sha256 of every ``chunk_size`` slice of the wire form, served as msgpack ``[etag, size,
+chunk_size, hashes]``. The manifest is deliberately *not* signed: whoever serves the bytes
+could sign wrong hashes just as well, and only the owner's signature counts. It is a hint:
+a chunk that fails its hash is dropped and just that range is re-requested (Range + If-Range);
+a chunk that fails twice means the manifest itself is suspect, so it is dropped and the
+owner-signed whole-message hash, always checked at the end, decides. A lying manifest thus
+costs about two chunks of traffic before it is ignored, never a bad state.
+
+``sync_fragments`` runs one such download per fragment concurrently (bounded), against
+``{owner_url}/v1/fragments/{p}/latest`` (manifest: that URL + ``/manifest``; a 404 there just
+means no manifest). A version the peer already holds is skipped as early as the manifest's or
+the body's ETag says so (a hint: at worst a lying server makes us skip, which it could by not
+answering), and in any case after verification. Signer, swarm and fragment are checked, then
+the state is decompressed with ``flat_from_tensors``. An owner serving an *older* version than
+the one held is skipped with a logged reason: the peer keeps what it has.
+
+A peer serves these with, e.g. ``serve_sealed(request, transport, owner.latest,
+etag=state_etag(owner.latest, owner.version))`` and ``serve_manifest(request, owner.latest,
+etag=..., cache=ManifestCache())`` (one cache per node).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import re
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import aiohttp
+import msgpack
+import torch
+from aiohttp import web
+
+from node.owner import flat_from_tensors
+from node.transport import CHUNK, Transport
+from protocol.errors import DecodeError, NotAuthorized, Oversize, RemoteProtocolError
+from protocol.ids import peer_id_from_public_key
+from protocol.wire.messages import FragmentState
+from protocol.wire.signing import (
+    MAX_ENVELOPE,
+    Opened,
+    Sealed,
+    envelope_length,
+    open_envelope,
+    verify_sealed,
+)
+
+__all__ = [
+    "DownloadFailed", "FetchConfig", "FetchStats", "Manifest", "ManifestCache",
+    "PartialDownload", "RangeNotSatisfiable", "SyncFailed", "chunk_manifest", "encode_manifest",
+    "etag_version", "fetch_sealed", "parse_range", "serve_manifest", "serve_sealed",
+    "state_etag", "sync_fragments",
+]
+
+log = logging.getLogger(__name__)
+
+HASH = 32
+MIN_MANIFEST_CHUNK = 64 << 10
+MAX_MANIFEST_CHUNK = 64 << 20
+_PREFIX = 4  # the u32 envelope length in front of every sealed message
+_RANGE = re.compile(r"bytes=(\d*)-(\d*)")
+_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
+_ETAG = re.compile(r"v(\d+)-[0-9a-f]+")
+_TRANSIENT = (aiohttp.ClientError, ConnectionError, TimeoutError)
+
+
+class RangeNotSatisfiable(RemoteProtocolError):
+    """A Range that starts at or past the end of the body."""
+
+    status = 416
+
+
+class DownloadFailed(RemoteProtocolError):
+    """A download given up; ``partial`` (if any) holds the bytes so far, for a later resume."""
+
+    status = 502
+
+    def __init__(self, reason: str, partial: PartialDownload | None = None) -> None:
+        super().__init__(reason, penalty=0.0)
+        self.partial = partial
+
+
+class SyncFailed(RemoteProtocolError):
+    """Some fragments could not be synced; ``fetched`` holds the ones that were."""
+
+    def __init__(self, failures: dict[int, str], fetched: dict[int, tuple[int, torch.Tensor]],
+                 n_fragments: int) -> None:
+        detail = "; ".join(f"fragment {p}: {r}" for p, r in sorted(failures.items()))
+        super().__init__(f"{len(failures)}/{n_fragments} fragments failed: {detail}", 0.0)
+        self.failures, self.fetched = failures, fetched
+
+
+@dataclass(frozen=True, slots=True)
+class FetchConfig:
+    """Retry policy: ``retries`` consecutive transient failures without a CHUNK of progress;
+    ``restarts`` full restarts after a corrupt body; ``version_changes`` restarts because the
+    server's version moved during a resume."""
+
+    retries: int = 4
+    backoff_s: float = 0.5
+    backoff_cap_s: float = 8.0
+    restarts: int = 1
+    version_changes: int = 3
+
+
+@dataclass
+class FetchStats:
+    """What one download did: every HTTP status in order, bytes, and why it retried."""
+
+    statuses: list[int] = field(default_factory=list)
+    ranges: list[str] = field(default_factory=list)  # the Range header sent, "" for none
+    bytes_received: int = 0
+    restarts: int = 0
+    version_changes: int = 0
+    refetched_chunks: int = 0
+    manifest_used: bool = False
+    reasons: list[str] = field(default_factory=list)
+
+
+@dataclass
+class PartialDownload:
+    """The first ``have`` bytes of the ``total``-byte body named by ``etag``, in ``buffer``.
+
+    Not resuming it? Give ``buffer`` back to ``transport.pool``."""
+
+    etag: str
+    total: int
+    have: int
+    buffer: bytearray
+
+
+# ── serving ──────────────────────────────────────────────────────────────────────────────────
+def state_etag(sealed: Sealed, version: int) -> str:
+    """The strong ETag (unquoted) naming these exact sealed bytes of ``version``."""
+    return f"v{version}-{hashlib.sha256(sealed.envelope).hexdigest()[:32]}"
+
+
+def etag_version(etag: str | None) -> int | None:
+    """The version in a ``state_etag`` (None if it is not one). Unauthenticated: a hint."""
+    m = _ETAG.fullmatch(etag or "")
+    return int(m.group(1)) if m else None
+
+
+def parse_range(value: str, size: int) -> tuple[int, int] | None:
+    """``(start, end_exclusive)`` for a single-range ``Range`` header, or None to serve the
+    whole body (malformed or multi-range). Raises RangeNotSatisfiable past the end."""
+    m = _RANGE.fullmatch(value.strip())
+    if m is None or (not m.group(1) and not m.group(2)):
+        return None
+    if not m.group(1):  # suffix: the last K bytes
+        k = int(m.group(2))
+        if k == 0:
+            raise RangeNotSatisfiable(f"empty suffix range of a {size}-byte body")
+        return max(0, size - k), size
+    start = int(m.group(1))
+    end = min(size, int(m.group(2)) + 1) if m.group(2) else size
+    if start >= size:
+        raise RangeNotSatisfiable(f"range starts at {start}, body is {size} bytes")
+    return (start, end) if end > start else None
+
+
+def _unquote(etag: str | None) -> str | None:
+    return etag.strip().strip('"') if etag is not None else None
+
+
+def _byte_range(sealed: Sealed, start: int, end: int) -> Iterator[memoryview]:
+    """The wire form's bytes ``[start, end)`` as views of at most CHUNK bytes."""
+    offset = 0
+    for chunk in sealed.iter_chunks(CHUNK):
+        lo, hi = max(start - offset, 0), min(end - offset, chunk.nbytes)
+        if lo < hi:
+            yield chunk[lo:hi]
+        offset += chunk.nbytes
+        if offset >= end:
+            return
+
+
+async def serve_sealed(
+    request: web.Request, transport: Transport, sealed: Sealed, *, etag: str
+) -> web.StreamResponse:
+    """Stream ``sealed`` honouring Range and If-Range (see the module docstring)."""
+    size = sealed.size
+    headers = {"ETag": f'"{etag}"', "Accept-Ranges": "bytes"}
+    span: tuple[int, int] | None = None
+    if_range = _unquote(request.headers.get("If-Range"))
+    if "Range" in request.headers and if_range in (None, etag):
+        try:
+            span = parse_range(request.headers["Range"], size)
+        except RangeNotSatisfiable:
+            return web.Response(status=416, headers={**headers, "Content-Range": f"bytes */{size}"})
+    start, end = span or (0, size)
+    resp = web.StreamResponse(status=206 if span else 200, headers=headers)
+    if span:
+        resp.headers["Content-Range"] = f"bytes {start}-{end - 1}/{size}"
+    resp.content_type = "application/octet-stream"
+    resp.content_length = end - start
+    await resp.prepare(request)
+    sent = 0
+    try:
+        for chunk in _byte_range(sealed, start, end) if request.method != "HEAD" else ():
+            await transport.link.throttle(str(request.remote), chunk.nbytes)
+            await resp.write(chunk)
+            sent += chunk.nbytes
+            transport.bytes_sent += chunk.nbytes
+        await resp.write_eof()
+    except ConnectionError as e:  # the client went away; it will resume with a Range
+        log.info("%s left after %d/%d bytes of %s: %s", request.remote, sent, end - start, etag, e)
+        if request.transport is not None:
+            request.transport.close()  # never leave a short body on a live connection
+    return resp
+
+
+# ── manifests ────────────────────────────────────────────────────────────────────────────────
+def chunk_manifest(sealed: Sealed, chunk_size: int = CHUNK) -> list[bytes]:
+    """sha256 of each ``chunk_size`` slice of the wire form (the last may be short)."""
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    out, h, filled = [], hashlib.sha256(), 0
+    for piece in sealed.iter_chunks(CHUNK):
+        while piece.nbytes:
+            take = min(chunk_size - filled, piece.nbytes)
+            h.update(piece[:take])
+            piece, filled = piece[take:], filled + take
+            if filled == chunk_size:
+                out.append(h.digest())
+                h, filled = hashlib.sha256(), 0
+    if filled:
+        out.append(h.digest())
+    return out
+
+
+def encode_manifest(hashes: Sequence[bytes], *, etag: str, size: int, chunk_size: int) -> bytes:
+    """The manifest's wire form: msgpack ``[etag, size, chunk_size, concatenated hashes]``."""
+    return msgpack.packb([etag, size, chunk_size, b"".join(hashes)], use_bin_type=True)
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    """Chunk hashes of the body named by ``etag`` (unsigned: a hint, see the docstring)."""
+
+    etag: str
+    size: int
+    chunk_size: int
+    hashes: bytes
+
+    @classmethod
+    def parse(cls, data: bytes | bytearray | memoryview, *, max_total: int) -> Manifest:
+        """Raises DecodeError for anything but a well-formed manifest of <= ``max_total`` bytes."""
+        try:
+            raw = msgpack.unpackb(data, raw=False, use_list=False, max_str_len=128, max_map_len=0,
+                                  max_array_len=4, max_ext_len=0,
+                                  max_bin_len=HASH * (max_total // MIN_MANIFEST_CHUNK + 1))
+        except (ValueError, TypeError, OverflowError, msgpack.UnpackException) as e:
+            raise DecodeError(f"malformed manifest: {e}") from e
+        ok = type(raw) is tuple and len(raw) == 4 and [type(x) for x in raw] == [str, int, int, bytes]
+        if not ok or not (0 < raw[1] <= max_total) or not MIN_MANIFEST_CHUNK <= raw[2] <= MAX_MANIFEST_CHUNK:
+            raise DecodeError("manifest must be [etag, 0 < size <= cap, 64 KiB <= chunk <= 64 MiB, hashes]")
+        if len(raw[3]) != HASH * -(-raw[1] // raw[2]):
+            raise DecodeError(f"manifest has {len(raw[3]) // HASH} hashes for {raw[1]} bytes")
+        return cls(*raw)
+
+    def span(self, k: int) -> tuple[int, int]:
+        return k * self.chunk_size, min((k + 1) * self.chunk_size, self.size)
+
+    def ok(self, k: int, data: memoryview) -> bool:
+        return hashlib.sha256(data).digest() == self.hashes[k * HASH : (k + 1) * HASH]
+
+
+class ManifestCache:
+    """Manifests of the last few versions served, computed once each off the event loop."""
+
+    def __init__(self, chunk_size: int = CHUNK, capacity: int = 16) -> None:
+        self.chunk_size, self.capacity = chunk_size, capacity
+        self._cache: dict[str, bytes] = {}
+        self._lock = asyncio.Lock()
+
+    async def get(self, sealed: Sealed, etag: str) -> bytes:
+        async with self._lock:
+            if etag not in self._cache:
+                hashes = await asyncio.to_thread(chunk_manifest, sealed, self.chunk_size)
+                if len(self._cache) >= self.capacity:
+                    del self._cache[next(iter(self._cache))]
+                self._cache[etag] = encode_manifest(
+                    hashes, etag=etag, size=sealed.size, chunk_size=self.chunk_size)
+            return self._cache[etag]
+
+
+async def serve_manifest(
+    request: web.Request, sealed: Sealed, *, etag: str, cache: ManifestCache
+) -> web.Response:
+    """Reply with the chunk manifest of ``sealed`` (msgpack, ETag as for the body)."""
+    body = await cache.get(sealed, etag)
+    return web.Response(body=body, content_type="application/msgpack", headers={"ETag": f'"{etag}"'})
+
+
+async def _fetch_manifest(transport: Transport, url: str, max_total: int, timeout_s: float) -> Manifest | None:
+    cap = 256 + HASH * (max_total // MIN_MANIFEST_CHUNK + 1)
+    try:
+        status, buf, used, _ = await transport.request("GET", url, timeout_s=timeout_s, max_reply=cap)
+    except (*_TRANSIENT, Oversize) as e:
+        log.info("no manifest from %s (%s); relying on the whole-message hash", url, e)
+        return None
+    try:
+        return Manifest.parse(memoryview(buf)[:used], max_total=max_total) if status == 200 else None
+    except DecodeError as e:
+        log.info("ignoring manifest from %s: %s", url, e.reason)
+        return None
+    finally:
+        transport.pool.give(buf)
+
+
+# ── fetching ─────────────────────────────────────────────────────────────────────────────────
+class _Transient(Exception):
+    """This attempt failed in a way worth retrying with the bytes kept."""
+
+
+_REFETCH = "refetch"  # abandon this response, ask again at once (from self.have)
+_SKIP = "skip"  # the server has nothing newer than the caller holds
+
+
+class _Download:
+    """One resumable download of a sealed body into one pooled buffer (see the docstring)."""
+
+    def __init__(self, transport: Transport, url: str, *, max_size: int, expected_signer: bytes | None,
+                 chunk_timeout_s: float, config: FetchConfig, stats: FetchStats) -> None:
+        self.transport, self.url, self.max_size = transport, url, max_size
+        self.expected_signer, self.chunk_timeout_s = expected_signer, chunk_timeout_s
+        self.cfg, self.stats = config, stats
+        self.cap = _PREFIX + MAX_ENVELOPE + max_size
+        self.manifest: Manifest | None = None
+        self.newer_than: int | None = None
+        self.buf: bytearray | None = None
+        self.view = memoryview(b"")
+        self.etag: str | None = None
+        self.total = self.have = self.got = self.verified = 0
+        self.env_checked = False
+        self.chunk_failures: dict[int, int] = {}
+
+    def resume_from(self, partial: PartialDownload) -> None:
+        if not 0 <= partial.have <= partial.total <= min(self.cap, len(partial.buffer)):
+            raise ValueError(f"inconsistent partial download {partial.have}/{partial.total}")
+        self.buf, self.view = partial.buffer, memoryview(partial.buffer)[: partial.total]
+        self.etag, self.total, self.have = partial.etag, partial.total, partial.have
+
+    def release(self) -> None:
+        if self.buf is not None:
+            self.view = memoryview(b"")
+            self.transport.pool.give(self.buf)
+            self.buf = None
+
+    def partial(self) -> PartialDownload | None:
+        if self.buf is None or not self.etag or not self.have:
+            return None
+        return PartialDownload(etag=self.etag, total=self.total, have=self.have, buffer=self.buf)
+
+    def _note(self, reason: str) -> None:
+        self.stats.reasons.append(reason)
+        log.info("%s: %s", self.url, reason)
+
+    # --- the retry loop --------------------------------------------------------------------
+    async def run(self) -> Opened | None:
+        """The verified message, or None for _SKIP. Raises DownloadFailed, NotAuthorized,
+        Oversize or RemoteProtocolError (a 4xx answer)."""
+        failures = 0
+        while True:
+            if not self.total or self.have < self.total:
+                self.got = 0
+                try:
+                    outcome = await self._attempt()
+                except (*_TRANSIENT, _Transient) as e:
+                    failures = 1 if self.got >= CHUNK else failures + 1
+                    self._note(f"attempt failed at {self.have}/{self.total} bytes: {e!r}")
+                    if failures > self.cfg.retries:
+                        raise DownloadFailed(f"{self.url}: gave up after {failures} failed attempts "
+                                             f"in a row ({e!r})", self.partial()) from e
+                    await asyncio.sleep(min(self.cfg.backoff_cap_s, self.cfg.backoff_s * 2 ** (failures - 1)))
+                    continue
+                if outcome == _SKIP:
+                    return None
+                if outcome == _REFETCH:
+                    continue
+            opened = await self._verify()
+            if opened is not None:
+                return opened
+
+    async def _attempt(self) -> str | None:
+        headers = {}
+        if self.etag and self.total:  # resuming, or re-fetching a bad chunk (maybe chunk 0)
+            headers = {"Range": f"bytes={self.have}-", "If-Range": f'"{self.etag}"'}
+        self.stats.ranges.append(headers.get("Range", ""))
+        await self.transport.link.before_send(self.url)
+        loop = asyncio.get_running_loop()
+        async with asyncio.timeout(self.chunk_timeout_s) as deadline:
+            async with self.transport.session.get(self.url, headers=headers) as resp:
+                outcome = self._on_response(resp)
+                if outcome is None:
+                    async for chunk in resp.content.iter_chunked(CHUNK):
+                        deadline.reschedule(loop.time() + self.chunk_timeout_s)
+                        outcome = self._feed(chunk)
+                        if outcome is not None:
+                            break
+                if outcome is not None:
+                    resp.close()  # drop the connection rather than drain the rest
+                    return outcome
+        if self.have != self.total:
+            raise _Transient(f"body ended at {self.have}/{self.total} bytes")
+        return None
+
+    # --- one response ----------------------------------------------------------------------
+    def _on_response(self, resp: aiohttp.ClientResponse) -> str | None:
+        status, etag = resp.status, _unquote(resp.headers.get("ETag"))
+        self.stats.statuses.append(status)
+        if status == 206:
+            self._on_partial_content(resp.headers.get("Content-Range", ""), etag)
+            return None
+        if status == 416 or status >= 500:
+            self._reset(f"server answered {status}")
+            raise _Transient(f"server answered {status}")
+        if status != 200:
+            raise RemoteProtocolError(f"{self.url} answered {status}")
+        total = resp.content_length
+        if total is None or total > self.cap:
+            raise Oversize(f"{self.url}: body of {total} bytes (cap {self.cap}, Content-Length required)")
+        version = etag_version(etag)
+        if self.newer_than is not None and version is not None and version <= self.newer_than:
+            self._note(f"server's version {version} is not newer than the {self.newer_than} held")
+            return _SKIP
+        if self.have:
+            self.stats.version_changes += 1
+            self._note(f"whole body sent again (ETag {self.etag} -> {etag}): restarting from 0")
+            if self.stats.version_changes > self.cfg.version_changes:
+                raise DownloadFailed(f"{self.url}: version changed {self.stats.version_changes} "
+                                     "times during the download")
+        self._begin(total, etag)
+        return None
+
+    def _on_partial_content(self, content_range: str, etag: str | None) -> None:
+        m = _CONTENT_RANGE.fullmatch(content_range)
+        span = (int(m[1]), int(m[2]) + 1, int(m[3])) if m else None
+        if etag != self.etag or span != (self.have, self.total, self.total):
+            self._reset(f"inconsistent 206 (Content-Range {content_range!r}, ETag {etag!r})")
+            raise _Transient("inconsistent 206")
+
+    def _begin(self, total: int, etag: str | None) -> None:
+        if self.buf is None or len(self.buf) < total:
+            self.release()
+            self.buf = self.transport.pool.take(total)
+        self.view = memoryview(self.buf)[:total]
+        self.total, self.etag = total, etag
+        self._reset(None)
+        m = self.manifest
+        if m is not None and (m.etag != etag or m.size != total):
+            self._note(f"manifest is for {m.etag}, body is {etag}: manifest dropped")
+            self.manifest = None
+
+    def _reset(self, reason: str | None) -> None:
+        """Forget the bytes held: the next request asks for the whole body."""
+        if reason is not None:
+            self._note(f"{reason}: discarding {self.have} bytes")
+            self.etag = None
+        self.have = self.verified = 0
+        self.env_checked = False
+        self.chunk_failures.clear()
+
+    def _feed(self, chunk: bytes) -> str | None:
+        end = self.have + len(chunk)
+        if end > self.total:
+            raise _Transient(f"body longer than the {self.total} bytes declared")
+        self.view[self.have : end] = chunk
+        self.have, self.got = end, self.got + len(chunk)
+        self.stats.bytes_received += len(chunk)
+        self.transport.bytes_received += len(chunk)
+        outcome = None if self.env_checked else self._check_envelope()
+        if outcome is None and self.manifest is not None:
+            outcome = self._check_chunks(self.manifest)
+        return outcome
+
+    def _check_envelope(self) -> str | None:
+        """Signature, signer and size from the first ~200 bytes, before the rest arrives."""
+        if self.have < _PREFIX:
+            return None
+        try:
+            end = _PREFIX + envelope_length(self.view)
+        except RemoteProtocolError as e:
+            return self._restart(f"bad envelope prefix: {e.reason}")
+        if self.have < end:
+            return None
+        try:
+            env = open_envelope(self.view[_PREFIX:end], max_size=self.max_size)
+        except Oversize:
+            raise  # authentic: the signature verified before the size was checked
+        except RemoteProtocolError as e:
+            return self._restart(f"envelope refused: {e.reason}")
+        self._check_signer(peer_id_from_public_key(env.public_key))
+        if end + env.size != self.total:
+            return self._restart(f"envelope declares {end + env.size} bytes, server sends {self.total}")
+        self.env_checked = True
+        return None
+
+    def _check_chunks(self, m: Manifest) -> str | None:
+        while self.verified * m.chunk_size < m.size and self.have >= m.span(self.verified)[1]:
+            k = self.verified
+            a, b = m.span(k)
+            if m.ok(k, self.view[a:b]):
+                self.verified += 1
+                continue
+            self.stats.refetched_chunks += 1
+            self.chunk_failures[k] = self.chunk_failures.get(k, 0) + 1
+            if self.chunk_failures[k] > 1:
+                self._note(f"chunk {k} failed its manifest hash twice: manifest dropped, "
+                           "the owner-signed hash decides")
+                self.manifest = None
+                return None
+            self._note(f"chunk {k} [{a}, {b}) failed its manifest hash: re-fetching from {a}")
+            self.have = a
+            return _REFETCH
+        return None
+
+    def _restart(self, reason: str) -> str:
+        """A corrupt body: start again from 0, or give up once the restarts are spent."""
+        self.stats.restarts += 1
+        if self.stats.restarts > self.cfg.restarts:
+            raise DownloadFailed(f"{self.url}: {reason}; refused after {self.stats.restarts} downloads")
+        self.manifest = None  # it vouched for corrupt bytes, or was beside the point
+        self._reset(f"{reason}; restarting from 0")
+        return _REFETCH
+
+    def _check_signer(self, peer_id: bytes) -> None:
+        if self.expected_signer is not None and peer_id != self.expected_signer:
+            raise NotAuthorized(f"{self.url}: state signed by {peer_id.hex()[:16]}, "
+                                f"not the expected owner {self.expected_signer.hex()[:16]}")
+
+    async def _verify(self) -> Opened | None:
+        try:
+            opened = await asyncio.to_thread(verify_sealed, self.view, max_size=self.max_size)
+        except RemoteProtocolError as e:
+            self._restart(f"verification failed: {e.reason}")
+            return None
+        self._check_signer(opened.peer_id)
+        return opened
+
+
+async def _fetch(transport: Transport, url: str, *, max_size: int, expected_signer: bytes | None,
+                 resume: PartialDownload | None, chunk_timeout_s: float, manifest_url: str | None,
+                 newer_than: int | None, config: FetchConfig | None, stats: FetchStats | None,
+                 ) -> tuple[Opened, bytearray] | None:
+    """``fetch_sealed`` returning the buffer too (the caller owns it), or None if not newer."""
+    dl = _Download(transport, url, max_size=max_size, expected_signer=expected_signer,
+                   chunk_timeout_s=chunk_timeout_s, config=config or FetchConfig(),
+                   stats=stats if stats is not None else FetchStats())
+    dl.newer_than = newer_than
+    if manifest_url is not None:
+        dl.manifest = await _fetch_manifest(transport, manifest_url, dl.cap, chunk_timeout_s)
+        dl.stats.manifest_used = dl.manifest is not None
+        version = etag_version(dl.manifest.etag) if dl.manifest else None
+        if newer_than is not None and version is not None and version <= newer_than:
+            dl._note(f"manifest names version {version}, not newer than the {newer_than} held")
+            return None
+    if resume is not None:
+        dl.resume_from(resume)
+    try:
+        opened = await dl.run()
+    except DownloadFailed as e:
+        if e.partial is None:
+            dl.release()
+        raise
+    except BaseException:
+        dl.release()
+        raise
+    if opened is None or dl.buf is None:
+        dl.release()
+        return None
+    return opened, dl.buf
+
+
+async def fetch_sealed(
+    transport: Transport,
+    url: str,
+    *,
+    max_size: int,
+    expected_signer: bytes | None,
+    resume: PartialDownload | None = None,
+    chunk_timeout_s: float = 30.0,
+    manifest_url: str | None = None,
+    config: FetchConfig | None = None,
+    stats: FetchStats | None = None,
+) -> Opened:
+    """Download and verify the sealed message at ``url`` (see the module docstring).
+
+    ``expected_signer`` is the owner's peer id (None: any signer). ``resume`` continues an
+    earlier ``DownloadFailed.partial`` (its buffer is taken over). ``manifest_url`` serves a
+    chunk manifest; without one, only the whole-message hash is checked. ``stats`` is filled
+    in. The returned message's blobs are views of a buffer it alone owns.
+
+    Raises NotAuthorized (wrong signer), Oversize (over ``max_size``), RemoteProtocolError
+    (a 4xx answer) and DownloadFailed (retries or restarts spent; ``partial`` may resume).
+    """
+    result = await _fetch(transport, url, max_size=max_size, expected_signer=expected_signer,
+                          resume=resume, chunk_timeout_s=chunk_timeout_s, manifest_url=manifest_url,
+                          newer_than=None, config=config, stats=stats)
+    if result is None:
+        raise RuntimeError("unreachable: a download without newer_than is never skipped")
+    return result[0]
+
+
+# ── sync ─────────────────────────────────────────────────────────────────────────────────────
+async def sync_fragments(
+    transport: Transport,
+    owner_of: Callable[[int], tuple[bytes, str] | None],
+    n_fragments: int,
+    shapes: Sequence[Sequence[tuple[int, ...]]],
+    *,
+    swarm: str,
+    held_versions: Sequence[int],
+    max_size: int,
+    concurrency: int = 4,
+    use_manifest: bool = True,
+    chunk_timeout_s: float = 30.0,
+    config: FetchConfig | None = None,
+    stats: dict[int, FetchStats] | None = None,
+) -> dict[int, tuple[int, torch.Tensor]]:
+    """Fetch every fragment's latest version newer than ``held_versions[p]`` (-1: none held).
+
+    Returns ``{p: (version, flat fp32)}`` for the fragments that had something newer; the rest
+    are skipped. ``stats`` (if given) gets each fragment's ``FetchStats``. Raises SyncFailed
+    (carrying what did sync) if any fragment failed, ValueError on mismatched arguments.
+    """
+    if len(held_versions) != n_fragments or len(shapes) != n_fragments or concurrency < 1:
+        raise ValueError(f"{n_fragments} fragments need as many held versions and shape lists "
+                         f"(got {len(held_versions)}, {len(shapes)}) and concurrency >= 1")
+    gate = asyncio.Semaphore(concurrency)
+    fetched: dict[int, tuple[int, torch.Tensor]] = {}
+    failures: dict[int, str] = {}
+
+    async def one(p: int) -> None:
+        fs = FetchStats()
+        if stats is not None:
+            stats[p] = fs
+        async with gate:
+            try:
+                got = await _sync_one(transport, p, owner_of(p), shapes[p], swarm=swarm,
+                                      held=held_versions[p], max_size=max_size, use_manifest=use_manifest,
+                                      chunk_timeout_s=chunk_timeout_s, config=config, stats=fs)
+            except RemoteProtocolError as e:
+                failures[p] = e.reason
+                return
+        if got is not None:
+            fetched[p] = got
+
+    async with asyncio.TaskGroup() as tg:
+        for p in range(n_fragments):
+            tg.create_task(one(p))
+    if failures:
+        raise SyncFailed(failures, dict(sorted(fetched.items())), n_fragments)
+    return dict(sorted(fetched.items()))
+
+
+async def _sync_one(transport: Transport, p: int, owner: tuple[bytes, str] | None,
+                    shapes: Sequence[tuple[int, ...]], *, swarm: str, held: int, max_size: int,
+                    use_manifest: bool, chunk_timeout_s: float, config: FetchConfig | None,
+                    stats: FetchStats) -> tuple[int, torch.Tensor] | None:
+    if owner is None:
+        raise RemoteProtocolError("no owner known", penalty=0.0)
+    owner_id, base = owner
+    url = f"{base}/v1/fragments/{p}/latest"
+    try:
+        result = await _fetch(transport, url, max_size=max_size, expected_signer=owner_id, resume=None,
+                              chunk_timeout_s=chunk_timeout_s,
+                              manifest_url=f"{url}/manifest" if use_manifest else None,
+                              newer_than=held, config=config, stats=stats)
+    except DownloadFailed as e:
+        if e.partial is not None:
+            transport.pool.give(e.partial.buffer)
+        raise
+    if result is None:
+        return None
+    opened, buf = result
+    try:
+        state = opened.message
+        if not isinstance(state, FragmentState) or state.swarm != swarm or state.fragment != p:
+            raise DecodeError(f"{url} sent {type(state).__name__} "
+                              f"{getattr(state, 'swarm', '?')}/{getattr(state, 'fragment', '?')}, "
+                              f"not FragmentState {swarm}/{p}")
+        if state.version <= held:
+            stats.reasons.append(f"version {state.version} is not newer than the {held} held")
+            log.info("fragment %d: %s", p, stats.reasons[-1])
+            return None
+        flat = await asyncio.to_thread(flat_from_tensors, state.tensors, shapes)
+        return state.version, flat
+    finally:
+        transport.pool.give(buf)

@@ -1,0 +1,332 @@
+"""The DHT node over real HTTP on 127.0.0.1: a handful of nodes on one server, one process."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import os
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+import pytest
+
+from node.dht import DHTConfig, DHTNode, DHTRouter
+from node.transport import Transport
+from protocol.dht.messages import FindNode, Ping, Pong, Store, StoreReply
+from protocol.dht.records import SignedRecord, record_signing_bytes, sign_record
+from protocol.errors import LocalProtocolError
+from protocol.ids import key_id, xor_distance
+from protocol.wire.codec import encode
+from protocol.wire.messages import Hello, Message, PeerInfo
+from protocol.wire.signing import ReplayWindow, Signer, open_sealed, seal
+
+pytestmark = pytest.mark.timeout(20)
+
+FAST = DHTConfig(maintenance_period_s=0, request_timeout_s=3.0, lookup_timeout_s=10.0)
+
+
+def signer(i: int) -> Signer:
+    return Signer(hashlib.sha256(f"test-dht/{i}".encode()).digest())
+
+
+class Net:
+    """DHT nodes on one transport and router; closed on exit."""
+
+    def __init__(self, transport: Transport, router: DHTRouter) -> None:
+        self.transport, self.router = transport, router
+        self.nodes: list[DHTNode] = []
+
+    async def add(self, i: int, cfg: DHTConfig = FAST, *, dialable: bool = True,
+                  clock: Callable[[], float] = time.time) -> DHTNode:  # fmt: skip
+        address = self.router.url(str(i)) if dialable else ""
+        node = DHTNode(signer(i), self.transport, address, cfg, clock=clock)
+        if dialable:
+            self.router.mount(node, str(i))
+        await node.start()
+        self.nodes.append(node)
+        return node
+
+    async def kill(self, node: DHTNode) -> None:
+        self.router.unmount(node.me.address.rsplit("/", 1)[1])
+        await node.close()
+
+
+@asynccontextmanager
+async def network() -> AsyncIterator[Net]:
+    transport = Transport()
+    router = DHTRouter(transport)
+    await transport.start()
+    net = Net(transport, router)
+    try:
+        yield net
+    finally:
+        for node in net.nodes:
+            await node.close()
+        await transport.close()
+
+
+async def joined(net: Net, n: int, cfg: DHTConfig = FAST) -> list[DHTNode]:
+    """``n`` nodes, every one bootstrapped from node 0."""
+    nodes = [await net.add(i, cfg) for i in range(n)]
+    for node in nodes[1:]:
+        assert await node.bootstrap([nodes[0].me.address]) == 1
+    return nodes
+
+
+async def raw(net: Net, address: str, sender: Signer, msg: Message | bytes) -> tuple[int, Message | bytes]:
+    """POST one sealed message (or raw bytes); the status and the opened reply (or error body)."""
+    body = msg if isinstance(msg, bytes) else sealed(sender, msg)
+    status, buf, used, _ = await net.transport.request("POST", address, chunks=[body], size=len(body))
+    try:
+        data = bytes(memoryview(buf)[:used])
+    finally:
+        net.transport.pool.give(buf)
+    if status != 200:
+        return status, data
+    return status, open_sealed(data, now=time.time(), replay=ReplayWindow(), max_size=1 << 20).message
+
+
+def sealed(sender: Signer, msg: Message) -> bytes:
+    return seal(encode(msg), sender, now=time.time(), nonce=os.urandom(16)).tobytes()
+
+
+def info(s: Signer, address: str = "") -> PeerInfo:
+    return PeerInfo(peer_id=s.peer_id, address=address)
+
+
+async def eventually(cond: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not cond():
+            await asyncio.sleep(0.01)
+
+
+# ── joining and lookups ─────────────────────────────────────────────────────────────────────
+
+
+async def test_bootstrap_from_one_entry_then_find_node_returns_true_closest() -> None:
+    cfg = dataclasses.replace(FAST, k=4)
+    async with network() as net:
+        nodes = await joined(net, 10, cfg)
+        for node in nodes:
+            await node.maintain()  # the join refresh of every bucket
+        assert all(len(n.routing) >= 3 for n in nodes)
+        for t in range(5):
+            target = key_id(f"target {t}")
+            for node in nodes:
+                others = sorted((n for n in nodes if n is not node),
+                                key=lambda n: xor_distance(n.peer_id, target))  # fmt: skip
+                result = await node.find_node(target)
+                assert [c.peer_id for c in result.closest] == [n.peer_id for n in others[:4]]
+        assert sum(nodes[0].metrics.node_hops.values()) > 0
+        assert nodes[0].metrics.rpcs_in["FindNode"] > 0
+
+
+async def test_store_and_get_round_trip_newest_per_subkey() -> None:
+    async with network() as net:
+        nodes = await joined(net, 8)
+        key = key_id("swarm/members")
+        assert await nodes[2].store(key, b"first", 60) == 8  # k = 20 > 8: every node holds it
+        assert await nodes[5].store(key, b"other writer", 60) == 8
+        assert await nodes[2].store(key, b"second", 120) == 8  # a later expiry replaces
+        records = await nodes[7].get(key)
+        by_writer = {r.subkey: r.value for r in records}
+        assert by_writer == {nodes[2].peer_id: b"second", nodes[5].peer_id: b"other writer"}
+        assert await nodes[3].get(key_id("never stored")) == []
+        assert nodes[7].metrics.value_hops
+
+
+async def test_node_behind_nat_stores_and_gets_but_is_never_routed() -> None:
+    async with network() as net:
+        nodes = await joined(net, 6)
+        nat = await net.add(99, dialable=False)
+        assert await nat.bootstrap([nodes[0].me.address]) == 1
+        key = key_id("from behind nat")
+        assert await nat.store(key, b"hello", 60) == 6  # held by every dialable node, not itself
+        assert [r.value for r in await nat.get(key)] == [b"hello"]
+        assert [r.value for r in await nodes[4].get(key)] == [b"hello"]
+        await nodes[3].find_node(nat.peer_id)
+        for node in nodes:
+            assert nat.peer_id not in node.routing and not node.routing.cached(nat.peer_id)
+            assert all(c.address for c in node.routing.contacts())
+        assert len(nat.records) == 0
+
+
+async def test_dead_peers_fail_lookups_over_to_live_ones_and_are_evicted() -> None:
+    cfg = dataclasses.replace(FAST, max_failures=1)
+    async with network() as net:
+        nodes = await joined(net, 8, cfg)
+        key = key_id("survives")
+        await nodes[1].store(key, b"v", 60)
+        dead = nodes[4]
+        await net.kill(dead)
+        assert [r.value for r in await nodes[6].get(key)] == [b"v"]
+        for node in nodes[:4]:
+            result = await node.find_node(dead.peer_id)
+            assert dead.peer_id not in [c.peer_id for c in result.closest]
+            assert dead.peer_id not in node.routing
+        assert any(k.startswith("status 503") for k in nodes[0].metrics.failures)
+
+
+async def test_full_bucket_pings_oldest_and_replaces_it_when_dead() -> None:
+    cfg = dataclasses.replace(FAST, k=1, ping_fresh_s=0.0, replacement_cache=2)
+    async with network() as net:
+        a = await net.add(0, cfg)
+        bucket = a.routing.bucket_index
+        same = [i for i in range(1, 60) if bucket(signer(i).peer_id) == 0][:2]  # half of all ids
+        old, new = await net.add(same[0], cfg), await net.add(same[1], cfg)
+        assert await old.ping(a.me.address) is not None
+        assert a.routing.get(old.peer_id) is not None
+        await net.kill(old)
+        assert await new.ping(a.me.address) is not None  # bucket full: a probes old, finds it dead
+        await eventually(lambda: a.routing.get(new.peer_id) is not None)
+        assert old.peer_id not in a.routing
+
+
+async def test_a_peer_default_node_shares_the_server_with_named_ones() -> None:
+    async with network() as net:
+        default = DHTNode(signer(0), net.transport, net.router.url(), FAST)
+        net.router.mount(default)
+        named = await net.add(1)
+        assert default.me.address == net.transport.url + "/v1/dht"
+        assert await named.ping(default.me.address) == default.me
+        assert default.routing.get(named.peer_id) == named.me
+        with pytest.raises(LocalProtocolError):
+            net.router.mount(named, "1")  # name taken
+        with pytest.raises(LocalProtocolError):
+            await named.store(b"short key", b"v", 60)
+
+
+# ── maintenance ─────────────────────────────────────────────────────────────────────────────
+
+
+async def test_maintain_republishes_before_expiry_and_prunes_expired() -> None:
+    now = [time.time()]
+    clock: Callable[[], float] = lambda: now[0]  # noqa: E731
+    async with network() as net:
+        nodes = [await net.add(i, clock=clock) for i in range(5)]
+        for node in nodes[1:]:
+            await node.bootstrap([nodes[0].me.address])
+        key = key_id("republished")
+        await nodes[1].store(key, b"v", 100)  # due for republish at half its ttl
+        await nodes[2].store(key_id("left to expire"), b"w", 100)
+        nodes[2].forget(key_id("left to expire"))
+        first = nodes[3].records.get(key, now[0])[0].expires_at
+        now[0] += 60
+        report = await nodes[1].maintain()
+        assert report.republished == 1
+        assert nodes[3].records.get(key, now[0])[0].expires_at == pytest.approx(first + 60)
+        now[0] += 60  # the forgotten record expires; the republished one lives on
+        assert (await nodes[3].maintain()).pruned == 1
+        assert [r.value for r in await nodes[4].get(key)] == [b"v"]
+        now[0] += FAST.refresh_interval_s  # every bucket idle that long is refreshed
+        report = await nodes[4].maintain()
+        assert report.refreshed > 0
+
+
+async def test_run_republishes_in_the_background_until_close() -> None:
+    now = [time.time()]
+    clock: Callable[[], float] = lambda: now[0]  # noqa: E731
+    looping = dataclasses.replace(FAST, maintenance_period_s=0.02)
+    async with network() as net:
+        holder, writer = await net.add(0, clock=clock), await net.add(1, looping, clock=clock)
+        await writer.bootstrap([holder.me.address])
+        key = key_id("kept alive by run()")
+        assert await writer.store(key, b"v", 10) == 2
+
+        def expiry() -> float:
+            return holder.records.get(key, now[0])[0].expires_at
+
+        first = expiry()
+        now[0] += 6  # past half the ttl: run() republishes with a later expiry
+        await eventually(lambda: expiry() > first)
+        await writer.close()  # cancels run() and waits for it
+        second = expiry()
+        now[0] += 6
+        await holder.maintain()
+        assert expiry() == second  # nothing runs after close
+
+
+# ── refusals ────────────────────────────────────────────────────────────────────────────────
+
+
+def forged(key: bytes, value: bytes, expires_at: float, *, signed_by: Signer,
+           subkey: bytes | None = None) -> SignedRecord:  # fmt: skip
+    sub = subkey or signed_by.peer_id
+    sig = signed_by.sign(record_signing_bytes(key, sub, value, expires_at))
+    return SignedRecord(key=key, subkey=sub, value=value, expires_at=expires_at,
+                        public_key=signed_by.public_key, signature=sig)  # fmt: skip
+
+
+async def test_bad_records_are_refused_with_reasons() -> None:
+    async with network() as net:
+        node = await net.add(0, dataclasses.replace(FAST, max_value_bytes=64, record_ttl_cap_s=600))
+        me, other = signer(50), signer(51)
+        key, now = key_id("k"), time.time()
+        good = sign_record(me, key, b"ok", now + 60)
+        bad_sig = dataclasses.replace(good, value=b"tampered")
+        expired = sign_record(me, key, b"old", now - 5)
+        oversized = sign_record(me, key, b"x" * 100, now + 60)
+        too_long = sign_record(me, key, b"ttl", now + 3600)
+        stolen = forged(key, b"mine now", now + 60, signed_by=me, subkey=other.peer_id)
+        records = (good, bad_sig, expired, oversized, too_long, stolen)
+        status, reply = await raw(net, node.me.address, me, Store(sender=info(me), records=records))
+        assert status == 200 and isinstance(reply, StoreReply)
+        assert reply.accepted == 1
+        kinds = [r.split(":")[1].strip() for r in reply.reasons]
+        assert kinds == ["BadSignature", "Stale", "Oversize", "Oversize", "NotAuthorized"]
+        assert all(len(r) > 30 for r in reply.reasons)  # each says why
+        refusals = node.metrics.refusals
+        assert refusals["record Oversize"] == 2 and refusals["record BadSignature"] == 1
+        assert refusals["record Stale"] == 1 and refusals["record NotAuthorized"] == 1
+        assert [r.value for r in node.records.get(key, time.time())] == [b"ok"]
+
+
+async def test_store_flood_is_rate_limited_while_others_still_store() -> None:
+    async with network() as net:
+        node = await net.add(0, dataclasses.replace(FAST, store_rate=0.0, store_burst=5))
+        flooder, polite = signer(60), signer(61)
+        key = key_id("flood")
+        statuses = []
+        for i in range(9):
+            rec = sign_record(flooder, key, b"%d" % i, time.time() + 60 + i)
+            status, _ = await raw(net, node.me.address, flooder, Store(sender=info(flooder), records=(rec,)))
+            statuses.append(status)
+        assert statuses == [200] * 5 + [429] * 4
+        rec = sign_record(polite, key, b"polite", time.time() + 60)
+        status, reply = await raw(net, node.me.address, polite, Store(sender=info(polite), records=(rec,)))
+        assert status == 200 and isinstance(reply, StoreReply) and reply.accepted == 1
+        status, _ = await raw(net, node.me.address, flooder, Ping(sender=info(flooder)))
+        assert status == 200  # only Store is metered
+        assert node.metrics.refusals["RateLimited"] == 4
+
+
+async def test_garbage_and_forgeries_get_4xx_and_the_node_keeps_working() -> None:
+    async with network() as net:
+        node, friend = await net.add(0), await net.add(1)
+        url, mallory, victim = node.me.address, signer(70), signer(71)
+        ping = sealed(mallory, Ping(sender=info(mallory)))
+        tampered = bytearray(ping)
+        tampered[20] ^= 0xFF  # inside the signed public key
+        cases: list[tuple[bytes, int]] = [
+            (b"not a sealed message" * 10, 413),  # garbage: its "envelope length" is huge
+            (b"\x00\x00\x00\x08" + os.urandom(64), 400),  # garbage with a plausible length
+            (b"", 400),  # empty body
+            (bytes(tampered), 401),  # bad envelope signature
+            (ping, 200),
+            (ping, 409),  # replayed
+            (sealed(mallory, Ping(sender=info(victim, "http://127.0.0.1:1/x"))), 403),  # not the signer
+            (sealed(mallory, Hello(swarm="s", peer=info(mallory), roles=(), step=0)), 403),  # not DHT
+        ]
+        for body, expected in cases:
+            status, _ = await raw(net, url, mallory, body)
+            assert status == expected, body[:40]
+        status, _ = await raw(net, url + "x", mallory, sealed(mallory, Ping(sender=info(mallory))))
+        assert status == 503  # no node mounted at that path
+        assert sum(node.metrics.refusals.values()) == 7 and node.metrics.refusals["Replay"] == 1
+        assert victim.peer_id not in node.routing
+        assert await friend.ping(url) == node.me  # still serving
+        status, reply = await raw(net, url, mallory, FindNode(sender=info(mallory), target=bytes(32)))
+        assert status == 200 and not isinstance(reply, bytes)
+        assert isinstance((await raw(net, url, mallory, Ping(sender=info(mallory))))[1], Pong)
