@@ -1,15 +1,24 @@
 """The ``atoll`` command line.
 
-``atoll local``  — a multi-process swarm on 127.0.0.1 training a byte-level GPT on a real corpus.
-``atoll peer``   — one peer of a local swarm (started by ``atoll local``; not for direct use).
+``atoll local``      a multi-process swarm on 127.0.0.1 training a byte-level GPT on a real corpus.
+``atoll join``       join a running swarm from any machine: sync the global model, then train.
+``atoll bootstrap``  a DHT-only node: a stable entry point for a swarm.
+``atoll status``     what a peer sees: members, roles, reachability, owners, versions.
+``atoll peer``       one peer of a local swarm (started by ``atoll local``; not for direct use).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
+import json
 import logging
+import os
 import sys
+import urllib.request
 from pathlib import Path
+from typing import Any
 
 from node.config import RunConfig, add_run_arguments, config_from_args
 
@@ -30,6 +39,30 @@ def _parser() -> argparse.ArgumentParser:
     local.add_argument("--baseline", action="store_true",
                        help="also train the synchronous data-parallel baseline at equal tokens and report the gap")
     local.add_argument("--quiet", action="store_true", help="no live progress lines")
+
+    join = sub.add_parser("join", help="join a running swarm and train",
+                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    join.add_argument("--initial-peers", nargs="+", required=True, metavar="URL",
+                      help="addresses of any swarm members or bootstrap nodes, e.g. http://host:port")
+    join.add_argument("--listen", default="0.0.0.0:0", metavar="HOST:PORT",
+                      help="where to listen (port 0: any free port)")
+    join.add_argument("--public-address", default=None, metavar="HOST:PORT",
+                      help="the address others dial (default: the listen address); "
+                           "peers that cannot be dialled back train as learners only")
+    join.add_argument("--serve-after-s", type=float, default=3600.0,
+                      help="after training, keep serving the fragments this peer owns this long")
+    add_run_arguments(join)
+
+    boot = sub.add_parser("bootstrap", help="run a DHT-only entry node for a swarm",
+                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    boot.add_argument("--listen", default="0.0.0.0:0", metavar="HOST:PORT", help="where to listen")
+    boot.add_argument("--public-address", default=None, metavar="HOST:PORT", help="the address others dial")
+    boot.add_argument("--initial-peers", nargs="*", default=[], metavar="URL",
+                      help="other bootstrap nodes or members to connect to")
+
+    status = sub.add_parser("status", help="show what a peer sees of its swarm")
+    status.add_argument("--peer", required=True, metavar="URL", help="a member's address")
+    status.add_argument("--json", action="store_true", help="print the raw JSON")
 
     peer = sub.add_parser("peer", help="one peer of a local swarm (used by atoll local)")
     peer.add_argument("--config", type=Path, required=True, help="the swarm's config.json")
@@ -59,6 +92,23 @@ def main(argv: list[str] | None = None) -> int:
         except KeyboardInterrupt:
             return 130
         return 0
+    if args.command == "join":
+        return _join(args)
+    if args.command == "bootstrap":
+        import asyncio
+
+        from node.bootstrap import run_bootstrap
+
+        host, port = _host_port(args.listen)
+        public = f"http://{args.public_address}" if args.public_address else None
+        if public is None and host in ("0.0.0.0", "::"):
+            print("atoll bootstrap: listening on all interfaces; pass --public-address HOST:PORT "
+                  "so the node advertises an address others can dial", file=sys.stderr)
+        with contextlib.suppress(KeyboardInterrupt):
+            asyncio.run(run_bootstrap(host, port, public, args.initial_peers))
+        return 0
+    if args.command == "status":
+        return _status(args.peer, as_json=args.json)
     if args.command == "peer":
         from node.train import PeerOptions, run_peer
 
@@ -69,3 +119,92 @@ def main(argv: list[str] | None = None) -> int:
         run_peer(RunConfig.load(args.config), opts)
         return 0
     return 2
+
+
+def _host_port(spec: str) -> tuple[str, int]:
+    host, sep, port = spec.rpartition(":")
+    if not sep or not port.isdigit():
+        raise SystemExit(f"bad address {spec!r}: expected HOST:PORT, e.g. 0.0.0.0:7000")
+    return host or "0.0.0.0", int(port)
+
+
+def _get_json(url: str, timeout: float = 10.0) -> Any:
+    with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 (http(s) only, checked)
+        return json.loads(resp.read())
+
+
+def swarm_config(initial_peers: list[str], local: RunConfig) -> tuple[RunConfig, bool]:
+    """The swarm's config from a live member (its manifest fields win), or ``local`` if none.
+
+    Returns (config, whether a swarm was found).
+    """
+    from node.membership import MANIFEST_FIELDS
+
+    for base in initial_peers:
+        if not base.startswith(("http://", "https://")):
+            raise SystemExit(f"initial peer {base!r} is not an http(s) URL")
+        try:
+            members = _get_json(f"{base.rstrip('/')}/v1/members?swarm={local.swarm}")["members"]
+        except (OSError, ValueError, KeyError) as exc:
+            print(f"atoll join: {base} did not list members ({exc}); trying the next", file=sys.stderr)
+            continue
+        for m in members:
+            if not m.get("url"):
+                continue
+            try:
+                remote = RunConfig.from_json(json.dumps(_get_json(f"{m['url']}/v1/manifest")))
+            except (OSError, ValueError) as exc:
+                print(f"atoll join: no manifest from {m['url']} ({exc})", file=sys.stderr)
+                continue
+            shared = {name: getattr(remote, name) for name in MANIFEST_FIELDS}
+            return dataclasses.replace(local, peers=remote.peers, **shared), True
+    return local, False
+
+
+def _join(args: argparse.Namespace) -> int:
+    from node.train import PeerOptions, run_peer
+
+    logging.getLogger().setLevel(min(logging.INFO, logging.getLogger().level))
+    try:
+        local = config_from_args(args)
+    except ValueError as exc:
+        print(f"atoll join: {exc}", file=sys.stderr)
+        return 2
+    cfg, found = swarm_config(args.initial_peers, local)
+    print(f"atoll join: {'joining' if found else 'founding'} swarm {cfg.swarm!r} "
+          f"(model {cfg.model}, {cfg.fragments} fragments, H={cfg.inner_steps}, codec {cfg.codec})", flush=True)
+    host, port = _host_port(args.listen)
+    public = f"http://{args.public_address}" if args.public_address else None
+    if public is None and host in ("0.0.0.0", "::"):
+        public = f"http://127.0.0.1:{port}" if port else None
+        if port == 0:
+            host = "127.0.0.1"
+            print("atoll join: no --public-address; listening on 127.0.0.1 only "
+                  "(others on this machine can reach it)", file=sys.stderr)
+    opts = PeerOptions(index=int.from_bytes(os.urandom(2), "big") % max(cfg.peers, 1),
+                       initial_peers=tuple(args.initial_peers), host=host, port=port, public_address=public,
+                       wait_for_stop=False, final_sync=False, serve_after_s=args.serve_after_s)
+    try:
+        run_peer(cfg, opts)
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+def _status(url: str, *, as_json: bool) -> int:
+    try:
+        status = _get_json(f"{url.rstrip('/')}/v1/status")
+    except (OSError, ValueError) as exc:
+        print(f"atoll status: could not read {url}/v1/status: {exc}", file=sys.stderr)
+        return 1
+    if as_json:
+        print(json.dumps(status, indent=2))
+        return 0
+    print(f"peer {status.get('peer_id', '?')[:12]} at {status.get('url')} (swarm {status.get('swarm')})")
+    for m in status.get("members", []):
+        print(f"  member {m['peer_id'][:12]} {m['url'] or '(not dialable)':28} roles={','.join(m['roles'])} "
+              f"reachable={m['reachable']} learning={m['learning']} step={m['step']}")
+    for p, o in sorted(status.get("owners", {}).items(), key=lambda kv: int(kv[0])):
+        print(f"  fragment {p}: owner {o['peer_id'][:12] if o else 'none'} {o['url'] if o else ''}")
+    print(f"  versions held {status.get('versions')}; bytes sent {status.get('bytes_sent', 0) / 1e6:.1f} MB")
+    return 0

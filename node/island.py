@@ -101,7 +101,8 @@ class Island:
         if missing:
             raise ValueError(f"fragment plan names parameters the model lacks: {missing[:5]}")
         self.params: list[list[nn.Parameter]] = [[named[n] for n in f.names] for f in plan.fragments]
-        self.global_flat: list[torch.Tensor] = [self._flatten(p).float() for p in range(len(self.params))]
+        # global fragments live on the CPU, where the network side compresses and decodes them
+        self.global_flat: list[torch.Tensor] = [self._flatten(p).float().cpu() for p in range(len(self.params))]
         self.versions: list[int] = [0] * len(self.params)
         self.c_steps = [0] * len(self.params)
         self.c_tokens = [0] * len(self.params)
@@ -190,7 +191,7 @@ class Island:
             return
         if sent_at is not None:
             self.stats.gave_up_in_flight += 1
-        delta = self.global_flat[p] - self._flatten(p).float()  # [numel_p] fp32, Θ_base − θ
+        delta = self.global_flat[p] - self._flatten(p).float().cpu()  # [numel_p] fp32, Θ_base − θ
         self.in_flight[p] = self.stats.step
         self.next_due[p] = self.stats.step + self.cfg.inner_steps
         self.stats.sent += 1
@@ -210,7 +211,7 @@ class Island:
             offset = 0
             for param in self.params[p]:
                 n = param.numel()
-                incoming = flat[offset:offset + n].view_as(param).to(param.dtype)
+                incoming = flat[offset:offset + n].view_as(param).to(param.device, param.dtype)
                 if alpha:
                     param.mul_(alpha).add_(incoming, alpha=1.0 - alpha)
                 else:

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from aiohttp import web
 
+from node.bootstrap import dialback, member_list
 from node.config import RunConfig
 from node.dht import DHTConfig, DHTNode, DHTRouter
 from node.island import Island
@@ -103,6 +104,7 @@ class PeerNode:
         app.router.add_get("/v1/status", self._on_status)
         app.router.add_get("/v1/manifest", self._on_swarm_manifest)
         app.router.add_get("/v1/dialback", self._on_dialback)
+        app.router.add_get("/v1/members", self._on_members)
 
     # --- membership ----------------------------------------------------------------------------
     def _is_member(self, peer_id: bytes) -> bool:
@@ -245,12 +247,13 @@ class PeerNode:
 
     async def _on_dialback(self, request: web.Request) -> web.Response:
         """Ping the DHT node at ``?url=`` (a joining peer asks whether it can be dialled)."""
-        url = request.query.get("url", "")
-        if not url.startswith(("http://", "https://")) or self.dht is None:
-            return web.json_response({"error": "DecodeError", "reason": "url must be http(s)"}, status=400)
-        contact = await self.dht.ping(url.rstrip("/") + "/v1/dht")
-        return web.json_response({"reachable": contact is not None,
-                                  "peer_id": contact.peer_id.hex() if contact else None})
+        assert self.dht is not None
+        return await dialback(request, self.dht)
+
+    async def _on_members(self, request: web.Request) -> web.Response:
+        assert self.dht is not None
+        swarm = request.query.get("swarm", self.cfg.swarm)
+        return web.json_response({"swarm": swarm, "members": await member_list(self.dht, swarm)})
 
     async def _on_swarm_manifest(self, _request: web.Request) -> web.Response:
         return web.Response(text=self.cfg.to_json(), content_type="application/json")

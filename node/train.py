@@ -7,6 +7,7 @@ Reads like nanoGPT: one loop top to bottom. The asyncio node runs on a backgroun
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
@@ -71,6 +72,8 @@ class PeerOptions:
     wait_for_stop: bool = True  # after the result, serve until the launcher says stop
     initial_peers_from_stdin: bool = False  # the launcher sends {"initial_peers": [...]} once known
     wait_members: int = 1  # start training once this many members are visible (a local swarm: all)
+    final_sync: bool = True  # end on the owners' final versions (a local swarm, where all finish)
+    serve_after_s: float = 0.0  # without a launcher: keep serving this long after training
 
 
 def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
@@ -78,7 +81,10 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
     torch.set_num_threads(cfg.threads)
     # --- model, data, optimizer -----------------------------------------------------------------
     gcfg = GPTConfig.preset(cfg.model)
-    model = GPT(gcfg, seed=cfg.seed)  # identical on every peer: version 0 of every fragment
+    device = torch.device(cfg.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda was asked for, but torch sees no CUDA device here")
+    model = GPT(gcfg, seed=cfg.seed).to(device)  # identical on every peer: version 0 of every fragment
     data = load_corpus(Path(cfg.corpus) if cfg.corpus else None, max_bytes=cfg.corpus_max_bytes)
     train, heldout = split_corpus(data)
     sampler = BatchSampler(train, batch_size=cfg.batch_size, block_size=gcfg.block_size,
@@ -123,7 +129,7 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
             group["lr"] = lr_at(step, tcfg)
         if cfg.overlap_block:
             island.enabled = (step // cfg.overlap_block) % 2 == 1
-        x, y = sampler.next()  # [B, T] int64 each
+        x, y = (t.to(device, non_blocking=True) for t in sampler.next())  # [B, T] int64 each
         _, loss = model(x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), tcfg.grad_clip)
@@ -145,9 +151,10 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
 
     # --- finalise: all peers end on the owners' final versions ---------------------------------
     node.learning = False
-    final = node.call(_fetch_final(node, island), timeout=600)
-    for p, (version, flat) in final.items():
-        island.deliver(p, version, flat)
+    if opts.final_sync:
+        final = node.call(_fetch_final(node, island), timeout=600)
+        for p, (version, flat) in final.items():
+            island.deliver(p, version, flat)
     island.adopt_pending()
     eval_end = _eval_global(model, island, heldout, cfg)
     curve_global.append((time.time() - t0, cfg.steps, eval_end))
@@ -171,6 +178,10 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
     if opts.wait_for_stop:
         while "stop" not in _read_stdin_line():
             pass
+    elif opts.serve_after_s:
+        # keep serving the fragments we own (others still train) until told to stop
+        with contextlib.suppress(KeyboardInterrupt):
+            thread.join(timeout=opts.serve_after_s)
     node.stop()
     thread.join(timeout=10)
     return result

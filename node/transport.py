@@ -256,10 +256,14 @@ class Transport:
         resp = web.StreamResponse(status=200, headers=headers)
         resp.content_type = "application/octet-stream"
         resp.content_length = size
-        await resp.prepare(request)
-        for chunk in chunks:
-            await self.link.throttle(str(request.remote), len(chunk))
-            await resp.write(chunk)
-            self.bytes_sent += len(chunk)
-        await resp.write_eof()
+        try:
+            await resp.prepare(request)
+            for chunk in chunks:
+                await self.link.throttle(str(request.remote), len(chunk))
+                await resp.write(chunk)
+                self.bytes_sent += len(chunk)
+            await resp.write_eof()
+        except (ConnectionError, aiohttp.ClientConnectionResetError) as exc:
+            # the asker went away (timed out, or shut down): nothing to answer any more
+            log.debug("reply to %s abandoned: %r", request.remote, exc)
         return resp
