@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import os
@@ -22,11 +23,14 @@ from node.membership import MemberRecord, Membership, manifest_hash
 from node.model import GPT, GPTConfig, embedding_parameter_names
 from node.swarm import LocalSwarm
 from node.transport import Transport
+from protocol.dht.messages import Store, StoreReply
+from protocol.dht.records import sign_record
 from protocol.diloco.compression import compress
 from protocol.diloco.fragments import plan_fragments
+from protocol.ids import key_id
 from protocol.wire.codec import encode
-from protocol.wire.messages import Contribution
-from protocol.wire.signing import Signer, seal
+from protocol.wire.messages import Contribution, PeerInfo
+from protocol.wire.signing import Signer, seal, verify_sealed
 from protocol.wire.tensors import EncodedTensor
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
@@ -120,6 +124,28 @@ async def _join_as_insider(entry_url: str, insider: Signer, cfg: RunConfig) -> t
     return transport, dht
 
 
+async def _flood_dht(url: str, insider: Signer) -> tuple[list[int], tuple[str, ...]]:
+    """Store requests far above the rate limit, then one record with a forged signature."""
+    me = PeerInfo(peer_id=insider.peer_id, address="")
+    key = key_id("atoll/flood")
+    good = sign_record(insider, key, b"x", time.time() + 30)
+    forged = dataclasses.replace(good, value=b"y")  # signature no longer covers the value
+    statuses = []
+    async with aiohttp.ClientSession() as session:
+        for _ in range(80):
+            body = seal(encode(Store(sender=me, records=(good,))), insider, now=time.time(),
+                        nonce=os.urandom(16)).tobytes()
+            async with session.post(f"{url}/v1/dht", data=body) as resp:
+                statuses.append(resp.status)
+        await asyncio.sleep(1.0)  # the bucket refills a little
+        body = seal(encode(Store(sender=me, records=(forged,))), insider, now=time.time(),
+                    nonce=os.urandom(16)).tobytes()
+        async with session.post(f"{url}/v1/dht", data=body) as resp:
+            reply = verify_sealed(await resp.read(), max_size=1 << 20).message
+    assert isinstance(reply, StoreReply)
+    return statuses, reply.reasons
+
+
 async def _status(url: str) -> dict[str, Any]:
     async with aiohttp.ClientSession() as session, session.get(f"{url}/v1/status") as resp:
         return dict(await resp.json())
@@ -130,7 +156,8 @@ def test_running_node_refuses_garbage_bad_signatures_and_unknown_fragments(tmp_p
     cfg = RunConfig(**SMALL)  # type: ignore[arg-type]
     swarm = LocalSwarm(cfg, tmp_path, quiet=True, run_timeout_s=120)
 
-    async def scenario() -> tuple[list[dict[str, Any]], list[tuple[str, int, dict[str, Any]]], str]:
+    async def scenario() -> tuple[list[dict[str, Any]], list[tuple[str, int, dict[str, Any]]], str,
+                                  tuple[list[int], tuple[str, ...]]]:
         run = asyncio.create_task(swarm.run())
         async with asyncio.timeout(60):
             await swarm.listening.wait()
@@ -144,12 +171,13 @@ def test_running_node_refuses_garbage_bad_signatures_and_unknown_fragments(tmp_p
                         break
                     await asyncio.sleep(0.5)
             replies = await _attack(owner["url"], insider, _fragment_shapes(cfg, 0))
+            flood = await _flood_dht(owner["url"], insider)
         finally:
             await dht.close()
             await transport.close()
-        return await run, replies, owner["peer_id"]
+        return await run, replies, owner["peer_id"], flood
 
-    results, replies, attacked = asyncio.run(scenario())
+    results, replies, attacked, (flood_statuses, forged_reasons) = asyncio.run(scenario())
     by_name = {name: (status, body) for name, status, body in replies}
     assert by_name["garbage"][0] in (400, 413)
     assert by_name["garbage"][1]["error"] in ("DecodeError", "Oversize")
@@ -161,6 +189,9 @@ def test_running_node_refuses_garbage_bad_signatures_and_unknown_fragments(tmp_p
     assert by_name["replay"][0] == 409
     assert all(400 <= status < 500 for _, status, _ in replies), replies
     assert all(body.get("reason") for _, _, body in replies)
+    # a Store flood is rate-limited (429 after the burst); a forged record is refused with a reason
+    assert flood_statuses[:40] == [200] * 40 and flood_statuses.count(429) >= 20, flood_statuses
+    assert forged_reasons and "signature" in forged_reasons[0].lower(), forged_reasons
     # the attacked node kept training, and everyone still agrees on the global model
     assert len(results) == 3
     victim = next(r for r in results if r["peer_id"] == attacked)
