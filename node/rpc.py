@@ -15,13 +15,12 @@ import os
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 from aiohttp import web
 
 from node.transport import Transport
 from protocol.errors import NotAuthorized, RemoteProtocolError
-from protocol.wire.codec import decode, encode
+from protocol.wire.codec import encode
 from protocol.wire.messages import Message
 from protocol.wire.signing import Opened, ReplayWindow, Signer, open_sealed, seal
 
@@ -89,7 +88,3 @@ class RpcServer:
     def error_count(self) -> int:
         return sum(self.errors.values())
 
-
-def decode_reply(data: bytes | bytearray | memoryview, max_size: int) -> Any:
-    """Decode a reply body that is not sealed (kept for plain-JSON error bodies)."""
-    return decode(data, max_size=max_size)
