@@ -2,14 +2,11 @@
 
 Theory of operation (Maymounkov & Mazières, "Kademlia", IPTPS 2002, sections 2.3-2.5).
 
-Serving. ``DHTRouter`` owns one POST route on a ``Transport``: ``{prefix}`` (default
-``/v1/dht``) for a process's default node and ``{prefix}/{name}`` for named ones, so one aiohttp
-server can host many DHT nodes (a peer mounts one node at the default path; the scale test
-mounts 500). A node's address is the full URL of its path, e.g. ``http://127.0.0.1:8080/v1/dht``.
-A request is verified over its exact bytes with the addressed node's replay window
-(``open_sealed``), then ``DHTNode.handle`` checks that the message's ``sender`` is the envelope's
-signer (``check_sender``), meters Store per sender (``RateLimited``, 429), tells the routing table
-it saw the sender, and answers from the explicit handler table. The reply is sealed with the
+Serving. ``DHTRouter`` (``node.dht_router``, re-exported here) mounts nodes on one POST route of
+a ``Transport`` and verifies each request over its exact bytes with the addressed node's replay
+window. ``DHTNode.handle`` then checks that the message's ``sender`` is the envelope's signer
+(``check_sender``), meters Store per sender (``RateLimited``, 429), tells the routing table it
+saw the sender, and answers from the explicit handler table. The reply is sealed with the
 node's own key. A peer's misbehaviour is a ``RemoteProtocolError``: 4xx, counted in
 ``metrics.refusals``. A path with no node mounted (never mounted, or killed) answers 503.
 
@@ -48,9 +45,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
-from aiohttp import web
 
-from node.rpc import error_response
+from node.dht_router import DHTRouter
 from node.transport import Transport
 from protocol.dht.lookup import Lookup, LookupResult
 from protocol.dht.messages import (
@@ -160,61 +156,6 @@ class _OwnRecord:
     record: SignedRecord
     ttl_s: float
     due_at: float
-
-
-# ── serving ─────────────────────────────────────────────────────────────────────────────────
-
-
-class DHTRouter:
-    """One POST route on ``transport`` serving every mounted ``DHTNode`` (see module docstring).
-
-    Create it before ``transport.start()`` (aiohttp freezes its routes then); mount nodes after.
-    """
-
-    def __init__(self, transport: Transport, *, prefix: str = "/v1/dht") -> None:
-        if not prefix.startswith("/") or prefix.endswith("/"):
-            raise LocalProtocolError(f"prefix must start and not end with '/', got {prefix!r}")
-        self.transport, self.prefix = transport, prefix
-        self.nodes: dict[str, DHTNode] = {}
-        self.errors: Counter[str] = Counter()
-        transport.app.router.add_post(prefix, self._serve)
-        transport.app.router.add_post(prefix + "/{name}", self._serve)
-
-    def url(self, name: str = "") -> str:
-        """The address of node ``name`` ("" is the default node). Needs a started transport."""
-        return self.transport.url + self.prefix + (f"/{name}" if name else "")
-
-    def mount(self, node: DHTNode, name: str = "") -> None:
-        """Serve ``node`` at ``url(name)``. Raises LocalProtocolError if the name is taken."""
-        if name in self.nodes or not all(c.isalnum() or c in "-_." for c in name):
-            raise LocalProtocolError(f"cannot mount a DHT node at {name!r}")
-        self.nodes[name] = node
-
-    def unmount(self, name: str = "") -> None:
-        """Stop serving ``name``: its path answers 503 from now on."""
-        self.nodes.pop(name, None)
-
-    async def _serve(self, request: web.Request) -> web.StreamResponse:
-        node = self.nodes.get(request.match_info.get("name", ""))
-        if node is None:
-            self.errors["unavailable"] += 1
-            body = {"error": "Unavailable", "reason": f"no DHT node at {request.path}"}
-            return web.json_response(body, status=503)
-        buf: bytearray | None = None
-        try:
-            buf, used = await self.transport.read_request(request, node.config.max_request)
-            opened = open_sealed(memoryview(buf)[:used], now=time.time(), replay=node.replay,
-                                 max_size=node.config.max_request)
-            reply = node.handle(opened)
-            return web.Response(body=node.seal(reply), content_type="application/octet-stream")
-        except RemoteProtocolError as exc:
-            self.errors[type(exc).__name__] += 1
-            node.metrics.refusals[type(exc).__name__] += 1
-            log.debug("refused DHT request from %s: %r", request.remote, exc)
-            return error_response(exc)
-        finally:
-            if buf is not None:
-                self.transport.pool.give(buf)
 
 
 # ── the node ────────────────────────────────────────────────────────────────────────────────

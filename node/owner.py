@@ -20,6 +20,7 @@ import logging
 import os
 import time
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 
@@ -185,7 +186,7 @@ class FragmentOwner:
 
     async def _merge(self, decision: Decision) -> Decision:
         t0 = time.monotonic()
-        deltas = [e.payload for e in decision.entries]
+        deltas = [cast(torch.Tensor, e.payload) for e in decision.entries]  # set by ``contribute``
         weights = [e.weight for e in decision.entries]
         try:
             theta, buffer = await asyncio.to_thread(self._outer, deltas, weights)

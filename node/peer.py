@@ -37,14 +37,8 @@ from node.membership import MemberRecord, Membership, manifest_hash
 from node.model import GPTConfig
 from node.owner import FragmentOwner
 from node.rpc import RpcServer
-from node.state_sync import (
-    ManifestCache,
-    SyncFailed,
-    serve_manifest,
-    serve_sealed,
-    state_etag,
-    sync_fragments,
-)
+from node.state_serve import ManifestCache, serve_manifest, serve_sealed, state_etag
+from node.state_sync import SyncFailed, sync_fragments
 from node.transport import LinkEmulator, LinkProfile, Transport
 from protocol.diloco.fragments import FragmentPlan
 from protocol.diloco.merge import MergeConfig
@@ -183,7 +177,8 @@ class PeerNode:
     def _merge_cfg(self) -> MergeConfig:
         c = self.cfg
         return MergeConfig(quorum=c.quorum, gamma=c.grace_gamma, tau=c.grace_tau, grace_cap_s=c.grace_cap_s,
-                           staleness_bound=c.staleness_bound, late_policy=c.late_policy,
+                           staleness_bound=c.staleness_bound,
+                           late_policy="carry" if c.late_policy == "carry" else "drop",
                            max_tokens_per_step=c.batch_size * GPTConfig.preset(c.model).block_size)
 
     def _outer_cfg(self) -> OuterConfig:

@@ -24,7 +24,7 @@ from protocol.wire.codec import encode
 from protocol.wire.messages import Message
 from protocol.wire.signing import Opened, ReplayWindow, Signer, open_sealed, seal
 
-__all__ = ["Handler", "RpcServer", "error_response"]
+__all__ = ["Handler", "RpcServer", "error_response", "serve_sealed_request"]
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +34,33 @@ Handler = Callable[[Opened], Awaitable[Message]]
 def error_response(exc: RemoteProtocolError) -> web.Response:
     body = {"error": type(exc).__name__, "reason": exc.reason}
     return web.Response(status=exc.status, text=json.dumps(body), content_type="application/json")
+
+
+async def serve_sealed_request(
+    transport: Transport,
+    request: web.Request,
+    *,
+    max_size: int,
+    replay: ReplayWindow,
+    dispatch: Callable[[Opened], Awaitable[bytes]],
+    on_error: Callable[[RemoteProtocolError], None],
+) -> web.Response:
+    """Read a sealed request body into a pooled buffer, open it against ``replay`` and answer
+    with the sealed bytes ``dispatch`` returns. A ``RemoteProtocolError`` on the way (bad bytes,
+    signature, replay, size, or one ``dispatch`` raises) goes to ``on_error`` and becomes a 4xx
+    ``error_response``; anything else propagates. The buffer always goes back to the pool."""
+    buf: bytearray | None = None
+    try:
+        buf, used = await transport.read_request(request, max_size)
+        opened = open_sealed(memoryview(buf)[:used], now=time.time(), replay=replay, max_size=max_size)
+        reply = await dispatch(opened)
+        return web.Response(body=reply, content_type="application/octet-stream")
+    except RemoteProtocolError as exc:
+        on_error(exc)
+        return error_response(exc)
+    finally:
+        if buf is not None:
+            transport.pool.give(buf)
 
 
 class RpcServer:
@@ -64,25 +91,20 @@ class RpcServer:
         return seal(encode(msg), self.signer, now=time.time(), nonce=os.urandom(16)).tobytes()
 
     async def _serve(self, request: web.Request) -> web.StreamResponse:
-        buf: bytearray | None = None
-        try:
-            buf, used = await self.transport.read_request(request, self.max_message)
-            opened = open_sealed(memoryview(buf)[:used], now=time.time(), replay=self.replay,
-                                 max_size=self.max_message)
-            if not self.authorize(opened.peer_id):
-                raise NotAuthorized(f"peer {opened.peer_id.hex()[:8]} is not a member of this swarm")
-            handler = self.handlers.get(type(opened.message))
-            if handler is None:
-                raise NotAuthorized(f"no handler here for {type(opened.message).__name__}")
-            reply = await handler(opened)
-            return web.Response(body=self.seal_reply(reply), content_type="application/octet-stream")
-        except RemoteProtocolError as exc:
+        def refused(exc: RemoteProtocolError) -> None:
             self.errors[type(exc).__name__] += 1
             log.warning("refused request from %s: %s: %s", request.remote, type(exc).__name__, exc.reason)
-            return error_response(exc)
-        finally:
-            if buf is not None:
-                self.transport.pool.give(buf)
+
+        return await serve_sealed_request(self.transport, request, max_size=self.max_message,
+                                          replay=self.replay, dispatch=self._dispatch, on_error=refused)
+
+    async def _dispatch(self, opened: Opened) -> bytes:
+        if not self.authorize(opened.peer_id):
+            raise NotAuthorized(f"peer {opened.peer_id.hex()[:8]} is not a member of this swarm")
+        handler = self.handlers.get(type(opened.message))
+        if handler is None:
+            raise NotAuthorized(f"no handler here for {type(opened.message).__name__}")
+        return self.seal_reply(await handler(opened))
 
     @property
     def error_count(self) -> int:

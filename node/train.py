@@ -159,6 +159,7 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
     eval_end = _eval_global(model, island, heldout, cfg)
     curve_global.append((time.time() - t0, cfg.steps, eval_end))
     net = node.net
+    assert net is not None
     result = {
         "index": index, "peer_id": signer.peer_id.hex(), "steps": island.stats.step,
         "n_params": sum(p.numel() for p in model.parameters()),
