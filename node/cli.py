@@ -39,6 +39,8 @@ def _parser() -> argparse.ArgumentParser:
     local.add_argument("--baseline", action="store_true",
                        help="also train the synchronous data-parallel baseline at equal tokens and report the gap")
     local.add_argument("--quiet", action="store_true", help="no live progress lines")
+    local.add_argument("--kill", action="append", default=[], metavar="PEER@STEP",
+                       help="fault injection: SIGKILL peer PEER once it reports inner step STEP (repeatable)")
 
     join = sub.add_parser("join", help="join a running swarm and train",
                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -88,7 +90,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"atoll local: {exc}", file=sys.stderr)
             return 2
         try:
-            run_local(cfg, report_path=args.report, baseline=args.baseline, quiet=args.quiet)
+            kill_at = _parse_kills(args.kill, cfg.peers)
+        except ValueError as exc:
+            print(f"atoll local: {exc}", file=sys.stderr)
+            return 2
+        try:
+            run_local(cfg, report_path=args.report, baseline=args.baseline, quiet=args.quiet, kill_at=kill_at)
         except KeyboardInterrupt:
             return 130
         return 0
@@ -208,3 +215,15 @@ def _status(url: str, *, as_json: bool) -> int:
         print(f"  fragment {p}: owner {o['peer_id'][:12] if o else 'none'} {o['url'] if o else ''}")
     print(f"  versions held {status.get('versions')}; bytes sent {status.get('bytes_sent', 0) / 1e6:.1f} MB")
     return 0
+
+
+def _parse_kills(specs: list[str], peers: int) -> dict[int, int]:
+    """``["1@100"]`` -> ``{1: 100}``; raises ValueError with the expected form."""
+    out: dict[int, int] = {}
+    for spec in specs:
+        index, sep, step = spec.partition("@")
+        if not (sep and index.isdigit() and step.isdigit()) or not 0 < int(index) < peers:
+            raise ValueError(f"bad --kill {spec!r}: expected PEER@STEP with 0 < PEER < {peers} "
+                             "(peer 0 founds the swarm), e.g. --kill 1@100")
+        out[int(index)] = int(step)
+    return out

@@ -142,6 +142,14 @@ class Island:
             self.in_flight[fragment] = None
             self.next_due[fragment] = self.stats.step + self.cfg.inner_steps
 
+    def adopt_final(self, fragment: int, version: int, flat: torch.Tensor) -> None:
+        """Adopt the owner's final version even if it is not above the one held.
+
+        At the end of a run the current owner's latest version is authoritative: after an
+        owner's crash the new owner may restart below a version some learner already held.
+        """
+        self._adopt(fragment, version, flat)
+
     def adopt_pending(self, *, block: bool = True) -> int:
         """Adopt whatever arrived; return how many fragments were adopted (trainer thread only).
 

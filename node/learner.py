@@ -15,6 +15,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 import torch
@@ -58,8 +59,10 @@ class IslandNet:
         codec: str = "int8",
         block_size: int = 64,
         max_message: int = 256 << 20,
+        on_unreachable: Callable[[bytes], None] | None = None,
     ) -> None:
         self.island, self.transport, self.signer = island, transport, signer
+        self.on_unreachable = on_unreachable  # told when an owner refuses connections
         self.swarm, self.shapes, self.owner_of = swarm, [list(s) for s in shapes], owner_of
         self.codec, self.block_size, self.max_message = codec, block_size, max_message
         self.stats = LearnerStats()
@@ -118,12 +121,12 @@ class IslandNet:
         owner = self.owner_of(out.fragment)
         if owner is None:
             raise RemoteProtocolError(f"no live owner for fragment {out.fragment}")
-        _, url = owner
+        owner_id, url = owner
         msg = await asyncio.to_thread(self._compress, out)
         sealed = seal(encode(msg), self.signer, now=time.time(), nonce=os.urandom(16))
         self.stats.contributions_sent += 1
-        status, buf, used, _ = await self.transport.request(
-            "POST", f"{url}/v1/rpc", chunks=sealed.iter_chunks(), size=sealed.size, timeout_s=60,
+        status, buf, used, _ = await self._request(
+            owner_id, "POST", f"{url}/v1/rpc", chunks=sealed.iter_chunks(), size=sealed.size, timeout_s=60,
         )
         try:
             if status != 200:
@@ -162,6 +165,14 @@ class IslandNet:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
 
+    async def _request(self, owner_id: bytes, method: str, url: str, **kw: Any) -> tuple[int, bytearray, int, dict[str, str]]:
+        try:
+            return await self.transport.request(method, url, **kw)
+        except aiohttp.ClientConnectorError:
+            if self.on_unreachable is not None:
+                self.on_unreachable(owner_id)
+            raise
+
     def remember(self, p: int, version: int, flat: torch.Tensor) -> None:
         """Keep the newest verified version of fragment ``p`` (a new owner starts from it)."""
         if version > self.received[p]:
@@ -182,8 +193,8 @@ class IslandNet:
             return None
         owner_id, url = owner
         kind = "final" if final else "next"
-        status, buf, used, _ = await self.transport.request(
-            "GET", f"{url}/v1/fragments/{p}/{kind}?after={after}&wait={wait_s}",
+        status, buf, used, _ = await self._request(
+            owner_id, "GET", f"{url}/v1/fragments/{p}/{kind}?after={after}&wait={wait_s}",
             timeout_s=wait_s + 30, max_reply=self.max_message,
         )
         try:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import msgpack
@@ -119,10 +120,10 @@ class Membership:
         self.members = members
         return members
 
-    def owner_candidates(self, exclude: bytes | None = None) -> list[bytes]:
-        return [m.peer_id for m in self.members.values() if m.can_own and m.peer_id != exclude]
+    def owner_candidates(self, exclude: Collection[bytes] = ()) -> list[bytes]:
+        return [m.peer_id for m in self.members.values() if m.can_own and m.peer_id not in exclude]
 
-    def owner_of(self, swarm: str, fragment: int, *, exclude: bytes | None = None) -> tuple[bytes, str] | None:
+    def owner_of(self, swarm: str, fragment: int, *, exclude: Collection[bytes] = ()) -> tuple[bytes, str] | None:
         candidates = self.owner_candidates(exclude)
         if not candidates:
             return None

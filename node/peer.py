@@ -78,6 +78,7 @@ class PeerNode:
         named = dict(model.named_parameters())
         self.shapes = [[tuple(named[n].shape) for n in f.names] for f in plan.fragments]
         self.owners: dict[int, FragmentOwner] = {}
+        self._suspect_since: dict[bytes, float] = {}  # peer id -> record expiry when it failed us
         self._owner_tasks: dict[int, asyncio.Task[None]] = {}
         self.net: IslandNet | None = None
         self.learning = True
@@ -105,10 +106,37 @@ class PeerNode:
         return self.membership is not None and peer_id in self.membership.members
 
     def owner_of(self, p: int) -> tuple[bytes, str] | None:
-        return None if self.membership is None else self.membership.owner_of(self.cfg.swarm, p)
+        if self.membership is None:
+            return None
+        return self.membership.owner_of(self.cfg.swarm, p, exclude=self.suspects())
+
+    def suspects(self) -> set[bytes]:
+        """Members that refused our connections and have not republished their record since.
+
+        A crashed owner's record lingers in the DHT until it expires; every peer that finds it
+        unreachable routes around it at once instead (its fragments move by rendezvous hash).
+        """
+        assert self.membership is not None
+        live = self.membership.members
+        return {pid for pid, expiry in self._suspect_since.items()
+                if pid in live and live[pid].expires_at <= expiry}
+
+    def _unreachable(self, peer_id: bytes) -> None:
+        if self.membership is None or peer_id == self.signer.peer_id:
+            return
+        member = self.membership.members.get(peer_id)
+        if member is not None and self._suspect_since.get(peer_id, -1.0) < member.expires_at:
+            log.warning("member %s at %s refuses connections: routing around it",
+                        peer_id.hex()[:8], member.record.url)
+            self._suspect_since[peer_id] = member.expires_at
+            if self._tg is not None:  # move its fragments now, not at the next membership pass
+                self._tg.create_task(self._reconcile_owners())
 
     def expected_learners(self) -> int:
-        return 0 if self.membership is None else self.membership.learners()
+        if self.membership is None:
+            return 0
+        return self.membership.learners() - len(self.suspects() & {
+            pid for pid, m in self.membership.members.items() if m.record.learning})
 
     def my_record(self) -> MemberRecord:
         roles = ("learner", "owner") if self.reachable else ("learner",)
@@ -155,7 +183,8 @@ class PeerNode:
             initial=flat, version=version, merge_cfg=self._merge_cfg(), outer_cfg=self._outer_cfg(),
             signer=self.signer, download_codec=self.cfg.download_codec,
         )
-        previous = self.membership.owner_of(self.cfg.swarm, p, exclude=self.signer.peer_id) if self.membership else None
+        previous = (self.membership.owner_of(self.cfg.swarm, p, exclude={self.signer.peer_id, *self.suspects()})
+                    if self.membership else None)
         self.owners[p] = owner
         self._owner_tasks[p] = self._tg.create_task(self._run_owner(owner, previous))
         log.info("fragment %d: now the owner, from version %d", p, version)
@@ -288,7 +317,8 @@ class PeerNode:
         await self.dht.start()
         self.membership = Membership(self.dht, self.cfg.swarm, self.manifest)
         self.net = IslandNet(island, self.transport, self.signer, swarm=self.cfg.swarm, shapes=self.shapes,
-                             owner_of=self.owner_of, codec=self.cfg.codec, block_size=self.cfg.block_size)
+                             owner_of=self.owner_of, codec=self.cfg.codec, block_size=self.cfg.block_size,
+                             on_unreachable=self._unreachable)
         self.ready.set()
         try:
             async with asyncio.TaskGroup() as tg:
@@ -345,7 +375,7 @@ class PeerNode:
         held = [self.net.latest.get(p, (0, None))[0] for p in range(len(self.shapes))]
         try:
             got = await sync_fragments(
-                self.transport, lambda p: self.membership.owner_of(self.cfg.swarm, p, exclude=me),  # type: ignore[union-attr]
+                self.transport, lambda p: self.membership.owner_of(self.cfg.swarm, p, exclude={me}),  # type: ignore[union-attr]
                 len(self.shapes), self.shapes, swarm=self.cfg.swarm, held_versions=held, max_size=MAX_STATE)
         except SyncFailed as exc:
             log.warning("state sync incomplete: %s", exc)

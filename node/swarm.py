@@ -52,7 +52,8 @@ class LocalSwarm:
     """Start, watch and stop N peer processes; collect their results."""
 
     def __init__(self, cfg: RunConfig, run_dir: Path, *, extra_peer_args: dict[int, list[str]] | None = None,
-                 quiet: bool = False, startup_timeout_s: float = 120.0, run_timeout_s: float | None = None) -> None:
+                 quiet: bool = False, startup_timeout_s: float = 120.0, run_timeout_s: float | None = None,
+                 kill_at: dict[int, int] | None = None) -> None:
         self.cfg = cfg
         self.run_dir = run_dir
         self.extra = extra_peer_args or {}
@@ -60,6 +61,8 @@ class LocalSwarm:
         self.startup_timeout_s = startup_timeout_s
         self.run_timeout_s = run_timeout_s
         self.peers: list[PeerProcess] = []
+        self.kill_at = dict(kill_at or {})  # fault injection: peer index -> inner step to SIGKILL it at
+        self.killed: list[int] = []
         self.listening = asyncio.Event()  # every peer has bound its address
         self.t0 = time.time()
 
@@ -87,6 +90,12 @@ class LocalSwarm:
                 peer.listening.set()
             elif event == "progress":
                 peer.progress = msg
+                if peer.index in self.kill_at and msg["step"] >= self.kill_at[peer.index]:
+                    del self.kill_at[peer.index]
+                    self.killed.append(peer.index)
+                    log.warning("fault injection: killing peer %d at step %d", peer.index, msg["step"])
+                    with contextlib.suppress(ProcessLookupError):
+                        peer.proc.kill()
             elif event == "done":
                 peer.result = msg["result"]
                 peer.finished.set()
@@ -111,6 +120,8 @@ class LocalSwarm:
                 g = p.progress
                 if p.result is not None:
                     parts.append(f"p{p.index}: done")
+                elif p.index in self.killed:
+                    parts.append(f"p{p.index}: killed")
                 elif g:
                     parts.append(f"p{p.index}: step {g['step']}/{self.cfg.steps} loss {g['loss']:.3f} "
                                  f"v{g['versions']} {g['bytes_sent'] / 1e6:.1f}MB")
@@ -161,7 +172,7 @@ class LocalSwarm:
     async def _drive(self) -> None:
         async with asyncio.timeout(self.run_timeout_s):
             await asyncio.gather(*(p.finished.wait() for p in self.peers))
-        failed = [p for p in self.peers if p.result is None]
+        failed = [p for p in self.peers if p.result is None and p.index not in self.killed]
         if failed:
             tail = failed[0].log_path.read_text(errors="replace")[-2000:]
             raise RuntimeError(f"peer {failed[0].index} failed; last log lines:\n{tail}")
@@ -184,12 +195,12 @@ class LocalSwarm:
 
 
 def run_local(cfg: RunConfig, *, report_path: Path | None, baseline: bool = False,
-              quiet: bool = False) -> dict[str, Any]:
+              quiet: bool = False, kill_at: dict[int, int] | None = None) -> dict[str, Any]:
     """Run a local swarm end to end, write the report and plot, print the summary."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     report_path = report_path or Path("runs") / stamp / "report.json"
     run_dir = report_path.parent / f"{report_path.stem}-peers"
-    swarm = LocalSwarm(cfg, run_dir, quiet=quiet)
+    swarm = LocalSwarm(cfg, run_dir, quiet=quiet, kill_at=kill_at)
     t0 = time.monotonic()
     print(f"atoll local: {cfg.peers} peers, {cfg.steps} steps, model {cfg.model}, "
           f"{cfg.fragments} fragments, H={cfg.inner_steps}, codec {cfg.codec}; logs in {run_dir}",
@@ -200,6 +211,7 @@ def run_local(cfg: RunConfig, *, report_path: Path | None, baseline: bool = Fals
         print("interrupted: peers stopped", file=sys.stderr)
         raise
     report = build_report(dict(json.loads(cfg.to_json())), results, time.monotonic() - t0)
+    report["killed_peers"] = swarm.killed
     if baseline:
         print("training the synchronous data-parallel baseline at equal tokens ...", flush=True)
         report["baseline"] = baseline_for(cfg)

@@ -152,10 +152,12 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
     # --- finalise: all peers end on the owners' final versions ---------------------------------
     node.learning = False
     if opts.final_sync:
+        island.adopt_pending()
         final = node.call(_fetch_final(node, island), timeout=600)
         for p, (version, flat) in final.items():
-            island.deliver(p, version, flat)
-    island.adopt_pending()
+            island.adopt_final(p, version, flat)
+    else:
+        island.adopt_pending()
     eval_end = _eval_global(model, island, heldout, cfg)
     curve_global.append((time.time() - t0, cfg.steps, eval_end))
     net = node.net

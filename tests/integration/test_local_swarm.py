@@ -64,6 +64,24 @@ def test_three_peer_swarm_trains_to_one_global_model(tmp_path: Path) -> None:
     assert wall < 90, f"swarm took {wall:.0f} s"
 
 
+def test_a_killed_peer_does_not_stall_the_rest(tmp_path: Path) -> None:
+    report_path = tmp_path / "report.json"
+    args = [sys.executable, "-m", "node", "local", "--quiet", "--report", str(report_path), "--kill", "1@60"]
+    for key, value in {**SMALL, "steps": 300}.items():
+        args += [f"--{key.replace('_', '-')}", str(value)]
+    proc = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(report_path.read_text())
+    assert report["killed_peers"] == [1] and report["peers"] == 2
+    assert len(set(report["final_param_hash"].values())) == 1
+    assert report["eval_loss"]["end"] <= 0.7 * report["eval_loss"]["start"]
+    assert report["stalled_steps"] == 0
+    # every fragment kept merging after the kill, including those the dead peer owned:
+    # 300 steps at H = 20 is 15 rounds per fragment; the kill came after about 3
+    assert min(report["global_versions"]) >= 8, report["global_versions"]
+
+
 # --- a misbehaving insider ---------------------------------------------------------------------
 
 
