@@ -64,6 +64,22 @@ def test_three_peer_swarm_trains_to_one_global_model(tmp_path: Path) -> None:
     assert wall < 90, f"swarm took {wall:.0f} s"
 
 
+def test_swarm_converges_over_a_slow_lossy_emulated_link(tmp_path: Path) -> None:
+    report_path = tmp_path / "report.json"
+    args = [sys.executable, "-m", "node", "local", "--quiet", "--report", str(report_path),
+            "--link", "latency=30ms,bandwidth=20mbit,drop=0.05"]
+    for key, value in {**SMALL, "steps": 300}.items():
+        args += [f"--{key.replace('_', '-')}", str(value)]
+    proc = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(report_path.read_text())
+    assert len(set(report["final_param_hash"].values())) == 1 and report["peers"] == 3
+    assert report["eval_loss"]["end"] <= 0.7 * report["eval_loss"]["start"]
+    assert report["stalled_steps"] == 0
+    assert min(report["global_versions"]) >= 8, report["global_versions"]
+
+
 def test_a_killed_peer_does_not_stall_the_rest(tmp_path: Path) -> None:
     report_path = tmp_path / "report.json"
     args = [sys.executable, "-m", "node", "local", "--quiet", "--report", str(report_path), "--kill", "1@60"]
