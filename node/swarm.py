@@ -137,12 +137,15 @@ class LocalSwarm:
         async with asyncio.TaskGroup() as tg:
             readers: list[asyncio.Task[None]] = []
             progress = tg.create_task(self._show_progress())
+            completed = False
             try:
                 await self._start_peers(config_path, tg, readers)
                 await self._drive()
+                completed = True
             finally:
                 progress.cancel()
-                await self.stop()
+                # done: peers exit by themselves on "stop"; interrupted or failed: terminate now
+                await self.stop(grace_s=10.0 if completed else 0.0)
                 for r in readers:
                     r.cancel()
         return [p.result for p in self.peers if p.result is not None]

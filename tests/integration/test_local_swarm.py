@@ -7,6 +7,7 @@ import dataclasses
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -62,6 +63,30 @@ def test_three_peer_swarm_trains_to_one_global_model(tmp_path: Path) -> None:
     assert report_path.with_suffix(".png").stat().st_size > 1000
     assert "final global model identical on all peers: yes" in proc.stdout
     assert wall < 90, f"swarm took {wall:.0f} s"
+
+
+def test_ctrl_c_stops_every_peer(tmp_path: Path) -> None:
+    args = [sys.executable, "-m", "node", "local", "--report", str(tmp_path / "report.json")]
+    for key, value in {**SMALL, "steps": 100000}.items():
+        args += [f"--{key.replace('_', '-')}", str(value)]
+    proc = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    assert proc.stdout is not None
+    for line in proc.stdout:  # wait until every peer trains
+        if line.count("step ") == 3:
+            break
+    peers = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout.split()
+    assert len(peers) >= 3, peers
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(30) == 130
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        left = subprocess.run(["pgrep", "-f", f"node peer --config {tmp_path}"], capture_output=True, text=True)
+        if not left.stdout.strip():
+            break
+        time.sleep(0.2)
+    assert not left.stdout.strip(), f"peers still running: {left.stdout}"
 
 
 def test_swarm_converges_over_a_slow_lossy_emulated_link(tmp_path: Path) -> None:
