@@ -41,6 +41,8 @@ def _parser() -> argparse.ArgumentParser:
     local.add_argument("--quiet", action="store_true", help="no live progress lines")
     local.add_argument("--kill", action="append", default=[], metavar="PEER@STEP",
                        help="fault injection: SIGKILL peer PEER once it reports inner step STEP (repeatable)")
+    local.add_argument("--slow", action="append", default=[], metavar="PEER@FACTOR",
+                       help="fault injection: peer PEER takes FACTOR times as long per inner step (repeatable)")
 
     join = sub.add_parser("join", help="join a running swarm and train",
                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -74,6 +76,7 @@ def _parser() -> argparse.ArgumentParser:
     peer.add_argument("--initial-peers-from-stdin", action="store_true",
                       help="read {\"initial_peers\": [...]} from stdin after loading the model and data")
     peer.add_argument("--wait-members", type=int, default=1, help="start training once this many members joined")
+    peer.add_argument("--slow-factor", type=float, default=1.0, help="emulate a slower machine (fault injection)")
     return parser
 
 
@@ -91,11 +94,13 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         try:
             kill_at = _parse_kills(args.kill, cfg.peers)
+            slow = _parse_slow(args.slow, cfg.peers)
         except ValueError as exc:
             print(f"atoll local: {exc}", file=sys.stderr)
             return 2
         try:
-            run_local(cfg, report_path=args.report, baseline=args.baseline, quiet=args.quiet, kill_at=kill_at)
+            run_local(cfg, report_path=args.report, baseline=args.baseline, quiet=args.quiet, kill_at=kill_at,
+                      extra_peer_args={i: ["--slow-factor", str(f)] for i, f in slow.items()})
         except KeyboardInterrupt:
             return 130
         return 0
@@ -122,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger().setLevel(min(logging.INFO, logging.getLogger().level))
         opts = PeerOptions(index=args.index, initial_peers=tuple(args.initial_peers), t0=args.t0,
                            initial_peers_from_stdin=args.initial_peers_from_stdin,
-                           wait_members=args.wait_members)
+                           wait_members=args.wait_members, slow_factor=args.slow_factor)
         run_peer(RunConfig.load(args.config), opts)
         return 0
     return 2
@@ -226,4 +231,20 @@ def _parse_kills(specs: list[str], peers: int) -> dict[int, int]:
             raise ValueError(f"bad --kill {spec!r}: expected PEER@STEP with 0 < PEER < {peers} "
                              "(peer 0 founds the swarm), e.g. --kill 1@100")
         out[int(index)] = int(step)
+    return out
+
+
+def _parse_slow(specs: list[str], peers: int) -> dict[int, float]:
+    """``["2@3"]`` -> ``{2: 3.0}``; raises ValueError with the expected form."""
+    out: dict[int, float] = {}
+    for spec in specs:
+        index, sep, factor = spec.partition("@")
+        try:
+            ok = bool(sep) and index.isdigit() and 0 <= int(index) < peers and float(factor) >= 1.0
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ValueError(f"bad --slow {spec!r}: expected PEER@FACTOR with 0 <= PEER < {peers} "
+                             "and FACTOR >= 1, e.g. --slow 2@3")
+        out[int(index)] = float(factor)
     return out

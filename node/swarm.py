@@ -198,12 +198,13 @@ class LocalSwarm:
 
 
 def run_local(cfg: RunConfig, *, report_path: Path | None, baseline: bool = False,
-              quiet: bool = False, kill_at: dict[int, int] | None = None) -> dict[str, Any]:
+              quiet: bool = False, kill_at: dict[int, int] | None = None,
+              extra_peer_args: dict[int, list[str]] | None = None) -> dict[str, Any]:
     """Run a local swarm end to end, write the report and plot, print the summary."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     report_path = report_path or Path("runs") / stamp / "report.json"
     run_dir = report_path.parent / f"{report_path.stem}-peers"
-    swarm = LocalSwarm(cfg, run_dir, quiet=quiet, kill_at=kill_at)
+    swarm = LocalSwarm(cfg, run_dir, quiet=quiet, kill_at=kill_at, extra_peer_args=extra_peer_args)
     t0 = time.monotonic()
     print(f"atoll local: {cfg.peers} peers, {cfg.steps} steps, model {cfg.model}, "
           f"{cfg.fragments} fragments, H={cfg.inner_steps}, codec {cfg.codec}; logs in {run_dir}",

@@ -74,6 +74,7 @@ class PeerOptions:
     wait_members: int = 1  # start training once this many members are visible (a local swarm: all)
     final_sync: bool = True  # end on the owners' final versions (a local swarm, where all finish)
     serve_after_s: float = 0.0  # without a launcher: keep serving this long after training
+    slow_factor: float = 1.0  # fault injection: stretch every inner step to this many times its length
 
 
 def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
@@ -125,6 +126,7 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
     model.train()
     last_progress, loss_ema = 0.0, float("nan")
     for step in range(cfg.steps):
+        t_step = time.perf_counter()
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, tcfg)
         if cfg.overlap_block:
@@ -137,6 +139,8 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
         optimizer.step()  # the island's hook: adopt arrived fragments, ship due ones
         optimizer.zero_grad(set_to_none=True)
         loss_ema = loss.item() if step == 0 else 0.95 * loss_ema + 0.05 * loss.item()
+        if opts.slow_factor > 1.0:  # an emulated slower machine
+            time.sleep((opts.slow_factor - 1.0) * (time.perf_counter() - t_step))
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
             curve_local.append((time.time() - t0, step + 1,
                                 evaluate(model, heldout, batch_size=cfg.batch_size,

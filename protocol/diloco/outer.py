@@ -71,16 +71,19 @@ def token_weight(tokens: int, steps: int, *, max_tokens_per_step: int | None) ->
 
 
 def clamp_weights(weights: Sequence[float], *, max_median_multiple: float = 4.0) -> list[float]:
-    """``weights`` with each capped at ``max_median_multiple`` times their median.
+    """``weights`` with each capped at ``max_median_multiple`` times the median positive weight.
 
+    Zero weights (contributions that counted no tokens) stay zero and do not enter the median:
+    if they did, a majority of them would cap every weight to zero and leave nothing to merge.
     Raises ``LocalProtocolError`` for negative or non-finite weights or a multiple below 1.
     """
     if not max_median_multiple >= 1.0:
         raise LocalProtocolError(f"max_median_multiple must be >= 1, got {max_median_multiple}")
     _check_weights(weights)
-    if not weights:
-        return []
-    cap = max_median_multiple * statistics.median(weights)
+    positive = [w for w in weights if w > 0]
+    if not positive:
+        return [float(w) for w in weights]
+    cap = max_median_multiple * statistics.median(positive)
     return [min(float(w), cap) for w in weights]
 
 

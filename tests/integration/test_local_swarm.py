@@ -41,17 +41,27 @@ SMALL = dict(model="tiny", steps=200, fragments=4, inner_steps=20, eval_every=10
              corpus_max_bytes=2_000_000, peers=3)
 
 
+def _local_args(tmp_path: Path, *extra: str, quiet: bool = True, **overrides: object) -> list[str]:
+    args = [sys.executable, "-m", "node", "local", "--report", str(tmp_path / "report.json"), *extra]
+    args += ["--quiet"] if quiet else []
+    for key, value in {**SMALL, **overrides}.items():
+        args += [f"--{key.replace('_', '-')}", str(value)]
+    return args
+
+
+def _run_local(tmp_path: Path, *extra: str, **overrides: object) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    """Run ``atoll local`` to completion; return the process and its report."""
+    proc = subprocess.run(_local_args(tmp_path, *extra, **overrides), cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc, json.loads((tmp_path / "report.json").read_text())
+
+
 def test_three_peer_swarm_trains_to_one_global_model(tmp_path: Path) -> None:
     report_path = tmp_path / "report.json"
-    args = [sys.executable, "-m", "node", "local", "--quiet", "--report", str(report_path)]
-    for key, value in SMALL.items():
-        args += [f"--{key.replace('_', '-')}", str(value)]
     t0 = time.monotonic()
-    proc = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc, report = _run_local(tmp_path)
     wall = time.monotonic() - t0
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(report_path.read_text())
     assert report["peers"] == 3 and report["steps"] == 200
     assert report["eval_loss"]["end"] <= 0.7 * report["eval_loss"]["start"], report["eval_loss"]
     hashes = set(report["final_param_hash"].values())
@@ -66,10 +76,7 @@ def test_three_peer_swarm_trains_to_one_global_model(tmp_path: Path) -> None:
 
 
 def test_ctrl_c_stops_every_peer(tmp_path: Path) -> None:
-    args = [sys.executable, "-m", "node", "local", "--report", str(tmp_path / "report.json")]
-    for key, value in {**SMALL, "steps": 100000}.items():
-        args += [f"--{key.replace('_', '-')}", str(value)]
-    proc = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    proc = subprocess.Popen(_local_args(tmp_path, quiet=False, steps=100000), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONPATH": str(ROOT)},
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert proc.stdout is not None
@@ -90,15 +97,7 @@ def test_ctrl_c_stops_every_peer(tmp_path: Path) -> None:
 
 
 def test_swarm_converges_over_a_slow_lossy_emulated_link(tmp_path: Path) -> None:
-    report_path = tmp_path / "report.json"
-    args = [sys.executable, "-m", "node", "local", "--quiet", "--report", str(report_path),
-            "--link", "latency=30ms,bandwidth=20mbit,drop=0.05"]
-    for key, value in {**SMALL, "steps": 300}.items():
-        args += [f"--{key.replace('_', '-')}", str(value)]
-    proc = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(report_path.read_text())
+    _, report = _run_local(tmp_path, "--link", "latency=30ms,bandwidth=20mbit,drop=0.05", steps=300)
     assert len(set(report["final_param_hash"].values())) == 1 and report["peers"] == 3
     assert report["eval_loss"]["end"] <= 0.7 * report["eval_loss"]["start"]
     assert report["stalled_steps"] == 0
@@ -106,14 +105,7 @@ def test_swarm_converges_over_a_slow_lossy_emulated_link(tmp_path: Path) -> None
 
 
 def test_a_killed_peer_does_not_stall_the_rest(tmp_path: Path) -> None:
-    report_path = tmp_path / "report.json"
-    args = [sys.executable, "-m", "node", "local", "--quiet", "--report", str(report_path), "--kill", "1@60"]
-    for key, value in {**SMALL, "steps": 300}.items():
-        args += [f"--{key.replace('_', '-')}", str(value)]
-    proc = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(report_path.read_text())
+    _, report = _run_local(tmp_path, "--kill", "1@60", steps=300)
     assert report["killed_peers"] == [1] and report["peers"] == 2
     assert len(set(report["final_param_hash"].values())) == 1
     assert report["eval_loss"]["end"] <= 0.7 * report["eval_loss"]["start"]

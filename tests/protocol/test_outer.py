@@ -52,7 +52,11 @@ def test_clamp_weights() -> None:
     assert clamp_weights([1.0, 1.0, 50.0], max_median_multiple=2.0) == [1.0, 1.0, 2.0]
     assert clamp_weights([5.0]) == [5.0]
     assert clamp_weights([]) == []
-    assert clamp_weights([0.0, 0.0, 7.0]) == [0.0, 0.0, 0.0]
+    # zeros neither enter the median nor get raised: the one real weight survives (found by the
+    # merge's property test: a zero median used to cap every weight to 0)
+    assert clamp_weights([0.0, 0.0, 7.0]) == [0.0, 0.0, 7.0]
+    assert clamp_weights([0.0, 1.0, 1.0, 9.0], max_median_multiple=2.0) == [0.0, 1.0, 1.0, 2.0]
+    assert clamp_weights([0.0, 0.0]) == [0.0, 0.0]
     ws = clamp_weights([3.0, 8.0, 1.0, 40.0, 2.0], max_median_multiple=4.0)
     assert max(ws) <= 4.0 * 3.0
     for bad in ([-1.0], [math.nan], [math.inf]):
