@@ -68,7 +68,10 @@ class IslandNet:
         self.stats = LearnerStats()
         self.residuals: dict[tuple[int, int], torch.Tensor] = {}
         self._queue: asyncio.Queue[Outgoing] = asyncio.Queue()
-        self._loop: asyncio.AbstractEventLoop | None = None
+        try:  # built on the node's loop: submissions may queue before ``run`` starts
+            self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            self._loop = None
         self._replay = ReplayWindow()
         self.received = [0] * len(self.shapes)  # highest version delivered, per fragment
         self.latest: dict[int, tuple[int, torch.Tensor]] = {}  # newest verified version per fragment

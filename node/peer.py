@@ -66,8 +66,11 @@ class PeerNode:
     """The peer's asyncio side: serves owners, RPC and the DHT, drives the island's network side."""
 
     def __init__(self, cfg: RunConfig, signer: Signer, model: torch.nn.Module, plan: FragmentPlan, *,
-                 host: str = "127.0.0.1", port: int = 0, public_address: str | None = None) -> None:
+                 host: str = "127.0.0.1", port: int = 0, public_address: str | None = None,
+                 max_tokens_per_step: int | None = None) -> None:
         self.cfg, self.signer, self.plan = cfg, signer, plan
+        # a learner's self-reported tokens are clamped to its certified batch: B·T for the GPT presets
+        self.max_tokens_per_step = max_tokens_per_step or cfg.batch_size * GPTConfig.preset(cfg.model).block_size
         self.public_address = public_address
         self.transport = Transport(host, port, link=LinkEmulator(default=LinkProfile.parse(cfg.link)))
         self.rpc = RpcServer(self.transport, signer, authorize=self._is_member)
@@ -208,7 +211,7 @@ class PeerNode:
         return MergeConfig(quorum=c.quorum, gamma=c.grace_gamma, tau=c.grace_tau, grace_cap_s=c.grace_cap_s,
                            staleness_bound=c.staleness_bound,
                            late_policy="carry" if c.late_policy == "carry" else "drop",
-                           max_tokens_per_step=c.batch_size * GPTConfig.preset(c.model).block_size)
+                           max_tokens_per_step=self.max_tokens_per_step)
 
     def _outer_cfg(self) -> OuterConfig:
         return OuterConfig(lr=self.cfg.outer_lr, momentum=self.cfg.outer_momentum)

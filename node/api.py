@@ -1,0 +1,117 @@
+"""The training API a user sees: any ``nn.Module``, any inner optimizer, a few changed lines.
+
+::
+
+    with SwarmIsland(model, optimizer, swarm="my-swarm", initial_peers=["http://host:7000"],
+                     tokens_per_step=batch * seq) as island:
+        for x, y in loader:
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            island.tokens(x.numel())     # before the step: counted into what this step ships
+            optimizer.step()             # the hook adopts arrived fragments and ships due ones
+            optimizer.zero_grad()
+
+Entering joins the swarm (or founds it when there are no initial peers): the node starts on its
+own thread, finds members through the DHT, downloads every global fragment at its latest version
+and loads it into ``model``. Leaving stops learning and stops the node. Peers of one swarm must
+build the same architecture with the same initial weights (same seed): version 0 of every
+fragment is that initial state, and the swarm's manifest hash includes the fragment plan, so a
+peer with a different architecture is refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import threading
+from collections.abc import Sequence
+from types import TracebackType
+
+import torch
+from torch import nn
+
+from node.config import RunConfig
+from node.island import Island, IslandConfig
+from node.peer import PeerNode
+from protocol.diloco.fragments import FragmentPlan, plan_fragments
+from protocol.wire.signing import Signer
+
+__all__ = ["SwarmIsland"]
+
+
+class SwarmIsland:
+    """An island of a swarm around a user's model and inner optimizer (a context manager)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        swarm: str,
+        tokens_per_step: int,
+        initial_peers: Sequence[str] = (),
+        embeddings: Sequence[str] = (),
+        config: RunConfig | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        public_address: str | None = None,
+        join_timeout_s: float = 120.0,
+    ) -> None:
+        """``tokens_per_step``: the most tokens one inner step trains (the merge clamps to it).
+        ``config``: fragments, H, codec, outer step, grace window... (its model fields unused).
+        """
+        base = config or RunConfig(fragments=2, inner_steps=20)
+        shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+        self.plan: FragmentPlan = plan_fragments(shapes, base.fragments, embeddings=embeddings)
+        # the architecture is part of the swarm's manifest: peers must agree on the plan
+        self.cfg = dataclasses.replace(base, swarm=swarm, model=f"custom-{self.plan.plan_hash().hex()[:16]}")
+        self.island = Island(model, optimizer, self.plan, self._submit,
+                             IslandConfig(inner_steps=self.cfg.inner_steps, adopt_alpha=self.cfg.adopt_alpha))
+        self.node = PeerNode(self.cfg, Signer.from_seed(os.urandom(32)), model, self.plan, host=host, port=port,
+                             public_address=public_address, max_tokens_per_step=tokens_per_step)
+        self.initial_peers = list(initial_peers)
+        self.join_timeout_s = join_timeout_s
+        self._thread: threading.Thread | None = None
+
+    def _submit(self, out: object) -> None:
+        if self.node.net is not None:
+            self.node.net.submit(out)  # type: ignore[arg-type]
+
+    @property
+    def url(self) -> str:
+        """This island's address (give it to others as an initial peer)."""
+        return self.node.url
+
+    def tokens(self, n: int) -> None:
+        """Count the tokens of the step about to be taken (call before ``optimizer.step()``)."""
+        self.island.tokens(n)
+
+    @property
+    def versions(self) -> list[int]:
+        """The global version of every fragment this island holds."""
+        return list(self.island.versions)
+
+    def __enter__(self) -> SwarmIsland:
+        self._thread = threading.Thread(
+            target=lambda: asyncio.run(self.node.serve(self.island, self.initial_peers)),
+            name="atoll-node", daemon=True)
+        self._thread.start()
+        if not self.node.joined.wait(self.join_timeout_s) or self.node.failure is not None:
+            self.close()
+            raise ConnectionError(f"could not join swarm {self.cfg.swarm!r} through "
+                                  f"{self.initial_peers or 'no initial peers'}: {self.node.failure!r}")
+        self.island.adopt_pending()  # the synced global fragments
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop learning, stop the node, remove the optimizer hook."""
+        self.node.learning = False
+        self.node.stop()
+        if self._thread is not None:
+            self._thread.join(timeout=15)
+        self.island.close()
