@@ -54,6 +54,7 @@ log = logging.getLogger("atoll.peer")
 MEMBERSHIP_PERIOD_S = 2.0
 REPUBLISH_S = 6.0
 CATCH_UP_S = 6.0
+JOIN_ATTEMPTS = 5
 MAX_STATE = 1 << 30
 
 
@@ -344,10 +345,19 @@ class PeerNode:
     async def _join(self, initial_peers: list[str]) -> None:
         assert self.dht is not None and self.membership is not None and self.net is not None
         if initial_peers:
-            reached = await self.dht.bootstrap([u.rstrip("/") + "/v1/dht" for u in initial_peers])
+            reached = 0
+            for attempt in range(JOIN_ATTEMPTS):  # a lossy network may drop the first tries
+                reached = await self.dht.bootstrap([u.rstrip("/") + "/v1/dht" for u in initial_peers])
+                if reached:
+                    break
+                await asyncio.sleep(0.5 * 2**attempt)
             if not reached:
-                raise ConnectionError(f"none of the initial peers answered: {initial_peers}")
-            self.reachable = await self._dialback(initial_peers)
+                raise ConnectionError(f"none of the initial peers answered after {JOIN_ATTEMPTS} tries: "
+                                      f"{initial_peers}; check the addresses and that they are running")
+            for _ in range(3):  # each try costs a ping timeout when we really cannot be dialled
+                self.reachable = await self._dialback(initial_peers)
+                if self.reachable:
+                    break
         else:
             self.reachable = True  # the first peer: others will reach it through its address
         await self.membership.refresh()
