@@ -206,11 +206,11 @@ class Transport:
             raise RuntimeError("Transport.start() must run before requests are sent")
         return self._session
 
-    async def _body(self, url: str, chunks: Iterable[memoryview | bytes]) -> AsyncIterator[bytes]:
+    async def _body(self, url: str, chunks: Iterable[memoryview | bytes]) -> AsyncIterator[memoryview | bytes]:
         for chunk in chunks:
             await self.link.throttle(url, len(chunk))
             self.bytes_sent += len(chunk)
-            yield bytes(chunk)
+            yield chunk  # aiohttp writes buffer views as they are: no copy
 
     async def request(
         self,
