@@ -36,8 +36,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
-from node.dht import DHTConfig, DHTNode, DHTRouter
-from node.transport import Transport
+from node.dht.kademlia import DHTConfig, DHTNode
+from node.dht.route import DHTRouter
+from node.wire.transport import Transport
 from protocol.ids import key_id
 from protocol.wire.signing import Signer
 

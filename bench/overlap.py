@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 from node.config import RunConfig
-from node.swarm import LocalSwarm
+from node.run.local import LocalSwarm
 
 
 def main(argv: list[str] | None = None) -> dict[str, object]:

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from node.config import RunConfig
-from node.island import Island, IslandConfig
+from node.diloco.island import Island, IslandConfig
 from node.peer import PeerNode
 from protocol.diloco.fragments import FragmentPlan, plan_fragments
 from protocol.wire.signing import Signer
@@ -65,11 +65,12 @@ class SwarmIsland:
         shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
         self.plan: FragmentPlan = plan_fragments(shapes, base.fragments, embeddings=embeddings)
         # the architecture is part of the swarm's manifest: peers must agree on the plan
-        self.cfg = dataclasses.replace(base, swarm=swarm, model=f"custom-{self.plan.plan_hash().hex()[:16]}")
+        self.cfg = dataclasses.replace(base, swarm=swarm, model=f"custom-{self.plan.plan_hash().hex()[:16]}",
+                                       max_tokens_per_step=tokens_per_step)
         self.island = Island(model, optimizer, self.plan, self._submit,
                              IslandConfig(inner_steps=self.cfg.inner_steps, adopt_alpha=self.cfg.adopt_alpha))
         self.node = PeerNode(self.cfg, Signer.from_seed(os.urandom(32)), model, self.plan, host=host, port=port,
-                             public_address=public_address, max_tokens_per_step=tokens_per_step)
+                             public_address=public_address)
         self.initial_peers = list(initial_peers)
         self.join_timeout_s = join_timeout_s
         self._thread: threading.Thread | None = None

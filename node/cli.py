@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.command == "local":
-        from node.swarm import run_local
+        from node.run.local import run_local
 
         try:
             cfg = config_from_args(args)
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bootstrap":
         import asyncio
 
-        from node.bootstrap import run_bootstrap
+        from node.dht.bootstrap import run_bootstrap
 
         host, port = _host_port(args.listen)
         public = f"http://{args.public_address}" if args.public_address else None
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "status":
         return _status(args.peer, as_json=args.json)
     if args.command == "peer":
-        from node.train import PeerOptions, run_peer
+        from node.run.train import PeerOptions, run_peer
 
         logging.getLogger().setLevel(min(logging.INFO, logging.getLogger().level))
         opts = PeerOptions(index=args.index, initial_peers=tuple(args.initial_peers), t0=args.t0,
@@ -150,7 +150,7 @@ def swarm_config(initial_peers: list[str], local: RunConfig) -> tuple[RunConfig,
 
     Returns (config, whether a swarm was found).
     """
-    from node.membership import MANIFEST_FIELDS
+    from node.dht.membership import MANIFEST_FIELDS
 
     for base in initial_peers:
         if not base.startswith(("http://", "https://")):
@@ -174,7 +174,7 @@ def swarm_config(initial_peers: list[str], local: RunConfig) -> tuple[RunConfig,
 
 
 def _join(args: argparse.Namespace) -> int:
-    from node.train import PeerOptions, run_peer
+    from node.run.train import PeerOptions, run_peer
 
     logging.getLogger().setLevel(min(logging.INFO, logging.getLogger().level))
     try:

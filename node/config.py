@@ -48,6 +48,7 @@ class RunConfig:
     staleness_bound: int = 2
     late_policy: str = "carry"
     adopt_alpha: float = 0.0
+    max_tokens_per_step: int = 0  # the most tokens a contribution may claim per inner step
     # --- evaluation and reporting ------------------------------------------------------------
     eval_every: int = 100
     eval_batches: int = 8
@@ -72,6 +73,8 @@ class RunConfig:
             problems.append(f"--late-policy must be carry or drop, got {self.late_policy!r}")
         if not 0.0 <= self.adopt_alpha < 1.0:
             problems.append(f"--adopt-alpha must be in [0, 1), got {self.adopt_alpha}")
+        if self.max_tokens_per_step < 0:
+            problems.append(f"--max-tokens-per-step must be >= 0, got {self.max_tokens_per_step}")
         if self.quorum < 1:
             problems.append(f"--quorum must be >= 1, got {self.quorum}")
         if problems:
@@ -122,6 +125,8 @@ _HELP = {
     "staleness_bound": "S: oldest base version (in versions) an owner accepts",
     "late_policy": "late contributions: carry (into the next merge, discounted) or drop (resync)",
     "adopt_alpha": "adoption blend: theta <- alpha*theta + (1-alpha)*global (0 = overwrite)",
+    "max_tokens_per_step": "the most tokens a learner may claim per inner step; the merge clamps "
+                           "to it (0: batch size x the model's context length)",
     "eval_every": "inner steps between held-out evaluations",
     "eval_batches": "held-out batches per evaluation",
     "overlap_block": "measure overlap: alternate blocks of N steps trained alone and in the swarm (0: off)",

@@ -28,18 +28,18 @@ from typing import Any
 import torch
 from aiohttp import web
 
-from node.bootstrap import dialback, member_list
 from node.config import RunConfig
-from node.dht import DHTConfig, DHTNode, DHTRouter
-from node.island import Island
-from node.learner import IslandNet
-from node.membership import MemberRecord, Membership, manifest_hash
-from node.model import GPTConfig
-from node.owner import FragmentOwner
-from node.rpc import RpcServer
-from node.state_serve import ManifestCache, serve_manifest, serve_sealed, state_etag
-from node.state_sync import SyncFailed, sync_fragments
-from node.transport import LinkEmulator, LinkProfile, Transport
+from node.dht.bootstrap import dialback, member_list
+from node.dht.kademlia import DHTConfig, DHTNode
+from node.dht.membership import MemberRecord, Membership, manifest_hash
+from node.dht.route import DHTRouter
+from node.diloco.island import Island
+from node.diloco.learner import IslandNet
+from node.diloco.owner import FragmentOwner
+from node.state.serve import ManifestCache, serve_manifest, serve_sealed, state_etag
+from node.state.sync import SyncFailed, sync_fragments
+from node.wire.rpc import RpcServer
+from node.wire.transport import LinkEmulator, LinkProfile, Transport
 from protocol.diloco.fragments import FragmentPlan
 from protocol.diloco.merge import MergeConfig
 from protocol.diloco.outer import OuterConfig
@@ -67,11 +67,11 @@ class PeerNode:
     """The peer's asyncio side: serves owners, RPC and the DHT, drives the island's network side."""
 
     def __init__(self, cfg: RunConfig, signer: Signer, model: torch.nn.Module, plan: FragmentPlan, *,
-                 host: str = "127.0.0.1", port: int = 0, public_address: str | None = None,
-                 max_tokens_per_step: int | None = None) -> None:
+                 host: str = "127.0.0.1", port: int = 0, public_address: str | None = None) -> None:
+        if cfg.max_tokens_per_step < 1:
+            raise ValueError("the swarm config must set max_tokens_per_step (>= 1): the merge clamps "
+                             "every learner's self-reported tokens to it")
         self.cfg, self.signer, self.plan = cfg, signer, plan
-        # a learner's self-reported tokens are clamped to its certified batch: B·T for the GPT presets
-        self.max_tokens_per_step = max_tokens_per_step or cfg.batch_size * GPTConfig.preset(cfg.model).block_size
         self.public_address = public_address
         self.transport = Transport(host, port, link=LinkEmulator(default=LinkProfile.parse(cfg.link)))
         self.rpc = RpcServer(self.transport, signer, authorize=self._is_member)
@@ -212,7 +212,7 @@ class PeerNode:
         return MergeConfig(quorum=c.quorum, gamma=c.grace_gamma, tau=c.grace_tau, grace_cap_s=c.grace_cap_s,
                            staleness_bound=c.staleness_bound,
                            late_policy="carry" if c.late_policy == "carry" else "drop",
-                           max_tokens_per_step=self.max_tokens_per_step)
+                           max_tokens_per_step=c.max_tokens_per_step)
 
     def _outer_cfg(self) -> OuterConfig:
         return OuterConfig(lr=self.cfg.outer_lr, momentum=self.cfg.outer_momentum)

@@ -19,11 +19,11 @@ import pytest
 import torch
 
 from node.config import RunConfig
-from node.dht import DHTConfig, DHTNode
-from node.membership import MemberRecord, Membership, manifest_hash
-from node.model import GPT, GPTConfig, embedding_parameter_names
-from node.swarm import LocalSwarm
-from node.transport import Transport
+from node.dht.kademlia import DHTConfig, DHTNode
+from node.dht.membership import MemberRecord, Membership, manifest_hash
+from node.run.local import LocalSwarm
+from node.wire.transport import Transport
+from node.workload.model import GPT, GPTConfig, embedding_parameter_names
 from protocol.dht.messages import Store, StoreReply
 from protocol.dht.records import sign_record
 from protocol.diloco.compression import compress

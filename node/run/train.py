@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -22,12 +23,13 @@ from typing import Any
 
 import torch
 
-from node.baseline import lr_at, make_inner_optimizer, train_config_for
 from node.config import RunConfig
-from node.corpus import BatchSampler, evaluate, load_corpus, split_corpus
-from node.island import Island, IslandConfig
-from node.model import GPT, GPTConfig, embedding_parameter_names
+from node.diloco.inner import lr_at, make_inner_optimizer
+from node.diloco.island import Island, IslandConfig
 from node.peer import PeerNode, emit
+from node.workload.baseline import train_config_for
+from node.workload.corpus import BatchSampler, evaluate, load_corpus, split_corpus
+from node.workload.model import GPT, GPTConfig, embedding_parameter_names
 from protocol.diloco.fragments import plan_fragments
 from protocol.wire.signing import Signer
 
@@ -82,6 +84,8 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
     torch.set_num_threads(cfg.threads)
     # --- model, data, optimizer -----------------------------------------------------------------
     gcfg = GPTConfig.preset(cfg.model)
+    if cfg.max_tokens_per_step == 0:  # a learner claims at most its batch: B·T tokens per step
+        cfg = dataclasses.replace(cfg, max_tokens_per_step=cfg.batch_size * gcfg.block_size)
     device = torch.device(cfg.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda was asked for, but torch sees no CUDA device here")

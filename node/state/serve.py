@@ -1,7 +1,7 @@
 """State serving: answer requests for a sealed global fragment and its chunk manifest.
 
 The fetching half, which downloads, resumes and verifies what is served here, is
-``node.state_sync``.
+``node.state.sync``.
 
 Theory of operation. An owner's latest ``FragmentState`` is a ``Sealed`` blob: the envelope
 carries the owner's Ed25519 signature over the sha256 of the exact message bytes, so anyone
@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import msgpack
 from aiohttp import web
 
-from node.transport import CHUNK, Transport
+from node.wire.transport import CHUNK, Transport
 from protocol.errors import DecodeError, RemoteProtocolError
 from protocol.wire.signing import Sealed
 

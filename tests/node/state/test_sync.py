@@ -11,8 +11,8 @@ import torch
 from aiohttp import web
 from multidict import CIMultiDict
 
-from node.owner import content_hash, flat_from_tensors
-from node.state_sync import (
+from node.diloco.flat import content_hash, flat_from_tensors
+from node.state.sync import (
     DownloadFailed,
     FetchConfig,
     FetchStats,
@@ -31,7 +31,7 @@ from node.state_sync import (
     state_etag,
     sync_fragments,
 )
-from node.transport import LinkEmulator, Transport
+from node.wire.transport import LinkEmulator, Transport
 from protocol.diloco.compression import compress
 from protocol.errors import DecodeError, NotAuthorized
 from protocol.wire.codec import Encoded, encode

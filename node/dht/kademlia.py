@@ -2,7 +2,7 @@
 
 Theory of operation (Maymounkov & Mazières, "Kademlia", IPTPS 2002, sections 2.3-2.5).
 
-Serving. ``DHTRouter`` (``node.dht_router``, re-exported here) mounts nodes on one POST route of
+Serving. ``DHTRouter`` (``node.dht.route``) mounts nodes on one POST route of
 a ``Transport`` and verifies each request over its exact bytes with the addressed node's replay
 window. ``DHTNode.handle`` then checks that the message's ``sender`` is the envelope's signer
 (``check_sender``), meters Store per sender (``RateLimited``, 429), tells the routing table it
@@ -46,8 +46,7 @@ from typing import Any
 
 import aiohttp
 
-from node.dht_router import DHTRouter
-from node.transport import Transport
+from node.wire.transport import Transport
 from protocol.dht.lookup import Lookup, LookupResult
 from protocol.dht.messages import (
     MAX_REPLY_PEERS,
@@ -84,7 +83,7 @@ from protocol.wire.codec import encode
 from protocol.wire.messages import Message, PeerInfo
 from protocol.wire.signing import Opened, ReplayWindow, Signer, open_sealed, seal
 
-__all__ = ["DHTConfig", "DHTMetrics", "DHTNode", "DHTRouter", "Maintenance", "RateLimited"]
+__all__ = ["DHTConfig", "DHTMetrics", "DHTNode", "Maintenance", "RateLimited"]
 
 log = logging.getLogger(__name__)
 

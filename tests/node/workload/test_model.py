@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from node.model import GPT, PRESETS, GPTConfig, embedding_parameter_names
+from node.workload.model import GPT, PRESETS, GPTConfig, embedding_parameter_names
 
 
 @pytest.fixture(autouse=True)

@@ -20,9 +20,9 @@ from typing import Any
 import aiohttp
 import torch
 
-from node.island import Island, Outgoing
-from node.owner import content_hash, flat_from_tensors
-from node.transport import LinkDropped, Transport
+from node.diloco.flat import content_hash, flat_from_tensors
+from node.diloco.island import Island, Outgoing
+from node.wire.transport import LinkDropped, Transport
 from protocol.diloco.compression import compress
 from protocol.errors import RemoteProtocolError
 from protocol.wire.codec import encode

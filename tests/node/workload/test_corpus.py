@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from node.corpus import (
+from node.workload.corpus import (
     BatchSampler,
     evaluate,
     heldout_windows,
@@ -16,7 +16,7 @@ from node.corpus import (
     split_corpus,
     stdlib_corpus_files,
 )
-from node.model import GPT, GPTConfig
+from node.workload.model import GPT, GPTConfig
 
 
 @pytest.fixture(autouse=True)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from node.island import Island, IslandConfig, Outgoing
+from node.diloco.island import Island, IslandConfig, Outgoing
 from protocol.diloco.fragments import plan_fragments
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from node.config import RunConfig
-from node.report import build_report, summary_lines, write_report
+from node.run.report import build_report, summary_lines, write_report
 
 __all__ = ["LocalSwarm", "baseline_for", "run_local"]
 
@@ -232,8 +232,8 @@ def baseline_for(cfg: RunConfig) -> dict[str, Any]:
     """Synchronous data-parallel training of the same model on the same shards and tokens."""
     import torch
 
-    from node.baseline import train_config_for, train_data_parallel
-    from node.corpus import load_corpus, split_corpus
+    from node.workload.baseline import train_config_for, train_data_parallel
+    from node.workload.corpus import load_corpus, split_corpus
 
     torch.set_num_threads(2)
     data = load_corpus(Path(cfg.corpus) if cfg.corpus else None, max_bytes=cfg.corpus_max_bytes)

@@ -15,7 +15,6 @@ owner's signature and content hash travel with it.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import os
 import time
@@ -24,49 +23,19 @@ from typing import cast
 
 import torch
 
-from protocol.diloco.compression import compress, decompress
+from node.diloco.flat import content_hash, flat_from_tensors
+from protocol.diloco.compression import compress
 from protocol.diloco.fragments import Fragment
 from protocol.diloco.merge import Decision, FragmentMerger, MergeConfig, Phase
 from protocol.diloco.outer import OuterConfig, outer_step, radial_directional_average, weighted_mean
-from protocol.errors import DecodeError, Stale
+from protocol.errors import Stale
 from protocol.wire.codec import encode
 from protocol.wire.messages import Ack, Contribution, FragmentState
 from protocol.wire.signing import Sealed, Signer, seal
-from protocol.wire.tensors import EncodedTensor
 
-__all__ = ["FragmentOwner", "content_hash", "flat_from_tensors"]
+__all__ = ["FragmentOwner"]
 
 log = logging.getLogger(__name__)
-
-
-def content_hash(tensors: Sequence[EncodedTensor]) -> bytes:
-    """SHA-256 over every tensor's data and scales, in order."""
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(t.data)
-        h.update(t.scales)
-    return h.digest()
-
-
-def flat_from_tensors(tensors: Sequence[EncodedTensor], shapes: Sequence[tuple[int, ...]]) -> torch.Tensor:
-    """Decompress a fragment's tensors into one flat fp32 vector, checking shapes.
-
-    Raises ``DecodeError`` on a wrong tensor count or shape, or non-finite values.
-    """
-    if len(tensors) != len(shapes):
-        raise DecodeError(f"fragment has {len(shapes)} tensors, message carries {len(tensors)}")
-    total = sum(int(torch.Size(s).numel()) for s in shapes)
-    out = torch.empty(total, dtype=torch.float32)
-    offset = 0
-    for i, (t, shape) in enumerate(zip(tensors, shapes, strict=True)):
-        if tuple(t.shape) != tuple(shape):
-            raise DecodeError(f"tensor {i}: shape {tuple(t.shape)} does not match the plan's {tuple(shape)}")
-        n = t.numel
-        decompress(t, out=out[offset:offset + n].view(shape))
-        offset += n
-    if not torch.isfinite(out).all():
-        raise DecodeError("fragment contains NaN or Inf values")
-    return out
 
 
 class FragmentOwner:

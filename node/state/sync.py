@@ -4,7 +4,7 @@ Theory of operation. An owner's latest ``FragmentState`` is a ``Sealed`` blob: t
 carries the owner's Ed25519 signature over the sha256 of the exact message bytes, so anyone
 holding the bytes may re-serve them and the receiver still knows they are the owner's. The
 serving half (``serve_sealed``, ``serve_manifest``, ETags, Range parsing, chunk manifests)
-lives in ``node.state_serve``, and is re-exported here.
+lives in ``node.state.serve``, and is re-exported here.
 
 Fetching (``fetch_sealed``). The body goes into one pooled buffer sized from Content-Length
 (capped before allocating). As soon as the envelope (<= 516 bytes) is in, its signature, the
@@ -17,7 +17,7 @@ resume. The whole message is then checked with ``verify_sealed``: a corrupt byte
 the content hash mismatch, the buffer is discarded and the download restarts from 0, once;
 corruption twice is refused with ``DownloadFailed``. A corrupt state is never returned.
 
-Chunk manifests (see ``node.state_serve``) are a hint, for early detection: a chunk that fails
+Chunk manifests (see ``node.state.serve``) are a hint, for early detection: a chunk that fails
 its hash is dropped and just that range is re-requested (Range + If-Range); a chunk that fails
 twice means the manifest itself is suspect, so it is dropped and the owner-signed
 whole-message hash, always checked at the end, decides. A lying manifest thus costs about two
@@ -43,8 +43,8 @@ from dataclasses import dataclass, field
 import aiohttp
 import torch
 
-from node.owner import flat_from_tensors
-from node.state_serve import (
+from node.diloco.flat import flat_from_tensors
+from node.state.serve import (
     HASH,
     MIN_MANIFEST_CHUNK,
     Manifest,
@@ -59,7 +59,7 @@ from node.state_serve import (
     state_etag,
     unquote_etag,
 )
-from node.transport import CHUNK, Transport
+from node.wire.transport import CHUNK, Transport
 from protocol.errors import DecodeError, NotAuthorized, Oversize, RemoteProtocolError
 from protocol.ids import peer_id_from_public_key
 from protocol.wire.messages import FragmentState

@@ -7,7 +7,7 @@ import random
 import pytest
 from aiohttp import web
 
-from node.transport import BufferPool, LinkDropped, LinkEmulator, LinkProfile, Transport
+from node.wire.transport import BufferPool, LinkDropped, LinkEmulator, LinkProfile, Transport
 from protocol.errors import Oversize
 
 pytestmark = pytest.mark.timeout(30)

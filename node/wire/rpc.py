@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from node.transport import Transport
+from node.wire.transport import Transport
 from protocol.errors import NotAuthorized, RemoteProtocolError
 from protocol.wire.codec import encode
 from protocol.wire.messages import Message

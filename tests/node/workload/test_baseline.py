@@ -8,17 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from node.baseline import (
-    TrainConfig,
-    lr_at,
-    main,
-    make_inner_optimizer,
-    train_config_for,
-    train_data_parallel,
-)
 from node.config import RunConfig
-from node.corpus import split_corpus
-from node.model import GPT, GPTConfig
+from node.diloco.inner import lr_at, make_inner_optimizer
+from node.workload.baseline import TrainConfig, main, train_config_for, train_data_parallel
+from node.workload.corpus import split_corpus
+from node.workload.model import GPT, GPTConfig
 
 
 @pytest.fixture(autouse=True)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import msgpack
 
 from node.config import RunConfig
-from node.dht import DHTNode
+from node.dht.kademlia import DHTNode
 from protocol.diloco.fragments import owners_of
 from protocol.errors import DecodeError
 from protocol.ids import key_id
@@ -31,7 +31,8 @@ __all__ = ["Member", "MemberRecord", "Membership", "manifest_hash", "members_key
 # The fields that must agree across a swarm: the model and how it is cut, merged and weighted.
 MANIFEST_FIELDS = ("swarm", "seed", "model", "batch_size", "fragments", "inner_steps", "codec",
                    "block_size", "download_codec", "outer_lr", "outer_momentum", "quorum",
-                   "grace_gamma", "grace_tau", "grace_cap_s", "staleness_bound", "late_policy")
+                   "grace_gamma", "grace_tau", "grace_cap_s", "staleness_bound", "late_policy",
+                   "max_tokens_per_step")
 ROLES = ("learner", "owner")
 
 

@@ -5,17 +5,13 @@ parallelism with an fp32 all-reduce (mean) of gradients, are mathematically one 
 with the concatenated batch of N·B sequences for S steps: the mean of the learners' mean losses
 is the mean loss of the concatenated batch, so its gradient is the all-reduced gradient. This
 module trains exactly that, in one process, with the same inner optimizer, learning-rate
-schedule, data shards and held-out windows as the DiLoCo islands (``node/train.py``), so the two
+schedule, data shards and held-out windows as the DiLoCo islands (``node/run/train.py``), so the two
 are compared at equal tokens.
 
-    python -m node.baseline --peers 3 --steps 300 --json
+    python -m node.workload.baseline --peers 3 --steps 300 --json
 
-Learning rate (``lr_at``): linear warmup over ``warmup_steps`` to ``lr``, then either a cosine
-decay to ``lr * min_lr_ratio`` at ``steps`` (``schedule="cosine"``, the default, as in nanoGPT and
-the DiLoCo papers' inner optimizer) or held at ``lr`` (``schedule="constant"``).
-
-Inner optimizer (``make_inner_optimizer``): AdamW; weight decay on every tensor with two or more
-dimensions (matrices and embeddings), none on biases and LayerNorm gains, as in nanoGPT.
+The inner optimizer and learning-rate schedule are ``node.diloco.inner``'s, shared with the
+islands.
 """
 
 from __future__ import annotations
@@ -23,7 +19,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import sys
 import time
 from collections.abc import Callable
@@ -32,18 +27,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn as nn
 
-from node.corpus import BatchSampler, evaluate, load_corpus, split_corpus
-from node.model import GPT, PRESETS, GPTConfig
+from node.diloco.inner import lr_at, make_inner_optimizer
+from node.workload.corpus import BatchSampler, evaluate, load_corpus, split_corpus
+from node.workload.model import GPT, PRESETS, GPTConfig
 
 if TYPE_CHECKING:
     from node.config import RunConfig
 
 __all__ = [
     "TrainConfig",
-    "lr_at",
-    "make_inner_optimizer",
     "sampler_seed",
     "train_config_for",
     "train_data_parallel",
@@ -97,32 +90,6 @@ def train_config_for(run: RunConfig) -> TrainConfig:
 def sampler_seed(seed: int, learner: int) -> int:
     """Seed of learner ``learner``'s BatchSampler; islands and the baseline use the same one."""
     return seed * 1000 + learner
-
-
-# -----------------------------------------------------------------------------
-# the inner optimizer, shared with the DiLoCo islands
-
-
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Learning rate for 0-based ``step``: linear warmup, then cosine to lr*min_lr_ratio at
-    ``cfg.steps`` (held there afterwards) or constant."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    if cfg.schedule == "constant":
-        return cfg.lr
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
-    min_lr = cfg.lr * cfg.min_lr_ratio
-    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - min_lr)
-
-
-def make_inner_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW at ``lr_at(0, cfg)``; decay on tensors with dim >= 2 only."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
-    return torch.optim.AdamW(groups, lr=lr_at(0, cfg), betas=(cfg.beta1, cfg.beta2))
 
 
 # -----------------------------------------------------------------------------
@@ -233,7 +200,7 @@ def train_data_parallel(
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m node.baseline",
+        prog="python -m node.workload.baseline",
         description="Synchronous data-parallel baseline: N learners x batch B as one model.",
     )
     p.add_argument("--peers", type=int, default=3, help="number of learners N (default: 3)")

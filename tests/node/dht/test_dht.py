@@ -12,8 +12,9 @@ from contextlib import asynccontextmanager
 
 import pytest
 
-from node.dht import DHTConfig, DHTNode, DHTRouter
-from node.transport import Transport
+from node.dht.kademlia import DHTConfig, DHTNode
+from node.dht.route import DHTRouter
+from node.wire.transport import Transport
 from protocol.dht.messages import FindNode, Ping, Pong, Store, StoreReply
 from protocol.dht.records import SignedRecord, record_signing_bytes, sign_record
 from protocol.errors import LocalProtocolError

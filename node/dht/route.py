@@ -5,7 +5,7 @@ default node and ``{prefix}/{name}`` for named ones, so one aiohttp server can h
 nodes (a peer mounts one node at the default path; the scale test mounts 500). A node's address
 is the full URL of its path, e.g. ``http://127.0.0.1:8080/v1/dht``. A request is verified over
 its exact bytes with the addressed node's replay window (``open_sealed``, via
-``node.rpc.serve_sealed_request``), then ``DHTNode.handle`` answers it (see ``node.dht``) and the
+``node.wire.rpc.serve_sealed_request``), then ``DHTNode.handle`` answers it (see ``node.dht.kademlia``) and the
 reply is sealed with the node's own key. A peer's misbehaviour is a ``RemoteProtocolError``:
 4xx, counted in ``errors`` and the node's ``metrics.refusals``. A path with no node mounted
 (never mounted, or killed) answers 503.
@@ -19,17 +19,17 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from node.rpc import serve_sealed_request
-from node.transport import Transport
+from node.wire.rpc import serve_sealed_request
+from node.wire.transport import Transport
 from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.wire.signing import Opened
 
 if TYPE_CHECKING:
-    from node.dht import DHTNode
+    from node.dht.kademlia import DHTNode
 
 __all__ = ["DHTRouter"]
 
-log = logging.getLogger("node.dht")  # the name its records had before the router moved here
+log = logging.getLogger("node.dht.kademlia")  # the name its records had before the router moved here
 
 
 class DHTRouter:

@@ -15,9 +15,10 @@ from typing import Any
 
 from aiohttp import web
 
-from node.dht import DHTConfig, DHTNode, DHTRouter
-from node.membership import MemberRecord, members_key
-from node.transport import Transport
+from node.dht.kademlia import DHTConfig, DHTNode
+from node.dht.membership import MemberRecord, members_key
+from node.dht.route import DHTRouter
+from node.wire.transport import Transport
 from protocol.errors import DecodeError
 from protocol.wire.signing import Signer
 

@@ -9,7 +9,7 @@ import msgpack
 import pytest
 
 from node.config import RunConfig
-from node.membership import Member, MemberRecord, Membership, manifest_hash, members_key
+from node.dht.membership import Member, MemberRecord, Membership, manifest_hash, members_key
 from protocol.errors import DecodeError
 
 

@@ -1,0 +1,62 @@
+"""The inner optimizer and its learning-rate schedule, shared by every island and the baseline.
+
+Learning rate (``lr_at``): linear warmup over ``warmup_steps`` to ``lr``, then either a cosine
+decay to ``lr * min_lr_ratio`` at ``steps`` (``schedule="cosine"``, the default, as in nanoGPT and
+the DiLoCo papers' inner optimizer) or held at ``lr`` (``schedule="constant"``).
+
+Inner optimizer (``make_inner_optimizer``): AdamW; weight decay on every tensor with two or more
+dimensions (matrices and embeddings), none on biases and LayerNorm gains, as in nanoGPT.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import torch
+from torch import nn
+
+__all__ = ["InnerSchedule", "lr_at", "make_inner_optimizer"]
+
+
+class InnerSchedule(Protocol):
+    """The fields of a training config the inner optimizer reads (``TrainConfig`` has them)."""
+
+    @property
+    def lr(self) -> float: ...
+    @property
+    def schedule(self) -> str: ...
+    @property
+    def min_lr_ratio(self) -> float: ...
+    @property
+    def warmup_steps(self) -> int: ...
+    @property
+    def steps(self) -> int: ...
+    @property
+    def weight_decay(self) -> float: ...
+    @property
+    def beta1(self) -> float: ...
+    @property
+    def beta2(self) -> float: ...
+
+
+def lr_at(step: int, cfg: InnerSchedule) -> float:
+    """Learning rate for 0-based ``step``: linear warmup, then cosine to lr*min_lr_ratio at
+    ``cfg.steps`` (held there afterwards) or constant."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return cfg.lr
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
+    min_lr = cfg.lr * cfg.min_lr_ratio
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - min_lr)
+
+
+def make_inner_optimizer(model: nn.Module, cfg: InnerSchedule) -> torch.optim.AdamW:
+    """AdamW at ``lr_at(0, cfg)``; decay on tensors with dim >= 2 only."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=lr_at(0, cfg), betas=(cfg.beta1, cfg.beta2))
