@@ -3,10 +3,16 @@
 For each fragment this peer owns, ``FragmentOwner`` holds the global fragment Θ_p (one flat fp32
 vector), its Nesterov buffer and version, and a ``FragmentMerger`` state machine. Contributions
 arrive through ``rpc``; they are checked against the fragment's shapes, decompressed (NaN/Inf
-refused), then fed to the merger with ``now``. A timer task calls ``on_tick`` at the merger's
-deadline. When the merger says "merge", the owner aggregates (radial-directional averaging, or
+refused), then fed to the merger with ``now`` from the owner's ``clock`` (``time.monotonic``;
+tests pass a fake one). The timer task calls ``tick`` at the merger's deadline. When the merger says "merge", the owner aggregates (radial-directional averaging, or
 a weighted mean for embedding fragments), applies the outer Nesterov step off the event loop,
 seals the new ``FragmentState`` with its own key and wakes every long-poll waiting for it.
+
+A merge that fails (wrong shapes, a non-finite aggregate or result) drops the contributions
+that caused it (those that are not finite or whose norm overflows, or every one of them when no
+single one is to blame), with the reason logged, and the merger retries with the rest: the same
+failing set is never retried. A new owner that catches up with its predecessor's newer version
+keeps the contributions it already accepted (``FragmentMerger.rebase``).
 
 The sealed bytes are kept verbatim, so any peer holding them can re-serve the version: the
 owner's signature and content hash travel with it.
@@ -16,9 +22,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import cast
 
 import torch
@@ -33,9 +40,23 @@ from protocol.wire.codec import encode
 from protocol.wire.messages import Ack, Contribution, FragmentState
 from protocol.wire.signing import Sealed, Signer, seal
 
-__all__ = ["FragmentOwner"]
+__all__ = ["FragmentOwner", "MergeFailed"]
 
 log = logging.getLogger(__name__)
+
+
+class MergeFailed(Exception):
+    """A merge could not produce a finite global fragment; ``culprits`` are the peers to drop."""
+
+    def __init__(self, reason: str, culprits: frozenset[bytes]) -> None:
+        super().__init__(reason)
+        self.reason, self.culprits = reason, culprits
+
+
+def _is_sound(delta: torch.Tensor, numel: int) -> bool:
+    """A pseudo-gradient the outer step can use: the right size, finite, with a finite norm."""
+    return (delta.numel() == numel and bool(torch.isfinite(delta).all())
+            and math.isfinite(float(torch.linalg.vector_norm(delta.double()))))
 
 
 class FragmentOwner:
@@ -53,12 +74,15 @@ class FragmentOwner:
         outer_cfg: OuterConfig,
         signer: Signer,
         download_codec: str = "none",
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
+        self.clock, self.wall_clock = clock, wall_clock
         self.swarm, self.fragment, self.shapes = swarm, fragment, list(shapes)
         self.theta = initial.detach().float().clone()  # [numel_p] fp32
         self.buffer: torch.Tensor | None = None  # Nesterov momentum, created on first merge
         self.outer_cfg, self.signer, self.download_codec = outer_cfg, signer, download_codec
-        self.merger = FragmentMerger(fragment.index, merge_cfg, version=version, now=time.monotonic())
+        self.merger = FragmentMerger(fragment.index, merge_cfg, version=version, now=clock())
         self.version = version
         self.latest: Sealed = self._seal_state(version, self.theta)
         self.merges: list[str] = []
@@ -74,7 +98,7 @@ class FragmentOwner:
         flat = await asyncio.to_thread(flat_from_tensors, msg.tensors, self.shapes)
         decision = self.merger.on_contribution(
             sender, base_version=msg.base_version, tokens=msg.tokens, steps=msg.steps,
-            step_time=msg.step_time, payload=flat, now=time.monotonic(),
+            step_time=msg.step_time, payload=flat, now=self.clock(),
         )
         log.info("fragment %d: %s", self.fragment.index, decision.reason)
         await self._apply(decision)
@@ -84,7 +108,7 @@ class FragmentOwner:
         """Tell the merger how many live learners may contribute; may close the round."""
         if self.merger.phase is Phase.MERGING:
             return
-        await self._apply(self.merger.set_expected(n, now=time.monotonic()))
+        await self._apply(self.merger.set_expected(n, now=self.clock()))
 
     @property
     def merges_done(self) -> int:
@@ -93,17 +117,26 @@ class FragmentOwner:
     async def catch_up(self, version: int, flat: torch.Tensor) -> bool:
         """Take over a newer version published by the previous owner, before our first merge.
 
-        Returns whether it was taken. Contributions collected so far stay (their staleness
-        counts against the new version).
+        Returns whether it was taken. Contributions accepted so far stay (their staleness
+        counts against the new version; those beyond the staleness bound are dropped).
         """
         if version <= self.version or self.merges or self.merger.phase is Phase.MERGING:
             return False
-        merger = FragmentMerger(self.fragment.index, self.merger.config, version=version, now=time.monotonic())
-        self.theta, self.version, self.merger = flat.detach().float().clone(), version, merger
-        self.latest = await asyncio.to_thread(self._seal_state, version, self.theta)
+        if flat.numel() != self.theta.numel() or not bool(torch.isfinite(flat).all()):
+            log.warning("fragment %d: the previous owner's version %d is malformed; not taken",
+                        self.fragment.index, version)
+            return False
+        theta = flat.detach().float().clone()
+        latest = await asyncio.to_thread(self._seal_state, version, theta)
+        if version <= self.version or self.merges or self.merger.phase is Phase.MERGING:
+            return False  # a merge or another catch-up ran while we sealed
+        decision = self.merger.rebase(version, now=self.clock())
+        self.theta, self.version, self.latest = theta, version, latest
         async with self._changed:
             self._changed.notify_all()
-        log.info("fragment %d: caught up with the previous owner at version %d", self.fragment.index, version)
+        log.info("fragment %d: caught up with the previous owner at version %d (%s)",
+                 self.fragment.index, version, decision.reason)
+        await self._apply(decision)
         return True
 
     def idle(self) -> bool:
@@ -132,19 +165,23 @@ class FragmentOwner:
 
     # --- the timer -----------------------------------------------------------------------------
     async def run(self) -> None:
-        """Call the merger's tick at its deadline, forever (cancel to stop)."""
+        """Call ``tick`` at the merger's deadline, forever (cancel to stop)."""
         while True:
             deadline = self.merger.deadline()
             self._wake.clear()
-            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            timeout = None if deadline is None else max(0.0, deadline - self.clock())
             try:
                 async with asyncio.timeout(timeout):
                     await self._wake.wait()
             except TimeoutError:
                 pass
-            deadline = self.merger.deadline()
-            if deadline is not None and time.monotonic() >= deadline:
-                await self._apply(self.merger.on_tick(time.monotonic()))
+            await self.tick()
+
+    async def tick(self) -> None:
+        """If the merger's deadline has passed, tell it (it may close the round and merge)."""
+        deadline = self.merger.deadline()
+        if deadline is not None and self.clock() >= deadline:
+            await self._apply(self.merger.on_tick(self.clock()))
 
     # --- merge ---------------------------------------------------------------------------------
     async def _apply(self, decision: Decision) -> None:
@@ -154,26 +191,45 @@ class FragmentOwner:
         self._wake.set()
 
     async def _merge(self, decision: Decision) -> Decision:
-        t0 = time.monotonic()
+        t0 = self.clock()
         deltas = [cast(torch.Tensor, e.payload) for e in decision.entries]  # set by ``contribute``
         weights = [e.weight for e in decision.entries]
+        peers = [e.peer for e in decision.entries]
         try:
-            theta, buffer = await asyncio.to_thread(self._outer, deltas, weights)
+            theta, buffer = await asyncio.to_thread(self._outer, peers, deltas, weights)
             latest = await asyncio.to_thread(self._seal_state, self.version + 1, theta)
-        except Exception as exc:  # a numerical failure must not kill the owner
+        except MergeFailed as exc:
+            failed = self.merger.on_merge_failed(exc.reason, now=self.clock(), discard=exc.culprits)
+            log.warning("fragment %d: %s", self.fragment.index, failed.reason)
+            return failed
+        except Exception as exc:  # an unforeseen failure must not kill the owner, nor loop forever
             log.exception("fragment %d: merge failed", self.fragment.index)
-            return self.merger.on_merge_failed(f"merge failed: {exc}", now=time.monotonic())
+            failed = self.merger.on_merge_failed(f"merge failed: {exc!r}", now=self.clock(), discard=peers)
+            log.warning("fragment %d: %s", self.fragment.index, failed.reason)
+            return failed
         self.theta, self.buffer, self.version, self.latest = theta, buffer, self.version + 1, latest
         self.merges.append(decision.reason)
         log.info("fragment %d: published version %d (%s)", self.fragment.index, self.version, decision.reason)
         async with self._changed:
             self._changed.notify_all()
-        return self.merger.on_published(self.version, sync_time=time.monotonic() - t0, now=time.monotonic())
+        now = self.clock()
+        return self.merger.on_published(self.version, sync_time=now - t0, now=now)
 
-    def _outer(self, deltas: list[torch.Tensor], weights: list[float]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _outer(self, peers: list[bytes], deltas: list[torch.Tensor],
+               weights: list[float]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Aggregate and apply the outer step. Raises ``MergeFailed`` naming the peers to drop."""
+        numel = self.theta.numel()
+        unsound = frozenset(p for p, d in zip(peers, deltas, strict=True) if not _is_sound(d, numel))
+        if unsound:
+            raise MergeFailed(f"{len(unsound)} of {len(peers)} contributions are malformed, "
+                              "non-finite or overflow their norm", unsound)
         aggregate = weighted_mean if self.fragment.is_embedding else radial_directional_average
         delta = aggregate(deltas, weights)  # [numel_p] fp32
-        return outer_step(self.theta, delta, self.buffer, self.outer_cfg)
+        theta, buffer = outer_step(self.theta, delta, self.buffer, self.outer_cfg)
+        if not (bool(torch.isfinite(theta).all()) and (buffer is None or bool(torch.isfinite(buffer).all()))):
+            raise MergeFailed(f"the outer step over {len(peers)} contributions is not finite; "
+                              "no single one is to blame, all are dropped", frozenset(peers))
+        return theta, buffer
 
     def _seal_state(self, version: int, theta: torch.Tensor) -> Sealed:
         tensors, offset = [], 0
@@ -186,4 +242,4 @@ class FragmentOwner:
             swarm=self.swarm, fragment=self.fragment.index, version=version,
             tensors=tuple(tensors), content_hash=content_hash(tensors),
         )
-        return seal(encode(state), self.signer, now=time.time(), nonce=os.urandom(16))
+        return seal(encode(state), self.signer, now=self.wall_clock(), nonce=os.urandom(16))

@@ -10,7 +10,10 @@ collects contributions for the round that produces ``v + 1``; a contribution's s
     COLLECTING --quorum K reached at t_q--> GRACE --window elapsed / all expected in--> MERGING
     COLLECTING --quorum reached and all expected in (or window 0)------------------> MERGING
     MERGING --on_published(v + 1)--> COLLECTING (round v + 1, carried contributions)
-    MERGING --on_merge_failed--> COLLECTING / GRACE (same contributions, retry after a delay)
+    MERGING --on_merge_failed--> COLLECTING / GRACE (less the discarded peers' contributions;
+                                  retry after a delay)
+    COLLECTING / GRACE --rebase(v')--> same phase at version v' > v (a new owner catching up with
+                                  its predecessor's newer version keeps what it already accepted)
 
 The grace window lasts ``clamp(gamma * (tau * xi_step - xi_quorum - xi_sync), 0, grace_cap_s)``
 from ``t_q``: ``xi_step`` is the slowest recent learner's step time (the largest per-peer EMA of
@@ -166,6 +169,11 @@ class _Published:
 
 
 @dataclass(frozen=True, slots=True)
+class _Rebase:
+    version: int
+
+
+@dataclass(frozen=True, slots=True)
 class _MergeFailed:
     reason: str
     discard: frozenset[bytes]
@@ -215,6 +223,17 @@ class FragmentMerger:
     def on_merge_failed(self, reason: str, *, now: float, discard: Collection[bytes] = ()) -> Decision:
         """The merge failed; drop ``discard`` peers' contributions and retry after ``retry_s``."""
         return self._dispatch(_MergeFailed(reason, frozenset(discard)), now)
+
+    def rebase(self, version: int, *, now: float) -> Decision:
+        """Move the open round to ``version`` (> v), keeping the contributions already accepted.
+
+        A new owner that catches up with its predecessor's newer version calls this: the
+        contributions it accepted stay, their staleness now counted against ``version``; those
+        that fall beyond ``staleness_bound`` are dropped (the reason counts them).
+        """
+        if version <= self.version:
+            raise LocalProtocolError(f"rebase to version {version}, not above the held {self.version}")
+        return self._dispatch(_Rebase(version), now)
 
     # -- queries -----------------------------------------------------------------------------
 
@@ -318,6 +337,18 @@ class FragmentMerger:
         if self._deadline <= self._now:
             return self._close(f"{reason}; retrying now", False)
         return self._decide("wait", f"{reason}; retry in {self._deadline - self._now:.2f} s")
+
+    def _rebase(self, ev: _Rebase) -> Decision:
+        bound = self.config.staleness_bound
+        kept = [e for e in self._entries if ev.version - e.base_version <= bound]
+        dropped = len(self._entries) - len(kept)
+        old, self.version, self._entries = self.version, ev.version, kept
+        if len(kept) < self.config.quorum:  # never merge below quorum: back to collecting
+            self._reopen(Phase.COLLECTING, opened_at=self._opened_at)
+        if not kept:
+            self._first_at = None
+        return self._settle(False, f"rebased from version {old} to {ev.version}; {len(kept)} kept, "
+                                   f"{dropped} dropped as stale beyond {bound}")
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -426,4 +457,6 @@ _TABLE: dict[tuple[Phase, type], Callable[[FragmentMerger, Any], Decision]] = {
     (_M, _Expect): FragmentMerger._expect_merging,
     (_M, _Published): FragmentMerger._published,
     (_M, _MergeFailed): FragmentMerger._merge_failed,
+    (_C, _Rebase): FragmentMerger._rebase,
+    (_G, _Rebase): FragmentMerger._rebase,
 }

@@ -356,3 +356,40 @@ def check_decision(m: FragmentMerger, cfg: MergeConfig, d: Decision, published: 
         assert m.deadline() is None
     if m.phase is Phase.COLLECTING:
         assert m.count < cfg.quorum
+
+
+def test_rebase_keeps_accepted_contributions() -> None:
+    cfg = MergeConfig(quorum=3, staleness_bound=2, late_policy="drop", **EXACT)
+    m = FragmentMerger(0, cfg, version=4, now=0.0)
+    assert apply(m, c(1.0, A, base=4)).accepted
+    assert apply(m, c(2.0, B, base=3)).kind == "refuse"  # "drop": an old base is refused ...
+    assert apply(m, c(2.0, B, base=4)).accepted
+    d = m.rebase(5, now=3.0)
+    assert d.kind == "wait" and "rebased from version 4 to 5; 2 kept, 0 dropped" in d.reason
+    assert m.version == 5 and m.count == 2 and m.phase is Phase.COLLECTING
+    d = apply(m, c(4.0, C, base=5, step_time=0.0))  # ... and the kept ones merge with the next
+    assert d.kind == "merge" and d.version == 5
+    assert sorted((e.peer, e.staleness) for e in d.entries) == [(A, 1), (B, 1), (C, 0)]
+    by_peer = {e.peer: e.weight for e in d.entries}
+    assert by_peer[A] == by_peer[B] == pytest.approx(0.5 * by_peer[C])  # discounted for staleness
+
+
+def test_rebase_drops_what_falls_beyond_the_staleness_bound_and_reopens_below_quorum() -> None:
+    cfg = MergeConfig(quorum=2, staleness_bound=1, tau=10.0, late_policy="carry", **EXACT)
+    m = FragmentMerger(0, cfg, version=1, now=0.0)
+    apply(m, c(0.0, A, base=1))
+    apply(m, c(0.5, B, base=0))
+    assert m.phase is Phase.GRACE
+    d = m.rebase(2, now=1.0)
+    assert "1 kept, 1 dropped as stale beyond 1" in d.reason
+    assert m.phase is Phase.COLLECTING and m.deadline() is None  # below quorum: no window
+    assert apply(m, c(50.0, B, base=2)).kind in ("accept", "merge")
+    with pytest.raises(LocalProtocolError, match="not above the held 2"):
+        m.rebase(2, now=50.0)
+
+
+def test_rebase_not_allowed_while_merging() -> None:
+    m = FragmentMerger(0, MergeConfig(**EXACT), now=0.0)
+    assert apply(m, c(0.0, A, step_time=0.0)).kind == "merge"
+    with pytest.raises(LocalProtocolError, match="Rebase not allowed while merging"):
+        m.rebase(3, now=0.0)

@@ -1,0 +1,160 @@
+"""FragmentOwner with a fake clock: accept, merge at the deadline, seal, wake long-polls; fencing,
+catching up with a predecessor, and merges that fail."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from node.diloco.flat import content_hash, flat_from_tensors
+from protocol.diloco.fragments import plan_fragments
+from protocol.errors import Stale
+from protocol.wire.messages import FragmentState
+from protocol.wire.signing import verify_sealed
+from tests.node.fakes import (
+    FakeClock,
+    contribution,
+    flat_of,
+    make_owner,
+    shapes_of,
+    signer,
+    tiny_model,
+    tiny_plan,
+)
+
+A, B, C = (bytes([b]) * 32 for b in (0xA1, 0xB2, 0xC3))
+
+
+def _setup(**merge: object):  # type: ignore[no-untyped-def]
+    model = tiny_model()
+    plan = tiny_plan(model)
+    shapes = shapes_of(model, plan)
+    clock = FakeClock()
+    theta0 = flat_of(model, plan, 0)
+    return plan, shapes, clock, theta0, make_owner(plan, shapes, 0, theta0, clock, **merge)
+
+
+def _opened_state(sealed_bytes: bytes, shapes: list[tuple[int, ...]]) -> tuple[int, torch.Tensor, bytes]:
+    opened = verify_sealed(memoryview(sealed_bytes), max_size=1 << 24)
+    state = opened.message
+    assert isinstance(state, FragmentState) and state.content_hash == content_hash(state.tensors)
+    return state.version, flat_from_tensors(state.tensors, shapes), opened.peer_id
+
+
+async def test_accepted_then_merged_at_the_deadline_sealed_and_long_poll_woken() -> None:
+    plan, shapes, clock, theta0, owner = _setup(quorum=2)
+    delta = torch.linspace(-0.5, 0.5, theta0.numel())
+    waiter = asyncio.create_task(owner.wait_after(0, wait_s=60.0))
+    ack = await owner.contribute(A, contribution(delta, shapes[0]))
+    assert ack.accepted and ack.version == 0 and "(1 contributions; quorum 2)" in ack.reason
+    clock.advance(0.5)
+    ack = await owner.contribute(B, contribution(delta, shapes[0]))
+    # window = gamma * (tau * step_time - quorum time) = 0.5 * (2 * 1.0 - 0.5) = 0.75 s
+    assert ack.accepted and "quorum 2/2 reached; grace window 0.75 s" in ack.reason
+    assert owner.merger.deadline() == pytest.approx(clock.now + 0.75)
+    clock.advance(0.7)
+    await owner.tick()
+    assert owner.version == 0 and not waiter.done()
+    clock.advance(0.1)
+    await owner.tick()  # the deadline passed: merge, seal, publish
+    assert owner.version == 1 and owner.merges == ["grace window elapsed with 2 contributions"]
+    async with asyncio.timeout(10):
+        sealed = await waiter
+    assert sealed is not None
+    version, flat, signed_by = _opened_state(sealed.tobytes(), shapes[0])
+    assert version == 1 and signed_by == signer(1).peer_id
+    # two identical pseudo-gradients average to themselves; outer lr 1, no momentum: Θ - Δ
+    assert torch.allclose(flat, theta0 - delta, atol=1e-6)
+    assert owner.idle()
+
+
+async def test_all_expected_contributions_close_the_round_at_once() -> None:
+    _, shapes, _, theta0, owner = _setup(quorum=1)
+    await owner.set_expected(2)
+    delta = torch.full_like(theta0, 0.25)
+    await owner.contribute(A, contribution(delta, shapes[0]))
+    assert owner.version == 0
+    await owner.contribute(B, contribution(delta, shapes[0]))
+    assert owner.version == 1 and "all 2/2 expected contributions in" in owner.merges[0]
+
+
+async def test_version_fencing_and_refusals() -> None:
+    _, shapes, _, theta0, owner = _setup(quorum=1, late_policy="drop")
+    delta = torch.full_like(theta0, 0.1)
+    with pytest.raises(Stale, match="base version 3 is ahead of the owner's 0"):
+        await owner.contribute(A, contribution(delta, shapes[0], base_version=3))
+    await owner.set_expected(2)
+    assert (await owner.contribute(A, contribution(delta, shapes[0]))).accepted
+    dup = await owner.contribute(A, contribution(delta, shapes[0]))
+    assert not dup.accepted and "duplicate contribution" in dup.reason
+    await owner.contribute(B, contribution(delta, shapes[0]))
+    assert owner.version == 1
+    late = await owner.contribute(C, contribution(delta, shapes[0], base_version=0))
+    assert not late.accepted and "closed; resync" in late.reason and owner.version == 1
+    # a long-poll for a version already held waits; one below it gets the latest at once
+    assert await owner.wait_after(1, wait_s=0.0) is None
+    assert await owner.wait_after(0, wait_s=0.0) is owner.latest
+
+
+async def test_catch_up_keeps_the_contributions_already_accepted() -> None:
+    _, shapes, clock, theta0, owner = _setup(quorum=1, staleness_bound=3, late_policy="carry")
+    await owner.set_expected(2)
+    delta = torch.full_like(theta0, 0.125)
+    assert (await owner.contribute(A, contribution(delta, shapes[0]))).accepted
+    predecessor = theta0 + 1.0  # the previous owner's newer version 2
+    assert await owner.catch_up(2, predecessor)
+    assert owner.version == 2 and owner.merger.count == 1  # A's contribution is still there
+    clock.advance(1.0)
+    await owner.contribute(B, contribution(delta, shapes[0], base_version=2))
+    assert owner.version == 3, owner.merges
+    version, flat, _ = _opened_state(owner.latest.tobytes(), shapes[0])
+    assert version == 3 and torch.allclose(flat, predecessor - delta, atol=1e-6)
+    assert not await owner.catch_up(2, predecessor)  # not above the held version: refused
+    assert not await owner.catch_up(9, predecessor)  # after our own first merge: refused
+
+
+async def test_catch_up_refuses_a_malformed_version() -> None:
+    _, _, _, theta0, owner = _setup()
+    assert not await owner.catch_up(5, torch.full_like(theta0, float("nan")))
+    assert not await owner.catch_up(5, torch.zeros(3))
+    assert owner.version == 0
+
+
+async def test_a_failed_merge_drops_its_contributions_instead_of_retrying_forever() -> None:
+    model = tiny_model()
+    plan = plan_fragments([(n, tuple(p.shape)) for n, p in model.named_parameters()], 2,
+                          embeddings=["0.weight"])
+    p = next(f.index for f in plan.fragments if f.is_embedding)  # merged by a weighted mean
+    shapes, clock = shapes_of(model, plan), FakeClock()
+    theta0 = torch.full_like(flat_of(model, plan, p), 3.0e38)  # finite, near the float32 maximum
+    owner = make_owner(plan, shapes, p, theta0, clock, quorum=1)
+    await owner.set_expected(1)
+    ack = await owner.contribute(A, contribution(torch.full_like(theta0, -3.0e38), shapes[p], fragment=p))
+    assert ack.accepted  # the outer step overflows to Inf: the merge fails ...
+    assert owner.version == 0 and owner.merges == []
+    assert owner.merger.count == 0 and owner.merger.deadline() is None  # ... its set is dropped, no retry
+    assert torch.equal(flat_from_tensors(_state(owner).tensors, shapes[p]), theta0)
+    clock.advance(5.0)
+    await owner.tick()
+    assert owner.version == 0
+    delta = torch.full_like(theta0, 1.0e38)  # an honest contribution still merges
+    await owner.contribute(B, contribution(delta, shapes[p], fragment=p))
+    assert owner.version == 1
+    assert torch.allclose(flat_from_tensors(_state(owner).tensors, shapes[p]), theta0 - delta)
+
+
+def _state(owner) -> FragmentState:  # type: ignore[no-untyped-def]
+    state = verify_sealed(memoryview(owner.latest.tobytes()), max_size=1 << 24).message
+    assert isinstance(state, FragmentState)
+    return state
+
+
+async def test_retire_releases_long_polls_at_once() -> None:
+    _, _, _, _, owner = _setup()
+    waiter = asyncio.create_task(owner.wait_after(0, wait_s=60.0))
+    await asyncio.sleep(0)
+    await owner.retire()
+    async with asyncio.timeout(5):
+        assert await waiter is None
