@@ -26,7 +26,9 @@ for (a busy inbox is adopted a step later). The time each hook spends with the n
 where it exceeds max(50 ms, half a step) is reported as stalled.
 
 Arrivals are adopted as θ_p ← α·θ_p + (1 − α)·Θ_p (α = 0: overwrite, the default); AdamW
-moments are kept. Versions act as fencing tokens: only a version above the one held is adopted.
+moments are kept. A forced delivery (a resync after the island's own fragment went non-finite)
+overwrites θ_p whatever α and the version held, and resets the inner optimizer's state of any
+parameter of the fragment whose state is not finite. Versions act as fencing tokens: only a version above the one held is adopted.
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ class IslandStats:
     gave_up_in_flight: int = 0
     deferred_adoptions: int = 0
     adopted: int = 0
+    resynced: int = 0
     step_times: list[float] = field(default_factory=list)
     step_times_detached: list[float] = field(default_factory=list)  # while ``enabled`` was False
 
@@ -94,7 +97,7 @@ class Island:
         submit: Callable[[Outgoing], None],
         cfg: IslandConfig,
     ) -> None:
-        self.model, self.plan, self.cfg = model, plan, cfg
+        self.model, self.plan, self.cfg, self.optimizer = model, plan, cfg, optimizer
         self._submit = submit
         named = dict(model.named_parameters())
         missing = [n for f in plan.fragments for n in f.names if n not in named]
@@ -110,7 +113,7 @@ class Island:
         n, h = len(self.params), cfg.inner_steps
         self.next_due = [due_offset(p, n, h) + 1 for p in range(n)]
         self.stats = IslandStats()
-        self._inbox: dict[int, tuple[int, torch.Tensor]] = {}
+        self._inbox: dict[int, tuple[int, torch.Tensor, bool]] = {}  # p -> (version, flat, force)
         self._lock = threading.Lock()
         self._step_ema = 0.0
         self._copy_s = self._submit_s = 0.0  # per-hook timing, for the stall count
@@ -129,12 +132,24 @@ class Island:
         self._hook.remove()
 
     # --- called by the network side (any thread) -----------------------------------------------
-    def deliver(self, fragment: int, version: int, flat: torch.Tensor) -> None:
-        """A verified global fragment arrived; it is adopted after the next inner step."""
+    def deliver(self, fragment: int, version: int, flat: torch.Tensor, *, force: bool = False) -> None:
+        """A verified global fragment arrived; it is adopted after the next inner step.
+
+        ``force``: adopt it whole even if it is not above the version held (a resync)."""
+        self.deliver_many({fragment: (version, flat)}, force=force)
+
+    def deliver_many(self, arrived: dict[int, tuple[int, torch.Tensor]], *, force: bool = False) -> None:
+        """Several fragments at once: all are adopted after the same inner step."""
         with self._lock:
-            held = self._inbox.get(fragment)
-            if held is None or held[0] < version:
-                self._inbox[fragment] = (version, flat)
+            for fragment, (version, flat) in arrived.items():
+                self._put(fragment, version, flat, force)
+
+    def _put(self, fragment: int, version: int, flat: torch.Tensor, force: bool) -> None:
+        held = self._inbox.get(fragment)  # the caller holds the lock
+        if held is None or held[0] < version or (force and held[0] == version):
+            self._inbox[fragment] = (version, flat, force or (held is not None and held[2]))
+        elif force:  # a newer version is already waiting: adopt that one whole
+            self._inbox[fragment] = (held[0], held[1], True)
 
     def resolved(self, fragment: int, accepted: bool) -> None:
         """The owner answered a contribution; a refusal frees the fragment to be sent again."""
@@ -162,8 +177,10 @@ class Island:
             arrived, self._inbox = self._inbox, {}
         finally:
             self._lock.release()
-        for fragment, (version, flat) in sorted(arrived.items()):
-            if version > self.versions[fragment]:
+        for fragment, (version, flat, force) in sorted(arrived.items()):
+            if force:
+                self._resync(fragment, version, flat)
+            elif version > self.versions[fragment]:
                 self._adopt(fragment, version, flat)
         return len(arrived)
 
@@ -212,9 +229,19 @@ class Island:
         self._submit(out)
         self._submit_s += time.perf_counter() - t0
 
-    def _adopt(self, p: int, version: int, flat: torch.Tensor) -> None:
+    def _resync(self, p: int, version: int, flat: torch.Tensor) -> None:
+        """Overwrite fragment ``p`` with ``flat``; drop inner-optimizer state that is not finite."""
+        for param in self.params[p]:
+            state = self.optimizer.state.get(param)
+            if state and not all(bool(torch.isfinite(v).all()) for v in state.values()
+                                 if isinstance(v, torch.Tensor)):
+                del self.optimizer.state[param]
+        self._adopt(p, version, flat, alpha=0.0)
+        self.stats.resynced += 1
+
+    def _adopt(self, p: int, version: int, flat: torch.Tensor, *, alpha: float | None = None) -> None:
         t0 = time.perf_counter()
-        alpha = self.cfg.adopt_alpha
+        alpha = self.cfg.adopt_alpha if alpha is None else alpha
         with torch.no_grad():
             offset = 0
             for param in self.params[p]:

@@ -5,6 +5,14 @@ compression (with error feedback), sealing and sending happen here, off the trai
 One long-poll per fragment asks the fragment's owner for "the next version after v", checks
 the owner's signature, that the signer is the fragment's owner, the swarm, fragment and version,
 then decompresses and hands the flat tensor to ``Island.deliver``.
+
+An owner's Ack counts only when it is signed by the owner the contribution was sent to. Error
+feedback is committed only when the owner accepts: a refused or undelivered contribution leaves
+the residual as it was. A non-finite pseudo-gradient (a diverged island, or a poisoned version it
+adopted) is never sent: it is counted, logged, and the island is resynced: every fragment's
+latest version is fetched from its owner and adopted whole in one step (a NaN anywhere reaches
+every weight through the forward pass, so resyncing one fragment alone would be re-poisoned by
+the others), with inner-optimizer moments reset where they are not finite.
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ from node.diloco.flat import content_hash, flat_from_tensors
 from node.diloco.island import Island, Outgoing
 from node.wire.transport import LinkDropped, Transport
 from protocol.diloco.compression import compress
-from protocol.errors import RemoteProtocolError
+from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.wire.codec import encode
 from protocol.wire.messages import Ack, Contribution, FragmentState
 from protocol.wire.signing import ReplayWindow, Signer, open_sealed, seal, verify_sealed
@@ -42,6 +50,8 @@ class LearnerStats:
     send_failures: int = 0
     versions_received: int = 0
     bad_versions: int = 0
+    skipped_nonfinite: int = 0
+    resyncs: int = 0
 
 
 class IslandNet:
@@ -60,7 +70,9 @@ class IslandNet:
         block_size: int = 64,
         max_message: int = 256 << 20,
         on_unreachable: Callable[[bytes], None] | None = None,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
+        self.wall_clock = wall_clock
         self.island, self.transport, self.signer = island, transport, signer
         self.on_unreachable = on_unreachable  # told when an owner refuses connections
         self.swarm, self.shapes, self.owner_of = swarm, [list(s) for s in shapes], owner_of
@@ -97,36 +109,61 @@ class IslandNet:
         while True:
             out = await self._queue.get()
             try:
-                await self._send(out)
-            except (aiohttp.ClientError, LinkDropped, TimeoutError, OSError, RemoteProtocolError) as exc:
-                self.stats.send_failures += 1
-                log.warning("contribution for fragment %d not delivered: %r", out.fragment, exc)
-                self.island.resolved(out.fragment, accepted=False)
+                await self.send(out)
+            finally:
+                self._queue.task_done()
 
-    def _compress(self, out: Outgoing) -> Contribution:
-        tensors, offset = [], 0
+    async def flush(self) -> None:
+        """Wait until every contribution submitted so far has been sent and answered (or failed)."""
+        await self._queue.join()
+
+    async def send(self, out: Outgoing) -> None:
+        """Compress, seal and send one contribution; tell the island how it went. Never raises
+        for the network's or the owner's doing (counted in ``stats`` and logged instead)."""
+        try:
+            await self._send(out)
+        except (aiohttp.ClientError, LinkDropped, TimeoutError, OSError, RemoteProtocolError) as exc:
+            self.stats.send_failures += 1
+            log.warning("contribution for fragment %d not delivered: %r", out.fragment, exc)
+            self.island.resolved(out.fragment, accepted=False)
+
+    def _compress(self, out: Outgoing) -> tuple[Contribution, dict[tuple[int, int], torch.Tensor]]:
+        """The contribution and the residuals it leaves (committed only if it is accepted).
+
+        Raises ``LocalProtocolError`` for a non-finite pseudo-gradient."""
+        if not bool(torch.isfinite(out.delta).all()):
+            raise LocalProtocolError(f"fragment {out.fragment}: the pseudo-gradient has NaN or Inf values")
+        tensors, residuals, offset = [], {}, 0
         for i, shape in enumerate(self.shapes[out.fragment]):
             n = int(torch.Size(shape).numel())
             part = out.delta[offset:offset + n].view(shape)
-            enc, self.residuals[(out.fragment, i)] = compress(
+            enc, residuals[(out.fragment, i)] = compress(
                 part, self.codec, block_size=self.block_size,
                 residual=self.residuals.get((out.fragment, i)),
             )
             tensors.append(enc)
             offset += n
-        return Contribution(
+        msg = Contribution(
             swarm=self.swarm, fragment=out.fragment, base_version=out.base_version,
             tokens=out.tokens, steps=out.steps, step_time=out.step_time,
             sender_step=out.sender_step, tensors=tuple(tensors),
         )
+        return msg, residuals
 
     async def _send(self, out: Outgoing) -> None:
         owner = self.owner_of(out.fragment)
         if owner is None:
             raise RemoteProtocolError(f"no live owner for fragment {out.fragment}")
         owner_id, url = owner
-        msg = await asyncio.to_thread(self._compress, out)
-        sealed = seal(encode(msg), self.signer, now=time.time(), nonce=os.urandom(16))
+        try:
+            msg, residuals = await asyncio.to_thread(self._compress, out)
+        except LocalProtocolError as exc:
+            self.stats.skipped_nonfinite += 1
+            log.warning("contribution skipped: %s; resyncing the island from the owners", exc)
+            self.island.resolved(out.fragment, accepted=False)
+            await self.resync()
+            return
+        sealed = seal(encode(msg), self.signer, now=self.wall_clock(), nonce=os.urandom(16))
         self.stats.contributions_sent += 1
         status, buf, used, _ = await self._request(
             owner_id, "POST", f"{url}/v1/rpc", chunks=sealed.iter_chunks(), size=sealed.size, timeout_s=60,
@@ -138,13 +175,18 @@ class IslandNet:
                 log.info("fragment %d contribution refused (%d): %s", out.fragment, status, reason)
                 self.island.resolved(out.fragment, accepted=False)
                 return
-            reply = open_sealed(memoryview(buf)[:used], now=time.time(), replay=self._replay,
-                                max_size=1 << 16).message
+            opened = open_sealed(memoryview(buf)[:used], now=self.wall_clock(), replay=self._replay,
+                                 max_size=1 << 16)
         finally:
             self.transport.pool.give(buf)
+        if opened.peer_id != owner_id:
+            raise RemoteProtocolError(f"fragment {out.fragment}: Ack signed by {opened.peer_id.hex()[:8]}, "
+                                      f"not by the owner {owner_id.hex()[:8]} it was sent to")
+        reply = opened.message
         if not isinstance(reply, Ack):
             raise RemoteProtocolError(f"owner replied {type(reply).__name__}, expected Ack")
         if reply.accepted:
+            self.residuals.update(residuals)
             self.stats.contributions_accepted += 1
         else:
             self.stats.contributions_refused += 1
@@ -175,6 +217,24 @@ class IslandNet:
             if self.on_unreachable is not None:
                 self.on_unreachable(owner_id)
             raise
+
+    async def resync(self) -> int:
+        """Fetch every fragment's latest version from its owner and have the island adopt them
+        whole, in one step, even at the versions it holds (its own copy is not to be trusted).
+        Returns how many fragments it got; one that fails is retried at its next contribution."""
+        got: dict[int, tuple[int, torch.Tensor]] = {}
+        for p in range(len(self.shapes)):
+            try:
+                version = await self.fetch(p, after=-1, wait_s=0.0)
+            except (aiohttp.ClientError, LinkDropped, TimeoutError, OSError, RemoteProtocolError) as exc:
+                log.warning("resync of fragment %d failed: %r", p, exc)
+                continue
+            if version is not None:
+                self.remember(p, *version)
+                got[p] = version
+        self.island.deliver_many(got, force=True)
+        self.stats.resyncs += 1
+        return len(got)
 
     def remember(self, p: int, version: int, flat: torch.Tensor) -> None:
         """Keep the newest verified version of fragment ``p`` (a new owner starts from it)."""

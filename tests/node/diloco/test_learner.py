@@ -1,0 +1,188 @@
+"""The island's network side (IslandNet) against in-memory owners, with a fake clock.
+
+No sockets and no sleeps: contributions go through ``MemoryTransport`` to real
+``FragmentOwner`` objects, sealed and verified both ways.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from node.diloco.island import Island, IslandConfig, Outgoing
+from node.diloco.learner import IslandNet
+from node.diloco.owner import FragmentOwner
+from protocol.errors import RemoteProtocolError
+from tests.node.fakes import (
+    SWARM,
+    FakeClock,
+    MemoryOwnerPeer,
+    MemoryTransport,
+    flat_of,
+    make_owner,
+    shapes_of,
+    signer,
+    tiny_model,
+    tiny_plan,
+)
+
+OWNER_URL = "http://owner.test"
+H = 4
+
+
+class Rig:
+    """One island and its IslandNet; one owner peer owning every fragment."""
+
+    def __init__(self, *, codec: str = "int8", member: bool = True) -> None:
+        self.model = tiny_model()
+        self.plan = tiny_plan(self.model)
+        self.shapes = shapes_of(self.model, self.plan)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=0.05)
+        self.clock = FakeClock()
+        self.island = Island(self.model, self.opt, self.plan, lambda _out: None, IslandConfig(inner_steps=H))
+        self.me, self.owner_key = signer(7), signer(1)
+        self.owners: dict[int, FragmentOwner] = {
+            p: make_owner(self.plan, self.shapes, p, flat_of(self.model, self.plan, p), self.clock,
+                          who=self.owner_key, quorum=1, late_policy="drop")
+            for p in range(len(self.plan.fragments))}
+        self.peer = MemoryOwnerPeer(self.owner_key, self.owners,
+                                    members={self.me.peer_id} if member else set())
+        self.transport = MemoryTransport()
+        self.transport.add(OWNER_URL, self.peer)
+        self.net = IslandNet(self.island, self.transport, self.me, swarm=SWARM,  # type: ignore[arg-type]
+                             shapes=self.shapes, owner_of=lambda p: (self.owner_key.peer_id, OWNER_URL),
+                             codec=codec)
+
+    def step(self) -> None:
+        loss = self.model(torch.randn(3, 4)).pow(2).sum()
+        loss.backward()
+        self.island.tokens(12)
+        self.opt.step()
+        self.opt.zero_grad()
+
+    def outgoing(self, p: int = 0, delta: torch.Tensor | None = None, base_version: int = 0) -> Outgoing:
+        """What the island's hook hands over when fragment ``p`` is due (marked in flight)."""
+        if delta is None:
+            delta = self.island.global_flat[p] - flat_of(self.model, self.plan, p)
+        self.island.in_flight[p] = self.island.stats.step
+        return Outgoing(fragment=p, base_version=base_version, tokens=48, steps=H, step_time=0.0,
+                        sender_step=self.island.stats.step, delta=delta.clone())
+
+
+def _delta(n: int) -> torch.Tensor:
+    return torch.linspace(-0.3, 0.3, n) + 0.0123  # values int8 cannot hold exactly
+
+
+async def test_accepted_contribution_is_merged_and_delivered() -> None:
+    rig = Rig()
+    await rig.owners[0].set_expected(1)
+    before = rig.owners[0].theta.clone()
+    out = rig.outgoing(0, _delta(before.numel()))
+    await rig.net.send(out)
+    assert rig.net.stats.contributions_accepted == 1 and rig.owners[0].version == 1
+    assert rig.island.in_flight[0] is not None  # accepted: in flight until the new version comes
+    assert (0, 0) in rig.net.residuals  # the quantisation error is kept for the next contribution
+    got = await rig.net.fetch(0, after=0, wait_s=0.0)
+    assert got is not None and got[0] == 1
+    # what the owner merged is the int8 image of the delta: the residual is exactly the rest
+    residual = torch.cat([rig.net.residuals[(0, i)].reshape(-1) for i in range(len(rig.shapes[0]))])
+    assert torch.allclose(before - got[1], out.delta - residual, atol=1e-6)
+    rig.island.deliver(0, *got)
+    rig.step()  # adopted after the next inner step
+    assert rig.island.versions[0] == 1 and rig.island.in_flight[0] is None
+    assert torch.equal(rig.island.global_flat[0], got[1])
+
+
+async def test_a_refused_contribution_frees_the_fragment_and_keeps_the_residual() -> None:
+    rig = Rig()
+    n = rig.owners[0].theta.numel()
+    await rig.net.send(rig.outgoing(0, _delta(n)))  # accepted; owner waits for more (grace window)
+    kept = {k: v.clone() for k, v in rig.net.residuals.items()}
+    for _ in range(3):
+        rig.step()
+    await rig.net.send(rig.outgoing(0, _delta(n) * 2))  # a duplicate for the same round: refused
+    assert rig.net.stats.contributions_refused == 1
+    assert rig.island.in_flight[0] is None  # freed: due again H steps later
+    assert rig.island.next_due[0] == rig.island.stats.step + H
+    assert rig.net.residuals.keys() == kept.keys()
+    assert all(torch.equal(rig.net.residuals[k], kept[k]) for k in kept)  # no error from the refused one
+
+
+async def test_an_undelivered_contribution_keeps_the_residual() -> None:
+    rig = Rig()
+    await rig.owners[0].set_expected(1)
+    n = rig.owners[0].theta.numel()
+    await rig.net.send(rig.outgoing(0, _delta(n)))
+    kept = {k: v.clone() for k, v in rig.net.residuals.items()}
+    rig.transport.down.add(OWNER_URL)
+    await rig.net.send(rig.outgoing(0, _delta(n) * 3, base_version=1))
+    assert rig.net.stats.send_failures == 1 and rig.island.in_flight[0] is None
+    assert all(torch.equal(rig.net.residuals[k], kept[k]) for k in kept)
+
+
+async def test_an_ack_signed_by_another_key_does_not_count() -> None:
+    rig = Rig()
+    rig.peer.ack_signer = signer(66)  # someone between us and the owner answers for it
+    await rig.net.send(rig.outgoing(0, _delta(rig.owners[0].theta.numel())))
+    assert rig.net.stats.contributions_accepted == 0 and rig.net.stats.send_failures == 1
+    assert rig.island.in_flight[0] is None and rig.net.residuals == {}
+
+
+async def test_a_non_member_is_refused_and_the_fragment_freed() -> None:
+    rig = Rig(member=False)
+    await rig.net.send(rig.outgoing(0, _delta(rig.owners[0].theta.numel())))
+    assert rig.net.stats.contributions_refused == 1 and rig.island.in_flight[0] is None
+    assert rig.owners[0].merger.count == 0
+
+
+async def test_a_non_finite_pseudo_gradient_is_skipped_and_the_island_resynced() -> None:
+    rig = Rig()
+    await rig.owners[0].set_expected(1)
+    await rig.net.send(rig.outgoing(0, _delta(rig.owners[0].theta.numel())))  # the owner is at version 1
+    rig.step()
+    with torch.no_grad():  # the island diverges: fragment 0's parameters and AdamW moments go NaN
+        for param in rig.island.params[0]:
+            param.fill_(float("nan"))
+            rig.opt.state[param]["exp_avg"].fill_(float("nan"))
+    out = rig.outgoing(0, base_version=0)
+    assert not torch.isfinite(out.delta).all()
+    sent_before = rig.peer.requests
+    await rig.net.send(out)  # must not raise: the node keeps running
+    assert rig.net.stats.skipped_nonfinite == 1 and rig.net.stats.resyncs == 1
+    assert rig.owners[0].merger.count == 0 and rig.owners[0].version == 1  # nothing was sent to merge
+    assert rig.peer.requests == sent_before + 2  # only the resync's fetches, one per fragment
+    rig.step()  # adopts the owners' versions whole
+    assert rig.island.versions == [1, 0] and rig.island.stats.resynced == 2
+    for p in (0, 1):
+        assert torch.equal(flat_of(rig.model, rig.plan, p), rig.owners[p].theta)
+    assert all(rig.opt.state.get(param) is None for param in rig.island.params[0])  # moments reset
+    for _ in range(3):  # training goes on with finite weights
+        rig.step()
+    assert rig.island.stats.resynced == 2  # both fragments, in the same step
+    assert all(torch.isfinite(param).all() for param in rig.model.parameters())
+
+
+async def test_fetch_checks_signer_version_and_fragment() -> None:
+    rig = Rig()
+    await rig.owners[1].set_expected(1)
+    await rig.net.send(rig.outgoing(1, _delta(rig.owners[1].theta.numel())))
+    assert (await rig.net.fetch(1, after=0, wait_s=0.0)) is not None
+    assert await rig.net.fetch(1, after=1, wait_s=0.0) is None  # nothing newer: 204
+    impostor = signer(99).peer_id  # the version is not signed by the peer we take for the owner
+    with pytest.raises(RemoteProtocolError, match="not its owner"):
+        await rig.net.fetch(1, after=0, wait_s=0.0, owner=(impostor, OWNER_URL))
+    rig.owners[0] = rig.owners[1]  # an owner that answers for fragment 0 with fragment 1's state
+    with pytest.raises(RemoteProtocolError, match="wrong message for fragment 0"):
+        await rig.net.fetch(0, after=0, wait_s=0.0)
+
+
+async def test_island_fences_versions() -> None:
+    rig = Rig()
+    flat = rig.island.global_flat[0] + 1.0
+    rig.island.deliver(0, 3, flat)
+    rig.island.deliver(0, 2, flat - 5.0)  # older than what waits in the inbox: ignored
+    rig.step()
+    assert rig.island.versions[0] == 3 and torch.equal(rig.island.global_flat[0], flat)
+    rig.island.deliver(0, 3, flat + 9.0)  # the version held: not adopted again
+    rig.step()
+    assert torch.equal(rig.island.global_flat[0], flat)
