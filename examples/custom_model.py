@@ -5,12 +5,14 @@
 Process A founds the swarm; process B joins through A's address. Each fits its own half of a
 synthetic regression problem (y = W x + noise) with AdamW; every H steps each fragment's
 pseudo-gradient goes, int8-compressed and signed, to the fragment's owner, which merges and
-hands the new global fragment back. Both end with the global model's loss on the full problem.
+hands the new global fragment back. Leaving the ``with`` block waits for the swarm's final
+global model; both islands end holding it, print its loss on the full problem and its hash.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import multiprocessing as mp
 
 import torch
@@ -51,11 +53,16 @@ def island(shard: int, steps: int, addresses: mp.Queue, results: mp.Queue) -> No
             isl.tokens(64)
             opt.step()
             opt.zero_grad()
-        x_all = torch.cat([problem(0)[0], problem(1)[0]])
-        y_all = torch.cat([problem(0)[1], problem(1)[1]])
-        with torch.no_grad():
-            final = nn.functional.mse_loss(model(x_all), y_all).item()
-        results.put({"shard": shard, "loss": final, "versions": isl.versions})
+    # leaving the block adopted the swarm's final global model into ``model``
+    x_all = torch.cat([problem(0)[0], problem(1)[0]])
+    y_all = torch.cat([problem(0)[1], problem(1)[1]])
+    with torch.no_grad():
+        final = nn.functional.mse_loss(model(x_all), y_all).item()
+    digest = hashlib.sha256()
+    for name, tensor in sorted(isl.global_state().items()):
+        digest.update(name.encode())
+        digest.update(tensor.contiguous().numpy().tobytes())
+    results.put({"shard": shard, "loss": final, "versions": isl.versions, "hash": digest.hexdigest()[:16]})
 
 
 def main() -> None:
@@ -75,7 +82,8 @@ def main() -> None:
         p.join(timeout=30)
     print(f"loss at start {start:.4f}")
     for r in out:
-        print(f"island {r['shard']}: loss {r['loss']:.4f}, global versions {r['versions']}")
+        print(f"island {r['shard']}: loss {r['loss']:.4f}, global versions {r['versions']}, "
+              f"global model {r['hash']}")
 
 
 if __name__ == "__main__":

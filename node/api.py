@@ -13,7 +13,10 @@
 
 Entering joins the swarm (or founds it when there are no initial peers): the node starts on its
 own thread, finds members through the DHT, downloads every global fragment at its latest version
-and loads it into ``model``. Leaving stops learning and stops the node. Peers of one swarm must
+and loads it into ``model``. Leaving stops learning, waits until no member of the swarm is
+learning any more, loads every fragment's final version (the same on every peer) into ``model``,
+keeps serving a few seconds so that the others can fetch the fragments this peer owns, then
+stops the node. ``finish_timeout_s=0`` leaves at once instead, keeping the local weights. Peers of one swarm must
 build the same architecture with the same initial weights (same seed): version 0 of every
 fragment is that initial state, and the swarm's manifest hash includes the fragment plan, so a
 peer with a different architecture is refused.
@@ -57,6 +60,8 @@ class SwarmIsland:
         port: int = 0,
         public_address: str | None = None,
         join_timeout_s: float = 120.0,
+        finish_timeout_s: float = 300.0,
+        linger_s: float = 5.0,
     ) -> None:
         """``tokens_per_step``: the most tokens one inner step trains (the merge clamps to it).
         ``config``: fragments, H, codec, outer step, grace window... (its model fields unused).
@@ -73,6 +78,8 @@ class SwarmIsland:
                              public_address=public_address)
         self.initial_peers = list(initial_peers)
         self.join_timeout_s = join_timeout_s
+        self.finish_timeout_s, self.linger_s = finish_timeout_s, linger_s
+        self.finished = False  # True once the model holds the swarm's final global model
         self._thread: threading.Thread | None = None
 
     def _submit(self, out: object) -> None:
@@ -107,7 +114,26 @@ class SwarmIsland:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
+        if exc_type is None and self.finish_timeout_s > 0:
+            self.finish()
         self.close()
+
+    def global_state(self) -> dict[str, torch.Tensor]:
+        """The global model this island holds, as a name -> tensor dict."""
+        return self.island.global_state()
+
+    def finish(self) -> None:
+        """Stop learning and adopt every fragment's final version (see the module docstring).
+
+        Raises ``TimeoutError`` if the finals do not come within ``finish_timeout_s``."""
+        self.node.call(self.node.stop_learning(), timeout=self.finish_timeout_s)
+        self.island.adopt_pending()
+        final = self.node.call(self.node.fetch_final(), timeout=self.finish_timeout_s)
+        for p, (version, flat) in sorted(final.items()):
+            self.island.adopt_final(p, version, flat)
+        self.finished = True
+        if self.node.owners and self._thread is not None:  # others may still fetch what we own
+            self._thread.join(timeout=self.linger_s)
 
     def close(self) -> None:
         """Stop learning, stop the node, remove the optimizer hook."""

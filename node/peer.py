@@ -18,9 +18,11 @@ final (``GET /v1/fragments/p/final``), and every peer ends on the same global mo
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
+import math
 import threading
 import time
 from typing import Any
@@ -56,6 +58,13 @@ REPUBLISH_S = 6.0
 CATCH_UP_S = 6.0
 JOIN_ATTEMPTS = 5
 MAX_STATE = 1 << 30
+# A sealed request from a key that is not (yet) a member makes the owner read the member records
+# once before refusing: a new member is refused only until its record is found, not until the
+# next membership pass. Strangers cannot turn this into load: one read per this many seconds
+# at most, and a key that was looked up and not found is refused without a read for a while.
+MEMBER_LOOKUP_GAP_S = 1.0
+UNKNOWN_KEY_RETRY_S = 10.0
+UNKNOWN_KEYS_KEPT = 4096
 
 
 def emit(event: str, **fields: Any) -> None:
@@ -74,7 +83,7 @@ class PeerNode:
         self.cfg, self.signer, self.plan = cfg, signer, plan
         self.public_address = public_address
         self.transport = Transport(host, port, link=LinkEmulator(default=LinkProfile.parse(cfg.link)))
-        self.rpc = RpcServer(self.transport, signer, authorize=self._is_member)
+        self.rpc = RpcServer(self.transport, signer, authorize=self._authorize)
         self.router = DHTRouter(self.transport)
         self.dht: DHTNode | None = None
         self.membership: Membership | None = None
@@ -96,6 +105,10 @@ class PeerNode:
         self._stop: asyncio.Event | None = None
         self._tg: asyncio.TaskGroup | None = None
         self._manifests = ManifestCache()
+        self._lookup_lock = asyncio.Lock()
+        self._last_lookup = -math.inf
+        self._unknown: collections.OrderedDict[bytes, float] = collections.OrderedDict()
+        self.member_lookups = 0
         self.rpc.route(Contribution, self._on_contribution)
         app = self.transport.app
         app.router.add_get("/v1/fragments/{p}/{kind}", self._on_fetch)
@@ -108,6 +121,35 @@ class PeerNode:
     # --- membership ----------------------------------------------------------------------------
     def _is_member(self, peer_id: bytes) -> bool:
         return self.membership is not None and peer_id in self.membership.members
+
+    async def _authorize(self, peer_id: bytes) -> bool:
+        """A member, or a key whose member record a (rate-limited) read of the DHT finds."""
+        if self._is_member(peer_id):
+            return True
+        if self.membership is None:
+            return False
+        seen = self._unknown.get(peer_id)
+        if seen is not None and time.monotonic() - seen < UNKNOWN_KEY_RETRY_S:
+            return False
+        arrived = time.monotonic()
+        async with self._lookup_lock:
+            if not self._is_member(peer_id) and time.monotonic() - self._last_lookup >= MEMBER_LOOKUP_GAP_S:
+                self._last_lookup = time.monotonic()
+                self.member_lookups += 1
+                try:
+                    await self.membership.refresh()
+                except Exception as exc:  # the DHT may be unreachable; the key is refused for now
+                    log.warning("member lookup for %s failed: %r", peer_id.hex()[:8], exc)
+        if self._is_member(peer_id):
+            log.info("member %s found on lookup", peer_id.hex()[:8])
+            return True
+        if self._last_lookup < arrived:
+            return False  # refused without a read (rate limit): not remembered as unknown
+        self._unknown[peer_id] = time.monotonic()
+        self._unknown.move_to_end(peer_id)
+        while len(self._unknown) > UNKNOWN_KEYS_KEPT:
+            self._unknown.popitem(last=False)
+        return False
 
     def owner_of(self, p: int) -> tuple[bytes, str] | None:
         if self.membership is None:
@@ -226,6 +268,11 @@ class PeerNode:
         owner = self.owners.get(msg.fragment)
         if owner is None:
             raise UnknownFragment(f"fragment {msg.fragment} is not owned here (plan has {len(self.plan.fragments)})")
+        member = self.membership.members.get(opened.peer_id) if self.membership else None
+        if member is not None and not member.record.learning:
+            # its final versions may already be out: a late contribution would fork the model
+            return Ack(accepted=False, version=owner.version,
+                       reason=f"peer {opened.peer_id.hex()[:8]} has stopped learning; contribution not merged")
         return await owner.contribute(opened.peer_id, msg)
 
     def _fragment_owner(self, request: web.Request) -> FragmentOwner:
@@ -397,6 +444,40 @@ class PeerNode:
             self.net.remember(p, version, flat)
             self.net.island.deliver(p, version, flat)
         self.synced = got
+
+    async def stop_learning(self, flush_s: float = 60.0) -> None:
+        """Send what the island has submitted, then say (in our member record) that we stopped.
+
+        Owners declare a fragment final once no member is learning, and refuse contributions from
+        a member whose record says it stopped, so flushing first is what gets ours counted."""
+        if self.net is not None:
+            try:
+                async with asyncio.timeout(flush_s):
+                    await self.net.flush()
+            except TimeoutError:
+                log.warning("contributions still unsent after %.0f s; stopping without them", flush_s)
+        self.learning = False
+
+    async def fetch_final(self) -> dict[int, tuple[int, torch.Tensor]]:
+        """Every fragment's final version from its current owner (verified).
+
+        An owner declares its fragment final once no member is learning and its last round is
+        merged; until then this keeps asking (an owner may be finishing a merge or moving)."""
+        assert self.net is not None
+        out: dict[int, tuple[int, torch.Tensor]] = {}
+        while len(out) < len(self.shapes):
+            for p in range(len(self.shapes)):
+                if p in out:
+                    continue
+                try:
+                    got = await self.net.fetch(p, after=-1, wait_s=5.0, final=True)
+                except Exception as exc:  # keep trying: the owner may be finishing a merge
+                    log.warning("final fetch of fragment %d failed: %r", p, exc)
+                    await asyncio.sleep(0.5)
+                    continue
+                if got is not None:
+                    out[p] = got
+        return out
 
     def stop(self) -> None:
         if self.loop is not None and self._stop is not None:

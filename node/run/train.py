@@ -27,13 +27,13 @@ from node.config import RunConfig
 from node.diloco.inner import lr_at, make_inner_optimizer
 from node.diloco.island import Island, IslandConfig
 from node.peer import PeerNode, emit
-from node.workload.baseline import train_config_for
+from node.workload.baseline import TrainConfig, sampler_seed, train_config_for
 from node.workload.corpus import BatchSampler, evaluate, load_corpus, split_corpus
 from node.workload.model import GPT, GPTConfig, embedding_parameter_names
 from protocol.diloco.fragments import plan_fragments
 from protocol.wire.signing import Signer
 
-__all__ = ["global_param_hash", "run_peer"]
+__all__ = ["global_param_hash", "inner_step", "island_sampler", "run_peer"]
 
 log = logging.getLogger("atoll.train")
 
@@ -45,6 +45,26 @@ def global_param_hash(state: dict[str, torch.Tensor]) -> str:
         h.update(name.encode())
         h.update(state[name].detach().float().contiguous().numpy().tobytes())
     return h.hexdigest()
+
+
+def island_sampler(cfg: RunConfig, train: torch.Tensor, block_size: int, index: int) -> BatchSampler:
+    """Island ``index``'s batches: its own shard of the train split, its own seed."""
+    return BatchSampler(train, batch_size=cfg.batch_size, block_size=block_size,
+                        seed=sampler_seed(cfg.seed, index), shard=index, n_shards=cfg.peers)
+
+
+def inner_step(model: GPT, optimizer: torch.optim.Optimizer, tcfg: TrainConfig, step: int,
+               x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """One inner step on batch x, y ([B, T] int64): set the lr, forward, backward, clip, step
+    (on an island the optimizer's hook then adopts and ships fragments); returns the loss."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr_at(step, tcfg)
+    _, loss = model(x, y)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), tcfg.grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss
 
 
 def _eval_global(model: GPT, island: Island, heldout: torch.Tensor, cfg: RunConfig) -> float:
@@ -92,8 +112,7 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
     model = GPT(gcfg, seed=cfg.seed).to(device)  # identical on every peer: version 0 of every fragment
     data = load_corpus(Path(cfg.corpus) if cfg.corpus else None, max_bytes=cfg.corpus_max_bytes)
     train, heldout = split_corpus(data)
-    sampler = BatchSampler(train, batch_size=cfg.batch_size, block_size=gcfg.block_size,
-                           seed=cfg.seed * 1000 + index, shard=index, n_shards=cfg.peers)
+    sampler = island_sampler(cfg, train, gcfg.block_size, index)
     tcfg = train_config_for(cfg)
     optimizer = make_inner_optimizer(model, tcfg)
     shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
@@ -131,17 +150,11 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
     last_progress, loss_ema = 0.0, float("nan")
     for step in range(cfg.steps):
         t_step = time.perf_counter()
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, tcfg)
         if cfg.overlap_block:
             island.enabled = (step // cfg.overlap_block) % 2 == 1
         x, y = (t.to(device, non_blocking=True) for t in sampler.next())  # [B, T] int64 each
-        _, loss = model(x, y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), tcfg.grad_clip)
         island.tokens(x.numel())  # counted into the contributions this step may ship
-        optimizer.step()  # the island's hook: adopt arrived fragments, ship due ones
-        optimizer.zero_grad(set_to_none=True)
+        loss = inner_step(model, optimizer, tcfg, step, x, y)  # the hook: adopt arrived, ship due
         loss_ema = loss.item() if step == 0 else 0.95 * loss_ema + 0.05 * loss.item()
         if opts.slow_factor > 1.0:  # an emulated slower machine
             time.sleep((opts.slow_factor - 1.0) * (time.perf_counter() - t_step))
@@ -158,10 +171,10 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
                  bytes_sent=node.transport.bytes_sent)
 
     # --- finalise: all peers end on the owners' final versions ---------------------------------
-    node.learning = False
+    node.call(node.stop_learning(), timeout=120)
     if opts.final_sync:
         island.adopt_pending()
-        final = node.call(_fetch_final(node, island), timeout=600)
+        final = node.call(node.fetch_final(), timeout=600)
         for p, (version, flat) in final.items():
             island.adopt_final(p, version, flat)
     else:
@@ -210,21 +223,3 @@ def _wait_for_members(node: PeerNode, n: int, timeout_s: float = 180.0) -> None:
 
 def _median(values: list[float]) -> float:
     return statistics.median(values) if values else 0.0
-
-
-async def _fetch_final(node: PeerNode, island: Island) -> dict[int, tuple[int, torch.Tensor]]:
-    assert node.net is not None
-    out: dict[int, tuple[int, torch.Tensor]] = {}
-    while len(out) < len(island.versions):
-        for p in range(len(island.versions)):
-            if p in out:
-                continue
-            try:
-                got = await node.net.fetch(p, after=-1, wait_s=5.0, final=True)
-            except Exception as exc:  # keep trying: the owner may be finishing a merge
-                log.warning("final fetch of fragment %d failed: %r", p, exc)
-                await asyncio.sleep(0.5)
-                continue
-            if got is not None:
-                out[p] = got
-    return out

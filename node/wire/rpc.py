@@ -63,6 +63,10 @@ async def serve_sealed_request(
             transport.pool.give(buf)
 
 
+async def _anyone(_peer: bytes) -> bool:
+    return True
+
+
 class RpcServer:
     """Serves ``POST /v1/rpc`` on a ``Transport``: verify, authorise, dispatch, reply sealed."""
 
@@ -72,11 +76,11 @@ class RpcServer:
         signer: Signer,
         *,
         max_message: int = 256 << 20,
-        authorize: Callable[[bytes], bool] | None = None,
+        authorize: Callable[[bytes], Awaitable[bool]] | None = None,
     ) -> None:
         self.transport, self.signer = transport, signer
         self.max_message = max_message
-        self.authorize = authorize or (lambda _peer: True)
+        self.authorize = authorize or _anyone
         self.handlers: dict[type[Message], Handler] = {}
         self.replay = ReplayWindow()
         self.errors: Counter[str] = Counter()
@@ -99,7 +103,7 @@ class RpcServer:
                                           replay=self.replay, dispatch=self._dispatch, on_error=refused)
 
     async def _dispatch(self, opened: Opened) -> bytes:
-        if not self.authorize(opened.peer_id):
+        if not await self.authorize(opened.peer_id):
             raise NotAuthorized(f"peer {opened.peer_id.hex()[:8]} is not a member of this swarm")
         handler = self.handlers.get(type(opened.message))
         if handler is None:
