@@ -115,7 +115,46 @@ def test_plan_hash_covers_shapes_and_kinds() -> None:
     assert plan_fragments(GPT, 3, embeddings={"wte"}).plan_hash() != base
     reshaped = [(n, (64, 128) if n == "wpe" else s) for n, s in GPT]
     assert plan_fragments(reshaped, 3).plan_hash() != base
-    assert plan_fragments(list(GPT), 3).plan_hash() == base  # stable golden within a run
+    assert plan_fragments(list(reversed(GPT)), 3).plan_hash() == base  # input order is irrelevant
+
+
+# Golden plans of the fixed two-layer toy GPT above (13 tensors, 122432 elements). The literals
+# were computed once from the v1 plan algorithm and hash; peers on different versions must agree
+# on them, so any change to the binning or to the canonical hash input ("atoll/fragment-plan/v1")
+# has to fail here and be a deliberate, versioned change. The names pin the plan, the hash pins
+# its serialisation: if only the hash fails, the hashing changed.
+GOLDEN_PLANS = [
+    (
+        3,
+        frozenset(),
+        [
+            (False, ("h0.mlp.fc", "h1.mlp.proj", "wpe", "h0.ln")),
+            (False, ("h0.mlp.proj", "wte", "h0.proj", "h1.proj", "ln_f")),
+            (False, ("h1.mlp.fc", "h0.attn", "h1.attn", "h1.ln")),
+        ],
+        "4f26ee94608cd71640f6aa5cb15cb23b0ef6ceb6317a3fa70501a30d5b046495",
+    ),
+    (
+        4,
+        frozenset({"wte", "wpe"}),
+        [
+            (False, ("h0.mlp.fc", "h1.mlp.proj", "h0.ln")),
+            (False, ("h0.mlp.proj", "h0.attn", "h0.proj", "h1.ln")),
+            (False, ("h1.mlp.fc", "h1.attn", "h1.proj", "ln_f")),
+            (True, ("wte", "wpe")),
+        ],
+        "579074d633a221c99a4c60ebeaae4d00e3463ec7c2268b51c2f17283c3237a29",
+    ),
+]
+
+
+@pytest.mark.parametrize(("n", "embeddings", "fragments", "digest"), GOLDEN_PLANS)
+def test_plan_hash_golden(
+    n: int, embeddings: frozenset[str], fragments: list[tuple[bool, tuple[str, ...]]], digest: str
+) -> None:
+    plan = plan_fragments(GPT, n, embeddings=embeddings)
+    assert [(f.is_embedding, f.names) for f in plan.fragments] == fragments
+    assert plan.plan_hash().hex() == digest
 
 
 @settings(max_examples=80, deadline=None)

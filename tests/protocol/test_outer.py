@@ -150,7 +150,10 @@ def test_clip_to_median_norm() -> None:
 # ---------------------------------------------------------------- outer Nesterov
 
 
-def reference_sgd(cfg: OuterConfig, start: torch.Tensor, deltas: list[torch.Tensor], *, foreach: bool) -> list[torch.Tensor]:
+def reference_sgd(
+    cfg: OuterConfig, start: torch.Tensor, deltas: list[torch.Tensor], *, foreach: bool
+) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """(param, momentum buffer) after each step of ``torch.optim.SGD`` fed ``delta`` as grad."""
     p = torch.nn.Parameter(start.clone())
     opt = torch.optim.SGD([p], lr=cfg.lr, momentum=cfg.momentum,
                           nesterov=cfg.nesterov and cfg.momentum > 0, foreach=foreach)
@@ -158,7 +161,8 @@ def reference_sgd(cfg: OuterConfig, start: torch.Tensor, deltas: list[torch.Tens
     for d in deltas:
         p.grad = d.clone()
         opt.step()
-        out.append(p.detach().clone())
+        buf = opt.state[p].get("momentum_buffer")
+        out.append((p.detach().clone(), None if buf is None else buf.detach().clone()))
     return out
 
 
@@ -173,20 +177,54 @@ def test_outer_step_matches_torch_sgd_to_the_bit(cfg: OuterConfig, foreach: bool
     deltas = [torch.randn(1000, generator=gen(10 + i)) * 0.01 for i in range(6)]
     expected = reference_sgd(cfg, start, deltas, foreach=foreach)
     param, buffer = start.clone(), None
-    for d, want in zip(deltas, expected, strict=True):
-        p_before = param.clone()
-        b_before = None if buffer is None else buffer.clone()
-        param, buffer = outer_step(param, d, buffer, cfg)
-        assert torch.equal(param, want)
-        assert torch.equal(p_before, p_before)  # inputs untouched below
-        if b_before is not None:
-            assert buffer is not None and not torch.equal(b_before, buffer) or cfg.momentum == 0
+    for d, (want_p, want_b) in zip(deltas, expected, strict=True):
+        p_in, b_in = param, buffer
+        p_before = p_in.clone()
+        b_before = None if b_in is None else b_in.clone()
+        param, buffer = outer_step(p_in, d, b_in, cfg)
+        # parameter and momentum buffer equal torch.optim.SGD's, bit for bit
+        assert torch.equal(param, want_p)
+        if want_b is None:
+            assert buffer is None
+        else:
+            assert buffer is not None and torch.equal(buffer, want_b)
+        # the inputs passed in are untouched (outer_step works on copies)
+        assert param is not p_in and torch.equal(p_in, p_before)
+        if b_in is not None:
+            assert b_before is not None and buffer is not b_in and torch.equal(b_in, b_before)
     assert (buffer is None) == (cfg.momentum == 0)
     # the in-place variant gives the same bits
     inplace, buf = start.clone(), None
     for d in deltas:
         buf = outer_step_(inplace, d, buf, cfg)
-    assert torch.equal(inplace, expected[-1])
+    assert torch.equal(inplace, expected[-1][0])
+    assert (buf is None) == (expected[-1][1] is None)
+    if buf is not None:
+        assert torch.equal(buf, expected[-1][1])
+
+
+@pytest.mark.parametrize(
+    ("cfg", "params", "buffers"),
+    [
+        # Nesterov: b1 = d1 = 0.5, p1 = 1 - 0.5*(0.5 + 0.5*0.5) = 0.625;
+        #           b2 = 0.5*0.5 + 0.25 = 0.5, p2 = 0.625 - 0.5*(0.25 + 0.5*0.5) = 0.375
+        (OuterConfig(lr=0.5, momentum=0.5), [0.625, 0.375], [0.5, 0.5]),
+        # heavy ball: p1 = 1 - 0.5*0.5 = 0.75, p2 = 0.75 - 0.5*0.5 = 0.5
+        (OuterConfig(lr=0.5, momentum=0.5, nesterov=False), [0.75, 0.5], [0.5, 0.5]),
+        # plain SGD: p1 = 1 - 0.5*0.5 = 0.75, p2 = 0.75 - 0.5*0.25 = 0.625
+        (OuterConfig(lr=0.5, momentum=0.0), [0.75, 0.625], [None, None]),
+    ],
+)
+def test_outer_step_hand_computed(cfg: OuterConfig, params: list[float], buffers: list[float | None]) -> None:
+    # dyadic inputs: every intermediate is exact in fp32, so the literals are exact
+    param, buffer = torch.tensor([1.0, -2.0]), None
+    for d, want_p, want_b in zip([0.5, 0.25], params, buffers, strict=True):
+        param, buffer = outer_step(param, torch.tensor([d, -2 * d]), buffer, cfg)
+        assert param.tolist() == [want_p, -2 * want_p]
+        if want_b is None:
+            assert buffer is None
+        else:
+            assert buffer is not None and buffer.tolist() == [want_b, -2 * want_b]
 
 
 def test_outer_step_does_not_mutate_inputs() -> None:
