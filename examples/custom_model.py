@@ -46,6 +46,7 @@ def island(shard: int, steps: int, addresses: mp.Queue, results: mp.Queue) -> No
     with SwarmIsland(model, opt, swarm="example", tokens_per_step=64, initial_peers=initial, config=cfg) as isl:
         if shard == 0:
             addresses.put(isl.url)
+        isl.wait_for_members(2)  # start together: the final model is the one when both are done
         for _ in range(steps):
             idx = torch.randint(0, len(x), (64,))
             loss = nn.functional.mse_loss(model(x[idx]), y[idx])

@@ -112,6 +112,16 @@ class SwarmIsland:
         self.island.adopt_pending()  # the synced global fragments
         return self
 
+    def wait_for_members(self, n: int, timeout_s: float = 120.0) -> None:
+        """Block until ``n`` members (this one included) are visible and the owners have settled.
+
+        A swarm's final model is the one its owners hold once no member is learning: a peer that
+        trains to the end before the others join finishes on a model they then move past. Call
+        this before training when a known number of peers start together. Raises ``TimeoutError``.
+        """
+        self.node.wait_for_members(n, timeout_s=timeout_s)
+        self.island.adopt_pending()  # versions merged while we waited
+
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         if exc_type is None and self.finish_timeout_s > 0:

@@ -479,6 +479,17 @@ class PeerNode:
                     out[p] = got
         return out
 
+    def wait_for_members(self, n: int, timeout_s: float = 180.0) -> None:
+        """Block (the trainer thread) until ``n`` members are visible, then one membership period
+        more, so that every peer's view of the owners has settled. Raises ``TimeoutError``."""
+        deadline = time.monotonic() + timeout_s
+        while self.membership is None or len(self.membership.members) < n:
+            if time.monotonic() > deadline:
+                seen = len(self.membership.members) if self.membership else 0
+                raise TimeoutError(f"only {seen} of {n} expected members joined within {timeout_s:.0f} s")
+            time.sleep(0.1)
+        time.sleep(MEMBERSHIP_PERIOD_S + 0.5)
+
     def stop(self) -> None:
         if self.loop is not None and self._stop is not None:
             self.loop.call_soon_threadsafe(self._stop.set)

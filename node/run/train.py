@@ -138,7 +138,7 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
     emit("listening", index=index, url=node.url, peer_id=signer.peer_id.hex())
     if not node.joined.wait(120) or node.failure is not None:
         raise RuntimeError(f"could not join the swarm: {node.failure!r}")
-    _wait_for_members(node, opts.wait_members)
+    node.wait_for_members(opts.wait_members)
     island.adopt_pending()  # the synced global fragments
     emit("joined", index=index, versions=list(island.versions), synced=sorted(node.synced))
     t0 = opts.t0 or time.time()
@@ -209,16 +209,6 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
     node.stop()
     thread.join(timeout=10)
     return result
-
-
-def _wait_for_members(node: PeerNode, n: int, timeout_s: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while node.membership is None or len(node.membership.members) < n:
-        if time.monotonic() > deadline:
-            seen = len(node.membership.members) if node.membership else 0
-            raise RuntimeError(f"only {seen} of {n} expected members joined within {timeout_s:.0f} s")
-        time.sleep(0.1)
-    time.sleep(2.5)  # one membership period, so every peer's view of the owners has settled
 
 
 def _median(values: list[float]) -> float:
