@@ -38,6 +38,9 @@ def _parser() -> argparse.ArgumentParser:
                             "default runs/<time>/report.json")
     local.add_argument("--baseline", action="store_true",
                        help="also train the synchronous data-parallel baseline at equal tokens and report the gap")
+    local.add_argument("--alone", action="store_true",
+                       help="also train peer 0's island alone (same model, shard and steps) and report "
+                            "what merging gained")
     local.add_argument("--quiet", action="store_true", help="no live progress lines")
     local.add_argument("--kill", action="append", default=[], metavar="PEER@STEP",
                        help="fault injection: SIGKILL peer PEER once it reports inner step STEP (repeatable)")
@@ -99,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"atoll local: {exc}", file=sys.stderr)
             return 2
         try:
-            run_local(cfg, report_path=args.report, baseline=args.baseline, quiet=args.quiet, kill_at=kill_at,
+            run_local(cfg, report_path=args.report, baseline=args.baseline, alone=args.alone, quiet=args.quiet, kill_at=kill_at,
                       extra_peer_args={i: ["--slow-factor", str(f)] for i, f in slow.items()})
         except KeyboardInterrupt:
             return 130

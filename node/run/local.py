@@ -30,7 +30,7 @@ from typing import Any
 from node.config import RunConfig
 from node.run.report import build_report, summary_lines, write_report
 
-__all__ = ["LocalSwarm", "baseline_for", "run_local"]
+__all__ = ["LocalSwarm", "baseline_for", "island_alone_for", "run_local"]
 
 log = logging.getLogger(__name__)
 
@@ -198,7 +198,7 @@ class LocalSwarm:
 
 
 def run_local(cfg: RunConfig, *, report_path: Path | None, baseline: bool = False,
-              quiet: bool = False, kill_at: dict[int, int] | None = None,
+              alone: bool = False, quiet: bool = False, kill_at: dict[int, int] | None = None,
               extra_peer_args: dict[int, list[str]] | None = None) -> dict[str, Any]:
     """Run a local swarm end to end, write the report and plot, print the summary."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -221,11 +221,26 @@ def run_local(cfg: RunConfig, *, report_path: Path | None, baseline: bool = Fals
         report["baseline"] = baseline_for(cfg)
         end = report["baseline"]["eval_loss_end"]
         report["eval_loss_gap_rel"] = (report["eval_loss"]["end"] - end) / end
+    if alone:
+        print("training peer 0's island alone (same model, shard and steps, no swarm) ...", flush=True)
+        report.update(island_alone_for(cfg, report["eval_loss"]["end"]))
     png = write_report(report, report_path)
     for line in summary_lines(report):
         print(line)
     print(f"report: {report_path}  plot: {png}")
     return report
+
+
+def island_alone_for(cfg: RunConfig, swarm_eval_end: float, index: int = 0) -> dict[str, Any]:
+    """The report's ``island_alone`` (island ``index`` trained alone) and ``merge_gain`` (its final
+    eval loss minus the swarm's global model's: positive when merging helped)."""
+    import torch
+
+    from node.run.alone import train_island_alone
+
+    torch.set_num_threads(max(1, cfg.threads))
+    island = train_island_alone(cfg, index)
+    return {"island_alone": island, "merge_gain": island["eval_loss_end"] - swarm_eval_end}
 
 
 def baseline_for(cfg: RunConfig) -> dict[str, Any]:

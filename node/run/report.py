@@ -48,6 +48,7 @@ def build_report(config: dict[str, Any], peers: list[dict[str, Any]], wall_s: fl
             "sent": sum(int(p.get("contributions_sent", 0)) for p in peers),
             "accepted": sum(int(p.get("contributions_accepted", 0)) for p in peers),
             "refused": sum(int(p.get("contributions_refused", 0)) for p in peers),
+            "accepted_per_peer": {str(p["index"]): int(p.get("contributions_accepted", 0)) for p in peers},
         },
         "remote_errors": sum(int(p.get("remote_errors", 0)) for p in peers),
         "per_peer": [
@@ -119,12 +120,20 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         f"({report.get('bandwidth_reduction_vs_ddp', 0):.1f}x less)",
         f"stalled steps: {report['stalled_steps']}; contributions sent/accepted/refused: "
         f"{report['contributions']['sent']}/{report['contributions']['accepted']}/"
-        f"{report['contributions']['refused']}",
+        f"{report['contributions']['refused']}"
+        + "; accepted per peer: " + ", ".join(
+            f"p{i} {n}" for i, n in report["contributions"].get("accepted_per_peer", {}).items()),
     ]
     if "baseline" in report:
         b = report["baseline"]
         lines.append(
             f"data-parallel baseline at equal tokens: {b['eval_loss_end']:.3f}; "
             f"Atoll's gap {100 * report['eval_loss_gap_rel']:+.1f} %"
+        )
+    if "island_alone" in report:
+        a = report["island_alone"]
+        lines.append(
+            f"peer {a['shard']}'s island alone ({a['steps']} steps, shard {a['shard']}): eval loss "
+            f"{a['eval_loss_end']:.3f}; merging gained {report['merge_gain']:+.3f} nats/byte"
         )
     return lines
