@@ -45,6 +45,7 @@ class PeerProcess:
     progress: dict[str, Any] = field(default_factory=dict)
     result: dict[str, Any] | None = None
     listening: asyncio.Event = field(default_factory=asyncio.Event)
+    ready: asyncio.Event = field(default_factory=asyncio.Event)  # joined, waiting for "start"
     finished: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -88,6 +89,8 @@ class LocalSwarm:
             if event == "listening":
                 peer.url, peer.peer_id = msg["url"], msg["peer_id"]
                 peer.listening.set()
+            elif event == "ready":
+                peer.ready.set()
             elif event == "progress":
                 peer.progress = msg
                 if peer.index in self.kill_at and msg["step"] >= self.kill_at[peer.index]:
@@ -101,6 +104,7 @@ class LocalSwarm:
                 peer.finished.set()
         peer.finished.set()
         peer.listening.set()
+        peer.ready.set()
 
     async def _send(self, peer: PeerProcess, msg: dict[str, Any]) -> None:
         if peer.proc.stdin is None or peer.proc.returncode is not None:
@@ -140,6 +144,7 @@ class LocalSwarm:
             completed = False
             try:
                 await self._start_peers(config_path, tg, readers)
+                await self._start_training()
                 await self._drive()
                 completed = True
             finally:
@@ -171,6 +176,14 @@ class LocalSwarm:
         if dead:
             raise RuntimeError(f"peer {dead[0].index} exited before listening; see {dead[0].log_path}")
         self.listening.set()
+
+    async def _start_training(self) -> None:
+        """Once every peer has joined and seen all members, let them all start at once: islands
+        that start seconds apart contribute from different points of training."""
+        async with asyncio.timeout(self.startup_timeout_s + 180.0):
+            await asyncio.gather(*(p.ready.wait() for p in self.peers))
+        for peer in self.peers:
+            await self._send(peer, {"start": True})
 
     async def _drive(self) -> None:
         async with asyncio.timeout(self.run_timeout_s):

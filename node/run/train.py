@@ -33,7 +33,7 @@ from node.workload.model import GPT, GPTConfig, embedding_parameter_names
 from protocol.diloco.fragments import plan_fragments
 from protocol.wire.signing import Signer
 
-__all__ = ["global_param_hash", "inner_step", "island_sampler", "run_peer"]
+__all__ = ["global_param_hash", "inner_step", "island_sampler", "resolved", "run_peer"]
 
 log = logging.getLogger("atoll.train")
 
@@ -45,6 +45,15 @@ def global_param_hash(state: dict[str, torch.Tensor]) -> str:
         h.update(name.encode())
         h.update(state[name].detach().float().contiguous().numpy().tobytes())
     return h.hexdigest()
+
+
+def resolved(cfg: RunConfig) -> RunConfig:
+    """``cfg`` with what the GPT workload implies filled in: a token cap of 0 becomes B·T, the
+    most tokens a learner trains per inner step (the swarm's manifest hash covers the result)."""
+    if cfg.max_tokens_per_step:
+        return cfg
+    block = GPTConfig.preset(cfg.model).block_size
+    return dataclasses.replace(cfg, max_tokens_per_step=cfg.batch_size * block)
 
 
 def island_sampler(cfg: RunConfig, train: torch.Tensor, block_size: int, index: int) -> BatchSampler:
@@ -92,7 +101,8 @@ class PeerOptions:
     public_address: str | None = None
     t0: float = 0.0  # wall-clock origin of the eval curves (the launcher's start)
     wait_for_stop: bool = True  # after the result, serve until the launcher says stop
-    initial_peers_from_stdin: bool = False  # the launcher sends {"initial_peers": [...]} once known
+    initial_peers_from_stdin: bool = False  # the launcher sends {"initial_peers": [...]} once known,
+    # then {"start": true} once every peer is ready, so that all islands start their steps together
     wait_members: int = 1  # start training once this many members are visible (a local swarm: all)
     final_sync: bool = True  # end on the owners' final versions (a local swarm, where all finish)
     serve_after_s: float = 0.0  # without a launcher: keep serving this long after training
@@ -103,9 +113,8 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
     index = opts.index
     torch.set_num_threads(cfg.threads)
     # --- model, data, optimizer -----------------------------------------------------------------
+    cfg = resolved(cfg)
     gcfg = GPTConfig.preset(cfg.model)
-    if cfg.max_tokens_per_step == 0:  # a learner claims at most its batch: B·T tokens per step
-        cfg = dataclasses.replace(cfg, max_tokens_per_step=cfg.batch_size * gcfg.block_size)
     device = torch.device(cfg.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda was asked for, but torch sees no CUDA device here")
@@ -139,6 +148,10 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
     if not node.joined.wait(120) or node.failure is not None:
         raise RuntimeError(f"could not join the swarm: {node.failure!r}")
     node.wait_for_members(opts.wait_members)
+    if opts.initial_peers_from_stdin:
+        emit("ready", index=index)
+        if not _read_stdin_line().get("start"):
+            raise RuntimeError("the launcher stopped the swarm before it started")
     island.adopt_pending()  # the synced global fragments
     emit("joined", index=index, versions=list(island.versions), synced=sorted(node.synced))
     t0 = opts.t0 or time.time()
