@@ -21,6 +21,7 @@ owner's signature and content hash travel with it.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import math
 import os
@@ -34,8 +35,14 @@ from node.diloco.flat import content_hash, flat_from_tensors
 from protocol.diloco.compression import compress
 from protocol.diloco.fragments import Fragment
 from protocol.diloco.merge import Decision, FragmentMerger, MergeConfig, Phase
-from protocol.diloco.outer import OuterConfig, outer_step, radial_directional_average, weighted_mean
-from protocol.errors import Stale
+from protocol.diloco.outer import (
+    OuterConfig,
+    bound_to_norm,
+    outer_step,
+    radial_directional_average,
+    weighted_mean,
+)
+from protocol.errors import DecodeError, Stale
 from protocol.wire.codec import encode
 from protocol.wire.messages import Ack, Contribution, FragmentState
 from protocol.wire.signing import Sealed, Signer, seal
@@ -86,6 +93,11 @@ class FragmentOwner:
         self.version = version
         self.latest: Sealed = self._seal_state(version, self.theta)
         self.merges: list[str] = []
+        # per sender: how often a bound bit (clipped, weight_capped, steps_bounded, tokens_bounded),
+        # its contribution was dropped from a failed merge, or refused (refused_<why>)
+        self.penalties: collections.defaultdict[bytes, collections.Counter[str]] = \
+            collections.defaultdict(collections.Counter)
+        self.step_bounds = 0  # merges whose aggregate was scaled down to max_delta_ratio * |Theta|
         self.retired = False
         self._changed = asyncio.Condition()
         self._wake = asyncio.Event()
@@ -95,14 +107,23 @@ class FragmentOwner:
         """Check and feed one contribution to the merger. Raises ``RemoteProtocolError``."""
         if msg.base_version > self.version:
             raise Stale(f"base version {msg.base_version} is ahead of the owner's {self.version}")
-        flat = await asyncio.to_thread(flat_from_tensors, msg.tensors, self.shapes)
+        flat, norm = await asyncio.to_thread(self._decode, msg)
         decision = self.merger.on_contribution(
             sender, base_version=msg.base_version, tokens=msg.tokens, steps=msg.steps,
-            step_time=msg.step_time, payload=flat, now=self.clock(),
+            step_time=msg.step_time, payload=flat, norm=norm, now=self.clock(),
         )
+        if decision.refusal is not None:
+            self.penalties[sender][f"refused_{decision.refusal}"] += 1
         log.info("fragment %d: %s", self.fragment.index, decision.reason)
         await self._apply(decision)
         return Ack(accepted=decision.accepted, reason=decision.reason, version=self.version)
+
+    def _decode(self, msg: Contribution) -> tuple[torch.Tensor, float]:
+        flat = flat_from_tensors(msg.tensors, self.shapes)
+        norm = float(torch.linalg.vector_norm(flat, dtype=torch.float64))
+        if not math.isfinite(norm):  # cannot happen for finite fp32 values, but never trust it
+            raise DecodeError("the contribution's norm is not finite")
+        return flat, norm
 
     async def set_expected(self, n: int) -> None:
         """Tell the merger how many live learners may contribute; may close the round."""
@@ -195,10 +216,13 @@ class FragmentOwner:
         deltas = [cast(torch.Tensor, e.payload) for e in decision.entries]  # set by ``contribute``
         weights = [e.weight for e in decision.entries]
         peers = [e.peer for e in decision.entries]
+        clips = [e.clip for e in decision.entries]
         try:
-            theta, buffer = await asyncio.to_thread(self._outer, peers, deltas, weights)
+            theta, buffer = await asyncio.to_thread(self._outer, peers, deltas, weights, clips)
             latest = await asyncio.to_thread(self._seal_state, self.version + 1, theta)
         except MergeFailed as exc:
+            for peer in exc.culprits:
+                self.penalties[peer]["dropped"] += 1
             failed = self.merger.on_merge_failed(exc.reason, now=self.clock(), discard=exc.culprits)
             log.warning("fragment %d: %s", self.fragment.index, failed.reason)
             return failed
@@ -209,22 +233,35 @@ class FragmentOwner:
             return failed
         self.theta, self.buffer, self.version, self.latest = theta, buffer, self.version + 1, latest
         self.merges.append(decision.reason)
+        for e in decision.entries:
+            counts = self.penalties[e.peer]
+            counts["merged"] += 1
+            for flag in ("weight_capped", "steps_bounded", "tokens_bounded"):
+                counts[flag] += int(getattr(e, flag))
+            counts["clipped"] += int(e.clip < 1.0)
         log.info("fragment %d: published version %d (%s)", self.fragment.index, self.version, decision.reason)
         async with self._changed:
             self._changed.notify_all()
         now = self.clock()
         return self.merger.on_published(self.version, sync_time=now - t0, now=now)
 
-    def _outer(self, peers: list[bytes], deltas: list[torch.Tensor],
-               weights: list[float]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Aggregate and apply the outer step. Raises ``MergeFailed`` naming the peers to drop."""
+    def _outer(self, peers: list[bytes], deltas: list[torch.Tensor], weights: list[float],
+               clips: list[float]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Clip, aggregate, bound and apply the outer step. Raises ``MergeFailed`` naming the
+        peers to drop."""
         numel = self.theta.numel()
         unsound = frozenset(p for p, d in zip(peers, deltas, strict=True) if not _is_sound(d, numel))
         if unsound:
             raise MergeFailed(f"{len(unsound)} of {len(peers)} contributions are malformed, "
                               "non-finite or overflow their norm", unsound)
+        deltas = [d * c if c < 1.0 else d for d, c in zip(deltas, clips, strict=True)]  # new tensors
         aggregate = weighted_mean if self.fragment.is_embedding else radial_directional_average
         delta = aggregate(deltas, weights)  # [numel_p] fp32
+        theta_norm = float(torch.linalg.vector_norm(self.theta, dtype=torch.float64))
+        if theta_norm > 0 and math.isfinite(self.outer_cfg.max_delta_ratio):
+            delta, scale = bound_to_norm(delta, self.outer_cfg.max_delta_ratio * theta_norm)
+            if scale < 1.0:
+                self.step_bounds += 1
         theta, buffer = outer_step(self.theta, delta, self.buffer, self.outer_cfg)
         if not (bool(torch.isfinite(theta).all()) and (buffer is None or bool(torch.isfinite(buffer).all()))):
             raise MergeFailed(f"the outer step over {len(peers)} contributions is not finite; "

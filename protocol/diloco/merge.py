@@ -33,8 +33,18 @@ resync). Under ``"carry"`` older bases are accepted with weight ``stale_discount
 and contributions arriving while MERGING are kept for round ``v + 1`` (their staleness counted
 against ``v + 1``); under ``"drop"`` those are refused too, so every merged contribution has
 staleness 0. Weights are ``tokens^2 / steps`` (tokens clamped to ``max_tokens_per_step * steps``)
-times the discount, then capped at ``max_weight_median_multiple`` times the median when the
-round closes; if every weight is 0 (no peer counted tokens) they fall back to the discounts.
+times the discount, then capped at ``max_weight_median_multiple`` times the median and at the
+same multiple of the median of the *other* contributions when the round closes (a liar's own
+weight never sets its cap); if every weight is 0 (no peer counted tokens) they fall back to the
+discounts.
+
+Self-reported counts are bounded before they count: ``steps`` by the time since the base
+version was published divided by ``min_step_time_s`` (a learner resets its count when it adopts
+a version), ``tokens`` by ``max_tokens_per_step * steps``. Norm clipping: a contribution reported
+with its ``norm`` is scaled down (``Entry.clip``) to ``clip_multiple`` times a reference norm, the
+median of this round's norms and of the (clipped) norms of the last ``norm_history`` merged
+contributions, so one attacker, even alone in a round at K = 1, cannot set its own bound. Every
+bound that bit is flagged on the ``Entry`` so the node can count it per peer.
 
 The merger never merges below quorum: with ``set_expected(n)`` it closes as soon as
 ``max(K, n)`` contributions are in. It never waits past its deadline: any event at or after it
@@ -48,11 +58,18 @@ from __future__ import annotations
 
 import enum
 import math
+import statistics
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from protocol.diloco.outer import clamp_weights, staleness_discount, token_weight
+from protocol.diloco.outer import (
+    cap_weights_by_others,
+    clamp_weights,
+    clip_factors,
+    staleness_discount,
+    token_weight,
+)
 from protocol.errors import LocalProtocolError
 
 __all__ = ["Decision", "Entry", "FragmentMerger", "MergeConfig", "Phase"]
@@ -84,6 +101,9 @@ class MergeConfig:
     ema_alpha: float = 0.3
     step_time_rounds: int = 4
     retry_s: float = 1.0
+    clip_multiple: float = 2.0
+    norm_history: int = 16
+    min_step_time_s: float = 1e-3
 
     def __post_init__(self) -> None:
         checks = [
@@ -100,6 +120,9 @@ class MergeConfig:
             (0.0 < self.ema_alpha <= 1.0, "ema_alpha must be in (0, 1]"),
             (self.step_time_rounds >= 1, "step_time_rounds must be >= 1"),
             (0.0 <= self.retry_s < math.inf, "retry_s must be finite and >= 0"),
+            (self.clip_multiple >= 1.0, "clip_multiple must be >= 1 (math.inf: no clipping)"),
+            (self.norm_history >= 0, "norm_history must be >= 0"),
+            (0.0 <= self.min_step_time_s < math.inf, "min_step_time_s must be finite and >= 0"),
         ]
         for ok, message in checks:
             if not ok:
@@ -108,12 +131,17 @@ class MergeConfig:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Entry:
-    """One contribution in a merge: its (clamped, discounted) weight and staleness."""
+    """One contribution in a merge: its (clamped, discounted) weight and staleness; ``clip``, the
+    scale to apply to its payload (1.0: not clipped); which bounds bit."""
 
     peer: bytes
     payload: object
     weight: float
     staleness: int
+    clip: float = 1.0
+    weight_capped: bool = False
+    steps_bounded: bool = False
+    tokens_bounded: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -139,6 +167,9 @@ class _Pending:
     base_version: int
     weight: float  # token weight before discount and clamp
     payload: object
+    norm: float | None
+    steps_bounded: bool
+    tokens_bounded: bool
 
 
 # Events, one class each: the keys of the transition table (with the phase).
@@ -150,6 +181,7 @@ class _Contribution:
     steps: int
     step_time: float
     payload: object
+    norm: float | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,15 +228,21 @@ class FragmentMerger:
         self._carried: list[_Pending] = []  # for round v + 1, only while MERGING
         self._step_ema: dict[bytes, tuple[float, int]] = {}  # peer -> (EMA, version last seen)
         self._sync_ema: float | None = None
+        self._published_at: dict[int, float] = {version: now}  # recent versions -> when they opened
+        self._norms: list[float] = []  # clipped norms of recently merged contributions
+        self._closing_norms: list[float] = []  # of the merge in progress, kept on publish
 
     # -- events ------------------------------------------------------------------------------
 
     def on_contribution(
         self, peer: bytes, *, base_version: int, tokens: int, steps: int, step_time: float,
-        payload: object, now: float,
+        payload: object, now: float, norm: float | None = None,
     ) -> Decision:
-        """A learner's contribution (payload opaque, e.g. the decoded pseudo-gradient)."""
-        return self._dispatch(_Contribution(peer, base_version, tokens, steps, step_time, payload), now)
+        """A learner's contribution (payload opaque, e.g. the decoded pseudo-gradient; ``norm``
+        its L2 norm, measured by the node: without it the contribution is never clipped)."""
+        if norm is not None and not (math.isfinite(norm) and norm >= 0):
+            raise LocalProtocolError(f"norm must be finite and >= 0, got {norm}")
+        return self._dispatch(_Contribution(peer, base_version, tokens, steps, step_time, payload, norm), now)
 
     def on_tick(self, now: float) -> Decision:
         """Timer event; due at ``deadline()``. Closes an elapsed grace window."""
@@ -316,6 +354,9 @@ class FragmentMerger:
             raise LocalProtocolError(f"sync_time must be finite and >= 0, got {ev.sync_time}")
         self._sync_ema = _ema(self._sync_ema, ev.sync_time, self.config.ema_alpha)
         self.version = ev.new_version
+        self._opened(ev.new_version)
+        self._norms = (self._norms + self._closing_norms)[-self.config.norm_history:] if self.config.norm_history else []
+        self._closing_norms = []
         self._entries, self._carried = self._carried, []
         self._reopen(Phase.COLLECTING, opened_at=self._now)
         self._first_at = self._now if self._entries else None
@@ -343,6 +384,7 @@ class FragmentMerger:
         kept = [e for e in self._entries if ev.version - e.base_version <= bound]
         dropped = len(self._entries) - len(kept)
         old, self.version, self._entries = self.version, ev.version, kept
+        self._opened(ev.version)
         if len(kept) < self.config.quorum:  # never merge below quorum: back to collecting
             self._reopen(Phase.COLLECTING, opened_at=self._opened_at)
         if not kept:
@@ -373,8 +415,15 @@ class FragmentMerger:
         return self._decide("refuse", problem[1], refusal=problem[0])
 
     def _admit(self, ev: _Contribution, pool: list[_Pending]) -> None:
-        w = token_weight(ev.tokens, ev.steps, max_tokens_per_step=self.config.max_tokens_per_step)
-        pool.append(_Pending(ev.peer, ev.base_version, w, ev.payload))
+        cfg, steps = self.config, ev.steps
+        if cfg.min_step_time_s > 0:  # no more steps than the time since its base allowed
+            opened = self._published_at.get(ev.base_version, min(self._published_at.values()))
+            steps = min(steps, 1 + math.floor(max(0.0, self._now - opened) / cfg.min_step_time_s))
+        cap = cfg.max_tokens_per_step
+        tokens_bounded = cap is not None and ev.tokens > cap * steps
+        w = token_weight(ev.tokens, steps, max_tokens_per_step=cap)
+        pool.append(_Pending(ev.peer, ev.base_version, w, ev.payload, ev.norm,
+                             steps_bounded=steps < ev.steps, tokens_bounded=tokens_bounded))
         if pool is self._entries and self._first_at is None:
             self._first_at = self._now
         old = self._step_ema.get(ev.peer)
@@ -421,10 +470,29 @@ class FragmentMerger:
         if not any(w > 0 for w in weights):
             weights = discounts
         weights = clamp_weights(weights, max_median_multiple=cfg.max_weight_median_multiple)
+        weights, capped = cap_weights_by_others(weights, multiple=cfg.max_weight_median_multiple)
+        clips = self._clips()
+        self._closing_norms = [e.norm * c for e, c in zip(self._entries, clips, strict=True) if e.norm is not None]
         return tuple(
-            Entry(peer=e.peer, payload=e.payload, weight=w, staleness=s)
-            for e, w, s in zip(self._entries, weights, stale, strict=True)
+            Entry(peer=e.peer, payload=e.payload, weight=w, staleness=s, clip=c, weight_capped=k,
+                  steps_bounded=e.steps_bounded, tokens_bounded=e.tokens_bounded)
+            for e, w, s, c, k in zip(self._entries, weights, stale, clips, capped, strict=True)
         )
+
+    def _clips(self) -> list[float]:
+        """Scale per entry bringing its norm to ``clip_multiple`` x the reference norm (see above)."""
+        known = [e.norm for e in self._entries if e.norm is not None]
+        if not known or math.isinf(self.config.clip_multiple):
+            return [1.0] * len(self._entries)
+        reference = statistics.median(known + self._norms)
+        factors = iter(clip_factors(known, reference, self.config.clip_multiple))
+        return [1.0 if e.norm is None else next(factors) for e in self._entries]
+
+    def _opened(self, version: int) -> None:
+        """Version ``version`` opened now; keep the opening times the staleness bound can reach."""
+        self._published_at[version] = self._now
+        floor = version - self.config.staleness_bound - 1
+        self._published_at = {v: t for v, t in self._published_at.items() if v >= floor}
 
     def _reopen(self, phase: Phase, *, opened_at: float) -> None:
         self.phase, self._opened_at = phase, opened_at

@@ -6,7 +6,11 @@ directional averaging, outer Nesterov SGD as in DiLoCo):
 - ``pseudo_gradient``: ``Delta = Theta_base - theta_local``.
 - ``token_weight``: ``w = tokens^2 / steps`` (tokens times tokens per step), tokens clamped to
   ``max_tokens_per_step * steps``; ``clamp_weights`` caps every weight at a multiple of the
-  median; ``staleness_discount`` is ``discount ** staleness``.
+  median, ``cap_weights_by_others`` at a multiple of the median of the *other* weights (so a
+  liar's own weight never sets its cap); ``staleness_discount`` is ``discount ** staleness``.
+- Robust aggregation: ``clip_factors`` scales each contribution down to ``c`` times a reference
+  norm (the owner takes the median of this round's and recent rounds' norms, so a lone attacker
+  cannot set it); ``bound_to_norm`` scales an aggregate down to a bound (``ratio * |Theta|``).
 - ``weighted_mean`` and ``radial_directional_average`` (RDA):
   ``Delta = (sum w |Delta_m| / sum w) * unit(sum w unit(Delta_m) / sum w)``, which keeps the step
   length when pseudo-gradients are near-orthogonal instead of shrinking it as ``1/sqrt(M)``.
@@ -31,7 +35,10 @@ from protocol.errors import LocalProtocolError
 
 __all__ = [
     "OuterConfig",
+    "bound_to_norm",
+    "cap_weights_by_others",
     "clamp_weights",
+    "clip_factors",
     "clip_to_median_norm",
     "outer_step",
     "outer_step_",
@@ -87,6 +94,63 @@ def clamp_weights(weights: Sequence[float], *, max_median_multiple: float = 4.0)
     return [min(float(w), cap) for w in weights]
 
 
+def cap_weights_by_others(weights: Sequence[float], *, multiple: float) -> tuple[list[float], list[bool]]:
+    """Each weight capped at ``multiple`` times the median positive weight of the *other* ones.
+
+    Returns the weights and which were capped. A lone weight, or one whose others are all zero,
+    is left as it is. Raises ``LocalProtocolError`` for negative or non-finite weights or a
+    multiple below 1.
+    """
+    if not multiple >= 1.0:
+        raise LocalProtocolError(f"multiple must be >= 1, got {multiple}")
+    _check_weights(weights)
+    out, capped = [], []
+    for i, w in enumerate(weights):
+        others = [v for j, v in enumerate(weights) if j != i and v > 0]
+        cap = multiple * statistics.median(others) if others else math.inf
+        out.append(min(float(w), cap))
+        capped.append(w > cap)
+    return out, capped
+
+
+def clip_factors(norms: Sequence[float], reference: float, c: float) -> list[float]:
+    """Per-contribution scale in (0, 1] that brings each norm to at most ``c * reference``.
+
+    Raises ``LocalProtocolError`` for a negative or non-finite norm or reference, or ``c < 1``.
+    """
+    if not c >= 1.0:
+        raise LocalProtocolError(f"clip multiple must be >= 1, got {c}")
+    if not (math.isfinite(reference) and reference >= 0):
+        raise LocalProtocolError(f"reference norm must be finite and >= 0, got {reference}")
+    limit = c * reference
+    out = []
+    for n in norms:
+        if not (math.isfinite(n) and n >= 0):
+            raise LocalProtocolError(f"norms must be finite and >= 0, got {n}")
+        out.append(limit / n if n > limit else 1.0)
+    return out
+
+
+def bound_to_norm(delta: torch.Tensor, limit: float) -> tuple[torch.Tensor, float]:
+    """``delta`` scaled down (in place) to norm at most ``limit``; returns it and the scale used."""
+    if not (math.isfinite(limit) and limit >= 0):
+        raise LocalProtocolError(f"norm limit must be finite and >= 0, got {limit}")
+    norm = float(torch.linalg.vector_norm(delta.double()))
+    if norm <= limit:
+        return delta, 1.0
+    scale = limit / norm
+    return _scale_(delta, scale), scale
+
+
+def _scale_(t: torch.Tensor, factor: float) -> torch.Tensor:
+    """``t *= factor`` in place, in two half steps when ``factor`` itself is beyond fp32's normal
+    range (near 3e38 values, a norm ratio can be ~1e-38 or ~1e38 while the product is ordinary)."""
+    if 1e-30 < factor < 1e30:
+        return t.mul_(factor)
+    half = math.sqrt(factor)
+    return t.mul_(half).mul_(half)
+
+
 def staleness_discount(staleness: int, discount: float) -> float:
     """``discount ** staleness``; ``LocalProtocolError`` unless staleness >= 0, 0 <= discount <= 1."""
     if staleness < 0:
@@ -131,14 +195,14 @@ def radial_directional_average(
     direction = torch.zeros(deltas[0].shape, dtype=torch.float32, device=deltas[0].device)
     radius = 0.0
     for d, w in zip(deltas, weights, strict=True):
-        norm = float(torch.linalg.vector_norm(d.to(torch.float32)))
+        norm = float(torch.linalg.vector_norm(d, dtype=torch.float64))  # fp32 overflows near 3e38
         radius += w * norm / total
         if w > 0 and norm > eps:
             direction.add_(d.to(torch.float32), alpha=w / (total * norm))
     length = float(torch.linalg.vector_norm(direction))
     if length <= min_direction:
         return direction.zero_()
-    return direction.mul_(radius / length)
+    return _scale_(direction, radius / length)
 
 
 def clip_to_median_norm(deltas: Sequence[torch.Tensor], c: float) -> list[torch.Tensor]:
@@ -169,12 +233,15 @@ class OuterConfig:
     lr: float = 0.7
     momentum: float = 0.9
     nesterov: bool = True
+    max_delta_ratio: float = 1.0  # the owner bounds an aggregate's norm to this times |Theta|
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise LocalProtocolError(f"outer lr must be finite and > 0, got {self.lr}")
         if not 0.0 <= self.momentum < 1.0:
             raise LocalProtocolError(f"outer momentum must be in [0, 1), got {self.momentum}")
+        if not self.max_delta_ratio > 0:
+            raise LocalProtocolError(f"max_delta_ratio must be > 0 (inf: unbounded), got {self.max_delta_ratio}")
 
 
 def outer_step(

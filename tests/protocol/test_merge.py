@@ -393,3 +393,58 @@ def test_rebase_not_allowed_while_merging() -> None:
     assert apply(m, c(0.0, A, step_time=0.0)).kind == "merge"
     with pytest.raises(LocalProtocolError, match="Rebase not allowed while merging"):
         m.rebase(3, now=0.0)
+
+
+# --- a merge that one liar cannot steer ------------------------------------------------------------
+
+
+def _merge_of(m: FragmentMerger, now: float, contributions: list[tuple[bytes, dict[str, Any]]]) -> Decision:
+    m.set_expected(len(contributions), now=now)
+    d: Decision | None = None
+    for peer, kw in contributions:
+        d = apply(m, c(now, peer, **kw))
+    assert d is not None and d.kind == "merge", d
+    return d
+
+
+def test_a_scaled_contribution_is_clipped_to_the_honest_norm() -> None:
+    m = FragmentMerger(0, MergeConfig(quorum=1, clip_multiple=2.0), now=0.0)
+    d = _merge_of(m, 1.0, [(A, {"norm": 1.0}), (B, {"norm": 1.2}), (C, {"norm": 0.9}), (D, {"norm": 1000.0})])
+    clips = {e.peer: e.clip for e in d.entries}
+    assert clips[A] == clips[B] == clips[C] == 1.0
+    assert clips[D] * 1000.0 == pytest.approx(2.0 * 1.1)  # 2 x the median of the four norms
+
+
+def test_a_lone_attacker_at_quorum_one_cannot_set_its_own_reference() -> None:
+    m = FragmentMerger(0, MergeConfig(quorum=1, clip_multiple=2.0), now=0.0)
+    for v, peer in enumerate((A, B, C)):  # three honest rounds build the history
+        _merge_of(m, float(v), [(peer, {"norm": 1.0, "base": v})])
+        m.on_published(v + 1, sync_time=0.0, now=float(v))
+    d = _merge_of(m, 5.0, [(D, {"norm": 1e6, "base": 3})])  # alone in its round
+    (entry,) = d.entries
+    assert entry.clip * 1e6 == pytest.approx(2.0)  # median(1e6, 1, 1, 1) = 1: clipped to 2 x 1
+
+
+def test_a_liar_about_steps_and_tokens_is_bounded_by_time_and_by_the_others() -> None:
+    cfg = MergeConfig(quorum=1, max_tokens_per_step=100, min_step_time_s=0.01, max_weight_median_multiple=4.0)
+    m = FragmentMerger(0, cfg, now=0.0)
+    d = _merge_of(m, 1.0, [(A, {"tokens": 1000, "steps": 10}),  # honest: 10 steps of 100 tokens
+                           (B, {"tokens": 10**12, "steps": 10**6})])  # 1 s allows 101 steps at most
+    by = {e.peer: e for e in d.entries}
+    assert by[B].steps_bounded and by[B].tokens_bounded and by[B].weight_capped
+    assert not (by[A].steps_bounded or by[A].tokens_bounded or by[A].weight_capped)
+    share = by[B].weight / (by[A].weight + by[B].weight)
+    assert share == pytest.approx(0.8)  # capped at 4x the median of the others, not 100 %
+
+
+@settings(max_examples=60, deadline=None)
+@given(norms=st.lists(st.floats(min_value=0.0, max_value=1e30), min_size=1, max_size=8),
+       c_mult=st.sampled_from([1.0, 2.0, 3.0]))
+def test_no_merged_norm_exceeds_c_times_the_median(norms: list[float], c_mult: float) -> None:
+    m = FragmentMerger(0, MergeConfig(quorum=1, clip_multiple=c_mult), now=0.0)
+    peers = [bytes([i + 1]) * 32 for i in range(len(norms))]
+    d = _merge_of(m, 1.0, [(p, {"norm": n}) for p, n in zip(peers, norms, strict=True)])
+    limit = c_mult * statistics.median(norms)
+    for e, n in zip(d.entries, norms, strict=True):
+        assert 0.0 < e.clip <= 1.0
+        assert n * e.clip <= limit * (1 + 1e-9) + 1e-300

@@ -251,3 +251,31 @@ def test_outer_config_and_shape_errors() -> None:
         outer_step(torch.ones(2), torch.ones(3), None, OuterConfig())
     with pytest.raises(LocalProtocolError, match="shapes"):
         outer_step(torch.ones(2), torch.ones(2), torch.ones(3), OuterConfig())
+
+
+def test_cap_weights_by_others_ignores_the_liars_own_weight() -> None:
+    from protocol.diloco.outer import cap_weights_by_others
+    weights, capped = cap_weights_by_others([1.0, 1e6], multiple=4.0)
+    assert weights == [1.0, 4.0] and capped == [False, True]
+    assert cap_weights_by_others([5.0], multiple=4.0) == ([5.0], [False])  # alone: nothing to compare
+    assert cap_weights_by_others([0.0, 3.0], multiple=4.0) == ([0.0, 3.0], [False, False])
+    with pytest.raises(LocalProtocolError):
+        cap_weights_by_others([1.0], multiple=0.5)
+
+
+def test_clip_factors_and_bound_to_norm() -> None:
+    from protocol.diloco.outer import bound_to_norm, clip_factors
+    assert clip_factors([1.0, 4.0, 10.0], reference=2.0, c=2.0) == [1.0, 1.0, 0.4]
+    with pytest.raises(LocalProtocolError):
+        clip_factors([math.inf], reference=1.0, c=2.0)
+    delta = torch.tensor([3.0e38, 3.0e38])  # its fp32 norm overflows; the bound still holds
+    out, scale = bound_to_norm(delta, 5.0)
+    assert torch.allclose(out, torch.tensor([5.0, 5.0]) / math.sqrt(2.0)) and scale < 1e-37
+    small, scale = bound_to_norm(torch.tensor([3.0, 4.0]), 5.0)
+    assert scale == 1.0 and torch.equal(small, torch.tensor([3.0, 4.0]))
+
+
+def test_rda_keeps_the_norm_of_huge_finite_deltas() -> None:
+    big = torch.full((4,), 3.0e38)
+    out = radial_directional_average([big, big], [1.0, 1.0])
+    assert torch.isfinite(out).all() and torch.allclose(out, big)

@@ -45,7 +45,7 @@ def _opened_state(sealed_bytes: bytes, shapes: list[tuple[int, ...]]) -> tuple[i
 
 async def test_accepted_then_merged_at_the_deadline_sealed_and_long_poll_woken() -> None:
     plan, shapes, clock, theta0, owner = _setup(quorum=2)
-    delta = torch.linspace(-0.5, 0.5, theta0.numel())
+    delta = torch.linspace(-0.05, 0.05, theta0.numel())
     waiter = asyncio.create_task(owner.wait_after(0, wait_s=60.0))
     ack = await owner.contribute(A, contribution(delta, shapes[0]))
     assert ack.accepted and ack.version == 0 and "(1 contributions; quorum 2)" in ack.reason
@@ -73,7 +73,7 @@ async def test_accepted_then_merged_at_the_deadline_sealed_and_long_poll_woken()
 async def test_all_expected_contributions_close_the_round_at_once() -> None:
     _, shapes, _, theta0, owner = _setup(quorum=1)
     await owner.set_expected(2)
-    delta = torch.full_like(theta0, 0.25)
+    delta = torch.full_like(theta0, 0.025)
     await owner.contribute(A, contribution(delta, shapes[0]))
     assert owner.version == 0
     await owner.contribute(B, contribution(delta, shapes[0]))
@@ -82,7 +82,7 @@ async def test_all_expected_contributions_close_the_round_at_once() -> None:
 
 async def test_version_fencing_and_refusals() -> None:
     _, shapes, _, theta0, owner = _setup(quorum=1, late_policy="drop")
-    delta = torch.full_like(theta0, 0.1)
+    delta = torch.full_like(theta0, 0.01)
     with pytest.raises(Stale, match="base version 3 is ahead of the owner's 0"):
         await owner.contribute(A, contribution(delta, shapes[0], base_version=3))
     await owner.set_expected(2)
@@ -158,3 +158,29 @@ async def test_retire_releases_long_polls_at_once() -> None:
     await owner.retire()
     async with asyncio.timeout(5):
         assert await waiter is None
+
+
+async def test_one_member_sending_a_thousand_times_the_honest_norm_cannot_steer_the_step() -> None:
+    _, shapes, _, theta0, owner = _setup(quorum=1)
+    await owner.set_expected(4)
+    honest = torch.linspace(-0.01, 0.01, theta0.numel())
+    D = bytes([0xD4]) * 32
+    for peer in (A, B, C):
+        await owner.contribute(peer, contribution(honest, shapes[0]))
+    await owner.contribute(D, contribution(1000.0 * honest, shapes[0]))
+    assert owner.version == 1
+    step = float(torch.linalg.vector_norm(owner.theta - theta0))
+    # unclipped, the radial average would step 250x the honest norm; clipped, at most 2x
+    assert step <= 2.0 * float(torch.linalg.vector_norm(honest)) * 1.001
+    assert owner.penalties[D]["clipped"] == 1 and owner.penalties[D]["merged"] == 1
+    assert all(owner.penalties[p]["clipped"] == 0 for p in (A, B, C))
+
+
+async def test_an_aggregate_longer_than_the_fragment_itself_is_bounded() -> None:
+    _, shapes, _, theta0, owner = _setup(quorum=1)
+    await owner.set_expected(1)
+    huge = theta0 * -50.0  # alone in the first round, nothing to clip it against
+    await owner.contribute(A, contribution(huge, shapes[0]))
+    assert owner.version == 1 and owner.step_bounds == 1
+    step = float(torch.linalg.vector_norm(owner.theta - theta0))
+    assert step == pytest.approx(float(torch.linalg.vector_norm(theta0)), rel=1e-4)  # max_delta_ratio 1
