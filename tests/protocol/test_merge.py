@@ -446,5 +446,5 @@ def test_no_merged_norm_exceeds_c_times_the_median(norms: list[float], c_mult: f
     d = _merge_of(m, 1.0, [(p, {"norm": n}) for p, n in zip(peers, norms, strict=True)])
     limit = c_mult * statistics.median(norms)
     for e, n in zip(d.entries, norms, strict=True):
-        assert 0.0 < e.clip <= 1.0
+        assert 0.0 <= e.clip <= 1.0  # 0 when most norms are 0: the reference is 0
         assert n * e.clip <= limit * (1 + 1e-9) + 1e-300
