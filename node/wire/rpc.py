@@ -9,7 +9,6 @@ has been verified and decoded.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -18,7 +17,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from node.wire.transport import Transport
+from node.wire.transport import Transport, refusal
 from protocol.errors import NotAuthorized, RemoteProtocolError
 from protocol.wire.codec import encode
 from protocol.wire.messages import Message
@@ -32,8 +31,8 @@ Handler = Callable[[Opened], Awaitable[Message]]
 
 
 def error_response(exc: RemoteProtocolError) -> web.Response:
-    body = {"error": type(exc).__name__, "reason": exc.reason}
-    return web.Response(status=exc.status, text=json.dumps(body), content_type="application/json")
+    """The 4xx reply to a refused request, with the reason as JSON (``transport.refusal``)."""
+    return refusal(exc)
 
 
 async def serve_sealed_request(

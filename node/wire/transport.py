@@ -5,6 +5,14 @@ mean. Bodies travel in chunks of at most ``CHUNK`` bytes and are read into poole
 fragment of hundreds of MB is never concatenated or copied twice (fresh memory is slow to fill
 on small machines). The server binds port 0 and announces the real port only once bound.
 
+Refusing is cheap (``ServeLimits``). A declared ``Content-Length`` is a claim, not a reason to
+allocate: a body's buffer grows with the bytes that actually arrive (a pooled buffer is reused
+when one is large enough), and the pool keeps no huge buffer. A body must keep arriving (an idle
+timeout between chunks) and be complete within an overall timeout that grows with its declared
+size; a sender that stalls gets a 408 and its connection is closed. Each address may have only
+a few bodies being read at once (429 beyond), header lines and fields are bounded, and a
+``RemoteProtocolError`` raised by any route becomes a 4xx with a JSON reason, never a 500.
+
 Kernel traffic shaping is not available on every machine, so ``LinkEmulator`` adds latency,
 a bandwidth cap and a drop rate to this node's outbound requests, per destination.
 """
@@ -12,21 +20,91 @@ a bandwidth cap and a drop rate to this node's outbound requests, per destinatio
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import logging
 import random
-from collections.abc import AsyncIterator, Iterable
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
 import aiohttp
 from aiohttp import web
 
-from protocol.errors import Oversize
+from protocol.errors import Oversize, RemoteProtocolError
 
-__all__ = ["CHUNK", "BufferPool", "LinkDropped", "LinkEmulator", "LinkProfile", "Transport"]
+__all__ = [
+    "CHUNK", "BodyTimeout", "BufferPool", "Busy", "ClientGone", "LinkDropped", "LinkEmulator",
+    "LinkProfile", "ServeLimits", "Transport", "refusal", "read_stream",
+]
 
 log = logging.getLogger(__name__)
 
 CHUNK = 1 << 20
+# What the buffer pool keeps for reuse: never a buffer above POOL_MAX_BUFFER, at most
+# POOL_MAX_BYTES in all (a peer that once received a huge body does not hold it forever).
+POOL_MAX_BUFFER = 64 << 20
+POOL_MAX_BYTES = 128 << 20
+# Reading a request body: it must be complete within BODY_TIMEOUT_S plus BODY_SLACK_S_PER_MIB
+# per declared MiB (so a 256 MiB body may take ~5 min, i.e. ~1 MiB/s), and no gap between two
+# chunks may exceed BODY_IDLE_S.
+BODY_TIMEOUT_S = 30.0
+BODY_SLACK_S_PER_MIB = 1.0
+BODY_IDLE_S = 10.0
+# Request bodies being read at once, per sender address and in all.
+MAX_BODIES_PER_IP = 8
+MAX_BODIES = 64
+# Request line / header field sizes and count (aiohttp's defaults, named), and how long an idle
+# keep-alive connection stays open (aiohttp's default is an hour).
+MAX_LINE_SIZE = 8190
+MAX_FIELD_SIZE = 8190
+MAX_HEADERS = 64
+KEEPALIVE_S = 75.0
+
+
+class BodyTimeout(RemoteProtocolError):
+    """A request body that stopped arriving, or did not arrive in time."""
+
+    status = 408
+
+
+class Busy(RemoteProtocolError):
+    """Too many request bodies are being read from this address (or in all); retry later."""
+
+    status = 429
+
+
+class ClientGone(RemoteProtocolError):
+    """The sender went away, or ended the body before its declared length."""
+
+
+@dataclass(frozen=True, slots=True)
+class ServeLimits:
+    """How much a server lets one request cost before refusing it (see the module docstring)."""
+
+    body_timeout_s: float = BODY_TIMEOUT_S
+    body_slack_s_per_mib: float = BODY_SLACK_S_PER_MIB
+    body_idle_s: float = BODY_IDLE_S
+    bodies_per_ip: int = MAX_BODIES_PER_IP
+    bodies: int = MAX_BODIES
+    max_line_size: int = MAX_LINE_SIZE
+    max_field_size: int = MAX_FIELD_SIZE
+    max_headers: int = MAX_HEADERS
+    keepalive_s: float = KEEPALIVE_S
+
+    def __post_init__(self) -> None:
+        if min(self.body_timeout_s, self.body_idle_s) <= 0 or min(self.bodies_per_ip, self.bodies) < 1:
+            raise ValueError(f"invalid serve limits {self}: timeouts must be > 0 and caps >= 1")
+
+    def body_deadline_s(self, declared: int | None) -> float:
+        """How long a body of ``declared`` bytes (None: unknown) may take in all."""
+        return self.body_timeout_s + self.body_slack_s_per_mib * (declared or 0) / (1 << 20)
+
+
+def refusal(exc: RemoteProtocolError) -> web.Response:
+    """The reply to a refused request: its status and a JSON ``{"error", "reason"}``."""
+    body = {"error": type(exc).__name__, "reason": exc.reason}
+    return web.Response(status=exc.status, text=json.dumps(body), content_type="application/json")
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,51 +182,97 @@ class LinkEmulator:
 
 
 class BufferPool:
-    """Reusable bytearrays, so receiving a fragment does not fault in fresh memory each time."""
+    """Reusable bytearrays, so receiving a fragment does not fault in fresh memory each time.
 
-    def __init__(self, max_buffers: int = 8) -> None:
+    It keeps at most ``max_buffers`` buffers of at most ``max_buffer`` bytes each and
+    ``max_bytes`` in all; a buffer given back beyond that is dropped (and its memory freed)."""
+
+    def __init__(self, max_buffers: int = 8, *, max_buffer: int = POOL_MAX_BUFFER,
+                 max_bytes: int = POOL_MAX_BYTES) -> None:
         self._free: list[bytearray] = []
-        self._max = max_buffers
+        self._max, self.max_buffer, self.max_bytes = max_buffers, max_buffer, max_bytes
+        self.held = 0  # bytes kept for reuse
 
-    def take(self, size: int) -> bytearray:
-        best = min((b for b in self._free if len(b) >= size), key=len, default=None)
-        if best is not None:
-            self._free.remove(best)
-            return best
-        return bytearray(max(size, CHUNK))
+    def take(self, size: int, *, fresh: int | None = None) -> bytearray:
+        """The smallest pooled buffer of at least ``size`` bytes; if none, a new one of ``size``
+        bytes (at least ``CHUNK``), or of only ``fresh`` bytes when that is given and smaller
+        (the caller then grows it as bytes arrive)."""
+        want = size if fresh is None else min(size, fresh)
+        for least in (size, want):
+            best = min((b for b in self._free if len(b) >= least), key=len, default=None)
+            if best is not None:
+                self._free.remove(best)
+                self.held -= len(best)
+                return best
+        return bytearray(max(want, CHUNK))
 
     def give(self, buf: bytearray) -> None:
-        if len(self._free) < self._max:
+        size = len(buf)
+        if len(self._free) < self._max and size <= self.max_buffer and self.held + size <= self.max_bytes:
             self._free.append(buf)
+            self.held += size
+
+
+def _grow(pool: BufferPool, buf: bytearray, used: int, need: int, limit: int) -> bytearray:
+    """A buffer of at least ``need`` bytes holding ``buf[:used]``: double, up to ``limit``."""
+    grown = pool.take(min(max(need, 2 * len(buf)), limit))
+    grown[:used] = memoryview(buf)[:used]
+    pool.give(buf)
+    return grown
 
 
 async def read_stream(
-    content: aiohttp.StreamReader, length: int | None, max_size: int, pool: BufferPool
+    content: aiohttp.StreamReader, length: int | None, max_size: int, pool: BufferPool,
+    *, timeout_s: float | None = None, idle_s: float | None = None,
 ) -> tuple[bytearray, int]:
     """Read a body into a pooled buffer; return (buffer, used bytes). Caller gives it back.
 
-    Raises ``Oversize`` as soon as the body (declared or actual) exceeds ``max_size``.
+    The buffer grows as bytes arrive (a declared length is only an upper bound). Raises
+    ``Oversize`` as soon as the body (declared or actual) exceeds ``max_size``; ``BodyTimeout``
+    when no chunk arrives for ``idle_s`` or the whole body takes longer than ``timeout_s``
+    (None: no limit); ``ClientGone`` for a body that ends before its declared length.
     """
     if length is not None and length > max_size:
         raise Oversize(f"body of {length} bytes exceeds the cap of {max_size}")
-    buf = pool.take(length if length is not None else CHUNK)
+    limit = max_size if length is None else length
+    loop = asyncio.get_running_loop()
+    deadline = None if timeout_s is None else loop.time() + timeout_s
+    buf = pool.take(limit, fresh=CHUNK)
     used = 0
     try:
-        async for chunk in content.iter_chunked(CHUNK):
+        while True:
+            left = None if deadline is None else max(deadline - loop.time(), 0.0)
+            by_idle = idle_s is not None and (left is None or idle_s <= left)
+            wait = idle_s if by_idle else left
+            try:
+                async with asyncio.timeout(wait):
+                    chunk = await content.read(CHUNK)
+            except TimeoutError:
+                raise BodyTimeout(_stalled(used, length, wait if by_idle else timeout_s,
+                                           whole=not by_idle)) from None
+            if not chunk:
+                break
             end = used + len(chunk)
-            if end > max_size:
-                raise Oversize(f"body exceeds the cap of {max_size} bytes")
+            if end > limit:
+                raise Oversize(f"body exceeds {'its declared length' if length is not None else 'the cap'} "
+                               f"of {limit} bytes")
             if end > len(buf):
-                grown = bytearray(min(max(end, 2 * len(buf)), max_size))
-                grown[:used] = memoryview(buf)[:used]
-                pool.give(buf)
-                buf = grown
+                buf = _grow(pool, buf, used, end, limit)
             buf[used:end] = chunk
             used = end
+        if length is not None and used != length:
+            raise ClientGone(f"body ended after {used} of {length} declared bytes")
     except BaseException:
         pool.give(buf)
         raise
     return buf, used
+
+
+def _stalled(got: int, length: int | None, limit_s: float | None, *, whole: bool) -> str:
+    declared = f" of {length} declared" if length is not None else ""
+    if whole:
+        return f"request body not complete after {limit_s:.1f} s ({got}{declared} bytes arrived)"
+    return f"request body stalled: {got}{declared} bytes arrived, then nothing for {limit_s:.1f} s"
 
 
 class Transport:
@@ -161,14 +285,18 @@ class Transport:
         *,
         max_body: int = 512 << 20,
         link: LinkEmulator | None = None,
+        limits: ServeLimits | None = None,
     ) -> None:
         self.host, self.port = host, port
         self.max_body = max_body
         self.link = link or LinkEmulator()
-        self.app = web.Application(client_max_size=max_body)
+        self.limits = limits or ServeLimits()
+        self.app = web.Application(client_max_size=max_body, middlewares=[self._guard])
         self.pool = BufferPool()
         self.bytes_sent = 0
         self.bytes_received = 0
+        self.bodies_in_flight: Counter[str] = Counter()  # request bodies being read, per address
+        self._hang_up: set[int] = set()  # ids of requests whose connection closes after the reply
         self._runner: web.AppRunner | None = None
         self._session: aiohttp.ClientSession | None = None
 
@@ -178,7 +306,11 @@ class Transport:
 
     async def start(self) -> str:
         """Bind and start serving; return the real URL (with the port the OS chose)."""
-        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
+        lim = self.limits
+        self._runner = web.AppRunner(
+            self.app, access_log=None, handle_signals=False, keepalive_timeout=lim.keepalive_s,
+            max_line_size=lim.max_line_size, max_field_size=lim.max_field_size, max_headers=lim.max_headers,
+        )
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True)
         await site.start()
@@ -234,19 +366,66 @@ class Transport:
         data = self._body(url, chunks) if size else None
         async with asyncio.timeout(timeout_s):
             async with self.session.request(method, url, data=data, headers=headers) as resp:
-                buf, used = await read_stream(
-                    resp.content, resp.content_length, max_reply or self.max_body, self.pool
-                )
+                length = resp.content_length if method != "HEAD" else 0
+                buf, used = await read_stream(resp.content, length, max_reply or self.max_body, self.pool)
                 self.bytes_received += used
                 return resp.status, buf, used, dict(resp.headers)
 
     async def read_request(self, request: web.Request, max_size: int | None = None) -> tuple[bytearray, int]:
-        """Read a request body into a pooled buffer (see ``read_stream``)."""
-        buf, used = await read_stream(
-            request.content, request.content_length, max_size or self.max_body, self.pool
-        )
+        """Read a request body into a pooled buffer (see ``read_stream``) under ``self.limits``.
+
+        Raises ``Busy`` when the sender's address (or the server) has too many bodies being read,
+        ``Oversize``, ``BodyTimeout``, or ``ClientGone`` when the sender went away. A body not
+        read to its end is not drained: the connection is closed after the reply."""
+        ip, lim = request.remote or "unknown", self.limits
+        if self.bodies_in_flight[ip] >= lim.bodies_per_ip:
+            self._hang_up.add(id(request))
+            raise Busy(f"{self.bodies_in_flight[ip]} request bodies from {ip} are being read already "
+                       f"(at most {lim.bodies_per_ip} at once); retry later")
+        if self.bodies_in_flight.total() >= lim.bodies:
+            self._hang_up.add(id(request))
+            raise Busy(f"{lim.bodies} request bodies are being read already; retry later")
+        self.bodies_in_flight[ip] += 1
+        length = request.content_length
+        try:
+            buf, used = await read_stream(
+                request.content, length, max_size or self.max_body, self.pool,
+                timeout_s=lim.body_deadline_s(length), idle_s=lim.body_idle_s,
+            )
+        except (ConnectionError, aiohttp.ClientPayloadError) as exc:  # the sender went away
+            self._hang_up.add(id(request))
+            raise ClientGone(f"request body cut off: {exc}") from None
+        except RemoteProtocolError:
+            self._hang_up.add(id(request))
+            raise
+        finally:
+            self.bodies_in_flight[ip] -= 1
+            if self.bodies_in_flight[ip] <= 0:
+                del self.bodies_in_flight[ip]
         self.bytes_received += used
         return buf, used
+
+    @web.middleware
+    async def _guard(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        """Every route: a ``RemoteProtocolError`` becomes a 4xx with its reason; a request whose
+        body was refused part-way gets its reply and then loses its connection (not drained)."""
+        try:
+            resp = await handler(request)
+        except RemoteProtocolError as exc:
+            log.info("refused %s %s from %s: %s: %s", request.method, request.path, request.remote,
+                     type(exc).__name__, exc.reason)
+            resp = refusal(exc)
+        if id(request) not in self._hang_up:
+            return resp
+        self._hang_up.discard(id(request))
+        resp.force_close()
+        with contextlib.suppress(ConnectionError, aiohttp.ClientConnectionResetError, RuntimeError):
+            await resp.prepare(request)
+            await resp.write_eof()
+        request.protocol.force_close()  # the reply is flushed first; no lingering read of the rest
+        return resp
 
     async def stream_reply(
         self, request: web.Request, chunks: Iterable[memoryview | bytes], size: int,
