@@ -10,7 +10,8 @@ holding the bytes may re-serve them and the receiver still knows they are the ow
 Serving (``serve_sealed``). The wire form is streamed in <= ``CHUNK`` views of the sealed
 parts, never joined. ``Range: bytes=N-`` / ``N-M`` / ``-K`` get a 206 with ``Content-Range``;
 multi-ranges and malformed ranges get the whole body (RFC 9110 lets a server ignore Range);
-a range past the end gets 416. The strong ETag ``v<version>-<sha256(envelope)[:16] hex>``
+a range past the end, or with a position of more than ``MAX_RANGE_DIGITS`` digits, gets 416
+with a reason. The strong ETag ``v<version>-<sha256(envelope)[:16] hex>``
 names the exact bytes (the envelope holds the message hash, timestamp and nonce), so replicas
 re-serving the same version answer with the same ETag. ``If-Range`` with another ETag gets the
 whole new body with 200, so a resume never splices two versions together.
@@ -47,7 +48,7 @@ from protocol.errors import DecodeError, RemoteProtocolError
 from protocol.wire.signing import Sealed
 
 __all__ = [
-    "HASH", "MAX_MANIFEST_CHUNK", "MIN_MANIFEST_CHUNK", "Manifest", "ManifestCache",
+    "HASH", "MAX_MANIFEST_CHUNK", "MAX_RANGE_DIGITS", "MIN_MANIFEST_CHUNK", "Manifest", "ManifestCache",
     "RangeNotSatisfiable", "chunk_manifest", "encode_manifest", "etag_version", "parse_range",
     "serve_manifest", "serve_sealed", "state_etag", "unquote_etag",
 ]
@@ -57,7 +58,8 @@ log = logging.getLogger(__name__)
 HASH = 32
 MIN_MANIFEST_CHUNK = 64 << 10
 MAX_MANIFEST_CHUNK = 64 << 20
-_RANGE = re.compile(r"bytes=(\d*)-(\d*)")
+MAX_RANGE_DIGITS = 19  # 10**19 bytes is past any body; longer numbers are refused unparsed
+_RANGE = re.compile(r"bytes=([0-9]*)-([0-9]*)")
 _ETAG = re.compile(r"v(\d+)-[0-9a-f]+")
 
 
@@ -85,6 +87,9 @@ def parse_range(value: str, size: int) -> tuple[int, int] | None:
     m = _RANGE.fullmatch(value.strip())
     if m is None or (not m.group(1) and not m.group(2)):
         return None
+    if max(len(m.group(1)), len(m.group(2))) > MAX_RANGE_DIGITS:
+        raise RangeNotSatisfiable(f"range position of more than {MAX_RANGE_DIGITS} digits "
+                                  f"(a {size}-byte body)")
     if not m.group(1):  # suffix: the last K bytes
         k = int(m.group(2))
         if k == 0:
@@ -125,17 +130,18 @@ async def serve_sealed(
     if "Range" in request.headers and if_range in (None, etag):
         try:
             span = parse_range(request.headers["Range"], size)
-        except RangeNotSatisfiable:
-            return web.Response(status=416, headers={**headers, "Content-Range": f"bytes */{size}"})
+        except RangeNotSatisfiable as exc:
+            return web.json_response({"error": "RangeNotSatisfiable", "reason": exc.reason}, status=416,
+                                     headers={**headers, "Content-Range": f"bytes */{size}"})
     start, end = span or (0, size)
     resp = web.StreamResponse(status=206 if span else 200, headers=headers)
     if span:
         resp.headers["Content-Range"] = f"bytes {start}-{end - 1}/{size}"
     resp.content_type = "application/octet-stream"
     resp.content_length = end - start
-    await resp.prepare(request)
     sent = 0
     try:
+        await resp.prepare(request)
         for chunk in _byte_range(sealed, start, end) if request.method != "HEAD" else ():
             await transport.link.throttle(str(request.remote), chunk.nbytes)
             await resp.write(chunk)
