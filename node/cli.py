@@ -42,6 +42,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="also train peer 0's island alone (same model, shard and steps) and report "
                             "what merging gained")
     local.add_argument("--quiet", action="store_true", help="no live progress lines")
+    local.add_argument("--attack", action="append", default=[], metavar="PEER:KIND[=X]",
+                       help="peer PEER sends malicious contributions: scale=X, random, signflip, stale "
+                            "or lie-tokens=X (repeatable); the report counts what the merge did about it")
     local.add_argument("--kill", action="append", default=[], metavar="PEER@STEP",
                        help="fault injection: SIGKILL peer PEER once it reports inner step STEP (repeatable)")
     local.add_argument("--slow", action="append", default=[], metavar="PEER@FACTOR",
@@ -80,6 +83,8 @@ def _parser() -> argparse.ArgumentParser:
                       help="read {\"initial_peers\": [...]} from stdin after loading the model and data")
     peer.add_argument("--wait-members", type=int, default=1, help="start training once this many members joined")
     peer.add_argument("--slow-factor", type=float, default=1.0, help="emulate a slower machine (fault injection)")
+    peer.add_argument("--attack", default="", metavar="KIND[=X]",
+                      help="send malicious contributions (measurement): scale=X, random, signflip, stale, lie-tokens=X")
     return parser
 
 
@@ -98,12 +103,16 @@ def main(argv: list[str] | None = None) -> int:
         try:
             kill_at = _parse_kills(args.kill, cfg.peers)
             slow = _parse_slow(args.slow, cfg.peers)
+            attacks = _parse_attacks(args.attack, cfg.peers)
         except ValueError as exc:
             print(f"atoll local: {exc}", file=sys.stderr)
             return 2
         try:
-            run_local(cfg, report_path=args.report, baseline=args.baseline, alone=args.alone, quiet=args.quiet, kill_at=kill_at,
-                      extra_peer_args={i: ["--slow-factor", str(f)] for i, f in slow.items()})
+            extra: dict[int, list[str]] = {i: ["--slow-factor", str(f)] for i, f in slow.items()}
+            for i, attack in attacks.items():
+                extra.setdefault(i, []).extend(["--attack", attack])
+            run_local(cfg, report_path=args.report, baseline=args.baseline, alone=args.alone, quiet=args.quiet,
+                      kill_at=kill_at, extra_peer_args=extra, attacks=attacks)
         except KeyboardInterrupt:
             return 130
         return 0
@@ -130,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger().setLevel(min(logging.INFO, logging.getLogger().level))
         opts = PeerOptions(index=args.index, initial_peers=tuple(args.initial_peers), t0=args.t0,
                            initial_peers_from_stdin=args.initial_peers_from_stdin,
-                           wait_members=args.wait_members, slow_factor=args.slow_factor)
+                           wait_members=args.wait_members, slow_factor=args.slow_factor,
+                           attack=args.attack)
         run_peer(RunConfig.load(args.config), opts)
         return 0
     return 2
@@ -234,6 +244,19 @@ def _parse_kills(specs: list[str], peers: int) -> dict[int, int]:
             raise ValueError(f"bad --kill {spec!r}: expected PEER@STEP with 0 < PEER < {peers} "
                              "(peer 0 founds the swarm), e.g. --kill 1@100")
         out[int(index)] = int(step)
+    return out
+
+
+def _parse_attacks(specs: list[str], peers: int) -> dict[int, str]:
+    """``["2:scale=1000"]`` -> ``{2: "scale=1000"}``; raises ValueError with the expected form."""
+    from node.run.attack import parse_local_attack
+
+    out: dict[int, str] = {}
+    for spec in specs:
+        index, attack = parse_local_attack(spec)
+        if not 0 <= index < peers:
+            raise ValueError(f"bad --attack {spec!r}: peer {index} is not one of 0..{peers - 1}")
+        out[index] = attack
     return out
 
 

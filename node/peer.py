@@ -23,8 +23,10 @@ import contextlib
 import json
 import logging
 import math
+import re
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -35,7 +37,7 @@ from node.dht.bootstrap import dialback, member_list
 from node.dht.kademlia import DHTConfig, DHTNode
 from node.dht.membership import MemberRecord, Membership, manifest_hash
 from node.dht.route import DHTRouter
-from node.diloco.island import Island
+from node.diloco.island import Island, Outgoing
 from node.diloco.learner import IslandNet
 from node.diloco.owner import FragmentOwner
 from node.state.serve import ManifestCache, serve_manifest, serve_sealed, state_etag
@@ -45,7 +47,7 @@ from node.wire.transport import LinkEmulator, LinkProfile, Transport
 from protocol.diloco.fragments import FragmentPlan
 from protocol.diloco.merge import MergeConfig
 from protocol.diloco.outer import OuterConfig
-from protocol.errors import NotAuthorized, UnknownFragment
+from protocol.errors import DecodeError, NotAuthorized, UnknownFragment
 from protocol.wire.messages import Ack, Contribution
 from protocol.wire.signing import Opened, Signer
 
@@ -65,6 +67,23 @@ MAX_STATE = 1 << 30
 MEMBER_LOOKUP_GAP_S = 1.0
 UNKNOWN_KEY_RETRY_S = 10.0
 UNKNOWN_KEYS_KEPT = 4096
+MAX_WAIT_S = 30.0  # the longest a long-poll (/v1/fragments/p/next, /final) is held
+_AFTER = re.compile(r"-1|[0-9]{1,19}")
+
+
+def _long_poll_query(request: web.Request) -> tuple[int, float]:
+    """``after`` (-1 or a version) and ``wait`` (finite seconds >= 0, clamped to ``MAX_WAIT_S``)
+    from a long-poll's query. Raises ``DecodeError`` with a reason for anything else."""
+    after, wait = request.query.get("after", "-1"), request.query.get("wait", "0")
+    if not _AFTER.fullmatch(after):
+        raise DecodeError(f"after must be -1 or a version of at most 19 digits, not {after[:24]!r}")
+    try:
+        wait_s = float(wait) if len(wait) <= 24 else math.nan
+    except ValueError:
+        wait_s = math.nan
+    if not (math.isfinite(wait_s) and wait_s >= 0):
+        raise DecodeError(f"wait must be a finite number of seconds >= 0, not {wait[:24]!r}")
+    return int(after), min(wait_s, MAX_WAIT_S)
 
 
 def emit(event: str, **fields: Any) -> None:
@@ -76,11 +95,13 @@ class PeerNode:
     """The peer's asyncio side: serves owners, RPC and the DHT, drives the island's network side."""
 
     def __init__(self, cfg: RunConfig, signer: Signer, model: torch.nn.Module, plan: FragmentPlan, *,
-                 host: str = "127.0.0.1", port: int = 0, public_address: str | None = None) -> None:
+                 host: str = "127.0.0.1", port: int = 0, public_address: str | None = None,
+                 tamper: Callable[[Outgoing], Outgoing] | None = None) -> None:
         if cfg.max_tokens_per_step < 1:
             raise ValueError("the swarm config must set max_tokens_per_step (>= 1): the merge clamps "
                              "every learner's self-reported tokens to it")
         self.cfg, self.signer, self.plan = cfg, signer, plan
+        self.tamper = tamper  # rewrites our own contributions: attack measurements only
         self.public_address = public_address
         self.transport = Transport(host, port, link=LinkEmulator(default=LinkProfile.parse(cfg.link)))
         self.rpc = RpcServer(self.transport, signer, authorize=self._authorize)
@@ -91,6 +112,7 @@ class PeerNode:
         named = dict(model.named_parameters())
         self.shapes = [[tuple(named[n].shape) for n in f.names] for f in plan.fragments]
         self.owners: dict[int, FragmentOwner] = {}
+        self._retired_owners: list[FragmentOwner] = []
         self._suspect_since: dict[bytes, float] = {}  # peer id -> record expiry when it failed us
         self._owner_tasks: dict[int, asyncio.Task[None]] = {}
         self.net: IslandNet | None = None
@@ -218,7 +240,9 @@ class PeerNode:
                 self._start_owner(p)
             elif not mine and p in self.owners:
                 log.info("fragment %d: no longer the owner (now %s)", p, owner[1] if owner else None)
-                await self.owners.pop(p).retire()
+                retired = self.owners.pop(p)
+                self._retired_owners.append(retired)  # keeps its penalty counts for the report
+                await retired.retire()
                 self._owner_tasks.pop(p).cancel()
 
     def _start_owner(self, p: int) -> None:
@@ -291,11 +315,7 @@ class PeerNode:
         if kind == "latest":
             return await serve_sealed(request, self.transport, owner.latest,
                                       etag=state_etag(owner.latest, owner.version))
-        try:
-            after = int(request.query.get("after", "-1"))
-            wait_s = min(float(request.query.get("wait", "0")), 30.0)
-        except ValueError:
-            return web.json_response({"error": "DecodeError", "reason": "after and wait must be numbers"}, status=400)
+        after, wait_s = _long_poll_query(request)  # DecodeError: the transport answers 400
         if kind == "final":
             sealed = await self._wait_final(owner, wait_s)
         elif kind == "next":
@@ -336,6 +356,15 @@ class PeerNode:
     async def _on_status(self, _request: web.Request) -> web.Response:
         return web.json_response(self.status())
 
+    def penalties(self) -> dict[str, dict[str, int]]:
+        """Per sender (peer id hex), what this peer's owners' merge bounds did to its contributions:
+        merged, clipped, weight_capped, steps_bounded, tokens_bounded, dropped, refused_<why>."""
+        out: dict[str, collections.Counter[str]] = {}
+        for owner in list(self.owners.values()) + self._retired_owners:
+            for peer, counts in owner.penalties.items():
+                out.setdefault(peer.hex(), collections.Counter()).update(counts)
+        return {peer: dict(counts) for peer, counts in out.items()}
+
     def status(self) -> dict[str, Any]:
         members = self.membership.members if self.membership else {}
         owners = {}
@@ -355,6 +384,7 @@ class PeerNode:
             "owned": {str(p): o.version for p, o in self.owners.items()},
             "bytes_sent": self.transport.bytes_sent, "bytes_received": self.transport.bytes_received,
             "remote_errors": dict(self.rpc.errors),
+            "penalties": self.penalties(),
         }
 
     # --- lifecycle -----------------------------------------------------------------------------
@@ -369,7 +399,7 @@ class PeerNode:
         self.membership = Membership(self.dht, self.cfg.swarm, self.manifest)
         self.net = IslandNet(island, self.transport, self.signer, swarm=self.cfg.swarm, shapes=self.shapes,
                              owner_of=self.owner_of, codec=self.cfg.codec, block_size=self.cfg.block_size,
-                             on_unreachable=self._unreachable)
+                             on_unreachable=self._unreachable, tamper=self.tamper)
         self.ready.set()
         try:
             async with asyncio.TaskGroup() as tg:

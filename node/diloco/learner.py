@@ -71,8 +71,9 @@ class IslandNet:
         max_message: int = 256 << 20,
         on_unreachable: Callable[[bytes], None] | None = None,
         wall_clock: Callable[[], float] = time.time,
+        tamper: Callable[[Outgoing], Outgoing] | None = None,
     ) -> None:
-        self.wall_clock = wall_clock
+        self.wall_clock, self.tamper = wall_clock, tamper
         self.island, self.transport, self.signer = island, transport, signer
         self.on_unreachable = on_unreachable  # told when an owner refuses connections
         self.swarm, self.shapes, self.owner_of = swarm, [list(s) for s in shapes], owner_of
@@ -155,6 +156,8 @@ class IslandNet:
         if owner is None:
             raise RemoteProtocolError(f"no live owner for fragment {out.fragment}")
         owner_id, url = owner
+        if self.tamper is not None:
+            out = self.tamper(out)
         try:
             msg, residuals = await asyncio.to_thread(self._compress, out)
         except LocalProtocolError as exc:

@@ -212,7 +212,8 @@ class LocalSwarm:
 
 def run_local(cfg: RunConfig, *, report_path: Path | None, baseline: bool = False,
               alone: bool = False, quiet: bool = False, kill_at: dict[int, int] | None = None,
-              extra_peer_args: dict[int, list[str]] | None = None) -> dict[str, Any]:
+              extra_peer_args: dict[int, list[str]] | None = None,
+              attacks: dict[int, str] | None = None) -> dict[str, Any]:
     """Run a local swarm end to end, write the report and plot, print the summary."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     report_path = report_path or Path("runs") / stamp / "report.json"
@@ -228,6 +229,7 @@ def run_local(cfg: RunConfig, *, report_path: Path | None, baseline: bool = Fals
         print("interrupted: peers stopped", file=sys.stderr)
         raise
     report = build_report(dict(json.loads(cfg.to_json())), results, time.monotonic() - t0)
+    report["attacks"] = {str(i): a for i, a in sorted((attacks or {}).items())}
     report["killed_peers"] = swarm.killed
     if baseline:
         print("training the synchronous data-parallel baseline at equal tokens ...", flush=True)

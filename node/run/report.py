@@ -20,6 +20,15 @@ def ddp_bytes(n_params: int, peers: int, steps: int, bytes_per_element: int = 4)
     return int(per_worker * peers * steps)
 
 
+def penalties_of(peer_id: str, peers: list[dict[str, Any]]) -> dict[str, int]:
+    """What every owner's merge bounds did to ``peer_id``'s contributions, summed over owners."""
+    total: dict[str, int] = {}
+    for p in peers:
+        for kind, n in p.get("penalties", {}).get(peer_id, {}).items():
+            total[kind] = total.get(kind, 0) + int(n)
+    return dict(sorted(total.items()))
+
+
 def build_report(config: dict[str, Any], peers: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
     """Fold the peers' final results into the swarm report (field names are read by checks)."""
     reference = next((p for p in peers if p.get("eval_curve_global")), peers[0])
@@ -52,9 +61,10 @@ def build_report(config: dict[str, Any], peers: list[dict[str, Any]], wall_s: fl
         },
         "remote_errors": sum(int(p.get("remote_errors", 0)) for p in peers),
         "per_peer": [
-            {k: p[k] for k in ("index", "peer_id", "steps", "tokens_trained", "bytes_sent",
-                               "stalled_steps", "median_step_s", "median_step_s_detached",
-                               "eval_curve_local") if k in p}
+            {**{k: p[k] for k in ("index", "peer_id", "steps", "tokens_trained", "bytes_sent",
+                                  "stalled_steps", "median_step_s", "median_step_s_detached",
+                                  "eval_curve_local", "attack") if k in p},
+             "penalties": penalties_of(p.get("peer_id", ""), peers)}
             for p in peers
         ],
         "eval_curve_global": reference.get("eval_curve_global", []),
@@ -130,6 +140,10 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
             f"data-parallel baseline at equal tokens: {b['eval_loss_end']:.3f}; "
             f"Atoll's gap {100 * report['eval_loss_gap_rel']:+.1f} %"
         )
+    for index, attack in report.get("attacks", {}).items():
+        counts = next((p.get("penalties", {}) for p in report["per_peer"] if str(p.get("index")) == index), {})
+        lines.append(f"peer {index} attacked ({attack}); what the merge did to it: "
+                     + (", ".join(f"{k} {v}" for k, v in counts.items()) or "nothing recorded"))
     if "island_alone" in report:
         a = report["island_alone"]
         lines.append(

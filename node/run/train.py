@@ -27,6 +27,7 @@ from node.config import RunConfig
 from node.diloco.inner import lr_at, make_inner_optimizer
 from node.diloco.island import Island, IslandConfig
 from node.peer import PeerNode, emit
+from node.run.attack import Attack
 from node.workload.baseline import TrainConfig, sampler_seed, train_config_for
 from node.workload.corpus import BatchSampler, evaluate, load_corpus, split_corpus
 from node.workload.model import GPT, GPTConfig, embedding_parameter_names
@@ -107,6 +108,7 @@ class PeerOptions:
     final_sync: bool = True  # end on the owners' final versions (a local swarm, where all finish)
     serve_after_s: float = 0.0  # without a launcher: keep serving this long after training
     slow_factor: float = 1.0  # fault injection: stretch every inner step to this many times its length
+    attack: str = ""  # measurement: send malicious contributions (node.run.attack), e.g. "scale=1000"
 
 
 def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
@@ -133,7 +135,8 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
 
     # --- the node, on its own thread: join the swarm, sync the global fragments ---------------
     node = PeerNode(cfg, signer, model, plan, host=opts.host, port=opts.port,
-                    public_address=opts.public_address)
+                    public_address=opts.public_address,
+                    tamper=Attack.parse(opts.attack, seed=cfg.seed + index) if opts.attack else None)
     island = Island(model, optimizer, plan, submit=lambda out: node.net.submit(out) if node.net else None,
                     cfg=IslandConfig(inner_steps=cfg.inner_steps, adopt_alpha=cfg.adopt_alpha))
     initial = list(opts.initial_peers)
@@ -210,6 +213,8 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
         "contributions_sent": net.stats.contributions_sent, "contributions_accepted": net.stats.contributions_accepted,
         "contributions_refused": net.stats.contributions_refused, "remote_errors": node.rpc.error_count,
         "merges": {p: o.merges[-3:] for p, o in node.owners.items()},
+        "penalties": node.penalties(),  # as an owner: per sender, what the merge's bounds did
+        "attack": opts.attack,
     }
     emit("done", index=index, result=result)
     if opts.wait_for_stop:

@@ -1,0 +1,84 @@
+"""Attack injection for measuring the robust merge end to end (``atoll local --attack PEER:KIND``).
+
+An attacking peer trains like the others, but every contribution its learner sends is first
+passed through an ``Attack``, which rewrites it the way a malicious member would:
+
+- ``scale=X``: the pseudo-gradient times X (default 1000);
+- ``random``: a random direction with X times the honest norm (default 1);
+- ``signflip``: the pseudo-gradient negated (and times X, default 1);
+- ``stale``: the fragment's first pseudo-gradient, re-sent forever on the current base version;
+- ``lie-tokens=X``: tokens and steps claimed X times over (default 1000), for X times the weight.
+
+Everything else about the contribution stays honest: it is well formed and validly signed, so
+only the merge's bounds stand between it and the global model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+from node.diloco.island import Outgoing
+
+__all__ = ["KINDS", "Attack", "parse_local_attack"]
+
+KINDS = {"scale": 1000.0, "random": 1.0, "signflip": 1.0, "stale": 1.0, "lie-tokens": 1000.0}
+
+
+@dataclass
+class Attack:
+    """Rewrites a learner's outgoing contributions (see the module docstring)."""
+
+    kind: str
+    arg: float
+    seed: int = 0
+    _first: dict[int, torch.Tensor] = field(default_factory=dict)
+    _rng: torch.Generator = field(init=False)
+    applied: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown attack {self.kind!r}; choose one of {', '.join(KINDS)}")
+        if not self.arg > 0:
+            raise ValueError(f"attack {self.kind}: the factor must be > 0, got {self.arg}")
+        self._rng = torch.Generator().manual_seed(self.seed)
+
+    @classmethod
+    def parse(cls, spec: str, seed: int = 0) -> Attack:
+        """``KIND`` or ``KIND=X`` (see the module docstring). Raises ``ValueError``."""
+        kind, _, arg = spec.strip().partition("=")
+        if kind not in KINDS:
+            raise ValueError(f"unknown attack {kind!r} in {spec!r}; choose one of {', '.join(KINDS)}")
+        try:
+            value = float(arg) if arg else KINDS[kind]
+        except ValueError:
+            raise ValueError(f"attack {spec!r}: {arg!r} is not a number") from None
+        return cls(kind, value, seed)
+
+    def __call__(self, out: Outgoing) -> Outgoing:
+        self.applied += 1
+        delta = out.delta
+        if self.kind == "scale":
+            return dataclasses.replace(out, delta=delta * self.arg)
+        if self.kind == "signflip":
+            return dataclasses.replace(out, delta=delta * -self.arg)
+        if self.kind == "random":
+            noise = torch.randn(delta.shape, generator=self._rng)
+            norm = float(torch.linalg.vector_norm(delta)) * self.arg
+            return dataclasses.replace(out, delta=noise * (norm / max(float(torch.linalg.vector_norm(noise)), 1e-12)))
+        if self.kind == "stale":
+            first = self._first.setdefault(out.fragment, delta.clone())
+            return dataclasses.replace(out, delta=first.clone())
+        factor = int(self.arg)  # lie-tokens
+        return dataclasses.replace(out, tokens=out.tokens * factor, steps=out.steps * factor)
+
+
+def parse_local_attack(spec: str) -> tuple[int, str]:
+    """``PEER:KIND[=X]`` -> (peer index, ``KIND[=X]``). Raises ``ValueError`` with what to write."""
+    peer, sep, attack = spec.partition(":")
+    if not sep or not peer.isdigit():
+        raise ValueError(f"--attack takes PEER:KIND[=X], e.g. 2:scale=1000; got {spec!r}")
+    Attack.parse(attack)  # fail early on a bad kind
+    return int(peer), attack
