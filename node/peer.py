@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -33,7 +34,7 @@ import torch
 from aiohttp import web
 
 from node.config import RunConfig
-from node.dht.bootstrap import dialback, member_list
+from node.dht.bootstrap import DialBacks, MemberListings
 from node.dht.kademlia import DHTConfig, DHTNode
 from node.dht.membership import MemberRecord, Membership, manifest_hash
 from node.dht.route import DHTRouter
@@ -341,14 +342,24 @@ class PeerNode:
         return None
 
     async def _on_dialback(self, request: web.Request) -> web.Response:
-        """Ping the DHT node at ``?url=`` (a joining peer asks whether it can be dialled)."""
+        """Ping the requester's DHT node at its own address (a joining peer asks whether it can be
+        dialled); rate-limited per address, see ``DialBacks``."""
         assert self.dht is not None
-        return await dialback(request, self.dht)
+        return await self._dialbacks.answer(request, self.dht)
 
     async def _on_members(self, request: web.Request) -> web.Response:
+        """This swarm's members, from a cache refreshed at most every couple of seconds; other
+        swarms' names get 404 without a DHT lookup."""
         assert self.dht is not None
-        swarm = request.query.get("swarm", self.cfg.swarm)
-        return web.json_response({"swarm": swarm, "members": await member_list(self.dht, swarm)})
+        return await self._listings.answer(request, self.dht)
+
+    @functools.cached_property
+    def _dialbacks(self) -> DialBacks:
+        return DialBacks()
+
+    @functools.cached_property
+    def _listings(self) -> MemberListings:
+        return MemberListings(only=self.cfg.swarm)
 
     async def _on_swarm_manifest(self, _request: web.Request) -> web.Response:
         return web.Response(text=self.cfg.to_json(), content_type="application/json")

@@ -3,26 +3,65 @@
 It trains nothing and owns nothing: it answers the DHT (so joining peers find each other and
 the member records), dials joining peers back (``/v1/dialback``) so they learn whether they can
 be reached, and lists a swarm's members (``/v1/members?swarm=NAME``) for ``atoll join``.
+Peers serve the same two routes with the same classes.
+
+Both routes are cheap to refuse. ``DialBacks`` dials only the requester's own address (the
+connection's peer address; the port from the query), so a node cannot be made to probe other
+hosts; one dial-back runs at a time per address, and each address gets a burst then one a
+second (429 beyond). ``MemberListings`` answers from a cache refreshed at most every
+``MEMBERS_TTL_S`` per swarm, for a bounded number of swarms: a peer lists only its own swarm,
+and a bootstrap node looks up swarms it has not cached at a bounded rate.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import ipaddress
 import os
 import signal
+import socket
+import time
+from collections.abc import AsyncIterator, Callable
 from typing import Any
+from urllib.parse import urlsplit
 
 from aiohttp import web
 
 from node.dht.kademlia import DHTConfig, DHTNode
 from node.dht.membership import MemberRecord, members_key
 from node.dht.route import DHTRouter
-from node.wire.transport import Transport
-from protocol.errors import DecodeError
+from node.wire.transport import Busy, Transport
+from protocol.dht.records import RateLimiter, TokenBucket
+from protocol.errors import DecodeError, NotAuthorized, RemoteProtocolError
 from protocol.wire.signing import Signer
 
-__all__ = ["BootstrapNode", "member_list", "run_bootstrap"]
+__all__ = ["BootstrapNode", "DialBacks", "MemberListings", "UnknownSwarm", "member_list", "run_bootstrap"]
+
+# Dial-backs: a burst per address, then one a second (a local swarm's peers all join through
+# peer 0 from 127.0.0.1 at once); one at a time per address, the others wait their turn up to
+# DIALBACK_WAIT_S; at most MAX_DIALBACKS in flight in all; a host name in ``url=`` is resolved
+# for at most RESOLVE_S.
+DIALBACK_PER_S = 1.0
+DIALBACK_BURST = 16
+DIALBACK_WAIT_S = 15.0
+MAX_DIALBACKS = 32
+RESOLVE_S = 2.0
+ADDRESSES_KEPT = 4096
+# Member listings: cached this long per swarm, for at most this many swarms; a bootstrap node
+# looks up swarms it has not cached at most NEW_SWARMS_PER_S a second after a burst.
+MEMBERS_TTL_S = 2.0
+MAX_SWARMS_CACHED = 64
+NEW_SWARMS_PER_S = 1.0
+NEW_SWARMS_BURST = 8
+MAX_SWARM_NAME = 128
+
+
+class UnknownSwarm(RemoteProtocolError):
+    """A member listing asked of a node that does not list that swarm."""
+
+    status = 404
 
 
 async def member_list(dht: DHTNode, swarm: str) -> list[dict[str, Any]]:
@@ -37,14 +76,163 @@ async def member_list(dht: DHTNode, swarm: str) -> list[dict[str, Any]]:
     return out
 
 
-async def dialback(request: web.Request, dht: DHTNode) -> web.Response:
-    """Ping the DHT node of the peer at ``?url=``; answer whether it replied, and as whom."""
-    url = request.query.get("url", "")
-    if not url.startswith(("http://", "https://")):
-        return web.json_response({"error": "DecodeError", "reason": "url must be http(s)"}, status=400)
-    contact = await dht.ping(url.rstrip("/") + "/v1/dht")
-    return web.json_response({"reachable": contact is not None,
-                              "peer_id": contact.peer_id.hex() if contact else None})
+class _Turns:
+    """One ``asyncio.Lock`` per key, forgotten once nobody holds or waits for it."""
+
+    def __init__(self) -> None:
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._users: collections.Counter[str] = collections.Counter()
+
+    @contextlib.asynccontextmanager
+    async def turn(self, key: str, wait_s: float | None = None) -> AsyncIterator[None]:
+        """Hold ``key``'s lock for the block; raises ``TimeoutError`` after ``wait_s`` waiting."""
+        lock = self._locks.setdefault(key, asyncio.Lock())
+        self._users[key] += 1
+        try:
+            async with asyncio.timeout(wait_s):
+                await lock.acquire()
+            try:
+                yield
+            finally:
+                lock.release()
+        finally:
+            self._users[key] -= 1
+            if not self._users[key]:
+                del self._users[key], self._locks[key]
+
+
+def _requester(request: web.Request) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    try:
+        ip = ipaddress.ip_address(request.remote or "")
+    except ValueError:
+        raise DecodeError(f"cannot dial back {request.remote!r}: not an IP address") from None
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return mapped or ip
+
+
+class DialBacks:
+    """``GET /v1/dialback?port=P`` (or ``?url=http://MY-HOST:P``): ping the requester's DHT node
+    at its own address and answer whether it replied, and as whom (see the module docstring)."""
+
+    def __init__(self, *, rate: float = DIALBACK_PER_S, burst: float = DIALBACK_BURST,
+                 wait_s: float = DIALBACK_WAIT_S, clock: Callable[[], float] = time.monotonic) -> None:
+        self._limiter = RateLimiter(rate, burst, max_peers=ADDRESSES_KEPT)
+        self._turns = _Turns()
+        self.wait_s, self.clock = wait_s, clock
+        self.in_flight = 0
+        self.dialled = 0
+
+    async def answer(self, request: web.Request, dht: DHTNode) -> web.Response:
+        """Raises ``DecodeError`` (bad query), ``NotAuthorized`` (``url=`` names another host)
+        or ``Busy`` (rate, turn or overall cap): the transport answers them 4xx with the reason."""
+        ip = _requester(request)
+        scheme, host, port = _target(request.query)
+        if not self._limiter.allow(str(ip), self.clock()):
+            raise Busy(f"dial-backs to {ip} are limited to {self._limiter.rate:g} a second "
+                       f"after a burst of {self._limiter.burst:g}; retry later")
+        if host is not None and not await _is_address_of(host, ip):
+            raise NotAuthorized(f"url names host {host[:64]!r}, not this request's address {ip}: "
+                                "a node dials back only the address a request came from")
+        if self.in_flight >= MAX_DIALBACKS:
+            raise Busy(f"{self.in_flight} dial-backs in flight already; retry later")
+        try:
+            async with self._turns.turn(str(ip), self.wait_s):
+                self.in_flight += 1
+                try:
+                    self.dialled += 1
+                    address = f"{scheme}://{_url_host(ip)}:{port}"
+                    contact = await dht.ping(address + "/v1/dht")
+                finally:
+                    self.in_flight -= 1
+        except TimeoutError:
+            raise Busy(f"another dial-back to {ip} is still running; retry later") from None
+        return web.json_response({"reachable": contact is not None, "address": address,
+                                  "peer_id": contact.peer_id.hex() if contact else None})
+
+
+def _target(query: Any) -> tuple[str, str | None, int]:
+    """(scheme, host named in ``url=`` or None, port) from a dial-back query; raises DecodeError."""
+    raw_port, url = query.get("port"), query.get("url")
+    if raw_port is not None:
+        scheme, host, port_text = "http", None, raw_port
+    elif url is not None:
+        parts = urlsplit(url[:512])
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise DecodeError("url must be http(s)://HOST:PORT with HOST the requester's own address")
+        try:
+            port_text = str(parts.port or (443 if parts.scheme == "https" else 80))
+        except ValueError:
+            raise DecodeError("url has an invalid port") from None
+        scheme, host = parts.scheme, parts.hostname
+    else:
+        raise DecodeError("say which port to dial back: ?port=P (or ?url=http://YOUR-ADDRESS:P)")
+    if not (port_text.isascii() and port_text.isdigit() and len(port_text) <= 5 and 0 < int(port_text) < 65536):
+        raise DecodeError(f"port must be 1..65535, not {port_text[:16]!r}")
+    return scheme, host, int(port_text)
+
+
+async def _is_address_of(host: str, ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    """Whether ``host`` (an IP literal, or a name resolved for at most RESOLVE_S) is ``ip``."""
+    with contextlib.suppress(ValueError):
+        named = ipaddress.ip_address(host)
+        return (getattr(named, "ipv4_mapped", None) or named) == ip
+    try:
+        async with asyncio.timeout(RESOLVE_S):
+            infos = await asyncio.get_running_loop().getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (OSError, TimeoutError, UnicodeError):
+        return False
+    return any(str(info[4][0]) == str(ip) for info in infos)
+
+
+def _url_host(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str:
+    return f"[{ip}]" if ip.version == 6 else str(ip)
+
+
+class MemberListings:
+    """``GET /v1/members?swarm=NAME``: a swarm's live member records from a short cache (see the
+    module docstring). ``only``: the one swarm listed here (a peer's own); None lists any."""
+
+    def __init__(self, *, only: str | None = None, default: str = "atoll-local", ttl_s: float = MEMBERS_TTL_S,
+                 max_swarms: int = MAX_SWARMS_CACHED, clock: Callable[[], float] = time.monotonic) -> None:
+        self.only, self.default = only, only or default
+        self.ttl_s, self.max_swarms, self.clock = ttl_s, max_swarms, clock
+        self._cache: collections.OrderedDict[str, tuple[float, list[dict[str, Any]]]] = collections.OrderedDict()
+        self._turns = _Turns()
+        self._new_swarms = TokenBucket(NEW_SWARMS_PER_S, NEW_SWARMS_BURST)
+        self.lookups = 0
+
+    async def answer(self, request: web.Request, dht: DHTNode) -> web.Response:
+        """Raises ``DecodeError`` (bad name), ``UnknownSwarm`` or ``Busy``: answered 4xx."""
+        swarm = request.query.get("swarm", self.default)
+        if not (0 < len(swarm) <= MAX_SWARM_NAME and swarm.isprintable()):
+            raise DecodeError(f"swarm must be a printable name of 1..{MAX_SWARM_NAME} characters")
+        if self.only is not None and swarm != self.only:
+            raise UnknownSwarm(f"this node lists only swarm {self.only!r}'s members, not {swarm[:64]!r}'s")
+        return web.json_response({"swarm": swarm, "members": await self.listing(swarm, dht)})
+
+    async def listing(self, swarm: str, dht: DHTNode) -> list[dict[str, Any]]:
+        """The cached listing of ``swarm``, looked up (once for all concurrent askers) when stale."""
+        if (fresh := self._fresh(swarm)) is not None:
+            return fresh
+        if self.only is None and swarm not in self._cache and not self._new_swarms.allow(self.clock()):
+            raise Busy(f"too many member listings of new swarms asked for; {swarm[:64]!r} is not cached, retry later")
+        async with self._turns.turn(swarm):
+            if (fresh := self._fresh(swarm)) is not None:
+                return fresh
+            self.lookups += 1
+            members = await member_list(dht, swarm)
+            self._cache[swarm] = (self.clock(), members)
+            self._cache.move_to_end(swarm)
+            while len(self._cache) > self.max_swarms:
+                self._cache.popitem(last=False)
+            return members
+
+    def _fresh(self, swarm: str) -> list[dict[str, Any]] | None:
+        hit = self._cache.get(swarm)
+        if hit is None or self.clock() - hit[0] >= self.ttl_s:
+            return None
+        self._cache.move_to_end(swarm)
+        return hit[1]
 
 
 class BootstrapNode:
@@ -54,6 +242,8 @@ class BootstrapNode:
         self.public_address = public_address
         self.signer = Signer.from_seed(os.urandom(32))
         self.dht: DHTNode | None = None
+        self.dialbacks = DialBacks()
+        self.listings = MemberListings()
         app = self.transport.app
         app.router.add_get("/v1/members", self._members)
         app.router.add_get("/v1/dialback", self._dialback)
@@ -79,12 +269,11 @@ class BootstrapNode:
 
     async def _members(self, request: web.Request) -> web.Response:
         assert self.dht is not None
-        swarm = request.query.get("swarm", "atoll-local")
-        return web.json_response({"swarm": swarm, "members": await member_list(self.dht, swarm)})
+        return await self.listings.answer(request, self.dht)
 
     async def _dialback(self, request: web.Request) -> web.Response:
         assert self.dht is not None
-        return await dialback(request, self.dht)
+        return await self.dialbacks.answer(request, self.dht)
 
     async def _status(self, _request: web.Request) -> web.Response:
         assert self.dht is not None
