@@ -27,9 +27,11 @@ import random
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from protocol.errors import Oversize, RemoteProtocolError
 
@@ -99,6 +101,18 @@ class ServeLimits:
     def body_deadline_s(self, declared: int | None) -> float:
         """How long a body of ``declared`` bytes (None: unknown) may take in all."""
         return self.body_timeout_s + self.body_slack_s_per_mib * (declared or 0) / (1 << 20)
+
+
+class _ServerLog(logging.LoggerAdapter):  # type: ignore[type-arg]
+    """aiohttp's server log, where a malformed request (a bad request line, an oversized header)
+    is one INFO line rather than an ERROR with a traceback: a peer's bad bytes, not our fault,
+    and a peer must not be able to flood the log with tracebacks."""
+
+    def exception(self, msg: object, *args: object, exc_info: Any = True, **kw: Any) -> None:
+        if isinstance(exc_info, HttpProcessingError):
+            self.info(f"{msg}: %s: %s", *args, type(exc_info).__name__, exc_info, **kw)
+        else:
+            super().exception(msg, *args, exc_info=exc_info, **kw)
 
 
 def refusal(exc: RemoteProtocolError) -> web.Response:
@@ -310,6 +324,7 @@ class Transport:
         self._runner = web.AppRunner(
             self.app, access_log=None, handle_signals=False, keepalive_timeout=lim.keepalive_s,
             max_line_size=lim.max_line_size, max_field_size=lim.max_field_size, max_headers=lim.max_headers,
+            logger=_ServerLog(logging.getLogger("aiohttp.server"), {}),
         )
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True)

@@ -124,7 +124,9 @@ async def test_a_sender_that_disconnects_mid_body_is_no_error(caplog: pytest.Log
         await t.close()
 
 
-async def test_header_lines_and_fields_are_bounded() -> None:
+async def test_header_lines_and_fields_are_bounded_and_refused_without_a_traceback(
+        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
     t = Transport()
     t.app.router.add_get("/ok", _ok)
     await t.start()
@@ -140,6 +142,8 @@ async def test_header_lines_and_fields_are_bounded() -> None:
             w.close()
     finally:
         await t.close()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+    assert any("LineTooLong" in r.getMessage() for r in caplog.records)
 
 
 async def _ok(_request: web.Request) -> web.Response:
