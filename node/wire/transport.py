@@ -407,7 +407,7 @@ class Transport:
                 request.content, length, max_size or self.max_body, self.pool,
                 timeout_s=lim.body_deadline_s(length), idle_s=lim.body_idle_s,
             )
-        except (ConnectionError, aiohttp.ClientPayloadError) as exc:  # the sender went away
+        except (ConnectionError, aiohttp.ClientPayloadError, HttpProcessingError) as exc:  # cut off
             self._hang_up.add(id(request))
             raise ClientGone(f"request body cut off: {exc}") from None
         except RemoteProtocolError:
@@ -427,20 +427,22 @@ class Transport:
         """Every route: a ``RemoteProtocolError`` becomes a 4xx with its reason; a request whose
         body was refused part-way gets its reply and then loses its connection (not drained)."""
         try:
-            resp = await handler(request)
-        except RemoteProtocolError as exc:
-            log.info("refused %s %s from %s: %s: %s", request.method, request.path, request.remote,
-                     type(exc).__name__, exc.reason)
-            resp = refusal(exc)
-        if id(request) not in self._hang_up:
+            try:
+                resp = await handler(request)
+            except RemoteProtocolError as exc:
+                log.info("refused %s %s from %s: %s: %s", request.method, request.path, request.remote,
+                         type(exc).__name__, exc.reason)
+                resp = refusal(exc)
+            if id(request) not in self._hang_up:
+                return resp
+            resp.force_close()
+            with contextlib.suppress(ConnectionError, aiohttp.ClientConnectionResetError, RuntimeError):
+                await resp.prepare(request)
+                await resp.write_eof()
+            request.protocol.force_close()  # the reply is flushed first; no lingering read of the rest
             return resp
-        self._hang_up.discard(id(request))
-        resp.force_close()
-        with contextlib.suppress(ConnectionError, aiohttp.ClientConnectionResetError, RuntimeError):
-            await resp.prepare(request)
-            await resp.write_eof()
-        request.protocol.force_close()  # the reply is flushed first; no lingering read of the rest
-        return resp
+        finally:
+            self._hang_up.discard(id(request))
 
     async def stream_reply(
         self, request: web.Request, chunks: Iterable[memoryview | bytes], size: int,

@@ -203,3 +203,27 @@ def test_the_pool_keeps_no_huge_buffer_and_bounds_what_it_holds() -> None:
     assert pool.held == 6 * MIB
     assert pool.take(MIB) is a and pool.held == 3 * MIB
     assert pool.take(10 * MIB, fresh=MIB) is b and pool.held == 0  # no 10 MiB one: b will do
+
+
+async def test_a_route_that_raises_its_own_http_error_leaves_no_hang_up_mark() -> None:
+    t = Transport(limits=ServeLimits(body_timeout_s=0.2, body_idle_s=0.2))
+
+    async def strict(request: web.Request) -> web.Response:
+        try:
+            await t.read_request(request)
+        except BodyTimeout as exc:
+            raise web.HTTPRequestTimeout(text=exc.reason) from None
+        return web.Response(text="ok")
+
+    t.app.router.add_post("/strict", strict)
+    await t.start()
+    try:
+        r, w = await stall(t.port, 100, b"x", path="/strict")
+        async with asyncio.timeout(5):
+            assert (await r.readuntil(b"\r\n")).startswith(b"HTTP/1.1 408")
+        w.write(b"y" * 99)  # the rest of the body, which aiohttp's lingering close reads
+        await w.drain()
+        w.close()
+        assert not t._hang_up  # an id left here could hang up an unrelated later request
+    finally:
+        await t.close()
