@@ -255,8 +255,10 @@ class FragmentOwner:
             raise MergeFailed(f"{len(unsound)} of {len(peers)} contributions are malformed, "
                               "non-finite or overflow their norm", unsound)
         deltas = [d * c if c < 1.0 else d for d, c in zip(deltas, clips, strict=True)]  # new tensors
-        aggregate = weighted_mean if self.fragment.is_embedding else radial_directional_average
-        delta = aggregate(deltas, weights)  # [numel_p] fp32
+        if self.fragment.is_embedding:
+            delta = weighted_mean(deltas, weights)  # [numel_p] fp32
+        else:
+            delta = radial_directional_average(deltas, weights, radius=self.outer_cfg.rda_radius)
         theta_norm = float(torch.linalg.vector_norm(self.theta, dtype=torch.float64))
         if theta_norm > 0 and math.isfinite(self.outer_cfg.max_delta_ratio):
             delta, scale = bound_to_norm(delta, self.outer_cfg.max_delta_ratio * theta_norm)

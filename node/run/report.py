@@ -141,7 +141,8 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
             f"Atoll's gap {100 * report['eval_loss_gap_rel']:+.1f} %"
         )
     for index, attack in report.get("attacks", {}).items():
-        counts = next((p.get("penalties", {}) for p in report["per_peer"] if str(p.get("index")) == index), {})
+        counts: dict[str, int] = next(
+            (p.get("penalties", {}) for p in report["per_peer"] if str(p.get("index")) == index), {})
         lines.append(f"peer {index} attacked ({attack}); what the merge did to it: "
                      + (", ".join(f"{k} {v}" for k, v in counts.items()) or "nothing recorded"))
     if "island_alone" in report:

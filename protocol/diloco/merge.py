@@ -46,8 +46,9 @@ median of this round's norms and of the (clipped) norms of the last ``norm_histo
 contributions, so one attacker, even alone in a round at K = 1, cannot set its own bound. Every
 bound that bit is flagged on the ``Entry`` so the node can count it per peer.
 
-The merger never merges below quorum: with ``set_expected(n)`` it closes as soon as
-``max(K, n)`` contributions are in. It never waits past its deadline: any event at or after it
+The merger never merges below quorum, which is K, or ``max(1, n)`` when fewer learners ``n``
+than K are expected (``set_expected``; waiting for K would then never end): it closes as soon as
+all expected contributions are in, and never with fewer than the quorum in force. It never waits past its deadline: any event at or after it
 in GRACE closes the window (a refused contribution then yields kind "merge" with ``refusal``
 set). Contributions carried for ``v + 1`` stay carried across a failed merge. ``_TABLE`` maps
 (phase, event) to a handler; an event not in it is our own misuse and raises
@@ -283,6 +284,17 @@ class FragmentMerger:
         return self._deadline if self.phase is Phase.GRACE else None
 
     @property
+    def quorum(self) -> int:
+        """The quorum in force: K, or fewer when fewer learners than K are expected (at least 1).
+
+        Waiting for K contributions when only n < K learners are left (peers that finished or
+        left) would never end: the round could not close and the fragment would never be final.
+        """
+        if self.expected is None:
+            return self.config.quorum
+        return max(1, min(self.config.quorum, self.expected))
+
+    @property
     def count(self) -> int:
         """Contributions in the current round."""
         return len(self._entries)
@@ -372,9 +384,9 @@ class FragmentMerger:
         dropped = len(self._entries) - len(kept)
         self._entries = kept
         reason = f"merge for version {self.version} failed ({ev.reason}); {dropped} discarded, {self._tally()} kept"
-        if len(kept) < self.config.quorum:
+        if len(kept) < self.quorum:
             self._reopen(Phase.COLLECTING, opened_at=self._opened_at)
-            return self._decide("wait", f"{reason}; waiting for quorum {self.config.quorum}")
+            return self._decide("wait", f"{reason}; waiting for quorum {self.quorum}")
         self._reopen(Phase.GRACE, opened_at=self._opened_at)
         self._quorum_at = self._now
         self._deadline = self._now + min(self.config.retry_s, self.config.grace_cap_s)
@@ -388,7 +400,7 @@ class FragmentMerger:
         dropped = len(self._entries) - len(kept)
         old, self.version, self._entries = self.version, ev.version, kept
         self._opened(ev.version)
-        if len(kept) < self.config.quorum:  # never merge below quorum: back to collecting
+        if len(kept) < self.quorum:  # never merge below quorum: back to collecting
             self._reopen(Phase.COLLECTING, opened_at=self._opened_at)
         if not kept:
             self._first_at = None
@@ -435,7 +447,7 @@ class FragmentMerger:
 
     def _settle(self, accepted: bool, otherwise: str) -> Decision:
         """After a change while COLLECTING/GRACE: close, open the grace window, or keep going."""
-        n, k, expected = len(self._entries), self.config.quorum, self.expected
+        n, k, expected = len(self._entries), self.quorum, self.expected
         if n >= k and expected is not None and n >= expected:
             return self._close(f"all {n}/{expected} expected contributions in", accepted)
         if self.phase is Phase.COLLECTING and n >= k:

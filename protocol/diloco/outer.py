@@ -47,6 +47,7 @@ __all__ = [
     "staleness_discount",
     "token_weight",
     "weighted_mean",
+    "weighted_median",
 ]
 
 
@@ -183,26 +184,52 @@ def radial_directional_average(
     eps: float = 1e-12,
     *,
     min_direction: float = 1e-6,
+    radius: str = "mean",
 ) -> torch.Tensor:
     """Radial-directional average: the weighted mean norm along the weighted mean direction.
 
     Deltas with norm <= ``eps`` count as zero (their norm 0 enters the mean norm, they add no
     direction). The mean direction is an average of unit vectors (norm in [0, 1]); if its norm
     is <= ``min_direction`` (all zero, or cancelling up to fp32 rounding) the result is zero.
+    ``radius="median"`` takes the weighted median norm instead of the mean: one contribution
+    scaled up (even clipped to a few times the others) then cannot lengthen the step.
     Raises ``LocalProtocolError`` like ``weighted_mean``.
     """
+    if radius not in ("mean", "median"):
+        raise LocalProtocolError(f"radius must be 'mean' or 'median', got {radius!r}")
     total = _check_inputs(deltas, weights)
     direction = torch.zeros(deltas[0].shape, dtype=torch.float32, device=deltas[0].device)
-    radius = 0.0
+    norms = []
     for d, w in zip(deltas, weights, strict=True):
         norm = float(torch.linalg.vector_norm(d, dtype=torch.float64))  # fp32 overflows near 3e38
-        radius += w * norm / total
+        norms.append(norm)
         if w > 0 and norm > eps:
             direction.add_(d.to(torch.float32), alpha=w / (total * norm))
+    if radius == "median":
+        r = weighted_median(norms, weights)
+    else:
+        r = math.fsum(w * n for w, n in zip(weights, norms, strict=True)) / total
     length = float(torch.linalg.vector_norm(direction))
     if length <= min_direction:
         return direction.zero_()
-    return _scale_(direction, radius / length)
+    return _scale_(direction, r / length)
+
+
+def weighted_median(values: Sequence[float], weights: Sequence[float]) -> float:
+    """The value at half the total weight (the mean of the two values either side when the half
+    falls exactly between them). Raises ``LocalProtocolError`` like ``weighted_mean``."""
+    total = _check_weights(weights)
+    if not values or len(values) != len(weights) or total <= 0:
+        raise LocalProtocolError(f"weighted median of {len(values)} values, {len(weights)} weights, total {total}")
+    pairs = sorted((v, w) for v, w in zip(values, weights, strict=True) if w > 0)
+    half, seen = total / 2.0, 0.0
+    for i, (v, w) in enumerate(pairs):
+        seen += w
+        if math.isclose(seen, half, rel_tol=1e-12) and i + 1 < len(pairs):
+            return (v + pairs[i + 1][0]) / 2.0
+        if seen >= half:
+            return v
+    return pairs[-1][0]
 
 
 def clip_to_median_norm(deltas: Sequence[torch.Tensor], c: float) -> list[torch.Tensor]:
@@ -234,12 +261,15 @@ class OuterConfig:
     momentum: float = 0.9
     nesterov: bool = True
     max_delta_ratio: float = 1.0  # the owner bounds an aggregate's norm to this times |Theta|
+    rda_radius: str = "median"  # radial-directional averaging's step length: "median" or "mean"
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise LocalProtocolError(f"outer lr must be finite and > 0, got {self.lr}")
         if not 0.0 <= self.momentum < 1.0:
             raise LocalProtocolError(f"outer momentum must be in [0, 1), got {self.momentum}")
+        if self.rda_radius not in ("mean", "median"):
+            raise LocalProtocolError(f"rda_radius must be 'mean' or 'median', got {self.rda_radius!r}")
         if not self.max_delta_ratio > 0:
             raise LocalProtocolError(f"max_delta_ratio must be > 0 (inf: unbounded), got {self.max_delta_ratio}")
 

@@ -279,3 +279,20 @@ def test_rda_keeps_the_norm_of_huge_finite_deltas() -> None:
     big = torch.full((4,), 3.0e38)
     out = radial_directional_average([big, big], [1.0, 1.0])
     assert torch.isfinite(out).all() and torch.allclose(out, big)
+
+
+def test_weighted_median_and_a_median_radius() -> None:
+    from protocol.diloco.outer import weighted_median
+    assert weighted_median([1.0, 2.0, 100.0], [1.0, 1.0, 1.0]) == 2.0
+    assert weighted_median([1.0, 3.0], [1.0, 1.0]) == 2.0  # the half falls between them
+    assert weighted_median([1.0, 100.0], [1.0, 3.0]) == 100.0
+    with pytest.raises(LocalProtocolError):
+        weighted_median([], [])
+    honest = torch.tensor([1.0, 0.0])
+    scaled = torch.tensor([4.0, 0.0])  # one contribution 4x longer, same direction
+    mean = radial_directional_average([honest, honest, scaled], [1.0, 1.0, 1.0])
+    median = radial_directional_average([honest, honest, scaled], [1.0, 1.0, 1.0], radius="median")
+    assert torch.allclose(mean, torch.tensor([2.0, 0.0]))
+    assert torch.allclose(median, torch.tensor([1.0, 0.0]))
+    with pytest.raises(LocalProtocolError):
+        radial_directional_average([honest], [1.0], radius="max")
