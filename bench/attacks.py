@@ -27,7 +27,8 @@ def run(args: argparse.Namespace, attack: str | None, workdir: Path, name: str) 
     cmd = [sys.executable, "-m", "node", "local", "--quiet", "--report", str(report),
            "--model", args.model, "--peers", str(args.peers), "--steps", str(args.steps),
            "--fragments", str(args.fragments), "--inner-steps", str(args.inner_steps),
-           "--corpus-max-bytes", str(args.corpus_max_bytes), "--eval-every", str(args.steps)]
+           "--corpus-max-bytes", str(args.corpus_max_bytes), "--eval-every", str(args.steps),
+           "--quorum", str(args.quorum)]
     if attack:
         cmd += ["--attack", f"{args.attacker}:{attack}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
@@ -49,6 +50,7 @@ def main() -> None:
     parser.add_argument("--inner-steps", type=int, default=20)
     parser.add_argument("--corpus-max-bytes", type=int, default=2_000_000)
     parser.add_argument("--attacker", type=int, default=3)
+    parser.add_argument("--quorum", type=int, default=1, help="K: with K >= 3 an attacker is never alone in a merge")
     parser.add_argument("--kinds", default=KINDS)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -65,7 +67,7 @@ def main() -> None:
     for row in rows:
         print(f"{row['run']:14} {row['attack']:18} {row['eval_loss_end']:9.3f} {row['vs_clean']:8.3f}  "
               + ", ".join(f"{k} {v}" for k, v in row["attacker_penalties"].items()))
-    print(json.dumps({"peers": args.peers, "steps": args.steps, "model": args.model,
+    print(json.dumps({"peers": args.peers, "steps": args.steps, "model": args.model, "quorum": args.quorum,
                       "attacker": args.attacker, "runs": rows}))
 
 
