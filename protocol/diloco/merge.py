@@ -41,9 +41,12 @@ discounts.
 Self-reported counts are bounded before they count: ``steps`` by the time since the base
 version was published divided by ``min_step_time_s`` (a learner resets its count when it adopts
 a version), ``tokens`` by ``max_tokens_per_step * steps``. Norm clipping: a contribution reported
-with its ``norm`` is scaled down (``Entry.clip``) to ``clip_multiple`` times a reference norm, the
-median of this round's norms and of the (clipped) norms of the last ``norm_history`` merged
-contributions, so one attacker, even alone in a round at K = 1, cannot set its own bound. Every
+with its ``norm`` is scaled down (``Entry.clip``) so that its norm per (bounded) inner step is at
+most ``clip_multiple`` times a reference, the median of this round's norms per step and of the
+(clipped) ones of the last ``norm_history`` merged contributions, so one attacker, even alone in
+a round at K = 1, cannot set its own bound. Per step, because a learner's first contribution of a
+fragment covers only the few steps of its staggered offset: whole norms made those tiny and had
+every later honest contribution clipped. Every
 bound that bit is flagged on the ``Entry`` so the node can count it per peer.
 
 The merger never merges below quorum, which is K, or ``max(1, n)`` when fewer learners ``n``
@@ -356,6 +359,8 @@ class FragmentMerger:
 
     def _expect(self, ev: _Expect) -> Decision:
         self.expected = ev.n
+        if self.phase is Phase.GRACE and len(self._entries) < self.quorum:  # more learners again
+            self._reopen(Phase.COLLECTING, opened_at=self._opened_at)
         return self._settle(False, f"expecting {ev.n}")
 
     def _expect_merging(self, ev: _Expect) -> Decision:
@@ -437,8 +442,9 @@ class FragmentMerger:
         cap = cfg.max_tokens_per_step
         tokens_bounded = cap is not None and ev.tokens > cap * steps
         w = token_weight(ev.tokens, steps, max_tokens_per_step=cap)
-        pool.append(_Pending(ev.peer, ev.base_version, w, ev.payload, ev.norm,
-                             steps_bounded=steps < ev.steps, tokens_bounded=tokens_bounded))
+        rate = None if ev.norm is None else ev.norm / steps  # per inner step: comparable across
+        pool.append(_Pending(ev.peer, ev.base_version, w, ev.payload, rate,  # contributions of
+                             steps_bounded=steps < ev.steps, tokens_bounded=tokens_bounded))  # any length
         if pool is self._entries and self._first_at is None:
             self._first_at = self._now
         old = self._step_ema.get(ev.peer)

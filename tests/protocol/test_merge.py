@@ -422,7 +422,7 @@ def test_a_scaled_contribution_is_clipped_to_the_honest_norm() -> None:
 
 
 def test_a_lone_attacker_at_quorum_one_cannot_set_its_own_reference() -> None:
-    m = FragmentMerger(0, MergeConfig(quorum=1, clip_multiple=2.0), now=0.0)
+    m = FragmentMerger(0, MergeConfig(quorum=1, clip_multiple=2.0, min_step_time_s=0.0), now=0.0)
     for v, peer in enumerate((A, B, C)):  # three honest rounds build the history
         _merge_of(m, float(v), [(peer, {"norm": 1.0, "base": v})])
         m.on_published(v + 1, sync_time=0.0, now=float(v))
