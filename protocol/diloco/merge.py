@@ -49,9 +49,9 @@ fragment covers only the few steps of its staggered offset: whole norms made tho
 every later honest contribution clipped. Every
 bound that bit is flagged on the ``Entry`` so the node can count it per peer.
 
-The merger never merges below quorum, which is K, or ``max(1, n)`` when fewer learners ``n``
-than K are expected (``set_expected``; waiting for K would then never end): it closes as soon as
-all expected contributions are in, and never with fewer than the quorum in force. It never waits past its deadline: any event at or after it
+The merger never merges below quorum: with ``set_expected(n)`` it closes as soon as
+``max(K, n)`` contributions are in. When no learner is left (``set_expected(0)``) a round below
+quorum is dropped, with a reason, so the fragment's latest version becomes final. It never waits past its deadline: any event at or after it
 in GRACE closes the window (a refused contribution then yields kind "merge" with ``refusal``
 set). Contributions carried for ``v + 1`` stay carried across a failed merge. ``_TABLE`` maps
 (phase, event) to a handler; an event not in it is our own misuse and raises
@@ -288,14 +288,8 @@ class FragmentMerger:
 
     @property
     def quorum(self) -> int:
-        """The quorum in force: K, or fewer when fewer learners than K are expected (at least 1).
-
-        Waiting for K contributions when only n < K learners are left (peers that finished or
-        left) would never end: the round could not close and the fragment would never be final.
-        """
-        if self.expected is None:
-            return self.config.quorum
-        return max(1, min(self.config.quorum, self.expected))
+        """K: no merge ever holds fewer contributions (see ``set_expected(0)`` for the end)."""
+        return self.config.quorum
 
     @property
     def count(self) -> int:
@@ -359,8 +353,13 @@ class FragmentMerger:
 
     def _expect(self, ev: _Expect) -> Decision:
         self.expected = ev.n
-        if self.phase is Phase.GRACE and len(self._entries) < self.quorum:  # more learners again
-            self._reopen(Phase.COLLECTING, opened_at=self._opened_at)
+        if ev.n == 0 and 0 < len(self._entries) < self.quorum:
+            # nobody left to reach K: drop the rest rather than merge below quorum (a lone
+            # contribution merged at the end could be an attacker's) or never become final
+            dropped, self._entries, self._first_at = len(self._entries), [], None
+            self._reopen(Phase.COLLECTING, opened_at=self._now)
+            return self._decide("wait", f"no learner left to reach quorum {self.quorum}: "
+                                        f"{dropped} contributions dropped")
         return self._settle(False, f"expecting {ev.n}")
 
     def _expect_merging(self, ev: _Expect) -> Decision:

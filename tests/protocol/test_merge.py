@@ -63,15 +63,16 @@ SCENARIOS: dict[str, tuple[dict[str, Any], int, list[tuple[Event, tuple[str, ...
         (c(0.1, A), ("accept", "accepted from a1a1a1a1 for version 0 (1/2 contributions; quorum 2)")),
         (c(0.2, B), ("merge", "all 2/2 expected contributions in")),
     ]),
-    # fewer learners left than K (the others finished): waiting for K would never end
-    "expected below quorum lowers the quorum to what is left": ({"quorum": 3} | EXACT, 0, [
-        (("e", 0.0, 2), ("wait", "expecting 2 (0/2 contributions; quorum 2)")),
-        (c(0.5, A), ("accept", "accepted from a1a1a1a1 for version 0 (1/2 contributions; quorum 2)")),
-        (c(0.5, B), ("merge", "all 2/2 expected contributions in")),
+    "expected below quorum waits for quorum": ({"quorum": 2} | EXACT, 0, [
+        (("e", 0.0, 1), ("wait", "expecting 1 (0/1 contributions; quorum 2)")),
+        (c(0.5, A), ("accept", "accepted from a1a1a1a1 for version 0 (1/1 contributions; quorum 2)")),
+        (c(0.5, B), ("merge", "all 2/1 expected contributions in")),
     ]),
-    "no learner left still merges what is in": ({"quorum": 2} | EXACT, 0, [
+    # nobody left to reach K: the rest is dropped, never merged below quorum, never stuck
+    "no learner left drops a round below quorum": ({"quorum": 2} | EXACT, 0, [
         (c(0.5, A), ("accept", "accepted from a1a1a1a1 for version 0 (1 contributions; quorum 2)")),
-        (("e", 0.6, 0), ("merge", "all 1/0 expected contributions in")),
+        (("e", 0.6, 0), ("wait", "no learner left to reach quorum 2: 1 contributions dropped")),
+        (c(0.7, B), ("accept", "accepted from b2b2b2b2 for version 0 (1/0 contributions; quorum 2)")),
     ]),
     "set_expected closes the grace window": (EXACT, 0, [
         (c(0.5, A), ("accept", "quorum 1/1 reached; grace window 1.00 s")),
@@ -341,8 +342,7 @@ def check_decision(m: FragmentMerger, cfg: MergeConfig, d: Decision, published: 
     assert (d.kind == "refuse") == (d.refusal is not None and not d.entries) or d.kind == "merge"
     if d.kind == "merge":
         assert m.phase is Phase.MERGING
-        assert len(d.entries) >= m.quorum  # never below the quorum in force ...
-        assert m.quorum == (cfg.quorum if m.expected is None else max(1, min(cfg.quorum, m.expected)))
+        assert len(d.entries) >= cfg.quorum  # never below quorum
         assert d.version == m.version and d.version not in published  # no version merged twice
         peers = [e.peer for e in d.entries]
         assert len(set(peers)) == len(peers)
@@ -357,11 +357,11 @@ def check_decision(m: FragmentMerger, cfg: MergeConfig, d: Decision, published: 
         deadline, t_q = m.deadline(), m.quorum_time
         assert deadline is not None and t_q is not None
         assert now < deadline <= t_q + cfg.grace_cap_s
-        assert m.count >= m.quorum
+        assert m.count >= cfg.quorum
     else:
         assert m.deadline() is None
     if m.phase is Phase.COLLECTING:
-        assert m.count < m.quorum
+        assert m.count < cfg.quorum
 
 
 def test_rebase_keeps_accepted_contributions() -> None:
