@@ -21,7 +21,7 @@ from node.wire.transport import Transport, refusal
 from protocol.errors import NotAuthorized, RemoteProtocolError
 from protocol.wire.codec import encode
 from protocol.wire.messages import Message
-from protocol.wire.signing import Opened, ReplayWindow, Signer, open_sealed, seal
+from protocol.wire.signing import Opened, ReplayWindow, Signer, seal, split_sealed
 
 __all__ = ["Handler", "RpcServer", "error_response", "serve_sealed_request"]
 
@@ -43,15 +43,22 @@ async def serve_sealed_request(
     replay: ReplayWindow,
     dispatch: Callable[[Opened], Awaitable[bytes]],
     on_error: Callable[[RemoteProtocolError], None],
+    authorize: Callable[[bytes], Awaitable[bool]] | None = None,
 ) -> web.Response:
     """Read a sealed request body into a pooled buffer, open it against ``replay`` and answer
-    with the sealed bytes ``dispatch`` returns. A ``RemoteProtocolError`` on the way (bad bytes,
-    signature, replay, size, or one ``dispatch`` raises) goes to ``on_error`` and becomes a 4xx
-    ``error_response``; anything else propagates. The buffer always goes back to the pool."""
+    with the sealed bytes ``dispatch`` returns. ``authorize`` is asked about the envelope's
+    signer right after its signature verifies, before the body is hashed or decoded and before
+    it takes a place in ``replay``: a stranger costs one signature check and leaves nothing
+    behind. A ``RemoteProtocolError`` on the way (bad bytes, signature, replay, size, refusal,
+    or one ``dispatch`` raises) goes to ``on_error`` and becomes a 4xx ``error_response``;
+    anything else propagates. The buffer always goes back to the pool."""
     buf: bytearray | None = None
     try:
         buf, used = await transport.read_request(request, max_size)
-        opened = open_sealed(memoryview(buf)[:used], now=time.time(), replay=replay, max_size=max_size)
+        envelope, body = split_sealed(memoryview(buf)[:used], max_size=max_size)
+        if authorize is not None and not await authorize(envelope.peer_id):
+            raise NotAuthorized(f"peer {envelope.peer_id.hex()[:8]} is not a member of this swarm")
+        opened = envelope.open_body(body, now=time.time(), replay=replay)
         reply = await dispatch(opened)
         return web.Response(body=reply, content_type="application/octet-stream")
     except RemoteProtocolError as exc:
@@ -76,12 +83,13 @@ class RpcServer:
         *,
         max_message: int = 256 << 20,
         authorize: Callable[[bytes], Awaitable[bool]] | None = None,
+        replay: ReplayWindow | None = None,
     ) -> None:
         self.transport, self.signer = transport, signer
         self.max_message = max_message
         self.authorize = authorize or _anyone
         self.handlers: dict[type[Message], Handler] = {}
-        self.replay = ReplayWindow()
+        self.replay = replay or ReplayWindow()
         self.errors: Counter[str] = Counter()
         transport.app.router.add_post("/v1/rpc", self._serve)
 
@@ -99,11 +107,10 @@ class RpcServer:
             log.warning("refused request from %s: %s: %s", request.remote, type(exc).__name__, exc.reason)
 
         return await serve_sealed_request(self.transport, request, max_size=self.max_message,
-                                          replay=self.replay, dispatch=self._dispatch, on_error=refused)
+                                          replay=self.replay, dispatch=self._dispatch, on_error=refused,
+                                          authorize=self.authorize)
 
     async def _dispatch(self, opened: Opened) -> bytes:
-        if not await self.authorize(opened.peer_id):
-            raise NotAuthorized(f"peer {opened.peer_id.hex()[:8]} is not a member of this swarm")
         handler = self.handlers.get(type(opened.message))
         if handler is None:
             raise NotAuthorized(f"no handler here for {type(opened.message).__name__}")

@@ -173,6 +173,11 @@ class Envelope:
     digest: bytes
     size: int
 
+    @property
+    def peer_id(self) -> bytes:
+        """The sender's peer id (from the verified public key)."""
+        return peer_id_from_public_key(self.public_key)
+
     def open_body(self, body: Buffer, *, now: float, replay: ReplayWindow) -> Opened:
         """Check ``body`` against this envelope, then replay and skew, then decode it.
 
@@ -280,6 +285,16 @@ def _split(wire: Buffer, max_size: int) -> tuple[Envelope, memoryview]:
         raise DecodeError(f"truncated: envelope needs {end} bytes, have {mv.nbytes}")
     env = open_envelope(mv[_LENGTH.size : end], max_size=max_size)
     return env, mv[end:]
+
+
+def split_sealed(wire: Buffer, *, max_size: int) -> tuple[Envelope, memoryview]:
+    """The verified envelope of a sealed message and its body, not yet hashed nor decoded: a
+    receiver can decide from ``Envelope.peer_id`` whether the sender may ask this at all before
+    the body costs it a hash, a decode or a place in its replay window.
+
+    Raises Oversize, DecodeError or BadSignature.
+    """
+    return _split(wire, max_size)
 
 
 def open_sealed(wire: Buffer, *, now: float, replay: ReplayWindow, max_size: int) -> Opened:

@@ -309,3 +309,16 @@ def test_sealed_reader_tampered_body_and_empty_envelope() -> None:
     assert len(replay) == 0
     with pytest.raises(DecodeError):
         SealedReader(MAX).feed(struct.pack(">I", 0) + b"rest")
+
+
+def test_split_sealed_names_the_signer_before_the_body_is_looked_at() -> None:
+    from protocol.wire.signing import split_sealed
+    wire = bytearray(sealed().tobytes())
+    wire[-1] ^= 0xFF  # a tampered body: the envelope still verifies, the body is not hashed yet
+    envelope, body = split_sealed(bytes(wire), max_size=MAX)
+    assert envelope.peer_id == ALICE.peer_id == peer_id_from_public_key(envelope.public_key)
+    assert body.nbytes == envelope.size
+    replay = ReplayWindow()
+    with pytest.raises(BadSignature, match="content hash"):
+        envelope.open_body(body, now=NOW, replay=replay)
+    assert len(replay) == 0  # a body that fails its hash takes no place in the window
