@@ -79,7 +79,6 @@ class SwarmIsland:
         self.initial_peers = list(initial_peers)
         self.join_timeout_s = join_timeout_s
         self.finish_timeout_s, self.linger_s = finish_timeout_s, linger_s
-        self.finished = False  # True once the model holds the swarm's final global model
         self._thread: threading.Thread | None = None
 
     def _submit(self, out: object) -> None:
@@ -141,7 +140,6 @@ class SwarmIsland:
         final = self.node.call(self.node.fetch_final(), timeout=self.finish_timeout_s)
         for p, (version, flat) in sorted(final.items()):
             self.island.adopt_final(p, version, flat)
-        self.finished = True
         if self.node.owners and self._thread is not None:  # others may still fetch what we own
             self._thread.join(timeout=self.linger_s)
 

@@ -8,9 +8,9 @@ tests pass a fake one). The timer task calls ``tick`` at the merger's deadline. 
 a weighted mean for embedding fragments), applies the outer Nesterov step off the event loop,
 seals the new ``FragmentState`` with its own key and wakes every long-poll waiting for it.
 
-A merge that fails (wrong shapes, a non-finite aggregate or result) drops the contributions
-that caused it (those that are not finite or whose norm overflows, or every one of them when no
-single one is to blame), with the reason logged, and the merger retries with the rest: the same
+A merge that fails (a non-finite aggregate or result, or any unforeseen error) drops the
+contributions that caused it (every one of them: no single one is to blame, since each was
+checked for shape, finiteness and a finite norm on arrival), with the reason logged, and the merger retries with the rest: the same
 failing set is never retried. A new owner that catches up with its predecessor's newer version
 keeps the contributions it already accepted (``FragmentMerger.rebase``).
 
@@ -58,12 +58,6 @@ class MergeFailed(Exception):
     def __init__(self, reason: str, culprits: frozenset[bytes]) -> None:
         super().__init__(reason)
         self.reason, self.culprits = reason, culprits
-
-
-def _is_sound(delta: torch.Tensor, numel: int) -> bool:
-    """A pseudo-gradient the outer step can use: the right size, finite, with a finite norm."""
-    return (delta.numel() == numel and bool(torch.isfinite(delta).all())
-            and math.isfinite(float(torch.linalg.vector_norm(delta.double()))))
 
 
 class FragmentOwner:
@@ -248,12 +242,7 @@ class FragmentOwner:
     def _outer(self, peers: list[bytes], deltas: list[torch.Tensor], weights: list[float],
                clips: list[float]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Clip, aggregate, bound and apply the outer step. Raises ``MergeFailed`` naming the
-        peers to drop."""
-        numel = self.theta.numel()
-        unsound = frozenset(p for p, d in zip(peers, deltas, strict=True) if not _is_sound(d, numel))
-        if unsound:
-            raise MergeFailed(f"{len(unsound)} of {len(peers)} contributions are malformed, "
-                              "non-finite or overflow their norm", unsound)
+        peers to drop. (Every payload's shape, finiteness and norm were checked by ``_decode``.)"""
         deltas = [d * c if c < 1.0 else d for d, c in zip(deltas, clips, strict=True)]  # new tensors
         if self.fragment.is_embedding:
             delta = weighted_mean(deltas, weights)  # [numel_p] fp32

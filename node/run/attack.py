@@ -36,7 +36,6 @@ class Attack:
     seed: int = 0
     _first: dict[int, torch.Tensor] = field(default_factory=dict)
     _rng: torch.Generator = field(init=False)
-    applied: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -58,7 +57,6 @@ class Attack:
         return cls(kind, value, seed)
 
     def __call__(self, out: Outgoing) -> Outgoing:
-        self.applied += 1
         delta = out.delta
         if self.kind == "scale":
             return dataclasses.replace(out, delta=delta * self.arg)

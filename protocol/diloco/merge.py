@@ -174,7 +174,7 @@ class _Pending:
     base_version: int
     weight: float  # token weight before discount and clamp
     payload: object
-    norm: float | None
+    rate: float | None  # its norm per (bounded) inner step; None: not reported, never clipped
     steps_bounded: bool
     tokens_bounded: bool
 
@@ -236,8 +236,8 @@ class FragmentMerger:
         self._step_ema: dict[bytes, tuple[float, int]] = {}  # peer -> (EMA, version last seen)
         self._sync_ema: float | None = None
         self._published_at: dict[int, float] = {version: now}  # recent versions -> when they opened
-        self._norms: list[float] = []  # clipped norms of recently merged contributions
-        self._closing_norms: list[float] = []  # of the merge in progress, kept on publish
+        self._rates: list[float] = []  # clipped norms per step of recently merged contributions
+        self._closing_rates: list[float] = []  # of the merge in progress, kept on publish
 
     # -- events ------------------------------------------------------------------------------
 
@@ -285,11 +285,6 @@ class FragmentMerger:
     def deadline(self) -> float | None:
         """When the node must next call ``on_tick`` (grace window end); None when no timer."""
         return self._deadline if self.phase is Phase.GRACE else None
-
-    @property
-    def quorum(self) -> int:
-        """K: no merge ever holds fewer contributions (see ``set_expected(0)`` for the end)."""
-        return self.config.quorum
 
     @property
     def count(self) -> int:
@@ -353,12 +348,12 @@ class FragmentMerger:
 
     def _expect(self, ev: _Expect) -> Decision:
         self.expected = ev.n
-        if ev.n == 0 and 0 < len(self._entries) < self.quorum:
+        if ev.n == 0 and 0 < len(self._entries) < self.config.quorum:
             # nobody left to reach K: drop the rest rather than merge below quorum (a lone
             # contribution merged at the end could be an attacker's) or never become final
             dropped, self._entries, self._first_at = len(self._entries), [], None
             self._reopen(Phase.COLLECTING, opened_at=self._now)
-            return self._decide("wait", f"no learner left to reach quorum {self.quorum}: "
+            return self._decide("wait", f"no learner left to reach quorum {self.config.quorum}: "
                                         f"{dropped} contributions dropped")
         return self._settle(False, f"expecting {ev.n}")
 
@@ -374,8 +369,8 @@ class FragmentMerger:
         self._sync_ema = _ema(self._sync_ema, ev.sync_time, self.config.ema_alpha)
         self.version = ev.new_version
         self._opened(ev.new_version)
-        self._norms = (self._norms + self._closing_norms)[-self.config.norm_history:] if self.config.norm_history else []
-        self._closing_norms = []
+        self._rates = (self._rates + self._closing_rates)[-self.config.norm_history:] if self.config.norm_history else []
+        self._closing_rates = []
         self._entries, self._carried = self._carried, []
         self._reopen(Phase.COLLECTING, opened_at=self._now)
         self._first_at = self._now if self._entries else None
@@ -388,9 +383,9 @@ class FragmentMerger:
         dropped = len(self._entries) - len(kept)
         self._entries = kept
         reason = f"merge for version {self.version} failed ({ev.reason}); {dropped} discarded, {self._tally()} kept"
-        if len(kept) < self.quorum:
+        if len(kept) < self.config.quorum:
             self._reopen(Phase.COLLECTING, opened_at=self._opened_at)
-            return self._decide("wait", f"{reason}; waiting for quorum {self.quorum}")
+            return self._decide("wait", f"{reason}; waiting for quorum {self.config.quorum}")
         self._reopen(Phase.GRACE, opened_at=self._opened_at)
         self._quorum_at = self._now
         self._deadline = self._now + min(self.config.retry_s, self.config.grace_cap_s)
@@ -404,7 +399,7 @@ class FragmentMerger:
         dropped = len(self._entries) - len(kept)
         old, self.version, self._entries = self.version, ev.version, kept
         self._opened(ev.version)
-        if len(kept) < self.quorum:  # never merge below quorum: back to collecting
+        if len(kept) < self.config.quorum:  # never merge below quorum: back to collecting
             self._reopen(Phase.COLLECTING, opened_at=self._opened_at)
         if not kept:
             self._first_at = None
@@ -452,7 +447,7 @@ class FragmentMerger:
 
     def _settle(self, accepted: bool, otherwise: str) -> Decision:
         """After a change while COLLECTING/GRACE: close, open the grace window, or keep going."""
-        n, k, expected = len(self._entries), self.quorum, self.expected
+        n, k, expected = len(self._entries), self.config.quorum, self.expected
         if n >= k and expected is not None and n >= expected:
             return self._close(f"all {n}/{expected} expected contributions in", accepted)
         if self.phase is Phase.COLLECTING and n >= k:
@@ -492,7 +487,7 @@ class FragmentMerger:
         weights = clamp_weights(weights, max_median_multiple=cfg.max_weight_median_multiple)
         weights, capped = cap_weights_by_others(weights, multiple=cfg.max_weight_median_multiple)
         clips = self._clips()
-        self._closing_norms = [e.norm * c for e, c in zip(self._entries, clips, strict=True) if e.norm is not None]
+        self._closing_rates = [e.rate * c for e, c in zip(self._entries, clips, strict=True) if e.rate is not None]
         return tuple(
             Entry(peer=e.peer, payload=e.payload, weight=w, staleness=s, clip=c, weight_capped=k,
                   steps_bounded=e.steps_bounded, tokens_bounded=e.tokens_bounded)
@@ -500,13 +495,13 @@ class FragmentMerger:
         )
 
     def _clips(self) -> list[float]:
-        """Scale per entry bringing its norm to ``clip_multiple`` x the reference norm (see above)."""
-        known = [e.norm for e in self._entries if e.norm is not None]
+        """Scale per entry bringing its rate to ``clip_multiple`` x the reference rate (see above)."""
+        known = [e.rate for e in self._entries if e.rate is not None]
         if not known or math.isinf(self.config.clip_multiple):
             return [1.0] * len(self._entries)
-        reference = statistics.median(known + self._norms)
+        reference = statistics.median(known + self._rates)
         factors = iter(clip_factors(known, reference, self.config.clip_multiple))
-        return [1.0 if e.norm is None else next(factors) for e in self._entries]
+        return [1.0 if e.rate is None else next(factors) for e in self._entries]
 
     def _opened(self, version: int) -> None:
         """Version ``version`` opened now; keep the opening times the staleness bound can reach."""
