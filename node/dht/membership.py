@@ -12,11 +12,13 @@ accept the owner role and share our manifest; a member that cannot be dialled is
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import time
 from collections.abc import Collection
 from dataclasses import dataclass
+from typing import Any
 
 import msgpack
 
@@ -25,8 +27,10 @@ from node.dht.kademlia import DHTNode
 from protocol.diloco.fragments import owners_of
 from protocol.errors import DecodeError
 from protocol.ids import key_id
+from protocol.wire.membership import SwarmManifest
 
-__all__ = ["Member", "MemberRecord", "Membership", "manifest_hash", "members_key"]
+__all__ = ["Member", "MemberRecord", "Membership", "config_from_manifest", "manifest_hash", "members_key",
+           "recipe_of"]
 
 # The fields that must agree across a swarm: the model and how it is cut, merged and weighted.
 MANIFEST_FIELDS = ("swarm", "seed", "model", "batch_size", "fragments", "inner_steps", "codec",
@@ -34,6 +38,35 @@ MANIFEST_FIELDS = ("swarm", "seed", "model", "batch_size", "fragments", "inner_s
                    "grace_gamma", "grace_tau", "grace_cap_s", "staleness_bound", "late_policy",
                    "max_tokens_per_step")
 ROLES = ("learner", "owner")
+
+
+RECIPE_FIELDS = tuple(name for name in MANIFEST_FIELDS if name != "swarm")
+
+
+def recipe_of(cfg: RunConfig) -> tuple[tuple[str, str | int | float | bool], ...]:
+    """The swarm-wide fields of ``cfg`` as a signed manifest's recipe (sorted by name)."""
+    return tuple(sorted((name, getattr(cfg, name)) for name in RECIPE_FIELDS))
+
+
+def config_from_manifest(manifest: SwarmManifest, base: RunConfig) -> RunConfig:
+    """``base`` with the manifest's recipe and the swarm id as the swarm's name on the wire.
+
+    Raises ``ValueError`` naming a recipe field this version of Atoll does not know, or one
+    whose value does not fit (the manifest is newer than this install, or was edited by hand)."""
+    recipe = manifest.recipe_dict
+    unknown = sorted(set(recipe) - set(RECIPE_FIELDS))
+    if unknown:
+        raise ValueError(f"the swarm's recipe has fields this Atoll does not know: {unknown}; upgrade Atoll")
+    types = {f.name: type(getattr(base, f.name)) for f in dataclasses.fields(base)}
+    fields: dict[str, Any] = {}
+    for name, value in recipe.items():
+        want = types[name]
+        if want is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, want) or (want is int and isinstance(value, bool)):
+            raise ValueError(f"recipe field {name} = {value!r} should be {want.__name__}")
+        fields[name] = value
+    return dataclasses.replace(base, swarm=manifest.swarm_id, **fields)
 
 
 def members_key(swarm: str) -> bytes:
