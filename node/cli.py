@@ -74,6 +74,10 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument("--peer", required=True, metavar="URL", help="a member's address")
     status.add_argument("--json", action="store_true", help="print the raw JSON")
 
+    from node.run.admin import add_admin_commands
+
+    add_admin_commands(sub)
+
     peer = sub.add_parser("peer", help="one peer of a local swarm (used by atoll local)")
     peer.add_argument("--config", type=Path, required=True, help="the swarm's config.json")
     peer.add_argument("--index", type=int, required=True, help="this peer's index in the swarm")
@@ -92,6 +96,10 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.command in ("keygen", "swarm"):
+        from node.run.admin import run_admin
+
+        return run_admin(args)
     if args.command == "local":
         from node.run.local import run_local
 

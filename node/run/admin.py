@@ -1,0 +1,302 @@
+"""``atoll keygen`` and ``atoll swarm ...``: the founder's and the labs' administration commands.
+
+``keygen`` makes a peer's (or founder's, or authority's) Ed25519 key. The founder then writes a
+signed swarm manifest (``swarm init``), adds one authority per lab (``swarm add-authority``) and
+revokes keys (``swarm revoke``); each edit is signed again with the version one higher, and
+``swarm publish`` hands the new version to a member, from which it spreads. A lab's authority
+certifies its peers (``swarm certify``). ``swarm show`` prints what a manifest says.
+
+Every failure prints one line, ``atoll <command>: <what is wrong and what to do>``, to stderr and
+exits 1 (2 for a bad argument value); never a traceback, and never a private key's bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from node.config import RunConfig, add_run_arguments
+from node.dht.membership import RECIPE_FIELDS, recipe_of
+from node.wire.identity import (
+    IdentityError,
+    generate_key,
+    load_key,
+    load_manifest,
+    public_key_from_arg,
+    save_certificate,
+    save_key,
+    save_manifest,
+)
+from protocol.errors import LocalProtocolError, RemoteProtocolError
+from protocol.wire.membership import ADMISSIONS, ROLES, Certificate, SwarmManifest
+from protocol.wire.signing import Signer
+
+__all__ = ["add_admin_commands", "run_admin"]
+
+CLOCK_SKEW_S = 60.0  # a certificate is valid from this long before it was issued
+PUBLISH_PATH = "/v1/swarm/manifest"
+PUBLISH_TIMEOUT_S = 10.0
+
+
+class UsageError(ValueError):
+    """An argument value that cannot be used (exit status 2)."""
+
+
+# --- the parsers -----------------------------------------------------------------------------
+def add_admin_commands(sub: Any) -> None:
+    """Add ``keygen`` and ``swarm`` (with its sub-commands) to the ``atoll`` sub-parsers."""
+    keygen = sub.add_parser("keygen", help="make an Ed25519 key (PEM, mode 0600) and print its public key")
+    keygen.add_argument("--out", type=Path, required=True, metavar="KEY", help="where to write the key")
+    keygen.add_argument("--json", action="store_true", help='print {"public_key", "peer_id"} as JSON')
+    keygen.add_argument("--force", action="store_true", help="overwrite an existing key file")
+
+    swarm = sub.add_parser("swarm", help="found and administer a certified swarm (manifest, authorities, "
+                                         "certificates, revocations)")
+    cmds = swarm.add_subparsers(dest="swarm_command", required=True)
+    _add_init(cmds)
+    add = cmds.add_parser("add-authority", help="let a lab's authority key certify peers (founder only)")
+    add.add_argument("manifest", type=Path, help="the swarm manifest (rewritten in place)")
+    add.add_argument("--founder", type=Path, required=True, metavar="KEY", help="the founder's key file")
+    add.add_argument("--lab", required=True, help="the lab's name")
+    add.add_argument("--key", required=True, metavar="PUBKEY", help="the authority's public key (hex) or key file")
+
+    cert = cmds.add_parser("certify", help="certify a peer's key as a lab's authority")
+    cert.add_argument("--manifest", type=Path, required=True, help="the swarm manifest")
+    cert.add_argument("--authority", type=Path, required=True, metavar="KEY", help="the authority's key file")
+    cert.add_argument("--peer", required=True, metavar="PUBKEY", help="the peer's public key (hex) or key file")
+    cert.add_argument("--roles", required=True, help="comma-separated roles: learner, owner or learner,owner")
+    cert.add_argument("--days", default="30", help="validity in days; fractions allowed (default: 30)")
+    cert.add_argument("--out", type=Path, required=True, metavar="CERT", help="where to write the certificate")
+
+    rev = cmds.add_parser("revoke", help="revoke a peer's key (founder only; bumps the manifest version)")
+    rev.add_argument("manifest", type=Path, help="the swarm manifest (rewritten in place)")
+    rev.add_argument("--founder", type=Path, required=True, metavar="KEY", help="the founder's key file")
+    rev.add_argument("--peer", required=True, metavar="PUBKEY", help="the key to revoke (hex) or its key file")
+
+    pub = cmds.add_parser("publish", help="hand a (newer) manifest to a member; it spreads from there")
+    pub.add_argument("manifest", type=Path, help="the swarm manifest")
+    pub.add_argument("--peer", required=True, metavar="URL", help="a member's address, e.g. http://host:port")
+
+    show = cmds.add_parser("show", help="print what a manifest says (its signature verified)")
+    show.add_argument("manifest", type=Path, help="the swarm manifest")
+    show.add_argument("--json", action="store_true", help="print JSON")
+
+
+def _add_init(cmds: Any) -> None:
+    init = cmds.add_parser("init", help="found a swarm: write its signed manifest")
+    init.add_argument("--name", required=True, help="the swarm's name")
+    init.add_argument("--founder", type=Path, required=True, metavar="KEY", help="the founder's key file")
+    init.add_argument("--admission", choices=ADMISSIONS, default="open",
+                      help="open: anyone may learn, certified peers own; certified: every peer needs a certificate")
+    init.add_argument("--out", type=Path, required=True, help="where to write the manifest")
+    init.add_argument("--force", action="store_true", help="overwrite an existing manifest")
+    recipe = init.add_argument_group("recipe (shared by every peer of the swarm)")
+    every = argparse.ArgumentParser(add_help=False)
+    add_run_arguments(every)
+    for action in every._actions:
+        if action.dest in RECIPE_FIELDS:
+            recipe.add_argument(*action.option_strings, dest=action.dest, type=action.type,
+                                default=action.default, help=action.help)
+
+
+# --- running them ----------------------------------------------------------------------------
+def run_admin(args: argparse.Namespace) -> int:
+    """Run ``atoll keygen`` or ``atoll swarm <command>``; return the exit status."""
+    name = "keygen" if args.command == "keygen" else f"swarm {args.swarm_command}"
+    handler = _HANDLERS[name]
+    try:
+        return handler(args)
+    except UsageError as exc:
+        return _fail(name, str(exc), 2)
+    except (IdentityError, LocalProtocolError, ValueError) as exc:
+        return _fail(name, str(exc), 1)
+    except RemoteProtocolError as exc:
+        return _fail(name, exc.reason, 1)
+    except OSError as exc:
+        return _fail(name, f"{exc.strerror or exc}" + (f": {exc.filename}" if exc.filename else ""), 1)
+
+
+def _fail(name: str, message: str, code: int) -> int:
+    print(f"atoll {name}: {' '.join(message.split())}", file=sys.stderr)
+    return code
+
+
+def _keygen(args: argparse.Namespace) -> int:
+    signer = generate_key()
+    save_key(signer, args.out, force=args.force)
+    if args.json:
+        print(json.dumps({"public_key": signer.public_key.hex(), "peer_id": signer.peer_id.hex()}))
+    else:
+        print(f"public_key {signer.public_key.hex()}")
+        print(f"peer_id {signer.peer_id.hex()}")
+    return 0
+
+
+def _init(args: argparse.Namespace) -> int:
+    if args.out.exists() and not args.force:
+        raise IdentityError(f"{args.out} already exists; pass --force to overwrite it "
+                            "(or edit it with add-authority / revoke)")
+    founder = load_key(args.founder)
+    manifest = SwarmManifest(name=args.name, founder=founder.public_key, admission=args.admission,
+                             created=time.time(), recipe=recipe_of(_recipe_config(args)))
+    save_manifest(manifest.signed(founder), args.out)
+    print(manifest.swarm_id)
+    print(f"wrote {args.out}: swarm {args.name}, admission {args.admission}, version 1")
+    return 0
+
+
+def _recipe_config(args: argparse.Namespace) -> RunConfig:
+    """The ``RunConfig`` the recipe flags describe, with what the GPT workload implies filled in
+    (a token cap of 0 becomes batch size x context length, as every peer would compute)."""
+    from node.run.train import resolved
+
+    try:
+        cfg = RunConfig(**{name: getattr(args, name) for name in RECIPE_FIELDS})
+        return resolved(cfg)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _founder_of(manifest: SwarmManifest, path: Path) -> Signer:
+    founder = load_key(path)
+    if founder.public_key != manifest.founder:
+        raise IdentityError(f"{path} is not the founder's key of swarm {manifest.name} (founder "
+                            f"{manifest.founder.hex()}); only the founder may edit its manifest")
+    return founder
+
+
+def _add_authority(args: argparse.Namespace) -> int:
+    manifest = load_manifest(args.manifest)
+    founder = _founder_of(manifest, args.founder)
+    key = public_key_from_arg(args.key)
+    if key in manifest.revoked:
+        raise IdentityError(f"key {key.hex()} is revoked in this swarm; make a new key for lab {args.lab}")
+    newer = manifest.with_authority(args.lab, key).signed(founder)
+    save_manifest(newer, args.manifest)
+    print(f"lab {args.lab} (authority {key.hex()}) added; {args.manifest} is now version {newer.version}")
+    return 0
+
+
+def _revoke(args: argparse.Namespace) -> int:
+    manifest = load_manifest(args.manifest)
+    founder = _founder_of(manifest, args.founder)
+    key = public_key_from_arg(args.peer)
+    if key in manifest.revoked:
+        print(f"{key.hex()} is already revoked; {args.manifest} stays at version {manifest.version}")
+        return 0
+    newer = manifest.with_revoked(key).signed(founder)
+    save_manifest(newer, args.manifest)
+    print(f"revoked {key.hex()}; {args.manifest} is now version {newer.version} "
+          f"(hand it to a member: atoll swarm publish {args.manifest} --peer URL)")
+    return 0
+
+
+def _certify(args: argparse.Namespace) -> int:
+    manifest = load_manifest(args.manifest)
+    authority = load_key(args.authority)
+    subject = public_key_from_arg(args.peer)
+    roles, days = _parse_roles(args.roles), _parse_days(args.days)
+    if subject in manifest.revoked:
+        raise IdentityError(f"key {subject.hex()} is revoked in swarm {manifest.name} "
+                            f"(manifest version {manifest.version}); the peer needs a new key")
+    now = time.time()
+    cert = Certificate.issue(authority, manifest=manifest, subject=subject, roles=roles,
+                             not_before=now - CLOCK_SKEW_S, not_after=now + days * 86400.0)
+    save_certificate(cert, args.out)
+    expiry = datetime.fromtimestamp(cert.not_after, tz=timezone.utc).isoformat(timespec="seconds")
+    print(f"certified {subject.hex()} for lab {cert.lab}, roles {','.join(cert.roles)}, "
+          f"valid until {expiry}; wrote {args.out}")
+    return 0
+
+
+def _parse_roles(text: str) -> tuple[str, ...]:
+    roles = tuple(r.strip() for r in text.split(",") if r.strip())
+    if not roles or any(r not in ROLES for r in roles):
+        raise UsageError(f"--roles {text!r}: expected learner, owner or learner,owner")
+    return roles
+
+
+def _parse_days(text: str) -> float:
+    try:
+        days = float(text)
+    except ValueError:
+        days = float("nan")
+    if not 0 < days < 36500:
+        raise UsageError(f"--days {text!r}: expected a positive number of days below 36500 "
+                         "(fractions allowed: 0.0001 is about 9 s)")
+    return days
+
+
+def _publish(args: argparse.Namespace) -> int:
+    load_manifest(args.manifest)  # refuse to hand out a manifest that does not verify
+    body = Path(args.manifest).read_bytes()
+    base = args.peer.rstrip("/")
+    if not base.startswith(("http://", "https://")):
+        raise UsageError(f"--peer {args.peer!r} is not an http(s) URL, e.g. http://host:7000")
+    request = urllib.request.Request(base + PUBLISH_PATH, data=body, method="POST",
+                                     headers={"Content-Type": "application/toml"})
+    try:
+        with urllib.request.urlopen(request, timeout=PUBLISH_TIMEOUT_S) as resp:  # noqa: S310 (http(s) only, checked)
+            answer = resp.read(65536).decode(errors="replace").strip()
+    except urllib.error.HTTPError as exc:
+        reason = exc.read(4096).decode(errors="replace").strip() or exc.reason
+        raise IdentityError(f"{base} refused the manifest: {exc.code} {_reason(reason)}") from None
+    except urllib.error.URLError as exc:
+        raise IdentityError(f"could not reach {base}: {exc.reason}") from None
+    except TimeoutError:
+        raise IdentityError(f"{base} did not answer within {PUBLISH_TIMEOUT_S:.0f} s") from None
+    print(answer or f"{base} took the manifest")
+    return 0
+
+
+def _reason(text: str) -> str:
+    """A peer's error body as one short line (the ``error`` or ``reason`` of a JSON body)."""
+    try:
+        data = json.loads(text)
+    except ValueError:
+        data = None
+    if isinstance(data, dict):
+        text = str(data.get("error") or data.get("reason") or text)
+    return " ".join(text.split())[:300]
+
+
+def _show(args: argparse.Namespace) -> int:
+    manifest = load_manifest(args.manifest)
+    info = _describe(manifest)
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    print(f"swarm {info['name']} id {info['id']} version {info['version']} admission {info['admission']}")
+    print(f"  founder {info['founder']}")
+    for a in info["authorities"]:
+        print(f"  authority {a['lab']}: {a['public_key']}")
+    for key in info["revoked"]:
+        print(f"  revoked {key}")
+    print("  recipe " + " ".join(f"{k}={v}" for k, v in info["recipe"].items()))
+    return 0
+
+
+def _describe(m: SwarmManifest) -> dict[str, Any]:
+    return {"id": m.swarm_id, "name": m.name, "version": m.version, "admission": m.admission,
+            "created": m.created, "founder": m.founder.hex(),
+            "authorities": [{"lab": a.lab, "public_key": a.public_key.hex()} for a in m.authorities],
+            "revoked": sorted(k.hex() for k in m.revoked), "recipe": dict(m.recipe)}
+
+
+_HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "keygen": _keygen,
+    "swarm init": _init,
+    "swarm add-authority": _add_authority,
+    "swarm certify": _certify,
+    "swarm revoke": _revoke,
+    "swarm publish": _publish,
+    "swarm show": _show,
+}
