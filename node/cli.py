@@ -10,17 +10,11 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
-import json
 import logging
-import os
 import sys
-import urllib.request
 from pathlib import Path
-from typing import Any
 
-from node.config import RunConfig, add_run_arguments, config_from_args
+from node.config import SWARM_WIDE_FIELDS, RunConfig, add_run_arguments, config_from_args
 
 __all__ = ["main"]
 
@@ -42,6 +36,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="also train peer 0's island alone (same model, shard and steps) and report "
                             "what merging gained")
     local.add_argument("--quiet", action="store_true", help="no live progress lines")
+    local.add_argument("--admission", choices=("open", "certified"), default="open",
+                       help="the throw-away swarm's admission: certified runs every peer over HTTPS with "
+                            "certificate checks on every request")
     local.add_argument("--attack", action="append", default=[], metavar="PEER:KIND[=X]",
                        help="peer PEER sends malicious contributions: scale=X, random, signflip, stale "
                             "or lie-tokens=X (repeatable); the report counts what the merge did about it")
@@ -61,7 +58,11 @@ def _parser() -> argparse.ArgumentParser:
                            "peers that cannot be dialled back train as learners only")
     join.add_argument("--serve-after-s", type=float, default=3600.0,
                       help="after training, keep serving the fragments this peer owns this long")
-    add_run_arguments(join)
+    _add_swarm_arguments(join, key_required=True)
+    join.add_argument("--swarm", default=None, metavar="ID",
+                      help="the swarm id (instead of --manifest): its manifest is fetched from an initial "
+                           "peer and checked against the id")
+    add_run_arguments(join, exclude=SWARM_WIDE_FIELDS)  # the recipe is the manifest's
 
     boot = sub.add_parser("bootstrap", help="run a DHT-only entry node for a swarm",
                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -69,10 +70,12 @@ def _parser() -> argparse.ArgumentParser:
     boot.add_argument("--public-address", default=None, metavar="HOST:PORT", help="the address others dial")
     boot.add_argument("--initial-peers", nargs="*", default=[], metavar="URL",
                       help="other bootstrap nodes or members to connect to")
+    _add_swarm_arguments(boot, key_required=False)
 
     status = sub.add_parser("status", help="show what a peer sees of its swarm")
     status.add_argument("--peer", required=True, metavar="URL", help="a member's address")
     status.add_argument("--json", action="store_true", help="print the raw JSON")
+    _add_swarm_arguments(status, key_required=False)
 
     from node.run.admin import add_admin_commands
 
@@ -87,6 +90,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="read {\"initial_peers\": [...]} from stdin after loading the model and data")
     peer.add_argument("--wait-members", type=int, default=1, help="start training once this many members joined")
     peer.add_argument("--slow-factor", type=float, default=1.0, help="emulate a slower machine (fault injection)")
+    peer.add_argument("--key", type=Path, default=None, help="this peer's key (PEM)")
+    peer.add_argument("--cert", type=Path, default=None, help="this peer's certificate")
+    peer.add_argument("--manifest", type=Path, default=None, help="the swarm's signed manifest")
     peer.add_argument("--attack", default="", metavar="KIND[=X]",
                       help="send malicious contributions (measurement): scale=X, random, signflip, stale, lie-tokens=X")
     return parser
@@ -120,35 +126,41 @@ def main(argv: list[str] | None = None) -> int:
             for i, attack in attacks.items():
                 extra.setdefault(i, []).extend(["--attack", attack])
             run_local(cfg, report_path=args.report, baseline=args.baseline, alone=args.alone, quiet=args.quiet,
-                      kill_at=kill_at, extra_peer_args=extra, attacks=attacks)
+                      kill_at=kill_at, extra_peer_args=extra, attacks=attacks, admission=args.admission)
         except KeyboardInterrupt:
             return 130
         return 0
     if args.command == "join":
-        return _join(args)
+        from node.run.join import join_main
+
+        return join_main(args)
     if args.command == "bootstrap":
-        import asyncio
+        from node.run.join import bootstrap_main
 
-        from node.dht.bootstrap import run_bootstrap
-
-        host, port = _host_port(args.listen)
-        public = f"http://{args.public_address}" if args.public_address else None
-        if public is None and host in ("0.0.0.0", "::"):
-            print("atoll bootstrap: listening on all interfaces; pass --public-address HOST:PORT "
-                  "so the node advertises an address others can dial", file=sys.stderr)
-        with contextlib.suppress(KeyboardInterrupt):
-            asyncio.run(run_bootstrap(host, port, public, args.initial_peers))
-        return 0
+        return bootstrap_main(args)
     if args.command == "status":
-        return _status(args.peer, as_json=args.json)
+        from node.run.join import status_main
+
+        return status_main(args)
     if args.command == "peer":
         from node.run.train import PeerOptions, run_peer
 
         logging.getLogger().setLevel(min(logging.INFO, logging.getLogger().level))
+        from node.dht.swarm import SwarmCredentials
+        from node.wire.identity import load_certificate, load_key, load_manifest
+
+        signer = load_key(args.key) if args.key else None
+        credentials = None
+        if args.manifest:
+            if signer is None:
+                print("atoll peer: --manifest needs --key", file=sys.stderr)
+                return 2
+            credentials = SwarmCredentials(load_manifest(args.manifest), signer,
+                                           load_certificate(args.cert) if args.cert else None)
         opts = PeerOptions(index=args.index, initial_peers=tuple(args.initial_peers), t0=args.t0,
                            initial_peers_from_stdin=args.initial_peers_from_stdin,
                            wait_members=args.wait_members, slow_factor=args.slow_factor,
-                           attack=args.attack)
+                           attack=args.attack, signer=signer, credentials=credentials)
         run_peer(RunConfig.load(args.config), opts)
         return 0
     return 2
@@ -161,86 +173,14 @@ def _host_port(spec: str) -> tuple[str, int]:
     return host or "0.0.0.0", int(port)
 
 
-def _get_json(url: str, timeout: float = 10.0) -> Any:
-    with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 (http(s) only, checked)
-        return json.loads(resp.read())
-
-
-def swarm_config(initial_peers: list[str], local: RunConfig) -> tuple[RunConfig, bool]:
-    """The swarm's config from a live member (its manifest fields win), or ``local`` if none.
-
-    Returns (config, whether a swarm was found).
-    """
-    from node.dht.membership import MANIFEST_FIELDS
-
-    for base in initial_peers:
-        if not base.startswith(("http://", "https://")):
-            raise SystemExit(f"initial peer {base!r} is not an http(s) URL")
-        try:
-            members = _get_json(f"{base.rstrip('/')}/v1/members?swarm={local.swarm}")["members"]
-        except (OSError, ValueError, KeyError) as exc:
-            print(f"atoll join: {base} did not list members ({exc}); trying the next", file=sys.stderr)
-            continue
-        for m in members:
-            if not m.get("url"):
-                continue
-            try:
-                remote = RunConfig.from_json(json.dumps(_get_json(f"{m['url']}/v1/manifest")))
-            except (OSError, ValueError) as exc:
-                print(f"atoll join: no manifest from {m['url']} ({exc})", file=sys.stderr)
-                continue
-            shared = {name: getattr(remote, name) for name in MANIFEST_FIELDS}
-            return dataclasses.replace(local, peers=remote.peers, **shared), True
-    return local, False
-
-
-def _join(args: argparse.Namespace) -> int:
-    from node.run.train import PeerOptions, run_peer
-
-    logging.getLogger().setLevel(min(logging.INFO, logging.getLogger().level))
-    try:
-        local = config_from_args(args)
-    except ValueError as exc:
-        print(f"atoll join: {exc}", file=sys.stderr)
-        return 2
-    cfg, found = swarm_config(args.initial_peers, local)
-    print(f"atoll join: {'joining' if found else 'founding'} swarm {cfg.swarm!r} "
-          f"(model {cfg.model}, {cfg.fragments} fragments, H={cfg.inner_steps}, codec {cfg.codec})", flush=True)
-    host, port = _host_port(args.listen)
-    public = f"http://{args.public_address}" if args.public_address else None
-    if public is None and host in ("0.0.0.0", "::"):
-        public = f"http://127.0.0.1:{port}" if port else None
-        if port == 0:
-            host = "127.0.0.1"
-            print("atoll join: no --public-address; listening on 127.0.0.1 only "
-                  "(others on this machine can reach it)", file=sys.stderr)
-    opts = PeerOptions(index=int.from_bytes(os.urandom(2), "big") % max(cfg.peers, 1),
-                       initial_peers=tuple(args.initial_peers), host=host, port=port, public_address=public,
-                       wait_for_stop=False, final_sync=False, serve_after_s=args.serve_after_s)
-    try:
-        run_peer(cfg, opts)
-    except KeyboardInterrupt:
-        return 130
-    return 0
-
-
-def _status(url: str, *, as_json: bool) -> int:
-    try:
-        status = _get_json(f"{url.rstrip('/')}/v1/status")
-    except (OSError, ValueError) as exc:
-        print(f"atoll status: could not read {url}/v1/status: {exc}", file=sys.stderr)
-        return 1
-    if as_json:
-        print(json.dumps(status, indent=2))
-        return 0
-    print(f"peer {status.get('peer_id', '?')[:12]} at {status.get('url')} (swarm {status.get('swarm')})")
-    for m in status.get("members", []):
-        print(f"  member {m['peer_id'][:12]} {m['url'] or '(not dialable)':28} roles={','.join(m['roles'])} "
-              f"reachable={m['reachable']} learning={m['learning']} step={m['step']}")
-    for p, o in sorted(status.get("owners", {}).items(), key=lambda kv: int(kv[0])):
-        print(f"  fragment {p}: owner {o['peer_id'][:12] if o else 'none'} {o['url'] if o else ''}")
-    print(f"  versions held {status.get('versions')}; bytes sent {status.get('bytes_sent', 0) / 1e6:.1f} MB")
-    return 0
+def _add_swarm_arguments(parser: argparse.ArgumentParser, *, key_required: bool) -> None:
+    parser.add_argument("--manifest", type=Path, default=None, metavar="swarm.toml",
+                        help="the swarm's manifest, signed by its founder")
+    parser.add_argument("--key", type=Path, required=key_required, default=None, metavar="KEY",
+                        help="this peer's key (PEM, from atoll keygen)")
+    parser.add_argument("--cert", type=Path, default=None, metavar="CERT",
+                        help="this peer's certificate from a lab's authority (atoll swarm certify); "
+                             "without one a peer may only learn, and only in an open swarm")
 
 
 def _parse_kills(specs: list[str], peers: int) -> dict[int, int]:

@@ -13,7 +13,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RunConfig", "add_run_arguments", "config_from_args"]
+__all__ = ["SWARM_WIDE_FIELDS", "RunConfig", "add_run_arguments", "config_from_args"]
+
+# The fields every peer of a swarm must share: the model and how it is cut, merged and weighted
+# (a signed manifest's recipe holds them, but ``swarm``, which becomes the swarm id).
+SWARM_WIDE_FIELDS = ("swarm", "seed", "model", "batch_size", "fragments", "inner_steps", "codec",
+                     "block_size", "download_codec", "outer_lr", "outer_momentum", "quorum",
+                     "grace_gamma", "grace_tau", "grace_cap_s", "staleness_bound", "late_policy",
+                     "max_tokens_per_step")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -134,9 +141,12 @@ _HELP = {
 }
 
 
-def add_run_arguments(parser: argparse.ArgumentParser, **defaults: Any) -> None:
-    """Add one flag per ``RunConfig`` field (``--inner-steps`` for ``inner_steps``)."""
+def add_run_arguments(parser: argparse.ArgumentParser, *, exclude: tuple[str, ...] = (), **defaults: Any) -> None:
+    """Add one flag per ``RunConfig`` field (``--inner-steps`` for ``inner_steps``), but those in
+    ``exclude``."""
     for f in dataclasses.fields(RunConfig):
+        if f.name in exclude:
+            continue
         default = defaults.get(f.name, f.default)
         flag = "--" + f.name.replace("_", "-")
         kind = {"int": int, "float": float, "str": str}.get(

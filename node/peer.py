@@ -38,12 +38,14 @@ from node.dht.bootstrap import DialBacks, MemberListings
 from node.dht.kademlia import DHTConfig, DHTNode
 from node.dht.membership import MemberRecord, Membership, manifest_hash
 from node.dht.route import DHTRouter
+from node.dht.swarm import SwarmCredentials
 from node.diloco.island import Island, Outgoing
 from node.diloco.learner import IslandNet
 from node.diloco.owner import FragmentOwner
 from node.state.serve import ManifestCache, serve_manifest, serve_sealed, state_etag
 from node.state.sync import SyncFailed, sync_fragments
 from node.wire.rpc import RpcServer
+from node.wire.tls import origin, server_context
 from node.wire.transport import LinkEmulator, LinkProfile, Transport
 from protocol.diloco.fragments import FragmentPlan
 from protocol.diloco.merge import MergeConfig
@@ -97,14 +99,23 @@ class PeerNode:
 
     def __init__(self, cfg: RunConfig, signer: Signer, model: torch.nn.Module, plan: FragmentPlan, *,
                  host: str = "127.0.0.1", port: int = 0, public_address: str | None = None,
-                 tamper: Callable[[Outgoing], Outgoing] | None = None) -> None:
+                 tamper: Callable[[Outgoing], Outgoing] | None = None,
+                 credentials: SwarmCredentials | None = None) -> None:
         if cfg.max_tokens_per_step < 1:
             raise ValueError("the swarm config must set max_tokens_per_step (>= 1): the merge clamps "
                              "every learner's self-reported tokens to it")
         self.cfg, self.signer, self.plan = cfg, signer, plan
         self.tamper = tamper  # rewrites our own contributions: attack measurements only
         self.public_address = public_address
-        self.transport = Transport(host, port, link=LinkEmulator(default=LinkProfile.parse(cfg.link)))
+        # Without credentials (in-process tests only) any reachable member may own fragments.
+        self.credentials = credentials
+        if credentials is not None and credentials.swarm_id != cfg.swarm:
+            raise ValueError(f"config swarm {cfg.swarm!r} is not the manifest's swarm id {credentials.swarm_id}")
+        tls = server_context(signer) if credentials is not None and credentials.certified else None
+        self.transport = Transport(host, port, link=LinkEmulator(default=LinkProfile.parse(cfg.link)), tls=tls)
+        if credentials is not None:
+            credentials.install(self.transport)
+        self.model_bytes_served: collections.Counter[str] = collections.Counter()  # key hex -> bytes
         self.rpc = RpcServer(self.transport, signer, authorize=self._authorize)
         self.router = DHTRouter(self.transport)
         self.dht: DHTNode | None = None
@@ -137,13 +148,14 @@ class PeerNode:
         app.router.add_get("/v1/fragments/{p}/{kind}", self._on_fetch)
         app.router.add_get("/v1/fragments/{p}/latest/manifest", self._on_manifest)
         app.router.add_get("/v1/status", self._on_status)
-        app.router.add_get("/v1/manifest", self._on_swarm_manifest)
         app.router.add_get("/v1/dialback", self._on_dialback)
         app.router.add_get("/v1/members", self._on_members)
 
     # --- membership ----------------------------------------------------------------------------
     def _is_member(self, peer_id: bytes) -> bool:
-        return self.membership is not None and peer_id in self.membership.members
+        """A member whose record passed the certificate checks and that may learn (contribute)."""
+        member = self.membership.members.get(peer_id) if self.membership is not None else None
+        return member is not None and (member.cert is None or "learner" in member.cert.roles)
 
     async def _authorize(self, peer_id: bytes) -> bool:
         """A member, or a key whose member record a (rate-limited) read of the DHT finds."""
@@ -208,10 +220,14 @@ class PeerNode:
             pid for pid, m in self.membership.members.items() if m.record.learning})
 
     def my_record(self) -> MemberRecord:
-        roles = ("learner", "owner") if self.reachable else ("learner",)
+        cred = self.credentials
+        may_own = cred is None or (cred.cert is not None and "owner" in cred.cert.roles)
+        roles = ("learner", "owner") if self.reachable and may_own else ("learner",)
         url = self.url if self.reachable else ""
         return MemberRecord(url=url, roles=roles, reachable=self.reachable, manifest=self.manifest,
-                            learning=self.learning, step=self.step)
+                            learning=self.learning, step=self.step,
+                            cert=cred.cert.encode() if cred is not None and cred.cert is not None else b"",
+                            manifest_version=cred.manifest.version if cred is not None else 0)
 
     @property
     def url(self) -> str:
@@ -228,10 +244,24 @@ class PeerNode:
                     published, published_at = record, time.monotonic()
             with contextlib.suppress(Exception):
                 await self.membership.refresh()
+            await self._follow_manifest()
             await self._reconcile_owners()
             for owner in list(self.owners.values()):
                 await owner.set_expected(self.expected_learners())
             await asyncio.sleep(MEMBERSHIP_PERIOD_S)
+
+    async def _follow_manifest(self) -> None:
+        """Pin members' TLS keys, and fetch a newer swarm manifest from a member that has one."""
+        if self.credentials is None or self.membership is None:
+            return
+        for m in self.membership.members.values():
+            if m.cert is not None and m.record.url.startswith("https://"):
+                self.transport.pins[origin(m.record.url)] = m.cert.tls_pin
+        newest = max(self.membership.members.values(), key=lambda m: m.record.manifest_version, default=None)
+        if (newest is not None and newest.record.url
+                and newest.record.manifest_version > self.credentials.manifest.version
+                and await self.credentials.adopt_from(self.transport, newest.record.url)):
+            await self.membership.refresh()  # revoked members drop out now
 
     async def _reconcile_owners(self) -> None:
         for p in range(len(self.plan.fragments)):
@@ -314,6 +344,7 @@ class PeerNode:
         owner = self._fragment_owner(request)
         kind = request.match_info["kind"]
         if kind == "latest":
+            self._count_served(request, owner.latest.size)
             return await serve_sealed(request, self.transport, owner.latest,
                                       etag=state_etag(owner.latest, owner.version))
         after, wait_s = _long_poll_query(request)  # DecodeError: the transport answers 400
@@ -325,7 +356,14 @@ class PeerNode:
             return web.json_response({"error": "DecodeError", "reason": f"unknown kind {kind!r}"}, status=404)
         if sealed is None:
             return web.Response(status=204)
+        self._count_served(request, sealed.size)
         return await self.transport.stream_reply(request, sealed.iter_chunks(), sealed.size)
+
+    def _count_served(self, request: web.Request, size: int) -> None:
+        admitted = request.get("atoll_admitted")
+        key = admitted.public_key.hex() if admitted is not None and admitted.public_key else "anonymous"
+        if key in self.model_bytes_served or len(self.model_bytes_served) < 4096:
+            self.model_bytes_served[key] += size
 
     async def _on_manifest(self, request: web.Request) -> web.Response:
         owner = self._fragment_owner(request)
@@ -361,9 +399,6 @@ class PeerNode:
     def _listings(self) -> MemberListings:
         return MemberListings(only=self.cfg.swarm)
 
-    async def _on_swarm_manifest(self, _request: web.Request) -> web.Response:
-        return web.Response(text=self.cfg.to_json(), content_type="application/json")
-
     async def _on_status(self, _request: web.Request) -> web.Response:
         return web.json_response(self.status())
 
@@ -388,8 +423,15 @@ class PeerNode:
             "peer_id": self.signer.peer_id.hex(), "url": self.url, "reachable": self.reachable,
             "learning": self.learning, "step": self.step,
             "members": [{"peer_id": m.peer_id.hex(), "url": m.record.url, "roles": list(m.record.roles),
+                         "lab": m.lab, "certified_roles": list(m.cert.roles) if m.cert else [],
                          "reachable": m.record.reachable, "learning": m.record.learning, "step": m.record.step}
                         for m in members.values()],
+            "refused_members": {pid.hex(): why for pid, why in list(self.membership.refused.items())[:256]}
+            if self.membership else {},
+            "admission": self.credentials.status() if self.credentials else None,
+            "model_bytes_served": dict(self.model_bytes_served),
+            "dht_records_by_signer": self._records_by_signer(),
+            "version_jumps_refused": self.net.stats.version_jumps if self.net else 0,
             "owners": owners,
             "versions": list(island_versions),
             "owned": {str(p): o.version for p, o in self.owners.items()},
@@ -397,6 +439,18 @@ class PeerNode:
             "remote_errors": dict(self.rpc.errors),
             "penalties": self.penalties(),
         }
+
+    def _records_by_signer(self) -> dict[str, int]:
+        """How many records this node stores per signing key (bounded listing)."""
+        if self.dht is None:
+            return {}
+        counts: collections.Counter[str] = collections.Counter()
+        now = time.time()
+        keys = self.dht.records.keys()
+        for key in keys:
+            for rec in self.dht.records.get(key, now):
+                counts[rec.public_key.hex()] += 1
+        return dict(counts.most_common(256))
 
     # --- lifecycle -----------------------------------------------------------------------------
     async def serve(self, island: Island, initial_peers: list[str]) -> None:
@@ -407,10 +461,13 @@ class PeerNode:
                            DHTConfig(maintenance_period_s=30.0, request_timeout_s=3.0))
         self.router.mount(self.dht)
         await self.dht.start()
-        self.membership = Membership(self.dht, self.cfg.swarm, self.manifest)
+        cred = self.credentials
+        self.membership = Membership(self.dht, self.cfg.swarm, self.manifest,
+                                     swarm_manifest=(lambda: cred.manifest) if cred is not None else None)
         self.net = IslandNet(island, self.transport, self.signer, swarm=self.cfg.swarm, shapes=self.shapes,
                              owner_of=self.owner_of, codec=self.cfg.codec, block_size=self.cfg.block_size,
-                             on_unreachable=self._unreachable, tamper=self.tamper)
+                             on_unreachable=self._unreachable, tamper=self.tamper,
+                             created=cred.manifest.created if cred is not None else None)
         self.ready.set()
         try:
             async with asyncio.TaskGroup() as tg:
@@ -482,6 +539,11 @@ class PeerNode:
             log.warning("state sync incomplete: %s", exc)
             got = exc.fetched
         for p, (version, flat) in got.items():
+            jump = self.net.version_jump(p, version)
+            if jump is not None:
+                log.warning("state sync: fragment %d refused: %s", p, jump)
+                self.net.stats.version_jumps += 1
+                continue
             self.net.remember(p, version, flat)
             self.net.island.deliver(p, version, flat)
         self.synced = got

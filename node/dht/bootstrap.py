@@ -32,6 +32,8 @@ from aiohttp import web
 from node.dht.kademlia import DHTConfig, DHTNode
 from node.dht.membership import MemberRecord, members_key
 from node.dht.route import DHTRouter
+from node.dht.swarm import SwarmCredentials
+from node.wire.tls import server_context
 from node.wire.transport import Busy, Transport
 from protocol.dht.records import RateLimiter, TokenBucket
 from protocol.errors import DecodeError, NotAuthorized, RemoteProtocolError
@@ -156,7 +158,10 @@ def _target(query: Any) -> tuple[str, str | None, int]:
     if raw_port is not None:
         scheme, host, port_text = "http", None, raw_port
     elif url is not None:
-        parts = urlsplit(url[:512])
+        try:
+            parts = urlsplit(url[:512])  # raises ValueError on a bad [IPv6] host
+        except ValueError:
+            raise DecodeError("url has an invalid host") from None
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise DecodeError("url must be http(s)://HOST:PORT with HOST the requester's own address")
         try:
@@ -236,14 +241,22 @@ class MemberListings:
 
 
 class BootstrapNode:
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, public_address: str | None = None) -> None:
-        self.transport = Transport(host, port)
+    """With ``credentials`` it serves one certified swarm: HTTPS when the swarm is certified, and
+    every request checked against the manifest like a peer's."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, public_address: str | None = None, *,
+                 signer: Signer | None = None, credentials: SwarmCredentials | None = None) -> None:
+        self.signer = signer or Signer.from_seed(os.urandom(32))
+        certified = credentials is not None and credentials.certified
+        self.transport = Transport(host, port, tls=server_context(self.signer) if certified else None)
+        if credentials is not None:
+            credentials.install(self.transport)
+        self.credentials = credentials
         self.router = DHTRouter(self.transport)
         self.public_address = public_address
-        self.signer = Signer.from_seed(os.urandom(32))
         self.dht: DHTNode | None = None
         self.dialbacks = DialBacks()
-        self.listings = MemberListings()
+        self.listings = MemberListings(only=credentials.swarm_id if credentials is not None else None)
         app = self.transport.app
         app.router.add_get("/v1/members", self._members)
         app.router.add_get("/v1/dialback", self._dialback)
@@ -278,12 +291,14 @@ class BootstrapNode:
     async def _status(self, _request: web.Request) -> web.Response:
         assert self.dht is not None
         return web.json_response({"role": "bootstrap", "peer_id": self.signer.peer_id.hex(), "url": self.url,
-                                  "dht_contacts": len(self.dht.routing), "dht_keys": len(self.dht.records)})
+                                  "dht_contacts": len(self.dht.routing), "dht_keys": len(self.dht.records),
+                                  "admission": self.credentials.status() if self.credentials else None})
 
 
-async def run_bootstrap(host: str, port: int, public_address: str | None, initial_peers: list[str]) -> None:
+async def run_bootstrap(host: str, port: int, public_address: str | None, initial_peers: list[str], *,
+                        signer: Signer | None = None, credentials: SwarmCredentials | None = None) -> None:
     """Serve until SIGINT or SIGTERM."""
-    node = BootstrapNode(host, port, public_address)
+    node = BootstrapNode(host, port, public_address, signer=signer, credentials=credentials)
     url = await node.start(initial_peers)
     print(f"atoll bootstrap node listening at {url}", flush=True)
     print(f"join with: atoll join --initial-peers {url}", flush=True)

@@ -7,7 +7,8 @@ still learning, and its step. Records expire after ``ttl_s`` unless republished,
 peer leaves the member list by itself.
 
 Owners are chosen from this list by rendezvous hash over live members that are reachable,
-accept the owner role and share our manifest; a member that cannot be dialled is a learner only.
+accept the owner role, share our recipe and carry a certificate that grants the owner role (in
+open and certified swarms alike); a member that cannot be dialled is a learner only.
 """
 
 from __future__ import annotations
@@ -16,27 +17,24 @@ import dataclasses
 import hashlib
 import json
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
 import msgpack
 
-from node.config import RunConfig
+from node.config import SWARM_WIDE_FIELDS, RunConfig
 from node.dht.kademlia import DHTNode
 from protocol.diloco.fragments import owners_of
-from protocol.errors import DecodeError
+from protocol.errors import DecodeError, NotAuthorized, RemoteProtocolError
 from protocol.ids import key_id
-from protocol.wire.membership import SwarmManifest
+from protocol.wire.membership import MAX_CERT_BYTES, Certificate, SwarmManifest, admit
 
 __all__ = ["Member", "MemberRecord", "Membership", "config_from_manifest", "manifest_hash", "members_key",
            "recipe_of"]
 
 # The fields that must agree across a swarm: the model and how it is cut, merged and weighted.
-MANIFEST_FIELDS = ("swarm", "seed", "model", "batch_size", "fragments", "inner_steps", "codec",
-                   "block_size", "download_codec", "outer_lr", "outer_momentum", "quorum",
-                   "grace_gamma", "grace_tau", "grace_cap_s", "staleness_bound", "late_policy",
-                   "max_tokens_per_step")
+MANIFEST_FIELDS = SWARM_WIDE_FIELDS
 ROLES = ("learner", "owner")
 
 
@@ -81,7 +79,9 @@ def manifest_hash(cfg: RunConfig) -> str:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class MemberRecord:
-    """What one member says of itself (the DHT record's value)."""
+    """What one member says of itself (the DHT record's value); ``cert`` is its encoded Atoll
+    certificate (empty for an uncertified learner of an open swarm), ``manifest_version`` the
+    version of the swarm manifest it holds (a higher one is fetched from it)."""
 
     url: str
     roles: tuple[str, ...]
@@ -89,27 +89,31 @@ class MemberRecord:
     manifest: str
     learning: bool
     step: int = 0
+    cert: bytes = b""
+    manifest_version: int = 0
 
     def encode(self) -> bytes:
         return msgpack.packb([self.url, list(self.roles), self.reachable, self.manifest,
-                              self.learning, self.step], use_bin_type=True)
+                              self.learning, self.step, self.cert, self.manifest_version], use_bin_type=True)
 
     @classmethod
     def decode(cls, value: bytes) -> MemberRecord:
         """Raises ``DecodeError`` for anything but a well-formed record."""
         try:
-            url, roles, reachable, manifest, learning, step = msgpack.unpackb(
-                bytes(value), raw=False, strict_map_key=True, max_str_len=512, max_array_len=16)
+            fields = msgpack.unpackb(bytes(value), raw=False, strict_map_key=True, max_str_len=512,
+                                     max_bin_len=MAX_CERT_BYTES, max_array_len=16, max_map_len=0)
+            url, roles, reachable, manifest, learning, step, cert, manifest_version = fields
         except (ValueError, TypeError, msgpack.UnpackException) as exc:
             raise DecodeError(f"bad member record: {exc}") from exc
-        if not (isinstance(url, str) and isinstance(manifest, str) and isinstance(step, int)
-                and isinstance(reachable, bool) and isinstance(learning, bool)
+        if not (isinstance(url, str) and isinstance(manifest, str) and type(step) is int
+                and isinstance(reachable, bool) and isinstance(learning, bool) and isinstance(cert, bytes)
+                and type(manifest_version) is int and 0 <= manifest_version < 2**63
                 and isinstance(roles, list) and all(r in ROLES for r in roles)):
             raise DecodeError("bad member record: wrong field types or unknown role")
         if url and not url.startswith(("http://", "https://")):
             raise DecodeError(f"bad member record: address {url!r} is not an http(s) URL")
         return cls(url=url, roles=tuple(roles), reachable=reachable, manifest=manifest,
-                   learning=learning, step=step)
+                   learning=learning, step=step, cert=cert, manifest_version=manifest_version)
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,42 +121,76 @@ class Member:
     peer_id: bytes
     record: MemberRecord
     expires_at: float
+    cert: Certificate | None = None  # checked against the manifest when the record was read
+    certified_owner: bool = False  # its certificate grants the owner role (and is valid)
 
     @property
     def can_own(self) -> bool:
-        return bool(self.record.url) and self.record.reachable and "owner" in self.record.roles
+        return (self.certified_owner and bool(self.record.url) and self.record.reachable
+                and "owner" in self.record.roles)
+
+    @property
+    def lab(self) -> str:
+        return self.cert.lab if self.cert is not None else ""
 
 
 class Membership:
-    """Publishes our record and reads everyone's, through a ``DHTNode``."""
+    """Publishes our record and reads everyone's, through a ``DHTNode``.
 
-    def __init__(self, dht: DHTNode, swarm: str, manifest: str, *, ttl_s: float = 20.0) -> None:
+    With ``swarm_manifest`` (a callable returning the current signed manifest), every record's
+    certificate is checked as it is read: in a certified swarm a record without a valid one is
+    refused; in an open swarm it is a learner's; only a valid certificate with the owner role
+    makes a member a candidate owner. Without it (in-process tests of the DHT only) every
+    reachable member that asks may own."""
+
+    def __init__(self, dht: DHTNode, swarm: str, manifest: str, *, ttl_s: float = 20.0,
+                 swarm_manifest: Callable[[], SwarmManifest] | None = None) -> None:
         self.dht, self.swarm, self.manifest, self.ttl_s = dht, swarm, manifest, ttl_s
+        self.swarm_manifest = swarm_manifest
         self.key = members_key(swarm)
         self.members: dict[bytes, Member] = {}
         self.refused: dict[bytes, str] = {}  # peer id -> why its record is ignored
+        self._certs: dict[bytes, Certificate] = {}  # encoded certificate -> verified certificate
 
     async def publish(self, record: MemberRecord) -> int:
         """Store our record at the nodes nearest the swarm key; return how many took it."""
         return await self.dht.store(self.key, record.encode(), self.ttl_s)
 
     async def refresh(self) -> dict[bytes, Member]:
-        """Read every member record; keep those that decode, are live and share our manifest."""
+        """Read every member record; keep those that decode, are live, share our manifest and
+        pass the certificate checks."""
         members: dict[bytes, Member] = {}
         now = time.time()
         for rec in await self.dht.get(self.key):
+            if rec.expires_at <= now:
+                continue
             try:
                 record = MemberRecord.decode(rec.value)
-            except DecodeError as exc:
+                if record.manifest != self.manifest:
+                    raise NotAuthorized(f"recipe {record.manifest} differs from ours {self.manifest}")
+                members[rec.subkey] = self._checked(rec.subkey, rec.public_key, record, rec.expires_at, now)
+            except RemoteProtocolError as exc:
                 self.refused[rec.subkey] = exc.reason
-                continue
-            if record.manifest != self.manifest:
-                self.refused[rec.subkey] = f"manifest {record.manifest} differs from ours {self.manifest}"
-                continue
-            if rec.expires_at > now:
-                members[rec.subkey] = Member(rec.subkey, record, rec.expires_at)
         self.members = members
         return members
+
+    def _checked(self, peer_id: bytes, public_key: bytes, record: MemberRecord, expires_at: float,
+                 now: float) -> Member:
+        if self.swarm_manifest is None:
+            return Member(peer_id, record, expires_at, None, certified_owner=True)
+        manifest = self.swarm_manifest()
+        cert = None
+        if record.cert:
+            known = self._certs.get(record.cert)
+            cert = known if known is not None else Certificate.decode(record.cert)
+            admit(manifest, cert, public_key=public_key, role=None, now=now, signature_verified=known is not None)
+            if known is None:
+                if len(self._certs) >= 4096:
+                    self._certs.clear()
+                self._certs[record.cert] = cert
+        else:
+            admit(manifest, None, public_key=public_key, role=None, now=now)
+        return Member(peer_id, record, expires_at, cert, certified_owner=cert is not None and "owner" in cert.roles)
 
     def owner_candidates(self, exclude: Collection[bytes] = ()) -> list[bytes]:
         return [m.peer_id for m in self.members.values() if m.can_own and m.peer_id not in exclude]

@@ -32,6 +32,7 @@ from node.diloco.flat import content_hash, flat_from_tensors
 from node.diloco.island import Island, Outgoing
 from node.wire.transport import LinkDropped, Transport
 from protocol.diloco.compression import compress
+from protocol.diloco.versions import MAX_ROUNDS_PER_S, version_jump_reason
 from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.wire.codec import encode
 from protocol.wire.messages import Ack, Contribution, FragmentState
@@ -50,6 +51,7 @@ class LearnerStats:
     send_failures: int = 0
     versions_received: int = 0
     bad_versions: int = 0
+    version_jumps: int = 0  # versions above what an owner can have reached (refused)
     skipped_nonfinite: int = 0
     resyncs: int = 0
 
@@ -72,8 +74,13 @@ class IslandNet:
         on_unreachable: Callable[[bytes], None] | None = None,
         wall_clock: Callable[[], float] = time.time,
         tamper: Callable[[Outgoing], Outgoing] | None = None,
+        created: float | None = None,
+        max_rounds_per_s: float = MAX_ROUNDS_PER_S,
     ) -> None:
         self.wall_clock, self.tamper = wall_clock, tamper
+        # the version fence: the swarm's creation time (from its manifest) and the top merge rate
+        self.created, self.max_rounds_per_s = created, max_rounds_per_s
+        self.received_at: dict[int, float] = {}  # fragment -> when its newest version arrived
         self.island, self.transport, self.signer = island, transport, signer
         self.on_unreachable = on_unreachable  # told when an owner refuses connections
         self.swarm, self.shapes, self.owner_of = swarm, [list(s) for s in shapes], owner_of
@@ -244,6 +251,13 @@ class IslandNet:
         if version > self.received[p]:
             self.received[p] = version
             self.latest[p] = (version, flat)
+            self.received_at[p] = self.wall_clock()
+
+    def version_jump(self, p: int, version: int) -> str | None:
+        """Why fragment ``p``'s ``version`` cannot be an honest owner's (None when it can be)."""
+        return version_jump_reason(version, held=self.received[p], held_at=self.received_at.get(p),
+                                   now=self.wall_clock(), created=self.created,
+                                   max_rounds_per_s=self.max_rounds_per_s)
 
     async def fetch(self, p: int, *, after: int, wait_s: float, final: bool = False,
                     owner: tuple[bytes, str] | None = None) -> tuple[int, torch.Tensor] | None:
@@ -278,6 +292,11 @@ class IslandNet:
                 raise RemoteProtocolError(f"fragment {p} version {state.version}: content hash mismatch")
             if state.version <= after and not final:
                 raise RemoteProtocolError(f"owner sent version {state.version}, asked for one above {after}")
+            jump = self.version_jump(p, state.version)
+            if jump is not None:
+                self.stats.version_jumps += 1
+                log.warning("fragment %d: refused a version from %s: %s", p, owner_id.hex()[:8], jump)
+                raise RemoteProtocolError(f"fragment {p}: {jump}")
             flat = await asyncio.to_thread(flat_from_tensors, state.tensors, self.shapes[p])
         finally:
             self.transport.pool.give(buf)

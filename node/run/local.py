@@ -54,8 +54,9 @@ class LocalSwarm:
 
     def __init__(self, cfg: RunConfig, run_dir: Path, *, extra_peer_args: dict[int, list[str]] | None = None,
                  quiet: bool = False, startup_timeout_s: float = 120.0, run_timeout_s: float | None = None,
-                 kill_at: dict[int, int] | None = None) -> None:
+                 kill_at: dict[int, int] | None = None, admission: str = "open") -> None:
         self.cfg = cfg
+        self.admission = admission
         self.run_dir = run_dir
         self.extra = extra_peer_args or {}
         self.quiet = quiet
@@ -67,11 +68,43 @@ class LocalSwarm:
         self.listening = asyncio.Event()  # every peer has bound its address
         self.t0 = time.time()
 
+    def make_swarm(self) -> RunConfig:
+        """A throw-away founder, one authority ("local") and a key and certificate per peer,
+        under ``run_dir/swarm/``: a local swarm runs the same checks as any other, with no set-up.
+        Returns the config with the manifest's recipe and the swarm id."""
+        from node.dht.membership import config_from_manifest, recipe_of
+        from node.run.train import resolved
+        from node.wire.identity import generate_key, save_certificate, save_key, save_manifest
+        from protocol.wire.membership import Certificate, SwarmManifest
+
+        folder = self.run_dir / "swarm"
+        folder.mkdir(parents=True, exist_ok=True)
+        founder, authority = generate_key(), generate_key()
+        save_key(founder, folder / "founder.key", force=True)
+        save_key(authority, folder / "authority.key", force=True)
+        now = time.time()
+        manifest = SwarmManifest(name=self.cfg.swarm, founder=founder.public_key, admission=self.admission,
+                                 created=now, recipe=recipe_of(resolved(self.cfg)))
+        manifest = manifest.with_authority("local", authority.public_key).signed(founder)
+        save_manifest(manifest, folder / "swarm.toml")
+        for i in range(self.cfg.peers):
+            key = generate_key()
+            save_key(key, folder / f"peer{i}.key", force=True)
+            save_certificate(Certificate.issue(authority, manifest=manifest, subject=key.public_key,
+                                               roles=("learner", "owner"), not_before=now - 60,
+                                               not_after=now + 7 * 86400), folder / f"peer{i}.cert")
+        return config_from_manifest(manifest, self.cfg)
+
+    def _identity_args(self, index: int) -> list[str]:
+        folder = self.run_dir / "swarm"
+        return ["--manifest", str(folder / "swarm.toml"), "--key", str(folder / f"peer{index}.key"),
+                "--cert", str(folder / f"peer{index}.cert")]
+
     async def _spawn(self, index: int, config_path: Path) -> PeerProcess:
         log_path = self.run_dir / f"peer{index}.log"
         cmd = [sys.executable, "-m", "node", "peer", "--config", str(config_path), "--index", str(index),
                "--t0", str(self.t0), "--initial-peers-from-stdin", "--wait-members", str(self.cfg.peers),
-               *self.extra.get(index, [])]
+               *self._identity_args(index), *self.extra.get(index, [])]
         proc = await asyncio.create_subprocess_exec(
             *cmd, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
             stderr=log_path.open("wb"), start_new_session=True,
@@ -137,6 +170,7 @@ class LocalSwarm:
         """Run the swarm to completion; return every peer's result (raises on a peer's failure)."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         config_path = self.run_dir / "config.json"
+        self.cfg = self.make_swarm()
         config_path.write_text(self.cfg.to_json())
         async with asyncio.TaskGroup() as tg:
             readers: list[asyncio.Task[None]] = []
@@ -213,12 +247,13 @@ class LocalSwarm:
 def run_local(cfg: RunConfig, *, report_path: Path | None, baseline: bool = False,
               alone: bool = False, quiet: bool = False, kill_at: dict[int, int] | None = None,
               extra_peer_args: dict[int, list[str]] | None = None,
-              attacks: dict[int, str] | None = None) -> dict[str, Any]:
+              attacks: dict[int, str] | None = None, admission: str = "open") -> dict[str, Any]:
     """Run a local swarm end to end, write the report and plot, print the summary."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     report_path = report_path or Path("runs") / stamp / "report.json"
     run_dir = report_path.parent / f"{report_path.stem}-peers"
-    swarm = LocalSwarm(cfg, run_dir, quiet=quiet, kill_at=kill_at, extra_peer_args=extra_peer_args)
+    swarm = LocalSwarm(cfg, run_dir, quiet=quiet, kill_at=kill_at, extra_peer_args=extra_peer_args,
+                       admission=admission)
     t0 = time.monotonic()
     print(f"atoll local: {cfg.peers} peers, {cfg.steps} steps, model {cfg.model}, "
           f"{cfg.fragments} fragments, H={cfg.inner_steps}, codec {cfg.codec}; logs in {run_dir}",

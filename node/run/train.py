@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from node.config import RunConfig
+from node.dht.swarm import SwarmCredentials
 from node.diloco.inner import lr_at, make_inner_optimizer
 from node.diloco.island import Island, IslandConfig
 from node.peer import PeerNode, emit
@@ -109,7 +110,8 @@ class PeerOptions:
     serve_after_s: float = 0.0  # without a launcher: keep serving this long after training
     slow_factor: float = 1.0  # fault injection: stretch every inner step to this many times its length
     attack: str = ""  # measurement: send malicious contributions (node.run.attack), e.g. "scale=1000"
-
+    signer: Signer | None = None  # this peer's key (None: a fresh one)
+    credentials: SwarmCredentials | None = None  # the swarm's manifest and our certificate
 
 def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
     index = opts.index
@@ -128,14 +130,14 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
     optimizer = make_inner_optimizer(model, tcfg)
     shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
     plan = plan_fragments(shapes, cfg.fragments, embeddings=embedding_parameter_names(model))
-    signer = Signer.from_seed(os.urandom(32))
+    signer = opts.signer or Signer.from_seed(os.urandom(32))
     # the global model at the start: version 0 of every fragment is this deterministic init
     eval_start = evaluate(model, heldout, batch_size=cfg.batch_size, block_size=gcfg.block_size,
                           n_batches=cfg.eval_batches)
 
     # --- the node, on its own thread: join the swarm, sync the global fragments ---------------
     node = PeerNode(cfg, signer, model, plan, host=opts.host, port=opts.port,
-                    public_address=opts.public_address,
+                    public_address=opts.public_address, credentials=opts.credentials,
                     tamper=Attack.parse(opts.attack, seed=cfg.seed + index) if opts.attack else None)
     island = Island(model, optimizer, plan, submit=lambda out: node.net.submit(out) if node.net else None,
                     cfg=IslandConfig(inner_steps=cfg.inner_steps, adopt_alpha=cfg.adopt_alpha))

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -53,6 +52,7 @@ from node.state.serve import (
     chunk_manifest,
     encode_manifest,
     etag_version,
+    parse_content_range,
     parse_range,
     serve_manifest,
     serve_sealed,
@@ -81,7 +81,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _PREFIX = 4  # the u32 envelope length in front of every sealed message
-_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
 _TRANSIENT = (aiohttp.ClientError, ConnectionError, TimeoutError)
 
 
@@ -243,7 +242,9 @@ class _Download:
         await self.transport.link.before_send(self.url)
         loop = asyncio.get_running_loop()
         async with asyncio.timeout(self.chunk_timeout_s) as deadline:
-            async with self.transport.session.get(self.url, headers=headers) as resp:
+            opts = self.transport.client_options("GET", self.url)
+            opts["headers"].update(headers)
+            async with self.transport.session.get(self.url, **opts) as resp:
                 outcome = self._on_response(resp)
                 if outcome is None:
                     async for chunk in resp.content.iter_chunked(CHUNK):
@@ -287,8 +288,7 @@ class _Download:
         return None
 
     def _on_partial_content(self, content_range: str, etag: str | None) -> None:
-        m = _CONTENT_RANGE.fullmatch(content_range)
-        span = (int(m[1]), int(m[2]) + 1, int(m[3])) if m else None
+        span = parse_content_range(content_range)
         if etag != self.etag or span != (self.have, self.total, self.total):
             self._reset(f"inconsistent 206 (Content-Range {content_range!r}, ETag {etag!r})")
             raise _Transient("inconsistent 206")

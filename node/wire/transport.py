@@ -24,6 +24,7 @@ import contextlib
 import json
 import logging
 import random
+import ssl
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ import aiohttp
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
+from node.wire.tls import PinnedKey, client_context, origin
 from protocol.errors import Oversize, RemoteProtocolError
 
 __all__ = [
@@ -300,8 +302,13 @@ class Transport:
         max_body: int = 512 << 20,
         link: LinkEmulator | None = None,
         limits: ServeLimits | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.host, self.port = host, port
+        self.tls = tls  # serve HTTPS with this context (certified swarms); None: plain HTTP
+        # Signs each outbound request (``Atoll-Auth`` and ``Atoll-Certificate`` headers), if set.
+        self.authenticate: Callable[[str, str], dict[str, str]] | None = None
+        self.pins: dict[str, bytes] = {}  # origin -> TLS key pin, from members' certificates
         self.max_body = max_body
         self.link = link or LinkEmulator()
         self.limits = limits or ServeLimits()
@@ -316,7 +323,22 @@ class Transport:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"{'https' if self.tls else 'http'}://{self.host}:{self.port}"
+
+    def admit_with(self, middleware: Callable[..., Awaitable[web.StreamResponse]]) -> None:
+        """Run ``middleware`` on every request, inside the guard that turns refusals into 4xx
+        (before ``start``)."""
+        self.app.middlewares.append(middleware)
+
+    def client_options(self, method: str, url: str) -> dict[str, Any]:
+        """``headers`` (authentication) and ``ssl`` (TLS pin, when the address has one) for a
+        request of ``method`` to ``url``."""
+        headers = self.authenticate(method, url) if self.authenticate is not None else {}
+        opts: dict[str, Any] = {"headers": headers}
+        if url.startswith("https://"):
+            pin = self.pins.get(origin(url))
+            opts["ssl"] = PinnedKey(pin) if pin is not None else client_context()
+        return opts
 
     async def start(self) -> str:
         """Bind and start serving; return the real URL (with the port the OS chose)."""
@@ -327,7 +349,7 @@ class Transport:
             logger=_ServerLog(logging.getLogger("aiohttp.server"), {}),
         )
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True)
+        site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True, ssl_context=self.tls)
         await site.start()
         server = getattr(site, "_server", None)
         sockets = getattr(server, "sockets", None) or []
@@ -375,12 +397,13 @@ class Transport:
         ``LinkDropped``, ``aiohttp.ClientError``, ``TimeoutError`` or ``Oversize``.
         """
         await self.link.before_send(url)
-        headers = {"Content-Type": "application/octet-stream"}
+        opts = self.client_options(method, url)
+        headers = {"Content-Type": "application/octet-stream", **opts.pop("headers")}
         if size is not None:
             headers["Content-Length"] = str(size)
         data = self._body(url, chunks) if size else None
         async with asyncio.timeout(timeout_s):
-            async with self.session.request(method, url, data=data, headers=headers) as resp:
+            async with self.session.request(method, url, data=data, headers=headers, **opts) as resp:
                 length = resp.content_length if method != "HEAD" else 0
                 buf, used = await read_stream(resp.content, length, max_reply or self.max_body, self.pool)
                 self.bytes_received += used

@@ -93,6 +93,10 @@ class Signer:
         """The 64-byte Ed25519 signature of ``data``."""
         return self._key.sign(data)
 
+    def private_key(self) -> Ed25519PrivateKey:
+        """The key itself, for the peer's TLS certificate and for writing the key file."""
+        return self._key
+
     def __repr__(self) -> str:
         return f"Signer(peer_id={self.peer_id.hex()[:16]}…)"
 

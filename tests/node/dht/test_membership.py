@@ -49,13 +49,14 @@ def test_owners_only_among_reachable_owner_role_members() -> None:
     ms = Membership.__new__(Membership)
     far = time.time() + 60
     ms.members = {
-        b"a" * 32: Member(b"a" * 32, _record(url="http://a"), far),
+        b"a" * 32: Member(b"a" * 32, _record(url="http://a"), far, certified_owner=True),
         b"b" * 32: Member(b"b" * 32, _record(url="", reachable=False, roles=("learner",)), far),
-        b"c" * 32: Member(b"c" * 32, _record(url="http://c", reachable=False), far),
-        b"d" * 32: Member(b"d" * 32, _record(url="http://d", learning=False), far),
+        b"c" * 32: Member(b"c" * 32, _record(url="http://c", reachable=False), far, certified_owner=True),
+        b"d" * 32: Member(b"d" * 32, _record(url="http://d", learning=False), far, certified_owner=True),
+        b"e" * 32: Member(b"e" * 32, _record(url="http://e"), far),  # asks to own, not certified to
     }
     assert sorted(ms.owner_candidates()) == [b"a" * 32, b"d" * 32]
     owners = {ms.owner_of("s", p)[0] for p in range(16)}  # type: ignore[index]
     assert owners <= {b"a" * 32, b"d" * 32}
     assert ms.owner_of("s", 0, exclude={b"a" * 32}) == (b"d" * 32, "http://d")
-    assert ms.learners() == 3
+    assert ms.learners() == 4

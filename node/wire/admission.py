@@ -1,0 +1,119 @@
+"""Who may be served: every request's key and certificate, checked before its route runs.
+
+Requests from peers carry two headers (``protocol.wire.membership.RequestAuth``): ``Atoll-Auth``
+(the sender's key signs the swarm id, method, path and time) and ``Atoll-Certificate``. The
+``Admission`` middleware checks both against the node's current manifest before any route reads a
+body or serves a byte: in a ``certified`` swarm a request without a valid certificate is a 403
+with the reason ("certificate expired", "issuer … not an authority of this swarm", "revoked");
+in an ``open`` swarm a request without headers is served as an anonymous learner, and one with
+bad headers is refused all the same.
+
+A certificate's signature is verified once and remembered by its bytes (bounded); the cheap
+checks (validity period, revocation, issuer still an authority) run on every request, so a
+manifest that revokes a key takes effect on that key's next request. Refusals are counted by
+reason and by key (bounded), for ``/v1/status``.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from protocol.errors import RemoteProtocolError
+from protocol.wire.membership import (
+    AUTH_HEADER,
+    CERT_HEADER,
+    Certificate,
+    RequestAuth,
+    SwarmManifest,
+    admit,
+)
+
+__all__ = ["Admission", "Admitted"]
+
+log = logging.getLogger(__name__)
+
+CERTS_KEPT = 4096
+REFUSED_KEYS_KEPT = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """Who sent a request: their key and certificate (both None for an anonymous open-swarm learner)."""
+
+    public_key: bytes | None
+    cert: Certificate | None
+
+
+ANONYMOUS = Admitted(None, None)
+
+
+class Admission:
+    """Checks requests against ``manifest()``; ``exempt(request)`` names routes anyone may use."""
+
+    def __init__(self, manifest: Callable[[], SwarmManifest], *,
+                 exempt: Callable[[web.Request], bool] = lambda _r: False,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.manifest, self.exempt, self.clock = manifest, exempt, clock
+        self._verified: collections.OrderedDict[str, Certificate] = collections.OrderedDict()
+        self.refused: collections.Counter[str] = collections.Counter()  # reason -> requests
+        self.refused_keys: collections.OrderedDict[str, str] = collections.OrderedDict()  # key hex -> reason
+        self.admitted = 0
+
+    def check(self, request: web.Request) -> Admitted:
+        """Who sent ``request``; raises ``NotAuthorized`` (403), ``BadSignature`` (401) or
+        ``DecodeError`` (400) with the reason."""
+        manifest = self.manifest()
+        auth_value = request.headers.get(AUTH_HEADER)
+        if auth_value is None:
+            if self.exempt(request):
+                return ANONYMOUS
+            admit(manifest, None, public_key=b"", role=None, now=self.clock())
+            return ANONYMOUS
+        auth = RequestAuth.parse(auth_value)
+        now = self.clock()
+        auth.verify(swarm=manifest.swarm_id, method=request.method, target=request.path_qs, now=now)
+        cert_value = request.headers.get(CERT_HEADER)
+        if not cert_value:
+            admit(manifest, None, public_key=auth.public_key, role=None, now=now)
+            return Admitted(auth.public_key, None)
+        known = self._verified.get(cert_value)
+        cert = known if known is not None else Certificate.from_header(cert_value)
+        admit(manifest, cert, public_key=auth.public_key, role=None, now=now, signature_verified=known is not None)
+        if known is None:
+            self._verified[cert_value] = cert
+            while len(self._verified) > CERTS_KEPT:
+                self._verified.popitem(last=False)
+        else:
+            self._verified.move_to_end(cert_value)
+        return Admitted(auth.public_key, cert)
+
+    def note_refusal(self, request: web.Request, exc: RemoteProtocolError) -> None:
+        self.refused[exc.reason.split(":")[0][:80]] += 1
+        key = request.headers.get(AUTH_HEADER, "").split(" ")
+        who = key[1][:64] if len(key) > 1 else f"anonymous@{request.remote}"
+        self.refused_keys[who] = exc.reason[:200]
+        self.refused_keys.move_to_end(who)
+        while len(self.refused_keys) > REFUSED_KEYS_KEPT:
+            self.refused_keys.popitem(last=False)
+        log.info("refused %s %s from %s: %s", request.method, request.path, who[:16], exc.reason)
+
+    @web.middleware
+    async def middleware(self, request: web.Request,
+                         handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+        try:
+            request["atoll_admitted"] = self.check(request)
+        except RemoteProtocolError as exc:
+            self.note_refusal(request, exc)
+            raise
+        self.admitted += 1
+        return await handler(request)
+
+    def status(self) -> dict[str, object]:
+        return {"admitted": self.admitted, "refused": dict(self.refused),
+                "refused_keys": dict(self.refused_keys)}
