@@ -49,7 +49,8 @@ from protocol.wire.signing import Sealed
 
 __all__ = [
     "HASH", "MAX_MANIFEST_CHUNK", "MAX_RANGE_DIGITS", "MIN_MANIFEST_CHUNK", "Manifest", "ManifestCache",
-    "RangeNotSatisfiable", "chunk_manifest", "encode_manifest", "etag_version", "parse_range",
+    "RangeNotSatisfiable", "chunk_manifest", "encode_manifest", "etag_version", "parse_content_range",
+    "parse_range",
     "serve_manifest", "serve_sealed", "state_etag", "unquote_etag",
 ]
 
@@ -60,7 +61,11 @@ MIN_MANIFEST_CHUNK = 64 << 10
 MAX_MANIFEST_CHUNK = 64 << 20
 MAX_RANGE_DIGITS = 19  # 10**19 bytes is past any body; longer numbers are refused unparsed
 _RANGE = re.compile(r"bytes=([0-9]*)-([0-9]*)")
-_ETAG = re.compile(r"v(\d+)-[0-9a-f]+")
+# ASCII digits, at most MAX_RANGE_DIGITS: int() of a longer string costs quadratic time, and
+# past 4300 digits raises ValueError instead of answering
+_DIGITS = f"([0-9]{{1,{MAX_RANGE_DIGITS}}})"
+_ETAG = re.compile(f"v{_DIGITS}-[0-9a-f]+")
+_CONTENT_RANGE = re.compile(f"bytes {_DIGITS}-{_DIGITS}/{_DIGITS}")
 
 
 class RangeNotSatisfiable(RemoteProtocolError):
@@ -92,14 +97,21 @@ def parse_range(value: str, size: int) -> tuple[int, int] | None:
                                   f"(a {size}-byte body)")
     if not m.group(1):  # suffix: the last K bytes
         k = int(m.group(2))
-        if k == 0:
-            raise RangeNotSatisfiable(f"empty suffix range of a {size}-byte body")
+        if k == 0 or size == 0:
+            raise RangeNotSatisfiable(f"suffix range of {k} bytes of a {size}-byte body")
         return max(0, size - k), size
     start = int(m.group(1))
     end = min(size, int(m.group(2)) + 1) if m.group(2) else size
     if start >= size:
         raise RangeNotSatisfiable(f"range starts at {start}, body is {size} bytes")
     return (start, end) if end > start else None
+
+
+def parse_content_range(value: str) -> tuple[int, int, int] | None:
+    """``(start, end_exclusive, total)`` from a 206's ``Content-Range: bytes S-E/T``, or None if
+    it is not one (positions of more than ``MAX_RANGE_DIGITS`` digits included)."""
+    m = _CONTENT_RANGE.fullmatch(value)
+    return (int(m[1]), int(m[2]) + 1, int(m[3])) if m else None
 
 
 def unquote_etag(etag: str | None) -> str | None:

@@ -223,19 +223,25 @@ def decode(buf: Buffer, *, max_size: int) -> Message:
         raise DecodeError(f"malformed message: {type(e).__name__}: {e}") from e
 
 
+_LIMITS = {
+    "max_str_len": CAPS.max_str,
+    "max_bin_len": CAPS.max_bytes,
+    "max_array_len": max(CAPS.max_tuple, CAPS.max_blobs),
+    "max_map_len": CAPS.max_fields,
+    "max_ext_len": 0,
+}
+
+
 def _decode(mv: memoryview) -> Message:
     header, body_start = _read_prefix(mv)
+    _check_whole(header)
     raw = msgpack.unpackb(
         header,
         raw=False,
         use_list=False,
         strict_map_key=True,
         object_pairs_hook=_strict_map,
-        max_str_len=CAPS.max_str,
-        max_bin_len=CAPS.max_bytes,
-        max_array_len=max(CAPS.max_tuple, CAPS.max_blobs),
-        max_map_len=CAPS.max_fields,
-        max_ext_len=0,
+        **_LIMITS,
     )
     if type(raw) is not tuple or len(raw) != 3:
         raise DecodeError("header is not [type_code, fields, blob_lengths]")
@@ -264,6 +270,21 @@ def _read_prefix(mv: memoryview) -> tuple[memoryview, int]:
     if end > mv.nbytes:
         raise DecodeError(f"truncated: header needs {end} bytes, have {mv.nbytes}")
     return mv[_PREFIX.size : end], end
+
+
+def _check_whole(header: memoryview) -> None:
+    """Refuse a header that is not one whole msgpack object before building anything from it.
+
+    msgpack preallocates every array it opens (up to 10,000 slots), so a few KB of nested array
+    headers that never close would cost ~80 MB before "incomplete input"; ``skip`` walks the
+    structure in C without building objects.
+    """
+    unpacker = msgpack.Unpacker(max_buffer_size=max(header.nbytes, 1), **_LIMITS)
+    unpacker.feed(header)
+    try:
+        unpacker.skip()
+    except msgpack.OutOfData:
+        raise DecodeError(f"header of {header.nbytes} bytes is not a whole msgpack object") from None
 
 
 def _strict_map(pairs: Sequence[tuple[object, object]]) -> dict[object, object]:

@@ -1,0 +1,480 @@
+"""What the fuzzer attacks: every decoder that turns a peer's bytes or strings into values.
+
+Shared by ``bench.fuzz`` (long random runs) and ``tests/protocol/test_fuzz.py`` (short hypothesis
+properties), so the list of decoders lives here once. A ``Target`` is a decoder fed one hostile
+input; it passes when the decoder returns a value (that keeps its invariants) or raises a
+``RemoteProtocolError`` (DecodeError, BadSignature, Oversize, …), and fails on any other
+exception. ``seeds`` are valid encodings to mutate; ``trees`` are the msgpack structures inside
+them and ``build`` re-encodes a (mutated) tree, to send well-framed values of the wrong type.
+
+Mutators take their randomness as an argument (``random.Random``), so a run is reproducible.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import random
+import struct
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+import msgpack
+import torch
+
+from node.dht.bootstrap import _target as dialback_target
+from node.dht.membership import MemberRecord
+from node.diloco.flat import flat_from_tensors
+from node.state.serve import (
+    Manifest,
+    RangeNotSatisfiable,
+    encode_manifest,
+    etag_version,
+    parse_content_range,
+    parse_range,
+    unquote_etag,
+)
+from protocol.dht.messages import (
+    FindNode,
+    FindValue,
+    NodesReply,
+    Ping,
+    Pong,
+    Store,
+    StoreReply,
+    ValueReply,
+)
+from protocol.dht.records import RecordStore, sign_record
+from protocol.diloco.compression import compress, decompress
+from protocol.errors import DecodeError, RemoteProtocolError
+from protocol.ids import key_id, peer_id_from_public_key
+from protocol.wire.codec import ALIGN, MAGIC, BodyReader, Encoded, decode, encode
+from protocol.wire.messages import (
+    Ack,
+    Contribution,
+    FetchFragment,
+    FragmentState,
+    Hello,
+    Message,
+    PeerInfo,
+)
+from protocol.wire.signing import (
+    ReplayWindow,
+    SealedReader,
+    Signer,
+    open_envelope,
+    open_sealed,
+    seal,
+)
+from protocol.wire.tensors import EncodedTensor
+
+__all__ = [
+    "MAX_SIZE",
+    "NOW",
+    "SHAPES",
+    "Target",
+    "attempt",
+    "count_nodes",
+    "frame",
+    "mutate_bytes",
+    "mutate_tree",
+    "random_value",
+    "targets",
+]
+
+MAX_SIZE = 1 << 20  # cap on a message in every target
+NOW = 1_700_000_000.0  # the clock of every seed and every check
+SHAPES = ((3, 5), (7,), (2, 2, 2), (5,))  # the fragment plan the tensor targets check against
+_SIGNER_SEED = bytes(range(32))
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """One decoder to attack. ``feed`` raises what the decoder raises."""
+
+    name: str
+    feed: Callable[[bytes], object]
+    seeds: tuple[bytes, ...]
+    trees: tuple[object, ...] = ()
+    build: Callable[[object], bytes] | None = None
+
+
+def attempt(target: Target, data: bytes) -> str | None:
+    """None if ``target`` handled ``data`` as documented, else what went wrong."""
+    try:
+        target.feed(data)
+    except RemoteProtocolError:
+        return None
+    except Exception as e:  # everything else is a bug: IndexError, ValueError, MemoryError, …
+        return f"{type(e).__name__}: {str(e)[:200]} (input {data[:64].hex()}… {len(data)} bytes)"
+    return None
+
+
+# ── seeds ────────────────────────────────────────────────────────────────────────────────────
+def _signer() -> Signer:
+    return Signer(_SIGNER_SEED)
+
+
+def _tensors() -> tuple[EncodedTensor, ...]:
+    codecs = ("none", "bf16", "int8", "int4")
+    out = []
+    for i, (shape, codec) in enumerate(zip(SHAPES, codecs, strict=True)):
+        t = torch.linspace(-1.0 - i, 2.0 + i, steps=int(torch.Size(shape).numel())).view(shape)
+        out.append(compress(t, codec, block_size=4)[0])
+    return tuple(out)
+
+
+def _messages() -> list[Message]:
+    signer = _signer()
+    peer = PeerInfo(peer_id=signer.peer_id, address="http://127.0.0.1:8000")
+    tensors = _tensors()
+    key = key_id("atoll/s/members")
+    member = MemberRecord(url="http://127.0.0.1:8000", roles=("learner", "owner"),
+                          reachable=True, manifest="ab" * 16, learning=True, step=3)
+    record = sign_record(signer, key, member.encode(), NOW + 60.0)
+    return [
+        Contribution(swarm="s", fragment=1, base_version=2, tokens=512, steps=10, step_time=0.25,
+                     sender_step=40, tensors=tensors),
+        FragmentState(swarm="s", fragment=0, version=7, tensors=tensors, content_hash=b"h" * 32),
+        FetchFragment(swarm="s", fragment=0, after_version=-1, wait_s=5.0),
+        Ack(accepted=False, reason="stale", version=3),
+        Hello(swarm="s", peer=peer, roles=("owner", "learner"), step=9),
+        Ping(sender=peer),
+        Pong(sender=peer),
+        FindNode(sender=peer, target=key),
+        FindValue(sender=peer, key=key),
+        Store(sender=peer, records=(record,)),
+        NodesReply(peers=(peer, PeerInfo(peer_id=b"\x07" * 32))),
+        ValueReply(records=(record, record), peers=(peer,)),
+        StoreReply(accepted=1, reasons=("full",)),
+    ]
+
+
+def _encoded() -> tuple[bytes, ...]:
+    return tuple(encode(m).tobytes() for m in _messages())
+
+
+def _sealed(body: bytes, i: int = 0) -> bytes:
+    """``body`` (any bytes) sealed by the fixed signer at ``NOW``."""
+    enc = Encoded(parts=[memoryview(body)], size=len(body))
+    return seal(enc, _signer(), now=NOW, nonce=i.to_bytes(16, "big")).tobytes()
+
+
+def _split_frame(data: bytes) -> object:
+    """A codec encoding as the tree ``[header, [blob, …]]`` (inverse of ``frame``)."""
+    n = struct.unpack_from(">I", data, 5)[0]
+    header = msgpack.unpackb(data[9 : 9 + n], raw=False, strict_map_key=False)
+    blobs, offset = [], 9 + n
+    for length in header[2]:
+        offset += -offset % ALIGN
+        blobs.append(data[offset : offset + length])
+        offset += length
+    return [header, blobs]
+
+
+def frame(tree: object) -> bytes:
+    """The codec's framing around ``[header, [blob, …]]`` (or around any header alone)."""
+    ok = isinstance(tree, list) and len(tree) == 2 and isinstance(tree[1], list)
+    header, blobs = (tree[0], tree[1]) if ok else (tree, [])  # type: ignore[index]
+    h = _packb(header)
+    out = bytearray(struct.pack(">4sBI", MAGIC, 1, len(h)) + h)
+    for b in blobs:
+        out += bytes(-len(out) % ALIGN)
+        out += b if isinstance(b, (bytes, bytearray)) else _packb(b)
+    return bytes(out)
+
+
+def _packb(tree: object) -> bytes:
+    """msgpack of ``tree``; lone surrogates go out as the invalid UTF-8 a hostile peer sends."""
+    out: bytes = msgpack.packb(tree, use_bin_type=True, unicode_errors="surrogatepass")
+    return out
+
+
+def _envelope_tree(envelope: bytes) -> object:
+    """An envelope as ``[[version, key, timestamp, nonce, digest, size], signature]``."""
+    signed, signature = msgpack.unpackb(envelope)
+    return [msgpack.unpackb(signed), signature]
+
+
+def _envelope_build(tree: object) -> bytes:
+    """The inverse of ``_envelope_tree``: the signed part packed into its bin (if a list)."""
+    if isinstance(tree, list) and len(tree) == 2 and isinstance(tree[0], list):
+        return _packb([_packb(tree[0]), tree[1]])
+    return _packb(tree)
+
+
+def _unpack_all(seeds: Sequence[bytes]) -> tuple[object, ...]:
+    return tuple(msgpack.unpackb(s, raw=False, strict_map_key=False) for s in seeds)
+
+
+# ── feeds ────────────────────────────────────────────────────────────────────────────────────
+def _decode(data: bytes | memoryview) -> Message:
+    return decode(data, max_size=MAX_SIZE)
+
+
+def _chunks(data: bytes) -> list[bytes]:
+    step = 1 + len(data) % 13
+    return [data[i : i + step] for i in range(0, len(data), step)]
+
+
+def _body_reader(data: bytes) -> None:
+    reader = BodyReader(MAX_SIZE)
+    for chunk in _chunks(data):
+        reader.feed(chunk)
+    if reader.done:
+        _decode(reader.view())
+
+
+def _sealed_reader(data: bytes) -> None:
+    reader = SealedReader(MAX_SIZE)
+    for chunk in _chunks(data):
+        reader.feed(chunk)
+    if reader.done:
+        reader.open(now=NOW, replay=ReplayWindow())
+
+
+def _open_sealed(data: bytes) -> None:
+    open_sealed(data, now=NOW, replay=ReplayWindow(), max_size=MAX_SIZE)
+
+
+def _open_signed_body(data: bytes) -> None:
+    """A hostile body from an authenticated peer: sealed validly, so it reaches the decoder."""
+    _open_sealed(_sealed(data))
+
+
+def _decompress(data: bytes) -> None:
+    for t in getattr(_decode(data), "tensors", ()):
+        decompress(t)
+        decompress(t, out=torch.empty(t.shape, dtype=torch.bfloat16))
+
+
+def _flat(data: bytes) -> None:
+    tensors = getattr(_decode(data), "tensors", None)
+    if tensors is not None:
+        flat = flat_from_tensors(tensors, SHAPES)
+        assert flat.numel() == sum(int(torch.Size(s).numel()) for s in SHAPES)
+        assert bool(torch.isfinite(flat).all())
+
+
+def _records(data: bytes) -> None:
+    store = RecordStore()
+    for rec in getattr(_decode(data), "records", ()):
+        # also as if the subkey matched the key that signed it, to reach the signature check
+        for r in (rec, replace(rec, subkey=peer_id_from_public_key(rec.public_key))):
+            with contextlib.suppress(RemoteProtocolError):
+                store.put(r, NOW)
+
+
+def _member(data: bytes) -> None:
+    MemberRecord.decode(data)
+
+
+def _manifest(data: bytes) -> None:
+    m = Manifest.parse(data, max_total=1 << 30)
+    assert 0 < m.size <= 1 << 30 and len(m.hashes) % 32 == 0
+
+
+def _text(data: bytes) -> str:
+    return data.decode("utf-8", "surrogateescape")
+
+
+def _range(data: bytes) -> None:
+    for size in (0, 1, 4096, 1 << 40):
+        try:
+            span = parse_range(_text(data), size)
+        except RangeNotSatisfiable:
+            continue
+        assert span is None or 0 <= span[0] < span[1] <= size, (span, size)
+
+
+def _etag(data: bytes) -> None:
+    version = etag_version(unquote_etag(_text(data)))
+    assert version is None or version >= 0
+
+
+def _content_range(data: bytes) -> None:
+    span = parse_content_range(_text(data))
+    assert span is None or all(type(x) is int and x >= 0 for x in span)
+
+
+def _dialback(data: bytes) -> None:
+    text = _text(data)
+    for query in ({"port": text}, {"url": text}):
+        with contextlib.suppress(DecodeError):
+            _, _, port = dialback_target(query)
+            assert 0 < port < 65536
+
+
+# ── the targets ──────────────────────────────────────────────────────────────────────────────
+@functools.cache
+def targets() -> tuple[Target, ...]:
+    """Every decoder, with valid seeds (built once, on first call)."""
+    encoded = _encoded()
+    trees = tuple(_split_frame(e) for e in encoded)
+    tensor_msgs = encoded[:2]
+    sealed = tuple(_sealed(e, i) for i, e in enumerate(encoded))
+    envelopes = tuple(s[4 : 4 + struct.unpack_from(">I", s)[0]] for s in sealed)
+    members = (MemberRecord(url="http://10.0.0.1:9", roles=("owner",), reachable=False,
+                            manifest="m", learning=False, step=1).encode(),
+               MemberRecord(url="", roles=(), reachable=True, manifest="", learning=True).encode())
+    manifests = (encode_manifest([b"a" * 32, b"b" * 32], etag="v3-abcdef", size=100_000,
+                                 chunk_size=64 << 10),)
+    strings = {
+        "range": ("bytes=0-99", "bytes=-5", "bytes=10-", " bytes=1-1 ", "bytes=0-1,2-3"),
+        "etag": ('"v12-0123abcdef"', "v0-ff", 'W/"v1-a"'),
+        "content_range": ("bytes 0-9/100", "bytes 5-5/6"),
+        "dialback": ("8080", "http://127.0.0.1:9000", "https://[::1]:443", "http://h"),
+    }
+    records = (encoded[9], encoded[11])
+
+    def t(name: str, feed: Callable[[bytes], object], seeds: tuple[bytes, ...],
+          tree_list: tuple[object, ...] = (), build: Callable[[object], bytes] | None = None) -> Target:
+        return Target(name, feed, seeds, tree_list, build)
+
+    def text(name: str, feed: Callable[[bytes], object]) -> Target:
+        return t(name, feed, tuple(s.encode() for s in strings[name.split(".")[1]]))
+
+    return (
+        t("codec.decode", _decode, encoded, trees, frame),
+        t("codec.body_reader", _body_reader, tuple(struct.pack(">Q", len(e)) + e for e in encoded)),
+        t("signing.open_envelope", lambda d: open_envelope(d, max_size=MAX_SIZE), envelopes,
+          tuple(_envelope_tree(e) for e in envelopes), _envelope_build),
+        t("signing.open_sealed", _open_sealed, sealed),
+        t("signing.sealed_reader", _sealed_reader, sealed),
+        t("signing.signed_body", _open_signed_body, encoded, trees, frame),
+        t("compression.decompress", _decompress, tensor_msgs, trees[:2], frame),
+        t("flat.flat_from_tensors", _flat, tensor_msgs, trees[:2], frame),
+        t("records.verify_and_store", _records, records, (trees[9], trees[11]), frame),
+        t("membership.member_record", _member, members, _unpack_all(members), _packb),
+        t("state.manifest", _manifest, manifests, _unpack_all(manifests), _packb),
+        text("state.range", _range),
+        text("state.etag", _etag),
+        text("state.content_range", _content_range),
+        text("bootstrap.dialback", _dialback),
+    )
+
+
+# ── mutators ─────────────────────────────────────────────────────────────────────────────────
+_INTERESTING_BYTES = (0x00, 0x01, 0x7F, 0x80, 0xFF, 0xC0, 0xC1, 0xC2, 0xC4, 0xC6, 0xCA, 0xCB,
+                      0xCF, 0xD3, 0xD9, 0xDB, 0xDC, 0xDD, 0xDE, 0xDF, 0x90, 0x9F, 0x80, 0x8F)
+_INTERESTING_U32 = (0, 1, 0x7F, 0x80, 0xFF, 0xFFFF, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFF, 1 << 20)
+
+
+def mutate_bytes(data: bytes, rng: random.Random, others: Sequence[bytes] = ()) -> bytes:
+    """One to eight byte-level edits of ``data``: flips, overwrites, cuts, inserts, splices."""
+    buf = bytearray(data)
+    for _ in range(rng.choice((1, 1, 1, 2, 3, 8))):
+        op, pos = rng.randrange(9), rng.randrange(len(buf) + 1)
+        if op == 0 and buf:
+            buf[pos % len(buf)] ^= 1 << rng.randrange(8)
+        elif op == 1 and buf:
+            buf[pos % len(buf)] = rng.choice(_INTERESTING_BYTES)
+        elif op == 2 and len(buf) >= 4:
+            struct.pack_into(">I", buf, min(pos, len(buf) - 4), rng.choice(_INTERESTING_U32))
+        elif op == 3:
+            del buf[pos:]
+        elif op == 4:
+            buf[pos:pos] = rng.randbytes(rng.choice((1, 2, 4, 16)))
+        elif op == 5:
+            del buf[pos : pos + rng.choice((1, 2, 8, 64))]
+        elif op == 6:
+            buf[pos:pos] = buf[pos : pos + rng.choice((1, 8, 64))]
+        elif op == 7 and buf and rng.random() < 0.2:  # a long run: huge numbers, long names
+            buf[pos:pos] = buf[pos % len(buf) : pos % len(buf) + 1] * rng.choice((30, 5000))
+        elif op == 7 and others:
+            other = rng.choice(others)
+            buf[pos:] = other[rng.randrange(len(other) + 1) :]
+        else:
+            buf += rng.randbytes(rng.choice((1, 8, 100)))
+    return bytes(buf)
+
+
+_INTERESTING_INTS = (0, 1, -1, 2, 127, 128, 255, 256, 65535, 1 << 31, (1 << 32) - 1, 1 << 53,
+                     (1 << 63) - 1, -(1 << 63), (1 << 64) - 1)
+_INTERESTING_FLOATS = (0.0, -0.0, 1.0, -1.0, 0.5, 1e308, -1e308, 5e-324, float("inf"),
+                       float("-inf"), float("nan"))
+
+
+def random_value(rng: random.Random, depth: int = 0) -> object:
+    """A random msgpack-able value: scalars of every type and small nested containers."""
+    kind = rng.randrange(9 if depth < 3 else 7)
+    if kind == 0:
+        return rng.choice((None, True, False))
+    if kind == 1:
+        return rng.choice(_INTERESTING_INTS)
+    if kind == 2:
+        return rng.randint(-(1 << 63), (1 << 64) - 1)
+    if kind == 3:
+        return rng.choice(_INTERESTING_FLOATS)
+    if kind == 4:
+        return "".join(chr(rng.choice((32, 0, 0x7F, 0xE9, 0x2603, 0xD800, 0x1F600, 104)))
+                       for _ in range(rng.choice((0, 1, 8, 200, 2000))))
+    if kind == 5:
+        return rng.randbytes(rng.choice((0, 1, 16, 32, 64, 2000)))
+    if kind == 6:
+        return rng.choice(("none", "int4", "float32", "http://x", "owner", "s", ""))
+    n = rng.choice((0, 1, 2, 6))
+    if kind == 7:
+        return [random_value(rng, depth + 1) for _ in range(n)]
+    return {rng.choice(("swarm", "shape", "x", "", 0, 1, -1)): random_value(rng, depth + 1)
+            for _ in range(n)}
+
+
+def count_nodes(tree: object) -> int:
+    """Nodes of ``tree`` in pre-order: itself, then list items, then each map's keys and values."""
+    if isinstance(tree, (list, tuple)):
+        return 1 + sum(count_nodes(v) for v in tree)
+    if isinstance(tree, dict):
+        return 1 + sum(1 + count_nodes(v) for v in tree.values())
+    return 1
+
+
+_DELETED = object()
+
+
+def mutate_tree(tree: object, index: int, op: str, value: object) -> object:
+    """A copy of ``tree`` with node ``index`` (pre-order, modulo the count) replaced by
+    ``value`` (op "replace"), removed ("delete") or given ``value`` as a sibling ("insert")."""
+    counter = [index % count_nodes(tree)]
+    out = _edit(tree, counter, op, value)
+    return None if out is _DELETED else out
+
+
+def _hashable(value: object) -> object:
+    try:
+        hash(value)
+    except TypeError:
+        return repr(value)
+    return value
+
+
+def _edit(node: object, counter: list[int], op: str, value: object) -> object:
+    if counter[0] < 0:
+        return node
+    if counter[0] == 0:
+        counter[0] = -1
+        if op == "replace":
+            return value
+        if op == "delete":
+            return _DELETED
+        if isinstance(node, list):
+            return [*node, value]
+        if isinstance(node, dict):
+            return {**node, _hashable(value): value}
+        return [node, value]
+    counter[0] -= 1
+    if isinstance(node, (list, tuple)):
+        return [v for v in (_edit(v, counter, op, value) for v in node) if v is not _DELETED]
+    if isinstance(node, dict):
+        out: dict[object, object] = {}
+        for k, v in node.items():
+            key = k  # a key is a leaf: replaced, deleted or paired, never walked into
+            if counter[0] == 0:
+                key = _edit(k, counter, op, value)
+            elif counter[0] > 0:
+                counter[0] -= 1
+            new = _edit(v, counter, op, value)
+            if key is not _DELETED and new is not _DELETED:
+                out[_hashable(key)] = new
+        return out
+    return node
