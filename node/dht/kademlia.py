@@ -5,14 +5,23 @@ Theory of operation (Maymounkov & Mazières, "Kademlia", IPTPS 2002, sections 2.
 Serving. ``DHTRouter`` (``node.dht.route``) mounts nodes on one POST route of
 a ``Transport`` and verifies each request over its exact bytes with the addressed node's replay
 window. ``DHTNode.handle`` then checks that the message's ``sender`` is the envelope's signer
-(``check_sender``), meters Store per sender (``RateLimited``, 429), tells the routing table it
-saw the sender, and answers from the explicit handler table. The reply is sealed with the
-node's own key. A peer's misbehaviour is a ``RemoteProtocolError``: 4xx, counted in
-``metrics.refusals``. A path with no node mounted (never mounted, or killed) answers 503.
+(``check_sender``), meters Store per requester IP (records) and per signing key (requests)
+(``StoreLimits``; ``RateLimited``, 429), passes the sender to routing (below), and answers from
+the explicit handler table; records are stored charged to the requester's IP (``RecordStore``'s
+byte cap and fair-share eviction). The reply is sealed with the node's own key. A peer's
+misbehaviour is a ``RemoteProtocolError``: 4xx, counted in ``metrics.refusals``. A path with no
+node mounted (never mounted, or killed) answers 503.
 
-Routing. Every verified request and every verified reply is ``RoutingTable.on_seen``; when a full
-bucket asks for a ``PingCandidate`` the node pings the bucket's oldest contact in its own
-``TaskGroup`` and reports ``on_ping_result``, unless it heard from that contact within
+Routing. A verified reply to one of our calls proves its signer at the address we dialled: it
+is ``RoutingTable.on_seen`` at once. A request's ``sender`` only *claims* an address: unless the
+table already holds that very contact, the claim goes to a ``ClaimQueue`` and the ``_verifier``
+task pings the address (paced, bounded, one per peer and per address); the sender enters the
+table only when the reply comes back signed by its key (``metrics.claims`` counts the outcomes;
+a node not started yet only queues claims). A flood of claims costs at most ``claim_rate`` pings a
+second, one per address per ``claim_retry_s`` when it does not answer, and fills at most its
+IP's fair share of the ``max_claims`` queue; honest peers also enter by answering our lookups.
+When a full bucket asks for a ``PingCandidate`` the node pings the bucket's oldest contact in its
+own ``TaskGroup`` and reports ``on_ping_result``, unless it heard from that contact within
 ``ping_fresh_s`` (the lazy probing of section 4.1: it is alive, no ping needed). With no task
 group running (not started, or too many pings in flight) it keeps the old contact, as the paper
 prefers. Transport failures (timeout, refused connection, 5xx, a bad reply) are ``on_failed``; a
@@ -35,6 +44,7 @@ tests pass a fake one. Envelopes always carry real wall time, since peers check 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import random
@@ -65,13 +75,14 @@ from protocol.dht.messages import (
 )
 from protocol.dht.records import (
     DEFAULT_MAX_VALUE_BYTES,
-    RateLimiter,
+    RateLimited,
     RecordStore,
     SignedRecord,
+    StoreLimits,
     sign_record,
     verify_record,
 )
-from protocol.dht.routing import PingCandidate, RoutingTable
+from protocol.dht.routing import ClaimQueue, PingCandidate, RoutingTable
 from protocol.errors import (
     DecodeError,
     LocalProtocolError,
@@ -91,12 +102,6 @@ _Request = Ping | FindNode | FindValue | Store
 _REFUSED = "refused: "  # StoreReply reasons with this prefix are refusals, others "already held"
 
 
-class RateLimited(RemoteProtocolError):
-    """A peer sent Store requests faster than its token bucket allows."""
-
-    status = 429
-
-
 @dataclass(frozen=True, slots=True)
 class DHTConfig:
     """Kademlia parameters, timeouts and caps of one node."""
@@ -109,9 +114,11 @@ class DHTConfig:
     republish_interval_s: float = 3600.0  # re-sign our records this often (or at half their ttl)
     maintenance_period_s: float = 60.0  # how often run() wakes; 0: start() does not spawn it
     record_ttl_cap_s: float = 24 * 3600.0
-    store_rate: float = 10.0  # Store requests a second per sender, after...
+    store_rate: float = 10.0  # Store requests a second per signing key, after...
     store_burst: float = 50.0  # ...a burst of this many
-    max_keys: int = 10_000
+    store_ip_rate: float = 100.0  # records stored a second per requester IP (IPv6: per /64)...
+    store_ip_burst: float = 1000.0  # ...after a burst of this many
+    max_store_bytes: int = 64 << 20  # values plus 1 KiB a record (RECORD_OVERHEAD_BYTES)
     max_subkeys_per_key: int = 1_000
     max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES
     max_request: int = 1 << 20  # bytes of a sealed request (Store is at most 64 records)
@@ -120,17 +127,25 @@ class DHTConfig:
     replacement_cache: int = 10
     max_background_pings: int = 16
     ping_fresh_s: float = 60.0  # a full bucket's oldest contact heard from this recently is alive
+    max_claims: int = 64  # senders' claimed addresses waiting for our ping...
+    claim_rate: float = 10.0  # ...pinged at this many a second, after...
+    claim_burst: float = 50.0  # ...a burst of this many...
+    max_claim_pings: int = 8  # ...with at most this many in flight
+    claim_retry_s: float = 60.0  # an address that did not answer is not pinged again this soon
 
 
 @dataclass(slots=True)
 class DHTMetrics:
     """Counters of one node. ``refusals``: inbound requests or records refused, by error class;
-    ``failures``: outbound calls that failed, by kind; hops: completed lookups by hop count."""
+    ``failures``: outbound calls that failed, by kind; ``claims``: what became of addresses that
+    senders claimed (queued, dropped, answered, unanswered); hops: completed lookups by hop
+    count. The record store counts its own evictions (``records.counts``)."""
 
     rpcs_in: Counter[str] = field(default_factory=Counter)
     rpcs_out: Counter[str] = field(default_factory=Counter)
     refusals: Counter[str] = field(default_factory=Counter)
     failures: Counter[str] = field(default_factory=Counter)
+    claims: Counter[str] = field(default_factory=Counter)  # senders' claimed addresses, by outcome
     node_hops: Counter[int] = field(default_factory=Counter)
     value_hops: Counter[int] = field(default_factory=Counter)
 
@@ -178,14 +193,18 @@ class DHTNode:
         self.me = PeerInfo(peer_id=self.peer_id, address=address)
         self.routing = RoutingTable(self.peer_id, k=cfg.k, replacement_cache=cfg.replacement_cache,
                                     max_failures=cfg.max_failures)
-        self.records = RecordStore(max_keys=cfg.max_keys, max_subkeys_per_key=cfg.max_subkeys_per_key,
+        self.records = RecordStore(max_bytes=cfg.max_store_bytes, max_subkeys_per_key=cfg.max_subkeys_per_key,
                                   max_value_bytes=cfg.max_value_bytes, max_ttl_s=cfg.record_ttl_cap_s)
-        self.limiter = RateLimiter(cfg.store_rate, cfg.store_burst)
+        self.limits = StoreLimits(source_rate=cfg.store_ip_rate, source_burst=cfg.store_ip_burst,
+                                  key_rate=cfg.store_rate, key_burst=cfg.store_burst)
+        self.claims = ClaimQueue(max_pending=cfg.max_claims, rate=cfg.claim_rate, burst=cfg.claim_burst,
+                                 max_in_flight=cfg.max_claim_pings, retry_after_s=cfg.claim_retry_s)
+        self._claimed = asyncio.Event()  # the claim queue changed: the verifier looks again
         self.replay, self._reply_replay = ReplayWindow(), ReplayWindow()
         self.metrics = DHTMetrics()
         self.rng = random.Random(int.from_bytes(self.peer_id[:8], "big"))
         self._own: dict[bytes, _OwnRecord] = {}
-        self._handlers: dict[type[Message], Callable[[Any], Message]] = {
+        self._handlers: dict[type[Message], Callable[[Any, str], Message]] = {
             Ping: self._on_ping, FindNode: self._on_find_node,
             FindValue: self._on_find_value, Store: self._on_store,
         }
@@ -211,6 +230,7 @@ class DHTNode:
         tg = asyncio.TaskGroup()
         await tg.__aenter__()
         self._tg = tg
+        self._spawn(self._verifier())
         if self.config.maintenance_period_s > 0:
             self._spawn(self.run())
 
@@ -245,38 +265,37 @@ class DHTNode:
         """``msg`` sealed by this node's key with the current wall time and a fresh nonce."""
         return seal(encode(msg), self.signer, now=time.time(), nonce=os.urandom(16)).tobytes()
 
-    def handle(self, opened: Opened) -> Message:
-        """Answer one verified request.
+    def handle(self, opened: Opened, source: str = "") -> Message:
+        """Answer one verified request that came from the IP address ``source``.
 
         Raises ``NotAuthorized`` (not a DHT request, or sender is not the signer) and
-        ``RateLimited`` (Store over the sender's budget).
+        ``RateLimited`` (Store over the requester IP's or the signing key's budget).
         """
         msg = opened.message
         if not isinstance(msg, _Request):
             raise NotAuthorized(f"no DHT handler for {type(msg).__name__}")
         check_sender(msg.sender, opened.public_key)
-        if isinstance(msg, Store) and not self.limiter.allow(opened.peer_id, self.clock()):
-            raise RateLimited(f"Store rate over {self.config.store_rate}/s, burst {self.config.store_burst:.0f}",
-                              penalty=0.1)
+        if isinstance(msg, Store):
+            self.limits.admit(source=source, signer=opened.peer_id, records=len(msg.records), now=self.clock())
         self.metrics.rpcs_in[type(msg).__name__] += 1
-        self._seen(msg.sender)
-        return self._handlers[type(msg)](msg)
+        self._claim(msg.sender, source)
+        return self._handlers[type(msg)](msg, source)
 
-    def _on_ping(self, msg: Ping) -> Pong:
+    def _on_ping(self, msg: Ping, source: str) -> Pong:
         return Pong(sender=self.me)
 
-    def _on_find_node(self, msg: FindNode) -> NodesReply:
+    def _on_find_node(self, msg: FindNode, source: str) -> NodesReply:
         return NodesReply(peers=tuple(self._nearest(msg.target)))
 
-    def _on_find_value(self, msg: FindValue) -> ValueReply:
+    def _on_find_value(self, msg: FindValue, source: str) -> ValueReply:
         records = self.records.get(msg.key, self.clock())[:MAX_REPLY_RECORDS]
         return ValueReply(records=tuple(records), peers=tuple(self._nearest(msg.key)))
 
-    def _on_store(self, msg: Store) -> StoreReply:
+    def _on_store(self, msg: Store, source: str) -> StoreReply:
         now, accepted, reasons = self.clock(), 0, []
         for rec in msg.records:
             try:
-                put = self.records.put(rec, now)
+                put = self.records.put(rec, now, source)
             except RemoteProtocolError as exc:
                 self.metrics.refusals[f"record {type(exc).__name__}"] += 1
                 reasons.append(f"{_REFUSED}{type(exc).__name__}: {exc.reason}")
@@ -290,6 +309,38 @@ class DHTNode:
         return self.routing.closest(target, min(self.config.k, MAX_REPLY_PEERS))
 
     # ── routing table upkeep ────────────────────────────────────────────────────────────────
+
+    def _claim(self, sender: PeerInfo, source: str) -> None:
+        """A request's sender: seen if the table holds it at that address, else a claim to ping."""
+        if not sender.address:
+            return
+        if self.routing.holds(sender):
+            self._seen(sender)
+            return
+        outcome = self.claims.offer(sender, source, self.clock())
+        self.metrics.claims[outcome.kind] += 1
+        if outcome.queued:
+            self._claimed.set()
+
+    async def _verifier(self) -> None:
+        """Ping claimed addresses as the claim queue allows, until cancelled (``close``)."""
+        while True:
+            self._claimed.clear()
+            while (contact := self.claims.next(self.clock())) is not None:
+                if not self._spawn(self._verify(contact)):
+                    self.claims.done(contact, False, self.clock())
+            wait = self.claims.wait_s(self.clock())
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(60.0 if wait is None else min(max(wait, 0.01), 60.0)):
+                    await self._claimed.wait()
+
+    async def _verify(self, contact: PeerInfo) -> None:
+        """Ping ``contact.address``: a reply signed by ``contact``'s key puts it in the table."""
+        reply = await self._call(contact.address, Ping(sender=self.me), contact.peer_id, charge=False)
+        answered = not isinstance(reply, _Failure)  # _call saw it: it is in the table now
+        self.claims.done(contact, answered, self.clock())
+        self.metrics.claims["answered" if answered else "unanswered"] += 1
+        self._claimed.set()
 
     def _seen(self, contact: PeerInfo) -> None:
         now = self.clock()
@@ -320,8 +371,14 @@ class DHTNode:
 
     # ── one outbound call ───────────────────────────────────────────────────────────────────
 
-    async def _call(self, address: str, msg: _Request, peer_id: bytes | None = None) -> Opened | _Failure:
-        """Send ``msg`` to ``address``; the verified reply, or why not (never raises)."""
+    async def _call(self, address: str, msg: _Request, peer_id: bytes | None = None, *,
+                    charge: bool = True) -> Opened | _Failure:
+        """Send ``msg`` to ``address``; the verified reply, or why not (never raises).
+
+        A reply must be signed by ``peer_id`` when given; a failure counts against ``peer_id``'s
+        routing entry only when ``charge`` (a claimed address that fails is no fault of the entry).
+        """
+        charged = peer_id if charge else None
         self.metrics.rpcs_out[type(msg).__name__] += 1
         sealed = self.seal(msg)
         try:
@@ -330,13 +387,13 @@ class DHTNode:
                 timeout_s=self.config.request_timeout_s, max_reply=self.config.max_reply,
             )
         except (aiohttp.ClientError, OSError, TimeoutError, ValueError, RemoteProtocolError) as exc:
-            return self._failed(peer_id, f"unreachable ({type(exc).__name__})", unreachable=True)
+            return self._failed(charged, f"unreachable ({type(exc).__name__})", unreachable=True)
         try:
             if status != 200:
-                return self._failed(peer_id, f"status {status}", unreachable=status >= 500)
+                return self._failed(charged, f"status {status}", unreachable=status >= 500)
             opened = self._open_reply(buf, used, msg, peer_id)
         except RemoteProtocolError as exc:
-            return self._failed(peer_id, f"bad reply ({type(exc).__name__})", unreachable=True)
+            return self._failed(charged, f"bad reply ({type(exc).__name__})", unreachable=True)
         finally:
             self.transport.pool.give(buf)
         self._seen(PeerInfo(peer_id=opened.peer_id, address=address))

@@ -5,8 +5,9 @@ default node and ``{prefix}/{name}`` for named ones, so one aiohttp server can h
 nodes (a peer mounts one node at the default path; the scale test mounts 500). A node's address
 is the full URL of its path, e.g. ``http://127.0.0.1:8080/v1/dht``. A request is verified over
 its exact bytes with the addressed node's replay window (``open_sealed``, via
-``node.wire.rpc.serve_sealed_request``), then ``DHTNode.handle`` answers it (see ``node.dht.kademlia``) and the
-reply is sealed with the node's own key. A peer's misbehaviour is a ``RemoteProtocolError``:
+``node.wire.rpc.serve_sealed_request``), then ``DHTNode.handle`` answers it (see ``node.dht.kademlia``),
+told the requester's IP (``request.remote``) for its per-IP Store limits and the record store's
+fair shares, and the reply is sealed with the node's own key. A peer's misbehaviour is a ``RemoteProtocolError``:
 4xx, counted in ``errors`` and the node's ``metrics.refusals``. A path with no node mounted
 (never mounted, or killed) answers 503.
 """
@@ -69,7 +70,7 @@ class DHTRouter:
             return web.json_response(body, status=503)
 
         async def dispatch(opened: Opened) -> bytes:
-            return node.seal(node.handle(opened))
+            return node.seal(node.handle(opened, request.remote or ""))
 
         def refused(exc: RemoteProtocolError) -> None:
             self.errors[type(exc).__name__] += 1

@@ -26,20 +26,30 @@ without an address (behind NAT, learners only) can never be dialled and are not 
 
 Buckets are refreshed (section 2.3) by looking up a random id in any bucket that saw no traffic
 for ``refresh_interval``; ``stale_buckets`` picks those ids with the node's seeded ``rng``.
+
+A request's ``sender`` names an address nobody has checked: a peer that answered one of *our*
+calls is proven at the address we dialled, one that merely wrote an address into its request is
+not (it could name a dead port, or a stranger's server, to fill our buckets with junk). The node
+puts such a claim in a ``ClaimQueue`` and calls ``on_seen`` only once a ping to the claimed address
+came back signed by the claimed peer id. The queue is sans-IO like the table: bounded, fair
+between the sources (IPs) that make claims, at most one claim per peer id and per address,
+paced by a token bucket and a cap on pings in flight, and it remembers addresses that did not
+answer so that a flood naming one address costs one ping per ``retry_after_s``.
 """
 
 from __future__ import annotations
 
 import heapq
 import random
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
+from protocol.dht.records import TokenBucket
 from protocol.errors import LocalProtocolError
 from protocol.ids import ID_BYTES, xor_distance
 from protocol.wire.messages import PeerInfo
 
-__all__ = ["ID_BITS", "PingCandidate", "RoutingTable"]
+__all__ = ["ID_BITS", "ClaimQueue", "ClaimResult", "PingCandidate", "RoutingTable"]
 
 ID_BITS = 8 * ID_BYTES
 
@@ -113,6 +123,14 @@ class RoutingTable:
     def bucket_sizes(self) -> dict[int, int]:
         """Non-empty buckets: common-prefix length -> number of contacts."""
         return {i: len(b.entries) for i, b in enumerate(self._buckets) if b.entries}
+
+    def holds(self, contact: PeerInfo) -> bool:
+        """Whether ``contact``, this very id at this very address, is in a bucket or a cache."""
+        bucket = self._bucket_of(contact.peer_id)
+        if bucket is None:
+            return False
+        entry = bucket.entries.get(contact.peer_id) or bucket.cache.get(contact.peer_id)
+        return entry is not None and entry.contact == contact
 
     def cached(self, peer_id: bytes) -> bool:
         """Whether ``peer_id`` waits in a replacement cache."""
@@ -244,3 +262,120 @@ class RoutingTable:
         bucket.entries[fresh.contact.peer_id] = fresh
         self._index[fresh.contact.peer_id] = fresh.contact
         return fresh.contact
+
+
+# ── claimed addresses, waiting for our ping ────────────────────────────────────────────────
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimResult:
+    """What became of a claim: ``kind`` is "queued" (a ping will follow), "ignored" (a duplicate,
+    no address, or an address that did not answer lately) or "dropped" (the queue is full)."""
+
+    kind: str
+    reason: str
+
+    @property
+    def queued(self) -> bool:
+        return self.kind == "queued"
+
+
+class ClaimQueue:
+    """Contacts that claimed an address in a request, waiting for a ping. See the module doc."""
+
+    def __init__(
+        self,
+        *,
+        max_pending: int = 64,
+        rate: float = 10.0,
+        burst: float = 50.0,
+        max_in_flight: int = 8,
+        retry_after_s: float = 60.0,
+        max_remembered: int = 4096,
+    ) -> None:
+        if min(max_pending, max_in_flight, max_remembered) < 1 or retry_after_s < 0:
+            raise LocalProtocolError("claim queue caps must be positive")
+        self.max_pending, self.max_in_flight = max_pending, max_in_flight
+        self.retry_after_s, self.max_remembered = retry_after_s, max_remembered
+        self._tokens = TokenBucket(rate, burst)
+        self._pending: OrderedDict[bytes, tuple[PeerInfo, str]] = OrderedDict()  # oldest first
+        self._in_flight: dict[bytes, PeerInfo] = {}
+        self._failed: OrderedDict[str, float] = OrderedDict()  # address -> when it did not answer
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def offer(self, contact: PeerInfo, source: str, now: float) -> ClaimResult:
+        """``contact``, in a request from ``source`` (an IP), claims its address."""
+        pid, address = contact.peer_id, contact.address
+        if not address:
+            return ClaimResult("ignored", "no address")
+        if pid in self._in_flight:
+            return ClaimResult("ignored", "a ping of this peer is in flight")
+        failed_at = self._failed.get(address)
+        if failed_at is not None and now - failed_at < self.retry_after_s:
+            return ClaimResult("ignored", f"{address} did not answer {now - failed_at:.0f}s ago")
+        if pid in self._pending:
+            self._pending[pid] = (contact, source)
+            return ClaimResult("queued", "already waiting; address updated")
+        if self._address_taken(address):
+            return ClaimResult("ignored", f"{address} is already waiting or being pinged")
+        reason = f"waits behind {len(self._pending)}"
+        if len(self._pending) >= self.max_pending:
+            victim = self._fair_victim(source)
+            if victim is None:
+                return ClaimResult("dropped", f"{len(self._pending)}/{self.max_pending} wait")
+            del self._pending[victim]
+            reason = "replaced the newest claim of a source with more of them"
+        self._pending[pid] = (contact, source)
+        return ClaimResult("queued", reason)
+
+    def next(self, now: float) -> PeerInfo | None:
+        """The contact to ping now, if one waits, a ping slot is free and a token is there."""
+        if not self._pending or len(self._in_flight) >= self.max_in_flight:
+            return None
+        if not self._tokens.allow(now):
+            return None
+        _, (contact, _) = self._pending.popitem(last=False)
+        self._in_flight[contact.peer_id] = contact
+        return contact
+
+    def wait_s(self, now: float) -> float | None:
+        """Seconds until ``next`` can give a contact; None while none waits or no slot is free."""
+        if not self._pending or len(self._in_flight) >= self.max_in_flight:
+            return None
+        return self._tokens.wait_s(now)
+
+    def done(self, contact: PeerInfo, answered: bool, now: float) -> None:
+        """The ping of ``contact`` came back (``answered``) or failed.
+
+        Raises ``LocalProtocolError`` if ``next`` did not hand out ``contact``.
+        """
+        if self._in_flight.get(contact.peer_id) != contact:
+            raise LocalProtocolError(f"no ping of {contact.peer_id.hex()[:16]} is in flight")
+        del self._in_flight[contact.peer_id]
+        if answered:
+            self._failed.pop(contact.address, None)
+            return
+        self._failed.pop(contact.address, None)
+        self._failed[contact.address] = now
+        while len(self._failed) > self.max_remembered:
+            self._failed.popitem(last=False)
+
+    def _address_taken(self, address: str) -> bool:
+        return any(c.address == address for c in self._in_flight.values()) or any(
+            c.address == address for c, _ in self._pending.values()
+        )
+
+    def _fair_victim(self, source: str) -> bytes | None:
+        """The newest claim of the source with the most claims, if it has more than ``source``."""
+        counts = Counter(src for _, src in self._pending.values())
+        heavy, n = max(counts.items(), key=lambda kv: (kv[1], kv[0]))
+        if n <= counts[source] + 1:
+            return None
+        return next(pid for pid in reversed(self._pending) if self._pending[pid][1] == heavy)

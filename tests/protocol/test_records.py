@@ -161,26 +161,28 @@ def test_store_rejects_invalid_records_with_the_reason() -> None:
     assert len(store) == 0
 
 
-def test_key_and_subkey_caps() -> None:
+def test_a_full_key_trades_a_sources_records_only_for_longer_lived_ones() -> None:
     signers = [Signer(bytes([i]) * 32) for i in range(4)]
-    store = RecordStore(max_keys=2, max_subkeys_per_key=2)
+    store = RecordStore(max_subkeys_per_key=2)
     store.put(rec(signers[0], ttl=10), NOW)
     store.put(rec(signers[1], ttl=100), NOW)
     with pytest.raises(Oversize, match="key full: 2/2") as full:
-        store.put(rec(signers[2]), NOW)
+        store.put(rec(signers[2], ttl=5), NOW)  # expires before all its source holds there
     assert full.value.penalty == 0.0
     assert store.put(rec(signers[0], ttl=50), NOW).stored  # refreshing a held subkey always fits
-    store.put(sign_record(ALICE, key_id("other"), b"x", NOW + 10), NOW)
-    with pytest.raises(Oversize, match="store full: 2/2 keys"):
-        store.put(sign_record(ALICE, key_id("third"), b"x", NOW + 10), NOW)
-    # once records expire there is room again
-    assert store.put(sign_record(ALICE, key_id("third"), b"x", NOW + 80), NOW + 60).stored
-    assert store.put(rec(signers[3], ttl=100), NOW + 60).stored
+    put = store.put(rec(signers[2], ttl=60), NOW)  # one source: its earliest (expiring at 50) goes
+    assert put.stored and put.evicted == 1 and "1 evicted" in put.reason
+    assert {r.subkey for r in store.get(MEMBERS, NOW)} == {signers[1].peer_id, signers[2].peer_id}
+    assert store.counts == {"refused: key full": 1, "evicted: key full": 1}
+    # once records expire there is room again, without evicting anything
+    assert store.put(rec(signers[3], ttl=200), NOW + 80).evicted == 0
 
 
 def test_store_and_limiter_arguments_are_checked() -> None:
     with pytest.raises(LocalProtocolError):
-        RecordStore(max_keys=0)
+        RecordStore(max_subkeys_per_key=0)
+    with pytest.raises(LocalProtocolError):
+        RecordStore(max_bytes=DEFAULT_MAX_VALUE_BYTES)  # cannot hold one largest record
     with pytest.raises(LocalProtocolError):
         TokenBucket(rate=1, burst=0)
     with pytest.raises(LocalProtocolError):

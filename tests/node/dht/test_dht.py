@@ -178,7 +178,7 @@ async def test_full_bucket_pings_oldest_and_replaces_it_when_dead() -> None:
         same = [i for i in range(1, 60) if bucket(signer(i).peer_id) == 0][:2]  # half of all ids
         old, new = await net.add(same[0], cfg), await net.add(same[1], cfg)
         assert await old.ping(a.me.address) is not None
-        assert a.routing.get(old.peer_id) is not None
+        await eventually(lambda: a.routing.get(old.peer_id) is not None)  # a pinged it back
         await net.kill(old)
         assert await new.ping(a.me.address) is not None  # bucket full: a probes old, finds it dead
         await eventually(lambda: a.routing.get(new.peer_id) is not None)
@@ -189,10 +189,12 @@ async def test_a_peer_default_node_shares_the_server_with_named_ones() -> None:
     async with network() as net:
         default = DHTNode(signer(0), net.transport, net.router.url(), FAST)
         net.router.mount(default)
+        await default.start()
+        net.nodes.append(default)
         named = await net.add(1)
         assert default.me.address == net.transport.url + "/v1/dht"
         assert await named.ping(default.me.address) == default.me
-        assert default.routing.get(named.peer_id) == named.me
+        await eventually(lambda: default.routing.get(named.peer_id) == named.me)
         with pytest.raises(LocalProtocolError):
             net.router.mount(named, "1")  # name taken
         with pytest.raises(LocalProtocolError):

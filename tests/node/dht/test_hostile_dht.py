@@ -1,0 +1,87 @@
+"""Hostile DHT peers over real HTTP on 127.0.0.1: claimed addresses are pinged before they enter
+routing; Store floods from fresh keys are limited per IP and the store stays under its byte cap."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+
+from protocol.dht.messages import Ping, Pong, Store, StoreReply
+from protocol.dht.records import RECORD_OVERHEAD_BYTES, sign_record
+from protocol.ids import key_id
+from protocol.wire.signing import Signer
+from tests.node.dht.test_dht import FAST, eventually, info, network, raw, signer
+
+pytestmark = pytest.mark.timeout(30)
+
+DEAD = "http://127.0.0.1:1/v1/dht"  # nothing listens on port 1
+
+
+async def test_a_claimed_address_enters_routing_only_after_it_answered_our_ping() -> None:
+    async with network() as net:
+        node, honest, other = await net.add(0), await net.add(1), await net.add(2)
+        mallory, sybil = signer(80), signer(81)
+        status, reply = await raw(net, node.me.address, mallory, Ping(sender=info(mallory, DEAD)))
+        assert status == 200 and isinstance(reply, Pong)  # the request itself is answered
+        await eventually(lambda: node.metrics.claims["unanswered"] == 1)
+        assert mallory.peer_id not in node.routing and not node.routing.cached(mallory.peer_id)
+        pings = node.metrics.rpcs_out["Ping"]
+        await raw(net, node.me.address, sybil, Ping(sender=info(sybil, DEAD)))  # a fresh key, same address
+        assert node.metrics.claims["ignored"] == 1 and node.metrics.rpcs_out["Ping"] == pings
+        # someone else's live address: that node answers, but signed with its own key
+        await raw(net, node.me.address, mallory, Ping(sender=info(mallory, other.me.address)))
+        await eventually(lambda: node.metrics.claims["unanswered"] == 2)
+        assert mallory.peer_id not in node.routing and not node.routing.cached(mallory.peer_id)
+        assert node.metrics.failures["bad reply (NotAuthorized)"] == 1
+        assert node.metrics.failures["unreachable (ClientConnectorError)"] == 1
+        # an honest node that answers gets in
+        assert await honest.ping(node.me.address) == node.me
+        await eventually(lambda: node.routing.get(honest.peer_id) == honest.me)
+        assert node.metrics.claims["answered"] >= 1
+        # a node we contact ourselves and that answers needs no claim
+        assert await node.ping(other.me.address) == other.me
+        assert node.routing.get(other.peer_id) == other.me
+
+
+async def test_a_flood_of_claims_from_fresh_keys_is_bounded_and_paced() -> None:
+    cfg = dataclasses.replace(FAST, max_claims=8, claim_rate=0.0, claim_burst=5, max_claim_pings=2)
+    async with network() as net:
+        node = await net.add(0, cfg)
+        statuses = []
+        for i in range(50):
+            s = signer(1000 + i)
+            status, _ = await raw(net, node.me.address, s, Ping(sender=info(s, f"{DEAD}/{i}")))
+            statuses.append(status)
+        assert statuses == [200] * 50
+        await eventually(lambda: node.metrics.claims["unanswered"] == 5)  # the burst, then none
+        claims = node.metrics.claims
+        assert claims["queued"] + claims["dropped"] == 50 and claims["dropped"] >= 50 - 8 - 5
+        assert node.claims.pending <= 8 and node.claims.in_flight == 0
+        assert node.metrics.rpcs_out["Ping"] == 5 and len(node.routing) == 0
+        friend = await net.add(1)
+        assert await friend.ping(node.me.address) == node.me  # still serving
+
+
+async def test_a_store_flood_from_fresh_keys_is_limited_per_ip_and_capped() -> None:
+    cap = 24 * (1024 + RECORD_OVERHEAD_BYTES)
+    cfg = dataclasses.replace(FAST, store_ip_rate=0.0, store_ip_burst=40, max_store_bytes=cap,
+                              max_value_bytes=1024)  # fmt: skip
+    async with network() as net:
+        node = await net.add(0, cfg)
+        members, now = key_id("atoll/demo/members"), time.time()
+        honest = sign_record(Signer(key_id("honest member")), members, b"http://10.1.2.3:80", now + 20)
+        assert node.records.put(honest, now, "10.1.2.3").stored  # a member on another host
+        statuses = []
+        for i in range(60):
+            s = signer(2000 + i)
+            rec = sign_record(s, members if i % 2 else key_id(f"junk {i}"), bytes(1024), now + 80_000 + i)
+            status, reply = await raw(net, node.me.address, s, Store(sender=info(s), records=(rec,)))
+            statuses.append(status)
+            assert status != 200 or (isinstance(reply, StoreReply) and reply.accepted == 1)
+        assert statuses == [200] * 40 + [429] * 20  # fresh keys do not escape the IP's budget
+        assert node.metrics.refusals["RateLimited"] == 20
+        assert node.records.nbytes <= cap and node.records.held_by("127.0.0.1") >= cap - 2 * 2048
+        assert node.records.counts["evicted: store full"] == 40 - 23  # its own records, by expiry
+        assert honest in node.records.get(members, time.time())
