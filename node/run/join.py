@@ -40,7 +40,7 @@ from protocol.wire.membership import (
 )
 from protocol.wire.signing import Signer
 
-__all__ = ["SwarmError", "bootstrap_main", "join_main", "load_swarm", "status_main"]
+__all__ = ["SwarmError", "bootstrap_main", "join_main", "load_swarm", "signed_request", "status_main"]
 
 log = logging.getLogger("atoll.join")
 
@@ -56,7 +56,7 @@ class Swarm:
     cert: Certificate | None
 
 
-def _request(url: str, *, swarm: str, signer: Signer, cert: Certificate | None, method: str = "GET",
+def signed_request(url: str, *, swarm: str, signer: Signer, cert: Certificate | None, method: str = "GET",
              body: bytes | None = None, limit: int = 16 << 20, timeout: float = 10.0) -> tuple[int, bytes]:
     """One signed request (``Atoll-Auth`` and the certificate); TLS without a pin: the answer's
     contents are checked by signature. Returns (status, body) for any HTTP status."""
@@ -90,7 +90,7 @@ def fetch_manifest(initial_peers: list[str], *, swarm: str, signer: Signer, cert
         if not base.startswith(("http://", "https://")):
             raise SwarmError(f"initial peer {base!r} is not an http(s) URL, e.g. https://host:7000")
         try:
-            status, body = _request(base.rstrip("/") + MANIFEST_PATH, swarm=swarm, signer=signer, cert=cert,
+            status, body = signed_request(base.rstrip("/") + MANIFEST_PATH, swarm=swarm, signer=signer, cert=cert,
                                     limit=MAX_MANIFEST_BYTES)
         except (OSError, ssl.SSLError) as exc:
             print(f"atoll: {base} did not answer ({exc}); trying the next", file=sys.stderr)
@@ -229,7 +229,7 @@ def status_main(args: argparse.Namespace) -> int:
             if not args.manifest:
                 raise SwarmError("--key needs --manifest (the swarm whose peer this is)")
             swarm = load_swarm(args, initial_peers=[])
-            code, body = _request(url, swarm=swarm.manifest.swarm_id, signer=swarm.signer, cert=swarm.cert)
+            code, body = signed_request(url, swarm=swarm.manifest.swarm_id, signer=swarm.signer, cert=swarm.cert)
         else:
             ctx = client_context() if url.startswith("https://") else None
             try:

@@ -59,7 +59,7 @@ def generate_key() -> Signer:
 
 
 def _pem(signer: Signer) -> bytes:
-    key: Ed25519PrivateKey = signer._key  # the one place a private key leaves its Signer
+    key: Ed25519PrivateKey = signer.private_key()
     return key.private_bytes(Encoding.PEM, PrivateFormat.PKCS8, NoEncryption())
 
 

@@ -3,77 +3,34 @@ train, and a late joiner syncs the global fragments and catches up with the othe
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import queue
 import subprocess
 import sys
-import threading
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.integration.swarms import ENV, ROOT, Proc, get_json, make_swarm
+
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
-ROOT = Path(__file__).resolve().parents[2]
-ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 H = 20
-TRAIN = ["--model", "tiny", "--steps", "100000", "--fragments", "4", "--inner-steps", str(H),
-         "--corpus-max-bytes", "2000000", "--eval-every", "1000000", "--threads", "1",
+RECIPE = ["--model", "tiny", "--fragments", "4", "--inner-steps", str(H)]
+TRAIN = ["--steps", "100000", "--corpus-max-bytes", "2000000", "--eval-every", "1000000", "--threads", "1",
          "--serve-after-s", "0", "--listen", "127.0.0.1:0"]
 LATE_JOIN_S = 15.0  # the issue's "a minute later", shortened to keep the suite fast
 
 
-class Proc:
-    """A child process whose stdout lines are read on a thread (JSON lines become events)."""
-
-    def __init__(self, args: list[str], log: Path) -> None:
-        self.log = log.open("wb")
-        self.proc = subprocess.Popen([sys.executable, "-m", "node", *args], cwd=ROOT, env=ENV,
-                                     stdout=subprocess.PIPE, stderr=self.log, stdin=subprocess.DEVNULL)
-        self.lines: queue.Queue[str] = queue.Queue()
-        self.events: list[dict[str, Any]] = []
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        assert self.proc.stdout is not None
-        for raw in self.proc.stdout:
-            line = raw.decode(errors="replace").strip()
-            self.lines.put(line)
-            with contextlib.suppress(json.JSONDecodeError):
-                self.events.append(json.loads(line))
-
-    def wait_event(self, name: str, timeout: float) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for e in list(self.events):
-                if e.get("event") == name:
-                    return e
-            if self.proc.poll() is not None:
-                raise AssertionError(f"process exited ({self.proc.returncode}) before {name!r}")
-            time.sleep(0.1)
-        raise AssertionError(f"no {name!r} event within {timeout} s")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        self.log.close()
-
-
 def _status(url: str) -> dict[str, Any]:
-    with urllib.request.urlopen(f"{url}/v1/status", timeout=10) as resp:
-        return dict(json.loads(resp.read()))
+    return get_json(f"{url}/v1/status")
 
 
 def test_bootstrap_three_joiners_and_a_late_fourth(tmp_path: Path) -> None:
+    files = make_swarm(tmp_path / "swarm", name="open-swarm", admission="open", labs=("lab",), recipe=RECIPE)
+    for peer in ("j0", "j1", "j2", "late"):
+        files.certify(peer, lab="lab")
     procs: list[Proc] = []
     try:
         boot = Proc(["bootstrap", "--listen", "127.0.0.1:0"], tmp_path / "boot.log")
@@ -82,7 +39,8 @@ def test_bootstrap_three_joiners_and_a_late_fourth(tmp_path: Path) -> None:
         assert "listening at" in first, first
         boot_url = first.rsplit(" ", 1)[-1]
 
-        joiners = [Proc(["join", "--initial-peers", boot_url, *TRAIN], tmp_path / f"join{i}.log") for i in range(3)]
+        joiners = [Proc(["join", "--initial-peers", boot_url, *files.args(f"j{i}"), *TRAIN], tmp_path / f"join{i}.log")
+                   for i in range(3)]
         procs += joiners
         urls = [j.wait_event("listening", 90)["url"] for j in joiners]
         for j in joiners:
@@ -99,7 +57,7 @@ def test_bootstrap_three_joiners_and_a_late_fourth(tmp_path: Path) -> None:
             raise AssertionError(f"the three joiners did not form a training swarm: {statuses}")
         time.sleep(LATE_JOIN_S)
 
-        late = Proc(["join", "--initial-peers", boot_url, *TRAIN], tmp_path / "late.log")
+        late = Proc(["join", "--initial-peers", boot_url, *files.args("late"), *TRAIN], tmp_path / "late.log")
         procs.append(late)
         late_url = late.wait_event("listening", 90)["url"]
         joined = late.wait_event("joined", 90)
