@@ -1,6 +1,6 @@
 """Fuzz every decoder of peer bytes for a while: random inputs and mutations of valid encodings.
 
-The targets (``bench.fuzz_targets.targets()``) are the codec, envelopes and sealed messages
+The targets (``bench.fuzz_targets.targets()``; mutators in ``bench.fuzz_mutators``) are the codec, envelopes and sealed messages
 (whole and streamed), bodies sealed by an authenticated peer, tensor decompression and fragment
 flattening, DHT records, member records, chunk manifests and the HTTP header parsers of state
 sync and the bootstrap dial-back. Each gets an equal share of ``--seconds``. An input is one of:
@@ -29,15 +29,8 @@ import sys
 import time
 from typing import Any
 
-from bench.fuzz_targets import (
-    Target,
-    attempt,
-    count_nodes,
-    mutate_bytes,
-    mutate_tree,
-    random_value,
-    targets,
-)
+from bench.fuzz_mutators import count_nodes, mutate_bytes, mutate_tree, random_value
+from bench.fuzz_targets import Target, attempt, targets
 
 __all__ = ["fuzz_input", "fuzz_target", "main"]
 

@@ -88,6 +88,7 @@ MAX_REVOKED = 65536
 MAX_RECIPE_FIELDS = 64
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _RECIPE_KEY = re.compile(r"[a-z][a-z0-9_]{0,39}")
+_HEX_KEY = re.compile(f"[0-9a-fA-F]{{{2 * KEY_BYTES}}}")
 _CERT_ARMOR = ("-----BEGIN ATOLL CERTIFICATE-----", "-----END ATOLL CERTIFICATE-----")
 # SubjectPublicKeyInfo DER of an Ed25519 key is this prefix and the 32 raw key bytes (RFC 8410).
 _ED25519_SPKI_PREFIX = bytes.fromhex("302a300506032b6570032100")
@@ -122,12 +123,10 @@ def _verify(public_key: bytes, signature: bytes, data: bytes, what: str) -> None
 
 
 def _hex_key(value: Any, what: str) -> bytes:
-    if not isinstance(value, str) or len(value) != 2 * KEY_BYTES:
+    # hex digits only: bytes.fromhex skips whitespace, so "00\t00…" would be a shorter key
+    if not isinstance(value, str) or not _HEX_KEY.fullmatch(value):
         raise DecodeError(f"{what} must be {2 * KEY_BYTES} hex digits (an Ed25519 public key)")
-    try:
-        return bytes.fromhex(value)
-    except ValueError:
-        raise DecodeError(f"{what} must be {2 * KEY_BYTES} hex digits (an Ed25519 public key)") from None
+    return bytes.fromhex(value)
 
 
 def parse_public_key(text: str) -> bytes:
@@ -182,6 +181,8 @@ class SwarmManifest:
                 raise DecodeError(f"recipe key {key[:48]!r} is not a lower-case identifier")
             if isinstance(value, float) and not math.isfinite(value):
                 raise DecodeError(f"recipe value {key} must be finite")
+            if isinstance(value, int) and not -(2**63) <= value < 2**63:  # TOML's range, msgpack's
+                raise DecodeError(f"recipe value {key} must be a 64-bit integer")
             if not isinstance(value, (str, int, float, bool)) or (isinstance(value, str) and len(value) > 256):
                 raise DecodeError(f"recipe value {key} must be a string (<= 256 chars), number or bool")
         if list(self.recipe) != sorted(self.recipe, key=lambda kv: kv[0]) or len(dict(self.recipe)) != len(self.recipe):
@@ -292,11 +293,13 @@ class SwarmManifest:
         try:
             raw = text.decode() if isinstance(text, bytes) else text
             data = tomllib.loads(raw)
-        except (UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        # ValueError: UnicodeDecodeError, TOMLDecodeError, and int() of an integer of 4300+ digits;
+        # RecursionError: arrays or inline tables nested ~1000 deep
+        except (ValueError, RecursionError) as exc:
             raise DecodeError(f"manifest is not valid TOML: {exc}") from None
         try:
             return cls._from_data(data)
-        except (KeyError, TypeError, AttributeError) as exc:
+        except (KeyError, TypeError, AttributeError, OverflowError) as exc:  # float(10**400)
             raise DecodeError(f"manifest is missing a field or has a wrong type: {exc!r}") from None
 
     @classmethod

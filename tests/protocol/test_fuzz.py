@@ -9,6 +9,7 @@ the crashes the fuzzer found.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import struct
 import tracemalloc
@@ -19,14 +20,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bench.fuzz_targets import (
-    MAX_SIZE,
-    Target,
-    attempt,
-    count_nodes,
-    mutate_tree,
-    targets,
-)
+from bench.fuzz_mutators import count_nodes, mutate_tree
+from bench.fuzz_targets import MAX_SIZE, Target, attempt, targets
 from node.dht.bootstrap import _target as dialback_target
 from node.dht.membership import MemberRecord
 from node.state.serve import (
@@ -38,6 +33,7 @@ from node.state.serve import (
 )
 from protocol.errors import DecodeError, Oversize, RemoteProtocolError
 from protocol.wire.codec import MAGIC, BodyReader, decode
+from protocol.wire.membership import RequestAuth, SwarmManifest, parse_public_key
 from protocol.wire.signing import SealedReader, open_envelope
 
 # decompress reads hostile bytes in place; torch warns (once) that a bytes buffer is read-only
@@ -63,20 +59,20 @@ def test_random_bytes(name: str, data: bytes) -> None:
 
 @pytest.mark.parametrize("name", TARGETS)
 @FUZZ
-@given(data=st.data(), garbage=st.binary(max_size=16))
-def test_truncated_seeds_with_garbage(name: str, data: st.DataObject, garbage: bytes) -> None:
-    seed = data.draw(st.sampled_from(TARGETS[name].seeds))
-    cut = data.draw(st.integers(0, len(seed)))
-    check(TARGETS[name], seed[:cut] + garbage)
-
-
-@pytest.mark.parametrize("name", TARGETS)
-@FUZZ
-@given(data=st.data())
-def test_bit_flipped_seeds(name: str, data: st.DataObject) -> None:
+@given(
+    data=st.data(),
+    flips=st.lists(st.integers(0, 1 << 20), max_size=4),
+    cut=st.none() | st.integers(0, 1 << 20),
+    garbage=st.binary(max_size=16),
+)
+def test_truncated_and_bit_flipped_seeds(
+    name: str, data: st.DataObject, flips: list[int], cut: int | None, garbage: bytes
+) -> None:
     seed = bytearray(data.draw(st.sampled_from(TARGETS[name].seeds)))
-    for pos in data.draw(st.lists(st.integers(0, 8 * len(seed) - 1), min_size=1, max_size=4)):
-        seed[pos // 8] ^= 1 << (pos % 8)
+    for pos in flips:
+        seed[pos // 8 % len(seed)] ^= 1 << (pos % 8)
+    if cut is not None:
+        seed = seed[: cut % (len(seed) + 1)] + garbage
     check(TARGETS[name], bytes(seed))
 
 
@@ -93,7 +89,7 @@ MSGPACK_VALUES = st.recursive(
     _SCALARS,
     lambda inner: st.lists(inner, max_size=4)
     | st.dictionaries(st.text(max_size=8) | st.integers(-3, 3), inner, max_size=4),
-    max_leaves=10,
+    max_leaves=5,
 )
 
 
@@ -229,3 +225,34 @@ def test_suffix_range_of_an_empty_body_is_unsatisfiable() -> None:
     with pytest.raises(RangeNotSatisfiable):
         parse_range("bytes=-5", 0)
     assert parse_range("bytes=-5", 3) == (0, 3)
+
+
+@pytest.mark.parametrize(
+    "toml",
+    [
+        "a = " + "[" * 3000 + "]" * 3000,  # was RecursionError
+        "a = " + "{b=" * 3000 + "1" + "}" * 3000,  # was RecursionError
+        "[swarm]\nname = 'x'\nfounder = '" + "0" * 64 + "'\ncreated = 1" + "0" * 400,  # OverflowError
+        "[swarm]\nname = 'x'\nfounder = '" + "0" * 64 + "'\nversion = 1" + "0" * 5000,  # ValueError
+    ],
+)
+def test_hostile_manifest_toml_is_a_decode_error(toml: str) -> None:
+    with pytest.raises(DecodeError):
+        SwarmManifest.from_toml(toml)
+
+
+@pytest.mark.parametrize("key", ["00" * 31 + "\t\t", "00" * 15 + "\t\t" + "00" * 16])
+def test_hex_keys_with_whitespace_are_refused(key: str) -> None:
+    # bytes.fromhex skips whitespace: these were accepted as 31-byte keys
+    sig = base64.b64encode(bytes(64)).decode()
+    with pytest.raises(DecodeError):
+        RequestAuth.parse(f"v1 {key} 1700000000.0 {sig}")
+    with pytest.raises(DecodeError):
+        parse_public_key(key.replace("\t", " "))
+
+
+def test_manifest_recipe_integers_beyond_64_bits_are_a_decode_error() -> None:
+    # tomllib reads any integer; signing_bytes (msgpack) raised OverflowError in verify()
+    founder = "0" * 64
+    with pytest.raises(DecodeError, match="64-bit"):
+        SwarmManifest.from_toml(f"[swarm]\nname = 'x'\nfounder = '{founder}'\n[recipe]\nn = {10**20}")
