@@ -2,7 +2,9 @@
 
     python examples/custom_model.py [--steps 300]
 
-Process A founds the swarm; process B joins through A's address. Each fits its own half of a
+The main process founds a swarm (a signed manifest around this model) with one lab whose
+authority certifies both islands, as a real multi-lab swarm would with ``atoll swarm ...``.
+Process A starts it; process B joins through A's address. Each fits its own half of a
 synthetic regression problem (y = W x + noise) with AdamW; every H steps each fragment's
 pseudo-gradient goes, int8-compressed and signed, to the fragment's owner, which merges and
 hands the new global fragment back. Leaving the ``with`` block waits for the swarm's final
@@ -14,12 +16,16 @@ from __future__ import annotations
 import argparse
 import hashlib
 import multiprocessing as mp
+import os
+import time
 
 import torch
 from torch import nn
 
 from node.api import SwarmIsland
 from node.config import RunConfig
+from protocol.wire.membership import Certificate, SwarmManifest
+from protocol.wire.signing import Signer
 
 DIM = 32
 
@@ -36,14 +42,19 @@ def problem(shard: int, n: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x @ w.T + 0.01 * torch.randn(n, DIM, generator=g)
 
 
-def island(shard: int, steps: int, addresses: mp.Queue, results: mp.Queue) -> None:
+CONFIG = RunConfig(fragments=2, inner_steps=20, codec="int8", outer_lr=1.0, outer_momentum=0.0)
+
+
+def island(shard: int, steps: int, swarm: tuple[SwarmManifest, bytes, Certificate], addresses: mp.Queue,
+           results: mp.Queue) -> None:
     torch.set_num_threads(1)
+    manifest, seed, cert = swarm
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     x, y = problem(shard)
     initial = [] if shard == 0 else [addresses.get(timeout=60)]
-    cfg = RunConfig(fragments=2, inner_steps=20, codec="int8", outer_lr=1.0, outer_momentum=0.0)
-    with SwarmIsland(model, opt, swarm="example", tokens_per_step=64, initial_peers=initial, config=cfg) as isl:
+    with SwarmIsland(model, opt, manifest=manifest, key=Signer(seed), cert=cert, tokens_per_step=64,
+                     initial_peers=initial) as isl:
         if shard == 0:
             addresses.put(isl.url)
         isl.wait_for_members(2)  # start together: the final model is the one when both are done
@@ -75,7 +86,15 @@ def main() -> None:
     with torch.no_grad():
         x, y = problem(0)
         start = nn.functional.mse_loss(make_model()(x), y).item()
-    procs = [ctx.Process(target=island, args=(i, args.steps, addresses, results)) for i in range(2)]
+    # the founder's and the lab's part (keys in memory here; on disk with atoll keygen / swarm)
+    founder, lab = Signer(os.urandom(32)), Signer(os.urandom(32))
+    manifest = SwarmIsland.found(make_model(), founder, name="example", tokens_per_step=64, config=CONFIG,
+                                 authorities=[("example-lab", lab.public_key)])
+    seeds = [os.urandom(32) for _ in range(2)]
+    certs = [Certificate.issue(lab, manifest=manifest, subject=Signer(seed).public_key, roles=("learner", "owner"),
+                               not_before=time.time() - 60, not_after=time.time() + 3600) for seed in seeds]
+    procs = [ctx.Process(target=island, args=(i, args.steps, (manifest, seeds[i], certs[i]), addresses, results))
+             for i in range(2)]
     for p in procs:
         p.start()
     out = sorted((results.get(timeout=300) for _ in procs), key=lambda r: r["shard"])

@@ -2,8 +2,8 @@
 
 ::
 
-    with SwarmIsland(model, optimizer, swarm="my-swarm", initial_peers=["http://host:7000"],
-                     tokens_per_step=batch * seq) as island:
+    with SwarmIsland(model, optimizer, manifest=manifest, key=key, cert=cert,
+                     initial_peers=["http://host:7000"], tokens_per_step=batch * seq) as island:
         for x, y in loader:
             loss = loss_fn(model(x), y)
             loss.backward()
@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import os
 import threading
+import time
 from collections.abc import Sequence
 from types import TracebackType
 
@@ -35,12 +37,17 @@ import torch
 from torch import nn
 
 from node.config import RunConfig
+from node.dht.membership import config_from_manifest, recipe_of
+from node.dht.swarm import SwarmCredentials
 from node.diloco.island import Island, IslandConfig
 from node.peer import PeerNode
 from protocol.diloco.fragments import FragmentPlan, plan_fragments
+from protocol.wire.membership import Certificate, SwarmManifest
 from protocol.wire.signing import Signer
 
 __all__ = ["SwarmIsland"]
+
+log = logging.getLogger("atoll.api")
 
 
 class SwarmIsland:
@@ -51,7 +58,7 @@ class SwarmIsland:
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         *,
-        swarm: str,
+        swarm: str = "",
         tokens_per_step: int,
         initial_peers: Sequence[str] = (),
         embeddings: Sequence[str] = (),
@@ -62,24 +69,65 @@ class SwarmIsland:
         join_timeout_s: float = 120.0,
         finish_timeout_s: float = 300.0,
         linger_s: float = 5.0,
+        manifest: SwarmManifest | None = None,
+        key: Signer | None = None,
+        cert: Certificate | None = None,
     ) -> None:
         """``tokens_per_step``: the most tokens one inner step trains (the merge clamps to it).
         ``config``: fragments, H, codec, outer step, grace window... (its model fields unused).
+        ``manifest``, ``key``, ``cert``: the swarm's signed manifest, this peer's key and its
+        certificate (``node.wire.identity`` loads them from files). The manifest's recipe then
+        decides fragments, H, codecs and merge rules, and its ``model`` must name this model's
+        fragment plan (``SwarmIsland.model_name``). Without a manifest the swarm is a development
+        swarm named ``swarm`` in which any reachable member may own fragments.
         """
         base = config or RunConfig(fragments=2, inner_steps=20)
+        if manifest is not None:
+            base = dataclasses.replace(base, fragments=int(manifest.recipe_dict.get("fragments", base.fragments)))
         shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
         self.plan: FragmentPlan = plan_fragments(shapes, base.fragments, embeddings=embeddings)
         # the architecture is part of the swarm's manifest: peers must agree on the plan
-        self.cfg = dataclasses.replace(base, swarm=swarm, model=f"custom-{self.plan.plan_hash().hex()[:16]}",
-                                       max_tokens_per_step=tokens_per_step)
+        self.model_name = f"custom-{self.plan.plan_hash().hex()[:16]}"
+        self.cfg = dataclasses.replace(base, swarm=swarm, model=self.model_name, max_tokens_per_step=tokens_per_step)
+        credentials = None
+        signer = key or Signer.from_seed(os.urandom(32))
+        if manifest is not None:
+            self.cfg = config_from_manifest(manifest, self.cfg)
+            if self.cfg.model != self.model_name:
+                raise ValueError(f"the swarm's recipe is for model {self.cfg.model!r}; this model's fragment plan "
+                                 f"is {self.model_name!r} (put it in the manifest: atoll swarm init --model ...)")
+            credentials = SwarmCredentials(manifest, signer, cert)
+        elif not swarm:
+            raise ValueError("name the swarm: manifest=<its signed manifest> or, for a development swarm, swarm=NAME")
+        else:
+            log.warning("swarm %r has no signed manifest: any reachable member may own fragments "
+                        "(a development swarm; pass manifest=, key=, cert= for a swarm others can join)", swarm)
         self.island = Island(model, optimizer, self.plan, self._submit,
                              IslandConfig(inner_steps=self.cfg.inner_steps, adopt_alpha=self.cfg.adopt_alpha))
-        self.node = PeerNode(self.cfg, Signer.from_seed(os.urandom(32)), model, self.plan, host=host, port=port,
-                             public_address=public_address)
+        self.node = PeerNode(self.cfg, signer, model, self.plan, host=host, port=port,
+                             public_address=public_address, credentials=credentials)
         self.initial_peers = list(initial_peers)
         self.join_timeout_s = join_timeout_s
         self.finish_timeout_s, self.linger_s = finish_timeout_s, linger_s
         self._thread: threading.Thread | None = None
+
+    @staticmethod
+    def found(model: nn.Module, founder: Signer, *, name: str, tokens_per_step: int,
+              config: RunConfig | None = None, embeddings: Sequence[str] = (), admission: str = "open",
+              authorities: Sequence[tuple[str, bytes]] = ()) -> SwarmManifest:
+        """A signed manifest for a new swarm around ``model``: the recipe from ``config`` (fragments,
+        H, codecs, outer step, merge rules), this model's fragment plan, and ``authorities`` as
+        ``(lab, public key)`` pairs. ``atoll swarm add-authority`` / ``revoke`` edit it later."""
+        base = config or RunConfig(fragments=2, inner_steps=20)
+        shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+        plan = plan_fragments(shapes, base.fragments, embeddings=embeddings)
+        cfg = dataclasses.replace(base, model=f"custom-{plan.plan_hash().hex()[:16]}",
+                                  max_tokens_per_step=tokens_per_step)
+        manifest = SwarmManifest(name=name, founder=founder.public_key, admission=admission, created=time.time(),
+                                 recipe=recipe_of(cfg))
+        for lab, public_key in authorities:
+            manifest = manifest.with_authority(lab, public_key)
+        return manifest.signed(founder)
 
     def _submit(self, out: object) -> None:
         if self.node.net is not None:

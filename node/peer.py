@@ -44,6 +44,7 @@ from node.diloco.learner import IslandNet
 from node.diloco.owner import FragmentOwner
 from node.state.serve import ManifestCache, serve_manifest, serve_sealed, state_etag
 from node.state.sync import SyncFailed, sync_fragments
+from node.wire.admission import ADMITTED
 from node.wire.rpc import RpcServer
 from node.wire.tls import origin, server_context
 from node.wire.transport import LinkEmulator, LinkProfile, Transport
@@ -360,7 +361,7 @@ class PeerNode:
         return await self.transport.stream_reply(request, sealed.iter_chunks(), sealed.size)
 
     def _count_served(self, request: web.Request, size: int) -> None:
-        admitted = request.get("atoll_admitted")
+        admitted = request.get(ADMITTED)
         key = admitted.public_key.hex() if admitted is not None and admitted.public_key else "anonymous"
         if key in self.model_bytes_served or len(self.model_bytes_served) < 4096:
             self.model_bytes_served[key] += size

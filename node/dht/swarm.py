@@ -40,13 +40,24 @@ from protocol.wire.membership import (
 )
 from protocol.wire.signing import Signer
 
-__all__ = ["MANIFEST_PATH", "SwarmCredentials"]
+__all__ = ["MANIFEST_PATH", "SwarmCredentials", "request_headers"]
 
 log = logging.getLogger(__name__)
 
 MANIFEST_PATH = "/v1/swarm/manifest"
 PUBLISH_PER_S = 0.5  # manifest posts per sender address (after a burst)
 PUBLISH_BURST = 4
+
+
+def request_headers(signer: Signer, cert_header: str, *, swarm: str, method: str, url: str,
+                    now: float) -> dict[str, str]:
+    """``Atoll-Auth`` for a request of ``method`` to ``url`` (and the certificate, if any)."""
+    parts = urlsplit(url)
+    target = parts.path + (f"?{parts.query}" if parts.query else "")
+    out = {AUTH_HEADER: RequestAuth.make(signer, swarm=swarm, method=method, target=target, now=now)}
+    if cert_header:
+        out[CERT_HEADER] = cert_header
+    return out
 
 
 class SwarmCredentials:
@@ -82,13 +93,8 @@ class SwarmCredentials:
         transport.app.router.add_post(MANIFEST_PATH, self._on_post)
 
     def headers(self, method: str, url: str) -> dict[str, str]:
-        parts = urlsplit(url)
-        target = parts.path + (f"?{parts.query}" if parts.query else "")
-        out = {AUTH_HEADER: RequestAuth.make(self.signer, swarm=self.swarm_id, method=method, target=target,
-                                             now=self.clock())}
-        if self._cert_header:
-            out[CERT_HEADER] = self._cert_header
-        return out
+        return request_headers(self.signer, self._cert_header, swarm=self.swarm_id, method=method, url=url,
+                               now=self.clock())
 
     @staticmethod
     def _exempt(request: web.Request) -> bool:

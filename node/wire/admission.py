@@ -21,6 +21,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from aiohttp import web
 
@@ -34,7 +35,7 @@ from protocol.wire.membership import (
     admit,
 )
 
-__all__ = ["Admission", "Admitted"]
+__all__ = ["ADMITTED", "Admission", "Admitted"]
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,8 @@ class Admitted:
 
 
 ANONYMOUS = Admitted(None, None)
+# where a request's ``Admitted`` is kept for its route (aiohttp >= 3.12 types request keys)
+ADMITTED: Any = web.RequestKey("atoll_admitted", Admitted) if hasattr(web, "RequestKey") else "atoll_admitted"
 
 
 class Admission:
@@ -107,7 +110,7 @@ class Admission:
     async def middleware(self, request: web.Request,
                          handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
         try:
-            request["atoll_admitted"] = self.check(request)
+            request[ADMITTED] = self.check(request)
         except RemoteProtocolError as exc:
             self.note_refusal(request, exc)
             raise

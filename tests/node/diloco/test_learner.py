@@ -186,3 +186,33 @@ async def test_island_fences_versions() -> None:
     rig.island.deliver(0, 3, flat + 9.0)  # the version held: not adopted again
     rig.step()
     assert torch.equal(rig.island.global_flat[0], flat)
+
+
+async def test_a_version_jump_is_refused_with_a_reason() -> None:
+    """An owner (even the right one) that signs a version above what can have been merged since
+    the swarm was created, or since the last version seen, is refused; honest rates pass."""
+    rig = Rig()
+    created = rig.clock() - 10.0  # ten seconds at most 100 merges a second: at most version 1001
+    net = IslandNet(rig.island, rig.transport, rig.me, swarm=SWARM,  # type: ignore[arg-type]
+                    shapes=rig.shapes, owner_of=lambda p: (rig.owner_key.peer_id, OWNER_URL),
+                    wall_clock=rig.clock, created=created)
+
+    def serve(version: int) -> None:
+        rig.owners[0] = make_owner(rig.plan, rig.shapes, 0, flat_of(rig.model, rig.plan, 0), rig.clock,
+                                   who=rig.owner_key, version=version)
+        rig.peer.owners[0] = rig.owners[0]
+
+    serve(2**63 - 1)
+    with pytest.raises(RemoteProtocolError, match="above the 1001 an owner can have reached"):
+        await net.fetch(0, after=-1, wait_s=0.0)
+    assert net.stats.version_jumps == 1
+    serve(900)
+    got = await net.fetch(0, after=-1, wait_s=0.0)
+    assert got is not None and got[0] == 900
+    net.remember(0, *got)
+    serve(950)  # fifty merges in no time since version 900 arrived: refused
+    with pytest.raises(RemoteProtocolError, match="version 900 was seen"):
+        await net.fetch(0, after=900, wait_s=0.0)
+    rig.clock.advance(1.0)  # a second later it can have happened
+    got = await net.fetch(0, after=900, wait_s=0.0)
+    assert got is not None and got[0] == 950
