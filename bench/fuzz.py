@@ -2,8 +2,9 @@
 
 The targets (``bench.fuzz_targets.targets()``; mutators in ``bench.fuzz_mutators``) are the codec, envelopes and sealed messages
 (whole and streamed), bodies sealed by an authenticated peer, tensor decompression and fragment
-flattening, DHT records, member records, chunk manifests and the HTTP header parsers of state
-sync and the bootstrap dial-back. Each gets an equal share of ``--seconds``. An input is one of:
+flattening, DHT records, member records, chunk manifests, the HTTP header parsers of state sync
+and the bootstrap dial-back, and the swarm manifest (TOML), certificates and ``Atoll-Auth``
+header of certified swarms. Each gets an equal share of ``--seconds``. An input is one of:
 random bytes (10%), one to eight byte-level edits of a valid seed (flips, interesting bytes and
 u32 lengths, cuts, inserts, deletes, splices; 60%), or, where a target has msgpack trees, a
 valid tree with one node replaced by a random value of any type, deleted or given a sibling
