@@ -133,6 +133,19 @@ def test_two_labs_train_and_strangers_stay_out(tmp_path: Path) -> None:
         assert bad_keys <= set(refused["refused_keys"]), refused
         assert any("expired" in why for why in refused["refused_keys"].values())
         assert any("revoked" in why for why in refused["refused_keys"].values())
+
+        # a revocation published to one member reaches every member through the member records
+        before = load_manifest(files.manifest).version
+        admin("swarm", "revoke", str(files.manifest), "--founder", str(files.key("founder")),
+              "--peer", str(files.key("late")))
+        admin("swarm", "publish", str(files.manifest), "--peer", urls["a1"])
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            versions = {p: status(files, u)["admission"]["version"] for p, u in urls.items()}
+            if set(versions.values()) == {before + 1}:
+                break
+            time.sleep(1.0)
+        assert set(versions.values()) == {before + 1}, versions
     finally:
         for p in procs:
             p.stop()

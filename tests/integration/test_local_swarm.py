@@ -130,8 +130,11 @@ def test_a_killed_peer_does_not_stall_the_rest(tmp_path: Path) -> None:
 # --- a misbehaving insider ---------------------------------------------------------------------
 
 
+SWARM_ID = {"id": "atoll-local"}  # the throw-away swarm's id, once the launcher made it
+
+
 def _contribution(fragment: int, tensors: tuple[EncodedTensor, ...]) -> Contribution:
-    return Contribution(swarm="atoll-local", fragment=fragment, base_version=0, tokens=1024, steps=1,
+    return Contribution(swarm=SWARM_ID["id"], fragment=fragment, base_version=0, tokens=1024, steps=1,
                         step_time=0.01, sender_step=1, tensors=tensors)
 
 
@@ -230,6 +233,8 @@ def test_running_node_refuses_garbage_bad_signatures_and_unknown_fragments(tmp_p
         run = asyncio.create_task(swarm.run())
         async with asyncio.timeout(60):
             await swarm.listening.wait()
+        cfg = swarm.cfg  # with the throw-away manifest's swarm id; the insider is an open swarm's learner
+        SWARM_ID["id"] = cfg.swarm
         transport, dht = await _join_as_insider(swarm.peers[0].url, insider, cfg)
         try:
             async with asyncio.timeout(60):  # until the owner of fragment 0 counts the insider in
