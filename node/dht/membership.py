@@ -25,6 +25,7 @@ import msgpack
 
 from node.config import SWARM_WIDE_FIELDS, RunConfig
 from node.dht.kademlia import DHTNode
+from protocol.dht.records import SignedRecord
 from protocol.diloco.fragments import owners_of
 from protocol.errors import DecodeError, NotAuthorized, RemoteProtocolError
 from protocol.ids import key_id
@@ -37,6 +38,9 @@ __all__ = ["Member", "MemberRecord", "Membership", "config_from_manifest", "mani
 MANIFEST_FIELDS = SWARM_WIDE_FIELDS
 ROLES = ("learner", "owner")
 
+
+READ_QUORUM = 3  # responders whose member records are merged on each read
+REFUSED_KEPT = 1024
 
 RECIPE_FIELDS = tuple(name for name in MANIFEST_FIELDS if name != "swarm")
 
@@ -149,7 +153,8 @@ class Membership:
         self.swarm_manifest = swarm_manifest
         self.key = members_key(swarm)
         self.members: dict[bytes, Member] = {}
-        self.refused: dict[bytes, str] = {}  # peer id -> why its record is ignored
+        self.refused: dict[bytes, str] = {}  # peer id -> why its record is ignored (the latest REFUSED_KEPT)
+        self._records: dict[bytes, SignedRecord] = {}  # the newest record seen per member, until it expires
         self._certs: dict[bytes, Certificate] = {}  # encoded certificate -> verified certificate
 
     async def publish(self, record: MemberRecord) -> int:
@@ -158,11 +163,21 @@ class Membership:
 
     async def refresh(self) -> dict[bytes, Member]:
         """Read every member record; keep those that decode, are live, share our manifest and
-        pass the certificate checks."""
-        members: dict[bytes, Member] = {}
+        pass the certificate checks.
+
+        Records are merged from ``READ_QUORUM`` responders and with the records already held
+        (the newest expiry per member wins), so one responder that leaves members out cannot
+        shrink the view: records are signed, a responder can only omit, and an omitted member
+        stays until its own record expires."""
         now = time.time()
-        for rec in await self.dht.get(self.key):
+        for rec in await self.dht.get(self.key, quorum=READ_QUORUM):
+            held = self._records.get(rec.subkey)
+            if held is None or rec.expires_at > held.expires_at:
+                self._records[rec.subkey] = rec
+        members: dict[bytes, Member] = {}
+        for subkey, rec in list(self._records.items()):
             if rec.expires_at <= now:
+                del self._records[subkey]
                 continue
             try:
                 record = MemberRecord.decode(rec.value)
@@ -170,9 +185,15 @@ class Membership:
                     raise NotAuthorized(f"recipe {record.manifest} differs from ours {self.manifest}")
                 members[rec.subkey] = self._checked(rec.subkey, rec.public_key, record, rec.expires_at, now)
             except RemoteProtocolError as exc:
-                self.refused[rec.subkey] = exc.reason
+                self._refuse(rec.subkey, exc.reason)
         self.members = members
         return members
+
+    def _refuse(self, peer_id: bytes, reason: str) -> None:
+        self.refused.pop(peer_id, None)
+        self.refused[peer_id] = reason
+        while len(self.refused) > REFUSED_KEPT:
+            self.refused.pop(next(iter(self.refused)))
 
     def _checked(self, peer_id: bytes, public_key: bytes, record: MemberRecord, expires_at: float,
                  now: float) -> Member:

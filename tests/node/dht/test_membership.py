@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 
 import msgpack
@@ -10,7 +11,10 @@ import pytest
 
 from node.config import RunConfig
 from node.dht.membership import Member, MemberRecord, Membership, manifest_hash, members_key
+from protocol.dht.records import sign_record
 from protocol.errors import DecodeError
+from protocol.wire.membership import Certificate, SwarmManifest
+from protocol.wire.signing import Signer
 
 
 def _record(**kw: object) -> MemberRecord:
@@ -60,3 +64,80 @@ def test_owners_only_among_reachable_owner_role_members() -> None:
     assert owners <= {b"a" * 32, b"d" * 32}
     assert ms.owner_of("s", 0, exclude={b"a" * 32}) == (b"d" * 32, "http://d")
     assert ms.learners() == 4
+
+
+# --- certificates and merged reads, against a fake DHT ------------------------------------------
+
+
+class FakeDHT:
+    """``get`` answers with whatever records the test gives it (a responder may omit some)."""
+
+    def __init__(self) -> None:
+        self.answer: list = []
+
+    async def get(self, key: bytes, *, quorum: int = 1) -> list:
+        assert quorum >= 3  # membership reads merge several responders
+        return list(self.answer)
+
+
+class Swarm:
+    def __init__(self, admission: str) -> None:
+        self.founder, self.lab = Signer.from_seed(os.urandom(32)), Signer.from_seed(os.urandom(32))
+        m = SwarmManifest(name="m", founder=self.founder.public_key, admission=admission, created=time.time())
+        self.manifest = m.with_authority("lab", self.lab.public_key).signed(self.founder)
+        self.dht = FakeDHT()
+        self.membership = Membership(self.dht, "s", "m", swarm_manifest=lambda: self.manifest)  # type: ignore[arg-type]
+
+    def record(self, who: Signer, *, roles: tuple[str, ...] | None = ("learner", "owner"), life_s: float = 3600,
+               ttl_s: float = 20) -> object:
+        cert = b""
+        if roles is not None:
+            now = time.time()
+            cert = Certificate.issue(self.lab, manifest=self.manifest, subject=who.public_key, roles=roles,
+                                     not_before=now - 60, not_after=now + life_s).encode()
+        value = _record(cert=cert).encode()
+        return sign_record(who, members_key("s"), value, time.time() + ttl_s)
+
+
+async def test_owners_need_a_certificate_with_the_owner_role() -> None:
+    swarm = Swarm("open")
+    owner, learner, anonymous = (Signer.from_seed(os.urandom(32)) for _ in range(3))
+    swarm.dht.answer = [swarm.record(owner), swarm.record(learner, roles=("learner",)),
+                        swarm.record(anonymous, roles=None)]
+    members = await swarm.membership.refresh()
+    assert set(members) == {owner.peer_id, learner.peer_id, anonymous.peer_id}  # open: all may learn
+    assert swarm.membership.owner_candidates() == [owner.peer_id]
+    assert members[owner.peer_id].lab == "lab" and members[anonymous.peer_id].cert is None
+
+
+async def test_certified_swarm_reads_only_valid_certificates_and_follows_revocations() -> None:
+    swarm = Swarm("certified")
+    good, anonymous, expired = (Signer.from_seed(os.urandom(32)) for _ in range(3))
+    swarm.dht.answer = [swarm.record(good), swarm.record(anonymous, roles=None),
+                        swarm.record(expired, life_s=-10)]
+    members = await swarm.membership.refresh()
+    assert set(members) == {good.peer_id}
+    assert "certified peers only" in swarm.membership.refused[anonymous.peer_id]
+    assert "expired" in swarm.membership.refused[expired.peer_id]
+    swarm.manifest = swarm.manifest.with_revoked(good.public_key).signed(swarm.founder)
+    assert await swarm.membership.refresh() == {}
+    assert "revoked" in swarm.membership.refused[good.peer_id]
+
+
+async def test_a_responder_that_leaves_members_out_does_not_shrink_the_view() -> None:
+    swarm = Swarm("open")
+    a, b = Signer.from_seed(os.urandom(32)), Signer.from_seed(os.urandom(32))
+    swarm.dht.answer = [swarm.record(a), swarm.record(b)]
+    assert len(await swarm.membership.refresh()) == 2
+    swarm.dht.answer = [swarm.record(a)]  # b omitted: it stays until its own record expires
+    assert set(await swarm.membership.refresh()) == {a.peer_id, b.peer_id}
+    short = swarm.record(b, ttl_s=0.05)
+    swarm.dht.answer = [short]  # an older copy (earlier expiry) does not replace the newer one
+    assert b.peer_id in await swarm.membership.refresh()
+
+
+async def test_refusals_kept_are_bounded() -> None:
+    swarm = Swarm("certified")
+    swarm.dht.answer = [swarm.record(Signer.from_seed(os.urandom(32)), roles=None) for _ in range(1100)]
+    await swarm.membership.refresh()
+    assert len(swarm.membership.refused) <= 1024
