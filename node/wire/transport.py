@@ -309,6 +309,8 @@ class Transport:
         # Signs each outbound request (``Atoll-Auth`` and ``Atoll-Certificate`` headers), if set.
         self.authenticate: Callable[[str, str], dict[str, str]] | None = None
         self.pins: dict[str, bytes] = {}  # origin -> TLS key pin, from members' certificates
+        self._pinned_tls: dict[bytes, PinnedKey] = {}
+        self._unpinned_tls = client_context()
         self.max_body = max_body
         self.link = link or LinkEmulator()
         self.limits = limits or ServeLimits()
@@ -336,8 +338,14 @@ class Transport:
         headers = self.authenticate(method, url) if self.authenticate is not None else {}
         opts: dict[str, Any] = {"headers": headers}
         if url.startswith("https://"):
+            # one object per pin (and one context): aiohttp keys its connection pool by them
             pin = self.pins.get(origin(url))
-            opts["ssl"] = PinnedKey(pin) if pin is not None else client_context()
+            if pin is None:
+                opts["ssl"] = self._unpinned_tls
+            else:
+                if pin not in self._pinned_tls:
+                    self._pinned_tls[pin] = PinnedKey(pin)
+                opts["ssl"] = self._pinned_tls[pin]
         return opts
 
     async def start(self) -> str:
