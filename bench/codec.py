@@ -98,6 +98,7 @@ def bench_codec(cfg: Config, codec: str, t: torch.Tensor, signer: Signer) -> dic
             swarm="bench",
             fragment=0,
             base_version=0,
+            base_digest=bytes(32),
             tokens=1,
             steps=1,
             step_time=0.1,

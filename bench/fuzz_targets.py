@@ -127,7 +127,7 @@ def _messages() -> list[Message]:
                           reachable=True, manifest="ab" * 16, learning=True, step=3)
     record = sign_record(signer, key, member.encode(), NOW + 60.0)
     return [
-        Contribution(swarm="s", fragment=1, base_version=2, tokens=512, steps=10, step_time=0.25,
+        Contribution(swarm="s", fragment=1, base_version=2, base_digest=b"d" * 32, tokens=512, steps=10, step_time=0.25,
                      sender_step=40, tensors=tensors),
         FragmentState(swarm="s", fragment=0, version=7, tensors=tensors, content_hash=b"h" * 32),
         FetchFragment(swarm="s", fragment=0, after_version=-1, wait_s=5.0),

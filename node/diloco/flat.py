@@ -15,7 +15,9 @@ from protocol.diloco.compression import decompress
 from protocol.errors import DecodeError
 from protocol.wire.tensors import EncodedTensor
 
-__all__ = ["content_hash", "flat_from_tensors"]
+__all__ = ["content_hash", "flat_digest", "flat_from_tensors"]
+
+DIGEST_CHUNK = 1 << 20
 
 
 def content_hash(tensors: Sequence[EncodedTensor]) -> bytes:
@@ -24,6 +26,16 @@ def content_hash(tensors: Sequence[EncodedTensor]) -> bytes:
     for t in tensors:
         h.update(t.data)
         h.update(t.scales)
+    return h.digest()
+
+
+def flat_digest(flat: torch.Tensor) -> bytes:
+    """SHA-256 of a flat fp32 global fragment as a learner holds it (after decoding): the
+    identity of the state a pseudo-gradient was measured against. Hashed in 1 MiB pieces."""
+    data = flat.detach().to(torch.float32).contiguous().cpu().numpy().data.cast("B")
+    h = hashlib.sha256()
+    for start in range(0, len(data), DIGEST_CHUNK):
+        h.update(data[start:start + DIGEST_CHUNK])
     return h.digest()
 
 

@@ -28,7 +28,7 @@ from typing import Any
 import aiohttp
 import torch
 
-from node.diloco.flat import content_hash, flat_from_tensors
+from node.diloco.flat import content_hash, flat_digest, flat_from_tensors
 from node.diloco.island import Island, Outgoing
 from node.wire.transport import LinkDropped, Transport
 from protocol.diloco.compression import compress
@@ -37,10 +37,13 @@ from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.wire.codec import encode
 from protocol.wire.messages import Ack, Contribution, FragmentState
 from protocol.wire.signing import ReplayWindow, Signer, open_sealed, seal, verify_sealed
+from protocol.wire.tensors import EncodedTensor
 
 __all__ = ["IslandNet", "LearnerStats"]
 
 log = logging.getLogger(__name__)
+
+DIGESTS_KEPT = 8  # versions per fragment whose state digest a learner remembers
 
 
 @dataclass
@@ -51,6 +54,7 @@ class LearnerStats:
     send_failures: int = 0
     versions_received: int = 0
     bad_versions: int = 0
+    base_mismatches: int = 0  # contributions refused because their base state was not the owner's
     version_jumps: int = 0  # versions above what an owner can have reached (refused)
     skipped_nonfinite: int = 0
     resyncs: int = 0
@@ -96,6 +100,9 @@ class IslandNet:
         self.received = [0] * len(self.shapes)  # highest version delivered, per fragment
         self.latest: dict[int, tuple[int, torch.Tensor]] = {}  # newest verified version per fragment
         self.island_initial = [g.clone() for g in island.global_flat]  # version 0, for a first owner
+        # fragment -> version -> digest of that version's state as delivered to the island: what a
+        # contribution names as its base, so an owner applies it only to that very state
+        self.digests: list[dict[int, bytes]] = [{0: flat_digest(g)} for g in self.island_initial]
 
     # --- trainer thread ------------------------------------------------------------------------
     def submit(self, out: Outgoing) -> None:
@@ -151,8 +158,12 @@ class IslandNet:
             )
             tensors.append(enc)
             offset += n
+        digest = self.digests[out.fragment].get(out.base_version)
+        if digest is None:
+            raise LocalProtocolError(f"fragment {out.fragment}: the state of base version {out.base_version} "
+                                     "is not known here")
         msg = Contribution(
-            swarm=self.swarm, fragment=out.fragment, base_version=out.base_version,
+            swarm=self.swarm, fragment=out.fragment, base_version=out.base_version, base_digest=digest,
             tokens=out.tokens, steps=out.steps, step_time=out.step_time,
             sender_step=out.sender_step, tensors=tuple(tensors),
         )
@@ -168,7 +179,7 @@ class IslandNet:
         try:
             msg, residuals = await asyncio.to_thread(self._compress, out)
         except LocalProtocolError as exc:
-            self.stats.skipped_nonfinite += 1
+            self.stats.skipped_nonfinite += "NaN" in str(exc)
             log.warning("contribution skipped: %s; resyncing the island from the owners", exc)
             self.island.resolved(out.fragment, accepted=False)
             await self.resync()
@@ -202,6 +213,9 @@ class IslandNet:
             self.stats.contributions_refused += 1
             log.info("fragment %d contribution refused: %s", out.fragment, reply.reason)
         self.island.resolved(out.fragment, accepted=reply.accepted)
+        if not reply.accepted and reply.reason.startswith("resync"):
+            self.stats.base_mismatches += 1
+            await self.resync()  # our base state is not the owner's: take the owners' states whole
 
     async def _poll_loop(self, p: int) -> None:
         backoff = 0.2
@@ -246,8 +260,13 @@ class IslandNet:
         self.stats.resyncs += 1
         return len(got)
 
-    def remember(self, p: int, version: int, flat: torch.Tensor) -> None:
-        """Keep the newest verified version of fragment ``p`` (a new owner starts from it)."""
+    def remember(self, p: int, version: int, flat: torch.Tensor, digest: bytes | None = None) -> None:
+        """Keep the newest verified version of fragment ``p`` (a new owner starts from it), and
+        the digest of every version delivered (hashed here unless given)."""
+        known = self.digests[p]
+        known[version] = digest or known.get(version) or flat_digest(flat)
+        for old in sorted(known)[:-DIGESTS_KEPT]:
+            del known[old]
         if version > self.received[p]:
             self.received[p] = version
             self.latest[p] = (version, flat)
@@ -297,8 +316,13 @@ class IslandNet:
                 self.stats.version_jumps += 1
                 log.warning("fragment %d: refused a version from %s: %s", p, owner_id.hex()[:8], jump)
                 raise RemoteProtocolError(f"fragment {p}: {jump}")
-            flat = await asyncio.to_thread(flat_from_tensors, state.tensors, self.shapes[p])
+            flat, digest = await asyncio.to_thread(self._decode_state, state.tensors, p)
         finally:
             self.transport.pool.give(buf)
+        self.digests[p][state.version] = digest
         self.stats.versions_received += 1
         return state.version, flat
+
+    def _decode_state(self, tensors: Sequence[EncodedTensor], p: int) -> tuple[torch.Tensor, bytes]:
+        flat = flat_from_tensors(tensors, self.shapes[p])
+        return flat, flat_digest(flat)

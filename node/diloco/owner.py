@@ -31,7 +31,7 @@ from typing import cast
 
 import torch
 
-from node.diloco.flat import content_hash, flat_from_tensors
+from node.diloco.flat import content_hash, flat_digest, flat_from_tensors
 from protocol.diloco.compression import compress
 from protocol.diloco.fragments import Fragment
 from protocol.diloco.merge import Decision, FragmentMerger, MergeConfig, Phase
@@ -85,7 +85,12 @@ class FragmentOwner:
         self.outer_cfg, self.signer, self.download_codec = outer_cfg, signer, download_codec
         self.merger = FragmentMerger(fragment.index, merge_cfg, version=version, now=clock())
         self.version = version
-        self.latest: Sealed = self._seal_state(version, self.theta)
+        # digest of each recent version's state as learners decode it: a contribution is applied
+        # only to the state it was measured against (version numbers alone can name two contents)
+        self.digests: dict[int, set[bytes]] = {}
+        self._keep_digests = merge_cfg.staleness_bound + 2
+        self.latest, digest = self._seal_state(version, self.theta)
+        self._remember_digests(version, digest, flat_digest(self.theta))  # and v0 unrounded (bf16 download)
         self.merges: list[str] = []
         # per sender: how often a bound bit (clipped, weight_capped, steps_bounded, tokens_bounded),
         # its contribution was dropped from a failed merge, or refused (refused_<why>)
@@ -101,6 +106,11 @@ class FragmentOwner:
         """Check and feed one contribution to the merger. Raises ``RemoteProtocolError``."""
         if msg.base_version > self.version:
             raise Stale(f"base version {msg.base_version} is ahead of the owner's {self.version}")
+        mismatch = self._base_mismatch(msg)
+        if mismatch is not None:
+            self.penalties[sender]["refused_base"] += 1
+            log.info("fragment %d: %s", self.fragment.index, mismatch)
+            return Ack(accepted=False, reason=mismatch, version=self.version)
         flat, norm = await asyncio.to_thread(self._decode, msg)
         decision = self.merger.on_contribution(
             sender, base_version=msg.base_version, tokens=msg.tokens, steps=msg.steps,
@@ -111,6 +121,26 @@ class FragmentOwner:
         log.info("fragment %d: %s", self.fragment.index, decision.reason)
         await self._apply(decision)
         return Ack(accepted=decision.accepted, reason=decision.reason, version=self.version)
+
+    def _base_mismatch(self, msg: Contribution) -> str | None:
+        """Why ``msg`` cannot be applied here: its base state is not the one this owner holds
+        under that version (a "resync" reason: the learner then fetches the owners' states)."""
+        known = self.digests.get(msg.base_version)
+        if known is None:
+            if msg.base_version >= self.version - self._keep_digests + 2:
+                return (f"resync: base version {msg.base_version} of fragment {self.fragment.index} is not "
+                        f"known here (this owner starts at version {min(self.digests, default=self.version)})")
+            return None  # older than any kept digest: the merger refuses it as stale, with that reason
+        if msg.base_digest not in known:
+            return (f"resync: base version {msg.base_version} of fragment {self.fragment.index} has state "
+                    f"{next(iter(known)).hex()[:12]} here, the contribution was measured against "
+                    f"{msg.base_digest.hex()[:12]}")
+        return None
+
+    def _remember_digests(self, version: int, *digests: bytes) -> None:
+        self.digests.setdefault(version, set()).update(digests)
+        for old in [v for v in self.digests if v <= version - self._keep_digests]:
+            del self.digests[old]
 
     def _decode(self, msg: Contribution) -> tuple[torch.Tensor, float]:
         flat = flat_from_tensors(msg.tensors, self.shapes)
@@ -142,11 +172,12 @@ class FragmentOwner:
                         self.fragment.index, version)
             return False
         theta = flat.detach().float().clone()
-        latest = await asyncio.to_thread(self._seal_state, version, theta)
+        latest, digest = await asyncio.to_thread(self._seal_state, version, theta)
         if version <= self.version or self.merges or self.merger.phase is Phase.MERGING:
             return False  # a merge or another catch-up ran while we sealed
         decision = self.merger.rebase(version, now=self.clock())
         self.theta, self.version, self.latest = theta, version, latest
+        self._remember_digests(version, digest)
         async with self._changed:
             self._changed.notify_all()
         log.info("fragment %d: caught up with the previous owner at version %d (%s)",
@@ -213,7 +244,7 @@ class FragmentOwner:
         clips = [e.clip for e in decision.entries]
         try:
             theta, buffer = await asyncio.to_thread(self._outer, peers, deltas, weights, clips)
-            latest = await asyncio.to_thread(self._seal_state, self.version + 1, theta)
+            latest, digest = await asyncio.to_thread(self._seal_state, self.version + 1, theta)
         except MergeFailed as exc:
             for peer in exc.culprits:
                 self.penalties[peer]["dropped"] += 1
@@ -226,6 +257,7 @@ class FragmentOwner:
             log.warning("fragment %d: %s", self.fragment.index, failed.reason)
             return failed
         self.theta, self.buffer, self.version, self.latest = theta, buffer, self.version + 1, latest
+        self._remember_digests(self.version, digest)
         self.merges.append(decision.reason)
         for e in decision.entries:
             counts = self.penalties[e.peer]
@@ -259,7 +291,8 @@ class FragmentOwner:
                               "no single one is to blame, all are dropped", frozenset(peers))
         return theta, buffer
 
-    def _seal_state(self, version: int, theta: torch.Tensor) -> Sealed:
+    def _seal_state(self, version: int, theta: torch.Tensor) -> tuple[Sealed, bytes]:
+        """Seal ``theta`` as ``version``; also return its digest as learners will decode it."""
         tensors, offset = [], 0
         for shape in self.shapes:
             n = int(torch.Size(shape).numel())
@@ -270,4 +303,5 @@ class FragmentOwner:
             swarm=self.swarm, fragment=self.fragment.index, version=version,
             tensors=tuple(tensors), content_hash=content_hash(tensors),
         )
-        return seal(encode(state), self.signer, now=self.wall_clock(), nonce=os.urandom(16))
+        sealed = seal(encode(state), self.signer, now=self.wall_clock(), nonce=os.urandom(16))
+        return sealed, flat_digest(flat_from_tensors(tensors, self.shapes))

@@ -115,11 +115,14 @@ class PeerInfo(WireStruct):
 @register(1)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Contribution(Message):
-    """A learner's compressed pseudo-gradient for one fragment, based on ``base_version``."""
+    """A learner's compressed pseudo-gradient for one fragment, measured against version
+    ``base_version`` whose decoded flat fp32 state hashes to ``base_digest`` (SHA-256): an owner
+    applies it only to that very state."""
 
     swarm: str
     fragment: int
     base_version: int
+    base_digest: bytes
     tokens: int
     steps: int
     step_time: float  # seconds per inner step (EMA)
@@ -131,6 +134,7 @@ class Contribution(Message):
         _non_negative(
             self, "fragment", "base_version", "tokens", "steps", "step_time", "sender_step"
         )
+        _hash(self.base_digest, HASH_BYTES, "Contribution.base_digest")
         _tensors(self.tensors, "Contribution.tensors")
 
 

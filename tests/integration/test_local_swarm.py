@@ -134,7 +134,7 @@ SWARM_ID = {"id": "atoll-local"}  # the throw-away swarm's id, once the launcher
 
 
 def _contribution(fragment: int, tensors: tuple[EncodedTensor, ...]) -> Contribution:
-    return Contribution(swarm=SWARM_ID["id"], fragment=fragment, base_version=0, tokens=1024, steps=1,
+    return Contribution(swarm=SWARM_ID["id"], fragment=fragment, base_version=0, base_digest=bytes(32), tokens=1024, steps=1,
                         step_time=0.01, sender_step=1, tensors=tensors)
 
 

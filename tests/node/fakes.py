@@ -82,14 +82,19 @@ def make_owner(plan: FragmentPlan, shapes: Sequence[Sequence[tuple[int, ...]]], 
 
 def contribution(delta: torch.Tensor, shapes: Sequence[tuple[int, ...]], *, fragment: int = 0,
                  base_version: int = 0, tokens: int = 64, steps: int = 4, step_time: float = 1.0,
-                 codec: str = "none") -> Contribution:
-    """A contribution carrying ``delta`` (flat fp32) cut to ``shapes``, compressed with ``codec``."""
+                 codec: str = "none", owner: FragmentOwner | None = None,
+                 base_digest: bytes | None = None) -> Contribution:
+    """A contribution carrying ``delta`` (flat fp32) cut to ``shapes``, compressed with ``codec``,
+    measured against ``owner``'s state at ``base_version`` (or the state named by ``base_digest``)."""
+    if base_digest is None:
+        known = owner.digests.get(base_version) if owner is not None else None
+        base_digest = next(iter(known)) if known else bytes(32)
     tensors, offset = [], 0
     for shape in shapes:
         n = int(torch.Size(shape).numel())
         tensors.append(compress(delta[offset:offset + n].view(shape), codec)[0])
         offset += n
-    return Contribution(swarm=SWARM, fragment=fragment, base_version=base_version, tokens=tokens,
+    return Contribution(swarm=SWARM, fragment=fragment, base_version=base_version, base_digest=base_digest, tokens=tokens,
                         steps=steps, step_time=step_time, sender_step=steps, tensors=tuple(tensors))
 
 

@@ -76,6 +76,7 @@ def contribution_header(tensors: list[object], blob_lengths: list[int]) -> list[
         "swarm": "s",
         "fragment": 0,
         "base_version": 0,
+        "base_digest": bytes(32),
         "tokens": 1,
         "steps": 1,
         "step_time": 0.5,

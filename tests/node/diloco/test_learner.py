@@ -114,6 +114,9 @@ async def test_an_undelivered_contribution_keeps_the_residual() -> None:
     n = rig.owners[0].theta.numel()
     await rig.net.send(rig.outgoing(0, _delta(n)))
     kept = {k: v.clone() for k, v in rig.net.residuals.items()}
+    got = await rig.net.fetch(0, after=0, wait_s=0.0)  # version 1, the base of the next one
+    assert got is not None
+    rig.net.remember(0, *got)
     rig.transport.down.add(OWNER_URL)
     await rig.net.send(rig.outgoing(0, _delta(n) * 3, base_version=1))
     assert rig.net.stats.send_failures == 1 and rig.island.in_flight[0] is None

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 import torch
 
-from node.diloco.flat import content_hash, flat_from_tensors
+from node.diloco.flat import content_hash, flat_digest, flat_from_tensors
 from protocol.diloco.fragments import plan_fragments
 from protocol.errors import Stale
 from protocol.wire.messages import FragmentState
@@ -47,10 +47,10 @@ async def test_accepted_then_merged_at_the_deadline_sealed_and_long_poll_woken()
     plan, shapes, clock, theta0, owner = _setup(quorum=2)
     delta = torch.linspace(-0.05, 0.05, theta0.numel())
     waiter = asyncio.create_task(owner.wait_after(0, wait_s=60.0))
-    ack = await owner.contribute(A, contribution(delta, shapes[0]))
+    ack = await owner.contribute(A, contribution(delta, shapes[0], owner=owner))
     assert ack.accepted and ack.version == 0 and "(1 contributions; quorum 2)" in ack.reason
     clock.advance(0.5)
-    ack = await owner.contribute(B, contribution(delta, shapes[0]))
+    ack = await owner.contribute(B, contribution(delta, shapes[0], owner=owner))
     # window = gamma * (tau * step_time - quorum time) = 0.5 * (2 * 1.0 - 0.5) = 0.75 s
     assert ack.accepted and "quorum 2/2 reached; grace window 0.75 s" in ack.reason
     assert owner.merger.deadline() == pytest.approx(clock.now + 0.75)
@@ -74,9 +74,9 @@ async def test_all_expected_contributions_close_the_round_at_once() -> None:
     _, shapes, _, theta0, owner = _setup(quorum=1)
     await owner.set_expected(2)
     delta = torch.full_like(theta0, 0.025)
-    await owner.contribute(A, contribution(delta, shapes[0]))
+    await owner.contribute(A, contribution(delta, shapes[0], owner=owner))
     assert owner.version == 0
-    await owner.contribute(B, contribution(delta, shapes[0]))
+    await owner.contribute(B, contribution(delta, shapes[0], owner=owner))
     assert owner.version == 1 and "all 2/2 expected contributions in" in owner.merges[0]
 
 
@@ -84,14 +84,14 @@ async def test_version_fencing_and_refusals() -> None:
     _, shapes, _, theta0, owner = _setup(quorum=1, late_policy="drop")
     delta = torch.full_like(theta0, 0.01)
     with pytest.raises(Stale, match="base version 3 is ahead of the owner's 0"):
-        await owner.contribute(A, contribution(delta, shapes[0], base_version=3))
+        await owner.contribute(A, contribution(delta, shapes[0], base_version=3, owner=owner))
     await owner.set_expected(2)
-    assert (await owner.contribute(A, contribution(delta, shapes[0]))).accepted
-    dup = await owner.contribute(A, contribution(delta, shapes[0]))
+    assert (await owner.contribute(A, contribution(delta, shapes[0], owner=owner))).accepted
+    dup = await owner.contribute(A, contribution(delta, shapes[0], owner=owner))
     assert not dup.accepted and "duplicate contribution" in dup.reason
-    await owner.contribute(B, contribution(delta, shapes[0]))
+    await owner.contribute(B, contribution(delta, shapes[0], owner=owner))
     assert owner.version == 1
-    late = await owner.contribute(C, contribution(delta, shapes[0], base_version=0))
+    late = await owner.contribute(C, contribution(delta, shapes[0], base_version=0, owner=owner))
     assert not late.accepted and "closed; resync" in late.reason and owner.version == 1
     # a long-poll for a version already held waits; one below it gets the latest at once
     assert await owner.wait_after(1, wait_s=0.0) is None
@@ -102,12 +102,12 @@ async def test_catch_up_keeps_the_contributions_already_accepted() -> None:
     _, shapes, clock, theta0, owner = _setup(quorum=1, staleness_bound=3, late_policy="carry")
     await owner.set_expected(2)
     delta = torch.full_like(theta0, 0.125)
-    assert (await owner.contribute(A, contribution(delta, shapes[0]))).accepted
+    assert (await owner.contribute(A, contribution(delta, shapes[0], owner=owner))).accepted
     predecessor = theta0 + 1.0  # the previous owner's newer version 2
     assert await owner.catch_up(2, predecessor)
     assert owner.version == 2 and owner.merger.count == 1  # A's contribution is still there
     clock.advance(1.0)
-    await owner.contribute(B, contribution(delta, shapes[0], base_version=2))
+    await owner.contribute(B, contribution(delta, shapes[0], base_version=2, owner=owner))
     assert owner.version == 3, owner.merges
     version, flat, _ = _opened_state(owner.latest.tobytes(), shapes[0])
     assert version == 3 and torch.allclose(flat, predecessor - delta, atol=1e-6)
@@ -131,7 +131,7 @@ async def test_a_failed_merge_drops_its_contributions_instead_of_retrying_foreve
     theta0 = torch.full_like(flat_of(model, plan, p), 3.0e38)  # finite, near the float32 maximum
     owner = make_owner(plan, shapes, p, theta0, clock, quorum=1)
     await owner.set_expected(1)
-    ack = await owner.contribute(A, contribution(torch.full_like(theta0, -3.0e38), shapes[p], fragment=p))
+    ack = await owner.contribute(A, contribution(torch.full_like(theta0, -3.0e38), shapes[p], fragment=p, owner=owner))
     assert ack.accepted  # the outer step overflows to Inf: the merge fails ...
     assert owner.version == 0 and owner.merges == []
     assert owner.merger.count == 0 and owner.merger.deadline() is None  # ... its set is dropped, no retry
@@ -140,7 +140,7 @@ async def test_a_failed_merge_drops_its_contributions_instead_of_retrying_foreve
     await owner.tick()
     assert owner.version == 0
     delta = torch.full_like(theta0, 1.0e38)  # an honest contribution still merges
-    await owner.contribute(B, contribution(delta, shapes[p], fragment=p))
+    await owner.contribute(B, contribution(delta, shapes[p], fragment=p, owner=owner))
     assert owner.version == 1
     assert torch.allclose(flat_from_tensors(_state(owner).tensors, shapes[p]), theta0 - delta)
 
@@ -166,8 +166,8 @@ async def test_one_member_sending_a_thousand_times_the_honest_norm_cannot_steer_
     honest = torch.linspace(-0.01, 0.01, theta0.numel())
     D = bytes([0xD4]) * 32
     for peer in (A, B, C):
-        await owner.contribute(peer, contribution(honest, shapes[0]))
-    await owner.contribute(D, contribution(1000.0 * honest, shapes[0]))
+        await owner.contribute(peer, contribution(honest, shapes[0], owner=owner))
+    await owner.contribute(D, contribution(1000.0 * honest, shapes[0], owner=owner))
     assert owner.version == 1
     step = float(torch.linalg.vector_norm(owner.theta - theta0))
     # unclipped, the radial average would step 250x the honest norm; clipped (c = 4), at most
@@ -181,7 +181,37 @@ async def test_an_aggregate_longer_than_the_fragment_itself_is_bounded() -> None
     _, shapes, _, theta0, owner = _setup(quorum=1)
     await owner.set_expected(1)
     huge = theta0 * -50.0  # alone in the first round, nothing to clip it against
-    await owner.contribute(A, contribution(huge, shapes[0]))
+    await owner.contribute(A, contribution(huge, shapes[0], owner=owner))
     assert owner.version == 1 and owner.step_bounds == 1
     step = float(torch.linalg.vector_norm(owner.theta - theta0))
     assert step == pytest.approx(float(torch.linalg.vector_norm(theta0)), rel=1e-4)  # max_delta_ratio 1
+
+
+async def test_a_contribution_is_applied_only_to_the_state_it_was_measured_against() -> None:
+    """Version numbers alone can name two contents (two owners of one fragment during a view
+    change, or a learner that holds a forked copy): the base digest decides."""
+    plan, shapes, clock, theta0, owner = _setup(quorum=1)
+    delta = torch.linspace(-0.05, 0.05, theta0.numel())
+    other_state = flat_digest(theta0 + 1.0)  # "version 0" with another content
+    ack = await owner.contribute(A, contribution(delta, shapes[0], base_digest=other_state))
+    assert not ack.accepted and ack.reason.startswith("resync: base version 0")
+    assert owner.penalties[A]["refused_base"] == 1 and owner.merger.count == 0
+    ack = await owner.contribute(B, contribution(delta, shapes[0], base_digest=flat_digest(theta0)))
+    assert ack.accepted  # the learner's own fp32 copy of version 0 is the owner's state
+    await owner.set_expected(1)
+    clock.advance(30.0)
+    await owner.tick()
+    assert owner.version == 1
+    # version 1 as learners decode it is what the owner expects as a base now
+    _, flat1, _ = _opened_state(owner.latest.tobytes(), shapes[0])
+    assert owner.digests[1] == {flat_digest(flat1)}
+    ack = await owner.contribute(A, contribution(delta, shapes[0], base_version=1, base_digest=flat_digest(flat1)))
+    assert ack.accepted
+
+
+async def test_a_new_owner_asks_for_a_resync_of_bases_it_never_held() -> None:
+    plan, shapes, clock, theta0, _ = _setup()
+    owner = make_owner(plan, shapes, 0, theta0, clock, version=5)  # took over at version 5
+    delta = torch.linspace(-0.05, 0.05, theta0.numel())
+    ack = await owner.contribute(A, contribution(delta, shapes[0], base_version=4, base_digest=flat_digest(theta0)))
+    assert not ack.accepted and "not known here" in ack.reason and ack.reason.startswith("resync")

@@ -26,7 +26,7 @@ CAPACITY = 200  # a small window: the flood overflows it many times over
 
 def _sealed(who: Signer, *, at: float) -> bytes:
     tensor = compress(torch.zeros(2, 2), "none")[0]
-    msg = Contribution(swarm="flood", fragment=0, base_version=0, tokens=1, steps=1, step_time=0.0,
+    msg = Contribution(swarm="flood", fragment=0, base_version=0, base_digest=bytes(32), tokens=1, steps=1, step_time=0.0,
                        sender_step=1, tensors=(tensor,))
     return seal(encode(msg), who, now=at, nonce=os.urandom(16)).tobytes()
 
