@@ -6,16 +6,19 @@ holding the bytes may re-serve them and the receiver still knows they are the ow
 serving half (``serve_sealed``, ``serve_manifest``, ETags, Range parsing, chunk manifests)
 lives in ``node.state.serve``, and is re-exported here.
 
-Fetching (``fetch_sealed``). The body goes into one pooled buffer sized from Content-Length
-(capped before allocating). As soon as the envelope (<= 516 bytes) is in, its signature, the
-signer and the declared size are checked, so a wrong owner costs a few hundred bytes, not the
-fragment. A connection error, a stalled chunk (``chunk_timeout_s``) or a 5xx keeps the bytes so
-far and retries with ``Range: bytes=<have>-`` and ``If-Range: <etag>`` after an exponential
-backoff; ``retries`` consecutive failures without a chunk of progress give up with
-``DownloadFailed``, whose ``partial`` a later call (to any peer with the same version) can
-resume. The whole message is then checked with ``verify_sealed``: a corrupt byte anywhere makes
-the content hash mismatch, the buffer is discarded and the download restarts from 0, once;
-corruption twice is refused with ``DownloadFailed``. A corrupt state is never returned.
+Fetching (``fetch_sealed``). The body goes into one pooled buffer that grows with the bytes
+that actually arrive, up to the Content-Length (itself capped before anything is read): a
+server that claims a huge body and sends a few bytes costs a chunk, not the claim. As soon as
+the envelope (<= 516 bytes) is in, its signature, the signer and the declared size are checked,
+so a wrong owner costs a few hundred bytes, not the fragment; once the expected owner has
+signed the size, the buffer takes it at once (no doubling). A connection error, a stalled
+chunk (``chunk_timeout_s``) or a 5xx keeps the bytes so far and retries with ``Range:
+bytes=<have>-`` and ``If-Range: <etag>`` after an exponential backoff; ``retries`` consecutive
+failures without a chunk of progress give up with ``DownloadFailed``, whose ``partial`` a later
+call (to any peer with the same version) can resume. The whole message is then checked with
+``verify_sealed``: a corrupt byte anywhere makes the content hash mismatch, the buffer is
+discarded and the download restarts from 0, once; corruption twice is refused with
+``DownloadFailed``. A corrupt state is never returned.
 
 Chunk manifests (see ``node.state.serve``) are a hint, for early detection: a chunk that fails
 its hash is dropped and just that range is re-requested (Range + If-Range); a chunk that fails
@@ -133,7 +136,8 @@ class FetchStats:
 
 @dataclass
 class PartialDownload:
-    """The first ``have`` bytes of the ``total``-byte body named by ``etag``, in ``buffer``.
+    """The first ``have`` bytes of the ``total``-byte body named by ``etag``, in ``buffer``
+    (which may be shorter than ``total``: it grows as the rest arrives).
 
     Not resuming it? Give ``buffer`` back to ``transport.pool``."""
 
@@ -188,8 +192,9 @@ class _Download:
         self.chunk_failures: dict[int, int] = {}
 
     def resume_from(self, partial: PartialDownload) -> None:
-        if not 0 <= partial.have <= partial.total <= min(self.cap, len(partial.buffer)):
-            raise ValueError(f"inconsistent partial download {partial.have}/{partial.total}")
+        if not (0 <= partial.have <= partial.total <= self.cap and partial.have <= len(partial.buffer)):
+            raise ValueError(f"inconsistent partial download {partial.have}/{partial.total} "
+                             f"in a buffer of {len(partial.buffer)} bytes")
         self.buf, self.view = partial.buffer, memoryview(partial.buffer)[: partial.total]
         self.etag, self.total, self.have = partial.etag, partial.total, partial.have
 
@@ -240,6 +245,20 @@ class _Download:
             headers = {"Range": f"bytes={self.have}-", "If-Range": f'"{self.etag}"'}
         self.stats.ranges.append(headers.get("Range", ""))
         await self.transport.link.before_send(self.url)
+        try:
+            outcome = await self._exchange(headers)
+        except TimeoutError:
+            raise _Transient(f"nothing arrived for {self.chunk_timeout_s:.1f} s "
+                             f"(at {self.have}/{self.total} bytes)") from None
+        if outcome is not None:
+            return outcome
+        if self.have != self.total:
+            raise _Transient(f"body ended at {self.have}/{self.total} bytes")
+        return None
+
+    async def _exchange(self, headers: dict[str, str]) -> str | None:
+        """One request; its body fed in as it arrives, with at most ``chunk_timeout_s`` between
+        chunks. Raises TimeoutError past that."""
         loop = asyncio.get_running_loop()
         async with asyncio.timeout(self.chunk_timeout_s) as deadline:
             opts = self.transport.client_options("GET", self.url)
@@ -254,10 +273,7 @@ class _Download:
                             break
                 if outcome is not None:
                     resp.close()  # drop the connection rather than drain the rest
-                    return outcome
-        if self.have != self.total:
-            raise _Transient(f"body ended at {self.have}/{self.total} bytes")
-        return None
+                return outcome
 
     # --- one response ----------------------------------------------------------------------
     def _on_response(self, resp: aiohttp.ClientResponse) -> str | None:
@@ -294,9 +310,8 @@ class _Download:
             raise _Transient("inconsistent 206")
 
     def _begin(self, total: int, etag: str | None) -> None:
-        if self.buf is None or len(self.buf) < total:
-            self.release()
-            self.buf = self.transport.pool.take(total)
+        if self.buf is None:  # the claimed total is only an upper bound: _feed grows the buffer
+            self.buf = self.transport.pool.take(total, fresh=CHUNK)
         self.view = memoryview(self.buf)[:total]
         self.total, self.etag = total, etag
         self._reset(None)
@@ -318,6 +333,7 @@ class _Download:
         end = self.have + len(chunk)
         if end > self.total:
             raise _Transient(f"body longer than the {self.total} bytes declared")
+        self._reserve(end)
         self.view[self.have : end] = chunk
         self.have, self.got = end, self.got + len(chunk)
         self.stats.bytes_received += len(chunk)
@@ -326,6 +342,15 @@ class _Download:
         if outcome is None and self.manifest is not None:
             outcome = self._check_chunks(self.manifest)
         return outcome
+
+    def _reserve(self, need: int) -> None:
+        """Make the buffer hold at least ``need`` bytes (doubling, up to ``total``), keeping the
+        bytes so far."""
+        if need > len(self.view):
+            assert self.buf is not None
+            self.view = memoryview(b"")  # no view of the old buffer once the pool has it back
+            self.buf = self.transport.pool.grow(self.buf, self.have, need, self.total)
+            self.view = memoryview(self.buf)[: self.total]
 
     def _check_envelope(self) -> str | None:
         """Signature, signer and size from the first ~200 bytes, before the rest arrives."""
@@ -347,6 +372,8 @@ class _Download:
         if end + env.size != self.total:
             return self._restart(f"envelope declares {end + env.size} bytes, server sends {self.total}")
         self.env_checked = True
+        if self.expected_signer is not None:  # the owner signed this size: no need to creep up to it
+            self._reserve(self.total)
         return None
 
     def _check_chunks(self, m: Manifest) -> str | None:
