@@ -82,7 +82,7 @@ KEEPALIVE_S = 75.0
 # Open connections per remote address (an IPv6 address by its /64) and in all; how long a request
 # head (request line and headers, after the TLS handshake if any) may take to arrive. A TLS
 # connection costs ~256 KiB from its accept on (asyncio's SSL read buffer), a plain one ~8 KiB.
-MAX_CONNS_PER_IP = 32
+MAX_CONNS_PER_IP = 128  # a local swarm's peers all connect from 127.0.0.1: 8 peers' long-polls fit
 MAX_CONNS = 512
 HEAD_TIMEOUT_S = 5.0
 
