@@ -56,6 +56,7 @@ from typing import Any
 
 import aiohttp
 
+from node.wire.rpc import open_off_loop
 from node.wire.transport import Transport
 from protocol.dht.lookup import Lookup, LookupResult
 from protocol.dht.messages import (
@@ -92,7 +93,7 @@ from protocol.errors import (
 from protocol.ids import ID_BYTES, xor_distance
 from protocol.wire.codec import encode
 from protocol.wire.messages import Message, PeerInfo
-from protocol.wire.signing import Opened, ReplayWindow, Signer, open_sealed, seal
+from protocol.wire.signing import Opened, ReplayWindow, Signer, seal, split_sealed
 
 __all__ = ["DHTConfig", "DHTMetrics", "DHTNode", "Maintenance", "RateLimited"]
 
@@ -200,7 +201,7 @@ class DHTNode:
         self.claims = ClaimQueue(max_pending=cfg.max_claims, rate=cfg.claim_rate, burst=cfg.claim_burst,
                                  max_in_flight=cfg.max_claim_pings, retry_after_s=cfg.claim_retry_s)
         self._claimed = asyncio.Event()  # the claim queue changed: the verifier looks again
-        self.replay, self._reply_replay = ReplayWindow(), ReplayWindow()
+        self.replay, self._reply_replay = ReplayWindow(salt=os.urandom(16)), ReplayWindow(salt=os.urandom(16))
         self.metrics = DHTMetrics()
         self.rng = random.Random(int.from_bytes(self.peer_id[:8], "big"))
         self._own: dict[bytes, _OwnRecord] = {}
@@ -261,9 +262,11 @@ class DHTNode:
 
     # ── serving ─────────────────────────────────────────────────────────────────────────────
 
-    def seal(self, msg: Message) -> bytes:
-        """``msg`` sealed by this node's key with the current wall time and a fresh nonce."""
-        return seal(encode(msg), self.signer, now=time.time(), nonce=os.urandom(16)).tobytes()
+    def seal(self, msg: Message, recipient: bytes = b"") -> bytes:
+        """``msg`` sealed by this node's key with the current wall time and a fresh nonce, for
+        the peer id ``recipient`` (empty: anyone; only a Ping to a bare address goes so)."""
+        return seal(encode(msg), self.signer, now=time.time(), nonce=os.urandom(16),
+                    recipient=recipient).tobytes()
 
     def handle(self, opened: Opened, source: str = "") -> Message:
         """Answer one verified request that came from the IP address ``source``.
@@ -380,7 +383,7 @@ class DHTNode:
         """
         charged = peer_id if charge else None
         self.metrics.rpcs_out[type(msg).__name__] += 1
-        sealed = self.seal(msg)
+        sealed = self.seal(msg, peer_id or b"")
         try:
             status, buf, used, _ = await self.transport.request(
                 "POST", address, chunks=[sealed], size=len(sealed),
@@ -388,20 +391,26 @@ class DHTNode:
             )
         except (aiohttp.ClientError, OSError, TimeoutError, ValueError, RemoteProtocolError) as exc:
             return self._failed(charged, f"unreachable ({type(exc).__name__})", unreachable=True)
+        give_back = True
         try:
             if status != 200:
                 return self._failed(charged, f"status {status}", unreachable=status >= 500)
-            opened = self._open_reply(buf, used, msg, peer_id)
+            opened = await self._open_reply(buf, used, msg, peer_id)
         except RemoteProtocolError as exc:
             return self._failed(charged, f"bad reply ({type(exc).__name__})", unreachable=True)
+        except asyncio.CancelledError:
+            give_back = False  # a decoding thread may still read it: not back to the pool
+            raise
         finally:
-            self.transport.pool.give(buf)
+            if give_back:
+                self.transport.pool.give(buf)
         self._seen(PeerInfo(peer_id=opened.peer_id, address=address))
         return opened
 
-    def _open_reply(self, buf: bytearray, used: int, msg: _Request, peer_id: bytes | None) -> Opened:
-        opened = open_sealed(memoryview(buf)[:used], now=time.time(), replay=self._reply_replay,
-                             max_size=self.config.max_reply)
+    async def _open_reply(self, buf: bytearray, used: int, msg: _Request, peer_id: bytes | None) -> Opened:
+        envelope, body = split_sealed(memoryview(buf)[:used], max_size=self.config.max_reply,
+                                      expected_recipient=self.peer_id)
+        opened = await open_off_loop(envelope, body, replay=self._reply_replay)  # big replies: off the loop
         reply, expected = opened.message, REPLY_TO[type(msg)]
         if type(reply) is not expected:
             raise DecodeError(f"got {type(reply).__name__} for {type(msg).__name__}")

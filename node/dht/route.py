@@ -4,10 +4,13 @@ Theory of operation. ``DHTRouter`` owns ``{prefix}`` (default ``/v1/dht``) for a
 default node and ``{prefix}/{name}`` for named ones, so one aiohttp server can host many DHT
 nodes (a peer mounts one node at the default path; the scale test mounts 500). A node's address
 is the full URL of its path, e.g. ``http://127.0.0.1:8080/v1/dht``. A request is verified over
-its exact bytes with the addressed node's replay window (``open_sealed``, via
-``node.wire.rpc.serve_sealed_request``), then ``DHTNode.handle`` answers it (see ``node.dht.kademlia``),
-told the requester's IP (``request.remote``) for its per-IP Store limits and the record store's
-fair shares, and the reply is sealed with the node's own key. A peer's misbehaviour is a ``RemoteProtocolError``:
+its exact bytes with the addressed node's replay window (via ``node.wire.rpc.serve_sealed_request``:
+it must name the addressed node as recipient, except a Ping, which a node joining through a bare
+address sends before it knows who answers; its header must fit ``MAX_REQUEST_HEADER``, where a
+Store of ``MAX_STORE_RECORDS`` largest records takes ~80 KiB), then ``DHTNode.handle`` answers it
+(see ``node.dht.kademlia``), told the requester's IP (``request.remote``) for its per-IP Store
+limits and the record store's fair shares, and the reply is sealed with the node's own key for the
+requester. A peer's misbehaviour is a ``RemoteProtocolError``:
 4xx, counted in ``errors`` and the node's ``metrics.refusals``. A path with no node mounted
 (never mounted, or killed) answers 503.
 """
@@ -22,6 +25,7 @@ from aiohttp import web
 
 from node.wire.rpc import serve_sealed_request
 from node.wire.transport import Transport
+from protocol.dht.messages import Ping
 from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.wire.signing import Opened
 
@@ -70,7 +74,7 @@ class DHTRouter:
             return web.json_response(body, status=503)
 
         async def dispatch(opened: Opened) -> bytes:
-            return node.seal(node.handle(opened, request.remote or ""))
+            return node.seal(node.handle(opened, request.remote or ""), recipient=opened.peer_id)
 
         def refused(exc: RemoteProtocolError) -> None:
             self.errors[type(exc).__name__] += 1
@@ -78,4 +82,5 @@ class DHTRouter:
             log.debug("refused DHT request from %s: %r", request.remote, exc)
 
         return await serve_sealed_request(self.transport, request, max_size=node.config.max_request,
-                                          replay=node.replay, dispatch=dispatch, on_error=refused)
+                                          replay=node.replay, recipient=node.peer_id, dispatch=dispatch,
+                                          on_error=refused, broadcast=(Ping,))

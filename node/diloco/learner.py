@@ -184,7 +184,8 @@ class IslandNet:
             self.island.resolved(out.fragment, accepted=False)
             await self.resync()
             return
-        sealed = seal(encode(msg), self.signer, now=self.wall_clock(), nonce=os.urandom(16))
+        sealed = seal(encode(msg), self.signer, now=self.wall_clock(), nonce=os.urandom(16),
+                      recipient=owner_id)  # the owner refuses a contribution addressed to another
         self.stats.contributions_sent += 1
         status, buf, used, _ = await self._request(
             owner_id, "POST", f"{url}/v1/rpc", chunks=sealed.iter_chunks(), size=sealed.size, timeout_s=60,

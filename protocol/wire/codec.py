@@ -56,6 +56,7 @@ __all__ = [
     "chunk_views",
     "decode",
     "encode",
+    "header_length",
 ]
 
 MAGIC = b"ATOL"
@@ -256,7 +257,17 @@ def _decode(mv: memoryview) -> Message:
     return msg
 
 
-def _read_prefix(mv: memoryview) -> tuple[memoryview, int]:
+def header_length(buf: Buffer) -> int:
+    """The header length an encoded message's frame prefix declares, read without decoding
+    anything, so that a receiver can refuse a header over its own cap, or decode a large one off
+    its event loop, before the header costs it a decode.
+
+    Raises DecodeError on a short prefix, a bad magic or an unsupported format version.
+    """
+    try:
+        mv = byte_view(buf)
+    except LocalProtocolError as e:
+        raise DecodeError(e.args[0]) from e
     if mv.nbytes < _PREFIX.size:
         raise DecodeError(f"truncated: {mv.nbytes} bytes is shorter than the frame prefix")
     magic, version, header_len = _PREFIX.unpack_from(mv)
@@ -264,6 +275,11 @@ def _read_prefix(mv: memoryview) -> tuple[memoryview, int]:
         raise DecodeError(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}")
     if version != FORMAT_VERSION:
         raise DecodeError(f"unsupported format version {version}, expected {FORMAT_VERSION}")
+    return int(header_len)
+
+
+def _read_prefix(mv: memoryview) -> tuple[memoryview, int]:
+    header_len = header_length(mv)
     if header_len > CAPS.max_header:
         raise Oversize(f"header of {header_len} bytes exceeds the cap of {CAPS.max_header}")
     end = _PREFIX.size + header_len

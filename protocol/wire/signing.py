@@ -1,18 +1,23 @@
-"""Signed envelopes around encoded messages, and the replay window.
+"""Signed envelopes around encoded messages, addressed to one recipient or broadcast.
 
 Theory of operation. A sealed message on the wire is::
 
     envelope length (u32 BE) | envelope | message bytes (exactly as ``codec.encode`` made them)
 
 The envelope is msgpack ``[signed, signature]`` where ``signed`` is msgpack ``[version,
-public_key, timestamp, nonce, sha256(message bytes), message size]`` and ``signature`` is Ed25519
-over ``DOMAIN + signed``. The signer hashes the message parts streaming, so a 400 MB tensor is
-never copied to be signed. The receiver checks, in this order: the envelope (small, capped),
-its signature over the exact bytes received (``BadSignature``), the message size against the
-cap (``Oversize``) and the received length (``DecodeError``), the content hash (``BadSignature``),
-then timestamp skew and nonce reuse (``Replay``) and only then decodes the body. A forged packet
-can therefore neither poison the replay window nor make the receiver parse its body; with
-``SealedReader`` it cannot even make it allocate the body buffer.
+public_key, timestamp, nonce, sha256(message bytes), message size, recipient]`` and
+``signature`` is Ed25519 over ``DOMAIN + signed``. ``recipient`` is the peer id of the one node
+the message is meant for, or empty for a broadcast (an owner's ``FragmentState``, re-served by
+anyone). The signer hashes the message parts streaming, so a 400 MB tensor is never copied to be
+signed. The receiver checks, in this order: the envelope (small, capped), its signature over the
+exact bytes received (``BadSignature``), the message size against the cap (``Oversize``), the
+recipient when it expects one (``NotAuthorized``: a request captured on its way to node A and
+replayed to node B names A) and the received length (``DecodeError``), the content hash
+(``BadSignature``), then timestamp skew and nonce reuse (``Replay``, see ``protocol.wire.replay``)
+and only then decodes the body. A forged packet can therefore neither poison the replay window
+nor make the receiver parse its body; with ``SealedReader`` it cannot even make it allocate the
+body buffer. ``Envelope.admit`` and ``Admitted.decode`` split the last step, so that a node can
+run the decode of a large body in a worker thread while the replay window stays on its loop.
 
 ``verify_sealed`` skips the replay window on purpose: an owner's sealed ``FragmentState`` is
 cached and re-served verbatim by replicas for as long as it is the newest version, so the same
@@ -25,7 +30,6 @@ Time (``now``) and nonces are arguments: this module reads no clock and draws no
 from __future__ import annotations
 
 import hashlib
-import heapq
 import math
 import struct
 from collections.abc import Iterator, Sequence
@@ -37,18 +41,21 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
-from protocol.errors import BadSignature, DecodeError, LocalProtocolError, Oversize, Replay
-from protocol.ids import peer_id_from_public_key
+from protocol.errors import BadSignature, DecodeError, LocalProtocolError, NotAuthorized, Oversize
+from protocol.ids import ID_BYTES, peer_id_from_public_key
 from protocol.wire.codec import BodyReader, Buffer, Encoded, byte_view, chunk_views, decode
 from protocol.wire.messages import Message
+from protocol.wire.replay import ReplaySizes, ReplayWindow
 
 __all__ = [
     "DOMAIN",
     "ENVELOPE_VERSION",
     "MAX_ENVELOPE",
     "NONCE_BYTES",
+    "Admitted",
     "Envelope",
     "Opened",
+    "ReplaySizes",
     "ReplayWindow",
     "Sealed",
     "SealedReader",
@@ -61,7 +68,7 @@ __all__ = [
     "verify_sealed",
 ]
 
-ENVELOPE_VERSION = 1
+ENVELOPE_VERSION = 2  # 2: the recipient joined the signed fields
 NONCE_BYTES = 16
 KEY_BYTES = 32
 SIGNATURE_BYTES = 64
@@ -133,13 +140,20 @@ class Sealed:
         return b"".join(self.parts)
 
 
-def seal(encoded: Encoded, signer: Signer, *, now: float, nonce: bytes) -> Sealed:
-    """Sign ``encoded`` as sent by ``signer`` at time ``now`` with a fresh 16-byte ``nonce``.
+def seal(
+    encoded: Encoded, signer: Signer, *, now: float, nonce: bytes, recipient: bytes = b""
+) -> Sealed:
+    """Sign ``encoded`` as sent by ``signer`` at time ``now`` with a fresh 16-byte ``nonce``, for
+    the peer id ``recipient`` (empty: a broadcast, such as a state anyone may re-serve).
 
-    Raises LocalProtocolError on a bad nonce or a non-finite ``now``.
+    Raises LocalProtocolError on a bad nonce or recipient, or a non-finite ``now``.
     """
     if len(nonce) != NONCE_BYTES:
         raise LocalProtocolError(f"nonce must be {NONCE_BYTES} bytes, got {len(nonce)}")
+    if len(recipient) not in (0, ID_BYTES):
+        raise LocalProtocolError(
+            f"recipient must be empty or a {ID_BYTES}-byte peer id, got {len(recipient)}"
+        )
     if not math.isfinite(now):
         raise LocalProtocolError(f"timestamp {now} is not finite")
     fields = [
@@ -149,6 +163,7 @@ def seal(encoded: Encoded, signer: Signer, *, now: float, nonce: bytes) -> Seale
         bytes(nonce),
         digest_parts(encoded.parts),
         encoded.size,
+        bytes(recipient),
     ]
     signed = msgpack.packb(fields, use_bin_type=True)
     envelope = msgpack.packb([signed, signer.sign(DOMAIN + signed)], use_bin_type=True)
@@ -158,13 +173,18 @@ def seal(encoded: Encoded, signer: Signer, *, now: float, nonce: bytes) -> Seale
 # ── opening ──────────────────────────────────────────────────────────────────────────────────
 @dataclass(frozen=True, slots=True)
 class Opened:
-    """A verified, decoded message and who sent it when."""
+    """A verified, decoded message and who sent it when, to whom (empty: a broadcast)."""
 
     public_key: bytes
     peer_id: bytes
     timestamp: float
     nonce: bytes
     message: Message
+    recipient: bytes = b""
+
+
+def _short(peer_id: bytes) -> str:
+    return peer_id.hex()[:16]
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,36 +196,73 @@ class Envelope:
     nonce: bytes
     digest: bytes
     size: int
+    recipient: bytes = b""
 
     @property
     def peer_id(self) -> bytes:
         """The sender's peer id (from the verified public key)."""
         return peer_id_from_public_key(self.public_key)
 
-    def open_body(self, body: Buffer, *, now: float, replay: ReplayWindow) -> Opened:
-        """Check ``body`` against this envelope, then replay and skew, then decode it.
+    def check_recipient(self, expected: bytes | None, *, broadcast_ok: bool = False) -> None:
+        """Refuse a message sealed for another node than ``expected`` (None: no check), and a
+        broadcast unless ``broadcast_ok``. Raises NotAuthorized with the reason."""
+        if expected is None or self.recipient == expected:
+            return
+        if not self.recipient:
+            if broadcast_ok:
+                return
+            raise NotAuthorized(
+                "message names no recipient (a broadcast); one sent here must name this node "
+                f"{_short(expected)}"
+            )
+        raise NotAuthorized(f"message sealed for peer {_short(self.recipient)}, not for this node "
+                            f"{_short(expected)}: replayed from elsewhere?")
 
-        Raises DecodeError (wrong length, malformed body), BadSignature (content hash
-        mismatch) or Replay.
+    def admit(self, body: Buffer, *, now: float, replay: ReplayWindow,
+              expected_recipient: bytes | None = None, digest: bytes | None = None) -> Admitted:
+        """Check ``body`` against this envelope (length, content hash), its recipient, then skew
+        and replay; the decode is left to ``Admitted.decode``. ``digest`` is the body's sha256
+        when the caller has computed it already (e.g. in a worker thread).
+
+        Raises DecodeError (wrong length), NotAuthorized (another recipient), BadSignature
+        (content hash mismatch) or Replay.
         """
         mv = _body_view(self, body)
-        return self._finish(mv, hashlib.sha256(mv).digest(), now=now, replay=replay)
+        self.check_recipient(expected_recipient)
+        if (hashlib.sha256(mv).digest() if digest is None else digest) != self.digest:
+            raise BadSignature("content hash mismatch")
+        replay.accept(self.public_key, self.nonce, self.timestamp, now=now)
+        return Admitted(self, mv)
+
+    def open_body(self, body: Buffer, *, now: float, replay: ReplayWindow,
+                  expected_recipient: bytes | None = None) -> Opened:
+        """``admit`` then ``decode``: raises as both."""
+        admitted = self.admit(body, now=now, replay=replay, expected_recipient=expected_recipient)
+        return admitted.decode()
 
     def verify_body(self, body: Buffer) -> Opened:
-        """Like ``open_body`` without the replay window (see ``verify_sealed``)."""
+        """Like ``open_body`` without the replay window nor a recipient (see ``verify_sealed``)."""
         mv = _body_view(self, body)
-        return self._finish(mv, hashlib.sha256(mv).digest(), now=None, replay=None)
-
-    def _finish(
-        self, body: memoryview, digest: bytes, *, now: float | None, replay: ReplayWindow | None
-    ) -> Opened:
-        if digest != self.digest:
+        if hashlib.sha256(mv).digest() != self.digest:
             raise BadSignature("content hash mismatch")
-        if replay is not None and now is not None:
-            replay.accept(self.public_key, self.nonce, self.timestamp, now=now)
-        message = decode(body, max_size=self.size)
-        peer_id = peer_id_from_public_key(self.public_key)
-        return Opened(self.public_key, peer_id, self.timestamp, self.nonce, message)
+        return Admitted(self, mv).decode()
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """A body that passed its envelope's checks and the replay window, not decoded yet.
+
+    ``decode`` touches no shared state: it may run in a worker thread.
+    """
+
+    envelope: Envelope
+    body: memoryview
+
+    def decode(self) -> Opened:
+        """The decoded message; raises DecodeError or Oversize (see ``codec.decode``)."""
+        env = self.envelope
+        message = decode(self.body, max_size=env.size)
+        return Opened(env.public_key, env.peer_id, env.timestamp, env.nonce, message, env.recipient)
 
 
 def _body_view(env: Envelope, body: Buffer) -> memoryview:
@@ -263,13 +320,14 @@ def open_envelope(envelope: Buffer, *, max_size: int) -> Envelope:
         raise Oversize(f"envelope exceeds the cap of {MAX_ENVELOPE} bytes")
     signed, signature = _unpack_small(envelope, 2)
     _check_field(type(signed) is bytes and type(signature) is bytes, "not [bin, bin]")
-    version, key, ts, nonce, digest, size = _unpack_small(signed, 6)
+    version, key, ts, nonce, digest, size, recipient = _unpack_small(signed, 7)
     _check_field(type(version) is int and version == ENVELOPE_VERSION, f"version {version!r}")
     _check_field(type(key) is bytes and len(key) == KEY_BYTES, "public key")
     _check_field(type(ts) is float and math.isfinite(ts), "timestamp")
     _check_field(type(nonce) is bytes and len(nonce) == NONCE_BYTES, "nonce")
     _check_field(type(digest) is bytes and len(digest) == DIGEST_BYTES, "digest")
     _check_field(type(size) is int and size >= 0, "size")
+    _check_field(type(recipient) is bytes and len(recipient) in (0, ID_BYTES), "recipient")
     _check_field(len(signature) == SIGNATURE_BYTES, "signature length")
     try:
         Ed25519PublicKey.from_public_bytes(key).verify(signature, DOMAIN + signed)
@@ -277,7 +335,9 @@ def open_envelope(envelope: Buffer, *, max_size: int) -> Envelope:
         raise BadSignature("envelope signature does not verify") from e
     if size > max_size:
         raise Oversize(f"message of {size} bytes exceeds the cap of {max_size}")
-    return Envelope(public_key=key, timestamp=ts, nonce=nonce, digest=digest, size=size)
+    return Envelope(
+        public_key=key, timestamp=ts, nonce=nonce, digest=digest, size=size, recipient=recipient
+    )
 
 
 def _split(wire: Buffer, max_size: int) -> tuple[Envelope, memoryview]:
@@ -291,22 +351,29 @@ def _split(wire: Buffer, max_size: int) -> tuple[Envelope, memoryview]:
     return env, mv[end:]
 
 
-def split_sealed(wire: Buffer, *, max_size: int) -> tuple[Envelope, memoryview]:
+def split_sealed(wire: Buffer, *, max_size: int,
+                 expected_recipient: bytes | None = None) -> tuple[Envelope, memoryview]:
     """The verified envelope of a sealed message and its body, not yet hashed nor decoded: a
-    receiver can decide from ``Envelope.peer_id`` whether the sender may ask this at all before
-    the body costs it a hash, a decode or a place in its replay window.
+    receiver can decide from ``Envelope.peer_id`` whether the sender may ask this at all, and
+    refuse a message sealed for another node (``expected_recipient``, see
+    ``Envelope.check_recipient``), before the body costs it a hash, a decode or a place in its
+    replay window.
 
-    Raises Oversize, DecodeError or BadSignature.
-    """
-    return _split(wire, max_size)
-
-
-def open_sealed(wire: Buffer, *, now: float, replay: ReplayWindow, max_size: int) -> Opened:
-    """Verify, replay-check and decode a whole sealed message (see the module docstring).
-
-    Raises Oversize, DecodeError, BadSignature or Replay.
+    Raises Oversize, DecodeError, BadSignature or NotAuthorized.
     """
     env, body = _split(wire, max_size)
+    env.check_recipient(expected_recipient)
+    return env, body
+
+
+def open_sealed(wire: Buffer, *, now: float, replay: ReplayWindow, max_size: int,
+                expected_recipient: bytes | None = None) -> Opened:
+    """Verify, recipient- and replay-check and decode a whole sealed message (see the module
+    docstring).
+
+    Raises Oversize, DecodeError, BadSignature, NotAuthorized or Replay.
+    """
+    env, body = split_sealed(wire, max_size=max_size, expected_recipient=expected_recipient)
     return env.open_body(body, now=now, replay=replay)
 
 
@@ -367,71 +434,24 @@ class SealedReader:
                 data = data[take:]
         return data
 
-    def open(self, *, now: float, replay: ReplayWindow) -> Opened:
-        """Hash check, replay check, decode; raises as ``Envelope.open_body``, or
+    def open(
+        self, *, now: float, replay: ReplayWindow, expected_recipient: bytes | None = None
+    ) -> Opened:
+        """Hash, recipient and replay checks, decode; raises as ``Envelope.open_body``, or
         LocalProtocolError before the message is complete."""
         env = self._complete()
-        return env._finish(self._body.view(), self._hash.digest(), now=now, replay=replay)
+        admitted = env.admit(self._body.view(), now=now, replay=replay,
+                             expected_recipient=expected_recipient, digest=self._hash.digest())
+        return admitted.decode()
 
     def verify(self) -> Opened:
-        """Like ``open`` without the replay window (see ``verify_sealed``)."""
+        """Like ``open`` without the replay window nor a recipient (see ``verify_sealed``)."""
         env = self._complete()
-        return env._finish(self._body.view(), self._hash.digest(), now=None, replay=None)
+        if self._hash.digest() != env.digest:
+            raise BadSignature("content hash mismatch")
+        return Admitted(env, self._body.view()).decode()
 
     def _complete(self) -> Envelope:
         if self.envelope is None or not self._body.done:
             raise LocalProtocolError("sealed message incomplete")
         return self.envelope
-
-
-# ── replay window ────────────────────────────────────────────────────────────────────────────
-class ReplayWindow:
-    """Remembers ``(public_key, nonce)`` pairs seen within the clock-skew window.
-
-    Entries older than ``now - max_skew_s`` are forgotten: their messages fail the skew check
-    anyway. When ``capacity`` is reached the oldest entry is forgotten early. Forgetting an
-    entry raises a floor, and timestamps at or below the floor are refused, so a forgotten
-    message can never be replayed; memory stays bounded by ``capacity``.
-    """
-
-    def __init__(self, max_skew_s: float = 60.0, capacity: int = 100_000) -> None:
-        if not max_skew_s > 0 or capacity < 1:
-            raise LocalProtocolError("max_skew_s must be > 0 and capacity >= 1")
-        self.max_skew_s = max_skew_s
-        self.capacity = capacity
-        self.floor = -math.inf
-        self._seen: set[tuple[bytes, bytes]] = set()
-        self._heap: list[tuple[float, bytes, bytes]] = []
-
-    def __len__(self) -> int:
-        return len(self._seen)
-
-    def accept(self, public_key: bytes, nonce: bytes, timestamp: float, *, now: float) -> None:
-        """Record a message, or raise Replay if it is a repeat, too far from ``now`` in either
-        direction (clock skew), or at or below the floor of forgotten entries."""
-        skew = timestamp - now
-        if not abs(skew) <= self.max_skew_s:
-            raise Replay(
-                f"timestamp {skew:+.1f} s from now exceeds the clock skew limit of "
-                f"{self.max_skew_s} s"
-            )
-        self.prune(now)
-        if timestamp <= self.floor:
-            raise Replay(f"timestamp {timestamp} at or below the replay floor {self.floor}")
-        key = (bytes(public_key), bytes(nonce))
-        if key in self._seen:
-            raise Replay("nonce already seen from this key")
-        if len(self._seen) >= self.capacity:
-            self._forget()
-        self._seen.add(key)
-        heapq.heappush(self._heap, (timestamp, *key))
-
-    def prune(self, now: float) -> None:
-        """Forget entries whose timestamp is older than ``now - max_skew_s``."""
-        while self._heap and self._heap[0][0] < now - self.max_skew_s:
-            self._forget()
-
-    def _forget(self) -> None:
-        timestamp, key, nonce = heapq.heappop(self._heap)
-        self._seen.discard((key, nonce))
-        self.floor = max(self.floor, timestamp)

@@ -138,8 +138,8 @@ def _contribution(fragment: int, tensors: tuple[EncodedTensor, ...]) -> Contribu
                         step_time=0.01, sender_step=1, tensors=tensors)
 
 
-def _sealed(signer: Signer, msg: Contribution) -> bytes:
-    return seal(encode(msg), signer, now=time.time(), nonce=os.urandom(16)).tobytes()
+def _sealed(signer: Signer, msg: Contribution, to: bytes) -> bytes:
+    return seal(encode(msg), signer, now=time.time(), nonce=os.urandom(16), recipient=to).tobytes()
 
 
 def _fragment_shapes(cfg: RunConfig, fragment: int) -> list[tuple[int, ...]]:
@@ -150,22 +150,24 @@ def _fragment_shapes(cfg: RunConfig, fragment: int) -> list[tuple[int, ...]]:
     return [tuple(named[n].shape) for n in plan.fragments[fragment].names]
 
 
-async def _attack(url: str, signer: Signer, shapes: list[tuple[int, ...]]) -> list[tuple[str, int, dict[str, Any]]]:
-    """Send one bad request of each kind to the owner of fragment 0; return (name, status, body)."""
+async def _attack(url: str, to: bytes, signer: Signer,
+                  shapes: list[tuple[int, ...]]) -> list[tuple[str, int, dict[str, Any]]]:
+    """Send one bad request of each kind to the owner of fragment 0 (peer id ``to``); return
+    (name, status, body)."""
     good = tuple(compress(torch.zeros(s), "int8")[0] for s in shapes)
     first = shapes[0]
     nan = EncodedTensor(codec="none", shape=first, dtype="float32", block_size=0,
                         data=torch.full(first, float("nan")).numpy().tobytes(), scales=b"")
     wrong = compress(torch.zeros(first[::-1] + (1,)), "int8")[0]
-    valid = _sealed(signer, _contribution(0, (wrong, *good[1:])))
+    valid = _sealed(signer, _contribution(0, (wrong, *good[1:])), to)
     tampered = bytearray(valid)
     tampered[-1] ^= 0xFF
     cases = {
         "garbage": os.urandom(3000),
         "bad signature": bytes(tampered),
-        "unknown fragment": _sealed(signer, _contribution(99, good)),
-        "nan tensor": _sealed(signer, _contribution(0, (nan, *good[1:]))),
-        "non-member": _sealed(Signer.from_seed(os.urandom(32)), _contribution(0, good)),
+        "unknown fragment": _sealed(signer, _contribution(99, good), to),
+        "nan tensor": _sealed(signer, _contribution(0, (nan, *good[1:])), to),
+        "non-member": _sealed(Signer.from_seed(os.urandom(32)), _contribution(0, good), to),
         "wrong shapes": valid,
         "replay": valid,
     }
@@ -196,7 +198,7 @@ async def _publish_insider(dht: DHTNode, cfg: RunConfig, *, learning: bool) -> i
     return await Membership(dht, cfg.swarm, manifest_hash(cfg)).publish(record)
 
 
-async def _flood_dht(url: str, insider: Signer) -> tuple[list[int], tuple[str, ...]]:
+async def _flood_dht(url: str, to: bytes, insider: Signer) -> tuple[list[int], tuple[str, ...]]:
     """Store requests far above the rate limit, then one record with a forged signature."""
     me = PeerInfo(peer_id=insider.peer_id, address="")
     key = key_id("atoll/flood")
@@ -206,12 +208,12 @@ async def _flood_dht(url: str, insider: Signer) -> tuple[list[int], tuple[str, .
     async with aiohttp.ClientSession() as session:
         for _ in range(80):
             body = seal(encode(Store(sender=me, records=(good,))), insider, now=time.time(),
-                        nonce=os.urandom(16)).tobytes()
+                        nonce=os.urandom(16), recipient=to).tobytes()
             async with session.post(f"{url}/v1/dht", data=body) as resp:
                 statuses.append(resp.status)
         await asyncio.sleep(1.0)  # the bucket refills a little
         body = seal(encode(Store(sender=me, records=(forged,))), insider, now=time.time(),
-                    nonce=os.urandom(16)).tobytes()
+                    nonce=os.urandom(16), recipient=to).tobytes()
         async with session.post(f"{url}/v1/dht", data=body) as resp:
             reply = verify_sealed(await resp.read(), max_size=1 << 20).message
     assert isinstance(reply, StoreReply)
@@ -244,8 +246,9 @@ def test_running_node_refuses_garbage_bad_signatures_and_unknown_fragments(tmp_p
                     if owner and insider.peer_id.hex() in [m["peer_id"] for m in (await _status(owner["url"]))["members"]]:
                         break
                     await asyncio.sleep(0.5)
-            replies = await _attack(owner["url"], insider, _fragment_shapes(cfg, 0))
-            flood = await _flood_dht(owner["url"], insider)
+            to = bytes.fromhex(owner["peer_id"])  # requests name the node they are for
+            replies = await _attack(owner["url"], to, insider, _fragment_shapes(cfg, 0))
+            flood = await _flood_dht(owner["url"], to, insider)
             await _publish_insider(dht, cfg, learning=False)
         finally:
             await dht.close()

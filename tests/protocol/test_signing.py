@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 import struct
 
 import msgpack
@@ -14,6 +15,7 @@ from protocol.errors import (
     BadSignature,
     DecodeError,
     LocalProtocolError,
+    NotAuthorized,
     Oversize,
     RemoteProtocolError,
     Replay,
@@ -33,6 +35,7 @@ from protocol.wire.signing import (
     open_envelope,
     open_sealed,
     seal,
+    split_sealed,
     verify_sealed,
 )
 from tests.protocol.test_messages import contribution, messages, tensor
@@ -98,6 +101,51 @@ def test_signer_identity_and_misuse() -> None:
         seal(enc, ALICE, now=NOW, nonce=b"x")
     with pytest.raises(LocalProtocolError, match="finite"):
         seal(enc, ALICE, now=float("nan"), nonce=nonce())
+    with pytest.raises(LocalProtocolError, match="recipient"):
+        seal(enc, ALICE, now=NOW, nonce=nonce(), recipient=b"short")
+
+
+# ── recipient ────────────────────────────────────────────────────────────────────────────────
+NODE_A, NODE_B = Signer.from_seed(b"a" * 32).peer_id, Signer.from_seed(b"b" * 32).peer_id
+
+
+def test_a_message_sealed_for_node_a_is_refused_by_node_b_with_the_reason() -> None:
+    wire = seal(encode(contribution()), ALICE, now=NOW, nonce=nonce(), recipient=NODE_A).tobytes()
+    at_b = ReplayWindow()
+    with pytest.raises(NotAuthorized, match=f"sealed for peer {NODE_A.hex()[:16]}, not for this node") as exc:
+        open_sealed(wire, now=NOW, replay=at_b, max_size=MAX, expected_recipient=NODE_B)
+    assert exc.value.status == 403 and NODE_B.hex()[:16] in exc.value.reason
+    assert len(at_b) == 0  # refused before it took a place in B's window
+    with pytest.raises(NotAuthorized, match="sealed for peer"):
+        split_sealed(wire, max_size=MAX, expected_recipient=NODE_B)  # before the body is hashed
+    at_a = ReplayWindow()
+    opened = open_sealed(wire, now=NOW, replay=at_a, max_size=MAX, expected_recipient=NODE_A)
+    assert opened.recipient == NODE_A and opened.message == contribution()
+    with pytest.raises(Replay, match="already seen"):  # an exact replay to A is still refused
+        open_sealed(wire, now=NOW + 1, replay=at_a, max_size=MAX, expected_recipient=NODE_A)
+
+
+def test_the_recipient_is_signed() -> None:
+    wire = seal(encode(contribution()), ALICE, now=NOW, nonce=nonce(), recipient=NODE_A).tobytes()
+    with pytest.raises(BadSignature):  # readdressed without the sender's key
+        open_sealed(resign(wire, {6: NODE_B}), now=NOW, replay=ReplayWindow(), max_size=MAX)
+    with pytest.raises(BadSignature):  # or made a broadcast
+        verify_sealed(resign(wire, {6: b""}), max_size=MAX)
+
+
+def test_broadcasts_name_nobody_and_are_refused_where_a_recipient_is_required() -> None:
+    wire = sealed().tobytes()  # a state, say: re-served by anyone, so bound to no one
+    assert verify_sealed(wire, max_size=MAX).recipient == b""
+    assert open_sealed(wire, now=NOW, replay=ReplayWindow(), max_size=MAX).recipient == b""
+    with pytest.raises(NotAuthorized, match="names no recipient"):
+        open_sealed(wire, now=NOW, replay=ReplayWindow(), max_size=MAX, expected_recipient=NODE_B)
+    envelope, _ = split_sealed(wire, max_size=MAX)
+    envelope.check_recipient(NODE_B, broadcast_ok=True)  # e.g. a DHT Ping to a bare address
+    envelope.check_recipient(None)
+    reader = SealedReader(MAX)
+    reader.feed(wire)
+    with pytest.raises(NotAuthorized):
+        reader.open(now=NOW, replay=ReplayWindow(), expected_recipient=NODE_A)
 
 
 def test_digest_streams_over_parts() -> None:
@@ -144,7 +192,9 @@ def test_envelope_claiming_another_key_is_refused() -> None:
 @pytest.mark.parametrize(
     ("change", "error", "reason"),
     [
-        ({0: 2}, DecodeError, "version"),
+        ({0: 1}, DecodeError, "version"),  # v1 had no recipient
+        ({6: b"r"}, DecodeError, "recipient"),
+        ({6: 7}, DecodeError, "recipient"),
         ({1: b"k"}, DecodeError, "public key"),
         ({2: 5}, DecodeError, "timestamp"),
         ({2: float("inf")}, DecodeError, "timestamp"),
@@ -246,7 +296,8 @@ def test_window_memory_is_bounded_by_capacity() -> None:
     for i in range(10):
         w.accept(b"k" * 32, nonce(i), NOW + i, now=NOW + 10)
         assert len(w) <= 3
-    assert w.floor == NOW + 6
+    assert w.floor_of(b"k" * 32) == NOW + 6  # this key's own floor: nobody else's moved
+    assert w.floor == -math.inf and w.floor_of(b"j" * 32) == -math.inf
     with pytest.raises(Replay, match="floor"):
         w.accept(b"k" * 32, nonce(0), NOW, now=NOW + 10)  # evicted early, still refused
     with pytest.raises(Replay, match="already seen"):

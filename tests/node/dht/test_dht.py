@@ -78,7 +78,8 @@ async def joined(net: Net, n: int, cfg: DHTConfig = FAST) -> list[DHTNode]:
 
 async def raw(net: Net, address: str, sender: Signer, msg: Message | bytes) -> tuple[int, Message | bytes]:
     """POST one sealed message (or raw bytes); the status and the opened reply (or error body)."""
-    body = msg if isinstance(msg, bytes) else sealed(sender, msg)
+    to = next((n.peer_id for n in net.nodes if n.me.address == address), b"")  # the addressed node
+    body = msg if isinstance(msg, bytes) else sealed(sender, msg, to)
     status, buf, used, _ = await net.transport.request("POST", address, chunks=[body], size=len(body))
     try:
         data = bytes(memoryview(buf)[:used])
@@ -89,8 +90,8 @@ async def raw(net: Net, address: str, sender: Signer, msg: Message | bytes) -> t
     return status, open_sealed(data, now=time.time(), replay=ReplayWindow(), max_size=1 << 20).message
 
 
-def sealed(sender: Signer, msg: Message) -> bytes:
-    return seal(encode(msg), sender, now=time.time(), nonce=os.urandom(16)).tobytes()
+def sealed(sender: Signer, msg: Message, to: bytes = b"") -> bytes:
+    return seal(encode(msg), sender, now=time.time(), nonce=os.urandom(16), recipient=to).tobytes()
 
 
 def info(s: Signer, address: str = "") -> PeerInfo:

@@ -30,11 +30,11 @@ async def test_a_claimed_address_enters_routing_only_after_it_answered_our_ping(
         pings = node.metrics.rpcs_out["Ping"]
         await raw(net, node.me.address, sybil, Ping(sender=info(sybil, DEAD)))  # a fresh key, same address
         assert node.metrics.claims["ignored"] == 1 and node.metrics.rpcs_out["Ping"] == pings
-        # someone else's live address: that node answers, but signed with its own key
+        # someone else's live address: that node refuses our ping, which is sealed for mallory
         await raw(net, node.me.address, mallory, Ping(sender=info(mallory, other.me.address)))
         await eventually(lambda: node.metrics.claims["unanswered"] == 2)
         assert mallory.peer_id not in node.routing and not node.routing.cached(mallory.peer_id)
-        assert node.metrics.failures["bad reply (NotAuthorized)"] == 1
+        assert node.metrics.failures["status 403"] == 1 and other.metrics.refusals["NotAuthorized"] == 1
         assert node.metrics.failures["unreachable (ClientConnectorError)"] == 1
         # an honest node that answers gets in
         assert await honest.ping(node.me.address) == node.me

@@ -22,19 +22,20 @@ pytestmark = pytest.mark.timeout(60)
 
 STRANGERS = 600
 CAPACITY = 200  # a small window: the flood overflows it many times over
+SERVER = Signer.from_seed(bytes([1]) * 32)
 
 
-def _sealed(who: Signer, *, at: float) -> bytes:
+def _sealed(who: Signer, *, at: float, to: bytes = SERVER.peer_id) -> bytes:
     tensor = compress(torch.zeros(2, 2), "none")[0]
     msg = Contribution(swarm="flood", fragment=0, base_version=0, base_digest=bytes(32), tokens=1, steps=1, step_time=0.0,
                        sender_step=1, tensors=(tensor,))
-    return seal(encode(msg), who, now=at, nonce=os.urandom(16)).tobytes()
+    return seal(encode(msg), who, now=at, nonce=os.urandom(16), recipient=to).tobytes()
 
 
 async def test_a_flood_from_fresh_keys_leaves_a_members_next_message_accepted() -> None:
     member = Signer.from_seed(bytes([5]) * 32)
     transport = Transport()
-    server = RpcServer(transport, Signer.from_seed(bytes([1]) * 32),
+    server = RpcServer(transport, SERVER,
                        authorize=lambda peer: _member(peer, member.peer_id))
     server.replay = ReplayWindow(capacity=CAPACITY)
 
