@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import aiohttp
 import torch
 from aiohttp import web
 
@@ -42,6 +43,7 @@ from node.dht.swarm import SwarmCredentials
 from node.diloco.island import Island, Outgoing
 from node.diloco.learner import IslandNet
 from node.diloco.owner import FragmentOwner
+from node.diloco.replica import ReplicaStore, hand_over
 from node.state.serve import ManifestCache, serve_manifest, serve_sealed, state_etag
 from node.state.sync import SyncFailed, sync_fragments
 from node.wire.admission import ADMITTED
@@ -52,8 +54,8 @@ from protocol.diloco.fragments import FragmentPlan
 from protocol.diloco.merge import MergeConfig
 from protocol.diloco.outer import OuterConfig
 from protocol.errors import DecodeError, NotAuthorized, UnknownFragment
-from protocol.wire.messages import Ack, Contribution
-from protocol.wire.signing import Opened, Signer
+from protocol.wire.messages import Ack, Contribution, ReplicaAck, ReplicaState
+from protocol.wire.signing import Opened, ReplayWindow, Signer
 
 __all__ = ["PeerNode", "emit"]
 
@@ -62,6 +64,8 @@ log = logging.getLogger("atoll.peer")
 MEMBERSHIP_PERIOD_S = 2.0
 REPUBLISH_S = 6.0
 CATCH_UP_S = 6.0
+REPLICAS = 1  # replicas per fragment beside its owner (r = 2): each holds the owner's last state
+FENCE_BACKOFF_S = 10.0  # an owner fenced off by a takeover does not claim the fragment again for this long
 JOIN_ATTEMPTS = 5
 MAX_STATE = 1 << 30
 # A sealed request from a key that is not (yet) a member makes the owner read the member records
@@ -90,6 +94,10 @@ def _long_poll_query(request: web.Request) -> tuple[int, float]:
     return int(after), min(wait_s, MAX_WAIT_S)
 
 
+class _FencedBy(Exception):
+    """A replica refused a handoff because another owner has taken the fragment over."""
+
+
 def emit(event: str, **fields: Any) -> None:
     """One JSON line to the launcher."""
     print(json.dumps({"event": event, **fields}), flush=True)
@@ -101,7 +109,10 @@ class PeerNode:
     def __init__(self, cfg: RunConfig, signer: Signer, model: torch.nn.Module, plan: FragmentPlan, *,
                  host: str = "127.0.0.1", port: int = 0, public_address: str | None = None,
                  tamper: Callable[[Outgoing], Outgoing] | None = None,
-                 credentials: SwarmCredentials | None = None) -> None:
+                 credentials: SwarmCredentials | None = None,
+                 initial_global: list[torch.Tensor] | None = None) -> None:
+        """``initial_global``: every fragment's version 0 (the model's initial weights), when the
+        island passed in holds other versions already (resumed from a checkpoint)."""
         if cfg.max_tokens_per_step < 1:
             raise ValueError("the swarm config must set max_tokens_per_step (>= 1): the merge clamps "
                              "every learner's self-reported tokens to it")
@@ -110,6 +121,7 @@ class PeerNode:
         self.public_address = public_address
         # Without credentials (in-process tests only) any reachable member may own fragments.
         self.credentials = credentials
+        self.initial_global = initial_global
         if credentials is not None and credentials.swarm_id != cfg.swarm:
             raise ValueError(f"config swarm {cfg.swarm!r} is not the manifest's swarm id {credentials.swarm_id}")
         tls = server_context(signer) if credentials is not None and credentials.certified else None
@@ -126,7 +138,7 @@ class PeerNode:
         self.shapes = [[tuple(named[n].shape) for n in f.names] for f in plan.fragments]
         self.owners: dict[int, FragmentOwner] = {}
         self._retired_owners: list[FragmentOwner] = []
-        self._suspect_since: dict[bytes, float] = {}  # peer id -> record expiry when it failed us
+        self._suspect_since: dict[bytes, float] = {}  # peer id -> when it failed us (wall clock)
         self._owner_tasks: dict[int, asyncio.Task[None]] = {}
         self.net: IslandNet | None = None
         self.learning = True
@@ -145,6 +157,13 @@ class PeerNode:
         self._unknown: collections.OrderedDict[bytes, float] = collections.OrderedDict()
         self.member_lookups = 0
         self.rpc.route(Contribution, self._on_contribution)
+        self.rpc.route(ReplicaState, self._on_replica_state)
+        self.replicas = ReplicaStore(cfg.swarm, [sum(int(torch.Size(s).numel()) for s in shapes)
+                                                 for shapes in self.shapes])
+        self._replica_replay = ReplayWindow()
+        self._fenced_until: dict[int, float] = {}
+        self.unreplicated = 0  # versions published with no replica reachable
+        self.announce_versions = False  # a launcher counts every published version (and content)
         app = self.transport.app
         app.router.add_get("/v1/fragments/{p}/{kind}", self._on_fetch)
         app.router.add_get("/v1/fragments/{p}/latest/manifest", self._on_manifest)
@@ -197,20 +216,23 @@ class PeerNode:
 
         A crashed owner's record lingers in the DHT until it expires; every peer that finds it
         unreachable routes around it at once instead (its fragments move by rendezvous hash).
+        A record counts as republished when it was signed after we suspected the member (its
+        expiry minus the records' time-to-live): copies of a dead peer's older records, which
+        reach us from other responders with later expiries than the one we held, do not revive it.
         """
         assert self.membership is not None
-        live = self.membership.members
-        return {pid for pid, expiry in self._suspect_since.items()
-                if pid in live and live[pid].expires_at <= expiry}
+        live, ttl = self.membership.members, self.membership.ttl_s
+        return {pid for pid, since in self._suspect_since.items()
+                if pid in live and live[pid].expires_at - ttl <= since}
 
     def _unreachable(self, peer_id: bytes) -> None:
         if self.membership is None or peer_id == self.signer.peer_id:
             return
         member = self.membership.members.get(peer_id)
-        if member is not None and self._suspect_since.get(peer_id, -1.0) < member.expires_at:
+        if member is not None and peer_id not in self.suspects():
             log.warning("member %s at %s refuses connections: routing around it",
                         peer_id.hex()[:8], member.record.url)
-            self._suspect_since[peer_id] = member.expires_at
+            self._suspect_since[peer_id] = time.time()
             if self._tg is not None:  # move its fragments now, not at the next membership pass
                 self._tg.create_task(self._reconcile_owners())
 
@@ -265,26 +287,89 @@ class PeerNode:
             await self.membership.refresh()  # revoked members drop out now
 
     async def _reconcile_owners(self) -> None:
+        now = time.monotonic()
         for p in range(len(self.plan.fragments)):
+            running = self.owners.get(p)
+            if running is not None and running.fenced is not None:
+                self._fenced_until[p] = now + FENCE_BACKOFF_S  # another owner took over: step back
+                self._drop_owner(p)
+                continue
             owner = self.owner_of(p)
             mine = owner is not None and owner[0] == self.signer.peer_id
-            if mine and p not in self.owners:
+            if mine and p not in self.owners and now >= self._fenced_until.get(p, 0.0):
                 self._start_owner(p)
             elif not mine and p in self.owners:
                 log.info("fragment %d: no longer the owner (now %s)", p, owner[1] if owner else None)
-                retired = self.owners.pop(p)
-                self._retired_owners.append(retired)  # keeps its penalty counts for the report
+                retired = self._drop_owner(p)
                 await retired.retire()
-                self._owner_tasks.pop(p).cancel()
+                if owner is not None and self._tg is not None:  # hand our state on: nothing is lost
+                    self._tg.create_task(self._hand_to(p, owner, retired.snapshot()))
+
+    def _drop_owner(self, p: int) -> FragmentOwner:
+        retired = self.owners.pop(p)
+        self._retired_owners.append(retired)  # keeps its penalty counts for the report
+        self._owner_tasks.pop(p).cancel()
+        return retired
+
+    def _published(self, fragment: int, version: int, digest: bytes) -> None:
+        if self.announce_versions:
+            emit("published", fragment=fragment, version=version, digest=digest.hex()[:32])
+
+    async def _hand_to(self, p: int, target: tuple[bytes, str], state: ReplicaState) -> bool:
+        """Hand ``state`` to ``target``; whether it took it (failures are logged, not raised)."""
+        try:
+            ack = await hand_over(self.transport, self.signer, target, state, self._replica_replay)
+        except aiohttp.ClientConnectorError:
+            self._unreachable(target[0])
+            return False
+        except Exception as exc:  # the replica may be busy, new or gone: the caller tries another
+            log.info("fragment %d: handoff of version %d to %s failed: %r", p, state.version,
+                     target[1], exc)
+            return False
+        if not ack.accepted:
+            log.info("fragment %d: %s refused version %d: %s", p, target[1], state.version, ack.reason)
+            if ack.reason.startswith("fenced"):
+                raise _FencedBy(ack.reason)
+        return ack.accepted
+
+    async def _replicate(self, p: int, state: ReplicaState) -> str | None:
+        """Before publishing: hand the version's whole state to the fragment's replica (the next
+        member by rendezvous hash; a replica that cannot be reached is routed around and the
+        next one tried). None when one took it, or none is left (counted); the reason when a
+        replica says another owner has taken over."""
+        assert self.membership is not None
+        tried: set[bytes] = {self.signer.peer_id}
+        while True:
+            ranked = self.membership.ranked(self.cfg.swarm, p, REPLICAS, exclude=tried | self.suspects())
+            if not ranked:
+                self.unreplicated += 1
+                return None
+            try:
+                if await self._hand_to(p, ranked[0], state):
+                    return None
+            except _FencedBy as exc:
+                return str(exc)
+            tried.add(ranked[0][0])
 
     def _start_owner(self, p: int) -> None:
+        """Own fragment ``p``: from the state a previous owner handed us (its global fragment,
+        momentum and version, under a higher epoch) when it is not behind what we hold, else
+        from the newest version we hold."""
         assert self.net is not None and self._tg is not None
         version, flat = self.net.latest.get(p, (0, self.net.island_initial[p]))
+        held, handed = self.replicas.held.get(p), self.replicas.states.get(p)
+        epoch, momentum = (held.epoch + 1 if held else 0), None
+        if handed is not None and handed.version >= version:
+            version, flat, momentum = handed.version, handed.theta, handed.momentum
+            log.info("fragment %d: taking over version %d (epoch %d) with its momentum", p, version, handed.epoch)
         owner = FragmentOwner(
             swarm=self.cfg.swarm, fragment=self.plan.fragments[p], shapes=self.shapes[p],
             initial=flat, version=version, merge_cfg=self._merge_cfg(), outer_cfg=self._outer_cfg(),
-            signer=self.signer, download_codec=self.cfg.download_codec,
+            signer=self.signer, download_codec=self.cfg.download_codec, epoch=epoch, momentum=momentum,
+            replicate=functools.partial(self._replicate, p),
+            on_publish=self._published,
         )
+        self.replicas.fence(p, epoch, version, next(iter(owner.digests[version])))
         previous = (self.membership.owner_of(self.cfg.swarm, p, exclude={self.signer.peer_id, *self.suspects()})
                     if self.membership else None)
         self.owners[p] = owner
@@ -316,6 +401,24 @@ class PeerNode:
         return OuterConfig(lr=self.cfg.outer_lr, momentum=self.cfg.outer_momentum)
 
     # --- handlers ------------------------------------------------------------------------------
+    async def _on_replica_state(self, opened: Opened) -> ReplicaAck:
+        """A handoff: the owner of a fragment (or the one retiring from it) hands us its state."""
+        msg = opened.message
+        assert isinstance(msg, ReplicaState)
+        member = self.membership.members.get(opened.peer_id) if self.membership else None
+        if member is None or not member.certified_owner:
+            raise NotAuthorized(f"peer {opened.peer_id.hex()[:8]} may not own fragments; its state is not taken")
+        own = self.owners.get(msg.fragment)
+        if own is not None and not own.retired and (own.merges_done or msg.version < own.version):
+            return ReplicaAck(accepted=False, epoch=own.epoch, version=own.version,
+                              reason=f"fenced: this peer owns fragment {msg.fragment} (epoch {own.epoch}, "
+                                     f"version {own.version})")
+        ack = self.replicas.offer(opened.peer_id, msg)
+        if ack.accepted and own is not None and not own.retired:
+            await own.take_over(self.replicas.states[msg.fragment])  # a retiring owner's newer state
+        return ack
+
+    # --- handlers (training) --------------------------------------------------------------------
     async def _on_contribution(self, opened: Opened) -> Ack:
         msg = opened.message
         assert isinstance(msg, Contribution)
@@ -436,6 +539,8 @@ class PeerNode:
             "owners": owners,
             "versions": list(island_versions),
             "owned": {str(p): o.version for p, o in self.owners.items()},
+            "owner_epochs": {str(p): o.epoch for p, o in self.owners.items()},
+            "replicas": {**self.replicas.status(), "unreplicated_versions": self.unreplicated},
             "bytes_sent": self.transport.bytes_sent, "bytes_received": self.transport.bytes_received,
             "remote_errors": dict(self.rpc.errors),
             "penalties": self.penalties(),
@@ -468,7 +573,11 @@ class PeerNode:
         self.net = IslandNet(island, self.transport, self.signer, swarm=self.cfg.swarm, shapes=self.shapes,
                              owner_of=self.owner_of, codec=self.cfg.codec, block_size=self.cfg.block_size,
                              on_unreachable=self._unreachable, tamper=self.tamper,
-                             created=cred.manifest.created if cred is not None else None)
+                             created=cred.manifest.created if cred is not None else None,
+                             initial=self.initial_global)
+        for p, version in enumerate(island.versions):  # resumed: state sync fetches only newer ones
+            if version > 0:
+                self.net.remember(p, version, island.global_flat[p])
         self.ready.set()
         try:
             async with asyncio.TaskGroup() as tg:

@@ -223,5 +223,13 @@ class Membership:
         owner = owners_of(swarm, fragment, candidates, 1)[0]
         return owner, self.members[owner].record.url
 
+    def ranked(self, swarm: str, fragment: int, r: int, *, exclude: Collection[bytes] = ()) -> list[tuple[bytes, str]]:
+        """The first ``r`` candidate owners of ``fragment`` by rendezvous hash: the primary, then
+        its replicas."""
+        candidates = self.owner_candidates(exclude)
+        if not candidates:
+            return []
+        return [(pid, self.members[pid].record.url) for pid in owners_of(swarm, fragment, candidates, r)]
+
     def learners(self) -> int:
         return sum(1 for m in self.members.values() if m.record.learning and m.expires_at > time.time())

@@ -80,6 +80,7 @@ class IslandNet:
         tamper: Callable[[Outgoing], Outgoing] | None = None,
         created: float | None = None,
         max_rounds_per_s: float = MAX_ROUNDS_PER_S,
+        initial: Sequence[torch.Tensor] | None = None,
     ) -> None:
         self.wall_clock, self.tamper = wall_clock, tamper
         # the version fence: the swarm's creation time (from its manifest) and the top merge rate
@@ -99,7 +100,8 @@ class IslandNet:
         self._replay = ReplayWindow()
         self.received = [0] * len(self.shapes)  # highest version delivered, per fragment
         self.latest: dict[int, tuple[int, torch.Tensor]] = {}  # newest verified version per fragment
-        self.island_initial = [g.clone() for g in island.global_flat]  # version 0, for a first owner
+        # version 0 (the initial weights), for a first owner: the island's own unless it resumed
+        self.island_initial = [g.clone() for g in (initial if initial is not None else island.global_flat)]
         # fragment -> version -> digest of that version's state as delivered to the island: what a
         # contribution names as its base, so an owner applies it only to that very state
         self.digests: list[dict[int, bytes]] = [{0: flat_digest(g)} for g in self.island_initial]

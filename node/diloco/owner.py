@@ -26,12 +26,13 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import cast
 
 import torch
 
 from node.diloco.flat import content_hash, flat_digest, flat_from_tensors
+from node.diloco.replica import Handed, encode_state
 from protocol.diloco.compression import compress
 from protocol.diloco.fragments import Fragment
 from protocol.diloco.merge import Decision, FragmentMerger, MergeConfig, Phase
@@ -44,7 +45,7 @@ from protocol.diloco.outer import (
 )
 from protocol.errors import DecodeError, Stale
 from protocol.wire.codec import encode
-from protocol.wire.messages import Ack, Contribution, FragmentState
+from protocol.wire.messages import Ack, Contribution, FragmentState, ReplicaState
 from protocol.wire.signing import Sealed, Signer, seal
 
 __all__ = ["FragmentOwner", "MergeFailed"]
@@ -58,6 +59,10 @@ class MergeFailed(Exception):
     def __init__(self, reason: str, culprits: frozenset[bytes]) -> None:
         super().__init__(reason)
         self.reason, self.culprits = reason, culprits
+
+
+class Fenced(MergeFailed):
+    """A replica refused this owner's next version: another owner has taken over."""
 
 
 class FragmentOwner:
@@ -77,11 +82,23 @@ class FragmentOwner:
         download_codec: str = "none",
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
+        epoch: int = 0,
+        momentum: torch.Tensor | None = None,
+        replicate: Callable[[ReplicaState], Awaitable[str | None]] | None = None,
+        on_publish: Callable[[int, int, bytes], None] | None = None,
     ) -> None:
+        """``epoch``: this ownership's epoch (a takeover starts one above the state it took
+        over); ``momentum``: the outer Nesterov buffer taken over with ``initial``;
+        ``replicate``: hands each next version's whole state to a replica before it is
+        published, returning None when a replica took it (or none can) and the reason when this
+        owner has been replaced ("fenced: ..."), after which it stops publishing and retires."""
         self.clock, self.wall_clock = clock, wall_clock
+        self.epoch, self.replicate, self.on_publish = epoch, replicate, on_publish
+        self.fenced: str | None = None
         self.swarm, self.fragment, self.shapes = swarm, fragment, list(shapes)
         self.theta = initial.detach().float().clone()  # [numel_p] fp32
-        self.buffer: torch.Tensor | None = None  # Nesterov momentum, created on first merge
+        # Nesterov momentum, created on first merge (or taken over from the previous owner)
+        self.buffer: torch.Tensor | None = None if momentum is None else momentum.detach().float().clone()
         self.outer_cfg, self.signer, self.download_codec = outer_cfg, signer, download_codec
         self.merger = FragmentMerger(fragment.index, merge_cfg, version=version, now=clock())
         self.version = version
@@ -106,12 +123,12 @@ class FragmentOwner:
         """Check and feed one contribution to the merger. Raises ``RemoteProtocolError``."""
         if msg.base_version > self.version:
             raise Stale(f"base version {msg.base_version} is ahead of the owner's {self.version}")
+        flat, norm = await asyncio.to_thread(self._decode, msg)  # malformed: a 4xx, whatever its base
         mismatch = self._base_mismatch(msg)
         if mismatch is not None:
             self.penalties[sender]["refused_base"] += 1
             log.info("fragment %d: %s", self.fragment.index, mismatch)
             return Ack(accepted=False, reason=mismatch, version=self.version)
-        flat, norm = await asyncio.to_thread(self._decode, msg)
         decision = self.merger.on_contribution(
             sender, base_version=msg.base_version, tokens=msg.tokens, steps=msg.steps,
             step_time=msg.step_time, payload=flat, norm=norm, now=self.clock(),
@@ -245,6 +262,16 @@ class FragmentOwner:
         try:
             theta, buffer = await asyncio.to_thread(self._outer, peers, deltas, weights, clips)
             latest, digest = await asyncio.to_thread(self._seal_state, self.version + 1, theta)
+            if self.replicate is not None:
+                state = await asyncio.to_thread(self._replica_state, self.version + 1, digest, theta, buffer)
+                fence = await self.replicate(state)
+                if fence is not None:
+                    raise Fenced(fence, frozenset(peers))
+        except Fenced as exc:
+            self.fenced = exc.reason
+            log.warning("fragment %d: stopped publishing: %s", self.fragment.index, exc.reason)
+            await self.retire()
+            return self.merger.on_merge_failed(exc.reason, now=self.clock(), discard=exc.culprits)
         except MergeFailed as exc:
             for peer in exc.culprits:
                 self.penalties[peer]["dropped"] += 1
@@ -258,6 +285,8 @@ class FragmentOwner:
             return failed
         self.theta, self.buffer, self.version, self.latest = theta, buffer, self.version + 1, latest
         self._remember_digests(self.version, digest)
+        if self.on_publish is not None:
+            self.on_publish(self.fragment.index, self.version, digest)
         self.merges.append(decision.reason)
         for e in decision.entries:
             counts = self.penalties[e.peer]
@@ -290,6 +319,43 @@ class FragmentOwner:
             raise MergeFailed(f"the outer step over {len(peers)} contributions is not finite; "
                               "no single one is to blame, all are dropped", frozenset(peers))
         return theta, buffer
+
+    def _replica_state(self, version: int, digest: bytes, theta: torch.Tensor,
+                       buffer: torch.Tensor | None) -> ReplicaState:
+        return encode_state(swarm=self.swarm, fragment=self.fragment.index, epoch=self.epoch, version=version,
+                            digest=digest, theta=theta, momentum=buffer)
+
+    def snapshot(self) -> ReplicaState:
+        """The whole state at the latest version (handed to the successor when retiring)."""
+        digest = next(iter(self.digests[self.version]))
+        return self._replica_state(self.version, digest, self.theta, self.buffer)
+
+    async def take_over(self, handed: Handed) -> bool:
+        """Start from a state handed over by the previous owner (or to us as its replica), before
+        our first merge: the same global fragment, momentum, version and digest, under an epoch
+        above it. Returns whether it was taken (it must not be behind what we hold)."""
+        if handed.version < self.version or self.merges or self.merger.phase is Phase.MERGING:
+            return False
+        theta = handed.theta.detach().float().clone()
+        latest, digest = await asyncio.to_thread(self._seal_state, handed.version, theta)
+        if handed.version < self.version or self.merges or self.merger.phase is Phase.MERGING:
+            return False
+        if digest != handed.digest:
+            log.warning("fragment %d: handed version %d does not hash to its digest; not taken",
+                        self.fragment.index, handed.version)
+            return False
+        decision = self.merger.rebase(handed.version, now=self.clock()) if handed.version > self.version else None
+        self.theta, self.version, self.latest = theta, handed.version, latest
+        self.buffer = None if handed.momentum is None else handed.momentum.detach().float().clone()
+        self.epoch = max(self.epoch, handed.epoch + 1)
+        self._remember_digests(handed.version, digest)
+        async with self._changed:
+            self._changed.notify_all()
+        log.info("fragment %d: took over version %d with its momentum (epoch %d)", self.fragment.index,
+                 handed.version, self.epoch)
+        if decision is not None:
+            await self._apply(decision)
+        return True
 
     def _seal_state(self, version: int, theta: torch.Tensor) -> tuple[Sealed, bytes]:
         """Seal ``theta`` as ``version``; also return its digest as learners will decode it."""

@@ -29,6 +29,7 @@ from node.diloco.inner import lr_at, make_inner_optimizer
 from node.diloco.island import Island, IslandConfig
 from node.peer import PeerNode, emit
 from node.run.attack import Attack
+from node.run.resume import IslandCheckpoints
 from node.workload.baseline import TrainConfig, sampler_seed, train_config_for
 from node.workload.corpus import BatchSampler, evaluate, load_corpus, split_corpus
 from node.workload.model import GPT, GPTConfig, embedding_parameter_names
@@ -110,6 +111,8 @@ class PeerOptions:
     serve_after_s: float = 0.0  # without a launcher: keep serving this long after training
     slow_factor: float = 1.0  # fault injection: stretch every inner step to this many times its length
     attack: str = ""  # measurement: send malicious contributions (node.run.attack), e.g. "scale=1000"
+    checkpoint_dir: Path | None = None  # save the island every H steps here; resume from it at start
+    until: float = 0.0  # stop training at this unix time even if steps remain (0: run all steps)
     signer: Signer | None = None  # this peer's key (None: a fresh one)
     credentials: SwarmCredentials | None = None  # the swarm's manifest and our certificate
 
@@ -135,12 +138,25 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
     eval_start = evaluate(model, heldout, batch_size=cfg.batch_size, block_size=gcfg.block_size,
                           n_batches=cfg.eval_batches)
 
+    # --- the island, resumed from its checkpoint if it has one ---------------------------------
+    holder: list[PeerNode] = []
+    island = Island(model, optimizer, plan, submit=lambda out: holder[0].net.submit(out) if holder[0].net else None,
+                    cfg=IslandConfig(inner_steps=cfg.inner_steps, adopt_alpha=cfg.adopt_alpha))
+    initial_global = [g.clone() for g in island.global_flat]  # version 0 of every fragment
+    checkpoints = (IslandCheckpoints(opts.checkpoint_dir, model, optimizer, island, sampler.generator)
+                   if opts.checkpoint_dir else None)
+    resumed = checkpoints.restore() if checkpoints is not None else None
+    start_step = int(resumed["step"]) if resumed else 0
+    if resumed:
+        emit("resumed", index=index, step=start_step, versions=list(island.versions))
+
     # --- the node, on its own thread: join the swarm, sync the global fragments ---------------
     node = PeerNode(cfg, signer, model, plan, host=opts.host, port=opts.port,
                     public_address=opts.public_address, credentials=opts.credentials,
-                    tamper=Attack.parse(opts.attack, seed=cfg.seed + index) if opts.attack else None)
-    island = Island(model, optimizer, plan, submit=lambda out: node.net.submit(out) if node.net else None,
-                    cfg=IslandConfig(inner_steps=cfg.inner_steps, adopt_alpha=cfg.adopt_alpha))
+                    tamper=Attack.parse(opts.attack, seed=cfg.seed + index) if opts.attack else None,
+                    initial_global=initial_global if resumed else None)
+    holder.append(node)
+    node.announce_versions = opts.initial_peers_from_stdin  # under a launcher: it checks every version's content
     initial = list(opts.initial_peers)
     if opts.initial_peers_from_stdin:
         initial += list(_read_stdin_line().get("initial_peers", []))
@@ -166,7 +182,9 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
     # --- the training loop ----------------------------------------------------------------------
     model.train()
     last_progress, loss_ema = 0.0, float("nan")
-    for step in range(cfg.steps):
+    for step in range(start_step, cfg.steps):
+        if opts.until and time.time() >= opts.until:
+            break
         t_step = time.perf_counter()
         if cfg.overlap_block:
             island.enabled = (step // cfg.overlap_block) % 2 == 1
@@ -182,6 +200,8 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
                                          block_size=gcfg.block_size, n_batches=cfg.eval_batches)))
             if index == 0:
                 curve_global.append((time.time() - t0, step + 1, _eval_global(model, island, heldout, cfg)))
+        if checkpoints is not None and (step + 1) % cfg.inner_steps == 0:
+            checkpoints.save()
         if time.monotonic() - last_progress > 1.0:
             last_progress = time.monotonic()
             node.step = step + 1
@@ -198,7 +218,10 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
     else:
         island.adopt_pending()
     eval_end = _eval_global(model, island, heldout, cfg)
-    curve_global.append((time.time() - t0, cfg.steps, eval_end))
+    curve_global.append((time.time() - t0, island.stats.step, eval_end))
+    if checkpoints is not None:
+        checkpoints.save()  # the final state: a restart resumes here instead of training again
+        checkpoints.wait()
     net = node.net
     assert net is not None
     result = {

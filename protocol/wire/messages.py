@@ -51,6 +51,8 @@ __all__ = [
     "Maybe",
     "Message",
     "PeerInfo",
+    "ReplicaAck",
+    "ReplicaState",
     "Scalar",
     "StructOf",
     "TupleOf",
@@ -187,6 +189,48 @@ class Ack(Message):
 
     def _check(self) -> None:
         _require(self.version >= -1, f"Ack.version must be >= -1, got {self.version}")
+
+
+@register(6)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReplicaState(Message):
+    """An owner's whole state for one fragment, handed to its replica before it publishes
+    ``version`` (and to its successor when it retires): the global fragment and the outer
+    momentum in fp32 (``momentum`` empty before the first merge with momentum), ``digest`` of the
+    version as learners decode it, and the owner's ``epoch`` (a takeover starts a higher one)."""
+
+    swarm: str
+    fragment: int
+    epoch: int
+    version: int
+    digest: bytes
+    theta: tuple[EncodedTensor, ...]
+    momentum: tuple[EncodedTensor, ...]
+
+    def _check(self) -> None:
+        _name(self.swarm, "ReplicaState.swarm")
+        _non_negative(self, "fragment", "epoch", "version")
+        _hash(self.digest, HASH_BYTES, "ReplicaState.digest")
+        _tensors(self.theta, "ReplicaState.theta")
+        _require(len(self.theta) == 1 and len(self.momentum) <= 1,
+                 "ReplicaState carries one theta tensor and at most one momentum tensor")
+        if self.momentum:
+            _tensors(self.momentum, "ReplicaState.momentum")
+
+
+@register(7)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReplicaAck(Message):
+    """A replica's answer to a handoff: whether it took it, why, and the epoch and version it
+    holds for the fragment now (-1: none)."""
+
+    accepted: bool
+    reason: str
+    epoch: int
+    version: int
+
+    def _check(self) -> None:
+        _require(self.epoch >= -1 and self.version >= -1, "ReplicaAck epoch and version must be >= -1")
 
 
 @register(5)

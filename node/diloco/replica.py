@@ -1,0 +1,117 @@
+"""Owner replicas on the wire: the states a peer holds for fragments it may have to take over,
+and handing an owner's state to a replica or successor (``protocol.diloco.replica`` decides).
+
+A primary calls ``hand_over`` with its next version's whole state before publishing it; the
+replica's ``ReplicaStore.offer`` takes it or refuses it ("fenced: ..."), and the primary
+publishes only once a replica took it. The store keeps one state per fragment (the newest taken),
+decoded to fp32, so a takeover starts from exactly the global fragment, momentum, version and
+digest the failed primary had handed over.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from node.diloco.flat import flat_from_tensors
+from node.wire.transport import Transport
+from protocol.diloco.compression import compress
+from protocol.diloco.replica import Held, judge
+from protocol.errors import DecodeError, RemoteProtocolError
+from protocol.wire.codec import encode
+from protocol.wire.messages import ReplicaAck, ReplicaState
+from protocol.wire.signing import ReplayWindow, Signer, open_sealed, seal
+
+__all__ = ["Handed", "ReplicaStore", "encode_state", "hand_over"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Handed:
+    """A fragment's owner state as handed over (fp32, on CPU)."""
+
+    fragment: int
+    epoch: int
+    version: int
+    digest: bytes
+    theta: torch.Tensor
+    momentum: torch.Tensor | None
+    sender: bytes
+
+
+def encode_state(*, swarm: str, fragment: int, epoch: int, version: int, digest: bytes,
+                 theta: torch.Tensor, momentum: torch.Tensor | None) -> ReplicaState:
+    """An owner's state as a ``ReplicaState`` (fp32, uncompressed: a replica must hold it exactly)."""
+    t, _ = compress(theta.detach().float().contiguous(), "none")
+    m = (compress(momentum.detach().float().contiguous(), "none")[0],) if momentum is not None else ()
+    return ReplicaState(swarm=swarm, fragment=fragment, epoch=epoch, version=version, digest=digest,
+                        theta=(t,), momentum=m)
+
+
+class ReplicaStore:
+    """The newest handed-over state per fragment, and the fence: the highest epoch seen."""
+
+    def __init__(self, swarm: str, numels: Sequence[int]) -> None:
+        self.swarm, self.numels = swarm, list(numels)
+        self.states: dict[int, Handed] = {}
+        self.held: dict[int, Held] = {}
+        self.taken = 0
+        self.refused = 0
+
+    def offer(self, sender: bytes, msg: ReplicaState) -> ReplicaAck:
+        """Judge and (if taken) keep one handoff. Raises ``DecodeError`` for a malformed one."""
+        p = msg.fragment
+        if msg.swarm != self.swarm or not 0 <= p < len(self.numels):
+            raise DecodeError(f"handoff for swarm {msg.swarm!r} fragment {p}: not a fragment of this swarm")
+        verdict = judge(self.held.get(p), epoch=msg.epoch, version=msg.version, digest=msg.digest, fragment=p)
+        held = self.held.get(p)
+        if not verdict.accepted:
+            self.refused += 1
+            return ReplicaAck(accepted=False, reason=verdict.reason, epoch=held.epoch if held else -1,
+                              version=held.version if held else -1)
+        theta = flat_from_tensors(msg.theta, [(self.numels[p],)])
+        momentum = flat_from_tensors(msg.momentum, [(self.numels[p],)]) if msg.momentum else None
+        self.states[p] = Handed(p, msg.epoch, msg.version, msg.digest, theta, momentum, sender)
+        self.held[p] = Held(msg.epoch, msg.version, msg.digest)
+        self.taken += 1
+        return ReplicaAck(accepted=True, reason=verdict.reason, epoch=msg.epoch, version=msg.version)
+
+    def fence(self, p: int, epoch: int, version: int, digest: bytes) -> None:
+        """This peer now owns ``p`` at ``epoch``: refuse handoffs from older epochs."""
+        held = self.held.get(p)
+        if held is None or (epoch, version) >= (held.epoch, held.version):
+            self.held[p] = Held(epoch, version, digest)
+
+    def status(self) -> dict[str, object]:
+        return {"held": {str(p): {"epoch": h.epoch, "version": h.version} for p, h in self.held.items()},
+                "taken": self.taken, "refused": self.refused}
+
+
+async def hand_over(transport: Transport, signer: Signer, target: tuple[bytes, str], msg: ReplicaState,
+                    replay: ReplayWindow, timeout_s: float = 30.0) -> ReplicaAck:
+    """Send ``msg`` to ``target`` (peer id, URL) and return its signed answer.
+
+    Raises ``RemoteProtocolError`` for a refusal by status or an answer not signed by the target,
+    and the transport's errors when it cannot be reached."""
+    peer_id, url = target
+    sealed = seal(encode(msg), signer, now=time.time(), nonce=os.urandom(16), recipient=peer_id)
+    status, buf, used, _ = await transport.request("POST", f"{url}/v1/rpc", chunks=sealed.iter_chunks(),
+                                                   size=sealed.size, timeout_s=timeout_s, max_reply=1 << 16)
+    try:
+        if status != 200:
+            raise RemoteProtocolError(f"handoff refused ({status}): {bytes(memoryview(buf)[:used])[:300]!r}",
+                                      penalty=0.0)
+        opened = open_sealed(memoryview(buf)[:used], now=time.time(), replay=replay, max_size=1 << 16,
+                             expected_recipient=signer.peer_id)
+    finally:
+        transport.pool.give(buf)
+    if opened.peer_id != peer_id or not isinstance(opened.message, ReplicaAck):
+        raise RemoteProtocolError(f"handoff answered by {opened.peer_id.hex()[:8]} with "
+                                  f"{type(opened.message).__name__}, not by the replica", penalty=0.0)
+    return opened.message

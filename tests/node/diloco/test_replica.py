@@ -1,0 +1,100 @@
+"""Owner replicas with a fake clock and in-memory handoffs: a replica takes over from exactly the
+state its primary handed it (global fragment, Nesterov momentum, version, digest), and a replaced
+primary that comes back is fenced off instead of publishing a second content for a version."""
+
+from __future__ import annotations
+
+import torch
+
+from node.diloco.owner import FragmentOwner
+from node.diloco.replica import ReplicaStore
+from protocol.diloco.merge import MergeConfig
+from protocol.diloco.outer import OuterConfig
+from protocol.wire.messages import ReplicaState
+from tests.node.fakes import (
+    SWARM,
+    FakeClock,
+    contribution,
+    flat_of,
+    shapes_of,
+    signer,
+    tiny_model,
+    tiny_plan,
+)
+
+A, B, C = (bytes([b]) * 32 for b in (0xA1, 0xB2, 0xC3))
+
+
+def _owner(plan, shapes, clock, initial, *, who, replicate=None, version=0, epoch=0, momentum=None):  # type: ignore[no-untyped-def]
+    return FragmentOwner(swarm=SWARM, fragment=plan.fragments[0], shapes=shapes[0], initial=initial,
+                         version=version, merge_cfg=MergeConfig(quorum=1, gamma=0.5, tau=2.0),
+                         outer_cfg=OuterConfig(lr=0.7, momentum=0.9), signer=who, clock=clock,
+                         epoch=epoch, momentum=momentum, replicate=replicate)
+
+
+async def _merge_one(owner: FragmentOwner, clock: FakeClock, delta: torch.Tensor, shapes, sender: bytes) -> None:  # type: ignore[no-untyped-def]
+    ack = await owner.contribute(sender, contribution(delta, shapes[0], base_version=owner.version, owner=owner))
+    assert ack.accepted, ack.reason
+    await owner.set_expected(1)
+    clock.advance(30.0)
+    await owner.tick()
+
+
+async def test_the_replica_takes_over_with_the_momentum_intact_and_matches_an_uninterrupted_owner() -> None:
+    model = tiny_model()
+    plan, clock = tiny_plan(model), FakeClock()
+    shapes, theta0 = shapes_of(model, plan), flat_of(model, plan, 0)
+    store = ReplicaStore(SWARM, [theta0.numel(), 0])
+    handed: list[ReplicaState] = []
+
+    async def to_replica(state: ReplicaState) -> str | None:
+        handed.append(state)
+        ack = store.offer(signer(1).peer_id, state)
+        return None if ack.accepted else ack.reason
+
+    primary = _owner(plan, shapes, clock, theta0, who=signer(1), replicate=to_replica)
+    reference = _owner(plan, shapes, clock, theta0, who=signer(9))  # never fails
+    deltas = [torch.linspace(-0.05, 0.05, theta0.numel()) * (i + 1) for i in range(3)]
+    for d in deltas[:2]:
+        await _merge_one(primary, clock, d, shapes, A)
+        await _merge_one(reference, clock, d, shapes, A)
+    assert primary.version == 2 and [s.version for s in handed] == [1, 2]  # handed before publishing
+    # the primary accepted a contribution for version 3 and died before merging it
+    await primary.set_expected(2)  # it waits for a second learner's contribution, in vain
+    await primary.contribute(B, contribution(deltas[2], shapes[0], base_version=2, owner=primary))
+
+    state = store.states[0]
+    replica = _owner(plan, shapes, clock, state.theta, who=signer(2), version=state.version,
+                     epoch=state.epoch + 1, momentum=state.momentum)
+    assert replica.version == 2 and replica.epoch == 1
+    assert torch.equal(replica.theta, primary.theta) and torch.equal(replica.buffer, primary.buffer)
+    assert replica.digests[2] & primary.digests[2]  # the same version 2, the same content
+    await _merge_one(replica, clock, deltas[2], shapes, B)  # the lost contribution, sent again
+    await _merge_one(reference, clock, deltas[2], shapes, B)
+    assert replica.version == reference.version == 3
+    assert torch.allclose(replica.theta, reference.theta, atol=1e-7)
+    assert torch.allclose(replica.buffer, reference.buffer, atol=1e-7)
+
+
+async def test_a_replaced_primary_is_fenced_and_publishes_nothing() -> None:
+    model = tiny_model()
+    plan, clock = tiny_plan(model), FakeClock()
+    shapes, theta0 = shapes_of(model, plan), flat_of(model, plan, 0)
+    store = ReplicaStore(SWARM, [theta0.numel(), 0])
+
+    async def to_replica(state: ReplicaState) -> str | None:
+        ack = store.offer(signer(1).peer_id, state)
+        return None if ack.accepted else ack.reason
+
+    primary = _owner(plan, shapes, clock, theta0, who=signer(1), replicate=to_replica)
+    await _merge_one(primary, clock, torch.full_like(theta0, 0.01), shapes, A)
+    assert primary.version == 1
+    store.fence(0, epoch=1, version=1, digest=next(iter(primary.digests[1])))  # someone took over at epoch 1
+    waiter_version = primary.version
+    await primary.contribute(C, contribution(torch.full_like(theta0, 0.02), shapes[0], base_version=1,
+                                             owner=primary))
+    await primary.set_expected(1)
+    clock.advance(30.0)
+    await primary.tick()
+    assert primary.version == waiter_version == 1  # version 2 was never published
+    assert primary.fenced is not None and primary.fenced.startswith("fenced:") and primary.retired
