@@ -61,6 +61,9 @@ class MergeFailed(Exception):
         self.reason, self.culprits = reason, culprits
 
 
+MERGED_BASES_KEPT = 100_000  # senders whose newest merged base is remembered
+
+
 class Fenced(MergeFailed):
     """A replica refused this owner's next version: another owner has taken over."""
 
@@ -105,6 +108,7 @@ class FragmentOwner:
         # digest of each recent version's state as learners decode it: a contribution is applied
         # only to the state it was measured against (version numbers alone can name two contents)
         self.digests: dict[int, set[bytes]] = {}
+        self._merged_base: dict[bytes, int] = {}  # sender -> newest base version of its merged work
         self._keep_digests = merge_cfg.staleness_bound + 2
         self.latest, digest = self._seal_state(version, self.theta)
         self._remember_digests(version, digest, flat_digest(self.theta))  # and v0 unrounded (bf16 download)
@@ -124,7 +128,7 @@ class FragmentOwner:
         if msg.base_version > self.version:
             raise Stale(f"base version {msg.base_version} is ahead of the owner's {self.version}")
         flat, norm = await asyncio.to_thread(self._decode, msg)  # malformed: a 4xx, whatever its base
-        mismatch = self._base_mismatch(msg)
+        mismatch = self._base_mismatch(msg) or self._already_merged(sender, msg)
         if mismatch is not None:
             self.penalties[sender]["refused_base"] += 1
             log.info("fragment %d: %s", self.fragment.index, mismatch)
@@ -152,6 +156,16 @@ class FragmentOwner:
             return (f"resync: base version {msg.base_version} of fragment {self.fragment.index} has state "
                     f"{next(iter(known)).hex()[:12]} here, the contribution was measured against "
                     f"{msg.base_digest.hex()[:12]}")
+        return None
+
+    def _already_merged(self, sender: bytes, msg: Contribution) -> str | None:
+        """A learner's pseudo-gradient is cumulative since its base: a second one from the same
+        base, after the first was merged (a learner that gave up waiting and sent again), would
+        count the first one's steps twice."""
+        merged = self._merged_base.get(sender)
+        if merged is not None and msg.base_version <= merged:
+            return (f"resync: a contribution of yours based on version {merged} of fragment "
+                    f"{self.fragment.index} was merged already; take version {self.version} first")
         return None
 
     def _remember_digests(self, version: int, *digests: bytes) -> None:
@@ -283,6 +297,12 @@ class FragmentOwner:
             failed = self.merger.on_merge_failed(f"merge failed: {exc!r}", now=self.clock(), discard=peers)
             log.warning("fragment %d: %s", self.fragment.index, failed.reason)
             return failed
+        for e in decision.entries:  # their bases, so that a second send of the same work is refused
+            base = self.version - e.staleness
+            if self._merged_base.get(e.peer, -1) < base:
+                self._merged_base[e.peer] = base
+        while len(self._merged_base) > MERGED_BASES_KEPT:
+            self._merged_base.pop(next(iter(self._merged_base)))
         self.theta, self.buffer, self.version, self.latest = theta, buffer, self.version + 1, latest
         self._remember_digests(self.version, digest)
         if self.on_publish is not None:

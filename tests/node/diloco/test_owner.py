@@ -215,3 +215,19 @@ async def test_a_new_owner_asks_for_a_resync_of_bases_it_never_held() -> None:
     delta = torch.linspace(-0.05, 0.05, theta0.numel())
     ack = await owner.contribute(A, contribution(delta, shapes[0], base_version=4, base_digest=flat_digest(theta0)))
     assert not ack.accepted and "not known here" in ack.reason and ack.reason.startswith("resync")
+
+
+async def test_work_already_merged_is_not_counted_twice() -> None:
+    """A learner that gave up waiting for its version re-sends its pseudo-gradient, which is
+    cumulative since its base: after the first was merged, the second is refused (resync)."""
+    plan, shapes, clock, theta0, owner = _setup(quorum=1)
+    delta = torch.full_like(theta0, 0.01)
+    await owner.set_expected(1)
+    assert (await owner.contribute(A, contribution(delta, shapes[0], owner=owner))).accepted
+    assert owner.version == 1
+    again = await owner.contribute(A, contribution(delta * 2, shapes[0], base_version=0, owner=owner))
+    assert not again.accepted and again.reason.startswith("resync: a contribution of yours based on version 0")
+    assert owner.version == 1 and owner.penalties[A]["refused_base"] == 1
+    other = await owner.contribute(B, contribution(delta, shapes[0], base_version=0, owner=owner))
+    assert "merged already" not in other.reason  # another learner's late work is judged as before
+    assert (await owner.contribute(A, contribution(delta, shapes[0], base_version=1, owner=owner))).accepted
