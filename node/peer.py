@@ -28,6 +28,7 @@ import re
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -110,9 +111,11 @@ class PeerNode:
                  host: str = "127.0.0.1", port: int = 0, public_address: str | None = None,
                  tamper: Callable[[Outgoing], Outgoing] | None = None,
                  credentials: SwarmCredentials | None = None,
-                 initial_global: list[torch.Tensor] | None = None) -> None:
+                 initial_global: list[torch.Tensor] | None = None, event_log_dir: Path | None = None) -> None:
         """``initial_global``: every fragment's version 0 (the model's initial weights), when the
-        island passed in holds other versions already (resumed from a checkpoint)."""
+        island passed in holds other versions already (resumed from a checkpoint).
+        ``event_log_dir``: every owner logs its merger's events and decisions there, one file per
+        fragment and ownership (``atoll replay`` re-runs them)."""
         if cfg.max_tokens_per_step < 1:
             raise ValueError("the swarm config must set max_tokens_per_step (>= 1): the merge clamps "
                              "every learner's self-reported tokens to it")
@@ -121,7 +124,7 @@ class PeerNode:
         self.public_address = public_address
         # Without credentials (in-process tests only) any reachable member may own fragments.
         self.credentials = credentials
-        self.initial_global = initial_global
+        self.initial_global, self.event_log_dir = initial_global, event_log_dir
         if credentials is not None and credentials.swarm_id != cfg.swarm:
             raise ValueError(f"config swarm {cfg.swarm!r} is not the manifest's swarm id {credentials.swarm_id}")
         tls = server_context(signer) if credentials is not None and credentials.certified else None
@@ -368,6 +371,8 @@ class PeerNode:
             signer=self.signer, download_codec=self.cfg.download_codec, epoch=epoch, momentum=momentum,
             replicate=functools.partial(self._replicate, p),
             on_publish=self._published,
+            event_log=(self.event_log_dir / f"fragment{p}-epoch{epoch}-v{version}-{time.time_ns()}.jsonl"
+                       if self.event_log_dir is not None else None),
         )
         self.replicas.fence(p, epoch, version, next(iter(owner.digests[version])))
         previous = (self.membership.owner_of(self.cfg.swarm, p, exclude={self.signer.peer_id, *self.suspects()})

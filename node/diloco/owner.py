@@ -27,10 +27,12 @@ import math
 import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
 from typing import cast
 
 import torch
 
+from node.diloco.eventlog import LoggedMerger
 from node.diloco.flat import content_hash, flat_digest, flat_from_tensors
 from node.diloco.replica import Handed, encode_state
 from protocol.diloco.compression import compress
@@ -89,6 +91,7 @@ class FragmentOwner:
         momentum: torch.Tensor | None = None,
         replicate: Callable[[ReplicaState], Awaitable[str | None]] | None = None,
         on_publish: Callable[[int, int, bytes], None] | None = None,
+        event_log: Path | None = None,
     ) -> None:
         """``epoch``: this ownership's epoch (a takeover starts one above the state it took
         over); ``momentum``: the outer Nesterov buffer taken over with ``initial``;
@@ -103,7 +106,12 @@ class FragmentOwner:
         # Nesterov momentum, created on first merge (or taken over from the previous owner)
         self.buffer: torch.Tensor | None = None if momentum is None else momentum.detach().float().clone()
         self.outer_cfg, self.signer, self.download_codec = outer_cfg, signer, download_codec
-        self.merger = FragmentMerger(fragment.index, merge_cfg, version=version, now=clock())
+        start = clock()
+        merger = FragmentMerger(fragment.index, merge_cfg, version=version, now=start)
+        # with ``event_log``, every merger call and decision is logged for ``atoll replay``
+        self.log = (LoggedMerger(merger, event_log, fragment=fragment.index, config=merge_cfg, version=version,
+                                 now=start) if event_log is not None else None)
+        self.merger: FragmentMerger = cast(FragmentMerger, self.log) if self.log is not None else merger
         self.version = version
         # digest of each recent version's state as learners decode it: a contribution is applied
         # only to the state it was measured against (version numbers alone can name two contents)
@@ -170,6 +178,8 @@ class FragmentOwner:
 
     def _remember_digests(self, version: int, *digests: bytes) -> None:
         self.digests.setdefault(version, set()).update(digests)
+        if self.log is not None and digests:
+            self.log.note_version(version, digests[0])
         for old in [v for v in self.digests if v <= version - self._keep_digests]:
             del self.digests[old]
 
@@ -235,8 +245,10 @@ class FragmentOwner:
             return None if self.version <= after else self.latest
 
     async def retire(self) -> None:
-        """This peer no longer owns the fragment: release every long-poll."""
+        """This peer no longer owns the fragment: release every long-poll (and close the log)."""
         self.retired = True
+        if self.log is not None:
+            self.log.close()
         async with self._changed:
             self._changed.notify_all()
 

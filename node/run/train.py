@@ -112,6 +112,7 @@ class PeerOptions:
     slow_factor: float = 1.0  # fault injection: stretch every inner step to this many times its length
     attack: str = ""  # measurement: send malicious contributions (node.run.attack), e.g. "scale=1000"
     checkpoint_dir: Path | None = None  # save the island every H steps here; resume from it at start
+    event_log_dir: Path | None = None  # owners log their mergers' events here (atoll replay)
     until: float = 0.0  # stop training at this unix time even if steps remain (0: run all steps)
     signer: Signer | None = None  # this peer's key (None: a fresh one)
     credentials: SwarmCredentials | None = None  # the swarm's manifest and our certificate
@@ -154,7 +155,7 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
     node = PeerNode(cfg, signer, model, plan, host=opts.host, port=opts.port,
                     public_address=opts.public_address, credentials=opts.credentials,
                     tamper=Attack.parse(opts.attack, seed=cfg.seed + index) if opts.attack else None,
-                    initial_global=initial_global if resumed else None)
+                    initial_global=initial_global if resumed else None, event_log_dir=opts.event_log_dir)
     holder.append(node)
     node.announce_versions = opts.initial_peers_from_stdin  # under a launcher: it checks every version's content
     initial = list(opts.initial_peers)

@@ -15,6 +15,7 @@ import os
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
 import torch
@@ -72,12 +73,12 @@ def flat_of(model: nn.Module, plan: FragmentPlan, p: int) -> torch.Tensor:
 
 
 def make_owner(plan: FragmentPlan, shapes: Sequence[Sequence[tuple[int, ...]]], p: int, initial: torch.Tensor,
-               clock: FakeClock, *, who: Signer | None = None, version: int = 0,
+               clock: FakeClock, *, who: Signer | None = None, version: int = 0, event_log: Path | None = None,
                **merge: object) -> FragmentOwner:
     cfg = MergeConfig(**{"quorum": 1, "gamma": 0.5, "tau": 2.0, **merge})  # type: ignore[arg-type]
     return FragmentOwner(swarm=SWARM, fragment=plan.fragments[p], shapes=shapes[p], initial=initial,
                          version=version, merge_cfg=cfg, outer_cfg=OuterConfig(lr=1.0, momentum=0.0),
-                         signer=who or signer(1), clock=clock)
+                         signer=who or signer(1), clock=clock, event_log=event_log)
 
 
 def contribution(delta: torch.Tensor, shapes: Sequence[tuple[int, ...]], *, fragment: int = 0,
