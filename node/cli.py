@@ -13,8 +13,12 @@ import argparse
 import logging
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from node.config import SWARM_WIDE_FIELDS, RunConfig, add_run_arguments, config_from_args
+
+if TYPE_CHECKING:
+    from node.run.chaos import ChaosSpec
 
 __all__ = ["main"]
 
@@ -46,6 +50,18 @@ def _parser() -> argparse.ArgumentParser:
                        help="fault injection: SIGKILL peer PEER once it reports inner step STEP (repeatable)")
     local.add_argument("--slow", action="append", default=[], metavar="PEER@FACTOR",
                        help="fault injection: peer PEER takes FACTOR times as long per inner step (repeatable)")
+    local.add_argument("--duration", type=float, default=None, metavar="SECONDS",
+                       help="train for this wall-clock time from launch (start-up included) instead of --steps")
+    local.add_argument("--chaos", default=None, metavar="SPEC",
+                       help="kill, restart, slow and shape peers on a schedule (seconds from the start of "
+                            "training). SPEC: 'default' (kill=learner@every60s+restart20s,"
+                            "kill=owner@every90s+restart20s,calm=60s) or comma-separated items: "
+                            "kill=TARGET@WHEN[+restartDELAY] with TARGET learner (owns nothing), owner, any "
+                            "or a peer index and WHEN 30s (once) or every60s; slow=PEERxFACTOR; "
+                            "link=PEER:latency=50ms,bandwidth=10mbit; calm=DURATION (no new kill in the "
+                            "last DURATION; default min(60s, a quarter of the run)). A kill never takes one of the "
+                            "last 2 live peers. E.g. --duration 300 --chaos default, or --duration 60 "
+                            "--chaos kill=1@15s+restart10s,kill=learner@every25s+restart10s,slow=3x3")
 
     join = sub.add_parser("join", help="join a running swarm and train",
                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -58,6 +74,8 @@ def _parser() -> argparse.ArgumentParser:
                            "peers that cannot be dialled back train as learners only")
     join.add_argument("--serve-after-s", type=float, default=3600.0,
                       help="after training, keep serving the fragments this peer owns this long")
+    join.add_argument("--checkpoint-dir", type=Path, default=None,
+                      help="save the island here every H steps, and resume from it after a crash or restart")
     _add_swarm_arguments(join, key_required=True)
     join.add_argument("--swarm", default=None, metavar="ID",
                       help="the swarm id (instead of --manifest): its manifest is fetched from an initial "
@@ -90,6 +108,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="read {\"initial_peers\": [...]} from stdin after loading the model and data")
     peer.add_argument("--wait-members", type=int, default=1, help="start training once this many members joined")
     peer.add_argument("--slow-factor", type=float, default=1.0, help="emulate a slower machine (fault injection)")
+    peer.add_argument("--checkpoint-dir", type=Path, default=None,
+                      help="save the island here every H steps, and resume from it when it holds one")
+    peer.add_argument("--until", type=float, default=0.0, help="stop training at this unix time (0: run all steps)")
     peer.add_argument("--key", type=Path, default=None, help="this peer's key (PEM)")
     peer.add_argument("--cert", type=Path, default=None, help="this peer's certificate")
     peer.add_argument("--manifest", type=Path, default=None, help="the swarm's signed manifest")
@@ -118,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
             kill_at = _parse_kills(args.kill, cfg.peers)
             slow = _parse_slow(args.slow, cfg.peers)
             attacks = _parse_attacks(args.attack, cfg.peers)
+            chaos = _parse_chaos(args.chaos, args.duration, cfg.peers)
         except ValueError as exc:
             print(f"atoll local: {exc}", file=sys.stderr)
             return 2
@@ -126,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
             for i, attack in attacks.items():
                 extra.setdefault(i, []).extend(["--attack", attack])
             run_local(cfg, report_path=args.report, baseline=args.baseline, alone=args.alone, quiet=args.quiet,
-                      kill_at=kill_at, extra_peer_args=extra, attacks=attacks, admission=args.admission)
+                      kill_at=kill_at, extra_peer_args=extra, attacks=attacks, admission=args.admission,
+                      chaos=chaos, duration_s=args.duration)
         except KeyboardInterrupt:
             return 130
         return 0
@@ -160,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         opts = PeerOptions(index=args.index, initial_peers=tuple(args.initial_peers), t0=args.t0,
                            initial_peers_from_stdin=args.initial_peers_from_stdin,
                            wait_members=args.wait_members, slow_factor=args.slow_factor,
-                           attack=args.attack, signer=signer, credentials=credentials)
+                           attack=args.attack, signer=signer, credentials=credentials,
+                           checkpoint_dir=args.checkpoint_dir, until=args.until)
         run_peer(RunConfig.load(args.config), opts)
         return 0
     return 2
@@ -193,6 +217,15 @@ def _parse_kills(specs: list[str], peers: int) -> dict[int, int]:
                              "(peer 0 founds the swarm), e.g. --kill 1@100")
         out[int(index)] = int(step)
     return out
+
+
+def _parse_chaos(spec: str | None, duration: float | None, peers: int) -> ChaosSpec | None:
+    """``--chaos`` and ``--duration`` checked together; raises ValueError with the expected form."""
+    from node.run.chaos import parse_chaos
+
+    if duration is not None and not duration > 0:
+        raise ValueError(f"bad --duration {duration:g}: expected SECONDS > 0, e.g. --duration 300")
+    return parse_chaos(spec, peers) if spec is not None else None
 
 
 def _parse_attacks(specs: list[str], peers: int) -> dict[int, str]:

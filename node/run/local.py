@@ -6,20 +6,34 @@ owners through the DHT, as peers joining over the internet do. It shows live pro
 JSON lines the peers print, and when every peer has reported its final result it stops them,
 writes the JSON report and the plot, and prints a summary. Ctrl-C stops every peer cleanly.
 
+``--duration S`` runs the swarm for a wall-clock time: every peer gets ``--until`` (the launch
+time + S, start-up included) and steps without end, and stops training then. ``--chaos SPEC``
+(``node.run.chaos``) kills peers (SIGKILL) and restarts them on a schedule counted from the
+start of training: a restarted peer is the same index with the same key, certificate and
+``--checkpoint-dir`` (every peer saves its island there every H steps and resumes from it),
+joins through the live peers with ``--wait-members 1`` and starts at once. A peer's result is
+its last incarnation's.
+
 Peer ↔ launcher protocol (one JSON object per line):
   peer → launcher  {"event": "listening", "index", "url", "peer_id"}
                    {"event": "joined", "index", "versions", "synced"}
                    {"event": "progress", "index", "step", "loss", "versions", "bytes_sent"}
+                   {"event": "resumed", "index", "step", "versions"}   (from its checkpoint)
+                   {"event": "published", "fragment", "version", "digest"}   (as an owner)
                    {"event": "done", "index", "result": {...}}
-  launcher → peer  {"stop": true}   (once every peer is done)
+  launcher → peer  {"initial_peers": [url, ...]}, then {"start": true} once all are ready
+                   {"stop": true}   (once every peer is done)
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
+import random
+import shutil
 import signal
 import sys
 import time
@@ -28,9 +42,21 @@ from pathlib import Path
 from typing import Any
 
 from node.config import RunConfig
+from node.run.chaos import (
+    ChaosSchedule,
+    ChaosSpec,
+    Kill,
+    Restart,
+    goodput,
+    longest_gaps,
+    median_step_s,
+    uptime,
+)
 from node.run.report import build_report, summary_lines, write_report
 
 __all__ = ["LocalSwarm", "baseline_for", "island_alone_for", "run_local"]
+
+ENDLESS_STEPS = 10**9  # --duration: peers step until --until stops them
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +70,10 @@ class PeerProcess:
     peer_id: str = ""
     progress: dict[str, Any] = field(default_factory=dict)
     result: dict[str, Any] | None = None
+    incarnation: int = 0  # 0: the first process of this index; n: its n-th restart
+    resumed_from_step: int = 0  # the checkpoint's step it resumed from (0: a fresh island)
+    started: bool = False  # told to start training
+    killed: bool = False  # SIGKILLed by fault injection or chaos
     listening: asyncio.Event = field(default_factory=asyncio.Event)
     ready: asyncio.Event = field(default_factory=asyncio.Event)  # joined, waiting for "start"
     finished: asyncio.Event = field(default_factory=asyncio.Event)
@@ -54,7 +84,8 @@ class LocalSwarm:
 
     def __init__(self, cfg: RunConfig, run_dir: Path, *, extra_peer_args: dict[int, list[str]] | None = None,
                  quiet: bool = False, startup_timeout_s: float = 120.0, run_timeout_s: float | None = None,
-                 kill_at: dict[int, int] | None = None, admission: str = "open") -> None:
+                 kill_at: dict[int, int] | None = None, admission: str = "open",
+                 chaos: ChaosSpec | None = None, duration_s: float | None = None) -> None:
         self.cfg = cfg
         self.admission = admission
         self.run_dir = run_dir
@@ -65,8 +96,19 @@ class LocalSwarm:
         self.peers: list[PeerProcess] = []
         self.kill_at = dict(kill_at or {})  # fault injection: peer index -> inner step to SIGKILL it at
         self.killed: list[int] = []
+        self.published: list[tuple[int, int, str, int]] = []  # (fragment, version, digest, peer index)
         self.listening = asyncio.Event()  # every peer has bound its address
         self.t0 = time.time()
+        self.t0_mono = time.monotonic()  # the same moment on the monotonic clock
+        self.chaos = chaos
+        self.duration_s = duration_s
+        self.incarnations: list[PeerProcess] = []  # every process started, restarts included
+        self.restarts: list[dict[str, Any]] = []  # {peer, killed_at_s, restarted_at_s} (s after training start)
+        self.chaos_events: list[str] = []  # every chaos decision's reason
+        self.train_started: float | None = None  # monotonic time of {"start": true}
+        self.progress_log: list[tuple[float, int, int]] = []  # (monotonic time, incarnation id, step)
+        self.version_times: dict[tuple[int, int], float] = {}  # (fragment, version) -> first seen
+        self.done_times: list[float] = []  # monotonic times of "done" events
 
     def make_swarm(self) -> RunConfig:
         """A throw-away founder, one authority ("local") and a key and certificate per peer,
@@ -100,16 +142,41 @@ class LocalSwarm:
         return ["--manifest", str(folder / "swarm.toml"), "--key", str(folder / f"peer{index}.key"),
                 "--cert", str(folder / f"peer{index}.cert")]
 
-    async def _spawn(self, index: int, config_path: Path) -> PeerProcess:
-        log_path = self.run_dir / f"peer{index}.log"
-        cmd = [sys.executable, "-m", "node", "peer", "--config", str(config_path), "--index", str(index),
-               "--t0", str(self.t0), "--initial-peers-from-stdin", "--wait-members", str(self.cfg.peers),
-               *self._identity_args(index), *self.extra.get(index, [])]
+    def _peer_args(self, index: int) -> list[str]:
+        """Per-peer flags: identity, checkpoints, the end time, and chaos's stragglers."""
+        args = [*self._identity_args(index), "--checkpoint-dir", str(self.run_dir / f"peer{index}-checkpoints")]
+        if self.duration_s is not None:
+            args += ["--until", f"{self.t0 + self.duration_s:.3f}"]
+        args += self.extra.get(index, [])
+        slow = dict(self.chaos.slow) if self.chaos else {}
+        if index in slow:
+            args += ["--slow-factor", str(slow[index])]
+        return args
+
+    def _config_for(self, index: int, config_path: Path) -> Path:
+        """The swarm's config, or for a peer with its own emulated link (``--chaos link=``) a copy
+        with that ``link``: the link is a per-process setting, outside the manifest's recipe."""
+        links = dict(self.chaos.links) if self.chaos else {}
+        if index not in links:
+            return config_path
+        own = self.run_dir / f"config-peer{index}.json"
+        own.write_text(dataclasses.replace(self.cfg, link=links[index]).to_json())
+        return own
+
+    async def _spawn(self, index: int, config_path: Path, *, wait_members: int | None = None,
+                     incarnation: int = 0) -> PeerProcess:
+        suffix = f".{incarnation}" if incarnation else ""
+        log_path = self.run_dir / f"peer{index}{suffix}.log"
+        cmd = [sys.executable, "-m", "node", "peer", "--config", str(self._config_for(index, config_path)),
+               "--index", str(index), "--t0", str(self.t0), "--initial-peers-from-stdin",
+               "--wait-members", str(wait_members or self.cfg.peers), *self._peer_args(index)]
         proc = await asyncio.create_subprocess_exec(
             *cmd, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
             stderr=log_path.open("wb"), start_new_session=True,
         )
-        return PeerProcess(index, proc, log_path)
+        peer = PeerProcess(index, proc, log_path, incarnation=incarnation)
+        self.incarnations.append(peer)
+        return peer
 
     async def _read(self, peer: PeerProcess) -> None:
         assert peer.proc.stdout is not None
@@ -126,18 +193,32 @@ class LocalSwarm:
                 peer.ready.set()
             elif event == "progress":
                 peer.progress = msg
+                self.progress_log.append((time.monotonic(), id(peer), int(msg["step"])))
                 if peer.index in self.kill_at and msg["step"] >= self.kill_at[peer.index]:
                     del self.kill_at[peer.index]
                     self.killed.append(peer.index)
                     log.warning("fault injection: killing peer %d at step %d", peer.index, msg["step"])
-                    with contextlib.suppress(ProcessLookupError):
-                        peer.proc.kill()
+                    self._kill(peer)
+            elif event == "published":  # every version any owner published, killed peers' included
+                self.published.append((int(msg["fragment"]), int(msg["version"]), str(msg["digest"]), peer.index))
+                self.version_times.setdefault((int(msg["fragment"]), int(msg["version"])), time.monotonic())
+            elif event == "resumed":
+                peer.resumed_from_step = int(msg["step"])
+                log.warning("peer %d resumed from its checkpoint at step %d", peer.index, peer.resumed_from_step)
             elif event == "done":
-                peer.result = msg["result"]
+                peer.result = {**msg["result"], "incarnation": peer.incarnation,
+                               "resumed_from_step": peer.resumed_from_step}
+                self.done_times.append(time.monotonic())
                 peer.finished.set()
         peer.finished.set()
         peer.listening.set()
         peer.ready.set()
+
+    @staticmethod
+    def _kill(peer: PeerProcess) -> None:
+        peer.killed = True
+        with contextlib.suppress(ProcessLookupError):
+            peer.proc.kill()
 
     async def _send(self, peer: PeerProcess, msg: dict[str, Any]) -> None:
         if peer.proc.stdin is None or peer.proc.returncode is not None:
@@ -155,12 +236,13 @@ class LocalSwarm:
             parts = []
             for p in self.peers:
                 g = p.progress
+                of = "" if self.duration_s is not None else f"/{self.cfg.steps}"
                 if p.result is not None:
                     parts.append(f"p{p.index}: done")
-                elif p.index in self.killed:
+                elif p.killed:
                     parts.append(f"p{p.index}: killed")
                 elif g:
-                    parts.append(f"p{p.index}: step {g['step']}/{self.cfg.steps} loss {g['loss']:.3f} "
+                    parts.append(f"p{p.index}: step {g['step']}{of} loss {g['loss']:.3f} "
                                  f"v{g['versions']} {g['bytes_sent'] / 1e6:.1f}MB")
                 else:
                     parts.append(f"p{p.index}: starting")
@@ -169,6 +251,8 @@ class LocalSwarm:
     async def run(self) -> list[dict[str, Any]]:
         """Run the swarm to completion; return every peer's result (raises on a peer's failure)."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        for i in range(self.cfg.peers):  # a new swarm: never resume another run's islands
+            shutil.rmtree(self.run_dir / f"peer{i}-checkpoints", ignore_errors=True)
         config_path = self.run_dir / "config.json"
         self.cfg = self.make_swarm()
         config_path.write_text(self.cfg.to_json())
@@ -179,6 +263,8 @@ class LocalSwarm:
             try:
                 await self._start_peers(config_path, tg, readers)
                 await self._start_training()
+                if self.chaos is not None and self.chaos.kills:
+                    await self._run_chaos(self.chaos, config_path, tg, readers)
                 await self._drive()
                 completed = True
             finally:
@@ -216,23 +302,126 @@ class LocalSwarm:
         that start seconds apart contribute from different points of training."""
         async with asyncio.timeout(self.startup_timeout_s + 180.0):
             await asyncio.gather(*(p.ready.wait() for p in self.peers))
+        self.train_started = time.monotonic()
         for peer in self.peers:
+            peer.started = True
             await self._send(peer, {"start": True})
 
     async def _drive(self) -> None:
         async with asyncio.timeout(self.run_timeout_s):
             await asyncio.gather(*(p.finished.wait() for p in self.peers))
-        failed = [p for p in self.peers if p.result is None and p.index not in self.killed]
+        failed = [p for p in self.peers if p.result is None and not p.killed]
         if failed:
             tail = failed[0].log_path.read_text(errors="replace")[-2000:]
             raise RuntimeError(f"peer {failed[0].index} failed; last log lines:\n{tail}")
 
+    # --- chaos ---------------------------------------------------------------------------------
+    @staticmethod
+    def _training(p: PeerProcess) -> bool:
+        return p.started and not p.killed and p.result is None and p.proc.returncode is None
+
+    async def _run_chaos(self, spec: ChaosSpec, config_path: Path, tg: asyncio.TaskGroup,
+                         readers: list[asyncio.Task[None]]) -> None:
+        """Carry out the schedule's kills and restarts until it has nothing left to do or no peer
+        trains any more (a restarted peer finishes its start-up on a task of its own)."""
+        assert self.train_started is not None
+        end = self.t0_mono + self.duration_s if self.duration_s is not None else float("inf")
+        schedule = ChaosSchedule(spec, end - self.train_started, random.Random(self.cfg.seed))
+        while not schedule.finished() and any(p.result is None and not p.killed for p in self.peers):
+            await asyncio.sleep(0.25)
+            now = time.monotonic() - self.train_started
+            live = {p.index for p in self.peers if self._training(p)}
+            owners = await self._owners(live) if schedule.owners_needed(now) else set()
+            for decision in schedule.tick(now, live, owners):
+                log.warning("chaos: %s", decision.reason)
+                self.chaos_events.append(decision.reason)
+                if isinstance(decision, Kill):
+                    self._kill(self.peers[decision.peer])
+                    self.restarts.append({"peer": decision.peer, "killed_at_s": round(now, 1),
+                                          "restarted_at_s": None})
+                    if decision.restart_at is None:
+                        self.killed.append(decision.peer)
+                elif isinstance(decision, Restart):
+                    await self._restart(decision.peer, config_path, tg, readers)
+                    entry = next(r for r in reversed(self.restarts) if r["peer"] == decision.peer)
+                    entry["restarted_at_s"] = round(now, 1)
+        for index in schedule.pending_restarts():  # every other peer finished first: it stays dead
+            self.chaos_events.append(f"peer {index} not restarted: the others had finished")
+            self.killed.append(index)
+
+    async def _restart(self, index: int, config_path: Path, tg: asyncio.TaskGroup,
+                       readers: list[asyncio.Task[None]]) -> None:
+        """Start peer ``index`` again: same key, certificate and checkpoint folder."""
+        old = self.peers[index]
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(10.0):
+                await old.proc.wait()  # SIGKILLed: gone in a moment; its checkpoint folder is ours
+        peer = await self._spawn(index, config_path, wait_members=1, incarnation=old.incarnation + 1)
+        self.peers[index] = peer
+        readers.append(tg.create_task(self._read(peer)))
+        tg.create_task(self._start_restarted(peer))
+
+    async def _start_restarted(self, peer: PeerProcess) -> None:
+        urls = [p.url for p in self.peers if self._training(p) and p.url]
+        await self._send(peer, {"initial_peers": urls})
+        async with asyncio.timeout(self.startup_timeout_s + 180.0):
+            await peer.ready.wait()
+        if peer.proc.returncode is not None:
+            tail = peer.log_path.read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"restarted peer {peer.index} exited before training; last log lines:\n{tail}")
+        peer.started = True
+        await self._send(peer, {"start": True})
+
+    async def _owners(self, live: set[int]) -> set[int]:
+        """The live peers that own a fragment, from their ``GET /v1/status`` (``owned``); a peer
+        that does not answer counts as no owner."""
+        from node.run.join import signed_request
+        from node.wire.identity import load_certificate, load_key
+
+        folder = self.run_dir / "swarm"
+
+        def owns(i: int) -> bool:
+            try:
+                code, body = signed_request(f"{self.peers[i].url}/v1/status", swarm=self.cfg.swarm,
+                                            signer=load_key(folder / f"peer{i}.key"),
+                                            cert=load_certificate(folder / f"peer{i}.cert"), timeout=5.0)
+                return code == 200 and bool(json.loads(body).get("owned"))
+            except (OSError, ValueError) as exc:
+                log.info("chaos: peer %d's status unreadable: %s", i, exc)
+                return False
+
+        answers = await asyncio.gather(*(asyncio.to_thread(owns, i) for i in sorted(live)))
+        return {i for i, yes in zip(sorted(live), answers, strict=True) if yes}
+
+    # --- accounting -----------------------------------------------------------------------------
+    def accounting(self, results: list[dict[str, Any]]) -> dict[str, Any]:
+        """The report's ``chaos``, ``restarts``, ``uptime``, ``goodput`` and what they rest on
+        (definitions: ``node.run.chaos.uptime`` and ``goodput``)."""
+        start = self.train_started or self.t0_mono
+        end = (self.t0_mono + self.duration_s if self.duration_s is not None
+               else min(self.done_times, default=time.monotonic()))
+        step_s = median_step_s(self.progress_log)
+        window = 2 * self.cfg.inner_steps * step_s
+        published = [(t, f) for (f, _v), t in self.version_times.items()]
+        return {
+            "chaos": self.chaos.text if self.chaos else None,
+            "chaos_events": self.chaos_events,
+            "restarts": self.restarts,
+            "duration_s": self.duration_s,
+            "training_s": end - start,
+            "median_step_s": step_s,
+            "uptime_window_s": window,
+            "uptime": uptime(published, self.cfg.fragments, start, end, window) if window else None,
+            "longest_version_gap_s": [round(g, 2) for g in longest_gaps(published, self.cfg.fragments, start, end)],
+            "goodput": goodput(results, peers=self.cfg.peers, span_s=end - start),
+        }
+
     async def stop(self, grace_s: float = 10.0) -> None:
         """Ask every peer to stop, then terminate, then kill what is left."""
-        for p in self.peers:
+        for p in self.incarnations:
             await self._send(p, {"stop": True})
         for sig, wait in ((None, grace_s), (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
-            alive = [p for p in self.peers if p.proc.returncode is None]
+            alive = [p for p in self.incarnations if p.proc.returncode is None]
             if not alive:
                 return
             if sig is not None:
@@ -244,28 +433,52 @@ class LocalSwarm:
                     await asyncio.gather(*(p.proc.wait() for p in alive))
 
 
+def version_accounting(published: list[tuple[int, int, str, int]]) -> dict[str, Any]:
+    """``version_conflicts``: (fragment, version) pairs published with more than one content
+    (must be 0), from every owner's announcements, killed peers' included;
+    ``versions_published``: distinct pairs."""
+    contents: dict[tuple[int, int], set[str]] = {}
+    for fragment, version, digest, _index in published:
+        contents.setdefault((fragment, version), set()).add(digest)
+    conflicts = sorted(k for k, v in contents.items() if len(v) > 1)
+    return {"version_conflicts": len(conflicts),
+            "version_conflict_list": [{"fragment": f, "version": v, "digests": sorted(contents[(f, v)])}
+                                      for f, v in conflicts[:20]],
+            "versions_published": len(contents)}
+
+
 def run_local(cfg: RunConfig, *, report_path: Path | None, baseline: bool = False,
               alone: bool = False, quiet: bool = False, kill_at: dict[int, int] | None = None,
               extra_peer_args: dict[int, list[str]] | None = None,
-              attacks: dict[int, str] | None = None, admission: str = "open") -> dict[str, Any]:
-    """Run a local swarm end to end, write the report and plot, print the summary."""
+              attacks: dict[int, str] | None = None, admission: str = "open",
+              chaos: ChaosSpec | None = None, duration_s: float | None = None) -> dict[str, Any]:
+    """Run a local swarm end to end, write the report and plot, print the summary. With
+    ``duration_s`` the peers train until that many seconds after launch instead of ``cfg.steps``."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     report_path = report_path or Path("runs") / stamp / "report.json"
     run_dir = report_path.parent / f"{report_path.stem}-peers"
+    if duration_s is not None:
+        cfg = dataclasses.replace(cfg, steps=ENDLESS_STEPS)
     swarm = LocalSwarm(cfg, run_dir, quiet=quiet, kill_at=kill_at, extra_peer_args=extra_peer_args,
-                       admission=admission)
+                       admission=admission, chaos=chaos, duration_s=duration_s)
     t0 = time.monotonic()
-    print(f"atoll local: {cfg.peers} peers, {cfg.steps} steps, model {cfg.model}, "
-          f"{cfg.fragments} fragments, H={cfg.inner_steps}, codec {cfg.codec}; logs in {run_dir}",
-          flush=True)
+    length = f"{duration_s:g} s" if duration_s is not None else f"{cfg.steps} steps"
+    print(f"atoll local: {cfg.peers} peers, {length}, model {cfg.model}, "
+          f"{cfg.fragments} fragments, H={cfg.inner_steps}, codec {cfg.codec}"
+          + (f", chaos {chaos.text}" if chaos else "") + f"; logs in {run_dir}", flush=True)
     try:
         results = asyncio.run(swarm.run())
     except KeyboardInterrupt:
         print("interrupted: peers stopped", file=sys.stderr)
         raise
-    report = build_report(dict(json.loads(cfg.to_json())), results, time.monotonic() - t0)
+    config = dict(json.loads(cfg.to_json()))
+    if duration_s is not None:  # "steps": the most any island trained
+        config["steps"] = max((int(r.get("steps", 0)) for r in results), default=0)
+    report = build_report(config, results, time.monotonic() - t0)
+    report.update(swarm.accounting(results))
     report["attacks"] = {str(i): a for i, a in sorted((attacks or {}).items())}
     report["killed_peers"] = swarm.killed
+    report.update(version_accounting(swarm.published))
     if baseline:
         print("training the synchronous data-parallel baseline at equal tokens ...", flush=True)
         report["baseline"] = baseline_for(cfg)

@@ -63,7 +63,7 @@ def build_report(config: dict[str, Any], peers: list[dict[str, Any]], wall_s: fl
         "per_peer": [
             {**{k: p[k] for k in ("index", "peer_id", "steps", "tokens_trained", "bytes_sent",
                                   "stalled_steps", "median_step_s", "median_step_s_detached",
-                                  "eval_curve_local", "attack") if k in p},
+                                  "eval_curve_local", "attack", "incarnation", "resumed_from_step") if k in p},
              "penalties": penalties_of(p.get("peer_id", ""), peers)}
             for p in peers
         ],
@@ -134,6 +134,16 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         + "; accepted per peer: " + ", ".join(
             f"p{i} {n}" for i, n in report["contributions"].get("accepted_per_peer", {}).items()),
     ]
+    if "versions_published" in report:
+        lines.append(f"versions published {report['versions_published']}, with two contents: "
+                     f"{report['version_conflicts']}")
+    if report.get("chaos"):
+        restarted = sum(r["restarted_at_s"] is not None for r in report.get("restarts", []))
+        lines.append(f"chaos {report['chaos']}: {len(report.get('restarts', []))} kills, {restarted} restarts")
+    if report.get("uptime") is not None:
+        lines.append(f"uptime {100 * report['uptime']:.1f} % (every fragment advanced within 2H = "
+                     f"{report['uptime_window_s']:.1f} s), goodput {100 * report['goodput']:.1f} % "
+                     f"over {report['training_s']:.0f} s of training")
     if "baseline" in report:
         b = report["baseline"]
         lines.append(
