@@ -90,6 +90,11 @@ def _parser() -> argparse.ArgumentParser:
                       help="other bootstrap nodes or members to connect to")
     _add_swarm_arguments(boot, key_required=False)
 
+    rep = sub.add_parser("replay", help="re-run an owner's merger log and show every decision that differs")
+    rep.add_argument("log", type=Path, help="an owner's event log (JSON lines, from --event-log-dir)")
+    rep.add_argument("--json", action="store_true",
+                     help='print {"decisions", "versions", "mismatches"} as JSON (exit 1 on a mismatch)')
+
     status = sub.add_parser("status", help="show what a peer sees of its swarm")
     status.add_argument("--peer", required=True, metavar="URL", help="a member's address")
     status.add_argument("--json", action="store_true", help="print the raw JSON")
@@ -108,6 +113,8 @@ def _parser() -> argparse.ArgumentParser:
                       help="read {\"initial_peers\": [...]} from stdin after loading the model and data")
     peer.add_argument("--wait-members", type=int, default=1, help="start training once this many members joined")
     peer.add_argument("--slow-factor", type=float, default=1.0, help="emulate a slower machine (fault injection)")
+    peer.add_argument("--event-log-dir", type=Path, default=None,
+                      help="owners log their mergers' events and decisions here (atoll replay)")
     peer.add_argument("--checkpoint-dir", type=Path, default=None,
                       help="save the island here every H steps, and resume from it when it holds one")
     peer.add_argument("--until", type=float, default=0.0, help="stop training at this unix time (0: run all steps)")
@@ -161,6 +168,10 @@ def main(argv: list[str] | None = None) -> int:
         from node.run.join import bootstrap_main
 
         return bootstrap_main(args)
+    if args.command == "replay":
+        from node.run.replay import replay_main
+
+        return replay_main(args)
     if args.command == "status":
         from node.run.join import status_main
 
@@ -184,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
                            initial_peers_from_stdin=args.initial_peers_from_stdin,
                            wait_members=args.wait_members, slow_factor=args.slow_factor,
                            attack=args.attack, signer=signer, credentials=credentials,
-                           checkpoint_dir=args.checkpoint_dir, until=args.until)
+                           checkpoint_dir=args.checkpoint_dir, until=args.until,
+                           event_log_dir=args.event_log_dir)
         run_peer(RunConfig.load(args.config), opts)
         return 0
     return 2

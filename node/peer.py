@@ -66,7 +66,7 @@ MEMBERSHIP_PERIOD_S = 2.0
 REPUBLISH_S = 6.0
 CATCH_UP_S = 6.0
 REPLICAS = 1  # replicas per fragment beside its owner (r = 2): each holds the owner's last state
-FENCE_BACKOFF_S = 10.0  # an owner fenced off by a takeover does not claim the fragment again for this long
+FENCE_BACKOFF_S = 5.0  # an owner fenced off does not claim the fragment again for this long (or until handed it)
 JOIN_ATTEMPTS = 5
 MAX_STATE = 1 << 30
 # A sealed request from a key that is not (yet) a member makes the owner read the member records
@@ -306,7 +306,7 @@ class PeerNode:
                 retired = self._drop_owner(p)
                 await retired.retire()
                 if owner is not None and self._tg is not None:  # hand our state on: nothing is lost
-                    self._tg.create_task(self._hand_to(p, owner, retired.snapshot()))
+                    self._tg.create_task(self._hand_on(p, owner, retired.snapshot()))
 
     def _drop_owner(self, p: int) -> FragmentOwner:
         retired = self.owners.pop(p)
@@ -317,6 +317,13 @@ class PeerNode:
     def _published(self, fragment: int, version: int, digest: bytes) -> None:
         if self.announce_versions:
             emit("published", fragment=fragment, version=version, digest=digest.hex()[:32])
+
+    async def _hand_on(self, p: int, target: tuple[bytes, str], state: ReplicaState) -> None:
+        """A retiring owner's handoff to its successor: best effort, never fatal to the node."""
+        try:
+            await self._hand_to(p, target, state)
+        except _FencedBy as exc:  # the successor has moved on already: our state is old news
+            log.info("fragment %d: successor did not need version %d: %s", p, state.version, exc)
 
     async def _hand_to(self, p: int, target: tuple[bytes, str], state: ReplicaState) -> bool:
         """Hand ``state`` to ``target``; whether it took it (failures are logged, not raised)."""
@@ -421,6 +428,9 @@ class PeerNode:
         ack = self.replicas.offer(opened.peer_id, msg)
         if ack.accepted and own is not None and not own.retired:
             await own.take_over(self.replicas.states[msg.fragment])  # a retiring owner's newer state
+        elif ack.accepted and self._fenced_until.pop(msg.fragment, None) is not None and self._tg is not None:
+            # we stepped back for the owner that has now handed us its state: take over now
+            self._tg.create_task(self._reconcile_owners())
         return ack
 
     # --- handlers (training) --------------------------------------------------------------------

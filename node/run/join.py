@@ -183,7 +183,8 @@ def join_main(args: argparse.Namespace) -> int:
     opts = PeerOptions(index=int.from_bytes(os.urandom(2), "big") % max(cfg.peers, 1),
                        initial_peers=tuple(args.initial_peers), host=host, port=port, public_address=public,
                        wait_for_stop=False, final_sync=False, serve_after_s=args.serve_after_s,
-                       signer=swarm.signer, credentials=SwarmCredentials(m, swarm.signer, swarm.cert))
+                       signer=swarm.signer, credentials=SwarmCredentials(m, swarm.signer, swarm.cert),
+                       checkpoint_dir=args.checkpoint_dir)
     try:
         run_peer(cfg, opts)
     except KeyboardInterrupt:

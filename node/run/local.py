@@ -144,7 +144,8 @@ class LocalSwarm:
 
     def _peer_args(self, index: int) -> list[str]:
         """Per-peer flags: identity, checkpoints, the end time, and chaos's stragglers."""
-        args = [*self._identity_args(index), "--checkpoint-dir", str(self.run_dir / f"peer{index}-checkpoints")]
+        args = [*self._identity_args(index), "--checkpoint-dir", str(self.run_dir / f"peer{index}-checkpoints"),
+                "--event-log-dir", str(self.run_dir / f"peer{index}-events")]
         if self.duration_s is not None:
             args += ["--until", f"{self.t0 + self.duration_s:.3f}"]
         args += self.extra.get(index, [])
@@ -479,6 +480,7 @@ def run_local(cfg: RunConfig, *, report_path: Path | None, baseline: bool = Fals
     report["attacks"] = {str(i): a for i, a in sorted((attacks or {}).items())}
     report["killed_peers"] = swarm.killed
     report.update(version_accounting(swarm.published))
+    report["event_logs"] = sorted(str(p) for p in run_dir.glob("peer*-events/*.jsonl"))
     if baseline:
         print("training the synchronous data-parallel baseline at equal tokens ...", flush=True)
         report["baseline"] = baseline_for(cfg)

@@ -192,7 +192,7 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
         x, y = (t.to(device, non_blocking=True) for t in sampler.next())  # [B, T] int64 each
         island.tokens(x.numel())  # counted into the contributions this step may ship
         loss = inner_step(model, optimizer, tcfg, step, x, y)  # the hook: adopt arrived, ship due
-        loss_ema = loss.item() if step == 0 else 0.95 * loss_ema + 0.05 * loss.item()
+        loss_ema = loss.item() if step == start_step else 0.95 * loss_ema + 0.05 * loss.item()
         if opts.slow_factor > 1.0:  # an emulated slower machine
             time.sleep((opts.slow_factor - 1.0) * (time.perf_counter() - t_step))
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:

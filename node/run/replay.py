@@ -1,0 +1,43 @@
+"""``atoll replay LOG [--json]``: re-run an owner's merger log through ``protocol/`` and say what differs.
+
+Each line of the log is one event the owner fed its merger and the decision it got
+(``node.diloco.eventlog``). The replay feeds the same events at the same times to a fresh
+``FragmentMerger``: with the same code it reproduces every decision, reason and merged entry, so
+a log answers "why was my contribution late?" after the fact, and a mismatch names the event
+whose decision changed (a log from another Atoll version, or edited).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from node.diloco.eventlog import replay
+
+__all__ = ["replay_main"]
+
+
+def replay_main(args: argparse.Namespace) -> int:
+    path: Path = args.log
+    if not path.is_file():
+        print(f"atoll replay: no log at {path}; owners write them with --event-log-dir", file=sys.stderr)
+        return 1
+    try:
+        result = replay(path)
+    except (ValueError, KeyError, TypeError) as exc:
+        print(f"atoll replay: {path}: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(result.to_json()))
+        return 0 if not result.mismatches else 1
+    print(f"{path}: {result.decisions} decisions replayed, {len(result.versions)} versions, "
+          f"{len(result.mismatches)} mismatches")
+    for v in result.versions:
+        merged = ", ".join(f"{peer[:8]} w={w:.3g} stale={s} clip={c:.3g}" for peer, w, s, c in v["merged"])
+        print(f"  version {v['version']} {v['digest'][:12]}" + (f": merged {merged}" if merged else ""))
+    for m in result.mismatches[:20]:
+        print(f"  MISMATCH line {m.get('line')}: {m.get('event', m.get('what'))}: logged "
+              f"{m.get('logged', {}).get('reason')!r}, replayed {m.get('replayed', {}).get('reason')!r}")
+    return 0 if not result.mismatches else 1
