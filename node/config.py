@@ -17,7 +17,7 @@ __all__ = ["SWARM_WIDE_FIELDS", "RunConfig", "add_run_arguments", "config_from_a
 
 # The fields every peer of a swarm must share: the model and how it is cut, merged and weighted
 # (a signed manifest's recipe holds them, but ``swarm``, which becomes the swarm id).
-SWARM_WIDE_FIELDS = ("swarm", "seed", "model", "batch_size", "fragments", "inner_steps", "codec",
+SWARM_WIDE_FIELDS = ("swarm", "mode", "seed", "model", "batch_size", "fragments", "inner_steps", "codec",
                      "block_size", "download_codec", "outer_lr", "outer_momentum", "quorum",
                      "grace_gamma", "grace_tau", "grace_cap_s", "staleness_bound", "late_policy",
                      "max_tokens_per_step")
@@ -41,6 +41,7 @@ class RunConfig:
     threads: int = 1
     device: str = "cpu"
     # --- Decoupled DiLoCo --------------------------------------------------------------------
+    mode: str = "decoupled"  # or "sync" / "ddp": the synchronous comparisons (see _HELP)
     fragments: int = 4
     inner_steps: int = 30  # H: every fragment is due once per H inner steps
     codec: str = "int8"  # pseudo-gradient compression
@@ -82,6 +83,8 @@ class RunConfig:
             problems.append(f"--adopt-alpha must be in [0, 1), got {self.adopt_alpha}")
         if self.max_tokens_per_step < 0:
             problems.append(f"--max-tokens-per-step must be >= 0, got {self.max_tokens_per_step}")
+        if self.mode not in ("decoupled", "sync", "ddp"):
+            problems.append(f"--mode must be decoupled, sync or ddp, got {self.mode!r}")
         if self.quorum < 1:
             problems.append(f"--quorum must be >= 1, got {self.quorum}")
         if problems:
@@ -118,6 +121,8 @@ _HELP = {
     "weight_decay": "inner AdamW weight decay",
     "threads": "torch threads per peer",
     "device": "cpu or cuda",
+    "mode": "decoupled (Atoll), sync (synchronous DiLoCo: quorum = all learners, no grace window, every "
+            "learner waits for each merged version) or ddp (sync with H = 1), to compare under the same chaos",
     "fragments": "P: number of model fragments synchronised separately",
     "inner_steps": "H: inner steps between two syncs of the same fragment",
     "codec": "pseudo-gradient compression: none, bf16, int8 or int4",

@@ -57,6 +57,10 @@ class IslandConfig:
     inner_steps: int = 30  # H
     adopt_alpha: float = 0.0
     in_flight_timeout_steps: int = 0  # 0: 2·H; a contribution unanswered this long is given up
+    # synchronous DiLoCo (a comparison mode): after shipping a fragment, wait for its merged
+    # version (or a refusal) before the next inner step, at most this long
+    wait_for_merge: bool = False
+    wait_timeout_s: float = 120.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -115,6 +119,7 @@ class Island:
         self.stats = IslandStats()
         self._inbox: dict[int, tuple[int, torch.Tensor, bool]] = {}  # p -> (version, flat, force)
         self._lock = threading.Lock()
+        self._arrived = threading.Condition(self._lock)  # a delivery or a refusal (wait_for_merge)
         self._step_ema = 0.0
         self._copy_s = self._submit_s = 0.0  # per-hook timing, for the stall count
         self._last_step_at: float | None = None
@@ -143,6 +148,7 @@ class Island:
         with self._lock:
             for fragment, (version, flat) in arrived.items():
                 self._put(fragment, version, flat, force)
+            self._arrived.notify_all()
 
     def _put(self, fragment: int, version: int, flat: torch.Tensor, force: bool) -> None:
         held = self._inbox.get(fragment)  # the caller holds the lock
@@ -156,6 +162,8 @@ class Island:
         if not accepted:
             self.in_flight[fragment] = None
             self.next_due[fragment] = self.stats.step + self.cfg.inner_steps
+            with self._arrived:
+                self._arrived.notify_all()
 
     def adopt_final(self, fragment: int, version: int, flat: torch.Tensor) -> None:
         """Adopt the owner's final version even if it is not above the one held.
@@ -203,11 +211,29 @@ class Island:
         for p, due in enumerate(self.next_due):
             if self.stats.step >= due:
                 self._ship(p)
+        blocked = 0.0
+        if self.cfg.wait_for_merge:  # synchronous mode: this wait is what it costs
+            t_wait = time.perf_counter()
+            self._wait_for_merges()
+            blocked = time.perf_counter() - t_wait
         # time with the network side, excluding the local tensor copies of adoption and snapshots
-        waited = (adopting - t0 - self._copy_s) + self._submit_s
+        waited = (adopting - t0 - self._copy_s) + self._submit_s + blocked
         self._copy_s = self._submit_s = 0.0
         if waited > max(STALL_MIN_S, 0.5 * self._step_ema):
             self.stats.stalled_steps += 1
+
+    def _waiting(self) -> bool:
+        """Some fragment is in flight and neither its next version nor a refusal has come."""
+        return any(sent is not None and not (p in self._inbox and self._inbox[p][0] > self.versions[p])
+                   for p, sent in enumerate(self.in_flight))
+
+    def _wait_for_merges(self) -> None:
+        """Synchronous mode: block until every fragment in flight has its merged version."""
+        deadline = time.monotonic() + self.cfg.wait_timeout_s
+        with self._arrived:
+            while self._waiting() and time.monotonic() < deadline:
+                self._arrived.wait(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+        self.adopt_pending()
 
     def _ship(self, p: int) -> None:
         timeout = self.cfg.in_flight_timeout_steps or 2 * self.cfg.inner_steps

@@ -51,8 +51,13 @@ def global_param_hash(state: dict[str, torch.Tensor]) -> str:
 
 
 def resolved(cfg: RunConfig) -> RunConfig:
-    """``cfg`` with what the GPT workload implies filled in: a token cap of 0 becomes B·T, the
-    most tokens a learner trains per inner step (the swarm's manifest hash covers the result)."""
+    """``cfg`` with what the GPT workload and the mode imply filled in: a token cap of 0 becomes
+    B·T, the most tokens a learner trains per inner step; ``sync`` merges only once every learner
+    contributed (quorum = peers, no grace window), ``ddp`` does so every inner step (H = 1). The
+    swarm's manifest covers the result."""
+    if cfg.mode in ("sync", "ddp"):
+        cfg = dataclasses.replace(cfg, quorum=cfg.peers, grace_gamma=0.0,
+                                  inner_steps=1 if cfg.mode == "ddp" else cfg.inner_steps)
     if cfg.max_tokens_per_step:
         return cfg
     block = GPTConfig.preset(cfg.model).block_size
@@ -142,7 +147,8 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
     # --- the island, resumed from its checkpoint if it has one ---------------------------------
     holder: list[PeerNode] = []
     island = Island(model, optimizer, plan, submit=lambda out: holder[0].net.submit(out) if holder[0].net else None,
-                    cfg=IslandConfig(inner_steps=cfg.inner_steps, adopt_alpha=cfg.adopt_alpha))
+                    cfg=IslandConfig(inner_steps=cfg.inner_steps, adopt_alpha=cfg.adopt_alpha,
+                                     wait_for_merge=cfg.mode != "decoupled"))
     initial_global = [g.clone() for g in island.global_flat]  # version 0 of every fragment
     checkpoints = (IslandCheckpoints(opts.checkpoint_dir, model, optimizer, island, sampler.generator)
                    if opts.checkpoint_dir else None)

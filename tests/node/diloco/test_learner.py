@@ -219,3 +219,37 @@ async def test_a_version_jump_is_refused_with_a_reason() -> None:
     rig.clock.advance(1.0)  # a second later it can have happened
     got = await net.fetch(0, after=900, wait_s=0.0)
     assert got is not None and got[0] == 950
+
+
+async def test_sync_mode_waits_for_the_merged_version_before_the_next_step() -> None:
+    """The synchronous comparison mode: after shipping, the island blocks until the fragment's
+    merged version arrives (or a refusal frees it), then adopts it before the next step."""
+    import threading
+    import time
+
+    rig = Rig()
+    rig.island.cfg = IslandConfig(inner_steps=H, wait_for_merge=True, wait_timeout_s=5.0)
+    shipped: list[Outgoing] = []
+    rig.island._submit = shipped.append  # type: ignore[method-assign]
+
+    def owner_side() -> None:  # merges 0.3 s after the contribution arrives
+        while not shipped:
+            time.sleep(0.01)
+        time.sleep(0.3)
+        p = shipped[0].fragment
+        rig.island.deliver(p, 1, rig.island.global_flat[p] + 0.25)
+
+    threading.Thread(target=owner_side, daemon=True).start()
+    durations = []
+    while not shipped:
+        t0 = time.monotonic()
+        rig.step()
+        durations.append(time.monotonic() - t0)
+    p = shipped[0].fragment
+    assert durations[-1] >= 0.25  # the shipping step waited for the merge
+    assert rig.island.versions[p] == 1 and rig.island.in_flight[p] is None  # and adopted it
+    rig.island.cfg = IslandConfig(inner_steps=H)  # decoupled: never waits
+    t0 = time.monotonic()
+    for _ in range(2 * H):
+        rig.step()
+    assert time.monotonic() - t0 < 2.0 and rig.island.in_flight[p] is not None
