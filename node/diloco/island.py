@@ -88,6 +88,7 @@ class IslandStats:
     resynced: int = 0
     step_times: list[float] = field(default_factory=list)
     step_times_detached: list[float] = field(default_factory=list)  # while ``enabled`` was False
+    compute_times: list[float] = field(default_factory=list)  # step times less any wait for a merge (sync)
 
 
 class Island:
@@ -123,6 +124,7 @@ class Island:
         self._step_ema = 0.0
         self._copy_s = self._submit_s = 0.0  # per-hook timing, for the stall count
         self._last_step_at: float | None = None
+        self._last_blocked = 0.0  # the previous hook's wait for merges (sync mode)
         self.enabled = True  # False: train as if alone (no adoption, no shipping), for measurement
         self._hook = optimizer.register_step_post_hook(self._after_step)
 
@@ -198,6 +200,7 @@ class Island:
         if self._last_step_at is not None:
             dt = now - self._last_step_at
             (self.stats.step_times if self.enabled else self.stats.step_times_detached).append(dt)
+            self.stats.compute_times.append(dt - self._last_blocked)
             self._step_ema = dt if self._step_ema == 0 else 0.9 * self._step_ema + 0.1 * dt
         self._last_step_at = now  # the hook's own work counts in the next step's time
         self.stats.step += 1
@@ -216,6 +219,7 @@ class Island:
             t_wait = time.perf_counter()
             self._wait_for_merges()
             blocked = time.perf_counter() - t_wait
+        self._last_blocked = blocked
         # time with the network side, excluding the local tensor copies of adoption and snapshots
         waited = (adopting - t0 - self._copy_s) + self._submit_s + blocked
         self._copy_s = self._submit_s = 0.0

@@ -335,7 +335,8 @@ def goodput(results: Sequence[Mapping[str, object]], *, peers: int, span_s: floa
     island resumes its checkpoint's step count, so this counts the work that survived the
     kills) times the fraction of its contributions the owners accepted
     (``contributions_accepted / contributions_sent``: every step's work leaves in one
-    contribution per fragment) times its ``median_step_s``. Provisioned time is
+    contribution per fragment) times its ``median_compute_s`` (a step's time less any wait for
+    a merge, which synchronous modes spend idle; ``median_step_s`` if absent). Provisioned time is
     ``peers × span_s`` (the training wall time, start-up not included). So a killed
     incarnation's steps after its last checkpoint, the time it lay dead and a restart's
     start-up count as provisioned time with no goodput."""
@@ -345,7 +346,8 @@ def goodput(results: Sequence[Mapping[str, object]], *, peers: int, span_s: floa
     for r in results:
         sent = _number(r, "contributions_sent")
         share = min(1.0, _number(r, "contributions_accepted") / sent) if sent else 0.0
-        useful += _number(r, "steps") * share * _number(r, "median_step_s")
+        per_step = _number(r, "median_compute_s") or _number(r, "median_step_s")
+        useful += _number(r, "steps") * share * per_step
     return useful / (peers * span_s)
 
 

@@ -242,6 +242,7 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
         "stalled_steps": island.stats.stalled_steps,
         "median_step_s": _median(island.stats.step_times),
         "median_step_s_detached": _median(island.stats.step_times_detached),
+        "median_compute_s": _median(island.stats.compute_times),  # without waits for merges (sync)
         "contributions_sent": net.stats.contributions_sent, "contributions_accepted": net.stats.contributions_accepted,
         "contributions_refused": net.stats.contributions_refused, "remote_errors": node.rpc.error_count,
         "merges": {p: o.merges[-3:] for p, o in node.owners.items()},
