@@ -13,42 +13,29 @@ size; a sender that stalls gets a 408 and its connection is closed. Each address
 a few bodies being read at once (429 beyond), header lines and fields are bounded, and a
 ``RemoteProtocolError`` raised by any route becomes a 4xx with a JSON reason, never a 500.
 
-Connections are counted before anything is parsed. The server runs its own accept loop
-(``_GatedSite``): each accepted socket is counted under its remote address (an IPv6 address by
-its /64) before a TLS handshake or an HTTP byte is read. Beyond ``conns_per_ip`` for that
-address or ``conns`` in all, the oldest connection there without a request in progress is
-closed to make room, and the newcomer is reset only when there is none (see ``Connections``).
-An admitted socket gets a ``_Gate`` in front of aiohttp's request handler, which gives up its
-place when the connection closes (whichever way) and holds a header deadline: the first
-request head (TLS handshake included) must be complete within ``head_timeout_s`` of the
-accept, and every later one within ``head_timeout_s`` of its first byte, or the connection
-gets a 408 and is closed. Between requests an idle keep-alive connection is closed after
-``keepalive_s``.
-
-Kernel traffic shaping is not available on every machine, so ``LinkEmulator`` adds latency,
-a bandwidth cap and a drop rate to this node's outbound requests, per destination.
+Connections are counted before anything is parsed (``node.wire.connections``: a cap per address
+and in all, and a deadline on every request head); between requests an idle keep-alive
+connection is closed after ``keepalive_s``. ``node.wire.link`` emulates slow or lossy links.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import json
 import logging
-import random
-import socket
 import ssl
-import struct
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
+from node.wire.connections import Connections, _GatedSite, address_key
+from node.wire.link import LinkDropped, LinkEmulator, LinkProfile
 from node.wire.tls import PinnedKey, client_context, origin
 from protocol.errors import Oversize, RemoteProtocolError
 
@@ -148,80 +135,6 @@ def refusal(exc: RemoteProtocolError) -> web.Response:
     return web.Response(status=exc.status, text=json.dumps(body), content_type="application/json")
 
 
-@dataclass(frozen=True, slots=True)
-class LinkProfile:
-    """An emulated link: one-way added latency, a bandwidth cap (0 = none), a drop rate."""
-
-    latency_s: float = 0.0
-    bandwidth_bps: float = 0.0
-    drop_rate: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.latency_s < 0 or self.bandwidth_bps < 0 or not 0.0 <= self.drop_rate <= 1.0:
-            raise ValueError(f"invalid link profile {self}: need latency >= 0, bandwidth >= 0, 0 <= drop <= 1")
-
-    @classmethod
-    def parse(cls, spec: str) -> LinkProfile:
-        """Parse ``latency=50ms,bandwidth=10mbit,drop=0.01`` (any subset, any order)."""
-        values: dict[str, float] = {}
-        for part in filter(None, (p.strip() for p in spec.split(","))):
-            key, sep, raw = part.partition("=")
-            if not sep or key not in ("latency", "bandwidth", "drop"):
-                raise ValueError(f"bad link spec {part!r}: use latency=50ms,bandwidth=10mbit,drop=0.01")
-            values[key] = _parse_quantity(key, raw.strip().lower())
-        return cls(values.get("latency", 0.0), values.get("bandwidth", 0.0), values.get("drop", 0.0))
-
-    @property
-    def active(self) -> bool:
-        return self.latency_s > 0 or self.bandwidth_bps > 0 or self.drop_rate > 0
-
-
-def _parse_quantity(key: str, raw: str) -> float:
-    units = {
-        "latency": {"ms": 1e-3, "s": 1.0, "": 1.0},
-        "bandwidth": {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3, "bit": 1.0, "": 1.0},
-        "drop": {"": 1.0},
-    }[key]
-    for suffix in sorted(units, key=len, reverse=True):
-        if raw.endswith(suffix):
-            try:
-                return float(raw[: len(raw) - len(suffix)]) * units[suffix]
-            except ValueError:
-                break
-    raise ValueError(f"bad {key} value {raw!r}; examples: latency=50ms, bandwidth=10mbit, drop=0.01")
-
-
-class LinkDropped(ConnectionError):
-    """The link emulator dropped this request, as a lossy network would."""
-
-
-@dataclass
-class LinkEmulator:
-    """Applies a ``LinkProfile`` to outbound requests; per-destination profiles override."""
-
-    default: LinkProfile = field(default_factory=LinkProfile)
-    per_peer: dict[str, LinkProfile] = field(default_factory=dict)
-    rng: random.Random = field(default_factory=lambda: random.Random(0))
-
-    def profile(self, url: str) -> LinkProfile:
-        for prefix, prof in self.per_peer.items():
-            if url.startswith(prefix):
-                return prof
-        return self.default
-
-    async def before_send(self, url: str) -> None:
-        prof = self.profile(url)
-        if prof.drop_rate and self.rng.random() < prof.drop_rate:
-            raise LinkDropped(f"emulated drop on link to {url} (rate {prof.drop_rate})")
-        if prof.latency_s:
-            await asyncio.sleep(prof.latency_s)
-
-    async def throttle(self, url: str, nbytes: int) -> None:
-        prof = self.profile(url)
-        if prof.bandwidth_bps:
-            await asyncio.sleep(nbytes * 8 / prof.bandwidth_bps)
-
-
 class BufferPool:
     """Reusable bytearrays, so receiving a fragment does not fault in fresh memory each time.
 
@@ -314,303 +227,6 @@ def _stalled(got: int, length: int | None, limit_s: float | None, *, whole: bool
     if whole:
         return f"request body not complete after {limit_s:.1f} s ({got}{declared} bytes arrived)"
     return f"request body stalled: {got}{declared} bytes arrived, then nothing for {limit_s:.1f} s"
-
-
-# ── connections: counted at accept, a deadline on each request head ──────────────────────────
-_HEAD_TIMEOUT_BODY = b'{"error": "HeadTimeout", "reason": "the request head did not arrive in time"}'
-_HEAD_TIMEOUT_REPLY = (b"HTTP/1.1 408 Request Timeout\r\nConnection: close\r\nContent-Type: application/json\r\n"
-                       b"Content-Length: %d\r\n\r\n%s" % (len(_HEAD_TIMEOUT_BODY), _HEAD_TIMEOUT_BODY))
-_RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends a reset and keeps no TIME_WAIT
-# A connection is pending (no complete request head yet, TLS handshake included), busy (a
-# request is being handled), idle (kept alive between requests) or closed.
-_Phase = Literal["pending", "busy", "idle", "closed"]
-
-
-def address_key(ip: str) -> str:
-    """What an address is counted under: an IPv4 address itself (also when IPv4-mapped), an
-    IPv6 address by its /64 (one host commonly holds a whole /64); anything else as it is."""
-    try:
-        addr = ipaddress.ip_address(ip.partition("%")[0])
-    except ValueError:
-        return ip
-    if isinstance(addr, ipaddress.IPv6Address):
-        if addr.ipv4_mapped is None:
-            return str(ipaddress.IPv6Network((addr, 64), strict=False))
-        addr = addr.ipv4_mapped
-    return str(addr)
-
-
-class Connections:
-    """The server's open connections, per address key (``address_key``) and in all.
-
-    At a cap, room is made by closing the oldest connection of that address (or, when the
-    server is full, of any) that is *pending* (no complete request head yet: most likely a
-    slow or idle stranger, since an honest client sends its request at once) or else *idle*
-    (kept alive between requests). A newcomer is refused only when every such connection is
-    busy with a request. So a flood from one address holds at most the cap, and an honest
-    client (even one behind the same address) still gets in."""
-
-    def __init__(self, limits: ServeLimits) -> None:
-        self.limits = limits
-        self.open: Counter[str] = Counter()
-        self.total = 0
-        self.refused = 0  # reset at accept: no room
-        self.evicted = 0  # closed to make room for a newer connection
-        self.head_timeouts = 0  # closed with a 408: the request head did not arrive in time
-        self.handshakes_failed = 0  # TLS handshakes that failed or did not finish in time
-        self._pending: dict[_Gate, None] = {}  # oldest first
-        self._idle: dict[_Gate, None] = {}  # oldest first
-        self._gates: dict[object, _Gate] = {}  # aiohttp's request handler -> its gate
-
-    def admit(self, ip: str) -> str | None:
-        """Count a new connection from ``ip`` (making room if need be) and return its key, or
-        None when there is no room."""
-        key = address_key(ip)
-        per_ip_full = self.open[key] >= self.limits.conns_per_ip and not self._evict(key)
-        if per_ip_full or (self.total >= self.limits.conns and not self._evict(None)):
-            self.refused += 1
-            return None
-        self.open[key] += 1
-        self.total += 1
-        return key
-
-    def gate(self, handler: object) -> _Gate | None:
-        """The gate in front of aiohttp's request handler ``handler`` (``request.protocol``)."""
-        return self._gates.get(handler)
-
-    def _evict(self, key: str | None) -> bool:
-        for group in (self._pending, self._idle):
-            victim = next((g for g in group if key is None or g.key == key), None)
-            if victim is not None:
-                self.evicted += 1
-                victim.evict()
-                return True
-        return False
-
-    def _state(self, gate: _Gate, state: _Phase) -> None:
-        """Move ``gate`` to ``state`` (it is in at most one of ``_pending`` and ``_idle``)."""
-        self._pending.pop(gate, None)
-        self._idle.pop(gate, None)
-        if state == "pending":
-            self._pending[gate] = None
-        elif state == "idle":
-            self._idle[gate] = None
-        elif state == "closed":
-            self.total -= 1
-            self.open[gate.key] -= 1
-            if self.open[gate.key] <= 0:
-                del self.open[gate.key]
-
-
-class _Gate(asyncio.Protocol):
-    """An admitted connection, in front of aiohttp's request handler (made once the connection,
-    TLS included, is up): keeps its place in ``Connections`` until it closes, and closes it with
-    a 408 when a request head misses its deadline. ``Transport._guard`` says when a request
-    starts and ends; ``opening`` is the task that opens it (a TLS handshake), until it is open."""
-
-    def __init__(self, conns: Connections, key: str, make_handler: Callable[[], asyncio.Protocol],
-                 deadline: float) -> None:
-        self.conns, self.key, self.make_handler = conns, key, make_handler
-        self.deadline = deadline  # the first request head must be complete by then (loop time)
-        self.loop = asyncio.get_running_loop()
-        self.opening: asyncio.Task[None] | None = None
-        self.handler: asyncio.Protocol | None = None
-        self.transport: asyncio.Transport | None = None
-        self.held, self.busy = True, False
-        self._timer: asyncio.TimerHandle | None = None
-        conns._state(self, "pending")
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-        self.handler = self.make_handler()
-        self.conns._gates[self.handler] = self
-        self._timer = self.loop.call_at(self.deadline, self._expire)
-        self.handler.connection_made(transport)
-
-    def data_received(self, data: bytes) -> None:
-        if not self.busy and self._timer is None:  # the first byte of a next request
-            self._timer = self.loop.call_at(self.loop.time() + self.conns.limits.head_timeout_s, self._expire)
-            self.conns._state(self, "pending")
-        assert self.handler is not None
-        self.handler.data_received(data)
-
-    def eof_received(self) -> bool | None:
-        return self.handler.eof_received() if self.handler is not None else None
-
-    def pause_writing(self) -> None:
-        if self.handler is not None:
-            self.handler.pause_writing()
-
-    def resume_writing(self) -> None:
-        if self.handler is not None:
-            self.handler.resume_writing()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.release()
-        if self.handler is not None:
-            self.conns._gates.pop(self.handler, None)
-            self.handler.connection_lost(exc)
-
-    def request_started(self) -> None:
-        self.busy = True
-        self._disarm()
-        if self.held:
-            self.conns._state(self, "busy")
-
-    def request_finished(self) -> None:
-        self.busy = False
-        if self.held:
-            self.conns._state(self, "idle")
-
-    def release(self) -> None:
-        """Give up this connection's place (once, however often called)."""
-        self._disarm()
-        if self.held:
-            self.held = False
-            self.conns._state(self, "closed")
-
-    def evict(self) -> None:
-        """Close it to make room (a task not yet opening it closes the socket when it starts)."""
-        self.release()
-        if self.transport is not None:
-            self.transport.abort()
-        elif self.opening is not None:
-            self.opening.cancel()  # mid-handshake: asyncio closes the socket
-
-    def _disarm(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-
-    def _expire(self) -> None:
-        self._timer = None
-        if self.busy or self.transport is None or self.transport.is_closing():
-            return
-        self.conns.head_timeouts += 1
-        log.debug("closing a connection from %s: no request head within %.1f s",
-                  self.transport.get_extra_info("peername"), self.conns.limits.head_timeout_s)
-        self.transport.write(_HEAD_TIMEOUT_REPLY)
-        self.transport.close()
-
-
-class _GatedSite(web.BaseSite):
-    """aiohttp's ``TCPSite`` with our own accept loop, which admits each socket to
-    ``Connections`` (or resets it) before a TLS handshake or an HTTP byte is read."""
-
-    __slots__ = ("_host", "_port", "_conns", "_sockets", "_task", "_unopened")
-
-    def __init__(self, runner: web.BaseRunner, host: str, port: int, conns: Connections,
-                 ssl_context: ssl.SSLContext | None) -> None:
-        super().__init__(runner, ssl_context=ssl_context)
-        self._host, self._port, self._conns = host, port, conns
-        self._sockets: list[socket.socket] = []
-        self._task: asyncio.Task[None] | None = None
-        self._unopened: set[socket.socket] = set()  # admitted, not yet handed to asyncio
-
-    @property
-    def name(self) -> str:
-        return f"{'https' if self._ssl_context else 'http'}://{self._host}:{self._port}"
-
-    @property
-    def port(self) -> int:
-        return self._port
-
-    async def start(self) -> None:
-        await super().start()
-        self._sockets = await _listen(self._host, self._port, self._backlog)
-        self._port = self._sockets[0].getsockname()[1]
-        self._task = asyncio.create_task(self._serve(), name=f"accept {self.name}")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-        for sock in (*self._sockets, *self._unopened):
-            sock.close()
-        self._unopened.clear()
-        await super().stop()
-
-    async def _serve(self) -> None:
-        async with asyncio.TaskGroup() as tg:  # the accept loops and the connections being opened
-            for sock in self._sockets:
-                tg.create_task(self._accept(sock, tg))
-
-    async def _accept(self, sock: socket.socket, tg: asyncio.TaskGroup) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            try:
-                conn, addr = await loop.sock_accept(sock)
-            except (ConnectionAbortedError, InterruptedError):  # that one connection is gone
-                continue
-            except OSError as exc:  # out of descriptors or memory: let some close, then go on
-                log.warning("accept on %s failed (%s); pausing for 1 s", self.name, exc)
-                await asyncio.sleep(1.0)
-                continue
-            while True:  # take every connection already waiting in the backlog
-                self._admit(conn, addr[0], tg)
-                try:
-                    conn, addr = sock.accept()
-                except OSError:  # nothing waiting (BlockingIOError), or an error the next await sees
-                    break
-
-    def _admit(self, conn: socket.socket, ip: str, tg: asyncio.TaskGroup) -> None:
-        key = self._conns.admit(ip)
-        if key is None:
-            with contextlib.suppress(OSError):
-                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET)
-            conn.close()
-            return
-        server = self._runner.server
-        assert server is not None
-        loop = asyncio.get_running_loop()
-        gate = _Gate(self._conns, key, server, loop.time() + self._conns.limits.head_timeout_s)
-        self._unopened.add(conn)
-        tg.create_task(self._open(conn, gate))
-
-    async def _open(self, conn: socket.socket, gate: _Gate) -> None:
-        self._unopened.discard(conn)
-        if not gate.held:  # it made room for a newer connection before this task started
-            conn.close()
-            return
-        gate.opening = asyncio.current_task()
-        head_s = self._conns.limits.head_timeout_s
-        tls = {"ssl_handshake_timeout": head_s, "ssl_shutdown_timeout": head_s} if self._ssl_context else {}
-        try:
-            await asyncio.get_running_loop().connect_accepted_socket(
-                lambda: gate, conn, ssl=self._ssl_context, **tls)
-        except (OSError, ssl.SSLError, TimeoutError) as exc:  # a failed or slow TLS handshake
-            log.debug("connection not opened: %r", exc)
-            self._conns.handshakes_failed += 1
-            gate.release()
-        except asyncio.CancelledError:  # evicted mid-handshake, or the server stops
-            gate.release()
-            raise
-        finally:
-            gate.opening = None
-
-
-async def _listen(host: str, port: int, backlog: int) -> list[socket.socket]:
-    """Listening sockets on every address ``host`` names (one port for all, when ``port`` is 0)."""
-    infos = await asyncio.get_running_loop().getaddrinfo(
-        host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    sockets: list[socket.socket] = []
-    try:
-        for family, kind, proto, _, addr in dict.fromkeys(infos):
-            sock = socket.socket(family, kind, proto)
-            sockets.append(sock)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if family == socket.AF_INET6:
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            sock.bind((addr[0], sockets[0].getsockname()[1] if len(sockets) > 1 else port, *addr[2:]))
-            sock.listen(backlog)
-            sock.setblocking(False)
-    except BaseException:
-        for sock in sockets:
-            sock.close()
-        raise
-    return sockets
 
 
 class Transport:
