@@ -50,7 +50,7 @@ from node.state.sync import SyncFailed, sync_fragments
 from node.wire.admission import ADMITTED
 from node.wire.rpc import RpcServer
 from node.wire.tls import origin, server_context
-from node.wire.transport import LinkEmulator, LinkProfile, Transport
+from node.wire.transport import Busy, LinkEmulator, LinkProfile, Transport
 from protocol.diloco.fragments import FragmentPlan
 from protocol.diloco.merge import MergeConfig
 from protocol.diloco.outer import OuterConfig
@@ -77,6 +77,7 @@ MEMBER_LOOKUP_GAP_S = 1.0
 UNKNOWN_KEY_RETRY_S = 10.0
 UNKNOWN_KEYS_KEPT = 4096
 MAX_WAIT_S = 30.0  # the longest a long-poll (/v1/fragments/p/next, /final) is held
+MAX_ANONYMOUS_POLLS_PER_IP = 64  # long-polls held at once for requests that name no key
 _AFTER = re.compile(r"-1|[0-9]{1,19}")
 
 
@@ -132,6 +133,7 @@ class PeerNode:
         if credentials is not None:
             credentials.install(self.transport)
         self.model_bytes_served: collections.Counter[str] = collections.Counter()  # key hex -> bytes
+        self._long_polls: collections.Counter[str] = collections.Counter()  # poller -> long-polls held
         self.rpc = RpcServer(self.transport, signer, authorize=self._authorize)
         self.router = DHTRouter(self.transport)
         self.dht: DHTNode | None = None
@@ -467,16 +469,38 @@ class PeerNode:
             return await serve_sealed(request, self.transport, owner.latest,
                                       etag=state_etag(owner.latest, owner.version))
         after, wait_s = _long_poll_query(request)  # DecodeError: the transport answers 400
-        if kind == "final":
-            sealed = await self._wait_final(owner, wait_s)
-        elif kind == "next":
-            sealed = await owner.wait_after(after, wait_s)
-        else:
+        if kind not in ("final", "next"):
             return web.json_response({"error": "DecodeError", "reason": f"unknown kind {kind!r}"}, status=404)
+        who = self._poller(request)
+        if self._long_polls[who] >= self._long_poll_cap(who):
+            raise Busy(f"{self._long_polls[who]} long-polls from {who[:24]} are held already "
+                       f"(at most {self._long_poll_cap(who)}: two per fragment); retry later")
+        self._long_polls[who] += 1
+        try:
+            sealed = (await self._wait_final(owner, wait_s) if kind == "final"
+                      else await owner.wait_after(after, wait_s))
+        finally:
+            self._long_polls[who] -= 1
+            if self._long_polls[who] <= 0:
+                del self._long_polls[who]
         if sealed is None:
             return web.Response(status=204)
         self._count_served(request, sealed.size)
         return await self.transport.stream_reply(request, sealed.iter_chunks(), sealed.size)
+
+    @staticmethod
+    def _poller(request: web.Request) -> str:
+        """Who holds a long-poll: its signing key when it sent one, else its address."""
+        admitted = request.get(ADMITTED)
+        if admitted is not None and admitted.public_key:
+            return "key:" + admitted.public_key.hex()
+        return "ip:" + (request.remote or "unknown")
+
+    def _long_poll_cap(self, who: str) -> int:
+        # a learner polls each fragment once (and its final version once): a key gets two per
+        # fragment; an address may stand for many anonymous learners of an open swarm
+        per_key = 2 * len(self.plan.fragments) + 2
+        return per_key if who.startswith("key:") else MAX_ANONYMOUS_POLLS_PER_IP
 
     def _count_served(self, request: web.Request, size: int) -> None:
         admitted = request.get(ADMITTED)

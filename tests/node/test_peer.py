@@ -66,3 +66,44 @@ def test_the_token_cap_must_come_from_the_swarm_config() -> None:
     model = tiny_model()
     with pytest.raises(ValueError, match="max_tokens_per_step"):
         PeerNode(RunConfig(), signer(1), model, tiny_plan(model))
+
+
+async def test_long_polls_are_capped_per_key_and_per_anonymous_address() -> None:
+    """Held long-polls tie up connections: a key may hold two per fragment, an address that
+    names no key a bounded number; the next one is refused with 429, not queued."""
+    import asyncio
+
+    from aiohttp.test_utils import make_mocked_request
+
+    from node.diloco.owner import FragmentOwner
+    from node.wire.admission import ADMITTED, Admitted
+    from node.wire.transport import Busy
+    from protocol.diloco.merge import MergeConfig
+    from protocol.diloco.outer import OuterConfig
+    from tests.node.fakes import flat_of, shapes_of
+
+    model = tiny_model()
+    plan = tiny_plan(model)
+    node = PeerNode(RunConfig(max_tokens_per_step=64), signer(1), model, plan)
+    node.owners[0] = FragmentOwner(swarm="atoll-local", fragment=plan.fragments[0], shapes=shapes_of(model, plan)[0],
+                                   initial=flat_of(model, plan, 0), merge_cfg=MergeConfig(),
+                                   outer_cfg=OuterConfig(), signer=signer(1))
+
+    def poll(key: bytes | None) -> object:
+        request = make_mocked_request("GET", "/v1/fragments/0/next?after=0&wait=5",
+                                      match_info={"p": "0", "kind": "next"})
+        if key is not None:
+            request[ADMITTED] = Admitted(key, None)
+        return request
+
+    cap = 2 * len(plan.fragments) + 2
+    held = [asyncio.create_task(node._on_fetch(poll(b"k" * 32))) for _ in range(cap)]  # type: ignore[arg-type]
+    await asyncio.sleep(0.05)
+    with pytest.raises(Busy, match="long-polls from key:"):
+        await node._on_fetch(poll(b"k" * 32))  # type: ignore[arg-type]
+    other = asyncio.create_task(node._on_fetch(poll(b"o" * 32)))  # another key is not affected
+    await asyncio.sleep(0.05)
+    assert not other.done()
+    await node.owners[0].retire()  # releases every long-poll at once
+    await asyncio.gather(*held, other)
+    assert not node._long_polls  # all given back
