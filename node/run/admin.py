@@ -25,6 +25,7 @@ from typing import Any
 
 from node.config import RunConfig, add_run_arguments
 from node.dht.membership import RECIPE_FIELDS, recipe_of
+from node.dht.swarm import MANIFEST_PATH
 from node.wire.identity import (
     IdentityError,
     generate_key,
@@ -43,7 +44,6 @@ from protocol.wire.signing import Signer
 __all__ = ["add_admin_commands", "run_admin"]
 
 CLOCK_SKEW_S = 60.0  # a certificate is valid from this long before it was issued
-PUBLISH_PATH = "/v1/swarm/manifest"
 PUBLISH_TIMEOUT_S = 10.0
 
 
@@ -242,7 +242,7 @@ def _publish(args: argparse.Namespace) -> int:
     base = args.peer.rstrip("/")
     if not base.startswith(("http://", "https://")):
         raise UsageError(f"--peer {args.peer!r} is not an http(s) URL, e.g. http://host:7000")
-    request = urllib.request.Request(base + PUBLISH_PATH, data=body, method="POST",
+    request = urllib.request.Request(base + MANIFEST_PATH, data=body, method="POST",
                                      headers={"Content-Type": "application/toml"})
     try:
         # a certified peer's TLS certificate is self-signed: the manifest proves itself (the founder's

@@ -21,20 +21,16 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 from node.config import config_from_args
 from node.dht.membership import config_from_manifest
-from node.dht.swarm import MANIFEST_PATH
+from node.dht.swarm import MANIFEST_PATH, request_headers
 from node.wire.identity import IdentityError, load_certificate, load_key, load_manifest
 from node.wire.tls import client_context
 from protocol.errors import RemoteProtocolError
 from protocol.wire.membership import (
-    AUTH_HEADER,
-    CERT_HEADER,
     MAX_MANIFEST_BYTES,
     Certificate,
-    RequestAuth,
     SwarmManifest,
     admit,
 )
@@ -57,14 +53,11 @@ class Swarm:
 
 
 def signed_request(url: str, *, swarm: str, signer: Signer, cert: Certificate | None, method: str = "GET",
-             body: bytes | None = None, limit: int = 16 << 20, timeout: float = 10.0) -> tuple[int, bytes]:
+                   body: bytes | None = None, limit: int = 16 << 20, timeout: float = 10.0) -> tuple[int, bytes]:
     """One signed request (``Atoll-Auth`` and the certificate); TLS without a pin: the answer's
     contents are checked by signature. Returns (status, body) for any HTTP status."""
-    split = urlsplit(url)
-    target = split.path + (f"?{split.query}" if split.query else "")
-    headers = {AUTH_HEADER: RequestAuth.make(signer, swarm=swarm, method=method, target=target, now=time.time())}
-    if cert is not None:
-        headers[CERT_HEADER] = cert.to_header()
+    headers = request_headers(signer, cert.to_header() if cert is not None else "", swarm=swarm, method=method,
+                              url=url, now=time.time())
     req = urllib.request.Request(url, data=body, headers=headers, method=method)
     ctx = client_context() if url.startswith("https://") else None
     try:
