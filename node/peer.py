@@ -41,6 +41,7 @@ from node.dht.kademlia import DHTConfig, DHTNode
 from node.dht.membership import MemberRecord, Membership, manifest_hash
 from node.dht.route import DHTRouter
 from node.dht.swarm import SwarmCredentials
+from node.diloco.flat import flat_digest
 from node.diloco.island import Island, Outgoing
 from node.diloco.learner import IslandNet
 from node.diloco.owner import FragmentOwner
@@ -693,7 +694,7 @@ class PeerNode:
                 log.warning("state sync: fragment %d refused: %s", p, jump)
                 self.net.stats.version_jumps += 1
                 continue
-            self.net.remember(p, version, flat)
+            self.net.remember(p, version, flat, await asyncio.to_thread(flat_digest, flat))  # off the loop
             self.net.island.deliver(p, version, flat)
         self.synced = got
 
