@@ -48,6 +48,7 @@ from node.diloco.owner import FragmentOwner
 from node.diloco.replica import ReplicaStore, hand_over
 from node.state.serve import ManifestCache, serve_manifest, serve_sealed, state_etag
 from node.state.sync import SyncFailed, sync_fragments
+from node.status import StatusBoard
 from node.wire.admission import ADMITTED
 from node.wire.rpc import RpcServer
 from node.wire.tls import origin, server_context
@@ -176,6 +177,7 @@ class PeerNode:
         app.router.add_get("/v1/status", self._on_status)
         app.router.add_get("/v1/dialback", self._on_dialback)
         app.router.add_get("/v1/members", self._on_members)
+        self.board = StatusBoard(self)  # "/", "/metrics" and the JSON the page polls
 
     # --- membership ----------------------------------------------------------------------------
     def _is_member(self, peer_id: bytes) -> bool:
@@ -554,6 +556,10 @@ class PeerNode:
             for peer, counts in owner.penalties.items():
                 out.setdefault(peer.hex(), collections.Counter()).update(counts)
         return {peer: dict(counts) for peer, counts in out.items()}
+
+    def all_owners(self) -> list[FragmentOwner]:
+        """Every fragment owner this peer has run, retired ones included (they keep their counts)."""
+        return [*self.owners.values(), *self._retired_owners]
 
     def status(self) -> dict[str, Any]:
         members = self.membership.members if self.membership else {}

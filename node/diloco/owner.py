@@ -126,6 +126,7 @@ class FragmentOwner:
         self.penalties: collections.defaultdict[bytes, collections.Counter[str]] = \
             collections.defaultdict(collections.Counter)
         self.step_bounds = 0  # merges whose aggregate was scaled down to max_delta_ratio * |Theta|
+        self.merge_seconds = 0.0  # time from each published round's close to its publication, in all
         self.retired = False
         self._changed = asyncio.Condition()
         self._wake = asyncio.Event()
@@ -326,10 +327,12 @@ class FragmentOwner:
             for flag in ("weight_capped", "steps_bounded", "tokens_bounded"):
                 counts[flag] += int(getattr(e, flag))
             counts["clipped"] += int(e.clip < 1.0)
+            counts["late"] += int(e.staleness > 0)  # its round had closed: carried to this one
         log.info("fragment %d: published version %d (%s)", self.fragment.index, self.version, decision.reason)
         async with self._changed:
             self._changed.notify_all()
         now = self.clock()
+        self.merge_seconds += now - t0
         return self.merger.on_published(self.version, sync_time=now - t0, now=now)
 
     def _outer(self, peers: list[bytes], deltas: list[torch.Tensor], weights: list[float],

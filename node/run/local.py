@@ -190,6 +190,8 @@ class LocalSwarm:
             if event == "listening":
                 peer.url, peer.peer_id = msg["url"], msg["peer_id"]
                 peer.listening.set()
+                if not self.quiet:
+                    print(f"peer {peer.index}: {peer.url}/", flush=True)  # its status page
             elif event == "ready":
                 peer.ready.set()
             elif event == "progress":

@@ -212,6 +212,7 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
         if time.monotonic() - last_progress > 1.0:
             last_progress = time.monotonic()
             node.step = step + 1
+            node.board.record(step + 1, loss_ema)  # the status page's loss curve
             emit("progress", index=index, step=step + 1, loss=loss_ema, versions=list(island.versions),
                  bytes_sent=node.transport.bytes_sent)
 
