@@ -11,11 +11,11 @@ from collections.abc import Sequence
 
 import torch
 
-from protocol.diloco.compression import decompress
+from protocol.diloco.compression import compress, decompress
 from protocol.errors import DecodeError
 from protocol.wire.tensors import EncodedTensor
 
-__all__ = ["content_hash", "flat_digest", "flat_from_tensors"]
+__all__ = ["content_hash", "encode_flat", "flat_digest", "flat_from_tensors"]
 
 DIGEST_CHUNK = 1 << 20
 
@@ -58,3 +58,16 @@ def flat_from_tensors(tensors: Sequence[EncodedTensor], shapes: Sequence[tuple[i
     if not torch.isfinite(out).all():
         raise DecodeError("fragment contains NaN or Inf values")
     return out
+
+
+def encode_flat(flat: torch.Tensor, shapes: Sequence[tuple[int, ...]], codec: str) -> list[EncodedTensor]:
+    """A flat fp32 fragment as its tensors on the wire, each compressed with ``codec`` (how an
+    owner publishes a version: ``flat_digest(flat_from_tensors(encode_flat(...)))`` is the
+    version's digest)."""
+    tensors, offset = [], 0
+    for shape in shapes:
+        n = int(torch.Size(shape).numel())
+        enc, _ = compress(flat[offset:offset + n].view(shape), codec)
+        tensors.append(enc)
+        offset += n
+    return tensors

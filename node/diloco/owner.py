@@ -32,19 +32,12 @@ from typing import cast
 
 import torch
 
-from node.diloco.eventlog import LoggedMerger
-from node.diloco.flat import content_hash, flat_digest, flat_from_tensors
+from node.diloco.eventlog import Content, LoggedMerger
+from node.diloco.flat import content_hash, encode_flat, flat_digest, flat_from_tensors
 from node.diloco.replica import Handed, encode_state
-from protocol.diloco.compression import compress
 from protocol.diloco.fragments import Fragment
 from protocol.diloco.merge import Decision, FragmentMerger, MergeConfig, Phase
-from protocol.diloco.outer import (
-    OuterConfig,
-    bound_to_norm,
-    outer_step,
-    radial_directional_average,
-    weighted_mean,
-)
+from protocol.diloco.outer import OuterConfig, merge_update
 from protocol.errors import DecodeError, Stale
 from protocol.wire.codec import encode
 from protocol.wire.messages import Ack, Contribution, FragmentState, ReplicaState
@@ -109,8 +102,10 @@ class FragmentOwner:
         start = clock()
         merger = FragmentMerger(fragment.index, merge_cfg, version=version, now=start)
         # with ``event_log``, every merger call and decision is logged for ``atoll replay``
+        content = Content(shapes=self.shapes, download_codec=download_codec, outer=outer_cfg,
+                          embedding=fragment.is_embedding)
         self.log = (LoggedMerger(merger, event_log, fragment=fragment.index, config=merge_cfg, version=version,
-                                 now=start) if event_log is not None else None)
+                                 now=start, content=content) if event_log is not None else None)
         self.merger: FragmentMerger = cast(FragmentMerger, self.log) if self.log is not None else merger
         self.version = version
         # digest of each recent version's state as learners decode it: a contribution is applied
@@ -119,6 +114,8 @@ class FragmentOwner:
         self._merged_base: dict[bytes, int] = {}  # sender -> newest base version of its merged work
         self._keep_digests = merge_cfg.staleness_bound + 2
         self.latest, digest = self._seal_state(version, self.theta)
+        if self.log is not None:
+            self.log.note_state(self.theta, self.buffer)
         self._remember_digests(version, digest, flat_digest(self.theta))  # and v0 unrounded (bf16 download)
         self.merges: list[str] = []
         # per sender: how often a bound bit (clipped, weight_capped, steps_bounded, tokens_bounded),
@@ -142,6 +139,8 @@ class FragmentOwner:
             self.penalties[sender]["refused_base"] += 1
             log.info("fragment %d: %s", self.fragment.index, mismatch)
             return Ack(accepted=False, reason=mismatch, version=self.version)
+        if self.log is not None:
+            self.log.note_payload(msg)
         decision = self.merger.on_contribution(
             sender, base_version=msg.base_version, tokens=msg.tokens, steps=msg.steps,
             step_time=msg.step_time, payload=flat, norm=norm, now=self.clock(),
@@ -219,6 +218,8 @@ class FragmentOwner:
             return False  # a merge or another catch-up ran while we sealed
         decision = self.merger.rebase(version, now=self.clock())
         self.theta, self.version, self.latest = theta, version, latest
+        if self.log is not None:
+            self.log.note_state(self.theta, self.buffer)
         self._remember_digests(version, digest)
         async with self._changed:
             self._changed.notify_all()
@@ -339,17 +340,10 @@ class FragmentOwner:
                clips: list[float]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Clip, aggregate, bound and apply the outer step. Raises ``MergeFailed`` naming the
         peers to drop. (Every payload's shape, finiteness and norm were checked by ``_decode``.)"""
-        deltas = [d * c if c < 1.0 else d for d, c in zip(deltas, clips, strict=True)]  # new tensors
-        if self.fragment.is_embedding:
-            delta = weighted_mean(deltas, weights)  # [numel_p] fp32
-        else:
-            delta = radial_directional_average(deltas, weights, radius=self.outer_cfg.rda_radius)
-        theta_norm = float(torch.linalg.vector_norm(self.theta, dtype=torch.float64))
-        if theta_norm > 0 and math.isfinite(self.outer_cfg.max_delta_ratio):
-            delta, scale = bound_to_norm(delta, self.outer_cfg.max_delta_ratio * theta_norm)
-            if scale < 1.0:
-                self.step_bounds += 1
-        theta, buffer = outer_step(self.theta, delta, self.buffer, self.outer_cfg)
+        update = merge_update(self.theta, self.buffer, deltas, weights, clips, self.outer_cfg,
+                              embedding=self.fragment.is_embedding)
+        self.step_bounds += int(update.bounded)
+        theta, buffer = update.theta, update.buffer
         if not (bool(torch.isfinite(theta).all()) and (buffer is None or bool(torch.isfinite(buffer).all()))):
             raise MergeFailed(f"the outer step over {len(peers)} contributions is not finite; "
                               "no single one is to blame, all are dropped", frozenset(peers))
@@ -383,6 +377,8 @@ class FragmentOwner:
         self.theta, self.version, self.latest = theta, handed.version, latest
         self.buffer = None if handed.momentum is None else handed.momentum.detach().float().clone()
         self.epoch = max(self.epoch, handed.epoch + 1)
+        if self.log is not None:
+            self.log.note_state(self.theta, self.buffer)
         self._remember_digests(handed.version, digest)
         async with self._changed:
             self._changed.notify_all()
@@ -394,12 +390,7 @@ class FragmentOwner:
 
     def _seal_state(self, version: int, theta: torch.Tensor) -> tuple[Sealed, bytes]:
         """Seal ``theta`` as ``version``; also return its digest as learners will decode it."""
-        tensors, offset = [], 0
-        for shape in self.shapes:
-            n = int(torch.Size(shape).numel())
-            enc, _ = compress(theta[offset:offset + n].view(shape), self.download_codec)
-            tensors.append(enc)
-            offset += n
+        tensors = encode_flat(theta, self.shapes, self.download_codec)
         state = FragmentState(
             swarm=self.swarm, fragment=self.fragment.index, version=version,
             tensors=tuple(tensors), content_hash=content_hash(tensors),

@@ -4,7 +4,9 @@ Each line of the log is one event the owner fed its merger and the decision it g
 (``node.diloco.eventlog``). The replay feeds the same events at the same times to a fresh
 ``FragmentMerger``: with the same code it reproduces every decision, reason and merged entry, so
 a log answers "why was my contribution late?" after the fact, and a mismatch names the event
-whose decision changed (a log from another Atoll version, or edited).
+whose decision changed (a log from another Atoll version, or edited). With the contributions and
+states kept beside the log (``<log>.payloads/``), every merge is recomputed and each version's
+digest compared with the one the owner published.
 """
 
 from __future__ import annotations
@@ -32,8 +34,10 @@ def replay_main(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result.to_json()))
         return 0 if not result.mismatches else 1
-    print(f"{path}: {result.decisions} decisions replayed, {len(result.versions)} versions, "
-          f"{len(result.mismatches)} mismatches")
+    print(f"{path}: {result.decisions} decisions replayed, {len(result.versions)} versions "
+          f"({result.contents_checked} recomputed from the kept contents), {len(result.mismatches)} mismatches")
+    if result.unchecked:
+        print(f"  contents not all recomputed: {result.unchecked}")
     for v in result.versions:
         merged = ", ".join(f"{peer[:8]} w={w:.3g} stale={s} clip={c:.3g}" for peer, w, s, c in v["merged"])
         print(f"  version {v['version']} {v['digest'][:12]}" + (f": merged {merged}" if merged else ""))

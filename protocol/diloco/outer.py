@@ -34,12 +34,14 @@ import torch
 from protocol.errors import LocalProtocolError
 
 __all__ = [
+    "MergeUpdate",
     "OuterConfig",
     "bound_to_norm",
     "cap_weights_by_others",
     "clamp_weights",
     "clip_factors",
     "clip_to_median_norm",
+    "merge_update",
     "outer_step",
     "outer_step_",
     "pseudo_gradient",
@@ -308,6 +310,41 @@ def outer_step_(
     with torch.no_grad():
         param.add_(grad, alpha=-cfg.lr)
     return buffer
+
+
+@dataclass(frozen=True, slots=True)
+class MergeUpdate:
+    """A merge's result: the new global fragment and momentum, and whether the aggregate was
+    scaled down to ``max_delta_ratio`` × |Θ|."""
+
+    theta: torch.Tensor
+    buffer: torch.Tensor | None
+    bounded: bool
+
+
+def merge_update(
+    theta: torch.Tensor, buffer: torch.Tensor | None, deltas: Sequence[torch.Tensor], weights: Sequence[float],
+    clips: Sequence[float], cfg: OuterConfig, *, embedding: bool,
+) -> MergeUpdate:
+    """One merge of a fragment: clip each delta by its factor, aggregate (a weighted mean for an
+    embedding fragment, radial-directional averaging otherwise), bound the aggregate to
+    ``cfg.max_delta_ratio`` × |Θ| and apply the outer step. The inputs are not modified.
+
+    The owner and ``atoll replay`` both call this, so a replayed log recomputes the same bits
+    (on the same torch build and thread count). The result may be non-finite; the caller checks.
+    """
+    clipped = [d * c if c < 1.0 else d for d, c in zip(deltas, clips, strict=True)]
+    if embedding:
+        delta = weighted_mean(clipped, weights)
+    else:
+        delta = radial_directional_average(clipped, weights, radius=cfg.rda_radius)
+    bounded = False
+    theta_norm = float(torch.linalg.vector_norm(theta, dtype=torch.float64))
+    if theta_norm > 0 and math.isfinite(cfg.max_delta_ratio):
+        delta, scale = bound_to_norm(delta, cfg.max_delta_ratio * theta_norm)
+        bounded = scale < 1.0
+    new_theta, new_buffer = outer_step(theta, delta, buffer, cfg)
+    return MergeUpdate(new_theta, new_buffer, bounded)
 
 
 # ---------------------------------------------------------------- checks

@@ -1,5 +1,6 @@
-"""An owner's merger log replays to the same decisions, reasons and merged entries, and a log
-edited after the fact shows where it differs."""
+"""An owner's merger log replays to the same decisions, reasons and merged entries, and to the
+same version contents (recomputed from the kept payloads); a log or payload edited after the
+fact shows where it differs."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from node.diloco.eventlog import replay
+from node.diloco.eventlog import payload_dir, replay
 from tests.node.fakes import (
     FakeClock,
     contribution,
@@ -53,6 +54,35 @@ async def test_a_log_replays_to_every_decision_and_version(tmp_path: Path) -> No
     versions = [v["version"] for v in result.versions]
     assert versions == sorted(versions) and versions[0] == 0 and len(versions) >= 4
     assert all(v["merged"] for v in result.versions[1:])  # each version names what it merged
+
+
+async def test_a_replay_recomputes_every_version_digest_from_the_kept_contents(tmp_path: Path) -> None:
+    log = await _run(tmp_path)
+    result = replay(log)
+    assert result.unchecked is None
+    assert result.contents_checked == len(result.versions) >= 4
+    assert all(v["replayed"] == v["digest"] for v in result.versions)
+
+
+async def test_a_changed_payload_changes_the_replayed_version(tmp_path: Path) -> None:
+    log = await _run(tmp_path)
+    states = sorted(payload_dir(log).glob("*.safetensors"))
+    assert len(states) == 1  # the state the owner started from
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(str(states[0]))
+    tensors["theta"][0] += 1e-3  # a different starting state: every version's bits differ
+    save_file(tensors, str(states[0]))
+    result = replay(log)
+    assert [m["event"] for m in result.mismatches] == ["version"] * len(result.versions)
+
+
+async def test_missing_payloads_are_said_not_guessed(tmp_path: Path) -> None:
+    log = await _run(tmp_path)
+    next(payload_dir(log).glob("*.msg")).unlink()
+    result = replay(log)
+    assert result.mismatches == []  # the decisions still replay
+    assert result.unchecked is not None and "missing" in result.unchecked
+    assert result.contents_checked < len(result.versions)
 
 
 async def test_an_edited_log_shows_the_decision_that_differs(tmp_path: Path) -> None:
