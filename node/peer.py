@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
@@ -100,6 +101,13 @@ def _long_poll_query(request: web.Request) -> tuple[int, float]:
 
 class _FencedBy(Exception):
     """A replica refused a handoff because another owner has taken the fragment over."""
+
+    def __init__(self, ack: ReplicaAck) -> None:
+        super().__init__(ack.reason)
+        self.ack = ack
+
+
+MAX_EPOCH_BUMPS = 3  # per handoff: stale fences passed by adopting an epoch above them
 
 
 def emit(event: str, **fields: Any) -> None:
@@ -344,7 +352,7 @@ class PeerNode:
         if not ack.accepted:
             log.info("fragment %d: %s refused version %d: %s", p, target[1], state.version, ack.reason)
             if ack.reason.startswith("fenced"):
-                raise _FencedBy(ack.reason)
+                raise _FencedBy(ack)
         return ack.accepted
 
     async def _replicate(self, p: int, state: ReplicaState) -> str | None:
@@ -354,6 +362,7 @@ class PeerNode:
         replica says another owner has taken over."""
         assert self.membership is not None
         tried: set[bytes] = {self.signer.peer_id}
+        bumps = 0
         while True:
             ranked = self.membership.ranked(self.cfg.swarm, p, REPLICAS, exclude=tried | self.suspects())
             if not ranked:
@@ -363,8 +372,29 @@ class PeerNode:
                 if await self._hand_to(p, ranked[0], state):
                     return None
             except _FencedBy as exc:
-                return str(exc)
+                bumped = self._above_stale_fence(p, state, exc.ack) if bumps < MAX_EPOCH_BUMPS else None
+                if bumped is None:
+                    return str(exc)
+                state, bumps = bumped, bumps + 1
+                continue
             tried.add(ranked[0][0])
+
+    def _above_stale_fence(self, p: int, state: ReplicaState, ack: ReplicaAck) -> ReplicaState | None:
+        """The handoff again under an epoch above ``ack``'s when the fence that refused it is
+        stale: the replica's highest epoch ended at a version older than the one this owner's
+        line already starts from (``state.version - 1``), so no owner of that epoch is ahead of
+        us. That happens after a double failure (an owner and its replica both killed): the new
+        owner starts from the newest published version, with an epoch from its own older
+        records. A fence whose version is not behind ours is real: None (stop publishing)."""
+        owner = self.owners.get(p)
+        base = state.version - 1
+        if owner is None or owner.epoch != state.epoch or ack.epoch <= state.epoch or not 0 <= ack.version < base:
+            return None
+        owner.epoch = ack.epoch + 1
+        self.replicas.fence(p, owner.epoch, base, next(iter(owner.digests[base])))
+        log.info("fragment %d: the fence at epoch %d ends at version %d, behind our %d: owning at epoch %d",
+                 p, ack.epoch, ack.version, base, owner.epoch)
+        return dataclasses.replace(state, epoch=owner.epoch)
 
     def _start_owner(self, p: int) -> None:
         """Own fragment ``p``: from the state a previous owner handed us (its global fragment,

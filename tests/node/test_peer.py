@@ -107,3 +107,31 @@ async def test_long_polls_are_capped_per_key_and_per_anonymous_address() -> None
     await node.owners[0].retire()  # releases every long-poll at once
     await asyncio.gather(*held, other)
     assert not node._long_polls  # all given back
+
+
+async def test_a_stale_fence_is_passed_with_a_higher_epoch_and_a_real_one_is_not() -> None:
+    """After an owner and its replica both die, the new owner starts from the newest published
+    version with an epoch from its own older records. A replica whose highest epoch ended at an
+    older version than ours is stale news: the handoff goes again above it. A fence that knows
+    our version or a later one is real: the owner stops."""
+    from protocol.wire.messages import ReplicaAck
+    from tests.node.fakes import FakeClock, flat_of, make_owner, shapes_of
+
+    model = tiny_model()
+    plan = tiny_plan(model)
+    node = PeerNode(RunConfig(max_tokens_per_step=64), signer(1), model, plan)
+    owner = make_owner(plan, shapes_of(model, plan), 0, flat_of(model, plan, 0), FakeClock(), version=184)
+    node.owners[0] = owner
+    state = owner.snapshot()
+    state = dataclasses.replace(state, version=185)  # the next version's handoff, at epoch 0
+
+    def ack(epoch: int, version: int) -> ReplicaAck:
+        return ReplicaAck(accepted=False, epoch=epoch, version=version,
+                          reason=f"fenced: fragment 0 is at epoch {epoch} here (version {version})")
+
+    assert node._above_stale_fence(0, state, ack(3, 184)) is None  # it knows our version: real
+    assert node._above_stale_fence(0, state, ack(3, 200)) is None  # ahead of us: real
+    assert node._above_stale_fence(0, state, ack(0, 100)) is None  # not a higher epoch
+    bumped = node._above_stale_fence(0, state, ack(3, 130))
+    assert bumped is not None and bumped.epoch == owner.epoch == 4 and bumped.version == 185
+    assert node.replicas.held[0].epoch == 4  # and this peer now refuses handoffs below it
