@@ -320,6 +320,8 @@ class PeerNode:
                 await retired.retire()
                 if owner is not None and self._tg is not None:  # hand our state on: nothing is lost
                     self._tg.create_task(self._hand_on(p, owner, retired.snapshot()))
+        if self.net is not None:
+            self.net.owners_changed()  # work accepted by an owner that has gone is sent again now
 
     def _drop_owner(self, p: int) -> FragmentOwner:
         retired = self.owners.pop(p)
@@ -403,15 +405,15 @@ class PeerNode:
         assert self.net is not None and self._tg is not None
         version, flat = self.net.latest.get(p, (0, self.net.island_initial[p]))
         held, handed = self.replicas.held.get(p), self.replicas.states.get(p)
-        epoch, momentum = (held.epoch + 1 if held else 0), None
+        epoch, momentum, merged = (held.epoch + 1 if held else 0), None, None
         if handed is not None and handed.version >= version:
-            version, flat, momentum = handed.version, handed.theta, handed.momentum
+            version, flat, momentum, merged = handed.version, handed.theta, handed.momentum, handed.merged
             log.info("fragment %d: taking over version %d (epoch %d) with its momentum", p, version, handed.epoch)
         owner = FragmentOwner(
             swarm=self.cfg.swarm, fragment=self.plan.fragments[p], shapes=self.shapes[p],
             initial=flat, version=version, merge_cfg=self._merge_cfg(), outer_cfg=self._outer_cfg(),
             signer=self.signer, download_codec=self.cfg.download_codec, epoch=epoch, momentum=momentum,
-            replicate=functools.partial(self._replicate, p),
+            replicate=functools.partial(self._replicate, p), merged=merged,
             on_publish=self._published,
             event_log=(self.event_log_dir / f"fragment{p}-epoch{epoch}-v{version}-{time.time_ns()}.jsonl"
                        if self.event_log_dir is not None else None),

@@ -167,6 +167,14 @@ class Island:
             with self._arrived:
                 self._arrived.notify_all()
 
+    def resend(self, fragment: int) -> None:
+        """The owner that accepted this fragment's contribution left before merging it: send the
+        cumulative pseudo-gradient again at the next step (it still covers that work)."""
+        self.in_flight[fragment] = None
+        self.next_due[fragment] = self.stats.step
+        with self._arrived:
+            self._arrived.notify_all()
+
     def adopt_final(self, fragment: int, version: int, flat: torch.Tensor) -> None:
         """Adopt the owner's final version even if it is not above the one held.
 

@@ -58,6 +58,7 @@ class LearnerStats:
     version_jumps: int = 0  # versions above what an owner can have reached (refused)
     skipped_nonfinite: int = 0
     resyncs: int = 0
+    resent_on_owner_change: int = 0  # accepted, then its owner was gone before merging it: sent again
 
 
 class IslandNet:
@@ -105,6 +106,10 @@ class IslandNet:
         # fragment -> version -> digest of that version's state as delivered to the island: what a
         # contribution names as its base, so an owner applies it only to that very state
         self.digests: list[dict[int, bytes]] = [{0: flat_digest(g)} for g in self.island_initial]
+        # fragment -> (owner that accepted its contribution, the contribution's base version, the
+        # error-feedback residuals from before it): if that owner stops owning the fragment before
+        # a version above the base comes, the work is sent again at once (``owners_changed``)
+        self._accepted_by: dict[int, tuple[bytes, int, dict[tuple[int, int], torch.Tensor | None]]] = {}
 
     # --- trainer thread ------------------------------------------------------------------------
     def submit(self, out: Outgoing) -> None:
@@ -210,6 +215,8 @@ class IslandNet:
         if not isinstance(reply, Ack):
             raise RemoteProtocolError(f"owner replied {type(reply).__name__}, expected Ack")
         if reply.accepted:
+            self._accepted_by[out.fragment] = (owner_id, out.base_version,
+                                               {k: self.residuals.get(k) for k in residuals})
             self.residuals.update(residuals)
             self.stats.contributions_accepted += 1
         else:
@@ -219,6 +226,36 @@ class IslandNet:
         if not reply.accepted and reply.reason.startswith("resync"):
             self.stats.base_mismatches += 1
             await self.resync()  # our base state is not the owner's: take the owners' states whole
+
+    def owners_changed(self) -> int:
+        """Call when the owners may have changed (a membership pass, an unreachable owner).
+
+        A contribution that an owner accepted but had not merged when it stopped owning the
+        fragment (it failed, or retired) would be lost: the island sends its cumulative
+        pseudo-gradient again at its next step, to the new owner, with the error-feedback
+        residuals restored to what they were before the lost send. If the old owner had merged
+        it after all, its successor knows (the handoff names merged work) and refuses it with
+        "resync". Returns how many fragments are sent again."""
+        resent = 0
+        for p, (owner_id, base, before) in list(self._accepted_by.items()):
+            if self.island.in_flight[p] is None or self.island.versions[p] > base:
+                del self._accepted_by[p]  # merged (a newer version came) or already resolved
+                continue
+            now = self.owner_of(p)
+            if now is None or now[0] == owner_id:
+                continue
+            del self._accepted_by[p]
+            for key, residual in before.items():
+                if residual is None:
+                    self.residuals.pop(key, None)
+                else:
+                    self.residuals[key] = residual
+            self.island.resend(p)
+            self.stats.resent_on_owner_change += 1
+            resent += 1
+            log.info("fragment %d: owner %s left before merging our contribution (base %d); sending it "
+                     "again to %s", p, owner_id.hex()[:8], base, now[0].hex()[:8])
+        return resent
 
     async def _poll_loop(self, p: int) -> None:
         backoff = 0.2

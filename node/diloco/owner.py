@@ -26,7 +26,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import cast
 
@@ -85,12 +85,15 @@ class FragmentOwner:
         replicate: Callable[[ReplicaState], Awaitable[str | None]] | None = None,
         on_publish: Callable[[int, int, bytes], None] | None = None,
         event_log: Path | None = None,
+        merged: Mapping[bytes, int] | None = None,
     ) -> None:
         """``epoch``: this ownership's epoch (a takeover starts one above the state it took
         over); ``momentum``: the outer Nesterov buffer taken over with ``initial``;
         ``replicate``: hands each next version's whole state to a replica before it is
         published, returning None when a replica took it (or none can) and the reason when this
-        owner has been replaced ("fenced: ..."), after which it stops publishing and retires."""
+        owner has been replaced ("fenced: ..."), after which it stops publishing and retires;
+        ``merged``: per sender, the newest base version of its work merged into ``initial`` (taken
+        over with it), so that work is refused if it is sent again."""
         self.clock, self.wall_clock = clock, wall_clock
         self.epoch, self.replicate, self.on_publish = epoch, replicate, on_publish
         self.fenced: str | None = None
@@ -111,7 +114,7 @@ class FragmentOwner:
         # digest of each recent version's state as learners decode it: a contribution is applied
         # only to the state it was measured against (version numbers alone can name two contents)
         self.digests: dict[int, set[bytes]] = {}
-        self._merged_base: dict[bytes, int] = {}  # sender -> newest base version of its merged work
+        self._merged_base: dict[bytes, int] = dict(merged or {})  # sender -> newest base of its merged work
         self._keep_digests = merge_cfg.staleness_bound + 2
         self.latest, digest = self._seal_state(version, self.theta)
         if self.log is not None:
@@ -290,8 +293,12 @@ class FragmentOwner:
         try:
             theta, buffer = await asyncio.to_thread(self._outer, peers, deltas, weights, clips)
             latest, digest = await asyncio.to_thread(self._seal_state, self.version + 1, theta)
+            merged = dict(self._merged_base)  # as it will be once this merge is published
+            for e in decision.entries:
+                merged[e.peer] = max(merged.get(e.peer, -1), self.version - e.staleness)
             if self.replicate is not None:
-                state = await asyncio.to_thread(self._replica_state, self.version + 1, digest, theta, buffer)
+                state = await asyncio.to_thread(self._replica_state, self.version + 1, digest, theta, buffer,
+                                                merged)
                 fence = await self.replicate(state)
                 if fence is not None:
                     raise Fenced(fence, frozenset(peers))
@@ -311,10 +318,7 @@ class FragmentOwner:
             failed = self.merger.on_merge_failed(f"merge failed: {exc!r}", now=self.clock(), discard=peers)
             log.warning("fragment %d: %s", self.fragment.index, failed.reason)
             return failed
-        for e in decision.entries:  # their bases, so that a second send of the same work is refused
-            base = self.version - e.staleness
-            if self._merged_base.get(e.peer, -1) < base:
-                self._merged_base[e.peer] = base
+        self._merged_base = merged  # their bases, so that a second send of the same work is refused
         while len(self._merged_base) > MERGED_BASES_KEPT:
             self._merged_base.pop(next(iter(self._merged_base)))
         self.theta, self.buffer, self.version, self.latest = theta, buffer, self.version + 1, latest
@@ -350,14 +354,14 @@ class FragmentOwner:
         return theta, buffer
 
     def _replica_state(self, version: int, digest: bytes, theta: torch.Tensor,
-                       buffer: torch.Tensor | None) -> ReplicaState:
+                       buffer: torch.Tensor | None, merged: Mapping[bytes, int]) -> ReplicaState:
         return encode_state(swarm=self.swarm, fragment=self.fragment.index, epoch=self.epoch, version=version,
-                            digest=digest, theta=theta, momentum=buffer)
+                            digest=digest, theta=theta, momentum=buffer, merged=merged)
 
     def snapshot(self) -> ReplicaState:
         """The whole state at the latest version (handed to the successor when retiring)."""
         digest = next(iter(self.digests[self.version]))
-        return self._replica_state(self.version, digest, self.theta, self.buffer)
+        return self._replica_state(self.version, digest, self.theta, self.buffer, dict(self._merged_base))
 
     async def take_over(self, handed: Handed) -> bool:
         """Start from a state handed over by the previous owner (or to us as its replica), before
@@ -377,6 +381,9 @@ class FragmentOwner:
         self.theta, self.version, self.latest = theta, handed.version, latest
         self.buffer = None if handed.momentum is None else handed.momentum.detach().float().clone()
         self.epoch = max(self.epoch, handed.epoch + 1)
+        for peer, base in handed.merged.items():
+            if self._merged_base.get(peer, -1) < base:
+                self._merged_base[peer] = base
         if self.log is not None:
             self.log.note_state(self.theta, self.buffer)
         self._remember_digests(handed.version, digest)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +31,8 @@ __all__ = ["Handed", "ReplicaStore", "encode_state", "hand_over"]
 
 log = logging.getLogger(__name__)
 
+MAX_MERGED = 4096  # senders whose merged work a handoff names (the most recent ones)
+
 
 @dataclass(frozen=True, slots=True)
 class Handed:
@@ -43,15 +45,20 @@ class Handed:
     theta: torch.Tensor
     momentum: torch.Tensor | None
     sender: bytes
+    merged: dict[bytes, int]  # sender -> newest base version of its work merged into this state
 
 
 def encode_state(*, swarm: str, fragment: int, epoch: int, version: int, digest: bytes,
-                 theta: torch.Tensor, momentum: torch.Tensor | None) -> ReplicaState:
-    """An owner's state as a ``ReplicaState`` (fp32, uncompressed: a replica must hold it exactly)."""
+                 theta: torch.Tensor, momentum: torch.Tensor | None,
+                 merged: Mapping[bytes, int] | None = None) -> ReplicaState:
+    """An owner's state as a ``ReplicaState`` (fp32, uncompressed: a replica must hold it exactly).
+    ``merged``: sender -> newest base version of its merged work (the newest ``MAX_MERGED`` kept)."""
     t, _ = compress(theta.detach().float().contiguous(), "none")
     m = (compress(momentum.detach().float().contiguous(), "none")[0],) if momentum is not None else ()
+    recent = sorted((merged or {}).items(), key=lambda kv: kv[1], reverse=True)[:MAX_MERGED]
     return ReplicaState(swarm=swarm, fragment=fragment, epoch=epoch, version=version, digest=digest,
-                        theta=(t,), momentum=m)
+                        theta=(t,), momentum=m, merged_peers=tuple(k for k, _ in recent),
+                        merged_bases=tuple(min(v, version) for _, v in recent))
 
 
 class ReplicaStore:
@@ -77,7 +84,8 @@ class ReplicaStore:
                               version=held.version if held else -1)
         theta = flat_from_tensors(msg.theta, [(self.numels[p],)])
         momentum = flat_from_tensors(msg.momentum, [(self.numels[p],)]) if msg.momentum else None
-        self.states[p] = Handed(p, msg.epoch, msg.version, msg.digest, theta, momentum, sender)
+        merged = dict(zip(msg.merged_peers, msg.merged_bases, strict=True))
+        self.states[p] = Handed(p, msg.epoch, msg.version, msg.digest, theta, momentum, sender, merged)
         self.held[p] = Held(msg.epoch, msg.version, msg.digest)
         self.taken += 1
         return ReplicaAck(accepted=True, reason=verdict.reason, epoch=msg.epoch, version=msg.version)

@@ -197,7 +197,9 @@ class ReplicaState(Message):
     """An owner's whole state for one fragment, handed to its replica before it publishes
     ``version`` (and to its successor when it retires): the global fragment and the outer
     momentum in fp32 (``momentum`` empty before the first merge with momentum), ``digest`` of the
-    version as learners decode it, and the owner's ``epoch`` (a takeover starts a higher one)."""
+    version as learners decode it, and the owner's ``epoch`` (a takeover starts a higher one).
+    ``merged_peers``/``merged_bases``: for each recent sender, the newest base version of its work
+    that is merged into this state, so the next owner refuses that work if it is sent again."""
 
     swarm: str
     fragment: int
@@ -206,11 +208,19 @@ class ReplicaState(Message):
     digest: bytes
     theta: tuple[EncodedTensor, ...]
     momentum: tuple[EncodedTensor, ...]
+    merged_peers: tuple[bytes, ...] = ()
+    merged_bases: tuple[int, ...] = ()
 
     def _check(self) -> None:
         _name(self.swarm, "ReplicaState.swarm")
         _non_negative(self, "fragment", "epoch", "version")
         _hash(self.digest, HASH_BYTES, "ReplicaState.digest")
+        _require(len(self.merged_peers) == len(self.merged_bases),
+                 "ReplicaState.merged_peers and merged_bases must pair up")
+        for peer in self.merged_peers:
+            _hash(peer, PEER_ID_BYTES, "ReplicaState.merged_peers")
+        _require(all(0 <= b <= self.version for b in self.merged_bases),
+                 "ReplicaState.merged_bases must lie in 0..version")
         _tensors(self.theta, "ReplicaState.theta")
         _require(len(self.theta) == 1 and len(self.momentum) <= 1,
                  "ReplicaState carries one theta tensor and at most one momentum tensor")

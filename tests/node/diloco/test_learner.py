@@ -253,3 +253,38 @@ async def test_sync_mode_waits_for_the_merged_version_before_the_next_step() -> 
     for _ in range(2 * H):
         rig.step()
     assert time.monotonic() - t0 < 2.0 and rig.island.in_flight[p] is not None
+
+
+async def test_work_accepted_by_an_owner_that_left_is_sent_again_at_once_with_its_residuals() -> None:
+    """An owner accepted a contribution and stopped owning the fragment before merging it: the
+    island sends it again at its next step (not after a 2H timeout), and the error-feedback
+    residuals are those from before the lost send (the next send carries that work again)."""
+    rig = Rig()
+    owner_id = rig.owner_key.peer_id
+    current = {"id": owner_id}
+    rig.net.owner_of = lambda p: (current["id"], OWNER_URL)
+    n = rig.owners[0].theta.numel()
+    await rig.net.send(rig.outgoing(0, _delta(n)))  # accepted; the owner waits for more
+    assert rig.net.stats.contributions_accepted == 1 and rig.island.in_flight[0] is not None
+    assert rig.net.residuals  # the send's quantisation error
+    assert rig.net.owners_changed() == 0  # the same owner: nothing to do
+    current["id"] = signer(8).peer_id  # the fragment moved to another owner
+    assert rig.net.owners_changed() == 1
+    assert rig.island.in_flight[0] is None and rig.island.next_due[0] == rig.island.stats.step
+    assert not any(k[0] == 0 for k in rig.net.residuals)  # back to before the lost send
+    assert rig.net.stats.resent_on_owner_change == 1
+    assert rig.net.owners_changed() == 0  # once
+
+
+async def test_work_already_merged_is_not_sent_again_when_the_owner_changes() -> None:
+    rig = Rig()
+    current = {"id": rig.owner_key.peer_id}
+    rig.net.owner_of = lambda p: (current["id"], OWNER_URL)
+    await rig.owners[0].set_expected(1)
+    await rig.net.send(rig.outgoing(0, _delta(rig.owners[0].theta.numel())))  # accepted and merged
+    got = await rig.net.fetch(0, after=0, wait_s=0.0)
+    assert got is not None
+    rig.island.deliver(0, *got)
+    rig.step()  # version 1 adopted: the work is in the global model
+    current["id"] = signer(8).peer_id
+    assert rig.net.owners_changed() == 0 and rig.net.stats.resent_on_owner_change == 0

@@ -98,3 +98,37 @@ async def test_a_replaced_primary_is_fenced_and_publishes_nothing() -> None:
     await primary.tick()
     assert primary.version == waiter_version == 1  # version 2 was never published
     assert primary.fenced is not None and primary.fenced.startswith("fenced:") and primary.retired
+
+
+async def test_work_merged_into_a_handed_version_is_refused_by_the_successor_if_sent_again() -> None:
+    """The primary merged A's contribution, handed the version to its replica and died before
+    publishing it. A (its in-flight contribution unanswered by a version) sends the same work
+    again to the successor: the handoff named it as merged, so it is refused with "resync" and
+    counted once. B's work, never merged, is taken."""
+    model = tiny_model()
+    plan, clock = tiny_plan(model), FakeClock()
+    shapes, theta0 = shapes_of(model, plan), flat_of(model, plan, 0)
+    store = ReplicaStore(SWARM, [theta0.numel(), 0])
+
+    async def to_replica(state: ReplicaState) -> str | None:
+        ack = store.offer(signer(1).peer_id, state)
+        return None if ack.accepted else ack.reason
+
+    primary = _owner(plan, shapes, clock, theta0, who=signer(1), replicate=to_replica)
+    delta = torch.linspace(-0.05, 0.05, theta0.numel())
+    await _merge_one(primary, clock, delta, shapes, A)
+    handed = store.states[0]
+    assert handed.version == 1 and handed.merged == {A: 0}
+    def successor() -> FragmentOwner:  # a peer that knew version 0, then takes over the handed state
+        return FragmentOwner(swarm=SWARM, fragment=plan.fragments[0], shapes=shapes[0], initial=theta0,
+                             merge_cfg=MergeConfig(quorum=2, gamma=0.5, tau=2.0),
+                             outer_cfg=OuterConfig(lr=0.7, momentum=0.9), signer=signer(2), clock=clock)
+
+    again = contribution(delta, shapes[0], base_version=0, owner=primary)  # measured against version 0
+    told = successor()
+    assert await told.take_over(handed)
+    ack = await told.contribute(A, again)
+    assert not ack.accepted and "merged already" in ack.reason
+    ack = await told.contribute(B, contribution(delta, shapes[0], base_version=1, owner=told))
+    assert ack.accepted, ack.reason
+    assert told.penalties[A]["refused_base"] == 1  # refused by the handed merged set, before the merger
