@@ -115,8 +115,7 @@
       const coords = pts.map((p) => `${sx(p[0]).toFixed(1)},${sy(p[1]).toFixed(1)}`).join(" ");
       box.appendChild(svg("polyline", { class: "series", "data-series": s.name, "data-points": pts.length,
                                         points: coords, stroke: s.color, "stroke-width": 1.5, fill: "none" }));
-      box.appendChild(svg("text", { x: W - R, y: T + 10 + 13 * k, "text-anchor": "end", fill: s.color,
-                                    "font-size": 11 }, s.name));
+      box.appendChild(svg("text", { x: L + 8, y: T + 10 + 13 * k, fill: s.color, "font-size": 11 }, s.name));
     });
   }
 
