@@ -582,7 +582,8 @@ class PeerNode:
 
     def penalties(self) -> dict[str, dict[str, int]]:
         """Per sender (peer id hex), what this peer's owners' merge bounds did to its contributions:
-        merged, clipped, weight_capped, steps_bounded, tokens_bounded, dropped, refused_<why>."""
+        merged, late (merged after its round closed), clipped, weight_capped, steps_bounded, tokens_bounded,
+        dropped, refused_<why>."""
         out: dict[str, collections.Counter[str]] = {}
         for owner in list(self.owners.values()) + self._retired_owners:
             for peer, counts in owner.penalties.items():
