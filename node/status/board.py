@@ -6,7 +6,9 @@ keys beyond peer ids, no credentials): this node, the members it sees with their
 reachability, each fragment's owner and versions, the progress history and the totals. It is
 cheap whatever a visitor does: the JSON and the metrics are computed at most once per
 ``max_age_s``, the member list is cut at ``MAX_MEMBERS`` and every string a peer chose (a lab
-name, an address, a role) is cut to a few hundred characters before it is sent.
+name, an address, a role) is cut to a few hundred characters before it is sent. The totals sum
+every owner's per-sender counts, on the event loop: with 20,000 senders that took ~45 ms (on a
+busy 2-core machine), at most once per ``max_age_s``; a cached answer costs under a microsecond.
 """
 
 from __future__ import annotations
