@@ -307,8 +307,10 @@ class PeerNode:
         for p in range(len(self.plan.fragments)):
             running = self.owners.get(p)
             if running is not None and running.fenced is not None:
-                self._fenced_until[p] = now + FENCE_BACKOFF_S  # another owner took over: step back
-                self._drop_owner(p)
+                handed = self.replicas.states.get(p)
+                if handed is None or handed.version <= running.version:  # another owner took over: step back
+                    self._fenced_until[p] = now + FENCE_BACKOFF_S
+                self._drop_owner(p)  # (else our predecessor's newer state came: own again from it at once)
                 continue
             owner = self.owner_of(p)
             mine = owner is not None and owner[0] == self.signer.peer_id
@@ -330,6 +332,9 @@ class PeerNode:
         return retired
 
     def _published(self, fragment: int, version: int, digest: bytes) -> None:
+        owner = self.owners.get(fragment)
+        if owner is not None:  # once retired, this peer refuses another content for this version
+            self.replicas.fence(fragment, owner.epoch, version, digest)
         if self.announce_versions:
             emit("published", fragment=fragment, version=version, digest=digest.hex()[:32])
 
@@ -363,6 +368,11 @@ class PeerNode:
         next one tried). None when one took it, or none is left (counted); the reason when a
         replica says another owner has taken over."""
         assert self.membership is not None
+        held = self.replicas.held.get(p)
+        if held is not None and held.version >= state.version and held.digest != state.digest:
+            # our predecessor handed us this version while we merged ours: its content stands
+            return (f"fenced: fragment {p} version {held.version} was handed to this peer by the previous "
+                    f"owner while it merged its own")
         tried: set[bytes] = {self.signer.peer_id}
         bumps = 0
         while True:
@@ -462,7 +472,7 @@ class PeerNode:
             return ReplicaAck(accepted=False, epoch=own.epoch, version=own.version,
                               reason=f"fenced: this peer owns fragment {msg.fragment} (epoch {own.epoch}, "
                                      f"version {own.version})")
-        ack = self.replicas.offer(opened.peer_id, msg)
+        ack = self.replicas.offer(opened.peer_id, msg, successor=own is not None and not own.retired)
         if ack.accepted and own is not None and not own.retired:
             await own.take_over(self.replicas.states[msg.fragment])  # a retiring owner's newer state
         elif ack.accepted and self._fenced_until.pop(msg.fragment, None) is not None and self._tg is not None:

@@ -71,12 +71,14 @@ class ReplicaStore:
         self.taken = 0
         self.refused = 0
 
-    def offer(self, sender: bytes, msg: ReplicaState) -> ReplicaAck:
-        """Judge and (if taken) keep one handoff. Raises ``DecodeError`` for a malformed one."""
+    def offer(self, sender: bytes, msg: ReplicaState, *, successor: bool = False) -> ReplicaAck:
+        """Judge and (if taken) keep one handoff (``successor``: see ``judge``). Raises
+        ``DecodeError`` for a malformed one."""
         p = msg.fragment
         if msg.swarm != self.swarm or not 0 <= p < len(self.numels):
             raise DecodeError(f"handoff for swarm {msg.swarm!r} fragment {p}: not a fragment of this swarm")
-        verdict = judge(self.held.get(p), epoch=msg.epoch, version=msg.version, digest=msg.digest, fragment=p)
+        verdict = judge(self.held.get(p), epoch=msg.epoch, version=msg.version, digest=msg.digest, fragment=p,
+                        successor=successor)
         held = self.held.get(p)
         if not verdict.accepted:
             self.refused += 1
@@ -86,7 +88,8 @@ class ReplicaStore:
         momentum = flat_from_tensors(msg.momentum, [(self.numels[p],)]) if msg.momentum else None
         merged = dict(zip(msg.merged_peers, msg.merged_bases, strict=True))
         self.states[p] = Handed(p, msg.epoch, msg.version, msg.digest, theta, momentum, sender, merged)
-        self.held[p] = Held(msg.epoch, msg.version, msg.digest)
+        held = self.held.get(p)
+        self.held[p] = Held(max(msg.epoch, held.epoch if held else 0), msg.version, msg.digest)
         self.taken += 1
         return ReplicaAck(accepted=True, reason=verdict.reason, epoch=msg.epoch, version=msg.version)
 

@@ -13,7 +13,8 @@ therefore published with one content only, whoever publishes it.
 ``judge`` is that rule, pure: a handoff ``(epoch, version, digest)`` is taken when its epoch is
 not below the held one and it moves the version forward; the same version with the same digest
 is taken again (a retry); the same version with another digest, or an older epoch, is refused
-with the reason ("fenced: ...").
+with the reason ("fenced: ..."). An owner records every version it publishes the same way, so
+after it retires it refuses a second content for any of them.
 """
 
 from __future__ import annotations
@@ -38,11 +39,17 @@ class Judgement:
     reason: str
 
 
-def judge(held: Held | None, *, epoch: int, version: int, digest: bytes, fragment: int) -> Judgement:
-    """Whether a replica holding ``held`` takes the handoff ``(epoch, version, digest)``."""
+def judge(held: Held | None, *, epoch: int, version: int, digest: bytes, fragment: int,
+          successor: bool = False) -> Judgement:
+    """Whether a replica holding ``held`` takes the handoff ``(epoch, version, digest)``.
+
+    ``successor``: the receiver is the fragment's new owner, not yet merging, and the handoff is
+    its predecessor's final state. The predecessor's epoch is then below the successor's own
+    (which ``held`` records) by construction, so the epoch rule does not apply; the version and
+    content rules still do."""
     if held is None:
         return Judgement(True, f"fragment {fragment}: took version {version} (epoch {epoch}); held nothing")
-    if epoch < held.epoch:
+    if epoch < held.epoch and not successor:
         return Judgement(False, f"fenced: fragment {fragment} is at epoch {held.epoch} here (version "
                                 f"{held.version}); a handoff from epoch {epoch} comes from a replaced owner")
     if version < held.version:

@@ -41,3 +41,16 @@ def test_no_version_is_taken_with_two_contents(handoffs: list[tuple[int, int, by
             assert taken.setdefault(version, digest) == digest
             held = Held(epoch, version, digest)
             assert held.version >= max(taken)
+
+
+def test_a_successor_takes_its_predecessors_final_state_whatever_its_epoch() -> None:
+    """A new owner records its own epoch; its predecessor's final handoff comes from a lower one.
+    As a successor it is taken (if it moves the version on); as a plain replica it is refused."""
+    from protocol.diloco.replica import Held, judge
+
+    held = Held(epoch=2, version=60, digest=b"a" * 32)
+    assert not judge(held, epoch=1, version=61, digest=b"b" * 32, fragment=3).accepted
+    assert judge(held, epoch=1, version=61, digest=b"b" * 32, fragment=3, successor=True).accepted
+    assert not judge(held, epoch=1, version=59, digest=b"b" * 32, fragment=3, successor=True).accepted
+    assert not judge(Held(2, 61, b"a" * 32), epoch=1, version=61, digest=b"b" * 32, fragment=3,
+                     successor=True).accepted  # a second content for a version is never taken
