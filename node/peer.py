@@ -47,6 +47,7 @@ from node.diloco.island import Island, Outgoing
 from node.diloco.learner import IslandNet
 from node.diloco.owner import FragmentOwner
 from node.diloco.replica import ReplicaStore, hand_over
+from node.state.owner_checkpoint import OwnerCheckpoints
 from node.state.serve import ManifestCache, serve_manifest, serve_sealed, state_etag
 from node.state.sync import SyncFailed, sync_fragments
 from node.status import StatusBoard
@@ -122,11 +123,14 @@ class PeerNode:
                  host: str = "127.0.0.1", port: int = 0, public_address: str | None = None,
                  tamper: Callable[[Outgoing], Outgoing] | None = None,
                  credentials: SwarmCredentials | None = None,
-                 initial_global: list[torch.Tensor] | None = None, event_log_dir: Path | None = None) -> None:
+                 initial_global: list[torch.Tensor] | None = None, event_log_dir: Path | None = None,
+                 owner_checkpoint_dir: Path | None = None) -> None:
         """``initial_global``: every fragment's version 0 (the model's initial weights), when the
         island passed in holds other versions already (resumed from a checkpoint).
         ``event_log_dir``: every owner logs its merger's events and decisions there, one file per
-        fragment and ownership (``atoll replay`` re-runs them)."""
+        fragment and ownership (``atoll replay`` re-runs them).
+        ``owner_checkpoint_dir``: owners checkpoint their fragments' states there, and the states
+        found there at start are taken over like a handoff (``node.state.owner_checkpoint``)."""
         if cfg.max_tokens_per_step < 1:
             raise ValueError("the swarm config must set max_tokens_per_step (>= 1): the merge clamps "
                              "every learner's self-reported tokens to it")
@@ -173,8 +177,15 @@ class PeerNode:
         self.member_lookups = 0
         self.rpc.route(Contribution, self._on_contribution)
         self.rpc.route(ReplicaState, self._on_replica_state)
-        self.replicas = ReplicaStore(cfg.swarm, [sum(int(torch.Size(s).numel()) for s in shapes)
-                                                 for shapes in self.shapes])
+        numels = [sum(int(torch.Size(s).numel()) for s in shapes) for shapes in self.shapes]
+        self.replicas = ReplicaStore(cfg.swarm, numels)
+        self.owner_checkpoints = (OwnerCheckpoints(owner_checkpoint_dir, cfg.swarm, numels)
+                                  if owner_checkpoint_dir is not None else None)
+        if self.owner_checkpoints is not None:
+            for p, state in self.owner_checkpoints.load().items():
+                self.replicas.restore(state)
+                log.info("fragment %d: owner checkpoint at version %d (epoch %d) loaded", p, state.version,
+                         state.epoch)
         self._replica_replay = ReplayWindow()
         self._fenced_until: dict[int, float] = {}
         self.unreplicated = 0  # versions published with no replica reachable
@@ -335,6 +346,8 @@ class PeerNode:
         owner = self.owners.get(fragment)
         if owner is not None:  # once retired, this peer refuses another content for this version
             self.replicas.fence(fragment, owner.epoch, version, digest)
+            if self.owner_checkpoints is not None:
+                self.owner_checkpoints.offer(owner.state())
         if self.announce_versions:
             emit("published", fragment=fragment, version=version, digest=digest.hex()[:32])
 

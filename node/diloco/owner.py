@@ -363,6 +363,11 @@ class FragmentOwner:
         digest = next(iter(self.digests[self.version]))
         return self._replica_state(self.version, digest, self.theta, self.buffer, dict(self._merged_base))
 
+    def state(self) -> Handed:
+        """The whole state at the latest version, as held (for an owner checkpoint)."""
+        return Handed(self.fragment.index, self.epoch, self.version, next(iter(self.digests[self.version])),
+                      self.theta, self.buffer, self.signer.peer_id, dict(self._merged_base))
+
     async def take_over(self, handed: Handed) -> bool:
         """Start from a state handed over by the previous owner (or to us as its replica), before
         our first merge: the same global fragment, momentum, version and digest, under an epoch

@@ -93,6 +93,13 @@ class ReplicaStore:
         self.taken += 1
         return ReplicaAck(accepted=True, reason=verdict.reason, epoch=msg.epoch, version=msg.version)
 
+    def restore(self, state: Handed) -> None:
+        """Hold ``state`` as if it had been handed over (an owner checkpoint read at start)."""
+        held = self.held.get(state.fragment)
+        if held is None or state.version > held.version:
+            self.states[state.fragment] = state
+            self.held[state.fragment] = Held(state.epoch, state.version, state.digest)
+
     def fence(self, p: int, epoch: int, version: int, digest: bytes) -> None:
         """This peer now owns ``p`` at ``epoch``: refuse handoffs from older epochs."""
         held = self.held.get(p)

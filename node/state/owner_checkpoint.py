@@ -1,0 +1,124 @@
+"""Owner checkpoints: the state of every fragment this peer owns, on disk, so a peer killed with
+``kill -9`` resumes its ownership with the versions (and outer momentum) it held.
+
+One file per fragment, ``owner-fragment<p>.safetensors``, written with ``save_checkpoint``
+(temporary file, fsync, rename; never pickle): the global fragment and the Nesterov buffer, and
+in its JSON the swarm, fragment, epoch, version, the version's digest and the work merged into it
+(``ReplicaState`` on disk). A write happens after a publication, at most once per ``min_gap_s``
+per fragment (the newest state wins; a publication inside the gap is written when the gap ends),
+off the event loop.
+
+At start the peer loads them as if its own replica had been handed them: an owner starts from
+a loaded state only when it is not behind the newest version the swarm serves (``_start_owner``),
+so a checkpoint can never take the model back. A truncated, corrupt or foreign file is refused
+with the reason and skipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from node.diloco.replica import Handed
+from node.state.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+
+__all__ = ["OwnerCheckpoints"]
+
+log = logging.getLogger(__name__)
+
+_NAME = re.compile(r"owner-fragment(\d{1,6})\.safetensors")
+MIN_GAP_S = 5.0
+
+
+class OwnerCheckpoints:
+    """Writes and reads the owner checkpoints of one peer in ``folder``."""
+
+    def __init__(self, folder: Path, swarm: str, numels: Sequence[int], *, min_gap_s: float = MIN_GAP_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.folder, self.swarm, self.numels = Path(folder), swarm, list(numels)
+        self.min_gap_s, self.clock = min_gap_s, clock
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self._last: dict[int, float] = {}
+        self._pending: dict[int, Handed] = {}
+        self._waiting: set[int] = set()
+        self.written = 0
+        self.failed = 0
+
+    def path(self, p: int) -> Path:
+        return self.folder / f"owner-fragment{p}.safetensors"
+
+    def offer(self, state: Handed) -> None:
+        """Note a newly published state; it is written now or when this fragment's gap ends
+        (call from the event loop)."""
+        p = state.fragment
+        self._pending[p] = state
+        if p in self._waiting:
+            return
+        self._waiting.add(p)
+        delay = max(0.0, self._last.get(p, -1e18) + self.min_gap_s - self.clock())
+        asyncio.get_running_loop().call_later(delay, lambda: asyncio.ensure_future(self._write(p)))
+
+    async def _write(self, p: int) -> None:
+        self._waiting.discard(p)
+        state = self._pending.pop(p, None)
+        if state is None:
+            return
+        self._last[p] = self.clock()
+        try:
+            await asyncio.to_thread(self.save, state)
+        except (OSError, ValueError) as exc:  # a full disk stops checkpoints, never the owner
+            self.failed += 1
+            log.warning("fragment %d: owner checkpoint not written: %s", p, exc)
+
+    def save(self, state: Handed) -> Path:
+        """Write one fragment's state now (blocking)."""
+        tensors = {"theta": state.theta.detach().float().contiguous()}
+        if state.momentum is not None:
+            tensors["momentum"] = state.momentum.detach().float().contiguous()
+        meta = {"kind": "atoll-owner", "swarm": self.swarm, "fragment": state.fragment, "epoch": state.epoch,
+                "version": state.version, "digest": state.digest.hex(),
+                "merged": [[peer.hex(), base] for peer, base in state.merged.items()]}
+        path = self.path(state.fragment)
+        save_checkpoint(path, tensors, meta)
+        self.written += 1
+        return path
+
+    def load(self) -> dict[int, Handed]:
+        """Every valid owner checkpoint in the folder (refused ones are logged and skipped)."""
+        found: dict[int, Handed] = {}
+        for path in sorted(self.folder.iterdir()):
+            m = _NAME.fullmatch(path.name)
+            if m is None:
+                continue
+            try:
+                found[int(m.group(1))] = self._load(path, int(m.group(1)))
+            except (CheckpointError, ValueError, KeyError, TypeError) as exc:
+                log.warning("owner checkpoint %s refused: %s; this fragment starts from the swarm's version",
+                            path, exc)
+        return found
+
+    def _load(self, path: Path, p: int) -> Handed:
+        if not 0 <= p < len(self.numels):
+            raise ValueError(f"fragment {p} is not in this swarm's plan ({len(self.numels)} fragments)")
+        tensors, meta = load_checkpoint(path)
+        if meta.get("kind") != "atoll-owner" or meta.get("swarm") != self.swarm or meta.get("fragment") != p:
+            raise ValueError(f"written for swarm {meta.get('swarm')!r} fragment {meta.get('fragment')!r}, "
+                             f"not {self.swarm!r} fragment {p}")
+        theta, momentum = tensors.get("theta"), tensors.get("momentum")
+        if set(tensors) - {"theta", "momentum"} or theta is None:
+            raise ValueError(f"holds tensors {sorted(tensors)}, expected theta (and momentum)")
+        for name, t in (("theta", theta), ("momentum", momentum)):
+            if t is not None and (t.dtype != torch.float32 or t.shape != (self.numels[p],)):
+                raise ValueError(f"{name} is {t.dtype} {tuple(t.shape)}, expected float32 ({self.numels[p]},)")
+        epoch, version = int(meta["epoch"]), int(meta["version"])
+        digest = bytes.fromhex(meta["digest"])
+        if epoch < 0 or version < 0 or len(digest) != 32:
+            raise ValueError(f"epoch {epoch}, version {version}, digest of {len(digest)} bytes")
+        merged = {bytes.fromhex(peer): int(base) for peer, base in meta["merged"]}
+        return Handed(p, epoch, version, digest, theta, momentum, b"", merged)

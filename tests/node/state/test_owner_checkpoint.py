@@ -1,0 +1,82 @@
+"""Owner checkpoints: a fragment's whole owner state survives a restart bit for bit, writes are
+throttled to the newest state, and a damaged or foreign file is refused, never half-loaded."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+
+from node.config import RunConfig
+from node.diloco.replica import Handed
+from node.peer import PeerNode
+from node.state.owner_checkpoint import OwnerCheckpoints
+from tests.node.fakes import signer, tiny_model, tiny_plan
+
+SWARM = "test-swarm"
+
+
+def _state(version: int, n: int = 10, *, momentum: bool = True) -> Handed:
+    g = torch.Generator().manual_seed(version)
+    return Handed(1, 3, version, bytes([version % 256]) * 32, torch.randn(n, generator=g),
+                  torch.randn(n, generator=g) if momentum else None, b"", {b"\xa1" * 32: version - 1})
+
+
+def test_a_state_comes_back_bit_for_bit(tmp_path: Path) -> None:
+    store = OwnerCheckpoints(tmp_path, SWARM, [5, 10])
+    saved = _state(7)
+    store.save(saved)
+    got = OwnerCheckpoints(tmp_path, SWARM, [5, 10]).load()[1]
+    assert (got.fragment, got.epoch, got.version, got.digest, got.merged) == \
+        (saved.fragment, saved.epoch, saved.version, saved.digest, saved.merged)
+    assert torch.equal(got.theta, saved.theta) and got.momentum is not None
+    assert saved.momentum is not None and torch.equal(got.momentum, saved.momentum)
+    store.save(_state(8, momentum=False))  # before the first merge with momentum: none
+    assert OwnerCheckpoints(tmp_path, SWARM, [5, 10]).load()[1].momentum is None
+
+
+def test_damaged_and_foreign_checkpoints_are_refused_with_the_reason(tmp_path: Path,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    store = OwnerCheckpoints(tmp_path, SWARM, [5, 10])
+    path = store.save(_state(7))
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 9])  # truncated by a crash of the disk, not of the writer
+    assert store.load() == {}
+    assert "refused" in caplog.text
+    store.save(_state(7))
+    assert OwnerCheckpoints(tmp_path, "another-swarm", [5, 10]).load() == {}  # foreign
+    assert OwnerCheckpoints(tmp_path, SWARM, [5, 11]).load() == {}  # another plan
+    assert OwnerCheckpoints(tmp_path, SWARM, [5]).load() == {}  # a fragment the plan lacks
+
+
+async def test_writes_are_throttled_and_the_newest_state_wins(tmp_path: Path) -> None:
+    store = OwnerCheckpoints(tmp_path, SWARM, [5, 10], min_gap_s=0.3)
+    store.offer(_state(1))
+    for _ in range(100):  # written at once
+        await asyncio.sleep(0.01)
+        if store.written == 1:
+            break
+    assert OwnerCheckpoints(tmp_path, SWARM, [5, 10]).load()[1].version == 1
+    for v in range(2, 6):  # inside the gap: folded into one write when it ends
+        store.offer(_state(v))
+        await asyncio.sleep(0.01)
+    assert store.written == 1
+    await asyncio.sleep(0.6)
+    assert store.written == 2
+    assert OwnerCheckpoints(tmp_path, SWARM, [5, 10]).load()[1].version == 5
+
+
+def test_a_peer_starts_with_its_owner_checkpoints_as_handed_states(tmp_path: Path) -> None:
+    model = tiny_model()
+    plan = tiny_plan(model)
+    cfg = RunConfig(max_tokens_per_step=64)
+    numels = [sum(model.get_parameter(n).numel() for n in f.names) for f in plan.fragments]
+    theta = torch.randn(numels[0])
+    OwnerCheckpoints(tmp_path, cfg.swarm, numels).save(
+        Handed(0, 2, 40, b"\x01" * 32, theta, None, b"", {}))
+    node = PeerNode(cfg, signer(1), model, plan, owner_checkpoint_dir=tmp_path)
+    held = node.replicas.states[0]
+    assert held.version == 40 and held.epoch == 2 and torch.equal(held.theta, theta)
+    assert node.replicas.held[0].version == 40  # and a handoff older than it is refused
