@@ -46,7 +46,7 @@ from node.diloco.flat import flat_digest
 from node.diloco.island import Island, Outgoing
 from node.diloco.learner import IslandNet
 from node.diloco.owner import FragmentOwner
-from node.diloco.replica import ReplicaStore, hand_over
+from node.diloco.replica import ReplicaStore, encode_state, hand_over
 from node.state.owner_checkpoint import OwnerCheckpoints
 from node.state.serve import ManifestCache, serve_manifest, serve_sealed, state_etag
 from node.state.sync import SyncFailed, sync_fragments
@@ -188,6 +188,7 @@ class PeerNode:
                          state.epoch)
         self._replica_replay = ReplayWindow()
         self._fenced_until: dict[int, float] = {}
+        self._passed_on: set[tuple[int, bytes, int]] = set()  # (fragment, peer, version) handed on
         self.unreplicated = 0  # versions published with no replica reachable
         self.announce_versions = False  # a launcher counts every published version (and content)
         app = self.transport.app
@@ -319,10 +320,11 @@ class PeerNode:
             running = self.owners.get(p)
             if running is not None and running.fenced is not None:
                 handed = self.replicas.states.get(p)
-                if handed is None or handed.version <= running.version:  # another owner took over: step back
-                    self._fenced_until[p] = now + FENCE_BACKOFF_S
-                self._drop_owner(p)  # (else our predecessor's newer state came: own again from it at once)
-                continue
+                self._drop_owner(p)
+                if handed is None or (handed.version, handed.epoch) <= (running.version, running.epoch):
+                    self._fenced_until[p] = now + FENCE_BACKOFF_S  # another owner took over: step back
+                    continue
+                # else a newer state was handed to us: own again from it at once (below)
             owner = self.owner_of(p)
             mine = owner is not None and owner[0] == self.signer.peer_id
             if mine and p not in self.owners and now >= self._fenced_until.get(p, 0.0):
@@ -491,7 +493,27 @@ class PeerNode:
         elif ack.accepted and self._fenced_until.pop(msg.fragment, None) is not None and self._tg is not None:
             # we stepped back for the owner that has now handed us its state: take over now
             self._tg.create_task(self._reconcile_owners())
+        elif not ack.accepted and (own is None or own.retired):
+            self._pass_on_held(msg, member.record.url, opened.peer_id)
         return ack
+
+    def _pass_on_held(self, refused: ReplicaState, url: str, sender: bytes) -> None:
+        """A new owner (by its view) was refused because we hold its base version's state from
+        a higher epoch: the replica of a failed owner that the rendezvous did not make the
+        successor. Hand it that state (global fragment, momentum, merged work), so it owns the
+        fragment from exactly there instead of stepping back and leaving it unowned."""
+        p, held = refused.fragment, self.replicas.states.get(refused.fragment)
+        if (held is None or refused.version != held.version + 1 or refused.epoch >= held.epoch
+                or self._tg is None or (p, sender, held.version) in self._passed_on):
+            return
+        self._passed_on.add((p, sender, held.version))
+        if len(self._passed_on) > 4096:
+            self._passed_on.clear()
+        state = encode_state(swarm=self.cfg.swarm, fragment=p, epoch=held.epoch, version=held.version,
+                             digest=held.digest, theta=held.theta, momentum=held.momentum, merged=held.merged)
+        log.info("fragment %d: handing version %d (epoch %d) to %s, which took the fragment over without it",
+                 p, held.version, held.epoch, url)
+        self._tg.create_task(self._hand_on(p, (sender, url), state))
 
     # --- handlers (training) --------------------------------------------------------------------
     async def _on_contribution(self, opened: Opened) -> Ack:

@@ -135,3 +135,50 @@ async def test_a_stale_fence_is_passed_with_a_higher_epoch_and_a_real_one_is_not
     bumped = node._above_stale_fence(0, state, ack(3, 130))
     assert bumped is not None and bumped.epoch == owner.epoch == 4 and bumped.version == 185
     assert node.replicas.held[0].epoch == 4  # and this peer now refuses handoffs below it
+
+
+async def test_a_replica_hands_its_state_to_a_successor_it_refused() -> None:
+    """The replica of a failed owner holds version 84 from epoch 1; the rendezvous made another
+    peer the owner, which synced version 84 and hands its version 85 at epoch 0: refused. The
+    replica then hands that successor its state (momentum included), once, instead of leaving
+    the fragment to an owner that steps back."""
+    import torch
+
+    from node.diloco.replica import Handed
+    from protocol.wire.messages import ReplicaState
+
+    model = tiny_model()
+    node = PeerNode(RunConfig(max_tokens_per_step=64), signer(1), model, tiny_plan(model))
+    n = node.replicas.numels[0]
+    node.replicas.restore(Handed(0, 1, 84, b"\x07" * 32, torch.ones(n), torch.full((n,), 0.5), b"", {}))
+    handed: list[tuple[int, tuple[bytes, str], ReplicaState]] = []
+
+    async def record(p: int, target: tuple[bytes, str], state: ReplicaState) -> None:
+        handed.append((p, target, state))
+
+    class Tasks:
+        def create_task(self, coro):  # type: ignore[no-untyped-def]
+            return asyncio.ensure_future(coro)
+
+    import asyncio
+    node._hand_on = record  # type: ignore[method-assign]
+    node._tg = Tasks()  # type: ignore[assignment]
+    successor = signer(5).peer_id
+
+    def refused(version: int, epoch: int) -> ReplicaState:
+        return dataclasses.replace(handed_state, version=version, epoch=epoch)
+
+    from node.diloco.replica import encode_state
+    handed_state = encode_state(swarm=node.cfg.swarm, fragment=0, epoch=0, version=85, digest=b"\x08" * 32,
+                                theta=torch.zeros(n), momentum=None)
+    node._pass_on_held(refused(86, 0), "http://127.0.0.1:9", successor)  # not built on what we hold
+    node._pass_on_held(refused(85, 1), "http://127.0.0.1:9", successor)  # not from a lower epoch
+    await asyncio.sleep(0)
+    assert handed == []
+    node._pass_on_held(refused(85, 0), "http://127.0.0.1:9", successor)
+    node._pass_on_held(refused(85, 0), "http://127.0.0.1:9", successor)  # once per version
+    await asyncio.sleep(0)
+    assert len(handed) == 1
+    p, target, state = handed[0]
+    assert (p, target, state.version, state.epoch) == (0, (successor, "http://127.0.0.1:9"), 84, 1)
+    assert state.momentum  # the momentum goes with it
