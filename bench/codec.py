@@ -1,6 +1,6 @@
 """Throughput of the wire path for one large tensor, against a plain memory copy.
 
-For each codec (none, bf16, int8, int4) this measures, on one fp32 tensor:
+For each codec (none, bf16, int8, int4, topk2) this measures, on one fp32 tensor:
 
 ``send``  compress + encode + seal (sha256 over the parts, Ed25519) + iterate the sealed chunks
           into a reused 1 MiB buffer, as a sender writing to a socket would;
@@ -190,7 +190,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
     d = Config()
     p = argparse.ArgumentParser(prog="python -m bench.codec", description=__doc__.split("\n")[0])
     p.add_argument("--numel", type=int, default=d.numel, help="elements of the fp32 tensor")
-    p.add_argument("--block-size", type=int, default=d.block_size, help="int8/int4 block size")
+    p.add_argument("--block-size", type=int, default=d.block_size, help="int8/int4 block size; topk2: elements per value sent")
     p.add_argument("--repeats", type=int, default=d.repeats, help="best of this many runs")
     p.add_argument("--threads", type=int, default=d.threads, help="torch.set_num_threads")
     p.add_argument("--json", action="store_true", help="print one JSON object last on stdout")

@@ -73,8 +73,10 @@ class RunConfig:
             problems.append(f"--fragments must be >= 1, got {self.fragments}")
         if self.inner_steps < 1:
             problems.append(f"--inner-steps must be >= 1, got {self.inner_steps}")
-        if self.codec not in ("none", "bf16", "int8", "int4"):
-            problems.append(f"--codec must be none, bf16, int8 or int4, got {self.codec!r}")
+        if self.codec not in ("none", "bf16", "int8", "int4", "topk2"):
+            problems.append(f"--codec must be none, bf16, int8, int4 or topk2, got {self.codec!r}")
+        if self.codec == "topk2" and not 1 <= self.block_size <= 4096:
+            problems.append(f"--block-size must be 1..4096 with topk2, got {self.block_size}")
         if self.download_codec not in ("none", "bf16"):
             problems.append(f"--download-codec must be none or bf16, got {self.download_codec!r}")
         if self.late_policy not in ("carry", "drop"):
@@ -125,8 +127,10 @@ _HELP = {
             "learner waits for each merged version) or ddp (sync with H = 1), to compare under the same chaos",
     "fragments": "P: number of model fragments synchronised separately",
     "inner_steps": "H: inner steps between two syncs of the same fragment",
-    "codec": "pseudo-gradient compression: none, bf16, int8 or int4",
-    "block_size": "elements per absmax block for int8/int4",
+    "codec": "pseudo-gradient compression: none, bf16, int8, int4 or topk2 (sparse: top-k of each "
+             "4096-element chunk, 2-bit values, the rest kept in the error-feedback residual)",
+    "block_size": "elements per absmax block for int8/int4; for topk2, elements per value sent "
+                  "(density 1/block_size)",
     "download_codec": "compression of global fragments sent back: none or bf16",
     "outer_lr": "outer Nesterov learning rate (1.0 with momentum 0 = plain averaging)",
     "outer_momentum": "outer Nesterov momentum",

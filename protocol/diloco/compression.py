@@ -1,7 +1,7 @@
 """Tensor codecs for pseudo-gradients and global fragments, with error feedback as values.
 
 Decoupled DiLoCo (arXiv 2604.21428, compression ablation, Table 10) sends outer gradients as
-blockwise absmax integers: int4 is close to lossless on text, 2- and 1-bit collapse. Four codecs:
+blockwise absmax integers: int4 is close to lossless on text, 2- and 1-bit collapse. Five codecs:
 
 ``none``  fp32 bytes; exact.
 ``bf16``  round-to-nearest-even to bfloat16; ``|err| <= 2^-8 * |x| + 2^-134`` per element (the
@@ -13,6 +13,9 @@ blockwise absmax integers: int4 is close to lossless on text, 2- and 1-bit colla
 ``int4``  as int8 with ``scale = absmax / 7`` and ``q`` in ``[-7, 7]``, stored as ``q + 8`` in a
           nibble, two per byte (low nibble first; an odd count pads the last high nibble with 8);
           ``|err| <= absmax_block / 14``.
+``topk2`` sparse: per chunk of 4096 elements only the ``ceil(4096 / block_size)`` largest in
+          magnitude, as 16-bit positions and 2-bit values with one fp32 step per chunk; every
+          other element is left in the residual (``protocol.diloco.sparse`` has the layout).
 
 The integer bounds hold up to fp32 rounding of the scale and of ``q * scale``: a relative
 ``2^-22`` of ``absmax_block`` when the scale is a normal float, and about ``128 * 2^-149``
@@ -35,8 +38,9 @@ from __future__ import annotations
 
 import torch
 
+from protocol.diloco.sparse import decode_topk, encode_topk
 from protocol.errors import DecodeError, LocalProtocolError
-from protocol.wire.tensors import CODECS, EncodedTensor
+from protocol.wire.tensors import CODECS, TOPK_CHUNK, EncodedTensor, payload_bytes
 
 __all__ = ["QMAX", "compress", "decompress", "wire_bytes"]
 
@@ -55,13 +59,12 @@ def wire_bytes(numel: int, codec: str, block_size: int = 64) -> int:
     """Bytes on the wire (data plus scales) for ``numel`` elements under ``codec``.
 
     Raises ``LocalProtocolError`` for an unknown codec, a negative ``numel`` or a block size < 1
-    with an integer codec.
+    with an integer or sparse codec (or > 4096 with topk2).
     """
     _check_codec(codec, block_size)
     if numel < 0:
         raise LocalProtocolError(f"numel must be >= 0, got {numel}")
-    data = {"none": 4 * numel, "bf16": 2 * numel, "int8": numel, "int4": (numel + 1) // 2}[codec]
-    scales = 4 * -(-numel // block_size) if codec in QMAX else 0
+    data, scales = payload_bytes(codec, numel, block_size)
     return data + scales
 
 
@@ -94,6 +97,8 @@ def compress(
         half, new_residual = _encode_bf16(x, t, residual)
         enc = EncodedTensor(codec="bf16", shape=shape, dtype=dtype, block_size=0, data=half, scales=b"")
         return enc, new_residual.view(shape)
+    if codec == "topk2":
+        return _compress_topk(x, t, residual, block_size, dtype)
     codes, scales = _quantize(x, block_size, QMAX[codec])
     if not bool(torch.isfinite(scales).all()):
         _raise_not_finite(t, residual)
@@ -120,9 +125,12 @@ def decompress(enc: EncodedTensor, out: torch.Tensor | None = None) -> torch.Ten
     direct = out is not None and out.dtype == torch.float32 and out.is_contiguous() and out.device.type == "cpu"
     if n == 0:
         return out if out is not None else torch.empty(enc.shape, dtype=torch.float32)
-    scales = _check_remote(enc)
+    scales = _check_remote(enc) if enc.codec != "topk2" else None
     target = out.view(-1) if out is not None and direct else torch.empty(n, dtype=torch.float32)
-    _decode_into(enc, target)
+    if enc.codec == "topk2":
+        decode_topk(enc, target)  # checks everything before it writes
+    else:
+        _decode_into(enc, target)
     if scales is not None:
         _scale_blocks(target, scales, enc.block_size)
     if out is None:
@@ -141,6 +149,8 @@ def _check_codec(codec: str, block_size: int) -> None:
         raise LocalProtocolError(f"unknown codec {codec!r}; expected one of {CODECS}")
     if codec in QMAX and (isinstance(block_size, bool) or block_size < 1):
         raise LocalProtocolError(f"block_size must be >= 1 for {codec}, got {block_size}")
+    if codec == "topk2" and (isinstance(block_size, bool) or not 1 <= block_size <= TOPK_CHUNK):
+        raise LocalProtocolError(f"block_size must be 1..{TOPK_CHUNK} for topk2, got {block_size}")
 
 
 def _input_vector(t: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
@@ -184,6 +194,21 @@ def _encode_bf16(
     decoded = half.to(torch.float32)
     torch.sub(x, decoded, out=decoded)
     return _to_buffer(half), decoded
+
+
+def _compress_topk(
+    x: torch.Tensor, t: torch.Tensor, residual: torch.Tensor | None, block_size: int, dtype: str
+) -> tuple[EncodedTensor, torch.Tensor]:
+    """topk2 of the flat fp32 ``x = t + residual`` and the new residual ``x - decoded``."""
+    if not _all_finite(x):
+        _raise_not_finite(t, residual)
+    data, steps, decoded = encode_topk(x, block_size)
+    enc = EncodedTensor(
+        codec="topk2", shape=tuple(t.shape), dtype=dtype, block_size=block_size,
+        data=_to_buffer(data), scales=_to_buffer(steps),
+    )
+    torch.sub(x, decoded, out=decoded)
+    return enc, decoded.view(t.shape)
 
 
 def _quantize(x: torch.Tensor, block_size: int, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:

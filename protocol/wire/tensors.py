@@ -12,9 +12,19 @@ from dataclasses import dataclass
 
 from protocol.errors import DecodeError
 
-__all__ = ["CODECS", "DTYPES", "EncodedTensor", "MAX_TENSOR_ELEMENTS"]
+__all__ = [
+    "CODECS",
+    "DTYPES",
+    "MAX_TENSOR_ELEMENTS",
+    "TOPK_CHUNK",
+    "EncodedTensor",
+    "payload_bytes",
+    "topk_counts",
+]
 
-CODECS = ("none", "bf16", "int8", "int4")
+CODECS = ("none", "bf16", "int8", "int4", "topk2")
+BLOCKED = ("int8", "int4", "topk2")  # codecs whose block_size is >= 1
+TOPK_CHUNK = 4096  # topk2: elements per chunk, so a position within it fits in 16 bits
 DTYPES = ("float32", "bfloat16", "float16")
 MAX_TENSOR_ELEMENTS = 1 << 31
 MAX_DIMS = 8
@@ -27,9 +37,11 @@ class EncodedTensor:
     """One tensor after compression.
 
     ``codec``: one of ``CODECS``. ``shape``: the original shape. ``dtype``: the original dtype
-    the receiver restores. ``block_size``: elements per absmax block (int8/int4; 0 otherwise).
-    ``data``: the payload bytes (fp32, bf16, int8 or packed int4). ``scales``: one fp32 absmax
-    per block for int8/int4, empty otherwise.
+    the receiver restores. ``block_size``: elements per absmax block (int8/int4), elements per
+    kept value (topk2, 1..``TOPK_CHUNK``), 0 otherwise. ``data``: the payload bytes (fp32, bf16,
+    int8, packed int4, or topk2's positions then 2-bit codes). ``scales``: one fp32 per block
+    (int8/int4) or per chunk (topk2), empty otherwise. Every length is checked against
+    ``payload_bytes``, so a decoder may trust them (not the values inside).
     """
 
     codec: str
@@ -50,8 +62,9 @@ class EncodedTensor:
             raise DecodeError(f"bad tensor shape {self.shape!r}: at most {MAX_DIMS} dims >= 0")
         if self.numel > MAX_TENSOR_ELEMENTS:
             raise DecodeError(f"tensor of {self.numel} elements exceeds {MAX_TENSOR_ELEMENTS}")
-        blocked = self.codec in ("int8", "int4")
-        if blocked != (self.block_size > 0) or self.block_size < 0:
+        blocked = self.codec in BLOCKED
+        too_big = self.codec == "topk2" and self.block_size > TOPK_CHUNK
+        if blocked != (self.block_size > 0) or self.block_size < 0 or too_big:
             raise DecodeError(f"block_size {self.block_size} invalid for codec {self.codec}")
         if len(self.data) != self.expected_data_bytes():
             raise DecodeError(
@@ -69,14 +82,37 @@ class EncodedTensor:
         return math.prod(self.shape)
 
     def expected_data_bytes(self) -> int:
-        n = self.numel
-        return {"none": 4 * n, "bf16": 2 * n, "int8": n, "int4": (n + 1) // 2}[self.codec]
+        return payload_bytes(self.codec, self.numel, self.block_size)[0]
 
     def expected_scale_bytes(self) -> int:
-        if self.block_size <= 0:
-            return 0
-        return 4 * -(-self.numel // self.block_size)
+        return payload_bytes(self.codec, self.numel, self.block_size)[1]
 
     @property
     def nbytes(self) -> int:
         return len(self.data) + len(self.scales)
+
+
+def topk_counts(numel: int, block_size: int) -> tuple[int, int, int]:
+    """topk2's layout: (full chunks, values kept per full chunk, values kept in the tail chunk).
+
+    A chunk of ``L`` elements keeps ``ceil(L / block_size)`` of them; the tail chunk holds the
+    last ``numel % TOPK_CHUNK`` elements and is absent when that is 0. Expects ``numel >= 0``
+    and ``1 <= block_size``.
+    """
+    full, tail = divmod(numel, TOPK_CHUNK)
+    return full, -(-TOPK_CHUNK // block_size), -(-tail // block_size)
+
+
+def payload_bytes(codec: str, numel: int, block_size: int) -> tuple[int, int]:
+    """(data bytes, scale bytes) of a well-formed ``codec`` tensor of ``numel`` elements.
+
+    topk2 keeps ``K`` values in ``C`` chunks: ``2K`` bytes of uint16 positions, ``ceil(K / 4)``
+    bytes of 2-bit codes and ``4C`` bytes of fp32 steps. Expects a known codec, ``numel >= 0``
+    and ``block_size >= 1`` for the blocked codecs.
+    """
+    if codec == "topk2":
+        full, k, k_tail = topk_counts(numel, block_size)
+        kept = full * k + k_tail
+        return 2 * kept + (kept + 3) // 4, 4 * (full + (k_tail > 0))
+    data = {"none": 4 * numel, "bf16": 2 * numel, "int8": numel, "int4": (numel + 1) // 2}[codec]
+    return data, 4 * -(-numel // block_size) if codec in BLOCKED else 0

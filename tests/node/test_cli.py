@@ -39,3 +39,9 @@ def test_run_config_json_round_trip_and_unknown_keys() -> None:
     assert RunConfig.from_json(cfg.to_json()) == cfg
     with pytest.raises(ValueError, match="unknown config keys"):
         RunConfig.from_json('{"peers": 2, "pears": 3}')
+
+
+def test_topk2_codec_and_its_block_size() -> None:
+    assert RunConfig(codec="topk2", block_size=50).codec == "topk2"
+    with pytest.raises(ValueError, match="--block-size must be 1..4096 with topk2"):
+        RunConfig(codec="topk2", block_size=5000)
