@@ -264,7 +264,7 @@ class _Contents:
                 self.missing = self.missing or "a contribution's payload was not kept"
             return None
         try:
-            msg = decode(path.read_bytes(), max_size=MAX_PAYLOAD_MESSAGE)
+            msg = decode(bytearray(path.read_bytes()), max_size=MAX_PAYLOAD_MESSAGE)  # writable: tensors view it
         except RemoteProtocolError as exc:
             raise ValueError(f"{path}: not a contribution ({exc})") from None
         if not isinstance(msg, Contribution):
