@@ -469,7 +469,7 @@ class PeerNode:
         return MergeConfig(quorum=c.quorum, gamma=c.grace_gamma, tau=c.grace_tau, grace_cap_s=c.grace_cap_s,
                            staleness_bound=c.staleness_bound,
                            late_policy="carry" if c.late_policy == "carry" else "drop",
-                           max_tokens_per_step=c.max_tokens_per_step)
+                           max_tokens_per_step=c.max_tokens_per_step, quorum_is_expected=c.mode != "decoupled")
 
     def _outer_cfg(self) -> OuterConfig:
         return OuterConfig(lr=self.cfg.outer_lr, momentum=self.cfg.outer_momentum)

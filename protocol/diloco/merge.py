@@ -111,6 +111,9 @@ class MergeConfig:
     clip_multiple: float = 4.0
     norm_history: int = 4
     min_step_time_s: float = 1e-3
+    # synchronous DiLoCo: the quorum is every live learner (``set_expected``), whatever ``quorum``
+    # says, so learners that leave or die stop being waited for once the node knows
+    quorum_is_expected: bool = False
 
     def __post_init__(self) -> None:
         checks = [
@@ -448,6 +451,8 @@ class FragmentMerger:
     def _settle(self, accepted: bool, otherwise: str) -> Decision:
         """After a change while COLLECTING/GRACE: close, open the grace window, or keep going."""
         n, k, expected = len(self._entries), self.config.quorum, self.expected
+        if self.config.quorum_is_expected and expected is not None:
+            k = max(1, expected)
         if n >= k and expected is not None and n >= expected:
             return self._close(f"all {n}/{expected} expected contributions in", accepted)
         if self.phase is Phase.COLLECTING and n >= k:

@@ -454,3 +454,20 @@ def test_no_merged_norm_exceeds_c_times_the_median(norms: list[float], c_mult: f
     for e, n in zip(d.entries, norms, strict=True):
         assert 0.0 <= e.clip <= 1.0  # 0 when most norms are 0: the reference is 0
         assert n * e.clip <= limit * (1 + 1e-9) + 1e-300
+
+
+def test_a_synchronous_quorum_is_every_live_learner() -> None:
+    """Synchronous DiLoCo waits for every learner, but only the live ones: when two of four
+    have left (``set_expected(2)``), the two contributions in close the round at once instead
+    of waiting for a quorum of four that cannot come."""
+    cfg = MergeConfig(quorum=4, gamma=0.0, quorum_is_expected=True)
+    m = FragmentMerger(0, cfg, version=0, now=0.0)
+    m.set_expected(4, now=0.0)
+    a = m.on_contribution(b"a" * 32, base_version=0, tokens=10, steps=1, step_time=0.1, payload=None, now=1.0)
+    b = m.on_contribution(b"b" * 32, base_version=0, tokens=10, steps=1, step_time=0.1, payload=None, now=1.1)
+    assert a.kind == b.kind == "accept" and m.phase is Phase.COLLECTING  # 2 of 4: waiting
+    assert m.set_expected(2, now=2.0).kind == "merge"  # the others left: every live learner is in
+    plain = FragmentMerger(0, MergeConfig(quorum=4, gamma=0.0), version=0, now=0.0)
+    for peer in (b"a" * 32, b"b" * 32):
+        plain.on_contribution(peer, base_version=0, tokens=10, steps=1, step_time=0.1, payload=None, now=1.0)
+    assert plain.set_expected(2, now=2.0).kind != "merge"  # K = 4 stays 4 in decoupled mode
