@@ -57,6 +57,7 @@ from node.run.report import build_report, summary_lines, write_report
 __all__ = ["LocalSwarm", "baseline_for", "island_alone_for", "run_local"]
 
 ENDLESS_STEPS = 10**9  # --duration: peers step until --until stops them
+FINISH_GRACE_S = 300.0  # --duration: how long after it the peers may take to agree on a final model
 
 log = logging.getLogger(__name__)
 
@@ -290,14 +291,15 @@ class LocalSwarm:
         async with asyncio.timeout(self.startup_timeout_s):
             await first.listening.wait()
         if not first.url:
-            raise RuntimeError(f"peer 0 exited before listening; see {first.log_path}")
+            raise RuntimeError(f"peer 0 exited before listening: {last_error(first.log_path)} (log: {first.log_path})")
         for peer in self.peers[1:]:
             await self._send(peer, {"initial_peers": [first.url]})
         async with asyncio.timeout(self.startup_timeout_s):
             await asyncio.gather(*(p.listening.wait() for p in self.peers))
         dead = [p for p in self.peers if not p.url]
         if dead:
-            raise RuntimeError(f"peer {dead[0].index} exited before listening; see {dead[0].log_path}")
+            raise RuntimeError(f"peer {dead[0].index} exited before listening: {last_error(dead[0].log_path)} "
+                               f"(log: {dead[0].log_path})")
         self.listening.set()
 
     async def _start_training(self) -> None:
@@ -311,12 +313,21 @@ class LocalSwarm:
             await self._send(peer, {"start": True})
 
     async def _drive(self) -> None:
-        async with asyncio.timeout(self.run_timeout_s):
-            await asyncio.gather(*(p.finished.wait() for p in self.peers))
+        limit = self.run_timeout_s
+        if limit is None and self.duration_s is not None:  # a timed run must end: wind-down is bounded
+            limit = self.startup_timeout_s + 180.0 + self.duration_s + FINISH_GRACE_S
+        try:
+            async with asyncio.timeout(limit):
+                await asyncio.gather(*(p.finished.wait() for p in self.peers))
+        except TimeoutError:
+            stuck = [p.index for p in self.peers if not p.finished.is_set()]
+            raise RuntimeError(f"peers {stuck} did not finish within {limit:.0f} s of the launch; see their "
+                               f"logs in {self.peers[stuck[0]].log_path.parent if stuck else 'the run folder'}"
+                               ) from None
         failed = [p for p in self.peers if p.result is None and not p.killed]
         if failed:
-            tail = failed[0].log_path.read_text(errors="replace")[-2000:]
-            raise RuntimeError(f"peer {failed[0].index} failed; last log lines:\n{tail}")
+            raise RuntimeError(f"peer {failed[0].index} failed: {last_error(failed[0].log_path)} "
+                               f"(log: {failed[0].log_path})")
 
     # --- chaos ---------------------------------------------------------------------------------
     @staticmethod
@@ -370,8 +381,8 @@ class LocalSwarm:
         async with asyncio.timeout(self.startup_timeout_s + 180.0):
             await peer.ready.wait()
         if peer.proc.returncode is not None:
-            tail = peer.log_path.read_text(errors="replace")[-2000:]
-            raise RuntimeError(f"restarted peer {peer.index} exited before training; last log lines:\n{tail}")
+            raise RuntimeError(f"restarted peer {peer.index} exited before training: {last_error(peer.log_path)} "
+                               f"(log: {peer.log_path})")
         peer.started = True
         await self._send(peer, {"start": True})
 
@@ -434,6 +445,16 @@ class LocalSwarm:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(wait):
                     await asyncio.gather(*(p.proc.wait() for p in alive))
+
+
+def last_error(log_path: Path) -> str:
+    """The last line of a peer's log that is not part of a traceback's frames: its exception."""
+    try:
+        lines = log_path.read_text(errors="replace").splitlines()
+    except OSError:
+        return "no log"
+    top = [ln for ln in lines if ln.strip() and not ln[0].isspace() and not ln.startswith("Traceback")]
+    return top[-1][:300] if top else "its log is empty"
 
 
 def version_accounting(published: list[tuple[int, int, str, int]]) -> dict[str, Any]:
