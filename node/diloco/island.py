@@ -219,9 +219,13 @@ class Island:
         t0 = time.perf_counter()
         self.adopt_pending(block=False)
         adopting = time.perf_counter()
-        for p, due in enumerate(self.next_due):
-            if self.stats.step >= due:
-                self._ship(p)
+        due = [p for p, at in enumerate(self.next_due) if self.stats.step >= at]
+        if due and self.cfg.wait_for_merge:
+            # synchronous: the whole model goes at once. Shipping one fragment and waiting would
+            # deadlock learners whose fragments fall due at different steps (after a restart)
+            due = list(range(len(self.next_due)))
+        for p in due:
+            self._ship(p)
         blocked = 0.0
         if self.cfg.wait_for_merge:  # synchronous mode: this wait is what it costs
             t_wait = time.perf_counter()

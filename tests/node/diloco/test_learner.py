@@ -232,12 +232,12 @@ async def test_sync_mode_waits_for_the_merged_version_before_the_next_step() -> 
     shipped: list[Outgoing] = []
     rig.island._submit = shipped.append  # type: ignore[method-assign]
 
-    def owner_side() -> None:  # merges 0.3 s after the contribution arrives
+    def owner_side() -> None:  # merges 0.3 s after the contributions arrive
         while not shipped:
             time.sleep(0.01)
         time.sleep(0.3)
-        p = shipped[0].fragment
-        rig.island.deliver(p, 1, rig.island.global_flat[p] + 0.25)
+        for out in list(shipped):
+            rig.island.deliver(out.fragment, 1, rig.island.global_flat[out.fragment] + 0.25)
 
     threading.Thread(target=owner_side, daemon=True).start()
     durations = []
@@ -246,8 +246,11 @@ async def test_sync_mode_waits_for_the_merged_version_before_the_next_step() -> 
         rig.step()
         durations.append(time.monotonic() - t0)
     p = shipped[0].fragment
-    assert durations[-1] >= 0.25  # the shipping step waited for the merge
-    assert rig.island.versions[p] == 1 and rig.island.in_flight[p] is None  # and adopted it
+    # the whole model went at once: staggered fragments would deadlock learners out of phase
+    assert sorted(out.fragment for out in shipped) == list(range(len(rig.plan.fragments)))
+    assert durations[-1] >= 0.25  # the shipping step waited for the merges
+    assert rig.island.versions == [1] * len(rig.plan.fragments)  # and adopted them
+    assert all(sent is None for sent in rig.island.in_flight)
     rig.island.cfg = IslandConfig(inner_steps=H)  # decoupled: never waits
     t0 = time.monotonic()
     for _ in range(2 * H):
