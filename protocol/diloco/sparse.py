@@ -71,23 +71,21 @@ def decode_topk(enc: EncodedTensor, target: torch.Tensor) -> None:
     """
     spans = _chunk_spans(enc.numel, enc.block_size)
     kept = sum(rows * k for _, rows, _, k in spans)
-    data = memoryview(enc.data).cast("B")
     steps = torch.frombuffer(enc.scales, dtype=torch.float32)  # (chunks,)
     if not bool(((steps >= 0) & (steps <= _STEP_LIMIT)).all()):
         raise DecodeError("topk2 tensor has NaN, negative or out-of-range chunk steps")
-    positions = torch.frombuffer(data[: 2 * kept], dtype=torch.int16).to(torch.int64) & 0xFFFF
-    codes = _unpack2(data[2 * kept :], kept)
+    data = memoryview(enc.data).cast("B")
+    positions = torch.frombuffer(data[: 2 * kept], dtype=torch.int16).to(torch.int64) & 0xFFFF  # (K,)
+    codes = _unpack2(data[2 * kept :], kept).to(torch.float32)  # (K,)
     checked, first, at = [], 0, 0
     for lo, rows, length, k in spans:
-        pos = positions[at : at + rows * k].view(rows, k)
-        if not (bool((pos[:, 1:] > pos[:, :-1]).all()) and int(pos[:, -1].max()) < length):
-            raise DecodeError(f"topk2 positions must increase strictly within a chunk of {length}")
-        q = codes[at : at + rows * k].view(rows, k).to(torch.float32)
-        checked.append((lo, rows, length, pos, _levels(q, steps[first : first + rows])))
+        pos = _checked_positions(positions[at : at + rows * k].view(rows, k), length)
+        values = _levels(codes[at : at + rows * k].view(rows, k), steps[first : first + rows])
+        checked.append((target[lo : lo + rows * length].view(rows, length), pos, values))
         first, at = first + rows, at + rows * k
     target.zero_()
-    for lo, rows, length, pos, values in checked:
-        target[lo : lo + rows * length].view(rows, length).scatter_(1, pos, values)
+    for chunk, pos, values in checked:
+        chunk.scatter_(1, pos, values)
 
 
 # ---------------------------------------------------------------- helpers
@@ -98,6 +96,14 @@ def _chunk_spans(n: int, block_size: int) -> list[tuple[int, int, int, int]]:
     full, k, k_tail = topk_counts(n, block_size)
     spans = [(0, full, TOPK_CHUNK, k), (full * TOPK_CHUNK, 1, n - full * TOPK_CHUNK, k_tail)]
     return [s for s in spans if s[1] > 0 and s[2] > 0]
+
+
+def _checked_positions(pos: torch.Tensor, length: int) -> torch.Tensor:
+    """``pos`` (rows, k) if every row increases strictly and stays below ``length``; else
+    ``DecodeError`` (this refuses duplicates too)."""
+    if not (bool((pos[:, 1:] > pos[:, :-1]).all()) and int(pos[:, -1].max()) < length):
+        raise DecodeError(f"topk2 positions must increase strictly within a chunk of {length}")
+    return pos
 
 
 def _levels(q: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
