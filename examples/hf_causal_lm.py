@@ -6,8 +6,9 @@
 Nothing is downloaded: the model is ``GPT2LMHeadModel`` built from a small ``GPT2Config``
 (2 layers, width 64, a vocabulary of the 256 byte values) with the same seed on both islands,
 and the data are the bytes of the Python standard library's own source (``node.workload.corpus``).
-The main process founds a swarm around the model (a signed manifest, one lab certifying both
-islands, as ``atoll swarm ...`` would); process A starts it, process B joins through A's address.
+The main process starts both islands and meanwhile founds a swarm around the model (a signed
+manifest, one lab certifying both islands, as ``atoll swarm ...`` would), then hands each island
+its key and certificate; island A starts the swarm, island B joins through A's address.
 Each island trains on its own half of the training bytes with AdamW; every H steps each
 fragment's pseudo-gradient goes, int8-compressed and signed, to the fragment's owner. Each island
 prints its held-out loss before training, every ``--eval-every`` steps, and once more on the
@@ -33,18 +34,20 @@ import multiprocessing as mp
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.nn import functional as F
-from transformers import GPT2Config, GPT2LMHeadModel
 
 from node.api import SwarmIsland
 from node.config import RunConfig
 from node.workload.corpus import BatchSampler, evaluate, load_corpus, split_corpus
 from protocol.wire.membership import Certificate, SwarmManifest
 from protocol.wire.signing import Signer
+
+if TYPE_CHECKING:
+    from transformers import GPT2LMHeadModel
 
 
 def _f(default: Any, help: str) -> Any:
@@ -67,6 +70,10 @@ EVAL_BATCHES = 4
 
 
 def make_model(block_size: int) -> GPT2LMHeadModel:
+    # imported here, not at the top: the launcher founds the swarm while the islands start, and
+    # importing transformers takes seconds
+    from transformers import GPT2Config, GPT2LMHeadModel
+
     torch.manual_seed(0)  # every island starts from the same weights: version 0 of each fragment
     config = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=256, n_positions=block_size,
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
@@ -93,9 +100,8 @@ def model_hash(state: dict[str, torch.Tensor]) -> str:
     return digest.hexdigest()[:16]
 
 
-def island(shard: int, args: Args, swarm: tuple[SwarmManifest, bytes, Certificate], addresses: mp.Queue) -> None:
+def island(shard: int, args: Args, credentials: mp.Queue, addresses: mp.Queue) -> None:
     torch.set_num_threads(1)
-    manifest, seed, cert = swarm
     # -------------------------------------------------------------------------------- data
     train, heldout = split_corpus(load_corpus(None, max_bytes=args.corpus_bytes))
     batches = BatchSampler(train, batch_size=args.batch_size, block_size=args.block_size,
@@ -110,6 +116,8 @@ def island(shard: int, args: Args, swarm: tuple[SwarmManifest, bytes, Certificat
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     tokens = batches.tokens_per_batch  # (B * T) bytes per inner step
     print(f"island {shard}: eval step 0 loss {eval_loss():.4f}", flush=True)  # version 0, as on every island
+    swarm: tuple[SwarmManifest, bytes, Certificate] = credentials.get(timeout=300)  # from the launcher
+    manifest, seed, cert = swarm
     initial = [] if shard == 0 else [addresses.get(timeout=120)]
     # -------------------------------------------------------------------------------- training
     with SwarmIsland(model, opt, manifest=manifest, key=Signer(seed), cert=cert, tokens_per_step=tokens,
@@ -142,6 +150,11 @@ def parse_args() -> Args:
 
 def main() -> None:
     args = parse_args()
+    ctx = mp.get_context("spawn")
+    credentials, addresses = [ctx.Queue(), ctx.Queue()], ctx.Queue()
+    procs = [ctx.Process(target=island, args=(i, args, credentials[i], addresses)) for i in range(2)]
+    for p in procs:
+        p.start()
     # the founder's and the lab's part (keys in memory here; on disk with atoll keygen / swarm)
     founder, lab = Signer(os.urandom(32)), Signer(os.urandom(32))
     manifest = SwarmIsland.found(make_model(args.block_size), founder, name="hf-causal-lm",
@@ -150,12 +163,8 @@ def main() -> None:
     seeds = [os.urandom(32) for _ in range(2)]
     certs = [Certificate.issue(lab, manifest=manifest, subject=Signer(seed).public_key, roles=("learner", "owner"),
                                not_before=time.time() - 60, not_after=time.time() + 3600) for seed in seeds]
-    ctx = mp.get_context("spawn")
-    addresses = ctx.Queue()
-    procs = [ctx.Process(target=island, args=(i, args, (manifest, seeds[i], certs[i]), addresses))
-             for i in range(2)]
-    for p in procs:
-        p.start()
+    for i in range(2):
+        credentials[i].put((manifest, seeds[i], certs[i]))
     for p in procs:
         p.join()
     failed = [i for i, p in enumerate(procs) if p.exitcode != 0]
