@@ -1,0 +1,247 @@
+"""Averaging against hivemind: one full-model cycle through Atoll vs one hivemind all-reduce.
+
+N peer processes on 127.0.0.1 each hold a model of P fp32 values (``--fragments`` equal
+tensors, one Atoll fragment each). In the same processes, interleaved (atoll, hivemind, raw,
+atoll, ...), the bench times:
+
+``atoll``     one full-model cycle through Atoll: every peer contributes every fragment, each
+              fragment's owner merges all N contributions (``sync`` mode, quorum N), and every
+              peer has adopted the new version of every fragment (``bench.averaging_atoll``);
+``hivemind``  one ``DecentralizedAverager.step()`` of hivemind 1.1.12 over the same tensors,
+              target group size N (``bench.averaging_hivemind``);
+``raw``       the same bytes in Atoll's pattern over bare aiohttp, nothing else done: the
+              limit (``bench.averaging_raw``).
+
+Times run from the launcher's "go" to the last peer's "done"; inputs are prepared before.
+Every round is checked: peer 0 recomputes the merge from the seeded inputs and every Atoll
+peer must hold bit-identical fragments. Medians over ``--repeats`` rounds, after one warm-up
+round of each. Codecs: ``none`` (fp32), and ``fp16`` (Atoll's bf16 up and down against
+hivemind's Float16Compression). Then, per case, a peer is killed (SIGKILL to its process
+group) ``--kill-at`` of the way into a round, on fresh processes running one system at a
+time: the seconds until every survivor holds a merged model, and which peers' inputs each
+fragment (Atoll) or chunk (hivemind) matches ("all", "survivors", or "neither": a silently
+partial or wrong merge).
+
+Progress goes to stderr; the last line of stdout is the JSON result.
+
+    python -m bench.averaging [--cases 4x10M,4x50M,8x50M] [--codecs none,fp16] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from bench.averaging_hivemind import hivemind_missing
+from bench.averaging_workers import PeerFailed, Workers
+
+__all__ = ["main", "parse_case"]
+
+SYSTEMS = ("atoll", "hivemind", "raw")
+
+
+def parse_case(text: str) -> tuple[int, int]:
+    """``"4x50M"`` -> (4, 50_000_000); suffixes k, M, G."""
+    peers, _, size = text.lower().partition("x")
+    scale = {"k": 10**3, "m": 10**6, "g": 10**9}.get(size[-1:], 1)
+    number = size[:-1] if size[-1:] in "kmg" else size
+    return int(peers), int(float(number) * scale)
+
+
+def _say(msg: str) -> None:
+    print(f"[averaging] {msg}", file=sys.stderr, flush=True)
+
+
+class Round:
+    """Numbers the rounds of each system; checks them."""
+
+    def __init__(self, workers: Workers, args: argparse.Namespace, codec: str) -> None:
+        self.w, self.args, self.codec = workers, args, codec
+        self.counter = dict.fromkeys(SYSTEMS, 0)
+
+    def run(self, system: str, *, kill: tuple[int, float] | None = None) -> dict[str, Any]:
+        r = self.counter[system]
+        self.counter[system] += 1
+        everyone = list(self.w.alive)
+        self.w.ask_all({"cmd": "prepare", "system": system, "round": r, "keep_base": True}, self.args.timeout)
+        seconds, replies = self.w.timed({"cmd": "go", "system": system, "round": r,
+                                         "timeout_s": self.args.timeout}, self.args.timeout + 30, kill)
+        out: dict[str, Any] = {"seconds": round(seconds, 4), "ok": all(x.get("ok") for x in replies)}
+        errors = [x.get("error") for x in replies if not x.get("ok")]
+        if errors:
+            out["errors"] = errors[:3]
+        if system == "hivemind" and not out["ok"] and kill is not None:
+            # hivemind's answer to a failed round is another round: the survivors try once more
+            more, replies = self.w.timed({"cmd": "go", "system": system, "round": r,
+                                          "timeout_s": self.args.timeout}, self.args.timeout + 30)
+            out.update(seconds=round(seconds + more, 4), retried=True, ok=all(x.get("ok") for x in replies),
+                       retry_errors=[x.get("error") for x in replies if not x.get("ok")][:3])
+        if system != "raw":
+            out["check"] = self.check(system, r, everyone, kill)
+        return out
+
+    def check(self, system: str, r: int, everyone: list[int], kill: tuple[int, float] | None) -> dict[str, Any]:
+        sets = {"all": everyone}
+        if kill is not None:
+            sets["survivors"] = [i for i in everyone if i != kill[0]]
+        cmd = {"cmd": "check", "system": system, "round": r, "sets": sets}
+        if system == "hivemind" and kill is not None:  # every survivor checks a quarter of its chunks
+            replies = self.w.ask_all({**cmd, "stride": 4}, 3600)
+            return {"per_peer": [{k: x.get(k) for k in ("chunks", "worst_errors", "error")} for x in replies],
+                    "matches": sorted({m for x in replies for m in x.get("matches", ["error"])})}
+        reply = self.w.ask(0, cmd, 3600)
+        out: dict[str, Any] = {"matches": reply.get("matches", ["error"])}
+        if system == "atoll":
+            digests = {json.dumps(x["digests"]) for x in self.w.ask_all({"cmd": "digests", "system": system}, 600)}
+            out["identical_on_every_peer"] = len(digests) == 1
+            out["fragments"] = reply.get("fragments")
+        else:
+            out["chunks"], out["worst_errors"] = reply.get("chunks"), reply.get("worst_errors")
+        if "error" in reply:
+            out["error"] = reply["error"]
+        return out
+
+
+def _median(runs: list[dict[str, Any]]) -> float | None:
+    good = [x["seconds"] for x in runs if x["ok"]]
+    return round(statistics.median(good), 4) if good else None
+
+
+def _spec(args: argparse.Namespace, peers: int, params: int, codec: str, systems: list[str]) -> dict[str, Any]:
+    return {"peers": peers, "params": params, "fragments": args.fragments, "seed": args.seed,
+            "codec": codec, "systems": systems}
+
+
+def _settle(w: Workers, args: argparse.Namespace) -> list[int]:
+    """Wait until every Atoll peer sees the same owners; hand them to the raw sides. Returns
+    each fragment's owner (peer index)."""
+    for _ in range(5):
+        owners = [x["owners"] for x in w.ask_all({"cmd": "settle"}, args.timeout)]
+        if all(o == owners[0] for o in owners) and all(owners[0]):
+            break
+    else:
+        raise PeerFailed(f"the peers disagree on fragment owners: {owners}")
+    atoll_urls = [x["atoll"] for x in w.ready]
+    raw_urls = [x["raw"] for x in w.ready] if "raw" in w.ready[0] else []
+    if raw_urls:
+        w.ask_all({"cmd": "owners", "owners": owners[0], "atoll_urls": atoll_urls, "raw_urls": raw_urls}, 60)
+    return [atoll_urls.index(u) for u in owners[0]]
+
+
+def measure(args: argparse.Namespace, peers: int, params: int, codec: str, systems: list[str],
+            log_dir: Path) -> dict[str, Any]:
+    """Warm-up, then ``--repeats`` interleaved rounds of each system: medians and every run."""
+    _say(f"{peers} x {params:,} codec {codec}: starting {peers} peers ({', '.join(systems)})")
+    w = Workers(_spec(args, peers, params, codec, systems), log_dir)
+    try:
+        owners = _settle(w, args) if "atoll" in systems else []
+        rounds = Round(w, args, codec)
+        runs: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
+        for rep in range(args.repeats + 1):
+            for s in systems:
+                out = rounds.run(s)
+                _say(f"  {'warm-up' if rep == 0 else f'round {rep}'} {s:8} {out['seconds']:8.3f} s "
+                     f"ok={out['ok']} {out.get('check', {}).get('matches', '')} {out.get('errors', '')}")
+                if rep > 0:
+                    runs[s].append(out)
+    finally:
+        w.close()
+    result: dict[str, Any] = {f"{s}_s": _median(runs[s]) for s in systems}
+    result.update({f"{s}_runs": runs[s] for s in systems}, owners=owners)
+    return result
+
+
+def kill_test(args: argparse.Namespace, peers: int, params: int, system: str, normal_s: float | None,
+              log_dir: Path) -> dict[str, Any]:
+    """One warm-up round, then a round in which the last peer is killed ``--kill-at`` into it."""
+    _say(f"{peers} x {params:,}: kill test on {system}")
+    w = Workers(_spec(args, peers, params, "none", [system]), log_dir)
+    try:
+        owners = _settle(w, args) if system == "atoll" else []
+        rounds = Round(w, args, "none")
+        warm = rounds.run(system)
+        after = args.kill_at * (normal_s or warm["seconds"])
+        out = rounds.run(system, kill=(peers - 1, after))
+    finally:
+        w.close()
+    matches = out.get("check", {}).get("matches", ["error"])
+    result = {"killed_peer": peers - 1, "killed_after_s": round(after, 3), "recovered": out["ok"],
+              "seconds_to_merged": out["seconds"] if out["ok"] else None, "merged_from": matches,
+              "silently_partial": "neither" in matches, "mixed": len(set(matches) - {"error"}) > 1, **out}
+    if system == "atoll":
+        result["fragments_owned_by_killed_peer"] = sum(1 for o in owners if o == peers - 1)
+    _say(f"  {system} kill: recovered={out['ok']} in {out['seconds']:.2f} s, merged from {matches}")
+    return result
+
+
+def run_case(args: argparse.Namespace, peers: int, params: int, systems: list[str], log_dir: Path,
+             hivemind_reason: str | None) -> dict[str, Any]:
+    case: dict[str, Any] = {"peers": peers, "params": params, "fragments": args.fragments}
+    for codec in args.codecs:
+        got = measure(args, peers, params, codec, systems, log_dir)
+        if "hivemind_s" not in got:
+            got["hivemind_s"], got["hivemind_error"] = None, hivemind_reason
+        got = {"atoll_s": got.get("atoll_s"), "hivemind_s": got.get("hivemind_s"), "raw_s": got.get("raw_s"), **got}
+        a, h, r = got["atoll_s"], got["hivemind_s"], got["raw_s"]
+        got["hivemind_over_atoll"] = round(h / a, 3) if a and h else None
+        got["atoll_throughput_vs_raw"] = round(r / a, 3) if a and r else None
+        got["atoll_gbytes_per_s_per_peer"] = (round(2 * params * (4 if codec == "none" else 2) / a / 1e9, 3)
+                                              if a else None)
+        if codec == args.codecs[0]:
+            case.update(codec=codec, **got)
+        else:
+            case[codec] = {"codec": codec, **got}
+    if args.kill and "none" in args.codecs:
+        case["kill"] = {s: kill_test(args, peers, params, s, case.get(f"{s}_s"), log_dir)
+                        for s in systems if s != "raw"}
+    return case
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", default="4x10M,4x50M,8x50M", help="PEERSxPARAMS, comma-separated")
+    parser.add_argument("--codecs", default="none,fp16", help="none (fp32) and/or fp16 (Atoll bf16)")
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help="atoll, hivemind, raw")
+    parser.add_argument("--repeats", type=int, default=3, help="timed rounds per system (after a warm-up)")
+    parser.add_argument("--fragments", type=int, default=8, help="Atoll fragments (= tensors of the model)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds one round may take")
+    parser.add_argument("--kill", action=argparse.BooleanOptionalAction, default=True,
+                        help="the kill test (codec none only)")
+    parser.add_argument("--kill-at", type=float, default=0.5, help="kill this fraction into a normal round")
+    parser.add_argument("--log-dir", type=Path, default=None, help="peer logs (default: a temporary folder)")
+    parser.add_argument("--json", action="store_true", help="accepted for symmetry: the JSON is always printed last")
+    args = parser.parse_args(argv)
+    args.codecs = [c.strip() for c in args.codecs.split(",") if c.strip()]
+    if any(c not in ("none", "fp16") for c in args.codecs):
+        parser.error("--codecs takes none and/or fp16")
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    if "atoll" not in systems and "raw" in systems:
+        parser.error("raw follows Atoll's fragment owners: --systems must include atoll")
+    hivemind_reason = hivemind_missing() if "hivemind" in systems else "not run (--systems)"
+    if "hivemind" in systems and hivemind_reason is not None:
+        _say(f"hivemind is not run: {hivemind_reason}")
+        systems.remove("hivemind")
+    with tempfile.TemporaryDirectory(prefix="bench-averaging-") as tmp:
+        log_dir = args.log_dir or Path(tmp)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        cases = [run_case(args, *parse_case(c), systems, log_dir, hivemind_reason)
+                 for c in args.cases.split(",") if c.strip()]
+    out = {"bench": "averaging", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "machine": f"{platform.machine()}, {platform.system()} {platform.release()}, python {platform.python_version()}",
+           "config": {"repeats": args.repeats, "fragments": args.fragments, "codecs": args.codecs,
+                      "kill_at": args.kill_at, "seed": args.seed},
+           "cases": cases}
+    print(json.dumps(out))
+    return out
+
+
+if __name__ == "__main__":
+    main()

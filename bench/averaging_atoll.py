@@ -1,0 +1,170 @@
+"""The averaging bench's Atoll side: one peer (``SwarmIsland``) whose model is the bench's tensors.
+
+One full-model cycle: every fragment is made due at once with this peer's pseudo-gradient
+(``prepare`` sets θ = Θ − Δ_i, so the island's own snapshot Θ − θ is Δ_i), and the loop steps a
+no-op inner optimizer (SGD, lr 0, no gradients: only the island's hook runs) until the island
+has adopted a version above the one it held of every fragment. The swarm runs in ``sync`` mode
+with quorum N: an owner merges a fragment only once every live learner's contribution is in, and
+a learner that dies stops being waited for once the swarm notices (its owned fragments refuse
+connections, or its member record expires).
+
+The loop is the bench's, not Atoll's: every contribution claims one inner step and one token
+(equal merge weights, so the reference merge is known), and a fragment whose send failed or was
+refused is made due again after ``RETRY_S`` (in training it would go out at the next H
+boundary) with its pseudo-gradient restored.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from bench.averaging_inputs import Layout, classify, delta, relative_error
+from node.api import SwarmIsland
+from node.config import RunConfig
+from node.diloco.flat import encode_flat, flat_digest, flat_from_tensors
+from protocol.diloco.compression import compress, decompress
+from protocol.diloco.outer import OuterConfig, merge_update
+
+__all__ = ["AtollSide"]
+
+RETRY_S = 0.25
+POLL_S = 0.002
+SWARM = "bench-averaging"
+
+
+class _Tensors(nn.Module):
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.w = nn.ParameterList([nn.Parameter(t, requires_grad=False) for t in tensors])
+
+
+class AtollSide:
+    """One Atoll peer of the bench (see the module docstring)."""
+
+    def __init__(self, *, index: int, peers: int, seed: int, layout: Layout, codec: str,
+                 initial: list[torch.Tensor], initial_peers: list[str]) -> None:
+        self.index, self.peers, self.seed, self.layout = index, peers, seed, layout
+        self.codec = "none" if codec == "none" else "bf16"
+        self.model = _Tensors(initial)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.0)
+        cfg = RunConfig(peers=peers, fragments=layout.tensors, inner_steps=10**9, codec=self.codec,
+                        download_codec=self.codec, outer_lr=1.0, outer_momentum=0.0, quorum=peers,
+                        mode="sync", eval_every=10**9)
+        self.api = SwarmIsland(self.model, self.optimizer, swarm=SWARM, tokens_per_step=1,
+                               initial_peers=initial_peers, config=cfg, join_timeout_s=300.0,
+                               finish_timeout_s=0.0)
+        self.island = self.api.island
+        named = dict(self.model.named_parameters())
+        self.params = [[named[n] for n in f.names] for f in self.api.plan.fragments]
+        self.tensor_ids = [[int(n.split(".")[-1]) for n in f.names] for f in self.api.plan.fragments]
+        self.round = -1
+        self.target: list[int] = []
+        self.base: list[torch.Tensor] = []
+
+    # --- lifecycle -----------------------------------------------------------------------------
+    def start(self) -> str:
+        self.api.__enter__()
+        return self.api.url
+
+    def settle(self) -> list[str]:
+        """Wait for every peer to be a member; return each fragment's owner (URL)."""
+        self.api.wait_for_members(self.peers, timeout_s=300.0)
+        owners = [self.api.node.owner_of(p) for p in range(len(self.params))]
+        return [o[1] if o is not None else "" for o in owners]
+
+    def close(self) -> None:
+        self.api.close()
+
+    # --- one cycle -------------------------------------------------------------------------------
+    def prepare(self, round_: int, *, keep_base: bool) -> None:
+        """Set θ_p = Θ_p − Δ_i for every fragment; zero the island's counters (outside the timing)."""
+        self.island.adopt_pending()
+        self.round = round_
+        self.target = [v + 1 for v in self.island.versions]
+        self.base = [g.clone() for g in self.island.global_flat] if keep_base else []
+        for p in range(len(self.params)):
+            self._set_fragment(p)
+
+    def _set_fragment(self, p: int) -> None:
+        with torch.no_grad():
+            flat, offset = self.island.global_flat[p], 0
+            for param, t in zip(self.params[p], self.tensor_ids[p], strict=True):
+                n = param.numel()
+                d = delta(self.seed, self.layout, self.round, self.index, t)
+                torch.sub(flat[offset:offset + n], d, out=param.data)
+                offset += n
+
+    def cycle(self, timeout_s: float) -> dict[str, Any]:
+        """Ship every fragment and step until each has its next version. Returns counts."""
+        island, n = self.island, len(self.params)
+        marked = [time.monotonic()] * n
+        for p in range(n):
+            island.next_due[p] = island.stats.step + 1
+        retries = 0
+        deadline = time.monotonic() + timeout_s
+        while not self._done():
+            if time.monotonic() > deadline:
+                return {"ok": False, "error": f"versions {island.versions}, wanted {self.target} "
+                                              f"within {timeout_s:.0f} s", "retries": retries}
+            retries += self._mark_retries(marked)
+            if any(island.next_due[p] <= island.stats.step + 1 for p in range(n) if not self._has(p)):
+                for p in range(n):  # one step, one token per contribution: equal merge weights
+                    island.c_steps[p], island.c_tokens[p] = 0, 1
+                self.optimizer.step()  # the hook ships what is due and adopts what arrived
+            else:
+                island.adopt_pending()
+            time.sleep(POLL_S)
+        return {"ok": True, "retries": retries, "versions": list(island.versions)}
+
+    def _has(self, p: int) -> bool:
+        return self.island.versions[p] >= self.target[p]
+
+    def _done(self) -> bool:
+        return all(self._has(p) for p in range(len(self.params)))
+
+    def _mark_retries(self, marked: list[float]) -> int:
+        island, now, count = self.island, time.monotonic(), 0
+        for p in range(len(self.params)):
+            idle = island.in_flight[p] is None and island.next_due[p] > island.stats.step + 1
+            if not self._has(p) and idle and now - marked[p] >= RETRY_S:
+                if island.versions[p] == self.target[p] - 1:
+                    self._set_fragment(p)  # a resync may have overwritten θ_p with Θ_p
+                island.next_due[p] = island.stats.step + 1
+                marked[p], count = now, count + 1
+        return count
+
+    # --- checks ----------------------------------------------------------------------------------
+    def digests(self) -> list[str]:
+        return [flat_digest(g).hex()[:16] for g in self.island.global_flat]
+
+    def check(self, sets: dict[str, list[int]]) -> dict[str, Any]:
+        """Each fragment against the merge of each set's pseudo-gradients (``prepare`` with
+        ``keep_base``): the relative errors and the set it matches."""
+        out = []
+        for p, frag in enumerate(self.api.plan.fragments):
+            base, held = self.base[p], self.island.global_flat[p]
+            errors = {name: relative_error(held, self._reference(p, members), base)
+                      for name, members in sets.items()}
+            out.append({"fragment": p, "matches": classify(errors, self.codec),
+                        "errors": {k: float(f"{v:.3g}") for k, v in errors.items()},
+                        "embedding": frag.is_embedding})
+        return {"fragments": out, "matches": sorted({f["matches"] for f in out})}
+
+    def _reference(self, p: int, members: list[int]) -> torch.Tensor:
+        """What the owner's merge of ``members``' contributions gives (equal weights, no clip)."""
+        base, frag = self.base[p], self.api.plan.fragments[p]
+        deltas = []
+        for i in members:
+            d = torch.cat([delta(self.seed, self.layout, self.round, i, t) for t in self.tensor_ids[p]])
+            d = base - (base - d)  # as the island measures it: Θ − θ with θ = Θ − Δ
+            enc, _ = compress(d, self.codec)
+            deltas.append(decompress(enc))
+        ones = [1.0] * len(deltas)
+        theta = merge_update(base, None, deltas, ones, ones, OuterConfig(lr=1.0, momentum=0.0),
+                             embedding=frag.is_embedding).theta
+        shapes = [tuple(q.shape) for q in self.params[p]]
+        return flat_from_tensors(encode_flat(theta, shapes, self.codec), shapes)

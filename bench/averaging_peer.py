@@ -1,0 +1,125 @@
+"""One peer process of ``bench.averaging``: Atoll, hivemind and raw sides, driven over stdin.
+
+``python -m bench.averaging_peer SPEC_JSON``; the launcher writes one JSON command per line on
+stdin and reads one JSON reply per line from this process's original stdout (everything else,
+including the children hivemind starts, writes to stderr). Commands: ``settle``, ``owners``,
+``prepare``, ``go``, ``check``, ``quit`` (see ``Peer.handle``). Sides start in the order
+hivemind, raw, Atoll: hivemind forks its processes before any other thread exists here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+
+from bench.averaging_inputs import Layout, initial
+
+__all__ = ["Peer", "main"]
+
+
+class Peer:
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.spec = spec
+        self.index, self.peers, self.seed = spec["index"], spec["peers"], spec["seed"]
+        self.layout = Layout(spec["params"], spec["fragments"])
+        self.sides: dict[str, Any] = {}
+        self.addresses: dict[str, Any] = {}
+        codec = spec["codec"]
+        if "hivemind" in spec["systems"]:
+            from bench.averaging_hivemind import HivemindSide
+            hm = HivemindSide(index=self.index, peers=self.peers, seed=self.seed, layout=self.layout,
+                              codec=codec, initial_peers=spec.get("hivemind_peers") or [])
+            self.sides["hivemind"] = hm
+            self.addresses["hivemind"] = hm.maddrs()
+        if "atoll" in spec["systems"]:
+            from bench.averaging_atoll import AtollSide
+            tensors = [initial(self.seed, self.layout, t) for t in range(self.layout.tensors)]
+            atoll = AtollSide(index=self.index, peers=self.peers, seed=self.seed, layout=self.layout,
+                              codec=codec, initial=tensors, initial_peers=spec.get("atoll_peers") or [])
+            self.sides["atoll"] = atoll
+        if "raw" in spec["systems"]:
+            from bench.averaging_raw import RawSide
+            raw = RawSide(index=self.index, peers=self.peers, fragment_values=self.layout.sizes(),
+                          bytes_per_value=4 if codec == "none" else 2)
+            self.sides["raw"] = raw
+            self.addresses["raw"] = raw.start()
+        if "atoll" in self.sides:
+            self.addresses["atoll"] = self.sides["atoll"].start()
+
+    def handle(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        kind = cmd["cmd"]
+        side: Any = self.sides.get(cmd.get("system", ""))
+        if kind == "settle":  # every Atoll member visible; fragment -> owner URL
+            owners = self.sides["atoll"].settle() if "atoll" in self.sides else []
+            return {"owners": owners}
+        if kind == "owners":  # the raw side follows Atoll's owners (or the launcher's choice)
+            raw = self.sides["raw"]
+            by_atoll = {u: r for u, r in zip(cmd["atoll_urls"], cmd["raw_urls"], strict=True)}
+            raw.owners = [by_atoll[u] for u in cmd["owners"]]
+            return {}
+        if kind == "prepare":
+            t0 = time.perf_counter()
+            if cmd["system"] == "atoll":
+                side.prepare(cmd["round"], keep_base=cmd.get("keep_base", False))
+            elif cmd["system"] == "hivemind":
+                side.prepare(cmd["round"])
+            return {"prepare_s": time.perf_counter() - t0}
+        if kind == "go":
+            t0 = time.perf_counter()
+            if cmd["system"] == "raw":
+                out = side.cycle(cmd["round"], cmd["timeout_s"])
+            else:
+                out = side.cycle(cmd["timeout_s"])
+            return {**out, "cycle_s": time.perf_counter() - t0}
+        if kind == "check":
+            sets = cmd["sets"]
+            out = side.check(sets, cmd.get("stride", 1)) if cmd["system"] == "hivemind" else side.check(sets)
+            return {**out, "digests": side.digests()}
+        if kind == "digests":
+            return {"digests": side.digests()}
+        raise ValueError(f"unknown command {kind!r}")
+
+    def close(self) -> None:
+        for side in self.sides.values():
+            try:
+                side.close()
+            except Exception as exc:  # shutting down: report and go on
+                print(f"closing {type(side).__name__}: {exc!r}", file=sys.stderr)
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    replies = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # stray prints (ours, hivemind's children) go to stderr, not into the replies
+    torch.set_num_threads(1)
+    logging.basicConfig(level=os.environ.get("BENCH_LOG", "WARNING"), stream=sys.stderr,
+                        format=f"peer{spec['index']} %(name)s %(levelname)s %(message)s")
+    try:
+        peer = Peer(spec)
+    except Exception as exc:
+        replies.write(json.dumps({"event": "failed", "error": repr(exc)[:1000]}) + "\n")
+        raise
+    replies.write(json.dumps({"event": "ready", **peer.addresses}) + "\n")
+    try:
+        for line in sys.stdin:
+            cmd = json.loads(line)
+            if cmd["cmd"] == "quit":
+                break
+            try:
+                reply = peer.handle(cmd)
+            except Exception as exc:
+                reply = {"ok": False, "error": repr(exc)[:1000]}
+                logging.getLogger("bench").exception("command %s failed", cmd["cmd"])
+            replies.write(json.dumps({"event": cmd["cmd"], **reply}) + "\n")
+    finally:
+        peer.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""Start, drive and kill the peer processes of ``bench.averaging`` (``bench.averaging_peer``).
+
+Each peer is its own process group (``start_new_session``), so killing a peer kills what it
+started too: hivemind's DHT and averager processes and their p2pd daemons. Replies are read on
+one thread per peer into a queue; every wait has a timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["PeerFailed", "Workers"]
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class PeerFailed(RuntimeError):
+    """A peer process died, failed to start, or did not answer in time."""
+
+
+class _Proc:
+    def __init__(self, spec: dict[str, Any], log: Path) -> None:
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        self.log_path = log
+        self.log = log.open("wb")
+        self.proc = subprocess.Popen([sys.executable, "-m", "bench.averaging_peer", json.dumps(spec)],
+                                     cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.log, start_new_session=True)
+        self.replies: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for raw in self.proc.stdout:
+            with contextlib.suppress(json.JSONDecodeError):
+                self.replies.put(json.loads(raw))
+        self.replies.put(None)  # the process closed its stdout: it is gone
+
+    def send(self, cmd: dict[str, Any]) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write((json.dumps(cmd) + "\n").encode())
+        self.proc.stdin.flush()
+
+    def recv(self, timeout_s: float) -> dict[str, Any]:
+        try:
+            reply = self.replies.get(timeout=timeout_s)
+        except queue.Empty:
+            raise PeerFailed(f"no reply within {timeout_s:.0f} s; see {self.log_path}") from None
+        if reply is None:
+            raise PeerFailed(f"the peer exited ({self.proc.poll()}); last lines of {self.log_path}:\n"
+                             + self.tail())
+        return reply
+
+    def tail(self, lines: int = 15) -> str:
+        self.log.flush()
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=30)
+
+
+class Workers:
+    """N peer processes of one configuration; peer 0 starts first and the others join it."""
+
+    def __init__(self, spec: dict[str, Any], log_dir: Path, start_timeout_s: float = 600.0) -> None:
+        self.n = spec["peers"]
+        self.alive = list(range(self.n))
+        self.procs: list[_Proc] = []
+        tag = f"{spec['peers']}x{spec['params']}-{spec['codec']}-{'+'.join(spec['systems'])}"
+        try:
+            first = self._start({**spec, "index": 0}, log_dir / f"{tag}-peer0.log")
+            ready0 = first.recv(start_timeout_s)
+            if ready0.get("event") != "ready":
+                raise PeerFailed(f"peer 0 did not start: {ready0}")
+            self.ready = [ready0]
+            join = {"atoll_peers": [ready0["atoll"]] if "atoll" in ready0 else [],
+                    "hivemind_peers": ready0.get("hivemind", [])}
+            for i in range(1, self.n):
+                self._start({**spec, **join, "index": i}, log_dir / f"{tag}-peer{i}.log")
+            for proc in self.procs[1:]:
+                reply = proc.recv(start_timeout_s)
+                if reply.get("event") != "ready":
+                    raise PeerFailed(f"a peer did not start: {reply}")
+                self.ready.append(reply)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, spec: dict[str, Any], log: Path) -> _Proc:
+        proc = _Proc(spec, log)
+        self.procs.append(proc)
+        return proc
+
+    def ask(self, i: int, cmd: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        self.procs[i].send(cmd)
+        return self.procs[i].recv(timeout_s)
+
+    def ask_all(self, cmd: dict[str, Any], timeout_s: float) -> list[dict[str, Any]]:
+        """Send ``cmd`` to every live peer, then collect the replies (in ``alive`` order)."""
+        for i in self.alive:
+            self.procs[i].send(cmd)
+        return [self.procs[i].recv(timeout_s) for i in self.alive]
+
+    def timed(self, cmd: dict[str, Any], timeout_s: float, kill: tuple[int, float] | None = None
+              ) -> tuple[float, list[dict[str, Any]]]:
+        """Send ``cmd`` to every live peer and wait for all: (seconds to the last reply, replies).
+
+        ``kill = (peer, after_s)``: SIGKILL that peer's process group ``after_s`` into the round;
+        the time and replies are then the survivors'."""
+        t0 = time.perf_counter()
+        for i in self.alive:
+            self.procs[i].send(cmd)
+        if kill is not None:
+            victim, after_s = kill
+            time.sleep(max(0.0, after_s - (time.perf_counter() - t0)))
+            self.procs[victim].kill()
+            self.alive.remove(victim)
+        replies = []
+        for i in self.alive:
+            replies.append(self.procs[i].recv(max(1.0, timeout_s - (time.perf_counter() - t0))))
+        return time.perf_counter() - t0, replies
+
+    def close(self) -> None:
+        for i in self.alive:
+            with contextlib.suppress(Exception):
+                self.procs[i].send({"cmd": "quit"})
+        deadline = time.monotonic() + 30
+        for proc in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            proc.kill()  # whatever is left of its group (hivemind's children)
+            proc.log.close()

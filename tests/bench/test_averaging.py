@@ -1,0 +1,70 @@
+"""bench.averaging: its inputs and checks, and a tiny real run of its Atoll and raw sides."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from bench.averaging import main, parse_case
+from bench.averaging_inputs import (
+    CHUNK,
+    Layout,
+    classify,
+    delta,
+    initial,
+    mean_of,
+    relative_error,
+    tolerance,
+)
+
+
+def test_parse_case() -> None:
+    assert parse_case("4x50M") == (4, 50_000_000)
+    assert parse_case("8x10k") == (8, 10_000)
+    assert parse_case("2x1.5M") == (2, 1_500_000)
+    assert parse_case("3x1000") == (3, 1000)
+
+
+def test_inputs_are_seeded_and_chunks_stand_alone() -> None:
+    layout = Layout(3 * CHUNK + 5, 2)
+    assert layout.sizes() == [(3 * CHUNK + 5) // 2, 3 * CHUNK + 5 - (3 * CHUNK + 5) // 2]
+    whole = delta(7, layout, 2, 1, 1)
+    assert torch.equal(whole, delta(7, layout, 2, 1, 1))
+    assert not torch.equal(whole, delta(7, layout, 2, 0, 1))  # another peer
+    assert not torch.equal(whole, delta(7, layout, 3, 1, 1))  # another round
+    assert torch.equal(delta(7, layout, 2, 1, 1, range(1, 2)), whole[CHUNK:2 * CHUNK])
+    assert torch.equal(initial(7, layout, 0), initial(7, layout, 0))
+
+
+@pytest.mark.parametrize("codec", ["none", "fp16"])
+def test_a_merge_missing_one_input_is_told_from_codec_rounding(codec: str) -> None:
+    layout = Layout(CHUNK, 1)
+    base = initial(0, layout, 0)
+    deltas = [delta(0, layout, 0, i, 0) for i in range(8)]
+    full, partial = base - mean_of(deltas), base - mean_of(deltas[:-1])
+    rounded = full.half().float() if codec == "fp16" else full
+    assert relative_error(rounded, full, base) < tolerance(codec)
+    assert relative_error(partial, full, base) > 5 * tolerance(codec)
+    errors = {"all": relative_error(partial, full, base), "survivors": relative_error(partial, partial, base)}
+    assert classify(errors, codec) == "survivors"
+    assert classify({"all": 0.5}, codec) == "neither"
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_a_tiny_run_of_atoll_and_raw_checks_every_merge(tmp_path) -> None:
+    systems = "atoll,raw,hivemind" if importlib.util.find_spec("hivemind") else "atoll,raw"
+    out = main(["--cases", "2x40k", "--codecs", "none", "--systems", systems, "--repeats", "1",
+                "--fragments", "2", "--no-kill", "--timeout", "120", "--log-dir", str(tmp_path)])
+    case = out["cases"][0]
+    assert (case["peers"], case["params"]) == (2, 40_000)
+    assert case["atoll_s"] > 0 and case["raw_s"] > 0
+    run = case["atoll_runs"][0]
+    assert run["ok"] and run["check"]["matches"] == ["all"] and run["check"]["identical_on_every_peer"]
+    assert {f["matches"] for f in run["check"]["fragments"]} == {"all"}
+    if "hivemind" in systems:
+        assert case["hivemind_runs"][0]["check"]["matches"] == ["all"]
+    else:
+        assert case["hivemind_s"] is None and case["hivemind_error"]
