@@ -20,6 +20,11 @@ stops the node. ``finish_timeout_s=0`` leaves at once instead, keeping the local
 build the same architecture with the same initial weights (same seed): version 0 of every
 fragment is that initial state, and the swarm's manifest hash includes the fragment plan, so a
 peer with a different architecture is refused.
+
+A multi-process island (``torchrun --nproc_per_node N``, DDP inside): build ``SwarmIsland`` on
+every rank after ``torch.distributed.init_process_group``, and call ``tokens`` on every rank.
+Rank 0 joins the swarm and speaks for the island; the others adopt every fragment rank 0 adopts,
+at the same step (``node.diloco.ranks``); tokens count all ranks.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from node.config import RunConfig
 from node.dht.membership import config_from_manifest, recipe_of
 from node.dht.swarm import SwarmCredentials
 from node.diloco.island import Island, IslandConfig
+from node.diloco.ranks import IslandRanks, distributed_rank, unwrap
 from node.peer import PeerNode
 from protocol.diloco.fragments import FragmentPlan, plan_fragments
 from protocol.wire.membership import Certificate, SwarmManifest
@@ -81,6 +87,7 @@ class SwarmIsland:
         fragment plan (``SwarmIsland.model_name``). Without a manifest the swarm is a development
         swarm named ``swarm`` in which any reachable member may own fragments.
         """
+        model = unwrap(model)  # DDP's "module." prefix must not change the fragment plan
         base = config or RunConfig(fragments=2, inner_steps=20)
         if manifest is not None:
             base = dataclasses.replace(base, fragments=int(manifest.recipe_dict.get("fragments", base.fragments)))
@@ -102,10 +109,17 @@ class SwarmIsland:
         else:
             log.warning("swarm %r has no signed manifest: any reachable member may own fragments "
                         "(a development swarm; pass manifest=, key=, cert= for a swarm others can join)", swarm)
-        self.island = Island(model, optimizer, self.plan, self._submit,
-                             IslandConfig(inner_steps=self.cfg.inner_steps, adopt_alpha=self.cfg.adopt_alpha))
-        self.node = PeerNode(self.cfg, signer, model, self.plan, host=host, port=port,
-                             public_address=public_address, credentials=credentials)
+        self.rank, self.world = distributed_rank()
+        self._model = model
+        self._island: Island | None = None
+        self._node: PeerNode | None = None
+        if self.rank == 0:  # rank 0 speaks for the island on the swarm (the only rank without torchrun)
+            self._island = Island(model, optimizer, self.plan, self._submit,
+                                  IslandConfig(inner_steps=self.cfg.inner_steps, adopt_alpha=self.cfg.adopt_alpha))
+            self._node = PeerNode(self.cfg, signer, model, self.plan, host=host, port=port,
+                                  public_address=public_address, credentials=credentials)
+        # the other ranks of a torchrun island follow rank 0's adoptions (node.diloco.ranks)
+        self.ranks = IslandRanks(model, optimizer, self.plan, self._island) if self.world > 1 else None
         self.initial_peers = list(initial_peers)
         self.join_timeout_s = join_timeout_s
         self.finish_timeout_s, self.linger_s = finish_timeout_s, linger_s
@@ -129,9 +143,23 @@ class SwarmIsland:
             manifest = manifest.with_authority(lab, public_key)
         return manifest.signed(founder)
 
+    @property
+    def island(self) -> Island:
+        """The swarm-facing island (rank 0 of a multi-process island only)."""
+        if self._island is None:
+            raise RuntimeError(f"rank {self.rank} of a multi-process island has no swarm-facing island; rank 0 has")
+        return self._island
+
+    @property
+    def node(self) -> PeerNode:
+        """This island's node (rank 0 of a multi-process island only)."""
+        if self._node is None:
+            raise RuntimeError(f"rank {self.rank} of a multi-process island runs no node; rank 0 does")
+        return self._node
+
     def _submit(self, out: object) -> None:
-        if self.node.net is not None:
-            self.node.net.submit(out)  # type: ignore[arg-type]
+        if self._node is not None and self._node.net is not None:
+            self._node.net.submit(out)  # type: ignore[arg-type]
 
     @property
     def url(self) -> str:
@@ -139,24 +167,34 @@ class SwarmIsland:
         return self.node.url
 
     def tokens(self, n: int) -> None:
-        """Count the tokens of the step about to be taken (call before ``optimizer.step()``)."""
-        self.island.tokens(n)
+        """Count the tokens of the step about to be taken (call before ``optimizer.step()``; on
+        every rank of a multi-process island, which then counts all ranks' tokens)."""
+        if self.ranks is not None:
+            self.ranks.tokens(n)
+        else:
+            self.island.tokens(n)
 
     @property
     def versions(self) -> list[int]:
         """The global version of every fragment this island holds."""
-        return list(self.island.versions)
+        return self.ranks.versions if self.ranks is not None else list(self.island.versions)
+
+    def _sync_ranks(self) -> None:
+        if self.ranks is not None:
+            self.ranks.sync()
 
     def __enter__(self) -> SwarmIsland:
-        self._thread = threading.Thread(
-            target=lambda: asyncio.run(self.node.serve(self.island, self.initial_peers)),
-            name="atoll-node", daemon=True)
-        self._thread.start()
-        if not self.node.joined.wait(self.join_timeout_s) or self.node.failure is not None:
-            self.close()
-            raise ConnectionError(f"could not join swarm {self.cfg.swarm!r} through "
-                                  f"{self.initial_peers or 'no initial peers'}: {self.node.failure!r}")
-        self.island.adopt_pending()  # the synced global fragments
+        if self._node is not None:
+            node, island = self._node, self.island
+            self._thread = threading.Thread(
+                target=lambda: asyncio.run(node.serve(island, self.initial_peers)), name="atoll-node", daemon=True)
+            self._thread.start()
+            if not node.joined.wait(self.join_timeout_s) or node.failure is not None:
+                self.close()
+                raise ConnectionError(f"could not join swarm {self.cfg.swarm!r} through "
+                                      f"{self.initial_peers or 'no initial peers'}: {node.failure!r}")
+            island.adopt_pending()  # the synced global fragments
+        self._sync_ranks()
         return self
 
     def wait_for_members(self, n: int, timeout_s: float = 120.0) -> None:
@@ -166,8 +204,10 @@ class SwarmIsland:
         trains to the end before the others join finishes on a model they then move past. Call
         this before training when a known number of peers start together. Raises ``TimeoutError``.
         """
-        self.node.wait_for_members(n, timeout_s=timeout_s)
-        self.island.adopt_pending()  # versions merged while we waited
+        if self._node is not None:
+            self._node.wait_for_members(n, timeout_s=timeout_s)
+            self.island.adopt_pending()  # versions merged while we waited
+        self._sync_ranks()
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
@@ -176,25 +216,32 @@ class SwarmIsland:
         self.close()
 
     def global_state(self) -> dict[str, torch.Tensor]:
-        """The global model this island holds, as a name -> tensor dict."""
+        """The global model this island holds, as a name -> tensor dict (rank 0)."""
         return self.island.global_state()
 
     def finish(self) -> None:
         """Stop learning and adopt every fragment's final version (see the module docstring).
 
         Raises ``TimeoutError`` if the finals do not come within ``finish_timeout_s``."""
-        self.node.call(self.node.stop_learning(), timeout=self.finish_timeout_s)
-        self.island.adopt_pending()
-        final = self.node.call(self.node.fetch_final(), timeout=self.finish_timeout_s)
-        for p, (version, flat) in sorted(final.items()):
-            self.island.adopt_final(p, version, flat)
-        if self.node.owners and self._thread is not None:  # others may still fetch what we own
-            self._thread.join(timeout=self.linger_s)
+        if self._node is not None:
+            node = self._node
+            node.call(node.stop_learning(), timeout=self.finish_timeout_s)
+            self.island.adopt_pending()
+            final = node.call(node.fetch_final(), timeout=self.finish_timeout_s)
+            for p, (version, flat) in sorted(final.items()):
+                self.island.adopt_final(p, version, flat)
+        self._sync_ranks()  # every rank ends on the final model
+        if self._node is not None and self._node.owners and self._thread is not None:
+            self._thread.join(timeout=self.linger_s)  # others may still fetch what we own
 
     def close(self) -> None:
-        """Stop learning, stop the node, remove the optimizer hook."""
-        self.node.learning = False
-        self.node.stop()
+        """Stop learning, stop the node, remove the optimizer hooks."""
+        if self._node is not None:
+            self._node.learning = False
+            self._node.stop()
         if self._thread is not None:
             self._thread.join(timeout=15)
-        self.island.close()
+        if self.ranks is not None:
+            self.ranks.close()
+        if self._island is not None:
+            self._island.close()

@@ -1,0 +1,112 @@
+"""Islands of several processes: rank 0 speaks for the island, every rank holds its fragments.
+
+A lab's island is often a ``torchrun`` job: N processes train one replica with DDP (gradients
+all-reduced every inner step, so every rank holds the same parameters). Only rank 0 joins the
+swarm: its ``Island`` hook adopts arrived global fragments and ships due pseudo-gradients. The
+other ranks must adopt the same fragments at the same step, or DDP's replicas drift apart.
+
+``IslandRanks.sync`` is that step, a collective every rank calls at the same points (after each
+inner step, from its own optimizer hook registered after the island's, and when the island
+joins or finishes): rank 0 broadcasts the versions it holds (one small int64 tensor); a
+fragment whose version changed is broadcast whole from rank 0, tensor by tensor. Tokens count
+the whole island: ``tokens`` sums every rank's count (one more small all-reduce) and rank 0
+gives the island the sum.
+
+Works with any process group: gloo on CPU, NCCL on GPUs (tensors are broadcast on the
+parameters' own device).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from node.diloco.island import Island
+from protocol.diloco.fragments import FragmentPlan
+
+__all__ = ["IslandRanks", "distributed_rank"]
+
+log = logging.getLogger(__name__)
+
+
+def distributed_rank() -> tuple[int, int]:
+    """``(rank, world size)`` of this process's default process group, or ``(0, 1)`` without one."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class IslandRanks:
+    """Keeps every rank of a multi-process island on the global fragments rank 0 adopts."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, plan: FragmentPlan,
+                 island: Island | None, *, group: dist.ProcessGroup | None = None) -> None:
+        """``island``: the swarm-facing island on rank 0, None on the other ranks."""
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("a multi-process island needs torch.distributed initialised (torchrun sets it up)")
+        self.group = group
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        if (self.rank == 0) != (island is not None):
+            raise ValueError(f"rank {self.rank}: the swarm-facing island belongs on rank 0 and only there")
+        self.island = island
+        by_name = dict(model.named_parameters())
+        self.params: list[list[nn.Parameter]] = [[by_name[n] for n in f.names] for f in plan.fragments]
+        device = self.params[0][0].device if self.params and self.params[0] else torch.device("cpu")
+        self._versions = torch.zeros(len(plan.fragments), dtype=torch.int64, device=device)
+        self._seen = torch.full_like(self._versions, -1)
+        self._tokens = torch.zeros(1, dtype=torch.int64, device=device)
+        self.syncs = 0
+        self.broadcasts = 0  # fragments broadcast from rank 0
+        self._hook = optimizer.register_step_post_hook(self._after_step)
+
+    def _after_step(self, _opt: torch.optim.Optimizer, _args: object, _kwargs: object) -> None:
+        self.sync()
+
+    def tokens(self, n: int) -> int:
+        """Every rank's tokens of the step about to be taken, summed (a collective: all ranks
+        call it before each ``optimizer.step()``); rank 0 counts the sum into its island."""
+        self._tokens.fill_(int(n))
+        dist.all_reduce(self._tokens, group=self.group)
+        total = int(self._tokens.item())
+        if self.island is not None:
+            self.island.tokens(total)
+        return total
+
+    @torch.no_grad()
+    def sync(self) -> list[int]:
+        """Give every rank the fragments rank 0 holds (a collective); returns the fragments that
+        were broadcast."""
+        if self.island is not None:
+            self._versions.copy_(torch.tensor(self.island.versions, dtype=torch.int64))
+        dist.broadcast(self._versions, src=0, group=self.group)
+        changed = [int(p) for p in torch.nonzero(self._versions != self._seen).flatten().tolist()]
+        for p in changed:
+            for param in self.params[p]:
+                dist.broadcast(param.data, src=0, group=self.group)
+        self._seen.copy_(self._versions)
+        self.syncs += 1
+        self.broadcasts += len(changed)
+        return changed
+
+    @property
+    def versions(self) -> list[int]:
+        """The versions this rank holds (as of its last ``sync``)."""
+        return [int(v) for v in self._seen.tolist()]
+
+    def close(self) -> None:
+        self._hook.remove()
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module inside a ``DistributedDataParallel`` (or FSDP-style ``.module``) wrapper: the
+    fragment plan is made from parameter names, which must not depend on how many ranks an
+    island has."""
+    inner = getattr(model, "module", None)
+    return inner if isinstance(inner, nn.Module) and type(model).__name__ in _WRAPPERS else model
+
+
+_WRAPPERS: Sequence[str] = ("DistributedDataParallel", "DataParallel")
