@@ -4,6 +4,7 @@
 ``atoll join``       join a running swarm from any machine: sync the global model, then train.
 ``atoll bootstrap``  a DHT-only node: a stable entry point for a swarm.
 ``atoll status``     what a peer sees: members, roles, reachability, owners, versions.
+``atoll simulate``   expected goodput under failures: your swarm, or the paper's Table 1.
 ``atoll peer``       one peer of a local swarm (started by ``atoll local``; not for direct use).
 """
 
@@ -95,6 +96,11 @@ def _parser() -> argparse.ArgumentParser:
     rep.add_argument("--json", action="store_true",
                      help='print {"decisions", "versions", "mismatches"} as JSON (exit 1 on a mismatch)')
 
+    from node.run.simulate import add_simulate_arguments
+
+    add_simulate_arguments(sub.add_parser(
+        "simulate", help="expected goodput under failures (your swarm, or the paper's Table 1), simulated"))
+
     status = sub.add_parser("status", help="show what a peer sees of its swarm")
     status.add_argument("--peer", required=True, metavar="URL", help="a member's address")
     status.add_argument("--json", action="store_true", help="print the raw JSON")
@@ -168,6 +174,10 @@ def main(argv: list[str] | None = None) -> int:
         from node.run.join import bootstrap_main
 
         return bootstrap_main(args)
+    if args.command == "simulate":
+        from node.run.simulate import simulate_main
+
+        return simulate_main(args)
     if args.command == "replay":
         from node.run.replay import replay_main
 
