@@ -3,13 +3,12 @@
 Non-elastic (``simulate_data_parallel``): one job needs every chip. Its chips fail as one Poisson
 process of rate ``chips / mtbi_s`` while it runs. A failure stops the job; it waits for the
 repair (``hardware.repair``) and restarts (``restart_s``); the step in flight is part of that
-outage. With
-``checkpoint_s`` > 0 it instead resumes from its last checkpoint, taken every Young interval
-``sqrt(2 C / rate)`` (paying C each time, during which it can fail too), the interval that
-minimises checkpoint cost plus expected rework. Failures while it is down are handled by the
-same restart. Between failures nothing happens but whole steps or checkpoint cycles, so an up
-period is one random draw, not one event per step. Its hot spares (``spare_fraction``) are
-provisioned chips that do no work.
+outage. With ``checkpoint_s`` > 0 it instead resumes from its last checkpoint, taken every Young
+interval ``sqrt(2 C / rate)`` (paying C each time, during which it can fail too), the interval
+that minimises checkpoint cost plus expected rework. Failures while it is down are handled by
+the same restart. Between failures nothing happens but whole checkpoint cycles, so an up period
+is one random draw, not one event per step. Its hot spares (``spare_fraction``) are provisioned
+chips that do no work.
 
 Elastic (``simulate_elastic``): the job is one ``ElasticGroup`` of all chips: it drops a failed
 slice and continues with the rest (``protocol.sim.group``).
