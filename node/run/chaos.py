@@ -14,7 +14,8 @@ SPEC is ``default`` or comma-separated items:
   kill=TARGET@WHEN[+restartDELAY]   SIGKILL a peer; restart it DELAY later (same key, same
                                     checkpoint folder); without +restart it stays dead.
                                     TARGET: a peer index, ``learner`` (a random live peer that
-                                    owns no fragment), ``owner`` (a random live owner) or
+                                    owns no fragment; any live peer when all own one),
+                                    ``owner`` (a random live owner) or
                                     ``any``. WHEN: ``30s`` (once, 30 s after training starts)
                                     or ``every60s`` (at 60 s, 120 s, ...).
   slow=PEERxFACTOR                  peer PEER's inner steps take FACTOR times as long.
@@ -270,8 +271,11 @@ class ChaosSchedule:
 
     @staticmethod
     def _candidates(target: str, alive: set[int], owners: set[int]) -> tuple[set[int], str]:
-        if target == "learner":
-            return alive - owners, "peers owning nothing"
+        if target == "learner":  # every peer learns: prefer those that own nothing, so a
+            # learner's loss is measured apart from an owner's, but never skip for want of one
+            # (with as many fragments as peers, every peer may own one)
+            learners = alive - owners
+            return (learners, "peers owning nothing") if learners else (set(alive), "learners (all own fragments)")
         if target == "owner":
             return alive & owners, "owners"
         if target == "any":

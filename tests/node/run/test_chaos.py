@@ -201,3 +201,14 @@ def test_goodput_is_accepted_work_over_provisioned_time() -> None:
     resumed = [{**results[0], "steps": 150}]
     assert goodput(resumed, peers=1, span_s=25.0) == pytest.approx(15 / 25)
     assert goodput([{"steps": 10, "median_step_s": 1.0}], peers=1, span_s=10.0) == 0.0  # nothing sent
+
+
+def test_a_learner_kill_takes_any_peer_when_every_peer_owns_a_fragment() -> None:
+    """Every peer learns; with as many fragments as peers each may own one, and a learner kill
+    must not be skipped then (a decoupled run got fewer kills than the sync run beside it)."""
+    from node.run.chaos import Kill
+
+    schedule = ChaosSchedule(parse_chaos("kill=learner@10s+restart5s", 4), 100.0, random.Random(0))
+    decisions = schedule.tick(10.0, [0, 1, 2, 3], [0, 1, 2, 3])
+    assert len(decisions) == 1 and isinstance(decisions[0], Kill)
+    assert "learners (all own fragments)" in decisions[0].reason
