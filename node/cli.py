@@ -14,7 +14,7 @@ import argparse
 import logging
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from node.config import SWARM_WIDE_FIELDS, RunConfig, add_run_arguments, config_from_args
 
@@ -23,14 +23,45 @@ if TYPE_CHECKING:
 
 __all__ = ["main"]
 
+# RunConfig fields only a launcher uses: how many peer processes it starts
+LAUNCHER_FIELDS = ("peers",)
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Each flag's default, once: not where the help already says it, nor where there is none."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "(default" in text or action.default is None or action.default is False or action.default in ("", []):
+            return text
+        return super()._get_help_string(action) or text
+
+
+class _Parser(argparse.ArgumentParser):
+    """A usage mistake ends in one line (the flag, what is wrong, where the flags are listed), not
+    in the whole usage text; every sub-command's parser is one too, with ``_Help``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _Help)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def _log_level(name: str) -> str:
+    level = name.upper()
+    if not isinstance(logging.getLevelName(level), int):
+        raise argparse.ArgumentTypeError(f"{name!r} is not a level: DEBUG, INFO, WARNING or ERROR")
+    return level
+
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="atoll", description="Peer-to-peer Decoupled DiLoCo training.")
-    parser.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
+    parser = _Parser(prog="atoll", description="Peer-to-peer Decoupled DiLoCo training.")
+    parser.add_argument("--log-level", type=_log_level, default="WARNING", help="logging level")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    local = sub.add_parser("local", help="run a local multi-process swarm and write a report",
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    local = sub.add_parser("local", help="run a local multi-process swarm and write a report")
     add_run_arguments(local)
     local.add_argument("--report", type=Path, default=None,
                        help="where to write the JSON report (a PNG plot goes beside it); "
@@ -64,8 +95,7 @@ def _parser() -> argparse.ArgumentParser:
                             "last 2 live peers. E.g. --duration 300 --chaos default, or --duration 60 "
                             "--chaos kill=1@15s+restart10s,kill=learner@every25s+restart10s,slow=3x3")
 
-    join = sub.add_parser("join", help="join a running swarm and train",
-                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    join = sub.add_parser("join", help="join a running swarm and train")
     join.add_argument("--initial-peers", nargs="+", required=True, metavar="URL",
                       help="addresses of any swarm members or bootstrap nodes, e.g. http://host:port")
     join.add_argument("--listen", default="0.0.0.0:0", metavar="HOST:PORT",
@@ -81,15 +111,16 @@ def _parser() -> argparse.ArgumentParser:
     join.add_argument("--swarm", default=None, metavar="ID",
                       help="the swarm id (instead of --manifest): its manifest is fetched from an initial "
                            "peer and checked against the id")
-    add_run_arguments(join, exclude=SWARM_WIDE_FIELDS)  # the recipe is the manifest's
+    _add_json_logs(join)
+    add_run_arguments(join, exclude=SWARM_WIDE_FIELDS + LAUNCHER_FIELDS)  # the recipe is the manifest's
 
-    boot = sub.add_parser("bootstrap", help="run a DHT-only entry node for a swarm",
-                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    boot = sub.add_parser("bootstrap", help="run a DHT-only entry node for a swarm")
     boot.add_argument("--listen", default="0.0.0.0:0", metavar="HOST:PORT", help="where to listen")
     boot.add_argument("--public-address", default=None, metavar="HOST:PORT", help="the address others dial")
     boot.add_argument("--initial-peers", nargs="*", default=[], metavar="URL",
                       help="other bootstrap nodes or members to connect to")
     _add_swarm_arguments(boot, key_required=False)
+    _add_json_logs(boot)
 
     rep = sub.add_parser("replay", help="re-run an owner's merger log and show every decision that differs")
     rep.add_argument("log", type=Path, help="an owner's event log (JSON lines, from --event-log-dir)")
@@ -103,7 +134,7 @@ def _parser() -> argparse.ArgumentParser:
 
     status = sub.add_parser("status", help="show what a peer sees of its swarm")
     status.add_argument("--peer", required=True, metavar="URL", help="a member's address")
-    status.add_argument("--json", action="store_true", help="print the raw JSON")
+    status.add_argument("--json", action="store_true", help="print the raw JSON (default: tables)")
     _add_swarm_arguments(status, key_required=False)
 
     from node.run.admin import add_admin_commands
@@ -132,40 +163,29 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_json_logs(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json-logs", action="store_true",
+                        help="log one JSON object per record on stderr (time, level, logger, message and "
+                             "the record's fields) instead of text, and no progress line")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        return _run(args)
+    except KeyboardInterrupt:
+        return 130
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.command in ("keygen", "swarm"):
         from node.run.admin import run_admin
 
         return run_admin(args)
     if args.command == "local":
-        from node.run.local import run_local
-
-        try:
-            cfg = config_from_args(args)
-        except ValueError as exc:
-            print(f"atoll local: {exc}", file=sys.stderr)
-            return 2
-        try:
-            kill_at = _parse_kills(args.kill, cfg.peers)
-            slow = _parse_slow(args.slow, cfg.peers)
-            attacks = _parse_attacks(args.attack, cfg.peers)
-            chaos = _parse_chaos(args.chaos, args.duration, cfg.peers)
-        except ValueError as exc:
-            print(f"atoll local: {exc}", file=sys.stderr)
-            return 2
-        try:
-            extra: dict[int, list[str]] = {i: ["--slow-factor", str(f)] for i, f in slow.items()}
-            for i, attack in attacks.items():
-                extra.setdefault(i, []).extend(["--attack", attack])
-            run_local(cfg, report_path=args.report, baseline=args.baseline, alone=args.alone, quiet=args.quiet,
-                      kill_at=kill_at, extra_peer_args=extra, attacks=attacks, admission=args.admission,
-                      chaos=chaos, duration_s=args.duration)
-        except KeyboardInterrupt:
-            return 130
-        return 0
+        return _local(args)
     if args.command == "join":
         from node.run.join import join_main
 
@@ -210,6 +230,46 @@ def main(argv: list[str] | None = None) -> int:
         run_peer(RunConfig.load(args.config), opts)
         return 0
     return 2
+
+
+def _local(args: argparse.Namespace) -> int:
+    """``atoll local``: every flag checked before a peer starts; a failure is one line."""
+    from node.run.checks import check_run
+    from node.run.local import run_local
+
+    try:
+        cfg = config_from_args(args)
+        check_run(cfg)
+        kill_at = _parse_kills(args.kill, cfg.peers)
+        slow = _parse_slow(args.slow, cfg.peers)
+        attacks = _parse_attacks(args.attack, cfg.peers)
+        chaos = _parse_chaos(args.chaos, args.duration, cfg.peers)
+    except ValueError as exc:
+        print(f"atoll local: {exc}", file=sys.stderr)
+        return 2
+    extra: dict[int, list[str]] = {i: ["--slow-factor", str(f)] for i, f in slow.items()}
+    for i, attack in attacks.items():
+        extra.setdefault(i, []).extend(["--attack", attack])
+    try:
+        run_local(cfg, report_path=args.report, baseline=args.baseline, alone=args.alone, quiet=args.quiet,
+                  kill_at=kill_at, extra_peer_args=extra, attacks=attacks, admission=args.admission,
+                  chaos=chaos, duration_s=args.duration)
+    except Exception as exc:  # a peer's failure is one line; _one_line re-raises the rest
+        print(f"atoll local: {_one_line(exc)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _one_line(exc: BaseException) -> str:
+    """A launcher's failure in one line: the first failure inside a task group; raises ``exc``
+    again when it holds anything but a peer's failure (a bug: its traceback is wanted)."""
+    while isinstance(getattr(exc, "exceptions", None), tuple) and exc.exceptions:  # type: ignore[attr-defined]
+        exc = exc.exceptions[0]  # type: ignore[attr-defined]  # an ExceptionGroup (asyncio.TaskGroup)
+    if not isinstance(exc, RuntimeError | OSError | TimeoutError):
+        raise exc
+    if isinstance(exc, TimeoutError) and not str(exc):
+        return "timed out waiting for the peers; their logs are in the folder printed above"
+    return " ".join(str(exc).split())
 
 
 def _host_port(spec: str) -> tuple[str, int]:

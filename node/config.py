@@ -161,8 +161,10 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, exclude: tuple[str, ..
         kind = {"int": int, "float": float, "str": str}.get(
             str(f.type).replace(" | None", ""), str
         )
-        parser.add_argument(flag, type=kind, default=default,
-                            help=f"{_HELP.get(f.name, '')} (default: {default})")
+        text = _HELP.get(f.name, "")
+        if default not in (None, "") and "(default" not in text:
+            text += " (default: %(default)s)"
+        parser.add_argument(flag, type=kind, default=default, help=text)
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:

@@ -13,18 +13,19 @@ import argparse
 import json
 import logging
 import os
+import socket
 import ssl
 import sys
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 from node.config import config_from_args
 from node.dht.membership import config_from_manifest
 from node.dht.swarm import MANIFEST_PATH, request_headers
+from node.run.checks import CheckError, check_listen, check_run, host_port, peer_url
+from node.run.console import JoinView, ProgressLine, render_status, setup_logging
 from node.wire.identity import IdentityError, load_certificate, load_key, load_manifest
 from node.wire.tls import client_context
 from protocol.errors import RemoteProtocolError
@@ -74,24 +75,60 @@ def _reason(body: bytes) -> str:
         return body[:200].decode(errors="replace")
 
 
-def fetch_manifest(initial_peers: list[str], *, swarm: str, signer: Signer, cert: Certificate | None) -> SwarmManifest | None:
+def _unanswered(exc: BaseException) -> str:
+    """Why a request got no HTTP answer, in a few words ("connection refused", "no answer in 10 s")."""
+    reason = getattr(exc, "reason", exc)  # URLError wraps the socket's error
+    if isinstance(reason, TimeoutError | socket.timeout):
+        return "no answer within 10 s"
+    if isinstance(reason, socket.gaierror):
+        return "unknown host"
+    return str(getattr(reason, "strerror", None) or reason).lower()
+
+
+def _their_manifest(base: str) -> SwarmManifest | None:
+    """The manifest a peer hands anyone (unsigned ``GET``), verified; None when it has none."""
+    ctx = client_context() if base.startswith("https://") else None
+    try:
+        with urllib.request.urlopen(base.rstrip("/") + MANIFEST_PATH, timeout=5, context=ctx) as resp:  # noqa: S310
+            m = SwarmManifest.from_toml(resp.read(MAX_MANIFEST_BYTES))
+        m.verify()
+    except (OSError, ssl.SSLError, RemoteProtocolError):
+        return None
+    return m
+
+
+def _refused(base: str, body: bytes, *, swarm: str, named: str) -> SwarmError:
+    """A peer refused our signed request: say why, and name its swarm when it is another one
+    (a request signed for another swarm does not verify there)."""
+    theirs = _their_manifest(base)
+    if theirs is not None and theirs.swarm_id != swarm:
+        return SwarmError(f"{base} is a peer of swarm {theirs.name!r} ({theirs.swarm_id}), not of {named}: "
+                          "pass that swarm's manifest, or --initial-peers of your swarm")
+    return SwarmError(f"refused by {base}: {_reason(body)}")
+
+
+def fetch_manifest(initial_peers: list[str], *, swarm: str, signer: Signer, cert: Certificate | None,
+                   named: str = "", require_answer: bool = False) -> SwarmManifest | None:
     """The newest verified manifest of swarm ``swarm`` that an initial peer hands over, or None.
 
-    Raises ``SwarmError`` when a peer refuses us (403 with its reason: revoked, expired, …)."""
+    Raises ``SwarmError`` when a peer refuses us (its reason: revoked, expired, another swarm …)
+    and, with ``require_answer``, when no initial peer answers at all. ``named``: how the user
+    named the swarm, for those messages."""
     best: SwarmManifest | None = None
+    silent: list[str] = []
     for base in initial_peers:
         if not base.startswith(("http://", "https://")):
             raise SwarmError(f"initial peer {base!r} is not an http(s) URL, e.g. https://host:7000")
         try:
             status, body = signed_request(base.rstrip("/") + MANIFEST_PATH, swarm=swarm, signer=signer, cert=cert,
-                                    limit=MAX_MANIFEST_BYTES)
+                                          limit=MAX_MANIFEST_BYTES)
         except (OSError, ssl.SSLError) as exc:
-            print(f"atoll: {base} did not answer ({exc}); trying the next", file=sys.stderr)
+            silent.append(f"{base} ({_unanswered(exc)})")
             continue
         if status in (401, 403):
-            raise SwarmError(f"refused by {base}: {_reason(body)}")
+            raise _refused(base, body, swarm=swarm, named=named or f"swarm {swarm}")
         if status != 200:
-            print(f"atoll: {base} answered {status} for the manifest: {_reason(body)}", file=sys.stderr)
+            log.info("%s answered %d for the manifest: %s", base, status, _reason(body))
             continue
         try:
             m = SwarmManifest.from_toml(body)
@@ -101,12 +138,18 @@ def fetch_manifest(initial_peers: list[str], *, swarm: str, signer: Signer, cert
             continue
         if best is None or m.version > best.version:
             best = m
+    if silent and len(silent) == len(initial_peers) and require_answer:
+        raise SwarmError(f"no initial peer answered: {', '.join(silent)}; check --initial-peers "
+                         "and that those peers are running")
+    for what in silent:
+        print(f"atoll: {what} did not answer; going on with the others", file=sys.stderr)
     return best
 
 
-def load_swarm(args: argparse.Namespace, *, initial_peers: list[str]) -> Swarm:
+def load_swarm(args: argparse.Namespace, *, initial_peers: list[str], require_answer: bool = False) -> Swarm:
     """Key, certificate and manifest from ``args`` (``--key``, ``--cert``, ``--manifest`` or
-    ``--swarm``), the manifest updated from ``initial_peers``, and the certificate checked."""
+    ``--swarm``), the manifest updated from ``initial_peers``, and the certificate checked.
+    ``require_answer``: fail when no initial peer answers (``fetch_manifest``)."""
     try:
         signer = load_key(args.key)
         cert = load_certificate(args.cert) if args.cert else None
@@ -116,8 +159,11 @@ def load_swarm(args: argparse.Namespace, *, initial_peers: list[str]) -> Swarm:
     swarm_id = manifest.swarm_id if manifest is not None else getattr(args, "swarm", None)
     if swarm_id is None:
         raise SwarmError("say which swarm: --manifest swarm.toml, or --swarm ID with --initial-peers")
+    named = (f"swarm {manifest.name!r} ({swarm_id}) that --manifest names" if manifest is not None
+             else f"swarm {swarm_id} that --swarm names")
     if initial_peers:
-        fetched = fetch_manifest(initial_peers, swarm=swarm_id, signer=signer, cert=cert)
+        fetched = fetch_manifest(initial_peers, swarm=swarm_id, signer=signer, cert=cert, named=named,
+                                 require_answer=require_answer)
         if manifest is None:
             manifest = fetched
         elif fetched is not None:
@@ -142,22 +188,32 @@ def _scheme(manifest: SwarmManifest) -> str:
     return "https" if manifest.admission == "certified" else "http"
 
 
-def _host_port(spec: str) -> tuple[str, int]:
-    host, sep, port = spec.rpartition(":")
-    if not sep or not port.isdigit():
-        raise SwarmError(f"bad address {spec!r}: expected HOST:PORT, e.g. 0.0.0.0:7000")
-    return host or "0.0.0.0", int(port)
+def _listen_address(args: argparse.Namespace) -> tuple[str, int]:
+    """``--listen`` parsed and bindable, ``--public-address`` well-formed, ``--initial-peers`` URLs."""
+    for url in getattr(args, "initial_peers", []):
+        peer_url(url)
+    host, port = host_port(args.listen, "--listen")
+    if args.public_address:
+        host_port(args.public_address, "--public-address")
+    check_listen(host, port)
+    return host, port
 
 
 def join_main(args: argparse.Namespace) -> int:
+    """``atoll join``: every check first (flags, files, the swarm, the corpus), then train."""
     from node.dht.swarm import SwarmCredentials
     from node.run.train import PeerOptions, run_peer
 
-    logging.getLogger().setLevel(min(logging.INFO, logging.getLogger().level))
+    line = ProgressLine(sys.stderr) if sys.stderr.isatty() and not args.json_logs else None
+    setup_logging(min(args.log_level, "INFO", key=logging.getLevelName), sys.stderr,
+                  json_logs=args.json_logs, line=line)
     try:
-        swarm = load_swarm(args, initial_peers=list(args.initial_peers))
+        host, port = _listen_address(args)
+        if args.serve_after_s < 0:
+            raise CheckError(f"--serve-after-s must be >= 0, got {args.serve_after_s:g}")
+        swarm = load_swarm(args, initial_peers=list(args.initial_peers), require_answer=True)
         cfg = config_from_manifest(swarm.manifest, config_from_args(args))
-        host, port = _host_port(args.listen)
+        check_run(cfg)
     except (SwarmError, ValueError) as exc:
         print(f"atoll join: {exc}", file=sys.stderr)
         return 1
@@ -173,18 +229,25 @@ def join_main(args: argparse.Namespace) -> int:
             host = "127.0.0.1"
             print("atoll join: no --public-address; listening on 127.0.0.1 only "
                   "(others on this machine can reach it)", file=sys.stderr)
+    view = JoinView(line, json_events=args.json_logs or not sys.stdout.isatty(), steps=cfg.steps)
     opts = PeerOptions(index=int.from_bytes(os.urandom(2), "big") % max(cfg.peers, 1),
                        initial_peers=tuple(args.initial_peers), host=host, port=port, public_address=public,
                        wait_for_stop=False, final_sync=False, serve_after_s=args.serve_after_s,
                        signer=swarm.signer, credentials=SwarmCredentials(m, swarm.signer, swarm.cert),
-                       checkpoint_dir=args.checkpoint_dir)
+                       checkpoint_dir=args.checkpoint_dir, events=view)
     try:
         run_peer(cfg, opts)
     except KeyboardInterrupt:
         return 130
-    except (ConnectionError, RemoteProtocolError, TimeoutError) as exc:
-        print(f"atoll join: {exc}", file=sys.stderr)
+    except (ConnectionError, RemoteProtocolError, TimeoutError, RuntimeError, OSError) as exc:
+        if line is not None:
+            line.close()
+        why = exc.reason if isinstance(exc, RemoteProtocolError) else str(exc) or type(exc).__name__
+        print(f"atoll join: {' '.join(why.split())}", file=sys.stderr)
         return 1
+    finally:
+        if line is not None:
+            line.close()
     return 0
 
 
@@ -195,8 +258,9 @@ def bootstrap_main(args: argparse.Namespace) -> int:
     from node.dht.bootstrap import run_bootstrap
     from node.dht.swarm import SwarmCredentials
 
+    setup_logging(args.log_level, sys.stderr, json_logs=args.json_logs)
     try:
-        host, port = _host_port(args.listen)
+        host, port = _listen_address(args)
         credentials, signer, scheme = None, None, "http"
         if args.manifest or args.key or args.cert:
             if not (args.manifest and args.key):
@@ -204,7 +268,7 @@ def bootstrap_main(args: argparse.Namespace) -> int:
             swarm = load_swarm(args, initial_peers=list(args.initial_peers))
             signer, scheme = swarm.signer, _scheme(swarm.manifest)
             credentials = SwarmCredentials(swarm.manifest, swarm.signer, swarm.cert)
-    except SwarmError as exc:
+    except (SwarmError, CheckError) as exc:
         print(f"atoll bootstrap: {exc}", file=sys.stderr)
         return 1
     public = f"{scheme}://{args.public_address}" if args.public_address else None
@@ -217,8 +281,9 @@ def bootstrap_main(args: argparse.Namespace) -> int:
 
 
 def status_main(args: argparse.Namespace) -> int:
-    url = args.peer.rstrip("/") + "/v1/status"
+    """``atoll status``: a peer's ``/v1/status`` as tables (``render_status``), or ``--json``."""
     try:
+        url = peer_url(args.peer, "--peer").rstrip("/") + "/v1/status"
         if args.key:
             if not args.manifest:
                 raise SwarmError("--key needs --manifest (the swarm whose peer this is)")
@@ -235,8 +300,12 @@ def status_main(args: argparse.Namespace) -> int:
             raise SwarmError(f"{url} answered {code}: {_reason(body)}"
                              + ("; a certified swarm's peer needs --manifest, --key and --cert" if code in (401, 403) else ""))
         status = json.loads(body)
-    except (OSError, ValueError) as exc:
-        print(f"atoll status: could not read {url}: {exc}", file=sys.stderr)
+    except (OSError, ssl.SSLError) as exc:
+        print(f"atoll status: {args.peer} did not answer ({_unanswered(exc)}); check --peer and that the "
+              "peer is running", file=sys.stderr)
+        return 1
+    except ValueError as exc:  # CheckError, or a body that is not JSON
+        print(f"atoll status: {exc}", file=sys.stderr)
         return 1
     except SwarmError as exc:
         print(f"atoll status: {exc}", file=sys.stderr)
@@ -246,23 +315,3 @@ def status_main(args: argparse.Namespace) -> int:
         return 0
     print(render_status(status))
     return 0
-
-
-def render_status(status: dict[str, Any]) -> str:
-    adm = status.get("admission") or {}
-    lines = [f"peer {str(status.get('peer_id', '?'))[:12]} at {status.get('url')} (swarm {status.get('swarm')}"
-             + (f", {adm.get('name')} v{adm.get('version')} {adm.get('admission')}" if adm else "") + ")"]
-    for m in status.get("members", []):
-        lines.append(f"  member {m['peer_id'][:12]} {m['url'] or '(not dialable)':28} lab={m.get('lab') or '-':10} "
-                     f"roles={','.join(m['roles'])} reachable={m['reachable']} learning={m['learning']} step={m['step']}")
-    for p, o in sorted(status.get("owners", {}).items(), key=lambda kv: int(kv[0])):
-        lines.append(f"  fragment {p}: owner {o['peer_id'][:12] if o else 'none'} {o['url'] if o else ''}")
-    lines.append(f"  versions held {status.get('versions')}; bytes sent {status.get('bytes_sent', 0) / 1e6:.1f} MB")
-    if adm:
-        lines.append(f"  admitted {adm.get('admitted', 0)} requests; refused {sum(adm.get('refused', {}).values())}: "
-                     f"{adm.get('refused', {})}")
-    return "\n".join(lines)
-
-
-def read_path(value: str | None) -> Path | None:
-    return Path(value) if value else None

@@ -17,6 +17,7 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -121,9 +122,11 @@ class PeerOptions:
     until: float = 0.0  # stop training at this unix time even if steps remain (0: run all steps)
     signer: Signer | None = None  # this peer's key (None: a fresh one)
     credentials: SwarmCredentials | None = None  # the swarm's manifest and our certificate
+    events: Callable[..., None] | None = None  # event(name, **fields); None: JSON lines on stdout (emit)
 
 def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
     index = opts.index
+    say = opts.events or emit
     torch.set_num_threads(cfg.threads)
     # --- model, data, optimizer -----------------------------------------------------------------
     cfg = resolved(cfg)
@@ -155,7 +158,7 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
     resumed = checkpoints.restore() if checkpoints is not None else None
     start_step = int(resumed["step"]) if resumed else 0
     if resumed:
-        emit("resumed", index=index, step=start_step, versions=list(island.versions))
+        say("resumed", index=index, step=start_step, versions=list(island.versions))
 
     # --- the node, on its own thread: join the swarm, sync the global fragments ---------------
     node = PeerNode(cfg, signer, model, plan, host=opts.host, port=opts.port,
@@ -168,21 +171,32 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
     initial = list(opts.initial_peers)
     if opts.initial_peers_from_stdin:
         initial += list(_read_stdin_line().get("initial_peers", []))
-    thread = threading.Thread(target=lambda: asyncio.run(node.serve(island, initial)),
-                              name="atoll-node", daemon=True)
+    crashed: list[BaseException] = []  # why the node's thread ended early (the main thread says it)
+
+    def serve() -> None:
+        try:
+            asyncio.run(node.serve(island, initial))
+        except BaseException as exc:
+            crashed.append(exc)
+            log.log(logging.ERROR if node.joined.is_set() and node.failure is None else logging.DEBUG,
+                    "the node stopped: %r", exc, exc_info=True)
+
+    thread = threading.Thread(target=serve, name="atoll-node", daemon=True)
     thread.start()
-    if not node.ready.wait(60):
-        raise RuntimeError("the node did not start listening within 60 s")
-    emit("listening", index=index, url=node.url, peer_id=signer.peer_id.hex())
+    deadline = time.monotonic() + 60
+    while not node.ready.wait(0.1):
+        if crashed or time.monotonic() > deadline:
+            raise RuntimeError(f"the node could not start listening: {crashed[0] if crashed else 'not within 60 s'}")
+    say("listening", index=index, url=node.url, peer_id=signer.peer_id.hex())
     if not node.joined.wait(120) or node.failure is not None:
-        raise RuntimeError(f"could not join the swarm: {node.failure!r}")
+        raise RuntimeError(f"could not join the swarm: {str(node.failure) or repr(node.failure)}")
     node.wait_for_members(opts.wait_members)
     if opts.initial_peers_from_stdin:
-        emit("ready", index=index)
+        say("ready", index=index)
         if not _read_stdin_line().get("start"):
             raise RuntimeError("the launcher stopped the swarm before it started")
     island.adopt_pending()  # the synced global fragments
-    emit("joined", index=index, versions=list(island.versions), synced=sorted(node.synced))
+    say("joined", index=index, versions=list(island.versions), synced=sorted(node.synced))
     t0 = opts.t0 or time.time()
 
     curve_local: list[tuple[float, int, float]] = []
@@ -214,8 +228,9 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
             last_progress = time.monotonic()
             node.step = step + 1
             node.board.record(step + 1, loss_ema)  # the status page's loss curve
-            emit("progress", index=index, step=step + 1, loss=loss_ema, versions=list(island.versions),
-                 bytes_sent=node.transport.bytes_sent)
+            say("progress", index=index, step=step + 1, loss=loss_ema, versions=list(island.versions),
+                bytes_sent=node.transport.bytes_sent, bytes_received=node.transport.bytes_received,
+                peers=len(node.membership.members) if node.membership else 0)
 
     # --- finalise: all peers end on the owners' final versions ---------------------------------
     node.call(node.stop_learning(), timeout=120)
@@ -251,7 +266,7 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
         "penalties": node.penalties(),  # as an owner: per sender, what the merge's bounds did
         "attack": opts.attack,
     }
-    emit("done", index=index, result=result)
+    say("done", index=index, result=result)
     if opts.wait_for_stop:
         while "stop" not in _read_stdin_line():
             pass

@@ -86,7 +86,9 @@ def test_bootstrap_three_joiners_and_a_late_fourth(tmp_path: Path) -> None:
         assert owner_urls <= {*urls, late_url}
         human = subprocess.run([sys.executable, "-m", "node", "status", "--peer", urls[0]],
                                cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=30, check=True)
-        assert "fragment 3: owner" in human.stdout
+        rows = [line.split() for line in human.stdout.splitlines()]
+        assert any(r[:1] == ["3"] and len(r) == 4 and r[3] in owner_urls for r in rows), human.stdout  # fragment 3
+        assert ["MEMBER", "URL", "LAB", "ROLES", "REACHABLE", "LEARNING", "STEP"] in rows
     finally:
         for p in procs:
             p.stop()

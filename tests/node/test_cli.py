@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from node.cli import _host_port, _parse_kills, _parse_slow, main
@@ -45,3 +47,47 @@ def test_topk2_codec_and_its_block_size() -> None:
     assert RunConfig(codec="topk2", block_size=50).codec == "topk2"
     with pytest.raises(ValueError, match="--block-size must be 1..4096 with topk2"):
         RunConfig(codec="topk2", block_size=5000)
+
+
+def _help(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    with pytest.raises(SystemExit) as done:
+        main([*argv, "--help"])
+    assert done.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_each_commands_help_lists_what_it_uses_with_each_default_once(capsys: pytest.CaptureFixture[str]) -> None:
+    join = _help(capsys, "join")
+    assert "--peers" not in join and "--initial-peers" in join and "--json-logs" in join
+    assert "--inner-steps" not in join  # the recipe is the manifest's
+    local = _help(capsys, "local")
+    assert "--peers PEERS" in local and "--initial-peers" not in local
+    for argv in (["local"], ["join"], ["bootstrap"], ["status"], ["replay"], ["swarm", "init"], ["swarm", "certify"],
+                 ["keygen"], ["peer"], []):
+        text = " ".join(_help(capsys, *argv).split())
+        assert not re.search(r"\(default: [^)]*\) \(default:", text), argv
+        assert "(default: None)" not in text and "(default: )" not in text and "(default: False)" not in text
+    local = " ".join(local.split())
+    assert "--steps STEPS inner steps per island (default: 600) --batch-size" in local
+    assert "--corpus CORPUS a text file or folder to train on (default: the Python standard library's .py files) " \
+           "--corpus-max-bytes CORPUS_MAX_BYTES read at most this many corpus bytes --steps" in local
+
+
+def test_every_flag_the_tests_and_docs_pass_to_join_still_parses() -> None:
+    from node.cli import _parser
+
+    args = _parser().parse_args(
+        ["join", "--initial-peers", "http://127.0.0.1:7000", "--manifest", "s.toml", "--key", "k", "--cert", "c",
+         "--listen", "127.0.0.1:0", "--public-address", "h:1", "--serve-after-s", "0", "--checkpoint-dir", "d",
+         "--steps", "10", "--corpus", "x", "--corpus-max-bytes", "2000000", "--eval-every", "1000000",
+         "--eval-batches", "1", "--threads", "1", "--lr", "0.001", "--warmup-steps", "1", "--weight-decay", "0",
+         "--device", "cpu", "--adopt-alpha", "0.5", "--overlap-block", "0", "--link", "latency=1ms", "--json-logs"])
+    assert (args.steps, args.corpus_max_bytes, args.serve_after_s, args.json_logs) == (10, 2000000, 0.0, True)
+
+
+def test_a_usage_mistake_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as done:
+        main(["join", "--initial-peers", "http://h:1", "--key", "k", "--steps", "many"])
+    assert done.value.code == 2
+    assert capsys.readouterr().err == ("atoll join: argument --steps: invalid int value: 'many' "
+                                       "(see atoll join --help)\n")

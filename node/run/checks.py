@@ -1,0 +1,158 @@
+"""What ``atoll local`` and ``atoll join`` check before they start a peer.
+
+A peer that dies on a bad flag dies after seconds of start-up, in a log file, as a traceback. The
+launchers run these checks first instead, on the same code the peers run (the model presets, the
+corpus loader and splitter, the link emulator's parser), and turn every mistake into one line
+that names the flag and says what to do: ``CheckError``.
+
+``check_run``      the run's numbers, model preset, device, emulated link and corpus
+``check_listen``   that this machine can listen at HOST:PORT (a free port, an address of its own)
+``peer_url``       an initial peer's address: http(s)://HOST:PORT
+``host_port``      ``--listen`` / ``--public-address``: HOST:PORT
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from node.config import RunConfig
+
+__all__ = ["CheckError", "check_listen", "check_run", "host_port", "peer_url"]
+
+CORPUS_CHECK_BYTES = 4 << 20  # the corpus check reads at most this much (a peer reads it all)
+
+# (field, test, what it must be): the numbers a RunConfig leaves to the training loop
+_RANGES = (
+    ("batch_size", lambda v: v >= 1, ">= 1"),
+    ("threads", lambda v: v >= 1, ">= 1"),
+    ("lr", lambda v: v > 0, "> 0"),
+    ("warmup_steps", lambda v: v >= 0, ">= 0"),
+    ("weight_decay", lambda v: v >= 0, ">= 0"),
+    ("eval_every", lambda v: v >= 1, ">= 1"),
+    ("eval_batches", lambda v: v >= 1, ">= 1"),
+    ("corpus_max_bytes", lambda v: v is None or v > 0, "> 0"),
+    ("block_size", lambda v: v >= 1, ">= 1"),
+    ("outer_lr", lambda v: v > 0, "> 0"),
+    ("outer_momentum", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("grace_gamma", lambda v: v >= 0, ">= 0"),
+    ("grace_tau", lambda v: v >= 0, ">= 0"),
+    ("grace_cap_s", lambda v: v >= 0, ">= 0"),
+    ("staleness_bound", lambda v: v >= 0, ">= 0"),
+    ("overlap_block", lambda v: v >= 0, ">= 0"),
+)
+
+
+class CheckError(ValueError):
+    """One line: what is wrong and what to do about it."""
+
+
+def check_run(cfg: RunConfig) -> None:
+    """Raise ``CheckError`` naming every flag of ``cfg`` a peer would fail on; reads the corpus
+    (at most ``CORPUS_CHECK_BYTES``) when ``--corpus`` names one."""
+    problems = [f"--{name.replace('_', '-')} must be {want}, got {getattr(cfg, name)}"
+                for name, ok, want in _RANGES if not ok(getattr(cfg, name))]
+    problems += filter(None, (_model_problem(cfg), _device_problem(cfg.device), _link_problem(cfg.link)))
+    if problems:
+        raise CheckError("; ".join(problems))
+    _check_corpus(cfg)
+
+
+def _model_problem(cfg: RunConfig) -> str | None:
+    from node.workload.model import GPTConfig
+
+    try:
+        GPTConfig.preset(cfg.model)
+    except ValueError as exc:
+        return f"--model: {exc}"
+    return None
+
+
+def _device_problem(device: str) -> str | None:
+    import torch
+
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        return f"--device {device!r} is not a device: use cpu or cuda (cuda:1 for the second GPU)"
+    if kind == "cuda" and not torch.cuda.is_available():
+        return f"--device {device}: torch sees no CUDA device here; use --device cpu"
+    return None
+
+
+def _link_problem(link: str) -> str | None:
+    from node.wire.link import LinkProfile
+
+    try:
+        LinkProfile.parse(link)
+    except ValueError as exc:
+        return f"--link: {exc}"
+    return None
+
+
+def _check_corpus(cfg: RunConfig) -> None:
+    """Read the corpus as a peer does (capped) and cut it as a peer does: it must exist, be
+    readable, hold text, and be long enough for a held-out split and one window per island."""
+    if cfg.corpus is None:
+        return  # the Python standard library: always there
+    from node.workload.corpus import BatchSampler, heldout_windows, load_corpus, split_corpus
+    from node.workload.model import GPTConfig
+
+    cap = min(cfg.corpus_max_bytes or CORPUS_CHECK_BYTES, CORPUS_CHECK_BYTES)
+    block = GPTConfig.preset(cfg.model).block_size
+    try:
+        data = load_corpus(Path(cfg.corpus), max_bytes=cap)
+        train, heldout = split_corpus(data)
+        heldout_windows(heldout, block_size=block, n_windows=1)
+        BatchSampler(train, batch_size=cfg.batch_size, block_size=block, seed=0,
+                     shard=max(cfg.peers, 1) - 1, n_shards=max(cfg.peers, 1))
+    except FileNotFoundError as exc:
+        raise CheckError(str(exc)) from None
+    except OSError as exc:
+        raise CheckError(f"cannot read the corpus: {exc.strerror or exc}: {exc.filename or cfg.corpus}") from None
+    except ValueError as exc:
+        advice = "" if "bigger corpus" in str(exc) else "; pass a longer text"
+        raise CheckError(f"--corpus {cfg.corpus}: {exc}{advice}") from None
+
+
+def host_port(spec: str, flag: str) -> tuple[str, int]:
+    """``"0.0.0.0:7000"`` -> ``("0.0.0.0", 7000)``; ``":0"`` -> ``("0.0.0.0", 0)``."""
+    host, sep, port = spec.rpartition(":")
+    if not sep or not port.isdigit() or int(port) > 65535:
+        raise CheckError(f"{flag} {spec!r} is not HOST:PORT, e.g. 0.0.0.0:7000 (port 0: any free port)")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+def check_listen(host: str, port: int, flag: str = "--listen") -> None:
+    """Bind (and release) ``host:port`` as the node will (address reuse on, as aiohttp does)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except socket.gaierror:
+            raise CheckError(f"{flag} {host}:{port}: {host!r} is not an address of this machine") from None
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise CheckError(f"{flag} {host}:{port}: port {port} is in use; pick another port, "
+                                 f"or {host}:0 for any free one") from None
+            if exc.errno == errno.EADDRNOTAVAIL:
+                raise CheckError(f"{flag} {host}:{port}: {host} is not an address of this machine; "
+                                 "listen on 0.0.0.0 and give others --public-address") from None
+            raise CheckError(f"{flag} {host}:{port}: cannot listen there: {exc.strerror or exc}") from None
+
+
+def peer_url(url: str, flag: str = "--initial-peers") -> str:
+    """``url`` when it is a peer's address (http(s)://HOST:PORT, no path); raises ``CheckError``."""
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if (parts.scheme not in ("http", "https") or not parts.hostname or port is None
+            or parts.path not in ("", "/") or parts.query or parts.fragment):
+        raise CheckError(f"{flag} {url!r} is not a peer's address: expected http(s)://HOST:PORT, "
+                         "e.g. http://203.0.113.5:7000")
+    return url

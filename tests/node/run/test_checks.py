@@ -1,0 +1,97 @@
+"""The checks ``atoll local`` and ``atoll join`` run before a peer starts: one line per mistake."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from pathlib import Path
+
+import pytest
+
+from node.cli import _one_line
+from node.config import RunConfig
+from node.run.checks import CheckError, check_listen, check_run, host_port, peer_url
+from node.run.local import last_error
+
+TEXT = "def f(x):\n    return x * 2\n" * 400  # ~11 kB of text
+
+
+def test_numbers_model_device_and_link_are_all_named_at_once() -> None:
+    cfg = RunConfig(model="huge", lr=0.0, eval_every=0, outer_momentum=1.0, device="gpu9", link="speed=fast")
+    with pytest.raises(CheckError) as err:
+        check_run(cfg)
+    text = str(err.value)
+    for says in ("--lr must be > 0, got 0.0", "--eval-every must be >= 1, got 0",
+                 "--outer-momentum must be in [0, 1), got 1.0", "--model: unknown model preset 'huge'",
+                 "--device 'gpu9' is not a device", "--link: bad link spec 'speed=fast'"):
+        assert says in text
+    assert "\n" not in text
+
+
+def test_corpus_checks(tmp_path: Path) -> None:
+    check_run(RunConfig(model="tiny"))  # no --corpus: the standard library
+    (tmp_path / "code.py").write_text(TEXT)
+    check_run(RunConfig(model="tiny", corpus=str(tmp_path / "code.py")))
+    check_run(RunConfig(model="tiny", corpus=str(tmp_path)))  # a folder of text files
+    with pytest.raises(CheckError, match=r"corpus path .*nope does not exist: pass a text file"):
+        check_run(RunConfig(corpus=str(tmp_path / "nope")))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "blob.bin").write_bytes(b"\0\1\2")
+    with pytest.raises(CheckError, match="corpus is empty: no text bytes found"):
+        check_run(RunConfig(corpus=str(empty)))
+    with pytest.raises(CheckError, match="fewer than a window of 257: use a bigger corpus or fewer shards"):
+        check_run(RunConfig(model="medium", peers=64, corpus=str(tmp_path / "code.py")))
+
+
+def test_listen_checks() -> None:
+    assert host_port("127.0.0.1:7000", "--listen") == ("127.0.0.1", 7000)
+    assert host_port(":0", "--listen") == ("0.0.0.0", 0)
+    for bad in ("localhost", "host:port", "1.2.3.4:70000"):
+        with pytest.raises(CheckError, match="is not HOST:PORT"):
+            host_port(bad, "--listen")
+    check_listen("127.0.0.1", 0)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(CheckError, match=f"port {port} is in use; pick another port, or 127.0.0.1:0"):
+            check_listen("127.0.0.1", port)
+    with pytest.raises(CheckError, match="is not an address of this machine"):
+        check_listen("no-such-host.invalid", 7000)
+
+
+def test_peer_urls() -> None:
+    for good in ("http://127.0.0.1:7000", "https://peer.example.org:443/", "http://[::1]:7000"):
+        assert peer_url(good) == good
+    for bad in ("127.0.0.1:7000", "http://127.0.0.1", "ftp://h:1", "http://h:1/v1/status", "http://h:x"):
+        with pytest.raises(CheckError, match="is not a peer's address: expected http"):
+            peer_url(bad)
+
+
+def _task_group_failure(exc: Exception) -> Exception:
+    """What ``asyncio.TaskGroup`` raises when one of its tasks raises ``exc``: an exception group."""
+    async def fail() -> None:
+        raise exc
+
+    async def run() -> None:
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(fail())
+
+    try:
+        asyncio.run(run())
+    except Exception as group:
+        return group
+    raise AssertionError("the task group did not fail")
+
+
+def test_a_launchers_failure_is_its_first_peer_failure_in_one_line(tmp_path: Path) -> None:
+    log = tmp_path / "peer0.log"
+    log.write_text("2026 atoll INFO starting\nTraceback (most recent call last):\n  File \"x.py\", line 1\n"
+                   "    raise FileNotFoundError(...)\nFileNotFoundError: corpus path /x does not exist\n")
+    assert last_error(log) == "FileNotFoundError: corpus path /x does not exist"
+    group = _task_group_failure(RuntimeError(f"peer 0 exited before listening: {last_error(log)}\n(log: {log})"))
+    assert _one_line(group) == f"peer 0 exited before listening: {last_error(log)} (log: {log})"
+    assert _one_line(TimeoutError()).startswith("timed out waiting for the peers")
+    with pytest.raises(KeyError):  # a bug keeps its traceback
+        _one_line(_task_group_failure(KeyError("x")))
