@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import statistics
 import sys
@@ -73,7 +74,9 @@ class Round:
         self.w.ask_all({"cmd": "prepare", "system": system, "round": r, "keep_base": True}, self.args.timeout)
         seconds, replies = self.w.timed({"cmd": "go", "system": system, "round": r,
                                          "timeout_s": self.args.timeout}, self.args.timeout + 30, kill)
-        out: dict[str, Any] = {"seconds": round(seconds, 4), "ok": all(x.get("ok") for x in replies)}
+        out: dict[str, Any] = {"seconds": round(seconds, 4), "ok": all(x.get("ok") for x in replies),
+                               "cpu_s": round(self.w.last_cpu_s, 3) if kill is None else None,
+                               "load_avg": round(os.getloadavg()[0], 2)}
         errors = [x.get("error") for x in replies if not x.get("ok")]
         if errors:
             out["errors"] = errors[:3]
@@ -109,8 +112,8 @@ class Round:
         return out
 
 
-def _median(runs: list[dict[str, Any]]) -> float | None:
-    good = [x["seconds"] for x in runs if x["ok"]]
+def _median(runs: list[dict[str, Any]], key: str = "seconds") -> float | None:
+    good = [x[key] for x in runs if x["ok"]]
     return round(statistics.median(good), 4) if good else None
 
 
@@ -148,12 +151,14 @@ def measure(args: argparse.Namespace, peers: int, params: int, codec: str, syste
             for s in systems:
                 out = rounds.run(s)
                 _say(f"  {'warm-up' if rep == 0 else f'round {rep}'} {s:8} {out['seconds']:8.3f} s "
-                     f"ok={out['ok']} {out.get('check', {}).get('matches', '')} {out.get('errors', '')}")
+                     f"(cpu {out['cpu_s']:.2f} s, load {out['load_avg']}) ok={out['ok']} "
+                     f"{out.get('check', {}).get('matches', '')} {out.get('errors', '')}")
                 if rep > 0:
                     runs[s].append(out)
     finally:
         w.close()
     result: dict[str, Any] = {f"{s}_s": _median(runs[s]) for s in systems}
+    result.update({f"{s}_cpu_s": _median(runs[s], "cpu_s") for s in systems})
     result.update({f"{s}_runs": runs[s] for s in systems}, owners=owners)
     return result
 

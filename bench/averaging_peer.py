@@ -99,7 +99,7 @@ def main() -> None:
     os.dup2(2, 1)  # stray prints (ours, hivemind's children) go to stderr, not into the replies
     torch.set_num_threads(1)
     logging.basicConfig(level=os.environ.get("BENCH_LOG", "WARNING"), stream=sys.stderr,
-                        format=f"peer{spec['index']} %(name)s %(levelname)s %(message)s")
+                        format=f"%(asctime)s peer{spec['index']} %(name)s %(levelname)s %(message)s")
     try:
         peer = Peer(spec)
     except Exception as exc:

@@ -24,6 +24,26 @@ __all__ = ["PeerFailed", "Workers"]
 ROOT = Path(__file__).resolve().parents[1]
 
 
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def session_cpu_s(sessions: set[int]) -> float:
+    """CPU seconds (user + system) used so far by every live process of these sessions: a peer
+    and what it started (hivemind's DHT and averager processes, their p2pd daemons)."""
+    total = 0
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        if int(fields[3]) in sessions:  # field 6 (session) counted after "pid (comm)"
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / _TICK
+
+
 class PeerFailed(RuntimeError):
     """A peer process died, failed to start, or did not answer in time."""
 
@@ -79,6 +99,7 @@ class Workers:
         self.n = spec["peers"]
         self.alive = list(range(self.n))
         self.procs: list[_Proc] = []
+        self.last_cpu_s = 0.0
         tag = f"{spec['peers']}x{spec['params']}-{spec['codec']}-{'+'.join(spec['systems'])}"
         try:
             first = self._start({**spec, "index": 0}, log_dir / f"{tag}-peer0.log")
@@ -114,12 +135,18 @@ class Workers:
             self.procs[i].send(cmd)
         return [self.procs[i].recv(timeout_s) for i in self.alive]
 
+    def cpu_s(self) -> float:
+        """CPU seconds used so far by the live peers' process trees."""
+        return session_cpu_s({self.procs[i].proc.pid for i in self.alive})
+
     def timed(self, cmd: dict[str, Any], timeout_s: float, kill: tuple[int, float] | None = None
               ) -> tuple[float, list[dict[str, Any]]]:
         """Send ``cmd`` to every live peer and wait for all: (seconds to the last reply, replies).
 
         ``kill = (peer, after_s)``: SIGKILL that peer's process group ``after_s`` into the round;
-        the time and replies are then the survivors'."""
+        the time and replies are then the survivors'. ``self.last_cpu_s``: the CPU seconds the
+        peers' process trees used meanwhile (the survivors' after a kill)."""
+        cpu0 = self.cpu_s()
         t0 = time.perf_counter()
         for i in self.alive:
             self.procs[i].send(cmd)
@@ -131,7 +158,9 @@ class Workers:
         replies = []
         for i in self.alive:
             replies.append(self.procs[i].recv(max(1.0, timeout_s - (time.perf_counter() - t0))))
-        return time.perf_counter() - t0, replies
+        seconds = time.perf_counter() - t0
+        self.last_cpu_s = self.cpu_s() - cpu0 if kill is None else self.cpu_s()
+        return seconds, replies
 
     def close(self) -> None:
         for i in self.alive:
