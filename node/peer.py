@@ -108,6 +108,7 @@ class _FencedBy(Exception):
         self.ack = ack
 
 
+RETIRE_MERGE_WAIT_S = 10.0  # a retiring owner lets a merge under way finish this long
 MAX_EPOCH_BUMPS = 3  # per handoff: stale fences passed by adopting an epoch above them
 
 
@@ -331,17 +332,29 @@ class PeerNode:
                 self._start_owner(p)
             elif not mine and p in self.owners:
                 log.info("fragment %d: no longer the owner (now %s)", p, owner[1] if owner else None)
-                retired = self._drop_owner(p)
-                await retired.retire()
+                retired = self._drop_owner(p, finish_merge=True)
+                await retired.retire(finish_merge_s=RETIRE_MERGE_WAIT_S)  # a merge under way ends first
                 if owner is not None and self._tg is not None:  # hand our state on: nothing is lost
                     self._tg.create_task(self._hand_on(p, owner, retired.snapshot()))
         if self.net is not None:
             self.net.owners_changed()  # work accepted by an owner that has gone is sent again now
 
-    def _drop_owner(self, p: int) -> FragmentOwner:
+    def _drop_owner(self, p: int, *, finish_merge: bool = False) -> FragmentOwner:
+        """Stop owning ``p``. With ``finish_merge`` a merge under way is not cancelled: its
+        replica may hold that version already, and the successor must get it (``retire`` waits
+        for it, then the timer is cancelled)."""
         retired = self.owners.pop(p)
         self._retired_owners.append(retired)  # keeps its penalty counts for the report
-        self._owner_tasks.pop(p).cancel()
+        task = self._owner_tasks.pop(p)
+        if finish_merge and self._tg is not None:
+            async def cancel_after_retire() -> None:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(RETIRE_MERGE_WAIT_S + 1.0):
+                        await retired.wait_retired()
+                task.cancel()
+            self._tg.create_task(cancel_after_retire())
+        else:
+            task.cancel()
         return retired
 
     def _published(self, fragment: int, version: int, digest: bytes) -> None:
@@ -499,17 +512,25 @@ class PeerNode:
 
     def _pass_on_held(self, refused: ReplicaState, url: str, sender: bytes) -> None:
         """A new owner (by its view) was refused because we hold its base version's state from
-        a higher epoch: the replica of a failed owner that the rendezvous did not make the
-        successor. Hand it that state (global fragment, momentum, merged work), so it owns the
-        fragment from exactly there instead of stepping back and leaving it unowned."""
+        a higher epoch (we are the replica of a failed owner that the rendezvous did not make the
+        successor), or its next version with another content (handed to us by an owner that did
+        not live to publish it). Hand it that state (global fragment, momentum, merged work), so
+        it owns the fragment from exactly there instead of stepping back and leaving it unowned."""
         p, held = refused.fragment, self.replicas.states.get(refused.fragment)
-        if (held is None or refused.version != held.version + 1 or refused.epoch >= held.epoch
-                or self._tg is None or (p, sender, held.version) in self._passed_on):
+        if held is None or self._tg is None or (p, sender, held.version) in self._passed_on:
+            return
+        builds_on_it = refused.version == held.version + 1 and refused.epoch < held.epoch
+        # or the same version with another content: the owner we hold it from handed it to us
+        # and died (or retired) before publishing it; the new owner must continue from it
+        replaces_it = refused.version == held.version and refused.digest != held.digest
+        if not (builds_on_it or replaces_it):
             return
         self._passed_on.add((p, sender, held.version))
         if len(self._passed_on) > 4096:
             self._passed_on.clear()
-        state = encode_state(swarm=self.cfg.swarm, fragment=p, epoch=held.epoch, version=held.version,
+        # under the new owner's epoch when that is higher: it is the owner now, continuing from here
+        state = encode_state(swarm=self.cfg.swarm, fragment=p, epoch=max(held.epoch, refused.epoch),
+                             version=held.version,
                              digest=held.digest, theta=held.theta, momentum=held.momentum, merged=held.merged)
         log.info("fragment %d: handing version %d (epoch %d) to %s, which took the fragment over without it",
                  p, held.version, held.epoch, url)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import math
 import os
@@ -130,6 +131,7 @@ class FragmentOwner:
         self.retired = False
         self._changed = asyncio.Condition()
         self._wake = asyncio.Event()
+        self._retired_event = asyncio.Event()
 
     # --- inbound -------------------------------------------------------------------------------
     async def contribute(self, sender: bytes, msg: Contribution) -> Ack:
@@ -249,13 +251,26 @@ class FragmentOwner:
                 return None
             return None if self.version <= after else self.latest
 
-    async def retire(self) -> None:
-        """This peer no longer owns the fragment: release every long-poll (and close the log)."""
+    async def retire(self, *, finish_merge_s: float = 0.0) -> None:
+        """This peer no longer owns the fragment: release every long-poll (and close the log).
+
+        ``finish_merge_s``: first let a merge under way finish (up to that long), so the version
+        its replica may already hold is published and in the state handed to the successor; a
+        merge still running after that does not publish."""
+        if finish_merge_s > 0 and self.merger.phase is Phase.MERGING:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(finish_merge_s):
+                    while self.merger.phase is Phase.MERGING:
+                        await asyncio.sleep(0.01)
         self.retired = True
         if self.log is not None:
             self.log.close()
         async with self._changed:
             self._changed.notify_all()
+        self._retired_event.set()
+
+    async def wait_retired(self) -> None:
+        await self._retired_event.wait()
 
     # --- the timer -----------------------------------------------------------------------------
     async def run(self) -> None:
@@ -302,6 +317,8 @@ class FragmentOwner:
                 fence = await self.replicate(state)
                 if fence is not None:
                     raise Fenced(fence, frozenset(peers))
+            if self.retired:  # retired while merging (past the wait): the successor owns the next version
+                raise Fenced(f"retired before publishing version {self.version + 1}", frozenset(peers))
         except Fenced as exc:
             self.fenced = exc.reason
             log.warning("fragment %d: stopped publishing: %s", self.fragment.index, exc.reason)

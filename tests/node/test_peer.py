@@ -182,3 +182,12 @@ async def test_a_replica_hands_its_state_to_a_successor_it_refused() -> None:
     p, target, state = handed[0]
     assert (p, target, state.version, state.epoch) == (0, (successor, "http://127.0.0.1:9"), 84, 1)
     assert state.momentum  # the momentum goes with it
+    # the same version with another content: the owner we hold it from died before publishing
+    # it; a new owner at a higher epoch that merged its own gets ours, under its epoch
+    other = signer(6).peer_id
+    node._pass_on_held(dataclasses.replace(handed_state, version=84, epoch=3), "http://127.0.0.1:8", other)
+    node._pass_on_held(dataclasses.replace(handed_state, version=84, epoch=3, digest=b"\x07" * 32),
+                       "http://127.0.0.1:8", signer(7).peer_id)  # the same content: nothing to pass on
+    await asyncio.sleep(0)
+    assert len(handed) == 2
+    assert (handed[1][1][0], handed[1][2].version, handed[1][2].epoch) == (other, 84, 3)

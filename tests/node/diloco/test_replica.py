@@ -8,7 +8,7 @@ import torch
 
 from node.diloco.owner import FragmentOwner
 from node.diloco.replica import ReplicaStore
-from protocol.diloco.merge import MergeConfig
+from protocol.diloco.merge import MergeConfig, Phase
 from protocol.diloco.outer import OuterConfig
 from protocol.wire.messages import ReplicaState
 from tests.node.fakes import (
@@ -132,3 +132,34 @@ async def test_work_merged_into_a_handed_version_is_refused_by_the_successor_if_
     ack = await told.contribute(B, contribution(delta, shapes[0], base_version=1, owner=told))
     assert ack.accepted, ack.reason
     assert told.penalties[A]["refused_base"] == 1  # refused by the handed merged set, before the merger
+
+
+async def test_a_retiring_owner_lets_a_merge_under_way_publish_or_publishes_nothing() -> None:
+    """Its replica may already hold the version a merge under way hands it: the retiring owner
+    lets that merge finish (and the successor gets it in the handed state); past the wait it
+    publishes nothing, so a successor's own version of that number is the only one."""
+    import asyncio
+
+    model = tiny_model()
+    plan, clock = tiny_plan(model), FakeClock()
+    shapes, theta0 = shapes_of(model, plan), flat_of(model, plan, 0)
+    for wait_s, published in ((5.0, True), (0.05, False)):
+        release = asyncio.Event()
+
+        async def slow_replica(state: ReplicaState, release: asyncio.Event = release) -> str | None:
+            await release.wait()  # the handoff is under way
+            return None
+
+        owner = _owner(plan, shapes, clock, theta0, who=signer(1), replicate=slow_replica)
+        await owner.contribute(A, contribution(torch.linspace(-0.05, 0.05, theta0.numel()), shapes[0],
+                                               base_version=0, owner=owner))
+        merging = asyncio.ensure_future(owner.set_expected(1))  # closes the round: the merge starts
+        await asyncio.sleep(0.1)
+        assert owner.merger.phase is Phase.MERGING
+        retiring = asyncio.ensure_future(owner.retire(finish_merge_s=wait_s))
+        await asyncio.sleep(0.2)
+        release.set()
+        await asyncio.gather(merging, retiring)
+        assert owner.retired
+        assert (owner.version == 1) is published
+        assert (owner.snapshot().version == 1) is published  # what the successor is handed
