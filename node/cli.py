@@ -107,6 +107,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="after training, keep serving the fragments this peer owns this long")
     join.add_argument("--checkpoint-dir", type=Path, default=None,
                       help="save the island here every H steps, and resume from it after a crash or restart")
+    join.add_argument("--nproc", type=int, default=1, metavar="N",
+                      help="processes in this island, launched with torchrun (DDP inside, gloo on CPU, NCCL "
+                           "on GPUs); rank 0 speaks for the island on the swarm")
     _add_swarm_arguments(join, key_required=True)
     join.add_argument("--swarm", default=None, metavar="ID",
                       help="the swarm id (instead of --manifest): its manifest is fetched from an initial "
@@ -171,6 +174,7 @@ def _add_json_logs(parser: argparse.ArgumentParser) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # atoll join --nproc relaunches it
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:

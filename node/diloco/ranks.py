@@ -60,8 +60,17 @@ class IslandRanks:
         self._seen = torch.full_like(self._versions, -1)
         self._tokens = torch.zeros(1, dtype=torch.int64, device=device)
         self.syncs = 0
+        self.told_to_stop = False  # rank 0 has broadcast its decision to stop
         self.broadcasts = 0  # fragments broadcast from rank 0
         self._hook = optimizer.register_step_post_hook(self._after_step)
+
+    def agree(self, go_on: bool) -> bool:
+        """Rank 0's decision whether to take another step, on every rank (a collective)."""
+        flag = torch.tensor([int(go_on)], dtype=torch.int64, device=self._tokens.device)
+        dist.broadcast(flag, src=0, group=self.group)
+        go = bool(flag.item())
+        self.told_to_stop = self.told_to_stop or not go
+        return go
 
     def _after_step(self, _opt: torch.optim.Optimizer, _args: object, _kwargs: object) -> None:
         self.sync()

@@ -204,6 +204,13 @@ def join_main(args: argparse.Namespace) -> int:
     from node.dht.swarm import SwarmCredentials
     from node.run.train import PeerOptions, run_peer
 
+    if args.nproc < 1:
+        print(f"atoll join: --nproc must be >= 1, got {args.nproc}", file=sys.stderr)
+        return 1
+    if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
+        return _launch_ranks(args.nproc, args.argv)
+    if int(os.environ.get("RANK", "0")) > 0:  # a follower rank of a multi-process island: quiet
+        args.json_logs = False
     line = ProgressLine(sys.stderr) if sys.stderr.isatty() and not args.json_logs else None
     setup_logging(min(args.log_level, "INFO", key=logging.getLevelName), sys.stderr,
                   json_logs=args.json_logs, line=line)
@@ -249,6 +256,31 @@ def join_main(args: argparse.Namespace) -> int:
         if line is not None:
             line.close()
     return 0
+
+
+def _launch_ranks(nproc: int, given: list[str]) -> int:
+    """``atoll join --nproc N``: the same command as N processes of one island under torchrun
+    (``torch.distributed.run``, standalone: rendezvous on this machine)."""
+    import subprocess
+
+    argv, skip = [], False
+    for arg in given:
+        if skip:
+            skip = False
+            continue
+        if arg == "--nproc":
+            skip = True
+            continue
+        if arg.startswith("--nproc="):
+            continue
+        argv.append(arg)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           "-m", "node", *argv]
+    print(f"atoll join: an island of {nproc} processes (torchrun); rank 0 joins the swarm", file=sys.stderr)
+    try:
+        return subprocess.call(cmd)
+    except KeyboardInterrupt:
+        return 130
 
 
 def bootstrap_main(args: argparse.Namespace) -> int:

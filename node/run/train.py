@@ -28,13 +28,14 @@ from node.config import RunConfig
 from node.dht.swarm import SwarmCredentials
 from node.diloco.inner import lr_at, make_inner_optimizer
 from node.diloco.island import Island, IslandConfig
+from node.diloco.ranks import IslandRanks, distributed_rank
 from node.peer import PeerNode, emit
 from node.run.attack import Attack
 from node.run.resume import IslandCheckpoints
 from node.workload.baseline import TrainConfig, sampler_seed, train_config_for
 from node.workload.corpus import BatchSampler, evaluate, load_corpus, split_corpus
 from node.workload.model import GPT, GPTConfig, embedding_parameter_names
-from protocol.diloco.fragments import plan_fragments
+from protocol.diloco.fragments import FragmentPlan, plan_fragments
 from protocol.wire.signing import Signer
 
 __all__ = ["global_param_hash", "inner_step", "island_sampler", "resolved", "run_peer"]
@@ -65,13 +66,54 @@ def resolved(cfg: RunConfig) -> RunConfig:
     return dataclasses.replace(cfg, max_tokens_per_step=cfg.batch_size * block)
 
 
-def island_sampler(cfg: RunConfig, train: torch.Tensor, block_size: int, index: int) -> BatchSampler:
-    """Island ``index``'s batches: its own shard of the train split, its own seed."""
+def island_sampler(cfg: RunConfig, train: torch.Tensor, block_size: int, index: int, *,
+                   rank: int = 0) -> BatchSampler:
+    """Island ``index``'s batches: its own shard of the train split, its own seed (and for the
+    ranks of a multi-process island, each rank its own seed within the island's shard)."""
     return BatchSampler(train, batch_size=cfg.batch_size, block_size=block_size,
-                        seed=sampler_seed(cfg.seed, index), shard=index, n_shards=cfg.peers)
+                        seed=sampler_seed(cfg.seed, index) + RANK_SEED_STRIDE * rank, shard=index,
+                        n_shards=cfg.peers)
 
 
-def inner_step(model: GPT, optimizer: torch.optim.Optimizer, tcfg: TrainConfig, step: int,
+RANK_SEED_STRIDE = 7919
+
+
+def start_ranks(device: torch.device) -> tuple[int, int]:
+    """Under ``torchrun`` (``WORLD_SIZE`` > 1): join the island's process group (NCCL on GPUs,
+    gloo on CPU) and return ``(rank, world size)``; ``(0, 1)`` otherwise."""
+    import torch.distributed as dist
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return distributed_rank()
+
+
+def _follow_rank_zero(cfg: RunConfig, model: torch.nn.Module, stepper: torch.nn.Module,
+                      optimizer: torch.optim.Optimizer, plan: FragmentPlan, sampler: BatchSampler,
+                      tcfg: TrainConfig, device: torch.device) -> dict[str, Any]:
+    """A rank other than 0 of a multi-process island: the same steps as rank 0 (DDP averages
+    the gradients), the fragments rank 0 adopts after each step (``IslandRanks``), no node."""
+    ranks = IslandRanks(model, optimizer, plan, None)
+    ranks.sync()  # the global fragments rank 0 synced when it joined
+    model.train()
+    steps = 0
+    for step in range(cfg.steps):
+        if not ranks.agree(True):
+            break
+        x, y = (t.to(device, non_blocking=True) for t in sampler.next())
+        ranks.tokens(x.numel())
+        inner_step(stepper, optimizer, tcfg, step, x, y)  # the post-step hook syncs with rank 0
+        steps += 1
+    else:
+        ranks.agree(True)  # rank 0's closing agree(False) after its last step
+    ranks.sync()  # the final model
+    ranks.close()
+    param_hash = global_param_hash(dict(model.named_parameters()))
+    log.info("rank %d of %d: %d steps, final parameters %s", ranks.rank, ranks.world, steps, param_hash[:16])
+    return {"rank": ranks.rank, "steps": steps, "versions": ranks.versions, "param_hash": param_hash}
+
+
+def inner_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, tcfg: TrainConfig, step: int,
                x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """One inner step on batch x, y ([B, T] int64): set the lr, forward, backward, clip, step
     (on an island the optimizer's hook then adopts and ships fragments); returns the loss."""
@@ -134,14 +176,27 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
     device = torch.device(cfg.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda was asked for, but torch sees no CUDA device here")
+    rank, world = start_ranks(device)  # under torchrun: a multi-process island (DDP inside)
+    if world > 1 and device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    if world > 1 and opts.checkpoint_dir is not None:
+        raise RuntimeError("--checkpoint-dir is not supported for islands of several processes yet "
+                           "(every rank's optimizer state would have to be saved); leave it out with --nproc")
     model = GPT(gcfg, seed=cfg.seed).to(device)  # identical on every peer: version 0 of every fragment
     data = load_corpus(Path(cfg.corpus) if cfg.corpus else None, max_bytes=cfg.corpus_max_bytes)
     train, heldout = split_corpus(data)
-    sampler = island_sampler(cfg, train, gcfg.block_size, index)
+    sampler = island_sampler(cfg, train, gcfg.block_size, index, rank=rank)
     tcfg = train_config_for(cfg)
     optimizer = make_inner_optimizer(model, tcfg)
     shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
     plan = plan_fragments(shapes, cfg.fragments, embeddings=embedding_parameter_names(model))
+    stepper: torch.nn.Module = model
+    if world > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        stepper = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    if rank > 0:  # this rank trains and follows rank 0's adoptions; rank 0 speaks for the island
+        return _follow_rank_zero(cfg, model, stepper, optimizer, plan, sampler, tcfg, device)
     signer = opts.signer or Signer.from_seed(os.urandom(32))
     # the global model at the start: version 0 of every fragment is this deterministic init
     eval_start = evaluate(model, heldout, batch_size=cfg.batch_size, block_size=gcfg.block_size,
@@ -152,6 +207,7 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
     island = Island(model, optimizer, plan, submit=lambda out: holder[0].net.submit(out) if holder[0].net else None,
                     cfg=IslandConfig(inner_steps=cfg.inner_steps, adopt_alpha=cfg.adopt_alpha,
                                      wait_for_merge=cfg.mode != "decoupled"))
+    ranks = IslandRanks(model, optimizer, plan, island) if world > 1 else None
     initial_global = [g.clone() for g in island.global_flat]  # version 0 of every fragment
     checkpoints = (IslandCheckpoints(opts.checkpoint_dir, model, optimizer, island, sampler.generator)
                    if opts.checkpoint_dir else None)
@@ -196,6 +252,8 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
         if not _read_stdin_line().get("start"):
             raise RuntimeError("the launcher stopped the swarm before it started")
     island.adopt_pending()  # the synced global fragments
+    if ranks is not None:
+        ranks.sync()
     say("joined", index=index, versions=list(island.versions), synced=sorted(node.synced))
     t0 = opts.t0 or time.time()
 
@@ -205,14 +263,20 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
     model.train()
     last_progress, loss_ema = 0.0, float("nan")
     for step in range(start_step, cfg.steps):
-        if opts.until and time.time() >= opts.until:
+        go_on = not (opts.until and time.time() >= opts.until)
+        if ranks is not None:
+            go_on = ranks.agree(go_on)  # every rank stops at the same step
+        if not go_on:
             break
         t_step = time.perf_counter()
         if cfg.overlap_block:
             island.enabled = (step // cfg.overlap_block) % 2 == 1
         x, y = (t.to(device, non_blocking=True) for t in sampler.next())  # [B, T] int64 each
-        island.tokens(x.numel())  # counted into the contributions this step may ship
-        loss = inner_step(model, optimizer, tcfg, step, x, y)  # the hook: adopt arrived, ship due
+        if ranks is not None:
+            ranks.tokens(x.numel())  # every rank's tokens count
+        else:
+            island.tokens(x.numel())  # counted into the contributions this step may ship
+        loss = inner_step(stepper, optimizer, tcfg, step, x, y)  # the hook: adopt arrived, ship due
         loss_ema = loss.item() if step == start_step else 0.95 * loss_ema + 0.05 * loss.item()
         if opts.slow_factor > 1.0:  # an emulated slower machine
             time.sleep((opts.slow_factor - 1.0) * (time.perf_counter() - t_step))
@@ -233,6 +297,8 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
                 peers=len(node.membership.members) if node.membership else 0)
 
     # --- finalise: all peers end on the owners' final versions ---------------------------------
+    if ranks is not None and not ranks.told_to_stop:
+        ranks.agree(False)  # the other ranks leave their loop at this same point
     node.call(node.stop_learning(), timeout=120)
     if opts.final_sync:
         island.adopt_pending()
@@ -241,6 +307,11 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
             island.adopt_final(p, version, flat)
     else:
         island.adopt_pending()
+    if ranks is not None:
+        ranks.sync()  # every rank ends on the final model
+        ranks.close()
+        log.info("rank 0 of %d: %d steps, final parameters %s", world, island.stats.step,
+                 global_param_hash(dict(model.named_parameters()))[:16])
     eval_end = _eval_global(model, island, heldout, cfg)
     curve_global.append((time.time() - t0, island.stats.step, eval_end))
     if checkpoints is not None:
