@@ -41,11 +41,12 @@ from pathlib import Path
 from typing import Any
 
 from bench.averaging_hivemind import hivemind_missing
-from bench.averaging_workers import PeerFailed, Workers
+from bench.averaging_workers import PeerFailed, Workers, available_mb
 
 __all__ = ["main", "parse_case"]
 
 SYSTEMS = ("atoll", "hivemind", "raw")
+HEADROOM_MB = 3072  # left to the machine's other users
 
 
 def parse_case(text: str) -> tuple[int, int]:
@@ -155,11 +156,18 @@ def measure(args: argparse.Namespace, peers: int, params: int, codec: str, syste
                      f"{out.get('check', {}).get('matches', '')} {out.get('errors', '')}")
                 if rep > 0:
                     runs[s].append(out)
+        memory = w.ask_all({"cmd": "memory", "detail": args.memory_detail}, 600)
+        sessions = [w.session_rss_mb(i) for i in w.alive]
+        _say(f"  peak RSS per peer {[m.get('peak_rss_mb') for m in memory]} MiB; each peer's processes "
+             f"now {sessions} MiB" + (f"; held {[m.get('held_mb') for m in memory]}" if args.memory_detail else ""))
     finally:
         w.close()
     result: dict[str, Any] = {f"{s}_s": _median(runs[s]) for s in systems}
     result.update({f"{s}_cpu_s": _median(runs[s], "cpu_s") for s in systems})
-    result.update({f"{s}_runs": runs[s] for s in systems}, owners=owners)
+    result.update({f"{s}_runs": runs[s] for s in systems}, owners=owners,
+                  peak_rss_mb=[m.get("peak_rss_mb") for m in memory], processes_rss_mb=sessions)
+    if args.memory_detail:
+        result["held_mb"] = [m.get("held_mb") for m in memory]
     return result
 
 
@@ -186,11 +194,28 @@ def kill_test(args: argparse.Namespace, peers: int, params: int, system: str, no
     return result
 
 
+def memory_needed_mb(peers: int, params: int) -> int:
+    """What N peers of all three systems hold at their peak, from this bench's own measurement at
+    4 x 50M fp32 (per peer ~4.9 GiB: the Atoll process ~3.9, hivemind's averager ~0.8 and DHT
+    ~0.2): a fixed ~600 MiB plus ~86 bytes per parameter."""
+    return peers * (600 + 86 * params // (1 << 20))
+
+
 def run_case(args: argparse.Namespace, peers: int, params: int, systems: list[str], log_dir: Path,
              hivemind_reason: str | None) -> dict[str, Any]:
     case: dict[str, Any] = {"peers": peers, "params": params, "fragments": args.fragments}
+    need, free = memory_needed_mb(peers, params), available_mb()
+    if need > free - HEADROOM_MB:
+        reason = (f"not run: {peers} peers x {params:,} parameters need ~{need / 1024:.0f} GiB at their peak "
+                  f"(~{need // peers} MiB per peer), the machine has {free / 1024:.0f} GiB available")
+        _say(reason)
+        return {**case, "atoll_s": None, "hivemind_s": None, "raw_s": None, "error": reason}
     for codec in args.codecs:
-        got = measure(args, peers, params, codec, systems, log_dir)
+        try:
+            got = measure(args, peers, params, codec, systems, log_dir)
+        except PeerFailed as exc:  # a case that cannot run here is data, not the end of the bench
+            _say(f"  {peers} x {params:,} codec {codec} failed: {exc}")
+            got = {"error": str(exc)[:2000]}
         if "hivemind_s" not in got:
             got["hivemind_s"], got["hivemind_error"] = None, hivemind_reason
         got = {"atoll_s": got.get("atoll_s"), "hivemind_s": got.get("hivemind_s"), "raw_s": got.get("raw_s"), **got}
@@ -204,8 +229,15 @@ def run_case(args: argparse.Namespace, peers: int, params: int, systems: list[st
         else:
             case[codec] = {"codec": codec, **got}
     if args.kill and "none" in args.codecs:
-        case["kill"] = {s: kill_test(args, peers, params, s, case.get(f"{s}_s"), log_dir)
-                        for s in systems if s != "raw"}
+        case["kill"] = {}
+        for s in systems:
+            if s == "raw":
+                continue
+            try:
+                case["kill"][s] = kill_test(args, peers, params, s, case.get(f"{s}_s"), log_dir)
+            except PeerFailed as exc:
+                _say(f"  {s} kill test failed: {exc}")
+                case["kill"][s] = {"error": str(exc)[:2000]}
     return case
 
 
@@ -221,6 +253,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--kill", action=argparse.BooleanOptionalAction, default=True,
                         help="the kill test (codec none only)")
     parser.add_argument("--kill-at", type=float, default=0.5, help="kill this fraction into a normal round")
+    parser.add_argument("--memory-detail", action="store_true",
+                        help="also report the MiB each peer holds in tensors and buffers (slow)")
     parser.add_argument("--log-dir", type=Path, default=None, help="peer logs (default: a temporary folder)")
     parser.add_argument("--json", action="store_true", help="accepted for symmetry: the JSON is always printed last")
     args = parser.parse_args(argv)

@@ -89,10 +89,12 @@ class HivemindSide:
     def check(self, sets: dict[str, list[int]], stride: int = 1) -> dict[str, Any]:
         """Every ``stride``-th chunk of every tensor against each set's plain mean: per chunk the
         set it matches; a mix or a "neither" is a silently partial average."""
+        with self.averager.get_tensors() as tensors:  # no round runs while the launcher checks
+            return self._check(list(tensors), sets, stride)
+
+    def _check(self, held_all: list[torch.Tensor], sets: dict[str, list[int]], stride: int) -> dict[str, Any]:
         counts: dict[str, int] = {}
         worst: dict[str, float] = dict.fromkeys(sets, 0.0)
-        with self.averager.get_tensors() as tensors:
-            held_all = [t.clone() for t in tensors]
         for t, held in enumerate(held_all):
             base = initial(self.seed, self.layout, t)
             n = held.numel()

@@ -45,8 +45,9 @@ class Peer:
             self.sides["atoll"] = atoll
         if "raw" in spec["systems"]:
             from bench.averaging_raw import RawSide
+            source = [p.data for p in self.sides["atoll"].model.w] if "atoll" in self.sides else None
             raw = RawSide(index=self.index, peers=self.peers, fragment_values=self.layout.sizes(),
-                          bytes_per_value=4 if codec == "none" else 2)
+                          bytes_per_value=4 if codec == "none" else 2, source=source)
             self.sides["raw"] = raw
             self.addresses["raw"] = raw.start()
         if "atoll" in self.sides:
@@ -83,6 +84,9 @@ class Peer:
             return {**out, "digests": side.digests()}
         if kind == "digests":
             return {"digests": side.digests()}
+        if kind == "memory":
+            return {"rss_mb": _status_mb("VmRSS"), "peak_rss_mb": _status_mb("VmHWM"),
+                    **({"held_mb": _held_mb()} if cmd.get("detail") else {})}
         raise ValueError(f"unknown command {kind!r}")
 
     def close(self) -> None:
@@ -91,6 +95,37 @@ class Peer:
                 side.close()
             except Exception as exc:  # shutting down: report and go on
                 print(f"closing {type(side).__name__}: {exc!r}", file=sys.stderr)
+
+
+def _status_mb(field: str) -> int:
+    """This process's ``field`` from /proc/self/status (VmRSS, VmHWM: peak RSS), in MiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) // 1024
+    return -1
+
+
+def _held_mb() -> dict[str, int]:
+    """MiB held by live tensors (distinct storages) and by bytes-like objects that live Python
+    containers refer to, by type: where a peer's memory goes, roughly (a diagnostic)."""
+    import gc
+
+    storages: dict[int, int] = {}
+    buffers: dict[int, tuple[str, int]] = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor):
+            st = obj.untyped_storage()
+            storages[st.data_ptr()] = st.nbytes()
+        for ref in gc.get_referents(obj):
+            if isinstance(ref, (bytes, bytearray, memoryview)) and len(ref) > 1 << 16:
+                size = ref.nbytes if isinstance(ref, memoryview) else len(ref)
+                if not isinstance(ref, memoryview) or ref.obj is None or not isinstance(ref.obj, (bytes, bytearray)):
+                    buffers[id(ref)] = (type(ref).__name__, size)
+    out = {"tensors": sum(storages.values()) >> 20}
+    for name, size in buffers.values():
+        out[name] = out.get(name, 0) + (size >> 20)
+    return out
 
 
 def main() -> None:

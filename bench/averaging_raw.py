@@ -26,10 +26,15 @@ READ_CHUNK = 1 << 20
 class RawSide:
     """One peer's raw server and client (see the module docstring)."""
 
-    def __init__(self, *, index: int, peers: int, fragment_values: list[int], bytes_per_value: int) -> None:
+    def __init__(self, *, index: int, peers: int, fragment_values: list[int], bytes_per_value: int,
+                 source: list[torch.Tensor] | None = None) -> None:
+        """``source``: each fragment's tensor to send the bytes of (the model's own memory, so
+        the raw side costs no second copy); zeros of the same size without it."""
         self.index, self.peers = index, peers
         self.sizes = [n * bytes_per_value for n in fragment_values]
-        self.source = [torch.zeros(s, dtype=torch.uint8) for s in self.sizes]  # what we send
+        if source is None:
+            source = [torch.zeros(n) for n in fragment_values]
+        self.source = [t.detach().reshape(-1).view(torch.uint8)[:s] for t, s in zip(source, self.sizes, strict=True)]
         self.inbox: dict[tuple[int, int], bytearray] = {}  # (fragment, sender) -> its bytes
         self.result = [bytearray(s) for s in self.sizes]  # what we fetch, per fragment
         self.owners: list[str] = []

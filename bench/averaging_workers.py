@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 _TICK = os.sysconf("SC_CLK_TCK")
+_PAGE_KB = os.sysconf("SC_PAGE_SIZE") // 1024
 
 
 def session_cpu_s(sessions: set[int]) -> float:
@@ -42,6 +43,31 @@ def session_cpu_s(sessions: set[int]) -> float:
         if int(fields[3]) in sessions:  # field 6 (session) counted after "pid (comm)"
             total += int(fields[11]) + int(fields[12])  # utime, stime
     return total / _TICK
+
+
+def session_rss_kb(sessions: set[int]) -> int:
+    """KiB resident in every live process of these sessions."""
+    total = 0
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) in sessions:
+            total += int(fields[21]) * _PAGE_KB  # rss, in pages
+    return total
+
+
+def available_mb() -> int:
+    """MemAvailable from /proc/meminfo, in MiB."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) >> 10
+    return 1 << 30
 
 
 class PeerFailed(RuntimeError):
@@ -95,15 +121,21 @@ class _Proc:
 class Workers:
     """N peer processes of one configuration; peer 0 starts first and the others join it."""
 
-    def __init__(self, spec: dict[str, Any], log_dir: Path, start_timeout_s: float = 600.0) -> None:
+    def __init__(self, spec: dict[str, Any], log_dir: Path, start_timeout_s: float = 600.0,
+                 min_available_mb: int = 1536) -> None:
+        """Kills every peer (``aborted`` says why) if the machine's available memory falls
+        below ``min_available_mb``: the machine is shared, and its OOM killer picks anyone."""
         self.n = spec["peers"]
         self.alive = list(range(self.n))
         self.procs: list[_Proc] = []
         self.last_cpu_s = 0.0
+        self.aborted: str | None = None
+        self._closed = threading.Event()
+        threading.Thread(target=self._guard_memory, args=(min_available_mb,), daemon=True).start()
         tag = f"{spec['peers']}x{spec['params']}-{spec['codec']}-{'+'.join(spec['systems'])}"
         try:
-            first = self._start({**spec, "index": 0}, log_dir / f"{tag}-peer0.log")
-            ready0 = first.recv(start_timeout_s)
+            self._start({**spec, "index": 0}, log_dir / f"{tag}-peer0.log")
+            ready0 = self._recv(0, start_timeout_s)
             if ready0.get("event") != "ready":
                 raise PeerFailed(f"peer 0 did not start: {ready0}")
             self.ready = [ready0]
@@ -111,8 +143,8 @@ class Workers:
                     "hivemind_peers": ready0.get("hivemind", [])}
             for i in range(1, self.n):
                 self._start({**spec, **join, "index": i}, log_dir / f"{tag}-peer{i}.log")
-            for proc in self.procs[1:]:
-                reply = proc.recv(start_timeout_s)
+            for i in range(1, self.n):
+                reply = self._recv(i, start_timeout_s)
                 if reply.get("event") != "ready":
                     raise PeerFailed(f"a peer did not start: {reply}")
                 self.ready.append(reply)
@@ -120,20 +152,39 @@ class Workers:
             self.close()
             raise
 
+    def _guard_memory(self, min_available_mb: int) -> None:
+        while not self._closed.wait(0.25):
+            free = available_mb()
+            if free < min_available_mb:
+                self.aborted = f"stopped: the machine had {free} MiB available (< {min_available_mb} MiB)"
+                for proc in self.procs:
+                    proc.kill()
+                return
+
     def _start(self, spec: dict[str, Any], log: Path) -> _Proc:
         proc = _Proc(spec, log)
         self.procs.append(proc)
         return proc
 
+    def _recv(self, i: int, timeout_s: float) -> dict[str, Any]:
+        try:
+            return self.procs[i].recv(timeout_s)
+        except PeerFailed as exc:
+            raise PeerFailed(self.aborted) if self.aborted else exc from None
+
     def ask(self, i: int, cmd: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         self.procs[i].send(cmd)
-        return self.procs[i].recv(timeout_s)
+        return self._recv(i, timeout_s)
 
     def ask_all(self, cmd: dict[str, Any], timeout_s: float) -> list[dict[str, Any]]:
         """Send ``cmd`` to every live peer, then collect the replies (in ``alive`` order)."""
         for i in self.alive:
             self.procs[i].send(cmd)
-        return [self.procs[i].recv(timeout_s) for i in self.alive]
+        return [self._recv(i, timeout_s) for i in self.alive]
+
+    def session_rss_mb(self, i: int) -> int:
+        """MiB resident in peer ``i``'s processes now (shared pages counted in each)."""
+        return session_rss_kb({self.procs[i].proc.pid}) >> 10
 
     def cpu_s(self) -> float:
         """CPU seconds used so far by the live peers' process trees."""
@@ -157,12 +208,13 @@ class Workers:
             self.alive.remove(victim)
         replies = []
         for i in self.alive:
-            replies.append(self.procs[i].recv(max(1.0, timeout_s - (time.perf_counter() - t0))))
+            replies.append(self._recv(i, max(1.0, timeout_s - (time.perf_counter() - t0))))
         seconds = time.perf_counter() - t0
         self.last_cpu_s = self.cpu_s() - cpu0 if kill is None else self.cpu_s()
         return seconds, replies
 
     def close(self) -> None:
+        self._closed.set()
         for i in self.alive:
             with contextlib.suppress(Exception):
                 self.procs[i].send({"cmd": "quit"})

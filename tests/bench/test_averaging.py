@@ -68,3 +68,17 @@ def test_a_tiny_run_of_atoll_and_raw_checks_every_merge(tmp_path) -> None:
         assert case["hivemind_runs"][0]["check"]["matches"] == ["all"]
     else:
         assert case["hivemind_s"] is None and case["hivemind_error"]
+
+
+def test_hivemind_is_never_imported_by_node_or_protocol() -> None:
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    offenders = []
+    for path in [*root.glob("node/**/*.py"), *root.glob("protocol/**/*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            offenders += [f"{path.relative_to(root)}: {n}" for n in names if n.split(".")[0] == "hivemind"]
+    assert offenders == []
