@@ -114,3 +114,33 @@ def test_plan_must_match_model() -> None:
     plan = plan_fragments([("other.weight", (2, 2))], 1)
     with pytest.raises(ValueError, match="lacks"):
         Island(model, opt, plan, lambda o: None, IslandConfig())
+
+
+def test_a_trained_fragment_keeps_its_new_version_waiting_until_it_ships() -> None:
+    """Versions made of other islands' work arrive more often than this island's H steps: adopted
+    at once, each overwrites the steps trained since the last adoption and restarts the H count,
+    and a slower island rarely ships. With ``hold_until_shipped`` the hook holds it until the
+    fragment ships (off by default: see ``IslandConfig``)."""
+    island, model, opt, sent = _island(h=4, fragments=1)
+    island.cfg = IslandConfig(inner_steps=4, hold_until_shipped=True)
+    _step(model, opt, island)  # offset 0: fragment 0 ships at step 1
+    island.deliver(0, 1, torch.zeros_like(island.global_flat[0]))
+    _step(model, opt, island)  # it was in flight: adopted, H counts from here
+    assert island.versions[0] == 1 and len(sent) == 1
+    for v in range(2, 5):  # others' versions keep coming, one per step
+        island.deliver(0, v, torch.full_like(island.global_flat[0], float(v)))
+        _step(model, opt, island)
+        assert island.versions[0] == 1  # held: three steps of work are not overwritten
+    _step(model, opt, island)  # H = 4 steps after the adoption: it ships, from version 1
+    assert len(sent) == 2 and sent[-1].base_version == 1 and sent[-1].steps == 4
+    _step(model, opt, island)  # and then takes the newest version that came
+    assert island.versions[0] == 4 and all(torch.all(p == 4.0) for p in model.parameters())
+
+
+def test_without_holding_a_slower_island_never_ships() -> None:
+    island, model, opt, sent = _island(h=4, fragments=1)  # the default
+    _step(model, opt, island)
+    for v in range(1, 12):  # a version every step, as from faster islands
+        island.deliver(0, v, torch.zeros_like(island.global_flat[0]))
+        _step(model, opt, island)
+    assert len(sent) == 1  # the H count restarts at every adoption
