@@ -56,6 +56,7 @@ class RunConfig:
     staleness_bound: int = 2
     late_policy: str = "carry"
     adopt_alpha: float = 0.0
+    hold_versions: int = 0  # 1: adopt a trained fragment's new version only once it has shipped
     max_tokens_per_step: int = 0  # the most tokens a contribution may claim per inner step
     # --- evaluation and reporting ------------------------------------------------------------
     eval_every: int = 100
@@ -81,6 +82,8 @@ class RunConfig:
             problems.append(f"--download-codec must be none or bf16, got {self.download_codec!r}")
         if self.late_policy not in ("carry", "drop"):
             problems.append(f"--late-policy must be carry or drop, got {self.late_policy!r}")
+        if self.hold_versions not in (0, 1):
+            problems.append(f"--hold-versions must be 0 or 1, got {self.hold_versions}")
         if not 0.0 <= self.adopt_alpha < 1.0:
             problems.append(f"--adopt-alpha must be in [0, 1), got {self.adopt_alpha}")
         if self.max_tokens_per_step < 0:
@@ -140,6 +143,9 @@ _HELP = {
     "grace_cap_s": "upper bound of the grace window in seconds",
     "staleness_bound": "S: oldest base version (in versions) an owner accepts",
     "late_policy": "late contributions: carry (into the next merge, discounted) or drop (resync)",
+    "hold_versions": "1: a fragment trained since its last adoption takes a newer global version only once it "
+                     "has shipped (every H steps whatever the version rate; pair with a larger "
+                     "--staleness-bound); 0: adopt each version as it comes",
     "adopt_alpha": "adoption blend: theta <- alpha*theta + (1-alpha)*global (0 = overwrite)",
     "max_tokens_per_step": "the most tokens a learner may claim per inner step; the merge clamps "
                            "to it (0: batch size x the model's context length)",
