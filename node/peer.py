@@ -190,6 +190,8 @@ class PeerNode:
         self._replica_replay = ReplayWindow()
         self._fenced_until: dict[int, float] = {}
         self._passed_on: set[tuple[int, bytes, int]] = set()  # (fragment, peer, version) handed on
+        self._seen_learning: set[bytes] = set()  # sync modes: every learner seen, and those done
+        self._finished: set[bytes] = set()
         self.unreplicated = 0  # versions published with no replica reachable
         self.announce_versions = False  # a launcher counts every published version (and content)
         app = self.transport.app
@@ -266,8 +268,16 @@ class PeerNode:
                 self._tg.create_task(self._reconcile_owners())
 
     def expected_learners(self) -> int:
+        """The learners a round waits for. Decoupled: the live ones. Synchronous modes are not
+        elastic (synchronous DiLoCo, the paper's baseline): every provisioned learner
+        (``--peers``, or as many as were ever seen) but those that finished training; a learner
+        that died is waited for until it is back."""
         if self.membership is None:
             return 0
+        if self.cfg.mode != "decoupled":
+            for pid, m in self.membership.members.items():
+                (self._seen_learning if m.record.learning else self._finished).add(pid)
+            return max(self.cfg.peers, len(self._seen_learning | self._finished)) - len(self._finished)
         return self.membership.learners() - len(self.suspects() & {
             pid for pid, m in self.membership.members.items() if m.record.learning})
 

@@ -191,3 +191,20 @@ async def test_a_replica_hands_its_state_to_a_successor_it_refused() -> None:
     await asyncio.sleep(0)
     assert len(handed) == 2
     assert (handed[1][1][0], handed[1][2].version, handed[1][2].epoch) == (other, 84, 3)
+
+
+def test_a_synchronous_round_waits_for_every_provisioned_learner_but_the_finished() -> None:
+    """Synchronous DiLoCo is not elastic: a learner that died is waited for until it is back
+    (the paper's baseline); one that finished training is not. Decoupled waits for live ones."""
+    model = tiny_model()
+    node = PeerNode(RunConfig(max_tokens_per_step=64, mode="sync", peers=4), signer(1), model, tiny_plan(model))
+    ids = [signer(n).peer_id for n in (2, 3, 4)]
+    membership = FakeMembership(records={})
+    membership.members = {pid: _member(pid) for pid in ids}  # three of four are up so far
+    node.membership = membership  # type: ignore[assignment]
+    assert node.expected_learners() == 4
+    del membership.members[ids[0]]  # killed: its record lapsed
+    assert node.expected_learners() == 4  # still waited for
+    done = _member(ids[1])
+    membership.members[ids[1]] = Member(ids[1], dataclasses.replace(done.record, learning=False), 2e9)
+    assert node.expected_learners() == 3  # finished: no longer waited for
