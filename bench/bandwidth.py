@@ -1,0 +1,238 @@
+"""Bytes on the wire per trained token, per codec and sync interval H, against ring all-reduce.
+
+    python -m bench.bandwidth [--full] [--h 10,100] [--codecs none,int8,int4,topk2] [--peers 3]
+                              [--steps 300] [--model tiny] [--tau 2] [--topk-block 64] [--no-baseline]
+
+The default grid (H = 10 and 100, four codecs, 300 steps: 8 runs) takes about 10 minutes on a
+2-core machine; ``--full`` runs H = 10, 30, 100, 300 for 600 steps (16 runs, about 30 minutes),
+so that even at H = 300 every fragment is synchronised twice.
+
+Runs ``atoll local`` once per (H, codec) with everything else equal (same seed, peers, model,
+steps, so equal tokens) and reads each run's report and its owners' event logs:
+
+``up``     pseudo-gradient uploads: every contribution the owners logged as it arrived (the
+           encoded message, plus its signed envelope), summed per sender;
+``down``   everything else the peers sent: owners handing out global fragments (``--download-codec``,
+           fp32 by default), state sync, DHT and membership traffic. Every byte is counted once,
+           by the peer that sent it (``bytes_sent`` of each peer's transport, request and reply
+           bodies), including a learner's contributions to a fragment it owns itself (loopback);
+``ddp``    what ring all-reduce data-parallel would send for the same steps: each of the N
+           workers sends 2(N-1)/N x params x 4 bytes (fp32) or 2 bytes (bf16) every step.
+
+All per trained token (the report's ``tokens_trained``, summed over islands). The link rate
+needed to hide sync behind tau steps of compute is, for Atoll, the busiest peer's bytes per sync
+(its bytes sent over its contributions) moved within ``tau x t_step``, and for data-parallel one
+step's all-reduce within one ``t_step``; ``t_step`` is the median inner-step time over peers
+measured in the same run, so the rates are for this model on this machine. ``eval_loss`` is
+the global model's final eval loss (nats per byte); the first run also trains synchronous
+data-parallel at equal tokens (``--baseline``) for reference.
+
+Progress goes to stderr, a markdown table to stdout, and one JSON object last on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from node.diloco.eventlog import payload_dir
+from node.run.report import ddp_bytes
+from protocol.wire.codec import Encoded
+from protocol.wire.signing import Signer, seal
+
+CODECS = ("none", "int8", "int4", "topk2")
+FULL_H, FULL_STEPS = (10, 30, 100, 300), 600
+_SIGNER = Signer.from_seed(bytes(32))  # sizes only: an envelope's length does not depend on the key
+
+
+@dataclass(frozen=True)
+class Config:
+    h: tuple[int, ...] = (10, 100)  # inner steps between two syncs of a fragment
+    codecs: tuple[str, ...] = CODECS
+    peers: int = 3
+    steps: int = 300  # inner steps per island
+    model: str = "tiny"
+    fragments: int = 4
+    tau: int = 2  # steps a fragment may stay in flight (--grace-tau)
+    block_size: int = 64  # int8/int4 absmax block
+    topk_block: int = 64  # topk2: elements per value sent (density 1/64)
+    corpus_max_bytes: int = 2_000_000
+    seed: int = 0
+    baseline: bool = True
+    timeout_s: float = 900.0
+    keep: str = ""  # a folder to keep every run's report and logs in ("": a temporary one)
+
+
+# ---------------------------------------------------------------- one run
+
+
+def run_one(cfg: Config, h: int, codec: str, workdir: Path, *, baseline: bool) -> dict[str, Any]:
+    """Run one local swarm; return its report (raises RuntimeError if the run failed)."""
+    report = workdir / f"h{h}-{codec}.json"
+    block = cfg.topk_block if codec == "topk2" else cfg.block_size
+    cmd = [sys.executable, "-m", "node", "local", "--quiet", "--report", str(report),
+           "--model", cfg.model, "--peers", str(cfg.peers), "--steps", str(cfg.steps),
+           "--fragments", str(cfg.fragments), "--inner-steps", str(h), "--codec", codec,
+           "--block-size", str(block), "--grace-tau", str(cfg.tau), "--seed", str(cfg.seed),
+           "--corpus-max-bytes", str(cfg.corpus_max_bytes), "--eval-every", str(cfg.steps)]
+    if baseline:
+        cmd.append("--baseline")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=cfg.timeout_s)
+    if proc.returncode != 0:
+        raise RuntimeError(f"H={h} codec={codec} failed:\n{proc.stderr[-3000:]}")
+    data: dict[str, Any] = json.loads(report.read_text())
+    return data
+
+
+def uploads(report: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """Per sender (peer id hex): (bytes, count) of the contributions the owners logged."""
+    out: dict[str, tuple[int, int]] = {}
+    sizes: dict[Path, int] = {}
+    for log in map(Path, report["event_logs"]):
+        payloads = payload_dir(log)
+        for line in log.read_text().splitlines():
+            rec = json.loads(line)
+            if rec.get("kind") != "contribution":
+                continue
+            if rec.get("payload") is None:
+                raise RuntimeError(f"{log}: a contribution's payload was not kept; cannot count its bytes")
+            path = payloads / rec["payload"]
+            if path not in sizes:
+                sizes[path] = sealed_size(path.read_bytes())
+            total, count = out.get(rec["peer"], (0, 0))
+            out[rec["peer"]] = (total + sizes[path], count + 1)
+    return out
+
+
+def sealed_size(message: bytes) -> int:
+    """Bytes of ``message`` on the wire once sealed (length prefix, signed envelope, message)."""
+    encoded = Encoded(parts=[memoryview(message)], size=len(message))
+    return seal(encoded, _SIGNER, now=time.time(), nonce=bytes(16), recipient=bytes(32)).size
+
+
+# ---------------------------------------------------------------- one row
+
+
+def measure(cfg: Config, h: int, codec: str, report: dict[str, Any]) -> dict[str, Any]:
+    """The row of the table for one run."""
+    ups = uploads(report)
+    peers = report["per_peer"]
+    tokens = int(report["tokens_trained"])
+    up = sum(b for b, _ in ups.values())
+    total = int(report["bytes_sent"])
+    t_step = statistics.median(float(p["median_step_s"]) for p in peers)
+    ddp32 = ddp_bytes(int(report["n_params"]), len(peers), int(report["steps"]), 4)
+    syncs = sum(n for _, n in ups.values())
+    return {
+        "h": h, "codec": codec, "tokens": tokens, "contributions": syncs,
+        "up_bytes": up, "down_bytes": total - up, "bytes": total, "ddp_fp32_bytes": ddp32,
+        "up_per_token": up / tokens, "down_per_token": (total - up) / tokens,
+        "per_token": total / tokens, "ddp_fp32_per_token": ddp32 / tokens, "ddp_bf16_per_token": ddp32 / 2 / tokens,
+        "vs_ddp_fp32": ddp32 / total, "vs_ddp_bf16": ddp32 / 2 / total,
+        "t_step_s": t_step, **rates(cfg, report, ups, t_step),
+        "eval_loss": float(report["eval_loss"]["end"]), "hashes_agree": bool(report["hashes_agree"]),
+        "wall_s": float(report["wall_s"]),
+    }
+
+
+def rates(cfg: Config, report: dict[str, Any], ups: dict[str, tuple[int, int]], t_step: float) -> dict[str, float]:
+    """Link rates (Mbit/s) that hide a sync behind ``tau`` steps, for the busiest peer, and one
+    step's ring all-reduce behind one step."""
+    window = cfg.tau * t_step
+    up_rate, total_rate = 0.0, 0.0
+    for p in report["per_peer"]:
+        sent, count = ups.get(p["peer_id"], (0, 0))
+        if count:
+            up_rate = max(up_rate, sent / count * 8 / window / 1e6)
+            total_rate = max(total_rate, int(p["bytes_sent"]) / count * 8 / window / 1e6)
+    n = len(report["per_peer"])
+    ring = 2 * (n - 1) / n * int(report["n_params"]) * 8 / t_step / 1e6  # bits/s per byte per element
+    return {"rate_up_mbit": up_rate, "rate_mbit": total_rate, "rate_ddp_fp32_mbit": 4 * ring,
+            "rate_ddp_bf16_mbit": 2 * ring}
+
+
+# ---------------------------------------------------------------- output
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """The rows as a markdown table."""
+    head = ("| H | codec | up B/token | down B/token | total B/token | x fewer than fp32 DDP | "
+            "x fewer than bf16 DDP | up Mbit/s | busiest peer Mbit/s | eval loss |\n"
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n")
+    lines = [f"| {r['h']} | {r['codec']} | {r['up_per_token']:.3g} | {r['down_per_token']:.3g} | "
+             f"{r['per_token']:.3g} | {r['vs_ddp_fp32']:.0f} | {r['vs_ddp_bf16']:.0f} | "
+             f"{r['rate_up_mbit']:.3g} | {r['rate_mbit']:.3g} | {r['eval_loss']:.3f} |" for r in rows]
+    return head + "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    cfg = parse_args(argv)
+    rows: list[dict[str, Any]] = []
+    baseline: dict[str, Any] | None = None
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="atoll-bandwidth-") as tmp:
+        work = Path(cfg.keep or tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        for h in cfg.h:
+            for codec in cfg.codecs:
+                print(f"[{time.monotonic() - t0:6.0f} s] H={h:<4} {codec:<6} running ...", file=sys.stderr, flush=True)
+                report = run_one(cfg, h, codec, work, baseline=cfg.baseline and baseline is None)
+                baseline = baseline or report.get("baseline")
+                rows.append(measure(cfg, h, codec, report))
+                r = rows[-1]
+                print(f"[{time.monotonic() - t0:6.0f} s] H={h:<4} {codec:<6} {r['per_token']:9.3g} B/token "
+                      f"(up {r['up_per_token']:.3g}), {r['vs_ddp_fp32']:7.0f}x fewer than fp32 DDP, "
+                      f"eval {r['eval_loss']:.3f}", file=sys.stderr, flush=True)
+    first = rows[0] if rows else {}
+    print(table(rows))
+    out = {
+        "bench": "bandwidth", "config": {**asdict(cfg), "h": list(cfg.h), "codecs": list(cfg.codecs)},
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+        "ddp": {k: first.get(k) for k in ("ddp_fp32_per_token", "ddp_bf16_per_token",
+                                          "rate_ddp_fp32_mbit", "rate_ddp_bf16_mbit")},
+        "baseline_eval_loss": baseline["eval_loss_end"] if baseline else None,
+        "rows": rows, "wall_s": time.monotonic() - t0,
+    }
+    print(json.dumps(out))
+    return out
+
+
+def parse_args(argv: list[str] | None = None) -> Config:
+    d = Config()
+    p = argparse.ArgumentParser(prog="python -m bench.bandwidth", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--full", action="store_true", help=f"H = {FULL_H}, {FULL_STEPS} steps (unless given)")
+    p.add_argument("--h", default=None, help=f"comma-separated H values (default {d.h})")
+    p.add_argument("--codecs", default=",".join(d.codecs), help="comma-separated pseudo-gradient codecs")
+    p.add_argument("--peers", type=int, default=d.peers, help="islands (processes)")
+    p.add_argument("--steps", type=int, default=None, help=f"inner steps per island (default {d.steps})")
+    p.add_argument("--model", default=d.model, help="model preset")
+    p.add_argument("--fragments", type=int, default=d.fragments, help="P: fragments")
+    p.add_argument("--tau", type=int, default=d.tau, help="steps a fragment may stay in flight")
+    p.add_argument("--block-size", type=int, default=d.block_size, help="int8/int4 absmax block")
+    p.add_argument("--topk-block", type=int, default=d.topk_block, help="topk2: elements per value sent")
+    p.add_argument("--corpus-max-bytes", type=int, default=d.corpus_max_bytes, help="corpus bytes to read")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of every run")
+    p.add_argument("--no-baseline", action="store_true", help="skip the data-parallel reference run")
+    p.add_argument("--timeout-s", type=float, default=d.timeout_s, help="limit per run")
+    p.add_argument("--keep", default=d.keep, metavar="DIR", help="keep every run's report and logs here")
+    a = p.parse_args(argv)
+    h = tuple(int(x) for x in a.h.split(",")) if a.h else FULL_H if a.full else d.h
+    steps = a.steps or (FULL_STEPS if a.full else d.steps)
+    return Config(h=h, codecs=tuple(a.codecs.split(",")), peers=a.peers, steps=steps, model=a.model, fragments=a.fragments, tau=a.tau, block_size=a.block_size,
+                  topk_block=a.topk_block, corpus_max_bytes=a.corpus_max_bytes, seed=a.seed,
+                  baseline=not a.no_baseline, timeout_s=a.timeout_s, keep=a.keep)
+
+
+if __name__ == "__main__":
+    main()
