@@ -143,13 +143,18 @@ class AtollSide:
 
     def check(self, sets: dict[str, list[int]]) -> dict[str, Any]:
         """Each fragment against the merge of each set's pseudo-gradients (``prepare`` with
-        ``keep_base``): the relative errors and the set it matches."""
-        out = []
+        ``keep_base``): the relative errors and the set it matches ("neither": a wrong or
+        partial merge), or "not merged" when no version above the base came."""
+        out: list[dict[str, Any]] = []
         for p, frag in enumerate(self.api.plan.fragments):
+            version = self.island.versions[p]
+            if version < self.target[p]:  # no new version came: the peer knows it has none
+                out.append({"fragment": p, "matches": "not merged", "version": version})
+                continue
             base, held = self.base[p], self.island.global_flat[p]
             errors = {name: relative_error(held, self._reference(p, members), base)
                       for name, members in sets.items()}
-            out.append({"fragment": p, "matches": classify(errors, self.codec),
+            out.append({"fragment": p, "matches": classify(errors, self.codec), "version": version,
                         "errors": {k: float(f"{v:.3g}") for k, v in errors.items()},
                         "embedding": frag.is_embedding})
         return {"fragments": out, "matches": sorted({f["matches"] for f in out})}
