@@ -13,19 +13,23 @@ steps, so equal tokens) and reads each run's report and its owners' event logs:
 ``up``     pseudo-gradient uploads: every contribution the owners logged as it arrived (the
            encoded message, plus its signed envelope), summed per sender;
 ``down``   everything else the peers sent: owners handing out global fragments (``--download-codec``,
-           fp32 by default), state sync, DHT and membership traffic. Every byte is counted once,
-           by the peer that sent it (``bytes_sent`` of each peer's transport, request and reply
-           bodies), including a learner's contributions to a fragment it owns itself (loopback);
+           fp32 by default), state sync at join, DHT and membership traffic. Every byte is counted
+           once, by the peer that sent it (``bytes_sent`` of each peer's transport, request and
+           reply bodies), including a learner's contributions to a fragment it owns (loopback);
 ``ddp``    what ring all-reduce data-parallel would send for the same steps: each of the N
            workers sends 2(N-1)/N x params x 4 bytes (fp32) or 2 bytes (bf16) every step.
 
-All per trained token (the report's ``tokens_trained``, summed over islands). The link rate
-needed to hide sync behind tau steps of compute is, for Atoll, the busiest peer's bytes per sync
-(its bytes sent over its contributions) moved within ``tau x t_step``, and for data-parallel one
-step's all-reduce within one ``t_step``; ``t_step`` is the median inner-step time over peers
-measured in the same run, so the rates are for this model on this machine. ``eval_loss`` is
-the global model's final eval loss (nats per byte); the first run also trains synchronous
-data-parallel at equal tokens (``--baseline``) for reference.
+All per trained token (the report's ``tokens_trained``, summed over islands). Link rates: a
+learner hides a sync behind tau steps of compute when its contribution goes up, and the new
+version of that fragment comes down, within ``tau x t_step`` each: ``up`` is the mean logged
+contribution, ``down`` one version of a fragment as an owner publishes it (``encode_flat`` with
+the run's download codec into a sealed ``FragmentState``, for the fragment shapes in the owners'
+logs, averaged over fragments). Data-parallel hides one step's all-reduce behind one ``t_step``.
+``t_step`` is the median over the grid's runs of each run's median inner-step time (peers sharing
+the machine's cores), one value for every row, so rates are for this model on this machine;
+their ratios carry over.
+``eval_loss`` is the global model's final eval loss (nats per byte); the first run also trains
+synchronous data-parallel at equal tokens (``--baseline``) for reference.
 
 Progress goes to stderr, a markdown table to stdout, and one JSON object last on stdout.
 """
@@ -41,13 +45,18 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from node.diloco.eventlog import payload_dir
+from node.diloco.flat import content_hash, encode_flat
 from node.run.report import ddp_bytes
-from protocol.wire.codec import Encoded
+from protocol.wire.codec import Encoded, encode
+from protocol.wire.messages import FragmentState
 from protocol.wire.signing import Signer, seal
 
 CODECS = ("none", "int8", "int4", "topk2")
@@ -71,15 +80,20 @@ class Config:
     baseline: bool = True
     timeout_s: float = 900.0
     keep: str = ""  # a folder to keep every run's report and logs in ("": a temporary one)
+    reuse: bool = False  # read a run's report from ``keep`` when it is there instead of running it
 
 
 # ---------------------------------------------------------------- one run
 
 
 def run_one(cfg: Config, h: int, codec: str, workdir: Path, *, baseline: bool) -> dict[str, Any]:
-    """Run one local swarm; return its report (raises RuntimeError if the run failed)."""
-    report = workdir / f"h{h}-{codec}.json"
+    """Run one local swarm (or, with ``reuse``, read its kept report); return its report.
+
+    Raises RuntimeError if the run failed or a kept report was made with another config."""
     block = cfg.topk_block if codec == "topk2" else cfg.block_size
+    report = workdir / f"h{h}-{codec}-b{block}-s{cfg.steps}-p{cfg.peers}-{cfg.model}-seed{cfg.seed}.json"
+    if cfg.reuse and report.exists():
+        return checked(json.loads(report.read_text()), cfg, h, codec, block)
     cmd = [sys.executable, "-m", "node", "local", "--quiet", "--report", str(report),
            "--model", cfg.model, "--peers", str(cfg.peers), "--steps", str(cfg.steps),
            "--fragments", str(cfg.fragments), "--inner-steps", str(h), "--codec", codec,
@@ -90,8 +104,17 @@ def run_one(cfg: Config, h: int, codec: str, workdir: Path, *, baseline: bool) -
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=cfg.timeout_s)
     if proc.returncode != 0:
         raise RuntimeError(f"H={h} codec={codec} failed:\n{proc.stderr[-3000:]}")
-    data: dict[str, Any] = json.loads(report.read_text())
-    return data
+    return checked(json.loads(report.read_text()), cfg, h, codec, block)
+
+
+def checked(report: dict[str, Any], cfg: Config, h: int, codec: str, block: int) -> dict[str, Any]:
+    """``report`` if its run had this config; raises RuntimeError otherwise."""
+    want = {"inner_steps": h, "codec": codec, "block_size": block, "steps": cfg.steps, "peers": cfg.peers,
+            "model": cfg.model, "seed": cfg.seed, "fragments": cfg.fragments, "grace_tau": cfg.tau}
+    got = {k: report["config"].get(k) for k in want}
+    if got != want:
+        raise RuntimeError(f"report of H={h} {codec} was made with {got}, not {want}")
+    return report
 
 
 def uploads(report: dict[str, Any]) -> dict[str, tuple[int, int]]:
@@ -123,42 +146,59 @@ def sealed_size(message: bytes) -> int:
 # ---------------------------------------------------------------- one row
 
 
-def measure(cfg: Config, h: int, codec: str, report: dict[str, Any]) -> dict[str, Any]:
+def version_sizes(report: dict[str, Any]) -> dict[int, int]:
+    """Per fragment: sealed bytes of one version as its owner publishes it, from the shapes and
+    download codec in the owners' logs (an all-zero state: the codecs' sizes do not depend on
+    the values)."""
+    sizes: dict[int, int] = {}
+    for log in map(Path, report["event_logs"]):
+        start = json.loads(log.read_text().split("\n", 1)[0])
+        p, content = int(start["fragment"]), start.get("content")
+        if p in sizes or content is None:
+            continue
+        shapes = [tuple(s) for s in content["shapes"]]
+        tensors = encode_flat(torch.zeros(sum(int(torch.Size(s).numel()) for s in shapes)), shapes, content["codec"])
+        state = FragmentState(swarm=report["config"]["swarm"], fragment=p, version=1, tensors=tuple(tensors),
+                              content_hash=content_hash(tensors))
+        sizes[p] = seal(encode(state), _SIGNER, now=time.time(), nonce=bytes(16)).size
+    return sizes
+
+
+def measure(h: int, codec: str, report: dict[str, Any]) -> dict[str, Any]:
     """The row of the table for one run."""
     ups = uploads(report)
-    peers = report["per_peer"]
-    tokens = int(report["tokens_trained"])
+    tokens, total = int(report["tokens_trained"]), int(report["bytes_sent"])
     up = sum(b for b, _ in ups.values())
-    total = int(report["bytes_sent"])
-    t_step = statistics.median(float(p["median_step_s"]) for p in peers)
-    ddp32 = ddp_bytes(int(report["n_params"]), len(peers), int(report["steps"]), 4)
     syncs = sum(n for _, n in ups.values())
+    ddp32 = ddp_bytes(int(report["n_params"]), int(report["peers"]), int(report["steps"]), 4)
     return {
         "h": h, "codec": codec, "tokens": tokens, "contributions": syncs,
         "up_bytes": up, "down_bytes": total - up, "bytes": total, "ddp_fp32_bytes": ddp32,
         "up_per_token": up / tokens, "down_per_token": (total - up) / tokens,
         "per_token": total / tokens, "ddp_fp32_per_token": ddp32 / tokens, "ddp_bf16_per_token": ddp32 / 2 / tokens,
         "vs_ddp_fp32": ddp32 / total, "vs_ddp_bf16": ddp32 / 2 / total,
-        "t_step_s": t_step, **rates(cfg, report, ups, t_step),
+        "t_step_run_s": statistics.median(float(p["median_step_s"]) for p in report["per_peer"]),
+        "up_message_bytes": up / max(syncs, 1), "down_message_bytes": mean(version_sizes(report).values()),
+        "n_params": int(report["n_params"]), "peers": int(report["peers"]),
         "eval_loss": float(report["eval_loss"]["end"]), "hashes_agree": bool(report["hashes_agree"]),
         "wall_s": float(report["wall_s"]),
     }
 
 
-def rates(cfg: Config, report: dict[str, Any], ups: dict[str, tuple[int, int]], t_step: float) -> dict[str, float]:
-    """Link rates (Mbit/s) that hide a sync behind ``tau`` steps, for the busiest peer, and one
-    step's ring all-reduce behind one step."""
-    window = cfg.tau * t_step
-    up_rate, total_rate = 0.0, 0.0
-    for p in report["per_peer"]:
-        sent, count = ups.get(p["peer_id"], (0, 0))
-        if count:
-            up_rate = max(up_rate, sent / count * 8 / window / 1e6)
-            total_rate = max(total_rate, int(p["bytes_sent"]) / count * 8 / window / 1e6)
-    n = len(report["per_peer"])
-    ring = 2 * (n - 1) / n * int(report["n_params"]) * 8 / t_step / 1e6  # bits/s per byte per element
-    return {"rate_up_mbit": up_rate, "rate_mbit": total_rate, "rate_ddp_fp32_mbit": 4 * ring,
-            "rate_ddp_bf16_mbit": 2 * ring}
+def mean(values: Iterable[float]) -> float:
+    items = list(values)
+    return sum(items) / len(items) if items else 0.0
+
+
+def rates(row: dict[str, Any], tau: int, t_step: float) -> dict[str, float]:
+    """Link rates (Mbit/s) that move one contribution up, and one version down, within ``tau``
+    steps of ``t_step`` seconds, and one step's ring all-reduce within one step."""
+    n = row["peers"]
+    ring_bits = 2 * (n - 1) / n * row["n_params"] * 8  # per step, per byte per element
+    return {"t_step_s": t_step,
+            "rate_up_mbit": row["up_message_bytes"] * 8 / (tau * t_step) / 1e6,
+            "rate_down_mbit": row["down_message_bytes"] * 8 / (tau * t_step) / 1e6,
+            "rate_ddp_fp32_mbit": 4 * ring_bits / t_step / 1e6, "rate_ddp_bf16_mbit": 2 * ring_bits / t_step / 1e6}
 
 
 # ---------------------------------------------------------------- output
@@ -166,12 +206,12 @@ def rates(cfg: Config, report: dict[str, Any], ups: dict[str, tuple[int, int]], 
 
 def table(rows: list[dict[str, Any]]) -> str:
     """The rows as a markdown table."""
-    head = ("| H | codec | up B/token | down B/token | total B/token | x fewer than fp32 DDP | "
-            "x fewer than bf16 DDP | up Mbit/s | busiest peer Mbit/s | eval loss |\n"
+    head = ("| H | codec | up B/token | down + control B/token | total B/token | fp32 DDP / this | "
+            "bf16 DDP / this | up Mbit/s | down Mbit/s | eval loss |\n"
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n")
     lines = [f"| {r['h']} | {r['codec']} | {r['up_per_token']:.3g} | {r['down_per_token']:.3g} | "
              f"{r['per_token']:.3g} | {r['vs_ddp_fp32']:.0f} | {r['vs_ddp_bf16']:.0f} | "
-             f"{r['rate_up_mbit']:.3g} | {r['rate_mbit']:.3g} | {r['eval_loss']:.3f} |" for r in rows]
+             f"{r['rate_up_mbit']:.3g} | {r['rate_down_mbit']:.3g} | {r['eval_loss']:.3f} |" for r in rows]
     return head + "\n".join(lines)
 
 
@@ -188,13 +228,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 print(f"[{time.monotonic() - t0:6.0f} s] H={h:<4} {codec:<6} running ...", file=sys.stderr, flush=True)
                 report = run_one(cfg, h, codec, work, baseline=cfg.baseline and baseline is None)
                 baseline = baseline or report.get("baseline")
-                rows.append(measure(cfg, h, codec, report))
+                rows.append(measure(h, codec, report))
                 r = rows[-1]
                 print(f"[{time.monotonic() - t0:6.0f} s] H={h:<4} {codec:<6} {r['per_token']:9.3g} B/token "
                       f"(up {r['up_per_token']:.3g}), {r['vs_ddp_fp32']:7.0f}x fewer than fp32 DDP, "
                       f"eval {r['eval_loss']:.3f}", file=sys.stderr, flush=True)
+    t_step = statistics.median(r["t_step_run_s"] for r in rows)
+    for r in rows:
+        r.update(rates(r, cfg.tau, t_step))
     first = rows[0] if rows else {}
     print(table(rows))
+    print(f"\nring all-reduce data-parallel: {first.get('ddp_fp32_per_token', 0):.3g} B/token fp32, "
+          f"{first.get('rate_ddp_fp32_mbit', 0):.3g} Mbit/s fp32 and {first.get('rate_ddp_bf16_mbit', 0):.3g} "
+          f"bf16 to hide one step's all-reduce behind one step of {t_step * 1e3:.1f} ms")
     out = {
         "bench": "bandwidth", "config": {**asdict(cfg), "h": list(cfg.h), "codecs": list(cfg.codecs)},
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
@@ -226,12 +272,16 @@ def parse_args(argv: list[str] | None = None) -> Config:
     p.add_argument("--no-baseline", action="store_true", help="skip the data-parallel reference run")
     p.add_argument("--timeout-s", type=float, default=d.timeout_s, help="limit per run")
     p.add_argument("--keep", default=d.keep, metavar="DIR", help="keep every run's report and logs here")
+    p.add_argument("--reuse", action="store_true", help="with --keep: read the runs already there")
     a = p.parse_args(argv)
     h = tuple(int(x) for x in a.h.split(",")) if a.h else FULL_H if a.full else d.h
     steps = a.steps or (FULL_STEPS if a.full else d.steps)
-    return Config(h=h, codecs=tuple(a.codecs.split(",")), peers=a.peers, steps=steps, model=a.model, fragments=a.fragments, tau=a.tau, block_size=a.block_size,
-                  topk_block=a.topk_block, corpus_max_bytes=a.corpus_max_bytes, seed=a.seed,
-                  baseline=not a.no_baseline, timeout_s=a.timeout_s, keep=a.keep)
+    if a.reuse and not a.keep:
+        p.error("--reuse needs --keep DIR")
+    return Config(h=h, codecs=tuple(a.codecs.split(",")), peers=a.peers, steps=steps, model=a.model,
+                  fragments=a.fragments, tau=a.tau, block_size=a.block_size, topk_block=a.topk_block,
+                  corpus_max_bytes=a.corpus_max_bytes, seed=a.seed, baseline=not a.no_baseline,
+                  timeout_s=a.timeout_s, keep=a.keep, reuse=a.reuse)
 
 
 if __name__ == "__main__":
