@@ -3,9 +3,9 @@
     python -m bench.bandwidth [--full] [--h 10,100] [--codecs none,int8,int4,topk2] [--peers 3]
                               [--steps 300] [--model tiny] [--tau 2] [--topk-block 64] [--no-baseline]
 
-The default grid (H = 10 and 100, four codecs, 300 steps: 8 runs) takes about 10 minutes on a
-2-core machine; ``--full`` runs H = 10, 30, 100, 300 for 600 steps (16 runs, about 30 minutes),
-so that even at H = 300 every fragment is synchronised twice.
+The default grid (H = 10 and 100, four codecs, 300 steps: 8 runs) took 7 minutes on a loaded
+2-core machine; ``--full`` runs H = 10, 30, 100, 300 for 600 steps (16 runs, 18 minutes there),
+so that even at H = 300 every fragment is due more than once.
 
 Runs ``atoll local`` once per (H, codec) with everything else equal (same seed, peers, model,
 steps, so equal tokens) and reads each run's report and its owners' event logs:
