@@ -117,6 +117,9 @@ class Island:
         # global fragments live on the CPU, where the network side compresses and decodes them
         self.global_flat: list[torch.Tensor] = [self._flatten(p).float().cpu() for p in range(len(self.params))]
         self.versions: list[int] = [0] * len(self.params)
+        # per fragment, how often its parameters were replaced by a global version (a final or a
+        # resync may replace them at the version held): what the other ranks of an island follow
+        self.adoptions: list[int] = [0] * len(self.params)
         self.c_steps = [0] * len(self.params)
         self.c_tokens = [0] * len(self.params)
         self.in_flight: list[int | None] = [None] * len(self.params)  # step it was sent at
@@ -316,6 +319,7 @@ class Island:
         self.in_flight[p] = None
         self.next_due[p] = self.stats.step + self.cfg.inner_steps
         self.stats.adopted += 1
+        self.adoptions[p] += 1
         self._copy_s += time.perf_counter() - t0
 
     def _flatten(self, p: int) -> torch.Tensor:

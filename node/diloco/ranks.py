@@ -7,8 +7,9 @@ other ranks must adopt the same fragments at the same step, or DDP's replicas dr
 
 ``IslandRanks.sync`` is that step, a collective every rank calls at the same points (after each
 inner step, from its own optimizer hook registered after the island's, and when the island
-joins or finishes): rank 0 broadcasts the versions it holds (one small int64 tensor); a
-fragment whose version changed is broadcast whole from rank 0, tensor by tensor. Tokens count
+joins or finishes): rank 0 broadcasts the versions it holds and how often it replaced each
+fragment (one small int64 tensor); a fragment replaced since the last sync is broadcast whole
+from rank 0, tensor by tensor. Tokens count
 the whole island: ``tokens`` sums every rank's count (one more small all-reduce) and rank 0
 gives the island the sum.
 
@@ -56,7 +57,10 @@ class IslandRanks:
         by_name = dict(model.named_parameters())
         self.params: list[list[nn.Parameter]] = [[by_name[n] for n in f.names] for f in plan.fragments]
         device = self.params[0][0].device if self.params and self.params[0] else torch.device("cpu")
-        self._versions = torch.zeros(len(plan.fragments), dtype=torch.int64, device=device)
+        self._n = len(plan.fragments)
+        # rank 0's versions, then its adoption counts (a final or a resync replaces a fragment at
+        # the version held: the count, not the version, says the parameters were replaced)
+        self._versions = torch.zeros(2 * self._n, dtype=torch.int64, device=device)
         self._seen = torch.full_like(self._versions, -1)
         self._tokens = torch.zeros(1, dtype=torch.int64, device=device)
         self.syncs = 0
@@ -90,9 +94,10 @@ class IslandRanks:
         """Give every rank the fragments rank 0 holds (a collective); returns the fragments that
         were broadcast."""
         if self.island is not None:
-            self._versions.copy_(torch.tensor(self.island.versions, dtype=torch.int64))
+            self._versions.copy_(torch.tensor(self.island.versions + self.island.adoptions, dtype=torch.int64))
         dist.broadcast(self._versions, src=0, group=self.group)
-        changed = [int(p) for p in torch.nonzero(self._versions != self._seen).flatten().tolist()]
+        differs = (self._versions != self._seen).view(2, self._n).any(dim=0)
+        changed = [int(p) for p in torch.nonzero(differs).flatten().tolist()]
         for p in changed:
             for param in self.params[p]:
                 dist.broadcast(param.data, src=0, group=self.group)
@@ -104,7 +109,7 @@ class IslandRanks:
     @property
     def versions(self) -> list[int]:
         """The versions this rank holds (as of its last ``sync``)."""
-        return [int(v) for v in self._seen.tolist()]
+        return [int(v) for v in self._seen[: self._n].tolist()]
 
     def close(self) -> None:
         self._hook.remove()
