@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import dataclasses
 import functools
 import json
 import logging
@@ -32,7 +31,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import torch
 from aiohttp import web
 
@@ -43,10 +41,11 @@ from node.dht.membership import MemberRecord, Membership, manifest_hash
 from node.dht.route import DHTRouter
 from node.dht.swarm import SwarmCredentials
 from node.diloco.flat import flat_digest
+from node.diloco.handoffs import OwnerHandoffs
 from node.diloco.island import Island, Outgoing
 from node.diloco.learner import IslandNet
 from node.diloco.owner import FragmentOwner
-from node.diloco.replica import ReplicaStore, encode_state, hand_over
+from node.diloco.replica import ReplicaStore
 from node.state.owner_checkpoint import OwnerCheckpoints
 from node.state.serve import ManifestCache, serve_manifest, serve_sealed, state_etag
 from node.state.sync import SyncFailed, sync_fragments
@@ -59,7 +58,7 @@ from protocol.diloco.fragments import FragmentPlan
 from protocol.diloco.merge import MergeConfig
 from protocol.diloco.outer import OuterConfig
 from protocol.errors import DecodeError, NotAuthorized, UnknownFragment
-from protocol.wire.messages import Ack, Contribution, ReplicaAck, ReplicaState
+from protocol.wire.messages import Ack, Contribution, ReplicaState
 from protocol.wire.signing import Opened, ReplayWindow, Signer
 
 __all__ = ["PeerNode", "emit"]
@@ -69,7 +68,6 @@ log = logging.getLogger("atoll.peer")
 MEMBERSHIP_PERIOD_S = 2.0
 REPUBLISH_S = 6.0
 CATCH_UP_S = 6.0
-REPLICAS = 1  # replicas per fragment beside its owner (r = 2): each holds the owner's last state
 FENCE_BACKOFF_S = 5.0  # an owner fenced off does not claim the fragment again for this long (or until handed it)
 JOIN_ATTEMPTS = 5
 MAX_STATE = 1 << 30
@@ -100,16 +98,7 @@ def _long_poll_query(request: web.Request) -> tuple[int, float]:
     return int(after), min(wait_s, MAX_WAIT_S)
 
 
-class _FencedBy(Exception):
-    """A replica refused a handoff because another owner has taken the fragment over."""
-
-    def __init__(self, ack: ReplicaAck) -> None:
-        super().__init__(ack.reason)
-        self.ack = ack
-
-
 RETIRE_MERGE_WAIT_S = 10.0  # a retiring owner lets a merge under way finish this long
-MAX_EPOCH_BUMPS = 3  # per handoff: stale fences passed by adopting an epoch above them
 
 
 def emit(event: str, **fields: Any) -> None:
@@ -117,7 +106,7 @@ def emit(event: str, **fields: Any) -> None:
     print(json.dumps({"event": event, **fields}), flush=True)
 
 
-class PeerNode:
+class PeerNode(OwnerHandoffs):
     """The peer's asyncio side: serves owners, RPC and the DHT, drives the island's network side."""
 
     def __init__(self, cfg: RunConfig, signer: Signer, model: torch.nn.Module, plan: FragmentPlan, *,
@@ -376,76 +365,6 @@ class PeerNode:
         if self.announce_versions:
             emit("published", fragment=fragment, version=version, digest=digest.hex()[:32])
 
-    async def _hand_on(self, p: int, target: tuple[bytes, str], state: ReplicaState) -> None:
-        """A retiring owner's handoff to its successor: best effort, never fatal to the node."""
-        try:
-            await self._hand_to(p, target, state)
-        except _FencedBy as exc:  # the successor has moved on already: our state is old news
-            log.info("fragment %d: successor did not need version %d: %s", p, state.version, exc)
-
-    async def _hand_to(self, p: int, target: tuple[bytes, str], state: ReplicaState) -> bool:
-        """Hand ``state`` to ``target``; whether it took it (failures are logged, not raised)."""
-        try:
-            ack = await hand_over(self.transport, self.signer, target, state, self._replica_replay)
-        except aiohttp.ClientConnectorError:
-            self._unreachable(target[0])
-            return False
-        except Exception as exc:  # the replica may be busy, new or gone: the caller tries another
-            log.info("fragment %d: handoff of version %d to %s failed: %r", p, state.version,
-                     target[1], exc)
-            return False
-        if not ack.accepted:
-            log.info("fragment %d: %s refused version %d: %s", p, target[1], state.version, ack.reason)
-            if ack.reason.startswith("fenced"):
-                raise _FencedBy(ack)
-        return ack.accepted
-
-    async def _replicate(self, p: int, state: ReplicaState) -> str | None:
-        """Before publishing: hand the version's whole state to the fragment's replica (the next
-        member by rendezvous hash; a replica that cannot be reached is routed around and the
-        next one tried). None when one took it, or none is left (counted); the reason when a
-        replica says another owner has taken over."""
-        assert self.membership is not None
-        held = self.replicas.held.get(p)
-        if held is not None and held.version >= state.version and held.digest != state.digest:
-            # our predecessor handed us this version while we merged ours: its content stands
-            return (f"fenced: fragment {p} version {held.version} was handed to this peer by the previous "
-                    f"owner while it merged its own")
-        tried: set[bytes] = {self.signer.peer_id}
-        bumps = 0
-        while True:
-            ranked = self.membership.ranked(self.cfg.swarm, p, REPLICAS, exclude=tried | self.suspects())
-            if not ranked:
-                self.unreplicated += 1
-                return None
-            try:
-                if await self._hand_to(p, ranked[0], state):
-                    return None
-            except _FencedBy as exc:
-                bumped = self._above_stale_fence(p, state, exc.ack) if bumps < MAX_EPOCH_BUMPS else None
-                if bumped is None:
-                    return str(exc)
-                state, bumps = bumped, bumps + 1
-                continue
-            tried.add(ranked[0][0])
-
-    def _above_stale_fence(self, p: int, state: ReplicaState, ack: ReplicaAck) -> ReplicaState | None:
-        """The handoff again under an epoch above ``ack``'s when the fence that refused it is
-        stale: the replica's highest epoch ended at a version older than the one this owner's
-        line already starts from (``state.version - 1``), so no owner of that epoch is ahead of
-        us. That happens after a double failure (an owner and its replica both killed): the new
-        owner starts from the newest published version, with an epoch from its own older
-        records. A fence whose version is not behind ours is real: None (stop publishing)."""
-        owner = self.owners.get(p)
-        base = state.version - 1
-        if owner is None or owner.epoch != state.epoch or ack.epoch <= state.epoch or not 0 <= ack.version < base:
-            return None
-        owner.epoch = ack.epoch + 1
-        self.replicas.fence(p, owner.epoch, base, next(iter(owner.digests[base])))
-        log.info("fragment %d: the fence at epoch %d ends at version %d, behind our %d: owning at epoch %d",
-                 p, ack.epoch, ack.version, base, owner.epoch)
-        return dataclasses.replace(state, epoch=owner.epoch)
-
     def _start_owner(self, p: int) -> None:
         """Own fragment ``p``: from the state a previous owner handed us (its global fragment,
         momentum and version, under a higher epoch) when it is not behind what we hold, else
@@ -496,55 +415,6 @@ class PeerNode:
 
     def _outer_cfg(self) -> OuterConfig:
         return OuterConfig(lr=self.cfg.outer_lr, momentum=self.cfg.outer_momentum)
-
-    # --- handlers ------------------------------------------------------------------------------
-    async def _on_replica_state(self, opened: Opened) -> ReplicaAck:
-        """A handoff: the owner of a fragment (or the one retiring from it) hands us its state."""
-        msg = opened.message
-        assert isinstance(msg, ReplicaState)
-        member = self.membership.members.get(opened.peer_id) if self.membership else None
-        if member is None or not member.certified_owner:
-            raise NotAuthorized(f"peer {opened.peer_id.hex()[:8]} may not own fragments; its state is not taken")
-        own = self.owners.get(msg.fragment)
-        if own is not None and not own.retired and (own.merges_done or msg.version < own.version):
-            return ReplicaAck(accepted=False, epoch=own.epoch, version=own.version,
-                              reason=f"fenced: this peer owns fragment {msg.fragment} (epoch {own.epoch}, "
-                                     f"version {own.version})")
-        ack = self.replicas.offer(opened.peer_id, msg, successor=own is not None and not own.retired)
-        if ack.accepted and own is not None and not own.retired:
-            await own.take_over(self.replicas.states[msg.fragment])  # a retiring owner's newer state
-        elif ack.accepted and self._fenced_until.pop(msg.fragment, None) is not None and self._tg is not None:
-            # we stepped back for the owner that has now handed us its state: take over now
-            self._tg.create_task(self._reconcile_owners())
-        elif not ack.accepted and (own is None or own.retired):
-            self._pass_on_held(msg, member.record.url, opened.peer_id)
-        return ack
-
-    def _pass_on_held(self, refused: ReplicaState, url: str, sender: bytes) -> None:
-        """A new owner (by its view) was refused because we hold its base version's state from
-        a higher epoch (we are the replica of a failed owner that the rendezvous did not make the
-        successor), or its next version with another content (handed to us by an owner that did
-        not live to publish it). Hand it that state (global fragment, momentum, merged work), so
-        it owns the fragment from exactly there instead of stepping back and leaving it unowned."""
-        p, held = refused.fragment, self.replicas.states.get(refused.fragment)
-        if held is None or self._tg is None or (p, sender, held.version) in self._passed_on:
-            return
-        builds_on_it = refused.version == held.version + 1 and refused.epoch < held.epoch
-        # or the same version with another content: the owner we hold it from handed it to us
-        # and died (or retired) before publishing it; the new owner must continue from it
-        replaces_it = refused.version == held.version and refused.digest != held.digest
-        if not (builds_on_it or replaces_it):
-            return
-        self._passed_on.add((p, sender, held.version))
-        if len(self._passed_on) > 4096:
-            self._passed_on.clear()
-        # under the new owner's epoch when that is higher: it is the owner now, continuing from here
-        state = encode_state(swarm=self.cfg.swarm, fragment=p, epoch=max(held.epoch, refused.epoch),
-                             version=held.version,
-                             digest=held.digest, theta=held.theta, momentum=held.momentum, merged=held.merged)
-        log.info("fragment %d: handing version %d (epoch %d) to %s, which took the fragment over without it",
-                 p, held.version, held.epoch, url)
-        self._tg.create_task(self._hand_on(p, (sender, url), state))
 
     # --- handlers (training) --------------------------------------------------------------------
     async def _on_contribution(self, opened: Opened) -> Ack:
