@@ -32,6 +32,14 @@ def _owner(plan, shapes, clock, initial, *, who, replicate=None, version=0, epoc
                          epoch=epoch, momentum=momentum, replicate=replicate)
 
 
+def _handing_to(store: ReplicaStore):  # type: ignore[no-untyped-def]
+    """A primary's replicate callback: hand each version to ``store`` as signer 1."""
+    async def to_replica(state: ReplicaState) -> str | None:
+        ack = store.offer(signer(1).peer_id, state)
+        return None if ack.accepted else ack.reason
+    return to_replica
+
+
 async def _merge_one(owner: FragmentOwner, clock: FakeClock, delta: torch.Tensor, shapes, sender: bytes) -> None:  # type: ignore[no-untyped-def]
     ack = await owner.contribute(sender, contribution(delta, shapes[0], base_version=owner.version, owner=owner))
     assert ack.accepted, ack.reason
@@ -81,12 +89,7 @@ async def test_a_replaced_primary_is_fenced_and_publishes_nothing() -> None:
     plan, clock = tiny_plan(model), FakeClock()
     shapes, theta0 = shapes_of(model, plan), flat_of(model, plan, 0)
     store = ReplicaStore(SWARM, [theta0.numel(), 0])
-
-    async def to_replica(state: ReplicaState) -> str | None:
-        ack = store.offer(signer(1).peer_id, state)
-        return None if ack.accepted else ack.reason
-
-    primary = _owner(plan, shapes, clock, theta0, who=signer(1), replicate=to_replica)
+    primary = _owner(plan, shapes, clock, theta0, who=signer(1), replicate=_handing_to(store))
     await _merge_one(primary, clock, torch.full_like(theta0, 0.01), shapes, A)
     assert primary.version == 1
     store.fence(0, epoch=1, version=1, digest=next(iter(primary.digests[1])))  # someone took over at epoch 1
@@ -109,12 +112,7 @@ async def test_work_merged_into_a_handed_version_is_refused_by_the_successor_if_
     plan, clock = tiny_plan(model), FakeClock()
     shapes, theta0 = shapes_of(model, plan), flat_of(model, plan, 0)
     store = ReplicaStore(SWARM, [theta0.numel(), 0])
-
-    async def to_replica(state: ReplicaState) -> str | None:
-        ack = store.offer(signer(1).peer_id, state)
-        return None if ack.accepted else ack.reason
-
-    primary = _owner(plan, shapes, clock, theta0, who=signer(1), replicate=to_replica)
+    primary = _owner(plan, shapes, clock, theta0, who=signer(1), replicate=_handing_to(store))
     delta = torch.linspace(-0.05, 0.05, theta0.numel())
     await _merge_one(primary, clock, delta, shapes, A)
     handed = store.states[0]
