@@ -79,6 +79,11 @@ class _AboveLine(logging.Handler):
 _RECORD_FIELDS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime"}
 
 
+# the standard names, whatever another library renamed them to (hivemind renames WARNING "WARN")
+_LEVELS = {logging.DEBUG: "DEBUG", logging.INFO: "INFO", logging.WARNING: "WARNING", logging.ERROR: "ERROR",
+           logging.CRITICAL: "CRITICAL"}
+
+
 class JsonFormatter(logging.Formatter):
     """One JSON object per record: ``time`` (UTC, ISO 8601), ``level``, ``logger``, ``message``,
     every field passed as ``extra=``, and ``exception`` (the formatted traceback) when there is one."""
@@ -86,7 +91,8 @@ class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, Any] = {
             "time": datetime.fromtimestamp(record.created, timezone.utc).isoformat(timespec="milliseconds"),
-            "level": record.levelname, "logger": record.name, "message": record.getMessage(),
+            "level": _LEVELS.get(record.levelno, record.levelname), "logger": record.name,
+            "message": record.getMessage(),
         }
         out.update((k, v) for k, v in vars(record).items() if k not in _RECORD_FIELDS and not k.startswith("_"))
         if record.exc_info:
