@@ -29,7 +29,7 @@ from torch import nn
 from node.diloco.island import Island
 from protocol.diloco.fragments import FragmentPlan
 
-__all__ = ["IslandRanks", "distributed_rank"]
+__all__ = ["IslandRanks", "distributed_rank", "unwrap"]
 
 log = logging.getLogger(__name__)
 
