@@ -14,6 +14,7 @@ collects contributions for the round that produces ``v + 1``; a contribution's s
                                   retry after a delay)
     COLLECTING / GRACE --rebase(v')--> same phase at version v' > v (a new owner catching up with
                                   its predecessor's newer version keeps what it already accepted)
+    GRACE --set_expected raises the effective quorum above the count--> COLLECTING
 
 The grace window lasts ``clamp(gamma * (tau * xi_step - xi_quorum - xi_sync), 0, grace_cap_s)``
 from ``t_q``: ``xi_step`` is the slowest recent learner's step time (the largest per-peer EMA of
@@ -49,9 +50,19 @@ fragment covers only the few steps of its staggered offset: whole norms made tho
 every later honest contribution clipped. Every
 bound that bit is flagged on the ``Entry`` so the node can count it per peer.
 
-The merger never merges below quorum: with ``set_expected(n)`` it closes as soon as
-``max(K, n)`` contributions are in. When no learner is left (``set_expected(0)``) a round below
-quorum is dropped, with a reason, so the fragment's latest version becomes final. It never waits past its deadline: any event at or after it
+Effective quorum: ``K`` while the expected learners are unknown or at least ``K``; below that,
+``set_expected(n)`` with ``1 <= n < K`` lowers it to ``n`` (a dead or departed learner must not
+stall the rest), and the reasons say "K = .. lowered to the n learners expected". A lowered
+round never closes on "all expected in": it waits out its grace window, so a learner the
+owner's lagging view missed can still join. ``n`` comes from signed membership records, which
+a member cannot remove for another, so a lone contribution closes a round only when this
+owner sees one learner left, and then after the window (before, it never closed). Raising
+``n`` again returns a GRACE round below the new quorum to COLLECTING. With ``set_expected(n)``
+for ``n >= K`` it closes as soon as ``n`` contributions are in. When no learner is left
+(``set_expected(0)``) a round still collecting below K is dropped, with a reason, so the
+fragment's latest version becomes final; one in its grace window closes at once.
+In synchronous DiLoCo (``quorum_is_expected``) the quorum is ``max(1, n)`` whatever K says.
+It never merges below the effective quorum, and never waits past its deadline: any event at or after it
 in GRACE closes the window (a refused contribution then yields kind "merge" with ``refusal``
 set). Contributions carried for ``v + 1`` stay carried across a failed merge. ``_TABLE`` maps
 (phase, event) to a handler; an event not in it is our own misuse and raises
@@ -295,6 +306,11 @@ class FragmentMerger:
         return len(self._entries)
 
     @property
+    def quorum(self) -> int:
+        """The effective quorum now: K, or fewer while fewer learners are expected (see above)."""
+        return self._quorum()[0]
+
+    @property
     def quorum_time(self) -> float | None:
         """When the current round reached quorum (None before)."""
         return self._quorum_at
@@ -351,13 +367,21 @@ class FragmentMerger:
 
     def _expect(self, ev: _Expect) -> Decision:
         self.expected = ev.n
-        if ev.n == 0 and 0 < len(self._entries) < self.config.quorum:
+        n = len(self._entries)
+        if ev.n == 0 and self.phase is Phase.COLLECTING and 0 < n < self.config.quorum:
             # nobody left to reach K: drop the rest rather than merge below quorum (a lone
             # contribution merged at the end could be an attacker's) or never become final
-            dropped, self._entries, self._first_at = len(self._entries), [], None
+            dropped, self._entries, self._first_at = n, [], None
             self._reopen(Phase.COLLECTING, opened_at=self._now)
             return self._decide("wait", f"no learner left to reach quorum {self.config.quorum}: "
                                         f"{dropped} contributions dropped")
+        if ev.n == 0 and self.phase is Phase.GRACE:  # it reached its (lowered) quorum: nobody to wait for
+            return self._close(f"no learner left: closing with {self._tally()}", False)
+        k, note = self._quorum()
+        if self.phase is Phase.GRACE and n < k:  # a learner is back: the lowered quorum rises again
+            self._reopen(Phase.COLLECTING, opened_at=self._opened_at)
+            return self._decide("wait", f"expecting {ev.n}: quorum back to {k}{note}, grace window "
+                                        f"closed ({self._tally()})")
         return self._settle(False, f"expecting {ev.n}")
 
     def _expect_merging(self, ev: _Expect) -> Decision:
@@ -386,9 +410,10 @@ class FragmentMerger:
         dropped = len(self._entries) - len(kept)
         self._entries = kept
         reason = f"merge for version {self.version} failed ({ev.reason}); {dropped} discarded, {self._tally()} kept"
-        if len(kept) < self.config.quorum:
+        k, note = self._quorum()
+        if len(kept) < k:
             self._reopen(Phase.COLLECTING, opened_at=self._opened_at)
-            return self._decide("wait", f"{reason}; waiting for quorum {self.config.quorum}")
+            return self._decide("wait", f"{reason}; waiting for quorum {k}{note}")
         self._reopen(Phase.GRACE, opened_at=self._opened_at)
         self._quorum_at = self._now
         self._deadline = self._now + min(self.config.retry_s, self.config.grace_cap_s)
@@ -402,7 +427,7 @@ class FragmentMerger:
         dropped = len(self._entries) - len(kept)
         old, self.version, self._entries = self.version, ev.version, kept
         self._opened(ev.version)
-        if len(kept) < self.config.quorum:  # never merge below quorum: back to collecting
+        if len(kept) < self._quorum()[0]:  # never merge below quorum: back to collecting
             self._reopen(Phase.COLLECTING, opened_at=self._opened_at)
         if not kept:
             self._first_at = None
@@ -450,14 +475,13 @@ class FragmentMerger:
 
     def _settle(self, accepted: bool, otherwise: str) -> Decision:
         """After a change while COLLECTING/GRACE: close, open the grace window, or keep going."""
-        n, k, expected = len(self._entries), self.config.quorum, self.expected
-        if self.config.quorum_is_expected and expected is not None:
-            k = max(1, expected)
-        if n >= k and expected is not None and n >= expected:
+        n, expected = len(self._entries), self.expected
+        k, note = self._quorum()
+        if n >= k and expected is not None and n >= expected and not note:
             return self._close(f"all {n}/{expected} expected contributions in", accepted)
         if self.phase is Phase.COLLECTING and n >= k:
             wait = self._open_grace()
-            reason = f"quorum {n}/{k} reached; grace window {wait:.2f} s"
+            reason = f"quorum {n}/{k}{note} reached; grace window {wait:.2f} s"
             if self._deadline is not None and self._deadline <= self._now:
                 return self._close(f"{reason}; closing with {self._tally()}", accepted)
             return self._decide("accept" if accepted else "wait", reason, accepted=accepted)
@@ -467,14 +491,25 @@ class FragmentMerger:
                 return self._close(f"grace window elapsed with {self._tally()}", accepted)
             otherwise = f"{otherwise or 'grace window open'} ({self._tally()}; {left:.2f} s left)"
         else:
-            otherwise = f"{otherwise or 'waiting for quorum'} ({self._tally()}; quorum {k})"
+            otherwise = f"{otherwise or 'waiting for quorum'} ({self._tally()}; quorum {k}{note})"
         return self._decide("accept" if accepted else "wait", otherwise, accepted=accepted)
+
+    def _quorum(self) -> tuple[int, str]:
+        """The effective quorum, and a note when it is K lowered to the learners expected."""
+        k, n = self.config.quorum, self.expected
+        if n is None or n == 0:  # unknown, or nobody left (``_expect`` drops a round below K)
+            return (1, "") if self.config.quorum_is_expected and n == 0 else (k, "")
+        if self.config.quorum_is_expected:
+            return n, ""
+        if n < k:
+            return n, f" (K = {k} lowered to the {n} learners expected)"
+        return k, ""
 
     def _open_grace(self) -> float:
         cfg = self.config
         xi_quorum = self._now - (self._opened_at if self._first_at is None else self._first_at)
         raw = cfg.gamma * (cfg.tau * self.step_time_estimate() - xi_quorum - self.sync_time_estimate())
-        wait = min(max(raw, 0.0), cfg.grace_cap_s)
+        wait = min(raw, cfg.grace_cap_s) if raw > 0 else 0.0  # (not -0.0 when gamma is 0)
         self.phase, self._quorum_at, self._deadline = Phase.GRACE, self._now, self._now + wait
         return wait
 

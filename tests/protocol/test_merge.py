@@ -63,10 +63,36 @@ SCENARIOS: dict[str, tuple[dict[str, Any], int, list[tuple[Event, tuple[str, ...
         (c(0.1, A), ("accept", "accepted from a1a1a1a1 for version 0 (1/2 contributions; quorum 2)")),
         (c(0.2, B), ("merge", "all 2/2 expected contributions in")),
     ]),
-    "expected below quorum waits for quorum": ({"quorum": 2} | EXACT, 0, [
-        (("e", 0.0, 1), ("wait", "expecting 1 (0/1 contributions; quorum 2)")),
-        (c(0.5, A), ("accept", "accepted from a1a1a1a1 for version 0 (1/1 contributions; quorum 2)")),
-        (c(0.5, B), ("merge", "all 2/1 expected contributions in")),
+    # fewer learners expected than K: the quorum is lowered to them, never below 1, and such a
+    # round always waits out its grace window (the owner's view of membership lags)
+    "expected below quorum lowers it, through the grace window": ({"quorum": 2} | EXACT, 0, [
+        (("e", 0.0, 1), ("wait", "expecting 1 (0/1 contributions; quorum 1 (K = 2 lowered to the 1 learners expected))")),
+        (c(0.5, A), ("accept", "quorum 1/1 (K = 2 lowered to the 1 learners expected) reached; grace window 1.00 s")),
+        (c(0.75, B), ("accept", "accepted from b2b2b2b2 for version 0 (2/1 contributions; 0.75 s left)")),
+        (("t", 1.5), ("merge", "grace window elapsed with 2/1 contributions")),
+    ]),
+    "a learner that leaves lowers K after it stalled the round": ({"quorum": 3} | EXACT, 0, [
+        (("e", 0.0, 3), ("wait", "expecting 3 (0/3 contributions; quorum 3)")),
+        (c(0.5, A), ("accept", "accepted from a1a1a1a1 for version 0 (1/3 contributions; quorum 3)")),
+        (c(0.75, B), ("accept", "accepted from b2b2b2b2 for version 0 (2/3 contributions; quorum 3)")),
+        (("t", 0.9), ("wait", "waiting for quorum (2/3 contributions; quorum 3)")),
+        # C's record lapsed: xi_quorum is 0.5 s since A, the window 0.5 * (2 * 1.0 - 0.5)
+        (("e", 1.0, 2), ("wait", "quorum 2/2 (K = 3 lowered to the 2 learners expected) reached; grace window 0.75 s")),
+        (("t", 1.5), ("wait", "grace window open (2/2 contributions; 0.25 s left)")),
+        (("t", 1.75), ("merge", "grace window elapsed with 2/2 contributions")),
+    ]),
+    "a learner back raises the lowered quorum again": ({"quorum": 3} | EXACT, 0, [
+        (("e", 0.0, 2), ("wait", "expecting 2 (0/2 contributions; quorum 2 (K = 3 lowered to the 2 learners expected))")),
+        (c(0.5, A), ("accept", "accepted from a1a1a1a1 for version 0 (1/2 contributions; quorum 2 (K = 3 lowered to the 2 learners expected))")),
+        (c(0.75, B), ("accept", "quorum 2/2 (K = 3 lowered to the 2 learners expected) reached; grace window 0.88 s")),
+        (("e", 1.0, 3), ("wait", "expecting 3: quorum back to 3, grace window closed (2/3 contributions)")),
+        (("t", 2.0), ("wait", "waiting for quorum (2/3 contributions; quorum 3)")),
+        (c(2.5, C), ("merge", "all 3/3 expected contributions in")),
+    ]),
+    "no learner left while a lowered round is in its window: it closes": ({"quorum": 3} | EXACT, 0, [
+        (("e", 0.0, 1), ("wait", "expecting 1 (0/1 contributions; quorum 1 (K = 3 lowered to the 1 learners expected))")),
+        (c(0.5, A), ("accept", "quorum 1/1 (K = 3 lowered to the 1 learners expected) reached; grace window 1.00 s")),
+        (("e", 1.0, 0), ("merge", "no learner left: closing with 1/0 contributions")),
     ]),
     # nobody left to reach K: the rest is dropped, never merged below quorum, never stuck
     "no learner left drops a round below quorum": ({"quorum": 2} | EXACT, 0, [
@@ -308,6 +334,7 @@ def test_invariants_over_random_event_orders(cfg: MergeConfig, ops: list[tuple[A
     m = FragmentMerger(0, cfg, now=now)
     published: set[int] = set()
     for op in ops:
+        quorum_before = m.quorum
         if op[0] == "c":
             _, who, offset, tokens, steps, step_time, dt = op
             now += dt
@@ -334,15 +361,20 @@ def test_invariants_over_random_event_orders(cfg: MergeConfig, ops: list[tuple[A
                 d = m.on_published(m.version + 1, sync_time=dt, now=now)
             else:
                 d = m.on_merge_failed("test", now=now, discard=[PEERS[i] for i in discard])
-        check_decision(m, cfg, d, published, now)
+        check_decision(m, cfg, d, published, now, quorum_before)
 
 
-def check_decision(m: FragmentMerger, cfg: MergeConfig, d: Decision, published: set[int], now: float) -> None:
+def check_decision(m: FragmentMerger, cfg: MergeConfig, d: Decision, published: set[int], now: float,
+                   quorum_before: int) -> None:
     assert any(ch.isdigit() for ch in d.reason), d.reason  # reasons carry counts
     assert (d.kind == "refuse") == (d.refusal is not None and not d.entries) or d.kind == "merge"
     if d.kind == "merge":
         assert m.phase is Phase.MERGING
-        assert len(d.entries) >= cfg.quorum  # never below quorum
+        # never below the effective quorum: K, or the learners expected when fewer (at least 1),
+        # as it stood before the event or after it (a lowered round closes when nobody is left)
+        assert len(d.entries) >= max(1, min(quorum_before, m.quorum, cfg.quorum))
+        if m.expected is not None and m.expected >= cfg.quorum:
+            assert len(d.entries) >= cfg.quorum
         assert d.version == m.version and d.version not in published  # no version merged twice
         peers = [e.peer for e in d.entries]
         assert len(set(peers)) == len(peers)
@@ -357,11 +389,11 @@ def check_decision(m: FragmentMerger, cfg: MergeConfig, d: Decision, published: 
         deadline, t_q = m.deadline(), m.quorum_time
         assert deadline is not None and t_q is not None
         assert now < deadline <= t_q + cfg.grace_cap_s
-        assert m.count >= cfg.quorum
+        assert m.count >= m.quorum >= 1
     else:
         assert m.deadline() is None
     if m.phase is Phase.COLLECTING:
-        assert m.count < cfg.quorum
+        assert m.count < m.quorum
 
 
 def test_rebase_keeps_accepted_contributions() -> None:
@@ -470,4 +502,6 @@ def test_a_synchronous_quorum_is_every_live_learner() -> None:
     plain = FragmentMerger(0, MergeConfig(quorum=4, gamma=0.0), version=0, now=0.0)
     for peer in (b"a" * 32, b"b" * 32):
         plain.on_contribution(peer, base_version=0, tokens=10, steps=1, step_time=0.1, payload=None, now=1.0)
-    assert plain.set_expected(2, now=2.0).kind != "merge"  # K = 4 stays 4 in decoupled mode
+    # decoupled: K = 4 is lowered to the 2 expected, through the grace window (0 s at gamma 0)
+    lowered = plain.set_expected(2, now=2.0)
+    assert lowered.kind == "merge" and "K = 4 lowered to the 2 learners expected" in lowered.reason

@@ -4,15 +4,19 @@ catching up with a predecessor, and merges that fail."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
 
+from node.config import RunConfig
+from node.dht.membership import Member, MemberRecord, Membership
 from node.diloco.flat import content_hash, flat_digest, flat_from_tensors
+from node.peer import PeerNode
 from protocol.diloco.fragments import plan_fragments
 from protocol.errors import Stale
 from protocol.wire.messages import FragmentState
-from protocol.wire.signing import verify_sealed
+from protocol.wire.signing import split_sealed, verify_sealed
 from tests.node.fakes import (
     FakeClock,
     contribution,
@@ -202,9 +206,11 @@ async def test_a_contribution_is_applied_only_to_the_state_it_was_measured_again
     clock.advance(30.0)
     await owner.tick()
     assert owner.version == 1
-    # version 1 as learners decode it is what the owner expects as a base now
+    # version 1 as learners decode it is what the owner expects as a base now, named by the digest
+    # of its flat state or by that of its sealed message (which a learner verified on receipt)
     _, flat1, _ = _opened_state(owner.latest.tobytes(), shapes[0])
-    assert owner.digests[1] == {flat_digest(flat1)}
+    envelope, _ = split_sealed(owner.latest.tobytes(), max_size=1 << 24)
+    assert owner.digests[1] == {flat_digest(flat1), envelope.digest}
     ack = await owner.contribute(A, contribution(delta, shapes[0], base_version=1, base_digest=flat_digest(flat1)))
     assert ack.accepted
 
@@ -231,3 +237,53 @@ async def test_work_already_merged_is_not_counted_twice() -> None:
     other = await owner.contribute(B, contribution(delta, shapes[0], base_version=0, owner=owner))
     assert "merged already" not in other.reason  # another learner's late work is judged as before
     assert (await owner.contribute(A, contribution(delta, shapes[0], base_version=1, owner=owner))).accepted
+
+
+async def test_a_quorum_above_the_live_learners_closes_once_a_record_lapses_not_when_one_is_quiet() -> None:
+    """K = 3 with three learners, one of which dies: the round waits while its member record is
+    live (quiet is not gone), then closes with the other two, after the grace window, once the
+    record lapses and the node's expected learners (from membership, as its membership loop
+    passes them) drop to 2. It used to wait for a third contribution forever."""
+    _, shapes, clock, theta0, owner = _setup(quorum=3)
+    model = tiny_model()
+    node = PeerNode(RunConfig(max_tokens_per_step=64), signer(1), model, tiny_plan(model))
+    membership = Membership(None, "s", "m")  # type: ignore[arg-type]  # members only: no DHT needed
+    learner = MemberRecord(url="http://127.0.0.1:1", roles=("learner",), reachable=False, manifest="m", learning=True)
+    live = time.time() + 3600.0
+    membership.members = {signer(n).peer_id: Member(signer(n).peer_id, learner, live) for n in (2, 3, 4)}
+    node.membership = membership
+    await owner.set_expected(node.expected_learners())
+    delta = torch.full_like(theta0, 0.01)
+    for who in (signer(2), signer(3)):
+        ack = await owner.contribute(who.peer_id, contribution(delta, shapes[0], owner=owner))
+        assert ack.accepted and "quorum 3)" in ack.reason
+    clock.advance(600.0)
+    await owner.tick()
+    await owner.set_expected(node.expected_learners())  # the third went quiet, its record still live
+    assert owner.version == 0 and owner.merger.count == 2
+    dead = signer(4).peer_id
+    membership.members[dead] = Member(dead, learner, time.time() - 1.0)  # its record lapsed
+    assert node.expected_learners() == 2
+    await owner.set_expected(node.expected_learners())
+    assert owner.version == 1 and owner.merges == [
+        "quorum 2/2 (K = 3 lowered to the 2 learners expected) reached; grace window 0.00 s; "
+        "closing with 2/2 contributions"]
+    version, flat, _ = _opened_state(owner.latest.tobytes(), shapes[0])
+    assert version == 1 and torch.allclose(flat, theta0 - delta, atol=1e-6)
+
+
+async def test_a_lowered_quorum_waits_out_the_grace_window_before_closing() -> None:
+    """With fewer learners expected than K the round never closes on 'all expected in': a
+    learner the owner's view missed still gets the window (here 0.5 * 2 * 1.0 s)."""
+    _, shapes, clock, theta0, owner = _setup(quorum=3)
+    await owner.set_expected(1)
+    delta = torch.full_like(theta0, 0.01)
+    ack = await owner.contribute(A, contribution(delta, shapes[0], owner=owner))
+    assert ack.accepted and "K = 3 lowered to the 1 learners expected" in ack.reason and owner.version == 0
+    clock.advance(0.5)
+    assert (await owner.contribute(B, contribution(delta, shapes[0], owner=owner))).accepted  # missed by the view
+    await owner.tick()
+    assert owner.version == 0
+    clock.advance(0.5)
+    await owner.tick()
+    assert owner.version == 1 and owner.merges == ["grace window elapsed with 2/1 contributions"]
