@@ -1,7 +1,10 @@
 """A fragment's tensors on the wire and as one flat fp32 vector: content hash and decoding.
 
-Owners seal versions with ``content_hash``; learners and state sync check it and decode with
-``flat_from_tensors``, which checks every shape against the fragment plan and refuses NaN/Inf.
+Owners seal versions with ``content_hash``; state sync checks it, and learners and owners decode
+with ``flat_from_tensors``, which checks every shape against the fragment plan and refuses NaN/Inf
+(``decompress`` checks each tensor's remote bytes before writing them: one pass, no second one).
+For the ``none`` codec the decoded flat vector is the tensors' data bytes end to end, so its
+``flat_digest`` equals the ``content_hash`` of the tensors (``flat_is_wire_form`` says when).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from protocol.diloco.compression import compress, decompress
 from protocol.errors import DecodeError
 from protocol.wire.tensors import EncodedTensor
 
-__all__ = ["content_hash", "encode_flat", "flat_digest", "flat_from_tensors"]
+__all__ = ["content_hash", "encode_flat", "flat_digest", "flat_from_tensors", "flat_is_wire_form"]
 
 DIGEST_CHUNK = 1 << 20
 
@@ -39,15 +42,27 @@ def flat_digest(flat: torch.Tensor) -> bytes:
     return h.digest()
 
 
-def flat_from_tensors(tensors: Sequence[EncodedTensor], shapes: Sequence[tuple[int, ...]]) -> torch.Tensor:
-    """Decompress a fragment's tensors into one flat fp32 vector, checking shapes.
+def flat_is_wire_form(tensors: Sequence[EncodedTensor]) -> bool:
+    """Whether the flat fp32 vector these tensors decode to is their data bytes end to end (every
+    tensor ``none``-coded, fp32): then ``flat_digest`` of it equals ``content_hash(tensors)``."""
+    return all(t.codec == "none" for t in tensors)
 
-    Raises ``DecodeError`` on a wrong tensor count or shape, or non-finite values.
+
+def flat_from_tensors(tensors: Sequence[EncodedTensor], shapes: Sequence[tuple[int, ...]],
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """Decompress a fragment's tensors into one flat fp32 vector, checking shapes; into ``out``
+    (a contiguous fp32 vector of the fragment's size, e.g. a reused buffer) when given.
+
+    Raises ``DecodeError`` on a wrong tensor count or shape, or non-finite values (checked by
+    ``decompress`` on each tensor's remote bytes before they are written).
     """
     if len(tensors) != len(shapes):
         raise DecodeError(f"fragment has {len(shapes)} tensors, message carries {len(tensors)}")
     total = sum(int(torch.Size(s).numel()) for s in shapes)
-    out = torch.empty(total, dtype=torch.float32)
+    if out is None:
+        out = torch.empty(total, dtype=torch.float32)
+    elif out.shape != (total,) or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous fp32 vector of {total} values, got {out.dtype} {tuple(out.shape)}")
     offset = 0
     for i, (t, shape) in enumerate(zip(tensors, shapes, strict=True)):
         if tuple(t.shape) != tuple(shape):
@@ -55,19 +70,19 @@ def flat_from_tensors(tensors: Sequence[EncodedTensor], shapes: Sequence[tuple[i
         n = t.numel
         decompress(t, out=out[offset:offset + n].view(shape))
         offset += n
-    if not torch.isfinite(out).all():
-        raise DecodeError("fragment contains NaN or Inf values")
     return out
 
 
-def encode_flat(flat: torch.Tensor, shapes: Sequence[tuple[int, ...]], codec: str) -> list[EncodedTensor]:
+def encode_flat(flat: torch.Tensor, shapes: Sequence[tuple[int, ...]], codec: str, *,
+                copy: bool = True) -> list[EncodedTensor]:
     """A flat fp32 fragment as its tensors on the wire, each compressed with ``codec`` (how an
     owner publishes a version: ``flat_digest(flat_from_tensors(encode_flat(...)))`` is the
-    version's digest)."""
+    version's digest). ``copy=False``: ``none`` tensors are views of ``flat``, which must then
+    not be written to while they are in use (see ``compress``)."""
     tensors, offset = [], 0
     for shape in shapes:
         n = int(torch.Size(shape).numel())
-        enc, _ = compress(flat[offset:offset + n].view(shape), codec)
+        enc, _ = compress(flat[offset:offset + n].view(shape), codec, copy=copy)
         tensors.append(enc)
         offset += n
     return tensors

@@ -52,6 +52,7 @@ class OwnerHandoffs:
     replicas: ReplicaStore
     owners: dict[int, FragmentOwner]
     unreplicated: int
+    replica_bytes: int  # tensor bytes of every state handed to a replica
     _replica_replay: ReplayWindow
     _tg: asyncio.TaskGroup | None
     _passed_on: set[tuple[int, bytes, int]]
@@ -75,6 +76,7 @@ class OwnerHandoffs:
 
     async def _hand_to(self, p: int, target: tuple[bytes, str], state: ReplicaState) -> bool:
         """Hand ``state`` to ``target``; whether it took it (failures are logged, not raised)."""
+        self.replica_bytes += sum(len(t.data) + len(t.scales) for t in (*state.theta, *state.momentum))
         try:
             ack = await hand_over(self.transport, self.signer, target, state, self._replica_replay)
         except aiohttp.ClientConnectorError:
@@ -143,12 +145,16 @@ class OwnerHandoffs:
         member = self.membership.members.get(opened.peer_id) if self.membership else None
         if member is None or not member.certified_owner:
             raise NotAuthorized(f"peer {opened.peer_id.hex()[:8]} may not own fragments; its state is not taken")
+        fence = self._owner_fence(msg)
+        if fence is not None:
+            return fence
+        decoded = await asyncio.to_thread(self.replicas.decode, msg)  # a whole fragment: off the loop
+        fence = self._owner_fence(msg)  # the loop ran meanwhile: look again
+        if fence is not None:
+            return fence
         own = self.owners.get(msg.fragment)
-        if own is not None and not own.retired and (own.merges_done or msg.version < own.version):
-            return ReplicaAck(accepted=False, epoch=own.epoch, version=own.version,
-                              reason=f"fenced: this peer owns fragment {msg.fragment} (epoch {own.epoch}, "
-                                     f"version {own.version})")
-        ack = self.replicas.offer(opened.peer_id, msg, successor=own is not None and not own.retired)
+        ack = self.replicas.offer(opened.peer_id, msg, successor=own is not None and not own.retired,
+                                  decoded=decoded)
         if ack.accepted and own is not None and not own.retired:
             await own.take_over(self.replicas.states[msg.fragment])  # a retiring owner's newer state
         elif ack.accepted and self._fenced_until.pop(msg.fragment, None) is not None and self._tg is not None:
@@ -157,6 +163,16 @@ class OwnerHandoffs:
         elif not ack.accepted and (own is None or own.retired):
             self._pass_on_held(msg, member.record.url, opened.peer_id)
         return ack
+
+    def _owner_fence(self, msg: ReplicaState) -> ReplicaAck | None:
+        """The refusal of a handoff for a fragment this peer owns and has moved on with (merged
+        already, or holds a newer version of); None when the handoff may be judged."""
+        own = self.owners.get(msg.fragment)
+        if own is not None and not own.retired and (own.merges_done or msg.version < own.version):
+            return ReplicaAck(accepted=False, epoch=own.epoch, version=own.version,
+                              reason=f"fenced: this peer owns fragment {msg.fragment} (epoch {own.epoch}, "
+                                     f"version {own.version})")
+        return None
 
     def _pass_on_held(self, refused: ReplicaState, url: str, sender: bytes) -> None:
         """A new owner (by its view) was refused because we hold its base version's state from

@@ -34,10 +34,17 @@ from typing import cast
 import torch
 
 from node.diloco.eventlog import Content, LoggedMerger
-from node.diloco.flat import content_hash, encode_flat, flat_digest, flat_from_tensors
+from node.diloco.flat import (
+    content_hash,
+    encode_flat,
+    flat_digest,
+    flat_from_tensors,
+    flat_is_wire_form,
+)
 from node.diloco.replica import Handed, encode_state
 from protocol.diloco.fragments import Fragment
 from protocol.diloco.merge import Decision, FragmentMerger, MergeConfig, Phase
+from protocol.diloco.norms import all_finite, norm64
 from protocol.diloco.outer import OuterConfig, merge_update
 from protocol.errors import DecodeError, Stale
 from protocol.wire.codec import encode
@@ -117,10 +124,15 @@ class FragmentOwner:
         self.digests: dict[int, set[bytes]] = {}
         self._merged_base: dict[bytes, int] = dict(merged or {})  # sender -> newest base of its merged work
         self._keep_digests = merge_cfg.staleness_bound + 2
-        self.latest, digest = self._seal_state(version, self.theta)
+        # decoded contributions' buffers, reused once their merge is published (fresh memory is
+        # slow to fill); at most as many as the last published merge had contributions
+        self._spare: list[torch.Tensor] = []
+        self._spare_max = 4
+        self._background: set[asyncio.Task[None]] = set()  # merges started by ``receive``
+        self.latest, *digests = self._seal_state(version, self.theta)
         if self.log is not None:
             self.log.note_state(self.theta, self.buffer)
-        self._remember_digests(version, digest, flat_digest(self.theta))  # and v0 unrounded (bf16 download)
+        self._remember_digests(version, *digests, flat_digest(self.theta))  # and v0 unrounded (bf16 download)
         self.merges: list[str] = []
         # per sender: how often a bound bit (clipped, weight_capped, steps_bounded, tokens_bounded),
         # its contribution was dropped from a failed merge, or refused (refused_<why>)
@@ -135,12 +147,50 @@ class FragmentOwner:
 
     # --- inbound -------------------------------------------------------------------------------
     async def contribute(self, sender: bytes, msg: Contribution) -> Ack:
-        """Check and feed one contribution to the merger. Raises ``RemoteProtocolError``."""
+        """Check and feed one contribution to the merger; the merge it completes (if any) has
+        run when this returns. Raises ``RemoteProtocolError``."""
+        decision = await self._accept(sender, msg)
+        if isinstance(decision, Ack):
+            return decision
+        await self._apply(decision)
+        return Ack(accepted=decision.accepted, reason=decision.reason, version=self.version)
+
+    async def receive(self, sender: bytes, msg: Contribution) -> Ack:
+        """``contribute``, answered as soon as the contribution is checked and taken (or
+        refused): the merge it completes runs on in the background, so the sender's next
+        contribution (to this or another owner) does not wait for it. Raises
+        ``RemoteProtocolError``."""
+        decision = await self._accept(sender, msg)
+        if isinstance(decision, Ack):
+            return decision
+        ack = Ack(accepted=decision.accepted, reason=decision.reason, version=self.version)
+        if decision.kind == "merge":
+            task = asyncio.create_task(self._apply(decision))
+            self._background.add(task)
+            task.add_done_callback(self._merge_done)
+        else:
+            await self._apply(decision)
+        return ack
+
+    def _merge_done(self, task: asyncio.Task[None]) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("fragment %d: background merge failed", self.fragment.index, exc_info=task.exception())
+
+    async def settled(self) -> None:
+        """Wait for the merges ``receive`` started (tests, and a clean shutdown)."""
+        while self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+
+    async def _accept(self, sender: bytes, msg: Contribution) -> Decision | Ack:
+        """Decode, check and hand one contribution to the merger: its decision, or the Ack of
+        a refusal before the merger (a base this owner does not hold, work merged already)."""
         if msg.base_version > self.version:
             raise Stale(f"base version {msg.base_version} is ahead of the owner's {self.version}")
         flat, norm = await asyncio.to_thread(self._decode, msg)  # malformed: a 4xx, whatever its base
         mismatch = self._base_mismatch(msg) or self._already_merged(sender, msg)
         if mismatch is not None:
+            self._give_back(flat)
             self.penalties[sender]["refused_base"] += 1
             log.info("fragment %d: %s", self.fragment.index, mismatch)
             return Ack(accepted=False, reason=mismatch, version=self.version)
@@ -152,9 +202,10 @@ class FragmentOwner:
         )
         if decision.refusal is not None:
             self.penalties[sender][f"refused_{decision.refusal}"] += 1
+        if not decision.accepted:
+            self._give_back(flat)
         log.info("fragment %d: %s", self.fragment.index, decision.reason)
-        await self._apply(decision)
-        return Ack(accepted=decision.accepted, reason=decision.reason, version=self.version)
+        return decision
 
     def _base_mismatch(self, msg: Contribution) -> str | None:
         """Why ``msg`` cannot be applied here: its base state is not the one this owner holds
@@ -189,11 +240,28 @@ class FragmentOwner:
             del self.digests[old]
 
     def _decode(self, msg: Contribution) -> tuple[torch.Tensor, float]:
-        flat = flat_from_tensors(msg.tensors, self.shapes)
-        norm = float(torch.linalg.vector_norm(flat, dtype=torch.float64))
+        """The contribution as one flat fp32 vector (in a reused buffer when one is spare) and
+        its norm. Raises ``DecodeError`` for a wrong shape or NaN/Inf (``flat_from_tensors``)."""
+        numel = self.theta.numel()
+        try:
+            out = self._spare.pop()
+        except IndexError:
+            out = torch.empty(numel, dtype=torch.float32)
+        try:
+            flat = flat_from_tensors(msg.tensors, self.shapes, out=out)
+        except BaseException:
+            self._give_back(out)
+            raise
+        norm = norm64(flat)
         if not math.isfinite(norm):  # cannot happen for finite fp32 values, but never trust it
+            self._give_back(flat)
             raise DecodeError("the contribution's norm is not finite")
         return flat, norm
+
+    def _give_back(self, flat: torch.Tensor) -> None:
+        """Keep a decoded contribution's buffer for the next one (nothing else refers to it)."""
+        if len(self._spare) < self._spare_max and flat.numel() == self.theta.numel():
+            self._spare.append(flat)
 
     async def set_expected(self, n: int) -> None:
         """Tell the merger how many live learners may contribute; may close the round."""
@@ -213,19 +281,19 @@ class FragmentOwner:
         """
         if version <= self.version or self.merges or self.merger.phase is Phase.MERGING:
             return False
-        if flat.numel() != self.theta.numel() or not bool(torch.isfinite(flat).all()):
+        if flat.numel() != self.theta.numel() or not all_finite(flat):
             log.warning("fragment %d: the previous owner's version %d is malformed; not taken",
                         self.fragment.index, version)
             return False
         theta = flat.detach().float().clone()
-        latest, digest = await asyncio.to_thread(self._seal_state, version, theta)
+        latest, *digests = await asyncio.to_thread(self._seal_state, version, theta)
         if version <= self.version or self.merges or self.merger.phase is Phase.MERGING:
             return False  # a merge or another catch-up ran while we sealed
         decision = self.merger.rebase(version, now=self.clock())
         self.theta, self.version, self.latest = theta, version, latest
         if self.log is not None:
             self.log.note_state(self.theta, self.buffer)
-        self._remember_digests(version, digest)
+        self._remember_digests(version, *digests)
         async with self._changed:
             self._changed.notify_all()
         log.info("fragment %d: caught up with the previous owner at version %d (%s)",
@@ -305,15 +373,13 @@ class FragmentOwner:
         weights = [e.weight for e in decision.entries]
         peers = [e.peer for e in decision.entries]
         clips = [e.clip for e in decision.entries]
-        try:
-            theta, buffer = await asyncio.to_thread(self._outer, peers, deltas, weights, clips)
-            latest, digest = await asyncio.to_thread(self._seal_state, self.version + 1, theta)
-            merged = dict(self._merged_base)  # as it will be once this merge is published
-            for e in decision.entries:
-                merged[e.peer] = max(merged.get(e.peer, -1), self.version - e.staleness)
-            if self.replicate is not None:
-                state = await asyncio.to_thread(self._replica_state, self.version + 1, digest, theta, buffer,
-                                                merged)
+        merged = dict(self._merged_base)  # as it will be once this merge is published
+        for e in decision.entries:
+            merged[e.peer] = max(merged.get(e.peer, -1), self.version - e.staleness)
+        try:  # one worker-thread hop: the outer step, the sealed version and the replica's state
+            theta, buffer, latest, digest, message_digest, state = await asyncio.to_thread(
+                self._next_version, self.version + 1, peers, deltas, weights, clips, merged)
+            if state is not None and self.replicate is not None:
                 fence = await self.replicate(state)
                 if fence is not None:
                     raise Fenced(fence, frozenset(peers))
@@ -339,7 +405,10 @@ class FragmentOwner:
         while len(self._merged_base) > MERGED_BASES_KEPT:
             self._merged_base.pop(next(iter(self._merged_base)))
         self.theta, self.buffer, self.version, self.latest = theta, buffer, self.version + 1, latest
-        self._remember_digests(self.version, digest)
+        self._remember_digests(self.version, digest, message_digest)
+        self._spare_max = max(4, len(deltas))
+        for d in deltas:  # merged and published: nothing refers to these buffers any more
+            self._give_back(d)
         if self.on_publish is not None:
             self.on_publish(self.fragment.index, self.version, digest)
         self.merges.append(decision.reason)
@@ -357,6 +426,16 @@ class FragmentOwner:
         self.merge_seconds += now - t0
         return self.merger.on_published(self.version, sync_time=now - t0, now=now)
 
+    def _next_version(self, version: int, peers: list[bytes], deltas: list[torch.Tensor], weights: list[float],
+                      clips: list[float], merged: Mapping[bytes, int],
+                      ) -> tuple[torch.Tensor, torch.Tensor | None, Sealed, bytes, bytes, ReplicaState | None]:
+        """The merge's new state, sealed as ``version``, and the state to hand to a replica."""
+        theta, buffer = self._outer(peers, deltas, weights, clips)
+        latest, digest, message_digest = self._seal_state(version, theta)
+        state = (self._replica_state(version, digest, theta, buffer, merged)
+                 if self.replicate is not None else None)
+        return theta, buffer, latest, digest, message_digest, state
+
     def _outer(self, peers: list[bytes], deltas: list[torch.Tensor], weights: list[float],
                clips: list[float]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Clip, aggregate, bound and apply the outer step. Raises ``MergeFailed`` naming the
@@ -365,7 +444,7 @@ class FragmentOwner:
                               embedding=self.fragment.is_embedding)
         self.step_bounds += int(update.bounded)
         theta, buffer = update.theta, update.buffer
-        if not (bool(torch.isfinite(theta).all()) and (buffer is None or bool(torch.isfinite(buffer).all()))):
+        if not (all_finite(theta) and (buffer is None or all_finite(buffer))):
             raise MergeFailed(f"the outer step over {len(peers)} contributions is not finite; "
                               "no single one is to blame, all are dropped", frozenset(peers))
         return theta, buffer
@@ -392,7 +471,7 @@ class FragmentOwner:
         if handed.version < self.version or self.merges or self.merger.phase is Phase.MERGING:
             return False
         theta = handed.theta.detach().float().clone()
-        latest, digest = await asyncio.to_thread(self._seal_state, handed.version, theta)
+        latest, digest, message_digest = await asyncio.to_thread(self._seal_state, handed.version, theta)
         if handed.version < self.version or self.merges or self.merger.phase is Phase.MERGING:
             return False
         if digest != handed.digest:
@@ -408,7 +487,7 @@ class FragmentOwner:
                 self._merged_base[peer] = base
         if self.log is not None:
             self.log.note_state(self.theta, self.buffer)
-        self._remember_digests(handed.version, digest)
+        self._remember_digests(handed.version, digest, message_digest)
         async with self._changed:
             self._changed.notify_all()
         log.info("fragment %d: took over version %d with its momentum (epoch %d)", self.fragment.index,
@@ -417,12 +496,18 @@ class FragmentOwner:
             await self._apply(decision)
         return True
 
-    def _seal_state(self, version: int, theta: torch.Tensor) -> tuple[Sealed, bytes]:
-        """Seal ``theta`` as ``version``; also return its digest as learners will decode it."""
-        tensors = encode_flat(theta, self.shapes, self.download_codec)
+    def _seal_state(self, version: int, theta: torch.Tensor) -> tuple[Sealed, bytes, bytes]:
+        """Seal ``theta`` as ``version`` (its tensors are views of ``theta``, which is never
+        written to). Returns the sealed state and the two digests a learner may name it by: of
+        the flat state as decoded (``flat_digest``; for ``none`` it is the content hash) and of
+        the sealed message (a learner that took this version from the wire has verified that
+        digest already; the same state always encodes to the same message bytes)."""
+        tensors = encode_flat(theta, self.shapes, self.download_codec, copy=False)
+        chash = content_hash(tensors)
         state = FragmentState(
             swarm=self.swarm, fragment=self.fragment.index, version=version,
-            tensors=tuple(tensors), content_hash=content_hash(tensors),
+            tensors=tuple(tensors), content_hash=chash,
         )
         sealed = seal(encode(state), self.signer, now=self.wall_clock(), nonce=os.urandom(16))
-        return sealed, flat_digest(flat_from_tensors(tensors, self.shapes))
+        digest = chash if flat_is_wire_form(tensors) else flat_digest(flat_from_tensors(tensors, self.shapes))
+        return sealed, digest, sealed.digest

@@ -10,6 +10,7 @@ digest the failed primary had handed over.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -52,9 +53,11 @@ def encode_state(*, swarm: str, fragment: int, epoch: int, version: int, digest:
                  theta: torch.Tensor, momentum: torch.Tensor | None,
                  merged: Mapping[bytes, int] | None = None) -> ReplicaState:
     """An owner's state as a ``ReplicaState`` (fp32, uncompressed: a replica must hold it exactly).
-    ``merged``: sender -> newest base version of its merged work (the newest ``MAX_MERGED`` kept)."""
-    t, _ = compress(theta.detach().float().contiguous(), "none")
-    m = (compress(momentum.detach().float().contiguous(), "none")[0],) if momentum is not None else ()
+    ``merged``: sender -> newest base version of its merged work (the newest ``MAX_MERGED`` kept).
+    The tensors are views of ``theta`` and ``momentum`` (an owner never writes to a state it
+    has published or handed over: each version is a new tensor)."""
+    t, _ = compress(theta.detach().float().contiguous(), "none", copy=False)
+    m = (compress(momentum.detach().float().contiguous(), "none", copy=False)[0],) if momentum is not None else ()
     recent = sorted((merged or {}).items(), key=lambda kv: kv[1], reverse=True)[:MAX_MERGED]
     return ReplicaState(swarm=swarm, fragment=fragment, epoch=epoch, version=version, digest=digest,
                         theta=(t,), momentum=m, merged_peers=tuple(k for k, _ in recent),
@@ -71,12 +74,25 @@ class ReplicaStore:
         self.taken = 0
         self.refused = 0
 
-    def offer(self, sender: bytes, msg: ReplicaState, *, successor: bool = False) -> ReplicaAck:
-        """Judge and (if taken) keep one handoff (``successor``: see ``judge``). Raises
-        ``DecodeError`` for a malformed one."""
+    def decode(self, msg: ReplicaState) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A handoff's global fragment and momentum as fp32 vectors (touches no state here: it
+        may run in a worker thread). Raises ``DecodeError`` for a malformed one."""
+        self._check_fragment(msg)
+        shape = [(self.numels[msg.fragment],)]
+        theta = flat_from_tensors(msg.theta, shape)
+        return theta, (flat_from_tensors(msg.momentum, shape) if msg.momentum else None)
+
+    def _check_fragment(self, msg: ReplicaState) -> None:
+        if msg.swarm != self.swarm or not 0 <= msg.fragment < len(self.numels):
+            raise DecodeError(f"handoff for swarm {msg.swarm!r} fragment {msg.fragment}: not a fragment of this swarm")
+
+    def offer(self, sender: bytes, msg: ReplicaState, *, successor: bool = False,
+              decoded: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> ReplicaAck:
+        """Judge and (if taken) keep one handoff (``successor``: see ``judge``); ``decoded``: its
+        tensors from ``decode`` when the caller decoded them already (off its event loop).
+        Raises ``DecodeError`` for a malformed one."""
         p = msg.fragment
-        if msg.swarm != self.swarm or not 0 <= p < len(self.numels):
-            raise DecodeError(f"handoff for swarm {msg.swarm!r} fragment {p}: not a fragment of this swarm")
+        self._check_fragment(msg)
         verdict = judge(self.held.get(p), epoch=msg.epoch, version=msg.version, digest=msg.digest, fragment=p,
                         successor=successor)
         held = self.held.get(p)
@@ -84,8 +100,7 @@ class ReplicaStore:
             self.refused += 1
             return ReplicaAck(accepted=False, reason=verdict.reason, epoch=held.epoch if held else -1,
                               version=held.version if held else -1)
-        theta = flat_from_tensors(msg.theta, [(self.numels[p],)])
-        momentum = flat_from_tensors(msg.momentum, [(self.numels[p],)]) if msg.momentum else None
+        theta, momentum = decoded if decoded is not None else self.decode(msg)
         merged = dict(zip(msg.merged_peers, msg.merged_bases, strict=True))
         self.states[p] = Handed(p, msg.epoch, msg.version, msg.digest, theta, momentum, sender, merged)
         held = self.held.get(p)
@@ -118,7 +133,9 @@ async def hand_over(transport: Transport, signer: Signer, target: tuple[bytes, s
     Raises ``RemoteProtocolError`` for a refusal by status or an answer not signed by the target,
     and the transport's errors when it cannot be reached."""
     peer_id, url = target
-    sealed = seal(encode(msg), signer, now=time.time(), nonce=os.urandom(16), recipient=peer_id)
+    # hashing a whole fragment takes tens of ms: off the event loop
+    sealed = await asyncio.to_thread(seal, encode(msg), signer, now=time.time(), nonce=os.urandom(16),
+                                     recipient=peer_id)
     status, buf, used, _ = await transport.request("POST", f"{url}/v1/rpc", chunks=sealed.iter_chunks(),
                                                    size=sealed.size, timeout_s=timeout_s, max_reply=1 << 16)
     try:

@@ -25,7 +25,13 @@ and decodes to zeros (nothing is divided by zero).
 Error feedback: ``compress(t, codec, residual=r)`` encodes ``x = t + r`` and returns the new
 residual ``x - decompress(encoded)`` as a fresh fp32 tensor of ``t``'s shape; neither ``t`` nor
 ``r`` is modified. Without ``residual`` it starts from zero, so the first call already returns the
-residual to carry.
+residual to carry. ``none`` is exact: its residual is always zero, returned as a read-only
+zero-stride view (no memory), so carrying it costs nothing.
+
+``compress(t, "none", copy=False)`` encodes a contiguous fp32 ``t`` without copying it: the
+encoded bytes are a view of ``t``, valid only while ``t`` is not written to. Owners publish their
+global fragments that way (a new tensor per version, never modified in place) and learners send
+pseudo-gradients that way (a fresh tensor per contribution).
 
 Local tensors with NaN or Inf are our own bug: ``LocalProtocolError``. Remote bytes that would
 decode to NaN or Inf (a NaN fp32 payload, NaN, negative or out-of-range scales) are a peer's
@@ -74,8 +80,12 @@ def compress(
     *,
     block_size: int = 64,
     residual: torch.Tensor | None = None,
+    copy: bool = True,
 ) -> tuple[EncodedTensor, torch.Tensor]:
     """Encode ``t + residual`` with ``codec``; return it and the new fp32 residual.
+
+    ``copy=False`` (``none`` only, no residual): the encoded bytes are a view of ``t`` when it is
+    a contiguous fp32 CPU tensor (see the module docstring); other tensors are copied anyway.
 
     Raises ``LocalProtocolError`` for an unknown codec, a bad block size, a dtype other than
     float32/bfloat16/float16, a residual of another shape, or NaN/Inf in ``t``, in ``residual``
@@ -90,9 +100,10 @@ def compress(
     if codec == "none":
         if not _all_finite(x):
             _raise_not_finite(t, residual)
-        data = _to_buffer(x.clone() if residual is None else x)
+        aliases_t = residual is None and x.data_ptr() == t.data_ptr()  # else x is a new tensor already
+        data = _to_buffer(x.clone() if aliases_t and copy else x)
         enc = EncodedTensor(codec="none", shape=shape, dtype=dtype, block_size=0, data=data, scales=b"")
-        return enc, torch.zeros(shape, dtype=torch.float32, device=t.device)
+        return enc, torch.zeros((), dtype=torch.float32, device=t.device).expand(shape)
     if codec == "bf16":
         half, new_residual = _encode_bf16(x, t, residual)
         enc = EncodedTensor(codec="bf16", shape=shape, dtype=dtype, block_size=0, data=half, scales=b"")

@@ -118,10 +118,13 @@ def digest_parts(parts: Sequence[memoryview]) -> bytes:
 
 @dataclass(frozen=True, slots=True)
 class Sealed:
-    """A signed message ready to send: ``envelope`` bytes plus the message's parts."""
+    """A signed message ready to send: ``envelope`` bytes plus the message's parts, and the
+    message's digest that the envelope signs (the receiver's ``Envelope.digest`` once verified):
+    the same message bytes always have the same digest, whoever seals them and when."""
 
     envelope: bytes
     message: Encoded
+    digest: bytes = b""
 
     @property
     def size(self) -> int:
@@ -156,18 +159,19 @@ def seal(
         )
     if not math.isfinite(now):
         raise LocalProtocolError(f"timestamp {now} is not finite")
+    digest = digest_parts(encoded.parts)
     fields = [
         ENVELOPE_VERSION,
         signer.public_key,
         float(now),
         bytes(nonce),
-        digest_parts(encoded.parts),
+        digest,
         encoded.size,
         bytes(recipient),
     ]
     signed = msgpack.packb(fields, use_bin_type=True)
     envelope = msgpack.packb([signed, signer.sign(DOMAIN + signed)], use_bin_type=True)
-    return Sealed(envelope=envelope, message=encoded)
+    return Sealed(envelope=envelope, message=encoded, digest=digest)
 
 
 # ── opening ──────────────────────────────────────────────────────────────────────────────────

@@ -287,3 +287,24 @@ async def test_a_lowered_quorum_waits_out_the_grace_window_before_closing() -> N
     clock.advance(0.5)
     await owner.tick()
     assert owner.version == 1 and owner.merges == ["grace window elapsed with 2/1 contributions"]
+
+
+async def test_receive_answers_before_the_merge_it_completes_and_reused_buffers_merge_right() -> None:
+    """``receive`` acknowledges the contribution that completes a round at once and merges in the
+    background; the next round decodes into the buffers the first one freed, and both merges
+    give exactly what ``contribute`` gives."""
+    _, shapes, _, theta0, owner = _setup(quorum=1)
+    await owner.set_expected(2)
+    first, second = torch.full_like(theta0, 0.25), torch.linspace(-0.5, 0.5, theta0.numel())
+    assert (await owner.receive(A, contribution(first, shapes[0], owner=owner))).accepted
+    ack = await owner.receive(B, contribution(first, shapes[0], owner=owner))
+    assert ack.accepted and "all 2/2 expected contributions in" in ack.reason
+    assert owner.version == 0  # answered before the merge ran
+    await owner.settled()
+    assert owner.version == 1 and torch.equal(owner.theta, theta0 - first)
+    for who in (A, B):
+        await owner.receive(who, contribution(second, shapes[0], base_version=1, owner=owner))
+    await owner.settled()
+    assert owner.version == 2 and torch.allclose(owner.theta, theta0 - first - second, atol=1e-6)
+    _, flat2, _ = _opened_state(owner.latest.tobytes(), shapes[0])
+    assert torch.equal(flat2, owner.theta)  # the published bytes are the merged state
