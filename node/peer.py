@@ -430,7 +430,7 @@ class PeerNode(OwnerHandoffs):
             # its final versions may already be out: a late contribution would fork the model
             return Ack(accepted=False, version=owner.version,
                        reason=f"peer {opened.peer_id.hex()[:8]} has stopped learning; contribution not merged")
-        return await owner.contribute(opened.peer_id, msg)
+        return await owner.receive(opened.peer_id, msg)  # answered before the merge it completes
 
     def _fragment_owner(self, request: web.Request) -> FragmentOwner:
         try:
