@@ -58,6 +58,7 @@ class RunConfig:
     adopt_alpha: float = 0.0
     hold_versions: int = 0  # 1: adopt a trained fragment's new version only once it has shipped
     max_tokens_per_step: int = 0  # the most tokens a contribution may claim per inner step
+    spread_fanout: int = 2  # uploads of each version per holder before it points learners at others
     # --- evaluation and reporting ------------------------------------------------------------
     eval_every: int = 100
     eval_batches: int = 8
@@ -92,6 +93,8 @@ class RunConfig:
             problems.append(f"--mode must be decoupled, sync or ddp, got {self.mode!r}")
         if self.quorum < 1:
             problems.append(f"--quorum must be >= 1, got {self.quorum}")
+        if not 0 <= self.spread_fanout <= 64:
+            problems.append(f"--spread-fanout must be 0..64 (0: owners serve every learner), got {self.spread_fanout}")
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -149,6 +152,10 @@ _HELP = {
     "adopt_alpha": "adoption blend: theta <- alpha*theta + (1-alpha)*global (0 = overwrite)",
     "max_tokens_per_step": "the most tokens a learner may claim per inner step; the merge clamps "
                            "to it (0: batch size x the model's context length)",
+    "spread_fanout": "versions spread peer to peer: an owner (and every learner holding a version) uploads "
+                     "each version to this many learners and points the others at them, so an owner's "
+                     "upload per version stays bounded however many learners there are (0: owners "
+                     "serve every learner themselves)",
     "eval_every": "inner steps between held-out evaluations",
     "eval_batches": "held-out batches per evaluation",
     "overlap_block": "measure overlap: alternate blocks of N steps trained alone and in the swarm (0: off)",

@@ -46,6 +46,7 @@ from node.diloco.island import Island, Outgoing
 from node.diloco.learner import IslandNet
 from node.diloco.owner import FragmentOwner
 from node.diloco.replica import ReplicaStore
+from node.diloco.spread import Holdings, SpreadStats, answer, requester
 from node.state.owner_checkpoint import OwnerCheckpoints
 from node.state.serve import ManifestCache, serve_manifest, serve_sealed, state_etag
 from node.state.sync import SyncFailed, sync_fragments
@@ -57,6 +58,7 @@ from node.wire.transport import Busy, LinkEmulator, LinkProfile, Transport
 from protocol.diloco.fragments import FragmentPlan
 from protocol.diloco.merge import MergeConfig
 from protocol.diloco.outer import OuterConfig
+from protocol.diloco.spread import Fanout, Serve
 from protocol.errors import DecodeError, NotAuthorized, UnknownFragment
 from protocol.wire.messages import Ack, Contribution, ReplicaState
 from protocol.wire.signing import Opened, ReplayWindow, Signer
@@ -138,6 +140,9 @@ class PeerNode(OwnerHandoffs):
             credentials.install(self.transport)
         self.model_bytes_served: collections.Counter[str] = collections.Counter()  # key hex -> bytes
         self._long_polls: collections.Counter[str] = collections.Counter()  # poller -> long-polls held
+        self.spread = SpreadStats()  # versions spread peer to peer (``node.diloco.spread``)
+        self._fanouts: dict[int, Fanout] = {}  # fragment -> this owner's serve-or-point decisions
+        self.holdings = Holdings(len(plan.fragments), self.transport.pool, fanout=cfg.spread_fanout)
         self.rpc = RpcServer(self.transport, signer, authorize=self._authorize)
         self.router = DHTRouter(self.transport)
         self.dht: DHTNode | None = None
@@ -182,6 +187,7 @@ class PeerNode(OwnerHandoffs):
         self._seen_learning: set[bytes] = set()  # sync modes: every learner seen, and those done
         self._finished: set[bytes] = set()
         self.unreplicated = 0  # versions published with no replica reachable
+        self.replica_bytes = 0  # tensor bytes handed to replicas (an owner's upload besides versions)
         self.announce_versions = False  # a launcher counts every published version (and content)
         app = self.transport.app
         app.router.add_get("/v1/fragments/{p}/{kind}", self._on_fetch)
@@ -358,6 +364,8 @@ class PeerNode(OwnerHandoffs):
 
     def _published(self, fragment: int, version: int, digest: bytes) -> None:
         owner = self.owners.get(fragment)
+        if owner is not None:
+            self.spread.published_bytes += owner.latest.size
         if owner is not None:  # once retired, this peer refuses another content for this version
             self.replicas.fence(fragment, owner.epoch, version, digest)
             if self.owner_checkpoints is not None:
@@ -443,8 +451,10 @@ class PeerNode(OwnerHandoffs):
         return owner
 
     async def _on_fetch(self, request: web.Request) -> web.StreamResponse:
-        owner = self._fragment_owner(request)
         kind = request.match_info["kind"]
+        if kind == "held":  # any peer re-serves the versions it fetched (signed by their owners)
+            return await self._on_held(request)
+        owner = self._fragment_owner(request)
         if kind == "latest":
             self._count_served(request, owner.latest.size)
             return await serve_sealed(request, self.transport, owner.latest,
@@ -466,8 +476,41 @@ class PeerNode(OwnerHandoffs):
                 del self._long_polls[who]
         if sealed is None:
             return web.Response(status=204)
-        self._count_served(request, sealed.size)
-        return await self.transport.stream_reply(request, sealed.iter_chunks(), sealed.size)
+        decision: Any = Serve("final versions are served to every learner")
+        asker = requester(request, self._member_url)
+        if kind == "next" and asker != self.signer.peer_id:
+            fanout = self._fanouts.setdefault(owner.fragment.index, Fanout(self.cfg.spread_fanout))
+            decision = fanout.decide(owner.version, asker, fallback=request.query.get("fallback") == "1")
+        if isinstance(decision, Serve):
+            self._count_served(request, sealed.size)
+            if asker != self.signer.peer_id:  # our own learner's fetch never leaves the machine
+                self.spread.owner_bytes += sealed.size
+        return await answer(request, self.transport, decision, sealed.iter_chunks, sealed.size, self.spread)
+
+    async def _on_held(self, request: web.Request) -> web.StreamResponse:
+        try:
+            p = int(request.match_info["p"])
+        except ValueError:
+            raise web.HTTPBadRequest(text="fragment index must be an integer") from None
+        after, wait_s = _long_poll_query(request)
+        who = self._poller(request)
+        if self._long_polls[who] >= self._long_poll_cap(who):
+            raise Busy(f"{self._long_polls[who]} long-polls from {who[:24]} are held already; retry later")
+        self._long_polls[who] += 1
+        try:
+            return await self.holdings.serve(request, self.transport, p, after, wait_s,
+                                             requester(request, self._member_url), self.spread)
+        finally:
+            self._long_polls[who] -= 1
+            if self._long_polls[who] <= 0:
+                del self._long_polls[who]
+
+    def _member_url(self, peer_id: bytes) -> str | None:
+        """The address of a reachable member (None for anyone else): where holders are fetched from."""
+        member = self.membership.members.get(peer_id) if self.membership is not None else None
+        if member is None or not member.record.url or not member.record.reachable:
+            return None
+        return member.record.url
 
     @staticmethod
     def _poller(request: web.Request) -> str:
@@ -559,6 +602,7 @@ class PeerNode(OwnerHandoffs):
             if self.membership else {},
             "admission": self.credentials.status() if self.credentials else None,
             "model_bytes_served": dict(self.model_bytes_served),
+            "spread": self.spread.as_dict(),
             "dht_records_by_signer": self._records_by_signer(),
             "version_jumps_refused": self.net.stats.version_jumps if self.net else 0,
             "owners": owners,
@@ -599,7 +643,8 @@ class PeerNode(OwnerHandoffs):
                              owner_of=self.owner_of, codec=self.cfg.codec, block_size=self.cfg.block_size,
                              on_unreachable=self._unreachable, tamper=self.tamper,
                              created=cred.manifest.created if cred is not None else None,
-                             initial=self.initial_global)
+                             initial=self.initial_global, holdings=self.holdings, url_of=self._member_url,
+                             spread=self.spread)
         for p, version in enumerate(island.versions):  # resumed: state sync fetches only newer ones
             if version > 0:
                 self.net.remember(p, version, island.global_flat[p])

@@ -18,6 +18,7 @@ the others), with inner-optimizer moments reset where they are not finite.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import os
 import time
@@ -30,6 +31,7 @@ import torch
 
 from node.diloco.flat import content_hash, flat_digest, flat_from_tensors
 from node.diloco.island import Island, Outgoing
+from node.diloco.spread import POINTER_STATUS, Holdings, SpreadStats, parse_pointer
 from node.wire.transport import LinkDropped, Transport
 from protocol.diloco.compression import compress
 from protocol.diloco.versions import MAX_ROUNDS_PER_S, version_jump_reason
@@ -44,6 +46,8 @@ __all__ = ["IslandNet", "LearnerStats"]
 log = logging.getLogger(__name__)
 
 DIGESTS_KEPT = 8  # versions per fragment whose state digest a learner remembers
+HOLDERS_TRIED = 8  # holders asked for one version (pointers followed) before asking the owner again
+HOLDER_WAIT_S = 10.0  # how long a holder may take to have the version it was named for
 
 
 @dataclass
@@ -82,7 +86,14 @@ class IslandNet:
         created: float | None = None,
         max_rounds_per_s: float = MAX_ROUNDS_PER_S,
         initial: Sequence[torch.Tensor] | None = None,
+        holdings: Holdings | None = None,
+        url_of: Callable[[bytes], str | None] | None = None,
+        spread: SpreadStats | None = None,
     ) -> None:
+        # versions spread peer to peer: what we fetched is kept for others (``holdings``), and an
+        # owner's pointer names holders by id, whose addresses ``url_of`` looks up in our own view
+        self.holdings, self.url_of = holdings, url_of
+        self.spread = spread if spread is not None else SpreadStats()
         self.wall_clock, self.tamper = wall_clock, tamper
         # the version fence: the swarm's creation time (from its manifest) and the top merge rate
         self.created, self.max_rounds_per_s = created, max_rounds_per_s
@@ -336,11 +347,67 @@ class IslandNet:
             owner_id, "GET", f"{url}/v1/fragments/{p}/{kind}?after={after}&wait={wait_s}",
             timeout_s=wait_s + 30, max_reply=self.max_message,
         )
+        if status == POINTER_STATUS:  # the owner served its share: fetch from the holders it names
+            try:
+                holders = parse_pointer(memoryview(buf)[:used])
+            finally:
+                self.transport.pool.give(buf)
+            got = await self._from_holders(p, owner_id, after, holders)
+            if got is not None:
+                return got
+            self.spread.fallbacks_asked += 1
+            status, buf, used, _ = await self._request(
+                owner_id, "GET", f"{url}/v1/fragments/{p}/next?after={after}&wait=0&fallback=1",
+                timeout_s=30, max_reply=self.max_message,
+            )
+        return await self._accept(p, owner_id, status, buf, used, after=after, final=final)
+
+    async def _from_holders(self, p: int, owner_id: bytes, after: int,
+                            holders: list[bytes]) -> tuple[int, torch.Tensor] | None:
+        """Fragment ``p``'s first version above ``after`` from the holders named (and those they
+        point at, in order), checked as the owner's; None when none served one."""
+        queue, tried = collections.deque(holders), {self.signer.peer_id, owner_id}
+        while queue and len(tried) < HOLDERS_TRIED + 2:
+            holder = queue.popleft()
+            url = self.url_of(holder) if self.url_of is not None and holder not in tried else None
+            tried.add(holder)
+            if url is None:
+                continue
+            try:
+                status, buf, used, _ = await self._request(
+                    holder, "GET", f"{url}/v1/fragments/{p}/held?after={after}&wait={HOLDER_WAIT_S}",
+                    timeout_s=HOLDER_WAIT_S + 30, max_reply=self.max_message,
+                )
+            except (aiohttp.ClientError, LinkDropped, TimeoutError, OSError) as exc:
+                log.debug("holder %s of fragment %d failed: %r", holder.hex()[:8], p, exc)
+                continue
+            try:
+                if status == POINTER_STATUS:
+                    try:
+                        queue.extendleft(reversed(parse_pointer(memoryview(buf)[:used])))
+                    finally:
+                        self.transport.pool.give(buf)
+                    continue
+                got = await self._accept(p, owner_id, status, buf, used, after=after, final=False)
+            except RemoteProtocolError as exc:
+                self.spread.bad_from_holders += 1
+                log.warning("holder %s served fragment %d badly: %s", holder.hex()[:8], p, exc)
+                continue
+            if got is not None:
+                self.spread.from_holders += 1
+                return got
+        return None
+
+    async def _accept(self, p: int, owner_id: bytes, status: int, buf: bytearray, used: int, *,
+                      after: int, final: bool) -> tuple[int, torch.Tensor] | None:
+        """Check a fetched version of fragment ``p`` as ``owner_id``'s (whoever sent it) and
+        decode it; keep its bytes for others. Raises ``RemoteProtocolError``."""
+        kept = False
         try:
             if status == 204:
                 return None
             if status != 200:
-                raise RemoteProtocolError(f"owner answered {status} for fragment {p}")
+                raise RemoteProtocolError(f"answered {status} for fragment {p}")
             opened = verify_sealed(memoryview(buf)[:used], max_size=self.max_message)
             state = opened.message
             if opened.peer_id != owner_id:
@@ -357,8 +424,12 @@ class IslandNet:
                 log.warning("fragment %d: refused a version from %s: %s", p, owner_id.hex()[:8], jump)
                 raise RemoteProtocolError(f"fragment {p}: {jump}")
             flat, digest = await asyncio.to_thread(self._decode_state, state.tensors, p)
+            if self.holdings is not None:
+                await self.holdings.put(p, state.version, buf, used)
+                kept = True
         finally:
-            self.transport.pool.give(buf)
+            if not kept:
+                self.transport.pool.give(buf)
         self.digests[p][state.version] = digest
         self.stats.versions_received += 1
         return state.version, flat

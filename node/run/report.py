@@ -69,9 +69,30 @@ def build_report(config: dict[str, Any], peers: list[dict[str, Any]], wall_s: fl
         ],
         "eval_curve_global": reference.get("eval_curve_global", []),
     }
+    report["spread"] = spread_summary(peers)
     if report["bytes_sent"]:
         report["bandwidth_reduction_vs_ddp"] = report["bytes_sent_ddp_equivalent"] / report["bytes_sent"]
     return report
+
+
+def spread_summary(peers: list[dict[str, Any]]) -> dict[str, Any]:
+    """How versions reached the learners: per peer, its uploads of versions as owner (plus the
+    state it handed its replicas) per byte it published (``owner_upload_per_published``: 1.0 is
+    one upload of each version), what it re-served as a holder, and the swarm's pointers and
+    fallbacks."""
+    per_peer, worst = {}, 0.0
+    for p in peers:
+        s = p.get("spread") or {}
+        published = int(s.get("published_bytes", 0))
+        owner = int(s.get("owner_bytes", 0)) + int(p.get("replica_bytes", 0))
+        ratio = owner / published if published else None
+        worst = max(worst, ratio or 0.0)
+        per_peer[str(p["index"])] = {"published_bytes": published, "owner_upload_bytes": owner,
+                                     "owner_upload_per_published": ratio,
+                                     "held_bytes": int(s.get("held_bytes", 0))}
+    total = {k: sum(int((p.get("spread") or {}).get(k, 0)) for p in peers)
+             for k in ("pointers", "refused", "fallbacks_asked", "from_holders", "bad_from_holders")}
+    return {"per_peer": per_peer, "max_owner_upload_per_published": worst, **total}
 
 
 def write_report(report: dict[str, Any], path: Path) -> Path:

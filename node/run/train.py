@@ -336,6 +336,8 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
         "contributions_refused": net.stats.contributions_refused, "remote_errors": node.rpc.error_count,
         "merges": {p: o.merges[-3:] for p, o in node.owners.items()},
         "penalties": node.penalties(),  # as an owner: per sender, what the merge's bounds did
+        "spread": node.spread.as_dict(),  # versions uploaded as owner / holder, pointers, fallbacks
+        "replica_bytes": node.replica_bytes,
         "attack": opts.attack,
     }
     say("done", index=index, result=result)

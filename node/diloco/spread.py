@@ -1,0 +1,172 @@
+"""Versions spread peer to peer: the I/O around ``protocol.diloco.spread``.
+
+Holder side: ``Holdings`` keeps, per fragment, the newest sealed version this peer fetched, as
+the very bytes the owner signed (the pooled receive buffer itself, not a copy), and serves it at
+``GET /v1/fragments/{p}/held?after=A&wait=W`` (``serve_held``): it waits up to W for a version
+above A, then asks its ``Fanout`` whether to upload it or to point the requester at the peers it
+served. A buffer being streamed is given back to the pool only once its last reader is done.
+
+Owner side: ``answer`` turns a ``Fanout`` decision for a version the owner publishes into the
+reply: the sealed bytes, a pointer (303, a msgpack list of at most ``MAX_POINTERS`` peer ids;
+never addresses: the learner looks the ids up in its own view of the members, so a hostile
+holder cannot aim learners at an arbitrary address), or 429.
+
+Learner side: ``parse_pointer`` reads a pointer strictly; ``IslandNet.fetch`` tries the holders
+in order, follows their pointers (bounded), checks that the owner signed what it got, and falls
+back to the owner with ``fallback=1`` when none served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import msgpack
+from aiohttp import web
+
+from node.wire.admission import ADMITTED
+from node.wire.transport import BufferPool, Transport
+from protocol.diloco.spread import MAX_POINTERS, Fanout, PointTo, Refuse, SpreadDecision
+from protocol.errors import DecodeError
+from protocol.ids import ID_BYTES, peer_id_from_public_key
+from protocol.wire.codec import chunk_views
+
+__all__ = ["POINTER_STATUS", "Holdings", "SpreadStats", "answer", "encode_pointer", "parse_pointer", "requester"]
+
+log = logging.getLogger(__name__)
+
+POINTER_STATUS = 303  # "See Other": fetch this version from the holders named in the body
+MAX_POINTER_BODY = 16 + MAX_POINTERS * (ID_BYTES + 4)
+MAX_HELD_WAIT_S = 15.0
+
+
+@dataclass
+class SpreadStats:
+    """What this peer uploaded of versions, and how it spread them."""
+
+    owner_bytes: int = 0  # versions uploaded as their owner (next, final, latest)
+    held_bytes: int = 0  # versions re-served as a holder
+    pointers: int = 0  # requests pointed at other holders (owner and holder side)
+    refused: int = 0  # requests refused (their share of a version was spent)
+    fallbacks_asked: int = 0  # learner side: the holders failed, the owner was asked again
+    from_holders: int = 0  # learner side: versions fetched from a holder, not the owner
+    bad_from_holders: int = 0  # learner side: a holder served bytes that failed the checks
+    published_bytes: int = 0  # owner side: sealed size of every version published
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+def encode_pointer(holders: tuple[bytes, ...]) -> bytes:
+    return msgpack.packb([bytes(h) for h in holders[:MAX_POINTERS]], use_bin_type=True)
+
+
+def parse_pointer(body: memoryview | bytes) -> list[bytes]:
+    """The peer ids a pointer names. Raises ``DecodeError`` for anything but a short list of ids."""
+    if len(body) > MAX_POINTER_BODY:
+        raise DecodeError(f"pointer of {len(body)} bytes (at most {MAX_POINTER_BODY})")
+    try:
+        ids = msgpack.unpackb(bytes(body), raw=False, strict_map_key=True, max_bin_len=ID_BYTES,
+                              max_array_len=MAX_POINTERS, max_str_len=0, max_map_len=0, max_ext_len=0)
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+        raise DecodeError(f"malformed pointer: {exc}") from None
+    if not isinstance(ids, list) or not all(isinstance(i, bytes) and len(i) == ID_BYTES for i in ids):
+        raise DecodeError(f"a pointer is a list of at most {MAX_POINTERS} {ID_BYTES}-byte peer ids")
+    return ids
+
+
+def requester(request: web.Request, url_of: Callable[[bytes], str | None]) -> bytes | None:
+    """The peer id of a request's signer when it is a member others can fetch from, else None."""
+    admitted = request.get(ADMITTED)
+    if admitted is None or not admitted.public_key:
+        return None
+    peer_id = peer_id_from_public_key(admitted.public_key)
+    return peer_id if url_of(peer_id) else None
+
+
+async def answer(request: web.Request, transport: Transport, decision: SpreadDecision,
+                 chunks: Callable[[], Iterator[memoryview]], size: int, stats: SpreadStats) -> web.StreamResponse:
+    """The reply a ``Fanout`` decision calls for (``chunks`` streams the version when served)."""
+    if isinstance(decision, PointTo):
+        stats.pointers += 1
+        return web.Response(status=POINTER_STATUS, body=encode_pointer(decision.holders),
+                            content_type="application/msgpack")
+    if isinstance(decision, Refuse):
+        stats.refused += 1
+        log.info("version refused to %s: %s", request.remote, decision.reason)
+        return web.json_response({"error": "Busy", "reason": decision.reason}, status=429)
+    return await transport.stream_reply(request, chunks(), size)
+
+
+@dataclass
+class _Held:
+    version: int
+    buf: bytearray
+    used: int
+    readers: int = 0
+    replaced: bool = False
+
+
+class Holdings:
+    """The newest sealed version of each fragment this peer fetched, served to other learners."""
+
+    def __init__(self, fragments: int, pool: BufferPool, *, fanout: int) -> None:
+        self.pool = pool
+        self._held: list[_Held | None] = [None] * fragments
+        self.fanouts = [Fanout(fanout) for _ in range(fragments)]
+        self._changed = asyncio.Condition()
+        self.serving: collections.Counter[int] = collections.Counter()  # fragment -> streams under way
+
+    def version(self, p: int) -> int | None:
+        held = self._held[p]
+        return None if held is None else held.version
+
+    async def put(self, p: int, version: int, buf: bytearray, used: int) -> None:
+        """Keep ``buf[:used]`` (verified, owner-signed) as fragment ``p``'s ``version``; this takes
+        the buffer over (an older or equal version is given straight back to the pool)."""
+        old = self._held[p]
+        if old is not None and version <= old.version:
+            self.pool.give(buf)
+            return
+        self._held[p] = _Held(version, buf, used)
+        if old is not None:
+            old.replaced = True
+            self._release(old)
+        async with self._changed:
+            self._changed.notify_all()
+
+    def _release(self, held: _Held) -> None:
+        if held.replaced and held.readers == 0:
+            self.pool.give(held.buf)
+
+    async def wait_after(self, p: int, after: int, wait_s: float) -> _Held | None:
+        async with self._changed:
+            try:
+                async with asyncio.timeout(min(wait_s, MAX_HELD_WAIT_S)):
+                    await self._changed.wait_for(lambda: (h := self._held[p]) is not None and h.version > after)
+            except TimeoutError:
+                return None
+        return self._held[p]
+
+    async def serve(self, request: web.Request, transport: Transport, p: int, after: int, wait_s: float,
+                    who: bytes | None, stats: SpreadStats) -> web.StreamResponse:
+        """Answer ``GET /v1/fragments/{p}/held``: 204 when nothing above ``after`` came in time."""
+        if not 0 <= p < len(self._held):
+            raise web.HTTPNotFound(text=f"no fragment {p}")
+        held = await self.wait_after(p, after, wait_s)
+        if held is None:
+            return web.Response(status=204)
+        decision = self.fanouts[p].decide(held.version, who)
+        held.readers += 1
+        try:
+            resp = await answer(request, transport, decision,
+                                lambda: chunk_views([memoryview(held.buf)[:held.used]], 1 << 20), held.used, stats)
+        finally:
+            held.readers -= 1
+            self._release(held)
+        if resp.status == 200:
+            stats.held_bytes += held.used
+        return resp

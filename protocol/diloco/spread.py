@@ -1,0 +1,136 @@
+"""Versions spread peer to peer: each holder uploads a version a bounded number of times.
+
+Theory of operation. An owner seals each global version once, and the signature makes the bytes
+the owner's whoever re-serves them (``protocol.wire.signing``: the envelope signs the message's
+hash). So an owner need not upload every version to every learner. ``Fanout`` is the decision a
+holder of a version (its owner, or any learner that fetched it) makes for each request: serve its
+first ``fanout`` requesters itself, and point every later one at those, round robin. The peers it
+pointed at do the same with the requesters pointed at them, so a version reaches n learners
+through a ``fanout``-ary tree of depth about log_fanout(n), and no peer uploads it more than
+``fanout`` times, whatever n is (plus the bounded fallbacks below).
+
+A pointer is a hint, never a trust decision: the learner still checks that the owner signed what
+a holder serves. A holder that does not serve within the learner's wait (gone, slow or hostile)
+costs one wait; the learner then asks the owner again with ``fallback``, which the owner grants
+each requester once per version. So a hostile learner that always claims a fallback costs the
+owner at most the one upload per learner and version it cost before versions spread; and a
+hostile holder can delay a version for the learners pointed at it by one wait, never change it.
+
+Only requesters that can be reached (a member with an address: ``requester`` given) are served
+as holders-to-be; an anonymous requester is pointed at holders when there are some, and served
+otherwise (it cannot pass the version on).
+
+Pure logic: versions are ints, peers are ids; the node maps ids to addresses and serves bytes.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+__all__ = ["Fanout", "PointTo", "Refuse", "Serve", "SpreadDecision"]
+
+MAX_POINTERS = 4  # holders named in one pointer (the learner tries them in order)
+REPEATS_ALLOWED = 1  # direct serves of one version a requester may ask for again (a broken download)
+
+
+@dataclass(frozen=True, slots=True)
+class Serve:
+    """Upload the version to this requester."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class PointTo:
+    """Tell the requester to fetch the version from these holders, in this order."""
+
+    holders: tuple[bytes, ...]
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Refuse:
+    """Neither serve nor point: the requester had its share of this version (a 429)."""
+
+    reason: str
+
+
+SpreadDecision = Serve | PointTo | Refuse
+
+
+@dataclass
+class _Version:
+    served: list[bytes] = field(default_factory=list)  # holders-to-be served directly, in order
+    asked: collections.Counter[bytes] = field(default_factory=collections.Counter)  # direct serves per requester
+    fallbacks: set[bytes] = field(default_factory=set)
+    pointed: int = 0
+    anonymous: int = 0
+
+
+class Fanout:
+    """Serve-or-point decisions of one holder for one fragment's versions.
+
+    ``fanout`` >= 1: direct uploads per version to reachable requesters before pointing; 0 turns
+    spreading off (every request is served, as an owner did before). ``versions_kept``: how many
+    recent versions' bookkeeping is kept (older ones start afresh, which only allows more serves).
+    """
+
+    def __init__(self, fanout: int, *, versions_kept: int = 4) -> None:
+        if fanout < 0:
+            raise ValueError(f"fanout must be >= 0 (0 turns spreading off), got {fanout}")
+        if versions_kept < 1:
+            raise ValueError(f"versions_kept must be >= 1, got {versions_kept}")
+        self.fanout, self.versions_kept = fanout, versions_kept
+        self._versions: collections.OrderedDict[int, _Version] = collections.OrderedDict()
+        self.served = 0  # direct uploads decided, all versions
+        self.pointed = 0  # pointers given, all versions
+
+    def decide(self, version: int, requester: bytes | None, *, fallback: bool = False) -> SpreadDecision:
+        """What to do with a request for ``version``. ``requester``: the id of a reachable
+        member (None for one that cannot serve others); ``fallback``: the requester says the
+        holders it was pointed at failed it."""
+        if self.fanout == 0:
+            return self._serve("spreading is off: every learner is served")
+        state = self._state(version)
+        if requester is not None and fallback:
+            if requester in state.fallbacks:
+                return Refuse(f"version {version}: a fallback was served to this peer already; "
+                              "wait for the next version")
+            state.fallbacks.add(requester)
+            return self._serve(f"version {version}: fallback {len(state.fallbacks)} (pointed holders failed)")
+        if requester is not None and requester in state.asked:
+            if state.asked[requester] > REPEATS_ALLOWED:
+                return self._point(state, version, requester, "asked again past its repeats")
+            state.asked[requester] += 1
+            return self._serve(f"version {version}: served again (a repeat of a direct serve)")
+        if requester is not None and len(state.served) < self.fanout:
+            state.served.append(requester)
+            state.asked[requester] = 1
+            return self._serve(f"version {version}: direct serve {len(state.served)}/{self.fanout}")
+        if not state.served:
+            state.anonymous += 1
+            return self._serve(f"version {version}: no holder yet; anonymous serve {state.anonymous}")
+        return self._point(state, version, requester, f"{len(state.served)}/{self.fanout} direct serves done")
+
+    def _serve(self, reason: str) -> Serve:
+        self.served += 1
+        return Serve(reason)
+
+    def _point(self, state: _Version, version: int, requester: bytes | None, why: str) -> SpreadDecision:
+        holders = [h for h in state.served if h != requester]
+        if not holders:
+            return Refuse(f"version {version}: no other holder to point at ({why})")
+        start = state.pointed % len(holders)
+        state.pointed += 1
+        self.pointed += 1
+        ordered = tuple((holders[start:] + holders[:start])[:MAX_POINTERS])
+        return PointTo(ordered, f"version {version}: pointed at {len(ordered)} holder(s) ({why})")
+
+    def _state(self, version: int) -> _Version:
+        state = self._versions.get(version)
+        if state is None:
+            state = self._versions[version] = _Version()
+            while len(self._versions) > self.versions_kept:
+                self._versions.popitem(last=False)
+        return state

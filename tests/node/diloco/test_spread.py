@@ -1,0 +1,180 @@
+"""A learner fetching versions peer to peer (``IslandNet.fetch`` with pointers, ``Holdings``),
+against in-memory peers: what a holder serves counts only when the fragment's owner signed it,
+pointers name peer ids (never addresses), and when the holders fail the owner is asked again."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import msgpack
+import pytest
+import torch
+
+from node.diloco.island import Island, IslandConfig
+from node.diloco.learner import IslandNet
+from node.diloco.spread import POINTER_STATUS, Holdings, encode_pointer, parse_pointer
+from protocol.errors import DecodeError, RemoteProtocolError
+from protocol.wire.messages import FragmentState
+from protocol.wire.signing import verify_sealed
+from tests.node.fakes import (
+    SWARM,
+    FakeClock,
+    MemoryTransport,
+    flat_of,
+    make_owner,
+    sealed_bytes,
+    shapes_of,
+    signer,
+    tiny_model,
+    tiny_plan,
+)
+
+OWNER, HOLDER, HOLDER2, ME = signer(1), signer(2), signer(3), signer(7)
+URLS = {OWNER.peer_id: "http://owner.test", HOLDER.peer_id: "http://holder.test",
+        HOLDER2.peer_id: "http://holder2.test"}
+
+
+@dataclasses.dataclass
+class FakePeer:
+    """Answers GETs for fragment versions: ``next`` from the owner (a pointer unless
+    ``fallback=1``), ``held`` from a holder (the bytes it holds, or a pointer)."""
+
+    version: bytes = b""  # what ``next`` (with fallback) or ``held`` serves
+    pointer: list[bytes] | None = None  # answer with a pointer to these ids instead
+    raw_pointer: bytes | None = None
+    asked: list[str] = dataclasses.field(default_factory=list)
+
+    async def handle(self, method: str, path: str, query: dict[str, str], body: bytes) -> tuple[int, bytes]:
+        kind = path.rsplit("/", 1)[-1]
+        self.asked.append(kind + ("+fallback" if query.get("fallback") == "1" else ""))
+        if self.raw_pointer is not None:
+            return POINTER_STATUS, self.raw_pointer
+        if self.pointer is not None and query.get("fallback") != "1":
+            return POINTER_STATUS, encode_pointer(tuple(self.pointer))
+        return (200, self.version) if self.version else (204, b"")
+
+
+class Rig:
+    def __init__(self) -> None:
+        model = tiny_model()
+        plan = tiny_plan(model)
+        self.shapes = shapes_of(model, plan)
+        self.owner = make_owner(plan, self.shapes, 0, flat_of(model, plan, 0), FakeClock(), who=OWNER)
+        self.signed = self.owner.latest.tobytes()  # version 0, sealed by the owner
+        island = Island(model, torch.optim.AdamW(model.parameters()), plan, lambda _o: None,
+                        IslandConfig(inner_steps=4))
+        self.transport = MemoryTransport()
+        self.peers = {pid: FakePeer() for pid in URLS}
+        for pid, url in URLS.items():
+            self.transport.add(url, self.peers[pid])  # type: ignore[arg-type]
+        self.holdings = Holdings(len(plan.fragments), self.transport.pool, fanout=2)  # type: ignore[arg-type]
+        self.net = IslandNet(island, self.transport, ME, swarm=SWARM, shapes=self.shapes,  # type: ignore[arg-type]
+                             owner_of=lambda p: (OWNER.peer_id, URLS[OWNER.peer_id]),
+                             holdings=self.holdings, url_of=URLS.get)
+
+    def forged(self) -> bytes:
+        """The same state, sealed by the holder instead of the owner."""
+        state = verify_sealed(memoryview(self.signed), max_size=1 << 24).message
+        assert isinstance(state, FragmentState)
+        return sealed_bytes(state, HOLDER)
+
+
+async def test_a_pointed_learner_takes_the_owners_version_from_a_holder_and_keeps_it() -> None:
+    rig = Rig()
+    rig.peers[OWNER.peer_id].pointer = [HOLDER.peer_id]
+    rig.peers[HOLDER.peer_id].version = rig.signed
+    got = await rig.net.fetch(0, after=-1, wait_s=0.0)
+    assert got is not None and got[0] == 0
+    assert torch.equal(got[1], rig.owner.theta)
+    assert rig.net.spread.from_holders == 1 and rig.net.spread.fallbacks_asked == 0
+    assert rig.peers[OWNER.peer_id].asked == ["next"] and rig.peers[HOLDER.peer_id].asked == ["held"]
+    assert rig.holdings.version(0) == 0  # kept, to serve the learners pointed at us
+
+
+async def test_a_version_a_holder_signed_itself_is_refused_and_the_owner_asked_again() -> None:
+    rig = Rig()
+    rig.peers[OWNER.peer_id].pointer = [HOLDER.peer_id]
+    rig.peers[OWNER.peer_id].version = rig.signed
+    rig.peers[HOLDER.peer_id].version = rig.forged()
+    got = await rig.net.fetch(0, after=-1, wait_s=0.0)
+    assert got is not None and torch.equal(got[1], rig.owner.theta)
+    assert rig.net.spread.bad_from_holders == 1 and rig.net.spread.fallbacks_asked == 1
+    assert rig.peers[OWNER.peer_id].asked == ["next", "next+fallback"]
+
+
+async def test_pointers_are_followed_from_holder_to_holder() -> None:
+    rig = Rig()
+    rig.peers[OWNER.peer_id].pointer = [HOLDER.peer_id]
+    rig.peers[HOLDER.peer_id].pointer = [HOLDER2.peer_id, OWNER.peer_id]  # the owner is never asked as a holder
+    rig.peers[HOLDER2.peer_id].version = rig.signed
+    got = await rig.net.fetch(0, after=-1, wait_s=0.0)
+    assert got is not None and rig.net.spread.from_holders == 1
+    assert rig.peers[HOLDER2.peer_id].asked == ["held"] and rig.peers[OWNER.peer_id].asked == ["next"]
+
+
+async def test_ids_the_learner_does_not_know_are_skipped_for_the_owner() -> None:
+    rig = Rig()
+    stranger = signer(50).peer_id
+    rig.peers[OWNER.peer_id].pointer = [stranger]
+    rig.peers[OWNER.peer_id].version = rig.signed
+    got = await rig.net.fetch(0, after=-1, wait_s=0.0)
+    assert got is not None and rig.net.spread.fallbacks_asked == 1 and rig.net.spread.from_holders == 0
+
+
+async def test_a_holder_that_serves_nothing_costs_one_ask_then_the_owner_serves() -> None:
+    rig = Rig()
+    rig.peers[OWNER.peer_id].pointer = [HOLDER.peer_id]
+    rig.peers[OWNER.peer_id].version = rig.signed
+    rig.transport.down.add(URLS[HOLDER.peer_id])
+    got = await rig.net.fetch(0, after=-1, wait_s=0.0)
+    assert got is not None and rig.net.spread.fallbacks_asked == 1
+
+
+@pytest.mark.parametrize("body", [b"\x92\xa1x", msgpack.packb([b"short"]), b"\xff" * 400,
+                                  msgpack.packb([bytes(32)] * 9)])
+def test_malformed_pointers_are_refused(body: bytes) -> None:
+    with pytest.raises(DecodeError):
+        parse_pointer(body)
+
+
+async def test_a_malformed_pointer_from_the_owner_is_a_remote_error() -> None:
+    rig = Rig()
+    rig.peers[OWNER.peer_id].raw_pointer = b"\xc1garbage"
+    with pytest.raises(RemoteProtocolError):
+        await rig.net.fetch(0, after=-1, wait_s=0.0)
+
+
+class CountingPool:
+    def __init__(self) -> None:
+        self.given: list[bytearray] = []
+
+    def give(self, buf: bytearray) -> None:
+        self.given.append(buf)
+
+
+async def test_a_held_buffer_goes_back_to_the_pool_only_when_replaced_and_no_longer_read() -> None:
+    pool = CountingPool()
+    held = Holdings(1, pool, fanout=2)  # type: ignore[arg-type]
+    first, second, old = bytearray(b"v1"), bytearray(b"v2"), bytearray(b"v0")
+    await held.put(0, 1, first, 2)
+    await held.put(0, 0, old, 2)  # older than held: straight back
+    assert pool.given == [old]
+    reading = await held.wait_after(0, 0, 0.0)
+    assert reading is not None and reading.version == 1
+    reading.readers += 1  # a stream of version 1 is under way
+    await held.put(0, 2, second, 2)
+    assert pool.given == [old]  # not while it is read
+    reading.readers -= 1
+    held._release(reading)
+    assert pool.given == [old, first]
+
+
+async def test_waiting_for_a_held_version_returns_when_it_arrives() -> None:
+    held = Holdings(1, CountingPool(), fanout=2)  # type: ignore[arg-type]
+    waiter = asyncio.create_task(held.wait_after(0, 3, 5.0))
+    await asyncio.sleep(0)
+    await held.put(0, 4, bytearray(b"x"), 1)
+    got = await waiter
+    assert got is not None and got.version == 4
+    assert await held.wait_after(0, 4, 0.0) is None

@@ -1,0 +1,133 @@
+"""Versions spread peer to peer (``protocol.diloco.spread.Fanout``): every holder uploads each
+version a bounded number of times, however many learners ask, and every learner still gets it."""
+
+from __future__ import annotations
+
+import collections
+import math
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from protocol.diloco.spread import MAX_POINTERS, Fanout, PointTo, Refuse, Serve
+
+
+def _id(n: int) -> bytes:
+    return n.to_bytes(32, "big")
+
+
+def test_the_first_requesters_are_served_and_the_rest_pointed_at_them_round_robin() -> None:
+    fan = Fanout(2)
+    assert isinstance(fan.decide(5, _id(1)), Serve)
+    assert isinstance(fan.decide(5, _id(2)), Serve)
+    pointers = [fan.decide(5, _id(n)) for n in range(3, 7)]
+    assert all(isinstance(d, PointTo) for d in pointers)
+    firsts = [d.holders[0] for d in pointers if isinstance(d, PointTo)]
+    assert firsts == [_id(1), _id(2), _id(1), _id(2)]
+    assert all(set(d.holders) == {_id(1), _id(2)} for d in pointers if isinstance(d, PointTo))
+    assert fan.served == 2 and fan.pointed == 4
+    assert isinstance(fan.decide(6, _id(9)), Serve)  # a new version starts afresh
+
+
+def test_a_fallback_is_served_once_per_requester_and_version() -> None:
+    fan = Fanout(1)
+    fan.decide(1, _id(1))
+    assert isinstance(fan.decide(1, _id(2)), PointTo)
+    served = fan.decide(1, _id(2), fallback=True)
+    assert isinstance(served, Serve) and "fallback" in served.reason
+    again = fan.decide(1, _id(2), fallback=True)
+    assert isinstance(again, Refuse) and "fallback was served" in again.reason
+    assert isinstance(fan.decide(2, _id(2), fallback=True), Serve)  # the next version: a new share
+
+
+def test_a_repeat_is_served_once_then_pointed_elsewhere() -> None:
+    fan = Fanout(2)
+    fan.decide(1, _id(1))
+    fan.decide(1, _id(2))
+    assert isinstance(fan.decide(1, _id(1)), Serve)  # its download broke: once more
+    again = fan.decide(1, _id(1))
+    assert isinstance(again, PointTo) and again.holders == (_id(2),)
+
+
+def test_anonymous_requesters_are_pointed_at_holders_once_there_are_some() -> None:
+    fan = Fanout(1)
+    assert isinstance(fan.decide(1, None), Serve)  # nobody holds it yet
+    assert isinstance(fan.decide(1, _id(1)), Serve)
+    d = fan.decide(1, None)
+    assert isinstance(d, PointTo) and d.holders == (_id(1),)
+
+
+def test_spreading_off_serves_everyone() -> None:
+    fan = Fanout(0)
+    assert all(isinstance(fan.decide(1, _id(n)), Serve) for n in range(50))
+
+
+def test_a_lone_holder_cannot_be_pointed_at_itself() -> None:
+    fan = Fanout(1)
+    fan.decide(1, _id(1))
+    fan.decide(1, _id(1))
+    refused = fan.decide(1, _id(1))
+    assert isinstance(refused, Refuse) and "no other holder" in refused.reason
+
+
+def test_bad_arguments_are_refused() -> None:
+    with pytest.raises(ValueError, match="fanout"):
+        Fanout(-1)
+    with pytest.raises(ValueError, match="versions_kept"):
+        Fanout(1, versions_kept=0)
+
+
+def test_pointers_name_at_most_max_pointers_holders() -> None:
+    fan = Fanout(MAX_POINTERS + 3)
+    for n in range(MAX_POINTERS + 3):
+        fan.decide(1, _id(n))
+    d = fan.decide(1, _id(100))
+    assert isinstance(d, PointTo) and len(d.holders) == MAX_POINTERS
+
+
+def _spread(n_learners: int, fanout: int, rng: random.Random) -> tuple[dict[int, int], dict[int, int]]:
+    """Every learner fetches one version from the owner (peer 0), following pointers from holder
+    to holder; returns uploads per peer and the hops each learner took."""
+    fanouts = {peer: Fanout(fanout) for peer in range(n_learners + 1)}
+    holds = {0}
+    uploads: collections.Counter[int] = collections.Counter()
+    hops: dict[int, int] = {}
+    order = list(range(1, n_learners + 1))
+    rng.shuffle(order)
+    for learner in order:  # learners arrive one by one; the holders they are pointed at hold it
+        asked, depth = [0], 0
+        while asked:
+            holder = asked.pop(0)
+            assert holder in holds
+            decision = fanouts[holder].decide(7, _id(learner))
+            depth += 1
+            if isinstance(decision, Serve):
+                uploads[holder] += 1
+                holds.add(learner)
+                break
+            assert isinstance(decision, PointTo)
+            asked = [int.from_bytes(h, "big") for h in decision.holders]
+        hops[learner] = depth
+    assert holds == set(range(n_learners + 1))
+    return dict(uploads), hops
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 300), fanout=st.integers(1, 6), seed=st.integers(0, 2**32 - 1))
+def test_every_learner_gets_the_version_and_no_peer_uploads_it_more_than_fanout_times(
+        n: int, fanout: int, seed: int) -> None:
+    uploads, hops = _spread(n, fanout, random.Random(seed))
+    assert max(uploads.values()) <= fanout
+    assert sum(uploads.values()) == n
+    if fanout >= 2:  # a fanout-ary tree: the deepest learner is about log_fanout(n) pointers away
+        assert max(hops.values()) <= 2 + math.ceil(math.log(n + 1, fanout)) * 2
+    else:  # a chain
+        assert max(hops.values()) <= n + 1
+
+
+def test_a_thousand_learners_cost_the_owner_two_uploads() -> None:
+    uploads, hops = _spread(1000, 2, random.Random(0))
+    assert uploads[0] == 2 and max(uploads.values()) == 2
+    assert max(hops.values()) <= 12
