@@ -70,6 +70,7 @@ def build_report(config: dict[str, Any], peers: list[dict[str, Any]], wall_s: fl
         "eval_curve_global": reference.get("eval_curve_global", []),
     }
     report["spread"] = spread_summary(peers)
+    report["memory"] = memory_summary(peers)
     if report["bytes_sent"]:
         report["bandwidth_reduction_vs_ddp"] = report["bytes_sent_ddp_equivalent"] / report["bytes_sent"]
     return report
@@ -93,6 +94,23 @@ def spread_summary(peers: list[dict[str, Any]]) -> dict[str, Any]:
     total = {k: sum(int((p.get("spread") or {}).get(k, 0)) for p in peers)
              for k in ("pointers", "refused", "fallbacks_asked", "from_holders", "bad_from_holders")}
     return {"per_peer": per_peer, "max_owner_upload_per_published": worst, **total}
+
+
+def memory_summary(peers: list[dict[str, Any]], warmup: float = 0.25) -> dict[str, Any]:
+    """Each peer's resident memory after warm-up (the first ``warmup`` of its samples) against
+    its peak later on: ``max_growth_mb`` is the largest growth of any peer (flat memory: near 0)."""
+    per_peer, worst = {}, 0.0
+    for p in peers:
+        curve = [int(c[2]) for c in p.get("rss_curve") or []]
+        if len(curve) < 4:
+            continue
+        warm = curve[max(0, int(len(curve) * warmup) - 1)]
+        growth = (max(curve[int(len(curve) * warmup):]) - warm) / 1e6
+        worst = max(worst, growth)
+        per_peer[str(p["index"])] = {"warm_mb": round(warm / 1e6, 1), "peak_mb": round(max(curve) / 1e6, 1),
+                                     "end_mb": round(curve[-1] / 1e6, 1), "growth_after_warmup_mb": round(growth, 1),
+                                     "samples": len(curve)}
+    return {"per_peer": per_peer, "max_growth_mb": round(worst, 1)}
 
 
 def write_report(report: dict[str, Any], path: Path) -> Path:
@@ -158,6 +176,16 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
     if "versions_published" in report:
         lines.append(f"versions published {report['versions_published']}, with two contents: "
                      f"{report['version_conflicts']}")
+    spread = report.get("spread")
+    if spread and spread.get("max_owner_upload_per_published"):
+        lines.append(f"versions spread peer to peer: an owner uploaded at most "
+                     f"{spread['max_owner_upload_per_published']:.2f}x what it published (versions and replica "
+                     f"handoffs); {spread['from_holders']} versions came from holders, {spread['pointers']} "
+                     f"pointers, {spread['fallbacks_asked']} fallbacks to an owner")
+    memory = report.get("memory")
+    if memory and memory.get("per_peer"):
+        lines.append(f"memory: peers grew by at most {memory['max_growth_mb']:.1f} MB after warm-up "
+                     f"(peak {max(m['peak_mb'] for m in memory['per_peer'].values()):.0f} MB resident)")
     if report.get("chaos"):
         restarted = sum(r["restarted_at_s"] is not None for r in report.get("restarts", []))
         lines.append(f"chaos {report['chaos']}: {len(report.get('restarts', []))} kills, {restarted} restarts")

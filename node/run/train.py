@@ -207,7 +207,8 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
     island = Island(model, optimizer, plan, submit=lambda out: holder[0].net.submit(out) if holder[0].net else None,
                     cfg=IslandConfig(inner_steps=cfg.inner_steps, adopt_alpha=cfg.adopt_alpha,
                                      wait_for_merge=cfg.mode != "decoupled",
-                                     hold_until_shipped=bool(cfg.hold_versions)))
+                                     hold_until_shipped=bool(cfg.hold_versions),
+                                     ship_before_adopt=cfg.ship_before_adopt))
     ranks = IslandRanks(model, optimizer, plan, island) if world > 1 else None
     initial_global = [g.clone() for g in island.global_flat]  # version 0 of every fragment
     checkpoints = (IslandCheckpoints(opts.checkpoint_dir, model, optimizer, island, sampler.generator)
@@ -259,6 +260,7 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
     t0 = opts.t0 or time.time()
 
     curve_local: list[tuple[float, int, float]] = []
+    rss_curve: list[tuple[float, int, int]] = []  # (seconds, step, resident bytes) every ~5 s
     curve_global: list[tuple[float, int, float]] = [(time.time() - t0, 0, eval_start)]
     # --- the training loop ----------------------------------------------------------------------
     model.train()
@@ -290,6 +292,8 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
         if checkpoints is not None and (step + 1) % cfg.inner_steps == 0:
             checkpoints.save()
         if time.monotonic() - last_progress > 1.0:
+            if not rss_curve or time.time() - t0 - rss_curve[-1][0] >= RSS_EVERY_S:
+                rss_curve.append((time.time() - t0, step + 1, resident_bytes()))
             last_progress = time.monotonic()
             node.step = step + 1
             node.board.record(step + 1, loss_ema)  # the status page's loss curve
@@ -336,6 +340,7 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
         "contributions_refused": net.stats.contributions_refused, "remote_errors": node.rpc.error_count,
         "merges": {p: o.merges[-3:] for p, o in node.owners.items()},
         "penalties": node.penalties(),  # as an owner: per sender, what the merge's bounds did
+        "rss_curve": rss_curve,
         "spread": node.spread.as_dict(),  # versions uploaded as owner / holder, pointers, fallbacks
         "replica_bytes": node.replica_bytes,
         "attack": opts.attack,
@@ -351,6 +356,19 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
     node.stop()
     thread.join(timeout=10)
     return result
+
+
+RSS_EVERY_S = 5.0
+
+
+def resident_bytes() -> int:
+    """This process's resident memory (Linux ``/proc``; elsewhere the peak, from ``getrusage``)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        import resource
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
 def _median(values: list[float]) -> float:
