@@ -29,7 +29,7 @@ from typing import Any
 import aiohttp
 import torch
 
-from node.diloco.flat import content_hash, flat_digest, flat_from_tensors
+from node.diloco.flat import flat_digest, flat_from_tensors
 from node.diloco.island import Island, Outgoing
 from node.diloco.spread import POINTER_STATUS, Holdings, SpreadStats, parse_pointer
 from node.wire.transport import LinkDropped, Transport
@@ -38,8 +38,7 @@ from protocol.diloco.versions import MAX_ROUNDS_PER_S, version_jump_reason
 from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.wire.codec import encode
 from protocol.wire.messages import Ack, Contribution, FragmentState
-from protocol.wire.signing import ReplayWindow, Signer, open_sealed, seal, verify_sealed
-from protocol.wire.tensors import EncodedTensor
+from protocol.wire.signing import ReplayWindow, Sealed, Signer, open_sealed, seal, split_sealed
 
 __all__ = ["IslandNet", "LearnerStats"]
 
@@ -105,6 +104,9 @@ class IslandNet:
         self.stats = LearnerStats()
         self.residuals: dict[tuple[int, int], torch.Tensor] = {}
         self._queue: asyncio.Queue[Outgoing] = asyncio.Queue()
+        # contributions go out concurrently, one at a time per fragment (its residuals) and per
+        # owner (an owner reads one body from us at a time, as before)
+        self._sending: dict[tuple[str, object], asyncio.Lock] = {}
         try:  # built on the node's loop: submissions may queue before ``run`` starts
             self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
@@ -139,12 +141,26 @@ class IslandNet:
                 tg.create_task(self._poll_loop(p))
 
     async def _send_loop(self) -> None:
-        while True:
-            out = await self._queue.get()
-            try:
+        async with asyncio.TaskGroup() as tg:
+            while True:
+                out = await self._queue.get()
+                tg.create_task(self._send_queued(out))
+
+    async def _send_queued(self, out: Outgoing) -> None:
+        """Send one queued contribution once no other of its fragment, nor to its owner, is on
+        its way: uploads to different owners overlap."""
+        try:
+            owner = self.owner_of(out.fragment)
+            async with self._lock("fragment", out.fragment), self._lock("owner", owner[0] if owner else None):
                 await self.send(out)
-            finally:
-                self._queue.task_done()
+        finally:
+            self._queue.task_done()
+
+    def _lock(self, kind: str, key: object) -> asyncio.Lock:
+        lock = self._sending.get((kind, key))
+        if lock is None:
+            lock = self._sending[(kind, key)] = asyncio.Lock()
+        return lock
 
     async def flush(self) -> None:
         """Wait until every contribution submitted so far has been sent and answered (or failed)."""
@@ -161,19 +177,25 @@ class IslandNet:
             self.island.resolved(out.fragment, accepted=False)
 
     def _compress(self, out: Outgoing) -> tuple[Contribution, dict[tuple[int, int], torch.Tensor]]:
-        """The contribution and the residuals it leaves (committed only if it is accepted).
+        """The contribution and the residuals it leaves (committed only if it is accepted); with
+        the ``none`` codec its tensors are views of ``out.delta`` (a fresh tensor that nothing
+        else writes to) and it leaves no residual (it would be zero).
 
-        Raises ``LocalProtocolError`` for a non-finite pseudo-gradient."""
-        if not bool(torch.isfinite(out.delta).all()):
-            raise LocalProtocolError(f"fragment {out.fragment}: the pseudo-gradient has NaN or Inf values")
+        Raises ``LocalProtocolError`` for a non-finite pseudo-gradient (``compress`` checks)."""
         tensors, residuals, offset = [], {}, 0
         for i, shape in enumerate(self.shapes[out.fragment]):
             n = int(torch.Size(shape).numel())
             part = out.delta[offset:offset + n].view(shape)
-            enc, residuals[(out.fragment, i)] = compress(
-                part, self.codec, block_size=self.block_size,
-                residual=self.residuals.get((out.fragment, i)),
-            )
+            try:
+                enc, residual = compress(
+                    part, self.codec, block_size=self.block_size,
+                    residual=self.residuals.get((out.fragment, i)), copy=False,
+                )
+            except LocalProtocolError as exc:
+                raise LocalProtocolError(f"fragment {out.fragment}: the pseudo-gradient has NaN or Inf "
+                                         f"values ({exc})") from exc
+            if self.codec != "none":
+                residuals[(out.fragment, i)] = residual
             tensors.append(enc)
             offset += n
         digest = self.digests[out.fragment].get(out.base_version)
@@ -187,6 +209,13 @@ class IslandNet:
         )
         return msg, residuals
 
+    def _seal_contribution(self, out: Outgoing, owner_id: bytes) -> tuple[Sealed, dict[tuple[int, int], torch.Tensor]]:
+        """The contribution sealed for ``owner_id`` (who refuses one addressed to another), and
+        its residuals. Raises ``LocalProtocolError`` as ``_compress``."""
+        msg, residuals = self._compress(out)
+        sealed = seal(encode(msg), self.signer, now=self.wall_clock(), nonce=os.urandom(16), recipient=owner_id)
+        return sealed, residuals
+
     async def _send(self, out: Outgoing) -> None:
         owner = self.owner_of(out.fragment)
         if owner is None:
@@ -194,16 +223,14 @@ class IslandNet:
         owner_id, url = owner
         if self.tamper is not None:
             out = self.tamper(out)
-        try:
-            msg, residuals = await asyncio.to_thread(self._compress, out)
+        try:  # one worker-thread hop: compress and seal (hashing the whole payload once)
+            sealed, residuals = await asyncio.to_thread(self._seal_contribution, out, owner_id)
         except LocalProtocolError as exc:
             self.stats.skipped_nonfinite += "NaN" in str(exc)
             log.warning("contribution skipped: %s; resyncing the island from the owners", exc)
             self.island.resolved(out.fragment, accepted=False)
             await self.resync()
             return
-        sealed = seal(encode(msg), self.signer, now=self.wall_clock(), nonce=os.urandom(16),
-                      recipient=owner_id)  # the owner refuses a contribution addressed to another
         self.stats.contributions_sent += 1
         status, buf, used, _ = await self._request(
             owner_id, "POST", f"{url}/v1/rpc", chunks=sealed.iter_chunks(), size=sealed.size, timeout_s=60,
@@ -408,14 +435,8 @@ class IslandNet:
                 return None
             if status != 200:
                 raise RemoteProtocolError(f"answered {status} for fragment {p}")
-            opened = verify_sealed(memoryview(buf)[:used], max_size=self.max_message)
-            state = opened.message
-            if opened.peer_id != owner_id:
-                raise RemoteProtocolError(f"fragment {p} version signed by {opened.peer_id.hex()[:8]}, not its owner")
-            if not isinstance(state, FragmentState) or state.swarm != self.swarm or state.fragment != p:
-                raise RemoteProtocolError(f"owner sent the wrong message for fragment {p}")
-            if content_hash(state.tensors) != state.content_hash:
-                raise RemoteProtocolError(f"fragment {p} version {state.version}: content hash mismatch")
+            # one worker-thread hop: verify (the one hash of the payload), check, decode
+            state, flat, digest = await asyncio.to_thread(self._open_state, memoryview(buf)[:used], p, owner_id)
             if state.version <= after and not final:
                 raise RemoteProtocolError(f"owner sent version {state.version}, asked for one above {after}")
             jump = self.version_jump(p, state.version)
@@ -423,7 +444,6 @@ class IslandNet:
                 self.stats.version_jumps += 1
                 log.warning("fragment %d: refused a version from %s: %s", p, owner_id.hex()[:8], jump)
                 raise RemoteProtocolError(f"fragment {p}: {jump}")
-            flat, digest = await asyncio.to_thread(self._decode_state, state.tensors, p)
             if self.holdings is not None:
                 await self.holdings.put(p, state.version, buf, used)
                 kept = True
@@ -434,6 +454,16 @@ class IslandNet:
         self.stats.versions_received += 1
         return state.version, flat
 
-    def _decode_state(self, tensors: Sequence[EncodedTensor], p: int) -> tuple[torch.Tensor, bytes]:
-        flat = flat_from_tensors(tensors, self.shapes[p])
-        return flat, flat_digest(flat)
+    def _open_state(self, wire: memoryview, p: int, owner_id: bytes) -> tuple[FragmentState, torch.Tensor, bytes]:
+        """Verify a sealed version of fragment ``p`` as signed by ``owner_id`` (before anything
+        of its body is decoded), decode it (shapes checked, NaN/Inf refused) and name it by the
+        digest its signature covers: the owner knows each version by that digest too (the same
+        state always seals to the same message bytes), so the payload is hashed once here, and
+        a state the owner did not sign cannot be named. Raises ``RemoteProtocolError``."""
+        envelope, body = split_sealed(wire, max_size=self.max_message)
+        if envelope.peer_id != owner_id:
+            raise RemoteProtocolError(f"fragment {p} version signed by {envelope.peer_id.hex()[:8]}, not its owner")
+        state = envelope.verify_body(body).message
+        if not isinstance(state, FragmentState) or state.swarm != self.swarm or state.fragment != p:
+            raise RemoteProtocolError(f"owner sent the wrong message for fragment {p}")
+        return state, flat_from_tensors(state.tensors, self.shapes[p]), envelope.digest

@@ -6,6 +6,9 @@ No sockets and no sleeps: contributions go through ``MemoryTransport`` to real
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+
 import pytest
 import torch
 
@@ -291,3 +294,54 @@ async def test_work_already_merged_is_not_sent_again_when_the_owner_changes() ->
     rig.step()  # version 1 adopted: the work is in the global model
     current["id"] = signer(8).peer_id
     assert rig.net.owners_changed() == 0 and rig.net.stats.resent_on_owner_change == 0
+
+
+async def test_a_version_is_named_by_the_digest_its_owner_signed_and_work_on_it_is_taken() -> None:
+    """With the none codec a learner hashes a downloaded version once (its signature check) and
+    names it by that digest; the owner knows the version by it, so work measured against it is
+    merged, not sent back with "resync". No (zero) residual is kept."""
+    rig = Rig(codec="none")
+    owner = rig.owners[0]
+    await owner.set_expected(1)
+    await rig.net.send(rig.outgoing(0, _delta(owner.theta.numel())))
+    assert owner.version == 1 and not rig.net.residuals
+    got = await rig.net.fetch(0, after=0, wait_s=0.0)
+    assert got is not None and got[0] == 1 and torch.equal(got[1], owner.theta)
+    assert rig.net.digests[0][1] == owner.latest.digest and owner.latest.digest in owner.digests[1]
+    rig.island.deliver(0, *got)
+    rig.step()
+    await rig.net.send(rig.outgoing(0, _delta(owner.theta.numel()), base_version=1))
+    assert rig.net.stats.contributions_accepted == 2 and rig.net.stats.base_mismatches == 0
+    assert owner.version == 2
+
+
+async def test_uploads_to_different_owners_overlap() -> None:
+    """A contribution to a slow owner does not hold back one to another owner."""
+    rig = Rig(codec="none")
+    gate, slow_key, slow_url = asyncio.Event(), signer(2), "http://slow.test"
+
+    class SlowPeer(MemoryOwnerPeer):
+        async def handle(self, method: str, path: str, query: dict[str, str], body: bytes) -> tuple[int, bytes]:
+            await gate.wait()
+            return await super().handle(method, path, query, body)
+
+    rig.transport.add(slow_url, SlowPeer(slow_key, rig.owners, members={rig.me.peer_id}))
+    rig.net.owner_of = lambda p: (rig.owner_key.peer_id, OWNER_URL) if p == 0 else (slow_key.peer_id, slow_url)
+    running = asyncio.create_task(rig.net.run())
+    try:
+        rig.net.submit(rig.outgoing(1, _delta(rig.owners[1].theta.numel())))  # queued first, to the slow one
+        rig.net.submit(rig.outgoing(0, _delta(rig.owners[0].theta.numel())))
+        async with asyncio.timeout(10):
+            while rig.net.stats.contributions_accepted == 0:
+                await asyncio.sleep(0.01)
+        taken = [o.merger.count + o.merges_done for o in (rig.owners[0], rig.owners[1])]
+        assert taken == [1, 0]
+        gate.set()
+        async with asyncio.timeout(10):
+            await rig.net.flush()
+        assert rig.net.stats.contributions_accepted == 2
+        assert rig.owners[1].merger.count + rig.owners[1].merges_done == 1
+    finally:
+        running.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await running
