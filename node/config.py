@@ -57,6 +57,7 @@ class RunConfig:
     late_policy: str = "carry"
     adopt_alpha: float = 0.0
     hold_versions: int = 0  # 1: adopt a trained fragment's new version only once it has shipped
+    ship_before_adopt: int = 0  # >0: a fragment trained this many steps ships before taking a newer version
     max_tokens_per_step: int = 0  # the most tokens a contribution may claim per inner step
     spread_fanout: int = 2  # uploads of each version per holder before it points learners at others
     # --- evaluation and reporting ------------------------------------------------------------
@@ -85,6 +86,8 @@ class RunConfig:
             problems.append(f"--late-policy must be carry or drop, got {self.late_policy!r}")
         if self.hold_versions not in (0, 1):
             problems.append(f"--hold-versions must be 0 or 1, got {self.hold_versions}")
+        if self.ship_before_adopt < 0:
+            problems.append(f"--ship-before-adopt must be >= 0 (0: off), got {self.ship_before_adopt}")
         if not 0.0 <= self.adopt_alpha < 1.0:
             problems.append(f"--adopt-alpha must be in [0, 1), got {self.adopt_alpha}")
         if self.max_tokens_per_step < 0:
@@ -150,6 +153,9 @@ _HELP = {
                      "has shipped (every H steps whatever the version rate; pair with a larger "
                      "--staleness-bound); 0: adopt each version as it comes",
     "adopt_alpha": "adoption blend: theta <- alpha*theta + (1-alpha)*global (0 = overwrite)",
+    "ship_before_adopt": "N > 0: when a newer global version of a fragment arrives and the island trained it "
+                         "N or more steps since its last adoption without shipping, that work ships first "
+                         "(one version stale), so an island slower than the swarm still contributes (0: off)",
     "max_tokens_per_step": "the most tokens a learner may claim per inner step; the merge clamps "
                            "to it (0: batch size x the model's context length)",
     "spread_fanout": "versions spread peer to peer: an owner (and every learner holding a version) uploads "

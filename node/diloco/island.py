@@ -66,6 +66,11 @@ class IslandConfig:
     # (4 peers, one 2x slower, 600 steps: eval 3.006 with it, 1.596 without). Without it, an island
     # slower than the swarm's version rate rarely ships: its H count restarts at every adoption
     hold_until_shipped: bool = False
+    # ship a fragment's work before adopting a newer version of it (0: off): when a version
+    # arrives for a fragment trained at least this many steps since its last adoption and not in
+    # flight, its pseudo-gradient against the base held goes out first (one version stale at the
+    # owner, discounted), so an island slower than the swarm's version rate still contributes
+    ship_before_adopt: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -89,6 +94,7 @@ class IslandStats:
     sent: int = 0
     gave_up_in_flight: int = 0
     deferred_adoptions: int = 0
+    shipped_before_adopting: int = 0  # contributions sent early, as a newer version arrived
     adopted: int = 0
     resynced: int = 0
     step_times: list[float] = field(default_factory=list)
@@ -217,8 +223,17 @@ class Island:
             if force:
                 self._resync(fragment, version, flat)
             elif version > self.versions[fragment]:
+                if between_steps and self._ships_first(fragment):
+                    self._ship(fragment)
+                    self.stats.shipped_before_adopting += 1
                 self._adopt(fragment, version, flat)
         return len(arrived)
+
+    def _ships_first(self, p: int) -> bool:
+        """Whether fragment ``p``'s work since its last adoption ships before a newer version
+        replaces it (``ship_before_adopt``): enough steps trained, and none of it in flight."""
+        least = self.cfg.ship_before_adopt
+        return least > 0 and self.in_flight[p] is None and self.c_steps[p] >= least
 
     # --- the hook ------------------------------------------------------------------------------
     def _after_step(self, _opt: torch.optim.Optimizer, _args: object, _kwargs: object) -> None:

@@ -144,3 +144,37 @@ def test_without_holding_a_slower_island_never_ships() -> None:
         island.deliver(0, v, torch.zeros_like(island.global_flat[0]))
         _step(model, opt, island)
     assert len(sent) == 1  # the H count restarts at every adoption
+
+
+def test_a_slower_island_ships_its_work_before_adopting_a_newer_version() -> None:
+    """``ship_before_adopt``: versions made of other islands' work arrive every 3 of this island's
+    steps (H = 6). Each time, the 3 steps trained since the last adoption ship first, as the
+    pseudo-gradient against the base held, and the new version is adopted at once (never held)."""
+    island, model, opt, sent = _island(h=6, fragments=1)
+    island.cfg = IslandConfig(inner_steps=6, ship_before_adopt=2)
+    shipped_from: list[torch.Tensor] = []  # the island's weights when each contribution was cut
+
+    def submit(out: Outgoing) -> None:
+        shipped_from.append(island._flatten(0).clone())  # in the fragment's order
+        sent.append(out)
+
+    island._submit = submit
+    _step(model, opt, island)  # offset 0: ships at step 1
+    island.deliver(0, 1, torch.zeros_like(island.global_flat[0]))
+    _step(model, opt, island)  # it was in flight: adopted, nothing more sent
+    assert island.versions[0] == 1 and len(sent) == 1
+    for v in range(2, 6):
+        _step(model, opt, island)
+        _step(model, opt, island)
+        base = island.global_flat[0].clone()
+        island.deliver(0, v, torch.full_like(base, float(v)))
+        _step(model, opt, island)  # the third step since the adoption: ship, then adopt
+        assert len(sent) == v and sent[-1].base_version == v - 1 and sent[-1].steps == 3
+        assert sent[-1].tokens == 36 and island.versions[0] == v
+        assert torch.equal(sent[-1].delta, base - shipped_from[-1])  # the 3 steps' work, against v - 1
+        assert not torch.equal(shipped_from[-1], base)
+        assert all(torch.all(p == float(v)) for p in model.parameters())  # adopted right away
+    assert island.stats.shipped_before_adopting == 4
+    island.deliver(0, 6, torch.zeros_like(island.global_flat[0]))
+    _step(model, opt, island)  # only 1 step trained since the last adoption (< 2): adopted, not shipped
+    assert len(sent) == 5 and island.versions[0] == 6
