@@ -476,16 +476,17 @@ class PeerNode(OwnerHandoffs):
                 del self._long_polls[who]
         if sealed is None:
             return web.Response(status=204)
-        decision: Any = Serve("final versions are served to every learner")
+        decision: Any = Serve("our own learner")
         asker = requester(request, self._member_url)
-        if kind == "next" and asker != self.signer.peer_id:
+        if asker != self.signer.peer_id:
             fanout = self._fanouts.setdefault(owner.fragment.index, Fanout(self.cfg.spread_fanout))
             decision = fanout.decide(owner.version, asker, fallback=request.query.get("fallback") == "1")
         if isinstance(decision, Serve):
             self._count_served(request, sealed.size)
             if asker != self.signer.peer_id:  # our own learner's fetch never leaves the machine
                 self.spread.owner_bytes += sealed.size
-        return await answer(request, self.transport, decision, sealed.iter_chunks, sealed.size, self.spread)
+        return await answer(request, self.transport, decision, sealed.iter_chunks, sealed.size, self.spread,
+                            version=owner.version)
 
     async def _on_held(self, request: web.Request) -> web.StreamResponse:
         try:

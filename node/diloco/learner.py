@@ -31,7 +31,7 @@ import torch
 
 from node.diloco.flat import flat_digest, flat_from_tensors
 from node.diloco.island import Island, Outgoing
-from node.diloco.spread import POINTER_STATUS, Holdings, SpreadStats, parse_pointer
+from node.diloco.spread import POINTER_STATUS, Holdings, SpreadStats, parse_pointer, pointed_version
 from node.wire.transport import LinkDropped, Transport
 from protocol.diloco.compression import compress
 from protocol.diloco.versions import MAX_ROUNDS_PER_S, version_jump_reason
@@ -370,7 +370,7 @@ class IslandNet:
             return None
         owner_id, url = owner
         kind = "final" if final else "next"
-        status, buf, used, _ = await self._request(
+        status, buf, used, headers = await self._request(
             owner_id, "GET", f"{url}/v1/fragments/{p}/{kind}?after={after}&wait={wait_s}",
             timeout_s=wait_s + 30, max_reply=self.max_message,
         )
@@ -379,13 +379,16 @@ class IslandNet:
                 holders = parse_pointer(memoryview(buf)[:used])
             finally:
                 self.transport.pool.give(buf)
-            got = await self._from_holders(p, owner_id, after, holders)
-            if got is not None:
+            pointed = pointed_version(headers)
+            if final and pointed is None:
+                raise RemoteProtocolError(f"fragment {p}: a pointer for the final version names no version")
+            got = await self._from_holders(p, owner_id, pointed - 1 if final and pointed else after, holders)
+            if got is not None and (not final or got[0] == pointed):
                 return got
             self.spread.fallbacks_asked += 1
             status, buf, used, _ = await self._request(
-                owner_id, "GET", f"{url}/v1/fragments/{p}/next?after={after}&wait=0&fallback=1",
-                timeout_s=30, max_reply=self.max_message,
+                owner_id, "GET", f"{url}/v1/fragments/{p}/{kind}?after={after}&wait={5 if final else 0}&fallback=1",
+                timeout_s=60, max_reply=self.max_message,
             )
         return await self._accept(p, owner_id, status, buf, used, after=after, final=final)
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import msgpack
@@ -34,13 +34,20 @@ from protocol.errors import DecodeError
 from protocol.ids import ID_BYTES, peer_id_from_public_key
 from protocol.wire.codec import chunk_views
 
-__all__ = ["POINTER_STATUS", "Holdings", "SpreadStats", "answer", "encode_pointer", "parse_pointer", "requester"]
+__all__ = ["POINTER_STATUS", "VERSION_HEADER", "pointed_version", "Holdings", "SpreadStats", "answer", "encode_pointer", "parse_pointer", "requester"]
 
 log = logging.getLogger(__name__)
 
 POINTER_STATUS = 303  # "See Other": fetch this version from the holders named in the body
 MAX_POINTER_BODY = 16 + MAX_POINTERS * (ID_BYTES + 4)
 MAX_HELD_WAIT_S = 15.0
+VERSION_HEADER = "Atoll-Version"  # on a pointer: the version the holders were served
+
+
+def pointed_version(headers: Mapping[str, str]) -> int | None:
+    """The version a pointer names (None when absent or not a small non-negative integer)."""
+    text = headers.get(VERSION_HEADER, "")
+    return int(text) if text.isascii() and text.isdigit() and len(text) <= 15 else None
 
 
 @dataclass
@@ -88,12 +95,14 @@ def requester(request: web.Request, url_of: Callable[[bytes], str | None]) -> by
 
 
 async def answer(request: web.Request, transport: Transport, decision: SpreadDecision,
-                 chunks: Callable[[], Iterator[memoryview]], size: int, stats: SpreadStats) -> web.StreamResponse:
-    """The reply a ``Fanout`` decision calls for (``chunks`` streams the version when served)."""
+                 chunks: Callable[[], Iterator[memoryview]], size: int, stats: SpreadStats, *,
+                 version: int) -> web.StreamResponse:
+    """The reply a ``Fanout`` decision calls for (``chunks`` streams ``version`` when served; a
+    pointer names it in ``VERSION_HEADER``, so a learner asking for a final version knows which)."""
     if isinstance(decision, PointTo):
         stats.pointers += 1
         return web.Response(status=POINTER_STATUS, body=encode_pointer(decision.holders),
-                            content_type="application/msgpack")
+                            content_type="application/msgpack", headers={VERSION_HEADER: str(version)})
     if isinstance(decision, Refuse):
         stats.refused += 1
         log.info("version refused to %s: %s", request.remote, decision.reason)
@@ -163,7 +172,8 @@ class Holdings:
         held.readers += 1
         try:
             resp = await answer(request, transport, decision,
-                                lambda: chunk_views([memoryview(held.buf)[:held.used]], 1 << 20), held.used, stats)
+                                lambda: chunk_views([memoryview(held.buf)[:held.used]], 1 << 20), held.used, stats,
+                                version=held.version)
         finally:
             held.readers -= 1
             self._release(held)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from typing import Any
 
 import msgpack
 import pytest
@@ -13,7 +14,13 @@ import torch
 
 from node.diloco.island import Island, IslandConfig
 from node.diloco.learner import IslandNet
-from node.diloco.spread import POINTER_STATUS, Holdings, encode_pointer, parse_pointer
+from node.diloco.spread import (
+    POINTER_STATUS,
+    VERSION_HEADER,
+    Holdings,
+    encode_pointer,
+    parse_pointer,
+)
 from protocol.errors import DecodeError, RemoteProtocolError
 from protocol.wire.messages import FragmentState
 from protocol.wire.signing import verify_sealed
@@ -41,6 +48,7 @@ class FakePeer:
     ``fallback=1``), ``held`` from a holder (the bytes it holds, or a pointer)."""
 
     version: bytes = b""  # what ``next`` (with fallback) or ``held`` serves
+    pointed: int | None = None  # the version a pointer names (its Atoll-Version header)
     pointer: list[bytes] | None = None  # answer with a pointer to these ids instead
     raw_pointer: bytes | None = None
     asked: list[str] = dataclasses.field(default_factory=list)
@@ -55,6 +63,17 @@ class FakePeer:
         return (200, self.version) if self.version else (204, b"")
 
 
+class HeaderTransport(MemoryTransport):
+    """``MemoryTransport`` that also answers a pointer's version header."""
+
+    async def request(self, method: str, url: str, **kw: Any) -> tuple[int, bytearray, int, dict[str, str]]:
+        status, buf, used, headers = await super().request(method, url, **kw)
+        peer = self.peers[url.split("/v1/")[0]]
+        if status == POINTER_STATUS and getattr(peer, "pointed", None) is not None:
+            headers = {VERSION_HEADER: str(peer.pointed)}
+        return status, buf, used, headers
+
+
 class Rig:
     def __init__(self) -> None:
         model = tiny_model()
@@ -64,7 +83,7 @@ class Rig:
         self.signed = self.owner.latest.tobytes()  # version 0, sealed by the owner
         island = Island(model, torch.optim.AdamW(model.parameters()), plan, lambda _o: None,
                         IslandConfig(inner_steps=4))
-        self.transport = MemoryTransport()
+        self.transport = HeaderTransport()
         self.peers = {pid: FakePeer() for pid in URLS}
         for pid, url in URLS.items():
             self.transport.add(url, self.peers[pid])  # type: ignore[arg-type]
@@ -129,6 +148,22 @@ async def test_a_holder_that_serves_nothing_costs_one_ask_then_the_owner_serves(
     rig.transport.down.add(URLS[HOLDER.peer_id])
     got = await rig.net.fetch(0, after=-1, wait_s=0.0)
     assert got is not None and rig.net.spread.fallbacks_asked == 1
+
+
+async def test_the_final_version_comes_from_a_holder_when_the_pointer_names_it() -> None:
+    rig = Rig()
+    rig.peers[OWNER.peer_id].pointer = [HOLDER.peer_id]
+    rig.peers[OWNER.peer_id].pointed = 0
+    rig.peers[HOLDER.peer_id].version = rig.signed
+    got = await rig.net.fetch(0, after=-1, wait_s=0.0, final=True)
+    assert got is not None and got[0] == 0 and rig.net.spread.from_holders == 1
+
+
+async def test_a_final_pointer_without_a_version_is_a_remote_error() -> None:
+    rig = Rig()
+    rig.peers[OWNER.peer_id].pointer = [HOLDER.peer_id]
+    with pytest.raises(RemoteProtocolError, match="names no version"):
+        await rig.net.fetch(0, after=-1, wait_s=0.0, final=True)
 
 
 @pytest.mark.parametrize("body", [b"\x92\xa1x", msgpack.packb([b"short"]), b"\xff" * 400,
