@@ -93,11 +93,11 @@ async def test_every_route_refuses_hostile_requests_with_a_4xx_and_a_reason(
     for route in ("/v1/rpc", "/v1/dht"):
         cases += [("POST", route, {"data": body}) for body in bodies.values()]
         cases += [("GET", route, {}), ("PUT", route, {"data": b"x"})]
-    for kind in ("next", "final", "latest", "latest/manifest"):
+    for kind in ("next", "final", "latest", "latest/manifest", "held"):
         for p in ("abc", "99", HUGE, "-1", "1e3"):
             cases.append(("GET", f"/v1/fragments/{p}/{kind}", {}))
         cases.append(("POST", f"/v1/fragments/0/{kind}", {"data": os.urandom(100)}))
-    for kind in ("next", "final"):
+    for kind in ("next", "final", "held"):
         cases += [("GET", f"/v1/fragments/0/{kind}?{q}", {}) for q in LONG_POLL_QUERIES]
     cases.append(("GET", "/v1/fragments/0/bogus", {}))
     for value in (f"bytes={HUGE}-", f"bytes=-{HUGE}", f"bytes=0-{HUGE}", "bytes=99999999-"):
