@@ -393,7 +393,7 @@ class PeerNode(OwnerHandoffs):
             event_log=(self.event_log_dir / f"fragment{p}-epoch{epoch}-v{version}-{time.time_ns()}.jsonl"
                        if self.event_log_dir is not None else None),
         )
-        self.replicas.fence(p, epoch, version, next(iter(owner.digests[version])))
+        self.replicas.fence(p, epoch, version, owner.digest_of(version))
         previous = (self.membership.owner_of(self.cfg.swarm, p, exclude={self.signer.peer_id, *self.suspects()})
                     if self.membership else None)
         self.owners[p] = owner

@@ -133,7 +133,7 @@ class OwnerHandoffs:
         if owner is None or owner.epoch != state.epoch or ack.epoch <= state.epoch or not 0 <= ack.version < base:
             return None
         owner.epoch = ack.epoch + 1
-        self.replicas.fence(p, owner.epoch, base, next(iter(owner.digests[base])))
+        self.replicas.fence(p, owner.epoch, base, owner.digest_of(base))
         log.info("fragment %d: the fence at epoch %d ends at version %d, behind our %d: owning at epoch %d",
                  p, ack.epoch, ack.version, base, owner.epoch)
         return dataclasses.replace(state, epoch=owner.epoch)

@@ -122,6 +122,7 @@ class FragmentOwner:
         # digest of each recent version's state as learners decode it: a contribution is applied
         # only to the state it was measured against (version numbers alone can name two contents)
         self.digests: dict[int, set[bytes]] = {}
+        self._state_digest: dict[int, bytes] = {}  # the one of them any owner computes: handoffs, fences
         self._merged_base: dict[bytes, int] = dict(merged or {})  # sender -> newest base of its merged work
         self._keep_digests = merge_cfg.staleness_bound + 2
         # decoded contributions' buffers, reused once their merge is published (fresh memory is
@@ -232,12 +233,20 @@ class FragmentOwner:
                     f"{self.fragment.index} was merged already; take version {self.version} first")
         return None
 
-    def _remember_digests(self, version: int, *digests: bytes) -> None:
-        self.digests.setdefault(version, set()).update(digests)
-        if self.log is not None and digests:
-            self.log.note_version(version, digests[0])
+    def _remember_digests(self, version: int, state_digest: bytes, *others: bytes) -> None:
+        """Know ``version`` by the digest of its state as learners decode it and by ``others``."""
+        self.digests.setdefault(version, set()).update((state_digest, *others))
+        self._state_digest[version] = state_digest
+        if self.log is not None:
+            self.log.note_version(version, state_digest)
         for old in [v for v in self.digests if v <= version - self._keep_digests]:
             del self.digests[old]
+            self._state_digest.pop(old, None)
+
+    def digest_of(self, version: int) -> bytes:
+        """The digest of ``version``'s state as learners decode it: what another owner holding
+        the same content computes (not the sealed message's, which differs per seal)."""
+        return self._state_digest[version]
 
     def _decode(self, msg: Contribution) -> tuple[torch.Tensor, float]:
         """The contribution as one flat fp32 vector (in a reused buffer when one is spare) and
@@ -456,12 +465,12 @@ class FragmentOwner:
 
     def snapshot(self) -> ReplicaState:
         """The whole state at the latest version (handed to the successor when retiring)."""
-        digest = next(iter(self.digests[self.version]))
+        digest = self.digest_of(self.version)
         return self._replica_state(self.version, digest, self.theta, self.buffer, dict(self._merged_base))
 
     def state(self) -> Handed:
         """The whole state at the latest version, as held (for an owner checkpoint)."""
-        return Handed(self.fragment.index, self.epoch, self.version, next(iter(self.digests[self.version])),
+        return Handed(self.fragment.index, self.epoch, self.version, self.digest_of(self.version),
                       self.theta, self.buffer, self.signer.peer_id, dict(self._merged_base))
 
     async def take_over(self, handed: Handed) -> bool:

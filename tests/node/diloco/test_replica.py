@@ -92,7 +92,7 @@ async def test_a_replaced_primary_is_fenced_and_publishes_nothing() -> None:
     primary = _owner(plan, shapes, clock, theta0, who=signer(1), replicate=_handing_to(store))
     await _merge_one(primary, clock, torch.full_like(theta0, 0.01), shapes, A)
     assert primary.version == 1
-    store.fence(0, epoch=1, version=1, digest=next(iter(primary.digests[1])))  # someone took over at epoch 1
+    store.fence(0, epoch=1, version=1, digest=primary.digest_of(1))  # someone took over at epoch 1
     waiter_version = primary.version
     await primary.contribute(C, contribution(torch.full_like(theta0, 0.02), shapes[0], base_version=1,
                                              owner=primary))
@@ -161,3 +161,26 @@ async def test_a_retiring_owner_lets_a_merge_under_way_publish_or_publishes_noth
         assert owner.retired
         assert (owner.version == 1) is published
         assert (owner.snapshot().version == 1) is published  # what the successor is handed
+
+
+async def test_a_successor_takes_its_predecessors_state_of_the_version_it_holds_itself() -> None:
+    """An owner knows each version by several digests (the state as learners decode it, the
+    sealed message, and at version 0 the unrounded state), but hands over and fences with one: it
+    must be the state's, the one any other owner computes for the same content. It was the first
+    of a set, so about every other handoff of a version the successor also held was refused
+    ("handed over with another content") or not taken ("does not hash to its digest"), and a
+    fence could name a message digest no other peer can produce. Sixteen distinct states: each
+    handoff is judged and taken."""
+    model = tiny_model()
+    plan, clock = tiny_plan(model), FakeClock()
+    shapes, theta0 = shapes_of(model, plan), flat_of(model, plan, 0)
+    for i in range(16):
+        theta = theta0 + 0.001 * i
+        predecessor = _owner(plan, shapes, clock, theta, who=signer(1), version=5)
+        successor = _owner(plan, shapes, clock, theta, who=signer(2), version=5, epoch=1)
+        store = ReplicaStore(SWARM, [theta0.numel(), 0])
+        store.fence(0, successor.epoch, 5, successor.state().digest)  # as ``_start_owner`` does
+        ack = store.offer(signer(1).peer_id, predecessor.snapshot(), successor=True)
+        assert ack.accepted, (i, ack.reason)
+        assert await successor.take_over(store.states[0]), i
+        assert successor.state().digest == predecessor.state().digest == store.held[0].digest
