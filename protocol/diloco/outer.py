@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from protocol.diloco.norms import norm64
 from protocol.errors import LocalProtocolError
 
 __all__ = [
@@ -138,7 +139,7 @@ def bound_to_norm(delta: torch.Tensor, limit: float) -> tuple[torch.Tensor, floa
     """``delta`` scaled down (in place) to norm at most ``limit``; returns it and the scale used."""
     if not (math.isfinite(limit) and limit >= 0):
         raise LocalProtocolError(f"norm limit must be finite and >= 0, got {limit}")
-    norm = float(torch.linalg.vector_norm(delta.double()))
+    norm = norm64(delta)
     if norm <= limit:
         return delta, 1.0
     scale = limit / norm
@@ -203,7 +204,7 @@ def radial_directional_average(
     direction = torch.zeros(deltas[0].shape, dtype=torch.float32, device=deltas[0].device)
     norms = []
     for d, w in zip(deltas, weights, strict=True):
-        norm = float(torch.linalg.vector_norm(d, dtype=torch.float64))  # fp32 overflows near 3e38
+        norm = norm64(d)  # in fp64: an fp32 sum of squares overflows near 3e38
         norms.append(norm)
         if w > 0 and norm > eps:
             direction.add_(d.to(torch.float32), alpha=w / (total * norm))
@@ -339,7 +340,7 @@ def merge_update(
     else:
         delta = radial_directional_average(clipped, weights, radius=cfg.rda_radius)
     bounded = False
-    theta_norm = float(torch.linalg.vector_norm(theta, dtype=torch.float64))
+    theta_norm = norm64(theta)
     if theta_norm > 0 and math.isfinite(cfg.max_delta_ratio):
         delta, scale = bound_to_norm(delta, cfg.max_delta_ratio * theta_norm)
         bounded = scale < 1.0
