@@ -4,7 +4,7 @@ The fetching half, which downloads, resumes and verifies what is served here, is
 ``node.state.sync``.
 
 Theory of operation. An owner's latest ``FragmentState`` is a ``Sealed`` blob: the envelope
-carries the owner's Ed25519 signature over the sha256 of the exact message bytes, so anyone
+carries the owner's Ed25519 signature over the BLAKE3 digest of the exact message bytes, so anyone
 holding the bytes may re-serve them and the receiver still knows they are the owner's.
 
 Serving (``serve_sealed``). The wire form is streamed in <= ``CHUNK`` views of the sealed

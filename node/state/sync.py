@@ -1,7 +1,7 @@
 """State sync: a joining or restarted peer downloads every global fragment, resumably.
 
 Theory of operation. An owner's latest ``FragmentState`` is a ``Sealed`` blob: the envelope
-carries the owner's Ed25519 signature over the sha256 of the exact message bytes, so anyone
+carries the owner's Ed25519 signature over the BLAKE3 digest of the exact message bytes, so anyone
 holding the bytes may re-serve them and the receiver still knows they are the owner's. The
 serving half (``serve_sealed``, ``serve_manifest``, ETags, Range parsing, chunk manifests)
 lives in ``node.state.serve``, and is re-exported here.

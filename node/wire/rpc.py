@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import hashlib
 import logging
 import os
 import threading
@@ -54,6 +53,7 @@ from protocol.wire.signing import (
     Opened,
     ReplayWindow,
     Signer,
+    message_digest,
     seal,
     split_sealed,
 )
@@ -72,7 +72,7 @@ __all__ = [
 
 MAX_REQUEST_HEADER = 256 << 10  # msgpack header bytes of one request (the wire's own cap is 8 MiB)
 OFF_LOOP_HEADER = 64 << 10  # headers above this are decoded in a worker thread
-OFF_LOOP_BODY = 1 << 20  # bodies above this are hashed in a worker thread (hashlib drops the GIL)
+OFF_LOOP_BODY = 1 << 20  # bodies above this are hashed in a worker thread (blake3 drops the GIL)
 
 log = logging.getLogger(__name__)
 
@@ -102,16 +102,12 @@ async def open_off_loop(envelope: Envelope, body: memoryview, *, replay: ReplayW
     caller is cancelled meanwhile, a thread may still read ``body``: do not reuse its buffer."""
     digest = None
     if body.nbytes > OFF_LOOP_BODY:
-        digest = await asyncio.to_thread(_sha256, body)
+        digest = await asyncio.to_thread(message_digest, body)
     admitted = envelope.admit(body, now=time.time(), replay=replay,
                               expected_recipient=expected_recipient, digest=digest)
     if header_length(body) > OFF_LOOP_HEADER:
         return await asyncio.to_thread(_decode, admitted)
     return _decode(admitted)
-
-
-def _sha256(data: memoryview) -> bytes:
-    return hashlib.sha256(data).digest()
 
 
 def _decode(admitted: Admitted) -> Opened:

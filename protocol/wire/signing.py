@@ -5,11 +5,13 @@ Theory of operation. A sealed message on the wire is::
     envelope length (u32 BE) | envelope | message bytes (exactly as ``codec.encode`` made them)
 
 The envelope is msgpack ``[signed, signature]`` where ``signed`` is msgpack ``[version,
-public_key, timestamp, nonce, sha256(message bytes), message size, recipient]`` and
+public_key, timestamp, nonce, blake3(message bytes), message size, recipient]`` and
 ``signature`` is Ed25519 over ``DOMAIN + signed``. ``recipient`` is the peer id of the one node
 the message is meant for, or empty for a broadcast (an owner's ``FragmentState``, re-served by
 anyone). The signer hashes the message parts streaming, so a 400 MB tensor is never copied to be
-signed. The receiver checks, in this order: the envelope (small, capped), its signature over the
+signed. The message digest is BLAKE3 (256 bits): every byte of a fragment is hashed once by its
+sender and once by each receiver, and BLAKE3 does that ~3.5x faster than SHA-256 on one core
+(4.5 vs 1.3 GB/s, with SHA extensions); ``message_digest`` is the one place it is computed. The receiver checks, in this order: the envelope (small, capped), its signature over the
 exact bytes received (``BadSignature``), the message size against the cap (``Oversize``), the
 recipient when it expects one (``NotAuthorized``: a request captured on its way to node A and
 replayed to node B names A) and the received length (``DecodeError``), the content hash
@@ -29,13 +31,13 @@ Time (``now``) and nonces are arguments: this module reads no clock and draws no
 
 from __future__ import annotations
 
-import hashlib
 import math
 import struct
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import blake3
 import msgpack
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
@@ -62,13 +64,14 @@ __all__ = [
     "Signer",
     "digest_parts",
     "envelope_length",
+    "message_digest",
     "open_envelope",
     "open_sealed",
     "seal",
     "verify_sealed",
 ]
 
-ENVELOPE_VERSION = 2  # 2: the recipient joined the signed fields
+ENVELOPE_VERSION = 3  # 2: the recipient joined the signed fields; 3: the message digest is BLAKE3
 NONCE_BYTES = 16
 KEY_BYTES = 32
 SIGNATURE_BYTES = 64
@@ -108,9 +111,14 @@ class Signer:
         return f"Signer(peer_id={self.peer_id.hex()[:16]}…)"
 
 
+def message_digest(data: Buffer) -> bytes:
+    """The digest an envelope signs: BLAKE3 (32 bytes) of the message bytes."""
+    return blake3.blake3(data).digest()
+
+
 def digest_parts(parts: Sequence[memoryview]) -> bytes:
-    """sha256 over the concatenation of ``parts``, without concatenating them."""
-    h = hashlib.sha256()
+    """``message_digest`` of the concatenation of ``parts``, without concatenating them."""
+    h = blake3.blake3()
     for part in parts:
         h.update(part)
     return h.digest()
@@ -225,7 +233,7 @@ class Envelope:
     def admit(self, body: Buffer, *, now: float, replay: ReplayWindow,
               expected_recipient: bytes | None = None, digest: bytes | None = None) -> Admitted:
         """Check ``body`` against this envelope (length, content hash), its recipient, then skew
-        and replay; the decode is left to ``Admitted.decode``. ``digest`` is the body's sha256
+        and replay; the decode is left to ``Admitted.decode``. ``digest`` is the body's ``message_digest``
         when the caller has computed it already (e.g. in a worker thread).
 
         Raises DecodeError (wrong length), NotAuthorized (another recipient), BadSignature
@@ -233,7 +241,7 @@ class Envelope:
         """
         mv = _body_view(self, body)
         self.check_recipient(expected_recipient)
-        if (hashlib.sha256(mv).digest() if digest is None else digest) != self.digest:
+        if (message_digest(mv) if digest is None else digest) != self.digest:
             raise BadSignature("content hash mismatch")
         replay.accept(self.public_key, self.nonce, self.timestamp, now=now)
         return Admitted(self, mv)
@@ -247,7 +255,7 @@ class Envelope:
     def verify_body(self, body: Buffer) -> Opened:
         """Like ``open_body`` without the replay window nor a recipient (see ``verify_sealed``)."""
         mv = _body_view(self, body)
-        if hashlib.sha256(mv).digest() != self.digest:
+        if message_digest(mv) != self.digest:
             raise BadSignature("content hash mismatch")
         return Admitted(self, mv).decode()
 
@@ -401,7 +409,7 @@ class SealedReader:
     def __init__(self, max_size: int, buffer: bytearray | None = None) -> None:
         self._head = bytearray()
         self._body = BodyReader(max_size, buffer)
-        self._hash = hashlib.sha256()
+        self._hash = blake3.blake3()
         self.envelope: Envelope | None = None
 
     @property

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import hashlib
 import math
 import struct
 
+import blake3
 import msgpack
 import pytest
 from hypothesis import given, settings
@@ -32,6 +32,7 @@ from protocol.wire.signing import (
     Signer,
     digest_parts,
     envelope_length,
+    message_digest,
     open_envelope,
     open_sealed,
     seal,
@@ -148,9 +149,12 @@ def test_broadcasts_name_nobody_and_are_refused_where_a_recipient_is_required() 
         reader.open(now=NOW, replay=ReplayWindow(), expected_recipient=NODE_A)
 
 
-def test_digest_streams_over_parts() -> None:
+def test_digest_streams_over_parts_and_is_the_one_the_envelope_signs() -> None:
     s = sealed()
-    assert digest_parts(s.message.parts) == hashlib.sha256(s.message.tobytes()).digest()
+    whole = s.message.tobytes()
+    assert digest_parts(s.message.parts) == message_digest(whole) == blake3.blake3(whole).digest() == s.digest
+    envelope, _ = split_sealed(s.tobytes(), max_size=MAX)
+    assert envelope.digest == s.digest
 
 
 # ── tampering ────────────────────────────────────────────────────────────────────────────────
