@@ -1,0 +1,94 @@
+"""bench.quality: its parsing, the gap arithmetic, and a quick real run whose gaps come from its reports."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.quality import ABLATIONS, gap, main, parse_ablations, parse_set
+from bench.quality_runs import Setting, baseline_key, local_flags
+from node.config import RunConfig
+
+
+def test_gap_is_relative_to_the_second_argument() -> None:
+    assert gap(2.2, 2.0) == pytest.approx(0.1)
+    assert gap(1.8, 2.0) == pytest.approx(-0.1)
+
+
+def test_parse_set_reads_numbers_and_strings() -> None:
+    assert parse_set(["outer_lr=0.7", "inner-steps=60", "codec=int4"]) == {
+        "outer_lr": 0.7, "inner_steps": 60, "codec": "int4"}
+    with pytest.raises(ValueError, match="FIELD=VALUE"):
+        parse_set(["outer_lr"])
+
+
+def test_parse_ablations_selects_groups_and_items() -> None:
+    assert parse_ablations("") == []
+    assert parse_ablations("codec") == [("codec", name) for name in ABLATIONS["codec"]]
+    assert parse_ablations("H:H60,codec:int4") == [("H", "H60"), ("codec", "int4")]
+    with pytest.raises(ValueError, match="unknown ablation group"):
+        parse_ablations("nonsense")
+    with pytest.raises(ValueError, match="unknown codec ablation"):
+        parse_ablations("codec:int3")
+
+
+def test_every_ablation_is_a_valid_run_config() -> None:
+    for group, items in ABLATIONS.items():
+        for name, fields in items.items():
+            cfg = Setting(f"{group}:{name}", tuple(fields.items())).config()
+            assert all(getattr(cfg, k) == v for k, v in fields.items())
+
+
+def test_flags_name_only_what_differs_from_the_defaults() -> None:
+    cfg = RunConfig(peers=4, outer_momentum=0.5, codec="int4")
+    assert local_flags(cfg) == ["--peers", "4", "--codec", "int4", "--outer-momentum", "0.5"]
+    assert local_flags(RunConfig()) == []
+    with pytest.raises(ValueError, match="unknown RunConfig fields"):
+        Setting("bad", (("outer_lrr", 1.0),)).config()
+
+
+def test_the_baseline_key_ignores_what_data_parallel_does_not_use() -> None:
+    a, b = RunConfig(codec="int4", outer_lr=0.7), RunConfig()
+    assert baseline_key(a, 3e-3) == baseline_key(b, 3e-3)
+    assert baseline_key(a, 3e-3) != baseline_key(b, 6e-3)
+    assert baseline_key(RunConfig(seed=1), 3e-3) != baseline_key(b, 3e-3)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(900)
+def test_a_quick_run_reports_gaps_computed_from_its_reports(tmp_path: Path, capsys) -> None:
+    journal = tmp_path / "results.jsonl"
+    out = main(["--quick", "--seeds", "0", "--ablations", "codec:int4", "--dp-lrs", "3e-3,6e-3",
+                "--out", str(tmp_path / "reports"), "--journal", str(journal), "--plot", str(tmp_path / "q.png")])
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == json.loads(json.dumps(out))
+
+    run = out["main"]["per_seed"][0]
+    ends = {m: json.loads(Path(run[m]["report"]).read_text())["eval_loss"]["end"] for m in ("decoupled", "sync")}
+    tried = [json.loads(Path(out_dir).read_text())["eval_loss_end"]
+             for out_dir in sorted((tmp_path / "reports").glob("dp-s0-*.json"))]
+    assert len(tried) == 2 and run["dp"]["eval_loss_end"] == min(tried)  # the better-tuned baseline
+    assert run["gap_decoupled_vs_dp"] == pytest.approx(gap(ends["decoupled"], min(tried)))
+    assert run["gap_sync_vs_dp"] == pytest.approx(gap(ends["sync"], min(tried)))
+    assert run["gap_decoupled_vs_sync"] == pytest.approx(gap(ends["decoupled"], ends["sync"]))
+    assert out["main"]["mean"]["gap_decoupled_vs_dp"]["mean"] == pytest.approx(run["gap_decoupled_vs_dp"])
+
+    for method in ("decoupled", "sync"):
+        report = json.loads(Path(run[method]["report"]).read_text())
+        assert report["config"]["mode"] == method and report["config"]["model"] == "tiny"
+        assert report["tokens_trained"] == run["dp"]["tokens_trained"]  # equal tokens
+        assert run[method]["bandwidth_reduction_vs_ddp"] == pytest.approx(
+            report["bytes_sent_ddp_equivalent"] / report["bytes_sent"])
+
+    (ablation,) = out["ablations"]
+    ab_run = ablation["per_seed"][0]
+    ab_report = json.loads(Path(ab_run["decoupled"]["report"]).read_text())
+    assert ab_report["config"]["codec"] == "int4" and "sync" not in ab_run
+    assert ab_run["dp"]["report"] == run["dp"]["report"]  # same baseline, trained once
+    assert ab_run["gap_decoupled_vs_dp"] == pytest.approx(gap(ab_report["eval_loss"]["end"], min(tried)))
+
+    lines = [json.loads(x) for x in journal.read_text().splitlines()]
+    assert sorted((r["kind"], r.get("method")) for r in lines) == sorted(
+        [("local", "decoupled"), ("local", "sync"), ("local", "decoupled"), ("baseline", None), ("baseline", None)])
+    assert (tmp_path / "q.png").stat().st_size > 0
