@@ -25,6 +25,14 @@ for (a busy inbox is adopted a step later). The time each hook spends with the n
 (taking the inbox, enqueueing due fragments — not the local tensor copies) is measured; a step
 where it exceeds max(50 ms, half a step) is reported as stalled.
 
+An island slower than the swarm's version rate would otherwise rarely ship: a new version of a
+fragment arrives before it trains H steps, and adopting it overwrites those steps and restarts
+the count. With ``ship_before_adopt = N`` a fragment trained N or more steps since its last
+adoption, with nothing in flight, ships that work first (against the base it was trained from,
+so one version stale at the owner, and discounted there), then adopts. N bounds how often it
+ships (at most every N steps per fragment): N = 1 let early shipments make versions that
+triggered more early shipments, everyone's (docs/results.md, "Stragglers that ship").
+
 Arrivals are adopted as θ_p ← α·θ_p + (1 − α)·Θ_p (α = 0: overwrite, the default); AdamW
 moments are kept. A forced delivery (a resync after the island's own fragment went non-finite)
 overwrites θ_p whatever α and the version held, and resets the inner optimizer's state of any
