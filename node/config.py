@@ -20,7 +20,7 @@ __all__ = ["SWARM_WIDE_FIELDS", "RunConfig", "add_run_arguments", "config_from_a
 SWARM_WIDE_FIELDS = ("swarm", "mode", "seed", "model", "batch_size", "fragments", "inner_steps", "codec",
                      "block_size", "download_codec", "outer_lr", "outer_momentum", "quorum",
                      "grace_gamma", "grace_tau", "grace_cap_s", "staleness_bound", "late_policy",
-                     "max_tokens_per_step")
+                     "max_tokens_per_step", "aggregate")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -49,6 +49,7 @@ class RunConfig:
     download_codec: str = "none"  # global fragments handed back by owners
     outer_lr: float = 1.0
     outer_momentum: float = 0.0
+    aggregate: str = "rda"  # how an owner combines contributions: rda (robust) or mean (weighted)
     quorum: int = 1
     grace_gamma: float = 0.8
     grace_tau: int = 2
@@ -82,6 +83,8 @@ class RunConfig:
             problems.append(f"--block-size must be 1..4096 with topk2, got {self.block_size}")
         if self.download_codec not in ("none", "bf16"):
             problems.append(f"--download-codec must be none or bf16, got {self.download_codec!r}")
+        if self.aggregate not in ("rda", "mean"):
+            problems.append(f"--aggregate must be rda or mean, got {self.aggregate!r}")
         if self.late_policy not in ("carry", "drop"):
             problems.append(f"--late-policy must be carry or drop, got {self.late_policy!r}")
         if self.hold_versions not in (0, 1):
@@ -143,6 +146,9 @@ _HELP = {
     "download_codec": "compression of global fragments sent back: none or bf16",
     "outer_lr": "outer Nesterov learning rate (1.0 with momentum 0 = plain averaging)",
     "outer_momentum": "outer Nesterov momentum",
+    "aggregate": "how an owner combines the pseudo-gradients of a round: rda (radial-directional averaging: "
+                 "the mean direction, at the median norm, so one large contribution cannot steer it) or mean "
+                 "(the token-weighted mean; embedding fragments always use it)",
     "quorum": "K: minimum contributions before a merge may close",
     "grace_gamma": "gamma: fraction of hidden time the grace window may spend",
     "grace_tau": "tau: inner steps a fragment may stay in flight",

@@ -422,7 +422,7 @@ class PeerNode(OwnerHandoffs):
                            max_tokens_per_step=c.max_tokens_per_step, quorum_is_expected=c.mode != "decoupled")
 
     def _outer_cfg(self) -> OuterConfig:
-        return OuterConfig(lr=self.cfg.outer_lr, momentum=self.cfg.outer_momentum)
+        return OuterConfig(lr=self.cfg.outer_lr, momentum=self.cfg.outer_momentum, aggregate=self.cfg.aggregate)
 
     # --- handlers (training) --------------------------------------------------------------------
     async def _on_contribution(self, opened: Opened) -> Ack:

@@ -265,12 +265,15 @@ class OuterConfig:
     nesterov: bool = True
     max_delta_ratio: float = 1.0  # the owner bounds an aggregate's norm to this times |Theta|
     rda_radius: str = "median"  # radial-directional averaging's step length: "median" or "mean"
+    aggregate: str = "rda"  # non-embedding fragments: radial-directional averaging, or "mean" (weighted)
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise LocalProtocolError(f"outer lr must be finite and > 0, got {self.lr}")
         if not 0.0 <= self.momentum < 1.0:
             raise LocalProtocolError(f"outer momentum must be in [0, 1), got {self.momentum}")
+        if self.aggregate not in ("rda", "mean"):
+            raise LocalProtocolError(f"aggregate must be 'rda' or 'mean', got {self.aggregate!r}")
         if self.rda_radius not in ("mean", "median"):
             raise LocalProtocolError(f"rda_radius must be 'mean' or 'median', got {self.rda_radius!r}")
         if not self.max_delta_ratio > 0:
@@ -328,14 +331,15 @@ def merge_update(
     clips: Sequence[float], cfg: OuterConfig, *, embedding: bool,
 ) -> MergeUpdate:
     """One merge of a fragment: clip each delta by its factor, aggregate (a weighted mean for an
-    embedding fragment, radial-directional averaging otherwise), bound the aggregate to
+    embedding fragment or with ``cfg.aggregate == "mean"``, radial-directional averaging
+    otherwise), bound the aggregate to
     ``cfg.max_delta_ratio`` × |Θ| and apply the outer step. The inputs are not modified.
 
     The owner and ``atoll replay`` both call this, so a replayed log recomputes the same bits
     (on the same torch build and thread count). The result may be non-finite; the caller checks.
     """
     clipped = [d * c if c < 1.0 else d for d, c in zip(deltas, clips, strict=True)]
-    if embedding:
+    if embedding or cfg.aggregate == "mean":
         delta = weighted_mean(clipped, weights)
     else:
         delta = radial_directional_average(clipped, weights, radius=cfg.rda_radius)

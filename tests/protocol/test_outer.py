@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -11,6 +12,7 @@ from protocol.diloco.outer import (
     OuterConfig,
     clamp_weights,
     clip_to_median_norm,
+    merge_update,
     outer_step,
     outer_step_,
     pseudo_gradient,
@@ -296,3 +298,17 @@ def test_weighted_median_and_a_median_radius() -> None:
     assert torch.allclose(median, torch.tensor([1.0, 0.0]))
     with pytest.raises(LocalProtocolError):
         radial_directional_average([honest], [1.0], radius="max")
+
+
+def test_the_mean_aggregate_is_the_token_weighted_mean_and_rda_is_not() -> None:
+    theta = torch.zeros(4)
+    deltas = [torch.tensor([1.0, 0.0, 0.0, 0.0]), torch.tensor([0.0, 3.0, 0.0, 0.0])]
+    weights, clips = [1.0, 3.0], [1.0, 1.0]
+    plain = OuterConfig(lr=1.0, momentum=0.0, max_delta_ratio=math.inf)
+    mean = merge_update(theta, None, deltas, weights, clips, dataclasses.replace(plain, aggregate="mean"),
+                        embedding=False)
+    assert torch.allclose(mean.theta, -weighted_mean(deltas, weights))  # theta - lr * delta
+    rda = merge_update(theta, None, deltas, weights, clips, plain, embedding=False)
+    assert not torch.allclose(rda.theta, mean.theta)
+    with pytest.raises(LocalProtocolError, match="aggregate"):
+        OuterConfig(aggregate="median")
