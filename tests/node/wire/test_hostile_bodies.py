@@ -156,12 +156,12 @@ class _Trickle:
     def __init__(self, chunks: list[bytes], then_stall: bool) -> None:
         self.chunks, self.then_stall = list(chunks), then_stall
 
-    async def read(self, n: int) -> bytes:
+    async def readchunk(self) -> tuple[bytes, bool]:
         if self.chunks:
-            return self.chunks.pop(0)[:n]
+            return self.chunks.pop(0), False
         if self.then_stall:
             await asyncio.Event().wait()
-        return b""
+        return b"", False
 
 
 class _CountingPool(BufferPool):

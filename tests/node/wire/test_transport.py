@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import random
+from collections.abc import AsyncIterator
 
+import aiohttp
 import pytest
 from aiohttp import web
 
@@ -27,6 +29,39 @@ def test_buffer_pool_reuses_buffers() -> None:
     a = pool.take(10)
     pool.give(a)
     assert pool.take(5) is a
+
+
+def test_buffer_pool_keeps_its_largest_buffers_and_grows_from_its_largest() -> None:
+    mib = 1 << 20
+    pool = BufferPool(max_buffers=2, max_buffer=64 * mib, max_bytes=45 * mib)
+    small, mid, big, other = bytearray(mib), bytearray(8 * mib), bytearray(25 * mib), bytearray(16 * mib)
+    for buf in (small, mid, big):
+        pool.give(buf)  # three buffers, two places: the smallest goes
+    assert pool.held == 33 * mib
+    pool.give(other)  # again three: the 8 MiB one goes
+    assert pool.held == 41 * mib
+    pool.give(bytearray(65 * mib))  # above max_buffer: not kept
+    assert pool.held == 41 * mib
+    assert pool.take(20 * mib) is big  # the smallest that fits
+    # none fits 30 MiB: a caller that grows the buffer gets the largest (16 MiB), not a fresh 1 MiB
+    assert pool.take(30 * mib, fresh=mib) is other and pool.held == 0
+    assert len(pool.take(30 * mib, fresh=mib)) == mib  # empty: a fresh CHUNK
+
+
+async def test_a_chunked_body_is_read_whole_across_its_chunk_boundaries() -> None:
+    server = await _echo_server(max_body=8 << 20)
+    try:
+        payload = random.Random(2).randbytes(3_000_000)
+
+        async def pieces() -> AsyncIterator[bytes]:  # no Content-Length: chunked transfer encoding
+            for i in range(0, len(payload), 100_000):
+                yield payload[i:i + 100_000]
+
+        async with aiohttp.ClientSession() as session, session.post(f"{server.url}/echo", data=pieces()) as resp:
+            assert resp.status == 200 and await resp.read() == payload
+        assert server.bytes_received == len(payload)
+    finally:
+        await server.close()
 
 
 async def _echo_server(max_body: int) -> Transport:
