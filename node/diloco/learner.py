@@ -405,7 +405,7 @@ class IslandNet:
                 continue
             try:
                 status, buf, used, _ = await self._request(
-                    holder, "GET", f"{url}/v1/fragments/{p}/held?after={after}&wait={HOLDER_WAIT_S}",
+                    holder, "GET", f"{url}/v1/fragments/{p}/held?after={after}&wait={HOLDER_WAIT_S}&owner={owner_id.hex()}",
                     timeout_s=HOLDER_WAIT_S + 30, max_reply=self.max_message,
                 )
             except (aiohttp.ClientError, LinkDropped, TimeoutError, OSError) as exc:
@@ -448,7 +448,7 @@ class IslandNet:
                 log.warning("fragment %d: refused a version from %s: %s", p, owner_id.hex()[:8], jump)
                 raise RemoteProtocolError(f"fragment {p}: {jump}")
             if self.holdings is not None:
-                await self.holdings.put(p, state.version, buf, used)
+                await self.holdings.put(p, state.version, buf, used, owner_id)
                 kept = True
         finally:
             if not kept:

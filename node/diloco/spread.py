@@ -19,7 +19,6 @@ back to the owner with ``fallback=1`` when none served.
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -110,11 +109,21 @@ async def answer(request: web.Request, transport: Transport, decision: SpreadDec
     return await transport.stream_reply(request, chunks(), size)
 
 
+def _owner_query(request: web.Request) -> bytes | None:
+    text = request.query.get("owner")
+    if text is None:
+        return None
+    if len(text) != 2 * ID_BYTES or not all(c in "0123456789abcdef" for c in text):
+        raise DecodeError(f"owner must be a {ID_BYTES}-byte peer id in lower-case hex")
+    return bytes.fromhex(text)
+
+
 @dataclass
 class _Held:
     version: int
     buf: bytearray
     used: int
+    signer: bytes  # the owner whose signature the bytes carry
     readers: int = 0
     replaced: bool = False
 
@@ -127,20 +136,20 @@ class Holdings:
         self._held: list[_Held | None] = [None] * fragments
         self.fanouts = [Fanout(fanout) for _ in range(fragments)]
         self._changed = asyncio.Condition()
-        self.serving: collections.Counter[int] = collections.Counter()  # fragment -> streams under way
 
     def version(self, p: int) -> int | None:
         held = self._held[p]
         return None if held is None else held.version
 
-    async def put(self, p: int, version: int, buf: bytearray, used: int) -> None:
-        """Keep ``buf[:used]`` (verified, owner-signed) as fragment ``p``'s ``version``; this takes
-        the buffer over (an older or equal version is given straight back to the pool)."""
+    async def put(self, p: int, version: int, buf: bytearray, used: int, signer: bytes) -> None:
+        """Keep ``buf[:used]`` (verified, signed by the owner ``signer``) as fragment ``p``'s
+        ``version``; this takes the buffer over (an older or equal version is given straight back
+        to the pool)."""
         old = self._held[p]
         if old is not None and version <= old.version:
             self.pool.give(buf)
             return
-        self._held[p] = _Held(version, buf, used)
+        self._held[p] = _Held(version, buf, used, signer)
         if old is not None:
             old.replaced = True
             self._release(old)
@@ -151,21 +160,28 @@ class Holdings:
         if held.replaced and held.readers == 0:
             self.pool.give(held.buf)
 
-    async def wait_after(self, p: int, after: int, wait_s: float) -> _Held | None:
+    async def wait_after(self, p: int, after: int, wait_s: float, signer: bytes | None = None) -> _Held | None:
+        """The held version of ``p`` once it is above ``after`` (and signed by ``signer``, when
+        given: the owner the asker sees; views of ownership differ while it moves)."""
+        def ready() -> bool:
+            h = self._held[p]
+            return h is not None and h.version > after and (signer is None or h.signer == signer)
+
         async with self._changed:
             try:
                 async with asyncio.timeout(min(wait_s, MAX_HELD_WAIT_S)):
-                    await self._changed.wait_for(lambda: (h := self._held[p]) is not None and h.version > after)
+                    await self._changed.wait_for(ready)
             except TimeoutError:
                 return None
         return self._held[p]
 
     async def serve(self, request: web.Request, transport: Transport, p: int, after: int, wait_s: float,
                     who: bytes | None, stats: SpreadStats) -> web.StreamResponse:
-        """Answer ``GET /v1/fragments/{p}/held``: 204 when nothing above ``after`` came in time."""
+        """Answer ``GET /v1/fragments/{p}/held?after=A&wait=W[&owner=HEX]``: 204 when nothing above
+        ``after`` (signed by ``owner``) came in time. Raises ``DecodeError`` for a bad ``owner``."""
         if not 0 <= p < len(self._held):
             raise web.HTTPNotFound(text=f"no fragment {p}")
-        held = await self.wait_after(p, after, wait_s)
+        held = await self.wait_after(p, after, wait_s, _owner_query(request))
         if held is None:
             return web.Response(status=204)
         decision = self.fanouts[p].decide(held.version, who)

@@ -18,7 +18,8 @@ hostile holder can delay a version for the learners pointed at it by one wait, n
 
 Only requesters that can be reached (a member with an address: ``requester`` given) are served
 as holders-to-be; an anonymous requester is pointed at holders when there are some, and served
-otherwise (it cannot pass the version on).
+otherwise (it cannot pass the version on), and its fallbacks are served (requesters without an id
+cannot be told apart: they cost what every request cost before versions spread).
 
 Pure logic: versions are ints, peers are ids; the node maps ids to addresses and serves bytes.
 """
@@ -93,6 +94,8 @@ class Fanout:
         if self.fanout == 0:
             return self._serve("spreading is off: every learner is served")
         state = self._state(version)
+        if requester is None and fallback:  # cannot be told apart: served, as before versions spread
+            return self._serve(f"version {version}: fallback for a requester that cannot hold it")
         if requester is not None and fallback:
             if requester in state.fallbacks:
                 return Refuse(f"version {version}: a fallback was served to this peer already; "

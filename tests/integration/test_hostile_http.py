@@ -99,6 +99,7 @@ async def test_every_route_refuses_hostile_requests_with_a_4xx_and_a_reason(
         cases.append(("POST", f"/v1/fragments/0/{kind}", {"data": os.urandom(100)}))
     for kind in ("next", "final", "held"):
         cases += [("GET", f"/v1/fragments/0/{kind}?{q}", {}) for q in LONG_POLL_QUERIES]
+    cases += [("GET", f"/v1/fragments/0/held?after=0&wait=0&owner={o}", {}) for o in ("zz", "ab" * 31, "AB" * 32)]
     cases.append(("GET", "/v1/fragments/0/bogus", {}))
     for value in (f"bytes={HUGE}-", f"bytes=-{HUGE}", f"bytes=0-{HUGE}", "bytes=99999999-"):
         cases.append(("GET", "/v1/fragments/0/latest", {"headers": {"Range": value}}))

@@ -59,6 +59,13 @@ def test_anonymous_requesters_are_pointed_at_holders_once_there_are_some() -> No
     assert isinstance(d, PointTo) and d.holders == (_id(1),)
 
 
+def test_an_anonymous_fallback_is_served() -> None:
+    fan = Fanout(1)
+    fan.decide(1, _id(1))
+    assert isinstance(fan.decide(1, None), PointTo)
+    assert isinstance(fan.decide(1, None, fallback=True), Serve)
+
+
 def test_spreading_off_serves_everyone() -> None:
     fan = Fanout(0)
     assert all(isinstance(fan.decide(1, _id(n)), Serve) for n in range(50))

@@ -192,13 +192,13 @@ async def test_a_held_buffer_goes_back_to_the_pool_only_when_replaced_and_no_lon
     pool = CountingPool()
     held = Holdings(1, pool, fanout=2)  # type: ignore[arg-type]
     first, second, old = bytearray(b"v1"), bytearray(b"v2"), bytearray(b"v0")
-    await held.put(0, 1, first, 2)
-    await held.put(0, 0, old, 2)  # older than held: straight back
+    await held.put(0, 1, first, 2, OWNER.peer_id)
+    await held.put(0, 0, old, 2, OWNER.peer_id)  # older than held: straight back
     assert pool.given == [old]
     reading = await held.wait_after(0, 0, 0.0)
     assert reading is not None and reading.version == 1
     reading.readers += 1  # a stream of version 1 is under way
-    await held.put(0, 2, second, 2)
+    await held.put(0, 2, second, 2, OWNER.peer_id)
     assert pool.given == [old]  # not while it is read
     reading.readers -= 1
     held._release(reading)
@@ -209,7 +209,17 @@ async def test_waiting_for_a_held_version_returns_when_it_arrives() -> None:
     held = Holdings(1, CountingPool(), fanout=2)  # type: ignore[arg-type]
     waiter = asyncio.create_task(held.wait_after(0, 3, 5.0))
     await asyncio.sleep(0)
-    await held.put(0, 4, bytearray(b"x"), 1)
+    await held.put(0, 4, bytearray(b"x"), 1, OWNER.peer_id)
     got = await waiter
     assert got is not None and got.version == 4
     assert await held.wait_after(0, 4, 0.0) is None
+
+
+async def test_a_holder_serves_only_versions_signed_by_the_owner_the_asker_names() -> None:
+    """While ownership moves, views differ: a holder whose newest version is another owner's
+    does not serve it to a learner that names its own view of the owner (it would be refused)."""
+    held = Holdings(1, CountingPool(), fanout=2)  # type: ignore[arg-type]
+    await held.put(0, 5, bytearray(b"x"), 1, HOLDER.peer_id)
+    assert await held.wait_after(0, 1, 0.0, OWNER.peer_id) is None
+    got = await held.wait_after(0, 1, 0.0, HOLDER.peer_id)
+    assert got is not None and got.version == 5
