@@ -299,7 +299,7 @@ class Island:
             return
         if sent_at is not None:
             self.stats.gave_up_in_flight += 1
-        delta = self.global_flat[p] - self._flatten(p).float().cpu()  # [numel_p] fp32, Θ_base − θ
+        delta = self._pseudo_gradient(p)
         self.in_flight[p] = self.stats.step
         self.next_due[p] = self.stats.step + self.cfg.inner_steps
         self.stats.sent += 1
@@ -344,6 +344,20 @@ class Island:
         self.stats.adopted += 1
         self.adoptions[p] += 1
         self._copy_s += time.perf_counter() - t0
+
+    def _pseudo_gradient(self, p: int) -> torch.Tensor:
+        """Θ_base − θ of fragment ``p`` as a new flat fp32 CPU tensor (the network side keeps it),
+        subtracted parameter by parameter into it: one fresh buffer, not a concatenated copy of θ
+        and then the difference (fresh memory is slow to fill)."""
+        base = self.global_flat[p]
+        out = torch.empty_like(base)
+        offset = 0
+        with torch.no_grad():
+            for param in self.params[p]:
+                n = param.numel()
+                torch.sub(base[offset:offset + n], param.detach().reshape(-1).float().cpu(), out=out[offset:offset + n])
+                offset += n
+        return out
 
     def _flatten(self, p: int) -> torch.Tensor:
         return torch.cat([t.detach().reshape(-1) for t in self.params[p]])
