@@ -196,18 +196,22 @@ def kill_test(args: argparse.Namespace, peers: int, params: int, system: str, no
     return result
 
 
-def memory_needed_mb(peers: int, params: int) -> int:
-    """What N peers of all three systems hold at their peak, from this bench's own measurements
-    of every peer's processes (the Atoll peer, hivemind's averager and DHT): ~1.85 GiB per peer
-    at 10M parameters, ~4.7 GiB at 50M, i.e. ~1.1 GiB plus ~72 bytes per parameter. Shared pages
-    count in each process, so this errs high."""
-    return peers * (1100 + 72 * params // (1 << 20))
+def memory_needed_mb(peers: int, params: int, systems: tuple[str, ...] | list[str] = SYSTEMS) -> int:
+    """What N peers hold at their peak, from this bench's own measurements of every peer's
+    processes: with all three systems ~1.85 GiB per peer at 10M parameters, ~4.7 GiB at 50M,
+    i.e. ~1.1 GiB plus ~72 bytes per parameter, of which hivemind's averager and DHT processes
+    take ~0.5 GiB plus ~16 bytes per parameter (Atoll's peer process at 10M peaked at 0.8-1.0
+    GiB alone). Shared pages count in each process, so this errs high."""
+    per_peer = 600 + 56 * params // (1 << 20)
+    if "hivemind" in systems:
+        per_peer += 500 + 16 * params // (1 << 20)
+    return peers * per_peer
 
 
 def run_case(args: argparse.Namespace, peers: int, params: int, systems: list[str], log_dir: Path,
              hivemind_reason: str | None) -> dict[str, Any]:
     case: dict[str, Any] = {"peers": peers, "params": params, "fragments": args.fragments}
-    need, free = memory_needed_mb(peers, params), available_mb()
+    need, free = memory_needed_mb(peers, params, systems), available_mb()
     if need > free - HEADROOM_MB:
         reason = (f"not run: {peers} peers x {params:,} parameters need ~{need / 1024:.0f} GiB at their peak "
                   f"(~{need // peers} MiB per peer), the machine has {free / 1024:.0f} GiB available")
