@@ -4,7 +4,7 @@ For each seed it runs ``atoll local --mode decoupled`` and ``--mode sync`` with 
 settings, and the synchronous data-parallel baseline (``node.workload.baseline``, what
 ``atoll local --baseline`` trains) on the same model, shards and tokens, then reports relative
 eval-loss gaps ``(a - b) / b`` of the final global models. Ablations run the decoupled swarm
-with one thing changed (codec, outer lr and momentum, H, fragments, peers) on
+with one thing changed (codec, outer lr and momentum, H, fragments, peers, RDA or mean) on
 ``--ablation-seeds``. Every run's bytes reduction against fp32 ring all-reduce
 (``bandwidth_reduction_vs_ddp`` of its report) is kept too.
 
@@ -51,6 +51,9 @@ ABLATIONS: dict[str, dict[str, dict[str, Any]]] = {
     "fragments": {"P1": {"fragments": 1}, "P2": {"fragments": 2}, "P4": {"fragments": 4}},
     "download": {"fp32": {"download_codec": "none"}, "bf16": {"download_codec": "bf16"}},
     "peers": {"M4": {"peers": 4}, "M8": {"peers": 8}},
+    # the merge's aggregation (--aggregate): radial-directional averaging or the token-weighted mean
+    "aggregate": {"rda": {"aggregate": "rda"}, "mean": {"aggregate": "mean"},
+                  "rda-M8": {"peers": 8, "aggregate": "rda"}, "mean-M8": {"peers": 8, "aggregate": "mean"}},
 }
 
 
@@ -166,6 +169,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="every run's result is appended here as a JSON line")
     p.add_argument("--resume", action="store_true", help="read back runs whose report already exists")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds one run may take")
+    p.add_argument("--retries", type=int, default=1, help="times a failed run is tried again (default: 1)")
     p.add_argument("--plot", type=Path, default=None, help="write the main setting's loss curves here (PNG)")
     return p
 
@@ -184,7 +188,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit(f"--methods takes decoupled and/or sync, got {args.methods!r}")
     dp_lrs = [float(x) for x in args.dp_lrs.split(",") if x.strip()]
     ablations = parse_ablations(args.ablations)
-    runner = Runner(args.out, resume=args.resume, journal=args.journal, timeout_s=args.timeout)
+    runner = Runner(args.out, resume=args.resume, journal=args.journal, timeout_s=args.timeout,
+                    retries=args.retries)
     t0 = time.monotonic()
     result: dict[str, Any] = {"benchmark": "quality", "quick": args.quick, "base": base,
                               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}

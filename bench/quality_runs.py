@@ -88,8 +88,10 @@ def summarise_local(report: dict[str, Any], path: Path) -> dict[str, Any]:
 class Runner:
     """Runs (or reads back) swarms and baselines under ``out_dir``, journaling each result."""
 
-    def __init__(self, out_dir: Path, *, resume: bool, journal: Path | None, timeout_s: float) -> None:
+    def __init__(self, out_dir: Path, *, resume: bool, journal: Path | None, timeout_s: float,
+                 retries: int = 1) -> None:
         self.out_dir = out_dir
+        self.retries = retries
         self.resume = resume
         self.journal = journal
         self.timeout_s = timeout_s
@@ -144,15 +146,28 @@ class Runner:
         return have
 
     def _call(self, cmd: list[str], log: Path, what: str) -> None:
-        print(f"[quality] {time.strftime('%H:%M:%S')} running {what}: {' '.join(cmd[1:])}", file=sys.stderr,
-              flush=True)
-        t0 = time.monotonic()
-        with log.open("wb") as f:
-            proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=self.timeout_s, check=False)
-        if proc.returncode != 0:
-            tail = log.read_text(errors="replace").strip().splitlines()[-3:]
-            raise RuntimeError(f"{what} failed with exit code {proc.returncode}: {' | '.join(tail)} (log: {log})")
-        print(f"[quality] {what} done in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
+        """Run ``cmd`` with its output in ``log``, again up to ``retries`` times if it fails (a
+        swarm on an overloaded machine may miss a start-up deadline); RuntimeError if it never
+        succeeds."""
+        for attempt in range(1 + self.retries):
+            print(f"[quality] {time.strftime('%H:%M:%S')} running {what}: {' '.join(cmd[1:])}", file=sys.stderr,
+                  flush=True)
+            t0 = time.monotonic()
+            with log.open("wb") as f:
+                try:
+                    code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=self.timeout_s).returncode
+                except subprocess.TimeoutExpired:
+                    code = -1
+            if code == 0:
+                print(f"[quality] {what} done in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
+                return
+            tail = " | ".join(log.read_text(errors="replace").strip().splitlines()[-3:])
+            problem = f"{what} failed (exit code {code}, -1: over {self.timeout_s:.0f} s): {tail} (log: {log})"
+            if attempt == self.retries:
+                raise RuntimeError(problem)
+            print(f"[quality] {problem}; trying again", file=sys.stderr, flush=True)
+            self._journal({"kind": "failure", "what": what, "exit_code": code, "log": tail})
+            log.rename(log.with_suffix(f".failed{attempt}.log"))
 
     def _journal(self, record: dict[str, Any]) -> None:
         if self.journal is None:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
 
 from bench.quality import ABLATIONS, gap, main, parse_ablations, parse_set
-from bench.quality_runs import Setting, baseline_key, local_flags
+from bench.quality_runs import Runner, Setting, baseline_key, local_flags
 from node.config import RunConfig
 
 
@@ -92,3 +93,19 @@ def test_a_quick_run_reports_gaps_computed_from_its_reports(tmp_path: Path, caps
     assert sorted((r["kind"], r.get("method")) for r in lines) == sorted(
         [("local", "decoupled"), ("local", "sync"), ("local", "decoupled"), ("baseline", None), ("baseline", None)])
     assert (tmp_path / "q.png").stat().st_size > 0
+
+
+def test_a_failed_run_is_tried_again_then_reported(tmp_path: Path) -> None:
+    journal = tmp_path / "j.jsonl"
+    runner = Runner(tmp_path, resume=False, journal=journal, timeout_s=60, retries=1)
+    marker = tmp_path / "ran-once"
+    flaky = ["-c", f"import pathlib, sys; m = pathlib.Path({str(marker)!r}); ok = m.exists(); m.touch(); "
+                   "print('second try' if ok else 'first try failed'); sys.exit(0 if ok else 3)"]
+    runner._call([sys.executable, *flaky], tmp_path / "flaky.log", "flaky")
+    assert (tmp_path / "flaky.log").read_text().strip() == "second try"
+    assert "first try failed" in (tmp_path / "flaky.failed0.log").read_text()
+    (failure,) = [json.loads(x) for x in journal.read_text().splitlines()]
+    assert failure["kind"] == "failure" and failure["exit_code"] == 3
+
+    with pytest.raises(RuntimeError, match=r"always failed \(exit code 4"):
+        runner._call([sys.executable, "-c", "import sys; sys.exit(4)"], tmp_path / "bad.log", "always")
