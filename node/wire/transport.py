@@ -219,7 +219,9 @@ async def read_stream(
                 raise BodyTimeout(_stalled(used, length, wait if by_idle else timeout_s,
                                            whole=not by_idle)) from None
             if not chunk:
-                if boundary:  # the end of one chunk of a chunked body: more may follow
+                # the end of one chunk of a chunked body: more may follow. aiohttp's shared empty
+                # body (a 204's) answers (b"", True) for ever once read: it is at its end
+                if boundary and not content.at_eof():
                     continue
                 break
             end = used + len(chunk)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections.abc import AsyncIterator
 
@@ -117,3 +118,24 @@ async def test_link_emulator_drops_and_delays() -> None:
     finally:
         await client.close()
         await server.close()
+
+
+async def test_bodiless_replies_are_read_again_and_again() -> None:
+    """aiohttp hands every bodiless reply (a 204, a long-poll with nothing new) the same shared
+    empty stream, which says "end of a chunk" for ever once read: each is still read as empty
+    at once (a learner's poll loop once spun on the second one, and its node stopped answering)."""
+    t = Transport()
+
+    async def nothing(_request: web.Request) -> web.StreamResponse:
+        return web.Response(status=204)
+
+    t.app.router.add_get("/nothing", nothing)
+    await t.start()
+    try:
+        for _ in range(3):
+            async with asyncio.timeout(10):
+                status, buf, used, _ = await t.request("GET", f"{t.url}/nothing", timeout_s=5)
+            assert (status, used) == (204, 0)
+            t.pool.give(buf)
+    finally:
+        await t.close()
