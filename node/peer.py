@@ -365,7 +365,7 @@ class PeerNode(OwnerHandoffs):
     def _published(self, fragment: int, version: int, digest: bytes) -> None:
         owner = self.owners.get(fragment)
         if owner is not None:
-            self.spread.published_bytes += owner.latest.size
+            self.spread.owned_version(fragment, version, owner.latest.size)
         if owner is not None:  # once retired, this peer refuses another content for this version
             self.replicas.fence(fragment, owner.epoch, version, digest)
             if self.owner_checkpoints is not None:
@@ -485,6 +485,7 @@ class PeerNode(OwnerHandoffs):
             self._count_served(request, sealed.size)
             if asker != self.signer.peer_id:  # our own learner's fetch never leaves the machine
                 self.spread.owner_bytes += sealed.size
+                self.spread.owned_version(owner.fragment.index, owner.version, sealed.size)
         return await answer(request, self.transport, decision, sealed.iter_chunks, sealed.size, self.spread,
                             version=owner.version)
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgpack
 from aiohttp import web
@@ -60,10 +60,20 @@ class SpreadStats:
     fallbacks_asked: int = 0  # learner side: the holders failed, the owner was asked again
     from_holders: int = 0  # learner side: versions fetched from a holder, not the owner
     bad_from_holders: int = 0  # learner side: a holder served bytes that failed the checks
-    published_bytes: int = 0  # owner side: sealed size of every version published
+    published_bytes: int = 0  # owner side: sealed size of every distinct version published or served as owner
+    _versions: set[tuple[int, int]] = field(default_factory=set, repr=False)
 
     def as_dict(self) -> dict[str, int]:
-        return dict(self.__dict__)
+        return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+
+    def owned_version(self, fragment: int, version: int, size: int) -> None:
+        """Count a version this peer publishes or serves as its owner (once: a successor serves
+        versions it took over, not only those it merged)."""
+        if (fragment, version) not in self._versions:
+            self._versions.add((fragment, version))
+            self.published_bytes += size
+            if len(self._versions) > 100_000:
+                self._versions.clear()  # only lets a very old version count twice
 
 
 def encode_pointer(holders: tuple[bytes, ...]) -> bytes:

@@ -223,3 +223,21 @@ async def test_a_holder_serves_only_versions_signed_by_the_owner_the_asker_names
     assert await held.wait_after(0, 1, 0.0, OWNER.peer_id) is None
     got = await held.wait_after(0, 1, 0.0, HOLDER.peer_id)
     assert got is not None and got.version == 5
+
+
+def test_an_owner_counts_each_version_it_publishes_or_serves_once() -> None:
+    """The report's ``owner_upload_per_published`` divides by every distinct version an owner
+    served, those it took over included, so a successor is not charged for versions it did not merge."""
+    from node.diloco.spread import SpreadStats
+    from node.run.report import spread_summary
+
+    stats = SpreadStats()
+    for fragment, version in [(0, 1), (0, 1), (0, 2), (1, 2), (0, 2)]:
+        stats.owned_version(fragment, version, 100)
+    stats.owner_bytes = 900
+    assert stats.published_bytes == 300 and "_versions" not in stats.as_dict()
+    summary = spread_summary([{"index": 0, "spread": stats.as_dict(), "replica_bytes": 300},
+                              {"index": 1, "spread": SpreadStats().as_dict()}])
+    assert summary["per_peer"]["0"]["owner_upload_per_published"] == 4.0
+    assert summary["per_peer"]["1"]["owner_upload_per_published"] is None
+    assert summary["max_owner_upload_per_published"] == 4.0
