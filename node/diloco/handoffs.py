@@ -68,11 +68,27 @@ class OwnerHandoffs:
         raise NotImplementedError
 
     async def _hand_on(self, p: int, target: tuple[bytes, str], state: ReplicaState) -> None:
-        """A retiring owner's handoff to its successor: best effort, never fatal to the node."""
-        try:
-            await self._hand_to(p, target, state)
-        except _FencedBy as exc:  # the successor has moved on already: our state is old news
-            log.info("fragment %d: successor did not need version %d: %s", p, state.version, exc)
+        """A retiring owner's handoff to its successor: best effort, never fatal to the node.
+
+        A successor whose fence ends at an older version than ours (an epoch it took while it
+        owned the fragment briefly from an older version, e.g. during its join, and published
+        nothing above) is handed the state again under that epoch, as ``_above_stale_fence``
+        does for replication: refusing it lost the newest version, and a successor that never
+        held it then owned the fragment from its old version, refusing every learner's work
+        as ahead of it."""
+        for _ in range(MAX_EPOCH_BUMPS + 1):
+            try:
+                await self._hand_to(p, target, state)
+                return
+            except _FencedBy as exc:
+                ack = exc.ack
+                if not (ack.epoch > state.epoch and 0 <= ack.version < state.version):
+                    # the successor has moved on already: our state is old news
+                    log.info("fragment %d: successor did not need version %d: %s", p, state.version, exc)
+                    return
+                log.info("fragment %d: the successor's fence at epoch %d ends at version %d, behind our %d: "
+                         "handing it on under epoch %d", p, ack.epoch, ack.version, state.version, ack.epoch)
+                state = dataclasses.replace(state, epoch=ack.epoch)
 
     async def _hand_to(self, p: int, target: tuple[bytes, str], state: ReplicaState) -> bool:
         """Hand ``state`` to ``target``; whether it took it (failures are logged, not raised)."""

@@ -137,6 +137,53 @@ async def test_a_stale_fence_is_passed_with_a_higher_epoch_and_a_real_one_is_not
     assert node.replicas.held[0].epoch == 4  # and this peer now refuses handoffs below it
 
 
+async def test_a_retiring_owner_hands_its_newer_state_past_a_successors_stale_fence() -> None:
+    """The successor owned the fragment twice from version 0 while it joined (its fence: epoch 1,
+    version 0) and does not own it now. The retiring owner's version 40, at epoch 0, was refused
+    ("fenced: fragment 0 is at epoch 1 here (version 0)") and dropped: the successor then owned the
+    fragment from version 0 and refused every learner's work as ahead of it. Handed again under
+    the fence's epoch it is taken, momentum included; a fence at our version still turns it away."""
+    import types
+
+    import torch
+
+    from node.diloco.handoffs import _FencedBy
+    from node.diloco.replica import encode_state
+    from protocol.wire.messages import ReplicaState
+
+    model = tiny_model()
+    successor = PeerNode(RunConfig(max_tokens_per_step=64), signer(2), model, tiny_plan(model))
+    retiring = PeerNode(RunConfig(max_tokens_per_step=64), signer(1), model, tiny_plan(model))
+    record = MemberRecord(url="http://127.0.0.1:1", roles=("learner", "owner"), reachable=True, manifest="m",
+                          learning=True)
+    successor.membership = FakeMembership(records={})  # type: ignore[assignment]
+    successor.membership.members = {signer(1).peer_id: Member(signer(1).peer_id, record, 2e9, certified_owner=True)}
+    n = successor.replicas.numels[0]
+    sent: list[int] = []
+
+    async def hand_to(p: int, target: tuple[bytes, str], state: ReplicaState) -> bool:  # in memory
+        sent.append(state.epoch)
+        ack = await successor._on_replica_state(types.SimpleNamespace(peer_id=signer(1).peer_id, message=state))  # type: ignore[arg-type]
+        if not ack.accepted and ack.reason.startswith("fenced"):
+            raise _FencedBy(ack)
+        return ack.accepted
+
+    retiring._hand_to = hand_to  # type: ignore[method-assign]
+    target = (signer(2).peer_id, "http://127.0.0.1:2")
+    successor.replicas.fence(0, 1, 0, b"\x00" * 32)  # its own brief ownership, from version 0
+    newest = encode_state(swarm=successor.cfg.swarm, fragment=0, epoch=0, version=40, digest=b"\x07" * 32,
+                          theta=torch.ones(n), momentum=torch.full((n,), 0.5))
+    await retiring._hand_on(0, target, newest)
+    assert sent == [0, 1]  # refused at epoch 0, taken under the fence's epoch
+    taken = successor.replicas.states[0]
+    assert (taken.version, taken.epoch) == (40, 1) and taken.momentum is not None
+    assert successor.replicas.held[0].version == 40
+    sent.clear()
+    successor.replicas.fence(0, 3, 40, b"\x07" * 32)  # a fence at our version is real: no retry
+    await retiring._hand_on(0, target, dataclasses.replace(newest, epoch=2))
+    assert sent == [2] and successor.replicas.states[0].epoch == 1
+
+
 async def test_a_replica_hands_its_state_to_a_successor_it_refused() -> None:
     """The replica of a failed owner holds version 84 from epoch 1; the rendezvous made another
     peer the owner, which synced version 84 and hands its version 85 at epoch 0: refused. The
