@@ -8,12 +8,15 @@ again (``--resume``), and every finished run is appended as one line to a JSON l
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
+import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -114,6 +117,7 @@ class Runner:
     def baseline(self, cfg: RunConfig, lr: float) -> dict[str, Any]:
         """Synchronous data-parallel training at equal tokens to ``cfg``'s swarm, inner lr ``lr``."""
         path = self.out_dir / f"dp-s{cfg.seed}-{baseline_key(cfg, lr)}.json"
+        _wait_for_other_writer(path)
         fresh = not self._have(path)
         if fresh:
             # one torch thread, as each peer: two spin-waiting threads crawl on a loaded machine
@@ -127,7 +131,8 @@ class Runner:
             if cfg.corpus_max_bytes:
                 cmd += ["--max-bytes", str(cfg.corpus_max_bytes)]
             log = path.with_suffix(".log")
-            self._call(cmd, log, f"data-parallel lr {lr:g} seed {cfg.seed}")
+            with _claim(path):
+                self._call(cmd, log, f"data-parallel lr {lr:g} seed {cfg.seed}")
             lines = [ln for ln in log.read_text().splitlines() if ln.startswith("{")]
             if not lines:
                 raise RuntimeError(f"the baseline printed no JSON result; see {log}")
@@ -176,6 +181,36 @@ class Runner:
         record = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **record}
         with self.journal.open("a") as f:
             f.write(json.dumps(record, default=str) + "\n")
+
+
+@contextlib.contextmanager
+def _claim(path: Path) -> Iterator[None]:
+    """Mark ``path`` as being written by this process (``path.lock`` holds its pid)."""
+    lock = path.with_suffix(".lock")
+    lock.write_text(str(os.getpid()))
+    try:
+        yield
+    finally:
+        lock.unlink(missing_ok=True)
+
+
+def _wait_for_other_writer(path: Path, poll_s: float = 10.0) -> None:
+    """If another live process claimed ``path`` (another bench.quality sharing ``--out``), wait
+    until it is done, so that each baseline is trained once."""
+    lock = path.with_suffix(".lock")
+    told = False
+    while lock.exists():
+        try:
+            pid = int(lock.read_text())
+            os.kill(pid, 0)
+        except (ValueError, OSError):  # unreadable, or its writer is gone
+            return
+        if pid == os.getpid():
+            return
+        if not told:
+            print(f"[quality] waiting for process {pid} to finish {path.name}", file=sys.stderr, flush=True)
+            told = True
+        time.sleep(poll_s)
 
 
 def _without_curve(summary: dict[str, Any]) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -109,3 +110,20 @@ def test_a_failed_run_is_tried_again_then_reported(tmp_path: Path) -> None:
 
     with pytest.raises(RuntimeError, match=r"always failed \(exit code 4"):
         runner._call([sys.executable, "-c", "import sys; sys.exit(4)"], tmp_path / "bad.log", "always")
+
+
+def test_a_baseline_claimed_by_another_live_process_is_waited_for(tmp_path: Path) -> None:
+    from bench.quality_runs import _wait_for_other_writer
+
+    target = tmp_path / "dp-s0-x.json"
+    script = ("import pathlib, os, sys, time; t = pathlib.Path(sys.argv[1]); l = t.with_suffix('.lock'); "
+              "l.write_text(str(os.getpid())); print('claimed', flush=True); time.sleep(1); "
+              "t.write_text('{\"done\": true}'); l.unlink()")
+    writer = subprocess.Popen([sys.executable, "-c", script, str(target)], stdout=subprocess.PIPE, text=True)
+    assert writer.stdout is not None and writer.stdout.readline().strip() == "claimed"
+    _wait_for_other_writer(target, poll_s=0.1)
+    assert json.loads(target.read_text()) == {"done": True}  # read only once its writer finished
+    writer.wait(timeout=30)
+
+    target.with_suffix(".lock").write_text("999999999")  # a writer that is gone: nothing to wait for
+    _wait_for_other_writer(target, poll_s=0.1)
