@@ -308,3 +308,18 @@ async def test_receive_answers_before_the_merge_it_completes_and_reused_buffers_
     assert owner.version == 2 and torch.allclose(owner.theta, theta0 - first - second, atol=1e-6)
     _, flat2, _ = _opened_state(owner.latest.tobytes(), shapes[0])
     assert torch.equal(flat2, owner.theta)  # the published bytes are the merged state
+
+
+async def test_a_successor_knows_a_version_by_the_digest_learners_verified_from_its_predecessor() -> None:
+    """Learners name a downloaded version by the digest its owner's signature covers (the sealed
+    message's). The message holds no signer, time or nonce, so another owner sealing the same
+    state (a successor after a handoff) knows the version by that same digest, and work
+    measured against it is merged there, not sent back with "resync"."""
+    plan, shapes, clock, theta0, first = _setup(quorum=1)
+    successor = make_owner(plan, shapes, 0, theta0.clone(), FakeClock(5000.0), who=signer(2))
+    envelope, _ = split_sealed(first.latest.tobytes(), max_size=1 << 24)
+    assert envelope.peer_id != split_sealed(successor.latest.tobytes(), max_size=1 << 24)[0].peer_id
+    assert envelope.digest in successor.digests[0]
+    delta = torch.full_like(theta0, 0.125)
+    ack = await successor.contribute(A, contribution(delta, shapes[0], base_digest=envelope.digest))
+    assert ack.accepted, ack.reason
