@@ -35,7 +35,7 @@ class RunConfig:
     corpus_max_bytes: int | None = None
     steps: int = 600
     batch_size: int = 16
-    lr: float = 3e-3
+    lr: float = 6e-3  # bench.quality: -5.3 % eval loss against 3e-3 at M = 4 (docs/benchmarks.md, Quality)
     warmup_steps: int = 50
     weight_decay: float = 0.1
     threads: int = 1
@@ -66,6 +66,7 @@ class RunConfig:
     eval_batches: int = 8
     overlap_block: int = 0  # >0: alternate blocks of this many steps detached / in the swarm (bench)
     link: str = ""  # emulated link, e.g. "latency=50ms,bandwidth=10mbit,drop=0.01"
+    baseline_lr: float = 0.0  # --baseline's data-parallel peak lr (0: the islands' --lr)
 
     def __post_init__(self) -> None:
         problems = []
@@ -97,6 +98,8 @@ class RunConfig:
             problems.append(f"--max-tokens-per-step must be >= 0, got {self.max_tokens_per_step}")
         if self.mode not in ("decoupled", "sync", "ddp"):
             problems.append(f"--mode must be decoupled, sync or ddp, got {self.mode!r}")
+        if not (self.baseline_lr >= 0 and self.baseline_lr < 1):
+            problems.append(f"--baseline-lr must be in [0, 1) (0: the islands' --lr), got {self.baseline_lr}")
         if self.quorum < 1:
             problems.append(f"--quorum must be >= 1, got {self.quorum}")
         if not 0 <= self.spread_fanout <= 64:
@@ -171,6 +174,8 @@ _HELP = {
     "eval_every": "inner steps between held-out evaluations",
     "eval_batches": "held-out batches per evaluation",
     "overlap_block": "measure overlap: alternate blocks of N steps trained alone and in the swarm (0: off)",
+    "baseline_lr": "peak learning rate of --baseline's data-parallel run (0: the islands' --lr); its batch is "
+                   "peers x --batch-size, which usually wants a higher lr: tune it, or the comparison flatters the swarm",
     "link": "emulated link for every peer, e.g. latency=50ms,bandwidth=10mbit,drop=0.01",
 }
 

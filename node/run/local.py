@@ -541,4 +541,8 @@ def baseline_for(cfg: RunConfig) -> dict[str, Any]:
     torch.set_num_threads(2)
     data = load_corpus(Path(cfg.corpus) if cfg.corpus else None, max_bytes=cfg.corpus_max_bytes)
     train, heldout = split_corpus(data)
-    return train_data_parallel(train_config_for(cfg), cfg.peers, train, heldout, log=None)
+    tcfg = train_config_for(cfg)
+    if cfg.baseline_lr:
+        tcfg = dataclasses.replace(tcfg, lr=cfg.baseline_lr)
+    result = train_data_parallel(tcfg, cfg.peers, train, heldout, log=None)
+    return {**result, "lr": tcfg.lr}
