@@ -16,6 +16,7 @@ def plot_curves(main: dict[str, Any], png: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib import ticker
 
     seeds = main["per_seed"]
     fig, axes = plt.subplots(1, len(seeds), figsize=(5 * len(seeds), 4.2), squeeze=False, sharey=True)
@@ -31,6 +32,8 @@ def plot_curves(main: dict[str, Any], png: Path) -> None:
         ax.set_title(f"seed {run['seed']}")
         ax.set_xlabel("inner step per learner (equal tokens)")
         ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(ticker.FormatStrFormatter("%.1f"))
+        ax.yaxis.set_minor_formatter(ticker.FormatStrFormatter("%.1f"))
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=8)
     axes[0][0].set_ylabel("held-out loss (nats/byte)")
