@@ -1,0 +1,181 @@
+"""Serving global versions over HTTP (mixed into ``PeerNode``): an owner's ``latest``, ``next``
+and ``final`` routes and their long-polls, with the spread-or-serve decision of
+``protocol.diloco.spread`` for every version (``node.diloco.spread``), and the ``held`` route
+any peer answers with the versions it fetched.
+
+Long-polls are capped per signing key (two per fragment) and per anonymous address; the next
+one gets 429 at once, never a queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import math
+import re
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from aiohttp import web
+
+from node.config import RunConfig
+from node.dht.membership import Membership
+from node.diloco.owner import FragmentOwner
+from node.diloco.spread import Holdings, SpreadStats, answer, requester
+from node.state.serve import ManifestCache, serve_manifest, serve_sealed, state_etag
+from node.wire.admission import ADMITTED
+from node.wire.transport import Busy, Transport
+from protocol.diloco.fragments import FragmentPlan
+from protocol.diloco.spread import Fanout, Serve
+from protocol.errors import DecodeError
+from protocol.wire.signing import Signer
+
+__all__ = ["MAX_ANONYMOUS_POLLS_PER_IP", "MAX_WAIT_S", "VersionServing"]
+
+MAX_WAIT_S = 30.0  # the longest a long-poll (/v1/fragments/p/next, /final) is held
+MAX_ANONYMOUS_POLLS_PER_IP = 64  # long-polls held at once for requests that name no key
+_AFTER = re.compile(r"-1|[0-9]{1,19}")
+
+
+def _long_poll_query(request: web.Request) -> tuple[int, float]:
+    """``after`` (-1 or a version) and ``wait`` (finite seconds >= 0, clamped to ``MAX_WAIT_S``)
+    from a long-poll's query. Raises ``DecodeError`` with a reason for anything else."""
+    after, wait = request.query.get("after", "-1"), request.query.get("wait", "0")
+    if not _AFTER.fullmatch(after):
+        raise DecodeError(f"after must be -1 or a version of at most 19 digits, not {after[:24]!r}")
+    try:
+        wait_s = float(wait) if len(wait) <= 24 else math.nan
+    except ValueError:
+        wait_s = math.nan
+    if not (math.isfinite(wait_s) and wait_s >= 0):
+        raise DecodeError(f"wait must be a finite number of seconds >= 0, not {wait[:24]!r}")
+    return int(after), min(wait_s, MAX_WAIT_S)
+
+
+class VersionServing:
+    """The version routes of a peer (mixed into ``PeerNode``, which provides the attributes)."""
+
+    cfg: RunConfig
+    plan: FragmentPlan
+    signer: Signer
+    transport: Transport
+    membership: Membership | None
+    owners: dict[int, FragmentOwner]
+    holdings: Holdings
+    spread: SpreadStats
+    model_bytes_served: collections.Counter[str]
+    _long_polls: collections.Counter[str]
+    _fanouts: dict[int, Fanout]
+    _manifests: ManifestCache
+
+    def expected_learners(self) -> int:
+        raise NotImplementedError
+
+    def _fragment_owner(self, request: web.Request) -> FragmentOwner:
+        try:
+            p = int(request.match_info["p"])
+        except ValueError:
+            raise web.HTTPBadRequest(text="fragment index must be an integer") from None
+        owner = self.owners.get(p)
+        if owner is None:
+            raise web.HTTPNotFound(text=f"fragment {p} is not owned here")
+        return owner
+
+    async def _on_fetch(self, request: web.Request) -> web.StreamResponse:
+        kind = request.match_info["kind"]
+        if kind == "held":  # any peer re-serves the versions it fetched (signed by their owners)
+            return await self._on_held(request)
+        owner = self._fragment_owner(request)
+        if kind == "latest":
+            self._count_served(request, owner.latest.size)
+            return await serve_sealed(request, self.transport, owner.latest,
+                                      etag=state_etag(owner.latest, owner.version))
+        after, wait_s = _long_poll_query(request)  # DecodeError: the transport answers 400
+        if kind not in ("final", "next"):
+            return web.json_response({"error": "DecodeError", "reason": f"unknown kind {kind!r}"}, status=404)
+        with self._long_poll(request):
+            sealed = (await self._wait_final(owner, wait_s) if kind == "final"
+                      else await owner.wait_after(after, wait_s))
+        if sealed is None:
+            return web.Response(status=204)
+        decision: Any = Serve("our own learner")
+        asker = requester(request, self._member_url)
+        if asker != self.signer.peer_id:
+            fanout = self._fanouts.setdefault(owner.fragment.index, Fanout(self.cfg.spread_fanout))
+            decision = fanout.decide(owner.version, asker, fallback=request.query.get("fallback") == "1")
+        if isinstance(decision, Serve):
+            self._count_served(request, sealed.size)
+            if asker != self.signer.peer_id:  # our own learner's fetch never leaves the machine
+                self.spread.owner_bytes += sealed.size
+                self.spread.owned_version(owner.fragment.index, owner.version, sealed.size)
+        return await answer(request, self.transport, decision, sealed.iter_chunks, sealed.size, self.spread,
+                            version=owner.version)
+
+    async def _on_held(self, request: web.Request) -> web.StreamResponse:
+        try:
+            p = int(request.match_info["p"])
+        except ValueError:
+            raise web.HTTPBadRequest(text="fragment index must be an integer") from None
+        after, wait_s = _long_poll_query(request)
+        with self._long_poll(request):
+            return await self.holdings.serve(request, self.transport, p, after, wait_s,
+                                             requester(request, self._member_url), self.spread)
+
+    def _member_url(self, peer_id: bytes) -> str | None:
+        """The address of a reachable member (None for anyone else): where holders are fetched from."""
+        member = self.membership.members.get(peer_id) if self.membership is not None else None
+        if member is None or not member.record.url or not member.record.reachable:
+            return None
+        return member.record.url
+
+    @contextlib.contextmanager
+    def _long_poll(self, request: web.Request) -> Iterator[None]:
+        """Count a held long-poll against its key (or address); ``Busy`` (429) past the cap."""
+        who = self._poller(request)
+        if self._long_polls[who] >= self._long_poll_cap(who):
+            raise Busy(f"{self._long_polls[who]} long-polls from {who[:24]} are held already "
+                       f"(at most {self._long_poll_cap(who)}: two per fragment); retry later")
+        self._long_polls[who] += 1
+        try:
+            yield
+        finally:
+            self._long_polls[who] -= 1
+            if self._long_polls[who] <= 0:
+                del self._long_polls[who]
+
+    @staticmethod
+    def _poller(request: web.Request) -> str:
+        """Who holds a long-poll: its signing key when it sent one, else its address."""
+        admitted = request.get(ADMITTED)
+        if admitted is not None and admitted.public_key:
+            return "key:" + admitted.public_key.hex()
+        return "ip:" + (request.remote or "unknown")
+
+    def _long_poll_cap(self, who: str) -> int:
+        # a learner polls each fragment once (and its final version once): a key gets two per
+        # fragment; an address may stand for many anonymous learners of an open swarm
+        per_key = 2 * len(self.plan.fragments) + 2
+        return per_key if who.startswith("key:") else MAX_ANONYMOUS_POLLS_PER_IP
+
+    def _count_served(self, request: web.Request, size: int) -> None:
+        admitted = request.get(ADMITTED)
+        key = admitted.public_key.hex() if admitted is not None and admitted.public_key else "anonymous"
+        if key in self.model_bytes_served or len(self.model_bytes_served) < 4096:
+            self.model_bytes_served[key] += size
+
+    async def _on_manifest(self, request: web.Request) -> web.Response:
+        owner = self._fragment_owner(request)
+        return await serve_manifest(request, owner.latest, etag=state_etag(owner.latest, owner.version),
+                                    cache=self._manifests)
+
+    async def _wait_final(self, owner: FragmentOwner, wait_s: float) -> Any:
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            if self.expected_learners() == 0 and owner.idle():
+                return owner.latest
+            await owner.set_expected(self.expected_learners())
+            await asyncio.sleep(0.1)
+        return None
+
