@@ -28,7 +28,7 @@ from node.state.serve import ManifestCache, serve_manifest, serve_sealed, state_
 from node.wire.admission import ADMITTED
 from node.wire.transport import Busy, Transport
 from protocol.diloco.fragments import FragmentPlan
-from protocol.diloco.spread import Fanout, Serve
+from protocol.diloco.spread import Fanout, Serve, SpreadDecision
 from protocol.errors import DecodeError
 from protocol.wire.signing import Signer
 
@@ -73,11 +73,15 @@ class VersionServing:
     def expected_learners(self) -> int:
         raise NotImplementedError
 
-    def _fragment_owner(self, request: web.Request) -> FragmentOwner:
+    @staticmethod
+    def _fragment_index(request: web.Request) -> int:
         try:
-            p = int(request.match_info["p"])
+            return int(request.match_info["p"])
         except ValueError:
             raise web.HTTPBadRequest(text="fragment index must be an integer") from None
+
+    def _fragment_owner(self, request: web.Request) -> FragmentOwner:
+        p = self._fragment_index(request)
         owner = self.owners.get(p)
         if owner is None:
             raise web.HTTPNotFound(text=f"fragment {p} is not owned here")
@@ -100,24 +104,23 @@ class VersionServing:
                       else await owner.wait_after(after, wait_s))
         if sealed is None:
             return web.Response(status=204)
-        decision: Any = Serve("our own learner")
-        asker = requester(request, self._member_url)
-        if asker != self.signer.peer_id:
-            fanout = self._fanouts.setdefault(owner.fragment.index, Fanout(self.cfg.spread_fanout))
+        p, asker = owner.fragment.index, requester(request, self._member_url)
+        decision: SpreadDecision = Serve("our own learner")
+        if asker != self.signer.peer_id:  # our own learner's fetch never leaves the machine
+            fanout = self._fanouts.get(p)
+            if fanout is None:
+                fanout = self._fanouts[p] = Fanout(self.cfg.spread_fanout)
             decision = fanout.decide(owner.version, asker, fallback=request.query.get("fallback") == "1")
+            if isinstance(decision, Serve):
+                self.spread.owner_bytes += sealed.size
+                self.spread.owned_version(p, owner.version, sealed.size)
         if isinstance(decision, Serve):
             self._count_served(request, sealed.size)
-            if asker != self.signer.peer_id:  # our own learner's fetch never leaves the machine
-                self.spread.owner_bytes += sealed.size
-                self.spread.owned_version(owner.fragment.index, owner.version, sealed.size)
         return await answer(request, self.transport, decision, sealed.iter_chunks, sealed.size, self.spread,
                             version=owner.version)
 
     async def _on_held(self, request: web.Request) -> web.StreamResponse:
-        try:
-            p = int(request.match_info["p"])
-        except ValueError:
-            raise web.HTTPBadRequest(text="fragment index must be an integer") from None
+        p = self._fragment_index(request)
         after, wait_s = _long_poll_query(request)
         with self._long_poll(request):
             return await self.holdings.serve(request, self.transport, p, after, wait_s,
