@@ -53,7 +53,7 @@ def pointed_version(headers: Mapping[str, str]) -> int | None:
 class SpreadStats:
     """What this peer uploaded of versions, and how it spread them."""
 
-    owner_bytes: int = 0  # versions uploaded as their owner (next, final, latest)
+    owner_bytes: int = 0  # versions uploaded as their owner to other peers (next, final; not joins' latest)
     held_bytes: int = 0  # versions re-served as a holder
     pointers: int = 0  # requests pointed at other holders (owner and holder side)
     refused: int = 0  # requests refused (their share of a version was spent)
