@@ -18,7 +18,7 @@ __all__ = ["SWARM_WIDE_FIELDS", "RunConfig", "add_run_arguments", "config_from_a
 # The fields every peer of a swarm must share: the model and how it is cut, merged and weighted
 # (a signed manifest's recipe holds them, but ``swarm``, which becomes the swarm id).
 SWARM_WIDE_FIELDS = ("swarm", "mode", "seed", "model", "batch_size", "fragments", "inner_steps", "codec",
-                     "block_size", "download_codec", "outer_lr", "outer_momentum", "quorum",
+                     "block_size", "download_codec", "update_codec", "full_every", "outer_lr", "outer_momentum", "quorum",
                      "grace_gamma", "grace_tau", "grace_cap_s", "staleness_bound", "late_policy",
                      "max_tokens_per_step", "aggregate")
 
@@ -47,6 +47,8 @@ class RunConfig:
     codec: str = "int8"  # pseudo-gradient compression
     block_size: int = 64
     download_codec: str = "none"  # global fragments handed back by owners
+    update_codec: str = "none"  # versions also published as compressed updates over the previous one
+    full_every: int = 0  # with updates: every Nth version goes out full (0: only when an update cannot serve)
     outer_lr: float = 1.0
     outer_momentum: float = 0.0
     aggregate: str = "rda"  # how an owner combines contributions: rda (robust) or mean (weighted)
@@ -84,6 +86,13 @@ class RunConfig:
             problems.append(f"--block-size must be 1..4096 with topk2, got {self.block_size}")
         if self.download_codec not in ("none", "bf16"):
             problems.append(f"--download-codec must be none or bf16, got {self.download_codec!r}")
+        if self.update_codec not in ("none", "bf16", "int8", "int4", "topk2"):
+            problems.append(f"--update-codec must be none, bf16, int8, int4 or topk2, got {self.update_codec!r}")
+        elif self.update_codec != "none" and self.download_codec != "none":
+            problems.append("--update-codec applies updates to fp32 full versions: use it with --download-codec none")
+        if self.full_every < 0:
+            problems.append(f"--full-every must be >= 0 (0: full versions only when an update cannot serve), "
+                            f"got {self.full_every}")
         if self.aggregate not in ("rda", "mean"):
             problems.append(f"--aggregate must be rda or mean, got {self.aggregate!r}")
         if self.late_policy not in ("carry", "drop"):
@@ -147,6 +156,13 @@ _HELP = {
     "block_size": "elements per absmax block for int8/int4; for topk2, elements per value sent "
                   "(density 1/block_size)",
     "download_codec": "compression of global fragments sent back: none or bf16",
+    "update_codec": "owners also publish each version as the outer update over the previous version, "
+                    "compressed with this codec (bf16, int8, int4 or topk2) with the owner's error feedback; "
+                    "a learner holding the previous version fetches the update, applies it and checks the "
+                    "owner-signed hash of the result (bit-identical on every peer), else the full fp32 "
+                    "version (none: always full versions)",
+    "full_every": "with --update-codec: every Nth version is sent full to everyone (0: full versions only "
+                  "to joiners, learners more than one version behind and after a hash mismatch)",
     "outer_lr": "outer Nesterov learning rate (1.0 with momentum 0 = plain averaging)",
     "outer_momentum": "outer Nesterov momentum",
     "aggregate": "how an owner combines the pseudo-gradients of a round: rda (radial-directional averaging: "

@@ -165,6 +165,7 @@ class PeerNode(OwnerHandoffs, VersionServing):
         self._replica_replay = ReplayWindow()
         self._fenced_until: dict[int, float] = {}
         self._passed_on: set[tuple[int, bytes, int]] = set()  # (fragment, peer, version) handed on
+        self._replica_of: dict[int, tuple[bytes, int]] = {}  # fragment -> (replica, version it took from us)
         self._seen_learning: set[bytes] = set()  # sync modes: every learner seen, and those done
         self._finished: set[bytes] = set()
         self.unreplicated = 0  # versions published with no replica reachable
@@ -369,6 +370,8 @@ class PeerNode(OwnerHandoffs, VersionServing):
             swarm=self.cfg.swarm, fragment=self.plan.fragments[p], shapes=self.shapes[p],
             initial=flat, version=version, merge_cfg=self._merge_cfg(), outer_cfg=self._outer_cfg(),
             signer=self.signer, download_codec=self.cfg.download_codec, epoch=epoch, momentum=momentum,
+            update_codec=None if self.cfg.update_codec == "none" else self.cfg.update_codec,
+            block_size=self.cfg.block_size,
             replicate=functools.partial(self._replicate, p), merged=merged,
             on_publish=self._published,
             event_log=(self.event_log_dir / f"fragment{p}-epoch{epoch}-v{version}-{time.time_ns()}.jsonl"

@@ -35,6 +35,7 @@ from safetensors.torch import load_file, save_file
 from node.diloco.flat import encode_flat, flat_digest, flat_from_tensors
 from protocol.diloco.merge import Decision, FragmentMerger, MergeConfig
 from protocol.diloco.outer import OuterConfig, merge_update
+from protocol.diloco.updates import encode_update
 from protocol.errors import RemoteProtocolError
 from protocol.wire.codec import decode, encode
 from protocol.wire.messages import Contribution
@@ -58,6 +59,8 @@ class Content:
     download_codec: str
     outer: OuterConfig
     embedding: bool
+    update_codec: str | None = None  # versions published as updates with error feedback
+    block_size: int = 64
 
 
 def payload_dir(log: Path) -> Path:
@@ -90,6 +93,7 @@ class LoggedMerger:
         if content is not None:
             start["content"] = {"shapes": [list(s) for s in content.shapes], "codec": content.download_codec,
                                 "outer": dataclasses.asdict(content.outer), "embedding": content.embedding,
+                                "update_codec": content.update_codec, "block_size": content.block_size,
                                 "threads": torch.get_num_threads()}
         self._write(start)
 
@@ -229,11 +233,15 @@ class _Contents:
         self.folder = folder
         self.shapes = [tuple(int(d) for d in s) for s in spec["shapes"]]
         self.codec, self.embedding = str(spec["codec"]), bool(spec["embedding"])
+        update_codec = spec.get("update_codec")
+        self.update_codec = str(update_codec) if update_codec is not None else None
+        self.block_size = int(spec.get("block_size", 64))
+        self.residual: torch.Tensor | None = None  # the owner's error feedback (updates)
         self.outer = OuterConfig(**spec["outer"])
         self.numel = sum(int(torch.Size(s).numel()) for s in self.shapes)
         self.theta: torch.Tensor | None = None
         self.buffer: torch.Tensor | None = None
-        self.pending: dict[int, tuple[torch.Tensor, torch.Tensor | None] | None] = {}
+        self.pending: dict[int, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None] = {}
         self.missing: str | None = None  # set once something needed is not in the folder
 
     def _file(self, name: object) -> Path | None:
@@ -248,7 +256,7 @@ class _Contents:
 
     def load_state(self, name: object) -> None:
         path = self._file(name)
-        self.theta = self.buffer = None
+        self.theta = self.buffer = self.residual = None  # an owner starting a state starts with no residual
         if path is None:
             return
         tensors = load_file(str(path))
@@ -283,13 +291,17 @@ class _Contents:
         except Exception:  # the owner failed this merge too; the log's merge_failed line follows
             self.pending = {version: None}
             return
-        self.pending = {version: (update.theta, update.buffer)}
+        theta, residual = update.theta, self.residual
+        if self.update_codec is not None:  # as the owner published it: the state its update gives
+            _, theta, residual = encode_update(theta, self.theta, self.residual, self.shapes,
+                                               self.update_codec, block_size=self.block_size)
+        self.pending = {version: (theta, update.buffer, residual)}
 
     def digest(self, version: int) -> str | None:
         """The digest of ``version`` as recomputed (None when the contents are not all there)."""
         if version in self.pending:
             merged = self.pending.pop(version)
-            self.theta, self.buffer = merged if merged is not None else (None, None)
+            self.theta, self.buffer, self.residual = merged if merged is not None else (None, None, None)
         if self.theta is None:
             return None
         return flat_digest(flat_from_tensors(encode_flat(self.theta, self.shapes, self.codec), self.shapes)).hex()

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 
 import torch
 
-from protocol.diloco.compression import compress, decompress
-from protocol.errors import DecodeError
+from protocol.diloco.compression import compress
+from protocol.diloco.updates import decode_flat
 from protocol.wire.tensors import EncodedTensor
 
 __all__ = ["content_hash", "encode_flat", "flat_digest", "flat_from_tensors", "flat_is_wire_form"]
@@ -56,21 +56,7 @@ def flat_from_tensors(tensors: Sequence[EncodedTensor], shapes: Sequence[tuple[i
     Raises ``DecodeError`` on a wrong tensor count or shape, or non-finite values (checked by
     ``decompress`` on each tensor's remote bytes before they are written).
     """
-    if len(tensors) != len(shapes):
-        raise DecodeError(f"fragment has {len(shapes)} tensors, message carries {len(tensors)}")
-    total = sum(int(torch.Size(s).numel()) for s in shapes)
-    if out is None:
-        out = torch.empty(total, dtype=torch.float32)
-    elif out.shape != (total,) or out.dtype != torch.float32 or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous fp32 vector of {total} values, got {out.dtype} {tuple(out.shape)}")
-    offset = 0
-    for i, (t, shape) in enumerate(zip(tensors, shapes, strict=True)):
-        if tuple(t.shape) != tuple(shape):
-            raise DecodeError(f"tensor {i}: shape {tuple(t.shape)} does not match the plan's {tuple(shape)}")
-        n = t.numel
-        decompress(t, out=out[offset:offset + n].view(shape))
-        offset += n
-    return out
+    return decode_flat(tensors, shapes, out)
 
 
 def encode_flat(flat: torch.Tensor, shapes: Sequence[tuple[int, ...]], codec: str, *,

@@ -57,6 +57,7 @@ class OwnerHandoffs:
     _tg: asyncio.TaskGroup | None
     _passed_on: set[tuple[int, bytes, int]]
     _fenced_until: dict[int, float]
+    _replica_of: dict[int, tuple[bytes, int]]  # fragment -> (the replica that took our last version, that version)
 
     def suspects(self) -> set[bytes]:
         raise NotImplementedError
@@ -108,11 +109,13 @@ class OwnerHandoffs:
                 raise _FencedBy(ack)
         return ack.accepted
 
-    async def _replicate(self, p: int, state: ReplicaState) -> str | None:
+    async def _replicate(self, p: int, state: ReplicaState, update: ReplicaState | None = None) -> str | None:
         """Before publishing: hand the version's whole state to the fragment's replica (the next
         member by rendezvous hash; a replica that cannot be reached is routed around and the
         next one tried). None when one took it, or none is left (counted); the reason when a
-        replica says another owner has taken over."""
+        replica says another owner has taken over. ``update``: the same state as an update over
+        the version before, sent instead to the replica that took that one (the whole state
+        follows if it refuses it)."""
         assert self.membership is not None
         held = self.replicas.held.get(p)
         if held is not None and held.version >= state.version and held.digest != state.digest:
@@ -127,7 +130,12 @@ class OwnerHandoffs:
                 self.unreplicated += 1
                 return None
             try:
+                if (update is not None and self._replica_of.get(p) == (ranked[0][0], update.base_version)
+                        and await self._hand_to(p, ranked[0], update)):
+                    self._replica_of[p] = (ranked[0][0], state.version)
+                    return None
                 if await self._hand_to(p, ranked[0], state):
+                    self._replica_of[p] = (ranked[0][0], state.version)
                     return None
             except _FencedBy as exc:
                 bumped = self._above_stale_fence(p, state, exc.ack) if bumps < MAX_EPOCH_BUMPS else None

@@ -29,24 +29,37 @@ from typing import Any
 import aiohttp
 import torch
 
-from node.diloco.flat import flat_digest, flat_from_tensors
+from node.diloco.flat import flat_digest, flat_from_tensors, flat_is_wire_form
 from node.diloco.island import Island, Outgoing
-from node.diloco.spread import POINTER_STATUS, Holdings, SpreadStats, parse_pointer, pointed_version
+from node.diloco.spread import (
+    POINTER_STATUS,
+    UPDATE_NOT_HELD_STATUS,
+    Holdings,
+    SpreadStats,
+    parse_pointer,
+    pointed_version,
+)
 from node.wire.transport import LinkDropped, Transport
 from protocol.diloco.compression import compress
+from protocol.diloco.updates import apply_update
 from protocol.diloco.versions import MAX_ROUNDS_PER_S, version_jump_reason
 from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.wire.codec import encode
-from protocol.wire.messages import Ack, Contribution, FragmentState
+from protocol.wire.messages import Ack, Contribution, FragmentState, FragmentUpdate
 from protocol.wire.signing import ReplayWindow, Sealed, Signer, open_sealed, seal, split_sealed
 
-__all__ = ["IslandNet", "LearnerStats"]
+__all__ = ["IslandNet", "LearnerStats", "UpdateNotApplicable"]
 
 log = logging.getLogger(__name__)
 
 DIGESTS_KEPT = 8  # versions per fragment whose state digest a learner remembers
 HOLDERS_TRIED = 8  # holders asked for one version (pointers followed) before asking the owner again
 HOLDER_WAIT_S = 10.0  # how long a holder may take to have the version it was named for
+
+
+class UpdateNotApplicable(RemoteProtocolError):
+    """An update over a version we do not hold (or not as its owner does), or whose result does
+    not hash to the owner's signed digest: the full version is fetched instead."""
 
 
 @dataclass
@@ -59,6 +72,8 @@ class LearnerStats:
     bad_versions: int = 0
     base_mismatches: int = 0  # contributions refused because their base state was not the owner's
     version_jumps: int = 0  # versions above what an owner can have reached (refused)
+    updates_applied: int = 0  # versions taken as an update over the one held (not a full download)
+    update_mismatches: int = 0  # updates that did not apply to our state (or hashed otherwise): full fetched
     skipped_nonfinite: int = 0
     resyncs: int = 0
     resent_on_owner_change: int = 0  # accepted, then its owner was gone before merging it: sent again
@@ -370,8 +385,32 @@ class IslandNet:
             return None
         owner_id, url = owner
         kind = "final" if final else "next"
+        upd = "&update=1" if not final and self._holds(p, after) else ""
+        try:
+            return await self._fetch(p, owner_id, url, kind, after=after, wait_s=wait_s, final=final, upd=upd)
+        except UpdateNotApplicable as exc:  # take the full version instead, at once
+            self.stats.update_mismatches += 1
+            log.warning("fragment %d: %s; fetching the full version", p, exc)
+            status, buf, used, _ = await self._request(
+                owner_id, "GET", f"{url}/v1/fragments/{p}/{kind}?after={after}&wait=0&fallback=1",
+                timeout_s=60, max_reply=self.max_message,
+            )
+            return await self._accept(p, owner_id, status, buf, used, after=after, final=final)
+
+    def _holds(self, p: int, version: int) -> bool:
+        """Whether we hold fragment ``p``'s ``version`` with its state digest (an update over it
+        can be applied here)."""
+        held = self._held(p)
+        return held[0] == version and version in self.digests[p]
+
+    def _held(self, p: int) -> tuple[int, torch.Tensor]:
+        """The newest version of fragment ``p`` we hold (version 0: the initial weights)."""
+        return self.latest.get(p) or (0, self.island_initial[p])
+
+    async def _fetch(self, p: int, owner_id: bytes, url: str, kind: str, *, after: int, wait_s: float,
+                     final: bool, upd: str) -> tuple[int, torch.Tensor] | None:
         status, buf, used, headers = await self._request(
-            owner_id, "GET", f"{url}/v1/fragments/{p}/{kind}?after={after}&wait={wait_s}",
+            owner_id, "GET", f"{url}/v1/fragments/{p}/{kind}?after={after}&wait={wait_s}{upd}",
             timeout_s=wait_s + 30, max_reply=self.max_message,
         )
         if status == POINTER_STATUS:  # the owner served its share: fetch from the holders it names
@@ -382,18 +421,19 @@ class IslandNet:
             pointed = pointed_version(headers)
             if final and pointed is None:
                 raise RemoteProtocolError(f"fragment {p}: a pointer for the final version names no version")
-            got = await self._from_holders(p, owner_id, pointed - 1 if final and pointed else after, holders)
+            got = await self._from_holders(p, owner_id, pointed - 1 if final and pointed else after, holders, upd)
             if got is not None and (not final or got[0] == pointed):
                 return got
             self.spread.fallbacks_asked += 1
             status, buf, used, _ = await self._request(
-                owner_id, "GET", f"{url}/v1/fragments/{p}/{kind}?after={after}&wait={5 if final else 0}&fallback=1",
+                owner_id, "GET",
+                f"{url}/v1/fragments/{p}/{kind}?after={after}&wait={5 if final else 0}&fallback=1{upd}",
                 timeout_s=60, max_reply=self.max_message,
             )
         return await self._accept(p, owner_id, status, buf, used, after=after, final=final)
 
     async def _from_holders(self, p: int, owner_id: bytes, after: int,
-                            holders: list[bytes]) -> tuple[int, torch.Tensor] | None:
+                            holders: list[bytes], upd: str = "") -> tuple[int, torch.Tensor] | None:
         """Fragment ``p``'s first version above ``after`` from the holders named (and those they
         point at, in order), checked as the owner's; None when none served one."""
         queue, tried = collections.deque(holders), {self.signer.peer_id, owner_id}
@@ -405,7 +445,8 @@ class IslandNet:
                 continue
             try:
                 status, buf, used, _ = await self._request(
-                    holder, "GET", f"{url}/v1/fragments/{p}/held?after={after}&wait={HOLDER_WAIT_S}&owner={owner_id.hex()}",
+                    holder, "GET",
+                    f"{url}/v1/fragments/{p}/held?after={after}&wait={HOLDER_WAIT_S}&owner={owner_id.hex()}{upd}",
                     timeout_s=HOLDER_WAIT_S + 30, max_reply=self.max_message,
                 )
             except (aiohttp.ClientError, LinkDropped, TimeoutError, OSError) as exc:
@@ -419,6 +460,9 @@ class IslandNet:
                         self.transport.pool.give(buf)
                     continue
                 got = await self._accept(p, owner_id, status, buf, used, after=after, final=False)
+            except UpdateNotApplicable as exc:  # an update over another version: not this holder's fault
+                log.debug("holder %s of fragment %d: %s", holder.hex()[:8], p, exc)
+                continue
             except RemoteProtocolError as exc:
                 self.spread.bad_from_holders += 1
                 log.warning("holder %s served fragment %d badly: %s", holder.hex()[:8], p, exc)
@@ -434,39 +478,64 @@ class IslandNet:
         decode it; keep its bytes for others. Raises ``RemoteProtocolError``."""
         kept = False
         try:
+            if status == UPDATE_NOT_HELD_STATUS:
+                raise UpdateNotApplicable(f"the holder has only an update over another version of fragment {p}")
             if status == 204:
                 return None
             if status != 200:
                 raise RemoteProtocolError(f"answered {status} for fragment {p}")
             # one worker-thread hop: verify (the one hash of the payload), check, decode
-            state, flat, digest = await asyncio.to_thread(self._open_state, memoryview(buf)[:used], p, owner_id)
-            if state.version <= after and not final:
-                raise RemoteProtocolError(f"owner sent version {state.version}, asked for one above {after}")
-            jump = self.version_jump(p, state.version)
+            version, flat, digest, base = await asyncio.to_thread(self._open_version, memoryview(buf)[:used],
+                                                                  p, owner_id)
+            if version <= after and not final:
+                raise RemoteProtocolError(f"owner sent version {version}, asked for one above {after}")
+            jump = self.version_jump(p, version)
             if jump is not None:
                 self.stats.version_jumps += 1
                 log.warning("fragment %d: refused a version from %s: %s", p, owner_id.hex()[:8], jump)
                 raise RemoteProtocolError(f"fragment {p}: {jump}")
             if self.holdings is not None:
-                await self.holdings.put(p, state.version, buf, used, owner_id)
+                await self.holdings.put(p, version, buf, used, owner_id, base=base)
                 kept = True
         finally:
             if not kept:
                 self.transport.pool.give(buf)
-        self.digests[p][state.version] = digest
+        self.digests[p][version] = digest
         self.stats.versions_received += 1
-        return state.version, flat
+        self.stats.updates_applied += base is not None
+        return version, flat
 
-    def _open_state(self, wire: memoryview, p: int, owner_id: bytes) -> tuple[FragmentState, torch.Tensor, bytes]:
+    def _open_version(self, wire: memoryview, p: int, owner_id: bytes,
+                      ) -> tuple[int, torch.Tensor, bytes, int | None]:
         """Verify a sealed version of fragment ``p`` as signed by ``owner_id`` (before anything
-        of its body is decoded), decode it (shapes checked, NaN/Inf refused) and name it by the
-        digest its signature covers: the owner knows each version by that digest too (the same
-        state always seals to the same message bytes), so the payload is hashed once here, and
-        a state the owner did not sign cannot be named. Raises ``RemoteProtocolError``."""
+        of its body is decoded), decode it (shapes checked, NaN/Inf refused) and name it by a
+        digest the owner knows it by. Returns its version, flat state, digest, and the base
+        version when it came as an update.
+
+        A full fp32 version is named by its content hash (the digest of its flat state); any
+        other by the digest its signature covers (the same state always seals to the same
+        message bytes), so the payload is hashed once here. An update (``FragmentUpdate``) is
+        applied to the state we hold of its base, which must hash as the owner's did, and the
+        result must hash to the digest the owner signed: else ``UpdateNotApplicable`` (the full
+        version is fetched instead). Raises ``RemoteProtocolError``."""
         envelope, body = split_sealed(wire, max_size=self.max_message)
         if envelope.peer_id != owner_id:
             raise RemoteProtocolError(f"fragment {p} version signed by {envelope.peer_id.hex()[:8]}, not its owner")
-        state = envelope.verify_body(body).message
-        if not isinstance(state, FragmentState) or state.swarm != self.swarm or state.fragment != p:
+        msg = envelope.verify_body(body).message
+        if isinstance(msg, FragmentUpdate) and msg.swarm == self.swarm and msg.fragment == p:
+            return msg.version, self._apply_update(p, msg), msg.state_digest, msg.base_version
+        if not isinstance(msg, FragmentState) or msg.swarm != self.swarm or msg.fragment != p:
             raise RemoteProtocolError(f"owner sent the wrong message for fragment {p}")
-        return state, flat_from_tensors(state.tensors, self.shapes[p]), envelope.digest
+        digest = msg.content_hash if flat_is_wire_form(msg.tensors) else envelope.digest
+        return msg.version, flat_from_tensors(msg.tensors, self.shapes[p]), digest, None
+
+    def _apply_update(self, p: int, msg: FragmentUpdate) -> torch.Tensor:
+        held = self._held(p)
+        if held[0] != msg.base_version or self.digests[p].get(msg.base_version) != msg.base_digest:
+            raise UpdateNotApplicable(f"an update over version {msg.base_version} of fragment {p} does not "
+                                      f"apply to ours (version {held[0]})")
+        flat = apply_update(held[1], msg.tensors, self.shapes[p])  # DecodeError: a remote error
+        if flat_digest(flat) != msg.state_digest:
+            raise UpdateNotApplicable(f"fragment {p}: version {msg.version} from the update does not hash to "
+                                      "the owner's signed digest")
+        return flat

@@ -23,11 +23,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import logging
 import math
 import os
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
@@ -46,9 +48,10 @@ from protocol.diloco.fragments import Fragment
 from protocol.diloco.merge import Decision, FragmentMerger, MergeConfig, Phase
 from protocol.diloco.norms import all_finite, norm64
 from protocol.diloco.outer import OuterConfig, merge_update
+from protocol.diloco.updates import encode_update
 from protocol.errors import DecodeError, Stale
 from protocol.wire.codec import encode
-from protocol.wire.messages import Ack, Contribution, FragmentState, ReplicaState
+from protocol.wire.messages import Ack, Contribution, FragmentState, FragmentUpdate, ReplicaState
 from protocol.wire.signing import Sealed, Signer, seal
 
 __all__ = ["FragmentOwner", "MergeFailed"]
@@ -71,6 +74,21 @@ class Fenced(MergeFailed):
     """A replica refused this owner's next version: another owner has taken over."""
 
 
+@dataclass(frozen=True, slots=True)
+class _Next:
+    """A merge's next version, computed off the event loop."""
+
+    theta: torch.Tensor
+    buffer: torch.Tensor | None
+    latest: Sealed  # the full state, sealed
+    digest: bytes  # of the flat state
+    message_digest: bytes  # of the sealed full state's message
+    state: ReplicaState | None  # the whole state for the replica
+    update: Sealed | None = None  # with updates: the sealed update over the version before
+    residual: torch.Tensor | None = None  # and the error feedback it leaves
+    state_update: ReplicaState | None = None  # ``state`` as that update (no momentum only)
+
+
 class FragmentOwner:
     """Merges contributions for one fragment and serves its versions."""
 
@@ -86,11 +104,13 @@ class FragmentOwner:
         outer_cfg: OuterConfig,
         signer: Signer,
         download_codec: str = "none",
+        update_codec: str | None = None,
+        block_size: int = 64,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
         epoch: int = 0,
         momentum: torch.Tensor | None = None,
-        replicate: Callable[[ReplicaState], Awaitable[str | None]] | None = None,
+        replicate: Callable[[ReplicaState, ReplicaState | None], Awaitable[str | None]] | None = None,
         on_publish: Callable[[int, int, bytes], None] | None = None,
         event_log: Path | None = None,
         merged: Mapping[bytes, int] | None = None,
@@ -98,10 +118,12 @@ class FragmentOwner:
         """``epoch``: this ownership's epoch (a takeover starts one above the state it took
         over); ``momentum``: the outer Nesterov buffer taken over with ``initial``;
         ``replicate``: hands each next version's whole state to a replica before it is
-        published, returning None when a replica took it (or none can) and the reason when this
+        published (and the same as an update over the version before, when it has one), returning None when a replica took it (or none can) and the reason when this
         owner has been replaced ("fenced: ..."), after which it stops publishing and retires;
         ``merged``: per sender, the newest base version of its work merged into ``initial`` (taken
-        over with it), so that work is refused if it is sent again."""
+        over with it), so that work is refused if it is sent again; ``update_codec``: also publish
+        each version as an update over the one before, compressed with it (see
+        ``protocol.diloco.updates``; the full versions are then fp32, ``download_codec`` none)."""
         self.clock, self.wall_clock = clock, wall_clock
         self.epoch, self.replicate, self.on_publish = epoch, replicate, on_publish
         self.fenced: str | None = None
@@ -110,11 +132,18 @@ class FragmentOwner:
         # Nesterov momentum, created on first merge (or taken over from the previous owner)
         self.buffer: torch.Tensor | None = None if momentum is None else momentum.detach().float().clone()
         self.outer_cfg, self.signer, self.download_codec = outer_cfg, signer, download_codec
+        if update_codec is not None and download_codec != "none":
+            raise ValueError("updates are applied to fp32 full versions: download_codec must be none")
+        self.update_codec, self.block_size = update_codec, block_size
+        # with updates: what the last update rounded away (sent with the next), and the sealed
+        # update from version - 1 to version (None until this owner has merged once)
+        self.residual: torch.Tensor | None = None
+        self.update: Sealed | None = None
         start = clock()
         merger = FragmentMerger(fragment.index, merge_cfg, version=version, now=start)
         # with ``event_log``, every merger call and decision is logged for ``atoll replay``
         content = Content(shapes=self.shapes, download_codec=download_codec, outer=outer_cfg,
-                          embedding=fragment.is_embedding)
+                          embedding=fragment.is_embedding, update_codec=update_codec, block_size=block_size)
         self.log = (LoggedMerger(merger, event_log, fragment=fragment.index, config=merge_cfg, version=version,
                                  now=start, content=content) if event_log is not None else None)
         self.merger: FragmentMerger = cast(FragmentMerger, self.log) if self.log is not None else merger
@@ -300,6 +329,7 @@ class FragmentOwner:
             return False  # a merge or another catch-up ran while we sealed
         decision = self.merger.rebase(version, now=self.clock())
         self.theta, self.version, self.latest = theta, version, latest
+        self.update, self.residual = None, None
         if self.log is not None:
             self.log.note_state(self.theta, self.buffer)
         self._remember_digests(version, *digests)
@@ -386,10 +416,10 @@ class FragmentOwner:
         for e in decision.entries:
             merged[e.peer] = max(merged.get(e.peer, -1), self.version - e.staleness)
         try:  # one worker-thread hop: the outer step, the sealed version and the replica's state
-            theta, buffer, latest, digest, message_digest, state = await asyncio.to_thread(
-                self._next_version, self.version + 1, peers, deltas, weights, clips, merged)
-            if state is not None and self.replicate is not None:
-                fence = await self.replicate(state)
+            nxt = await asyncio.to_thread(self._next_version, self.version + 1, peers, deltas, weights, clips,
+                                          merged)
+            if nxt.state is not None and self.replicate is not None:
+                fence = await self.replicate(nxt.state, nxt.state_update)
                 if fence is not None:
                     raise Fenced(fence, frozenset(peers))
             if self.retired:  # retired while merging (past the wait): the successor owns the next version
@@ -413,13 +443,14 @@ class FragmentOwner:
         self._merged_base = merged  # their bases, so that a second send of the same work is refused
         while len(self._merged_base) > MERGED_BASES_KEPT:
             self._merged_base.pop(next(iter(self._merged_base)))
-        self.theta, self.buffer, self.version, self.latest = theta, buffer, self.version + 1, latest
-        self._remember_digests(self.version, digest, message_digest)
+        self.theta, self.buffer, self.version, self.latest = nxt.theta, nxt.buffer, self.version + 1, nxt.latest
+        self.update, self.residual = nxt.update, nxt.residual
+        self._remember_digests(self.version, nxt.digest, nxt.message_digest)
         self._spare_max = max(4, len(deltas))
         for d in deltas:  # merged and published: nothing refers to these buffers any more
             self._give_back(d)
         if self.on_publish is not None:
-            self.on_publish(self.fragment.index, self.version, digest)
+            self.on_publish(self.fragment.index, self.version, nxt.digest)
         self.merges.append(decision.reason)
         for e in decision.entries:
             counts = self.penalties[e.peer]
@@ -436,14 +467,37 @@ class FragmentOwner:
         return self.merger.on_published(self.version, sync_time=now - t0, now=now)
 
     def _next_version(self, version: int, peers: list[bytes], deltas: list[torch.Tensor], weights: list[float],
-                      clips: list[float], merged: Mapping[bytes, int],
-                      ) -> tuple[torch.Tensor, torch.Tensor | None, Sealed, bytes, bytes, ReplicaState | None]:
-        """The merge's new state, sealed as ``version``, and the state to hand to a replica."""
+                      clips: list[float], merged: Mapping[bytes, int]) -> _Next:
+        """The merge's new state, sealed as ``version``, the state to hand to a replica, and with
+        updates the sealed update from ``version - 1`` and the new error-feedback residual."""
         theta, buffer = self._outer(peers, deltas, weights, clips)
+        if self.update_codec is None:
+            latest, digest, message_digest = self._seal_state(version, theta)
+            return _Next(theta, buffer, latest, digest, message_digest,
+                         self._replica_state(version, digest, theta, buffer, merged) if self.replicate else None)
+        # publish what learners compute from the update: the state is the old one plus it
+        tensors, theta, residual = encode_update(theta, self.theta, self.residual, self.shapes,
+                                                 self.update_codec, block_size=self.block_size)
         latest, digest, message_digest = self._seal_state(version, theta)
-        state = (self._replica_state(version, digest, theta, buffer, merged)
-                 if self.replicate is not None else None)
-        return theta, buffer, latest, digest, message_digest, state
+        base_digest = self.digest_of(version - 1)
+        msg = FragmentUpdate(swarm=self.swarm, fragment=self.fragment.index, version=version,
+                             base_version=version - 1, base_digest=base_digest, state_digest=digest,
+                             tensors=tuple(tensors))
+        update = seal(encode(msg), self.signer, now=self.wall_clock(), nonce=os.urandom(16))
+        state = self._replica_state(version, digest, theta, buffer, merged) if self.replicate else None
+        state_update = (dataclasses.replace(state, theta=tuple(tensors), momentum=(), base_version=version - 1,
+                                            base_digest=base_digest)
+                        if state is not None and buffer is None else None)
+        return _Next(theta, buffer, latest, digest, message_digest, state, update, residual, state_update)
+
+    def sealed_after(self, after: int, *, update_ok: bool, full_every: int = 0) -> Sealed:
+        """What a learner holding version ``after`` should fetch of the latest version: the update
+        over ``after`` when it asked for one and it exists (and the version is not one of every
+        ``full_every`` that go out full), else the full state."""
+        if (update_ok and self.update is not None and after == self.version - 1
+                and not (full_every > 0 and self.version % full_every == 0)):
+            return self.update
+        return self.latest
 
     def _outer(self, peers: list[bytes], deltas: list[torch.Tensor], weights: list[float],
                clips: list[float]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -489,6 +543,7 @@ class FragmentOwner:
             return False
         decision = self.merger.rebase(handed.version, now=self.clock()) if handed.version > self.version else None
         self.theta, self.version, self.latest = theta, handed.version, latest
+        self.update, self.residual = None, None  # the residual is not handed over: it starts at zero
         self.buffer = None if handed.momentum is None else handed.momentum.detach().float().clone()
         self.epoch = max(self.epoch, handed.epoch + 1)
         for peer, base in handed.merged.items():

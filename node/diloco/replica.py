@@ -19,10 +19,11 @@ from dataclasses import dataclass
 
 import torch
 
-from node.diloco.flat import flat_from_tensors
+from node.diloco.flat import flat_digest, flat_from_tensors
 from node.wire.transport import Transport
 from protocol.diloco.compression import compress
 from protocol.diloco.replica import Held, judge
+from protocol.diloco.updates import apply_update
 from protocol.errors import DecodeError, RemoteProtocolError
 from protocol.wire.codec import encode
 from protocol.wire.messages import ReplicaAck, ReplicaState
@@ -76,11 +77,31 @@ class ReplicaStore:
 
     def decode(self, msg: ReplicaState) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A handoff's global fragment and momentum as fp32 vectors (touches no state here: it
-        may run in a worker thread). Raises ``DecodeError`` for a malformed one."""
+        may run in a worker thread). Raises ``DecodeError`` for a malformed one, and for an
+        update over a state this replica does not hold (the owner then sends the whole state)."""
         self._check_fragment(msg)
+        if msg.base_version >= 0:
+            return self._apply_update(msg), None
         shape = [(self.numels[msg.fragment],)]
         theta = flat_from_tensors(msg.theta, shape)
         return theta, (flat_from_tensors(msg.momentum, shape) if msg.momentum else None)
+
+    def _apply_update(self, msg: ReplicaState) -> torch.Tensor:
+        """The state an update handoff gives over the one held: it must hash to its digest."""
+        held = self.states.get(msg.fragment)
+        if held is None or held.version != msg.base_version or held.digest != msg.base_digest:
+            raise DecodeError(f"an update over version {msg.base_version} of fragment {msg.fragment}, but this "
+                              f"replica holds {'no state' if held is None else f'version {held.version}'} of "
+                              "it with that digest: hand over the whole state")
+        shapes = [tuple(t.shape) for t in msg.theta]
+        if sum(int(torch.Size(s).numel()) for s in shapes) != self.numels[msg.fragment]:
+            raise DecodeError(f"the update's tensors do not add up to fragment {msg.fragment}'s "
+                              f"{self.numels[msg.fragment]} values")
+        theta = apply_update(held.theta, msg.theta, shapes)
+        if flat_digest(theta) != msg.digest:
+            raise DecodeError(f"fragment {msg.fragment}: the update over version {msg.base_version} does not "
+                              f"hash to version {msg.version}'s digest")
+        return theta
 
     def _check_fragment(self, msg: ReplicaState) -> None:
         if msg.swarm != self.swarm or not 0 <= msg.fragment < len(self.numels):

@@ -104,6 +104,9 @@ class VersionServing:
                       else await owner.wait_after(after, wait_s))
         if sealed is None:
             return web.Response(status=204)
+        if kind == "next":  # a learner holding version ``after`` may take the update over it
+            sealed = owner.sealed_after(after, update_ok=request.query.get("update") == "1",
+                                        full_every=self.cfg.full_every)
         p, asker = owner.fragment.index, requester(request, self._member_url)
         decision: SpreadDecision = Serve("our own learner")
         if asker != self.signer.peer_id:  # our own learner's fetch never leaves the machine

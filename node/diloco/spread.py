@@ -33,11 +33,12 @@ from protocol.errors import DecodeError
 from protocol.ids import ID_BYTES, peer_id_from_public_key
 from protocol.wire.codec import chunk_views
 
-__all__ = ["POINTER_STATUS", "VERSION_HEADER", "pointed_version", "Holdings", "SpreadStats", "answer", "encode_pointer", "parse_pointer", "requester"]
+__all__ = ["POINTER_STATUS", "UPDATE_NOT_HELD_STATUS", "VERSION_HEADER", "pointed_version", "Holdings", "SpreadStats", "answer", "encode_pointer", "parse_pointer", "requester"]
 
 log = logging.getLogger(__name__)
 
 POINTER_STATUS = 303  # "See Other": fetch this version from the holders named in the body
+UPDATE_NOT_HELD_STATUS = 409  # the holder holds the version as an update over another one only
 MAX_POINTER_BODY = 16 + MAX_POINTERS * (ID_BYTES + 4)
 MAX_HELD_WAIT_S = 15.0
 VERSION_HEADER = "Atoll-Version"  # on a pointer: the version the holders were served
@@ -134,6 +135,7 @@ class _Held:
     buf: bytearray
     used: int
     signer: bytes  # the owner whose signature the bytes carry
+    base: int | None = None  # an update over this version (None: the full version)
     readers: int = 0
     replaced: bool = False
 
@@ -151,15 +153,16 @@ class Holdings:
         held = self._held[p]
         return None if held is None else held.version
 
-    async def put(self, p: int, version: int, buf: bytearray, used: int, signer: bytes) -> None:
+    async def put(self, p: int, version: int, buf: bytearray, used: int, signer: bytes, *,
+                  base: int | None = None) -> None:
         """Keep ``buf[:used]`` (verified, signed by the owner ``signer``) as fragment ``p``'s
-        ``version``; this takes the buffer over (an older or equal version is given straight back
-        to the pool)."""
+        ``version``, an update over version ``base`` when given; this takes the buffer over (an
+        older or equal version is given straight back to the pool)."""
         old = self._held[p]
         if old is not None and version <= old.version:
             self.pool.give(buf)
             return
-        self._held[p] = _Held(version, buf, used, signer)
+        self._held[p] = _Held(version, buf, used, signer, base)
         if old is not None:
             old.replaced = True
             self._release(old)
@@ -194,6 +197,10 @@ class Holdings:
         held = await self.wait_after(p, after, wait_s, _owner_query(request))
         if held is None:
             return web.Response(status=204)
+        if held.base is not None and (held.base != after or request.query.get("update") != "1"):
+            return web.json_response({"error": "UpdateNotHeld", "reason": f"version {held.version} of fragment {p} "
+                                      f"is held as an update over version {held.base} only; ask its owner"},
+                                     status=UPDATE_NOT_HELD_STATUS)
         decision = self.fanouts[p].decide(held.version, who)
         held.readers += 1
         try:

@@ -342,6 +342,8 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
         "penalties": node.penalties(),  # as an owner: per sender, what the merge's bounds did
         "rss_curve": rss_curve,
         "spread": node.spread.as_dict(),  # versions uploaded as owner / holder, pointers, fallbacks
+        "versions_in": {"received": net.stats.versions_received, "as_updates": net.stats.updates_applied,
+                        "update_mismatches": net.stats.update_mismatches},
         "replica_bytes": node.replica_bytes,
         "attack": opts.attack,
     }

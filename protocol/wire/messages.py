@@ -46,6 +46,7 @@ __all__ = [
     "Contribution",
     "FetchFragment",
     "FragmentState",
+    "FragmentUpdate",
     "Hello",
     "Kind",
     "Maybe",
@@ -159,6 +160,34 @@ class FragmentState(Message):
         _hash(self.content_hash, HASH_BYTES, "FragmentState.content_hash")
 
 
+@register(8)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FragmentUpdate(Message):
+    """Version ``version`` of a fragment as a compressed outer update over ``base_version``:
+    a learner holding that version, whose decoded flat fp32 state hashes to ``base_digest``,
+    adds the decoded ``tensors`` to it (``protocol.diloco.updates.apply_update``) and must get a
+    state hashing to ``state_digest`` (SHA-256 of the flat fp32 vector, which is also the
+    ``content_hash`` of the version's full fp32 ``FragmentState``); anything else is a mismatch,
+    repaired by fetching the full version."""
+
+    swarm: str
+    fragment: int
+    version: int
+    base_version: int
+    base_digest: bytes
+    state_digest: bytes
+    tensors: tuple[EncodedTensor, ...]
+
+    def _check(self) -> None:
+        _name(self.swarm, "FragmentUpdate.swarm")
+        _non_negative(self, "fragment", "version", "base_version")
+        if self.base_version >= self.version:
+            raise DecodeError(f"FragmentUpdate.base_version {self.base_version} must be below version {self.version}")
+        _hash(self.base_digest, HASH_BYTES, "FragmentUpdate.base_digest")
+        _hash(self.state_digest, HASH_BYTES, "FragmentUpdate.state_digest")
+        _tensors(self.tensors, "FragmentUpdate.tensors")
+
+
 @register(3)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class FetchFragment(Message):
@@ -199,7 +228,10 @@ class ReplicaState(Message):
     momentum in fp32 (``momentum`` empty before the first merge with momentum), ``digest`` of the
     version as learners decode it, and the owner's ``epoch`` (a takeover starts a higher one).
     ``merged_peers``/``merged_bases``: for each recent sender, the newest base version of its work
-    that is merged into this state, so the next owner refuses that work if it is sent again."""
+    that is merged into this state, so the next owner refuses that work if it is sent again.
+    With ``base_version`` >= 0 the state comes as the owner's update over the state of that
+    version the replica holds (``base_digest``): ``theta`` then carries the update's tensors, to
+    be applied as learners apply a ``FragmentUpdate`` (``protocol.diloco.updates``)."""
 
     swarm: str
     fragment: int
@@ -210,6 +242,8 @@ class ReplicaState(Message):
     momentum: tuple[EncodedTensor, ...]
     merged_peers: tuple[bytes, ...] = ()
     merged_bases: tuple[int, ...] = ()
+    base_version: int = -1
+    base_digest: bytes = b""
 
     def _check(self) -> None:
         _name(self.swarm, "ReplicaState.swarm")
@@ -222,8 +256,14 @@ class ReplicaState(Message):
         _require(all(0 <= b <= self.version for b in self.merged_bases),
                  "ReplicaState.merged_bases must lie in 0..version")
         _tensors(self.theta, "ReplicaState.theta")
-        _require(len(self.theta) == 1 and len(self.momentum) <= 1,
-                 "ReplicaState carries one theta tensor and at most one momentum tensor")
+        if self.base_version == -1:
+            _require(self.base_digest == b"", "ReplicaState.base_digest must be empty without a base_version")
+            _require(len(self.theta) == 1 and len(self.momentum) <= 1,
+                     "ReplicaState carries one theta tensor and at most one momentum tensor")
+        else:
+            _require(0 <= self.base_version < self.version, "ReplicaState.base_version must lie in 0..version-1")
+            _hash(self.base_digest, HASH_BYTES, "ReplicaState.base_digest")
+            _require(not self.momentum, "an update handoff (base_version >= 0) carries no momentum")
         if self.momentum:
             _tensors(self.momentum, "ReplicaState.momentum")
 

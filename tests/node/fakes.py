@@ -74,11 +74,11 @@ def flat_of(model: nn.Module, plan: FragmentPlan, p: int) -> torch.Tensor:
 
 def make_owner(plan: FragmentPlan, shapes: Sequence[Sequence[tuple[int, ...]]], p: int, initial: torch.Tensor,
                clock: FakeClock, *, who: Signer | None = None, version: int = 0, event_log: Path | None = None,
-               **merge: object) -> FragmentOwner:
+               update_codec: str | None = None, **merge: object) -> FragmentOwner:
     cfg = MergeConfig(**{"quorum": 1, "gamma": 0.5, "tau": 2.0, **merge})  # type: ignore[arg-type]
     return FragmentOwner(swarm=SWARM, fragment=plan.fragments[p], shapes=shapes[p], initial=initial,
                          version=version, merge_cfg=cfg, outer_cfg=OuterConfig(lr=1.0, momentum=0.0),
-                         signer=who or signer(1), clock=clock, event_log=event_log)
+                         signer=who or signer(1), clock=clock, event_log=event_log, update_codec=update_codec)
 
 
 def contribution(delta: torch.Tensor, shapes: Sequence[tuple[int, ...]], *, fragment: int = 0,
@@ -140,6 +140,8 @@ class MemoryOwnerPeer:
             owner = self.owners[int(parts[2])]
             after, wait = int(query.get("after", "-1")), float(query.get("wait", "0"))
             sealed = await owner.wait_after(after, wait) if parts[3] in ("next", "final") else None
+            if sealed is not None and parts[3] == "next":  # as node.diloco.serving: an update when asked
+                sealed = owner.sealed_after(after, update_ok=query.get("update") == "1")
             return (204, b"") if sealed is None else (200, sealed.tobytes())
         return 404, b"not found"
 

@@ -12,6 +12,7 @@ import contextlib
 import pytest
 import torch
 
+from node.diloco.flat import flat_digest
 from node.diloco.island import Island, IslandConfig, Outgoing
 from node.diloco.learner import IslandNet
 from node.diloco.owner import FragmentOwner
@@ -298,8 +299,9 @@ async def test_work_already_merged_is_not_sent_again_when_the_owner_changes() ->
 
 async def test_a_version_is_named_by_the_digest_its_owner_signed_and_work_on_it_is_taken() -> None:
     """With the none codec a learner hashes a downloaded version once (its signature check) and
-    names it by that digest; the owner knows the version by it, so work measured against it is
-    merged, not sent back with "resync". No (zero) residual is kept."""
+    names it by the content hash the owner signed in it (the digest of the flat state, which
+    updates name their base by); the owner knows the version by it, so work measured against it
+    is merged, not sent back with "resync". No (zero) residual is kept."""
     rig = Rig(codec="none")
     owner = rig.owners[0]
     await owner.set_expected(1)
@@ -307,7 +309,8 @@ async def test_a_version_is_named_by_the_digest_its_owner_signed_and_work_on_it_
     assert owner.version == 1 and not rig.net.residuals
     got = await rig.net.fetch(0, after=0, wait_s=0.0)
     assert got is not None and got[0] == 1 and torch.equal(got[1], owner.theta)
-    assert rig.net.digests[0][1] == owner.latest.digest and owner.latest.digest in owner.digests[1]
+    assert rig.net.digests[0][1] == owner.digest_of(1) == flat_digest(owner.theta)
+    assert owner.latest.digest in owner.digests[1]
     rig.island.deliver(0, *got)
     rig.step()
     await rig.net.send(rig.outgoing(0, _delta(owner.theta.numel()), base_version=1))

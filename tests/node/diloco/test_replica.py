@@ -34,7 +34,7 @@ def _owner(plan, shapes, clock, initial, *, who, replicate=None, version=0, epoc
 
 def _handing_to(store: ReplicaStore):  # type: ignore[no-untyped-def]
     """A primary's replicate callback: hand each version to ``store`` as signer 1."""
-    async def to_replica(state: ReplicaState) -> str | None:
+    async def to_replica(state: ReplicaState, delta: ReplicaState | None = None) -> str | None:
         ack = store.offer(signer(1).peer_id, state)
         return None if ack.accepted else ack.reason
     return to_replica
@@ -55,7 +55,7 @@ async def test_the_replica_takes_over_with_the_momentum_intact_and_matches_an_un
     store = ReplicaStore(SWARM, [theta0.numel(), 0])
     handed: list[ReplicaState] = []
 
-    async def to_replica(state: ReplicaState) -> str | None:
+    async def to_replica(state: ReplicaState, delta: ReplicaState | None = None) -> str | None:
         handed.append(state)
         ack = store.offer(signer(1).peer_id, state)
         return None if ack.accepted else ack.reason
@@ -144,7 +144,8 @@ async def test_a_retiring_owner_lets_a_merge_under_way_publish_or_publishes_noth
     for wait_s, published in ((5.0, True), (0.05, False)):
         release = asyncio.Event()
 
-        async def slow_replica(state: ReplicaState, release: asyncio.Event = release) -> str | None:
+        async def slow_replica(state: ReplicaState, delta: ReplicaState | None = None,
+                               release: asyncio.Event = release) -> str | None:
             await release.wait()  # the handoff is under way
             return None
 

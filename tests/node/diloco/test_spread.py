@@ -241,3 +241,25 @@ def test_an_owner_counts_each_version_it_publishes_or_serves_once() -> None:
     assert summary["per_peer"]["0"]["owner_upload_per_published"] == 4.0
     assert summary["per_peer"]["1"]["owner_upload_per_published"] is None
     assert summary["max_owner_upload_per_published"] == 4.0
+
+
+async def test_a_holder_serves_an_update_only_to_learners_holding_its_base() -> None:
+    """A holder that took version 4 as an update over version 3 serves it only to a learner that
+    holds version 3 and asks for updates; anyone else gets 409 at once (and asks the owner)."""
+    from aiohttp import web
+    from aiohttp.test_utils import make_mocked_request
+
+    from node.diloco.spread import UPDATE_NOT_HELD_STATUS, SpreadStats
+
+    class Streams:
+        async def stream_reply(self, request: Any, chunks: Any, size: int) -> web.StreamResponse:
+            return web.Response(status=200, body=b"".join(bytes(c) for c in chunks))
+
+    held = Holdings(1, CountingPool(), fanout=2)  # type: ignore[arg-type]
+    await held.put(0, 4, bytearray(b"update"), 6, OWNER.peer_id, base=3)
+    for query, status in (("after=2&update=1", UPDATE_NOT_HELD_STATUS), ("after=3", UPDATE_NOT_HELD_STATUS),
+                          ("after=3&update=1", 200)):
+        request = make_mocked_request("GET", f"/v1/fragments/0/held?{query}")
+        after = int(request.query["after"])
+        resp = await held.serve(request, Streams(), 0, after, 0.0, None, SpreadStats())  # type: ignore[arg-type]
+        assert resp.status == status, query
