@@ -13,7 +13,8 @@ steps, so equal tokens) and reads each run's report and its owners' event logs:
 ``up``     pseudo-gradient uploads: every contribution the owners logged as it arrived (the
            encoded message, plus its signed envelope), summed per sender;
 ``down``   everything else the peers sent: owners handing out global fragments (``--download-codec``,
-           fp32 by default), state sync at join, DHT and membership traffic. Every byte is counted
+           fp32 by default; with a codec ``UP/DOWN``, e.g. ``int8/int4``, versions go down as
+           DOWN-compressed updates over the version before, ``--update-codec``), replica handoffs, state sync at join, DHT and membership traffic. Every byte is counted
            once, by the peer that sent it (``bytes_sent`` of each peer's transport, request and
            reply bodies), including a learner's contributions to a fragment it owns (loopback);
 ``ddp``    what ring all-reduce data-parallel would send for the same steps: each of the N
@@ -23,7 +24,8 @@ All per trained token (the report's ``tokens_trained``, summed over islands). Li
 learner hides a sync behind tau steps of compute when its contribution goes up, and the new
 version of that fragment comes down, within ``tau x t_step`` each: ``up`` is the mean logged
 contribution, ``down`` one version of a fragment as an owner publishes it (``encode_flat`` with
-the run's download codec into a sealed ``FragmentState``, for the fragment shapes in the owners'
+the run's download codec into a sealed ``FragmentState``, or the update codec into a sealed
+``FragmentUpdate``, for the fragment shapes in the owners'
 logs, averaged over fragments). Data-parallel hides one step's all-reduce behind one ``t_step``.
 ``t_step`` is the median over the grid's runs of each run's median inner-step time (peers sharing
 the machine's cores), one value for every row, so rates are for this model on this machine;
@@ -55,8 +57,9 @@ import torch
 from node.diloco.eventlog import payload_dir
 from node.diloco.flat import content_hash, encode_flat
 from node.run.report import ddp_bytes
+from protocol.diloco.updates import encode_update
 from protocol.wire.codec import Encoded, encode
-from protocol.wire.messages import FragmentState
+from protocol.wire.messages import FragmentState, FragmentUpdate
 from protocol.wire.signing import Signer, seal
 
 CODECS = ("none", "int8", "int4", "topk2")
@@ -86,17 +89,27 @@ class Config:
 # ---------------------------------------------------------------- one run
 
 
+def split_codec(spec: str) -> tuple[str, str]:
+    """``"int8"`` -> ("int8", "none"): pseudo-gradients up in int8, full fp32 versions down;
+    ``"int8/int4"`` -> ("int8", "int4"): versions down as int4 updates (``--update-codec``)."""
+    up, _, down = spec.partition("/")
+    return up, down or "none"
+
+
 def run_one(cfg: Config, h: int, codec: str, workdir: Path, *, baseline: bool) -> dict[str, Any]:
     """Run one local swarm (or, with ``reuse``, read its kept report); return its report.
+    ``codec``: the upload codec, or ``UP/DOWN`` with the update codec of downloads.
 
     Raises RuntimeError if the run failed or a kept report was made with another config."""
-    block = cfg.topk_block if codec == "topk2" else cfg.block_size
-    report = workdir / f"h{h}-{codec}-b{block}-s{cfg.steps}-p{cfg.peers}-{cfg.model}-seed{cfg.seed}.json"
+    up, down = split_codec(codec)
+    block = cfg.topk_block if "topk2" in (up, down) else cfg.block_size
+    name = codec.replace("/", "-")
+    report = workdir / f"h{h}-{name}-b{block}-s{cfg.steps}-p{cfg.peers}-{cfg.model}-seed{cfg.seed}.json"
     if cfg.reuse and report.exists():
         return checked(json.loads(report.read_text()), cfg, h, codec, block)
     cmd = [sys.executable, "-m", "node", "local", "--quiet", "--report", str(report),
            "--model", cfg.model, "--peers", str(cfg.peers), "--steps", str(cfg.steps),
-           "--fragments", str(cfg.fragments), "--inner-steps", str(h), "--codec", codec,
+           "--fragments", str(cfg.fragments), "--inner-steps", str(h), "--codec", up, "--update-codec", down,
            "--block-size", str(block), "--grace-tau", str(cfg.tau), "--seed", str(cfg.seed),
            "--corpus-max-bytes", str(cfg.corpus_max_bytes), "--eval-every", str(cfg.steps)]
     if baseline:
@@ -109,9 +122,10 @@ def run_one(cfg: Config, h: int, codec: str, workdir: Path, *, baseline: bool) -
 
 def checked(report: dict[str, Any], cfg: Config, h: int, codec: str, block: int) -> dict[str, Any]:
     """``report`` if its run had this config; raises RuntimeError otherwise."""
-    want = {"inner_steps": h, "codec": codec, "block_size": block, "steps": cfg.steps, "peers": cfg.peers,
+    up, down = split_codec(codec)
+    want = {"inner_steps": h, "codec": up, "update_codec": down, "block_size": block, "steps": cfg.steps, "peers": cfg.peers,
             "model": cfg.model, "seed": cfg.seed, "fragments": cfg.fragments, "grace_tau": cfg.tau}
-    got = {k: report["config"].get(k) for k in want}
+    got = {k: report["config"].get(k, "none" if k == "update_codec" else None) for k in want}
     if got != want:
         raise RuntimeError(f"report of H={h} {codec} was made with {got}, not {want}")
     return report
@@ -147,8 +161,9 @@ def sealed_size(message: bytes) -> int:
 
 
 def version_sizes(report: dict[str, Any]) -> dict[int, int]:
-    """Per fragment: sealed bytes of one version as its owner publishes it, from the shapes and
-    download codec in the owners' logs (an all-zero state: the codecs' sizes do not depend on
+    """Per fragment: sealed bytes of one version as its owner publishes it to learners holding
+    the version before, from the shapes and download codec in the owners' logs: the full state,
+    or the update with ``--update-codec`` (an all-zero state: the codecs' sizes do not depend on
     the values)."""
     sizes: dict[int, int] = {}
     for log in map(Path, report["event_logs"]):
@@ -157,10 +172,18 @@ def version_sizes(report: dict[str, Any]) -> dict[int, int]:
         if p in sizes or content is None:
             continue
         shapes = [tuple(s) for s in content["shapes"]]
-        tensors = encode_flat(torch.zeros(sum(int(torch.Size(s).numel()) for s in shapes)), shapes, content["codec"])
-        state = FragmentState(swarm=report["config"]["swarm"], fragment=p, version=1, tensors=tuple(tensors),
-                              content_hash=content_hash(tensors))
-        sizes[p] = seal(encode(state), _SIGNER, now=time.time(), nonce=bytes(16)).size
+        zeros = torch.zeros(sum(int(torch.Size(s).numel()) for s in shapes))
+        msg: FragmentState | FragmentUpdate
+        if content.get("update_codec"):
+            tensors, _, _ = encode_update(zeros, zeros, None, shapes, content["update_codec"],
+                                          block_size=int(content.get("block_size", 64)))
+            msg = FragmentUpdate(swarm=report["config"]["swarm"], fragment=p, version=2, base_version=1,
+                                 base_digest=bytes(32), state_digest=bytes(32), tensors=tuple(tensors))
+        else:
+            tensors = encode_flat(zeros, shapes, content["codec"])
+            msg = FragmentState(swarm=report["config"]["swarm"], fragment=p, version=1, tensors=tuple(tensors),
+                                content_hash=content_hash(tensors))
+        sizes[p] = seal(encode(msg), _SIGNER, now=time.time(), nonce=bytes(16)).size
     return sizes
 
 
@@ -259,7 +282,9 @@ def parse_args(argv: list[str] | None = None) -> Config:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--full", action="store_true", help=f"H = {FULL_H}, {FULL_STEPS} steps (unless given)")
     p.add_argument("--h", default=None, help=f"comma-separated H values (default {d.h})")
-    p.add_argument("--codecs", default=",".join(d.codecs), help="comma-separated pseudo-gradient codecs")
+    p.add_argument("--codecs", default=",".join(d.codecs),
+                   help="comma-separated pseudo-gradient codecs; UP/DOWN (e.g. int8/int4) also sends versions "
+                        "down as updates in DOWN (--update-codec)")
     p.add_argument("--peers", type=int, default=d.peers, help="islands (processes)")
     p.add_argument("--steps", type=int, default=None, help=f"inner steps per island (default {d.steps})")
     p.add_argument("--model", default=d.model, help="model preset")
