@@ -4,8 +4,8 @@ For each seed it runs ``atoll local --mode decoupled`` and ``--mode sync`` with 
 settings, and the synchronous data-parallel baseline (``node.workload.baseline``, what
 ``atoll local --baseline`` trains) on the same model, shards and tokens, then reports relative
 eval-loss gaps ``(a - b) / b`` of the final global models. Ablations run the decoupled swarm
-with one thing changed (codec, outer lr and momentum, H, fragments, peers, RDA or mean) on
-``--ablation-seeds``. Every run's bytes reduction against fp32 ring all-reduce
+with one thing changed (codec, outer lr and momentum, H, fragments, peers, RDA or mean,
+adoption blend) on ``--ablation-seeds``. Every run's bytes reduction against fp32 ring all-reduce
 (``bandwidth_reduction_vs_ddp`` of its report) is kept too.
 
 The data-parallel baseline trains with the islands' inner optimizer and schedule at a batch N
@@ -46,14 +46,18 @@ ABLATIONS: dict[str, dict[str, dict[str, Any]]] = {
     "outer": {"lr1.0-m0": {"outer_lr": 1.0, "outer_momentum": 0.0},
               "lr0.7-m0.9": {"outer_lr": 0.7, "outer_momentum": 0.9},
               "lr0.7-m0.5": {"outer_lr": 0.7, "outer_momentum": 0.5},
-              "lr1.0-m0.3": {"outer_lr": 1.0, "outer_momentum": 0.3}},
+              "lr1.0-m0.3": {"outer_lr": 1.0, "outer_momentum": 0.3},
+              "lr1.3-m0": {"outer_lr": 1.3, "outer_momentum": 0.0}},
     "H": {"H15": {"inner_steps": 15}, "H30": {"inner_steps": 30}, "H60": {"inner_steps": 60}},
-    "fragments": {"P1": {"fragments": 1}, "P2": {"fragments": 2}, "P4": {"fragments": 4}},
+    "fragments": {"P1": {"fragments": 1}, "P2": {"fragments": 2}, "P4": {"fragments": 4},
+                  "P8": {"fragments": 8}},
     "download": {"fp32": {"download_codec": "none"}, "bf16": {"download_codec": "bf16"}},
     "peers": {"M4": {"peers": 4}, "M8": {"peers": 8}},
     # the merge's aggregation (--aggregate): radial-directional averaging or the token-weighted mean
     "aggregate": {"rda": {"aggregate": "rda"}, "mean": {"aggregate": "mean"},
                   "rda-M8": {"peers": 8, "aggregate": "rda"}, "mean-M8": {"peers": 8, "aggregate": "mean"}},
+    # adoption blend (--adopt-alpha): theta <- alpha*theta + (1-alpha)*global (0, the default: overwrite)
+    "adopt": {"a0.3": {"adopt_alpha": 0.3}, "a0.5": {"adopt_alpha": 0.5}},
 }
 
 
