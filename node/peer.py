@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
@@ -277,7 +278,10 @@ class PeerNode(OwnerHandoffs, VersionServing):
         published_at, published = 0.0, None
         while True:
             record = self.my_record()
-            if record != published or time.monotonic() - published_at > REPUBLISH_S:
+            # a new step alone is news only every REPUBLISH_S (the status page shows it); a
+            # change of role, address, reachability or manifest is published at once
+            changed = published is None or dataclasses.replace(record, step=published.step) != published
+            if changed or time.monotonic() - published_at > REPUBLISH_S:
                 with contextlib.suppress(Exception):
                     await self.membership.publish(record)
                     published, published_at = record, time.monotonic()
@@ -631,7 +635,7 @@ class PeerNode(OwnerHandoffs, VersionServing):
                 if p in out:
                     continue
                 try:
-                    got = await self.net.fetch(p, after=-1, wait_s=5.0, final=True)
+                    got = await self.net.fetch(p, after=self.net.received[p], wait_s=5.0, final=True)
                 except Exception as exc:  # keep trying: the owner may be finishing a merge
                     log.warning("final fetch of fragment %d failed: %r", p, exc)
                     await asyncio.sleep(0.5)

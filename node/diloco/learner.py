@@ -32,6 +32,7 @@ import torch
 from node.diloco.flat import flat_digest, flat_from_tensors, flat_is_wire_form
 from node.diloco.island import Island, Outgoing
 from node.diloco.spread import (
+    FINAL_HELD_STATUS,
     POINTER_STATUS,
     UPDATE_NOT_HELD_STATUS,
     Holdings,
@@ -74,6 +75,7 @@ class LearnerStats:
     version_jumps: int = 0  # versions above what an owner can have reached (refused)
     updates_applied: int = 0  # versions taken as an update over the one held (not a full download)
     update_mismatches: int = 0  # updates that did not apply to our state (or hashed otherwise): full fetched
+    finals_held: int = 0  # final versions the owner said we held already (nothing downloaded)
     skipped_nonfinite: int = 0
     resyncs: int = 0
     resent_on_owner_change: int = 0  # accepted, then its owner was gone before merging it: sent again
@@ -375,7 +377,9 @@ class IslandNet:
                     owner: tuple[bytes, str] | None = None) -> tuple[int, torch.Tensor] | None:
         """Fetch the owner's first version of fragment ``p`` above ``after`` (verified).
 
-        With ``final``, ask instead for the latest version once the owner declares it final.
+        With ``final``, ask instead for the latest version once the owner declares it final: when
+        we hold version ``after`` (named by its digest), the owner answers that it is the final one
+        (304, and we keep it), or sends the update over it, or the full version.
         Returns None if nothing new arrived within ``wait_s``. Raises ``RemoteProtocolError``
         for a version that fails verification.
         """
@@ -385,10 +389,14 @@ class IslandNet:
             return None
         owner_id, url = owner
         kind = "final" if final else "next"
-        upd = "&update=1" if not final and self._holds(p, after) else ""
+        upd = ""
+        if self._holds(p, after):
+            upd = "&update=1" + (f"&digest={self.digests[p][after].hex()}" if final else "")
         try:
             return await self._fetch(p, owner_id, url, kind, after=after, wait_s=wait_s, final=final, upd=upd)
         except UpdateNotApplicable as exc:  # take the full version instead, at once
+            if self.received[p] > max(after, 0):
+                return None  # another fetch (the final one, a resync) moved us past it meanwhile
             self.stats.update_mismatches += 1
             log.warning("fragment %d: %s; fetching the full version", p, exc)
             status, buf, used, _ = await self._request(
@@ -413,6 +421,10 @@ class IslandNet:
             owner_id, "GET", f"{url}/v1/fragments/{p}/{kind}?after={after}&wait={wait_s}{upd}",
             timeout_s=wait_s + 30, max_reply=self.max_message,
         )
+        if status == FINAL_HELD_STATUS and final and upd:  # the version we hold (and named) is final
+            self.transport.pool.give(buf)
+            self.stats.finals_held += 1
+            return self._held(p)
         if status == POINTER_STATUS:  # the owner served its share: fetch from the holders it names
             try:
                 holders = parse_pointer(memoryview(buf)[:used])

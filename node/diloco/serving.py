@@ -23,7 +23,7 @@ from aiohttp import web
 from node.config import RunConfig
 from node.dht.membership import Membership
 from node.diloco.owner import FragmentOwner
-from node.diloco.spread import Holdings, SpreadStats, answer, requester
+from node.diloco.spread import FINAL_HELD_STATUS, Holdings, SpreadStats, answer, requester
 from node.state.serve import ManifestCache, serve_manifest, serve_sealed, state_etag
 from node.wire.admission import ADMITTED
 from node.wire.transport import Busy, Transport
@@ -37,6 +37,16 @@ __all__ = ["MAX_ANONYMOUS_POLLS_PER_IP", "MAX_WAIT_S", "VersionServing"]
 MAX_WAIT_S = 30.0  # the longest a long-poll (/v1/fragments/p/next, /final) is held
 MAX_ANONYMOUS_POLLS_PER_IP = 64  # long-polls held at once for requests that name no key
 _AFTER = re.compile(r"-1|[0-9]{1,19}")
+
+
+def _holds_same(request: web.Request, owner: FragmentOwner, version: int) -> bool:
+    """Whether the ``digest`` a request names (hex) is ``owner``'s state of ``version``."""
+    text = request.query.get("digest", "")
+    try:
+        digest = bytes.fromhex(text) if len(text) == 64 else None
+    except ValueError:
+        digest = None
+    return digest is not None and digest in owner.digests.get(version, set())
 
 
 def _long_poll_query(request: web.Request) -> tuple[int, float]:
@@ -104,9 +114,11 @@ class VersionServing:
                       else await owner.wait_after(after, wait_s))
         if sealed is None:
             return web.Response(status=204)
-        if kind == "next":  # a learner holding version ``after`` may take the update over it
-            sealed = owner.sealed_after(after, update_ok=request.query.get("update") == "1",
-                                        full_every=self.cfg.full_every)
+        update_ok = request.query.get("update") == "1"
+        if kind == "final" and update_ok and owner.version == after and _holds_same(request, owner, after):
+            return web.Response(status=FINAL_HELD_STATUS)  # the learner holds the final version already
+        if update_ok:  # a learner holding version ``after`` may take the update over it
+            sealed = owner.sealed_after(after, update_ok=True, full_every=0 if kind == "final" else self.cfg.full_every)
         p, asker = owner.fragment.index, requester(request, self._member_url)
         decision: SpreadDecision = Serve("our own learner")
         if asker != self.signer.peer_id:  # our own learner's fetch never leaves the machine

@@ -33,11 +33,12 @@ from protocol.errors import DecodeError
 from protocol.ids import ID_BYTES, peer_id_from_public_key
 from protocol.wire.codec import chunk_views
 
-__all__ = ["POINTER_STATUS", "UPDATE_NOT_HELD_STATUS", "VERSION_HEADER", "pointed_version", "Holdings", "SpreadStats", "answer", "encode_pointer", "parse_pointer", "requester"]
+__all__ = ["FINAL_HELD_STATUS", "POINTER_STATUS", "UPDATE_NOT_HELD_STATUS", "VERSION_HEADER", "pointed_version", "Holdings", "SpreadStats", "answer", "encode_pointer", "parse_pointer", "requester"]
 
 log = logging.getLogger(__name__)
 
 POINTER_STATUS = 303  # "See Other": fetch this version from the holders named in the body
+FINAL_HELD_STATUS = 304  # "Not Modified": the final version is the one the learner named (after, digest)
 UPDATE_NOT_HELD_STATUS = 409  # the holder holds the version as an update over another one only
 MAX_POINTER_BODY = 16 + MAX_POINTERS * (ID_BYTES + 4)
 MAX_HELD_WAIT_S = 15.0

@@ -29,7 +29,7 @@ import json
 import logging
 import ssl
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,6 +133,14 @@ class _ServerLog(logging.LoggerAdapter):  # type: ignore[type-arg]
             self.info(f"{msg}: %s: %s", *args, type(exc_info).__name__, exc_info, **kw)
         else:
             super().exception(msg, *args, exc_info=exc_info, **kw)
+
+
+_AIOHTTP_HEADERS = 90  # "Date: ...", "Server: Python/3.x aiohttp/3.x" and "Content-Length: n" lines
+
+
+def _head_bytes(first_line: str, headers: Mapping[str, str]) -> int:
+    """Bytes of an HTTP/1.1 message head: its first line, each header line, the blank line."""
+    return len(first_line) + 2 + sum(len(k) + len(v) + 4 for k, v in headers.items()) + 2
 
 
 def refusal(exc: RemoteProtocolError) -> web.Response:
@@ -272,6 +280,8 @@ class Transport:
         self.limits = limits or ServeLimits()
         self.app = web.Application(client_max_size=max_body, middlewares=[self._guard])
         self.pool = BufferPool()
+        # HTTP bytes this node put on the wire: its requests' and replies' heads and bodies (reply
+        # heads that aiohttp completes are estimated within a few bytes; TCP/TLS framing not counted)
         self.bytes_sent = 0
         self.bytes_received = 0
         self.bodies_in_flight: Counter[str] = Counter()  # request bodies being read, per address
@@ -366,6 +376,8 @@ class Transport:
         data = self._body(url, chunks) if size else None
         async with asyncio.timeout(timeout_s):
             async with self.session.request(method, url, data=data, headers=headers, **opts) as resp:
+                info = resp.request_info
+                self.bytes_sent += _head_bytes(f"{info.method} {info.url.raw_path_qs} HTTP/1.1", info.headers)
                 length = resp.content_length if method != "HEAD" else 0
                 buf, used = await read_stream(resp.content, length, max_reply or self.max_body, self.pool)
                 self.bytes_received += used
@@ -405,6 +417,15 @@ class Transport:
         self.bytes_received += used
         return buf, used
 
+    def _count_reply(self, resp: web.StreamResponse) -> None:
+        """Add a reply's head (and, for a reply not streamed by us, its body) to ``bytes_sent``:
+        streamed bodies are counted as they are written."""
+        body = getattr(resp, "body", None) if not resp.prepared else None
+        size = len(body) if isinstance(body, bytes | bytearray | memoryview) else 0
+        # aiohttp adds Date, Server and Content-Length when it sends an unprepared reply's head
+        extra = 0 if resp.prepared else _AIOHTTP_HEADERS
+        self.bytes_sent += size + extra + _head_bytes(f"HTTP/1.1 {resp.status} {resp.reason}", resp.headers)
+
     @web.middleware
     async def _guard(
         self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -422,6 +443,7 @@ class Transport:
                 log.info("refused %s %s from %s: %s: %s", request.method, request.path, request.remote,
                          type(exc).__name__, exc.reason)
                 resp = refusal(exc)
+            self._count_reply(resp)
             if id(request) not in self._hang_up:
                 return resp
             resp.force_close()

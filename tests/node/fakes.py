@@ -139,9 +139,13 @@ class MemoryOwnerPeer:
         if method == "GET" and parts[:2] == ["v1", "fragments"] and len(parts) == 4:
             owner = self.owners[int(parts[2])]
             after, wait = int(query.get("after", "-1")), float(query.get("wait", "0"))
-            sealed = await owner.wait_after(after, wait) if parts[3] in ("next", "final") else None
-            if sealed is not None and parts[3] == "next":  # as node.diloco.serving: an update when asked
-                sealed = owner.sealed_after(after, update_ok=query.get("update") == "1")
+            sealed = (owner.latest if parts[3] == "final"  # an idle owner's latest is final
+                      else await owner.wait_after(after, wait) if parts[3] == "next" else None)
+            if sealed is not None and query.get("update") == "1":  # as node.diloco.serving
+                named = bytes.fromhex(query.get("digest", ""))
+                if parts[3] == "final" and owner.version == after and named in owner.digests.get(after, set()):
+                    return 304, b""  # the learner holds the final version already
+                sealed = owner.sealed_after(after, update_ok=True)
             return (204, b"") if sealed is None else (200, sealed.tobytes())
         return 404, b"not found"
 

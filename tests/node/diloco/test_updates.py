@@ -191,3 +191,16 @@ async def test_a_replica_refuses_an_update_over_a_state_it_does_not_hold() -> No
     with pytest.raises(DecodeError, match="hash"):  # applies, but not to the digest it names
         rig.store.decode(dataclasses.replace(update, base_version=2, base_digest=rig.store.states[0].digest,
                                              version=3))
+
+
+async def test_a_learner_holding_the_final_version_downloads_nothing_and_one_behind_takes_the_update() -> None:
+    rig = Rig()
+    owner = rig.owners[0]
+    await rig.merge(learner=0)
+    await rig.fetch(learner=0)
+    got = await rig.nets[0].fetch(0, after=1, wait_s=0.0, final=True)  # holds the latest: it is final
+    assert got is not None and got[0] == 1 and torch.equal(got[1], owner.theta)
+    assert rig.nets[0].stats.finals_held == 1 and rig.nets[0].stats.versions_received == 1
+    got = await rig.nets[1].fetch(0, after=0, wait_s=0.0, final=True)  # one behind: the update over 0
+    assert got is not None and got[0] == 1 and torch.equal(got[1], owner.theta)
+    assert rig.nets[1].stats.updates_applied == 1 and rig.nets[1].stats.finals_held == 0
