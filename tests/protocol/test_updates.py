@@ -70,7 +70,7 @@ def _split(flat: torch.Tensor) -> list[torch.Tensor]:
     return out
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(st.integers(min_value=0, max_value=2**31 - 1), st.sampled_from(UPDATE_CODECS),
        st.floats(min_value=1e-6, max_value=1e3))
 def test_applying_is_deterministic_and_matches_the_owner(seed: int, codec: str, scale: float) -> None:
