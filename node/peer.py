@@ -40,7 +40,7 @@ from node.dht.kademlia import DHTConfig, DHTNode
 from node.dht.membership import MemberRecord, Membership, manifest_hash
 from node.dht.route import DHTRouter
 from node.dht.swarm import SwarmCredentials
-from node.diloco.flat import flat_digest
+from node.diloco.flat import encode_flat, flat_digest, flat_from_tensors
 from node.diloco.handoffs import OwnerHandoffs
 from node.diloco.island import Island, Outgoing
 from node.diloco.learner import IslandNet
@@ -428,6 +428,30 @@ class PeerNode(OwnerHandoffs, VersionServing):
                        reason=f"peer {opened.peer_id.hex()[:8]} has stopped learning; contribution not merged")
         return await owner.receive(opened.peer_id, msg)  # answered before the merge it completes
 
+    async def contribute_local(self, msg: Contribution) -> Ack:
+        """Our own learner's contribution to a fragment we own: the RPC's checks, in process."""
+        me = Opened(public_key=self.signer.public_key, peer_id=self.signer.peer_id, timestamp=time.time(),
+                    nonce=b"", message=msg)
+        return await self._on_contribution(me)
+
+    async def version_local(self, p: int, *, after: int, wait_s: float,
+                            final: bool) -> tuple[int, torch.Tensor, bytes] | None:
+        """A version of a fragment we own for our own learner, in process: the owner's state as
+        every other learner decodes it (``IslandNet.fetch``'s local path)."""
+        owner = self.owners.get(p)
+        if owner is None or owner.retired:
+            raise UnknownFragment(f"fragment {p} is not owned here")
+        got = await (self._wait_final(owner, wait_s) if final else owner.wait_after(after, wait_s))
+        if got is None:
+            return None
+        if owner.retired:
+            raise UnknownFragment(f"fragment {p} is not owned here any more")
+        version, theta, digest = owner.version, owner.theta, owner.digest_of(owner.version)
+        if owner.download_codec != "none":  # others hold the decoded bf16 state: so must we
+            shapes, codec = self.shapes[p], owner.download_codec
+            theta = await asyncio.to_thread(lambda: flat_from_tensors(encode_flat(theta, shapes, codec), shapes))
+        return version, theta, digest
+
     async def _on_dialback(self, request: web.Request) -> web.Response:
         """Ping the requester's DHT node at its own address (a joining peer asks whether it can be
         dialled); rate-limited per address, see ``DialBacks``."""
@@ -526,7 +550,7 @@ class PeerNode(OwnerHandoffs, VersionServing):
                              on_unreachable=self._unreachable, tamper=self.tamper,
                              created=cred.manifest.created if cred is not None else None,
                              initial=self.initial_global, holdings=self.holdings, url_of=self._member_url,
-                             spread=self.spread)
+                             spread=self.spread, local=self)
         for p, version in enumerate(island.versions):  # resumed: state sync fetches only newer ones
             if version > 0:
                 self.net.remember(p, version, island.global_flat[p])

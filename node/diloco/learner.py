@@ -24,7 +24,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 import torch
@@ -58,6 +58,21 @@ HOLDERS_TRIED = 8  # holders asked for one version (pointers followed) before as
 HOLDER_WAIT_S = 10.0  # how long a holder may take to have the version it was named for
 
 
+class LocalOwners(Protocol):
+    """The fragments this peer owns, reached in process by its own learner (no HTTP, no seal)."""
+
+    async def contribute_local(self, msg: Contribution) -> Ack:
+        """Our own contribution to a fragment we own; raises ``RemoteProtocolError`` as the RPC does."""
+        ...
+
+    async def version_local(self, p: int, *, after: int, wait_s: float,
+                            final: bool) -> tuple[int, torch.Tensor, bytes] | None:
+        """(version, flat state, digest) of the first version of ``p`` above ``after`` (the final
+        one with ``final``) within ``wait_s``, else None; raises ``RemoteProtocolError`` when
+        ``p`` is not owned here (any more). The flat state is the owner's, never written to."""
+        ...
+
+
 class UpdateNotApplicable(RemoteProtocolError):
     """An update over a version we do not hold (or not as its owner does), or whose result does
     not hash to the owner's signed digest: the full version is fetched instead."""
@@ -76,6 +91,7 @@ class LearnerStats:
     updates_applied: int = 0  # versions taken as an update over the one held (not a full download)
     update_mismatches: int = 0  # updates that did not apply to our state (or hashed otherwise): full fetched
     finals_held: int = 0  # final versions the owner said we held already (nothing downloaded)
+    versions_local: int = 0  # versions of fragments we own, taken from our owner in process
     skipped_nonfinite: int = 0
     resyncs: int = 0
     resent_on_owner_change: int = 0  # accepted, then its owner was gone before merging it: sent again
@@ -105,10 +121,12 @@ class IslandNet:
         holdings: Holdings | None = None,
         url_of: Callable[[bytes], str | None] | None = None,
         spread: SpreadStats | None = None,
+        local: LocalOwners | None = None,
     ) -> None:
         # versions spread peer to peer: what we fetched is kept for others (``holdings``), and an
         # owner's pointer names holders by id, whose addresses ``url_of`` looks up in our own view
         self.holdings, self.url_of = holdings, url_of
+        self.local = local  # our own owners: reached in process, not over HTTP
         self.spread = spread if spread is not None else SpreadStats()
         self.wall_clock, self.tamper = wall_clock, tamper
         # the version fence: the swarm's creation time (from its manifest) and the top merge rate
@@ -240,13 +258,13 @@ class IslandNet:
         owner_id, url = owner
         if self.tamper is not None:
             out = self.tamper(out)
+        if self.local is not None and owner_id == self.signer.peer_id:
+            await self._send_local(out)
+            return
         try:  # one worker-thread hop: compress and seal (hashing the whole payload once)
             sealed, residuals = await asyncio.to_thread(self._seal_contribution, out, owner_id)
         except LocalProtocolError as exc:
-            self.stats.skipped_nonfinite += "NaN" in str(exc)
-            log.warning("contribution skipped: %s; resyncing the island from the owners", exc)
-            self.island.resolved(out.fragment, accepted=False)
-            await self.resync()
+            await self._skip(out, exc)
             return
         self.stats.contributions_sent += 1
         status, buf, used, _ = await self._request(
@@ -269,6 +287,37 @@ class IslandNet:
         reply = opened.message
         if not isinstance(reply, Ack):
             raise RemoteProtocolError(f"owner replied {type(reply).__name__}, expected Ack")
+        await self._answered(out, owner_id, reply, residuals)
+
+    async def _skip(self, out: Outgoing, exc: LocalProtocolError) -> None:
+        self.stats.skipped_nonfinite += "NaN" in str(exc)
+        log.warning("contribution skipped: %s; resyncing the island from the owners", exc)
+        self.island.resolved(out.fragment, accepted=False)
+        await self.resync()
+
+    async def _send_local(self, out: Outgoing) -> None:
+        """A contribution to a fragment we own: compressed as any (error feedback alike), handed
+        to our owner in process."""
+        assert self.local is not None
+        try:
+            msg, residuals = await asyncio.to_thread(self._compress, out)
+        except LocalProtocolError as exc:
+            await self._skip(out, exc)
+            return
+        self.stats.contributions_sent += 1
+        try:
+            reply = await self.local.contribute_local(msg)
+        except RemoteProtocolError as exc:
+            self.stats.contributions_refused += 1
+            log.info("fragment %d contribution refused by our own owner: %s", out.fragment, exc.reason)
+            self.island.resolved(out.fragment, accepted=False)
+            return
+        await self._answered(out, self.signer.peer_id, reply, residuals)
+
+    async def _answered(self, out: Outgoing, owner_id: bytes, reply: Ack,
+                        residuals: dict[tuple[int, int], torch.Tensor]) -> None:
+        """The owner's answer to a contribution: commit its residuals (accepted) or free the
+        fragment (refused; a base mismatch resyncs the island)."""
         if reply.accepted:
             self._accepted_by[out.fragment] = (owner_id, out.base_version,
                                                {k: self.residuals.get(k) for k in residuals})
@@ -388,6 +437,8 @@ class IslandNet:
             await asyncio.sleep(min(wait_s, 1.0))
             return None
         owner_id, url = owner
+        if self.local is not None and owner_id == self.signer.peer_id:
+            return await self._fetch_local(p, after=after, wait_s=wait_s, final=final)
         kind = "final" if final else "next"
         upd = ""
         if self._holds(p, after):
@@ -404,6 +455,19 @@ class IslandNet:
                 timeout_s=60, max_reply=self.max_message,
             )
             return await self._accept(p, owner_id, status, buf, used, after=after, final=final)
+
+    async def _fetch_local(self, p: int, *, after: int, wait_s: float,
+                           final: bool) -> tuple[int, torch.Tensor] | None:
+        """A version of a fragment we own, from our owner in process (its state, not a copy)."""
+        assert self.local is not None
+        got = await self.local.version_local(p, after=after, wait_s=wait_s, final=final)
+        if got is None or (got[0] <= after and not final):
+            return None
+        version, flat, digest = got
+        self.digests[p][version] = digest
+        self.stats.versions_received += 1
+        self.stats.versions_local += 1
+        return version, flat
 
     def _holds(self, p: int, version: int) -> bool:
         """Whether we hold fragment ``p``'s ``version`` with its state digest (an update over it

@@ -72,7 +72,7 @@ def build_report(config: dict[str, Any], peers: list[dict[str, Any]], wall_s: fl
     report["spread"] = spread_summary(peers)
     report["memory"] = memory_summary(peers)
     report["versions_in"] = {k: sum(int((p.get("versions_in") or {}).get(k, 0)) for p in peers)
-                             for k in ("received", "as_updates", "update_mismatches")}
+                             for k in ("received", "as_updates", "update_mismatches", "local", "finals_held")}
     if report["bytes_sent"]:
         report["bandwidth_reduction_vs_ddp"] = report["bytes_sent_ddp_equivalent"] / report["bytes_sent"]
     return report
@@ -185,9 +185,10 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
                      f"handoffs); {spread['from_holders']} versions came from holders, {spread['pointers']} "
                      f"pointers, {spread['fallbacks_asked']} fallbacks to an owner")
     came = report.get("versions_in")
-    if came and came.get("as_updates"):
-        lines.append(f"versions received: {came['received']}, {came['as_updates']} of them as updates over the "
-                     f"version held; {came['update_mismatches']} updates did not apply (full version fetched)")
+    if came and came.get("received"):
+        lines.append(f"versions received: {came['received']}, {came['local']} of them from the peer's own owner "
+                     f"(in process), {came['as_updates']} as updates over the version held; "
+                     f"{came['update_mismatches']} updates did not apply (full version fetched)")
     memory = report.get("memory")
     if memory and memory.get("per_peer"):
         lines.append(f"memory: peers grew by at most {memory['max_growth_mb']:.1f} MB after warm-up "

@@ -124,7 +124,8 @@ def test_a_killed_peer_does_not_stall_the_rest(tmp_path: Path) -> None:
     assert report["killed_peers"] == [1] and report["peers"] == 2
     assert len(set(report["final_param_hash"].values())) == 1
     came = report["versions_in"]
-    assert came["as_updates"] >= came["received"] // 2, came  # most versions came as updates
+    # most versions from other peers came as updates (a peer takes its own fragments in process)
+    assert came["as_updates"] >= (came["received"] - came["local"]) // 2 and came["local"] > 0, came
     assert report["version_conflicts"] == 0
     assert report["eval_loss"]["end"] <= 0.7 * report["eval_loss"]["start"]
     assert report["stalled_steps"] == 0

@@ -16,7 +16,7 @@ from node.diloco.learner import IslandNet
 from node.diloco.owner import FragmentOwner
 from node.diloco.replica import ReplicaStore
 from protocol.errors import DecodeError
-from protocol.wire.messages import FragmentUpdate, ReplicaState
+from protocol.wire.messages import Ack, Contribution, FragmentUpdate, ReplicaState
 from protocol.wire.signing import verify_sealed
 from tests.node.fakes import (
     SWARM,
@@ -204,3 +204,40 @@ async def test_a_learner_holding_the_final_version_downloads_nothing_and_one_beh
     got = await rig.nets[1].fetch(0, after=0, wait_s=0.0, final=True)  # one behind: the update over 0
     assert got is not None and got[0] == 1 and torch.equal(got[1], owner.theta)
     assert rig.nets[1].stats.updates_applied == 1 and rig.nets[1].stats.finals_held == 0
+
+
+class OwnOwners:
+    """``LocalOwners`` over owners this very peer runs (what ``PeerNode`` does, minus membership)."""
+
+    def __init__(self, owners: dict[int, FragmentOwner], me: bytes) -> None:
+        self.owners, self.me = owners, me
+
+    async def contribute_local(self, msg: Contribution) -> Ack:
+        return await self.owners[msg.fragment].contribute(self.me, msg)
+
+    async def version_local(self, p: int, *, after: int, wait_s: float,
+                            final: bool) -> tuple[int, torch.Tensor, bytes] | None:
+        owner = self.owners[p]
+        if not final and await owner.wait_after(after, wait_s) is None:
+            return None
+        return owner.version, owner.theta, owner.digest_of(owner.version)
+
+
+async def test_a_peer_reaches_the_fragments_it_owns_in_process() -> None:
+    """A learner whose owner is its own peer sends and fetches without HTTP: nothing goes over
+    the transport, the work is merged with the same error feedback, and the version it gets is
+    the owner's state under the digest the owner knows it by (so its next work is taken)."""
+    rig = Rig()
+    me = rig.owner_key
+    net = IslandNet(rig.nets[0].island, rig.transport, me, swarm=SWARM,  # type: ignore[arg-type]
+                    shapes=rig.shapes, owner_of=lambda p: (me.peer_id, OWNER_URL), codec="int8",
+                    local=OwnOwners(rig.owners, me.peer_id))
+    rig.nets[0] = net
+    before = rig.peer.requests
+    for version in (1, 2):
+        await rig.merge()
+        got = await rig.fetch()
+        assert got[0] == version and got[1] is rig.owners[0].theta
+    assert rig.peer.requests == before and rig.transport.bytes_sent == 0
+    assert net.stats.versions_local == 2 and net.stats.contributions_accepted == 2
+    assert net.stats.base_mismatches == 0 and net.residuals  # int8 error feedback kept as over HTTP
