@@ -15,16 +15,19 @@ atoll, ...), the bench times:
 Times run from the launcher's "go" to the last peer's "done"; inputs are prepared before.
 Every round is checked: peer 0 recomputes the merge from the seeded inputs and every Atoll
 peer must hold bit-identical fragments. Medians over ``--repeats`` rounds, after one warm-up
-round of each. Codecs: ``none`` (fp32), and ``fp16`` (Atoll's bf16 up and down against
-hivemind's Float16Compression). Then, per case, a peer is killed (SIGKILL to its process
-group) ``--kill-at`` of the way into a round, on fresh processes running one system at a
-time: the seconds until every survivor holds a merged model, and which peers' inputs each
-fragment (Atoll) or chunk (hivemind) matches ("all", "survivors", or "neither": a silently
-partial or wrong merge).
+round of each. Codecs: ``none`` (fp32), ``fp16`` (Atoll's bf16 up and down against
+hivemind's Float16Compression), and ``int8``: Atoll as it can ship, int8 pseudo-gradients up
+and each version down as an int8 update over the previous one (``update_codec``), against
+hivemind's fp32 and the raw fp32 bytes (hivemind's 8-bit codecs are broken with numpy >= 2.4,
+so fp32 is its best working codec here; ``none`` stays the like-for-like comparison).
+Then, per case, a peer is killed (SIGKILL to its process group) ``--kill-at`` of the way into a
+round, on fresh processes running one system at a time: the seconds until every survivor holds
+a merged model, and which peers' inputs each fragment (Atoll) or chunk (hivemind) matches
+("all", "survivors", or "neither": a silently partial or wrong merge).
 
 Progress goes to stderr; the last line of stdout is the JSON result.
 
-    python -m bench.averaging [--cases 4x10M,4x50M,8x50M] [--codecs none,fp16] [--repeats 3]
+    python -m bench.averaging [--cases 4x10M,4x50M,8x50M] [--codecs none,fp16,int8] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -47,6 +50,16 @@ __all__ = ["main", "parse_case"]
 
 SYSTEMS = ("atoll", "hivemind", "raw")
 HEADROOM_MB = 1536  # left to the machine's other users (the memory guard stops a case below it)
+# the bench's codec -> what each system sends (atoll: up / down), and Atoll's bytes per value
+# each way (int8: one byte per value and an fp32 scale per block of 64)
+CODECS: dict[str, dict[str, Any]] = {
+    "none": {"atoll_codec": "fp32 up / fp32 down", "hivemind_codec": "none", "raw_codec": "fp32",
+             "atoll_bytes_per_value": 4.0},
+    "fp16": {"atoll_codec": "bf16 up / bf16 down", "hivemind_codec": "fp16 (Float16Compression)",
+             "raw_codec": "16-bit", "atoll_bytes_per_value": 2.0},
+    "int8": {"atoll_codec": "int8 up / int8 update down", "hivemind_codec": "none", "raw_codec": "fp32",
+             "atoll_bytes_per_value": 1 + 4 / 64},
+}
 
 
 def parse_case(text: str) -> tuple[int, int]:
@@ -78,6 +91,10 @@ class Round:
         out: dict[str, Any] = {"seconds": round(seconds, 4), "ok": all(x.get("ok") for x in replies),
                                "cpu_s": round(self.w.last_cpu_s, 3) if kill is None else None,
                                "load_avg": round(os.getloadavg()[0], 2)}
+        if system == "atoll" and kill is None:  # versions received as int8 updates (update_codec) or full
+            for key in ("versions_received", "updates_applied", "update_mismatches"):
+                out[key] = sum(x.get(key, 0) for x in replies)
+            out["updates_applied_per_peer"] = [x.get("updates_applied", 0) for x in replies]
         errors = [x.get("error") for x in replies if not x.get("ok")]
         if errors:
             out["errors"] = errors[:3]
@@ -153,7 +170,9 @@ def measure(args: argparse.Namespace, peers: int, params: int, codec: str, syste
                 out = rounds.run(s)
                 _say(f"  {'warm-up' if rep == 0 else f'round {rep}'} {s:8} {out['seconds']:8.3f} s "
                      f"(cpu {out['cpu_s']:.2f} s, load {out['load_avg']}) ok={out['ok']} "
-                     f"{out.get('check', {}).get('matches', '')} {out.get('errors', '')}")
+                     f"{out.get('check', {}).get('matches', '')} {out.get('errors', '')}"
+                     + (f" updates {out['updates_applied']}/{out['versions_received']} versions"
+                        if out.get("updates_applied") else ""))
                 if rep > 0:
                     runs[s].append(out)
         memory = w.ask_all({"cmd": "memory", "detail": args.memory_detail}, 600)
@@ -201,7 +220,9 @@ def memory_needed_mb(peers: int, params: int, systems: tuple[str, ...] | list[st
     processes: with all three systems ~1.85 GiB per peer at 10M parameters, ~4.7 GiB at 50M,
     i.e. ~1.1 GiB plus ~72 bytes per parameter, of which hivemind's averager and DHT processes
     take ~0.5 GiB plus ~16 bytes per parameter (Atoll's peer process at 10M peaked at 0.8-1.0
-    GiB alone). Shared pages count in each process, so this errs high."""
+    GiB alone). Shared pages count in each process, so this errs high (``int8``'s peers read
+    4.3-6.6 GiB each at 50M, fp32's 4.1-4.7, shared pages counted; 4 x 50M int8 ran twice within
+    this estimate without the memory guard stopping it)."""
     per_peer = 600 + 56 * params // (1 << 20)
     if "hivemind" in systems:
         per_peer += 500 + 16 * params // (1 << 20)
@@ -229,12 +250,13 @@ def run_case(args: argparse.Namespace, peers: int, params: int, systems: list[st
         a, h, r = got["atoll_s"], got["hivemind_s"], got["raw_s"]
         got["hivemind_over_atoll"] = round(h / a, 3) if a and h else None
         got["atoll_throughput_vs_raw"] = round(r / a, 3) if a and r else None
-        got["atoll_gbytes_per_s_per_peer"] = (round(2 * params * (4 if codec == "none" else 2) / a / 1e9, 3)
-                                              if a else None)
+        labels = {k: v for k, v in CODECS[codec].items() if k != "atoll_bytes_per_value"}
+        bpv = CODECS[codec]["atoll_bytes_per_value"]
+        got["atoll_gbytes_per_s_per_peer"] = round(2 * params * bpv / a / 1e9, 3) if a else None
         if codec == args.codecs[0]:
-            case.update(codec=codec, **got)
+            case.update(codec=codec, **labels, **got)
         else:
-            case[codec] = {"codec": codec, **got}
+            case[codec] = {"codec": codec, **labels, **got}
     if args.kill and "none" in args.codecs:
         case["kill"] = {}
         for s in systems:
@@ -251,7 +273,9 @@ def run_case(args: argparse.Namespace, peers: int, params: int, systems: list[st
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", default="4x10M,4x50M,8x50M", help="PEERSxPARAMS, comma-separated")
-    parser.add_argument("--codecs", default="none,fp16", help="none (fp32) and/or fp16 (Atoll bf16)")
+    parser.add_argument("--codecs", default="none,fp16",
+                        help="none (fp32), fp16 (Atoll bf16, hivemind Float16Compression), int8 (Atoll "
+                             "int8 up and int8 updates down, against hivemind and raw in fp32)")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="atoll, hivemind, raw")
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds per system (after a warm-up)")
     parser.add_argument("--fragments", type=int, default=8, help="Atoll fragments (= tensors of the model)")
@@ -266,8 +290,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--json", action="store_true", help="accepted for symmetry: the JSON is always printed last")
     args = parser.parse_args(argv)
     args.codecs = [c.strip() for c in args.codecs.split(",") if c.strip()]
-    if any(c not in ("none", "fp16") for c in args.codecs):
-        parser.error("--codecs takes none and/or fp16")
+    if any(c not in CODECS for c in args.codecs):
+        parser.error(f"--codecs takes {', '.join(CODECS)}")
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     if "atoll" not in systems and "raw" in systems:
         parser.error("raw follows Atoll's fragment owners: --systems must include atoll")

@@ -12,6 +12,11 @@ The loop is the bench's, not Atoll's: every contribution claims one inner step a
 (equal merge weights, so the reference merge is known), and a fragment whose send failed or was
 refused is made due again after ``RETRY_S`` (in training it would go out at the next H
 boundary) with its pseudo-gradient restored.
+
+Codecs (``CODECS``): ``none`` sends fp32 both ways; ``fp16`` bf16 both ways; ``int8`` int8
+pseudo-gradients up (blockwise absmax, error feedback on the learner) and each version down as
+an int8 update over the previous one (``RunConfig.update_codec``, error feedback on the owner),
+which every peer applies to the same base and checks against the owner-signed hash.
 """
 
 from __future__ import annotations
@@ -28,12 +33,15 @@ from node.config import RunConfig
 from node.diloco.flat import encode_flat, flat_digest, flat_from_tensors
 from protocol.diloco.compression import compress, decompress
 from protocol.diloco.outer import OuterConfig, merge_update
+from protocol.diloco.updates import encode_update
 
 __all__ = ["AtollSide"]
 
 RETRY_S = 0.25
 POLL_S = 0.002
 SWARM = "bench-averaging"
+# the bench's codec -> Atoll's (upload codec, download codec, update codec)
+CODECS = {"none": ("none", "none", "none"), "fp16": ("bf16", "bf16", "none"), "int8": ("int8", "none", "int8")}
 
 
 class _Tensors(nn.Module):
@@ -48,22 +56,26 @@ class AtollSide:
     def __init__(self, *, index: int, peers: int, seed: int, layout: Layout, codec: str,
                  initial: list[torch.Tensor], initial_peers: list[str]) -> None:
         self.index, self.peers, self.seed, self.layout = index, peers, seed, layout
-        self.codec = "none" if codec == "none" else "bf16"
+        self.codec, self.download_codec, self.update_codec = CODECS[codec]
         self.model = _Tensors(initial)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.0)
         cfg = RunConfig(peers=peers, fragments=layout.tensors, inner_steps=10**9, codec=self.codec,
-                        download_codec=self.codec, outer_lr=1.0, outer_momentum=0.0, quorum=peers,
-                        mode="sync", eval_every=10**9)
+                        download_codec=self.download_codec, update_codec=self.update_codec, outer_lr=1.0,
+                        outer_momentum=0.0, quorum=peers, mode="sync", eval_every=10**9)
         self.api = SwarmIsland(self.model, self.optimizer, swarm=SWARM, tokens_per_step=1,
                                initial_peers=initial_peers, config=cfg, join_timeout_s=300.0,
                                finish_timeout_s=0.0)
         self.island = self.api.island
+        self.block_size = cfg.block_size
         named = dict(self.model.named_parameters())
         self.params = [[named[n] for n in f.names] for f in self.api.plan.fragments]
         self.tensor_ids = [[int(n.split(".")[-1]) for n in f.names] for f in self.api.plan.fragments]
         self.round = -1
         self.target: list[int] = []
         self.base: list[torch.Tensor] = []
+        # with updates, the owner's error-feedback residual per fragment as the check replays it
+        # (peer 0 checks every round in order; zero before the first update, as the owner's is)
+        self.owner_residual: dict[int, torch.Tensor] = {}
 
     # --- lifecycle -----------------------------------------------------------------------------
     def start(self) -> str:
@@ -81,8 +93,18 @@ class AtollSide:
 
     # --- one cycle -------------------------------------------------------------------------------
     def prepare(self, round_: int, *, keep_base: bool) -> None:
-        """Set θ_p = Θ_p − Δ_i for every fragment; zero the island's counters (outside the timing)."""
+        """Set θ_p = Θ_p − Δ_i for every fragment; zero the island's counters (outside the timing).
+
+        With a lossy upload codec, the learner's error-feedback residuals are zeroed in place:
+        the next round's compression still adds them (the same work as in training), but each
+        contribution is then exactly Q(Δ_i), so the check can recompute it from the seeded
+        inputs alone (in training the residual carries over; what it changes is which values
+        are sent, not how much work or how many bytes)."""
         self.island.adopt_pending()
+        if self.codec != "none":
+            net = self.api.node.net
+            for residual in (net.residuals.values() if net is not None else ()):
+                residual.zero_()
         self.round = round_
         self.target = [v + 1 for v in self.island.versions]
         self.base = [g.clone() for g in self.island.global_flat] if keep_base else []
@@ -101,6 +123,7 @@ class AtollSide:
     def cycle(self, timeout_s: float) -> dict[str, Any]:
         """Ship every fragment and step until each has its next version. Returns counts."""
         island, n = self.island, len(self.params)
+        stats0 = self._net_stats()
         marked = [time.monotonic()] * n
         for p in range(n):
             island.next_due[p] = island.stats.step + 1
@@ -118,7 +141,16 @@ class AtollSide:
             else:
                 island.adopt_pending()
             time.sleep(POLL_S)
-        return {"ok": True, "retries": retries, "versions": list(island.versions)}
+        stats = {k: v - stats0[k] for k, v in self._net_stats().items()}
+        return {"ok": True, "retries": retries, "versions": list(island.versions), **stats}
+
+    def _net_stats(self) -> dict[str, int]:
+        """Versions this learner received, and of them taken as updates / updates refused."""
+        net = self.api.node.net
+        if net is None:
+            return {"versions_received": 0, "updates_applied": 0, "update_mismatches": 0}
+        return {"versions_received": net.stats.versions_received, "updates_applied": net.stats.updates_applied,
+                "update_mismatches": net.stats.update_mismatches}
 
     def _has(self, p: int) -> bool:
         return self.island.versions[p] >= self.target[p]
@@ -152,24 +184,41 @@ class AtollSide:
                 out.append({"fragment": p, "matches": "not merged", "version": version})
                 continue
             base, held = self.base[p], self.island.global_flat[p]
-            errors = {name: relative_error(held, self._reference(p, members), base)
-                      for name, members in sets.items()}
-            out.append({"fragment": p, "matches": classify(errors, self.codec), "version": version,
+            refs = {name: self._reference(p, members) for name, members in sets.items()}
+            errors = {name: relative_error(held, ref, base) for name, (ref, _) in refs.items()}
+            matches = classify(errors, self.codec)
+            residual = refs[matches if matches in refs else "all"][1]
+            if residual is not None:  # the owner's error feedback after this version
+                self.owner_residual[p] = residual
+            out.append({"fragment": p, "matches": matches, "version": version,
                         "errors": {k: float(f"{v:.3g}") for k, v in errors.items()},
                         "embedding": frag.is_embedding})
+            del refs
         return {"fragments": out, "matches": sorted({f["matches"] for f in out})}
 
-    def _reference(self, p: int, members: list[int]) -> torch.Tensor:
-        """What the owner's merge of ``members``' contributions gives (equal weights, no clip)."""
+    def _reference(self, p: int, members: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What the owner's merge of ``members``' contributions gives (equal weights, no clip),
+        as the peers hold it, and with updates the owner's residual after it (else None).
+
+        Each contribution is Q(Δ_i) (``prepare`` zeroes the learners' residuals). With updates
+        the held state is base + D(Q(Θ* − base + e)), e the owner's residual: replayed here from
+        the previous rounds' references (``owner_residual``), so the reference is the owner's
+        computation up to the order of the merge's sums (a few values that round to the other
+        neighbouring int8 code); it is checked within ``tolerance``, which also covers a replay
+        that drifted from the owner's residual (see ``bench.averaging_inputs.tolerance``)."""
         base, frag = self.base[p], self.api.plan.fragments[p]
         deltas = []
         for i in members:
             d = torch.cat([delta(self.seed, self.layout, self.round, i, t) for t in self.tensor_ids[p]])
             d = base - (base - d)  # as the island measures it: Θ − θ with θ = Θ − Δ
-            enc, _ = compress(d, self.codec)
+            enc, _ = compress(d, self.codec, block_size=self.block_size)
             deltas.append(decompress(enc))
         ones = [1.0] * len(deltas)
         theta = merge_update(base, None, deltas, ones, ones, OuterConfig(lr=1.0, momentum=0.0),
                              embedding=frag.is_embedding).theta
         shapes = [tuple(q.shape) for q in self.params[p]]
-        return flat_from_tensors(encode_flat(theta, shapes, self.codec), shapes)
+        if self.update_codec != "none":
+            _, published, residual = encode_update(theta, base, self.owner_residual.get(p), shapes,
+                                                   self.update_codec, block_size=self.block_size)
+            return published, residual
+        return flat_from_tensors(encode_flat(theta, shapes, self.download_codec), shapes), None

@@ -47,7 +47,7 @@ class Peer:
             from bench.averaging_raw import RawSide
             source = [p.data for p in self.sides["atoll"].model.w] if "atoll" in self.sides else None
             raw = RawSide(index=self.index, peers=self.peers, fragment_values=self.layout.sizes(),
-                          bytes_per_value=4 if codec == "none" else 2, source=source)
+                          bytes_per_value=2 if codec == "fp16" else 4, source=source)
             self.sides["raw"] = raw
             self.addresses["raw"] = raw.start()
         if "atoll" in self.sides:

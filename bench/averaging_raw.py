@@ -1,11 +1,12 @@
 """The averaging bench's limit: the same bytes over plain aiohttp, in Atoll's pattern, no work.
 
 Each peer runs a bare aiohttp server on its own thread and event loop. One raw cycle moves what
-one Atoll cycle moves, between the same processes: every peer POSTs each fragment's bytes
-(4 per value, 2 with a 16-bit codec) to that fragment's owner, one fragment after the other as
-Atoll's learner does, while it long-polls every owner for the fragment's result; an owner
-answers those polls once all N peers' bytes for the fragment are in. Bodies are read into
-buffers allocated once and reused; nothing is compressed, signed, hashed, checked or merged.
+one Atoll cycle moves, between the same processes (or, against Atoll's int8, what its fp32
+cycle moves): every peer POSTs each fragment's bytes (4 per value, 2 with the 16-bit codec)
+to that fragment's owner, one fragment after the other as Atoll's learner does, while it
+long-polls every owner for the fragment's result; an owner answers those polls once all N
+peers' bytes for the fragment are in. Bodies are read into buffers allocated once and reused;
+nothing is compressed, signed, hashed, checked or merged.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from bench.averaging_inputs import (
     relative_error,
     tolerance,
 )
+from protocol.diloco.compression import compress, decompress
 
 
 def test_parse_case() -> None:
@@ -38,13 +39,26 @@ def test_inputs_are_seeded_and_chunks_stand_alone() -> None:
     assert torch.equal(initial(7, layout, 0), initial(7, layout, 0))
 
 
-@pytest.mark.parametrize("codec", ["none", "fp16"])
+def _rounded(full: torch.Tensor, base: torch.Tensor, deltas: list[torch.Tensor], codec: str) -> torch.Tensor:
+    """``full`` as a codec leaves it; int8: every input and the update quantised, the update
+    with an owner residual as large as one int8 rounding carried in (as in later rounds)."""
+    if codec == "fp16":
+        return full.half().float()
+    if codec == "int8":
+        q = [decompress(compress(d, "int8")[0]) for d in deltas]
+        update = -mean_of(q)
+        residual = compress(update, "int8")[1]  # a previous round's leftover, about as large
+        return base + decompress(compress(update + residual, "int8")[0])
+    return full
+
+
+@pytest.mark.parametrize("codec", ["none", "fp16", "int8"])
 def test_a_merge_missing_one_input_is_told_from_codec_rounding(codec: str) -> None:
     layout = Layout(CHUNK, 1)
     base = initial(0, layout, 0)
     deltas = [delta(0, layout, 0, i, 0) for i in range(8)]
     full, partial = base - mean_of(deltas), base - mean_of(deltas[:-1])
-    rounded = full.half().float() if codec == "fp16" else full
+    rounded = _rounded(full, base, deltas, codec)
     assert relative_error(rounded, full, base) < tolerance(codec)
     assert relative_error(partial, full, base) > 5 * tolerance(codec)
     errors = {"all": relative_error(partial, full, base), "survivors": relative_error(partial, partial, base)}
@@ -68,6 +82,25 @@ def test_a_tiny_run_of_atoll_and_raw_checks_every_merge(tmp_path) -> None:
         assert case["hivemind_runs"][0]["check"]["matches"] == ["all"]
     else:
         assert case["hivemind_s"] is None and case["hivemind_error"]
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_a_tiny_int8_run_ships_updates_and_checks_every_merge(tmp_path) -> None:
+    out = main(["--cases", "2x40k", "--codecs", "int8", "--systems", "atoll,raw", "--repeats", "2",
+                "--fragments", "2", "--no-kill", "--timeout", "120", "--log-dir", str(tmp_path)])
+    case = out["cases"][0]
+    assert (case["codec"], case["atoll_codec"], case["raw_codec"]) == ("int8", "int8 up / int8 update down", "fp32")
+    assert case["atoll_s"] > 0 and case["raw_s"] > 0
+    for run in case["atoll_runs"]:  # each carries an owner residual from the rounds before it
+        assert run["ok"] and run["check"]["matches"] == ["all"] and run["check"]["identical_on_every_peer"]
+        assert run["versions_received"] == 2 * 2 and run["update_mismatches"] == 0
+        # every version of a fragment it does not own comes to a peer as an int8 update (its
+        # own fragments' versions its learner may take locally)
+        for i, applied in enumerate(run["updates_applied_per_peer"]):
+            assert applied >= 2 - case["owners"].count(i)
+        # the check replays the owner's residual: the reference is the owners' own result
+        assert max(f["errors"]["all"] for f in run["check"]["fragments"]) < tolerance("none")
 
 
 def test_hivemind_is_never_imported_by_node_or_protocol() -> None:
