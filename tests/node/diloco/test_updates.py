@@ -128,16 +128,23 @@ async def test_a_learner_behind_by_more_than_one_version_gets_the_full_version()
     assert rig.nets[1].stats.updates_applied == 0 and rig.nets[1].stats.versions_received == 1
 
 
+async def _one_behind() -> tuple[Rig, int, torch.Tensor]:
+    """A rig whose learner 0 holds version 1 while the owner has published version 2 (an update
+    over 1), and the version and state it holds."""
+    rig = Rig()
+    await rig.merge()
+    await rig.fetch()
+    await rig.merge()
+    version, flat = rig.nets[0].latest[0]
+    return rig, version, flat
+
+
 async def test_a_learner_whose_state_differs_from_the_owners_takes_the_full_version() -> None:
     """A learner whose copy of the base is not the owner's (here: one value changed) would
     compute another state from the update: the base digest check sends it to the full version,
     and it ends with the owner's state."""
-    rig = Rig()
+    rig, version, flat = await _one_behind()
     net, owner = rig.nets[0], rig.owners[0]
-    await rig.merge()
-    await rig.fetch()
-    await rig.merge()
-    version, flat = net.latest[0]
     wrong = flat.clone()
     wrong[0] += 1.0
     net.latest[0] = (version, wrong)
@@ -150,12 +157,8 @@ async def test_a_tampered_update_is_refused_and_the_full_version_taken() -> None
     """Update bytes that do not give the state the owner signed the hash of (here the owner's
     own update, with the learner's base changed after the digest check would pass) fail the
     result check: the full version is fetched."""
-    rig = Rig()
+    rig, version, flat = await _one_behind()
     net, owner = rig.nets[0], rig.owners[0]
-    await rig.merge()
-    await rig.fetch()
-    await rig.merge()
-    version, flat = net.latest[0]
     net.latest[0] = (version, flat + 1e-3)  # the digest on record still names the owner's state
     got = await rig.fetch()
     assert torch.equal(got[1], owner.theta) and net.stats.update_mismatches == 1
