@@ -646,6 +646,9 @@ class PeerNode(OwnerHandoffs, VersionServing):
             except TimeoutError:
                 log.warning("contributions still unsent after %.0f s; stopping without them", flush_s)
         self.learning = False
+        if self.membership is not None:  # say so now, not at the next membership pass: owners wait on it
+            with contextlib.suppress(Exception):
+                await self.membership.publish(self.my_record())
 
     async def fetch_final(self) -> dict[int, tuple[int, torch.Tensor]]:
         """Every fragment's final version from its current owner (verified).

@@ -34,6 +34,7 @@ from protocol.wire.signing import Signer
 
 __all__ = ["MAX_ANONYMOUS_POLLS_PER_IP", "MAX_WAIT_S", "VersionServing"]
 
+FINAL_READ_S = 0.5  # how often a final long-poll reads the member records while learners finish
 MAX_WAIT_S = 30.0  # the longest a long-poll (/v1/fragments/p/next, /final) is held
 MAX_ANONYMOUS_POLLS_PER_IP = 64  # long-polls held at once for requests that name no key
 _AFTER = re.compile(r"-1|[0-9]{1,19}")
@@ -190,10 +191,16 @@ class VersionServing:
 
     async def _wait_final(self, owner: FragmentOwner, wait_s: float) -> Any:
         deadline = time.monotonic() + wait_s
+        read_at = time.monotonic()
         while time.monotonic() < deadline:
             if self.expected_learners() == 0 and owner.idle():
                 return owner.latest
             await owner.set_expected(self.expected_learners())
             await asyncio.sleep(0.1)
+            if self.membership is not None and time.monotonic() - read_at >= FINAL_READ_S:
+                # the last learners' "stopped" records: read them now, not at the next membership pass
+                read_at = time.monotonic()
+                with contextlib.suppress(Exception):
+                    await self.membership.refresh()
         return None
 

@@ -319,7 +319,8 @@ class Transport:
         """Bind and start serving; return the real URL (with the port the OS chose)."""
         lim = self.limits
         self._runner = web.AppRunner(
-            self.app, access_log=None, handle_signals=False, keepalive_timeout=lim.keepalive_s,
+            # a node that stops does not wait out the long-polls it holds (up to 30 s): 1 s, then cancelled
+            self.app, access_log=None, handle_signals=False, shutdown_timeout=1.0, keepalive_timeout=lim.keepalive_s,
             max_line_size=lim.max_line_size, max_field_size=lim.max_field_size, max_headers=lim.max_headers,
             logger=_ServerLog(logging.getLogger("aiohttp.server"), {}),
         )
