@@ -238,11 +238,15 @@ def _run(args: argparse.Namespace) -> int:
 
 def _local(args: argparse.Namespace) -> int:
     """``atoll local``: every flag checked before a peer starts; a failure is one line."""
+    try:
+        cfg = config_from_args(args)  # before the imports that bring torch: a flag's mistake is told at once
+    except ValueError as exc:
+        print(f"atoll local: {exc}", file=sys.stderr)
+        return 2
     from node.run.checks import check_run
     from node.run.local import run_local
 
     try:
-        cfg = config_from_args(args)
         check_run(cfg)
         kill_at = _parse_kills(args.kill, cfg.peers)
         slow = _parse_slow(args.slow, cfg.peers)
