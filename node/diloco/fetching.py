@@ -1,0 +1,309 @@
+"""Fetching versions (mixed into ``IslandNet``): from a fragment's owner, from the holders it
+points at, or, for fragments this peer owns, from its own owner in process; as the full state or
+as the owner's update over the version held (``protocol.diloco.updates``).
+
+Everything fetched is checked as the owner's before it counts: its signature (the owner this
+learner's view names, whoever sent the bytes), swarm, fragment and version, the version fence,
+shapes and finiteness, and for an update the digest of its base and of its result. An update
+that does not apply here is not the sender's fault (``UpdateNotApplicable``): the full version is
+fetched instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+import aiohttp
+import torch
+
+from node.diloco.flat import flat_digest, flat_from_tensors, flat_is_wire_form
+from node.diloco.spread import (
+    FINAL_HELD_STATUS,
+    POINTER_STATUS,
+    UPDATE_NOT_HELD_STATUS,
+    Holdings,
+    SpreadStats,
+    parse_pointer,
+    pointed_version,
+)
+from node.wire.transport import LinkDropped, Transport
+from protocol.diloco.updates import apply_update
+from protocol.diloco.versions import version_jump_reason
+from protocol.errors import RemoteProtocolError
+from protocol.wire.messages import Ack, Contribution, FragmentState, FragmentUpdate
+from protocol.wire.signing import Signer, split_sealed
+
+if TYPE_CHECKING:
+    from node.diloco.learner import LearnerStats
+
+__all__ = ["DIGESTS_KEPT", "LocalOwners", "UpdateNotApplicable", "VersionFetching"]
+
+log = logging.getLogger("node.diloco.learner")
+
+DIGESTS_KEPT = 8  # versions per fragment whose state digest a learner remembers
+HOLDERS_TRIED = 8  # holders asked for one version (pointers followed) before asking the owner again
+HOLDER_WAIT_S = 10.0  # how long a holder may take to have the version it was named for
+
+
+class LocalOwners(Protocol):
+    """The fragments this peer owns, reached in process by its own learner (no HTTP, no seal)."""
+
+    async def contribute_local(self, msg: Contribution) -> Ack:
+        """Our own contribution to a fragment we own; raises ``RemoteProtocolError`` as the RPC does."""
+        ...
+
+    async def version_local(self, p: int, *, after: int, wait_s: float,
+                            final: bool) -> tuple[int, torch.Tensor, bytes] | None:
+        """(version, flat state, digest) of the first version of ``p`` above ``after`` (the final
+        one with ``final``) within ``wait_s``, else None; raises ``RemoteProtocolError`` when
+        ``p`` is not owned here (any more). The flat state is the owner's, never written to."""
+        ...
+
+
+class UpdateNotApplicable(RemoteProtocolError):
+    """An update over a version we do not hold (or not as its owner does), or whose result does
+    not hash to the owner's signed digest: the full version is fetched instead."""
+
+
+class VersionFetching:
+    """The version-fetching side of ``IslandNet`` (which provides the attributes below)."""
+
+    transport: Transport
+    signer: Signer
+    swarm: str
+    shapes: list[list[tuple[int, ...]]]
+    owner_of: Callable[[int], tuple[bytes, str] | None]
+    max_message: int
+    wall_clock: Callable[[], float]
+    created: float | None
+    max_rounds_per_s: float
+    holdings: Holdings | None
+    url_of: Callable[[bytes], str | None] | None
+    spread: SpreadStats
+    local: LocalOwners | None
+    stats: LearnerStats
+    received: list[int]
+    received_at: dict[int, float]
+    latest: dict[int, tuple[int, torch.Tensor]]
+    island_initial: Sequence[torch.Tensor]
+    digests: list[dict[int, bytes]]
+
+    async def _request(self, owner_id: bytes, method: str, url: str,
+                       **kw: Any) -> tuple[int, bytearray, int, dict[str, str]]:
+        raise NotImplementedError
+
+    def remember(self, p: int, version: int, flat: torch.Tensor, digest: bytes | None = None) -> None:
+        """Keep the newest verified version of fragment ``p`` (a new owner starts from it), and
+        the digest of every version delivered (hashed here unless given)."""
+        known = self.digests[p]
+        known[version] = digest or known.get(version) or flat_digest(flat)
+        for old in sorted(known)[:-DIGESTS_KEPT]:
+            del known[old]
+        if version > self.received[p]:
+            self.received[p] = version
+            self.latest[p] = (version, flat)
+            self.received_at[p] = self.wall_clock()
+
+    def version_jump(self, p: int, version: int) -> str | None:
+        """Why fragment ``p``'s ``version`` cannot be an honest owner's (None when it can be)."""
+        return version_jump_reason(version, held=self.received[p], held_at=self.received_at.get(p),
+                                   now=self.wall_clock(), created=self.created,
+                                   max_rounds_per_s=self.max_rounds_per_s)
+
+    async def fetch(self, p: int, *, after: int, wait_s: float, final: bool = False,
+                    owner: tuple[bytes, str] | None = None) -> tuple[int, torch.Tensor] | None:
+        """Fetch the owner's first version of fragment ``p`` above ``after`` (verified).
+
+        With ``final``, ask instead for the latest version once the owner declares it final: when
+        we hold version ``after`` (named by its digest), the owner answers that it is the final one
+        (304, and we keep it), or sends the update over it, or the full version.
+        Returns None if nothing new arrived within ``wait_s``. Raises ``RemoteProtocolError``
+        for a version that fails verification.
+        """
+        owner = owner or self.owner_of(p)
+        if owner is None:
+            await asyncio.sleep(min(wait_s, 1.0))
+            return None
+        owner_id, url = owner
+        if self.local is not None and owner_id == self.signer.peer_id:
+            return await self._fetch_local(p, after=after, wait_s=wait_s, final=final)
+        kind = "final" if final else "next"
+        upd = ""
+        if self._holds(p, after):
+            upd = "&update=1" + (f"&digest={self.digests[p][after].hex()}" if final else "")
+        try:
+            return await self._fetch(p, owner_id, url, kind, after=after, wait_s=wait_s, final=final, upd=upd)
+        except UpdateNotApplicable as exc:  # take the full version instead, at once
+            if self.received[p] > max(after, 0):
+                return None  # another fetch (the final one, a resync) moved us past it meanwhile
+            self.stats.update_mismatches += 1
+            log.warning("fragment %d: %s; fetching the full version", p, exc)
+            status, buf, used, _ = await self._request(
+                owner_id, "GET", f"{url}/v1/fragments/{p}/{kind}?after={after}&wait=0&fallback=1",
+                timeout_s=60, max_reply=self.max_message,
+            )
+            return await self._accept(p, owner_id, status, buf, used, after=after, final=final)
+
+    async def _fetch_local(self, p: int, *, after: int, wait_s: float,
+                           final: bool) -> tuple[int, torch.Tensor] | None:
+        """A version of a fragment we own, from our owner in process (its state, not a copy)."""
+        assert self.local is not None
+        got = await self.local.version_local(p, after=after, wait_s=wait_s, final=final)
+        if got is None or (got[0] <= after and not final):
+            return None
+        version, flat, digest = got
+        self.digests[p][version] = digest
+        self.stats.versions_received += 1
+        self.stats.versions_local += 1
+        return version, flat
+
+    def _holds(self, p: int, version: int) -> bool:
+        """Whether we hold fragment ``p``'s ``version`` with its state digest (an update over it
+        can be applied here)."""
+        held = self._held(p)
+        return held[0] == version and version in self.digests[p]
+
+    def _held(self, p: int) -> tuple[int, torch.Tensor]:
+        """The newest version of fragment ``p`` we hold (version 0: the initial weights)."""
+        return self.latest.get(p) or (0, self.island_initial[p])
+
+    async def _fetch(self, p: int, owner_id: bytes, url: str, kind: str, *, after: int, wait_s: float,
+                     final: bool, upd: str) -> tuple[int, torch.Tensor] | None:
+        status, buf, used, headers = await self._request(
+            owner_id, "GET", f"{url}/v1/fragments/{p}/{kind}?after={after}&wait={wait_s}{upd}",
+            timeout_s=wait_s + 30, max_reply=self.max_message,
+        )
+        if status == FINAL_HELD_STATUS and final and upd:  # the version we hold (and named) is final
+            self.transport.pool.give(buf)
+            self.stats.finals_held += 1
+            return self._held(p)
+        if status == POINTER_STATUS:  # the owner served its share: fetch from the holders it names
+            try:
+                holders = parse_pointer(memoryview(buf)[:used])
+            finally:
+                self.transport.pool.give(buf)
+            pointed = pointed_version(headers)
+            if final and pointed is None:
+                raise RemoteProtocolError(f"fragment {p}: a pointer for the final version names no version")
+            got = await self._from_holders(p, owner_id, pointed - 1 if final and pointed else after, holders, upd)
+            if got is not None and (not final or got[0] == pointed):
+                return got
+            self.spread.fallbacks_asked += 1
+            status, buf, used, _ = await self._request(
+                owner_id, "GET",
+                f"{url}/v1/fragments/{p}/{kind}?after={after}&wait={5 if final else 0}&fallback=1{upd}",
+                timeout_s=60, max_reply=self.max_message,
+            )
+        return await self._accept(p, owner_id, status, buf, used, after=after, final=final)
+
+    async def _from_holders(self, p: int, owner_id: bytes, after: int,
+                            holders: list[bytes], upd: str = "") -> tuple[int, torch.Tensor] | None:
+        """Fragment ``p``'s first version above ``after`` from the holders named (and those they
+        point at, in order), checked as the owner's; None when none served one."""
+        queue, tried = collections.deque(holders), {self.signer.peer_id, owner_id}
+        while queue and len(tried) < HOLDERS_TRIED + 2:
+            holder = queue.popleft()
+            url = self.url_of(holder) if self.url_of is not None and holder not in tried else None
+            tried.add(holder)
+            if url is None:
+                continue
+            try:
+                status, buf, used, _ = await self._request(
+                    holder, "GET",
+                    f"{url}/v1/fragments/{p}/held?after={after}&wait={HOLDER_WAIT_S}&owner={owner_id.hex()}{upd}",
+                    timeout_s=HOLDER_WAIT_S + 30, max_reply=self.max_message,
+                )
+            except (aiohttp.ClientError, LinkDropped, TimeoutError, OSError) as exc:
+                log.debug("holder %s of fragment %d failed: %r", holder.hex()[:8], p, exc)
+                continue
+            try:
+                if status == POINTER_STATUS:
+                    try:
+                        queue.extendleft(reversed(parse_pointer(memoryview(buf)[:used])))
+                    finally:
+                        self.transport.pool.give(buf)
+                    continue
+                got = await self._accept(p, owner_id, status, buf, used, after=after, final=False)
+            except UpdateNotApplicable as exc:  # an update over another version: not this holder's fault
+                log.debug("holder %s of fragment %d: %s", holder.hex()[:8], p, exc)
+                continue
+            except RemoteProtocolError as exc:
+                self.spread.bad_from_holders += 1
+                log.warning("holder %s served fragment %d badly: %s", holder.hex()[:8], p, exc)
+                continue
+            if got is not None:
+                self.spread.from_holders += 1
+                return got
+        return None
+
+    async def _accept(self, p: int, owner_id: bytes, status: int, buf: bytearray, used: int, *,
+                      after: int, final: bool) -> tuple[int, torch.Tensor] | None:
+        """Check a fetched version of fragment ``p`` as ``owner_id``'s (whoever sent it) and
+        decode it; keep its bytes for others. Raises ``RemoteProtocolError``."""
+        kept = False
+        try:
+            if status == UPDATE_NOT_HELD_STATUS:
+                raise UpdateNotApplicable(f"the holder has only an update over another version of fragment {p}")
+            if status == 204:
+                return None
+            if status != 200:
+                raise RemoteProtocolError(f"answered {status} for fragment {p}")
+            # one worker-thread hop: verify (the one hash of the payload), check, decode
+            version, flat, digest, base = await asyncio.to_thread(self._open_version, memoryview(buf)[:used],
+                                                                  p, owner_id)
+            if version <= after and not final:
+                raise RemoteProtocolError(f"owner sent version {version}, asked for one above {after}")
+            jump = self.version_jump(p, version)
+            if jump is not None:
+                self.stats.version_jumps += 1
+                log.warning("fragment %d: refused a version from %s: %s", p, owner_id.hex()[:8], jump)
+                raise RemoteProtocolError(f"fragment {p}: {jump}")
+            if self.holdings is not None:
+                await self.holdings.put(p, version, buf, used, owner_id, base=base)
+                kept = True
+        finally:
+            if not kept:
+                self.transport.pool.give(buf)
+        self.digests[p][version] = digest
+        self.stats.versions_received += 1
+        self.stats.updates_applied += base is not None
+        return version, flat
+
+    def _open_version(self, wire: memoryview, p: int, owner_id: bytes,
+                      ) -> tuple[int, torch.Tensor, bytes, int | None]:
+        """Verify a sealed version of fragment ``p`` as signed by ``owner_id`` (before anything
+        of its body is decoded), decode it (shapes checked, NaN/Inf refused) and name it by a
+        digest the owner knows it by. Returns its version, flat state, digest, and the base
+        version when it came as an update.
+
+        A full fp32 version is named by its content hash (the digest of its flat state); any
+        other by the digest its signature covers (the same state always seals to the same
+        message bytes), so the payload is hashed once here. An update (``FragmentUpdate``) is
+        applied to the state we hold of its base, which must hash as the owner's did, and the
+        result must hash to the digest the owner signed: else ``UpdateNotApplicable`` (the full
+        version is fetched instead). Raises ``RemoteProtocolError``."""
+        envelope, body = split_sealed(wire, max_size=self.max_message)
+        if envelope.peer_id != owner_id:
+            raise RemoteProtocolError(f"fragment {p} version signed by {envelope.peer_id.hex()[:8]}, not its owner")
+        msg = envelope.verify_body(body).message
+        if isinstance(msg, FragmentUpdate) and msg.swarm == self.swarm and msg.fragment == p:
+            return msg.version, self._apply_update(p, msg), msg.state_digest, msg.base_version
+        if not isinstance(msg, FragmentState) or msg.swarm != self.swarm or msg.fragment != p:
+            raise RemoteProtocolError(f"owner sent the wrong message for fragment {p}")
+        digest = msg.content_hash if flat_is_wire_form(msg.tensors) else envelope.digest
+        return msg.version, flat_from_tensors(msg.tensors, self.shapes[p]), digest, None
+
+    def _apply_update(self, p: int, msg: FragmentUpdate) -> torch.Tensor:
+        held = self._held(p)
+        if held[0] != msg.base_version or self.digests[p].get(msg.base_version) != msg.base_digest:
+            raise UpdateNotApplicable(f"an update over version {msg.base_version} of fragment {p} does not "
+                                      f"apply to ours (version {held[0]})")
+        flat = apply_update(held[1], msg.tensors, self.shapes[p])  # DecodeError: a remote error
+        if flat_digest(flat) != msg.state_digest:
+            raise UpdateNotApplicable(f"fragment {p}: version {msg.version} from the update does not hash to "
+                                      "the owner's signed digest")
+        return flat
