@@ -118,8 +118,9 @@ class FragmentOwner:
         """``epoch``: this ownership's epoch (a takeover starts one above the state it took
         over); ``momentum``: the outer Nesterov buffer taken over with ``initial``;
         ``replicate``: hands each next version's whole state to a replica before it is
-        published (and the same as an update over the version before, when it has one), returning None when a replica took it (or none can) and the reason when this
-        owner has been replaced ("fenced: ..."), after which it stops publishing and retires;
+        published (and the same state as an update over the version before, when there is one),
+        returning None when a replica took it (or none can) and the reason when this owner has
+        been replaced ("fenced: ..."), after which it stops publishing and retires;
         ``merged``: per sender, the newest base version of its work merged into ``initial`` (taken
         over with it), so that work is refused if it is sent again; ``update_codec``: also publish
         each version as an update over the one before, compressed with it (see
