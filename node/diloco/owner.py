@@ -472,20 +472,19 @@ class FragmentOwner:
         """The merge's new state, sealed as ``version``, the state to hand to a replica, and with
         updates the sealed update from ``version - 1`` and the new error-feedback residual."""
         theta, buffer = self._outer(peers, deltas, weights, clips)
-        if self.update_codec is None:
-            latest, digest, message_digest = self._seal_state(version, theta)
-            return _Next(theta, buffer, latest, digest, message_digest,
-                         self._replica_state(version, digest, theta, buffer, merged) if self.replicate else None)
-        # publish what learners compute from the update: the state is the old one plus it
-        tensors, theta, residual = encode_update(theta, self.theta, self.residual, self.shapes,
-                                                 self.update_codec, block_size=self.block_size)
+        tensors, residual = None, None
+        if self.update_codec is not None:  # publish what learners compute from the update
+            tensors, theta, residual = encode_update(theta, self.theta, self.residual, self.shapes,
+                                                     self.update_codec, block_size=self.block_size)
         latest, digest, message_digest = self._seal_state(version, theta)
+        state = self._replica_state(version, digest, theta, buffer, merged) if self.replicate else None
+        if tensors is None:
+            return _Next(theta, buffer, latest, digest, message_digest, state)
         base_digest = self.digest_of(version - 1)
         msg = FragmentUpdate(swarm=self.swarm, fragment=self.fragment.index, version=version,
                              base_version=version - 1, base_digest=base_digest, state_digest=digest,
                              tensors=tuple(tensors))
         update = seal(encode(msg), self.signer, now=self.wall_clock(), nonce=os.urandom(16))
-        state = self._replica_state(version, digest, theta, buffer, merged) if self.replicate else None
         state_update = (dataclasses.replace(state, theta=tuple(tensors), momentum=(), base_version=version - 1,
                                             base_digest=base_digest)
                         if state is not None and buffer is None else None)
