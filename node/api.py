@@ -24,7 +24,8 @@ peer with a different architecture is refused.
 A multi-process island (``torchrun --nproc_per_node N``, DDP inside): build ``SwarmIsland`` on
 every rank after ``torch.distributed.init_process_group``, and call ``tokens`` on every rank.
 Rank 0 joins the swarm and speaks for the island; the others adopt every fragment rank 0 adopts,
-at the same step (``node.diloco.ranks``); tokens count all ranks.
+at the same step (``node.diloco.ranks``); tokens count all ranks. Leaving the ``with`` block
+waits for every rank, so that all of them can ``destroy_process_group`` together.
 """
 
 from __future__ import annotations
@@ -214,6 +215,8 @@ class SwarmIsland:
         if exc_type is None and self.finish_timeout_s > 0:
             self.finish()
         self.close()
+        if exc_type is None and self.ranks is not None:
+            self.ranks.wait_for_all()  # every rank leaves together (then destroy_process_group)
 
     def global_state(self) -> dict[str, torch.Tensor]:
         """The global model this island holds, as a name -> tensor dict (rank 0)."""

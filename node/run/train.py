@@ -28,7 +28,7 @@ from node.config import RunConfig
 from node.dht.swarm import SwarmCredentials
 from node.diloco.inner import lr_at, make_inner_optimizer
 from node.diloco.island import Island, IslandConfig
-from node.diloco.ranks import IslandRanks, distributed_rank
+from node.diloco.ranks import IslandRanks, distributed_rank, leave_process_group
 from node.peer import PeerNode, emit
 from node.run.attack import Attack
 from node.run.resume import IslandCheckpoints
@@ -108,6 +108,7 @@ def _follow_rank_zero(cfg: RunConfig, model: torch.nn.Module, stepper: torch.nn.
         ranks.agree(True)  # rank 0's closing agree(False) after its last step
     ranks.sync()  # the final model
     ranks.close()
+    leave_process_group()  # when rank 0 is done serving too
     param_hash = global_param_hash(dict(model.named_parameters()))
     log.info("rank %d of %d: %d steps, final parameters %s", ranks.rank, ranks.world, steps, param_hash[:16])
     return {"rank": ranks.rank, "steps": steps, "versions": ranks.versions, "param_hash": param_hash}
@@ -358,6 +359,8 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
             thread.join(timeout=opts.serve_after_s)
     node.stop()
     thread.join(timeout=10)
+    if world > 1:
+        leave_process_group()  # the other ranks wait here for rank 0's end
     return result
 
 

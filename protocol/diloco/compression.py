@@ -36,11 +36,13 @@ pseudo-gradients that way (a fresh tensor per contribution).
 Local tensors with NaN or Inf are our own bug: ``LocalProtocolError``. Remote bytes that would
 decode to NaN or Inf (a NaN fp32 payload, NaN, negative or out-of-range scales) are a peer's
 fault: ``DecodeError``. Decoding reads ``data``/``scales`` in place through ``torch.frombuffer``
-(read-only ``bytes`` make torch warn once per process that the buffer is not writable; nothing
-writes to it). Byte order is little-endian, the order of every machine torch runs on.
+(read-only ``bytes``, which torch would warn about once per process; nothing writes to them,
+so that warning is filtered for this package's modules). Byte order is little-endian, the order of every machine torch runs on.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 
@@ -49,6 +51,9 @@ from protocol.errors import DecodeError, LocalProtocolError
 from protocol.wire.tensors import CODECS, TOPK_CHUNK, EncodedTensor, payload_bytes
 
 __all__ = ["QMAX", "compress", "decompress", "wire_bytes"]
+
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning,
+                        module=r"protocol\.diloco\.")
 
 QMAX = {"int8": 127, "int4": 7}
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}

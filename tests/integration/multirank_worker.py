@@ -76,6 +76,7 @@ def main() -> None:
         "rank": rank, "world": dist.get_world_size() if dist.is_initialized() else 1, "steps": steps,
         "final": params_hash(model), "versions": isl.versions, "tokens_counted": counted}))
     if dist.is_initialized():
+        dist.barrier()  # rank 0 writes its file too before any rank leaves the group
         dist.destroy_process_group()
 
 
