@@ -53,10 +53,11 @@ from protocol.diloco.fragments import FragmentPlan, due_offset
 
 __all__ = ["Island", "IslandConfig", "IslandStats", "Outgoing"]
 
-# A step counts as stalled when its exchange with the network side (taking the inbox, handing
-# off due fragments) took longer than this, or than half a step. The exchange never blocks, so
-# shorter delays are the OS and the GIL scheduling threads on a busy machine (a 5 ms GIL switch
-# interval, tens of ms of run-queue latency with more runnable threads than cores).
+# A step counts as stalled when its exchange with the network side (taking the inbox: this
+# thread's CPU time, so that the OS preempting it on a busy machine does not count; handing off
+# due fragments and any wait for merges in synchronous mode: wall time) took longer than this,
+# or than half a step. Wall time would count run-queue latency: with more runnable threads than
+# cores the OS takes 50-100 ms from a thread now and then, wherever it happens to be.
 STALL_MIN_S = 0.050
 
 
@@ -257,9 +258,9 @@ class Island:
             self.c_steps[p] += 1
         if not self.enabled:
             return
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         self.adopt_pending(block=False, between_steps=True)
-        adopting = time.perf_counter()
+        adopting = time.thread_time()
         due = [p for p, at in enumerate(self.next_due) if self.stats.step >= at]
         if due and self.cfg.wait_for_merge:
             # synchronous: the whole model goes at once. Shipping one fragment and waiting would
@@ -308,7 +309,7 @@ class Island:
             steps=max(self.c_steps[p], 1), step_time=self._step_ema, sender_step=self.stats.step,
             delta=delta,
         )
-        t0 = time.perf_counter()
+        t0 = time.perf_counter()  # wall time: a hand-off that blocks is a stall
         self._submit(out)
         self._submit_s += time.perf_counter() - t0
 
@@ -323,7 +324,7 @@ class Island:
         self.stats.resynced += 1
 
     def _adopt(self, p: int, version: int, flat: torch.Tensor, *, alpha: float | None = None) -> None:
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         alpha = self.cfg.adopt_alpha if alpha is None else alpha
         with torch.no_grad():
             offset = 0
@@ -343,7 +344,7 @@ class Island:
         self.next_due[p] = self.stats.step + self.cfg.inner_steps
         self.stats.adopted += 1
         self.adoptions[p] += 1
-        self._copy_s += time.perf_counter() - t0
+        self._copy_s += time.thread_time() - t0
 
     def _pseudo_gradient(self, p: int) -> torch.Tensor:
         """Θ_base − θ of fragment ``p`` as a new flat fp32 CPU tensor (the network side keeps it),
