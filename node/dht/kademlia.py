@@ -387,7 +387,7 @@ class DHTNode:
         try:
             status, buf, used, _ = await self.transport.request(
                 "POST", address, chunks=[sealed], size=len(sealed),
-                timeout_s=self.config.request_timeout_s, max_reply=self.config.max_reply,
+                timeout_s=self.config.request_timeout_s, max_reply=self.config.max_reply, kind=type(msg).__name__,
             )
         except (aiohttp.ClientError, OSError, TimeoutError, ValueError, RemoteProtocolError) as exc:
             return self._failed(charged, f"unreachable ({type(exc).__name__})", unreachable=True)

@@ -238,6 +238,7 @@ class IslandNet(VersionFetching):
         self.stats.contributions_sent += 1
         status, buf, used, _ = await self._request(
             owner_id, "POST", f"{url}/v1/rpc", chunks=sealed.iter_chunks(), size=sealed.size, timeout_s=60,
+            kind="Contribution",
         )
         try:
             if status != 200:

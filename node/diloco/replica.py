@@ -158,7 +158,8 @@ async def hand_over(transport: Transport, signer: Signer, target: tuple[bytes, s
     sealed = await asyncio.to_thread(seal, encode(msg), signer, now=time.time(), nonce=os.urandom(16),
                                      recipient=peer_id)
     status, buf, used, _ = await transport.request("POST", f"{url}/v1/rpc", chunks=sealed.iter_chunks(),
-                                                   size=sealed.size, timeout_s=timeout_s, max_reply=1 << 16)
+                                                   size=sealed.size, timeout_s=timeout_s, max_reply=1 << 16,
+                                                   kind=type(msg).__name__)
     try:
         if status != 200:
             raise RemoteProtocolError(f"handoff refused ({status}): {bytes(memoryview(buf)[:used])[:300]!r}",

@@ -73,9 +73,21 @@ def build_report(config: dict[str, Any], peers: list[dict[str, Any]], wall_s: fl
     report["memory"] = memory_summary(peers)
     report["versions_in"] = {k: sum(int((p.get("versions_in") or {}).get(k, 0)) for p in peers)
                              for k in ("received", "as_updates", "update_mismatches", "local", "finals_held")}
+    report["bytes_by_route"] = bytes_by_route(peers, report["tokens_trained"])
     if report["bytes_sent"]:
         report["bandwidth_reduction_vs_ddp"] = report["bytes_sent_ddp_equivalent"] / report["bytes_sent"]
     return report
+
+
+def bytes_by_route(peers: list[dict[str, Any]], tokens: int) -> dict[str, dict[str, float]]:
+    """Where the swarm's bytes went, largest first: per route (request path and message type, or
+    ``reply ...``), the bytes all peers sent and those bytes per trained token."""
+    total: dict[str, int] = {}
+    for p in peers:
+        for route, n in (p.get("bytes_by_route") or {}).items():
+            total[route] = total.get(route, 0) + int(n)
+    return {route: {"bytes": n, "per_token": round(n / tokens, 4) if tokens else 0.0}
+            for route, n in sorted(total.items(), key=lambda kv: -kv[1])}
 
 
 def spread_summary(peers: list[dict[str, Any]]) -> dict[str, Any]:
@@ -175,6 +187,10 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         + "; accepted per peer: " + ", ".join(
             f"p{i} {n}" for i, n in report["contributions"].get("accepted_per_peer", {}).items()),
     ]
+    routes = report.get("bytes_by_route") or {}
+    if routes:
+        lines.append("bytes per trained token, largest first: " + ", ".join(
+            f"{route} {r['per_token']:.2f}" for route, r in list(routes.items())[:5]))
     if "versions_published" in report:
         lines.append(f"versions published {report['versions_published']}, with two contents: "
                      f"{report['version_conflicts']}")

@@ -333,6 +333,7 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
         "eval_loss_start": eval_start, "eval_loss_end": eval_end,
         "eval_curve_local": curve_local, "eval_curve_global": curve_global if index == 0 else [],
         "tokens_trained": island.stats.tokens_trained, "bytes_sent": node.transport.bytes_sent,
+        "bytes_by_route": dict(node.transport.bytes_by_route),
         "stalled_steps": island.stats.stalled_steps,
         "median_step_s": _median(island.stats.step_times),
         "median_step_s_detached": _median(island.stats.step_times_detached),

@@ -158,7 +158,7 @@ async def serve_sealed(
             await transport.link.throttle(str(request.remote), chunk.nbytes)
             await resp.write(chunk)
             sent += chunk.nbytes
-            transport.bytes_sent += chunk.nbytes
+            transport.count_sent(transport.reply_route(request), chunk.nbytes)
         await resp.write_eof()
     except ConnectionError as e:  # the client went away; it will resume with a Range
         log.info("%s left after %d/%d bytes of %s: %s", request.remote, sent, end - start, etag, e)

@@ -173,6 +173,7 @@ async def serve_sealed_request(
             raise NotAuthorized(f"peer {envelope.peer_id.hex()[:8]} is not a member of this swarm")
         check_header(body, max_header)
         opened = await open_off_loop(envelope, body, replay=replay)
+        transport.name_kind(request, type(opened.message).__name__)
         if not opened.recipient and not isinstance(opened.message, broadcast):
             raise NotAuthorized(f"a {type(opened.message).__name__} must name its recipient")
         reply = await dispatch(opened)

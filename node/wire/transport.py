@@ -27,11 +27,13 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import ssl
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 from aiohttp import web
@@ -141,6 +143,11 @@ _AIOHTTP_HEADERS = 90  # "Date: ...", "Server: Python/3.x aiohttp/3.x" and "Cont
 def _head_bytes(first_line: str, headers: Mapping[str, str]) -> int:
     """Bytes of an HTTP/1.1 message head: its first line, each header line, the blank line."""
     return len(first_line) + 2 + sum(len(k) + len(v) + 4 for k, v in headers.items()) + 2
+
+
+def route_of(path: str) -> str:
+    """A request path as a route name: numbers (fragment indices) become ``*``."""
+    return re.sub(r"/\d+(?=/|$)", "/*", path)
 
 
 def refusal(exc: RemoteProtocolError) -> web.Response:
@@ -284,9 +291,13 @@ class Transport:
         # heads that aiohttp completes are estimated within a few bytes; TCP/TLS framing not counted)
         self.bytes_sent = 0
         self.bytes_received = 0
+        # bytes_sent by what they were: a request's route (a path, or a message type) or
+        # "reply <route>"; where a swarm's bytes go, for the report and bench.bandwidth
+        self.bytes_by_route: Counter[str] = Counter()
         self.bodies_in_flight: Counter[str] = Counter()  # request bodies being read, per address
         self.connections = Connections(self.limits)  # open connections, per address and in all
         self._hang_up: set[int] = set()  # ids of requests whose connection closes after the reply
+        self._kinds: dict[int, str] = {}  # ids of requests -> what they carry (see ``name_kind``)
         self._runner: web.AppRunner | None = None
         self._session: aiohttp.ClientSession | None = None
 
@@ -348,10 +359,25 @@ class Transport:
             raise RuntimeError("Transport.start() must run before requests are sent")
         return self._session
 
-    async def _body(self, url: str, chunks: Iterable[memoryview | bytes]) -> AsyncIterator[memoryview | bytes]:
+    def name_kind(self, request: web.Request, kind: str) -> None:
+        """What ``request`` carries (its message type): its reply counts under ``reply path:kind``."""
+        self._kinds[id(request)] = kind
+
+    def reply_route(self, request: web.Request) -> str:
+        """The route a reply to ``request`` is counted under in ``bytes_by_route``."""
+        kind = self._kinds.get(id(request))
+        return f"reply {route_of(request.path)}" + (f":{kind}" if kind else "")
+
+    def count_sent(self, route: str, n: int) -> None:
+        """``n`` bytes put on the wire for ``route``."""
+        self.bytes_sent += n
+        self.bytes_by_route[route] += n
+
+    async def _body(self, url: str, route: str,
+                    chunks: Iterable[memoryview | bytes]) -> AsyncIterator[memoryview | bytes]:
         for chunk in chunks:
             await self.link.throttle(url, len(chunk))
-            self.bytes_sent += len(chunk)
+            self.count_sent(route, len(chunk))
             yield chunk  # aiohttp writes buffer views as they are: no copy
 
     async def request(
@@ -363,22 +389,25 @@ class Transport:
         size: int | None = None,
         timeout_s: float = 30.0,
         max_reply: int | None = None,
+        kind: str = "",
     ) -> tuple[int, bytearray, int, dict[str, str]]:
         """Send a (streamed) body; return (status, pooled reply buffer, reply length, headers).
 
-        The caller gives the buffer back to ``self.pool`` when done with it. Raises
-        ``LinkDropped``, ``aiohttp.ClientError``, ``TimeoutError`` or ``Oversize``.
+        The request counts in ``bytes_by_route`` under its URL's path (fragment numbers left out)
+        and ``kind`` (what it carries: a message type), as ``path:kind``. The caller gives the buffer back to ``self.pool`` when done with it.
+        Raises ``LinkDropped``, ``aiohttp.ClientError``, ``TimeoutError`` or ``Oversize``.
         """
+        route = route_of(urlsplit(url).path) + (f":{kind}" if kind else "")
         await self.link.before_send(url)
         opts = self.client_options(method, url)
         headers = {"Content-Type": "application/octet-stream", **opts.pop("headers")}
         if size is not None:
             headers["Content-Length"] = str(size)
-        data = self._body(url, chunks) if size else None
+        data = self._body(url, route, chunks) if size else None
         async with asyncio.timeout(timeout_s):
             async with self.session.request(method, url, data=data, headers=headers, **opts) as resp:
                 info = resp.request_info
-                self.bytes_sent += _head_bytes(f"{info.method} {info.url.raw_path_qs} HTTP/1.1", info.headers)
+                self.count_sent(route, _head_bytes(f"{info.method} {info.url.raw_path_qs} HTTP/1.1", info.headers))
                 length = resp.content_length if method != "HEAD" else 0
                 buf, used = await read_stream(resp.content, length, max_reply or self.max_body, self.pool)
                 self.bytes_received += used
@@ -418,14 +447,15 @@ class Transport:
         self.bytes_received += used
         return buf, used
 
-    def _count_reply(self, resp: web.StreamResponse) -> None:
+    def _count_reply(self, request: web.Request, resp: web.StreamResponse) -> None:
         """Add a reply's head (and, for a reply not streamed by us, its body) to ``bytes_sent``:
         streamed bodies are counted as they are written."""
         body = getattr(resp, "body", None) if not resp.prepared else None
         size = len(body) if isinstance(body, bytes | bytearray | memoryview) else 0
         # aiohttp adds Date, Server and Content-Length when it sends an unprepared reply's head
         extra = 0 if resp.prepared else _AIOHTTP_HEADERS
-        self.bytes_sent += size + extra + _head_bytes(f"HTTP/1.1 {resp.status} {resp.reason}", resp.headers)
+        self.count_sent(self.reply_route(request),
+                        size + extra + _head_bytes(f"HTTP/1.1 {resp.status} {resp.reason}", resp.headers))
 
     @web.middleware
     async def _guard(
@@ -444,7 +474,7 @@ class Transport:
                 log.info("refused %s %s from %s: %s: %s", request.method, request.path, request.remote,
                          type(exc).__name__, exc.reason)
                 resp = refusal(exc)
-            self._count_reply(resp)
+            self._count_reply(request, resp)
             if id(request) not in self._hang_up:
                 return resp
             resp.force_close()
@@ -455,6 +485,7 @@ class Transport:
             return resp
         finally:
             self._hang_up.discard(id(request))
+            self._kinds.pop(id(request), None)
             if gate is not None:
                 gate.request_finished()
 
@@ -471,7 +502,7 @@ class Transport:
             for chunk in chunks:
                 await self.link.throttle(str(request.remote), len(chunk))
                 await resp.write(chunk)
-                self.bytes_sent += len(chunk)
+                self.count_sent(self.reply_route(request), len(chunk))
             await resp.write_eof()
         except (ConnectionError, aiohttp.ClientConnectionResetError) as exc:
             # the asker went away (timed out, or shut down): nothing to answer any more

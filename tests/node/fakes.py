@@ -164,7 +164,7 @@ class MemoryTransport:
 
     async def request(self, method: str, url: str, *, chunks: Iterable[memoryview | bytes] = (),
                       size: int | None = None, timeout_s: float = 30.0,
-                      max_reply: int | None = None) -> tuple[int, bytearray, int, dict[str, str]]:
+                      max_reply: int | None = None, kind: str = "") -> tuple[int, bytearray, int, dict[str, str]]:
         parts = urlsplit(url)
         base = f"{parts.scheme}://{parts.netloc}"
         if base in self.down or base not in self.peers:

@@ -143,3 +143,40 @@ async def test_bodiless_replies_are_read_again_and_again() -> None:
             t.pool.give(buf)
     finally:
         await t.close()
+
+
+async def test_bytes_by_route_names_every_byte_sent() -> None:
+    server = Transport()
+
+    async def tagged(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        server.name_kind(request, "Contribution")  # as a sealed-RPC handler does once it has opened the body
+        return web.Response(body=b"y" * 500)
+
+    async def echo(request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        return await server.stream_reply(request, [body], len(body))
+
+    server.app.router.add_post("/v1/fragments/{p}/rpc", tagged)
+    server.app.router.add_post("/echo", echo)
+    await server.start()
+    client = Transport()
+    await client.start()
+    try:
+        for p in (0, 7):  # fragment numbers fold into one route
+            status, buf, _, _ = await client.request("POST", f"{server.url}/v1/fragments/{p}/rpc", chunks=[b"x" * 1000],
+                                                     size=1000, kind="Contribution")
+            assert status == 200
+            client.pool.give(buf)
+        status, buf, _, _ = await client.request("POST", f"{server.url}/echo", chunks=[b"z" * 300], size=300)
+        client.pool.give(buf)
+        assert set(client.bytes_by_route) == {"/v1/fragments/*/rpc:Contribution", "/echo"}
+        assert 2000 < client.bytes_by_route["/v1/fragments/*/rpc:Contribution"] < 2000 + 1024
+        assert set(server.bytes_by_route) == {"reply /v1/fragments/*/rpc:Contribution", "reply /echo"}
+        assert 1000 < server.bytes_by_route["reply /v1/fragments/*/rpc:Contribution"] < 1000 + 1024
+        assert 300 < server.bytes_by_route["reply /echo"] < 300 + 512
+        for t in (client, server):  # the routes add up to bytes_sent, nothing left out
+            assert sum(t.bytes_by_route.values()) == t.bytes_sent
+    finally:
+        await client.close()
+        await server.close()
