@@ -166,7 +166,6 @@ class PeerNode(OwnerHandoffs, VersionServing):
         self._replica_replay = ReplayWindow()
         self._fenced_until: dict[int, float] = {}
         self._passed_on: set[tuple[int, bytes, int]] = set()  # (fragment, peer, version) handed on
-        self._replica_of: dict[int, tuple[bytes, int]] = {}  # fragment -> (replica, version it took from us)
         self._seen_learning: set[bytes] = set()  # sync modes: every learner seen, and those done
         self._finished: set[bytes] = set()
         self.unreplicated = 0  # versions published with no replica reachable

@@ -167,6 +167,14 @@ class VersionFetching:
         held = self._held(p)
         return held[0] == version and version in self.digests[p]
 
+    def held_state(self, p: int) -> tuple[int, bytes, torch.Tensor] | None:
+        """The newest version of fragment ``p`` this learner holds, with its verified state
+        digest, as ``(version, digest, flat)`` (a replica here applies an owner's update handoff
+        over it); None when its digest is not known."""
+        version, flat = self._held(p)
+        digest = self.digests[p].get(version)
+        return None if digest is None else (version, digest, flat)
+
     def _held(self, p: int) -> tuple[int, torch.Tensor]:
         """The newest version of fragment ``p`` we hold (version 0: the initial weights)."""
         return self.latest.get(p) or (0, self.island_initial[p])

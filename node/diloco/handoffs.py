@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import aiohttp
 
-from node.diloco.replica import ReplicaStore, encode_state, hand_over
+from node.diloco.replica import BaseNotHeld, ReplicaStore, encode_state, hand_over
 from protocol.errors import NotAuthorized
 from protocol.wire.messages import ReplicaAck, ReplicaState
 from protocol.wire.signing import Opened, ReplayWindow, Signer
@@ -23,6 +23,7 @@ from protocol.wire.signing import Opened, ReplayWindow, Signer
 if TYPE_CHECKING:
     from node.config import RunConfig
     from node.dht.membership import Membership
+    from node.diloco.learner import IslandNet
     from node.diloco.owner import FragmentOwner
     from node.wire.transport import Transport
 
@@ -49,6 +50,7 @@ class OwnerHandoffs:
     signer: Signer
     transport: Transport
     membership: Membership | None
+    net: IslandNet | None  # this peer's learner (replicas apply update handoffs over what it holds)
     replicas: ReplicaStore
     owners: dict[int, FragmentOwner]
     unreplicated: int
@@ -57,7 +59,6 @@ class OwnerHandoffs:
     _tg: asyncio.TaskGroup | None
     _passed_on: set[tuple[int, bytes, int]]
     _fenced_until: dict[int, float]
-    _replica_of: dict[int, tuple[bytes, int]]  # fragment -> (the replica that took our last version, that version)
 
     def suspects(self) -> set[bytes]:
         raise NotImplementedError
@@ -114,8 +115,8 @@ class OwnerHandoffs:
         member by rendezvous hash; a replica that cannot be reached is routed around and the
         next one tried). None when one took it, or none is left (counted); the reason when a
         replica says another owner has taken over. ``update``: the same state as an update over
-        the version before, sent instead to the replica that took that one (the whole state
-        follows if it refuses it)."""
+        the version before, sent first: the replica applies it over that version as it took it
+        from us or as its own learner holds it (the whole state follows if it holds neither)."""
         assert self.membership is not None
         held = self.replicas.held.get(p)
         if held is not None and held.version >= state.version and held.digest != state.digest:
@@ -130,12 +131,12 @@ class OwnerHandoffs:
                 self.unreplicated += 1
                 return None
             try:
-                if (update is not None and self._replica_of.get(p) == (ranked[0][0], update.base_version)
-                        and await self._hand_to(p, ranked[0], update)):
-                    self._replica_of[p] = (ranked[0][0], state.version)
+                # the update first: the replica holds its base if it took the version before from
+                # us, and its learner does once it has fetched that version (the whole state
+                # follows when it has neither)
+                if update is not None and await self._hand_to(p, ranked[0], update):
                     return None
                 if await self._hand_to(p, ranked[0], state):
-                    self._replica_of[p] = (ranked[0][0], state.version)
                     return None
             except _FencedBy as exc:
                 bumped = self._above_stale_fence(p, state, exc.ack) if bumps < MAX_EPOCH_BUMPS else None
@@ -172,7 +173,13 @@ class OwnerHandoffs:
         fence = self._owner_fence(msg)
         if fence is not None:
             return fence
-        decoded = await asyncio.to_thread(self.replicas.decode, msg)  # a whole fragment: off the loop
+        learned = self.net.held_state(msg.fragment) if self.net is not None and msg.base_version >= 0 else None
+        try:
+            decoded = await asyncio.to_thread(self.replicas.decode, msg, learned)  # a whole fragment: off the loop
+        except BaseNotHeld as exc:  # not the sender's fault: it sends the whole state next
+            held = self.replicas.held.get(msg.fragment)
+            return ReplicaAck(accepted=False, reason=exc.reason, epoch=held.epoch if held else -1,
+                              version=held.version if held else -1)
         fence = self._owner_fence(msg)  # the loop ran meanwhile: look again
         if fence is not None:
             return fence

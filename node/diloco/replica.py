@@ -29,7 +29,7 @@ from protocol.wire.codec import encode
 from protocol.wire.messages import ReplicaAck, ReplicaState
 from protocol.wire.signing import ReplayWindow, Signer, open_sealed, seal
 
-__all__ = ["Handed", "ReplicaStore", "encode_state", "hand_over"]
+__all__ = ["BaseNotHeld", "Handed", "ReplicaStore", "encode_state", "hand_over"]
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,11 @@ def encode_state(*, swarm: str, fragment: int, epoch: int, version: int, digest:
                         merged_bases=tuple(min(v, version) for _, v in recent))
 
 
+class BaseNotHeld(DecodeError):
+    """An update handoff over a state this peer holds neither as a replica nor as a learner:
+    answered with a plain refusal, upon which the owner sends the whole state."""
+
+
 class ReplicaStore:
     """The newest handed-over state per fragment, and the fence: the highest epoch seen."""
 
@@ -75,29 +80,37 @@ class ReplicaStore:
         self.taken = 0
         self.refused = 0
 
-    def decode(self, msg: ReplicaState) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def decode(self, msg: ReplicaState, learned: tuple[int, bytes, torch.Tensor] | None = None,
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A handoff's global fragment and momentum as fp32 vectors (touches no state here: it
-        may run in a worker thread). Raises ``DecodeError`` for a malformed one, and for an
-        update over a state this replica does not hold (the owner then sends the whole state)."""
+        may run in a worker thread). An update applies over the state handed here before, or
+        over ``learned``: ``(version, digest, flat)`` this peer's learner holds (every learner
+        holds the version an owner published last, so a replica needs no whole state to start
+        from). Raises ``DecodeError`` for a malformed one, and for an update over a state held
+        in neither (the owner then sends the whole state)."""
         self._check_fragment(msg)
         if msg.base_version >= 0:
-            return self._apply_update(msg), None
+            return self._apply_update(msg, learned), None
         shape = [(self.numels[msg.fragment],)]
         theta = flat_from_tensors(msg.theta, shape)
         return theta, (flat_from_tensors(msg.momentum, shape) if msg.momentum else None)
 
-    def _apply_update(self, msg: ReplicaState) -> torch.Tensor:
+    def _apply_update(self, msg: ReplicaState, learned: tuple[int, bytes, torch.Tensor] | None) -> torch.Tensor:
         """The state an update handoff gives over the one held: it must hash to its digest."""
         held = self.states.get(msg.fragment)
-        if held is None or held.version != msg.base_version or held.digest != msg.base_digest:
-            raise DecodeError(f"an update over version {msg.base_version} of fragment {msg.fragment}, but this "
-                              f"replica holds {'no state' if held is None else f'version {held.version}'} of "
+        if held is not None and (held.version, held.digest) == (msg.base_version, msg.base_digest):
+            base = held.theta
+        elif learned is not None and learned[:2] == (msg.base_version, msg.base_digest):
+            base = learned[2]
+        else:
+            raise BaseNotHeld(f"an update over version {msg.base_version} of fragment {msg.fragment}, but this "
+                              f"peer holds {'no state' if held is None else f'version {held.version}'} of "
                               "it with that digest: hand over the whole state")
         shapes = [tuple(t.shape) for t in msg.theta]
         if sum(int(torch.Size(s).numel()) for s in shapes) != self.numels[msg.fragment]:
             raise DecodeError(f"the update's tensors do not add up to fragment {msg.fragment}'s "
                               f"{self.numels[msg.fragment]} values")
-        theta = apply_update(held.theta, msg.theta, shapes)
+        theta = apply_update(base, msg.theta, shapes)
         if flat_digest(theta) != msg.digest:
             raise DecodeError(f"fragment {msg.fragment}: the update over version {msg.base_version} does not "
                               f"hash to version {msg.version}'s digest")

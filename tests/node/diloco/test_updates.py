@@ -14,7 +14,7 @@ from node.diloco.flat import flat_digest
 from node.diloco.island import Island, IslandConfig, Outgoing
 from node.diloco.learner import IslandNet
 from node.diloco.owner import FragmentOwner
-from node.diloco.replica import ReplicaStore
+from node.diloco.replica import BaseNotHeld, ReplicaStore
 from protocol.errors import DecodeError
 from protocol.wire.messages import Ack, Contribution, FragmentUpdate, ReplicaState
 from protocol.wire.signing import verify_sealed
@@ -194,6 +194,31 @@ async def test_a_replica_refuses_an_update_over_a_state_it_does_not_hold() -> No
     with pytest.raises(DecodeError, match="hash"):  # applies, but not to the digest it names
         rig.store.decode(dataclasses.replace(update, base_version=2, base_digest=rig.store.states[0].digest,
                                              version=3))
+
+
+async def test_a_replica_with_no_state_applies_the_update_over_its_own_learners_version() -> None:
+    """A peer that was never this fragment's replica takes an update handoff over the version
+    its learner fetched (digest-checked): no whole state on the wire. A learner that does not
+    hold the base (or holds other bytes under it) makes it a plain refusal (``BaseNotHeld``)."""
+    rig = Rig()
+    owner = rig.owners[0]
+    await rig.merge(learner=0)
+    await rig.fetch(learner=0)  # learner 0 holds version 1; learner 1 still version 0
+    await rig.merge(learner=0)
+    _, update = rig.handed[-1]
+    assert update is not None and update.base_version == 1 and update.version == 2
+    fresh = ReplicaStore(SWARM, rig.store.numels)
+    learned = rig.nets[0].held_state(0)
+    assert learned is not None and learned[0] == 1
+    theta, momentum = fresh.decode(update, learned)
+    assert momentum is None and torch.equal(theta, owner.theta) and fresh.offer(
+        rig.owner_key.peer_id, update, decoded=(theta, momentum)).accepted
+    assert fresh.states[0].version == 2
+    behind = rig.nets[1].held_state(0)
+    assert behind is not None and behind[0] == 0
+    for other in (behind, (1, bytes(32), learned[2]), None):
+        with pytest.raises(BaseNotHeld, match="whole state"):
+            ReplicaStore(SWARM, rig.store.numels).decode(update, other)
 
 
 async def test_a_learner_holding_the_final_version_downloads_nothing_and_one_behind_takes_the_update() -> None:
