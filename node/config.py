@@ -18,8 +18,8 @@ __all__ = ["SWARM_WIDE_FIELDS", "RunConfig", "add_run_arguments", "config_from_a
 # The fields every peer of a swarm must share: the model and how it is cut, merged and weighted
 # (a signed manifest's recipe holds them, but ``swarm``, which becomes the swarm id).
 SWARM_WIDE_FIELDS = ("swarm", "mode", "seed", "model", "batch_size", "fragments", "inner_steps", "codec",
-                     "block_size", "download_codec", "update_codec", "full_every", "outer_lr", "outer_momentum", "quorum",
-                     "grace_gamma", "grace_tau", "grace_cap_s", "staleness_bound", "late_policy",
+                     "block_size", "download_codec", "update_codec", "full_every", "outer_lr", "outer_momentum",
+                     "quorum", "quorum_fraction", "grace_gamma", "grace_tau", "grace_cap_s", "staleness_bound", "late_policy",
                      "max_tokens_per_step", "aggregate")
 
 
@@ -53,6 +53,7 @@ class RunConfig:
     outer_momentum: float = 0.0
     aggregate: str = "rda"  # how an owner combines contributions: rda (robust) or mean (weighted)
     quorum: int = 1
+    quorum_fraction: float = 0.0
     grace_gamma: float = 0.8
     grace_tau: int = 2
     grace_cap_s: float = 10.0
@@ -111,6 +112,8 @@ class RunConfig:
             problems.append(f"--baseline-lr must be in [0, 1) (0: the islands' --lr), got {self.baseline_lr}")
         if self.quorum < 1:
             problems.append(f"--quorum must be >= 1, got {self.quorum}")
+        if not 0.0 <= self.quorum_fraction <= 1.0:
+            problems.append(f"--quorum-fraction must be between 0 and 1, got {self.quorum_fraction}")
         if not 0 <= self.spread_fanout <= 64:
             problems.append(f"--spread-fanout must be 0..64 (0: owners serve every learner), got {self.spread_fanout}")
         if problems:
@@ -169,6 +172,8 @@ _HELP = {
                  "the mean direction, at the median norm, so one large contribution cannot steer it) or mean "
                  "(the token-weighted mean; embedding fragments always use it)",
     "quorum": "K: minimum contributions before a merge may close",
+    "quorum_fraction": "K is also at least this share of the learners the owner sees (rounded up; 0: K alone, "
+                       "the paper's rule)",
     "grace_gamma": "gamma: fraction of hidden time the grace window may spend",
     "grace_tau": "tau: inner steps a fragment may stay in flight",
     "grace_cap_s": "upper bound of the grace window in seconds",

@@ -403,7 +403,8 @@ class PeerNode(OwnerHandoffs, VersionServing):
 
     def _merge_cfg(self) -> MergeConfig:
         c = self.cfg
-        return MergeConfig(quorum=c.quorum, gamma=c.grace_gamma, tau=c.grace_tau, grace_cap_s=c.grace_cap_s,
+        return MergeConfig(quorum=c.quorum, quorum_fraction=c.quorum_fraction, gamma=c.grace_gamma,
+                           tau=c.grace_tau, grace_cap_s=c.grace_cap_s,
                            staleness_bound=c.staleness_bound,
                            late_policy="carry" if c.late_policy == "carry" else "drop",
                            max_tokens_per_step=c.max_tokens_per_step, quorum_is_expected=c.mode != "decoupled")

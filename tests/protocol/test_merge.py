@@ -184,6 +184,22 @@ def test_scenario(name: str) -> None:
             assert m.phase is Phase.MERGING and m.deadline() is None
 
 
+def test_a_quorum_fraction_waits_for_that_share_of_the_learners_expected() -> None:
+    m = FragmentMerger(0, MergeConfig(quorum=1, quorum_fraction=0.5, **EXACT), now=0.0)
+    assert m.quorum == 1  # learners not known yet: K alone
+    m.set_expected(5, now=0.0)
+    assert m.quorum == 3  # half of 5, rounded up
+    for t, peer in ((0.0, A), (0.1, B)):
+        assert apply(m, c(t, peer)).kind == "accept" and m.phase is Phase.COLLECTING
+    d = apply(m, c(0.2, C))
+    assert m.phase is Phase.GRACE and "0.5 of the 5 learners" in d.reason
+    m.set_expected(2, now=0.3)  # 3 in from the 2 learners left: all expected are in, it merges
+    assert m.quorum == 1 and m.phase is Phase.MERGING
+    m = FragmentMerger(0, MergeConfig(quorum=4, quorum_fraction=0.5), now=0.0)
+    m.set_expected(5, now=0.0)
+    assert m.quorum == 4  # never below K
+
+
 def test_merge_entries_carry_weights_and_staleness() -> None:
     m = FragmentMerger(0, MergeConfig(late_policy="carry", **EXACT), version=5, now=0.0)
     apply(m, c(0.5, A, 4, tokens=100, steps=10))  # 1000 * 0.5
@@ -294,7 +310,7 @@ def test_publish_and_clock_misuse_raise() -> None:
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"quorum": 0}, {"gamma": 1.5}, {"tau": -1.0}, {"grace_cap_s": math.inf}, {"staleness_bound": -1},
+    [{"quorum": 0}, {"quorum_fraction": -0.1}, {"quorum_fraction": 1.5}, {"gamma": 1.5}, {"tau": -1.0}, {"grace_cap_s": math.inf}, {"staleness_bound": -1},
      {"stale_discount": 0.0}, {"late_policy": "keep"}, {"max_tokens_per_step": 0},
      {"max_weight_median_multiple": 0.5}, {"ema_alpha": 0.0}, {"step_time_rounds": 0},
      {"retry_s": -1.0}],
@@ -318,6 +334,7 @@ op_finish = st.tuples(st.just("p"), st.booleans(), st.floats(0, 1), st.sets(st.i
 configs = st.builds(
     MergeConfig,
     quorum=st.integers(1, 3),
+    quorum_fraction=st.sampled_from([0.0, 0.0, 0.5, 1.0]),
     gamma=st.sampled_from([0.5, 0.8, 1.0]),
     grace_cap_s=st.sampled_from([0.0, 1.0, 30.0]),
     staleness_bound=st.integers(0, 2),
@@ -373,6 +390,7 @@ def check_decision(m: FragmentMerger, cfg: MergeConfig, d: Decision, published: 
         # never below the effective quorum: K, or the learners expected when fewer (at least 1),
         # as it stood before the event or after it (a lowered round closes when nobody is left)
         assert len(d.entries) >= max(1, min(quorum_before, m.quorum, cfg.quorum))
+        assert len(d.entries) >= min(quorum_before, m.quorum)  # a share of the learners included
         if m.expected is not None and m.expected >= cfg.quorum:
             assert len(d.entries) >= cfg.quorum
         assert d.version == m.version and d.version not in published  # no version merged twice
