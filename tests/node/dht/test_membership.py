@@ -74,9 +74,10 @@ class FakeDHT:
 
     def __init__(self) -> None:
         self.answer: list = []
+        self.quorums: list[int] = []
 
     async def get(self, key: bytes, *, quorum: int = 1) -> list:
-        assert quorum >= 3  # membership reads merge several responders
+        self.quorums.append(quorum)
         return list(self.answer)
 
 
@@ -134,6 +135,17 @@ async def test_a_responder_that_leaves_members_out_does_not_shrink_the_view() ->
     short = swarm.record(b, ttl_s=0.05)
     swarm.dht.answer = [short]  # an older copy (earlier expiry) does not replace the newer one
     assert b.peer_id in await swarm.membership.refresh()
+
+
+async def test_the_first_read_and_every_fourth_merge_several_responders() -> None:
+    from node.dht.membership import FULL_READ_EVERY, READ_QUORUM
+
+    swarm = Swarm("open")
+    for _ in range(2 * FULL_READ_EVERY + 1):
+        await swarm.membership.refresh()
+    full = [i for i, q in enumerate(swarm.dht.quorums) if q == READ_QUORUM]
+    assert full == [0, FULL_READ_EVERY, 2 * FULL_READ_EVERY]
+    assert set(swarm.dht.quorums) == {1, READ_QUORUM}
 
 
 async def test_refusals_kept_are_bounded() -> None:
