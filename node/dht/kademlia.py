@@ -545,6 +545,18 @@ class DHTNode:
             await self._call(cache.address, Store(sender=self.me, records=batch), cache.peer_id)
         return records
 
+    def held_near(self, key: bytes) -> list[SignedRecord] | None:
+        """The records this node holds under ``key`` when it is among the ``k`` nodes nearest
+        the key that it knows of (publishers store there, so a read from here needs no
+        request); None when it is not, or holds none. Raises LocalProtocolError for a bad key."""
+        _check_id(key)
+        if not self.dialable:
+            return None
+        nearest = self.routing.closest(key, self.config.k)
+        if len(nearest) >= self.config.k and xor_distance(self.peer_id, key) > xor_distance(nearest[-1].peer_id, key):
+            return None
+        return self.records.get(key, self.clock()) or None
+
     def forget(self, key: bytes) -> None:
         """Stop republishing our record under ``key`` (it expires at its ttl)."""
         self._own.pop(key, None)

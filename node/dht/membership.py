@@ -40,10 +40,11 @@ ROLES = ("learner", "owner")
 
 
 READ_QUORUM = 3  # responders whose member records are merged on a full read
-# One read in this many asks READ_QUORUM responders, the others the first that answers: every
-# responder sends every record, so reading three each time tripled the swarm's busiest control
-# traffic (8 tiny peers: ~1.1 B/token of member records). An omitting responder can then delay a
-# new record by at most FULL_READ_EVERY - 1 reads, and still never shrink the view.
+# One read in this many asks READ_QUORUM responders; the others read this node's own store when
+# it is among the nearest (every member stores its record there) or else one responder. Every
+# responder sends every record, so three full reads every 2 s were the swarm's busiest control
+# traffic (8 tiny peers: ~1.1 B/token). A record a publisher did not store here, or a
+# responder omitted, is then seen at most FULL_READ_EVERY - 1 reads late; the view never shrinks.
 FULL_READ_EVERY = 4
 REFUSED_KEPT = 1024
 
@@ -174,12 +175,14 @@ class Membership:
         Records are merged with the records already held (the newest expiry per member wins),
         so one responder that leaves members out cannot shrink the view: records are signed, a
         responder can only omit, and an omitted member stays until its own record expires. The
-        first read and every ``FULL_READ_EVERY``-th merge ``READ_QUORUM`` responders' records,
-        the others one responder's."""
-        quorum = READ_QUORUM if self.reads % FULL_READ_EVERY == 0 else 1
+        first read and every ``FULL_READ_EVERY``-th merge ``READ_QUORUM`` responders' records;
+        the others read this node's own store when it is among the nodes nearest the swarm key
+        (members publish there: no request at all), else one responder's."""
+        full = self.reads % FULL_READ_EVERY == 0
         self.reads += 1
+        local = None if full else self.dht.held_near(self.key)
         now = time.time()
-        for rec in await self.dht.get(self.key, quorum=quorum):
+        for rec in local if local is not None else await self.dht.get(self.key, quorum=READ_QUORUM if full else 1):
             held = self._records.get(rec.subkey)
             if held is None or rec.expires_at > held.expires_at:
                 self._records[rec.subkey] = rec

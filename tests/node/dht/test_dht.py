@@ -139,6 +139,27 @@ async def test_store_and_get_round_trip_newest_per_subkey() -> None:
         assert nodes[7].metrics.value_hops
 
 
+async def test_a_node_among_the_nearest_reads_a_key_from_its_own_store() -> None:
+    """``held_near``: what a node among the ``k`` nearest holds, read with no request; None
+    from a node farther out, from one behind NAT, and for a key nobody stored."""
+    cfg = dataclasses.replace(FAST, k=4)
+    async with network() as net:
+        nodes = await joined(net, 8, cfg)
+        for node in nodes:
+            await node.maintain()
+        key = key_id("swarm/members")
+        await nodes[1].store(key, b"record", 60)
+        by_distance = sorted(nodes, key=lambda n: xor_distance(n.peer_id, key))
+        sent = net.transport.bytes_sent
+        near = by_distance[0].held_near(key)
+        assert near is not None and [r.value for r in near] == [b"record"]
+        assert net.transport.bytes_sent == sent  # read locally
+        assert by_distance[-1].held_near(key) is None  # not among the 4 nearest
+        assert by_distance[0].held_near(key_id("never stored")) is None
+        hidden = await net.add(99, cfg, dialable=False)
+        assert hidden.held_near(key) is None
+
+
 async def test_node_behind_nat_stores_and_gets_but_is_never_routed() -> None:
     async with network() as net:
         nodes = await joined(net, 6)

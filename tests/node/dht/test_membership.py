@@ -80,6 +80,9 @@ class FakeDHT:
         self.quorums.append(quorum)
         return list(self.answer)
 
+    def held_near(self, key: bytes) -> list | None:
+        return None  # not among the nearest: every read asks responders
+
 
 class Swarm:
     def __init__(self, admission: str) -> None:
