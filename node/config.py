@@ -66,6 +66,9 @@ class RunConfig:
     ship_before_adopt: int = 0  # >0: a fragment trained this many steps ships before taking a newer version
     max_tokens_per_step: int = 0  # the most tokens a contribution may claim per inner step
     spread_fanout: int = 2  # uploads of each version per holder before it points learners at others
+    # an owner's own direct uploads of each version: its replica handoff is one more, and repeats
+    # and fallbacks come on top (32 peers at 2: the busiest owner uploaded 4.4x what it published)
+    owner_fanout: int = 1
     # --- evaluation and reporting ------------------------------------------------------------
     eval_every: int = 100
     eval_batches: int = 8
@@ -118,6 +121,8 @@ class RunConfig:
             problems.append(f"--quorum-fraction must be between 0 and 1, got {self.quorum_fraction}")
         if not 0 <= self.spread_fanout <= 64:
             problems.append(f"--spread-fanout must be 0..64 (0: owners serve every learner), got {self.spread_fanout}")
+        if not 1 <= self.owner_fanout <= 64:
+            problems.append(f"--owner-fanout must be 1..64, got {self.owner_fanout}")
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -194,6 +199,8 @@ _HELP = {
                      "each version to this many learners and points the others at them, so an owner's "
                      "upload per version stays bounded however many learners there are (0: owners "
                      "serve every learner themselves)",
+    "owner_fanout": "with versions spreading: the learners an owner uploads each version to itself before it "
+                    "points the others at holders (its replica handoff is one more upload)",
     "eval_every": "inner steps between held-out evaluations",
     "eval_batches": "held-out batches per evaluation",
     "overlap_block": "measure overlap: alternate blocks of N steps trained alone and in the swarm (0: off)",

@@ -125,7 +125,7 @@ class VersionServing:
         if asker != self.signer.peer_id:  # our own learner's fetch never leaves the machine
             fanout = self._fanouts.get(p)
             if fanout is None:
-                fanout = self._fanouts[p] = Fanout(self.cfg.spread_fanout)
+                fanout = self._fanouts[p] = Fanout(self.cfg.owner_fanout if self.cfg.spread_fanout else 0)
             decision = fanout.decide(owner.version, asker, fallback=request.query.get("fallback") == "1")
             if isinstance(decision, Serve):
                 self.spread.owner_bytes += sealed.size
