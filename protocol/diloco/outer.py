@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -118,8 +119,10 @@ def cap_weights_by_others(weights: Sequence[float], *, multiple: float) -> tuple
 
 
 def clip_factors(norms: Sequence[float], reference: float, c: float) -> list[float]:
-    """Per-contribution scale in (0, 1] that brings each norm to at most ``c * reference``.
+    """Per-contribution scale in [0, 1] that brings each norm to at most ``c * reference``.
 
+    A scale below the smallest normal float is 0: a subnormal one keeps too few digits for the
+    scaled norm to stay under the limit (a norm of 1e29 against a reference of 1e-291).
     Raises ``LocalProtocolError`` for a negative or non-finite norm or reference, or ``c < 1``.
     """
     if not c >= 1.0:
@@ -131,7 +134,8 @@ def clip_factors(norms: Sequence[float], reference: float, c: float) -> list[flo
     for n in norms:
         if not (math.isfinite(n) and n >= 0):
             raise LocalProtocolError(f"norms must be finite and >= 0, got {n}")
-        out.append(limit / n if n > limit else 1.0)
+        scale = limit / n if n > limit else 1.0
+        out.append(scale if scale >= sys.float_info.min else 0.0)
     return out
 
 

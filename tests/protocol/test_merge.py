@@ -7,7 +7,7 @@ import statistics
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from protocol.diloco.merge import Decision, FragmentMerger, MergeConfig, Phase
@@ -496,6 +496,7 @@ def test_a_liar_about_steps_and_tokens_is_bounded_by_time_and_by_the_others() ->
 @settings(max_examples=60, deadline=None)
 @given(norms=st.lists(st.floats(min_value=0.0, max_value=1e30), min_size=1, max_size=8),
        c_mult=st.sampled_from([1.0, 2.0, 3.0]))
+@example(norms=[0.0, 2.252956018866386e29, 1.4882256214878484e-291], c_mult=1.0)  # a subnormal scale
 def test_no_merged_norm_exceeds_c_times_the_median(norms: list[float], c_mult: float) -> None:
     m = FragmentMerger(0, MergeConfig(quorum=1, clip_multiple=c_mult), now=0.0)
     peers = [bytes([i + 1]) * 32 for i in range(len(norms))]

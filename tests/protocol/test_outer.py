@@ -268,6 +268,8 @@ def test_cap_weights_by_others_ignores_the_liars_own_weight() -> None:
 def test_clip_factors_and_bound_to_norm() -> None:
     from protocol.diloco.outer import bound_to_norm, clip_factors
     assert clip_factors([1.0, 4.0, 10.0], reference=2.0, c=2.0) == [1.0, 1.0, 0.4]
+    # a scale that would be subnormal is 0 (hypothesis found 2.25e29 * 6.6e-321 over its limit)
+    assert clip_factors([2.252956018866386e29], reference=1.4882256214878484e-291, c=1.0) == [0.0]
     with pytest.raises(LocalProtocolError):
         clip_factors([math.inf], reference=1.0, c=2.0)
     delta = torch.tensor([3.0e38, 3.0e38])  # its fp32 norm overflows; the bound still holds
