@@ -154,11 +154,12 @@ async def serve_sealed(
     sent = 0
     try:
         await resp.prepare(request)
+        route = transport.reply_route(request)
         for chunk in _byte_range(sealed, start, end) if request.method != "HEAD" else ():
             await transport.link.throttle(str(request.remote), chunk.nbytes)
             await resp.write(chunk)
             sent += chunk.nbytes
-            transport.count_sent(transport.reply_route(request), chunk.nbytes)
+            transport.count_sent(route, chunk.nbytes)
         await resp.write_eof()
     except ConnectionError as e:  # the client went away; it will resume with a Range
         log.info("%s left after %d/%d bytes of %s: %s", request.remote, sent, end - start, etag, e)

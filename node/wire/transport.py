@@ -499,10 +499,11 @@ class Transport:
         resp.content_length = size
         try:
             await resp.prepare(request)
+            route = self.reply_route(request)
             for chunk in chunks:
                 await self.link.throttle(str(request.remote), len(chunk))
                 await resp.write(chunk)
-                self.count_sent(self.reply_route(request), len(chunk))
+                self.count_sent(route, len(chunk))
             await resp.write_eof()
         except (ConnectionError, aiohttp.ClientConnectionResetError) as exc:
             # the asker went away (timed out, or shut down): nothing to answer any more
