@@ -170,6 +170,7 @@ class PeerNode(OwnerHandoffs, VersionServing):
         self._finished: set[bytes] = set()
         self.unreplicated = 0  # versions published with no replica reachable
         self.replica_bytes = 0  # tensor bytes handed to replicas (an owner's upload besides versions)
+        self.replica_took: dict[int, tuple[int, bytes]] = {}  # fragment -> (version, replica that took it)
         self.announce_versions = False  # a launcher counts every published version (and content)
         app = self.transport.app
         app.router.add_get("/v1/fragments/{p}/{kind}", self._on_fetch)
@@ -451,6 +452,11 @@ class PeerNode(OwnerHandoffs, VersionServing):
             shapes, codec = self.shapes[p], owner.download_codec
             theta = await asyncio.to_thread(lambda: flat_from_tensors(encode_flat(theta, shapes, codec), shapes))
         return version, theta, digest
+
+    def replica_version(self, p: int, owner_id: bytes) -> tuple[int, torch.Tensor, bytes] | None:
+        """Fragment ``p`` as ``owner_id`` handed it to this peer's replica store (``IslandNet.fetch``
+        takes it instead of downloading it again): see ``ReplicaStore.version_from``."""
+        return self.replicas.version_from(p, owner_id)
 
     async def _on_dialback(self, request: web.Request) -> web.Response:
         """Ping the requester's DHT node at its own address (a joining peer asks whether it can be

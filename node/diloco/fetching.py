@@ -24,6 +24,7 @@ from node.diloco.flat import flat_digest, flat_from_tensors, flat_is_wire_form
 from node.diloco.spread import (
     FINAL_HELD_STATUS,
     POINTER_STATUS,
+    REPLICA_HELD_STATUS,
     UPDATE_NOT_HELD_STATUS,
     Holdings,
     SpreadStats,
@@ -63,6 +64,11 @@ class LocalOwners(Protocol):
         ``p`` is not owned here (any more). The flat state is the owner's, never written to."""
         ...
 
+    def replica_version(self, p: int, owner_id: bytes) -> tuple[int, torch.Tensor, bytes] | None:
+        """(version, flat state, digest) of ``p`` as ``owner_id`` handed it to this peer as its
+        replica, else None. The flat state is never written to."""
+        ...
+
 
 class UpdateNotApplicable(RemoteProtocolError):
     """An update over a version we do not hold (or not as its owner does), or whose result does
@@ -91,6 +97,7 @@ class VersionFetching:
     latest: dict[int, tuple[int, torch.Tensor]]
     island_initial: Sequence[torch.Tensor]
     digests: list[dict[int, bytes]]
+    _replica_checked: dict[int, tuple[int, bytes]]  # fragment -> the replica-held version whose digest we checked
 
     async def _request(self, owner_id: bytes, method: str, url: str,
                        **kw: Any) -> tuple[int, bytearray, int, dict[str, str]]:
@@ -131,6 +138,8 @@ class VersionFetching:
         owner_id, url = owner
         if self.local is not None and owner_id == self.signer.peer_id:
             return await self._fetch_local(p, after=after, wait_s=wait_s, final=final)
+        if not final and (held := await self._from_replica(p, owner_id, after)) is not None:
+            return held
         kind = "final" if final else "next"
         upd = ""
         if self._holds(p, after):
@@ -161,6 +170,27 @@ class VersionFetching:
         self.stats.versions_local += 1
         return version, flat
 
+    async def _from_replica(self, p: int, owner_id: bytes, after: int) -> tuple[int, torch.Tensor] | None:
+        """Fragment ``p``'s version above ``after`` as ``owner_id`` handed it to this peer's
+        replica store (before publishing it: the same content, under the fence), when its state
+        hashes to the digest the owner signed; else None (it is downloaded)."""
+        held = self.local.replica_version(p, owner_id) if self.local is not None else None
+        if held is None or held[0] <= after:
+            return None
+        version, flat, digest = held
+        if self.version_jump(p, version) is not None:
+            return None
+        if self._replica_checked.get(p) != (version, digest):
+            if await asyncio.to_thread(flat_digest, flat) != digest:
+                log.warning("fragment %d: version %d as handed to our replica store does not hash to its "
+                            "digest; downloading it", p, version)
+                return None
+            self._replica_checked[p] = (version, digest)
+        self.digests[p][version] = digest
+        self.stats.versions_received += 1
+        self.stats.versions_replica += 1
+        return version, flat
+
     def _holds(self, p: int, version: int) -> bool:
         """Whether we hold fragment ``p``'s ``version`` with its state digest (an update over it
         can be applied here)."""
@@ -185,6 +215,15 @@ class VersionFetching:
             owner_id, "GET", f"{url}/v1/fragments/{p}/{kind}?after={after}&wait={wait_s}{upd}",
             timeout_s=wait_s + 30, max_reply=self.max_message,
         )
+        if status == REPLICA_HELD_STATUS and not final:  # our replica store took it from the owner
+            self.transport.pool.give(buf)
+            held = await self._from_replica(p, owner_id, after)
+            if held is not None:
+                return held
+            status, buf, used, headers = await self._request(
+                owner_id, "GET", f"{url}/v1/fragments/{p}/{kind}?after={after}&wait=0&fallback=1{upd}",
+                timeout_s=60, max_reply=self.max_message,
+            )
         if status == FINAL_HELD_STATUS and final and upd:  # the version we hold (and named) is final
             self.transport.pool.give(buf)
             self.stats.finals_held += 1

@@ -55,6 +55,7 @@ class OwnerHandoffs:
     owners: dict[int, FragmentOwner]
     unreplicated: int
     replica_bytes: int  # tensor bytes of every state handed to a replica
+    replica_took: dict[int, tuple[int, bytes]]  # fragment -> (version, the replica that took it)
     _replica_replay: ReplayWindow
     _tg: asyncio.TaskGroup | None
     _passed_on: set[tuple[int, bytes, int]]
@@ -134,9 +135,9 @@ class OwnerHandoffs:
                 # the update first: the replica holds its base if it took the version before from
                 # us, and its learner does once it has fetched that version (the whole state
                 # follows when it has neither)
-                if update is not None and await self._hand_to(p, ranked[0], update):
-                    return None
-                if await self._hand_to(p, ranked[0], state):
+                if (update is not None and await self._hand_to(p, ranked[0], update)
+                        or await self._hand_to(p, ranked[0], state)):
+                    self.replica_took[p] = (state.version, ranked[0][0])  # its learner needs no download
                     return None
             except _FencedBy as exc:
                 bumped = self._above_stale_fence(p, state, exc.ack) if bumps < MAX_EPOCH_BUMPS else None

@@ -61,6 +61,7 @@ class LearnerStats:
     update_mismatches: int = 0  # updates that did not apply to our state (or hashed otherwise): full fetched
     finals_held: int = 0  # final versions the owner said we held already (nothing downloaded)
     versions_local: int = 0  # versions of fragments we own, taken from our owner in process
+    versions_replica: int = 0  # versions our replica store took from their owner (not downloaded again)
     skipped_nonfinite: int = 0
     resyncs: int = 0
     resent_on_owner_change: int = 0  # accepted, then its owner was gone before merging it: sent again
@@ -123,6 +124,7 @@ class IslandNet(VersionFetching):
         # fragment -> version -> digest of that version's state as delivered to the island: what a
         # contribution names as its base, so an owner applies it only to that very state
         self.digests: list[dict[int, bytes]] = [{0: flat_digest(g)} for g in self.island_initial]
+        self._replica_checked: dict[int, tuple[int, bytes]] = {}
         # fragment -> (owner that accepted its contribution, the contribution's base version, the
         # error-feedback residuals from before it): if that owner stops owning the fragment before
         # a version above the base comes, the work is sent again at once (``owners_changed``)

@@ -142,6 +142,15 @@ class ReplicaStore:
         self.taken += 1
         return ReplicaAck(accepted=True, reason=verdict.reason, epoch=msg.epoch, version=msg.version)
 
+    def version_from(self, p: int, sender: bytes) -> tuple[int, torch.Tensor, bytes] | None:
+        """(version, flat state, digest) of fragment ``p`` as ``sender`` handed it here, else
+        None: this peer's learner takes it instead of downloading the version again. The state
+        is never written to (a takeover clones it, a new handoff replaces it)."""
+        held = self.states.get(p)
+        if held is None or held.sender != sender:
+            return None
+        return held.version, held.theta, held.digest
+
     def restore(self, state: Handed) -> None:
         """Hold ``state`` as if it had been handed over (an owner checkpoint read at start)."""
         held = self.held.get(state.fragment)

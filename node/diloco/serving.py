@@ -23,7 +23,15 @@ from aiohttp import web
 from node.config import RunConfig
 from node.dht.membership import Membership
 from node.diloco.owner import FragmentOwner
-from node.diloco.spread import FINAL_HELD_STATUS, Holdings, SpreadStats, answer, requester
+from node.diloco.spread import (
+    FINAL_HELD_STATUS,
+    REPLICA_HELD_STATUS,
+    VERSION_HEADER,
+    Holdings,
+    SpreadStats,
+    answer,
+    requester,
+)
 from node.state.serve import ManifestCache, serve_manifest, serve_sealed, state_etag
 from node.wire.admission import ADMITTED
 from node.wire.transport import Busy, Transport
@@ -76,6 +84,7 @@ class VersionServing:
     owners: dict[int, FragmentOwner]
     holdings: Holdings
     spread: SpreadStats
+    replica_took: dict[int, tuple[int, bytes]]
     model_bytes_served: collections.Counter[str]
     _long_polls: collections.Counter[str]
     _fanouts: dict[int, Fanout]
@@ -121,6 +130,11 @@ class VersionServing:
         if update_ok:  # a learner holding version ``after`` may take the update over it
             sealed = owner.sealed_after(after, update_ok=True, full_every=0 if kind == "final" else self.cfg.full_every)
         p, asker = owner.fragment.index, requester(request, self._member_url)
+        if (kind == "next" and asker is not None and self.replica_took.get(p) == (owner.version, asker)
+                and owner.download_codec == "none" and request.query.get("fallback") != "1"):
+            # the replica that took this version holds what its learner would download
+            self.spread.replica_held += 1
+            return web.Response(status=REPLICA_HELD_STATUS, headers={VERSION_HEADER: str(owner.version)})
         decision: SpreadDecision = Serve("our own learner")
         if asker != self.signer.peer_id:  # our own learner's fetch never leaves the machine
             fanout = self._fanouts.get(p)

@@ -33,13 +33,14 @@ from protocol.errors import DecodeError
 from protocol.ids import ID_BYTES, peer_id_from_public_key
 from protocol.wire.codec import chunk_views
 
-__all__ = ["FINAL_HELD_STATUS", "POINTER_STATUS", "UPDATE_NOT_HELD_STATUS", "VERSION_HEADER", "pointed_version", "Holdings", "SpreadStats", "answer", "encode_pointer", "parse_pointer", "requester"]
+__all__ = ["FINAL_HELD_STATUS", "POINTER_STATUS", "REPLICA_HELD_STATUS", "UPDATE_NOT_HELD_STATUS", "VERSION_HEADER", "pointed_version", "Holdings", "SpreadStats", "answer", "encode_pointer", "parse_pointer", "requester"]
 
 log = logging.getLogger(__name__)
 
 POINTER_STATUS = 303  # "See Other": fetch this version from the holders named in the body
 FINAL_HELD_STATUS = 304  # "Not Modified": the final version is the one the learner named (after, digest)
 UPDATE_NOT_HELD_STATUS = 409  # the holder holds the version as an update over another one only
+REPLICA_HELD_STATUS = 208  # "Already Reported": the requester is the replica that took this version
 MAX_POINTER_BODY = 16 + MAX_POINTERS * (ID_BYTES + 4)
 MAX_HELD_WAIT_S = 15.0
 VERSION_HEADER = "Atoll-Version"  # on a pointer: the version the holders were served
@@ -62,6 +63,7 @@ class SpreadStats:
     fallbacks_asked: int = 0  # learner side: the holders failed, the owner was asked again
     from_holders: int = 0  # learner side: versions fetched from a holder, not the owner
     bad_from_holders: int = 0  # learner side: a holder served bytes that failed the checks
+    replica_held: int = 0  # owner side: learners told they hold the version as its replica (nothing sent)
     published_bytes: int = 0  # owner side: sealed size of every distinct version published or served as owner
     _versions: set[tuple[int, int]] = field(default_factory=set, repr=False)
 

@@ -72,7 +72,8 @@ def build_report(config: dict[str, Any], peers: list[dict[str, Any]], wall_s: fl
     report["spread"] = spread_summary(peers)
     report["memory"] = memory_summary(peers)
     report["versions_in"] = {k: sum(int((p.get("versions_in") or {}).get(k, 0)) for p in peers)
-                             for k in ("received", "as_updates", "update_mismatches", "local", "finals_held")}
+                             for k in ("received", "as_updates", "update_mismatches", "local", "from_replica",
+                                       "finals_held")}
     report["bytes_by_route"] = bytes_by_route(peers, report["tokens_trained"])
     if report["bytes_sent"]:
         report["bandwidth_reduction_vs_ddp"] = report["bytes_sent_ddp_equivalent"] / report["bytes_sent"]
@@ -106,7 +107,7 @@ def spread_summary(peers: list[dict[str, Any]]) -> dict[str, Any]:
                                      "owner_upload_per_published": ratio,
                                      "held_bytes": int(s.get("held_bytes", 0))}
     total = {k: sum(int((p.get("spread") or {}).get(k, 0)) for p in peers)
-             for k in ("pointers", "refused", "fallbacks_asked", "from_holders", "bad_from_holders")}
+             for k in ("pointers", "refused", "fallbacks_asked", "from_holders", "bad_from_holders", "replica_held")}
     return {"per_peer": per_peer, "max_owner_upload_per_published": worst, **total}
 
 
@@ -203,7 +204,7 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
     came = report.get("versions_in")
     if came and came.get("received"):
         lines.append(f"versions received: {came['received']}, {came['local']} of them from the peer's own owner "
-                     f"(in process), {came['as_updates']} as updates over the version held; "
+                     f"(in process), {came.get('from_replica', 0)} from its replica store, {came['as_updates']} as updates over the version held; "
                      f"{came['update_mismatches']} updates did not apply (full version fetched)")
     memory = report.get("memory")
     if memory and memory.get("per_peer"):

@@ -346,7 +346,7 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
         "spread": node.spread.as_dict(),  # versions uploaded as owner / holder, pointers, fallbacks
         "versions_in": {"received": net.stats.versions_received, "as_updates": net.stats.updates_applied,
                         "update_mismatches": net.stats.update_mismatches, "local": net.stats.versions_local,
-                        "finals_held": net.stats.finals_held},
+                        "from_replica": net.stats.versions_replica, "finals_held": net.stats.finals_held},
         "replica_bytes": node.replica_bytes,
         "attack": opts.attack,
     }

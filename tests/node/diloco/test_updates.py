@@ -269,3 +269,52 @@ async def test_a_peer_reaches_the_fragments_it_owns_in_process() -> None:
     assert rig.peer.requests == before and rig.transport.bytes_sent == 0
     assert net.stats.versions_local == 2 and net.stats.contributions_accepted == 2
     assert net.stats.base_mismatches == 0 and net.residuals  # int8 error feedback kept as over HTTP
+
+
+class ReplicaOnly:
+    """``LocalOwners`` of a peer that owns no fragment and is the owner's replica (its store)."""
+
+    def __init__(self, store: ReplicaStore) -> None:
+        self.store = store
+
+    async def contribute_local(self, msg: Contribution) -> Ack:
+        raise AssertionError("this peer owns nothing")
+
+    async def version_local(self, p: int, *, after: int, wait_s: float,
+                            final: bool) -> tuple[int, torch.Tensor, bytes] | None:
+        raise AssertionError("this peer owns nothing")
+
+    def replica_version(self, p: int, owner_id: bytes) -> tuple[int, torch.Tensor, bytes] | None:
+        return self.store.version_from(p, owner_id)
+
+
+async def test_the_replicas_learner_takes_the_version_from_its_store_not_the_wire() -> None:
+    """The replica holds each version before it is published: its own learner takes it from
+    there (no request, no byte), names it by the owner's digest so its next work is merged, and
+    a state that does not hash to that digest, or one another peer handed over, is downloaded."""
+    rig = Rig()
+    net = IslandNet(rig.nets[0].island, rig.transport, rig.keys[0], swarm=SWARM,  # type: ignore[arg-type]
+                    shapes=rig.shapes, owner_of=lambda p: (rig.owner_key.peer_id, OWNER_URL), codec="int8",
+                    local=ReplicaOnly(rig.store))
+    rig.nets[0] = net
+    owner = rig.owners[0]
+    for version in (1, 2):
+        await rig.merge()
+        before = rig.peer.requests
+        got = await rig.fetch()
+        assert got[0] == version and got[1] is rig.store.states[0].theta and torch.equal(got[1], owner.theta)
+        assert rig.peer.requests == before and net.digests[0][version] == owner.digest_of(version)
+    assert net.stats.versions_replica == 2 and net.stats.base_mismatches == 0 and owner.version == 2
+    # handed over by a peer that is not the owner this learner's view names: not taken
+    await rig.merge()
+    held = rig.store.states[0]
+    rig.store.states[0] = dataclasses.replace(held, sender=rig.keys[1].peer_id)
+    got = await rig.fetch()
+    assert got[0] == 3 and torch.equal(got[1], owner.theta) and rig.peer.requests > before
+    assert net.stats.versions_replica == 2
+    # a state in the store that is not what its digest says: downloaded from the owner instead
+    rig.store.states[0] = held
+    await rig.merge()
+    rig.store.states[0] = dataclasses.replace(rig.store.states[0], theta=rig.store.states[0].theta + 1.0)
+    got = await rig.fetch()
+    assert got[0] == 4 and torch.equal(got[1], owner.theta) and net.stats.versions_replica == 2
