@@ -68,6 +68,7 @@ __all__ = ["PeerNode", "emit"]
 log = logging.getLogger("atoll.peer")
 
 MEMBERSHIP_PERIOD_S = 2.0
+JOINING_PERIOD_S = 0.5  # the membership period while fewer members are seen than wait_for_members awaits
 REPUBLISH_S = 6.0
 CATCH_UP_S = 6.0
 FENCE_BACKOFF_S = 5.0  # an owner fenced off does not claim the fragment again for this long (or until handed it)
@@ -138,6 +139,7 @@ class PeerNode(OwnerHandoffs, VersionServing):
         self._owner_tasks: dict[int, asyncio.Task[None]] = {}
         self.net: IslandNet | None = None
         self.learning = True
+        self.awaited_members = 0  # wait_for_members: read members often until this many are seen
         self.reachable = False
         self.step = 0
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -291,7 +293,16 @@ class PeerNode(OwnerHandoffs, VersionServing):
             await self._reconcile_owners()
             for owner in list(self.owners.values()):
                 await owner.set_expected(self.expected_learners())
-            await asyncio.sleep(MEMBERSHIP_PERIOD_S)
+            await self._membership_pause()
+
+    async def _membership_pause(self) -> None:
+        """``MEMBERSHIP_PERIOD_S``, cut to ``JOINING_PERIOD_S`` while fewer members are seen than
+        ``wait_for_members`` awaits (it may start waiting while a pause is under way)."""
+        assert self.membership is not None
+        for _ in range(round(MEMBERSHIP_PERIOD_S / JOINING_PERIOD_S)):
+            await asyncio.sleep(JOINING_PERIOD_S)
+            if len(self.membership.members) < self.awaited_members:
+                return
 
     async def _follow_manifest(self) -> None:
         """Pin members' TLS keys, and fetch a newer swarm manifest from a member that has one."""
@@ -678,15 +689,17 @@ class PeerNode(OwnerHandoffs, VersionServing):
         return out
 
     def wait_for_members(self, n: int, timeout_s: float = 180.0) -> None:
-        """Block (the trainer thread) until ``n`` members are visible, then one membership period
-        more, so that every peer's view of the owners has settled. Raises ``TimeoutError``."""
+        """Block (the trainer thread) until ``n`` members are visible, then one joining period
+        more, so that every peer's view of the owners has settled (peers that wait for members
+        read them every ``JOINING_PERIOD_S`` until they see them all). Raises ``TimeoutError``."""
+        self.awaited_members = n
         deadline = time.monotonic() + timeout_s
         while self.membership is None or len(self.membership.members) < n:
             if time.monotonic() > deadline:
                 seen = len(self.membership.members) if self.membership else 0
                 raise TimeoutError(f"only {seen} of {n} expected members joined within {timeout_s:.0f} s")
             time.sleep(0.1)
-        time.sleep(MEMBERSHIP_PERIOD_S + 0.5)
+        time.sleep(JOINING_PERIOD_S + 0.5)
 
     def stop(self) -> None:
         if self.loop is not None and self._stop is not None:
