@@ -561,7 +561,8 @@ class PeerNode(OwnerHandoffs, VersionServing):
         await self.dht.start()
         cred = self.credentials
         self.membership = Membership(self.dht, self.cfg.swarm, self.manifest,
-                                     swarm_manifest=(lambda: cred.manifest) if cred is not None else None)
+                                     swarm_manifest=(lambda: cred.manifest) if cred is not None else None,
+                                     n_fragments=len(self.plan.fragments))
         self.net = IslandNet(island, self.transport, self.signer, swarm=self.cfg.swarm, shapes=self.shapes,
                              owner_of=self.owner_of, codec=self.cfg.codec, block_size=self.cfg.block_size,
                              on_unreachable=self._unreachable, tamper=self.tamper,

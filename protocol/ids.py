@@ -8,6 +8,7 @@ the same member list without talking.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Iterable, Sequence
 
@@ -45,6 +46,7 @@ def xor_distance(a: bytes, b: bytes) -> int:
     return int.from_bytes(a, "big") ^ int.from_bytes(b, "big")
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def rendezvous_score(swarm: str, fragment: int, peer_id: bytes) -> int:
     """Highest-random-weight score of ``peer_id`` for ``fragment`` of ``swarm``."""
     h = hashlib.sha256(f"atoll/owner/{swarm}/{fragment}/".encode() + peer_id).digest()

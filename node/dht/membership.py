@@ -26,7 +26,7 @@ import msgpack
 from node.config import SWARM_WIDE_FIELDS, RunConfig
 from node.dht.kademlia import DHTNode
 from protocol.dht.records import SignedRecord
-from protocol.diloco.fragments import owners_of
+from protocol.diloco.fragments import balanced_owners, owners_of
 from protocol.errors import DecodeError, NotAuthorized, RemoteProtocolError
 from protocol.ids import key_id
 from protocol.wire.membership import MAX_CERT_BYTES, Certificate, SwarmManifest, admit
@@ -47,6 +47,7 @@ READ_QUORUM = 3  # responders whose member records are merged on a full read
 # responder omitted, is then seen at most FULL_READ_EVERY - 1 reads late; the view never shrinks.
 FULL_READ_EVERY = 4
 REFUSED_KEPT = 1024
+ASSIGNMENTS_KEPT = 64  # owner assignments remembered (one per candidate set: the members, less each primary)
 
 RECIPE_FIELDS = tuple(name for name in MANIFEST_FIELDS if name != "swarm")
 
@@ -154,8 +155,10 @@ class Membership:
     reachable member that asks may own."""
 
     def __init__(self, dht: DHTNode, swarm: str, manifest: str, *, ttl_s: float = 20.0,
-                 swarm_manifest: Callable[[], SwarmManifest] | None = None) -> None:
+                 swarm_manifest: Callable[[], SwarmManifest] | None = None, n_fragments: int | None = None) -> None:
         self.dht, self.swarm, self.manifest, self.ttl_s = dht, swarm, manifest, ttl_s
+        self.n_fragments = n_fragments  # owners by balanced_owners when given, else plain rendezvous
+        self._assignments: dict[tuple[str, frozenset[bytes]], tuple[bytes, ...]] = {}
         self.swarm_manifest = swarm_manifest
         self.key = members_key(swarm)
         self.members: dict[bytes, Member] = {}
@@ -229,19 +232,32 @@ class Membership:
         return [m.peer_id for m in self.members.values() if m.can_own and m.peer_id not in exclude]
 
     def owner_of(self, swarm: str, fragment: int, *, exclude: Collection[bytes] = ()) -> tuple[bytes, str] | None:
-        candidates = self.owner_candidates(exclude)
-        if not candidates:
-            return None
-        owner = owners_of(swarm, fragment, candidates, 1)[0]
-        return owner, self.members[owner].record.url
+        ranked = self.ranked(swarm, fragment, 1, exclude=exclude)
+        return ranked[0] if ranked else None
 
     def ranked(self, swarm: str, fragment: int, r: int, *, exclude: Collection[bytes] = ()) -> list[tuple[bytes, str]]:
-        """The first ``r`` candidate owners of ``fragment`` by rendezvous hash: the primary, then
-        its replicas."""
+        """The first ``r`` candidate owners of ``fragment``: the primary, then its replicas (by
+        ``balanced_owners`` when the number of fragments is known, else by rendezvous hash)."""
         candidates = self.owner_candidates(exclude)
-        if not candidates:
-            return []
-        return [(pid, self.members[pid].record.url) for pid in owners_of(swarm, fragment, candidates, r)]
+        if self.n_fragments is None or not 0 <= fragment < self.n_fragments:
+            chain: tuple[bytes, ...] = owners_of(swarm, fragment, candidates, r) if candidates else ()
+        else:
+            rest, chain = frozenset(candidates), ()
+            while rest and len(chain) < r:
+                chain += (self._assignment(swarm, rest)[fragment],)
+                rest = rest - {chain[-1]}
+        return [(pid, self.members[pid].record.url) for pid in chain]
+
+    def _assignment(self, swarm: str, candidates: frozenset[bytes]) -> tuple[bytes, ...]:
+        """``balanced_owners`` over ``candidates``, remembered (it hashes every fragment and member)."""
+        key = (swarm, candidates)
+        got = self._assignments.get(key)
+        if got is None:
+            assert self.n_fragments is not None
+            got = self._assignments[key] = balanced_owners(swarm, self.n_fragments, candidates)
+            while len(self._assignments) > ASSIGNMENTS_KEPT:
+                self._assignments.pop(next(iter(self._assignments)))
+        return got
 
     def learners(self) -> int:
         return sum(1 for m in self.members.values() if m.record.learning and m.expires_at > time.time())

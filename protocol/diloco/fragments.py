@@ -21,6 +21,14 @@ With ``P == H`` exactly one fragment is due per step, with ``P < H`` some steps 
 ``P > H`` each step has ``floor(P/H)`` or ``ceil(P/H)``.
 
 Owners (``owners_of``): rendezvous hashing of (swarm, fragment) over the members, primary first.
+With the number of fragments given, the hashing has bounded loads (``balanced_owners``): every
+(fragment, member) pair is ranked by its rendezvous score, highest first, and a fragment goes to
+the first member of its pairs with room left, ``floor(P/N)`` fragments each and one more for the
+first ``P mod N`` members to reach it. Plain hashing gave one of 4 members half of 8 fragments,
+and that member's merges, seals and uploads set the pace of every round. A fragment's replica
+is its owner among the members less its primary, so the member that takes over a failed
+primary's fragment is the one holding its state. A member joining or leaving moves its own
+fragments plus the few that the new room shifts (each move is a handoff).
 """
 
 from __future__ import annotations
@@ -32,11 +40,12 @@ from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from protocol.errors import LocalProtocolError
-from protocol.ids import rendezvous_rank
+from protocol.ids import rendezvous_rank, rendezvous_score
 
 __all__ = [
     "Fragment",
     "FragmentPlan",
+    "balanced_owners",
     "due_fragments",
     "due_offset",
     "owners_of",
@@ -146,14 +155,55 @@ def due_fragments(step: int, n_fragments: int, period: int) -> tuple[int, ...]:
     return tuple(range(first, stop))
 
 
-def owners_of(swarm: str, fragment: int, members: Iterable[bytes], r: int) -> tuple[bytes, ...]:
-    """The ``r`` owners of ``fragment`` among ``members`` by rendezvous hash, primary first.
+def owners_of(swarm: str, fragment: int, members: Iterable[bytes], r: int, *,
+              n_fragments: int | None = None) -> tuple[bytes, ...]:
+    """The ``r`` owners of ``fragment`` among ``members``, primary first: by rendezvous hash, or
+    with ``n_fragments`` by ``balanced_owners`` (the owner among the members, then the owner
+    among the members less those already named, and so on).
 
-    Raises ``LocalProtocolError`` for a negative fragment or ``r`` < 1.
+    Raises ``LocalProtocolError`` for a negative fragment, one not below ``n_fragments``, or
+    ``r`` < 1.
     """
     if fragment < 0:
         raise LocalProtocolError(f"fragment index must be >= 0, got {fragment}")
-    return tuple(rendezvous_rank(swarm, fragment, members, r))
+    if n_fragments is None:
+        return tuple(rendezvous_rank(swarm, fragment, members, r))
+    if fragment >= n_fragments:
+        raise LocalProtocolError(f"fragment {fragment} is not one of {n_fragments} fragments")
+    if r < 1:
+        raise LocalProtocolError(f"replica count r must be >= 1, got {r}")
+    rest, chain = set(members), list[bytes]()
+    while rest and len(chain) < r:
+        chain.append(balanced_owners(swarm, n_fragments, rest)[fragment])
+        rest.discard(chain[-1])
+    return tuple(chain)
+
+
+def balanced_owners(swarm: str, n_fragments: int, members: Iterable[bytes]) -> tuple[bytes, ...]:
+    """The primary owner of each of ``n_fragments`` fragments among ``members``: rendezvous
+    hashing with bounded loads (see the module docstring). Every member owns ``floor(P/N)`` or
+    ``ceil(P/N)`` fragments; the same members give the same answer in any order. Empty when
+    there are no members. Raises ``LocalProtocolError`` for ``n_fragments`` < 1."""
+    if n_fragments < 1:
+        raise LocalProtocolError(f"n_fragments must be >= 1, got {n_fragments}")
+    peers = sorted(set(members))
+    if not peers:
+        return ()
+    room, extra = divmod(n_fragments, len(peers))
+    pairs = sorted(((rendezvous_score(swarm, f, m), f, m) for f in range(n_fragments) for m in peers),
+                   reverse=True)
+    owner: list[bytes | None] = [None] * n_fragments
+    load = dict.fromkeys(peers, 0)
+    left = n_fragments
+    for _, f, m in pairs:
+        if owner[f] is not None or load[m] > room or (load[m] == room and extra == 0):
+            continue
+        if load[m] == room:
+            extra -= 1
+        owner[f], load[m], left = m, load[m] + 1, left - 1
+        if left == 0:
+            break
+    return tuple(o for o in owner if o is not None)
 
 
 # ---------------------------------------------------------------- helpers

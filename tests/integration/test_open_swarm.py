@@ -53,13 +53,14 @@ def test_an_uncertified_learner_is_merged_but_never_owns(tmp_path: Path) -> None
         files.certify(peer, lab="lab")
     manifest = load_manifest(files.manifest)
     certified = [load_key(files.key(p)).peer_id for p in ("c1", "c2")]
+    cfg = config_from_manifest(manifest, RunConfig())
     while True:  # grind a key that the rendezvous hash would make fragment 0's owner
         ground = generate_key()
-        if owners_of(manifest.swarm_id, 0, [*certified, ground.peer_id], 1)[0] == ground.peer_id:
+        members = [*certified, ground.peer_id]
+        if owners_of(manifest.swarm_id, 0, members, 1, n_fragments=cfg.fragments)[0] == ground.peer_id:
             break
     save_key(ground, files.folder / "u.key")
     files.keys["u"] = files.folder / "u.key"
-    cfg = config_from_manifest(manifest, RunConfig())
     u_id = ground.peer_id.hex()
 
     procs: list[Proc] = []

@@ -1,4 +1,5 @@
-"""Fragments: balanced fragmentation, the staggered due-schedule, owners by rendezvous hash."""
+"""Fragments: balanced fragmentation, the staggered due-schedule, owners by rendezvous hash
+(plain, and with bounded loads)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from protocol.diloco.fragments import (
+    balanced_owners,
     due_fragments,
     due_offset,
     owners_of,
@@ -240,3 +242,67 @@ def test_owners_errors() -> None:
         owners_of("s", -1, [b"a"], 1)
     with pytest.raises(LocalProtocolError):
         owners_of("s", 0, [b"a"], 0)
+
+
+def _ids(n: int, salt: int = 0) -> list[bytes]:
+    return [bytes([salt, i]) * 16 for i in range(n)]
+
+
+@settings(max_examples=150, deadline=None)
+@given(n_fragments=st.integers(1, 24), n_members=st.integers(1, 40), salt=st.integers(0, 255))
+def test_balanced_owners_give_every_member_its_share(n_fragments: int, n_members: int, salt: int) -> None:
+    """Every fragment has one owner among the members, each member owns floor(P/N) or ceil(P/N)
+    (distinct owners when P <= N), and the order the members come in does not matter."""
+    members = _ids(n_members, salt)
+    owners = balanced_owners("swarm", n_fragments, members)
+    assert len(owners) == n_fragments and set(owners) <= set(members)
+    loads = [owners.count(m) for m in members]
+    assert min(loads) >= n_fragments // n_members and max(loads) <= -(-n_fragments // n_members)
+    assert balanced_owners("swarm", n_fragments, reversed(members)) == owners
+    assert balanced_owners("swarm", n_fragments, [*members, *members]) == owners
+
+
+@settings(max_examples=150, deadline=None)
+@given(n_fragments=st.integers(1, 16), n_members=st.integers(2, 20), salt=st.integers(0, 255))
+def test_the_replica_is_the_owner_once_the_primary_is_gone(n_fragments: int, n_members: int, salt: int) -> None:
+    """A fragment's replica holds its state; when the primary leaves, the fragment goes to it."""
+    members = _ids(n_members, salt)
+    for p in range(n_fragments):
+        primary, replica = owners_of("swarm", p, members, 2, n_fragments=n_fragments)
+        assert primary != replica and primary == balanced_owners("swarm", n_fragments, members)[p]
+        rest = [m for m in members if m != primary]
+        assert balanced_owners("swarm", n_fragments, rest)[p] == replica
+
+
+def test_balanced_owners_split_what_plain_hashing_piles_up() -> None:
+    """The case that set the pace of the averaging bench: plain rendezvous hashing gave one of
+    4 members 3 to 5 of 8 fragments; bounded loads give each 2, and most fragments keep the
+    owner plain hashing gave them."""
+    worst, kept = 0, 0
+    for salt in range(50):
+        members = _ids(4, salt)
+        plain = [owners_of("s", p, members, 1)[0] for p in range(8)]
+        balanced = balanced_owners("s", 8, members)
+        worst = max(worst, max(plain.count(m) for m in members))
+        assert max(balanced.count(m) for m in members) == 2
+        kept += sum(a == b for a, b in zip(plain, balanced, strict=True))
+    assert worst >= 4 and kept >= 0.6 * 50 * 8
+
+
+def test_a_member_that_owns_nothing_leaves_and_nothing_moves() -> None:
+    members = _ids(12)
+    owners = balanced_owners("s", 4, members)
+    idle = [m for m in members if m not in owners]
+    assert len(idle) == 8
+    for m in idle:
+        assert balanced_owners("s", 4, [x for x in members if x != m]) == owners
+
+
+def test_balanced_owners_errors() -> None:
+    assert balanced_owners("s", 3, []) == ()
+    with pytest.raises(LocalProtocolError, match="n_fragments"):
+        balanced_owners("s", 0, [b"a"])
+    with pytest.raises(LocalProtocolError, match="not one of 4"):
+        owners_of("s", 4, [b"a"], 1, n_fragments=4)
+    with pytest.raises(LocalProtocolError, match="replica count"):
+        owners_of("s", 0, [b"a"], 0, n_fragments=4)
