@@ -90,6 +90,8 @@ class Round:
                                          "timeout_s": self.args.timeout}, self.args.timeout + 30, kill)
         out: dict[str, Any] = {"seconds": round(seconds, 4), "ok": all(x.get("ok") for x in replies),
                                "cpu_s": round(self.w.last_cpu_s, 3) if kill is None else None,
+                               "busiest_peer_cpu_s": (round(max(self.w.last_peer_cpu_s), 3)
+                                                      if kill is None and self.w.last_peer_cpu_s else None),
                                "load_avg": round(os.getloadavg()[0], 2)}
         if system == "atoll" and kill is None:  # versions received as int8 updates (update_codec) or full
             for key in ("versions_received", "updates_applied", "update_mismatches"):
@@ -169,7 +171,7 @@ def measure(args: argparse.Namespace, peers: int, params: int, codec: str, syste
             for s in systems:
                 out = rounds.run(s)
                 _say(f"  {'warm-up' if rep == 0 else f'round {rep}'} {s:8} {out['seconds']:8.3f} s "
-                     f"(cpu {out['cpu_s']:.2f} s, load {out['load_avg']}) ok={out['ok']} "
+                     f"(cpu {out['cpu_s']:.2f} s, busiest peer {out['busiest_peer_cpu_s']:.2f} s, load {out['load_avg']}) ok={out['ok']} "
                      f"{out.get('check', {}).get('matches', '')} {out.get('errors', '')}"
                      + (f" updates {out['updates_applied']}/{out['versions_received']} versions"
                         if out.get("updates_applied") else ""))
@@ -183,6 +185,7 @@ def measure(args: argparse.Namespace, peers: int, params: int, codec: str, syste
         w.close()
     result: dict[str, Any] = {f"{s}_s": _median(runs[s]) for s in systems}
     result.update({f"{s}_cpu_s": _median(runs[s], "cpu_s") for s in systems})
+    result.update({f"{s}_busiest_peer_cpu_s": _median(runs[s], "busiest_peer_cpu_s") for s in systems})
     result.update({f"{s}_runs": runs[s] for s in systems}, owners=owners,
                   peak_rss_mb=[m.get("peak_rss_mb") for m in memory], processes_rss_mb=sessions)
     if args.memory_detail:

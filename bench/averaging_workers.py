@@ -129,6 +129,7 @@ class Workers:
         self.alive = list(range(self.n))
         self.procs: list[_Proc] = []
         self.last_cpu_s = 0.0
+        self.last_peer_cpu_s: list[float] = []  # per live peer, the same
         self.aborted: str | None = None
         self._closed = threading.Event()
         threading.Thread(target=self._guard_memory, args=(min_available_mb,), daemon=True).start()
@@ -196,8 +197,10 @@ class Workers:
 
         ``kill = (peer, after_s)``: SIGKILL that peer's process group ``after_s`` into the round;
         the time and replies are then the survivors'. ``self.last_cpu_s``: the CPU seconds the
-        peers' process trees used meanwhile (the survivors' after a kill)."""
+        peers' process trees used meanwhile (the survivors' after a kill); ``last_peer_cpu_s``:
+        each live peer's (the busiest one bounds the round when every peer has its own cores)."""
         cpu0 = self.cpu_s()
+        peer0 = {i: session_cpu_s({self.procs[i].proc.pid}) for i in self.alive}
         t0 = time.perf_counter()
         for i in self.alive:
             self.procs[i].send(cmd)
@@ -211,6 +214,7 @@ class Workers:
             replies.append(self._recv(i, max(1.0, timeout_s - (time.perf_counter() - t0))))
         seconds = time.perf_counter() - t0
         self.last_cpu_s = self.cpu_s() - cpu0 if kill is None else self.cpu_s()
+        self.last_peer_cpu_s = [session_cpu_s({self.procs[i].proc.pid}) - peer0[i] for i in self.alive]
         return seconds, replies
 
     def close(self) -> None:
