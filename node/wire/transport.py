@@ -1,12 +1,9 @@
 """HTTP transport: one aiohttp server, one client session, size caps, link emulation.
 
 ``Transport`` turns HTTP into bytes and back and nothing more: ``rpc`` decides what the bytes
-mean. Bodies travel in chunks of at most ``CHUNK`` bytes and are read into pooled buffers, so a
-fragment of hundreds of MB is never concatenated or copied twice (fresh memory is slow to fill
-on small machines: on the 2-core box a 25 MB body read into a fresh buffer grown by doubling
-cost ~25x one read into a pooled buffer). The pool keeps what a peer's busiest moment used, up
-to ``POOL_MAX_BYTES``, dropping its smallest buffers first. The server binds port 0 and
-announces the real port only once bound.
+mean. Bodies travel in chunks of at most ``CHUNK`` bytes and are read into pooled buffers
+(``node.wire.bodies``). Every byte sent is counted under its route (``bytes_by_route``). The
+server binds port 0 and announces the real port only once bound.
 
 Refusing is cheap (``ServeLimits``). A declared ``Content-Length`` is a claim, not a reason to
 allocate: a body's buffer grows with the bytes that actually arrive (a pooled buffer is reused
@@ -39,10 +36,11 @@ import aiohttp
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
+from node.wire.bodies import CHUNK, BodyTimeout, BufferPool, ClientGone, read_stream
 from node.wire.connections import Connections, _GatedSite, address_key
 from node.wire.link import LinkDropped, LinkEmulator, LinkProfile
 from node.wire.tls import PinnedKey, client_context, origin
-from protocol.errors import Oversize, RemoteProtocolError
+from protocol.errors import RemoteProtocolError
 
 __all__ = [
     "CHUNK", "BodyTimeout", "BufferPool", "Busy", "ClientGone", "Connections", "LinkDropped", "LinkEmulator",
@@ -51,14 +49,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-CHUNK = 1 << 20
-# What the buffer pool keeps for reuse: never a buffer above POOL_MAX_BUFFER, at most
-# POOL_BUFFERS buffers and POOL_MAX_BYTES in all (a peer that once received a huge body does not
-# hold it forever). A peer of a 4 x 50M swarm has ~8-16 bodies of 25 MB in flight at its busiest
-# (its learner's fetches, its owned fragments' contributions, a replica state): they all fit.
-POOL_MAX_BUFFER = 256 << 20
-POOL_MAX_BYTES = 512 << 20
-POOL_BUFFERS = 32
 # Reading a request body: it must be complete within BODY_TIMEOUT_S plus BODY_SLACK_S_PER_MIB
 # per declared MiB (so a 256 MiB body may take ~5 min, i.e. ~1 MiB/s), and no gap between two
 # chunks may exceed BODY_IDLE_S.
@@ -82,20 +72,10 @@ MAX_CONNS = 512
 HEAD_TIMEOUT_S = 5.0
 
 
-class BodyTimeout(RemoteProtocolError):
-    """A request body that stopped arriving, or did not arrive in time."""
-
-    status = 408
-
-
 class Busy(RemoteProtocolError):
     """Too many request bodies are being read from this address (or in all); retry later."""
 
     status = 429
-
-
-class ClientGone(RemoteProtocolError):
-    """The sender went away, or ended the body before its declared length."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,112 +134,6 @@ def refusal(exc: RemoteProtocolError) -> web.Response:
     """The reply to a refused request: its status and a JSON ``{"error", "reason"}``."""
     body = {"error": type(exc).__name__, "reason": exc.reason}
     return web.Response(status=exc.status, text=json.dumps(body), content_type="application/json")
-
-
-class BufferPool:
-    """Reusable bytearrays, so receiving a fragment does not fault in fresh memory each time.
-
-    It keeps at most ``max_buffers`` buffers of at most ``max_buffer`` bytes each and
-    ``max_bytes`` in all; beyond that its smallest buffers are dropped (and their memory freed):
-    a large buffer is the costly one to fill afresh."""
-
-    def __init__(self, max_buffers: int = POOL_BUFFERS, *, max_buffer: int = POOL_MAX_BUFFER,
-                 max_bytes: int = POOL_MAX_BYTES) -> None:
-        self._free: list[bytearray] = []
-        self._max, self.max_buffer, self.max_bytes = max_buffers, max_buffer, max_bytes
-        self.held = 0  # bytes kept for reuse
-
-    def take(self, size: int, *, fresh: int | None = None) -> bytearray:
-        """The smallest pooled buffer of at least ``size`` bytes. If none: with ``fresh`` (the
-        caller grows the buffer as bytes arrive), the largest pooled one of at least
-        ``min(size, fresh)`` bytes, else a new one of that many; without, a new one of ``size``
-        bytes. A new buffer has at least ``CHUNK`` bytes."""
-        want = size if fresh is None else min(size, fresh)
-        best = min((b for b in self._free if len(b) >= size), key=len, default=None)
-        if best is None:
-            best = max((b for b in self._free if len(b) >= want), key=len, default=None)
-        if best is None:
-            return bytearray(max(want, CHUNK))
-        self._free.remove(best)
-        self.held -= len(best)
-        return best
-
-    def give(self, buf: bytearray) -> None:
-        if len(buf) > self.max_buffer:
-            return
-        self._free.append(buf)
-        self.held += len(buf)
-        while len(self._free) > self._max or self.held > self.max_bytes:
-            smallest = min(self._free, key=len)
-            self._free.remove(smallest)
-            self.held -= len(smallest)
-
-    def grow(self, buf: bytearray, used: int, need: int, limit: int) -> bytearray:
-        """A buffer of at least ``need`` bytes holding ``buf[:used]`` (``buf`` is given back):
-        double the size, but never beyond ``limit``."""
-        grown = self.take(min(max(need, 2 * len(buf)), limit))
-        grown[:used] = memoryview(buf)[:used]
-        self.give(buf)
-        return grown
-
-
-async def read_stream(
-    content: aiohttp.StreamReader, length: int | None, max_size: int, pool: BufferPool,
-    *, timeout_s: float | None = None, idle_s: float | None = None,
-) -> tuple[bytearray, int]:
-    """Read a body into a pooled buffer; return (buffer, used bytes). Caller gives it back.
-
-    The buffer grows as bytes arrive (a declared length is only an upper bound). Raises
-    ``Oversize`` as soon as the body (declared or actual) exceeds ``max_size``; ``BodyTimeout``
-    when no chunk arrives for ``idle_s`` or the whole body takes longer than ``timeout_s``
-    (None: no limit); ``ClientGone`` for a body that ends before its declared length.
-    """
-    if length is not None and length > max_size:
-        raise Oversize(f"body of {length} bytes exceeds the cap of {max_size}")
-    limit = max_size if length is None else length
-    loop = asyncio.get_running_loop()
-    deadline = None if timeout_s is None else loop.time() + timeout_s
-    buf = pool.take(limit, fresh=CHUNK)
-    used = 0
-    try:
-        while True:
-            left = None if deadline is None else max(deadline - loop.time(), 0.0)
-            by_idle = idle_s is not None and (left is None or idle_s <= left)
-            wait = idle_s if by_idle else left
-            try:
-                async with asyncio.timeout(wait):
-                    # the next piece as it arrived: read(n) would join pieces, one more copy
-                    chunk, boundary = await content.readchunk()
-            except TimeoutError:
-                raise BodyTimeout(_stalled(used, length, wait if by_idle else timeout_s,
-                                           whole=not by_idle)) from None
-            if not chunk:
-                # the end of one chunk of a chunked body: more may follow. aiohttp's shared empty
-                # body (a 204's) answers (b"", True) for ever once read: it is at its end
-                if boundary and not content.at_eof():
-                    continue
-                break
-            end = used + len(chunk)
-            if end > limit:
-                raise Oversize(f"body exceeds {'its declared length' if length is not None else 'the cap'} "
-                               f"of {limit} bytes")
-            if end > len(buf):
-                buf = pool.grow(buf, used, end, limit)
-            buf[used:end] = chunk
-            used = end
-        if length is not None and used != length:
-            raise ClientGone(f"body ended after {used} of {length} declared bytes")
-    except BaseException:
-        pool.give(buf)
-        raise
-    return buf, used
-
-
-def _stalled(got: int, length: int | None, limit_s: float | None, *, whole: bool) -> str:
-    declared = f" of {length} declared" if length is not None else ""
-    if whole:
-        return f"request body not complete after {limit_s:.1f} s ({got}{declared} bytes arrived)"
-    return f"request body stalled: {got}{declared} bytes arrived, then nothing for {limit_s:.1f} s"
 
 
 class Transport:

@@ -255,3 +255,42 @@ def test_a_synchronous_round_waits_for_every_provisioned_learner_but_the_finishe
     done = _member(ids[1])
     membership.members[ids[1]] = Member(ids[1], dataclasses.replace(done.record, learning=False), 2e9)
     assert node.expected_learners() == 3  # finished: no longer waited for
+
+
+async def test_the_record_is_republished_while_a_membership_pass_is_stuck() -> None:
+    """Others drop a member whose record expires and take its fragments over: a membership pass
+    that hangs (a slow read, a retiring owner's last merge) must not stop our republishing."""
+    import asyncio
+
+    from node import peer as peer_module
+
+    node, _ = _node()
+    published: list[MemberRecord] = []
+    stuck = asyncio.Event()
+
+    class Stuck(FakeMembership):
+        async def refresh(self) -> dict[bytes, Member]:
+            stuck.set()
+            await asyncio.sleep(3600)
+            return {}
+
+        async def publish(self, record: MemberRecord) -> int:
+            published.append(record)
+            return 1
+
+    node.membership = Stuck(records={})  # type: ignore[assignment]
+    old = peer_module.REPUBLISH_S, peer_module.PUBLISH_CHECK_S
+    peer_module.REPUBLISH_S, peer_module.PUBLISH_CHECK_S = 0.05, 0.01
+    try:
+        tasks = [asyncio.create_task(node._membership_loop()), asyncio.create_task(node._publish_loop())]
+        await asyncio.wait_for(stuck.wait(), 5)
+        await asyncio.sleep(0.3)
+        node.learning = False  # news: published at once, not at the next republish
+        await asyncio.sleep(0.05)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    finally:
+        peer_module.REPUBLISH_S, peer_module.PUBLISH_CHECK_S = old
+    assert len(published) >= 4, len(published)  # republished every 0.05 s while the read hung
+    assert published[0].learning and not published[-1].learning
