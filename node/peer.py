@@ -70,7 +70,6 @@ log = logging.getLogger("atoll.peer")
 MEMBERSHIP_PERIOD_S = 2.0
 JOINING_PERIOD_S = 0.5  # the membership period while fewer members are seen than wait_for_members awaits
 REPUBLISH_S = 6.0
-PUBLISH_CHECK_S = 0.5  # how often the record is compared with what was published last
 CATCH_UP_S = 6.0
 FENCE_BACKOFF_S = 5.0  # an owner fenced off does not claim the fragment again for this long (or until handed it)
 JOIN_ATTEMPTS = 5
@@ -276,26 +275,18 @@ class PeerNode(OwnerHandoffs, VersionServing):
     def url(self) -> str:
         return self.public_address or self.transport.url
 
-    async def _publish_loop(self) -> None:
-        """Keep our member record alive: a new step alone is news only every ``REPUBLISH_S``
-        (the status page shows it); a change of role, address, reachability, manifest or
-        learning is published at once. A task of its own, so a slow membership pass (a read
-        under load, a retiring owner's last merge) never lets our record expire in others' views:
-        they would route around a live owner and take its fragments over."""
+    async def _membership_loop(self) -> None:
         assert self.membership is not None
         published_at, published = 0.0, None
         while True:
             record = self.my_record()
+            # a new step alone is news only every REPUBLISH_S (the status page shows it); a
+            # change of role, address, reachability or manifest is published at once
             changed = published is None or dataclasses.replace(record, step=published.step) != published
             if changed or time.monotonic() - published_at > REPUBLISH_S:
                 with contextlib.suppress(Exception):
                     await self.membership.publish(record)
                     published, published_at = record, time.monotonic()
-            await asyncio.sleep(PUBLISH_CHECK_S)
-
-    async def _membership_loop(self) -> None:
-        assert self.membership is not None
-        while True:
             with contextlib.suppress(Exception):
                 await self.membership.refresh()
             await self._follow_manifest()
@@ -592,8 +583,7 @@ class PeerNode(OwnerHandoffs, VersionServing):
                     self.joined.set()
                     raise
                 self.joined.set()
-                tasks = [tg.create_task(self.net.run()), tg.create_task(self._publish_loop()),
-                         tg.create_task(self._membership_loop())]
+                tasks = [tg.create_task(self.net.run()), tg.create_task(self._membership_loop())]
                 await self._stop.wait()
                 for t in [*tasks, *self._owner_tasks.values()]:
                     t.cancel()
