@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import aiohttp
 
-from node.diloco.replica import BaseNotHeld, ReplicaStore, encode_state, hand_over
+from node.diloco.replica import BaseNotHeld, NotAMemberThere, ReplicaStore, encode_state, hand_over
 from protocol.errors import NotAuthorized
 from protocol.wire.messages import ReplicaAck, ReplicaState
 from protocol.wire.signing import Opened, ReplayWindow, Signer
@@ -33,6 +33,10 @@ log = logging.getLogger("atoll.peer")
 
 REPLICAS = 1  # replicas per fragment beside its owner (r = 2): each holds the owner's last state
 MAX_EPOCH_BUMPS = 3  # per handoff: stale fences passed by adopting an epoch above them
+
+
+class _StrangerThere(Exception):
+    """A replica refused a handoff because we are not a member in its view (``NotAMemberThere``)."""
 
 
 class _FencedBy(Exception):
@@ -83,6 +87,8 @@ class OwnerHandoffs:
             try:
                 await self._hand_to(p, target, state)
                 return
+            except _StrangerThere:
+                return  # the successor does not see us: it starts from the newest version it holds
             except _FencedBy as exc:
                 ack = exc.ack
                 if not (ack.epoch > state.epoch and 0 <= ack.version < state.version):
@@ -101,6 +107,9 @@ class OwnerHandoffs:
         except aiohttp.ClientConnectorError:
             self._unreachable(target[0])
             return False
+        except NotAMemberThere as exc:
+            log.info("fragment %d: %s refused version %d: %s", p, target[1], state.version, exc.reason)
+            raise _StrangerThere() from exc
         except Exception as exc:  # the replica may be busy, new or gone: the caller tries another
             log.info("fragment %d: handoff of version %d to %s failed: %r", p, state.version,
                      target[1], exc)
@@ -125,9 +134,14 @@ class OwnerHandoffs:
             return (f"fenced: fragment {p} version {held.version} was handed to this peer by the previous "
                     f"owner while it merged its own")
         tried: set[bytes] = {self.signer.peer_id}
-        bumps = 0
+        bumps, strangers = 0, 0
         while True:
             ranked = self.membership.ranked(self.cfg.swarm, p, REPLICAS, exclude=tried | self.suspects())
+            if not ranked and strangers:
+                # unreachable replicas may be dead, but these are alive and route around us: the
+                # fragment may have another owner in their views, publishing this version number
+                return (f"fenced: {strangers} replica(s) of fragment {p} refused version {state.version} "
+                        "because this peer is not a member in their view")
             if not ranked:
                 self.unreplicated += 1
                 return None
@@ -145,6 +159,8 @@ class OwnerHandoffs:
                     return str(exc)
                 state, bumps = bumped, bumps + 1
                 continue
+            except _StrangerThere:
+                strangers += 1
             tried.add(ranked[0][0])
 
     def _above_stale_fence(self, p: int, state: ReplicaState, ack: ReplicaAck) -> ReplicaState | None:

@@ -29,7 +29,7 @@ from protocol.wire.codec import encode
 from protocol.wire.messages import ReplicaAck, ReplicaState
 from protocol.wire.signing import ReplayWindow, Signer, open_sealed, seal
 
-__all__ = ["BaseNotHeld", "Handed", "ReplicaStore", "encode_state", "hand_over"]
+__all__ = ["BaseNotHeld", "Handed", "NotAMemberThere", "ReplicaStore", "encode_state", "hand_over"]
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,11 @@ def encode_state(*, swarm: str, fragment: int, epoch: int, version: int, digest:
     return ReplicaState(swarm=swarm, fragment=fragment, epoch=epoch, version=version, digest=digest,
                         theta=(t,), momentum=m, merged_peers=tuple(k for k, _ in recent),
                         merged_bases=tuple(min(v, version) for _, v in recent))
+
+
+class NotAMemberThere(RemoteProtocolError):
+    """A replica refused a handoff (403) because its view of the members does not hold ours: it
+    routes around us, and another owner may be publishing this fragment's versions."""
 
 
 class BaseNotHeld(DecodeError):
@@ -184,8 +189,8 @@ async def hand_over(transport: Transport, signer: Signer, target: tuple[bytes, s
                                                    kind=type(msg).__name__)
     try:
         if status != 200:
-            raise RemoteProtocolError(f"handoff refused ({status}): {bytes(memoryview(buf)[:used])[:300]!r}",
-                                      penalty=0.0)
+            kind = NotAMemberThere if status == 403 else RemoteProtocolError
+            raise kind(f"handoff refused ({status}): {bytes(memoryview(buf)[:used])[:300]!r}", penalty=0.0)
         opened = open_sealed(memoryview(buf)[:used], now=time.time(), replay=replay, max_size=1 << 16,
                              expected_recipient=signer.peer_id)
     finally:

@@ -256,3 +256,49 @@ def test_a_synchronous_round_waits_for_every_provisioned_learner_but_the_finishe
     membership.members[ids[1]] = Member(ids[1], dataclasses.replace(done.record, learning=False), 2e9)
     assert node.expected_learners() == 3  # finished: no longer waited for
 
+
+
+async def test_replicas_that_do_not_see_us_stop_the_version_and_dead_ones_do_not(monkeypatch) -> None:
+    """A version published while no replica holds it could get a second content from the owner
+    the others' views name. Replicas that cannot be reached may be dead: publish, counted as
+    unreplicated. Replicas that answer 403 (we are not a member in their view) are alive and
+    route around us: do not publish (fenced), and hand nothing to a successor that refuses so."""
+    import aiohttp
+    import torch
+
+    from node.diloco import handoffs
+    from node.diloco.replica import NotAMemberThere, encode_state
+
+    model = tiny_model()
+    node = PeerNode(RunConfig(max_tokens_per_step=64), signer(1), model, tiny_plan(model))
+    replicas = [(signer(n).peer_id, f"http://127.0.0.1:{n}") for n in (2, 3)]
+
+    class Members(FakeMembership):
+        ttl_s = 20.0
+
+        def ranked(self, swarm: str, p: int, r: int, *, exclude: object = ()) -> list[tuple[bytes, str]]:
+            return [t for t in replicas if t[0] not in exclude][:r]  # type: ignore[operator]
+
+    node.membership = Members(records={})  # type: ignore[assignment]
+    n = node.replicas.numels[0]
+    state = encode_state(swarm=node.cfg.swarm, fragment=0, epoch=0, version=5, digest=b"\x01" * 32,
+                         theta=torch.zeros(n), momentum=None)
+    asked: list[str] = []
+
+    async def refusing(transport: object, signer_: object, target: tuple[bytes, str], *_: object, **__: object) -> None:
+        asked.append(target[1])
+        raise NotAMemberThere("handoff refused (403): peer is not a member of this swarm", penalty=0.0)
+
+    monkeypatch.setattr(handoffs, "hand_over", refusing)
+    reason = await node._replicate(0, state)
+    assert reason is not None and reason.startswith("fenced") and "not a member" in reason
+    assert len(asked) == 2 and node.unreplicated == 0  # both tried, neither publishes it
+    await node._hand_on(0, replicas[0], state)  # a successor that does not see us: nothing raised
+    assert len(asked) == 3
+
+    async def unreachable(*_: object, **__: object) -> None:
+        raise aiohttp.ClientConnectorError(None, OSError("connection refused"))  # type: ignore[arg-type]
+
+    monkeypatch.setattr(handoffs, "hand_over", unreachable)
+    monkeypatch.setattr(node, "_unreachable", lambda peer_id: None)
+    assert await node._replicate(0, state) is None and node.unreplicated == 1
