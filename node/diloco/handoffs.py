@@ -134,14 +134,9 @@ class OwnerHandoffs:
             return (f"fenced: fragment {p} version {held.version} was handed to this peer by the previous "
                     f"owner while it merged its own")
         tried: set[bytes] = {self.signer.peer_id}
-        bumps, strangers = 0, 0
+        bumps = 0
         while True:
             ranked = self.membership.ranked(self.cfg.swarm, p, REPLICAS, exclude=tried | self.suspects())
-            if not ranked and strangers:
-                # unreachable replicas may be dead, but these are alive and route around us: the
-                # fragment may have another owner in their views, publishing this version number
-                return (f"fenced: {strangers} replica(s) of fragment {p} refused version {state.version} "
-                        "because this peer is not a member in their view")
             if not ranked:
                 self.unreplicated += 1
                 return None
@@ -160,7 +155,11 @@ class OwnerHandoffs:
                 state, bumps = bumped, bumps + 1
                 continue
             except _StrangerThere:
-                strangers += 1
+                # an unreachable replica may be dead, but this one is alive and routes around us:
+                # the fragment may have another owner in its view, publishing this version number
+                # (and a peer further down the list, which has not seen that owner, would take it)
+                return (f"fenced: the replica {ranked[0][1]} of fragment {p} refused version {state.version}: "
+                        "this peer is not a member in its view")
             tried.add(ranked[0][0])
 
     def _above_stale_fence(self, p: int, state: ReplicaState, ack: ReplicaAck) -> ReplicaState | None:
