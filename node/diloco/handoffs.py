@@ -85,7 +85,10 @@ class OwnerHandoffs:
         as ahead of it."""
         for _ in range(MAX_EPOCH_BUMPS + 1):
             try:
-                await self._hand_to(p, target, state)
+                # by reference first: the successor holds our version when it was our replica
+                # (or its learner fetched it); the whole state follows when it does not
+                if not (await self._hand_by_reference(p, target, state)):
+                    await self._hand_to(p, target, state)
                 return
             except _StrangerThere:
                 return  # the successor does not see us: it starts from the newest version it holds
@@ -98,6 +101,14 @@ class OwnerHandoffs:
                 log.info("fragment %d: the successor's fence at epoch %d ends at version %d, behind our %d: "
                          "handing it on under epoch %d", p, ack.epoch, ack.version, state.version, ack.epoch)
                 state = dataclasses.replace(state, epoch=ack.epoch)
+
+    async def _hand_by_reference(self, p: int, target: tuple[bytes, str], state: ReplicaState) -> bool:
+        """Hand ``state`` as a reference to the version and digest the target may hold already
+        (no tensors); whether it took it. Only a whole state without momentum can go so."""
+        if state.base_version >= 0 or state.momentum:
+            return False
+        reference = dataclasses.replace(state, theta=(), base_version=state.version, base_digest=state.digest)
+        return await self._hand_to(p, target, reference)
 
     async def _hand_to(self, p: int, target: tuple[bytes, str], state: ReplicaState) -> bool:
         """Hand ``state`` to ``target``; whether it took it (failures are logged, not raised)."""

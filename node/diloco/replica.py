@@ -94,23 +94,30 @@ class ReplicaStore:
         from). Raises ``DecodeError`` for a malformed one, and for an update over a state held
         in neither (the owner then sends the whole state)."""
         self._check_fragment(msg)
+        if msg.base_version == msg.version:
+            return self._held_base(msg, learned), None
         if msg.base_version >= 0:
             return self._apply_update(msg, learned), None
         shape = [(self.numels[msg.fragment],)]
         theta = flat_from_tensors(msg.theta, shape)
         return theta, (flat_from_tensors(msg.momentum, shape) if msg.momentum else None)
 
-    def _apply_update(self, msg: ReplicaState, learned: tuple[int, bytes, torch.Tensor] | None) -> torch.Tensor:
-        """The state an update handoff gives over the one held: it must hash to its digest."""
+    def _held_base(self, msg: ReplicaState, learned: tuple[int, bytes, torch.Tensor] | None) -> torch.Tensor:
+        """The state of ``base_version`` with ``base_digest`` as this peer holds it, handed to it
+        before (as a replica) or as its learner holds it (never written to); else ``BaseNotHeld``."""
         held = self.states.get(msg.fragment)
         if held is not None and (held.version, held.digest) == (msg.base_version, msg.base_digest):
-            base = held.theta
-        elif learned is not None and learned[:2] == (msg.base_version, msg.base_digest):
-            base = learned[2]
-        else:
-            raise BaseNotHeld(f"an update over version {msg.base_version} of fragment {msg.fragment}, but this "
-                              f"peer holds {'no state' if held is None else f'version {held.version}'} of "
-                              "it with that digest: hand over the whole state")
+            return held.theta
+        if learned is not None and learned[:2] == (msg.base_version, msg.base_digest):
+            return learned[2]
+        what = "a handoff by reference to" if msg.base_version == msg.version else "an update over"
+        raise BaseNotHeld(f"{what} version {msg.base_version} of fragment {msg.fragment}, but this peer holds "
+                          f"{'no state' if held is None else f'version {held.version}'} of it with that digest: "
+                          "hand over the whole state")
+
+    def _apply_update(self, msg: ReplicaState, learned: tuple[int, bytes, torch.Tensor] | None) -> torch.Tensor:
+        """The state an update handoff gives over the one held: it must hash to its digest."""
+        base = self._held_base(msg, learned)
         shapes = [tuple(t.shape) for t in msg.theta]
         if sum(int(torch.Size(s).numel()) for s in shapes) != self.numels[msg.fragment]:
             raise DecodeError(f"the update's tensors do not add up to fragment {msg.fragment}'s "

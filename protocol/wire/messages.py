@@ -231,7 +231,9 @@ class ReplicaState(Message):
     that is merged into this state, so the next owner refuses that work if it is sent again.
     With ``base_version`` >= 0 the state comes as the owner's update over the state of that
     version the replica holds (``base_digest``): ``theta`` then carries the update's tensors, to
-    be applied as learners apply a ``FragmentUpdate`` (``protocol.diloco.updates``)."""
+    be applied as learners apply a ``FragmentUpdate`` (``protocol.diloco.updates``). With
+    ``base_version == version`` (and ``base_digest == digest``, no tensors) the state is the
+    one the replica holds under that version and digest already: a handoff by reference."""
 
     swarm: str
     fragment: int
@@ -255,15 +257,20 @@ class ReplicaState(Message):
             _hash(peer, PEER_ID_BYTES, "ReplicaState.merged_peers")
         _require(all(0 <= b <= self.version for b in self.merged_bases),
                  "ReplicaState.merged_bases must lie in 0..version")
-        _tensors(self.theta, "ReplicaState.theta")
         if self.base_version == -1:
+            _tensors(self.theta, "ReplicaState.theta")
             _require(self.base_digest == b"", "ReplicaState.base_digest must be empty without a base_version")
             _require(len(self.theta) == 1 and len(self.momentum) <= 1,
                      "ReplicaState carries one theta tensor and at most one momentum tensor")
+        elif self.base_version == self.version:
+            _require(self.base_digest == self.digest and not self.theta and not self.momentum,
+                     "a handoff by reference (base_version == version) names the version's digest as its "
+                     "base and carries no tensors")
         else:
-            _require(0 <= self.base_version < self.version, "ReplicaState.base_version must lie in 0..version-1")
+            _require(0 <= self.base_version < self.version, "ReplicaState.base_version must lie in 0..version")
             _hash(self.base_digest, HASH_BYTES, "ReplicaState.base_digest")
             _require(not self.momentum, "an update handoff (base_version >= 0) carries no momentum")
+            _tensors(self.theta, "ReplicaState.theta")
         if self.momentum:
             _tensors(self.momentum, "ReplicaState.momentum")
 

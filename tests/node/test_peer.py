@@ -303,3 +303,46 @@ async def test_replicas_that_do_not_see_us_stop_the_version_and_dead_ones_do_not
     monkeypatch.setattr(handoffs, "hand_over", unreachable)
     monkeypatch.setattr(node, "_unreachable", lambda peer_id: None)
     assert await node._replicate(0, state) is None and node.unreplicated == 1
+
+
+async def test_a_retiring_owner_hands_a_state_the_successor_holds_by_reference() -> None:
+    """A fragment moves to the peer that was its replica: that peer took the retiring owner's
+    newest version already, so the handoff names it (no tensors) and the successor takes it from
+    its store; a successor that holds something else refuses, and the whole state follows."""
+    import types
+
+    import torch
+
+    from node.diloco.replica import encode_state
+    from protocol.wire.messages import ReplicaState
+
+    model = tiny_model()
+    successor = PeerNode(RunConfig(max_tokens_per_step=64), signer(2), model, tiny_plan(model))
+    retiring = PeerNode(RunConfig(max_tokens_per_step=64), signer(1), model, tiny_plan(model))
+    record = MemberRecord(url="http://127.0.0.1:1", roles=("learner", "owner"), reachable=True, manifest="m",
+                          learning=True)
+    successor.membership = FakeMembership(records={})  # type: ignore[assignment]
+    successor.membership.members = {signer(1).peer_id: Member(signer(1).peer_id, record, 2e9, certified_owner=True)}
+    n = successor.replicas.numels[0]
+    sent: list[ReplicaState] = []
+
+    async def hand_to(p: int, target: tuple[bytes, str], state: ReplicaState) -> bool:  # in memory
+        sent.append(state)
+        ack = await successor._on_replica_state(types.SimpleNamespace(peer_id=signer(1).peer_id, message=state))  # type: ignore[arg-type]
+        return ack.accepted
+
+    retiring._hand_to = hand_to  # type: ignore[method-assign]
+    target = (signer(2).peer_id, "http://127.0.0.1:2")
+    theta = torch.linspace(-1, 1, n)
+    v7 = encode_state(swarm=successor.cfg.swarm, fragment=0, epoch=0, version=7, digest=b"\x07" * 32,
+                      theta=theta, momentum=None)
+    assert successor.replicas.offer(signer(1).peer_id, v7).accepted  # as our replica, before we published 7
+    await retiring._hand_on(0, target, dataclasses.replace(v7, epoch=1))
+    assert len(sent) == 1 and sent[0].theta == () and sent[0].base_version == 7  # by reference only
+    assert torch.equal(successor.replicas.states[0].theta, theta) and successor.replicas.states[0].epoch == 1
+    sent.clear()
+    v8 = encode_state(swarm=successor.cfg.swarm, fragment=0, epoch=1, version=8, digest=b"\x08" * 32,
+                      theta=theta + 1, momentum=None)
+    await retiring._hand_on(0, target, v8)  # version 8 never reached it: refused by reference, then whole
+    assert [len(s.theta) for s in sent] == [0, 1]
+    assert successor.replicas.states[0].version == 8 and torch.equal(successor.replicas.states[0].theta, theta + 1)

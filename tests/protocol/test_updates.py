@@ -122,6 +122,16 @@ def test_update_messages_are_checked_on_decode() -> None:
     ReplicaState(**state, base_version=2, base_digest=bytes(32))  # type: ignore[arg-type]
     with pytest.raises(DecodeError, match="base_version"):
         ReplicaState(**state, base_version=3, base_digest=bytes(32))  # type: ignore[arg-type]
+    # by reference: the version the replica holds, named by its own digest, and no tensors
+    by_ref = {**state, "theta": (), "digest": b"\x07" * 32}
+    ReplicaState(**by_ref, base_version=3, base_digest=b"\x07" * 32)  # type: ignore[arg-type]
+    with pytest.raises(DecodeError, match="by reference"):
+        ReplicaState(**by_ref, base_version=3, base_digest=bytes(32))  # type: ignore[arg-type]
+    with pytest.raises(DecodeError, match="by reference"):
+        ReplicaState(**{**by_ref, "momentum": tuple(tensors[:1])}, base_version=3,  # type: ignore[arg-type]
+                     base_digest=b"\x07" * 32)
+    with pytest.raises(DecodeError, match="base_version"):
+        ReplicaState(**by_ref, base_version=4, base_digest=b"\x07" * 32)  # type: ignore[arg-type]
     with pytest.raises(DecodeError, match="base_digest"):
         ReplicaState(**{**state, "theta": tuple(tensors[:1])}, base_digest=bytes(32))  # type: ignore[arg-type]
     with pytest.raises(DecodeError, match="momentum"):
