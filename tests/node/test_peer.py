@@ -43,6 +43,19 @@ def _node() -> tuple[PeerNode, FakeMembership]:
     return node, membership
 
 
+def _successor_and_retiring() -> tuple[PeerNode, PeerNode]:
+    """Two peers of one swarm: the successor (key 2) sees the retiring owner (key 1) as a member
+    that may own fragments."""
+    model = tiny_model()
+    successor = PeerNode(RunConfig(max_tokens_per_step=64), signer(2), model, tiny_plan(model))
+    retiring = PeerNode(RunConfig(max_tokens_per_step=64), signer(1), model, tiny_plan(model))
+    record = MemberRecord(url="http://127.0.0.1:1", roles=("learner", "owner"), reachable=True, manifest="m",
+                          learning=True)
+    successor.membership = FakeMembership(records={})  # type: ignore[assignment]
+    successor.membership.members = {signer(1).peer_id: Member(signer(1).peer_id, record, 2e9, certified_owner=True)}
+    return successor, retiring
+
+
 async def test_a_new_member_is_admitted_after_one_lookup() -> None:
     node, membership = _node()
     assert await node._authorize(signer(2).peer_id) and membership.refreshes == 0
@@ -151,13 +164,7 @@ async def test_a_retiring_owner_hands_its_newer_state_past_a_successors_stale_fe
     from node.diloco.replica import encode_state
     from protocol.wire.messages import ReplicaState
 
-    model = tiny_model()
-    successor = PeerNode(RunConfig(max_tokens_per_step=64), signer(2), model, tiny_plan(model))
-    retiring = PeerNode(RunConfig(max_tokens_per_step=64), signer(1), model, tiny_plan(model))
-    record = MemberRecord(url="http://127.0.0.1:1", roles=("learner", "owner"), reachable=True, manifest="m",
-                          learning=True)
-    successor.membership = FakeMembership(records={})  # type: ignore[assignment]
-    successor.membership.members = {signer(1).peer_id: Member(signer(1).peer_id, record, 2e9, certified_owner=True)}
+    successor, retiring = _successor_and_retiring()
     n = successor.replicas.numels[0]
     sent: list[int] = []
 
@@ -316,13 +323,7 @@ async def test_a_retiring_owner_hands_a_state_the_successor_holds_by_reference()
     from node.diloco.replica import encode_state
     from protocol.wire.messages import ReplicaState
 
-    model = tiny_model()
-    successor = PeerNode(RunConfig(max_tokens_per_step=64), signer(2), model, tiny_plan(model))
-    retiring = PeerNode(RunConfig(max_tokens_per_step=64), signer(1), model, tiny_plan(model))
-    record = MemberRecord(url="http://127.0.0.1:1", roles=("learner", "owner"), reachable=True, manifest="m",
-                          learning=True)
-    successor.membership = FakeMembership(records={})  # type: ignore[assignment]
-    successor.membership.members = {signer(1).peer_id: Member(signer(1).peer_id, record, 2e9, certified_owner=True)}
+    successor, retiring = _successor_and_retiring()
     n = successor.replicas.numels[0]
     sent: list[ReplicaState] = []
 
