@@ -40,11 +40,12 @@ from node.dht.kademlia import DHTConfig, DHTNode
 from node.dht.membership import MemberRecord, Membership, manifest_hash
 from node.dht.route import DHTRouter
 from node.dht.swarm import SwarmCredentials
-from node.diloco.flat import encode_flat, flat_digest, flat_from_tensors
+from node.diloco.flat import flat_digest
 from node.diloco.handoffs import OwnerHandoffs
 from node.diloco.island import Island, Outgoing
 from node.diloco.learner import IslandNet
 from node.diloco.owner import FragmentOwner
+from node.diloco.owning import OwnedFragments
 from node.diloco.replica import ReplicaStore
 from node.diloco.serving import VersionServing
 from node.diloco.spread import Holdings, SpreadStats
@@ -56,12 +57,9 @@ from node.wire.rpc import RpcServer
 from node.wire.tls import origin, server_context
 from node.wire.transport import LinkEmulator, LinkProfile, Transport
 from protocol.diloco.fragments import FragmentPlan
-from protocol.diloco.merge import MergeConfig
-from protocol.diloco.outer import OuterConfig
 from protocol.diloco.spread import Fanout
-from protocol.errors import NotAuthorized, UnknownFragment
-from protocol.wire.messages import Ack, Contribution, ReplicaState
-from protocol.wire.signing import Opened, ReplayWindow, Signer
+from protocol.wire.messages import Contribution, ReplicaState
+from protocol.wire.signing import ReplayWindow, Signer
 
 __all__ = ["PeerNode", "emit"]
 
@@ -70,8 +68,6 @@ log = logging.getLogger("atoll.peer")
 MEMBERSHIP_PERIOD_S = 2.0
 JOINING_PERIOD_S = 0.5  # the membership period while fewer members are seen than wait_for_members awaits
 REPUBLISH_S = 6.0
-CATCH_UP_S = 6.0
-FENCE_BACKOFF_S = 5.0  # an owner fenced off does not claim the fragment again for this long (or until handed it)
 JOIN_ATTEMPTS = 5
 MAX_STATE = 1 << 30
 # A sealed request from a key that is not (yet) a member makes the owner read the member records
@@ -83,7 +79,6 @@ UNKNOWN_KEY_RETRY_S = 10.0
 UNKNOWN_KEYS_KEPT = 4096
 
 
-RETIRE_MERGE_WAIT_S = 10.0  # a retiring owner lets a merge under way finish this long
 
 
 def emit(event: str, **fields: Any) -> None:
@@ -91,7 +86,7 @@ def emit(event: str, **fields: Any) -> None:
     print(json.dumps({"event": event, **fields}), flush=True)
 
 
-class PeerNode(OwnerHandoffs, VersionServing):
+class PeerNode(OwnedFragments, OwnerHandoffs, VersionServing):
     """The peer's asyncio side: serves owners, RPC and the DHT, drives the island's network side."""
 
     def __init__(self, cfg: RunConfig, signer: Signer, model: torch.nn.Module, plan: FragmentPlan, *,
@@ -317,48 +312,6 @@ class PeerNode(OwnerHandoffs, VersionServing):
                 and await self.credentials.adopt_from(self.transport, newest.record.url)):
             await self.membership.refresh()  # revoked members drop out now
 
-    async def _reconcile_owners(self) -> None:
-        now = time.monotonic()
-        for p in range(len(self.plan.fragments)):
-            running = self.owners.get(p)
-            if running is not None and running.fenced is not None:
-                handed = self.replicas.states.get(p)
-                self._drop_owner(p)
-                if handed is None or (handed.version, handed.epoch) <= (running.version, running.epoch):
-                    self._fenced_until[p] = now + FENCE_BACKOFF_S  # another owner took over: step back
-                    continue
-                # else a newer state was handed to us: own again from it at once (below)
-            owner = self.owner_of(p)
-            mine = owner is not None and owner[0] == self.signer.peer_id
-            if mine and p not in self.owners and now >= self._fenced_until.get(p, 0.0):
-                self._start_owner(p)
-            elif not mine and p in self.owners:
-                log.info("fragment %d: no longer the owner (now %s)", p, owner[1] if owner else None)
-                retired = self._drop_owner(p, finish_merge=True)
-                await retired.retire(finish_merge_s=RETIRE_MERGE_WAIT_S)  # a merge under way ends first
-                if owner is not None and self._tg is not None:  # hand our state on: nothing is lost
-                    self._tg.create_task(self._hand_on(p, owner, retired.snapshot()))
-        if self.net is not None:
-            self.net.owners_changed()  # work accepted by an owner that has gone is sent again now
-
-    def _drop_owner(self, p: int, *, finish_merge: bool = False) -> FragmentOwner:
-        """Stop owning ``p``. With ``finish_merge`` a merge under way is not cancelled: its
-        replica may hold that version already, and the successor must get it (``retire`` waits
-        for it, then the timer is cancelled)."""
-        retired = self.owners.pop(p)
-        self._retired_owners.append(retired)  # keeps its penalty counts for the report
-        task = self._owner_tasks.pop(p)
-        if finish_merge and self._tg is not None:
-            async def cancel_after_retire() -> None:
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(RETIRE_MERGE_WAIT_S + 1.0):
-                        await retired.wait_retired()
-                task.cancel()
-            self._tg.create_task(cancel_after_retire())
-        else:
-            task.cancel()
-        return retired
-
     def _published(self, fragment: int, version: int, digest: bytes) -> None:
         owner = self.owners.get(fragment)
         if owner is not None:
@@ -369,105 +322,6 @@ class PeerNode(OwnerHandoffs, VersionServing):
                 self.owner_checkpoints.offer(owner.state())
         if self.announce_versions:
             emit("published", fragment=fragment, version=version, digest=digest.hex()[:32])
-
-    def _start_owner(self, p: int) -> None:
-        """Own fragment ``p``: from the state a previous owner handed us (its global fragment,
-        momentum and version, under a higher epoch) when it is not behind what we hold, else
-        from the newest version we hold."""
-        assert self.net is not None and self._tg is not None
-        version, flat = self.net.latest.get(p, (0, self.net.island_initial[p]))
-        held, handed = self.replicas.held.get(p), self.replicas.states.get(p)
-        epoch, momentum, merged = (held.epoch + 1 if held else 0), None, None
-        if handed is not None and handed.version >= version:
-            version, flat, momentum, merged = handed.version, handed.theta, handed.momentum, handed.merged
-            log.info("fragment %d: taking over version %d (epoch %d) with its momentum", p, version, handed.epoch)
-        owner = FragmentOwner(
-            swarm=self.cfg.swarm, fragment=self.plan.fragments[p], shapes=self.shapes[p],
-            initial=flat, version=version, merge_cfg=self._merge_cfg(), outer_cfg=self._outer_cfg(),
-            signer=self.signer, download_codec=self.cfg.download_codec, epoch=epoch, momentum=momentum,
-            update_codec=None if self.cfg.update_codec == "none" else self.cfg.update_codec,
-            block_size=self.cfg.block_size,
-            replicate=functools.partial(self._replicate, p), merged=merged,
-            on_publish=self._published,
-            event_log=(self.event_log_dir / f"fragment{p}-epoch{epoch}-v{version}-{time.time_ns()}.jsonl"
-                       if self.event_log_dir is not None else None),
-        )
-        self.replicas.fence(p, epoch, version, owner.digest_of(version))
-        previous = (self.membership.owner_of(self.cfg.swarm, p, exclude={self.signer.peer_id, *self.suspects()})
-                    if self.membership else None)
-        self.owners[p] = owner
-        self._owner_tasks[p] = self._tg.create_task(self._run_owner(owner, previous))
-        log.info("fragment %d: now the owner, from version %d", p, version)
-
-    async def _run_owner(self, owner: FragmentOwner, previous: tuple[bytes, str] | None) -> None:
-        """Catch up with the previous owner's latest version for a few seconds, then merge."""
-        async with asyncio.TaskGroup() as tg:
-            tg.create_task(owner.run())
-            if previous is not None and self.net is not None:
-                deadline = time.monotonic() + CATCH_UP_S
-                while time.monotonic() < deadline and owner.merges_done == 0:
-                    with contextlib.suppress(Exception):
-                        got = await self.net.fetch(owner.fragment.index, after=owner.version, wait_s=1.0,
-                                                   owner=previous)
-                        if got is not None:
-                            await owner.catch_up(*got)
-                    await asyncio.sleep(0.5)
-
-    def _merge_cfg(self) -> MergeConfig:
-        c = self.cfg
-        return MergeConfig(quorum=c.quorum, quorum_fraction=c.quorum_fraction, gamma=c.grace_gamma,
-                           tau=c.grace_tau, grace_cap_s=c.grace_cap_s,
-                           staleness_bound=c.staleness_bound,
-                           late_policy="carry" if c.late_policy == "carry" else "drop",
-                           max_tokens_per_step=c.max_tokens_per_step, quorum_is_expected=c.mode != "decoupled")
-
-    def _outer_cfg(self) -> OuterConfig:
-        return OuterConfig(lr=self.cfg.outer_lr, momentum=self.cfg.outer_momentum, aggregate=self.cfg.aggregate)
-
-    # --- handlers (training) --------------------------------------------------------------------
-    async def _on_contribution(self, opened: Opened) -> Ack:
-        msg = opened.message
-        assert isinstance(msg, Contribution)
-        if msg.swarm != self.cfg.swarm:
-            raise NotAuthorized(f"contribution for swarm {msg.swarm!r}, this is {self.cfg.swarm!r}")
-        owner = self.owners.get(msg.fragment)
-        if owner is None:
-            raise UnknownFragment(f"fragment {msg.fragment} is not owned here (plan has {len(self.plan.fragments)})")
-        member = self.membership.members.get(opened.peer_id) if self.membership else None
-        if member is not None and not member.record.learning:
-            # its final versions may already be out: a late contribution would fork the model
-            return Ack(accepted=False, version=owner.version,
-                       reason=f"peer {opened.peer_id.hex()[:8]} has stopped learning; contribution not merged")
-        return await owner.receive(opened.peer_id, msg)  # answered before the merge it completes
-
-    async def contribute_local(self, msg: Contribution) -> Ack:
-        """Our own learner's contribution to a fragment we own: the RPC's checks, in process."""
-        me = Opened(public_key=self.signer.public_key, peer_id=self.signer.peer_id, timestamp=time.time(),
-                    nonce=b"", message=msg)
-        return await self._on_contribution(me)
-
-    async def version_local(self, p: int, *, after: int, wait_s: float,
-                            final: bool) -> tuple[int, torch.Tensor, bytes] | None:
-        """A version of a fragment we own for our own learner, in process: the owner's state as
-        every other learner decodes it (``IslandNet.fetch``'s local path)."""
-        owner = self.owners.get(p)
-        if owner is None or owner.retired:
-            raise UnknownFragment(f"fragment {p} is not owned here")
-        got = await (self._wait_final(owner, wait_s) if final else owner.wait_after(after, wait_s))
-        if got is None:
-            return None
-        if owner.retired:
-            raise UnknownFragment(f"fragment {p} is not owned here any more")
-        version, theta, digest = owner.version, owner.theta, owner.digest_of(owner.version)
-        if owner.download_codec != "none":  # others hold the decoded bf16 state: so must we
-            shapes, codec = self.shapes[p], owner.download_codec
-            theta = await asyncio.to_thread(lambda: flat_from_tensors(encode_flat(theta, shapes, codec), shapes))
-        return version, theta, digest
-
-    def replica_version(self, p: int, owner_id: bytes) -> tuple[int, torch.Tensor, bytes] | None:
-        """Fragment ``p`` as ``owner_id`` handed it to this peer's replica store (``IslandNet.fetch``
-        takes it instead of downloading it again): see ``ReplicaStore.version_from``."""
-        return self.replicas.version_from(p, owner_id)
 
     async def _on_dialback(self, request: web.Request) -> web.Response:
         """Ping the requester's DHT node at its own address (a joining peer asks whether it can be
