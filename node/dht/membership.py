@@ -26,7 +26,7 @@ import msgpack
 from node.config import SWARM_WIDE_FIELDS, RunConfig
 from node.dht.kademlia import DHTNode
 from protocol.dht.records import SignedRecord
-from protocol.diloco.fragments import balanced_owners, owners_of
+from protocol.diloco.fragments import balanced_owners, owner_chain, owners_of
 from protocol.errors import DecodeError, NotAuthorized, RemoteProtocolError
 from protocol.ids import key_id
 from protocol.wire.membership import MAX_CERT_BYTES, Certificate, SwarmManifest, admit
@@ -240,12 +240,9 @@ class Membership:
         ``balanced_owners`` when the number of fragments is known, else by rendezvous hash)."""
         candidates = self.owner_candidates(exclude)
         if self.n_fragments is None or not 0 <= fragment < self.n_fragments:
-            chain: tuple[bytes, ...] = owners_of(swarm, fragment, candidates, r) if candidates else ()
+            chain = owners_of(swarm, fragment, candidates, r) if candidates else ()
         else:
-            rest, chain = frozenset(candidates), ()
-            while rest and len(chain) < r:
-                chain += (self._assignment(swarm, rest)[fragment],)
-                rest = rest - {chain[-1]}
+            chain = owner_chain(fragment, candidates, r, lambda rest: self._assignment(swarm, rest))
         return [(pid, self.members[pid].record.url) for pid in chain]
 
     def _assignment(self, swarm: str, candidates: frozenset[bytes]) -> tuple[bytes, ...]:

@@ -36,7 +36,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from protocol.errors import LocalProtocolError
@@ -48,6 +48,7 @@ __all__ = [
     "balanced_owners",
     "due_fragments",
     "due_offset",
+    "owner_chain",
     "owners_of",
     "plan_fragments",
 ]
@@ -170,12 +171,21 @@ def owners_of(swarm: str, fragment: int, members: Iterable[bytes], r: int, *,
         return tuple(rendezvous_rank(swarm, fragment, members, r))
     if fragment >= n_fragments:
         raise LocalProtocolError(f"fragment {fragment} is not one of {n_fragments} fragments")
+    return owner_chain(fragment, members, r, lambda rest: balanced_owners(swarm, n_fragments, rest))
+
+
+def owner_chain(fragment: int, members: Iterable[bytes], r: int,
+                assign: Callable[[frozenset[bytes]], Sequence[bytes]]) -> tuple[bytes, ...]:
+    """The first ``r`` owners of ``fragment`` by an assignment of every fragment (``assign``,
+    e.g. ``balanced_owners`` over the members given, or a cache of it): its owner among the
+    members, then its owner among the members less that one, and so on. Raises
+    ``LocalProtocolError`` for ``r`` < 1."""
     if r < 1:
         raise LocalProtocolError(f"replica count r must be >= 1, got {r}")
-    rest, chain = set(members), list[bytes]()
+    rest, chain = frozenset(members), list[bytes]()
     while rest and len(chain) < r:
-        chain.append(balanced_owners(swarm, n_fragments, rest)[fragment])
-        rest.discard(chain[-1])
+        chain.append(assign(rest)[fragment])
+        rest = rest - {chain[-1]}
     return tuple(chain)
 
 
