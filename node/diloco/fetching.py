@@ -97,7 +97,6 @@ class VersionFetching:
     latest: dict[int, tuple[int, torch.Tensor]]
     island_initial: Sequence[torch.Tensor]
     digests: list[dict[int, bytes]]
-    _replica_checked: dict[int, tuple[int, bytes]]  # fragment -> the replica-held version whose digest we checked
 
     async def _request(self, owner_id: bytes, method: str, url: str,
                        **kw: Any) -> tuple[int, bytearray, int, dict[str, str]]:
@@ -151,10 +150,7 @@ class VersionFetching:
                 return None  # another fetch (the final one, a resync) moved us past it meanwhile
             self.stats.update_mismatches += 1
             log.warning("fragment %d: %s; fetching the full version", p, exc)
-            status, buf, used, _ = await self._request(
-                owner_id, "GET", f"{url}/v1/fragments/{p}/{kind}?after={after}&wait=0&fallback=1",
-                timeout_s=60, max_reply=self.max_message,
-            )
+            status, buf, used, _ = await self._from_owner_itself(owner_id, url, p, kind, after=after)
             return await self._accept(p, owner_id, status, buf, used, after=after, final=final)
 
     async def _fetch_local(self, p: int, *, after: int, wait_s: float,
@@ -180,12 +176,10 @@ class VersionFetching:
         version, flat, digest = held
         if self.version_jump(p, version) is not None:
             return None
-        if self._replica_checked.get(p) != (version, digest):
-            if await asyncio.to_thread(flat_digest, flat) != digest:
-                log.warning("fragment %d: version %d as handed to our replica store does not hash to its "
-                            "digest; downloading it", p, version)
-                return None
-            self._replica_checked[p] = (version, digest)
+        if await asyncio.to_thread(flat_digest, flat) != digest:
+            log.warning("fragment %d: version %d as handed to our replica store does not hash to its "
+                        "digest; downloading it", p, version)
+            return None
         self.digests[p][version] = digest
         self.stats.versions_received += 1
         self.stats.versions_replica += 1
@@ -220,10 +214,7 @@ class VersionFetching:
             held = await self._from_replica(p, owner_id, after)
             if held is not None:
                 return held
-            status, buf, used, headers = await self._request(
-                owner_id, "GET", f"{url}/v1/fragments/{p}/{kind}?after={after}&wait=0&fallback=1{upd}",
-                timeout_s=60, max_reply=self.max_message,
-            )
+            status, buf, used, headers = await self._from_owner_itself(owner_id, url, p, kind, after=after, upd=upd)
         if status == FINAL_HELD_STATUS and final and upd:  # the version we hold (and named) is final
             self.transport.pool.give(buf)
             self.stats.finals_held += 1
@@ -240,12 +231,18 @@ class VersionFetching:
             if got is not None and (not final or got[0] == pointed):
                 return got
             self.spread.fallbacks_asked += 1
-            status, buf, used, _ = await self._request(
-                owner_id, "GET",
-                f"{url}/v1/fragments/{p}/{kind}?after={after}&wait={5 if final else 0}&fallback=1{upd}",
-                timeout_s=60, max_reply=self.max_message,
-            )
+            status, buf, used, _ = await self._from_owner_itself(owner_id, url, p, kind, after=after,
+                                                                 wait_s=5 if final else 0, upd=upd)
         return await self._accept(p, owner_id, status, buf, used, after=after, final=final)
+
+    async def _from_owner_itself(self, owner_id: bytes, url: str, p: int, kind: str, *, after: int,
+                                 wait_s: float = 0, upd: str = "") -> tuple[int, bytearray, int, dict[str, str]]:
+        """Ask the owner again with ``fallback=1``: it serves the version itself (once per
+        requester and version), not a pointer or a 208."""
+        return await self._request(
+            owner_id, "GET", f"{url}/v1/fragments/{p}/{kind}?after={after}&wait={wait_s}&fallback=1{upd}",
+            timeout_s=60, max_reply=self.max_message,
+        )
 
     async def _from_holders(self, p: int, owner_id: bytes, after: int,
                             holders: list[bytes], upd: str = "") -> tuple[int, torch.Tensor] | None:

@@ -35,10 +35,6 @@ REPLICAS = 1  # replicas per fragment beside its owner (r = 2): each holds the o
 MAX_EPOCH_BUMPS = 3  # per handoff: stale fences passed by adopting an epoch above them
 
 
-class _StrangerThere(Exception):
-    """A replica refused a handoff because we are not a member in its view (``NotAMemberThere``)."""
-
-
 class _FencedBy(Exception):
     """A replica refused a handoff because another owner has taken the fragment over."""
 
@@ -90,7 +86,7 @@ class OwnerHandoffs:
                 if not (await self._hand_by_reference(p, target, state)):
                     await self._hand_to(p, target, state)
                 return
-            except _StrangerThere:
+            except NotAMemberThere:
                 return  # the successor does not see us: it starts from the newest version it holds
             except _FencedBy as exc:
                 ack = exc.ack
@@ -111,16 +107,17 @@ class OwnerHandoffs:
         return await self._hand_to(p, target, reference)
 
     async def _hand_to(self, p: int, target: tuple[bytes, str], state: ReplicaState) -> bool:
-        """Hand ``state`` to ``target``; whether it took it (failures are logged, not raised)."""
+        """Hand ``state`` to ``target``; whether it took it (failures are logged, not raised, but
+        ``NotAMemberThere`` and a fenced refusal, ``_FencedBy``)."""
         self.replica_bytes += sum(len(t.data) + len(t.scales) for t in (*state.theta, *state.momentum))
         try:
             ack = await hand_over(self.transport, self.signer, target, state, self._replica_replay)
         except aiohttp.ClientConnectorError:
             self._unreachable(target[0])
             return False
-        except NotAMemberThere as exc:
+        except NotAMemberThere as exc:  # not a failure to route around: the caller decides
             log.info("fragment %d: %s refused version %d: %s", p, target[1], state.version, exc.reason)
-            raise _StrangerThere() from exc
+            raise
         except Exception as exc:  # the replica may be busy, new or gone: the caller tries another
             log.info("fragment %d: handoff of version %d to %s failed: %r", p, state.version,
                      target[1], exc)
@@ -165,7 +162,7 @@ class OwnerHandoffs:
                     return str(exc)
                 state, bumps = bumped, bumps + 1
                 continue
-            except _StrangerThere:
+            except NotAMemberThere:
                 # an unreachable replica may be dead, but this one is alive and routes around us:
                 # the fragment may have another owner in its view, publishing this version number
                 # (and a peer further down the list, which has not seen that owner, would take it)

@@ -124,7 +124,6 @@ class IslandNet(VersionFetching):
         # fragment -> version -> digest of that version's state as delivered to the island: what a
         # contribution names as its base, so an owner applies it only to that very state
         self.digests: list[dict[int, bytes]] = [{0: flat_digest(g)} for g in self.island_initial]
-        self._replica_checked: dict[int, tuple[int, bytes]] = {}
         # fragment -> (owner that accepted its contribution, the contribution's base version, the
         # error-feedback residuals from before it): if that owner stops owning the fragment before
         # a version above the base comes, the work is sent again at once (``owners_changed``)
