@@ -31,7 +31,12 @@ _PAGE_KB = os.sysconf("SC_PAGE_SIZE") // 1024
 def session_cpu_s(sessions: set[int]) -> float:
     """CPU seconds (user + system) used so far by every live process of these sessions: a peer
     and what it started (hivemind's DHT and averager processes, their p2pd daemons)."""
-    total = 0
+    return sum(cpu_by_session(sessions).values())
+
+
+def cpu_by_session(sessions: set[int]) -> dict[int, float]:
+    """``session_cpu_s`` of each of these sessions, from one pass over ``/proc``."""
+    ticks = dict.fromkeys(sessions, 0)
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
@@ -40,9 +45,10 @@ def session_cpu_s(sessions: set[int]) -> float:
                 fields = f.read().rsplit(b")", 1)[1].split()
         except OSError:  # gone meanwhile
             continue
-        if int(fields[3]) in sessions:  # field 6 (session) counted after "pid (comm)"
-            total += int(fields[11]) + int(fields[12])  # utime, stime
-    return total / _TICK
+        session = int(fields[3])  # field 6 (session) counted after "pid (comm)"
+        if session in ticks:
+            ticks[session] += int(fields[11]) + int(fields[12])  # utime, stime
+    return {session: t / _TICK for session, t in ticks.items()}
 
 
 def session_rss_kb(sessions: set[int]) -> int:
@@ -199,8 +205,7 @@ class Workers:
         the time and replies are then the survivors'. ``self.last_cpu_s``: the CPU seconds the
         peers' process trees used meanwhile (the survivors' after a kill); ``last_peer_cpu_s``:
         each live peer's (the busiest one bounds the round when every peer has its own cores)."""
-        cpu0 = self.cpu_s()
-        peer0 = {i: session_cpu_s({self.procs[i].proc.pid}) for i in self.alive}
+        cpu0 = self._cpu_by_peer()
         t0 = time.perf_counter()
         for i in self.alive:
             self.procs[i].send(cmd)
@@ -213,9 +218,15 @@ class Workers:
         for i in self.alive:
             replies.append(self._recv(i, max(1.0, timeout_s - (time.perf_counter() - t0))))
         seconds = time.perf_counter() - t0
-        self.last_cpu_s = self.cpu_s() - cpu0 if kill is None else self.cpu_s()
-        self.last_peer_cpu_s = [session_cpu_s({self.procs[i].proc.pid}) - peer0[i] for i in self.alive]
+        cpu1 = self._cpu_by_peer()
+        self.last_peer_cpu_s = [cpu1[i] - cpu0[i] for i in self.alive]
+        self.last_cpu_s = sum(self.last_peer_cpu_s) if kill is None else sum(cpu1.values())
         return seconds, replies
+
+    def _cpu_by_peer(self) -> dict[int, float]:
+        """``cpu_s`` of each live peer (by index), from one pass over ``/proc``."""
+        by_session = cpu_by_session({self.procs[i].proc.pid for i in self.alive})
+        return {i: by_session[self.procs[i].proc.pid] for i in self.alive}
 
     def close(self) -> None:
         self._closed.set()

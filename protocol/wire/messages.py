@@ -267,7 +267,9 @@ class ReplicaState(Message):
                      "a handoff by reference (base_version == version) names the version's digest as its "
                      "base and carries no tensors")
         else:
-            _require(0 <= self.base_version < self.version, "ReplicaState.base_version must lie in 0..version")
+            _require(0 <= self.base_version < self.version,
+                     "ReplicaState.base_version must be -1, lie in 0..version-1 (an update) or be version "
+                     "(by reference)")
             _hash(self.base_digest, HASH_BYTES, "ReplicaState.base_digest")
             _require(not self.momentum, "an update handoff (base_version >= 0) carries no momentum")
             _tensors(self.theta, "ReplicaState.theta")
