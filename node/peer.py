@@ -79,8 +79,6 @@ UNKNOWN_KEY_RETRY_S = 10.0
 UNKNOWN_KEYS_KEPT = 4096
 
 
-
-
 def emit(event: str, **fields: Any) -> None:
     """One JSON line to the launcher."""
     print(json.dumps({"event": event, **fields}), flush=True)
