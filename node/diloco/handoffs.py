@@ -43,6 +43,12 @@ class _FencedBy(Exception):
         self.ack = ack
 
 
+def supersedes(msg: ReplicaState, own: FragmentOwner) -> bool:
+    """Whether a handoff comes from an owner above ``own`` in both epoch and version: one that
+    took the fragment over after ``own`` did and has published past it (``own`` is the stale one)."""
+    return msg.epoch > own.epoch and msg.version > own.version
+
+
 class OwnerHandoffs:
     """Replication, handoffs and fencing of the fragments a peer owns (mixed into ``PeerNode``)."""
 
@@ -211,7 +217,10 @@ class OwnerHandoffs:
         ack = self.replicas.offer(opened.peer_id, msg, successor=own is not None and not own.retired,
                                   decoded=decoded)
         if ack.accepted and own is not None and not own.retired:
-            await own.take_over(self.replicas.states[msg.fragment])  # a retiring owner's newer state
+            # a retiring owner's newer state: an owner that has not merged yet starts from it; one
+            # that has merged was superseded by an owner above it in epoch and version
+            if not await own.take_over(self.replicas.states[msg.fragment]) and supersedes(msg, own):
+                await self._step_back_for(own, msg, member.record.url)
         elif ack.accepted and self._fenced_until.pop(msg.fragment, None) is not None and self._tg is not None:
             # we stepped back for the owner that has now handed us its state: take over now
             self._tg.create_task(self._reconcile_owners())
@@ -221,13 +230,28 @@ class OwnerHandoffs:
 
     def _owner_fence(self, msg: ReplicaState) -> ReplicaAck | None:
         """The refusal of a handoff for a fragment this peer owns and has moved on with (merged
-        already, or holds a newer version of); None when the handoff may be judged."""
+        already, or holds a newer version of); None when the handoff may be judged, and when the
+        handoff supersedes this owner (``supersedes``)."""
         own = self.owners.get(msg.fragment)
-        if own is not None and not own.retired and (own.merges_done or msg.version < own.version):
+        if own is not None and not own.retired and not supersedes(msg, own) and (
+                own.merges_done or msg.version < own.version):
             return ReplicaAck(accepted=False, epoch=own.epoch, version=own.version,
                               reason=f"fenced: this peer owns fragment {msg.fragment} (epoch {own.epoch}, "
                                      f"version {own.version})")
         return None
+
+    async def _step_back_for(self, own: FragmentOwner, msg: ReplicaState, url: str) -> None:
+        """Stop owning a fragment whose state ``msg`` was handed to us from above our epoch and
+        version: another owner published past us while views of the members differed. A merge
+        under way does not publish (it would give one of that owner's version numbers another
+        content); the next membership pass owns the fragment again from the state we were handed,
+        if the view still names us."""
+        own.fenced = (f"fenced: {url} handed over fragment {msg.fragment} version {msg.version} at epoch "
+                      f"{msg.epoch}, past this owner's version {own.version} at epoch {own.epoch}")
+        log.warning("fragment %d: stepping back: %s", msg.fragment, own.fenced)
+        await own.retire()
+        if self._tg is not None:
+            self._tg.create_task(self._reconcile_owners())
 
     def _pass_on_held(self, refused: ReplicaState, url: str, sender: bytes) -> None:
         """A new owner (by its view) was refused because we hold its base version's state from

@@ -347,3 +347,70 @@ async def test_a_retiring_owner_hands_a_state_the_successor_holds_by_reference()
     await retiring._hand_on(0, target, v8)  # version 8 never reached it: refused by reference, then whole
     assert [len(s.theta) for s in sent] == [0, 1]
     assert successor.replicas.states[0].version == 8 and torch.equal(successor.replicas.states[0].theta, theta + 1)
+
+
+async def test_a_running_owner_behind_a_retiring_owners_epoch_and_version_steps_back_for_its_state() -> None:
+    """Views differed: peer B owned fragment 0 at epoch 6 and merged up to version 32, while peer A
+    took the fragment over at epoch 7 and published 33; then the views moved it to B and A handed
+    its version 33 on. B refused it as "moved on" and later published another 33 (one version,
+    two contents, in a 32-peer run). Now B takes the state, stops publishing, and the next
+    membership pass owns the fragment again from A's 33. A handoff that is not above B in both
+    epoch and version is still refused, and B keeps owning."""
+    import types
+
+    import torch
+
+    from node.diloco.replica import encode_state
+    from protocol.wire.messages import ReplicaState
+    from tests.node.fakes import FakeClock, contribution, flat_of, make_owner, shapes_of
+
+    successor, retiring = _successor_and_retiring()
+    model = tiny_model()
+    plan = tiny_plan(model)
+    shapes, clock = shapes_of(model, plan), FakeClock()
+    owner = make_owner(plan, shapes, 0, flat_of(model, plan, 0), clock, who=signer(2), version=31)
+    owner.epoch = 6
+    delta = torch.linspace(-0.05, 0.05, owner.theta.numel())
+    assert (await owner.contribute(signer(4).peer_id, contribution(delta, shapes[0], base_version=31,
+                                                                   owner=owner))).accepted
+    clock.advance(60.0)
+    await owner.tick()
+    assert (owner.version, owner.merges_done) == (32, 1)
+    successor.owners[0] = owner
+    successor.replicas.fence(0, 6, 32, owner.digest_of(32))
+    reconciles: list[object] = []
+
+    class Tasks:
+        def create_task(self, coro):  # type: ignore[no-untyped-def]
+            reconciles.append(coro.__qualname__)
+            coro.close()
+
+    successor._tg = Tasks()  # type: ignore[assignment]
+    n = successor.replicas.numels[0]
+    sent: list[ReplicaState] = []
+
+    async def hand_to(p: int, target: tuple[bytes, str], state: ReplicaState) -> bool:  # in memory
+        sent.append(state)
+        ack = await successor._on_replica_state(types.SimpleNamespace(peer_id=signer(1).peer_id, message=state))  # type: ignore[arg-type]
+        return ack.accepted
+
+    retiring._hand_to = hand_to  # type: ignore[method-assign]
+    target = (signer(2).peer_id, "http://127.0.0.1:2")
+
+    def state(epoch: int, version: int, fill: float) -> ReplicaState:
+        return encode_state(swarm=successor.cfg.swarm, fragment=0, epoch=epoch, version=version,
+                            digest=bytes([version]) * 32, theta=torch.full((n,), fill), momentum=None)
+
+    for epoch, version in ((7, 32), (5, 33), (6, 33)):  # not above it in both: refused, B owns on
+        ack = await successor._on_replica_state(types.SimpleNamespace(peer_id=signer(1).peer_id,  # type: ignore[arg-type]
+                                                                      message=state(epoch, version, 1.0)))
+        assert not ack.accepted and ack.reason.startswith("fenced") and owner.fenced is None
+    assert 0 not in successor.replicas.states and reconciles == []
+
+    await retiring._hand_on(0, target, state(7, 33, 2.0))
+    assert sent and sent[-1].theta  # by reference refused (B never held A's 33), then the whole state: taken
+    handed = successor.replicas.states[0]
+    assert (handed.version, handed.epoch) == (33, 7) and torch.equal(handed.theta, torch.full((n,), 2.0))
+    assert owner.fenced is not None and "past this owner's version 32 at epoch 6" in owner.fenced
+    assert owner.retired and owner.version == 32  # B published nothing more
+    assert reconciles == ["OwnedFragments._reconcile_owners"]  # owning again from A's 33 comes next
