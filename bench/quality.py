@@ -55,8 +55,8 @@ ABLATIONS: dict[str, dict[str, dict[str, Any]]] = {
                  # versions as updates over the one before (--update-codec), full fp32 states beside
                  "int8-update": {"update_codec": "int8"}, "int4-update": {"update_codec": "int4"}},
     "peers": {"M4": {"peers": 4}, "M8": {"peers": 8}},
-    # the merge's aggregation (--aggregate): radial-directional averaging or the token-weighted mean
-    "aggregate": {"rda": {"aggregate": "rda"}, "mean": {"aggregate": "mean"},
+    # the merge's aggregation (--aggregate): radial-directional averaging, the normed or the token-weighted mean
+    "aggregate": {"rda": {"aggregate": "rda"}, "mean": {"aggregate": "mean"}, "normed": {"aggregate": "normed"},
                   "rda-M8": {"peers": 8, "aggregate": "rda"}, "mean-M8": {"peers": 8, "aggregate": "mean"}},
     # adoption blend (--adopt-alpha): theta <- alpha*theta + (1-alpha)*global (0, the default: overwrite)
     "adopt": {"a0.3": {"adopt_alpha": 0.3}, "a0.5": {"adopt_alpha": 0.5}},

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from protocol.diloco.outer import AGGREGATES
+
 __all__ = ["SWARM_WIDE_FIELDS", "RunConfig", "add_run_arguments", "config_from_args"]
 
 # The fields every peer of a swarm must share: the model and how it is cut, merged and weighted
@@ -103,8 +105,8 @@ class RunConfig:
         if self.full_every < 0:
             problems.append(f"--full-every must be >= 0 (0: full versions only when an update cannot serve), "
                             f"got {self.full_every}")
-        if self.aggregate not in ("rda", "mean"):
-            problems.append(f"--aggregate must be rda or mean, got {self.aggregate!r}")
+        if self.aggregate not in AGGREGATES:
+            problems.append(f"--aggregate must be one of {', '.join(AGGREGATES)}; got {self.aggregate!r}")
         if self.late_policy not in ("carry", "drop"):
             problems.append(f"--late-policy must be carry or drop, got {self.late_policy!r}")
         if self.hold_versions not in (0, 1):
@@ -180,8 +182,10 @@ _HELP = {
     "outer_lr": "outer Nesterov learning rate (1.0 with momentum 0 = plain averaging)",
     "outer_momentum": "outer Nesterov momentum",
     "aggregate": "how an owner combines the pseudo-gradients of a round: rda (radial-directional averaging: "
-                 "the mean direction, at the median norm, so one large contribution cannot steer it) or mean "
-                 "(the token-weighted mean; embedding fragments always use it)",
+                 "the mean direction, at the median norm, so one large contribution cannot steer it), normed (the "
+                 "mean of the pseudo-gradients each scaled to the median norm: as robust, but the step shrinks "
+                 "as the mean's does when they disagree) or mean (the token-weighted mean; embedding fragments "
+                 "always use it)",
     "quorum": "K: minimum contributions before a merge may close",
     "quorum_fraction": "K is also at least this share of the learners the owner sees (rounded up; 0: K alone, "
                        "the paper's rule; learners that stop are dropped from the count, so they stall nothing)",

@@ -11,7 +11,8 @@ directional averaging, outer Nesterov SGD as in DiLoCo):
 - Robust aggregation: ``clip_factors`` scales each contribution down to ``c`` times a reference
   norm (the owner takes the median of this round's and recent rounds' norms, so a lone attacker
   cannot set it); ``bound_to_norm`` scales an aggregate down to a bound (``ratio * |Theta|``).
-- ``weighted_mean`` and ``radial_directional_average`` (RDA):
+- ``weighted_mean``, ``normed_mean`` (the mean of the deltas each scaled to the median norm) and
+  ``radial_directional_average`` (RDA):
   ``Delta = (sum w |Delta_m| / sum w) * unit(sum w unit(Delta_m) / sum w)``, which keeps the step
   length when pseudo-gradients are near-orthogonal instead of shrinking it as ``1/sqrt(M)``.
   Deltas are **flat fp32 vectors** of one fragment (the node flattens a fragment's tensors in
@@ -44,6 +45,7 @@ __all__ = [
     "clip_factors",
     "clip_to_median_norm",
     "merge_update",
+    "normed_mean",
     "outer_step",
     "outer_step_",
     "pseudo_gradient",
@@ -185,6 +187,21 @@ def weighted_mean(deltas: Sequence[torch.Tensor], weights: Sequence[float]) -> t
     return out
 
 
+def _unit_average(deltas: Sequence[torch.Tensor], weights: Sequence[float],
+                  eps: float) -> tuple[torch.Tensor, list[float], float]:
+    """(``sum w unit(Delta_m) / sum w``, every delta's norm, the total weight); deltas with norm
+    <= ``eps`` add no direction."""
+    total = _check_inputs(deltas, weights)
+    direction = torch.zeros(deltas[0].shape, dtype=torch.float32, device=deltas[0].device)
+    norms = []
+    for d, w in zip(deltas, weights, strict=True):
+        norm = norm64(d)  # in fp64: an fp32 sum of squares overflows near 3e38
+        norms.append(norm)
+        if w > 0 and norm > eps:
+            direction.add_(d.to(torch.float32), alpha=w / (total * norm))
+    return direction, norms, total
+
+
 def radial_directional_average(
     deltas: Sequence[torch.Tensor],
     weights: Sequence[float],
@@ -204,14 +221,7 @@ def radial_directional_average(
     """
     if radius not in ("mean", "median"):
         raise LocalProtocolError(f"radius must be 'mean' or 'median', got {radius!r}")
-    total = _check_inputs(deltas, weights)
-    direction = torch.zeros(deltas[0].shape, dtype=torch.float32, device=deltas[0].device)
-    norms = []
-    for d, w in zip(deltas, weights, strict=True):
-        norm = norm64(d)  # in fp64: an fp32 sum of squares overflows near 3e38
-        norms.append(norm)
-        if w > 0 and norm > eps:
-            direction.add_(d.to(torch.float32), alpha=w / (total * norm))
+    direction, norms, total = _unit_average(deltas, weights, eps)
     if radius == "median":
         r = weighted_median(norms, weights)
     else:
@@ -220,6 +230,24 @@ def radial_directional_average(
     if length <= min_direction:
         return direction.zero_()
     return _scale_(direction, r / length)
+
+
+def normed_mean(deltas: Sequence[torch.Tensor], weights: Sequence[float], eps: float = 1e-12) -> torch.Tensor:
+    """The weighted mean of the deltas, each first scaled to the weighted median norm:
+    ``median_w |Delta_m| * sum w unit(Delta_m) / sum w``.
+
+    Like the plain mean, the step shrinks when pseudo-gradients disagree (as ``1/sqrt(M)`` for
+    near-orthogonal ones), so many contributions of mostly noise do not make a long step along
+    their small common part, as ``radial_directional_average`` does (at 32 peers it overshot:
+    docs/results.md, *Many contributions per merge*). Like RDA, no one contribution's length
+    counts: a scaled or random one weighs as one unit direction at the median norm.
+    Deltas with norm <= ``eps`` add no direction. Raises ``LocalProtocolError`` like ``weighted_mean``.
+    """
+    direction, norms, _ = _unit_average(deltas, weights, eps)
+    r = weighted_median(norms, weights)
+    if not r > 0:
+        return direction.zero_()
+    return _scale_(direction, r)
 
 
 def weighted_median(values: Sequence[float], weights: Sequence[float]) -> float:
@@ -259,6 +287,9 @@ def clip_to_median_norm(deltas: Sequence[torch.Tensor], c: float) -> list[torch.
 # ---------------------------------------------------------------- outer Nesterov
 
 
+AGGREGATES = ("rda", "normed", "mean")
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class OuterConfig:
     """Outer SGD: ``lr`` eta, ``momentum`` mu, ``nesterov``. DiLoCo's defaults; short runs with
@@ -269,15 +300,15 @@ class OuterConfig:
     nesterov: bool = True
     max_delta_ratio: float = 1.0  # the owner bounds an aggregate's norm to this times |Theta|
     rda_radius: str = "median"  # radial-directional averaging's step length: "median" or "mean"
-    aggregate: str = "rda"  # non-embedding fragments: radial-directional averaging, or "mean" (weighted)
+    aggregate: str = "rda"  # non-embedding fragments: "rda", "normed" (``normed_mean``) or "mean" (weighted)
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise LocalProtocolError(f"outer lr must be finite and > 0, got {self.lr}")
         if not 0.0 <= self.momentum < 1.0:
             raise LocalProtocolError(f"outer momentum must be in [0, 1), got {self.momentum}")
-        if self.aggregate not in ("rda", "mean"):
-            raise LocalProtocolError(f"aggregate must be 'rda' or 'mean', got {self.aggregate!r}")
+        if self.aggregate not in AGGREGATES:
+            raise LocalProtocolError(f"aggregate must be one of {', '.join(AGGREGATES)}; got {self.aggregate!r}")
         if self.rda_radius not in ("mean", "median"):
             raise LocalProtocolError(f"rda_radius must be 'mean' or 'median', got {self.rda_radius!r}")
         if not self.max_delta_ratio > 0:
@@ -345,6 +376,8 @@ def merge_update(
     clipped = [d * c if c < 1.0 else d for d, c in zip(deltas, clips, strict=True)]
     if embedding or cfg.aggregate == "mean":
         delta = weighted_mean(clipped, weights)
+    elif cfg.aggregate == "normed":
+        delta = normed_mean(clipped, weights)
     else:
         delta = radial_directional_average(clipped, weights, radius=cfg.rda_radius)
     bounded = False

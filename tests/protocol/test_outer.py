@@ -13,6 +13,7 @@ from protocol.diloco.outer import (
     clamp_weights,
     clip_to_median_norm,
     merge_update,
+    normed_mean,
     outer_step,
     outer_step_,
     pseudo_gradient,
@@ -121,7 +122,7 @@ def test_rda_degenerate_inputs() -> None:
     assert torch.allclose(single, a)
 
 
-@pytest.mark.parametrize("fn", [weighted_mean, radial_directional_average])
+@pytest.mark.parametrize("fn", [weighted_mean, radial_directional_average, normed_mean])
 def test_aggregation_errors(fn: object) -> None:
     assert callable(fn)
     a = torch.ones(2)
@@ -314,3 +315,47 @@ def test_the_mean_aggregate_is_the_token_weighted_mean_and_rda_is_not() -> None:
     assert not torch.allclose(rda.theta, mean.theta)
     with pytest.raises(LocalProtocolError, match="aggregate"):
         OuterConfig(aggregate="median")
+
+
+@pytest.mark.parametrize("m", [2, 4, 16])
+def test_the_normed_mean_shrinks_like_the_mean_for_orthogonal_deltas_and_rda_does_not(m: int) -> None:
+    """Many pseudo-gradients that mostly disagree: RDA steps the full median norm along their
+    mean direction (at 32 peers, 16 per merge, that overshot), the normed mean as far as their
+    mean does, in the same direction."""
+    deltas = orthogonal(m, 64, 3.0)
+    weights = [1.0] * m
+    normed, mean = normed_mean(deltas, weights), weighted_mean(deltas, weights)
+    assert torch.allclose(normed, mean, atol=1e-6)
+    assert float(normed.norm()) == pytest.approx(3.0 / math.sqrt(m), rel=1e-5)
+    assert float(radial_directional_average(deltas, weights, radius="median").norm()) == pytest.approx(3.0, rel=1e-5)
+
+
+def test_the_normed_mean_counts_no_contributions_length() -> None:
+    """Each delta is scaled to the weighted median norm first: one scaled up 1000x, or one of
+    random direction and huge norm, weighs as one unit direction, where the mean follows it."""
+    honest = [torch.tensor([1.0, 0.0, 0.0]), torch.tensor([0.8, 0.6, 0.0]), torch.tensor([0.6, 0.8, 0.0])]
+    weights = [1.0, 1.0, 1.0, 1.0]
+    for attack in (honest[0] * 1000, torch.tensor([0.0, 0.0, -500.0])):
+        deltas = [*honest, attack]
+        normed = normed_mean(deltas, weights)
+        clean = normed_mean(honest, weights[:3])
+        assert float(normed.norm()) <= 1.0 + 1e-6  # never beyond the median norm
+        assert float((normed - clean).norm()) < 0.35  # one unit direction of four moves it little
+        assert float(weighted_mean(deltas, weights).norm()) > 100  # the mean is the attacker's
+    a, b = torch.tensor([4.0, 0.0]), torch.tensor([0.0, 2.0])
+    # the weighted median norm, 4 (a holds 3 of the 4 weight), times (3*(1,0) + 1*(0,1))/4
+    assert torch.allclose(normed_mean([a, b], [3.0, 1.0]), torch.tensor([3.0, 1.0]))
+    assert torch.allclose(normed_mean([a, b], [1.0, 1.0]), torch.tensor([1.5, 1.5]))  # median 3: (1,0)/2 + (0,1)/2
+    assert normed_mean([torch.zeros(3), torch.zeros(3)], [1.0, 1.0]).tolist() == [0.0] * 3
+    big = torch.full((4,), 3.0e38)
+    assert torch.isfinite(normed_mean([big, big], [1.0, 1.0])).all()
+
+
+def test_the_normed_aggregate_is_chosen_by_the_config() -> None:
+    theta = torch.zeros(2)
+    deltas, weights, clips = [torch.tensor([4.0, 0.0]), torch.tensor([0.0, 2.0])], [1.0, 1.0], [1.0, 1.0]
+    cfg = OuterConfig(lr=1.0, momentum=0.0, max_delta_ratio=math.inf, aggregate="normed")
+    got = merge_update(theta, None, deltas, weights, clips, cfg, embedding=False)
+    assert torch.allclose(got.theta, -normed_mean(deltas, weights))
+    embedding = merge_update(theta, None, deltas, weights, clips, cfg, embedding=True)
+    assert torch.allclose(embedding.theta, -weighted_mean(deltas, weights))  # embeddings: the plain mean
