@@ -19,6 +19,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from node.config import RunConfig
+
 KINDS = "scale=1000,random=10,signflip=3,stale,lie-tokens=1000"
 
 
@@ -28,7 +30,7 @@ def run(args: argparse.Namespace, attack: str | None, workdir: Path, name: str) 
            "--model", args.model, "--peers", str(args.peers), "--steps", str(args.steps),
            "--fragments", str(args.fragments), "--inner-steps", str(args.inner_steps),
            "--corpus-max-bytes", str(args.corpus_max_bytes), "--eval-every", str(args.steps),
-           "--quorum", str(args.quorum)]
+           "--quorum", str(args.quorum), "--aggregate", args.aggregate]
     if attack:
         cmd += ["--attack", f"{args.attacker}:{attack}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
@@ -52,6 +54,8 @@ def main() -> None:
     parser.add_argument("--attacker", type=int, default=3)
     parser.add_argument("--quorum", type=int, default=1, help="K: with K >= 3 an attacker is never alone in a merge")
     parser.add_argument("--kinds", default=KINDS)
+    parser.add_argument("--aggregate", default=RunConfig.aggregate,
+                        help="how owners combine contributions (rda, normed or mean): see atoll local --help")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -67,7 +71,7 @@ def main() -> None:
     for row in rows:
         print(f"{row['run']:14} {row['attack']:18} {row['eval_loss_end']:9.3f} {row['vs_clean']:8.3f}  "
               + ", ".join(f"{k} {v}" for k, v in row["attacker_penalties"].items()))
-    print(json.dumps({"peers": args.peers, "steps": args.steps, "model": args.model, "quorum": args.quorum,
+    print(json.dumps({"peers": args.peers, "steps": args.steps, "model": args.model, "quorum": args.quorum, "aggregate": args.aggregate,
                       "attacker": args.attacker, "runs": rows}))
 
 

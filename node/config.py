@@ -22,7 +22,7 @@ __all__ = ["SWARM_WIDE_FIELDS", "RunConfig", "add_run_arguments", "config_from_a
 SWARM_WIDE_FIELDS = ("swarm", "mode", "seed", "model", "batch_size", "fragments", "inner_steps", "codec",
                      "block_size", "download_codec", "update_codec", "full_every", "outer_lr", "outer_momentum",
                      "quorum", "quorum_fraction", "grace_gamma", "grace_tau", "grace_cap_s", "staleness_bound", "late_policy",
-                     "max_tokens_per_step", "aggregate")
+                     "max_tokens_per_step", "aggregate", "rda_max_gain")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -54,6 +54,7 @@ class RunConfig:
     outer_lr: float = 1.0
     outer_momentum: float = 0.0
     aggregate: str = "rda"  # how an owner combines contributions: rda (robust) or mean (weighted)
+    rda_max_gain: float = 0.0  # RDA's step at most this many times the normed mean's (0: unbounded)
     quorum: int = 1
     # K = 1 alone makes most versions one learner's work, and costs more as swarms grow: at 8
     # tiny peers a quarter of the learners (K = 2) merged 6 % lower, half 10 %; at 32 a quarter
@@ -186,6 +187,9 @@ _HELP = {
                  "mean of the pseudo-gradients each scaled to the median norm: as robust, but the step shrinks "
                  "as the mean's does when they disagree) or mean (the token-weighted mean; embedding fragments "
                  "always use it)",
+    "rda_max_gain": "with --aggregate rda: the step is at most this many times the length of the normed mean "
+                    "(the pseudo-gradients scaled to the median norm, then averaged); 0: RDA as published, "
+                    "which keeps the median norm however much the pseudo-gradients disagree",
     "quorum": "K: minimum contributions before a merge may close",
     "quorum_fraction": "K is also at least this share of the learners the owner sees (rounded up; 0: K alone, "
                        "the paper's rule; learners that stop are dropped from the count, so they stall nothing)",

@@ -174,7 +174,8 @@ class OwnedFragments:
                            max_tokens_per_step=c.max_tokens_per_step, quorum_is_expected=c.mode != "decoupled")
 
     def _outer_cfg(self) -> OuterConfig:
-        return OuterConfig(lr=self.cfg.outer_lr, momentum=self.cfg.outer_momentum, aggregate=self.cfg.aggregate)
+        return OuterConfig(lr=self.cfg.outer_lr, momentum=self.cfg.outer_momentum, aggregate=self.cfg.aggregate,
+                           rda_max_gain=self.cfg.rda_max_gain)
 
     async def _on_contribution(self, opened: Opened) -> Ack:
         msg = opened.message

@@ -37,6 +37,7 @@ _RANGES = (
     ("block_size", lambda v: v >= 1, ">= 1"),
     ("outer_lr", lambda v: v > 0, "> 0"),
     ("outer_momentum", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("rda_max_gain", lambda v: v == 0 or 1 <= v < float("inf"), ">= 1 and finite, or 0 (unbounded)"),
     ("grace_gamma", lambda v: v >= 0, ">= 0"),
     ("grace_tau", lambda v: v >= 0, ">= 0"),
     ("grace_cap_s", lambda v: v >= 0, ">= 0"),

@@ -209,6 +209,7 @@ def radial_directional_average(
     *,
     min_direction: float = 1e-6,
     radius: str = "mean",
+    max_gain: float = math.inf,
 ) -> torch.Tensor:
     """Radial-directional average: the weighted mean norm along the weighted mean direction.
 
@@ -217,7 +218,13 @@ def radial_directional_average(
     is <= ``min_direction`` (all zero, or cancelling up to fp32 rounding) the result is zero.
     ``radius="median"`` takes the weighted median norm instead of the mean: one contribution
     scaled up (even clipped to a few times the others) then cannot lengthen the step.
-    Raises ``LocalProtocolError`` like ``weighted_mean``.
+
+    ``max_gain`` bounds the step to that many times the average of the deltas scaled to the
+    radius (the length ``radius * |mean unit direction|``; ``normed_mean`` with the median
+    radius). Unbounded, RDA keeps the radius however much the deltas disagree: ``M``
+    near-orthogonal pseudo-gradients step ``sqrt(M)`` times further than their mean along
+    their small common part, which at 16 contributions per merge overshot (docs/results.md,
+    *Many contributions per merge*). Raises ``LocalProtocolError`` like ``weighted_mean``.
     """
     if radius not in ("mean", "median"):
         raise LocalProtocolError(f"radius must be 'mean' or 'median', got {radius!r}")
@@ -229,7 +236,7 @@ def radial_directional_average(
     length = float(torch.linalg.vector_norm(direction))
     if length <= min_direction:
         return direction.zero_()
-    return _scale_(direction, r / length)
+    return _scale_(direction, r / length if length * max_gain >= 1.0 else r * max_gain)
 
 
 def normed_mean(deltas: Sequence[torch.Tensor], weights: Sequence[float], eps: float = 1e-12) -> torch.Tensor:
@@ -300,6 +307,7 @@ class OuterConfig:
     nesterov: bool = True
     max_delta_ratio: float = 1.0  # the owner bounds an aggregate's norm to this times |Theta|
     rda_radius: str = "median"  # radial-directional averaging's step length: "median" or "mean"
+    rda_max_gain: float = 0.0  # RDA's step at most this many times the normed mean's (0: unbounded; see max_gain)
     aggregate: str = "rda"  # non-embedding fragments: "rda", "normed" (``normed_mean``) or "mean" (weighted)
 
     def __post_init__(self) -> None:
@@ -311,6 +319,8 @@ class OuterConfig:
             raise LocalProtocolError(f"aggregate must be one of {', '.join(AGGREGATES)}; got {self.aggregate!r}")
         if self.rda_radius not in ("mean", "median"):
             raise LocalProtocolError(f"rda_radius must be 'mean' or 'median', got {self.rda_radius!r}")
+        if not (self.rda_max_gain == 0.0 or 1.0 <= self.rda_max_gain < math.inf):
+            raise LocalProtocolError(f"rda_max_gain must be >= 1 and finite, or 0 (unbounded); got {self.rda_max_gain}")
         if not self.max_delta_ratio > 0:
             raise LocalProtocolError(f"max_delta_ratio must be > 0 (inf: unbounded), got {self.max_delta_ratio}")
 
@@ -379,7 +389,7 @@ def merge_update(
     elif cfg.aggregate == "normed":
         delta = normed_mean(clipped, weights)
     else:
-        delta = radial_directional_average(clipped, weights, radius=cfg.rda_radius)
+        delta = radial_directional_average(clipped, weights, radius=cfg.rda_radius, max_gain=cfg.rda_max_gain or math.inf)
     bounded = False
     theta_norm = norm64(theta)
     if theta_norm > 0 and math.isfinite(cfg.max_delta_ratio):

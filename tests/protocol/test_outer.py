@@ -359,3 +359,25 @@ def test_the_normed_aggregate_is_chosen_by_the_config() -> None:
     assert torch.allclose(got.theta, -normed_mean(deltas, weights))
     embedding = merge_update(theta, None, deltas, weights, clips, cfg, embedding=True)
     assert torch.allclose(embedding.theta, -weighted_mean(deltas, weights))  # embeddings: the plain mean
+
+
+@pytest.mark.parametrize("m", [2, 4, 16])
+def test_rdas_gain_over_the_normed_mean_can_be_bounded(m: int) -> None:
+    """``max_gain`` G: the step is r * min(1, G * |mean unit direction|), along RDA's direction.
+    Two orthogonal deltas at G = sqrt(2) are RDA exactly; sixteen step sqrt(2) times the normed mean."""
+    deltas = orthogonal(m, 64, 3.0)
+    weights = [1.0] * m
+    gain = math.sqrt(2)
+    bounded = radial_directional_average(deltas, weights, radius="median", max_gain=gain)
+    normed = normed_mean(deltas, weights)
+    assert float(bounded.norm()) == pytest.approx(min(3.0, gain * 3.0 / math.sqrt(m)), rel=1e-5)
+    assert torch.allclose(bounded / bounded.norm(), normed / normed.norm(), atol=1e-6)
+    same = [deltas[0], deltas[0] * 2]  # agreeing deltas: no gain to bound
+    assert torch.allclose(radial_directional_average(same, [1.0, 1.0], max_gain=1.0),
+                          radial_directional_average(same, [1.0, 1.0]))
+    cfg = OuterConfig(lr=1.0, momentum=0.0, max_delta_ratio=math.inf, rda_max_gain=gain)
+    got = merge_update(torch.zeros(64), None, deltas, weights, [1.0] * m, cfg, embedding=False)
+    assert torch.allclose(got.theta, -bounded)
+    for bad in (0.5, math.inf, math.nan, -1.0):
+        with pytest.raises(LocalProtocolError, match="rda_max_gain"):
+            OuterConfig(rda_max_gain=bad)
