@@ -214,8 +214,8 @@ class AtollSide:
             enc, _ = compress(d, self.codec, block_size=self.block_size)
             deltas.append(decompress(enc))
         ones = [1.0] * len(deltas)
-        theta = merge_update(base, None, deltas, ones, ones, OuterConfig(lr=1.0, momentum=0.0),
-                             embedding=frag.is_embedding).theta
+        outer = OuterConfig(lr=1.0, momentum=0.0, aggregate=RunConfig.aggregate, rda_max_gain=RunConfig.rda_max_gain)
+        theta = merge_update(base, None, deltas, ones, ones, outer, embedding=frag.is_embedding).theta
         shapes = [tuple(q.shape) for q in self.params[p]]
         if self.update_codec != "none":
             _, published, residual = encode_update(theta, base, self.owner_residual.get(p), shapes,

@@ -53,7 +53,10 @@ class RunConfig:
     full_every: int = 0  # with updates: every Nth version goes out full (0: only when an update cannot serve)
     outer_lr: float = 1.0
     outer_momentum: float = 0.0
-    aggregate: str = "rda"  # how an owner combines contributions: rda (robust) or mean (weighted)
+    # how an owner combines contributions: "normed" (each scaled to the median norm, then the
+    # mean), "rda" (the paper's; overshot at 32 peers) or "mean" (docs/results.md, *Many
+    # contributions per merge*)
+    aggregate: str = "normed"
     rda_max_gain: float = 0.0  # RDA's step at most this many times the normed mean's (0: unbounded)
     quorum: int = 1
     # K = 1 alone makes most versions one learner's work, and costs more as swarms grow: at 8
