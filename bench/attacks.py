@@ -54,7 +54,7 @@ def main() -> None:
     parser.add_argument("--attacker", type=int, default=3)
     parser.add_argument("--quorum", type=int, default=1, help="K: with K >= 3 an attacker is never alone in a merge")
     parser.add_argument("--kinds", default=KINDS)
-    parser.add_argument("--aggregate", default=RunConfig.aggregate,
+    parser.add_argument("--aggregate", default=RunConfig().aggregate,
                         help="how owners combine contributions (rda, normed or mean): see atoll local --help")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:

@@ -67,6 +67,8 @@ class AtollSide:
                                finish_timeout_s=0.0)
         self.island = self.api.island
         self.block_size = cfg.block_size
+        # the owners' merge, as the check recomputes it
+        self.outer = OuterConfig(lr=1.0, momentum=0.0, aggregate=cfg.aggregate, rda_max_gain=cfg.rda_max_gain)
         named = dict(self.model.named_parameters())
         self.params = [[named[n] for n in f.names] for f in self.api.plan.fragments]
         self.tensor_ids = [[int(n.split(".")[-1]) for n in f.names] for f in self.api.plan.fragments]
@@ -214,8 +216,7 @@ class AtollSide:
             enc, _ = compress(d, self.codec, block_size=self.block_size)
             deltas.append(decompress(enc))
         ones = [1.0] * len(deltas)
-        outer = OuterConfig(lr=1.0, momentum=0.0, aggregate=RunConfig.aggregate, rda_max_gain=RunConfig.rda_max_gain)
-        theta = merge_update(base, None, deltas, ones, ones, outer, embedding=frag.is_embedding).theta
+        theta = merge_update(base, None, deltas, ones, ones, self.outer, embedding=frag.is_embedding).theta
         shapes = [tuple(q.shape) for q in self.params[p]]
         if self.update_codec != "none":
             _, published, residual = encode_update(theta, base, self.owner_residual.get(p), shapes,
