@@ -71,7 +71,7 @@ def payload_dir(log: Path) -> Path:
 def _decision(d: Decision) -> dict[str, Any]:
     return {"kind": d.kind, "reason": d.reason, "version": d.version, "accepted": d.accepted,
             "refusal": d.refusal,
-            "entries": [[e.peer.hex(), e.weight, e.staleness, e.clip] for e in d.entries]}
+            "entries": [[e.peer.hex(), e.weight, e.staleness, e.clip] for e in d.entries], "scale": d.scale}
 
 
 class LoggedMerger:
@@ -287,7 +287,7 @@ class _Contents:
         try:
             update = merge_update(self.theta, self.buffer, [p for p in payloads if isinstance(p, torch.Tensor)],
                                   [e.weight for e in decision.entries], [e.clip for e in decision.entries],
-                                  self.outer, embedding=self.embedding)
+                                  self.outer, embedding=self.embedding, scale=decision.scale)
         except Exception:  # the owner failed this merge too; the log's merge_failed line follows
             self.pending = {version: None}
             return

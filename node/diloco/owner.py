@@ -418,7 +418,7 @@ class FragmentOwner:
             merged[e.peer] = max(merged.get(e.peer, -1), self.version - e.staleness)
         try:  # one worker-thread hop: the outer step, the sealed version and the replica's state
             nxt = await asyncio.to_thread(self._next_version, self.version + 1, peers, deltas, weights, clips,
-                                          merged)
+                                          merged, decision.scale)
             if nxt.state is not None and self.replicate is not None:
                 fence = await self.replicate(nxt.state, nxt.state_update)
                 if fence is not None:
@@ -468,10 +468,10 @@ class FragmentOwner:
         return self.merger.on_published(self.version, sync_time=now - t0, now=now)
 
     def _next_version(self, version: int, peers: list[bytes], deltas: list[torch.Tensor], weights: list[float],
-                      clips: list[float], merged: Mapping[bytes, int]) -> _Next:
+                      clips: list[float], merged: Mapping[bytes, int], scale: float = 1.0) -> _Next:
         """The merge's new state, sealed as ``version``, the state to hand to a replica, and with
         updates the sealed update from ``version - 1`` and the new error-feedback residual."""
-        theta, buffer = self._outer(peers, deltas, weights, clips)
+        theta, buffer = self._outer(peers, deltas, weights, clips, scale)
         tensors, residual = None, None
         if self.update_codec is not None:  # publish what learners compute from the update
             tensors, theta, residual = encode_update(theta, self.theta, self.residual, self.shapes,
@@ -500,11 +500,11 @@ class FragmentOwner:
         return self.latest
 
     def _outer(self, peers: list[bytes], deltas: list[torch.Tensor], weights: list[float],
-               clips: list[float]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Clip, aggregate, bound and apply the outer step. Raises ``MergeFailed`` naming the
+               clips: list[float], scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Clip, aggregate, scale, bound and apply the outer step. Raises ``MergeFailed`` naming the
         peers to drop. (Every payload's shape, finiteness and norm were checked by ``_decode``.)"""
         update = merge_update(self.theta, self.buffer, deltas, weights, clips, self.outer_cfg,
-                              embedding=self.fragment.is_embedding)
+                              embedding=self.fragment.is_embedding, scale=scale)
         self.step_bounds += int(update.bounded)
         theta, buffer = update.theta, update.buffer
         if not (all_finite(theta) and (buffer is None or all_finite(buffer))):

@@ -62,6 +62,11 @@ for ``n >= K`` it closes as soon as ``n`` contributions are in. When no learner 
 (``set_expected(0)``) a round still collecting below K is dropped, with a reason, so the
 fragment's latest version becomes final; one in its grace window closes at once.
 In synchronous DiLoCo (``quorum_is_expected``) the quorum is ``max(1, n)`` whatever K says.
+With ``quorum_fraction`` a round also remembers the largest share-of-learners quorum it has had,
+and a merge that closes below it (learners stopped or left while it was open) scales its
+aggregate by ``Decision.scale`` = contributions / that quorum: the missing ones count as zero,
+so the few contributions in flight when a swarm stops do not become a whole outer step (a merge
+of one learner's work would make the fragment that island's alone).
 It never merges below the effective quorum, and never waits past its deadline: any event at or after it
 in GRACE closes the window (a refused contribution then yields kind "merge" with ``refusal``
 set). Contributions carried for ``v + 1`` stay carried across a failed merge. ``_TABLE`` maps
@@ -185,6 +190,7 @@ class Decision:
     accepted: bool = False
     refusal: Refusal | None = None
     entries: tuple[Entry, ...] = ()
+    scale: float = 1.0  # of the merge's aggregate: its share of the round's quorum (see the module doc)
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,6 +263,7 @@ class FragmentMerger:
         self._published_at: dict[int, float] = {version: now}  # recent versions -> when they opened
         self._rates: list[float] = []  # clipped norms per step of recently merged contributions
         self._closing_rates: list[float] = []  # of the merge in progress, kept on publish
+        self._round_share = 0  # the largest share-of-learners quorum of the round open (0: none)
 
     # -- events ------------------------------------------------------------------------------
 
@@ -406,6 +413,7 @@ class FragmentMerger:
         self._entries, self._carried = self._carried, []
         self._reopen(Phase.COLLECTING, opened_at=self._now)
         self._first_at = self._now if self._entries else None
+        self._round_share = 0
         horizon = self.version - self.config.step_time_rounds + 1
         self._step_ema = {p: v for p, v in self._step_ema.items() if v[1] >= horizon}
         return self._settle(False, f"round for version {self.version} open with carried contributions")
@@ -432,6 +440,7 @@ class FragmentMerger:
         dropped = len(self._entries) - len(kept)
         old, self.version, self._entries = self.version, ev.version, kept
         self._opened(ev.version)
+        self._round_share = 0
         if len(kept) < self._quorum()[0]:  # never merge below quorum: back to collecting
             self._reopen(Phase.COLLECTING, opened_at=self._opened_at)
         if not kept:
@@ -482,6 +491,8 @@ class FragmentMerger:
         """After a change while COLLECTING/GRACE: close, open the grace window, or keep going."""
         n, expected = len(self._entries), self.expected
         k, note = self._quorum()
+        if self.config.quorum_fraction > 0 and not self.config.quorum_is_expected and expected:
+            self._round_share = max(self._round_share, math.ceil(self.config.quorum_fraction * expected - 1e-9))
         if n >= k and expected is not None and n >= expected and "lowered" not in note:
             return self._close(f"all {n}/{expected} expected contributions in", accepted)
         if self.phase is Phase.COLLECTING and n >= k:
@@ -523,7 +534,11 @@ class FragmentMerger:
 
     def _close(self, reason: str, accepted: bool) -> Decision:
         self.phase, self._deadline = Phase.MERGING, None
-        return self._decide("merge", reason, accepted=accepted, entries=self._weighted())
+        n, share = len(self._entries), self._round_share
+        scale = n / share if n < share else 1.0
+        if scale < 1.0:
+            reason += f"; scaled to {n}/{share} of a step (the round's quorum was {share})"
+        return self._decide("merge", reason, accepted=accepted, entries=self._weighted(), scale=scale)
 
     def _weighted(self) -> tuple[Entry, ...]:
         cfg = self.config
@@ -566,9 +581,9 @@ class FragmentMerger:
         return f"{n}/{self.expected} contributions" if self.expected is not None else f"{n} contributions"
 
     def _decide(self, kind: DecisionKind, reason: str, *, accepted: bool = False,
-                refusal: Refusal | None = None, entries: tuple[Entry, ...] = ()) -> Decision:
+                refusal: Refusal | None = None, entries: tuple[Entry, ...] = (), scale: float = 1.0) -> Decision:
         return Decision(kind=kind, reason=reason, version=self.version, accepted=accepted,
-                        refusal=refusal, entries=entries)
+                        refusal=refusal, entries=entries, scale=scale)
 
 
 def _ema(old: float | None, value: float, alpha: float) -> float:

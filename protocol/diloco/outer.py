@@ -373,11 +373,11 @@ class MergeUpdate:
 
 def merge_update(
     theta: torch.Tensor, buffer: torch.Tensor | None, deltas: Sequence[torch.Tensor], weights: Sequence[float],
-    clips: Sequence[float], cfg: OuterConfig, *, embedding: bool,
+    clips: Sequence[float], cfg: OuterConfig, *, embedding: bool, scale: float = 1.0,
 ) -> MergeUpdate:
     """One merge of a fragment: clip each delta by its factor, aggregate (a weighted mean for an
-    embedding fragment or with ``cfg.aggregate == "mean"``, radial-directional averaging
-    otherwise), bound the aggregate to
+    embedding fragment or with ``cfg.aggregate == "mean"``, else ``cfg.aggregate``'s), scale the
+    aggregate by ``scale`` (the merger's ``Decision.scale``), bound it to
     ``cfg.max_delta_ratio`` × |Θ| and apply the outer step. The inputs are not modified.
 
     The owner and ``atoll replay`` both call this, so a replayed log recomputes the same bits
@@ -390,6 +390,10 @@ def merge_update(
         delta = normed_mean(clipped, weights)
     else:
         delta = radial_directional_average(clipped, weights, radius=cfg.rda_radius, max_gain=cfg.rda_max_gain or math.inf)
+    if not 0.0 < scale <= 1.0:
+        raise LocalProtocolError(f"a merge's scale must be in (0, 1], got {scale}")
+    if scale < 1.0:
+        delta.mul_(scale)
     bounded = False
     theta_norm = norm64(theta)
     if theta_norm > 0 and math.isfinite(cfg.max_delta_ratio):

@@ -200,6 +200,40 @@ def test_a_quorum_fraction_waits_for_that_share_of_the_learners_expected() -> No
     assert m.quorum == 4  # never below K
 
 
+def test_a_round_left_below_its_share_of_the_learners_merges_a_scaled_step() -> None:
+    """32 learners at a half make K = 16; full rounds merge a whole step. When the swarm stops,
+    K follows the learners out and the round in flight closes on what it holds: 2 of its 16
+    make 2/16 of a step (the missing 14 count as zero), not a whole step of two learners' work.
+    A round that opens after the swarm shrank has the smaller quorum and merges whole."""
+    m = FragmentMerger(0, MergeConfig(quorum=1, quorum_fraction=0.5, **EXACT), now=0.0)
+    m.set_expected(32, now=0.0)
+    peers = [bytes([i]) * 32 for i in range(16)]
+    for i, peer in enumerate(peers):
+        d = apply(m, c(0.01 * i, peer))
+    d = m.on_tick(10.0)
+    assert d.kind == "merge" and len(d.entries) == 16 and d.scale == 1.0
+    m.on_published(1, sync_time=0.0, now=10.0)
+    apply(m, c(10.1, peers[0], 1))
+    apply(m, c(10.2, peers[1], 1))
+    for n, t in ((20, 10.3), (4, 10.4), (0, 10.5)):  # learners stop
+        d = m.set_expected(n, now=t)
+    d = m.on_tick(20.0) if d.kind != "merge" else d
+    assert d.kind == "merge" and len(d.entries) == 2 and d.scale == 2 / 16
+    assert "scaled to 2/16 of a step" in d.reason
+    m.on_published(2, sync_time=0.0, now=20.0)
+    m.set_expected(4, now=20.0)  # a swarm of 4 from the start of the round: K = 2, a whole step
+    apply(m, c(20.1, peers[0], 2))
+    apply(m, c(20.2, peers[1], 2))
+    d = m.on_tick(30.0)
+    assert d.kind == "merge" and len(d.entries) == 2 and d.scale == 1.0
+    m = FragmentMerger(0, MergeConfig(quorum=2, **EXACT), now=0.0)  # no fraction: never scaled
+    m.set_expected(8, now=0.0)
+    apply(m, c(0.1, A))
+    apply(m, c(0.2, B))
+    d = m.set_expected(0, now=0.3)  # nobody left: the round in its grace window closes at once
+    assert d.kind == "merge" and d.scale == 1.0
+
+
 def test_merge_entries_carry_weights_and_staleness() -> None:
     m = FragmentMerger(0, MergeConfig(late_policy="carry", **EXACT), version=5, now=0.0)
     apply(m, c(0.5, A, 4, tokens=100, steps=10))  # 1000 * 0.5
@@ -396,6 +430,7 @@ def check_decision(m: FragmentMerger, cfg: MergeConfig, d: Decision, published: 
         assert d.version == m.version and d.version not in published  # no version merged twice
         peers = [e.peer for e in d.entries]
         assert len(set(peers)) == len(peers)
+        assert 0 < d.scale <= 1.0 and (d.scale == 1.0 or cfg.quorum_fraction > 0)  # only a share is scaled
         assert all(0 <= e.staleness <= cfg.staleness_bound for e in d.entries)
         if cfg.late_policy == "drop":
             assert all(e.staleness == 0 for e in d.entries)

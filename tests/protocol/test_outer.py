@@ -381,3 +381,15 @@ def test_rdas_gain_over_the_normed_mean_can_be_bounded(m: int) -> None:
     for bad in (0.5, math.inf, math.nan, -1.0):
         with pytest.raises(LocalProtocolError, match="rda_max_gain"):
             OuterConfig(rda_max_gain=bad)
+
+
+def test_a_merge_scales_its_aggregate_before_the_bound_and_the_outer_step() -> None:
+    theta = torch.zeros(2)
+    deltas, weights, clips = [torch.tensor([4.0, 0.0]), torch.tensor([0.0, 4.0])], [1.0, 1.0], [1.0, 1.0]
+    cfg = OuterConfig(lr=1.0, momentum=0.0, max_delta_ratio=math.inf, aggregate="normed")
+    whole = merge_update(theta, None, deltas, weights, clips, cfg, embedding=False)
+    part = merge_update(theta, None, deltas, weights, clips, cfg, embedding=False, scale=0.25)
+    assert torch.allclose(part.theta, whole.theta * 0.25)
+    for bad in (0.0, 1.5, math.nan):
+        with pytest.raises(LocalProtocolError, match="scale"):
+            merge_update(theta, None, deltas, weights, clips, cfg, embedding=False, scale=bad)
