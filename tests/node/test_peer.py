@@ -10,6 +10,7 @@ import pytest
 from node.config import RunConfig
 from node.dht.membership import Member, MemberRecord
 from node.peer import PeerNode
+from protocol.wire.messages import ReplicaState
 from tests.node.fakes import signer, tiny_model, tiny_plan
 
 
@@ -54,6 +55,27 @@ def _successor_and_retiring() -> tuple[PeerNode, PeerNode]:
     successor.membership = FakeMembership(records={})  # type: ignore[assignment]
     successor.membership.members = {signer(1).peer_id: Member(signer(1).peer_id, record, 2e9, certified_owner=True)}
     return successor, retiring
+
+
+def _hand_in_memory(retiring: PeerNode, successor: PeerNode) -> list[ReplicaState]:
+    """Route ``retiring``'s handoffs to ``successor``'s handler in memory, refusing as ``_hand_to``
+    does (a fenced refusal raises ``_FencedBy``); returns the states sent, in order."""
+    import types
+
+    from node.diloco.handoffs import _FencedBy
+
+    sent: list[ReplicaState] = []
+
+    async def hand_to(p: int, target: tuple[bytes, str], state: ReplicaState) -> bool:
+        sent.append(state)
+        ack = await successor._on_replica_state(types.SimpleNamespace(peer_id=retiring.signer.peer_id,  # type: ignore[arg-type]
+                                                                      message=state))
+        if not ack.accepted and ack.reason.startswith("fenced"):
+            raise _FencedBy(ack)
+        return ack.accepted
+
+    retiring._hand_to = hand_to  # type: ignore[method-assign]
+    return sent
 
 
 async def test_a_new_member_is_admitted_after_one_lookup() -> None:
@@ -156,39 +178,27 @@ async def test_a_retiring_owner_hands_its_newer_state_past_a_successors_stale_fe
     ("fenced: fragment 0 is at epoch 1 here (version 0)") and dropped: the successor then owned the
     fragment from version 0 and refused every learner's work as ahead of it. Handed again under
     the fence's epoch it is taken, momentum included; a fence at our version still turns it away."""
-    import types
 
     import torch
 
-    from node.diloco.handoffs import _FencedBy
     from node.diloco.replica import encode_state
-    from protocol.wire.messages import ReplicaState
 
     successor, retiring = _successor_and_retiring()
     n = successor.replicas.numels[0]
-    sent: list[int] = []
-
-    async def hand_to(p: int, target: tuple[bytes, str], state: ReplicaState) -> bool:  # in memory
-        sent.append(state.epoch)
-        ack = await successor._on_replica_state(types.SimpleNamespace(peer_id=signer(1).peer_id, message=state))  # type: ignore[arg-type]
-        if not ack.accepted and ack.reason.startswith("fenced"):
-            raise _FencedBy(ack)
-        return ack.accepted
-
-    retiring._hand_to = hand_to  # type: ignore[method-assign]
+    sent = _hand_in_memory(retiring, successor)
     target = (signer(2).peer_id, "http://127.0.0.1:2")
     successor.replicas.fence(0, 1, 0, b"\x00" * 32)  # its own brief ownership, from version 0
     newest = encode_state(swarm=successor.cfg.swarm, fragment=0, epoch=0, version=40, digest=b"\x07" * 32,
                           theta=torch.ones(n), momentum=torch.full((n,), 0.5))
     await retiring._hand_on(0, target, newest)
-    assert sent == [0, 1]  # refused at epoch 0, taken under the fence's epoch
+    assert [x.epoch for x in sent] == [0, 1]  # refused at epoch 0, taken under the fence's epoch
     taken = successor.replicas.states[0]
     assert (taken.version, taken.epoch) == (40, 1) and taken.momentum is not None
     assert successor.replicas.held[0].version == 40
     sent.clear()
     successor.replicas.fence(0, 3, 40, b"\x07" * 32)  # a fence at our version is real: no retry
     await retiring._hand_on(0, target, dataclasses.replace(newest, epoch=2))
-    assert sent == [2] and successor.replicas.states[0].epoch == 1
+    assert [x.epoch for x in sent] == [2] and successor.replicas.states[0].epoch == 1
 
 
 async def test_a_replica_hands_its_state_to_a_successor_it_refused() -> None:
@@ -199,7 +209,6 @@ async def test_a_replica_hands_its_state_to_a_successor_it_refused() -> None:
     import torch
 
     from node.diloco.replica import Handed
-    from protocol.wire.messages import ReplicaState
 
     model = tiny_model()
     node = PeerNode(RunConfig(max_tokens_per_step=64), signer(1), model, tiny_plan(model))
@@ -316,23 +325,14 @@ async def test_a_retiring_owner_hands_a_state_the_successor_holds_by_reference()
     """A fragment moves to the peer that was its replica: that peer took the retiring owner's
     newest version already, so the handoff names it (no tensors) and the successor takes it from
     its store; a successor that holds something else refuses, and the whole state follows."""
-    import types
 
     import torch
 
     from node.diloco.replica import encode_state
-    from protocol.wire.messages import ReplicaState
 
     successor, retiring = _successor_and_retiring()
     n = successor.replicas.numels[0]
-    sent: list[ReplicaState] = []
-
-    async def hand_to(p: int, target: tuple[bytes, str], state: ReplicaState) -> bool:  # in memory
-        sent.append(state)
-        ack = await successor._on_replica_state(types.SimpleNamespace(peer_id=signer(1).peer_id, message=state))  # type: ignore[arg-type]
-        return ack.accepted
-
-    retiring._hand_to = hand_to  # type: ignore[method-assign]
+    sent = _hand_in_memory(retiring, successor)
     target = (signer(2).peer_id, "http://127.0.0.1:2")
     theta = torch.linspace(-1, 1, n)
     v7 = encode_state(swarm=successor.cfg.swarm, fragment=0, epoch=0, version=7, digest=b"\x07" * 32,
@@ -361,7 +361,6 @@ async def test_a_running_owner_behind_a_retiring_owners_epoch_and_version_steps_
     import torch
 
     from node.diloco.replica import encode_state
-    from protocol.wire.messages import ReplicaState
     from tests.node.fakes import FakeClock, contribution, flat_of, make_owner, shapes_of
 
     successor, retiring = _successor_and_retiring()
@@ -387,14 +386,7 @@ async def test_a_running_owner_behind_a_retiring_owners_epoch_and_version_steps_
 
     successor._tg = Tasks()  # type: ignore[assignment]
     n = successor.replicas.numels[0]
-    sent: list[ReplicaState] = []
-
-    async def hand_to(p: int, target: tuple[bytes, str], state: ReplicaState) -> bool:  # in memory
-        sent.append(state)
-        ack = await successor._on_replica_state(types.SimpleNamespace(peer_id=signer(1).peer_id, message=state))  # type: ignore[arg-type]
-        return ack.accepted
-
-    retiring._hand_to = hand_to  # type: ignore[method-assign]
+    sent = _hand_in_memory(retiring, successor)
     target = (signer(2).peer_id, "http://127.0.0.1:2")
 
     def state(epoch: int, version: int, fill: float) -> ReplicaState:
