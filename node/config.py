@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -111,6 +112,13 @@ class RunConfig:
                             f"got {self.full_every}")
         if self.aggregate not in AGGREGATES:
             problems.append(f"--aggregate must be one of {', '.join(AGGREGATES)}; got {self.aggregate!r}")
+        # a swarm's recipe sets these too: refused here, not when an owner starts
+        if not (math.isfinite(self.outer_lr) and self.outer_lr > 0):
+            problems.append(f"--outer-lr must be finite and > 0, got {self.outer_lr}")
+        if not 0.0 <= self.outer_momentum < 1.0:
+            problems.append(f"--outer-momentum must be in [0, 1), got {self.outer_momentum}")
+        if not (self.rda_max_gain == 0 or 1 <= self.rda_max_gain < math.inf):
+            problems.append(f"--rda-max-gain must be >= 1 and finite, or 0 (unbounded), got {self.rda_max_gain}")
         if self.late_policy not in ("carry", "drop"):
             problems.append(f"--late-policy must be carry or drop, got {self.late_policy!r}")
         if self.hold_versions not in (0, 1):

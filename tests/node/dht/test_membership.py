@@ -156,3 +156,21 @@ async def test_refusals_kept_are_bounded() -> None:
     swarm.dht.answer = [swarm.record(Signer.from_seed(os.urandom(32)), roles=None) for _ in range(1100)]
     await swarm.membership.refresh()
     assert len(swarm.membership.refused) <= 1024
+
+
+@pytest.mark.parametrize(("field", "value", "says"), [("rda_max_gain", 0.5, "--rda-max-gain"),
+                                                      ("outer_momentum", 1.5, "--outer-momentum"),
+                                                      ("outer_lr", 0.0, "--outer-lr")])
+def test_a_recipe_whose_outer_step_cannot_run_is_refused_when_read(field: str, value: float, says: str) -> None:
+    """A swarm's recipe sets the outer step for every peer: a value ``OuterConfig`` refuses must
+    fail as the manifest is read, with the flag named, not when a peer starts owning a fragment."""
+    import types
+
+    from node.config import RunConfig
+    from node.dht.membership import config_from_manifest
+
+    manifest = types.SimpleNamespace(recipe_dict={field: value}, swarm_id="s" * 16)
+    with pytest.raises(ValueError, match=says):
+        config_from_manifest(manifest, RunConfig())  # type: ignore[arg-type]
+    assert config_from_manifest(types.SimpleNamespace(recipe_dict={"aggregate": "rda", "rda_max_gain": 1.5},  # type: ignore[arg-type]
+                                                      swarm_id="s" * 16), RunConfig()).rda_max_gain == 1.5
