@@ -17,15 +17,20 @@ TEXT = "def f(x):\n    return x * 2\n" * 400  # ~11 kB of text
 
 
 def test_numbers_model_device_and_link_are_all_named_at_once() -> None:
-    cfg = RunConfig(model="huge", lr=0.0, eval_every=0, outer_momentum=1.0, device="gpu9", link="speed=fast")
+    cfg = RunConfig(model="huge", lr=0.0, eval_every=0, grace_gamma=-1.0, device="gpu9", link="speed=fast")
     with pytest.raises(CheckError) as err:
         check_run(cfg)
     text = str(err.value)
     for says in ("--lr must be > 0, got 0.0", "--eval-every must be >= 1, got 0",
-                 "--outer-momentum must be in [0, 1), got 1.0", "--model: unknown model preset 'huge'",
+                 "--grace-gamma must be >= 0, got -1.0", "--model: unknown model preset 'huge'",
                  "--device 'gpu9' is not a device", "--link: bad link spec 'speed=fast'"):
         assert says in text
     assert "\n" not in text
+    # the outer step's fields a swarm recipe may set are refused by RunConfig itself, all at once too
+    with pytest.raises(ValueError) as outer:
+        RunConfig(outer_momentum=1.0, outer_lr=0.0)
+    assert "--outer-momentum must be in [0, 1), got 1.0" in str(outer.value)
+    assert "--outer-lr must be finite and > 0, got 0.0" in str(outer.value)
 
 
 def test_corpus_checks(tmp_path: Path) -> None:
