@@ -492,7 +492,7 @@ class FragmentMerger:
         n, expected = len(self._entries), self.expected
         k, note = self._quorum()
         if self.config.quorum_fraction > 0 and not self.config.quorum_is_expected and expected:
-            self._round_share = max(self._round_share, math.ceil(self.config.quorum_fraction * expected - 1e-9))
+            self._round_share = max(self._round_share, self._share(expected))
         if n >= k and expected is not None and n >= expected and "lowered" not in note:
             return self._close(f"all {n}/{expected} expected contributions in", accepted)
         if self.phase is Phase.COLLECTING and n >= k:
@@ -519,10 +519,14 @@ class FragmentMerger:
             return n, ""
         if n < k:
             return n, f" (K = {k} lowered to the {n} learners expected)"
-        share = math.ceil(self.config.quorum_fraction * n - 1e-9)
+        share = self._share(n)
         if share > k:
             return share, f" (K = {share}: {self.config.quorum_fraction:g} of the {n} learners expected)"
         return k, ""
+
+    def _share(self, learners: int) -> int:
+        """``quorum_fraction`` of ``learners``, rounded up."""
+        return math.ceil(self.config.quorum_fraction * learners - 1e-9)
 
     def _open_grace(self) -> float:
         cfg = self.config
