@@ -31,9 +31,12 @@ never reaches anyone's routing table: ``on_seen`` skips it, and it is never moun
 Client. ``find_node`` feeds a ``Lookup`` with ``alpha`` queries in flight, each bounded by
 ``request_timeout_s``, the whole by ``lookup_timeout_s``. ``store`` signs a record in our own
 subkey, looks up the ``k`` nodes nearest the key and stores it on all of them (and locally when
-this node is itself among them); ``get`` runs a FIND_VALUE lookup, verifies every record
-returned, keeps the newest expiry per subkey and caches the result at the nearest node that
-answered without it (section 2.3's caching). ``maintain`` (looped by ``run``) refreshes buckets
+this node is itself among them); a republication within ``store_lookup_reuse_s`` reuses that
+lookup's nodes, merged with the nearest the routing table has learned since, and looks up again
+when fewer than half took it. ``get`` runs a FIND_VALUE lookup, verifies every record returned,
+keeps the newest expiry per subkey and caches the result at the nearest node that answered
+without it (section 2.3's caching); a delta ``get`` (``known``) names the records the caller
+holds, so responders send only newer ones, and caches nothing. ``maintain`` (looped by ``run``) refreshes buckets
 idle for ``refresh_interval_s`` (a fresh node's first pass is the paper's join refresh),
 re-signs and republishes our own records before they expire, and prunes the store.
 
@@ -81,6 +84,7 @@ from protocol.dht.records import (
     SignedRecord,
     StoreLimits,
     sign_record,
+    unknown_to,
     verify_record,
 )
 from protocol.dht.routing import ClaimQueue, PingCandidate, RoutingTable
@@ -133,6 +137,7 @@ class DHTConfig:
     claim_burst: float = 50.0  # ...a burst of this many...
     max_claim_pings: int = 8  # ...with at most this many in flight
     claim_retry_s: float = 60.0  # an address that did not answer is not pinged again this soon
+    store_lookup_reuse_s: float = 60.0  # a Store reuses the nodes a lookup found this long (0: look up every time)
 
 
 @dataclass(slots=True)
@@ -213,6 +218,7 @@ class DHTNode:
         self._tasks: set[asyncio.Task[None]] = set()
         self._pings = 0
         self._heard: dict[bytes, float] = {}  # contacts in the table: when last heard from
+        self._near: dict[bytes, tuple[float, list[PeerInfo]]] = {}  # key -> (when, nodes a lookup found nearest)
 
     @property
     def dialable(self) -> bool:
@@ -291,8 +297,13 @@ class DHTNode:
         return NodesReply(peers=tuple(self._nearest(msg.target)))
 
     def _on_find_value(self, msg: FindValue, source: str) -> ValueReply:
-        records = self.records.get(msg.key, self.clock())[:MAX_REPLY_RECORDS]
-        return ValueReply(records=tuple(records), peers=tuple(self._nearest(msg.key)))
+        records, omitted = unknown_to(self.records.get(msg.key, self.clock()), msg.known)
+        # A holder answers a delta read (one that names records: the asker has read the key
+        # before) with the value instead of contacts, as Kademlia's FIND_VALUE does; a first read
+        # still gets contacts, so a reader that knows few nodes finds enough holders.
+        holder = msg.known and (records or omitted)
+        return ValueReply(records=tuple(records[:MAX_REPLY_RECORDS]),
+                          peers=() if holder else tuple(self._nearest(msg.key)), omitted=omitted)
 
     def _on_store(self, msg: Store, source: str) -> StoreReply:
         now, accepted, reasons = self.clock(), 0, []
@@ -428,7 +439,8 @@ class DHTNode:
 
     # ── lookups ─────────────────────────────────────────────────────────────────────────────
 
-    async def _lookup(self, target: bytes, *, find_value: bool, quorum: int = 1) -> LookupResult:
+    async def _lookup(self, target: bytes, *, find_value: bool, quorum: int = 1,
+                      known: tuple[bytes, ...] = ()) -> LookupResult:
         cfg = self.config
         _check_id(target)
         self.routing.touch(target, self.clock())
@@ -436,7 +448,7 @@ class DHTNode:
                         find_value=find_value, min_values=quorum, own_id=self.peer_id)
         try:
             async with asyncio.timeout(cfg.lookup_timeout_s):
-                await self._drive(lookup)
+                await self._drive(lookup, known)
         except TimeoutError:
             self.metrics.failures["lookup timed out"] += 1
         result = lookup.result()
@@ -444,12 +456,12 @@ class DHTNode:
         hops[result.hops] += 1
         return result
 
-    async def _drive(self, lookup: Lookup) -> None:
+    async def _drive(self, lookup: Lookup, known: tuple[bytes, ...] = ()) -> None:
         async with asyncio.TaskGroup() as tg:
             pending: set[asyncio.Task[tuple[PeerInfo, Opened | _Failure]]] = set()
             while not lookup.done:
                 for contact in lookup.next_queries(self.clock()):
-                    pending.add(tg.create_task(self._query(lookup, contact)))
+                    pending.add(tg.create_task(self._query(lookup, contact, known)))
                 if not pending:
                     break
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -458,9 +470,10 @@ class DHTNode:
             for task in pending:
                 task.cancel()
 
-    async def _query(self, lookup: Lookup, contact: PeerInfo) -> tuple[PeerInfo, Opened | _Failure]:
+    async def _query(self, lookup: Lookup, contact: PeerInfo,
+                     known: tuple[bytes, ...] = ()) -> tuple[PeerInfo, Opened | _Failure]:
         msg: _Request = (
-            FindValue(sender=self.me, key=lookup.target)
+            FindValue(sender=self.me, key=lookup.target, known=known)
             if lookup.find_value
             else FindNode(sender=self.me, target=lookup.target)
         )
@@ -473,8 +486,11 @@ class DHTNode:
             return
         msg = reply.message
         assert isinstance(msg, NodesReply | ValueReply)  # checked against REPLY_TO in _call
-        records = self._valid(msg.records, lookup.target) if isinstance(msg, ValueReply) else None
-        lookup.on_response(contact.peer_id, msg.peers, now, value=records)
+        if isinstance(msg, ValueReply):
+            records = self._valid(msg.records, lookup.target)
+            lookup.on_response(contact.peer_id, msg.peers, now, value=records, omitted=msg.omitted)
+        else:
+            lookup.on_response(contact.peer_id, msg.peers, now)
 
     def _valid(self, records: Iterable[SignedRecord], key: bytes) -> list[SignedRecord]:
         now, good = self.clock(), []
@@ -513,9 +529,10 @@ class DHTNode:
         """The ``k`` live nodes nearest ``target`` (32 bytes) that answered, nearest first."""
         return await self._lookup(target, find_value=False)
 
-    async def find_value(self, key: bytes, *, quorum: int = 1) -> LookupResult:
-        """FIND_VALUE until ``quorum`` peers returned records; records are verified."""
-        return await self._lookup(key, find_value=True, quorum=quorum)
+    async def find_value(self, key: bytes, *, quorum: int = 1, known: tuple[bytes, ...] = ()) -> LookupResult:
+        """FIND_VALUE until ``quorum`` peers returned records (or said that every record they
+        hold is among ``known``, ``protocol.dht.records.known_tags``); records are verified."""
+        return await self._lookup(key, find_value=True, quorum=quorum, known=known)
 
     async def store(self, key: bytes, value: bytes, ttl_s: float) -> int:
         """Sign ``value`` under ``key`` (32 bytes) in our subkey and store it on the ``k`` nodes
@@ -531,16 +548,19 @@ class DHTNode:
         rec = self._sign(key, value, ttl_s)
         return await self._publish(key, (rec,))
 
-    async def get(self, key: bytes, *, quorum: int = 1) -> list[SignedRecord]:
+    async def get(self, key: bytes, *, quorum: int = 1, known: tuple[bytes, ...] = ()) -> list[SignedRecord]:
         """Verified records under ``key``: the newest expiry per subkey, ordered by subkey.
 
-        Caches what it found at the nearest node that answered without it.
+        With ``known`` (``known_tags`` of the records the caller holds), a delta read: responders
+        leave those out, so what comes back is only what is newer, and nothing is cached (a
+        partial set would make the cache a source that lacks records). Without it, caches what
+        it found at the nearest node that answered without it.
         """
-        result = await self.find_value(key, quorum=quorum)
+        result = await self.find_value(key, quorum=quorum, known=known)
         local = self.records.get(key, self.clock()) if self.dialable else []
         records = _newest_per_subkey([*local, *result.value], self.clock())
         cache = result.closest_without_value
-        if result.found and cache is not None:
+        if result.found and cache is not None and not known:
             batch = tuple(sorted(records, key=lambda r: -r.expires_at)[:MAX_STORE_RECORDS])
             await self._call(cache.address, Store(sender=self.me, records=batch), cache.peer_id)
         return records
@@ -569,11 +589,29 @@ class DHTNode:
         return rec
 
     async def _publish(self, key: bytes, records: tuple[SignedRecord, ...]) -> int:
-        targets = (await self.find_node(key)).closest
+        targets = await self._store_targets(key)
         msg = Store(sender=self.me, records=records)
         replies = await asyncio.gather(*(self._call(c.address, msg, c.peer_id) for c in targets))
         held = sum(_holds(r) for r in replies)
+        if 2 * held < len(targets):
+            self._near.pop(key, None)  # the neighbourhood moved on: look it up again next time
         return held + self._store_locally(key, records, targets)
+
+    async def _store_targets(self, key: bytes) -> list[PeerInfo]:
+        """The ``k`` nodes nearest ``key`` to store on: a lookup's answer, reused for
+        ``store_lookup_reuse_s`` (members republish every few seconds, and the nodes nearest a
+        key rarely change), merged with the nearest contacts the routing table learned since."""
+        now, cfg = self.clock(), self.config
+        near = self._near.get(key)
+        if near is None or now - near[0] >= cfg.store_lookup_reuse_s:
+            closest = (await self.find_node(key)).closest
+            if len(self._near) >= 64:
+                self._near.pop(next(iter(self._near)))
+            self._near[key] = (now, closest)
+            return closest
+        merged = {c.peer_id: c for c in self.routing.closest(key, cfg.k)}
+        merged.update((c.peer_id, c) for c in near[1] if c.peer_id in self.routing)
+        return sorted(merged.values(), key=lambda c: xor_distance(c.peer_id, key))[:cfg.k]
 
     def _store_locally(self, key: bytes, records: Sequence[SignedRecord], nearest: list[PeerInfo]) -> int:
         """Hold ``records`` here too when this node is among the ``k`` nearest ``key``."""

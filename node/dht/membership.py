@@ -25,7 +25,7 @@ import msgpack
 
 from node.config import SWARM_WIDE_FIELDS, RunConfig
 from node.dht.kademlia import DHTNode
-from protocol.dht.records import SignedRecord
+from protocol.dht.records import SignedRecord, known_tags
 from protocol.diloco.fragments import balanced_owners, owner_chain, owners_of
 from protocol.errors import DecodeError, NotAuthorized, RemoteProtocolError
 from protocol.ids import key_id
@@ -43,7 +43,7 @@ READ_QUORUM = 3  # responders whose member records are merged on a full read
 # One read in this many asks READ_QUORUM responders; the others read this node's own store when
 # it is among the nearest (every member stores its record there) or else one responder. Every
 # responder sends every record, so three full reads every 2 s were the swarm's busiest control
-# traffic (8 tiny peers: ~1.1 B/token). A record a publisher did not store here, or a
+# traffic (8 tiny peers: ~1.1 B/token, before reads became delta reads). A record a publisher did not store here, or a
 # responder omitted, is then seen at most FULL_READ_EVERY - 1 reads late; the view never shrinks.
 FULL_READ_EVERY = 4
 REFUSED_KEPT = 1024
@@ -180,12 +180,17 @@ class Membership:
         responder can only omit, and an omitted member stays until its own record expires. The
         first read and every ``FULL_READ_EVERY``-th merge ``READ_QUORUM`` responders' records;
         the others read this node's own store when it is among the nodes nearest the swarm key
-        (members publish there: no request at all), else one responder's."""
+        (members publish there: no request at all), else one responder's. Reads from
+        responders are delta reads: they name the records held here (``known_tags``), and
+        responders send only newer ones."""
         full = self.reads % FULL_READ_EVERY == 0
         self.reads += 1
         local = None if full else self.dht.held_near(self.key)
         now = time.time()
-        for rec in local if local is not None else await self.dht.get(self.key, quorum=READ_QUORUM if full else 1):
+        if local is None:
+            known = known_tags(r for r in self._records.values() if r.expires_at > now)
+            local = await self.dht.get(self.key, quorum=READ_QUORUM if full else 1, known=known)
+        for rec in local:
             held = self._records.get(rec.subkey)
             if held is None or rec.expires_at > held.expires_at:
                 self._records[rec.subkey] = rec

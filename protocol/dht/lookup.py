@@ -73,6 +73,8 @@ class LookupResult:
     ``closest_without_value``: the nearest peer that answered without the value, where a value
     lookup may cache what it found. ``hops``: see the module docstring. ``queried``: queries
     sent. ``failed``: queries that failed. ``ignored``: answers refused as unsolicited.
+    ``sources``: peers that answered with the value, counting those that only said the records
+    they hold are all known to the asker (a delta read, ``FindValue.known``).
     """
 
     closest: list[PeerInfo]
@@ -82,10 +84,11 @@ class LookupResult:
     queried: int
     failed: int
     ignored: int
+    sources: int = 0
 
     @property
     def found(self) -> bool:
-        return bool(self.value)
+        return bool(self.value) or self.sources > 0
 
 
 class Lookup:
@@ -146,8 +149,10 @@ class Lookup:
         contacts: Sequence[PeerInfo],
         now: float,
         value: Sequence[SignedRecord] | None = None,
+        omitted: int = 0,
     ) -> ResponseNote:
-        """``peer_id`` answered with ``contacts`` (and, for FIND_VALUE, verified ``value``)."""
+        """``peer_id`` answered with ``contacts`` (and, for FIND_VALUE, verified ``value`` and
+        the number of records it holds that the asker named as known, ``omitted``)."""
         cand = self._cands.get(peer_id)
         if cand is None or cand.state is not _State.IN_FLIGHT:
             self._ignored += 1
@@ -155,8 +160,8 @@ class Lookup:
             return ResponseNote(False, 0, f"unsolicited answer from {peer_id.hex()[:16]} ({state})")
         cand.state = _State.ANSWERED
         self._in_flight -= 1
-        if value:
-            self._values.extend(value)
+        if value or (self.find_value and omitted > 0):
+            self._values.extend(value or ())
             self._value_sources.append(peer_id)
         unique = _dedupe(contacts)
         new = sum(self._learn(c, cand.depth + 1) for c in unique[: self.k])
@@ -199,7 +204,7 @@ class Lookup:
         without = next(
             (c.contact for c in answered if c.contact.peer_id not in self._value_sources), None
         )
-        makers = [self._cands[p] for p in self._value_sources] if self._values else closest
+        makers = [self._cands[p] for p in self._value_sources] if self._value_sources else closest
         return LookupResult(
             closest=[c.contact for c in closest],
             value=tuple(self._values),
@@ -208,6 +213,7 @@ class Lookup:
             queried=self._queried,
             failed=self._failed,
             ignored=self._ignored,
+            sources=len(self._value_sources),
         )
 
     # ── internals ───────────────────────────────────────────────────────────────────────────

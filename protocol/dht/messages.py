@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from protocol.dht.records import SignedRecord
+from protocol.dht.records import KNOWN_TAG_BYTES, SignedRecord
 from protocol.errors import DecodeError, NotAuthorized
 from protocol.ids import ID_BYTES, peer_id_from_public_key
 from protocol.wire.messages import Message, PeerInfo, register
@@ -96,13 +96,18 @@ class FindNode(Message):
 @register(35)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class FindValue(Message):
-    """Send me the records under ``key``, or the contacts you know nearest it."""
+    """Send me the records under ``key``, or the contacts you know nearest it; leave out the
+    records ``known`` names (``protocol.dht.records.known_tag``: I hold them or newer ones)."""
 
     sender: PeerInfo
     key: bytes
+    known: tuple[bytes, ...] = ()
 
     def _check(self) -> None:
         _id(self.key, "FindValue.key")
+        _at_most(self.known, MAX_REPLY_RECORDS, "FindValue.known")
+        _require(all(len(t) == KNOWN_TAG_BYTES for t in self.known),
+                 f"FindValue.known: every tag must be {KNOWN_TAG_BYTES} bytes")
 
 
 @register(36)
@@ -132,14 +137,18 @@ class NodesReply(Message):
 @register(38)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ValueReply(Message):
-    """The records held under the key (maybe none), and contacts nearer it."""
+    """The records held under the key (maybe none) that the asker did not name as known,
+    ``omitted``: how many held records were left out as known, and contacts nearer the key."""
 
     records: tuple[SignedRecord, ...]
     peers: tuple[PeerInfo, ...]
+    omitted: int = 0
 
     def _check(self) -> None:
         _at_most(self.records, MAX_REPLY_RECORDS, "ValueReply.records")
         _at_most(self.peers, MAX_REPLY_PEERS, "ValueReply.peers")
+        _require(0 <= self.omitted <= MAX_REPLY_RECORDS,
+                 f"ValueReply.omitted must be in [0, {MAX_REPLY_RECORDS}], got {self.omitted}")
 
 
 @register(39)

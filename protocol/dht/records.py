@@ -37,6 +37,14 @@ expiry alone would not do: the flood would sign 24 h records and push out every 
 one. Taking over a key needs as many IPs as it has subkeys, and evictions already made stand
 when a newcomer is finally refused (they only ever took from heavier sources).
 
+Delta reads. A reader that already holds records under a key names them in its FIND_VALUE as
+``known_tag``s (the first ``KNOWN_TAG_ID_BYTES`` of the subkey and the expiry it holds);
+``unknown_to`` is what a responder then sends: only records newer than the reader's, plus a count
+of the records it held and left out, so "I hold the value, you have it already" costs a few bytes
+instead of every member's record. A reader can only make itself miss records by naming tags;
+a publisher cannot make anyone miss another's record without a 128-bit prefix collision on
+the other's peer id.
+
 ``TokenBucket``, ``RateLimiter`` and ``StoreLimits`` meter Store requests per source IP (counting
 records) and per signing key (counting requests) against floods; all take ``now``.
 """
@@ -45,8 +53,10 @@ from __future__ import annotations
 
 import heapq
 import ipaddress
+import math
+import struct
 from collections import Counter, OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -68,6 +78,8 @@ from protocol.wire.messages import CAPS, WireStruct, register_struct
 
 __all__ = [
     "DEFAULT_MAX_VALUE_BYTES",
+    "KNOWN_TAG_BYTES",
+    "KNOWN_TAG_ID_BYTES",
     "RECORD_OVERHEAD_BYTES",
     "RECORD_STRUCT_CODE",
     "PutResult",
@@ -78,8 +90,11 @@ __all__ = [
     "SignedRecord",
     "StoreLimits",
     "TokenBucket",
+    "known_tag",
+    "known_tags",
     "record_signing_bytes",
     "sign_record",
+    "unknown_to",
     "verify_record",
     "source_key",
 ]
@@ -87,6 +102,9 @@ __all__ = [
 DOMAIN = "atoll/dht/record/v1"
 DEFAULT_MAX_VALUE_BYTES = CAPS.max_bytes  # the wire's cap on inline bytes
 RECORD_STRUCT_CODE = 32  # struct code space; mirrors the DHT's message codes 32-63
+KNOWN_TAG_ID_BYTES = 16  # of the subkey: a forged match needs a 128-bit prefix collision
+KNOWN_TAG_BYTES = KNOWN_TAG_ID_BYTES + 8  # ... then the expiry held, as a little-endian float64
+_EXPIRY = struct.Struct("<d")
 
 
 class RecordSigner(Protocol):
@@ -534,3 +552,43 @@ class StoreLimits:
                 f"Store rate over {self.per_key.rate:g}/s, burst {self.per_key.burst:.0f}",
                 penalty=0.1,
             )
+
+
+# ── delta reads ─────────────────────────────────────────────────────────────────────────────
+
+
+def known_tag(rec: SignedRecord) -> bytes:
+    """What a reader that holds ``rec`` names in a FIND_VALUE so responders leave it out."""
+    return rec.subkey[:KNOWN_TAG_ID_BYTES] + _EXPIRY.pack(rec.expires_at)
+
+
+def known_tags(records: Iterable[SignedRecord]) -> tuple[bytes, ...]:
+    """``known_tag`` of each record, one per subkey prefix (the newest expiry), in subkey order."""
+    newest: dict[bytes, SignedRecord] = {}
+    for rec in records:
+        prefix = rec.subkey[:KNOWN_TAG_ID_BYTES]
+        held = newest.get(prefix)
+        if held is None or rec.expires_at > held.expires_at:
+            newest[prefix] = rec
+    return tuple(known_tag(newest[p]) for p in sorted(newest))
+
+
+def unknown_to(records: Sequence[SignedRecord], tags: Iterable[bytes]) -> tuple[list[SignedRecord], int]:
+    """The records a reader that sent ``tags`` does not hold yet, and how many were left out.
+
+    A record is left out when the reader names its subkey prefix with an expiry at or after the
+    record's: the reader holds it or a newer one. Tags are shaped by ``FindValue``'s checks;
+    a malformed one here is a ``DecodeError``.
+    """
+    held: dict[bytes, float] = {}
+    for tag in tags:
+        if len(tag) != KNOWN_TAG_BYTES:
+            raise DecodeError(f"a known-record tag is {KNOWN_TAG_BYTES} bytes, got {len(tag)}")
+        (expiry,) = _EXPIRY.unpack_from(tag, KNOWN_TAG_ID_BYTES)
+        prefix = tag[:KNOWN_TAG_ID_BYTES]
+        if math.isfinite(expiry) and expiry > held.get(prefix, -math.inf):
+            held[prefix] = expiry
+    if not held:
+        return list(records), 0
+    out = [r for r in records if r.expires_at > held.get(r.subkey[:KNOWN_TAG_ID_BYTES], -math.inf)]
+    return out, len(records) - len(out)

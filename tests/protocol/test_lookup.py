@@ -134,6 +134,24 @@ def test_find_value_can_wait_for_several_holders() -> None:
     assert lk.done and len(res.value) == 2 and res.closest_without_value is None
 
 
+def test_a_holder_whose_records_are_all_known_to_the_asker_counts_as_a_holder() -> None:
+    """Delta reads: "I hold 5 records, all of which you named" ends the lookup like records do;
+    an empty answer that claims nothing does not, nor does ``omitted`` in a node lookup."""
+    lk = Lookup(TARGET, [c(1), c(2), c(3)], k=3, alpha=3, find_value=True, min_values=2)
+    lk.next_queries(0.0)
+    lk.on_response(c(1).peer_id, [], 1.0, value=[])
+    lk.on_response(c(2).peer_id, [], 1.0, value=[], omitted=5)
+    assert not lk.done
+    lk.on_response(c(3).peer_id, [], 1.0, value=[fake_record(3)], omitted=4)
+    res = lk.result()
+    assert lk.done and res.found and res.sources == 2 and len(res.value) == 1
+    assert res.closest_without_value == c(1)
+    nodes = Lookup(TARGET, [c(1)], k=1, alpha=1)
+    nodes.next_queries(0.0)
+    nodes.on_response(c(1).peer_id, [], 1.0, omitted=5)
+    assert not nodes.result().found
+
+
 # ── a 500-node network ──────────────────────────────────────────────────────────────────────
 
 

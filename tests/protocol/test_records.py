@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import struct
 
 import pytest
 from hypothesis import given, settings
@@ -29,7 +30,10 @@ from protocol.dht.records import (
     RecordStore,
     SignedRecord,
     TokenBucket,
+    known_tag,
+    known_tags,
     sign_record,
+    unknown_to,
     verify_record,
 )
 from protocol.errors import (
@@ -224,11 +228,13 @@ NAT = PeerInfo(peer_id=BOB.peer_id)  # a learner behind NAT: no address
         Pong(sender=NAT),
         FindNode(sender=ME, target=MEMBERS),
         FindValue(sender=NAT, key=MEMBERS),
+        FindValue(sender=NAT, key=MEMBERS, known=(known_tag(rec()),)),
         Store(sender=ME, records=(rec(), rec(BOB, value=b""))),
         NodesReply(peers=()),
         NodesReply(peers=(ME, PeerInfo(peer_id=BOB.peer_id, address="http://b:2"))),
         ValueReply(records=(rec(),), peers=(ME,)),
         ValueReply(records=(), peers=()),
+        ValueReply(records=(), peers=(ME,), omitted=3),
         StoreReply(accepted=1, reasons=("record signature does not verify",)),
     ],
     ids=lambda m: type(m).__name__,
@@ -253,6 +259,10 @@ def test_dht_codes_and_reply_table() -> None:
     [
         (lambda: FindNode(sender=ME, target=b"x" * 31), "FindNode.target"),
         (lambda: FindValue(sender=ME, key=b""), "FindValue.key"),
+        (lambda: FindValue(sender=ME, key=MEMBERS, known=(b"x" * 23,)), "24 bytes"),
+        (lambda: FindValue(sender=ME, key=MEMBERS, known=(b"x" * 24,) * 4097), "cap"),
+        (lambda: ValueReply(records=(), peers=(), omitted=-1), "omitted"),
+        (lambda: ValueReply(records=(), peers=(), omitted=4097), "omitted"),
         (lambda: Store(sender=ME, records=()), "no records"),
         (lambda: Store(sender=ME, records=(rec(),) * 65), "cap"),
         (lambda: NodesReply(peers=(ME,) * (MAX_REPLY_PEERS + 1)), "cap"),
@@ -280,3 +290,41 @@ def test_check_sender_binds_sender_to_envelope_key() -> None:
     check_sender(ME, ALICE.public_key)
     with pytest.raises(NotAuthorized):
         check_sender(ME, BOB.public_key)
+
+
+# ── delta reads ─────────────────────────────────────────────────────────────────────────────
+
+WRITERS = [Signer(bytes([i]) * 32) for i in range(1, 9)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(held=st.lists(st.tuples(st.integers(0, 7), st.integers(1, 50)), max_size=12),
+       known=st.lists(st.tuples(st.integers(0, 7), st.integers(1, 50)), max_size=12))
+def test_a_responder_sends_exactly_the_records_newer_than_the_readers(
+        held: list[tuple[int, int]], known: list[tuple[int, int]]) -> None:
+    """Whatever the responder holds and the reader names: a record is sent iff the reader holds
+    nothing as new for its writer, and ``omitted`` counts the rest."""
+    records = [rec(WRITERS[w], ttl=float(t)) for w, t in held]
+    reader = [rec(WRITERS[w], ttl=float(t)) for w, t in known]
+    sent, omitted = unknown_to(records, known_tags(reader))
+    newest = {}
+    for r in reader:
+        newest[r.subkey] = max(newest.get(r.subkey, 0.0), r.expires_at)
+    assert sent == [r for r in records if r.expires_at > newest.get(r.subkey, 0.0)]
+    assert omitted == len(records) - len(sent)
+    assert unknown_to(records, ()) == (records, 0)  # a first read gets everything
+
+
+def test_known_tags_name_each_writer_once_with_its_newest_expiry() -> None:
+    tags = known_tags([rec(ALICE, ttl=10), rec(BOB, ttl=5), rec(ALICE, ttl=30)])
+    assert sorted(tags) == sorted([known_tag(rec(ALICE, ttl=30)), known_tag(rec(BOB, ttl=5))])
+    assert all(len(t) == 24 for t in tags)
+
+
+def test_tags_a_reader_cannot_mean_leave_nothing_out_and_bad_ones_are_refused() -> None:
+    records = [rec(ALICE, ttl=10)]
+    prefix = ALICE.peer_id[:16]
+    for weird in (float("nan"), float("inf"), float("-inf")):
+        assert unknown_to(records, (prefix + struct.pack("<d", weird),)) == (records, 0)
+    with pytest.raises(DecodeError, match="24 bytes"):
+        unknown_to(records, (b"short",))

@@ -16,7 +16,7 @@ from node.dht.kademlia import DHTConfig, DHTNode
 from node.dht.route import DHTRouter
 from node.wire.transport import Transport
 from protocol.dht.messages import FindNode, Ping, Pong, Store, StoreReply
-from protocol.dht.records import SignedRecord, record_signing_bytes, sign_record
+from protocol.dht.records import SignedRecord, known_tags, record_signing_bytes, sign_record
 from protocol.errors import LocalProtocolError
 from protocol.ids import key_id, xor_distance
 from protocol.wire.codec import encode
@@ -158,6 +158,60 @@ async def test_a_node_among_the_nearest_reads_a_key_from_its_own_store() -> None
         assert by_distance[0].held_near(key_id("never stored")) is None
         hidden = await net.add(99, cfg, dialable=False)
         assert hidden.held_near(key) is None
+
+
+async def test_a_delta_read_gets_only_newer_records_for_a_fraction_of_the_bytes() -> None:
+    """A reader that names the records it holds (``known``) gets only newer ones; a responder
+    holding nothing new still counts as having the value, so the lookup asks no more peers."""
+    async with network() as net:
+        nodes = await joined(net, 8)
+        reader = await net.add(99, dialable=False)  # holds nothing locally: every record comes over the wire
+        assert await reader.bootstrap([nodes[0].me.address]) == 1
+        key = key_id("swarm/members")
+        for node in nodes:
+            assert await node.store(key, b"http://member:1/" + bytes(200), 60) == 8
+
+        def reply_bytes() -> int:  # the test's nodes are mounted at /v1/dht/<i>
+            return sum(n for route, n in net.transport.bytes_by_route.items()
+                       if route.startswith("reply ") and route.endswith(":FindValue"))
+
+        before, asked = reply_bytes(), reader.metrics.rpcs_out["FindValue"]
+        full = await reader.get(key, quorum=3)
+        full_bytes, full_asked = reply_bytes() - before, reader.metrics.rpcs_out["FindValue"] - asked
+        assert {r.subkey for r in full} == {n.peer_id for n in nodes}
+
+        before, asked = reply_bytes(), reader.metrics.rpcs_out["FindValue"]
+        assert await reader.get(key, quorum=3, known=known_tags(full)) == []
+        assert reader.metrics.rpcs_out["FindValue"] - asked <= full_asked
+        assert reply_bytes() - before < full_bytes / 3
+
+        assert await nodes[3].store(key, b"http://member:1/moved", 120) == 8
+        newer = await reader.get(key, quorum=3, known=known_tags(full))
+        assert [(r.subkey, r.value) for r in newer] == [(nodes[3].peer_id, b"http://member:1/moved")]
+
+
+async def test_a_republication_reuses_its_lookup_until_the_neighbourhood_fails() -> None:
+    async with network() as net:
+        nodes = await joined(net, 6)
+        key = key_id("swarm/members")
+        writer = nodes[2]
+        assert await writer.store(key, b"v1", 60) == 6
+        lookups = writer.metrics.rpcs_out["FindNode"]
+        assert await writer.store(key, b"v2", 60) == 6  # within store_lookup_reuse_s: no lookup
+        assert writer.metrics.rpcs_out["FindNode"] == lookups
+        assert {r.value for r in await nodes[5].get(key)} == {b"v2"}
+        for dead in nodes[3:]:
+            await net.kill(dead)
+        assert await writer.store(key, b"v3", 60) == 3  # half the nodes it reused are gone...
+        assert writer.metrics.rpcs_out["FindNode"] == lookups
+        assert await writer.store(key, b"v4", 60) == 3  # ...so the next one looks the key up again
+        assert writer.metrics.rpcs_out["FindNode"] > lookups
+    async with network() as net:
+        nodes = await joined(net, 4, dataclasses.replace(FAST, store_lookup_reuse_s=0))
+        lookups = nodes[1].metrics.rpcs_out["FindNode"]
+        await nodes[1].store(key, b"v1", 60)
+        await nodes[1].store(key, b"v2", 60)
+        assert nodes[1].metrics.rpcs_out["FindNode"] > lookups + 1
 
 
 async def test_node_behind_nat_stores_and_gets_but_is_never_routed() -> None:

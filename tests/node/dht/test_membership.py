@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 import time
@@ -11,7 +12,7 @@ import pytest
 
 from node.config import RunConfig
 from node.dht.membership import Member, MemberRecord, Membership, manifest_hash, members_key
-from protocol.dht.records import sign_record
+from protocol.dht.records import known_tags, sign_record
 from protocol.errors import DecodeError
 from protocol.wire.membership import Certificate, SwarmManifest
 from protocol.wire.signing import Signer
@@ -75,9 +76,11 @@ class FakeDHT:
     def __init__(self) -> None:
         self.answer: list = []
         self.quorums: list[int] = []
+        self.known: list[tuple[bytes, ...]] = []
 
-    async def get(self, key: bytes, *, quorum: int = 1) -> list:
+    async def get(self, key: bytes, *, quorum: int = 1, known: tuple[bytes, ...] = ()) -> list:
         self.quorums.append(quorum)
+        self.known.append(known)
         return list(self.answer)
 
     def held_near(self, key: bytes) -> list | None:
@@ -138,6 +141,21 @@ async def test_a_responder_that_leaves_members_out_does_not_shrink_the_view() ->
     short = swarm.record(b, ttl_s=0.05)
     swarm.dht.answer = [short]  # an older copy (earlier expiry) does not replace the newer one
     assert b.peer_id in await swarm.membership.refresh()
+
+
+async def test_reads_after_the_first_name_every_record_held_refused_ones_too() -> None:
+    """Delta reads: the first read names nothing; later ones name the newest record held per
+    member (refused ones too, so a refused record is not sent again), never an expired one."""
+    swarm = Swarm("certified")
+    a, stranger, brief = (Signer.from_seed(os.urandom(32)) for _ in range(3))
+    rec_a, rec_stranger, rec_brief = swarm.record(a), swarm.record(stranger, roles=None), swarm.record(brief, ttl_s=0.05)
+    swarm.dht.answer = [rec_a, rec_stranger, rec_brief]
+    assert set(await swarm.membership.refresh()) == {a.peer_id, brief.peer_id}
+    assert swarm.dht.known[0] == ()
+    await asyncio.sleep(0.1)
+    swarm.dht.answer = []  # every responder: "nothing newer than what you named"
+    assert set(await swarm.membership.refresh()) == {a.peer_id}  # the view keeps what it holds
+    assert sorted(swarm.dht.known[1]) == sorted(known_tags([rec_a, rec_stranger]))
 
 
 async def test_the_first_read_and_every_fourth_merge_several_responders() -> None:
