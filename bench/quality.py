@@ -51,7 +51,8 @@ ABLATIONS: dict[str, dict[str, dict[str, Any]]] = {
     "H": {"H15": {"inner_steps": 15}, "H30": {"inner_steps": 30}, "H60": {"inner_steps": 60}},
     "fragments": {"P1": {"fragments": 1}, "P2": {"fragments": 2}, "P4": {"fragments": 4},
                   "P8": {"fragments": 8}},
-    "download": {"fp32": {"download_codec": "none"}, "bf16": {"download_codec": "bf16"},
+    "download": {"fp32": {"download_codec": "none", "update_codec": "none"},
+                 "bf16": {"download_codec": "bf16", "update_codec": "none"},
                  # versions as updates over the one before (--update-codec), full fp32 states beside
                  "int8-update": {"update_codec": "int8"}, "int4-update": {"update_codec": "int4"}},
     "peers": {"M4": {"peers": 4}, "M8": {"peers": 8}},

@@ -44,8 +44,8 @@ def test_every_ablation_is_a_valid_run_config() -> None:
 
 
 def test_flags_name_only_what_differs_from_the_defaults() -> None:
-    cfg = RunConfig(peers=4, outer_momentum=0.5, codec="int4")
-    assert local_flags(cfg) == ["--peers", "4", "--codec", "int4", "--outer-momentum", "0.5"]
+    cfg = RunConfig(peers=4, outer_momentum=0.5, codec="int8")
+    assert local_flags(cfg) == ["--peers", "4", "--codec", "int8", "--outer-momentum", "0.5"]
     assert local_flags(RunConfig()) == []
     with pytest.raises(ValueError, match="unknown RunConfig fields"):
         Setting("bad", (("outer_lrr", 1.0),)).config()
