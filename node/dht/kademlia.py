@@ -446,6 +446,7 @@ class DHTNode:
         self.routing.touch(target, self.clock())
         lookup = Lookup(target, self.routing.closest(target), k=cfg.k, alpha=cfg.alpha,
                         find_value=find_value, min_values=quorum, own_id=self.peer_id)
+        known = known[:MAX_REPLY_RECORDS]  # a FindValue names at most this many: the rest come in full
         try:
             async with asyncio.timeout(cfg.lookup_timeout_s):
                 await self._drive(lookup, known)

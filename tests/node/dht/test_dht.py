@@ -188,6 +188,9 @@ async def test_a_delta_read_gets_only_newer_records_for_a_fraction_of_the_bytes(
         assert await nodes[3].store(key, b"http://member:1/moved", 120) == 8
         newer = await reader.get(key, quorum=3, known=known_tags(full))
         assert [(r.subkey, r.value) for r in newer] == [(nodes[3].peer_id, b"http://member:1/moved")]
+        # a reader holding more records than a FindValue may name names the first 4096
+        many = tuple(os.urandom(16) + bytes(8) for _ in range(5000)) + known_tags(full)
+        assert len(await reader.get(key, quorum=3, known=many)) == 8
 
 
 async def test_a_republication_reuses_its_lookup_until_the_neighbourhood_fails() -> None:
