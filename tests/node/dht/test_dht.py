@@ -15,7 +15,7 @@ import pytest
 from node.dht.kademlia import DHTConfig, DHTNode
 from node.dht.route import DHTRouter
 from node.wire.transport import Transport
-from protocol.dht.messages import FindNode, Ping, Pong, Store, StoreReply
+from protocol.dht.messages import FindNode, FindValue, Ping, Pong, Store, StoreReply
 from protocol.dht.records import SignedRecord, known_tags, record_signing_bytes, sign_record
 from protocol.errors import LocalProtocolError
 from protocol.ids import key_id, xor_distance
@@ -408,6 +408,11 @@ async def test_garbage_and_forgeries_get_4xx_and_the_node_keeps_working() -> Non
         assert status == 503  # no node mounted at that path
         assert sum(node.metrics.refusals.values()) == 7 and node.metrics.refusals["Replay"] == 1
         assert victim.peer_id not in node.routing
+        bad_tags = object.__new__(FindValue)  # past the sender's own checks: a tag one byte short
+        for name, value in dict(sender=info(mallory), key=bytes(32), known=(b"t" * 23,)).items():
+            object.__setattr__(bad_tags, name, value)
+        status, body = await raw(net, url, mallory, sealed(mallory, bad_tags))
+        assert status == 400 and b"24 bytes" in body  # type: ignore[operator]
         assert await friend.ping(url) == node.me  # still serving
         status, reply = await raw(net, url, mallory, FindNode(sender=info(mallory), target=bytes(32)))
         assert status == 200 and not isinstance(reply, bytes)
