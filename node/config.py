@@ -48,9 +48,10 @@ class RunConfig:
     fragments: int = 4
     inner_steps: int = 30  # H: every fragment is due once per H inner steps
     # int4 both ways: in synchronous DiLoCo (where only the codec differs between two runs of a
-    # seed) int4 contributions and int4 updates ended within 0.25 % of int8 up / fp32 down on
-    # each of 3 seeds, at 190x instead of 46x fewer bytes than fp32 ring all-reduce
-    # (docs/results.md, *int4 both ways by default*)
+    # seed) int4 contributions and int4 updates ended within 0.5 % of int8 up / fp32 down on
+    # each of 3 seeds, at 190x instead of 46x fewer bytes than fp32 ring all-reduce; over six
+    # seeds of bench.quality (4 peers) it cost Decoupled +0.09 % and sync +0.17 %
+    # (docs/results.md, *int4 both ways by default*; docs/benchmarks.md, *Six seeds*)
     codec: str = "int4"  # pseudo-gradient compression
     block_size: int = 64
     download_codec: str = "none"  # global fragments handed back by owners
