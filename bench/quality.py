@@ -59,8 +59,10 @@ ABLATIONS: dict[str, dict[str, dict[str, Any]]] = {
     # the merge's aggregation (--aggregate): radial-directional averaging, the normed or the token-weighted mean
     "aggregate": {"rda": {"aggregate": "rda"}, "mean": {"aggregate": "mean"}, "normed": {"aggregate": "normed"},
                   "rda-M8": {"peers": 8, "aggregate": "rda"}, "mean-M8": {"peers": 8, "aggregate": "mean"}},
-    # adoption blend (--adopt-alpha): theta <- alpha*theta + (1-alpha)*global (0, the default: overwrite)
-    "adopt": {"a0.3": {"adopt_alpha": 0.3}, "a0.5": {"adopt_alpha": 0.5}},
+    # adoption: overwrite (--adopt-rebase 0), or the blend theta <- alpha*theta + (1-alpha)*global
+    # (--adopt-alpha), against the default rebase (global + the work no contribution holds yet)
+    "adopt": {"overwrite": {"adopt_rebase": 0}, "a0.3": {"adopt_alpha": 0.3, "adopt_rebase": 0},
+              "a0.5": {"adopt_alpha": 0.5, "adopt_rebase": 0}},
 }
 
 

@@ -116,7 +116,8 @@ class SwarmIsland:
         self._node: PeerNode | None = None
         if self.rank == 0:  # rank 0 speaks for the island on the swarm (the only rank without torchrun)
             self._island = Island(model, optimizer, self.plan, self._submit,
-                                  IslandConfig(inner_steps=self.cfg.inner_steps, adopt_alpha=self.cfg.adopt_alpha))
+                                  IslandConfig(inner_steps=self.cfg.inner_steps, adopt_alpha=self.cfg.adopt_alpha,
+                                               rebase=bool(self.cfg.adopt_rebase)))
             self._node = PeerNode(self.cfg, signer, model, self.plan, host=host, port=port,
                                   public_address=public_address, credentials=credentials)
         # the other ranks of a torchrun island follow rank 0's adoptions (node.diloco.ranks)

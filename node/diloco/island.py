@@ -33,14 +33,21 @@ so one version stale at the owner, and discounted there), then adopts. N bounds 
 ships (at most every N steps per fragment): N = 1 let early shipments make versions that
 triggered more early shipments, everyone's (docs/results.md, "Stragglers that ship").
 
-Arrivals are adopted as θ_p ← α·θ_p + (1 − α)·Θ_p (α = 0: overwrite, the default); AdamW
-moments are kept. A forced delivery (a resync after the island's own fragment went non-finite)
+Arrivals are adopted as θ_p ← α·θ_p + (1 − α)·Θ_p (α = 0: overwrite), or, with
+``rebase`` (the default), as θ_p ← Θ_p + (θ_p − θ_ref): the island's work that no contribution holds yet is
+replayed onto the new version, like a git rebase. θ_ref is the fragment as it shipped when a
+contribution is in flight, else the base it was trained from; the steps and tokens of that kept
+work stay counted, so the next contribution carries it. Either way the fragment is due H steps
+after the adoption, and a fragment whose kept work began more than H steps before is due H
+steps after that work began, at once if 2H have passed: versions arriving more often than every
+H steps cannot keep it from shipping. AdamW moments are kept. A forced delivery (a resync after the island's own fragment went non-finite)
 overwrites θ_p whatever α and the version held, and resets the inner optimizer's state of any
 parameter of the fragment whose state is not finite. Versions act as fencing tokens: only a version above the one held is adopted.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -80,6 +87,17 @@ class IslandConfig:
     # flight, its pseudo-gradient against the base held goes out first (one version stale at the
     # owner, discounted), so an island slower than the swarm's version rate still contributes
     ship_before_adopt: int = 0
+    # adopt by rebasing: θ_p ← Θ_p + (θ_p − θ_ref), keeping the work no contribution holds yet.
+    # θ_ref is θ_p as it shipped (the work since then is in no contribution) or, with nothing in
+    # flight, the base the island trained from (none of its work since is). Overwriting throws
+    # that work away: every version arriving while a fragment is in flight, or from a merge the
+    # island was not in, undid inner steps
+    rebase: bool = True
+
+    def __post_init__(self) -> None:
+        if self.rebase and self.adopt_alpha:
+            raise ValueError(f"adopt_alpha={self.adopt_alpha} blends the island's parameters into each version and "
+                             "rebase keeps its unshipped work on top of it: set rebase=False to blend")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -138,6 +156,8 @@ class Island:
         self.c_steps = [0] * len(self.params)
         self.c_tokens = [0] * len(self.params)
         self.in_flight: list[int | None] = [None] * len(self.params)  # step it was sent at
+        # rebase: per fragment in flight, θ_p as it shipped and the steps and tokens it covered
+        self._shipped: list[tuple[torch.Tensor, int, int] | None] = [None] * len(self.params)
         n, h = len(self.params), cfg.inner_steps
         self.next_due = [due_offset(p, n, h) + 1 for p in range(n)]
         self.stats = IslandStats()
@@ -186,6 +206,7 @@ class Island:
         """The owner answered a contribution; a refusal frees the fragment to be sent again."""
         if not accepted:
             self.in_flight[fragment] = None
+            self._shipped[fragment] = None
             self.next_due[fragment] = self.stats.step + self.cfg.inner_steps
             with self._arrived:
                 self._arrived.notify_all()
@@ -194,6 +215,7 @@ class Island:
         """The owner that accepted this fragment's contribution left before merging it: send the
         cumulative pseudo-gradient again at the next step (it still covers that work)."""
         self.in_flight[fragment] = None
+        self._shipped[fragment] = None
         self.next_due[fragment] = self.stats.step
         with self._arrived:
             self._arrived.notify_all()
@@ -204,7 +226,7 @@ class Island:
         At the end of a run the current owner's latest version is authoritative: after an
         owner's crash the new owner may restart below a version some learner already held.
         """
-        self._adopt(fragment, version, flat)
+        self._adopt(fragment, version, flat, rebase=False)
 
     def adopt_pending(self, *, block: bool = True, between_steps: bool = False) -> int:
         """Adopt whatever arrived; return how many fragments were adopted (trainer thread only).
@@ -301,6 +323,9 @@ class Island:
         if sent_at is not None:
             self.stats.gave_up_in_flight += 1
         delta = self._pseudo_gradient(p)
+        if self.cfg.rebase:
+            shipped = self.global_flat[p] - delta  # θ_p now; the copy is the rebase's reference
+            self._shipped[p] = (shipped, self.c_steps[p], self.c_tokens[p])
         self.in_flight[p] = self.stats.step
         self.next_due[p] = self.stats.step + self.cfg.inner_steps
         self.stats.sent += 1
@@ -320,12 +345,41 @@ class Island:
             if state and not all(bool(torch.isfinite(v).all()) for v in state.values()
                                  if isinstance(v, torch.Tensor)):
                 del self.optimizer.state[param]
-        self._adopt(p, version, flat, alpha=0.0)
+        self._adopt(p, version, flat, alpha=0.0, rebase=False)
         self.stats.resynced += 1
 
-    def _adopt(self, p: int, version: int, flat: torch.Tensor, *, alpha: float | None = None) -> None:
+    def _adopt(self, p: int, version: int, flat: torch.Tensor, *, alpha: float | None = None,
+               rebase: bool | None = None) -> None:
         t0 = time.thread_time()
         alpha = self.cfg.adopt_alpha if alpha is None else alpha
+        shipped = self._shipped[p]
+        reference = None
+        if self.cfg.rebase if rebase is None else rebase:
+            reference = shipped[0] if shipped is not None else (self.global_flat[p] if self.c_steps[p] else None)
+        if reference is not None and not self._rebase(p, flat, reference):
+            reference = None  # the local work is not finite: overwrite
+        if reference is None:
+            self._overwrite(p, flat, alpha)
+        self.global_flat[p] = flat.float()
+        self.versions[p] = version
+        h = self.cfg.inner_steps
+        if reference is not None and shipped is None:
+            # unshipped work, kept whole, stays counted. H counts from this adoption, which keeps
+            # the island in phase with the merge that made it, but no later than 2H after the
+            # kept work began: versions arriving more often than H steps cannot starve it
+            self.next_due[p] = min(self.stats.step + h, self.stats.step - self.c_steps[p] + 2 * h)
+        else:
+            kept = reference is not None  # the steps since it shipped
+            self.c_steps[p] = self.c_steps[p] - shipped[1] if kept and shipped else 0
+            self.c_tokens[p] = self.c_tokens[p] - shipped[2] if kept and shipped else 0
+            self.next_due[p] = self.stats.step + h
+        self.in_flight[p] = None
+        self._shipped[p] = None
+        self.stats.adopted += 1
+        self.adoptions[p] += 1
+        self._copy_s += time.thread_time() - t0
+
+    def _overwrite(self, p: int, flat: torch.Tensor, alpha: float) -> None:
         with torch.no_grad():
             offset = 0
             for param in self.params[p]:
@@ -336,15 +390,27 @@ class Island:
                 else:
                     param.copy_(incoming)
                 offset += n
-        self.global_flat[p] = flat.float()
-        self.versions[p] = version
-        self.c_steps[p] = 0
-        self.c_tokens[p] = 0
-        self.in_flight[p] = None
-        self.next_due[p] = self.stats.step + self.cfg.inner_steps
-        self.stats.adopted += 1
-        self.adoptions[p] += 1
-        self._copy_s += time.thread_time() - t0
+
+    def _rebase(self, p: int, flat: torch.Tensor, reference: torch.Tensor) -> bool:
+        """θ_p ← Θ_p + (θ_p − θ_ref); False (nothing written) when θ_p − θ_ref is not finite."""
+        with torch.no_grad():
+            kept = []
+            offset = 0
+            for param in self.params[p]:
+                n = param.numel()
+                work = param.detach().reshape(-1).float().cpu() - reference[offset:offset + n]
+                lo, hi = torch.aminmax(work) if n else (torch.zeros(()), torch.zeros(()))
+                if not (math.isfinite(float(lo)) and math.isfinite(float(hi))):
+                    return False
+                kept.append(work)
+                offset += n
+            offset = 0
+            for param, work in zip(self.params[p], kept, strict=True):
+                n = param.numel()
+                rebased = work.add_(flat[offset:offset + n])  # Θ + 0 is Θ: with no work kept, an overwrite
+                param.copy_(rebased.view_as(param))
+                offset += n
+        return True
 
     def _pseudo_gradient(self, p: int) -> torch.Tensor:
         """Θ_base − θ of fragment ``p`` as a new flat fp32 CPU tensor (the network side keeps it),

@@ -209,7 +209,7 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
                     cfg=IslandConfig(inner_steps=cfg.inner_steps, adopt_alpha=cfg.adopt_alpha,
                                      wait_for_merge=cfg.mode != "decoupled",
                                      hold_until_shipped=bool(cfg.hold_versions),
-                                     ship_before_adopt=cfg.ship_before_adopt))
+                                     ship_before_adopt=cfg.ship_before_adopt, rebase=bool(cfg.adopt_rebase)))
     ranks = IslandRanks(model, optimizer, plan, island) if world > 1 else None
     initial_global = [g.clone() for g in island.global_flat]  # version 0 of every fragment
     checkpoints = (IslandCheckpoints(opts.checkpoint_dir, model, optimizer, island, sampler.generator)

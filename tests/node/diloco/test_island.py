@@ -16,7 +16,7 @@ def _island(h: int = 4, fragments: int = 2, alpha: float = 0.0) -> tuple[Island,
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     plan = plan_fragments([(n, tuple(p.shape)) for n, p in model.named_parameters()], fragments)
     sent: list[Outgoing] = []
-    island = Island(model, opt, plan, sent.append, IslandConfig(inner_steps=h, adopt_alpha=alpha))
+    island = Island(model, opt, plan, sent.append, IslandConfig(inner_steps=h, adopt_alpha=alpha, rebase=False))
     return island, model, opt, sent
 
 
@@ -122,7 +122,7 @@ def test_a_trained_fragment_keeps_its_new_version_waiting_until_it_ships() -> No
     and a slower island rarely ships. With ``hold_until_shipped`` the hook holds it until the
     fragment ships (off by default: see ``IslandConfig``)."""
     island, model, opt, sent = _island(h=4, fragments=1)
-    island.cfg = IslandConfig(inner_steps=4, hold_until_shipped=True)
+    island.cfg = IslandConfig(inner_steps=4, hold_until_shipped=True, rebase=False)
     _step(model, opt, island)  # offset 0: fragment 0 ships at step 1
     island.deliver(0, 1, torch.zeros_like(island.global_flat[0]))
     _step(model, opt, island)  # it was in flight: adopted, H counts from here
@@ -137,8 +137,8 @@ def test_a_trained_fragment_keeps_its_new_version_waiting_until_it_ships() -> No
     assert island.versions[0] == 4 and all(torch.all(p == 4.0) for p in model.parameters())
 
 
-def test_without_holding_a_slower_island_never_ships() -> None:
-    island, model, opt, sent = _island(h=4, fragments=1)  # the default
+def test_overwriting_a_slower_island_never_ships() -> None:
+    island, model, opt, sent = _island(h=4, fragments=1)  # overwrite, no holding
     _step(model, opt, island)
     for v in range(1, 12):  # a version every step, as from faster islands
         island.deliver(0, v, torch.zeros_like(island.global_flat[0]))
@@ -151,7 +151,7 @@ def test_a_slower_island_ships_its_work_before_adopting_a_newer_version() -> Non
     steps (H = 6). Each time, the 3 steps trained since the last adoption ship first, as the
     pseudo-gradient against the base held, and the new version is adopted at once (never held)."""
     island, model, opt, sent = _island(h=6, fragments=1)
-    island.cfg = IslandConfig(inner_steps=6, ship_before_adopt=2)
+    island.cfg = IslandConfig(inner_steps=6, ship_before_adopt=2, rebase=False)
     shipped_from: list[torch.Tensor] = []  # the island's weights when each contribution was cut
 
     def submit(out: Outgoing) -> None:
@@ -178,3 +178,100 @@ def test_a_slower_island_ships_its_work_before_adopting_a_newer_version() -> Non
     island.deliver(0, 6, torch.zeros_like(island.global_flat[0]))
     _step(model, opt, island)  # only 1 step trained since the last adoption (< 2): adopted, not shipped
     assert len(sent) == 5 and island.versions[0] == 6
+
+
+def _rebasing(h: int, fragments: int = 1) -> tuple[Island, nn.Module, torch.optim.Optimizer, list[Outgoing]]:
+    island, model, opt, sent = _island(h=h, fragments=fragments)
+    island.cfg = IslandConfig(inner_steps=h, rebase=True)
+    return island, model, opt, sent
+
+
+def test_rebase_keeps_the_steps_trained_while_a_contribution_is_in_flight() -> None:
+    """Shipped at step 1, three more steps trained, then the merged version comes: the island
+    holds the new version plus those three steps' work, counted for the next contribution, which
+    then carries them (and nothing of what already shipped)."""
+    island, model, opt, sent = _rebasing(h=4)
+    _step(model, opt, island)  # ships at step 1
+    shipped = island._flatten(0).clone()
+    for _ in range(3):
+        _step(model, opt, island)
+    trained = island._flatten(0).clone()
+    new = torch.randn_like(island.global_flat[0])
+    island.deliver(0, 1, new)
+    assert island.adopt_pending() == 1
+    assert torch.allclose(island._flatten(0), new + (trained - shipped), atol=1e-6)
+    assert island.versions[0] == 1 and island.c_steps[0] == 3 and island.c_tokens[0] == 36
+    assert torch.equal(island.global_flat[0], new)
+    before_next = island._flatten(0).clone()
+    for _ in range(4):  # due H steps after the adoption
+        _step(model, opt, island)
+    assert len(sent) == 2 and sent[-1].base_version == 1 and sent[-1].steps == 7 and sent[-1].tokens == 84
+    assert torch.allclose(sent[-1].delta, new - island._flatten(0), atol=1e-6)
+    assert not torch.allclose(before_next, new)  # the kept work was really in the model
+
+
+def test_rebase_keeps_unshipped_work_when_others_versions_arrive() -> None:
+    """Versions from merges this island was not in arrive every step: its work since its base is
+    replayed onto each, stays counted, and still ships within 2H steps of when it began."""
+    island, model, opt, sent = _rebasing(h=4)
+    _step(model, opt, island)  # ships at step 1 (offset 0)
+    island.deliver(0, 1, torch.zeros_like(island.global_flat[0]))
+    _step(model, opt, island)  # in flight: rebased with one step kept, due at step 6
+    assert island.c_steps[0] == 1 and island.next_due[0] == 6
+    for v in range(2, 12):
+        base = island.global_flat[0].clone()
+        local = island._flatten(0).clone()
+        new = torch.full_like(base, float(v))
+        island.deliver(0, v, new)
+        island.adopt_pending()
+        assert torch.allclose(island._flatten(0), new + (local - base), atol=1e-6)
+        _step(model, opt, island)
+        if len(sent) == 2:
+            break
+    # not starved: shipped 2H steps after the kept work began (step 1), all of it, from the newest base
+    assert len(sent) == 2 and island.stats.step == 9 and sent[-1].steps == 8 and sent[-1].tokens == 96
+    assert sent[-1].base_version == island.versions[0] == 8
+
+
+def test_rebase_with_nothing_to_keep_overwrites_bit_for_bit() -> None:
+    """Synchronous DiLoCo ships and adopts with no step between: rebasing is then an overwrite."""
+    island, model, opt, sent = _rebasing(h=2)
+    _step(model, opt, island)  # ships at step 1
+    new = torch.randn_like(island.global_flat[0])
+    island.deliver(0, 1, new)
+    island.adopt_pending()
+    assert torch.equal(island._flatten(0), new) and island.c_steps[0] == 0
+    island.deliver(0, 2, new * 2)  # nothing trained since: overwrite
+    island.adopt_pending()
+    assert torch.equal(island._flatten(0), new * 2)
+
+
+def test_rebase_overwrites_work_that_is_not_finite_and_resyncs_overwrite() -> None:
+    island, model, opt, sent = _rebasing(h=4)
+    _step(model, opt, island)
+    _step(model, opt, island)
+    with torch.no_grad():
+        next(iter(model.parameters())).view(-1)[0] = float("nan")
+    new = torch.randn_like(island.global_flat[0])
+    island.deliver(0, 1, new)
+    island.adopt_pending()
+    assert torch.equal(island._flatten(0), new) and island.c_steps[0] == 0
+    _step(model, opt, island)
+    island.deliver(0, 1, new, force=True)  # a resync: whole, whatever work there is
+    island.adopt_pending()
+    assert torch.equal(island._flatten(0), new)
+
+
+def test_rebase_drops_its_reference_when_the_contribution_is_refused() -> None:
+    """A refused contribution's work was not taken: the next adoption keeps all of it."""
+    island, model, opt, sent = _rebasing(h=4)
+    base = island.global_flat[0].clone()
+    _step(model, opt, island)  # ships
+    island.resolved(0, accepted=False)
+    _step(model, opt, island)
+    local = island._flatten(0).clone()
+    new = torch.randn_like(base)
+    island.deliver(0, 1, new)
+    island.adopt_pending()
+    assert torch.allclose(island._flatten(0), new + (local - base), atol=1e-6)
+    assert island.c_steps[0] == 2
