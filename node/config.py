@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from protocol.diloco.outer import AGGREGATES
+from protocol.diloco.aggregates import AGGREGATES
 
 __all__ = ["SWARM_WIDE_FIELDS", "RunConfig", "add_run_arguments", "config_from_args"]
 

@@ -91,10 +91,12 @@ class PeerNode(OwnedFragments, OwnerHandoffs, VersionServing):
                  host: str = "127.0.0.1", port: int = 0, public_address: str | None = None,
                  tamper: Callable[[Outgoing], Outgoing] | None = None,
                  credentials: SwarmCredentials | None = None,
-                 initial_global: list[torch.Tensor] | None = None, event_log_dir: Path | None = None,
-                 owner_checkpoint_dir: Path | None = None) -> None:
+                 initial_global: list[torch.Tensor] | None = None, versions_known_at: float | None = None,
+                 event_log_dir: Path | None = None, owner_checkpoint_dir: Path | None = None) -> None:
         """``initial_global``: every fragment's version 0 (the model's initial weights), when the
         island passed in holds other versions already (resumed from a checkpoint).
+        ``versions_known_at``: the wall-clock time the resumed versions were held (the
+        checkpoint's), from which the version fence counts the merges the swarm can have made.
         ``event_log_dir``: every owner logs its merger's events and decisions there, one file per
         fragment and ownership (``atoll replay`` re-runs them).
         ``owner_checkpoint_dir``: owners checkpoint their fragments' states there, and the states
@@ -108,6 +110,7 @@ class PeerNode(OwnedFragments, OwnerHandoffs, VersionServing):
         # Without credentials (in-process tests only) any reachable member may own fragments.
         self.credentials = credentials
         self.initial_global, self.event_log_dir = initial_global, event_log_dir
+        self.versions_known_at = versions_known_at
         if credentials is not None and credentials.swarm_id != cfg.swarm:
             raise ValueError(f"config swarm {cfg.swarm!r} is not the manifest's swarm id {credentials.swarm_id}")
         tls = server_context(signer) if credentials is not None and credentials.certified else None
@@ -424,6 +427,8 @@ class PeerNode(OwnedFragments, OwnerHandoffs, VersionServing):
         for p, version in enumerate(island.versions):  # resumed: state sync fetches only newer ones
             if version > 0:
                 self.net.remember(p, version, island.global_flat[p])
+                if self.versions_known_at is not None and math.isfinite(self.versions_known_at):
+                    self.net.received_at[p] = min(self.net.received_at[p], self.versions_known_at)
         self.ready.set()
         try:
             async with asyncio.TaskGroup() as tg:

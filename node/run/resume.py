@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +59,10 @@ class IslandCheckpoints:
         tensors["sampler.rng"] = self.generator.get_state()
         meta = {"format": FORMAT, "step": isl.stats.step, "tokens_trained": isl.stats.tokens_trained,
                 "versions": list(isl.versions), "c_steps": list(isl.c_steps), "c_tokens": list(isl.c_tokens),
-                "next_due": list(isl.next_due)}
+                "next_due": list(isl.next_due),
+                # wall clock: a restarted peer's version fence counts the swarm's merges since
+                # then, not since it loaded these versions (which refused honest versions)
+                "saved_at": time.time()}
         return tensors, meta
 
     def save(self) -> bool:

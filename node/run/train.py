@@ -223,7 +223,9 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
     node = PeerNode(cfg, signer, model, plan, host=opts.host, port=opts.port,
                     public_address=opts.public_address, credentials=opts.credentials,
                     tamper=Attack.parse(opts.attack, seed=cfg.seed + index) if opts.attack else None,
-                    initial_global=initial_global if resumed else None, event_log_dir=opts.event_log_dir,
+                    initial_global=initial_global if resumed else None,
+                    versions_known_at=float(resumed["saved_at"]) if resumed and "saved_at" in resumed else None,
+                    event_log_dir=opts.event_log_dir,
                     owner_checkpoint_dir=opts.checkpoint_dir / "owner" if opts.checkpoint_dir else None)
     holder.append(node)
     node.announce_versions = opts.initial_peers_from_stdin  # under a launcher: it checks every version's content

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from protocol.diloco.aggregates import AGGREGATES
 from protocol.diloco.norms import norm64
 from protocol.errors import LocalProtocolError
 
@@ -292,9 +293,6 @@ def clip_to_median_norm(deltas: Sequence[torch.Tensor], c: float) -> list[torch.
 
 
 # ---------------------------------------------------------------- outer Nesterov
-
-
-AGGREGATES = ("rda", "normed", "mean")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

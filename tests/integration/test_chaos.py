@@ -19,9 +19,12 @@ CHAOS = "kill=owner@15s+restart10s,kill=learner@every25s+restart10s"
 
 
 def test_killed_and_restarted_peers_rejoin_and_the_swarm_agrees(tmp_path: Path) -> None:
+    # 45 s: the learner restarted at 35 s rejoins with versions ~30 merges behind the swarm and
+    # finishes at once. Its version fence used to count from the restart, refused the swarm's
+    # versions as impossible jumps, spent its one fallback on them and hung the run
     args = [sys.executable, "-m", "node", "local", "--quiet", "--report", str(tmp_path / "report.json"),
             "--model", "tiny", "--peers", "4", "--fragments", "2", "--inner-steps", "10",
-            "--corpus-max-bytes", "300000", "--duration", "60", "--chaos", CHAOS]
+            "--corpus-max-bytes", "300000", "--duration", "45", "--chaos", CHAOS]
     t0 = time.monotonic()
     proc = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=140,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})

@@ -3,6 +3,7 @@ moments, global versions and data order as if it had never stopped."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from node.workload.baseline import TrainConfig
 from node.workload.corpus import BatchSampler
 from node.workload.model import GPT, GPTConfig, embedding_parameter_names
 from protocol.diloco.fragments import plan_fragments
+from protocol.diloco.versions import version_jump_reason
 
 TRAIN = torch.randint(0, 256, (20_000,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
 
@@ -42,6 +44,7 @@ def test_a_restarted_island_continues_exactly_where_it_stopped(tmp_path: Path) -
     island.deliver(1, 3, island.global_flat[1] + 0.5)  # a global version adopted at the next step
     _steps(model, opt, island, sampler, tcfg, 6, 2)
     ckpt = IslandCheckpoints(tmp_path, model, opt, island, sampler.generator)
+    t0 = time.time()
     assert ckpt.save()
     ckpt.wait()
     expected = _steps(model, opt, island, sampler, tcfg, 8, 4)  # what an uninterrupted island does next
@@ -49,6 +52,13 @@ def test_a_restarted_island_continues_exactly_where_it_stopped(tmp_path: Path) -
     model2, opt2, island2, sampler2 = _island(tcfg)  # a fresh process after kill -9
     meta = IslandCheckpoints(tmp_path, model2, opt2, island2, sampler2.generator).restore()
     assert meta is not None and meta["step"] == 8 and island2.versions == [0, 3]
+    # the version fence of the restarted peer counts the swarm's merges from when it held version
+    # 3, not from the restart: 10 s on, 500 versions more are possible (the restart's own time
+    # refused them, and a restarted peer could never take the swarm's versions again)
+    saved_at = float(meta["saved_at"])
+    assert t0 <= saved_at <= time.time()
+    assert version_jump_reason(503, held=3, held_at=saved_at, now=saved_at + 10) is None
+    assert version_jump_reason(503, held=3, held_at=saved_at + 10, now=saved_at + 10) is not None
     assert island2.stats.step == 8
     resumed = _steps(model2, opt2, island2, sampler2, tcfg, 8, 4)
     assert resumed == pytest.approx(expected, rel=1e-5, abs=1e-6)
