@@ -323,9 +323,8 @@ class Island:
         if sent_at is not None:
             self.stats.gave_up_in_flight += 1
         delta = self._pseudo_gradient(p)
-        if self.cfg.rebase:
-            shipped = self.global_flat[p] - delta  # θ_p now; the copy is the rebase's reference
-            self._shipped[p] = (shipped, self.c_steps[p], self.c_tokens[p])
+        if self.cfg.rebase:  # θ_p as it ships, copied exactly (Θ − Δ would round)
+            self._shipped[p] = (self._flatten(p).float().cpu(), self.c_steps[p], self.c_tokens[p])
         self.in_flight[p] = self.stats.step
         self.next_due[p] = self.stats.step + self.cfg.inner_steps
         self.stats.sent += 1

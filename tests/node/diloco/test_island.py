@@ -236,6 +236,7 @@ def test_rebase_keeps_unshipped_work_when_others_versions_arrive() -> None:
 def test_rebase_with_nothing_to_keep_overwrites_bit_for_bit() -> None:
     """Synchronous DiLoCo ships and adopts with no step between: rebasing is then an overwrite."""
     island, model, opt, sent = _rebasing(h=2)
+    island.global_flat[0] = torch.randn_like(island.global_flat[0]) * 1e3  # far from θ: Θ − (Θ − θ) ≠ θ
     _step(model, opt, island)  # ships at step 1
     new = torch.randn_like(island.global_flat[0])
     island.deliver(0, 1, new)
