@@ -81,6 +81,8 @@ def test_local_corpus_too_short_for_the_model(tmp_path: Path) -> None:
     (["local", "--peers", "0"], "--peers must be >= 1, got 0"),
     (["local", "--model", "huge"], "unknown model preset 'huge'"),
     (["local", "--eval-every", "0", "--threads", "0"], "--threads must be >= 1, got 0; --eval-every must be >= 1"),
+    (["local", "--adopt-alpha", "0.5"], "to blend, add --adopt-rebase 0"),
+    (["local", "--adopt-rebase", "2"], "--adopt-rebase must be 0 or 1, got 2"),
 ])
 def test_local_bad_flag_values(args: list[str], says: str) -> None:
     assert says in mistake(*args)
