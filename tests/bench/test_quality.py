@@ -62,7 +62,7 @@ def test_the_baseline_key_ignores_what_data_parallel_does_not_use() -> None:
 @pytest.mark.timeout(900)
 def test_a_quick_run_reports_gaps_computed_from_its_reports(tmp_path: Path, capsys) -> None:
     journal = tmp_path / "results.jsonl"
-    out = main(["--quick", "--seeds", "0", "--ablations", "codec:int4", "--dp-lrs", "3e-3,6e-3",
+    out = main(["--quick", "--seeds", "0", "--ablations", "codec:int8", "--dp-lrs", "3e-3,6e-3",
                 "--out", str(tmp_path / "reports"), "--journal", str(journal), "--plot", str(tmp_path / "q.png")])
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == json.loads(json.dumps(out))
 
@@ -86,7 +86,7 @@ def test_a_quick_run_reports_gaps_computed_from_its_reports(tmp_path: Path, caps
     (ablation,) = out["ablations"]
     ab_run = ablation["per_seed"][0]
     ab_report = json.loads(Path(ab_run["decoupled"]["report"]).read_text())
-    assert ab_report["config"]["codec"] == "int4" and "sync" not in ab_run
+    assert ab_report["config"]["codec"] == "int8" and "sync" not in ab_run  # int4 is the default
     assert ab_run["dp"]["report"] == run["dp"]["report"]  # same baseline, trained once
     assert ab_run["gap_decoupled_vs_dp"] == pytest.approx(gap(ab_report["eval_loss"]["end"], min(tried)))
 
