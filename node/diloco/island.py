@@ -33,16 +33,17 @@ so one version stale at the owner, and discounted there), then adopts. N bounds 
 ships (at most every N steps per fragment): N = 1 let early shipments make versions that
 triggered more early shipments, everyone's (docs/results.md, "Stragglers that ship").
 
-Arrivals are adopted as θ_p ← α·θ_p + (1 − α)·Θ_p (α = 0: overwrite), or, with
-``rebase`` (the default), as θ_p ← Θ_p + (θ_p − θ_ref): the island's work that no contribution holds yet is
-replayed onto the new version, like a git rebase. θ_ref is the fragment as it shipped when a
+Arrivals are adopted as θ_p ← α·θ_p + (1 − α)·Θ_p (α = 0: overwrite), or, with ``rebase``
+(the default), as θ_p ← Θ_p + (θ_p − θ_ref): the island's work that no contribution holds yet
+is replayed onto the new version, like a git rebase. θ_ref is the fragment as it shipped when a
 contribution is in flight, else the base it was trained from; the steps and tokens of that kept
 work stay counted, so the next contribution carries it. Either way the fragment is due H steps
-after the adoption, and a fragment whose kept work began more than H steps before is due H
-steps after that work began, at once if 2H have passed: versions arriving more often than every
-H steps cannot keep it from shipping. AdamW moments are kept. A forced delivery (a resync after the island's own fragment went non-finite)
+after the adoption, but no later than 2H steps after its kept work began (at once if they have
+passed): versions arriving more often than every H steps cannot keep it from shipping. AdamW
+moments are kept. A forced delivery (a resync after the island's own fragment went non-finite)
 overwrites θ_p whatever α and the version held, and resets the inner optimizer's state of any
-parameter of the fragment whose state is not finite. Versions act as fencing tokens: only a version above the one held is adopted.
+parameter of the fragment whose state is not finite. Versions act as fencing tokens: only a
+version above the one held is adopted.
 """
 
 from __future__ import annotations
@@ -353,25 +354,26 @@ class Island:
         alpha = self.cfg.adopt_alpha if alpha is None else alpha
         shipped = self._shipped[p]
         reference = None
-        if self.cfg.rebase if rebase is None else rebase:
-            reference = shipped[0] if shipped is not None else (self.global_flat[p] if self.c_steps[p] else None)
+        if self.cfg.rebase if rebase is None else rebase:  # the work to keep is θ_p − reference
+            if shipped is not None:
+                reference = shipped[0]
+            elif self.c_steps[p]:
+                reference = self.global_flat[p]
         if reference is not None and not self._rebase(p, flat, reference):
             reference = None  # the local work is not finite: overwrite
         if reference is None:
             self._overwrite(p, flat, alpha)
         self.global_flat[p] = flat.float()
         self.versions[p] = version
+        if reference is None:
+            self.c_steps[p] = self.c_tokens[p] = 0
+        elif shipped is not None:  # the steps since it shipped stay counted (unshipped work: all of it)
+            self.c_steps[p], self.c_tokens[p] = self.c_steps[p] - shipped[1], self.c_tokens[p] - shipped[2]
+        # H counts from this adoption, which keeps the island in phase with the merge that made
+        # it, but kept work is due no later than 2H after it began: versions arriving more often
+        # than every H steps cannot starve it
         h = self.cfg.inner_steps
-        if reference is not None and shipped is None:
-            # unshipped work, kept whole, stays counted. H counts from this adoption, which keeps
-            # the island in phase with the merge that made it, but no later than 2H after the
-            # kept work began: versions arriving more often than H steps cannot starve it
-            self.next_due[p] = min(self.stats.step + h, self.stats.step - self.c_steps[p] + 2 * h)
-        else:
-            kept = reference is not None  # the steps since it shipped
-            self.c_steps[p] = self.c_steps[p] - shipped[1] if kept and shipped else 0
-            self.c_tokens[p] = self.c_tokens[p] - shipped[2] if kept and shipped else 0
-            self.next_due[p] = self.stats.step + h
+        self.next_due[p] = self.stats.step + min(h, 2 * h - self.c_steps[p])
         self.in_flight[p] = None
         self._shipped[p] = None
         self.stats.adopted += 1

@@ -276,3 +276,17 @@ def test_rebase_drops_its_reference_when_the_contribution_is_refused() -> None:
     island.adopt_pending()
     assert torch.allclose(island._flatten(0), new + (local - base), atol=1e-6)
     assert island.c_steps[0] == 2
+
+
+def test_rebase_work_kept_from_a_long_flight_is_due_within_2h_of_when_it_began() -> None:
+    island, model, opt, sent = _rebasing(h=4)
+    _step(model, opt, island)  # ships at step 1
+    for _ in range(5):  # 5 > H steps in flight (the give-up is at 2H)
+        _step(model, opt, island)
+    assert len(sent) == 1
+    island.deliver(0, 1, torch.zeros_like(island.global_flat[0]))
+    island.adopt_pending()
+    assert island.c_steps[0] == 5 and island.next_due[0] == island.stats.step + 3  # 2H after step 1
+    for _ in range(3):
+        _step(model, opt, island)
+    assert len(sent) == 2 and sent[-1].steps == 8 and sent[-1].base_version == 1
