@@ -61,7 +61,8 @@ class AtollSide:
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.0)
         cfg = RunConfig(peers=peers, fragments=layout.tensors, inner_steps=10**9, codec=self.codec,
                         download_codec=self.download_codec, update_codec=self.update_codec, outer_lr=1.0,
-                        outer_momentum=0.0, quorum=peers, mode="sync", eval_every=10**9)
+                        outer_momentum=0.0, quorum=peers, mode="sync", eval_every=10**9,
+                        adopt_rebase=0)  # nothing trains between shipping and adopting: overwrite, one copy
         self.api = SwarmIsland(self.model, self.optimizer, swarm=SWARM, tokens_per_step=1,
                                initial_peers=initial_peers, config=cfg, join_timeout_s=300.0,
                                finish_timeout_s=0.0)
