@@ -48,7 +48,6 @@ version above the one held is adopted.
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections.abc import Callable
@@ -58,6 +57,7 @@ import torch
 from torch import nn
 
 from protocol.diloco.fragments import FragmentPlan, due_offset
+from protocol.diloco.norms import all_finite
 
 __all__ = ["Island", "IslandConfig", "IslandStats", "Outgoing"]
 
@@ -323,9 +323,12 @@ class Island:
             return
         if sent_at is not None:
             self.stats.gave_up_in_flight += 1
-        delta = self._pseudo_gradient(p)
-        if self.cfg.rebase:  # θ_p as it ships, copied exactly (Θ − Δ would round)
-            self._shipped[p] = (self._flatten(p).float().cpu(), self.c_steps[p], self.c_tokens[p])
+        if self.cfg.rebase:  # θ_p as it ships, copied exactly (Θ − Δ would round), and Δ from it
+            shipped = self._flatten(p).float().cpu()
+            self._shipped[p] = (shipped, self.c_steps[p], self.c_tokens[p])
+            delta = torch.sub(self.global_flat[p], shipped)
+        else:
+            delta = self._pseudo_gradient(p)
         self.in_flight[p] = self.stats.step
         self.next_due[p] = self.stats.step + self.cfg.inner_steps
         self.stats.sent += 1
@@ -400,8 +403,7 @@ class Island:
             for param in self.params[p]:
                 n = param.numel()
                 work = param.detach().reshape(-1).float().cpu() - reference[offset:offset + n]
-                lo, hi = torch.aminmax(work) if n else (torch.zeros(()), torch.zeros(()))
-                if not (math.isfinite(float(lo)) and math.isfinite(float(hi))):
+                if not all_finite(work):
                     return False
                 kept.append(work)
                 offset += n
