@@ -46,6 +46,7 @@ import warnings
 
 import torch
 
+from protocol.diloco.norms import all_finite
 from protocol.diloco.sparse import decode_topk, encode_topk
 from protocol.errors import DecodeError, LocalProtocolError
 from protocol.wire.tensors import CODECS, TOPK_CHUNK, EncodedTensor, payload_bytes
@@ -103,7 +104,7 @@ def compress(
     x = _input_vector(t, residual)  # (n,) fp32; may alias t when residual is None
     shape = tuple(t.shape)
     if codec == "none":
-        if not _all_finite(x):
+        if not all_finite(x):
             _raise_not_finite(t, residual)
         aliases_t = residual is None and x.data_ptr() == t.data_ptr()  # else x is a new tensor already
         data = _to_buffer(x.clone() if aliases_t and copy else x)
@@ -181,14 +182,6 @@ def _input_vector(t: torch.Tensor, residual: torch.Tensor | None) -> torch.Tenso
     return flat + residual.detach().reshape(-1).to(torch.float32)
 
 
-def _all_finite(x: torch.Tensor) -> bool:
-    """True when every element is finite: one min/max pass (NaN propagates), no temporary."""
-    if x.numel() == 0:
-        return True
-    low, high = torch.aminmax(x)
-    return bool(torch.isfinite(low) & torch.isfinite(high))
-
-
 def _raise_not_finite(t: torch.Tensor, residual: torch.Tensor | None) -> None:
     """Say which local input is not finite; always raises ``LocalProtocolError``."""
     if not bool(torch.isfinite(t).all()):
@@ -203,8 +196,8 @@ def _encode_bf16(
 ) -> tuple[memoryview, torch.Tensor]:
     """bf16 bytes of ``x`` (saturating) and the fp32 residual ``x - decoded``."""
     half = x.to(torch.bfloat16)
-    if not _all_finite(half):
-        if not _all_finite(x):
+    if not all_finite(half):
+        if not all_finite(x):
             _raise_not_finite(t, residual)
         half = x.clamp(-_BF16_MAX, _BF16_MAX).to(torch.bfloat16)
     decoded = half.to(torch.float32)
@@ -216,7 +209,7 @@ def _compress_topk(
     x: torch.Tensor, t: torch.Tensor, residual: torch.Tensor | None, block_size: int, dtype: str
 ) -> tuple[EncodedTensor, torch.Tensor]:
     """topk2 of the flat fp32 ``x = t + residual`` and the new residual ``x - decoded``."""
-    if not _all_finite(x):
+    if not all_finite(x):
         _raise_not_finite(t, residual)
     data, steps, decoded = encode_topk(x, block_size)
     enc = EncodedTensor(
@@ -277,7 +270,7 @@ def _check_remote(enc: EncodedTensor) -> torch.Tensor | None:
     """
     if enc.codec == "none" or enc.codec == "bf16":
         view = torch.frombuffer(enc.data, dtype=torch.float32 if enc.codec == "none" else torch.bfloat16)
-        if not _all_finite(view):
+        if not all_finite(view):
             raise DecodeError(f"{enc.codec} tensor payload contains NaN or Inf")
         return None
     scales = torch.frombuffer(enc.scales, dtype=torch.float32)
