@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from protocol.diloco.compression import compress, decompress
+from protocol.diloco.norms import all_finite
 from protocol.errors import DecodeError, LocalProtocolError
 from protocol.wire.tensors import EncodedTensor
 
@@ -75,8 +76,7 @@ def apply_update(base: torch.Tensor, tensors: Sequence[EncodedTensor], shapes: S
     same = out is not None and out.data_ptr() == base.data_ptr()
     delta = decode_flat(tensors, shapes, out=None if same else out)
     result = base.add_(delta) if same else delta.add_(base)
-    low, high = torch.aminmax(result) if total else (torch.zeros(()), torch.zeros(()))
-    if not bool(torch.isfinite(low) & torch.isfinite(high)):
+    if not all_finite(result):
         raise DecodeError("the update overflows float32 when added to its base")
     return result
 
