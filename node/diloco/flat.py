@@ -9,9 +9,9 @@ For the ``none`` codec the decoded flat vector is the tensors' data bytes end to
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 
+import blake3
 import torch
 
 from protocol.diloco.compression import compress
@@ -20,12 +20,11 @@ from protocol.wire.tensors import EncodedTensor
 
 __all__ = ["content_hash", "encode_flat", "flat_digest", "flat_from_tensors", "flat_is_wire_form"]
 
-DIGEST_CHUNK = 1 << 20
 
 
 def content_hash(tensors: Sequence[EncodedTensor]) -> bytes:
-    """SHA-256 over every tensor's data and scales, in order."""
-    h = hashlib.sha256()
+    """BLAKE3 (32 bytes) over every tensor's data and scales, in order."""
+    h = blake3.blake3()
     for t in tensors:
         h.update(t.data)
         h.update(t.scales)
@@ -33,13 +32,11 @@ def content_hash(tensors: Sequence[EncodedTensor]) -> bytes:
 
 
 def flat_digest(flat: torch.Tensor) -> bytes:
-    """SHA-256 of a flat fp32 global fragment as a learner holds it (after decoding): the
-    identity of the state a pseudo-gradient was measured against. Hashed in 1 MiB pieces."""
+    """BLAKE3 (32 bytes) of a flat fp32 global fragment as a learner holds it (after decoding):
+    the identity of the state a pseudo-gradient was measured against. Every peer hashes every
+    version it takes, so the hash is BLAKE3 (~3x SHA-256's speed here), as the envelopes'."""
     data = flat.detach().to(torch.float32).contiguous().cpu().numpy().data.cast("B")
-    h = hashlib.sha256()
-    for start in range(0, len(data), DIGEST_CHUNK):
-        h.update(data[start:start + DIGEST_CHUNK])
-    return h.digest()
+    return blake3.blake3(data).digest()
 
 
 def flat_is_wire_form(tensors: Sequence[EncodedTensor]) -> bool:

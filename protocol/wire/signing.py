@@ -71,7 +71,7 @@ __all__ = [
     "verify_sealed",
 ]
 
-ENVELOPE_VERSION = 3  # 2: the recipient joined the signed fields; 3: the message digest is BLAKE3
+ENVELOPE_VERSION = 4  # 2: the recipient joined the signed fields; 3: the message digest is BLAKE3; 4: so are state digests
 NONCE_BYTES = 16
 KEY_BYTES = 32
 SIGNATURE_BYTES = 64
