@@ -48,6 +48,7 @@ from node.dht.swarm import SwarmCredentials
 from node.diloco.island import Island, IslandConfig
 from node.diloco.ranks import IslandRanks, distributed_rank, unwrap
 from node.peer import PeerNode
+from node.run.allocator import tune_allocator
 from protocol.diloco.fragments import FragmentPlan, plan_fragments
 from protocol.wire.membership import Certificate, SwarmManifest
 from protocol.wire.signing import Signer
@@ -87,7 +88,11 @@ class SwarmIsland:
         decides fragments, H, codecs and merge rules, and its ``model`` must name this model's
         fragment plan (``SwarmIsland.model_name``). Without a manifest the swarm is a development
         swarm named ``swarm`` in which any reachable member may own fragments.
+
+        Also raises glibc's mmap and trim thresholds for this process, so the large tensors of
+        each round reuse warm pages (``node.run.allocator``; ``ATOLL_MALLOC=default`` opts out).
         """
+        tune_allocator()
         model = unwrap(model)  # DDP's "module." prefix must not change the fragment plan
         base = config or RunConfig(fragments=2, inner_steps=20)
         if manifest is not None:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from node.config import SWARM_WIDE_FIELDS, RunConfig, add_run_arguments, config_from_args
+from node.run.allocator import tune_allocator
 
 if TYPE_CHECKING:
     from node.run.chaos import ChaosSpec
@@ -175,6 +176,7 @@ def _add_json_logs(parser: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # atoll join --nproc relaunches it
+    tune_allocator()  # large tensors reuse warm pages round after round (node/run/allocator.py)
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
