@@ -14,8 +14,8 @@ atoll, ...), the bench times:
 
 Times run from the launcher's "go" to the last peer's "done"; inputs are prepared before.
 Every round is checked: peer 0 recomputes the merge from the seeded inputs and every Atoll
-peer must hold bit-identical fragments. Medians over ``--repeats`` rounds, after one warm-up
-round of each. Codecs: ``none`` (fp32), ``fp16`` (Atoll's bf16 up and down against
+peer must hold bit-identical fragments. Medians over ``--repeats`` rounds, after ``--warmup``
+rounds of each (default one). Codecs: ``none`` (fp32), ``fp16`` (Atoll's bf16 up and down against
 hivemind's Float16Compression), and ``int8``: Atoll as it can ship, int8 pseudo-gradients up
 and each version down as an int8 update over the previous one (``update_codec``), against
 hivemind's fp32 and the raw fp32 bytes (hivemind's 8-bit codecs are broken with numpy >= 2.4,
@@ -59,6 +59,8 @@ CODECS: dict[str, dict[str, Any]] = {
              "raw_codec": "16-bit", "atoll_bytes_per_value": 2.0},
     "int8": {"atoll_codec": "int8 up / int8 update down", "hivemind_codec": "none", "raw_codec": "fp32",
              "atoll_bytes_per_value": 1 + 4 / 64},
+    "int4": {"atoll_codec": "int4 up / int4 update down (Atoll's defaults)", "hivemind_codec": "none",
+             "raw_codec": "fp32", "atoll_bytes_per_value": 0.5 + 4 / 64},
 }
 
 
@@ -167,10 +169,10 @@ def measure(args: argparse.Namespace, peers: int, params: int, codec: str, syste
         owners = _settle(w, args) if "atoll" in systems else []
         rounds = Round(w, args, codec)
         runs: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
-        for rep in range(args.repeats + 1):
+        for rep in range(1 - args.warmup, args.repeats + 1):
             for s in systems:
                 out = rounds.run(s)
-                _say(f"  {'warm-up' if rep == 0 else f'round {rep}'} {s:8} {out['seconds']:8.3f} s "
+                _say(f"  {'warm-up' if rep <= 0 else f'round {rep}'} {s:8} {out['seconds']:8.3f} s "
                      f"(cpu {out['cpu_s']:.2f} s, busiest peer {out['busiest_peer_cpu_s']:.2f} s, load {out['load_avg']}) ok={out['ok']} "
                      f"{out.get('check', {}).get('matches', '')} {out.get('errors', '')}"
                      + (f" updates {out['updates_applied']}/{out['versions_received']} versions"
@@ -280,7 +282,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="none (fp32), fp16 (Atoll bf16, hivemind Float16Compression), int8 (Atoll "
                              "int8 up and int8 updates down, against hivemind and raw in fp32)")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="atoll, hivemind, raw")
-    parser.add_argument("--repeats", type=int, default=3, help="timed rounds per system (after a warm-up)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed rounds per system (after the warm-up)")
+    parser.add_argument("--warmup", type=int, default=1,
+                        help="untimed rounds of each system first (interleaved as the timed ones); a "
+                             "peer's heap grows over its first few rounds, to the versions it keeps")
     parser.add_argument("--fragments", type=int, default=8, help="Atoll fragments (= tensors of the model)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds one round may take")
@@ -295,6 +300,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args.codecs = [c.strip() for c in args.codecs.split(",") if c.strip()]
     if any(c not in CODECS for c in args.codecs):
         parser.error(f"--codecs takes {', '.join(CODECS)}")
+    if args.warmup < 0 or args.repeats < 1:
+        parser.error("--warmup must be >= 0 and --repeats >= 1")
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     if "atoll" not in systems and "raw" in systems:
         parser.error("raw follows Atoll's fragment owners: --systems must include atoll")
@@ -309,7 +316,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                  for c in args.cases.split(",") if c.strip()]
     out = {"bench": "averaging", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "machine": f"{platform.machine()}, {platform.system()} {platform.release()}, python {platform.python_version()}",
-           "config": {"repeats": args.repeats, "fragments": args.fragments, "codecs": args.codecs,
+           "config": {"repeats": args.repeats, "warmup": args.warmup, "fragments": args.fragments, "codecs": args.codecs,
                       "kill_at": args.kill_at, "seed": args.seed},
            "cases": cases}
     print(json.dumps(out))

@@ -41,7 +41,8 @@ RETRY_S = 0.25
 POLL_S = 0.002
 SWARM = "bench-averaging"
 # the bench's codec -> Atoll's (upload codec, download codec, update codec)
-CODECS = {"none": ("none", "none", "none"), "fp16": ("bf16", "bf16", "none"), "int8": ("int8", "none", "int8")}
+CODECS = {"none": ("none", "none", "none"), "fp16": ("bf16", "bf16", "none"), "int8": ("int8", "none", "int8"),
+          "int4": ("int4", "none", "int4")}
 
 
 class _Tensors(nn.Module):
