@@ -9,9 +9,11 @@ values, median of five). ``tune_allocator`` raises the mmap threshold to 1 GiB a
 threshold to 2 GiB, so freed blocks stay in the heap and the next tensor of that size takes
 them warm, and keeps every thread on the one main heap (``M_ARENA_MAX`` 1): a worker thread's
 own arena does not keep its freed blocks by those thresholds, and the codecs, hashes and
-decodes all run in worker threads. Eight int4 compressions of 6.25M values, concurrently in
-``asyncio.to_thread`` as a learner runs them, took ~25,000 fresh pages every round with glibc
-as it comes, and none after the first round tuned.
+decodes all run in worker threads. A freed block is not always taken by the next tensor of its
+size (torch allocates with ``posix_memalign``, which may need a little more than the block), so
+some fresh pages remain; what it gave in ``bench.averaging`` (4 × 50M, Atoll alone on the box,
+medians of five rounds after three, 2026-12-02): Atoll's int4 round 1.07 and 1.27 s tuned
+against 1.60 s and 5–7 s with glibc as it comes; fp32 1.01 and 1.11 s against 1.14 and 1.08 s.
 
 The price: a process keeps the heap it peaked at (its resident size no longer drops after a
 spike), which for a peer that allocates the same sizes every round is what it holds anyway.

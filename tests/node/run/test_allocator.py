@@ -1,7 +1,10 @@
-"""node.run.allocator: with glibc's thresholds raised, a freed large tensor's pages are reused
-(no new page faults the second time); ``ATOLL_MALLOC=default`` leaves glibc as it is.
+"""node.run.allocator: tuned, a large tensor comes from glibc's heap, where a freed block stays
+for the next one, instead of a mapping of its own that is unmapped when it is freed;
+``ATOLL_MALLOC=default`` leaves glibc as it is.
 
-Each case runs in a fresh interpreter: the thresholds are process-wide and set once.
+Each case runs in a fresh interpreter: the thresholds are process-wide and set once. Whether a
+block is reused warm also depends on where the heap's neighbours lie (torch allocates with
+``posix_memalign``), so the tests check where the block comes from, which does not.
 """
 
 from __future__ import annotations
@@ -13,40 +16,37 @@ import sys
 
 import pytest
 
-# faults while writing a second 128 MiB tensor after the first is freed (4 KiB pages: 32768)
+# is a new 64 MiB tensor inside the [heap] mapping (glibc's brk heap) or in one of its own?
 PROBE = """
-import resource, torch
+import torch
 from node.run.allocator import tune_allocator
 tuned = tune_allocator()
-def faults_writing():
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    t = torch.empty(32 << 20, dtype=torch.float32).fill_(1.0)
-    del t
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-faults_writing()
-print(tuned, tune_allocator(), faults_writing())
+t = torch.empty(16 << 20, dtype=torch.float32)
+ptr = t.data_ptr()
+where = "elsewhere"
+for line in open("/proc/self/maps"):
+    span, *rest = line.split()
+    lo, hi = (int(x, 16) for x in span.split("-"))
+    if lo <= ptr < hi:
+        where = "heap" if line.rstrip().endswith("[heap]") else "own-mapping"
+print(tuned, tune_allocator(), where)
 """
 
 glibc = pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",
                            reason="glibc's mallopt")
 
 
-def _run(env: dict[str, str]) -> tuple[str, str, int]:
+def _run(env: dict[str, str]) -> list[str]:
     out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120,
                          env={**os.environ, **env}, check=True)
-    tuned, again, faults = out.stdout.split()
-    return tuned, again, int(faults)
+    return out.stdout.split()
 
 
 @glibc
-def test_tuned_the_second_large_tensor_takes_warm_pages() -> None:
-    tuned, again, faults = _run({})
-    assert (tuned, again) == ("True", "True")  # set once, the second call answers the same
-    assert faults < 1000  # the freed block stayed in the heap
+def test_tuned_a_large_tensor_comes_from_the_heap() -> None:
+    assert _run({}) == ["True", "True", "heap"]  # set once; the second call answers the same
 
 
 @glibc
 def test_atoll_malloc_default_leaves_glibc_alone() -> None:
-    tuned, again, faults = _run({"ATOLL_MALLOC": "default"})
-    assert (tuned, again) == ("False", "False")
-    assert faults > 16000  # glibc unmapped the block: every page faults again
+    assert _run({"ATOLL_MALLOC": "default"}) == ["False", "False", "own-mapping"]
