@@ -14,12 +14,19 @@ adopted) is never sent: it is counted, logged, and the island is resynced: every
 latest version is fetched from its owner and adopted whole in one step (a NaN anywhere reaches
 every weight through the forward pass, so resyncing one fragment alone would be re-poisoned by
 the others), with inner-optimizer moments reset where they are not finite.
+
+An accepted contribution is sent again when its owner leaves before merging it
+(``owners_changed``), and, for a synchronous island (``wait_for_merge``: the merge waits for
+every learner), also when no newer version has come ``RESEND_AFTER_S`` after the Ack: an owner
+that was fenced off and then owned the fragment again is the same peer but a new instance that
+never saw it. An owner that still holds it refuses the copy as a duplicate, which changes nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -45,6 +52,8 @@ __all__ = ["IslandNet", "LearnerStats", "LocalOwners", "UpdateNotApplicable"]
 
 log = logging.getLogger(__name__)
 
+RESEND_AFTER_S = 30.0  # synchronous islands: an accepted contribution with no newer version this long is sent again
+
 
 
 @dataclass
@@ -65,6 +74,7 @@ class LearnerStats:
     skipped_nonfinite: int = 0
     resyncs: int = 0
     resent_on_owner_change: int = 0  # accepted, then its owner was gone before merging it: sent again
+    resent_after_silence: int = 0  # synchronous: accepted, no version RESEND_AFTER_S later: sent again
 
 
 class IslandNet(VersionFetching):
@@ -128,6 +138,11 @@ class IslandNet(VersionFetching):
         # error-feedback residuals from before it): if that owner stops owning the fragment before
         # a version above the base comes, the work is sent again at once (``owners_changed``)
         self._accepted_by: dict[int, tuple[bytes, int, dict[tuple[int, int], torch.Tensor | None]]] = {}
+        self._accepted_at: dict[int, float] = {}  # fragment -> when (wall clock) its contribution was accepted
+        # fragment -> (owner, base, residuals before, residuals after) of an accepted contribution
+        # sent again after silence: a "duplicate" refusal of the copy puts it all back
+        self._resent: dict[int, tuple[bytes, int, dict[tuple[int, int], torch.Tensor | None],
+                                      dict[tuple[int, int], torch.Tensor | None]]] = {}
 
     # --- trainer thread ------------------------------------------------------------------------
     def submit(self, out: Outgoing) -> None:
@@ -289,9 +304,19 @@ class IslandNet(VersionFetching):
                         residuals: dict[tuple[int, int], torch.Tensor]) -> None:
         """The owner's answer to a contribution: commit its residuals (accepted) or free the
         fragment (refused; a base mismatch resyncs the island)."""
+        resent = self._resent.pop(out.fragment, None)
+        if not reply.accepted and resent is not None and reply.reason.startswith("duplicate"):
+            # the owner still holds the first copy: as if this one was never sent
+            first_owner, base, before, after = resent
+            self._restore(after)
+            self._accepted_by[out.fragment] = (first_owner, base, before)
+            self._accepted_at[out.fragment] = self.wall_clock()
+            log.info("fragment %d: the owner still holds our contribution (%s)", out.fragment, reply.reason)
+            return
         if reply.accepted:
             self._accepted_by[out.fragment] = (owner_id, out.base_version,
                                                {k: self.residuals.get(k) for k in residuals})
+            self._accepted_at[out.fragment] = self.wall_clock()
             self.residuals.update(residuals)
             self.stats.contributions_accepted += 1
         else:
@@ -317,20 +342,34 @@ class IslandNet(VersionFetching):
                 del self._accepted_by[p]  # merged (a newer version came) or already resolved
                 continue
             now = self.owner_of(p)
-            if now is None or now[0] == owner_id:
+            if now is None:
+                continue
+            silent = (self.island.cfg.wait_for_merge
+                      and self.wall_clock() - self._accepted_at.get(p, math.inf) > RESEND_AFTER_S)
+            if now[0] == owner_id and not silent:
                 continue
             del self._accepted_by[p]
-            for key, residual in before.items():
-                if residual is None:
-                    self.residuals.pop(key, None)
-                else:
-                    self.residuals[key] = residual
+            if now[0] == owner_id:  # the same owner, silent: it may hold the first copy still
+                self._resent[p] = (owner_id, base, before, {k: self.residuals.get(k) for k in before})
+                self.stats.resent_after_silence += 1
+                log.info("fragment %d: no version %.0f s after %s accepted our contribution (base %d); "
+                         "sending it again", p, RESEND_AFTER_S, owner_id.hex()[:8], base)
+            else:
+                self.stats.resent_on_owner_change += 1
+                log.info("fragment %d: owner %s left before merging our contribution (base %d); sending it "
+                         "again to %s", p, owner_id.hex()[:8], base, now[0].hex()[:8])
+            self._restore(before)
             self.island.resend(p)
-            self.stats.resent_on_owner_change += 1
             resent += 1
-            log.info("fragment %d: owner %s left before merging our contribution (base %d); sending it "
-                     "again to %s", p, owner_id.hex()[:8], base, now[0].hex()[:8])
         return resent
+
+    def _restore(self, residuals: dict[tuple[int, int], torch.Tensor | None]) -> None:
+        """Put error-feedback residuals back as they were (None: there was none)."""
+        for key, residual in residuals.items():
+            if residual is None:
+                self.residuals.pop(key, None)
+            else:
+                self.residuals[key] = residual
 
     async def _poll_loop(self, p: int) -> None:
         backoff = 0.2

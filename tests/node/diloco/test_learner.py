@@ -283,6 +283,76 @@ async def test_work_accepted_by_an_owner_that_left_is_sent_again_at_once_with_it
     assert rig.net.owners_changed() == 0  # once
 
 
+def _sync_rig() -> Rig:
+    """A synchronous island, and an owner of fragment 0 whose merge waits for two learners."""
+    rig = Rig()
+    rig.island.cfg = IslandConfig(inner_steps=H, wait_for_merge=True)
+    rig.owners[0] = _waiting_owner(rig)
+    return rig
+
+
+def _waiting_owner(rig: Rig) -> FragmentOwner:
+    return make_owner(rig.plan, rig.shapes, 0, flat_of(rig.model, rig.plan, 0), rig.clock,
+                      who=rig.owner_key, quorum=2, late_policy="drop")
+
+
+def _age(rig: Rig, p: int, seconds: float) -> None:
+    """Move the Ack of fragment ``p``'s contribution ``seconds`` into the past (the envelopes'
+    wall clock stays real: owners refuse timestamps far from their own)."""
+    rig.net._accepted_at[p] -= seconds
+
+
+async def test_sync_work_a_restarted_owner_never_saw_is_sent_again_after_silence() -> None:
+    """The owner accepted a contribution, was fenced off and owned the fragment again: the same
+    peer, a new owner instance without it. A synchronous merge would wait for it for ever; after
+    RESEND_AFTER_S without a version the learner sends it again, with the residuals from before
+    the first send, and the new instance takes it."""
+    from node.diloco.learner import RESEND_AFTER_S
+
+    rig = _sync_rig()
+    n = rig.owners[0].theta.numel()
+    await rig.net.send(rig.outgoing(0, _delta(n)))  # accepted; the owner waits for more
+    assert rig.net.stats.contributions_accepted == 1
+    assert rig.owners[0].version == 0  # not merged
+    rig.owners[0] = _waiting_owner(rig)  # fenced off and owning again: a new, empty instance
+    _age(rig, 0, RESEND_AFTER_S - 1.0)
+    assert rig.net.owners_changed() == 0  # not yet
+    _age(rig, 0, 2.0)
+    assert rig.net.owners_changed() == 1 and rig.net.stats.resent_after_silence == 1
+    assert rig.island.in_flight[0] is None and rig.island.next_due[0] == rig.island.stats.step
+    assert not any(k[0] == 0 for k in rig.net.residuals)  # back to before the first send
+    await rig.net.send(rig.outgoing(0, _delta(n)))
+    assert rig.net.stats.contributions_accepted == 2  # the new instance has it now
+
+
+async def test_a_copy_the_owner_still_holds_is_refused_as_duplicate_and_changes_nothing() -> None:
+    from node.diloco.learner import RESEND_AFTER_S
+
+    rig = _sync_rig()
+    n = rig.owners[0].theta.numel()
+    await rig.net.send(rig.outgoing(0, _delta(n)))  # accepted; the owner waits for more
+    after_first = {k: v.clone() for k, v in rig.net.residuals.items()}
+    _age(rig, 0, RESEND_AFTER_S + 1.0)
+    assert rig.net.owners_changed() == 1
+    await rig.net.send(rig.outgoing(0, _delta(n)))  # the same owner instance: "duplicate"
+    assert rig.owners[0].version == 0
+    assert rig.net.stats.contributions_accepted == 1 and rig.net.stats.contributions_refused == 0
+    assert rig.island.in_flight[0] is not None  # still waiting for the merge that holds the first
+    assert rig.net.residuals.keys() == after_first.keys()
+    assert all(torch.equal(rig.net.residuals[k], v) for k, v in after_first.items())
+    assert rig.net.owners_changed() == 0  # the clock restarted with the refusal
+
+
+async def test_a_decoupled_island_does_not_resend_after_silence() -> None:
+    """Decoupled merges close without any one learner; its in-flight timeout (2H steps) covers it."""
+    from node.diloco.learner import RESEND_AFTER_S
+
+    rig = Rig()
+    await rig.net.send(rig.outgoing(0, _delta(rig.owners[0].theta.numel())))
+    _age(rig, 0, 10 * RESEND_AFTER_S)
+    assert rig.net.owners_changed() == 0 and rig.net.stats.resent_after_silence == 0
+
+
 async def test_work_already_merged_is_not_sent_again_when_the_owner_changes() -> None:
     rig = Rig()
     current = {"id": rig.owner_key.peer_id}
