@@ -193,6 +193,7 @@ class IslandNet(VersionFetching):
             await self._send(out)
         except (aiohttp.ClientError, LinkDropped, TimeoutError, OSError, RemoteProtocolError) as exc:
             self.stats.send_failures += 1
+            self._resent.pop(out.fragment, None)  # a copy that never arrived: nothing to put back
             log.warning("contribution for fragment %d not delivered: %r", out.fragment, exc)
             self.island.resolved(out.fragment, accepted=False)
 
