@@ -26,11 +26,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import aiohttp
@@ -75,6 +74,17 @@ class LearnerStats:
     resyncs: int = 0
     resent_on_owner_change: int = 0  # accepted, then its owner was gone before merging it: sent again
     resent_after_silence: int = 0  # synchronous: accepted, no version RESEND_AFTER_S later: sent again
+
+
+@dataclass(frozen=True, slots=True)
+class _Accepted:
+    """A contribution an owner accepted: who, on which base version, the error-feedback
+    residuals from before it (None: there was none), and when (wall clock)."""
+
+    owner: bytes
+    base: int
+    before: dict[tuple[int, int], torch.Tensor | None]
+    at: float
 
 
 class IslandNet(VersionFetching):
@@ -134,15 +144,13 @@ class IslandNet(VersionFetching):
         # fragment -> version -> digest of that version's state as delivered to the island: what a
         # contribution names as its base, so an owner applies it only to that very state
         self.digests: list[dict[int, bytes]] = [{0: flat_digest(g)} for g in self.island_initial]
-        # fragment -> (owner that accepted its contribution, the contribution's base version, the
-        # error-feedback residuals from before it): if that owner stops owning the fragment before
-        # a version above the base comes, the work is sent again at once (``owners_changed``)
-        self._accepted_by: dict[int, tuple[bytes, int, dict[tuple[int, int], torch.Tensor | None]]] = {}
-        self._accepted_at: dict[int, float] = {}  # fragment -> when (wall clock) its contribution was accepted
-        # fragment -> (owner, base, residuals before, residuals after) of an accepted contribution
-        # sent again after silence: a "duplicate" refusal of the copy puts it all back
-        self._resent: dict[int, tuple[bytes, int, dict[tuple[int, int], torch.Tensor | None],
-                                      dict[tuple[int, int], torch.Tensor | None]]] = {}
+        # fragment -> the contribution an owner accepted and has not merged yet: if that owner
+        # stops owning the fragment before a version above the base comes, the work is sent again
+        # at once (``owners_changed``)
+        self._accepted_by: dict[int, _Accepted] = {}
+        # fragment -> an accepted contribution sent again after silence, and the residuals after
+        # it: a "duplicate" refusal of the copy puts both back
+        self._resent: dict[int, tuple[_Accepted, dict[tuple[int, int], torch.Tensor | None]]] = {}
 
     # --- trainer thread ------------------------------------------------------------------------
     def submit(self, out: Outgoing) -> None:
@@ -308,16 +316,15 @@ class IslandNet(VersionFetching):
         resent = self._resent.pop(out.fragment, None)
         if not reply.accepted and resent is not None and reply.reason.startswith("duplicate"):
             # the owner still holds the first copy: as if this one was never sent
-            first_owner, base, before, after = resent
+            first, after = resent
             self._restore(after)
-            self._accepted_by[out.fragment] = (first_owner, base, before)
-            self._accepted_at[out.fragment] = self.wall_clock()
+            self._accepted_by[out.fragment] = replace(first, at=self.wall_clock())
             log.info("fragment %d: the owner still holds our contribution (%s)", out.fragment, reply.reason)
             return
         if reply.accepted:
-            self._accepted_by[out.fragment] = (owner_id, out.base_version,
-                                               {k: self.residuals.get(k) for k in residuals})
-            self._accepted_at[out.fragment] = self.wall_clock()
+            self._accepted_by[out.fragment] = _Accepted(owner_id, out.base_version,
+                                                        {k: self.residuals.get(k) for k in residuals},
+                                                        self.wall_clock())
             self.residuals.update(residuals)
             self.stats.contributions_accepted += 1
         else:
@@ -336,22 +343,24 @@ class IslandNet(VersionFetching):
         pseudo-gradient again at its next step, to the new owner, with the error-feedback
         residuals restored to what they were before the lost send. If the old owner had merged
         it after all, its successor knows (the handoff names merged work) and refuses it with
-        "resync". Returns how many fragments are sent again."""
+        "resync". A synchronous island also sends it again, to the same owner, after
+        ``RESEND_AFTER_S`` without a version (see the module docstring). Returns how many
+        fragments are sent again."""
         resent = 0
-        for p, (owner_id, base, before) in list(self._accepted_by.items()):
+        for p, accepted in list(self._accepted_by.items()):
+            owner_id, base, before = accepted.owner, accepted.base, accepted.before
             if self.island.in_flight[p] is None or self.island.versions[p] > base:
                 del self._accepted_by[p]  # merged (a newer version came) or already resolved
                 continue
             now = self.owner_of(p)
             if now is None:
                 continue
-            silent = (self.island.cfg.wait_for_merge
-                      and self.wall_clock() - self._accepted_at.get(p, math.inf) > RESEND_AFTER_S)
+            silent = self.island.cfg.wait_for_merge and self.wall_clock() - accepted.at > RESEND_AFTER_S
             if now[0] == owner_id and not silent:
                 continue
             del self._accepted_by[p]
             if now[0] == owner_id:  # the same owner, silent: it may hold the first copy still
-                self._resent[p] = (owner_id, base, before, {k: self.residuals.get(k) for k in before})
+                self._resent[p] = (accepted, {k: self.residuals.get(k) for k in before})
                 self.stats.resent_after_silence += 1
                 log.info("fragment %d: no version %.0f s after %s accepted our contribution (base %d); "
                          "sending it again", p, RESEND_AFTER_S, owner_id.hex()[:8], base)

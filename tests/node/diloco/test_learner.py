@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 
 import pytest
 import torch
@@ -299,7 +300,8 @@ def _waiting_owner(rig: Rig) -> FragmentOwner:
 def _age(rig: Rig, p: int, seconds: float) -> None:
     """Move the Ack of fragment ``p``'s contribution ``seconds`` into the past (the envelopes'
     wall clock stays real: owners refuse timestamps far from their own)."""
-    rig.net._accepted_at[p] -= seconds
+    accepted = rig.net._accepted_by[p]
+    rig.net._accepted_by[p] = dataclasses.replace(accepted, at=accepted.at - seconds)
 
 
 async def test_sync_work_a_restarted_owner_never_saw_is_sent_again_after_silence() -> None:
