@@ -28,6 +28,7 @@ import logging
 import math
 import os
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,6 +69,7 @@ class MergeFailed(Exception):
 
 
 MERGED_BASES_KEPT = 100_000  # senders whose newest merged base is remembered
+NORMS_KEPT = 4096  # decoded contributions whose norm is remembered for their merge
 
 
 class Fenced(MergeFailed):
@@ -158,6 +160,7 @@ class FragmentOwner:
         # decoded contributions' buffers, reused once their merge is published (fresh memory is
         # slow to fill); at most as many as the last published merge had contributions
         self._spare: list[torch.Tensor] = []
+        self._norms: dict[int, tuple[weakref.ref[torch.Tensor], float]] = {}  # id -> (the tensor, its norm64)
         self._spare_max = 4
         self._background: set[asyncio.Task[None]] = set()  # merges started by ``receive``
         self.latest, *digests = self._seal_state(version, self.theta)
@@ -219,6 +222,7 @@ class FragmentOwner:
         if msg.base_version > self.version:
             raise Stale(f"base version {msg.base_version} is ahead of the owner's {self.version}")
         flat, norm = await asyncio.to_thread(self._decode, msg)  # malformed: a 4xx, whatever its base
+        self._note_norm(flat, norm)
         mismatch = self._base_mismatch(msg) or self._already_merged(sender, msg)
         if mismatch is not None:
             self._give_back(flat)
@@ -296,6 +300,17 @@ class FragmentOwner:
             self._give_back(flat)
             raise DecodeError("the contribution's norm is not finite")
         return flat, norm
+
+    def _note_norm(self, flat: torch.Tensor, norm: float) -> None:
+        """Remember a decoded contribution's norm for its merge (which then need not measure it
+        again): by identity, through a weak reference, so a reused id never finds another's."""
+        self._norms[id(flat)] = (weakref.ref(flat), norm)
+        while len(self._norms) > NORMS_KEPT:
+            self._norms.pop(next(iter(self._norms)))
+
+    def _known_norm(self, flat: torch.Tensor) -> float | None:
+        ref, norm = self._norms.pop(id(flat), (None, 0.0))
+        return norm if ref is not None and ref() is flat else None
 
     def _give_back(self, flat: torch.Tensor) -> None:
         """Keep a decoded contribution's buffer for the next one (nothing else refers to it)."""
@@ -413,12 +428,13 @@ class FragmentOwner:
         weights = [e.weight for e in decision.entries]
         peers = [e.peer for e in decision.entries]
         clips = [e.clip for e in decision.entries]
+        norms = [self._known_norm(d) for d in deltas]
         merged = dict(self._merged_base)  # as it will be once this merge is published
         for e in decision.entries:
             merged[e.peer] = max(merged.get(e.peer, -1), self.version - e.staleness)
         try:  # one worker-thread hop: the outer step, the sealed version and the replica's state
             nxt = await asyncio.to_thread(self._next_version, self.version + 1, peers, deltas, weights, clips,
-                                          merged, decision.scale)
+                                          merged, decision.scale, norms)
             if nxt.state is not None and self.replicate is not None:
                 fence = await self.replicate(nxt.state, nxt.state_update)
                 if fence is not None:
@@ -468,10 +484,11 @@ class FragmentOwner:
         return self.merger.on_published(self.version, sync_time=now - t0, now=now)
 
     def _next_version(self, version: int, peers: list[bytes], deltas: list[torch.Tensor], weights: list[float],
-                      clips: list[float], merged: Mapping[bytes, int], scale: float = 1.0) -> _Next:
+                      clips: list[float], merged: Mapping[bytes, int], scale: float = 1.0,
+                      norms: Sequence[float | None] | None = None) -> _Next:
         """The merge's new state, sealed as ``version``, the state to hand to a replica, and with
         updates the sealed update from ``version - 1`` and the new error-feedback residual."""
-        theta, buffer = self._outer(peers, deltas, weights, clips, scale)
+        theta, buffer = self._outer(peers, deltas, weights, clips, scale, norms)
         tensors, residual = None, None
         if self.update_codec is not None:  # publish what learners compute from the update
             tensors, theta, residual = encode_update(theta, self.theta, self.residual, self.shapes,
@@ -500,11 +517,12 @@ class FragmentOwner:
         return self.latest
 
     def _outer(self, peers: list[bytes], deltas: list[torch.Tensor], weights: list[float],
-               clips: list[float], scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+               clips: list[float], scale: float = 1.0,
+               norms: Sequence[float | None] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Clip, aggregate, scale, bound and apply the outer step. Raises ``MergeFailed`` naming the
         peers to drop. (Every payload's shape, finiteness and norm were checked by ``_decode``.)"""
         update = merge_update(self.theta, self.buffer, deltas, weights, clips, self.outer_cfg,
-                              embedding=self.fragment.is_embedding, scale=scale)
+                              embedding=self.fragment.is_embedding, scale=scale, norms=norms)
         self.step_bounds += int(update.bounded)
         theta, buffer = update.theta, update.buffer
         if not (all_finite(theta) and (buffer is None or all_finite(buffer))):

@@ -188,15 +188,19 @@ def weighted_mean(deltas: Sequence[torch.Tensor], weights: Sequence[float]) -> t
     return out
 
 
-def _unit_average(deltas: Sequence[torch.Tensor], weights: Sequence[float],
-                  eps: float) -> tuple[torch.Tensor, list[float], float]:
+def _unit_average(deltas: Sequence[torch.Tensor], weights: Sequence[float], eps: float,
+                  known: Sequence[float | None] | None = None) -> tuple[torch.Tensor, list[float], float]:
     """(``sum w unit(Delta_m) / sum w``, every delta's norm, the total weight); deltas with norm
-    <= ``eps`` add no direction."""
+    <= ``eps`` add no direction. ``known``: each delta's ``norm64`` where the caller measured it
+    already (None: measured here)."""
     total = _check_inputs(deltas, weights)
+    if known is not None and len(known) != len(deltas):
+        raise LocalProtocolError(f"{len(deltas)} deltas but {len(known)} known norms")
     direction = torch.zeros(deltas[0].shape, dtype=torch.float32, device=deltas[0].device)
     norms = []
-    for d, w in zip(deltas, weights, strict=True):
-        norm = norm64(d)  # in fp64: an fp32 sum of squares overflows near 3e38
+    for i, (d, w) in enumerate(zip(deltas, weights, strict=True)):
+        given = known[i] if known is not None else None
+        norm = norm64(d) if given is None else given  # in fp64: an fp32 sum of squares overflows near 3e38
         norms.append(norm)
         if w > 0 and norm > eps:
             direction.add_(d.to(torch.float32), alpha=w / (total * norm))
@@ -211,6 +215,7 @@ def radial_directional_average(
     min_direction: float = 1e-6,
     radius: str = "mean",
     max_gain: float = math.inf,
+    norms: Sequence[float | None] | None = None,
 ) -> torch.Tensor:
     """Radial-directional average: the weighted mean norm along the weighted mean direction.
 
@@ -225,11 +230,12 @@ def radial_directional_average(
     radius). Unbounded, RDA keeps the radius however much the deltas disagree: ``M``
     near-orthogonal pseudo-gradients step ``sqrt(M)`` times further than their mean along
     their small common part, which at 16 contributions per merge overshot (docs/results.md,
-    *Many contributions per merge*). Raises ``LocalProtocolError`` like ``weighted_mean``.
+    *Many contributions per merge*). ``norms``: each delta's ``norm64`` where already measured.
+    Raises ``LocalProtocolError`` like ``weighted_mean``.
     """
     if radius not in ("mean", "median"):
         raise LocalProtocolError(f"radius must be 'mean' or 'median', got {radius!r}")
-    direction, norms, total = _unit_average(deltas, weights, eps)
+    direction, norms, total = _unit_average(deltas, weights, eps, norms)
     if radius == "median":
         r = weighted_median(norms, weights)
     else:
@@ -240,7 +246,8 @@ def radial_directional_average(
     return _scale_(direction, r / length if length * max_gain >= 1.0 else r * max_gain)
 
 
-def normed_mean(deltas: Sequence[torch.Tensor], weights: Sequence[float], eps: float = 1e-12) -> torch.Tensor:
+def normed_mean(deltas: Sequence[torch.Tensor], weights: Sequence[float], eps: float = 1e-12,
+                norms: Sequence[float | None] | None = None) -> torch.Tensor:
     """The weighted mean of the deltas, each first scaled to the weighted median norm:
     ``median_w |Delta_m| * sum w unit(Delta_m) / sum w``.
 
@@ -249,9 +256,10 @@ def normed_mean(deltas: Sequence[torch.Tensor], weights: Sequence[float], eps: f
     their small common part, as ``radial_directional_average`` does (at 32 peers it overshot:
     docs/results.md, *Many contributions per merge*). Like RDA, no one contribution's length
     counts: a scaled or random one weighs as one unit direction at the median norm.
-    Deltas with norm <= ``eps`` add no direction. Raises ``LocalProtocolError`` like ``weighted_mean``.
+    Deltas with norm <= ``eps`` add no direction. ``norms``: each delta's ``norm64`` where
+    already measured. Raises ``LocalProtocolError`` like ``weighted_mean``.
     """
-    direction, norms, _ = _unit_average(deltas, weights, eps)
+    direction, norms, _ = _unit_average(deltas, weights, eps, norms)
     r = weighted_median(norms, weights)
     if not r > 0:
         return direction.zero_()
@@ -372,22 +380,30 @@ class MergeUpdate:
 def merge_update(
     theta: torch.Tensor, buffer: torch.Tensor | None, deltas: Sequence[torch.Tensor], weights: Sequence[float],
     clips: Sequence[float], cfg: OuterConfig, *, embedding: bool, scale: float = 1.0,
+    norms: Sequence[float | None] | None = None,
 ) -> MergeUpdate:
     """One merge of a fragment: clip each delta by its factor, aggregate (a weighted mean for an
     embedding fragment or with ``cfg.aggregate == "mean"``, else ``cfg.aggregate``'s), scale the
     aggregate by ``scale`` (the merger's ``Decision.scale``), bound it to
     ``cfg.max_delta_ratio`` × |Θ| and apply the outer step. The inputs are not modified.
+    ``norms``: each delta's ``norm64`` where the caller measured it already (the owner does, as
+    each contribution arrives; None entries are measured here): the same bits either way.
 
     The owner and ``atoll replay`` both call this, so a replayed log recomputes the same bits
     (on the same torch build and thread count). The result may be non-finite; the caller checks.
     """
     clipped = [d * c if c < 1.0 else d for d, c in zip(deltas, clips, strict=True)]
+    if norms is not None and len(norms) != len(deltas):
+        raise LocalProtocolError(f"{len(deltas)} deltas but {len(norms)} known norms")
+    # a clipped delta's norm is measured again: (d * c)'s is not c * |d| to the last bit
+    known = None if norms is None else [n if c >= 1.0 else None for n, c in zip(norms, clips, strict=True)]
     if embedding or cfg.aggregate == "mean":
         delta = weighted_mean(clipped, weights)
     elif cfg.aggregate == "normed":
-        delta = normed_mean(clipped, weights)
+        delta = normed_mean(clipped, weights, norms=known)
     else:
-        delta = radial_directional_average(clipped, weights, radius=cfg.rda_radius, max_gain=cfg.rda_max_gain or math.inf)
+        delta = radial_directional_average(clipped, weights, radius=cfg.rda_radius, max_gain=cfg.rda_max_gain or math.inf,
+                                           norms=known)
     if not 0.0 < scale <= 1.0:
         raise LocalProtocolError(f"a merge's scale must be in (0, 1], got {scale}")
     if scale < 1.0:

@@ -393,3 +393,26 @@ def test_a_merge_scales_its_aggregate_before_the_bound_and_the_outer_step() -> N
     for bad in (0.0, 1.5, math.nan):
         with pytest.raises(LocalProtocolError, match="scale"):
             merge_update(theta, None, deltas, weights, clips, cfg, embedding=False, scale=bad)
+
+
+@pytest.mark.parametrize("aggregate", ["normed", "rda", "mean"])
+def test_norms_measured_before_the_merge_give_the_same_bits(aggregate: str) -> None:
+    """The owner passes each contribution's norm64 from when it arrived; ``atoll replay``
+    measures them again: both must publish the same bits, clipped deltas included (their norm
+    is measured anew). A list of the wrong length is refused."""
+    from protocol.diloco.norms import norm64
+    deltas = [torch.randn(3000, generator=gen(i)) * (i + 1) for i in range(4)]
+    weights, clips = [1.0, 2.0, 1.0, 3.0], [1.0, 0.37, 1.0, 1.0]
+    theta, buffer = torch.randn(3000, generator=gen(9)), torch.randn(3000, generator=gen(10))
+    cfg = OuterConfig(lr=0.7, momentum=0.9, aggregate=aggregate)
+    plain = merge_update(theta, buffer, deltas, weights, clips, cfg, embedding=False)
+    known = [norm64(d) for d in deltas]
+    given = merge_update(theta, buffer, deltas, weights, clips, cfg, embedding=False, norms=known)
+    assert torch.equal(plain.theta, given.theta) and torch.equal(plain.buffer, given.buffer)
+    some = merge_update(theta, buffer, deltas, weights, clips, cfg, embedding=False, norms=[known[0], None, None, known[3]])
+    assert torch.equal(plain.theta, some.theta)
+    if aggregate != "mean":  # a norm that is not the delta's would change the result: it is used
+        wrong = merge_update(theta, buffer, deltas, weights, clips, cfg, embedding=False, norms=[2 * n for n in known])
+        assert not torch.equal(plain.theta, wrong.theta)
+        with pytest.raises(LocalProtocolError, match="known norms"):
+            merge_update(theta, buffer, deltas, weights, clips, cfg, embedding=False, norms=known[:2])

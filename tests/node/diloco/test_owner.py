@@ -323,3 +323,29 @@ async def test_a_successor_knows_a_version_by_the_digest_learners_verified_from_
     delta = torch.full_like(theta0, 0.125)
     ack = await successor.contribute(A, contribution(delta, shapes[0], base_digest=envelope.digest))
     assert ack.accepted, ack.reason
+
+
+async def test_a_merge_takes_each_contributions_norm_from_its_arrival_and_publishes_the_same_bits(monkeypatch) -> None:
+    """An owner measures each contribution's norm once, as it arrives, and its merge reuses it
+    (norm64 over every fragment-sized buffer costs an owner as much as hashing it); the
+    published state is bit for bit the merge ``atoll replay`` recomputes without those norms.
+    Buffers reused by the next round's contributions get their own norms."""
+    import protocol.diloco.outer as outer
+    from protocol.diloco.norms import norm64
+    from protocol.diloco.outer import merge_update
+
+    _, shapes, _, theta0, owner = _setup(quorum=1)
+    await owner.set_expected(3)
+    measured: list[int] = []
+    monkeypatch.setattr(outer, "norm64", lambda t: measured.append(t.numel()) or norm64(t))
+    numel = theta0.numel()
+    for rnd in range(2):  # the second round decodes into the first round's buffers
+        deltas = [torch.randn(numel, generator=torch.Generator().manual_seed(10 * rnd + i)) * 0.01 for i in range(3)]
+        before, measured[:] = owner.theta.clone(), []
+        for who, d in zip((A, B, C), deltas, strict=True):
+            await owner.contribute(who, contribution(d, shapes[0], base_version=rnd, owner=owner))
+        assert owner.version == rnd + 1
+        # in the merge, only |Θ| and the aggregate's norm (for the bound) are measured, no contribution's
+        assert measured == [numel, numel], measured
+        replayed = merge_update(before, None, deltas, [1.0] * 3, [1.0] * 3, owner.outer_cfg, embedding=False)
+        assert torch.equal(owner.theta, replayed.theta)
