@@ -1,8 +1,7 @@
 """Averaging against hivemind: one full-model cycle through Atoll vs one hivemind all-reduce.
 
 N peer processes on 127.0.0.1 each hold a model of P fp32 values (``--fragments`` equal
-tensors, one Atoll fragment each). In the same processes, interleaved (atoll, hivemind, raw,
-atoll, ...), the bench times:
+tensors, one Atoll fragment each). Interleaved, the bench times:
 
 ``atoll``     one full-model cycle through Atoll: every peer contributes every fragment, each
               fragment's owner merges all N contributions (``sync`` mode, quorum N), and every
@@ -11,6 +10,12 @@ atoll, ...), the bench times:
               target group size N (``bench.averaging_hivemind``);
 ``raw``       the same bytes in Atoll's pattern over bare aiohttp, nothing else done: the
               limit (``bench.averaging_raw``).
+
+By default (``--isolate``) hivemind runs in N processes of its own and Atoll and raw share
+another N, and the two sets take turns (``--blocks``, each starting afresh and warming up):
+hivemind's DHT, averager and p2pd processes keep using CPU between its rounds (~0.25 of this
+2-core box's cores), which otherwise lands in the other systems' rounds. ``--no-isolate`` runs
+every system in the same processes, alternating round by round (atoll, hivemind, raw, ...).
 
 Times run from the launcher's "go" to the last peer's "done"; inputs are prepared before.
 Every round is checked: peer 0 recomputes the merge from the seeded inputs and every Atoll
@@ -94,9 +99,10 @@ class Round:
                                "cpu_s": round(self.w.last_cpu_s, 3) if kill is None else None,
                                "busiest_peer_cpu_s": (round(max(self.w.last_peer_cpu_s), 3)
                                                       if kill is None and self.w.last_peer_cpu_s else None),
-                               "load_avg": round(os.getloadavg()[0], 2)}
+                               "load_avg": round(os.getloadavg()[0], 2),
+                               "wall": [round(x, 3) for x in self.w.last_wall]}
         if system == "atoll" and kill is None:  # versions received as int8 updates (update_codec) or full
-            for key in ("versions_received", "updates_applied", "update_mismatches"):
+            for key in ("versions_received", "updates_applied", "update_mismatches", "versions_replica"):
                 out[key] = sum(x.get(key, 0) for x in replies)
             out["updates_applied_per_peer"] = [x.get("updates_applied", 0) for x in replies]
         errors = [x.get("error") for x in replies if not x.get("ok")]
@@ -140,8 +146,14 @@ def _median(runs: list[dict[str, Any]], key: str = "seconds") -> float | None:
 
 
 def _spec(args: argparse.Namespace, peers: int, params: int, codec: str, systems: list[str]) -> dict[str, Any]:
-    return {"peers": peers, "params": params, "fragments": args.fragments, "seed": args.seed,
+    spec = {"peers": peers, "params": params, "fragments": args.fragments, "seed": args.seed,
             "codec": codec, "systems": systems}
+    if "atoll" in systems and args.swarm == "signed":
+        from bench.averaging_atoll import swarm_credentials
+        from bench.averaging_inputs import Layout
+        spec["atoll_credentials"] = swarm_credentials(peers=peers, seed=args.seed, codec=codec,
+                                                      layout=Layout(params, args.fragments))
+    return spec
 
 
 def _settle(w: Workers, args: argparse.Namespace) -> list[int]:
@@ -160,38 +172,71 @@ def _settle(w: Workers, args: argparse.Namespace) -> list[int]:
     return [atoll_urls.index(u) for u in owners[0]]
 
 
+def groups_of(systems: list[str], isolate: bool) -> list[list[str]]:
+    """The sets of systems that share peer processes. Isolated: Atoll and raw (raw follows
+    Atoll's owners and costs nothing while idle: an aiohttp server on a thread) in one set, and
+    hivemind in its own, so each system's rounds run with no other system's processes on the
+    box (hivemind's DHT, averager and p2pd processes keep using CPU between its rounds)."""
+    if not isolate:
+        return [list(systems)]
+    own = [s for s in systems if s in ("atoll", "raw")]
+    return [g for g in (own, [s for s in systems if s == "hivemind"]) if g]
+
+
 def measure(args: argparse.Namespace, peers: int, params: int, codec: str, systems: list[str],
             log_dir: Path) -> dict[str, Any]:
-    """Warm-up, then ``--repeats`` interleaved rounds of each system: medians and every run."""
-    _say(f"{peers} x {params:,} codec {codec}: starting {peers} peers ({', '.join(systems)})")
-    w = Workers(_spec(args, peers, params, codec, systems), log_dir)
-    try:
-        owners = _settle(w, args) if "atoll" in systems else []
-        rounds = Round(w, args, codec)
-        runs: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
-        for rep in range(1 - args.warmup, args.repeats + 1):
-            for s in systems:
-                out = rounds.run(s)
-                _say(f"  {'warm-up' if rep <= 0 else f'round {rep}'} {s:8} {out['seconds']:8.3f} s "
-                     f"(cpu {out['cpu_s']:.2f} s, busiest peer {out['busiest_peer_cpu_s']:.2f} s, load {out['load_avg']}) ok={out['ok']} "
-                     f"{out.get('check', {}).get('matches', '')} {out.get('errors', '')}"
-                     + (f" updates {out['updates_applied']}/{out['versions_received']} versions"
-                        if out.get("updates_applied") else ""))
-                if rep > 0:
-                    runs[s].append(out)
-        memory = w.ask_all({"cmd": "memory", "detail": args.memory_detail}, 600)
-        sessions = [w.session_rss_mb(i) for i in w.alive]
-        _say(f"  peak RSS per peer {[m.get('peak_rss_mb') for m in memory]} MiB; each peer's processes "
-             f"now {sessions} MiB" + (f"; held {[m.get('held_mb') for m in memory]}" if args.memory_detail else ""))
-    finally:
-        w.close()
+    """``--warmup`` untimed rounds, then ``--repeats`` timed rounds of each system, interleaved:
+    medians and every run. With ``--isolate`` the systems run in separate sets of processes,
+    alternating in ``--blocks`` blocks (each block starts its processes afresh and warms them up);
+    without, every peer process hosts every system and the rounds alternate one by one."""
+    groups = groups_of(systems, args.isolate)
+    blocks = args.blocks if len(groups) > 1 else 1
+    per_block = [args.repeats // blocks + (1 if b < args.repeats % blocks else 0) for b in range(blocks)]
+    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
+    counter = dict.fromkeys(SYSTEMS, 0)  # round numbers (the inputs' seeds) run on across blocks
+    owners: list[int] = []
+    peak: list[int] = [0] * peers
+    sessions: list[int] = [0] * peers
+    held: list[Any] = []
+    for b, repeats in enumerate(per_block):
+        if repeats == 0:
+            continue
+        for group in (groups if b % 2 == 0 else groups[::-1]):
+            label = f" (block {b + 1} of {blocks})" if blocks > 1 else ""
+            _say(f"{peers} x {params:,} codec {codec}: starting {peers} peers ({', '.join(group)}){label}")
+            w = Workers(_spec(args, peers, params, codec, group), log_dir)
+            try:
+                if "atoll" in group:
+                    owners = _settle(w, args)
+                rounds = Round(w, args, codec)
+                rounds.counter = counter
+                for rep in range(1 - args.warmup, repeats + 1):
+                    for s in group:
+                        out = rounds.run(s)
+                        _say(f"  {'warm-up' if rep <= 0 else f'round {rep}'} {s:8} {out['seconds']:8.3f} s "
+                             f"(cpu {out['cpu_s']:.2f} s, busiest peer {out['busiest_peer_cpu_s']:.2f} s, load {out['load_avg']}) ok={out['ok']} "
+                             f"{out.get('check', {}).get('matches', '')} {out.get('errors', '')}"
+                             + (f" updates {out['updates_applied']}/{out['versions_received']} versions"
+                                if out.get("updates_applied") else ""))
+                        if rep > 0:
+                            runs[s].append(out)
+                memory = w.ask_all({"cmd": "memory", "detail": args.memory_detail}, 600)
+                now = [w.session_rss_mb(i) for i in w.alive]
+                _say(f"  peak RSS per peer {[m.get('peak_rss_mb') for m in memory]} MiB; each peer's processes "
+                     f"now {now} MiB" + (f"; held {[m.get('held_mb') for m in memory]}" if args.memory_detail else ""))
+                peak = [max(a, m.get("peak_rss_mb") or 0) for a, m in zip(peak, memory, strict=True)]
+                sessions = [max(a, n) for a, n in zip(sessions, now, strict=True)]
+                if args.memory_detail:
+                    held = [m.get("held_mb") for m in memory]
+            finally:
+                w.close()
     result: dict[str, Any] = {f"{s}_s": _median(runs[s]) for s in systems}
     result.update({f"{s}_cpu_s": _median(runs[s], "cpu_s") for s in systems})
     result.update({f"{s}_busiest_peer_cpu_s": _median(runs[s], "busiest_peer_cpu_s") for s in systems})
-    result.update({f"{s}_runs": runs[s] for s in systems}, owners=owners,
-                  peak_rss_mb=[m.get("peak_rss_mb") for m in memory], processes_rss_mb=sessions)
+    result.update({f"{s}_runs": runs[s] for s in systems}, owners=owners, peak_rss_mb=peak,
+                  processes_rss_mb=sessions, isolated=len(groups) > 1, blocks=blocks)
     if args.memory_detail:
-        result["held_mb"] = [m.get("held_mb") for m in memory]
+        result["held_mb"] = held
     return result
 
 
@@ -237,7 +282,8 @@ def memory_needed_mb(peers: int, params: int, systems: tuple[str, ...] | list[st
 def run_case(args: argparse.Namespace, peers: int, params: int, systems: list[str], log_dir: Path,
              hivemind_reason: str | None) -> dict[str, Any]:
     case: dict[str, Any] = {"peers": peers, "params": params, "fragments": args.fragments}
-    need, free = memory_needed_mb(peers, params, systems), available_mb()
+    need = max(memory_needed_mb(peers, params, g) for g in groups_of(systems, args.isolate))
+    free = available_mb()
     if need > free - HEADROOM_MB:
         reason = (f"not run: {peers} peers x {params:,} parameters need ~{need / 1024:.0f} GiB at their peak "
                   f"(~{need // peers} MiB per peer), the machine has {free / 1024:.0f} GiB available")
@@ -286,6 +332,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--warmup", type=int, default=1,
                         help="untimed rounds of each system first (interleaved as the timed ones); a "
                              "peer's heap grows over its first few rounds, to the versions it keeps")
+    parser.add_argument("--swarm", choices=("signed", "development"), default="signed",
+                        help="Atoll's swarm: signed (a founder's manifest and a certificate per peer, every "
+                             "request signed, as atoll local and atoll join run) or development (no "
+                             "manifest, unsigned requests: owners cannot tell who asks)")
+    parser.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=True,
+                        help="run hivemind in processes of its own, apart from Atoll's and raw's, so no "
+                             "system's idle processes take CPU from another's rounds (--no-isolate: every "
+                             "peer process hosts every system, as before 2026-12-02)")
+    parser.add_argument("--blocks", type=int, default=2,
+                        help="with --isolate: alternate the two sets of processes this many times, "
+                             "splitting --repeats among them (each block starts afresh and warms up)")
     parser.add_argument("--fragments", type=int, default=8, help="Atoll fragments (= tensors of the model)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds one round may take")
@@ -302,6 +359,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         parser.error(f"--codecs takes {', '.join(CODECS)}")
     if args.warmup < 0 or args.repeats < 1:
         parser.error("--warmup must be >= 0 and --repeats >= 1")
+    if args.blocks < 1:
+        parser.error("--blocks must be >= 1")
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     if "atoll" not in systems and "raw" in systems:
         parser.error("raw follows Atoll's fragment owners: --systems must include atoll")
@@ -316,7 +375,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                  for c in args.cases.split(",") if c.strip()]
     out = {"bench": "averaging", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "machine": f"{platform.machine()}, {platform.system()} {platform.release()}, python {platform.python_version()}",
-           "config": {"repeats": args.repeats, "warmup": args.warmup, "fragments": args.fragments, "codecs": args.codecs,
+           "config": {"repeats": args.repeats, "warmup": args.warmup, "swarm": args.swarm, "isolate": args.isolate, "blocks": args.blocks, "fragments": args.fragments, "codecs": args.codecs,
                       "kill_at": args.kill_at, "seed": args.seed},
            "cases": cases}
     print(json.dumps(out))

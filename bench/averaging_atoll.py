@@ -21,15 +21,19 @@ which every peer applies to the same base and checks against the owner-signed ha
 
 from __future__ import annotations
 
+import hashlib
 import time
 from typing import Any
 
+import tomli_w
 import torch
 from torch import nn
 
 from bench.averaging_inputs import Layout, classify, delta, relative_error
 from node.api import SwarmIsland
 from node.config import RunConfig
+from protocol.wire.membership import Certificate, SwarmManifest
+from protocol.wire.signing import Signer
 from node.diloco.flat import encode_flat, flat_digest, flat_from_tensors
 from protocol.diloco.compression import compress, decompress
 from protocol.diloco.outer import OuterConfig, merge_update
@@ -51,22 +55,56 @@ class _Tensors(nn.Module):
         self.w = nn.ParameterList([nn.Parameter(t, requires_grad=False) for t in tensors])
 
 
+def bench_config(peers: int, layout: Layout, codec: str) -> RunConfig:
+    """The run configuration of every Atoll peer of the bench (the manifest's recipe holds it)."""
+    up, down, update = CODECS[codec]
+    return RunConfig(peers=peers, fragments=layout.tensors, inner_steps=10**9, codec=up, download_codec=down,
+                     update_codec=update, outer_lr=1.0, outer_momentum=0.0, quorum=peers, mode="sync",
+                     eval_every=10**9,
+                     adopt_rebase=0)  # nothing trains between shipping and adopting: overwrite, one copy
+
+
+def _seed(*parts: object) -> bytes:
+    return hashlib.sha256("/".join(map(str, parts)).encode()).digest()
+
+
+def swarm_credentials(*, peers: int, seed: int, layout: Layout, codec: str) -> dict[str, Any]:
+    """A swarm as ``atoll local`` makes one (a founder's signed manifest with one lab, and a
+    learner-and-owner certificate per peer), as JSON-ready text for the peers' specs: a
+    deployed swarm signs every request, which lets an owner know who asks (its replica's learner
+    then takes the version from the handoff instead of downloading it; see ``node.diloco.spread``).
+    Keys are derived from ``seed``: the bench's swarms are throw-away and local."""
+    founder, lab = Signer(_seed("bench-founder", seed)), Signer(_seed("bench-lab", seed))
+    shapes = _Tensors([torch.empty(n, device="meta") for n in layout.sizes()])
+    manifest = SwarmIsland.found(shapes, founder, name=SWARM, tokens_per_step=1,
+                                 config=bench_config(peers, layout, codec), authorities=[("bench", lab.public_key)])
+    now = time.time()
+    certs = [Certificate.issue(lab, manifest=manifest, subject=Signer(_seed("bench-peer", seed, i)).public_key,
+                               roles=("learner", "owner"), not_before=now - 60, not_after=now + 7 * 86400)
+             for i in range(peers)]
+    return {"manifest": tomli_w.dumps(manifest.to_toml_data()), "certs": [c.to_text() for c in certs]}
+
+
 class AtollSide:
     """One Atoll peer of the bench (see the module docstring)."""
 
     def __init__(self, *, index: int, peers: int, seed: int, layout: Layout, codec: str,
-                 initial: list[torch.Tensor], initial_peers: list[str]) -> None:
+                 initial: list[torch.Tensor], initial_peers: list[str],
+                 credentials: dict[str, Any] | None = None) -> None:
+        """``credentials``: from ``swarm_credentials`` (a signed swarm); without, a development
+        swarm (no manifest, unsigned requests)."""
         self.index, self.peers, self.seed, self.layout = index, peers, seed, layout
         self.codec, self.download_codec, self.update_codec = CODECS[codec]
         self.model = _Tensors(initial)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.0)
-        cfg = RunConfig(peers=peers, fragments=layout.tensors, inner_steps=10**9, codec=self.codec,
-                        download_codec=self.download_codec, update_codec=self.update_codec, outer_lr=1.0,
-                        outer_momentum=0.0, quorum=peers, mode="sync", eval_every=10**9,
-                        adopt_rebase=0)  # nothing trains between shipping and adopting: overwrite, one copy
-        self.api = SwarmIsland(self.model, self.optimizer, swarm=SWARM, tokens_per_step=1,
-                               initial_peers=initial_peers, config=cfg, join_timeout_s=300.0,
-                               finish_timeout_s=0.0)
+        cfg = bench_config(peers, layout, codec)
+        swarm: dict[str, Any] = {"swarm": SWARM}
+        if credentials is not None:
+            swarm = {"manifest": SwarmManifest.from_toml(credentials["manifest"]),
+                     "key": Signer(_seed("bench-peer", seed, index)),
+                     "cert": Certificate.from_text(credentials["certs"][index])}
+        self.api = SwarmIsland(self.model, self.optimizer, tokens_per_step=1, initial_peers=initial_peers,
+                               config=cfg, join_timeout_s=300.0, finish_timeout_s=0.0, **swarm)
         self.island = self.api.island
         self.block_size = cfg.block_size
         # the owners' merge, as the check recomputes it
@@ -152,9 +190,9 @@ class AtollSide:
         """Versions this learner received, and of them taken as updates / updates refused."""
         net = self.api.node.net
         if net is None:
-            return {"versions_received": 0, "updates_applied": 0, "update_mismatches": 0}
+            return {"versions_received": 0, "updates_applied": 0, "update_mismatches": 0, "versions_replica": 0}
         return {"versions_received": net.stats.versions_received, "updates_applied": net.stats.updates_applied,
-                "update_mismatches": net.stats.update_mismatches}
+                "update_mismatches": net.stats.update_mismatches, "versions_replica": net.stats.versions_replica}
 
     def _has(self, p: int) -> bool:
         return self.island.versions[p] >= self.target[p]

@@ -41,7 +41,8 @@ class Peer:
             from bench.averaging_atoll import AtollSide
             tensors = [initial(self.seed, self.layout, t) for t in range(self.layout.tensors)]
             atoll = AtollSide(index=self.index, peers=self.peers, seed=self.seed, layout=self.layout,
-                              codec=codec, initial=tensors, initial_peers=spec.get("atoll_peers") or [])
+                              codec=codec, initial=tensors, initial_peers=spec.get("atoll_peers") or [],
+                              credentials=spec.get("atoll_credentials"))
             self.sides["atoll"] = atoll
         if "raw" in spec["systems"]:
             from bench.averaging_raw import RawSide

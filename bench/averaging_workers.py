@@ -136,6 +136,7 @@ class Workers:
         self.procs: list[_Proc] = []
         self.last_cpu_s = 0.0
         self.last_peer_cpu_s: list[float] = []  # per live peer, the same
+        self.last_wall = (0.0, 0.0)  # the last timed round's start and end, epoch seconds (to line up profiles)
         self.aborted: str | None = None
         self._closed = threading.Event()
         threading.Thread(target=self._guard_memory, args=(min_available_mb,), daemon=True).start()
@@ -206,7 +207,7 @@ class Workers:
         peers' process trees used meanwhile (the survivors' after a kill); ``last_peer_cpu_s``:
         each live peer's (the busiest one bounds the round when every peer has its own cores)."""
         cpu0 = self._cpu_by_peer()
-        t0 = time.perf_counter()
+        t0, wall0 = time.perf_counter(), time.time()
         for i in self.alive:
             self.procs[i].send(cmd)
         if kill is not None:
@@ -218,6 +219,7 @@ class Workers:
         for i in self.alive:
             replies.append(self._recv(i, max(1.0, timeout_s - (time.perf_counter() - t0))))
         seconds = time.perf_counter() - t0
+        self.last_wall = (wall0, time.time())
         cpu1 = self._cpu_by_peer()
         self.last_peer_cpu_s = [cpu1[i] - cpu0[i] for i in self.alive]
         self.last_cpu_s = sum(self.last_peer_cpu_s) if kill is None else sum(cpu1.values())
