@@ -9,8 +9,9 @@ window. ``DHTNode.handle`` then checks that the message's ``sender`` is the enve
 (``StoreLimits``; ``RateLimited``, 429), passes the sender to routing (below), and answers from
 the explicit handler table; records are stored charged to the requester's IP (``RecordStore``'s
 byte cap and fair-share eviction). The reply is sealed with the node's own key. A peer's
-misbehaviour is a ``RemoteProtocolError``: 4xx, counted in ``metrics.refusals``. A path with no
-node mounted (never mounted, or killed) answers 503.
+misbehaviour is a ``RemoteProtocolError``: 4xx, counted in ``metrics.refusals``. A named path
+with no node mounted (never mounted, or killed) answers 404, the default path while its node is
+down 503 (``node.dht.route``).
 
 Routing. A verified reply to one of our calls proves its signer at the address we dialled: it
 is ``RoutingTable.on_seen`` at once. A request's ``sender`` only *claims* an address: unless the
@@ -24,8 +25,8 @@ When a full bucket asks for a ``PingCandidate`` the node pings the bucket's olde
 own ``TaskGroup`` and reports ``on_ping_result``, unless it heard from that contact within
 ``ping_fresh_s`` (the lazy probing of section 4.1: it is alive, no ping needed). With no task
 group running (not started, or too many pings in flight) it keeps the old contact, as the paper
-prefers. Transport failures (timeout, refused connection, 5xx, a bad reply) are ``on_failed``; a
-4xx refusal proves the peer alive and is only counted. A node without an address (behind NAT)
+prefers. Transport failures (timeout, refused connection, 5xx, a 404 for an address with no
+node, a bad reply) are ``on_failed``; another 4xx refusal proves the peer alive and is only counted. A node without an address (behind NAT)
 never reaches anyone's routing table: ``on_seen`` skips it, and it is never mounted.
 
 Client. ``find_node`` feeds a ``Lookup`` with ``alpha`` queries in flight, each bounded by
@@ -405,7 +406,8 @@ class DHTNode:
         give_back = True
         try:
             if status != 200:
-                return self._failed(charged, f"status {status}", unreachable=status >= 500)
+                # 404: no DHT node at that address (a name unmounted), as dead as a 5xx
+                return self._failed(charged, f"status {status}", unreachable=status >= 500 or status == 404)
             opened = await self._open_reply(buf, used, msg, peer_id)
         except RemoteProtocolError as exc:
             return self._failed(charged, f"bad reply ({type(exc).__name__})", unreachable=True)

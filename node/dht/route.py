@@ -11,8 +11,9 @@ Store of ``MAX_STORE_RECORDS`` largest records takes ~80 KiB), then ``DHTNode.ha
 (see ``node.dht.kademlia``), told the requester's IP (``request.remote``) for its per-IP Store
 limits and the record store's fair shares, and the reply is sealed with the node's own key for the
 requester. A peer's misbehaviour is a ``RemoteProtocolError``:
-4xx, counted in ``errors`` and the node's ``metrics.refusals``. A path with no node mounted
-(never mounted, or killed) answers 503.
+4xx, counted in ``errors`` and the node's ``metrics.refusals``. A named path with no node mounted
+(never mounted, or killed) answers 404, the default path while its node is down 503; a caller
+takes either as an unreachable contact.
 """
 
 from __future__ import annotations
@@ -67,11 +68,13 @@ class DHTRouter:
         self.nodes.pop(name, None)
 
     async def _serve(self, request: web.Request) -> web.StreamResponse:
-        node = self.nodes.get(request.match_info.get("name", ""))
+        name = request.match_info.get("name", "")
+        node = self.nodes.get(name)
         if node is None:
-            self.errors["unavailable"] += 1
-            body = {"error": "Unavailable", "reason": f"no DHT node at {request.path}"}
-            return web.json_response(body, status=503)
+            # a name nobody mounted is a wrong address (404); the default node is down (503)
+            self.errors["no node" if name else "unavailable"] += 1
+            body = {"error": "NotFound" if name else "Unavailable", "reason": f"no DHT node at {request.path}"}
+            return web.json_response(body, status=404 if name else 503)
 
         async def dispatch(opened: Opened) -> bytes:
             return node.seal(node.handle(opened, request.remote or ""), recipient=opened.peer_id)
