@@ -105,6 +105,7 @@ class Round:
             for key in ("versions_received", "updates_applied", "update_mismatches", "versions_replica"):
                 out[key] = sum(x.get(key, 0) for x in replies)
             out["updates_applied_per_peer"] = [x.get("updates_applied", 0) for x in replies]
+            out["versions_replica_per_peer"] = [x.get("versions_replica", 0) for x in replies]
         errors = [x.get("error") for x in replies if not x.get("ok")]
         if errors:
             out["errors"] = errors[:3]

@@ -95,10 +95,14 @@ def test_a_tiny_int8_run_ships_updates_and_checks_every_merge(tmp_path) -> None:
     for run in case["atoll_runs"]:  # each carries an owner residual from the rounds before it
         assert run["ok"] and run["check"]["matches"] == ["all"] and run["check"]["identical_on_every_peer"]
         assert run["versions_received"] == 2 * 2 and run["update_mismatches"] == 0
-        # every version of a fragment it does not own comes to a peer as an int8 update (its
-        # own fragments' versions its learner may take locally)
-        for i, applied in enumerate(run["updates_applied_per_peer"]):
-            assert applied >= 2 - case["owners"].count(i)
+        # every version of a fragment it does not own comes to a peer as an int8 update: its
+        # learner downloads and applies it, or (a signed swarm) it is the fragment's replica and
+        # its learner takes the state the owner's update handoff gave (its own fragments'
+        # versions its learner may take locally)
+        for i, (applied, replica) in enumerate(zip(run["updates_applied_per_peer"],
+                                                   run["versions_replica_per_peer"], strict=True)):
+            assert applied + replica >= 2 - case["owners"].count(i)
+        assert sum(run["versions_replica_per_peer"]) == 2  # 2 peers: the non-owner is the replica
         # the check replays the owner's residual: the reference is the owners' own result
         assert max(f["errors"]["all"] for f in run["check"]["fragments"]) < tolerance("none")
 
