@@ -1,0 +1,328 @@
+"""A peer's presence in its swarm, as a part of ``PeerNode``: joining, its member record, and
+the view of the members that routing, ownership and admission read.
+
+``SwarmPresence`` is a mixin: ``PeerNode`` provides the transport, the DHT node, the membership,
+the learner and the owners it names below.
+
+Joining (``_join``): bootstrap the DHT from the initial peers (``JOIN_ATTEMPTS`` tries, backing
+off), ask one of them to dial us back (reachable peers may own fragments; the others are learners
+only), read the member list, download every global fragment at its latest version from its
+current owner (``_sync``, verified against the owner's key), then publish our own member record.
+Only then may the rendezvous hash hand us fragments to own.
+
+Membership (``_membership_loop``): republish our record when it changes (at once) or every
+``REPUBLISH_S``, read everyone's, follow a newer swarm manifest, and reconcile the fragments we
+own, every ``MEMBERSHIP_PERIOD_S`` (``JOINING_PERIOD_S`` while ``wait_for_members`` waits for
+more). A member that refuses our connections is a suspect and routed around until it
+republishes (``suspects``). A sealed request from a key that is no member is admitted after one
+rate-limited read of the records finds it (``_authorize``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import functools
+import json
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from node.dht.bootstrap import DialBacks, MemberListings
+from node.dht.membership import MemberRecord
+from node.diloco.flat import flat_digest
+from node.state.sync import SyncFailed, sync_fragments
+from node.wire.tls import origin
+
+if TYPE_CHECKING:
+    import torch
+
+    from node.config import RunConfig
+    from node.dht.kademlia import DHTNode
+    from node.dht.membership import Membership
+    from node.dht.swarm import SwarmCredentials
+    from node.diloco.learner import IslandNet
+    from node.diloco.owner import FragmentOwner
+    from node.wire.transport import Transport
+    from protocol.wire.signing import Signer
+
+__all__ = ["JOINING_PERIOD_S", "MEMBERSHIP_PERIOD_S", "SwarmPresence"]
+
+log = logging.getLogger("atoll.peer")
+
+MEMBERSHIP_PERIOD_S = 2.0
+JOINING_PERIOD_S = 0.5  # the membership period while fewer members are seen than wait_for_members awaits
+REPUBLISH_S = 6.0
+JOIN_ATTEMPTS = 5
+MAX_STATE = 1 << 30
+# A sealed request from a key that is not (yet) a member makes the owner read the member records
+# once before refusing: a new member is refused only until its record is found, not until the
+# next membership pass. Strangers cannot turn this into load: one read per this many seconds
+# at most, and a key that was looked up and not found is refused without a read for a while.
+MEMBER_LOOKUP_GAP_S = 1.0
+UNKNOWN_KEY_RETRY_S = 10.0
+UNKNOWN_KEYS_KEPT = 4096
+
+
+class SwarmPresence:
+    """Joining, the member record and the members' view (mixed into ``PeerNode``)."""
+
+    cfg: RunConfig
+    signer: Signer
+    credentials: SwarmCredentials | None
+    transport: Transport
+    public_address: str | None
+    manifest: str
+    dht: DHTNode | None
+    membership: Membership | None
+    net: IslandNet | None
+    owners: dict[int, FragmentOwner]
+    shapes: list[list[tuple[int, ...]]]
+    reachable: bool
+    learning: bool
+    step: int
+    awaited_members: int
+    synced: dict[int, tuple[int, torch.Tensor]]
+    member_lookups: int
+    _tg: asyncio.TaskGroup | None
+    _suspect_since: dict[bytes, float]
+    _seen_learning: set[bytes]
+    _finished: set[bytes]
+    _lookup_lock: asyncio.Lock
+    _last_lookup: float
+    _unknown: collections.OrderedDict[bytes, float]
+
+    if TYPE_CHECKING:  # ``OwnedFragments``'s (declared only: a stub here would shadow it)
+        async def _reconcile_owners(self) -> None: ...
+
+    def _is_member(self, peer_id: bytes) -> bool:
+        """A member whose record passed the certificate checks and that may learn (contribute)."""
+        member = self.membership.members.get(peer_id) if self.membership is not None else None
+        return member is not None and (member.cert is None or "learner" in member.cert.roles)
+
+    async def _authorize(self, peer_id: bytes) -> bool:
+        """A member, or a key whose member record a (rate-limited) read of the DHT finds."""
+        if self._is_member(peer_id):
+            return True
+        if self.membership is None:
+            return False
+        seen = self._unknown.get(peer_id)
+        if seen is not None and time.monotonic() - seen < UNKNOWN_KEY_RETRY_S:
+            return False
+        arrived = time.monotonic()
+        async with self._lookup_lock:
+            if not self._is_member(peer_id) and time.monotonic() - self._last_lookup >= MEMBER_LOOKUP_GAP_S:
+                self._last_lookup = time.monotonic()
+                self.member_lookups += 1
+                try:
+                    await self.membership.refresh()
+                except Exception as exc:  # the DHT may be unreachable; the key is refused for now
+                    log.warning("member lookup for %s failed: %r", peer_id.hex()[:8], exc)
+        if self._is_member(peer_id):
+            log.info("member %s found on lookup", peer_id.hex()[:8])
+            return True
+        if self._last_lookup < arrived:
+            return False  # refused without a read (rate limit): not remembered as unknown
+        self._unknown[peer_id] = time.monotonic()
+        self._unknown.move_to_end(peer_id)
+        while len(self._unknown) > UNKNOWN_KEYS_KEPT:
+            self._unknown.popitem(last=False)
+        return False
+
+    def owner_of(self, p: int) -> tuple[bytes, str] | None:
+        if self.membership is None:
+            return None
+        return self.membership.owner_of(self.cfg.swarm, p, exclude=self.suspects())
+
+    def suspects(self) -> set[bytes]:
+        """Members that refused our connections and have not republished their record since.
+
+        A crashed owner's record lingers in the DHT until it expires; every peer that finds it
+        unreachable routes around it at once instead (its fragments move by rendezvous hash).
+        A record counts as republished when it was signed after we suspected the member (its
+        expiry minus the records' time-to-live): copies of a dead peer's older records, which
+        reach us from other responders with later expiries than the one we held, do not revive it.
+        """
+        assert self.membership is not None
+        live, ttl = self.membership.members, self.membership.ttl_s
+        return {pid for pid, since in self._suspect_since.items()
+                if pid in live and live[pid].expires_at - ttl <= since}
+
+    def _unreachable(self, peer_id: bytes) -> None:
+        if self.membership is None or peer_id == self.signer.peer_id:
+            return
+        member = self.membership.members.get(peer_id)
+        if member is not None and peer_id not in self.suspects():
+            log.warning("member %s at %s refuses connections: routing around it",
+                        peer_id.hex()[:8], member.record.url)
+            self._suspect_since[peer_id] = time.time()
+            if self._tg is not None:  # move its fragments now, not at the next membership pass
+                self._tg.create_task(self._reconcile_owners())
+
+    def expected_learners(self) -> int:
+        """The learners a round waits for. Decoupled: the live ones. Synchronous modes are not
+        elastic (synchronous DiLoCo, the paper's baseline): every provisioned learner
+        (``--peers``, or as many as were ever seen) but those that finished training; a learner
+        that died is waited for until it is back."""
+        if self.membership is None:
+            return 0
+        if self.cfg.mode != "decoupled":
+            for pid, m in self.membership.members.items():
+                (self._seen_learning if m.record.learning else self._finished).add(pid)
+            return max(self.cfg.peers, len(self._seen_learning | self._finished)) - len(self._finished)
+        return self.membership.learners() - len(self.suspects() & {
+            pid for pid, m in self.membership.members.items() if m.record.learning})
+
+    def my_record(self) -> MemberRecord:
+        cred = self.credentials
+        may_own = cred is None or (cred.cert is not None and "owner" in cred.cert.roles)
+        roles = ("learner", "owner") if self.reachable and may_own else ("learner",)
+        url = self.url if self.reachable else ""
+        return MemberRecord(url=url, roles=roles, reachable=self.reachable, manifest=self.manifest,
+                            learning=self.learning, step=self.step,
+                            cert=cred.cert.encode() if cred is not None and cred.cert is not None else b"",
+                            manifest_version=cred.manifest.version if cred is not None else 0)
+
+    @property
+    def url(self) -> str:
+        return self.public_address or self.transport.url
+
+    async def _membership_loop(self) -> None:
+        assert self.membership is not None
+        published_at, published = 0.0, None
+        while True:
+            record = self.my_record()
+            # a new step alone is news only every REPUBLISH_S (the status page shows it); a
+            # change of role, address, reachability or manifest is published at once
+            changed = published is None or dataclasses.replace(record, step=published.step) != published
+            if changed or time.monotonic() - published_at > REPUBLISH_S:
+                with contextlib.suppress(Exception):
+                    await self.membership.publish(record)
+                    published, published_at = record, time.monotonic()
+            with contextlib.suppress(Exception):
+                await self.membership.refresh()
+            await self._follow_manifest()
+            await self._reconcile_owners()
+            for owner in list(self.owners.values()):
+                await owner.set_expected(self.expected_learners())
+            await self._membership_pause()
+
+    async def _membership_pause(self) -> None:
+        """``MEMBERSHIP_PERIOD_S``, cut to ``JOINING_PERIOD_S`` while fewer members are seen than
+        ``wait_for_members`` awaits (it may start waiting while a pause is under way)."""
+        assert self.membership is not None
+        for _ in range(round(MEMBERSHIP_PERIOD_S / JOINING_PERIOD_S)):
+            await asyncio.sleep(JOINING_PERIOD_S)
+            if len(self.membership.members) < self.awaited_members:
+                return
+
+    async def _follow_manifest(self) -> None:
+        """Pin members' TLS keys, and fetch a newer swarm manifest from a member that has one."""
+        if self.credentials is None or self.membership is None:
+            return
+        for m in self.membership.members.values():
+            if m.cert is not None and m.record.url.startswith("https://"):
+                self.transport.pins[origin(m.record.url)] = m.cert.tls_pin
+        newest = max(self.membership.members.values(), key=lambda m: m.record.manifest_version, default=None)
+        if (newest is not None and newest.record.url
+                and newest.record.manifest_version > self.credentials.manifest.version
+                and await self.credentials.adopt_from(self.transport, newest.record.url)):
+            await self.membership.refresh()  # revoked members drop out now
+
+    async def _on_dialback(self, request: web.Request) -> web.Response:
+        """Ping the requester's DHT node at its own address (a joining peer asks whether it can be
+        dialled); rate-limited per address, see ``DialBacks``."""
+        assert self.dht is not None
+        return await self._dialbacks.answer(request, self.dht)
+
+    async def _on_members(self, request: web.Request) -> web.Response:
+        """This swarm's members, from a cache refreshed at most every couple of seconds; other
+        swarms' names get 404 without a DHT lookup."""
+        assert self.dht is not None
+        return await self._listings.answer(request, self.dht)
+
+    @functools.cached_property
+    def _dialbacks(self) -> DialBacks:
+        return DialBacks()
+
+    @functools.cached_property
+    def _listings(self) -> MemberListings:
+        return MemberListings(only=self.cfg.swarm)
+
+    async def _join(self, initial_peers: list[str]) -> None:
+        assert self.dht is not None and self.membership is not None and self.net is not None
+        if initial_peers:
+            reached = 0
+            for attempt in range(JOIN_ATTEMPTS):  # a lossy network may drop the first tries
+                reached = await self.dht.bootstrap([u.rstrip("/") + "/v1/dht" for u in initial_peers])
+                if reached:
+                    break
+                await asyncio.sleep(0.5 * 2**attempt)
+            if not reached:
+                raise ConnectionError(f"none of the initial peers answered after {JOIN_ATTEMPTS} tries: "
+                                      f"{initial_peers}; check the addresses and that they are running")
+            for _ in range(3):  # each try costs a ping timeout when we really cannot be dialled
+                self.reachable = await self._dialback(initial_peers)
+                if self.reachable:
+                    break
+        else:
+            self.reachable = True  # the first peer: others will reach it through its address
+        await self.membership.refresh()
+        if self.membership.owner_candidates():
+            await self._sync()
+        await self.membership.publish(self.my_record())
+        await self.membership.refresh()
+        await self._reconcile_owners()
+        log.info("joined swarm %s: %d members, reachable=%s", self.cfg.swarm,
+                 len(self.membership.members), self.reachable)
+
+    async def _dialback(self, initial_peers: list[str]) -> bool:
+        for base in initial_peers:
+            with contextlib.suppress(Exception):
+                status, buf, used, _ = await self.transport.request(
+                    "GET", f"{base.rstrip('/')}/v1/dialback?url={self.url}", timeout_s=10)
+                body = bytes(memoryview(buf)[:used])
+                self.transport.pool.give(buf)
+                if status == 200:
+                    answer = json.loads(body)
+                    return bool(answer.get("reachable")) and answer.get("peer_id") == self.signer.peer_id.hex()
+        return False
+
+    async def _sync(self) -> None:
+        """Download every fragment's latest version from its current owner (not us)."""
+        assert self.membership is not None and self.net is not None
+        me = self.signer.peer_id
+        held = [self.net.latest.get(p, (0, None))[0] for p in range(len(self.shapes))]
+        try:
+            got = await sync_fragments(
+                self.transport, lambda p: self.membership.owner_of(self.cfg.swarm, p, exclude={me}),  # type: ignore[union-attr]
+                len(self.shapes), self.shapes, swarm=self.cfg.swarm, held_versions=held, max_size=MAX_STATE)
+        except SyncFailed as exc:
+            log.warning("state sync incomplete: %s", exc)
+            got = exc.fetched
+        for p, (version, flat) in got.items():
+            jump = self.net.version_jump(p, version)
+            if jump is not None:
+                log.warning("state sync: fragment %d refused: %s", p, jump)
+                self.net.stats.version_jumps += 1
+                continue
+            self.net.remember(p, version, flat, await asyncio.to_thread(flat_digest, flat))  # off the loop
+            self.net.island.deliver(p, version, flat)
+        self.synced = got
+
+    def wait_for_members(self, n: int, timeout_s: float = 180.0) -> None:
+        """Block (the trainer thread) until ``n`` members are visible, then one joining period
+        more, so that every peer's view of the owners has settled (peers that wait for members
+        read them every ``JOINING_PERIOD_S`` until they see them all). Raises ``TimeoutError``."""
+        self.awaited_members = n
+        deadline = time.monotonic() + timeout_s
+        while self.membership is None or len(self.membership.members) < n:
+            if time.monotonic() > deadline:
+                seen = len(self.membership.members) if self.membership else 0
+                raise TimeoutError(f"only {seen} of {n} expected members joined within {timeout_s:.0f} s")
+            time.sleep(0.1)
+        time.sleep(JOINING_PERIOD_S + 0.5)
