@@ -93,6 +93,8 @@ async def test_every_route_refuses_hostile_requests_with_a_4xx_and_a_reason(
     for route in ("/v1/rpc", "/v1/dht"):
         cases += [("POST", route, {"data": body}) for body in bodies.values()]
         cases += [("GET", route, {}), ("PUT", route, {"data": b"x"})]
+    for name in ("find", "0", "x" * 300, "..", "%00"):  # a DHT node name nobody mounted
+        cases += [("POST", f"/v1/dht/{name}", {"data": bodies["garbage"]}), ("POST", f"/v1/dht/{name}", {"data": ack})]
     for kind in ("next", "final", "latest", "latest/manifest", "held"):
         for p in ("abc", "99", HUGE, "-1", "1e3"):
             cases.append(("GET", f"/v1/fragments/{p}/{kind}", {}))
