@@ -336,7 +336,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--swarm", choices=("signed", "development"), default="signed",
                         help="Atoll's swarm: signed (a founder's manifest and a certificate per peer, every "
                              "request signed, as atoll local and atoll join run) or development (no "
-                             "manifest, unsigned requests: owners cannot tell who asks)")
+                             "manifest: no admission, requests still signed by each peer's key)")
     parser.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=True,
                         help="run hivemind in processes of its own, apart from Atoll's and raw's, so no "
                              "system's idle processes take CPU from another's rounds (--no-isolate: every "

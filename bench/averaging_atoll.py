@@ -32,12 +32,12 @@ from torch import nn
 from bench.averaging_inputs import Layout, classify, delta, relative_error
 from node.api import SwarmIsland
 from node.config import RunConfig
-from protocol.wire.membership import Certificate, SwarmManifest
-from protocol.wire.signing import Signer
 from node.diloco.flat import encode_flat, flat_digest, flat_from_tensors
 from protocol.diloco.compression import compress, decompress
 from protocol.diloco.outer import OuterConfig, merge_update
 from protocol.diloco.updates import encode_update
+from protocol.wire.membership import Certificate, SwarmManifest
+from protocol.wire.signing import Signer
 
 __all__ = ["AtollSide"]
 
@@ -70,10 +70,9 @@ def _seed(*parts: object) -> bytes:
 
 def swarm_credentials(*, peers: int, seed: int, layout: Layout, codec: str) -> dict[str, Any]:
     """A swarm as ``atoll local`` makes one (a founder's signed manifest with one lab, and a
-    learner-and-owner certificate per peer), as JSON-ready text for the peers' specs: a
-    deployed swarm signs every request, which lets an owner know who asks (its replica's learner
-    then takes the version from the handoff instead of downloading it; see ``node.diloco.spread``).
-    Keys are derived from ``seed``: the bench's swarms are throw-away and local."""
+    learner-and-owner certificate per peer), as JSON-ready text for the peers' specs: the swarm
+    as deployed, with admission and certificate checks on every request. Keys are derived from
+    ``seed``: the bench's swarms are throw-away and local."""
     founder, lab = Signer(_seed("bench-founder", seed)), Signer(_seed("bench-lab", seed))
     shapes = _Tensors([torch.empty(n, device="meta") for n in layout.sizes()])
     manifest = SwarmIsland.found(shapes, founder, name=SWARM, tokens_per_step=1,
@@ -92,7 +91,7 @@ class AtollSide:
                  initial: list[torch.Tensor], initial_peers: list[str],
                  credentials: dict[str, Any] | None = None) -> None:
         """``credentials``: from ``swarm_credentials`` (a signed swarm); without, a development
-        swarm (no manifest, unsigned requests)."""
+        swarm (no manifest, no admission)."""
         self.index, self.peers, self.seed, self.layout = index, peers, seed, layout
         self.codec, self.download_codec, self.update_codec = CODECS[codec]
         self.model = _Tensors(initial)

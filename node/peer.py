@@ -51,6 +51,7 @@ from node.diloco.spread import Holdings, SpreadStats
 from node.state.owner_checkpoint import OwnerCheckpoints
 from node.state.serve import ManifestCache
 from node.status import StatusBoard
+from node.wire.admission import Identification
 from node.wire.rpc import RpcServer
 from node.wire.tls import server_context
 from node.wire.transport import LinkEmulator, LinkProfile, Transport
@@ -93,7 +94,7 @@ class PeerNode(SwarmPresence, OwnedFragments, OwnerHandoffs, VersionServing):
         self.cfg, self.signer, self.plan = cfg, signer, plan
         self.tamper = tamper  # rewrites our own contributions: attack measurements only
         self.public_address = public_address
-        # Without credentials (in-process tests only) any reachable member may own fragments.
+        # Without credentials (a development swarm) any reachable member may own fragments.
         self.credentials = credentials
         self.initial_global, self.event_log_dir = initial_global, event_log_dir
         self.versions_known_at = versions_known_at
@@ -103,6 +104,10 @@ class PeerNode(SwarmPresence, OwnedFragments, OwnerHandoffs, VersionServing):
         self.transport = Transport(host, port, link=LinkEmulator(default=LinkProfile.parse(cfg.link)), tls=tls)
         if credentials is not None:
             credentials.install(self.transport)
+        else:  # a development swarm: no admission, but owners still learn who asks
+            identity = Identification(signer, cfg.swarm)
+            self.transport.authenticate = identity.headers
+            self.transport.admit_with(identity.middleware)
         self.model_bytes_served: collections.Counter[str] = collections.Counter()  # key hex -> bytes
         self._long_polls: collections.Counter[str] = collections.Counter()  # poller -> long-polls held
         self.spread = SpreadStats()  # versions spread peer to peer (``node.diloco.spread``)

@@ -22,6 +22,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 from aiohttp import web
 
@@ -35,7 +36,7 @@ from protocol.wire.membership import (
     admit,
 )
 
-__all__ = ["ADMITTED", "Admission", "Admitted"]
+__all__ = ["ADMITTED", "Admission", "Admitted", "Identification"]
 
 log = logging.getLogger(__name__)
 
@@ -120,3 +121,44 @@ class Admission:
     def status(self) -> dict[str, object]:
         return {"admitted": self.admitted, "refused": dict(self.refused),
                 "refused_keys": dict(self.refused_keys)}
+
+
+class Identification:
+    """Who asks, in a development swarm (no manifest, so no admission): requests that carry an
+    ``Atoll-Auth`` header are checked (the sender's key signed this swarm's name, the method,
+    path and time: a bad or stale one is a 401, like ``Admission``'s) and served as that key;
+    requests without one as anonymous. Owners then know which member asks, as in a signed
+    swarm: its replica's learner takes a version from the handoff instead of downloading it,
+    and versions spread peer to peer instead of all coming from their owner.
+
+    ``headers`` signs our own requests the same way (``Transport.authenticate``)."""
+
+    def __init__(self, signer: Any, swarm: str, *, clock: Callable[[], float] = time.time) -> None:
+        self.signer, self.swarm, self.clock = signer, swarm, clock
+        self.refused: collections.Counter[str] = collections.Counter()  # reason -> requests
+
+    def headers(self, method: str, url: str) -> dict[str, str]:
+        parts = urlsplit(url)
+        target = parts.path + (f"?{parts.query}" if parts.query else "")
+        return {AUTH_HEADER: RequestAuth.make(self.signer, swarm=self.swarm, method=method, target=target,
+                                              now=self.clock())}
+
+    def check(self, request: web.Request) -> Admitted:
+        """The request's signer; raises ``BadSignature``/``DecodeError`` for a bad header."""
+        value = request.headers.get(AUTH_HEADER)
+        if value is None:
+            return ANONYMOUS
+        auth = RequestAuth.parse(value)
+        auth.verify(swarm=self.swarm, method=request.method, target=request.path_qs, now=self.clock())
+        return Admitted(auth.public_key, None)
+
+    @web.middleware
+    async def middleware(self, request: web.Request,
+                         handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+        try:
+            request[ADMITTED] = self.check(request)
+        except RemoteProtocolError as exc:
+            self.refused[exc.reason.split(":")[0][:80]] += 1
+            log.info("refused %s %s: %s", request.method, request.path, exc.reason)
+            raise
+        return await handler(request)

@@ -172,3 +172,38 @@ async def test_open_swarm_serves_anonymous_learners_and_still_checks_headers_tha
     finally:
         for t in (anon, expired, server):
             await t.close()
+
+
+async def test_a_development_swarm_knows_who_asks_and_refuses_a_bad_or_foreign_signature() -> None:
+    """No manifest, no admission: an unsigned request is anonymous, a signed one is served as
+    its key (owners tell members apart by it), and another swarm's signature (401) or a stale
+    one (403) is refused with the reason, before the route runs."""
+    from node.wire.admission import ADMITTED, Identification
+
+    server_key, member, other_swarm = key(), key(), Identification(key(), "another-swarm")
+    server = Transport("127.0.0.1", 0)
+    identity = Identification(server_key, "dev")
+    server.authenticate, _ = identity.headers, server.admit_with(identity.middleware)
+
+    async def whoami(request: web.Request) -> web.Response:
+        admitted = request[ADMITTED]
+        return web.Response(text=admitted.public_key.hex() if admitted.public_key else "anonymous")
+
+    server.app.router.add_get("/v1/whoami", whoami)
+    await server.start()
+    signed, anon, foreign, stale = (Transport("127.0.0.1", 0) for _ in range(4))
+    signed.authenticate = Identification(member, "dev").headers
+    foreign.authenticate = other_swarm.headers
+    stale.authenticate = Identification(member, "dev", clock=lambda: time.time() - 3600).headers
+    for t in (signed, anon, foreign, stale):
+        await t.start()
+    try:
+        assert await get(signed, server.url + "/v1/whoami") == (200, member.public_key.hex())
+        assert await get(anon, server.url + "/v1/whoami") == (200, "anonymous")
+        for bad in (foreign, stale):
+            status, body = await get(bad, server.url + "/v1/whoami")
+            assert status in (401, 403) and "reason" in body, (status, body)
+        assert sum(identity.refused.values()) == 2
+    finally:
+        for t in (signed, anon, foreign, stale, server):
+            await t.close()
