@@ -107,14 +107,14 @@ class RunConfig:
             problems.append(f"--fragments must be >= 1, got {self.fragments}")
         if self.inner_steps < 1:
             problems.append(f"--inner-steps must be >= 1, got {self.inner_steps}")
-        if self.codec not in ("none", "bf16", "int8", "int4", "topk2"):
-            problems.append(f"--codec must be none, bf16, int8, int4 or topk2, got {self.codec!r}")
+        if self.codec not in ("none", "bf16", "int8", "int4", "topk2", "sign1"):
+            problems.append(f"--codec must be none, bf16, int8, int4, topk2 or sign1, got {self.codec!r}")
         if self.codec == "topk2" and not 1 <= self.block_size <= 4096:
             problems.append(f"--block-size must be 1..4096 with topk2, got {self.block_size}")
         if self.download_codec not in ("none", "bf16"):
             problems.append(f"--download-codec must be none or bf16, got {self.download_codec!r}")
-        if self.update_codec not in ("none", "bf16", "int8", "int4", "topk2"):
-            problems.append(f"--update-codec must be none, bf16, int8, int4 or topk2, got {self.update_codec!r}")
+        if self.update_codec not in ("none", "bf16", "int8", "int4", "topk2", "sign1"):
+            problems.append(f"--update-codec must be none, bf16, int8, int4, topk2 or sign1, got {self.update_codec!r}")
         elif self.update_codec != "none" and self.download_codec != "none":
             problems.append(f"--update-codec {self.update_codec} (the default is int4) sends versions as updates over "
                             f"fp32 full versions: with --download-codec {self.download_codec} add --update-codec none")
@@ -196,13 +196,14 @@ _HELP = {
             "learner waits for each merged version) or ddp (sync with H = 1), to compare under the same chaos",
     "fragments": "P: number of model fragments synchronised separately",
     "inner_steps": "H: inner steps between two syncs of the same fragment",
-    "codec": "pseudo-gradient compression: none, bf16, int8, int4 or topk2 (sparse: top-k of each "
-             "4096-element chunk, 2-bit values, the rest kept in the error-feedback residual)",
-    "block_size": "elements per absmax block for int8/int4; for topk2, elements per value sent "
-                  "(density 1/block_size)",
+    "codec": "pseudo-gradient compression: none, bf16, int8, int4, topk2 (sparse: top-k of each "
+             "4096-element chunk, 2-bit values, the rest kept in the error-feedback residual) or sign1 "
+             "(one sign bit per value and a mean |value| per block, with error feedback)",
+    "block_size": "elements per absmax block for int8/int4, per scale for sign1; for topk2, elements per "
+                  "value sent (density 1/block_size)",
     "download_codec": "compression of global fragments sent back: none or bf16",
     "update_codec": "owners also publish each version as the outer update over the previous version, "
-                    "compressed with this codec (bf16, int8, int4 or topk2) with the owner's error feedback; "
+                    "compressed with this codec (bf16, int8, int4, topk2 or sign1) with the owner's error feedback; "
                     "a learner holding the previous version fetches the update, applies it and checks the "
                     "owner-signed hash of the result (bit-identical on every peer), else the full fp32 "
                     "version (none: always full versions)",

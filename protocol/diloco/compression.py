@@ -1,7 +1,7 @@
 """Tensor codecs for pseudo-gradients and global fragments, with error feedback as values.
 
 Decoupled DiLoCo (arXiv 2604.21428, compression ablation, Table 10) sends outer gradients as
-blockwise absmax integers: int4 is close to lossless on text, 2- and 1-bit collapse. Five codecs:
+blockwise absmax integers: int4 is close to lossless on text, 2- and 1-bit collapse. Six codecs:
 
 ``none``  fp32 bytes; exact.
 ``bf16``  round-to-nearest-even to bfloat16; ``|err| <= 2^-8 * |x| + 2^-134`` per element (the
@@ -16,6 +16,12 @@ blockwise absmax integers: int4 is close to lossless on text, 2- and 1-bit colla
 ``topk2`` sparse: per chunk of 4096 elements only the ``ceil(4096 / block_size)`` largest in
           magnitude, as 16-bit positions and 2-bit values with one fp32 step per chunk; every
           other element is left in the residual (``protocol.diloco.sparse`` has the layout).
+``sign1``  one bit per element, its sign (set: >= 0), packed eight to a byte (element ``i`` in bit
+          ``i % 8`` of byte ``i // 8``, the last byte's spare bits 0), and per block of
+          ``block_size`` elements one fp32 ``scale = mean |x|`` (the scale that minimises the
+          block's squared error for a sign code); decodes to ``+-scale``. Only with error
+          feedback does it carry anything but the signs over rounds (scaled sign compression,
+          as in 1-bit SGD); ``|err| <= |x| + scale`` per element.
 
 The integer bounds hold up to fp32 rounding of the scale and of ``q * scale``: a relative
 ``2^-22`` of ``absmax_block`` when the scale is a normal float, and about ``128 * 2^-149``
@@ -57,11 +63,12 @@ warnings.filterwarnings("ignore", message="The given buffer is not writable", ca
                         module=r"protocol\.diloco\.")
 
 QMAX = {"int8": 127, "int4": 7}
+_BITS = 1 << torch.arange(8, dtype=torch.uint8)  # sign1: bit i of a byte holds element i
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _F32_MAX = torch.finfo(torch.float32).max
 _BF16_MAX = torch.finfo(torch.bfloat16).max
 # Largest scale whose codes (int8 down to -128, int4 down to -8) cannot overflow fp32.
-_SCALE_LIMIT = {"int8": _F32_MAX / 128, "int4": _F32_MAX / 8}
+_SCALE_LIMIT = {"int8": _F32_MAX / 128, "int4": _F32_MAX / 8, "sign1": _F32_MAX}
 
 
 # ---------------------------------------------------------------- public API
@@ -116,6 +123,8 @@ def compress(
         return enc, new_residual.view(shape)
     if codec == "topk2":
         return _compress_topk(x, t, residual, block_size, dtype)
+    if codec == "sign1":
+        return _compress_sign(x, t, residual, block_size, dtype)
     codes, scales = _quantize(x, block_size, QMAX[codec])
     if not bool(torch.isfinite(scales).all()):
         _raise_not_finite(t, residual)
@@ -164,7 +173,7 @@ def _check_codec(codec: str, block_size: int) -> None:
     """Raise ``LocalProtocolError`` unless ``codec`` is known and ``block_size`` fits it."""
     if codec not in CODECS:
         raise LocalProtocolError(f"unknown codec {codec!r}; expected one of {CODECS}")
-    if codec in QMAX and (isinstance(block_size, bool) or block_size < 1):
+    if (codec in QMAX or codec == "sign1") and (isinstance(block_size, bool) or block_size < 1):
         raise LocalProtocolError(f"block_size must be >= 1 for {codec}, got {block_size}")
     if codec == "topk2" and (isinstance(block_size, bool) or not 1 <= block_size <= TOPK_CHUNK):
         raise LocalProtocolError(f"block_size must be 1..{TOPK_CHUNK} for topk2, got {block_size}")
@@ -216,6 +225,33 @@ def _compress_topk(
         codec="topk2", shape=tuple(t.shape), dtype=dtype, block_size=block_size,
         data=_to_buffer(data), scales=_to_buffer(steps),
     )
+    torch.sub(x, decoded, out=decoded)
+    return enc, decoded.view(t.shape)
+
+
+def _compress_sign(
+    x: torch.Tensor, t: torch.Tensor, residual: torch.Tensor | None, block_size: int, dtype: str
+) -> tuple[EncodedTensor, torch.Tensor]:
+    """sign1 of the flat fp32 ``x = t + residual`` and the new residual ``x - decoded``."""
+    if not all_finite(x):
+        _raise_not_finite(t, residual)
+    n = x.numel()
+    decoded = torch.empty(n, dtype=torch.float32, device=x.device)
+    scales = torch.empty(-(-n // block_size), dtype=torch.float32, device=x.device)
+    for lo, hi, first, rows in _spans(n, block_size):
+        # |x| into the decoded buffer, then its row means (fp32 sums of finite values: finite
+        # unless a block's |x| sum overflows, which only values near fp32's maximum can do)
+        torch.mean(torch.abs(x[lo:hi], out=decoded[lo:hi]).view(rows, -1), dim=1, out=scales[first:first + rows])
+    if not all_finite(scales):
+        raise LocalProtocolError("tensor to compress is too large for sign1's block means (near fp32's maximum)")
+    bits = torch.zeros(-(-n // 8) * 8, dtype=torch.uint8, device=x.device)
+    torch.ge(x, 0, out=bits[:n].view(torch.bool))
+    packed = (bits.view(-1, 8) * _BITS.to(x.device)).sum(dim=1, dtype=torch.uint8)
+    torch.mul(bits[:n], 2, out=bits[:n])  # 0/2, then -1/+1 in fp32 below
+    decoded.copy_(bits[:n]).sub_(1)
+    _scale_blocks(decoded, scales, block_size)  # decoded now holds exactly what decompress returns
+    enc = EncodedTensor(codec="sign1", shape=tuple(t.shape), dtype=dtype, block_size=block_size,
+                        data=_to_buffer(packed), scales=_to_buffer(scales))
     torch.sub(x, decoded, out=decoded)
     return enc, decoded.view(t.shape)
 
@@ -288,6 +324,10 @@ def _decode_into(enc: EncodedTensor, target: torch.Tensor) -> None:
         target.copy_(torch.frombuffer(enc.data, dtype=torch.bfloat16))
     elif enc.codec == "int8":
         target.copy_(torch.frombuffer(enc.data, dtype=torch.int8))
+    elif enc.codec == "sign1":
+        packed = torch.frombuffer(enc.data, dtype=torch.uint8)
+        bits = (packed.unsqueeze(1) & _BITS).ne(0).view(-1)[: target.numel()]
+        target.copy_(bits).mul_(2).sub_(1)
     else:
         packed = torch.frombuffer(enc.data, dtype=torch.uint8)
         pairs = target.numel() // 2

@@ -28,7 +28,7 @@ from protocol.wire.tensors import EncodedTensor
 
 __all__ = ["UPDATE_CODECS", "apply_update", "decode_flat", "encode_update", "fragment_numel"]
 
-UPDATE_CODECS = ("bf16", "int8", "int4", "topk2")  # lossy codecs an owner may publish updates in
+UPDATE_CODECS = ("bf16", "int8", "int4", "topk2", "sign1")  # lossy codecs an owner may publish updates in
 
 
 def fragment_numel(shapes: Sequence[tuple[int, ...]]) -> int:

@@ -22,8 +22,8 @@ __all__ = [
     "topk_counts",
 ]
 
-CODECS = ("none", "bf16", "int8", "int4", "topk2")
-BLOCKED = ("int8", "int4", "topk2")  # codecs whose block_size is >= 1
+CODECS = ("none", "bf16", "int8", "int4", "topk2", "sign1")
+BLOCKED = ("int8", "int4", "topk2", "sign1")  # codecs whose block_size is >= 1
 TOPK_CHUNK = 4096  # topk2: elements per chunk, so a position within it fits in 16 bits
 DTYPES = ("float32", "bfloat16", "float16")
 MAX_TENSOR_ELEMENTS = 1 << 31
@@ -38,9 +38,10 @@ class EncodedTensor:
 
     ``codec``: one of ``CODECS``. ``shape``: the original shape. ``dtype``: the original dtype
     the receiver restores. ``block_size``: elements per absmax block (int8/int4), elements per
-    kept value (topk2, 1..``TOPK_CHUNK``), 0 otherwise. ``data``: the payload bytes (fp32, bf16,
-    int8, packed int4, or topk2's positions then 2-bit codes). ``scales``: one fp32 per block
-    (int8/int4) or per chunk (topk2), empty otherwise. Every length is checked against
+    kept value (topk2, 1..``TOPK_CHUNK``), elements per scale (sign1), 0 otherwise. ``data``: the
+    payload bytes (fp32, bf16, int8, packed int4, topk2's positions then 2-bit codes, or sign1's
+    sign bits). ``scales``: one fp32 per block (int8/int4/sign1) or per chunk (topk2), empty
+    otherwise. Every length is checked against
     ``payload_bytes``, so a decoder may trust them (not the values inside).
     """
 
@@ -114,5 +115,6 @@ def payload_bytes(codec: str, numel: int, block_size: int) -> tuple[int, int]:
         full, k, k_tail = topk_counts(numel, block_size)
         kept = full * k + k_tail
         return 2 * kept + (kept + 3) // 4, 4 * (full + (k_tail > 0))
-    data = {"none": 4 * numel, "bf16": 2 * numel, "int8": numel, "int4": (numel + 1) // 2}[codec]
+    data = {"none": 4 * numel, "bf16": 2 * numel, "int8": numel, "int4": (numel + 1) // 2,
+            "sign1": (numel + 7) // 8}[codec]
     return data, 4 * -(-numel // block_size) if codec in BLOCKED else 0

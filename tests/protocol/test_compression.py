@@ -279,3 +279,52 @@ def test_decodes_from_unaligned_memoryview() -> None:
     enc, _ = compress(torch.arange(6.0), "none")
     shifted = memoryview(b"x" + bytes(enc.data))[1:]
     assert decompress(replace(enc, data=shifted)).tolist() == list(range(6))
+
+
+# ---------------------------------------------------------------- sign1
+
+
+@pytest.mark.parametrize("block", [1, 3, 8, 64, 512])
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 63, 64, 65, 1000])
+def test_sign1_sends_each_sign_and_each_blocks_mean_magnitude(n: int, block: int) -> None:
+    t = torch.randn(n, generator=gen(n + block)) * 3
+    enc, residual = compress(t, "sign1", block_size=block)
+    out = decompress(enc)
+    assert enc.nbytes == wire_bytes(n, "sign1", block) == (n + 7) // 8 + 4 * -(-n // block)
+    assert torch.equal(residual, t - out)
+    assert torch.equal(out >= 0, t >= 0)  # zero is sent as +
+    pad = -n % block
+    means = torch.nn.functional.pad(t.abs(), (0, pad)).view(-1, block).sum(1) / torch.tensor(
+        [block] * (-(-n // block) - (pad > 0)) + ([block - pad] if pad else []), dtype=torch.float32)
+    assert torch.allclose(out.abs(), means.repeat_interleave(block)[:n], rtol=1e-5)
+    assert bool(((t - out).abs() <= t.abs() + out.abs()).all())
+
+
+def test_sign1_layout_and_error_feedback() -> None:
+    enc, _ = compress(torch.tensor([1.0, -2.0, 3.0, 0.0, -4.0, 5.0, 6.0, -7.0, 8.0, -1.0]), "sign1", block_size=10)
+    assert bytes(enc.data) == bytes([0b01101101, 0b01]) and enc.scales == _f32(3.7)
+    r, total, sent = None, torch.zeros(500), torch.zeros(500)
+    for i in range(40):  # error feedback: what was sent plus what is owed is what came in
+        t = torch.randn(500, generator=gen(100 + i))
+        enc, r = compress(t, "sign1", block_size=50, residual=r)
+        total, sent = total + t, sent + decompress(enc)
+    assert torch.allclose(sent + r, total, atol=1e-4)
+    assert float(r.abs().max()) < 0.25 * float(total.abs().max())  # owed work stays bounded
+
+
+def test_sign1_refuses_what_it_cannot_send_and_remote_scales_that_would_not_decode() -> None:
+    with pytest.raises(LocalProtocolError, match="NaN or Inf"):
+        compress(torch.tensor([1.0, math.nan]), "sign1")
+    with pytest.raises(LocalProtocolError, match="too large"):
+        compress(torch.full((64,), 3e38), "sign1", block_size=64)  # the block's |x| sum overflows
+    for scales in (_f32(math.nan), _f32(-1.0), _f32(math.inf)):
+        enc = EncodedTensor(codec="sign1", shape=(2,), dtype="float32", block_size=64, data=bytes([1]), scales=scales)
+        with pytest.raises(DecodeError):
+            decompress(enc)
+    spare = EncodedTensor(codec="sign1", shape=(3,), dtype="float32", block_size=2, data=bytes([0b11111010]),
+                          scales=_f32(1.5, 2.0))
+    assert decompress(spare).tolist() == [-1.5, 1.5, -2.0]  # bits past the last element are ignored
+    t = torch.randn(3, 5, generator=gen(9))
+    enc, _ = compress(t, "sign1", block_size=4)
+    strided = torch.empty(5, 3).t()
+    assert torch.equal(decompress(enc, out=strided), decompress(enc))
