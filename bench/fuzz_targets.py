@@ -109,8 +109,7 @@ def _signer() -> Signer:
     return Signer(_SIGNER_SEED)
 
 
-def _tensors() -> tuple[EncodedTensor, ...]:
-    codecs = ("none", "bf16", "int8", "int4")
+def _tensors(codecs: tuple[str, ...] = ("none", "bf16", "int8", "int4")) -> tuple[EncodedTensor, ...]:
     out = []
     for i, (shape, codec) in enumerate(zip(SHAPES, codecs, strict=True)):
         t = torch.linspace(-1.0 - i, 2.0 + i, steps=int(torch.Size(shape).numel())).view(shape)
@@ -141,6 +140,9 @@ def _messages() -> list[Message]:
         NodesReply(peers=(peer, PeerInfo(peer_id=b"\x07" * 32))),
         ValueReply(records=(record, record), peers=(peer,)),
         StoreReply(accepted=1, reasons=("full",)),
+        # the other codecs' tensors (last, so the indices above stay put)
+        Contribution(swarm="s", fragment=2, base_version=0, base_digest=b"e" * 32, tokens=64, steps=2, step_time=0.5,
+                     sender_step=2, tensors=_tensors(("sign1", "topk2", "sign1", "topk2"))),
     ]
 
 
@@ -343,7 +345,7 @@ def targets() -> tuple[Target, ...]:
     """Every decoder, with valid seeds (built once, on first call)."""
     encoded = _encoded()
     trees = tuple(_split_frame(e) for e in encoded)
-    tensor_msgs = encoded[:2]
+    tensor_msgs = (*encoded[:2], encoded[-1])
     sealed = tuple(_sealed(e, i) for i, e in enumerate(encoded))
     envelopes = tuple(s[4 : 4 + struct.unpack_from(">I", s)[0]] for s in sealed)
     members = (MemberRecord(url="http://10.0.0.1:9", roles=("owner",), reachable=False,
@@ -380,8 +382,8 @@ def targets() -> tuple[Target, ...]:
         t("signing.open_sealed", _open_sealed, sealed),
         t("signing.sealed_reader", _sealed_reader, sealed),
         t("signing.signed_body", _open_signed_body, encoded, trees, frame),
-        t("compression.decompress", _decompress, tensor_msgs, trees[:2], frame),
-        t("flat.flat_from_tensors", _flat, tensor_msgs, trees[:2], frame),
+        t("compression.decompress", _decompress, tensor_msgs, (*trees[:2], trees[-1]), frame),
+        t("flat.flat_from_tensors", _flat, tensor_msgs, (*trees[:2], trees[-1]), frame),
         t("records.verify_and_store", _records, records, (trees[9], trees[11]), frame),
         t("membership.member_record", _member, members, _unpack_all(members), _packb),
         t("state.manifest", _manifest, manifests, _unpack_all(manifests), _packb),
