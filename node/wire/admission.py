@@ -57,7 +57,32 @@ ANONYMOUS = Admitted(None, None)
 ADMITTED: Any = web.RequestKey("atoll_admitted", Admitted) if hasattr(web, "RequestKey") else "atoll_admitted"
 
 
-class Admission:
+class _Checks:
+    """The middleware of ``Admission`` and ``Identification``: ``check`` each request before its
+    route runs, keeping who sent it in ``request[ADMITTED]``; a refusal is noted and re-raised
+    (the transport's guard answers it with its 4xx)."""
+
+    admitted = 0
+
+    def check(self, request: web.Request) -> Admitted:
+        raise NotImplementedError
+
+    def note_refusal(self, request: web.Request, exc: RemoteProtocolError) -> None:
+        raise NotImplementedError
+
+    @web.middleware
+    async def middleware(self, request: web.Request,
+                         handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+        try:
+            request[ADMITTED] = self.check(request)
+        except RemoteProtocolError as exc:
+            self.note_refusal(request, exc)
+            raise
+        self.admitted += 1
+        return await handler(request)
+
+
+class Admission(_Checks):
     """Checks requests against ``manifest()``; ``exempt(request)`` names routes anyone may use."""
 
     def __init__(self, manifest: Callable[[], SwarmManifest], *,
@@ -107,23 +132,13 @@ class Admission:
             self.refused_keys.popitem(last=False)
         log.info("refused %s %s from %s: %s", request.method, request.path, who[:16], exc.reason)
 
-    @web.middleware
-    async def middleware(self, request: web.Request,
-                         handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
-        try:
-            request[ADMITTED] = self.check(request)
-        except RemoteProtocolError as exc:
-            self.note_refusal(request, exc)
-            raise
-        self.admitted += 1
-        return await handler(request)
 
     def status(self) -> dict[str, object]:
         return {"admitted": self.admitted, "refused": dict(self.refused),
                 "refused_keys": dict(self.refused_keys)}
 
 
-class Identification:
+class Identification(_Checks):
     """Who asks, in a development swarm (no manifest, so no admission): requests that carry an
     ``Atoll-Auth`` header are checked (the sender's key signed this swarm's name, the method,
     path and time: a bad or stale one is a 401, like ``Admission``'s) and served as that key;
@@ -152,13 +167,6 @@ class Identification:
         auth.verify(swarm=self.swarm, method=request.method, target=request.path_qs, now=self.clock())
         return Admitted(auth.public_key, None)
 
-    @web.middleware
-    async def middleware(self, request: web.Request,
-                         handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
-        try:
-            request[ADMITTED] = self.check(request)
-        except RemoteProtocolError as exc:
-            self.refused[exc.reason.split(":")[0][:80]] += 1
-            log.info("refused %s %s: %s", request.method, request.path, exc.reason)
-            raise
-        return await handler(request)
+    def note_refusal(self, request: web.Request, exc: RemoteProtocolError) -> None:
+        self.refused[exc.reason.split(":")[0][:80]] += 1
+        log.info("refused %s %s: %s", request.method, request.path, exc.reason)
