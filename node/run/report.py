@@ -111,9 +111,14 @@ def spread_summary(peers: list[dict[str, Any]]) -> dict[str, Any]:
     return {"per_peer": per_peer, "max_owner_upload_per_published": worst, **total}
 
 
+CURVE_POINTS = 24  # resident-memory samples kept per peer in the report
+
+
 def memory_summary(peers: list[dict[str, Any]], warmup: float = 0.25) -> dict[str, Any]:
     """Each peer's resident memory after warm-up (the first ``warmup`` of its samples) against
-    its peak later on: ``max_growth_mb`` is the largest growth of any peer (flat memory: near 0)."""
+    its peak later on: ``max_growth_mb`` is the largest growth of any peer (flat memory: near 0).
+    ``curve_mb``: up to ``CURVE_POINTS`` of its samples, evenly spaced, the last one included, so
+    a late peak can be told from a slow climb."""
     per_peer, worst = {}, 0.0
     for p in peers:
         curve = [int(c[2]) for c in p.get("rss_curve") or []]
@@ -124,8 +129,15 @@ def memory_summary(peers: list[dict[str, Any]], warmup: float = 0.25) -> dict[st
         worst = max(worst, growth)
         per_peer[str(p["index"])] = {"warm_mb": round(warm / 1e6, 1), "peak_mb": round(max(curve) / 1e6, 1),
                                      "end_mb": round(curve[-1] / 1e6, 1), "growth_after_warmup_mb": round(growth, 1),
-                                     "samples": len(curve)}
+                                     "samples": len(curve), "curve_mb": _thinned_mb(curve)}
     return {"per_peer": per_peer, "max_growth_mb": round(worst, 1)}
+
+
+def _thinned_mb(curve: list[int]) -> list[float]:
+    """``CURVE_POINTS`` evenly spaced samples of ``curve`` (bytes) in MB, ending with the last."""
+    n = len(curve)
+    picks = sorted({(n - 1) * i // (CURVE_POINTS - 1) for i in range(CURVE_POINTS)}) if n > CURVE_POINTS else range(n)
+    return [round(curve[i] / 1e6, 1) for i in picks]
 
 
 def write_report(report: dict[str, Any], path: Path) -> Path:

@@ -14,3 +14,17 @@ def test_bytes_by_route_sums_the_peers_largest_first_per_trained_token() -> None
     assert routes["/v1/rpc:Contribution"] == {"bytes": 1000, "per_token": 1.0}
     assert routes["/v1/dht:FindValue"]["per_token"] == 0.05
     assert bytes_by_route(peers, tokens=0)["/v1/dht:FindValue"]["per_token"] == 0.0
+
+
+def test_memory_keeps_a_thinned_curve_that_tells_a_late_peak_from_a_climb() -> None:
+    from node.run.report import CURVE_POINTS, memory_summary
+
+    climb = [[t, 0, (400 + t / 10) * 1e6] for t in range(200)]  # +0.1 MB a sample, all run long
+    spike = [[t, 0, (420 if t == 199 else 400) * 1e6] for t in range(200)]  # flat, then one peak at the end
+    out = memory_summary([{"index": 0, "rss_curve": climb}, {"index": 1, "rss_curve": spike}])
+    c0, c1 = out["per_peer"]["0"]["curve_mb"], out["per_peer"]["1"]["curve_mb"]
+    assert len(c0) == len(c1) == CURVE_POINTS and c0[-1] == 419.9 and c1[-1] == 420.0
+    assert min(out["per_peer"][i]["growth_after_warmup_mb"] for i in "01") > 10  # both grew; the numbers alone do not say how
+    assert all(b > a for a, b in zip(c0, c0[1:], strict=False))  # the climb shows in the curve
+    assert c1[:-1] == [400.0] * (CURVE_POINTS - 1)  # the late peak does not
+    assert memory_summary([{"index": 2, "rss_curve": climb[:6]}])["per_peer"]["2"]["curve_mb"] == [400.0, 400.1, 400.2, 400.3, 400.4, 400.5]
