@@ -141,8 +141,8 @@ class Admission(_Checks):
 class Identification(_Checks):
     """Who asks, in a development swarm (no manifest, so no admission): requests that carry an
     ``Atoll-Auth`` header are checked (the sender's key signed this swarm's name, the method,
-    path and time: a bad or stale one is a 401, like ``Admission``'s) and served as that key;
-    requests without one as anonymous. Owners then know which member asks, as in a signed
+    path and time: a bad signature is a 401, a stale one a 403, as with ``Admission``) and served
+    as that key; requests without one as anonymous. Owners then know which member asks, as in a signed
     swarm: its replica's learner takes a version from the handoff instead of downloading it,
     and versions spread peer to peer instead of all coming from their owner.
 
@@ -159,7 +159,8 @@ class Identification(_Checks):
                                               now=self.clock())}
 
     def check(self, request: web.Request) -> Admitted:
-        """The request's signer; raises ``BadSignature``/``DecodeError`` for a bad header."""
+        """The request's signer; raises ``BadSignature`` (401), ``NotAuthorized`` (403: too far
+        from our clock) or ``DecodeError`` (400) for a bad header."""
         value = request.headers.get(AUTH_HEADER)
         if value is None:
             return ANONYMOUS
