@@ -28,7 +28,6 @@ import logging
 import math
 import os
 import time
-import weakref
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,7 +68,6 @@ class MergeFailed(Exception):
 
 
 MERGED_BASES_KEPT = 100_000  # senders whose newest merged base is remembered
-NORMS_KEPT = 4096  # decoded contributions whose norm is remembered for their merge
 
 
 class Fenced(MergeFailed):
@@ -160,7 +158,6 @@ class FragmentOwner:
         # decoded contributions' buffers, reused once their merge is published (fresh memory is
         # slow to fill); at most as many as the last published merge had contributions
         self._spare: list[torch.Tensor] = []
-        self._norms: dict[int, tuple[weakref.ref[torch.Tensor], float]] = {}  # id -> (the tensor, its norm64)
         self._spare_max = 4
         self._background: set[asyncio.Task[None]] = set()  # merges started by ``receive``
         self.latest, *digests = self._seal_state(version, self.theta)
@@ -222,7 +219,6 @@ class FragmentOwner:
         if msg.base_version > self.version:
             raise Stale(f"base version {msg.base_version} is ahead of the owner's {self.version}")
         flat, norm = await asyncio.to_thread(self._decode, msg)  # malformed: a 4xx, whatever its base
-        self._note_norm(flat, norm)
         mismatch = self._base_mismatch(msg) or self._already_merged(sender, msg)
         if mismatch is not None:
             self._give_back(flat)
@@ -300,17 +296,6 @@ class FragmentOwner:
             self._give_back(flat)
             raise DecodeError("the contribution's norm is not finite")
         return flat, norm
-
-    def _note_norm(self, flat: torch.Tensor, norm: float) -> None:
-        """Remember a decoded contribution's norm for its merge (which then need not measure it
-        again): by identity, through a weak reference, so a reused id never finds another's."""
-        self._norms[id(flat)] = (weakref.ref(flat), norm)
-        while len(self._norms) > NORMS_KEPT:
-            self._norms.pop(next(iter(self._norms)))
-
-    def _known_norm(self, flat: torch.Tensor) -> float | None:
-        ref, norm = self._norms.pop(id(flat), (None, 0.0))
-        return norm if ref is not None and ref() is flat else None
 
     def _give_back(self, flat: torch.Tensor) -> None:
         """Keep a decoded contribution's buffer for the next one (nothing else refers to it)."""
@@ -428,7 +413,7 @@ class FragmentOwner:
         weights = [e.weight for e in decision.entries]
         peers = [e.peer for e in decision.entries]
         clips = [e.clip for e in decision.entries]
-        norms = [self._known_norm(d) for d in deltas]
+        norms = [e.norm for e in decision.entries]  # measured by ``_decode``: the merge reuses them
         merged = dict(self._merged_base)  # as it will be once this merge is published
         for e in decision.entries:
             merged[e.peer] = max(merged.get(e.peer, -1), self.version - e.staleness)

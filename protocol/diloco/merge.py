@@ -163,13 +163,15 @@ class MergeConfig:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Entry:
     """One contribution in a merge: its (clamped, discounted) weight and staleness; ``clip``, the
-    scale to apply to its payload (1.0: not clipped); which bounds bit."""
+    scale to apply to its payload (1.0: not clipped); which bounds bit; ``norm``, the payload's
+    norm as the node reported it with the contribution (before clipping; None: not reported)."""
 
     peer: bytes
     payload: object
     weight: float
     staleness: int
     clip: float = 1.0
+    norm: float | None = None
     weight_capped: bool = False
     steps_bounded: bool = False
     tokens_bounded: bool = False
@@ -199,6 +201,7 @@ class _Pending:
     base_version: int
     weight: float  # token weight before discount and clamp
     payload: object
+    norm: float | None  # as reported with the contribution
     rate: float | None  # its norm per (bounded) inner step; None: not reported, never clipped
     steps_bounded: bool
     tokens_bounded: bool
@@ -479,7 +482,7 @@ class FragmentMerger:
         tokens_bounded = cap is not None and ev.tokens > cap * steps
         w = token_weight(ev.tokens, steps, max_tokens_per_step=cap)
         rate = None if ev.norm is None else ev.norm / steps  # per inner step: comparable across
-        pool.append(_Pending(ev.peer, ev.base_version, w, ev.payload, rate,  # contributions of
+        pool.append(_Pending(ev.peer, ev.base_version, w, ev.payload, ev.norm, rate,  # contributions of
                              steps_bounded=steps < ev.steps, tokens_bounded=tokens_bounded))  # any length
         if pool is self._entries and self._first_at is None:
             self._first_at = self._now
@@ -556,7 +559,7 @@ class FragmentMerger:
         clips = self._clips()
         self._closing_rates = [e.rate * c for e, c in zip(self._entries, clips, strict=True) if e.rate is not None]
         return tuple(
-            Entry(peer=e.peer, payload=e.payload, weight=w, staleness=s, clip=c, weight_capped=k,
+            Entry(peer=e.peer, payload=e.payload, weight=w, staleness=s, clip=c, norm=e.norm, weight_capped=k,
                   steps_bounded=e.steps_bounded, tokens_bounded=e.tokens_bounded)
             for e, w, s, c, k in zip(self._entries, weights, stale, clips, capped, strict=True)
         )

@@ -247,6 +247,7 @@ def test_merge_entries_carry_weights_and_staleness() -> None:
     d = m.on_tick(10.0)
     assert [(e.peer, e.weight, e.staleness) for e in d.entries] == [(C, 200.0, 1)]
     assert d.version == 6
+    assert [e.norm for e in d.entries] == [None]  # none reported, none carried
 
 
 def test_weights_clamped_by_tokens_per_step_and_median() -> None:
@@ -504,6 +505,8 @@ def test_a_scaled_contribution_is_clipped_to_the_honest_norm() -> None:
     clips = {e.peer: e.clip for e in d.entries}
     assert clips[A] == clips[B] == clips[C] == 1.0
     assert clips[D] * 1000.0 == pytest.approx(2.0 * 1.1)  # 2 x the median of the four norms
+    # each entry carries the norm reported with it, before clipping (the owner's merge reuses it)
+    assert {e.peer: e.norm for e in d.entries} == {A: 1.0, B: 1.2, C: 0.9, D: 1000.0}
 
 
 def test_a_lone_attacker_at_quorum_one_cannot_set_its_own_reference() -> None:
