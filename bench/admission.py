@@ -27,7 +27,8 @@ from typing import Any
 
 from aiohttp import web
 
-from node.dht.swarm import SwarmCredentials, request_headers
+from node.dht.swarm import SwarmCredentials
+from node.wire.admission import request_headers
 from node.wire.tls import server_context
 from node.wire.transport import Transport
 from protocol.wire.membership import Certificate, SwarmManifest

@@ -20,44 +20,29 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from urllib.parse import urlsplit
 
 import tomli_w
 from aiohttp import web
 
-from node.wire.admission import Admission
+from node.wire.admission import Admission, request_headers
 from node.wire.transport import Transport
 from protocol.dht.records import RateLimiter
 from protocol.errors import DecodeError, NotAuthorized, Oversize, RemoteProtocolError
 from protocol.wire.membership import (
-    AUTH_HEADER,
-    CERT_HEADER,
     MAX_MANIFEST_BYTES,
     Certificate,
-    RequestAuth,
     SwarmManifest,
     check_certificate,
 )
 from protocol.wire.signing import Signer
 
-__all__ = ["MANIFEST_PATH", "SwarmCredentials", "request_headers"]
+__all__ = ["MANIFEST_PATH", "SwarmCredentials"]
 
 log = logging.getLogger(__name__)
 
 MANIFEST_PATH = "/v1/swarm/manifest"
 PUBLISH_PER_S = 0.5  # manifest posts per sender address (after a burst)
 PUBLISH_BURST = 4
-
-
-def request_headers(signer: Signer, cert_header: str, *, swarm: str, method: str, url: str,
-                    now: float) -> dict[str, str]:
-    """``Atoll-Auth`` for a request of ``method`` to ``url`` (and the certificate, if any)."""
-    parts = urlsplit(url)
-    target = parts.path + (f"?{parts.query}" if parts.query else "")
-    out = {AUTH_HEADER: RequestAuth.make(signer, swarm=swarm, method=method, target=target, now=now)}
-    if cert_header:
-        out[CERT_HEADER] = cert_header
-    return out
 
 
 class SwarmCredentials:

@@ -23,9 +23,10 @@ from dataclasses import dataclass
 
 from node.config import config_from_args
 from node.dht.membership import config_from_manifest
-from node.dht.swarm import MANIFEST_PATH, request_headers
+from node.dht.swarm import MANIFEST_PATH
 from node.run.checks import CheckError, check_listen, check_run, host_port, peer_url
 from node.run.console import JoinView, ProgressLine, render_status, setup_logging
+from node.wire.admission import request_headers
 from node.wire.identity import IdentityError, load_certificate, load_key, load_manifest
 from node.wire.tls import client_context
 from protocol.errors import RemoteProtocolError

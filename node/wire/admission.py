@@ -31,12 +31,13 @@ from protocol.wire.membership import (
     AUTH_HEADER,
     CERT_HEADER,
     Certificate,
+    ManifestSigner,
     RequestAuth,
     SwarmManifest,
     admit,
 )
 
-__all__ = ["ADMITTED", "Admission", "Admitted", "Identification"]
+__all__ = ["ADMITTED", "Admission", "Admitted", "Identification", "request_headers"]
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,17 @@ class Admitted:
 ANONYMOUS = Admitted(None, None)
 # where a request's ``Admitted`` is kept for its route (aiohttp >= 3.12 types request keys)
 ADMITTED: Any = web.RequestKey("atoll_admitted", Admitted) if hasattr(web, "RequestKey") else "atoll_admitted"
+
+
+def request_headers(signer: ManifestSigner, cert_header: str, *, swarm: str, method: str, url: str,
+                    now: float) -> dict[str, str]:
+    """``Atoll-Auth`` for a request of ``method`` to ``url`` (and the certificate, if any)."""
+    parts = urlsplit(url)
+    target = parts.path + (f"?{parts.query}" if parts.query else "")
+    out = {AUTH_HEADER: RequestAuth.make(signer, swarm=swarm, method=method, target=target, now=now)}
+    if cert_header:
+        out[CERT_HEADER] = cert_header
+    return out
 
 
 class _Checks:
@@ -148,15 +160,12 @@ class Identification(_Checks):
 
     ``headers`` signs our own requests the same way (``Transport.authenticate``)."""
 
-    def __init__(self, signer: Any, swarm: str, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, signer: ManifestSigner, swarm: str, *, clock: Callable[[], float] = time.time) -> None:
         self.signer, self.swarm, self.clock = signer, swarm, clock
         self.refused: collections.Counter[str] = collections.Counter()  # reason -> requests
 
     def headers(self, method: str, url: str) -> dict[str, str]:
-        parts = urlsplit(url)
-        target = parts.path + (f"?{parts.query}" if parts.query else "")
-        return {AUTH_HEADER: RequestAuth.make(self.signer, swarm=self.swarm, method=method, target=target,
-                                              now=self.clock())}
+        return request_headers(self.signer, "", swarm=self.swarm, method=method, url=url, now=self.clock())
 
     def check(self, request: web.Request) -> Admitted:
         """The request's signer; raises ``BadSignature`` (401), ``NotAuthorized`` (403: too far

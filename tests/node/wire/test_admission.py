@@ -13,7 +13,8 @@ import pytest
 import tomli_w
 from aiohttp import web
 
-from node.dht.swarm import MANIFEST_PATH, SwarmCredentials, request_headers
+from node.dht.swarm import MANIFEST_PATH, SwarmCredentials
+from node.wire.admission import request_headers
 from node.wire.tls import PinMismatch, server_context
 from node.wire.transport import Transport
 from protocol.wire.membership import (
