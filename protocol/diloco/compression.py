@@ -55,7 +55,7 @@ import torch
 from protocol.diloco.norms import all_finite
 from protocol.diloco.sparse import decode_topk, encode_topk
 from protocol.errors import DecodeError, LocalProtocolError
-from protocol.wire.tensors import CODECS, TOPK_CHUNK, EncodedTensor, payload_bytes
+from protocol.wire.tensors import BLOCKED, CODECS, TOPK_CHUNK, EncodedTensor, payload_bytes
 
 __all__ = ["QMAX", "compress", "decompress", "wire_bytes"]
 
@@ -173,10 +173,10 @@ def _check_codec(codec: str, block_size: int) -> None:
     """Raise ``LocalProtocolError`` unless ``codec`` is known and ``block_size`` fits it."""
     if codec not in CODECS:
         raise LocalProtocolError(f"unknown codec {codec!r}; expected one of {CODECS}")
-    if (codec in QMAX or codec == "sign1") and (isinstance(block_size, bool) or block_size < 1):
-        raise LocalProtocolError(f"block_size must be >= 1 for {codec}, got {block_size}")
     if codec == "topk2" and (isinstance(block_size, bool) or not 1 <= block_size <= TOPK_CHUNK):
         raise LocalProtocolError(f"block_size must be 1..{TOPK_CHUNK} for topk2, got {block_size}")
+    if codec in BLOCKED and (isinstance(block_size, bool) or block_size < 1):
+        raise LocalProtocolError(f"block_size must be >= 1 for {codec}, got {block_size}")
 
 
 def _input_vector(t: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
