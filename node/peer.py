@@ -105,9 +105,7 @@ class PeerNode(SwarmPresence, OwnedFragments, OwnerHandoffs, VersionServing):
         if credentials is not None:
             credentials.install(self.transport)
         else:  # a development swarm: no admission, but owners still learn who asks
-            identity = Identification(signer, cfg.swarm)
-            self.transport.authenticate = identity.headers
-            self.transport.admit_with(identity.middleware)
+            Identification(signer, cfg.swarm).install(self.transport)
         self.model_bytes_served: collections.Counter[str] = collections.Counter()  # key hex -> bytes
         self._long_polls: collections.Counter[str] = collections.Counter()  # poller -> long-polls held
         self.spread = SpreadStats()  # versions spread peer to peer (``node.diloco.spread``)

@@ -21,7 +21,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from aiohttp import web
@@ -36,6 +36,9 @@ from protocol.wire.membership import (
     SwarmManifest,
     admit,
 )
+
+if TYPE_CHECKING:
+    from node.wire.transport import Transport
 
 __all__ = ["ADMITTED", "Admission", "Admitted", "Identification", "request_headers"]
 
@@ -163,6 +166,11 @@ class Identification(_Checks):
     def __init__(self, signer: ManifestSigner, swarm: str, *, clock: Callable[[], float] = time.time) -> None:
         self.signer, self.swarm, self.clock = signer, swarm, clock
         self.refused: collections.Counter[str] = collections.Counter()  # reason -> requests
+
+    def install(self, transport: Transport) -> None:
+        """Sign our requests and check everyone's (before ``transport.start``)."""
+        transport.authenticate = self.headers
+        transport.admit_with(self.middleware)
 
     def headers(self, method: str, url: str) -> dict[str, str]:
         return request_headers(self.signer, "", swarm=self.swarm, method=method, url=url, now=self.clock())

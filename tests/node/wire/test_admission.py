@@ -184,7 +184,7 @@ async def test_a_development_swarm_knows_who_asks_and_refuses_a_bad_or_foreign_s
     server_key, member, other_swarm = key(), key(), Identification(key(), "another-swarm")
     server = Transport("127.0.0.1", 0)
     identity = Identification(server_key, "dev")
-    server.authenticate, _ = identity.headers, server.admit_with(identity.middleware)
+    identity.install(server)
 
     async def whoami(request: web.Request) -> web.Response:
         admitted = request[ADMITTED]
