@@ -10,6 +10,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from node.wire.bodies import CHUNK, MIN_BUFFER
 from node.wire.transport import BufferPool, LinkDropped, LinkEmulator, LinkProfile, Transport
 from protocol.errors import Oversize
 
@@ -30,6 +31,19 @@ def test_buffer_pool_reuses_buffers() -> None:
     a = pool.take(10)
     pool.give(a)
     assert pool.take(5) is a
+
+
+def test_a_small_body_takes_a_small_buffer_and_a_large_claim_at_most_a_chunk() -> None:
+    pool = BufferPool()
+    assert len(pool.take(10)) == MIN_BUFFER == 64 << 10
+    assert len(pool.take(200_000)) == 200_000  # its length, as declared
+    assert len(pool.take(200_000, fresh=CHUNK)) == 200_000
+    assert len(pool.take(512 << 20, fresh=CHUNK)) == CHUNK  # a claim: grown as bytes arrive
+    # a burst of 24 small bodies leaves the pool holding 24 small buffers, not 24 MiB
+    bufs = [pool.take(20_000, fresh=CHUNK) for _ in range(24)]
+    for b in bufs:
+        pool.give(b)
+    assert pool.held == 24 * MIN_BUFFER
 
 
 def test_buffer_pool_keeps_its_largest_buffers_and_grows_from_its_largest() -> None:
