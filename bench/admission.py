@@ -31,7 +31,8 @@ from node.dht.swarm import SwarmCredentials
 from node.wire.admission import request_headers
 from node.wire.tls import server_context
 from node.wire.transport import Transport
-from protocol.wire.membership import Certificate, SwarmManifest
+from protocol.wire.certificates import Certificate
+from protocol.wire.membership import SwarmManifest
 from protocol.wire.signing import Signer
 
 

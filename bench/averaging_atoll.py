@@ -36,7 +36,8 @@ from node.diloco.flat import encode_flat, flat_digest, flat_from_tensors
 from protocol.diloco.compression import compress, decompress
 from protocol.diloco.outer import OuterConfig, merge_update
 from protocol.diloco.updates import encode_update
-from protocol.wire.membership import Certificate, SwarmManifest
+from protocol.wire.certificates import Certificate
+from protocol.wire.membership import SwarmManifest
 from protocol.wire.signing import Signer
 
 __all__ = ["AtollSide"]

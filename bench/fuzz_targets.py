@@ -48,13 +48,9 @@ from protocol.dht.records import RecordStore, sign_record
 from protocol.diloco.compression import compress, decompress
 from protocol.errors import DecodeError, RemoteProtocolError
 from protocol.ids import key_id, peer_id_from_public_key
+from protocol.wire.certificates import Certificate, check_certificate
 from protocol.wire.codec import ALIGN, MAGIC, BodyReader, Encoded, decode, encode
-from protocol.wire.membership import (
-    Certificate,
-    RequestAuth,
-    SwarmManifest,
-    check_certificate,
-)
+from protocol.wire.membership import SwarmManifest
 from protocol.wire.messages import (
     Ack,
     Contribution,
@@ -64,6 +60,7 @@ from protocol.wire.messages import (
     Message,
     PeerInfo,
 )
+from protocol.wire.request_auth import RequestAuth
 from protocol.wire.signing import (
     ReplayWindow,
     SealedReader,

@@ -24,7 +24,8 @@ from torch import nn
 
 from node.api import SwarmIsland
 from node.config import RunConfig
-from protocol.wire.membership import Certificate, SwarmManifest
+from protocol.wire.certificates import Certificate
+from protocol.wire.membership import SwarmManifest
 from protocol.wire.signing import Signer
 
 DIM = 32

@@ -43,7 +43,8 @@ from torch.nn import functional as F
 from node.api import SwarmIsland
 from node.config import RunConfig
 from node.workload.corpus import BatchSampler, evaluate, load_corpus, split_corpus
-from protocol.wire.membership import Certificate, SwarmManifest
+from protocol.wire.certificates import Certificate
+from protocol.wire.membership import SwarmManifest
 from protocol.wire.signing import Signer
 
 if TYPE_CHECKING:

@@ -50,7 +50,8 @@ from node.diloco.ranks import IslandRanks, distributed_rank, unwrap
 from node.peer import PeerNode
 from node.run.allocator import tune_allocator
 from protocol.diloco.fragments import FragmentPlan, plan_fragments
-from protocol.wire.membership import Certificate, SwarmManifest
+from protocol.wire.certificates import Certificate
+from protocol.wire.membership import SwarmManifest
 from protocol.wire.signing import Signer
 
 __all__ = ["SwarmIsland"]

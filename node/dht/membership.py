@@ -29,7 +29,8 @@ from protocol.dht.records import SignedRecord, known_tags
 from protocol.diloco.fragments import balanced_owners, owner_chain, owners_of
 from protocol.errors import DecodeError, NotAuthorized, RemoteProtocolError
 from protocol.ids import key_id
-from protocol.wire.membership import MAX_CERT_BYTES, Certificate, SwarmManifest, admit
+from protocol.wire.certificates import MAX_CERT_BYTES, Certificate, admit
+from protocol.wire.membership import SwarmManifest
 
 __all__ = ["Member", "MemberRecord", "Membership", "config_from_manifest", "manifest_hash", "members_key",
            "recipe_of"]

@@ -28,12 +28,8 @@ from node.wire.admission import Admission, request_headers
 from node.wire.transport import Transport
 from protocol.dht.records import RateLimiter
 from protocol.errors import DecodeError, NotAuthorized, Oversize, RemoteProtocolError
-from protocol.wire.membership import (
-    MAX_MANIFEST_BYTES,
-    Certificate,
-    SwarmManifest,
-    check_certificate,
-)
+from protocol.wire.certificates import Certificate, check_certificate
+from protocol.wire.membership import MAX_MANIFEST_BYTES, SwarmManifest
 from protocol.wire.signing import Signer
 
 __all__ = ["MANIFEST_PATH", "SwarmCredentials"]

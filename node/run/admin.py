@@ -38,7 +38,8 @@ from node.wire.identity import (
 )
 from node.wire.tls import client_context
 from protocol.errors import LocalProtocolError, RemoteProtocolError
-from protocol.wire.membership import ADMISSIONS, ROLES, Certificate, SwarmManifest
+from protocol.wire.certificates import ROLES, Certificate
+from protocol.wire.membership import ADMISSIONS, SwarmManifest
 from protocol.wire.signing import Signer
 
 __all__ = ["add_admin_commands", "run_admin"]

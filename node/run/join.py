@@ -30,12 +30,8 @@ from node.wire.admission import request_headers
 from node.wire.identity import IdentityError, load_certificate, load_key, load_manifest
 from node.wire.tls import client_context
 from protocol.errors import RemoteProtocolError
-from protocol.wire.membership import (
-    MAX_MANIFEST_BYTES,
-    Certificate,
-    SwarmManifest,
-    admit,
-)
+from protocol.wire.certificates import Certificate, admit
+from protocol.wire.membership import MAX_MANIFEST_BYTES, SwarmManifest
 from protocol.wire.signing import Signer
 
 __all__ = ["SwarmError", "bootstrap_main", "join_main", "load_swarm", "signed_request", "status_main"]

@@ -118,7 +118,8 @@ class LocalSwarm:
         from node.dht.membership import config_from_manifest, recipe_of
         from node.run.train import resolved
         from node.wire.identity import generate_key, save_certificate, save_key, save_manifest
-        from protocol.wire.membership import Certificate, SwarmManifest
+        from protocol.wire.certificates import Certificate
+        from protocol.wire.membership import SwarmManifest
 
         folder = self.run_dir / "swarm"
         folder.mkdir(parents=True, exist_ok=True)

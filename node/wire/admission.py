@@ -1,6 +1,6 @@
 """Who may be served: every request's key and certificate, checked before its route runs.
 
-Requests from peers carry two headers (``protocol.wire.membership.RequestAuth``): ``Atoll-Auth``
+Requests from peers carry two headers (``protocol.wire.request_auth.RequestAuth``): ``Atoll-Auth``
 (the sender's key signs the swarm id, method, path and time) and ``Atoll-Certificate``. The
 ``Admission`` middleware checks both against the node's current manifest before any route reads a
 body or serves a byte: in a ``certified`` swarm a request without a valid certificate is a 403
@@ -27,15 +27,9 @@ from urllib.parse import urlsplit
 from aiohttp import web
 
 from protocol.errors import RemoteProtocolError
-from protocol.wire.membership import (
-    AUTH_HEADER,
-    CERT_HEADER,
-    Certificate,
-    ManifestSigner,
-    RequestAuth,
-    SwarmManifest,
-    admit,
-)
+from protocol.wire.certificates import CERT_HEADER, Certificate, admit
+from protocol.wire.membership import ManifestSigner, SwarmManifest
+from protocol.wire.request_auth import AUTH_HEADER, RequestAuth
 
 if TYPE_CHECKING:
     from node.wire.transport import Transport

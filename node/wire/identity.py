@@ -30,7 +30,8 @@ from cryptography.hazmat.primitives.serialization import (
 )
 
 from protocol.errors import BadSignature, RemoteProtocolError
-from protocol.wire.membership import Certificate, SwarmManifest, parse_public_key
+from protocol.wire.certificates import Certificate
+from protocol.wire.membership import SwarmManifest, parse_public_key
 from protocol.wire.signing import Signer
 
 __all__ = [

@@ -17,7 +17,7 @@ import pytest
 
 from node.run.join import signed_request
 from node.wire.identity import load_certificate, load_key, load_manifest, save_certificate
-from protocol.wire.membership import Certificate
+from protocol.wire.certificates import Certificate
 from tests.integration.swarms import Proc, SwarmFiles, admin, atoll, make_swarm
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]

@@ -33,7 +33,8 @@ from node.state.serve import (
 )
 from protocol.errors import DecodeError, Oversize, RemoteProtocolError
 from protocol.wire.codec import MAGIC, BodyReader, decode
-from protocol.wire.membership import RequestAuth, SwarmManifest, parse_public_key
+from protocol.wire.membership import SwarmManifest, parse_public_key
+from protocol.wire.request_auth import RequestAuth
 from protocol.wire.signing import SealedReader, open_envelope
 
 # decompress reads hostile bytes in place; torch warns (once) that a bytes buffer is read-only

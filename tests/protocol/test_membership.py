@@ -12,15 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from protocol.errors import BadSignature, DecodeError, LocalProtocolError, NotAuthorized, Oversize
-from protocol.wire.membership import (
-    Certificate,
-    RequestAuth,
-    SwarmManifest,
-    admit,
-    check_certificate,
-    swarm_id,
-    tls_pin,
-)
+from protocol.wire.certificates import Certificate, admit, check_certificate
+from protocol.wire.membership import SwarmManifest, swarm_id, tls_pin
+from protocol.wire.request_auth import RequestAuth
 from protocol.wire.signing import Signer
 
 NOW = 1_800_000_000.0

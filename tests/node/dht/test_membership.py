@@ -14,7 +14,8 @@ from node.config import RunConfig
 from node.dht.membership import Member, MemberRecord, Membership, manifest_hash, members_key
 from protocol.dht.records import known_tags, sign_record
 from protocol.errors import DecodeError
-from protocol.wire.membership import Certificate, SwarmManifest
+from protocol.wire.certificates import Certificate
+from protocol.wire.membership import SwarmManifest
 from protocol.wire.signing import Signer
 
 

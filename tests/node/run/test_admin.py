@@ -17,7 +17,8 @@ from node.cli import main
 from node.dht.membership import RECIPE_FIELDS
 from node.wire.identity import load_certificate, load_key, load_manifest
 from protocol.errors import NotAuthorized
-from protocol.wire.membership import SwarmManifest, check_certificate
+from protocol.wire.certificates import check_certificate
+from protocol.wire.membership import SwarmManifest
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str | Path) -> tuple[int, str, str]:

@@ -17,13 +17,9 @@ from node.dht.swarm import MANIFEST_PATH, SwarmCredentials
 from node.wire.admission import request_headers
 from node.wire.tls import PinMismatch, server_context
 from node.wire.transport import Transport
-from protocol.wire.membership import (
-    AUTH_HEADER,
-    CERT_HEADER,
-    Certificate,
-    RequestAuth,
-    SwarmManifest,
-)
+from protocol.wire.certificates import CERT_HEADER, Certificate
+from protocol.wire.membership import SwarmManifest
+from protocol.wire.request_auth import AUTH_HEADER, RequestAuth
 from protocol.wire.signing import Signer
 
 

@@ -27,7 +27,8 @@ from node.wire.identity import (
     save_key,
     save_manifest,
 )
-from protocol.wire.membership import Certificate, SwarmManifest, check_certificate
+from protocol.wire.certificates import Certificate, check_certificate
+from protocol.wire.membership import SwarmManifest
 from protocol.wire.signing import Signer
 
 
