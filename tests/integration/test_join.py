@@ -20,7 +20,7 @@ H = 20
 RECIPE = ["--model", "tiny", "--fragments", "4", "--inner-steps", str(H)]
 TRAIN = ["--steps", "100000", "--corpus-max-bytes", "2000000", "--eval-every", "1000000", "--threads", "1",
          "--serve-after-s", "0", "--listen", "127.0.0.1:0"]
-LATE_JOIN_S = 5.0  # the "a minute later", shortened to keep the suite fast
+LATE_JOIN_S = 2.0  # the "a minute later", shortened to keep the suite fast
 
 
 def _status(url: str) -> dict[str, Any]:

@@ -7,6 +7,7 @@ bootstrap node of swarm s1 listens on 127.0.0.1 for the mistakes that need a liv
 
 from __future__ import annotations
 
+import concurrent.futures
 import socket
 import subprocess
 import sys
@@ -126,13 +127,19 @@ def test_join_bad_flags(swarm: dict[str, str], extra: list[str], says: str) -> N
 
 
 def test_join_bad_files_and_addresses(swarm: dict[str, str], tmp_path: Path) -> None:
-    assert "no key at /no/such.key; make one with atoll keygen" in mistake(
-        "join", "--initial-peers", swarm["url"], "--manifest", swarm["s1"], "--key", "/no/such.key")
     (tmp_path / "bad.toml").write_text("not a manifest\n")
-    assert "manifest is not valid TOML" in mistake(
-        "join", "--initial-peers", swarm["url"], "--manifest", str(tmp_path / "bad.toml"), "--key", swarm["key"])
-    assert "'127.0.0.1:7000' is not a peer's address" in mistake(
-        "join", "--initial-peers", "127.0.0.1:7000", "--manifest", swarm["s1"], "--key", swarm["key"])
+    cases = {  # independent processes: run at once
+        "no key at /no/such.key; make one with atoll keygen":
+            ("join", "--initial-peers", swarm["url"], "--manifest", swarm["s1"], "--key", "/no/such.key"),
+        "manifest is not valid TOML":
+            ("join", "--initial-peers", swarm["url"], "--manifest", str(tmp_path / "bad.toml"), "--key", swarm["key"]),
+        "'127.0.0.1:7000' is not a peer's address":
+            ("join", "--initial-peers", "127.0.0.1:7000", "--manifest", swarm["s1"], "--key", swarm["key"]),
+    }
+    with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
+        errors = dict(zip(cases, pool.map(lambda args: mistake(*args), cases.values()), strict=True))
+    for expected, err in errors.items():
+        assert expected in err, err
 
 
 def test_status_of_a_peer_that_is_not_there() -> None:
