@@ -1,8 +1,10 @@
 """A member's header bomb — a msgpack header of millions of nested empty maps or one-element
 arrays, sealed by an authorised key — gets a 4xx with a reason while a cheap route on the same
-server keeps answering within 200 ms: headers over the route's cap are refused from the frame
-prefix before any hash or decode, and large headers under it are decoded in a worker thread.
-Real aiohttp servers on 127.0.0.1, port 0."""
+server keeps answering: headers over the route's cap are refused from the frame prefix before
+any hash or decode, and large headers under it are decoded in a worker thread, never on the
+event loop. Both are checked as what happened (which decodes ran, on which thread), not as a
+time, which a loaded machine stretches (decoding the largest header the cap lets through takes
+~0.1 s on the loop; an 8 MiB one ~4 s). Real aiohttp servers on 127.0.0.1, port 0."""
 
 from __future__ import annotations
 
@@ -10,12 +12,14 @@ import asyncio
 import math
 import os
 import struct
+import threading
 import time
 
 import aiohttp
 import pytest
 from aiohttp import web
 
+import node.wire.rpc
 from node.dht.kademlia import DHTConfig, DHTNode
 from node.dht.route import DHTRouter
 from node.wire.rpc import MAX_REQUEST_HEADER, OFF_LOOP_HEADER, RpcServer, check_header
@@ -34,6 +38,21 @@ pytestmark = pytest.mark.timeout(60)
 SERVER, MEMBER = Signer.from_seed(b"\1" * 32), Signer.from_seed(b"\5" * 32)
 MIB = 1 << 20
 EMPTY_MAP, ONE_ELEMENT_ARRAY = b"\x80", b"\x91\x00"
+
+
+@pytest.fixture
+def decodes(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Every header decode the RPC layer runs, as whether it ran on this test's (the event loop's)
+    thread."""
+    ran: list[bool] = []
+    real, loop_thread = node.wire.rpc._decode, threading.get_ident()
+
+    def spy(admitted: object) -> Opened:
+        ran.append(threading.get_ident() == loop_thread)
+        return real(admitted)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(node.wire.rpc, "_decode", spy)
+    return ran
 
 
 def bomb(size: int, element: bytes) -> bytes:
@@ -120,27 +139,28 @@ async def while_posting(url: str, path: str, body: bytes, pollers: int = 4) -> t
 
 
 @pytest.mark.parametrize("element", [EMPTY_MAP, ONE_ELEMENT_ARRAY], ids=["maps", "arrays"])
-async def test_an_8_mib_header_bomb_is_refused_from_its_prefix_and_status_stays_fast(element: bytes) -> None:
+async def test_an_8_mib_header_bomb_is_refused_from_its_prefix_and_status_keeps_answering(
+        element: bytes, decodes: list[bool]) -> None:
     transport, server, seen = await serve()
     try:
         body = sealed(bomb(8 * MIB, element))
         status, reason, slowest, answered = await while_posting(transport.url, "/v1/rpc", body)
         assert status == 413 and f"cap of {MAX_REQUEST_HEADER}" in reason, reason
-        assert slowest < 0.2 and answered > 0, (slowest, answered)
+        assert answered > 0 and decodes == [], (slowest, answered, decodes)  # never decoded
         assert server.errors["Oversize"] == 1 and len(server.replay) == 0 and not seen  # not even hashed
     finally:
         await transport.close()
 
 
 @pytest.mark.parametrize("element", [EMPTY_MAP, ONE_ELEMENT_ARRAY], ids=["maps", "arrays"])
-async def test_a_header_bomb_just_under_the_cap_is_decoded_off_the_loop(element: bytes) -> None:
+async def test_a_header_bomb_just_under_the_cap_is_decoded_off_the_loop(element: bytes, decodes: list[bool]) -> None:
     transport, server, seen = await serve()
     try:
         message = bomb(MAX_REQUEST_HEADER - 64, element)
         assert OFF_LOOP_HEADER < header_length(message) <= MAX_REQUEST_HEADER
         status, reason, slowest, answered = await while_posting(transport.url, "/v1/rpc", sealed(message))
         assert status == 400 and "Contribution" in reason, reason  # decoded, and refused for what it is
-        assert slowest < 0.2 and answered > 0, (slowest, answered)
+        assert answered > 0 and decodes == [False], (slowest, answered, decodes)  # in a worker thread
         assert server.errors["DecodeError"] == 1 and not seen
         # the member's next, honest message still goes through
         contribution = Contribution(swarm="s", fragment=0, base_version=0, base_digest=bytes(32), tokens=1,
@@ -153,14 +173,14 @@ async def test_a_header_bomb_just_under_the_cap_is_decoded_off_the_loop(element:
         await transport.close()
 
 
-async def test_the_dht_route_caps_request_headers_too() -> None:
+async def test_the_dht_route_caps_request_headers_too(decodes: list[bool]) -> None:
     transport, _, _ = await serve(dht=True)
     stranger = Signer.from_seed(os.urandom(32))  # the DHT serves anyone
     try:
         body = sealed(bomb(MIB - 1024, EMPTY_MAP), stranger)  # DHT bodies are capped at 1 MiB
         status, reason, slowest, _ = await while_posting(transport.url, "/v1/dht", body)
         assert status == 413 and f"cap of {MAX_REQUEST_HEADER}" in reason, reason
-        assert slowest < 0.2
+        assert decodes == [], decodes
     finally:
         await transport.close()
 
