@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from node.diloco.flat import new_flat
 from protocol.diloco.fragments import FragmentPlan, due_offset
 from protocol.diloco.norms import all_finite
 
@@ -417,10 +418,10 @@ class Island:
 
     def _pseudo_gradient(self, p: int) -> torch.Tensor:
         """Θ_base − θ of fragment ``p`` as a new flat fp32 CPU tensor (the network side keeps it),
-        subtracted parameter by parameter into it: one fresh buffer, not a concatenated copy of θ
-        and then the difference (fresh memory is slow to fill)."""
+        subtracted parameter by parameter into it: one buffer (``new_flat``: the block the last
+        one left, not fresh pages), not a concatenated copy of θ and then the difference."""
         base = self.global_flat[p]
-        out = torch.empty_like(base)
+        out = new_flat(base.numel())
         offset = 0
         with torch.no_grad():
             for param in self.params[p]:

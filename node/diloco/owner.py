@@ -42,6 +42,7 @@ from node.diloco.flat import (
     flat_digest,
     flat_from_tensors,
     flat_is_wire_form,
+    new_flat,
 )
 from node.diloco.replica import Handed, encode_state
 from protocol.diloco.fragments import Fragment
@@ -285,7 +286,7 @@ class FragmentOwner:
         try:
             out = self._spare.pop()
         except IndexError:
-            out = torch.empty(numel, dtype=torch.float32)
+            out = new_flat(numel)
         try:
             flat = flat_from_tensors(msg.tensors, self.shapes, out=out)
         except BaseException:
