@@ -12,13 +12,7 @@ from hypothesis import strategies as st
 from protocol.errors import BadSignature, DecodeError, LocalProtocolError, NotAuthorized, Oversize
 from protocol.wire.certificates import Certificate, admit, check_certificate
 from protocol.wire.membership import SwarmManifest, tls_pin
-from protocol.wire.signing import Signer
-from tests.protocol.swarm_keys import NOW, cert, key, two_labs
-
-
-@pytest.fixture
-def swarm() -> tuple[Signer, Signer, Signer, SwarmManifest]:
-    return two_labs()
+from tests.protocol.swarm_keys import NOW, cert, key
 
 
 def test_certificate_checks_each_reason(swarm):

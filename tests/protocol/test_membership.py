@@ -10,13 +10,6 @@ import tomli_w
 
 from protocol.errors import BadSignature, DecodeError, LocalProtocolError, NotAuthorized, Oversize
 from protocol.wire.membership import SwarmManifest, swarm_id
-from protocol.wire.signing import Signer
-from tests.protocol.swarm_keys import two_labs
-
-
-@pytest.fixture
-def swarm() -> tuple[Signer, Signer, Signer, SwarmManifest]:
-    return two_labs()
 
 
 def test_manifest_round_trips_through_toml_and_verifies(swarm):

@@ -9,15 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from protocol.errors import BadSignature, DecodeError, NotAuthorized, Oversize
-from protocol.wire.membership import SwarmManifest
 from protocol.wire.request_auth import RequestAuth
-from protocol.wire.signing import Signer
-from tests.protocol.swarm_keys import NOW, key, two_labs
-
-
-@pytest.fixture
-def swarm() -> tuple[Signer, Signer, Signer, SwarmManifest]:
-    return two_labs()
+from tests.protocol.swarm_keys import NOW, key
 
 
 def test_request_auth_binds_swarm_method_target_and_time(swarm):
