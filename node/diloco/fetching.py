@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import aiohttp
 import torch
 
-from node.diloco.flat import flat_digest, flat_from_tensors, flat_is_wire_form
+from node.diloco.flat import flat_digest, flat_from_tensors, flat_is_wire_form, new_flat
 from node.diloco.spread import (
     FINAL_HELD_STATUS,
     POINTER_STATUS,
@@ -346,7 +346,7 @@ class VersionFetching:
         if held[0] != msg.base_version or self.digests[p].get(msg.base_version) != msg.base_digest:
             raise UpdateNotApplicable(f"an update over version {msg.base_version} of fragment {p} does not "
                                       f"apply to ours (version {held[0]})")
-        flat = apply_update(held[1], msg.tensors, self.shapes[p])  # DecodeError: a remote error
+        flat = apply_update(held[1], msg.tensors, self.shapes[p], out=new_flat(held[1].numel()))  # DecodeError: remote
         if flat_digest(flat) != msg.state_digest:
             raise UpdateNotApplicable(f"fragment {p}: version {msg.version} from the update does not hash to "
                                       "the owner's signed digest")

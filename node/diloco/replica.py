@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from node.diloco.flat import flat_digest, flat_from_tensors
+from node.diloco.flat import flat_digest, flat_from_tensors, new_flat
 from node.wire.transport import Transport
 from protocol.diloco.compression import compress
 from protocol.diloco.replica import Held, judge
@@ -122,7 +122,7 @@ class ReplicaStore:
         if sum(int(torch.Size(s).numel()) for s in shapes) != self.numels[msg.fragment]:
             raise DecodeError(f"the update's tensors do not add up to fragment {msg.fragment}'s "
                               f"{self.numels[msg.fragment]} values")
-        theta = apply_update(base, msg.theta, shapes)
+        theta = apply_update(base, msg.theta, shapes, out=new_flat(base.numel()))
         if flat_digest(theta) != msg.digest:
             raise DecodeError(f"fragment {msg.fragment}: the update over version {msg.base_version} does not "
                               f"hash to version {msg.version}'s digest")
