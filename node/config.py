@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from protocol.diloco.aggregates import AGGREGATES
+from protocol.diloco.updates import UPDATE_CODECS
+from protocol.wire.tensors import CODECS
 
 __all__ = ["SWARM_WIDE_FIELDS", "RunConfig", "add_run_arguments", "config_from_args"]
 
@@ -24,6 +26,11 @@ SWARM_WIDE_FIELDS = ("swarm", "mode", "seed", "model", "batch_size", "fragments"
                      "block_size", "download_codec", "update_codec", "full_every", "outer_lr", "outer_momentum",
                      "quorum", "quorum_fraction", "grace_gamma", "grace_tau", "grace_cap_s", "staleness_bound", "late_policy",
                      "max_tokens_per_step", "aggregate", "rda_max_gain")
+
+
+def _one_of(names: tuple[str, ...]) -> str:
+    """``a, b or c``."""
+    return f"{', '.join(names[:-1])} or {names[-1]}"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -107,14 +114,14 @@ class RunConfig:
             problems.append(f"--fragments must be >= 1, got {self.fragments}")
         if self.inner_steps < 1:
             problems.append(f"--inner-steps must be >= 1, got {self.inner_steps}")
-        if self.codec not in ("none", "bf16", "int8", "int4", "topk2", "sign1"):
-            problems.append(f"--codec must be none, bf16, int8, int4, topk2 or sign1, got {self.codec!r}")
+        if self.codec not in CODECS:
+            problems.append(f"--codec must be {_one_of(CODECS)}, got {self.codec!r}")
         if self.codec == "topk2" and not 1 <= self.block_size <= 4096:
             problems.append(f"--block-size must be 1..4096 with topk2, got {self.block_size}")
         if self.download_codec not in ("none", "bf16"):
             problems.append(f"--download-codec must be none or bf16, got {self.download_codec!r}")
-        if self.update_codec not in ("none", "bf16", "int8", "int4", "topk2", "sign1"):
-            problems.append(f"--update-codec must be none, bf16, int8, int4, topk2 or sign1, got {self.update_codec!r}")
+        if self.update_codec not in ("none", *UPDATE_CODECS):
+            problems.append(f"--update-codec must be {_one_of(('none', *UPDATE_CODECS))}, got {self.update_codec!r}")
         elif self.update_codec != "none" and self.download_codec != "none":
             problems.append(f"--update-codec {self.update_codec} (the default is int4) sends versions as updates over "
                             f"fp32 full versions: with --download-codec {self.download_codec} add --update-codec none")
