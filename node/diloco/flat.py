@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from protocol.diloco.compression import compress
-from protocol.diloco.updates import decode_flat
+from protocol.diloco.updates import decode_flat, fragment_numel
 from protocol.wire.tensors import EncodedTensor
 
 __all__ = ["content_hash", "encode_flat", "flat_digest", "flat_from_tensors", "flat_is_wire_form", "new_flat"]
@@ -75,7 +75,7 @@ def flat_from_tensors(tensors: Sequence[EncodedTensor], shapes: Sequence[tuple[i
     ``decompress`` on each tensor's remote bytes before they are written).
     """
     if out is None:
-        out = new_flat(sum(int(torch.Size(shape).numel()) for shape in shapes))
+        out = new_flat(fragment_numel(shapes))
     return decode_flat(tensors, shapes, out)
 
 
