@@ -27,8 +27,8 @@ own ``TaskGroup`` and reports ``on_ping_result``, unless it heard from that cont
 group running (not started, or too many pings in flight) it keeps the old contact, as the paper
 prefers. Transport failures (timeout, refused connection, 5xx, a 404 for an address with no
 node, a bad reply) are ``on_failed``; another 4xx refusal proves the peer alive and is only
-counted. A node without an address (behind NAT)
-never reaches anyone's routing table: ``on_seen`` skips it, and it is never mounted.
+counted. A node without an address (behind NAT) never reaches anyone's routing table:
+``on_seen`` skips it, and it is never mounted.
 
 Client. ``find_node`` feeds a ``Lookup`` with ``alpha`` queries in flight, each bounded by
 ``request_timeout_s``, the whole by ``lookup_timeout_s``. ``store`` signs a record in our own

@@ -18,8 +18,8 @@ import aiohttp
 
 from protocol.errors import Oversize, RemoteProtocolError
 
-__all__ = ["CHUNK", "MIN_BUFFER", "POOL_BUFFERS", "POOL_MAX_BUFFER", "POOL_MAX_BYTES", "BodyTimeout", "BufferPool", "ClientGone",
-           "read_stream"]
+__all__ = ["CHUNK", "MIN_BUFFER", "POOL_BUFFERS", "POOL_MAX_BUFFER", "POOL_MAX_BYTES", "BodyTimeout", "BufferPool",
+           "ClientGone", "read_stream"]
 
 CHUNK = 1 << 20
 MIN_BUFFER = 64 << 10  # the smallest buffer made: a body of a few bytes and one of 60 KiB share it

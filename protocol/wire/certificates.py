@@ -47,7 +47,7 @@ CERT_HEADER = "Atoll-Certificate"
 MAX_CERT_BYTES = 1024  # refused before anything is verified
 _CERT_ARMOR = ("-----BEGIN ATOLL CERTIFICATE-----", "-----END ATOLL CERTIFICATE-----")
 
-# --- certificates ------------------------------------------------------------------------------
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Certificate:
     """An authority's statement that ``subject`` may take ``roles`` in swarm ``swarm``."""
@@ -190,7 +190,7 @@ def check_certificate(manifest: SwarmManifest, cert: Certificate, *, public_key:
     if role is not None and role not in cert.roles:
         raise NotAuthorized(f"certificate grants {','.join(cert.roles)}, not {role}")
     if not signature_verified:
-            verify_signature(cert.issuer, cert.signature, cert.signing_bytes(), f"certificate from lab {cert.lab}")
+        verify_signature(cert.issuer, cert.signature, cert.signing_bytes(), f"certificate from lab {cert.lab}")
 
 
 def admit(manifest: SwarmManifest, cert: Certificate | None, *, public_key: bytes, role: Role | None,
