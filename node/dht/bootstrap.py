@@ -35,7 +35,7 @@ from node.dht.route import DHTRouter
 from node.dht.swarm import SwarmCredentials
 from node.wire.tls import server_context
 from node.wire.transport import Busy, Transport
-from protocol.dht.records import RateLimiter, TokenBucket
+from protocol.dht.ratelimit import RateLimiter, TokenBucket
 from protocol.errors import DecodeError, NotAuthorized, RemoteProtocolError
 from protocol.wire.signing import Signer
 

@@ -26,7 +26,7 @@ from aiohttp import web
 
 from node.wire.admission import Admission, request_headers
 from node.wire.transport import Transport
-from protocol.dht.records import RateLimiter
+from protocol.dht.ratelimit import RateLimiter
 from protocol.errors import DecodeError, NotAuthorized, Oversize, RemoteProtocolError
 from protocol.wire.certificates import Certificate, check_certificate
 from protocol.wire.membership import MAX_MANIFEST_BYTES, SwarmManifest

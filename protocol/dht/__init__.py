@@ -2,7 +2,8 @@
 
 ``routing``: the k-bucket routing table, which asks for pings instead of sending them.
 ``lookup``: the iterative FIND_NODE / FIND_VALUE as a state object the node drives.
-``records``: signed, expiring key -> subkey records, their store, and per-peer rate limits.
+``records``: signed, expiring key -> subkey records and their store.
+``ratelimit``: token buckets, per peer or address.
 ``messages``: the DHT's wire messages (type codes 32-63).
 """
 
@@ -20,13 +21,12 @@ from protocol.dht.messages import (
     ValueReply,
     check_sender,
 )
+from protocol.dht.ratelimit import RateLimiter, TokenBucket
 from protocol.dht.records import (
     PutResult,
-    RateLimiter,
     RecordSigner,
     RecordStore,
     SignedRecord,
-    TokenBucket,
     sign_record,
     verify_record,
 )

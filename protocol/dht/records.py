@@ -45,8 +45,9 @@ instead of every member's record. A reader can only make itself miss records by 
 a publisher cannot make anyone miss another's record without a 128-bit prefix collision on
 the other's peer id.
 
-``TokenBucket``, ``RateLimiter`` and ``StoreLimits`` meter Store requests per source IP (counting
-records) and per signing key (counting requests) against floods; all take ``now``.
+``StoreLimits`` meters Store requests per source IP (counting records) and per signing key
+(counting requests) against floods, with ``protocol.dht.ratelimit``'s token buckets; it takes
+``now``.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ import heapq
 import ipaddress
 import math
 import struct
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -64,6 +65,7 @@ import msgpack
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
+from protocol.dht.ratelimit import RateLimiter
 from protocol.errors import (
     BadSignature,
     DecodeError,
@@ -84,12 +86,10 @@ __all__ = [
     "RECORD_STRUCT_CODE",
     "PutResult",
     "RateLimited",
-    "RateLimiter",
     "RecordSigner",
     "RecordStore",
     "SignedRecord",
     "StoreLimits",
-    "TokenBucket",
     "known_tag",
     "known_tags",
     "record_signing_bytes",
@@ -454,62 +454,6 @@ def _push(heap: list[_Item], item: _Item, live_count: int, live: Callable[[_Item
 
 
 # ── rate limiting ───────────────────────────────────────────────────────────────────────────
-
-
-class TokenBucket:
-    """``rate`` tokens a second up to ``burst``; starts full. A clock going back adds nothing."""
-
-    def __init__(self, rate: float, burst: float) -> None:
-        if rate < 0 or burst <= 0:
-            raise LocalProtocolError(f"need rate >= 0 and burst > 0, got {rate}, {burst}")
-        self.rate, self.burst = rate, burst
-        self.tokens = burst
-        self._last: float | None = None
-
-    def allow(self, now: float, cost: float = 1.0) -> bool:
-        """Spend ``cost`` tokens if there are enough; True if allowed."""
-        if self._last is not None and now > self._last:
-            self.tokens = min(self.burst, self.tokens + (now - self._last) * self.rate)
-        if self._last is None or now > self._last:
-            self._last = now
-        if self.tokens >= cost:
-            self.tokens -= cost
-            return True
-        return False
-
-    def wait_s(self, now: float, cost: float = 1.0) -> float:
-        """Seconds from ``now`` until ``cost`` tokens are there (0 now; inf if never)."""
-        elapsed = max(0.0, now - self._last) if self._last is not None else 0.0
-        missing = cost - min(self.burst, self.tokens + elapsed * self.rate)
-        if missing <= 0:
-            return 0.0
-        return missing / self.rate if self.rate > 0 and cost <= self.burst else float("inf")
-
-
-class RateLimiter:
-    """One ``TokenBucket`` per peer, for at most ``max_peers`` peers (least recently used go).
-
-    A peer forgotten this way comes back with a full bucket, so ``max_peers`` should exceed the
-    number of peers that are active at once.
-    """
-
-    def __init__(self, rate: float, burst: float, max_peers: int = 10_000) -> None:
-        if max_peers < 1:
-            raise LocalProtocolError(f"max_peers must be >= 1, got {max_peers}")
-        TokenBucket(rate, burst)  # validates
-        self.rate, self.burst, self.max_peers = rate, burst, max_peers
-        self._buckets: OrderedDict[bytes | str, TokenBucket] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._buckets)
-
-    def allow(self, peer: bytes | str, now: float, cost: float = 1.0) -> bool:
-        """Whether ``peer`` may make a request costing ``cost`` now."""
-        bucket = self._buckets.pop(peer, None) or TokenBucket(self.rate, self.burst)
-        self._buckets[peer] = bucket
-        while len(self._buckets) > self.max_peers:
-            self._buckets.popitem(last=False)
-        return bucket.allow(now, cost)
 
 
 class RateLimited(RemoteProtocolError):

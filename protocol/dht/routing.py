@@ -44,7 +44,7 @@ import random
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
-from protocol.dht.records import TokenBucket
+from protocol.dht.ratelimit import TokenBucket
 from protocol.errors import LocalProtocolError
 from protocol.ids import ID_BYTES, xor_distance
 from protocol.wire.messages import PeerInfo

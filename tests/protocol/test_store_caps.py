@@ -17,7 +17,6 @@ from protocol.dht.records import (
     RecordStore,
     SignedRecord,
     StoreLimits,
-    TokenBucket,
     sign_record,
     source_key,
 )
@@ -256,12 +255,3 @@ def test_source_key_groups_an_ipv6_64_and_bounds_the_rest() -> None:
     assert source_key("2001:db8:1:2:aaaa::1") == source_key("2001:db8:1:2:bbbb::9") == "2001:db8:1:2::/64"
     assert source_key("::ffff:192.0.2.1") == "192.0.2.1"
     assert source_key("") == "" and len(source_key("x" * 1000)) == 64
-
-
-def test_token_bucket_says_how_long_to_wait() -> None:
-    bucket = TokenBucket(rate=2.0, burst=2.0)
-    assert bucket.wait_s(0.0) == 0.0
-    assert bucket.allow(0.0) and bucket.allow(0.0) and not bucket.allow(0.0)
-    assert bucket.wait_s(0.0) == pytest.approx(0.5) and bucket.wait_s(0.25) == pytest.approx(0.25)
-    assert bucket.wait_s(0.0, cost=3.0) == float("inf")
-    assert TokenBucket(rate=0.0, burst=1.0).wait_s(0.0, cost=2.0) == float("inf")
