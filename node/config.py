@@ -15,8 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from protocol.diloco.aggregates import AGGREGATES
-from protocol.diloco.updates import UPDATE_CODECS
-from protocol.wire.tensors import CODECS
+from protocol.wire.tensors import CODECS, UPDATE_CODECS
 
 __all__ = ["SWARM_WIDE_FIELDS", "RunConfig", "add_run_arguments", "config_from_args"]
 

@@ -59,7 +59,7 @@ def check_run(cfg: RunConfig) -> None:
 
 
 def _model_problem(cfg: RunConfig) -> str | None:
-    from node.workload.model import GPTConfig
+    from node.workload.presets import GPTConfig
 
     try:
         GPTConfig.preset(cfg.model)
@@ -69,6 +69,8 @@ def _model_problem(cfg: RunConfig) -> str | None:
 
 
 def _device_problem(device: str) -> str | None:
+    if device == "cpu":  # always there: no torch import (a mistake elsewhere is told at once)
+        return None
     import torch
 
     try:

@@ -198,9 +198,6 @@ def _listen_address(args: argparse.Namespace) -> tuple[str, int]:
 
 def join_main(args: argparse.Namespace) -> int:
     """``atoll join``: every check first (flags, files, the swarm, the corpus), then train."""
-    from node.dht.swarm import SwarmCredentials
-    from node.run.train import PeerOptions, run_peer
-
     if args.nproc < 1:
         print(f"atoll join: --nproc must be >= 1, got {args.nproc}", file=sys.stderr)
         return 1
@@ -221,6 +218,9 @@ def join_main(args: argparse.Namespace) -> int:
     except (SwarmError, ValueError) as exc:
         print(f"atoll join: {exc}", file=sys.stderr)
         return 1
+    from node.dht.swarm import SwarmCredentials  # after the checks: torch comes with the trainer
+    from node.run.train import PeerOptions, run_peer
+
     m = swarm.manifest
     lab = f", lab {swarm.cert.lab} ({','.join(swarm.cert.roles)})" if swarm.cert else ", uncertified learner"
     print(f"atoll join: swarm {m.name!r} ({m.swarm_id}, {m.admission}, manifest v{m.version}){lab}; "

@@ -30,51 +30,14 @@ Design choices that matter to the rest of Atoll:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
+from node.workload.presets import PRESETS, GPTConfig
+
 __all__ = ["GPTConfig", "GPT", "PRESETS", "embedding_parameter_names"]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class GPTConfig:
-    block_size: int = 128  # context length in bytes
-    vocab_size: int = 256  # bytes
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 128
-    dropout: float = 0.0
-    bias: bool = True  # biases in Linear and LayerNorm, like GPT-2
-
-    def __post_init__(self) -> None:
-        if self.n_embd % self.n_head != 0:
-            raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
-        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
-
-    @staticmethod
-    def preset(name: str, **overrides: object) -> GPTConfig:
-        """The named preset ("tiny", "small", "medium"), with optional field overrides.
-
-        Raises ValueError for an unknown name.
-        """
-        if name not in PRESETS:
-            raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
-        return replace(PRESETS[name], **overrides)  # type: ignore[arg-type]
-
-
-PRESETS: dict[str, GPTConfig] = {
-    "tiny": GPTConfig(block_size=64, n_layer=2, n_head=2, n_embd=48),
-    "small": GPTConfig(block_size=128, n_layer=3, n_head=4, n_embd=64),
-    "base": GPTConfig(block_size=128, n_layer=4, n_head=4, n_embd=128),
-    "medium": GPTConfig(block_size=256, n_layer=6, n_head=8, n_embd=256),
-}
 
 
 # -----------------------------------------------------------------------------

@@ -24,11 +24,9 @@ import torch
 from protocol.diloco.compression import compress, decompress
 from protocol.diloco.norms import all_finite
 from protocol.errors import DecodeError, LocalProtocolError
-from protocol.wire.tensors import EncodedTensor
+from protocol.wire.tensors import UPDATE_CODECS, EncodedTensor
 
 __all__ = ["UPDATE_CODECS", "apply_update", "decode_flat", "encode_update", "fragment_numel"]
-
-UPDATE_CODECS = ("bf16", "int8", "int4", "topk2", "sign1")  # lossy codecs an owner may publish updates in
 
 
 def fragment_numel(shapes: Sequence[tuple[int, ...]]) -> int:

@@ -17,12 +17,14 @@ __all__ = [
     "DTYPES",
     "MAX_TENSOR_ELEMENTS",
     "TOPK_CHUNK",
+    "UPDATE_CODECS",
     "EncodedTensor",
     "payload_bytes",
     "topk_counts",
 ]
 
 CODECS = ("none", "bf16", "int8", "int4", "topk2", "sign1")
+UPDATE_CODECS = CODECS[1:]  # the lossy ones: what an owner may publish updates in (protocol.diloco.updates)
 BLOCKED = ("int8", "int4", "topk2", "sign1")  # codecs whose block_size is >= 1
 TOPK_CHUNK = 4096  # topk2: elements per chunk, so a position within it fits in 16 bits
 DTYPES = ("float32", "bfloat16", "float16")

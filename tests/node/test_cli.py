@@ -91,3 +91,18 @@ def test_a_usage_mistake_is_one_line(capsys: pytest.CaptureFixture[str]) -> None
     assert done.value.code == 2
     assert capsys.readouterr().err == ("atoll join: argument --steps: invalid int value: 'many' "
                                        "(see atoll join --help)\n")
+
+
+def test_a_flag_mistake_is_told_before_torch_is_imported() -> None:
+    """``atoll local`` checks its flags first: a mistake costs a fraction of a second, not the
+    seconds of importing torch (a fresh interpreter, so nothing imported it yet). ``atoll join``
+    does the same after reaching the swarm (tests/node/test_cli_mistakes.py)."""
+    import subprocess
+    import sys
+
+    probe = ("import sys; from node.cli import main; "
+             "codes = [main(a) for a in (['local', '--peers', '0'], ['local', '--model', 'huge'], "
+             "['local', '--threads', '0'], ['local', '--update-codec', 'int3'])]; "
+             "print(*codes, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["2", "2", "2", "2", "False"], out
