@@ -322,6 +322,8 @@ def _parse_chaos(spec: str | None, duration: float | None, peers: int) -> ChaosS
 
 def _parse_attacks(specs: list[str], peers: int) -> dict[int, str]:
     """``["2:scale=1000"]`` -> ``{2: "scale=1000"}``; raises ValueError with the expected form."""
+    if not specs:
+        return {}  # no attack: the attacks' module (and torch) stays unimported in the launcher
     from node.run.attack import parse_local_attack
 
     out: dict[int, str] = {}

@@ -158,7 +158,7 @@ def _init(args: argparse.Namespace) -> int:
 def _recipe_config(args: argparse.Namespace) -> RunConfig:
     """The ``RunConfig`` the recipe flags describe, with what the GPT workload implies filled in
     (a token cap of 0 becomes batch size x context length, as every peer would compute)."""
-    from node.run.train import resolved
+    from node.workload.presets import resolved
 
     try:
         cfg = RunConfig(**{name: getattr(args, name) for name in RECIPE_FIELDS})

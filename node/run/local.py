@@ -116,8 +116,8 @@ class LocalSwarm:
         under ``run_dir/swarm/``: a local swarm runs the same checks as any other, with no set-up.
         Returns the config with the manifest's recipe and the swarm id."""
         from node.dht.membership import config_from_manifest, recipe_of
-        from node.run.train import resolved
         from node.wire.identity import generate_key, save_certificate, save_key, save_manifest
+        from node.workload.presets import resolved
         from protocol.wire.certificates import Certificate
         from protocol.wire.membership import SwarmManifest
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import hashlib
 import json
 import logging
@@ -35,6 +34,7 @@ from node.run.resume import IslandCheckpoints
 from node.workload.baseline import TrainConfig, sampler_seed, train_config_for
 from node.workload.corpus import BatchSampler, evaluate, load_corpus, split_corpus
 from node.workload.model import GPT, GPTConfig, embedding_parameter_names
+from node.workload.presets import resolved
 from protocol.diloco.fragments import FragmentPlan, plan_fragments
 from protocol.wire.signing import Signer
 
@@ -50,20 +50,6 @@ def global_param_hash(state: dict[str, torch.Tensor]) -> str:
         h.update(name.encode())
         h.update(state[name].detach().float().contiguous().numpy().tobytes())
     return h.hexdigest()
-
-
-def resolved(cfg: RunConfig) -> RunConfig:
-    """``cfg`` with what the GPT workload and the mode imply filled in: a token cap of 0 becomes
-    B·T, the most tokens a learner trains per inner step; ``sync`` merges only once every learner
-    contributed (quorum = peers, no grace window), ``ddp`` does so every inner step (H = 1). The
-    swarm's manifest covers the result."""
-    if cfg.mode in ("sync", "ddp"):
-        cfg = dataclasses.replace(cfg, quorum=cfg.peers, grace_gamma=0.0,
-                                  inner_steps=1 if cfg.mode == "ddp" else cfg.inner_steps)
-    if cfg.max_tokens_per_step:
-        return cfg
-    block = GPTConfig.preset(cfg.model).block_size
-    return dataclasses.replace(cfg, max_tokens_per_step=cfg.batch_size * block)
 
 
 def island_sampler(cfg: RunConfig, train: torch.Tensor, block_size: int, index: int, *,

@@ -1,12 +1,15 @@
-"""The byte-level GPT's shape (``GPTConfig``) and its named presets, without torch: the launchers
-check ``--model`` before they import it (``node.run.checks``). The model itself, and the presets'
-speeds, are ``node.workload.model``."""
+"""The byte-level GPT's shape (``GPTConfig``), its named presets, and ``resolved``, a run's
+config with what the preset and the mode imply, all without torch: the launchers check
+``--model`` and write the swarm's recipe before (or without) importing it. The model itself, and
+the presets' speeds, are ``node.workload.model``."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-__all__ = ["GPTConfig", "PRESETS"]
+from node.config import RunConfig
+
+__all__ = ["GPTConfig", "PRESETS", "resolved"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -45,3 +48,17 @@ PRESETS: dict[str, GPTConfig] = {
     "base": GPTConfig(block_size=128, n_layer=4, n_head=4, n_embd=128),
     "medium": GPTConfig(block_size=256, n_layer=6, n_head=8, n_embd=256),
 }
+
+
+def resolved(cfg: RunConfig) -> RunConfig:
+    """``cfg`` with what the GPT workload and the mode imply filled in: a token cap of 0 becomes
+    B·T, the most tokens a learner trains per inner step; ``sync`` merges only once every learner
+    contributed (quorum = peers, no grace window), ``ddp`` does so every inner step (H = 1). The
+    swarm's manifest covers the result."""
+    if cfg.mode in ("sync", "ddp"):
+        cfg = replace(cfg, quorum=cfg.peers, grace_gamma=0.0,
+                                  inner_steps=1 if cfg.mode == "ddp" else cfg.inner_steps)
+    if cfg.max_tokens_per_step:
+        return cfg
+    block = GPTConfig.preset(cfg.model).block_size
+    return replace(cfg, max_tokens_per_step=cfg.batch_size * block)
