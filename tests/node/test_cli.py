@@ -106,3 +106,20 @@ def test_a_flag_mistake_is_told_before_torch_is_imported() -> None:
              "print(*codes, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.split() == ["2", "2", "2", "2", "False"], out
+
+
+def test_the_launcher_makes_its_swarm_without_torch(tmp_path) -> None:
+    """``atoll local``'s launcher only starts, watches and reports: it writes the swarm (keys,
+    manifest with the resolved recipe, certificates) without importing torch, so its peers start
+    seconds sooner (each peer imports torch itself)."""
+    import subprocess
+    import sys
+
+    probe = ("import sys; from pathlib import Path; from node.config import RunConfig; "
+             "from node.run.local import LocalSwarm; "
+             f"cfg = LocalSwarm(RunConfig(peers=2, model='tiny'), Path({str(tmp_path)!r})).make_swarm(); "
+             "print(cfg.max_tokens_per_step, sorted(p.name for p in Path("
+             f"{str(tmp_path / 'swarm')!r}).iterdir()), 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == ("1024 ['authority.key', 'founder.key', 'peer0.cert', 'peer0.key', 'peer1.cert', "
+                                  "'peer1.key', 'swarm.toml'] False"), out
