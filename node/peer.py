@@ -279,8 +279,20 @@ class PeerNode(SwarmPresence, OwnedFragments, OwnerHandoffs, VersionServing):
                 for t in [*tasks, *self._owner_tasks.values()]:
                     t.cancel()
         finally:
+            await self._release_waiters()
             await self.dht.close()
             await self.transport.close()
+
+    async def _release_waiters(self) -> None:
+        """Answer every long-poll this peer is holding open (204) before its server closes: the
+        server waits for handlers still running, up to its shutdown timeout, and at a swarm's end
+        every peer holds others' polls. The owners retire (nothing is handed over: the peer is
+        leaving, and its replicas hold its last versions); the versions it holds for others stop
+        being waited for."""
+        for owner in list(self.owners.values()):
+            with contextlib.suppress(Exception):
+                await owner.retire()
+        await self.holdings.close()
 
     async def stop_learning(self, flush_s: float = 60.0) -> None:
         """Send what the island has submitted, then say (in our member record) that we stopped.

@@ -206,7 +206,7 @@ class VersionServing:
     async def _wait_final(self, owner: FragmentOwner, wait_s: float) -> Any:
         deadline = time.monotonic() + wait_s
         read_at = time.monotonic()
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not owner.retired:
             if self.expected_learners() == 0 and owner.idle():
                 return owner.latest
             await owner.set_expected(self.expected_learners())

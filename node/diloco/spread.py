@@ -151,6 +151,14 @@ class Holdings:
         self._held: list[_Held | None] = [None] * fragments
         self.fanouts = [Fanout(fanout) for _ in range(fragments)]
         self._changed = asyncio.Condition()
+        self._closed = False
+
+    async def close(self) -> None:
+        """This peer is stopping: every ``wait_after`` returns None (204) at once, and later ones
+        do not wait."""
+        self._closed = True
+        async with self._changed:
+            self._changed.notify_all()
 
     def version(self, p: int) -> int | None:
         held = self._held[p]
@@ -181,7 +189,7 @@ class Holdings:
         given: the owner the asker sees; views of ownership differ while it moves)."""
         def ready() -> bool:
             h = self._held[p]
-            return h is not None and h.version > after and (signer is None or h.signer == signer)
+            return self._closed or (h is not None and h.version > after and (signer is None or h.signer == signer))
 
         async with self._changed:
             try:
@@ -189,7 +197,7 @@ class Holdings:
                     await self._changed.wait_for(ready)
             except TimeoutError:
                 return None
-        return self._held[p]
+        return None if self._closed else self._held[p]
 
     async def serve(self, request: web.Request, transport: Transport, p: int, after: int, wait_s: float,
                     who: bytes | None, stats: SpreadStats) -> web.StreamResponse:

@@ -215,6 +215,20 @@ async def test_waiting_for_a_held_version_returns_when_it_arrives() -> None:
     assert await held.wait_after(0, 4, 0.0) is None
 
 
+async def test_a_stopping_holder_answers_its_waiting_polls_at_once() -> None:
+    """A peer that stops answers the long-polls it holds (204) instead of leaving its server to
+    wait them out: a waiter returns None as soon as the holdings close, even with the version it
+    waits for held, and a later poll does not wait."""
+    held = Holdings(1, CountingPool(), fanout=2)  # type: ignore[arg-type]
+    waiter = asyncio.create_task(held.wait_after(0, 3, 30.0))
+    await asyncio.sleep(0)
+    assert not waiter.done()
+    await held.close()
+    assert await asyncio.wait_for(waiter, 5.0) is None
+    await held.put(0, 4, bytearray(b"x"), 1, OWNER.peer_id)
+    assert await asyncio.wait_for(held.wait_after(0, 3, 30.0), 5.0) is None
+
+
 async def test_a_holder_serves_only_versions_signed_by_the_owner_the_asker_names() -> None:
     """While ownership moves, views differ: a holder whose newest version is another owner's
     does not serve it to a learner that names its own view of the owner (it would be refused)."""
