@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -245,8 +246,6 @@ def _exit_without_teardown() -> NoReturn:
     its launcher waits. By now the peer's only thread is this one, its results are on stdout, and
     its checkpoints and event logs are written and closed: flush the streams and the log handlers,
     and go."""
-    import os
-
     sys.stdout.flush()
     sys.stderr.flush()
     logging.shutdown()

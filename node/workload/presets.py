@@ -57,7 +57,7 @@ def resolved(cfg: RunConfig) -> RunConfig:
     swarm's manifest covers the result."""
     if cfg.mode in ("sync", "ddp"):
         cfg = replace(cfg, quorum=cfg.peers, grace_gamma=0.0,
-                                  inner_steps=1 if cfg.mode == "ddp" else cfg.inner_steps)
+                      inner_steps=1 if cfg.mode == "ddp" else cfg.inner_steps)
     if cfg.max_tokens_per_step:
         return cfg
     block = GPTConfig.preset(cfg.model).block_size
