@@ -28,7 +28,7 @@ import logging
 import os
 import sys
 
-__all__ = ["MMAP_THRESHOLD", "TRIM_THRESHOLD", "tune_allocator"]
+__all__ = ["MMAP_THRESHOLD", "TRIM_THRESHOLD", "heap_in_use", "tune_allocator"]
 
 log = logging.getLogger(__name__)
 
@@ -65,3 +65,31 @@ def tune_allocator() -> bool:
     log.debug("glibc allocator: mmap threshold raised %s, trim threshold raised %s, one arena %s",
               mmap_ok, trim_ok, one_arena)
     return _tuned
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+_mallinfo2: object = None
+
+
+def heap_in_use() -> int | None:
+    """Bytes the C heap has handed out and not had back (glibc's ``mallinfo2``: the main heap's
+    allocated chunks plus its mmapped ones): torch's CPU tensors, numpy arrays, the codecs'
+    buffers; not Python's own small objects (pymalloc's arenas) nor freed blocks the heap keeps.
+    A peer whose resident size climbs while this stays flat is keeping freed memory, not leaking.
+    ``None`` off glibc or before 2.33 (no ``mallinfo2``)."""
+    global _mallinfo2
+    if _mallinfo2 is None:
+        try:
+            fn = ctypes.CDLL(None).mallinfo2
+            fn.argtypes, fn.restype = [], _MallInfo2
+            _mallinfo2 = fn
+        except (OSError, AttributeError):
+            _mallinfo2 = False
+    if not _mallinfo2:
+        return None
+    info = _mallinfo2()  # type: ignore[operator]
+    return int(info.uordblks + info.hblkhd)

@@ -118,26 +118,50 @@ def memory_summary(peers: list[dict[str, Any]], warmup: float = 0.25) -> dict[st
     """Each peer's resident memory after warm-up (the first ``warmup`` of its samples) against
     its peak later on: ``max_growth_mb`` is the largest growth of any peer (flat memory: near 0).
     ``curve_mb``: up to ``CURVE_POINTS`` of its samples, evenly spaced, the last one included, so
-    a late peak can be told from a slow climb."""
-    per_peer, worst = {}, 0.0
+    a late peak can be told from a slow climb. Where the peer sampled them, the same for the C
+    heap's bytes in use (``heap_*``: tensors and buffers alive, not freed blocks the heap keeps)
+    and Python's allocated blocks (``py_blocks_*``): resident growth with a flat heap in use and
+    flat blocks is memory kept by the allocator, not a leak."""
+    per_peer, worst, worst_heap = {}, 0.0, None
     for p in peers:
-        curve = [int(c[2]) for c in p.get("rss_curve") or []]
+        samples = p.get("rss_curve") or []
+        curve = [int(c[2]) for c in samples]
         if len(curve) < 4:
             continue
-        warm = curve[max(0, int(len(curve) * warmup) - 1)]
-        growth = (max(curve[int(len(curve) * warmup):]) - warm) / 1e6
+        start = int(len(curve) * warmup)
+        warm = curve[max(0, start - 1)]
+        growth = (max(curve[start:]) - warm) / 1e6
         worst = max(worst, growth)
-        per_peer[str(p["index"])] = {"warm_mb": round(warm / 1e6, 1), "peak_mb": round(max(curve) / 1e6, 1),
-                                     "end_mb": round(curve[-1] / 1e6, 1), "growth_after_warmup_mb": round(growth, 1),
-                                     "samples": len(curve), "curve_mb": _thinned_mb(curve)}
-    return {"per_peer": per_peer, "max_growth_mb": round(worst, 1)}
+        entry: dict[str, Any] = {
+            "warm_mb": round(warm / 1e6, 1), "peak_mb": round(max(curve) / 1e6, 1),
+            "end_mb": round(curve[-1] / 1e6, 1), "growth_after_warmup_mb": round(growth, 1),
+            "samples": len(curve), "curve_mb": _thinned_mb(curve)}
+        heap = [int(c[3]) for c in samples if len(c) > 4 and int(c[3]) >= 0]
+        if len(heap) == len(curve):
+            heap_growth = (max(heap[start:]) - heap[max(0, start - 1)]) / 1e6
+            worst_heap = heap_growth if worst_heap is None else max(worst_heap, heap_growth)
+            entry |= {"heap_growth_after_warmup_mb": round(heap_growth, 1), "heap_curve_mb": _thinned_mb(heap)}
+        blocks = [int(c[4]) for c in samples if len(c) > 4]
+        if len(blocks) == len(curve):
+            entry |= {"py_blocks_growth_after_warmup": max(blocks[start:]) - blocks[max(0, start - 1)],
+                      "py_blocks_curve": _thinned(blocks)}
+        per_peer[str(p["index"])] = entry
+    out: dict[str, Any] = {"per_peer": per_peer, "max_growth_mb": round(worst, 1)}
+    if worst_heap is not None:
+        out["max_heap_growth_mb"] = round(worst_heap, 1)
+    return out
 
 
 def _thinned_mb(curve: list[int]) -> list[float]:
     """``CURVE_POINTS`` evenly spaced samples of ``curve`` (bytes) in MB, ending with the last."""
+    return [round(b / 1e6, 1) for b in _thinned(curve)]
+
+
+def _thinned(curve: list[int]) -> list[int]:
+    """``CURVE_POINTS`` evenly spaced samples of ``curve``, ending with the last."""
     n = len(curve)
     picks = sorted({(n - 1) * i // (CURVE_POINTS - 1) for i in range(CURVE_POINTS)}) if n > CURVE_POINTS else range(n)
-    return [round(curve[i] / 1e6, 1) for i in picks]
+    return [curve[i] for i in picks]
 
 
 def write_report(report: dict[str, Any], path: Path) -> Path:
@@ -221,7 +245,9 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
     memory = report.get("memory")
     if memory and memory.get("per_peer"):
         lines.append(f"memory: peers grew by at most {memory['max_growth_mb']:.1f} MB after warm-up "
-                     f"(peak {max(m['peak_mb'] for m in memory['per_peer'].values()):.0f} MB resident)")
+                     f"(peak {max(m['peak_mb'] for m in memory['per_peer'].values()):.0f} MB resident)"
+                     + (f"; C heap in use grew by at most {memory['max_heap_growth_mb']:.1f} MB"
+                        if "max_heap_growth_mb" in memory else ""))
     if report.get("chaos"):
         restarted = sum(r["restarted_at_s"] is not None for r in report.get("restarts", []))
         lines.append(f"chaos {report['chaos']}: {len(report.get('restarts', []))} kills, {restarted} restarts")

@@ -29,6 +29,7 @@ from node.diloco.inner import lr_at, make_inner_optimizer
 from node.diloco.island import Island, IslandConfig
 from node.diloco.ranks import IslandRanks, distributed_rank, leave_process_group
 from node.peer import PeerNode, emit
+from node.run.allocator import heap_in_use
 from node.run.attack import Attack
 from node.run.resume import IslandCheckpoints
 from node.workload.baseline import TrainConfig, sampler_seed, train_config_for
@@ -249,7 +250,8 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
     t0 = opts.t0 or time.time()
 
     curve_local: list[tuple[float, int, float]] = []
-    rss_curve: list[tuple[float, int, int]] = []  # (seconds, step, resident bytes) every ~5 s
+    # every ~5 s: (seconds, step, resident bytes, C heap in use or -1, Python's allocated blocks)
+    rss_curve: list[tuple[float, int, int, int, int]] = []
     curve_global: list[tuple[float, int, float]] = [(time.time() - t0, 0, eval_start)]
     # --- the training loop ----------------------------------------------------------------------
     model.train()
@@ -282,7 +284,9 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
             checkpoints.save()
         if time.monotonic() - last_progress > 1.0:
             if not rss_curve or time.time() - t0 - rss_curve[-1][0] >= RSS_EVERY_S:
-                rss_curve.append((time.time() - t0, step + 1, resident_bytes()))
+                heap = heap_in_use()
+                rss_curve.append((time.time() - t0, step + 1, resident_bytes(),
+                                  -1 if heap is None else heap, sys.getallocatedblocks()))
             last_progress = time.monotonic()
             node.step = step + 1
             node.board.record(step + 1, loss_ema)  # the status page's loss curve

@@ -28,3 +28,37 @@ def test_memory_keeps_a_thinned_curve_that_tells_a_late_peak_from_a_climb() -> N
     assert all(b > a for a, b in zip(c0, c0[1:], strict=False))  # the climb shows in the curve
     assert c1[:-1] == [400.0] * (CURVE_POINTS - 1)  # the late peak does not
     assert memory_summary([{"index": 2, "rss_curve": climb[:6]}])["per_peer"]["2"]["curve_mb"] == [400.0, 400.1, 400.2, 400.3, 400.4, 400.5]
+
+
+def test_memory_tells_a_heap_that_keeps_freed_blocks_from_one_that_holds_more() -> None:
+    from node.run.report import memory_summary
+
+    # resident size climbs on both; only peer 1's tensors and buffers in use climb with it
+    kept = [[t, 0, (400 + t / 10) * 1e6, 90e6, 500_000] for t in range(100)]
+    leak = [[t, 0, (400 + t / 10) * 1e6, (90 + t / 10) * 1e6, 500_000 + 100 * t] for t in range(100)]
+    old = [[t, 0, 400e6] for t in range(100)]  # a peer without the heap samples (an older peer)
+    out = memory_summary([{"index": 0, "rss_curve": kept}, {"index": 1, "rss_curve": leak},
+                          {"index": 2, "rss_curve": old}])
+    p0, p1, p2 = (out["per_peer"][i] for i in "012")
+    assert p0["growth_after_warmup_mb"] == p1["growth_after_warmup_mb"] == 7.5
+    assert p0["heap_growth_after_warmup_mb"] == 0.0 and p0["py_blocks_growth_after_warmup"] == 0
+    assert p1["heap_growth_after_warmup_mb"] == 7.5 and p1["py_blocks_growth_after_warmup"] == 7500
+    assert p1["py_blocks_curve"][-1] == 500_000 + 9900 and p1["heap_curve_mb"][0] == 90.0
+    assert "heap_growth_after_warmup_mb" not in p2 and out["max_heap_growth_mb"] == 7.5
+
+
+def test_the_heap_in_use_counts_a_tensor_while_it_lives() -> None:
+    import torch
+
+    from node.run.allocator import heap_in_use
+
+    before = heap_in_use()
+    if before is None:
+        import pytest
+        pytest.skip("no glibc mallinfo2 here")
+    x = torch.ones(4_000_000)  # 16 MB
+    during = heap_in_use()
+    del x
+    after = heap_in_use()
+    assert during is not None and after is not None
+    assert during - before >= 15_000_000 and during - after >= 15_000_000
