@@ -24,9 +24,12 @@ does nothing.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import sys
+from collections.abc import Callable
+from typing import cast
 
 __all__ = ["MMAP_THRESHOLD", "TRIM_THRESHOLD", "heap_in_use", "tune_allocator"]
 
@@ -72,7 +75,14 @@ class _MallInfo2(ctypes.Structure):
         "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
 
 
-_mallinfo2: object = None
+@functools.cache
+def _mallinfo2() -> Callable[[], _MallInfo2] | None:
+    try:
+        fn = ctypes.CDLL(None).mallinfo2
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [], _MallInfo2
+    return cast("Callable[[], _MallInfo2]", fn)
 
 
 def heap_in_use() -> int | None:
@@ -81,15 +91,8 @@ def heap_in_use() -> int | None:
     buffers; not Python's own small objects (pymalloc's arenas) nor freed blocks the heap keeps.
     A peer whose resident size climbs while this stays flat is keeping freed memory, not leaking.
     ``None`` off glibc or before 2.33 (no ``mallinfo2``)."""
-    global _mallinfo2
-    if _mallinfo2 is None:
-        try:
-            fn = ctypes.CDLL(None).mallinfo2
-            fn.argtypes, fn.restype = [], _MallInfo2
-            _mallinfo2 = fn
-        except (OSError, AttributeError):
-            _mallinfo2 = False
-    if not _mallinfo2:
+    fn = _mallinfo2()
+    if fn is None:
         return None
-    info = _mallinfo2()  # type: ignore[operator]
+    info = fn()
     return int(info.uordblks + info.hblkhd)

@@ -130,7 +130,7 @@ def memory_summary(peers: list[dict[str, Any]], warmup: float = 0.25) -> dict[st
             continue
         start = int(len(curve) * warmup)
         warm = curve[max(0, start - 1)]
-        growth = (max(curve[start:]) - warm) / 1e6
+        growth = _growth_after(curve, start) / 1e6
         worst = max(worst, growth)
         entry: dict[str, Any] = {
             "warm_mb": round(warm / 1e6, 1), "peak_mb": round(max(curve) / 1e6, 1),
@@ -138,18 +138,23 @@ def memory_summary(peers: list[dict[str, Any]], warmup: float = 0.25) -> dict[st
             "samples": len(curve), "curve_mb": _thinned_mb(curve)}
         heap = [int(c[3]) for c in samples if len(c) > 4 and int(c[3]) >= 0]
         if len(heap) == len(curve):
-            heap_growth = (max(heap[start:]) - heap[max(0, start - 1)]) / 1e6
+            heap_growth = _growth_after(heap, start) / 1e6
             worst_heap = heap_growth if worst_heap is None else max(worst_heap, heap_growth)
             entry |= {"heap_growth_after_warmup_mb": round(heap_growth, 1), "heap_curve_mb": _thinned_mb(heap)}
         blocks = [int(c[4]) for c in samples if len(c) > 4]
         if len(blocks) == len(curve):
-            entry |= {"py_blocks_growth_after_warmup": max(blocks[start:]) - blocks[max(0, start - 1)],
+            entry |= {"py_blocks_growth_after_warmup": _growth_after(blocks, start),
                       "py_blocks_curve": _thinned(blocks)}
         per_peer[str(p["index"])] = entry
     out: dict[str, Any] = {"per_peer": per_peer, "max_growth_mb": round(worst, 1)}
     if worst_heap is not None:
         out["max_heap_growth_mb"] = round(worst_heap, 1)
     return out
+
+
+def _growth_after(curve: list[int], start: int) -> int:
+    """The peak of ``curve`` from sample ``start`` on, less the sample just before it."""
+    return max(curve[start:]) - curve[max(0, start - 1)]
 
 
 def _thinned_mb(curve: list[int]) -> list[float]:

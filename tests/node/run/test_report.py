@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from node.run.report import bytes_by_route
 
 
@@ -54,7 +56,6 @@ def test_the_heap_in_use_counts_a_tensor_while_it_lives() -> None:
 
     before = heap_in_use()
     if before is None:
-        import pytest
         pytest.skip("no glibc mallinfo2 here")
     x = torch.ones(4_000_000)  # 16 MB
     during = heap_in_use()
