@@ -43,7 +43,7 @@ from node.dht.swarm import SwarmCredentials
 from node.diloco.handoffs import OwnerHandoffs
 from node.diloco.island import Island, Outgoing
 from node.diloco.learner import IslandNet
-from node.diloco.owner import FragmentOwner
+from node.diloco.owner import FragmentOwner, OwnerCounts
 from node.diloco.owning import OwnedFragments
 from node.diloco.replica import ReplicaStore
 from node.diloco.serving import VersionServing
@@ -119,7 +119,7 @@ class PeerNode(SwarmPresence, OwnedFragments, OwnerHandoffs, VersionServing):
         named = dict(model.named_parameters())
         self.shapes = [[tuple(named[n].shape) for n in f.names] for f in plan.fragments]
         self.owners: dict[int, FragmentOwner] = {}
-        self._retired_owners: list[FragmentOwner] = []
+        self._retired_owners: list[OwnerCounts] = []  # what is kept of the owners this peer retired
         self._suspect_since: dict[bytes, float] = {}  # peer id -> when it failed us (wall clock)
         self._owner_tasks: dict[int, asyncio.Task[None]] = {}
         self.net: IslandNet | None = None
@@ -186,14 +186,14 @@ class PeerNode(SwarmPresence, OwnedFragments, OwnerHandoffs, VersionServing):
         merged, late (merged after its round closed), clipped, weight_capped, steps_bounded, tokens_bounded,
         dropped, refused_<why>."""
         out: dict[str, collections.Counter[str]] = {}
-        for owner in list(self.owners.values()) + self._retired_owners:
+        for owner in self.all_owners():
             for peer, counts in owner.penalties.items():
                 out.setdefault(peer.hex(), collections.Counter()).update(counts)
         return {peer: dict(counts) for peer, counts in out.items()}
 
-    def all_owners(self) -> list[FragmentOwner]:
-        """Every fragment owner this peer has run, retired ones included (they keep their counts)."""
-        return [*self.owners.values(), *self._retired_owners]
+    def all_owners(self) -> list[OwnerCounts]:
+        """The counts of every fragment owner this peer has run, retired ones included."""
+        return [*(o.counts for o in self.owners.values()), *self._retired_owners]
 
     def status(self) -> dict[str, Any]:
         members = self.membership.members if self.membership else {}

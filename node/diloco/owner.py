@@ -55,7 +55,7 @@ from protocol.wire.codec import encode
 from protocol.wire.messages import Ack, Contribution, FragmentState, FragmentUpdate, ReplicaState
 from protocol.wire.signing import Sealed, Signer, seal
 
-__all__ = ["FragmentOwner", "MergeFailed"]
+__all__ = ["FragmentOwner", "MergeFailed", "OwnerCounts"]
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +88,29 @@ class _Next:
     update: Sealed | None = None  # with updates: the sealed update over the version before
     residual: torch.Tensor | None = None  # and the error feedback it leaves
     state_update: ReplicaState | None = None  # ``state`` as that update (no momentum only)
+
+
+@dataclass
+class OwnerCounts:
+    """What an owner did, in counts: all a peer keeps of an owner once it retires (its tensors,
+    buffers and sealed versions go with it; a peer whose fragments change hands often would
+    otherwise hold every retired owner's state). A merge that finishes after the retirement
+    still counts here."""
+
+    RECENT = 16  # merge reasons kept (the report shows the last few)
+
+    fragment: int
+    merges_done: int = 0
+    merge_seconds: float = 0.0  # from each published round's close to its publication, in all
+    recent: collections.deque[str] = dataclasses.field(default_factory=lambda: collections.deque(maxlen=OwnerCounts.RECENT))
+    # per sender: how often a bound bit (clipped, weight_capped, steps_bounded, tokens_bounded),
+    # its contribution was dropped from a failed merge, or refused (refused_<why>)
+    penalties: collections.defaultdict[bytes, collections.Counter[str]] = dataclasses.field(
+        default_factory=lambda: collections.defaultdict(collections.Counter))
+
+    def merged(self, reason: str) -> None:
+        self.merges_done += 1
+        self.recent.append(reason)
 
 
 class FragmentOwner:
@@ -165,13 +188,8 @@ class FragmentOwner:
         if self.log is not None:
             self.log.note_state(self.theta, self.buffer)
         self._remember_digests(version, *digests, flat_digest(self.theta))  # and v0 unrounded (bf16 download)
-        self.merges: list[str] = []
-        # per sender: how often a bound bit (clipped, weight_capped, steps_bounded, tokens_bounded),
-        # its contribution was dropped from a failed merge, or refused (refused_<why>)
-        self.penalties: collections.defaultdict[bytes, collections.Counter[str]] = \
-            collections.defaultdict(collections.Counter)
+        self.counts = OwnerCounts(self.fragment.index)  # what outlives this owner once it retires
         self.step_bounds = 0  # merges whose aggregate was scaled down to max_delta_ratio * |Theta|
-        self.merge_seconds = 0.0  # time from each published round's close to its publication, in all
         self.retired = False
         self._changed = asyncio.Condition()
         self._wake = asyncio.Event()
@@ -311,7 +329,20 @@ class FragmentOwner:
 
     @property
     def merges_done(self) -> int:
-        return len(self.merges)
+        return self.counts.merges_done
+
+    @property
+    def merges(self) -> list[str]:
+        """Why each of the latest merges (up to ``OwnerCounts.RECENT``) closed, oldest first."""
+        return list(self.counts.recent)
+
+    @property
+    def penalties(self) -> collections.defaultdict[bytes, collections.Counter[str]]:
+        return self.counts.penalties
+
+    @property
+    def merge_seconds(self) -> float:
+        return self.counts.merge_seconds
 
     async def catch_up(self, version: int, flat: torch.Tensor) -> bool:
         """Take over a newer version published by the previous owner, before our first merge.
@@ -319,7 +350,7 @@ class FragmentOwner:
         Returns whether it was taken. Contributions accepted so far stay (their staleness
         counts against the new version; those beyond the staleness bound are dropped).
         """
-        if version <= self.version or self.merges or self.merger.phase is Phase.MERGING:
+        if version <= self.version or self.merges_done or self.merger.phase is Phase.MERGING:
             return False
         if flat.numel() != self.theta.numel() or not all_finite(flat):
             log.warning("fragment %d: the previous owner's version %d is malformed; not taken",
@@ -327,7 +358,7 @@ class FragmentOwner:
             return False
         theta = flat.detach().float().clone()
         latest, *digests = await asyncio.to_thread(self._seal_state, version, theta)
-        if version <= self.version or self.merges or self.merger.phase is Phase.MERGING:
+        if version <= self.version or self.merges_done or self.merger.phase is Phase.MERGING:
             return False  # a merge or another catch-up ran while we sealed
         decision = self.merger.rebase(version, now=self.clock())
         self.theta, self.version, self.latest = theta, version, latest
@@ -454,7 +485,7 @@ class FragmentOwner:
             self._give_back(d)
         if self.on_publish is not None:
             self.on_publish(self.fragment.index, self.version, nxt.digest)
-        self.merges.append(decision.reason)
+        self.counts.merged(decision.reason)
         for e in decision.entries:
             counts = self.penalties[e.peer]
             counts["merged"] += 1
@@ -466,7 +497,7 @@ class FragmentOwner:
         async with self._changed:
             self._changed.notify_all()
         now = self.clock()
-        self.merge_seconds += now - t0
+        self.counts.merge_seconds += now - t0
         return self.merger.on_published(self.version, sync_time=now - t0, now=now)
 
     def _next_version(self, version: int, peers: list[bytes], deltas: list[torch.Tensor], weights: list[float],
@@ -535,11 +566,11 @@ class FragmentOwner:
         """Start from a state handed over by the previous owner (or to us as its replica), before
         our first merge: the same global fragment, momentum, version and digest, under an epoch
         above it. Returns whether it was taken (it must not be behind what we hold)."""
-        if handed.version < self.version or self.merges or self.merger.phase is Phase.MERGING:
+        if handed.version < self.version or self.merges_done or self.merger.phase is Phase.MERGING:
             return False
         theta = handed.theta.detach().float().clone()
         latest, digest, message_digest = await asyncio.to_thread(self._seal_state, handed.version, theta)
-        if handed.version < self.version or self.merges or self.merger.phase is Phase.MERGING:
+        if handed.version < self.version or self.merges_done or self.merger.phase is Phase.MERGING:
             return False
         if digest != handed.digest:
             log.warning("fragment %d: handed version %d does not hash to its digest; not taken",

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from node.diloco.flat import encode_flat, flat_from_tensors
-from node.diloco.owner import FragmentOwner
+from node.diloco.owner import FragmentOwner, OwnerCounts
 from protocol.diloco.merge import MergeConfig
 from protocol.diloco.outer import OuterConfig
 from protocol.errors import NotAuthorized, UnknownFragment
@@ -57,7 +57,7 @@ class OwnedFragments:
     owners: dict[int, FragmentOwner]
     event_log_dir: Path | None
     _owner_tasks: dict[int, asyncio.Task[None]]
-    _retired_owners: list[FragmentOwner]
+    _retired_owners: list[OwnerCounts]
     _fenced_until: dict[int, float]
     _tg: asyncio.TaskGroup | None
 
@@ -109,7 +109,7 @@ class OwnedFragments:
         replica may hold that version already, and the successor must get it (``retire`` waits
         for it, then the timer is cancelled)."""
         retired = self.owners.pop(p)
-        self._retired_owners.append(retired)  # keeps its penalty counts for the report
+        self._retired_owners.append(retired.counts)  # its counts for the report; its state goes
         task = self._owner_tasks.pop(p)
         if finish_merge and self._tg is not None:
             async def cancel_after_retire() -> None:

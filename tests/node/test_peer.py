@@ -406,3 +406,45 @@ async def test_a_running_owner_behind_a_retiring_owners_epoch_and_version_steps_
     assert owner.fenced is not None and "past this owner's version 32 at epoch 6" in owner.fenced
     assert owner.retired and owner.version == 32  # B published nothing more
     assert reconciles == ["OwnedFragments._reconcile_owners"]  # owning again from A's 33 comes next
+
+
+async def test_a_retired_owner_leaves_its_counts_and_not_its_state() -> None:
+    """A peer whose fragments change hands often (views that flap under load) ran a new owner
+    each time, and kept every retired one whole for its counts: theta, momentum, spare buffers
+    and sealed versions, ~100 fragment vectors on one owner of a 32-peer run. Now only the
+    counts stay, and they still add up."""
+    import asyncio
+    import gc
+    import weakref
+
+    import torch
+
+    from tests.node.fakes import FakeClock, contribution, flat_of, make_owner, shapes_of
+
+    node, _ = _node()
+    model = tiny_model()
+    plan = tiny_plan(model)
+    shapes, clock = shapes_of(model, plan), FakeClock()
+    owner = make_owner(plan, shapes, 0, flat_of(model, plan, 0), clock, who=signer(1), version=3)
+    delta = torch.linspace(-0.05, 0.05, owner.theta.numel())
+    assert (await owner.contribute(signer(4).peer_id, contribution(delta, shapes[0], base_version=3,
+                                                                   owner=owner))).accepted
+    clock.advance(60.0)
+    await owner.tick()
+    assert owner.merges_done == 1
+
+    class Task:
+        def cancel(self) -> None:
+            pass
+
+    node.owners[0], node._owner_tasks[0] = owner, Task()  # type: ignore[assignment]
+    gone, theta = weakref.ref(owner), weakref.ref(owner.theta)
+    node._drop_owner(0)
+    del owner
+    for _ in range(3):  # the loop lets go of the merge's finished future
+        await asyncio.sleep(0)
+    gc.collect()
+    assert gone() is None and theta() is None
+    (counts,) = node.all_owners()
+    assert counts.merges_done == 1 and counts.penalties[signer(4).peer_id]["merged"] == 1
+    assert node.penalties()[signer(4).peer_id.hex()]["merged"] == 1
