@@ -64,6 +64,11 @@ __all__ = ["PeerNode", "emit"]
 
 log = logging.getLogger("atoll.peer")
 
+# after the final versions are in: wait this long, read the members again and refetch a fragment
+# whose owner changed meanwhile (views that differed under load converge once training stops)
+FINAL_SETTLE_S = 2.0
+FINAL_RECHECKS = 3
+
 
 
 def emit(event: str, **fields: Any) -> None:
@@ -310,25 +315,51 @@ class PeerNode(SwarmPresence, OwnedFragments, OwnerHandoffs, VersionServing):
             with contextlib.suppress(Exception):
                 await self.membership.publish(self.my_record())
 
-    async def fetch_final(self) -> dict[int, tuple[int, torch.Tensor]]:
+    async def fetch_final(self, *, settle_s: float = FINAL_SETTLE_S,
+                          rechecks: int = FINAL_RECHECKS) -> dict[int, tuple[int, torch.Tensor]]:
         """Every fragment's final version from its current owner (verified).
 
         An owner declares its fragment final once no member is learning and its last round is
-        merged; until then this keeps asking (an owner may be finishing a merge or moving)."""
+        merged; until then this keeps asking (an owner may be finishing a merge or moving).
+        Then the members are read afresh (a full read) and each fragment's owner looked up
+        again: a fragment whose owner changed since it answered is fetched again from the new
+        one, ``settle_s`` later, up to ``rechecks`` times. Views that differed while the machine
+        was overloaded (records lapsing) converge once training stops, and a successor that split
+        off and declared an older version final then no longer speaks for the fragment."""
         assert self.net is not None
         out: dict[int, tuple[int, torch.Tensor]] = {}
-        while len(out) < len(self.shapes):
-            for p in range(len(self.shapes)):
-                if p in out:
-                    continue
-                try:
-                    got = await self.net.fetch(p, after=self.net.received[p], wait_s=5.0, final=True)
-                except Exception as exc:  # keep trying: the owner may be finishing a merge
-                    log.warning("final fetch of fragment %d failed: %r", p, exc)
-                    await asyncio.sleep(0.5)
-                    continue
-                if got is not None:
-                    out[p] = got
+        answered: dict[int, bytes] = {}
+        for check in range(rechecks + 1):
+            while len(out) < len(self.shapes):
+                for p in range(len(self.shapes)):
+                    if p in out:
+                        continue
+                    owner = self.owner_of(p)
+                    if owner is None:
+                        await asyncio.sleep(0.5)
+                        continue
+                    try:
+                        got = await self.net.fetch(p, after=self.net.received[p], wait_s=5.0, final=True, owner=owner)
+                    except Exception as exc:  # keep trying: the owner may be finishing a merge
+                        log.warning("final fetch of fragment %d failed: %r", p, exc)
+                        await asyncio.sleep(0.5)
+                        continue
+                    if got is not None:
+                        out[p], answered[p] = got, owner[0]
+            if check == rechecks:
+                break
+            if check > 0:
+                await asyncio.sleep(settle_s)
+            if self.membership is not None:
+                with contextlib.suppress(Exception):
+                    await self.membership.refresh(full=True)
+            moved = [p for p in out if (now := self.owner_of(p)) is not None and now[0] != answered[p]]
+            if not moved:
+                break
+            for p in moved:
+                log.warning("fragment %d: its owner changed after it declared version %d final; "
+                            "asking the new owner", p, out[p][0])
+                del out[p]
         return out
 
     def stop(self) -> None:

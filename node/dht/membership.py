@@ -172,7 +172,7 @@ class Membership:
         """Store our record at the nodes nearest the swarm key; return how many took it."""
         return await self.dht.store(self.key, record.encode(), self.ttl_s)
 
-    async def refresh(self) -> dict[bytes, Member]:
+    async def refresh(self, *, full: bool = False) -> dict[bytes, Member]:
         """Read every member record; keep those that decode, are live, share our manifest and
         pass the certificate checks.
 
@@ -183,8 +183,8 @@ class Membership:
         the others read this node's own store when it is among the nodes nearest the swarm key
         (members publish there: no request at all), else one responder's. Reads from
         responders are delta reads: they name the records held here (``known_tags``), and
-        responders send only newer ones."""
-        full = self.reads % FULL_READ_EVERY == 0
+        responders send only newer ones. ``full`` asks for a full read now."""
+        full = full or self.reads % FULL_READ_EVERY == 0
         self.reads += 1
         local = None if full else self.dht.held_near(self.key)
         now = time.time()

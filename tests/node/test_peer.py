@@ -3,6 +3,7 @@ its record, strangers refused without costing more than one rate-limited lookup.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import pytest
@@ -22,7 +23,7 @@ class FakeMembership:
     members: dict[bytes, Member] = dataclasses.field(default_factory=dict)
     refreshes: int = 0
 
-    async def refresh(self) -> dict[bytes, Member]:
+    async def refresh(self, *, full: bool = False) -> dict[bytes, Member]:
         self.refreshes += 1
         self.members = dict(self.records)
         return self.members
@@ -448,3 +449,55 @@ async def test_a_retired_owner_leaves_its_counts_and_not_its_state() -> None:
     (counts,) = node.all_owners()
     assert counts.merges_done == 1 and counts.penalties[signer(4).peer_id]["merged"] == 1
     assert node.penalties()[signer(4).peer_id.hex()]["merged"] == 1
+
+
+async def test_a_final_version_from_an_owner_that_moved_is_asked_of_the_new_one() -> None:
+    """Seen once in a 32-peer run slowed by tracing: views of the members differed for minutes, a
+    successor that had split off declared its version 15 of fragment 2 final while the owner the
+    others saw published 19, and two peers ended on 15. After the finals are in, a fresh read of
+    the members moved the fragment back; the learner now asks the new owner again."""
+    import types
+
+    import torch
+
+    node, membership = _node()
+    x, y = signer(5).peer_id, signer(6).peer_id
+    q = len(node.shapes) - 1  # the fragment whose views differ
+    assert q >= 1
+    owner_now = {p: (x if p == q else y) for p in range(len(node.shapes))}
+    refreshes_before = membership.refreshes
+
+    async def refresh(*, full: bool = False) -> dict[bytes, Member]:
+        assert full
+        membership.refreshes += 1
+        owner_now[q] = y  # the view settles: y owns the fragment again
+        return membership.members
+
+    membership.refresh = refresh  # type: ignore[method-assign]
+    node.owner_of = lambda p: (owner_now[p], f"http://{owner_now[p].hex()[:8]}")  # type: ignore[method-assign]
+    asked: list[tuple[int, bytes, int]] = []
+
+    async def fetch(p: int, *, after: int, wait_s: float, final: bool, owner: tuple[bytes, str]):  # type: ignore[no-untyped-def]
+        assert final
+        asked.append((p, owner[0], after))
+        version = 15 if owner[0] == x else 19
+        return version, torch.full((4,), float(version))
+
+    node.net = types.SimpleNamespace(received=collections.defaultdict(int), fetch=fetch)  # type: ignore[assignment]
+    out = await node.fetch_final(settle_s=0.01)
+    assert {p: v for p, (v, _) in out.items()} == {p: 19 for p in range(len(node.shapes))}
+    assert [a for a in asked if a[0] == q] == [(q, x, 0), (q, y, 0)]
+    assert membership.refreshes == refreshes_before + 2  # one full read moved it, the next found it still
+
+    owner_now[q] = x  # views that never converge: asked again at most `rechecks` times, then it ends
+    membership.refresh = FakeMembership.refresh.__get__(membership)  # type: ignore[method-assign]
+
+    def flapping(p: int) -> tuple[bytes, str]:
+        if p == q:
+            owner_now[q] = x if owner_now[q] == y else y
+        return owner_now[p], "http://flapping"
+
+    node.owner_of = flapping  # type: ignore[method-assign]
+    asked.clear()
+    await node.fetch_final(settle_s=0.01, rechecks=2)
+    assert len([a for a in asked if a[0] == q]) == 3
