@@ -64,11 +64,10 @@ __all__ = ["PeerNode", "emit"]
 
 log = logging.getLogger("atoll.peer")
 
-# after the final versions are in: wait this long, read the members again and refetch a fragment
-# whose owner changed meanwhile (views that differed under load converge once training stops)
+# once the final versions are in, the members are read again and a fragment whose owner moved is
+# fetched again from the new one: up to FINAL_RECHECKS times, FINAL_SETTLE_S apart
 FINAL_SETTLE_S = 2.0
 FINAL_RECHECKS = 3
-
 
 
 def emit(event: str, **fields: Any) -> None:
