@@ -325,26 +325,10 @@ class PeerNode(SwarmPresence, OwnedFragments, OwnerHandoffs, VersionServing):
         one, ``settle_s`` later, up to ``rechecks`` times. Views that differed while the machine
         was overloaded (records lapsing) converge once training stops, and a successor that split
         off and declared an older version final then no longer speaks for the fragment."""
-        assert self.net is not None
         out: dict[int, tuple[int, torch.Tensor]] = {}
-        answered: dict[int, bytes] = {}
+        answered: dict[int, bytes] = {}  # fragment -> the owner that declared its final version
         for check in range(rechecks + 1):
-            while len(out) < len(self.shapes):
-                for p in range(len(self.shapes)):
-                    if p in out:
-                        continue
-                    owner = self.owner_of(p)
-                    if owner is None:
-                        await asyncio.sleep(0.5)
-                        continue
-                    try:
-                        got = await self.net.fetch(p, after=self.net.received[p], wait_s=5.0, final=True, owner=owner)
-                    except Exception as exc:  # keep trying: the owner may be finishing a merge
-                        log.warning("final fetch of fragment %d failed: %r", p, exc)
-                        await asyncio.sleep(0.5)
-                        continue
-                    if got is not None:
-                        out[p], answered[p] = got, owner[0]
+            await self._fetch_missing_finals(out, answered)
             if check == rechecks:
                 break
             if check > 0:
@@ -352,7 +336,7 @@ class PeerNode(SwarmPresence, OwnedFragments, OwnerHandoffs, VersionServing):
             if self.membership is not None:
                 with contextlib.suppress(Exception):
                     await self.membership.refresh(full=True)
-            moved = [p for p in out if (now := self.owner_of(p)) is not None and now[0] != answered[p]]
+            moved = [p for p in out if (current := self.owner_of(p)) is not None and current[0] != answered[p]]
             if not moved:
                 break
             for p in moved:
@@ -360,6 +344,28 @@ class PeerNode(SwarmPresence, OwnedFragments, OwnerHandoffs, VersionServing):
                             "asking the new owner", p, out[p][0])
                 del out[p]
         return out
+
+    async def _fetch_missing_finals(self, out: dict[int, tuple[int, torch.Tensor]],
+                                    answered: dict[int, bytes]) -> None:
+        """Fill ``out`` with every fragment's final version, asking each one's owner until it
+        declares it (an owner may be finishing a merge or moving); note who answered."""
+        assert self.net is not None
+        while len(out) < len(self.shapes):
+            for p in range(len(self.shapes)):
+                if p in out:
+                    continue
+                owner = self.owner_of(p)
+                if owner is None:
+                    await asyncio.sleep(0.5)
+                    continue
+                try:
+                    got = await self.net.fetch(p, after=self.net.received[p], wait_s=5.0, final=True, owner=owner)
+                except Exception as exc:  # keep trying: the owner may be finishing a merge
+                    log.warning("final fetch of fragment %d failed: %r", p, exc)
+                    await asyncio.sleep(0.5)
+                    continue
+                if got is not None:
+                    out[p], answered[p] = got, owner[0]
 
     def stop(self) -> None:
         if self.loop is not None and self._stop is not None:

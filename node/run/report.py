@@ -112,9 +112,10 @@ def spread_summary(peers: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 CURVE_POINTS = 24  # resident-memory samples kept per peer in the report
+WARMUP = 0.25  # the share of a run (of its memory samples) that is warm-up
 
 
-def memory_summary(peers: list[dict[str, Any]], warmup: float = 0.25) -> dict[str, Any]:
+def memory_summary(peers: list[dict[str, Any]], warmup: float = WARMUP) -> dict[str, Any]:
     """Each peer's resident memory after warm-up (the first ``warmup`` of its samples) against
     its peak later on: ``max_growth_mb`` is the largest growth of any peer (flat memory: near 0).
     ``curve_mb``: up to ``CURVE_POINTS`` of its samples, evenly spaced, the last one included, so

@@ -32,6 +32,7 @@ from node.peer import PeerNode, emit
 from node.run.allocator import heap_in_use
 from node.run.attack import Attack
 from node.run.memtrace import MemTrace
+from node.run.report import WARMUP
 from node.run.resume import IslandCheckpoints
 from node.workload.baseline import TrainConfig, sampler_seed, train_config_for
 from node.workload.corpus import BatchSampler, evaluate, load_corpus, split_corpus
@@ -250,8 +251,8 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
         ranks.sync()
     say("joined", index=index, versions=list(island.versions), synced=sorted(node.synced))
     t0 = opts.t0 or time.time()
-    # the report's warm-up is the first quarter of the run; the trace's baseline is taken there
-    warm_at = t0 + 0.25 * (opts.until - t0) if opts.until else None
+    # the trace's baseline is taken where the report's warm-up ends
+    warm_at = t0 + WARMUP * (opts.until - t0) if opts.until else None
 
     curve_local: list[tuple[float, int, float]] = []
     # every ~5 s: (seconds, step, resident bytes, C heap in use or -1, Python's allocated blocks)
@@ -289,7 +290,7 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
         if time.monotonic() - last_progress > 1.0:
             if not rss_curve or time.time() - t0 - rss_curve[-1][0] >= RSS_EVERY_S:
                 heap = heap_in_use()
-                if time.time() >= warm_at if warm_at is not None else step + 1 >= cfg.steps // 4:
+                if time.time() >= warm_at if warm_at is not None else step + 1 >= WARMUP * cfg.steps:
                     memtrace.mark_warm()
                 rss_curve.append((time.time() - t0, step + 1, resident_bytes(),
                                   -1 if heap is None else heap, sys.getallocatedblocks()))
