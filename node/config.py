@@ -96,6 +96,10 @@ class RunConfig:
     # an owner's own direct uploads of each version: its replica handoff is one more, and repeats
     # and fallbacks come on top (32 peers at 2: the busiest owner uploaded 4.4x what it published)
     owner_fanout: int = 1
+    # an owner's uploads of one version to learners, all reasons, in multiples of its first
+    # upload's size (the replica handoff comes on top): past it, learners are pointed at peers
+    # that hold it or take a later version; a final version is always served (0: no budget)
+    owner_max_uploads: float = 3.0
     # --- evaluation and reporting ------------------------------------------------------------
     eval_every: int = 100
     eval_batches: int = 8
@@ -164,6 +168,9 @@ class RunConfig:
             problems.append(f"--spread-fanout must be 0..64 (0: owners serve every learner), got {self.spread_fanout}")
         if not 1 <= self.owner_fanout <= 64:
             problems.append(f"--owner-fanout must be 1..64, got {self.owner_fanout}")
+        if self.owner_max_uploads != 0 and not self.owner_fanout <= self.owner_max_uploads <= 1024:
+            problems.append(f"--owner-max-uploads must be 0 (no budget) or between --owner-fanout "
+                            f"({self.owner_fanout}) and 1024, got {self.owner_max_uploads}")
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -250,6 +257,10 @@ _HELP = {
                      "serve every learner themselves)",
     "owner_fanout": "with versions spreading: the learners an owner uploads each version to itself before it "
                     "points the others at holders (its replica handoff is one more upload)",
+    "owner_max_uploads": "with versions spreading: the most an owner uploads of one version to learners, for "
+                         "any reason (direct serves, repeats, fallbacks), in multiples of its first upload's "
+                         "size; past it, learners are pointed at peers likely to hold it, or take a later "
+                         "version; final versions are always served (0: no budget)",
     "eval_every": "inner steps between held-out evaluations",
     "eval_batches": "held-out batches per evaluation",
     "overlap_block": "measure overlap: alternate blocks of N steps trained alone and in the swarm (0: off)",

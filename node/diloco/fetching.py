@@ -41,7 +41,7 @@ from protocol.wire.signing import Signer, split_sealed
 if TYPE_CHECKING:
     from node.diloco.learner import LearnerStats
 
-__all__ = ["DIGESTS_KEPT", "LocalOwners", "UpdateNotApplicable", "VersionFetching"]
+__all__ = ["DIGESTS_KEPT", "LocalOwners", "UpdateNotApplicable", "VersionFetching", "VersionRefused"]
 
 log = logging.getLogger("node.diloco.learner")
 
@@ -68,6 +68,12 @@ class LocalOwners(Protocol):
         """(version, flat state, digest) of ``p`` as ``owner_id`` handed it to this peer as its
         replica, else None. The flat state is never written to."""
         ...
+
+
+class VersionRefused(RemoteProtocolError):
+    """The owner (or a holder) refused a version for now (429: busy, or its uploads of the
+    version are spent and no holder served it): not a fault of the version, the learner waits
+    and asks again."""
 
 
 class UpdateNotApplicable(RemoteProtocolError):
@@ -231,8 +237,20 @@ class VersionFetching:
             if got is not None and (not final or got[0] == pointed):
                 return got
             self.spread.fallbacks_asked += 1
-            status, buf, used, _ = await self._from_owner_itself(owner_id, url, p, kind, after=after,
-                                                                 wait_s=5 if final else 0, upd=upd)
+            status, buf, used, headers = await self._from_owner_itself(owner_id, url, p, kind, after=after,
+                                                                       wait_s=5 if final else 0, upd=upd)
+            if status == POINTER_STATUS and not final:
+                # the owner's upload budget for this version is spent: the peers likely to hold
+                # it by now, asked for a fallback (a holder serves each requester one)
+                try:
+                    holders = parse_pointer(memoryview(buf)[:used])
+                finally:
+                    self.transport.pool.give(buf)
+                got = await self._from_holders(p, owner_id, after, holders, upd, fallback=True)
+                if got is not None:
+                    return got
+                raise VersionRefused(f"fragment {p}: the owner's uploads of version {pointed_version(headers)} "
+                                     "are spent and the peers it named did not serve it; waiting for a later one")
         return await self._accept(p, owner_id, status, buf, used, after=after, final=final)
 
     async def _from_owner_itself(self, owner_id: bytes, url: str, p: int, kind: str, *, after: int,
@@ -244,11 +262,13 @@ class VersionFetching:
             timeout_s=60, max_reply=self.max_message,
         )
 
-    async def _from_holders(self, p: int, owner_id: bytes, after: int,
-                            holders: list[bytes], upd: str = "") -> tuple[int, torch.Tensor] | None:
+    async def _from_holders(self, p: int, owner_id: bytes, after: int, holders: list[bytes], upd: str = "",
+                            *, fallback: bool = False) -> tuple[int, torch.Tensor] | None:
         """Fragment ``p``'s first version above ``after`` from the holders named (and those they
-        point at, in order), checked as the owner's; None when none served one."""
+        point at, in order), checked as the owner's; None when none served one. ``fallback``:
+        ask each for a fallback (the owner pointed here instead of serving one)."""
         queue, tried = collections.deque(holders), {self.signer.peer_id, owner_id}
+        upd += "&fallback=1" if fallback else ""
         while queue and len(tried) < HOLDERS_TRIED + 2:
             holder = queue.popleft()
             url = self.url_of(holder) if self.url_of is not None and holder not in tried else None
@@ -294,6 +314,10 @@ class VersionFetching:
                 raise UpdateNotApplicable(f"the holder has only an update over another version of fragment {p}")
             if status == 204:
                 return None
+            if status == POINTER_STATUS:  # to a fallback: the owner's budget for the version is spent
+                raise VersionRefused(f"fragment {p}: pointed at holders where the owner was asked to serve")
+            if status == 429:
+                raise VersionRefused(f"fragment {p}: refused for now (429: {bytes(memoryview(buf)[:min(used, 300)])!r})")
             if status != 200:
                 raise RemoteProtocolError(f"answered {status} for fragment {p}")
             # one worker-thread hop: verify (the one hash of the payload), check, decode

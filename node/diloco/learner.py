@@ -35,7 +35,7 @@ from typing import Any
 import aiohttp
 import torch
 
-from node.diloco.fetching import LocalOwners, UpdateNotApplicable, VersionFetching
+from node.diloco.fetching import LocalOwners, UpdateNotApplicable, VersionFetching, VersionRefused
 from node.diloco.flat import flat_digest
 from node.diloco.island import Island, Outgoing
 from node.diloco.spread import Holdings, SpreadStats
@@ -392,7 +392,9 @@ class IslandNet(VersionFetching):
                     self.island.deliver(p, *got)
                 backoff = 0.2
             except (aiohttp.ClientError, LinkDropped, TimeoutError, OSError, RemoteProtocolError) as exc:
-                if isinstance(exc, RemoteProtocolError):
+                if isinstance(exc, VersionRefused):
+                    self.spread.refusals += 1
+                elif isinstance(exc, RemoteProtocolError):
                     self.stats.bad_versions += 1
                 log.debug("poll for fragment %d failed: %r", p, exc)
                 await asyncio.sleep(backoff)

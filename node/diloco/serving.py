@@ -139,8 +139,12 @@ class VersionServing:
         if asker != self.signer.peer_id:  # our own learner's fetch never leaves the machine
             fanout = self._fanouts.get(p)
             if fanout is None:
-                fanout = self._fanouts[p] = Fanout(self.cfg.owner_fanout if self.cfg.spread_fanout else 0)
-            decision = fanout.decide(owner.version, asker, fallback=request.query.get("fallback") == "1")
+                fanout = self._fanouts[p] = Fanout(self.cfg.owner_fanout if self.cfg.spread_fanout else 0,
+                                                   max_uploads=self.cfg.owner_max_uploads)
+            spent = fanout.over_budget
+            decision = fanout.decide(owner.version, asker, fallback=request.query.get("fallback") == "1",
+                                     size=sealed.size, must=kind == "final")
+            self.spread.over_budget += fanout.over_budget - spent
             if isinstance(decision, Serve):
                 self.spread.owner_bytes += sealed.size
                 self.spread.owned_version(p, owner.version, sealed.size)

@@ -60,7 +60,9 @@ class SpreadStats:
     held_bytes: int = 0  # versions re-served as a holder
     pointers: int = 0  # requests pointed at other holders (owner and holder side)
     refused: int = 0  # requests refused (their share of a version was spent)
+    over_budget: int = 0  # owner side: requests past a version's upload budget (pointed elsewhere or refused)
     fallbacks_asked: int = 0  # learner side: the holders failed, the owner was asked again
+    refusals: int = 0  # learner side: a version refused for now (429; the owner's budget for it spent)
     from_holders: int = 0  # learner side: versions fetched from a holder, not the owner
     bad_from_holders: int = 0  # learner side: a holder served bytes that failed the checks
     replica_held: int = 0  # owner side: learners told they hold the version as its replica (nothing sent)
@@ -212,7 +214,7 @@ class Holdings:
             return web.json_response({"error": "UpdateNotHeld", "reason": f"version {held.version} of fragment {p} "
                                       f"is held as an update over version {held.base} only; ask its owner"},
                                      status=UPDATE_NOT_HELD_STATUS)
-        decision = self.fanouts[p].decide(held.version, who)
+        decision = self.fanouts[p].decide(held.version, who, fallback=request.query.get("fallback") == "1")
         held.readers += 1
         try:
             resp = await answer(request, transport, decision,

@@ -107,7 +107,8 @@ def spread_summary(peers: list[dict[str, Any]]) -> dict[str, Any]:
                                      "owner_upload_per_published": ratio,
                                      "held_bytes": int(s.get("held_bytes", 0))}
     total = {k: sum(int((p.get("spread") or {}).get(k, 0)) for p in peers)
-             for k in ("pointers", "refused", "fallbacks_asked", "from_holders", "bad_from_holders", "replica_held")}
+             for k in ("pointers", "refused", "fallbacks_asked", "from_holders", "bad_from_holders", "replica_held",
+                       "over_budget", "refusals")}
     return {"per_peer": per_peer, "max_owner_upload_per_published": worst, **total}
 
 

@@ -21,6 +21,14 @@ as holders-to-be; an anonymous requester is pointed at holders when there are so
 otherwise (it cannot pass the version on), and its fallbacks are served (requesters without an id
 cannot be told apart: they cost what every request cost before versions spread).
 
+An upload budget (``max_uploads``) bounds all of that by construction: a holder uploads one
+version at most ``max_uploads`` times its size (the size of its first upload of it), whatever the
+reason (direct serves, repeats, fallbacks, anonymous requesters). Past it, a requester is pointed
+at the peers most likely to hold the version by now: those served (directly, then by fallback),
+then those pointed at holders that did not come back for a fallback (a requester that falls back is dropped from them); with
+none, it is refused, and takes a later version. Only a request that must be served (a final
+version, which every peer has to end on) passes the budget: one per learner and run.
+
 Pure logic: versions are ints, peers are ids; the node maps ids to addresses and serves bytes.
 """
 
@@ -33,6 +41,7 @@ __all__ = ["Fanout", "PointTo", "Refuse", "Serve", "SpreadDecision"]
 
 MAX_POINTERS = 4  # holders named in one pointer (the learner tries them in order)
 REPEATS_ALLOWED = 1  # direct serves of one version a requester may ask for again (a broken download)
+MAX_LIKELY = 1024  # requesters remembered per version as likely holders (pointed, not fallen back)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,9 +73,12 @@ SpreadDecision = Serve | PointTo | Refuse
 class _Version:
     served: list[bytes] = field(default_factory=list)  # holders-to-be served directly, in order
     asked: collections.Counter[bytes] = field(default_factory=collections.Counter)  # direct serves per requester
-    fallbacks: set[bytes] = field(default_factory=set)
+    fallbacks: dict[bytes, None] = field(default_factory=dict)  # requesters served a fallback, in order
     pointed: int = 0
     anonymous: int = 0
+    uploaded: int = 0  # bytes uploaded (the sizes given to ``decide``)
+    unit: int = 0  # the size of the first upload: the budget is counted in it
+    likely: dict[bytes, None] = field(default_factory=dict)  # pointed and not fallen back, in order
 
 
 class Fanout:
@@ -75,46 +87,90 @@ class Fanout:
     ``fanout`` >= 1: direct uploads per version to reachable requesters before pointing; 0 turns
     spreading off (every request is served, as an owner did before). ``versions_kept``: how many
     recent versions' bookkeeping is kept (older ones start afresh, which only allows more serves).
+    ``max_uploads`` >= 1: the upload budget per version, in multiples of its first upload's size
+    (0: none; the budget applies with spreading on only).
     """
 
-    def __init__(self, fanout: int, *, versions_kept: int = 4) -> None:
+    def __init__(self, fanout: int, *, versions_kept: int = 4, max_uploads: float = 0.0) -> None:
         if fanout < 0:
             raise ValueError(f"fanout must be >= 0 (0 turns spreading off), got {fanout}")
         if versions_kept < 1:
             raise ValueError(f"versions_kept must be >= 1, got {versions_kept}")
-        self.fanout, self.versions_kept = fanout, versions_kept
+        if max_uploads != 0 and not max_uploads >= max(fanout, 1):
+            raise ValueError(f"max_uploads must be 0 (no budget) or at least the fanout ({max(fanout, 1)}), "
+                             f"got {max_uploads}")
+        self.fanout, self.versions_kept, self.max_uploads = fanout, versions_kept, max_uploads
         self._versions: collections.OrderedDict[int, _Version] = collections.OrderedDict()
         self.served = 0  # direct uploads decided, all versions
         self.pointed = 0  # pointers given, all versions
+        self.over_budget = 0  # requests a spent budget pointed elsewhere or refused, all versions
 
-    def decide(self, version: int, requester: bytes | None, *, fallback: bool = False) -> SpreadDecision:
+    def decide(self, version: int, requester: bytes | None, *, fallback: bool = False, size: int = 1,
+               must: bool = False) -> SpreadDecision:
         """What to do with a request for ``version``. ``requester``: the id of a reachable
         member (None for one that cannot serve others); ``fallback``: the requester says the
-        holders it was pointed at failed it."""
+        holders it was pointed at failed it; ``size``: the bytes a serve would upload (what the
+        budget counts); ``must``: serve it even past the budget (a final version)."""
         if self.fanout == 0:
             return self._serve("spreading is off: every learner is served")
         state = self._state(version)
+        if fallback and requester is not None:
+            state.likely.pop(requester, None)  # it did not get the version where it was pointed
+        spent = (not must and self.max_uploads > 0 and state.unit > 0
+                 and state.uploaded + size > self.max_uploads * state.unit)
+        decision = self._decide(state, version, requester, fallback, spent)
+        if isinstance(decision, Serve):
+            state.unit = state.unit or size
+            state.uploaded += size
+        return decision
+
+    def _decide(self, state: _Version, version: int, requester: bytes | None, fallback: bool,
+                spent: bool) -> SpreadDecision:
+        """The decision, state updated for a serve; ``spent``: a serve would pass the budget."""
         if requester is None and fallback:  # cannot be told apart: served, as before versions spread
-            return self._serve(f"version {version}: fallback for a requester that cannot hold it")
+            return self._spent(state, version, requester) if spent else self._serve(
+                f"version {version}: fallback for a requester that cannot hold it")
         if requester is not None and fallback:
             if requester in state.fallbacks:
                 return Refuse(f"version {version}: a fallback was served to this peer already; "
                               "wait for the next version")
-            state.fallbacks.add(requester)
+            if spent:
+                return self._spent(state, version, requester)
+            state.fallbacks[requester] = None
             return self._serve(f"version {version}: fallback {len(state.fallbacks)} (pointed holders failed)")
         if requester is not None and requester in state.asked:
             if state.asked[requester] > REPEATS_ALLOWED:
                 return self._point(state, version, requester, "asked again past its repeats")
+            if spent:
+                return self._spent(state, version, requester)
             state.asked[requester] += 1
             return self._serve(f"version {version}: served again (a repeat of a direct serve)")
         if requester is not None and len(state.served) < self.fanout:
+            if spent:
+                return self._spent(state, version, requester)
             state.served.append(requester)
             state.asked[requester] = 1
             return self._serve(f"version {version}: direct serve {len(state.served)}/{self.fanout}")
         if not state.served:
+            if spent:
+                return self._spent(state, version, requester)
             state.anonymous += 1
             return self._serve(f"version {version}: no holder yet; anonymous serve {state.anonymous}")
         return self._point(state, version, requester, f"{len(state.served)}/{self.fanout} direct serves done")
+
+    def _spent(self, state: _Version, version: int, requester: bytes | None) -> SpreadDecision:
+        """Past the budget: point at the likeliest holders (not the requester), or refuse."""
+        self.over_budget += 1
+        why = (f"version {version}: {state.uploaded} bytes uploaded already "
+               f"(budget {self.max_uploads:g}x its first upload, {state.unit} bytes)")
+        likely = [h for h in dict.fromkeys((*state.served, *state.fallbacks, *state.likely)) if h != requester]
+        if not likely:
+            return Refuse(f"{why}; no holder to point at: take a later version")
+        start = state.pointed % len(likely)
+        state.pointed += 1
+        self.pointed += 1
+        ordered = tuple((likely[start:] + likely[:start])[:MAX_POINTERS])
+        return PointTo(ordered, f"{why}: pointed at {len(ordered)} likely holder(s)")
 
     def _serve(self, reason: str) -> Serve:
         self.served += 1
@@ -127,6 +183,8 @@ class Fanout:
         start = state.pointed % len(holders)
         state.pointed += 1
         self.pointed += 1
+        if requester is not None and requester not in state.served and len(state.likely) < MAX_LIKELY:
+            state.likely[requester] = None
         ordered = tuple((holders[start:] + holders[:start])[:MAX_POINTERS])
         return PointTo(ordered, f"version {version}: pointed at {len(ordered)} holder(s) ({why})")
 

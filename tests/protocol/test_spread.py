@@ -138,3 +138,114 @@ def test_a_thousand_learners_cost_the_owner_two_uploads() -> None:
     uploads, hops = _spread(1000, 2, random.Random(0))
     assert uploads[0] == 2 and max(uploads.values()) == 2
     assert max(hops.values()) <= 12
+
+
+def test_a_budget_bounds_a_versions_uploads_whatever_the_fallbacks() -> None:
+    fan = Fanout(1, max_uploads=3)
+    assert isinstance(fan.decide(1, _id(1), size=100), Serve)
+    decisions = [fan.decide(1, _id(n), fallback=True, size=100) for n in range(2, 40)]
+    assert sum(isinstance(d, Serve) for d in decisions) == 2  # 3 x 100 bytes in all
+    pointed = [d for d in decisions if isinstance(d, PointTo)]
+    assert len(pointed) == 36 and fan.over_budget == 36
+    # pointed at those that hold it: the direct serve, then the fallbacks served
+    assert {h for d in pointed for h in d.holders} == {_id(1), _id(2), _id(3)}
+    assert all("budget" in d.reason for d in pointed)
+
+
+def test_past_the_budget_with_nobody_to_point_at_a_request_is_refused() -> None:
+    fan = Fanout(1, max_uploads=1)
+    assert isinstance(fan.decide(1, None, size=10), Serve)  # anonymous: it cannot hold the version
+    refused = fan.decide(1, None, fallback=True, size=10)
+    assert isinstance(refused, Refuse) and "take a later version" in refused.reason
+
+
+def test_the_budget_counts_bytes_in_the_versions_first_upload() -> None:
+    fan = Fanout(2, max_uploads=3)
+    assert isinstance(fan.decide(1, _id(1), size=10), Serve)  # an update: the unit is 10 bytes
+    over = fan.decide(1, _id(2), size=80)  # the full version would pass 30 bytes
+    assert isinstance(over, PointTo) and over.holders == (_id(1),)
+    assert isinstance(fan.decide(1, _id(3), size=10), Serve)
+
+
+def test_a_final_version_passes_the_budget() -> None:
+    fan = Fanout(1, max_uploads=1)
+    fan.decide(1, _id(1), size=10)
+    assert isinstance(fan.decide(1, _id(2), fallback=True, size=10), PointTo)
+    assert isinstance(fan.decide(1, _id(2), fallback=True, size=10, must=True), Serve)
+
+
+def test_a_requester_that_fell_back_is_not_named_a_likely_holder() -> None:
+    fan = Fanout(1, max_uploads=1)
+    fan.decide(1, _id(1), size=10)
+    assert isinstance(fan.decide(1, _id(2), size=10), PointTo)  # pointed: likely to hold it soon
+    assert isinstance(fan.decide(1, _id(3), size=10), PointTo)
+    d = fan.decide(1, _id(4), fallback=True, size=10)
+    assert isinstance(d, PointTo) and set(d.holders) == {_id(1), _id(2), _id(3)}
+    fan.decide(1, _id(2), fallback=True, size=10)  # 2 did not get it after all
+    d = fan.decide(1, _id(5), fallback=True, size=10)
+    assert isinstance(d, PointTo) and _id(2) not in d.holders
+
+
+def test_a_budget_below_the_fanout_is_refused() -> None:
+    with pytest.raises(ValueError, match="max_uploads"):
+        Fanout(2, max_uploads=1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(2, 120), hostile=st.floats(0.0, 0.6), budget=st.integers(1, 4),
+       seed=st.integers(0, 2**32 - 1))
+def test_with_hostile_holders_every_honest_learner_gets_the_version_and_the_owner_stays_in_budget(
+        n: int, hostile: float, budget: int, seed: int) -> None:
+    """Learners 1..n fetch one version; hostile ones never serve it. A learner tries the holders
+    it is pointed at (following their pointers), falls back to the owner, and when that fails
+    too, asks again later, and when the owner points it elsewhere instead of serving the fallback,
+    asks those holders for a fallback; the owner (peer 0) has a budget of ``budget`` uploads. Once one honest
+    learner holds the version, all do; when the owner's budget went to hostile learners only, the
+    honest ones take a later version (the owner still uploads no more)."""
+    rng = random.Random(seed)
+    bad = {peer for peer in range(1, n + 1) if rng.random() < hostile}
+    fanouts = {peer: Fanout(1, max_uploads=budget) if peer == 0 else Fanout(2) for peer in range(n + 1)}
+    holds, uploads, from_owner = {0}, collections.Counter[int](), set[int]()
+
+    def ask(holder: int, learner: int, fallback: bool = False) -> list[int] | None:
+        """Serve (None) or the holders pointed at ([] for a refusal)."""
+        if holder in bad or holder not in holds:
+            return []
+        decision = fanouts[holder].decide(3, _id(learner), fallback=fallback, size=10)
+        if isinstance(decision, Serve):
+            uploads[holder] += 1
+            if holder == 0:
+                from_owner.add(learner)
+            holds.add(learner)
+            return None
+        return [int.from_bytes(h, "big") for h in decision.holders] if isinstance(decision, PointTo) else []
+
+    def via(pointed: list[int], learner: int, fallback: bool = False) -> bool:
+        queue, tried = list(pointed), {0, learner}
+        while queue and len(tried) < 12:
+            holder = queue.pop(0)
+            if holder in tried:
+                continue
+            tried.add(holder)
+            more = ask(holder, learner, fallback)
+            if more is None:
+                return True
+            queue[:0] = more
+        return False
+
+    honest = [peer for peer in range(1, n + 1) if peer not in bad]
+    for _ in range(30):  # rounds of asking again
+        waiting = [peer for peer in range(1, n + 1) if peer not in holds]
+        rng.shuffle(waiting)
+        for learner in waiting:
+            pointed = ask(0, learner)
+            if pointed is None or via(pointed, learner):
+                continue
+            again = ask(0, learner, fallback=True)
+            if again is not None:  # the owner's budget is spent: the likely holders, as a fallback
+                via(again, learner, fallback=True)
+        if all(peer in holds for peer in honest):
+            break
+    assert uploads[0] <= budget
+    if not all(peer in holds for peer in honest):  # only when the budget went to hostile learners
+        assert uploads[0] == budget and not from_owner - bad

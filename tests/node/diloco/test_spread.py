@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from node.diloco.island import Island, IslandConfig
+from node.diloco.fetching import VersionRefused
 from node.diloco.learner import IslandNet
 from node.diloco.spread import (
     POINTER_STATUS,
@@ -51,13 +52,19 @@ class FakePeer:
     pointed: int | None = None  # the version a pointer names (its Atoll-Version header)
     pointer: list[bytes] | None = None  # answer with a pointer to these ids instead
     raw_pointer: bytes | None = None
+    spent: list[bytes] | None = None  # an owner whose budget is spent: fallbacks pointed here
+    busy: bool = False  # answer 429
     asked: list[str] = dataclasses.field(default_factory=list)
 
     async def handle(self, method: str, path: str, query: dict[str, str], body: bytes) -> tuple[int, bytes]:
         kind = path.rsplit("/", 1)[-1]
         self.asked.append(kind + ("+fallback" if query.get("fallback") == "1" else ""))
+        if self.busy:
+            return 429, b'{"error": "Busy"}'
         if self.raw_pointer is not None:
             return POINTER_STATUS, self.raw_pointer
+        if self.spent is not None and query.get("fallback") == "1":
+            return POINTER_STATUS, encode_pointer(tuple(self.spent))
         if self.pointer is not None and query.get("fallback") != "1":
             return POINTER_STATUS, encode_pointer(tuple(self.pointer))
         return (200, self.version) if self.version else (204, b"")
@@ -157,6 +164,45 @@ async def test_the_final_version_comes_from_a_holder_when_the_pointer_names_it()
     rig.peers[HOLDER.peer_id].version = rig.signed
     got = await rig.net.fetch(0, after=-1, wait_s=0.0, final=True)
     assert got is not None and got[0] == 0 and rig.net.spread.from_holders == 1
+
+
+async def test_past_the_owners_budget_a_fallback_is_asked_of_the_holders_it_names() -> None:
+    rig = Rig()
+    rig.peers[OWNER.peer_id].pointer = [HOLDER.peer_id]
+    rig.peers[OWNER.peer_id].spent = [HOLDER2.peer_id]
+    rig.peers[OWNER.peer_id].version = rig.signed  # what it would serve, were its budget not spent
+    rig.transport.down.add(URLS[HOLDER.peer_id])
+    rig.peers[HOLDER2.peer_id].version = rig.signed
+    got = await rig.net.fetch(0, after=-1, wait_s=0.0)
+    assert got is not None and torch.equal(got[1], rig.owner.theta)
+    assert rig.peers[OWNER.peer_id].asked == ["next", "next+fallback"]
+    assert rig.peers[HOLDER2.peer_id].asked == ["held+fallback"]
+    assert rig.net.spread.from_holders == 1 and rig.net.spread.fallbacks_asked == 1
+
+
+async def test_past_the_owners_budget_with_no_holder_serving_the_version_is_refused_not_bad() -> None:
+    rig = Rig()
+    rig.peers[OWNER.peer_id].pointer = [HOLDER.peer_id]
+    rig.peers[OWNER.peer_id].spent = [HOLDER2.peer_id]
+    rig.transport.down.add(URLS[HOLDER.peer_id])
+    with pytest.raises(VersionRefused, match="spent"):
+        await rig.net.fetch(0, after=-1, wait_s=0.0)
+    assert rig.peers[HOLDER2.peer_id].asked == ["held+fallback"]
+    rig.peers[OWNER.peer_id] = FakePeer(busy=True)
+    rig.transport.add(URLS[OWNER.peer_id], rig.peers[OWNER.peer_id])  # type: ignore[arg-type]
+    with pytest.raises(VersionRefused, match="429"):
+        await rig.net.fetch(0, after=-1, wait_s=0.0)
+
+
+async def test_a_refused_version_is_waited_out_and_not_counted_as_a_bad_one() -> None:
+    rig = Rig()
+    rig.peers[OWNER.peer_id].busy = True
+    poll = asyncio.create_task(rig.net._poll_loop(0))
+    await asyncio.sleep(0.5)
+    poll.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await poll
+    assert rig.net.spread.refusals >= 2 and rig.net.stats.bad_versions == 0
 
 
 async def test_a_final_pointer_without_a_version_is_a_remote_error() -> None:
@@ -277,3 +323,27 @@ async def test_a_holder_serves_an_update_only_to_learners_holding_its_base() -> 
         after = int(request.query["after"])
         resp = await held.serve(request, Streams(), 0, after, 0.0, None, SpreadStats())  # type: ignore[arg-type]
         assert resp.status == status, query
+
+
+async def test_a_holder_past_its_fanout_serves_a_fallback_once_per_requester() -> None:
+    """An owner whose budget is spent names likely holders and the learner asks them for a
+    fallback: a holder that points others on serves each such requester once."""
+    from aiohttp import web
+    from aiohttp.test_utils import make_mocked_request
+
+    from node.diloco.spread import SpreadStats
+
+    class Streams:
+        async def stream_reply(self, request: Any, chunks: Any, size: int) -> web.StreamResponse:
+            return web.Response(status=200, body=b"".join(bytes(c) for c in chunks))
+
+    held = Holdings(1, CountingPool(), fanout=1)  # type: ignore[arg-type]
+    await held.put(0, 4, bytearray(b"version"), 7, OWNER.peer_id)
+    first, late = signer(20).peer_id, signer(21).peer_id
+    statuses = []
+    for who, query in ((first, "after=3"), (late, "after=3"), (late, "after=3&fallback=1"),
+                       (late, "after=3&fallback=1")):
+        request = make_mocked_request("GET", f"/v1/fragments/0/held?{query}")
+        resp = await held.serve(request, Streams(), 0, 3, 0.0, who, SpreadStats())  # type: ignore[arg-type]
+        statuses.append(resp.status)
+    assert statuses == [200, POINTER_STATUS, 200, 429]
