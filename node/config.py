@@ -96,8 +96,8 @@ class RunConfig:
     # an owner's own direct uploads of each version: its replica handoff is one more, and repeats
     # and fallbacks come on top (32 peers at 2: the busiest owner uploaded 4.4x what it published)
     owner_fanout: int = 1
-    # an owner's uploads of one version to learners, all reasons, in multiples of its first
-    # upload's size (the replica handoff comes on top): past it, learners are pointed at peers
+    # an owner's uploads of one version to learners, all reasons and forms (full, update), in
+    # multiples of its full size (the replica handoff comes on top): past it, learners are pointed at peers
     # that hold it or take a later version; a final version is always served (0: no budget)
     owner_max_uploads: float = 3.0
     # --- evaluation and reporting ------------------------------------------------------------
@@ -258,8 +258,8 @@ _HELP = {
     "owner_fanout": "with versions spreading: the learners an owner uploads each version to itself before it "
                     "points the others at holders (its replica handoff is one more upload)",
     "owner_max_uploads": "with versions spreading: the most an owner uploads of one version to learners, for "
-                         "any reason (direct serves, repeats, fallbacks), in multiples of its first upload's "
-                         "size; past it, learners are pointed at peers likely to hold it, or take a later "
+                         "any reason (direct serves, repeats, fallbacks) and in any form (full, or an update), "
+                         "in multiples of its full size; past it, learners are pointed at peers likely to hold it, or take a later "
                          "version; final versions are always served (0: no budget)",
     "eval_every": "inner steps between held-out evaluations",
     "eval_batches": "held-out batches per evaluation",

@@ -143,7 +143,7 @@ class VersionServing:
                                                    max_uploads=self.cfg.owner_max_uploads)
             spent = fanout.over_budget
             decision = fanout.decide(owner.version, asker, fallback=request.query.get("fallback") == "1",
-                                     size=sealed.size, must=kind == "final")
+                                     size=sealed.size, unit=owner.latest.size, must=kind == "final")
             self.spread.over_budget += fanout.over_budget - spent
             if isinstance(decision, Serve):
                 self.spread.owner_bytes += sealed.size

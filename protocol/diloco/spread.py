@@ -22,8 +22,8 @@ otherwise (it cannot pass the version on), and its fallbacks are served (request
 cannot be told apart: they cost what every request cost before versions spread).
 
 An upload budget (``max_uploads``) bounds all of that by construction: a holder uploads one
-version at most ``max_uploads`` times its size (the size of its first upload of it), whatever the
-reason (direct serves, repeats, fallbacks, anonymous requesters). Past it, a requester is pointed
+version at most ``max_uploads`` times its size (its full size, as an owner counts it, in whatever
+forms it serves it: full, or updates over the version before), whatever the reason (direct serves, repeats, fallbacks, anonymous requesters). Past it, a requester is pointed
 at the peers most likely to hold the version by now: those served (directly, then by fallback),
 then those pointed at holders that did not come back for a fallback (a requester that falls back is dropped from them); with
 none, it is refused, and takes a later version. Only a request that must be served (a final
@@ -77,7 +77,7 @@ class _Version:
     pointed: int = 0
     anonymous: int = 0
     uploaded: int = 0  # bytes uploaded (the sizes given to ``decide``)
-    unit: int = 0  # the size of the first upload: the budget is counted in it
+    unit: int = 0  # the size the budget is counted in (the version's full size, or its first upload's)
     likely: dict[bytes, None] = field(default_factory=dict)  # pointed and not fallen back, in order
 
 
@@ -87,8 +87,8 @@ class Fanout:
     ``fanout`` >= 1: direct uploads per version to reachable requesters before pointing; 0 turns
     spreading off (every request is served, as an owner did before). ``versions_kept``: how many
     recent versions' bookkeeping is kept (older ones start afresh, which only allows more serves).
-    ``max_uploads`` >= 1: the upload budget per version, in multiples of its first upload's size
-    (0: none; the budget applies with spreading on only).
+    ``max_uploads`` >= 1: the upload budget per version, in multiples of its size (the ``unit``
+    given to ``decide``, else its first upload's size; 0: none; with spreading on only).
     """
 
     def __init__(self, fanout: int, *, versions_kept: int = 4, max_uploads: float = 0.0) -> None:
@@ -106,16 +106,19 @@ class Fanout:
         self.over_budget = 0  # requests a spent budget pointed elsewhere or refused, all versions
 
     def decide(self, version: int, requester: bytes | None, *, fallback: bool = False, size: int = 1,
-               must: bool = False) -> SpreadDecision:
+               unit: int = 0, must: bool = False) -> SpreadDecision:
         """What to do with a request for ``version``. ``requester``: the id of a reachable
         member (None for one that cannot serve others); ``fallback``: the requester says the
         holders it was pointed at failed it; ``size``: the bytes a serve would upload (what the
-        budget counts); ``must``: serve it even past the budget (a final version)."""
+        budget counts); ``unit``: the size the budget is counted in (an owner's full version,
+        whichever form it serves; 0: the version's first upload); ``must``: serve it even past
+        the budget (a final version)."""
         if self.fanout == 0:
             return self._serve("spreading is off: every learner is served")
         state = self._state(version)
         if fallback and requester is not None:
             state.likely.pop(requester, None)  # it did not get the version where it was pointed
+        state.unit = state.unit or unit
         spent = (not must and self.max_uploads > 0 and state.unit > 0
                  and state.uploaded + size > self.max_uploads * state.unit)
         decision = self._decide(state, version, requester, fallback, spent)
@@ -162,7 +165,7 @@ class Fanout:
         """Past the budget: point at the likeliest holders (not the requester), or refuse."""
         self.over_budget += 1
         why = (f"version {version}: {state.uploaded} bytes uploaded already "
-               f"(budget {self.max_uploads:g}x its first upload, {state.unit} bytes)")
+               f"(budget {self.max_uploads:g}x its size, {state.unit} bytes)")
         likely = [h for h in dict.fromkeys((*state.served, *state.fallbacks, *state.likely)) if h != requester]
         if not likely:
             return Refuse(f"{why}; no holder to point at: take a later version")

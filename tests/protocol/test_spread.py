@@ -167,6 +167,18 @@ def test_the_budget_counts_bytes_in_the_versions_first_upload() -> None:
     assert isinstance(fan.decide(1, _id(3), size=10), Serve)
 
 
+def test_a_budget_in_full_versions_lets_many_small_updates_and_a_few_full_ones_through() -> None:
+    """An owner counts its budget in the version's full size, whichever form it serves: a
+    learner that needs the full version (a resync) is not refused because updates, an eighth of
+    its size, were served first."""
+    fan = Fanout(1, max_uploads=3)
+    decisions = [fan.decide(1, _id(1), size=10, unit=80)]
+    decisions += [fan.decide(1, _id(n), fallback=True, size=10, unit=80) for n in range(2, 20)]
+    assert sum(isinstance(d, Serve) for d in decisions) == 19  # 190 of 240 bytes
+    assert isinstance(fan.decide(1, _id(30), fallback=True, size=80, unit=80), PointTo)  # 270 > 240
+    assert isinstance(fan.decide(1, _id(31), fallback=True, size=10, unit=80), Serve)
+
+
 def test_a_final_version_passes_the_budget() -> None:
     fan = Fanout(1, max_uploads=1)
     fan.decide(1, _id(1), size=10)
