@@ -2,20 +2,19 @@
 
 For each fragment this peer owns, ``FragmentOwner`` holds the global fragment Θ_p (one flat fp32
 vector), its Nesterov buffer and version, and a ``FragmentMerger`` state machine. Contributions
-arrive through ``rpc``; they are checked against the fragment's shapes, decompressed (NaN/Inf
-refused), then fed to the merger with ``now`` from the owner's ``clock`` (``time.monotonic``;
-tests pass a fake one). The timer task calls ``tick`` at the merger's deadline. When the merger says "merge", the owner aggregates (radial-directional averaging, or
-a weighted mean for embedding fragments), applies the outer Nesterov step off the event loop,
-seals the new ``FragmentState`` with its own key and wakes every long-poll waiting for it.
+arrive through ``rpc`` and are checked, decoded and fed to the merger (``node.diloco.intake``)
+with ``now`` from the owner's ``clock`` (``time.monotonic``; tests pass a fake one). The timer
+task calls ``tick`` at the merger's deadline. When the merger says "merge", the owner aggregates
+(the configured aggregate, or a weighted mean for embedding fragments) and applies the outer
+Nesterov step off the event loop, hands the new state to a replica, seals the new version with
+its own key (``node.diloco.sealing``) and wakes every long-poll waiting for it.
 
 A merge that fails (a non-finite aggregate or result, or any unforeseen error) drops the
 contributions that caused it (every one of them: no single one is to blame, since each was
-checked for shape, finiteness and a finite norm on arrival), with the reason logged, and the merger retries with the rest: the same
-failing set is never retried. A new owner that catches up with its predecessor's newer version
-keeps the contributions it already accepted (``FragmentMerger.rebase``).
-
-The sealed bytes are kept verbatim, so any peer holding them can re-serve the version: the
-owner's signature and content hash travel with it.
+checked for shape, finiteness and a finite norm on arrival), with the reason logged, and the
+merger retries with the rest: the same failing set is never retried. A new owner that catches up
+with its predecessor's newer version keeps the contributions it already accepted
+(``FragmentMerger.rebase``).
 """
 
 from __future__ import annotations
@@ -25,8 +24,6 @@ import collections
 import contextlib
 import dataclasses
 import logging
-import math
-import os
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -36,24 +33,17 @@ from typing import cast
 import torch
 
 from node.diloco.eventlog import Content, LoggedMerger
-from node.diloco.flat import (
-    content_hash,
-    encode_flat,
-    flat_digest,
-    flat_from_tensors,
-    flat_is_wire_form,
-    new_flat,
-)
-from node.diloco.replica import Handed, encode_state
+from node.diloco.flat import flat_digest
+from node.diloco.intake import ContributionIntake
+from node.diloco.replica import Handed
+from node.diloco.sealing import VersionSealing
 from protocol.diloco.fragments import Fragment
 from protocol.diloco.merge import Decision, FragmentMerger, MergeConfig, Phase
-from protocol.diloco.norms import all_finite, norm64
+from protocol.diloco.norms import all_finite
 from protocol.diloco.outer import OuterConfig, merge_update
 from protocol.diloco.updates import encode_update
-from protocol.errors import DecodeError, Stale
-from protocol.wire.codec import encode
-from protocol.wire.messages import Ack, Contribution, FragmentState, FragmentUpdate, ReplicaState
-from protocol.wire.signing import Sealed, Signer, seal
+from protocol.wire.messages import Ack, Contribution, ReplicaState
+from protocol.wire.signing import Sealed, Signer
 
 __all__ = ["FragmentOwner", "MergeFailed", "OwnerCounts"]
 
@@ -113,7 +103,7 @@ class OwnerCounts:
         self.recent.append(reason)
 
 
-class FragmentOwner:
+class FragmentOwner(ContributionIntake, VersionSealing):
     """Merges contributions for one fragment and serves its versions."""
 
     def __init__(
@@ -231,95 +221,6 @@ class FragmentOwner:
         """Wait for the merges ``receive`` started (tests, and a clean shutdown)."""
         while self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
-
-    async def _accept(self, sender: bytes, msg: Contribution) -> Decision | Ack:
-        """Decode, check and hand one contribution to the merger: its decision, or the Ack of
-        a refusal before the merger (a base this owner does not hold, work merged already)."""
-        if msg.base_version > self.version:
-            raise Stale(f"base version {msg.base_version} is ahead of the owner's {self.version}")
-        flat, norm = await asyncio.to_thread(self._decode, msg)  # malformed: a 4xx, whatever its base
-        mismatch = self._base_mismatch(msg) or self._already_merged(sender, msg)
-        if mismatch is not None:
-            self._give_back(flat)
-            self.penalties[sender]["refused_base"] += 1
-            log.info("fragment %d: %s", self.fragment.index, mismatch)
-            return Ack(accepted=False, reason=mismatch, version=self.version)
-        if self.log is not None:
-            self.log.note_payload(msg)
-        decision = self.merger.on_contribution(
-            sender, base_version=msg.base_version, tokens=msg.tokens, steps=msg.steps,
-            step_time=msg.step_time, payload=flat, norm=norm, now=self.clock(),
-        )
-        if decision.refusal is not None:
-            self.penalties[sender][f"refused_{decision.refusal}"] += 1
-        if not decision.accepted:
-            self._give_back(flat)
-        log.info("fragment %d: %s", self.fragment.index, decision.reason)
-        return decision
-
-    def _base_mismatch(self, msg: Contribution) -> str | None:
-        """Why ``msg`` cannot be applied here: its base state is not the one this owner holds
-        under that version (a "resync" reason: the learner then fetches the owners' states)."""
-        known = self.digests.get(msg.base_version)
-        if known is None:
-            if msg.base_version >= self.version - self._keep_digests + 2:
-                return (f"resync: base version {msg.base_version} of fragment {self.fragment.index} is not "
-                        f"known here (this owner starts at version {min(self.digests, default=self.version)})")
-            return None  # older than any kept digest: the merger refuses it as stale, with that reason
-        if msg.base_digest not in known:
-            return (f"resync: base version {msg.base_version} of fragment {self.fragment.index} has state "
-                    f"{next(iter(known)).hex()[:12]} here, the contribution was measured against "
-                    f"{msg.base_digest.hex()[:12]}")
-        return None
-
-    def _already_merged(self, sender: bytes, msg: Contribution) -> str | None:
-        """A learner's pseudo-gradient is cumulative since its base: a second one from the same
-        base, after the first was merged (a learner that gave up waiting and sent again), would
-        count the first one's steps twice."""
-        merged = self._merged_base.get(sender)
-        if merged is not None and msg.base_version <= merged:
-            return (f"resync: a contribution of yours based on version {merged} of fragment "
-                    f"{self.fragment.index} was merged already; take version {self.version} first")
-        return None
-
-    def _remember_digests(self, version: int, state_digest: bytes, *others: bytes) -> None:
-        """Know ``version`` by the digest of its state as learners decode it and by ``others``."""
-        self.digests.setdefault(version, set()).update((state_digest, *others))
-        self._state_digest[version] = state_digest
-        if self.log is not None:
-            self.log.note_version(version, state_digest)
-        for old in [v for v in self.digests if v <= version - self._keep_digests]:
-            del self.digests[old]
-            self._state_digest.pop(old, None)
-
-    def digest_of(self, version: int) -> bytes:
-        """The digest of ``version``'s state as learners decode it: what another owner holding
-        the same content computes (not the sealed message's, which differs per seal)."""
-        return self._state_digest[version]
-
-    def _decode(self, msg: Contribution) -> tuple[torch.Tensor, float]:
-        """The contribution as one flat fp32 vector (in a reused buffer when one is spare) and
-        its norm. Raises ``DecodeError`` for a wrong shape or NaN/Inf (``flat_from_tensors``)."""
-        numel = self.theta.numel()
-        try:
-            out = self._spare.pop()
-        except IndexError:
-            out = new_flat(numel)
-        try:
-            flat = flat_from_tensors(msg.tensors, self.shapes, out=out)
-        except BaseException:
-            self._give_back(out)
-            raise
-        norm = norm64(flat)
-        if not math.isfinite(norm):  # cannot happen for finite fp32 values, but never trust it
-            self._give_back(flat)
-            raise DecodeError("the contribution's norm is not finite")
-        return flat, norm
-
-    def _give_back(self, flat: torch.Tensor) -> None:
-        """Keep a decoded contribution's buffer for the next one (nothing else refers to it)."""
-        if len(self._spare) < self._spare_max and flat.numel() == self.theta.numel():
-            self._spare.append(flat)
 
     async def set_expected(self, n: int) -> None:
         """Tell the merger how many live learners may contribute; may close the round."""
@@ -514,24 +415,12 @@ class FragmentOwner:
         state = self._replica_state(version, digest, theta, buffer, merged) if self.replicate else None
         if tensors is None:
             return _Next(theta, buffer, latest, digest, message_digest, state)
+        update = self._seal_update(version, tensors, digest)
         base_digest = self.digest_of(version - 1)
-        msg = FragmentUpdate(swarm=self.swarm, fragment=self.fragment.index, version=version,
-                             base_version=version - 1, base_digest=base_digest, state_digest=digest,
-                             tensors=tuple(tensors))
-        update = seal(encode(msg), self.signer, now=self.wall_clock(), nonce=os.urandom(16))
         state_update = (dataclasses.replace(state, theta=tuple(tensors), momentum=(), base_version=version - 1,
                                             base_digest=base_digest)
                         if state is not None and buffer is None else None)
         return _Next(theta, buffer, latest, digest, message_digest, state, update, residual, state_update)
-
-    def sealed_after(self, after: int, *, update_ok: bool, full_every: int = 0) -> Sealed:
-        """What a learner holding version ``after`` should fetch of the latest version: the update
-        over ``after`` when it asked for one and it exists (and the version is not one of every
-        ``full_every`` that go out full), else the full state."""
-        if (update_ok and self.update is not None and after == self.version - 1
-                and not (full_every > 0 and self.version % full_every == 0)):
-            return self.update
-        return self.latest
 
     def _outer(self, peers: list[bytes], deltas: list[torch.Tensor], weights: list[float],
                clips: list[float], scale: float = 1.0,
@@ -546,21 +435,6 @@ class FragmentOwner:
             raise MergeFailed(f"the outer step over {len(peers)} contributions is not finite; "
                               "no single one is to blame, all are dropped", frozenset(peers))
         return theta, buffer
-
-    def _replica_state(self, version: int, digest: bytes, theta: torch.Tensor,
-                       buffer: torch.Tensor | None, merged: Mapping[bytes, int]) -> ReplicaState:
-        return encode_state(swarm=self.swarm, fragment=self.fragment.index, epoch=self.epoch, version=version,
-                            digest=digest, theta=theta, momentum=buffer, merged=merged)
-
-    def snapshot(self) -> ReplicaState:
-        """The whole state at the latest version (handed to the successor when retiring)."""
-        digest = self.digest_of(self.version)
-        return self._replica_state(self.version, digest, self.theta, self.buffer, dict(self._merged_base))
-
-    def state(self) -> Handed:
-        """The whole state at the latest version, as held (for an owner checkpoint)."""
-        return Handed(self.fragment.index, self.epoch, self.version, self.digest_of(self.version),
-                      self.theta, self.buffer, self.signer.peer_id, dict(self._merged_base))
 
     async def take_over(self, handed: Handed) -> bool:
         """Start from a state handed over by the previous owner (or to us as its replica), before
@@ -594,19 +468,3 @@ class FragmentOwner:
         if decision is not None:
             await self._apply(decision)
         return True
-
-    def _seal_state(self, version: int, theta: torch.Tensor) -> tuple[Sealed, bytes, bytes]:
-        """Seal ``theta`` as ``version`` (its tensors are views of ``theta``, which is never
-        written to). Returns the sealed state and the two digests a learner may name it by: of
-        the flat state as decoded (``flat_digest``; for ``none`` it is the content hash) and of
-        the sealed message (a learner that took this version from the wire has verified that
-        digest already; the same state always encodes to the same message bytes)."""
-        tensors = encode_flat(theta, self.shapes, self.download_codec, copy=False)
-        chash = content_hash(tensors)
-        state = FragmentState(
-            swarm=self.swarm, fragment=self.fragment.index, version=version,
-            tensors=tuple(tensors), content_hash=chash,
-        )
-        sealed = seal(encode(state), self.signer, now=self.wall_clock(), nonce=os.urandom(16))
-        digest = chash if flat_is_wire_form(tensors) else flat_digest(flat_from_tensors(tensors, self.shapes))
-        return sealed, digest, sealed.digest

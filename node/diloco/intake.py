@@ -1,0 +1,127 @@
+"""What an owner takes in: each contribution decoded, checked and handed to its merger.
+
+``ContributionIntake`` is mixed into ``FragmentOwner`` (which provides the attributes below). A
+contribution is decoded into one flat fp32 vector (a buffer kept from an earlier merge when one
+is spare; fresh memory is slow to fill), its norm measured once (the merge reuses it), and it
+is refused before the merger when it was measured against a state this owner does not hold under
+that version, or when the sender's work from that base was merged already (a pseudo-gradient is
+cumulative since its base: counting it twice would count its steps twice).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from node.diloco.eventlog import LoggedMerger
+from node.diloco.flat import flat_from_tensors, new_flat
+from protocol.diloco.fragments import Fragment
+from protocol.diloco.merge import Decision, FragmentMerger
+from protocol.diloco.norms import norm64
+from protocol.errors import DecodeError, Stale
+from protocol.wire.messages import Ack, Contribution
+
+if TYPE_CHECKING:
+    from node.diloco.owner import OwnerCounts
+
+__all__ = ["ContributionIntake"]
+
+log = logging.getLogger("node.diloco.owner")
+
+
+class ContributionIntake:
+    """The contribution-taking side of ``FragmentOwner``."""
+
+    fragment: Fragment
+    shapes: list[tuple[int, ...]]
+    theta: torch.Tensor
+    version: int
+    digests: dict[int, set[bytes]]
+    merger: FragmentMerger
+    log: LoggedMerger | None
+    clock: Callable[[], float]
+    _keep_digests: int
+    _merged_base: dict[bytes, int]
+    _spare: list[torch.Tensor]
+    _spare_max: int
+
+    counts: OwnerCounts
+
+    async def _accept(self, sender: bytes, msg: Contribution) -> Decision | Ack:
+        """Decode, check and hand one contribution to the merger: its decision, or the Ack of
+        a refusal before the merger (a base this owner does not hold, work merged already)."""
+        if msg.base_version > self.version:
+            raise Stale(f"base version {msg.base_version} is ahead of the owner's {self.version}")
+        flat, norm = await asyncio.to_thread(self._decode, msg)  # malformed: a 4xx, whatever its base
+        mismatch = self._base_mismatch(msg) or self._already_merged(sender, msg)
+        if mismatch is not None:
+            self._give_back(flat)
+            self.counts.penalties[sender]["refused_base"] += 1
+            log.info("fragment %d: %s", self.fragment.index, mismatch)
+            return Ack(accepted=False, reason=mismatch, version=self.version)
+        if self.log is not None:
+            self.log.note_payload(msg)
+        decision = self.merger.on_contribution(
+            sender, base_version=msg.base_version, tokens=msg.tokens, steps=msg.steps,
+            step_time=msg.step_time, payload=flat, norm=norm, now=self.clock(),
+        )
+        if decision.refusal is not None:
+            self.counts.penalties[sender][f"refused_{decision.refusal}"] += 1
+        if not decision.accepted:
+            self._give_back(flat)
+        log.info("fragment %d: %s", self.fragment.index, decision.reason)
+        return decision
+
+    def _base_mismatch(self, msg: Contribution) -> str | None:
+        """Why ``msg`` cannot be applied here: its base state is not the one this owner holds
+        under that version (a "resync" reason: the learner then fetches the owners' states)."""
+        known = self.digests.get(msg.base_version)
+        if known is None:
+            if msg.base_version >= self.version - self._keep_digests + 2:
+                return (f"resync: base version {msg.base_version} of fragment {self.fragment.index} is not "
+                        f"known here (this owner starts at version {min(self.digests, default=self.version)})")
+            return None  # older than any kept digest: the merger refuses it as stale, with that reason
+        if msg.base_digest not in known:
+            return (f"resync: base version {msg.base_version} of fragment {self.fragment.index} has state "
+                    f"{next(iter(known)).hex()[:12]} here, the contribution was measured against "
+                    f"{msg.base_digest.hex()[:12]}")
+        return None
+
+    def _already_merged(self, sender: bytes, msg: Contribution) -> str | None:
+        """A learner's pseudo-gradient is cumulative since its base: a second one from the same
+        base, after the first was merged (a learner that gave up waiting and sent again), would
+        count the first one's steps twice."""
+        merged = self._merged_base.get(sender)
+        if merged is not None and msg.base_version <= merged:
+            return (f"resync: a contribution of yours based on version {merged} of fragment "
+                    f"{self.fragment.index} was merged already; take version {self.version} first")
+        return None
+
+    def _decode(self, msg: Contribution) -> tuple[torch.Tensor, float]:
+        """The contribution as one flat fp32 vector (in a reused buffer when one is spare) and
+        its norm. Raises ``DecodeError`` for a wrong shape or NaN/Inf (``flat_from_tensors``)."""
+        numel = self.theta.numel()
+        try:
+            out = self._spare.pop()
+        except IndexError:
+            out = new_flat(numel)
+        try:
+            flat = flat_from_tensors(msg.tensors, self.shapes, out=out)
+        except BaseException:
+            self._give_back(out)
+            raise
+        norm = norm64(flat)
+        if not math.isfinite(norm):  # cannot happen for finite fp32 values, but never trust it
+            self._give_back(flat)
+            raise DecodeError("the contribution's norm is not finite")
+        return flat, norm
+
+    def _give_back(self, flat: torch.Tensor) -> None:
+        """Keep a decoded contribution's buffer for the next one (nothing else refers to it)."""
+        if len(self._spare) < self._spare_max and flat.numel() == self.theta.numel():
+            self._spare.append(flat)
