@@ -123,12 +123,14 @@ class PeerNode(SwarmPresence, OwnedFragments, OwnerHandoffs, VersionServing):
         named = dict(model.named_parameters())
         self.shapes = [[tuple(named[n].shape) for n in f.names] for f in plan.fragments]
         self.owners: dict[int, FragmentOwner] = {}
-        self._retired_owners: list[OwnerCounts] = []  # what is kept of the owners this peer retired
+        self._retired_owners: dict[int, list[OwnerCounts]] = {}  # what is kept of the owners this peer retired
         self._suspect_since: dict[bytes, float] = {}  # peer id -> when it failed us (wall clock)
         self._owner_tasks: dict[int, asyncio.Task[None]] = {}
         self.net: IslandNet | None = None
         self.learning = True
         self.awaited_members = 0  # wait_for_members: read members often until this many are seen
+        self.record_published_at: float | None = None  # monotonic time our record was last stored
+        self.lease_lapses = 0  # versions not published: our record may have expired in others' views
         self.reachable = False
         self.step = 0
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -197,7 +199,7 @@ class PeerNode(SwarmPresence, OwnedFragments, OwnerHandoffs, VersionServing):
 
     def all_owners(self) -> list[OwnerCounts]:
         """The counts of every fragment owner this peer has run, retired ones included."""
-        return [*(o.counts for o in self.owners.values()), *self._retired_owners]
+        return [*(o.counts for o in self.owners.values()), *(c for kept in self._retired_owners.values() for c in kept)]
 
     def status(self) -> dict[str, Any]:
         members = self.membership.members if self.membership else {}
@@ -225,7 +227,8 @@ class PeerNode(SwarmPresence, OwnedFragments, OwnerHandoffs, VersionServing):
             "versions": list(island_versions),
             "owned": {str(p): o.version for p, o in self.owners.items()},
             "owner_epochs": {str(p): o.epoch for p, o in self.owners.items()},
-            "replicas": {**self.replicas.status(), "unreplicated_versions": self.unreplicated},
+            "replicas": {**self.replicas.status(), "unreplicated_versions": self.unreplicated,
+                         "lease_lapses": self.lease_lapses},
             "bytes_sent": self.transport.bytes_sent, "bytes_received": self.transport.bytes_received,
             "remote_errors": dict(self.rpc.errors),
             "penalties": self.penalties(),
@@ -278,7 +281,8 @@ class PeerNode(SwarmPresence, OwnedFragments, OwnerHandoffs, VersionServing):
                     self.joined.set()
                     raise
                 self.joined.set()
-                tasks = [tg.create_task(self.net.run()), tg.create_task(self._membership_loop())]
+                tasks = [tg.create_task(self.net.run()), tg.create_task(self._record_loop()),
+                         tg.create_task(self._membership_loop())]
                 await self._stop.wait()
                 for t in [*tasks, *self._owner_tasks.values()]:
                     t.cancel()

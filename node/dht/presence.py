@@ -10,9 +10,10 @@ only), read the member list, download every global fragment at its latest versio
 current owner (``_sync``, verified against the owner's key), then publish our own member record.
 Only then may the rendezvous hash hand us fragments to own.
 
-Membership (``_membership_loop``): republish our record when it changes (at once) or every
-``REPUBLISH_S``, read everyone's, follow a newer swarm manifest, and reconcile the fragments we
-own, every ``MEMBERSHIP_PERIOD_S`` (``JOINING_PERIOD_S`` while ``wait_for_members`` waits for
+Our record (``_record_loop``): republished when it changes (within ``RECORD_CHECK_S``) or every
+``REPUBLISH_S``, in a loop of its own, so that nothing the membership loop waits for can let it
+lapse. Membership (``_membership_loop``): read everyone's records, follow a newer swarm manifest,
+and reconcile the fragments we own, every ``MEMBERSHIP_PERIOD_S`` (``JOINING_PERIOD_S`` while ``wait_for_members`` waits for
 more). A member that refuses our connections is a suspect and routed around until it
 republishes (``suspects``). A sealed request from a key that is no member is admitted after one
 rate-limited read of the records finds it (``_authorize``).
@@ -57,6 +58,7 @@ log = logging.getLogger("atoll.peer")
 MEMBERSHIP_PERIOD_S = 2.0
 JOINING_PERIOD_S = 0.5  # the membership period while fewer members are seen than wait_for_members awaits
 REPUBLISH_S = 6.0
+RECORD_CHECK_S = 0.5  # how often our record is compared with what was last published
 JOIN_ATTEMPTS = 5
 MAX_STATE = 1 << 30
 # A sealed request from a key that is not (yet) a member makes the owner read the member records
@@ -86,6 +88,7 @@ class SwarmPresence:
     learning: bool
     step: int
     awaited_members: int
+    record_published_at: float | None
     synced: dict[int, tuple[int, torch.Tensor]]
     member_lookups: int
     _tg: asyncio.TaskGroup | None
@@ -191,7 +194,13 @@ class SwarmPresence:
     def url(self) -> str:
         return self.public_address or self.transport.url
 
-    async def _membership_loop(self) -> None:
+    async def _record_loop(self) -> None:
+        """Keep our member record live: republish it when it changes or every ``REPUBLISH_S``.
+
+        A loop of its own: the membership loop's reads, handoffs and the merges it starts
+        (``set_expected``) can take longer than the record's TTL on a loaded machine, and a
+        record that lapses makes the others hand our fragments to a successor while we still
+        merge them."""
         assert self.membership is not None
         published_at, published = 0.0, None
         while True:
@@ -200,9 +209,20 @@ class SwarmPresence:
             # change of role, address, reachability or manifest is published at once
             changed = published is None or dataclasses.replace(record, step=published.step) != published
             if changed or time.monotonic() - published_at > REPUBLISH_S:
-                with contextlib.suppress(Exception):
-                    await self.membership.publish(record)
-                    published, published_at = record, time.monotonic()
+                started = time.monotonic()  # the record's TTL runs from no earlier than this
+                try:
+                    if await self.membership.publish(record):
+                        published, published_at = record, started
+                        self.record_published_at = started
+                    else:
+                        log.debug("publishing our member record: no node took it")
+                except Exception as exc:  # the DHT is unreachable for now: the next pass tries again
+                    log.debug("publishing our member record failed: %r", exc)
+            await asyncio.sleep(RECORD_CHECK_S)
+
+    async def _membership_loop(self) -> None:
+        assert self.membership is not None
+        while True:
             with contextlib.suppress(Exception):
                 await self.membership.refresh()
             await self._follow_manifest()
@@ -274,7 +294,9 @@ class SwarmPresence:
         await self.membership.refresh()
         if self.membership.owner_candidates():
             await self._sync()
-        await self.membership.publish(self.my_record())
+        started = time.monotonic()
+        if await self.membership.publish(self.my_record()):
+            self.record_published_at = started
         await self.membership.refresh()
         await self._reconcile_owners()
         log.info("joined swarm %s: %d members, reachable=%s", self.cfg.swarm,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from typing import TYPE_CHECKING
 
 import aiohttp
@@ -33,6 +34,7 @@ log = logging.getLogger("atoll.peer")
 
 REPLICAS = 1  # replicas per fragment beside its owner (r = 2): each holds the owner's last state
 MAX_EPOCH_BUMPS = 3  # per handoff: stale fences passed by adopting an epoch above them
+LEASE_MARGIN_S = 5.0  # an owner stops publishing this long before its member record may expire
 
 
 class _FencedBy(Exception):
@@ -66,6 +68,8 @@ class OwnerHandoffs:
     _tg: asyncio.TaskGroup | None
     _passed_on: set[tuple[int, bytes, int]]
     _fenced_until: dict[int, float]
+    record_published_at: float | None  # monotonic: when our member record was last stored (from before the store)
+    lease_lapses: int  # versions not published because our record may have expired in others' views
 
     def suspects(self) -> set[bytes]:
         raise NotImplementedError
@@ -142,6 +146,9 @@ class OwnerHandoffs:
         the version before, sent first: the replica applies it over that version as it took it
         from us or as its own learner holds it (the whole state follows if it holds neither)."""
         assert self.membership is not None
+        lapsed = self._record_lapsed(p)
+        if lapsed is not None:
+            return lapsed
         held = self.replicas.held.get(p)
         if held is not None and held.version >= state.version and held.digest != state.digest:
             # our predecessor handed us this version while we merged ours: its content stands
@@ -175,6 +182,19 @@ class OwnerHandoffs:
                 return (f"fenced: the replica {ranked[0][1]} of fragment {p} refused version {state.version}: "
                         "this peer is not a member in its view")
             tried.add(ranked[0][0])
+
+    def _record_lapsed(self, p: int) -> str | None:
+        """Why this owner must not publish ``p``'s next version: our member record was last stored
+        so long ago that others may see it expire (its TTL, less ``LEASE_MARGIN_S`` for their
+        clocks), drop us, and hand the fragment to a successor; None while it is live."""
+        if self.record_published_at is None or self.membership is None:
+            return None
+        age, lease = time.monotonic() - self.record_published_at, self.membership.ttl_s - LEASE_MARGIN_S
+        if age <= lease:
+            return None
+        self.lease_lapses += 1
+        return (f"fenced: our member record was last stored {age:.1f} s ago, past its {self.membership.ttl_s:g} s "
+                f"TTL less {LEASE_MARGIN_S:g} s: others may have handed fragment {p} to a successor")
 
     def _above_stale_fence(self, p: int, state: ReplicaState, ack: ReplicaAck) -> ReplicaState | None:
         """The handoff again under an epoch above ``ack``'s when the fence that refused it is

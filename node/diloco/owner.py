@@ -102,6 +102,15 @@ class OwnerCounts:
         self.merges_done += 1
         self.recent.append(reason)
 
+    def fold(self, other: OwnerCounts) -> None:
+        """Add ``other``'s counts to these (a peer keeps one ``OwnerCounts`` per fragment for all
+        the owners of it it retired, however often the fragment comes and goes)."""
+        self.merges_done += other.merges_done
+        self.merge_seconds += other.merge_seconds
+        self.recent.extend(other.recent)
+        for peer, counts in other.penalties.items():
+            self.penalties[peer].update(counts)
+
 
 class FragmentOwner(ContributionIntake, VersionSealing):
     """Merges contributions for one fragment and serves its versions."""

@@ -57,7 +57,7 @@ class OwnedFragments:
     owners: dict[int, FragmentOwner]
     event_log_dir: Path | None
     _owner_tasks: dict[int, asyncio.Task[None]]
-    _retired_owners: list[OwnerCounts]
+    _retired_owners: dict[int, list[OwnerCounts]]  # per fragment: the earlier retired owners folded, the last
     _fenced_until: dict[int, float]
     _tg: asyncio.TaskGroup | None
 
@@ -109,7 +109,12 @@ class OwnedFragments:
         replica may hold that version already, and the successor must get it (``retire`` waits
         for it, then the timer is cancelled)."""
         retired = self.owners.pop(p)
-        self._retired_owners.append(retired.counts)  # its counts for the report; its state goes
+        # its counts for the report (its state goes), kept live while a merge under way may
+        # still finish; the fragment's earlier retired owners' are folded into one
+        kept = self._retired_owners.setdefault(p, [])
+        if len(kept) == 2:
+            kept[0].fold(kept.pop())
+        kept.append(retired.counts)
         task = self._owner_tasks.pop(p)
         if finish_merge and self._tg is not None:
             async def cancel_after_retire() -> None:

@@ -451,6 +451,33 @@ async def test_a_retired_owner_leaves_its_counts_and_not_its_state() -> None:
     assert node.penalties()[signer(4).peer_id.hex()]["merged"] == 1
 
 
+def test_a_fragment_retired_many_times_keeps_two_counts_that_add_up() -> None:
+    """Views that flap start and retire an owner of the same fragment again and again: the
+    counts kept do not grow with it (the earlier ones folded into one, the last kept live for a
+    merge that may still finish), and every total still adds up."""
+    from node.diloco.owner import OwnerCounts
+
+    node, _ = _node()
+
+    class Retired:
+        def __init__(self, n: int) -> None:
+            self.counts = OwnerCounts(0, merges_done=n)
+            self.counts.penalties[signer(4).peer_id]["merged"] += n
+
+    class Task:
+        def cancel(self) -> None:
+            pass
+
+    for n in range(1, 101):
+        node.owners[0], node._owner_tasks[0] = Retired(n), Task()  # type: ignore[assignment]
+        node._drop_owner(0)
+    assert len(node._retired_owners[0]) == 2
+    assert sum(c.merges_done for c in node.all_owners()) == 5050
+    assert node.penalties()[signer(4).peer_id.hex()]["merged"] == 5050
+    node._retired_owners[0][-1].merged("a merge that finished after its owner retired")
+    assert sum(c.merges_done for c in node.all_owners()) == 5051
+
+
 async def test_a_final_version_from_an_owner_that_moved_is_asked_of_the_new_one() -> None:
     """Seen once in a 32-peer run slowed by tracing: views of the members differed for minutes, a
     successor that had split off declared its version 15 of fragment 2 final while the owner the
@@ -501,3 +528,58 @@ async def test_a_final_version_from_an_owner_that_moved_is_asked_of_the_new_one(
     asked.clear()
     await node.fetch_final(settle_s=0.01, rechecks=2)
     assert len([a for a in asked if a[0] == q]) == 3
+
+
+async def test_our_record_is_republished_while_the_membership_loop_is_held_up(monkeypatch) -> None:
+    """Under load a membership pass can take longer than the record's TTL (a slow read, a
+    handoff, a merge that ``set_expected`` starts): our record is kept live by a loop of its own,
+    so others do not hand our fragments to a successor meanwhile."""
+    import asyncio
+
+    import node.dht.presence as presence
+
+    monkeypatch.setattr(presence, "REPUBLISH_S", 0.05)
+    monkeypatch.setattr(presence, "RECORD_CHECK_S", 0.01)
+    node, membership = _node()
+    published: list[MemberRecord] = []
+
+    async def publish(record: MemberRecord) -> int:
+        published.append(record)
+        return 1
+
+    async def held_up() -> None:
+        await asyncio.sleep(3600)
+
+    membership.publish = publish  # type: ignore[attr-defined]
+    node._reconcile_owners = held_up  # type: ignore[method-assign]
+    loops = [asyncio.create_task(node._membership_loop()), asyncio.create_task(node._record_loop())]
+    await asyncio.sleep(0.5)
+    for loop in loops:
+        loop.cancel()
+    await asyncio.gather(*loops, return_exceptions=True)
+    assert membership.refreshes == 1  # the membership loop is stuck in its first pass
+    assert len(published) >= 4 and node.record_published_at is not None
+
+
+async def test_an_owner_whose_record_may_have_expired_does_not_publish() -> None:
+    """An owner's member record last stored longer ago than its TTL less a margin may have
+    expired in others' views, and a successor may be merging the fragment: the next version is
+    not handed on (the owner retires, fenced) until our record is stored again."""
+    import time
+
+    from node.diloco.handoffs import LEASE_MARGIN_S
+
+    node, membership = _node()
+    membership.ttl_s = 20.0  # type: ignore[attr-defined]
+    membership.ranked = lambda *a, **k: []  # type: ignore[attr-defined]  # no replica: nothing else fences
+    import torch
+
+    from node.diloco.replica import encode_state
+
+    state = encode_state(swarm="s", fragment=0, epoch=0, version=3, digest=bytes(32), theta=torch.zeros(4),
+                         momentum=None, merged={})
+    node.record_published_at = time.monotonic() - (20.0 - LEASE_MARGIN_S) + 2.0
+    assert await node._replicate(0, state) is None
+    node.record_published_at = time.monotonic() - (20.0 - LEASE_MARGIN_S) - 0.5
+    reason = await node._replicate(0, state)
+    assert reason is not None and reason.startswith("fenced: our member record") and node.lease_lapses == 1

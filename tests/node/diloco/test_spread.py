@@ -12,8 +12,8 @@ import msgpack
 import pytest
 import torch
 
-from node.diloco.island import Island, IslandConfig
 from node.diloco.fetching import VersionRefused
+from node.diloco.island import Island, IslandConfig
 from node.diloco.learner import IslandNet
 from node.diloco.spread import (
     POINTER_STATUS,
