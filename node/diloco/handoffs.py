@@ -34,7 +34,7 @@ log = logging.getLogger("atoll.peer")
 
 REPLICAS = 1  # replicas per fragment beside its owner (r = 2): each holds the owner's last state
 MAX_EPOCH_BUMPS = 3  # per handoff: stale fences passed by adopting an epoch above them
-LEASE_MARGIN_S = 5.0  # an owner stops publishing this long before its member record may expire
+LEASE_MARGIN_S = 2.0  # an owner stops publishing this long before its member record may expire (clock skew)
 
 
 class _FencedBy(Exception):
