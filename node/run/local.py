@@ -58,6 +58,7 @@ __all__ = ["LocalSwarm", "baseline_for", "island_alone_for", "run_local"]
 
 ENDLESS_STEPS = 10**9  # --duration: peers step until --until stops them
 FINISH_GRACE_S = 300.0  # --duration: how long after it the peers may take to agree on a final model
+STARTUP_S_PER_PEER = 4.0  # start-up deadline: 120 s plus this per peer
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ class LocalSwarm:
     """Start, watch and stop N peer processes; collect their results."""
 
     def __init__(self, cfg: RunConfig, run_dir: Path, *, extra_peer_args: dict[int, list[str]] | None = None,
-                 quiet: bool = False, startup_timeout_s: float = 120.0, run_timeout_s: float | None = None,
+                 quiet: bool = False, startup_timeout_s: float | None = None, run_timeout_s: float | None = None,
                  kill_at: dict[int, int] | None = None, admission: str = "open",
                  chaos: ChaosSpec | None = None, duration_s: float | None = None) -> None:
         self.cfg = cfg
@@ -92,7 +93,9 @@ class LocalSwarm:
         self.run_dir = run_dir
         self.extra = extra_peer_args or {}
         self.quiet = quiet
-        self.startup_timeout_s = startup_timeout_s
+        # every peer imports torch and builds its model at once: on a small machine start-up
+        # takes longer the more peers share it (32 peers on 2 cores: ~2 min)
+        self.startup_timeout_s = startup_timeout_s if startup_timeout_s is not None else 120.0 + STARTUP_S_PER_PEER * cfg.peers
         self.run_timeout_s = run_timeout_s
         self.peers: list[PeerProcess] = []
         self.kill_at = dict(kill_at or {})  # fault injection: peer index -> inner step to SIGKILL it at
