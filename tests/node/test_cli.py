@@ -49,6 +49,15 @@ def test_topk2_codec_and_its_block_size() -> None:
         RunConfig(codec="topk2", block_size=5000)
 
 
+@pytest.mark.parametrize("budget", [0.5, float("nan"), float("inf"), 2000.0])
+def test_an_owner_upload_budget_below_the_fanout_or_not_finite_is_refused(budget: float) -> None:
+    with pytest.raises(ValueError, match="--owner-max-uploads must be 0 .no budget. or between --owner-fanout"):
+        RunConfig(owner_max_uploads=budget)
+    assert RunConfig(owner_max_uploads=0).owner_max_uploads == 0  # no budget
+    with pytest.raises(ValueError, match="--owner-max-uploads"):
+        RunConfig(owner_fanout=4, owner_max_uploads=3)
+
+
 def _help(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
     with pytest.raises(SystemExit) as done:
         main([*argv, "--help"])
