@@ -202,23 +202,31 @@ class SwarmPresence:
         record that lapses makes the others hand our fragments to a successor while we still
         merge them."""
         assert self.membership is not None
-        published_at, published = 0.0, None
+        published: MemberRecord | None = None
         while True:
             record = self.my_record()
             # a new step alone is news only every REPUBLISH_S (the status page shows it); a
             # change of role, address, reachability or manifest is published at once
             changed = published is None or dataclasses.replace(record, step=published.step) != published
-            if changed or time.monotonic() - published_at > REPUBLISH_S:
-                started = time.monotonic()  # the record's TTL runs from no earlier than this
+            if changed or time.monotonic() - (self.record_published_at or 0.0) > REPUBLISH_S:
                 try:
-                    if await self.membership.publish(record):
-                        published, published_at = record, started
-                        self.record_published_at = started
+                    if await self._publish_record(record):
+                        published = record
                     else:
                         log.debug("publishing our member record: no node took it")
                 except Exception as exc:  # the DHT is unreachable for now: the next pass tries again
                     log.debug("publishing our member record failed: %r", exc)
             await asyncio.sleep(RECORD_CHECK_S)
+
+    async def _publish_record(self, record: MemberRecord) -> bool:
+        """Store our record; when a node took it, note the time (from before the store: its TTL
+        runs from no earlier than that) as ``record_published_at``, the owners' lease."""
+        assert self.membership is not None
+        started = time.monotonic()
+        if not await self.membership.publish(record):
+            return False
+        self.record_published_at = started
+        return True
 
     async def _membership_loop(self) -> None:
         assert self.membership is not None
@@ -294,9 +302,7 @@ class SwarmPresence:
         await self.membership.refresh()
         if self.membership.owner_candidates():
             await self._sync()
-        started = time.monotonic()
-        if await self.membership.publish(self.my_record()):
-            self.record_published_at = started
+        await self._publish_record(self.my_record())
         await self.membership.refresh()
         await self._reconcile_owners()
         log.info("joined swarm %s: %d members, reachable=%s", self.cfg.swarm,

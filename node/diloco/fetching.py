@@ -226,10 +226,7 @@ class VersionFetching:
             self.stats.finals_held += 1
             return self._held(p)
         if status == POINTER_STATUS:  # the owner served its share: fetch from the holders it names
-            try:
-                holders = parse_pointer(memoryview(buf)[:used])
-            finally:
-                self.transport.pool.give(buf)
+            holders = self._pointer(buf, used)
             pointed = pointed_version(headers)
             if final and pointed is None:
                 raise RemoteProtocolError(f"fragment {p}: a pointer for the final version names no version")
@@ -242,16 +239,19 @@ class VersionFetching:
             if status == POINTER_STATUS and not final:
                 # the owner's upload budget for this version is spent: the peers likely to hold
                 # it by now, asked for a fallback (a holder serves each requester one)
-                try:
-                    holders = parse_pointer(memoryview(buf)[:used])
-                finally:
-                    self.transport.pool.give(buf)
-                got = await self._from_holders(p, owner_id, after, holders, upd, fallback=True)
+                got = await self._from_holders(p, owner_id, after, self._pointer(buf, used), upd, fallback=True)
                 if got is not None:
                     return got
                 raise VersionRefused(f"fragment {p}: the owner's uploads of version {pointed_version(headers)} "
                                      "are spent and the peers it named did not serve it; waiting for a later one")
         return await self._accept(p, owner_id, status, buf, used, after=after, final=final)
+
+    def _pointer(self, buf: bytearray, used: int) -> list[bytes]:
+        """The peer ids a 303 names (its buffer goes back to the pool). Raises ``DecodeError``."""
+        try:
+            return parse_pointer(memoryview(buf)[:used])
+        finally:
+            self.transport.pool.give(buf)
 
     async def _from_owner_itself(self, owner_id: bytes, url: str, p: int, kind: str, *, after: int,
                                  wait_s: float = 0, upd: str = "") -> tuple[int, bytearray, int, dict[str, str]]:
@@ -286,10 +286,7 @@ class VersionFetching:
                 continue
             try:
                 if status == POINTER_STATUS:
-                    try:
-                        queue.extendleft(reversed(parse_pointer(memoryview(buf)[:used])))
-                    finally:
-                        self.transport.pool.give(buf)
+                    queue.extendleft(reversed(self._pointer(buf, used)))
                     continue
                 got = await self._accept(p, owner_id, status, buf, used, after=after, final=False)
             except UpdateNotApplicable as exc:  # an update over another version: not this holder's fault
