@@ -45,6 +45,7 @@ from torch import nn
 from node.config import RunConfig
 from node.dht.membership import config_from_manifest, recipe_of
 from node.dht.swarm import SwarmCredentials
+from node.diloco.inner import interval_by_lr
 from node.diloco.island import Island, IslandConfig
 from node.diloco.ranks import IslandRanks, distributed_rank, unwrap
 from node.peer import PeerNode
@@ -123,6 +124,8 @@ class SwarmIsland:
         if self.rank == 0:  # rank 0 speaks for the island on the swarm (the only rank without torchrun)
             self._island = Island(model, optimizer, self.plan, self._submit,
                                   IslandConfig(inner_steps=self.cfg.inner_steps, adopt_alpha=self.cfg.adopt_alpha,
+                                               interval=interval_by_lr(optimizer, self.cfg.inner_steps,
+                                                                       self.cfg.sync_growth),
                                                rebase=bool(self.cfg.adopt_rebase)))
             self._node = PeerNode(self.cfg, signer, model, self.plan, host=host, port=port,
                                   public_address=public_address, credentials=credentials)
@@ -235,6 +238,8 @@ class SwarmIsland:
         Raises ``TimeoutError`` if the finals do not come within ``finish_timeout_s``."""
         if self._node is not None:
             node = self._node
+            if self.cfg.final_flush:  # the work since each fragment's last contribution
+                self.island.flush(timeout_s=min(30.0, self.finish_timeout_s))
             node.call(node.stop_learning(), timeout=self.finish_timeout_s)
             self.island.adopt_pending()
             final = node.call(node.fetch_final(), timeout=self.finish_timeout_s)

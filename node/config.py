@@ -15,13 +15,14 @@ from pathlib import Path
 from typing import Any
 
 from protocol.diloco.aggregates import AGGREGATES
+from protocol.diloco.interval import GROWTHS
 from protocol.wire.tensors import CODECS, UPDATE_CODECS
 
 __all__ = ["SWARM_WIDE_FIELDS", "RunConfig", "add_run_arguments", "config_from_args"]
 
 # The fields every peer of a swarm must share: the model and how it is cut, merged and weighted
 # (a signed manifest's recipe holds them, but ``swarm``, which becomes the swarm id).
-SWARM_WIDE_FIELDS = ("swarm", "mode", "seed", "model", "batch_size", "fragments", "inner_steps", "codec",
+SWARM_WIDE_FIELDS = ("swarm", "mode", "seed", "model", "batch_size", "fragments", "inner_steps", "sync_growth", "codec",
                      "block_size", "download_codec", "update_codec", "full_every", "outer_lr", "outer_momentum",
                      "quorum", "quorum_fraction", "grace_gamma", "grace_tau", "grace_cap_s", "staleness_bound", "late_policy",
                      "max_tokens_per_step", "aggregate", "rda_max_gain")
@@ -53,6 +54,8 @@ class RunConfig:
     mode: str = "decoupled"  # or "sync" / "ddp": the synchronous comparisons (see _HELP)
     fragments: int = 4
     inner_steps: int = 30  # H: every fragment is due once per H inner steps
+    # how H grows as the inner lr decays: constant, inverse-lr (H/ratio) or qsr (H/ratio²)
+    sync_growth: str = "constant"
     # int4 both ways: in synchronous DiLoCo (where only the codec differs between two runs of a
     # seed) int4 contributions and int4 updates ended within 0.5 % of int8 up / fp32 down on
     # each of 3 seeds, at 190x instead of 46x fewer bytes than fp32 ring all-reduce; over six
@@ -86,6 +89,9 @@ class RunConfig:
     adopt_alpha: float = 0.0
     hold_versions: int = 0  # 1: adopt a trained fragment's new version only once it has shipped
     ship_before_adopt: int = 0  # >0: a fragment trained this many steps ships before taking a newer version
+    # 1: after its last step an island sends every fragment's work no contribution holds yet, and
+    # the owners merge it into their final versions (0: that work, up to H steps, is dropped)
+    final_flush: int = 1
     # 1: adopt by replaying the work no contribution holds yet onto the new version; overwriting
     # (0) undid the steps trained while a fragment was in flight and whenever others' merges
     # came. 4 peers, 6 seeds: Decoupled - sync DiLoCo +1.9 % overwriting, +0.0 % rebasing, at the
@@ -144,6 +150,10 @@ class RunConfig:
             problems.append(f"--late-policy must be carry or drop, got {self.late_policy!r}")
         if self.hold_versions not in (0, 1):
             problems.append(f"--hold-versions must be 0 or 1, got {self.hold_versions}")
+        if self.sync_growth not in GROWTHS:
+            problems.append(f"--sync-growth must be {_one_of(GROWTHS)}, got {self.sync_growth!r}")
+        if self.final_flush not in (0, 1):
+            problems.append(f"--final-flush must be 0 or 1, got {self.final_flush}")
         if self.ship_before_adopt < 0:
             problems.append(f"--ship-before-adopt must be >= 0 (0: off), got {self.ship_before_adopt}")
         if not 0.0 <= self.adopt_alpha < 1.0:
@@ -208,7 +218,11 @@ _HELP = {
     "mode": "decoupled (Atoll), sync (synchronous DiLoCo: quorum = all learners, no grace window, every "
             "learner waits for each merged version) or ddp (sync with H = 1), to compare under the same chaos",
     "fragments": "P: number of model fragments synchronised separately",
-    "inner_steps": "H: inner steps between two syncs of the same fragment",
+    "inner_steps": "H: inner steps between two syncs of the same fragment (the least, with --sync-growth)",
+    "sync_growth": "how H grows as the inner learning rate decays: constant, inverse-lr (H / (lr/peak)) or qsr "
+                   "(H / (lr/peak)^2, the quadratic synchronization rule), at most 100 H",
+    "final_flush": "1: after the last step every island sends the work of each fragment that no contribution "
+                   "holds yet, merged into the owners' final versions; 0: that work is dropped",
     "codec": "pseudo-gradient compression: none, bf16, int8, int4, topk2 (sparse: top-k of each "
              "4096-element chunk, 2-bit values, the rest kept in the error-feedback residual) or sign1 "
              "(one sign bit per value and a mean |value| per block, with error feedback)",

@@ -11,12 +11,15 @@ dimensions (matrices and embeddings), none on biases and LayerNorm gains, as in 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
 from torch import nn
 
-__all__ = ["InnerSchedule", "lr_at", "make_inner_optimizer"]
+from protocol.diloco.interval import interval
+
+__all__ = ["InnerSchedule", "interval_by_lr", "lr_at", "make_inner_optimizer"]
 
 
 class InnerSchedule(Protocol):
@@ -60,3 +63,22 @@ def make_inner_optimizer(model: nn.Module, cfg: InnerSchedule) -> torch.optim.Ad
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
     return torch.optim.AdamW(groups, lr=lr_at(0, cfg), betas=(cfg.beta1, cfg.beta2))
+
+
+def interval_by_lr(optimizer: torch.optim.Optimizer, base: int, growth: str) -> Callable[[int], int] | None:
+    """H at each inner step under ``growth`` (``protocol.diloco.interval``), from the optimizer's
+    own learning rate as a fraction of the highest it has had: 1 through warmup, then the decay
+    of whatever schedule the caller runs. None for ``constant`` (the island keeps ``base``).
+
+    Raises ``LocalProtocolError`` for a growth that ``protocol.diloco.interval`` does not know."""
+    if growth == "constant":
+        return None
+    interval(base, 1.0, growth)  # an unknown growth fails here, not at the first sync
+    peak = 0.0
+
+    def h(_step: int) -> int:
+        nonlocal peak
+        lr = float(optimizer.param_groups[0]["lr"])
+        peak = max(peak, lr)
+        return interval(base, lr / peak if peak > 0 and math.isfinite(lr) and lr > 0 else 1.0, growth)
+    return h

@@ -73,6 +73,9 @@ STALL_MIN_S = 0.050
 @dataclass(frozen=True, slots=True, kw_only=True)
 class IslandConfig:
     inner_steps: int = 30  # H
+    # H for a fragment that syncs at a given inner step (None: always ``inner_steps``); see
+    # protocol.diloco.interval for schedules that grow H as the inner learning rate decays
+    interval: Callable[[int], int] | None = None
     adopt_alpha: float = 0.0
     in_flight_timeout_steps: int = 0  # 0: 2·H; a contribution unanswered this long is given up
     # synchronous DiLoCo (a comparison mode): after shipping a fragment, wait for its merged
@@ -124,6 +127,7 @@ class IslandStats:
     gave_up_in_flight: int = 0
     deferred_adoptions: int = 0
     shipped_before_adopting: int = 0  # contributions sent early, as a newer version arrived
+    flushed: int = 0  # contributions sent at the end of training (``flush``)
     adopted: int = 0
     resynced: int = 0
     step_times: list[float] = field(default_factory=list)
@@ -209,7 +213,7 @@ class Island:
         if not accepted:
             self.in_flight[fragment] = None
             self._shipped[fragment] = None
-            self.next_due[fragment] = self.stats.step + self.cfg.inner_steps
+            self.next_due[fragment] = self.stats.step + self._h()
             with self._arrived:
                 self._arrived.notify_all()
 
@@ -261,6 +265,31 @@ class Island:
                     self.stats.shipped_before_adopting += 1
                 self._adopt(fragment, version, flat)
         return len(arrived)
+
+    def flush(self, timeout_s: float) -> int:
+        """End of training: send every fragment's work that no contribution holds yet.
+
+        Waits (at most ``timeout_s``) for the versions of fragments in flight, so that what
+        ships next is measured from them, adopts what arrived, then ships each fragment trained
+        since. Returns how many fragments shipped. Without it a run's last up-to-H steps of each
+        fragment never reach the global model, which costs most when H grows late in a run."""
+        deadline = time.monotonic() + timeout_s
+        with self._arrived:
+            while self._waiting() and time.monotonic() < deadline:
+                self._arrived.wait(timeout=min(0.5, max(0.0, deadline - time.monotonic())))
+        self.adopt_pending()
+        shipped = 0
+        for p in range(len(self.params)):
+            if self.in_flight[p] is None and self.c_steps[p] > 0:
+                self._ship(p)
+                shipped += 1
+        self.stats.flushed += shipped
+        return shipped
+
+    def _h(self) -> int:
+        """H for a fragment syncing at the current step."""
+        interval = self.cfg.interval
+        return self.cfg.inner_steps if interval is None else max(1, interval(self.stats.step))
 
     def _ships_first(self, p: int) -> bool:
         """Whether fragment ``p``'s work since its last adoption ships before a newer version
@@ -331,7 +360,7 @@ class Island:
         else:
             delta = self._pseudo_gradient(p)
         self.in_flight[p] = self.stats.step
-        self.next_due[p] = self.stats.step + self.cfg.inner_steps
+        self.next_due[p] = self.stats.step + self._h()
         self.stats.sent += 1
         out = Outgoing(
             fragment=p, base_version=self.versions[p], tokens=self.c_tokens[p],
@@ -376,7 +405,7 @@ class Island:
         # H counts from this adoption, which keeps the island in phase with the merge that made
         # it, but kept work is due no later than 2H after it began: versions arriving more often
         # than every H steps cannot starve it
-        h = self.cfg.inner_steps
+        h = self._h()
         self.next_due[p] = self.stats.step + min(h, 2 * h - self.c_steps[p])
         self.in_flight[p] = None
         self._shipped[p] = None

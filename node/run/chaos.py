@@ -41,7 +41,7 @@ from __future__ import annotations
 import random
 import re
 import statistics
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 __all__ = ["MIN_LIVE", "ChaosSchedule", "ChaosSpec", "ChaosSpecError", "Kill", "KillRule", "Restart",
@@ -299,9 +299,10 @@ def median_step_s(progress: Sequence[tuple[float, int, int]]) -> float:
 
 
 def uptime(published: Sequence[tuple[float, int]], fragments: int, start: float, end: float,
-           window_s: float) -> float:
+           window_s: float | Callable[[float], float]) -> float:
     """The fraction of ``[start, end]`` in which every fragment advanced at least once per
-    ``window_s`` (2H: 2 × H × the median inner-step time).
+    ``window_s`` (2H: 2 × H × the median inner-step time; a function of the time a wait began
+    when H grows during the run).
 
     ``published``: ``(time, fragment)`` of each new version. A fragment is *down* from
     ``window_s`` after its last version (or after ``start``) until its next version (or
@@ -312,8 +313,9 @@ def uptime(published: Sequence[tuple[float, int]], fragments: int, start: float,
     for p in range(fragments):
         times = sorted(t for t, f in published if f == p and start <= t <= end)
         for a, b in zip([start, *times], [*times, end], strict=True):
-            if b - a > window_s:
-                down.append((a + window_s, b))
+            w = window_s(a) if callable(window_s) else window_s
+            if b - a > w:
+                down.append((a + w, b))
     lost, reach = 0.0, start
     for a, b in sorted(down):
         if b > reach:

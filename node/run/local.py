@@ -420,6 +420,15 @@ class LocalSwarm:
                else min(self.done_times, default=time.monotonic()))
         step_s = median_step_s(self.progress_log)
         window = 2 * self.cfg.inner_steps * step_s
+        growing = self.cfg.sync_growth != "constant" and self.cfg.mode != "ddp" and step_s > 0
+        from node.diloco.inner import lr_at  # torch: only the accounting needs it
+        from node.workload.baseline import train_config_for
+        from protocol.diloco.interval import interval
+        tcfg = train_config_for(self.cfg)
+
+        def window_at(t: float) -> float:  # 2H at the step the swarm had reached at time t
+            step = max(int((t - start) / step_s), tcfg.warmup_steps)
+            return 2 * interval(self.cfg.inner_steps, lr_at(step, tcfg) / tcfg.lr, self.cfg.sync_growth) * step_s
         published = [(t, f) for (f, _v), t in self.version_times.items()]
         return {
             "chaos": self.chaos.text if self.chaos else None,
@@ -429,7 +438,8 @@ class LocalSwarm:
             "training_s": end - start,
             "median_step_s": step_s,
             "uptime_window_s": window,
-            "uptime": uptime(published, self.cfg.fragments, start, end, window) if window else None,
+            "uptime": uptime(published, self.cfg.fragments, start, end, window_at if growing else window)
+            if window else None,
             "longest_version_gap_s": [round(g, 2) for g in longest_gaps(published, self.cfg.fragments, start, end)],
             "goodput": goodput(results, peers=self.cfg.peers, span_s=end - start),
         }

@@ -25,7 +25,7 @@ import torch
 
 from node.config import RunConfig
 from node.dht.swarm import SwarmCredentials
-from node.diloco.inner import lr_at, make_inner_optimizer
+from node.diloco.inner import interval_by_lr, lr_at, make_inner_optimizer
 from node.diloco.island import Island, IslandConfig
 from node.diloco.ranks import IslandRanks, distributed_rank, leave_process_group
 from node.peer import PeerNode, emit
@@ -44,6 +44,9 @@ from protocol.wire.signing import Signer
 __all__ = ["global_param_hash", "inner_step", "island_sampler", "resolved", "run_peer"]
 
 log = logging.getLogger("atoll.train")
+
+# the end-of-run flush waits this long for the versions of fragments in flight before it ships
+FLUSH_WAIT_S = 30.0
 
 
 def global_param_hash(state: dict[str, torch.Tensor]) -> str:
@@ -196,7 +199,10 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
     # --- the island, resumed from its checkpoint if it has one ---------------------------------
     holder: list[PeerNode] = []
     island = Island(model, optimizer, plan, submit=lambda out: holder[0].net.submit(out) if holder[0].net else None,
-                    cfg=IslandConfig(inner_steps=cfg.inner_steps, adopt_alpha=cfg.adopt_alpha,
+                    cfg=IslandConfig(inner_steps=cfg.inner_steps,
+                                     interval=None if cfg.mode == "ddp" else
+                                     interval_by_lr(optimizer, cfg.inner_steps, cfg.sync_growth),
+                                     adopt_alpha=cfg.adopt_alpha,
                                      wait_for_merge=cfg.mode != "decoupled",
                                      hold_until_shipped=bool(cfg.hold_versions),
                                      ship_before_adopt=cfg.ship_before_adopt, rebase=bool(cfg.adopt_rebase)))
@@ -304,6 +310,9 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
     # --- finalise: all peers end on the owners' final versions ---------------------------------
     if ranks is not None and not ranks.told_to_stop:
         ranks.agree(False)  # the other ranks leave their loop at this same point
+    if cfg.final_flush and island.enabled:
+        flushed = island.flush(timeout_s=FLUSH_WAIT_S)
+        log.info("final flush: sent the unshipped work of %d fragment(s)", flushed)
     node.call(node.stop_learning(), timeout=120)
     memtrace.report()
     if opts.final_sync:

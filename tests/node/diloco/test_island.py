@@ -290,3 +290,49 @@ def test_rebase_work_kept_from_a_long_flight_is_due_within_2h_of_when_it_began()
     for _ in range(3):
         _step(model, opt, island)
     assert len(sent) == 2 and sent[-1].steps == 8 and sent[-1].base_version == 1
+
+
+def _rebasing_island(h: int, fragments: int, interval=None) -> tuple[Island, nn.Module, torch.optim.Optimizer, list[Outgoing]]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    plan = plan_fragments([(n, tuple(p.shape)) for n, p in model.named_parameters()], fragments)
+    sent: list[Outgoing] = []
+    island = Island(model, opt, plan, sent.append, IslandConfig(inner_steps=h, interval=interval))
+    return island, model, opt, sent
+
+
+def test_flush_ships_the_work_no_contribution_holds_measured_from_the_version_in_flight() -> None:
+    island, model, opt, sent = _rebasing_island(h=4, fragments=2)
+    for _ in range(6):  # fragment 0 ships at step 1 and fragment 1 at step 3, both stay in flight
+        _step(model, opt, island)
+    assert [o.fragment for o in sent] == [0, 1]
+    merged = island.global_flat[0] - 0.01  # fragment 0's merged version arrives while flushing
+    island.deliver(0, 1, merged)
+    flushed = island.flush(timeout_s=0.2)  # fragment 1's version never comes: it stays in flight
+    assert flushed == 1 and island.stats.flushed == 1
+    last = sent[-1]
+    assert last.fragment == 0 and last.base_version == 1
+    assert last.steps == 5 and last.tokens == 60  # the 5 steps trained since fragment 0 shipped
+    order = [dict(model.named_parameters())[n] for n in island.plan.fragments[0].names]
+    local = torch.cat([p.detach().reshape(-1) for p in order])
+    assert torch.allclose(last.delta, merged - local)  # Θ_1 − θ: exactly the work on top of it
+    assert island.flush(timeout_s=0.0) == 0  # nothing trained since: nothing more to send
+
+
+def test_flush_sends_nothing_for_a_fragment_untrained_since_it_was_adopted() -> None:
+    island, model, opt, sent = _rebasing_island(h=2, fragments=1)
+    _step(model, opt, island)
+    island.deliver(0, 1, island.global_flat[0].clone())
+    island.adopt_pending()  # the only contribution came back: no work left outside it
+    assert island.c_steps[0] == 0 and island.flush(timeout_s=0.0) == 0 and len(sent) == 1
+
+
+def test_a_growing_interval_spaces_a_fragments_syncs_as_it_says() -> None:
+    island, model, opt, sent = _rebasing_island(h=2, fragments=1, interval=lambda step: 2 if step < 4 else 6)
+    for _ in range(14):
+        _step(model, opt, island)
+        if island.in_flight[0] is not None:  # its version comes back at once
+            island.deliver(0, island.versions[0] + 1, island.global_flat[0].clone())
+    # ships at step 1 (offset 0), due 2 after each adoption until step 4, then 6 after
+    assert [o.sender_step for o in sent] == [1, 4, 11]

@@ -181,6 +181,14 @@ def test_uptime_counts_time_when_a_fragment_went_more_than_the_window_without_a_
                   20.0) == pytest.approx(1 - (30 + 40) / 100)
 
 
+def test_uptime_with_a_window_that_grows_with_h_judges_each_wait_by_when_it_began() -> None:
+    # H grows late in the run: a wait that began at 50 s or later may last 40 s, earlier ones 20 s
+    published = [(10.0, 0), (45.0, 0), (55.0, 0), (90.0, 0)]
+    grows = lambda t: 20.0 if t < 50 else 40.0  # noqa: E731
+    assert uptime(published, 1, 0.0, 100.0, grows) == pytest.approx(1 - 15 / 100)  # down 30..45 only
+    assert uptime(published, 1, 0.0, 100.0, 20.0) == pytest.approx(1 - (15 + 15) / 100)  # and 75..90
+
+
 def test_longest_gap_per_fragment_counts_from_the_start_and_to_the_end() -> None:
     published = [(5.0, 0), (30.0, 0), (90.0, 0), (50.0, 1)]
     assert longest_gaps(published, 3, 0.0, 100.0) == [60.0, 50.0, 100.0]
