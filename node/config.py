@@ -43,7 +43,10 @@ class RunConfig:
     model: str = "small"
     corpus: str | None = None  # None: the Python standard library's own .py files
     corpus_max_bytes: int | None = None
-    steps: int = 600
+    # 3000 steps (96 tokens a parameter of the small model) and H = 200: 15 rounds a fragment,
+    # 1,000x fewer bytes than fp32 ring all-reduce at the eval loss of int8 up / fp32 down at
+    # H = 30 (docs/results.md, "A thousand times fewer bytes"); 600 steps could afford neither
+    steps: int = 3000
     batch_size: int = 16
     lr: float = 6e-3  # bench.quality: -5.3 % eval loss against 3e-3 at M = 4 (docs/benchmarks.md, Quality)
     warmup_steps: int = 50
@@ -53,7 +56,7 @@ class RunConfig:
     # --- Decoupled DiLoCo --------------------------------------------------------------------
     mode: str = "decoupled"  # or "sync" / "ddp": the synchronous comparisons (see _HELP)
     fragments: int = 4
-    inner_steps: int = 30  # H: every fragment is due once per H inner steps
+    inner_steps: int = 200  # H: every fragment is due once per H inner steps (see ``steps``)
     # how H grows as the inner lr decays: constant, inverse-lr (H/ratio) or qsr (H/ratio²)
     sync_growth: str = "constant"
     # int4 both ways: in synchronous DiLoCo (where only the codec differs between two runs of a

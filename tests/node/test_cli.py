@@ -77,7 +77,7 @@ def test_each_commands_help_lists_what_it_uses_with_each_default_once(capsys: py
         assert not re.search(r"\(default: [^)]*\) \(default:", text), argv
         assert "(default: None)" not in text and "(default: )" not in text and "(default: False)" not in text
     local = " ".join(local.split())
-    assert "--steps STEPS inner steps per island (default: 600) --batch-size" in local
+    assert "--steps STEPS inner steps per island (default: 3000) --batch-size" in local
     assert "--corpus CORPUS a text file or folder to train on (default: the Python standard library's .py files) " \
            "--corpus-max-bytes CORPUS_MAX_BYTES read at most this many corpus bytes --steps" in local
 

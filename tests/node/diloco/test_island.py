@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from torch import nn
@@ -10,13 +12,15 @@ from node.diloco.island import Island, IslandConfig, Outgoing
 from protocol.diloco.fragments import plan_fragments
 
 
-def _island(h: int = 4, fragments: int = 2, alpha: float = 0.0) -> tuple[Island, nn.Module, torch.optim.Optimizer, list[Outgoing]]:
+def _island(h: int = 4, fragments: int = 2, alpha: float = 0.0, *, rebase: bool = False,
+            interval: Callable[[int], int] | None = None) -> tuple[Island, nn.Module, torch.optim.Optimizer, list[Outgoing]]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     plan = plan_fragments([(n, tuple(p.shape)) for n, p in model.named_parameters()], fragments)
     sent: list[Outgoing] = []
-    island = Island(model, opt, plan, sent.append, IslandConfig(inner_steps=h, adopt_alpha=alpha, rebase=False))
+    cfg = IslandConfig(inner_steps=h, adopt_alpha=alpha, rebase=rebase, interval=interval)
+    island = Island(model, opt, plan, sent.append, cfg)
     return island, model, opt, sent
 
 
@@ -292,18 +296,8 @@ def test_rebase_work_kept_from_a_long_flight_is_due_within_2h_of_when_it_began()
     assert len(sent) == 2 and sent[-1].steps == 8 and sent[-1].base_version == 1
 
 
-def _rebasing_island(h: int, fragments: int, interval=None) -> tuple[Island, nn.Module, torch.optim.Optimizer, list[Outgoing]]:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
-    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    plan = plan_fragments([(n, tuple(p.shape)) for n, p in model.named_parameters()], fragments)
-    sent: list[Outgoing] = []
-    island = Island(model, opt, plan, sent.append, IslandConfig(inner_steps=h, interval=interval))
-    return island, model, opt, sent
-
-
 def test_flush_ships_the_work_no_contribution_holds_measured_from_the_version_in_flight() -> None:
-    island, model, opt, sent = _rebasing_island(h=4, fragments=2)
+    island, model, opt, sent = _island(h=4, fragments=2, rebase=True)
     for _ in range(6):  # fragment 0 ships at step 1 and fragment 1 at step 3, both stay in flight
         _step(model, opt, island)
     assert [o.fragment for o in sent] == [0, 1]
@@ -321,7 +315,7 @@ def test_flush_ships_the_work_no_contribution_holds_measured_from_the_version_in
 
 
 def test_flush_sends_nothing_for_a_fragment_untrained_since_it_was_adopted() -> None:
-    island, model, opt, sent = _rebasing_island(h=2, fragments=1)
+    island, model, opt, sent = _island(h=2, fragments=1, rebase=True)
     _step(model, opt, island)
     island.deliver(0, 1, island.global_flat[0].clone())
     island.adopt_pending()  # the only contribution came back: no work left outside it
@@ -329,7 +323,7 @@ def test_flush_sends_nothing_for_a_fragment_untrained_since_it_was_adopted() -> 
 
 
 def test_a_growing_interval_spaces_a_fragments_syncs_as_it_says() -> None:
-    island, model, opt, sent = _rebasing_island(h=2, fragments=1, interval=lambda step: 2 if step < 4 else 6)
+    island, model, opt, sent = _island(h=2, fragments=1, rebase=True, interval=lambda step: 2 if step < 4 else 6)
     for _ in range(14):
         _step(model, opt, island)
         if island.in_flight[0] is not None:  # its version comes back at once
