@@ -44,8 +44,8 @@ class RunConfig:
     corpus: str | None = None  # None: the Python standard library's own .py files
     corpus_max_bytes: int | None = None
     # 3000 steps (96 tokens a parameter of the small model) and H = 200: 15 rounds a fragment,
-    # 1,000x fewer bytes than fp32 ring all-reduce at the eval loss of int8 up / fp32 down at
-    # H = 30 (docs/results.md, "A thousand times fewer bytes"); 600 steps could afford neither
+    # 1044-1114x fewer bytes than fp32 ring all-reduce, +1.5 % eval loss against int8 up / fp32
+    # down at H = 30 over six seeds (docs/results.md, "A thousand times fewer bytes at the defaults")
     steps: int = 3000
     batch_size: int = 16
     lr: float = 6e-3  # bench.quality: -5.3 % eval loss against 3e-3 at M = 4 (docs/benchmarks.md, Quality)
