@@ -37,6 +37,7 @@ import shutil
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -420,15 +421,7 @@ class LocalSwarm:
                else min(self.done_times, default=time.monotonic()))
         step_s = median_step_s(self.progress_log)
         window = 2 * self.cfg.inner_steps * step_s
-        growing = self.cfg.sync_growth != "constant" and self.cfg.mode != "ddp" and step_s > 0
-        from node.diloco.inner import lr_at  # torch: only the accounting needs it
-        from node.workload.baseline import train_config_for
-        from protocol.diloco.interval import interval
-        tcfg = train_config_for(self.cfg)
-
-        def window_at(t: float) -> float:  # 2H at the step the swarm had reached at time t
-            step = max(int((t - start) / step_s), tcfg.warmup_steps)
-            return 2 * interval(self.cfg.inner_steps, lr_at(step, tcfg) / tcfg.lr, self.cfg.sync_growth) * step_s
+        growing = window and self.cfg.sync_growth != "constant" and self.cfg.mode != "ddp"  # ddp: H = 1
         published = [(t, f) for (f, _v), t in self.version_times.items()]
         return {
             "chaos": self.chaos.text if self.chaos else None,
@@ -438,11 +431,23 @@ class LocalSwarm:
             "training_s": end - start,
             "median_step_s": step_s,
             "uptime_window_s": window,
-            "uptime": uptime(published, self.cfg.fragments, start, end, window_at if growing else window)
-            if window else None,
+            "uptime": uptime(published, self.cfg.fragments, start, end,
+                             self._growing_window(start, step_s) if growing else window) if window else None,
             "longest_version_gap_s": [round(g, 2) for g in longest_gaps(published, self.cfg.fragments, start, end)],
             "goodput": goodput(results, peers=self.cfg.peers, span_s=end - start),
         }
+
+    def _growing_window(self, start: float, step_s: float) -> Callable[[float], float]:
+        """2H at each time, from the step the swarm had reached then, when H grows as the lr decays."""
+        from node.diloco.inner import lr_at  # torch: only a growing H needs it here
+        from node.workload.baseline import train_config_for
+        from protocol.diloco.interval import interval
+        tcfg, base, growth = train_config_for(self.cfg), self.cfg.inner_steps, self.cfg.sync_growth
+
+        def window_at(t: float) -> float:
+            step = max(int((t - start) / step_s), tcfg.warmup_steps)  # warmup counts as the peak
+            return 2 * interval(base, lr_at(step, tcfg) / tcfg.lr, growth) * step_s
+        return window_at
 
     async def stop(self, grace_s: float = 10.0) -> None:
         """Ask every peer to stop, then terminate, then kill what is left."""

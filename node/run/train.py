@@ -200,8 +200,7 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
     holder: list[PeerNode] = []
     island = Island(model, optimizer, plan, submit=lambda out: holder[0].net.submit(out) if holder[0].net else None,
                     cfg=IslandConfig(inner_steps=cfg.inner_steps,
-                                     interval=None if cfg.mode == "ddp" else
-                                     interval_by_lr(optimizer, cfg.inner_steps, cfg.sync_growth),
+                                     interval=interval_by_lr(optimizer, cfg.inner_steps, cfg.sync_growth),
                                      adopt_alpha=cfg.adopt_alpha,
                                      wait_for_merge=cfg.mode != "decoupled",
                                      hold_until_shipped=bool(cfg.hold_versions),

@@ -53,11 +53,12 @@ PRESETS: dict[str, GPTConfig] = {
 def resolved(cfg: RunConfig) -> RunConfig:
     """``cfg`` with what the GPT workload and the mode imply filled in: a token cap of 0 becomes
     B·T, the most tokens a learner trains per inner step; ``sync`` merges only once every learner
-    contributed (quorum = peers, no grace window), ``ddp`` does so every inner step (H = 1). The
-    swarm's manifest covers the result."""
+    contributed (quorum = peers, no grace window), ``ddp`` does so every inner step (H = 1, which
+    does not grow). The swarm's manifest covers the result."""
     if cfg.mode in ("sync", "ddp"):
         cfg = replace(cfg, quorum=cfg.peers, grace_gamma=0.0,
-                      inner_steps=1 if cfg.mode == "ddp" else cfg.inner_steps)
+                      inner_steps=1 if cfg.mode == "ddp" else cfg.inner_steps,
+                      sync_growth="constant" if cfg.mode == "ddp" else cfg.sync_growth)
     if cfg.max_tokens_per_step:
         return cfg
     block = GPTConfig.preset(cfg.model).block_size
