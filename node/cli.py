@@ -260,7 +260,7 @@ def _local(args: argparse.Namespace) -> int:
         print(f"atoll local: {exc}", file=sys.stderr)
         return 2
     from node.run.checks import check_run
-    from node.run.local import run_local
+    from node.run.local_command import run_local
 
     try:
         check_run(cfg)

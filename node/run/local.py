@@ -4,7 +4,8 @@ The launcher starts peer 0 (``python -m node peer``), waits for the address it b
 starts the other peers giving them only that address: they find each other and the fragments'
 owners through the DHT, as peers joining over the internet do. It shows live progress from the
 JSON lines the peers print, and when every peer has reported its final result it stops them,
-writes the JSON report and the plot, and prints a summary. Ctrl-C stops every peer cleanly.
+hands their results to ``node.run.local_command``, which writes the JSON report and the plot
+and prints a summary. Ctrl-C stops every peer cleanly.
 
 ``--duration S`` runs the swarm for a wall-clock time: every peer gets ``--until`` (the launch
 time + S, start-up included) and steps without end, and stops training then. ``--chaos SPEC``
@@ -53,9 +54,8 @@ from node.run.chaos import (
     median_step_s,
     uptime,
 )
-from node.run.report import build_report, summary_lines, write_report
 
-__all__ = ["LocalSwarm", "baseline_for", "island_alone_for", "run_local"]
+__all__ = ["ENDLESS_STEPS", "LocalSwarm", "PeerProcess", "last_error"]
 
 ENDLESS_STEPS = 10**9  # --duration: peers step until --until stops them
 FINISH_GRACE_S = 300.0  # --duration: how long after it the peers may take to agree on a final model
@@ -474,94 +474,3 @@ def last_error(log_path: Path) -> str:
         return "no log"
     top = [ln for ln in lines if ln.strip() and not ln[0].isspace() and not ln.startswith("Traceback")]
     return top[-1][:300] if top else "its log is empty"
-
-
-def version_accounting(published: list[tuple[int, int, str, int]]) -> dict[str, Any]:
-    """``version_conflicts``: (fragment, version) pairs published with more than one content
-    (must be 0), from every owner's announcements, killed peers' included;
-    ``versions_published``: distinct pairs."""
-    contents: dict[tuple[int, int], set[str]] = {}
-    for fragment, version, digest, _index in published:
-        contents.setdefault((fragment, version), set()).add(digest)
-    conflicts = sorted(k for k, v in contents.items() if len(v) > 1)
-    return {"version_conflicts": len(conflicts),
-            "version_conflict_list": [{"fragment": f, "version": v, "digests": sorted(contents[(f, v)])}
-                                      for f, v in conflicts[:20]],
-            "versions_published": len(contents)}
-
-
-def run_local(cfg: RunConfig, *, report_path: Path | None, baseline: bool = False,
-              alone: bool = False, quiet: bool = False, kill_at: dict[int, int] | None = None,
-              extra_peer_args: dict[int, list[str]] | None = None,
-              attacks: dict[int, str] | None = None, admission: str = "open",
-              chaos: ChaosSpec | None = None, duration_s: float | None = None) -> dict[str, Any]:
-    """Run a local swarm end to end, write the report and plot, print the summary. With
-    ``duration_s`` the peers train until that many seconds after launch instead of ``cfg.steps``."""
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    report_path = report_path or Path("runs") / stamp / "report.json"
-    run_dir = report_path.parent / f"{report_path.stem}-peers"
-    if duration_s is not None:
-        cfg = dataclasses.replace(cfg, steps=ENDLESS_STEPS)
-    swarm = LocalSwarm(cfg, run_dir, quiet=quiet, kill_at=kill_at, extra_peer_args=extra_peer_args,
-                       admission=admission, chaos=chaos, duration_s=duration_s)
-    t0 = time.monotonic()
-    length = f"{duration_s:g} s" if duration_s is not None else f"{cfg.steps} steps"
-    print(f"atoll local: {cfg.peers} peers, {length}, model {cfg.model}, "
-          f"{cfg.fragments} fragments, H={cfg.inner_steps}, codec {cfg.codec}"
-          + (f", chaos {chaos.text}" if chaos else "") + f"; logs in {run_dir}", flush=True)
-    try:
-        results = asyncio.run(swarm.run())
-    except KeyboardInterrupt:
-        print("interrupted: peers stopped", file=sys.stderr)
-        raise
-    config = dict(json.loads(cfg.to_json()))
-    if duration_s is not None:  # "steps": the most any island trained
-        config["steps"] = max((int(r.get("steps", 0)) for r in results), default=0)
-    report = build_report(config, results, time.monotonic() - t0)
-    report.update(swarm.accounting(results))
-    report["attacks"] = {str(i): a for i, a in sorted((attacks or {}).items())}
-    report["killed_peers"] = swarm.killed
-    report.update(version_accounting(swarm.published))
-    report["event_logs"] = sorted(str(p) for p in run_dir.glob("peer*-events/*.jsonl"))
-    if baseline:
-        print("training the synchronous data-parallel baseline at equal tokens ...", flush=True)
-        report["baseline"] = baseline_for(cfg)
-        end = report["baseline"]["eval_loss_end"]
-        report["eval_loss_gap_rel"] = (report["eval_loss"]["end"] - end) / end
-    if alone:
-        print("training peer 0's island alone (same model, shard and steps, no swarm) ...", flush=True)
-        report.update(island_alone_for(cfg, report["eval_loss"]["end"]))
-    png = write_report(report, report_path)
-    for line in summary_lines(report):
-        print(line)
-    print(f"report: {report_path}  plot: {png}")
-    return report
-
-
-def island_alone_for(cfg: RunConfig, swarm_eval_end: float, index: int = 0) -> dict[str, Any]:
-    """The report's ``island_alone`` (island ``index`` trained alone) and ``merge_gain`` (its final
-    eval loss minus the swarm's global model's: positive when merging helped)."""
-    import torch
-
-    from node.run.alone import train_island_alone
-
-    torch.set_num_threads(max(1, cfg.threads))
-    island = train_island_alone(cfg, index)
-    return {"island_alone": island, "merge_gain": island["eval_loss_end"] - swarm_eval_end}
-
-
-def baseline_for(cfg: RunConfig) -> dict[str, Any]:
-    """Synchronous data-parallel training of the same model on the same shards and tokens."""
-    import torch
-
-    from node.workload.baseline import train_config_for, train_data_parallel
-    from node.workload.corpus import load_corpus, split_corpus
-
-    torch.set_num_threads(2)
-    data = load_corpus(Path(cfg.corpus) if cfg.corpus else None, max_bytes=cfg.corpus_max_bytes)
-    train, heldout = split_corpus(data)
-    tcfg = train_config_for(cfg)
-    if cfg.baseline_lr:
-        tcfg = dataclasses.replace(tcfg, lr=cfg.baseline_lr)
-    result = train_data_parallel(tcfg, cfg.peers, train, heldout, log=None)
-    return {**result, "lr": tcfg.lr}
