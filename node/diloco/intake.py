@@ -52,9 +52,17 @@ class ContributionIntake:
 
     counts: OwnerCounts
 
+    if TYPE_CHECKING:  # FragmentOwner's
+        def final_hold(self) -> str | None:
+            ...
+
     async def _accept(self, sender: bytes, msg: Contribution) -> Decision | Ack:
         """Decode, check and hand one contribution to the merger: its decision, or the Ack of
-        a refusal before the merger (a base this owner does not hold, work merged already)."""
+        a refusal before the merger (a final version handed out, a base this owner does not hold,
+        work merged already)."""
+        if (held := self.final_hold()) is not None:  # before decoding: refused at no cost
+            log.info("%s (from %s)", held, sender.hex()[:8])
+            return Ack(accepted=False, reason=held, version=self.version)
         if msg.base_version > self.version:
             raise Stale(f"base version {msg.base_version} is ahead of the owner's {self.version}")
         flat, norm = await asyncio.to_thread(self._decode, msg)  # malformed: a 4xx, whatever its base

@@ -59,6 +59,10 @@ class MergeFailed(Exception):
 
 
 MERGED_BASES_KEPT = 100_000  # senders whose newest merged base is remembered
+# once a version was handed out as final (a learner ending its run takes it and leaves), work that
+# arrives this long after is refused: merging it would leave that learner on another model. An
+# idle swarm that someone joins later merges again once the hold lapses
+FINAL_HOLD_S = 120.0
 
 
 class Fenced(MergeFailed):
@@ -190,6 +194,7 @@ class FragmentOwner(ContributionIntake, VersionSealing):
         self.counts = OwnerCounts(self.fragment.index)  # what outlives this owner once it retires
         self.step_bounds = 0  # merges whose aggregate was scaled down to max_delta_ratio * |Theta|
         self.retired = False
+        self.final_declared: tuple[int, float] | None = None  # (version, when) it was last handed out as final
         self._changed = asyncio.Condition()
         self._wake = asyncio.Event()
         self._retired_event = asyncio.Event()
@@ -286,6 +291,26 @@ class FragmentOwner(ContributionIntake, VersionSealing):
     def idle(self) -> bool:
         """No contribution is waiting and no merge is running: the latest version is final."""
         return self.merger.phase is Phase.COLLECTING and self.merger.count == 0
+
+    def declare_final(self) -> Sealed:
+        """The latest version, handed out as final (call when ``idle`` and no learner is left):
+        contributions are refused for ``FINAL_HOLD_S`` after (``final_hold``)."""
+        if self.final_declared is None or self.final_declared[0] != self.version:
+            log.info("fragment %d: version %d is final", self.fragment.index, self.version)
+        self.final_declared = (self.version, self.clock())
+        return self.latest
+
+    def final_hold(self) -> str | None:
+        """Why a contribution is refused now: a final version was handed out under ``FINAL_HOLD_S``
+        ago, to learners that took it and left; merging would fork them off the rest."""
+        if self.final_declared is None:
+            return None
+        version, at = self.final_declared
+        if self.clock() - at >= FINAL_HOLD_S:
+            return None
+        return (f"fragment {self.fragment.index}: version {version} was handed out as final "
+                f"{self.clock() - at:.1f} s ago (the swarm's run ended); contribution not merged, "
+                f"take the final version instead")
 
     async def wait_after(self, after: int, wait_s: float) -> Sealed | None:
         """The sealed state of the first version above ``after``, waiting up to ``wait_s``.

@@ -212,7 +212,7 @@ class VersionServing:
         read_at = time.monotonic()
         while time.monotonic() < deadline and not owner.retired:
             if self.expected_learners() == 0 and owner.idle():
-                return owner.latest
+                return owner.declare_final()
             await owner.set_expected(self.expected_learners())
             await asyncio.sleep(0.1)
             if self.membership is not None and time.monotonic() - read_at >= FINAL_READ_S:

@@ -139,7 +139,7 @@ class MemoryOwnerPeer:
         if method == "GET" and parts[:2] == ["v1", "fragments"] and len(parts) == 4:
             owner = self.owners[int(parts[2])]
             after, wait = int(query.get("after", "-1")), float(query.get("wait", "0"))
-            sealed = (owner.latest if parts[3] == "final"  # an idle owner's latest is final
+            sealed = (owner.declare_final() if parts[3] == "final"  # an idle owner's latest is final
                       else await owner.wait_after(after, wait) if parts[3] == "next" else None)
             if sealed is not None and query.get("update") == "1":  # as node.diloco.serving
                 named = bytes.fromhex(query.get("digest", ""))

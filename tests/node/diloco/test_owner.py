@@ -12,6 +12,7 @@ import torch
 from node.config import RunConfig
 from node.dht.membership import Member, MemberRecord, Membership
 from node.diloco.flat import content_hash, flat_digest, flat_from_tensors
+from node.diloco.owner import FINAL_HOLD_S
 from node.peer import PeerNode
 from protocol.diloco.fragments import plan_fragments
 from protocol.errors import Stale
@@ -100,6 +101,34 @@ async def test_version_fencing_and_refusals() -> None:
     # a long-poll for a version already held waits; one below it gets the latest at once
     assert await owner.wait_after(1, wait_s=0.0) is None
     assert await owner.wait_after(0, wait_s=0.0) is owner.latest
+
+
+async def test_work_arriving_after_a_final_version_was_handed_out_is_refused_until_the_hold_lapses() -> None:
+    """A learner that ended its run took version v as final and left: a late learner's work (a
+    peer restarted after the end, flushing what its checkpoint held) must not make v + 1, or the
+    swarm ends on two models. An idle swarm joined much later merges again."""
+    _, shapes, clock, theta0, owner = _setup(quorum=1)
+    delta = torch.full_like(theta0, 0.01)
+    await owner.set_expected(1)
+    await owner.contribute(A, contribution(delta, shapes[0], owner=owner))
+    assert owner.version == 1 and owner.idle()
+    final = owner.declare_final()
+    assert final is owner.latest and owner.final_declared == (1, clock.now)
+    clock.advance(3.0)
+    late = await owner.contribute(C, contribution(delta, shapes[0], base_version=1, owner=owner))
+    assert not late.accepted and "version 1 was handed out as final 3.0 s ago" in late.reason
+    assert owner.version == 1 and owner.latest is final and owner.idle()
+    # refused before it is decoded: a malformed payload gets the same answer, not a DecodeError
+    bad = contribution(torch.full((theta0.numel() + 5,), 0.01), [(theta0.numel() + 5,)], base_version=1, owner=owner)
+    assert not (await owner.contribute(C, bad)).accepted
+    # every final answer renews the hold; once it lapses the owner merges again
+    clock.advance(FINAL_HOLD_S - 1.0)
+    owner.declare_final()
+    clock.advance(FINAL_HOLD_S - 1.0)
+    assert not (await owner.contribute(C, contribution(delta, shapes[0], base_version=1, owner=owner))).accepted
+    clock.advance(1.0)
+    assert (await owner.contribute(C, contribution(delta, shapes[0], base_version=1, owner=owner))).accepted
+    assert owner.version == 2
 
 
 async def test_catch_up_keeps_the_contributions_already_accepted() -> None:
