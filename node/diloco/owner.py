@@ -306,10 +306,11 @@ class FragmentOwner(ContributionIntake, VersionSealing):
         if self.final_declared is None:
             return None
         version, at = self.final_declared
-        if self.clock() - at >= FINAL_HOLD_S:
+        age = self.clock() - at
+        if age >= FINAL_HOLD_S:
             return None
         return (f"fragment {self.fragment.index}: version {version} was handed out as final "
-                f"{self.clock() - at:.1f} s ago (the swarm's run ended); contribution not merged, "
+                f"{age:.1f} s ago (the swarm's run ended); contribution not merged, "
                 f"take the final version instead")
 
     async def wait_after(self, after: int, wait_s: float) -> Sealed | None:
