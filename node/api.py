@@ -238,7 +238,7 @@ class SwarmIsland:
         Raises ``TimeoutError`` if the finals do not come within ``finish_timeout_s``."""
         if self._node is not None:
             node = self._node
-            if self.cfg.final_flush:  # the work since each fragment's last contribution
+            if self.cfg.flushes:  # the work since each fragment's last contribution
                 self.island.flush(timeout_s=min(30.0, self.finish_timeout_s))
             node.call(node.stop_learning(), timeout=self.finish_timeout_s)
             self.island.adopt_pending()

@@ -93,8 +93,10 @@ class RunConfig:
     hold_versions: int = 0  # 1: adopt a trained fragment's new version only once it has shipped
     ship_before_adopt: int = 0  # >0: a fragment trained this many steps ships before taking a newer version
     # 1: after its last step an island sends every fragment's work no contribution holds yet, and
-    # the owners merge it into their final versions (0: that work, up to H steps, is dropped)
-    final_flush: int = 1
+    # the owners merge it into their final versions (0: that work, up to H steps, is dropped);
+    # -1 (auto): 1 with plain averaging, 0 with outer momentum, where that last merge is one more
+    # momentum step past the schedule (3 seeds at M = 4, H = 10, mu 0.9: +1.1 % eval loss with it)
+    final_flush: int = -1
     # 1: adopt by replaying the work no contribution holds yet onto the new version; overwriting
     # (0) undid the steps trained while a fragment was in flight and whenever others' merges
     # came. 4 peers, 6 seeds: Decoupled - sync DiLoCo +1.9 % overwriting, +0.0 % rebasing, at the
@@ -155,8 +157,8 @@ class RunConfig:
             problems.append(f"--hold-versions must be 0 or 1, got {self.hold_versions}")
         if self.sync_growth not in GROWTHS:
             problems.append(f"--sync-growth must be {_one_of(GROWTHS)}, got {self.sync_growth!r}")
-        if self.final_flush not in (0, 1):
-            problems.append(f"--final-flush must be 0 or 1, got {self.final_flush}")
+        if self.final_flush not in (-1, 0, 1):
+            problems.append(f"--final-flush must be -1 (auto), 0 or 1, got {self.final_flush}")
         if self.ship_before_adopt < 0:
             problems.append(f"--ship-before-adopt must be >= 0 (0: off), got {self.ship_before_adopt}")
         if not 0.0 <= self.adopt_alpha < 1.0:
@@ -186,6 +188,11 @@ class RunConfig:
                             f"({self.owner_fanout}) and 1024, got {self.owner_max_uploads}")
         if problems:
             raise ValueError("; ".join(problems))
+
+    @property
+    def flushes(self) -> bool:
+        """Whether islands send their unshipped work at the end (``final_flush``, -1 resolved)."""
+        return self.final_flush == 1 or (self.final_flush == -1 and self.outer_momentum == 0)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
@@ -225,7 +232,8 @@ _HELP = {
     "sync_growth": "how H grows as the inner learning rate decays: constant, inverse-lr (H / (lr/peak)) or qsr "
                    "(H / (lr/peak)^2, the quadratic synchronization rule), at most 100 H",
     "final_flush": "1: after the last step every island sends the work of each fragment that no contribution "
-                   "holds yet, merged into the owners' final versions; 0: that work is dropped",
+                   "holds yet, merged into the owners' final versions; 0: that work is dropped; -1 (auto): 1 with "
+                   "plain averaging, 0 with --outer-momentum above 0 (the last merge would be one more momentum step)",
     "codec": "pseudo-gradient compression: none, bf16, int8, int4, topk2 (sparse: top-k of each "
              "4096-element chunk, 2-bit values, the rest kept in the error-feedback residual) or sign1 "
              "(one sign bit per value and a mean |value| per block, with error feedback)",

@@ -309,7 +309,7 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
     # --- finalise: all peers end on the owners' final versions ---------------------------------
     if ranks is not None and not ranks.told_to_stop:
         ranks.agree(False)  # the other ranks leave their loop at this same point
-    if cfg.final_flush and island.enabled:
+    if cfg.flushes and island.enabled:
         flushed = island.flush(timeout_s=FLUSH_WAIT_S)
         log.info("final flush: sent the unshipped work of %d fragment(s)", flushed)
     node.call(node.stop_learning(), timeout=120)

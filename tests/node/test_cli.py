@@ -43,6 +43,15 @@ def test_run_config_json_round_trip_and_unknown_keys() -> None:
         RunConfig.from_json('{"peers": 2, "pears": 3}')
 
 
+def test_the_end_of_run_flush_follows_the_outer_step_unless_told() -> None:
+    # auto: on with plain averaging, off with outer momentum (one more momentum step past the end)
+    assert RunConfig().flushes and not RunConfig(outer_momentum=0.9).flushes
+    assert RunConfig(outer_momentum=0.9, final_flush=1).flushes
+    assert not RunConfig(final_flush=0).flushes
+    with pytest.raises(ValueError, match=r"--final-flush must be -1 \(auto\), 0 or 1, got 2"):
+        RunConfig(final_flush=2)
+
+
 def test_topk2_codec_and_its_block_size() -> None:
     assert RunConfig(codec="topk2", block_size=50).codec == "topk2"
     with pytest.raises(ValueError, match="--block-size must be 1..4096 with topk2"):
