@@ -446,8 +446,9 @@ class FragmentOwner(ContributionIntake, VersionSealing):
         if self.update_codec is not None:  # publish what learners compute from the update
             tensors, theta, residual = encode_update(theta, self.theta, self.residual, self.shapes,
                                                      self.update_codec, block_size=self.block_size)
-        latest, digest, message_digest = self._seal_state(version, theta)
-        state = self._replica_state(version, digest, theta, buffer, merged) if self.replicate else None
+        checked = tensors is None  # _outer checked theta and buffer; an update's result is checked when sealed
+        latest, digest, message_digest = self._seal_state(version, theta, finite=checked)
+        state = self._replica_state(version, digest, theta, buffer, merged, finite=checked) if self.replicate else None
         if tensors is None:
             return _Next(theta, buffer, latest, digest, message_digest, state)
         update = self._seal_update(version, tensors, digest)

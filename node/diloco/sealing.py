@@ -87,9 +87,11 @@ class VersionSealing:
         return seal(encode(msg), self.signer, now=self.wall_clock(), nonce=os.urandom(16))
 
     def _replica_state(self, version: int, digest: bytes, theta: torch.Tensor,
-                       buffer: torch.Tensor | None, merged: Mapping[bytes, int]) -> ReplicaState:
+                       buffer: torch.Tensor | None, merged: Mapping[bytes, int], *,
+                       finite: bool = False) -> ReplicaState:
+        """``finite``: ``theta`` and ``buffer`` were checked for NaN/Inf when made (a merge's)."""
         return encode_state(swarm=self.swarm, fragment=self.fragment.index, epoch=self.epoch, version=version,
-                            digest=digest, theta=theta, momentum=buffer, merged=merged)
+                            digest=digest, theta=theta, momentum=buffer, merged=merged, finite=finite)
 
     def snapshot(self) -> ReplicaState:
         """The whole state at the latest version (handed to the successor when retiring)."""
@@ -101,13 +103,14 @@ class VersionSealing:
         return Handed(self.fragment.index, self.epoch, self.version, self.digest_of(self.version),
                       self.theta, self.buffer, self.signer.peer_id, dict(self._merged_base))
 
-    def _seal_state(self, version: int, theta: torch.Tensor) -> tuple[Sealed, bytes, bytes]:
+    def _seal_state(self, version: int, theta: torch.Tensor, *, finite: bool = False) -> tuple[Sealed, bytes, bytes]:
         """Seal ``theta`` as ``version`` (its tensors are views of ``theta``, which is never
         written to). Returns the sealed state and the two digests a learner may name it by: of
         the flat state as decoded (``flat_digest``; for ``none`` it is the content hash) and of
         the sealed message (a learner that took this version from the wire has verified that
-        digest already; the same state always encodes to the same message bytes)."""
-        tensors = encode_flat(theta, self.shapes, self.download_codec, copy=False)
+        digest already; the same state always encodes to the same message bytes). ``finite``:
+        ``theta`` was checked for NaN/Inf when it was made (a merge's result), not read again."""
+        tensors = encode_flat(theta, self.shapes, self.download_codec, copy=False, finite=finite)
         chash = content_hash(tensors)
         state = FragmentState(
             swarm=self.swarm, fragment=self.fragment.index, version=version,

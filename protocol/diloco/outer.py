@@ -338,6 +338,11 @@ def outer_step(
 
     The buffer stays ``None`` when ``cfg.momentum == 0``.
     """
+    if buffer is None and cfg.momentum == 0 and param.shape == delta.shape:
+        # the same kernel as outer_step_'s param.add_(grad, alpha=-lr), into a new tensor: one
+        # pass over the fragment instead of a copy and then an in-place add
+        with torch.no_grad():
+            return torch.add(param.detach(), delta.detach(), alpha=-cfg.lr), None
     new_param = param.detach().clone()
     new_buffer = None if buffer is None else buffer.detach().clone()
     return new_param, outer_step_(new_param, delta, new_buffer, cfg)
