@@ -66,17 +66,18 @@ def new_flat(numel: int) -> torch.Tensor:
 
 
 def flat_from_tensors(tensors: Sequence[EncodedTensor], shapes: Sequence[tuple[int, ...]],
-                      out: torch.Tensor | None = None) -> torch.Tensor:
+                      out: torch.Tensor | None = None, *, finite_check: bool = True) -> torch.Tensor:
     """Decompress a fragment's tensors into one flat fp32 vector, checking shapes; into ``out``
     (a contiguous fp32 vector of the fragment's size, e.g. a reused buffer) when given, else
     into a ``new_flat`` one.
 
     Raises ``DecodeError`` on a wrong tensor count or shape, or non-finite values (checked by
-    ``decompress`` on each tensor's remote bytes before they are written).
+    ``decompress`` on each tensor's remote bytes before they are written; ``finite_check=False``
+    leaves that to a caller that measures the result's ``norm64``).
     """
     if out is None:
         out = new_flat(fragment_numel(shapes))
-    return decode_flat(tensors, shapes, out)
+    return decode_flat(tensors, shapes, out, finite_check=finite_check)
 
 
 def encode_flat(flat: torch.Tensor, shapes: Sequence[tuple[int, ...]], codec: str, *,

@@ -112,21 +112,22 @@ class ContributionIntake:
 
     def _decode(self, msg: Contribution) -> tuple[torch.Tensor, float]:
         """The contribution as one flat fp32 vector (in a reused buffer when one is spare) and
-        its norm. Raises ``DecodeError`` for a wrong shape or NaN/Inf (``flat_from_tensors``)."""
+        its norm. Raises ``DecodeError`` for a wrong shape, or NaN/Inf: the norm (fp64-summed,
+        finite exactly when every value is) is the check, so the values are read once for it."""
         numel = self.theta.numel()
         try:
             out = self._spare.pop()
         except IndexError:
             out = new_flat(numel)
         try:
-            flat = flat_from_tensors(msg.tensors, self.shapes, out=out)
+            flat = flat_from_tensors(msg.tensors, self.shapes, out=out, finite_check=False)
         except BaseException:
             self._give_back(out)
             raise
         norm = norm64(flat)
-        if not math.isfinite(norm):  # cannot happen for finite fp32 values, but never trust it
+        if not math.isfinite(norm):
             self._give_back(flat)
-            raise DecodeError("the contribution's norm is not finite")
+            raise DecodeError("the contribution holds NaN or Inf values")
         return flat, norm
 
     def _give_back(self, flat: torch.Tensor) -> None:

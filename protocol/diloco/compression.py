@@ -141,12 +141,14 @@ def compress(
     return enc, codes.view(shape)
 
 
-def decompress(enc: EncodedTensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def decompress(enc: EncodedTensor, out: torch.Tensor | None = None, *, finite_check: bool = True) -> torch.Tensor:
     """Decode ``enc`` into a new fp32 tensor of its shape, or into ``out`` (any float dtype).
 
     Raises ``DecodeError`` when ``out``'s shape differs from ``enc.shape`` or when the remote
     bytes would decode to NaN/Inf (checked before ``out`` is written). A narrower ``out`` dtype
-    (fp16) saturates to Inf as ``Tensor.copy_`` does.
+    (fp16) saturates to Inf as ``Tensor.copy_`` does. ``finite_check=False``: ``none`` and
+    ``bf16`` values are written unchecked, for a caller that measures the result's ``norm64``
+    next (finite exactly when every value is) and refuses it if it is not; every other check stays.
     """
     if out is not None and tuple(out.shape) != enc.shape:
         raise DecodeError(f"tensor of shape {enc.shape} does not fit output of shape {tuple(out.shape)}")
@@ -154,7 +156,8 @@ def decompress(enc: EncodedTensor, out: torch.Tensor | None = None) -> torch.Ten
     direct = out is not None and out.dtype == torch.float32 and out.is_contiguous() and out.device.type == "cpu"
     if n == 0:
         return out if out is not None else torch.empty(enc.shape, dtype=torch.float32)
-    scales = _check_remote(enc) if enc.codec != "topk2" else None
+    unchecked = not finite_check and enc.codec in ("none", "bf16")
+    scales = _check_remote(enc) if enc.codec != "topk2" and not unchecked else None
     target = out.view(-1) if out is not None and direct else torch.empty(n, dtype=torch.float32)
     if enc.codec == "topk2":
         decode_topk(enc, target)  # checks everything before it writes

@@ -35,13 +35,13 @@ def fragment_numel(shapes: Sequence[tuple[int, ...]]) -> int:
 
 
 def decode_flat(tensors: Sequence[EncodedTensor], shapes: Sequence[tuple[int, ...]],
-                out: torch.Tensor | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None, *, finite_check: bool = True) -> torch.Tensor:
     """Decompress a fragment's tensors into one flat fp32 vector, checking shapes; into ``out``
     (a contiguous fp32 vector of the fragment's size, e.g. a reused buffer) when given.
 
     Raises ``DecodeError`` on a wrong tensor count or shape, or non-finite values (checked by
     ``decompress`` on each tensor's remote bytes before they are written), and ``ValueError``
-    for an ``out`` that does not fit (our own bug).
+    for an ``out`` that does not fit (our own bug). ``finite_check``: see ``decompress``.
     """
     if len(tensors) != len(shapes):
         raise DecodeError(f"fragment has {len(shapes)} tensors, message carries {len(tensors)}")
@@ -55,7 +55,7 @@ def decode_flat(tensors: Sequence[EncodedTensor], shapes: Sequence[tuple[int, ..
         if tuple(t.shape) != tuple(shape):
             raise DecodeError(f"tensor {i}: shape {tuple(t.shape)} does not match the plan's {tuple(shape)}")
         n = t.numel
-        decompress(t, out=out[offset:offset + n].view(shape))
+        decompress(t, out=out[offset:offset + n].view(shape), finite_check=finite_check)
         offset += n
     return out
 

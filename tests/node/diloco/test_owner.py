@@ -4,6 +4,7 @@ catching up with a predecessor, and merges that fail."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
@@ -15,7 +16,8 @@ from node.diloco.flat import content_hash, flat_digest, flat_from_tensors
 from node.diloco.owner import FINAL_HOLD_S
 from node.peer import PeerNode
 from protocol.diloco.fragments import plan_fragments
-from protocol.errors import Stale
+from protocol.diloco.norms import all_finite
+from protocol.errors import DecodeError, Stale
 from protocol.wire.messages import FragmentState
 from protocol.wire.signing import split_sealed, verify_sealed
 from tests.node.fakes import (
@@ -129,6 +131,26 @@ async def test_work_arriving_after_a_final_version_was_handed_out_is_refused_unt
     clock.advance(1.0)
     assert (await owner.contribute(C, contribution(delta, shapes[0], base_version=1, owner=owner))).accepted
     assert owner.version == 2
+
+
+@pytest.mark.parametrize(("codec", "bad"), [("none", float("nan")), ("none", float("inf")), ("bf16", float("-inf"))])
+async def test_a_contribution_holding_nan_or_inf_is_refused_and_merges_nothing(codec: str, bad: float) -> None:
+    """The owner reads a contribution's values once, for its norm: a NaN or Inf anywhere makes the
+    norm non-finite and the contribution is refused (a 4xx on the wire) before the merger sees it."""
+    _, shapes, _, theta0, owner = _setup(quorum=1)
+    await owner.set_expected(1)  # one learner: its contribution closes the round at once
+    delta = torch.full_like(theta0, 0.01)
+    msg = contribution(delta, shapes[0], owner=owner, codec=codec)
+    raw = bytearray(msg.tensors[-1].data)
+    width = 4 if codec == "none" else 2
+    value = torch.tensor([bad], dtype=torch.float32 if codec == "none" else torch.bfloat16)
+    raw[-width:] = value.view(torch.uint8).numpy().tobytes()  # the last value of the last tensor
+    tensors = (*msg.tensors[:-1], dataclasses.replace(msg.tensors[-1], data=memoryview(bytes(raw))))
+    with pytest.raises(DecodeError, match="NaN or Inf"):
+        await owner.contribute(A, dataclasses.replace(msg, tensors=tensors))
+    assert owner.version == 0 and torch.equal(owner.theta, theta0)
+    ack = await owner.contribute(B, contribution(delta, shapes[0], owner=owner, codec=codec))  # the next one merges
+    assert ack.accepted and owner.version == 1 and all_finite(owner.theta)
 
 
 async def test_catch_up_keeps_the_contributions_already_accepted() -> None:
