@@ -7,7 +7,8 @@ with ``now`` from the owner's ``clock`` (``time.monotonic``; tests pass a fake o
 task calls ``tick`` at the merger's deadline. When the merger says "merge", the owner aggregates
 (the configured aggregate, or a weighted mean for embedding fragments) and applies the outer
 Nesterov step off the event loop, hands the new state to a replica, seals the new version with
-its own key (``node.diloco.sealing``) and wakes every long-poll waiting for it.
+its own key (``node.diloco.sealing``) and wakes every long-poll waiting for it. How its term
+starts from a predecessor's state and ends (finality, retiring) is ``node.diloco.succession``.
 
 A merge that fails (a non-finite aggregate or result, or any unforeseen error) drops the
 contributions that caused it (every one of them: no single one is to blame, since each was
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import dataclasses
 import logging
 import time
@@ -35,8 +35,8 @@ import torch
 from node.diloco.eventlog import Content, LoggedMerger
 from node.diloco.flat import flat_digest
 from node.diloco.intake import ContributionIntake
-from node.diloco.replica import Handed
 from node.diloco.sealing import VersionSealing
+from node.diloco.succession import FINAL_HOLD_S, OwnerSuccession
 from protocol.diloco.fragments import Fragment
 from protocol.diloco.merge import Decision, FragmentMerger, MergeConfig, Phase
 from protocol.diloco.norms import all_finite
@@ -45,7 +45,7 @@ from protocol.diloco.updates import encode_update
 from protocol.wire.messages import Ack, Contribution, ReplicaState
 from protocol.wire.signing import Sealed, Signer
 
-__all__ = ["FragmentOwner", "MergeFailed", "OwnerCounts"]
+__all__ = ["FINAL_HOLD_S", "FragmentOwner", "MergeFailed", "OwnerCounts"]
 
 log = logging.getLogger(__name__)
 
@@ -59,10 +59,6 @@ class MergeFailed(Exception):
 
 
 MERGED_BASES_KEPT = 100_000  # senders whose newest merged base is remembered
-# once a version was handed out as final (a learner ending its run takes it and leaves), work that
-# arrives this long after is refused: merging it would leave that learner on another model. An
-# idle swarm that someone joins later merges again once the hold lapses
-FINAL_HOLD_S = 120.0
 
 
 class Fenced(MergeFailed):
@@ -116,7 +112,7 @@ class OwnerCounts:
             self.penalties[peer].update(counts)
 
 
-class FragmentOwner(ContributionIntake, VersionSealing):
+class FragmentOwner(ContributionIntake, VersionSealing, OwnerSuccession):
     """Merges contributions for one fragment and serves its versions."""
 
     def __init__(
@@ -259,60 +255,6 @@ class FragmentOwner(ContributionIntake, VersionSealing):
     def merge_seconds(self) -> float:
         return self.counts.merge_seconds
 
-    async def catch_up(self, version: int, flat: torch.Tensor) -> bool:
-        """Take over a newer version published by the previous owner, before our first merge.
-
-        Returns whether it was taken. Contributions accepted so far stay (their staleness
-        counts against the new version; those beyond the staleness bound are dropped).
-        """
-        if version <= self.version or self.merges_done or self.merger.phase is Phase.MERGING:
-            return False
-        if flat.numel() != self.theta.numel() or not all_finite(flat):
-            log.warning("fragment %d: the previous owner's version %d is malformed; not taken",
-                        self.fragment.index, version)
-            return False
-        theta = flat.detach().float().clone()
-        latest, *digests = await asyncio.to_thread(self._seal_state, version, theta)
-        if version <= self.version or self.merges_done or self.merger.phase is Phase.MERGING:
-            return False  # a merge or another catch-up ran while we sealed
-        decision = self.merger.rebase(version, now=self.clock())
-        self.theta, self.version, self.latest = theta, version, latest
-        self.update, self.residual = None, None
-        if self.log is not None:
-            self.log.note_state(self.theta, self.buffer)
-        self._remember_digests(version, *digests)
-        async with self._changed:
-            self._changed.notify_all()
-        log.info("fragment %d: caught up with the previous owner at version %d (%s)",
-                 self.fragment.index, version, decision.reason)
-        await self._apply(decision)
-        return True
-
-    def idle(self) -> bool:
-        """No contribution is waiting and no merge is running: the latest version is final."""
-        return self.merger.phase is Phase.COLLECTING and self.merger.count == 0
-
-    def declare_final(self) -> Sealed:
-        """The latest version, handed out as final (call when ``idle`` and no learner is left):
-        contributions are refused for ``FINAL_HOLD_S`` after (``final_hold``)."""
-        if self.final_declared is None or self.final_declared[0] != self.version:
-            log.info("fragment %d: version %d is final", self.fragment.index, self.version)
-        self.final_declared = (self.version, self.clock())
-        return self.latest
-
-    def final_hold(self) -> str | None:
-        """Why a contribution is refused now: a final version was handed out under ``FINAL_HOLD_S``
-        ago, to learners that took it and left; merging would fork them off the rest."""
-        if self.final_declared is None:
-            return None
-        version, at = self.final_declared
-        age = self.clock() - at
-        if age >= FINAL_HOLD_S:
-            return None
-        return (f"fragment {self.fragment.index}: version {version} was handed out as final "
-                f"{age:.1f} s ago (the swarm's run ended); contribution not merged, "
-                f"take the final version instead")
-
     async def wait_after(self, after: int, wait_s: float) -> Sealed | None:
         """The sealed state of the first version above ``after``, waiting up to ``wait_s``.
 
@@ -326,27 +268,6 @@ class FragmentOwner(ContributionIntake, VersionSealing):
             except TimeoutError:
                 return None
             return None if self.version <= after else self.latest
-
-    async def retire(self, *, finish_merge_s: float = 0.0) -> None:
-        """This peer no longer owns the fragment: release every long-poll (and close the log).
-
-        ``finish_merge_s``: first let a merge under way finish (up to that long), so the version
-        its replica may already hold is published and in the state handed to the successor; a
-        merge still running after that does not publish."""
-        if finish_merge_s > 0 and self.merger.phase is Phase.MERGING:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(finish_merge_s):
-                    while self.merger.phase is Phase.MERGING:
-                        await asyncio.sleep(0.01)
-        self.retired = True
-        if self.log is not None:
-            self.log.close()
-        async with self._changed:
-            self._changed.notify_all()
-        self._retired_event.set()
-
-    async def wait_retired(self) -> None:
-        await self._retired_event.wait()
 
     # --- the timer -----------------------------------------------------------------------------
     async def run(self) -> None:
@@ -471,36 +392,3 @@ class FragmentOwner(ContributionIntake, VersionSealing):
             raise MergeFailed(f"the outer step over {len(peers)} contributions is not finite; "
                               "no single one is to blame, all are dropped", frozenset(peers))
         return theta, buffer
-
-    async def take_over(self, handed: Handed) -> bool:
-        """Start from a state handed over by the previous owner (or to us as its replica), before
-        our first merge: the same global fragment, momentum, version and digest, under an epoch
-        above it. Returns whether it was taken (it must not be behind what we hold)."""
-        if handed.version < self.version or self.merges_done or self.merger.phase is Phase.MERGING:
-            return False
-        theta = handed.theta.detach().float().clone()
-        latest, digest, message_digest = await asyncio.to_thread(self._seal_state, handed.version, theta)
-        if handed.version < self.version or self.merges_done or self.merger.phase is Phase.MERGING:
-            return False
-        if digest != handed.digest:
-            log.warning("fragment %d: handed version %d does not hash to its digest; not taken",
-                        self.fragment.index, handed.version)
-            return False
-        decision = self.merger.rebase(handed.version, now=self.clock()) if handed.version > self.version else None
-        self.theta, self.version, self.latest = theta, handed.version, latest
-        self.update, self.residual = None, None  # the residual is not handed over: it starts at zero
-        self.buffer = None if handed.momentum is None else handed.momentum.detach().float().clone()
-        self.epoch = max(self.epoch, handed.epoch + 1)
-        for peer, base in handed.merged.items():
-            if self._merged_base.get(peer, -1) < base:
-                self._merged_base[peer] = base
-        if self.log is not None:
-            self.log.note_state(self.theta, self.buffer)
-        self._remember_digests(handed.version, digest, message_digest)
-        async with self._changed:
-            self._changed.notify_all()
-        log.info("fragment %d: took over version %d with its momentum (epoch %d)", self.fragment.index,
-                 handed.version, self.epoch)
-        if decision is not None:
-            await self._apply(decision)
-        return True

@@ -1,0 +1,182 @@
+"""How an owner's term starts and ends: taking over from its predecessor, finality, retiring.
+
+``OwnerSuccession`` is mixed into ``FragmentOwner`` (which provides the attributes below). A new
+owner starts from the state its predecessor handed over (``take_over``: global fragment,
+momentum, version and digest, under a higher epoch) or from the newest version it published
+(``catch_up``), either only before its own first merge. At the end of a run the latest version
+is handed out as final (``declare_final``) and work arriving within ``FINAL_HOLD_S`` after is
+refused (``final_hold``); an owner that stops owning the fragment releases every long-poll
+(``retire``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from node.diloco.eventlog import LoggedMerger
+from node.diloco.replica import Handed
+from protocol.diloco.fragments import Fragment
+from protocol.diloco.merge import Decision, FragmentMerger, Phase
+from protocol.diloco.norms import all_finite
+from protocol.wire.signing import Sealed
+
+__all__ = ["FINAL_HOLD_S", "OwnerSuccession"]
+
+log = logging.getLogger("node.diloco.owner")
+
+# once a version was handed out as final (a learner ending its run takes it and leaves), work that
+# arrives this long after is refused: merging it would leave that learner on another model. An
+# idle swarm that someone joins later merges again once the hold lapses
+FINAL_HOLD_S = 120.0
+
+
+class OwnerSuccession:
+    """The succession side of ``FragmentOwner``."""
+
+    fragment: Fragment
+    theta: torch.Tensor
+    buffer: torch.Tensor | None
+    version: int
+    epoch: int
+    latest: Sealed
+    update: Sealed | None
+    residual: torch.Tensor | None
+    merger: FragmentMerger
+    log: LoggedMerger | None
+    clock: Callable[[], float]
+    retired: bool
+    final_declared: tuple[int, float] | None
+    _merged_base: dict[bytes, int]
+    _changed: asyncio.Condition
+    _retired_event: asyncio.Event
+
+    if TYPE_CHECKING:  # FragmentOwner's and VersionSealing's
+        @property
+        def merges_done(self) -> int:
+            ...
+
+        async def _apply(self, decision: Decision) -> None:
+            ...
+
+        def _seal_state(self, version: int, theta: torch.Tensor, *, finite: bool = False,
+                        ) -> tuple[Sealed, bytes, bytes]:
+            ...
+
+        def _remember_digests(self, version: int, state_digest: bytes, *others: bytes) -> None:
+            ...
+
+    # --- starting from a predecessor -----------------------------------------------------------
+    async def catch_up(self, version: int, flat: torch.Tensor) -> bool:
+        """Take over a newer version published by the previous owner, before our first merge.
+
+        Returns whether it was taken. Contributions accepted so far stay (their staleness
+        counts against the new version; those beyond the staleness bound are dropped).
+        """
+        if version <= self.version or self.merges_done or self.merger.phase is Phase.MERGING:
+            return False
+        if flat.numel() != self.theta.numel() or not all_finite(flat):
+            log.warning("fragment %d: the previous owner's version %d is malformed; not taken",
+                        self.fragment.index, version)
+            return False
+        theta = flat.detach().float().clone()
+        latest, *digests = await asyncio.to_thread(self._seal_state, version, theta)
+        if version <= self.version or self.merges_done or self.merger.phase is Phase.MERGING:
+            return False  # a merge or another catch-up ran while we sealed
+        decision = self.merger.rebase(version, now=self.clock())
+        self.theta, self.version, self.latest = theta, version, latest
+        self.update, self.residual = None, None
+        if self.log is not None:
+            self.log.note_state(self.theta, self.buffer)
+        self._remember_digests(version, *digests)
+        async with self._changed:
+            self._changed.notify_all()
+        log.info("fragment %d: caught up with the previous owner at version %d (%s)",
+                 self.fragment.index, version, decision.reason)
+        await self._apply(decision)
+        return True
+
+    async def take_over(self, handed: Handed) -> bool:
+        """Start from a state handed over by the previous owner (or to us as its replica), before
+        our first merge: the same global fragment, momentum, version and digest, under an epoch
+        above it. Returns whether it was taken (it must not be behind what we hold)."""
+        if handed.version < self.version or self.merges_done or self.merger.phase is Phase.MERGING:
+            return False
+        theta = handed.theta.detach().float().clone()
+        latest, digest, message_digest = await asyncio.to_thread(self._seal_state, handed.version, theta)
+        if handed.version < self.version or self.merges_done or self.merger.phase is Phase.MERGING:
+            return False
+        if digest != handed.digest:
+            log.warning("fragment %d: handed version %d does not hash to its digest; not taken",
+                        self.fragment.index, handed.version)
+            return False
+        decision = self.merger.rebase(handed.version, now=self.clock()) if handed.version > self.version else None
+        self.theta, self.version, self.latest = theta, handed.version, latest
+        self.update, self.residual = None, None  # the residual is not handed over: it starts at zero
+        self.buffer = None if handed.momentum is None else handed.momentum.detach().float().clone()
+        self.epoch = max(self.epoch, handed.epoch + 1)
+        for peer, base in handed.merged.items():
+            if self._merged_base.get(peer, -1) < base:
+                self._merged_base[peer] = base
+        if self.log is not None:
+            self.log.note_state(self.theta, self.buffer)
+        self._remember_digests(handed.version, digest, message_digest)
+        async with self._changed:
+            self._changed.notify_all()
+        log.info("fragment %d: took over version %d with its momentum (epoch %d)", self.fragment.index,
+                 handed.version, self.epoch)
+        if decision is not None:
+            await self._apply(decision)
+        return True
+
+    # --- the end of a run, and of this term ------------------------------------------------------
+    def idle(self) -> bool:
+        """No contribution is waiting and no merge is running: the latest version is final."""
+        return self.merger.phase is Phase.COLLECTING and self.merger.count == 0
+
+    def declare_final(self) -> Sealed:
+        """The latest version, handed out as final (call when ``idle`` and no learner is left):
+        contributions are refused for ``FINAL_HOLD_S`` after (``final_hold``)."""
+        if self.final_declared is None or self.final_declared[0] != self.version:
+            log.info("fragment %d: version %d is final", self.fragment.index, self.version)
+        self.final_declared = (self.version, self.clock())
+        return self.latest
+
+    def final_hold(self) -> str | None:
+        """Why a contribution is refused now: a final version was handed out under ``FINAL_HOLD_S``
+        ago, to learners that took it and left; merging would fork them off the rest."""
+        if self.final_declared is None:
+            return None
+        version, at = self.final_declared
+        age = self.clock() - at
+        if age >= FINAL_HOLD_S:
+            return None
+        return (f"fragment {self.fragment.index}: version {version} was handed out as final "
+                f"{age:.1f} s ago (the swarm's run ended); contribution not merged, "
+                f"take the final version instead")
+
+    async def retire(self, *, finish_merge_s: float = 0.0) -> None:
+        """This peer no longer owns the fragment: release every long-poll (and close the log).
+
+        ``finish_merge_s``: first let a merge under way finish (up to that long), so the version
+        its replica may already hold is published and in the state handed to the successor; a
+        merge still running after that does not publish."""
+        if finish_merge_s > 0 and self.merger.phase is Phase.MERGING:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(finish_merge_s):
+                    while self.merger.phase is Phase.MERGING:
+                        await asyncio.sleep(0.01)
+        self.retired = True
+        if self.log is not None:
+            self.log.close()
+        async with self._changed:
+            self._changed.notify_all()
+        self._retired_event.set()
+
+    async def wait_retired(self) -> None:
+        await self._retired_event.wait()
