@@ -4,12 +4,15 @@ each merged update; every decoded payload is checked), so each takes the fast pa
 fp32 vector allows and falls back to the careful one only where the fast one cannot answer.
 
 ``norm64``: ``torch.linalg.vector_norm(t, dtype=torch.float64)`` first converts the whole tensor
-to fp64 (a new tensor twice its size). Instead each ``DOT_CHUNK`` elements are summed as an fp32
-dot product (one BLAS pass, ~25 GB/s on one core here) and the chunks' sums added in fp64: an
-fp32 dot of 2^16 values is within ~1e-8 of the fp64 sum for gradient-like data, and
-a chunk whose fp32 sum could not answer (it overflowed, met a NaN/Inf, or landed in fp32's
-subnormal range) is measured again in fp64. So the result has fp64's range: a finite fp32 tensor of up
-to 2^31 elements cannot overflow it, and the result is finite exactly when every element is.
+to fp64 (a new tensor twice its size). Instead the squares of each ``DOT_CHUNK`` elements are
+written into one reused, cache-sized fp32 buffer and summed by torch (its pairwise sum: within
+~1e-9 of the fp64 sum for gradient-like data), and the chunks' sums added in fp64; a chunk whose
+fp32 sum could not answer (it overflowed, met a NaN/Inf, or landed in fp32's subnormal range) is
+measured again in fp64. So the result has fp64's range: a finite fp32 tensor of up to 2^31
+elements cannot overflow it, and the result is finite exactly when every element is. Not a BLAS
+dot product: MKL takes its thread count from the calling thread, so the same vector gave other
+last bits in an owner's worker thread than in ``atoll replay``, whose recomputed merges then
+differed; torch's own reductions use the process's ``torch.set_num_threads``.
 
 ``all_finite``: one fp32 sum (a NaN or Inf anywhere makes it non-finite; ~2x ``aminmax``'s speed)
 and, only when the sum is not finite, ``aminmax`` to tell an overflowing sum of finite values
@@ -25,7 +28,7 @@ import torch
 __all__ = ["CHUNK", "DOT_CHUNK", "all_finite", "norm64"]
 
 CHUNK = 1 << 18  # elements per fp64 conversion: 2 MiB, within a core's L2 cache
-DOT_CHUNK = 1 << 16  # elements per fp32 dot product whose sum is added in fp64
+DOT_CHUNK = 1 << 16  # elements squared and summed in fp32 at a time, the sums added in fp64
 # An fp32 chunk sum of squares below this may have lost precision to fp32's subnormal range
 # (each square of a value under ~1e-19 is rounded there): it is measured again in fp64.
 _TINY = 1e-30
@@ -40,10 +43,13 @@ def norm64(t: torch.Tensor) -> float:
     n = flat.numel()
     if n <= DOT_CHUNK or flat.dtype != torch.float32 or flat.device.type != "cpu":
         return _norm64_converted(flat)
+    scratch = torch.empty(DOT_CHUNK, dtype=torch.float32)
     total = 0.0
     for start in range(0, n, DOT_CHUNK):
         part = flat[start:start + DOT_CHUNK]
-        squares = float(torch.dot(part, part))
+        squared = scratch[: part.numel()]
+        torch.mul(part, part, out=squared)
+        squares = float(squared.sum())
         if not (_TINY <= squares < math.inf) and squares != 0.0:
             squares = _squares64(part)
         total += squares
@@ -53,7 +59,7 @@ def norm64(t: torch.Tensor) -> float:
 def _squares64(part: torch.Tensor) -> float:
     """The sum of squares of ``part`` in fp64 (NaN or Inf when it holds one)."""
     wide = part.to(torch.float64)
-    return float(torch.dot(wide, wide))
+    return float(wide.mul_(wide).sum())
 
 
 def _norm64_converted(flat: torch.Tensor) -> float:
@@ -67,7 +73,7 @@ def _norm64_converted(flat: torch.Tensor) -> float:
         part = flat[start:start + CHUNK]
         b = buf[: part.numel()]
         b.copy_(part)
-        total += float(torch.dot(b, b))
+        total += float(b.mul_(b).sum())
     return math.sqrt(total)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 
 import pytest
 import torch
@@ -69,3 +70,20 @@ def test_finiteness_agrees_with_torch_isfinite(values: list[float], at: int) -> 
     finite = bool(torch.isfinite(t).all())
     assert all_finite(t) == finite
     assert math.isfinite(norm64(t)) == finite
+
+
+def test_the_same_vector_has_the_same_norm_bits_in_any_thread() -> None:
+    # an owner measures contributions in worker threads and ``atoll replay`` in its main thread:
+    # a BLAS dot product took its thread count from the calling thread and differed in the last bits
+    t = torch.randn(40 * DOT_CHUNK + 7, generator=torch.Generator().manual_seed(3)) * 1e-3
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as every peer runs; a new thread's BLAS still used every core
+    try:
+        here = [norm64(t), norm64(t.double())]
+        there: list[float] = []
+        worker = threading.Thread(target=lambda: there.extend([norm64(t), norm64(t.double())]))
+        worker.start()
+        worker.join()
+    finally:
+        torch.set_num_threads(threads)
+    assert there == here
