@@ -81,16 +81,16 @@ def flat_from_tensors(tensors: Sequence[EncodedTensor], shapes: Sequence[tuple[i
 
 
 def encode_flat(flat: torch.Tensor, shapes: Sequence[tuple[int, ...]], codec: str, *,
-                copy: bool = True, finite: bool = False) -> list[EncodedTensor]:
+                copy: bool = True, known_finite: bool = False) -> list[EncodedTensor]:
     """A flat fp32 fragment as its tensors on the wire, each compressed with ``codec`` (how an
     owner publishes a version: ``flat_digest(flat_from_tensors(encode_flat(...)))`` is the
     version's digest). ``copy=False``: ``none`` tensors are views of ``flat``, which must then
-    not be written to while they are in use (see ``compress``). ``finite``: checked by the
+    not be written to while they are in use (see ``compress``). ``known_finite``: checked by the
     caller already (``compress`` does not read it again for ``none``)."""
     tensors, offset = [], 0
     for shape in shapes:
         n = int(torch.Size(shape).numel())
-        enc, _ = compress(flat[offset:offset + n].view(shape), codec, copy=copy, finite=finite)
+        enc, _ = compress(flat[offset:offset + n].view(shape), codec, copy=copy, known_finite=known_finite)
         tensors.append(enc)
         offset += n
     return tensors

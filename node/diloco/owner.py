@@ -368,8 +368,8 @@ class FragmentOwner(ContributionIntake, VersionSealing, OwnerSuccession):
             tensors, theta, residual = encode_update(theta, self.theta, self.residual, self.shapes,
                                                      self.update_codec, block_size=self.block_size)
         checked = tensors is None  # _outer checked theta and buffer; an update's result is checked when sealed
-        latest, digest, message_digest = self._seal_state(version, theta, finite=checked)
-        state = self._replica_state(version, digest, theta, buffer, merged, finite=checked) if self.replicate else None
+        latest, digest, message_digest = self._seal_state(version, theta, known_finite=checked)
+        state = self._replica_state(version, digest, theta, buffer, merged, known_finite=checked) if self.replicate else None
         if tensors is None:
             return _Next(theta, buffer, latest, digest, message_digest, state)
         update = self._seal_update(version, tensors, digest)

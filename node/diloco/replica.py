@@ -52,14 +52,14 @@ class Handed:
 
 def encode_state(*, swarm: str, fragment: int, epoch: int, version: int, digest: bytes,
                  theta: torch.Tensor, momentum: torch.Tensor | None,
-                 merged: Mapping[bytes, int] | None = None, finite: bool = False) -> ReplicaState:
+                 merged: Mapping[bytes, int] | None = None, known_finite: bool = False) -> ReplicaState:
     """An owner's state as a ``ReplicaState`` (fp32, uncompressed: a replica must hold it exactly).
     ``merged``: sender -> newest base version of its merged work (the newest ``MAX_MERGED`` kept).
     The tensors are views of ``theta`` and ``momentum`` (an owner never writes to a state it
-    has published or handed over: each version is a new tensor). ``finite``: the caller checked
+    has published or handed over: each version is a new tensor). ``known_finite``: the caller checked
     both when it made them (``compress``'s NaN/Inf pass is skipped)."""
-    t, _ = compress(theta.detach().float().contiguous(), "none", copy=False, finite=finite)
-    m = ((compress(momentum.detach().float().contiguous(), "none", copy=False, finite=finite)[0],)
+    t, _ = compress(theta.detach().float().contiguous(), "none", copy=False, known_finite=known_finite)
+    m = ((compress(momentum.detach().float().contiguous(), "none", copy=False, known_finite=known_finite)[0],)
          if momentum is not None else ())
     recent = sorted((merged or {}).items(), key=lambda kv: kv[1], reverse=True)[:MAX_MERGED]
     return ReplicaState(swarm=swarm, fragment=fragment, epoch=epoch, version=version, digest=digest,

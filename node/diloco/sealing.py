@@ -88,10 +88,10 @@ class VersionSealing:
 
     def _replica_state(self, version: int, digest: bytes, theta: torch.Tensor,
                        buffer: torch.Tensor | None, merged: Mapping[bytes, int], *,
-                       finite: bool = False) -> ReplicaState:
-        """``finite``: ``theta`` and ``buffer`` were checked for NaN/Inf when made (a merge's)."""
+                       known_finite: bool = False) -> ReplicaState:
+        """``known_finite``: ``theta`` and ``buffer`` were checked for NaN/Inf when made (a merge's)."""
         return encode_state(swarm=self.swarm, fragment=self.fragment.index, epoch=self.epoch, version=version,
-                            digest=digest, theta=theta, momentum=buffer, merged=merged, finite=finite)
+                            digest=digest, theta=theta, momentum=buffer, merged=merged, known_finite=known_finite)
 
     def snapshot(self) -> ReplicaState:
         """The whole state at the latest version (handed to the successor when retiring)."""
@@ -103,14 +103,14 @@ class VersionSealing:
         return Handed(self.fragment.index, self.epoch, self.version, self.digest_of(self.version),
                       self.theta, self.buffer, self.signer.peer_id, dict(self._merged_base))
 
-    def _seal_state(self, version: int, theta: torch.Tensor, *, finite: bool = False) -> tuple[Sealed, bytes, bytes]:
+    def _seal_state(self, version: int, theta: torch.Tensor, *, known_finite: bool = False) -> tuple[Sealed, bytes, bytes]:
         """Seal ``theta`` as ``version`` (its tensors are views of ``theta``, which is never
         written to). Returns the sealed state and the two digests a learner may name it by: of
         the flat state as decoded (``flat_digest``; for ``none`` it is the content hash) and of
         the sealed message (a learner that took this version from the wire has verified that
-        digest already; the same state always encodes to the same message bytes). ``finite``:
+        digest already; the same state always encodes to the same message bytes). ``known_finite``:
         ``theta`` was checked for NaN/Inf when it was made (a merge's result), not read again."""
-        tensors = encode_flat(theta, self.shapes, self.download_codec, copy=False, finite=finite)
+        tensors = encode_flat(theta, self.shapes, self.download_codec, copy=False, known_finite=known_finite)
         chash = content_hash(tensors)
         state = FragmentState(
             swarm=self.swarm, fragment=self.fragment.index, version=version,

@@ -64,7 +64,7 @@ class OwnerSuccession:
         async def _apply(self, decision: Decision) -> None:
             ...
 
-        def _seal_state(self, version: int, theta: torch.Tensor, *, finite: bool = False,
+        def _seal_state(self, version: int, theta: torch.Tensor, *, known_finite: bool = False,
                         ) -> tuple[Sealed, bytes, bytes]:
             ...
 

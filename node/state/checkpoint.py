@@ -56,6 +56,8 @@ from typing import Any, BinaryIO
 import torch
 from safetensors import SafetensorError, safe_open
 
+from protocol.diloco.norms import all_finite
+
 __all__ = [
     "FORMAT_VERSION",
     "CheckpointError",
@@ -348,13 +350,10 @@ def _check_expected(path: Path, tensors: Mapping[str, torch.Tensor], expected: E
 
 
 def _finite(t: torch.Tensor) -> bool:
-    """No NaN or Inf. A finite sum proves it cheaply; only a non-finite sum (which may just
-    be an overflow) pays for the element-wise check."""
-    for piece in t.reshape(-1).split(CHUNK):
-        wide = piece.float() if piece.element_size() == 1 else piece  # float8: no sum, isfinite
-        if not bool(torch.isfinite(wide.sum())) and not bool(torch.isfinite(wide).all()):
-            return False
-    return True
+    """No NaN or Inf (``all_finite``: a finite sum proves it cheaply), piece by piece: float8
+    has no sum, so each of its pieces is widened first."""
+    return all(all_finite(piece.float() if piece.element_size() == 1 else piece)
+               for piece in t.reshape(-1).split(CHUNK))
 
 
 def _check_finite(path: Path, tensors: Mapping[str, torch.Tensor]) -> None:

@@ -94,13 +94,13 @@ def compress(
     block_size: int = 64,
     residual: torch.Tensor | None = None,
     copy: bool = True,
-    finite: bool = False,
+    known_finite: bool = False,
 ) -> tuple[EncodedTensor, torch.Tensor]:
     """Encode ``t + residual`` with ``codec``; return it and the new fp32 residual.
 
     ``copy=False`` (``none`` only, no residual): the encoded bytes are a view of ``t`` when it is
     a contiguous fp32 CPU tensor (see the module docstring); other tensors are copied anyway.
-    ``finite=True`` (``none`` only, no residual): the caller checked ``t`` when it made it (an
+    ``known_finite=True`` (``none`` only, no residual): the caller checked ``t`` when it made it (an
     owner's new version), so it is not read again here.
 
     Raises ``LocalProtocolError`` for an unknown codec, a bad block size, a dtype other than
@@ -114,7 +114,7 @@ def compress(
     x = _input_vector(t, residual)  # (n,) fp32; may alias t when residual is None
     shape = tuple(t.shape)
     if codec == "none":
-        if not (finite and residual is None) and not all_finite(x):
+        if not (known_finite and residual is None) and not all_finite(x):
             _raise_not_finite(t, residual)
         aliases_t = residual is None and x.data_ptr() == t.data_ptr()  # else x is a new tensor already
         data = _to_buffer(x.clone() if aliases_t and copy else x)

@@ -4,7 +4,7 @@ each merged update; every decoded payload is checked), so each takes the fast pa
 fp32 vector allows and falls back to the careful one only where the fast one cannot answer.
 
 ``norm64``: ``torch.linalg.vector_norm(t, dtype=torch.float64)`` first converts the whole tensor
-to fp64 (a new tensor twice its size). Instead the squares of each ``DOT_CHUNK`` elements are
+to fp64 (a new tensor twice its size). Instead the squares of each ``SUM_CHUNK`` elements are
 written into one reused, cache-sized fp32 buffer and summed by torch (its pairwise sum: within
 ~1e-9 of the fp64 sum for gradient-like data), and the chunks' sums added in fp64; a chunk whose
 fp32 sum could not answer (it overflowed, met a NaN/Inf, or landed in fp32's subnormal range) is
@@ -25,10 +25,10 @@ import math
 
 import torch
 
-__all__ = ["CHUNK", "DOT_CHUNK", "all_finite", "norm64"]
+__all__ = ["CHUNK", "SUM_CHUNK", "all_finite", "norm64"]
 
 CHUNK = 1 << 18  # elements per fp64 conversion: 2 MiB, within a core's L2 cache
-DOT_CHUNK = 1 << 16  # elements squared and summed in fp32 at a time, the sums added in fp64
+SUM_CHUNK = 1 << 16  # elements squared and summed in fp32 at a time, the sums added in fp64
 # An fp32 chunk sum of squares below this may have lost precision to fp32's subnormal range
 # (each square of a value under ~1e-19 is rounded there): it is measured again in fp64.
 _TINY = 1e-30
@@ -41,12 +41,12 @@ def norm64(t: torch.Tensor) -> float:
     """
     flat = t.detach().reshape(-1)
     n = flat.numel()
-    if n <= DOT_CHUNK or flat.dtype != torch.float32 or flat.device.type != "cpu":
+    if n <= SUM_CHUNK or flat.dtype != torch.float32 or flat.device.type != "cpu":
         return _norm64_converted(flat)
-    scratch = torch.empty(DOT_CHUNK, dtype=torch.float32)
+    scratch = torch.empty(SUM_CHUNK, dtype=torch.float32)
     total = 0.0
-    for start in range(0, n, DOT_CHUNK):
-        part = flat[start:start + DOT_CHUNK]
+    for start in range(0, n, SUM_CHUNK):
+        part = flat[start:start + SUM_CHUNK]
         squared = scratch[: part.numel()]
         torch.mul(part, part, out=squared)
         squares = float(squared.sum())
@@ -56,9 +56,10 @@ def norm64(t: torch.Tensor) -> float:
     return math.sqrt(total)
 
 
-def _squares64(part: torch.Tensor) -> float:
-    """The sum of squares of ``part`` in fp64 (NaN or Inf when it holds one)."""
-    wide = part.to(torch.float64)
+def _squares64(part: torch.Tensor, buf: torch.Tensor | None = None) -> float:
+    """The sum of squares of ``part`` in fp64 (NaN or Inf when it holds one), converted into
+    ``buf`` (an fp64 vector at least as long) when given, else into a new one."""
+    wide = part.to(torch.float64) if buf is None else buf[: part.numel()].copy_(part)
     return float(wide.mul_(wide).sum())
 
 
@@ -68,13 +69,7 @@ def _norm64_converted(flat: torch.Tensor) -> float:
     if n <= CHUNK:
         return float(torch.linalg.vector_norm(flat, dtype=torch.float64))
     buf = torch.empty(CHUNK, dtype=torch.float64, device=flat.device)
-    total = 0.0
-    for start in range(0, n, CHUNK):
-        part = flat[start:start + CHUNK]
-        b = buf[: part.numel()]
-        b.copy_(part)
-        total += float(b.mul_(b).sum())
-    return math.sqrt(total)
+    return math.sqrt(sum(_squares64(flat[start:start + CHUNK], buf) for start in range(0, n, CHUNK)))
 
 
 def all_finite(t: torch.Tensor) -> bool:
