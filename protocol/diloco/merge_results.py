@@ -1,0 +1,48 @@
+"""What an owner's round returns: a ``Decision`` (accept, refuse, wait or merge, with its reason)
+and, for a merge, one ``Entry`` per contribution with its weight, clip and the bounds that bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = ["Decision", "DecisionKind", "Entry", "Refusal"]
+
+DecisionKind = Literal["accept", "refuse", "wait", "merge"]
+Refusal = Literal["invalid", "future", "stale", "closed", "duplicate"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Entry:
+    """One contribution in a merge: its (clamped, discounted) weight and staleness; ``clip``, the
+    scale to apply to its payload (1.0: not clipped); which bounds bit; ``norm``, the payload's
+    norm as the node reported it with the contribution (before clipping; None: not reported)."""
+
+    peer: bytes
+    payload: object
+    weight: float
+    staleness: int
+    clip: float = 1.0
+    norm: float | None = None
+    weight_capped: bool = False
+    steps_bounded: bool = False
+    tokens_bounded: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Decision:
+    """What the merger decided. ``version``: the version it holds (collecting for, or merging).
+
+    ``kind``: "accept" (contribution stored), "refuse" (see ``refusal``), "wait" (nothing to do
+    yet) or "merge" (run the outer step on ``entries``; the contribution that triggered it, if
+    any, was accepted: ``accepted``).
+    """
+
+    kind: DecisionKind
+    reason: str
+    version: int
+    accepted: bool = False
+    refusal: Refusal | None = None
+    entries: tuple[Entry, ...] = ()
+    scale: float = 1.0  # of the merge's aggregate: its share of the round's quorum (see ``protocol.diloco.merge``)
