@@ -1,0 +1,129 @@
+"""Signed, expiring DHT records: the ``SignedRecord`` wire struct, what its signature covers,
+``sign_record`` and ``verify_record``.
+
+Theory of operation. Kademlia (Maymounkov & Mazières, IPTPS 2002, section 2.3) stores
+``(key, value)`` pairs on the ``k`` peers nearest the key and lets them expire unless the
+publisher republishes them. Atoll follows hivemind in giving each key many *subkeys*, one per
+writer: the swarm's member list is one key whose subkeys are the members' peer ids. A subkey is
+owned by the Ed25519 key that signs it (``subkey == peer_id_from_public_key(public_key)``), so
+no peer can overwrite another's entry, and the newest expiry wins per ``(key, subkey)``: a writer
+refreshes its entry by signing a later expiry, and a replayed old copy cannot roll it back.
+
+The signature covers a domain-separated msgpack array ``["atoll/dht/record/v1", key, subkey,
+value, expires_at]`` (bin types, ``expires_at`` as a float64), never the record's wire form.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import msgpack
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+from protocol.errors import BadSignature, DecodeError, NotAuthorized, Oversize, Stale
+from protocol.ids import ID_BYTES, peer_id_from_public_key
+from protocol.wire.messages import CAPS, WireStruct, register_struct
+
+__all__ = [
+    "DEFAULT_MAX_VALUE_BYTES",
+    "DOMAIN",
+    "RECORD_STRUCT_CODE",
+    "RecordSigner",
+    "SignedRecord",
+    "record_signing_bytes",
+    "sign_record",
+    "verify_record",
+]
+
+DOMAIN = "atoll/dht/record/v1"
+DEFAULT_MAX_VALUE_BYTES = CAPS.max_bytes  # the wire's cap on inline bytes
+RECORD_STRUCT_CODE = 32  # struct code space; mirrors the DHT's message codes 32-63
+
+
+class RecordSigner(Protocol):
+    """What ``sign_record`` needs of a signer (``protocol.wire.signing.Signer`` fits)."""
+
+    @property
+    def public_key(self) -> bytes: ...
+
+    @property
+    def peer_id(self) -> bytes: ...
+
+    def sign(self, data: bytes) -> bytes: ...
+
+
+@register_struct(RECORD_STRUCT_CODE)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SignedRecord(WireStruct):
+    """``value`` under ``(key, subkey)`` until ``expires_at``, signed by ``public_key``.
+
+    A wire struct (code ``RECORD_STRUCT_CODE``). Checks shape only, raising ``DecodeError``;
+    ``verify_record`` checks meaning. ``value`` is inline bytes, so at most ``CAPS.max_bytes``.
+    """
+
+    key: bytes
+    subkey: bytes
+    value: bytes
+    expires_at: float
+    public_key: bytes
+    signature: bytes
+
+    def _check(self) -> None:
+        sizes = (("key", ID_BYTES), ("subkey", ID_BYTES), ("public_key", 32), ("signature", 64))
+        for name, size in sizes:
+            n = len(getattr(self, name))
+            if n != size:
+                raise DecodeError(f"SignedRecord.{name} must be {size} bytes, got {n}")
+
+    def signing_bytes(self) -> bytes:
+        return record_signing_bytes(self.key, self.subkey, self.value, self.expires_at)
+
+
+def record_signing_bytes(key: bytes, subkey: bytes, value: bytes, expires_at: float) -> bytes:
+    """The exact bytes a record's signature covers."""
+    packed = msgpack.packb([DOMAIN, key, subkey, value, float(expires_at)], use_bin_type=True)
+    assert isinstance(packed, bytes)
+    return packed
+
+
+def sign_record(signer: RecordSigner, key: bytes, value: bytes, expires_at: float) -> SignedRecord:
+    """A record of ``value`` under ``key``, in the signer's own subkey (its peer id)."""
+    subkey = signer.peer_id
+    sig = signer.sign(record_signing_bytes(key, subkey, value, expires_at))
+    return SignedRecord(
+        key=key,
+        subkey=subkey,
+        value=value,
+        expires_at=expires_at,
+        public_key=signer.public_key,
+        signature=sig,
+    )
+
+
+def verify_record(
+    rec: SignedRecord, *, now: float, max_ttl: float, max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES
+) -> None:
+    """Accept ``rec`` or raise why not, cheapest check first.
+
+    Raises ``Oversize`` (value over ``max_value_bytes``, or expiry beyond ``now + max_ttl``),
+    ``Stale`` (expired), ``NotAuthorized`` (subkey not the signer's peer id), ``BadSignature``.
+    """
+    if len(rec.value) > max_value_bytes:
+        raise Oversize(f"record value of {len(rec.value)} bytes exceeds {max_value_bytes}")
+    if rec.expires_at - now > max_ttl:
+        raise Oversize(f"record ttl {rec.expires_at - now:.0f}s exceeds max {max_ttl:.0f}s")
+    if rec.expires_at <= now:
+        raise Stale(f"record expired {now - rec.expires_at:.1f}s ago", penalty=0.1)
+    if rec.subkey != peer_id_from_public_key(rec.public_key):
+        raise NotAuthorized(f"subkey {rec.subkey.hex()[:16]} signed by someone else")
+    try:
+        Ed25519PublicKey.from_public_bytes(rec.public_key).verify(
+            rec.signature, rec.signing_bytes()
+        )
+    except InvalidSignature:
+        raise BadSignature(
+            f"record signature does not verify for subkey {rec.subkey.hex()[:16]}"
+        ) from None
+
