@@ -43,7 +43,8 @@ passed): versions arriving more often than every H steps cannot keep it from shi
 moments are kept. A forced delivery (a resync after the island's own fragment went non-finite)
 overwrites θ_p whatever α and the version held, and resets the inner optimizer's state of any
 parameter of the fragment whose state is not finite. Versions act as fencing tokens: only a
-version above the one held is adopted.
+version above the one held is adopted. How arrivals are adopted (blended, overwritten, rebased,
+resynced) is ``node.diloco.adoption``.
 """
 
 from __future__ import annotations
@@ -56,9 +57,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from node.diloco.adoption import IslandAdoption
 from node.diloco.flat import new_flat
 from protocol.diloco.fragments import FragmentPlan, due_offset
-from protocol.diloco.norms import all_finite
 
 __all__ = ["Island", "IslandConfig", "IslandStats", "Outgoing"]
 
@@ -135,7 +136,7 @@ class IslandStats:
     compute_times: list[float] = field(default_factory=list)  # step times less any wait for a merge (sync)
 
 
-class Island:
+class Island(IslandAdoption):
     """Wraps a model and its inner optimizer; talks to the swarm through ``submit``/``deliver``."""
 
     def __init__(
@@ -226,46 +227,6 @@ class Island:
         with self._arrived:
             self._arrived.notify_all()
 
-    def adopt_final(self, fragment: int, version: int, flat: torch.Tensor) -> None:
-        """Adopt the owner's final version even if it is not above the one held.
-
-        At the end of a run the current owner's latest version is authoritative: after an
-        owner's crash the new owner may restart below a version some learner already held.
-        """
-        self._adopt(fragment, version, flat, rebase=False)
-
-    def adopt_pending(self, *, block: bool = True, between_steps: bool = False) -> int:
-        """Adopt whatever arrived; return how many fragments were adopted (trainer thread only).
-
-        With ``block=False`` (the hook) a busy inbox is left for the next step instead of waited on.
-        ``between_steps`` (the hook, with ``hold_until_shipped``): a fragment this island has
-        trained since it last adopted one, and not shipped yet, keeps its arrived version
-        waiting until it ships. Adopting it then would overwrite those steps' work, and restart
-        the fragment's H count: an island slower than the swarm's version rate would never ship.
-        """
-        if not self._lock.acquire(blocking=block):
-            self.stats.deferred_adoptions += 1
-            return 0
-        try:
-            arrived, self._inbox = self._inbox, {}
-            if between_steps and self.cfg.hold_until_shipped:
-                held = {p: a for p, a in arrived.items()
-                        if not a[2] and self.in_flight[p] is None and self.c_steps[p] > 0}
-                for p in held:
-                    del arrived[p]
-                self._inbox.update(held)
-        finally:
-            self._lock.release()
-        for fragment, (version, flat, force) in sorted(arrived.items()):
-            if force:
-                self._resync(fragment, version, flat)
-            elif version > self.versions[fragment]:
-                if between_steps and self._ships_first(fragment):
-                    self._ship(fragment)
-                    self.stats.shipped_before_adopting += 1
-                self._adopt(fragment, version, flat)
-        return len(arrived)
-
     def flush(self, timeout_s: float) -> int:
         """End of training: send every fragment's work that no contribution holds yet.
 
@@ -290,12 +251,6 @@ class Island:
         """H for a fragment syncing at the current step."""
         interval = self.cfg.interval
         return self.cfg.inner_steps if interval is None else max(1, interval(self.stats.step))
-
-    def _ships_first(self, p: int) -> bool:
-        """Whether fragment ``p``'s work since its last adoption ships before a newer version
-        replaces it (``ship_before_adopt``): enough steps trained, and none of it in flight."""
-        least = self.cfg.ship_before_adopt
-        return least > 0 and self.in_flight[p] is None and self.c_steps[p] >= least
 
     # --- the hook ------------------------------------------------------------------------------
     def _after_step(self, _opt: torch.optim.Optimizer, _args: object, _kwargs: object) -> None:
@@ -370,80 +325,6 @@ class Island:
         t0 = time.perf_counter()  # wall time: a hand-off that blocks is a stall
         self._submit(out)
         self._submit_s += time.perf_counter() - t0
-
-    def _resync(self, p: int, version: int, flat: torch.Tensor) -> None:
-        """Overwrite fragment ``p`` with ``flat``; drop inner-optimizer state that is not finite."""
-        for param in self.params[p]:
-            state = self.optimizer.state.get(param)
-            if state and not all(bool(torch.isfinite(v).all()) for v in state.values()
-                                 if isinstance(v, torch.Tensor)):
-                del self.optimizer.state[param]
-        self._adopt(p, version, flat, alpha=0.0, rebase=False)
-        self.stats.resynced += 1
-
-    def _adopt(self, p: int, version: int, flat: torch.Tensor, *, alpha: float | None = None,
-               rebase: bool | None = None) -> None:
-        t0 = time.thread_time()
-        alpha = self.cfg.adopt_alpha if alpha is None else alpha
-        shipped = self._shipped[p]
-        reference = None
-        if self.cfg.rebase if rebase is None else rebase:  # the work to keep is θ_p − reference
-            if shipped is not None:
-                reference = shipped[0]
-            elif self.c_steps[p]:
-                reference = self.global_flat[p]
-        if reference is not None and not self._rebase(p, flat, reference):
-            reference = None  # the local work is not finite: overwrite
-        if reference is None:
-            self._overwrite(p, flat, alpha)
-        self.global_flat[p] = flat.float()
-        self.versions[p] = version
-        if reference is None:
-            self.c_steps[p] = self.c_tokens[p] = 0
-        elif shipped is not None:  # the steps since it shipped stay counted (unshipped work: all of it)
-            self.c_steps[p], self.c_tokens[p] = self.c_steps[p] - shipped[1], self.c_tokens[p] - shipped[2]
-        # H counts from this adoption, which keeps the island in phase with the merge that made
-        # it, but kept work is due no later than 2H after it began: versions arriving more often
-        # than every H steps cannot starve it
-        h = self._h()
-        self.next_due[p] = self.stats.step + min(h, 2 * h - self.c_steps[p])
-        self.in_flight[p] = None
-        self._shipped[p] = None
-        self.stats.adopted += 1
-        self.adoptions[p] += 1
-        self._copy_s += time.thread_time() - t0
-
-    def _overwrite(self, p: int, flat: torch.Tensor, alpha: float) -> None:
-        with torch.no_grad():
-            offset = 0
-            for param in self.params[p]:
-                n = param.numel()
-                incoming = flat[offset:offset + n].view_as(param).to(param.device, param.dtype)
-                if alpha:
-                    param.mul_(alpha).add_(incoming, alpha=1.0 - alpha)
-                else:
-                    param.copy_(incoming)
-                offset += n
-
-    def _rebase(self, p: int, flat: torch.Tensor, reference: torch.Tensor) -> bool:
-        """θ_p ← Θ_p + (θ_p − θ_ref); False (nothing written) when θ_p − θ_ref is not finite."""
-        with torch.no_grad():
-            kept = []
-            offset = 0
-            for param in self.params[p]:
-                n = param.numel()
-                work = param.detach().reshape(-1).float().cpu() - reference[offset:offset + n]
-                if not all_finite(work):
-                    return False
-                kept.append(work)
-                offset += n
-            offset = 0
-            for param, work in zip(self.params[p], kept, strict=True):
-                n = param.numel()
-                rebased = work.add_(flat[offset:offset + n])  # Θ + 0 is Θ: with no work kept, an overwrite
-                param.copy_(rebased.view_as(param))
-                offset += n
-        return True
 
     def _pseudo_gradient(self, p: int) -> torch.Tensor:
         """Θ_base − θ of fragment ``p`` as a new flat fp32 CPU tensor (the network side keeps it),

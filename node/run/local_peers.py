@@ -1,0 +1,43 @@
+"""A peer process of ``atoll local`` as the launcher sees it, and the error its log ends with.
+
+``PeerProcess`` is the launcher's record of one process (one incarnation of a peer index): its
+address once it listens, its latest progress and final result, and whether it was started or
+killed. ``last_error`` reads a peer's exception from its log, for the launcher's messages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["PeerProcess", "last_error"]
+
+
+@dataclass
+class PeerProcess:
+    index: int
+    proc: asyncio.subprocess.Process
+    log_path: Path
+    url: str = ""
+    peer_id: str = ""
+    progress: dict[str, Any] = field(default_factory=dict)
+    result: dict[str, Any] | None = None
+    incarnation: int = 0  # 0: the first process of this index; n: its n-th restart
+    resumed_from_step: int = 0  # the checkpoint's step it resumed from (0: a fresh island)
+    started: bool = False  # told to start training
+    killed: bool = False  # SIGKILLed by fault injection or chaos
+    listening: asyncio.Event = field(default_factory=asyncio.Event)
+    ready: asyncio.Event = field(default_factory=asyncio.Event)  # joined, waiting for "start"
+    finished: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+def last_error(log_path: Path) -> str:
+    """The last line of a peer's log that is not part of a traceback's frames: its exception."""
+    try:
+        lines = log_path.read_text(errors="replace").splitlines()
+    except OSError:
+        return "no log"
+    top = [ln for ln in lines if ln.strip() and not ln[0].isspace() and not ln.startswith("Traceback")]
+    return top[-1][:300] if top else "its log is empty"
