@@ -2,7 +2,8 @@
 
 ``routing``: the k-bucket routing table, which asks for pings instead of sending them.
 ``lookup``: the iterative FIND_NODE / FIND_VALUE as a state object the node drives.
-``records``: signed, expiring key -> subkey records and their store.
+``records``: signed, expiring key -> subkey records and their store (the import point for
+``signed_record``, ``record_store``, ``store_limits`` and ``delta_reads``).
 ``ratelimit``: token buckets, per peer or address.
 ``messages``: the DHT's wire messages (type codes 32-63).
 """
