@@ -1,0 +1,275 @@
+"""Sending contributions (mixed into ``IslandNet``): compress with error feedback, seal, send,
+take the owner's Ack; and sending accepted work again when it may have been lost.
+
+An owner's Ack counts only when it is signed by the owner the contribution was sent to. Error
+feedback is committed only when the owner accepts: a refused or undelivered contribution leaves
+the residual as it was. A non-finite pseudo-gradient (a diverged island, or a poisoned version it
+adopted) is never sent: it is counted, logged, and the island is resynced: every fragment's
+latest version is fetched from its owner and adopted whole in one step (a NaN anywhere reaches
+every weight through the forward pass, so resyncing one fragment alone would be re-poisoned by
+the others), with inner-optimizer moments reset where they are not finite.
+
+An accepted contribution is sent again when its owner leaves before merging it
+(``owners_changed``), and, for a synchronous island (``wait_for_merge``: the merge waits for
+every learner), also when no newer version has come ``RESEND_AFTER_S`` after the Ack: an owner
+that was fenced off and then owned the fragment again is the same peer but a new instance that
+never saw it. An owner that still holds it refuses the copy as a duplicate, which changes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+import torch
+
+from node.diloco.fetching import LocalOwners
+from node.diloco.island import Island, Outgoing
+from node.wire.transport import LinkDropped, Transport
+from protocol.diloco.compression import compress
+from protocol.errors import LocalProtocolError, RemoteProtocolError
+from protocol.wire.codec import encode
+from protocol.wire.messages import Ack, Contribution
+from protocol.wire.signing import ReplayWindow, Sealed, Signer, open_sealed, seal
+
+if TYPE_CHECKING:
+    from node.diloco.learner import LearnerStats
+
+__all__ = ["RESEND_AFTER_S", "ContributionSending"]
+
+log = logging.getLogger("node.diloco.learner")
+
+RESEND_AFTER_S = 30.0  # synchronous islands: an accepted contribution with no newer version this long is sent again
+
+
+@dataclass(frozen=True, slots=True)
+class _Accepted:
+    """A contribution an owner accepted: who, on which base version, the error-feedback
+    residuals from before it (None: there was none), and when (wall clock)."""
+
+    owner: bytes
+    base: int
+    before: dict[tuple[int, int], torch.Tensor | None]
+    at: float
+
+
+class ContributionSending:
+    """The contributing side of ``IslandNet`` (which provides the attributes below)."""
+
+    island: Island
+    transport: Transport
+    signer: Signer
+    swarm: str
+    shapes: list[list[tuple[int, ...]]]
+    owner_of: Callable[[int], tuple[bytes, str] | None]
+    codec: str
+    block_size: int
+    wall_clock: Callable[[], float]
+    tamper: Callable[[Outgoing], Outgoing] | None
+    local: LocalOwners | None
+    stats: LearnerStats
+    residuals: dict[tuple[int, int], torch.Tensor]
+    digests: list[dict[int, bytes]]
+    _replay: ReplayWindow
+    _accepted_by: dict[int, _Accepted]
+    _resent: dict[int, tuple[_Accepted, dict[tuple[int, int], torch.Tensor | None]]]
+
+    if TYPE_CHECKING:  # IslandNet's
+        async def _request(self, owner_id: bytes, method: str, url: str,
+                           **kw: Any) -> tuple[int, bytearray, int, dict[str, str]]:
+            ...
+
+        async def resync(self) -> int:
+            ...
+
+    async def send(self, out: Outgoing) -> None:
+        """Compress, seal and send one contribution; tell the island how it went. Never raises
+        for the network's or the owner's doing (counted in ``stats`` and logged instead)."""
+        try:
+            await self._send(out)
+        except (aiohttp.ClientError, LinkDropped, TimeoutError, OSError, RemoteProtocolError) as exc:
+            self.stats.send_failures += 1
+            self._resent.pop(out.fragment, None)  # a copy that never arrived: nothing to put back
+            log.warning("contribution for fragment %d not delivered: %r", out.fragment, exc)
+            self.island.resolved(out.fragment, accepted=False)
+
+    def _compress(self, out: Outgoing) -> tuple[Contribution, dict[tuple[int, int], torch.Tensor]]:
+        """The contribution and the residuals it leaves (committed only if it is accepted); with
+        the ``none`` codec its tensors are views of ``out.delta`` (a fresh tensor that nothing
+        else writes to) and it leaves no residual (it would be zero).
+
+        Raises ``LocalProtocolError`` for a non-finite pseudo-gradient (``compress`` checks)."""
+        tensors, residuals, offset = [], {}, 0
+        for i, shape in enumerate(self.shapes[out.fragment]):
+            n = int(torch.Size(shape).numel())
+            part = out.delta[offset:offset + n].view(shape)
+            try:
+                enc, residual = compress(
+                    part, self.codec, block_size=self.block_size,
+                    residual=self.residuals.get((out.fragment, i)), copy=False,
+                )
+            except LocalProtocolError as exc:
+                raise LocalProtocolError(f"fragment {out.fragment}: the pseudo-gradient has NaN or Inf "
+                                         f"values ({exc})") from exc
+            if self.codec != "none":
+                residuals[(out.fragment, i)] = residual
+            tensors.append(enc)
+            offset += n
+        digest = self.digests[out.fragment].get(out.base_version)
+        if digest is None:
+            raise LocalProtocolError(f"fragment {out.fragment}: the state of base version {out.base_version} "
+                                     "is not known here")
+        msg = Contribution(
+            swarm=self.swarm, fragment=out.fragment, base_version=out.base_version, base_digest=digest,
+            tokens=out.tokens, steps=out.steps, step_time=out.step_time,
+            sender_step=out.sender_step, tensors=tuple(tensors),
+        )
+        return msg, residuals
+
+    def _seal_contribution(self, out: Outgoing, owner_id: bytes) -> tuple[Sealed, dict[tuple[int, int], torch.Tensor]]:
+        """The contribution sealed for ``owner_id`` (who refuses one addressed to another), and
+        its residuals. Raises ``LocalProtocolError`` as ``_compress``."""
+        msg, residuals = self._compress(out)
+        sealed = seal(encode(msg), self.signer, now=self.wall_clock(), nonce=os.urandom(16), recipient=owner_id)
+        return sealed, residuals
+
+    async def _send(self, out: Outgoing) -> None:
+        owner = self.owner_of(out.fragment)
+        if owner is None:
+            raise RemoteProtocolError(f"no live owner for fragment {out.fragment}")
+        owner_id, url = owner
+        if self.tamper is not None:
+            out = self.tamper(out)
+        if self.local is not None and owner_id == self.signer.peer_id:
+            await self._send_local(out)
+            return
+        try:  # one worker-thread hop: compress and seal (hashing the whole payload once)
+            sealed, residuals = await asyncio.to_thread(self._seal_contribution, out, owner_id)
+        except LocalProtocolError as exc:
+            await self._skip(out, exc)
+            return
+        self.stats.contributions_sent += 1
+        status, buf, used, _ = await self._request(
+            owner_id, "POST", f"{url}/v1/rpc", chunks=sealed.iter_chunks(), size=sealed.size, timeout_s=60,
+            kind="Contribution",
+        )
+        try:
+            if status != 200:
+                reason = bytes(memoryview(buf)[:used]).decode(errors="replace")
+                self.stats.contributions_refused += 1
+                log.info("fragment %d contribution refused (%d): %s", out.fragment, status, reason)
+                self.island.resolved(out.fragment, accepted=False)
+                return
+            opened = open_sealed(memoryview(buf)[:used], now=self.wall_clock(), replay=self._replay,
+                                 max_size=1 << 16)
+        finally:
+            self.transport.pool.give(buf)
+        if opened.peer_id != owner_id:
+            raise RemoteProtocolError(f"fragment {out.fragment}: Ack signed by {opened.peer_id.hex()[:8]}, "
+                                      f"not by the owner {owner_id.hex()[:8]} it was sent to")
+        reply = opened.message
+        if not isinstance(reply, Ack):
+            raise RemoteProtocolError(f"owner replied {type(reply).__name__}, expected Ack")
+        await self._answered(out, owner_id, reply, residuals)
+
+    async def _skip(self, out: Outgoing, exc: LocalProtocolError) -> None:
+        self.stats.skipped_nonfinite += "NaN" in str(exc)
+        log.warning("contribution skipped: %s; resyncing the island from the owners", exc)
+        self.island.resolved(out.fragment, accepted=False)
+        await self.resync()
+
+    async def _send_local(self, out: Outgoing) -> None:
+        """A contribution to a fragment we own: compressed as any (error feedback alike), handed
+        to our owner in process."""
+        assert self.local is not None
+        try:
+            msg, residuals = await asyncio.to_thread(self._compress, out)
+        except LocalProtocolError as exc:
+            await self._skip(out, exc)
+            return
+        self.stats.contributions_sent += 1
+        try:
+            reply = await self.local.contribute_local(msg)
+        except RemoteProtocolError as exc:
+            self.stats.contributions_refused += 1
+            log.info("fragment %d contribution refused by our own owner: %s", out.fragment, exc.reason)
+            self.island.resolved(out.fragment, accepted=False)
+            return
+        await self._answered(out, self.signer.peer_id, reply, residuals)
+
+    async def _answered(self, out: Outgoing, owner_id: bytes, reply: Ack,
+                        residuals: dict[tuple[int, int], torch.Tensor]) -> None:
+        """The owner's answer to a contribution: commit its residuals (accepted) or free the
+        fragment (refused; a base mismatch resyncs the island)."""
+        resent = self._resent.pop(out.fragment, None)
+        if not reply.accepted and resent is not None and reply.reason.startswith("duplicate"):
+            # the owner still holds the first copy: as if this one was never sent
+            first, after = resent
+            self._restore(after)
+            self._accepted_by[out.fragment] = replace(first, at=self.wall_clock())
+            log.info("fragment %d: the owner still holds our contribution (%s)", out.fragment, reply.reason)
+            return
+        if reply.accepted:
+            self._accepted_by[out.fragment] = _Accepted(owner_id, out.base_version,
+                                                        {k: self.residuals.get(k) for k in residuals},
+                                                        self.wall_clock())
+            self.residuals.update(residuals)
+            self.stats.contributions_accepted += 1
+        else:
+            self.stats.contributions_refused += 1
+            log.info("fragment %d contribution refused: %s", out.fragment, reply.reason)
+        self.island.resolved(out.fragment, accepted=reply.accepted)
+        if not reply.accepted and reply.reason.startswith("resync"):
+            self.stats.base_mismatches += 1
+            await self.resync()  # our base state is not the owner's: take the owners' states whole
+
+    def owners_changed(self) -> int:
+        """Call when the owners may have changed (a membership pass, an unreachable owner).
+
+        A contribution that an owner accepted but had not merged when it stopped owning the
+        fragment (it failed, or retired) would be lost: the island sends its cumulative
+        pseudo-gradient again at its next step, to the new owner, with the error-feedback
+        residuals restored to what they were before the lost send. If the old owner had merged
+        it after all, its successor knows (the handoff names merged work) and refuses it with
+        "resync". A synchronous island also sends it again, to the same owner, after
+        ``RESEND_AFTER_S`` without a version (see the module docstring). Returns how many
+        fragments are sent again."""
+        resent = 0
+        for p, accepted in list(self._accepted_by.items()):
+            owner_id, base, before = accepted.owner, accepted.base, accepted.before
+            if self.island.in_flight[p] is None or self.island.versions[p] > base:
+                del self._accepted_by[p]  # merged (a newer version came) or already resolved
+                continue
+            now = self.owner_of(p)
+            if now is None:
+                continue
+            silent = self.island.cfg.wait_for_merge and self.wall_clock() - accepted.at > RESEND_AFTER_S
+            if now[0] == owner_id and not silent:
+                continue
+            del self._accepted_by[p]
+            if now[0] == owner_id:  # the same owner, silent: it may hold the first copy still
+                self._resent[p] = (accepted, {k: self.residuals.get(k) for k in before})
+                self.stats.resent_after_silence += 1
+                log.info("fragment %d: no version %.0f s after %s accepted our contribution (base %d); "
+                         "sending it again", p, RESEND_AFTER_S, owner_id.hex()[:8], base)
+            else:
+                self.stats.resent_on_owner_change += 1
+                log.info("fragment %d: owner %s left before merging our contribution (base %d); sending it "
+                         "again to %s", p, owner_id.hex()[:8], base, now[0].hex()[:8])
+            self._restore(before)
+            self.island.resend(p)
+            resent += 1
+        return resent
+
+    def _restore(self, residuals: dict[tuple[int, int], torch.Tensor | None]) -> None:
+        """Put error-feedback residuals back as they were (None: there was none)."""
+        for key, residual in residuals.items():
+            if residual is None:
+                self.residuals.pop(key, None)
+            else:
+                self.residuals[key] = residual
