@@ -259,10 +259,11 @@ def _local(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"atoll local: {exc}", file=sys.stderr)
         return 2
-    from node.run.checks import check_run
+    from node.run.checks import check_local, check_run
     from node.run.local_command import run_local
 
     try:
+        check_local(cfg)
         check_run(cfg)
         kill_at = _parse_kills(args.kill, cfg.peers)
         slow = _parse_slow(args.slow, cfg.peers)

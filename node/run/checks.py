@@ -6,6 +6,7 @@ corpus loader and splitter, the link emulator's parser), and turn every mistake 
 that names the flag and says what to do: ``CheckError``.
 
 ``check_run``      the run's numbers, model preset, device, emulated link and corpus
+``check_local``    ``atoll local``'s own: how many peer processes this machine is asked for
 ``check_listen``   that this machine can listen at HOST:PORT (a free port, an address of its own)
 ``peer_url``       an initial peer's address: http(s)://HOST:PORT
 ``host_port``      ``--listen`` / ``--public-address``: HOST:PORT
@@ -14,20 +15,25 @@ that names the flag and says what to do: ``CheckError``.
 from __future__ import annotations
 
 import errno
+import os
 import socket
 from pathlib import Path
 from urllib.parse import urlsplit
 
 from node.config import RunConfig
 
-__all__ = ["CheckError", "check_listen", "check_run", "host_port", "peer_url"]
+__all__ = ["CheckError", "check_listen", "check_local", "check_run", "host_port", "peer_url"]
 
 CORPUS_CHECK_BYTES = 4 << 20  # the corpus check reads at most this much (a peer reads it all)
+CORES = os.cpu_count() or 1
+# atoll local starts every peer as a process on this machine: 32 tiny peers run on 2 cores here;
+# a typo of 100000 started processes until the machine ran out of them
+MAX_LOCAL_PEERS = 256
 
 # (field, test, what it must be): the numbers a RunConfig leaves to the training loop
 _RANGES = (
     ("batch_size", lambda v: v >= 1, ">= 1"),
-    ("threads", lambda v: v >= 1, ">= 1"),
+    ("threads", lambda v: 1 <= v <= CORES, f"1..{CORES} (the cores of this machine)"),
     ("lr", lambda v: v > 0, "> 0"),
     ("warmup_steps", lambda v: v >= 0, ">= 0"),
     ("weight_decay", lambda v: v >= 0, ">= 0"),
@@ -45,6 +51,14 @@ _RANGES = (
 
 class CheckError(ValueError):
     """One line: what is wrong and what to do about it."""
+
+
+def check_local(cfg: RunConfig) -> None:
+    """Raise ``CheckError`` when ``atoll local`` would start more peer processes than it allows."""
+    if cfg.peers > MAX_LOCAL_PEERS:
+        raise CheckError(f"--peers must be at most {MAX_LOCAL_PEERS} for atoll local, which starts every peer "
+                         f"as a process on this machine, got {cfg.peers}; a larger swarm is many machines "
+                         f"running atoll join")
 
 
 def check_run(cfg: RunConfig) -> None:
