@@ -33,8 +33,9 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
-from aiohttp import web
+from aiohttp import hdrs, web
 from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 from node.wire.bodies import CHUNK, BodyTimeout, BufferPool, ClientGone, read_stream
 from node.wire.connections import Connections, _GatedSite, address_key
@@ -78,6 +79,14 @@ class Busy(RemoteProtocolError):
     status = 429
 
 
+class EncodedBody(RemoteProtocolError):
+    """A request body sent with a ``Content-Encoding``: Atoll's bodies go as they are. aiohttp
+    would inflate gzip or deflate before a byte of it was checked, so 200 KB of gzip from a
+    stranger became 200 MiB of buffer; it is refused before the body is read."""
+
+    status = 415
+
+
 @dataclass(frozen=True, slots=True)
 class ServeLimits:
     """How much a server lets one request cost before refusing it (see the module docstring)."""
@@ -111,7 +120,7 @@ class _ServerLog(logging.LoggerAdapter):  # type: ignore[type-arg]
     and a peer must not be able to flood the log with tracebacks."""
 
     def exception(self, msg: object, *args: object, exc_info: Any = True, **kw: Any) -> None:
-        if isinstance(exc_info, HttpProcessingError):
+        if isinstance(exc_info, HttpProcessingError | RequestPayloadError):
             self.info(f"{msg}: %s: %s", *args, type(exc_info).__name__, exc_info, **kw)
         else:
             super().exception(msg, *args, exc_info=exc_info, **kw)
@@ -291,9 +300,11 @@ class Transport:
         """Read a request body into a pooled buffer (see ``read_stream``) under ``self.limits``.
 
         Raises ``Busy`` when the sender's address (or the server) has too many bodies being read,
-        ``Oversize``, ``BodyTimeout``, or ``ClientGone`` when the sender went away. A body not
+        ``Oversize``, ``BodyTimeout``, ``EncodedBody`` (a ``Content-Encoding``: refused before reading),
+        or ``ClientGone`` when the sender went away. A body not
         read to its end is not drained: the connection is closed after the reply."""
         ip, lim = request.remote or "unknown", self.limits
+        self._refuse_encoded(request)
         if self.bodies_in_flight[ip] >= lim.bodies_per_ip:
             self._hang_up.add(id(request))
             raise Busy(f"{self.bodies_in_flight[ip]} request bodies from {ip} are being read already "
@@ -308,7 +319,7 @@ class Transport:
                 request.content, length, max_size or self.max_body, self.pool,
                 timeout_s=lim.body_deadline_s(length), idle_s=lim.body_idle_s,
             )
-        except (ConnectionError, aiohttp.ClientPayloadError, HttpProcessingError) as exc:  # cut off
+        except (ConnectionError, aiohttp.ClientPayloadError, HttpProcessingError, RequestPayloadError) as exc:  # cut off
             self._hang_up.add(id(request))
             raise ClientGone(f"request body cut off: {exc}") from None
         except RemoteProtocolError:
@@ -320,6 +331,15 @@ class Transport:
                 del self.bodies_in_flight[ip]
         self.bytes_received += used
         return buf, used
+
+    def _refuse_encoded(self, request: web.Request) -> None:
+        """Raise ``EncodedBody`` (and hang up after the reply) for a request whose body has a
+        ``Content-Encoding`` other than identity."""
+        encoding = request.headers.get(hdrs.CONTENT_ENCODING, "identity").strip().lower()
+        if encoding != "identity":
+            self._hang_up.add(id(request))
+            raise EncodedBody(f"request bodies are not content-encoded: Content-Encoding {encoding[:32]!r} "
+                              f"refused; send the body as it is")
 
     def _count_reply(self, request: web.Request, resp: web.StreamResponse) -> None:
         """Add a reply's head (and, for a reply not streamed by us, its body) to ``bytes_sent``:
@@ -343,6 +363,7 @@ class Transport:
             gate.request_started()
         try:
             try:
+                self._refuse_encoded(request)  # any route, a missing one too: aiohttp would inflate and drain it
                 resp = await handler(request)
             except RemoteProtocolError as exc:
                 log.info("refused %s %s from %s: %s: %s", request.method, request.path, request.remote,

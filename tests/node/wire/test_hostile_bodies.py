@@ -227,3 +227,35 @@ async def test_a_route_that_raises_its_own_http_error_leaves_no_hang_up_mark() -
         assert not t._hang_up  # an id left here could hang up an unrelated later request
     finally:
         await t.close()
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "deflate", "GZIP", "br", "x-unknown"])
+async def test_a_content_encoded_body_is_refused_before_it_is_inflated(encoding: str,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """A stranger's 200 KB of gzip inflated to 200 MiB of buffer before any check, and a body that
+    did not inflate gave a 500. Any Content-Encoding is now a 415 with a reason, before a byte of
+    the body is read, and the sender is hung up on."""
+    import zlib
+
+    bomb = zlib.compress(bytes(64 * MIB), 9)  # 64 KB that would become 64 MiB
+    t = await rpc_server(FAST)
+    try:
+        for path in ("/v1/rpc", "/v1/dht", "/v1/swarm/manifest"):
+            for body in (bomb, b"not deflate"):
+                r, w = await asyncio.open_connection("127.0.0.1", t.port)
+                w.write(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Encoding: {encoding}\r\n"
+                        f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+                await w.drain()
+                async with asyncio.timeout(5):
+                    reply = await r.read()
+                w.close()
+                if encoding == "br":  # aiohttp's parser has no brotli here: it answers 400 before any route
+                    assert reply[9:12] == b"400", reply[:200]
+                    continue
+                assert reply.startswith(b"HTTP/1.1 415"), reply[:200]  # routes this server lacks too
+                assert b"EncodedBody" in reply and b"send the body as it is" in reply
+        assert t.bodies_in_flight.total() == 0
+        assert max((len(b) for b in t.pool._free), default=0) < MIB  # no inflated buffer kept
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    finally:
+        await t.close()
