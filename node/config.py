@@ -82,8 +82,12 @@ class RunConfig:
     # ended at 2.73-4.25 nats/byte in three runs, with owners flapping and versions published
     # twice, half at 2.17 and 2.25 with neither. bench.quality's small model at 4 peers did a
     # little better at K = 1 (Decoupled +0.9 % vs +2.2 % over synchronous DiLoCo, 3 seeds; within
-    # its run-to-run spread). docs/results.md, "a quorum that grows with the swarm"
-    quorum_fraction: float = 0.5
+    # its run-to-run spread). docs/results.md, "a quorum that grows with the swarm".
+    # -1 (auto): 0.5 with plain averaging, 1 with outer momentum: merges of half the learners
+    # under Nesterov (eta 0.7, mu 0.9, H = 10, 4 peers) diverged (loss 5.6 -> 2.7 -> 60 by step
+    # 1,200); waiting for every learner the owner sees trained (docs/benchmarks.md, "Decoupled
+    # DiLoCo with outer momentum")
+    quorum_fraction: float = -1.0
     grace_gamma: float = 0.8
     grace_tau: int = 2
     grace_cap_s: float = 10.0
@@ -177,8 +181,8 @@ class RunConfig:
             problems.append(f"--baseline-lr must be in [0, 1) (0: the islands' --lr), got {self.baseline_lr}")
         if self.quorum < 1:
             problems.append(f"--quorum must be >= 1, got {self.quorum}")
-        if not 0.0 <= self.quorum_fraction <= 1.0:
-            problems.append(f"--quorum-fraction must be between 0 and 1, got {self.quorum_fraction}")
+        if not (0.0 <= self.quorum_fraction <= 1.0 or self.quorum_fraction == -1):
+            problems.append(f"--quorum-fraction must be -1 (auto) or between 0 and 1, got {self.quorum_fraction}")
         if not 0 <= self.spread_fanout <= 64:
             problems.append(f"--spread-fanout must be 0..64 (0: owners serve every learner), got {self.spread_fanout}")
         if not 1 <= self.owner_fanout <= 64:
@@ -193,6 +197,14 @@ class RunConfig:
     def flushes(self) -> bool:
         """Whether islands send their unshipped work at the end (``final_flush``, -1 resolved)."""
         return self.final_flush == 1 or (self.final_flush == -1 and self.outer_momentum == 0)
+
+    @property
+    def merge_quorum_fraction(self) -> float:
+        """The share of the learners a merge waits for (``quorum_fraction``, -1 resolved): 0.5 with
+        plain averaging, every learner with outer momentum, whose partial merges diverged."""
+        if self.quorum_fraction >= 0:
+            return self.quorum_fraction
+        return 1.0 if self.outer_momentum > 0 else 0.5
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
@@ -259,7 +271,9 @@ _HELP = {
                     "which keeps the median norm however much the pseudo-gradients disagree",
     "quorum": "K: minimum contributions before a merge may close",
     "quorum_fraction": "K is also at least this share of the learners the owner sees (rounded up; 0: K alone, "
-                       "the paper's rule; learners that stop are dropped from the count, so they stall nothing)",
+                       "the paper's rule; learners that stop are dropped from the count, so they stall nothing; "
+                       "-1: auto, 0.5 with plain averaging and 1 with --outer-momentum above 0, where merges of "
+                       "part of the learners diverged)",
     "grace_gamma": "gamma: fraction of hidden time the grace window may spend",
     "grace_tau": "tau: inner steps a fragment may stay in flight",
     "grace_cap_s": "upper bound of the grace window in seconds",

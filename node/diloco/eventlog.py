@@ -174,8 +174,11 @@ class LoggedMerger:
     def on_tick(self, now: float) -> Decision:
         return self._log({"kind": "tick", "now": now}, self.merger.on_tick(now))
 
-    def set_expected(self, n: int | None, *, now: float) -> Decision:
-        return self._log({"kind": "expect", "n": n, "now": now}, self.merger.set_expected(n, now=now))
+    def set_expected(self, n: int | None, *, now: float, finished: int = 0) -> Decision:
+        rec: dict[str, Any] = {"kind": "expect", "n": n, "now": now}
+        if finished:  # absent in logs written before learners that finished were counted
+            rec["finished"] = finished
+        return self._log(rec, self.merger.set_expected(n, now=now, finished=finished))
 
     def on_published(self, new_version: int, *, sync_time: float, now: float) -> Decision:
         d = self.merger.on_published(new_version, sync_time=sync_time, now=now)
@@ -360,7 +363,7 @@ def replay(path: Path) -> ReplayResult:
             elif kind == "tick":
                 d = merger.on_tick(now)
             elif kind == "expect":
-                d = merger.set_expected(rec["n"], now=now)
+                d = merger.set_expected(rec["n"], now=now, finished=rec.get("finished", 0))
             elif kind == "published":
                 d = merger.on_published(rec["version"], sync_time=rec["sync_time"], now=now)
             elif kind == "merge_failed":

@@ -232,11 +232,12 @@ class FragmentOwner(ContributionIntake, VersionSealing, OwnerSuccession):
         while self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
 
-    async def set_expected(self, n: int) -> None:
-        """Tell the merger how many live learners may contribute; may close the round."""
+    async def set_expected(self, n: int, finished: int = 0) -> None:
+        """Tell the merger how many live learners may contribute and how many finished training
+        (counted in a round's share, see ``protocol.diloco.merge``); may close the round."""
         if self.merger.phase is Phase.MERGING:
             return
-        await self._apply(self.merger.set_expected(n, now=self.clock()))
+        await self._apply(self.merger.set_expected(n, now=self.clock(), finished=finished))
 
     @property
     def merges_done(self) -> int:

@@ -172,7 +172,7 @@ class OwnedFragments:
 
     def _merge_cfg(self) -> MergeConfig:
         c = self.cfg
-        return MergeConfig(quorum=c.quorum, quorum_fraction=c.quorum_fraction, gamma=c.grace_gamma,
+        return MergeConfig(quorum=c.quorum, quorum_fraction=c.merge_quorum_fraction, gamma=c.grace_gamma,
                            tau=c.grace_tau, grace_cap_s=c.grace_cap_s,
                            staleness_bound=c.staleness_bound,
                            late_policy="carry" if c.late_policy == "carry" else "drop",

@@ -93,6 +93,9 @@ class VersionServing:
     def expected_learners(self) -> int:
         raise NotImplementedError
 
+    def finished_learners(self) -> int:
+        raise NotImplementedError
+
     @staticmethod
     def _fragment_index(request: web.Request) -> int:
         try:
@@ -213,7 +216,7 @@ class VersionServing:
         while time.monotonic() < deadline and not owner.retired:
             if self.expected_learners() == 0 and owner.idle():
                 return owner.declare_final()
-            await owner.set_expected(self.expected_learners())
+            await owner.set_expected(self.expected_learners(), self.finished_learners())
             await asyncio.sleep(0.1)
             if self.membership is not None and time.monotonic() - read_at >= FINAL_READ_S:
                 # the last learners' "stopped" records: read them now, not at the next membership pass

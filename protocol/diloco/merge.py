@@ -33,7 +33,10 @@ With ``quorum_fraction`` a round also remembers the largest share-of-learners qu
 and a merge that closes below it (learners stopped or left while it was open) scales its
 aggregate by ``Decision.scale`` = contributions / that quorum: the missing ones count as zero,
 so the few contributions in flight when a swarm stops do not become a whole outer step (a merge
-of one learner's work would make the fragment that island's alone).
+of one learner's work would make the fragment that island's alone). ``set_expected(n,
+finished=f)`` counts ``f`` learners that finished training in that share too (the node passes
+them under outer momentum): a straggler still training after the others stopped then moves the
+fragment by its share of a step, where whole momentum steps of its work alone undid the swarm's.
 It never merges below the effective quorum, and never waits past its deadline: any event at or after it
 in GRACE closes the window (a refused contribution then yields kind "merge" with ``refusal``
 set). Contributions carried for ``v + 1`` stay carried across a failed merge. ``_TABLE`` maps
@@ -81,6 +84,7 @@ class _Tick:
 @dataclass(frozen=True, slots=True)
 class _Expect:
     n: int | None
+    finished: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +113,7 @@ class FragmentMerger:
         self.fragment, self.config, self.version = fragment, config, version
         self.phase = Phase.COLLECTING
         self.expected: int | None = None
+        self.finished = 0  # learners that finished training: in a round's share, never waited for
         self._now = self._opened_at = now
         self._quorum_at: float | None = None
         self._first_at: float | None = None  # arrival of the round's first contribution
@@ -138,11 +143,15 @@ class FragmentMerger:
         """Timer event; due at ``deadline()``. Closes an elapsed grace window."""
         return self._dispatch(_Tick(), now)
 
-    def set_expected(self, n: int | None, *, now: float) -> Decision:
-        """Number of live learners expected to contribute (None: unknown); may close the round."""
+    def set_expected(self, n: int | None, *, now: float, finished: int = 0) -> Decision:
+        """Number of live learners expected to contribute (None: unknown), and of those that
+        finished training (counted in a round's share of the learners, never waited for); may
+        close the round."""
         if n is not None and n < 0:
             raise LocalProtocolError(f"expected contributions must be >= 0, got {n}")
-        return self._dispatch(_Expect(n), now)
+        if finished < 0:
+            raise LocalProtocolError(f"finished learners must be >= 0, got {finished}")
+        return self._dispatch(_Expect(n, finished), now)
 
     def on_published(self, new_version: int, *, sync_time: float, now: float) -> Decision:
         """The node applied and published the merge; opens round ``new_version`` (== v + 1)."""
@@ -235,7 +244,7 @@ class FragmentMerger:
         return self._decide("wait", f"merge for version {self.version} in progress")
 
     def _expect(self, ev: _Expect) -> Decision:
-        self.expected = ev.n
+        self.expected, self.finished = ev.n, ev.finished
         n = len(self._entries)
         if ev.n == 0 and self.phase is Phase.COLLECTING and 0 < n < self.config.quorum:
             # nobody left to reach K: drop the rest rather than merge below quorum (a lone
@@ -254,7 +263,7 @@ class FragmentMerger:
         return self._settle(False, f"expecting {ev.n}")
 
     def _expect_merging(self, ev: _Expect) -> Decision:
-        self.expected = ev.n
+        self.expected, self.finished = ev.n, ev.finished
         return self._decide("wait", f"expecting {ev.n}; merge for version {self.version} in progress")
 
     def _published(self, ev: _Published) -> Decision:
@@ -327,7 +336,7 @@ class FragmentMerger:
         n, expected = len(self._entries), self.expected
         k, note = self._quorum()
         if self.config.quorum_fraction > 0 and not self.config.quorum_is_expected and expected:
-            self._round_share = max(self._round_share, quorum_share(self.config, expected))
+            self._round_share = max(self._round_share, quorum_share(self.config, expected + self.finished))
         if n >= k and expected is not None and n >= expected and "lowered" not in note:
             return self._close(f"all {n}/{expected} expected contributions in", accepted)
         if self.phase is Phase.COLLECTING and n >= k:

@@ -238,7 +238,8 @@ def merge_update(
     """One merge of a fragment: clip each delta by its factor, aggregate (a weighted mean for an
     embedding fragment or with ``cfg.aggregate == "mean"``, else ``cfg.aggregate``'s), scale the
     aggregate by ``scale`` (the merger's ``Decision.scale``), bound it to
-    ``cfg.max_delta_ratio`` × |Θ| and apply the outer step. The inputs are not modified.
+    ``cfg.max_delta_ratio`` × |Θ| and apply the outer step: with momentum, a scaled merge (a
+    part of a step) is a plain step that leaves the buffer as it was. The inputs are not modified.
     ``norms``: each delta's ``norm64`` where the caller measured it already (the owner does, as
     each contribution arrives; None entries are measured here): the same bits either way.
 
@@ -261,11 +262,19 @@ def merge_update(
         raise LocalProtocolError(f"a merge's scale must be in (0, 1], got {scale}")
     if scale < 1.0:
         delta.mul_(scale)
-    bounded = False
+    scale_share, bounded = scale, False
     theta_norm = norm64(theta)
     if theta_norm > 0 and math.isfinite(cfg.max_delta_ratio):
         delta, scale = bound_to_norm(delta, cfg.max_delta_ratio * theta_norm)
         bounded = scale < 1.0
+    if scale_share < 1.0 and cfg.momentum != 0:
+        # a part of a step (learners left or finished while the round was open): the plain step,
+        # momentum neither fed nor coasting. Whole Nesterov steps (mu^2 b each) on a straggler's
+        # tail of partial merges overshot; Liu et al. 2024 (Delayed Nesterov) keep momentum off
+        # such in-between updates too
+        with torch.no_grad():
+            return MergeUpdate(torch.add(theta.detach(), delta, alpha=-cfg.lr),
+                               None if buffer is None else buffer.detach().clone(), bounded)
     new_theta, new_buffer = outer_step(theta, delta, buffer, cfg)
     return MergeUpdate(new_theta, new_buffer, bounded)
 

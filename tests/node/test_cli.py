@@ -52,6 +52,22 @@ def test_the_end_of_run_flush_follows_the_outer_step_unless_told() -> None:
         RunConfig(final_flush=2)
 
 
+def test_a_merge_waits_for_every_learner_under_outer_momentum_unless_told() -> None:
+    # auto: half the learners with plain averaging; all with momentum, whose partial merges diverged
+    from types import SimpleNamespace
+
+    from node.diloco.owning import OwnedFragments
+
+    assert RunConfig().merge_quorum_fraction == 0.5
+    assert RunConfig(outer_momentum=0.9).merge_quorum_fraction == 1.0
+    assert RunConfig(outer_momentum=0.9, quorum_fraction=0.25).merge_quorum_fraction == 0.25
+    assert RunConfig(quorum_fraction=0.0).merge_quorum_fraction == 0.0
+    owner_cfg = OwnedFragments._merge_cfg(SimpleNamespace(cfg=RunConfig(outer_momentum=0.9, max_tokens_per_step=2048)))  # type: ignore[arg-type]
+    assert owner_cfg.quorum_fraction == 1.0
+    with pytest.raises(ValueError, match=r"--quorum-fraction must be -1 \(auto\) or between 0 and 1, got 1.5"):
+        RunConfig(quorum_fraction=1.5)
+
+
 def test_topk2_codec_and_its_block_size() -> None:
     assert RunConfig(codec="topk2", block_size=50).codec == "topk2"
     with pytest.raises(ValueError, match="--block-size must be 1..4096 with topk2"):

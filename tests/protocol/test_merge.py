@@ -234,6 +234,36 @@ def test_a_round_left_below_its_share_of_the_learners_merges_a_scaled_step() -> 
     assert d.kind == "merge" and d.scale == 1.0
 
 
+def test_learners_that_finished_count_as_zero_in_every_later_round() -> None:
+    """Four learners, every one waited for (fraction 1). Three finish; the straggler's rounds
+    close as soon as its contribution is in (nobody else is waited for) but merge 1/4 of a step:
+    the finished three count as contributing nothing, round after round. Without ``finished``
+    each of its rounds would be a whole step of its work alone."""
+    m = FragmentMerger(0, MergeConfig(quorum=1, quorum_fraction=1.0, **EXACT), now=0.0)
+    m.set_expected(4, now=0.0)
+    peers = [bytes([i]) * 32 for i in range(4)]
+    for i, peer in enumerate(peers):
+        d = apply(m, c(0.1 * (i + 1), peer))
+    assert d.kind == "merge" and len(d.entries) == 4 and d.scale == 1.0
+    m.on_published(1, sync_time=0.0, now=1.0)
+    m.set_expected(1, now=1.0, finished=3)
+    for v in (1, 2, 3):
+        d = apply(m, c(float(v) + 0.5, peers[0], v))
+        assert d.kind == "merge" and len(d.entries) == 1 and d.scale == 0.25, d
+        assert "scaled to 1/4 of a step" in d.reason
+        m.on_published(v + 1, sync_time=0.0, now=float(v) + 0.6)
+    m.set_expected(2, now=5.0, finished=2)  # one of them trains again: 2 of 4 contributions
+    apply(m, c(5.1, peers[0], 4))
+    d = apply(m, c(5.2, peers[1], 4))
+    assert d.kind == "merge" and d.scale == 0.5
+    m.set_expected(1, now=5.25)  # not told of the finished (while merging): the next round merges whole
+    m.on_published(5, sync_time=0.0, now=5.3)
+    d = apply(m, c(6.1, peers[0], 5))
+    assert d.kind == "merge" and d.scale == 1.0
+    with pytest.raises(LocalProtocolError, match="finished learners must be >= 0, got -1"):
+        m.set_expected(1, now=7.0, finished=-1)
+
+
 def test_merge_entries_carry_weights_and_staleness() -> None:
     m = FragmentMerger(0, MergeConfig(late_policy="carry", **EXACT), version=5, now=0.0)
     apply(m, c(0.5, A, 4, tokens=100, steps=10))  # 1000 * 0.5

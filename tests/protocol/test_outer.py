@@ -395,6 +395,24 @@ def test_a_merge_scales_its_aggregate_before_the_bound_and_the_outer_step() -> N
             merge_update(theta, None, deltas, weights, clips, cfg, embedding=False, scale=bad)
 
 
+def test_a_part_of_a_step_under_momentum_is_a_plain_step_that_leaves_the_buffer() -> None:
+    """A whole merge is a Nesterov step (fed into the buffer, then mu * buffer on top); a scaled
+    one, a part of a step, moves theta by lr * scale * aggregate and neither feeds nor spends the
+    momentum: a straggler's lone tail merges must not coast on the whole swarm's buffer."""
+    theta, buffer = torch.tensor([1.0, -1.0]), torch.tensor([0.5, 0.5])
+    deltas, weights, clips = [torch.tensor([0.2, 0.4])], [1.0], [1.0]
+    cfg = OuterConfig(lr=0.7, momentum=0.9, nesterov=True, max_delta_ratio=math.inf, aggregate="mean")
+    whole = merge_update(theta, buffer, deltas, weights, clips, cfg, embedding=False)
+    assert whole.buffer is not None and torch.allclose(whole.buffer, 0.9 * buffer + deltas[0])
+    assert torch.allclose(whole.theta, theta - 0.7 * (deltas[0] + 0.9 * whole.buffer))
+    part = merge_update(theta, buffer, deltas, weights, clips, cfg, embedding=False, scale=0.25)
+    assert torch.equal(part.theta, theta - 0.7 * 0.25 * deltas[0])
+    assert part.buffer is not None and torch.equal(part.buffer, buffer) and part.buffer is not buffer
+    assert torch.equal(buffer, torch.tensor([0.5, 0.5]))  # the input is not modified
+    first = merge_update(theta, None, deltas, weights, clips, cfg, embedding=False, scale=0.5)
+    assert first.buffer is None and torch.equal(first.theta, theta - 0.7 * 0.5 * deltas[0])
+
+
 @pytest.mark.parametrize("aggregate", ["normed", "rda", "mean"])
 def test_norms_measured_before_the_merge_give_the_same_bits(aggregate: str) -> None:
     """The owner passes each contribution's norm64 from when it arrived; ``atoll replay``

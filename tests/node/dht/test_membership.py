@@ -193,3 +193,27 @@ def test_a_recipe_whose_outer_step_cannot_run_is_refused_when_read(field: str, v
         config_from_manifest(manifest, RunConfig())  # type: ignore[arg-type]
     assert config_from_manifest(types.SimpleNamespace(recipe_dict={"aggregate": "rda", "rda_max_gain": 1.5},  # type: ignore[arg-type]
                                                       swarm_id="s" * 16), RunConfig()).rda_max_gain == 1.5
+
+
+def test_finished_learners_are_counted_only_under_outer_momentum_and_only_once_seen_learning() -> None:
+    from types import SimpleNamespace
+
+    from node.dht.presence import SwarmPresence
+
+    def view(**learning: bool) -> SimpleNamespace:
+        return SimpleNamespace(members={k.encode(): SimpleNamespace(record=SimpleNamespace(learning=v))
+                                        for k, v in learning.items()})
+
+    node = SimpleNamespace(cfg=RunConfig(outer_momentum=0.9), _seen_learning=set(), _finished=set(),
+                           membership=view(a=True, b=True, c=False))  # c: joined, not yet training
+    count = SwarmPresence.finished_learners
+    assert count(node) == 0  # type: ignore[arg-type]
+    node.membership = view(a=True, b=False, c=False)  # b stopped; c never trained
+    assert count(node) == 1  # type: ignore[arg-type]
+    node.membership = view(a=False, c=False)  # a stopped, b's record expired: still finished
+    assert count(node) == 2  # type: ignore[arg-type]
+    node.membership = view(a=True, c=False)  # a trains again (restarted)
+    assert count(node) == 1  # type: ignore[arg-type]
+    for cfg in (RunConfig(), RunConfig(outer_momentum=0.9, mode="sync")):  # plain averaging, sync rounds
+        plain = SimpleNamespace(cfg=cfg, _seen_learning={b"a"}, _finished=set(), membership=view(a=False))
+        assert count(plain) == 0  # type: ignore[arg-type]

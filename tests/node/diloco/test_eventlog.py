@@ -101,3 +101,34 @@ def test_a_file_that_is_not_a_log_is_a_clear_error(tmp_path: Path) -> None:
     bad.write_text("not json\n")
     with pytest.raises(ValueError, match="not a JSON line"):
         replay(bad)
+
+
+async def test_a_straggler_after_the_others_finished_merges_its_share_and_replays(tmp_path: Path) -> None:
+    """Three learners, every one waited for; two finish. The straggler's lone contributions
+    merge a third of a step each (the owner told of the two finished), and the log, which
+    records them, replays to the same decisions and version contents."""
+    model = tiny_model()
+    plan, clock = tiny_plan(model), FakeClock()
+    shapes, theta0 = shapes_of(model, plan), flat_of(model, plan, 0)
+    log = tmp_path / "owner-0.jsonl"
+    owner = make_owner(plan, shapes, 0, theta0, clock, quorum_fraction=1.0, event_log=log)
+    await owner.set_expected(3)
+    delta = torch.full((theta0.numel(),), 0.03)
+    for peer in (A, B, C):
+        clock.advance(0.1)
+        await owner.contribute(peer, contribution(delta, shapes[0], owner=owner))
+    await owner.settled()
+    assert owner.version == 1
+    await owner.set_expected(1, finished=2)
+    before = owner.theta.clone()
+    for v in (1, 2):
+        clock.advance(0.5)
+        await owner.contribute(A, contribution(delta, shapes[0], base_version=v, owner=owner))
+        await owner.settled()
+    assert owner.version == 3
+    torch.testing.assert_close(before - owner.theta, 2 * delta / 3)  # two thirds of a step, not two
+    owner.log.close()
+    result = replay(log)
+    assert result.mismatches == [] and result.unchecked is None
+    assert all(v["replayed"] == v["digest"] for v in result.versions)
+    assert sum('"finished":2' in line for line in log.read_text().splitlines()) == 1
