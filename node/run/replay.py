@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from node.diloco.eventlog import replay
+from node.diloco.eventlog import EmptyLog, LogError, ReplayResult, replay
 
 __all__ = ["replay_main"]
 
@@ -30,8 +30,8 @@ def replay_main(args: argparse.Namespace) -> int:
         return 1
     try:
         result = replay(path)
-    except (ValueError, KeyError, TypeError) as exc:
-        print(f"atoll replay: {path}: {exc}", file=sys.stderr)
+    except (LogError, OSError) as exc:
+        print(f"atoll replay: {_one_line(path, exc)}", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps(result.to_json()))
@@ -60,8 +60,10 @@ def _replay_folder(folder: Path, *, as_json: bool) -> int:
     for log in logs:
         try:
             result = replay(log)
-        except (ValueError, KeyError, TypeError) as exc:
-            print(f"atoll replay: {log}: {exc}", file=sys.stderr)
+        except EmptyLog:  # an owner killed as it opened its log: nothing to replay there
+            result = ReplayResult()
+        except (LogError, OSError) as exc:
+            print(f"atoll replay: {_one_line(log, exc)}", file=sys.stderr)
             return 1
         decisions += result.decisions
         versions += len(result.versions)
@@ -81,3 +83,10 @@ def _replay_folder(folder: Path, *, as_json: bool) -> int:
         print(f"{len(logs)} logs: {decisions} decisions replayed, {versions} versions ({checked} recomputed "
               f"from the kept contents), {len(mismatches)} mismatches")
     return 0 if not mismatches else 1
+
+
+def _one_line(path: Path, exc: BaseException) -> str:
+    """Why ``path`` cannot be replayed, in one line that names it (a ``LogError`` names its line)."""
+    if isinstance(exc, OSError):
+        return f"{path}: cannot read it: {exc.strerror or exc}" + (f": {exc.filename}" if exc.filename else "")
+    return " ".join(str(exc).split())
