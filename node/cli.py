@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 from pathlib import Path
@@ -214,6 +215,14 @@ def _run(args: argparse.Namespace) -> int:
 
         return status_main(args)
     if args.command == "peer":
+        try:  # before torch comes: a config that is not one is one line, at once
+            cfg = RunConfig.load(args.config)
+        except OSError as exc:
+            print(f"atoll peer: --config {args.config}: cannot read it: {exc.strerror or exc}", file=sys.stderr)
+            return 2
+        except ValueError as exc:
+            print(f"atoll peer: --config {args.config}: {' '.join(str(exc).split())}", file=sys.stderr)
+            return 2
         from node.run.train import PeerOptions, run_peer
 
         logging.getLogger().setLevel(min(logging.INFO, logging.getLogger().level))
@@ -234,7 +243,7 @@ def _run(args: argparse.Namespace) -> int:
                            attack=args.attack, signer=signer, credentials=credentials,
                            checkpoint_dir=args.checkpoint_dir, until=args.until,
                            event_log_dir=args.event_log_dir)
-        run_peer(RunConfig.load(args.config), opts)
+        run_peer(cfg, opts)
         _exit_without_teardown()
     return 2
 
@@ -330,7 +339,7 @@ def _parse_chaos(spec: str | None, duration: float | None, peers: int) -> ChaosS
     """``--chaos`` and ``--duration`` checked together; raises ValueError with the expected form."""
     from node.run.chaos import parse_chaos
 
-    if duration is not None and not duration > 0:
+    if duration is not None and not 0 < duration < math.inf:
         raise ValueError(f"bad --duration {duration:g}: expected SECONDS > 0, e.g. --duration 300")
     return parse_chaos(spec, peers) if spec is not None else None
 
@@ -356,11 +365,11 @@ def _parse_slow(specs: list[str], peers: int) -> dict[int, float]:
     for spec in specs:
         index, sep, factor = spec.partition("@")
         try:
-            ok = bool(sep) and index.isdigit() and 0 <= int(index) < peers and float(factor) >= 1.0
+            ok = bool(sep) and index.isdigit() and 0 <= int(index) < peers and 1.0 <= float(factor) < math.inf
         except ValueError:
             ok = False
         if not ok:
             raise ValueError(f"bad --slow {spec!r}: expected PEER@FACTOR with 0 <= PEER < {peers} "
-                             "and FACTOR >= 1, e.g. --slow 2@3")
+                             "and FACTOR >= 1 (finite), e.g. --slow 2@3")
         out[int(index)] = float(factor)
     return out

@@ -211,16 +211,44 @@ class RunConfig:
 
     @classmethod
     def from_json(cls, text: str) -> RunConfig:
-        data = json.loads(text)
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(data) - known
+        """Raises ``ValueError`` for text that is not a JSON object of known fields of fitting types."""
+        try:
+            data = json.loads(text)
+        except RecursionError:
+            raise ValueError("not a config: JSON nested too deeply") from None
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"not JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"a JSON {type(data).__name__}, not an object of config fields")
+        kinds = {f.name: str(f.type) for f in dataclasses.fields(cls)}
+        unknown = set(data) - set(kinds)
         if unknown:
-            raise ValueError(f"unknown config keys {sorted(unknown)}; known: {sorted(known)}")
+            raise ValueError(f"unknown config keys {sorted(unknown)}; known: {sorted(kinds)}")
+        wrong = [f"{name} = {value!r:.40} should be {kinds[name]}" for name, value in data.items()
+                 if not _fits(value, kinds[name])]
+        if wrong:
+            raise ValueError(f"config fields of the wrong type: {'; '.join(wrong)}")
         return cls(**data)
 
     @classmethod
     def load(cls, path: Path) -> RunConfig:
-        return cls.from_json(path.read_text())
+        """Raises ``OSError`` when ``path`` cannot be read, ``ValueError`` when it holds no config."""
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise ValueError("not a text file (a config is JSON, as atoll local writes it)") from None
+        return cls.from_json(text)
+
+
+def _fits(value: object, kind: str) -> bool:
+    """Whether a JSON value fits a field annotated ``kind`` (``"int"``, ``"float"``, ``"str | None"``);
+    an int fits a float field, a bool fits none."""
+    if value is None:
+        return kind.endswith("| None")
+    if isinstance(value, bool):
+        return False
+    base = kind.removesuffix(" | None")
+    return isinstance(value, {"int": int, "float": int | float, "str": str}.get(base, object))
 
 
 _HELP = {

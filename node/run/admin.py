@@ -16,8 +16,6 @@ import argparse
 import json
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
@@ -36,7 +34,6 @@ from node.wire.identity import (
     save_key,
     save_manifest,
 )
-from node.wire.tls import client_context
 from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.wire.certificates import ROLES, Certificate
 from protocol.wire.membership import ADMISSIONS, SwarmManifest
@@ -157,13 +154,16 @@ def _init(args: argparse.Namespace) -> int:
 
 def _recipe_config(args: argparse.Namespace) -> RunConfig:
     """The ``RunConfig`` the recipe flags describe, with what the GPT workload implies filled in
-    (a token cap of 0 becomes batch size x context length, as every peer would compute)."""
+    (a token cap of 0 becomes batch size x context length, as every peer would compute), checked
+    as ``atoll join`` and ``atoll local`` check it: a recipe every peer refuses is never signed."""
+    from node.run.checks import check_recipe
     from node.workload.presets import resolved
 
     try:
         cfg = RunConfig(**{name: getattr(args, name) for name in RECIPE_FIELDS})
+        check_recipe(cfg)
         return resolved(cfg)
-    except ValueError as exc:
+    except ValueError as exc:  # CheckError too
         raise UsageError(str(exc)) from None
 
 
@@ -243,21 +243,21 @@ def _publish(args: argparse.Namespace) -> int:
     base = args.peer.rstrip("/")
     if not base.startswith(("http://", "https://")):
         raise UsageError(f"--peer {args.peer!r} is not an http(s) URL, e.g. http://host:7000")
-    request = urllib.request.Request(base + MANIFEST_PATH, data=body, method="POST",
-                                     headers={"Content-Type": "application/toml"})
+    from node.run.join import http_fetch
+
     try:
         # a certified peer's TLS certificate is self-signed: the manifest proves itself (the founder's
-        # signature), so the publisher needs no pin to hand it over
-        ctx = client_context() if args.peer.startswith("https://") else None
-        with urllib.request.urlopen(request, timeout=PUBLISH_TIMEOUT_S, context=ctx) as resp:  # noqa: S310
-            answer = resp.read(65536).decode(errors="replace").strip()
-    except urllib.error.HTTPError as exc:
-        reason = exc.read(4096).decode(errors="replace").strip() or exc.reason
-        raise IdentityError(f"{base} refused the manifest: {exc.code} {_reason(reason)}") from None
-    except urllib.error.URLError as exc:
-        raise IdentityError(f"could not reach {base}: {exc.reason}") from None
+        # signature), so the publisher needs no pin to hand it over. The whole answer within the
+        # timeout: a peer trickling it a byte a second does not hold the command
+        status, got = http_fetch(base + MANIFEST_PATH, method="POST", body=body, limit=65536,
+                                 headers={"Content-Type": "application/toml"}, timeout=PUBLISH_TIMEOUT_S)
     except TimeoutError:
         raise IdentityError(f"{base} did not answer within {PUBLISH_TIMEOUT_S:.0f} s") from None
+    except OSError as exc:
+        raise IdentityError(f"could not reach {base}: {exc.strerror or exc}") from None
+    answer = got.decode(errors="replace").strip()
+    if status >= 400:
+        raise IdentityError(f"{base} refused the manifest: {status} {_reason(answer or str(status))}")
     print(answer or f"{base} took the manifest")
     return 0
 

@@ -5,7 +5,8 @@ launchers run these checks first instead, on the same code the peers run (the mo
 corpus loader and splitter, the link emulator's parser), and turn every mistake into one line
 that names the flag and says what to do: ``CheckError``.
 
-``check_run``      the run's numbers, model preset, device, emulated link and corpus
+``check_run``      the run's numbers, swarm name, model preset, device, emulated link and corpus
+``check_recipe``   a swarm's recipe (``atoll swarm init``): its numbers, model preset and fragments
 ``check_local``    ``atoll local``'s own: how many peer processes this machine is asked for
 ``check_listen``   that this machine can listen at HOST:PORT (a free port, an address of its own)
 ``peer_url``       an initial peer's address: http(s)://HOST:PORT
@@ -15,14 +16,17 @@ that names the flag and says what to do: ``CheckError``.
 from __future__ import annotations
 
 import errno
+import math
 import os
 import socket
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from node.config import RunConfig
+from node.config import SWARM_WIDE_FIELDS, RunConfig
+from protocol.errors import DecodeError
+from protocol.wire.membership import MAX_NAME, check_name
 
-__all__ = ["CheckError", "check_listen", "check_local", "check_run", "host_port", "peer_url"]
+__all__ = ["CheckError", "check_listen", "check_local", "check_recipe", "check_run", "host_port", "peer_url"]
 
 CORPUS_CHECK_BYTES = 4 << 20  # the corpus check reads at most this much (a peer reads it all)
 CORES = os.cpu_count() or 1
@@ -30,20 +34,21 @@ CORES = os.cpu_count() or 1
 # a typo of 100000 started processes until the machine ran out of them
 MAX_LOCAL_PEERS = 256
 
-# (field, test, what it must be): the numbers a RunConfig leaves to the training loop
+# (field, test, what it must be): the numbers a RunConfig leaves to the training loop; a float
+# that inf makes no sense for must be finite (--lr inf was taken, and the island's loss went NaN)
 _RANGES = (
     ("batch_size", lambda v: v >= 1, ">= 1"),
     ("threads", lambda v: 1 <= v <= CORES, f"1..{CORES} (the cores of this machine)"),
-    ("lr", lambda v: v > 0, "> 0"),
+    ("lr", lambda v: 0 < v < math.inf, "finite and > 0"),
     ("warmup_steps", lambda v: v >= 0, ">= 0"),
-    ("weight_decay", lambda v: v >= 0, ">= 0"),
+    ("weight_decay", lambda v: 0 <= v < math.inf, "finite and >= 0"),
     ("eval_every", lambda v: v >= 1, ">= 1"),
     ("eval_batches", lambda v: v >= 1, ">= 1"),
     ("corpus_max_bytes", lambda v: v is None or v > 0, "> 0"),
     ("block_size", lambda v: v >= 1, ">= 1"),
-    ("grace_gamma", lambda v: v >= 0, ">= 0"),
+    ("grace_gamma", lambda v: 0 <= v < math.inf, "finite and >= 0"),
     ("grace_tau", lambda v: v >= 0, ">= 0"),
-    ("grace_cap_s", lambda v: v >= 0, ">= 0"),
+    ("grace_cap_s", lambda v: 0 <= v < math.inf, "finite and >= 0"),
     ("staleness_bound", lambda v: v >= 0, ">= 0"),
     ("overlap_block", lambda v: v >= 0, ">= 0"),
 )
@@ -64,12 +69,60 @@ def check_local(cfg: RunConfig) -> None:
 def check_run(cfg: RunConfig) -> None:
     """Raise ``CheckError`` naming every flag of ``cfg`` a peer would fail on; reads the corpus
     (at most ``CORPUS_CHECK_BYTES``) when ``--corpus`` names one."""
-    problems = [f"--{name.replace('_', '-')} must be {want}, got {getattr(cfg, name)}"
-                for name, ok, want in _RANGES if not ok(getattr(cfg, name))]
-    problems += filter(None, (_model_problem(cfg), _device_problem(cfg.device), _link_problem(cfg.link)))
+    problems = _range_problems(cfg)
+    problems += filter(None, (_swarm_problem(cfg.swarm), _model_problem(cfg), _device_problem(cfg.device),
+                              _link_problem(cfg.link)))
     if problems:
         raise CheckError("; ".join(problems))
     _check_corpus(cfg)
+
+
+def check_recipe(cfg: RunConfig) -> None:
+    """Raise ``CheckError`` naming every swarm-wide field of ``cfg`` (a manifest's recipe) a peer
+    would refuse: ``check_run``'s ranges, the model preset, and whether the model cuts into
+    ``--fragments`` fragments as every peer cuts it (imports torch: the model is built on the
+    meta device, no memory)."""
+    problems = _range_problems(cfg, SWARM_WIDE_FIELDS)
+    problems += filter(None, (_model_problem(cfg),))
+    if not problems:
+        problems += filter(None, (_fragments_problem(cfg),))
+    if problems:
+        raise CheckError("; ".join(problems))
+
+
+def _range_problems(cfg: RunConfig, fields: tuple[str, ...] | None = None) -> list[str]:
+    """What ``_RANGES`` finds wrong with ``cfg`` (only ``fields`` of it, when given)."""
+    return [f"--{name.replace('_', '-')} must be {want}, got {getattr(cfg, name)}"
+            for name, ok, want in _RANGES if (fields is None or name in fields) and not ok(getattr(cfg, name))]
+
+
+def _swarm_problem(swarm: str) -> str | None:
+    """The swarm's name as the manifest (``protocol.wire.membership``) takes it: checked here, or
+    the first peer dies on it with a traceback."""
+    try:
+        check_name(swarm, "--swarm", MAX_NAME)
+    except DecodeError as exc:
+        return exc.reason
+    return None
+
+
+def _fragments_problem(cfg: RunConfig) -> str | None:
+    """Whether every peer can cut the model into ``cfg.fragments`` fragments (``plan_fragments``)."""
+    import torch
+
+    from node.workload.model import GPT, embedding_parameter_names
+    from node.workload.presets import GPTConfig
+    from protocol.diloco.fragments import plan_fragments
+    from protocol.errors import LocalProtocolError
+
+    with torch.device("meta"):  # shapes and names only: no memory, no init cost
+        model = GPT(GPTConfig.preset(cfg.model))
+    shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    try:
+        plan_fragments(shapes, cfg.fragments, embeddings=embedding_parameter_names(model))
+    except LocalProtocolError as exc:
+        return f"--fragments {cfg.fragments}: {exc}"
+    return None
 
 
 def _model_problem(cfg: RunConfig) -> str | None:

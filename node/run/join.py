@@ -10,16 +10,20 @@ non-zero exit, before a socket opens to train.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import http.client
 import json
 import logging
 import os
+import re
 import socket
 import ssl
 import sys
+import threading
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
 
 from node.config import config_from_args
 from node.dht.membership import config_from_manifest
@@ -34,13 +38,69 @@ from protocol.wire.certificates import Certificate, admit
 from protocol.wire.membership import MAX_MANIFEST_BYTES, SwarmManifest
 from protocol.wire.signing import Signer
 
-__all__ = ["SwarmError", "bootstrap_main", "join_main", "load_swarm", "signed_request", "status_main"]
+__all__ = ["SlowAnswer", "SwarmError", "bootstrap_main", "http_fetch", "join_main", "load_swarm", "signed_request",
+           "status_main"]
 
 log = logging.getLogger("atoll.join")
+
+STATUS_TIMEOUT_S = 10.0  # atoll status: the whole answer, not each read
+MANIFEST_TIMEOUT_S = 10.0  # an initial peer's manifest, likewise
+STATUS_MAX_BYTES = 16 << 20
+ERROR_BODY_BYTES = 4096  # of a 4xx/5xx answer: its reason
 
 
 class SwarmError(Exception):
     """A one-line reason the command cannot go on, and what to do."""
+
+
+class SlowAnswer(TimeoutError):
+    """A peer's answer that was not whole within the deadline (one trickling a byte a second, say)."""
+
+
+def http_fetch(url: str, *, method: str = "GET", body: bytes | None = None, headers: dict[str, str] | None = None,
+               limit: int = 16 << 20, timeout: float = 10.0) -> tuple[int, bytes]:
+    """One HTTP(S) exchange, all of it (connecting, sending, the answer's head and at most ``limit``
+    bytes of its body, ``ERROR_BODY_BYTES`` of an error's) within ``timeout`` s: a socket timeout
+    bounds each read only, and a peer trickling a byte a second held ``urlopen`` for ever. Past
+    the deadline a watchdog shuts the socket. TLS without a pin: what matters is checked by
+    signature. Returns (status, body) for any status; raises ``OSError`` when there is no whole
+    answer (``SlowAnswer`` past the deadline)."""
+    parts = urlsplit(url)
+    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    conn = (http.client.HTTPSConnection(parts.hostname or "", parts.port, timeout=timeout, context=client_context())
+            if parts.scheme == "https" else http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=timeout))
+    expired = threading.Event()
+    connected: list[socket.socket] = []  # the socket: a response that closes takes it from conn
+
+    def expire() -> None:
+        expired.set()
+        for sock in connected:  # wakes a read blocked on the socket (TLS too: the same descriptor)
+            with contextlib.suppress(OSError):
+                socket.socket.shutdown(sock, socket.SHUT_RDWR)
+
+    watchdog = threading.Timer(timeout, expire)
+    watchdog.start()
+    try:
+        conn.connect()  # bounded by the socket timeout; from here on the watchdog can reach the socket
+        connected.append(conn.sock)
+        if expired.is_set():
+            raise SlowAnswer(f"no whole answer within {timeout:g} s")
+        conn.request(method, target, body=body, headers=headers or {})
+        resp = conn.getresponse()
+        data = resp.read(limit if resp.status < 400 else min(limit, ERROR_BODY_BYTES))
+        if expired.is_set():  # the watchdog's shutdown reads as the end of the body: a cut answer
+            raise SlowAnswer(f"no whole answer within {timeout:g} s")
+        return resp.status, data
+    except (OSError, http.client.HTTPException) as exc:
+        if expired.is_set():
+            raise SlowAnswer(f"no whole answer within {timeout:g} s") from None
+        if isinstance(exc, OSError):
+            raise
+        raise ConnectionError(f"not an HTTP answer ({type(exc).__name__})") from None
+    finally:
+        watchdog.cancel()
+        watchdog.join()
+        conn.close()
 
 
 @dataclass(frozen=True)
@@ -56,13 +116,7 @@ def signed_request(url: str, *, swarm: str, signer: Signer, cert: Certificate | 
     contents are checked by signature. Returns (status, body) for any HTTP status."""
     headers = request_headers(signer, cert.to_header() if cert is not None else "", swarm=swarm, method=method,
                               url=url, now=time.time())
-    req = urllib.request.Request(url, data=body, headers=headers, method=method)
-    ctx = client_context() if url.startswith("https://") else None
-    try:
-        with urllib.request.urlopen(req, timeout=timeout, context=ctx) as resp:  # noqa: S310 (http(s), checked)
-            return resp.status, resp.read(limit)
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read(4096)
+    return http_fetch(url, method=method, body=body, headers=headers, limit=limit, timeout=timeout)
 
 
 def _reason(body: bytes) -> str:
@@ -75,6 +129,8 @@ def _reason(body: bytes) -> str:
 def _unanswered(exc: BaseException) -> str:
     """Why a request got no HTTP answer, in a few words ("connection refused", "no answer in 10 s")."""
     reason = getattr(exc, "reason", exc)  # URLError wraps the socket's error
+    if isinstance(reason, SlowAnswer):
+        return str(reason)
     if isinstance(reason, TimeoutError | socket.timeout):
         return "no answer within 10 s"
     if isinstance(reason, socket.gaierror):
@@ -84,10 +140,11 @@ def _unanswered(exc: BaseException) -> str:
 
 def _their_manifest(base: str) -> SwarmManifest | None:
     """The manifest a peer hands anyone (unsigned ``GET``), verified; None when it has none."""
-    ctx = client_context() if base.startswith("https://") else None
     try:
-        with urllib.request.urlopen(base.rstrip("/") + MANIFEST_PATH, timeout=5, context=ctx) as resp:  # noqa: S310
-            m = SwarmManifest.from_toml(resp.read(MAX_MANIFEST_BYTES))
+        status, body = http_fetch(base.rstrip("/") + MANIFEST_PATH, limit=MAX_MANIFEST_BYTES, timeout=5)
+        if status != 200:
+            return None
+        m = SwarmManifest.from_toml(body)
         m.verify()
     except (OSError, ssl.SSLError, RemoteProtocolError):
         return None
@@ -118,7 +175,7 @@ def fetch_manifest(initial_peers: list[str], *, swarm: str, signer: Signer, cert
             raise SwarmError(f"initial peer {base!r} is not an http(s) URL, e.g. https://host:7000")
         try:
             status, body = signed_request(base.rstrip("/") + MANIFEST_PATH, swarm=swarm, signer=signer, cert=cert,
-                                          limit=MAX_MANIFEST_BYTES)
+                                          limit=MAX_MANIFEST_BYTES, timeout=MANIFEST_TIMEOUT_S)
         except (OSError, ssl.SSLError) as exc:
             silent.append(f"{base} ({_unanswered(exc)})")
             continue
@@ -317,30 +374,95 @@ def status_main(args: argparse.Namespace) -> int:
             if not args.manifest:
                 raise SwarmError("--key needs --manifest (the swarm whose peer this is)")
             swarm = load_swarm(args, initial_peers=[])
-            code, body = signed_request(url, swarm=swarm.manifest.swarm_id, signer=swarm.signer, cert=swarm.cert)
+            code, body = signed_request(url, swarm=swarm.manifest.swarm_id, signer=swarm.signer, cert=swarm.cert,
+                                        limit=STATUS_MAX_BYTES, timeout=STATUS_TIMEOUT_S)
         else:
-            ctx = client_context() if url.startswith("https://") else None
-            try:
-                with urllib.request.urlopen(url, timeout=10, context=ctx) as resp:  # noqa: S310
-                    code, body = resp.status, resp.read(16 << 20)
-            except urllib.error.HTTPError as exc:
-                code, body = exc.code, exc.read(4096)
+            code, body = http_fetch(url, limit=STATUS_MAX_BYTES, timeout=STATUS_TIMEOUT_S)
         if code != 200:
             raise SwarmError(f"{url} answered {code}: {_reason(body)}"
                              + ("; a certified swarm's peer needs --manifest, --key and --cert" if code in (401, 403) else ""))
-        status = json.loads(body)
+        status = _status_of(url, body)
     except (OSError, ssl.SSLError) as exc:
         print(f"atoll status: {args.peer} did not answer ({_unanswered(exc)}); check --peer and that the "
               "peer is running", file=sys.stderr)
         return 1
-    except ValueError as exc:  # CheckError, or a body that is not JSON
-        print(f"atoll status: {exc}", file=sys.stderr)
-        return 1
-    except SwarmError as exc:
-        print(f"atoll status: {exc}", file=sys.stderr)
+    except (SwarmError, ValueError) as exc:  # CheckError too
+        print(f"atoll status: {' '.join(str(exc).split())}", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps(status, indent=2))
         return 0
     print(render_status(status))
     return 0
+
+
+# --- what a /v1/status must look like ----------------------------------------------------------
+_FRAGMENT_KEY = re.compile(r"[0-9]{1,9}")
+
+
+def _status_of(url: str, body: bytes) -> dict[str, Any]:
+    """``body`` as a ``/v1/status`` that ``render_status`` can draw; raises ``SwarmError`` saying
+    what is wrong with it (a peer's bad answer is one line, not a traceback)."""
+    try:
+        status = json.loads(body)
+    except RecursionError:
+        why: str | None = "JSON nested too deeply"
+    except ValueError as exc:  # not UTF-8, not JSON
+        why = f"not JSON ({' '.join(str(exc).split())[:100]})"
+    else:
+        why = _not_a_status(status)
+    if why is not None:
+        raise SwarmError(f"{url} answered a status that is not Atoll's: {why}; check --peer")
+    return dict(status)
+
+
+def _kind(value: object) -> str:
+    """A JSON value's kind, as JSON names it."""
+    kinds = ((bool, "a boolean"), (int | float, "a number"), (str, "a string"), (list, "an array"), (dict, "an object"))
+    return next((name for cls, name in kinds if isinstance(value, cls)), "null")
+
+
+def _not_a_status(status: object) -> str | None:
+    """Why ``status`` is not a ``/v1/status`` answer (its fields of the kinds the tables use), or None."""
+    if not isinstance(status, dict):
+        return f"{_kind(status)}, not an object"
+    shapes = (("members", list), ("owners", dict), ("versions", list), ("refused_members", dict),
+              ("remote_errors", dict))
+    for key, cls in shapes:
+        if key in status and not isinstance(status[key], cls):
+            return f"{key} is {_kind(status[key])}, not {_kind(cls())}"
+    adm = status.get("admission")
+    if adm and not isinstance(adm, dict):
+        return f"admission is {_kind(adm)}, not an object"
+    numbers = {"bytes_sent": status.get("bytes_sent", 0), "bytes_received": status.get("bytes_received", 0),
+               **{f"remote_errors.{k}": v for k, v in status.get("remote_errors", {}).items()}}
+    if adm:
+        refused = adm.get("refused", {})
+        if not isinstance(refused, dict):
+            return f"admission.refused is {_kind(refused)}, not an object"
+        numbers.update({f"admission.refused.{k}": v for k, v in refused.items()})
+    bad = next((k for k, v in numbers.items() if isinstance(v, bool) or not isinstance(v, int | float)), None)
+    if bad is not None:
+        return f"{bad[:80]} is {_kind(numbers[bad])}, not a number"
+    return _member_problem(status.get("members", [])) or _owner_problem(status.get("owners", {}))
+
+
+def _member_problem(members: list[Any]) -> str | None:
+    for i, m in enumerate(members):
+        if not isinstance(m, dict):
+            return f"members[{i}] is {_kind(m)}, not an object"
+        if not isinstance(m.get("peer_id"), str):
+            return f"members[{i}].peer_id is {_kind(m.get('peer_id'))}, not a string"
+        roles = m.get("roles", [])
+        if not isinstance(roles, list) or not all(isinstance(r, str) for r in roles):
+            return f"members[{i}].roles is not an array of strings"
+    return None
+
+
+def _owner_problem(owners: dict[str, Any]) -> str | None:
+    for p, o in owners.items():
+        if not _FRAGMENT_KEY.fullmatch(p):
+            return f"owners has key {p[:20]!r}, not a fragment number"
+        if o is not None and not (isinstance(o, dict) and isinstance(o.get("peer_id"), str) and "url" in o):
+            return f"owners[{p}] is neither null nor an object with a peer_id string and a url"
+    return None

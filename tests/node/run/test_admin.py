@@ -136,6 +136,21 @@ def test_recipe_flags_are_the_recipe_fields(tmp_path: Path, capsys: pytest.Captu
 
 
 # --- mistakes ----------------------------------------------------------------------------------
+@pytest.mark.parametrize(("flags", "says"), [
+    (("--block-size", "0"), "--block-size must be >= 1, got 0"),
+    (("--batch-size", "0"), "--batch-size must be >= 1, got 0"),
+    (("--grace-cap-s", "inf"), "--grace-cap-s must be finite and >= 0, got inf"),
+    (("--fragments", "100000"), "--fragments 100000: 100000 fragments for only 29 tensors"),
+])
+def test_a_recipe_every_peer_would_refuse_is_never_signed(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                           flags: tuple[str, str], says: str) -> None:
+    keygen(capsys, tmp_path / "founder.pem")
+    line = fails(capsys, "swarm", "init", "--name", "s", "--founder", tmp_path / "founder.pem", "--model", "tiny",
+                 "--out", tmp_path / "s.toml", *flags, code=2)
+    assert line.startswith("atoll swarm init: ") and says in line, line
+    assert not (tmp_path / "s.toml").exists()
+
+
 def test_certificate_from_a_non_authority_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                      keys: dict[str, str]) -> None:
     init(capsys, tmp_path)

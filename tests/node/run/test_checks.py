@@ -10,7 +10,7 @@ import pytest
 
 from node.cli import _one_line
 from node.config import RunConfig
-from node.run.checks import CheckError, check_listen, check_run, host_port, peer_url
+from node.run.checks import CheckError, check_listen, check_recipe, check_run, host_port, peer_url
 from node.run.local import last_error
 
 TEXT = "def f(x):\n    return x * 2\n" * 400  # ~11 kB of text
@@ -21,8 +21,8 @@ def test_numbers_model_device_and_link_are_all_named_at_once() -> None:
     with pytest.raises(CheckError) as err:
         check_run(cfg)
     text = str(err.value)
-    for says in ("--lr must be > 0, got 0.0", "--eval-every must be >= 1, got 0",
-                 "--grace-gamma must be >= 0, got -1.0", "--model: unknown model preset 'huge'",
+    for says in ("--lr must be finite and > 0, got 0.0", "--eval-every must be >= 1, got 0",
+                 "--grace-gamma must be finite and >= 0, got -1.0", "--model: unknown model preset 'huge'",
                  "--device 'gpu9' is not a device", "--link: bad link spec 'speed=fast'"):
         assert says in text
     assert "\n" not in text
@@ -31,6 +31,33 @@ def test_numbers_model_device_and_link_are_all_named_at_once() -> None:
         RunConfig(outer_momentum=1.0, outer_lr=0.0)
     assert "--outer-momentum must be in [0, 1), got 1.0" in str(outer.value)
     assert "--outer-lr must be finite and > 0, got 0.0" in str(outer.value)
+
+
+@pytest.mark.parametrize("name", ["bad name", "", "-x", "x" * 65, "a/b"])
+def test_a_swarm_name_the_manifest_refuses_is_one_line(name: str) -> None:
+    with pytest.raises(CheckError) as err:
+        check_run(RunConfig(model="tiny", swarm=name))
+    assert str(err.value).startswith("--swarm must be 1-64 letters, digits, '.', '_' or '-'"), err.value
+    check_run(RunConfig(model="tiny", swarm="lab-2.run_1"))
+    check_run(RunConfig(model="tiny", swarm="0123456789abcdef0123456789abcdef"))  # atoll join: the swarm id
+
+
+@pytest.mark.parametrize("field", ["lr", "weight_decay", "grace_gamma", "grace_cap_s"])
+@pytest.mark.parametrize("value", [float("inf"), float("nan")])
+def test_a_float_flag_must_be_finite(field: str, value: float) -> None:
+    with pytest.raises(CheckError, match=f"--{field.replace('_', '-')} must be finite"):
+        check_run(RunConfig(model="tiny", **{field: value}))
+
+
+def test_a_recipe_is_checked_as_every_peer_would() -> None:
+    check_recipe(RunConfig(model="tiny"))
+    with pytest.raises(CheckError) as err:
+        check_recipe(RunConfig(model="tiny", block_size=0, batch_size=0, lr=float("inf"), threads=10**6))
+    assert str(err.value) == "--batch-size must be >= 1, got 0; --block-size must be >= 1, got 0"  # recipe fields only
+    with pytest.raises(CheckError, match="--fragments 100000: 100000 fragments for only 29 tensors"):
+        check_recipe(RunConfig(model="tiny", fragments=100000))
+    with pytest.raises(CheckError, match="--fragments 1: 1 fragment cannot keep 2 embedding tensors apart"):
+        check_recipe(RunConfig(model="tiny", fragments=1))
 
 
 def test_corpus_checks(tmp_path: Path) -> None:
