@@ -13,6 +13,7 @@ flight, and at 1 MiB each its pool's high-water mark grew by ~10 MiB in one burs
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 import aiohttp
 
@@ -92,6 +93,7 @@ class BufferPool:
 async def read_stream(
     content: aiohttp.StreamReader, length: int | None, max_size: int, pool: BufferPool,
     *, timeout_s: float | None = None, idle_s: float | None = None,
+    on_head: Callable[[memoryview], Awaitable[int | None]] | None = None,
 ) -> tuple[bytearray, int]:
     """Read a body into a pooled buffer; return (buffer, used bytes). Caller gives it back.
 
@@ -99,6 +101,11 @@ async def read_stream(
     ``Oversize`` as soon as the body (declared or actual) exceeds ``max_size``; ``BodyTimeout``
     when no chunk arrives for ``idle_s`` or the whole body takes longer than ``timeout_s``
     (None: no limit); ``ClientGone`` for a body that ends before its declared length.
+
+    ``on_head``: while more of the body is still to come, called with the bytes so far until it
+    returns the body's whole length as its head declares it (None: not enough yet); it raises to
+    refuse the body before the rest of it is read, and the body may then be no longer than it
+    said. A body that arrives whole in its first chunks is not shown to it.
     """
     if length is not None and length > max_size:
         raise Oversize(f"body of {length} bytes exceeds the cap of {max_size}")
@@ -133,6 +140,15 @@ async def read_stream(
                 buf = pool.grow(buf, used, end, limit)
             buf[used:end] = chunk
             used = end
+            if on_head is not None and (length is None or used < length):
+                with memoryview(buf) as whole, whole[:used] as head:  # released before the buffer grows
+                    declared = await on_head(head)
+                if declared is not None:
+                    on_head = None
+                    if declared > limit or declared < used:
+                        raise Oversize(f"body of {declared} bytes by its head does not fit the {limit} allowed "
+                                       f"with {used} arrived")
+                    limit = declared
         if length is not None and used != length:
             raise ClientGone(f"body ended after {used} of {length} declared bytes")
     except BaseException:

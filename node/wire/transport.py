@@ -296,12 +296,15 @@ class Transport:
                 self.bytes_received += used
                 return resp.status, buf, used, dict(resp.headers)
 
-    async def read_request(self, request: web.Request, max_size: int | None = None) -> tuple[bytearray, int]:
+    async def read_request(self, request: web.Request, max_size: int | None = None, *,
+                           on_head: Callable[[memoryview], Awaitable[int | None]] | None = None,
+                           ) -> tuple[bytearray, int]:
         """Read a request body into a pooled buffer (see ``read_stream``) under ``self.limits``.
 
         Raises ``Busy`` when the sender's address (or the server) has too many bodies being read,
         ``Oversize``, ``BodyTimeout``, ``EncodedBody`` (a ``Content-Encoding``: refused before reading),
-        or ``ClientGone`` when the sender went away. A body not
+        or ``ClientGone`` when the sender went away; ``on_head`` may refuse a large body from its
+        first bytes (see ``read_stream``). A body not
         read to its end is not drained: the connection is closed after the reply."""
         ip, lim = request.remote or "unknown", self.limits
         self._refuse_encoded(request)
@@ -317,7 +320,7 @@ class Transport:
         try:
             buf, used = await read_stream(
                 request.content, length, max_size or self.max_body, self.pool,
-                timeout_s=lim.body_deadline_s(length), idle_s=lim.body_idle_s,
+                timeout_s=lim.body_deadline_s(length), idle_s=lim.body_idle_s, on_head=on_head,
             )
         except (ConnectionError, aiohttp.ClientPayloadError, HttpProcessingError, RequestPayloadError) as exc:  # cut off
             self._hang_up.add(id(request))

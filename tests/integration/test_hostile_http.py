@@ -121,7 +121,8 @@ async def test_every_route_refuses_hostile_requests_with_a_4xx_and_a_reason(
     raw_cases = [
         b"POST /v1/rpc HTTP/1.1\r\nHost: x\r\nContent-Length: 300000000\r\n\r\nab",  # over the 256 MiB cap
         b"POST /v1/dht HTTP/1.1\r\nHost: x\r\nContent-Length: 300000000\r\n\r\nab",
-        b"POST /v1/rpc HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\nstalled",  # 408 after 1 s
+        b"POST /v1/rpc HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n\0\0",  # 408 after 1 s
+        b"POST /v1/rpc HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\nstalled",  # 413: no envelope that long
         b"POST /v1/rpc HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
         b"POST /v1/rpc HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n",
         b"POST /v1/rpc HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nabc\r\n0\r\n\r\n",

@@ -232,3 +232,53 @@ def _tensor(shape: tuple[int, ...], codec: str = "none") -> EncodedTensor:
                              scales=b"")
     return EncodedTensor(codec="int8", shape=shape, dtype="float32", block_size=256, data=_ZEROS[:n],
                          scales=_ZEROS[:4 * -(-n // 256)])
+
+
+async def _send_head(port: int, sealed: bytes, declared: int, sent: int) -> bytes:
+    """POST /v1/rpc declaring ``declared`` body bytes, send the first ``sent`` of ``sealed`` and
+    wait for the answer with the rest never sent."""
+    r, w = await asyncio.open_connection("127.0.0.1", port)
+    w.write(f"POST /v1/rpc HTTP/1.1\r\nHost: x\r\nContent-Length: {declared}\r\n\r\n".encode() + sealed[:sent])
+    try:
+        await w.drain()
+        async with asyncio.timeout(10):
+            return await r.read()
+    except ConnectionResetError:  # refused and hung up on while still sending
+        return b""
+    finally:
+        w.close()
+
+
+async def test_a_large_body_is_refused_from_its_envelope_before_the_rest_is_read() -> None:
+    """A stranger's, a forged or a misaddressed 16 MiB request is refused as soon as its envelope
+    is in (64 KiB sent, the rest never): no buffer the size of the body, no wait for it. A member's
+    body longer than its envelope says is refused as it overflows."""
+    message = bytes(16 * MIB)
+    encoded = Encoded(parts=[memoryview(message)], size=len(message))
+    stranger = Signer.from_seed(b"\7" * 32)
+
+    def sealed(by: Signer, recipient: bytes = SERVER.peer_id) -> bytes:
+        return b"".join(seal(encoded, by, now=time.time(), nonce=os.urandom(16), recipient=recipient).parts)
+
+    async def member(peer: bytes) -> bool:
+        return peer == MEMBER.peer_id
+
+    transport = Transport()
+    server = RpcServer(transport, SERVER, authorize=member)
+    await transport.start()
+    try:
+        cases = [(sealed(stranger), b"403", b"not a member"),
+                 (sealed(MEMBER, recipient=stranger.peer_id), b"403", b""),
+                 (bytearray(sealed(MEMBER)), b"401", b"")]
+        cases[2][0][200] ^= 1  # a flipped byte in the signed envelope fields
+        for wire, status, says in cases:
+            reply = await _send_head(transport.port, bytes(wire), len(wire), 64 << 10)
+            assert reply[9:12] == status and says in reply, reply[:300]
+        assert max((len(b) for b in transport.pool._free), default=0) <= MIB  # no body-sized buffer was made
+        longer = sealed(MEMBER) + bytes(2 * MIB)  # 2 MiB more than the envelope declares
+        reply = await _send_head(transport.port, longer, len(longer), len(longer))
+        assert reply == b"" or (reply[9:12] == b"413" and b"by its head" in reply), reply[:300]
+        assert server.errors == {"NotAuthorized": 2, "BadSignature": 1, "Oversize": 1}, server.errors
+        assert transport.bodies_in_flight.total() == 0
+    finally:
+        await transport.close()
