@@ -5,34 +5,33 @@ certificate and the manifest (from a file, or fetched by swarm id from an initia
 checked against the id), take any newer manifest an initial peer holds (how a revocation reaches
 a joiner), and check the certificate against it. A mistake is one line that says what to do and a
 non-zero exit, before a socket opens to train.
+
+A peer is asked with ``http_fetch`` (``node.run.peer_http``: the whole answer within a deadline,
+re-exported here); a status answer's shape is checked by ``node.run.status_shape``.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import http.client
 import json
 import logging
 import os
-import re
 import socket
 import ssl
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
 
 from node.config import config_from_args
 from node.dht.membership import config_from_manifest
 from node.dht.swarm import MANIFEST_PATH
 from node.run.checks import CheckError, check_listen, check_run, host_port, peer_url
 from node.run.console import JoinView, ProgressLine, render_status, setup_logging
+from node.run.peer_http import SlowAnswer, http_fetch
+from node.run.status_shape import _not_a_status
 from node.wire.admission import request_headers
 from node.wire.identity import IdentityError, load_certificate, load_key, load_manifest
-from node.wire.tls import client_context
 from protocol.errors import RemoteProtocolError
 from protocol.wire.certificates import Certificate, admit
 from protocol.wire.membership import MAX_MANIFEST_BYTES, SwarmManifest
@@ -46,61 +45,11 @@ log = logging.getLogger("atoll.join")
 STATUS_TIMEOUT_S = 10.0  # atoll status: the whole answer, not each read
 MANIFEST_TIMEOUT_S = 10.0  # an initial peer's manifest, likewise
 STATUS_MAX_BYTES = 16 << 20
-ERROR_BODY_BYTES = 4096  # of a 4xx/5xx answer: its reason
 
 
 class SwarmError(Exception):
     """A one-line reason the command cannot go on, and what to do."""
 
-
-class SlowAnswer(TimeoutError):
-    """A peer's answer that was not whole within the deadline (one trickling a byte a second, say)."""
-
-
-def http_fetch(url: str, *, method: str = "GET", body: bytes | None = None, headers: dict[str, str] | None = None,
-               limit: int = 16 << 20, timeout: float = 10.0) -> tuple[int, bytes]:
-    """One HTTP(S) exchange, all of it (connecting, sending, the answer's head and at most ``limit``
-    bytes of its body, ``ERROR_BODY_BYTES`` of an error's) within ``timeout`` s: a socket timeout
-    bounds each read only, and a peer trickling a byte a second held ``urlopen`` for ever. Past
-    the deadline a watchdog shuts the socket. TLS without a pin: what matters is checked by
-    signature. Returns (status, body) for any status; raises ``OSError`` when there is no whole
-    answer (``SlowAnswer`` past the deadline)."""
-    parts = urlsplit(url)
-    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-    conn = (http.client.HTTPSConnection(parts.hostname or "", parts.port, timeout=timeout, context=client_context())
-            if parts.scheme == "https" else http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=timeout))
-    expired = threading.Event()
-    connected: list[socket.socket] = []  # the socket: a response that closes takes it from conn
-
-    def expire() -> None:
-        expired.set()
-        for sock in connected:  # wakes a read blocked on the socket (TLS too: the same descriptor)
-            with contextlib.suppress(OSError):
-                socket.socket.shutdown(sock, socket.SHUT_RDWR)
-
-    watchdog = threading.Timer(timeout, expire)
-    watchdog.start()
-    try:
-        conn.connect()  # bounded by the socket timeout; from here on the watchdog can reach the socket
-        connected.append(conn.sock)
-        if expired.is_set():
-            raise SlowAnswer(f"no whole answer within {timeout:g} s")
-        conn.request(method, target, body=body, headers=headers or {})
-        resp = conn.getresponse()
-        data = resp.read(limit if resp.status < 400 else min(limit, ERROR_BODY_BYTES))
-        if expired.is_set():  # the watchdog's shutdown reads as the end of the body: a cut answer
-            raise SlowAnswer(f"no whole answer within {timeout:g} s")
-        return resp.status, data
-    except (OSError, http.client.HTTPException) as exc:
-        if expired.is_set():
-            raise SlowAnswer(f"no whole answer within {timeout:g} s") from None
-        if isinstance(exc, OSError):
-            raise
-        raise ConnectionError(f"not an HTTP answer ({type(exc).__name__})") from None
-    finally:
-        watchdog.cancel()
-        watchdog.join()
-        conn.close()
 
 
 @dataclass(frozen=True)
@@ -396,10 +345,7 @@ def status_main(args: argparse.Namespace) -> int:
     return 0
 
 
-# --- what a /v1/status must look like ----------------------------------------------------------
-_FRAGMENT_KEY = re.compile(r"[0-9]{1,9}")
-
-
+# --- what a /v1/status must look like (the shape checks: node.run.status_shape) -----------------
 def _status_of(url: str, body: bytes) -> dict[str, Any]:
     """``body`` as a ``/v1/status`` that ``render_status`` can draw; raises ``SwarmError`` saying
     what is wrong with it (a peer's bad answer is one line, not a traceback)."""
@@ -414,55 +360,3 @@ def _status_of(url: str, body: bytes) -> dict[str, Any]:
     if why is not None:
         raise SwarmError(f"{url} answered a status that is not Atoll's: {why}; check --peer")
     return dict(status)
-
-
-def _kind(value: object) -> str:
-    """A JSON value's kind, as JSON names it."""
-    kinds = ((bool, "a boolean"), (int | float, "a number"), (str, "a string"), (list, "an array"), (dict, "an object"))
-    return next((name for cls, name in kinds if isinstance(value, cls)), "null")
-
-
-def _not_a_status(status: object) -> str | None:
-    """Why ``status`` is not a ``/v1/status`` answer (its fields of the kinds the tables use), or None."""
-    if not isinstance(status, dict):
-        return f"{_kind(status)}, not an object"
-    shapes = (("members", list), ("owners", dict), ("versions", list), ("refused_members", dict),
-              ("remote_errors", dict))
-    for key, cls in shapes:
-        if key in status and not isinstance(status[key], cls):
-            return f"{key} is {_kind(status[key])}, not {_kind(cls())}"
-    adm = status.get("admission")
-    if adm and not isinstance(adm, dict):
-        return f"admission is {_kind(adm)}, not an object"
-    numbers = {"bytes_sent": status.get("bytes_sent", 0), "bytes_received": status.get("bytes_received", 0),
-               **{f"remote_errors.{k}": v for k, v in status.get("remote_errors", {}).items()}}
-    if adm:
-        refused = adm.get("refused", {})
-        if not isinstance(refused, dict):
-            return f"admission.refused is {_kind(refused)}, not an object"
-        numbers.update({f"admission.refused.{k}": v for k, v in refused.items()})
-    bad = next((k for k, v in numbers.items() if isinstance(v, bool) or not isinstance(v, int | float)), None)
-    if bad is not None:
-        return f"{bad[:80]} is {_kind(numbers[bad])}, not a number"
-    return _member_problem(status.get("members", [])) or _owner_problem(status.get("owners", {}))
-
-
-def _member_problem(members: list[Any]) -> str | None:
-    for i, m in enumerate(members):
-        if not isinstance(m, dict):
-            return f"members[{i}] is {_kind(m)}, not an object"
-        if not isinstance(m.get("peer_id"), str):
-            return f"members[{i}].peer_id is {_kind(m.get('peer_id'))}, not a string"
-        roles = m.get("roles", [])
-        if not isinstance(roles, list) or not all(isinstance(r, str) for r in roles):
-            return f"members[{i}].roles is not an array of strings"
-    return None
-
-
-def _owner_problem(owners: dict[str, Any]) -> str | None:
-    for p, o in owners.items():
-        if not _FRAGMENT_KEY.fullmatch(p):
-            return f"owners has key {p[:20]!r}, not a fragment number"
-        if o is not None and not (isinstance(o, dict) and isinstance(o.get("peer_id"), str) and "url" in o):
-            return f"owners[{p}] is neither null nor an object with a peer_id string and a url"
-    return None
