@@ -250,8 +250,9 @@ class SwarmPresence:
                 await self.membership.refresh()
             await self._follow_manifest()
             await self._reconcile_owners()
+            expected, finished = self.expected_learners(), self.finished_learners()
             for owner in list(self.owners.values()):
-                await owner.set_expected(self.expected_learners(), self.finished_learners())
+                await owner.set_expected(expected, finished)
             await self._membership_pause()
 
     async def _membership_pause(self) -> None:

@@ -167,24 +167,25 @@ async def serve_sealed_request(
     recipient, replay, size, refusal, or one ``dispatch`` raises) goes to ``on_error`` and
     becomes a 4xx ``error_response``; anything else propagates. The buffer goes back to the pool
     unless the request was cancelled (a worker thread may still be reading it)."""
+    async def admit(envelope: Envelope) -> None:
+        envelope.check_recipient(recipient, broadcast_ok=bool(broadcast))
+        if authorize is not None and not await authorize(envelope.peer_id):
+            raise NotAuthorized(f"peer {envelope.peer_id.hex()[:8]} is not a member of this swarm")
+
     async def head(wire: memoryview) -> int | None:
         # a large body's envelope, checked as soon as it is in: a stranger, a message for another
         # node or a forged signature is refused before the rest costs a buffer
         if wire.nbytes < LENGTH_PREFIX.size or wire.nbytes < (end := LENGTH_PREFIX.size + envelope_length(wire)):
             return None
         envelope = open_envelope(wire[LENGTH_PREFIX.size:end], max_size=max_size)
-        envelope.check_recipient(recipient, broadcast_ok=bool(broadcast))
-        if authorize is not None and not await authorize(envelope.peer_id):
-            raise NotAuthorized(f"peer {envelope.peer_id.hex()[:8]} is not a member of this swarm")
+        await admit(envelope)
         return end + envelope.size
 
     buf: bytearray | None = None
     try:
         buf, used = await transport.read_request(request, max_size, on_head=head)
         envelope, body = split_sealed(memoryview(buf)[:used], max_size=max_size)
-        envelope.check_recipient(recipient, broadcast_ok=bool(broadcast))
-        if authorize is not None and not await authorize(envelope.peer_id):
-            raise NotAuthorized(f"peer {envelope.peer_id.hex()[:8]} is not a member of this swarm")
+        await admit(envelope)
         check_header(body, max_header)
         opened = await open_off_loop(envelope, body, replay=replay)
         transport.name_kind(request, type(opened.message).__name__)

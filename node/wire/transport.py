@@ -302,12 +302,11 @@ class Transport:
         """Read a request body into a pooled buffer (see ``read_stream``) under ``self.limits``.
 
         Raises ``Busy`` when the sender's address (or the server) has too many bodies being read,
-        ``Oversize``, ``BodyTimeout``, ``EncodedBody`` (a ``Content-Encoding``: refused before reading),
-        or ``ClientGone`` when the sender went away; ``on_head`` may refuse a large body from its
-        first bytes (see ``read_stream``). A body not
+        ``Oversize``, ``BodyTimeout``, or ``ClientGone`` when the sender went away (a body with a
+        ``Content-Encoding`` never gets here: every route's middleware refuses it unread).
+        ``on_head`` may refuse a large body from its first bytes (see ``read_stream``). A body not
         read to its end is not drained: the connection is closed after the reply."""
         ip, lim = request.remote or "unknown", self.limits
-        self._refuse_encoded(request)
         if self.bodies_in_flight[ip] >= lim.bodies_per_ip:
             self._hang_up.add(id(request))
             raise Busy(f"{self.bodies_in_flight[ip]} request bodies from {ip} are being read already "

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -272,9 +272,8 @@ def merge_update(
         # momentum neither fed nor coasting. Whole Nesterov steps (mu^2 b each) on a straggler's
         # tail of partial merges overshot; Liu et al. 2024 (Delayed Nesterov) keep momentum off
         # such in-between updates too
-        with torch.no_grad():
-            return MergeUpdate(torch.add(theta.detach(), delta, alpha=-cfg.lr),
-                               None if buffer is None else buffer.detach().clone(), bounded)
+        plain, _ = outer_step(theta, delta, None, replace(cfg, momentum=0.0))
+        return MergeUpdate(plain, None if buffer is None else buffer.detach().clone(), bounded)
     new_theta, new_buffer = outer_step(theta, delta, buffer, cfg)
     return MergeUpdate(new_theta, new_buffer, bounded)
 
