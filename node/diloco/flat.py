@@ -16,11 +16,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import blake3
-import numpy as np
 import torch
 
 from protocol.diloco.compression import compress
 from protocol.diloco.updates import decode_flat, fragment_numel
+from protocol.diloco.vectors import new_vector
 from protocol.wire.tensors import EncodedTensor
 
 __all__ = ["content_hash", "encode_flat", "flat_digest", "flat_from_tensors", "flat_is_wire_form", "new_flat"]
@@ -52,17 +52,9 @@ def flat_is_wire_form(tensors: Sequence[EncodedTensor]) -> bool:
 
 def new_flat(numel: int) -> torch.Tensor:
     """An uninitialised flat fp32 CPU vector of ``numel`` values whose memory comes from
-    ``malloc`` (through numpy), for vectors made and freed round after round.
-
-    torch asks glibc for 64-byte-aligned blocks (``posix_memalign``), and such a request is a few
-    bytes larger than the block a freed tensor of the same size leaves, so it often misses it and
-    the heap grows by a fresh fragment instead: in ``bench.averaging`` (4 x 50M) 0.35-0.7 GB of
-    fresh pages a round, the kernel zeroing them ~19 % of the round's CPU. A plain ``malloc`` of a
-    size just freed takes that block again: with this for pseudo-gradients, decoded versions and
-    contributions, the bench took 12-22 % fewer page faults and 7-13 % less time a round
-    (docs/benchmarks.md, *Fresh pages*). torch's kernels do not need the 64-byte alignment
-    (numpy's is 16)."""
-    return torch.from_numpy(np.empty(numel, dtype=np.float32))
+    ``malloc`` (``protocol.diloco.vectors.new_vector``), for vectors made and freed round after
+    round: the block a freed one left is taken again instead of fresh pages."""
+    return new_vector(numel)
 
 
 def flat_from_tensors(tensors: Sequence[EncodedTensor], shapes: Sequence[tuple[int, ...]],

@@ -54,6 +54,7 @@ import torch
 
 from protocol.diloco.norms import all_finite
 from protocol.diloco.sparse import decode_topk, encode_topk
+from protocol.diloco.vectors import new_vector
 from protocol.errors import DecodeError, LocalProtocolError
 from protocol.wire.tensors import BLOCKED, CODECS, TOPK_CHUNK, EncodedTensor, payload_bytes
 
@@ -158,7 +159,7 @@ def decompress(enc: EncodedTensor, out: torch.Tensor | None = None, *, finite_ch
         return out if out is not None else torch.empty(enc.shape, dtype=torch.float32)
     unchecked = not finite_check and enc.codec in ("none", "bf16")
     scales = _check_remote(enc) if enc.codec != "topk2" and not unchecked else None
-    target = out.view(-1) if out is not None and direct else torch.empty(n, dtype=torch.float32)
+    target = out.view(-1) if out is not None and direct else new_vector(n)
     if enc.codec == "topk2":
         decode_topk(enc, target)  # checks everything before it writes
     else:

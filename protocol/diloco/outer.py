@@ -42,6 +42,7 @@ from protocol.diloco.outer_weights import (
     staleness_discount,
     token_weight,
 )
+from protocol.diloco.vectors import copy_vector, new_vector_like
 from protocol.errors import LocalProtocolError
 
 __all__ = [
@@ -98,10 +99,20 @@ def weighted_mean(deltas: Sequence[torch.Tensor], weights: Sequence[float]) -> t
     non-finite weights, or a zero total weight.
     """
     total = _check_inputs(deltas, weights)
-    out = torch.zeros(deltas[0].shape, dtype=torch.float32, device=deltas[0].device)
-    for d, w in zip(deltas, weights, strict=True):
-        if w > 0:
-            out.add_(d.to(torch.float32), alpha=w / total)
+    return _weighted_sum([(d, w / total) for d, w in zip(deltas, weights, strict=True) if w > 0], deltas[0])
+
+
+def _weighted_sum(terms: Sequence[tuple[torch.Tensor, float]], like: torch.Tensor) -> torch.Tensor:
+    """``sum a_m * t_m`` as a new fp32 tensor of ``like``'s shape (zeros for no terms): the first
+    term written by a multiply, not added to a zeroed tensor, into memory that is not fresh
+    pages (``new_vector_like``)."""
+    out = new_vector_like(like)
+    if not terms:
+        return out.zero_()
+    (first, a), rest = terms[0], terms[1:]
+    torch.mul(first.to(torch.float32), a, out=out)
+    for t, a in rest:
+        out.add_(t.to(torch.float32), alpha=a)
     return out
 
 
@@ -113,15 +124,14 @@ def _unit_average(deltas: Sequence[torch.Tensor], weights: Sequence[float], eps:
     total = _check_inputs(deltas, weights)
     if known is not None and len(known) != len(deltas):
         raise LocalProtocolError(f"{len(deltas)} deltas but {len(known)} known norms")
-    direction = torch.zeros(deltas[0].shape, dtype=torch.float32, device=deltas[0].device)
-    norms = []
+    norms, terms = [], []
     for i, (d, w) in enumerate(zip(deltas, weights, strict=True)):
         given = known[i] if known is not None else None
         norm = norm64(d) if given is None else given  # in fp64: an fp32 sum of squares overflows near 3e38
         norms.append(norm)
         if w > 0 and norm > eps:
-            direction.add_(d.to(torch.float32), alpha=w / (total * norm))
-    return direction, norms, total
+            terms.append((d, w / (total * norm)))
+    return _weighted_sum(terms, deltas[0]), norms, total
 
 
 def radial_directional_average(
@@ -273,7 +283,7 @@ def merge_update(
         # tail of partial merges overshot; Liu et al. 2024 (Delayed Nesterov) keep momentum off
         # such in-between updates too
         plain, _ = outer_step(theta, delta, None, replace(cfg, momentum=0.0))
-        return MergeUpdate(plain, None if buffer is None else buffer.detach().clone(), bounded)
+        return MergeUpdate(plain, None if buffer is None else copy_vector(buffer), bounded)
     new_theta, new_buffer = outer_step(theta, delta, buffer, cfg)
     return MergeUpdate(new_theta, new_buffer, bounded)
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from protocol.diloco.aggregates import AGGREGATES
+from protocol.diloco.vectors import copy_vector, new_vector_like
 from protocol.errors import LocalProtocolError
 
 __all__ = ["OuterConfig", "outer_step", "outer_step_"]
@@ -59,9 +60,10 @@ def outer_step(
         # the same kernel as outer_step_'s param.add_(grad, alpha=-lr), into a new tensor: one
         # pass over the fragment instead of a copy and then an in-place add
         with torch.no_grad():
-            return torch.add(param.detach(), delta.detach(), alpha=-cfg.lr), None
-    new_param = param.detach().clone()
-    new_buffer = None if buffer is None else buffer.detach().clone()
+            out = new_vector_like(param) if param.dtype == torch.float32 else torch.empty_like(param)
+            return torch.add(param.detach(), delta.detach(), alpha=-cfg.lr, out=out), None
+    new_param = copy_vector(param)
+    new_buffer = None if buffer is None else copy_vector(buffer)
     return new_param, outer_step_(new_param, delta, new_buffer, cfg)
 
 
@@ -80,7 +82,7 @@ def outer_step_(
     grad = delta.detach()
     if cfg.momentum != 0:
         if buffer is None:
-            buffer = grad.clone()
+            buffer = copy_vector(grad)
         else:
             buffer.mul_(cfg.momentum).add_(grad, alpha=1)
         grad = grad.add(buffer, alpha=cfg.momentum) if cfg.nesterov else buffer

@@ -23,6 +23,7 @@ import torch
 
 from protocol.diloco.compression import compress, decompress
 from protocol.diloco.norms import all_finite
+from protocol.diloco.vectors import new_vector
 from protocol.errors import DecodeError, LocalProtocolError
 from protocol.wire.tensors import UPDATE_CODECS, EncodedTensor
 
@@ -47,7 +48,7 @@ def decode_flat(tensors: Sequence[EncodedTensor], shapes: Sequence[tuple[int, ..
         raise DecodeError(f"fragment has {len(shapes)} tensors, message carries {len(tensors)}")
     total = fragment_numel(shapes)
     if out is None:
-        out = torch.empty(total, dtype=torch.float32)
+        out = new_vector(total)
     elif out.shape != (total,) or out.dtype != torch.float32 or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous fp32 vector of {total} values, got {out.dtype} {tuple(out.shape)}")
     offset = 0
@@ -95,8 +96,8 @@ def encode_update(target: torch.Tensor, published: torch.Tensor, residual: torch
     for name, t in (("target", target), ("published", published), ("residual", residual)):
         if t is not None and t.shape != (total,):
             raise LocalProtocolError(f"{name} must be a flat vector of {total} values, got {tuple(t.shape)}")
-    delta = target.detach().float() - published
-    new_residual = torch.empty(total, dtype=torch.float32)
+    delta = torch.sub(target.detach().float(), published, out=new_vector(total))
+    new_residual = new_vector(total)
     tensors, offset = [], 0
     for shape in shapes:
         n = int(torch.Size(shape).numel())
