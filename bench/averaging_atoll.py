@@ -11,7 +11,10 @@ connections, or its member record expires).
 The loop is the bench's, not Atoll's: every contribution claims one inner step and one token
 (equal merge weights, so the reference merge is known), and a fragment whose send failed or was
 refused is made due again after ``RETRY_S`` (in training it would go out at the next H
-boundary) with its pseudo-gradient restored.
+boundary) with its pseudo-gradient restored. Between steps it sleeps until the island has news
+(``Island.wait_for_news``: a version delivered, a contribution refused) or a retry is due: it
+polled every 2 ms until 2026-12-04, which cost ~0.04 s of CPU per peer and round, ~5 % of
+Atoll's CPU in a 4 × 50M round, that training's loop does not spend.
 
 Codecs (``CODECS``): ``none`` sends fp32 both ways; ``fp16`` bf16 both ways; ``int8`` int8
 pseudo-gradients up (blockwise absmax, error feedback on the learner) and each version down as
@@ -43,7 +46,7 @@ from protocol.wire.signing import Signer
 __all__ = ["AtollSide"]
 
 RETRY_S = 0.25
-POLL_S = 0.002
+POLL_S = 0.002  # after a step, the longest wait before looking again
 SWARM = "bench-averaging"
 # the bench's codec -> Atoll's (upload codec, download codec, update codec)
 CODECS = {"none": ("none", "none", "none"), "fp16": ("bf16", "bf16", "none"), "int8": ("int8", "none", "int8"),
@@ -175,14 +178,17 @@ class AtollSide:
             if time.monotonic() > deadline:
                 return {"ok": False, "error": f"versions {island.versions}, wanted {self.target} "
                                               f"within {timeout_s:.0f} s", "retries": retries}
+            seen = island.news
             retries += self._mark_retries(marked)
-            if any(island.next_due[p] <= island.stats.step + 1 for p in range(n) if not self._has(p)):
+            due = any(island.next_due[p] <= island.stats.step + 1 for p in range(n) if not self._has(p))
+            if due:
                 for p in range(n):  # one step, one token per contribution: equal merge weights
                     island.c_steps[p], island.c_tokens[p] = 0, 1
                 self.optimizer.step()  # the hook ships what is due and adopts what arrived
             else:
                 island.adopt_pending()
-            time.sleep(POLL_S)
+            if not self._done():  # sleep until a version or a refusal comes, or a retry is due
+                island.wait_for_news(seen, POLL_S if due else RETRY_S)
         stats = {k: v - stats0[k] for k, v in self._net_stats().items()}
         return {"ok": True, "retries": retries, "versions": list(island.versions), **stats}
 

@@ -171,6 +171,7 @@ class Island(IslandAdoption):
         self._inbox: dict[int, tuple[int, torch.Tensor, bool]] = {}  # p -> (version, flat, force)
         self._lock = threading.Lock()
         self._arrived = threading.Condition(self._lock)  # a delivery or a refusal (wait_for_merge)
+        self._news = 0  # deliveries, refusals and resends so far (``wait_for_news``)
         self._step_ema = 0.0
         self._copy_s = self._submit_s = 0.0  # per-hook timing, for the stall count
         self._last_step_at: float | None = None
@@ -200,7 +201,7 @@ class Island(IslandAdoption):
         with self._lock:
             for fragment, (version, flat) in arrived.items():
                 self._put(fragment, version, flat, force)
-            self._arrived.notify_all()
+            self._announce()
 
     def _put(self, fragment: int, version: int, flat: torch.Tensor, force: bool) -> None:
         held = self._inbox.get(fragment)  # the caller holds the lock
@@ -216,7 +217,7 @@ class Island(IslandAdoption):
             self._shipped[fragment] = None
             self.next_due[fragment] = self.stats.step + self._h()
             with self._arrived:
-                self._arrived.notify_all()
+                self._announce()
 
     def resend(self, fragment: int) -> None:
         """The owner that accepted this fragment's contribution left before merging it: send the
@@ -225,7 +226,29 @@ class Island(IslandAdoption):
         self._shipped[fragment] = None
         self.next_due[fragment] = self.stats.step
         with self._arrived:
-            self._arrived.notify_all()
+            self._announce()
+
+    def _announce(self) -> None:
+        self._news += 1  # the caller holds the lock
+        self._arrived.notify_all()
+
+    @property
+    def news(self) -> int:
+        """How many deliveries, refusals and resends this island has had so far (for ``wait_for_news``)."""
+        return self._news
+
+    def wait_for_news(self, seen: int, timeout_s: float) -> bool:
+        """Block (at most ``timeout_s``) until the island has had a delivery, a refusal or a resend
+        since ``news`` read ``seen``; return whether it has. For a loop that drives the optimizer
+        only when there is something to ship or adopt, instead of polling (``bench.averaging``)."""
+        deadline = time.monotonic() + timeout_s
+        with self._arrived:
+            while self._news == seen:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._arrived.wait(timeout=left)
+        return True
 
     def flush(self, timeout_s: float) -> int:
         """End of training: send every fragment's work that no contribution holds yet.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable
 
 import pytest
@@ -330,3 +332,20 @@ def test_a_growing_interval_spaces_a_fragments_syncs_as_it_says() -> None:
             island.deliver(0, island.versions[0] + 1, island.global_flat[0].clone())
     # ships at step 1 (offset 0), due 2 after each adoption until step 4, then 6 after
     assert [o.sender_step for o in sent] == [1, 4, 11]
+
+
+def test_wait_for_news_wakes_on_a_delivery_or_a_refusal_and_not_on_what_it_already_saw() -> None:
+    island, _, _, _ = _island(h=1, fragments=2)
+    seen = island.news
+    assert island.wait_for_news(seen, 0.05) is False  # nothing happened: it times out
+    flat = island.global_flat[0].clone()
+    threading.Timer(0.05, lambda: island.deliver(0, 1, flat)).start()
+    t0 = time.monotonic()
+    assert island.wait_for_news(seen, 10.0) is True
+    assert time.monotonic() - t0 < 5.0  # woken by the delivery, not the timeout
+    seen = island.news
+    island.resolved(1, accepted=False)  # news that came before the wait began is not lost
+    assert island.wait_for_news(seen, 10.0) is True
+    assert island.wait_for_news(island.news, 0.01) is False
+    island.resolved(1, accepted=True)  # an acceptance frees nothing: no news
+    assert island.wait_for_news(island.news, 0.01) is False
