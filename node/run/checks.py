@@ -37,6 +37,7 @@ MAX_LOCAL_PEERS = 256
 # (field, test, what it must be): the numbers a RunConfig leaves to the training loop; a float
 # that inf makes no sense for must be finite (--lr inf was taken, and the island's loss went NaN)
 _RANGES = (
+    ("seed", lambda v: 0 <= v < 2**32, "in 0..4294967295"),
     ("batch_size", lambda v: v >= 1, ">= 1"),
     ("threads", lambda v: 1 <= v <= CORES, f"1..{CORES} (the cores of this machine)"),
     ("lr", lambda v: 0 < v < math.inf, "finite and > 0"),
