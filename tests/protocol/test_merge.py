@@ -264,6 +264,27 @@ def test_learners_that_finished_count_as_zero_in_every_later_round() -> None:
         m.set_expected(1, now=7.0, finished=-1)
 
 
+def test_every_learner_waited_for_a_killed_one_is_waited_for_until_the_members_drop_it() -> None:
+    """Fraction 1 (the default under outer momentum): a learner killed mid-round holds the round
+    open however long it takes (no deadline: a slow or dead learner sets the pace of versions,
+    the islands never wait on it). Once the members drop it, the round merges the three it holds
+    as 3/4 of a step (under momentum a plain step, ``merge_update``), and the rounds after it,
+    opened with three learners, merge whole steps."""
+    m = FragmentMerger(0, MergeConfig(quorum=1, quorum_fraction=1.0, **EXACT), now=0.0)
+    m.set_expected(4, now=0.0)
+    peers = [bytes([i]) * 32 for i in range(4)]
+    for i, peer in enumerate(peers[:3]):
+        apply(m, c(0.1 * (i + 1), peer))
+    assert m.phase is Phase.COLLECTING and m.deadline() is None and m.quorum == 4
+    assert m.on_tick(1000.0).kind == "wait"
+    d = m.set_expected(3, now=1000.5)  # its member record lapsed
+    assert d.kind == "merge" and len(d.entries) == 3 and d.scale == 0.75, d
+    m.on_published(1, sync_time=0.0, now=1001.0)
+    for i, peer in enumerate(peers[:3]):
+        d = apply(m, c(1001.1 + 0.1 * i, peer, 1))
+    assert d.kind == "merge" and len(d.entries) == 3 and d.scale == 1.0, d
+
+
 def test_merge_entries_carry_weights_and_staleness() -> None:
     m = FragmentMerger(0, MergeConfig(late_policy="carry", **EXACT), version=5, now=0.0)
     apply(m, c(0.5, A, 4, tokens=100, steps=10))  # 1000 * 0.5
