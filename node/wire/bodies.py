@@ -7,7 +7,9 @@ cost ~25x one read into a pooled buffer). The pool keeps what a peer's busiest m
 to ``POOL_MAX_BYTES``, dropping its smallest buffers first. A declared length is a claim, not a
 reason to allocate: a buffer grows with the bytes that actually arrive. A small body gets a small
 buffer (at least ``MIN_BUFFER``): an owner of a small model holds one buffer per contribution in
-flight, and at 1 MiB each its pool's high-water mark grew by ~10 MiB in one burst of 24.
+flight, and at 1 MiB each its pool's high-water mark grew by ~10 MiB in one burst of 24. A
+piece under ``SMALL_PIECE`` bytes (a chunked body of 1-byte chunks) takes what is buffered behind
+it along, and other tasks run before the next: read one by one, 6 MB of them held the loop 12 s.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ __all__ = ["CHUNK", "MIN_BUFFER", "POOL_BUFFERS", "POOL_MAX_BUFFER", "POOL_MAX_B
            "ClientGone", "read_stream"]
 
 CHUNK = 1 << 20
+# a piece of a body under SMALL_PIECE bytes takes what else is buffered along, up to COALESCE bytes
+SMALL_PIECE = 4 << 10
+COALESCE = 16 << 10
 MIN_BUFFER = 64 << 10  # the smallest buffer made: a body of a few bytes and one of 60 KiB share it
 # What the buffer pool keeps for reuse: never a buffer above POOL_MAX_BUFFER, at most
 # POOL_BUFFERS buffers and POOL_MAX_BYTES in all (a peer that once received a huge body does not
@@ -93,7 +98,7 @@ class BufferPool:
 async def read_stream(
     content: aiohttp.StreamReader, length: int | None, max_size: int, pool: BufferPool,
     *, timeout_s: float | None = None, idle_s: float | None = None,
-    on_head: Callable[[memoryview], Awaitable[int | None]] | None = None,
+    on_head: Callable[[memoryview], Awaitable[int | None]] | None = None, head_timeout_s: float | None = None,
 ) -> tuple[bytearray, int]:
     """Read a body into a pooled buffer; return (buffer, used bytes). Caller gives it back.
 
@@ -105,18 +110,25 @@ async def read_stream(
     ``on_head``: while more of the body is still to come, called with the bytes so far until it
     returns the body's whole length as its head declares it (None: not enough yet); it raises to
     refuse the body before the rest of it is read, and the body may then be no longer than it
-    said. A body that arrives whole in its first chunks is not shown to it.
+    said (nor, with a declared ``length``, shorter: ``Oversize`` at once). ``head_timeout_s``:
+    how long the head may take, its say included (None: ``timeout_s`` only), so that a large
+    declared length buys the sender no time until its head vouches for it (``BodyTimeout``). A
+    body that arrives whole in its first chunks is not shown to it.
     """
     if length is not None and length > max_size:
         raise Oversize(f"body of {length} bytes exceeds the cap of {max_size}")
     limit = max_size if length is None else length
     loop = asyncio.get_running_loop()
     deadline = None if timeout_s is None else loop.time() + timeout_s
+    head_deadline = None if on_head is None or head_timeout_s is None else loop.time() + head_timeout_s
     buf = pool.take(limit, fresh=CHUNK)
     used = 0
     try:
         while True:
-            left = None if deadline is None else max(deadline - loop.time(), 0.0)
+            # until the head has vouched for the body's length, the head's deadline binds too
+            by_head = on_head is not None and head_deadline is not None and (deadline is None or head_deadline < deadline)
+            until = head_deadline if by_head else deadline
+            left = None if until is None else max(until - loop.time(), 0.0)
             by_idle = idle_s is not None and (left is None or idle_s <= left)
             wait = idle_s if by_idle else left
             try:
@@ -124,14 +136,26 @@ async def read_stream(
                     # the next piece as it arrived: read(n) would join pieces, one more copy
                     chunk, boundary = await content.readchunk()
             except TimeoutError:
-                raise BodyTimeout(_stalled(used, length, wait if by_idle else timeout_s,
-                                           whole=not by_idle)) from None
+                if by_idle:
+                    raise BodyTimeout(_stalled(used, length, wait, whole=False)) from None
+                if by_head:
+                    raise BodyTimeout(f"request body's head not complete after {head_timeout_s:.1f} s ({used} bytes "
+                                      "arrived): a body has no more time than a small one until its head is in") from None
+                raise BodyTimeout(_stalled(used, length, timeout_s, whole=True)) from None
             if not chunk:
                 # the end of one chunk of a chunked body: more may follow. aiohttp's shared empty
                 # body (a 204's) answers (b"", True) for ever once read: it is at its end
                 if boundary and not content.at_eof():
                     continue
                 break
+            # tiny pieces (a chunked body of 1-byte chunks) cost ~12 us each read one by one, and the
+            # loop ran them back to back while any were buffered (6 MB of 1-byte chunks: 12 s, stalls
+            # of 1.2 s): what is buffered now comes along joined, then other tasks run. (A stand-in
+            # reader without ``read_nowait`` is read piece by piece.)
+            read_nowait = getattr(content, "read_nowait", None) if len(chunk) < SMALL_PIECE else None
+            if read_nowait is not None and (more := read_nowait(COALESCE)):
+                chunk += more
+                await asyncio.sleep(0)
             end = used + len(chunk)
             if end > limit:
                 raise Oversize(f"body exceeds {'its declared length' if length is not None else 'the cap'} "
@@ -145,6 +169,9 @@ async def read_stream(
                     declared = await on_head(head)
                 if declared is not None:
                     on_head = None
+                    if length is not None and declared != length:
+                        raise Oversize(f"body of {length} bytes by its Content-Length but {declared} by its head "
+                                       "(the sealed message's envelope): refused before the rest is read")
                     if declared > limit or declared < used:
                         raise Oversize(f"body of {declared} bytes by its head does not fit the {limit} allowed "
                                        f"with {used} arrived")

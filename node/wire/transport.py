@@ -9,8 +9,10 @@ Refusing is cheap (``ServeLimits``). A declared ``Content-Length`` is a claim, n
 allocate: a body's buffer grows with the bytes that actually arrive (a pooled buffer is reused
 when one is large enough), and the pool keeps no huge buffer. A body must keep arriving (an idle
 timeout between chunks) and be complete within an overall timeout that grows with its declared
-size; a sender that stalls gets a 408 and its connection is closed. Each address may have only
-a few bodies being read at once (429 beyond), header lines and fields are bounded, and a
+size (a route that checks a body's head, ``on_head``, grants that extra time only once the
+head is in: until then a body has the time of a small one); a sender that stalls gets a 408 and
+its connection is closed. Each address (an IPv6 address by its /64, as for connections) may have
+only a few bodies being read at once (429 beyond), header lines and fields are bounded, and a
 ``RemoteProtocolError`` raised by any route becomes a 4xx with a JSON reason, never a 500.
 
 Connections are counted before anything is parsed (``node.wire.connections``: a cap per address
@@ -177,7 +179,7 @@ class Transport:
         # bytes_sent by what they were: a request's route (a path, or a message type) or
         # "reply <route>"; where a swarm's bytes go, for the report and bench.bandwidth
         self.bytes_by_route: Counter[str] = Counter()
-        self.bodies_in_flight: Counter[str] = Counter()  # request bodies being read, per address
+        self.bodies_in_flight: Counter[str] = Counter()  # request bodies being read, per address_key
         self.connections = Connections(self.limits)  # open connections, per address and in all
         self._hang_up: set[int] = set()  # ids of requests whose connection closes after the reply
         self._kinds: dict[int, str] = {}  # ids of requests -> what they carry (see ``name_kind``)
@@ -304,9 +306,10 @@ class Transport:
         Raises ``Busy`` when the sender's address (or the server) has too many bodies being read,
         ``Oversize``, ``BodyTimeout``, or ``ClientGone`` when the sender went away (a body with a
         ``Content-Encoding`` never gets here: every route's middleware refuses it unread).
-        ``on_head`` may refuse a large body from its first bytes (see ``read_stream``). A body not
+        ``on_head`` may refuse a large body from its first bytes, and until it has had its say the
+        body has no more time than a small one (see ``read_stream``). A body not
         read to its end is not drained: the connection is closed after the reply."""
-        ip, lim = request.remote or "unknown", self.limits
+        ip, lim = address_key(request.remote or "unknown"), self.limits  # an IPv6 address by its /64
         if self.bodies_in_flight[ip] >= lim.bodies_per_ip:
             self._hang_up.add(id(request))
             raise Busy(f"{self.bodies_in_flight[ip]} request bodies from {ip} are being read already "
@@ -320,6 +323,7 @@ class Transport:
             buf, used = await read_stream(
                 request.content, length, max_size or self.max_body, self.pool,
                 timeout_s=lim.body_deadline_s(length), idle_s=lim.body_idle_s, on_head=on_head,
+                head_timeout_s=lim.body_deadline_s(None),  # a declared size buys time once its head vouches
             )
         except (ConnectionError, aiohttp.ClientPayloadError, HttpProcessingError, RequestPayloadError) as exc:  # cut off
             self._hang_up.add(id(request))
@@ -336,11 +340,12 @@ class Transport:
 
     def _refuse_encoded(self, request: web.Request) -> None:
         """Raise ``EncodedBody`` (and hang up after the reply) for a request whose body has a
-        ``Content-Encoding`` other than identity."""
-        encoding = request.headers.get(hdrs.CONTENT_ENCODING, "identity").strip().lower()
-        if encoding != "identity":
+        ``Content-Encoding`` other than identity, on any of its lines: aiohttp's C parser inflates
+        by the last one, ``headers.get`` reads the first."""
+        encodings = [e.strip().lower() for e in request.headers.getall(hdrs.CONTENT_ENCODING, ())]
+        if any(e != "identity" for e in encodings):
             self._hang_up.add(id(request))
-            raise EncodedBody(f"request bodies are not content-encoded: Content-Encoding {encoding[:32]!r} "
+            raise EncodedBody(f"request bodies are not content-encoded: Content-Encoding {', '.join(encodings)[:32]!r} "
                               f"refused; send the body as it is")
 
     def _count_reply(self, request: web.Request, resp: web.StreamResponse) -> None:
