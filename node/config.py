@@ -206,6 +206,17 @@ class RunConfig:
             return self.quorum_fraction
         return 1.0 if self.outer_momentum > 0 else 0.5
 
+    @property
+    def merge_max_work_steps(self) -> int | None:
+        """The inner steps of work a contribution counts for at most (``MergeConfig.max_work_steps``):
+        2H with outer momentum, where a learner faster than the round's pace shipped ~3.5H steps a
+        round and Nesterov's gain on them diverged (docs/benchmarks.md, *A slow learner under outer
+        momentum*). 2H, not H: an island ships the work it kept over an adoption at most 2H after
+        that work began, so at even speeds contributions cover H to 2H steps (11-20 at H = 10 in
+        all 3,804 of a 3,000-step run) and none is scaled. None with plain averaging, whose merge
+        is the islands' mean whatever they did."""
+        return 2 * self.inner_steps if self.outer_momentum > 0 else None
+
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
 

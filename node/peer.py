@@ -190,6 +190,7 @@ class PeerNode(SwarmPresence, OwnedFragments, OwnerHandoffs, VersionServing):
     def penalties(self) -> dict[str, dict[str, int]]:
         """Per sender (peer id hex), what this peer's owners' merge bounds did to its contributions:
         merged, late (merged after its round closed), clipped, weight_capped, steps_bounded, tokens_bounded,
+        work_capped (it covered more inner steps than a contribution counts for under outer momentum),
         dropped, refused_<why>."""
         out: dict[str, collections.Counter[str]] = {}
         for owner in self.all_owners():

@@ -93,7 +93,7 @@ class OwnerCounts:
     merges_done: int = 0
     merge_seconds: float = 0.0  # from each published round's close to its publication, in all
     recent: collections.deque[str] = dataclasses.field(default_factory=lambda: collections.deque(maxlen=OwnerCounts.RECENT))
-    # per sender: how often a bound bit (clipped, weight_capped, steps_bounded, tokens_bounded),
+    # per sender: how often a bound bit (clipped, weight_capped, steps_bounded, tokens_bounded, work_capped),
     # its contribution was dropped from a failed merge, or refused (refused_<why>)
     penalties: collections.defaultdict[bytes, collections.Counter[str]] = dataclasses.field(
         default_factory=lambda: collections.defaultdict(collections.Counter))
@@ -349,7 +349,8 @@ class FragmentOwner(ContributionIntake, VersionSealing, OwnerSuccession):
             counts["merged"] += 1
             for flag in ("weight_capped", "steps_bounded", "tokens_bounded"):
                 counts[flag] += int(getattr(e, flag))
-            counts["clipped"] += int(e.clip < 1.0)
+            counts["clipped"] += int(e.clip < e.work_scale)  # the norm clip bit (clip is it times work_scale)
+            counts["work_capped"] += int(e.work_scale < 1.0)  # covered more than max_work_steps
             counts["late"] += int(e.staleness > 0)  # its round had closed: carried to this one
         log.info("fragment %d: published version %d (%s)", self.fragment.index, self.version, decision.reason)
         async with self._changed:

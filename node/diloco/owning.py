@@ -176,7 +176,8 @@ class OwnedFragments:
                            tau=c.grace_tau, grace_cap_s=c.grace_cap_s,
                            staleness_bound=c.staleness_bound,
                            late_policy="carry" if c.late_policy == "carry" else "drop",
-                           max_tokens_per_step=c.max_tokens_per_step, quorum_is_expected=c.mode != "decoupled")
+                           max_tokens_per_step=c.max_tokens_per_step, quorum_is_expected=c.mode != "decoupled",
+                           max_work_steps=c.merge_max_work_steps)
 
     def _outer_cfg(self) -> OuterConfig:
         return OuterConfig(lr=self.cfg.outer_lr, momentum=self.cfg.outer_momentum, aggregate=self.cfg.aggregate,

@@ -54,6 +54,7 @@ class Pending:
     rate: float | None  # its norm per (bounded) inner step; None: not reported, never clipped
     steps_bounded: bool
     tokens_bounded: bool
+    steps: int = 1  # its inner steps, bounded
 
 
 def refusal_for(ev: ContributionEvent, *, version: int, target: int, pool: Sequence[Pending],
@@ -89,4 +90,4 @@ def bounded_pending(ev: ContributionEvent, *, config: MergeConfig,
     w = token_weight(ev.tokens, steps, max_tokens_per_step=cap)
     rate = None if ev.norm is None else ev.norm / steps  # per inner step: comparable across
     return Pending(ev.peer, ev.base_version, w, ev.payload, ev.norm, rate,  # contributions of
-                   steps_bounded=steps < ev.steps, tokens_bounded=tokens_bounded)  # any length
+                   steps_bounded=steps < ev.steps, tokens_bounded=tokens_bounded, steps=steps)  # any length

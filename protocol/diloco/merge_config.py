@@ -44,6 +44,13 @@ class MergeConfig:
     clip_multiple: float = 4.0
     norm_history: int = 4
     min_step_time_s: float = 1e-3
+    # a contribution counts at most this many inner steps of work: one covering more (its
+    # bounded steps) has its payload scaled by max_work_steps / steps (``Entry.work_scale``).
+    # The node sets 2H under outer momentum (``RunConfig.merge_max_work_steps``): a learner
+    # faster than the round's pace ships ~3.5H steps a round, and Nesterov's ~eta/(1-mu) gain on
+    # that diverged (docs/benchmarks.md, *A slow learner under outer momentum*). None: every
+    # step counts (plain averaging)
+    max_work_steps: int | None = None
     # synchronous DiLoCo: the quorum is every live learner (``set_expected``), whatever ``quorum``
     # says, so learners that leave or die stop being waited for once the node knows
     quorum_is_expected: bool = False
@@ -67,6 +74,7 @@ class MergeConfig:
             (self.clip_multiple >= 1.0, "clip_multiple must be >= 1 (math.inf: no clipping)"),
             (self.norm_history >= 0, "norm_history must be >= 0"),
             (0.0 <= self.min_step_time_s < math.inf, "min_step_time_s must be finite and >= 0"),
+            (self.max_work_steps is None or self.max_work_steps >= 1, "max_work_steps must be None or >= 1"),
         ]
         for ok, message in checks:
             if not ok:

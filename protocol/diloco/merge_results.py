@@ -16,7 +16,7 @@ Refusal = Literal["invalid", "future", "stale", "closed", "duplicate"]
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Entry:
     """One contribution in a merge: its (clamped, discounted) weight and staleness; ``clip``, the
-    scale to apply to its payload (1.0: not clipped); which bounds bit; ``norm``, the payload's
+    scale to apply to its payload (1.0: not clipped; the norm clip times ``work_scale``); which bounds bit; ``norm``, the payload's
     norm as the node reported it with the contribution (before clipping; None: not reported)."""
 
     peer: bytes
@@ -28,6 +28,7 @@ class Entry:
     weight_capped: bool = False
     steps_bounded: bool = False
     tokens_bounded: bool = False
+    work_scale: float = 1.0  # its payload's share kept by ``MergeConfig.max_work_steps`` (in ``clip``)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -13,6 +13,11 @@ contributions, so one attacker, even alone in a round at K = 1, cannot set its o
 step, because a learner's first contribution of a fragment covers only the few steps of its
 staggered offset: whole norms made those tiny and had every later honest contribution clipped.
 Every bound that bit is flagged on the ``Entry`` so the node can count it per peer.
+
+Work cap (``MergeConfig.max_work_steps``, set under outer momentum): a contribution covering more
+inner steps than the cap has its payload scaled to the cap's share (``Entry.work_scale``, folded
+into ``Entry.clip``), so that a round's outer step sees at most that many steps of any learner's
+work however long the round took; norms per step and weights are as without it.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from protocol.diloco.outer import (
     staleness_discount,
 )
 
-__all__ = ["clip_scales", "weigh"]
+__all__ = ["clip_scales", "weigh", "work_scale"]
 
 
 def weigh(pending: Sequence[Pending], *, version: int, history: list[float],
@@ -47,12 +52,21 @@ def weigh(pending: Sequence[Pending], *, version: int, history: list[float],
     weights, capped = cap_weights_by_others(weights, multiple=config.max_weight_median_multiple)
     clips = clip_scales(pending, history, config.clip_multiple)
     rates = [e.rate * c for e, c in zip(pending, clips, strict=True) if e.rate is not None]
+    work = [work_scale(e.steps, config.max_work_steps) for e in pending]
     entries = tuple(
-        Entry(peer=e.peer, payload=e.payload, weight=w, staleness=s, clip=c, norm=e.norm, weight_capped=k,
-              steps_bounded=e.steps_bounded, tokens_bounded=e.tokens_bounded)
-        for e, w, s, c, k in zip(pending, weights, stale, clips, capped, strict=True)
+        Entry(peer=e.peer, payload=e.payload, weight=w, staleness=s, clip=c * ws, norm=e.norm, weight_capped=k,
+              steps_bounded=e.steps_bounded, tokens_bounded=e.tokens_bounded, work_scale=ws)
+        for e, w, s, c, k, ws in zip(pending, weights, stale, clips, capped, work, strict=True)
     )
-    return entries, rates
+    return entries, rates  # rates as the norm clip left them: the work cap is no evidence of a norm
+
+
+def work_scale(steps: int, max_work_steps: int | None) -> float:
+    """The share of a contribution of ``steps`` inner steps that counts under ``max_work_steps``
+    (``MergeConfig``): 1.0 up to it, ``max_work_steps / steps`` beyond."""
+    if max_work_steps is None or steps <= max_work_steps:
+        return 1.0
+    return max_work_steps / steps
 
 
 def clip_scales(pending: Sequence[Pending], history: list[float], clip_multiple: float) -> list[float]:

@@ -64,6 +64,10 @@ def test_a_merge_waits_for_every_learner_under_outer_momentum_unless_told() -> N
     assert RunConfig(quorum_fraction=0.0).merge_quorum_fraction == 0.0
     owner_cfg = OwnedFragments._merge_cfg(SimpleNamespace(cfg=RunConfig(outer_momentum=0.9, max_tokens_per_step=2048)))  # type: ignore[arg-type]
     assert owner_cfg.quorum_fraction == 1.0
+    # and counts at most 2H steps of any contribution (a learner faster than the round's pace)
+    assert owner_cfg.max_work_steps == 2 * RunConfig().inner_steps
+    assert RunConfig().merge_max_work_steps is None
+    assert RunConfig(outer_momentum=0.9, inner_steps=10).merge_max_work_steps == 20
     with pytest.raises(ValueError, match=r"--quorum-fraction must be -1 \(auto\) or between 0 and 1, got 1.5"):
         RunConfig(quorum_fraction=1.5)
 

@@ -582,6 +582,27 @@ def test_a_liar_about_steps_and_tokens_is_bounded_by_time_and_by_the_others() ->
     assert share == pytest.approx(0.8)  # capped at 4x the median of the others, not 100 %
 
 
+def test_a_work_cap_scales_a_contribution_beyond_it_and_leaves_norm_clipping_alone() -> None:
+    """Under outer momentum (``max_work_steps`` = H = 10) a learner three times as fast as the
+    round's pace ships 30 steps a round: its payload counts for 10 of them (clip 1/3, flagged
+    ``work_scale``), one of 10 or fewer counts whole, and the norms per step that set later
+    rounds' clip reference are as without the cap: a fast learner is not an outlier."""
+    cfg = MergeConfig(quorum=1, clip_multiple=4.0, min_step_time_s=0.0, max_work_steps=10)
+    m = FragmentMerger(0, cfg, now=0.0)
+    d = _merge_of(m, 1.0, [(A, {"steps": 30, "norm": 3.0}), (B, {"steps": 10, "norm": 1.0}),
+                           (C, {"steps": 4, "norm": 0.4})])
+    by = {e.peer: e for e in d.entries}
+    assert by[A].work_scale == pytest.approx(1 / 3) and by[A].clip == pytest.approx(1 / 3)
+    assert (by[B].work_scale, by[B].clip) == (1.0, 1.0) and (by[C].work_scale, by[C].clip) == (1.0, 1.0)
+    m.on_published(1, sync_time=0.0, now=1.0)
+    assert m._rates == pytest.approx([0.1, 0.1, 0.1])  # 3/30, 1/10, 0.4/4: unchanged by the cap
+    plain = FragmentMerger(0, MergeConfig(quorum=1, min_step_time_s=0.0), now=0.0)  # no cap: all of it
+    d = _merge_of(plain, 1.0, [(A, {"steps": 30, "norm": 3.0}), (B, {"steps": 10, "norm": 1.0})])
+    assert [(e.work_scale, e.clip) for e in d.entries] == [(1.0, 1.0), (1.0, 1.0)]
+    with pytest.raises(LocalProtocolError, match="max_work_steps must be None or >= 1"):
+        MergeConfig(max_work_steps=0)
+
+
 @settings(max_examples=60, deadline=None)
 @given(norms=st.lists(st.floats(min_value=0.0, max_value=1e30), min_size=1, max_size=8),
        c_mult=st.sampled_from([1.0, 2.0, 3.0]))
