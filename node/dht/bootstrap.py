@@ -33,6 +33,7 @@ from node.dht.kademlia import DHTConfig, DHTNode
 from node.dht.membership import MemberRecord, members_key
 from node.dht.route import DHTRouter
 from node.dht.swarm import SwarmCredentials
+from node.wire.connections import address_key
 from node.wire.tls import server_context
 from node.wire.transport import Busy, Transport
 from protocol.dht.ratelimit import RateLimiter, TokenBucket
@@ -129,7 +130,7 @@ class DialBacks:
         or ``Busy`` (rate, turn or overall cap): the transport answers them 4xx with the reason."""
         ip = _requester(request)
         scheme, host, port = _target(request.query)
-        if not self._limiter.allow(str(ip), self.clock()):
+        if not self._limiter.allow(address_key(str(ip)), self.clock()):  # an IPv6 address by its /64
             raise Busy(f"dial-backs to {ip} are limited to {self._limiter.rate:g} a second "
                        f"after a burst of {self._limiter.burst:g}; retry later")
         if host is not None and not await _is_address_of(host, ip):

@@ -25,6 +25,7 @@ import tomli_w
 from aiohttp import web
 
 from node.wire.admission import Admission, request_headers
+from node.wire.connections import address_key
 from node.wire.transport import Transport
 from protocol.dht.ratelimit import RateLimiter
 from protocol.errors import DecodeError, NotAuthorized, Oversize, RemoteProtocolError
@@ -129,7 +130,7 @@ class SwarmCredentials:
         return web.Response(text=self.toml(), content_type="application/toml")
 
     async def _on_post(self, request: web.Request) -> web.Response:
-        if not self._publishes.allow(request.remote or "unknown", self.clock()):
+        if not self._publishes.allow(address_key(request.remote or "unknown"), self.clock()):  # IPv6 by its /64
             raise NotAuthorized("too many manifest posts from this address; retry in a few seconds")
         length = request.content_length
         if length is None or length > MAX_MANIFEST_BYTES:

@@ -34,6 +34,7 @@ from node.diloco.spread import (
 )
 from node.state.serve import ManifestCache, serve_manifest, serve_sealed, state_etag
 from node.wire.admission import ADMITTED
+from node.wire.connections import address_key
 from node.wire.transport import Busy, Transport
 from protocol.diloco.fragments import FragmentPlan
 from protocol.diloco.spread import Fanout, Serve, SpreadDecision
@@ -98,10 +99,10 @@ class VersionServing:
 
     @staticmethod
     def _fragment_index(request: web.Request) -> int:
-        try:
-            return int(request.match_info["p"])
-        except ValueError:
-            raise web.HTTPBadRequest(text="fragment index must be an integer") from None
+        text = request.match_info["p"]
+        if not (text.isascii() and text.isdigit() and len(text) <= 9):  # int() also reads "٣" as 3
+            raise web.HTTPBadRequest(text="fragment index must be a non-negative integer in ASCII digits")
+        return int(text)
 
     def _fragment_owner(self, request: web.Request) -> FragmentOwner:
         p = self._fragment_index(request)
@@ -191,7 +192,7 @@ class VersionServing:
         admitted = request.get(ADMITTED)
         if admitted is not None and admitted.public_key:
             return "key:" + admitted.public_key.hex()
-        return "ip:" + (request.remote or "unknown")
+        return "ip:" + address_key(request.remote or "unknown")  # an IPv6 address by its /64
 
     def _long_poll_cap(self, who: str) -> int:
         # a learner polls each fragment once (and its final version once): a key gets two per

@@ -96,7 +96,7 @@ async def test_every_route_refuses_hostile_requests_with_a_4xx_and_a_reason(
     for name in ("find", "0", "x" * 300, "..", "%00"):  # a DHT node name nobody mounted
         cases += [("POST", f"/v1/dht/{name}", {"data": bodies["garbage"]}), ("POST", f"/v1/dht/{name}", {"data": ack})]
     for kind in ("next", "final", "latest", "latest/manifest", "held"):
-        for p in ("abc", "99", HUGE, "-1", "1e3"):
+        for p in ("abc", "99", HUGE, "-1", "1e3", "%D9%A0", "+0", "0_0"):  # %D9%A0: an Arabic-Indic 0
             cases.append(("GET", f"/v1/fragments/{p}/{kind}", {}))
         cases.append(("POST", f"/v1/fragments/0/{kind}", {"data": os.urandom(100)}))
     for kind in ("next", "final", "held"):
