@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 __all__ = ["BOUNDS", "GoodputSums", "IslandTotals", "OwnerTotals", "Totals", "read_totals"]
 
-BOUNDS = ("clipped", "weight_capped", "steps_bounded", "tokens_bounded")  # owner.penalties keys
+BOUNDS = ("clipped", "weight_capped", "steps_bounded", "tokens_bounded", "work_capped")  # owner.penalties keys
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
