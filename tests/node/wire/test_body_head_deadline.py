@@ -21,13 +21,14 @@ import pytest
 from node.wire.rpc import RpcServer
 from node.wire.transport import ServeLimits, Transport
 from protocol.wire.codec import Encoded, encode
-from protocol.wire.messages import Ack, Contribution
+from protocol.wire.messages import Contribution
 from protocol.wire.signing import Opened, Signer, seal
 from protocol.wire.tensors import EncodedTensor
+from tests.node.wire.member_rpc import MEMBER, SERVER, member_rpc
 
 pytestmark = pytest.mark.timeout(60)
 
-SERVER, MEMBER, STRANGER = Signer.from_seed(b"\1" * 32), Signer.from_seed(b"\5" * 32), Signer.from_seed(b"\7" * 32)
+STRANGER = Signer.from_seed(b"\7" * 32)
 MIB = 1 << 20
 # a body may take 1 s, plus 2 s per declared MiB; no gap between chunks over 0.8 s
 LIMITS = ServeLimits(body_timeout_s=1.0, body_slack_s_per_mib=2.0, body_idle_s=0.8)
@@ -47,18 +48,7 @@ def _sealed(who: Signer, n: int = MIB // 2, *, size: int | None = None) -> bytes
 
 
 async def _server() -> tuple[Transport, RpcServer, list[Opened]]:
-    seen: list[Opened] = []
-
-    async def member(peer: bytes) -> bool:
-        return peer == MEMBER.peer_id
-
-    async def handler(opened: Opened) -> Ack:
-        seen.append(opened)
-        return Ack(accepted=True, reason="ok", version=0)
-
-    transport = Transport(limits=LIMITS)
-    server = RpcServer(transport, SERVER, authorize=member)
-    server.route(Contribution, handler)
+    transport, server, seen = member_rpc(LIMITS)
     await transport.start()
     return transport, server, seen
 

@@ -29,13 +29,13 @@ from protocol.dht.records import sign_record
 from protocol.errors import Oversize
 from protocol.ids import key_id
 from protocol.wire.codec import FORMAT_VERSION, MAGIC, Encoded, encode, header_length
-from protocol.wire.messages import Ack, Contribution, Message, PeerInfo
+from protocol.wire.messages import Contribution, Message, PeerInfo
 from protocol.wire.signing import Opened, Signer, seal
 from protocol.wire.tensors import EncodedTensor
+from tests.node.wire.member_rpc import MEMBER, SERVER, member_rpc
 
 pytestmark = pytest.mark.timeout(60)
 
-SERVER, MEMBER = Signer.from_seed(b"\1" * 32), Signer.from_seed(b"\5" * 32)
 MIB = 1 << 20
 EMPTY_MAP, ONE_ELEMENT_ARRAY = b"\x80", b"\x91\x00"
 
@@ -77,21 +77,11 @@ def sealed(message: bytes | Message, who: Signer = MEMBER, to: bytes = SERVER.pe
 
 async def serve(*, dht: bool = False) -> tuple[Transport, RpcServer, list[Opened]]:
     """An RpcServer admitting MEMBER, a cheap ``GET /v1/status``, and optionally a DHT node."""
-    transport = Transport()
-    seen: list[Opened] = []
-
-    async def member(peer: bytes) -> bool:
-        return peer == MEMBER.peer_id
-
-    async def handler(opened: Opened) -> Ack:
-        seen.append(opened)
-        return Ack(accepted=True, reason="ok", version=0)
+    transport, server, seen = member_rpc()
 
     async def status(_: web.Request) -> web.Response:
         return web.json_response({"ok": True})
 
-    server = RpcServer(transport, SERVER, authorize=member)
-    server.route(Contribution, handler)
     transport.app.router.add_get("/v1/status", status)
     router = DHTRouter(transport) if dht else None
     await transport.start()
