@@ -20,7 +20,7 @@ import torch
 
 from protocol.diloco.compression import compress
 from protocol.diloco.updates import decode_flat, fragment_numel
-from protocol.diloco.vectors import new_vector
+from protocol.diloco.vectors import new_vector as new_flat
 from protocol.wire.tensors import EncodedTensor
 
 __all__ = ["content_hash", "encode_flat", "flat_digest", "flat_from_tensors", "flat_is_wire_form", "new_flat"]
@@ -48,13 +48,6 @@ def flat_is_wire_form(tensors: Sequence[EncodedTensor]) -> bool:
     """Whether the flat fp32 vector these tensors decode to is their data bytes end to end (every
     tensor ``none``-coded, fp32): then ``flat_digest`` of it equals ``content_hash(tensors)``."""
     return all(t.codec == "none" for t in tensors)
-
-
-def new_flat(numel: int) -> torch.Tensor:
-    """An uninitialised flat fp32 CPU vector of ``numel`` values whose memory comes from
-    ``malloc`` (``protocol.diloco.vectors.new_vector``), for vectors made and freed round after
-    round: the block a freed one left is taken again instead of fresh pages."""
-    return new_vector(numel)
 
 
 def flat_from_tensors(tensors: Sequence[EncodedTensor], shapes: Sequence[tuple[int, ...]],
