@@ -40,6 +40,7 @@ from protocol.wire.signing import Signer, split_sealed
 
 if TYPE_CHECKING:
     from node.diloco.learner import LearnerStats
+    from node.diloco.replica import Handed
 
 __all__ = ["DIGESTS_KEPT", "LocalOwners", "UpdateNotApplicable", "VersionFetching", "VersionRefused"]
 
@@ -64,9 +65,9 @@ class LocalOwners(Protocol):
         ``p`` is not owned here (any more). The flat state is the owner's, never written to."""
         ...
 
-    def replica_version(self, p: int, owner_id: bytes) -> tuple[int, torch.Tensor, bytes] | None:
-        """(version, flat state, digest) of ``p`` as ``owner_id`` handed it to this peer as its
-        replica, else None. The flat state is never written to."""
+    def replica_version(self, p: int, owner_id: bytes) -> Handed | None:
+        """``p``'s state as ``owner_id`` handed it to this peer as its replica, else None. The
+        flat state is never written to."""
         ...
 
 
@@ -177,12 +178,12 @@ class VersionFetching:
         replica store (before publishing it: the same content, under the fence), when its state
         hashes to the digest the owner signed; else None (it is downloaded)."""
         held = self.local.replica_version(p, owner_id) if self.local is not None else None
-        if held is None or held[0] <= after:
+        if held is None or held.version <= after:
             return None
-        version, flat, digest = held
+        version, flat, digest = held.version, held.theta, held.digest
         if self.version_jump(p, version) is not None:
             return None
-        if await asyncio.to_thread(flat_digest, flat) != digest:
+        if not held.hashed and await asyncio.to_thread(flat_digest, flat) != digest:
             log.warning("fragment %d: version %d as handed to our replica store does not hash to its "
                         "digest; downloading it", p, version)
             return None
@@ -354,11 +355,14 @@ class VersionFetching:
         envelope, body = split_sealed(wire, max_size=self.max_message)
         if envelope.peer_id != owner_id:
             raise RemoteProtocolError(f"fragment {p} version signed by {envelope.peer_id.hex()[:8]}, not its owner")
-        msg = envelope.verify_body(body).message
+        opened = envelope.verify_body(body)
+        msg = opened.message
         if isinstance(msg, FragmentUpdate) and msg.swarm == self.swarm and msg.fragment == p:
             return msg.version, self._apply_update(p, msg), msg.state_digest, msg.base_version
         if not isinstance(msg, FragmentState) or msg.swarm != self.swarm or msg.fragment != p:
             raise RemoteProtocolError(f"owner sent the wrong message for fragment {p}")
+        if msg.content_hash != opened.blobs_digest:  # the blobs are the tensors: checked at no cost
+            raise RemoteProtocolError(f"fragment {p} version {msg.version}: its content hash is not its tensors'")
         digest = msg.content_hash if flat_is_wire_form(msg.tensors) else envelope.digest
         return msg.version, flat_from_tensors(msg.tensors, self.shapes[p]), digest, None
 

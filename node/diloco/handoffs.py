@@ -116,12 +116,14 @@ class OwnerHandoffs:
         reference = dataclasses.replace(state, theta=(), base_version=state.version, base_digest=state.digest)
         return await self._hand_to(p, target, reference)
 
-    async def _hand_to(self, p: int, target: tuple[bytes, str], state: ReplicaState) -> bool:
+    async def _hand_to(self, p: int, target: tuple[bytes, str], state: ReplicaState,
+                       theta_digest: bytes | None = None) -> bool:
         """Hand ``state`` to ``target``; whether it took it (failures are logged, not raised, but
-        ``NotAMemberThere`` and a fenced refusal, ``_FencedBy``)."""
+        ``NotAMemberThere`` and a fenced refusal, ``_FencedBy``). ``theta_digest``: see ``hand_over``."""
         self.replica_bytes += sum(len(t.data) + len(t.scales) for t in (*state.theta, *state.momentum))
         try:
-            ack = await hand_over(self.transport, self.signer, target, state, self._replica_replay)
+            ack = await hand_over(self.transport, self.signer, target, state, self._replica_replay,
+                                  blobs_digest=theta_digest)
         except aiohttp.ClientConnectorError:
             self._unreachable(target[0])
             return False
@@ -138,13 +140,15 @@ class OwnerHandoffs:
                 raise _FencedBy(ack)
         return ack.accepted
 
-    async def _replicate(self, p: int, state: ReplicaState, update: ReplicaState | None = None) -> str | None:
+    async def _replicate(self, p: int, state: ReplicaState, update: ReplicaState | None = None,
+                         theta_digest: bytes | None = None) -> str | None:
         """Before publishing: hand the version's whole state to the fragment's replica (the next
         member by rendezvous hash; a replica that cannot be reached is routed around and the
         next one tried). None when one took it, or none is left (counted); the reason when a
         replica says another owner has taken over. ``update``: the same state as an update over
         the version before, sent first: the replica applies it over that version as it took it
-        from us or as its own learner holds it (the whole state follows if it holds neither)."""
+        from us or as its own learner holds it (the whole state follows if it holds neither).
+        ``theta_digest``: the BLAKE3 of ``state``'s tensor bytes, known from its seal (not hashed again)."""
         assert self.membership is not None
         lapsed = self._record_lapsed(p)
         if lapsed is not None:
@@ -166,7 +170,7 @@ class OwnerHandoffs:
                 # us, and its learner does once it has fetched that version (the whole state
                 # follows when it has neither)
                 if (update is not None and await self._hand_to(p, ranked[0], update)
-                        or await self._hand_to(p, ranked[0], state)):
+                        or await self._hand_to(p, ranked[0], state, theta_digest)):
                     self.replica_took[p] = (state.version, ranked[0][0])  # its learner needs no download
                     return None
             except _FencedBy as exc:
@@ -235,7 +239,7 @@ class OwnerHandoffs:
             return fence
         own = self.owners.get(msg.fragment)
         ack = self.replicas.offer(opened.peer_id, msg, successor=own is not None and not own.retired,
-                                  decoded=decoded)
+                                  decoded=decoded, hashed=self.replicas.hashes_to_digest(msg, opened.blobs_digest))
         if ack.accepted and own is not None and not own.retired:
             # a retiring owner's newer state: an owner that has not merged yet starts from it; one
             # that has merged was superseded by an owner above it in epoch and version

@@ -78,6 +78,7 @@ class _Next:
     update: Sealed | None = None  # with updates: the sealed update over the version before
     residual: torch.Tensor | None = None  # and the error feedback it leaves
     state_update: ReplicaState | None = None  # ``state`` as that update (no momentum only)
+    theta_digest: bytes | None = None  # BLAKE3 of ``state``'s blobs (fp32 theta, no momentum), when known
 
 
 @dataclass
@@ -133,7 +134,7 @@ class FragmentOwner(ContributionIntake, VersionSealing, OwnerSuccession):
         wall_clock: Callable[[], float] = time.time,
         epoch: int = 0,
         momentum: torch.Tensor | None = None,
-        replicate: Callable[[ReplicaState, ReplicaState | None], Awaitable[str | None]] | None = None,
+        replicate: Callable[[ReplicaState, ReplicaState | None, bytes | None], Awaitable[str | None]] | None = None,
         on_publish: Callable[[int, int, bytes], None] | None = None,
         event_log: Path | None = None,
         merged: Mapping[bytes, int] | None = None,
@@ -141,8 +142,8 @@ class FragmentOwner(ContributionIntake, VersionSealing, OwnerSuccession):
         """``epoch``: this ownership's epoch (a takeover starts one above the state it took
         over); ``momentum``: the outer Nesterov buffer taken over with ``initial``;
         ``replicate``: hands each next version's whole state to a replica before it is
-        published (and the same state as an update over the version before, when there is one),
-        returning None when a replica took it (or none can) and the reason when this owner has
+        published (and the same state as an update over the version before, when there is one,
+        and the BLAKE3 of the state's fp32 bytes when its seal computed that already), returning None when a replica took it (or none can) and the reason when this owner has
         been replaced ("fenced: ..."), after which it stops publishing and retires;
         ``merged``: per sender, the newest base version of its work merged into ``initial`` (taken
         over with it), so that work is refused if it is sent again; ``update_codec``: also publish
@@ -311,7 +312,7 @@ class FragmentOwner(ContributionIntake, VersionSealing, OwnerSuccession):
             nxt = await asyncio.to_thread(self._next_version, self.version + 1, peers, deltas, weights, clips,
                                           merged, decision.scale, norms)
             if nxt.state is not None and self.replicate is not None:
-                fence = await self.replicate(nxt.state, nxt.state_update)
+                fence = await self.replicate(nxt.state, nxt.state_update, nxt.theta_digest)
                 if fence is not None:
                     raise Fenced(fence, frozenset(peers))
             if self.retired:  # retired while merging (past the wait): the successor owns the next version
@@ -372,14 +373,17 @@ class FragmentOwner(ContributionIntake, VersionSealing, OwnerSuccession):
         checked = tensors is None  # _outer checked theta and buffer; an update's result is checked when sealed
         latest, digest, message_digest = self._seal_state(version, theta, known_finite=checked)
         state = self._replica_state(version, digest, theta, buffer, merged, known_finite=checked) if self.replicate else None
+        # an fp32 version's state digest is its bytes' BLAKE3, the handoff's blobs when there is no momentum
+        theta_digest = digest if self.download_codec == "none" and buffer is None else None
         if tensors is None:
-            return _Next(theta, buffer, latest, digest, message_digest, state)
+            return _Next(theta, buffer, latest, digest, message_digest, state, theta_digest=theta_digest)
         update = self._seal_update(version, tensors, digest)
         base_digest = self.digest_of(version - 1)
         state_update = (dataclasses.replace(state, theta=tuple(tensors), momentum=(), base_version=version - 1,
                                             base_digest=base_digest)
                         if state is not None and buffer is None else None)
-        return _Next(theta, buffer, latest, digest, message_digest, state, update, residual, state_update)
+        return _Next(theta, buffer, latest, digest, message_digest, state, update, residual, state_update,
+                     theta_digest)
 
     def _outer(self, peers: list[bytes], deltas: list[torch.Tensor], weights: list[float],
                clips: list[float], scale: float = 1.0,

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from node.config import RunConfig
     from node.dht.membership import Membership
     from node.diloco.learner import IslandNet
-    from node.diloco.replica import ReplicaStore
+    from node.diloco.replica import Handed, ReplicaStore
     from protocol.diloco.fragments import FragmentPlan
 
 __all__ = ["CATCH_UP_S", "FENCE_BACKOFF_S", "RETIRE_MERGE_WAIT_S", "OwnedFragments"]
@@ -71,7 +71,8 @@ class OwnedFragments:
         raise NotImplementedError
 
     if TYPE_CHECKING:  # provided by the other mixins (handoffs, serving): no stub may shadow them
-        async def _replicate(self, p: int, state: ReplicaState, update: ReplicaState | None = None) -> str | None:
+        async def _replicate(self, p: int, state: ReplicaState, update: ReplicaState | None = None,
+                             theta_digest: bytes | None = None) -> str | None:
             ...
 
         async def _hand_on(self, p: int, target: tuple[bytes, str], state: ReplicaState) -> None:
@@ -222,7 +223,7 @@ class OwnedFragments:
             theta = await asyncio.to_thread(lambda: flat_from_tensors(encode_flat(theta, shapes, codec), shapes))
         return version, theta, digest
 
-    def replica_version(self, p: int, owner_id: bytes) -> tuple[int, torch.Tensor, bytes] | None:
+    def replica_version(self, p: int, owner_id: bytes) -> Handed | None:
         """Fragment ``p`` as ``owner_id`` handed it to this peer's replica store (``IslandNet.fetch``
         takes it instead of downloading it again): see ``ReplicaStore.version_from``."""
         return self.replicas.version_from(p, owner_id)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from node.diloco.flat import flat_digest, flat_from_tensors, new_flat
+from node.diloco.flat import flat_digest, flat_from_tensors, flat_is_wire_form, new_flat
 from node.wire.transport import Transport
 from protocol.diloco.compression import compress
 from protocol.diloco.replica import Held, judge
@@ -48,6 +48,7 @@ class Handed:
     momentum: torch.Tensor | None
     sender: bytes
     merged: dict[bytes, int]  # sender -> newest base version of its work merged into this state
+    hashed: bool = False  # ``theta`` is known to hash to ``digest`` (its learner need not hash it again)
 
 
 def encode_state(*, swarm: str, fragment: int, epoch: int, version: int, digest: bytes,
@@ -134,11 +135,25 @@ class ReplicaStore:
         if msg.swarm != self.swarm or not 0 <= msg.fragment < len(self.numels):
             raise DecodeError(f"handoff for swarm {msg.swarm!r} fragment {msg.fragment}: not a fragment of this swarm")
 
+    def hashes_to_digest(self, msg: ReplicaState, blobs_digest: bytes | None) -> bool:
+        """Whether ``msg``'s state, as ``decode`` gives it, is known to hash to ``msg.digest``
+        without hashing it here: a whole fp32 state without momentum whose verified body's blobs
+        digest (``Opened.blobs_digest``) is that digest, an update (``decode`` checks its result's
+        hash) or a reference to a state held here that was known so."""
+        if msg.base_version == msg.version:
+            held = self.states.get(msg.fragment)
+            return (held is not None and held.hashed
+                    and (held.version, held.digest) == (msg.base_version, msg.base_digest))
+        if msg.base_version >= 0:
+            return True
+        return (not msg.momentum and flat_is_wire_form(msg.theta)
+                and all(t.dtype == "float32" for t in msg.theta) and blobs_digest == msg.digest)
+
     def offer(self, sender: bytes, msg: ReplicaState, *, successor: bool = False,
-              decoded: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> ReplicaAck:
+              decoded: tuple[torch.Tensor, torch.Tensor | None] | None = None, hashed: bool = False) -> ReplicaAck:
         """Judge and (if taken) keep one handoff (``successor``: see ``judge``); ``decoded``: its
-        tensors from ``decode`` when the caller decoded them already (off its event loop).
-        Raises ``DecodeError`` for a malformed one."""
+        tensors from ``decode`` when the caller decoded them already (off its event loop);
+        ``hashed``: what ``hashes_to_digest`` said of it. Raises ``DecodeError`` for a malformed one."""
         p = msg.fragment
         self._check_fragment(msg)
         verdict = judge(self.held.get(p), epoch=msg.epoch, version=msg.version, digest=msg.digest, fragment=p,
@@ -150,20 +165,20 @@ class ReplicaStore:
                               version=held.version if held else -1)
         theta, momentum = decoded if decoded is not None else self.decode(msg)
         merged = dict(zip(msg.merged_peers, msg.merged_bases, strict=True))
-        self.states[p] = Handed(p, msg.epoch, msg.version, msg.digest, theta, momentum, sender, merged)
+        self.states[p] = Handed(p, msg.epoch, msg.version, msg.digest, theta, momentum, sender, merged, hashed)
         held = self.held.get(p)
         self.held[p] = Held(max(msg.epoch, held.epoch if held else 0), msg.version, msg.digest)
         self.taken += 1
         return ReplicaAck(accepted=True, reason=verdict.reason, epoch=msg.epoch, version=msg.version)
 
-    def version_from(self, p: int, sender: bytes) -> tuple[int, torch.Tensor, bytes] | None:
-        """(version, flat state, digest) of fragment ``p`` as ``sender`` handed it here, else
-        None: this peer's learner takes it instead of downloading the version again. The state
-        is never written to (a takeover clones it, a new handoff replaces it)."""
+    def version_from(self, p: int, sender: bytes) -> Handed | None:
+        """Fragment ``p``'s state as ``sender`` handed it here, else None: this peer's learner
+        takes it instead of downloading the version again. The state is never written to (a
+        takeover clones it, a new handoff replaces it)."""
         held = self.states.get(p)
         if held is None or held.sender != sender:
             return None
-        return held.version, held.theta, held.digest
+        return held
 
     def restore(self, state: Handed) -> None:
         """Hold ``state`` as if it had been handed over (an owner checkpoint read at start)."""
@@ -184,15 +199,16 @@ class ReplicaStore:
 
 
 async def hand_over(transport: Transport, signer: Signer, target: tuple[bytes, str], msg: ReplicaState,
-                    replay: ReplayWindow, timeout_s: float = 30.0) -> ReplicaAck:
-    """Send ``msg`` to ``target`` (peer id, URL) and return its signed answer.
+                    replay: ReplayWindow, timeout_s: float = 30.0, *, blobs_digest: bytes | None = None) -> ReplicaAck:
+    """Send ``msg`` to ``target`` (peer id, URL) and return its signed answer. ``blobs_digest``:
+    the BLAKE3 of ``msg``'s tensor bytes end to end when the caller knows it (see ``seal``).
 
     Raises ``RemoteProtocolError`` for a refusal by status or an answer not signed by the target,
     and the transport's errors when it cannot be reached."""
     peer_id, url = target
     # hashing a whole fragment takes tens of ms: off the event loop
     sealed = await asyncio.to_thread(seal, encode(msg), signer, now=time.time(), nonce=os.urandom(16),
-                                     recipient=peer_id)
+                                     recipient=peer_id, blobs_digest=blobs_digest)
     status, buf, used, _ = await transport.request("POST", f"{url}/v1/rpc", chunks=sealed.iter_chunks(),
                                                    size=sealed.size, timeout_s=timeout_s, max_reply=1 << 16,
                                                    kind=type(msg).__name__)

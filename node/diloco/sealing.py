@@ -116,6 +116,7 @@ class VersionSealing:
             swarm=self.swarm, fragment=self.fragment.index, version=version,
             tensors=tuple(tensors), content_hash=chash,
         )
-        sealed = seal(encode(state), self.signer, now=self.wall_clock(), nonce=os.urandom(16))
+        sealed = seal(encode(state), self.signer, now=self.wall_clock(), nonce=os.urandom(16),
+                      blobs_digest=chash)  # the tensors are the message's blobs: hashed once
         digest = chash if flat_is_wire_form(tensors) else flat_digest(flat_from_tensors(tensors, self.shapes))
         return sealed, digest, sealed.digest

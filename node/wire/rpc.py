@@ -55,7 +55,7 @@ from protocol.wire.signing import (
     ReplayWindow,
     Signer,
     envelope_length,
-    message_digest,
+    message_digests,
     open_envelope,
     seal,
     split_sealed,
@@ -103,11 +103,11 @@ async def open_off_loop(envelope: Envelope, body: memoryview, *, replay: ReplayW
     bytes and the header decoded in one above ``OFF_LOOP_HEADER`` bytes; ``replay`` is checked
     here, on the loop, with the time after hashing. Raises as ``Envelope.open_body``. If the
     caller is cancelled meanwhile, a thread may still read ``body``: do not reuse its buffer."""
-    digest = None
+    digests = None
     if body.nbytes > OFF_LOOP_BODY:
-        digest = await asyncio.to_thread(message_digest, body)
+        digests = await asyncio.to_thread(message_digests, body)
     admitted = envelope.admit(body, now=time.time(), replay=replay,
-                              expected_recipient=expected_recipient, digest=digest)
+                              expected_recipient=expected_recipient, digests=digests)
     if header_length(body) > OFF_LOOP_HEADER:
         return await asyncio.to_thread(_decode, admitted)
     return _decode(admitted)

@@ -104,7 +104,7 @@ def _frame(header: bytes, blobs: list[memoryview]) -> Encoded:
             parts.append(_ZEROS[:pad])
         parts.append(blob)
         size += pad + blob.nbytes
-    return Encoded(parts=parts, size=size)
+    return Encoded(parts=parts, size=size, blobs=tuple(blobs))
 
 
 def _encode_fields(obj: object, blobs: list[memoryview], where: str) -> dict[str, Any]:

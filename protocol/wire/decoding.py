@@ -30,7 +30,7 @@ from protocol.wire.messages import (
     schema_of,
 )
 
-__all__ = ["decode"]
+__all__ = ["decode", "frame_parts"]
 
 _MALFORMED = (ValueError, TypeError, OverflowError, RecursionError, msgpack.UnpackException)
 
@@ -81,7 +81,27 @@ _LIMITS = {
 }
 
 
-def _decode(mv: memoryview) -> Message:
+def frame_parts(buf: Buffer) -> tuple[memoryview, list[memoryview]]:
+    """The head (frame prefix and header) and the blobs of one encoded message, as zero-copy
+    views of ``buf``: what a message digest covers (``protocol.wire.sealing.message_digest``;
+    the zero padding between blobs is checked, not returned). Builds nothing from the fields.
+
+    Raises DecodeError (or Oversize, a header over the cap) for anything ``decode`` would refuse
+    in the frame: bad prefix, a header that is not ``[type_code, fields, blob_lengths]``, bad
+    blob lengths, non-zero padding, truncation or trailing bytes.
+    """
+    try:
+        mv = byte_view(buf)
+        _, lengths, body_start = _read_header(mv)
+        return mv[:body_start], _slice_blobs(mv, body_start, lengths)
+    except RemoteProtocolError:
+        raise
+    except (*_MALFORMED, LocalProtocolError) as e:
+        raise DecodeError(f"malformed message: {type(e).__name__}: {e}") from e
+
+
+def _read_header(mv: memoryview) -> tuple[tuple[object, object], object, int]:
+    """The header's ``(type_code, fields)``, its blob lengths and where the blobs start."""
     header, body_start = _read_prefix(mv)
     _check_whole(header)
     raw = msgpack.unpackb(
@@ -94,7 +114,11 @@ def _decode(mv: memoryview) -> Message:
     )
     if type(raw) is not tuple or len(raw) != 3:
         raise DecodeError("header is not [type_code, fields, blob_lengths]")
-    code, fields, lengths = raw
+    return (raw[0], raw[1]), raw[2], body_start
+
+
+def _decode(mv: memoryview) -> Message:
+    (code, fields), lengths, body_start = _read_header(mv)
     cls = MESSAGE_TYPES.get(code) if type(code) is int else None
     if cls is None:
         raise DecodeError(f"unknown message type code {code!r}")

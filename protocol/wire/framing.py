@@ -79,10 +79,13 @@ def chunk_views(parts: Sequence[memoryview], chunk_size: int) -> Iterator[memory
 
 @dataclass(frozen=True, slots=True)
 class Encoded:
-    """An encoded message: ``parts`` (header, then blobs and padding) are views, not copies."""
+    """An encoded message: ``parts`` (header, then blobs and padding) are views, not copies.
+    ``blobs``: the blobs among them, in order, when ``codec.encode`` made it (None for parts
+    put together by hand, which are then digested as a receiver would)."""
 
     parts: list[memoryview]
     size: int
+    blobs: tuple[memoryview, ...] | None = None
 
     def iter_chunks(self, chunk_size: int = 1 << 20) -> Iterator[memoryview]:
         """The message bytes as chunks of at most ``chunk_size`` (see ``chunk_views``)."""

@@ -41,7 +41,8 @@ from protocol.wire.sealing import (
     MAX_ENVELOPE,
     NONCE_BYTES,
     SIGNATURE_BYTES,
-    message_digest,
+    Digests,
+    message_digests,
 )
 from protocol.wire.signer import KEY_BYTES
 
@@ -67,6 +68,7 @@ class Opened:
     nonce: bytes
     message: Message
     recipient: bytes = b""
+    blobs_digest: bytes | None = None  # the verified body's ``Digests.blobs`` (see ``sealing``)
 
 
 def _short(peer_id: bytes) -> str:
@@ -105,20 +107,26 @@ class Envelope:
                             f"{_short(expected)}: replayed from elsewhere?")
 
     def admit(self, body: Buffer, *, now: float, replay: ReplayWindow,
-              expected_recipient: bytes | None = None, digest: bytes | None = None) -> Admitted:
+              expected_recipient: bytes | None = None, digests: Digests | None = None) -> Admitted:
         """Check ``body`` against this envelope (length, content hash), its recipient, then skew
-        and replay; the decode is left to ``Admitted.decode``. ``digest`` is the body's ``message_digest``
-        when the caller has computed it already (e.g. in a worker thread).
+        and replay; the decode is left to ``Admitted.decode``. ``digests`` are the body's
+        ``message_digests`` when the caller has computed them already (e.g. in a worker thread).
 
         Raises DecodeError (wrong length), NotAuthorized (another recipient), BadSignature
         (content hash mismatch) or Replay.
         """
         mv = _body_view(self, body)
         self.check_recipient(expected_recipient)
-        if (message_digest(mv) if digest is None else digest) != self.digest:
-            raise BadSignature("content hash mismatch")
+        digests = self._check_digest(mv, digests)
         replay.accept(self.public_key, self.nonce, self.timestamp, now=now)
-        return Admitted(self, mv)
+        return Admitted(self, mv, digests.blobs)
+
+    def _check_digest(self, mv: memoryview, digests: Digests | None) -> Digests:
+        if digests is None:
+            digests = message_digests(mv)
+        if digests.message != self.digest:
+            raise BadSignature("content hash mismatch")
+        return digests
 
     def open_body(self, body: Buffer, *, now: float, replay: ReplayWindow,
                   expected_recipient: bytes | None = None) -> Opened:
@@ -129,9 +137,7 @@ class Envelope:
     def verify_body(self, body: Buffer) -> Opened:
         """Like ``open_body`` without the replay window nor a recipient (see ``verify_sealed``)."""
         mv = _body_view(self, body)
-        if message_digest(mv) != self.digest:
-            raise BadSignature("content hash mismatch")
-        return Admitted(self, mv).decode()
+        return Admitted(self, mv, self._check_digest(mv, None).blobs).decode()
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,12 +149,14 @@ class Admitted:
 
     envelope: Envelope
     body: memoryview
+    blobs_digest: bytes | None = None
 
     def decode(self) -> Opened:
         """The decoded message; raises DecodeError or Oversize (see ``codec.decode``)."""
         env = self.envelope
         message = decode(self.body, max_size=env.size)
-        return Opened(env.public_key, env.peer_id, env.timestamp, env.nonce, message, env.recipient)
+        return Opened(env.public_key, env.peer_id, env.timestamp, env.nonce, message, env.recipient,
+                      self.blobs_digest)
 
 
 def _body_view(env: Envelope, body: Buffer) -> memoryview:

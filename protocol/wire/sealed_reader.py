@@ -3,11 +3,9 @@ before it allocates the body buffer (the checks are those of ``protocol.wire.ope
 
 from __future__ import annotations
 
-import blake3
-
-from protocol.errors import BadSignature, LocalProtocolError
+from protocol.errors import LocalProtocolError
 from protocol.wire.codec import BodyReader, Buffer, byte_view
-from protocol.wire.opening import Admitted, Envelope, Opened, envelope_length, open_envelope
+from protocol.wire.opening import Envelope, Opened, envelope_length, open_envelope
 from protocol.wire.replay import ReplayWindow
 from protocol.wire.sealing import LENGTH_PREFIX
 
@@ -18,14 +16,14 @@ class SealedReader:
     """Receives a sealed message chunk by chunk (sans-IO), verifying the envelope first.
 
     The body buffer is allocated only once the envelope's signature has verified and its
-    declared size is within ``max_size``; the body is hashed as it arrives. ``feed`` raises
-    what ``open_envelope`` and ``BodyReader.feed`` raise.
+    declared size is within ``max_size``; the body is hashed once complete (its digest covers
+    the head and the blobs apart, see ``protocol.wire.sealing``). ``feed`` raises what
+    ``open_envelope`` and ``BodyReader.feed`` raise.
     """
 
     def __init__(self, max_size: int, buffer: bytearray | None = None) -> None:
         self._head = bytearray()
         self._body = BodyReader(max_size, buffer)
-        self._hash = blake3.blake3()
         self.envelope: Envelope | None = None
 
     @property
@@ -43,7 +41,6 @@ class SealedReader:
             data = self._feed_head(data)
         if self.envelope is not None and data.nbytes:
             self._body.feed(data)
-            self._hash.update(data)
 
     def _feed_head(self, data: memoryview) -> memoryview:
         while self.envelope is None:
@@ -69,15 +66,12 @@ class SealedReader:
         LocalProtocolError before the message is complete."""
         env = self._complete()
         admitted = env.admit(self._body.view(), now=now, replay=replay,
-                             expected_recipient=expected_recipient, digest=self._hash.digest())
+                             expected_recipient=expected_recipient)
         return admitted.decode()
 
     def verify(self) -> Opened:
         """Like ``open`` without the replay window nor a recipient (see ``verify_sealed``)."""
-        env = self._complete()
-        if self._hash.digest() != env.digest:
-            raise BadSignature("content hash mismatch")
-        return Admitted(env, self._body.view()).decode()
+        return self._complete().verify_body(self._body.view())
 
     def _complete(self) -> Envelope:
         if self.envelope is None or not self._body.done:

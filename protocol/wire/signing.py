@@ -42,9 +42,11 @@ from protocol.wire.sealing import (
     MAX_ENVELOPE,
     NONCE_BYTES,
     SIGNATURE_BYTES,
+    Digests,
     Sealed,
     digest_parts,
     message_digest,
+    message_digests,
     seal,
 )
 from protocol.wire.signer import KEY_BYTES, Signer
@@ -58,6 +60,7 @@ __all__ = [
     "NONCE_BYTES",
     "SIGNATURE_BYTES",
     "Admitted",
+    "Digests",
     "Envelope",
     "Opened",
     "ReplaySizes",
@@ -68,6 +71,7 @@ __all__ = [
     "digest_parts",
     "envelope_length",
     "message_digest",
+    "message_digests",
     "open_envelope",
     "open_sealed",
     "seal",

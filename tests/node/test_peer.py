@@ -70,7 +70,7 @@ def _hand_in_memory(retiring: PeerNode, successor: PeerNode) -> list[ReplicaStat
     async def hand_to(p: int, target: tuple[bytes, str], state: ReplicaState) -> bool:
         sent.append(state)
         ack = await successor._on_replica_state(types.SimpleNamespace(peer_id=retiring.signer.peer_id,  # type: ignore[arg-type]
-                                                                      message=state))
+                                                                      message=state, blobs_digest=None))
         if not ack.accepted and ack.reason.startswith("fenced"):
             raise _FencedBy(ack)
         return ack.accepted
@@ -396,7 +396,7 @@ async def test_a_running_owner_behind_a_retiring_owners_epoch_and_version_steps_
 
     for epoch, version in ((7, 32), (5, 33), (6, 33)):  # not above it in both: refused, B owns on
         ack = await successor._on_replica_state(types.SimpleNamespace(peer_id=signer(1).peer_id,  # type: ignore[arg-type]
-                                                                      message=state(epoch, version, 1.0)))
+                                                                      message=state(epoch, version, 1.0), blobs_digest=None))
         assert not ack.accepted and ack.reason.startswith("fenced") and owner.fenced is None
     assert 0 not in successor.replicas.states and reconciles == []
 

@@ -21,8 +21,9 @@ from protocol.errors import (
     Replay,
 )
 from protocol.ids import peer_id_from_public_key
-from protocol.wire.codec import encode
-from protocol.wire.messages import Ack, Message
+from protocol.wire.codec import Encoded, encode
+from protocol.wire.messages import Ack, FragmentState, Message
+from protocol.wire.sealing import FRAMED, RAW
 from protocol.wire.signing import (
     DOMAIN,
     MAX_ENVELOPE,
@@ -33,6 +34,7 @@ from protocol.wire.signing import (
     digest_parts,
     envelope_length,
     message_digest,
+    message_digests,
     open_envelope,
     open_sealed,
     seal,
@@ -149,12 +151,57 @@ def test_broadcasts_name_nobody_and_are_refused_where_a_recipient_is_required() 
         reader.open(now=NOW, replay=ReplayWindow(), expected_recipient=NODE_A)
 
 
-def test_digest_streams_over_parts_and_is_the_one_the_envelope_signs() -> None:
+def test_digest_covers_head_and_blobs_apart_and_is_the_one_the_envelope_signs() -> None:
     s = sealed()
     whole = s.message.tobytes()
-    assert digest_parts(s.message.parts) == message_digest(whole) == blake3.blake3(whole).digest() == s.digest
+    head, blobs = whole[: s.message.parts[0].nbytes], b"".join(bytes(b) for b in s.message.blobs or ())
+    framed = blake3.blake3(FRAMED + blake3.blake3(head).digest() + blake3.blake3(blobs).digest()).digest()
+    assert message_digest(whole) == framed == s.digest
+    assert message_digests(whole).blobs == digest_parts(s.message.blobs or ()) == blake3.blake3(blobs).digest()
     envelope, _ = split_sealed(s.tobytes(), max_size=MAX)
     assert envelope.digest == s.digest
+
+
+def test_a_state_is_sealed_with_its_content_hash_as_its_blobs_digest() -> None:
+    t = tensor(64)
+    state = FragmentState(swarm="s", fragment=0, version=3, tensors=(t,),
+                          content_hash=digest_parts([t.data, t.scales]))
+    given_digest = seal(encode(state), ALICE, now=NOW, nonce=nonce(), blobs_digest=state.content_hash)
+    assert given_digest.digest == seal(encode(state), ALICE, now=NOW, nonce=nonce(1)).digest
+    opened = verify_sealed(given_digest.tobytes(), max_size=MAX)
+    assert opened.blobs_digest == state.content_hash  # a receiver checks the field for free
+    wrong = seal(encode(state), ALICE, now=NOW, nonce=nonce(2), blobs_digest=bytes(32))
+    with pytest.raises(BadSignature, match="content hash mismatch"):
+        verify_sealed(wrong.tobytes(), max_size=MAX)
+    with pytest.raises(LocalProtocolError, match="blobs_digest"):
+        seal(encode(state), ALICE, now=NOW, nonce=nonce(3), blobs_digest=b"short")
+
+
+def test_a_body_that_is_no_frame_is_digested_whole_and_then_refused_by_the_decoder() -> None:
+    body = b"not a message at all"
+    digests = message_digests(body)
+    assert digests.blobs is None and digests.message == blake3.blake3(RAW + body).digest()
+    hand_made = seal(Encoded(parts=[memoryview(body)], size=len(body)), ALICE, now=NOW, nonce=nonce())
+    with pytest.raises(DecodeError):
+        open_sealed(hand_made.tobytes(), now=NOW, replay=ReplayWindow(), max_size=MAX)
+
+
+def test_padding_between_blobs_is_checked_though_not_hashed() -> None:
+    msg = contribution(tensors=(tensor(3), tensor(5)))  # 12-byte fp32 data: padded to 8
+    s = sealed(msg)
+    wire = bytearray(s.tobytes())
+    blobs = {id(b) for b in s.message.blobs or ()}
+    offset, pad_at = len(wire) - s.message.size, None
+    for i, part in enumerate(s.message.parts):
+        if i > 1 and id(part) not in blobs and id(s.message.parts[i - 1]) in blobs:
+            pad_at = offset  # padding after a blob
+            break
+        offset += part.nbytes
+    assert pad_at is not None and wire[pad_at] == 0
+    wire[pad_at] = 1
+    assert message_digests(bytes(wire[len(wire) - s.message.size:])).blobs is None  # not a valid frame
+    with pytest.raises(BadSignature):  # no longer a valid frame: digested whole, so no match
+        open_sealed(bytes(wire), now=NOW, replay=ReplayWindow(), max_size=MAX)
 
 
 # ── tampering ────────────────────────────────────────────────────────────────────────────────

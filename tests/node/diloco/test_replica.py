@@ -4,13 +4,18 @@ primary that comes back is fenced off instead of publishing a second content for
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
+from node.diloco.flat import flat_digest
 from node.diloco.owner import FragmentOwner
-from node.diloco.replica import ReplicaStore
+from node.diloco.replica import ReplicaStore, encode_state
 from protocol.diloco.merge import MergeConfig, Phase
 from protocol.diloco.outer import OuterConfig
+from protocol.wire.codec import encode
 from protocol.wire.messages import ReplicaState
+from protocol.wire.signing import message_digests, seal, verify_sealed
 from tests.node.fakes import (
     SWARM,
     FakeClock,
@@ -34,7 +39,8 @@ def _owner(plan, shapes, clock, initial, *, who, replicate=None, version=0, epoc
 
 def _handing_to(store: ReplicaStore):  # type: ignore[no-untyped-def]
     """A primary's replicate callback: hand each version to ``store`` as signer 1."""
-    async def to_replica(state: ReplicaState, delta: ReplicaState | None = None) -> str | None:
+    async def to_replica(state: ReplicaState, delta: ReplicaState | None = None,
+                         theta_digest: bytes | None = None) -> str | None:
         ack = store.offer(signer(1).peer_id, state)
         return None if ack.accepted else ack.reason
     return to_replica
@@ -55,7 +61,8 @@ async def test_the_replica_takes_over_with_the_momentum_intact_and_matches_an_un
     store = ReplicaStore(SWARM, [theta0.numel(), 0])
     handed: list[ReplicaState] = []
 
-    async def to_replica(state: ReplicaState, delta: ReplicaState | None = None) -> str | None:
+    async def to_replica(state: ReplicaState, delta: ReplicaState | None = None,
+                         theta_digest: bytes | None = None) -> str | None:
         handed.append(state)
         ack = store.offer(signer(1).peer_id, state)
         return None if ack.accepted else ack.reason
@@ -145,7 +152,7 @@ async def test_a_retiring_owner_lets_a_merge_under_way_publish_or_publishes_noth
         release = asyncio.Event()
 
         async def slow_replica(state: ReplicaState, delta: ReplicaState | None = None,
-                               release: asyncio.Event = release) -> str | None:
+                               theta_digest: bytes | None = None, release: asyncio.Event = release) -> str | None:
             await release.wait()  # the handoff is under way
             return None
 
@@ -185,3 +192,47 @@ async def test_a_successor_takes_its_predecessors_state_of_the_version_it_holds_
         assert ack.accepted, (i, ack.reason)
         assert await successor.take_over(store.states[0]), i
         assert successor.state().digest == predecessor.state().digest == store.held[0].digest
+
+
+async def test_a_whole_fp32_handoff_is_known_to_hash_to_its_digest_from_the_digest_its_seal_computed() -> None:
+    """The owner hashes a version's bytes once: the seal of its handoff reuses that digest, the
+    replica's verified body yields it as the blobs' digest at no cost, and the store records the
+    state as hashed, so its learner takes it without hashing it again. With momentum, another
+    digest or a doctored state, it is not recorded so (the learner hashes it as before)."""
+    model = tiny_model()
+    plan, clock = tiny_plan(model), FakeClock()
+    shapes, theta0 = shapes_of(model, plan), flat_of(model, plan, 0)
+    store = ReplicaStore(SWARM, [theta0.numel(), 0])
+    handed: list[tuple[ReplicaState, bytes | None]] = []
+
+    async def to_replica(state: ReplicaState, delta: ReplicaState | None = None,
+                         theta_digest: bytes | None = None) -> str | None:
+        handed.append((state, theta_digest))
+        return None
+
+    owner = FragmentOwner(swarm=SWARM, fragment=plan.fragments[0], shapes=shapes[0], initial=theta0,
+                          merge_cfg=MergeConfig(quorum=1, gamma=0.5, tau=2.0), outer_cfg=OuterConfig(lr=1.0, momentum=0.0),
+                          signer=signer(1), clock=clock, replicate=to_replica)
+    await _merge_one(owner, clock, torch.linspace(-0.05, 0.05, theta0.numel()), shapes, A)
+    (state, theta_digest), = handed
+    assert theta_digest == state.digest == flat_digest(owner.theta)
+    wire = seal(encode(state), signer(1), now=1e6, nonce=bytes(16), blobs_digest=theta_digest).tobytes()
+    opened = verify_sealed(wire, max_size=1 << 24)  # the receiver computes the same digests itself
+    assert opened.blobs_digest == state.digest and store.hashes_to_digest(state, opened.blobs_digest)
+    assert store.offer(signer(1).peer_id, state, hashed=True).accepted
+    assert store.version_from(0, signer(1).peer_id).hashed  # type: ignore[union-attr]
+    reference = dataclasses.replace(state, theta=(), base_version=state.version, base_digest=state.digest)
+    assert store.hashes_to_digest(reference, None)  # a reference to a state held as hashed
+    assert not store.hashes_to_digest(state, bytes(32))  # another body digest
+    momentum = encode_state(swarm=SWARM, fragment=0, epoch=0, version=1, digest=state.digest,
+                            theta=owner.theta, momentum=torch.zeros_like(owner.theta))
+    assert not store.hashes_to_digest(momentum, message_digests(encode(momentum).tobytes()).blobs)
+    store.states[0] = dataclasses.replace(store.states[0], hashed=False)
+    assert not store.hashes_to_digest(reference, None)  # the held state was not known to hash so
+
+    # an owner whose versions go out as bf16: its state digest is not its fp32 bytes' hash
+    bf16 = FragmentOwner(swarm=SWARM, fragment=plan.fragments[0], shapes=shapes[0], initial=theta0,
+                         merge_cfg=MergeConfig(quorum=1, gamma=0.5, tau=2.0), outer_cfg=OuterConfig(lr=1.0, momentum=0.0),
+                         signer=signer(1), clock=clock, replicate=to_replica, download_codec="bf16")
+    await _merge_one(bf16, clock, torch.linspace(-0.05, 0.05, theta0.numel()), shapes, A)
+    assert handed[-1][1] is None

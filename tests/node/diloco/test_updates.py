@@ -10,11 +10,12 @@ import dataclasses
 import pytest
 import torch
 
+from node.diloco import fetching
 from node.diloco.flat import flat_digest
 from node.diloco.island import Island, IslandConfig, Outgoing
 from node.diloco.learner import IslandNet
 from node.diloco.owner import FragmentOwner
-from node.diloco.replica import BaseNotHeld, ReplicaStore
+from node.diloco.replica import BaseNotHeld, Handed, ReplicaStore
 from protocol.errors import DecodeError
 from protocol.wire.messages import Ack, Contribution, FragmentUpdate, ReplicaState
 from protocol.wire.signing import verify_sealed
@@ -64,7 +65,8 @@ class Rig:
                                        shapes=self.shapes, owner_of=lambda p: (self.owner_key.peer_id, OWNER_URL),
                                        codec="int8"))
 
-    async def _replicate(self, state: ReplicaState, update: ReplicaState | None = None) -> str | None:
+    async def _replicate(self, state: ReplicaState, update: ReplicaState | None = None,
+                         theta_digest: bytes | None = None) -> str | None:
         self.handed.append((state, update))
         ack = self.store.offer(self.owner_key.peer_id, update if update is not None and self.store.states
                                else state)
@@ -284,7 +286,7 @@ class ReplicaOnly:
                             final: bool) -> tuple[int, torch.Tensor, bytes] | None:
         raise AssertionError("this peer owns nothing")
 
-    def replica_version(self, p: int, owner_id: bytes) -> tuple[int, torch.Tensor, bytes] | None:
+    def replica_version(self, p: int, owner_id: bytes) -> Handed | None:
         return self.store.version_from(p, owner_id)
 
 
@@ -318,3 +320,24 @@ async def test_the_replicas_learner_takes_the_version_from_its_store_not_the_wir
     rig.store.states[0] = dataclasses.replace(rig.store.states[0], theta=rig.store.states[0].theta + 1.0)
     got = await rig.fetch()
     assert got[0] == 4 and torch.equal(got[1], owner.theta) and net.stats.versions_replica == 2
+
+
+async def test_a_replica_state_known_to_hash_to_its_digest_is_not_hashed_again(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A state the store took as hashed (its handoff's verified blobs digest was its digest) is
+    taken by the replica's learner with no second pass over its bytes; one not known so is hashed."""
+    rig = Rig()
+    net = IslandNet(rig.nets[0].island, rig.transport, rig.keys[0], swarm=SWARM,  # type: ignore[arg-type]
+                    shapes=rig.shapes, owner_of=lambda p: (rig.owner_key.peer_id, OWNER_URL), codec="int8",
+                    local=ReplicaOnly(rig.store))
+    rig.nets[0] = net
+    hashed: list[int] = []
+    real = fetching.flat_digest
+    monkeypatch.setattr(fetching, "flat_digest", lambda flat: hashed.append(flat.numel()) or real(flat))
+    await rig.merge()
+    assert await rig.fetch() and hashed and net.stats.versions_replica == 1  # offered without ``hashed``
+    await rig.merge()
+    rig.store.states[0] = dataclasses.replace(rig.store.states[0], hashed=True)
+    hashed.clear()
+    got = await rig.fetch()
+    assert got[0] == 2 and torch.equal(got[1], rig.owners[0].theta) and net.stats.versions_replica == 2
+    assert hashed == []
