@@ -194,7 +194,7 @@ class ContributionSending:
             return
         self.stats.contributions_sent += 1
         try:
-            reply = await self.local.contribute_local(msg)
+            reply = await self.local.contribute_local(msg, out.delta if self.codec == "none" else None)
         except RemoteProtocolError as exc:
             self.stats.contributions_refused += 1
             log.info("fragment %d contribution refused by our own owner: %s", out.fragment, exc.reason)

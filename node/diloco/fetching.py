@@ -54,8 +54,10 @@ HOLDER_WAIT_S = 10.0  # how long a holder may take to have the version it was na
 class LocalOwners(Protocol):
     """The fragments this peer owns, reached in process by its own learner (no HTTP, no seal)."""
 
-    async def contribute_local(self, msg: Contribution) -> Ack:
-        """Our own contribution to a fragment we own; raises ``RemoteProtocolError`` as the RPC does."""
+    async def contribute_local(self, msg: Contribution, flat: torch.Tensor | None = None) -> Ack:
+        """Our own contribution to a fragment we own; raises ``RemoteProtocolError`` as the RPC does.
+        ``flat``: its tensors as one flat fp32 vector, when they are views of one (``none``): taken
+        as it is, not copied (nothing writes to it; the owner never reuses it for another)."""
         ...
 
     async def version_local(self, p: int, *, after: int, wait_s: float,

@@ -13,6 +13,7 @@ one is taken again by the next of its size instead of the heap growing with fres
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 
 import blake3
@@ -23,7 +24,8 @@ from protocol.diloco.updates import decode_flat, fragment_numel
 from protocol.diloco.vectors import new_vector as new_flat
 from protocol.wire.tensors import EncodedTensor
 
-__all__ = ["content_hash", "encode_flat", "flat_digest", "flat_from_tensors", "flat_is_wire_form", "new_flat"]
+__all__ = ["content_hash", "encode_flat", "flat_digest", "flat_from_tensors", "flat_is_wire_form", "new_flat",
+           "wire_flat_view"]
 
 
 
@@ -48,6 +50,34 @@ def flat_is_wire_form(tensors: Sequence[EncodedTensor]) -> bool:
     """Whether the flat fp32 vector these tensors decode to is their data bytes end to end (every
     tensor ``none``-coded, fp32): then ``flat_digest`` of it equals ``content_hash(tensors)``."""
     return all(t.codec == "none" for t in tensors)
+
+
+def wire_flat_view(tensors: Sequence[EncodedTensor], shapes: Sequence[tuple[int, ...]]) -> torch.Tensor | None:
+    """The flat fp32 vector these tensors decode to, as a view of their bytes where they arrived
+    (no copy), when they are fp32 ``none`` tensors of the plan's shapes lying end to end in one
+    buffer; else None (``flat_from_tensors`` copies them). NaN/Inf are not checked here."""
+    if len(tensors) != len(shapes) or not flat_is_wire_form(tensors):
+        return None
+    start, end, total = None, None, 0
+    for t, shape in zip(tensors, shapes, strict=True):
+        if t.dtype != "float32" or tuple(t.shape) != tuple(shape) or not isinstance(t.data, memoryview):
+            return None
+        n = t.numel
+        if n == 0:
+            continue
+        address = ctypes.addressof(ctypes.c_char.from_buffer(t.data)) if not t.data.readonly else None
+        if address is None or t.data.nbytes != 4 * n or (end is not None and address != end):
+            return None
+        start = address if start is None else start
+        end, total = address + 4 * n, total + n
+    if start is None:
+        return None
+    first = next(t.data for t in tensors if t.numel)
+    owner = first.obj if isinstance(first, memoryview) else None
+    if not isinstance(owner, bytearray):
+        return None
+    offset = start - ctypes.addressof(ctypes.c_char.from_buffer(owner))
+    return torch.frombuffer(owner, dtype=torch.float32, count=total, offset=offset)
 
 
 def flat_from_tensors(tensors: Sequence[EncodedTensor], shapes: Sequence[tuple[int, ...]],

@@ -2,7 +2,8 @@
 
 ``ContributionIntake`` is mixed into ``FragmentOwner`` (which provides the attributes below). A
 contribution is decoded into one flat fp32 vector (a buffer kept from an earlier merge when one
-is spare; fresh memory is slow to fill), its norm measured once (the merge reuses it), and it
+is spare; fresh memory is slow to fill; fp32 tensors are merged where they arrived, as a view of
+the request body, which holds its buffer until then), its norm measured once (the merge reuses it), and it
 is refused before the merger when it was measured against a state this owner does not hold under
 that version, or when the sender's work from that base was merged already (a pseudo-gradient is
 cumulative since its base: counting it twice would count its steps twice).
@@ -13,13 +14,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
 from node.diloco.eventlog import LoggedMerger
-from node.diloco.flat import flat_from_tensors, new_flat
+from node.diloco.flat import flat_from_tensors, new_flat, wire_flat_view
+from node.wire.bodies import REQUEST_BODY
 from protocol.diloco.fragments import Fragment
 from protocol.diloco.merge import Decision, FragmentMerger
 from protocol.diloco.norms import norm64
@@ -49,6 +52,7 @@ class ContributionIntake:
     _merged_base: dict[bytes, int]
     _spare: list[torch.Tensor]
     _spare_max: int
+    _borrowed: dict[int, weakref.ref[torch.Tensor]]
 
     counts: OwnerCounts
 
@@ -56,7 +60,7 @@ class ContributionIntake:
         def final_hold(self) -> str | None:
             ...
 
-    async def _accept(self, sender: bytes, msg: Contribution) -> Decision | Ack:
+    async def _accept(self, sender: bytes, msg: Contribution, given: torch.Tensor | None = None) -> Decision | Ack:
         """Decode, check and hand one contribution to the merger: its decision, or the Ack of
         a refusal before the merger (a final version handed out, a base this owner does not hold,
         work merged already)."""
@@ -65,7 +69,7 @@ class ContributionIntake:
             return Ack(accepted=False, reason=held, version=self.version)
         if msg.base_version > self.version:
             raise Stale(f"base version {msg.base_version} is ahead of the owner's {self.version}")
-        flat, norm = await asyncio.to_thread(self._decode, msg)  # malformed: a 4xx, whatever its base
+        flat, norm = await asyncio.to_thread(self._decode, msg, given)  # malformed: a 4xx, whatever its base
         mismatch = self._base_mismatch(msg) or self._already_merged(sender, msg)
         if mismatch is not None:
             self._give_back(flat)
@@ -110,11 +114,27 @@ class ContributionIntake:
                     f"{self.fragment.index} was merged already; take version {self.version} first")
         return None
 
-    def _decode(self, msg: Contribution) -> tuple[torch.Tensor, float]:
+    def _decode(self, msg: Contribution, given: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
         """The contribution as one flat fp32 vector (in a reused buffer when one is spare) and
         its norm. Raises ``DecodeError`` for a wrong shape, or NaN/Inf: the norm (fp64-summed,
-        finite exactly when every value is) is the check, so the values are read once for it."""
+        finite exactly when every value is) is the check, so the values are read once for it.
+        ``given``: our own learner's contribution as the flat vector its ``none`` tensors are
+        views of: taken without a copy, and never given back for reuse (it is the learner's)."""
         numel = self.theta.numel()
+        if given is not None:
+            if (given.dtype != torch.float32 or given.dim() != 1 or given.numel() != numel
+                    or not given.is_contiguous() or given.device.type != "cpu"):
+                raise DecodeError(f"a local contribution must be a flat fp32 vector of {numel} values")
+            norm = norm64(given)
+            if not math.isfinite(norm):
+                raise DecodeError("the contribution holds NaN or Inf values")
+            return self._lend(given), norm
+        view = self._view_in_body(msg)
+        if view is not None:  # fp32 tensors merged where they arrived: no copy
+            norm = norm64(view)
+            if not math.isfinite(norm):
+                raise DecodeError("the contribution holds NaN or Inf values")
+            return self._lend(view), norm
         try:
             out = self._spare.pop()
         except IndexError:
@@ -130,7 +150,34 @@ class ContributionIntake:
             raise DecodeError("the contribution holds NaN or Inf values")
         return flat, norm
 
+    def _view_in_body(self, msg: Contribution) -> torch.Tensor | None:
+        """The contribution's fp32 tensors as one flat view of the request body they arrived in,
+        which then holds that buffer until the view is collected (``RequestBody.keep_for``);
+        None when they are not such tensors, or not in this request's body."""
+        body = REQUEST_BODY.get()
+        if body is None:
+            return None
+        view = wire_flat_view(msg.tensors, self.shapes)
+        if view is None or not body.holds(view.data_ptr(), 4 * view.numel()) or not body.keep_for(view):
+            return None
+        return view
+
+    def _lend(self, flat: torch.Tensor) -> torch.Tensor:
+        """Mark ``flat`` as not ours to reuse (``_give_back`` drops it instead of keeping it)."""
+        key = id(flat)  # a dict by id: a set of tensors would compare them element-wise
+
+        def forget(_ref: weakref.ref[torch.Tensor]) -> None:
+            self._borrowed.pop(key, None)
+
+        self._borrowed[key] = weakref.ref(flat, forget)
+        return flat
+
     def _give_back(self, flat: torch.Tensor) -> None:
-        """Keep a decoded contribution's buffer for the next one (nothing else refers to it)."""
+        """Keep a decoded contribution's buffer for the next one (nothing else refers to it; a
+        local contribution's vector is its learner's, and a view of a request body is that
+        body's: neither is kept)."""
+        borrowed = self._borrowed.pop(id(flat), None)
+        if borrowed is not None and borrowed() is flat:
+            return
         if len(self._spare) < self._spare_max and flat.numel() == self.theta.numel():
             self._spare.append(flat)

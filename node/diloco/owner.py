@@ -24,7 +24,9 @@ import asyncio
 import collections
 import dataclasses
 import logging
+import math
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +41,7 @@ from node.diloco.sealing import VersionSealing
 from node.diloco.succession import FINAL_HOLD_S, OwnerSuccession
 from protocol.diloco.fragments import Fragment
 from protocol.diloco.merge import Decision, FragmentMerger, MergeConfig, Phase
-from protocol.diloco.norms import all_finite
+from protocol.diloco.norms import all_finite, norm64
 from protocol.diloco.outer import OuterConfig, merge_update
 from protocol.diloco.updates import encode_update
 from protocol.wire.messages import Ack, Contribution, ReplicaState
@@ -182,6 +184,8 @@ class FragmentOwner(ContributionIntake, VersionSealing, OwnerSuccession):
         # decoded contributions' buffers, reused once their merge is published (fresh memory is
         # slow to fill); at most as many as the last published merge had contributions
         self._spare: list[torch.Tensor] = []
+        self._borrowed: dict[int, weakref.ref[torch.Tensor]] = {}  # local contributions' vectors, by id
+        self._theta_norm: tuple[weakref.ref[torch.Tensor], float] | None = None  # a merge's result and its norm64
         self._spare_max = 4
         self._background: set[asyncio.Task[None]] = set()  # merges started by ``receive``
         self.latest, *digests = self._seal_state(version, self.theta)
@@ -197,21 +201,21 @@ class FragmentOwner(ContributionIntake, VersionSealing, OwnerSuccession):
         self._retired_event = asyncio.Event()
 
     # --- inbound -------------------------------------------------------------------------------
-    async def contribute(self, sender: bytes, msg: Contribution) -> Ack:
+    async def contribute(self, sender: bytes, msg: Contribution, flat: torch.Tensor | None = None) -> Ack:
         """Check and feed one contribution to the merger; the merge it completes (if any) has
-        run when this returns. Raises ``RemoteProtocolError``."""
-        decision = await self._accept(sender, msg)
+        run when this returns (``flat``: see ``_decode``). Raises ``RemoteProtocolError``."""
+        decision = await self._accept(sender, msg, flat)
         if isinstance(decision, Ack):
             return decision
         await self._apply(decision)
         return Ack(accepted=decision.accepted, reason=decision.reason, version=self.version)
 
-    async def receive(self, sender: bytes, msg: Contribution) -> Ack:
+    async def receive(self, sender: bytes, msg: Contribution, flat: torch.Tensor | None = None) -> Ack:
         """``contribute``, answered as soon as the contribution is checked and taken (or
         refused): the merge it completes runs on in the background, so the sender's next
         contribution (to this or another owner) does not wait for it. Raises
         ``RemoteProtocolError``."""
-        decision = await self._accept(sender, msg)
+        decision = await self._accept(sender, msg, flat)
         if isinstance(decision, Ack):
             return decision
         ack = Ack(accepted=decision.accepted, reason=decision.reason, version=self.version)
@@ -390,11 +394,15 @@ class FragmentOwner(ContributionIntake, VersionSealing, OwnerSuccession):
                norms: Sequence[float | None] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Clip, aggregate, scale, bound and apply the outer step. Raises ``MergeFailed`` naming the
         peers to drop. (Every payload's shape, finiteness and norm were checked by ``_decode``.)"""
+        known = self._theta_norm
         update = merge_update(self.theta, self.buffer, deltas, weights, clips, self.outer_cfg,
-                              embedding=self.fragment.is_embedding, scale=scale, norms=norms)
+                              embedding=self.fragment.is_embedding, scale=scale, norms=norms,
+                              theta_norm=known[1] if known is not None and known[0]() is self.theta else None)
         self.step_bounds += int(update.bounded)
         theta, buffer = update.theta, update.buffer
-        if not (all_finite(theta) and (buffer is None or all_finite(buffer))):
+        theta_norm = norm64(theta)  # finite exactly when every value is; the next merge's bound needs it
+        if not (math.isfinite(theta_norm) and (buffer is None or all_finite(buffer))):
             raise MergeFailed(f"the outer step over {len(peers)} contributions is not finite; "
                               "no single one is to blame, all are dropped", frozenset(peers))
+        self._theta_norm = (weakref.ref(theta), theta_norm)  # used once ``theta`` is the published one
         return theta, buffer

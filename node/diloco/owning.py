@@ -184,7 +184,7 @@ class OwnedFragments:
         return OuterConfig(lr=self.cfg.outer_lr, momentum=self.cfg.outer_momentum, aggregate=self.cfg.aggregate,
                            rda_max_gain=self.cfg.rda_max_gain)
 
-    async def _on_contribution(self, opened: Opened) -> Ack:
+    async def _on_contribution(self, opened: Opened, flat: torch.Tensor | None = None) -> Ack:
         msg = opened.message
         assert isinstance(msg, Contribution)
         if msg.swarm != self.cfg.swarm:
@@ -197,13 +197,14 @@ class OwnedFragments:
             # its final versions may already be out: a late contribution would fork the model
             return Ack(accepted=False, version=owner.version,
                        reason=f"peer {opened.peer_id.hex()[:8]} has stopped learning; contribution not merged")
-        return await owner.receive(opened.peer_id, msg)  # answered before the merge it completes
+        return await owner.receive(opened.peer_id, msg, flat)  # answered before the merge it completes
 
-    async def contribute_local(self, msg: Contribution) -> Ack:
-        """Our own learner's contribution to a fragment we own: the RPC's checks, in process."""
+    async def contribute_local(self, msg: Contribution, flat: torch.Tensor | None = None) -> Ack:
+        """Our own learner's contribution to a fragment we own: the RPC's checks, in process
+        (``flat``: see ``LocalOwners.contribute_local``)."""
         me = Opened(public_key=self.signer.public_key, peer_id=self.signer.peer_id, timestamp=time.time(),
                     nonce=b"", message=msg)
-        return await self._on_contribution(me)
+        return await self._on_contribution(me, flat)
 
     async def version_local(self, p: int, *, after: int, wait_s: float,
                             final: bool) -> tuple[int, torch.Tensor, bytes] | None:

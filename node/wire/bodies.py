@@ -15,14 +15,19 @@ it along, and other tasks run before the next: read one by one, 6 MB of them hel
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ctypes
+import threading
+import weakref
 from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
 
 import aiohttp
 
 from protocol.errors import Oversize, RemoteProtocolError
 
-__all__ = ["CHUNK", "MIN_BUFFER", "POOL_BUFFERS", "POOL_MAX_BUFFER", "POOL_MAX_BYTES", "BodyTimeout", "BufferPool",
-           "ClientGone", "read_stream"]
+__all__ = ["CHUNK", "MIN_BUFFER", "POOL_BUFFERS", "POOL_MAX_BUFFER", "POOL_MAX_BYTES", "REQUEST_BODY", "BodyTimeout",
+           "BufferPool", "ClientGone", "RequestBody", "read_stream"]
 
 CHUNK = 1 << 20
 # a piece of a body under SMALL_PIECE bytes takes what else is buffered along, up to COALESCE bytes
@@ -93,6 +98,61 @@ class BufferPool:
         grown[:used] = memoryview(buf)[:used]
         self.give(buf)
         return grown
+
+
+class RequestBody:
+    """The pooled buffer a request's body was read into, seen by its handler through
+    ``REQUEST_BODY``. A handler that keeps a view of the body past its reply (an owner merging a
+    contribution's fp32 tensors where they arrived instead of copying them) lets the view hold
+    the buffer: it goes back to the pool once the request has ended *and* the view has been
+    collected, so no later body is read into memory a view still shows."""
+
+    def __init__(self, pool: BufferPool, buf: bytearray, loop: asyncio.AbstractEventLoop) -> None:
+        self.pool, self.buf, self.loop = pool, buf, loop
+        self._holders = 1  # the request itself
+        self._kept = self._ended = False
+        self._lock = threading.Lock()  # a view may be made, or collected, in a worker thread
+
+    def keep_for(self, view: object) -> bool:
+        """Let ``view`` (a weak-referenceable object over this body's bytes) hold the buffer;
+        False when another view holds it already (one per body: the caller copies instead) or
+        the request has ended (a task it started still sees this body in its context)."""
+        with self._lock:
+            if self._kept or self._ended:
+                return False
+            self._kept, self._holders = True, self._holders + 1
+        weakref.finalize(view, self._release_from_any_thread)
+        return True
+
+    def end(self) -> None:
+        """The request has ended (on the event loop): the buffer goes back unless a view holds it."""
+        with self._lock:
+            self._ended = True
+        self.release()
+
+    def release(self) -> None:
+        """One holder is done (on the event loop): the last one gives the buffer back."""
+        with self._lock:
+            self._holders -= 1
+            last = self._holders == 0
+        if last:
+            self.pool.give(self.buf)
+
+    def holds(self, address: int, nbytes: int) -> bool:
+        """Whether ``nbytes`` at memory ``address`` lie inside this body's buffer."""
+        base = _address(self.buf)
+        return base <= address and address + nbytes <= base + len(self.buf)
+
+    def _release_from_any_thread(self) -> None:
+        with contextlib.suppress(RuntimeError):  # a closed loop: the buffer is simply freed with the view
+            self.loop.call_soon_threadsafe(self.release)
+
+
+def _address(buf: bytearray) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(buf)) if buf else 0
+
+
+REQUEST_BODY: ContextVar[RequestBody | None] = ContextVar("atoll_request_body", default=None)
 
 
 async def read_stream(

@@ -43,6 +43,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
+from node.wire.bodies import REQUEST_BODY, RequestBody
 from node.wire.transport import Transport, refusal
 from protocol.errors import NotAuthorized, Oversize, RemoteProtocolError
 from protocol.wire.codec import Buffer, encode, header_length
@@ -166,7 +167,8 @@ async def serve_sealed_request(
     the loop (``open_off_loop``). A ``RemoteProtocolError`` on the way (bad bytes, signature,
     recipient, replay, size, refusal, or one ``dispatch`` raises) goes to ``on_error`` and
     becomes a 4xx ``error_response``; anything else propagates. The buffer goes back to the pool
-    unless the request was cancelled (a worker thread may still be reading it)."""
+    unless the request was cancelled (a worker thread may still be reading it), once no view a
+    handler kept of it (``REQUEST_BODY``) is alive."""
     async def admit(envelope: Envelope) -> None:
         envelope.check_recipient(recipient, broadcast_ok=bool(broadcast))
         if authorize is not None and not await authorize(envelope.peer_id):
@@ -182,8 +184,11 @@ async def serve_sealed_request(
         return end + envelope.size
 
     buf: bytearray | None = None
+    held: RequestBody | None = None
     try:
         buf, used = await transport.read_request(request, max_size, on_head=head)
+        held = RequestBody(transport.pool, buf, asyncio.get_running_loop())
+        REQUEST_BODY.set(held)  # this request's own task and the threads it starts see it
         envelope, body = split_sealed(memoryview(buf)[:used], max_size=max_size)
         await admit(envelope)
         check_header(body, max_header)
@@ -200,7 +205,9 @@ async def serve_sealed_request(
         buf = None
         raise
     finally:
-        if buf is not None:
+        if held is not None and buf is not None:
+            held.end()  # the buffer goes back now, or once a view a handler kept of it is collected
+        elif buf is not None:
             transport.pool.give(buf)
 
 

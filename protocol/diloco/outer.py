@@ -243,7 +243,7 @@ class MergeUpdate:
 def merge_update(
     theta: torch.Tensor, buffer: torch.Tensor | None, deltas: Sequence[torch.Tensor], weights: Sequence[float],
     clips: Sequence[float], cfg: OuterConfig, *, embedding: bool, scale: float = 1.0,
-    norms: Sequence[float | None] | None = None,
+    norms: Sequence[float | None] | None = None, theta_norm: float | None = None,
 ) -> MergeUpdate:
     """One merge of a fragment: clip each delta by its factor, aggregate (a weighted mean for an
     embedding fragment or with ``cfg.aggregate == "mean"``, else ``cfg.aggregate``'s), scale the
@@ -251,7 +251,13 @@ def merge_update(
     ``cfg.max_delta_ratio`` × |Θ| and apply the outer step: with momentum, a scaled merge (a
     part of a step) is a plain step that leaves the buffer as it was. The inputs are not modified.
     ``norms``: each delta's ``norm64`` where the caller measured it already (the owner does, as
-    each contribution arrives; None entries are measured here): the same bits either way.
+    each contribution arrives; None entries are measured here), and ``theta_norm`` ``theta``'s
+    (the owner measures each version's as it checks it for NaN/Inf): the same bits either way.
+    The aggregate's own norm is measured only when the bound might bite: every aggregate here is
+    no longer than its longest delta (a weighted mean by the triangle inequality; the normed mean
+    and RDA are at most the median or mean norm along a direction of norm <= 1), so when every
+    norm is known and the longest, times ``scale``, is within the bound, it is not (the bits are
+    the same: an aggregate within the bound is left as it is).
 
     The owner and ``atoll replay`` both call this, so a replayed log recomputes the same bits
     (on the same torch build and thread count). The result may be non-finite; the caller checks.
@@ -273,10 +279,13 @@ def merge_update(
     if scale < 1.0:
         delta.mul_(scale)
     scale_share, bounded = scale, False
-    theta_norm = norm64(theta)
-    if theta_norm > 0 and math.isfinite(cfg.max_delta_ratio):
-        delta, scale = bound_to_norm(delta, cfg.max_delta_ratio * theta_norm)
-        bounded = scale < 1.0
+    if math.isfinite(cfg.max_delta_ratio):
+        theta_norm = norm64(theta) if theta_norm is None else theta_norm
+        limit = cfg.max_delta_ratio * theta_norm
+        longest = _longest(norms, scale)
+        if theta_norm > 0 and (longest is None or not longest <= limit):
+            delta, scale = bound_to_norm(delta, limit)
+            bounded = scale < 1.0
     if scale_share < 1.0 and cfg.momentum != 0:
         # a part of a step (learners left or finished while the round was open): the plain step,
         # momentum neither fed nor coasting. Whole Nesterov steps (mu^2 b each) on a straggler's
@@ -286,6 +295,15 @@ def merge_update(
         return MergeUpdate(plain, None if buffer is None else copy_vector(buffer), bounded)
     new_theta, new_buffer = outer_step(theta, delta, buffer, cfg)
     return MergeUpdate(new_theta, new_buffer, bounded)
+
+
+def _longest(norms: Sequence[float | None] | None, scale: float) -> float | None:
+    """An upper bound on the norm of any aggregate of deltas with these norms, scaled by ``scale``
+    (clipping only shortens a delta); None when a norm is not known. The margin covers fp32
+    rounding, which can make an aggregate a few ulps longer than its longest term."""
+    if not norms or any(n is None or not math.isfinite(n) for n in norms):
+        return None
+    return max(n for n in norms if n is not None) * scale * (1.0 + 1e-4)
 
 
 # ---------------------------------------------------------------- checks

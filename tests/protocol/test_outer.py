@@ -7,6 +7,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from protocol.diloco.outer import (
     OuterConfig,
@@ -434,3 +436,44 @@ def test_norms_measured_before_the_merge_give_the_same_bits(aggregate: str) -> N
         assert not torch.equal(plain.theta, wrong.theta)
         with pytest.raises(LocalProtocolError, match="known norms"):
             merge_update(theta, buffer, deltas, weights, clips, cfg, embedding=False, norms=known[:2])
+
+
+@settings(max_examples=60, deadline=None)
+@given(aggregate=st.sampled_from(["normed", "mean", "rda"]), embedding=st.booleans(),
+       sizes=st.lists(st.floats(1e-3, 50.0), min_size=1, max_size=5), theta_size=st.floats(1e-3, 100.0),
+       ratio=st.sampled_from([0.1, 1.0, 3.0]), scale=st.sampled_from([1.0, 0.5]), seed=st.integers(0, 99))
+def test_a_merge_given_every_norm_gives_the_same_bits_and_bounds_what_it_must(
+        aggregate: str, embedding: bool, sizes: list[float], theta_size: float, ratio: float,
+        scale: float, seed: int) -> None:
+    """The owner passes every contribution's norm and Theta's (measured when each arrived and
+    when Theta was made), and the aggregate's own norm is then measured only when the longest
+    delta might break the bound: the result is bit-identical to a merge that measures them all,
+    as ``atoll replay`` does, whether the bound bites or not."""
+    from protocol.diloco.norms import norm64
+    g = gen(seed)
+    deltas = [torch.randn(257, generator=g) * s for s in sizes]
+    weights = [float(i % 3 + 1) for i in range(len(deltas))]
+    clips = [1.0 if i % 2 == 0 else 0.5 for i in range(len(deltas))]
+    theta = torch.randn(257, generator=g) * theta_size
+    cfg = OuterConfig(lr=1.0, momentum=0.0, aggregate=aggregate, max_delta_ratio=ratio)
+    measured = merge_update(theta, None, deltas, weights, clips, cfg, embedding=embedding, scale=scale)
+    given_all = merge_update(theta, None, deltas, weights, clips, cfg, embedding=embedding, scale=scale,
+                             norms=[norm64(d) for d in deltas], theta_norm=norm64(theta))
+    assert torch.equal(measured.theta, given_all.theta) and measured.bounded == given_all.bounded
+    assert norm64(theta - given_all.theta) <= ratio * norm64(theta) * (1 + 1e-5)
+
+
+def test_a_merge_skips_measuring_an_aggregate_that_cannot_break_the_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    from protocol.diloco import outer
+    from protocol.diloco.norms import norm64
+    measured: list[int] = []
+    real = outer.norm64
+    monkeypatch.setattr(outer, "norm64", lambda t: measured.append(t.numel()) or real(t))
+    deltas = [torch.full((64,), 0.01), torch.full((64,), -0.02)]
+    theta = torch.ones(64)
+    cfg = OuterConfig(lr=1.0, momentum=0.0, aggregate="normed", max_delta_ratio=1.0)
+    norms = [norm64(d) for d in deltas]
+    merge_update(theta, None, deltas, [1.0, 1.0], [1.0, 1.0], cfg, embedding=False, norms=norms, theta_norm=8.0)
+    assert measured == []  # neither Theta's norm (given) nor the aggregate's (|d| <= 0.16 < 8)
+    merge_update(theta, None, deltas, [1.0, 1.0], [1.0, 1.0], cfg, embedding=False, norms=norms, theta_norm=0.1)
+    assert measured == [64]  # the longest delta (0.16) could break 1.0 x 0.1: the aggregate is measured

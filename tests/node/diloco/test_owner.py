@@ -378,8 +378,9 @@ async def test_a_successor_knows_a_version_by_the_digest_learners_verified_from_
 
 async def test_a_merge_takes_each_contributions_norm_from_its_arrival_and_publishes_the_same_bits(monkeypatch) -> None:
     """An owner measures each contribution's norm once, as it arrives, and its merge reuses it
-    (norm64 over every fragment-sized buffer costs an owner as much as hashing it); the
-    published state is bit for bit the merge ``atoll replay`` recomputes without those norms.
+    (norm64 over every fragment-sized buffer costs an owner as much as hashing it), as it does
+    |Θ| from when it checked the last merge's result; the published state is bit for bit the
+    merge ``atoll replay`` recomputes without those norms.
     Buffers reused by the next round's contributions get their own norms."""
     import protocol.diloco.outer as outer
     from protocol.diloco.norms import norm64
@@ -396,7 +397,79 @@ async def test_a_merge_takes_each_contributions_norm_from_its_arrival_and_publis
         for who, d in zip((A, B, C), deltas, strict=True):
             await owner.contribute(who, contribution(d, shapes[0], base_version=rnd, owner=owner))
         assert owner.version == rnd + 1
-        # in the merge, only |Θ| and the aggregate's norm (for the bound) are measured, no contribution's
-        assert measured == [numel, numel], measured
+        # no contribution's norm is measured in the merge; |Θ| only in the first (then it is the
+        # previous merge's, measured as its result was checked for NaN/Inf), and the aggregate's
+        # not at all: no longer than its longest delta, it cannot break the bound of |Θ|
+        assert measured == ([numel] if rnd == 0 else []), (rnd, measured)
         replayed = merge_update(before, None, deltas, [1.0] * 3, [1.0] * 3, owner.outer_cfg, embedding=False)
         assert torch.equal(owner.theta, replayed.theta)
+
+
+async def test_our_own_learners_contribution_is_taken_without_a_copy_and_never_reused() -> None:
+    """A contribution from this peer's own learner comes with the flat vector its ``none``
+    tensors are views of: the owner merges that vector as it is (no decode copy), the same
+    state as the decoded one, and never hands it out as a spare buffer for a later contribution
+    (the learner may still hold it to send again). A vector of the wrong size is refused."""
+    from protocol.errors import DecodeError
+
+    _, shapes, _, theta0, owner = _setup(quorum=1)
+    _, _, _, _, twin = _setup(quorum=1)
+    await owner.set_expected(1)
+    await twin.set_expected(1)
+    numel = theta0.numel()
+    own = torch.randn(numel, generator=torch.Generator().manual_seed(3)) * 0.01
+    kept = own.clone()
+    msg = contribution(own, shapes[0], base_version=0, owner=owner)
+    assert (await owner.contribute(A, msg, own)).accepted
+    assert (await twin.contribute(A, contribution(own, shapes[0], base_version=0, owner=twin))).accepted
+    assert owner.version == twin.version == 1 and torch.equal(owner.theta, twin.theta)
+    assert all(spare is not own for spare in owner._spare)
+    for rnd, who in enumerate((B, C), start=1):  # later contributions decode into spares, never into ``own``
+        d = torch.randn(numel, generator=torch.Generator().manual_seed(10 + rnd)) * 0.01
+        assert (await owner.contribute(who, contribution(d, shapes[0], base_version=rnd, owner=owner))).accepted
+    assert torch.equal(own, kept)
+    with pytest.raises(DecodeError, match="flat fp32 vector"):
+        await owner.contribute(A, contribution(own, shapes[0], base_version=3, owner=owner), own[:-1])
+
+
+async def test_fp32_contributions_are_merged_where_they_arrived_and_their_bodies_pooled_after() -> None:
+    """An fp32 contribution read into a request body is merged as a view of that body (no
+    decode copy): the same state as one decoded by copy, and the body's buffer goes back to the
+    pool only once the request has ended and the merge no longer holds the view."""
+    import gc
+
+    from node.wire.bodies import REQUEST_BODY, BufferPool, RequestBody
+    from protocol.wire.codec import decode, encode
+
+    _, shapes, _, theta0, owner = _setup(quorum=2)
+    _, _, _, _, twin = _setup(quorum=2)
+    for o in (owner, twin):
+        await o.set_expected(2)
+    pool, numel = BufferPool(), theta0.numel()
+    deltas = [torch.randn(numel, generator=torch.Generator().manual_seed(20 + i)) * 0.01 for i in range(2)]
+    bodies = []
+    for who, d in zip((A, B), deltas, strict=True):
+        buf = bytearray(encode(contribution(d, shapes[0], base_version=0, owner=owner)).tobytes())
+        body = RequestBody(pool, buf, asyncio.get_running_loop())
+        token = REQUEST_BODY.set(body)
+        try:
+            msg = decode(memoryview(buf), max_size=len(buf))
+            assert (await owner.receive(who, msg)).accepted
+        finally:
+            REQUEST_BODY.reset(token)
+        del msg
+        body.end()
+        bodies.append(buf)
+        if who == A:  # one contribution of a quorum of two: its view waits in the merger, holding the body
+            gc.collect()
+            await asyncio.sleep(0)
+            assert not any(f is buf for f in pool._free)
+    for who, d in zip((A, B), deltas, strict=True):
+        assert (await twin.contribute(who, contribution(d, shapes[0], base_version=0, owner=twin))).accepted
+    await owner.settled()
+    assert owner.version == twin.version == 1 and torch.equal(owner.theta, twin.theta)
+    assert owner._spare == []  # a view of a body is never kept as a spare buffer
+    gc.collect()
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert all(any(f is b for f in pool._free) for b in bodies)

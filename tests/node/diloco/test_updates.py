@@ -242,8 +242,8 @@ class OwnOwners:
     def __init__(self, owners: dict[int, FragmentOwner], me: bytes) -> None:
         self.owners, self.me = owners, me
 
-    async def contribute_local(self, msg: Contribution) -> Ack:
-        return await self.owners[msg.fragment].contribute(self.me, msg)
+    async def contribute_local(self, msg: Contribution, flat: torch.Tensor | None = None) -> Ack:
+        return await self.owners[msg.fragment].contribute(self.me, msg, flat)
 
     async def version_local(self, p: int, *, after: int, wait_s: float,
                             final: bool) -> tuple[int, torch.Tensor, bytes] | None:
@@ -279,7 +279,7 @@ class ReplicaOnly:
     def __init__(self, store: ReplicaStore) -> None:
         self.store = store
 
-    async def contribute_local(self, msg: Contribution) -> Ack:
+    async def contribute_local(self, msg: Contribution, flat: torch.Tensor | None = None) -> Ack:
         raise AssertionError("this peer owns nothing")
 
     async def version_local(self, p: int, *, after: int, wait_s: float,
