@@ -25,7 +25,7 @@ from protocol.diloco.vectors import new_vector as new_flat
 from protocol.wire.tensors import EncodedTensor
 
 __all__ = ["content_hash", "encode_flat", "flat_digest", "flat_from_tensors", "flat_is_wire_form", "new_flat",
-           "wire_flat_view"]
+           "wire_flat_span"]
 
 
 
@@ -52,32 +52,29 @@ def flat_is_wire_form(tensors: Sequence[EncodedTensor]) -> bool:
     return all(t.codec == "none" for t in tensors)
 
 
-def wire_flat_view(tensors: Sequence[EncodedTensor], shapes: Sequence[tuple[int, ...]]) -> torch.Tensor | None:
-    """The flat fp32 vector these tensors decode to, as a view of their bytes where they arrived
-    (no copy), when they are fp32 ``none`` tensors of the plan's shapes lying end to end in one
-    buffer; else None (``flat_from_tensors`` copies them). NaN/Inf are not checked here."""
+def wire_flat_span(tensors: Sequence[EncodedTensor], shapes: Sequence[tuple[int, ...]]) -> tuple[bytearray, int, int] | None:
+    """Where the flat fp32 vector these tensors decode to lies as they arrived: (the buffer, the
+    byte offset in it, the number of values), when they are fp32 ``none`` tensors of the plan's
+    shapes lying end to end in one ``bytearray``; else None (``flat_from_tensors`` copies them)."""
     if len(tensors) != len(shapes) or not flat_is_wire_form(tensors):
         return None
-    start, end, total = None, None, 0
+    start, end, total, owner = None, None, 0, None
     for t, shape in zip(tensors, shapes, strict=True):
         if t.dtype != "float32" or tuple(t.shape) != tuple(shape) or not isinstance(t.data, memoryview):
             return None
         n = t.numel
         if n == 0:
             continue
-        address = ctypes.addressof(ctypes.c_char.from_buffer(t.data)) if not t.data.readonly else None
-        if address is None or t.data.nbytes != 4 * n or (end is not None and address != end):
+        if t.data.readonly or t.data.nbytes != 4 * n or not isinstance(t.data.obj, bytearray):
             return None
-        start = address if start is None else start
+        address = ctypes.addressof(ctypes.c_char.from_buffer(t.data))
+        if (end is not None and address != end) or (owner is not None and t.data.obj is not owner):
+            return None
+        start, owner = (address, t.data.obj) if start is None else (start, owner)
         end, total = address + 4 * n, total + n
-    if start is None:
+    if start is None or owner is None:
         return None
-    first = next(t.data for t in tensors if t.numel)
-    owner = first.obj if isinstance(first, memoryview) else None
-    if not isinstance(owner, bytearray):
-        return None
-    offset = start - ctypes.addressof(ctypes.c_char.from_buffer(owner))
-    return torch.frombuffer(owner, dtype=torch.float32, count=total, offset=offset)
+    return owner, start - ctypes.addressof(ctypes.c_char.from_buffer(owner)), total
 
 
 def flat_from_tensors(tensors: Sequence[EncodedTensor], shapes: Sequence[tuple[int, ...]],

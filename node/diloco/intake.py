@@ -18,10 +18,11 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from node.diloco.eventlog import LoggedMerger
-from node.diloco.flat import flat_from_tensors, new_flat, wire_flat_view
+from node.diloco.flat import flat_from_tensors, new_flat, wire_flat_span
 from node.wire.bodies import REQUEST_BODY
 from protocol.diloco.fragments import Fragment
 from protocol.diloco.merge import Decision, FragmentMerger
@@ -155,12 +156,15 @@ class ContributionIntake:
         which then holds that buffer until the view is collected (``RequestBody.keep_for``);
         None when they are not such tensors, or not in this request's body."""
         body = REQUEST_BODY.get()
-        if body is None:
+        span = wire_flat_span(msg.tensors, self.shapes) if body is not None else None
+        if body is None or span is None or span[0] is not body.buf:
             return None
-        view = wire_flat_view(msg.tensors, self.shapes)
-        if view is None or not body.holds(view.data_ptr(), 4 * view.numel()) or not body.keep_for(view):
+        # the tensor keeps this array alive for as long as it or any slice of it lives: the body
+        # is held by the array, not by one tensor object
+        array = np.frombuffer(body.buf, dtype=np.float32, count=span[2], offset=span[1])
+        if not body.keep_for(array):
             return None
-        return view
+        return torch.from_numpy(array)
 
     def _lend(self, flat: torch.Tensor) -> torch.Tensor:
         """Mark ``flat`` as not ours to reuse (``_give_back`` drops it instead of keeping it)."""

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import threading
 import weakref
 from collections.abc import Awaitable, Callable
@@ -114,9 +113,11 @@ class RequestBody:
         self._lock = threading.Lock()  # a view may be made, or collected, in a worker thread
 
     def keep_for(self, view: object) -> bool:
-        """Let ``view`` (a weak-referenceable object over this body's bytes) hold the buffer;
-        False when another view holds it already (one per body: the caller copies instead) or
-        the request has ended (a task it started still sees this body in its context)."""
+        """Let ``view`` hold the buffer: a weak-referenceable object over this body's bytes that
+        lives as long as anything shows them (the numpy array a tensor was made from, which its
+        storage, and so every slice of it, keeps alive). False when another view holds it already
+        (one per body: the caller copies instead) or the request has ended (a task it started
+        still sees this body in its context)."""
         with self._lock:
             if self._kept or self._ended:
                 return False
@@ -138,18 +139,9 @@ class RequestBody:
         if last:
             self.pool.give(self.buf)
 
-    def holds(self, address: int, nbytes: int) -> bool:
-        """Whether ``nbytes`` at memory ``address`` lie inside this body's buffer."""
-        base = _address(self.buf)
-        return base <= address and address + nbytes <= base + len(self.buf)
-
     def _release_from_any_thread(self) -> None:
         with contextlib.suppress(RuntimeError):  # a closed loop: the buffer is simply freed with the view
             self.loop.call_soon_threadsafe(self.release)
-
-
-def _address(buf: bytearray) -> int:
-    return ctypes.addressof(ctypes.c_char.from_buffer(buf)) if buf else 0
 
 
 REQUEST_BODY: ContextVar[RequestBody | None] = ContextVar("atoll_request_body", default=None)

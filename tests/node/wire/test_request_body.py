@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import gc
 
+import numpy as np
 import torch
 
 from node.wire.bodies import BufferPool, RequestBody
@@ -20,13 +21,16 @@ async def test_the_buffer_goes_back_once_the_request_ended_and_the_view_is_colle
     pool = BufferPool()
     buf = bytearray(64 << 10)
     body = RequestBody(pool, buf, asyncio.get_running_loop())
-    view = torch.frombuffer(buf, dtype=torch.float32, count=16, offset=8)
-    assert body.holds(view.data_ptr(), 64) and not body.holds(view.data_ptr() - 16, 64)
-    assert body.keep_for(view) and not body.keep_for(torch.zeros(1))  # one view per body
+    array = np.frombuffer(buf, dtype=np.float32, count=16, offset=8)
+    assert body.keep_for(array) and not body.keep_for(np.zeros(1))  # one view per body
+    view = torch.from_numpy(array)
+    part = view[4:8]  # a slice of the tensor keeps its storage, and so the array, alive
+    del array, view
     body.end()
+    gc.collect()
     await _settle()
-    assert pool.take(1) is not buf  # the view still shows it: not pooled
-    del view
+    assert pool.take(1) is not buf  # the slice still shows it: not pooled
+    del part
     gc.collect()
     await _settle()
     assert pool.take(1) is buf
@@ -36,9 +40,9 @@ async def test_a_view_collected_before_the_request_ends_waits_for_the_end() -> N
     pool = BufferPool()
     buf = bytearray(64 << 10)
     body = RequestBody(pool, buf, asyncio.get_running_loop())
-    view = torch.frombuffer(buf, dtype=torch.float32, count=4)
-    assert body.keep_for(view)
-    del view
+    array = np.frombuffer(buf, dtype=np.float32, count=4)
+    assert body.keep_for(array)
+    del array
     gc.collect()
     await _settle()
     assert pool.take(1) is not buf  # the handler may still read its message
@@ -53,5 +57,5 @@ async def test_an_ended_request_lends_its_buffer_to_no_view() -> None:
     buf = bytearray(64 << 10)
     body = RequestBody(pool, buf, asyncio.get_running_loop())
     body.end()
-    assert not body.keep_for(torch.frombuffer(buf, dtype=torch.float32, count=4))
+    assert not body.keep_for(np.frombuffer(buf, dtype=np.float32, count=4))
     assert pool.take(1) is buf and pool.take(1) is not buf  # given back once
