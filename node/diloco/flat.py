@@ -22,6 +22,7 @@ import torch
 from protocol.diloco.compression import compress
 from protocol.diloco.updates import decode_flat, fragment_numel
 from protocol.diloco.vectors import new_vector as new_flat
+from protocol.wire.signing import digest_parts
 from protocol.wire.tensors import EncodedTensor
 
 __all__ = ["content_hash", "encode_flat", "flat_digest", "flat_from_tensors", "flat_is_wire_form", "new_flat",
@@ -30,12 +31,9 @@ __all__ = ["content_hash", "encode_flat", "flat_digest", "flat_from_tensors", "f
 
 
 def content_hash(tensors: Sequence[EncodedTensor]) -> bytes:
-    """BLAKE3 (32 bytes) over every tensor's data and scales, in order."""
-    h = blake3.blake3()
-    for t in tensors:
-        h.update(t.data)
-        h.update(t.scales)
-    return h.digest()
+    """BLAKE3 (32 bytes) over every tensor's data and scales, in order: the digest of a message's
+    blobs that carries these tensors (``digest_parts``), which a receiver computes anyway."""
+    return digest_parts([part for t in tensors for part in (t.data, t.scales)])
 
 
 def flat_digest(flat: torch.Tensor) -> bytes:

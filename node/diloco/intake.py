@@ -126,28 +126,22 @@ class ContributionIntake:
             if (given.dtype != torch.float32 or given.dim() != 1 or given.numel() != numel
                     or not given.is_contiguous() or given.device.type != "cpu"):
                 raise DecodeError(f"a local contribution must be a flat fp32 vector of {numel} values")
-            norm = norm64(given)
-            if not math.isfinite(norm):
-                raise DecodeError("the contribution holds NaN or Inf values")
-            return self._lend(given), norm
-        view = self._view_in_body(msg)
-        if view is not None:  # fp32 tensors merged where they arrived: no copy
-            norm = norm64(view)
-            if not math.isfinite(norm):
-                raise DecodeError("the contribution holds NaN or Inf values")
-            return self._lend(view), norm
-        try:
-            out = self._spare.pop()
-        except IndexError:
-            out = new_flat(numel)
-        try:
-            flat = flat_from_tensors(msg.tensors, self.shapes, out=out, finite_check=False)
-        except BaseException:
-            self._give_back(out)
-            raise
+            flat = self._lend(given)
+        elif (view := self._view_in_body(msg)) is not None:  # fp32 tensors merged where they arrived: no copy
+            flat = self._lend(view)
+        else:
+            try:
+                out = self._spare.pop()
+            except IndexError:
+                out = new_flat(numel)
+            try:
+                flat = flat_from_tensors(msg.tensors, self.shapes, out=out, finite_check=False)
+            except BaseException:
+                self._give_back(out)
+                raise
         norm = norm64(flat)
         if not math.isfinite(norm):
-            self._give_back(flat)
+            self._give_back(flat)  # a decoded buffer is kept for the next one, a lent vector dropped
             raise DecodeError("the contribution holds NaN or Inf values")
         return flat, norm
 
