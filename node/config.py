@@ -57,7 +57,7 @@ class RunConfig:
     mode: str = "decoupled"  # or "sync" / "ddp": the synchronous comparisons (see _HELP)
     fragments: int = 4
     inner_steps: int = 200  # H: every fragment is due once per H inner steps (see ``steps``)
-    # how H grows as the inner lr decays: constant, inverse-lr (H/ratio) or qsr (H/ratio²)
+    # how H follows the inner lr as it decays: constant, inverse-lr (H/ratio), qsr (H/ratio²) or sqrt-lr (H·√ratio)
     sync_growth: str = "constant"
     # int4 both ways: in synchronous DiLoCo (where only the codec differs between two runs of a
     # seed) int4 contributions and int4 updates ended within 0.5 % of int8 up / fp32 down on
@@ -280,8 +280,9 @@ _HELP = {
             "learner waits for each merged version) or ddp (sync with H = 1), to compare under the same chaos",
     "fragments": "P: number of model fragments synchronised separately",
     "inner_steps": "H: inner steps between two syncs of the same fragment (the least, with --sync-growth)",
-    "sync_growth": "how H grows as the inner learning rate decays: constant, inverse-lr (H / (lr/peak)) or qsr "
-                   "(H / (lr/peak)^2, the quadratic synchronization rule), at most 100 H",
+    "sync_growth": "how H follows the inner learning rate as it decays: constant, inverse-lr (H / (lr/peak)) or qsr "
+                   "(H / (lr/peak)^2, the quadratic synchronization rule), at most 100 H; or sqrt-lr "
+                   "(H * sqrt(lr/peak), shrinking: H is then the most)",
     "final_flush": "1: after the last step every island sends the work of each fragment that no contribution "
                    "holds yet, merged into the owners' final versions; 0: that work is dropped; -1 (auto): 1 with "
                    "plain averaging, 0 with --outer-momentum above 0 (the last merge would be one more momentum step)",

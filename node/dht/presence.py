@@ -181,14 +181,16 @@ class SwarmPresence:
             pid for pid, m in self.membership.members.items() if m.record.learning})
 
     def finished_learners(self) -> int:
-        """Decoupled with outer momentum: the learners seen training whose records now say they
-        stopped. A merge counts them in its share of the learners as contributing nothing
-        (``Decision.scale``): a straggler training on after the others finished then moves each
-        fragment by its share of a step, where whole momentum steps of its work alone took a
-        4-peer swarm from 1.25 to 1.40 nats/byte in its last 100 steps (docs/benchmarks.md,
-        "Decoupled DiLoCo with outer momentum"). 0 otherwise: with plain averaging the measured
-        defaults merge a straggler's work whole, and synchronous rounds wait for every learner."""
-        if self.membership is None or self.cfg.mode != "decoupled" or self.cfg.outer_momentum == 0:
+        """Decoupled: the learners seen training whose records now say they stopped. A merge
+        counts them in its share of the learners as contributing nothing (``Decision.scale``):
+        a straggler training on after the others finished then moves each fragment by its share
+        of a step, not by its whole work. Under outer momentum whole momentum steps of its work
+        alone took a 4-peer swarm from 1.25 to 1.40 nats/byte in its last 100 steps
+        (docs/benchmarks.md, "Decoupled DiLoCo with outer momentum"); with plain averaging a
+        lone straggler's merges made each fragment that island's, undoing the swarm's average
+        (docs/results.md, "The stragglers' tail under plain averaging"). 0 in synchronous
+        rounds, which wait for every learner."""
+        if self.membership is None or self.cfg.mode != "decoupled":
             return 0
         learning = {pid for pid, m in self.membership.members.items() if m.record.learning}
         self._seen_learning |= learning

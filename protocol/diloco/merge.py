@@ -35,7 +35,7 @@ aggregate by ``Decision.scale`` = contributions / that quorum: the missing ones 
 so the few contributions in flight when a swarm stops do not become a whole outer step (a merge
 of one learner's work would make the fragment that island's alone). ``set_expected(n,
 finished=f)`` counts ``f`` learners that finished training in that share too (the node passes
-them under outer momentum): a straggler still training after the others stopped then moves the
+them in a decoupled swarm): a straggler still training after the others stopped then moves the
 fragment by its share of a step, where whole momentum steps of its work alone undid the swarm's.
 It never merges below the effective quorum, and never waits past its deadline: any event at or after it
 in GRACE closes the window (a refused contribution then yields kind "merge" with ``refusal``
