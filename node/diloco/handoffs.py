@@ -108,6 +108,17 @@ class OwnerHandoffs:
                          "handing it on under epoch %d", p, ack.epoch, ack.version, state.version, ack.epoch)
                 state = dataclasses.replace(state, epoch=ack.epoch)
 
+    def _final_declared(self, owner: FragmentOwner) -> None:
+        """``owner`` has just handed its latest version out as final: tell the fragment's replica
+        (by reference when it holds that version), so that should this owner die within the hold,
+        the replica taking over holds the version final too and merges no late work into it."""
+        if self._tg is None or self.membership is None:
+            return
+        p = owner.fragment.index
+        ranked = self.membership.ranked(self.cfg.swarm, p, REPLICAS, exclude={self.signer.peer_id} | self.suspects())
+        if ranked:
+            self._tg.create_task(self._hand_on(p, ranked[0], owner.snapshot()))
+
     async def _hand_by_reference(self, p: int, target: tuple[bytes, str], state: ReplicaState) -> bool:
         """Hand ``state`` as a reference to the version and digest the target may hold already
         (no tensors); whether it took it. Only a whole state without momentum can go so."""

@@ -150,6 +150,8 @@ class OwnedFragments:
             event_log=(self.event_log_dir / f"fragment{p}-epoch{epoch}-v{version}-{time.time_ns()}.jsonl"
                        if self.event_log_dir is not None else None),
         )
+        if handed is not None and handed.final:
+            owner.hold_final(handed.version)
         self.replicas.fence(p, epoch, version, owner.digest_of(version))
         previous = (self.membership.owner_of(self.cfg.swarm, p, exclude={self.signer.peer_id, *self.suspects()})
                     if self.membership else None)

@@ -49,23 +49,25 @@ class Handed:
     sender: bytes
     merged: dict[bytes, int]  # sender -> newest base version of its work merged into this state
     hashed: bool = False  # ``theta`` is known to hash to ``digest`` (its learner need not hash it again)
+    final: bool = False  # the sender handed ``version`` out as final: a successor holds it final too
 
 
 def encode_state(*, swarm: str, fragment: int, epoch: int, version: int, digest: bytes,
                  theta: torch.Tensor, momentum: torch.Tensor | None,
-                 merged: Mapping[bytes, int] | None = None, known_finite: bool = False) -> ReplicaState:
+                 merged: Mapping[bytes, int] | None = None, known_finite: bool = False,
+                 final: bool = False) -> ReplicaState:
     """An owner's state as a ``ReplicaState`` (fp32, uncompressed: a replica must hold it exactly).
     ``merged``: sender -> newest base version of its merged work (the newest ``MAX_MERGED`` kept).
     The tensors are views of ``theta`` and ``momentum`` (an owner never writes to a state it
     has published or handed over: each version is a new tensor). ``known_finite``: the caller checked
-    both when it made them (``compress``'s NaN/Inf pass is skipped)."""
+    both when it made them (``compress``'s NaN/Inf pass is skipped). ``final``: see ``ReplicaState``."""
     t, _ = compress(theta.detach().float().contiguous(), "none", copy=False, known_finite=known_finite)
     m = ((compress(momentum.detach().float().contiguous(), "none", copy=False, known_finite=known_finite)[0],)
          if momentum is not None else ())
     recent = sorted((merged or {}).items(), key=lambda kv: kv[1], reverse=True)[:MAX_MERGED]
     return ReplicaState(swarm=swarm, fragment=fragment, epoch=epoch, version=version, digest=digest,
                         theta=(t,), momentum=m, merged_peers=tuple(k for k, _ in recent),
-                        merged_bases=tuple(min(v, version) for _, v in recent))
+                        merged_bases=tuple(min(v, version) for _, v in recent), final=final)
 
 
 class NotAMemberThere(RemoteProtocolError):
@@ -165,7 +167,8 @@ class ReplicaStore:
                               version=held.version if held else -1)
         theta, momentum = decoded if decoded is not None else self.decode(msg)
         merged = dict(zip(msg.merged_peers, msg.merged_bases, strict=True))
-        self.states[p] = Handed(p, msg.epoch, msg.version, msg.digest, theta, momentum, sender, merged, hashed)
+        self.states[p] = Handed(p, msg.epoch, msg.version, msg.digest, theta, momentum, sender, merged, hashed,
+                                msg.final)
         held = self.held.get(p)
         self.held[p] = Held(max(msg.epoch, held.epoch if held else 0), msg.version, msg.digest)
         self.taken += 1

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -55,6 +56,10 @@ class VersionSealing:
     _keep_digests: int
     _merged_base: dict[bytes, int]
 
+    if TYPE_CHECKING:  # OwnerSuccession's
+        def holds_final(self) -> bool:
+            ...
+
     def _remember_digests(self, version: int, state_digest: bytes, *others: bytes) -> None:
         """Know ``version`` by the digest of its state as learners decode it and by ``others``."""
         self.digests.setdefault(version, set()).update((state_digest, *others))
@@ -94,9 +99,12 @@ class VersionSealing:
                             digest=digest, theta=theta, momentum=buffer, merged=merged, known_finite=known_finite)
 
     def snapshot(self) -> ReplicaState:
-        """The whole state at the latest version (handed to the successor when retiring)."""
+        """The whole state at the latest version (handed to the successor when retiring), marked
+        final while this owner holds that version final (``holds_final``)."""
         digest = self.digest_of(self.version)
-        return self._replica_state(self.version, digest, self.theta, self.buffer, dict(self._merged_base))
+        return encode_state(swarm=self.swarm, fragment=self.fragment.index, epoch=self.epoch, version=self.version,
+                            digest=digest, theta=self.theta, momentum=self.buffer, merged=dict(self._merged_base),
+                            final=self.holds_final())
 
     def state(self) -> Handed:
         """The whole state at the latest version, as held (for an owner checkpoint)."""

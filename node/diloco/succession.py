@@ -130,6 +130,8 @@ class OwnerSuccession:
             self._changed.notify_all()
         log.info("fragment %d: took over version %d with its momentum (epoch %d)", self.fragment.index,
                  handed.version, self.epoch)
+        if handed.final:
+            self.hold_final(handed.version)
         if decision is not None:
             await self._apply(decision)
         return True
@@ -146,6 +148,20 @@ class OwnerSuccession:
             log.info("fragment %d: version %d is final", self.fragment.index, self.version)
         self.final_declared = (self.version, self.clock())
         return self.latest
+
+    def hold_final(self, version: int) -> None:
+        """Hold ``version`` final as the previous owner did (its handoff said so): learners that
+        ended their run took it from that owner, so work is refused here for the hold too."""
+        if version != self.version:
+            return
+        log.info("fragment %d: version %d was handed out as final by the previous owner; holding it final",
+                 self.fragment.index, version)
+        self.final_declared = (version, self.clock())
+
+    def holds_final(self) -> bool:
+        """Whether the latest version was handed out as final and the hold has not lapsed."""
+        return (self.final_declared is not None and self.final_declared[0] == self.version
+                and self.final_hold() is not None)
 
     def final_hold(self) -> str | None:
         """Why a contribution is refused now: a final version was handed out under ``FINAL_HOLD_S``

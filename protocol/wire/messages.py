@@ -233,7 +233,10 @@ class ReplicaState(Message):
     version the replica holds (``base_digest``): ``theta`` then carries the update's tensors, to
     be applied as learners apply a ``FragmentUpdate`` (``protocol.diloco.updates``). With
     ``base_version == version`` (and ``base_digest == digest``, no tensors) the state is the
-    one the replica holds under that version and digest already: a handoff by reference."""
+    one the replica holds under that version and digest already: a handoff by reference.
+    ``final``: the sender handed ``version`` out as final (learners ending their run took it and
+    left); the next owner holds it final too, refusing work for the final hold, or the swarm
+    ends on two models."""
 
     swarm: str
     fragment: int
@@ -246,6 +249,7 @@ class ReplicaState(Message):
     merged_bases: tuple[int, ...] = ()
     base_version: int = -1
     base_digest: bytes = b""
+    final: bool = False
 
     def _check(self) -> None:
         _name(self.swarm, "ReplicaState.swarm")

@@ -583,3 +583,77 @@ async def test_an_owner_whose_record_may_have_expired_does_not_publish() -> None
     node.record_published_at = time.monotonic() - (20.0 - LEASE_MARGIN_S) - 0.5
     reason = await node._replicate(0, state)
     assert reason is not None and reason.startswith("fenced: our member record") and node.lease_lapses == 1
+
+
+async def test_an_owner_handing_out_a_final_version_tells_its_replica_once() -> None:
+    """Should the owner die within the final hold, its replica takes the fragment over: it must
+    hold the version final too. The first final answer hands the replica a reference to the
+    version it holds, marked final (no tensors travel); later answers send nothing more."""
+    import asyncio
+
+    from tests.node.fakes import SWARM, FakeClock, flat_of, make_owner, shapes_of
+
+    replica, owner_node = _successor_and_retiring()
+    replica.replicas.swarm = SWARM  # the fake owner's
+    sent = _hand_in_memory(owner_node, replica)
+    model = tiny_model()
+    plan = tiny_plan(model)
+    owner = make_owner(plan, shapes_of(model, plan), 0, flat_of(model, plan, 0), FakeClock(), version=7)
+    owner_node.owners[0] = owner
+    assert replica.replicas.offer(signer(1).peer_id, owner.snapshot()).accepted  # handed before publishing
+    assert not replica.replicas.states[0].final
+    membership = FakeMembership(records={})
+    membership.ranked = lambda swarm, p, n, exclude: [(signer(2).peer_id, "http://127.0.0.1:2")]  # type: ignore[attr-defined]
+    owner_node.membership = membership  # type: ignore[assignment]
+    owner_node.expected_learners = lambda: 0  # type: ignore[method-assign]
+    owner_node.suspects = lambda: set()  # type: ignore[method-assign]
+    tasks: list[asyncio.Future[None]] = []
+
+    class Tasks:
+        def create_task(self, coro):  # type: ignore[no-untyped-def]
+            tasks.append(asyncio.ensure_future(coro))
+            return tasks[-1]
+
+    owner_node._tg = Tasks()  # type: ignore[assignment]
+    assert await owner_node._wait_final(owner, 1.0) is owner.latest
+    await asyncio.gather(*tasks)
+    assert [(s.version, s.final, s.theta, s.base_version) for s in sent] == [(7, True, (), 7)]  # by reference
+    held = replica.replicas.states[0]
+    assert held.final and held.version == 7 and held.digest == owner.digest_of(7)
+    assert await owner_node._wait_final(owner, 1.0) is owner.latest
+    await asyncio.gather(*tasks)
+    assert len(sent) == 1
+
+
+async def test_an_owner_started_from_a_state_handed_out_as_final_holds_it_final() -> None:
+    """The replica of an owner that died within its final hold starts owning from the handed
+    state: it refuses late work as the dead owner would have."""
+    import asyncio
+    import types
+
+    from node.diloco.replica import Handed
+    from tests.node.fakes import flat_of
+
+    model = tiny_model()
+    plan = tiny_plan(model)
+    node = PeerNode(RunConfig(max_tokens_per_step=64), signer(1), model, plan)
+    theta = flat_of(model, plan, 0)
+    tasks: list[asyncio.Task[None]] = []
+
+    class Tasks:
+        def create_task(self, coro):  # type: ignore[no-untyped-def]
+            tasks.append(asyncio.ensure_future(coro))
+            return tasks[-1]
+
+    node._tg = Tasks()  # type: ignore[assignment]
+    node.net = types.SimpleNamespace(latest={}, island_initial={0: theta, 1: flat_of(model, plan, 1)})  # type: ignore[assignment]
+    for final in (True, False):
+        node.replicas.states[0] = Handed(0, 1, 12, b"\x07" * 32, theta.clone(), None, signer(2).peer_id, {},
+                                         final=final)
+        node._start_owner(0)
+        owner = node.owners.pop(0)
+        assert owner.version == 12 and owner.holds_final() is final
+        assert (owner.final_hold() is not None) is final
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)

@@ -236,3 +236,55 @@ async def test_a_whole_fp32_handoff_is_known_to_hash_to_its_digest_from_the_dige
                          signer=signer(1), clock=clock, replicate=to_replica, download_codec="bf16")
     await _merge_one(bf16, clock, torch.linspace(-0.05, 0.05, theta0.numel()), shapes, A)
     assert handed[-1][1] is None
+
+
+async def test_a_version_handed_out_as_final_stays_final_with_the_successor() -> None:
+    """Seen in CI's chaos run: an owner handed version 106 out as final and two learners left with
+    it; then the fragment moved back to its restarted first owner, which took 106 over and merged
+    the flushes of the late learners into 107 and 108, declared final to the other two: the swarm
+    ended on two models. The handoff now says the version is final (on the wire), and the
+    successor refuses late work for the hold as its predecessor did; a handoff of a version never
+    handed out as final, or whose hold has lapsed, does not."""
+    from node.diloco.owner import FINAL_HOLD_S
+    from protocol.wire.decoding import decode
+
+    model = tiny_model()
+    plan, clock = tiny_plan(model), FakeClock()
+    shapes, theta0 = shapes_of(model, plan), flat_of(model, plan, 0)
+    delta = torch.linspace(-0.05, 0.05, theta0.numel())
+
+    async def hand_on(predecessor: FragmentOwner) -> FragmentOwner:
+        """Through the wire and a replica store, as a retiring owner's handoff reaches its successor."""
+        msg = decode(encode(predecessor.snapshot()).tobytes(), max_size=1 << 24)
+        assert isinstance(msg, ReplicaState)
+        store = ReplicaStore(SWARM, [theta0.numel(), 0])
+        successor = _owner(plan, shapes, clock, theta0, who=signer(2), epoch=1)
+        store.fence(0, successor.epoch, 0, successor.state().digest)
+        assert store.offer(signer(1).peer_id, msg, successor=True).accepted
+        assert await successor.take_over(store.states[0])
+        return successor
+
+    predecessor = _owner(plan, shapes, clock, theta0, who=signer(1))
+    await _merge_one(predecessor, clock, delta, shapes, A)
+    assert not predecessor.snapshot().final  # merged, never handed out as final
+    predecessor.declare_final()
+    clock.advance(2.0)
+    assert predecessor.snapshot().final
+    successor = await hand_on(predecessor)
+    assert successor.version == 1 and successor.holds_final()
+    late = await successor.contribute(C, contribution(delta, shapes[0], base_version=1, owner=successor))
+    assert not late.accepted and "version 1 was handed out as final" in late.reason
+    await successor.set_expected(1)
+    clock.advance(30.0)
+    await successor.tick()
+    assert successor.version == 1 and successor.digest_of(1) == predecessor.digest_of(1)  # one model
+
+    # a handoff of a version that was not handed out as final: the successor merges late work
+    fresh = _owner(plan, shapes, clock, theta0, who=signer(1))
+    await _merge_one(fresh, clock, delta, shapes, A)
+    taken = await hand_on(fresh)
+    assert not taken.holds_final()
+    assert (await taken.contribute(C, contribution(delta, shapes[0], base_version=1, owner=taken))).accepted
+    # nor once the predecessor's hold has lapsed (an idle swarm joined much later merges again)
+    clock.advance(FINAL_HOLD_S)
+    assert not predecessor.holds_final() and not predecessor.snapshot().final
