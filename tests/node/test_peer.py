@@ -3,6 +3,7 @@ its record, strangers refused without costing more than one rate-limited lookup.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import dataclasses
 
@@ -77,6 +78,25 @@ def _hand_in_memory(retiring: PeerNode, successor: PeerNode) -> list[ReplicaStat
 
     retiring._hand_to = hand_to  # type: ignore[method-assign]
     return sent
+
+
+class _Tasks:
+    """Stands in for the node's task group: runs what it is given and keeps it."""
+
+    def __init__(self) -> None:
+        self.tasks: list[asyncio.Future[None]] = []
+
+    def create_task(self, coro):  # type: ignore[no-untyped-def]
+        self.tasks.append(asyncio.ensure_future(coro))
+        return self.tasks[-1]
+
+    async def done(self) -> None:
+        await asyncio.gather(*self.tasks)
+
+    async def cancel(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
 
 
 async def test_a_new_member_is_admitted_after_one_lookup() -> None:
@@ -589,7 +609,6 @@ async def test_an_owner_handing_out_a_final_version_tells_its_replica_once() -> 
     """Should the owner die within the final hold, its replica takes the fragment over: it must
     hold the version final too. The first final answer hands the replica a reference to the
     version it holds, marked final (no tensors travel); later answers send nothing more."""
-    import asyncio
 
     from tests.node.fakes import SWARM, FakeClock, flat_of, make_owner, shapes_of
 
@@ -607,28 +626,21 @@ async def test_an_owner_handing_out_a_final_version_tells_its_replica_once() -> 
     owner_node.membership = membership  # type: ignore[assignment]
     owner_node.expected_learners = lambda: 0  # type: ignore[method-assign]
     owner_node.suspects = lambda: set()  # type: ignore[method-assign]
-    tasks: list[asyncio.Future[None]] = []
-
-    class Tasks:
-        def create_task(self, coro):  # type: ignore[no-untyped-def]
-            tasks.append(asyncio.ensure_future(coro))
-            return tasks[-1]
-
-    owner_node._tg = Tasks()  # type: ignore[assignment]
+    tasks = _Tasks()
+    owner_node._tg = tasks  # type: ignore[assignment]
     assert await owner_node._wait_final(owner, 1.0) is owner.latest
-    await asyncio.gather(*tasks)
+    await tasks.done()
     assert [(s.version, s.final, s.theta, s.base_version) for s in sent] == [(7, True, (), 7)]  # by reference
     held = replica.replicas.states[0]
     assert held.final and held.version == 7 and held.digest == owner.digest_of(7)
     assert await owner_node._wait_final(owner, 1.0) is owner.latest
-    await asyncio.gather(*tasks)
+    await tasks.done()
     assert len(sent) == 1
 
 
 async def test_an_owner_started_from_a_state_handed_out_as_final_holds_it_final() -> None:
     """The replica of an owner that died within its final hold starts owning from the handed
     state: it refuses late work as the dead owner would have."""
-    import asyncio
     import types
 
     from node.diloco.replica import Handed
@@ -638,14 +650,8 @@ async def test_an_owner_started_from_a_state_handed_out_as_final_holds_it_final(
     plan = tiny_plan(model)
     node = PeerNode(RunConfig(max_tokens_per_step=64), signer(1), model, plan)
     theta = flat_of(model, plan, 0)
-    tasks: list[asyncio.Task[None]] = []
-
-    class Tasks:
-        def create_task(self, coro):  # type: ignore[no-untyped-def]
-            tasks.append(asyncio.ensure_future(coro))
-            return tasks[-1]
-
-    node._tg = Tasks()  # type: ignore[assignment]
+    tasks = _Tasks()
+    node._tg = tasks  # type: ignore[assignment]
     node.net = types.SimpleNamespace(latest={}, island_initial={0: theta, 1: flat_of(model, plan, 1)})  # type: ignore[assignment]
     for final in (True, False):
         node.replicas.states[0] = Handed(0, 1, 12, b"\x07" * 32, theta.clone(), None, signer(2).peer_id, {},
@@ -654,6 +660,4 @@ async def test_an_owner_started_from_a_state_handed_out_as_final_holds_it_final(
         owner = node.owners.pop(0)
         assert owner.version == 12 and owner.holds_final() is final
         assert (owner.final_hold() is not None) is final
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+    await tasks.cancel()
