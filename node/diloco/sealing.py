@@ -93,18 +93,19 @@ class VersionSealing:
 
     def _replica_state(self, version: int, digest: bytes, theta: torch.Tensor,
                        buffer: torch.Tensor | None, merged: Mapping[bytes, int], *,
-                       known_finite: bool = False) -> ReplicaState:
-        """``known_finite``: ``theta`` and ``buffer`` were checked for NaN/Inf when made (a merge's)."""
+                       known_finite: bool = False, final: bool = False) -> ReplicaState:
+        """``known_finite``: ``theta`` and ``buffer`` were checked for NaN/Inf when made (a merge's);
+        ``final``: the version was handed out as final (``ReplicaState.final``)."""
         return encode_state(swarm=self.swarm, fragment=self.fragment.index, epoch=self.epoch, version=version,
-                            digest=digest, theta=theta, momentum=buffer, merged=merged, known_finite=known_finite)
+                            digest=digest, theta=theta, momentum=buffer, merged=merged, known_finite=known_finite,
+                            final=final)
 
     def snapshot(self) -> ReplicaState:
         """The whole state at the latest version (handed to the successor when retiring), marked
         final while this owner holds that version final (``holds_final``)."""
         digest = self.digest_of(self.version)
-        return encode_state(swarm=self.swarm, fragment=self.fragment.index, epoch=self.epoch, version=self.version,
-                            digest=digest, theta=self.theta, momentum=self.buffer, merged=dict(self._merged_base),
-                            final=self.holds_final())
+        return self._replica_state(self.version, digest, self.theta, self.buffer, dict(self._merged_base),
+                                   final=self.holds_final())
 
     def state(self) -> Handed:
         """The whole state at the latest version, as held (for an owner checkpoint)."""
