@@ -240,13 +240,8 @@ async def test_a_replica_hands_its_state_to_a_successor_it_refused() -> None:
     async def record(p: int, target: tuple[bytes, str], state: ReplicaState) -> None:
         handed.append((p, target, state))
 
-    class Tasks:
-        def create_task(self, coro):  # type: ignore[no-untyped-def]
-            return asyncio.ensure_future(coro)
-
-    import asyncio
     node._hand_on = record  # type: ignore[method-assign]
-    node._tg = Tasks()  # type: ignore[assignment]
+    node._tg = _Tasks()  # type: ignore[assignment]
     successor = signer(5).peer_id
 
     def refused(version: int, epoch: int) -> ReplicaState:
@@ -609,7 +604,6 @@ async def test_an_owner_handing_out_a_final_version_tells_its_replica_once() -> 
     """Should the owner die within the final hold, its replica takes the fragment over: it must
     hold the version final too. The first final answer hands the replica a reference to the
     version it holds, marked final (no tensors travel); later answers send nothing more."""
-
     from tests.node.fakes import SWARM, FakeClock, flat_of, make_owner, shapes_of
 
     replica, owner_node = _successor_and_retiring()
