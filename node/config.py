@@ -50,6 +50,7 @@ class RunConfig:
     batch_size: int = 16
     lr: float = 6e-3  # bench.quality: -5.3 % eval loss against 3e-3 at M = 4 (docs/benchmarks.md, Quality); 4e-3 at H = 200: the same (docs/results.md)
     warmup_steps: int = 50
+    min_lr_ratio: float = 0.1  # the cosine ends at lr * this
     weight_decay: float = 0.1
     threads: int = 1
     device: str = "cpu"
@@ -161,6 +162,8 @@ class RunConfig:
             problems.append(f"--hold-versions must be 0 or 1, got {self.hold_versions}")
         if self.sync_growth not in GROWTHS:
             problems.append(f"--sync-growth must be {_one_of(GROWTHS)}, got {self.sync_growth!r}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            problems.append(f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.final_flush not in (-1, 0, 1):
             problems.append(f"--final-flush must be -1 (auto), 0 or 1, got {self.final_flush}")
         if self.ship_before_adopt < 0:
@@ -273,6 +276,7 @@ _HELP = {
     "batch_size": "sequences per inner step per island",
     "lr": "inner AdamW learning rate",
     "warmup_steps": "inner learning-rate warmup steps",
+    "min_lr_ratio": "the inner learning rate's cosine ends at lr times this",
     "weight_decay": "inner AdamW weight decay",
     "threads": "torch threads per peer",
     "device": "cpu or cuda",
