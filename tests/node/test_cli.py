@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
@@ -161,3 +162,15 @@ def test_the_launcher_makes_its_swarm_without_torch(tmp_path) -> None:
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == ("1024 ['authority.key', 'founder.key', 'peer0.cert', 'peer0.key', 'peer1.cert', "
                                   "'peer1.key', 'swarm.toml'] False"), out
+
+
+def test_the_inner_learning_rate_floor_reaches_every_island_and_the_baseline() -> None:
+    from node.diloco.inner import lr_at
+    from node.workload.baseline import train_config_for
+
+    tcfg = train_config_for(RunConfig(min_lr_ratio=0.0, steps=1000, lr=1e-3))
+    assert tcfg.min_lr_ratio == 0.0 and lr_at(999, tcfg) < 1e-8 < lr_at(500, tcfg)
+    assert train_config_for(RunConfig()).min_lr_ratio == 0.1
+    for bad in (-0.1, 1.5, math.nan):
+        with pytest.raises(ValueError, match="--min-lr-ratio must be in"):
+            RunConfig(min_lr_ratio=bad)
