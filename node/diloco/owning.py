@@ -81,6 +81,9 @@ class OwnedFragments:
         async def _wait_final(self, owner: FragmentOwner, wait_s: float) -> object:
             ...
 
+        def _final_declared(self, owner: FragmentOwner) -> None:
+            ...
+
     async def _reconcile_owners(self) -> None:
         now = time.monotonic()
         for p in range(len(self.plan.fragments)):
@@ -146,7 +149,7 @@ class OwnedFragments:
             update_codec=None if self.cfg.update_codec == "none" else self.cfg.update_codec,
             block_size=self.cfg.block_size,
             replicate=functools.partial(self._replicate, p), merged=merged,
-            on_publish=self._published,
+            on_publish=self._published, on_final=self._final_declared,
             event_log=(self.event_log_dir / f"fragment{p}-epoch{epoch}-v{version}-{time.time_ns()}.jsonl"
                        if self.event_log_dir is not None else None),
         )

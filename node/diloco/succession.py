@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -52,6 +52,7 @@ class OwnerSuccession:
     clock: Callable[[], float]
     retired: bool
     final_declared: tuple[int, float] | None
+    on_final: Callable[[Any], None] | None  # called with the FragmentOwner
     _merged_base: dict[bytes, int]
     _changed: asyncio.Condition
     _retired_event: asyncio.Event
@@ -144,9 +145,12 @@ class OwnerSuccession:
     def declare_final(self) -> Sealed:
         """The latest version, handed out as final (call when ``idle`` and no learner is left):
         contributions are refused for ``FINAL_HOLD_S`` after (``final_hold``)."""
+        newly = not self.holds_final()
         if self.final_declared is None or self.final_declared[0] != self.version:
             log.info("fragment %d: version %d is final", self.fragment.index, self.version)
         self.final_declared = (self.version, self.clock())
+        if newly:
+            self._held_final()
         return self.latest
 
     def hold_final(self, version: int) -> None:
@@ -156,7 +160,16 @@ class OwnerSuccession:
             return
         log.info("fragment %d: version %d was handed out as final by the previous owner; holding it final",
                  self.fragment.index, version)
+        newly = not self.holds_final()
         self.final_declared = (version, self.clock())
+        if newly:
+            self._held_final()
+
+    def _held_final(self) -> None:
+        """The latest version is newly held final: tell ``on_final`` (the node hands that on to
+        the fragment's replica, so a replica taking over within the hold holds it final too)."""
+        if self.on_final is not None:
+            self.on_final(self)
 
     def holds_final(self) -> bool:
         """Whether the latest version was handed out as final and the hold has not lapsed."""

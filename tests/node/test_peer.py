@@ -612,6 +612,7 @@ async def test_an_owner_handing_out_a_final_version_tells_its_replica_once() -> 
     model = tiny_model()
     plan = tiny_plan(model)
     owner = make_owner(plan, shapes_of(model, plan), 0, flat_of(model, plan, 0), FakeClock(), version=7)
+    owner.on_final = owner_node._final_declared  # as _start_owner wires it
     owner_node.owners[0] = owner
     assert replica.replicas.offer(signer(1).peer_id, owner.snapshot()).accepted  # handed before publishing
     assert not replica.replicas.states[0].final
@@ -647,6 +648,8 @@ async def test_an_owner_started_from_a_state_handed_out_as_final_holds_it_final(
     tasks = _Tasks()
     node._tg = tasks  # type: ignore[assignment]
     node.net = types.SimpleNamespace(latest={}, island_initial={0: theta, 1: flat_of(model, plan, 1)})  # type: ignore[assignment]
+    told: list[int] = []
+    node._final_declared = lambda owner: told.append(owner.version)  # type: ignore[method-assign]
     for final in (True, False):
         node.replicas.states[0] = Handed(0, 1, 12, b"\x07" * 32, theta.clone(), None, signer(2).peer_id, {},
                                          final=final)
@@ -654,4 +657,5 @@ async def test_an_owner_started_from_a_state_handed_out_as_final_holds_it_final(
         owner = node.owners.pop(0)
         assert owner.version == 12 and owner.holds_final() is final
         assert (owner.final_hold() is not None) is final
+    assert told == [12]  # it tells its own replica in turn, so a chain of takeovers keeps the hold
     await tasks.cancel()
