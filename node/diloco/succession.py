@@ -56,6 +56,7 @@ class OwnerSuccession:
     _merged_base: dict[bytes, int]
     _changed: asyncio.Condition
     _retired_event: asyncio.Event
+    _wake: asyncio.Event
 
     if TYPE_CHECKING:  # FragmentOwner's and VersionSealing's
         @property
@@ -116,7 +117,11 @@ class OwnerSuccession:
             log.warning("fragment %d: handed version %d does not hash to its digest; not taken",
                         self.fragment.index, handed.version)
             return False
-        decision = self.merger.rebase(handed.version, now=self.clock()) if handed.version > self.version else None
+        now = self.clock()
+        if handed.final and self.merger.count:  # late work: the predecessor's learners left without it
+            self.merger.drop_round(f"version {handed.version} was handed out as final by the previous owner",
+                                   now=now)
+        decision = self.merger.rebase(handed.version, now=now) if handed.version > self.version else None
         self.theta, self.version, self.latest = theta, handed.version, latest
         self.update, self.residual = None, None  # the residual is not handed over: it starts at zero
         self.buffer = None if handed.momentum is None else handed.momentum.detach().float().clone()
@@ -133,9 +138,21 @@ class OwnerSuccession:
                  handed.version, self.epoch)
         if handed.final:
             self.hold_final(handed.version)
-        if decision is not None:
-            await self._apply(decision)
+        released = self.merger.hold_until(now, now=now)  # the predecessor's state is in: merge freely
+        await self._apply(decision if decision is not None and decision.kind == "merge" else released)
         return True
+
+    def hold_first_merge(self, seconds: float) -> None:
+        """Merge nothing for ``seconds`` unless the previous owner's state comes first (a handoff,
+        ``take_over``, releases the hold). A new owner whose predecessor may still be alive calls
+        this before any contribution: merging first would make a version the predecessor's
+        learners never see, and at the end of a run fork the swarm off a version it handed out
+        as final. Contributions are accepted meanwhile and merge once the hold ends."""
+        if self.merges_done or self.merger.phase is Phase.MERGING:
+            return
+        now = self.clock()
+        self.merger.hold_until(now + seconds, now=now)  # setting a hold never merges
+        self._wake.set()
 
     # --- the end of a run, and of this term ------------------------------------------------------
     def idle(self) -> bool:
