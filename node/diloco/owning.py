@@ -160,10 +160,11 @@ class OwnedFragments:
         self.replicas.fence(p, epoch, version, owner.digest_of(version))
         previous = (self.membership.owner_of(self.cfg.swarm, p, exclude={self.signer.peer_id, *self.suspects()})
                     if self.membership else None)
-        if previous is not None and not from_handoff:
+        if previous is not None and not from_handoff and version > 0:
             # we displace a live owner (we came back, say): it hands us its state as it retires,
             # maybe a version it handed out as final. Merge nothing before. (A replica taking
-            # over from a dead owner starts from its last state, handed before it was published.)
+            # over from a dead owner starts from its last state, handed before it was published;
+            # at a swarm's start nobody has merged anything to hand over.)
             owner.hold_first_merge(CATCH_UP_S)
         self.owners[p] = owner
         self._owner_tasks[p] = self._tg.create_task(self._run_owner(owner, previous))

@@ -665,7 +665,7 @@ async def test_an_owner_that_displaces_a_live_one_holds_its_first_merge_and_a_fa
     """A peer that comes back and takes its fragment back from the live owner that stood in
     starts from the version it holds: it merges nothing until that owner's handoff (or
     ``CATCH_UP_S``). A replica taking over from a dead owner starts from the state that owner
-    handed it before publishing, and merges at once."""
+    handed it before publishing, and merges at once; so does every owner at a swarm's start."""
     import types
 
     from node.diloco.owning import CATCH_UP_S
@@ -690,4 +690,8 @@ async def test_an_owner_that_displaces_a_live_one_holds_its_first_merge_and_a_fa
     node.replicas.states[0] = Handed(0, 1, 5, owner.digest_of(5), theta.clone(), None, signer(2).peer_id, {})
     node._start_owner(0)
     assert node.owners.pop(0).merger.held_until is None  # from the dead owner's handoff
+    node.replicas.states.clear()
+    node.net.latest.clear()  # type: ignore[attr-defined]
+    node._start_owner(0)
+    assert node.owners.pop(0).merger.held_until is None  # a swarm's start: nothing merged to hand over
     await tasks.cancel()
