@@ -181,6 +181,12 @@ class LoggedMerger:
     def rebase(self, version: int, *, now: float) -> Decision:
         return self._log({"kind": "rebase", "version": version, "now": now}, self.merger.rebase(version, now=now))
 
+    def hold_until(self, until: float, *, now: float) -> Decision:
+        return self._log({"kind": "hold", "until": until, "now": now}, self.merger.hold_until(until, now=now))
+
+    def drop_round(self, reason: str, *, now: float) -> Decision:
+        return self._log({"kind": "drop", "reason": reason, "now": now}, self.merger.drop_round(reason, now=now))
+
     def note_version(self, version: int, digest: bytes) -> None:
         """The content digest of a version this owner published (or took over)."""
         self._write({"kind": "version", "version": version, "digest": digest.hex()})

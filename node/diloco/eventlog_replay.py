@@ -251,7 +251,7 @@ def replay(path: Path) -> ReplayResult:
     return result
 
 
-_EVENTS = ("contribution", "tick", "expect", "published", "merge_failed", "rebase")
+_EVENTS = ("contribution", "tick", "expect", "published", "merge_failed", "rebase", "hold", "drop")
 # what a damaged record makes the replay raise: checked fields say what is wrong themselves; the
 # rest (a merger refusing an event, a payload that does not fit) is named with the line
 _DAMAGE = (ValueError, TypeError, KeyError, IndexError, OverflowError, RuntimeError, LocalProtocolError,
@@ -356,6 +356,13 @@ class _Replay:
             if not isinstance(reason, str) or not isinstance(discard, list):
                 raise ValueError("reason must be a string and discard a list of peer ids")
             d = merger.on_merge_failed(reason, now=now, discard=[_peer(p, "discard") for p in discard])
+        elif kind == "hold":
+            d = merger.hold_until(_finite(rec, "until"), now=now)
+        elif kind == "drop":
+            reason = rec.get("reason")
+            if not isinstance(reason, str):
+                raise ValueError(f"reason is {_kind(reason)}, not a string")
+            d = merger.drop_round(reason, now=now)
         else:  # rebase
             d = merger.rebase(_uint(rec, "version"), now=now)
         self.result.decisions += 1

@@ -138,6 +138,7 @@ class FragmentOwner(ContributionIntake, VersionSealing, OwnerSuccession):
         momentum: torch.Tensor | None = None,
         replicate: Callable[[ReplicaState, ReplicaState | None, bytes | None], Awaitable[str | None]] | None = None,
         on_publish: Callable[[int, int, bytes], None] | None = None,
+        on_final: Callable[[FragmentOwner], None] | None = None,
         event_log: Path | None = None,
         merged: Mapping[bytes, int] | None = None,
     ) -> None:
@@ -147,12 +148,14 @@ class FragmentOwner(ContributionIntake, VersionSealing, OwnerSuccession):
         published (and the same state as an update over the version before, when there is one,
         and the BLAKE3 of the state's fp32 bytes when its seal computed that already), returning None when a replica took it (or none can) and the reason when this owner has
         been replaced ("fenced: ..."), after which it stops publishing and retires;
+        ``on_final``: called with this owner the first time its latest version is held final
+        (handed out as final here, or taken over as final from the previous owner);
         ``merged``: per sender, the newest base version of its work merged into ``initial`` (taken
         over with it), so that work is refused if it is sent again; ``update_codec``: also publish
         each version as an update over the one before, compressed with it (see
         ``protocol.diloco.updates``; the full versions are then fp32, ``download_codec`` none)."""
         self.clock, self.wall_clock = clock, wall_clock
-        self.epoch, self.replicate, self.on_publish = epoch, replicate, on_publish
+        self.epoch, self.replicate, self.on_publish, self.on_final = epoch, replicate, on_publish, on_final
         self.fenced: str | None = None
         self.swarm, self.fragment, self.shapes = swarm, fragment, list(shapes)
         self.theta = initial.detach().float().clone()  # [numel_p] fp32

@@ -81,6 +81,9 @@ class OwnedFragments:
         async def _wait_final(self, owner: FragmentOwner, wait_s: float) -> object:
             ...
 
+        def _final_declared(self, owner: FragmentOwner) -> None:
+            ...
+
     async def _reconcile_owners(self) -> None:
         now = time.monotonic()
         for p in range(len(self.plan.fragments)):
@@ -136,7 +139,9 @@ class OwnedFragments:
         version, flat = self.net.latest.get(p, (0, self.net.island_initial[p]))
         held, handed = self.replicas.held.get(p), self.replicas.states.get(p)
         epoch, momentum, merged = (held.epoch + 1 if held else 0), None, None
+        from_handoff = False
         if handed is not None and handed.version >= version:
+            from_handoff = True
             version, flat, momentum, merged = handed.version, handed.theta, handed.momentum, handed.merged
             log.info("fragment %d: taking over version %d (epoch %d) with its momentum", p, version, handed.epoch)
         owner = FragmentOwner(
@@ -146,7 +151,7 @@ class OwnedFragments:
             update_codec=None if self.cfg.update_codec == "none" else self.cfg.update_codec,
             block_size=self.cfg.block_size,
             replicate=functools.partial(self._replicate, p), merged=merged,
-            on_publish=self._published,
+            on_publish=self._published, on_final=self._final_declared,
             event_log=(self.event_log_dir / f"fragment{p}-epoch{epoch}-v{version}-{time.time_ns()}.jsonl"
                        if self.event_log_dir is not None else None),
         )
@@ -155,6 +160,12 @@ class OwnedFragments:
         self.replicas.fence(p, epoch, version, owner.digest_of(version))
         previous = (self.membership.owner_of(self.cfg.swarm, p, exclude={self.signer.peer_id, *self.suspects()})
                     if self.membership else None)
+        if previous is not None and not from_handoff and version > 0:
+            # we displace a live owner (we came back, say): it hands us its state as it retires,
+            # maybe a version it handed out as final. Merge nothing before. (A replica taking
+            # over from a dead owner starts from its last state, handed before it was published;
+            # at a swarm's start nobody has merged anything to hand over.)
+            owner.hold_first_merge(CATCH_UP_S)
         self.owners[p] = owner
         self._owner_tasks[p] = self._tg.create_task(self._run_owner(owner, previous))
         log.info("fragment %d: now the owner, from version %d", p, version)

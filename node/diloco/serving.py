@@ -97,9 +97,6 @@ class VersionServing:
     def finished_learners(self) -> int:
         raise NotImplementedError
 
-    def _final_declared(self, owner: FragmentOwner) -> None:
-        raise NotImplementedError
-
     @staticmethod
     def _fragment_index(request: web.Request) -> int:
         text = request.match_info["p"]
@@ -219,11 +216,7 @@ class VersionServing:
         read_at = time.monotonic()
         while time.monotonic() < deadline and not owner.retired:
             if self.expected_learners() == 0 and owner.idle():
-                newly = not owner.holds_final()
-                sealed = owner.declare_final()
-                if newly:
-                    self._final_declared(owner)
-                return sealed
+                return owner.declare_final()  # the first time, its on_final tells the replica
             await owner.set_expected(self.expected_learners(), self.finished_learners())
             await asyncio.sleep(0.1)
             if self.membership is not None and time.monotonic() - read_at >= FINAL_READ_S:

@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -52,9 +52,11 @@ class OwnerSuccession:
     clock: Callable[[], float]
     retired: bool
     final_declared: tuple[int, float] | None
+    on_final: Callable[[Any], None] | None  # called with the FragmentOwner
     _merged_base: dict[bytes, int]
     _changed: asyncio.Condition
     _retired_event: asyncio.Event
+    _wake: asyncio.Event
 
     if TYPE_CHECKING:  # FragmentOwner's and VersionSealing's
         @property
@@ -115,7 +117,11 @@ class OwnerSuccession:
             log.warning("fragment %d: handed version %d does not hash to its digest; not taken",
                         self.fragment.index, handed.version)
             return False
-        decision = self.merger.rebase(handed.version, now=self.clock()) if handed.version > self.version else None
+        now = self.clock()
+        if handed.final and self.merger.count:  # late work: the predecessor's learners left without it
+            self.merger.drop_round(f"version {handed.version} was handed out as final by the previous owner",
+                                   now=now)
+        decision = self.merger.rebase(handed.version, now=now) if handed.version > self.version else None
         self.theta, self.version, self.latest = theta, handed.version, latest
         self.update, self.residual = None, None  # the residual is not handed over: it starts at zero
         self.buffer = None if handed.momentum is None else handed.momentum.detach().float().clone()
@@ -132,9 +138,21 @@ class OwnerSuccession:
                  handed.version, self.epoch)
         if handed.final:
             self.hold_final(handed.version)
-        if decision is not None:
-            await self._apply(decision)
+        released = self.merger.hold_until(now, now=now)  # the predecessor's state is in: merge freely
+        await self._apply(decision if decision is not None and decision.kind == "merge" else released)
         return True
+
+    def hold_first_merge(self, seconds: float) -> None:
+        """Merge nothing for ``seconds`` unless the previous owner's state comes first (a handoff,
+        ``take_over``, releases the hold). A new owner whose predecessor may still be alive calls
+        this before any contribution: merging first would make a version the predecessor's
+        learners never see, and at the end of a run fork the swarm off a version it handed out
+        as final. Contributions are accepted meanwhile and merge once the hold ends."""
+        if self.merges_done or self.merger.phase is Phase.MERGING:
+            return
+        now = self.clock()
+        self.merger.hold_until(now + seconds, now=now)  # setting a hold never merges
+        self._wake.set()
 
     # --- the end of a run, and of this term ------------------------------------------------------
     def idle(self) -> bool:
@@ -144,9 +162,12 @@ class OwnerSuccession:
     def declare_final(self) -> Sealed:
         """The latest version, handed out as final (call when ``idle`` and no learner is left):
         contributions are refused for ``FINAL_HOLD_S`` after (``final_hold``)."""
+        newly = not self.holds_final()
         if self.final_declared is None or self.final_declared[0] != self.version:
             log.info("fragment %d: version %d is final", self.fragment.index, self.version)
         self.final_declared = (self.version, self.clock())
+        if newly:
+            self._held_final()
         return self.latest
 
     def hold_final(self, version: int) -> None:
@@ -156,7 +177,16 @@ class OwnerSuccession:
             return
         log.info("fragment %d: version %d was handed out as final by the previous owner; holding it final",
                  self.fragment.index, version)
+        newly = not self.holds_final()
         self.final_declared = (version, self.clock())
+        if newly:
+            self._held_final()
+
+    def _held_final(self) -> None:
+        """The latest version is newly held final: tell ``on_final`` (the node hands that on to
+        the fragment's replica, so a replica taking over within the hold holds it final too)."""
+        if self.on_final is not None:
+            self.on_final(self)
 
     def holds_final(self) -> bool:
         """Whether the latest version was handed out as final and the hold has not lapsed."""

@@ -14,6 +14,8 @@ collects contributions for the round that produces ``v + 1``; a contribution's s
                                   retry after a delay)
     COLLECTING / GRACE --rebase(v')--> same phase at version v' > v (a new owner catching up with
                                   its predecessor's newer version keeps what it already accepted)
+    COLLECTING / GRACE --a close while held (hold_until)--> GRACE until the hold ends or is released
+    COLLECTING / GRACE --drop_round--> COLLECTING with no contributions (the version went final)
     GRACE --set_expected raises the effective quorum above the count--> COLLECTING
 
 The rules it applies live beside it: ``merge_quorum`` (effective quorum, grace window length),
@@ -99,6 +101,16 @@ class _Rebase:
 
 
 @dataclass(frozen=True, slots=True)
+class _Hold:
+    until: float
+
+
+@dataclass(frozen=True, slots=True)
+class _Drop:
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class _MergeFailed:
     reason: str
     discard: frozenset[bytes]
@@ -126,6 +138,8 @@ class FragmentMerger:
         self._rates: list[float] = []  # clipped norms per step of recently merged contributions
         self._closing_rates: list[float] = []  # of the merge in progress, kept on publish
         self._round_share = 0  # the largest share-of-learners quorum of the round open (0: none)
+        self._hold: float | None = None  # no round closes before this (``hold_until``)
+        self._grace_due: float | None = None  # when GRACE would close without the hold
 
     # -- events ------------------------------------------------------------------------------
 
@@ -172,6 +186,23 @@ class FragmentMerger:
             raise LocalProtocolError(f"rebase to version {version}, not above the held {self.version}")
         return self._dispatch(_Rebase(version), now)
 
+    def hold_until(self, until: float, *, now: float) -> Decision:
+        """Close no round before ``until``; ``until <= now`` releases the hold at once.
+
+        A new owner holds its first merge while its predecessor's state may still come (the
+        predecessor hands it over as it retires): merging first would make a version the
+        predecessor's learners never see. Contributions are accepted meanwhile; a round that
+        would close waits in GRACE with the hold's end as its deadline, and closes then (or
+        when the hold is released)."""
+        if not math.isfinite(until):
+            raise LocalProtocolError(f"hold must end at a finite time, got {until}")
+        return self._dispatch(_Hold(until), now)
+
+    def drop_round(self, reason: str, *, now: float) -> Decision:
+        """Drop every contribution of the open round, not merged (``reason`` says why): the
+        version it would follow was handed out as final elsewhere, and merging would fork it."""
+        return self._dispatch(_Drop(reason), now)
+
     # -- queries -----------------------------------------------------------------------------
 
     def deadline(self) -> float | None:
@@ -187,6 +218,11 @@ class FragmentMerger:
     def quorum(self) -> int:
         """The effective quorum now: K, or fewer while fewer learners are expected (see above)."""
         return self._quorum()[0]
+
+    @property
+    def held_until(self) -> float | None:
+        """When the hold set by ``hold_until`` ends (None: no hold now)."""
+        return self._hold if self._hold is not None and self._hold > self._now else None
 
     @property
     def quorum_time(self) -> float | None:
@@ -295,7 +331,8 @@ class FragmentMerger:
             return self._decide("wait", f"{reason}; waiting for quorum {k}{note}")
         self._reopen(Phase.GRACE, opened_at=self._opened_at)
         self._quorum_at = self._now
-        self._deadline = self._now + min(self.config.retry_s, self.config.grace_cap_s)
+        self._grace_due = self._now + min(self.config.retry_s, self.config.grace_cap_s)
+        self._deadline = self._held_deadline(self._grace_due)
         if self._deadline <= self._now:
             return self._close(f"{reason}; retrying now", False)
         return self._decide("wait", f"{reason}; retry in {self._deadline - self._now:.2f} s")
@@ -313,6 +350,28 @@ class FragmentMerger:
             self._first_at = None
         return self._settle(False, f"rebased from version {old} to {ev.version}; {len(kept)} kept, "
                                    f"{dropped} dropped as stale beyond {bound}")
+
+    def _hold_rounds(self, ev: _Hold) -> Decision:
+        self._hold = ev.until if ev.until > self._now else None
+        if self.phase is Phase.GRACE and self._grace_due is not None:
+            self._deadline = self._held_deadline(self._grace_due)
+        if self._hold is None:
+            return self._settle(False, "hold released")
+        return self._settle(False, f"rounds held for {ev.until - self._now:.2f} s")
+
+    def _held_deadline(self, due: float) -> float:
+        """A GRACE deadline ``due``, moved to the hold's end while the hold lasts."""
+        return due if self._hold is None or self._hold <= self._now else max(due, self._hold)
+
+    def _hold_merging(self, ev: _Hold) -> Decision:
+        self._hold = ev.until if ev.until > self._now else None
+        return self._decide("wait", f"merge for version {self.version} in progress")
+
+    def _drop(self, ev: _Drop) -> Decision:
+        dropped = len(self._entries)
+        self._entries, self._first_at, self._round_share = [], None, 0
+        self._reopen(Phase.COLLECTING, opened_at=self._now)
+        return self._decide("wait", f"{dropped} contributions dropped, not merged: {ev.reason}")
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -362,11 +421,19 @@ class FragmentMerger:
         xi_quorum = self._now - (self._opened_at if self._first_at is None else self._first_at)
         wait = grace_window(self.config, xi_step=self.step_time_estimate(), xi_quorum=xi_quorum,
                             xi_sync=self.sync_time_estimate())
-        self.phase, self._quorum_at, self._deadline = Phase.GRACE, self._now, self._now + wait
+        self.phase, self._quorum_at, self._grace_due = Phase.GRACE, self._now, self._now + wait
+        self._deadline = self._held_deadline(self._grace_due)
         return wait
 
     def _close(self, reason: str, accepted: bool) -> Decision:
-        self.phase, self._deadline = Phase.MERGING, None
+        if self._hold is not None and self._now < self._hold:
+            self.phase, self._grace_due, self._deadline = Phase.GRACE, self._now, self._hold
+            if self._quorum_at is None:
+                self._quorum_at = self._now
+            return self._decide("accept" if accepted else "wait",
+                                f"{reason}; held {self._hold - self._now:.2f} s more (the previous "
+                                f"owner's state may still come)", accepted=accepted)
+        self.phase, self._deadline, self._grace_due = Phase.MERGING, None, None
         n, share = len(self._entries), self._round_share
         scale = n / share if n < share else 1.0
         if scale < 1.0:
@@ -383,7 +450,7 @@ class FragmentMerger:
 
     def _reopen(self, phase: Phase, *, opened_at: float) -> None:
         self.phase, self._opened_at = phase, opened_at
-        self._quorum_at = self._deadline = None
+        self._quorum_at = self._deadline = self._grace_due = None
 
     def _tally(self) -> str:
         n = len(self._entries)
@@ -410,4 +477,9 @@ _TABLE: dict[tuple[Phase, type], Callable[[FragmentMerger, Any], Decision]] = {
     (_M, _MergeFailed): FragmentMerger._merge_failed,
     (_C, _Rebase): FragmentMerger._rebase,
     (_G, _Rebase): FragmentMerger._rebase,
+    (_C, _Hold): FragmentMerger._hold_rounds,
+    (_G, _Hold): FragmentMerger._hold_rounds,
+    (_M, _Hold): FragmentMerger._hold_merging,
+    (_C, _Drop): FragmentMerger._drop,
+    (_G, _Drop): FragmentMerger._drop,
 }

@@ -612,6 +612,7 @@ async def test_an_owner_handing_out_a_final_version_tells_its_replica_once() -> 
     model = tiny_model()
     plan = tiny_plan(model)
     owner = make_owner(plan, shapes_of(model, plan), 0, flat_of(model, plan, 0), FakeClock(), version=7)
+    owner.on_final = owner_node._final_declared  # as _start_owner wires it
     owner_node.owners[0] = owner
     assert replica.replicas.offer(signer(1).peer_id, owner.snapshot()).accepted  # handed before publishing
     assert not replica.replicas.states[0].final
@@ -647,6 +648,8 @@ async def test_an_owner_started_from_a_state_handed_out_as_final_holds_it_final(
     tasks = _Tasks()
     node._tg = tasks  # type: ignore[assignment]
     node.net = types.SimpleNamespace(latest={}, island_initial={0: theta, 1: flat_of(model, plan, 1)})  # type: ignore[assignment]
+    told: list[int] = []
+    node._final_declared = lambda owner: told.append(owner.version)  # type: ignore[method-assign]
     for final in (True, False):
         node.replicas.states[0] = Handed(0, 1, 12, b"\x07" * 32, theta.clone(), None, signer(2).peer_id, {},
                                          final=final)
@@ -654,4 +657,41 @@ async def test_an_owner_started_from_a_state_handed_out_as_final_holds_it_final(
         owner = node.owners.pop(0)
         assert owner.version == 12 and owner.holds_final() is final
         assert (owner.final_hold() is not None) is final
+    assert told == [12]  # it tells its own replica in turn, so a chain of takeovers keeps the hold
+    await tasks.cancel()
+
+
+async def test_an_owner_that_displaces_a_live_one_holds_its_first_merge_and_a_failover_does_not() -> None:
+    """A peer that comes back and takes its fragment back from the live owner that stood in
+    starts from the version it holds: it merges nothing until that owner's handoff (or
+    ``CATCH_UP_S``). A replica taking over from a dead owner starts from the state that owner
+    handed it before publishing, and merges at once; so does every owner at a swarm's start."""
+    import types
+
+    from node.diloco.owning import CATCH_UP_S
+    from node.diloco.replica import Handed
+    from tests.node.fakes import flat_of
+
+    model = tiny_model()
+    plan = tiny_plan(model)
+    node = PeerNode(RunConfig(max_tokens_per_step=64), signer(1), model, plan)
+    theta = flat_of(model, plan, 0)
+    tasks = _Tasks()
+    node._tg = tasks  # type: ignore[assignment]
+    node.net = types.SimpleNamespace(latest={0: (5, theta)}, island_initial={0: theta, 1: flat_of(model, plan, 1)})  # type: ignore[assignment]
+    membership = FakeMembership(records={})
+    membership.owner_of = lambda swarm, p, exclude: (signer(2).peer_id, "http://127.0.0.1:2")  # type: ignore[attr-defined]
+    node.membership = membership  # type: ignore[assignment]
+    node.suspects = lambda: set()  # type: ignore[method-assign]
+    node._start_owner(0)
+    owner = node.owners.pop(0)
+    held = owner.merger.held_until
+    assert owner.version == 5 and held is not None and held == pytest.approx(owner.clock() + CATCH_UP_S, abs=1.0)
+    node.replicas.states[0] = Handed(0, 1, 5, owner.digest_of(5), theta.clone(), None, signer(2).peer_id, {})
+    node._start_owner(0)
+    assert node.owners.pop(0).merger.held_until is None  # from the dead owner's handoff
+    node.replicas.states.clear()
+    node.net.latest.clear()  # type: ignore[attr-defined]
+    node._start_owner(0)
+    assert node.owners.pop(0).merger.held_until is None  # a swarm's start: nothing merged to hand over
     await tasks.cancel()

@@ -417,6 +417,8 @@ op_contribution = st.tuples(
 op_tick = st.tuples(st.just("t"), st.booleans(), st.floats(0, 3))
 op_expect = st.tuples(st.just("e"), st.one_of(st.none(), st.integers(0, 6)), st.floats(0, 1))
 op_finish = st.tuples(st.just("p"), st.booleans(), st.floats(0, 1), st.sets(st.integers(0, 4), max_size=2))
+op_hold = st.tuples(st.just("h"), st.booleans(), st.floats(0, 5))
+op_drop = st.tuples(st.just("d"))
 configs = st.builds(
     MergeConfig,
     quorum=st.integers(1, 3),
@@ -431,14 +433,27 @@ configs = st.builds(
 
 
 @settings(max_examples=150, deadline=None)
-@given(configs, st.lists(st.one_of(op_contribution, op_tick, op_expect, op_finish, op_finish), min_size=15, max_size=60))
+@given(configs, st.lists(st.one_of(op_contribution, op_tick, op_expect, op_finish, op_finish, op_hold, op_drop),
+                         min_size=15, max_size=60))
 def test_invariants_over_random_event_orders(cfg: MergeConfig, ops: list[tuple[Any, ...]]) -> None:
     now = 0.0
     m = FragmentMerger(0, cfg, now=now)
     published: set[int] = set()
+    hold: float | None = None  # no merge before it, unless released
     for op in ops:
         quorum_before = m.quorum
-        if op[0] == "c":
+        if hold is not None and now >= hold:
+            hold = None
+        if op[0] == "h":
+            _, release, duration = op
+            hold = None if release or duration == 0 else now + duration
+            d = m.hold_until(now if hold is None else hold, now=now)
+        elif op[0] == "d":
+            if m.phase is Phase.MERGING:
+                continue
+            d = m.drop_round("test", now=now)
+            assert d.kind == "wait" and m.count == 0 and m.phase is Phase.COLLECTING
+        elif op[0] == "c":
             _, who, offset, tokens, steps, step_time, dt = op
             now += dt
             d = m.on_contribution(PEERS[who], base_version=max(0, m.version + offset), tokens=tokens,
@@ -464,14 +479,15 @@ def test_invariants_over_random_event_orders(cfg: MergeConfig, ops: list[tuple[A
                 d = m.on_published(m.version + 1, sync_time=dt, now=now)
             else:
                 d = m.on_merge_failed("test", now=now, discard=[PEERS[i] for i in discard])
-        check_decision(m, cfg, d, published, now, quorum_before)
+        check_decision(m, cfg, d, published, now, quorum_before, hold)
 
 
 def check_decision(m: FragmentMerger, cfg: MergeConfig, d: Decision, published: set[int], now: float,
-                   quorum_before: int) -> None:
+                   quorum_before: int, hold: float | None = None) -> None:
     assert any(ch.isdigit() for ch in d.reason), d.reason  # reasons carry counts
     assert (d.kind == "refuse") == (d.refusal is not None and not d.entries) or d.kind == "merge"
     if d.kind == "merge":
+        assert hold is None or now >= hold, (hold, now)  # a held owner merges nothing before
         assert m.phase is Phase.MERGING
         # never below the effective quorum: K, or the learners expected when fewer (at least 1),
         # as it stood before the event or after it (a lowered round closes when nobody is left)
@@ -493,7 +509,7 @@ def check_decision(m: FragmentMerger, cfg: MergeConfig, d: Decision, published: 
     if m.phase is Phase.GRACE:
         deadline, t_q = m.deadline(), m.quorum_time
         assert deadline is not None and t_q is not None
-        assert now < deadline <= t_q + cfg.grace_cap_s
+        assert now < deadline <= max(t_q + cfg.grace_cap_s, -math.inf if hold is None else hold)
         assert m.count >= m.quorum >= 1
     else:
         assert m.deadline() is None
@@ -529,6 +545,46 @@ def test_rebase_drops_what_falls_beyond_the_staleness_bound_and_reopens_below_qu
     assert apply(m, c(50.0, B, base=2)).kind in ("accept", "merge")
     with pytest.raises(LocalProtocolError, match="not above the held 2"):
         m.rebase(2, now=50.0)
+
+
+def test_a_held_round_closes_only_when_the_hold_ends() -> None:
+    """A new owner holds its first merge while its predecessor's state may come: a round that
+    would close waits in GRACE until the hold's end, then closes at that tick."""
+    m = FragmentMerger(0, MergeConfig(quorum=2, **EXACT), version=3, now=0.0)
+    assert m.hold_until(6.0, now=0.0).kind == "wait"
+    m.set_expected(2, now=0.0)
+    assert apply(m, c(1.0, A, base=3)).accepted
+    d = apply(m, c(2.0, B, base=3))
+    assert d.kind == "accept" and "all 2/2 expected contributions in; held 4.00 s more" in d.reason
+    assert m.phase is Phase.GRACE and m.deadline() == 6.0
+    assert apply(m, ("t", 5.9)).kind == "wait"
+    d = apply(m, ("t", 6.0))
+    assert d.kind == "merge" and {e.peer for e in d.entries} == {A, B} and d.version == 3
+
+
+def test_releasing_a_hold_closes_a_held_round_at_once_and_a_rebase_keeps_its_contributions() -> None:
+    m = FragmentMerger(0, MergeConfig(quorum=1, staleness_bound=2, **EXACT), version=3, now=0.0)
+    m.hold_until(6.0, now=0.0)
+    assert apply(m, c(1.0, A, base=3, step_time=0.0)).kind == "accept"  # would have merged at once
+    assert m.rebase(4, now=1.5).kind == "wait"  # the predecessor's newer version came
+    d = m.hold_until(2.0, now=2.0)  # handed over: released
+    assert d.kind == "merge" and d.version == 4 and [(e.peer, e.staleness) for e in d.entries] == [(A, 1)]
+
+
+def test_a_dropped_round_merges_nothing_and_collects_afresh() -> None:
+    """The version the round would follow was handed out as final elsewhere: its contributions
+    are dropped, not merged."""
+    m = FragmentMerger(0, MergeConfig(quorum=2, tau=10.0, **EXACT), version=5, now=0.0)
+    m.hold_until(6.0, now=0.0)
+    apply(m, c(1.0, A, base=5))
+    apply(m, c(1.5, B, base=5))
+    assert m.phase is Phase.GRACE
+    d = m.drop_round("version 5 was handed out as final", now=2.0)
+    assert d.kind == "wait" and "2 contributions dropped, not merged: version 5 was handed out as final" in d.reason
+    assert m.phase is Phase.COLLECTING and m.count == 0 and m.deadline() is None
+    assert m.on_tick(7.0).kind == "wait" and m.version == 5
+    with pytest.raises(LocalProtocolError, match="finite"):
+        m.hold_until(math.inf, now=7.0)
 
 
 def test_rebase_not_allowed_while_merging() -> None:

@@ -132,3 +132,29 @@ async def test_a_straggler_after_the_others_finished_merges_its_share_and_replay
     assert result.mismatches == [] and result.unchecked is None
     assert all(v["replayed"] == v["digest"] for v in result.versions)
     assert sum('"finished":2' in line for line in log.read_text().splitlines()) == 1
+
+
+async def test_a_held_first_merge_and_a_dropped_round_replay(tmp_path: Path) -> None:
+    """A new owner's hold (``hold_first_merge``) and a round dropped when its predecessor's
+    handoff says the version is final are merger events too: the log replays through them."""
+    model = tiny_model()
+    plan, clock = tiny_plan(model), FakeClock()
+    shapes, theta0 = shapes_of(model, plan), flat_of(model, plan, 0)
+    log = tmp_path / "owner-0.jsonl"
+    owner = make_owner(plan, shapes, 0, theta0, clock, event_log=log)
+    owner.hold_first_merge(6.0)
+    delta = torch.full((theta0.numel(),), 0.03)
+    await owner.set_expected(1)
+    await owner.contribute(A, contribution(delta, shapes[0], owner=owner))
+    assert owner.version == 0 and owner.merger.count == 1  # held
+    owner.merger.drop_round("test: the version went final", now=clock.now)
+    clock.advance(7.0)
+    await owner.tick()
+    await owner.contribute(B, contribution(delta, shapes[0], owner=owner))  # the hold has ended
+    await owner.settled()
+    assert owner.version == 1
+    owner.log.close()
+    kinds = [json.loads(line)["kind"] for line in log.read_text().splitlines()]
+    assert "hold" in kinds and "drop" in kinds
+    result = replay(log)
+    assert result.mismatches == [] and all(v["replayed"] == v["digest"] for v in result.versions)

@@ -110,16 +110,19 @@ async def test_work_arriving_after_a_final_version_was_handed_out_is_refused_unt
     peer restarted after the end, flushing what its checkpoint held) must not make v + 1, or the
     swarm ends on two models. An idle swarm joined much later merges again."""
     _, shapes, clock, theta0, owner = _setup(quorum=1)
+    held_final: list[int] = []
+    owner.on_final = lambda o: held_final.append(o.version)  # the node tells the replica once
     delta = torch.full_like(theta0, 0.01)
     await owner.set_expected(1)
     await owner.contribute(A, contribution(delta, shapes[0], owner=owner))
     assert owner.version == 1 and owner.idle()
     final = owner.declare_final()
-    assert final is owner.latest and owner.final_declared == (1, clock.now)
+    assert final is owner.latest and owner.final_declared == (1, clock.now) and held_final == [1]
     clock.advance(3.0)
     late = await owner.contribute(C, contribution(delta, shapes[0], base_version=1, owner=owner))
     assert not late.accepted and "version 1 was handed out as final 3.0 s ago" in late.reason
     assert owner.version == 1 and owner.latest is final and owner.idle()
+    assert owner.declare_final() is final and held_final == [1]  # renewed within the hold: no news
     # refused before it is decoded: a malformed payload gets the same answer, not a DecodeError
     bad = contribution(torch.full((theta0.numel() + 5,), 0.01), [(theta0.numel() + 5,)], base_version=1, owner=owner)
     assert not (await owner.contribute(C, bad)).accepted
@@ -128,9 +131,13 @@ async def test_work_arriving_after_a_final_version_was_handed_out_is_refused_unt
     owner.declare_final()
     clock.advance(FINAL_HOLD_S - 1.0)
     assert not (await owner.contribute(C, contribution(delta, shapes[0], base_version=1, owner=owner))).accepted
+    assert held_final == [1]  # each renewal came within the hold: no news
     clock.advance(1.0)
     assert (await owner.contribute(C, contribution(delta, shapes[0], base_version=1, owner=owner))).accepted
     assert owner.version == 2
+    owner.declare_final()
+    owner.hold_final(2)  # already held: no news either
+    assert held_final == [1, 2]
 
 
 @pytest.mark.parametrize(("codec", "bad"), [("none", float("nan")), ("none", float("inf")), ("bf16", float("-inf"))])

@@ -288,3 +288,71 @@ async def test_a_version_handed_out_as_final_stays_final_with_the_successor() ->
     # nor once the predecessor's hold has lapsed (an idle swarm joined much later merges again)
     clock.advance(FINAL_HOLD_S)
     assert not predecessor.holds_final() and not predecessor.snapshot().final
+
+
+async def _hand(predecessor: FragmentOwner, successor: FragmentOwner, theta0: torch.Tensor) -> bool:
+    """The predecessor's retiring handoff, through the wire and a replica store: whether the
+    successor took it over (its store refuses a state behind the version it holds)."""
+    from protocol.wire.decoding import decode
+
+    msg = decode(encode(predecessor.snapshot()).tobytes(), max_size=1 << 24)
+    assert isinstance(msg, ReplicaState)
+    store = ReplicaStore(SWARM, [theta0.numel(), 0])
+    store.fence(0, successor.epoch, successor.version, successor.state().digest)
+    if not store.offer(signer(1).peer_id, msg, successor=True).accepted:
+        return False
+    return await successor.take_over(store.states[0])
+
+
+async def test_a_new_owner_merges_nothing_before_its_predecessors_handoff() -> None:
+    """The race left after the final hold travelled with the fragment: a restarted owner took its
+    fragment back and merged a late flush before its predecessor's handoff (final) arrived, a
+    version the peers that had left never saw. A new owner now holds its first merge until the
+    handoff comes (or ``seconds`` pass): late work is dropped when the handoff says final, and
+    merges at once when it does not."""
+    model = tiny_model()
+    plan, clock = tiny_plan(model), FakeClock()
+    shapes, theta0 = shapes_of(model, plan), flat_of(model, plan, 0)
+    delta = torch.linspace(-0.05, 0.05, theta0.numel())
+
+    async def successor_with_late_work(predecessor: FragmentOwner, *, hold: bool) -> FragmentOwner:
+        successor = _owner(plan, shapes, clock, predecessor.theta, who=signer(2), version=1, epoch=1)
+        if hold:
+            successor.hold_first_merge(6.0)
+        ack = await successor.contribute(C, contribution(delta, shapes[0], base_version=1, owner=successor))
+        assert ack.accepted, ack.reason
+        await successor.set_expected(1)
+        clock.advance(2.0)
+        await successor.tick()
+        return successor
+
+    predecessor = _owner(plan, shapes, clock, theta0, who=signer(1))
+    await _merge_one(predecessor, clock, delta, shapes, A)
+    predecessor.declare_final()
+    # without the hold: the late work makes version 2, and the final handoff comes too late
+    unheld = await successor_with_late_work(predecessor, hold=False)
+    assert unheld.version == 2 and not await _hand(predecessor, unheld, theta0)
+    # with it: nothing merged until the handoff, which drops the late work and holds version 1 final
+    held = await successor_with_late_work(predecessor, hold=True)
+    assert held.version == 1 and held.merger.count == 1 and held.merger.phase is Phase.GRACE
+    assert await _hand(predecessor, held, theta0)
+    assert held.holds_final() and held.merger.count == 0
+    clock.advance(30.0)
+    await held.tick()
+    assert held.version == 1 and held.digest_of(1) == predecessor.digest_of(1)  # one model
+
+    # a predecessor whose version is not final: its handoff releases the hold, the work merges
+    live = _owner(plan, shapes, clock, theta0, who=signer(1))
+    await _merge_one(live, clock, delta, shapes, A)
+    released = await successor_with_late_work(live, hold=True)
+    assert released.version == 1
+    assert await _hand(live, released, theta0)
+    assert released.version == 2 and not released.holds_final()
+    # and no handoff at all (a predecessor that died): it merges when the hold ends
+    orphan = await successor_with_late_work(live, hold=True)
+    clock.advance(3.9)
+    await orphan.tick()
+    assert orphan.version == 1
+    clock.advance(0.1)
+    await orphan.tick()
+    assert orphan.version == 2
