@@ -158,6 +158,7 @@ class PeerNode(SwarmPresence, OwnedFragments, OwnerHandoffs, VersionServing):
                          state.epoch)
         self._replica_replay = ReplayWindow()
         self._fenced_until: dict[int, float] = {}
+        self._last_owner: dict[int, bytes] = {}  # per fragment, the owner the last ownership pass saw
         self._passed_on: set[tuple[int, bytes, int]] = set()  # (fragment, peer, version) handed on
         self._seen_learning: set[bytes] = set()  # sync modes: every learner seen, and those done
         self._finished: set[bytes] = set()

@@ -59,6 +59,7 @@ class OwnedFragments:
     _owner_tasks: dict[int, asyncio.Task[None]]
     _retired_owners: dict[int, list[OwnerCounts]]  # per fragment: the earlier retired owners folded, the last
     _fenced_until: dict[int, float]
+    _last_owner: dict[int, bytes]
     _tg: asyncio.TaskGroup | None
 
     def owner_of(self, p: int) -> tuple[bytes, str] | None:
@@ -105,6 +106,8 @@ class OwnedFragments:
                 await retired.retire(finish_merge_s=RETIRE_MERGE_WAIT_S)  # a merge under way ends first
                 if owner is not None and self._tg is not None:  # hand our state on: nothing is lost
                     self._tg.create_task(self._hand_on(p, owner, retired.snapshot()))
+            if owner is not None:
+                self._last_owner[p] = owner[0]
         if self.net is not None:
             self.net.owners_changed()  # work accepted by an owner that has gone is sent again now
 
@@ -160,15 +163,24 @@ class OwnedFragments:
         self.replicas.fence(p, epoch, version, owner.digest_of(version))
         previous = (self.membership.owner_of(self.cfg.swarm, p, exclude={self.signer.peer_id, *self.suspects()})
                     if self.membership else None)
-        if previous is not None and not from_handoff and version > 0:
-            # we displace a live owner (we came back, say): it hands us its state as it retires,
-            # maybe a version it handed out as final. Merge nothing before. (A replica taking
-            # over from a dead owner starts from its last state, handed before it was published;
-            # at a swarm's start nobody has merged anything to hand over.)
+        if not from_handoff and version > 0 and self._displaces_a_live_owner(p, previous):
+            # it hands us its state as it retires, maybe a version it handed out as final: merge
+            # nothing before. (A replica taking over from a dead owner starts from its last state,
+            # handed before it was published; at a swarm's start nobody has merged anything.)
             owner.hold_first_merge(CATCH_UP_S)
         self.owners[p] = owner
         self._owner_tasks[p] = self._tg.create_task(self._run_owner(owner, previous))
         log.info("fragment %d: now the owner, from version %d", p, version)
+
+    def _displaces_a_live_owner(self, p: int, previous: tuple[bytes, str] | None) -> bool:
+        """Whether starting to own ``p`` takes it from a live owner. The owner our last ownership
+        pass saw is the one we take it from: live unless it is a suspect or no longer a member
+        (then it died, and hands nothing over). Without such a pass (we have just joined, or come
+        back) it is the one the members would rank first without us, ``previous``."""
+        seen = self._last_owner.get(p)
+        if seen is None or seen == self.signer.peer_id:
+            return previous is not None
+        return seen not in self.suspects() and (self.membership is None or seen in self.membership.members)
 
     async def _run_owner(self, owner: FragmentOwner, previous: tuple[bytes, str] | None) -> None:
         """Catch up with the previous owner's latest version for a few seconds, then merge."""

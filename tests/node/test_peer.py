@@ -665,7 +665,8 @@ async def test_an_owner_that_displaces_a_live_one_holds_its_first_merge_and_a_fa
     """A peer that comes back and takes its fragment back from the live owner that stood in
     starts from the version it holds: it merges nothing until that owner's handoff (or
     ``CATCH_UP_S``). A replica taking over from a dead owner starts from the state that owner
-    handed it before publishing, and merges at once; so does every owner at a swarm's start."""
+    handed it before publishing, and merges at once, as does one whose last seen owner has died
+    (not a replica: the live one next in rank), and every owner at a swarm's start."""
     import types
 
     from node.diloco.owning import CATCH_UP_S
@@ -691,7 +692,21 @@ async def test_an_owner_that_displaces_a_live_one_holds_its_first_merge_and_a_fa
     node._start_owner(0)
     assert node.owners.pop(0).merger.held_until is None  # from the dead owner's handoff
     node.replicas.states.clear()
+    # the owner the last ownership pass saw: taken from it while it lives, not once it is gone
+    dead = signer(3).peer_id
+    node._last_owner[0] = dead
+    membership.members = {dead: _member(dead)}
+    node._start_owner(0)
+    assert node.owners.pop(0).merger.held_until is not None
+    node.suspects = lambda: {dead}  # type: ignore[method-assign]
+    node._start_owner(0)
+    assert node.owners.pop(0).merger.held_until is None
+    node.suspects = lambda: set()  # type: ignore[method-assign]
+    membership.members = {}
+    node._start_owner(0)
+    assert node.owners.pop(0).merger.held_until is None
     node.net.latest.clear()  # type: ignore[attr-defined]
+    node._last_owner.clear()
     node._start_owner(0)
     assert node.owners.pop(0).merger.held_until is None  # a swarm's start: nothing merged to hand over
     await tasks.cancel()
