@@ -127,7 +127,7 @@ class ContributionSending:
         msg = Contribution(
             swarm=self.swarm, fragment=out.fragment, base_version=out.base_version, base_digest=digest,
             tokens=out.tokens, steps=out.steps, step_time=out.step_time,
-            sender_step=out.sender_step, tensors=tuple(tensors),
+            sender_step=out.sender_step, tensors=tuple(tensors), last=out.last,
         )
         return msg, residuals
 

@@ -152,13 +152,16 @@ class LoggedMerger:
         self._write({"kind": "state", "blob": name})
 
     def on_contribution(self, peer: bytes, *, base_version: int, tokens: int, steps: int, step_time: float,
-                        payload: object, now: float, norm: float | None = None) -> Decision:
+                        payload: object, now: float, norm: float | None = None, last: bool = False) -> Decision:
         d = self.merger.on_contribution(peer, base_version=base_version, tokens=tokens, steps=steps,
-                                        step_time=step_time, payload=payload, now=now, norm=norm)
+                                        step_time=step_time, payload=payload, now=now, norm=norm, last=last)
         kept, self._next_payload = self._next_payload, None
-        return self._log({"kind": "contribution", "peer": peer.hex(), "base_version": base_version,
-                          "tokens": tokens, "steps": steps, "step_time": step_time, "norm": norm, "now": now,
-                          "payload": kept}, d)
+        rec: dict[str, Any] = {"kind": "contribution", "peer": peer.hex(), "base_version": base_version,
+                               "tokens": tokens, "steps": steps, "step_time": step_time, "norm": norm, "now": now,
+                               "payload": kept}
+        if last:  # absent in logs written before learners marked their last contribution
+            rec["last"] = True
+        return self._log(rec, d)
 
     def on_tick(self, now: float) -> Decision:
         return self._log({"kind": "tick", "now": now}, self.merger.on_tick(now))

@@ -342,8 +342,11 @@ class _Replay:
             fields = {k: _uint(rec, k) for k in ("base_version", "tokens", "steps")}
             step_time = _finite(rec, "step_time")
             payload = self.contents.payload(rec.get("payload")) if self.contents is not None else None
+            last = rec.get("last", False)
+            if not isinstance(last, bool):
+                raise ValueError(f"last is {_kind(last)}, not a boolean")
             d = merger.on_contribution(peer, **fields, step_time=step_time, payload=payload, now=now,
-                                       norm=None if math.isnan(norm) else norm)
+                                       norm=None if math.isnan(norm) else norm, last=last)
         elif kind == "tick":
             d = merger.on_tick(now)
         elif kind == "expect":

@@ -38,6 +38,9 @@ __all__ = ["ContributionIntake"]
 log = logging.getLogger("node.diloco.owner")
 
 
+LAST_SENDERS_KEPT = 100_000  # senders whose "last" mark was honoured; beyond, the mark is ignored
+
+
 class ContributionIntake:
     """The contribution-taking side of ``FragmentOwner``."""
 
@@ -51,6 +54,7 @@ class ContributionIntake:
     clock: Callable[[], float]
     _keep_digests: int
     _merged_base: dict[bytes, int]
+    _last_from: set[bytes]  # senders whose last contribution this owner has taken
     _spare: list[torch.Tensor]
     _spare_max: int
     _borrowed: dict[int, weakref.ref[torch.Tensor]]
@@ -79,9 +83,14 @@ class ContributionIntake:
             return Ack(accepted=False, reason=mismatch, version=self.version)
         if self.log is not None:
             self.log.note_payload(msg)
+        # a sender's last contribution makes its round wait for the others' (bounded): honoured
+        # once per sender, so a member marking all its work "last" cannot slow every round
+        last = msg.last and sender not in self._last_from and len(self._last_from) < LAST_SENDERS_KEPT
+        if last:
+            self._last_from.add(sender)
         decision = self.merger.on_contribution(
             sender, base_version=msg.base_version, tokens=msg.tokens, steps=msg.steps,
-            step_time=msg.step_time, payload=flat, norm=norm, now=self.clock(),
+            step_time=msg.step_time, payload=flat, norm=norm, now=self.clock(), last=last,
         )
         if decision.refusal is not None:
             self.counts.penalties[sender][f"refused_{decision.refusal}"] += 1

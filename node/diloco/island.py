@@ -117,6 +117,7 @@ class Outgoing:
     step_time: float
     sender_step: int
     delta: torch.Tensor  # [numel_p] float32, a private copy
+    last: bool = False  # the island's end-of-run flush: its last contribution for the fragment
 
 
 @dataclass
@@ -265,7 +266,7 @@ class Island(IslandAdoption):
         shipped = 0
         for p in range(len(self.params)):
             if self.in_flight[p] is None and self.c_steps[p] > 0:
-                self._ship(p)
+                self._ship(p, last=True)
                 shipped += 1
         self.stats.flushed += shipped
         return shipped
@@ -324,7 +325,7 @@ class Island(IslandAdoption):
                 self._arrived.wait(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
         self.adopt_pending()
 
-    def _ship(self, p: int) -> None:
+    def _ship(self, p: int, *, last: bool = False) -> None:
         timeout = self.cfg.in_flight_timeout_steps or 2 * self.cfg.inner_steps
         sent_at = self.in_flight[p]
         if sent_at is not None and self.stats.step - sent_at < timeout:
@@ -343,7 +344,7 @@ class Island(IslandAdoption):
         out = Outgoing(
             fragment=p, base_version=self.versions[p], tokens=self.c_tokens[p],
             steps=max(self.c_steps[p], 1), step_time=self._step_ema, sender_step=self.stats.step,
-            delta=delta,
+            delta=delta, last=last,
         )
         t0 = time.perf_counter()  # wall time: a hand-off that blocks is a stall
         self._submit(out)

@@ -183,6 +183,7 @@ class FragmentOwner(ContributionIntake, VersionSealing, OwnerSuccession):
         self.digests: dict[int, set[bytes]] = {}
         self._state_digest: dict[int, bytes] = {}  # the one of them any owner computes: handoffs, fences
         self._merged_base: dict[bytes, int] = dict(merged or {})  # sender -> newest base of its merged work
+        self._last_from: set[bytes] = set()  # senders whose last contribution was taken (``last``)
         self._keep_digests = merge_cfg.staleness_bound + 2
         # decoded contributions' buffers, reused once their merge is published (fresh memory is
         # slow to fill); at most as many as the last published merge had contributions

@@ -140,18 +140,22 @@ class FragmentMerger:
         self._round_share = 0  # the largest share-of-learners quorum of the round open (0: none)
         self._hold: float | None = None  # no round closes before this (``hold_until``)
         self._grace_due: float | None = None  # when GRACE would close without the hold
+        self._last_until: float | None = None  # a last contribution in the round: wait for all till then
 
     # -- events ------------------------------------------------------------------------------
 
     def on_contribution(
         self, peer: bytes, *, base_version: int, tokens: int, steps: int, step_time: float,
-        payload: object, now: float, norm: float | None = None,
+        payload: object, now: float, norm: float | None = None, last: bool = False,
     ) -> Decision:
         """A learner's contribution (payload opaque, e.g. the decoded pseudo-gradient; ``norm``
-        its L2 norm, measured by the node: without it the contribution is never clipped)."""
+        its L2 norm, measured by the node: without it the contribution is never clipped;
+        ``last``: the sender's last of its run, its end-of-run flush: the round then waits up
+        to ``last_wait_s`` for every expected learner's)."""
         if norm is not None and not (math.isfinite(norm) and norm >= 0):
             raise LocalProtocolError(f"norm must be finite and >= 0, got {norm}")
-        return self._dispatch(ContributionEvent(peer, base_version, tokens, steps, step_time, payload, norm), now)
+        return self._dispatch(ContributionEvent(peer, base_version, tokens, steps, step_time, payload, norm, last),
+                              now)
 
     def on_tick(self, now: float) -> Decision:
         """Timer event; due at ``deadline()``. Closes an elapsed grace window."""
@@ -285,7 +289,7 @@ class FragmentMerger:
         if ev.n == 0 and self.phase is Phase.COLLECTING and 0 < n < self.config.quorum:
             # nobody left to reach K: drop the rest rather than merge below quorum (a lone
             # contribution merged at the end could be an attacker's) or never become final
-            dropped, self._entries, self._first_at = n, [], None
+            dropped, self._entries, self._first_at, self._last_until = n, [], None, None
             self._reopen(Phase.COLLECTING, opened_at=self._now)
             return self._decide("wait", f"no learner left to reach quorum {self.config.quorum}: "
                                         f"{dropped} contributions dropped")
@@ -315,6 +319,8 @@ class FragmentMerger:
         self._entries, self._carried = self._carried, []
         self._reopen(Phase.COLLECTING, opened_at=self._now)
         self._first_at = self._now if self._entries else None
+        if any(e.last for e in self._entries):
+            self._wait_for_last()
         self._round_share = 0
         horizon = self.version - self.config.step_time_rounds + 1
         self._step_ema = {p: v for p, v in self._step_ema.items() if v[1] >= horizon}
@@ -360,8 +366,27 @@ class FragmentMerger:
         return self._settle(False, f"rounds held for {ev.until - self._now:.2f} s")
 
     def _held_deadline(self, due: float) -> float:
-        """A GRACE deadline ``due``, moved to the hold's end while the hold lasts."""
-        return due if self._hold is None or self._hold <= self._now else max(due, self._hold)
+        """A GRACE deadline ``due``, moved to the end of what holds the round back now."""
+        until = self._held_until()
+        return due if until is None else max(due, until)
+
+    def _held_until(self) -> float | None:
+        """Until when the round may not close now: a hold (``hold_until``), and a last
+        contribution's wait while some expected learner's contribution is not in; None: free."""
+        waits = []
+        if self._hold is not None and self._hold > self._now:
+            waits.append(self._hold)
+        all_in = self.expected is not None and len(self._entries) >= self.expected
+        if self._last_until is not None and self._last_until > self._now and not all_in:
+            waits.append(self._last_until)
+        return max(waits) if waits else None
+
+    def _wait_for_last(self) -> None:
+        """A last contribution joined the round: wait for the other learners' (from the first)."""
+        if self._last_until is None:
+            self._last_until = self._now + min(self.config.last_wait_s, self.config.grace_cap_s)
+            if self.phase is Phase.GRACE and self._grace_due is not None:
+                self._deadline = self._held_deadline(self._grace_due)
 
     def _hold_merging(self, ev: _Hold) -> Decision:
         self._hold = ev.until if ev.until > self._now else None
@@ -369,7 +394,7 @@ class FragmentMerger:
 
     def _drop(self, ev: _Drop) -> Decision:
         dropped = len(self._entries)
-        self._entries, self._first_at, self._round_share = [], None, 0
+        self._entries, self._first_at, self._round_share, self._last_until = [], None, 0, None
         self._reopen(Phase.COLLECTING, opened_at=self._now)
         return self._decide("wait", f"{dropped} contributions dropped, not merged: {ev.reason}")
 
@@ -386,6 +411,8 @@ class FragmentMerger:
         pool.append(bounded_pending(ev, config=self.config, published_at=self._published_at, now=self._now))
         if pool is self._entries and self._first_at is None:
             self._first_at = self._now
+        if pool is self._entries and ev.last:
+            self._wait_for_last()
         old = self._step_ema.get(ev.peer)
         ema = moving_average(None if old is None else old[0], ev.step_time, self.config.ema_alpha)
         self._step_ema[ev.peer] = (ema, self.version)
@@ -426,14 +453,16 @@ class FragmentMerger:
         return wait
 
     def _close(self, reason: str, accepted: bool) -> Decision:
-        if self._hold is not None and self._now < self._hold:
-            self.phase, self._grace_due, self._deadline = Phase.GRACE, self._now, self._hold
+        until = self._held_until()
+        if until is not None:
+            self.phase, self._grace_due, self._deadline = Phase.GRACE, self._now, until
             if self._quorum_at is None:
                 self._quorum_at = self._now
+            why = ("the previous owner's state may still come" if self._hold is not None and self._hold >= until
+                   else "a learner's last contribution is in: waiting for the others'")
             return self._decide("accept" if accepted else "wait",
-                                f"{reason}; held {self._hold - self._now:.2f} s more (the previous "
-                                f"owner's state may still come)", accepted=accepted)
-        self.phase, self._deadline, self._grace_due = Phase.MERGING, None, None
+                                f"{reason}; held {until - self._now:.2f} s more ({why})", accepted=accepted)
+        self.phase, self._deadline, self._grace_due, self._last_until = Phase.MERGING, None, None, None
         n, share = len(self._entries), self._round_share
         scale = n / share if n < share else 1.0
         if scale < 1.0:

@@ -40,6 +40,7 @@ class ContributionEvent:
     step_time: float
     payload: object
     norm: float | None
+    last: bool = False  # the sender's last contribution of its run (its end-of-run flush)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +56,7 @@ class Pending:
     steps_bounded: bool
     tokens_bounded: bool
     steps: int = 1  # its inner steps, bounded
+    last: bool = False  # the sender's last contribution of its run
 
 
 def refusal_for(ev: ContributionEvent, *, version: int, target: int, pool: Sequence[Pending],
@@ -90,4 +92,5 @@ def bounded_pending(ev: ContributionEvent, *, config: MergeConfig,
     w = token_weight(ev.tokens, steps, max_tokens_per_step=cap)
     rate = None if ev.norm is None else ev.norm / steps  # per inner step: comparable across
     return Pending(ev.peer, ev.base_version, w, ev.payload, ev.norm, rate,  # contributions of
-                   steps_bounded=steps < ev.steps, tokens_bounded=tokens_bounded, steps=steps)  # any length
+                   steps_bounded=steps < ev.steps, tokens_bounded=tokens_bounded, steps=steps,
+                   last=ev.last)  # any length

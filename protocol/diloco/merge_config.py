@@ -54,6 +54,11 @@ class MergeConfig:
     # synchronous DiLoCo: the quorum is every live learner (``set_expected``), whatever ``quorum``
     # says, so learners that leave or die stop being waited for once the node knows
     quorum_is_expected: bool = False
+    # a round holding a learner's last contribution (its end-of-run flush) waits this long from
+    # it (at most grace_cap_s) for every expected learner's before closing: learners that stop
+    # together flush together, and two rounds of their last work (the first closing on the
+    # quorum, the rest carried into the next) moved the final model by two steps of it
+    last_wait_s: float = 3.0
 
     def __post_init__(self) -> None:
         checks = [
@@ -71,6 +76,7 @@ class MergeConfig:
             (0.0 < self.ema_alpha <= 1.0, "ema_alpha must be in (0, 1]"),
             (self.step_time_rounds >= 1, "step_time_rounds must be >= 1"),
             (0.0 <= self.retry_s < math.inf, "retry_s must be finite and >= 0"),
+            (0.0 <= self.last_wait_s < math.inf, "last_wait_s must be finite and >= 0"),
             (self.clip_multiple >= 1.0, "clip_multiple must be >= 1 (math.inf: no clipping)"),
             (self.norm_history >= 0, "norm_history must be >= 0"),
             (0.0 <= self.min_step_time_s < math.inf, "min_step_time_s must be finite and >= 0"),

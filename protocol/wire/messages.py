@@ -131,6 +131,7 @@ class Contribution(Message):
     step_time: float  # seconds per inner step (EMA)
     sender_step: int
     tensors: tuple[EncodedTensor, ...]
+    last: bool = False  # the sender's last contribution of its run for this fragment (its flush)
 
     def _check(self) -> None:
         _name(self.swarm, "Contribution.swarm")

@@ -82,6 +82,7 @@ def contribution_header(tensors: list[object], blob_lengths: list[int]) -> list[
         "step_time": 0.5,
         "sender_step": 1,
         "tensors": tensors,
+        "last": False,
     }
     return [1, fields, blob_lengths]
 
@@ -109,6 +110,17 @@ def test_hand_made_frame_matches_encoder() -> None:
             ),
         )
     )
+
+
+def test_a_contributions_last_mark_must_be_a_bool() -> None:
+    """The end-of-run mark makes an owner's round wait: anything but a bool is malformed."""
+    header = contribution_header([[1, T_FIELDS]], [4, 0])
+    assert isinstance(header[1], dict)
+    header[1]["last"] = 1
+    with pytest.raises(DecodeError, match="last: expected bool, got int"):
+        decode(frame(header, [b"\0\0\x80?", b""]), max_size=MAX)
+    header[1]["last"] = True
+    assert decode(frame(header, [b"\0\0\x80?", b""]), max_size=MAX).last is True
 
 
 def test_large_blobs_are_not_copied_either_way() -> None:

@@ -399,7 +399,7 @@ def test_publish_and_clock_misuse_raise() -> None:
     [{"quorum": 0}, {"quorum_fraction": -0.1}, {"quorum_fraction": 1.5}, {"gamma": 1.5}, {"tau": -1.0}, {"grace_cap_s": math.inf}, {"staleness_bound": -1},
      {"stale_discount": 0.0}, {"late_policy": "keep"}, {"max_tokens_per_step": 0},
      {"max_weight_median_multiple": 0.5}, {"ema_alpha": 0.0}, {"step_time_rounds": 0},
-     {"retry_s": -1.0}],
+     {"retry_s": -1.0}, {"last_wait_s": math.inf}],
 )
 def test_config_validation(kwargs: dict[str, Any]) -> None:
     with pytest.raises(LocalProtocolError, match="MergeConfig"):
@@ -413,6 +413,7 @@ PEERS = [bytes([i]) * 32 for i in range(1, 6)]
 op_contribution = st.tuples(
     st.just("c"), st.integers(0, 4), st.sampled_from([0, 0, 0, 0, -1, -2, -3, 1]), st.integers(-1, 400),
     st.integers(0, 12), st.sampled_from([0.0, 0.1, 0.5, 1.0, 3.0, math.nan]), st.floats(0, 2),
+    st.sampled_from([False, False, False, True]),
 )
 op_tick = st.tuples(st.just("t"), st.booleans(), st.floats(0, 3))
 op_expect = st.tuples(st.just("e"), st.one_of(st.none(), st.integers(0, 6)), st.floats(0, 1))
@@ -440,6 +441,7 @@ def test_invariants_over_random_event_orders(cfg: MergeConfig, ops: list[tuple[A
     m = FragmentMerger(0, cfg, now=now)
     published: set[int] = set()
     hold: float | None = None  # no merge before it, unless released
+    last_at = -math.inf  # when a last contribution came (the round may wait up to the cap after)
     for op in ops:
         quorum_before = m.quorum
         if hold is not None and now >= hold:
@@ -454,10 +456,12 @@ def test_invariants_over_random_event_orders(cfg: MergeConfig, ops: list[tuple[A
             d = m.drop_round("test", now=now)
             assert d.kind == "wait" and m.count == 0 and m.phase is Phase.COLLECTING
         elif op[0] == "c":
-            _, who, offset, tokens, steps, step_time, dt = op
+            _, who, offset, tokens, steps, step_time, dt, last = op
             now += dt
             d = m.on_contribution(PEERS[who], base_version=max(0, m.version + offset), tokens=tokens,
-                                  steps=steps, step_time=step_time, payload=who, now=now)
+                                  steps=steps, step_time=step_time, payload=who, now=now, last=last)
+            if last:
+                last_at = now
         elif op[0] == "t":
             _, at_deadline, dt = op
             deadline = m.deadline()
@@ -479,11 +483,11 @@ def test_invariants_over_random_event_orders(cfg: MergeConfig, ops: list[tuple[A
                 d = m.on_published(m.version + 1, sync_time=dt, now=now)
             else:
                 d = m.on_merge_failed("test", now=now, discard=[PEERS[i] for i in discard])
-        check_decision(m, cfg, d, published, now, quorum_before, hold)
+        check_decision(m, cfg, d, published, now, quorum_before, hold, last_at)
 
 
 def check_decision(m: FragmentMerger, cfg: MergeConfig, d: Decision, published: set[int], now: float,
-                   quorum_before: int, hold: float | None = None) -> None:
+                   quorum_before: int, hold: float | None = None, last_at: float = -math.inf) -> None:
     assert any(ch.isdigit() for ch in d.reason), d.reason  # reasons carry counts
     assert (d.kind == "refuse") == (d.refusal is not None and not d.entries) or d.kind == "merge"
     if d.kind == "merge":
@@ -509,8 +513,10 @@ def check_decision(m: FragmentMerger, cfg: MergeConfig, d: Decision, published: 
     if m.phase is Phase.GRACE:
         deadline, t_q = m.deadline(), m.quorum_time
         assert deadline is not None and t_q is not None
-        assert now < deadline <= max(t_q + cfg.grace_cap_s, -math.inf if hold is None else hold)
-        assert m.count >= m.quorum >= 1
+        assert now < deadline <= max(t_q + cfg.grace_cap_s, -math.inf if hold is None else hold,
+                                     last_at + min(cfg.last_wait_s, cfg.grace_cap_s))
+        # (a round left with no learner closes below K: one held back then waits in GRACE so)
+        assert m.count >= m.quorum >= 1 or (m.expected == 0 and m.count >= 1)
     else:
         assert m.deadline() is None
     if m.phase is Phase.COLLECTING:
@@ -585,6 +591,35 @@ def test_a_dropped_round_merges_nothing_and_collects_afresh() -> None:
     assert m.on_tick(7.0).kind == "wait" and m.version == 5
     with pytest.raises(LocalProtocolError, match="finite"):
         m.hold_until(math.inf, now=7.0)
+
+
+def test_last_contributions_of_learners_stopping_together_merge_in_one_round() -> None:
+    """Learners that stop together flush together. Closing on the quorum merged two of the four
+    flushes, and the other two, carried, made a second version: the final model moved by two
+    steps of the last work. A round holding a last contribution waits (``last_wait_s``) for
+    every expected learner's, and closes at once when they are all in."""
+    cfg = MergeConfig(quorum=2, late_policy="carry", last_wait_s=3.0, **EXACT)
+    m = FragmentMerger(0, cfg, version=7, now=0.0)
+    m.set_expected(4, now=0.0)
+    assert apply(m, c(0.0, A, base=7, last=True, step_time=0.0)).kind == "accept"
+    d = apply(m, c(0.01, B, base=7, last=True, step_time=0.0))
+    assert d.kind == "accept" and m.phase is Phase.GRACE and m.deadline() == 3.0  # not merged on the quorum
+    assert apply(m, c(0.02, C, base=7, last=True)).kind == "accept"
+    d = apply(m, c(0.05, D, base=7, last=True))
+    assert d.kind == "merge" and len(d.entries) == 4 and "all 4/4 expected contributions in" in d.reason
+    # without the mark the quorum closes the round on two, as before
+    m = FragmentMerger(0, cfg, version=7, now=0.0)
+    m.set_expected(4, now=0.0)
+    apply(m, c(0.0, A, base=7, step_time=0.0))
+    assert apply(m, c(0.01, B, base=7, step_time=0.0)).kind == "merge"
+    # and a learner that never flushes holds the round no longer than last_wait_s
+    m = FragmentMerger(0, cfg, version=7, now=0.0)
+    m.set_expected(4, now=0.0)
+    for t, peer in ((0.0, A), (0.5, B), (1.0, C)):
+        apply(m, c(t, peer, base=7, last=True, step_time=0.0))
+    assert apply(m, ("t", 2.9)).kind == "wait"
+    d = apply(m, ("t", 3.0))
+    assert d.kind == "merge" and len(d.entries) == 3
 
 
 def test_rebase_not_allowed_while_merging() -> None:

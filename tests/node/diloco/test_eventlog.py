@@ -4,6 +4,7 @@ fact shows where it differs."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -135,8 +136,9 @@ async def test_a_straggler_after_the_others_finished_merges_its_share_and_replay
 
 
 async def test_a_held_first_merge_and_a_dropped_round_replay(tmp_path: Path) -> None:
-    """A new owner's hold (``hold_first_merge``) and a round dropped when its predecessor's
-    handoff says the version is final are merger events too: the log replays through them."""
+    """A new owner's hold (``hold_first_merge``), a round dropped when its predecessor's handoff
+    says the version is final, and a learner's last contribution are merger events too: the log
+    replays through them."""
     model = tiny_model()
     plan, clock = tiny_plan(model), FakeClock()
     shapes, theta0 = shapes_of(model, plan), flat_of(model, plan, 0)
@@ -150,11 +152,12 @@ async def test_a_held_first_merge_and_a_dropped_round_replay(tmp_path: Path) -> 
     owner.merger.drop_round("test: the version went final", now=clock.now)
     clock.advance(7.0)
     await owner.tick()
-    await owner.contribute(B, contribution(delta, shapes[0], owner=owner))  # the hold has ended
+    last = dataclasses.replace(contribution(delta, shapes[0], owner=owner), last=True)  # a flush
+    await owner.contribute(B, last)  # the hold has ended
     await owner.settled()
     assert owner.version == 1
     owner.log.close()
-    kinds = [json.loads(line)["kind"] for line in log.read_text().splitlines()]
-    assert "hold" in kinds and "drop" in kinds
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert {"hold", "drop"} <= {r["kind"] for r in records} and any(r.get("last") for r in records)
     result = replay(log)
     assert result.mismatches == [] and all(v["replayed"] == v["digest"] for v in result.versions)

@@ -309,6 +309,7 @@ def test_flush_ships_the_work_no_contribution_holds_measured_from_the_version_in
     assert flushed == 1 and island.stats.flushed == 1
     last = sent[-1]
     assert last.fragment == 0 and last.base_version == 1
+    assert last.last and not any(o.last for o in sent[:-1])  # marked: the owner waits for the others'
     assert last.steps == 5 and last.tokens == 60  # the 5 steps trained since fragment 0 shipped
     order = [dict(model.named_parameters())[n] for n in island.plan.fragments[0].names]
     local = torch.cat([p.detach().reshape(-1) for p in order])

@@ -480,3 +480,25 @@ async def test_fp32_contributions_are_merged_where_they_arrived_and_their_bodies
     for _ in range(3):
         await asyncio.sleep(0)
     assert all(any(f is b for f in pool._free) for b in bodies)
+
+
+async def test_a_senders_last_contribution_waits_for_the_others_once() -> None:
+    """An island's end-of-run flush is marked ``last``: its round waits (``last_wait_s``) for
+    every expected learner's instead of closing on the quorum. The mark is honoured once per
+    sender, so a member that marks all its work "last" cannot hold every round back."""
+    import dataclasses
+
+    from protocol.diloco.merge import Phase
+
+    _, shapes, clock, theta0, owner = _setup(quorum=1)
+    delta = torch.full_like(theta0, 0.01)
+    await owner.set_expected(2)
+    ack = await owner.contribute(A, dataclasses.replace(contribution(delta, shapes[0], owner=owner), last=True))
+    assert ack.accepted and owner.version == 0 and owner.merger.phase is Phase.GRACE  # waits for B
+    await owner.contribute(B, contribution(delta, shapes[0], owner=owner))
+    assert owner.version == 1  # both in: merged at once, in one round
+    ack = await owner.contribute(A, dataclasses.replace(contribution(delta, shapes[0], base_version=1, owner=owner),
+                                                        last=True))
+    clock.advance(1.0)  # its grace window (0.5 * 2 steps * 1 s), not last_wait_s (3 s)
+    await owner.tick()
+    assert ack.accepted and owner.version == 2  # a second "last" from A is not honoured
