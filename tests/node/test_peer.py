@@ -8,6 +8,7 @@ import collections
 import dataclasses
 
 import pytest
+import torch
 
 from node.config import RunConfig
 from node.dht.membership import Member, MemberRecord
@@ -633,12 +634,11 @@ async def test_an_owner_handing_out_a_final_version_tells_its_replica_once() -> 
     assert len(sent) == 1
 
 
-async def test_an_owner_started_from_a_state_handed_out_as_final_holds_it_final() -> None:
-    """The replica of an owner that died within its final hold starts owning from the handed
-    state: it refuses late work as the dead owner would have."""
+def _owning_node(*, latest: dict[int, int]) -> tuple[PeerNode, torch.Tensor, _Tasks]:
+    """A node that can start owning fragment 0 (``_start_owner``): its learner holds fragment 0
+    at each version in ``latest`` with the initial state, its tasks in a ``_Tasks``."""
     import types
 
-    from node.diloco.replica import Handed
     from tests.node.fakes import flat_of
 
     model = tiny_model()
@@ -647,7 +647,17 @@ async def test_an_owner_started_from_a_state_handed_out_as_final_holds_it_final(
     theta = flat_of(model, plan, 0)
     tasks = _Tasks()
     node._tg = tasks  # type: ignore[assignment]
-    node.net = types.SimpleNamespace(latest={}, island_initial={0: theta, 1: flat_of(model, plan, 1)})  # type: ignore[assignment]
+    node.net = types.SimpleNamespace(latest={p: (v, theta) for p, v in latest.items()},  # type: ignore[assignment]
+                                     island_initial={0: theta, 1: flat_of(model, plan, 1)})
+    return node, theta, tasks
+
+
+async def test_an_owner_started_from_a_state_handed_out_as_final_holds_it_final() -> None:
+    """The replica of an owner that died within its final hold starts owning from the handed
+    state: it refuses late work as the dead owner would have."""
+    from node.diloco.replica import Handed
+
+    node, theta, tasks = _owning_node(latest={})
     told: list[int] = []
     node._final_declared = lambda owner: told.append(owner.version)  # type: ignore[method-assign]
     for final in (True, False):
@@ -667,19 +677,10 @@ async def test_an_owner_that_displaces_a_live_one_holds_its_first_merge_and_a_fa
     ``CATCH_UP_S``). A replica taking over from a dead owner starts from the state that owner
     handed it before publishing, and merges at once, as does one whose last seen owner has died
     (not a replica: the live one next in rank), and every owner at a swarm's start."""
-    import types
-
     from node.diloco.owning import CATCH_UP_S
     from node.diloco.replica import Handed
-    from tests.node.fakes import flat_of
 
-    model = tiny_model()
-    plan = tiny_plan(model)
-    node = PeerNode(RunConfig(max_tokens_per_step=64), signer(1), model, plan)
-    theta = flat_of(model, plan, 0)
-    tasks = _Tasks()
-    node._tg = tasks  # type: ignore[assignment]
-    node.net = types.SimpleNamespace(latest={0: (5, theta)}, island_initial={0: theta, 1: flat_of(model, plan, 1)})  # type: ignore[assignment]
+    node, theta, tasks = _owning_node(latest={0: 5})
     membership = FakeMembership(records={})
     membership.owner_of = lambda swarm, p, exclude: (signer(2).peer_id, "http://127.0.0.1:2")  # type: ignore[attr-defined]
     node.membership = membership  # type: ignore[assignment]
