@@ -138,8 +138,10 @@ class OwnerSuccession:
                  handed.version, self.epoch)
         if handed.final:
             self.hold_final(handed.version)
-        released = self.merger.hold_until(now, now=now)  # the predecessor's state is in: merge freely
-        await self._apply(decision if decision is not None and decision.kind == "merge" else released)
+        if (decision is None or decision.kind != "merge") and self.merger.held_until is not None:
+            decision = self.merger.hold_until(now, now=now)  # the predecessor's state is in: merge freely
+        if decision is not None:
+            await self._apply(decision)
         return True
 
     def hold_first_merge(self, seconds: float) -> None:

@@ -18,9 +18,10 @@ collects contributions for the round that produces ``v + 1``; a contribution's s
     COLLECTING / GRACE --drop_round--> COLLECTING with no contributions (the version went final)
     GRACE --set_expected raises the effective quorum above the count--> COLLECTING
 
-The rules it applies live beside it: ``merge_quorum`` (effective quorum, grace window length),
-``merge_admission`` (acceptance, carrying into ``v + 1``, bounded counts), ``merge_weights``
-(robust weights, norm clips); ``merge_config`` holds the parameters, ``merge_results`` the answers.
+The rules it applies live beside it: ``merge_quorum`` (effective quorum, grace window length,
+held rounds), ``merge_admission`` (acceptance, carrying into ``v + 1``, bounded counts),
+``merge_weights`` (robust weights, norm clips); ``merge_config`` holds the parameters,
+``merge_events`` the events, ``merge_results`` the answers.
 
 Effective quorum (``merge_quorum``): a round whose quorum K was lowered to the ``n`` learners
 expected never closes on "all expected in": it waits out its grace window, so a learner the
@@ -51,14 +52,16 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from protocol.diloco.merge_admission import ContributionEvent, Pending, bounded_pending, refusal_for
 from protocol.diloco.merge_config import LatePolicy, MergeConfig
+from protocol.diloco.merge_events import Drop, Expect, Hold, MergeFailed, Published, Rebase, Tick
 from protocol.diloco.merge_quorum import (
     effective_quorum,
     grace_window,
+    held_until,
     moving_average,
     quorum_share,
 )
@@ -74,46 +77,6 @@ class Phase(enum.Enum):
     COLLECTING = "collecting"
     GRACE = "grace"
     MERGING = "merging"
-
-
-# Events, one class each: the keys of the transition table (with the phase). The contribution
-# event, ``ContributionEvent``, lives in ``merge_admission`` with the rules that read it.
-@dataclass(frozen=True, slots=True)
-class _Tick:
-    pass
-
-
-@dataclass(frozen=True, slots=True)
-class _Expect:
-    n: int | None
-    finished: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class _Published:
-    new_version: int
-    sync_time: float
-
-
-@dataclass(frozen=True, slots=True)
-class _Rebase:
-    version: int
-
-
-@dataclass(frozen=True, slots=True)
-class _Hold:
-    until: float
-
-
-@dataclass(frozen=True, slots=True)
-class _Drop:
-    reason: str
-
-
-@dataclass(frozen=True, slots=True)
-class _MergeFailed:
-    reason: str
-    discard: frozenset[bytes]
 
 
 class FragmentMerger:
@@ -159,7 +122,7 @@ class FragmentMerger:
 
     def on_tick(self, now: float) -> Decision:
         """Timer event; due at ``deadline()``. Closes an elapsed grace window."""
-        return self._dispatch(_Tick(), now)
+        return self._dispatch(Tick(), now)
 
     def set_expected(self, n: int | None, *, now: float, finished: int = 0) -> Decision:
         """Number of live learners expected to contribute (None: unknown), and of those that
@@ -169,15 +132,15 @@ class FragmentMerger:
             raise LocalProtocolError(f"expected contributions must be >= 0, got {n}")
         if finished < 0:
             raise LocalProtocolError(f"finished learners must be >= 0, got {finished}")
-        return self._dispatch(_Expect(n, finished), now)
+        return self._dispatch(Expect(n, finished), now)
 
     def on_published(self, new_version: int, *, sync_time: float, now: float) -> Decision:
         """The node applied and published the merge; opens round ``new_version`` (== v + 1)."""
-        return self._dispatch(_Published(new_version, sync_time), now)
+        return self._dispatch(Published(new_version, sync_time), now)
 
     def on_merge_failed(self, reason: str, *, now: float, discard: Collection[bytes] = ()) -> Decision:
         """The merge failed; drop ``discard`` peers' contributions and retry after ``retry_s``."""
-        return self._dispatch(_MergeFailed(reason, frozenset(discard)), now)
+        return self._dispatch(MergeFailed(reason, frozenset(discard)), now)
 
     def rebase(self, version: int, *, now: float) -> Decision:
         """Move the open round to ``version`` (> v), keeping the contributions already accepted.
@@ -188,7 +151,7 @@ class FragmentMerger:
         """
         if version <= self.version:
             raise LocalProtocolError(f"rebase to version {version}, not above the held {self.version}")
-        return self._dispatch(_Rebase(version), now)
+        return self._dispatch(Rebase(version), now)
 
     def hold_until(self, until: float, *, now: float) -> Decision:
         """Close no round before ``until``; ``until <= now`` releases the hold at once.
@@ -200,12 +163,12 @@ class FragmentMerger:
         when the hold is released)."""
         if not math.isfinite(until):
             raise LocalProtocolError(f"hold must end at a finite time, got {until}")
-        return self._dispatch(_Hold(until), now)
+        return self._dispatch(Hold(until), now)
 
     def drop_round(self, reason: str, *, now: float) -> Decision:
         """Drop every contribution of the open round, not merged (``reason`` says why): the
         version it would follow was handed out as final elsewhere, and merging would fork it."""
-        return self._dispatch(_Drop(reason), now)
+        return self._dispatch(Drop(reason), now)
 
     # -- queries -----------------------------------------------------------------------------
 
@@ -277,13 +240,13 @@ class FragmentMerger:
         return self._decide("accept", f"carried into round for version {self.version + 1} "
                             f"(staleness {stale}; {len(self._carried)} carried)", accepted=True)
 
-    def _tick(self, ev: _Tick) -> Decision:
+    def _tick(self, ev: Tick) -> Decision:
         return self._settle(False, "")
 
-    def _tick_merging(self, ev: _Tick) -> Decision:
+    def _tick_merging(self, ev: Tick) -> Decision:
         return self._decide("wait", f"merge for version {self.version} in progress")
 
-    def _expect(self, ev: _Expect) -> Decision:
+    def _expect(self, ev: Expect) -> Decision:
         self.expected, self.finished = ev.n, ev.finished
         n = len(self._entries)
         if ev.n == 0 and self.phase is Phase.COLLECTING and 0 < n < self.config.quorum:
@@ -302,11 +265,11 @@ class FragmentMerger:
                                         f"closed ({self._tally()})")
         return self._settle(False, f"expecting {ev.n}")
 
-    def _expect_merging(self, ev: _Expect) -> Decision:
+    def _expect_merging(self, ev: Expect) -> Decision:
         self.expected, self.finished = ev.n, ev.finished
         return self._decide("wait", f"expecting {ev.n}; merge for version {self.version} in progress")
 
-    def _published(self, ev: _Published) -> Decision:
+    def _published(self, ev: Published) -> Decision:
         if ev.new_version != self.version + 1:
             raise LocalProtocolError(f"published version {ev.new_version}, expected {self.version + 1}")
         if not (math.isfinite(ev.sync_time) and ev.sync_time >= 0):
@@ -326,7 +289,7 @@ class FragmentMerger:
         self._step_ema = {p: v for p, v in self._step_ema.items() if v[1] >= horizon}
         return self._settle(False, f"round for version {self.version} open with carried contributions")
 
-    def _merge_failed(self, ev: _MergeFailed) -> Decision:
+    def _merge_failed(self, ev: MergeFailed) -> Decision:
         kept = [e for e in self._entries if e.peer not in ev.discard]
         dropped = len(self._entries) - len(kept)
         self._entries = kept
@@ -343,7 +306,7 @@ class FragmentMerger:
             return self._close(f"{reason}; retrying now", False)
         return self._decide("wait", f"{reason}; retry in {self._deadline - self._now:.2f} s")
 
-    def _rebase(self, ev: _Rebase) -> Decision:
+    def _rebase(self, ev: Rebase) -> Decision:
         bound = self.config.staleness_bound
         kept = [e for e in self._entries if ev.version - e.base_version <= bound]
         dropped = len(self._entries) - len(kept)
@@ -357,7 +320,7 @@ class FragmentMerger:
         return self._settle(False, f"rebased from version {old} to {ev.version}; {len(kept)} kept, "
                                    f"{dropped} dropped as stale beyond {bound}")
 
-    def _hold_rounds(self, ev: _Hold) -> Decision:
+    def _hold_rounds(self, ev: Hold) -> Decision:
         self._hold = ev.until if ev.until > self._now else None
         if self.phase is Phase.GRACE and self._grace_due is not None:
             self._deadline = self._held_deadline(self._grace_due)
@@ -371,15 +334,9 @@ class FragmentMerger:
         return due if until is None else max(due, until)
 
     def _held_until(self) -> float | None:
-        """Until when the round may not close now: a hold (``hold_until``), and a last
-        contribution's wait while some expected learner's contribution is not in; None: free."""
-        waits = []
-        if self._hold is not None and self._hold > self._now:
-            waits.append(self._hold)
+        """Until when the round may not close now (``merge_quorum.held_until``); None: free."""
         all_in = self.expected is not None and len(self._entries) >= self.expected
-        if self._last_until is not None and self._last_until > self._now and not all_in:
-            waits.append(self._last_until)
-        return max(waits) if waits else None
+        return held_until(hold=self._hold, last_until=self._last_until, all_in=all_in, now=self._now)
 
     def _wait_for_last(self) -> None:
         """A last contribution joined the round: wait for the other learners' (from the first)."""
@@ -388,11 +345,11 @@ class FragmentMerger:
             if self.phase is Phase.GRACE and self._grace_due is not None:
                 self._deadline = self._held_deadline(self._grace_due)
 
-    def _hold_merging(self, ev: _Hold) -> Decision:
+    def _hold_merging(self, ev: Hold) -> Decision:
         self._hold = ev.until if ev.until > self._now else None
         return self._decide("wait", f"merge for version {self.version} in progress")
 
-    def _drop(self, ev: _Drop) -> Decision:
+    def _drop(self, ev: Drop) -> Decision:
         dropped = len(self._entries)
         self._entries, self._first_at, self._round_share, self._last_until = [], None, 0, None
         self._reopen(Phase.COLLECTING, opened_at=self._now)
@@ -496,19 +453,19 @@ _TABLE: dict[tuple[Phase, type], Callable[[FragmentMerger, Any], Decision]] = {
     (_C, ContributionEvent): FragmentMerger._contribute,
     (_G, ContributionEvent): FragmentMerger._contribute,
     (_M, ContributionEvent): FragmentMerger._carry,
-    (_C, _Tick): FragmentMerger._tick,
-    (_G, _Tick): FragmentMerger._tick,
-    (_M, _Tick): FragmentMerger._tick_merging,
-    (_C, _Expect): FragmentMerger._expect,
-    (_G, _Expect): FragmentMerger._expect,
-    (_M, _Expect): FragmentMerger._expect_merging,
-    (_M, _Published): FragmentMerger._published,
-    (_M, _MergeFailed): FragmentMerger._merge_failed,
-    (_C, _Rebase): FragmentMerger._rebase,
-    (_G, _Rebase): FragmentMerger._rebase,
-    (_C, _Hold): FragmentMerger._hold_rounds,
-    (_G, _Hold): FragmentMerger._hold_rounds,
-    (_M, _Hold): FragmentMerger._hold_merging,
-    (_C, _Drop): FragmentMerger._drop,
-    (_G, _Drop): FragmentMerger._drop,
+    (_C, Tick): FragmentMerger._tick,
+    (_G, Tick): FragmentMerger._tick,
+    (_M, Tick): FragmentMerger._tick_merging,
+    (_C, Expect): FragmentMerger._expect,
+    (_G, Expect): FragmentMerger._expect,
+    (_M, Expect): FragmentMerger._expect_merging,
+    (_M, Published): FragmentMerger._published,
+    (_M, MergeFailed): FragmentMerger._merge_failed,
+    (_C, Rebase): FragmentMerger._rebase,
+    (_G, Rebase): FragmentMerger._rebase,
+    (_C, Hold): FragmentMerger._hold_rounds,
+    (_G, Hold): FragmentMerger._hold_rounds,
+    (_M, Hold): FragmentMerger._hold_merging,
+    (_C, Drop): FragmentMerger._drop,
+    (_G, Drop): FragmentMerger._drop,
 }

@@ -16,6 +16,11 @@ stall the rest), and the reasons say "K = .. lowered to the n learners expected"
 synchronous DiLoCo (``quorum_is_expected``) the quorum is ``max(1, n)`` whatever K says. With
 ``quorum_fraction`` it is at least that share of the ``n`` learners expected, rounded up. How
 the round reacts when the quorum moves is told in ``protocol.diloco.merge``.
+
+Held rounds (``held_until``): no round closes before a hold's end (a new owner waiting for its
+predecessor's handoff, ``FragmentMerger.hold_until``), nor, while some expected learner's
+contribution is not in, before the end of the wait a learner's last contribution started
+(``MergeConfig.last_wait_s``).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import math
 
 from protocol.diloco.merge_config import MergeConfig
 
-__all__ = ["effective_quorum", "grace_window", "moving_average", "quorum_share"]
+__all__ = ["effective_quorum", "grace_window", "held_until", "moving_average", "quorum_share"]
 
 
 def effective_quorum(config: MergeConfig, expected: int | None) -> tuple[int, str]:
@@ -56,3 +61,10 @@ def grace_window(config: MergeConfig, *, xi_step: float, xi_quorum: float, xi_sy
 def moving_average(old: float | None, value: float, alpha: float) -> float:
     """The exponential moving average ``old`` updated with ``value`` (``value`` when None)."""
     return value if old is None else alpha * value + (1.0 - alpha) * old
+
+
+def held_until(*, hold: float | None, last_until: float | None, all_in: bool, now: float) -> float | None:
+    """Until when a round may not close at ``now``: a ``hold`` not yet over, and a last
+    contribution's wait (``last_until``) not yet over while not ``all_in``; None: it may close."""
+    waits = [t for t in (hold, None if all_in else last_until) if t is not None and t > now]
+    return max(waits) if waits else None
