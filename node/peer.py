@@ -25,6 +25,7 @@ import contextlib
 import json
 import logging
 import math
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -70,9 +71,17 @@ FINAL_SETTLE_S = 2.0
 FINAL_RECHECKS = 3
 
 
+_EMIT_LOCK = threading.Lock()
+
+
 def emit(event: str, **fields: Any) -> None:
-    """One JSON line to the launcher."""
-    print(json.dumps({"event": event, **fields}), flush=True)
+    """One JSON line to the launcher, whole: the trainer and the node's thread both emit, and
+    ``print`` writes a line's text and its newline as two writes, between which another thread's
+    line can land (a launcher then cannot parse either, and once missed a peer's "ready")."""
+    line = json.dumps({"event": event, **fields}) + "\n"
+    with _EMIT_LOCK:
+        sys.stdout.write(line)
+        sys.stdout.flush()
 
 
 class PeerNode(SwarmPresence, OwnedFragments, OwnerHandoffs, VersionServing):

@@ -163,9 +163,10 @@ class LocalSwarm(SwarmChaos):
         async for raw in peer.proc.stdout:
             try:
                 msg = json.loads(raw)
-            except json.JSONDecodeError:
+            except json.JSONDecodeError:  # a peer's own print, or a line cut short by a kill
+                log.warning("peer %d: a line on its stdout is not an event, skipped: %r", peer.index, raw[:200])
                 continue
-            event = msg.get("event")
+            event = msg.get("event") if isinstance(msg, dict) else None
             if event == "listening":
                 peer.url, peer.peer_id = msg["url"], msg["peer_id"]
                 peer.listening.set()

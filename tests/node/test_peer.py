@@ -711,3 +711,29 @@ async def test_an_owner_that_displaces_a_live_one_holds_its_first_merge_and_a_fa
     node._start_owner(0)
     assert node.owners.pop(0).merger.held_until is None  # a swarm's start: nothing merged to hand over
     await tasks.cancel()
+
+
+def test_events_from_two_threads_reach_the_launcher_as_whole_lines() -> None:
+    """The trainer says "ready" while the node's thread says "published": with ``print`` the two
+    lines could interleave (text, other text, newline, newline), the launcher skipped both, and a
+    restarted peer waited for a "start" that never came (about 500 lines in 20,000 here)."""
+    import json
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, threading\n"
+        "from node.peer import emit\n"
+        "sys.setswitchinterval(1e-6)\n"
+        "def work(i):\n"
+        "    for k in range(3000):\n"
+        "        emit('published', fragment=i, version=k, digest='ab' * 16)\n"
+        "ts = [threading.Thread(target=work, args=(i,)) for i in range(4)]\n"
+        "[t.start() for t in ts]\n"
+        "[t.join() for t in ts]\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True)
+    lines = out.stdout.splitlines()
+    events = [json.loads(line) for line in lines]  # raises on a broken line
+    assert len(events) == 12000
+    assert {(e["fragment"], e["version"]) for e in events} == {(i, k) for i in range(4) for k in range(3000)}
