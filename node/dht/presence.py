@@ -180,6 +180,14 @@ class SwarmPresence:
         return self.membership.learners() - len(self.suspects() & {
             pid for pid, m in self.membership.members.items() if m.record.learning})
 
+    def learning_members(self) -> set[bytes]:
+        """The members whose live records say they are learning, suspects left out."""
+        if self.membership is None:
+            return set()
+        now = time.time()
+        return {pid for pid, m in self.membership.members.items()
+                if m.record.learning and m.expires_at > now} - self.suspects()
+
     def finished_learners(self) -> int:
         """Decoupled: the learners seen training whose records now say they stopped. A merge
         counts them in its share of the learners as contributing nothing (``Decision.scale``):

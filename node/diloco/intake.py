@@ -24,6 +24,7 @@ import torch
 from node.diloco.eventlog import LoggedMerger
 from node.diloco.flat import flat_from_tensors, new_flat, wire_flat_span
 from node.wire.bodies import REQUEST_BODY
+from protocol.diloco.activity import LearnerActivity
 from protocol.diloco.fragments import Fragment
 from protocol.diloco.merge import Decision, FragmentMerger
 from protocol.diloco.norms import norm64
@@ -55,6 +56,7 @@ class ContributionIntake:
     _keep_digests: int
     _merged_base: dict[bytes, int]
     _last_from: set[bytes]  # senders whose last contribution this owner has taken
+    activity: LearnerActivity
     _spare: list[torch.Tensor]
     _spare_max: int
     _borrowed: dict[int, weakref.ref[torch.Tensor]]
@@ -94,7 +96,9 @@ class ContributionIntake:
         )
         if decision.refusal is not None:
             self.counts.penalties[sender][f"refused_{decision.refusal}"] += 1
-        if not decision.accepted:
+        if decision.accepted:
+            self.activity.heard(sender, self.clock())
+        else:
             self._give_back(flat)
         log.info("fragment %d: %s", self.fragment.index, decision.reason)
         return decision

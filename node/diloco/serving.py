@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import logging
 import math
 import re
 import time
@@ -42,6 +43,8 @@ from protocol.errors import DecodeError
 from protocol.wire.signing import Signer
 
 __all__ = ["MAX_ANONYMOUS_POLLS_PER_IP", "MAX_WAIT_S", "VersionServing"]
+
+log = logging.getLogger("atoll.peer")
 
 FINAL_READ_S = 0.5  # how often a final long-poll reads the member records while learners finish
 MAX_WAIT_S = 30.0  # the longest a long-poll (/v1/fragments/p/next, /final) is held
@@ -95,6 +98,9 @@ class VersionServing:
         raise NotImplementedError
 
     def finished_learners(self) -> int:
+        raise NotImplementedError
+
+    def learning_members(self) -> set[bytes]:
         raise NotImplementedError
 
     @staticmethod
@@ -212,12 +218,20 @@ class VersionServing:
                                     cache=self._manifests)
 
     async def _wait_final(self, owner: FragmentOwner, wait_s: float) -> Any:
+        """The final version, once no member is learning (members claiming to learn that have
+        sent nothing for their silence bound left out) and the last round is merged; None if
+        that takes longer than ``wait_s``."""
         deadline = time.monotonic() + wait_s
         read_at = time.monotonic()
+        if owner.end_asked_at is None:
+            owner.end_asked_at = owner.clock()
         while time.monotonic() < deadline and not owner.retired:
-            if self.expected_learners() == 0 and owner.idle():
+            expected = self.expected_learners()
+            silent = self._silent_learners(owner) if expected else set()
+            waiting = max(0, expected - len(silent))
+            if waiting == 0 and owner.idle():
                 return owner.declare_final()  # the first time, its on_final tells the replica
-            await owner.set_expected(self.expected_learners(), self.finished_learners())
+            await owner.set_expected(waiting, self.finished_learners())
             await asyncio.sleep(0.1)
             if self.membership is not None and time.monotonic() - read_at >= FINAL_READ_S:
                 # the last learners' "stopped" records: read them now, not at the next membership pass
@@ -226,3 +240,17 @@ class VersionServing:
                     await self.membership.refresh()
         return None
 
+
+    def _silent_learners(self, owner: FragmentOwner) -> set[bytes]:
+        """Members whose records say learning but that sent this owner nothing for their silence
+        bound since it was first asked for the final version (``protocol.diloco.activity``)."""
+        assert owner.end_asked_at is not None
+        silent = owner.activity.silent(self.learning_members(), since=owner.end_asked_at, now=owner.clock())
+        for pid in silent - owner.not_waited_for:
+            heard = owner.activity.last_heard(pid)
+            log.warning("fragment %d: not waiting for member %s to finish: its record says learning, but it "
+                        "has sent nothing for %.0f s (%s)", owner.fragment.index, pid.hex()[:8],
+                        owner.activity.bound(pid),
+                        "never heard from" if heard is None else f"last heard {owner.clock() - heard:.0f} s ago")
+        owner.not_waited_for |= silent
+        return silent

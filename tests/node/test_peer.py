@@ -737,3 +737,73 @@ def test_events_from_two_threads_reach_the_launcher_as_whole_lines() -> None:
     events = [json.loads(line) for line in lines]  # raises on a broken line
     assert len(events) == 12000
     assert {(e["fragment"], e["version"]) for e in events} == {(i, k) for i in range(4) for k in range(3000)}
+
+
+def _ending_owner(members: dict[bytes, bool]) -> tuple[PeerNode, object, object]:
+    """A node owning fragment 0 (fake clock, version 3, no replica) whose member records say
+    ``members`` (peer id -> learning); returns (node, owner, clock)."""
+    from tests.node.fakes import FakeClock, flat_of, make_owner, shapes_of
+
+    model = tiny_model()
+    plan = tiny_plan(model)
+    node = PeerNode(RunConfig(max_tokens_per_step=64), signer(1), model, plan)
+    clock = FakeClock()
+    owner = make_owner(plan, shapes_of(model, plan), 0, flat_of(model, plan, 0), clock, version=3, quorum=1)
+    node.owners[0] = owner
+    records = {}
+    for pid, learning in members.items():
+        record = MemberRecord(url="http://127.0.0.1:1", roles=("learner",), reachable=False, manifest="m",
+                              learning=learning)
+        records[pid] = Member(pid, record, expires_at=2e9)
+    membership = FakeMembership(records=records, members=dict(records))
+    membership.learners = lambda: sum(m.record.learning for m in records.values())  # type: ignore[attr-defined]
+    membership.ranked = lambda *a, **k: []  # type: ignore[attr-defined]
+    node.membership = membership  # type: ignore[assignment]
+    node.suspects = lambda: set()  # type: ignore[method-assign]
+    return node, owner, clock
+
+
+async def test_a_member_claiming_to_learn_that_never_sends_does_not_hold_the_end(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A peer that joined and never trained (once: a restarted peer the launcher never started),
+    or a hostile member republishing "learning" forever, held every final fetch until it timed
+    out. Now the owner waits for such a member 120 s from the first final request, then declares
+    the fragment final and says whom it did not wait for."""
+    silent = signer(7).peer_id
+    node, owner, clock = _ending_owner({signer(1).peer_id: False, silent: True})
+    assert await node._wait_final(owner, 0.2) is None  # asked at t = 1000: waits
+    clock.advance(119.0)
+    assert await node._wait_final(owner, 0.2) is None
+    clock.advance(1.0)
+    with caplog.at_level("WARNING", logger="atoll.peer"):
+        final = await node._wait_final(owner, 0.2)
+    assert final is owner.latest and owner.holds_final
+    assert f"not waiting for member {silent.hex()[:8]}" in caplog.text and "never heard from" in caplog.text
+
+
+async def test_a_learner_still_sending_is_waited_for_until_three_of_its_intervals_pass() -> None:
+    """A slow learner at work (here one contribution every 10 s) keeps the fragment open: silence
+    counts from its last contribution or from the first final request, the later, and only 30 s
+    of nothing (its floor; 3 x 10 s) ends the wait."""
+    import torch
+
+    from tests.node.fakes import contribution, shapes_of
+
+    learner = signer(7).peer_id
+    node, owner, clock = _ending_owner({signer(1).peer_id: False, learner: True})
+    shapes = shapes_of(tiny_model(), tiny_plan(tiny_model()))[0]
+    delta = torch.full((owner.theta.numel(),), 0.01)
+    for i in range(3):  # at t = 1000, 1010, 1020
+        if i:
+            clock.advance(10.0)
+            await owner.tick()  # the round's grace window is over: merged
+        ack = await owner.contribute(learner, contribution(delta, shapes, base_version=owner.version, owner=owner))
+        assert ack.accepted
+    clock.advance(5.0)
+    await owner.tick()
+    assert await node._wait_final(owner, 0.2) is None  # the end asked at t = 1025
+    clock.advance(29.0)
+    assert await node._wait_final(owner, 0.2) is None  # t = 1054: 29 s quiet, still at work
+    clock.advance(1.0)
+    assert await node._wait_final(owner, 0.2) is owner.latest
+    assert owner.version == 6  # its three contributions merged; nothing dropped
