@@ -86,10 +86,9 @@ class ContributionIntake:
         if self.log is not None:
             self.log.note_payload(msg)
         # a sender's last contribution makes its round wait for the others' (bounded): honoured
-        # once per sender, so a member marking all its work "last" cannot slow every round
+        # once per sender, so a member marking all its work "last" cannot slow every round; a
+        # refused one (a duplicate, say) does not spend the mark, so its resend is still honoured
         last = msg.last and sender not in self._last_from and len(self._last_from) < LAST_SENDERS_KEPT
-        if last:
-            self._last_from.add(sender)
         decision = self.merger.on_contribution(
             sender, base_version=msg.base_version, tokens=msg.tokens, steps=msg.steps,
             step_time=msg.step_time, payload=flat, norm=norm, now=self.clock(), last=last,
@@ -98,6 +97,8 @@ class ContributionIntake:
             self.counts.penalties[sender][f"refused_{decision.refusal}"] += 1
         if decision.accepted:
             self.activity.heard(sender, self.clock())
+            if last:
+                self._last_from.add(sender)
         else:
             self._give_back(flat)
         log.info("fragment %d: %s", self.fragment.index, decision.reason)

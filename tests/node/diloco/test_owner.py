@@ -502,3 +502,30 @@ async def test_a_senders_last_contribution_waits_for_the_others_once() -> None:
     clock.advance(1.0)  # its grace window (0.5 * 2 steps * 1 s), not last_wait_s (3 s)
     await owner.tick()
     assert ack.accepted and owner.version == 2  # a second "last" from A is not honoured
+
+
+async def test_a_refused_last_contribution_does_not_spend_the_senders_mark() -> None:
+    """A flush the merger refuses (here a duplicate: its sender's regular contribution is in the
+    same round) leaves the sender's one ``last`` mark unspent: resent on the next version, it
+    still makes its round wait for the other learners."""
+    import dataclasses
+
+    from protocol.diloco.merge import Phase
+
+    _, shapes, clock, theta0, owner = _setup(quorum=1)
+    delta = torch.full_like(theta0, 0.01)
+    await owner.set_expected(2)
+    assert (await owner.contribute(A, contribution(delta, shapes[0], owner=owner))).accepted
+    ack = await owner.contribute(A, dataclasses.replace(contribution(delta, shapes[0], owner=owner), last=True))
+    assert not ack.accepted and "duplicate" in ack.reason
+    clock.advance(1.0)
+    await owner.tick()
+    assert owner.version == 1
+    ack = await owner.contribute(A, dataclasses.replace(contribution(delta, shapes[0], base_version=1, owner=owner),
+                                                        last=True))
+    assert ack.accepted and owner.merger.phase is Phase.GRACE
+    clock.advance(1.0)  # past its grace window (1 s), within last_wait_s (3 s): still waiting for B
+    await owner.tick()
+    assert owner.version == 1
+    await owner.contribute(B, contribution(delta, shapes[0], base_version=1, owner=owner))
+    assert owner.version == 2
