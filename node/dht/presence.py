@@ -188,6 +188,30 @@ class SwarmPresence:
         return {pid for pid, m in self.membership.members.items()
                 if m.record.learning and m.expires_at > now} - self.suspects()
 
+    def learners_waited_for(self, owner: FragmentOwner, *, at_end: bool = False) -> int:
+        """``expected_learners``, less (decoupled) the members ``owner`` finds silent: a record's
+        "learning" is a claim, and members that make it and send nothing must not raise a merge's
+        quorum past what the learners at work can reach, nor hold the end of a run
+        (``protocol.diloco.activity``). Each member newly found silent is logged once."""
+        expected = self.expected_learners()
+        if self.cfg.mode != "decoupled" or expected == 0:
+            return expected
+        learning = self.learning_members()
+        now = owner.clock()
+        owner.activity.seen(learning, now)
+        # a member whose work waits in the open round is not silent: it waits on us (in a round
+        # held below its quorum its next contribution would be the same round's, refused)
+        silent = owner.activity.silent(learning, since=owner.started_at, now=now,
+                                       at_end=at_end) - owner.merger.contributors
+        for pid in silent - owner.not_waited_for:
+            heard = owner.activity.last_heard(pid)
+            log.warning("fragment %d: not waiting for member %s: its record says learning, but it has sent "
+                        "nothing for %.0f s (%s)", owner.fragment.index, pid.hex()[:8],
+                        owner.activity.bound(pid, at_end=at_end) or 0.0,
+                        "never heard from" if heard is None else f"last heard {now - heard:.0f} s ago")
+        owner.not_waited_for = silent
+        return max(0, expected - len(silent))
+
     def finished_learners(self) -> int:
         """Decoupled: the learners seen training whose records now say they stopped. A merge
         counts them in its share of the learners as contributing nothing (``Decision.scale``):
@@ -260,9 +284,9 @@ class SwarmPresence:
                 await self.membership.refresh()
             await self._follow_manifest()
             await self._reconcile_owners()
-            expected, finished = self.expected_learners(), self.finished_learners()
+            finished = self.finished_learners()
             for owner in list(self.owners.values()):
-                await owner.set_expected(expected, finished)
+                await owner.set_expected(self.learners_waited_for(owner), finished)
             await self._membership_pause()
 
     async def _membership_pause(self) -> None:

@@ -185,11 +185,11 @@ class FragmentOwner(ContributionIntake, VersionSealing, OwnerSuccession):
         self._state_digest: dict[int, bytes] = {}  # the one of them any owner computes: handoffs, fences
         self._merged_base: dict[bytes, int] = dict(merged or {})  # sender -> newest base of its merged work
         self._last_from: set[bytes] = set()  # senders whose last contribution was taken (``last``)
-        # when each sender's contributions were taken, and when a peer first asked for the final
-        # version: a member claiming to learn that has long sent nothing does not hold the end
+        # when each sender's contributions were taken: a member claiming to learn that has long
+        # sent nothing is not waited for (``protocol.diloco.activity``)
         self.activity = LearnerActivity()
-        self.end_asked_at: float | None = None
-        self.not_waited_for: set[bytes] = set()  # such members, once found silent (logged once)
+        self.started_at = start
+        self.not_waited_for: set[bytes] = set()  # the members found silent at the last look
         self._keep_digests = merge_cfg.staleness_bound + 2
         # decoded contributions' buffers, reused once their merge is published (fresh memory is
         # slow to fill); at most as many as the last published merge had contributions

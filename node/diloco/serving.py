@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import logging
 import math
 import re
 import time
@@ -43,8 +42,6 @@ from protocol.errors import DecodeError
 from protocol.wire.signing import Signer
 
 __all__ = ["MAX_ANONYMOUS_POLLS_PER_IP", "MAX_WAIT_S", "VersionServing"]
-
-log = logging.getLogger("atoll.peer")
 
 FINAL_READ_S = 0.5  # how often a final long-poll reads the member records while learners finish
 MAX_WAIT_S = 30.0  # the longest a long-poll (/v1/fragments/p/next, /final) is held
@@ -100,7 +97,7 @@ class VersionServing:
     def finished_learners(self) -> int:
         raise NotImplementedError
 
-    def learning_members(self) -> set[bytes]:
+    def learners_waited_for(self, owner: FragmentOwner, *, at_end: bool = False) -> int:
         raise NotImplementedError
 
     @staticmethod
@@ -223,12 +220,8 @@ class VersionServing:
         that takes longer than ``wait_s``."""
         deadline = time.monotonic() + wait_s
         read_at = time.monotonic()
-        if owner.end_asked_at is None:
-            owner.end_asked_at = owner.clock()
         while time.monotonic() < deadline and not owner.retired:
-            expected = self.expected_learners()
-            silent = self._silent_learners(owner) if expected else set()
-            waiting = max(0, expected - len(silent))
+            waiting = self.learners_waited_for(owner, at_end=True)
             if waiting == 0 and owner.idle():
                 return owner.declare_final()  # the first time, its on_final tells the replica
             await owner.set_expected(waiting, self.finished_learners())
@@ -239,18 +232,3 @@ class VersionServing:
                 with contextlib.suppress(Exception):
                     await self.membership.refresh()
         return None
-
-
-    def _silent_learners(self, owner: FragmentOwner) -> set[bytes]:
-        """Members whose records say learning but that sent this owner nothing for their silence
-        bound since it was first asked for the final version (``protocol.diloco.activity``)."""
-        assert owner.end_asked_at is not None
-        silent = owner.activity.silent(self.learning_members(), since=owner.end_asked_at, now=owner.clock())
-        for pid in silent - owner.not_waited_for:
-            heard = owner.activity.last_heard(pid)
-            log.warning("fragment %d: not waiting for member %s to finish: its record says learning, but it "
-                        "has sent nothing for %.0f s (%s)", owner.fragment.index, pid.hex()[:8],
-                        owner.activity.bound(pid),
-                        "never heard from" if heard is None else f"last heard {owner.clock() - heard:.0f} s ago")
-        owner.not_waited_for |= silent
-        return silent

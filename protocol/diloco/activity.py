@@ -1,18 +1,30 @@
-"""Which learners an owner still waits for at the end of a run.
+"""Which learners an owner waits for: the members whose records say "learning", less the silent.
 
-An owner declares its fragment final once no member is learning. A member's record saying
-"learning" is only its claim: a peer that joined and never trained, or a hostile member that
-keeps republishing "learning" and sends nothing, would hold every other peer's final fetch
-forever. So the owner notes when each sender's contributions arrived, and a member whose record
-says learning but that has sent nothing for several of its own intervals between contributions
-(or of the fragment's usual interval, for a member never heard from) is not waited for.
+A merge's quorum is a share of the learners expected, and an owner declares its fragment final
+once no member is learning. Both took a member record's "learning" at its word: members that
+make the claim and send nothing (a peer that joined and never trained, identities a hostile
+member adds, a peer that hangs) raised the quorum past what the real learners can reach, and
+merges waited for ever (seven such members and three learners at a quorum share of 0.5), or held
+every other peer's final fetch. So an owner notes when each sender's accepted contributions
+arrived and how long the work each holds took (its steps times its step time), and does not wait
+for a member silent for ``factor`` of that (for a member never heard from: of the median of
+those heard), clamped to ``[floor_s, cap_s]`` (``[end_floor_s, cap_s]`` at the end of a run).
+Silence counts from the member's last accepted contribution, or from when the owner first saw
+it learning, whichever is later. The time between two contributions is not the measure: a
+learner sends one per round, so it grows with every round that waits, and waiting on silent
+members would lengthen the wait for them. A member found silent stays so until it is heard
+from again (a bound that grows later does not count it back in).
 
-A learner still at work keeps contributing every H steps and is waited for, however slow, as long
-as its interval stays under ``SilenceBounds.cap_s``.
+A learner at work keeps contributing every H steps and stays expected, however slow, while H of
+its steps take under ``cap_s / factor``; one slower than that is not waited for, but its
+contributions are taken as before. Before the owner has heard from anyone nobody is silent
+(nothing tells how long H steps take), except at the end of a run (``at_end``), where a member
+never heard from is waited for ``unknown_s``.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -22,72 +34,99 @@ __all__ = ["LearnerActivity", "SilenceBounds"]
 
 @dataclass(frozen=True, slots=True)
 class SilenceBounds:
-    """How long a member claiming to learn may stay silent before an owner stops waiting for it.
+    """How long a member claiming to learn may stay silent before an owner stops waiting for it."""
 
-    ``factor`` times the member's own last interval between contributions (a round it sat out,
-    a slow step, and one more), or times the fragment's usual interval if it has none, clamped to
-    ``[floor_s, cap_s]``; ``unknown_s`` when the owner has seen no interval at all (it took the
-    fragment over just now)."""
-
-    factor: float = 3.0
-    floor_s: float = 30.0
-    unknown_s: float = 120.0
+    factor: float = 3.0  # intervals: a round it sat out, a slow step, and one more
+    # in a round's quorum leaving a learner out only means rounds do not wait for it, while
+    # waiting lets islands drift apart (a 30 s stall at 40 steps a second was 1,200 steps of
+    # drift, and the merged model ended near its initial loss); at the end it means its last
+    # work is refused, so a pause (a checkpoint, a collection) gets longer there
+    floor_s: float = 5.0
+    end_floor_s: float = 30.0
+    unknown_s: float = 120.0  # at the end, when no interval is known at all
     cap_s: float = 300.0
 
     def __post_init__(self) -> None:
-        if not 0 < self.floor_s <= self.unknown_s <= self.cap_s:
-            raise ValueError(f"silence bounds must satisfy 0 < floor_s <= unknown_s <= cap_s, got "
-                             f"{self.floor_s}, {self.unknown_s}, {self.cap_s}")
+        if not 0 < self.floor_s <= self.end_floor_s <= self.unknown_s <= self.cap_s:
+            raise ValueError(f"silence bounds must satisfy 0 < floor_s <= end_floor_s <= unknown_s <= cap_s, "
+                             f"got {self.floor_s}, {self.end_floor_s}, {self.unknown_s}, {self.cap_s}")
         if self.factor < 1:
             raise ValueError(f"the silence factor must be at least 1 interval, got {self.factor}")
 
 
 class LearnerActivity:
-    """When each sender's accepted contributions to one fragment arrived (times from the caller's
-    clock). Keeps two numbers per sender and at most ``max_senders`` senders (the least recently
-    heard are forgotten first: a forgotten member counts as never heard from)."""
+    """When each member was first seen learning and each sender's contributions were accepted,
+    in the caller's clock's seconds. At most ``max_senders`` of each are kept (the least recently
+    heard or seen are forgotten first; a forgotten member counts as never heard from)."""
 
     def __init__(self, bounds: SilenceBounds = SilenceBounds(), *, max_senders: int = 4096) -> None:
         self.bounds = bounds
         self.max_senders = max_senders
-        self._last: dict[bytes, float] = {}  # insertion order = least recently heard first
-        self._gap: dict[bytes, float] = {}
+        self._last: dict[bytes, float] = {}  # insertion order: least recently heard first
+        self._interval: dict[bytes, float] = {}
+        self._first_seen: dict[bytes, float] = {}
+        self._found_silent: set[bytes] = set()  # found silent in a round's count, until heard again
 
-    def heard(self, sender: bytes, now: float) -> None:
-        """``sender``'s contribution was accepted at ``now``."""
-        previous = self._last.pop(sender, None)
-        if previous is not None and now > previous:
-            self._gap[sender] = now - previous
+    def heard(self, sender: bytes, now: float, *, work_s: float) -> None:
+        """``sender``'s contribution was accepted at ``now``, holding ``work_s`` seconds of work
+        (its steps times its step time: a claim, bounded by the caller's checks; the bound it
+        earns is capped anyway). A claim that is not a positive number keeps the last one."""
+        self._last.pop(sender, None)
         self._last[sender] = now
-        while len(self._last) > self.max_senders:
-            oldest = next(iter(self._last))
-            del self._last[oldest]
-            self._gap.pop(oldest, None)
+        if math.isfinite(work_s) and work_s > 0:
+            self._interval[sender] = work_s
+        self._found_silent.discard(sender)
+        self._trim(self._last, also=self._interval)
+
+    def seen(self, learning: Iterable[bytes], now: float) -> None:
+        """These members' records say learning at ``now``: silence counts from the first time."""
+        for member in learning:
+            if member not in self._first_seen:
+                self._first_seen[member] = now
+        self._trim(self._first_seen)
+
+    def _trim(self, times: dict[bytes, float], also: dict[bytes, float] | None = None) -> None:
+        while len(times) > self.max_senders:
+            oldest = next(iter(times))
+            del times[oldest]
+            if also is not None:
+                also.pop(oldest, None)
+        while len(self._found_silent) > self.max_senders:
+            self._found_silent.pop()
 
     def last_heard(self, sender: bytes) -> float | None:
         return self._last.get(sender)
 
     def usual_interval(self) -> float | None:
-        """The median of the senders' last intervals: the fragment's round cadence per learner."""
-        return statistics.median(self._gap.values()) if self._gap else None
+        """The median of the heard senders' work per contribution: how long H steps take."""
+        return statistics.median(self._interval.values()) if self._interval else None
 
-    def bound(self, sender: bytes) -> float:
-        """Seconds of silence after which ``sender`` is not waited for."""
+    def bound(self, sender: bytes, *, at_end: bool = False) -> float | None:
+        """Seconds of silence after which ``sender`` is not waited for; None: no bound yet."""
         b = self.bounds
-        gap = self._gap.get(sender)
-        if gap is None:
-            gap = self.usual_interval()
-        if gap is None:
-            return b.unknown_s
-        return min(b.cap_s, max(b.floor_s, b.factor * gap))
+        interval = self._interval.get(sender)
+        if interval is None:
+            interval = self.usual_interval()
+        if interval is None:
+            return b.unknown_s if at_end else None
+        return min(b.cap_s, max(b.end_floor_s if at_end else b.floor_s, b.factor * interval))
 
-    def silent(self, learning: Iterable[bytes], *, since: float, now: float) -> set[bytes]:
+    def silent(self, learning: Iterable[bytes], *, since: float, now: float, at_end: bool = False) -> set[bytes]:
         """The members of ``learning`` silent for their bound, counted from their last accepted
-        contribution or from ``since`` (when the owner began waiting for the end), the later."""
+        contribution, from when they were first seen, or from ``since`` (when the owner began
+        owning), the latest. Outside ``at_end``, those found silent before stay so until heard."""
         out = set()
-        for sender in learning:
-            heard = self._last.get(sender)
-            quiet_from = since if heard is None else max(heard, since)
-            if now - quiet_from >= self.bound(sender):
-                out.add(sender)
+        for member in learning:
+            if not at_end and member in self._found_silent:
+                out.add(member)
+                continue
+            bound = self.bound(member, at_end=at_end)
+            if bound is None:
+                continue
+            heard = self._last.get(member)
+            quiet_from = max(since, heard if heard is not None else self._first_seen.get(member, since))
+            if now - quiet_from >= bound:
+                out.add(member)
+        if not at_end:
+            self._found_silent |= out
         return out

@@ -182,6 +182,11 @@ class FragmentMerger:
         return len(self._entries)
 
     @property
+    def contributors(self) -> frozenset[bytes]:
+        """The senders whose contributions wait in the current round or are carried into the next."""
+        return frozenset(e.peer for e in (*self._entries, *self._carried))
+
+    @property
     def quorum(self) -> int:
         """The effective quorum now: K, or fewer while fewer learners are expected (see above)."""
         return self._quorum()[0]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import math
@@ -289,3 +290,47 @@ def test_running_node_refuses_garbage_bad_signatures_and_unknown_fragments(tmp_p
     assert len({r["final_param_hash"] for r in results}) == 1
     start, end = victim["eval_loss_start"], victim["eval_loss_end"]
     assert math.isfinite(end) and end < 0.75 * start
+
+
+def test_identities_that_claim_to_learn_and_send_nothing_do_not_stall_the_swarm(tmp_path: Path) -> None:
+    """Six keys join an open swarm of three learners and keep republishing member records that
+    say "learning", and never contribute. Counted as learners they lift the owners' quorum (half
+    the learners expected) to 5 of 9, which three learners cannot reach: before, no merge closed
+    once the owners saw them, and the run never ended. Now the owners stop waiting for them once
+    they have been silent three of the learners' intervals (at least 30 s), the swarm merges and
+    ends on one model, and each owner's log names them."""
+    cfg = resolved(RunConfig(**{**SMALL, "steps": 2000}))  # type: ignore[arg-type]  # ~50 s of training here
+    swarm = LocalSwarm(cfg, tmp_path, quiet=True, run_timeout_s=170)
+    fakes = [Signer.from_seed(os.urandom(32)) for _ in range(6)]
+
+    async def scenario() -> list[dict[str, Any]]:
+        run = asyncio.create_task(swarm.run())
+        async with asyncio.timeout(60):
+            await swarm.listening.wait()
+        cfg = swarm.cfg
+        joined = [await _join_as_insider(swarm.peers[0].url, fake, cfg) for fake in fakes]
+        try:
+            while not run.done():  # republished well within the records' time-to-live
+                await asyncio.wait({run}, timeout=4.0)
+                for _, dht in joined:
+                    with contextlib.suppress(Exception):
+                        await _publish_insider(dht, cfg, learning=True)
+        finally:
+            for transport, dht in joined:
+                await dht.close()
+                await transport.close()
+        return await run
+
+    results = asyncio.run(scenario())
+    assert len(results) == 3
+    assert len({r["final_param_hash"] for r in results}) == 1
+    assert all(r["steps"] == 2000 for r in results)
+    start, end = results[0]["eval_loss_start"], results[0]["eval_loss_end"]
+    assert math.isfinite(end) and end < 0.75 * start
+    logs = "".join(p.read_text() for p in tmp_path.glob("peer*.log"))
+    named = {f.peer_id.hex()[:8] for f in fakes if f"not waiting for member {f.peer_id.hex()[:8]}" in logs}
+    assert named == {f.peer_id.hex()[:8] for f in fakes}
+    # the owners saw them: some round waited on a quorum only they could have made up
+    assert "0.5 of the 9 learners expected" in logs
+    # and merged again while the learners trained on: every fragment moved well past the stall
+    assert min(min(r["global_versions"]) for r in results) >= 10

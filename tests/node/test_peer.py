@@ -739,7 +739,7 @@ def test_events_from_two_threads_reach_the_launcher_as_whole_lines() -> None:
     assert {(e["fragment"], e["version"]) for e in events} == {(i, k) for i in range(4) for k in range(3000)}
 
 
-def _ending_owner(members: dict[bytes, bool]) -> tuple[PeerNode, object, object]:
+def _ending_owner(members: dict[bytes, bool], **merge: object) -> tuple[PeerNode, object, object]:
     """A node owning fragment 0 (fake clock, version 3, no replica) whose member records say
     ``members`` (peer id -> learning); returns (node, owner, clock)."""
     from tests.node.fakes import FakeClock, flat_of, make_owner, shapes_of
@@ -748,7 +748,8 @@ def _ending_owner(members: dict[bytes, bool]) -> tuple[PeerNode, object, object]
     plan = tiny_plan(model)
     node = PeerNode(RunConfig(max_tokens_per_step=64), signer(1), model, plan)
     clock = FakeClock()
-    owner = make_owner(plan, shapes_of(model, plan), 0, flat_of(model, plan, 0), clock, version=3, quorum=1)
+    owner = make_owner(plan, shapes_of(model, plan), 0, flat_of(model, plan, 0), clock, version=3,
+                       **{"quorum": 1, **merge})
     node.owners[0] = owner
     records = {}
     for pid, learning in members.items():
@@ -766,12 +767,12 @@ def _ending_owner(members: dict[bytes, bool]) -> tuple[PeerNode, object, object]
 async def test_a_member_claiming_to_learn_that_never_sends_does_not_hold_the_end(
         caplog: pytest.LogCaptureFixture) -> None:
     """A peer that joined and never trained (once: a restarted peer the launcher never started),
-    or a hostile member republishing "learning" forever, held every final fetch until it timed
-    out. Now the owner waits for such a member 120 s from the first final request, then declares
-    the fragment final and says whom it did not wait for."""
+    or a hostile member republishing "learning" for ever, held every final fetch until it timed
+    out. With nobody's pace known the owner now waits 120 s from when it began owning, then
+    declares the fragment final and says whom it did not wait for."""
     silent = signer(7).peer_id
     node, owner, clock = _ending_owner({signer(1).peer_id: False, silent: True})
-    assert await node._wait_final(owner, 0.2) is None  # asked at t = 1000: waits
+    assert await node._wait_final(owner, 0.2) is None  # owning since t = 1000: waits
     clock.advance(119.0)
     assert await node._wait_final(owner, 0.2) is None
     clock.advance(1.0)
@@ -781,29 +782,64 @@ async def test_a_member_claiming_to_learn_that_never_sends_does_not_hold_the_end
     assert f"not waiting for member {silent.hex()[:8]}" in caplog.text and "never heard from" in caplog.text
 
 
-async def test_a_learner_still_sending_is_waited_for_until_three_of_its_intervals_pass() -> None:
-    """A slow learner at work (here one contribution every 10 s) keeps the fragment open: silence
-    counts from its last contribution or from the first final request, the later, and only 30 s
-    of nothing (its floor; 3 x 10 s) ends the wait."""
+async def _contribute(owner, who: bytes, *, steps: int = 4, step_time: float = 1.0):  # type: ignore[no-untyped-def]
+    import dataclasses
+
     import torch
 
     from tests.node.fakes import contribution, shapes_of
 
-    learner = signer(7).peer_id
-    node, owner, clock = _ending_owner({signer(1).peer_id: False, learner: True})
     shapes = shapes_of(tiny_model(), tiny_plan(tiny_model()))[0]
     delta = torch.full((owner.theta.numel(),), 0.01)
+    msg = contribution(delta, shapes, base_version=owner.version, owner=owner)
+    return await owner.contribute(who, dataclasses.replace(msg, steps=steps, sender_step=steps, step_time=step_time))
+
+
+async def test_a_learner_still_sending_is_waited_for_until_three_of_its_intervals_pass() -> None:
+    """A slow learner at work (here one contribution every 10 s) keeps the fragment open: silence
+    counts from its last contribution, and only 30 s (its floor; 3 x 10 s) of nothing ends the wait."""
+    learner = signer(7).peer_id
+    node, owner, clock = _ending_owner({signer(1).peer_id: False, learner: True})
     for i in range(3):  # at t = 1000, 1010, 1020
         if i:
             clock.advance(10.0)
             await owner.tick()  # the round's grace window is over: merged
-        ack = await owner.contribute(learner, contribution(delta, shapes, base_version=owner.version, owner=owner))
-        assert ack.accepted
+        assert (await _contribute(owner, learner)).accepted
     clock.advance(5.0)
     await owner.tick()
     assert await node._wait_final(owner, 0.2) is None  # the end asked at t = 1025
-    clock.advance(29.0)
-    assert await node._wait_final(owner, 0.2) is None  # t = 1054: 29 s quiet, still at work
+    clock.advance(24.0)
+    assert await node._wait_final(owner, 0.2) is None  # t = 1049: 29 s quiet, still at work
     clock.advance(1.0)
     assert await node._wait_final(owner, 0.2) is owner.latest
     assert owner.version == 6  # its three contributions merged; nothing dropped
+
+
+async def test_members_that_claim_to_learn_and_send_nothing_cannot_stall_the_merges(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Seven identities whose records say learning and that never contribute raised the quorum
+    (half the learners expected) to 5 of 10, which the three learners at work can never reach:
+    no merge, ever. Now, once they have been silent three times the learners' usual interval
+    (4 s of work a contribution: 12 s), the owner stops counting them and the round closes on its
+    quorum of 2 of 3."""
+    real = [signer(10 + i).peer_id for i in range(3)]
+    fake = [signer(20 + i).peer_id for i in range(7)]
+    node, owner, clock = _ending_owner({pid: True for pid in real + fake}, quorum=1, quorum_fraction=0.5)
+    await owner.set_expected(node.learners_waited_for(owner))
+    for pid in real:
+        ack = await _contribute(owner, pid)  # 4 steps of 1 s: the usual interval 4 s
+        assert ack.accepted and "quorum 5 (K = 5: 0.5 of the 10 learners expected)" in ack.reason
+        clock.advance(0.5)
+    await owner.tick()
+    assert owner.version == 3 and owner.merger.contributors == set(real)  # these are never silent
+    clock.advance(10.0)  # the fakes, seen at t = 1000, silent 11.5 s: still counted
+    await owner.set_expected(node.learners_waited_for(owner))
+    await owner.tick()
+    assert owner.version == 3
+    clock.advance(0.5)
+    with caplog.at_level("WARNING", logger="atoll.peer"):
+        waited = node.learners_waited_for(owner)
+    assert waited == 3 and caplog.text.count("not waiting for member") == 7  # the fakes, once each
+    await owner.set_expected(waited)
+    await owner.tick()
+    assert owner.version == 4  # merged: the three learners' work

@@ -1,4 +1,4 @@
-"""LearnerActivity: which members claiming to learn an owner stops waiting for at the end."""
+"""LearnerActivity: which members claiming to learn an owner stops waiting for."""
 
 from __future__ import annotations
 
@@ -8,69 +8,103 @@ from hypothesis import strategies as st
 
 from protocol.diloco.activity import LearnerActivity, SilenceBounds
 
-A, B, C, D = (bytes([b]) * 32 for b in (0xA1, 0xB2, 0xC3, 0xD4))
+A, B, C, D, E = (bytes([b]) * 32 for b in (0xA1, 0xB2, 0xC3, 0xD4, 0xE5))
 
 
-def test_a_member_never_heard_from_is_waited_for_the_unknown_bound_from_when_the_end_was_asked() -> None:
+def test_before_anyone_is_heard_nobody_is_silent_but_at_the_end_the_unknown_bound_applies() -> None:
+    """Nothing tells how long H steps take until a contribution arrives: a swarm whose first
+    round is slow is not cut down. At the end a member never heard from gets ``unknown_s``."""
     activity = LearnerActivity()
+    assert activity.bound(A) is None
+    assert activity.silent({A}, since=1000.0, now=1e9) == set()
+    assert activity.bound(A, at_end=True) == 120.0
+    assert activity.silent({A}, since=1000.0, now=1119.9, at_end=True) == set()
+    assert activity.silent({A}, since=1000.0, now=1120.0, at_end=True) == {A}
+
+
+def test_a_learner_at_work_is_waited_for_three_times_the_work_it_sends() -> None:
+    activity = LearnerActivity()
+    for t in (0.0, 40.0, 80.0):  # 40 s of work a contribution (H steps of a slow GPU)
+        activity.heard(A, t, work_s=40.0)
     assert activity.bound(A) == 120.0
-    assert activity.silent({A}, since=1000.0, now=1119.9) == set()
-    assert activity.silent({A}, since=1000.0, now=1120.0) == {A}
+    assert activity.silent({A}, since=0.0, now=199.0) == set()
+    assert activity.silent({A}, since=0.0, now=200.0) == {A}
+    activity.heard(A, 210.0, work_s=40.0)  # it contributed again: waited for again
+    assert activity.silent({A}, since=0.0, now=300.0) == set()
 
 
-def test_a_learner_at_work_is_waited_for_three_of_its_own_intervals() -> None:
+def test_the_time_between_contributions_does_not_lengthen_the_bound() -> None:
+    """A learner sends one contribution a round: while a round waits (on silent members, say),
+    its gaps grow. Measured by them, the bound for the silent members grew with the wait they
+    caused; it is the work a contribution holds that counts."""
     activity = LearnerActivity()
-    for t in (0.0, 40.0, 80.0):  # contributes every 40 s (H steps of a slow GPU)
-        activity.heard(A, t)
-    assert activity.bound(A) == 120.0
-    # the end was asked at 90 s: at 209 s it has been quiet 119 s, still within its bound
-    assert activity.silent({A}, since=90.0, now=209.0) == set()
-    assert activity.silent({A}, since=90.0, now=210.0) == {A}
-    activity.heard(A, 120.0)  # it contributed again: the silence counts from there
-    assert activity.silent({A}, since=90.0, now=210.0) == set()
+    activity.heard(A, 0.0, work_s=2.0)
+    activity.heard(A, 60.0, work_s=2.0)  # a minute later: its round had waited
+    assert activity.bound(A) == 6.0 and activity.bound(B) == 6.0
+    activity.heard(C, 0.0, work_s=100.0)
+    activity.heard(C, 10.0, work_s=float("nan"))  # an unusable claim keeps the last one
+    assert activity.bound(C) == 300.0
 
 
-def test_quiet_time_counts_from_when_the_end_was_asked_not_from_an_old_contribution() -> None:
-    """A learner heard from long ago is not cut off the moment the first peer finishes."""
+def test_silence_counts_from_when_a_member_was_first_seen_or_from_since() -> None:
     activity = LearnerActivity()
-    activity.heard(A, 0.0)
-    activity.heard(A, 10.0)  # bound max(30, 3 x 10) = 30
-    assert activity.silent({A}, since=500.0, now=501.0) == set()
-    assert activity.silent({A}, since=500.0, now=530.0) == {A}
+    activity.heard(A, 10.0, work_s=10.0)  # bound 30 s
+    activity.seen({B}, 100.0)  # B joins at 100 s and has sent nothing yet
+    activity.seen({B}, 120.0)  # seen again: still counted from the first time
+    assert activity.silent({A, B}, since=0.0, now=129.0, at_end=True) == {A}
+    assert activity.silent({A, B}, since=0.0, now=130.0, at_end=True) == {A, B}
+    assert activity.silent({A, B}, since=500.0, now=529.0, at_end=True) == set()  # owning since 500 s
+    assert activity.silent({A, B}, since=500.0, now=530.0, at_end=True) == {A, B}
 
 
-def test_a_member_never_heard_from_takes_the_fragments_usual_interval() -> None:
+def test_a_member_never_heard_from_takes_the_median_work_of_those_heard() -> None:
     activity = LearnerActivity()
-    for sender, gap in ((A, 20.0), (B, 30.0), (C, 40.0)):
-        activity.heard(sender, 0.0)
-        activity.heard(sender, gap)
+    for sender, work in ((A, 20.0), (B, 30.0), (C, 40.0)):
+        activity.heard(sender, 100.0, work_s=work)
     assert activity.usual_interval() == 30.0
     assert activity.bound(D) == 90.0
     assert activity.silent({A, B, C, D}, since=100.0, now=190.0) == {A, B, D}  # C's bound is 120 s
 
 
-def test_bounds_are_clamped_so_a_hostile_cadence_cannot_hold_the_end_for_long() -> None:
-    """A member sending once an hour would earn a 3-hour bound: it gets ``cap_s``; one sending
-    many times a second gets ``floor_s``, not a fraction of a second."""
+def test_a_member_found_silent_stays_so_until_it_is_heard_from() -> None:
+    """Members heard later may claim longer work and lift the median: a member already left out
+    is not counted back in by that (its silence would otherwise hold rounds again), only by a
+    contribution of its own."""
     activity = LearnerActivity()
-    activity.heard(A, 0.0)
-    activity.heard(A, 3600.0)
-    activity.heard(B, 0.0)
-    activity.heard(B, 0.01)
-    assert activity.bound(A) == 300.0
-    assert activity.bound(B) == 30.0
+    activity.heard(A, 0.0, work_s=2.0)
+    assert activity.silent({A, D}, since=0.0, now=6.0) == {A, D}
+    for sender in (B, C, E):
+        activity.heard(sender, 6.0, work_s=100.0)  # the median is now 100 s: D's bound 300 s
+    assert activity.silent({A, D}, since=0.0, now=7.0) == {A, D}
+    assert activity.silent({D}, since=0.0, now=7.0, at_end=True) == set()  # the end looks afresh
+    activity.heard(D, 8.0, work_s=2.0)
+    assert activity.silent({A, D}, since=0.0, now=9.0) == {A}
+
+
+def test_bounds_are_clamped_so_a_hostile_claim_cannot_hold_anything_for_long() -> None:
+    """A member claiming hours of work would earn a bound of hours: it gets ``cap_s``; one
+    claiming milliseconds gets ``floor_s`` (``end_floor_s`` at the end of a run)."""
+    activity = LearnerActivity()
+    activity.heard(A, 0.0, work_s=3600.0)
+    activity.heard(B, 0.0, work_s=1e12)
+    activity.heard(C, 0.0, work_s=0.01)
+    assert activity.bound(A) == activity.bound(B) == 300.0
+    assert activity.bound(C) == 5.0 and activity.bound(C, at_end=True) == 30.0
 
 
 def test_the_least_recently_heard_are_forgotten_beyond_max_senders() -> None:
     activity = LearnerActivity(max_senders=2)
-    activity.heard(A, 0.0)
-    activity.heard(B, 1.0)
-    activity.heard(A, 2.0)  # A is now the most recent
-    activity.heard(C, 3.0)
+    activity.heard(A, 0.0, work_s=2.0)
+    activity.heard(B, 1.0, work_s=2.0)
+    activity.heard(A, 2.0, work_s=2.0)  # A is now the most recent
+    activity.heard(C, 3.0, work_s=2.0)
     assert activity.last_heard(B) is None and activity.last_heard(A) == 2.0 and activity.last_heard(C) == 3.0
+    activity.seen([A, B, C, D], 4.0)  # only C's and D's sightings are kept
+    assert activity.silent({B, D}, since=0.0, now=7.0) == {B}  # bound 6 s: B counted from since, D from 4 s
 
 
-@pytest.mark.parametrize("kw", [{"floor_s": 0.0}, {"floor_s": 200.0}, {"unknown_s": 400.0}, {"factor": 0.5}])
+@pytest.mark.parametrize("kw", [{"floor_s": 0.0}, {"floor_s": 40.0}, {"end_floor_s": 200.0},
+                                {"unknown_s": 400.0}, {"factor": 0.5}])
 def test_inconsistent_bounds_are_refused_with_what_is_wrong(kw: dict[str, float]) -> None:
     with pytest.raises(ValueError, match="silence"):
         SilenceBounds(**kw)
@@ -78,17 +112,16 @@ def test_inconsistent_bounds_are_refused_with_what_is_wrong(kw: dict[str, float]
 
 @settings(max_examples=200, deadline=None)
 @given(times=st.lists(st.floats(0, 10_000, allow_nan=False), min_size=1, max_size=20),
-       since=st.floats(0, 10_000, allow_nan=False), later=st.floats(0, 1_000, allow_nan=False))
-def test_silence_is_monotone_in_time_and_never_before_the_floor(times: list[float], since: float,
-                                                              later: float) -> None:
+       work=st.floats(1e-3, 1e6, allow_nan=False), since=st.floats(0, 10_000, allow_nan=False),
+       later=st.floats(0, 1_000, allow_nan=False), at_end=st.booleans())
+def test_silence_comes_exactly_at_the_bound_never_before_the_floor_and_always_by_the_cap(
+        times: list[float], work: float, since: float, later: float, at_end: bool) -> None:
     activity = LearnerActivity()
     for t in sorted(times):
-        activity.heard(A, t)
-    now = max(since, max(times))
+        activity.heard(A, t, work_s=work)
     quiet_from = max(since, max(times))
-    for dt in (0.0, later, later + 300.0):
-        silent = A in activity.silent({A}, since=since, now=now + dt)
-        assert silent == (now + dt - quiet_from >= activity.bound(A))
-        if now + dt - quiet_from < 30.0:
-            assert not silent
-    assert A in activity.silent({A}, since=since, now=quiet_from + 301.0)  # the cap always ends the wait
+    bound = activity.bound(A, at_end=at_end)
+    assert bound is not None and (30.0 if at_end else 5.0) <= bound <= 300.0
+    assert A not in activity.silent({A}, since=since, now=quiet_from + min(later, bound * 0.999), at_end=at_end)
+    assert A in activity.silent({A}, since=since, now=quiet_from + bound * 1.0001 + later, at_end=at_end)
+    assert A in activity.silent({A}, since=since, now=quiet_from + 301.0, at_end=at_end)
