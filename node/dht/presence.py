@@ -229,6 +229,17 @@ class SwarmPresence:
         self._finished |= {pid for pid in self.membership.members if pid in self._seen_learning} - learning
         return len(self._finished - learning)
 
+    def finished_learners_heard(self, owner: FragmentOwner) -> int:
+        """``finished_learners``, counting only those whose work ``owner`` has taken: a record
+        that said learning and then stopped is a claim too, and identities that made it and
+        never contributed would shrink every merge to its share of them (fifty of them and three
+        learners: each merge 2/27 of a step)."""
+        if self.finished_learners() == 0:
+            return 0
+        assert self.membership is not None
+        learning = {pid for pid, m in self.membership.members.items() if m.record.learning}
+        return sum(1 for pid in self._finished - learning if owner.activity.last_heard(pid) is not None)
+
     def my_record(self) -> MemberRecord:
         cred = self.credentials
         may_own = cred is None or (cred.cert is not None and "owner" in cred.cert.roles)
@@ -284,9 +295,8 @@ class SwarmPresence:
                 await self.membership.refresh()
             await self._follow_manifest()
             await self._reconcile_owners()
-            finished = self.finished_learners()
             for owner in list(self.owners.values()):
-                await owner.set_expected(self.learners_waited_for(owner), finished)
+                await owner.set_expected(self.learners_waited_for(owner), self.finished_learners_heard(owner))
             await self._membership_pause()
 
     async def _membership_pause(self) -> None:

@@ -94,7 +94,7 @@ class VersionServing:
     def expected_learners(self) -> int:
         raise NotImplementedError
 
-    def finished_learners(self) -> int:
+    def finished_learners_heard(self, owner: FragmentOwner) -> int:
         raise NotImplementedError
 
     def learners_waited_for(self, owner: FragmentOwner, *, at_end: bool = False) -> int:
@@ -224,7 +224,7 @@ class VersionServing:
             waiting = self.learners_waited_for(owner, at_end=True)
             if waiting == 0 and owner.idle():
                 return owner.declare_final()  # the first time, its on_final tells the replica
-            await owner.set_expected(waiting, self.finished_learners())
+            await owner.set_expected(waiting, self.finished_learners_heard(owner))
             await asyncio.sleep(0.1)
             if self.membership is not None and time.monotonic() - read_at >= FINAL_READ_S:
                 # the last learners' "stopped" records: read them now, not at the next membership pass

@@ -757,7 +757,7 @@ def _ending_owner(members: dict[bytes, bool], **merge: object) -> tuple[PeerNode
                               learning=learning)
         records[pid] = Member(pid, record, expires_at=2e9)
     membership = FakeMembership(records=records, members=dict(records))
-    membership.learners = lambda: sum(m.record.learning for m in records.values())  # type: ignore[attr-defined]
+    membership.learners = lambda: sum(m.record.learning for m in membership.members.values())  # type: ignore[attr-defined]
     membership.ranked = lambda *a, **k: []  # type: ignore[attr-defined]
     node.membership = membership  # type: ignore[assignment]
     node.suspects = lambda: set()  # type: ignore[method-assign]
@@ -843,3 +843,32 @@ async def test_members_that_claim_to_learn_and_send_nothing_cannot_stall_the_mer
     await owner.set_expected(waited)
     await owner.tick()
     assert owner.version == 4  # merged: the three learners' work
+
+
+async def test_identities_that_stopped_without_contributing_do_not_shrink_the_merges() -> None:
+    """Fifty identities publish "learning", then "stopped", and never contribute. Counted as
+    learners that finished, they put a merge's share at 27 of 53 and scaled every merge of the
+    three learners at work to 2/27 of a step; counted only once their work was taken, they count
+    for nothing, and the learners' merge is a whole step."""
+    real = [signer(10 + i).peer_id for i in range(3)]
+    fake = [signer(40 + i).peer_id for i in range(50)]
+    node, owner, clock = _ending_owner({pid: True for pid in real + fake}, quorum=1, quorum_fraction=0.5)
+    node.finished_learners()  # the first read: all fifty seen learning
+    members = node.membership.members  # type: ignore[union-attr]
+
+    def stop(pid: bytes) -> None:
+        members[pid] = dataclasses.replace(members[pid], record=dataclasses.replace(members[pid].record, learning=False))
+
+    for pid in fake:
+        stop(pid)
+    assert node.finished_learners() == 50
+    assert node.finished_learners_heard(owner) == 0
+    await owner.set_expected(node.learners_waited_for(owner), node.finished_learners_heard(owner))
+    for pid in real[:2]:
+        ack = await _contribute(owner, pid)
+        assert ack.accepted and "(K = 2: 0.5 of the 3 learners expected)" in ack.reason
+    clock.advance(5.0)
+    await owner.tick()
+    assert owner.version == 4 and "scaled" not in owner.merges[-1]
+    stop(real[0])
+    assert node.finished_learners_heard(owner) == 1  # a learner whose work was taken, now finished
