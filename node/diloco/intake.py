@@ -96,7 +96,7 @@ class ContributionIntake:
         if decision.refusal is not None:
             self.counts.penalties[sender][f"refused_{decision.refusal}"] += 1
         if decision.accepted:
-            self.activity.heard(sender, self.clock(), work_s=msg.steps * msg.step_time)
+            self.activity.heard(sender, self.clock(), steps=msg.steps, step_time=msg.step_time)
             if last:
                 self._last_from.add(sender)
         else:

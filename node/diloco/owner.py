@@ -142,6 +142,7 @@ class FragmentOwner(ContributionIntake, VersionSealing, OwnerSuccession):
         on_final: Callable[[FragmentOwner], None] | None = None,
         event_log: Path | None = None,
         merged: Mapping[bytes, int] | None = None,
+        round_steps: int = 0,
     ) -> None:
         """``epoch``: this ownership's epoch (a takeover starts one above the state it took
         over); ``momentum``: the outer Nesterov buffer taken over with ``initial``;
@@ -154,7 +155,10 @@ class FragmentOwner(ContributionIntake, VersionSealing, OwnerSuccession):
         ``merged``: per sender, the newest base version of its work merged into ``initial`` (taken
         over with it), so that work is refused if it is sent again; ``update_codec``: also publish
         each version as an update over the one before, compressed with it (see
-        ``protocol.diloco.updates``; the full versions are then fp32, ``download_codec`` none)."""
+        ``protocol.diloco.updates``; the full versions are then fp32, ``download_codec`` none);
+        ``round_steps``: the inner steps a learner may train between two contributions to a
+        fragment (2H), which tells how long one at work may stay silent
+        (``protocol.diloco.activity``)."""
         self.clock, self.wall_clock = clock, wall_clock
         self.epoch, self.replicate, self.on_publish, self.on_final = epoch, replicate, on_publish, on_final
         self.fenced: str | None = None
@@ -187,7 +191,7 @@ class FragmentOwner(ContributionIntake, VersionSealing, OwnerSuccession):
         self._last_from: set[bytes] = set()  # senders whose last contribution was taken (``last``)
         # when each sender's contributions were taken: a member claiming to learn that has long
         # sent nothing is not waited for (``protocol.diloco.activity``)
-        self.activity = LearnerActivity()
+        self.activity = LearnerActivity(min_steps=round_steps)
         self.started_at = start
         self.not_waited_for: set[bytes] = set()  # the members found silent at the last look
         self._keep_digests = merge_cfg.staleness_bound + 2

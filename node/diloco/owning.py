@@ -22,6 +22,7 @@ import torch
 
 from node.diloco.flat import encode_flat, flat_from_tensors
 from node.diloco.owner import FragmentOwner, OwnerCounts
+from protocol.diloco.interval import interval
 from protocol.diloco.merge import MergeConfig
 from protocol.diloco.outer import OuterConfig
 from protocol.errors import NotAuthorized, UnknownFragment
@@ -154,7 +155,7 @@ class OwnedFragments:
             update_codec=None if self.cfg.update_codec == "none" else self.cfg.update_codec,
             block_size=self.cfg.block_size,
             replicate=functools.partial(self._replicate, p), merged=merged,
-            on_publish=self._published, on_final=self._final_declared,
+            on_publish=self._published, on_final=self._final_declared, round_steps=2 * self._longest_interval(),
             event_log=(self.event_log_dir / f"fragment{p}-epoch{epoch}-v{version}-{time.time_ns()}.jsonl"
                        if self.event_log_dir is not None else None),
         )
@@ -195,6 +196,12 @@ class OwnedFragments:
                         if got is not None:
                             await owner.catch_up(*got)
                     await asyncio.sleep(0.5)
+
+    def _longest_interval(self) -> int:
+        """The longest H a learner of this swarm trains between two syncs of a fragment (with
+        ``--sync-growth``, H at the end of the learning rate's decay)."""
+        c = self.cfg
+        return max(c.inner_steps, interval(c.inner_steps, max(c.min_lr_ratio, 1e-6), c.sync_growth))
 
     def _merge_cfg(self) -> MergeConfig:
         c = self.cfg

@@ -6,9 +6,11 @@ make the claim and send nothing (a peer that joined and never trained, identitie
 member adds, a peer that hangs) raised the quorum past what the real learners can reach, and
 merges waited for ever (seven such members and three learners at a quorum share of 0.5), or held
 every other peer's final fetch. So an owner notes when each sender's accepted contributions
-arrived and how long the work each holds took (its steps times its step time), and does not wait
-for a member silent for ``factor`` of that (for a member never heard from: of the median of
-those heard), clamped to ``[floor_s, cap_s]`` (``[end_floor_s, cap_s]`` at the end of a run).
+arrived and how long the work between two of them takes (its step time times its steps, or
+times ``min_steps`` if more: a learner ships each fragment every H steps and may hold one in
+flight, and a first contribution of a staggered fragment holds fewer), and does not wait for a
+member silent for ``factor`` of that (for a member never heard from: of the median of those
+heard), clamped to ``[floor_s, cap_s]`` (``[end_floor_s, cap_s]`` at the end of a run).
 Silence counts from the member's last accepted contribution, or from when the owner first saw
 it learning, whichever is later. The time between two contributions is not the measure: a
 learner sends one per round, so it grows with every round that waits, and waiting on silent
@@ -59,20 +61,22 @@ class LearnerActivity:
     in the caller's clock's seconds. At most ``max_senders`` of each are kept (the least recently
     heard or seen are forgotten first; a forgotten member counts as never heard from)."""
 
-    def __init__(self, bounds: SilenceBounds = SilenceBounds(), *, max_senders: int = 4096) -> None:
+    def __init__(self, bounds: SilenceBounds = SilenceBounds(), *, min_steps: int = 0, max_senders: int = 4096) -> None:
         self.bounds = bounds
+        self.min_steps = min_steps  # the steps a learner may train between two contributions (2H)
         self.max_senders = max_senders
         self._last: dict[bytes, float] = {}  # insertion order: least recently heard first
         self._interval: dict[bytes, float] = {}
         self._first_seen: dict[bytes, float] = {}
         self._found_silent: set[bytes] = set()  # found silent in a round's count, until heard again
 
-    def heard(self, sender: bytes, now: float, *, work_s: float) -> None:
-        """``sender``'s contribution was accepted at ``now``, holding ``work_s`` seconds of work
-        (its steps times its step time: a claim, bounded by the caller's checks; the bound it
-        earns is capped anyway). A claim that is not a positive number keeps the last one."""
+    def heard(self, sender: bytes, now: float, *, steps: int, step_time: float) -> None:
+        """``sender``'s contribution was accepted at ``now``, saying it holds ``steps`` inner steps
+        of ``step_time`` seconds each (claims, bounded by the caller's checks; the bound they earn
+        is capped anyway). A claim that makes no positive number keeps the last one."""
         self._last.pop(sender, None)
         self._last[sender] = now
+        work_s = max(steps, self.min_steps) * step_time
         if math.isfinite(work_s) and work_s > 0:
             self._interval[sender] = work_s
         self._found_silent.discard(sender)
@@ -98,7 +102,7 @@ class LearnerActivity:
         return self._last.get(sender)
 
     def usual_interval(self) -> float | None:
-        """The median of the heard senders' work per contribution: how long H steps take."""
+        """The median of the heard senders' work between contributions: how long 2H steps take."""
         return statistics.median(self._interval.values()) if self._interval else None
 
     def bound(self, sender: bytes, *, at_end: bool = False) -> float | None:

@@ -25,11 +25,11 @@ def test_before_anyone_is_heard_nobody_is_silent_but_at_the_end_the_unknown_boun
 def test_a_learner_at_work_is_waited_for_three_times_the_work_it_sends() -> None:
     activity = LearnerActivity()
     for t in (0.0, 40.0, 80.0):  # 40 s of work a contribution (H steps of a slow GPU)
-        activity.heard(A, t, work_s=40.0)
+        activity.heard(A, t, steps=1, step_time=40.0)
     assert activity.bound(A) == 120.0
     assert activity.silent({A}, since=0.0, now=199.0) == set()
     assert activity.silent({A}, since=0.0, now=200.0) == {A}
-    activity.heard(A, 210.0, work_s=40.0)  # it contributed again: waited for again
+    activity.heard(A, 210.0, steps=1, step_time=40.0)  # it contributed again: waited for again
     assert activity.silent({A}, since=0.0, now=300.0) == set()
 
 
@@ -38,17 +38,17 @@ def test_the_time_between_contributions_does_not_lengthen_the_bound() -> None:
     its gaps grow. Measured by them, the bound for the silent members grew with the wait they
     caused; it is the work a contribution holds that counts."""
     activity = LearnerActivity()
-    activity.heard(A, 0.0, work_s=2.0)
-    activity.heard(A, 60.0, work_s=2.0)  # a minute later: its round had waited
+    activity.heard(A, 0.0, steps=1, step_time=2.0)
+    activity.heard(A, 60.0, steps=1, step_time=2.0)  # a minute later: its round had waited
     assert activity.bound(A) == 6.0 and activity.bound(B) == 6.0
-    activity.heard(C, 0.0, work_s=100.0)
-    activity.heard(C, 10.0, work_s=float("nan"))  # an unusable claim keeps the last one
+    activity.heard(C, 0.0, steps=1, step_time=100.0)
+    activity.heard(C, 10.0, steps=1, step_time=float("nan"))  # an unusable claim keeps the last one
     assert activity.bound(C) == 300.0
 
 
 def test_silence_counts_from_when_a_member_was_first_seen_or_from_since() -> None:
     activity = LearnerActivity()
-    activity.heard(A, 10.0, work_s=10.0)  # bound 30 s
+    activity.heard(A, 10.0, steps=1, step_time=10.0)  # bound 30 s
     activity.seen({B}, 100.0)  # B joins at 100 s and has sent nothing yet
     activity.seen({B}, 120.0)  # seen again: still counted from the first time
     assert activity.silent({A, B}, since=0.0, now=129.0, at_end=True) == {A}
@@ -60,7 +60,7 @@ def test_silence_counts_from_when_a_member_was_first_seen_or_from_since() -> Non
 def test_a_member_never_heard_from_takes_the_median_work_of_those_heard() -> None:
     activity = LearnerActivity()
     for sender, work in ((A, 20.0), (B, 30.0), (C, 40.0)):
-        activity.heard(sender, 100.0, work_s=work)
+        activity.heard(sender, 100.0, steps=1, step_time=work)
     assert activity.usual_interval() == 30.0
     assert activity.bound(D) == 90.0
     assert activity.silent({A, B, C, D}, since=100.0, now=190.0) == {A, B, D}  # C's bound is 120 s
@@ -71,13 +71,13 @@ def test_a_member_found_silent_stays_so_until_it_is_heard_from() -> None:
     is not counted back in by that (its silence would otherwise hold rounds again), only by a
     contribution of its own."""
     activity = LearnerActivity()
-    activity.heard(A, 0.0, work_s=2.0)
+    activity.heard(A, 0.0, steps=1, step_time=2.0)
     assert activity.silent({A, D}, since=0.0, now=6.0) == {A, D}
     for sender in (B, C, E):
-        activity.heard(sender, 6.0, work_s=100.0)  # the median is now 100 s: D's bound 300 s
+        activity.heard(sender, 6.0, steps=1, step_time=100.0)  # the median is now 100 s: D's bound 300 s
     assert activity.silent({A, D}, since=0.0, now=7.0) == {A, D}
     assert activity.silent({D}, since=0.0, now=7.0, at_end=True) == set()  # the end looks afresh
-    activity.heard(D, 8.0, work_s=2.0)
+    activity.heard(D, 8.0, steps=1, step_time=2.0)
     assert activity.silent({A, D}, since=0.0, now=9.0) == {A}
 
 
@@ -85,19 +85,19 @@ def test_bounds_are_clamped_so_a_hostile_claim_cannot_hold_anything_for_long() -
     """A member claiming hours of work would earn a bound of hours: it gets ``cap_s``; one
     claiming milliseconds gets ``floor_s`` (``end_floor_s`` at the end of a run)."""
     activity = LearnerActivity()
-    activity.heard(A, 0.0, work_s=3600.0)
-    activity.heard(B, 0.0, work_s=1e12)
-    activity.heard(C, 0.0, work_s=0.01)
+    activity.heard(A, 0.0, steps=1, step_time=3600.0)
+    activity.heard(B, 0.0, steps=1, step_time=1e12)
+    activity.heard(C, 0.0, steps=1, step_time=0.01)
     assert activity.bound(A) == activity.bound(B) == 300.0
     assert activity.bound(C) == 5.0 and activity.bound(C, at_end=True) == 30.0
 
 
 def test_the_least_recently_heard_are_forgotten_beyond_max_senders() -> None:
     activity = LearnerActivity(max_senders=2)
-    activity.heard(A, 0.0, work_s=2.0)
-    activity.heard(B, 1.0, work_s=2.0)
-    activity.heard(A, 2.0, work_s=2.0)  # A is now the most recent
-    activity.heard(C, 3.0, work_s=2.0)
+    activity.heard(A, 0.0, steps=1, step_time=2.0)
+    activity.heard(B, 1.0, steps=1, step_time=2.0)
+    activity.heard(A, 2.0, steps=1, step_time=2.0)  # A is now the most recent
+    activity.heard(C, 3.0, steps=1, step_time=2.0)
     assert activity.last_heard(B) is None and activity.last_heard(A) == 2.0 and activity.last_heard(C) == 3.0
     activity.seen([A, B, C, D], 4.0)  # only C's and D's sightings are kept
     assert activity.silent({B, D}, since=0.0, now=7.0) == {B}  # bound 6 s: B counted from since, D from 4 s
@@ -118,10 +118,24 @@ def test_silence_comes_exactly_at_the_bound_never_before_the_floor_and_always_by
         times: list[float], work: float, since: float, later: float, at_end: bool) -> None:
     activity = LearnerActivity()
     for t in sorted(times):
-        activity.heard(A, t, work_s=work)
+        activity.heard(A, t, steps=1, step_time=work)
     quiet_from = max(since, max(times))
     bound = activity.bound(A, at_end=at_end)
     assert bound is not None and (30.0 if at_end else 5.0) <= bound <= 300.0
     assert A not in activity.silent({A}, since=since, now=quiet_from + min(later, bound * 0.999), at_end=at_end)
     assert A in activity.silent({A}, since=since, now=quiet_from + bound * 1.0001 + later, at_end=at_end)
     assert A in activity.silent({A}, since=since, now=quiet_from + 301.0, at_end=at_end)
+
+
+def test_a_learner_is_given_at_least_two_rounds_of_its_steps_between_contributions() -> None:
+    """A staggered fragment's first contribution holds 101 steps, the next one a round later, and
+    a learner that holds one in flight sends every 2H: at H = 200 and 0.1 s a step, measured by
+    the first contribution alone (10 s of work), an honest learner was found silent after 30 s
+    and left out of the quorum until its next one 34 s later (the default main job, 2026-12-04).
+    With ``min_steps`` = 2H it is waited for 3 x 40 s."""
+    activity = LearnerActivity(min_steps=400)
+    activity.heard(A, 0.0, steps=101, step_time=0.1)
+    assert activity.bound(A) == pytest.approx(120.0)
+    assert activity.silent({A}, since=0.0, now=34.0) == set()
+    activity.heard(B, 0.0, steps=1000, step_time=0.1)  # more than 2H: its own steps count
+    assert activity.bound(B) == 300.0
