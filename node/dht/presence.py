@@ -61,6 +61,7 @@ REPUBLISH_S = 6.0
 RECORD_CHECK_S = 0.5  # how often our record is compared with what was last published
 JOIN_ATTEMPTS = 5
 MAX_STATE = 1 << 30
+SYNC_SOURCES = 4  # members asked for a fragment's latest version at join, the presumed owner first
 # A sealed request from a key that is not (yet) a member makes the owner read the member records
 # once before refusing: a new member is refused only until its record is found, not until the
 # next membership pass. Strangers cannot turn this into load: one read per this many seconds
@@ -381,17 +382,46 @@ class SwarmPresence:
         return False
 
     async def _sync(self) -> None:
-        """Download every fragment's latest version from its current owner (not us)."""
+        """Download every fragment's latest version from its current owner (not us).
+
+        Which member owns a fragment now is a guess from our first read of the members: the one
+        ranked first without us. With bounded loads that is not always the one that took the
+        fragment while we were away (a restarted peer once synced from a member that did not
+        own it, took the fragment over from its own checkpoint two versions behind, and refused
+        every learner's work as ahead of it for the rest of the run). So a fragment the guess
+        failed for is asked of the next-ranked members, up to ``SYNC_SOURCES`` in all; only its
+        owner answers, with a version it signed itself."""
         assert self.membership is not None and self.net is not None
-        me = self.signer.peer_id
+        membership, me = self.membership, self.signer.peer_id
         held = [self.net.latest.get(p, (0, None))[0] for p in range(len(self.shapes))]
-        try:
-            got = await sync_fragments(
-                self.transport, lambda p: self.membership.owner_of(self.cfg.swarm, p, exclude={me}),  # type: ignore[union-attr]
-                len(self.shapes), self.shapes, swarm=self.cfg.swarm, held_versions=held, max_size=MAX_STATE)
-        except SyncFailed as exc:
-            log.warning("state sync incomplete: %s", exc)
-            got = exc.fetched
+        n = len(self.shapes)
+        tried: dict[int, set[bytes]] = {p: set() for p in range(n)}
+        got: dict[int, tuple[int, torch.Tensor]] = {}
+        failed: dict[int, str] = {}
+        for attempt in range(SYNC_SOURCES):
+            sources: dict[int, tuple[bytes, str] | None] = {}
+            for p in range(n):
+                if p in got or (attempt and p not in failed):
+                    continue  # synced, or had nothing newer
+                ranked = membership.ranked(self.cfg.swarm, p, len(membership.members), exclude={me})
+                source = sources[p] = next((c for c in ranked if c[0] not in tried[p]), None)
+                if source is not None:
+                    tried[p].add(source[0])
+            if not any(sources.values()):
+                break
+            try:
+                got.update(await sync_fragments(
+                    self.transport, sources.get, n, self.shapes, swarm=self.cfg.swarm, held_versions=held,
+                    max_size=MAX_STATE))
+                failed = {}
+            except SyncFailed as exc:
+                got.update(exc.fetched)
+                failed = {p: why for p, why in exc.failures.items() if sources.get(p) is not None}
+            if not failed:
+                break
+        if failed:
+            log.warning("state sync incomplete: %d/%d fragments failed: %s", len(failed), n,
+                        "; ".join(f"fragment {p}: {why}" for p, why in sorted(failed.items())))
         for p, (version, flat) in got.items():
             jump = self.net.version_jump(p, version)
             if jump is not None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import itertools
 import logging
 import time
 from pathlib import Path
@@ -41,6 +42,7 @@ __all__ = ["CATCH_UP_S", "FENCE_BACKOFF_S", "RETIRE_MERGE_WAIT_S", "OwnedFragmen
 log = logging.getLogger("atoll.peer")
 
 CATCH_UP_S = 6.0
+CATCH_UP_SOURCES = 3  # members a new owner asks for its predecessor's newer versions, in turn
 FENCE_BACKOFF_S = 5.0  # an owner fenced off does not claim the fragment again for this long (or until handed it)
 RETIRE_MERGE_WAIT_S = 10.0  # a retiring owner lets a merge under way finish this long
 
@@ -184,15 +186,27 @@ class OwnedFragments:
         return seen not in self.suspects() and (self.membership is None or seen in self.membership.members)
 
     async def _run_owner(self, owner: FragmentOwner, previous: tuple[bytes, str] | None) -> None:
-        """Catch up with the previous owner's latest version for a few seconds, then merge."""
+        """Catch up with the previous owner's latest version for a few seconds, then merge.
+
+        The previous owner is presumed to be the member ranked first without us; with bounded
+        loads it may be another, so the next-ranked members are asked in turn (only an owner
+        answers, with a version it signed)."""
         async with asyncio.TaskGroup() as tg:
             tg.create_task(owner.run())
             if previous is not None and self.net is not None:
+                p = owner.fragment.index
+                sources = [previous]
+                if self.membership is not None:
+                    ranked = self.membership.ranked(self.cfg.swarm, p, CATCH_UP_SOURCES,
+                                                    exclude={self.signer.peer_id, *self.suspects()})
+                    sources += [c for c in ranked if c[0] != previous[0]]
                 deadline = time.monotonic() + CATCH_UP_S
-                while time.monotonic() < deadline and owner.merges_done == 0:
+                for turn in itertools.count():
+                    if time.monotonic() >= deadline or owner.merges_done:
+                        break
                     with contextlib.suppress(Exception):
-                        got = await self.net.fetch(owner.fragment.index, after=owner.version, wait_s=1.0,
-                                                   owner=previous)
+                        got = await self.net.fetch(p, after=owner.version, wait_s=1.0,
+                                                   owner=sources[turn % len(sources)])
                         if got is not None:
                             await owner.catch_up(*got)
                     await asyncio.sleep(0.5)

@@ -872,3 +872,52 @@ async def test_identities_that_stopped_without_contributing_do_not_shrink_the_me
     assert owner.version == 4 and "scaled" not in owner.merges[-1]
     stop(real[0])
     assert node.finished_learners_heard(owner) == 1  # a learner whose work was taken, now finished
+
+
+async def test_a_joining_peer_asks_the_next_members_when_the_presumed_owner_does_not_own(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """At join a fragment's latest version is asked of the member ranked first without us. With
+    bounded loads that need not be the member that took the fragment while we were away (a
+    restarted peer then took the fragment over from its own checkpoint two versions behind, and
+    refused every learner's work as ahead of it). The next-ranked members are asked in turn;
+    only the owner answers, and its version is the one kept."""
+    import types
+
+    import torch
+
+    import node.dht.presence as presence
+    from node.state.sync import SyncFailed
+
+    node, _ = _node()
+    ids = [signer(20 + i).peer_id for i in range(3)]
+    ranking = [(pid, f"http://127.0.0.1:{9000 + i}") for i, pid in enumerate(ids)]
+    node.membership.members = {pid: _member(pid) for pid in ids}  # type: ignore[union-attr]
+    node.membership.ranked = lambda swarm, p, r, exclude=(): ranking[:r]  # type: ignore[union-attr]
+    real_owner = {0: ids[0], 1: ids[2]}  # fragment 1 moved to the third-ranked member
+    asked: list[tuple[int, bytes]] = []
+
+    async def fake_sync(transport, owner_of, n, shapes, *, swarm, held_versions, max_size):  # type: ignore[no-untyped-def]
+        fetched, failures = {}, {}
+        for p in range(n):
+            source = owner_of(p)
+            if source is None:
+                failures[p] = "no owner known"
+                continue
+            asked.append((p, source[0]))
+            if source[0] == real_owner[p]:
+                fetched[p] = (11, torch.full((sum(int(torch.Size(s).numel()) for s in shapes[p]),), float(p)))
+            else:
+                failures[p] = f"answered 404 for fragment {p}"
+        if failures:
+            raise SyncFailed(failures, fetched, n)
+        return fetched
+
+    monkeypatch.setattr(presence, "sync_fragments", fake_sync)
+    remembered: dict[int, int] = {}
+    node.net = types.SimpleNamespace(  # type: ignore[assignment]
+        latest={}, version_jump=lambda p, v: None,
+        remember=lambda p, v, flat, digest: remembered.__setitem__(p, v),
+        island=types.SimpleNamespace(deliver=lambda p, v, flat: None))
+    await node._sync()
+    assert remembered == {0: 11, 1: 11}
+    assert asked == [(0, ids[0]), (1, ids[0]), (1, ids[1]), (1, ids[2])]
