@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 
 import pytest
@@ -921,3 +922,40 @@ async def test_a_joining_peer_asks_the_next_members_when_the_presumed_owner_does
     await node._sync()
     assert remembered == {0: 11, 1: 11}
     assert asked == [(0, ids[0]), (1, ids[0]), (1, ids[1]), (1, ids[2])]
+
+
+async def test_a_new_owner_asks_the_next_ranked_members_for_its_predecessors_versions(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The previous owner is presumed to be the member ranked first without us; when it is
+    another (bounded loads), the next-ranked members are asked in turn, and the one that owned
+    the fragment hands over its newer version before our first merge."""
+    import types
+
+    import node.diloco.owning as owning
+    from protocol.errors import RemoteProtocolError
+
+    monkeypatch.setattr(owning, "CATCH_UP_S", 3.0)
+    node, owner, clock = _ending_owner({})
+    ids = [signer(30 + i).peer_id for i in range(3)]
+    ranking = [(pid, f"http://127.0.0.1:{9100 + i}") for i, pid in enumerate(ids)]
+    node.membership.ranked = lambda swarm, p, r, exclude=(): ranking[:r]  # type: ignore[union-attr]
+    asked: list[bytes] = []
+    newer = owner.theta + 0.5
+
+    async def fetch(p: int, *, after: int, wait_s: float, owner: tuple[bytes, str]):  # type: ignore[no-untyped-def]
+        asked.append(owner[0])
+        if owner[0] != ids[2]:
+            raise RemoteProtocolError(f"answered 404 for fragment {p}")
+        return (7, newer.clone()) if after < 7 else None
+
+    node.net = types.SimpleNamespace(fetch=fetch)  # type: ignore[assignment]
+    task = asyncio.create_task(node._run_owner(owner, ranking[0]))
+    try:
+        async with asyncio.timeout(5.0):
+            while owner.version != 7:
+                await asyncio.sleep(0.05)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    assert asked[:3] == ids and torch.equal(owner.theta, newer)
