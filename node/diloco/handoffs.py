@@ -291,8 +291,8 @@ class OwnerHandoffs:
     def _pass_on_held(self, refused: ReplicaState, url: str, sender: bytes) -> None:
         """A new owner (by its view) was refused because we hold its base version's state from
         a higher epoch (we are the replica of a failed owner that the rendezvous did not make the
-        successor), or its next version with another content (handed to us by an owner that did
-        not live to publish it). Hand it that state (global fragment, momentum, merged work), so
+        successor), its next version with another content (handed to us by an owner that did
+        not live to publish it), or a newer version than it holds. Hand it that state (global fragment, momentum, merged work), so
         it owns the fragment from exactly there instead of stepping back and leaving it unowned."""
         p, held = refused.fragment, self.replicas.states.get(refused.fragment)
         if held is None or self._tg is None or (p, sender, held.version) in self._passed_on:
@@ -301,7 +301,12 @@ class OwnerHandoffs:
         # or the same version with another content: the owner we hold it from handed it to us
         # and died (or retired) before publishing it; the new owner must continue from it
         replaces_it = refused.version == held.version and refused.digest != held.digest
-        if not (builds_on_it or replaces_it):
+        # or an older version: the new owner took the fragment over from a state behind ours
+        # (a retiring owner handed its newest to us, the successor in its view, not in the
+        # others'); without ours it steps back and owns again from where it was, refusing every
+        # learner's work as ahead of it
+        behind_it = refused.version < held.version
+        if not (builds_on_it or replaces_it or behind_it):
             return
         self._passed_on.add((p, sender, held.version))
         if len(self._passed_on) > 4096:

@@ -272,6 +272,14 @@ async def test_a_replica_hands_its_state_to_a_successor_it_refused() -> None:
     await asyncio.sleep(0)
     assert len(handed) == 2
     assert (handed[1][1][0], handed[1][2].version, handed[1][2].epoch) == (other, 84, 3)
+    # an owner behind us: a retiring owner handed its newest (84) to us, the successor in its
+    # view, while the others' view made another peer the owner from its own older state (82,
+    # its own epoch 5); it steps back when we refuse its 83, and takes ours under its epoch
+    behind = signer(8).peer_id
+    node._pass_on_held(dataclasses.replace(handed_state, version=83, epoch=5), "http://127.0.0.1:7", behind)
+    await asyncio.sleep(0)
+    assert len(handed) == 3
+    assert (handed[2][1][0], handed[2][2].version, handed[2][2].epoch) == (behind, 84, 5)
 
 
 def test_a_synchronous_round_waits_for_every_provisioned_learner_but_the_finished() -> None:
