@@ -95,8 +95,9 @@ class ContributionIntake:
         )
         if decision.refusal is not None:
             self.counts.penalties[sender][f"refused_{decision.refusal}"] += 1
+        self.activity.heard(sender, self.clock(), steps=msg.steps, step_time=msg.step_time,
+                            accepted=decision.accepted)
         if decision.accepted:
-            self.activity.heard(sender, self.clock(), steps=msg.steps, step_time=msg.step_time)
             if last:
                 self._last_from.add(sender)
         else:

@@ -6,9 +6,10 @@ make the claim and send nothing (a peer that joined and never trained, identitie
 member adds, a peer that hangs) raised the quorum past what the real learners can reach, and
 merges waited for ever (seven such members and three learners at a quorum share of 0.5), or held
 every other peer's final fetch. So an owner notes when each sender's accepted contributions
-arrived and how long the work between two of them takes (its step time times its steps, or
-times ``min_steps`` if more: a learner ships each fragment every H steps and may hold one in
-flight, and a first contribution of a staggered fragment holds fewer), and does not wait for a
+arrived and how long the work between two of them takes (its step time times ``min_steps``,
+2H: a learner ships each fragment every H steps and may hold one in flight; not the steps a
+contribution holds, which are fewer in a staggered fragment's first one and grow while a round
+waits, so that a bound from them grew with the stall it was to end), and does not wait for a
 member silent for ``factor`` of that (for a member never heard from: of the median of those
 heard), clamped to ``[floor_s, cap_s]`` (``[end_floor_s, cap_s]`` at the end of a run).
 Silence counts from the member's last accepted contribution, or from when the owner first saw
@@ -63,24 +64,31 @@ class LearnerActivity:
 
     def __init__(self, bounds: SilenceBounds = SilenceBounds(), *, min_steps: int = 0, max_senders: int = 4096) -> None:
         self.bounds = bounds
-        self.min_steps = min_steps  # the steps a learner may train between two contributions (2H)
+        self.min_steps = min_steps  # the steps a learner trains between two contributions (2H); 0: its own
         self.max_senders = max_senders
         self._last: dict[bytes, float] = {}  # insertion order: least recently heard first
         self._interval: dict[bytes, float] = {}
         self._first_seen: dict[bytes, float] = {}
         self._found_silent: set[bytes] = set()  # found silent in a round's count, until heard again
 
-    def heard(self, sender: bytes, now: float, *, steps: int, step_time: float) -> None:
-        """``sender``'s contribution was accepted at ``now``, saying it holds ``steps`` inner steps
-        of ``step_time`` seconds each (claims, bounded by the caller's checks; the bound they earn
-        is capped anyway). A claim that makes no positive number keeps the last one."""
-        self._last.pop(sender, None)
-        self._last[sender] = now
-        work_s = max(steps, self.min_steps) * step_time
+    def heard(self, sender: bytes, now: float, *, steps: int, step_time: float, accepted: bool = True) -> None:
+        """``sender``'s contribution reached the merger at ``now``, saying it holds ``steps`` inner
+        steps of ``step_time`` seconds each (claims, bounded by the caller's checks; the bound they
+        earn is capped anyway). A claim that makes no positive number keeps the last one. Only an
+        ``accepted`` contribution counts as hearing from it; a refused one (a duplicate in a round
+        that waits) still tells its pace: a staggered fragment's first contributions come at step
+        1, with no step time yet, and in a round held below its quorum every later one is a
+        duplicate, so without it the owner never learned a pace and waited for ever."""
+        if accepted:
+            self._last.pop(sender, None)
+            self._last[sender] = now
+            self._found_silent.discard(sender)
+            self._trim(self._last, also=self._interval)
+        work_s = (self.min_steps or steps) * step_time
         if math.isfinite(work_s) and work_s > 0:
             self._interval[sender] = work_s
-        self._found_silent.discard(sender)
-        self._trim(self._last, also=self._interval)
+            while len(self._interval) > self.max_senders:
+                del self._interval[next(iter(self._interval))]
 
     def seen(self, learning: Iterable[bytes], now: float) -> None:
         """These members' records say learning at ``now``: silence counts from the first time."""

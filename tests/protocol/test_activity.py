@@ -132,10 +132,26 @@ def test_a_learner_is_given_at_least_two_rounds_of_its_steps_between_contributio
     a learner that holds one in flight sends every 2H: at H = 200 and 0.1 s a step, measured by
     the first contribution alone (10 s of work), an honest learner was found silent after 30 s
     and left out of the quorum until its next one 34 s later (the default main job, 2026-12-04).
-    With ``min_steps`` = 2H it is waited for 3 x 40 s."""
+    With ``min_steps`` = 2H it is waited for 3 x 40 s, whatever the steps a contribution holds."""
     activity = LearnerActivity(min_steps=400)
     activity.heard(A, 0.0, steps=101, step_time=0.1)
     assert activity.bound(A) == pytest.approx(120.0)
     assert activity.silent({A}, since=0.0, now=34.0) == set()
-    activity.heard(B, 0.0, steps=1000, step_time=0.1)  # more than 2H: its own steps count
-    assert activity.bound(B) == 300.0
+    # more than 2H: a contribution that waited in a round held below its quorum; a bound from
+    # its steps would grow with the stall it is there to end
+    activity.heard(B, 0.0, steps=1000, step_time=0.1)
+    assert activity.bound(B) == pytest.approx(120.0)
+
+
+def test_a_refused_contribution_tells_the_pace_but_is_not_hearing_from_its_sender() -> None:
+    """A staggered fragment's first contributions come at step 1 with no step time yet; in a
+    round held below its quorum every later one is a duplicate, refused. Learning the pace only
+    from accepted ones, the owner never learned it, never found the silent members silent, and
+    the round waited for ever (fragment 0 of the integration test, once)."""
+    activity = LearnerActivity(min_steps=40)
+    activity.heard(A, 0.0, steps=1, step_time=0.0)
+    assert activity.bound(D) is None
+    activity.heard(A, 1.0, steps=40, step_time=0.1, accepted=False)  # a duplicate: 4 s of work
+    assert activity.bound(D) == pytest.approx(12.0) and activity.last_heard(A) == 0.0
+    activity.seen({D}, 0.0)
+    assert activity.silent({D}, since=0.0, now=12.1) == {D}
