@@ -28,6 +28,7 @@ import dataclasses
 import functools
 import json
 import logging
+import math
 import time
 from typing import TYPE_CHECKING
 
@@ -178,8 +179,7 @@ class SwarmPresence:
             for pid, m in self.membership.members.items():
                 (self._seen_learning if m.record.learning else self._finished).add(pid)
             return max(self.cfg.peers, len(self._seen_learning | self._finished)) - len(self._finished)
-        return self.membership.learners() - len(self.suspects() & {
-            pid for pid, m in self.membership.members.items() if m.record.learning})
+        return len(self.learning_members())
 
     def learning_members(self) -> set[bytes]:
         """The members whose live records say they are learning, suspects left out."""
@@ -194,24 +194,31 @@ class SwarmPresence:
         "learning" is a claim, and members that make it and send nothing must not raise a merge's
         quorum past what the learners at work can reach, nor hold the end of a run
         (``protocol.diloco.activity``). Each member newly found silent is logged once."""
-        expected = self.expected_learners()
-        if self.cfg.mode != "decoupled" or expected == 0:
-            return expected
+        if self.cfg.mode != "decoupled":
+            return self.expected_learners()
         learning = self.learning_members()
+        if not learning:
+            return 0
         now = owner.clock()
-        owner.activity.seen(learning, now)
+        activity = owner.activity
+        activity.seen(learning, now)
         # a member whose work waits in the open round is not silent: it waits on us (in a round
         # held below its quorum its next contribution would be the same round's, refused)
-        silent = owner.activity.silent(learning, since=owner.started_at, now=now,
-                                       at_end=at_end) - owner.merger.contributors
-        for pid in silent - owner.not_waited_for:
-            heard = owner.activity.last_heard(pid)
+        silent = activity.silent(learning, since=owner.started_at, now=now, at_end=at_end) - owner.merger.contributors
+        # logged once a silence: until the member is heard from again or stops learning (the
+        # end's view and the rounds' view alternate, and neither must log the other's again)
+        logged = owner.not_waited_for
+        for pid in [pid for pid, at in logged.items()
+                    if pid not in learning or (activity.last_heard(pid) or -math.inf) > at]:
+            del logged[pid]
+        for pid in silent - logged.keys():
+            heard = activity.last_heard(pid)
             log.warning("fragment %d: not waiting for member %s: its record says learning, but it has sent "
                         "nothing for %.0f s (%s)", owner.fragment.index, pid.hex()[:8],
-                        owner.activity.bound(pid, at_end=at_end) or 0.0,
+                        activity.bound(pid, at_end=at_end) or 0.0,
                         "never heard from" if heard is None else f"last heard {now - heard:.0f} s ago")
-        owner.not_waited_for = silent
-        return max(0, expected - len(silent))
+            logged[pid] = now
+        return len(learning - silent)
 
     def finished_learners(self) -> int:
         """Decoupled: the learners seen training whose records now say they stopped. A merge
@@ -392,33 +399,30 @@ class SwarmPresence:
         failed for is asked of the next-ranked members, up to ``SYNC_SOURCES`` in all; only its
         owner answers, with a version it signed itself."""
         assert self.membership is not None and self.net is not None
-        membership, me = self.membership, self.signer.peer_id
-        held = [self.net.latest.get(p, (0, None))[0] for p in range(len(self.shapes))]
-        n = len(self.shapes)
-        tried: dict[int, set[bytes]] = {p: set() for p in range(n)}
+        me, n = self.signer.peer_id, len(self.shapes)
+        held = [self.net.latest.get(p, (0, None))[0] for p in range(n)]
+        candidates = [self.membership.ranked(self.cfg.swarm, p, SYNC_SOURCES, exclude={me}) for p in range(n)]
         got: dict[int, tuple[int, torch.Tensor]] = {}
-        failed: dict[int, str] = {}
+        failed = {p: "no owner known" for p in range(n) if not candidates[p]}
+        pending = [p for p in range(n) if candidates[p]]  # then those that failed: synced or nothing newer
         for attempt in range(SYNC_SOURCES):
-            sources: dict[int, tuple[bytes, str] | None] = {}
-            for p in range(n):
-                if p in got or (attempt and p not in failed):
-                    continue  # synced, or had nothing newer
-                ranked = membership.ranked(self.cfg.swarm, p, len(membership.members), exclude={me})
-                source = sources[p] = next((c for c in ranked if c[0] not in tried[p]), None)
-                if source is not None:
-                    tried[p].add(source[0])
-            if not any(sources.values()):
+            sources = {p: candidates[p][attempt] for p in pending if attempt < len(candidates[p])}
+            if not sources:
                 break
             try:
                 got.update(await sync_fragments(
                     self.transport, sources.get, n, self.shapes, swarm=self.cfg.swarm, held_versions=held,
                     max_size=MAX_STATE))
-                failed = {}
+                failures: dict[int, str] = {}
             except SyncFailed as exc:
                 got.update(exc.fetched)
-                failed = {p: why for p, why in exc.failures.items() if sources.get(p) is not None}
-            if not failed:
-                break
+                failures = exc.failures
+            for p in sources:  # its last source's answer counts: a failure, or synced / nothing newer
+                if p in failures:
+                    failed[p] = failures[p]
+                else:
+                    failed.pop(p, None)
+            pending = [p for p in sources if p in failures]
         if failed:
             log.warning("state sync incomplete: %d/%d fragments failed: %s", len(failed), n,
                         "; ".join(f"fragment {p}: {why}" for p, why in sorted(failed.items())))

@@ -89,14 +89,14 @@ class ContributionIntake:
         # once per sender, so a member marking all its work "last" cannot slow every round; a
         # refused one (a duplicate, say) does not spend the mark, so its resend is still honoured
         last = msg.last and sender not in self._last_from and len(self._last_from) < LAST_SENDERS_KEPT
+        now = self.clock()
         decision = self.merger.on_contribution(
             sender, base_version=msg.base_version, tokens=msg.tokens, steps=msg.steps,
-            step_time=msg.step_time, payload=flat, norm=norm, now=self.clock(), last=last,
+            step_time=msg.step_time, payload=flat, norm=norm, now=now, last=last,
         )
         if decision.refusal is not None:
             self.counts.penalties[sender][f"refused_{decision.refusal}"] += 1
-        self.activity.heard(sender, self.clock(), steps=msg.steps, step_time=msg.step_time,
-                            accepted=decision.accepted)
+        self.activity.heard(sender, now, steps=msg.steps, step_time=msg.step_time, accepted=decision.accepted)
         if decision.accepted:
             if last:
                 self._last_from.add(sender)

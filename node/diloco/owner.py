@@ -193,7 +193,7 @@ class FragmentOwner(ContributionIntake, VersionSealing, OwnerSuccession):
         # sent nothing is not waited for (``protocol.diloco.activity``)
         self.activity = LearnerActivity(min_steps=round_steps)
         self.started_at = start
-        self.not_waited_for: set[bytes] = set()  # the members found silent at the last look
+        self.not_waited_for: dict[bytes, float] = {}  # members found silent, and when it was logged
         self._keep_digests = merge_cfg.staleness_bound + 2
         # decoded contributions' buffers, reused once their merge is published (fresh memory is
         # slow to fill); at most as many as the last published merge had contributions

@@ -849,6 +849,9 @@ async def test_members_that_claim_to_learn_and_send_nothing_cannot_stall_the_mer
     with caplog.at_level("WARNING", logger="atoll.peer"):
         waited = node.learners_waited_for(owner)
     assert waited == 3 and caplog.text.count("not waiting for member") == 7  # the fakes, once each
+    with caplog.at_level("WARNING", logger="atoll.peer"):  # the end's view (30 s floor), then the rounds' again
+        assert node.learners_waited_for(owner, at_end=True) == 10 and node.learners_waited_for(owner) == 3
+    assert caplog.text.count("not waiting for member") == 7  # not logged again
     await owner.set_expected(waited)
     await owner.tick()
     assert owner.version == 4  # merged: the three learners' work
@@ -884,7 +887,7 @@ async def test_identities_that_stopped_without_contributing_do_not_shrink_the_me
 
 
 async def test_a_joining_peer_asks_the_next_members_when_the_presumed_owner_does_not_own(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """At join a fragment's latest version is asked of the member ranked first without us. With
     bounded loads that need not be the member that took the fragment while we were away (a
     restarted peer then took the fragment over from its own checkpoint two versions behind, and
@@ -930,6 +933,23 @@ async def test_a_joining_peer_asks_the_next_members_when_the_presumed_owner_does
     await node._sync()
     assert remembered == {0: 11, 1: 11}
     assert asked == [(0, ids[0]), (1, ids[0]), (1, ids[1]), (1, ids[2])]
+    # the owner, found second, has nothing newer than we hold: synced, and no warning either
+    real_owner[1] = ids[1]
+    node.net.latest = {1: (11, None)}  # type: ignore[union-attr]
+    remembered.clear()
+
+    async def nothing_newer(transport, owner_of, n, shapes, *, swarm, held_versions, max_size):  # type: ignore[no-untyped-def]
+        failures = {p: "answered 404" for p in range(n) if owner_of(p) is not None and owner_of(p)[0] != real_owner[p]}
+        fetched = {p: (11, torch.zeros(1)) for p in range(n) if held_versions[p] < 11 and p not in failures
+                   and owner_of(p) is not None}
+        if failures:
+            raise SyncFailed(failures, fetched, n)
+        return fetched
+
+    monkeypatch.setattr(presence, "sync_fragments", nothing_newer)
+    with caplog.at_level("WARNING", logger="atoll.peer"):
+        await node._sync()
+    assert remembered == {0: 11} and "state sync incomplete" not in caplog.text
 
 
 async def test_a_new_owner_asks_the_next_ranked_members_for_its_predecessors_versions(
