@@ -190,15 +190,29 @@ class SwarmPresence:
                 if m.record.learning and m.expires_at > now} - self.suspects()
 
     def learners_waited_for(self, owner: FragmentOwner, *, at_end: bool = False) -> int:
-        """``expected_learners``, less (decoupled) the members ``owner`` finds silent: a record's
+        """How many learners ``owner``'s rounds wait for (``learner_ids_waited_for``)."""
+        waiting = self.learner_ids_waited_for(owner, at_end=at_end)
+        return self.expected_learners() if waiting is None else len(waiting)
+
+    async def tell_expected(self, owner: FragmentOwner, *, at_end: bool = False) -> int:
+        """Give ``owner``'s merger the learners it waits for and the finished ones it heard
+        (``FragmentOwner.set_expected``); returns how many it waits for."""
+        waiting = self.learner_ids_waited_for(owner, at_end=at_end)
+        n = self.expected_learners() if waiting is None else len(waiting)
+        await owner.set_expected(n, self.finished_learners_heard(owner), waiting)
+        return n
+
+    def learner_ids_waited_for(self, owner: FragmentOwner, *, at_end: bool = False) -> frozenset[bytes] | None:
+        """Decoupled: the learning members, less those ``owner`` finds silent: a record's
         "learning" is a claim, and members that make it and send nothing must not raise a merge's
         quorum past what the learners at work can reach, nor hold the end of a run
-        (``protocol.diloco.activity``). Each member newly found silent is logged once."""
+        (``protocol.diloco.activity``). Each member newly found silent is logged once. None in
+        synchronous modes, which wait for ``expected_learners``, provisioned ones included."""
         if self.cfg.mode != "decoupled":
-            return self.expected_learners()
+            return None
         learning = self.learning_members()
         if not learning:
-            return 0
+            return frozenset()
         now = owner.clock()
         activity = owner.activity
         activity.seen(learning, now)
@@ -218,7 +232,7 @@ class SwarmPresence:
                         activity.bound(pid, at_end=at_end) or 0.0,
                         "never heard from" if heard is None else f"last heard {now - heard:.0f} s ago")
             logged[pid] = now
-        return len(learning - silent)
+        return frozenset(learning - silent)
 
     def finished_learners(self) -> int:
         """Decoupled: the learners seen training whose records now say they stopped. A merge
@@ -304,7 +318,7 @@ class SwarmPresence:
             await self._follow_manifest()
             await self._reconcile_owners()
             for owner in list(self.owners.values()):
-                await owner.set_expected(self.learners_waited_for(owner), self.finished_learners_heard(owner))
+                await self.tell_expected(owner)
             await self._membership_pause()
 
     async def _membership_pause(self) -> None:

@@ -77,6 +77,7 @@ class LoggedMerger:
         self._payloads = payload_dir(path) if content is not None else None
         self._payload_bytes = 0
         self._next_payload: str | None = None
+        self._learners: frozenset[bytes] | None = None  # as last logged: written when it changes
         start: dict[str, Any] = {"kind": "start", "format": FORMAT, "fragment": fragment, "version": version,
                                  "now": now, "config": dataclasses.asdict(config)}
         if content is not None:
@@ -166,11 +167,16 @@ class LoggedMerger:
     def on_tick(self, now: float) -> Decision:
         return self._log({"kind": "tick", "now": now}, self.merger.on_tick(now))
 
-    def set_expected(self, n: int | None, *, now: float, finished: int = 0) -> Decision:
+    def set_expected(self, n: int | None, *, now: float, finished: int = 0,
+                     learners: frozenset[bytes] | None = None) -> Decision:
         rec: dict[str, Any] = {"kind": "expect", "n": n, "now": now}
         if finished:  # absent in logs written before learners that finished were counted
             rec["finished"] = finished
-        return self._log(rec, self.merger.set_expected(n, now=now, finished=finished))
+        d = self.merger.set_expected(n, now=now, finished=finished, learners=learners)
+        if learners != self._learners:  # absent: as the last expect record that had it (or None)
+            rec["learners"] = None if learners is None else sorted(p.hex() for p in learners)
+            self._learners = learners
+        return self._log(rec, d)
 
     def on_published(self, new_version: int, *, sync_time: float, now: float) -> Decision:
         d = self.merger.on_published(new_version, sync_time=sync_time, now=now)

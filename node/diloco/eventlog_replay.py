@@ -114,6 +114,14 @@ def _peer(value: object, key: str) -> bytes:
     return bytes.fromhex(value)
 
 
+def _learners(value: object) -> frozenset[bytes] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise ValueError(f"learners is {_kind(value)}, not a list of peer ids")
+    return frozenset(_peer(p, "learners") for p in value)
+
+
 class _Contents:
     """Recomputes a log's versions from its payload folder, with the owner's own merge code."""
 
@@ -266,6 +274,7 @@ class _Replay:
         self.records = 0
         self.result = ReplayResult()
         self.merger: FragmentMerger | None = None
+        self.learners: frozenset[bytes] | None = None  # the expected learners as last logged
         self.contents: _Contents | None = None
         self.merged_at: dict[int, list[list[Any]]] = {}
 
@@ -351,7 +360,9 @@ class _Replay:
             d = merger.on_tick(now)
         elif kind == "expect":
             expected = None if rec.get("n") is None else _uint(rec, "n")
-            d = merger.set_expected(expected, now=now, finished=_uint(rec, "finished", 0))
+            if "learners" in rec:  # absent: unchanged since the last expect record that had it
+                self.learners = _learners(rec.get("learners"))
+            d = merger.set_expected(expected, now=now, finished=_uint(rec, "finished", 0), learners=self.learners)
         elif kind == "published":
             d = merger.on_published(_uint(rec, "version"), sync_time=_finite(rec, "sync_time"), now=now)
         elif kind == "merge_failed":

@@ -251,12 +251,13 @@ class FragmentOwner(ContributionIntake, VersionSealing, OwnerSuccession):
         while self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
 
-    async def set_expected(self, n: int, finished: int = 0) -> None:
-        """Tell the merger how many live learners may contribute and how many finished training
-        (counted in a round's share, see ``protocol.diloco.merge``); may close the round."""
+    async def set_expected(self, n: int, finished: int = 0, learners: frozenset[bytes] | None = None) -> None:
+        """Tell the merger how many live learners may contribute (``learners``: which, when
+        known) and how many finished training (counted in a round's share, see
+        ``protocol.diloco.merge``); may close the round."""
         if self.merger.phase is Phase.MERGING:
             return
-        await self._apply(self.merger.set_expected(n, now=self.clock(), finished=finished))
+        await self._apply(self.merger.set_expected(n, now=self.clock(), finished=finished, learners=learners))
 
     @property
     def merges_done(self) -> int:

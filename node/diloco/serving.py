@@ -97,7 +97,7 @@ class VersionServing:
     def finished_learners_heard(self, owner: FragmentOwner) -> int:
         raise NotImplementedError
 
-    def learners_waited_for(self, owner: FragmentOwner, *, at_end: bool = False) -> int:
+    async def tell_expected(self, owner: FragmentOwner, *, at_end: bool = False) -> int:
         raise NotImplementedError
 
     @staticmethod
@@ -221,10 +221,8 @@ class VersionServing:
         deadline = time.monotonic() + wait_s
         read_at = time.monotonic()
         while time.monotonic() < deadline and not owner.retired:
-            waiting = self.learners_waited_for(owner, at_end=True)
-            if waiting == 0 and owner.idle():
+            if await self.tell_expected(owner, at_end=True) == 0 and owner.idle():
                 return owner.declare_final()  # the first time, its on_final tells the replica
-            await owner.set_expected(waiting, self.finished_learners_heard(owner))
             await asyncio.sleep(0.1)
             if self.membership is not None and time.monotonic() - read_at >= FINAL_READ_S:
                 # the last learners' "stopped" records: read them now, not at the next membership pass

@@ -89,6 +89,7 @@ class FragmentMerger:
         self.phase = Phase.COLLECTING
         self.expected: int | None = None
         self.finished = 0  # learners that finished training: in a round's share, never waited for
+        self.learners: frozenset[bytes] | None = None  # the expected learners' ids, when known
         self._now = self._opened_at = now
         self._quorum_at: float | None = None
         self._first_at: float | None = None  # arrival of the round's first contribution
@@ -104,6 +105,7 @@ class FragmentMerger:
         self._hold: float | None = None  # no round closes before this (``hold_until``)
         self._grace_due: float | None = None  # when GRACE would close without the hold
         self._last_until: float | None = None  # a last contribution in the round: wait for all till then
+        self._last_from: float | None = None  # when the round's first last contribution came
 
     # -- events ------------------------------------------------------------------------------
 
@@ -124,15 +126,20 @@ class FragmentMerger:
         """Timer event; due at ``deadline()``. Closes an elapsed grace window."""
         return self._dispatch(Tick(), now)
 
-    def set_expected(self, n: int | None, *, now: float, finished: int = 0) -> Decision:
+    def set_expected(self, n: int | None, *, now: float, finished: int = 0,
+                     learners: frozenset[bytes] | None = None) -> Decision:
         """Number of live learners expected to contribute (None: unknown), and of those that
         finished training (counted in a round's share of the learners, never waited for); may
-        close the round."""
+        close the round. ``learners``, when the node knows them, are the ``n`` expected: a round
+        waiting for last contributions then waits for each of them, not for ``n`` senders
+        (the last work of learners that already finished must not stand in for theirs)."""
         if n is not None and n < 0:
             raise LocalProtocolError(f"expected contributions must be >= 0, got {n}")
         if finished < 0:
             raise LocalProtocolError(f"finished learners must be >= 0, got {finished}")
-        return self._dispatch(Expect(n, finished), now)
+        if learners is not None and len(learners) != n:
+            raise LocalProtocolError(f"{len(learners)} expected learners named for {n} expected")
+        return self._dispatch(Expect(n, finished, learners), now)
 
     def on_published(self, new_version: int, *, sync_time: float, now: float) -> Decision:
         """The node applied and published the merge; opens round ``new_version`` (== v + 1)."""
@@ -252,12 +259,13 @@ class FragmentMerger:
         return self._decide("wait", f"merge for version {self.version} in progress")
 
     def _expect(self, ev: Expect) -> Decision:
-        self.expected, self.finished = ev.n, ev.finished
+        self.expected, self.finished, self.learners = ev.n, ev.finished, ev.learners
         n = len(self._entries)
         if ev.n == 0 and self.phase is Phase.COLLECTING and 0 < n < self.config.quorum:
             # nobody left to reach K: drop the rest rather than merge below quorum (a lone
             # contribution merged at the end could be an attacker's) or never become final
-            dropped, self._entries, self._first_at, self._last_until = n, [], None, None
+            dropped, self._entries, self._first_at = n, [], None
+            self._last_until = self._last_from = None
             self._reopen(Phase.COLLECTING, opened_at=self._now)
             return self._decide("wait", f"no learner left to reach quorum {self.config.quorum}: "
                                         f"{dropped} contributions dropped")
@@ -271,7 +279,7 @@ class FragmentMerger:
         return self._settle(False, f"expecting {ev.n}")
 
     def _expect_merging(self, ev: Expect) -> Decision:
-        self.expected, self.finished = ev.n, ev.finished
+        self.expected, self.finished, self.learners = ev.n, ev.finished, ev.learners
         return self._decide("wait", f"expecting {ev.n}; merge for version {self.version} in progress")
 
     def _published(self, ev: Published) -> Decision:
@@ -340,13 +348,27 @@ class FragmentMerger:
 
     def _held_until(self) -> float | None:
         """Until when the round may not close now (``merge_quorum.held_until``); None: free."""
-        all_in = self.expected is not None and len(self._entries) >= self.expected
-        return held_until(hold=self._hold, last_until=self._last_until, all_in=all_in, now=self._now)
+        return held_until(hold=self._hold, last_until=self._last_until, all_in=self._all_expected_in(),
+                          now=self._now)
+
+    def _all_expected_in(self) -> bool:
+        """Every expected learner has work in the round: each of ``learners`` when known, else
+        as many contributions as expected."""
+        if self.expected is None:
+            return False
+        if self.learners is not None:
+            return self.learners <= {e.peer for e in self._entries}
+        return len(self._entries) >= self.expected
 
     def _wait_for_last(self) -> None:
-        """A last contribution joined the round: wait for the other learners' (from the first)."""
-        if self._last_until is None:
-            self._last_until = self._now + min(self.config.last_wait_s, self.config.grace_cap_s)
+        """A last contribution joined the round: wait ``last_wait_s`` from it for the other
+        learners' (learners that stop together finish seconds apart, each within that of the
+        one before), at most ``grace_cap_s`` from the round's first."""
+        if self._last_from is None:
+            self._last_from = self._now
+        until = min(self._now + self.config.last_wait_s, self._last_from + self.config.grace_cap_s)
+        if self._last_until is None or until > self._last_until:
+            self._last_until = until
             if self.phase is Phase.GRACE and self._grace_due is not None:
                 self._deadline = self._held_deadline(self._grace_due)
 
@@ -356,7 +378,8 @@ class FragmentMerger:
 
     def _drop(self, ev: Drop) -> Decision:
         dropped = len(self._entries)
-        self._entries, self._first_at, self._round_share, self._last_until = [], None, 0, None
+        self._entries, self._first_at, self._round_share = [], None, 0
+        self._last_until = self._last_from = None
         self._reopen(Phase.COLLECTING, opened_at=self._now)
         return self._decide("wait", f"{dropped} contributions dropped, not merged: {ev.reason}")
 
@@ -424,7 +447,8 @@ class FragmentMerger:
                    else "a learner's last contribution is in: waiting for the others'")
             return self._decide("accept" if accepted else "wait",
                                 f"{reason}; held {until - self._now:.2f} s more ({why})", accepted=accepted)
-        self.phase, self._deadline, self._grace_due, self._last_until = Phase.MERGING, None, None, None
+        self.phase, self._deadline, self._grace_due = Phase.MERGING, None, None
+        self._last_until = self._last_from = None
         n, share = len(self._entries), self._round_share
         scale = n / share if n < share else 1.0
         if scale < 1.0:

@@ -55,9 +55,10 @@ class MergeConfig:
     # says, so learners that leave or die stop being waited for once the node knows
     quorum_is_expected: bool = False
     # a round holding a learner's last contribution (its end-of-run flush) waits this long from
-    # it (at most grace_cap_s) for every expected learner's before closing: learners that stop
-    # together flush together, and two rounds of their last work (the first closing on the
-    # quorum, the rest carried into the next) moved the final model by two steps of it
+    # the latest one (at most grace_cap_s from the first) for every expected learner's work
+    # before closing: learners that stop together flush together, a few seconds apart, and two
+    # rounds of their last work (the first closing on the quorum, the rest carried into the
+    # next, or merged alone on its version) moved the final model by two steps of it
     last_wait_s: float = 3.0
 
     def __post_init__(self) -> None:

@@ -18,6 +18,7 @@ class Tick:
 class Expect:
     n: int | None
     finished: int = 0
+    learners: frozenset[bytes] | None = None  # who the n are, when the node knows
 
 
 @dataclass(frozen=True, slots=True)

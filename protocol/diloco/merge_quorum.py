@@ -19,8 +19,8 @@ the round reacts when the quorum moves is told in ``protocol.diloco.merge``.
 
 Held rounds (``held_until``): no round closes before a hold's end (a new owner waiting for its
 predecessor's handoff, ``FragmentMerger.hold_until``), nor, while some expected learner's
-contribution is not in, before the end of the wait a learner's last contribution started
-(``MergeConfig.last_wait_s``).
+work is not in (each learner's, when the node names them), before the end of the wait the
+learners' last contributions started (``MergeConfig.last_wait_s``).
 """
 
 from __future__ import annotations

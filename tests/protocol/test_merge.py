@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from typing import Any
@@ -417,6 +418,7 @@ op_contribution = st.tuples(
 )
 op_tick = st.tuples(st.just("t"), st.booleans(), st.floats(0, 3))
 op_expect = st.tuples(st.just("e"), st.one_of(st.none(), st.integers(0, 6)), st.floats(0, 1))
+op_named = st.tuples(st.just("n"), st.sets(st.integers(0, 4)), st.floats(0, 1))
 op_finish = st.tuples(st.just("p"), st.booleans(), st.floats(0, 1), st.sets(st.integers(0, 4), max_size=2))
 op_hold = st.tuples(st.just("h"), st.booleans(), st.floats(0, 5))
 op_drop = st.tuples(st.just("d"))
@@ -434,7 +436,8 @@ configs = st.builds(
 
 
 @settings(max_examples=150, deadline=None)
-@given(configs, st.lists(st.one_of(op_contribution, op_tick, op_expect, op_finish, op_finish, op_hold, op_drop),
+@given(configs, st.lists(st.one_of(op_contribution, op_tick, op_expect, op_named, op_finish, op_finish, op_hold,
+                                   op_drop),
                          min_size=15, max_size=60))
 def test_invariants_over_random_event_orders(cfg: MergeConfig, ops: list[tuple[Any, ...]]) -> None:
     now = 0.0
@@ -473,6 +476,9 @@ def test_invariants_over_random_event_orders(cfg: MergeConfig, ops: list[tuple[A
         elif op[0] == "e":
             now += op[2]
             d = m.set_expected(op[1], now=now)
+        elif op[0] == "n":
+            now += op[2]
+            d = m.set_expected(len(op[1]), now=now, learners=frozenset(PEERS[i] for i in op[1]))
         else:
             if m.phase is not Phase.MERGING:
                 continue
@@ -603,7 +609,7 @@ def test_last_contributions_of_learners_stopping_together_merge_in_one_round() -
     m.set_expected(4, now=0.0)
     assert apply(m, c(0.0, A, base=7, last=True, step_time=0.0)).kind == "accept"
     d = apply(m, c(0.01, B, base=7, last=True, step_time=0.0))
-    assert d.kind == "accept" and m.phase is Phase.GRACE and m.deadline() == 3.0  # not merged on the quorum
+    assert d.kind == "accept" and m.phase is Phase.GRACE and m.deadline() == 3.01  # not merged on the quorum
     assert apply(m, c(0.02, C, base=7, last=True)).kind == "accept"
     d = apply(m, c(0.05, D, base=7, last=True))
     assert d.kind == "merge" and len(d.entries) == 4 and "all 4/4 expected contributions in" in d.reason
@@ -612,14 +618,57 @@ def test_last_contributions_of_learners_stopping_together_merge_in_one_round() -
     m.set_expected(4, now=0.0)
     apply(m, c(0.0, A, base=7, step_time=0.0))
     assert apply(m, c(0.01, B, base=7, step_time=0.0)).kind == "merge"
-    # and a learner that never flushes holds the round no longer than last_wait_s
+    # and a learner that never flushes holds the round no longer than last_wait_s after the latest
     m = FragmentMerger(0, cfg, version=7, now=0.0)
     m.set_expected(4, now=0.0)
     for t, peer in ((0.0, A), (0.5, B), (1.0, C)):
         apply(m, c(t, peer, base=7, last=True, step_time=0.0))
-    assert apply(m, ("t", 2.9)).kind == "wait"
-    d = apply(m, ("t", 3.0))
+    assert apply(m, ("t", 3.9)).kind == "wait"
+    d = apply(m, ("t", 4.0))
     assert d.kind == "merge" and len(d.entries) == 3
+
+
+def test_the_last_round_waits_for_each_learner_still_training_not_for_a_count() -> None:
+    """Seen in the default job: three learners finishing 1.3 and 2.4 s apart. When the second
+    flushed, the owner expected two learners (the first had finished) and held two last
+    contributions: "all 2/2 expected contributions in", and the third learner's flush, 2.4 s
+    later, was measured from that version and merged alone at half a step. Named, the learners
+    still training are each waited for; and each last contribution extends the wait by
+    ``last_wait_s``, up to ``grace_cap_s`` from the first."""
+    cfg = MergeConfig(quorum=1, quorum_fraction=0.5, late_policy="carry", last_wait_s=3.0, grace_cap_s=10.0,
+                      **EXACT)
+    m = FragmentMerger(0, cfg, version=15, now=0.0)
+    m.set_expected(3, now=0.0, learners=frozenset({A, B, C}))
+    assert apply(m, c(1.0, A, base=15, last=True, step_time=0.0)).kind == "accept"
+    m.set_expected(2, now=1.2, finished=1, learners=frozenset({B, C}))  # A's record says it stopped
+    d = apply(m, c(2.3, B, base=15, last=True, step_time=0.0))
+    assert d.kind == "accept" and "held" in d.reason and m.deadline() == pytest.approx(5.3)
+    assert apply(m, ("t", 4.0)).kind == "wait"  # past A's 3 s: B's wait runs on
+    d = apply(m, c(4.7, C, base=15, last=True))
+    assert d.kind == "merge" and {e.peer for e in d.entries} == {A, B, C} and d.scale == 1.0
+    # counted only, as before: the two last contributions stand for the two learners expected
+    m = FragmentMerger(0, cfg, version=15, now=0.0)
+    m.set_expected(3, now=0.0)
+    apply(m, c(1.0, A, base=15, last=True, step_time=0.0))
+    m.set_expected(2, now=1.2, finished=1)
+    assert apply(m, c(2.3, B, base=15, last=True, step_time=0.0)).kind == "merge"
+    # learners stopping one after another hold the round at most grace_cap_s from the first
+    m = FragmentMerger(0, cfg, version=15, now=0.0)
+    peers = PEERS + [A, B, C]
+    m.set_expected(len(peers), now=0.0, learners=frozenset(peers))
+    for i, peer in enumerate(peers[:5]):
+        apply(m, c(2.4 * i, peer, base=15, last=True, step_time=0.0))
+    assert m.deadline() == 10.0
+    d = apply(m, ("t", 10.0))
+    assert d.kind == "merge" and len(d.entries) == 5
+    # a learner whose work is already in the round is not waited for again
+    m = FragmentMerger(0, dataclasses.replace(cfg, quorum=2, quorum_fraction=0.0), version=15, now=0.0)
+    m.set_expected(2, now=0.0, learners=frozenset({A, B}))
+    apply(m, c(0.5, B, base=15, step_time=0.0))
+    d = apply(m, c(1.0, A, base=15, last=True, step_time=0.0))
+    assert d.kind == "merge" and "all 2/2" in d.reason
+    with pytest.raises(LocalProtocolError, match="2 expected learners named for 3"):
+        m.set_expected(3, now=2.0, learners=frozenset({A, B}))
 
 
 def test_rebase_not_allowed_while_merging() -> None:

@@ -161,3 +161,37 @@ async def test_a_held_first_merge_and_a_dropped_round_replay(tmp_path: Path) -> 
     assert {"hold", "drop"} <= {r["kind"] for r in records} and any(r.get("last") for r in records)
     result = replay(log)
     assert result.mismatches == [] and all(v["replayed"] == v["digest"] for v in result.versions)
+
+
+async def test_the_learners_an_owner_waits_for_are_logged_when_they_change_and_replay(tmp_path: Path) -> None:
+    """A round holding last contributions waits for each learner the node names: the names are
+    merger input, logged when they change, and the replay, given them, makes the same decisions
+    (without them it would merge on the count when B's flush comes)."""
+    model = tiny_model()
+    plan, clock = tiny_plan(model), FakeClock()
+    shapes, theta0 = shapes_of(model, plan), flat_of(model, plan, 0)
+    log = tmp_path / "owner-0.jsonl"
+    owner = make_owner(plan, shapes, 0, theta0, clock, quorum_fraction=0.5, event_log=log)
+    delta = torch.full((theta0.numel(),), 0.03)
+    last = dataclasses.replace(contribution(delta, shapes[0], owner=owner), last=True)
+    await owner.set_expected(3, 0, frozenset({A, B, C}))
+    await owner.set_expected(3, 0, frozenset({A, B, C}))
+    await owner.contribute(A, last)
+    clock.advance(0.5)
+    await owner.set_expected(2, 1, frozenset({B, C}))  # A's record says it stopped
+    clock.advance(0.5)
+    await owner.contribute(B, last)
+    await owner.settled()
+    assert owner.version == 0 and owner.merger.count == 2  # C is still training
+    clock.advance(2.5)
+    await owner.contribute(C, last)
+    await owner.settled()
+    assert owner.version == 1
+    owner.log.close()
+    expects = [json.loads(line) for line in log.read_text().splitlines() if '"kind":"expect"' in line]
+    assert [len(r["learners"]) if "learners" in r else None for r in expects] == [3, None, 2]
+    result = replay(log)
+    assert result.mismatches == [] and all(v["replayed"] == v["digest"] for v in result.versions)
+    edited = tmp_path / "edited.jsonl"
+    edited.write_text(log.read_text().replace('"learners":', '"named":'))
+    assert replay(edited).mismatches  # the count alone closes the round on B's flush
