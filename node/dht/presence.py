@@ -189,11 +189,6 @@ class SwarmPresence:
         return {pid for pid, m in self.membership.members.items()
                 if m.record.learning and m.expires_at > now} - self.suspects()
 
-    def learners_waited_for(self, owner: FragmentOwner, *, at_end: bool = False) -> int:
-        """How many learners ``owner``'s rounds wait for (``learner_ids_waited_for``)."""
-        waiting = self.learner_ids_waited_for(owner, at_end=at_end)
-        return self.expected_learners() if waiting is None else len(waiting)
-
     async def tell_expected(self, owner: FragmentOwner, *, at_end: bool = False) -> int:
         """Give ``owner``'s merger the learners it waits for and the finished ones it heard
         (``FragmentOwner.set_expected``); returns how many it waits for."""

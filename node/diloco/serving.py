@@ -91,12 +91,6 @@ class VersionServing:
     _fanouts: dict[int, Fanout]
     _manifests: ManifestCache
 
-    def expected_learners(self) -> int:
-        raise NotImplementedError
-
-    def finished_learners_heard(self, owner: FragmentOwner) -> int:
-        raise NotImplementedError
-
     async def tell_expected(self, owner: FragmentOwner, *, at_end: bool = False) -> int:
         raise NotImplementedError
 

@@ -834,7 +834,7 @@ async def test_members_that_claim_to_learn_and_send_nothing_cannot_stall_the_mer
     real = [signer(10 + i).peer_id for i in range(3)]
     fake = [signer(20 + i).peer_id for i in range(7)]
     node, owner, clock = _ending_owner({pid: True for pid in real + fake}, quorum=1, quorum_fraction=0.5)
-    await owner.set_expected(node.learners_waited_for(owner))
+    await node.tell_expected(owner)
     for pid in real:
         ack = await _contribute(owner, pid)  # 4 steps of 1 s: the usual interval 4 s
         assert ack.accepted and "quorum 5 (K = 5: 0.5 of the 10 learners expected)" in ack.reason
@@ -842,17 +842,18 @@ async def test_members_that_claim_to_learn_and_send_nothing_cannot_stall_the_mer
     await owner.tick()
     assert owner.version == 3 and owner.merger.contributors == set(real)  # these are never silent
     clock.advance(10.0)  # the fakes, seen at t = 1000, silent 11.5 s: still counted
-    await owner.set_expected(node.learners_waited_for(owner))
+    await node.tell_expected(owner)
     await owner.tick()
     assert owner.version == 3
     clock.advance(0.5)
     with caplog.at_level("WARNING", logger="atoll.peer"):
-        waited = node.learners_waited_for(owner)
-    assert waited == 3 and caplog.text.count("not waiting for member") == 7  # the fakes, once each
+        waited = node.learner_ids_waited_for(owner)
+    assert waited == set(real) and caplog.text.count("not waiting for member") == 7  # the fakes, once each
     with caplog.at_level("WARNING", logger="atoll.peer"):  # the end's view (30 s floor), then the rounds' again
-        assert node.learners_waited_for(owner, at_end=True) == 10 and node.learners_waited_for(owner) == 3
+        assert node.learner_ids_waited_for(owner, at_end=True) == set(real + fake)
+        assert node.learner_ids_waited_for(owner) == set(real)
     assert caplog.text.count("not waiting for member") == 7  # not logged again
-    await owner.set_expected(waited)
+    assert await node.tell_expected(owner) == 3 and owner.merger.learners == set(real)
     await owner.tick()
     assert owner.version == 4  # merged: the three learners' work
 
@@ -875,7 +876,7 @@ async def test_identities_that_stopped_without_contributing_do_not_shrink_the_me
         stop(pid)
     assert node.finished_learners() == 50
     assert node.finished_learners_heard(owner) == 0
-    await owner.set_expected(node.learners_waited_for(owner), node.finished_learners_heard(owner))
+    await node.tell_expected(owner)
     for pid in real[:2]:
         ack = await _contribute(owner, pid)
         assert ack.accepted and "(K = 2: 0.5 of the 3 learners expected)" in ack.reason
