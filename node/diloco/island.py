@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 import torch
@@ -254,22 +254,32 @@ class Island(IslandAdoption):
     def flush(self, timeout_s: float) -> int:
         """End of training: send every fragment's work that no contribution holds yet.
 
-        Waits (at most ``timeout_s``) for the versions of fragments in flight, so that what
-        ships next is measured from them, adopts what arrived, then ships each fragment trained
-        since. Returns how many fragments shipped. Without it a run's last up-to-H steps of each
-        fragment never reach the global model, which costs most when H grows late in a run."""
+        Ships each fragment with nothing in flight at once; then waits (at most ``timeout_s``)
+        for the versions of the fragments that were in flight, so that what ships next is
+        measured from them, adopts what arrived, and ships those trained since. Returns how many
+        fragments shipped. Without it a run's last up-to-H steps of each fragment never reach
+        the global model, which costs most when H grows late in a run. Waiting for every
+        fragment before shipping any made a circular wait across fragments: an owner's last
+        round waits for each learner's last contribution, and a learner's flush of that
+        fragment waited for another fragment's version, held by the same kind of round."""
         deadline = time.monotonic() + timeout_s
+        self.adopt_pending()
+        flying = {p for p, sent in enumerate(self.in_flight) if sent is not None}
+        shipped = self._ship_last()
         with self._arrived:
-            while self._waiting() and time.monotonic() < deadline:
+            while self._waiting(flying) and time.monotonic() < deadline:
                 self._arrived.wait(timeout=min(0.5, max(0.0, deadline - time.monotonic())))
         self.adopt_pending()
-        shipped = 0
-        for p in range(len(self.params)):
-            if self.in_flight[p] is None and self.c_steps[p] > 0:
-                self._ship(p, last=True)
-                shipped += 1
+        shipped += self._ship_last()
         self.stats.flushed += shipped
         return shipped
+
+    def _ship_last(self) -> int:
+        """Ship, marked last, every fragment trained since its version and not in flight."""
+        due = [p for p in range(len(self.params)) if self.in_flight[p] is None and self.c_steps[p] > 0]
+        for p in due:
+            self._ship(p, last=True)
+        return len(due)
 
     def _h(self) -> int:
         """H for a fragment syncing at the current step."""
@@ -312,10 +322,11 @@ class Island(IslandAdoption):
         if waited > max(STALL_MIN_S, 0.5 * self._step_ema):
             self.stats.stalled_steps += 1
 
-    def _waiting(self) -> bool:
-        """Some fragment is in flight and neither its next version nor a refusal has come."""
+    def _waiting(self, among: Collection[int] | None = None) -> bool:
+        """Some fragment (of ``among``, if given) is in flight and neither its next version nor
+        a refusal has come."""
         return any(sent is not None and not (p in self._inbox and self._inbox[p][0] > self.versions[p])
-                   for p, sent in enumerate(self.in_flight))
+                   for p, sent in enumerate(self.in_flight) if among is None or p in among)
 
     def _wait_for_merges(self) -> None:
         """Synchronous mode: block until every fragment in flight has its merged version."""

@@ -317,6 +317,25 @@ def test_flush_ships_the_work_no_contribution_holds_measured_from_the_version_in
     assert island.flush(timeout_s=0.0) == 0  # nothing trained since: nothing more to send
 
 
+def test_flush_ships_a_fragment_with_nothing_in_flight_before_waiting_for_another() -> None:
+    """Seen at the end of a chaos run: an owner's last round waits for every learner's last
+    contribution, and a learner's flush waited for another fragment's version, held by such a
+    round: three fragments waited on each other until the owners' 3 s wait ran out, and the
+    last work merged in two rounds. A fragment with nothing in flight ships at once."""
+    island, model, opt, sent = _island(h=4, fragments=2, rebase=True)
+    for _ in range(6):  # fragment 0 ships at step 1 and fragment 1 at step 3
+        _step(model, opt, island)
+    island.deliver(1, 1, island.global_flat[1] - 0.01)  # fragment 1's version is back; 0's is not
+    timer = threading.Timer(0.3, lambda: island.deliver(0, 1, island.global_flat[0] - 0.01))
+    timer.start()
+    try:
+        assert island.flush(timeout_s=5.0) == 2
+    finally:
+        timer.cancel()
+    assert [(o.fragment, o.last) for o in sent[2:]] == [(1, True), (0, True)]  # 1 did not wait for 0
+    assert sent[-1].base_version == 1 and sent[-2].base_version == 1
+
+
 def test_flush_sends_nothing_for_a_fragment_untrained_since_it_was_adopted() -> None:
     island, model, opt, sent = _island(h=2, fragments=1, rebase=True)
     _step(model, opt, island)
