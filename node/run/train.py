@@ -64,7 +64,7 @@ def island_sampler(cfg: RunConfig, train: torch.Tensor, block_size: int, index: 
     ranks of a multi-process island, each rank its own seed within the island's shard)."""
     return BatchSampler(train, batch_size=cfg.batch_size, block_size=block_size,
                         seed=sampler_seed(cfg.seed, index) + RANK_SEED_STRIDE * rank, shard=index,
-                        n_shards=cfg.peers)
+                        n_shards=cfg.peers, sharding=cfg.sharding)
 
 
 RANK_SEED_STRIDE = 7919

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from node.config import SHARDINGS
 from node.diloco.inner import lr_at, make_inner_optimizer
 from node.workload.corpus import BatchSampler, evaluate, load_corpus, split_corpus
 from node.workload.model import GPT, PRESETS, GPTConfig
@@ -62,6 +63,7 @@ class TrainConfig:
     beta2: float = _f(0.95, "AdamW beta2")
     grad_clip: float = _f(1.0, "clip the gradient's global norm to this (0 disables)")
     seed: int = _f(0, "seed for model init and data order")
+    sharding: str = _f("striped", "how the train split is dealt to learners: striped or contiguous")
     eval_every: int = _f(50, "steps between held-out evaluations")
     eval_batches: int = _f(8, "held-out batches (of batch_size windows) per evaluation")
     device: str = _f("cpu", "torch device: cpu or cuda")
@@ -70,6 +72,8 @@ class TrainConfig:
         problems = []
         if self.model not in PRESETS:
             problems.append(f"model must be one of {sorted(PRESETS)}, got {self.model!r}")
+        if self.sharding not in SHARDINGS:
+            problems.append(f"sharding must be one of {', '.join(SHARDINGS)}, got {self.sharding!r}")
         if self.schedule not in ("cosine", "constant"):
             problems.append(f"schedule must be cosine or constant, got {self.schedule!r}")
         for name in ("batch_size", "steps", "eval_every", "eval_batches"):
@@ -127,6 +131,7 @@ def train_data_parallel(
             seed=sampler_seed(cfg.seed, m),
             shard=m,
             n_shards=n_learners,
+            sharding=cfg.sharding,
         )
         for m in range(n_learners)
     ]

@@ -9,8 +9,14 @@ Layout of the data, for a corpus of ``n`` bytes::
 
     corpus  [c0 c1 c2 ... c19 c20 ...]          fixed-size chunks
     heldout  every ~1/heldout_fraction-th chunk  (spread over the whole corpus, deterministic)
-    train    the other chunks, concatenated, then cut into n_shards contiguous shards,
-             one per learner; learner m samples random windows from shard m only.
+    train    the other chunks, concatenated, then dealt to n_shards learners in stripes
+             (64 KiB or less, round robin: learner m holds stripes m, m + n, m + 2n, ...);
+             learner m samples random windows from its own stripes only.
+
+Striped shards are disjoint like contiguous ones, but each spans the whole corpus, as a
+data-parallel sampler's would: the standard library sorted by path puts ``asyncio`` in one third
+and ``xml`` in another, and islands that each saw one third drift apart between syncs far more
+than islands that saw the same mix (``sharding="contiguous"`` keeps that, for non-IID studies).
 
 Evaluation uses a fixed set of evenly spaced held-out windows, so every call on every peer scores
 the same bytes and loss curves are comparable.
@@ -27,7 +33,12 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
+from node.config import SHARDINGS
+
 __all__ = [
+    "SHARDINGS",
+    "STRIPE_BYTES",
+    "shard_spans",
     "stdlib_corpus_files",
     "load_corpus",
     "split_corpus",
@@ -38,6 +49,9 @@ __all__ = [
 
 _SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 _SEPARATOR = b"\n"  # between files, so the last line of one file never runs into the next
+
+STRIPE_BYTES = 1 << 16  # the longest stripe of a striped shard
+_MIN_STRIPES = 16  # a striped shard holds at least this many stripes when the corpus allows
 
 
 # -----------------------------------------------------------------------------
@@ -160,13 +174,36 @@ def split_corpus(
 # sampling
 
 
+def shard_spans(
+    n: int, *, shard: int, n_shards: int, sharding: str = "striped", block_size: int = 1
+) -> list[tuple[int, int]]:
+    """The ``[start, end)`` ranges of a train split of ``n`` bytes that shard ``shard`` holds.
+
+    ``contiguous``: the ``shard``-th of ``n_shards`` equal slices. ``striped``: the split cut into
+    stripes of at most ``STRIPE_BYTES`` (shorter on small corpora, so that each shard holds about
+    ``_MIN_STRIPES`` of them, but never shorter than four windows of ``block_size + 1``), dealt
+    round robin. Either way the shards are disjoint and together cover the split.
+
+    Raises ValueError for a shard outside ``[0, n_shards)`` or an unknown sharding.
+    """
+    if not 0 <= shard < n_shards:
+        raise ValueError(f"shard must be in [0, {n_shards}), got {shard}")
+    if sharding not in SHARDINGS:
+        raise ValueError(f"sharding must be one of {', '.join(SHARDINGS)}, got {sharding!r}")
+    if sharding == "contiguous":
+        return [(shard * n // n_shards, (shard + 1) * n // n_shards)]
+    stripe = min(STRIPE_BYTES, max(n // (n_shards * _MIN_STRIPES), 4 * (block_size + 1)))
+    return [(a, min(a + stripe, n)) for a in range(shard * stripe, n, n_shards * stripe)]
+
+
 class BatchSampler:
     """Random (x, y) windows from one learner's shard of the train split.
 
-    Shard ``shard`` of ``n_shards`` is the ``shard``-th of equal contiguous slices of ``train``;
-    shards are disjoint. Window starts come from this sampler's own ``torch.Generator(seed)``, so
-    a sampler's stream depends only on (train, batch_size, block_size, seed, shard, n_shards).
-    The index buffers are reused between calls; the returned x and y are fresh tensors.
+    Shard ``shard`` of ``n_shards`` holds the ranges ``shard_spans`` gives (``spans``), joined
+    into one tensor (a copy, for a striped shard); shards are disjoint. Window starts come from
+    this sampler's own ``torch.Generator(seed)``, so a sampler's stream depends only on (train,
+    batch_size, block_size, seed, shard, n_shards, sharding). The index buffers are reused
+    between calls; the returned x and y are fresh tensors.
     """
 
     def __init__(
@@ -178,16 +215,16 @@ class BatchSampler:
         seed: int,
         shard: int,
         n_shards: int,
+        sharding: str = "striped",
     ) -> None:
-        if not 0 <= shard < n_shards:
-            raise ValueError(f"shard must be in [0, {n_shards}), got {shard}")
         if batch_size < 1 or block_size < 1:
             raise ValueError(
                 f"batch_size and block_size must be >= 1, got {batch_size}, {block_size}"
             )
-        n = train.numel()
-        self.start, self.end = shard * n // n_shards, (shard + 1) * n // n_shards
-        self.data = train[self.start : self.end]  # (shard_len,) uint8, a view
+        self.spans = shard_spans(train.numel(), shard=shard, n_shards=n_shards, sharding=sharding,
+                                 block_size=block_size)
+        pieces = [train[a:b] for a, b in self.spans]
+        self.data = torch.cat(pieces) if len(pieces) > 1 else (pieces or [train[:0]])[0]  # (shard_len,) uint8
         if self.data.numel() < block_size + 2:
             raise ValueError(
                 f"shard {shard}/{n_shards} holds {self.data.numel()} bytes, fewer than a window "

@@ -8,24 +8,24 @@ import pytest
 
 import node.run.alone as alone
 from node.config import RunConfig
-from node.workload.corpus import BatchSampler
+from node.workload.corpus import BatchSampler, shard_spans
 
 
 def test_island_alone_trains_on_its_own_shard_and_its_loss_falls(monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = RunConfig(model="tiny", peers=3, steps=30, warmup_steps=5, eval_batches=2,
                     corpus_max_bytes=200_000)
-    seen: list[tuple[int, int, int]] = []
+    seen: list[tuple[list[tuple[int, int]], int]] = []
     real = alone.island_sampler
 
     def spy(*args: Any) -> BatchSampler:
         sampler = real(*args)
-        seen.append((sampler.start, sampler.end, sampler.data.numel() * cfg.peers))
+        seen.append((sampler.spans, args[1].numel()))
         return sampler
 
     monkeypatch.setattr(alone, "island_sampler", spy)
     result = alone.train_island_alone(cfg, index=0)
-    (start, end, n), = seen
-    assert start == 0 and abs(end - n // cfg.peers) <= cfg.peers  # shard 0 of 3, and only it
+    (spans, n), = seen
+    assert spans == shard_spans(n, shard=0, n_shards=cfg.peers, block_size=64)  # shard 0 of 3, only it
     assert result["steps"] == 30 and result["shard"] == 0
     assert result["tokens_trained"] == 30 * cfg.batch_size * 64
     assert result["eval_loss_end"] < 0.8 * result["eval_loss_start"], result

@@ -9,10 +9,12 @@ import pytest
 import torch
 
 from node.workload.corpus import (
+    STRIPE_BYTES,
     BatchSampler,
     evaluate,
     heldout_windows,
     load_corpus,
+    shard_spans,
     split_corpus,
     stdlib_corpus_files,
 )
@@ -107,18 +109,51 @@ def three_shards() -> torch.Tensor:
     return torch.cat([torch.full((1000,), v, dtype=torch.uint8) for v in (10, 20, 30)])
 
 
-def test_shards_are_disjoint_contiguous_and_sampled_only_from_their_own() -> None:
+def test_contiguous_shards_are_disjoint_slices_sampled_only_from_their_own() -> None:
     train = three_shards()
     samplers = [
-        BatchSampler(train, batch_size=8, block_size=32, seed=0, shard=m, n_shards=3)
+        BatchSampler(train, batch_size=8, block_size=32, seed=0, shard=m, n_shards=3,
+                     sharding="contiguous")
         for m in range(3)
     ]
-    assert [(s.start, s.end) for s in samplers] == [(0, 1000), (1000, 2000), (2000, 3000)]
+    assert [s.spans for s in samplers] == [[(0, 1000)], [(1000, 2000)], [(2000, 3000)]]
     for m, s in enumerate(samplers):
         for _ in range(5):
             x, y = s.next()
             assert x.shape == y.shape == (8, 32) and x.dtype == y.dtype == torch.int64
             assert set(x.unique().tolist()) == set(y.unique().tolist()) == {10 * (m + 1)}
+
+
+@pytest.mark.parametrize("n", [3000, 100_000, 5_000_000])
+@pytest.mark.parametrize("n_shards", [1, 3, 32])
+def test_striped_shards_are_disjoint_cover_the_split_and_each_spans_it(n: int, n_shards: int) -> None:
+    spans = [shard_spans(n, shard=m, n_shards=n_shards, block_size=32) for m in range(n_shards)]
+    covered = sorted(span for shard in spans for span in shard)
+    assert covered[0][0] == 0 and covered[-1][1] == n
+    assert all(a[1] == b[0] for a, b in zip(covered, covered[1:]))  # disjoint, no gap
+    stripe = covered[0][1] - covered[0][0]
+    assert 4 * 33 <= stripe <= STRIPE_BYTES
+    lengths = [sum(b - a for a, b in shard) for shard in spans]
+    assert max(lengths) - min(lengths) <= stripe  # dealt evenly
+    if n >= n_shards * 16 * 4 * 33:  # room for 16 stripes a shard: each reaches the last stripe
+        assert all(shard[-1][1] >= n - n_shards * stripe for shard in spans)
+
+
+def test_a_striped_shard_samples_every_part_of_the_corpus_and_only_its_own_stripes() -> None:
+    # ten regions of 10 KB, each one byte value: a contiguous third sees three or four of them,
+    # a striped third sees all ten
+    train = torch.cat([torch.full((10_000,), v, dtype=torch.uint8) for v in range(10)])
+    striped = BatchSampler(train, batch_size=64, block_size=8, seed=0, shard=1, n_shards=3)
+    contiguous = BatchSampler(train, batch_size=64, block_size=8, seed=0, shard=1, n_shards=3,
+                              sharding="contiguous")
+    seen_striped = {v for _ in range(20) for v in striped.next()[0].unique().tolist()}
+    seen_contiguous = {v for _ in range(20) for v in contiguous.next()[0].unique().tolist()}
+    assert seen_striped == set(range(10)) and len(seen_contiguous) <= 4
+    own = torch.zeros(train.numel(), dtype=torch.bool)
+    for a, b in striped.spans:
+        own[a:b] = True
+    assert striped.data.numel() == int(own.sum())
+    assert torch.equal(striped.data, train[own])  # exactly its stripes, in order
 
 
 def test_sampler_windows_are_shifted_and_seeded() -> None:
@@ -142,7 +177,13 @@ def test_sampler_refuses_bad_shards() -> None:
     with pytest.raises(ValueError, match="shard must be"):
         BatchSampler(three_shards(), batch_size=1, block_size=8, seed=0, shard=3, n_shards=3)
     with pytest.raises(ValueError, match="fewer than a window"):
-        BatchSampler(three_shards(), batch_size=1, block_size=8, seed=0, shard=0, n_shards=1000)
+        BatchSampler(three_shards(), batch_size=1, block_size=8, seed=0, shard=0, n_shards=1000,
+                     sharding="contiguous")
+    with pytest.raises(ValueError, match="fewer than a window"):  # a striped shard with no stripe
+        BatchSampler(three_shards(), batch_size=1, block_size=8, seed=0, shard=999, n_shards=1000)
+    with pytest.raises(ValueError, match="sharding must be one of striped, contiguous"):
+        BatchSampler(three_shards(), batch_size=1, block_size=8, seed=0, shard=0, n_shards=3,
+                     sharding="random")
 
 
 # --- evaluation ----------------------------------------------------------------------------
