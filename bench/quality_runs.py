@@ -28,7 +28,7 @@ __all__ = ["Runner", "Setting", "baseline_key", "local_flags", "summarise_local"
 # The RunConfig fields the data-parallel baseline depends on (node.workload.baseline's TrainConfig
 # reads these from the swarm's config); two swarms equal on them share one baseline.
 BASELINE_FIELDS = ("peers", "seed", "model", "corpus", "corpus_max_bytes", "steps", "batch_size", "lr",
-                   "warmup_steps", "weight_decay", "eval_batches")
+                   "warmup_steps", "weight_decay", "eval_batches", "sharding")
 
 
 @dataclass(frozen=True)
@@ -125,7 +125,8 @@ class Runner:
                    "--peers", str(cfg.peers), "--seed", str(cfg.seed), "--model", cfg.model,
                    "--steps", str(cfg.steps), "--batch-size", str(cfg.batch_size), "--lr", str(lr),
                    "--warmup-steps", str(cfg.warmup_steps), "--weight-decay", str(cfg.weight_decay),
-                   "--eval-batches", str(cfg.eval_batches), "--eval-every", str(cfg.eval_every)]
+                   "--eval-batches", str(cfg.eval_batches), "--eval-every", str(cfg.eval_every),
+                   "--sharding", cfg.sharding]
             if cfg.corpus:
                 cmd += ["--corpus", cfg.corpus]
             if cfg.corpus_max_bytes:

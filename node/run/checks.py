@@ -175,7 +175,7 @@ def _check_corpus(cfg: RunConfig) -> None:
         train, heldout = split_corpus(data)
         heldout_windows(heldout, block_size=block, n_windows=1)
         BatchSampler(train, batch_size=cfg.batch_size, block_size=block, seed=0,
-                     shard=max(cfg.peers, 1) - 1, n_shards=max(cfg.peers, 1))
+                     shard=max(cfg.peers, 1) - 1, n_shards=max(cfg.peers, 1), sharding=cfg.sharding)
     except FileNotFoundError as exc:
         raise CheckError(str(exc)) from None
     except OSError as exc:

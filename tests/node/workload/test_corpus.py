@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from pathlib import Path
 
@@ -130,7 +131,7 @@ def test_striped_shards_are_disjoint_cover_the_split_and_each_spans_it(n: int, n
     spans = [shard_spans(n, shard=m, n_shards=n_shards, block_size=32) for m in range(n_shards)]
     covered = sorted(span for shard in spans for span in shard)
     assert covered[0][0] == 0 and covered[-1][1] == n
-    assert all(a[1] == b[0] for a, b in zip(covered, covered[1:]))  # disjoint, no gap
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(covered))  # disjoint, no gap
     stripe = covered[0][1] - covered[0][0]
     assert 4 * 33 <= stripe <= STRIPE_BYTES
     lengths = [sum(b - a for a, b in shard) for shard in spans]
