@@ -63,7 +63,7 @@ class TrainConfig:
     beta2: float = _f(0.95, "AdamW beta2")
     grad_clip: float = _f(1.0, "clip the gradient's global norm to this (0 disables)")
     seed: int = _f(0, "seed for model init and data order")
-    sharding: str = _f("striped", "how the train split is dealt to learners: striped or contiguous")
+    sharding: str = _f("contiguous", "how the train split is dealt to learners: contiguous or striped")
     eval_every: int = _f(50, "steps between held-out evaluations")
     eval_batches: int = _f(8, "held-out batches (of batch_size windows) per evaluation")
     device: str = _f("cpu", "torch device: cpu or cuda")

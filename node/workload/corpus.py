@@ -9,14 +9,11 @@ Layout of the data, for a corpus of ``n`` bytes::
 
     corpus  [c0 c1 c2 ... c19 c20 ...]          fixed-size chunks
     heldout  every ~1/heldout_fraction-th chunk  (spread over the whole corpus, deterministic)
-    train    the other chunks, concatenated, then dealt to n_shards learners in stripes
-             (64 KiB or less, round robin: learner m holds stripes m, m + n, m + 2n, ...);
-             learner m samples random windows from its own stripes only.
-
-Striped shards are disjoint like contiguous ones, but each spans the whole corpus, as a
-data-parallel sampler's would: the standard library sorted by path puts ``asyncio`` in one third
-and ``xml`` in another, and islands that each saw one third drift apart between syncs far more
-than islands that saw the same mix (``sharding="contiguous"`` keeps that, for non-IID studies).
+    train    the other chunks, concatenated, then cut into n_shards contiguous shards,
+             one per learner; learner m samples random windows from shard m only.
+             (``sharding="striped"``: dealt in stripes of 64 KiB or less, round robin, so
+             that learner m holds stripes m, m + n, m + 2n, ... and its shard spans the whole
+             corpus, as a data-parallel sampler's would.)
 
 Evaluation uses a fixed set of evenly spaced held-out windows, so every call on every peer scores
 the same bytes and loss curves are comparable.
@@ -175,7 +172,7 @@ def split_corpus(
 
 
 def shard_spans(
-    n: int, *, shard: int, n_shards: int, sharding: str = "striped", block_size: int = 1
+    n: int, *, shard: int, n_shards: int, sharding: str = "contiguous", block_size: int = 1
 ) -> list[tuple[int, int]]:
     """The ``[start, end)`` ranges of a train split of ``n`` bytes that shard ``shard`` holds.
 
@@ -215,7 +212,7 @@ class BatchSampler:
         seed: int,
         shard: int,
         n_shards: int,
-        sharding: str = "striped",
+        sharding: str = "contiguous",
     ) -> None:
         if batch_size < 1 or block_size < 1:
             raise ValueError(

@@ -91,7 +91,7 @@ def test_local_corpus_too_short_for_the_model(tmp_path: Path) -> None:
     (["local", "--adopt-rebase", "2"], "--adopt-rebase must be 0 or 1, got 2"),
     (["local", "--seed", "-1"], "--seed must be in 0..4294967295, got -1"),
     (["local", "--seed", "4294967296"], "--seed must be in 0..4294967295, got 4294967296"),
-    (["local", "--sharding", "random"], "--sharding must be one of striped, contiguous; got 'random'"),
+    (["local", "--sharding", "random"], "--sharding must be one of contiguous, striped; got 'random'"),
 ])
 def test_local_bad_flag_values(args: list[str], says: str) -> None:
     assert says.format(cores=os.cpu_count() or 1) in mistake(*args)
