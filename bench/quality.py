@@ -64,6 +64,8 @@ ABLATIONS: dict[str, dict[str, dict[str, Any]]] = {
     # (--adopt-alpha), against the default rebase (global + the work no contribution holds yet)
     "adopt": {"overwrite": {"adopt_rebase": 0}, "a0.3": {"adopt_alpha": 0.3, "adopt_rebase": 0},
               "a0.5": {"adopt_alpha": 0.5, "adopt_rebase": 0}},
+    # each learner's data (--sharding): one slice of the corpus, or stripes spanning all of it
+    "sharding": {"contiguous": {"sharding": "contiguous"}, "striped": {"sharding": "striped"}},
 }
 
 
