@@ -225,7 +225,7 @@ def join_main(args: argparse.Namespace) -> int:
         print(f"atoll join: {exc}", file=sys.stderr)
         return 1
     from node.dht.swarm import SwarmCredentials  # after the checks: torch comes with the trainer
-    from node.run.train import PeerOptions, run_peer
+    from node.run.train import PeerOptions, data_seed_of, run_peer
 
     m = swarm.manifest
     lab = f", lab {swarm.cert.lab} ({','.join(swarm.cert.roles)})" if swarm.cert else ", uncertified learner"
@@ -244,7 +244,8 @@ def join_main(args: argparse.Namespace) -> int:
                        initial_peers=tuple(args.initial_peers), host=host, port=port, public_address=public,
                        wait_for_stop=False, final_sync=False, serve_after_s=args.serve_after_s,
                        signer=swarm.signer, credentials=SwarmCredentials(m, swarm.signer, swarm.cert),
-                       checkpoint_dir=args.checkpoint_dir, events=view)
+                       checkpoint_dir=args.checkpoint_dir, events=view,
+                       own_data_seed=data_seed_of(swarm.signer.peer_id))
     try:
         run_peer(cfg, opts)
     except KeyboardInterrupt:

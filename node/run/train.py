@@ -41,7 +41,7 @@ from node.workload.presets import resolved
 from protocol.diloco.fragments import FragmentPlan, plan_fragments
 from protocol.wire.signing import Signer
 
-__all__ = ["global_param_hash", "inner_step", "island_sampler", "resolved", "run_peer"]
+__all__ = ["data_seed_of", "global_param_hash", "inner_step", "island_sampler", "resolved", "run_peer"]
 
 log = logging.getLogger("atoll.train")
 
@@ -59,12 +59,24 @@ def global_param_hash(state: dict[str, torch.Tensor]) -> str:
 
 
 def island_sampler(cfg: RunConfig, train: torch.Tensor, block_size: int, index: int, *,
-                   rank: int = 0) -> BatchSampler:
+                   rank: int = 0, own_seed: int | None = None) -> BatchSampler:
     """Island ``index``'s batches: its own shard of the train split, its own seed (and for the
-    ranks of a multi-process island, each rank its own seed within the island's shard)."""
+    ranks of a multi-process island, each rank its own seed within the island's shard).
+
+    ``own_seed`` (a joining peer's, ``data_seed_of`` its key): windows from the whole train split
+    with that seed instead. A peer of a swarm whose size it does not know has no shard of its
+    own, and joiners that drew the same index of ``--peers`` would train on the same batches."""
+    if own_seed is not None:
+        return BatchSampler(train, batch_size=cfg.batch_size, block_size=block_size,
+                            seed=own_seed + RANK_SEED_STRIDE * rank, shard=0, n_shards=1)
     return BatchSampler(train, batch_size=cfg.batch_size, block_size=block_size,
                         seed=sampler_seed(cfg.seed, index) + RANK_SEED_STRIDE * rank, shard=index,
                         n_shards=cfg.peers, sharding=cfg.sharding)
+
+
+def data_seed_of(peer_id: bytes) -> int:
+    """A joining peer's sampler seed, from its key: its own, and the same after a restart."""
+    return int.from_bytes(hashlib.sha256(b"atoll data order " + peer_id).digest()[:6], "big")
 
 
 RANK_SEED_STRIDE = 7919
@@ -158,6 +170,7 @@ class PeerOptions:
     signer: Signer | None = None  # this peer's key (None: a fresh one)
     credentials: SwarmCredentials | None = None  # the swarm's manifest and our certificate
     events: Callable[..., None] | None = None  # event(name, **fields); None: JSON lines on stdout (emit)
+    own_data_seed: int | None = None  # a joiner's: batches from the whole corpus with this seed (island_sampler)
 
 def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
     index = opts.index
@@ -179,7 +192,7 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
     model = GPT(gcfg, seed=cfg.seed).to(device)  # identical on every peer: version 0 of every fragment
     data = load_corpus(Path(cfg.corpus) if cfg.corpus else None, max_bytes=cfg.corpus_max_bytes)
     train, heldout = split_corpus(data)
-    sampler = island_sampler(cfg, train, gcfg.block_size, index, rank=rank)
+    sampler = island_sampler(cfg, train, gcfg.block_size, index, rank=rank, own_seed=opts.own_data_seed)
     tcfg = train_config_for(cfg)
     optimizer = make_inner_optimizer(model, tcfg)
     shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]

@@ -109,7 +109,8 @@ def test_each_commands_help_lists_what_it_uses_with_each_default_once(capsys: py
     local = " ".join(local.split())
     assert "--steps STEPS inner steps per island (default: 3000) --batch-size" in local
     assert "--corpus CORPUS a text file or folder to train on (default: the Python standard library's .py files) " \
-           "--corpus-max-bytes CORPUS_MAX_BYTES read at most this many corpus bytes --steps" in local
+           "--corpus-max-bytes CORPUS_MAX_BYTES read at most this many corpus bytes --sharding SHARDING" in local
+    assert "(default: contiguous) --steps" in local
 
 
 def test_every_flag_the_tests_and_docs_pass_to_join_still_parses() -> None:
