@@ -329,8 +329,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="none (fp32), fp16 (Atoll bf16, hivemind Float16Compression), int8 (Atoll "
                              "int8 up and int8 updates down, against hivemind and raw in fp32)")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="atoll, hivemind, raw")
-    parser.add_argument("--repeats", type=int, default=3, help="timed rounds per system (after the warm-up)")
-    parser.add_argument("--warmup", type=int, default=1,
+    # 3 + 5 per block: the method of every figure in docs/benchmarks.md since 2026-12-03 (with one
+    # warm-up round a block's second round could still be growing its heap, and 3 timed rounds
+    # a block left one slow round a third of the median's votes)
+    parser.add_argument("--repeats", type=int, default=5, help="timed rounds per system and block (after the warm-up)")
+    parser.add_argument("--warmup", type=int, default=3,
                         help="untimed rounds of each system first (interleaved as the timed ones); a "
                              "peer's heap grows over its first few rounds, to the versions it keeps")
     parser.add_argument("--swarm", choices=("signed", "development"), default="signed",
