@@ -50,8 +50,8 @@ class RunConfig:
     # measured, on the stdlib or on a C / Python / Perl mix (docs/results.md, "Striped shards")
     sharding: str = "contiguous"
     # 3000 steps (96 tokens a parameter of the small model) and H = 200: 15 rounds a fragment,
-    # 1044-1114x fewer bytes than fp32 ring all-reduce, +1.5 % eval loss against int8 up / fp32
-    # down at H = 30 over six seeds (docs/results.md, "A thousand times fewer bytes at the defaults")
+    # 1105-1139x fewer bytes than fp32 ring all-reduce, +2.8 % eval loss against int8 up / fp32
+    # down at H = 30 over six seeds (docs/results.md, "Where the open claims stand")
     steps: int = 3000
     batch_size: int = 16
     lr: float = 6e-3  # bench.quality: -5.3 % eval loss against 3e-3 at M = 4 (docs/benchmarks.md, Quality); 4e-3 at H = 200: the same (docs/results.md)
