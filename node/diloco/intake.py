@@ -40,6 +40,7 @@ log = logging.getLogger("node.diloco.owner")
 
 
 LAST_SENDERS_KEPT = 100_000  # senders whose "last" mark was honoured; beyond, the mark is ignored
+RESYNCS_OWED_KEPT = 4096  # learners told to resync whose fetch is still owed a serve; the oldest go
 
 
 class ContributionIntake:
@@ -56,6 +57,7 @@ class ContributionIntake:
     _keep_digests: int
     _merged_base: dict[bytes, int]
     _last_from: set[bytes]  # senders whose last contribution this owner has taken
+    resyncs_owed: dict[bytes, None]  # learners this owner told to resync, owed one serve each
     activity: LearnerActivity
     _spare: list[torch.Tensor]
     _spare_max: int
@@ -81,6 +83,10 @@ class ContributionIntake:
         if mismatch is not None:
             self._give_back(flat)
             self.counts.penalties[sender]["refused_base"] += 1
+            self.resyncs_owed.pop(sender, None)
+            self.resyncs_owed[sender] = None
+            while len(self.resyncs_owed) > RESYNCS_OWED_KEPT:
+                self.resyncs_owed.pop(next(iter(self.resyncs_owed)))
             log.info("fragment %d: %s", self.fragment.index, mismatch)
             return Ack(accepted=False, reason=mismatch, version=self.version)
         if self.log is not None:
@@ -104,6 +110,17 @@ class ContributionIntake:
             self._give_back(flat)
         log.info("fragment %d: %s", self.fragment.index, decision.reason)
         return decision
+
+    def owes_resync(self, asker: bytes | None) -> bool:
+        """Whether ``asker`` is a learner this owner told to resync since it last fetched from
+        it (spent by asking): its fetch must be served, not refused as a repeat or past the
+        budget (``protocol.diloco.spread``), or in a round that waits for its contribution it
+        would wait for a version that never comes. Granted by our own refusal, never by a claim:
+        each costs its sender one whole contribution first."""
+        if asker is None or asker not in self.resyncs_owed:
+            return False
+        del self.resyncs_owed[asker]
+        return True
 
     def _base_mismatch(self, msg: Contribution) -> str | None:
         """Why ``msg`` cannot be applied here: its base state is not the one this owner holds

@@ -144,7 +144,8 @@ class VersionServing:
                                                    max_uploads=self.cfg.owner_max_uploads)
             spent = fanout.over_budget
             decision = fanout.decide(owner.version, asker, fallback=request.query.get("fallback") == "1",
-                                     size=sealed.size, unit=owner.latest.size, must=kind == "final")
+                                     size=sealed.size, unit=owner.latest.size,
+                                     must=kind == "final" or owner.owes_resync(asker))
             self.spread.over_budget += fanout.over_budget - spent
             if isinstance(decision, Serve):
                 self.spread.owner_bytes += sealed.size

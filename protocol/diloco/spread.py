@@ -26,8 +26,11 @@ version at most ``max_uploads`` times its size (its full size, as an owner count
 forms it serves it: full, or updates over the version before), whatever the reason (direct serves, repeats, fallbacks, anonymous requesters). Past it, a requester is pointed
 at the peers most likely to hold the version by now: those served (directly, then by fallback),
 then those pointed at holders that did not come back for a fallback (a requester that falls back is dropped from them); with
-none, it is refused, and takes a later version. Only a request that must be served (a final
-version, which every peer has to end on) passes the budget: one per learner and run.
+none, it is refused, and takes a later version. Only a request that must be served passes the
+budget, and is never refused (served where it would have been, past the repeats and fallbacks
+allowed): a final version, which every peer has to end on (one per learner and run), and the
+version an owner has just told a learner to resync to (one per refusal the owner made: in a round
+that waits for every learner, no later version would come for it to take).
 
 Pure logic: versions are ints, peers are ids; the node maps ids to addresses and serves bytes.
 """
@@ -112,7 +115,7 @@ class Fanout:
         holders it was pointed at failed it; ``size``: the bytes a serve would upload (what the
         budget counts); ``unit``: the size the budget is counted in (an owner's full version,
         whichever form it serves; 0: the version's first upload); ``must``: serve it even past
-        the budget (a final version)."""
+        the budget, and never refuse it (a final version, a version owed to a resync)."""
         if self.fanout == 0:
             return self._serve("spreading is off: every learner is served")
         state = self._state(version)
@@ -122,6 +125,8 @@ class Fanout:
         spent = (not must and self.max_uploads > 0 and state.unit > 0
                  and state.uploaded + size > self.max_uploads * state.unit)
         decision = self._decide(state, version, requester, fallback, spent)
+        if must and isinstance(decision, Refuse):
+            decision = self._serve(f"{decision.reason}; served all the same (it must be)")
         if isinstance(decision, Serve):
             state.unit = state.unit or size
             state.uploaded += size

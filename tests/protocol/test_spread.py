@@ -186,6 +186,24 @@ def test_a_final_version_passes_the_budget() -> None:
     assert isinstance(fan.decide(1, _id(2), fallback=True, size=10, must=True), Serve)
 
 
+def test_a_request_that_must_be_served_is_never_refused() -> None:
+    # a learner told to resync that fetched this version already (not adopted yet) and has nobody
+    # to be pointed at: refused as a repeat, it would wait for a later version that a round
+    # waiting for its contribution never makes
+    fan = Fanout(1)
+    for _ in range(3):
+        fan.decide(2, _id(1))
+    assert isinstance(fan.decide(2, _id(1)), Refuse)
+    assert isinstance(fan.decide(2, _id(1), must=True), Serve)
+    fan.decide(2, _id(1), fallback=True)
+    assert isinstance(fan.decide(2, _id(1), fallback=True), Refuse)  # a second fallback
+    assert isinstance(fan.decide(2, _id(1), fallback=True, must=True), Serve)
+    budget = Fanout(1, max_uploads=1)
+    budget.decide(2, _id(1), size=10)
+    assert isinstance(budget.decide(2, _id(1), size=10), Refuse)  # past the budget, nobody else holds it
+    assert isinstance(budget.decide(2, _id(1), size=10, must=True), Serve)
+
+
 def test_a_requester_that_fell_back_is_not_named_a_likely_holder() -> None:
     fan = Fanout(1, max_uploads=1)
     fan.decide(1, _id(1), size=10)

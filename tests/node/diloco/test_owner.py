@@ -281,6 +281,21 @@ async def test_a_new_owner_asks_for_a_resync_of_bases_it_never_held() -> None:
     assert not ack.accepted and "not known here" in ack.reason and ack.reason.startswith("resync")
 
 
+async def test_a_learner_told_to_resync_is_owed_one_serve_of_the_version() -> None:
+    """Its fetch must not be refused as a repeat or past the budget (``protocol.diloco.spread``):
+    in a round waiting for its contribution no later version would come (the averaging bench's
+    kill test, docs/benchmarks.md). One serve per refusal, granted by the owner's own refusal."""
+    plan, shapes, clock, theta0, _ = _setup()
+    owner = make_owner(plan, shapes, 0, theta0, clock, version=5)  # took over at version 5
+    delta = torch.linspace(-0.05, 0.05, theta0.numel())
+    assert not owner.owes_resync(A) and not owner.owes_resync(None)
+    for _ in range(2):  # refused twice: still one serve owed
+        ack = await owner.contribute(A, contribution(delta, shapes[0], base_version=4, base_digest=flat_digest(theta0)))
+        assert ack.reason.startswith("resync")
+    assert not owner.owes_resync(B)  # only the learner refused
+    assert owner.owes_resync(A) and not owner.owes_resync(A)  # spent by asking
+
+
 async def test_work_already_merged_is_not_counted_twice() -> None:
     """A learner that gave up waiting for its version re-sends its pseudo-gradient, which is
     cumulative since its base: after the first was merged, the second is refused (resync)."""
