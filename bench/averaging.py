@@ -28,7 +28,8 @@ so fp32 is its best working codec here; ``none`` stays the like-for-like compari
 Then, per case, a peer is killed (SIGKILL to its process group) ``--kill-at`` of the way into a
 round, on fresh processes running one system at a time: the seconds until every survivor holds
 a merged model, and which peers' inputs each fragment (Atoll) or chunk (hivemind) matches
-("all", "survivors", or "neither": a silently partial or wrong merge).
+("all", "survivors", "subset 0,1,3" for an Atoll version that merged exactly those peers' whole
+contributions, or "neither": a silently partial or wrong merge).
 
 Progress goes to stderr; the last line of stdout is the JSON result.
 
