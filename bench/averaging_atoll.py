@@ -226,10 +226,11 @@ class AtollSide:
     def check(self, sets: dict[str, list[int]]) -> dict[str, Any]:
         """Each fragment against the merge of each set's pseudo-gradients (``prepare`` with
         ``keep_base``): the relative errors and the set it matches, or "not merged" when no
-        version above the base came. One that matches no set is tried against every other set
-        of two or more of the peers in ``sets`` ("subset 0,1,3": a merge of exactly those
-        peers' whole contributions, as an owner makes when a death lowered its round's quorum,
-        signed and logged by it); "neither" is a wrong or partial merge."""
+        version above the base came. One that matches no set is tried against the other subsets
+        of the peers in ``sets`` (``_match_subset``: "subset 0,1,3", a merge of exactly those
+        peers' whole contributions, or "subset 0,1,2 at 3/4 of a step", as an owner makes when a
+        death lowered its round's quorum, signed and logged by it); "neither" is a wrong or
+        partial merge."""
         out: list[dict[str, Any]] = []
         peers = sorted({i for members in sets.values() for i in members})
         for p, frag in enumerate(self.api.plan.fragments):
@@ -241,21 +242,9 @@ class AtollSide:
             refs = {name: self._reference(p, members) for name, members in sets.items()}
             errors = {name: relative_error(held, ref, base) for name, (ref, _) in refs.items()}
             matches = classify(errors, self.codec)
-            tried = {tuple(sorted(members)) for members in sets.values()}
-            candidates = ((c, scaled) for k in range(len(peers) - 1, 0, -1)
-                          for c in itertools.combinations(peers, k) for scaled in (False, True))
-            for subset, scaled in candidates:
-                if matches != "neither":
-                    break
-                if len(subset) < 2 and not scaled or not scaled and subset in tried:
-                    continue
-                # scaled: a round that closed below its share of the learners moves the fragment
-                # by its share of a step, the missing contributions as zeros (Decision.scale)
-                share = len(subset) / len(peers) if scaled else 1.0
-                name = "subset " + ",".join(map(str, subset)) + (f" at {len(subset)}/{len(peers)} of a step" if scaled else "")
-                refs[name] = self._reference(p, list(subset), scale=share)
-                errors[name] = relative_error(held, refs[name][0], base)
-                matches = classify({name: errors[name]}, self.codec)
+            if matches == "neither":
+                tried = {tuple(sorted(members)) for members in sets.values()}
+                matches = self._match_subset(p, held, base, peers, tried, refs, errors)
             residual = refs[matches if matches in refs else "all"][1]
             if residual is not None:  # the owner's error feedback after this version
                 self.owner_residual[p] = residual
@@ -264,6 +253,26 @@ class AtollSide:
                         "embedding": frag.is_embedding})
             del refs
         return {"fragments": out, "matches": sorted({f["matches"] for f in out})}
+
+    def _match_subset(self, p: int, held: torch.Tensor, base: torch.Tensor, peers: list[int],
+                      tried: set[tuple[int, ...]], refs: dict[str, tuple[torch.Tensor, torch.Tensor | None]],
+                      errors: dict[str, float]) -> str:
+        """The first subset of ``peers`` (largest first) whose merge ``held`` is: at a whole step
+        (two peers or more, not in ``tried``) or at the subset's share of one (a round that
+        closed below its share of the learners: the missing contributions as zeros,
+        ``Decision.scale``); "neither" when none is. Adds each tried one to ``refs``/``errors``."""
+        n = len(peers)
+        for k in range(n - 1, 0, -1):
+            for subset in itertools.combinations(peers, k):
+                for scaled in (False, True):
+                    if not scaled and (k < 2 or subset in tried):
+                        continue
+                    name = "subset " + ",".join(map(str, subset)) + (f" at {k}/{n} of a step" if scaled else "")
+                    refs[name] = self._reference(p, list(subset), scale=k / n if scaled else 1.0)
+                    errors[name] = relative_error(held, refs[name][0], base)
+                    if classify({name: errors[name]}, self.codec) == name:
+                        return name
+        return "neither"
 
     def _reference(self, p: int, members: list[int], *, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
         """What the owner's merge of ``members``' contributions gives (equal weights, no clip),

@@ -66,12 +66,10 @@ def island_sampler(cfg: RunConfig, train: torch.Tensor, block_size: int, index: 
     ``own_seed`` (a joining peer's, ``data_seed_of`` its key): windows from the whole train split
     with that seed instead. A peer of a swarm whose size it does not know has no shard of its
     own, and joiners that drew the same index of ``--peers`` would train on the same batches."""
-    if own_seed is not None:
-        return BatchSampler(train, batch_size=cfg.batch_size, block_size=block_size,
-                            seed=own_seed + RANK_SEED_STRIDE * rank, shard=0, n_shards=1)
+    seed, shard, n_shards, sharding = ((sampler_seed(cfg.seed, index), index, cfg.peers, cfg.sharding)
+                                       if own_seed is None else (own_seed, 0, 1, "contiguous"))
     return BatchSampler(train, batch_size=cfg.batch_size, block_size=block_size,
-                        seed=sampler_seed(cfg.seed, index) + RANK_SEED_STRIDE * rank, shard=index,
-                        n_shards=cfg.peers, sharding=cfg.sharding)
+                        seed=seed + RANK_SEED_STRIDE * rank, shard=shard, n_shards=n_shards, sharding=sharding)
 
 
 def data_seed_of(peer_id: bytes) -> int:

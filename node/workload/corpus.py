@@ -221,7 +221,8 @@ class BatchSampler:
         self.spans = shard_spans(train.numel(), shard=shard, n_shards=n_shards, sharding=sharding,
                                  block_size=block_size)
         pieces = [train[a:b] for a, b in self.spans]
-        self.data = torch.cat(pieces) if len(pieces) > 1 else (pieces or [train[:0]])[0]  # (shard_len,) uint8
+        # (shard_len,) uint8: a view of one span; stripes joined (none: empty, refused below)
+        self.data = pieces[0] if len(pieces) == 1 else torch.cat([train[:0], *pieces])
         if self.data.numel() < block_size + 2:
             raise ValueError(
                 f"shard {shard}/{n_shards} holds {self.data.numel()} bytes, fewer than a window "
