@@ -147,13 +147,16 @@ def _median(runs: list[dict[str, Any]], key: str = "seconds") -> float | None:
     return round(statistics.median(good), 4) if good else None
 
 
-def _spec(args: argparse.Namespace, peers: int, params: int, codec: str, systems: list[str]) -> dict[str, Any]:
+def _spec(args: argparse.Namespace, peers: int, params: int, codec: str, systems: list[str], *,
+          elastic: bool = False) -> dict[str, Any]:
+    """The workers' spec. ``elastic``: Atoll's side in decoupled mode (a round waits for the
+    live learners only, all of them), as the kill test runs it; else sync mode."""
     spec = {"peers": peers, "params": params, "fragments": args.fragments, "seed": args.seed,
-            "codec": codec, "systems": systems}
+            "codec": codec, "systems": systems, "elastic": elastic}
     if "atoll" in systems and args.swarm == "signed":
         from bench.averaging_atoll import swarm_credentials
         from bench.averaging_inputs import Layout
-        spec["atoll_credentials"] = swarm_credentials(peers=peers, seed=args.seed, codec=codec,
+        spec["atoll_credentials"] = swarm_credentials(peers=peers, seed=args.seed, codec=codec, elastic=elastic,
                                                       layout=Layout(params, args.fragments))
     return spec
 
@@ -246,7 +249,7 @@ def kill_test(args: argparse.Namespace, peers: int, params: int, system: str, no
               log_dir: Path) -> dict[str, Any]:
     """One warm-up round, then a round in which the last peer is killed ``--kill-at`` into it."""
     _say(f"{peers} x {params:,}: kill test on {system}")
-    w = Workers(_spec(args, peers, params, "none", [system]), log_dir)
+    w = Workers(_spec(args, peers, params, "none", [system], elastic=True), log_dir)
     try:
         owners = _settle(w, args) if system == "atoll" else []
         rounds = Round(w, args, "none")

@@ -6,8 +6,10 @@ no-op inner optimizer (SGD, lr 0, no gradients: only the island's hook runs) unt
 has adopted a version above the one it held of every fragment. The swarm runs in ``sync`` mode
 with quorum N: an owner merges a fragment only once every learner's contribution is in. Since
 2026-11-30 sync mode is the paper's synchronous baseline, not elastic: a learner that dies is
-waited for until it is back, so the kill test does not recover in it (docs/benchmarks.md, *A peer
-killed mid-round*: in decoupled mode it recovered in 2 of 3 runs; not the bench's mode yet).
+waited for until it is back. So the kill test runs the swarm ``elastic`` (``bench_config``):
+decoupled mode with every live learner as the quorum (``quorum_fraction`` 1), which waits for all
+N as long as all N live, and for the survivors once a death is seen (docs/benchmarks.md, *A peer
+killed mid-round*).
 
 The loop is the bench's, not Atoll's: every contribution claims one inner step and one token
 (equal merge weights, so the reference merge is known), and a fragment whose send failed or was
@@ -61,11 +63,14 @@ class _Tensors(nn.Module):
         self.w = nn.ParameterList([nn.Parameter(t, requires_grad=False) for t in tensors])
 
 
-def bench_config(peers: int, layout: Layout, codec: str) -> RunConfig:
-    """The run configuration of every Atoll peer of the bench (the manifest's recipe holds it)."""
+def bench_config(peers: int, layout: Layout, codec: str, *, elastic: bool = False) -> RunConfig:
+    """The run configuration of every Atoll peer of the bench (the manifest's recipe holds it).
+    ``elastic``: decoupled mode with every live learner as the quorum (the kill test's), else
+    sync mode with quorum N (see the module docstring)."""
     up, down, update = CODECS[codec]
+    mode = {"mode": "decoupled", "quorum_fraction": 1.0} if elastic else {"mode": "sync"}
     return RunConfig(peers=peers, fragments=layout.tensors, inner_steps=10**9, codec=up, download_codec=down,
-                     update_codec=update, outer_lr=1.0, outer_momentum=0.0, quorum=peers, mode="sync",
+                     update_codec=update, outer_lr=1.0, outer_momentum=0.0, quorum=peers, **mode,
                      eval_every=10**9,
                      adopt_rebase=0)  # nothing trains between shipping and adopting: overwrite, one copy
 
@@ -74,7 +79,7 @@ def _seed(*parts: object) -> bytes:
     return hashlib.sha256("/".join(map(str, parts)).encode()).digest()
 
 
-def swarm_credentials(*, peers: int, seed: int, layout: Layout, codec: str) -> dict[str, Any]:
+def swarm_credentials(*, peers: int, seed: int, layout: Layout, codec: str, elastic: bool = False) -> dict[str, Any]:
     """A swarm as ``atoll local`` makes one (a founder's signed manifest with one lab, and a
     learner-and-owner certificate per peer), as JSON-ready text for the peers' specs: the swarm
     as deployed, with admission and certificate checks on every request. Keys are derived from
@@ -82,7 +87,7 @@ def swarm_credentials(*, peers: int, seed: int, layout: Layout, codec: str) -> d
     founder, lab = Signer(_seed("bench-founder", seed)), Signer(_seed("bench-lab", seed))
     shapes = _Tensors([torch.empty(n, device="meta") for n in layout.sizes()])
     manifest = SwarmIsland.found(shapes, founder, name=SWARM, tokens_per_step=1,
-                                 config=bench_config(peers, layout, codec), authorities=[("bench", lab.public_key)])
+                                 config=bench_config(peers, layout, codec, elastic=elastic), authorities=[("bench", lab.public_key)])
     now = time.time()
     certs = [Certificate.issue(lab, manifest=manifest, subject=Signer(_seed("bench-peer", seed, i)).public_key,
                                roles=("learner", "owner"), not_before=now - 60, not_after=now + 7 * 86400)
@@ -95,14 +100,14 @@ class AtollSide:
 
     def __init__(self, *, index: int, peers: int, seed: int, layout: Layout, codec: str,
                  initial: list[torch.Tensor], initial_peers: list[str],
-                 credentials: dict[str, Any] | None = None) -> None:
+                 credentials: dict[str, Any] | None = None, elastic: bool = False) -> None:
         """``credentials``: from ``swarm_credentials`` (a signed swarm); without, a development
-        swarm (no manifest, no admission)."""
+        swarm (no manifest, no admission). ``elastic``: see ``bench_config``."""
         self.index, self.peers, self.seed, self.layout = index, peers, seed, layout
         self.codec, self.download_codec, self.update_codec = CODECS[codec]
         self.model = _Tensors(initial)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.0)
-        cfg = bench_config(peers, layout, codec)
+        cfg = bench_config(peers, layout, codec, elastic=elastic)
         swarm: dict[str, Any] = {"swarm": SWARM}
         if credentials is not None:
             swarm = {"manifest": SwarmManifest.from_toml(credentials["manifest"]),

@@ -42,7 +42,7 @@ class Peer:
             tensors = [initial(self.seed, self.layout, t) for t in range(self.layout.tensors)]
             atoll = AtollSide(index=self.index, peers=self.peers, seed=self.seed, layout=self.layout,
                               codec=codec, initial=tensors, initial_peers=spec.get("atoll_peers") or [],
-                              credentials=spec.get("atoll_credentials"))
+                              credentials=spec.get("atoll_credentials"), elastic=spec.get("elastic", False))
             self.sides["atoll"] = atoll
         if "raw" in spec["systems"]:
             from bench.averaging_raw import RawSide
