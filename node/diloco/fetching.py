@@ -180,7 +180,9 @@ class VersionFetching:
         replica store (before publishing it: the same content, under the fence), when its state
         hashes to the digest the owner signed; else None (it is downloaded)."""
         held = self.local.replica_version(p, owner_id) if self.local is not None else None
-        if held is None or held.version <= after:
+        # never below a version received: a resync asks for "the latest" (after -1), which a
+        # store entry from the owner's earlier tenure is not
+        if held is None or held.version <= max(after, self.received[p] - 1):
             return None
         version, flat, digest = held.version, held.theta, held.digest
         if self.version_jump(p, version) is not None:

@@ -177,9 +177,15 @@ class ReplicaStore:
     def version_from(self, p: int, sender: bytes) -> Handed | None:
         """Fragment ``p``'s state as ``sender`` handed it here, else None: this peer's learner
         takes it instead of downloading the version again. The state is never written to (a
-        takeover clones it, a new handoff replaces it)."""
+        takeover clones it, a new handoff replaces it). None too when the store has been fenced
+        past it (this peer owned ``p`` since, or took a later epoch's handoff of it): ``sender``
+        handed it in an earlier tenure, so it is not ``sender``'s latest, and a learner resyncing
+        to it would go back to a version its owner no longer knows."""
         held = self.states.get(p)
         if held is None or held.sender != sender:
+            return None
+        fence = self.held.get(p)
+        if fence is not None and (fence.epoch, fence.version) > (held.epoch, held.version):
             return None
         return held
 

@@ -356,3 +356,25 @@ async def test_a_new_owner_merges_nothing_before_its_predecessors_handoff() -> N
     clock.advance(0.1)
     await orphan.tick()
     assert orphan.version == 2
+
+
+async def test_a_state_from_an_earlier_tenure_is_not_offered_to_the_learner_once_the_store_is_fenced_past_it() -> None:
+    """Ownership moved 1 -> this peer -> 1 again: the state 1 handed over in its first tenure is
+    not 1's latest, so this peer's learner must not take it as 1's version (a resync asking for
+    "the latest" took it, went back to version 0, and was refused by 1 as unknown for ever, in
+    the averaging bench's kill test). A handoff of 1's new tenure is offered again."""
+    model = tiny_model()
+    plan, clock = tiny_plan(model), FakeClock()
+    shapes, theta0 = shapes_of(model, plan), flat_of(model, plan, 0)
+    store = ReplicaStore(SWARM, [theta0.numel(), 0])
+    first = _owner(plan, shapes, clock, theta0, who=signer(1), replicate=_handing_to(store))
+    await _merge_one(first, clock, torch.linspace(-0.05, 0.05, theta0.numel()), shapes, A)
+    assert store.version_from(0, signer(1).peer_id) is store.states[0] and store.states[0].version == 1
+    store.fence(0, 1, 1, first.digest_of(1))  # this peer owns fragment 0 now, at epoch 1
+    assert store.version_from(0, signer(1).peer_id) is None
+    assert store.states[0].version == 1  # still held: a takeover of it is not refused
+    later = _owner(plan, shapes, clock, first.theta.clone(), who=signer(1), replicate=_handing_to(store),
+                   version=3, epoch=2)
+    await _merge_one(later, clock, torch.linspace(0.05, -0.05, theta0.numel()), shapes, B)
+    got = store.version_from(0, signer(1).peer_id)
+    assert got is not None and (got.epoch, got.version) == (2, 4) and torch.equal(got.theta, later.theta)

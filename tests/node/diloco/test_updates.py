@@ -322,6 +322,29 @@ async def test_the_replicas_learner_takes_the_version_from_its_store_not_the_wir
     assert got[0] == 4 and torch.equal(got[1], owner.theta) and net.stats.versions_replica == 2
 
 
+async def test_a_resync_never_takes_a_replica_state_older_than_the_version_received() -> None:
+    """A resync asks for each fragment's latest version (``after`` -1): a state in the replica
+    store below the version this learner already received (handed in the owner's earlier tenure)
+    is not it, so the learner downloads the owner's latest instead of going back."""
+    rig = Rig()
+    net = IslandNet(rig.nets[0].island, rig.transport, rig.keys[0], swarm=SWARM,  # type: ignore[arg-type]
+                    shapes=rig.shapes, owner_of=lambda p: (rig.owner_key.peer_id, OWNER_URL), codec="int8",
+                    local=ReplicaOnly(rig.store))
+    rig.nets[0] = net
+    await rig.merge()
+    await rig.fetch()
+    stale = rig.store.states[0]
+    await rig.merge()
+    assert (await rig.fetch())[0] == 2 and net.stats.versions_replica == 2
+    rig.store.states[0] = stale
+    assert rig.store.version_from(0, rig.owner_key.peer_id) is None  # fenced past it
+    rig.store.version_from = lambda p, sender: stale  # type: ignore[method-assign]  # a store that offers it anyway
+    before = rig.peer.requests
+    got = await net.fetch(0, after=-1, wait_s=0.0)
+    assert got is not None and got[0] == 2 and torch.equal(got[1], rig.owners[0].theta)
+    assert rig.peer.requests > before and net.stats.versions_replica == 2
+
+
 async def test_a_replica_state_known_to_hash_to_its_digest_is_not_hashed_again(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """A state the store took as hashed (its handoff's verified blobs digest was its digest) is
     taken by the replica's learner with no second pass over its bytes; one not known so is hashed."""
