@@ -142,10 +142,10 @@ class VersionServing:
             if fanout is None:
                 fanout = self._fanouts[p] = Fanout(self.cfg.owner_fanout if self.cfg.spread_fanout else 0,
                                                    max_uploads=self.cfg.owner_max_uploads)
-            spent = fanout.over_budget
+            spent, owed = fanout.over_budget, owner.owes_resync(asker)
             decision = fanout.decide(owner.version, asker, fallback=request.query.get("fallback") == "1",
                                      size=sealed.size, unit=owner.latest.size,
-                                     must=kind == "final" or owner.owes_resync(asker))
+                                     must=kind == "final" or owed, direct=owed)
             self.spread.over_budget += fanout.over_budget - spent
             if isinstance(decision, Serve):
                 self.spread.owner_bytes += sealed.size

@@ -109,13 +109,16 @@ class Fanout:
         self.over_budget = 0  # requests a spent budget pointed elsewhere or refused, all versions
 
     def decide(self, version: int, requester: bytes | None, *, fallback: bool = False, size: int = 1,
-               unit: int = 0, must: bool = False) -> SpreadDecision:
+               unit: int = 0, must: bool = False, direct: bool = False) -> SpreadDecision:
         """What to do with a request for ``version``. ``requester``: the id of a reachable
         member (None for one that cannot serve others); ``fallback``: the requester says the
         holders it was pointed at failed it; ``size``: the bytes a serve would upload (what the
         budget counts); ``unit``: the size the budget is counted in (an owner's full version,
         whichever form it serves; 0: the version's first upload); ``must``: serve it even past
-        the budget, and never refuse it (a final version, a version owed to a resync)."""
+        the budget, and never refuse it (a final version, a version owed to a resync);
+        ``direct``: with ``must``, serve it from here, never point it at holders (a version owed to
+        a resync: the learner's round waits on it, and the holders it would be pointed at may be
+        stuck in the same round, waiting for it too)."""
         if self.fanout == 0:
             return self._serve("spreading is off: every learner is served")
         state = self._state(version)
@@ -124,7 +127,10 @@ class Fanout:
         state.unit = state.unit or unit
         spent = (not must and self.max_uploads > 0 and state.unit > 0
                  and state.uploaded + size > self.max_uploads * state.unit)
-        decision = self._decide(state, version, requester, fallback, spent)
+        if must and direct:
+            decision: SpreadDecision = self._serve(f"version {version}: owed, served from here")
+        else:
+            decision = self._decide(state, version, requester, fallback, spent)
         if must and isinstance(decision, Refuse):
             decision = self._serve(f"{decision.reason}; served all the same (it must be)")
         if isinstance(decision, Serve):

@@ -204,6 +204,19 @@ def test_a_request_that_must_be_served_is_never_refused() -> None:
     assert isinstance(budget.decide(2, _id(1), size=10, must=True), Serve)
 
 
+def test_a_version_owed_to_a_resync_is_served_from_here_not_pointed_at_holders() -> None:
+    # the holders a resyncing learner would be pointed at may be stuck in the same round, waiting
+    # for the version themselves (the bench's kill test: 10 s a pointer, twice)
+    fan = Fanout(1, max_uploads=1)
+    fan.decide(2, _id(1), size=10)
+    assert isinstance(fan.decide(2, _id(2), size=10), PointTo)
+    assert isinstance(fan.decide(2, _id(2), size=10, must=True), PointTo)  # a final may be pointed
+    pointed = fan.pointed
+    d = fan.decide(2, _id(2), size=10, must=True, direct=True)
+    assert isinstance(d, Serve) and fan.pointed == pointed
+    assert isinstance(fan.decide(2, _id(3), size=10), PointTo)  # what it uploaded still counts
+
+
 def test_a_requester_that_fell_back_is_not_named_a_likely_holder() -> None:
     fan = Fanout(1, max_uploads=1)
     fan.decide(1, _id(1), size=10)
