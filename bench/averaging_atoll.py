@@ -68,7 +68,11 @@ def bench_config(peers: int, layout: Layout, codec: str, *, elastic: bool = Fals
     ``elastic``: decoupled mode with every live learner as the quorum (the kill test's), else
     sync mode with quorum N (see the module docstring)."""
     up, down, update = CODECS[codec]
-    mode = {"mode": "decoupled", "quorum_fraction": 1.0} if elastic else {"mode": "sync"}
+    # elastic: no grace window past the quorum (gamma 0). Its length is gamma * (tau * step time
+    # - ...), the time a learner hides behind tau inner steps; the bench's "step" is a whole round
+    # with no compute to hide a wait behind, so a round whose quorum a death lowered waited out
+    # the 10 s cap for nobody (every survivor's work in)
+    mode = {"mode": "decoupled", "quorum_fraction": 1.0, "grace_gamma": 0.0} if elastic else {"mode": "sync"}
     return RunConfig(peers=peers, fragments=layout.tensors, inner_steps=10**9, codec=up, download_codec=down,
                      update_codec=update, outer_lr=1.0, outer_momentum=0.0, quorum=peers, **mode,
                      eval_every=10**9,
