@@ -119,3 +119,19 @@ def test_hivemind_is_never_imported_by_node_or_protocol() -> None:
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             offenders += [f"{path.relative_to(root)}: {n}" for n in names if n.split(".")[0] == "hivemind"]
     assert offenders == []
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_a_peer_killed_mid_round_leaves_the_survivors_a_checked_merge_within_seconds(tmp_path) -> None:
+    """The kill test on Atoll (elastic: a death lowers the rounds' quorum): the survivors hold
+    a version of every fragment above the one they had, the same on each, every fragment a merge
+    of whole contributions (all, the survivors, or a named subset; never "neither"), well before
+    the 60 s timeout."""
+    out = main(["--cases", "3x40k", "--codecs", "none", "--systems", "atoll", "--repeats", "1", "--warmup", "0",
+                "--fragments", "3", "--kill-at", "0.1", "--timeout", "60", "--log-dir", str(tmp_path)])
+    kill = out["cases"][0]["kill"]["atoll"]
+    assert kill["killed_peer"] == 2 and kill["recovered"], kill.get("errors")
+    assert kill["seconds_to_merged"] < 30 and not kill["silently_partial"]
+    assert kill["check"]["identical_on_every_peer"]
+    assert all(f["matches"] != "neither" and f["version"] >= 2 for f in kill["check"]["fragments"])
