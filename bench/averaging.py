@@ -20,14 +20,15 @@ every system in the same processes, alternating round by round (atoll, hivemind,
 Times run from the launcher's "go" to the last peer's "done"; inputs are prepared before.
 Every round is checked: peer 0 recomputes the merge from the seeded inputs and every Atoll
 peer must hold bit-identical fragments. Medians over ``--repeats`` rounds, after ``--warmup``
-rounds of each (default one). Codecs: ``none`` (fp32), ``fp16`` (Atoll's bf16 up and down against
+rounds of each (default three). Codecs: ``none`` (fp32), ``fp16`` (Atoll's bf16 up and down against
 hivemind's Float16Compression), and ``int8``: Atoll as it can ship, int8 pseudo-gradients up
 and each version down as an int8 update over the previous one (``update_codec``), against
 hivemind's fp32 and the raw fp32 bytes (hivemind's 8-bit codecs are broken with numpy >= 2.4,
 so fp32 is its best working codec here; ``none`` stays the like-for-like comparison).
 Then, per case, a peer is killed (SIGKILL to its process group) ``--kill-at`` of the way into a
-round, on fresh processes running one system at a time: the seconds until every survivor holds
-a merged model, and which peers' inputs each fragment (Atoll) or chunk (hivemind) matches
+round, on fresh processes running one system at a time (Atoll's side elastic: decoupled mode,
+every live learner the quorum, no grace window; sync mode, the paper's baseline, waits for a dead
+learner until it is back): the seconds until every survivor holds a merged model, and which peers' inputs each fragment (Atoll) or chunk (hivemind) matches
 ("all", "survivors", "subset 0,1,3" for an Atoll version that merged exactly those peers' whole
 contributions, or "neither": a silently partial or wrong merge).
 
