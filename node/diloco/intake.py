@@ -40,7 +40,8 @@ log = logging.getLogger("node.diloco.owner")
 
 
 LAST_SENDERS_KEPT = 100_000  # senders whose "last" mark was honoured; beyond, the mark is ignored
-RESYNCS_OWED_KEPT = 4096  # learners told to resync whose fetch is still owed a serve; the oldest go
+RESYNCS_OWED_KEPT = 4096  # learners told to resync (owed a serve, or served one of this version); the oldest go
+OWED_SERVES_PER_VERSION = 2  # owed serves of one version to one learner: one more if the first is lost
 
 
 class ContributionIntake:
@@ -57,7 +58,7 @@ class ContributionIntake:
     _keep_digests: int
     _merged_base: dict[bytes, int]
     _last_from: set[bytes]  # senders whose last contribution this owner has taken
-    resyncs_owed: dict[bytes, None]  # learners this owner told to resync, owed one serve each
+    resyncs_owed: dict[bytes, tuple[int, int, bool]]  # learner -> (version, owed serves of it given, one owed now)
     activity: LearnerActivity
     _spare: list[torch.Tensor]
     _spare_max: int
@@ -83,10 +84,7 @@ class ContributionIntake:
         if mismatch is not None:
             self._give_back(flat)
             self.counts.penalties[sender]["refused_base"] += 1
-            self.resyncs_owed.pop(sender, None)
-            self.resyncs_owed[sender] = None
-            while len(self.resyncs_owed) > RESYNCS_OWED_KEPT:
-                self.resyncs_owed.pop(next(iter(self.resyncs_owed)))
+            self._owe_resync(sender)
             log.info("fragment %d: %s", self.fragment.index, mismatch)
             return Ack(accepted=False, reason=mismatch, version=self.version)
         if self.log is not None:
@@ -116,11 +114,24 @@ class ContributionIntake:
         it (spent by asking): its fetch must be served, not refused as a repeat or past the
         budget (``protocol.diloco.spread``), or in a round that waits for its contribution it
         would wait for a version that never comes. Granted by our own refusal, never by a claim:
-        each costs its sender one whole contribution first."""
-        if asker is None or asker not in self.resyncs_owed:
+        each costs its sender one whole contribution first, and at most
+        ``OWED_SERVES_PER_VERSION`` of one version go to one learner, so a member sending
+        cheap (int4) contributions on a wrong base cannot make the owner upload a full
+        version for each."""
+        held = self.resyncs_owed.get(asker) if asker is not None else None
+        if asker is None or held is None or not held[2]:
             return False
-        del self.resyncs_owed[asker]
+        self.resyncs_owed[asker] = (held[0], held[1] + 1, False)
         return True
+
+    def _owe_resync(self, learner: bytes) -> None:
+        """Our "resync" refusal owes ``learner`` a serve of our latest version (``owes_resync``)."""
+        version, given, _ = self.resyncs_owed.pop(learner, (self.version, 0, False))
+        if version != self.version:
+            given = 0
+        self.resyncs_owed[learner] = (self.version, given, given < OWED_SERVES_PER_VERSION)
+        while len(self.resyncs_owed) > RESYNCS_OWED_KEPT:
+            self.resyncs_owed.pop(next(iter(self.resyncs_owed)))
 
     def _base_mismatch(self, msg: Contribution) -> str | None:
         """Why ``msg`` cannot be applied here: its base state is not the one this owner holds

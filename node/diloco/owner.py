@@ -188,7 +188,7 @@ class FragmentOwner(ContributionIntake, VersionSealing, OwnerSuccession):
         self.digests: dict[int, set[bytes]] = {}
         self._state_digest: dict[int, bytes] = {}  # the one of them any owner computes: handoffs, fences
         self._merged_base: dict[bytes, int] = dict(merged or {})  # sender -> newest base of its merged work
-        self.resyncs_owed: dict[bytes, None] = {}
+        self.resyncs_owed: dict[bytes, tuple[int, int, bool]] = {}
         self._last_from: set[bytes] = set()  # senders whose last contribution was taken (``last``)
         # when each sender's contributions were taken: a member claiming to learn that has long
         # sent nothing is not waited for (``protocol.diloco.activity``)

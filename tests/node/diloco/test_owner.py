@@ -284,7 +284,8 @@ async def test_a_new_owner_asks_for_a_resync_of_bases_it_never_held() -> None:
 async def test_a_learner_told_to_resync_is_owed_one_serve_of_the_version() -> None:
     """Its fetch must not be refused as a repeat or past the budget (``protocol.diloco.spread``):
     in a round waiting for its contribution no later version would come (the averaging bench's
-    kill test, docs/benchmarks.md). One serve per refusal, granted by the owner's own refusal."""
+    kill test, docs/benchmarks.md). One serve per refusal, granted by the owner's own refusal, at
+    most two of one version to one learner."""
     plan, shapes, clock, theta0, _ = _setup()
     owner = make_owner(plan, shapes, 0, theta0, clock, version=5)  # took over at version 5
     delta = torch.linspace(-0.05, 0.05, theta0.numel())
@@ -294,6 +295,21 @@ async def test_a_learner_told_to_resync_is_owed_one_serve_of_the_version() -> No
         assert ack.reason.startswith("resync")
     assert not owner.owes_resync(B)  # only the learner refused
     assert owner.owes_resync(A) and not owner.owes_resync(A)  # spent by asking
+
+    async def refused() -> None:
+        ack = await owner.contribute(A, contribution(delta, shapes[0], base_version=4, base_digest=flat_digest(theta0)))
+        assert ack.reason.startswith("resync")
+
+    await refused()  # its fetch was lost: one more serve of the version
+    assert owner.owes_resync(A) and not owner.owes_resync(A)
+    for _ in range(3):  # past that, refusals of cheap work on a wrong base buy no more uploads
+        await refused()
+        assert not owner.owes_resync(A)
+    await owner.set_expected(1)
+    ok = await owner.contribute(B, contribution(delta, shapes[0], base_version=5, owner=owner))
+    assert ok.accepted and owner.version == 6  # a new version: owed again
+    await refused()
+    assert owner.owes_resync(A)
 
 
 async def test_work_already_merged_is_not_counted_twice() -> None:
