@@ -271,36 +271,55 @@ def kill_test(args: argparse.Namespace, peers: int, params: int, system: str, no
     return result
 
 
-def memory_needed_mb(peers: int, params: int, systems: tuple[str, ...] | list[str] = SYSTEMS) -> int:
-    """What N peers hold at their peak, from this bench's own measurements of every peer's
-    processes: with all three systems ~1.85 GiB per peer at 10M parameters, ~4.7 GiB at 50M,
-    i.e. ~1.1 GiB plus ~72 bytes per parameter, of which hivemind's averager and DHT processes
-    take ~0.5 GiB plus ~16 bytes per parameter (Atoll's peer process at 10M peaked at 0.8-1.0
-    GiB alone). Shared pages count in each process, so this errs high (``int8``'s peers read
-    4.3-6.6 GiB each at 50M, fp32's 4.1-4.7, shared pages counted; 4 x 50M int8 ran twice within
-    this estimate without the memory guard stopping it)."""
-    per_peer = 600 + 56 * params // (1 << 20)
+def memory_needed_mb(peers: int, params: int, systems: tuple[str, ...] | list[str] = SYSTEMS,
+                     codec: str = "none") -> int:
+    """What N peers running ``systems`` with ``codec`` hold at their peak (MiB), from this
+    bench's own measurements of each peer's processes (shared pages count in each, so it errs
+    high; the memory guard stops a case that leaves the machine under ``HEADROOM_MB`` anyway):
+
+    - Atoll and raw, fp32: 2.2-2.6 GiB per peer at 4 x 50M and 2.2-2.75 GiB (mean 2.42) at
+      8 x 50M (2026-12-05), ~0.6 GiB plus ~38 bytes per parameter on average: counted as 42;
+    - Atoll and raw with bf16 (``fp16``): 3.0-3.3 GiB per peer at 4 x 50M: counted as 58; with
+      ``int8``/``int4`` (peers read 4.3-6.6 GiB at 50M with hivemind's processes): 72;
+    - hivemind alone: 1.4-1.85 GiB per peer's processes at 4 x 50M, ~1.0 GiB at 10M: 0.8 GiB
+      plus 24 bytes per parameter;
+    - all of them in the same processes (``--no-isolate``): the two added."""
+    mib = params / (1 << 20)
+    per_peer = 0.0
+    if {"atoll", "raw"} & set(systems):
+        per_peer += 600 + {"none": 42, "fp16": 58}.get(codec, 72) * mib
     if "hivemind" in systems:
-        per_peer += 500 + 16 * params // (1 << 20)
-    return peers * per_peer
+        per_peer += 800 + 24 * mib
+    return int(peers * per_peer)
+
+
+def memory_shortfall(peers: int, params: int, systems: list[str], isolate: bool, codec: str) -> str | None:
+    """Why a case cannot run here with ``codec`` (its largest group of systems would need more
+    memory than the machine has available, less ``HEADROOM_MB``), or None."""
+    need = max(memory_needed_mb(peers, params, g, codec) for g in groups_of(systems, isolate))
+    free = available_mb()
+    if need <= free - HEADROOM_MB:
+        return None
+    return (f"not run: {peers} peers x {params:,} parameters with codec {codec} need ~{need / 1024:.0f} GiB "
+            f"at their peak (~{need // peers} MiB per peer), the machine has {free / 1024:.0f} GiB available")
 
 
 def run_case(args: argparse.Namespace, peers: int, params: int, systems: list[str], log_dir: Path,
              hivemind_reason: str | None) -> dict[str, Any]:
     case: dict[str, Any] = {"peers": peers, "params": params, "fragments": args.fragments}
-    need = max(memory_needed_mb(peers, params, g) for g in groups_of(systems, args.isolate))
-    free = available_mb()
-    if need > free - HEADROOM_MB:
-        reason = (f"not run: {peers} peers x {params:,} parameters need ~{need / 1024:.0f} GiB at their peak "
-                  f"(~{need // peers} MiB per peer), the machine has {free / 1024:.0f} GiB available")
-        _say(reason)
-        return {**case, "atoll_s": None, "hivemind_s": None, "raw_s": None, "error": reason}
+    measured: set[str] = set()
     for codec in args.codecs:
-        try:
-            got = measure(args, peers, params, codec, systems, log_dir)
-        except PeerFailed as exc:  # a case that cannot run here is data, not the end of the bench
-            _say(f"  {peers} x {params:,} codec {codec} failed: {exc}")
-            got = {"error": str(exc)[:2000]}
+        shortfall = memory_shortfall(peers, params, systems, args.isolate, codec)
+        if shortfall is not None:  # checked per codec: 8 x 50M fits here in fp32, not in bf16
+            _say(shortfall)
+            got: dict[str, Any] = {"error": shortfall}
+        else:
+            try:
+                got = measure(args, peers, params, codec, systems, log_dir)
+                measured.add(codec)
+            except PeerFailed as exc:  # a case that cannot run here is data, not the end of the bench
+                _say(f"  {peers} x {params:,} codec {codec} failed: {exc}")
+                got = {"error": str(exc)[:2000]}
         if "hivemind_s" not in got:
             got["hivemind_s"], got["hivemind_error"] = None, hivemind_reason
         got = {"atoll_s": got.get("atoll_s"), "hivemind_s": got.get("hivemind_s"), "raw_s": got.get("raw_s"), **got}
@@ -314,7 +333,7 @@ def run_case(args: argparse.Namespace, peers: int, params: int, systems: list[st
             case.update(codec=codec, **labels, **got)
         else:
             case[codec] = {"codec": codec, **labels, **got}
-    if args.kill and "none" in args.codecs:
+    if args.kill and "none" in measured:
         case["kill"] = {}
         for s in systems:
             if s == "raw":
