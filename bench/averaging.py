@@ -28,9 +28,10 @@ so fp32 is its best working codec here; ``none`` stays the like-for-like compari
 Then, per case, a peer is killed (SIGKILL to its process group) ``--kill-at`` of the way into a
 round, on fresh processes running one system at a time (Atoll's side elastic: decoupled mode,
 every live learner the quorum, no grace window; sync mode, the paper's baseline, waits for a dead
-learner until it is back): the seconds until every survivor holds a merged model, and which peers' inputs each fragment (Atoll) or chunk (hivemind) matches
-("all", "survivors", "subset 0,1,3" for an Atoll version that merged exactly those peers' whole
-contributions, or "neither": a silently partial or wrong merge).
+learner until it is back): the seconds until every survivor holds a merged model, and which
+peers' inputs each fragment (Atoll) or chunk (hivemind) matches ("all", "survivors", "subset
+0,1,3" for an Atoll version that merged exactly those peers' whole contributions, or "neither":
+a silently partial or wrong merge).
 
 Progress goes to stderr; the last line of stdout is the JSON result.
 
@@ -157,8 +158,8 @@ def _spec(args: argparse.Namespace, peers: int, params: int, codec: str, systems
     if "atoll" in systems and args.swarm == "signed":
         from bench.averaging_atoll import swarm_credentials
         from bench.averaging_inputs import Layout
-        spec["atoll_credentials"] = swarm_credentials(peers=peers, seed=args.seed, codec=codec, elastic=elastic,
-                                                      layout=Layout(params, args.fragments))
+        spec["atoll_credentials"] = swarm_credentials(peers=peers, seed=args.seed, codec=codec,
+                                                      layout=Layout(params, args.fragments), elastic=elastic)
     return spec
 
 

@@ -91,7 +91,8 @@ def swarm_credentials(*, peers: int, seed: int, layout: Layout, codec: str, elas
     founder, lab = Signer(_seed("bench-founder", seed)), Signer(_seed("bench-lab", seed))
     shapes = _Tensors([torch.empty(n, device="meta") for n in layout.sizes()])
     manifest = SwarmIsland.found(shapes, founder, name=SWARM, tokens_per_step=1,
-                                 config=bench_config(peers, layout, codec, elastic=elastic), authorities=[("bench", lab.public_key)])
+                                 config=bench_config(peers, layout, codec, elastic=elastic),
+                                 authorities=[("bench", lab.public_key)])
     now = time.time()
     certs = [Certificate.issue(lab, manifest=manifest, subject=Signer(_seed("bench-peer", seed, i)).public_key,
                                roles=("learner", "owner"), not_before=now - 60, not_after=now + 7 * 86400)
