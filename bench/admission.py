@@ -85,8 +85,9 @@ async def run(requests: int, concurrency: int, repeats: int) -> dict[str, Any]:
     now = time.time()
     swarms = {}
     for admission in ("open", "certified"):
-        m = SwarmManifest(name=f"bench-{admission}", founder=founder.public_key, admission=admission, created=now)
-        swarms[admission] = m.with_authority("lab", lab.public_key).signed(founder)
+        unsigned = SwarmManifest(name=f"bench-{admission}", founder=founder.public_key, admission=admission,
+                                 created=now)
+        swarms[admission] = unsigned.with_authority("lab", lab.public_key).signed(founder)
 
     def cert(m: SwarmManifest, who: Signer) -> Certificate:
         return Certificate.issue(lab, manifest=m, subject=who.public_key, roles=("learner", "owner"),
