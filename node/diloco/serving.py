@@ -145,7 +145,7 @@ class VersionServing:
             spent, owed = fanout.over_budget, owner.owes_resync(asker)
             decision = fanout.decide(owner.version, asker, fallback=request.query.get("fallback") == "1",
                                      size=sealed.size, unit=owner.latest.size,
-                                     must=kind == "final" or owed, direct=owed)
+                                     must=kind == "final", direct=owed)
             self.spread.over_budget += fanout.over_budget - spent
             if isinstance(decision, Serve):
                 self.spread.owner_bytes += sealed.size

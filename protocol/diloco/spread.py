@@ -115,10 +115,10 @@ class Fanout:
         holders it was pointed at failed it; ``size``: the bytes a serve would upload (what the
         budget counts); ``unit``: the size the budget is counted in (an owner's full version,
         whichever form it serves; 0: the version's first upload); ``must``: serve it even past
-        the budget, and never refuse it (a final version, a version owed to a resync);
-        ``direct``: with ``must``, serve it from here, never point it at holders (a version owed to
-        a resync: the learner's round waits on it, and the holders it would be pointed at may be
-        stuck in the same round, waiting for it too)."""
+        the budget, and never refuse it (a final version); ``direct``: serve it from here past the
+        budget, never point it at holders either (a version owed to a resync: the learner's round
+        waits on it, and the holders it would be pointed at may be stuck in the same round,
+        waiting for it too)."""
         if self.fanout == 0:
             return self._serve("spreading is off: every learner is served")
         state = self._state(version)
@@ -127,7 +127,7 @@ class Fanout:
         state.unit = state.unit or unit
         spent = (not must and self.max_uploads > 0 and state.unit > 0
                  and state.uploaded + size > self.max_uploads * state.unit)
-        if must and direct:
+        if direct:
             decision: SpreadDecision = self._serve(f"version {version}: owed, served from here")
         else:
             decision = self._decide(state, version, requester, fallback, spent)

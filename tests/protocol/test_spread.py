@@ -212,7 +212,7 @@ def test_a_version_owed_to_a_resync_is_served_from_here_not_pointed_at_holders()
     assert isinstance(fan.decide(2, _id(2), size=10), PointTo)
     assert isinstance(fan.decide(2, _id(2), size=10, must=True), PointTo)  # a final may be pointed
     pointed = fan.pointed
-    d = fan.decide(2, _id(2), size=10, must=True, direct=True)
+    d = fan.decide(2, _id(2), size=10, direct=True)
     assert isinstance(d, Serve) and fan.pointed == pointed
     assert isinstance(fan.decide(2, _id(3), size=10), PointTo)  # what it uploaded still counts
 
