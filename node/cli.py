@@ -113,6 +113,10 @@ def _parser() -> argparse.ArgumentParser:
     join.add_argument("--nproc", type=int, default=1, metavar="N",
                       help="processes in this island, launched with torchrun (DDP inside, gloo on CPU, NCCL "
                            "on GPUs); rank 0 speaks for the island on the swarm")
+    join.add_argument("--schedule", choices=("swarm", "own"), default="swarm",
+                      help="swarm: start the learning-rate schedule at the step the swarm's learners are at "
+                           "(their median), warming up again from there, and train to --steps with them; "
+                           "own: this island's own schedule from step 0 (ignored when resuming a checkpoint)")
     _add_swarm_arguments(join, key_required=True)
     join.add_argument("--swarm", default=None, metavar="ID",
                       help="the swarm id (instead of --manifest): its manifest is fetched from an initial "

@@ -356,6 +356,12 @@ class SwarmPresence(ExpectedLearners):
             self.net.island.deliver(p, version, flat)
         self.synced = got
 
+    def learner_steps(self) -> list[int]:
+        """The inner step each other learning member claims in its record (read by the trainer
+        thread: a copy of the view taken at once)."""
+        members = dict(self.membership.members) if self.membership is not None else {}
+        return [m.record.step for pid, m in members.items() if m.record.learning and pid != self.signer.peer_id]
+
     def wait_for_members(self, n: int, timeout_s: float = 180.0) -> None:
         """Block (the trainer thread) until ``n`` members are visible, then one joining period
         more, so that every peer's view of the owners has settled (peers that wait for members

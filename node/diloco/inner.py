@@ -4,6 +4,11 @@ Learning rate (``lr_at``): linear warmup over ``warmup_steps`` to ``lr``, then e
 decay to ``lr * min_lr_ratio`` at ``steps`` (``schedule="cosine"``, the default, as in nanoGPT and
 the DiLoCo papers' inner optimizer) or held at ``lr`` (``schedule="constant"``).
 
+A peer that joins a running swarm (``atoll join``) starts on that schedule where the swarm's
+learners are (``joining_step``: the median of the steps they claim), not at its warmup, and warms
+its fresh AdamW up again from there (``lr_at(..., rewarm_from=)``): the swarm's model is late in its
+decay, and a peak-lr island's work would be far off the others'.
+
 Inner optimizer (``make_inner_optimizer``): AdamW; weight decay on every tensor with two or more
 dimensions (matrices and embeddings), none on biases and LayerNorm gains, as in nanoGPT.
 """
@@ -11,7 +16,7 @@ dimensions (matrices and embeddings), none on biases and LayerNorm gains, as in 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 import torch
@@ -19,7 +24,7 @@ from torch import nn
 
 from protocol.diloco.interval import interval
 
-__all__ = ["InnerSchedule", "interval_by_lr", "lr_at", "make_inner_optimizer"]
+__all__ = ["InnerSchedule", "interval_by_lr", "joining_step", "lr_at", "make_inner_optimizer"]
 
 
 class InnerSchedule(Protocol):
@@ -43,9 +48,28 @@ class InnerSchedule(Protocol):
     def beta2(self) -> float: ...
 
 
-def lr_at(step: int, cfg: InnerSchedule) -> float:
+def lr_at(step: int, cfg: InnerSchedule, *, rewarm_from: int = 0) -> float:
     """Learning rate for 0-based ``step``: linear warmup, then cosine to lr*min_lr_ratio at
-    ``cfg.steps`` (held there afterwards) or constant."""
+    ``cfg.steps`` (held there afterwards) or constant. ``rewarm_from``: the step an island
+    joined the schedule at with a fresh optimizer: its first ``warmup_steps`` from there ramp
+    linearly up to the schedule's rate (0: it started at the start)."""
+    rate = _scheduled(step, cfg)
+    since = step - rewarm_from
+    if rewarm_from > 0 and 0 <= since < cfg.warmup_steps:
+        return rate * (since + 1) / cfg.warmup_steps
+    return rate
+
+
+def joining_step(claims: Iterable[int], total: int) -> int:
+    """Where on a ``total``-step schedule an island joining a running swarm starts: the median of
+    the steps the swarm's learners claim (the lower one of an even count), within [0, ``total``];
+    0 with no claims. A step is each member's own say: a minority claiming steps far too high or
+    too low moves the median at most to the edge of what the others claim."""
+    bounded = sorted(min(max(int(c), 0), total) for c in claims)
+    return bounded[(len(bounded) - 1) // 2] if bounded else 0
+
+
+def _scheduled(step: int, cfg: InnerSchedule) -> float:
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     if cfg.schedule == "constant":

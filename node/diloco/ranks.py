@@ -76,6 +76,13 @@ class IslandRanks:
         self.told_to_stop = self.told_to_stop or not go
         return go
 
+    def start_step(self, step: int) -> int:
+        """Rank 0's first step on the schedule, on every rank (a collective, once, after the first
+        ``sync``): every rank's learning rate follows the same steps."""
+        start = torch.tensor([int(step)], dtype=torch.int64, device=self._tokens.device)
+        dist.broadcast(start, src=0, group=self.group)
+        return int(start.item())
+
     def _after_step(self, _opt: torch.optim.Optimizer, _args: object, _kwargs: object) -> None:
         self.sync()
 

@@ -148,6 +148,9 @@ class JoinView:
             return f"listening at {f['url']} (peer {str(f['peer_id'])[:12]})"
         if event == "resumed":
             return f"resumed from the checkpoint at step {f['step']}, versions {_versions(f['versions'])}"
+        if event == "schedule":
+            return (f"the swarm's learners are at step {f['step']}/{f['steps']} (median of {f['learners']}): "
+                    f"training from there, the learning rate warmed up again")
         if event == "joined":
             return (f"joined: {len(f['synced'])} fragments synced from their owners, "
                     f"versions {_versions(f['versions'])}; training")

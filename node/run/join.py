@@ -245,7 +245,7 @@ def join_main(args: argparse.Namespace) -> int:
                        wait_for_stop=False, final_sync=False, serve_after_s=args.serve_after_s,
                        signer=swarm.signer, credentials=SwarmCredentials(m, swarm.signer, swarm.cert),
                        checkpoint_dir=args.checkpoint_dir, events=view,
-                       own_data_seed=data_seed_of(swarm.signer.peer_id))
+                       own_data_seed=data_seed_of(swarm.signer.peer_id), schedule=args.schedule)
     try:
         run_peer(cfg, opts)
     except KeyboardInterrupt:

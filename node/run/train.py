@@ -25,7 +25,7 @@ import torch
 
 from node.config import RunConfig
 from node.dht.swarm import SwarmCredentials
-from node.diloco.inner import interval_by_lr, lr_at, make_inner_optimizer
+from node.diloco.inner import interval_by_lr, joining_step, lr_at, make_inner_optimizer
 from node.diloco.island import Island, IslandConfig
 from node.diloco.ranks import IslandRanks, distributed_rank, leave_process_group
 from node.peer import PeerNode, emit
@@ -97,14 +97,15 @@ def _follow_rank_zero(cfg: RunConfig, model: torch.nn.Module, stepper: torch.nn.
     the gradients), the fragments rank 0 adopts after each step (``IslandRanks``), no node."""
     ranks = IslandRanks(model, optimizer, plan, None)
     ranks.sync()  # the global fragments rank 0 synced when it joined
+    start = ranks.start_step(0)  # where rank 0 starts on the schedule (a joiner: the swarm's step)
     model.train()
     steps = 0
-    for step in range(cfg.steps):
+    for step in range(start, cfg.steps):
         if not ranks.agree(True):
             break
         x, y = (t.to(device, non_blocking=True) for t in sampler.next())
         ranks.tokens(x.numel())
-        inner_step(stepper, optimizer, tcfg, step, x, y)  # the post-step hook syncs with rank 0
+        inner_step(stepper, optimizer, tcfg, step, x, y, rewarm_from=start)  # the post-step hook syncs with rank 0
         steps += 1
     else:
         ranks.agree(True)  # rank 0's closing agree(False) after its last step
@@ -117,11 +118,12 @@ def _follow_rank_zero(cfg: RunConfig, model: torch.nn.Module, stepper: torch.nn.
 
 
 def inner_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, tcfg: TrainConfig, step: int,
-               x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """One inner step on batch x, y ([B, T] int64): set the lr, forward, backward, clip, step
-    (on an island the optimizer's hook then adopts and ships fragments); returns the loss."""
+               x: torch.Tensor, y: torch.Tensor, *, rewarm_from: int = 0) -> torch.Tensor:
+    """One inner step on batch x, y ([B, T] int64): set the lr (``lr_at``), forward, backward,
+    clip, step (on an island the optimizer's hook then adopts and ships fragments); returns the
+    loss."""
     for group in optimizer.param_groups:
-        group["lr"] = lr_at(step, tcfg)
+        group["lr"] = lr_at(step, tcfg, rewarm_from=rewarm_from)
     _, loss = model(x, y)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), tcfg.grad_clip)
@@ -169,6 +171,7 @@ class PeerOptions:
     credentials: SwarmCredentials | None = None  # the swarm's manifest and our certificate
     events: Callable[..., None] | None = None  # event(name, **fields); None: JSON lines on stdout (emit)
     own_data_seed: int | None = None  # a joiner's: batches from the whole corpus with this seed (island_sampler)
+    schedule: str = "own"  # "swarm": start the lr schedule where the swarm's learners are (atoll join)
 
 def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
     index = opts.index
@@ -263,8 +266,22 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
         if not _read_stdin_line().get("start"):
             raise RuntimeError("the launcher stopped the swarm before it started")
     island.adopt_pending()  # the synced global fragments
+    rewarm_from = 0
+    if opts.schedule == "swarm" and not resumed:
+        claims = node.learner_steps()
+        start_step = rewarm_from = joining_step(claims, cfg.steps)
+        if start_step:
+            say("schedule", index=index, step=start_step, steps=cfg.steps, learners=len(claims))
+            log.info("joining the swarm's schedule at step %d of %d (the median of %d learners' steps): "
+                     "%d steps to train, the learning rate warmed up again over %d", start_step, cfg.steps,
+                     len(claims), cfg.steps - start_step, cfg.warmup_steps)
+        if start_step >= cfg.steps:
+            log.warning("the swarm's learners are at step %d, the end of this run's --steps %d: nothing to "
+                        "train on the swarm's schedule (pass a larger --steps, or --schedule own)",
+                        start_step, cfg.steps)
     if ranks is not None:
         ranks.sync()
+        start_step = ranks.start_step(start_step)  # the followers' steps and lr are rank 0's
     say("joined", index=index, versions=list(island.versions), synced=sorted(node.synced))
     t0 = opts.t0 or time.time()
     # the trace's baseline is taken where the report's warm-up ends
@@ -291,7 +308,7 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
             ranks.tokens(x.numel())  # every rank's tokens count
         else:
             island.tokens(x.numel())  # counted into the contributions this step may ship
-        loss = inner_step(stepper, optimizer, tcfg, step, x, y)  # the hook: adopt arrived, ship due
+        loss = inner_step(stepper, optimizer, tcfg, step, x, y, rewarm_from=rewarm_from)  # the hook: adopt, ship
         loss_ema = loss.item() if step == start_step else 0.95 * loss_ema + 0.05 * loss.item()
         if opts.slow_factor > 1.0:  # an emulated slower machine
             time.sleep((opts.slow_factor - 1.0) * (time.perf_counter() - t_step))

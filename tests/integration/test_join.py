@@ -56,6 +56,9 @@ def test_bootstrap_three_joiners_and_a_late_fourth(tmp_path: Path) -> None:
         else:
             raise AssertionError(f"the three joiners did not form a training swarm: {statuses}")
         time.sleep(LATE_JOIN_S)
+        deadline = time.monotonic() + 30  # their records say how far they are (republished every few s)
+        while not all(m["step"] > 0 for m in _status(urls[0])["members"]) and time.monotonic() < deadline:
+            time.sleep(0.5)
 
         late = Proc(["join", "--initial-peers", boot_url, *files.args("late"), *TRAIN], tmp_path / "late.log")
         procs.append(late)
@@ -63,6 +66,11 @@ def test_bootstrap_three_joiners_and_a_late_fourth(tmp_path: Path) -> None:
         joined = late.wait_event("joined", 90)
         assert len(joined["synced"]) == 4, joined  # every fragment came from its owner
         assert min(joined["versions"]) > 0
+        # it enters the learning-rate schedule where the others are, not at its warm-up
+        schedule = next(e for e in late.events if e.get("event") == "schedule")
+        assert schedule["learners"] == 3 and 0 < schedule["step"] <= max(_status(u)["step"] for u in urls), schedule
+        first = late.wait_event("progress", 60)
+        assert first["step"] > schedule["step"], (schedule, first)
 
         # within one H it holds the same fragment versions as the others
         t_joined, same = time.monotonic(), False

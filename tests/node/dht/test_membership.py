@@ -219,3 +219,19 @@ def test_finished_learners_are_counted_in_decoupled_swarms_and_only_once_seen_le
     for cfg in (RunConfig(mode="sync"), RunConfig(outer_momentum=0.9, mode="sync")):  # sync rounds wait for all
         rounds = SimpleNamespace(cfg=cfg, _seen_learning={b"a"}, _finished=set(), membership=view(a=False))
         assert count(rounds) == 0  # type: ignore[arg-type]
+
+
+def test_a_joiner_reads_the_steps_other_learners_claim_not_its_own_nor_idle_members() -> None:
+    from types import SimpleNamespace
+
+    from node.dht.presence import SwarmPresence
+
+    def member(learning: bool, step: int) -> SimpleNamespace:
+        return SimpleNamespace(record=SimpleNamespace(learning=learning, step=step))
+
+    me = b"m" * 32
+    node = SimpleNamespace(signer=SimpleNamespace(peer_id=me), membership=SimpleNamespace(members={
+        me: member(True, 0), b"a" * 32: member(True, 700), b"b" * 32: member(True, 650),
+        b"c" * 32: member(False, 3000)}))  # c: finished, or an owner that does not learn
+    assert sorted(SwarmPresence.learner_steps(node)) == [650, 700]  # type: ignore[arg-type]
+    assert SwarmPresence.learner_steps(SimpleNamespace(signer=node.signer, membership=None)) == []  # type: ignore[arg-type]
