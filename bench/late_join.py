@@ -1,0 +1,174 @@
+"""A peer joining a running swarm late: on the swarm's learning-rate schedule, on its own, or not at all.
+
+    python -m bench.late_join [--seeds 0 1 2] [--steps 1500] [--join-at 900] [--modes none,swarm,own]
+
+Each run is a real swarm on 127.0.0.1 made with the command line: a bootstrap node and two
+founding learners (``atoll join``, ``--steps`` each), then, once the first founder's status says
+it has trained ``--join-at`` steps, a third peer joins with ``--schedule swarm`` (it starts at the
+step the founders claim and warms up again) or ``--schedule own`` (its own warm-up and cosine from
+step 0); ``none`` adds no one. What is compared is what the founders end with: the eval loss of
+each one's global model after its last step, at equal founder tokens. Every mode of a seed runs
+the same recipe (the seed is the manifest's), one run at a time. Prints a line per run and, last,
+JSON: every run, and per mode the mean over seeds and founders.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import queue
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+MODES = ("none", "swarm", "own")
+
+
+class _Peer:
+    """A ``python -m node ...`` child whose JSON stdout lines are kept as events."""
+
+    def __init__(self, args: list[str], log: Path) -> None:
+        self._log = log.open("wb")
+        self.proc = subprocess.Popen([sys.executable, "-m", "node", *args], stdout=subprocess.PIPE,
+                                     stderr=self._log, stdin=subprocess.DEVNULL)
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.events: list[dict[str, Any]] = []
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for raw in self.proc.stdout:
+            line = raw.decode(errors="replace").strip()
+            self.lines.put(line)
+            with contextlib.suppress(json.JSONDecodeError):
+                self.events.append(json.loads(line))
+
+    def event(self, name: str, timeout_s: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            found = next((e for e in list(self.events) if e.get("event") == name), None)
+            if found is not None:
+                return found
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"a peer exited ({self.proc.returncode}) before {name!r}: see {self._log.name}")
+            time.sleep(0.2)
+        raise TimeoutError(f"no {name!r} event within {timeout_s:.0f} s: see {self._log.name}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self._log.close()
+
+
+def _atoll(*args: str) -> None:
+    """``atoll ARGS`` in this process (keys, manifest, certificates)."""
+    from node.cli import main
+
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()) as err:
+        if main(list(args)) != 0:
+            raise RuntimeError(f"atoll {' '.join(args)} failed: {err.getvalue()}")
+
+
+def _step_of(url: str) -> int:
+    with urllib.request.urlopen(f"{url}/v1/status", timeout=10) as resp:
+        return int(json.loads(resp.read())["step"])
+
+
+def run(mode: str, seed: int, args: argparse.Namespace, folder: Path) -> dict[str, Any]:
+    """One swarm: two founders, and a late joiner on ``mode``'s schedule (none: no joiner)."""
+    folder.mkdir(parents=True)
+    keys = {name: folder / f"{name}.key" for name in ("founder", "lab", "f0", "f1", "late")}
+    for key in keys.values():
+        _atoll("keygen", "--out", str(key))
+    manifest = folder / "swarm.toml"
+    _atoll("swarm", "init", "--name", "late-join", "--founder", str(keys["founder"]), "--admission", "open",
+           "--model", args.model, "--fragments", str(args.fragments), "--inner-steps", str(args.inner_steps),
+           "--seed", str(seed), "--out", str(manifest))
+    _atoll("swarm", "add-authority", str(manifest), "--founder", str(keys["founder"]), "--lab", "lab",
+           "--key", str(keys["lab"]))
+
+    def peer_args(name: str) -> list[str]:
+        cert = folder / f"{name}.cert"
+        _atoll("swarm", "certify", "--manifest", str(manifest), "--authority", str(keys["lab"]), "--peer",
+               str(keys[name]), "--roles", "learner,owner", "--days", "1", "--out", str(cert))
+        return ["--manifest", str(manifest), "--key", str(keys[name]), "--cert", str(cert),
+                "--steps", str(args.steps), "--eval-every", str(args.steps), "--threads", "1",
+                "--serve-after-s", "30", "--listen", "127.0.0.1:0"]
+
+    peers: list[_Peer] = []
+    try:
+        boot = _Peer(["bootstrap", "--listen", "127.0.0.1:0"], folder / "boot.log")
+        peers.append(boot)
+        boot_url = boot.lines.get(timeout=60).rsplit(" ", 1)[-1]
+        founders = [_Peer(["join", "--initial-peers", boot_url, *peer_args(f"f{i}")], folder / f"f{i}.log")
+                    for i in range(2)]
+        peers += founders
+        first_url = founders[0].event("listening", 120)["url"]
+        late = None
+        if mode != "none":
+            while _step_of(first_url) < args.join_at:
+                if founders[0].proc.poll() is not None:
+                    raise RuntimeError(f"founder 0 exited before step {args.join_at}")
+                time.sleep(0.5)
+            late = _Peer(["join", "--initial-peers", boot_url, *peer_args("late"), "--schedule", mode],
+                         folder / "late.log")
+            peers.append(late)
+        ends = [f.event("done", args.timeout)["result"]["eval_loss_end"] for f in founders]
+        entered = next((e["step"] for e in (late.events if late else []) if e.get("event") == "schedule"), 0)
+    finally:
+        for p in peers:
+            p.stop()
+    return {"mode": mode, "seed": seed, "founders_eval_loss_end": [round(x, 4) for x in ends],
+            "mean": round(statistics.fmean(ends), 4), "joiner_started_at_step": entered if late else None}
+
+
+def summary(runs: list[dict[str, Any]]) -> dict[str, float]:
+    """Per mode, the mean over every run's founders."""
+    by_mode: dict[str, list[float]] = {}
+    for r in runs:
+        by_mode.setdefault(r["mode"], []).extend(r["founders_eval_loss_end"])
+    return {mode: round(statistics.fmean(losses), 4) for mode, losses in by_mode.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--steps", type=int, default=1500, help="inner steps of every peer's schedule")
+    parser.add_argument("--join-at", type=int, default=900, help="the late peer joins once founder 0 is this far")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"a comma list of {', '.join(MODES)}")
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--fragments", type=int, default=4)
+    parser.add_argument("--inner-steps", type=int, default=30)
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds a run may take")
+    args = parser.parse_args()
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if unknown := sorted(set(modes) - set(MODES)):
+        parser.error(f"unknown mode(s) {', '.join(unknown)}: use {', '.join(MODES)}")
+    if not 0 < args.join_at < args.steps:
+        parser.error(f"--join-at must be between 0 and --steps ({args.steps}), got {args.join_at}")
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for seed in args.seeds:
+            for mode in modes:
+                runs.append(run(mode, seed, args, Path(tmp) / f"{mode}-{seed}"))
+                print(f"[late_join] seed {seed} {mode:5s}: founders end at {runs[-1]['founders_eval_loss_end']}"
+                      + (f", joiner from step {runs[-1]['joiner_started_at_step']}" if mode != "none" else ""),
+                      file=sys.stderr, flush=True)
+    print(json.dumps({"bench": "late_join", "steps": args.steps, "join_at": args.join_at, "model": args.model,
+                      "inner_steps": args.inner_steps, "runs": runs, "mean_by_mode": summary(runs)}))
+
+
+if __name__ == "__main__":
+    main()
