@@ -15,117 +15,47 @@ JSON: every run, and per mode the mean over seeds and founders.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
-import queue
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
+
+from bench.cli_swarm import Proc, get_json, make_swarm
 
 MODES = ("none", "swarm", "own")
 
 
-class _Peer:
-    """A ``python -m node ...`` child whose JSON stdout lines are kept as events."""
-
-    def __init__(self, args: list[str], log: Path) -> None:
-        self._log = log.open("wb")
-        self.proc = subprocess.Popen([sys.executable, "-m", "node", *args], stdout=subprocess.PIPE,
-                                     stderr=self._log, stdin=subprocess.DEVNULL)
-        self.lines: queue.Queue[str] = queue.Queue()
-        self.events: list[dict[str, Any]] = []
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        assert self.proc.stdout is not None
-        for raw in self.proc.stdout:
-            line = raw.decode(errors="replace").strip()
-            self.lines.put(line)
-            with contextlib.suppress(json.JSONDecodeError):
-                self.events.append(json.loads(line))
-
-    def event(self, name: str, timeout_s: float) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            found = next((e for e in list(self.events) if e.get("event") == name), None)
-            if found is not None:
-                return found
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"a peer exited ({self.proc.returncode}) before {name!r}: see {self._log.name}")
-            time.sleep(0.2)
-        raise TimeoutError(f"no {name!r} event within {timeout_s:.0f} s: see {self._log.name}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        self._log.close()
-
-
-def _atoll(*args: str) -> None:
-    """``atoll ARGS`` in this process (keys, manifest, certificates)."""
-    from node.cli import main
-
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()) as err:
-        if main(list(args)) != 0:
-            raise RuntimeError(f"atoll {' '.join(args)} failed: {err.getvalue()}")
-
-
-def _step_of(url: str) -> int:
-    with urllib.request.urlopen(f"{url}/v1/status", timeout=10) as resp:
-        return int(json.loads(resp.read())["step"])
-
-
 def run(mode: str, seed: int, args: argparse.Namespace, folder: Path) -> dict[str, Any]:
     """One swarm: two founders, and a late joiner on ``mode``'s schedule (none: no joiner)."""
-    folder.mkdir(parents=True)
-    keys = {name: folder / f"{name}.key" for name in ("founder", "lab", "f0", "f1", "late")}
-    for key in keys.values():
-        _atoll("keygen", "--out", str(key))
-    manifest = folder / "swarm.toml"
-    _atoll("swarm", "init", "--name", "late-join", "--founder", str(keys["founder"]), "--admission", "open",
-           "--model", args.model, "--fragments", str(args.fragments), "--inner-steps", str(args.inner_steps),
-           "--seed", str(seed), "--out", str(manifest))
-    _atoll("swarm", "add-authority", str(manifest), "--founder", str(keys["founder"]), "--lab", "lab",
-           "--key", str(keys["lab"]))
-
-    def peer_args(name: str) -> list[str]:
-        cert = folder / f"{name}.cert"
-        _atoll("swarm", "certify", "--manifest", str(manifest), "--authority", str(keys["lab"]), "--peer",
-               str(keys[name]), "--roles", "learner,owner", "--days", "1", "--out", str(cert))
-        return ["--manifest", str(manifest), "--key", str(keys[name]), "--cert", str(cert),
-                "--steps", str(args.steps), "--eval-every", str(args.steps), "--threads", "1",
-                "--serve-after-s", "30", "--listen", "127.0.0.1:0"]
-
-    peers: list[_Peer] = []
+    files = make_swarm(folder, name="late-join", admission="open", labs=("lab",),
+                       recipe=["--model", args.model, "--fragments", str(args.fragments),
+                               "--inner-steps", str(args.inner_steps), "--seed", str(seed)])
+    train = ["--steps", str(args.steps), "--eval-every", str(args.steps), "--threads", "1",
+             "--serve-after-s", "30", "--listen", "127.0.0.1:0"]
+    for name in ("f0", "f1", "late"):
+        files.certify(name, lab="lab")
+    peers: list[Proc] = []
     try:
-        boot = _Peer(["bootstrap", "--listen", "127.0.0.1:0"], folder / "boot.log")
+        boot = Proc(["bootstrap", "--listen", "127.0.0.1:0"], folder / "boot.log")
         peers.append(boot)
         boot_url = boot.lines.get(timeout=60).rsplit(" ", 1)[-1]
-        founders = [_Peer(["join", "--initial-peers", boot_url, *peer_args(f"f{i}")], folder / f"f{i}.log")
+        founders = [Proc(["join", "--initial-peers", boot_url, *files.args(f"f{i}"), *train], folder / f"f{i}.log")
                     for i in range(2)]
         peers += founders
-        first_url = founders[0].event("listening", 120)["url"]
+        first_url = founders[0].wait_event("listening", 120)["url"]
         late = None
         if mode != "none":
-            while _step_of(first_url) < args.join_at:
+            while get_json(f"{first_url}/v1/status")["step"] < args.join_at:
                 if founders[0].proc.poll() is not None:
-                    raise RuntimeError(f"founder 0 exited before step {args.join_at}")
+                    raise RuntimeError(f"founder 0 exited before step {args.join_at}: see {folder / 'f0.log'}")
                 time.sleep(0.5)
-            late = _Peer(["join", "--initial-peers", boot_url, *peer_args("late"), "--schedule", mode],
-                         folder / "late.log")
+            late = Proc(["join", "--initial-peers", boot_url, *files.args("late"), *train, "--schedule", mode],
+                        folder / "late.log")
             peers.append(late)
-        ends = [f.event("done", args.timeout)["result"]["eval_loss_end"] for f in founders]
+        ends = [f.wait_event("done", args.timeout)["result"]["eval_loss_end"] for f in founders]
         entered = next((e["step"] for e in (late.events if late else []) if e.get("event") == "schedule"), 0)
     finally:
         for p in peers:
