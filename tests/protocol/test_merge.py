@@ -436,6 +436,10 @@ configs = st.builds(
 
 
 @settings(max_examples=150, deadline=None)
+@example(  # a round that reached a quorum lowered to its 1 learner, which then left: it closes with 1
+    MergeConfig(quorum=2, gamma=0.5, grace_cap_s=0.0, staleness_bound=0),
+    [("n", {0}, 0.0), ("h", False, 3.0), ("c", 0, 0, 0, 0, 0.0, 2.0, False), ("c", 0, 0, 0, 1, 0.0, 0.0, False),
+     ("n", set(), 0.0), ("c", 0, 0, 0, 0, 0.0, 1.0, False)])
 @given(configs, st.lists(st.one_of(op_contribution, op_tick, op_expect, op_named, op_finish, op_finish, op_hold,
                                    op_drop),
                          min_size=15, max_size=60))
@@ -445,8 +449,10 @@ def test_invariants_over_random_event_orders(cfg: MergeConfig, ops: list[tuple[A
     published: set[int] = set()
     hold: float | None = None  # no merge before it, unless released
     last_at = -math.inf  # when a last contribution came (the round may wait up to the cap after)
+    lowest = m.quorum  # the lowest quorum of the round so far: one it reached stays reached
     for op in ops:
-        quorum_before = m.quorum
+        lowest = min(lowest, m.quorum)
+        quorum_before = lowest
         if hold is not None and now >= hold:
             hold = None
         if op[0] == "h":
@@ -490,6 +496,8 @@ def test_invariants_over_random_event_orders(cfg: MergeConfig, ops: list[tuple[A
             else:
                 d = m.on_merge_failed("test", now=now, discard=[PEERS[i] for i in discard])
         check_decision(m, cfg, d, published, now, quorum_before, hold, last_at)
+        if d.kind == "merge" or op[0] == "d":
+            lowest = m.quorum  # the next round starts
 
 
 def check_decision(m: FragmentMerger, cfg: MergeConfig, d: Decision, published: set[int], now: float,
@@ -500,7 +508,8 @@ def check_decision(m: FragmentMerger, cfg: MergeConfig, d: Decision, published: 
         assert hold is None or now >= hold, (hold, now)  # a held owner merges nothing before
         assert m.phase is Phase.MERGING
         # never below the effective quorum: K, or the learners expected when fewer (at least 1),
-        # as it stood before the event or after it (a lowered round closes when nobody is left)
+        # at its lowest in this round or after the event (a round that reached a lowered quorum
+        # closes on it when nobody is left, even if no learner left means K again)
         assert len(d.entries) >= max(1, min(quorum_before, m.quorum, cfg.quorum))
         assert len(d.entries) >= min(quorum_before, m.quorum)  # a share of the learners included
         if m.expected is not None and m.expected >= cfg.quorum:
