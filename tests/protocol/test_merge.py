@@ -449,10 +449,12 @@ def test_invariants_over_random_event_orders(cfg: MergeConfig, ops: list[tuple[A
     published: set[int] = set()
     hold: float | None = None  # no merge before it, unless released
     last_at = -math.inf  # when a last contribution came (the round may wait up to the cap after)
-    lowest = m.quorum  # the lowest quorum of the round so far: one it reached stays reached
+    lowest = m.quorum  # the lowest quorum of the round so far
     for op in ops:
         lowest = min(lowest, m.quorum)
-        quorum_before = lowest
+        # once no learner is left (expected 0), the quorum reads as K again, but the round closes
+        # on what it holds: held to the lowest quorum it had, not to K
+        quorum_before = lowest if m.expected == 0 else m.quorum
         if hold is not None and now >= hold:
             hold = None
         if op[0] == "h":
@@ -508,8 +510,7 @@ def check_decision(m: FragmentMerger, cfg: MergeConfig, d: Decision, published: 
         assert hold is None or now >= hold, (hold, now)  # a held owner merges nothing before
         assert m.phase is Phase.MERGING
         # never below the effective quorum: K, or the learners expected when fewer (at least 1),
-        # at its lowest in this round or after the event (a round that reached a lowered quorum
-        # closes on it when nobody is left, even if no learner left means K again)
+        # as it stood before the event or after it (a lowered round closes when nobody is left)
         assert len(d.entries) >= max(1, min(quorum_before, m.quorum, cfg.quorum))
         assert len(d.entries) >= min(quorum_before, m.quorum)  # a share of the learners included
         if m.expected is not None and m.expected >= cfg.quorum:
