@@ -41,6 +41,7 @@ class Proc:
             self.lines.put(line)
             with contextlib.suppress(json.JSONDecodeError):
                 self.events.append(json.loads(line))
+        self.proc.stdout.close()  # at its end: the process has closed it
 
     def wait_event(self, name: str, timeout: float) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
