@@ -149,7 +149,7 @@ class SwarmIsland:
         cfg = dataclasses.replace(base, model=f"custom-{plan.plan_hash().hex()[:16]}",
                                   max_tokens_per_step=tokens_per_step)
         manifest = SwarmManifest(name=name, founder=founder.public_key, admission=admission, created=time.time(),
-                                 recipe=recipe_of(cfg))
+                                 recipe=recipe_of(cfg, schedule=False))  # the learners' optimizers are their own
         for lab, public_key in authorities:
             manifest = manifest.with_authority(lab, public_key)
         return manifest.signed(founder)

@@ -18,7 +18,13 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from node.config import SWARM_WIDE_FIELDS, RunConfig, add_run_arguments, config_from_args
+from node.config import (
+    SCHEDULE_FIELDS,
+    SWARM_WIDE_FIELDS,
+    RunConfig,
+    add_run_arguments,
+    config_from_args,
+)
 from node.run.allocator import tune_allocator
 
 if TYPE_CHECKING:
@@ -122,7 +128,12 @@ def _parser() -> argparse.ArgumentParser:
                       help="the swarm id (instead of --manifest): its manifest is fetched from an initial "
                            "peer and checked against the id")
     _add_json_logs(join)
-    add_run_arguments(join, exclude=SWARM_WIDE_FIELDS + LAUNCHER_FIELDS)  # the recipe is the manifest's
+    add_run_arguments(join, exclude=SWARM_WIDE_FIELDS + LAUNCHER_FIELDS,  # the recipe is the manifest's
+                      **dict.fromkeys(SCHEDULE_FIELDS))  # None: not given, the swarm's schedule applies
+    for action in join._actions:
+        if action.dest in SCHEDULE_FIELDS:
+            action.help = (f"{action.help} (default: the swarm's, from its manifest; "
+                           f"{getattr(RunConfig(), action.dest)} where the manifest has none)")
 
     boot = sub.add_parser("bootstrap", help="run a DHT-only entry node for a swarm")
     boot.add_argument("--listen", default="0.0.0.0:0", metavar="HOST:PORT", help="where to listen")

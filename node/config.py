@@ -18,7 +18,7 @@ from protocol.diloco.aggregates import AGGREGATES
 from protocol.diloco.interval import GROWTHS
 from protocol.wire.tensors import CODECS, UPDATE_CODECS
 
-__all__ = ["SHARDINGS", "SWARM_WIDE_FIELDS", "RunConfig", "add_run_arguments", "config_from_args"]
+__all__ = ["SCHEDULE_FIELDS", "SHARDINGS", "SWARM_WIDE_FIELDS", "RunConfig", "add_run_arguments", "config_from_args"]
 
 SHARDINGS = ("contiguous", "striped")  # how the train split is dealt to learners (node.workload.corpus)
 
@@ -28,6 +28,11 @@ SWARM_WIDE_FIELDS = ("swarm", "mode", "seed", "model", "batch_size", "fragments"
                      "block_size", "download_codec", "update_codec", "full_every", "outer_lr", "outer_momentum",
                      "quorum", "quorum_fraction", "grace_gamma", "grace_tau", "grace_cap_s", "staleness_bound", "late_policy",
                      "max_tokens_per_step", "aggregate", "rda_max_gain")
+# The inner learning-rate schedule a swarm's learners follow: a manifest's recipe may hold it, and
+# ``atoll join`` takes it from there unless its own flags say otherwise. Not swarm-wide: a peer on
+# another schedule is still a member (its steps only weigh its contributions), so peers need not
+# agree on it (``manifest_hash`` leaves it out).
+SCHEDULE_FIELDS = ("steps", "lr", "warmup_steps", "min_lr_ratio")
 
 
 def _one_of(names: tuple[str, ...]) -> str:

@@ -23,7 +23,7 @@ from typing import Any
 
 import msgpack
 
-from node.config import SWARM_WIDE_FIELDS, RunConfig
+from node.config import SCHEDULE_FIELDS, SWARM_WIDE_FIELDS, RunConfig
 from node.dht.kademlia import DHTNode
 from protocol.dht.records import SignedRecord, known_tags
 from protocol.diloco.fragments import balanced_owners, owner_chain, owners_of
@@ -50,20 +50,25 @@ FULL_READ_EVERY = 4
 REFUSED_KEPT = 1024
 ASSIGNMENTS_KEPT = 64  # owner assignments remembered (one per candidate set: the members, less each primary)
 
-RECIPE_FIELDS = tuple(name for name in MANIFEST_FIELDS if name != "swarm")
+RECIPE_FIELDS = tuple(name for name in MANIFEST_FIELDS if name != "swarm") + SCHEDULE_FIELDS
 
 
-def recipe_of(cfg: RunConfig) -> tuple[tuple[str, str | int | float | bool], ...]:
-    """The swarm-wide fields of ``cfg`` as a signed manifest's recipe (sorted by name)."""
-    return tuple(sorted((name, getattr(cfg, name)) for name in RECIPE_FIELDS))
+def recipe_of(cfg: RunConfig, *, schedule: bool = True) -> tuple[tuple[str, str | int | float | bool], ...]:
+    """The swarm-wide fields of ``cfg`` as a signed manifest's recipe (sorted by name), with its
+    learning-rate schedule (``SCHEDULE_FIELDS``) unless ``schedule`` is false (a swarm whose
+    learners bring their own optimizers, as ``node.api``'s do)."""
+    names = RECIPE_FIELDS if schedule else tuple(n for n in RECIPE_FIELDS if n not in SCHEDULE_FIELDS)
+    return tuple(sorted((name, getattr(cfg, name)) for name in names))
 
 
-def config_from_manifest(manifest: SwarmManifest, base: RunConfig) -> RunConfig:
+def config_from_manifest(manifest: SwarmManifest, base: RunConfig, *, keep: Collection[str] = ()) -> RunConfig:
     """``base`` with the manifest's recipe and the swarm id as the swarm's name on the wire.
+    ``keep``: schedule fields (``SCHEDULE_FIELDS``) that stay ``base``'s, whatever the recipe says
+    (the ones a joiner gave on its command line); a swarm-wide field is always the recipe's.
 
     Raises ``ValueError`` naming a recipe field this version of Atoll does not know, or one
     whose value does not fit (the manifest is newer than this install, or was edited by hand)."""
-    recipe = manifest.recipe_dict
+    recipe = {k: v for k, v in manifest.recipe_dict.items() if not (k in keep and k in SCHEDULE_FIELDS)}
     unknown = sorted(set(recipe) - set(RECIPE_FIELDS))
     if unknown:
         raise ValueError(f"the swarm's recipe has fields this Atoll does not know: {unknown}; upgrade Atoll")

@@ -21,7 +21,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from node.config import RunConfig, add_run_arguments
+from node.config import SCHEDULE_FIELDS, RunConfig, add_run_arguments
 from node.dht.membership import RECIPE_FIELDS, recipe_of
 from node.dht.swarm import MANIFEST_PATH
 from node.wire.identity import (
@@ -102,8 +102,12 @@ def _add_init(cmds: Any) -> None:
     add_run_arguments(every)
     for action in every._actions:
         if action.dest in RECIPE_FIELDS:
+            text = action.help or ""
+            if action.dest in SCHEDULE_FIELDS:  # before " (default: ...)"
+                text = text.replace(" (default", "; part of the swarm's learning-rate schedule, which "
+                                    "atoll join follows unless given its own (default", 1)
             recipe.add_argument(*action.option_strings, dest=action.dest, type=action.type,
-                                default=action.default, help=action.help)
+                                default=action.default, help=text)
 
 
 # --- running them ----------------------------------------------------------------------------

@@ -22,7 +22,7 @@ import socket
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from node.config import SWARM_WIDE_FIELDS, RunConfig
+from node.config import SCHEDULE_FIELDS, SWARM_WIDE_FIELDS, RunConfig
 from protocol.errors import DecodeError
 from protocol.wire.membership import MAX_NAME, check_name
 
@@ -79,11 +79,11 @@ def check_run(cfg: RunConfig) -> None:
 
 
 def check_recipe(cfg: RunConfig) -> None:
-    """Raise ``CheckError`` naming every swarm-wide field of ``cfg`` (a manifest's recipe) a peer
-    would refuse: ``check_run``'s ranges, the model preset, and whether the model cuts into
+    """Raise ``CheckError`` naming every swarm-wide or schedule field of ``cfg`` (a manifest's
+    recipe) a peer would refuse: ``check_run``'s ranges, the model preset, and whether the model cuts into
     ``--fragments`` fragments as every peer cuts it (imports torch: the model is built on the
     meta device, no memory)."""
-    problems = _range_problems(cfg, SWARM_WIDE_FIELDS)
+    problems = _range_problems(cfg, SWARM_WIDE_FIELDS + SCHEDULE_FIELDS)
     problems += filter(None, (_model_problem(cfg),))
     if not problems:
         problems += filter(None, (_fragments_problem(cfg),))

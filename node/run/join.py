@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from node.config import config_from_args
+from node.config import SCHEDULE_FIELDS, RunConfig, config_from_args
 from node.dht.membership import config_from_manifest
 from node.dht.swarm import MANIFEST_PATH
 from node.run.checks import CheckError, check_listen, check_run, host_port, peer_url
@@ -202,6 +202,25 @@ def _listen_address(args: argparse.Namespace) -> tuple[str, int]:
     return host, port
 
 
+def join_config(manifest: SwarmManifest, args: argparse.Namespace) -> RunConfig:
+    """The run configuration of ``atoll join``: the flags, the manifest's recipe over them, and
+    the swarm's learning-rate schedule (``SCHEDULE_FIELDS``) where the manifest has one, but for
+    the schedule flags given on the command line (``None`` in ``args`` when not given).
+    Raises ``ValueError`` for a recipe this Atoll cannot run (see ``config_from_manifest``)."""
+    given = {name for name in SCHEDULE_FIELDS if getattr(args, name, None) is not None}
+    flags = argparse.Namespace(**{k: v for k, v in vars(args).items() if not (k in SCHEDULE_FIELDS and v is None)})
+    return config_from_manifest(manifest, config_from_args(flags), keep=given)
+
+
+def schedule_source(manifest: SwarmManifest, args: argparse.Namespace) -> str:
+    """Where ``join_config`` took the schedule from, in words for the banner."""
+    recipe = manifest.recipe_dict
+    flags = [f"--{n.replace('_', '-')}" for n in SCHEDULE_FIELDS if getattr(args, n, None) is not None]
+    if not any(n in recipe for n in SCHEDULE_FIELDS):
+        return "this peer's schedule: the swarm's manifest has none"
+    return "the swarm's schedule" + (f", but {', '.join(flags)} from the command line" if flags else "")
+
+
 def join_main(args: argparse.Namespace) -> int:
     """``atoll join``: every check first (flags, files, the swarm, the corpus), then train."""
     if args.nproc < 1:
@@ -219,7 +238,7 @@ def join_main(args: argparse.Namespace) -> int:
         if args.serve_after_s < 0:
             raise CheckError(f"--serve-after-s must be >= 0, got {args.serve_after_s:g}")
         swarm = load_swarm(args, initial_peers=list(args.initial_peers), require_answer=True)
-        cfg = config_from_manifest(swarm.manifest, config_from_args(args))
+        cfg = join_config(swarm.manifest, args)
         check_run(cfg)
     except (SwarmError, ValueError) as exc:
         print(f"atoll join: {exc}", file=sys.stderr)
@@ -230,7 +249,8 @@ def join_main(args: argparse.Namespace) -> int:
     m = swarm.manifest
     lab = f", lab {swarm.cert.lab} ({','.join(swarm.cert.roles)})" if swarm.cert else ", uncertified learner"
     print(f"atoll join: swarm {m.name!r} ({m.swarm_id}, {m.admission}, manifest v{m.version}){lab}; "
-          f"model {cfg.model}, {cfg.fragments} fragments, H={cfg.inner_steps}", flush=True)
+          f"model {cfg.model}, {cfg.fragments} fragments, H={cfg.inner_steps}; {cfg.steps} steps at lr "
+          f"{cfg.lr:g} ({schedule_source(m, args)})", flush=True)
     scheme = _scheme(m)
     public = f"{scheme}://{args.public_address}" if args.public_address else None
     if public is None and host in ("0.0.0.0", "::"):

@@ -17,8 +17,9 @@ from tests.integration.swarms import ENV, ROOT, Proc, get_json, make_swarm
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
 H = 20
-RECIPE = ["--model", "tiny", "--fragments", "4", "--inner-steps", str(H)]
-TRAIN = ["--steps", "100000", "--corpus-max-bytes", "2000000", "--eval-every", "1000000", "--threads", "1",
+# the schedule's length is the manifest's: no joiner passes --steps, each follows the swarm's
+RECIPE = ["--model", "tiny", "--fragments", "4", "--inner-steps", str(H), "--steps", "100000"]
+TRAIN = ["--corpus-max-bytes", "2000000", "--eval-every", "1000000", "--threads", "1",
          "--serve-after-s", "0", "--listen", "127.0.0.1:0"]
 LATE_JOIN_S = 2.0  # the "a minute later", shortened to keep the suite fast
 
@@ -69,6 +70,7 @@ def test_bootstrap_three_joiners_and_a_late_fourth(tmp_path: Path) -> None:
         # it enters the learning-rate schedule where the others are, not at its warm-up
         schedule = next(e for e in late.events if e.get("event") == "schedule")
         assert schedule["learners"] == 3 and 0 < schedule["step"] <= max(_status(u)["step"] for u in urls), schedule
+        assert schedule["steps"] == 100000, schedule  # the swarm's schedule, from its manifest
         first = late.wait_event("progress", 60)
         assert first["step"] > schedule["step"], (schedule, first)
 

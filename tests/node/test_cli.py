@@ -175,3 +175,68 @@ def test_the_inner_learning_rate_floor_reaches_every_island_and_the_baseline() -
     for bad in (-0.1, 1.5, math.nan):
         with pytest.raises(ValueError, match="--min-lr-ratio must be in"):
             RunConfig(min_lr_ratio=bad)
+
+
+def _manifest(recipe: dict[str, object]):  # type: ignore[no-untyped-def]
+    from protocol.wire.membership import SwarmManifest
+
+    return SwarmManifest(name="s", founder=b"\x01" * 32, recipe=tuple(sorted(recipe.items())))  # type: ignore[arg-type]
+
+
+def _join_args(*flags: str):  # type: ignore[no-untyped-def]
+    from node.cli import _parser
+
+    return _parser().parse_args(["join", "--initial-peers", "http://127.0.0.1:7000", "--key", "k", *flags])
+
+
+def test_a_joiner_follows_the_schedule_in_the_swarms_manifest_but_for_the_flags_it_gives() -> None:
+    """A volunteer who joins a 100,000-step swarm with no --steps trains on that schedule (it
+    used to run its own 3,000 steps, and joining on the swarm's step, past its end, trained
+    nothing); a flag given on the command line still wins, field by field."""
+    from node.run.join import join_config, schedule_source
+
+    swarm = _manifest({"steps": 100_000, "lr": 0.002, "warmup_steps": 500, "min_lr_ratio": 0.05, "inner_steps": 50})
+    cfg = join_config(swarm, _join_args())
+    assert (cfg.steps, cfg.lr, cfg.warmup_steps, cfg.min_lr_ratio, cfg.inner_steps) == (100_000, 0.002, 500, 0.05, 50)
+    assert schedule_source(swarm, _join_args()) == "the swarm's schedule"
+
+    own = _join_args("--steps", "2000", "--lr", "0.001")
+    cfg = join_config(swarm, own)
+    assert (cfg.steps, cfg.lr, cfg.warmup_steps, cfg.min_lr_ratio) == (2000, 0.001, 500, 0.05)
+    assert schedule_source(swarm, own) == "the swarm's schedule, but --steps, --lr from the command line"
+
+    # a manifest of before the schedule travelled in it: the joiner's flags or their defaults
+    old = _manifest({"inner_steps": 50})
+    assert (join_config(old, _join_args()).steps, join_config(old, _join_args()).lr) == (RunConfig().steps, RunConfig().lr)
+    assert join_config(old, own).steps == 2000
+    assert "has none" in schedule_source(old, _join_args())
+
+
+def test_a_joiner_cannot_keep_its_own_value_of_a_swarm_wide_field() -> None:
+    from node.dht.membership import config_from_manifest
+
+    swarm = _manifest({"inner_steps": 50, "steps": 900})
+    cfg = config_from_manifest(swarm, RunConfig(inner_steps=7, steps=10), keep={"inner_steps", "steps"})
+    assert (cfg.inner_steps, cfg.steps) == (50, 10)
+
+
+def test_a_schedule_in_a_recipe_that_no_learner_could_follow_is_refused_when_read_or_written(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from node.run.join import join_config
+
+    for bad in ({"steps": 0}, {"min_lr_ratio": 2.0}, {"lr": "fast"}):
+        with pytest.raises(ValueError, match="steps|min-lr-ratio|lr"):
+            join_config(_manifest(bad), _join_args())
+    assert main(["keygen", "--out", str(tmp_path / "f.key")]) == 0
+    for flag, value in (("--lr", "0"), ("--warmup-steps", "-1"), ("--steps", "0")):
+        code = main(["swarm", "init", "--name", "s", "--founder", str(tmp_path / "f.key"), "--out",
+                     str(tmp_path / "s.toml"), "--model", "tiny", flag, value])
+        assert code != 0 and not (tmp_path / "s.toml").exists()
+
+
+def test_peers_on_other_schedules_still_agree_on_the_swarm() -> None:
+    """The schedule is not swarm-wide: a learner with another --steps or --lr is a member all the
+    same (its steps weigh its contributions, which the merge bounds)."""
+    from node.dht.membership import manifest_hash
+
+    assert manifest_hash(RunConfig(steps=10, lr=0.1, warmup_steps=0, min_lr_ratio=0.5)) == manifest_hash(RunConfig())
+    assert manifest_hash(RunConfig(inner_steps=7)) != manifest_hash(RunConfig())

@@ -128,11 +128,15 @@ def test_recipe_flags_are_the_recipe_fields(tmp_path: Path, capsys: pytest.Captu
     init(capsys, tmp_path, "--fragments", "8", "--max-tokens-per-step", "500", "--outer-momentum", "0.9")
     recipe = load_manifest(tmp_path / "swarm.toml").recipe_dict
     assert (recipe["fragments"], recipe["max_tokens_per_step"], recipe["outer_momentum"]) == (8, 500, 0.9)
+    # the learners' schedule is in the recipe too (atoll join follows it unless told otherwise)
+    init(capsys, tmp_path, "--steps", "100000", "--lr", "0.002", "--force")
+    recipe = load_manifest(tmp_path / "swarm.toml").recipe_dict
+    assert (recipe["steps"], recipe["lr"], recipe["warmup_steps"]) == (100000, 0.002, 50)
     # fields outside the recipe are not flags of swarm init
     with pytest.raises(SystemExit) as exc:
         main(["swarm", "init", "--name", "x", "--founder", str(tmp_path / "founder.pem"),
-              "--out", str(tmp_path / "x.toml"), "--steps", "5"])
-    assert exc.value.code == 2 and "unrecognized arguments: --steps" in capsys.readouterr().err
+              "--out", str(tmp_path / "x.toml"), "--threads", "1"])
+    assert exc.value.code == 2 and "unrecognized arguments: --threads" in capsys.readouterr().err
 
 
 # --- mistakes ----------------------------------------------------------------------------------
