@@ -1,7 +1,7 @@
 """Averaging against hivemind: one full-model cycle through Atoll vs one hivemind all-reduce.
 
 N peer processes on 127.0.0.1 each hold a model of P fp32 values (``--fragments`` equal
-tensors, one Atoll fragment each). Interleaved, the bench times:
+tensors, one Atoll fragment each; by default one per peer). Interleaved, the bench times:
 
 ``atoll``     one full-model cycle through Atoll: every peer contributes every fragment, each
               fragment's owner merges all N contributions (``sync`` mode, quorum N), and every
@@ -153,14 +153,20 @@ def _spec(args: argparse.Namespace, peers: int, params: int, codec: str, systems
           elastic: bool = False) -> dict[str, Any]:
     """The workers' spec. ``elastic``: Atoll's side in decoupled mode (a round waits for the
     live learners only, all of them), as the kill test runs it; else sync mode."""
-    spec = {"peers": peers, "params": params, "fragments": args.fragments, "seed": args.seed,
+    fragments = fragments_of(args, peers)
+    spec = {"peers": peers, "params": params, "fragments": fragments, "seed": args.seed,
             "codec": codec, "systems": systems, "elastic": elastic}
     if "atoll" in systems and args.swarm == "signed":
         from bench.averaging_atoll import swarm_credentials
         from bench.averaging_inputs import Layout
         spec["atoll_credentials"] = swarm_credentials(peers=peers, seed=args.seed, codec=codec,
-                                                      layout=Layout(params, args.fragments), elastic=elastic)
+                                                      layout=Layout(params, fragments), elastic=elastic)
     return spec
+
+
+def fragments_of(args: argparse.Namespace, peers: int) -> int:
+    """The fragments (= tensors) of a case's model: ``--fragments``, or one per peer (0)."""
+    return args.fragments if args.fragments > 0 else peers
 
 
 def _settle(w: Workers, args: argparse.Namespace) -> list[int]:
@@ -307,7 +313,7 @@ def memory_shortfall(peers: int, params: int, systems: list[str], isolate: bool,
 
 def run_case(args: argparse.Namespace, peers: int, params: int, systems: list[str], log_dir: Path,
              hivemind_reason: str | None) -> dict[str, Any]:
-    case: dict[str, Any] = {"peers": peers, "params": params, "fragments": args.fragments}
+    case: dict[str, Any] = {"peers": peers, "params": params, "fragments": fragments_of(args, peers)}
     measured: set[str] = set()
     for codec in args.codecs:
         shortfall = memory_shortfall(peers, params, systems, args.isolate, codec)
@@ -372,7 +378,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--blocks", type=int, default=2,
                         help="with --isolate: alternate the two sets of processes this many times, "
                              "splitting --repeats among them (each block starts afresh and warms up)")
-    parser.add_argument("--fragments", type=int, default=8, help="Atoll fragments (= tensors of the model)")
+    parser.add_argument("--fragments", type=int, default=0,
+                        help="Atoll fragments (= tensors of the model, for every system); 0: one per peer, so "
+                             "that every peer owns one, as ring all-reduce's reduce-scatter gives each its shard "
+                             "(8 until 2026-12-05: 3.65 against 3.83 at 4 x 50M, docs/benchmarks.md)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds one round may take")
     parser.add_argument("--kill", action=argparse.BooleanOptionalAction, default=True,
@@ -388,6 +397,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         parser.error(f"--codecs takes {', '.join(CODECS)}")
     if args.warmup < 0 or args.repeats < 1:
         parser.error("--warmup must be >= 0 and --repeats >= 1")
+    if args.fragments < 0:
+        parser.error("--fragments must be >= 1, or 0 for one per peer")
     if args.blocks < 1:
         parser.error("--blocks must be >= 1")
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
