@@ -53,7 +53,9 @@ def test_a_recipe_is_checked_as_every_peer_would() -> None:
     check_recipe(RunConfig(model="tiny"))
     with pytest.raises(CheckError) as err:
         check_recipe(RunConfig(model="tiny", block_size=0, batch_size=0, lr=float("inf"), threads=10**6))
-    assert str(err.value) == "--batch-size must be >= 1, got 0; --block-size must be >= 1, got 0"  # recipe fields only
+    # recipe fields only (the learners' schedule, --lr here, is in the recipe; --threads is not)
+    assert str(err.value) == ("--batch-size must be >= 1, got 0; --lr must be finite and > 0, got inf; "
+                              "--block-size must be >= 1, got 0")
     with pytest.raises(CheckError, match="--fragments 100000: 100000 fragments for only 29 tensors"):
         check_recipe(RunConfig(model="tiny", fragments=100000))
     with pytest.raises(CheckError, match="--fragments 1: 1 fragment cannot keep 2 embedding tensors apart"):
