@@ -71,6 +71,7 @@ def test_bootstrap_three_joiners_and_a_late_fourth(tmp_path: Path) -> None:
         schedule = next(e for e in late.events if e.get("event") == "schedule")
         assert schedule["learners"] == 3 and 0 < schedule["step"] <= max(_status(u)["step"] for u in urls), schedule
         assert schedule["steps"] == 100000, schedule  # the swarm's schedule, from its manifest
+        assert "100000 steps at lr 0.006 (the swarm's schedule)" in late.wait_line("steps at lr", 10)
         first = late.wait_event("progress", 60)
         assert first["step"] > schedule["step"], (schedule, first)
 
