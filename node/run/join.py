@@ -207,15 +207,20 @@ def join_config(manifest: SwarmManifest, args: argparse.Namespace) -> RunConfig:
     the swarm's learning-rate schedule (``SCHEDULE_FIELDS``) where the manifest has one, but for
     the schedule flags given on the command line (``None`` in ``args`` when not given).
     Raises ``ValueError`` for a recipe this Atoll cannot run (see ``config_from_manifest``)."""
-    given = {name for name in SCHEDULE_FIELDS if getattr(args, name, None) is not None}
+    given = _schedule_given(args)
     flags = argparse.Namespace(**{k: v for k, v in vars(args).items() if not (k in SCHEDULE_FIELDS and v is None)})
     return config_from_manifest(manifest, config_from_args(flags), keep=given)
+
+
+def _schedule_given(args: argparse.Namespace) -> list[str]:
+    """The schedule fields given on the command line, in ``SCHEDULE_FIELDS`` order."""
+    return [name for name in SCHEDULE_FIELDS if getattr(args, name, None) is not None]
 
 
 def schedule_source(manifest: SwarmManifest, args: argparse.Namespace) -> str:
     """Where ``join_config`` took the schedule from, in words for the banner."""
     recipe = manifest.recipe_dict
-    flags = [f"--{n.replace('_', '-')}" for n in SCHEDULE_FIELDS if getattr(args, n, None) is not None]
+    flags = [f"--{n.replace('_', '-')}" for n in _schedule_given(args)]
     if not any(n in recipe for n in SCHEDULE_FIELDS):
         return "this peer's schedule: the swarm's manifest has none"
     return "the swarm's schedule" + (f", but {', '.join(flags)} from the command line" if flags else "")
