@@ -23,6 +23,7 @@ from contextvars import ContextVar
 
 import aiohttp
 
+from node.wire.direct import DIRECT_MIN, Socket, read_direct
 from protocol.errors import Oversize, RemoteProtocolError
 
 __all__ = ["CHUNK", "MIN_BUFFER", "POOL_BUFFERS", "POOL_MAX_BUFFER", "POOL_MAX_BYTES", "REQUEST_BODY", "BodyTimeout",
@@ -151,6 +152,7 @@ async def read_stream(
     content: aiohttp.StreamReader, length: int | None, max_size: int, pool: BufferPool,
     *, timeout_s: float | None = None, idle_s: float | None = None,
     on_head: Callable[[memoryview], Awaitable[int | None]] | None = None, head_timeout_s: float | None = None,
+    socket: Socket | None = None,
 ) -> tuple[bytearray, int]:
     """Read a body into a pooled buffer; return (buffer, used bytes). Caller gives it back.
 
@@ -166,6 +168,11 @@ async def read_stream(
     how long the head may take, its say included (None: ``timeout_s`` only), so that a large
     declared length buys the sender no time until its head vouches for it (``BodyTimeout``). A
     body that arrives whole in its first chunks is not shown to it.
+
+    ``socket``: the connection the body arrives on. A body of a declared length with at least
+    ``DIRECT_MIN`` bytes still to come once ``on_head`` (if any) has vouched for it is read from
+    there on straight off the socket into the buffer (``node.wire.direct``), and the connection
+    is spent: ``socket.spent`` is called, and the caller closes it.
     """
     if length is not None and length > max_size:
         raise Oversize(f"body of {length} bytes exceeds the cap of {max_size}")
@@ -174,7 +181,7 @@ async def read_stream(
     deadline = None if timeout_s is None else loop.time() + timeout_s
     head_deadline = None if on_head is None or head_timeout_s is None else loop.time() + head_timeout_s
     buf = pool.take(limit, fresh=CHUNK)
-    used = 0
+    used, handed = 0, False
     try:
         while True:
             # until the head has vouched for the body's length, the head's deadline binds too
@@ -228,10 +235,21 @@ async def read_stream(
                         raise Oversize(f"body of {declared} bytes by its head does not fit the {limit} allowed "
                                        f"with {used} arrived")
                     limit = declared
+            if socket is not None and on_head is None and length is not None and length - used >= DIRECT_MIN:
+                handed = True  # read_direct gives it back if it fails
+
+                def timed_out(got: int, whole: bool) -> BaseException:
+                    return BodyTimeout(_stalled(got, length, timeout_s if whole else idle_s, whole=whole))
+
+                buf, used = await read_direct(socket, content, buf, used, length, pool, deadline=deadline,
+                                              idle_s=idle_s, on_timeout=timed_out)
+                handed = False
+                break
         if length is not None and used != length:
             raise ClientGone(f"body ended after {used} of {length} declared bytes")
     except BaseException:
-        pool.give(buf)
+        if not handed:
+            pool.give(buf)
         raise
     return buf, used
 

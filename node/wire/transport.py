@@ -41,6 +41,7 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from node.wire.bodies import CHUNK, BodyTimeout, BufferPool, ClientGone, read_stream
 from node.wire.connections import Connections, _GatedSite, address_key
+from node.wire.direct import Socket
 from node.wire.link import LinkDropped, LinkEmulator, LinkProfile
 from node.wire.tls import PinnedKey, client_context, origin
 from protocol.errors import RemoteProtocolError
@@ -176,6 +177,7 @@ class Transport:
         # heads that aiohttp completes are estimated within a few bytes; TCP/TLS framing not counted)
         self.bytes_sent = 0
         self.bytes_received = 0
+        self.direct_bodies = 0  # bodies (requests and replies) read straight off their socket
         # bytes_sent by what they were: a request's route (a path, or a message type) or
         # "reply <route>"; where a swarm's bytes go, for the report and bench.bandwidth
         self.bytes_by_route: Counter[str] = Counter()
@@ -294,9 +296,29 @@ class Transport:
                 info = resp.request_info
                 self.count_sent(route, _head_bytes(f"{info.method} {info.url.raw_path_qs} HTTP/1.1", info.headers))
                 length = resp.content_length if method != "HEAD" else 0
-                buf, used = await read_stream(resp.content, length, max_reply or self.max_body, self.pool)
+                buf, used = await read_stream(resp.content, length, max_reply or self.max_body, self.pool,
+                                              socket=self._reply_socket(resp))
                 self.bytes_received += used
                 return resp.status, buf, used, dict(resp.headers)
+
+    def _reply_socket(self, resp: aiohttp.ClientResponse) -> Socket | None:
+        """The connection a reply's body arrives on, to read its bulk off (and close after:
+        ``node.wire.direct``); None when aiohttp decodes the body (a ``Content-Encoding``)."""
+        conn = resp.connection
+        encodings = [e.strip().lower() for e in resp.headers.getall(hdrs.CONTENT_ENCODING, ())]
+        if conn is None or conn.transport is None or any(e not in ("", "identity") for e in encodings):
+            return None
+
+        def spent() -> None:
+            self.direct_bodies += 1
+            resp.close()
+
+        return Socket(conn.transport, spent)
+
+    def _spent(self, request: web.Request) -> None:
+        """A request's body was read off its socket: its connection closes after the reply."""
+        self.direct_bodies += 1
+        self._hang_up.add(id(request))
 
     async def read_request(self, request: web.Request, max_size: int | None = None, *,
                            on_head: Callable[[memoryview], Awaitable[int | None]] | None = None,
@@ -324,6 +346,7 @@ class Transport:
                 request.content, length, max_size or self.max_body, self.pool,
                 timeout_s=lim.body_deadline_s(length), idle_s=lim.body_idle_s, on_head=on_head,
                 head_timeout_s=lim.body_deadline_s(None),  # a declared size buys time once its head vouches
+                socket=None if request.transport is None else Socket(request.transport, lambda: self._spent(request)),
             )
         except (ConnectionError, aiohttp.ClientPayloadError, HttpProcessingError, RequestPayloadError) as exc:  # cut off
             self._hang_up.add(id(request))
