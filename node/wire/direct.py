@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
     from node.wire.bodies import BufferPool
 
-__all__ = ["DIRECT_MIN", "Socket", "read_direct"]
+__all__ = ["DIRECT_MIN", "Gone", "Socket", "read_direct"]
 
 # Bodies with less than this left to read stay on aiohttp's path, and their connection alive: a
 # direct read costs the next message a new connection (one round trip, and a TLS handshake).
@@ -150,10 +150,11 @@ async def read_direct(
 ) -> tuple[bytearray, int]:
     """Read the rest of a body of ``length`` bytes into ``buf`` (``used`` bytes in so far; grown
     from ``pool`` as bytes arrive, never beyond ``length``): first what aiohttp has parsed, then
-    straight off the socket. Returns (buffer, used); ``used`` < ``length`` only when the stream
-    ended early (the caller's ``ClientGone``). Raises ``Oversize`` if aiohttp's reader holds more
-    than ``length``, or ``on_timeout(got, whole)`` past ``deadline`` (loop time; ``whole``) or
-    ``idle_s`` without a byte. ``sock.spent`` is called once the socket was read from."""
+    straight off the socket. Returns (buffer, used); ``used`` < ``length`` only when aiohttp's
+    reader had ended the body early. Raises ``Gone`` (a ``ConnectionError``, as aiohttp's reader
+    raises) when the stream ends or the connection is lost first, ``Oversize`` if aiohttp's
+    reader holds more than ``length``, or ``on_timeout(got, whole)`` past ``deadline`` (loop time;
+    ``whole``) or ``idle_s`` without a byte. ``sock.spent`` is called once the socket was read from."""
     holder = [buf]  # the buffer in use: given back here if the read fails
     try:
         return await _read(sock, content, holder, used, length, pool, deadline, idle_s, on_timeout)
@@ -201,6 +202,8 @@ async def _read(sock: Socket, content: aiohttp.StreamReader, holder: list[bytear
             waits = [t for t in (None if deadline is None else deadline - now,
                                  None if idle_s is None else sink.last + idle_s - now) if t is not None]
             await sink.wait(min(waits) if waits else None)
+        if sink.error is not None:
+            raise sink.error
         return holder[0], sink.got
     finally:
         sink.detach()

@@ -11,7 +11,6 @@ import os
 import random
 import socket
 
-import aiohttp
 import pytest
 from aiohttp import web
 
@@ -216,7 +215,8 @@ async def test_a_reply_that_stops_short_of_its_length_is_refused() -> None:
     client = Transport()
     await client.start()
     try:
-        with pytest.raises((ClientGone, aiohttp.ClientError)):
+        # a ConnectionError, as aiohttp's own reader raises one: the callers' transient failure
+        with pytest.raises(ConnectionError, match="before the body was in"):
             await client.request("GET", f"http://127.0.0.1:{port}/short", timeout_s=10)
         assert client.direct_bodies == 1
     finally:
