@@ -241,6 +241,7 @@ class PeerNode(SwarmPresence, OwnedFragments, OwnerHandoffs, VersionServing):
             "replicas": {**self.replicas.status(), "unreplicated_versions": self.unreplicated,
                          "lease_lapses": self.lease_lapses},
             "bytes_sent": self.transport.bytes_sent, "bytes_received": self.transport.bytes_received,
+            "direct_bodies": self.transport.direct_bodies,
             "remote_errors": dict(self.rpc.errors),
             "penalties": self.penalties(),
         }

@@ -7,6 +7,7 @@ most once per ``max_age_s``; a scrape in between gets the same bytes.
 
 Families (counters end in ``_total`` on the wire):
   atoll_bytes_sent, atoll_bytes_received          bytes over HTTP, both directions
+  atoll_direct_bodies                             large bodies read straight off their socket
   atoll_inner_steps, atoll_tokens_trained         the island's work
   atoll_stalled_steps                             steps that waited on the network side
   atoll_learner_contributions{outcome}            this island's contributions: sent, accepted,
@@ -68,6 +69,8 @@ def families(t: Totals, *, loss: float | None, versions: list[int]) -> Iterator[
     i, o = t.island, t.owners
     yield _counter("bytes_sent", "Bytes this node sent over HTTP (requests and replies).", t.bytes_sent)
     yield _counter("bytes_received", "Bytes this node received over HTTP.", t.bytes_received)
+    yield _counter("direct_bodies", "Large bodies (requests and replies) read straight off their socket.",
+                   t.direct_bodies)
     yield _counter("inner_steps", "Inner optimizer steps of this node's island.", i.inner_steps)
     yield _counter("tokens_trained", "Tokens this node's island trained on.", i.tokens_trained)
     yield _counter("stalled_steps", "Island steps that waited on the network side.", i.stalled_steps)

@@ -60,6 +60,7 @@ class Totals:
 
     bytes_sent: int = 0
     bytes_received: int = 0
+    direct_bodies: int = 0  # large bodies read straight off their socket (``node.wire.direct``)
     members: int = 0
     suspects: int = 0
     remote_errors: dict[str, int] = field(default_factory=dict)  # requests refused, by error
@@ -95,7 +96,7 @@ def read_totals(node: PeerNode, sums: GoodputSums) -> Totals:
     members = node.membership.members if node.membership is not None else {}
     return Totals(
         bytes_sent=node.transport.bytes_sent, bytes_received=node.transport.bytes_received,
-        members=len(members), suspects=len(node.suspects()) if node.membership is not None else 0,
+        direct_bodies=node.transport.direct_bodies, members=len(members), suspects=len(node.suspects()) if node.membership is not None else 0,
         remote_errors=dict(node.rpc.errors), island=_island(node, sums), owners=_owners(node),
     )
 

@@ -148,8 +148,11 @@ def test_metrics_are_rendered_at_most_once_per_max_age() -> None:
 def test_two_nodes_in_one_process_keep_their_own_registries() -> None:
     one, two = _node(), _node()
     one.transport.bytes_received, two.transport.bytes_received = 7, 9
+    one.transport.direct_bodies = 3
     assert b"atoll_bytes_received_total 7.0" in one.board.metrics.text()
     assert b"atoll_bytes_received_total 9.0" in two.board.metrics.text()
+    assert b"atoll_direct_bodies_total 3.0" in one.board.metrics.text()
+    assert b"atoll_direct_bodies_total 0.0" in two.board.metrics.text()
 
 
 async def test_a_serving_node_answers_the_page_its_script_json_and_metrics() -> None:
