@@ -133,6 +133,10 @@ class AtollSide:
         # with updates, the owner's error-feedback residual per fragment as the check replays it
         # (peer 0 checks every round in order; zero before the first update, as the owner's is)
         self.owner_residual: dict[int, torch.Tensor] = {}
+        # with a lossy download codec (bf16), the owner's own fp32 state per fragment as the check
+        # replays it: the owner merges into that, and publishes it encoded (learners hold the
+        # decoded copy, the check's ``base``); the initial model until the first merge
+        self.owner_theta: dict[int, torch.Tensor] = {}
 
     # --- lifecycle -----------------------------------------------------------------------------
     def start(self) -> str:
@@ -250,14 +254,16 @@ class AtollSide:
                 continue
             base, held = self.base[p], self.island.global_flat[p]
             refs = {name: self._reference(p, members) for name, members in sets.items()}
-            errors = {name: relative_error(held, ref, base) for name, (ref, _) in refs.items()}
+            errors = {name: relative_error(held, ref, base) for name, (ref, _, _) in refs.items()}
             matches = classify(errors, self.codec)
             if matches == "neither":
                 tried = {tuple(sorted(members)) for members in sets.values()}
                 matches = self._match_subset(p, held, base, peers, tried, refs, errors)
-            residual = refs[matches if matches in refs else "all"][1]
+            _, residual, theta = refs[matches if matches in refs else "all"]
             if residual is not None:  # the owner's error feedback after this version
                 self.owner_residual[p] = residual
+            if theta is not None:  # the owner's fp32 state behind the encoded version
+                self.owner_theta[p] = theta
             out.append({"fragment": p, "matches": matches, "version": version,
                         "errors": {k: float(f"{v:.3g}") for k, v in errors.items()},
                         "embedding": frag.is_embedding})
@@ -265,7 +271,8 @@ class AtollSide:
         return {"fragments": out, "matches": sorted({f["matches"] for f in out})}
 
     def _match_subset(self, p: int, held: torch.Tensor, base: torch.Tensor, peers: list[int],
-                      tried: set[tuple[int, ...]], refs: dict[str, tuple[torch.Tensor, torch.Tensor | None]],
+                      tried: set[tuple[int, ...]],
+                      refs: dict[str, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]],
                       errors: dict[str, float]) -> str:
         """The first subset of ``peers`` (largest first) whose merge ``held`` is: at a whole step
         (two peers or more, not in ``tried``) or at the subset's share of one (a round that
@@ -284,9 +291,17 @@ class AtollSide:
                         return name
         return "neither"
 
-    def _reference(self, p: int, members: list[int], *, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _reference(self, p: int, members: list[int], *, scale: float = 1.0,
+                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """What the owner's merge of ``members``' contributions gives (equal weights, no clip),
-        as the peers hold it, and with updates the owner's residual after it (else None).
+        as the peers hold it; with updates the owner's residual after it, and with a lossy
+        download codec the owner's fp32 state after it (else None).
+
+        With a lossy download codec the owner merges into its own fp32 state (``owner_theta``,
+        replayed from the previous rounds' references) and publishes that encoded, while the
+        learners measure their pseudo-gradients against the decoded copy they hold (``base``):
+        a reference that merged into the decoded copy is off by a rounding of the whole state,
+        which is several per cent of one round's update.
 
         Each contribution is Q(Δ_i) (``prepare`` zeroes the learners' residuals). With updates
         the held state is base + D(Q(Θ* − base + e)), e the owner's residual: replayed here from
@@ -302,10 +317,13 @@ class AtollSide:
             enc, _ = compress(d, self.codec, block_size=self.block_size)
             deltas.append(decompress(enc))
         ones = [1.0] * len(deltas)
-        theta = merge_update(base, None, deltas, ones, ones, self.outer, embedding=frag.is_embedding, scale=scale).theta
+        start = self.owner_theta.get(p, base) if self.download_codec != "none" else base
+        theta = merge_update(start, None, deltas, ones, ones, self.outer, embedding=frag.is_embedding, scale=scale).theta
         shapes = [tuple(q.shape) for q in self.params[p]]
         if self.update_codec != "none":
             _, published, residual = encode_update(theta, base, self.owner_residual.get(p), shapes,
                                                    self.update_codec, block_size=self.block_size)
-            return published, residual
-        return flat_from_tensors(encode_flat(theta, shapes, self.download_codec), shapes), None
+            return published, residual, None
+        if self.download_codec == "none":
+            return theta, None, None
+        return flat_from_tensors(encode_flat(theta, shapes, self.download_codec), shapes), None, theta

@@ -102,6 +102,20 @@ def test_a_tiny_run_of_atoll_and_raw_checks_every_merge(tmp_path) -> None:
 
 @pytest.mark.integration
 @pytest.mark.timeout(600)
+def test_a_tiny_bf16_run_checks_every_merge_against_the_owners_own_fp32_state(tmp_path) -> None:
+    # the owner merges into its fp32 state and publishes it in bf16, while learners measure
+    # against their bf16 copy: a reference merged into that copy matched no round after the first
+    out = main(["--cases", "2x40k", "--codecs", "fp16", "--systems", "atoll,raw", "--repeats", "2",
+                "--fragments", "2", "--no-kill", "--timeout", "120", "--log-dir", str(tmp_path)])
+    case = out["cases"][0]
+    assert (case["codec"], case["atoll_codec"]) == ("fp16", "bf16 up / bf16 down")
+    for run in case["atoll_runs"]:
+        assert run["ok"] and run["check"]["matches"] == ["all"] and run["check"]["identical_on_every_peer"]
+        assert max(f["errors"]["all"] for f in run["check"]["fragments"]) < tolerance("none")
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(600)
 def test_a_tiny_int8_run_ships_updates_and_checks_every_merge(tmp_path) -> None:
     out = main(["--cases", "2x40k", "--codecs", "int8", "--systems", "atoll,raw", "--repeats", "2",
                 "--fragments", "2", "--no-kill", "--timeout", "120", "--log-dir", str(tmp_path)])
