@@ -54,7 +54,7 @@ import torch
 
 from protocol.diloco.norms import all_finite
 from protocol.diloco.sparse import decode_topk, encode_topk
-from protocol.diloco.vectors import new_vector
+from protocol.diloco.vectors import new_vector, new_vector_like
 from protocol.errors import DecodeError, LocalProtocolError
 from protocol.wire.tensors import BLOCKED, CODECS, TOPK_CHUNK, EncodedTensor, payload_bytes
 
@@ -195,7 +195,7 @@ def _input_vector(t: torch.Tensor, residual: torch.Tensor | None) -> torch.Tenso
         raise LocalProtocolError(f"residual shape {tuple(residual.shape)} != tensor shape {tuple(t.shape)}")
     if not residual.is_floating_point():
         raise LocalProtocolError(f"residual must be a float tensor, got {residual.dtype}")
-    return flat + residual.detach().reshape(-1).to(torch.float32)
+    return torch.add(flat, residual.detach().reshape(-1).to(torch.float32), out=new_vector_like(flat))
 
 
 def _raise_not_finite(t: torch.Tensor, residual: torch.Tensor | None) -> None:
@@ -216,8 +216,7 @@ def _encode_bf16(
         if not all_finite(x):
             _raise_not_finite(t, residual)
         half = x.clamp(-_BF16_MAX, _BF16_MAX).to(torch.bfloat16)
-    decoded = half.to(torch.float32)
-    torch.sub(x, decoded, out=decoded)
+    decoded = torch.sub(x, half, out=new_vector_like(x))  # x - decoded(half), in fp32
     return _to_buffer(half), decoded
 
 
@@ -243,7 +242,7 @@ def _compress_sign(
     if not all_finite(x):
         _raise_not_finite(t, residual)
     n = x.numel()
-    decoded = torch.empty(n, dtype=torch.float32, device=x.device)
+    decoded = new_vector_like(x)
     scales = torch.empty(-(-n // block_size), dtype=torch.float32, device=x.device)
     for lo, hi, first, rows in _spans(n, block_size):
         # |x| into the decoded buffer, then its row means (fp32 sums of finite values: finite
@@ -266,7 +265,7 @@ def _compress_sign(
 def _quantize(x: torch.Tensor, block_size: int, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Blockwise absmax codes (fp32 integers in [-qmax, qmax], shape of ``x``) and scales."""
     n = x.numel()
-    codes = torch.empty(n, dtype=torch.float32, device=x.device)
+    codes = new_vector_like(x)  # becomes the residual: a freed one's memory is taken again
     scales = torch.empty(-(-n // block_size), dtype=torch.float32, device=x.device)
     for lo, hi, first, rows in _spans(n, block_size):
         xs, cs = x[lo:hi].view(rows, -1), codes[lo:hi].view(rows, -1)
