@@ -100,14 +100,19 @@ def test_a_tiny_run_of_atoll_and_raw_checks_every_merge(tmp_path) -> None:
         assert case["hivemind_s"] is None and case["hivemind_error"]
 
 
+def _two_rounds_of_atoll_and_raw(tmp_path, codec: str) -> dict:  # type: ignore[no-untyped-def,type-arg]
+    """The case of a tiny run (2 peers x 40k values, 2 fragments) timing two rounds of Atoll and raw."""
+    out = main(["--cases", "2x40k", "--codecs", codec, "--systems", "atoll,raw", "--repeats", "2",
+                "--fragments", "2", "--no-kill", "--timeout", "120", "--log-dir", str(tmp_path)])
+    return out["cases"][0]  # type: ignore[no-any-return]
+
+
 @pytest.mark.integration
 @pytest.mark.timeout(600)
 def test_a_tiny_bf16_run_checks_every_merge_against_the_owners_own_fp32_state(tmp_path) -> None:
     # the owner merges into its fp32 state and publishes it in bf16, while learners measure
     # against their bf16 copy: a reference merged into that copy matched no round after the first
-    out = main(["--cases", "2x40k", "--codecs", "fp16", "--systems", "atoll,raw", "--repeats", "2",
-                "--fragments", "2", "--no-kill", "--timeout", "120", "--log-dir", str(tmp_path)])
-    case = out["cases"][0]
+    case = _two_rounds_of_atoll_and_raw(tmp_path, "fp16")
     assert (case["codec"], case["atoll_codec"]) == ("fp16", "bf16 up / bf16 down")
     for run in case["atoll_runs"]:
         assert run["ok"] and run["check"]["matches"] == ["all"] and run["check"]["identical_on_every_peer"]
@@ -117,9 +122,7 @@ def test_a_tiny_bf16_run_checks_every_merge_against_the_owners_own_fp32_state(tm
 @pytest.mark.integration
 @pytest.mark.timeout(600)
 def test_a_tiny_int8_run_ships_updates_and_checks_every_merge(tmp_path) -> None:
-    out = main(["--cases", "2x40k", "--codecs", "int8", "--systems", "atoll,raw", "--repeats", "2",
-                "--fragments", "2", "--no-kill", "--timeout", "120", "--log-dir", str(tmp_path)])
-    case = out["cases"][0]
+    case = _two_rounds_of_atoll_and_raw(tmp_path, "int8")
     assert (case["codec"], case["atoll_codec"], case["raw_codec"]) == ("int8", "int8 up / int8 update down", "fp32")
     assert case["atoll_s"] > 0 and case["raw_s"] > 0
     for run in case["atoll_runs"]:  # each carries an owner residual from the rounds before it
