@@ -6,6 +6,7 @@ request; and the connection is not used again."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import os
 import random
@@ -156,6 +157,31 @@ async def test_a_body_that_stalls_part_way_times_out_and_the_server_serves_on() 
         payload = os.urandom(BIG)
         reply = await _raw(server.t.port, _head(BIG), [payload])
         assert reply.startswith(b"HTTP/1.1 200") and hashlib.sha256(payload).hexdigest().encode() in reply
+    finally:
+        await server.t.close()
+
+
+async def test_a_body_that_trickles_in_gets_no_more_time_than_its_deadline() -> None:
+    # never idle for long, but far too slow: the whole body's deadline still binds off the socket
+    server = await _started(limits=ServeLimits(body_timeout_s=1.0, body_slack_s_per_mib=0.0, body_idle_s=5.0))
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.t.port)
+        writer.write(_head(BIG) + b"a" * (DIRECT_MIN // 2))
+        started = asyncio.get_running_loop().time()
+        reply = b""
+        for _ in range(100):  # 64 KiB every 50 ms: ~1.3 MB/s, 10 s for the rest
+            with contextlib.suppress(ConnectionError):
+                writer.write(b"a" * (64 << 10))
+                await writer.drain()
+            await asyncio.sleep(0.05)
+            if reader.at_eof() or server.outcomes:
+                break
+        with contextlib.suppress(ConnectionError):
+            reply = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+        assert server.outcomes == ["BodyTimeout"] and server.t.direct_bodies == 1
+        assert asyncio.get_running_loop().time() - started < 4
+        assert reply == b"" or (reply.startswith(b"HTTP/1.1 408") and b"not complete" in reply)
     finally:
         await server.t.close()
 
