@@ -96,7 +96,8 @@ def read_totals(node: PeerNode, sums: GoodputSums) -> Totals:
     members = node.membership.members if node.membership is not None else {}
     return Totals(
         bytes_sent=node.transport.bytes_sent, bytes_received=node.transport.bytes_received,
-        direct_bodies=node.transport.direct_bodies, members=len(members), suspects=len(node.suspects()) if node.membership is not None else 0,
+        direct_bodies=node.transport.direct_bodies,
+        members=len(members), suspects=len(node.suspects()) if node.membership is not None else 0,
         remote_errors=dict(node.rpc.errors), island=_island(node, sums), owners=_owners(node),
     )
 

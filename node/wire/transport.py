@@ -31,7 +31,7 @@ import ssl
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -41,10 +41,13 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from node.wire.bodies import CHUNK, BodyTimeout, BufferPool, ClientGone, read_stream
 from node.wire.connections import Connections, _GatedSite, address_key
-from node.wire.direct import Socket
+from node.wire.direct import DIRECT_MIN, Socket
 from node.wire.link import LinkDropped, LinkEmulator, LinkProfile
 from node.wire.tls import PinnedKey, client_context, origin
 from protocol.errors import RemoteProtocolError
+
+if TYPE_CHECKING:
+    from multidict import CIMultiDictProxy  # aiohttp's headers (a dependency of aiohttp's)
 
 __all__ = [
     "CHUNK", "BodyTimeout", "BufferPool", "Busy", "ClientGone", "Connections", "LinkDropped", "LinkEmulator",
@@ -135,6 +138,11 @@ _AIOHTTP_HEADERS = 90  # "Date: ...", "Server: Python/3.x aiohttp/3.x" and "Cont
 def _head_bytes(first_line: str, headers: Mapping[str, str]) -> int:
     """Bytes of an HTTP/1.1 message head: its first line, each header line, the blank line."""
     return len(first_line) + 2 + sum(len(k) + len(v) + 4 for k, v in headers.items()) + 2
+
+
+def _encodings(headers: CIMultiDictProxy[str]) -> list[str]:
+    """Every ``Content-Encoding`` of a message, on any of its lines, stripped and lower-cased."""
+    return [e.strip().lower() for e in headers.getall(hdrs.CONTENT_ENCODING, ())]
 
 
 def route_of(path: str) -> str:
@@ -297,16 +305,18 @@ class Transport:
                 self.count_sent(route, _head_bytes(f"{info.method} {info.url.raw_path_qs} HTTP/1.1", info.headers))
                 length = resp.content_length if method != "HEAD" else 0
                 buf, used = await read_stream(resp.content, length, max_reply or self.max_body, self.pool,
-                                              socket=self._reply_socket(resp))
+                                              socket=self._reply_socket(resp, length))
                 self.bytes_received += used
                 return resp.status, buf, used, dict(resp.headers)
 
-    def _reply_socket(self, resp: aiohttp.ClientResponse) -> Socket | None:
+    def _reply_socket(self, resp: aiohttp.ClientResponse, length: int | None) -> Socket | None:
         """The connection a reply's body arrives on, to read its bulk off (and close after:
-        ``node.wire.direct``); None when aiohttp decodes the body (a ``Content-Encoding``)."""
+        ``node.wire.direct``); None for a reply too short to go direct, or one aiohttp decodes
+        (a ``Content-Encoding``)."""
+        if length is None or length < DIRECT_MIN:
+            return None
         conn = resp.connection
-        encodings = [e.strip().lower() for e in resp.headers.getall(hdrs.CONTENT_ENCODING, ())]
-        if conn is None or conn.transport is None or any(e not in ("", "identity") for e in encodings):
+        if conn is None or conn.transport is None or any(e not in ("", "identity") for e in _encodings(resp.headers)):
             return None
 
         def spent() -> None:
@@ -365,7 +375,7 @@ class Transport:
         """Raise ``EncodedBody`` (and hang up after the reply) for a request whose body has a
         ``Content-Encoding`` other than identity, on any of its lines: aiohttp's C parser inflates
         by the last one, ``headers.get`` reads the first."""
-        encodings = [e.strip().lower() for e in request.headers.getall(hdrs.CONTENT_ENCODING, ())]
+        encodings = _encodings(request.headers)
         if any(e != "identity" for e in encodings):
             self._hang_up.add(id(request))
             raise EncodedBody(f"request bodies are not content-encoded: Content-Encoding {', '.join(encodings)[:32]!r} "
