@@ -211,7 +211,8 @@ class _Contents:
         try:
             update = merge_update(self.theta, self.buffer, [p for p in payloads if isinstance(p, torch.Tensor)],
                                   [e.weight for e in decision.entries], [e.clip for e in decision.entries],
-                                  self.outer, embedding=self.embedding, scale=decision.scale)
+                                  self.outer, embedding=self.embedding, scale=decision.scale,
+                                  aggregate=decision.aggregate(self.outer.aggregate))
         except Exception:  # the owner failed this merge too; the log's merge_failed line follows
             self.pending = {version: None}
             return

@@ -330,7 +330,7 @@ class FragmentOwner(ContributionIntake, VersionSealing, OwnerSuccession):
             merged[e.peer] = max(merged.get(e.peer, -1), self.version - e.staleness)
         try:  # one worker-thread hop: the outer step, the sealed version and the replica's state
             nxt = await asyncio.to_thread(self._next_version, self.version + 1, peers, deltas, weights, clips,
-                                          merged, decision.scale, norms)
+                                          merged, decision.scale, norms, decision.aggregate(self.outer_cfg.aggregate))
             if nxt.state is not None and self.replicate is not None:
                 fence = await self.replicate(nxt.state, nxt.state_update, nxt.theta_digest)
                 if fence is not None:
@@ -382,10 +382,10 @@ class FragmentOwner(ContributionIntake, VersionSealing, OwnerSuccession):
 
     def _next_version(self, version: int, peers: list[bytes], deltas: list[torch.Tensor], weights: list[float],
                       clips: list[float], merged: Mapping[bytes, int], scale: float = 1.0,
-                      norms: Sequence[float | None] | None = None) -> _Next:
+                      norms: Sequence[float | None] | None = None, aggregate: str | None = None) -> _Next:
         """The merge's new state, sealed as ``version``, the state to hand to a replica, and with
         updates the sealed update from ``version - 1`` and the new error-feedback residual."""
-        theta, buffer = self._outer(peers, deltas, weights, clips, scale, norms)
+        theta, buffer = self._outer(peers, deltas, weights, clips, scale, norms, aggregate)
         tensors, residual = None, None
         if self.update_codec is not None:  # publish what learners compute from the update
             tensors, theta, residual = encode_update(theta, self.theta, self.residual, self.shapes,
@@ -406,13 +406,13 @@ class FragmentOwner(ContributionIntake, VersionSealing, OwnerSuccession):
                      theta_digest)
 
     def _outer(self, peers: list[bytes], deltas: list[torch.Tensor], weights: list[float],
-               clips: list[float], scale: float = 1.0,
-               norms: Sequence[float | None] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+               clips: list[float], scale: float = 1.0, norms: Sequence[float | None] | None = None,
+               aggregate: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Clip, aggregate, scale, bound and apply the outer step. Raises ``MergeFailed`` naming the
         peers to drop. (Every payload's shape, finiteness and norm were checked by ``_decode``.)"""
         known = self._theta_norm
         update = merge_update(self.theta, self.buffer, deltas, weights, clips, self.outer_cfg,
-                              embedding=self.fragment.is_embedding, scale=scale, norms=norms,
+                              embedding=self.fragment.is_embedding, scale=scale, norms=norms, aggregate=aggregate,
                               theta_norm=known[1] if known is not None and known[0]() is self.theta else None)
         self.step_bounds += int(update.bounded)
         theta, buffer = update.theta, update.buffer

@@ -29,6 +29,7 @@ class Entry:
     steps_bounded: bool = False
     tokens_bounded: bool = False
     work_scale: float = 1.0  # its payload's share kept by ``MergeConfig.max_work_steps`` (in ``clip``)
+    last: bool = False  # the sender's end-of-run flush (see ``Decision.ends_runs``)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -47,3 +48,14 @@ class Decision:
     refusal: Refusal | None = None
     entries: tuple[Entry, ...] = ()
     scale: float = 1.0  # of the merge's aggregate: its share of the round's quorum (see ``protocol.diloco.merge``)
+
+    @property
+    def ends_runs(self) -> bool:
+        """A merge holding a learner's end-of-run flush: its contributions are averaged with equal
+        weights (``weigh``) and no norm rescaling (``aggregate``), so the final version is the
+        mean of the islands' last states, not of their last works scaled to one norm."""
+        return any(e.last for e in self.entries)
+
+    def aggregate(self, configured: str) -> str:
+        """The aggregate this merge uses: ``mean`` when it ``ends_runs``, else ``configured``."""
+        return "mean" if self.ends_runs else configured

@@ -46,8 +46,8 @@ def weigh(pending: Sequence[Pending], *, version: int, history: list[float],
     stale = [version - e.base_version for e in pending]
     discounts = [staleness_discount(s, config.stale_discount) for s in stale]
     weights = [e.weight * d for e, d in zip(pending, discounts, strict=True)]
-    if not any(w > 0 for w in weights):
-        weights = discounts
+    if not any(w > 0 for w in weights) or any(e.last for e in pending):
+        weights = discounts  # an end-of-run round: each learner's island counts once
     weights = clamp_weights(weights, max_median_multiple=config.max_weight_median_multiple)
     weights, capped = cap_weights_by_others(weights, multiple=config.max_weight_median_multiple)
     clips = clip_scales(pending, history, config.clip_multiple)
@@ -55,7 +55,7 @@ def weigh(pending: Sequence[Pending], *, version: int, history: list[float],
     work = [work_scale(e.steps, config.max_work_steps) for e in pending]
     entries = tuple(
         Entry(peer=e.peer, payload=e.payload, weight=w, staleness=s, clip=c * ws, norm=e.norm, weight_capped=k,
-              steps_bounded=e.steps_bounded, tokens_bounded=e.tokens_bounded, work_scale=ws)
+              steps_bounded=e.steps_bounded, tokens_bounded=e.tokens_bounded, work_scale=ws, last=e.last)
         for e, w, s, c, k, ws in zip(pending, weights, stale, clips, capped, work, strict=True)
     )
     return entries, rates  # rates as the norm clip left them: the work cap is no evidence of a norm

@@ -244,6 +244,7 @@ def merge_update(
     theta: torch.Tensor, buffer: torch.Tensor | None, deltas: Sequence[torch.Tensor], weights: Sequence[float],
     clips: Sequence[float], cfg: OuterConfig, *, embedding: bool, scale: float = 1.0,
     norms: Sequence[float | None] | None = None, theta_norm: float | None = None,
+    aggregate: str | None = None,
 ) -> MergeUpdate:
     """One merge of a fragment: clip each delta by its factor, aggregate (a weighted mean for an
     embedding fragment or with ``cfg.aggregate == "mean"``, else ``cfg.aggregate``'s), scale the
@@ -261,15 +262,17 @@ def merge_update(
 
     The owner and ``atoll replay`` both call this, so a replayed log recomputes the same bits
     (on the same torch build and thread count). The result may be non-finite; the caller checks.
+    ``aggregate`` overrides ``cfg.aggregate`` for this merge (``Decision.aggregate``).
     """
+    aggregate = cfg.aggregate if aggregate is None else aggregate
     clipped = [d * c if c < 1.0 else d for d, c in zip(deltas, clips, strict=True)]
     if norms is not None and len(norms) != len(deltas):
         raise LocalProtocolError(f"{len(deltas)} deltas but {len(norms)} known norms")
     # a clipped delta's norm is measured again: (d * c)'s is not c * |d| to the last bit
     known = None if norms is None else [n if c >= 1.0 else None for n, c in zip(norms, clips, strict=True)]
-    if embedding or cfg.aggregate == "mean":
+    if embedding or aggregate == "mean":
         delta = weighted_mean(clipped, weights)
-    elif cfg.aggregate == "normed":
+    elif aggregate == "normed":
         delta = normed_mean(clipped, weights, norms=known)
     else:
         delta = radial_directional_average(clipped, weights, radius=cfg.rda_radius, max_gain=cfg.rda_max_gain or math.inf,

@@ -681,6 +681,45 @@ def test_the_last_round_waits_for_each_learner_still_training_not_for_a_count() 
         m.set_expected(3, now=2.0, learners=frozenset({A, B}))
 
 
+def test_an_end_of_run_round_is_the_mean_of_the_islands_not_of_their_works_at_one_norm() -> None:
+    """At the end of a run learners flush works of any length: one 190 steps since its last
+    contribution, one 10. Token weights and the normed mean (every work scaled to the median
+    norm) made the final version lean on the longest and stretch the shortest; seen at the
+    defaults as final versions up to 0.7 % worse than one evaluation before. A round holding a
+    last contribution weighs each island once and takes the plain mean, so the merge lands on the
+    mean of the islands' states; a round of regular contributions is weighed as before."""
+    torch = pytest.importorskip("torch")
+    from protocol.diloco.outer import OuterConfig, merge_update
+
+    cfg = MergeConfig(quorum=1, quorum_fraction=1.0, late_policy="carry", **EXACT)
+    m = FragmentMerger(0, cfg, version=15, now=0.0)
+    m.set_expected(3, now=0.0, learners=frozenset({A, B, C}))
+    apply(m, c(0.0, A, base=15, tokens=20_000, steps=200))  # A's regular work, then B's and C's flushes
+    apply(m, c(0.5, B, base=15, tokens=19_000, steps=190, last=True))
+    d = apply(m, c(1.0, C, base=15, tokens=1_000, steps=10, last=True))
+    assert d.kind == "merge" and d.ends_runs and d.aggregate("normed") == "mean"
+    assert [e.weight for e in d.entries] == [1.0, 1.0, 1.0] and d.scale == 1.0
+
+    theta = torch.zeros(64)
+    g = torch.Generator().manual_seed(0)
+    islands = [torch.randn(64, generator=g) * s for s in (1.4, 1.3, 0.2)]  # C trained 10 steps since
+    deltas = [theta - x for x in islands]  # pseudo-gradients: global minus local
+    outer = OuterConfig(lr=1.0, momentum=0.0, aggregate="normed")
+    weights, clips = [e.weight for e in d.entries], [e.clip for e in d.entries]
+    end = merge_update(theta, None, deltas, weights, clips, outer, embedding=False,
+                       aggregate=d.aggregate(outer.aggregate)).theta
+    assert torch.allclose(end, torch.stack(islands).mean(0), atol=1e-6)
+    normed = merge_update(theta, None, deltas, weights, clips, outer, embedding=False).theta
+    assert not torch.allclose(normed, end, atol=1e-2)  # what the configured aggregate would have made
+
+    m = FragmentMerger(0, cfg, version=15, now=0.0)
+    m.set_expected(2, now=0.0, learners=frozenset({A, B}))
+    apply(m, c(0.0, A, base=15, tokens=20_000, steps=200))
+    d = apply(m, c(0.5, B, base=15, tokens=10_000, steps=100))
+    assert d.kind == "merge" and not d.ends_runs and d.aggregate("normed") == "normed"
+    assert d.entries[0].weight > d.entries[1].weight > 1.0  # by tokens, as ever
+
+
 def test_rebase_not_allowed_while_merging() -> None:
     m = FragmentMerger(0, MergeConfig(**EXACT), now=0.0)
     assert apply(m, c(0.0, A, step_time=0.0)).kind == "merge"
