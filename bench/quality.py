@@ -35,8 +35,9 @@ from bench.quality_runs import Runner, Setting
 __all__ = ["ABLATIONS", "QUICK", "gap", "main", "parse_ablations", "parse_set"]
 
 # The small model at 4 peers x 600 steps x 16 x 128 bytes: 4.9 M tokens, 25.7 per parameter.
-# Pinned: issue 11's runs were at 600 steps and H = 30, atoll local's defaults until 2026-12-03.
-FULL: dict[str, Any] = {"peers": 4, "steps": 600, "inner_steps": 30}
+# Pinned: issue 11's runs were on the small model at 600 steps and H = 30, atoll local's defaults
+# until 2026-12-03 (its model until 2026-12-05).
+FULL: dict[str, Any] = {"peers": 4, "model": "small", "steps": 600, "inner_steps": 30}
 QUICK: dict[str, Any] = {"peers": 2, "model": "tiny", "steps": 40, "inner_steps": 10, "warmup_steps": 5,
                          "eval_every": 20, "eval_batches": 2, "corpus_max_bytes": 1_000_000}
 

@@ -47,17 +47,20 @@ class RunConfig:
     peers: int = 3
     seed: int = 0
     # --- inner training (each island) -------------------------------------------------------
-    model: str = "small"
+    # tiny at 9,000 steps ends where small did at 3,000 (1.37-1.38 nats/byte) in about two thirds
+    # of the time on 2 cores, and its 45 rounds a fragment at H = 200 cost -0.01 % against H = 30
+    # int8 / fp32 over six seeds, where small's 15 cost +2.8 % (docs/results.md, "More rounds in
+    # the same time")
+    model: str = "tiny"
     corpus: str | None = None  # None: the Python standard library's own .py files
     corpus_max_bytes: int | None = None
     # contiguous: learner m trains on the m-th slice of the corpus sorted by path; striped: each
     # learner's shard spans the whole corpus, as a data-parallel sampler's would. No difference
     # measured, on the stdlib or on a C / Python / Perl mix (docs/results.md, "Striped shards")
     sharding: str = "contiguous"
-    # 3000 steps (96 tokens a parameter of the small model) and H = 200: 15 rounds a fragment,
-    # 1105-1139x fewer bytes than fp32 ring all-reduce, +2.8 % eval loss against int8 up / fp32
-    # down at H = 30 over six seeds (docs/results.md, "Where the open claims stand")
-    steps: int = 3000
+    # 9000 steps (329 tokens a parameter of the tiny model) and H = 200: 45 rounds a fragment,
+    # over 1000x fewer bytes than fp32 ring all-reduce (docs/results.md, "Where the open claims stand")
+    steps: int = 9000
     batch_size: int = 16
     lr: float = 6e-3  # bench.quality: -5.3 % eval loss against 3e-3 at M = 4 (docs/benchmarks.md, Quality); 4e-3 at H = 200: the same (docs/results.md)
     warmup_steps: int = 50

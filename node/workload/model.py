@@ -19,9 +19,10 @@ Design choices that matter to the rest of Atoll:
   ======  ======  =====  ====  =====  =======  ===========  ==========================================
   name    layers  heads  embd  block  params   steps/s      use
   ======  ======  =====  ====  =====  =======  ===========  ==========================================
-  tiny    2       2      48    64     84k      ~47          unit tests
-  small   3       4      64    128    191k     ~12-15       ``atoll local`` default: the biggest that
-                                                            still runs ~15 steps/s on one thread
+  tiny    2       2      48    64     84k      ~47          ``atoll local`` default (9,000 steps: where
+                                                            small's 3,000 end, in two thirds the time)
+  small   3       4      64    128    191k     ~12-15       ``atoll local``'s until 2026-12-05; the
+                                                            biggest at ~15 steps/s on one thread
   base    4       4      128   128    875k     ~4           the reference run's size (algorithm.md)
   medium  6       8      256   256    4.9M     ~0.4         GPU machines
   ======  ======  =====  ====  =====  =======  ===========  ==========================================

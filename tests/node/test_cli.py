@@ -107,7 +107,7 @@ def test_each_commands_help_lists_what_it_uses_with_each_default_once(capsys: py
         assert not re.search(r"\(default: [^)]*\) \(default:", text), argv
         assert "(default: None)" not in text and "(default: )" not in text and "(default: False)" not in text
     local = " ".join(local.split())
-    assert "--steps STEPS inner steps per island (default: 3000) --batch-size" in local
+    assert "--steps STEPS inner steps per island (default: 9000) --batch-size" in local
     assert "--corpus CORPUS a text file or folder to train on (default: the Python standard library's .py files) " \
            "--corpus-max-bytes CORPUS_MAX_BYTES read at most this many corpus bytes --sharding SHARDING" in local
     assert "(default: contiguous) --steps" in local

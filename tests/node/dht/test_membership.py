@@ -47,7 +47,7 @@ def test_manifest_covers_swarm_wide_fields_only() -> None:
     base = RunConfig()
     assert manifest_hash(base) == manifest_hash(dataclasses.replace(base, steps=5, threads=2, corpus="x"))
     assert manifest_hash(base) != manifest_hash(dataclasses.replace(base, fragments=8))
-    assert manifest_hash(base) != manifest_hash(dataclasses.replace(base, model="tiny"))
+    assert manifest_hash(base) != manifest_hash(dataclasses.replace(base, model="small"))
     assert members_key("a") != members_key("b")
 
 

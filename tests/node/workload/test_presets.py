@@ -14,4 +14,4 @@ def test_ddp_syncs_every_step_and_its_h_does_not_grow() -> None:
 def test_sync_keeps_h_and_its_growth_and_waits_for_every_learner() -> None:
     cfg = resolved(RunConfig(mode="sync", peers=3, inner_steps=200, sync_growth="qsr"))
     assert (cfg.inner_steps, cfg.sync_growth, cfg.quorum, cfg.grace_gamma) == (200, "qsr", 3, 0.0)
-    assert cfg.max_tokens_per_step == cfg.batch_size * 128  # the small preset's context
+    assert cfg.max_tokens_per_step == cfg.batch_size * 64  # the tiny preset's context
