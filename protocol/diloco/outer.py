@@ -247,8 +247,8 @@ def merge_update(
     aggregate: str | None = None,
 ) -> MergeUpdate:
     """One merge of a fragment: clip each delta by its factor, aggregate (a weighted mean for an
-    embedding fragment or with ``cfg.aggregate == "mean"``, else ``cfg.aggregate``'s), scale the
-    aggregate by ``scale`` (the merger's ``Decision.scale``), bound it to
+    embedding fragment or with ``aggregate`` (default ``cfg.aggregate``) "mean", else that
+    aggregate), scale the aggregate by ``scale`` (the merger's ``Decision.scale``), bound it to
     ``cfg.max_delta_ratio`` × |Θ| and apply the outer step: with momentum, a scaled merge (a
     part of a step) is a plain step that leaves the buffer as it was. The inputs are not modified.
     ``norms``: each delta's ``norm64`` where the caller measured it already (the owner does, as
@@ -262,7 +262,7 @@ def merge_update(
 
     The owner and ``atoll replay`` both call this, so a replayed log recomputes the same bits
     (on the same torch build and thread count). The result may be non-finite; the caller checks.
-    ``aggregate`` overrides ``cfg.aggregate`` for this merge (``Decision.aggregate``).
+    ``aggregate``: this merge's, where it is not ``cfg.aggregate`` (``Decision.aggregate``).
     """
     aggregate = cfg.aggregate if aggregate is None else aggregate
     clipped = [d * c if c < 1.0 else d for d, c in zip(deltas, clips, strict=True)]

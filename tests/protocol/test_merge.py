@@ -8,10 +8,12 @@ import statistics
 from typing import Any
 
 import pytest
+import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from protocol.diloco.merge import Decision, FragmentMerger, MergeConfig, Phase
+from protocol.diloco.outer import OuterConfig, merge_update
 from protocol.errors import LocalProtocolError
 
 A, B, C, D = (bytes([b]) * 32 for b in (0xA1, 0xB2, 0xC3, 0xD4))
@@ -688,9 +690,6 @@ def test_an_end_of_run_round_is_the_mean_of_the_islands_not_of_their_works_at_on
     defaults as final versions up to 0.7 % worse than one evaluation before. A round holding a
     last contribution weighs each island once and takes the plain mean, so the merge lands on the
     mean of the islands' states; a round of regular contributions is weighed as before."""
-    torch = pytest.importorskip("torch")
-    from protocol.diloco.outer import OuterConfig, merge_update
-
     cfg = MergeConfig(quorum=1, quorum_fraction=1.0, late_policy="carry", **EXACT)
     m = FragmentMerger(0, cfg, version=15, now=0.0)
     m.set_expected(3, now=0.0, learners=frozenset({A, B, C}))
