@@ -1,0 +1,157 @@
+"""Standing per sender key: bounded scores, attackers fall below honest keys, slow recovery,
+Sybil keys cannot outrank long-honest ones, bounded memory, export/restore round-trips."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from protocol.diloco.standing import Event, Standing, StandingConfig
+
+CFG = StandingConfig()
+events = st.sampled_from(list(Event))
+histories = st.lists(st.tuples(st.integers(0, 3), events, st.integers(0, 3)), max_size=200)
+
+
+def _key(i: int) -> bytes:
+    return bytes([i]) * 32
+
+
+@settings(max_examples=200, deadline=None)
+@given(histories)
+def test_every_score_stays_within_floor_and_credit(history: list[tuple[int, Event, int]]) -> None:
+    standing, version = Standing(), 0
+    for peer, event, step in history:
+        version += step
+        score = standing.record(_key(peer), event, version=version)
+        assert CFG.floor <= score <= CFG.max_credit
+    for later in (version, version + 7, version + 10_000):
+        for peer in range(4):
+            assert CFG.floor <= standing.score(_key(peer), version=later) <= CFG.max_credit
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from([Event.CLIPPED, Event.HURT, Event.REFUSED, Event.BOUNDED]), min_size=1,
+                max_size=60),
+       st.lists(st.sampled_from([Event.MERGED, Event.HELPED]), min_size=60, max_size=60))
+def test_an_attacker_whose_work_is_all_clipped_or_hurt_falls_below_honest(
+        attack: list[Event], honest: list[Event]) -> None:
+    standing = Standing()
+    attacker, learner = _key(1), _key(2)
+    for version, (bad, good) in enumerate(zip(attack, honest, strict=False), start=1):
+        standing.record(attacker, bad, version=version)
+        standing.record(learner, good, version=version)
+    end = len(attack)
+    assert standing.score(attacker, version=end) < standing.score(learner, version=end)
+    assert standing.refused(learner, version=end) is None
+
+
+def test_a_key_clipped_every_round_is_refused_with_a_reason_then_recovers_slowly() -> None:
+    standing, attacker = Standing(), _key(1)
+    version = 0
+    while standing.refused(attacker, version=version) is None:
+        version += 1
+        standing.record(attacker, Event.CLIPPED, version=version)
+        assert version < 10, "a key clipped every round must be refused within ten rounds"
+    reason = standing.refused(attacker, version=version)
+    assert reason is not None and "standing" in reason and "below" in reason
+    # slow: refused for several more versions with no new event, then let back in
+    score = standing.score(attacker, version=version)
+    needed = math.ceil((CFG.threshold - score) / CFG.recovery)
+    assert needed >= 1
+    assert standing.refused(attacker, version=version + needed - 1) is not None
+    assert standing.refused(attacker, version=version + needed) is None
+    # recovery stops at neutral: waiting never earns credit
+    assert standing.score(attacker, version=version + 10_000) == 0.0
+
+
+def test_a_key_refused_out_of_bounds_three_times_is_refused_at_once() -> None:
+    standing, attacker = Standing(), _key(1)
+    for _ in range(3):
+        standing.record(attacker, Event.REFUSED, version=5)
+    assert standing.refused(attacker, version=5) is not None
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 50), st.lists(st.sampled_from([Event.MERGED, Event.HELPED]), min_size=1, max_size=20))
+def test_sybil_keys_that_contribute_once_never_outrank_a_long_honest_key(
+        sybils: int, burst: list[Event]) -> None:
+    standing, honest = Standing(), _key(0)
+    for version in range(1, 41):  # 40 clean rounds
+        standing.record(honest, Event.MERGED, version=version)
+    for i in range(sybils):  # each Sybil sends one contribution; a burst of good events in one version
+        for event in burst:
+            standing.record(bytes([1, i]) * 16, event, version=41)
+    top = standing.score(honest, version=41)
+    assert all(standing.score(bytes([1, i]) * 16, version=41) <= CFG.helped < top for i in range(sybils))
+
+
+def test_credit_is_at_most_one_per_version() -> None:
+    standing = Standing()
+    for _ in range(100):
+        standing.record(_key(1), Event.HELPED, version=3)
+    assert standing.score(_key(1), version=3) == pytest.approx(CFG.helped)
+
+
+def test_memory_is_bounded_and_a_flood_of_fresh_keys_keeps_the_refused_record() -> None:
+    standing = Standing(StandingConfig(max_keys=8))
+    attacker = _key(255)
+    for _ in range(5):
+        standing.record(attacker, Event.REFUSED, version=1)
+    for i in range(100):
+        standing.record(bytes([2, i]) * 16, Event.MERGED, version=1)
+        assert len(standing) <= 8
+    assert standing.refused(attacker, version=1) is not None
+
+
+@settings(max_examples=100, deadline=None)
+@given(histories, st.integers(0, 20))
+def test_export_restore_round_trips(history: list[tuple[int, Event, int]], later: int) -> None:
+    standing, version = Standing(), 0
+    for peer, event, step in history:
+        version += step
+        standing.record(_key(peer), event, version=version)
+    at = version + later
+    peers, scores = standing.export(version=at)
+    copy = Standing()
+    copy.restore(peers, scores, version=at)
+    for peer in range(4):
+        assert copy.score(_key(peer), version=at) == pytest.approx(standing.score(_key(peer), version=at))
+        assert copy.score(_key(peer), version=at + 9) == pytest.approx(standing.score(_key(peer), version=at + 9))
+    assert copy.export(version=at) == (peers, scores)
+
+
+@pytest.mark.parametrize("peers,scores", [
+    ((_key(1),), ()),
+    ((_key(1),), (math.nan,)),
+    ((_key(1),), (math.inf,)),
+    ((_key(1),), (CFG.max_credit + 1,)),
+    ((_key(1),), (CFG.floor - 1,)),
+])
+def test_restore_refuses_bad_tuples_and_changes_nothing(peers: tuple[bytes, ...], scores: tuple[float, ...]) -> None:
+    standing = Standing()
+    standing.record(_key(9), Event.CLIPPED, version=0)
+    before = standing.export(version=0)
+    with pytest.raises(ValueError):
+        standing.restore(peers, scores, version=0)
+    assert standing.export(version=0) == before
+
+
+def test_restore_keeps_what_this_owner_saw_itself() -> None:
+    standing = Standing()
+    standing.record(_key(1), Event.CLIPPED, version=0)
+    standing.restore((_key(1), _key(2)), (CFG.max_credit, -1.0), version=0)
+    assert standing.score(_key(1), version=0) == CFG.clipped
+    assert standing.score(_key(2), version=0) == -1.0
+
+
+def test_lowest_and_below_summarise_for_status() -> None:
+    standing = Standing()
+    for _ in range(6):
+        standing.record(_key(1), Event.HURT, version=0)
+    standing.record(_key(2), Event.MERGED, version=0)
+    assert standing.below(version=0) == 1
+    assert standing.lowest(1, version=0) == [(_key(1), CFG.floor if 6 * CFG.hurt < CFG.floor else 6 * CFG.hurt)]
