@@ -3,13 +3,17 @@
 ``load_checkpoint`` parses the header, checks the format version and that the data is all
 there, re-hashes every tensor against ``atoll_sha256``, then checks the tensors against what the
 caller expected and for NaN/Inf. Every refusal is a ``CheckpointError`` that says what is wrong
-and what to do (the format: ``node.state.checkpoint``).
+and what to do (the format: ``node.state.checkpoint``): a crafted file (JSON nested deep enough to
+exhaust the parser's recursion, numbers past Python's digit limit, NaN or Infinity, values of the
+wrong type) is refused like a damaged one, never an exception of another kind, so a peer skips
+it and starts without it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import struct
 from collections.abc import Mapping
@@ -61,6 +65,29 @@ def _read_raw_header(path: Path) -> tuple[bytes, int, int]:
         raise _foreign(path, "it is a directory") from None
 
 
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not allowed")  # NaN/Infinity: save_checkpoint never writes them
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e99999 parses to inf
+        raise ValueError(f"{text[:24]} is not a finite number")
+    return value
+
+
+def _parse_json(path: Path, raw: bytes | str, what: str) -> Any:
+    """``raw`` parsed, or a ``CheckpointError`` naming ``what`` for any failure: bad syntax,
+    nesting past the parser's recursion limit (``RecursionError``), a number past the digit
+    limit or past a float's range, NaN or Infinity."""
+    try:
+        return json.loads(raw, parse_constant=_reject_constant, parse_float=_finite_float)
+    except RecursionError:
+        raise _corrupt(path, f"{what} is nested too deeply to parse") from None
+    except ValueError:
+        raise _corrupt(path, f"{what} is not valid JSON") from None
+
+
 def _read_header(path: Path) -> tuple[dict[str, Any], int]:
     """The parsed JSON header and the number of data bytes after it."""
     raw, n, size = _read_raw_header(path)
@@ -68,10 +95,7 @@ def _read_header(path: Path) -> tuple[dict[str, Any], int]:
         raise _corrupt(path, "the header runs past the end of the file")
     if not raw.startswith(b"{"):
         raise _foreign(path, "no safetensors header")
-    try:
-        header = json.loads(raw)
-    except ValueError:
-        raise _corrupt(path, "the header is not valid JSON") from None
+    header = _parse_json(path, raw, "the header")
     if not isinstance(header, dict):
         raise _corrupt(path, "the header is not a JSON object")
     return header, size - 8 - n
@@ -126,8 +150,8 @@ def _read_tensors(path: Path, names: list[str]) -> dict[str, torch.Tensor]:
     try:
         with safe_open(str(path), framework="pt") as f:  # memory-mapped
             return {name: f.get_tensor(name) for name in names}
-    except SafetensorError as e:
-        raise _corrupt(path, f"safetensors: {e}") from None
+    except (SafetensorError, ValueError, TypeError, OverflowError, RuntimeError) as e:  # a crafted header
+        raise _corrupt(path, f"safetensors: {str(e)[:200]}") from None
 
 
 def _check_expected(path: Path, tensors: Mapping[str, torch.Tensor], expected: Expected) -> None:
@@ -189,7 +213,9 @@ def load_checkpoint(
     ]
     if _digest(record["atoll_created"], record["atoll_meta"], parts) != record[_SHA]:
         raise _corrupt(path, "hash mismatch")
-    meta = json.loads(record["atoll_meta"])
+    meta = _parse_json(path, record["atoll_meta"], "the meta record")
+    if not isinstance(meta, dict):
+        raise _corrupt(path, f"the meta record is a JSON {type(meta).__name__}, not an object")
     if expected is not None:
         _check_expected(path, tensors, expected)
     if not allow_nonfinite:

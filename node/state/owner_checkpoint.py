@@ -36,6 +36,18 @@ _NAME = re.compile(r"owner-fragment(\d{1,6})\.safetensors")
 MIN_GAP_S = 5.0
 
 
+def _is_count(value: object) -> bool:
+    """A JSON integer a version or epoch can be (not a bool, a float, or past 2^63)."""
+    return type(value) is int and 0 <= value < 1 << 63
+
+
+def _count(meta: dict[str, object], name: str) -> int:
+    value = meta.get(name)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 63:
+        raise ValueError(f"{name} {str(value)[:40]!r} is not an integer in [0, 2^63)")
+    return value
+
+
 class OwnerCheckpoints:
     """Writes and reads the owner checkpoints of one peer in ``folder``."""
 
@@ -98,7 +110,8 @@ class OwnerCheckpoints:
                 continue
             try:
                 found[int(m.group(1))] = self._load(path, int(m.group(1)))
-            except (CheckpointError, ValueError, KeyError, TypeError) as exc:
+            except (CheckpointError, ValueError, KeyError, TypeError, OverflowError, AttributeError, RecursionError,
+                    OSError) as exc:  # any parse error of a file we did not write: skip it, never fail to start
                 log.warning("owner checkpoint %s refused: %s; this fragment starts from the swarm's version",
                             path, exc)
         return found
@@ -116,9 +129,13 @@ class OwnerCheckpoints:
         for name, t in (("theta", theta), ("momentum", momentum)):
             if t is not None and (t.dtype != torch.float32 or t.shape != (self.numels[p],)):
                 raise ValueError(f"{name} is {t.dtype} {tuple(t.shape)}, expected float32 ({self.numels[p]},)")
-        epoch, version = int(meta["epoch"]), int(meta["version"])
-        digest = bytes.fromhex(meta["digest"])
-        if epoch < 0 or version < 0 or len(digest) != 32:
-            raise ValueError(f"epoch {epoch}, version {version}, digest of {len(digest)} bytes")
-        merged = {bytes.fromhex(peer): int(base) for peer, base in meta["merged"]}
+        epoch, version = _count(meta, "epoch"), _count(meta, "version")
+        digest = bytes.fromhex(meta["digest"]) if isinstance(meta.get("digest"), str) else b""
+        if len(digest) != 32:
+            raise ValueError(f"digest of {len(digest)} bytes, expected 32 in hex")
+        pairs = meta.get("merged")
+        if not isinstance(pairs, list) or not all(
+                isinstance(e, list) and len(e) == 2 and isinstance(e[0], str) and _is_count(e[1]) for e in pairs):
+            raise ValueError("merged must be a list of [peer id hex, base version] pairs")
+        merged = {bytes.fromhex(peer): int(base) for peer, base in pairs}
         return Handed(p, epoch, version, digest, theta, momentum, b"", merged)

@@ -80,3 +80,41 @@ def test_a_peer_starts_with_its_owner_checkpoints_as_handed_states(tmp_path: Pat
     held = node.replicas.states[0]
     assert held.version == 40 and held.epoch == 2 and torch.equal(held.theta, theta)
     assert node.replicas.held[0].version == 40  # and a handoff older than it is refused
+
+
+def _crafted(path: Path, meta_json: str, n: int = 10) -> None:
+    """An owner checkpoint whose meta record is ``meta_json`` as given, with a valid digest."""
+    from tests.node.state.test_checkpoint import craft
+
+    craft(path, {"theta": torch.zeros(n)}, meta_json)
+
+
+_OWNER = '"kind": "atoll-owner", "swarm": "test-swarm", "fragment": 1, '
+_DIGEST = '"digest": "' + "ab" * 32 + '"'
+
+
+@pytest.mark.parametrize("meta_json", [
+    "[" * 100_000 + "]" * 100_000,  # RecursionError in the parser
+    "{" + _OWNER + '"epoch": 1e400, "version": 3, ' + _DIGEST + ', "merged": []}',  # inf: OverflowError
+    "{" + _OWNER + '"epoch": 1, "version": ' + "9" * 30 + ", " + _DIGEST + ', "merged": []}',  # past 2^63
+    "{" + _OWNER + '"epoch": 1, "version": 3, ' + _DIGEST + ', "merged": [[1, 2, 3]]}',
+    "{" + _OWNER + '"epoch": 1, "version": 3, ' + _DIGEST + ', "merged": {"a": 1}}',
+    "{" + _OWNER + '"epoch": true, "version": 3, ' + _DIGEST + ', "merged": []}',
+    "{" + _OWNER + '"epoch": 1, "version": 3, "digest": ["ab"], "merged": []}',
+    '["atoll-owner"]',
+])
+def test_crafted_owner_checkpoints_are_skipped_and_the_peer_starts(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, meta_json: str) -> None:
+    """Every parse error of an owner checkpoint (a header nested past the parser's recursion, an
+    epoch of 1e400, a version past 2^63, merged work of the wrong shape, a meta record that is
+    not an object) is a refusal with the reason: the file is skipped and the peer starts."""
+    model = tiny_model()
+    plan = tiny_plan(model)
+    numels = [sum(model.get_parameter(n).numel() for n in f.names) for f in plan.fragments]
+    path = tmp_path / "owner-fragment1.safetensors"
+    _crafted(path, meta_json.replace('"test-swarm"', '"atoll-local"'), numels[1])
+    with caplog.at_level("WARNING", logger="node.state.owner_checkpoint"):
+        assert OwnerCheckpoints(tmp_path, "atoll-local", numels).load() == {}
+        node = PeerNode(RunConfig(max_tokens_per_step=64), signer(1), model, plan, owner_checkpoint_dir=tmp_path)
+    assert 1 not in node.replicas.states
+    assert f"owner checkpoint {path} refused" in caplog.text
