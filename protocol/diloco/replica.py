@@ -15,13 +15,24 @@ not below the held one and it moves the version forward; the same version with t
 is taken again (a retry); the same version with another digest, or an older epoch, is refused
 with the reason ("fenced: ..."). An owner records every version it publishes the same way, so
 after it retires it refuses a second content for any of them.
+
+``admit`` comes first: *who* may hand a fragment over at all (issue 48: an owner-certified key
+handed itself every fragment). A handoff for fragment p is taken only from the peer this peer's
+view (or its last ownership pass, or the owner it took p from) names as p's owner, or from p's
+immediate predecessor (who would own p without this peer: a replica's primary, or the owner a
+successor displaces). Only an owner may raise the epoch by more than one, hand a version this
+peer does not know to exist, supersede an owner that has merged, or declare a version final; no
+one may hand a version above what the rounds since allow (``versions.version_jump_reason``), and
+the bases of its merged work are clamped below the handed version.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Held", "Judgement", "judge"]
+from protocol.diloco.versions import MAX_ROUNDS_PER_S, version_jump_reason
+
+__all__ = ["Admission", "HandoffView", "Held", "Judgement", "admit", "judge"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,3 +72,72 @@ def judge(held: Held | None, *, epoch: int, version: int, digest: bytes, fragmen
     if version == held.version:
         return Judgement(True, f"fragment {fragment}: version {version} again (epoch {epoch}); same content")
     return Judgement(True, f"fragment {fragment}: took version {version} (epoch {epoch}); held {held.version}")
+
+
+@dataclass(frozen=True, slots=True)
+class HandoffView:
+    """Who this peer's view names for one fragment, as ``admit`` needs it.
+
+    ``owners``: the peers named as the fragment's owner, by the view now or by the last ownership
+    pass (and the owner this peer took the fragment from); this peer's own id is ignored.
+    ``predecessor``: who would own the fragment without this peer (a replica's primary, or the
+    owner this peer displaces), or None. ``merged``: this peer owns the fragment and has merged."""
+
+    me: bytes
+    owners: frozenset[bytes]
+    predecessor: bytes | None
+    merged: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """Whether a handoff may be judged at all; ``kind`` names a refusal for counting ("" when
+    admitted); ``final`` and ``merged_bases`` are what of the handoff is honoured."""
+
+    accepted: bool
+    kind: str
+    reason: str
+    final: bool = False
+    merged_bases: tuple[int, ...] = ()
+
+
+def admit(sender: bytes, view: HandoffView, held: Held | None, *, fragment: int, epoch: int, version: int,
+          final: bool, merged_bases: tuple[int, ...], known_version: int, known_at: float | None,
+          created: float | None, now: float, max_rounds_per_s: float = MAX_ROUNDS_PER_S) -> Admission:
+    """Whether ``sender``'s handoff of ``fragment`` (``epoch``, ``version``, ``final``,
+    ``merged_bases``) may be taken here, before ``judge`` looks at its content.
+
+    ``held``: the replica fence held here for the fragment; ``known_version``: the newest version
+    of it this peer holds or has received (at ``known_at``, wall clock; None: never), bounding
+    version jumps together with the swarm's creation time ``created``."""
+    owners = view.owners - {view.me}
+    is_owner = sender in owners
+    predecessor = view.predecessor if view.predecessor != view.me else None
+    p = fragment
+    if not is_owner and sender != predecessor:
+        named = ", ".join(sorted(o.hex()[:8] for o in owners)) or "no one"
+        return Admission(False, "not-entitled",
+                         f"refused: this peer's view names {named} as fragment {p}'s owner and "
+                         f"{predecessor.hex()[:8] if predecessor else 'no one'} as its predecessor; "
+                         f"a handoff from {sender.hex()[:8]} is not taken")
+    held_epoch = held.epoch if held is not None else -1
+    if not is_owner and epoch > held_epoch + 1:
+        return Admission(False, "epoch-jump",
+                         f"refused: fragment {p} is at epoch {held_epoch} here; only its owner may hand it "
+                         f"over at epoch {epoch} (its predecessor at most {held_epoch + 1})")
+    jump = version_jump_reason(version, held=known_version, held_at=known_at, now=now, created=created,
+                               max_rounds_per_s=max_rounds_per_s)
+    if jump is not None:
+        return Admission(False, "version-jump", f"refused: fragment {p}: {jump}")
+    if not is_owner and version > known_version:
+        return Admission(False, "ahead-of-known",
+                         f"refused: fragment {p} version {version} is not known here (newest {known_version}); "
+                         f"only its owner hands over a version not yet published")
+    if view.merged and not is_owner:
+        return Admission(False, "owner-merged",
+                         f"refused: this peer owns fragment {p} and has merged; only an owner in its view "
+                         f"may hand it a state")
+    cap = max(version - 1, 0)  # work merged into version v was measured against v - 1 or older
+    return Admission(True, "", f"fragment {p}: handoff from {'owner' if is_owner else 'predecessor'} "
+                               f"{sender.hex()[:8]} admitted", final=final and is_owner,
+                     merged_bases=tuple(min(b, cap) for b in merged_bases))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from protocol.diloco.replica import Held, judge
+from protocol.diloco.replica import HandoffView, Held, admit, judge
 
 D1, D2 = b"\x01" * 32, b"\x02" * 32
 
@@ -54,3 +54,56 @@ def test_a_successor_takes_its_predecessors_final_state_whatever_its_epoch() -> 
     assert not judge(held, epoch=1, version=59, digest=b"b" * 32, fragment=3, successor=True).accepted
     assert not judge(Held(2, 61, b"a" * 32), epoch=1, version=61, digest=b"b" * 32, fragment=3,
                      successor=True).accepted  # a second content for a version is never taken
+
+
+# --- admit: who may hand a fragment over (issue 48) ---------------------------------------------
+ME, OWNER, PRED, ATTACKER = b"m" * 32, b"o" * 32, b"p" * 32, b"a" * 32
+
+
+def _admit(sender: bytes, view: HandoffView, held: Held | None = Held(3, 10, D1), **kw: object) -> object:
+    args: dict[str, object] = dict(fragment=2, epoch=3, version=11, final=False, merged_bases=(),
+                                   known_version=10, known_at=100.0, created=0.0, now=101.0)
+    args.update(kw)
+    return admit(sender, view, held, **args)  # type: ignore[arg-type]
+
+
+def test_a_handoff_from_neither_owner_nor_predecessor_is_refused() -> None:
+    view = HandoffView(me=ME, owners=frozenset({OWNER}), predecessor=OWNER)
+    a = _admit(ATTACKER, view)
+    assert not a.accepted and a.kind == "not-entitled" and "not taken" in a.reason
+    assert _admit(OWNER, view).accepted
+    # this peer naming itself owner does not entitle anyone else
+    assert not _admit(ATTACKER, HandoffView(me=ME, owners=frozenset({ME}), predecessor=None)).accepted
+
+
+def test_only_the_owner_raises_the_epoch_past_held_plus_one_or_hands_an_unknown_version() -> None:
+    view = HandoffView(me=ME, owners=frozenset({ME}), predecessor=PRED)
+    forged = _admit(PRED, view, epoch=2**62)
+    assert not forged.accepted and forged.kind == "epoch-jump"
+    assert _admit(PRED, view, epoch=4, version=10).accepted  # held + 1, a version known here
+    ahead = _admit(PRED, view, epoch=4, version=11)
+    assert not ahead.accepted and ahead.kind == "ahead-of-known"
+    owner_view = HandoffView(me=ME, owners=frozenset({OWNER}), predecessor=OWNER)
+    assert _admit(OWNER, owner_view, epoch=2**62, version=11).accepted  # a takeover far above: the owner's
+
+
+def test_handed_versions_obey_the_version_jump_fence() -> None:
+    view = HandoffView(me=ME, owners=frozenset({OWNER}), predecessor=OWNER)
+    a = _admit(OWNER, view, version=10 + 2 + 100)  # 1 s since version 10: at most 10 + 1 + 100
+    assert not a.accepted and a.kind == "version-jump"
+    assert _admit(OWNER, view, version=10 + 1 + 100).accepted
+
+
+def test_final_only_from_the_owner_and_merged_bases_clamped_below_the_version() -> None:
+    view = HandoffView(me=ME, owners=frozenset({OWNER}), predecessor=PRED)
+    a = _admit(OWNER, view, final=True, merged_bases=(11, 3))
+    assert a.accepted and a.final and a.merged_bases == (10, 3)
+    view = HandoffView(me=ME, owners=frozenset({ME}), predecessor=PRED)
+    b = _admit(PRED, view, version=10, epoch=4, final=True)
+    assert b.accepted and not b.final
+
+
+def test_an_owner_that_merged_takes_no_state_from_its_predecessor() -> None:
+    view = HandoffView(me=ME, owners=frozenset({ME}), predecessor=PRED, merged=True)
+    a = _admit(PRED, view, version=10, epoch=4)
+    assert not a.accepted and a.kind == "owner-merged"
