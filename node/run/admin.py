@@ -23,7 +23,7 @@ from typing import Any
 
 from node.config import SCHEDULE_FIELDS, RunConfig, add_run_arguments
 from node.dht.membership import RECIPE_FIELDS, recipe_of
-from node.dht.swarm import MANIFEST_PATH
+from node.dht.swarm import MANIFEST_PATH, manifest_post_headers
 from node.wire.identity import (
     IdentityError,
     generate_key,
@@ -83,6 +83,8 @@ def add_admin_commands(sub: Any) -> None:
     pub = cmds.add_parser("publish", help="hand a (newer) manifest to a member; it spreads from there")
     pub.add_argument("manifest", type=Path, help="the swarm manifest")
     pub.add_argument("--peer", required=True, metavar="URL", help="a member's address, e.g. http://host:port")
+    pub.add_argument("--founder", type=Path, required=True, metavar="KEY",
+                     help="the founder's key file: members take a manifest post only with its signature")
 
     show = cmds.add_parser("show", help="print what a manifest says (its signature verified)")
     show.add_argument("manifest", type=Path, help="the swarm manifest")
@@ -242,7 +244,8 @@ def _parse_days(text: str) -> float:
 
 
 def _publish(args: argparse.Namespace) -> int:
-    load_manifest(args.manifest)  # refuse to hand out a manifest that does not verify
+    manifest = load_manifest(args.manifest)  # refuse to hand out a manifest that does not verify
+    founder = _founder_of(manifest, args.founder)
     body = Path(args.manifest).read_bytes()
     base = args.peer.rstrip("/")
     if not base.startswith(("http://", "https://")):
@@ -254,7 +257,9 @@ def _publish(args: argparse.Namespace) -> int:
         # signature), so the publisher needs no pin to hand it over. The whole answer within the
         # timeout: a peer trickling it a byte a second does not hold the command
         status, got = http_fetch(base + MANIFEST_PATH, method="POST", body=body, limit=65536,
-                                 headers={"Content-Type": "application/toml"}, timeout=PUBLISH_TIMEOUT_S)
+                                 headers={"Content-Type": "application/toml",
+                                          **manifest_post_headers(founder, manifest, body)},
+                                 timeout=PUBLISH_TIMEOUT_S)
     except TimeoutError:
         raise IdentityError(f"{base} did not answer within {PUBLISH_TIMEOUT_S:.0f} s") from None
     except OSError as exc:

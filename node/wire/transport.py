@@ -331,6 +331,10 @@ class Transport:
         self._hang_up.add(id(request))
 
     async def read_request(self, request: web.Request, max_size: int | None = None, *,
+    def hang_up(self, request: web.Request) -> None:
+        """Close ``request``'s connection after its reply: its body is left unread, not drained."""
+        self._hang_up.add(id(request))
+
                            on_head: Callable[[memoryview], Awaitable[int | None]] | None = None,
                            ) -> tuple[bytearray, int]:
         """Read a request body into a pooled buffer (see ``read_stream``) under ``self.limits``.

@@ -149,7 +149,7 @@ def test_two_labs_train_and_strangers_stay_out(tmp_path: Path) -> None:
         before = load_manifest(files.manifest).version
         admin("swarm", "revoke", str(files.manifest), "--founder", str(files.key("founder")),
               "--peer", str(files.key("late")))
-        admin("swarm", "publish", str(files.manifest), "--peer", urls["a1"])
+        admin("swarm", "publish", str(files.manifest), "--peer", urls["a1"], "--founder", str(files.key("founder")))
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             versions = {p: status(files, u)["admission"]["version"] for p, u in urls.items()}

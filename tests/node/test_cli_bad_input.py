@@ -201,5 +201,6 @@ def test_publish_to_a_trickling_peer_is_one_line(tmp_path: Path, capsys: pytest.
     capsys.readouterr()
     monkeypatch.setattr(admin, "PUBLISH_TIMEOUT_S", DEADLINE_S)
     with peer(trickle=True) as url:
-        err = one_line(capsys, ["swarm", "publish", str(tmp_path / "s.toml"), "--peer", url], 1)
+        err = one_line(capsys, ["swarm", "publish", str(tmp_path / "s.toml"), "--peer", url,
+                                   "--founder", str(tmp_path / "f.pem")], 1)
     assert err == f"atoll swarm publish: {url} did not answer within {DEADLINE_S:.0f} s"

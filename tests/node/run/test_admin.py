@@ -190,7 +190,8 @@ def test_manifest_edited_by_hand_is_refused_everywhere(tmp_path: Path, capsys: p
                  "--peer", keys["peer"], "--roles", "learner", "--out", tmp_path / "c.cert").endswith(expected)
     assert fails(capsys, "swarm", "revoke", path, "--founder", tmp_path / "founder.pem",
                  "--peer", keys["peer"]).endswith(expected)
-    assert fails(capsys, "swarm", "publish", path, "--peer", "http://127.0.0.1:9").endswith(expected)
+    assert fails(capsys, "swarm", "publish", path, "--peer", "http://127.0.0.1:9",
+                 "--founder", tmp_path / "founder.pem").endswith(expected)
 
 
 def test_every_mistake_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
@@ -216,8 +217,8 @@ def test_every_mistake_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture
     assert "--days" in fails(capsys, *certify, "--roles", "learner", "--days", "soon", code=2)
     assert "neither a public key" in fails(capsys, *certify[:-4], "--peer", "abcd", "--roles", "learner",
                                            "--out", tmp_path / "c.cert")
-    assert "is not an http(s) URL" in fails(capsys, "swarm", "publish", m, "--peer", "ftp://x", code=2)
-    assert "could not reach" in fails(capsys, "swarm", "publish", m, "--peer", "http://127.0.0.1:9")
+    assert "is not an http(s) URL" in fails(capsys, "swarm", "publish", m, "--peer", "ftp://x", "--founder", f, code=2)
+    assert "could not reach" in fails(capsys, "swarm", "publish", m, "--peer", "http://127.0.0.1:9", "--founder", f)
     (tmp_path / "leaky.pem").write_bytes(a.read_bytes())
     (tmp_path / "leaky.pem").chmod(0o644)
     line = fails(capsys, "swarm", "certify", "--manifest", m, "--authority", tmp_path / "leaky.pem",
@@ -262,7 +263,8 @@ async def test_publish_posts_the_toml(tmp_path: Path, capsys: pytest.CaptureFixt
     m = tmp_path / "swarm.toml"
 
     async def publish() -> tuple[int, str, str]:
-        code = await asyncio.wait_for(asyncio.to_thread(main, ["swarm", "publish", str(m), "--peer", url + "/"]), 30)
+        code = await asyncio.wait_for(asyncio.to_thread(main, ["swarm", "publish", str(m), "--peer", url + "/",
+                                                              "--founder", str(tmp_path / "founder.pem")]), 30)
         out, err = capsys.readouterr()
         return code, out, err
 

@@ -13,7 +13,7 @@ import pytest
 import tomli_w
 from aiohttp import web
 
-from node.dht.swarm import MANIFEST_PATH, SwarmCredentials
+from node.dht.swarm import MANIFEST_PATH, SwarmCredentials, manifest_post_headers
 from node.wire.admission import request_headers
 from node.wire.tls import PinMismatch, server_context
 from node.wire.transport import Transport
@@ -97,10 +97,12 @@ async def test_certified_swarm_admits_members_and_refuses_everyone_else_with_the
             assert r.status == 403 and "clock" in (await r.json())["reason"]
         assert cred.admission.refused and cred.admission.admitted >= 1
 
-        # the founder revokes the member; the manifest arrives by publish (no credentials needed)
+        # the founder revokes the member; the manifest arrives by publish (no credentials needed:
+        # the founder's signature over the body's hash, in its head)
         revoked = swarm.manifest.with_revoked(member.public_key).signed(swarm.founder)
-        async with anon.session.post(server.url + MANIFEST_PATH, data=tomli_w.dumps(revoked.to_toml_data()),
-                                     ssl=False) as r:
+        text = tomli_w.dumps(revoked.to_toml_data()).encode()
+        async with anon.session.post(server.url + MANIFEST_PATH, data=text, ssl=False,
+                                     headers=manifest_post_headers(swarm.founder, revoked, text)) as r:
             assert r.status == 200 and (await r.json())["adopted"] is True
         status, body = await get(ok, url)
         assert status == 403 and "revoked" in body
