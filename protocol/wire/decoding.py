@@ -184,11 +184,12 @@ def _build(cls: type, fields: object, blobs: _Blobs, where: str) -> Any:
         raise DecodeError(f"{where}: fields must be a map")
     schema = schema_of(cls)
     names = {name for name, _ in schema}
-    if fields.keys() != names:
+    added: frozenset[str] = getattr(cls, "ADDED", frozenset())  # fields added later, which an older sender leaves out
+    if fields.keys() != names and not (fields.keys() <= names and names - fields.keys() <= added):
         missing = sorted(names - fields.keys())
         unknown = sorted(str(k) for k in fields.keys() - names)
         raise DecodeError(f"{where}: missing fields {missing}, unknown fields {unknown}")
-    kwargs = {n: _decode_value(k, fields[n], blobs, f"{where}.{n}") for n, k in schema}
+    kwargs = {n: _decode_value(k, fields[n], blobs, f"{where}.{n}") for n, k in schema if n in fields}
     try:
         return cls(**kwargs)
     except RemoteProtocolError:

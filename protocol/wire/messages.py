@@ -12,6 +12,7 @@ schema or a range raises ``DecodeError``: a remote error when a peer sent it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from protocol.errors import DecodeError
 from protocol.wire.schema import (
@@ -68,6 +69,9 @@ __all__ = [
 
 PEER_ID_BYTES = 32
 HASH_BYTES = 32
+MAX_NORM_HISTORY = 64  # a merger's reference: a few rounds of accepted norms
+MAX_STANDING = 4096  # sender keys whose standing a handoff carries (``StandingConfig.max_keys``)
+MAX_STANDING_SCORE = 1000.0  # far past any ``StandingConfig`` bound; the successor checks its own
 
 
 def _require(ok: bool, reason: str) -> None:
@@ -237,7 +241,11 @@ class ReplicaState(Message):
     one the replica holds under that version and digest already: a handoff by reference.
     ``final``: the sender handed ``version`` out as final (learners ending their run took it and
     left); the next owner holds it final too, refusing work for the final hold, or the swarm
-    ends on two models."""
+    ends on two models.
+    ``norm_history``: the merger's recent accepted norms, the reference its clip measures
+    against, so a successor does not start without one; ``standing_peers``/``standing_scores``:
+    the owner's standing per sender key (``protocol.diloco.standing``). Absent in older
+    senders' messages (a successor then seeds its reference from norms it measures)."""
 
     swarm: str
     fragment: int
@@ -251,6 +259,11 @@ class ReplicaState(Message):
     base_version: int = -1
     base_digest: bytes = b""
     final: bool = False
+    norm_history: tuple[float, ...] = ()
+    standing_peers: tuple[bytes, ...] = ()
+    standing_scores: tuple[float, ...] = ()
+    # left out of the bytes when empty, and taken as empty when absent (older senders)
+    ADDED: ClassVar[frozenset[str]] = frozenset({"norm_history", "standing_peers", "standing_scores"})
 
     def _check(self) -> None:
         _name(self.swarm, "ReplicaState.swarm")
@@ -262,6 +275,14 @@ class ReplicaState(Message):
             _hash(peer, PEER_ID_BYTES, "ReplicaState.merged_peers")
         _require(all(0 <= b <= self.version for b in self.merged_bases),
                  "ReplicaState.merged_bases must lie in 0..version")
+        _require(len(self.norm_history) <= MAX_NORM_HISTORY and all(x >= 0 for x in self.norm_history),
+                 f"ReplicaState.norm_history must hold at most {MAX_NORM_HISTORY} norms, each >= 0")
+        _require(len(self.standing_peers) == len(self.standing_scores) <= MAX_STANDING,
+                 f"ReplicaState.standing_peers and standing_scores must pair up, at most {MAX_STANDING}")
+        for peer in self.standing_peers:
+            _hash(peer, PEER_ID_BYTES, "ReplicaState.standing_peers")
+        _require(all(abs(s) <= MAX_STANDING_SCORE for s in self.standing_scores),
+                 f"ReplicaState.standing_scores must lie in -{MAX_STANDING_SCORE}..{MAX_STANDING_SCORE}")
         if self.base_version == -1:
             _tensors(self.theta, "ReplicaState.theta")
             _require(self.base_digest == b"", "ReplicaState.base_digest must be empty without a base_version")

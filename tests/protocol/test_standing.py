@@ -155,3 +155,52 @@ def test_lowest_and_below_summarise_for_status() -> None:
     standing.record(_key(2), Event.MERGED, version=0)
     assert standing.below(version=0) == 1
     assert standing.lowest(1, version=0) == [(_key(1), CFG.floor if 6 * CFG.hurt < CFG.floor else 6 * CFG.hurt)]
+
+
+# --- on the wire: ReplicaState carries the reference and the standing ---------------------------
+
+def _replica_state(**changes: object) -> object:
+    from protocol.wire.messages import ReplicaState
+    from protocol.wire.tensors import EncodedTensor
+    theta = EncodedTensor(codec="none", shape=(4,), dtype="float32", block_size=0, data=bytes(16), scales=b"")
+    fields: dict[str, object] = dict(swarm="s", fragment=0, epoch=1, version=3, digest=bytes(32), theta=(theta,),
+                                     momentum=())
+    fields.update(changes)
+    return ReplicaState(**fields)  # type: ignore[arg-type]
+
+
+def test_replica_state_round_trips_the_reference_and_the_standing() -> None:
+    from protocol.wire import codec
+    msg = _replica_state(norm_history=(1.5, 2.0, 0.0), standing_peers=(_key(1), _key(2)),
+                         standing_scores=(-2.5, 1.0))
+    assert codec.decode(codec.encode(msg).tobytes(), max_size=1 << 20) == msg
+
+
+def test_a_replica_state_without_the_new_fields_is_encoded_and_decoded_as_before() -> None:
+    from protocol.wire import codec
+    plain = _replica_state()
+    data = codec.encode(plain).tobytes()
+    # the bytes an older sender makes (no such fields): an older peer reads them, and we decode
+    # them with the fields empty
+    assert b"norm_history" not in data and b"standing_peers" not in data
+    assert codec.decode(data, max_size=1 << 20) == plain
+
+
+@pytest.mark.parametrize("changes", [
+    dict(norm_history=(-1.0,)),
+    dict(norm_history=(1.0,) * 65),
+    dict(standing_peers=(_key(1),), standing_scores=()),
+    dict(standing_peers=(b"short",), standing_scores=(0.5,)),
+    dict(standing_peers=(_key(1),), standing_scores=(1e9,)),
+])
+def test_replica_state_refuses_bad_references_and_standings(changes: dict[str, object]) -> None:
+    from protocol.errors import DecodeError
+    with pytest.raises(DecodeError):
+        _replica_state(**changes)
+
+
+def test_replica_state_refuses_non_finite_norms_on_the_wire() -> None:
+    from protocol.errors import DecodeError
+    from protocol.wire import codec
+    with pytest.raises((DecodeError, ValueError)):
+        codec.encode(_replica_state(norm_history=(math.inf,)))
