@@ -9,6 +9,15 @@ peer leaves the member list by itself.
 Owners are chosen from this list by rendezvous hash over live members that are reachable,
 accept the owner role, share our recipe and carry a certificate that grants the owner role (in
 open and certified swarms alike); a member that cannot be dialled is a learner only.
+
+Addresses and TLS pins. A record's address is a claim: any member may name any host:port. Each
+address is *held* by one member: the one that held it at our last read while it still claims it,
+else (two claims seen at once) a candidate owner before a learner, then the lower peer id. A
+member whose address another holds keeps learning, but its address is ignored (no pin, no
+ownership, never dialled) and the reason is in ``refused``. ``pins`` maps each held https origin
+to its holder's TLS pin, from the holder's own certificate, and loses it when the holder leaves:
+a later record can never re-pin an address. Only a TLS handshake moves an address: when the key
+presented there belongs to another claimant, ``pin_mismatch`` hands the address to it.
 """
 
 from __future__ import annotations
@@ -16,24 +25,29 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import msgpack
 
 from node.config import SCHEDULE_FIELDS, SWARM_WIDE_FIELDS, RunConfig
 from node.dht.kademlia import DHTNode
+from node.wire.tls import origin
 from protocol.dht.records import SignedRecord, known_tags
 from protocol.diloco.fragments import balanced_owners, owner_chain, owners_of
 from protocol.errors import DecodeError, NotAuthorized, RemoteProtocolError
 from protocol.ids import key_id
 from protocol.wire.certificates import MAX_CERT_BYTES, Certificate, admit
-from protocol.wire.membership import SwarmManifest
+from protocol.wire.membership import SwarmManifest, bare_origin
 
-__all__ = ["Member", "MemberRecord", "Membership", "config_from_manifest", "manifest_hash", "members_key",
-           "recipe_of"]
+__all__ = ["Member", "MemberRecord", "Membership", "address_of", "config_from_manifest", "manifest_hash",
+           "members_key", "recipe_of"]
+
+log = logging.getLogger(__name__)
 
 # The fields that must agree across a swarm: the model and how it is cut, merged and weighted.
 MANIFEST_FIELDS = SWARM_WIDE_FIELDS
@@ -84,6 +98,11 @@ def config_from_manifest(manifest: SwarmManifest, base: RunConfig, *, keep: Coll
     return dataclasses.replace(base, swarm=manifest.swarm_id, **fields)
 
 
+def address_of(url: str) -> str:
+    """The ``host:port`` a member's address names (http and https alike: one socket)."""
+    return urlsplit(url).netloc.lower()
+
+
 def members_key(swarm: str) -> bytes:
     return key_id(f"atoll/{swarm}/members")
 
@@ -127,8 +146,11 @@ class MemberRecord:
                 and type(manifest_version) is int and 0 <= manifest_version < 2**63
                 and isinstance(roles, list) and all(r in ROLES for r in roles)):
             raise DecodeError("bad member record: wrong field types or unknown role")
-        if url and not url.startswith(("http://", "https://")):
-            raise DecodeError(f"bad member record: address {url!r} is not an http(s) URL")
+        if url:
+            try:
+                bare_origin(url)
+            except DecodeError as exc:
+                raise DecodeError(f"bad member record: {exc.reason}") from None
         return cls(url=url, roles=tuple(roles), reachable=reachable, manifest=manifest,
                    learning=learning, step=step, cert=cert, manifest_version=manifest_version)
 
@@ -172,6 +194,11 @@ class Membership:
         self._records: dict[bytes, SignedRecord] = {}  # the newest record seen per member, until it expires
         self._certs: dict[bytes, Certificate] = {}  # encoded certificate -> verified certificate
         self.reads = 0
+        self.holders: dict[str, bytes] = {}  # host:port -> the member that holds it (module docstring)
+        self.pins: dict[str, bytes] = {}  # https origin -> its holder's TLS pin (the transport's table)
+        self.address_disputes = 0  # reads that found an address claimed by a member not holding it
+        self.addresses_moved = 0  # addresses handed to another claimant by a TLS handshake
+        self._claimed: dict[bytes, Member] = {}  # the last read's members, addresses as claimed
 
     async def publish(self, record: MemberRecord) -> int:
         """Store our record at the nodes nearest the swarm key; return how many took it."""
@@ -210,10 +237,59 @@ class Membership:
                 if record.manifest != self.manifest:
                     raise NotAuthorized(f"recipe {record.manifest} differs from ours {self.manifest}")
                 members[rec.subkey] = self._checked(rec.subkey, rec.public_key, record, rec.expires_at, now)
+                self.refused.pop(rec.subkey, None)  # refused before, good now (a dispute is settled below)
             except RemoteProtocolError as exc:
                 self._refuse(rec.subkey, exc.reason)
-        self.members = members
+        self._claimed = members
+        self.members = self._settle_addresses()
+        return self.members
+
+    def _settle_addresses(self) -> dict[bytes, Member]:
+        """The members with each address held by one of its claimants (see the module
+        docstring); the others' addresses blanked and said why in ``refused``. Sets ``pins``."""
+        members = dict(self._claimed)
+        claims: dict[str, list[bytes]] = {}
+        for pid, m in members.items():
+            if m.record.url:
+                claims.setdefault(address_of(m.record.url), []).append(pid)
+        holders: dict[str, bytes] = {}
+        for address, pids in claims.items():
+            held = self.holders.get(address)
+            holder = held if held in pids else min(pids, key=lambda pid: (not members[pid].can_own, pid))
+            holders[address] = holder
+            for pid in pids:
+                if pid != holder:
+                    self.address_disputes += 1
+                    self._refuse(pid, f"address {address} is held by member {holder.hex()[:16]}: "
+                                      "its address is ignored (it may still learn)")
+                    m = members[pid]
+                    members[pid] = dataclasses.replace(m, record=dataclasses.replace(m.record, url=""))
+        self.holders = holders
+        pins = {origin(m.record.url): m.cert.tls_pin for m in members.values()
+                if m.cert is not None and m.record.url.startswith("https://")}
+        self.pins.clear()  # in place: the transport may hold this very table
+        self.pins.update(pins)
         return members
+
+    def pin_mismatch(self, expected: bytes, got: bytes) -> bytes | None:
+        """A server we dialled with the pin ``expected`` presented a TLS key whose pin is ``got``.
+        Returns the member that holds the address pinned to ``expected`` (the one we dialled: to
+        be routed around), or None when no member's does. A claimant of that address whose own
+        certificate pins ``got`` has proved it is the one there: the address is handed to it."""
+        held = [(address, pid) for address, pid in self.holders.items()
+                if (m := self.members.get(pid)) is not None and m.cert is not None and m.cert.tls_pin == expected]
+        if not held:
+            return None
+        address, holder = held[0]
+        proven = [pid for pid, m in self._claimed.items() if pid != holder and m.record.url
+                  and address_of(m.record.url) == address and m.cert is not None and m.cert.tls_pin == got]
+        if proven:
+            log.warning("address %s: the key there is member %s's, not %s's: the address is now %s's",
+                        address, proven[0].hex()[:8], holder.hex()[:8], proven[0].hex()[:8])
+            self.holders[address] = proven[0]
+            self.addresses_moved += 1
+            self.members = self._settle_addresses()
+        return holder
 
     def _refuse(self, peer_id: bytes, reason: str) -> None:
         self.refused.pop(peer_id, None)

@@ -6,16 +6,18 @@ the learner and the owners it names below.
 
 Joining (``_join``): bootstrap the DHT from the initial peers (``JOIN_ATTEMPTS`` tries, backing
 off), ask one of them to dial us back (reachable peers may own fragments; the others are learners
-only), read the member list, download every global fragment at its latest version from its
+only), read the member list (which pins each member's TLS key to the address it holds, so that
+what follows never runs unpinned: ``_pin_members``), download every global fragment at its latest version from its
 current owner (``_sync``, verified against the owner's key), then publish our own member record.
 Only then may the rendezvous hash hand us fragments to own.
 
 Our record (``_record_loop``): republished when it changes (within ``RECORD_CHECK_S``) or every
 ``REPUBLISH_S``, in a loop of its own, so that nothing the membership loop waits for can let it
-lapse. Membership (``_membership_loop``): read everyone's records, follow a newer swarm manifest,
-and reconcile the fragments we own, every ``MEMBERSHIP_PERIOD_S`` (``JOINING_PERIOD_S`` while ``wait_for_members`` waits for
+lapse. Membership (``_membership_loop``): read everyone's records, follow a newer swarm manifest
+(claims checked and backed off by ``ManifestClaims``), and reconcile the fragments we own, every ``MEMBERSHIP_PERIOD_S`` (``JOINING_PERIOD_S`` while ``wait_for_members`` waits for
 more). A member that refuses our connections is a suspect and routed around until it
-republishes (``suspects``). A sealed request from a key that is no member is admitted after one
+republishes (``suspects``), and so is one whose address answered with another TLS key than its
+pin (``_pin_mismatch``). A sealed request from a key that is no member is admitted after one
 rate-limited read of the records finds it (``_authorize``).
 """
 
@@ -34,11 +36,15 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from node.dht.bootstrap import DialBacks, MemberListings
-from node.dht.membership import MemberRecord
+from node.dht.manifest_claims import ManifestClaims
+from node.dht.membership import Member, MemberRecord
+from node.dht.swarm import MANIFEST_PATH
 from node.diloco.expected import ExpectedLearners
 from node.diloco.flat import flat_digest
 from node.state.sync import SyncFailed, sync_fragments
-from node.wire.tls import origin
+from node.wire.transport import Busy
+from protocol.errors import DecodeError
+from protocol.wire.membership import MAX_MANIFEST_BYTES
 
 if TYPE_CHECKING:
     import torch
@@ -172,7 +178,7 @@ class SwarmPresence(ExpectedLearners):
         cred = self.credentials
         may_own = cred is None or (cred.cert is not None and "owner" in cred.cert.roles)
         roles = ("learner", "owner") if self.reachable and may_own else ("learner",)
-        url = self.url if self.reachable else ""
+        url = self.url.rstrip("/") if self.reachable else ""  # a bare origin: others refuse anything more
         return MemberRecord(url=url, roles=roles, reachable=self.reachable, manifest=self.manifest,
                             learning=self.learning, step=self.step,
                             cert=cred.cert.encode() if cred is not None and cred.cert is not None else b"",
@@ -236,18 +242,70 @@ class SwarmPresence(ExpectedLearners):
             if len(self.membership.members) < self.awaited_members:
                 return
 
+    def _pin_members(self) -> None:
+        """Have the transport pin each address to the key of the member that holds it: the
+        membership's own pin table (``Membership.pins``), kept current by every read, so a
+        member's pin is set by the read that finds it and goes with its record. A server that
+        answers with another key is reported to ``_pin_mismatch``."""
+        if self.membership is None:
+            return
+        self.transport.pins = self.membership.pins
+        self.transport.on_pin_mismatch = self._pin_mismatch
+
+    def _pin_mismatch(self, expected: bytes, got: bytes) -> None:
+        """A server we dialled presented a TLS key that is not its member's: route around that
+        member, as around one that refuses connections (``Membership.pin_mismatch`` hands the
+        address to another claimant whose key it was)."""
+        if self.membership is None:
+            return
+        holder = self.membership.pin_mismatch(expected, got)
+        if holder is not None:
+            log.warning("member %s: its address answered with another TLS key (%s, not %s)",
+                        holder.hex()[:8], got.hex()[:16] or "none", expected.hex()[:16])
+            self._unreachable(holder)
+
+    @functools.cached_property
+    def _manifest_claims(self) -> ManifestClaims:
+        return ManifestClaims()
+
     async def _follow_manifest(self) -> None:
-        """Pin members' TLS keys, and fetch a newer swarm manifest from a member that has one."""
+        """Keep the pins current, and adopt a newer swarm manifest that a member claims: claims
+        within reach tried highest first, a member whose claim failed backed off
+        (``ManifestClaims``); the fetch is capped, the parse runs off the loop (``parse``)."""
+        self._pin_members()
         if self.credentials is None or self.membership is None:
             return
-        for m in self.membership.members.values():
-            if m.cert is not None and m.record.url.startswith("https://"):
-                self.transport.pins[origin(m.record.url)] = m.cert.tls_pin
-        newest = max(self.membership.members.values(), key=lambda m: m.record.manifest_version, default=None)
-        if (newest is not None and newest.record.url
-                and newest.record.manifest_version > self.credentials.manifest.version
-                and await self.credentials.adopt_from(self.transport, newest.record.url)):
-            await self.membership.refresh()  # revoked members drop out now
+        claims = self._manifest_claims
+        for m in claims.candidates(self.membership.members.values(), self.credentials.manifest.version, time.time()):
+            try:
+                adopted = await self._adopt_claim(m)
+            except Busy:  # a manifest post is being checked: not this member's fault; next pass
+                return
+            except Exception as exc:  # no answer, a bad manifest or signature: back this member off
+                adopted, why = False, repr(exc)
+            else:
+                why = f"it serves no manifest newer than ours (version {self.credentials.manifest.version})"
+            if adopted:
+                claims.succeeded(m)
+                await self.membership.refresh()  # revoked members drop out now
+                return
+            retry = claims.failed(m, time.time())
+            log.info("member %s claims manifest version %d: %s; not asked again for %.0f s and until it "
+                     "republishes", m.peer_id.hex()[:8], m.record.manifest_version, why, retry - time.time())
+
+    async def _adopt_claim(self, m: Member) -> bool:
+        """Fetch ``m``'s manifest (at most ``MAX_MANIFEST_BYTES``) and adopt it if newer.
+        Raises ``Busy`` while another manifest is being parsed, anything else for a failure."""
+        assert self.credentials is not None
+        status, buf, used, _ = await self.transport.request("GET", m.record.url + MANIFEST_PATH, timeout_s=10,
+                                                            max_reply=MAX_MANIFEST_BYTES)
+        try:
+            body = bytes(memoryview(buf)[:used])
+        finally:
+            self.transport.pool.give(buf)
+        if status != 200:
+            raise DecodeError(f"answered {status}")
+        return self.credentials.adopt(await self.credentials.parse(body))
 
     async def _on_dialback(self, request: web.Request) -> web.Response:
         """Ping the requester's DHT node at its own address (a joining peer asks whether it can be
@@ -287,6 +345,7 @@ class SwarmPresence(ExpectedLearners):
                     break
         else:
             self.reachable = True  # the first peer: others will reach it through its address
+        self._pin_members()  # before the first read: state sync below runs pinned
         await self.membership.refresh()
         if self.membership.owner_candidates():
             await self._sync()

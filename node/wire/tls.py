@@ -6,10 +6,13 @@ follows from the public key alone and survives a regenerated TLS certificate. Th
 itself is made at start with ``cryptography`` (self-signed; its validity dates are fixed, since
 trust comes from the pin, not from a CA or a date).
 
-Clients pin per origin: once a member's certified record names its address, a connection to that
-address whose TLS key does not hash to the pin fails before a request byte is sent
-(``PinnedKey``). An address with no pin yet (an initial peer given on the command line) is
-reached over TLS without a pin: every Atoll message is signed end to end, so such a peer can
+Clients pin per origin, each origin to the key of the one member that holds that address
+(``node.dht.membership``: a record naming an address another member holds never re-pins it, and
+a pin goes when its member leaves). A connection whose TLS key does not hash to the pin fails
+before a request byte is sent (``PinnedKey`` raises ``PinMismatch``); the transport tells the
+node, which routes around the member it dialled there. Pins are set from the first read of the
+members, before state sync. An address with no pin (an initial peer given on the command line)
+is reached over TLS without a pin: every Atoll message is signed end to end, so such a peer can
 deny service but not impersonate a member.
 """
 
@@ -20,6 +23,7 @@ import hashlib
 import os
 import ssl
 import tempfile
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -44,7 +48,8 @@ def origin(url: str) -> str:
     """``scheme://host:port`` of ``url`` (the key of the pin table)."""
     parts = urlsplit(url)
     port = parts.port or (443 if parts.scheme == "https" else 80)
-    return f"{parts.scheme}://{parts.hostname}:{port}"
+    host = parts.hostname or ""
+    return f"{parts.scheme}://{f'[{host}]' if ':' in host else host}:{port}"  # an IPv6 address in brackets
 
 
 def spki_pin(cert_der: bytes) -> bytes:
@@ -90,7 +95,14 @@ def client_context() -> ssl.SSLContext:
 
 class PinnedKey(aiohttp.Fingerprint):
     """aiohttp checks a ``Fingerprint`` right after the handshake, before sending the request;
-    this one compares the SubjectPublicKeyInfo hash instead of the whole certificate's."""
+    this one compares the SubjectPublicKeyInfo hash instead of the whole certificate's.
+    ``on_mismatch(expected, got)`` is told of a mismatch before ``PinMismatch`` is raised, on
+    every path that connects (requests and downloads alike), so the node can route around the
+    member it dialled: the key that answered is not that member's."""
+
+    def __init__(self, fingerprint: bytes, on_mismatch: Callable[[bytes, bytes], None] | None = None) -> None:
+        super().__init__(fingerprint)
+        self.on_mismatch = on_mismatch
 
     def check(self, transport: object) -> None:
         get = getattr(transport, "get_extra_info", None)
@@ -99,4 +111,6 @@ class PinnedKey(aiohttp.Fingerprint):
         got = spki_pin(der) if der else b""
         if got != self.fingerprint:
             host, port, *_ = (get("peername") if get else None) or ("?", 0)
+            if self.on_mismatch is not None:
+                self.on_mismatch(self.fingerprint, got)
             raise PinMismatch(self.fingerprint, got, host, port)

@@ -42,9 +42,11 @@ __all__ = [
     "ADMISSIONS",
     "KEY_BYTES",
     "SIG_BYTES",
+    "MAX_MANIFEST_STEP",
     "Authority",
     "ManifestSigner",
     "SwarmManifest",
+    "bare_origin",
     "check_name",
     "hex_key",
     "parse_public_key",
@@ -66,6 +68,16 @@ MAX_RECIPE_FIELDS = 64
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _RECIPE_KEY = re.compile(r"[a-z][a-z0-9_]{0,39}")
 _HEX_KEY = re.compile(f"[0-9a-fA-F]{{{2 * KEY_BYTES}}}")
+# A member's address: scheme, host (a DNS name, an IPv4 address or a bracketed IPv6 one) and port,
+# nothing else. A path, query, fragment or userinfo would make every peer that dials the member
+# send its signed requests wherever the record says (a blind GET to any host and path).
+_ORIGIN = re.compile(r"(https?)://([A-Za-z0-9](?:[A-Za-z0-9.-]{0,251}[A-Za-z0-9])?|\[[0-9A-Fa-f:.]{2,45}\]):([0-9]{1,5})")
+# How far above our own manifest version a member's claim may be and still be fetched: a founder
+# edits the manifest by hand (an authority added, a key revoked), a few versions a day at most,
+# and a running member follows each one within a membership pass. A claim further up is a lie or
+# a member far behind us can never prove (the founder reaches such a peer with
+# ``atoll swarm publish``, and a restart fetches the newest from an initial peer).
+MAX_MANIFEST_STEP = 16
 # SubjectPublicKeyInfo DER of an Ed25519 key is this prefix and the 32 raw key bytes (RFC 8410).
 _ED25519_SPKI_PREFIX = bytes.fromhex("302a300506032b6570032100")
 
@@ -77,6 +89,18 @@ class ManifestSigner(Protocol):
     def public_key(self) -> bytes: ...
 
     def sign(self, data: bytes) -> bytes: ...
+
+
+def bare_origin(url: str) -> str:
+    """``url`` when it is a bare origin, ``http(s)://HOST:PORT`` with a port in 1-65535 and
+    nothing after it; raises ``DecodeError`` saying what is wrong otherwise."""
+    match = _ORIGIN.fullmatch(url) if isinstance(url, str) else None
+    if match is None:
+        raise DecodeError(f"address {str(url)[:80]!r} is not a bare origin: expected http(s)://HOST:PORT "
+                          "with no path, query, fragment or user name")
+    if not 1 <= int(match.group(3)) <= 65535:
+        raise DecodeError(f"address {url[:80]!r}: port {match.group(3)} is not in 1-65535")
+    return url
 
 
 def swarm_id(founder: bytes, name: str) -> str:
