@@ -174,6 +174,8 @@ class Transport:
         # Signs each outbound request (``Atoll-Auth`` and ``Atoll-Certificate`` headers), if set.
         self.authenticate: Callable[[str, str], dict[str, str]] | None = None
         self.pins: dict[str, bytes] = {}  # origin -> TLS key pin, from members' certificates
+        # told (expected pin, presented pin) when a pinned server shows another key (node.wire.tls)
+        self.on_pin_mismatch: Callable[[bytes, bytes], None] | None = None
         self._pinned_tls: dict[bytes, PinnedKey] = {}
         self._unpinned_tls = client_context()
         self.max_body = max_body
@@ -217,9 +219,13 @@ class Transport:
                 opts["ssl"] = self._unpinned_tls
             else:
                 if pin not in self._pinned_tls:
-                    self._pinned_tls[pin] = PinnedKey(pin)
+                    self._pinned_tls[pin] = PinnedKey(pin, self._pin_mismatch)
                 opts["ssl"] = self._pinned_tls[pin]
         return opts
+
+    def _pin_mismatch(self, expected: bytes, got: bytes) -> None:
+        if self.on_pin_mismatch is not None:
+            self.on_pin_mismatch(expected, got)
 
     async def start(self) -> str:
         """Bind and start serving; return the real URL (with the port the OS chose)."""
@@ -325,16 +331,16 @@ class Transport:
 
         return Socket(conn.transport, spent)
 
+    def hang_up(self, request: web.Request) -> None:
+        """Close ``request``'s connection after its reply: its body is left unread, not drained."""
+        self._hang_up.add(id(request))
+
     def _spent(self, request: web.Request) -> None:
         """A request's body was read off its socket: its connection closes after the reply."""
         self.direct_bodies += 1
         self._hang_up.add(id(request))
 
     async def read_request(self, request: web.Request, max_size: int | None = None, *,
-    def hang_up(self, request: web.Request) -> None:
-        """Close ``request``'s connection after its reply: its body is left unread, not drained."""
-        self._hang_up.add(id(request))
-
                            on_head: Callable[[memoryview], Awaitable[int | None]] | None = None,
                            ) -> tuple[bytearray, int]:
         """Read a request body into a pooled buffer (see ``read_stream``) under ``self.limits``.
