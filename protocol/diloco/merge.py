@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import enum
 import math
+import statistics
 from collections.abc import Callable, Collection
 from dataclasses import replace
 from typing import Any
@@ -66,11 +67,27 @@ from protocol.diloco.merge_quorum import (
     quorum_share,
 )
 from protocol.diloco.merge_results import Decision, DecisionKind, Entry, Refusal
-from protocol.diloco.merge_weights import weigh
+from protocol.diloco.merge_weights import NormHistory, weigh
 from protocol.errors import LocalProtocolError
 
-__all__ = ["Decision", "DecisionKind", "Entry", "FragmentMerger", "LatePolicy", "MergeConfig", "Phase",
-           "Refusal"]
+__all__ = ["Decision", "DecisionKind", "Entry", "FragmentMerger", "LatePolicy", "MergeConfig", "NormHistory", "Phase",
+           "Refusal", "latest_per_sender"]
+
+
+def latest_per_sender(history: NormHistory, keep: int) -> NormHistory:
+    """The last ``keep`` entries of ``history`` with one per sender, its latest (seeded entries,
+    sender None, each count as their own): one sender, however many rounds it sends in alone,
+    holds one vote in the clip reference."""
+    out: NormHistory = []
+    seen: set[bytes] = set()
+    for peer, norm in reversed(history):
+        if len(out) >= keep:
+            break
+        if peer is None or peer not in seen:
+            out.append((peer, norm))
+            if peer is not None:
+                seen.add(peer)
+    return out[::-1]
 
 
 class Phase(enum.Enum):
@@ -99,8 +116,8 @@ class FragmentMerger:
         self._step_ema: dict[bytes, tuple[float, int]] = {}  # peer -> (EMA, version last seen)
         self._sync_ema: float | None = None
         self._published_at: dict[int, float] = {version: now}  # recent versions -> when they opened
-        self._rates: list[float] = []  # clipped norms per step of recently merged contributions
-        self._closing_rates: list[float] = []  # of the merge in progress, kept on publish
+        self.norms: NormHistory = []  # (sender, clipped whole norm) of the last senders merged
+        self._closing_norms: NormHistory = []  # of the merge in progress, kept on publish
         self._round_share = 0  # the largest share-of-learners quorum of the round open (0: none)
         self._hold: float | None = None  # no round closes before this (``hold_until``)
         self._grace_due: float | None = None  # when GRACE would close without the hold
@@ -208,6 +225,11 @@ class FragmentMerger:
         """When the current round reached quorum (None before)."""
         return self._quorum_at
 
+    def norm_reference(self) -> float | None:
+        """The lower median of the recent senders' merged norms (``norms``), the history's half of
+        the clip reference; None with no history (a fresh owner's, until it is seeded)."""
+        return statistics.median_low([n for _, n in self.norms]) if self.norms else None
+
     def step_time_estimate(self) -> float:
         """``xi_step``: the slowest recent learner's step-time EMA (0 with no reports)."""
         horizon = self.version - self.config.step_time_rounds + 1
@@ -216,6 +238,22 @@ class FragmentMerger:
     def sync_time_estimate(self) -> float:
         """``xi_sync``: EMA of reported merge-plus-transfer times (0 with no reports)."""
         return 0.0 if self._sync_ema is None else self._sync_ema
+
+    def reference(self) -> tuple[float, ...]:
+        """The recent accepted norms the clip measures against, oldest first: what a successor
+        owner needs so that its first rounds are not judged against nothing (the replica
+        handoff and the owner checkpoint carry it; ``seed_reference`` installs it)."""
+        return tuple(n for _, n in self.norms)
+
+    def seed_reference(self, norms: Collection[float]) -> None:
+        """Start the clip's history from ``norms`` (a predecessor's ``reference``, or norms the
+        node measured), keeping the newest ``norm_history``. Raises ``LocalProtocolError`` for a
+        norm that is not finite and >= 0 (the node validates what a peer handed first)."""
+        values = [float(x) for x in norms]
+        if not all(math.isfinite(x) and x >= 0 for x in values):
+            raise LocalProtocolError("a seeded reference norm must be finite and >= 0")
+        # senders unknown (None): each seeded norm holds its own vote (``latest_per_sender``)
+        self.norms = latest_per_sender([(None, x) for x in values], self.config.norm_history)
 
     # -- dispatch ----------------------------------------------------------------------------
 
@@ -290,8 +328,8 @@ class FragmentMerger:
         self._sync_ema = moving_average(self._sync_ema, ev.sync_time, self.config.ema_alpha)
         self.version = ev.new_version
         self._opened(ev.new_version)
-        self._rates = (self._rates + self._closing_rates)[-self.config.norm_history:] if self.config.norm_history else []
-        self._closing_rates = []
+        self.norms = latest_per_sender(self.norms + self._closing_norms, self.config.norm_history)
+        self._closing_norms = []
         self._entries, self._carried = self._carried, []
         self._reopen(Phase.COLLECTING, opened_at=self._now)
         self._first_at = self._now if self._entries else None
@@ -453,7 +491,7 @@ class FragmentMerger:
         scale = n / share if n < share else 1.0
         if scale < 1.0:
             reason += f"; scaled to {n}/{share} of a step (the round's quorum was {share})"
-        entries, self._closing_rates = weigh(self._entries, version=self.version, history=self._rates,
+        entries, self._closing_norms = weigh(self._entries, version=self.version, history=self.norms,
                                              config=self.config)
         return self._decide("merge", reason, accepted=accepted, entries=entries, scale=scale)
 

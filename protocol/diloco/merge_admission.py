@@ -9,10 +9,13 @@ resync). Under ``"carry"`` older bases are accepted (weighed with a discount, se
 staleness counted against ``v + 1``); under ``"drop"`` those are refused too, so every merged
 contribution has staleness 0.
 
-Self-reported counts are bounded before they count: ``steps`` by the time since the base
+Self-reported counts are bounded before they count: ``steps`` by ``max_claimed_steps`` (the
+node's 2H: what the owner can bound, whatever the sender says) and by the time since the base
 version was published divided by ``min_step_time_s`` (a learner resets its count when it adopts
 a version), ``tokens`` by ``max_tokens_per_step * steps``. Each bound that bit is flagged on the
-``Pending`` contribution, and then on its ``Entry``, so the node can count it per peer.
+``Pending`` contribution, and then on its ``Entry``, so the node can count it per peer. The
+bounded steps set only the token weight (itself capped by the others', ``merge_weights``) and
+whether a norm is evidence for the clip reference (few steps: not); they never scale a bound.
 """
 
 from __future__ import annotations
@@ -51,12 +54,15 @@ class Pending:
     base_version: int
     weight: float  # token weight before discount and clamp
     payload: object
-    norm: float | None  # as reported with the contribution
-    rate: float | None  # its norm per (bounded) inner step; None: not reported, never clipped
+    norm: float | None  # as reported with the contribution; None: not reported, never clipped
     steps_bounded: bool
     tokens_bounded: bool
     steps: int = 1  # its inner steps, bounded
     last: bool = False  # the sender's last contribution of its run
+    # its norm may set the clip reference: not when it covers fewer than ``reference_min_steps``
+    # (a staggered fragment's first contribution, a step or a few, whose tiny norm would have the
+    # next honest ones clipped); a claim of few steps only withdraws its own sender's evidence
+    evidence: bool = True
 
 
 def refusal_for(ev: ContributionEvent, *, version: int, target: int, pool: Sequence[Pending],
@@ -84,13 +90,15 @@ def bounded_pending(ev: ContributionEvent, *, config: MergeConfig,
     """``ev`` as a round holds it, its counts bounded (``published_at``: when each recent version
     opened, never empty; a base not in it counts from the oldest)."""
     steps = ev.steps
+    if config.max_claimed_steps is not None:  # no more than the owner can bound
+        steps = min(steps, config.max_claimed_steps)
     if config.min_step_time_s > 0:  # no more steps than the time since its base allowed
         opened = published_at.get(ev.base_version, min(published_at.values()))
         steps = min(steps, 1 + math.floor(max(0.0, now - opened) / config.min_step_time_s))
     cap = config.max_tokens_per_step
     tokens_bounded = cap is not None and ev.tokens > cap * steps
     w = token_weight(ev.tokens, steps, max_tokens_per_step=cap)
-    rate = None if ev.norm is None else ev.norm / steps  # per inner step: comparable across
-    return Pending(ev.peer, ev.base_version, w, ev.payload, ev.norm, rate,  # contributions of
+    evidence = steps >= config.reference_min_steps
+    return Pending(ev.peer, ev.base_version, w, ev.payload, ev.norm,
                    steps_bounded=steps < ev.steps, tokens_bounded=tokens_bounded, steps=steps,
-                   last=ev.last)  # any length
+                   last=ev.last, evidence=evidence)

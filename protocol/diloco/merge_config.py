@@ -38,12 +38,21 @@ class MergeConfig:
     ema_alpha: float = 0.3
     step_time_rounds: int = 4
     retry_s: float = 1.0
-    # c = 4 over the last 4 merges: with c = 2 or 16 merges of history, honest pseudo-gradients,
-    # whose norms grow several-fold through the learning-rate warmup, were clipped and a 3-peer
-    # tiny swarm ended at 3.6-4.6 nats/byte instead of 2.46; with these, 2.56
+    # c = 4 over the last 4 senders' merged norms: with c = 2 or 16 merges of history, honest
+    # pseudo-gradients, whose norms grow several-fold through the learning-rate warmup, were
+    # clipped and a 3-peer tiny swarm ended at 3.6-4.6 nats/byte instead of 2.46; with these, 2.56.
+    # The clip is on a contribution's whole norm (``merge_weights``): a claim never scales it
     clip_multiple: float = 4.0
     norm_history: int = 4
     min_step_time_s: float = 1e-3
+    # a contribution's steps count at most this many (on top of the time bound, which 1 ms a step
+    # let a 20 s-old version claim 20,001 steps under): the node sets 2H, the most a learner trains
+    # between two sends of a fragment with one in flight. None: no bound but time
+    max_claimed_steps: int | None = None
+    # a contribution of fewer (bounded) steps is no evidence for the norm clip's reference: a
+    # staggered fragment's first one covers a step or a few, and its tiny norm would have the next
+    # honest ones clipped. It is still clipped itself. The node sets H/2; 0: every one is evidence
+    reference_min_steps: int = 0
     # a contribution counts at most this many inner steps of work: one covering more (its
     # bounded steps) has its payload scaled by max_work_steps / steps (``Entry.work_scale``).
     # The node sets 2H under outer momentum (``RunConfig.merge_max_work_steps``): a learner
@@ -82,6 +91,8 @@ class MergeConfig:
             (self.norm_history >= 0, "norm_history must be >= 0"),
             (0.0 <= self.min_step_time_s < math.inf, "min_step_time_s must be finite and >= 0"),
             (self.max_work_steps is None or self.max_work_steps >= 1, "max_work_steps must be None or >= 1"),
+            (self.max_claimed_steps is None or self.max_claimed_steps >= 1, "max_claimed_steps must be None or >= 1"),
+            (self.reference_min_steps >= 0, "reference_min_steps must be >= 0"),
         ]
         for ok, message in checks:
             if not ok:

@@ -53,6 +53,7 @@ __all__ = [
     "clamp_weights",
     "clip_factors",
     "clip_to_median_norm",
+    "median_norm",
     "merge_update",
     "normed_mean",
     "outer_step",
@@ -149,8 +150,9 @@ def radial_directional_average(
     Deltas with norm <= ``eps`` count as zero (their norm 0 enters the mean norm, they add no
     direction). The mean direction is an average of unit vectors (norm in [0, 1]); if its norm
     is <= ``min_direction`` (all zero, or cancelling up to fp32 rounding) the result is zero.
-    ``radius="median"`` takes the weighted median norm instead of the mean: one contribution
-    scaled up (even clipped to a few times the others) then cannot lengthen the step.
+    ``radius="median"`` takes the unweighted median norm of the contributions with a weight
+    instead of the mean (``median_norm``): one contribution scaled up (even clipped to a few
+    times the others), or weighted up by the counts it claims, then cannot lengthen the step.
 
     ``max_gain`` bounds the step to that many times the average of the deltas scaled to the
     radius (the length ``radius * |mean unit direction|``; ``normed_mean`` with the median
@@ -164,7 +166,7 @@ def radial_directional_average(
         raise LocalProtocolError(f"radius must be 'mean' or 'median', got {radius!r}")
     direction, norms, total = _unit_average(deltas, weights, eps, norms)
     if radius == "median":
-        r = weighted_median(norms, weights)
+        r = median_norm(norms, weights)
     else:
         r = math.fsum(w * n for w, n in zip(weights, norms, strict=True)) / total
     length = float(torch.linalg.vector_norm(direction))
@@ -175,8 +177,11 @@ def radial_directional_average(
 
 def normed_mean(deltas: Sequence[torch.Tensor], weights: Sequence[float], eps: float = 1e-12,
                 norms: Sequence[float | None] | None = None) -> torch.Tensor:
-    """The weighted mean of the deltas, each first scaled to the weighted median norm:
-    ``median_w |Delta_m| * sum w unit(Delta_m) / sum w``.
+    """The weighted mean of the deltas, each first scaled to the median norm:
+    ``median |Delta_m| * sum w unit(Delta_m) / sum w``, the median unweighted over the
+    contributions with a weight (``median_norm``): the step's length is one vote per sender,
+    whatever tokens or steps a sender claims (a weighted median let a liar holding most of the
+    weight pick its own norm as the step's length).
 
     Like the plain mean, the step shrinks when pseudo-gradients disagree (as ``1/sqrt(M)`` for
     near-orthogonal ones), so many contributions of mostly noise do not make a long step along
@@ -187,10 +192,19 @@ def normed_mean(deltas: Sequence[torch.Tensor], weights: Sequence[float], eps: f
     already measured. Raises ``LocalProtocolError`` like ``weighted_mean``.
     """
     direction, norms, _ = _unit_average(deltas, weights, eps, norms)
-    r = weighted_median(norms, weights)
+    r = median_norm(norms, weights)
     if not r > 0:
         return direction.zero_()
     return _scale_(direction, r)
+
+
+def median_norm(norms: Sequence[float], weights: Sequence[float]) -> float:
+    """The median of the norms of the contributions with a positive weight, unweighted (each
+    sender of a round has one contribution in it). Raises ``LocalProtocolError`` when none has."""
+    voting = [n for n, w in zip(norms, weights, strict=True) if w > 0]
+    if not voting:
+        raise LocalProtocolError(f"median norm of {len(norms)} norms, none with a positive weight")
+    return float(statistics.median(voting))
 
 
 def weighted_median(values: Sequence[float], weights: Sequence[float]) -> float:

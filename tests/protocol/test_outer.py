@@ -333,7 +333,7 @@ def test_the_normed_mean_shrinks_like_the_mean_for_orthogonal_deltas_and_rda_doe
 
 
 def test_the_normed_mean_counts_no_contributions_length() -> None:
-    """Each delta is scaled to the weighted median norm first: one scaled up 1000x, or one of
+    """Each delta is scaled to the (unweighted) median norm first: one scaled up 1000x, or one of
     random direction and huge norm, weighs as one unit direction, where the mean follows it."""
     honest = [torch.tensor([1.0, 0.0, 0.0]), torch.tensor([0.8, 0.6, 0.0]), torch.tensor([0.6, 0.8, 0.0])]
     weights = [1.0, 1.0, 1.0, 1.0]
@@ -345,8 +345,9 @@ def test_the_normed_mean_counts_no_contributions_length() -> None:
         assert float((normed - clean).norm()) < 0.35  # one unit direction of four moves it little
         assert float(weighted_mean(deltas, weights).norm()) > 100  # the mean is the attacker's
     a, b = torch.tensor([4.0, 0.0]), torch.tensor([0.0, 2.0])
-    # the weighted median norm, 4 (a holds 3 of the 4 weight), times (3*(1,0) + 1*(0,1))/4
-    assert torch.allclose(normed_mean([a, b], [3.0, 1.0]), torch.tensor([3.0, 1.0]))
+    # the median norm, 3, one vote a sender (a holding 3 of the 4 weight once made it a's 4),
+    # times (3*(1,0) + 1*(0,1))/4
+    assert torch.allclose(normed_mean([a, b], [3.0, 1.0]), torch.tensor([2.25, 0.75]))
     assert torch.allclose(normed_mean([a, b], [1.0, 1.0]), torch.tensor([1.5, 1.5]))  # median 3: (1,0)/2 + (0,1)/2
     assert normed_mean([torch.zeros(3), torch.zeros(3)], [1.0, 1.0]).tolist() == [0.0] * 3
     big = torch.full((4,), 3.0e38)
