@@ -198,6 +198,7 @@ class Membership:
         self.pins: dict[str, bytes] = {}  # https origin -> its holder's TLS pin (the transport's table)
         self.address_disputes = 0  # reads that found an address claimed by a member not holding it
         self.addresses_moved = 0  # addresses handed to another claimant by a TLS handshake
+        self.pin_mismatches = 0  # servers that presented another key than their member's pin
         self._claimed: dict[bytes, Member] = {}  # the last read's members, addresses as claimed
 
     async def publish(self, record: MemberRecord) -> int:
@@ -281,6 +282,7 @@ class Membership:
         if not held:
             return None
         address, holder = held[0]
+        self.pin_mismatches += 1
         proven = [pid for pid, m in self._claimed.items() if pid != holder and m.record.url
                   and address_of(m.record.url) == address and m.cert is not None and m.cert.tls_pin == got]
         if proven:

@@ -268,6 +268,15 @@ class SwarmPresence(ExpectedLearners):
     def _manifest_claims(self) -> ManifestClaims:
         return ManifestClaims()
 
+    def address_status(self) -> dict[str, int]:
+        """What members' addresses and manifest claims cost us, for ``/v1/status``: reads that
+        found a claim of an address another member holds, TLS keys that did not match their
+        pin, addresses moved by a handshake, and manifest claims ignored, backed off, failed."""
+        ms = self.membership
+        counts = {"address_disputes": ms.address_disputes, "pin_mismatches": ms.pin_mismatches,
+                  "addresses_moved": ms.addresses_moved, "pins": len(ms.pins)} if ms is not None else {}
+        return {**counts, **self._manifest_claims.status()}
+
     async def _follow_manifest(self) -> None:
         """Keep the pins current, and adopt a newer swarm manifest that a member claims: claims
         within reach tried highest first, a member whose claim failed backed off

@@ -249,6 +249,7 @@ async def test_a_learner_claiming_an_owners_address_does_not_cut_it_off(servers)
         node.transport.pool.give(buf)
         assert status == 200 and owner.hits == [MANIFEST_PATH]
         assert node.owner_of(0) == (owner.signer.peer_id, owner.url)
+        assert node.address_status()["address_disputes"] == 1 and liar.peer_id.hex() in node.status()["refused_members"]
     finally:
         await node.transport.close()
 
@@ -269,6 +270,7 @@ async def test_a_key_that_does_not_match_its_pin_routes_around_the_member(server
         with pytest.raises(PinMismatch):
             await node.transport.request("GET", there.url + MANIFEST_PATH)
         assert claimant.peer_id in node.suspects() and there.hits == []
+        assert node.address_status()["pin_mismatches"] == 1
         assert all(node.owner_of(p) == (backup.peer_id, "https://127.0.0.1:1") for p in range(2))
     finally:
         await node.transport.close()
@@ -299,6 +301,9 @@ async def test_a_liars_claim_neither_lures_every_pass_nor_hides_the_founders_rev
         assert node.credentials is not None and node.credentials.manifest.version == v
         assert liar.peer_id not in node.membership.members  # revoked: dropped at once
         assert lure.hits == [] and near.hits == [MANIFEST_PATH]  # the near liar once, then backed off
+        counts = node.address_status()
+        assert counts["manifest_claim_failures"] == 1 and counts["manifest_claims_adopted"] == 1
+        assert counts["manifest_claims_ignored"] >= 1
     finally:
         await node.transport.close()
 
