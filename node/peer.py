@@ -230,6 +230,7 @@ class PeerNode(SwarmPresence, OwnedFragments, OwnerHandoffs, VersionServing):
             "refused_members": {pid.hex(): why for pid, why in list(self.membership.refused.items())[:256]}
             if self.membership else {},
             "admission": self.credentials.status() if self.credentials else None,
+            "addresses": self.address_status(),  # address disputes, pin mismatches, manifest claims
             "model_bytes_served": dict(self.model_bytes_served),
             "spread": self.spread.as_dict(),
             "dht_records_by_signer": self._records_by_signer(),
