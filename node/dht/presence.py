@@ -42,6 +42,7 @@ from node.dht.swarm import MANIFEST_PATH
 from node.diloco.expected import ExpectedLearners
 from node.diloco.flat import flat_digest
 from node.state.sync import SyncFailed, sync_fragments
+from node.wire.tls import origin
 from node.wire.transport import Busy
 from protocol.errors import DecodeError
 from protocol.wire.membership import MAX_MANIFEST_BYTES
@@ -178,7 +179,7 @@ class SwarmPresence(ExpectedLearners):
         cred = self.credentials
         may_own = cred is None or (cred.cert is not None and "owner" in cred.cert.roles)
         roles = ("learner", "owner") if self.reachable and may_own else ("learner",)
-        url = self.url.rstrip("/") if self.reachable else ""  # a bare origin: others refuse anything more
+        url = origin(self.url) if self.reachable else ""  # a bare origin: others refuse anything more
         return MemberRecord(url=url, roles=roles, reachable=self.reachable, manifest=self.manifest,
                             learning=self.learning, step=self.step,
                             cert=cred.cert.encode() if cred is not None and cred.cert is not None else b"",

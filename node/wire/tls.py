@@ -47,7 +47,7 @@ class PinMismatch(aiohttp.ServerFingerprintMismatch):
 def origin(url: str) -> str:
     """``scheme://host:port`` of ``url`` (the key of the pin table)."""
     parts = urlsplit(url)
-    port = parts.port or (443 if parts.scheme == "https" else 80)
+    port = parts.port if parts.port is not None else (443 if parts.scheme == "https" else 80)
     host = parts.hostname or ""
     return f"{parts.scheme}://{f'[{host}]' if ':' in host else host}:{port}"  # an IPv6 address in brackets
 
