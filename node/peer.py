@@ -235,6 +235,7 @@ class PeerNode(SwarmPresence, OwnedFragments, OwnerHandoffs, VersionServing):
             "spread": self.spread.as_dict(),
             "dht_records_by_signer": self._records_by_signer(),
             "version_jumps_refused": self.net.stats.version_jumps if self.net else 0,
+            "handoff_refusals": dict(self.replicas.refusals),  # handoffs refused here, by reason
             "owners": owners,
             "versions": list(island_versions),
             "owned": {str(p): o.version for p, o in self.owners.items()},

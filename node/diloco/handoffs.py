@@ -16,8 +16,15 @@ from typing import TYPE_CHECKING
 
 import aiohttp
 
-from node.diloco.replica import BaseNotHeld, NotAMemberThere, ReplicaStore, encode_state, hand_over
-from protocol.errors import NotAuthorized
+from node.diloco.replica import (
+    NOT_A_MEMBER,
+    BaseNotHeld,
+    NotAMemberThere,
+    ReplicaStore,
+    encode_state,
+    hand_over,
+)
+from protocol.diloco.replica import Admission, HandoffView, admit
 from protocol.wire.messages import ReplicaAck, ReplicaState
 from protocol.wire.signing import Opened, ReplayWindow, Signer
 
@@ -68,6 +75,7 @@ class OwnerHandoffs:
     _tg: asyncio.TaskGroup | None
     _passed_on: set[tuple[int, bytes, int]]
     _fenced_until: dict[int, float]
+    _last_owner: dict[int, bytes]
     record_published_at: float | None  # monotonic: when our member record was last stored (from before the store)
     lease_lapses: int  # versions not published because our record may have expired in others' views
 
@@ -76,6 +84,10 @@ class OwnerHandoffs:
 
     def _unreachable(self, peer_id: bytes) -> None:
         raise NotImplementedError
+
+    if TYPE_CHECKING:  # SwarmPresence's (no stub may shadow it)
+        def owner_of(self, p: int) -> tuple[bytes, str] | None:
+            ...
 
     async def _reconcile_owners(self) -> None:
         raise NotImplementedError
@@ -147,7 +159,9 @@ class OwnerHandoffs:
             return False
         if not ack.accepted:
             log.info("fragment %d: %s refused version %d: %s", p, target[1], state.version, ack.reason)
-            if ack.reason.startswith("fenced"):
+            # a fence names what stands above us: a higher epoch, or this version (or a later one)
+            # held here; a "fenced" answer claiming neither fences nothing, and is routed around
+            if ack.reason.startswith("fenced") and (ack.epoch > state.epoch or ack.version >= state.version):
                 raise _FencedBy(ack)
         return ack.accepted
 
@@ -233,8 +247,16 @@ class OwnerHandoffs:
         msg = opened.message
         assert isinstance(msg, ReplicaState)
         member = self.membership.members.get(opened.peer_id) if self.membership else None
-        if member is None or not member.certified_owner:
-            raise NotAuthorized(f"peer {opened.peer_id.hex()[:8]} may not own fragments; its state is not taken")
+        if member is None or not member.certified_owner:  # signed, so that its primary may trust it
+            return self._refuse_handoff(msg, "not-a-member", f"{NOT_A_MEMBER}: peer {opened.peer_id.hex()[:8]} "
+                                        "may not own fragments in this peer's view; its state is not taken")
+        admission = self._admit_handoff(opened.peer_id, msg)
+        if not admission.accepted:
+            return self._refuse_handoff(msg, admission.kind, admission.reason)
+        if msg.final and not admission.final:
+            self.replicas.refusals["final-ignored"] += 1
+        # only what the sender may claim: ``final`` from an owner, merged bases below the version
+        msg = dataclasses.replace(msg, final=admission.final, merged_bases=admission.merged_bases)
         fence = self._owner_fence(msg)
         if fence is not None:
             return fence
@@ -248,6 +270,9 @@ class OwnerHandoffs:
         fence = self._owner_fence(msg)  # the loop ran meanwhile: look again
         if fence is not None:
             return fence
+        admission = self._admit_handoff(opened.peer_id, msg)  # and so may the view have changed
+        if not admission.accepted:
+            return self._refuse_handoff(msg, admission.kind, admission.reason)
         own = self.owners.get(msg.fragment)
         ack = self.replicas.offer(opened.peer_id, msg, successor=own is not None and not own.retired,
                                   decoded=decoded, hashed=self.replicas.hashes_to_digest(msg, opened.blobs_digest))
@@ -262,6 +287,50 @@ class OwnerHandoffs:
         elif not ack.accepted and (own is None or own.retired):
             self._pass_on_held(msg, member.record.url, opened.peer_id)
         return ack
+
+    def _handoff_view(self, p: int) -> HandoffView:
+        """Who this peer's view names for fragment ``p`` (``protocol.diloco.replica.admit``): its
+        owner now (with and without our suspects), the owner our last ownership pass saw and, while
+        we own ``p``, the one we took it from; its predecessor is who would own it without us."""
+        me, owners = self.signer.peer_id, set()
+        predecessor = None
+        if self.membership is not None:
+            ranked = (self.membership.owner_of(self.cfg.swarm, p), self.owner_of(p))
+            owners |= {o[0] for o in ranked if o is not None}
+            without_us = self.membership.owner_of(self.cfg.swarm, p, exclude={me})
+            predecessor = without_us[0] if without_us is not None else None
+        last = self._last_owner.get(p)
+        if last is not None:
+            owners.add(last)
+        own = self.owners.get(p)
+        took = self.replicas.took_from.get(p) if own is not None and not own.retired else None
+        if took is not None:
+            owners.add(took)
+        return HandoffView(me=me, owners=frozenset(owners), predecessor=predecessor,
+                           merged=own is not None and not own.retired and own.merges_done > 0)
+
+    def _admit_handoff(self, sender: bytes, msg: ReplicaState) -> Admission:
+        """``admit`` for ``msg`` from ``sender``: the view, the fence held and the newest version
+        known here (held as a replica or owner, or received by our learner, whichever is newer)."""
+        p = msg.fragment
+        held = self.replicas.held.get(p)
+        received, received_at, created = -1, None, None
+        if self.net is not None:
+            received, received_at, created = self.net.received[p], self.net.received_at.get(p), self.net.created
+        known = max(received, held.version if held is not None else -1)
+        return admit(sender, self._handoff_view(p), held, fragment=p, epoch=msg.epoch, version=msg.version,
+                     final=msg.final, merged_bases=msg.merged_bases, known_version=known, received=received,
+                     received_at=received_at, created=created, now=time.time())
+
+    def _refuse_handoff(self, msg: ReplicaState, kind: str, reason: str) -> ReplicaAck:
+        """A signed refusal (the RPC layer seals every answer), counted by ``kind``."""
+        self.replicas.refused += 1
+        self.replicas.refusals[kind] += 1
+        log.info("fragment %d: handoff of version %d (epoch %d) refused: %s", msg.fragment, msg.version,
+                 msg.epoch, reason)
+        held = self.replicas.held.get(msg.fragment)
+        return ReplicaAck(accepted=False, reason=reason, epoch=held.epoch if held else -1,
+                          version=held.version if held else -1)
 
     def _owner_fence(self, msg: ReplicaState) -> ReplicaAck | None:
         """The refusal of a handoff for a fragment this peer owns and has moved on with (merged

@@ -144,6 +144,12 @@ class OwnedFragments:
         assert self.net is not None and self._tg is not None
         version, flat = self.net.latest.get(p, (0, self.net.island_initial[p]))
         held, handed = self.replicas.held.get(p), self.replicas.states.get(p)
+        # the owner our last pass saw is the one we take p from: its handoff is an owner's (issue 48)
+        took = self._last_owner.get(p)
+        if took is None or took == self.signer.peer_id:
+            self.replicas.took_from.pop(p, None)
+        else:
+            self.replicas.took_from[p] = took
         epoch, momentum, merged = (held.epoch + 1 if held else 0), None, None
         from_handoff = False
         if handed is not None and handed.version >= version:

@@ -14,6 +14,7 @@ import asyncio
 import logging
 import os
 import time
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -29,11 +30,12 @@ from protocol.wire.codec import encode
 from protocol.wire.messages import ReplicaAck, ReplicaState
 from protocol.wire.signing import ReplayWindow, Signer, open_sealed, seal
 
-__all__ = ["BaseNotHeld", "Handed", "NotAMemberThere", "ReplicaStore", "encode_state", "hand_over"]
+__all__ = ["NOT_A_MEMBER", "BaseNotHeld", "Handed", "NotAMemberThere", "ReplicaStore", "encode_state", "hand_over"]
 
 log = logging.getLogger(__name__)
 
 MAX_MERGED = 4096  # senders whose merged work a handoff names (the most recent ones)
+NOT_A_MEMBER = "not a member here"  # how a replica's signed refusal of a non-member (or non-owner) starts
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +73,8 @@ def encode_state(*, swarm: str, fragment: int, epoch: int, version: int, digest:
 
 
 class NotAMemberThere(RemoteProtocolError):
-    """A replica refused a handoff (403) because its view of the members does not hold ours: it
+    """A replica refused a handoff (a signed ``ReplicaAck`` starting ``NOT_A_MEMBER``; an unsigned
+    403 is not trusted) because its view of the members does not hold ours: it
     routes around us, and another owner may be publishing this fragment's versions."""
 
 
@@ -89,6 +92,8 @@ class ReplicaStore:
         self.held: dict[int, Held] = {}
         self.taken = 0
         self.refused = 0
+        self.refusals: Counter[str] = Counter()  # handoffs refused (or claims ignored), by reason
+        self.took_from: dict[int, bytes] = {}  # the owner this peer's last pass saw before it owned p
 
     def decode(self, msg: ReplicaState, learned: tuple[int, bytes, torch.Tensor] | None = None,
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -163,6 +168,7 @@ class ReplicaStore:
         held = self.held.get(p)
         if not verdict.accepted:
             self.refused += 1
+            self.refusals["fenced" if verdict.reason.startswith("fenced") else "refused"] += 1
             return ReplicaAck(accepted=False, reason=verdict.reason, epoch=held.epoch if held else -1,
                               version=held.version if held else -1)
         theta, momentum = decoded if decoded is not None else self.decode(msg)
@@ -204,7 +210,7 @@ class ReplicaStore:
 
     def status(self) -> dict[str, object]:
         return {"held": {str(p): {"epoch": h.epoch, "version": h.version} for p, h in self.held.items()},
-                "taken": self.taken, "refused": self.refused}
+                "taken": self.taken, "refused": self.refused, "handoff_refusals": dict(self.refusals)}
 
 
 async def hand_over(transport: Transport, signer: Signer, target: tuple[bytes, str], msg: ReplicaState,
@@ -212,8 +218,10 @@ async def hand_over(transport: Transport, signer: Signer, target: tuple[bytes, s
     """Send ``msg`` to ``target`` (peer id, URL) and return its signed answer. ``blobs_digest``:
     the BLAKE3 of ``msg``'s tensor bytes end to end when the caller knows it (see ``seal``).
 
-    Raises ``RemoteProtocolError`` for a refusal by status or an answer not signed by the target,
-    and the transport's errors when it cannot be reached."""
+    Raises ``NotAMemberThere`` when the target's signed answer says we are not a member in its view,
+    ``RemoteProtocolError`` for a refusal by status (unsigned: anyone on the path can forge it, so it
+    fences nothing; the caller routes around it) or an answer not signed by the target, and the
+    transport's errors when it cannot be reached."""
     peer_id, url = target
     # hashing a whole fragment takes tens of ms: off the event loop
     sealed = await asyncio.to_thread(seal, encode(msg), signer, now=time.time(), nonce=os.urandom(16),
@@ -223,8 +231,8 @@ async def hand_over(transport: Transport, signer: Signer, target: tuple[bytes, s
                                                    kind=type(msg).__name__)
     try:
         if status != 200:
-            kind = NotAMemberThere if status == 403 else RemoteProtocolError
-            raise kind(f"handoff refused ({status}): {bytes(memoryview(buf)[:used])[:300]!r}", penalty=0.0)
+            raise RemoteProtocolError(f"handoff refused unsigned ({status}): {bytes(memoryview(buf)[:used])[:300]!r}",
+                                      penalty=0.0)
         opened = open_sealed(memoryview(buf)[:used], now=time.time(), replay=replay, max_size=1 << 16,
                              expected_recipient=signer.peer_id)
     finally:
@@ -232,4 +240,6 @@ async def hand_over(transport: Transport, signer: Signer, target: tuple[bytes, s
     if opened.peer_id != peer_id or not isinstance(opened.message, ReplicaAck):
         raise RemoteProtocolError(f"handoff answered by {opened.peer_id.hex()[:8]} with "
                                   f"{type(opened.message).__name__}, not by the replica", penalty=0.0)
+    if not opened.message.accepted and opened.message.reason.startswith(NOT_A_MEMBER):
+        raise NotAMemberThere(opened.message.reason, penalty=0.0)
     return opened.message

@@ -102,14 +102,17 @@ class Admission:
 
 
 def admit(sender: bytes, view: HandoffView, held: Held | None, *, fragment: int, epoch: int, version: int,
-          final: bool, merged_bases: tuple[int, ...], known_version: int, known_at: float | None,
-          created: float | None, now: float, max_rounds_per_s: float = MAX_ROUNDS_PER_S) -> Admission:
+          final: bool, merged_bases: tuple[int, ...], known_version: int, received: int,
+          received_at: float | None, created: float | None, now: float,
+          max_rounds_per_s: float = MAX_ROUNDS_PER_S) -> Admission:
     """Whether ``sender``'s handoff of ``fragment`` (``epoch``, ``version``, ``final``,
     ``merged_bases``) may be taken here, before ``judge`` looks at its content.
 
     ``held``: the replica fence held here for the fragment; ``known_version``: the newest version
-    of it this peer holds or has received (at ``known_at``, wall clock; None: never), bounding
-    version jumps together with the swarm's creation time ``created``."""
+    of it this peer holds or has received. Version jumps are bounded as a learner bounds them: from
+    the newest version ``received`` from the swarm (at ``received_at``, wall clock; None: never)
+    and the swarm's creation time ``created`` (a fence's own version says nothing of the swarm's
+    newest: a peer that owned a fragment briefly from version 0 while joining holds that)."""
     owners = view.owners - {view.me}
     is_owner = sender in owners
     predecessor = view.predecessor if view.predecessor != view.me else None
@@ -125,7 +128,7 @@ def admit(sender: bytes, view: HandoffView, held: Held | None, *, fragment: int,
         return Admission(False, "epoch-jump",
                          f"refused: fragment {p} is at epoch {held_epoch} here; only its owner may hand it "
                          f"over at epoch {epoch} (its predecessor at most {held_epoch + 1})")
-    jump = version_jump_reason(version, held=known_version, held_at=known_at, now=now, created=created,
+    jump = version_jump_reason(version, held=received, held_at=received_at, now=now, created=created,
                                max_rounds_per_s=max_rounds_per_s)
     if jump is not None:
         return Admission(False, "version-jump", f"refused: fragment {p}: {jump}")

@@ -25,11 +25,17 @@ class FakeMembership:
     records: dict[bytes, Member]
     members: dict[bytes, Member] = dataclasses.field(default_factory=dict)
     refreshes: int = 0
+    ttl_s: float = 60.0
 
     async def refresh(self, *, full: bool = False) -> dict[bytes, Member]:
         self.refreshes += 1
         self.members = dict(self.records)
         return self.members
+
+    def owner_of(self, swarm: str, fragment: int, *, exclude: object = ()) -> tuple[bytes, str] | None:
+        """The first member that may own, by peer id (a plain stand-in for the rendezvous rank)."""
+        ranked = sorted(pid for pid, m in self.members.items() if m.certified_owner and pid not in exclude)  # type: ignore[operator]
+        return (ranked[0], self.members[ranked[0]].record.url) if ranked else None
 
 
 def _member(peer_id: bytes) -> Member:

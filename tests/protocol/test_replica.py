@@ -62,7 +62,8 @@ ME, OWNER, PRED, ATTACKER = b"m" * 32, b"o" * 32, b"p" * 32, b"a" * 32
 
 def _admit(sender: bytes, view: HandoffView, held: Held | None = Held(3, 10, D1), **kw: object) -> object:
     args: dict[str, object] = dict(fragment=2, epoch=3, version=11, final=False, merged_bases=(),
-                                   known_version=10, known_at=100.0, created=0.0, now=101.0)
+                                   known_version=10, received=10, received_at=100.0, created=0.0,
+                                   now=101.0)
     args.update(kw)
     return admit(sender, view, held, **args)  # type: ignore[arg-type]
 

@@ -1,0 +1,168 @@
+"""Issue 48: who may hand a fragment over (``protocol.diloco.replica.admit`` as ``PeerNode``
+applies it), and which refusals a primary trusts.
+
+Each test failed before the fix: the forged handoffs were taken (and ``final`` and the merged
+bases honoured as sent), a non-member's refusal was an unsigned 403 that stopped its primary, and
+any "fenced" answer stopped it too."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+import types
+
+import pytest
+import torch
+
+from node.config import RunConfig
+from node.dht.membership import Member, MemberRecord
+from node.diloco.flat import flat_digest
+from node.diloco.handoffs import _FencedBy
+from node.diloco.replica import NOT_A_MEMBER, NotAMemberThere, encode_state, hand_over
+from node.peer import PeerNode
+from protocol.errors import RemoteProtocolError
+from protocol.wire.codec import encode
+from protocol.wire.messages import ReplicaAck, ReplicaState
+from protocol.wire.signing import ReplayWindow, seal
+from tests.node.fakes import SWARM, signer, tiny_model, tiny_plan
+
+OWNER, ME, ATTACKER, LEARNER = signer(1), signer(2), signer(3), signer(4)
+
+
+@dataclasses.dataclass
+class _RankedMembership:
+    """Members and a fixed rank (first: the owner of every fragment), as the rendezvous would give."""
+
+    members: dict[bytes, Member]
+    rank: list[bytes]
+    ttl_s: float = 60.0
+    refused: dict[bytes, str] = dataclasses.field(default_factory=dict)
+
+    def owner_of(self, swarm: str, fragment: int, *, exclude: object = ()) -> tuple[bytes, str] | None:
+        left = [p for p in self.rank if p not in exclude]  # type: ignore[operator]
+        return (left[0], self.members[left[0]].record.url) if left else None
+
+
+def _member(s, *, owner: bool = True) -> Member:  # type: ignore[no-untyped-def]
+    record = MemberRecord(url=f"http://127.0.0.1:{s.peer_id[0]}", roles=("learner", "owner") if owner else ("learner",),
+                          reachable=True, manifest="m", learning=True)
+    return Member(s.peer_id, record, 2e9, certified_owner=owner)
+
+
+def _peer(rank: list[bytes]) -> PeerNode:
+    """This peer (ME) with OWNER, ATTACKER (owner-certified) and LEARNER as members, ranked ``rank``."""
+    model = tiny_model()
+    node = PeerNode(RunConfig(max_tokens_per_step=64), ME, model, tiny_plan(model))
+    members = {s.peer_id: _member(s, owner=s is not LEARNER) for s in (OWNER, ME, ATTACKER, LEARNER)}
+    node.membership = _RankedMembership(members, rank)  # type: ignore[assignment]
+    return node
+
+
+def _forged(node: PeerNode, *, epoch: int = 2**62, version: int = 1, final: bool = True) -> ReplicaState:
+    n = node.replicas.numels[0]
+    theta = torch.full((n,), 7.0)  # the attacker's own weights
+    return encode_state(swarm=node.cfg.swarm, fragment=0, epoch=epoch, version=version, digest=flat_digest(theta),
+                        theta=theta, momentum=None, merged={ATTACKER.peer_id: version, OWNER.peer_id: version},
+                        final=final)
+
+
+async def _offer(node: PeerNode, sender, msg: ReplicaState) -> ReplicaAck:  # type: ignore[no-untyped-def]
+    return await node._on_replica_state(types.SimpleNamespace(peer_id=sender.peer_id, message=msg,  # type: ignore[arg-type]
+                                                              blobs_digest=None))
+
+
+async def test_a_certified_owner_that_neither_owns_nor_precedes_a_fragment_cannot_hand_it_over() -> None:
+    node = _peer([OWNER.peer_id, ME.peer_id, ATTACKER.peer_id])  # we are the owner's replica
+    ack = await _offer(node, ATTACKER, _forged(node))
+    assert not ack.accepted and ack.reason.startswith("refused") and "not taken" in ack.reason
+    assert 0 not in node.replicas.states and 0 not in node.replicas.held
+    assert node.status()["handoff_refusals"] == {"not-entitled": 1}
+    ok = await _offer(node, OWNER, _forged(node, epoch=0))  # the owner itself is taken
+    assert ok.accepted, ok.reason
+
+
+async def test_a_predecessor_may_not_jump_the_epoch_hand_a_new_version_or_declare_it_final() -> None:
+    node = _peer([ME.peer_id, ATTACKER.peer_id, OWNER.peer_id])  # we own; the attacker ranks next
+    n = node.replicas.numels[0]
+    theta0 = torch.zeros(n)
+    node.replicas.fence(0, 0, 0, flat_digest(theta0))  # as starting to own at version 0 does
+    assert not (await _offer(node, ATTACKER, _forged(node))).accepted  # epoch 2^62
+    assert not (await _offer(node, ATTACKER, _forged(node, epoch=1))).accepted  # version 1: not known here
+    assert node.status()["handoff_refusals"] == {"epoch-jump": 1, "ahead-of-known": 1}
+    assert node.replicas.held[0].version == 0 and 0 not in node.replicas.states
+
+
+async def test_final_is_honoured_only_from_the_owner_and_merged_bases_are_clamped_below_the_version() -> None:
+    node2 = _peer([OWNER.peer_id, ME.peer_id])
+    ack = await _offer(node2, OWNER, _forged(node2, epoch=0, version=5))
+    taken = node2.replicas.states[0]
+    assert ack.accepted and taken.final and set(taken.merged.values()) == {4}  # bases clamped to 5 - 1
+    node3 = _peer([ME.peer_id, ATTACKER.peer_id, OWNER.peer_id])
+    n = node3.replicas.numels[0]
+    theta = torch.full((n,), 7.0)
+    node3.replicas.fence(0, 0, 3, flat_digest(theta))  # version 3 with that content is held here
+    ack = await _offer(node3, ATTACKER, dataclasses.replace(_forged(node3, epoch=1, version=3), final=True))
+    assert ack.accepted and not node3.replicas.states[0].final  # the predecessor's "final" is not honoured
+    assert node3.status()["handoff_refusals"] == {"final-ignored": 1}
+
+
+async def test_a_member_that_may_not_own_gets_a_signed_refusal_not_an_unsigned_403() -> None:
+    node = _peer([OWNER.peer_id, ME.peer_id])
+    ack = await _offer(node, LEARNER, _forged(node))  # an answer the RPC layer seals, not a NotAuthorized
+    assert not ack.accepted and ack.reason.startswith(NOT_A_MEMBER)
+    assert node.status()["handoff_refusals"] == {"not-a-member": 1}
+
+
+class _Pool:
+    def give(self, buf: bytearray) -> None:
+        pass
+
+
+class _Answering:
+    """A transport whose every request is answered with ``status`` and ``body``."""
+
+    def __init__(self, status: int, body: bytes) -> None:
+        self.status, self.body, self.pool = status, body, _Pool()
+
+    async def request(self, *a: object, **kw: object) -> tuple[int, bytearray, int, dict[str, str]]:
+        return self.status, bytearray(self.body), len(self.body), {}
+
+
+def _state() -> ReplicaState:
+    theta = torch.zeros(4)
+    return encode_state(swarm=SWARM, fragment=0, epoch=0, version=1, digest=flat_digest(theta), theta=theta,
+                        momentum=None)
+
+
+async def test_an_unsigned_403_does_not_stop_a_primary_and_a_signed_not_a_member_does() -> None:
+    target = (ME.peer_id, "http://127.0.0.1:2")
+    with pytest.raises(RemoteProtocolError) as refused:
+        await hand_over(_Answering(403, b"forbidden"), OWNER, target, _state(), ReplayWindow())  # type: ignore[arg-type]
+    assert not isinstance(refused.value, NotAMemberThere)  # anyone on the path can send a 403
+    signed = seal(encode(ReplicaAck(accepted=False, reason=f"{NOT_A_MEMBER}: x", epoch=-1, version=-1)), ME,
+                  now=time.time(), nonce=os.urandom(16), recipient=OWNER.peer_id).tobytes()
+    with pytest.raises(NotAMemberThere):
+        await hand_over(_Answering(200, signed), OWNER, target, _state(), ReplayWindow())  # type: ignore[arg-type]
+    forged = seal(encode(ReplicaAck(accepted=False, reason=f"{NOT_A_MEMBER}: x", epoch=-1, version=-1)), ATTACKER,
+                  now=time.time(), nonce=os.urandom(16), recipient=OWNER.peer_id).tobytes()
+    with pytest.raises(RemoteProtocolError) as other:  # signed, but not by the replica asked
+        await hand_over(_Answering(200, forged), OWNER, target, _state(), ReplayWindow())  # type: ignore[arg-type]
+    assert not isinstance(other.value, NotAMemberThere)
+
+
+async def test_a_fenced_answer_that_names_no_fence_is_routed_around(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from node.diloco import handoffs
+
+    node = _peer([OWNER.peer_id, ME.peer_id])
+    answer = ReplicaAck(accepted=False, reason="fenced: trust me", epoch=0, version=0)
+
+    async def answering(*a: object, **kw: object) -> ReplicaAck:
+        return answer
+
+    monkeypatch.setattr(handoffs, "hand_over", answering)
+    state = dataclasses.replace(_state(), epoch=3, version=9)
+    assert await node._hand_to(0, (ATTACKER.peer_id, "http://x"), state) is False  # no fence: not stopped
+    answer = ReplicaAck(accepted=False, reason="fenced: epoch 4", epoch=4, version=8)
+    with pytest.raises(_FencedBy):
+        await node._hand_to(0, (ATTACKER.peer_id, "http://x"), state)
