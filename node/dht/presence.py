@@ -77,6 +77,10 @@ SYNC_SOURCES = 4  # members asked for a fragment's latest version at join, the p
 MEMBER_LOOKUP_GAP_S = 1.0
 UNKNOWN_KEY_RETRY_S = 10.0
 UNKNOWN_KEYS_KEPT = 4096
+# Fetching the manifests members claim to hold: what a membership pass may spend on it in all
+# (a member that does not answer in time is backed off like one that fails: a few silent liars
+# cannot hold up the loop that reconciles the fragments we own).
+CLAIMS_BUDGET_S = 5.0
 
 
 class SwarmPresence(ExpectedLearners):
@@ -285,10 +289,13 @@ class SwarmPresence(ExpectedLearners):
         self._pin_members()
         if self.credentials is None or self.membership is None:
             return
-        claims = self._manifest_claims
+        claims, deadline = self._manifest_claims, time.monotonic() + CLAIMS_BUDGET_S
         for m in claims.candidates(self.membership.members.values(), self.credentials.manifest.version, time.time()):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
             try:
-                adopted = await self._adopt_claim(m)
+                adopted = await self._adopt_claim(m, left)
             except Busy:  # a manifest post is being checked: not this member's fault; next pass
                 return
             except Exception as exc:  # no answer, a bad manifest or signature: back this member off
@@ -303,11 +310,12 @@ class SwarmPresence(ExpectedLearners):
             log.info("member %s claims manifest version %d: %s; not asked again for %.0f s and until it "
                      "republishes", m.peer_id.hex()[:8], m.record.manifest_version, why, retry - time.time())
 
-    async def _adopt_claim(self, m: Member) -> bool:
-        """Fetch ``m``'s manifest (at most ``MAX_MANIFEST_BYTES``) and adopt it if newer.
-        Raises ``Busy`` while another manifest is being parsed, anything else for a failure."""
+    async def _adopt_claim(self, m: Member, timeout_s: float) -> bool:
+        """Fetch ``m``'s manifest (at most ``MAX_MANIFEST_BYTES``, within ``timeout_s``) and adopt
+        it if newer. Raises ``Busy`` while another manifest is being parsed, anything else for a
+        failure."""
         assert self.credentials is not None
-        status, buf, used, _ = await self.transport.request("GET", m.record.url + MANIFEST_PATH, timeout_s=10,
+        status, buf, used, _ = await self.transport.request("GET", m.record.url + MANIFEST_PATH, timeout_s=timeout_s,
                                                             max_reply=MAX_MANIFEST_BYTES)
         try:
             body = bytes(memoryview(buf)[:used])

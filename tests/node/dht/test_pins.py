@@ -10,6 +10,7 @@ records.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 import types
@@ -163,7 +164,8 @@ def _claimant(n: int, version: int, expires_at: float = 100.0) -> Member:
 
 
 def test_claims_far_above_ours_are_ignored_and_the_rest_tried_highest_first() -> None:
-    from node.dht.manifest_claims import ManifestClaims  # here: the rest of the file runs on older trees
+    # imported here: the rest of the file runs on trees without it
+    from node.dht.manifest_claims import ManifestClaims
 
     claims = ManifestClaims(step=16, per_pass=3)
     members = [_claimant(1, 2**63 - 1), _claimant(2, 3), _claimant(3, 9), _claimant(4, 1), _claimant(5, 18)]
@@ -202,7 +204,8 @@ class Server:
 async def servers() -> AsyncIterator[Callable[..., object]]:
     started: list[Transport] = []
 
-    async def start(signer: Signer, *, credentials: SwarmCredentials | None = None, body: bytes = b"junk") -> Server:
+    async def start(signer: Signer, *, credentials: SwarmCredentials | None = None, body: bytes = b"junk",
+                    stall_s: float = 0.0) -> Server:
         transport = Transport(tls=server_context(signer))
         hits: list[str] = []
         if credentials is not None:
@@ -210,6 +213,7 @@ async def servers() -> AsyncIterator[Callable[..., object]]:
         else:  # a liar's server: answers every manifest fetch with junk
             async def junk(request: web.Request) -> web.Response:
                 hits.append(request.path)
+                await asyncio.sleep(stall_s)
                 return web.Response(body=body)
             transport.app.router.add_get(MANIFEST_PATH, junk)
         await transport.start()
@@ -329,3 +333,31 @@ async def test_a_joiner_syncs_state_pinned(monkeypatch) -> None:  # type: ignore
     monkeypatch.setattr(node, "_reconcile_owners", nothing)
     await node._join([])
     assert pins_at_sync == [{"https://127.0.0.1:9000": swarm.cert(owner).tls_pin}]
+
+
+async def test_a_claimant_that_never_answers_holds_a_pass_up_for_the_budget_only(servers, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A member that claims a newer manifest and never answers cost a membership pass a 10 s
+    timeout each pass; now the pass spends at most ``CLAIMS_BUDGET_S`` on claims, the silent
+    member is backed off, and the honest claim is adopted on the next pass."""
+    from node.dht import presence
+
+    monkeypatch.setattr(presence, "CLAIMS_BUDGET_S", 0.5)
+    swarm = Swarm()
+    honest, silent = key(), key()
+    newer = swarm.manifest.with_revoked(key().public_key).signed(swarm.founder)
+    honest_server = await servers(honest, credentials=SwarmCredentials(newer, honest, swarm.cert(honest)))
+    quiet = await servers(silent, stall_s=30.0)
+    node, dht = _client(swarm)
+    await node.transport.start()
+    try:
+        dht.answer = [swarm.record(honest, honest_server.url, version=newer.version),
+                      swarm.record(silent, quiet.url, version=newer.version + 1)]
+        await node.membership.refresh()
+        started = time.monotonic()
+        await node._follow_manifest()
+        assert time.monotonic() - started < 2.0 and quiet.hits == [MANIFEST_PATH]
+        assert node.credentials is not None and node.credentials.manifest.version < newer.version
+        await node._follow_manifest()
+        assert node.credentials.manifest.version == newer.version and quiet.hits == [MANIFEST_PATH]
+    finally:
+        await node.transport.close()
