@@ -55,12 +55,13 @@ async def _server(manifest: SwarmManifest | None, who: Signer, cert: Certificate
 
 
 async def _client(manifest: SwarmManifest | None, who: Signer, cert: Certificate | None,
-                  pin: bytes | None, server: Transport) -> Transport:
+                  pin: bytes | None, server: Transport, server_id: bytes) -> Transport:
     t = Transport("127.0.0.1", 0)
+    t.recipient_of = lambda _url: server_id  # headers name the server: good there only
     if manifest is not None:
         header = cert.to_header() if cert is not None else ""
-        t.authenticate = lambda method, url: request_headers(who, header, swarm=manifest.swarm_id, method=method,
-                                                             url=url, now=time.time())
+        t.authenticate = lambda method, url, to: request_headers(who, header, swarm=manifest.swarm_id, method=method,
+                                                                 url=url, now=time.time(), recipient=to)
     if pin is not None:
         t.pins[server.url] = pin
     await t.start()
@@ -106,7 +107,7 @@ async def run(requests: int, concurrency: int, repeats: int) -> dict[str, Any]:
         for name, (m, c, pinned, expect) in setups.items():
             server = await _server(m, srv_key, cert(m, srv_key) if m is not None else None)
             pin = cert(m, srv_key).tls_pin if pinned and m is not None else None
-            client = await _client(m, cli_key, c, pin, server)
+            client = await _client(m, cli_key, c, pin, server, srv_key.peer_id)
             transports += [server, client]
             url = server.url + "/v1/hello"
             await _rate(client, url, concurrency, concurrency, expect)  # warm the connections

@@ -333,7 +333,8 @@ def _cert_text(data: bytes) -> None:
 def _auth_header(data: bytes) -> None:
     auth = RequestAuth.parse(_text(data))
     assert len(auth.public_key) == 32 and len(auth.signature) == 64, auth
-    auth.verify(swarm=_swarm()[0].swarm_id, method="POST", target="/v1/rpc", now=NOW)
+    auth.verify(swarm=_swarm()[0].swarm_id, method="POST", target="/v1/rpc", now=NOW, recipient=bytes(32),
+                unbound_ok=True)
 
 
 # ── the targets ──────────────────────────────────────────────────────────────────────────────
@@ -362,7 +363,7 @@ def targets() -> tuple[Target, ...]:
     certs = (cert.encode(),)
     strings["cert_text"] = (cert.to_header(), cert.to_text())
     strings["auth_header"] = (RequestAuth.make(_signer(), swarm=manifest.swarm_id, method="POST",
-                                               target="/v1/rpc", now=NOW),)
+                                               target="/v1/rpc", now=NOW, recipient=bytes(32), nonce=b"\x07" * 16),)
 
     def t(name: str, feed: Callable[[bytes], object], seeds: tuple[bytes, ...],
           tree_list: tuple[object, ...] = (), build: Callable[[object], bytes] | None = None) -> Target:

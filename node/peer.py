@@ -49,10 +49,11 @@ from node.diloco.owning import OwnedFragments
 from node.diloco.replica import ReplicaStore
 from node.diloco.serving import VersionServing
 from node.diloco.spread import Holdings, SpreadStats
+from node.diloco.validation import Evaluator
 from node.state.owner_checkpoint import OwnerCheckpoints
 from node.state.serve import ManifestCache
 from node.status import StatusBoard
-from node.wire.admission import Identification
+from node.wire.admission import Identification, MemberAddresses
 from node.wire.rpc import RpcServer
 from node.wire.tls import server_context
 from node.wire.transport import LinkEmulator, LinkProfile, Transport
@@ -92,7 +93,8 @@ class PeerNode(SwarmPresence, OwnedFragments, OwnerHandoffs, VersionServing):
                  tamper: Callable[[Outgoing], Outgoing] | None = None,
                  credentials: SwarmCredentials | None = None,
                  initial_global: list[torch.Tensor] | None = None, versions_known_at: float | None = None,
-                 event_log_dir: Path | None = None, owner_checkpoint_dir: Path | None = None) -> None:
+                 event_log_dir: Path | None = None, owner_checkpoint_dir: Path | None = None,
+                 evaluator: Evaluator | None = None) -> None:
         """``initial_global``: every fragment's version 0 (the model's initial weights), when the
         island passed in holds other versions already (resumed from a checkpoint).
         ``versions_known_at``: the wall-clock time the resumed versions were held (the
@@ -100,12 +102,21 @@ class PeerNode(SwarmPresence, OwnedFragments, OwnerHandoffs, VersionServing):
         ``event_log_dir``: every owner logs its merger's events and decisions there, one file per
         fragment and ownership (``atoll replay`` re-runs them).
         ``owner_checkpoint_dir``: owners checkpoint their fragments' states there, and the states
-        found there at start are taken over like a handoff (``node.state.owner_checkpoint``)."""
+        found there at start are taken over like a handoff (``node.state.owner_checkpoint``).
+        ``evaluator``: what owners check candidate versions with before publishing them
+        (``node.diloco.validation``; None: validated publication is off, which is logged)."""
         if cfg.max_tokens_per_step < 1:
             raise ValueError("the swarm config must set max_tokens_per_step (>= 1): the merge clamps "
                              "every learner's self-reported tokens to it")
         self.cfg, self.signer, self.plan = cfg, signer, plan
         self.tamper = tamper  # rewrites our own contributions: attack measurements only
+        self.evaluator = evaluator if cfg.validate_windows > 0 else None
+        if self.evaluator is None:
+            log.info("validated publication is off: %s", "no validation set was given" if evaluator is None
+                     else "--validate-windows 0")
+        else:
+            log.info("validated publication: %d windows a check from a pool of %d (validation set %s)",
+                     cfg.validate_windows, self.evaluator.pool, self.evaluator.digest[:16])
         self.public_address = public_address
         # Without credentials (a development swarm) any reachable member may own fragments.
         self.credentials = credentials
@@ -119,6 +130,8 @@ class PeerNode(SwarmPresence, OwnedFragments, OwnerHandoffs, VersionServing):
             credentials.install(self.transport)
         else:  # a development swarm: no admission, but owners still learn who asks
             Identification(signer, cfg.swarm).install(self.transport)
+        # our Atoll-Auth names the member we reach (from the member records): good at that node only
+        self.transport.recipient_of = MemberAddresses(lambda: self.membership.members if self.membership else {})
         self.model_bytes_served: collections.Counter[str] = collections.Counter()  # key hex -> bytes
         self._long_polls: collections.Counter[str] = collections.Counter()  # poller -> long-polls held
         self.spread = SpreadStats()  # versions spread peer to peer (``node.diloco.spread``)
@@ -246,7 +259,19 @@ class PeerNode(SwarmPresence, OwnedFragments, OwnerHandoffs, VersionServing):
             "direct_bodies": self.transport.direct_bodies,
             "remote_errors": dict(self.rpc.errors),
             "penalties": self.penalties(),
+            # per fragment owned: senders refused for low standing, the lowest scores (issue 47)
+            "standing": {str(p): o.standing_status() for p, o in self.owners.items()},
         }
+
+    def standings(self) -> dict[str, float]:
+        """Per sender (peer id hex), its lowest standing score at this peer's owners now."""
+        out: dict[str, float] = {}
+        for owner in self.owners.values():
+            peers, scores = owner.standing.export(version=owner.version)
+            for peer, score in zip(peers, scores, strict=True):
+                key = peer.hex()
+                out[key] = min(score, out.get(key, score))
+        return out
 
     def _records_by_signer(self) -> dict[str, int]:
         """How many records this node stores per signing key (bounded listing)."""

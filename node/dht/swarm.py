@@ -95,7 +95,7 @@ class SwarmCredentials:
             check_certificate(manifest, cert, public_key=signer.public_key, role=None, now=clock())
         self.manifest, self.signer, self.cert, self.clock = manifest, signer, cert, clock
         self._cert_header = cert.to_header() if cert is not None else ""
-        self.admission = Admission(lambda: self.manifest, exempt=self._exempt, clock=clock)
+        self.admission = Admission(lambda: self.manifest, own_id=signer.peer_id, exempt=self._exempt, clock=clock)
         self._publishes = RateLimiter(rate=PUBLISH_PER_S, burst=PUBLISH_BURST)
         self.on_adopt: list[Callable[[SwarmManifest], None]] = []
         self.adopted = 0
@@ -119,9 +119,9 @@ class SwarmCredentials:
         transport.app.router.add_get(MANIFEST_PATH, self._on_get)
         transport.app.router.add_post(MANIFEST_PATH, self._on_post)
 
-    def headers(self, method: str, url: str) -> dict[str, str]:
+    def headers(self, method: str, url: str, recipient: bytes | None = None) -> dict[str, str]:
         return request_headers(self.signer, self._cert_header, swarm=self.swarm_id, method=method, url=url,
-                               now=self.clock())
+                               now=self.clock(), recipient=recipient)
 
     @staticmethod
     def _exempt(request: web.Request) -> bool:

@@ -18,6 +18,14 @@ only a few bodies being read at once (429 beyond), header lines and fields are b
 Connections are counted before anything is parsed (``node.wire.connections``: a cap per address
 and in all, and a deadline on every request head); between requests an idle keep-alive
 connection is closed after ``keepalive_s``. ``node.wire.link`` emulates slow or lossy links.
+
+Replies are bounded like request bodies: each must be written within ``reply_deadline_s`` of its
+size (``reply_timeout_s`` plus ``reply_slack_s_per_mib`` a MiB) and make progress at least every
+``reply_idle_s`` (the connection's gate cuts it off otherwise, and a stalled one may be closed to
+make room: ``node.wire.connections``). Streamed replies (fragments, versions) are counted per
+address (at most ``replies_per_ip`` at once; 429 beyond) and written in pieces of at most
+``REPLY_PIECE`` bytes, so a peer that stops reading pins at most about one piece of copied bytes
+in our transport's buffer.
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ import logging
 import re
 import ssl
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -51,7 +59,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CHUNK", "BodyTimeout", "BufferPool", "Busy", "ClientGone", "Connections", "LinkDropped", "LinkEmulator",
-    "LinkProfile", "ServeLimits", "Transport", "address_key", "refusal", "read_stream",
+    "LinkProfile", "REPLY_PIECE", "ServeLimits", "Transport", "address_key", "pieces", "refusal", "read_stream",
 ]
 
 log = logging.getLogger(__name__)
@@ -77,12 +85,44 @@ KEEPALIVE_S = 75.0
 MAX_CONNS_PER_IP = 128  # a local swarm's peers all connect from 127.0.0.1: 8 peers' long-polls fit
 MAX_CONNS = 512
 HEAD_TIMEOUT_S = 5.0
+# Writing a reply: complete within REPLY_TIMEOUT_S plus REPLY_SLACK_S_PER_MIB per MiB (as a
+# request body), with no REPLY_IDLE_S without progress (the peer reading nothing); streamed
+# replies at once per address (a 32-peer local swarm fetches from one owner all from 127.0.0.1),
+# each written in pieces of at most REPLY_PIECE bytes.
+REPLY_TIMEOUT_S = 30.0
+REPLY_SLACK_S_PER_MIB = 1.0
+REPLY_IDLE_S = 10.0
+MAX_REPLIES_PER_IP = 64
+REPLY_PIECE = 256 << 10
 
 
 class Busy(RemoteProtocolError):
     """Too many request bodies are being read from this address (or in all); retry later."""
 
     status = 429
+
+
+class _Streaming:
+    """A streamed reply's place among its address's (``Transport.streaming``)."""
+
+    def __init__(self, counts: Counter[str], key: str) -> None:
+        self.counts, self.key = counts, key
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.counts[self.key] -= 1
+        if self.counts[self.key] <= 0:
+            del self.counts[self.key]
+
+
+def pieces(chunks: Iterable[memoryview | bytes], size: int = REPLY_PIECE) -> Iterator[memoryview]:
+    """``chunks`` as views of at most ``size`` bytes (no copy)."""
+    for chunk in chunks:
+        view = memoryview(chunk).cast("B")
+        for start in range(0, view.nbytes, size):
+            yield view[start:start + size]
 
 
 class EncodedBody(RemoteProtocolError):
@@ -109,15 +149,28 @@ class ServeLimits:
     conns_per_ip: int = MAX_CONNS_PER_IP
     conns: int = MAX_CONNS
     head_timeout_s: float = HEAD_TIMEOUT_S
+    reply_timeout_s: float = REPLY_TIMEOUT_S
+    reply_slack_s_per_mib: float = REPLY_SLACK_S_PER_MIB
+    reply_idle_s: float = REPLY_IDLE_S
+    replies_per_ip: int = MAX_REPLIES_PER_IP
+    # SO_SNDBUF of accepted sockets; None keeps the kernel's autotuning (up to tcp_wmem's 4 MiB
+    # a socket), which long fat links need. A small one bounds what a peer that reads nothing
+    # holds in the kernel (tests shrink it so that a reply of a few MiB backs up).
+    send_buffer: int | None = None
 
     def __post_init__(self) -> None:
-        timeouts = (self.body_timeout_s, self.body_idle_s, self.head_timeout_s)
-        if min(timeouts) <= 0 or min(self.bodies_per_ip, self.bodies, self.conns_per_ip, self.conns) < 1:
-            raise ValueError(f"invalid serve limits {self}: timeouts must be > 0 and caps >= 1")
+        timeouts = (self.body_timeout_s, self.body_idle_s, self.head_timeout_s, self.reply_timeout_s, self.reply_idle_s)
+        caps = (self.bodies_per_ip, self.bodies, self.conns_per_ip, self.conns, self.replies_per_ip)
+        if min(timeouts) <= 0 or min(caps) < 1 or min(self.body_slack_s_per_mib, self.reply_slack_s_per_mib) < 0:
+            raise ValueError(f"invalid serve limits {self}: timeouts must be > 0, slack >= 0 and caps >= 1")
 
     def body_deadline_s(self, declared: int | None) -> float:
         """How long a body of ``declared`` bytes (None: unknown) may take in all."""
         return self.body_timeout_s + self.body_slack_s_per_mib * (declared or 0) / (1 << 20)
+
+    def reply_deadline_s(self, size: int | None) -> float:
+        """How long a reply of ``size`` bytes (None: unknown) may take to write, from its head on."""
+        return self.reply_timeout_s + self.reply_slack_s_per_mib * (size or 0) / (1 << 20)
 
 
 class _ServerLog(logging.LoggerAdapter):  # type: ignore[type-arg]
@@ -171,8 +224,12 @@ class Transport:
     ) -> None:
         self.host, self.port = host, port
         self.tls = tls  # serve HTTPS with this context (certified swarms); None: plain HTTP
-        # Signs each outbound request (``Atoll-Auth`` and ``Atoll-Certificate`` headers), if set.
-        self.authenticate: Callable[[str, str], dict[str, str]] | None = None
+        # Signs each outbound request (``Atoll-Auth`` and ``Atoll-Certificate`` headers), if set:
+        # (method, url, the peer id expected there or None) -> headers
+        self.authenticate: Callable[[str, str, bytes | None], dict[str, str]] | None = None
+        # The peer id expected at a URL (``node.wire.admission.MemberAddresses``), named in our
+        # Atoll-Auth so that a captured header is good at that node only; None: first contact
+        self.recipient_of: Callable[[str], bytes | None] = lambda _url: None
         self.pins: dict[str, bytes] = {}  # origin -> TLS key pin, from members' certificates
         # told (expected pin, presented pin) when a pinned server shows another key (node.wire.tls)
         self.on_pin_mismatch: Callable[[bytes, bytes], None] | None = None
@@ -192,6 +249,9 @@ class Transport:
         # "reply <route>"; where a swarm's bytes go, for the report and bench.bandwidth
         self.bytes_by_route: Counter[str] = Counter()
         self.bodies_in_flight: Counter[str] = Counter()  # request bodies being read, per address_key
+        self.replies_in_flight: Counter[str] = Counter()  # streamed replies being written, per address_key
+        self.replies_refused = 0  # streamed replies refused (429): too many to one address at once
+        self.app.on_response_prepare.append(self._reply_prepared)
         self.connections = Connections(self.limits)  # open connections, per address and in all
         self._hang_up: set[int] = set()  # ids of requests whose connection closes after the reply
         self._kinds: dict[int, str] = {}  # ids of requests -> what they carry (see ``name_kind``)
@@ -210,7 +270,7 @@ class Transport:
     def client_options(self, method: str, url: str) -> dict[str, Any]:
         """``headers`` (authentication) and ``ssl`` (TLS pin, when the address has one) for a
         request of ``method`` to ``url``."""
-        headers = self.authenticate(method, url) if self.authenticate is not None else {}
+        headers = self.authenticate(method, url, self.recipient_of(url)) if self.authenticate is not None else {}
         opts: dict[str, Any] = {"headers": headers}
         if url.startswith("https://"):
             # one object per pin (and one context): aiohttp keys its connection pool by them
@@ -331,6 +391,23 @@ class Transport:
 
         return Socket(conn.transport, spent)
 
+    def streaming(self, request: web.Request) -> _Streaming:
+        """Count a streamed reply to ``request``'s address while it is written (``with``); raises
+        ``Busy`` (429) when that address has ``replies_per_ip`` being written already."""
+        key = address_key(request.remote or "unknown")
+        if self.replies_in_flight[key] >= self.limits.replies_per_ip:
+            self.replies_refused += 1
+            raise Busy(f"{self.replies_in_flight[key]} replies to {key} are being written already "
+                       f"(at most {self.limits.replies_per_ip} at once); retry later")
+        self.replies_in_flight[key] += 1
+        return _Streaming(self.replies_in_flight, key)
+
+    async def _reply_prepared(self, request: web.Request, resp: web.StreamResponse) -> None:
+        """A reply's head goes out (aiohttp's ``on_response_prepare``): its deadline starts."""
+        gate = self.connections.gate(request.protocol)
+        if gate is not None:
+            gate.reply_started(resp.content_length)
+
     def hang_up(self, request: web.Request) -> None:
         """Close ``request``'s connection after its reply: its body is left unread, not drained."""
         self._hang_up.add(id(request))
@@ -438,19 +515,22 @@ class Transport:
         self, request: web.Request, chunks: Iterable[memoryview | bytes], size: int,
         headers: dict[str, str] | None = None,
     ) -> web.StreamResponse:
-        """Reply with a streamed body of ``size`` bytes, chunk by chunk."""
+        """Reply with a streamed body of ``size`` bytes, in pieces of at most ``REPLY_PIECE``
+        bytes. Raises ``Busy`` (429, before anything is written) when ``request``'s address has
+        too many streamed replies being written (``streaming``)."""
         resp = web.StreamResponse(status=200, headers=headers)
         resp.content_type = "application/octet-stream"
         resp.content_length = size
-        try:
-            await resp.prepare(request)
-            route = self.reply_route(request)
-            for chunk in chunks:
-                await self.link.throttle(str(request.remote), len(chunk))
-                await resp.write(chunk)
-                self.count_sent(route, len(chunk))
-            await resp.write_eof()
-        except (ConnectionError, aiohttp.ClientConnectionResetError) as exc:
-            # the asker went away (timed out, or shut down): nothing to answer any more
-            log.debug("reply to %s abandoned: %r", request.remote, exc)
+        with self.streaming(request):
+            try:
+                await resp.prepare(request)
+                route = self.reply_route(request)
+                for piece in pieces(chunks):
+                    await self.link.throttle(str(request.remote), piece.nbytes)
+                    await resp.write(piece)
+                    self.count_sent(route, piece.nbytes)
+                await resp.write_eof()
+            except (ConnectionError, aiohttp.ClientConnectionResetError) as exc:
+                # the asker went away (timed out, shut down, or cut off for not reading): nothing to answer
+                log.debug("reply to %s abandoned: %r", request.remote, exc)
         return resp

@@ -247,7 +247,9 @@ def test_hex_keys_with_whitespace_are_refused(key: str) -> None:
     # bytes.fromhex skips whitespace: these were accepted as 31-byte keys
     sig = base64.b64encode(bytes(64)).decode()
     with pytest.raises(DecodeError):
-        RequestAuth.parse(f"v1 {key} 1700000000.0 {sig}")
+        RequestAuth.parse(f"v2 {key} 1700000000.0 - {'00' * 16} {sig}")
+    with pytest.raises(DecodeError):
+        RequestAuth.parse(f"v2 {'00' * 32} 1700000000.0 {key} {'00' * 16} {sig}")  # as a recipient
     with pytest.raises(DecodeError):
         parse_public_key(key.replace("\t", " "))
 

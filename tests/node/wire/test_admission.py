@@ -48,12 +48,14 @@ async def serve(swarm: Swarm, who: Signer) -> tuple[Transport, SwarmCredentials]
     return transport, cred
 
 
-async def client(swarm: Swarm, who: Signer, cert: Certificate | None) -> Transport:
-    """A client that signs its requests as ``who`` (with ``cert``, which may be anyone's)."""
+async def client(swarm: Swarm, who: Signer, cert: Certificate | None, server_id: bytes | None = None) -> Transport:
+    """A client that signs its requests as ``who`` (with ``cert``, which may be anyone's) for the
+    node ``server_id`` (None: unknown, as on first contact)."""
     t = Transport("127.0.0.1", 0)
     cert_header = cert.to_header() if cert is not None else ""
-    t.authenticate = lambda method, url: request_headers(who, cert_header, swarm=swarm.manifest.swarm_id,
-                                                         method=method, url=url, now=time.time())
+    t.authenticate = lambda method, url, to: request_headers(who, cert_header, swarm=swarm.manifest.swarm_id,
+                                                             method=method, url=url, now=time.time(), recipient=to)
+    t.recipient_of = lambda _url: server_id
     await t.start()
     return t
 
@@ -73,12 +75,12 @@ async def test_certified_swarm_admits_members_and_refuses_everyone_else_with_the
     url = server.url + "/v1/hello"
     assert url.startswith("https://")
     member, stranger = key(), key()
-    ok = await client(swarm, member, swarm.cert(member))
+    ok = await client(swarm, member, swarm.cert(member), cred.signer.peer_id)
     anon = Transport("127.0.0.1", 0)
     await anon.start()
-    uncertified = await client(swarm, stranger, None)
+    uncertified = await client(swarm, stranger, None, cred.signer.peer_id)
     other = Swarm("certified")  # a certificate from another swarm's authority
-    foreign = await client(swarm, stranger, other.cert(stranger))
+    foreign = await client(swarm, stranger, other.cert(stranger), cred.signer.peer_id)
     try:
         assert await get(ok, url) == (200, "model bytes")
         status, body = await get(anon, url)
@@ -88,10 +90,10 @@ async def test_certified_swarm_admits_members_and_refuses_everyone_else_with_the
         status, body = await get(foreign, url)
         assert status == 403 and "for swarm" in body
         # a header copied onto another route, or a stale one, is worth nothing
-        async with anon.session.get(url.replace("hello", "status"), ssl=False, headers=ok.authenticate("GET", url)) as r:  # type: ignore[misc]
+        async with anon.session.get(url.replace("hello", "status"), ssl=False, headers=ok.authenticate("GET", url, cred.signer.peer_id)) as r:  # type: ignore[misc]
             assert r.status in (401, 404)
         stale = RequestAuth.make(member, swarm=swarm.manifest.swarm_id, method="GET", target="/v1/hello",
-                                 now=time.time() - 600)
+                                 now=time.time() - 600, recipient=cred.signer.peer_id, nonce=b"s" * 16)
         async with anon.session.get(url, ssl=False, headers={AUTH_HEADER: stale,
                                                              CERT_HEADER: swarm.cert(member).to_header()}) as r:
             assert r.status == 403 and "clock" in (await r.json())["reason"]
@@ -136,7 +138,7 @@ async def test_a_pinned_key_that_does_not_match_fails_before_the_request_is_sent
     owner = key()
     server, cred = await serve(swarm, owner)
     member = key()
-    c = await client(swarm, member, swarm.cert(member))
+    c = await client(swarm, member, swarm.cert(member), owner.peer_id)
     try:
         url = server.url + "/v1/hello"
         c.pins[server.url] = swarm.cert(owner).tls_pin  # the right pin
@@ -159,7 +161,7 @@ async def test_open_swarm_serves_anonymous_learners_and_still_checks_headers_tha
     anon = Transport("127.0.0.1", 0)
     await anon.start()
     stranger = key()
-    expired = await client(swarm, stranger, swarm.cert(stranger, life_s=-30))
+    expired = await client(swarm, stranger, swarm.cert(stranger, life_s=-30), cred.signer.peer_id)
     try:
         assert server.url.startswith("http://")
         assert await get(anon, server.url + "/v1/hello") == (200, "model bytes")
@@ -195,6 +197,7 @@ async def test_a_development_swarm_knows_who_asks_and_refuses_a_bad_or_foreign_s
     foreign.authenticate = other_swarm.headers
     stale.authenticate = Identification(member, "dev", clock=lambda: time.time() - 3600).headers
     for t in (signed, anon, foreign, stale):
+        t.recipient_of = lambda _url: server_key.peer_id
         await t.start()
     try:
         assert await get(signed, server.url + "/v1/whoami") == (200, member.public_key.hex())
