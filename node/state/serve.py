@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import msgpack
 from aiohttp import web
 
-from node.wire.transport import CHUNK, Transport
+from node.wire.transport import CHUNK, Transport, pieces
 from protocol.errors import DecodeError, RemoteProtocolError
 from protocol.wire.signing import Sealed
 
@@ -146,6 +146,17 @@ async def serve_sealed(
             return web.json_response({"error": "RangeNotSatisfiable", "reason": exc.reason}, status=416,
                                      headers={**headers, "Content-Range": f"bytes */{size}"})
     start, end = span or (0, size)
+    with transport.streaming(request):  # Busy (429) when this address has too many being written
+        return await _stream(request, transport, sealed, headers, span, start, end, etag)
+
+
+async def _stream(request: web.Request, transport: Transport, sealed: Sealed, headers: dict[str, str],
+                  span: tuple[int, int] | None, start: int, end: int, etag: str) -> web.StreamResponse:
+    """Write bytes ``[start, end)`` of ``sealed`` in pieces of at most ``REPLY_PIECE`` bytes (a
+    reader that stops pins about one piece in our buffer); the connection's gate cuts off a reply
+    that stalls or misses its deadline (``node.wire.connections``), which ends here as a
+    ``ConnectionError``."""
+    size = sealed.size
     resp = web.StreamResponse(status=206 if span else 200, headers=headers)
     if span:
         resp.headers["Content-Range"] = f"bytes {start}-{end - 1}/{size}"
@@ -155,13 +166,13 @@ async def serve_sealed(
     try:
         await resp.prepare(request)
         route = transport.reply_route(request)
-        for chunk in _byte_range(sealed, start, end) if request.method != "HEAD" else ():
+        for chunk in pieces(_byte_range(sealed, start, end)) if request.method != "HEAD" else ():
             await transport.link.throttle(str(request.remote), chunk.nbytes)
             await resp.write(chunk)
             sent += chunk.nbytes
             transport.count_sent(route, chunk.nbytes)
         await resp.write_eof()
-    except ConnectionError as e:  # the client went away; it will resume with a Range
+    except ConnectionError as e:  # the client went away (or was cut off for not reading); it resumes with a Range
         log.info("%s left after %d/%d bytes of %s: %s", request.remote, sent, end - start, etag, e)
         if request.transport is not None:
             request.transport.close()  # never leave a short body on a live connection

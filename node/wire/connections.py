@@ -10,6 +10,15 @@ handler, which gives up its place when the connection closes (whichever way) and
 deadline: the first request head (TLS handshake included) must be complete within
 ``head_timeout_s`` of the accept, and every later one within ``head_timeout_s`` of its first
 byte, or the connection gets a 408 and is closed.
+
+Replies have deadlines too, since a client that asks for a fragment and never reads would hold a
+busy connection for ever (128 of them per address, 512 in all, let four addresses lock every
+newcomer out). The gate is the transport's protocol, so it hears when the reply's writes back up
+(``pause_writing``: the peer reads nothing, or too little): a reply that makes no progress for
+``reply_idle_s`` is cut off, and one that is not written in ``reply_deadline_s(size)`` from its
+head on (``reply_started``) is cut off too, whether the route streams it or aiohttp writes it
+after the route returned. A connection whose reply is stalled this way may be closed to make room
+like a pending or idle one (after them, the longest-stalled first).
 """
 
 from __future__ import annotations
@@ -63,10 +72,11 @@ class Connections:
 
     At a cap, room is made by closing the oldest connection of that address (or, when the
     server is full, of any) that is *pending* (no complete request head yet: most likely a
-    slow or idle stranger, since an honest client sends its request at once) or else *idle*
-    (kept alive between requests). A newcomer is refused only when every such connection is
-    busy with a request. So a flood from one address holds at most the cap, and an honest
-    client (even one behind the same address) still gets in."""
+    slow or idle stranger, since an honest client sends its request at once), else *idle*
+    (kept alive between requests), else *stalled* (its reply's writes backed up: the peer does
+    not read; longest-stalled first). A newcomer is refused only when every connection there is
+    busy with a request that is not stalled. So a flood from one address holds at most the cap,
+    and an honest client (even one behind the same address) still gets in."""
 
     def __init__(self, limits: ServeLimits) -> None:
         self.limits = limits
@@ -76,8 +86,10 @@ class Connections:
         self.evicted = 0  # closed to make room for a newer connection
         self.head_timeouts = 0  # closed with a 408: the request head did not arrive in time
         self.handshakes_failed = 0  # TLS handshakes that failed or did not finish in time
+        self.reply_timeouts = 0  # closed: a reply made no progress for reply_idle_s, or missed its deadline
         self._pending: dict[_Gate, None] = {}  # oldest first
         self._idle: dict[_Gate, None] = {}  # oldest first
+        self._stalled: dict[_Gate, None] = {}  # replies whose writes backed up, longest-stalled first
         self._gates: dict[object, _Gate] = {}  # aiohttp's request handler -> its gate
 
     def admit(self, ip: str) -> str | None:
@@ -96,8 +108,13 @@ class Connections:
         """The gate in front of aiohttp's request handler ``handler`` (``request.protocol``)."""
         return self._gates.get(handler)
 
+    @property
+    def stalled(self) -> int:
+        """Connections whose reply's writes are backed up now (the peer is not reading)."""
+        return len(self._stalled)
+
     def _evict(self, key: str | None) -> bool:
-        for group in (self._pending, self._idle):
+        for group in (self._pending, self._idle, self._stalled):
             victim = next((g for g in group if key is None or g.key == key), None)
             if victim is not None:
                 self.evicted += 1
@@ -114,6 +131,7 @@ class Connections:
         elif state == "idle":
             self._idle[gate] = None
         elif state == "closed":
+            self._stalled.pop(gate, None)
             self.total -= 1
             self.open[gate.key] -= 1
             if self.open[gate.key] <= 0:
@@ -135,7 +153,9 @@ class _Gate(asyncio.Protocol):
         self.handler: asyncio.Protocol | None = None
         self.transport: asyncio.Transport | None = None
         self.held, self.busy = True, False
-        self._timer: asyncio.TimerHandle | None = None
+        self._timer: asyncio.TimerHandle | None = None  # the request head's deadline
+        self._write_timer: asyncio.TimerHandle | None = None  # armed while the reply's writes are backed up
+        self._reply_timer: asyncio.TimerHandle | None = None  # the reply's whole deadline
         conns._state(self, "pending")
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -156,12 +176,24 @@ class _Gate(asyncio.Protocol):
         return self.handler.eof_received() if self.handler is not None else None
 
     def pause_writing(self) -> None:
+        if self.held and self._write_timer is None:
+            self._write_timer = self.loop.call_later(self.conns.limits.reply_idle_s, self._cut_off, "stalled")
+            self.conns._stalled[self] = None
         if self.handler is not None:
             self.handler.pause_writing()
 
     def resume_writing(self) -> None:
+        self._cancel_write_timer()
         if self.handler is not None:
             self.handler.resume_writing()
+
+    def reply_started(self, size: int | None) -> None:
+        """A reply's head is being written: the reply (``size`` bytes; None: unknown) must be
+        written within ``reply_deadline_s(size)``."""
+        if self._reply_timer is not None:
+            self._reply_timer.cancel()
+        if self.held:
+            self._reply_timer = self.loop.call_later(self.conns.limits.reply_deadline_s(size), self._cut_off, "late")
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.release()
@@ -172,6 +204,9 @@ class _Gate(asyncio.Protocol):
     def request_started(self) -> None:
         self.busy = True
         self._disarm()
+        if self._reply_timer is not None:  # the last reply is out: its deadline is moot
+            self._reply_timer.cancel()
+            self._reply_timer = None
         if self.held:
             self.conns._state(self, "busy")
 
@@ -183,6 +218,10 @@ class _Gate(asyncio.Protocol):
     def release(self) -> None:
         """Give up this connection's place (once, however often called)."""
         self._disarm()
+        self._cancel_write_timer()
+        if self._reply_timer is not None:
+            self._reply_timer.cancel()
+            self._reply_timer = None
         if self.held:
             self.held = False
             self.conns._state(self, "closed")
@@ -199,6 +238,33 @@ class _Gate(asyncio.Protocol):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+
+    def _cancel_write_timer(self) -> None:
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
+        self.conns._stalled.pop(self, None)
+
+    def _cut_off(self, why: str) -> None:
+        """A reply's deadline passed: ``stalled`` (no progress for ``reply_idle_s``) or ``late``
+        (not written in ``reply_deadline_s``). A reply that is out already (nothing left to write,
+        no request in progress) keeps its connection."""
+        if why == "stalled":
+            self._write_timer = None
+        else:
+            self._reply_timer = None
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        if why == "late" and not self.busy and transport.get_write_buffer_size() == 0:
+            return
+        self.conns.reply_timeouts += 1
+        lim = self.conns.limits
+        log.info("cutting off a reply to %s: %s", transport.get_extra_info("peername"),
+                 f"no progress for {lim.reply_idle_s:.1f} s (the peer does not read)" if why == "stalled"
+                 else "not written within its deadline")
+        self.release()
+        transport.abort()
 
     def _expire(self) -> None:
         self._timer = None
@@ -280,6 +346,9 @@ class _GatedSite(web.BaseSite):
                 conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET)
             conn.close()
             return
+        if self._conns.limits.send_buffer is not None:
+            with contextlib.suppress(OSError):
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self._conns.limits.send_buffer)
         server = self._runner.server
         assert server is not None
         loop = asyncio.get_running_loop()
