@@ -196,6 +196,11 @@ class LoggedMerger:
     def drop_round(self, reason: str, *, now: float) -> Decision:
         return self._log({"kind": "drop", "reason": reason, "now": now}, self.merger.drop_round(reason, now=now))
 
+    def seed_reference(self, norms: Collection[float]) -> None:
+        """``FragmentMerger.seed_reference``, logged so that replay starts from the same history."""
+        self.merger.seed_reference(norms)
+        self._write({"kind": "reference", "norms": [float(x) for x in norms]})
+
     def note_version(self, version: int, digest: bytes) -> None:
         """The content digest of a version this owner published (or took over)."""
         self._write({"kind": "version", "version": version, "digest": digest.hex()})

@@ -303,6 +303,12 @@ class _Replay:
         elif kind == "state":
             if self.contents is not None:
                 self.contents.load_state(rec.get("blob"))
+        elif kind == "reference":  # a history handed over or measured at the owner's start
+            norms = rec.get("norms")
+            if self.merger is None or not isinstance(norms, list) or not all(
+                    isinstance(x, (int, float)) and not isinstance(x, bool) for x in norms):
+                raise ValueError("a reference record needs a start line before it and a list of numbers")
+            self.merger.seed_reference(norms)
         elif kind == "truncated":
             self.result.mismatches.append({"line": n, "what": "the log was truncated at its size cap"})
             return False

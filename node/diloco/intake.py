@@ -28,6 +28,7 @@ from protocol.diloco.activity import LearnerActivity
 from protocol.diloco.fragments import Fragment
 from protocol.diloco.merge import Decision, FragmentMerger
 from protocol.diloco.norms import norm64
+from protocol.diloco.standing import Event, Standing
 from protocol.errors import DecodeError, Stale
 from protocol.wire.messages import Ack, Contribution
 
@@ -63,6 +64,7 @@ class ContributionIntake:
     _spare: list[torch.Tensor]
     _spare_max: int
     _borrowed: dict[int, weakref.ref[torch.Tensor]]
+    standing: Standing  # per sender key: refused while low (``protocol.diloco.standing``)
 
     counts: OwnerCounts
 
@@ -77,9 +79,16 @@ class ContributionIntake:
         if (held := self.final_hold()) is not None:  # before decoding: refused at no cost
             log.info("%s (from %s)", held, sender.hex()[:8])
             return Ack(accepted=False, reason=held, version=self.version)
+        if (low := self.standing.refused(sender, version=self.version)) is not None:  # also at no cost
+            self.counts.penalties[sender]["refused_standing"] += 1
+            return Ack(accepted=False, reason=f"fragment {self.fragment.index}: {low}", version=self.version)
         if msg.base_version > self.version:
             raise Stale(f"base version {msg.base_version} is ahead of the owner's {self.version}")
-        flat, norm = await asyncio.to_thread(self._decode, msg, given)  # malformed: a 4xx, whatever its base
+        try:
+            flat, norm = await asyncio.to_thread(self._decode, msg, given)  # malformed: a 4xx, whatever its base
+        except DecodeError:  # NaN/Inf or a wrong shape: counts against the (authenticated) sender too
+            self.standing.record(sender, Event.REFUSED, version=self.version)
+            raise
         mismatch = self._base_mismatch(msg) or self._already_merged(sender, msg)
         if mismatch is not None:
             self._give_back(flat)

@@ -37,6 +37,7 @@ import torch
 from node.diloco.eventlog import Content, LoggedMerger
 from node.diloco.flat import flat_digest
 from node.diloco.intake import ContributionIntake
+from node.diloco.replica import Carried
 from node.diloco.sealing import VersionSealing
 from node.diloco.succession import FINAL_HOLD_S, OwnerSuccession
 from protocol.diloco.activity import LearnerActivity
@@ -44,6 +45,8 @@ from protocol.diloco.fragments import Fragment
 from protocol.diloco.merge import Decision, FragmentMerger, MergeConfig, Phase
 from protocol.diloco.norms import all_finite, norm64
 from protocol.diloco.outer import OuterConfig, merge_update
+from protocol.diloco.reference import starting_reference
+from protocol.diloco.standing import Event, Standing
 from protocol.diloco.updates import encode_update
 from protocol.wire.messages import Ack, Contribution, ReplicaState
 from protocol.wire.signing import Sealed, Signer
@@ -143,6 +146,9 @@ class FragmentOwner(ContributionIntake, VersionSealing, OwnerSuccession):
         event_log: Path | None = None,
         merged: Mapping[bytes, int] | None = None,
         round_steps: int = 0,
+        reference: Sequence[float] = (),
+        measured: Sequence[float] = (),
+        standing: tuple[tuple[bytes, ...], tuple[float, ...]] | None = None,
     ) -> None:
         """``epoch``: this ownership's epoch (a takeover starts one above the state it took
         over); ``momentum``: the outer Nesterov buffer taken over with ``initial``;
@@ -158,7 +164,11 @@ class FragmentOwner(ContributionIntake, VersionSealing, OwnerSuccession):
         ``protocol.diloco.updates``; the full versions are then fp32, ``download_codec`` none);
         ``round_steps``: the inner steps a learner may train between two contributions to a
         fragment (2H), which tells how long one at work may stay silent
-        (``protocol.diloco.activity``)."""
+        (``protocol.diloco.activity``);
+        ``reference``: the predecessor's clip reference (recent accepted norms), taken when it is
+        plausible against ``measured``, estimates from published updates this peer could measure
+        (``protocol.diloco.reference``), which seed it otherwise; ``standing``: the predecessor's
+        standing per sender key (``Standing.export``)."""
         self.clock, self.wall_clock = clock, wall_clock
         self.epoch, self.replicate, self.on_publish, self.on_final = epoch, replicate, on_publish, on_final
         self.fenced: str | None = None
@@ -208,6 +218,12 @@ class FragmentOwner(ContributionIntake, VersionSealing, OwnerSuccession):
             self.log.note_state(self.theta, self.buffer)
         self._remember_digests(version, *digests, flat_digest(self.theta))  # and v0 unrounded (bf16 download)
         self.counts = OwnerCounts(self.fragment.index)  # what outlives this owner once it retires
+        # per sender key: what its work came to here, carried to successors (``protocol.diloco.standing``)
+        self.standing = Standing()
+        self.reference_note = ""  # where the clip reference came from (status)
+        self.start_reference(reference, measured)
+        if standing is not None:
+            self.take_standing(standing)
         self.step_bounds = 0  # merges whose aggregate was scaled down to max_delta_ratio * |Theta|
         self.retired = False
         self.final_declared: tuple[int, float] | None = None  # (version, when) it was last handed out as final
@@ -328,9 +344,11 @@ class FragmentOwner(ContributionIntake, VersionSealing, OwnerSuccession):
         merged = dict(self._merged_base)  # as it will be once this merge is published
         for e in decision.entries:
             merged[e.peer] = max(merged.get(e.peer, -1), self.version - e.staleness)
+        carry = self._carried(self.version + 1)  # read here, on the event loop: intake changes them
         try:  # one worker-thread hop: the outer step, the sealed version and the replica's state
             nxt = await asyncio.to_thread(self._next_version, self.version + 1, peers, deltas, weights, clips,
-                                          merged, decision.scale, norms, decision.aggregate(self.outer_cfg.aggregate))
+                                          merged, decision.scale, norms, decision.aggregate(self.outer_cfg.aggregate),
+                                          carry)
             if nxt.state is not None and self.replicate is not None:
                 fence = await self.replicate(nxt.state, nxt.state_update, nxt.theta_digest)
                 if fence is not None:
@@ -373,6 +391,7 @@ class FragmentOwner(ContributionIntake, VersionSealing, OwnerSuccession):
             counts["clipped"] += int(e.clip < e.work_scale)  # the norm clip bit (clip is it times work_scale)
             counts["work_capped"] += int(e.work_scale < 1.0)  # covered more than max_work_steps
             counts["late"] += int(e.staleness > 0)  # its round had closed: carried to this one
+        self._note_standing(decision)
         log.info("fragment %d: published version %d (%s)", self.fragment.index, self.version, decision.reason)
         async with self._changed:
             self._changed.notify_all()
@@ -382,7 +401,8 @@ class FragmentOwner(ContributionIntake, VersionSealing, OwnerSuccession):
 
     def _next_version(self, version: int, peers: list[bytes], deltas: list[torch.Tensor], weights: list[float],
                       clips: list[float], merged: Mapping[bytes, int], scale: float = 1.0,
-                      norms: Sequence[float | None] | None = None, aggregate: str | None = None) -> _Next:
+                      norms: Sequence[float | None] | None = None, aggregate: str | None = None,
+                      carry: Carried | None = None) -> _Next:
         """The merge's new state, sealed as ``version``, the state to hand to a replica, and with
         updates the sealed update from ``version - 1`` and the new error-feedback residual."""
         theta, buffer = self._outer(peers, deltas, weights, clips, scale, norms, aggregate)
@@ -392,7 +412,8 @@ class FragmentOwner(ContributionIntake, VersionSealing, OwnerSuccession):
                                                      self.update_codec, block_size=self.block_size)
         checked = tensors is None  # _outer checked theta and buffer; an update's result is checked when sealed
         latest, digest, message_digest = self._seal_state(version, theta, known_finite=checked)
-        state = self._replica_state(version, digest, theta, buffer, merged, known_finite=checked) if self.replicate else None
+        state = (self._replica_state(version, digest, theta, buffer, merged, known_finite=checked, carry=carry)
+                 if self.replicate else None)
         # an fp32 version's state digest is its bytes' BLAKE3, the handoff's blobs when there is no momentum
         theta_digest = digest if self.download_codec == "none" and buffer is None else None
         if tensors is None:
@@ -404,6 +425,54 @@ class FragmentOwner(ContributionIntake, VersionSealing, OwnerSuccession):
                         if state is not None and buffer is None else None)
         return _Next(theta, buffer, latest, digest, message_digest, state, update, residual, state_update,
                      theta_digest)
+
+    # --- the reference and the standing, which outlive this owner ----------------------------------
+    def start_reference(self, handed: Sequence[float], measured: Sequence[float] = ()) -> str:
+        """Start the merger's clip reference from a predecessor's (``handed``) when it is plausible
+        against ``measured`` (estimates from published updates), else from ``measured``
+        (``protocol.diloco.reference``); only before the first merge. Returns why."""
+        if self.merges_done:
+            return "this owner has merged already: its own reference stands"
+        reference, why = starting_reference(handed, measured)
+        if reference:
+            self.merger.seed_reference(reference)  # logged for replay when there is a log
+        if handed or measured:
+            log.info("fragment %d: clip reference: %s", self.fragment.index, why)
+        self.reference_note = why
+        return why
+
+    def take_standing(self, standing: tuple[tuple[bytes, ...], tuple[float, ...]]) -> None:
+        """Take a predecessor's standing per sender key (what this owner saw itself wins); one
+        that does not fit ``StandingConfig`` is refused whole, with the reason logged and counted."""
+        try:
+            self.standing.restore(*standing, version=self.version)
+        except ValueError as exc:
+            self.counts.recent.append(f"handed standing refused: {exc}")
+            log.warning("fragment %d: handed standing refused: %s", self.fragment.index, exc)
+
+    def _carried(self, version: int) -> Carried:
+        """The reference and standing to hand to a replica or successor with ``version``."""
+        return self.merger.reference(), self.standing.export(version=version)
+
+    def _note_standing(self, decision: Decision) -> None:
+        """Count a published merge's outcomes in each sender's standing: the norm clip worst, then
+        a claim capped to what the owner can see, else merged cleanly (a late one is not its fault)."""
+        for e in decision.entries:
+            if e.clip < e.work_scale:
+                event = Event.CLIPPED
+            elif any(getattr(e, flag, False) for flag in ("weight_capped", "steps_bounded", "tokens_bounded")):
+                event = Event.BOUNDED
+            else:
+                event = Event.MERGED
+            self.standing.record(e.peer, event, version=self.version)
+
+    def standing_status(self, lowest: int = 5) -> dict[str, object]:
+        """The standing per sender key in short: how many are refused now, the lowest scores."""
+        return {"keys": len(self.standing), "refused": self.standing.below(version=self.version),
+                "threshold": self.standing.config.threshold,
+                "lowest": [{"peer": p.hex()[:16], "score": round(s, 3)}
+                           for p, s in self.standing.lowest(lowest, version=self.version)],
+                "reference": self.reference_note}
 
     def _outer(self, peers: list[bytes], deltas: list[torch.Tensor], weights: list[float],
                clips: list[float], scale: float = 1.0, norms: Sequence[float | None] | None = None,

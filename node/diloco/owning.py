@@ -23,6 +23,7 @@ import torch
 
 from node.diloco.flat import encode_flat, flat_from_tensors
 from node.diloco.owner import FragmentOwner, OwnerCounts
+from node.diloco.succession import measured_updates
 from protocol.diloco.interval import interval
 from protocol.diloco.merge import MergeConfig
 from protocol.diloco.outer import OuterConfig
@@ -152,6 +153,10 @@ class OwnedFragments:
             self.replicas.took_from[p] = took
         epoch, momentum, merged = (held.epoch + 1 if held else 0), None, None
         from_handoff = False
+        # the predecessor's clip reference and standing come with its state; an older state held
+        # here measures the updates since, which checks (or seeds) the reference
+        measured = (measured_updates(handed.theta, handed.version, flat, version, lr=self.cfg.outer_lr)
+                    if handed is not None else [])
         if handed is not None and handed.version >= version:
             from_handoff = True
             version, flat, momentum, merged = handed.version, handed.theta, handed.momentum, handed.merged
@@ -164,6 +169,8 @@ class OwnedFragments:
             block_size=self.cfg.block_size,
             replicate=functools.partial(self._replicate, p), merged=merged,
             on_publish=self._published, on_final=self._final_declared, round_steps=2 * self._longest_interval(),
+            reference=handed.norms if from_handoff and handed is not None else (), measured=measured,
+            standing=handed.standing if from_handoff and handed is not None else None,
             event_log=(self.event_log_dir / f"fragment{p}-epoch{epoch}-v{version}-{time.time_ns()}.jsonl"
                        if self.event_log_dir is not None else None),
         )

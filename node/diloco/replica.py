@@ -27,15 +27,20 @@ from protocol.diloco.replica import Held, judge
 from protocol.diloco.updates import apply_update
 from protocol.errors import DecodeError, RemoteProtocolError
 from protocol.wire.codec import encode
-from protocol.wire.messages import ReplicaAck, ReplicaState
+from protocol.wire.messages import MAX_NORM_HISTORY, MAX_STANDING, ReplicaAck, ReplicaState
 from protocol.wire.signing import ReplayWindow, Signer, open_sealed, seal
 
-__all__ = ["NOT_A_MEMBER", "BaseNotHeld", "Handed", "NotAMemberThere", "ReplicaStore", "encode_state", "hand_over"]
+__all__ = ["NOT_A_MEMBER", "BaseNotHeld", "Carried", "Handed", "NotAMemberThere", "ReplicaStore", "encode_state", "hand_over"]
 
 log = logging.getLogger(__name__)
 
 MAX_MERGED = 4096  # senders whose merged work a handoff names (the most recent ones)
 NOT_A_MEMBER = "not a member here"  # how a replica's signed refusal of a non-member (or non-owner) starts
+
+
+# what an owner's state carries besides its tensors: the merger's reference (recent accepted
+# norms) and the standing per sender key (peer ids, scores), so a successor starts with both
+Carried = tuple[tuple[float, ...], tuple[tuple[bytes, ...], tuple[float, ...]]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,24 +57,31 @@ class Handed:
     merged: dict[bytes, int]  # sender -> newest base version of its work merged into this state
     hashed: bool = False  # ``theta`` is known to hash to ``digest`` (its learner need not hash it again)
     final: bool = False  # the sender handed ``version`` out as final: a successor holds it final too
+    norms: tuple[float, ...] = ()  # the merger's reference (recent accepted norms), oldest first
+    standing: tuple[tuple[bytes, ...], tuple[float, ...]] = ((), ())  # peer ids, scores (``Standing.export``)
 
 
 def encode_state(*, swarm: str, fragment: int, epoch: int, version: int, digest: bytes,
                  theta: torch.Tensor, momentum: torch.Tensor | None,
                  merged: Mapping[bytes, int] | None = None, known_finite: bool = False,
-                 final: bool = False) -> ReplicaState:
+                 final: bool = False, norms: Sequence[float] = (),
+                 standing: tuple[tuple[bytes, ...], tuple[float, ...]] = ((), ())) -> ReplicaState:
     """An owner's state as a ``ReplicaState`` (fp32, uncompressed: a replica must hold it exactly).
     ``merged``: sender -> newest base version of its merged work (the newest ``MAX_MERGED`` kept).
     The tensors are views of ``theta`` and ``momentum`` (an owner never writes to a state it
     has published or handed over: each version is a new tensor). ``known_finite``: the caller checked
-    both when it made them (``compress``'s NaN/Inf pass is skipped). ``final``: see ``ReplicaState``."""
+    both when it made them (``compress``'s NaN/Inf pass is skipped). ``final``: see ``ReplicaState``;
+    ``norms``, ``standing``: the merger's reference and the owner's standing per key (the newest
+    ``MAX_NORM_HISTORY`` norms and the most recently seen ``MAX_STANDING`` keys are sent)."""
     t, _ = compress(theta.detach().float().contiguous(), "none", copy=False, known_finite=known_finite)
     m = ((compress(momentum.detach().float().contiguous(), "none", copy=False, known_finite=known_finite)[0],)
          if momentum is not None else ())
     recent = sorted((merged or {}).items(), key=lambda kv: kv[1], reverse=True)[:MAX_MERGED]
     return ReplicaState(swarm=swarm, fragment=fragment, epoch=epoch, version=version, digest=digest,
                         theta=(t,), momentum=m, merged_peers=tuple(k for k, _ in recent),
-                        merged_bases=tuple(min(v, version) for _, v in recent), final=final)
+                        merged_bases=tuple(min(v, version) for _, v in recent), final=final,
+                        norm_history=tuple(norms)[-MAX_NORM_HISTORY:], standing_peers=standing[0][-MAX_STANDING:],
+                        standing_scores=standing[1][-MAX_STANDING:])
 
 
 class NotAMemberThere(RemoteProtocolError):
@@ -174,7 +186,7 @@ class ReplicaStore:
         theta, momentum = decoded if decoded is not None else self.decode(msg)
         merged = dict(zip(msg.merged_peers, msg.merged_bases, strict=True))
         self.states[p] = Handed(p, msg.epoch, msg.version, msg.digest, theta, momentum, sender, merged, hashed,
-                                msg.final)
+                                msg.final, msg.norm_history, (msg.standing_peers, msg.standing_scores))
         held = self.held.get(p)
         self.held[p] = Held(max(msg.epoch, held.epoch if held else 0), msg.version, msg.digest)
         self.taken += 1

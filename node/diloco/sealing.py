@@ -25,7 +25,7 @@ from node.diloco.flat import (
     flat_from_tensors,
     flat_is_wire_form,
 )
-from node.diloco.replica import Handed, encode_state
+from node.diloco.replica import Carried, Handed, encode_state
 from protocol.diloco.fragments import Fragment
 from protocol.wire.codec import encode
 from protocol.wire.messages import FragmentState, FragmentUpdate, ReplicaState
@@ -58,6 +58,9 @@ class VersionSealing:
 
     if TYPE_CHECKING:  # OwnerSuccession's
         def holds_final(self) -> bool:
+            ...
+
+        def _carried(self, version: int) -> Carried:  # FragmentOwner's
             ...
 
     def _remember_digests(self, version: int, state_digest: bytes, *others: bytes) -> None:
@@ -93,12 +96,15 @@ class VersionSealing:
 
     def _replica_state(self, version: int, digest: bytes, theta: torch.Tensor,
                        buffer: torch.Tensor | None, merged: Mapping[bytes, int], *,
-                       known_finite: bool = False, final: bool = False) -> ReplicaState:
+                       known_finite: bool = False, final: bool = False, carry: Carried | None = None) -> ReplicaState:
         """``known_finite``: ``theta`` and ``buffer`` were checked for NaN/Inf when made (a merge's);
-        ``final``: the version was handed out as final (``ReplicaState.final``)."""
+        ``final``: the version was handed out as final (``ReplicaState.final``); ``carry``: the
+        reference and standing to hand on, taken on the event loop (``_carried``; taken here when
+        None, so call it from the event loop then)."""
+        norms, standing = carry if carry is not None else self._carried(version)
         return encode_state(swarm=self.swarm, fragment=self.fragment.index, epoch=self.epoch, version=version,
                             digest=digest, theta=theta, momentum=buffer, merged=merged, known_finite=known_finite,
-                            final=final)
+                            final=final, norms=norms, standing=standing)
 
     def snapshot(self) -> ReplicaState:
         """The whole state at the latest version (handed to the successor when retiring), marked
@@ -109,8 +115,10 @@ class VersionSealing:
 
     def state(self) -> Handed:
         """The whole state at the latest version, as held (for an owner checkpoint)."""
+        norms, standing = self._carried(self.version)
         return Handed(self.fragment.index, self.epoch, self.version, self.digest_of(self.version),
-                      self.theta, self.buffer, self.signer.peer_id, dict(self._merged_base))
+                      self.theta, self.buffer, self.signer.peer_id, dict(self._merged_base), norms=norms,
+                      standing=standing)
 
     def _seal_state(self, version: int, theta: torch.Tensor, *, known_finite: bool = False) -> tuple[Sealed, bytes, bytes]:
         """Seal ``theta`` as ``version`` (its tensors are views of ``theta``, which is never

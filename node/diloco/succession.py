@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -23,10 +23,12 @@ from node.diloco.eventlog import LoggedMerger
 from node.diloco.replica import Handed
 from protocol.diloco.fragments import Fragment
 from protocol.diloco.merge import Decision, FragmentMerger, Phase
-from protocol.diloco.norms import all_finite
+from protocol.diloco.norms import all_finite, norm64
+from protocol.diloco.outer import OuterConfig
+from protocol.diloco.reference import update_norm_estimate
 from protocol.wire.signing import Sealed
 
-__all__ = ["FINAL_HOLD_S", "OwnerSuccession"]
+__all__ = ["FINAL_HOLD_S", "OwnerSuccession", "measured_updates"]
 
 log = logging.getLogger("node.diloco.owner")
 
@@ -34,6 +36,20 @@ log = logging.getLogger("node.diloco.owner")
 # arrives this long after is refused: merging it would leave that learner on another model. An
 # idle swarm that someone joins later merges again once the hold lapses
 FINAL_HOLD_S = 120.0
+# two states further apart than this many versions tell little of one update's norm: successive
+# updates partly cancel, so the displacement per version shrinks with the gap
+MAX_MEASURED_GAP = 4
+
+
+def measured_updates(then: torch.Tensor, then_version: int, now: torch.Tensor, now_version: int, *,
+                     lr: float) -> list[float]:
+    """Per-version update norm estimates between two states of a fragment this peer holds (none
+    when they are the same version, or too far apart to tell one update's size): what checks or
+    seeds a new owner's clip reference (``protocol.diloco.reference``)."""
+    if not 0 < now_version - then_version <= MAX_MEASURED_GAP or then.numel() != now.numel():
+        return []
+    estimate = update_norm_estimate(norm64(now - then), now_version - then_version, lr=lr)
+    return [] if estimate is None else [estimate]
 
 
 class OwnerSuccession:
@@ -54,6 +70,7 @@ class OwnerSuccession:
     final_declared: tuple[int, float] | None
     on_final: Callable[[Any], None] | None  # called with the FragmentOwner
     _merged_base: dict[bytes, int]
+    outer_cfg: OuterConfig
     _changed: asyncio.Condition
     _retired_event: asyncio.Event
     _wake: asyncio.Event
@@ -64,6 +81,12 @@ class OwnerSuccession:
             ...
 
         async def _apply(self, decision: Decision) -> None:
+            ...
+
+        def start_reference(self, handed: Sequence[float], measured: Sequence[float] = ()) -> str:
+            ...
+
+        def take_standing(self, standing: tuple[tuple[bytes, ...], tuple[float, ...]]) -> None:
             ...
 
         def _seal_state(self, version: int, theta: torch.Tensor, *, known_finite: bool = False,
@@ -88,8 +111,11 @@ class OwnerSuccession:
             return False
         theta = flat.detach().float().clone()
         latest, *digests = await asyncio.to_thread(self._seal_state, version, theta)
+        measured = await asyncio.to_thread(self._measure_updates, self.theta, self.version, theta, version)
         if version <= self.version or self.merges_done or self.merger.phase is Phase.MERGING:
             return False  # a merge or another catch-up ran while we sealed
+        if not self.merger.reference():  # none handed: seed it from the updates between the two
+            self.start_reference((), measured)
         decision = self.merger.rebase(version, now=self.clock())
         self.theta, self.version, self.latest = theta, version, latest
         self.update, self.residual = None, None
@@ -111,6 +137,7 @@ class OwnerSuccession:
             return False
         theta = handed.theta.detach().float().clone()
         latest, digest, message_digest = await asyncio.to_thread(self._seal_state, handed.version, theta)
+        measured = await asyncio.to_thread(self._measure_updates, self.theta, self.version, theta, handed.version)
         if handed.version < self.version or self.merges_done or self.merger.phase is Phase.MERGING:
             return False
         if digest != handed.digest:
@@ -129,6 +156,8 @@ class OwnerSuccession:
         for peer, base in handed.merged.items():
             if self._merged_base.get(peer, -1) < base:
                 self._merged_base[peer] = base
+        self.start_reference(handed.norms, measured)  # the predecessor's reference, when plausible
+        self.take_standing(handed.standing)
         if self.log is not None:
             self.log.note_state(self.theta, self.buffer)
         self._remember_digests(handed.version, digest, message_digest)
@@ -143,6 +172,10 @@ class OwnerSuccession:
         if decision is not None:
             await self._apply(decision)
         return True
+
+    def _measure_updates(self, then: torch.Tensor, then_version: int, now: torch.Tensor,
+                         now_version: int) -> list[float]:
+        return measured_updates(then, then_version, now, now_version, lr=self.outer_cfg.lr)
 
     def hold_first_merge(self, seconds: float) -> None:
         """Merge nothing for ``seconds`` unless the previous owner's state comes first (a handoff,

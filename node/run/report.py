@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,15 @@ def penalties_of(peer_id: str, peers: list[dict[str, Any]]) -> dict[str, int]:
         for kind, n in p.get("penalties", {}).get(peer_id, {}).items():
             total[kind] = total.get(kind, 0) + int(n)
     return dict(sorted(total.items()))
+
+
+def standing_of(peer_id: str, peers: list[dict[str, Any]]) -> float | None:
+    """``peer_id``'s lowest standing score at any owner at the end of the run (0: neutral, never
+    judged; None when no peer reported standings, a run before them)."""
+    reports = [p["standing"] for p in peers if isinstance(p.get("standing"), dict)]
+    if not reports:
+        return None
+    return min((float(r[peer_id]) for r in reports if peer_id in r), default=0.0)
 
 
 def build_report(config: dict[str, Any], peers: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
@@ -60,11 +70,15 @@ def build_report(config: dict[str, Any], peers: list[dict[str, Any]], wall_s: fl
             "accepted_per_peer": {str(p["index"]): int(p.get("contributions_accepted", 0)) for p in peers},
         },
         "remote_errors": sum(int(p.get("remote_errors", 0)) for p in peers),
+        "handoff_refusals": dict(sum((collections.Counter(p.get("handoff_refusals") or {}) for p in peers),
+                                     collections.Counter())),  # by reason, every peer's (issue 48)
+        "peer_attacks": {str(p.get("index")): p["peer_attack"] for p in peers if p.get("peer_attack")},
         "per_peer": [
             {**{k: p[k] for k in ("index", "peer_id", "steps", "tokens_trained", "bytes_sent",
                                   "stalled_steps", "median_step_s", "median_step_s_detached",
                                   "eval_curve_local", "attack", "incarnation", "resumed_from_step") if k in p},
-             "penalties": penalties_of(p.get("peer_id", ""), peers)}
+             "penalties": penalties_of(p.get("peer_id", ""), peers),
+             "standing": standing_of(p.get("peer_id", ""), peers)}
             for p in peers
         ],
         "eval_curve_global": reference.get("eval_curve_global", []),
@@ -269,10 +283,11 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
             f"Atoll's gap {100 * report['eval_loss_gap_rel']:+.1f} %"
         )
     for index, attack in report.get("attacks", {}).items():
-        counts: dict[str, int] = next(
-            (p.get("penalties", {}) for p in report["per_peer"] if str(p.get("index")) == index), {})
+        row = next((p for p in report["per_peer"] if str(p.get("index")) == index), {})
+        counts: dict[str, int] = row.get("penalties", {})
+        standing = f"; standing {row['standing']:.2f}" if row.get("standing") is not None else ""
         lines.append(f"peer {index} attacked ({attack}); what the merge did to it: "
-                     + (", ".join(f"{k} {v}" for k, v in counts.items()) or "nothing recorded"))
+                     + (", ".join(f"{k} {v}" for k, v in counts.items()) or "nothing recorded") + standing)
     if "island_alone" in report:
         a = report["island_alone"]
         lines.append(

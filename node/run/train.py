@@ -378,6 +378,7 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
         "contributions_refused": net.stats.contributions_refused, "remote_errors": node.rpc.error_count,
         "merges": {p: o.merges[-3:] for p, o in node.owners.items()},
         "penalties": node.penalties(),  # as an owner: per sender, what the merge's bounds did
+        "standing": node.standings(),  # as an owner: per sender, its standing score (issue 47)
         "rss_curve": rss_curve,
         "spread": node.spread.as_dict(),  # versions uploaded as owner / holder, pointers, fallbacks
         "versions_in": {"received": net.stats.versions_received, "as_updates": net.stats.updates_applied,

@@ -4,7 +4,9 @@
 One file per fragment, ``owner-fragment<p>.safetensors``, written with ``save_checkpoint``
 (temporary file, fsync, rename; never pickle): the global fragment and the Nesterov buffer, and
 in its JSON the swarm, fragment, epoch, version, the version's digest and the work merged into it
-(``ReplicaState`` on disk). A write happens after a publication, at most once per ``min_gap_s``
+(``ReplicaState`` on disk), with the merger's clip reference (``norm_history``) and the
+standing per sender key (``standing``: [peer id hex, score] pairs), so an owner that resumes
+does not start without them; either malformed is refused alone (the state is still taken). A write happens after a publication, at most once per ``min_gap_s``
 per fragment (the newest state wins; a publication inside the gap is written when the gap ends),
 off the event loop.
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -25,8 +28,9 @@ from pathlib import Path
 
 import torch
 
-from node.diloco.replica import Handed
+from node.diloco.replica import Carried, Handed
 from node.state.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from protocol.wire.messages import MAX_NORM_HISTORY, MAX_STANDING, PEER_ID_BYTES
 
 __all__ = ["OwnerCheckpoints"]
 
@@ -46,6 +50,33 @@ def _count(meta: dict[str, object], name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 63:
         raise ValueError(f"{name} {str(value)[:40]!r} is not an integer in [0, 2^63)")
     return value
+
+
+def _carried(meta: dict[str, object], path: Path) -> Carried:
+    """The clip reference and standing a checkpoint holds (absent in older ones). Either that is
+    malformed is refused alone, with the reason logged: the state itself is still good."""
+    norms: tuple[float, ...] = ()
+    peers: tuple[bytes, ...] = ()
+    scores: tuple[float, ...] = ()
+    raw = meta.get("norm_history", [])
+    if (isinstance(raw, list) and len(raw) <= MAX_NORM_HISTORY
+            and all(type(x) in (int, float) and math.isfinite(x) and x >= 0 for x in raw)):
+        norms = tuple(float(x) for x in raw)
+    else:
+        log.warning("owner checkpoint %s: norm_history refused (not a list of at most %d finite norms >= 0); "
+                    "the owner measures its reference instead", path, MAX_NORM_HISTORY)
+    raw = meta.get("standing", [])
+    try:
+        if not isinstance(raw, list) or len(raw) > MAX_STANDING:
+            raise ValueError(f"not a list of at most {MAX_STANDING} entries")
+        pairs = [(bytes.fromhex(e[0]), float(e[1])) for e in raw
+                 if isinstance(e, list) and len(e) == 2 and isinstance(e[0], str) and type(e[1]) in (int, float)]
+        if len(pairs) != len(raw) or not all(len(k) == PEER_ID_BYTES and math.isfinite(v) for k, v in pairs):
+            raise ValueError("entries must be [peer id hex, finite score]")
+        peers, scores = tuple(k for k, _ in pairs), tuple(v for _, v in pairs)
+    except (ValueError, OverflowError) as exc:
+        log.warning("owner checkpoint %s: standing refused (%s); the owner starts with none", path, exc)
+    return norms, (peers, scores)
 
 
 class OwnerCheckpoints:
@@ -95,7 +126,9 @@ class OwnerCheckpoints:
             tensors["momentum"] = state.momentum.detach().float().contiguous()
         meta = {"kind": "atoll-owner", "swarm": self.swarm, "fragment": state.fragment, "epoch": state.epoch,
                 "version": state.version, "digest": state.digest.hex(),
-                "merged": [[peer.hex(), base] for peer, base in state.merged.items()]}
+                "merged": [[peer.hex(), base] for peer, base in state.merged.items()],
+                "norm_history": list(state.norms),
+                "standing": [[peer.hex(), score] for peer, score in zip(*state.standing, strict=True)]}
         path = self.path(state.fragment)
         save_checkpoint(path, tensors, meta)
         self.written += 1
@@ -138,4 +171,5 @@ class OwnerCheckpoints:
                 isinstance(e, list) and len(e) == 2 and isinstance(e[0], str) and _is_count(e[1]) for e in pairs):
             raise ValueError("merged must be a list of [peer id hex, base version] pairs")
         merged = {bytes.fromhex(peer): int(base) for peer, base in pairs}
-        return Handed(p, epoch, version, digest, theta, momentum, b"", merged)
+        norms, standing = _carried(meta, path)
+        return Handed(p, epoch, version, digest, theta, momentum, b"", merged, norms=norms, standing=standing)

@@ -114,7 +114,9 @@ class StatusBoard:
                         "owner_url": _cut(owner[1]) if owner else None,
                         "version": versions[p] if p < len(versions) else None,
                         "owned": running.version if running is not None else None,
-                        "epoch": running.epoch if running is not None else None})
+                        "epoch": running.epoch if running is not None else None,
+                        # senders refused for low standing now, and the lowest scores (issue 47)
+                        "standing": running.standing_status(3) if running is not None else None})
         return out
 
 

@@ -24,6 +24,8 @@ Families (counters end in ``_total`` on the wire):
   atoll_loss (gauge)                              the island's training loss (EMA)
   atoll_goodput, atoll_members, atoll_suspected_members, atoll_fragments_owned,
   atoll_fragment_version{fragment}                gauges
+  atoll_senders_refused_for_standing{fragment}    gauge: sender keys refused for low standing now
+  atoll_sender_standing_lowest{fragment}          gauge: the lowest standing score per fragment owned
 """
 
 from __future__ import annotations
@@ -101,6 +103,14 @@ def families(t: Totals, *, loss: float | None, versions: list[int]) -> Iterator[
     yield _gauge("members", "Swarm members this node sees.", t.members)
     yield _gauge("suspected_members", "Members that refused this node's connections.", t.suspects)
     yield _gauge("fragments_owned", "Fragments this node owns now.", o.fragments_owned)
+    yield _labelled("senders_refused_for_standing", "Sender keys whose standing is below the threshold "
+                    "now (their contributions are refused), per fragment owned.", "fragment", o.senders_refused,
+                    gauge=True)
+    lowest = GaugeMetricFamily("atoll_sender_standing_lowest", "The lowest sender standing score per "
+                               "fragment owned (0: neutral; below the threshold: refused).", labels=["fragment"])
+    for p, score in o.lowest_standing.items():
+        lowest.add_metric([p], score)
+    yield lowest
     yield _labelled("fragment_version", "The global version this island holds, per fragment.", "fragment",
                     {str(p): v for p, v in enumerate(versions)}, gauge=True)
 

@@ -52,6 +52,10 @@ class OwnerTotals:
     versions_published: int = 0
     merge_seconds: float = 0.0  # time spent in the published merges, in all
     fragments_owned: int = 0
+    # per fragment owned now: sender keys refused for low standing, and the lowest score
+    # (``protocol.diloco.standing``; standing moves with the fragment, so retired owners have none)
+    senders_refused: dict[str, int] = field(default_factory=dict)
+    lowest_standing: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -127,4 +131,7 @@ def _owners(node: PeerNode) -> OwnerTotals:
         merged=counts["merged"], late=counts["late"], dropped=counts["dropped"],
         refused={k.removeprefix("refused_"): v for k, v in counts.items() if k.startswith("refused_")},
         bounded={b: counts[b] for b in BOUNDS}, versions_published=published,
-        merge_seconds=merge_s if math.isfinite(merge_s) else 0.0, fragments_owned=len(node.owners))
+        merge_seconds=merge_s if math.isfinite(merge_s) else 0.0, fragments_owned=len(node.owners),
+        senders_refused={str(p): o.standing.below(version=o.version) for p, o in list(node.owners.items())},
+        lowest_standing={str(p): low[0][1] for p, o in list(node.owners.items())
+                         if (low := o.standing.lowest(1, version=o.version))})

@@ -204,3 +204,24 @@ def test_replica_state_refuses_non_finite_norms_on_the_wire() -> None:
     from protocol.wire import codec
     with pytest.raises((DecodeError, ValueError)):
         codec.encode(_replica_state(norm_history=(math.inf,)))
+
+
+# --- a new owner's starting reference (protocol.diloco.reference) --------------------------------
+
+def test_a_plausible_handed_reference_is_taken_and_a_wild_one_ignored_for_what_is_measured() -> None:
+    from protocol.diloco.reference import PLAUSIBLE_FACTOR, starting_reference
+    ref, why = starting_reference((1.0, 1.2, 0.9), (1.1,))
+    assert ref == (1.0, 1.2, 0.9) and "handed" in why
+    for wild in (1.1 * PLAUSIBLE_FACTOR * 2, 1.1 / PLAUSIBLE_FACTOR / 2):
+        ref, why = starting_reference((wild,) * 3, (1.1,))
+        assert ref == (1.1,) and "ignored" in why
+
+
+def test_with_nothing_handed_the_reference_is_seeded_from_measured_updates_and_junk_is_dropped() -> None:
+    from protocol.diloco.reference import starting_reference, update_norm_estimate
+    assert update_norm_estimate(2.0, 2, lr=0.5) == 2.0
+    assert update_norm_estimate(0.0, 1, lr=1.0) is None and update_norm_estimate(1.0, 0, lr=1.0) is None
+    assert update_norm_estimate(math.inf, 1, lr=1.0) is None
+    assert starting_reference((), (0.5,))[0] == (0.5,)
+    assert starting_reference((math.nan, -1.0), ())[0] == ()
+    assert starting_reference((), ())[0] == ()

@@ -195,3 +195,25 @@ async def test_the_learners_an_owner_waits_for_are_logged_when_they_change_and_r
     edited = tmp_path / "edited.jsonl"
     edited.write_text(log.read_text().replace('"learners":', '"named":'))
     assert replay(edited).mismatches  # the count alone closes the round on B's flush
+
+
+async def test_a_reference_handed_to_a_new_owner_is_logged_and_replays(tmp_path: Path) -> None:
+    """A successor seeded with its predecessor's clip reference clips a lone oversized
+    contribution in its first round; the log holds the seeded reference, so replay makes the
+    same decisions (issue 47: the reference survives owner changes, and stays replayable)."""
+    model = tiny_model()
+    plan, clock = tiny_plan(model), FakeClock()
+    shapes, theta0 = shapes_of(model, plan), flat_of(model, plan, 0)
+    log = tmp_path / "owner-0.jsonl"
+    owner = make_owner(plan, shapes, 0, theta0, clock, event_log=log)
+    delta = torch.linspace(-0.02, 0.02, theta0.numel())
+    owner.start_reference((float(delta.norm()),) * 3)
+    await owner.contribute(A, contribution(50 * delta, shapes[0], owner=owner))
+    await owner.set_expected(1)
+    clock.advance(30.0)
+    await owner.tick()
+    assert owner.version == 1 and owner.penalties[A]["clipped"] == 1
+    owner.log.close()
+    assert any(json.loads(line)["kind"] == "reference" for line in log.read_text().splitlines())
+    result = replay(log)
+    assert result.mismatches == [] and result.decisions >= 3

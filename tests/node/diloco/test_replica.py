@@ -378,3 +378,113 @@ async def test_a_state_from_an_earlier_tenure_is_not_offered_to_the_learner_once
     await _merge_one(later, clock, torch.linspace(0.05, -0.05, theta0.numel()), shapes, B)
     got = store.version_from(0, signer(1).peer_id)
     assert got is not None and (got.epoch, got.version) == (2, 4) and torch.equal(got.theta, later.theta)
+
+
+# --- the clip reference and the standing survive owner changes (issue 47) ------------------------
+
+D, E = (bytes([b]) * 32 for b in (0xD4, 0xE5))
+
+
+def _plain_owner(plan, shapes, clock, initial, *, who, replicate=None, version=0, epoch=0, **carried):  # type: ignore[no-untyped-def]
+    """An owner at the node's defaults for the outer step (lr 1, no momentum): a version's update
+    is its aggregate, so the bound on a step reads directly as a bound on the aggregate."""
+    return FragmentOwner(swarm=SWARM, fragment=plan.fragments[0], shapes=shapes[0], initial=initial,
+                         version=version, merge_cfg=MergeConfig(quorum=1, gamma=0.5, tau=2.0),
+                         outer_cfg=OuterConfig(lr=1.0, momentum=0.0), signer=who, clock=clock, epoch=epoch,
+                         replicate=replicate, **carried)
+
+
+async def _round(owner: FragmentOwner, clock: FakeClock, work: dict[bytes, torch.Tensor], shapes) -> None:  # type: ignore[no-untyped-def]
+    for sender, delta in work.items():
+        ack = await owner.contribute(sender, contribution(delta, shapes[0], base_version=owner.version, owner=owner))
+        assert ack.accepted, ack.reason
+    await owner.set_expected(len(work))
+    clock.advance(30.0)
+    await owner.tick()
+
+
+def _honest(n: int, seed: int) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed)) * 0.01
+
+
+async def _predecessor_with_history(store: ReplicaStore, plan, shapes, clock, theta0):  # type: ignore[no-untyped-def]
+    """Five rounds of two honest learners (A, B) and one member (E) sending 20x their norm."""
+    primary = _plain_owner(plan, shapes, clock, theta0, who=signer(1), replicate=_handing_to(store))
+    n = theta0.numel()
+    for r in range(5):
+        await _round(primary, clock, {A: _honest(n, 2 * r), B: _honest(n, 2 * r + 1), E: 20 * _honest(n, 99 + r)},
+                     shapes)
+    assert primary.version == 5 and primary.penalties[E]["clipped"] == 5
+    return primary
+
+
+def _handed_over_the_wire(primary: FragmentOwner, store: ReplicaStore):  # type: ignore[no-untyped-def]
+    """The retiring primary's snapshot, encoded and decoded as on the wire, taken by the successor's store."""
+    from protocol.wire import codec
+    msg = codec.decode(codec.encode(primary.snapshot()).tobytes(), max_size=1 << 26)
+    assert isinstance(msg, ReplicaState)
+    assert store.offer(signer(1).peer_id, msg, successor=True).accepted
+    return store.states[0]
+
+
+async def test_a_successor_taking_over_clips_an_oversized_contribution_in_its_first_round() -> None:
+    """Today's main started every new owner with an empty norm history: a member alone in the
+    successor's first round set its own clip reference and moved the fragment by its whole norm
+    (here 30x an honest one). The predecessor's reference now comes with the handoff, so that
+    first round clips it to ``clip_multiple`` x the honest norms."""
+    model = tiny_model()
+    plan, clock = tiny_plan(model), FakeClock()
+    shapes, theta0 = shapes_of(model, plan), flat_of(model, plan, 0)
+    store = ReplicaStore(SWARM, [theta0.numel(), 0])
+    primary = await _predecessor_with_history(store, plan, shapes, clock, theta0)
+    honest = max(float(_honest(theta0.numel(), s).norm()) for s in range(10))
+    # the successor started from the swarm's version 0 (no handoff yet), then the retiring primary's state came
+    successor = _plain_owner(plan, shapes, clock, theta0, who=signer(2), replicate=_handing_to(ReplicaStore(SWARM, [theta0.numel(), 0])))
+    assert await successor.take_over(_handed_over_the_wire(primary, store))
+    before = successor.theta.clone()
+    await _round(successor, clock, {D: 30 * _honest(theta0.numel(), 7)}, shapes)  # D alone, in its first round
+    assert successor.version == 6
+    step = float((successor.theta - before).norm())
+    assert successor.penalties[D]["clipped"] == 1, "the successor's first round did not clip a 30x contribution"
+    assert step <= 4.0 * honest * 1.01  # clip_multiple x the honest norms, not 30x
+    assert successor.merger.reference() and len(successor.merger.reference()) >= 2
+
+
+async def test_a_successor_built_from_a_handoff_has_the_reference_and_refuses_a_sender_of_low_standing() -> None:
+    model = tiny_model()
+    plan, clock = tiny_plan(model), FakeClock()
+    shapes, theta0 = shapes_of(model, plan), flat_of(model, plan, 0)
+    store = ReplicaStore(SWARM, [theta0.numel(), 0])
+    primary = await _predecessor_with_history(store, plan, shapes, clock, theta0)
+    assert primary.standing.refused(E, version=primary.version) is not None  # clipped every round
+    handed = _handed_over_the_wire(primary, store)
+    assert handed.norms == primary.merger.reference() and handed.norms
+    successor = _plain_owner(plan, shapes, clock, handed.theta, who=signer(2), version=handed.version,
+                             epoch=handed.epoch + 1, reference=handed.norms, standing=handed.standing)
+    assert successor.merger.reference() == primary.merger.reference()
+    assert successor.standing.score(E, version=5) == primary.standing.score(E, version=5) < 0
+    assert successor.standing.score(A, version=5) > 0
+    ack = await successor.contribute(E, contribution(_honest(theta0.numel(), 3), shapes[0], base_version=5,
+                                                     owner=successor))
+    assert not ack.accepted and "standing" in ack.reason
+    assert successor.penalties[E]["refused_standing"] == 1
+    status = successor.standing_status()
+    assert status["refused"] == 1 and status["lowest"][0]["peer"] == E.hex()[:16]  # type: ignore[index]
+
+
+async def test_a_hostile_predecessors_huge_reference_is_ignored_for_the_updates_the_successor_measures() -> None:
+    """A predecessor hands a reference 1e6x the real norms (its next contribution would pass the
+    clip): the successor, holding the version before, measures the last update itself and seeds
+    from that instead."""
+    model = tiny_model()
+    plan, clock = tiny_plan(model), FakeClock()
+    shapes, theta0 = shapes_of(model, plan), flat_of(model, plan, 0)
+    store = ReplicaStore(SWARM, [theta0.numel(), 0])
+    primary = _plain_owner(plan, shapes, clock, theta0, who=signer(1), replicate=_handing_to(store))
+    await _round(primary, clock, {A: _honest(theta0.numel(), 0), B: _honest(theta0.numel(), 1)}, shapes)
+    successor = _plain_owner(plan, shapes, clock, primary.theta.clone(), who=signer(2), version=1)
+    await _round(primary, clock, {A: _honest(theta0.numel(), 2), B: _honest(theta0.numel(), 3)}, shapes)
+    handed = dataclasses.replace(_handed_over_the_wire(primary, store), norms=(1e6, 1e6, 1e6))
+    assert await successor.take_over(handed)
+    reference = successor.merger.reference()
+    assert reference and max(reference) < 1.0 and "ignored" in successor.reference_note

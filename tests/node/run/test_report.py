@@ -63,3 +63,12 @@ def test_the_heap_in_use_counts_a_tensor_while_it_lives() -> None:
     after = heap_in_use()
     assert during is not None and after is not None
     assert during - before >= 15_000_000 and during - after >= 15_000_000
+
+
+def test_the_report_shows_each_peers_lowest_standing_and_the_attackers_in_its_lines() -> None:
+    from node.run.report import standing_of
+    peers = [{"standing": {"aa": -2.5, "bb": 0.4}}, {"standing": {"aa": -1.0}}, {}]
+    assert standing_of("aa", peers) == -2.5  # the lowest at any owner
+    assert standing_of("bb", peers) == 0.4
+    assert standing_of("cc", peers) == 0.0  # never judged: neutral
+    assert standing_of("aa", [{}, {"penalties": {}}]) is None  # a run before standings

@@ -118,3 +118,33 @@ def test_crafted_owner_checkpoints_are_skipped_and_the_peer_starts(
         node = PeerNode(RunConfig(max_tokens_per_step=64), signer(1), model, plan, owner_checkpoint_dir=tmp_path)
     assert 1 not in node.replicas.states
     assert f"owner checkpoint {path} refused" in caplog.text
+
+
+def test_the_clip_reference_and_the_standing_come_back_and_bad_ones_are_refused_alone(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """An owner that resumes from its checkpoint keeps its clip reference and standing per key
+    (issue 47: no owner starts without a reference); either field malformed is refused with the
+    reason and the state is still taken. Older checkpoints, without them, load with none."""
+    import dataclasses
+
+    from node.state.checkpoint import save_checkpoint
+    store = OwnerCheckpoints(tmp_path, SWARM, [5, 10])
+    saved = dataclasses.replace(_state(7), norms=(0.5, 0.25, 1.0),
+                                standing=((b"\xa1" * 32, b"\xb2" * 32), (-2.5, 0.75)))
+    path = store.save(saved)
+    got = OwnerCheckpoints(tmp_path, SWARM, [5, 10]).load()[1]
+    assert got.norms == saved.norms and got.standing == saved.standing
+    tensors = {"theta": saved.theta.float()}
+    base = {"kind": "atoll-owner", "swarm": SWARM, "fragment": 1, "epoch": 3, "version": 7,
+            "digest": saved.digest.hex(), "merged": []}
+    for bad in ({"norm_history": [1.0, -2.0]}, {"norm_history": "x"}, {"norm_history": [1.0] * 65},
+                {"standing": [["zz", 1.0]]}, {"standing": [["a1" * 32]]}, {"standing": [["a1" * 5, 1.0]]},
+                {"standing": [["a1" * 32, 10 ** 400]]}, {"standing": {"a": 1}}):
+        caplog.clear()
+        save_checkpoint(path, tensors, {**base, **bad})
+        got = OwnerCheckpoints(tmp_path, SWARM, [5, 10]).load()[1]  # the state is taken
+        assert got.version == 7 and got.norms == () and got.standing == ((), ())
+        assert "refused" in caplog.text, bad
+    save_checkpoint(path, tensors, base)  # an older checkpoint
+    got = OwnerCheckpoints(tmp_path, SWARM, [5, 10]).load()[1]
+    assert got.norms == () and got.standing == ((), ())

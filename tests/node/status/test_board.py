@@ -179,3 +179,37 @@ async def test_a_serving_node_answers_the_page_its_script_json_and_metrics() -> 
     assert b"atoll_bytes_sent_total" in bodies["/metrics"][1]
     secret = bytes([1]).hex() * 32  # signer(1)'s seed
     assert all(secret.encode() not in body for _, body in bodies.values())
+
+
+async def test_standing_shows_in_status_board_metrics_and_the_final_results() -> None:
+    """A sender whose work is clipped round after round falls below the standing threshold: the
+    owner refuses it with the reason, and /v1/status, the board, /metrics and the per-peer
+    results the report folds all show it (issue 47)."""
+    from protocol.diloco.standing import Event
+    node = _node(FakeClock())
+    model = tiny_model()
+    plan = tiny_plan(model)
+    shapes = shapes_of(model, plan)
+    owner = make_owner(plan, shapes, 0, flat_of(model, plan, 0), FakeClock())
+    node.owners[0] = owner
+    bad, good = signer(5).peer_id, signer(6).peer_id
+    for v in range(6):
+        owner.standing.record(bad, Event.CLIPPED, version=v)
+        owner.standing.record(good, Event.MERGED, version=v)
+    delta = torch.full_like(flat_of(model, plan, 0), 0.01)
+    ack = await owner.contribute(bad, contribution(delta, shapes[0], owner=owner))
+    assert not ack.accepted and "standing" in ack.reason
+    members, node.membership = node.membership, None  # status() wants certified members, not these fakes
+    status = node.status()["standing"]["0"]
+    node.membership = members
+    assert status["refused"] == 1 and status["lowest"][0]["peer"] == bad.hex()[:16]
+    assert node.board.board()["fragments"][0]["standing"]["refused"] == 1
+    totals = node.board.totals()
+    assert totals.owners.refused["standing"] == 1 and totals.owners.senders_refused == {"0": 1}
+    metrics = {s.name + json.dumps(s.labels, sort_keys=True): s.value
+               for f in text_string_to_metric_families(node.board.metrics.text().decode()) for s in f.samples}
+    assert metrics['atoll_senders_refused_for_standing{"fragment": "0"}'] == 1
+    assert metrics['atoll_sender_standing_lowest{"fragment": "0"}'] < owner.standing.config.threshold
+    assert metrics['atoll_contributions_refused_total{"reason": "standing"}'] == 1
+    scores = node.standings()
+    assert scores[bad.hex()] < 0 < scores[good.hex()]
