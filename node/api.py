@@ -36,7 +36,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import TracebackType
 
 import torch
@@ -48,6 +48,7 @@ from node.dht.swarm import SwarmCredentials
 from node.diloco.inner import interval_by_lr
 from node.diloco.island import Island, IslandConfig
 from node.diloco.ranks import IslandRanks, distributed_rank, unwrap
+from node.diloco.validation import CallableEvaluator
 from node.peer import PeerNode
 from node.run.allocator import tune_allocator
 from protocol.diloco.fragments import FragmentPlan, plan_fragments
@@ -82,6 +83,7 @@ class SwarmIsland:
         manifest: SwarmManifest | None = None,
         key: Signer | None = None,
         cert: Certificate | None = None,
+        validate: Callable[[nn.Module], float] | None = None,
     ) -> None:
         """``tokens_per_step``: the most tokens one inner step trains (the merge clamps to it).
         ``config``: fragments, H, codec, outer step, grace window... (its model fields unused).
@@ -90,6 +92,12 @@ class SwarmIsland:
         decides fragments, H, codecs and merge rules, and its ``model`` must name this model's
         fragment plan (``SwarmIsland.model_name``). Without a manifest the swarm is a development
         swarm named ``swarm`` in which any reachable member may own fragments.
+        ``validate(model) -> loss``: the swarm's validation loss of ``model`` (on data every peer
+        holds, e.g. a held-out set the manifest names by hash; it may draw its own batches). With
+        it, each version this peer owns is checked before it is published: one that raises the
+        loss beyond the noise of repeated calls is not, and the contributions that hurt alone are
+        dropped (``node.diloco.validation``; four calls per version, more when it hurts). Without
+        it, validated publication is off, and the node says so at start.
 
         Also raises glibc's mmap and trim thresholds for this process, so the large tensors of
         each round reuse warm pages (``node.run.allocator``; ``ATOLL_MALLOC=default`` opts out).
@@ -127,8 +135,11 @@ class SwarmIsland:
                                                interval=interval_by_lr(optimizer, self.cfg.inner_steps,
                                                                        self.cfg.sync_growth),
                                                rebase=bool(self.cfg.adopt_rebase)))
+            island = self._island
+            evaluator = (CallableEvaluator(model, self.plan, lambda: island.global_flat, validate)
+                         if validate is not None else None)
             self._node = PeerNode(self.cfg, signer, model, self.plan, host=host, port=port,
-                                  public_address=public_address, credentials=credentials)
+                                  public_address=public_address, credentials=credentials, evaluator=evaluator)
         # the other ranks of a torchrun island follow rank 0's adoptions (node.diloco.ranks)
         self.ranks = IslandRanks(model, optimizer, self.plan, self._island) if self.world > 1 else None
         self.initial_peers = list(initial_peers)

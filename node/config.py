@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from protocol.diloco.aggregates import AGGREGATES
-from protocol.diloco.interval import GROWTHS, interval
+from protocol.diloco.interval import GROWTHS
 from protocol.wire.tensors import CODECS, UPDATE_CODECS
 
 __all__ = ["SCHEDULE_FIELDS", "SHARDINGS", "SWARM_WIDE_FIELDS", "RunConfig", "add_run_arguments", "config_from_args"]
@@ -126,6 +126,11 @@ class RunConfig:
     # an owner's own direct uploads of each version: its replica handoff is one more, and repeats
     # and fallbacks come on top (32 peers at 2: the busiest owner uploaded 4.4x what it published)
     owner_fanout: int = 1
+    # validated publication (node.diloco.validation): an owner evaluates each candidate version on
+    # this many windows of the pinned validation set before publishing it (0: off), on a random
+    # one in validate_every merges (docs/security.md measures the cost)
+    validate_windows: int = 16
+    validate_every: int = 1
     # an owner's uploads of one version to learners, all reasons and forms (full, update), in
     # multiples of its full size (the replica handoff comes on top): past it, learners are pointed at peers
     # that hold it or take a later version; a final version is always served (0: no budget)
@@ -163,6 +168,9 @@ class RunConfig:
                             f"got {self.full_every}")
         if self.sharding not in SHARDINGS:
             problems.append(f"--sharding must be one of {', '.join(SHARDINGS)}; got {self.sharding!r}")
+        if self.validate_windows == 1 or self.validate_windows < 0 or self.validate_every < 1:
+            problems.append(f"--validate-windows must be 0 (off) or >= 2 (noise needs two windows) and "
+                            f"--validate-every >= 1; got {self.validate_windows} and {self.validate_every}")
         if self.aggregate not in AGGREGATES:
             problems.append(f"--aggregate must be one of {', '.join(AGGREGATES)}; got {self.aggregate!r}")
         # a swarm's recipe sets these too: refused here, not when an owner starts
@@ -224,15 +232,6 @@ class RunConfig:
         if self.quorum_fraction >= 0:
             return self.quorum_fraction
         return 1.0 if self.outer_momentum > 0 else 0.5
-
-    @property
-    def merge_max_claimed_steps(self) -> int:
-        """The inner steps a contribution's claim counts for at most (``MergeConfig.max_claimed_steps``):
-        2H at the longest H of the run (``--sync-growth``), the most a learner trains between two
-        sends of one fragment with one in flight. A claim beyond it only buys weight, which the
-        others' median caps; the time bound alone let a 20 s-old version claim 20,001 steps."""
-        longest = max(self.inner_steps, interval(self.inner_steps, max(self.min_lr_ratio, 1e-6), self.sync_growth))
-        return 2 * longest
 
     @property
     def merge_max_work_steps(self) -> int | None:
@@ -375,6 +374,10 @@ _HELP = {
     "eval_every": "inner steps between held-out evaluations",
     "eval_batches": "held-out batches per evaluation",
     "overlap_block": "measure overlap: alternate blocks of N steps trained alone and in the swarm (0: off)",
+    "validate_windows": "validated publication: windows of the pinned validation set an owner evaluates each "
+                        "candidate version on before publishing it; one that raises the loss beyond the windows' "
+                        "noise is not published, and the contributions that hurt alone are dropped (0: off)",
+    "validate_every": "validated publication: check a random one in this many merges (1: every merge)",
     "baseline_lr": "peak learning rate of --baseline's data-parallel run (0: the islands' --lr); its batch is "
                    "peers x --batch-size, which usually wants a higher lr: tune it, or the comparison flatters the swarm",
     "link": "emulated link for every peer, e.g. latency=50ms,bandwidth=10mbit,drop=0.01",

@@ -54,7 +54,7 @@ from node.state.owner_checkpoint import OwnerCheckpoints
 from node.state.serve import ManifestCache
 from node.status import StatusBoard
 from node.wire.admission import Identification, MemberAddresses
-from node.wire.rpc import RpcServer, max_rpc_body
+from node.wire.rpc import RpcServer
 from node.wire.tls import server_context
 from node.wire.transport import LinkEmulator, LinkProfile, Transport
 from protocol.diloco.fragments import FragmentPlan
@@ -137,9 +137,7 @@ class PeerNode(SwarmPresence, OwnedFragments, OwnerHandoffs, VersionServing):
         self.spread = SpreadStats()  # versions spread peer to peer (``node.diloco.spread``)
         self._fanouts: dict[int, Fanout] = {}  # fragment -> this owner's serve-or-point decisions
         self.holdings = Holdings(len(plan.fragments), self.transport.pool, fanout=cfg.spread_fanout)
-        # bodies capped by what the plan's largest fragment can need (not a fixed 256 MiB)
-        self.rpc = RpcServer(self.transport, signer, authorize=self._authorize,
-                             max_message=max_rpc_body(f.numel for f in plan.fragments))
+        self.rpc = RpcServer(self.transport, signer, authorize=self._authorize)
         self.router = DHTRouter(self.transport)
         self.dht: DHTNode | None = None
         self.membership: Membership | None = None

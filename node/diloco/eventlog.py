@@ -205,6 +205,11 @@ class LoggedMerger:
         """The content digest of a version this owner published (or took over)."""
         self._write({"kind": "version", "version": version, "digest": digest.hex()})
 
+    def note_validation(self, record: dict[str, Any]) -> None:
+        """A check of a candidate version (``node.diloco.validation.Check.record``): replay redraws
+        its windows from the logged seed and recomputes its verdict from the logged losses."""
+        self._write(record)
+
     def close(self) -> None:
         with self._lock:
             if self._file is not None:

@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 from node.diloco.eventlog_format import FORMAT, _decision, payload_dir
 from node.diloco.flat import encode_flat, flat_digest, flat_from_tensors
+from node.diloco.validation import recheck
 from protocol.diloco.merge import Decision, FragmentMerger, MergeConfig
 from protocol.diloco.outer import OuterConfig, merge_update
 from protocol.diloco.updates import encode_update
@@ -40,6 +41,7 @@ class ReplayResult:
     versions: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # {version, digest, merged, replayed}
     mismatches: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     unchecked: str | None = None  # why version contents were not (all) recomputed
+    validations: int = 0  # candidate checks recomputed (``node.diloco.validation.recheck``)
 
     @property
     def contents_checked(self) -> int:
@@ -47,6 +49,7 @@ class ReplayResult:
 
     def to_json(self) -> dict[str, Any]:
         return {"decisions": self.decisions, "versions": self.versions, "contents_checked": self.contents_checked,
+                "validations": self.validations,
                 "unchecked": self.unchecked, "mismatches": self.mismatches}
 
 
@@ -309,6 +312,10 @@ class _Replay:
                     isinstance(x, (int, float)) and not isinstance(x, bool) for x in norms):
                 raise ValueError("a reference record needs a start line before it and a list of numbers")
             self.merger.seed_reference(norms)
+        elif kind == "validation":  # a candidate's check: the same windows and verdict again
+            self.result.validations += 1
+            for what in recheck(rec):
+                self.result.mismatches.append({"line": n, "event": "validation", "what": what})
         elif kind == "truncated":
             self.result.mismatches.append({"line": n, "what": "the log was truncated at its size cap"})
             return False

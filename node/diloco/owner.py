@@ -40,6 +40,7 @@ from node.diloco.intake import ContributionIntake
 from node.diloco.replica import Carried
 from node.diloco.sealing import VersionSealing
 from node.diloco.succession import FINAL_HOLD_S, OwnerSuccession
+from node.diloco.validation import OwnerValidation
 from protocol.diloco.activity import LearnerActivity
 from protocol.diloco.fragments import Fragment
 from protocol.diloco.merge import Decision, FragmentMerger, MergeConfig, Phase
@@ -65,6 +66,15 @@ class MergeFailed(Exception):
 
 
 MERGED_BASES_KEPT = 100_000  # senders whose newest merged base is remembered
+
+
+class Rejected(MergeFailed):
+    """Validation kept the candidate from being published: ``culprits`` hurt the loss alone (or,
+    when none did, are the whole round); ``helped`` lowered it alone."""
+
+    def __init__(self, reason: str, culprits: frozenset[bytes], helped: frozenset[bytes], whole: bool) -> None:
+        super().__init__(reason, culprits)
+        self.helped, self.whole = helped, whole
 
 
 class Fenced(MergeFailed):
@@ -99,6 +109,9 @@ class OwnerCounts:
     fragment: int
     merges_done: int = 0
     merge_seconds: float = 0.0  # from each published round's close to its publication, in all
+    checks: int = 0  # candidate versions validated before publication (node.diloco.validation)
+    rejected: int = 0  # of them, not published
+    check_seconds: float = 0.0  # spent evaluating them
     recent: collections.deque[str] = dataclasses.field(default_factory=lambda: collections.deque(maxlen=OwnerCounts.RECENT))
     # per sender: how often a bound bit (clipped, weight_capped, steps_bounded, tokens_bounded, work_capped),
     # its contribution was dropped from a failed merge, or refused (refused_<why>)
@@ -114,6 +127,9 @@ class OwnerCounts:
         the owners of it it retired, however often the fragment comes and goes)."""
         self.merges_done += other.merges_done
         self.merge_seconds += other.merge_seconds
+        self.checks += other.checks
+        self.rejected += other.rejected
+        self.check_seconds += other.check_seconds
         self.recent.extend(other.recent)
         for peer, counts in other.penalties.items():
             self.penalties[peer].update(counts)
@@ -146,6 +162,7 @@ class FragmentOwner(ContributionIntake, VersionSealing, OwnerSuccession):
         event_log: Path | None = None,
         merged: Mapping[bytes, int] | None = None,
         round_steps: int = 0,
+        validation: OwnerValidation | None = None,
         reference: Sequence[float] = (),
         measured: Sequence[float] = (),
         standing: tuple[tuple[bytes, ...], tuple[float, ...]] | None = None,
@@ -164,7 +181,8 @@ class FragmentOwner(ContributionIntake, VersionSealing, OwnerSuccession):
         ``protocol.diloco.updates``; the full versions are then fp32, ``download_codec`` none);
         ``round_steps``: the inner steps a learner may train between two contributions to a
         fragment (2H), which tells how long one at work may stay silent
-        (``protocol.diloco.activity``);
+        (``protocol.diloco.activity``); ``validation``: check each candidate version on the
+        swarm's validation set before publishing it (``node.diloco.validation``; None: off);
         ``reference``: the predecessor's clip reference (recent accepted norms), taken when it is
         plausible against ``measured``, estimates from published updates this peer could measure
         (``protocol.diloco.reference``), which seed it otherwise; ``standing``: the predecessor's
@@ -218,6 +236,7 @@ class FragmentOwner(ContributionIntake, VersionSealing, OwnerSuccession):
             self.log.note_state(self.theta, self.buffer)
         self._remember_digests(version, *digests, flat_digest(self.theta))  # and v0 unrounded (bf16 download)
         self.counts = OwnerCounts(self.fragment.index)  # what outlives this owner once it retires
+        self.validation = validation
         # per sender key: what its work came to here, carried to successors (``protocol.diloco.standing``)
         self.standing = Standing()
         self.reference_note = ""  # where the clip reference came from (status)
@@ -355,6 +374,11 @@ class FragmentOwner(ContributionIntake, VersionSealing, OwnerSuccession):
                     raise Fenced(fence, frozenset(peers))
             if self.retired:  # retired while merging (past the wait): the successor owns the next version
                 raise Fenced(f"retired before publishing version {self.version + 1}", frozenset(peers))
+        except Rejected as exc:
+            self._rejected(exc)
+            failed = self.merger.on_merge_failed(exc.reason, now=self.clock(), discard=exc.culprits)
+            log.warning("fragment %d: version %d not published: %s", self.fragment.index, self.version + 1, exc.reason)
+            return failed
         except Fenced as exc:
             self.fenced = exc.reason
             log.warning("fragment %d: stopped publishing: %s", self.fragment.index, exc.reason)
@@ -410,6 +434,8 @@ class FragmentOwner(ContributionIntake, VersionSealing, OwnerSuccession):
         if self.update_codec is not None:  # publish what learners compute from the update
             tensors, theta, residual = encode_update(theta, self.theta, self.residual, self.shapes,
                                                      self.update_codec, block_size=self.block_size)
+        if self.validation is not None:  # before anything is sealed: a rejected candidate leaves no trace
+            self._validate(version, theta, peers, deltas, weights, clips, scale, norms, aggregate)
         checked = tensors is None  # _outer checked theta and buffer; an update's result is checked when sealed
         latest, digest, message_digest = self._seal_state(version, theta, known_finite=checked)
         state = (self._replica_state(version, digest, theta, buffer, merged, known_finite=checked, carry=carry)
@@ -425,6 +451,42 @@ class FragmentOwner(ContributionIntake, VersionSealing, OwnerSuccession):
                         if state is not None and buffer is None else None)
         return _Next(theta, buffer, latest, digest, message_digest, state, update, residual, state_update,
                      theta_digest)
+
+    def _validate(self, version: int, theta: torch.Tensor, peers: list[bytes], deltas: list[torch.Tensor],
+                  weights: list[float], clips: list[float], scale: float, norms: Sequence[float | None] | None,
+                  aggregate: str | None) -> None:
+        """Check the candidate ``theta`` (``node.diloco.validation``); log the check. Raises
+        ``Rejected`` when it is not to be published."""
+        assert self.validation is not None
+
+        def alone() -> dict[bytes, torch.Tensor]:  # per sender, the outer step over its work only
+            out: dict[bytes, torch.Tensor] = {}
+            for peer in dict.fromkeys(peers):
+                mine = [i for i, p in enumerate(peers) if p == peer]
+                out[peer] = merge_update(self.theta, self.buffer, [deltas[i] for i in mine], [weights[i] for i in mine],
+                                         [clips[i] for i in mine], self.outer_cfg, embedding=self.fragment.is_embedding,
+                                         scale=scale, norms=None if norms is None else [norms[i] for i in mine],
+                                         aggregate=aggregate).theta
+            return out
+
+        check = self.validation.check(self.fragment.index, version, self.theta, theta, alone)
+        if check is None:
+            return
+        self.counts.checks += 1
+        self.counts.rejected += int(not check.verdict.publish)
+        self.counts.check_seconds += check.seconds
+        if self.log is not None:
+            self.log.note_validation(check.record)
+        verdict = check.verdict
+        if not verdict.publish:
+            raise Rejected(verdict.reason, verdict.drop, verdict.helped, whole=verdict.whole)
+
+    def _rejected(self, exc: Rejected) -> None:
+        """Count a rejected candidate against the senders it names (and for those that helped)."""
+        for peer in exc.culprits:
+            self.penalties[peer]["round_dropped" if exc.whole else "hurt"] += 1
+        for peer in exc.helped:
+            self.penalties[peer]["helped"] += 1
 
     # --- the reference and the standing, which outlive this owner ----------------------------------
     def start_reference(self, handed: Sequence[float], measured: Sequence[float] = ()) -> str:
@@ -460,8 +522,7 @@ class FragmentOwner(ContributionIntake, VersionSealing, OwnerSuccession):
         for e in decision.entries:
             if e.clip < e.work_scale:
                 event = Event.CLIPPED
-            elif e.steps_bounded or e.tokens_bounded:  # a claim past what the owner can see (a weight
-                # cap is not: it bites whichever honest learner counted the most tokens)
+            elif any(getattr(e, flag, False) for flag in ("weight_capped", "steps_bounded", "tokens_bounded")):
                 event = Event.BOUNDED
             else:
                 event = Event.MERGED

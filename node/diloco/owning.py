@@ -24,9 +24,11 @@ import torch
 from node.diloco.flat import encode_flat, flat_from_tensors
 from node.diloco.owner import FragmentOwner, OwnerCounts
 from node.diloco.succession import measured_updates
+from node.diloco.validation import Evaluator, OwnerValidation
 from protocol.diloco.interval import interval
 from protocol.diloco.merge import MergeConfig
 from protocol.diloco.outer import OuterConfig
+from protocol.diloco.validation import ValidationConfig
 from protocol.errors import NotAuthorized, UnknownFragment
 from protocol.wire.messages import Ack, Contribution, ReplicaState
 from protocol.wire.signing import Opened, Signer
@@ -59,6 +61,7 @@ class OwnedFragments:
     net: IslandNet | None
     replicas: ReplicaStore
     owners: dict[int, FragmentOwner]
+    evaluator: Evaluator | None
     event_log_dir: Path | None
     _owner_tasks: dict[int, asyncio.Task[None]]
     _retired_owners: dict[int, list[OwnerCounts]]  # per fragment: the earlier retired owners folded, the last
@@ -171,6 +174,9 @@ class OwnedFragments:
             on_publish=self._published, on_final=self._final_declared, round_steps=2 * self._longest_interval(),
             reference=handed.norms if from_handoff and handed is not None else (), measured=measured,
             standing=handed.standing if from_handoff and handed is not None else None,
+            validation=(OwnerValidation(self.evaluator, ValidationConfig(windows=self.cfg.validate_windows,
+                                                                         every=self.cfg.validate_every))
+                        if self.evaluator is not None else None),
             event_log=(self.event_log_dir / f"fragment{p}-epoch{epoch}-v{version}-{time.time_ns()}.jsonl"
                        if self.event_log_dir is not None else None),
         )
@@ -237,8 +243,7 @@ class OwnedFragments:
                            staleness_bound=c.staleness_bound,
                            late_policy="carry" if c.late_policy == "carry" else "drop",
                            max_tokens_per_step=c.max_tokens_per_step, quorum_is_expected=c.mode != "decoupled",
-                           max_work_steps=c.merge_max_work_steps, max_claimed_steps=c.merge_max_claimed_steps,
-                           reference_min_steps=c.inner_steps // 2)
+                           max_work_steps=c.merge_max_work_steps)
 
     def _outer_cfg(self) -> OuterConfig:
         return OuterConfig(lr=self.cfg.outer_lr, momentum=self.cfg.outer_momentum, aggregate=self.cfg.aggregate,

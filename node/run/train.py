@@ -28,6 +28,7 @@ from node.dht.swarm import SwarmCredentials
 from node.diloco.inner import interval_by_lr, joining_step, lr_at, make_inner_optimizer
 from node.diloco.island import Island, IslandConfig
 from node.diloco.ranks import IslandRanks, distributed_rank, leave_process_group
+from node.diloco.validation import window_evaluator
 from node.peer import PeerNode, emit
 from node.run.allocator import heap_in_use
 from node.run.attack import Attack
@@ -35,7 +36,7 @@ from node.run.memtrace import MemTrace
 from node.run.report import WARMUP
 from node.run.resume import IslandCheckpoints
 from node.workload.baseline import TrainConfig, sampler_seed, train_config_for
-from node.workload.corpus import BatchSampler, evaluate, load_corpus, split_corpus
+from node.workload.corpus import BatchSampler, evaluate, load_corpus, split_corpus, validation_slice
 from node.workload.model import GPT, GPTConfig, embedding_parameter_names
 from node.workload.presets import resolved
 from protocol.diloco.fragments import FragmentPlan, plan_fragments
@@ -229,13 +230,19 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
         say("resumed", index=index, step=start_step, versions=list(island.versions))
 
     # --- the node, on its own thread: join the swarm, sync the global fragments ---------------
+    # --- validated publication: owners check candidates on the pinned held-out slice ------------
+    validation, validation_hash = validation_slice(heldout)  # (m,) uint8; the same bytes on every peer
+    evaluator = window_evaluator(model, plan, lambda: island.global_flat, validation, block_size=gcfg.block_size,
+                                 windows=cfg.validate_windows)
+
     node = PeerNode(cfg, signer, model, plan, host=opts.host, port=opts.port,
                     public_address=opts.public_address, credentials=opts.credentials,
                     tamper=Attack.parse(opts.attack, seed=cfg.seed + index) if opts.attack else None,
                     initial_global=initial_global if resumed else None,
                     versions_known_at=float(resumed["saved_at"]) if resumed and "saved_at" in resumed else None,
                     event_log_dir=opts.event_log_dir,
-                    owner_checkpoint_dir=opts.checkpoint_dir / "owner" if opts.checkpoint_dir else None)
+                    owner_checkpoint_dir=opts.checkpoint_dir / "owner" if opts.checkpoint_dir else None,
+                    evaluator=evaluator)
     holder.append(node)
     node.announce_versions = opts.initial_peers_from_stdin  # under a launcher: it checks every version's content
     initial = list(opts.initial_peers)
@@ -392,6 +399,13 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
         while "stop" not in _read_stdin_line():
             pass
     elif opts.serve_after_s:
+        "peer_attack": peer_attack.stop() if peer_attack is not None else None,  # what it did, how answered
+        "handoff_refusals": dict(node.replicas.refusals),  # handoffs this peer refused, by reason (issue 48)
+        # validated publication: the pinned slice, and what checking candidates cost this peer's owners
+        "validation": {"data_sha256": validation_hash, "on": evaluator is not None,
+                       "checks": sum(c.checks for c in node.all_owners()),
+                       "rejected": sum(c.rejected for c in node.all_owners()),
+                       "seconds": round(sum(c.check_seconds for c in node.all_owners()), 3)},
         # keep serving the fragments we own (others still train) until told to stop
         with contextlib.suppress(KeyboardInterrupt):
             thread.join(timeout=opts.serve_after_s)

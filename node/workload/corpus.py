@@ -21,6 +21,7 @@ the same bytes and loss curves are comparable.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import sysconfig
@@ -41,6 +42,7 @@ __all__ = [
     "split_corpus",
     "BatchSampler",
     "heldout_windows",
+    "validation_slice",
     "evaluate",
 ]
 
@@ -271,6 +273,18 @@ def heldout_windows(heldout: torch.Tensor, *, n_windows: int, block_size: int) -
             f"{block_size + 1}: use a bigger corpus or a bigger heldout_fraction"
         )
     return torch.linspace(0, high, n_windows, dtype=torch.float64).round().long()
+
+
+def validation_slice(heldout: torch.Tensor, *, fraction: float = 0.25) -> tuple[torch.Tensor, str]:
+    """The swarm's pinned validation set for validated publication (``node.diloco.validation``):
+    the last ``fraction`` of the held-out split, uint8 (m,), and its SHA-256 (hex), which every
+    peer of a swarm on the same corpus computes alike. Held out, so no learner trains on it; it
+    overlaps the bytes ``evaluate`` scores (its windows are spread over the whole held-out split).
+    Raises ValueError for a fraction outside (0, 1]."""
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"validation fraction must be in (0, 1], got {fraction}")
+    part = heldout[heldout.numel() - max(1, int(heldout.numel() * fraction)):]
+    return part, hashlib.sha256(part.numpy().tobytes()).hexdigest()
 
 
 @torch.no_grad()

@@ -105,12 +105,14 @@ def compare(before: Sequence[float], after: Sequence[float], config: ValidationC
 class Verdict:
     """What to do with a candidate: ``publish`` it, or not and ``drop`` these senders'
     contributions (all of them: drop the round); ``helped``: the senders whose work, scored alone,
-    lowered the loss beyond noise; ``reason``: one line with the numbers."""
+    lowered the loss beyond noise; ``reason``: one line with the numbers; ``whole``: the round is
+    dropped because the harm is in the combination (no single contribution hurt alone)."""
 
     publish: bool
     drop: frozenset[bytes]
     helped: frozenset[bytes]
     reason: str
+    whole: bool = False
 
 
 def judge(before: Sequence[float], candidate: Sequence[float],
@@ -119,18 +121,18 @@ def judge(before: Sequence[float], candidate: Sequence[float],
     only its contribution applied (None: not scored yet; then a candidate that hurts is returned
     with an empty ``drop`` and the owner scores them and asks again). Raises ``ValueError`` as
     ``compare`` does."""
-    whole = compare(before, candidate, config)
-    if not whole.hurts:
-        return Verdict(True, frozenset(), frozenset(), f"validated: loss {whole}")
+    overall = compare(before, candidate, config)
+    if not overall.hurts:
+        return Verdict(True, frozenset(), frozenset(), f"validated: loss {overall}")
     if alone is None:
-        return Verdict(False, frozenset(), frozenset(), f"the candidate raises the loss {whole}; scoring each contribution")
+        return Verdict(False, frozenset(), frozenset(), f"the candidate raises the loss {overall}; scoring each contribution")
     scores = {peer: compare(before, losses, config) for peer, losses in alone.items()}
     hurt = frozenset(p for p, c in scores.items() if c.hurts)
     helped = frozenset(p for p, c in scores.items() if not c.hurts and c.rise < -c.margin)
     if hurt:
         detail = ", ".join(f"{p.hex()[:8]} {scores[p]}" for p in sorted(hurt))
-        return Verdict(False, hurt, helped, f"the candidate raises the loss {whole}; "
+        return Verdict(False, hurt, helped, f"the candidate raises the loss {overall}; "
                                             f"{len(hurt)} of {len(scores)} contributions hurt alone: {detail}")
     return Verdict(False, frozenset(scores), helped,
-                   f"the candidate raises the loss {whole} but none of its {len(scores)} contributions does "
-                   "alone; the round is dropped")
+                   f"the candidate raises the loss {overall} but none of its {len(scores)} contributions does "
+                   "alone; the round is dropped", whole=True)

@@ -1,0 +1,147 @@
+"""Validated publication through a real owner, on the built-in workload's tiny GPT: a contribution
+inside every norm bound that would make the model worse is caught and left out of the version,
+honest rounds publish, and ``atoll replay`` recomputes every check from the event log."""
+
+from __future__ import annotations
+
+import copy
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from node.diloco.eventlog import replay
+from node.diloco.owner import FragmentOwner
+from node.diloco.validation import OwnerValidation, WindowEvaluator, recheck
+from node.workload.corpus import split_corpus, validation_slice
+from node.workload.model import GPT, GPTConfig
+from protocol.diloco.fragments import plan_fragments
+from protocol.diloco.merge import MergeConfig
+from protocol.diloco.outer import OuterConfig
+from protocol.diloco.validation import ValidationConfig
+from tests.node.fakes import SWARM, FakeClock, contribution, flat_of, signer
+
+A, B, C, D = (bytes([b]) * 32 for b in (0xA1, 0xB2, 0xC3, 0xD4))
+pytestmark = pytest.mark.timeout(300)  # the module fixture trains a tiny GPT on a shared CPU
+CORPUS = b"".join(p.read_bytes() for p in sorted(Path(__file__).parents[3].glob("node/diloco/*.py")))
+
+
+def _world():  # type: ignore[no-untyped-def]
+    gcfg = GPTConfig.preset("tiny")
+    model = GPT(gcfg, seed=0)
+    train, heldout = split_corpus(CORPUS)
+    _train(gcfg, model, train, seed=0, steps=80)  # past the first steps, where any step lowers the loss
+    plan = plan_fragments([(n, tuple(p.shape)) for n, p in model.named_parameters()], 2)
+    named = dict(model.named_parameters())
+    shapes = [[tuple(named[n].shape) for n in f.names] for f in plan.fragments]
+    data, _ = validation_slice(heldout, fraction=1.0)
+    held = [flat_of(model, plan, p) for p in range(len(plan.fragments))]
+    evaluator = WindowEvaluator(model, plan, lambda: held, data, block_size=gcfg.block_size)
+    return gcfg, model, plan, shapes, train, evaluator
+
+
+def _train(gcfg, local, train, *, seed: int, steps: int, lr: float = 3e-3) -> None:  # type: ignore[no-untyped-def]
+    opt = torch.optim.AdamW(local.parameters(), lr=lr)
+    gen = torch.Generator().manual_seed(seed)
+    T = gcfg.block_size
+    for _ in range(steps):
+        starts = torch.randint(0, train.numel() - T - 1, (8,), generator=gen)
+        window = train[starts[:, None] + torch.arange(T + 1)].long()
+        _, loss = local(window[:, :-1], window[:, 1:])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def _honest(gcfg, model, plan, train, seed: int) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """A learner's pseudo-gradient for fragment 0: theta before minus theta after 20 AdamW steps."""
+    local = copy.deepcopy(model)
+    _train(gcfg, local, train, seed=seed, steps=20, lr=1e-3)
+    return flat_of(model, plan, 0) - flat_of(local, plan, 0)
+
+
+def _owner(plan, shapes, model, clock, validation, event_log=None, quorum=2):  # type: ignore[no-untyped-def]
+    return FragmentOwner(swarm=SWARM, fragment=plan.fragments[0], shapes=shapes[0], initial=flat_of(model, plan, 0),
+                         merge_cfg=MergeConfig(quorum=quorum, gamma=0.5, tau=2.0),
+                         outer_cfg=OuterConfig(lr=1.0, momentum=0.0), signer=signer(1), clock=clock,
+                         validation=validation, event_log=event_log)
+
+
+def _loss(evaluator: WindowEvaluator, theta: torch.Tensor) -> float:
+    losses = evaluator.losses(0, theta, range(0, evaluator.pool, max(1, evaluator.pool // 64)))
+    return sum(losses) / len(losses)
+
+
+@pytest.fixture(scope="module")
+def world():  # type: ignore[no-untyped-def]
+    gcfg, model, plan, shapes, train, evaluator = _world()
+    deltas = [_honest(gcfg, model, plan, train, seed) for seed in (1, 2)]
+    return model, plan, shapes, evaluator, deltas
+
+
+async def _round(owner, shapes, sends) -> None:  # type: ignore[no-untyped-def]
+    await owner.set_expected(len(sends))
+    for peer, delta in sends:
+        await owner.contribute(peer, contribution(delta, shapes[0], owner=owner))
+
+
+async def test_an_honest_round_is_validated_and_published(world, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    model, plan, shapes, evaluator, (d1, d2) = world
+    validation = OwnerValidation(evaluator, ValidationConfig(windows=16), rng=random.Random(0))
+    owner = _owner(plan, shapes, model, FakeClock(), validation, event_log=tmp_path / "log.jsonl")
+    await _round(owner, shapes, [(A, d1), (B, d2)])
+    assert owner.version == 1 and owner.counts.checks == 1 and owner.counts.rejected == 0
+    assert _loss(evaluator, owner.theta) < _loss(evaluator, flat_of(model, plan, 0))
+    result = replay(tmp_path / "log.jsonl")
+    assert result.validations == 1 and result.mismatches == []
+
+
+async def test_validation_catches_what_clipping_let_through(world, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Two colluders' inner-product manipulation (each minus twice its own honest estimate, inside
+    the norm clip of 4x the reference) beside one honest learner. Without validation both are
+    merged unclipped and the version is worse than the one before; with it the version holds the
+    honest work only, and the attackers are counted as hurt."""
+    model, plan, shapes, evaluator, (d1, d2) = world
+    ipm = -2.0 * d2  # what a colluder trained honestly, turned against the mean
+    start = _loss(evaluator, flat_of(model, plan, 0))
+    sends = [(A, d1), (C, ipm), (D, ipm)]
+
+    plain = _owner(plan, shapes, model, FakeClock(), None, quorum=3)
+    await _round(plain, shapes, sends)
+    assert plain.version == 1 and all(plain.penalties[p]["merged"] == 1 for p in (C, D))
+    assert plain.penalties[C]["clipped"] == plain.penalties[D]["clipped"] == 0
+    assert _loss(evaluator, plain.theta) > start  # clipping alone let a harmful version out
+
+    clock = FakeClock()
+    validation = OwnerValidation(evaluator, ValidationConfig(windows=16), rng=random.Random(1))
+    owner = _owner(plan, shapes, model, clock, validation, event_log=tmp_path / "log.jsonl", quorum=1)
+    await _round(owner, shapes, sends)
+    assert owner.version == 0 and owner.penalties[C]["hurt"] == owner.penalties[D]["hurt"] == 1
+    assert owner.penalties[A]["hurt"] == 0 and owner.penalties[A]["helped"] == 1
+    clock.advance(5.0)  # the merger retries the rest after retry_s
+    await owner.tick()
+    assert owner.version == 1 and owner.penalties[A]["merged"] == 1
+    assert owner.penalties[C]["merged"] == owner.penalties[D]["merged"] == 0
+    alone = _owner(plan, shapes, model, FakeClock(), None, quorum=1)  # A's work alone, unvalidated
+    await _round(alone, shapes, [(A, d1)])
+    assert torch.equal(owner.theta, alone.theta)  # the published version excludes the attacker's work
+    assert _loss(evaluator, owner.theta) < start
+    result = replay(tmp_path / "log.jsonl")
+    assert result.validations == 2 and result.mismatches == []
+
+
+async def test_replay_finds_an_edited_check(world, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    model, plan, shapes, evaluator, (d1, _) = world
+    validation = OwnerValidation(evaluator, ValidationConfig(windows=16), rng=random.Random(2))
+    owner = _owner(plan, shapes, model, FakeClock(), validation, event_log=tmp_path / "log.jsonl", quorum=1)
+    await _round(owner, shapes, [(C, -d1)])  # a sign flip alone in its round: nothing published
+    assert owner.version == 0 and owner.penalties[C]["hurt"] == 1
+    lines = (tmp_path / "log.jsonl").read_text().splitlines()
+    import json
+
+    records = [json.loads(line) for line in lines]
+    check = next(r for r in records if r["kind"] == "validation")
+    assert recheck(check) == []
+    assert recheck({**check, "seed": check["seed"] + 1})  # other windows than those evaluated
+    assert recheck({**check, "drop": []})  # a verdict the losses do not give
