@@ -272,6 +272,18 @@ class Membership:
         self.pins.update(pins)
         return members
 
+    def disputed(self) -> list[str]:
+        """The https addresses (as their holders name them) that another certified member claims
+        too: a handshake there shows whose key is really there (``pin_mismatch``)."""
+        out = []
+        for address, holder in self.holders.items():
+            url = self.members[holder].record.url if holder in self.members else ""
+            if url.startswith("https://") and any(
+                    pid != holder and m.cert is not None and m.record.url and address_of(m.record.url) == address
+                    for pid, m in self._claimed.items()):
+                out.append(url)
+        return out
+
     def pin_mismatch(self, expected: bytes, got: bytes) -> bytes | None:
         """A server we dialled with the pin ``expected`` presented a TLS key whose pin is ``got``.
         Returns the member that holds the address pinned to ``expected`` (the one we dialled: to

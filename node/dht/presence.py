@@ -81,6 +81,11 @@ UNKNOWN_KEYS_KEPT = 4096
 # (a member that does not answer in time is backed off like one that fails: a few silent liars
 # cannot hold up the loop that reconciles the fragments we own).
 CLAIMS_BUDGET_S = 5.0
+# A disputed address (two members name it) is dialled at most this often, one a pass, with this
+# timeout: the TLS handshake shows whose key is there. Without it, a member that claimed an
+# owner's address while the owner's record had lapsed (a restart) would keep it from the owner.
+PROBE_EVERY_S = 60.0
+PROBE_TIMEOUT_S = 2.0
 
 
 class SwarmPresence(ExpectedLearners):
@@ -233,6 +238,7 @@ class SwarmPresence(ExpectedLearners):
             with contextlib.suppress(Exception):
                 await self.membership.refresh()
             await self._follow_manifest()
+            await self._probe_disputes()
             await self._reconcile_owners()
             for owner in list(self.owners.values()):
                 await self.tell_expected(owner)
@@ -268,6 +274,30 @@ class SwarmPresence(ExpectedLearners):
             log.warning("member %s: its address answered with another TLS key (%s, not %s)",
                         holder.hex()[:8], got.hex()[:16] or "none", expected.hex()[:16])
             self._unreachable(holder)
+
+    @functools.cached_property
+    def _probed(self) -> dict[str, float]:
+        return {}  # disputed address -> when we last dialled it (time.monotonic)
+
+    async def _probe_disputes(self) -> None:
+        """Dial one disputed address not dialled in the last ``PROBE_EVERY_S``: a key there that
+        is not its holder's pin hands it to the claimant whose key it is (``_pin_mismatch``)."""
+        if self.membership is None:
+            return
+        disputed, now = self.membership.disputed(), time.monotonic()
+        for url in list(self._probed):
+            if url not in disputed:
+                del self._probed[url]
+        for url in disputed:
+            if now - self._probed.get(url, -PROBE_EVERY_S) < PROBE_EVERY_S:
+                continue
+            self._probed[url] = now
+            try:  # no request byte leaves before the key is checked against the holder's pin
+                _, buf, _, _ = await self.transport.request("HEAD", url + MANIFEST_PATH, timeout_s=PROBE_TIMEOUT_S)
+                self.transport.pool.give(buf)
+            except Exception as exc:  # a mismatch is handled on the way (``_pin_mismatch``)
+                log.info("disputed address %s: %r", url, exc)
+            return
 
     @functools.cached_property
     def _manifest_claims(self) -> ManifestClaims:

@@ -361,3 +361,33 @@ async def test_a_claimant_that_never_answers_holds_a_pass_up_for_the_budget_only
         assert node.credentials.manifest.version == newer.version and quiet.hits == [MANIFEST_PATH]
     finally:
         await node.transport.close()
+
+
+async def test_an_address_taken_while_its_owner_was_away_goes_back_at_the_first_probe(servers) -> None:  # type: ignore[no-untyped-def]
+    """A member that names an owner's address while the owner's record has lapsed (a restart)
+    holds it by records alone; one dial of the disputed address shows the owner's key there, and
+    the address, its pin and the ownership go back to the owner."""
+    swarm = Swarm()
+    owner = await servers(key(), credentials=None)
+    node, dht = _client(swarm)
+    await node.transport.start()
+    try:
+        liar = key()
+        dht.answer = [swarm.record(liar, owner.url)]  # the owner's record lapsed: only the liar's
+        await node.membership.refresh()
+        await node._follow_manifest()
+        dht.answer = [swarm.record(liar, owner.url), swarm.record(owner.signer, owner.url)]  # the owner is back
+        await node.membership.refresh()
+        assert node.transport.pins[origin(owner.url)] == swarm.cert(liar).tls_pin  # held by records
+        node._tg = None
+        await node._probe_disputes()
+        assert node.transport.pins[origin(owner.url)] == swarm.cert(owner.signer).tls_pin
+        assert node.owner_of(0) == (owner.signer.peer_id, owner.url) and liar.peer_id in node.suspects()
+        assert node.membership.disputed() == [owner.url]  # the liar still names it: probed again later only
+        await node._probe_disputes()
+        assert owner.hits == [] and node.address_status()["addresses_moved"] == 1
+        status, buf, _, _ = await node.transport.request("GET", owner.url + MANIFEST_PATH)
+        node.transport.pool.give(buf)
+        assert status == 200
+    finally:
+        await node.transport.close()
