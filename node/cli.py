@@ -86,7 +86,10 @@ def _parser() -> argparse.ArgumentParser:
                             "certificate checks on every request")
     local.add_argument("--attack", action="append", default=[], metavar="PEER:KIND[=X]",
                        help="peer PEER sends malicious contributions: scale=X, random, signflip, stale "
-                            "or lie-tokens=X (repeatable); the report counts what the merge did about it")
+                            "or lie-tokens=X (repeatable); the report counts what the merge did about it; "
+                            "or acts as a hostile member: forge-handoffs (forged ReplicaStates for fragments "
+                            "it does not own) or claim-address (a learner-only member claiming an owner's "
+                            "address)")
     local.add_argument("--kill", action="append", default=[], metavar="PEER@STEP",
                        help="fault injection: SIGKILL peer PEER once it reports inner step STEP (repeatable)")
     local.add_argument("--slow", action="append", default=[], metavar="PEER@FACTOR",

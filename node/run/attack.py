@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from node.diloco.island import Outgoing
+from node.run.attack_peer import is_peer_attack
 
 __all__ = ["KINDS", "Attack", "parse_local_attack"]
 
@@ -78,5 +79,6 @@ def parse_local_attack(spec: str) -> tuple[int, str]:
     peer, sep, attack = spec.partition(":")
     if not sep or not peer.isdigit():
         raise ValueError(f"--attack takes PEER:KIND[=X], e.g. 2:scale=1000; got {spec!r}")
-    Attack.parse(attack)  # fail early on a bad kind
+    if not is_peer_attack(attack):
+        Attack.parse(attack)  # fail early on a bad kind
     return int(peer), attack

@@ -75,6 +75,7 @@ class LocalSwarm(SwarmChaos):
         self.kill_at = dict(kill_at or {})  # fault injection: peer index -> inner step to SIGKILL it at
         self.killed: list[int] = []
         self.published: list[tuple[int, int, str, int]] = []  # (fragment, version, digest, peer index)
+        self.forged: set[str] = set()  # digests of states an attacker forged (--attack N:forge-handoffs)
         self.listening = asyncio.Event()  # every peer has bound its address
         self.t0 = time.time()
         self.t0_mono = time.monotonic()  # the same moment on the monotonic clock
@@ -111,8 +112,10 @@ class LocalSwarm(SwarmChaos):
         for i in range(self.cfg.peers):
             key = generate_key()
             save_key(key, folder / f"peer{i}.key", force=True)
+            # issue 48's address attacker is a learner-only member (node.run.attack_peer)
+            roles = ("learner",) if "claim-address" in self.extra.get(i, []) else ("learner", "owner")
             save_certificate(Certificate.issue(authority, manifest=manifest, subject=key.public_key,
-                                               roles=("learner", "owner"), not_before=now - 60,
+                                               roles=roles, not_before=now - 60,
                                                not_after=now + 7 * 86400), folder / f"peer{i}.cert")
         return config_from_manifest(manifest, self.cfg)
 
@@ -185,6 +188,8 @@ class LocalSwarm(SwarmChaos):
             elif event == "published":  # every version any owner published, killed peers' included
                 self.published.append((int(msg["fragment"]), int(msg["version"]), str(msg["digest"]), peer.index))
                 self.version_times.setdefault((int(msg["fragment"]), int(msg["version"])), time.monotonic())
+            elif event == "forged":  # an attacker's forged handoff: no owner may ever publish it
+                self.forged.add(str(msg["digest"]))
             elif event == "resumed":
                 peer.resumed_from_step = int(msg["step"])
                 log.warning("peer %d resumed from its checkpoint at step %d", peer.index, peer.resumed_from_step)

@@ -71,6 +71,9 @@ def run_local(cfg: RunConfig, *, report_path: Path | None, baseline: bool = Fals
     report["attacks"] = {str(i): a for i, a in sorted((attacks or {}).items())}
     report["killed_peers"] = swarm.killed
     report.update(version_accounting(swarm.published))
+    if swarm.forged:  # issue 48: versions published whose content an attacker forged (must be 0)
+        report["attacker_versions_published"] = sum(1 for _f, _v, d, _i in swarm.published if d in swarm.forged)
+        report["forged_states"] = len(swarm.forged)
     report["event_logs"] = sorted(str(p) for p in run_dir.glob("peer*-events/*.jsonl"))
     if baseline:
         print("training the synchronous data-parallel baseline at equal tokens ...", flush=True)
