@@ -32,6 +32,7 @@ from node.diloco.validation import window_evaluator
 from node.peer import PeerNode, emit
 from node.run.allocator import heap_in_use
 from node.run.attack import Attack
+from node.run.attack_peer import PeerAttack, is_peer_attack
 from node.run.memtrace import MemTrace
 from node.run.report import WARMUP
 from node.run.resume import IslandCheckpoints
@@ -229,15 +230,16 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
     if resumed:
         say("resumed", index=index, step=start_step, versions=list(island.versions))
 
-    # --- the node, on its own thread: join the swarm, sync the global fragments ---------------
     # --- validated publication: owners check candidates on the pinned held-out slice ------------
     validation, validation_hash = validation_slice(heldout)  # (m,) uint8; the same bytes on every peer
     evaluator = window_evaluator(model, plan, lambda: island.global_flat, validation, block_size=gcfg.block_size,
                                  windows=cfg.validate_windows)
 
+    # --- the node, on its own thread: join the swarm, sync the global fragments ---------------
     node = PeerNode(cfg, signer, model, plan, host=opts.host, port=opts.port,
                     public_address=opts.public_address, credentials=opts.credentials,
-                    tamper=Attack.parse(opts.attack, seed=cfg.seed + index) if opts.attack else None,
+                    tamper=(Attack.parse(opts.attack, seed=cfg.seed)  # the run's seed: attackers collude
+                            if opts.attack and not is_peer_attack(opts.attack) else None),
                     initial_global=initial_global if resumed else None,
                     versions_known_at=float(resumed["saved_at"]) if resumed and "saved_at" in resumed else None,
                     event_log_dir=opts.event_log_dir,
@@ -290,6 +292,10 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
         ranks.sync()
         start_step = ranks.start_step(start_step)  # the followers' steps and lr are rank 0's
     say("joined", index=index, versions=list(island.versions), synced=sorted(node.synced))
+    # a peer-level attack (node.run.attack_peer: forged handoffs, a claimed address) runs on the node's loop
+    peer_attack = PeerAttack(opts.attack.strip(), node, say) if opts.attack and is_peer_attack(opts.attack) else None
+    if peer_attack is not None:
+        peer_attack.start()
     t0 = opts.t0 or time.time()
     # the trace's baseline is taken where the report's warm-up ends
     warm_at = t0 + WARMUP * (opts.until - t0) if opts.until else None
@@ -393,12 +399,6 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
                         "from_replica": net.stats.versions_replica, "finals_held": net.stats.finals_held},
         "replica_bytes": node.replica_bytes,
         "attack": opts.attack,
-    }
-    say("done", index=index, result=result)
-    if opts.wait_for_stop:
-        while "stop" not in _read_stdin_line():
-            pass
-    elif opts.serve_after_s:
         "peer_attack": peer_attack.stop() if peer_attack is not None else None,  # what it did, how answered
         "handoff_refusals": dict(node.replicas.refusals),  # handoffs this peer refused, by reason (issue 48)
         # validated publication: the pinned slice, and what checking candidates cost this peer's owners
@@ -406,6 +406,12 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
                        "checks": sum(c.checks for c in node.all_owners()),
                        "rejected": sum(c.rejected for c in node.all_owners()),
                        "seconds": round(sum(c.check_seconds for c in node.all_owners()), 3)},
+    }
+    say("done", index=index, result=result)
+    if opts.wait_for_stop:
+        while "stop" not in _read_stdin_line():
+            pass
+    elif opts.serve_after_s:
         # keep serving the fragments we own (others still train) until told to stop
         with contextlib.suppress(KeyboardInterrupt):
             thread.join(timeout=opts.serve_after_s)
