@@ -85,8 +85,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="the throw-away swarm's admission: certified runs every peer over HTTPS with "
                             "certificate checks on every request")
     local.add_argument("--attack", action="append", default=[], metavar="PEER:KIND[=X]",
-                       help="peer PEER sends malicious contributions: scale=X, random, signflip, stale "
-                            "or lie-tokens=X (repeatable); the report counts what the merge did about it; "
+                       help="peer PEER sends malicious contributions: scale=X, random, signflip, stale, "
+                            "lie-tokens=X, alie=Z, ipm=E or steps=X (repeatable: several attackers collude, "
+                            "e.g. --attack 3:alie --attack 5:alie); the report counts what the merge did about it; "
                             "or acts as a hostile member: forge-handoffs (forged ReplicaStates for fragments "
                             "it does not own) or claim-address (a learner-only member claiming an owner's "
                             "address)")
@@ -183,7 +184,8 @@ def _parser() -> argparse.ArgumentParser:
     peer.add_argument("--cert", type=Path, default=None, help="this peer's certificate")
     peer.add_argument("--manifest", type=Path, default=None, help="the swarm's signed manifest")
     peer.add_argument("--attack", default="", metavar="KIND[=X]",
-                      help="send malicious contributions (measurement): scale=X, random, signflip, stale, lie-tokens=X")
+                      help="send malicious contributions (measurement): scale=X, random, signflip, stale, lie-tokens=X, "
+                           "alie=Z, ipm=E, steps=X")
     return parser
 
 
@@ -373,6 +375,8 @@ def _parse_attacks(specs: list[str], peers: int) -> dict[int, str]:
         index, attack = parse_local_attack(spec)
         if not 0 <= index < peers:
             raise ValueError(f"bad --attack {spec!r}: peer {index} is not one of 0..{peers - 1}")
+        if index in out:
+            raise ValueError(f"bad --attack {spec!r}: peer {index} already attacks ({out[index]}); one kind a peer")
         out[index] = attack
     return out
 

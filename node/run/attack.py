@@ -7,7 +7,21 @@ passed through an ``Attack``, which rewrites it the way a malicious member would
 - ``random``: a random direction with X times the honest norm (default 1);
 - ``signflip``: the pseudo-gradient negated (and times X, default 1);
 - ``stale``: the fragment's first pseudo-gradient, re-sent forever on the current base version;
-- ``lie-tokens=X``: tokens and steps claimed X times over (default 1000), for X times the weight.
+- ``lie-tokens=X``: tokens and steps claimed X times over (default 1000), for X times the weight;
+- ``alie=Z``: "a little is enough" (Baruch et al., 2019): the honest mean shifted by Z standard
+  deviations per coordinate against its sign (default 1), both estimated from the attacker's own
+  last ``HISTORY`` honest pseudo-gradients of the fragment (with one, its magnitude stands for the
+  deviation): inside the spread an honest contribution could have, so norm bounds let it through;
+- ``ipm=E``: inner-product manipulation (Xie et al., 2020): minus E times that honest mean
+  (default 2), so the aggregate's inner product with the honest direction shrinks or turns negative;
+- ``steps=X``: claims X times the steps it trained (default 2: the 2H a version interval lets an
+  owner count) with tokens to match, and scales its pseudo-gradient by X, so the per-step rate
+  looks honest while the step is X times one.
+
+Several attacking peers of one run collude: each is seeded with the run's seed (not its index),
+so a draw that needs randomness (``random``) comes out the same for every attacker at the same
+fragment and base version, and the rules above push every attacker the same way. That is all
+they share: no side channel, each estimates the honest statistics from its own work.
 
 Everything else about the contribution stays honest: it is well formed and validly signed, so
 only the merge's bounds stand between it and the global model.
@@ -25,7 +39,9 @@ from node.run.attack_peer import is_peer_attack
 
 __all__ = ["KINDS", "Attack", "parse_local_attack"]
 
-KINDS = {"scale": 1000.0, "random": 1.0, "signflip": 1.0, "stale": 1.0, "lie-tokens": 1000.0}
+KINDS = {"scale": 1000.0, "random": 1.0, "signflip": 1.0, "stale": 1.0, "lie-tokens": 1000.0,
+         "alie": 1.0, "ipm": 2.0, "steps": 2.0}
+HISTORY = 4  # honest pseudo-gradients per fragment that alie and ipm estimate the honest statistics from
 
 
 @dataclass
@@ -36,6 +52,7 @@ class Attack:
     arg: float
     seed: int = 0
     _first: dict[int, torch.Tensor] = field(default_factory=dict)
+    _seen: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # per fragment, the last HISTORY honest ones
     _rng: torch.Generator = field(init=False)
 
     def __post_init__(self) -> None:
@@ -63,7 +80,14 @@ class Attack:
             return dataclasses.replace(out, delta=delta * self.arg)
         if self.kind == "signflip":
             return dataclasses.replace(out, delta=delta * -self.arg)
-        if self.kind == "random":
+        if self.kind in ("alie", "ipm"):
+            return dataclasses.replace(out, delta=self._against(out.fragment, delta))
+        if self.kind == "steps":
+            factor = int(self.arg)
+            return dataclasses.replace(out, delta=delta * float(factor), tokens=out.tokens * factor,
+                                       steps=out.steps * factor)
+        if self.kind == "random":  # the same draw for every colluder at one fragment and base version
+            self._rng.manual_seed(((self.seed * 1_000_003 + out.fragment) * 1_000_003 + out.base_version) & (2**63 - 1))
             noise = torch.randn(delta.shape, generator=self._rng)
             norm = float(torch.linalg.vector_norm(delta)) * self.arg
             return dataclasses.replace(out, delta=noise * (norm / max(float(torch.linalg.vector_norm(noise)), 1e-12)))
@@ -72,6 +96,18 @@ class Attack:
             return dataclasses.replace(out, delta=first.clone())
         factor = int(self.arg)  # lie-tokens
         return dataclasses.replace(out, tokens=out.tokens * factor, steps=out.steps * factor)
+
+    def _against(self, fragment: int, delta: torch.Tensor) -> torch.Tensor:
+        """alie or ipm, from the honest statistics of this attacker's own recent work."""
+        seen = self._seen.setdefault(fragment, [])
+        seen.append(delta.detach().clone())
+        del seen[:-HISTORY]
+        stacked = torch.stack(seen)  # (k, numel_p)
+        mean = stacked.mean(dim=0)
+        if self.kind == "ipm":
+            return mean * -self.arg
+        std = stacked.std(dim=0) if len(seen) > 1 else mean.abs()  # one sample: its magnitude
+        return mean - self.arg * std * torch.sign(mean)
 
 
 def parse_local_attack(spec: str) -> tuple[int, str]:
