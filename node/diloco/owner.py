@@ -522,7 +522,8 @@ class FragmentOwner(ContributionIntake, VersionSealing, OwnerSuccession):
         for e in decision.entries:
             if e.clip < e.work_scale:
                 event = Event.CLIPPED
-            elif any(getattr(e, flag, False) for flag in ("weight_capped", "steps_bounded", "tokens_bounded")):
+            elif e.steps_bounded or e.tokens_bounded:  # a claim past what the owner can see (a weight
+                # cap is not: it bites whichever honest learner counted the most tokens)
                 event = Event.BOUNDED
             else:
                 event = Event.MERGED
