@@ -16,6 +16,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("atoll.peer")
 
+RECENT_ROUNDS = 3.0  # a learner's accepted work older than this many of the owner's round times: not waited for
+FINISHED_MIN_MERGES = 2  # a finished learner counts in a merge's share once its work was in this many merges
+
 
 class ExpectedLearners:
     """The learners waited for, and those that finished, from the members' records."""
@@ -74,6 +77,8 @@ class ExpectedLearners:
         # a member whose work waits in the open round is not silent: it waits on us (in a round
         # held below its quorum its next contribution would be the same round's, refused)
         silent = activity.silent(learning, since=owner.started_at, now=now, at_end=at_end) - owner.merger.contributors
+        if not at_end:  # and of the rest, those whose work this owner took lately
+            silent |= self._not_recent(owner, learning - silent, now)
         # logged once a silence: until the member is heard from again or stops learning (the
         # end's view and the rounds' view alternate, and neither must log the other's again)
         logged = owner.not_waited_for
@@ -88,6 +93,24 @@ class ExpectedLearners:
                         "never heard from" if heard is None else f"last heard {now - heard:.0f} s ago")
             logged[pid] = now
         return frozenset(learning - silent)
+
+    def _not_recent(self, owner: FragmentOwner, members: set[bytes], now: float) -> set[bytes]:
+        """Of ``members`` (learning, not found silent), those whose accepted work this owner has not
+        taken within ``RECENT_ROUNDS`` of its own recent round times (``FragmentMerger.round_seconds``,
+        no sender's claim; at least the silence floor), nor holds in the open round. A record's
+        "learning" and a contribution's step time are claims: fifty identities sending one cheap
+        contribution each, with a step time that made their own silence bound 300 s, held every
+        round's quorum at half of 53 for that long (a merge rate of 13-56 %). Empty when the owner
+        has no pace yet, has heard none of them, or would wait for nobody (a pause of everyone is
+        no reason to drop rounds or declare the fragment final: ``set_expected(0)``)."""
+        rounds = owner.merger.round_seconds()
+        activity = owner.activity
+        heard = {pid: activity.last_heard(pid) for pid in members}
+        if rounds is None or all(at is None for at in heard.values()):
+            return set()
+        window = min(activity.bounds.cap_s, max(activity.bounds.floor_s, RECENT_ROUNDS * rounds))
+        old = {pid for pid, at in heard.items() if at is None or now - at > window} - owner.merger.contributors
+        return set() if old == members else old
 
     def finished_learners(self) -> int:
         """Decoupled: the learners seen training whose records now say they stopped. A merge
@@ -107,12 +130,15 @@ class ExpectedLearners:
         return len(self._finished - learning)
 
     def finished_learners_heard(self, owner: FragmentOwner) -> int:
-        """``finished_learners``, counting only those whose work ``owner`` has taken: a record
-        that said learning and then stopped is a claim too, and identities that made it and
-        never contributed would shrink every merge to its share of them (fifty of them and three
-        learners: each merge 2/27 of a step)."""
+        """``finished_learners``, counting only those whose work ``owner`` merged in at least
+        ``FINISHED_MIN_MERGES`` rounds: a record that said learning and then stopped is a claim
+        too, and identities that made it and never contributed, or contributed once, would shrink
+        every merge to its share of them (fifty of them and three learners: each merge 2/27 of a
+        step)."""
         if self.finished_learners() == 0:
             return 0
         assert self.membership is not None
         learning = {pid for pid, m in self.membership.members.items() if m.record.learning}
-        return sum(1 for pid in self._finished - learning if owner.activity.last_heard(pid) is not None)
+        # merged in FINISHED_MIN_MERGES rounds at least: identities that sent one contribution
+        # each and then said "stopped" would otherwise shrink every merge to its share of them
+        return sum(1 for pid in self._finished - learning if owner.merger.merges_of(pid) >= FINISHED_MIN_MERGES)

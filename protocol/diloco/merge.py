@@ -90,6 +90,9 @@ def latest_per_sender(history: NormHistory, keep: int) -> NormHistory:
     return out[::-1]
 
 
+MERGED_SENDERS_KEPT = 4096  # senders whose merged rounds are counted (``merges_of``); the least recent go
+
+
 class Phase(enum.Enum):
     COLLECTING = "collecting"
     GRACE = "grace"
@@ -118,6 +121,7 @@ class FragmentMerger:
         self._published_at: dict[int, float] = {version: now}  # recent versions -> when they opened
         self.norms: NormHistory = []  # (sender, clipped whole norm) of the last senders merged
         self._closing_norms: NormHistory = []  # of the merge in progress, kept on publish
+        self._merged_rounds: dict[bytes, int] = {}  # sender -> merges its work was in (least recent first)
         self._round_share = 0  # the largest share-of-learners quorum of the round open (0: none)
         self._hold: float | None = None  # no round closes before this (``hold_until``)
         self._grace_due: float | None = None  # when GRACE would close without the hold
@@ -230,6 +234,18 @@ class FragmentMerger:
         the clip reference; None with no history (a fresh owner's, until it is seeded)."""
         return statistics.median_low([n for _, n in self.norms]) if self.norms else None
 
+    def merges_of(self, peer: bytes) -> int:
+        """How many of this merger's published merges held ``peer``'s work (0: none, or forgotten:
+        the ``MERGED_SENDERS_KEPT`` most recently merged senders are kept)."""
+        return self._merged_rounds.get(peer, 0)
+
+    def round_seconds(self) -> float | None:
+        """The median time between the recent versions' openings, as this merger saw them (its
+        own clock, no sender's claim); None before a second version opened."""
+        times = sorted(self._published_at.values())
+        gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+        return statistics.median(gaps) if gaps else None
+
     def step_time_estimate(self) -> float:
         """``xi_step``: the slowest recent learner's step-time EMA (0 with no reports)."""
         horizon = self.version - self.config.step_time_rounds + 1
@@ -330,6 +346,10 @@ class FragmentMerger:
         self._opened(ev.new_version)
         self.norms = latest_per_sender(self.norms + self._closing_norms, self.config.norm_history)
         self._closing_norms = []
+        for e in self._entries:  # the round just published
+            self._merged_rounds[e.peer] = self._merged_rounds.pop(e.peer, 0) + 1
+        while len(self._merged_rounds) > MERGED_SENDERS_KEPT:
+            del self._merged_rounds[next(iter(self._merged_rounds))]
         self._entries, self._carried = self._carried, []
         self._reopen(Phase.COLLECTING, opened_at=self._now)
         self._first_at = self._now if self._entries else None

@@ -890,7 +890,14 @@ async def test_identities_that_stopped_without_contributing_do_not_shrink_the_me
     await owner.tick()
     assert owner.version == 4 and "scaled" not in owner.merges[-1]
     stop(real[0])
-    assert node.finished_learners_heard(owner) == 1  # a learner whose work was taken, now finished
+    assert node.finished_learners_heard(owner) == 0  # one merge of its work: as good as a sybil's (issue 47)
+    stop(real[1])
+    ack = await _contribute(owner, real[0])  # its end-of-run flush, say: a second merge of its work
+    await node.tell_expected(owner)
+    clock.advance(5.0)
+    await owner.tick()
+    assert owner.version == 5 and owner.merger.merges_of(real[0]) == 2
+    assert node.finished_learners_heard(owner) == 1  # a learner whose work was taken twice, now finished
 
 
 async def test_a_joining_peer_asks_the_next_members_when_the_presumed_owner_does_not_own(
