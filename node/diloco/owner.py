@@ -495,7 +495,9 @@ class FragmentOwner(ContributionIntake, VersionSealing, OwnerSuccession):
         (``protocol.diloco.reference``); only before the first merge. Returns why."""
         if self.merges_done:
             return "this owner has merged already: its own reference stands"
-        reference, why = starting_reference(handed, measured)
+        # a norm longer than the fragment itself is no honest reference (``starting_reference``)
+        ceiling = norm64(self.theta) if handed or measured else math.inf
+        reference, why = starting_reference(handed, measured, ceiling=ceiling)
         if reference:
             self.merger.seed_reference(reference)  # logged for replay when there is a log
         if handed or measured:
