@@ -483,10 +483,13 @@ class FragmentOwner(ContributionIntake, VersionSealing, OwnerSuccession):
 
     def _rejected(self, exc: Rejected) -> None:
         """Count a rejected candidate against the senders it names (and for those that helped)."""
-        for peer in exc.culprits:
+        for peer in exc.culprits:  # a round dropped whole blames no one of them: no standing lost
             self.penalties[peer]["round_dropped" if exc.whole else "hurt"] += 1
+            if not exc.whole:
+                self.standing.record(peer, Event.HURT, version=self.version)
         for peer in exc.helped:
             self.penalties[peer]["helped"] += 1
+            self.standing.record(peer, Event.HELPED, version=self.version)
 
     # --- the reference and the standing, which outlive this owner ----------------------------------
     def start_reference(self, handed: Sequence[float], measured: Sequence[float] = ()) -> str:

@@ -119,6 +119,7 @@ async def test_validation_catches_what_clipping_let_through(world, tmp_path: Pat
     await _round(owner, shapes, sends)
     assert owner.version == 0 and owner.penalties[C]["hurt"] == owner.penalties[D]["hurt"] == 1
     assert owner.penalties[A]["hurt"] == 0 and owner.penalties[A]["helped"] == 1
+    assert owner.standing.score(C, version=0) < 0 < owner.standing.score(A, version=0)  # fed to the standing
     clock.advance(5.0)  # the merger retries the rest after retry_s
     await owner.tick()
     assert owner.version == 1 and owner.penalties[A]["merged"] == 1
