@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from protocol.diloco.aggregates import AGGREGATES
-from protocol.diloco.interval import GROWTHS
+from protocol.diloco.interval import GROWTHS, interval
 from protocol.wire.tensors import CODECS, UPDATE_CODECS
 
 __all__ = ["SCHEDULE_FIELDS", "SHARDINGS", "SWARM_WIDE_FIELDS", "RunConfig", "add_run_arguments", "config_from_args"]
@@ -232,6 +232,15 @@ class RunConfig:
         if self.quorum_fraction >= 0:
             return self.quorum_fraction
         return 1.0 if self.outer_momentum > 0 else 0.5
+
+    @property
+    def merge_max_claimed_steps(self) -> int:
+        """The inner steps a contribution's claim counts for at most (``MergeConfig.max_claimed_steps``):
+        2H at the longest H of the run (``--sync-growth``), the most a learner trains between two
+        sends of one fragment with one in flight. A claim beyond it only buys weight, which the
+        others' median caps; the time bound alone let a 20 s-old version claim 20,001 steps."""
+        longest = max(self.inner_steps, interval(self.inner_steps, max(self.min_lr_ratio, 1e-6), self.sync_growth))
+        return 2 * longest
 
     @property
     def merge_max_work_steps(self) -> int | None:

@@ -5,8 +5,10 @@ contribution is decoded into one flat fp32 vector (a buffer kept from an earlier
 is spare; fresh memory is slow to fill; fp32 tensors are merged where they arrived, as a view of
 the request body, which holds its buffer until then), its norm measured once (the merge reuses it), and it
 is refused before the merger when it was measured against a state this owner does not hold under
-that version, or when the sender's work from that base was merged already (a pseudo-gradient is
-cumulative since its base: counting it twice would count its steps twice).
+that version, when the sender's work from that base was merged already (a pseudo-gradient is
+cumulative since its base: counting it twice would count its steps twice), or when its norm is
+far out of bounds (``OUT_OF_BOUNDS`` times the merger's norm reference, or |Theta| with none):
+refused with the reason "out of bounds", counted against its sender (``refused_out_of_bounds``).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ log = logging.getLogger("node.diloco.owner")
 LAST_SENDERS_KEPT = 100_000  # senders whose "last" mark was honoured; beyond, the mark is ignored
 RESYNCS_OWED_KEPT = 4096  # learners told to resync (owed a serve, or served one of this version); the oldest go
 OWED_SERVES_PER_VERSION = 2  # owed serves of one version to one learner: one more if the first is lost
+OUT_OF_BOUNDS = 1000.0  # a contribution's norm over this many times the reference is refused at intake
 
 
 class ContributionIntake:
@@ -65,6 +68,7 @@ class ContributionIntake:
     _spare_max: int
     _borrowed: dict[int, weakref.ref[torch.Tensor]]
     standing: Standing  # per sender key: refused while low (``protocol.diloco.standing``)
+    _theta_norm: tuple[weakref.ref[torch.Tensor], float] | None
 
     counts: OwnerCounts
 
@@ -89,6 +93,12 @@ class ContributionIntake:
         except DecodeError:  # NaN/Inf or a wrong shape: counts against the (authenticated) sender too
             self.standing.record(sender, Event.REFUSED, version=self.version)
             raise
+        if (far := self._out_of_bounds(norm)) is not None:  # acknowledged as taken, it was a free shot
+            self._give_back(flat)
+            self.counts.penalties[sender]["refused_out_of_bounds"] += 1
+            self.standing.record(sender, Event.REFUSED, version=self.version)
+            log.info("fragment %d: %s (from %s)", self.fragment.index, far, sender.hex()[:8])
+            return Ack(accepted=False, reason=far, version=self.version)
         mismatch = self._base_mismatch(msg) or self._already_merged(sender, msg)
         if mismatch is not None:
             self._give_back(flat)
@@ -141,6 +151,27 @@ class ContributionIntake:
         self.resyncs_owed[learner] = (self.version, given, given < OWED_SERVES_PER_VERSION)
         while len(self.resyncs_owed) > RESYNCS_OWED_KEPT:
             self.resyncs_owed.pop(next(iter(self.resyncs_owed)))
+
+    def _out_of_bounds(self, norm: float) -> str | None:
+        """Why a contribution of norm ``norm`` is refused outright: over ``OUT_OF_BOUNDS`` times
+        the merger's norm reference (its recent senders' merged norms), or with none yet, times
+        |Theta|. No honest pseudo-gradient comes near (an honest step is a few percent of
+        |Theta|; fp32 values near 3e38 or an int8 scale of 2.6e36 are 1e30 times over), and the
+        merge would only clip it: refused here, with a reason, it counts against its sender."""
+        reference = self.merger.norm_reference()
+        basis, what = (reference, "the recent merged norms' median") if reference is not None else (
+            self._current_theta_norm(), "|Theta|")
+        if basis > 0 and norm > OUT_OF_BOUNDS * basis:
+            return (f"out of bounds: the contribution's norm {norm:.3g} is over {OUT_OF_BOUNDS:g}x {what} "
+                    f"({basis:.3g}) of fragment {self.fragment.index}; not merged")
+        return None
+
+    def _current_theta_norm(self) -> float:
+        """|Theta| of the version held (the norm measured as it was merged, else measured now)."""
+        known = self._theta_norm
+        if known is not None and known[0]() is self.theta:
+            return known[1]
+        return norm64(self.theta)
 
     def _base_mismatch(self, msg: Contribution) -> str | None:
         """Why ``msg`` cannot be applied here: its base state is not the one this owner holds

@@ -243,7 +243,8 @@ class OwnedFragments:
                            staleness_bound=c.staleness_bound,
                            late_policy="carry" if c.late_policy == "carry" else "drop",
                            max_tokens_per_step=c.max_tokens_per_step, quorum_is_expected=c.mode != "decoupled",
-                           max_work_steps=c.merge_max_work_steps)
+                           max_work_steps=c.merge_max_work_steps, max_claimed_steps=c.merge_max_claimed_steps,
+                           reference_min_steps=c.inner_steps // 2)
 
     def _outer_cfg(self) -> OuterConfig:
         return OuterConfig(lr=self.cfg.outer_lr, momentum=self.cfg.outer_momentum, aggregate=self.cfg.aggregate,

@@ -560,3 +560,104 @@ async def test_a_refused_last_contribution_does_not_spend_the_senders_mark() -> 
     assert owner.version == 1
     await owner.contribute(B, contribution(delta, shapes[0], base_version=1, owner=owner))
     assert owner.version == 2
+
+
+# --- issue 47: no member can steer a merge ------------------------------------------------------
+
+
+def _node_owner(clock: FakeClock, initial: torch.Tensor, shapes: list[list[tuple[int, ...]]], plan,  # type: ignore[no-untyped-def]
+                version: int = 0):
+    """A ``FragmentOwner`` configured as the node configures one from ``RunConfig``'s defaults
+    (``OwnedFragments._merge_cfg``/``_outer_cfg``): plain averaging, ``normed``, K = 1 at half
+    the learners, steps bounded to 2H, max_tokens_per_step set as a swarm sets it."""
+    from node.diloco.owner import FragmentOwner
+    from protocol.diloco.merge import MergeConfig
+    from protocol.diloco.outer import OuterConfig
+    from tests.node.fakes import SWARM
+
+    c = RunConfig(max_tokens_per_step=1024)
+    cfg = MergeConfig(quorum=c.quorum, quorum_fraction=c.merge_quorum_fraction, gamma=c.grace_gamma, tau=c.grace_tau,
+                      grace_cap_s=c.grace_cap_s, staleness_bound=c.staleness_bound, late_policy="carry",
+                      max_tokens_per_step=c.max_tokens_per_step, max_work_steps=c.merge_max_work_steps,
+                      max_claimed_steps=c.merge_max_claimed_steps, reference_min_steps=c.inner_steps // 2)
+    outer = OuterConfig(lr=c.outer_lr, momentum=c.outer_momentum, aggregate=c.aggregate, rda_max_gain=c.rda_max_gain)
+    return FragmentOwner(swarm=SWARM, fragment=plan.fragments[0], shapes=shapes[0], initial=initial, version=version,
+                         merge_cfg=cfg, outer_cfg=outer, signer=signer(1), clock=clock)
+
+
+def _direction(seed: int, like: torch.Tensor, norm: float) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    v = torch.randn(like.numel(), generator=g)
+    return v * (norm / float(v.norm()))
+
+
+async def _warm_node_owner(theta0: torch.Tensor, shapes: list[list[tuple[int, ...]]], plan,  # type: ignore[no-untyped-def]
+                           clock: FakeClock, honest_norm: float):
+    """A node-configured owner after four honest rounds of one learner each (a warm history)."""
+    H = RunConfig().inner_steps
+    owner = _node_owner(clock, theta0, shapes, plan)
+    for i in range(4):
+        clock.advance(20.0)
+        await owner.set_expected(1)
+        delta = _direction(i, theta0, honest_norm)
+        ack = await owner.contribute(bytes([0x10 + i]) * 32, contribution(delta, shapes[0], owner=owner,
+                                     base_version=owner.version, steps=H, tokens=H * 1024))
+        assert ack.accepted and owner.version == i + 1
+    return owner
+
+
+@pytest.mark.parametrize("case", ["alone", "beside two honest", "fresh owner"])
+async def test_issue_47_no_member_steers_a_merge_through_the_owner(case: str) -> None:
+    """The three attacks of issue 47 through a real owner at the node's settings, each bounded.
+    "alone": one member alone in a round of a warm owner, claiming 20,001 steps of a 20 s-old
+    version, its payload equal to Theta (|Theta| 8.97 -> 0.00 on main: divided by the claimed
+    steps its norm looked honest; here 50x an honest step). "beside two honest": the same beside
+    two honest learners, claiming the most tokens (8.95 -> 3.03: 80 % of the weight picked the
+    step's length). "fresh owner": honest step counts, beside one honest learner, against an
+    owner that just took over with no norm history (8.95 -> 6.87, 33x an honest step: the median
+    of two rates, their mean, set the clip's reference). Now the whole norm is clipped to 4x the
+    lower median of one norm per sender, and the step's length is the unweighted median: at most
+    4x an honest step alone, 1x beside two honest learners, (1 + 4) / 2 = 2.5x beside one."""
+    plan, shapes, clock, theta0, _ = _setup()
+    honest_norm = 0.02 * float(theta0.norm())
+    liar = bytes([0xEE]) * 32
+    H = RunConfig().inner_steps
+    owner = await _warm_node_owner(theta0, shapes, plan, clock, honest_norm)
+    clock.advance(20.0)  # a version 20 s old: 1 ms a step allows 20,001 steps
+    before = owner.theta.clone()
+    if case == "fresh owner":  # it took over from the warm one: same version, no history
+        owner = _node_owner(clock, before, shapes, plan, version=owner.version)
+        assert owner.merger.norm_reference() is None
+    honest = {"alone": (), "beside two honest": (A, B), "fresh owner": (A,)}[case]
+    steps = H if case == "fresh owner" else 20_001
+    await owner.set_expected(1 + len(honest))
+    base = owner.version
+    for j, peer in enumerate(honest):
+        await owner.contribute(peer, contribution(_direction(50 + j, theta0, honest_norm), shapes[0], owner=owner,
+                                                  base_version=base, steps=H, tokens=H * 1024))
+    ack = await owner.contribute(liar, contribution(before.clone(), shapes[0], owner=owner, base_version=base,
+                                                    steps=steps, tokens=steps * 1024))
+    assert ack.accepted and owner.version == base + 1, ack.reason
+    moved = float((owner.theta - before).norm()) / honest_norm
+    assert moved <= {"alone": 4.0, "beside two honest": 1.0, "fresh owner": 2.5}[case] * 1.0001, moved
+    assert owner.penalties[liar]["clipped"] == 1
+
+
+@pytest.mark.parametrize("codec", ["none", "int8"])
+async def test_a_contribution_far_out_of_bounds_is_refused_at_intake_and_counted(codec: str) -> None:
+    """fp32 values near 3e38 (or int8 with a scale near 2.6e36) were acknowledged as accepted and
+    only clipped at the merge: now refused as "out of bounds" (over 1000x the recent merged
+    norms' median, or |Theta| with no history), counted against the sender, merging nothing."""
+    _, shapes, clock, theta0, owner = _setup(quorum=1)
+    await owner.set_expected(1)
+    far = torch.full_like(theta0, 3.0e38)
+    ack = await owner.contribute(A, contribution(far, shapes[0], owner=owner, codec=codec))
+    assert not ack.accepted and ack.reason.startswith("out of bounds") and "|Theta|" in ack.reason
+    assert owner.version == 0 and owner.penalties[A]["refused_out_of_bounds"] == 1
+    honest = torch.full_like(theta0, 0.01)
+    assert (await owner.contribute(B, contribution(honest, shapes[0], owner=owner))).accepted
+    assert owner.version == 1  # with a history, the bound is 1000x its median
+    ack = await owner.contribute(A, contribution(honest * 2000.0, shapes[0], owner=owner, base_version=1, codec=codec))
+    assert not ack.accepted and "recent merged norms' median" in ack.reason
+    assert owner.version == 1 and owner.penalties[A]["refused_out_of_bounds"] == 2
+    assert (await owner.contribute(A, contribution(honest * 3.0, shapes[0], owner=owner, base_version=1))).accepted
