@@ -17,7 +17,10 @@ and a new owner starts from
 
 A handed reference whose median lies more than ``factor`` times above (or below) the measured
 estimate is ignored: a hostile predecessor could hand a huge reference that lets its own next
-contribution through, or a tiny one that clips every honest sender. Pure functions, no I/O.
+contribution through, or a tiny one that clips every honest sender. With nothing measured, a
+norm above ``ceiling`` (the owner passes |Θ|: no honest pseudo-gradient is as long as the
+fragment itself, an honest one is a few percent of it) is dropped all the same. Pure functions,
+no I/O.
 """
 
 from __future__ import annotations
@@ -42,12 +45,17 @@ def update_norm_estimate(update_norm: float, versions: int, *, lr: float) -> flo
 
 
 def starting_reference(handed: Sequence[float], measured: Sequence[float], *,
-                       factor: float = PLAUSIBLE_FACTOR) -> tuple[tuple[float, ...], str]:
+                       factor: float = PLAUSIBLE_FACTOR, ceiling: float = math.inf,
+                       ) -> tuple[tuple[float, ...], str]:
     """The reference a new owner starts from, and why. ``handed``: a predecessor's (replica
     handoff or checkpoint); ``measured``: estimates from ``update_norm_estimate``. Values that
-    are not finite and >= 0 are dropped first."""
-    given = tuple(float(x) for x in handed if math.isfinite(x) and x >= 0)
-    seen = tuple(float(x) for x in measured if math.isfinite(x) and x > 0)
+    are not finite and >= 0, or above ``ceiling``, are dropped first."""
+    given = tuple(float(x) for x in handed if math.isfinite(x) and 0 <= x <= ceiling)
+    seen = tuple(float(x) for x in measured if math.isfinite(x) and 0 < x <= ceiling)
+    if len(given) < len(handed):
+        dropped = f"{len(handed) - len(given)} of the handed norms dropped (not finite, < 0 or above {ceiling:.4g}); "
+        reference, why = starting_reference(given, seen, factor=factor)
+        return reference, dropped + why
     if given and seen:
         mid, own = statistics.median(given), statistics.median(seen)
         if own / factor <= mid <= own * factor:

@@ -225,3 +225,10 @@ def test_with_nothing_handed_the_reference_is_seeded_from_measured_updates_and_j
     assert starting_reference((), (0.5,))[0] == (0.5,)
     assert starting_reference((math.nan, -1.0), ())[0] == ()
     assert starting_reference((), ())[0] == ()
+
+
+def test_handed_norms_longer_than_the_fragment_are_dropped_even_with_nothing_measured() -> None:
+    from protocol.diloco.reference import starting_reference
+    ref, why = starting_reference((1e9, 1e9, 0.5), (), ceiling=10.0)
+    assert ref == (0.5,) and "2 of the handed norms dropped" in why
+    assert starting_reference((1e9,), (), ceiling=10.0)[0] == ()

@@ -473,9 +473,9 @@ async def test_a_successor_built_from_a_handoff_has_the_reference_and_refuses_a_
 
 
 async def test_a_hostile_predecessors_huge_reference_is_ignored_for_the_updates_the_successor_measures() -> None:
-    """A predecessor hands a reference 1e6x the real norms (its next contribution would pass the
-    clip): the successor, holding the version before, measures the last update itself and seeds
-    from that instead."""
+    """A predecessor hands a reference some 30x the real norms, though shorter than the fragment
+    (its next contribution would pass the clip): the successor, holding the version before,
+    measures the last update itself and seeds from that instead."""
     model = tiny_model()
     plan, clock = tiny_plan(model), FakeClock()
     shapes, theta0 = shapes_of(model, plan), flat_of(model, plan, 0)
@@ -484,7 +484,19 @@ async def test_a_hostile_predecessors_huge_reference_is_ignored_for_the_updates_
     await _round(primary, clock, {A: _honest(theta0.numel(), 0), B: _honest(theta0.numel(), 1)}, shapes)
     successor = _plain_owner(plan, shapes, clock, primary.theta.clone(), who=signer(2), version=1)
     await _round(primary, clock, {A: _honest(theta0.numel(), 2), B: _honest(theta0.numel(), 3)}, shapes)
-    handed = dataclasses.replace(_handed_over_the_wire(primary, store), norms=(1e6, 1e6, 1e6))
+    hostile = 0.9 * float(primary.theta.norm())
+    handed = dataclasses.replace(_handed_over_the_wire(primary, store), norms=(hostile,) * 3)
     assert await successor.take_over(handed)
     reference = successor.merger.reference()
-    assert reference and max(reference) < 1.0 and "ignored" in successor.reference_note
+    assert reference and max(reference) < hostile / 10 and "ignored" in successor.reference_note
+
+
+async def test_a_handed_reference_longer_than_the_fragment_is_dropped_when_nothing_can_be_measured() -> None:
+    """A hostile predecessor hands a reference of norms longer than the fragment itself to a
+    successor that holds no earlier version to measure against: dropped all the same."""
+    model = tiny_model()
+    plan, clock = tiny_plan(model), FakeClock()
+    shapes, theta0 = shapes_of(model, plan), flat_of(model, plan, 0)
+    huge = 10 * float(theta0.norm())
+    owner = _plain_owner(plan, shapes, clock, theta0, who=signer(2), version=3, reference=(huge,) * 4)
+    assert owner.merger.reference() == () and "dropped" in owner.reference_note
