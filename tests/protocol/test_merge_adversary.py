@@ -14,7 +14,8 @@ and every aggregate is no longer than its longest (clipped) term, so
 
 A truly fresh merger (no history, as an owner that just took over before ``seed_reference``)
 alone with the attacker has nothing but the attacker's own norm to go by: there the bound is
-``max_delta_ratio`` x |Theta|, which the test checks too.
+``max_delta_ratio`` x |Theta|, which the test checks too (0.1 here; the node keeps 1, which honest
+merges measurably need from initialisation, and seeds a new owner's reference instead).
 """
 
 from __future__ import annotations
