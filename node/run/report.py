@@ -76,7 +76,8 @@ def build_report(config: dict[str, Any], peers: list[dict[str, Any]], wall_s: fl
         "per_peer": [
             {**{k: p[k] for k in ("index", "peer_id", "steps", "tokens_trained", "bytes_sent",
                                   "stalled_steps", "median_step_s", "median_step_s_detached",
-                                  "eval_curve_local", "attack", "incarnation", "resumed_from_step") if k in p},
+                                  "eval_curve_local", "attack", "incarnation", "resumed_from_step",
+                                  "validation") if k in p},
              "penalties": penalties_of(p.get("peer_id", ""), peers),
              "standing": standing_of(p.get("peer_id", ""), peers)}
             for p in peers
