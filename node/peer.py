@@ -54,7 +54,7 @@ from node.state.owner_checkpoint import OwnerCheckpoints
 from node.state.serve import ManifestCache
 from node.status import StatusBoard
 from node.wire.admission import Identification, MemberAddresses
-from node.wire.rpc import RpcServer
+from node.wire.rpc import RpcServer, max_rpc_body
 from node.wire.tls import server_context
 from node.wire.transport import LinkEmulator, LinkProfile, Transport
 from protocol.diloco.fragments import FragmentPlan
@@ -137,7 +137,9 @@ class PeerNode(SwarmPresence, OwnedFragments, OwnerHandoffs, VersionServing):
         self.spread = SpreadStats()  # versions spread peer to peer (``node.diloco.spread``)
         self._fanouts: dict[int, Fanout] = {}  # fragment -> this owner's serve-or-point decisions
         self.holdings = Holdings(len(plan.fragments), self.transport.pool, fanout=cfg.spread_fanout)
-        self.rpc = RpcServer(self.transport, signer, authorize=self._authorize)
+        # bodies capped by what the plan's largest fragment can need (not a fixed 256 MiB)
+        self.rpc = RpcServer(self.transport, signer, authorize=self._authorize,
+                             max_message=max_rpc_body(f.numel for f in plan.fragments))
         self.router = DHTRouter(self.transport)
         self.dht: DHTNode | None = None
         self.membership: Membership | None = None
@@ -207,8 +209,17 @@ class PeerNode(SwarmPresence, OwnedFragments, OwnerHandoffs, VersionServing):
         if self.announce_versions:
             emit("published", fragment=fragment, version=version, digest=digest.hex()[:32])
 
+    status_max_age_s = 1.0  # /v1/status is computed at most this often (as the board is)
+    _status_cache: tuple[float, bytes] | None = None  # (when, JSON)
+
     async def _on_status(self, _request: web.Request) -> web.Response:
-        return web.json_response(self.status())
+        """``status()`` as JSON, computed at most once per ``status_max_age_s`` (it walks the DHT
+        store: ~30 ms at 30k records), like the status board."""
+        now = time.monotonic()
+        cached = self._status_cache
+        if cached is None or not 0 <= now - cached[0] < self.status_max_age_s:
+            cached = self._status_cache = (now, json.dumps(self.status()).encode())
+        return web.Response(body=cached[1], content_type="application/json")
 
     def penalties(self) -> dict[str, dict[str, int]]:
         """Per sender (peer id hex), what this peer's owners' merge bounds did to its contributions:

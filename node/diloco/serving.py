@@ -3,8 +3,15 @@ and ``final`` routes and their long-polls, with the spread-or-serve decision of
 ``protocol.diloco.spread`` for every version (``node.diloco.spread``), and the ``held`` route
 any peer answers with the versions it fetched.
 
-Long-polls are capped per signing key (two per fragment) and per anonymous address; the next
-one gets 429 at once, never a queue.
+Long-polls are capped per signing key (two per fragment) and per anonymous address; outside a
+certified swarm (where a key costs nothing) also per address whatever the key, an IPv6 sender at
+its /64, /56 and /48 (``protocol.dht.netgroups.PrefixCounts``), so fresh keys do not buy more.
+The next one gets 429 at once, never a queue.
+
+A ``final`` long-poll waits on events, not a timer: the owner's publication or retirement
+(``FragmentOwner.wait_after``) and the next membership read (``SharedReads``: one read at a time,
+at most one per ``FINAL_READ_S``, shared by every waiter), which brings the last learners'
+"stopped" records and lets silence bounds run out.
 """
 
 from __future__ import annotations
@@ -12,11 +19,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import math
 import re
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -36,17 +44,47 @@ from node.state.serve import ManifestCache, serve_manifest, serve_sealed, state_
 from node.wire.admission import ADMITTED
 from node.wire.connections import address_key
 from node.wire.transport import Busy, Transport
+from protocol.dht.netgroups import PrefixCounts
 from protocol.diloco.fragments import FragmentPlan
 from protocol.diloco.spread import Fanout, Serve, SpreadDecision
 from protocol.errors import DecodeError
 from protocol.wire.signing import Signer
 
-__all__ = ["MAX_ANONYMOUS_POLLS_PER_IP", "MAX_WAIT_S", "VersionServing"]
+if TYPE_CHECKING:
+    from node.dht.swarm import SwarmCredentials
 
-FINAL_READ_S = 0.5  # how often a final long-poll reads the member records while learners finish
+__all__ = ["MAX_ANONYMOUS_POLLS_PER_IP", "MAX_POLLS_PER_ADDRESS", "MAX_WAIT_S", "SharedReads", "VersionServing"]
+
+FINAL_READ_S = 0.5  # how often final long-poll waiters (all of them, together) read the member records
 MAX_WAIT_S = 30.0  # the longest a long-poll (/v1/fragments/p/next, /final) is held
 MAX_ANONYMOUS_POLLS_PER_IP = 64  # long-polls held at once for requests that name no key
+# long-polls held at once per address, keys or not, outside certified swarms: under the 128
+# connections an address may hold (a local swarm's peers all poll from 127.0.0.1)
+MAX_POLLS_PER_ADDRESS = 96
 _AFTER = re.compile(r"-1|[0-9]{1,19}")
+
+
+class SharedReads:
+    """One ``read`` (a membership refresh) at a time, at most one per ``period_s``, shared by
+    everyone waiting for it: ``next_read`` returns once a read that began after the call ended."""
+
+    def __init__(self, read: Callable[[], Awaitable[object]], period_s: float = FINAL_READ_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.read, self.period_s, self.clock = read, period_s, clock
+        self._lock = asyncio.Lock()
+        self._last = -math.inf
+        self.reads = 0  # reads done (for tests and status)
+
+    async def next_read(self) -> None:
+        done = self.reads
+        async with self._lock:  # one reader; the others wait here and find its read done
+            if self.reads != done:
+                return
+            await asyncio.sleep(max(0.0, self._last + self.period_s - self.clock()))
+            with contextlib.suppress(Exception):  # a failed read is retried by the next waiter
+                await self.read()
+            self._last = self.clock()
+            self.reads += 1
 
 
 def _holds_same(request: web.Request, owner: FragmentOwner, version: int) -> bool:
@@ -90,6 +128,7 @@ class VersionServing:
     _long_polls: collections.Counter[str]
     _fanouts: dict[int, Fanout]
     _manifests: ManifestCache
+    credentials: SwarmCredentials | None
 
     async def tell_expected(self, owner: FragmentOwner, *, at_end: bool = False) -> int:
         raise NotImplementedError
@@ -171,18 +210,31 @@ class VersionServing:
 
     @contextlib.contextmanager
     def _long_poll(self, request: web.Request) -> Iterator[None]:
-        """Count a held long-poll against its key (or address); ``Busy`` (429) past the cap."""
+        """Count a held long-poll against its key (or address) and, outside certified swarms,
+        its address whatever the key; ``Busy`` (429) past a cap."""
         who = self._poller(request)
         if self._long_polls[who] >= self._long_poll_cap(who):
             raise Busy(f"{self._long_polls[who]} long-polls from {who[:24]} are held already "
                        f"(at most {self._long_poll_cap(who)}: two per fragment); retry later")
+        ip = None if self.credentials is not None and self.credentials.certified else (request.remote or "unknown")
+        full = self._polls_by_address.refusal(ip) if ip is not None else None
+        if full is not None:  # a key costs nothing here: fresh keys must not buy more long-polls
+            raise Busy(f"long-polls: {full}, whatever keys they name; retry later")
         self._long_polls[who] += 1
+        if ip is not None:
+            self._polls_by_address.add(ip)
         try:
             yield
         finally:
             self._long_polls[who] -= 1
             if self._long_polls[who] <= 0:
                 del self._long_polls[who]
+            if ip is not None:
+                self._polls_by_address.remove(ip)
+
+    @functools.cached_property
+    def _polls_by_address(self) -> PrefixCounts:
+        return PrefixCounts(MAX_POLLS_PER_ADDRESS)
 
     @staticmethod
     def _poller(request: web.Request) -> str:
@@ -212,16 +264,39 @@ class VersionServing:
     async def _wait_final(self, owner: FragmentOwner, wait_s: float) -> Any:
         """The final version, once no member is learning (members claiming to learn that have
         sent nothing for their silence bound left out) and the last round is merged; None if
-        that takes longer than ``wait_s``."""
+        that takes longer than ``wait_s``. Checked again on each event that can change the
+        answer (see the module docstring), never on a timer of its own."""
         deadline = time.monotonic() + wait_s
-        read_at = time.monotonic()
-        while time.monotonic() < deadline and not owner.retired:
+        while not owner.retired:
+            self.final_checks += 1
             if await self.tell_expected(owner, at_end=True) == 0 and owner.idle():
                 return owner.declare_final()  # the first time, its on_final tells the replica
-            await asyncio.sleep(0.1)
-            if self.membership is not None and time.monotonic() - read_at >= FINAL_READ_S:
-                # the last learners' "stopped" records: read them now, not at the next membership pass
-                read_at = time.monotonic()
-                with contextlib.suppress(Exception):
-                    await self.membership.refresh()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            await self._final_change(owner, left)
         return None
+
+    async def _final_change(self, owner: FragmentOwner, timeout_s: float) -> None:
+        """Until ``owner`` publishes or retires, the next shared membership read ends (without a
+        membership: ``FINAL_READ_S``, for silence bounds to run out), or ``timeout_s``."""
+        waits = [asyncio.ensure_future(owner.wait_after(owner.version, timeout_s))]
+        if self.membership is not None:
+            waits.append(asyncio.ensure_future(self._final_reads.next_read()))
+        try:
+            await asyncio.wait(waits, timeout=timeout_s if self.membership is not None else min(timeout_s, FINAL_READ_S),
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+            await asyncio.gather(*waits, return_exceptions=True)
+
+    final_checks = 0  # times a final long-poll checked whether the end is reached (one per event)
+
+    @functools.cached_property
+    def _final_reads(self) -> SharedReads:
+        return SharedReads(self._read_members)
+
+    async def _read_members(self) -> None:
+        if self.membership is not None:
+            await self.membership.refresh()
