@@ -28,6 +28,13 @@ signature covers (numbers: an 8 MiB header of nested empty maps, with torch load
    a decoded header holds no reference cycles, so reference counting frees it all the same.
    With the cap, thread and pause, the worst header under the cap (256 KiB of empty maps)
    leaves ``GET /v1/status`` answering within ~50 ms (~250 ms without the pause).
+
+A request body is capped by what the swarm's fragment plan can need (``max_rpc_body``): the
+largest fragment as the widest message a member sends (a ReplicaState of fp32 theta and momentum,
+8 bytes an element; a Contribution in any codec takes at most 5), plus the header cap, the
+envelope and slack. A fixed 256 MiB let an open-swarm member that sends the bytes fill 16 GiB of
+buffers on a peer of a small model; a body declaring more than the cap is a 413 before a byte of
+it is buffered.
 """
 
 from __future__ import annotations
@@ -35,11 +42,12 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import math
 import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 
 from aiohttp import web
 
@@ -48,7 +56,7 @@ from node.wire.transport import Transport, refusal
 from protocol.errors import NotAuthorized, Oversize, RemoteProtocolError
 from protocol.wire.codec import Buffer, encode, header_length
 from protocol.wire.messages import Message
-from protocol.wire.sealing import LENGTH_PREFIX
+from protocol.wire.sealing import LENGTH_PREFIX, MAX_ENVELOPE
 from protocol.wire.signing import (
     Admitted,
     Envelope,
@@ -61,6 +69,7 @@ from protocol.wire.signing import (
     seal,
     split_sealed,
 )
+from protocol.wire.tensors import CODECS, TOPK_CHUNK, payload_bytes
 
 __all__ = [
     "MAX_REQUEST_HEADER",
@@ -70,6 +79,7 @@ __all__ = [
     "RpcServer",
     "check_header",
     "error_response",
+    "max_rpc_body",
     "open_off_loop",
     "serve_sealed_request",
 ]
@@ -78,7 +88,22 @@ MAX_REQUEST_HEADER = 256 << 10  # msgpack header bytes of one request (the wire'
 OFF_LOOP_HEADER = 64 << 10  # headers above this are decoded in a worker thread
 OFF_LOOP_BODY = 1 << 20  # bodies above this are hashed in a worker thread (blake3 drops the GIL)
 
+# Bytes an element of the widest single tensor any codec makes (int8 with one fp32 scale an
+# element: 5), and of the widest message: a ReplicaState carrying fp32 theta and momentum (8).
+_WIDEST_CODEC = max(sum(payload_bytes(c, TOPK_CHUNK, 0 if c in ("none", "bf16") else 1)) for c in CODECS) / TOPK_CHUNK
+WIDEST_BYTES_PER_ELEMENT = max(2 * payload_bytes("none", 1, 0)[0], _WIDEST_CODEC)
+RPC_SLACK = 1 << 20  # and 1/64 of the tensor bytes: msgpack framing of blobs, a few small tensors' rounding
+
 log = logging.getLogger(__name__)
+
+
+def max_rpc_body(numels: Iterable[int], *, max_header: int = MAX_REQUEST_HEADER) -> int:
+    """The largest legitimate ``POST /v1/rpc`` body in a swarm whose fragments hold ``numels``
+    elements: the largest fragment at ``WIDEST_BYTES_PER_ELEMENT``, plus a header of up to
+    ``max_header`` bytes, the length prefix and envelope, and ``RPC_SLACK`` (see the module docstring)."""
+    tensors = math.ceil(WIDEST_BYTES_PER_ELEMENT * max(numels, default=0))
+    return tensors + tensors // 64 + max_header + LENGTH_PREFIX.size + MAX_ENVELOPE + RPC_SLACK
+
 
 Handler = Callable[[Opened], Awaitable[Message]]
 
@@ -216,7 +241,9 @@ async def _anyone(_peer: bytes) -> bool:
 
 
 class RpcServer:
-    """Serves ``POST /v1/rpc`` on a ``Transport``: verify, authorise, dispatch, reply sealed."""
+    """Serves ``POST /v1/rpc`` on a ``Transport``: verify, authorise, dispatch, reply sealed.
+    ``max_message``: the largest body taken (a node passes ``max_rpc_body`` of its fragment
+    plan; 256 MiB otherwise)."""
 
     def __init__(
         self,

@@ -24,6 +24,13 @@ Call ``on_seen`` only for peers that sent us a verified message or answered one 
 for contacts merely listed in someone's reply: those are unproven and belong in a lookup. Peers
 without an address (behind NAT, learners only) can never be dialled and are not added.
 
+IP diversity (S/Kademlia; libp2p's diversity filter): a bucket holds at most ``max_per_group``
+contacts from one network, an IPv4 /24 or an IPv6 /48 (``protocol.dht.netgroups``), so an
+attacker with a few networks cannot fill the buckets near a key it wants to eclipse (the swarm's
+members key) however many ids it grinds. A newcomer from a full group is refused (counted in
+``diversity_refused``), not cached; a cached contact is promoted only into room its group has.
+Non-global addresses (loopback, private) have no group: a local swarm shares one address.
+
 Buckets are refreshed (section 2.3) by looking up a random id in any bucket that saw no traffic
 for ``refresh_interval``; ``stale_buckets`` picks those ids with the node's seeded ``rng``.
 
@@ -44,6 +51,7 @@ import random
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
+from protocol.dht.netgroups import diversity_group
 from protocol.dht.ratelimit import TokenBucket
 from protocol.errors import LocalProtocolError
 from protocol.ids import ID_BYTES, xor_distance
@@ -80,15 +88,18 @@ class RoutingTable:
     """The k-buckets of the peer ``own_id``. See the module docstring."""
 
     def __init__(
-        self, own_id: bytes, *, k: int = 20, replacement_cache: int = 10, max_failures: int = 3
+        self, own_id: bytes, *, k: int = 20, replacement_cache: int = 10, max_failures: int = 3,
+        max_per_group: int | None = 2,
     ) -> None:
         if len(own_id) != ID_BYTES:
             raise LocalProtocolError(f"own id must be {ID_BYTES} bytes, got {len(own_id)}")
-        if k < 1 or replacement_cache < 0 or max_failures < 1:
+        if k < 1 or replacement_cache < 0 or max_failures < 1 or (max_per_group is not None and max_per_group < 1):
             raise LocalProtocolError(
-                f"need k >= 1, replacement_cache >= 0, max_failures >= 1; "
-                f"got {k}, {replacement_cache}, {max_failures}"
+                f"need k >= 1, replacement_cache >= 0, max_failures >= 1, max_per_group >= 1 or None; "
+                f"got {k}, {replacement_cache}, {max_failures}, {max_per_group}"
             )
+        self.max_per_group = max_per_group
+        self.diversity_refused = 0  # newcomers refused: their network's share of the bucket was full
         self.own_id = own_id
         self.k = k
         self.replacement_cache = replacement_cache
@@ -159,9 +170,15 @@ class RoutingTable:
         bucket.last_touched = now
         entry = bucket.entries.get(contact.peer_id)
         if entry is not None:
-            entry.contact, entry.last_seen, entry.failures = contact, now, 0
-            self._index[contact.peer_id] = contact
+            if contact.address == entry.contact.address or self._group_has_room(bucket, contact, contact.peer_id):
+                entry.contact = contact  # a move into a full network keeps the old address
+                self._index[contact.peer_id] = contact
+            entry.last_seen, entry.failures = now, 0
             bucket.entries.move_to_end(contact.peer_id)
+            return None
+        if not self._group_has_room(bucket, contact):
+            self.diversity_refused += 1
+            bucket.cache.pop(contact.peer_id, None)
             return None
         if len(bucket.entries) < self.k:
             bucket.cache.pop(contact.peer_id, None)
@@ -244,6 +261,16 @@ class RoutingTable:
             return None
         return self._buckets[self.bucket_index(peer_id)]
 
+    def _group_has_room(self, bucket: _Bucket, contact: PeerInfo, leaving: bytes | None = None) -> bool:
+        """Whether ``contact``'s network has fewer than ``max_per_group`` contacts in ``bucket``
+        (not counting ``leaving``)."""
+        group = diversity_group(contact.address) if self.max_per_group is not None else None
+        if group is None or self.max_per_group is None:
+            return True
+        same = sum(1 for pid, e in bucket.entries.items()
+                   if pid != leaving and diversity_group(e.contact.address) == group)
+        return same < self.max_per_group
+
     def _cache(self, bucket: _Bucket, entry: _Entry) -> None:
         if self.replacement_cache == 0:
             return
@@ -255,9 +282,11 @@ class RoutingTable:
     def _evict(self, bucket: _Bucket, peer_id: bytes) -> PeerInfo | None:
         del bucket.entries[peer_id]
         del self._index[peer_id]
-        if not bucket.cache:
+        # the freshest cached contact whose network has room (diversity holds after promotion)
+        pid = next((p for p in reversed(bucket.cache) if self._group_has_room(bucket, bucket.cache[p].contact)), None)
+        if pid is None:
             return None
-        _, fresh = bucket.cache.popitem(last=True)
+        fresh = bucket.cache.pop(pid)
         fresh.failures = 0
         bucket.entries[fresh.contact.peer_id] = fresh
         self._index[fresh.contact.peer_id] = fresh.contact

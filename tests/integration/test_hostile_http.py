@@ -144,3 +144,19 @@ async def test_every_route_refuses_hostile_requests_with_a_4xx_and_a_reason(
         assert status["remote_errors"]  # the refused RPCs were counted
     unhandled = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
     assert not unhandled, unhandled
+
+
+async def test_an_rpc_body_larger_than_the_fragment_plan_allows_is_refused_before_it_is_read(
+        peer: PeerNode) -> None:
+    """The tiny model's largest legitimate RPC body is ~1.3 MiB (``max_rpc_body`` of its plan):
+    a body declaring 64 MiB is a 413 from its head alone (before, anything up to 256 MiB was
+    read, and this one waited for its bytes until the body timeout's 408)."""
+    assert peer.rpc.max_message < 4 << 20
+    for declared in (peer.rpc.max_message + 1, 64 << 20):
+        start = time.perf_counter()
+        status, body = await raw(peer.transport.port,
+                                 f"POST /v1/rpc HTTP/1.1\r\nHost: x\r\nContent-Length: {declared}\r\n\r\n".encode())
+        assert status == 413 and "exceeds the cap" in reason_of(body), (status, body[:200])
+        assert time.perf_counter() - start < 0.9  # not the fixture's 1 s body timeout
+    async with aiohttp.ClientSession() as session, session.get(peer.transport.url + "/v1/status") as resp:
+        assert resp.status == 200

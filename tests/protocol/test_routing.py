@@ -228,3 +228,56 @@ def test_buckets_never_exceed_k(operations: list[tuple[str, bytes, bool]]) -> No
         assert all(size <= 3 for size in table.bucket_sizes().values())
         assert len(table.contacts()) == len(set(c.peer_id for c in table.contacts()))
         assert not any(table.cached(c.peer_id) for c in table.contacts())
+
+
+# ── IP diversity ──────────────────────────────────────────────────────────────────────────────
+
+
+def at(peer_id: bytes, host: str, port: int = 443) -> PeerInfo:
+    return PeerInfo(peer_id=peer_id, address=f"https://{host}:{port}")
+
+
+def test_a_bucket_holds_at_most_two_contacts_from_one_ipv4_24_or_ipv6_48() -> None:
+    """An eclipse attacker grinds ids into the buckets near the members key from one network: the
+    table took every one while the bucket had room (issue 48: no IP diversity). Now one /24 (or
+    /48) gets two places in a bucket; other networks still get in."""
+    table = RoutingTable(OWN, k=20)
+    ids = ids_in_bucket(table, 0, 30)
+    for n, pid in enumerate(ids[:10]):  # ten ids from one /24
+        table.on_seen(at(pid, f"203.0.114.{n + 1}"), now=float(n))
+    for n, pid in enumerate(ids[10:20]):  # ten from one IPv6 /48, each in its own /64
+        table.on_seen(at(pid, f"[2a00:1450:4001:{n:x}::1]"), now=10.0 + n)
+    assert table.bucket_sizes() == {0: 4} and table.diversity_refused == 16
+    for n, pid in enumerate(ids[20:30]):  # ten distinct networks: all in
+        table.on_seen(at(pid, f"8.{n + 1}.0.1"), now=20.0 + n)
+    assert table.bucket_sizes() == {0: 14}
+    assert not any(table.cached(pid) for pid in ids[:20])  # refused, not cached for later
+
+
+def test_local_and_private_addresses_have_no_diversity_limit() -> None:
+    """A local swarm runs every peer from 127.0.0.1 (a LAN from one private /24)."""
+    table = RoutingTable(OWN, k=20)
+    for n, pid in enumerate(ids_in_bucket(table, 0, 10)):
+        table.on_seen(at(pid, "127.0.0.1", 7000 + n), now=float(n))
+    for n, pid in enumerate(ids_in_bucket(table, 0, 20, seed=1)[10:]):
+        table.on_seen(at(pid, f"192.168.1.{n + 1}"), now=float(n))
+    assert table.bucket_sizes() == {0: 20} and table.diversity_refused == 0
+
+
+def test_promotion_and_moves_keep_the_bucket_diverse() -> None:
+    table = RoutingTable(OWN, k=3, replacement_cache=4)
+    ids = ids_in_bucket(table, 0, 6)
+    table.on_seen(at(ids[0], "9.9.9.1"), now=0.0)
+    table.on_seen(at(ids[1], "9.9.9.2"), now=1.0)
+    table.on_seen(at(ids[2], "8.8.4.4"), now=2.0)
+    assert table.on_seen(at(ids[3], "1.1.1.1"), now=3.0) is not None  # full: cached, ping asked
+    # a contact moving into a full network keeps its old address
+    table.on_seen(at(ids[2], "9.9.9.3"), now=4.0)
+    assert table.get(ids[2]) == at(ids[2], "8.8.4.4")
+    # the dead oldest goes; the cached contact is promoted (its network has room)
+    assert table.on_ping_result(ids[0], alive=False, now=5.0) == at(ids[3], "1.1.1.1")
+    table.on_seen(at(ids[2], "9.9.9.3"), now=6.0)  # now 9.9.9.0/24 has room for it
+    assert table.get(ids[2]) == at(ids[2], "9.9.9.3")
+    with pytest.raises(LocalProtocolError):
+        RoutingTable(OWN, max_per_group=0)
+    assert RoutingTable(OWN, max_per_group=None).max_per_group is None
