@@ -37,7 +37,8 @@ def replay_main(args: argparse.Namespace) -> int:
         print(json.dumps(result.to_json()))
         return 0 if not result.mismatches else 1
     print(f"{path}: {result.decisions} decisions replayed, {len(result.versions)} versions "
-          f"({result.contents_checked} recomputed from the kept contents), {len(result.mismatches)} mismatches")
+          f"({result.contents_checked} recomputed from the kept contents), {result.validations} validation checks "
+          f"recomputed, {len(result.mismatches)} mismatches")
     if result.unchecked:
         print(f"  contents not all recomputed: {result.unchecked}")
     for v in result.versions:
