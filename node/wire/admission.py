@@ -163,11 +163,19 @@ class Admission(_Checks):
             return ANONYMOUS
         auth = RequestAuth.parse(auth_value)
         now = self.clock()
-        _verified(auth, request, self.replays, swarm=manifest.swarm_id, own_id=self.own_id, now=now)
-        cert_value = request.headers.get(CERT_HEADER)
+        auth.verify(swarm=manifest.swarm_id, method=request.method, target=request.path_qs, now=now,
+                    recipient=self.own_id, unbound_ok=True)
+        cert = self._admit(manifest, auth, request.headers.get(CERT_HEADER), now)  # a stranger hears why first
+        _take_once(auth, request, self.replays, own_id=self.own_id, now=now)
+        return Admitted(auth.public_key, cert)
+
+    def _admit(self, manifest: SwarmManifest, auth: RequestAuth, cert_value: str | None,
+               now: float) -> Certificate | None:
+        """The sender's certificate checked against ``manifest`` (None: it sent none, which an
+        open swarm admits); raises ``NotAuthorized`` with the reason."""
         if not cert_value:
             admit(manifest, None, public_key=auth.public_key, role=None, now=now)
-            return Admitted(auth.public_key, None)
+            return None
         known = self._verified.get(cert_value)
         cert = known if known is not None else Certificate.from_header(cert_value)
         admit(manifest, cert, public_key=auth.public_key, role=None, now=now, signature_verified=known is not None)
@@ -177,7 +185,7 @@ class Admission(_Checks):
                 self._verified.popitem(last=False)
         else:
             self._verified.move_to_end(cert_value)
-        return Admitted(auth.public_key, cert)
+        return cert
 
     def note_refusal(self, request: web.Request, exc: RemoteProtocolError) -> None:
         self.refused[exc.reason.split(":")[0][:80]] += 1
@@ -229,7 +237,10 @@ class Identification(_Checks):
         if value is None:
             return ANONYMOUS
         auth = RequestAuth.parse(value)
-        _verified(auth, request, self.replays, swarm=self.swarm, own_id=self.own_id, now=self.clock())
+        now = self.clock()
+        auth.verify(swarm=self.swarm, method=request.method, target=request.path_qs, now=now, recipient=self.own_id,
+                    unbound_ok=True)
+        _take_once(auth, request, self.replays, own_id=self.own_id, now=now)
         return Admitted(auth.public_key, None)
 
     def note_refusal(self, request: web.Request, exc: RemoteProtocolError) -> None:
@@ -237,10 +248,9 @@ class Identification(_Checks):
         log.info("refused %s %s: %s", request.method, request.path, exc.reason)
 
 
-def _verified(auth: RequestAuth, request: web.Request, replays: ReplayCache, *, swarm: str, own_id: bytes,
-              now: float) -> None:
-    """Check ``auth`` for ``request`` at this node (``own_id``), then take it once (``replays``,
-    counted per sender address). Raises as ``RequestAuth.verify`` and ``ReplayCache.admit``."""
-    auth.verify(swarm=swarm, method=request.method, target=request.path_qs, now=now, recipient=own_id,
-                unbound_ok=unbound_ok(request))
+def _take_once(auth: RequestAuth, request: web.Request, replays: ReplayCache, *, own_id: bytes, now: float) -> None:
+    """After ``auth`` verified: refuse it on a route that needs a recipient when it names none,
+    then take it once (``replays``, counted per sender address). Raises ``AuthRefused``."""
+    if not unbound_ok(request):
+        auth.check_bound(own_id)
     replays.admit(auth, address_key(request.remote or "unknown"), now)

@@ -126,12 +126,18 @@ class RequestAuth:
         if self.recipient and self.recipient != recipient:
             raise AuthRefused(f"{AUTH_HEADER} names peer {self.recipient.hex()[:16]}, not this node "
                               f"({recipient.hex()[:16]}): a header is good only at the node it was signed for")
-        if not self.recipient and not unbound_ok:
-            raise AuthRefused(f"{AUTH_HEADER} names no recipient, which only the routes reachable on first contact "
-                              f"accept: sign for this node's peer id ({recipient.hex()[:16]}…, in its member record)")
+        if not unbound_ok:
+            self.check_bound(recipient)
         verify_signature(self.public_key, self.signature,
                          self.signing_bytes(swarm, method, target, self.timestamp, self.recipient, self.nonce),
                          f"{AUTH_HEADER} of {self.public_key.hex()[:16]}")
+
+    def check_bound(self, recipient: bytes) -> None:
+        """``AuthRefused`` for a header that names no recipient, on a route that needs one (a
+        server may check this after the certificate, so a stranger learns why it is refused)."""
+        if not self.recipient:
+            raise AuthRefused(f"{AUTH_HEADER} names no recipient, which only the routes reachable on first contact "
+                              f"accept: sign for this node's peer id ({recipient.hex()[:16]}…, in its member record)")
 
     @property
     def expires_at(self) -> float:
