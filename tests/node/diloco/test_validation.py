@@ -146,3 +146,26 @@ async def test_replay_finds_an_edited_check(world, tmp_path: Path) -> None:  # t
     assert recheck(check) == []
     assert recheck({**check, "seed": check["seed"] + 1})  # other windows than those evaluated
     assert recheck({**check, "drop": []})  # a verdict the losses do not give
+
+
+def test_a_callable_validation_loss_checks_candidates_too() -> None:
+    """``SwarmIsland(validate=...)``'s evaluator: the user's ``validate(model) -> loss``, repeated;
+    a deterministic one has no spread, so the floor (``min_rise``) is the noise."""
+    from node.diloco.validation import CallableEvaluator
+    from tests.node.fakes import tiny_model, tiny_plan
+
+    model = tiny_model()
+    plan = tiny_plan(model)
+    x = torch.randn(32, 4, generator=torch.Generator().manual_seed(0))
+
+    def validate(m: torch.nn.Module) -> float:
+        return float(((m(x) - 1.0) ** 2).mean())
+
+    held = [flat_of(model, plan, p) for p in range(len(plan.fragments))]
+    evaluator = CallableEvaluator(model, plan, lambda: held, validate)
+    validation = OwnerValidation(evaluator, ValidationConfig(windows=4), rng=random.Random(0))
+    theta = held[0]
+    assert validation.check(0, 1, theta, theta, lambda: {}).verdict.publish  # unchanged: no rise
+    worse = validation.check(0, 1, theta, theta * -4.0, lambda: {A: theta * -4.0})
+    assert worse is not None and not worse.verdict.publish and worse.verdict.drop == {A}
+    assert worse.record["before"] == [worse.record["before"][0]] * 4  # the repeats of a deterministic loss
