@@ -77,7 +77,7 @@ async def test_a_certified_owner_that_neither_owns_nor_precedes_a_fragment_canno
     ack = await _offer(node, ATTACKER, _forged(node))
     assert not ack.accepted and ack.reason.startswith("refused") and "not taken" in ack.reason
     assert 0 not in node.replicas.states and 0 not in node.replicas.held
-    assert node.status()["handoff_refusals"] == {"not-entitled": 1}
+    assert node.replicas.status()["handoff_refusals"] == {"not-entitled": 1}
     ok = await _offer(node, OWNER, _forged(node, epoch=0))  # the owner itself is taken
     assert ok.accepted, ok.reason
 
@@ -89,7 +89,7 @@ async def test_a_predecessor_may_not_jump_the_epoch_hand_a_new_version_or_declar
     node.replicas.fence(0, 0, 0, flat_digest(theta0))  # as starting to own at version 0 does
     assert not (await _offer(node, ATTACKER, _forged(node))).accepted  # epoch 2^62
     assert not (await _offer(node, ATTACKER, _forged(node, epoch=1))).accepted  # version 1: not known here
-    assert node.status()["handoff_refusals"] == {"epoch-jump": 1, "ahead-of-known": 1}
+    assert node.replicas.status()["handoff_refusals"] == {"epoch-jump": 1, "ahead-of-known": 1}
     assert node.replicas.held[0].version == 0 and 0 not in node.replicas.states
 
 
@@ -104,14 +104,14 @@ async def test_final_is_honoured_only_from_the_owner_and_merged_bases_are_clampe
     node3.replicas.fence(0, 0, 3, flat_digest(theta))  # version 3 with that content is held here
     ack = await _offer(node3, ATTACKER, dataclasses.replace(_forged(node3, epoch=1, version=3), final=True))
     assert ack.accepted and not node3.replicas.states[0].final  # the predecessor's "final" is not honoured
-    assert node3.status()["handoff_refusals"] == {"final-ignored": 1}
+    assert node3.replicas.status()["handoff_refusals"] == {"final-ignored": 1}
 
 
 async def test_a_member_that_may_not_own_gets_a_signed_refusal_not_an_unsigned_403() -> None:
     node = _peer([OWNER.peer_id, ME.peer_id])
     ack = await _offer(node, LEARNER, _forged(node))  # an answer the RPC layer seals, not a NotAuthorized
     assert not ack.accepted and ack.reason.startswith(NOT_A_MEMBER)
-    assert node.status()["handoff_refusals"] == {"not-a-member": 1}
+    assert node.replicas.status()["handoff_refusals"] == {"not-a-member": 1}
 
 
 class _Pool:
@@ -166,3 +166,18 @@ async def test_a_fenced_answer_that_names_no_fence_is_routed_around(monkeypatch)
     answer = ReplicaAck(accepted=False, reason="fenced: epoch 4", epoch=4, version=8)
     with pytest.raises(_FencedBy):
         await node._hand_to(0, (ATTACKER.peer_id, "http://x"), state)
+
+
+def test_the_peer_level_attacks_parse_and_the_address_attacker_is_learner_only(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from node.run.attack import parse_local_attack
+    from node.run.attack_peer import is_peer_attack
+    from node.run.local import LocalSwarm
+    from node.wire.identity import load_certificate
+
+    assert parse_local_attack("1:forge-handoffs") == (1, "forge-handoffs")
+    assert parse_local_attack("2:claim-address") == (2, "claim-address")
+    assert is_peer_attack("forge-handoffs") and not is_peer_attack("scale=10")
+    extra = {1: ["--attack", "forge-handoffs"], 2: ["--attack", "claim-address"]}
+    LocalSwarm(RunConfig(peers=3), tmp_path, extra_peer_args=extra).make_swarm()
+    roles = [load_certificate(tmp_path / "swarm" / f"peer{i}.cert").roles for i in range(3)]
+    assert roles == [("learner", "owner"), ("learner", "owner"), ("learner",)]
