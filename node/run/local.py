@@ -76,6 +76,7 @@ class LocalSwarm(SwarmChaos):
         self.killed: list[int] = []
         self.published: list[tuple[int, int, str, int]] = []  # (fragment, version, digest, peer index)
         self.forged: set[str] = set()  # digests of states an attacker forged (--attack N:forge-handoffs)
+        self.handed: set[str] = set()  # digests of every handoff a peer took (none may be forged)
         self.listening = asyncio.Event()  # every peer has bound its address
         self.t0 = time.time()
         self.t0_mono = time.monotonic()  # the same moment on the monotonic clock
@@ -190,6 +191,8 @@ class LocalSwarm(SwarmChaos):
                 self.version_times.setdefault((int(msg["fragment"]), int(msg["version"])), time.monotonic())
             elif event == "forged":  # an attacker's forged handoff: no owner may ever publish it
                 self.forged.add(str(msg["digest"]))
+            elif event == "handoff_taken":
+                self.handed.add(str(msg["digest"]))
             elif event == "resumed":
                 peer.resumed_from_step = int(msg["step"])
                 log.warning("peer %d resumed from its checkpoint at step %d", peer.index, peer.resumed_from_step)

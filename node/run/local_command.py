@@ -74,6 +74,8 @@ def run_local(cfg: RunConfig, *, report_path: Path | None, baseline: bool = Fals
     if swarm.forged:  # issue 48: versions published whose content an attacker forged (must be 0)
         report["attacker_versions_published"] = sum(1 for _f, _v, d, _i in swarm.published if d in swarm.forged)
         report["forged_states"] = len(swarm.forged)
+        # a forged state a peer took becomes its version once it owns the fragment: must be 0 too
+        report["forged_states_taken"] = len(swarm.handed & swarm.forged)
     report["event_logs"] = sorted(str(p) for p in run_dir.glob("peer*-events/*.jsonl"))
     if baseline:
         print("training the synchronous data-parallel baseline at equal tokens ...", flush=True)
