@@ -284,7 +284,7 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
             f"Atoll's gap {100 * report['eval_loss_gap_rel']:+.1f} %"
         )
     for index, attack in report.get("attacks", {}).items():
-        row = next((p for p in report["per_peer"] if str(p.get("index")) == index), {})
+        row: dict[str, Any] = next((p for p in report["per_peer"] if str(p.get("index")) == index), {})
         counts: dict[str, int] = row.get("penalties", {})
         standing = f"; standing {row['standing']:.2f}" if row.get("standing") is not None else ""
         lines.append(f"peer {index} attacked ({attack}); what the merge did to it: "
