@@ -103,5 +103,12 @@ def test_the_replay_cache_is_bounded_and_a_flood_evicts_only_its_own_address(swa
 @settings(max_examples=200, deadline=None)
 @given(st.text(max_size=300))
 def test_auth_header_parse_never_crashes(text):
-    with contextlib.suppress(DecodeError, Oversize):
+    with contextlib.suppress(DecodeError, Oversize, AuthRefused):  # AuthRefused: a v1 header
         RequestAuth.parse(text)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.text(max_size=70), min_size=6, max_size=6))
+def test_a_v2_shaped_header_parses_or_is_refused_with_a_reason(parts):
+    with contextlib.suppress(DecodeError, Oversize):
+        RequestAuth.parse(" ".join(["v2", *parts[1:]]))
