@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +93,26 @@ class IslandCheckpoints:
         return [p for group in self.optimizer.param_groups for p in group["params"]]
 
     # --- restore -----------------------------------------------------------------------------------
+    def _well_formed(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> None:
+        """``CheckpointError`` for an island checkpoint whose meta record is malformed (a crafted or
+        damaged file whose digest still holds): wrong types, counts past 2^63, lists of the wrong
+        length. ``Checkpointer.latest`` then skips it with the reason, and an older one (or a
+        fresh start) is used instead of a traceback. Another format is left to ``restore``."""
+        if meta.get("format") != FORMAT:
+            return
+        n = len(self.island.versions)
+
+        def counts(value: object, length: int | None) -> bool:
+            items = value if isinstance(value, list) else [value]
+            return ((length is None or (isinstance(value, list) and len(value) == length))
+                    and all(type(v) is int and 0 <= v < 1 << 63 for v in items))
+
+        fields = {"step": None, "tokens_trained": None, "versions": n, "c_steps": n, "c_tokens": n, "next_due": n}
+        bad = [name for name, length in fields.items() if not counts(meta.get(name), length)]
+        if bad or not isinstance(tensors.get("sampler.rng"), torch.Tensor):
+            raise CheckpointError(f"island checkpoint in {self.store.folder}: malformed meta record "
+                                  f"({', '.join(bad) or 'sampler.rng'}: not counts for {n} fragments)")
+
     def restore(self) -> dict[str, Any] | None:
         """Load the newest valid checkpoint into the model, optimizer, island and sampler.
 
@@ -101,7 +122,7 @@ class IslandCheckpoints:
         expected = {f"model.{n}": (tuple(p.shape), p.dtype) for n, p in self.model.named_parameters()}
         for i, flat in enumerate(self.island.global_flat):
             expected[f"global.{i}"] = (tuple(flat.shape), flat.dtype)
-        found = self.store.latest()
+        found = self.store.latest(check=self._well_formed)
         if found is None:
             return None
         tensors, meta = found

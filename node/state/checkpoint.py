@@ -42,7 +42,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -107,14 +107,20 @@ class Checkpointer:
         return path
 
     def latest(
-        self, *, expected: Expected | None = None, allow_nonfinite: bool = False
+        self, *, expected: Expected | None = None, allow_nonfinite: bool = False,
+        check: Callable[[Mapping[str, torch.Tensor], Mapping[str, Any]], None] | None = None,
     ) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
-        """The newest checkpoint that loads, or None; refused newer ones are logged and skipped."""
+        """The newest checkpoint that loads (and that ``check`` does not refuse with a
+        ``CheckpointError``: its meta record's fields, say), or None; refused newer ones are
+        logged and skipped."""
         for step in reversed(self.steps()):
             try:
-                return load_checkpoint(
+                found = load_checkpoint(
                     self.path(step), expected=expected, allow_nonfinite=allow_nonfinite
                 )
+                if check is not None:
+                    check(*found)
+                return found
             except CheckpointError as e:
                 log.warning("skipping checkpoint step %d: %s", step, e)
         return None

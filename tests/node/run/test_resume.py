@@ -80,3 +80,30 @@ def test_no_checkpoint_means_a_fresh_start_and_a_foreign_one_is_refused(tmp_path
     foreign.wait()
     with pytest.raises(CheckpointError, match="does not fit this model|fragments"):
         IslandCheckpoints(tmp_path / "f", model, opt, island, sampler.generator).restore()
+
+
+@pytest.mark.parametrize("field, value", [("versions", ["x", 1]), ("step", 1e400), ("c_steps", [1]),
+                                          ("next_due", None), ("tokens_trained", 2**70)])
+def test_a_checkpoint_whose_meta_record_is_malformed_is_skipped_not_raised(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, field: str, value: object) -> None:
+    """A file with a valid digest but a crafted meta record (a version that is a string, a step
+    of 1e400, a list of the wrong length) raised KeyError/TypeError/OverflowError out of
+    ``restore`` and the peer failed to start; now it is skipped with the reason and the older
+    checkpoint is used (none: a fresh start)."""
+    import json
+
+    from node.state.checkpoint_load import load_checkpoint
+    from tests.node.state.test_checkpoint import craft
+
+    tcfg = TrainConfig(steps=20)
+    model, opt, island, sampler = _island(tcfg)
+    ckpt = IslandCheckpoints(tmp_path, model, opt, island, sampler.generator)
+    assert ckpt.save()
+    ckpt.wait()
+    tensors, meta = load_checkpoint(ckpt.store.path(0))
+    craft(ckpt.store.path(1), tensors, json.dumps({**meta, "step": 1, field: value}).replace("Infinity", "1e400"))
+    model2, opt2, island2, sampler2 = _island(tcfg)
+    with caplog.at_level("WARNING", logger="node.state.checkpoint"):
+        restored = IslandCheckpoints(tmp_path, model2, opt2, island2, sampler2.generator).restore()
+    assert restored is not None and restored["step"] == 0  # the older, well-formed one
+    assert "skipping checkpoint step 1" in caplog.text and field in caplog.text
