@@ -5,7 +5,8 @@ any peer answers with the versions it fetched.
 
 Long-polls are capped per signing key (two per fragment) and per anonymous address; outside a
 certified swarm (where a key costs nothing) also per address whatever the key, an IPv6 sender at
-its /64, /56 and /48 (``protocol.dht.netgroups.PrefixCounts``), so fresh keys do not buy more.
+its /64, /56 and /48 (``protocol.dht.netgroups.PrefixCounts``), so fresh keys do not buy more
+(loopback excepted: a local swarm's peers all poll from 127.0.0.1).
 The next one gets 429 at once, never a queue.
 
 A ``final`` long-poll waits on events, not a timer: the owner's publication or retirement
@@ -20,6 +21,7 @@ import asyncio
 import collections
 import contextlib
 import functools
+import ipaddress
 import math
 import re
 import time
@@ -62,6 +64,13 @@ MAX_ANONYMOUS_POLLS_PER_IP = 64  # long-polls held at once for requests that nam
 # connections an address may hold (a local swarm's peers all poll from 127.0.0.1)
 MAX_POLLS_PER_ADDRESS = 96
 _AFTER = re.compile(r"-1|[0-9]{1,19}")
+
+
+def _loopback(ip: str) -> bool:
+    try:
+        return ipaddress.ip_address(ip.partition("%")[0]).is_loopback
+    except ValueError:
+        return False
 
 
 class SharedReads:
@@ -217,6 +226,8 @@ class VersionServing:
             raise Busy(f"{self._long_polls[who]} long-polls from {who[:24]} are held already "
                        f"(at most {self._long_poll_cap(who)}: two per fragment); retry later")
         ip = None if self.credentials is not None and self.credentials.certified else (request.remote or "unknown")
+        if ip is not None and _loopback(ip):  # a local swarm: every peer polls from 127.0.0.1
+            ip = None
         full = self._polls_by_address.refusal(ip) if ip is not None else None
         if full is not None:  # a key costs nothing here: fresh keys must not buy more long-polls
             raise Busy(f"long-polls: {full}, whatever keys they name; retry later")
