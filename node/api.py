@@ -135,9 +135,7 @@ class SwarmIsland:
                                                interval=interval_by_lr(optimizer, self.cfg.inner_steps,
                                                                        self.cfg.sync_growth),
                                                rebase=bool(self.cfg.adopt_rebase)))
-            island = self._island
-            evaluator = (CallableEvaluator(model, self.plan, lambda: island.global_flat, validate)
-                         if validate is not None else None)
+            evaluator = CallableEvaluator(model, self.plan, None, validate) if validate is not None else None
             self._node = PeerNode(self.cfg, signer, model, self.plan, host=host, port=port,
                                   public_address=public_address, credentials=credentials, evaluator=evaluator)
         # the other ranks of a torchrun island follow rank 0's adoptions (node.diloco.ranks)

@@ -1,9 +1,13 @@
 """The evaluator behind validated publication (``protocol.diloco.validation`` decides; this measures).
 
 An owner checks a candidate version of its fragment with the rest of the model as its own island
-holds it (every other fragment at the global version the island last adopted): a private copy of
-the island's model, made once, into which the island's global fragments and the candidate are
-copied before each evaluation. Evaluations run on the owner's worker thread (never on the event
+holds it: a private copy of the island's model, made once, into which the island's current
+weights of the other fragments and the candidate are copied before each evaluation. The island's
+*trained* weights, not the global versions it last adopted: learners' work co-adapts with the
+other fragments as they train, and the global versions lag by up to H steps; swapping one fresh
+fragment into the lagging others flagged honest work (3 peers, tiny, 1,500 steps: 7 of 44 checks
+rejected against the global copies, 2 of 41 against the trained ones; docs/security.md). A read
+races the island's optimizer: each value is its old or its new one, both real weights. Evaluations run on the owner's worker thread (never on the event
 loop), one at a time per peer (a lock: a peer owning several fragments shares one copy).
 
 Two evaluators, one interface (``Evaluator``):
@@ -63,21 +67,28 @@ class Evaluator(Protocol):
 class _ModelCopy:
     """A frozen copy of an island's model whose fragments are set from flat vectors."""
 
-    def __init__(self, model: nn.Module, plan: FragmentPlan, held: Callable[[], Sequence[torch.Tensor]]) -> None:
-        """``held``: the island's global fragments (flat fp32, one per fragment), read at each
-        evaluation."""
+    def __init__(self, model: nn.Module, plan: FragmentPlan, held: Callable[[], Sequence[torch.Tensor]] | None) -> None:
+        """``held``: the other fragments (flat fp32, one per fragment), read at each evaluation;
+        None: ``model``'s own parameters as they are then (the island's trained weights)."""
         self.model = copy.deepcopy(model).eval().requires_grad_(False)
         named = dict(self.model.named_parameters())
         self.params = [[named[n] for n in f.names] for f in plan.fragments]
+        live = dict(model.named_parameters())
+        self.live = [[live[n] for n in f.names] for f in plan.fragments]
         self.held = held
         self.lock = threading.Lock()
 
     @torch.no_grad()
     def load(self, fragment: int, theta: torch.Tensor) -> None:
-        """The island's global fragments, and ``theta`` as ``fragment`` (call under ``lock``)."""
-        held = self.held()
+        """The other fragments (``held``'s, or the live model's), and ``theta`` as ``fragment``
+        (call under ``lock``)."""
+        held = self.held() if self.held is not None else None
         for p, params in enumerate(self.params):
-            flat = theta if p == fragment else held[p]
+            if p != fragment and held is None:
+                for param, src in zip(params, self.live[p], strict=True):
+                    param.copy_(src.detach())
+                continue
+            flat = theta if p == fragment or held is None else held[p]  # held is None only for ``fragment`` here
             offset = 0
             for param in params:
                 n = param.numel()
@@ -88,7 +99,7 @@ class _ModelCopy:
 class WindowEvaluator:
     """Cross-entropy per window of a pinned validation slice (see the module docstring)."""
 
-    def __init__(self, model: nn.Module, plan: FragmentPlan, held: Callable[[], Sequence[torch.Tensor]],
+    def __init__(self, model: nn.Module, plan: FragmentPlan, held: Callable[[], Sequence[torch.Tensor]] | None,
                  data: torch.Tensor, *, block_size: int, batch: int = 16) -> None:
         """``data``: the validation slice, uint8 (n,). Raises ``ValueError`` when it is shorter
         than one window."""
@@ -121,7 +132,7 @@ class CallableEvaluator:
 
     pool = 1 << 30  # the windows only number the repeats: the callable draws its own batches
 
-    def __init__(self, model: nn.Module, plan: FragmentPlan, held: Callable[[], Sequence[torch.Tensor]],
+    def __init__(self, model: nn.Module, plan: FragmentPlan, held: Callable[[], Sequence[torch.Tensor]] | None,
                  validate: Callable[[nn.Module], float], *, repeats: int = 4) -> None:
         if repeats < 2:
             raise ValueError(f"validation needs at least 2 repeats to measure noise, got {repeats}")
@@ -209,7 +220,7 @@ def recheck(record: Mapping[str, Any]) -> list[str]:
             for key, value in got.items() if record.get(key) != value]
 
 
-def window_evaluator(model: nn.Module, plan: FragmentPlan, held: Callable[[], Sequence[torch.Tensor]],
+def window_evaluator(model: nn.Module, plan: FragmentPlan, held: Callable[[], Sequence[torch.Tensor]] | None,
                      data: torch.Tensor, *, block_size: int, windows: int) -> WindowEvaluator | None:
     """The built-in workload's evaluator, or None (logged: validation is then off) when ``windows``
     is 0 or the validation slice is too small for a pool far larger than one check."""

@@ -232,8 +232,8 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
 
     # --- validated publication: owners check candidates on the pinned held-out slice ------------
     validation, validation_hash = validation_slice(heldout)  # (m,) uint8; the same bytes on every peer
-    evaluator = window_evaluator(model, plan, lambda: island.global_flat, validation, block_size=gcfg.block_size,
-                                 windows=cfg.validate_windows)
+    evaluator = window_evaluator(model, plan, None, validation, block_size=gcfg.block_size,
+                                 windows=cfg.validate_windows)  # None: the other fragments as the island trains them
 
     # --- the node, on its own thread: join the swarm, sync the global fragments ---------------
     node = PeerNode(cfg, signer, model, plan, host=opts.host, port=opts.port,

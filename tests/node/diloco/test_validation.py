@@ -169,3 +169,23 @@ def test_a_callable_validation_loss_checks_candidates_too() -> None:
     worse = validation.check(0, 1, theta, theta * -4.0, lambda: {A: theta * -4.0})
     assert worse is not None and not worse.verdict.publish and worse.verdict.drop == {A}
     assert worse.record["before"] == [worse.record["before"][0]] * 4  # the repeats of a deterministic loss
+
+
+def test_without_held_fragments_the_others_are_the_islands_trained_weights() -> None:
+    from node.diloco.validation import CallableEvaluator
+    from tests.node.fakes import tiny_model, tiny_plan
+
+    model = tiny_model()
+    plan = tiny_plan(model)
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+
+    def validate(m: torch.nn.Module) -> float:
+        return float(m(x).square().mean())
+
+    evaluator = CallableEvaluator(model, plan, None, validate, repeats=2)
+    theta = flat_of(model, plan, 0)
+    assert evaluator.losses(0, theta, range(2)) == [validate(model)] * 2
+    with torch.no_grad():  # the island trains fragment 1 on: the next check sees it
+        for name in plan.fragments[1].names:
+            dict(model.named_parameters())[name].add_(0.5)
+    assert evaluator.losses(0, theta, range(2)) == [validate(model)] * 2
