@@ -180,7 +180,8 @@ def test_without_held_fragments_the_others_are_the_islands_trained_weights() -> 
     x = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
 
     def validate(m: torch.nn.Module) -> float:
-        return float(m(x).square().mean())
+        with torch.no_grad():
+            return float(m(x).square().mean())
 
     evaluator = CallableEvaluator(model, plan, None, validate, repeats=2)
     theta = flat_of(model, plan, 0)
