@@ -268,6 +268,7 @@ class PeerNode(SwarmPresence, OwnedFragments, OwnerHandoffs, VersionServing):
                          "lease_lapses": self.lease_lapses},
             "bytes_sent": self.transport.bytes_sent, "bytes_received": self.transport.bytes_received,
             "direct_bodies": self.transport.direct_bodies,
+            "connections": self.transport.serve_status(),  # caps, evictions, reply deadlines (issue 48)
             "remote_errors": dict(self.rpc.errors),
             "penalties": self.penalties(),
             # per fragment owned: senders refused for low standing, the lowest scores (issue 47)

@@ -408,6 +408,15 @@ class Transport:
         if gate is not None:
             gate.reply_started(resp.content_length)
 
+    def serve_status(self) -> dict[str, object]:
+        """What the server's limits did: connections open, refused, evicted, cut off, stalled;
+        request bodies and streamed replies in flight, replies refused (for ``/v1/status``)."""
+        c = self.connections
+        return {"open": c.total, "refused": c.refused, "evicted": c.evicted, "head_timeouts": c.head_timeouts,
+                "handshakes_failed": c.handshakes_failed, "reply_timeouts": c.reply_timeouts,
+                "stalled_replies": c.stalled, "bodies_in_flight": self.bodies_in_flight.total(),
+                "replies_in_flight": self.replies_in_flight.total(), "replies_refused": self.replies_refused}
+
     def hang_up(self, request: web.Request) -> None:
         """Close ``request``'s connection after its reply: its body is left unread, not drained."""
         self._hang_up.add(id(request))

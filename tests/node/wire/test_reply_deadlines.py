@@ -127,6 +127,9 @@ async def test_a_client_that_never_reads_is_cut_off_at_the_write_idle_deadline()
         assert 0.9 < took < 3.0, took
         assert t.connections.reply_timeouts == 1
         await until(lambda: not t.replies_in_flight)  # the route saw the cut and ended
+        assert t.serve_status() == {"open": 0, "refused": 0, "evicted": 0, "head_timeouts": 0,
+                                    "handshakes_failed": 0, "reply_timeouts": 1, "stalled_replies": 0,
+                                    "bodies_in_flight": 0, "replies_in_flight": 0, "replies_refused": 0}
         got = await drained(sock)  # what the kernel held, then the cut
         assert got < server.sealed.size
         sock.close()
