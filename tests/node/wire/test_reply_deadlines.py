@@ -124,7 +124,7 @@ async def test_a_client_that_never_reads_is_cut_off_at_the_write_idle_deadline()
         await until(lambda: t.connections.stalled == 1)
         await until(lambda: t.connections.total == 0, timeout_s=5.0)
         took = time.perf_counter() - start
-        assert 0.9 < took < 3.0, took
+        assert 0.9 < took < 5.0, took
         assert t.connections.reply_timeouts == 1
         await until(lambda: not t.replies_in_flight)  # the route saw the cut and ended
         assert t.serve_status() == {"open": 0, "refused": 0, "evicted": 0, "head_timeouts": 0,
@@ -146,18 +146,18 @@ async def test_a_trickling_reader_is_cut_off_at_the_reply_deadline() -> None:
         got = await drained(sock, pause_s=0.1)
         took = time.perf_counter() - start
         sock.close()
-        assert got < server.sealed.size and 0.9 < took < 3.0, (got, took)
+        assert got < server.sealed.size and 0.9 < took < 5.0, (got, took)
         assert t.connections.reply_timeouts == 1
 
 
 async def test_an_honest_reader_and_a_kept_alive_connection_are_untouched() -> None:
-    limits = ServeLimits(reply_timeout_s=0.5, reply_slack_s_per_mib=0.5, reply_idle_s=0.5)
+    limits = ServeLimits(reply_timeout_s=1.0, reply_slack_s_per_mib=0.5, reply_idle_s=2.0)
     async with serving(limits) as server:
         t = server.t
         async with aiohttp.ClientSession() as s:
             async with s.get(t.url + "/fragment") as r:
                 assert r.status == 200 and len(await r.read()) == server.sealed.size
-            await asyncio.sleep(1.5)  # past every reply deadline: the connection is idle, not cut
+            await asyncio.sleep(2.5)  # past the reply's deadline (2 s): the connection is idle, not cut
             async with s.get(t.url + "/fragment") as r:
                 assert r.status == 200 and len(await r.read()) == server.sealed.size
         assert t.connections.reply_timeouts == 0 and t.connections.evicted == 0
