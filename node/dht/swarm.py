@@ -189,16 +189,17 @@ class SwarmCredentials:
 
     async def _on_post(self, request: web.Request) -> web.Response:
         """Everything a post can be refused for is checked before its body is read (see the
-        module docstring); the body is then read, hashed against the signed hash and parsed."""
+        module docstring); the body is then read, hashed against the signed hash and parsed.
+        The connection closes after the reply: a refused body is not drained."""
+        assert self._transport is not None
+        self._transport.hang_up(request)
         if not self._publishes.allow(address_key(request.remote or "unknown"), self.clock()):  # IPv6 by its /64
             raise Busy("too many manifest posts from this address; retry in a few seconds")
         length = request.content_length
         if length is None or length > MAX_MANIFEST_BYTES:
             raise Oversize(f"a manifest post needs a Content-Length of at most {MAX_MANIFEST_BYTES} bytes")
-        assert self._transport is not None
         signed = self._post_signature(request)
         if signed is not None and signed[0] <= self.manifest.version:  # a replayed older post: not read
-            self._transport.hang_up(request)
             return self._answer(False)
         buf, used = await self._transport.read_request(request, MAX_MANIFEST_BYTES)
         try:
