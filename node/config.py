@@ -374,6 +374,10 @@ _HELP = {
                      "each version to this many learners and points the others at them, so an owner's "
                      "upload per version stays bounded however many learners there are (0: owners "
                      "serve every learner themselves)",
+    "validate_windows": "validated publication: windows of the pinned validation set an owner evaluates each "
+                        "candidate version on before publishing it; one that raises the loss beyond the windows' "
+                        "noise is not published, and the contributions that hurt alone are dropped (0: off)",
+    "validate_every": "validated publication: check a random one in this many merges (1: every merge)",
     "owner_fanout": "with versions spreading: the learners an owner uploads each version to itself before it "
                     "points the others at holders (its replica handoff is one more upload)",
     "owner_max_uploads": "with versions spreading: the most an owner uploads of one version to learners, for "
@@ -383,10 +387,6 @@ _HELP = {
     "eval_every": "inner steps between held-out evaluations",
     "eval_batches": "held-out batches per evaluation",
     "overlap_block": "measure overlap: alternate blocks of N steps trained alone and in the swarm (0: off)",
-    "validate_windows": "validated publication: windows of the pinned validation set an owner evaluates each "
-                        "candidate version on before publishing it; one that raises the loss beyond the windows' "
-                        "noise is not published, and the contributions that hurt alone are dropped (0: off)",
-    "validate_every": "validated publication: check a random one in this many merges (1: every merge)",
     "baseline_lr": "peak learning rate of --baseline's data-parallel run (0: the islands' --lr); its batch is "
                    "peers x --batch-size, which usually wants a higher lr: tune it, or the comparison flatters the swarm",
     "link": "emulated link for every peer, e.g. latency=50ms,bandwidth=10mbit,drop=0.01",
