@@ -209,6 +209,10 @@ class PeerNode(SwarmPresence, OwnedFragments, OwnerHandoffs, VersionServing):
         if self.announce_versions:
             emit("published", fragment=fragment, version=version, digest=digest.hex()[:32])
 
+    def _handoff_taken(self, fragment: int, version: int, digest: bytes) -> None:
+        if self.announce_versions:  # a launcher checks that no forged state was taken
+            emit("handoff_taken", fragment=fragment, version=version, digest=digest.hex()[:32])
+
     status_max_age_s = 1.0  # /v1/status is computed at most this often (as the board is)
     _status_cache: tuple[float, bytes] | None = None  # (when, JSON)
 

@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import aiohttp
@@ -76,7 +77,8 @@ class OwnerHandoffs:
     _passed_on: set[tuple[int, bytes, int]]
     _fenced_until: dict[int, float]
     _last_owner: dict[int, bytes]
-    announce_versions: bool  # under a launcher: every handoff taken is announced (``handoff_taken``)
+    # every handoff taken is told to the peer, which announces it under a launcher (``handoff_taken``)
+    _handoff_taken: Callable[[int, int, bytes], None]
     record_published_at: float | None  # monotonic: when our member record was last stored (from before the store)
     lease_lapses: int  # versions not published because our record may have expired in others' views
 
@@ -277,10 +279,8 @@ class OwnerHandoffs:
         own = self.owners.get(msg.fragment)
         ack = self.replicas.offer(opened.peer_id, msg, successor=own is not None and not own.retired,
                                   decoded=decoded, hashed=self.replicas.hashes_to_digest(msg, opened.blobs_digest))
-        if ack.accepted and self.announce_versions:  # a launcher checks that none was forged
-            from node.peer import emit  # (node.peer imports this module)
-
-            emit("handoff_taken", fragment=msg.fragment, version=msg.version, digest=msg.digest.hex()[:32])
+        if ack.accepted:
+            self._handoff_taken(msg.fragment, msg.version, msg.digest)
         if ack.accepted and own is not None and not own.retired:
             # a retiring owner's newer state: an owner that has not merged yet starts from it; one
             # that has merged was superseded by an owner above it in epoch and version
