@@ -20,8 +20,9 @@ after it retires it refuses a second content for any of them.
 handed itself every fragment). A handoff for fragment p is taken only from the peer this peer's
 view (or its last ownership pass, or the owner it took p from) names as p's owner, or from p's
 immediate predecessor (who would own p without this peer: a replica's primary, or the owner a
-successor displaces). Only an owner may raise the epoch by more than one, hand a version this
-peer does not know to exist, supersede an owner that has merged, or declare a version final; no
+successor displaces). Only an owner may raise the epoch by more than one, hand a version more
+than ``PREDECESSOR_LEAD`` past the newest this peer knows, supersede an owner that has merged, or
+declare a version final; no
 one may hand a version above what the rounds since allow (``versions.version_jump_reason``), and
 the bases of its merged work are clamped below the handed version.
 """
@@ -32,7 +33,13 @@ from dataclasses import dataclass
 
 from protocol.diloco.versions import MAX_ROUNDS_PER_S, version_jump_reason
 
-__all__ = ["Admission", "HandoffView", "Held", "Judgement", "admit", "judge"]
+__all__ = ["PREDECESSOR_LEAD", "Admission", "HandoffView", "Held", "Judgement", "admit", "judge"]
+
+# A predecessor's handoff may be this many versions past the newest known here: an owner that has
+# not yet seen its successor hands it the version it merged next, before publishing it (a joiner
+# that synced version v and owns p at once is handed v + 1 by the owner it displaces); refusing
+# that split a late joiner's swarm in two (two contents of v + 1, and the successor fenced).
+PREDECESSOR_LEAD = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,10 +139,11 @@ def admit(sender: bytes, view: HandoffView, held: Held | None, *, fragment: int,
                                max_rounds_per_s=max_rounds_per_s)
     if jump is not None:
         return Admission(False, "version-jump", f"refused: fragment {p}: {jump}")
-    if not is_owner and version > known_version:
+    if not is_owner and version > known_version + PREDECESSOR_LEAD:
         return Admission(False, "ahead-of-known",
                          f"refused: fragment {p} version {version} is not known here (newest {known_version}); "
-                         f"only its owner hands over a version not yet published")
+                         f"a predecessor hands over at most {PREDECESSOR_LEAD} versions beyond it, only the "
+                         f"owner more")
     if view.merged and not is_owner:
         return Admission(False, "owner-merged",
                          f"refused: this peer owns fragment {p} and has merged; only an owner in its view "

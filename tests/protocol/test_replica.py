@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from protocol.diloco.replica import HandoffView, Held, admit, judge
+from protocol.diloco.replica import PREDECESSOR_LEAD, HandoffView, Held, admit, judge
 
 D1, D2 = b"\x01" * 32, b"\x02" * 32
 
@@ -82,7 +82,9 @@ def test_only_the_owner_raises_the_epoch_past_held_plus_one_or_hands_an_unknown_
     forged = _admit(PRED, view, epoch=2**62)
     assert not forged.accepted and forged.kind == "epoch-jump"
     assert _admit(PRED, view, epoch=4, version=10).accepted  # held + 1, a version known here
-    ahead = _admit(PRED, view, epoch=4, version=11)
+    # the version its successor has not seen yet, merged before it saw the successor: taken
+    assert _admit(PRED, view, epoch=4, version=10 + PREDECESSOR_LEAD).accepted
+    ahead = _admit(PRED, view, epoch=4, version=11 + PREDECESSOR_LEAD)
     assert not ahead.accepted and ahead.kind == "ahead-of-known"
     owner_view = HandoffView(me=ME, owners=frozenset({OWNER}), predecessor=OWNER)
     assert _admit(OWNER, owner_view, epoch=2**62, version=11).accepted  # a takeover far above: the owner's

@@ -21,6 +21,7 @@ from node.diloco.flat import flat_digest
 from node.diloco.handoffs import _FencedBy
 from node.diloco.replica import NOT_A_MEMBER, NotAMemberThere, encode_state, hand_over
 from node.peer import PeerNode
+from protocol.diloco.replica import PREDECESSOR_LEAD
 from protocol.errors import RemoteProtocolError
 from protocol.wire.codec import encode
 from protocol.wire.messages import ReplicaAck, ReplicaState
@@ -82,13 +83,14 @@ async def test_a_certified_owner_that_neither_owns_nor_precedes_a_fragment_canno
     assert ok.accepted, ok.reason
 
 
-async def test_a_predecessor_may_not_jump_the_epoch_hand_a_new_version_or_declare_it_final() -> None:
+async def test_a_predecessor_may_not_jump_the_epoch_hand_a_version_far_ahead_or_declare_it_final() -> None:
     node = _peer([ME.peer_id, ATTACKER.peer_id, OWNER.peer_id])  # we own; the attacker ranks next
     n = node.replicas.numels[0]
     theta0 = torch.zeros(n)
     node.replicas.fence(0, 0, 0, flat_digest(theta0))  # as starting to own at version 0 does
     assert not (await _offer(node, ATTACKER, _forged(node))).accepted  # epoch 2^62
-    assert not (await _offer(node, ATTACKER, _forged(node, epoch=1))).accepted  # version 1: not known here
+    far = PREDECESSOR_LEAD + 1  # a version further past ours than a displaced owner can have merged
+    assert not (await _offer(node, ATTACKER, _forged(node, epoch=1, version=far))).accepted
     assert node.replicas.status()["handoff_refusals"] == {"epoch-jump": 1, "ahead-of-known": 1}
     assert node.replicas.held[0].version == 0 and 0 not in node.replicas.states
 
