@@ -10,7 +10,8 @@ with ``--worst-seeds`` - 1 more seeds, each beside a clean run of the same seed.
 and, last, JSON: per run the global model's final eval loss and its ratio to the clean run's of
 the same seed, what the owners did to the attackers' contributions (the report's ``penalties``:
 clipped, hurt, refused_...), the attackers' standing against the honest learners' (the lowest
-score any owner holds for each key at the end, ``protocol.diloco.standing``), and what validated
+score any owner holds for each key at the end, ``protocol.diloco.standing``), how often honest
+work was dropped as hurtful (``honest_hurt``: validation's false positives), and what validated
 publication checked and cost. The clean run is measured in the same invocation, so the ratios
 hold on a noisy machine; the swarm's own run-to-run noise is in ``clean_repeat``.
 """
@@ -57,6 +58,8 @@ def run(args: argparse.Namespace, attackers: list[int], kind: str | None, workdi
             "attacker_standing": {str(p["index"]): p.get("standing") for p in peers if p["index"] in bad},
             "honest_standing_min": min(honest) if honest else None,
             "honest_standing_median": statistics.median(honest) if honest else None,
+            # validation's false positives: honest work scored alone and dropped as hurtful
+            "honest_hurt": sum(int(p.get("penalties", {}).get("hurt", 0)) for p in peers if p["index"] not in bad),
             "validation": {"checks": sum(c.get("checks", 0) for c in checks),
                            "rejected": sum(c.get("rejected", 0) for c in checks),
                            "seconds": round(sum(c.get("seconds", 0.0) for c in checks), 2)}}
@@ -113,8 +116,8 @@ def main() -> None:
         rows.append(repeat)
     for row in rows:
         row["attackers_below_honest"] = _below_honest(row)
-    print(f"{'run':16} {'attack':16} {'seed':>4} {'eval loss':>9} {'vs clean':>8} {'standing':>17}  "
-          "attackers' contributions")
+    print(f"{'run':16} {'attack':16} {'seed':>4} {'eval loss':>9} {'vs clean':>8} {'standing':>17} "
+          f"{'honest hurt':>11}  attackers' contributions")
     for row in rows:
         att = [s for s in row["attacker_standing"].values() if s is not None]
         standing = (f"{min(att):.2f} vs {row['honest_standing_min']:.2f}"
@@ -122,7 +125,7 @@ def main() -> None:
         pens = "; ".join(f"{i}: " + ", ".join(f"{k} {v}" for k, v in p.items())
                          for i, p in row["attacker_penalties"].items())
         print(f"{row['run']:16} {row['attack']:16} {row['seed']:4d} {row['eval_loss_end']:9.3f} "
-              f"{row['vs_clean']:8.3f} {standing:>17}  {pens}")
+              f"{row['vs_clean']:8.3f} {standing:>17} {row['honest_hurt']:11d}  {pens}")
     print(json.dumps({"peers": args.peers, "steps": args.steps, "model": args.model, "quorum": args.quorum,
                       "aggregate": args.aggregate, "validate_windows": args.validate_windows,
                       "attacker": args.attacker, "colluders": colluders,

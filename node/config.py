@@ -375,8 +375,9 @@ _HELP = {
                      "upload per version stays bounded however many learners there are (0: owners "
                      "serve every learner themselves)",
     "validate_windows": "validated publication: windows of the pinned validation set an owner evaluates each "
-                        "candidate version on before publishing it; one that raises the loss beyond the windows' "
-                        "noise is not published, and the contributions that hurt alone are dropped (0: off)",
+                        "candidate version on before publishing it; one that does not lower the loss beyond the "
+                        "windows' noise has each contribution scored alone, and those that hurt are dropped; "
+                        "one that raises it is not published (0: off)",
     "validate_every": "validated publication: check a random one in this many merges (1: every merge)",
     "owner_fanout": "with versions spreading: the learners an owner uploads each version to itself before it "
                     "points the others at holders (its replica handoff is one more upload)",

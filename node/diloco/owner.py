@@ -95,6 +95,7 @@ class _Next:
     residual: torch.Tensor | None = None  # and the error feedback it leaves
     state_update: ReplicaState | None = None  # ``state`` as that update (no momentum only)
     theta_digest: bytes | None = None  # BLAKE3 of ``state``'s blobs (fp32 theta, no momentum), when known
+    helped: frozenset[bytes] = frozenset()  # validation scored their work alone: it lowered the loss
 
 
 @dataclass
@@ -415,6 +416,9 @@ class FragmentOwner(ContributionIntake, VersionSealing, OwnerSuccession):
             counts["clipped"] += int(e.clip < e.work_scale)  # the norm clip bit (clip is it times work_scale)
             counts["work_capped"] += int(e.work_scale < 1.0)  # covered more than max_work_steps
             counts["late"] += int(e.staleness > 0)  # its round had closed: carried to this one
+        for peer in nxt.helped:  # first: the version's one credit is the larger one
+            self.penalties[peer]["helped"] += 1
+            self.standing.record(peer, Event.HELPED, version=self.version)
         self._note_standing(decision)
         log.info("fragment %d: published version %d (%s)", self.fragment.index, self.version, decision.reason)
         async with self._changed:
@@ -434,8 +438,9 @@ class FragmentOwner(ContributionIntake, VersionSealing, OwnerSuccession):
         if self.update_codec is not None:  # publish what learners compute from the update
             tensors, theta, residual = encode_update(theta, self.theta, self.residual, self.shapes,
                                                      self.update_codec, block_size=self.block_size)
+        helped: frozenset[bytes] = frozenset()
         if self.validation is not None:  # before anything is sealed: a rejected candidate leaves no trace
-            self._validate(version, theta, peers, deltas, weights, clips, scale, norms, aggregate)
+            helped = self._validate(version, theta, peers, deltas, weights, clips, scale, norms, aggregate)
         checked = tensors is None  # _outer checked theta and buffer; an update's result is checked when sealed
         latest, digest, message_digest = self._seal_state(version, theta, known_finite=checked)
         state = (self._replica_state(version, digest, theta, buffer, merged, known_finite=checked, carry=carry)
@@ -443,20 +448,21 @@ class FragmentOwner(ContributionIntake, VersionSealing, OwnerSuccession):
         # an fp32 version's state digest is its bytes' BLAKE3, the handoff's blobs when there is no momentum
         theta_digest = digest if self.download_codec == "none" and buffer is None else None
         if tensors is None:
-            return _Next(theta, buffer, latest, digest, message_digest, state, theta_digest=theta_digest)
+            return _Next(theta, buffer, latest, digest, message_digest, state, theta_digest=theta_digest, helped=helped)
         update = self._seal_update(version, tensors, digest)
         base_digest = self.digest_of(version - 1)
         state_update = (dataclasses.replace(state, theta=tuple(tensors), momentum=(), base_version=version - 1,
                                             base_digest=base_digest)
                         if state is not None and buffer is None else None)
         return _Next(theta, buffer, latest, digest, message_digest, state, update, residual, state_update,
-                     theta_digest)
+                     theta_digest, helped)
 
     def _validate(self, version: int, theta: torch.Tensor, peers: list[bytes], deltas: list[torch.Tensor],
                   weights: list[float], clips: list[float], scale: float, norms: Sequence[float | None] | None,
-                  aggregate: str | None) -> None:
-        """Check the candidate ``theta`` (``node.diloco.validation``); log the check. Raises
-        ``Rejected`` when it is not to be published."""
+                  aggregate: str | None) -> frozenset[bytes]:
+        """Check the candidate ``theta`` (``node.diloco.validation``); log the check. Returns the
+        senders whose work, scored alone, lowered the loss; raises ``Rejected`` when it is not to be
+        published."""
         assert self.validation is not None
 
         def alone() -> dict[bytes, torch.Tensor]:  # per sender, the outer step over its work only
@@ -471,7 +477,7 @@ class FragmentOwner(ContributionIntake, VersionSealing, OwnerSuccession):
 
         check = self.validation.check(self.fragment.index, version, self.theta, theta, alone)
         if check is None:
-            return
+            return frozenset()
         self.counts.checks += 1
         self.counts.rejected += int(not check.verdict.publish)
         self.counts.check_seconds += check.seconds
@@ -480,6 +486,7 @@ class FragmentOwner(ContributionIntake, VersionSealing, OwnerSuccession):
         verdict = check.verdict
         if not verdict.publish:
             raise Rejected(verdict.reason, verdict.drop, verdict.helped, whole=verdict.whole)
+        return verdict.helped
 
     def _rejected(self, exc: Rejected) -> None:
         """Count a rejected candidate against the senders it names (and for those that helped)."""

@@ -174,7 +174,8 @@ class OwnerValidation:
               alone: Callable[[], Mapping[bytes, torch.Tensor]]) -> Check | None:
         """Check ``candidate`` (to be published as ``version``) against ``current``; ``alone``
         gives, per sender, the candidate with only its work applied (asked for only when the
-        candidate hurts). None when this merge is not one of those checked (``config.every``)."""
+        candidate does not improve beyond noise: ``protocol.diloco.validation.judge``). None when
+        this merge is not one of those checked (``config.every``)."""
         if not (self._recheck or self.config.every == 1 or self.rng.random() * self.config.every < 1.0):
             return None
         t0 = self.clock()
@@ -185,7 +186,10 @@ class OwnerValidation:
         verdict = judge(before, after, None, self.config)
         scored: dict[bytes, list[float]] | None = None
         if not verdict.publish:
-            scored = {peer: self.evaluator.losses(fragment, theta, windows) for peer, theta in alone().items()}
+            thetas = alone()
+            # one sender's work alone is the candidate: its losses are measured already
+            scored = ({peer: after for peer in thetas} if len(thetas) == 1 else
+                      {peer: self.evaluator.losses(fragment, theta, windows) for peer, theta in thetas.items()})
             verdict = judge(before, after, scored, self.config)
         seconds = self.clock() - t0
         self.checks += 1
@@ -206,7 +210,8 @@ def recheck(record: Mapping[str, Any]) -> list[str]:
     its seed, its verdict from its losses (``atoll replay``). Raises ``ValueError`` for a record
     an owner does not write."""
     try:
-        config = ValidationConfig(**record["config"])
+        # a record from before ``rule`` was logged was judged by rule 1
+        config = ValidationConfig(**{"rule": 1, **record["config"]})
         windows = draw_windows(int(record["pool"]), config.windows, int(record["seed"]))
         before, after = [float(x) for x in record["before"]], [float(x) for x in record["candidate"]]
         alone = record["alone"]

@@ -103,6 +103,43 @@ def test_honest_rounds_publish(seed: int, honest: int) -> None:
     assert verdict.publish and not verdict.drop, verdict.reason
 
 
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32), pairs=st.integers(1, 3), strength=st.floats(1.0, 3.0))
+def test_colluders_who_cancel_the_honest_work_are_scored_and_dropped(seed: int, pairs: int,
+                                                                     strength: float) -> None:
+    """Each colluder sends minus ``strength`` times one honest learner's step, so that the round's
+    candidate barely moves: it does not raise the loss, which let them through when only a
+    hurtful candidate was scored; a flat one is scored too, and every colluder hurts alone."""
+    start, targets = _problem(seed)
+    rng = random.Random(seed)
+    windows = draw_windows(len(targets), CFG.windows, draw_seed(rng))
+    honest = {bytes([i]): [-x * rng.uniform(0.3, 0.6) for x in start] for i in range(pairs)}
+    bad = {bytes([0xF0 + i]): [-strength * x for x in step] for i, step in enumerate(honest.values())}
+    before = _losses(start, targets, windows)
+    # the normed mean takes each contribution as a unit direction at the median norm: the
+    # colluders' directions cancel the honest ones whatever their own norm
+    at_honest_norm = [[x / strength for x in step] for step in bad.values()]
+    candidate = _losses(_apply(start, *honest.values(), *at_honest_norm), targets, windows)
+    overall = compare(before, candidate, CFG)
+    assert not overall.hurts and not overall.rise < -overall.margin  # flat: the old rule published it
+    assert judge(before, candidate, None, ValidationConfig(windows=16, rule=1)).publish
+    first = judge(before, candidate, None, CFG)
+    assert not first.publish and not first.drop and "does not lower the loss" in first.reason
+    alone = {p: _losses(_apply(start, s), targets, windows) for p, s in {**honest, **bad}.items()}
+    verdict = judge(before, candidate, alone, CFG)
+    assert not verdict.publish and verdict.drop == set(bad) and verdict.helped == set(honest)
+
+
+def test_a_flat_candidate_none_of_whose_work_hurts_is_published() -> None:
+    before = [1.0 + 0.01 * i for i in range(16)]
+    flat = [b + (0.001 if i % 2 else -0.001) for i, b in enumerate(before)]
+    first = judge(before, flat, None, CFG)
+    assert not first.publish and not first.drop  # the owner scores each contribution
+    better = [b - 0.05 for b in before]
+    second = judge(before, flat, {b"a": better, b"b": flat}, CFG)
+    assert second.publish and not second.drop and second.helped == {b"a"} and not second.whole
+
+
 def test_a_hurtful_candidate_asks_for_scores_then_drops_the_round_when_none_hurts_alone() -> None:
     before = [1.0 + 0.01 * i for i in range(16)]
     worse = [b + 0.2 for b in before]

@@ -19,7 +19,7 @@ from node.workload.model import GPT, GPTConfig
 from protocol.diloco.fragments import plan_fragments
 from protocol.diloco.merge import MergeConfig
 from protocol.diloco.outer import OuterConfig
-from protocol.diloco.validation import ValidationConfig
+from protocol.diloco.validation import ValidationConfig, draw_windows, judge
 from tests.node.fakes import SWARM, FakeClock, contribution, flat_of, signer
 
 A, B, C, D = (bytes([b]) * 32 for b in (0xA1, 0xB2, 0xC3, 0xD4))
@@ -130,6 +130,51 @@ async def test_validation_catches_what_clipping_let_through(world, tmp_path: Pat
     assert _loss(evaluator, owner.theta) < start
     result = replay(tmp_path / "log.jsonl")
     assert result.validations == 2 and result.mismatches == []
+
+
+async def test_colluders_who_cancel_the_honest_work_are_dropped(world, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Two honest learners and two colluders sending their sign flips: the candidate barely moves,
+    so it does not raise the loss, and when only a hurtful candidate was scored the colluders were
+    merged (and credited) for a round that made no progress. A candidate that does not improve
+    beyond noise is scored too: both are dropped, and the retry publishes the honest work alone."""
+    model, plan, shapes, evaluator, (d1, d2) = world
+    start = _loss(evaluator, flat_of(model, plan, 0))
+    sends = [(A, d1), (B, d2), (C, -d1), (D, -d2)]
+
+    before = OwnerValidation(evaluator, ValidationConfig(windows=16, rule=1), rng=random.Random(3))
+    lax = _owner(plan, shapes, model, FakeClock(), before, quorum=4)
+    await _round(lax, shapes, sends)
+    assert lax.version == 1 and lax.counts.rejected == 0 and lax.penalties[C]["merged"] == 1
+    assert abs(_loss(evaluator, lax.theta) - start) < 0.002 * start  # a version that went nowhere
+
+    clock = FakeClock()
+    validation = OwnerValidation(evaluator, ValidationConfig(windows=16), rng=random.Random(3))
+    owner = _owner(plan, shapes, model, clock, validation, event_log=tmp_path / "log.jsonl", quorum=1)
+    await _round(owner, shapes, sends)
+    assert owner.version == 0 and owner.penalties[C]["hurt"] == owner.penalties[D]["hurt"] == 1
+    assert owner.penalties[A]["hurt"] == owner.penalties[B]["hurt"] == 0
+    assert max(owner.standing.score(p, version=0) for p in (C, D)) < 0 < min(
+        owner.standing.score(p, version=0) for p in (A, B))
+    clock.advance(5.0)  # the merger retries the rest after retry_s
+    await owner.tick()
+    assert owner.version == 1 and owner.penalties[C]["merged"] == owner.penalties[D]["merged"] == 0
+    assert _loss(evaluator, owner.theta) < start
+    result = replay(tmp_path / "log.jsonl")
+    assert result.validations == 2 and result.mismatches == []
+
+
+def test_a_check_logged_before_flat_candidates_were_scored_replays_as_it_was() -> None:
+    """A record without ``rule`` (an owner before it published a flat candidate unscored)
+    recomputes to what it logged, while the same record under the new rule would not."""
+    before = [2.0 + 0.01 * i for i in range(16)]
+    flat = [b + (0.001 if i % 2 else -0.001) for i, b in enumerate(before)]
+    old = {"windows": 16, "every": 1, "z": 3.0, "min_rise": 0.002}
+    verdict = judge(before, flat, None, ValidationConfig(**old, rule=1))
+    record = {"kind": "validation", "version": 1, "seed": 5, "pool": 4096, "windows": list(draw_windows(4096, 16, 5)),
+              "data": "x", "config": old, "before": before, "candidate": flat, "alone": None, "publish": True,
+              "drop": [], "helped": [], "reason": verdict.reason}
+    assert verdict.publish and recheck(record) == []
+    assert recheck({**record, "config": {**old, "rule": 2}})  # the new rule would have scored it
 
 
 async def test_replay_finds_an_edited_check(world, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
