@@ -44,9 +44,13 @@ async def _hello(_request: web.Request) -> web.Response:
     return web.Response(text="ok")
 
 
-async def _server(manifest: SwarmManifest | None, who: Signer, cert: Certificate | None) -> Transport:
+async def _server(
+    manifest: SwarmManifest | None, who: Signer, cert: Certificate | None
+) -> Transport:
     cred = SwarmCredentials(manifest, who, cert) if manifest is not None else None
-    t = Transport("127.0.0.1", 0, tls=server_context(who) if cred is not None and cred.certified else None)
+    t = Transport(
+        "127.0.0.1", 0, tls=server_context(who) if cred is not None and cred.certified else None
+    )
     if cred is not None:
         cred.install(t)
     t.app.router.add_get("/v1/hello", _hello)
@@ -54,14 +58,27 @@ async def _server(manifest: SwarmManifest | None, who: Signer, cert: Certificate
     return t
 
 
-async def _client(manifest: SwarmManifest | None, who: Signer, cert: Certificate | None,
-                  pin: bytes | None, server: Transport, server_id: bytes) -> Transport:
+async def _client(
+    manifest: SwarmManifest | None,
+    who: Signer,
+    cert: Certificate | None,
+    pin: bytes | None,
+    server: Transport,
+    server_id: bytes,
+) -> Transport:
     t = Transport("127.0.0.1", 0)
     t.recipient_of = lambda _url: server_id  # headers name the server: good there only
     if manifest is not None:
         header = cert.to_header() if cert is not None else ""
-        t.authenticate = lambda method, url, to: request_headers(who, header, swarm=manifest.swarm_id, method=method,
-                                                                 url=url, now=time.time(), recipient=to)
+        t.authenticate = lambda method, url, to: request_headers(
+            who,
+            header,
+            swarm=manifest.swarm_id,
+            method=method,
+            url=url,
+            now=time.time(),
+            recipient=to,
+        )
     if pin is not None:
         t.pins[server.url] = pin
     await t.start()
@@ -86,13 +103,20 @@ async def run(requests: int, concurrency: int, repeats: int) -> dict[str, Any]:
     now = time.time()
     swarms = {}
     for admission in ("open", "certified"):
-        unsigned = SwarmManifest(name=f"bench-{admission}", founder=founder.public_key, admission=admission,
-                                 created=now)
+        unsigned = SwarmManifest(
+            name=f"bench-{admission}", founder=founder.public_key, admission=admission, created=now
+        )
         swarms[admission] = unsigned.with_authority("lab", lab.public_key).signed(founder)
 
     def cert(m: SwarmManifest, who: Signer) -> Certificate:
-        return Certificate.issue(lab, manifest=m, subject=who.public_key, roles=("learner", "owner"),
-                                 not_before=now - 60, not_after=now + 3600)
+        return Certificate.issue(
+            lab,
+            manifest=m,
+            subject=who.public_key,
+            roles=("learner", "owner"),
+            not_before=now - 60,
+            not_after=now + 3600,
+        )
 
     srv_key, cli_key = _key(), _key()
     setups: dict[str, tuple[SwarmManifest | None, Certificate | None, bool, int]] = {
@@ -111,20 +135,33 @@ async def run(requests: int, concurrency: int, repeats: int) -> dict[str, Any]:
             transports += [server, client]
             url = server.url + "/v1/hello"
             await _rate(client, url, concurrency, concurrency, expect)  # warm the connections
-            rates[name] = max([await _rate(client, url, requests, concurrency, expect) for _ in range(repeats)])
-            print(f"{name:10} {rates[name]:8.0f} requests/s  ({rates[name] / rates['plain']:.2f}x plain)",
-                  file=sys.stderr)
+            rates[name] = max(
+                [await _rate(client, url, requests, concurrency, expect) for _ in range(repeats)]
+            )
+            print(
+                f"{name:10} {rates[name]:8.0f} requests/s  ({rates[name] / rates['plain']:.2f}x plain)",
+                file=sys.stderr,
+            )
     finally:
         for t in transports:
             await t.close()
-    return {"bench": "admission", "requests": requests, "concurrency": concurrency, "repeats": repeats,
-            "requests_per_s": {k: round(v, 1) for k, v in rates.items()},
-            "ratio_to_plain": {k: round(v / rates["plain"], 3) for k, v in rates.items()},
-            "per_request_overhead_ms": {k: round(1000 / v - 1000 / rates["plain"], 3) for k, v in rates.items()}}
+    return {
+        "bench": "admission",
+        "requests": requests,
+        "concurrency": concurrency,
+        "repeats": repeats,
+        "requests_per_s": {k: round(v, 1) for k, v in rates.items()},
+        "ratio_to_plain": {k: round(v / rates["plain"], 3) for k, v in rates.items()},
+        "per_request_overhead_ms": {
+            k: round(1000 / v - 1000 / rates["plain"], 3) for k, v in rates.items()
+        },
+    }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)

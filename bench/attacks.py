@@ -32,15 +32,46 @@ from node.config import RunConfig
 KINDS = "scale=1000,random=10,signflip=3,stale,lie-tokens=1000,alie,ipm,steps"
 
 
-def run(args: argparse.Namespace, attackers: list[int], kind: str | None, workdir: Path, name: str,
-        seed: int = 0) -> dict[str, Any]:
+def run(
+    args: argparse.Namespace,
+    attackers: list[int],
+    kind: str | None,
+    workdir: Path,
+    name: str,
+    seed: int = 0,
+) -> dict[str, Any]:
     report = workdir / f"{name}.json"
-    cmd = [sys.executable, "-m", "node", "local", "--quiet", "--report", str(report),
-           "--model", args.model, "--peers", str(args.peers), "--steps", str(args.steps),
-           "--fragments", str(args.fragments), "--inner-steps", str(args.inner_steps),
-           "--corpus-max-bytes", str(args.corpus_max_bytes), "--eval-every", str(args.steps),
-           "--quorum", str(args.quorum), "--aggregate", args.aggregate, "--seed", str(seed),
-           "--validate-windows", str(args.validate_windows)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "node",
+        "local",
+        "--quiet",
+        "--report",
+        str(report),
+        "--model",
+        args.model,
+        "--peers",
+        str(args.peers),
+        "--steps",
+        str(args.steps),
+        "--fragments",
+        str(args.fragments),
+        "--inner-steps",
+        str(args.inner_steps),
+        "--corpus-max-bytes",
+        str(args.corpus_max_bytes),
+        "--eval-every",
+        str(args.steps),
+        "--quorum",
+        str(args.quorum),
+        "--aggregate",
+        args.aggregate,
+        "--seed",
+        str(seed),
+        "--validate-windows",
+        str(args.validate_windows),
+    ]
     for peer in attackers if kind else []:
         cmd += ["--attack", f"{peer}:{kind}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
@@ -49,20 +80,36 @@ def run(args: argparse.Namespace, attackers: list[int], kind: str | None, workdi
     data = json.loads(report.read_text())
     bad = set(attackers) if kind else set()
     peers = data["per_peer"]
-    honest = [p.get("standing") for p in peers if p["index"] not in bad and p.get("standing") is not None]
+    honest = [
+        p.get("standing") for p in peers if p["index"] not in bad and p.get("standing") is not None
+    ]
     checks = [p.get("validation") or {} for p in peers]
-    return {"run": name, "attack": kind or "", "attackers": sorted(bad), "seed": seed,
-            "eval_loss_end": data["eval_loss"]["end"], "hashes_agree": data["hashes_agree"],
-            "wall_s": round(data["wall_s"], 1),
-            "attacker_penalties": {str(p["index"]): p.get("penalties", {}) for p in peers if p["index"] in bad},
-            "attacker_standing": {str(p["index"]): p.get("standing") for p in peers if p["index"] in bad},
-            "honest_standing_min": min(honest) if honest else None,
-            "honest_standing_median": statistics.median(honest) if honest else None,
-            # validation's false positives: honest work scored alone and dropped as hurtful
-            "honest_hurt": sum(int(p.get("penalties", {}).get("hurt", 0)) for p in peers if p["index"] not in bad),
-            "validation": {"checks": sum(c.get("checks", 0) for c in checks),
-                           "rejected": sum(c.get("rejected", 0) for c in checks),
-                           "seconds": round(sum(c.get("seconds", 0.0) for c in checks), 2)}}
+    return {
+        "run": name,
+        "attack": kind or "",
+        "attackers": sorted(bad),
+        "seed": seed,
+        "eval_loss_end": data["eval_loss"]["end"],
+        "hashes_agree": data["hashes_agree"],
+        "wall_s": round(data["wall_s"], 1),
+        "attacker_penalties": {
+            str(p["index"]): p.get("penalties", {}) for p in peers if p["index"] in bad
+        },
+        "attacker_standing": {
+            str(p["index"]): p.get("standing") for p in peers if p["index"] in bad
+        },
+        "honest_standing_min": min(honest) if honest else None,
+        "honest_standing_median": statistics.median(honest) if honest else None,
+        # validation's false positives: honest work scored alone and dropped as hurtful
+        "honest_hurt": sum(
+            int(p.get("penalties", {}).get("hurt", 0)) for p in peers if p["index"] not in bad
+        ),
+        "validation": {
+            "checks": sum(c.get("checks", 0) for c in checks),
+            "rejected": sum(c.get("rejected", 0) for c in checks),
+            "seconds": round(sum(c.get("seconds", 0.0) for c in checks), 2),
+        },
+    }
 
 
 def _below_honest(row: dict[str, Any]) -> bool | None:
@@ -74,7 +121,9 @@ def _below_honest(row: dict[str, Any]) -> bool | None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--peers", type=int, default=8)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--model", default="tiny")
@@ -82,15 +131,30 @@ def main() -> None:
     parser.add_argument("--inner-steps", type=int, default=20)
     parser.add_argument("--corpus-max-bytes", type=int, default=2_000_000)
     parser.add_argument("--attacker", type=int, default=3, help="the lone attacker")
-    parser.add_argument("--colluders", default="3,5", help="the colluding attackers (comma-separated peers)")
-    parser.add_argument("--quorum", type=int, default=1, help="K: with K >= 3 an attacker is never alone in a merge")
+    parser.add_argument(
+        "--colluders", default="3,5", help="the colluding attackers (comma-separated peers)"
+    )
+    parser.add_argument(
+        "--quorum", type=int, default=1, help="K: with K >= 3 an attacker is never alone in a merge"
+    )
     parser.add_argument("--kinds", default=KINDS)
-    parser.add_argument("--worst-seeds", type=int, default=3,
-                        help="seeds the kind that hurt most is run with (beside a clean run each)")
-    parser.add_argument("--validate-windows", type=int, default=RunConfig().validate_windows,
-                        help="validated publication's windows a check (0: off)")
-    parser.add_argument("--aggregate", default=RunConfig().aggregate,
-                        help="how owners combine contributions (rda, normed or mean): see atoll local --help")
+    parser.add_argument(
+        "--worst-seeds",
+        type=int,
+        default=3,
+        help="seeds the kind that hurt most is run with (beside a clean run each)",
+    )
+    parser.add_argument(
+        "--validate-windows",
+        type=int,
+        default=RunConfig().validate_windows,
+        help="validated publication's windows a check (0: off)",
+    )
+    parser.add_argument(
+        "--aggregate",
+        default=RunConfig().aggregate,
+        help="how owners combine contributions (rda, normed or mean): see atoll local --help",
+    )
     args = parser.parse_args()
     colluders = [int(x) for x in args.colluders.split(",") if x]
     with tempfile.TemporaryDirectory() as tmp:
@@ -107,7 +171,9 @@ def main() -> None:
         if worst is not None:
             for seed in range(1, args.worst_seeds):
                 clean[seed] = run(args, [], None, work, f"clean_s{seed}", seed)
-                again = run(args, worst["attackers"], worst["attack"], work, f"{worst['run']}_s{seed}", seed)
+                again = run(
+                    args, worst["attackers"], worst["attack"], work, f"{worst['run']}_s{seed}", seed
+                )
                 for row in (clean[seed], again):
                     row["vs_clean"] = row["eval_loss_end"] / clean[seed]["eval_loss_end"]
                 rows += [clean[seed], again]
@@ -116,20 +182,41 @@ def main() -> None:
         rows.append(repeat)
     for row in rows:
         row["attackers_below_honest"] = _below_honest(row)
-    print(f"{'run':16} {'attack':16} {'seed':>4} {'eval loss':>9} {'vs clean':>8} {'standing':>17} "
-          f"{'honest hurt':>11}  attackers' contributions")
+    print(
+        f"{'run':16} {'attack':16} {'seed':>4} {'eval loss':>9} {'vs clean':>8} {'standing':>17} "
+        f"{'honest hurt':>11}  attackers' contributions"
+    )
     for row in rows:
         att = [s for s in row["attacker_standing"].values() if s is not None]
-        standing = (f"{min(att):.2f} vs {row['honest_standing_min']:.2f}"
-                    if att and row["honest_standing_min"] is not None else "")
-        pens = "; ".join(f"{i}: " + ", ".join(f"{k} {v}" for k, v in p.items())
-                         for i, p in row["attacker_penalties"].items())
-        print(f"{row['run']:16} {row['attack']:16} {row['seed']:4d} {row['eval_loss_end']:9.3f} "
-              f"{row['vs_clean']:8.3f} {standing:>17} {row['honest_hurt']:11d}  {pens}")
-    print(json.dumps({"peers": args.peers, "steps": args.steps, "model": args.model, "quorum": args.quorum,
-                      "aggregate": args.aggregate, "validate_windows": args.validate_windows,
-                      "attacker": args.attacker, "colluders": colluders,
-                      "worst": worst["run"] if worst is not None else None, "runs": rows}))
+        standing = (
+            f"{min(att):.2f} vs {row['honest_standing_min']:.2f}"
+            if att and row["honest_standing_min"] is not None
+            else ""
+        )
+        pens = "; ".join(
+            f"{i}: " + ", ".join(f"{k} {v}" for k, v in p.items())
+            for i, p in row["attacker_penalties"].items()
+        )
+        print(
+            f"{row['run']:16} {row['attack']:16} {row['seed']:4d} {row['eval_loss_end']:9.3f} "
+            f"{row['vs_clean']:8.3f} {standing:>17} {row['honest_hurt']:11d}  {pens}"
+        )
+    print(
+        json.dumps(
+            {
+                "peers": args.peers,
+                "steps": args.steps,
+                "model": args.model,
+                "quorum": args.quorum,
+                "aggregate": args.aggregate,
+                "validate_windows": args.validate_windows,
+                "attacker": args.attacker,
+                "colluders": colluders,
+                "worst": worst["run"] if worst is not None else None,
+                "runs": rows,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

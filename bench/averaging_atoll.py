@@ -53,8 +53,12 @@ RETRY_S = 0.25
 POLL_S = 0.002  # after a step, the longest wait before looking again
 SWARM = "bench-averaging"
 # the bench's codec -> Atoll's (upload codec, download codec, update codec)
-CODECS = {"none": ("none", "none", "none"), "fp16": ("bf16", "bf16", "none"), "int8": ("int8", "none", "int8"),
-          "int4": ("int4", "none", "int4")}
+CODECS = {
+    "none": ("none", "none", "none"),
+    "fp16": ("bf16", "bf16", "none"),
+    "int8": ("int8", "none", "int8"),
+    "int4": ("int4", "none", "int4"),
+}
 
 
 class _Tensors(nn.Module):
@@ -72,40 +76,82 @@ def bench_config(peers: int, layout: Layout, codec: str, *, elastic: bool = Fals
     # - ...), the time a learner hides behind tau inner steps; the bench's "step" is a whole round
     # with no compute to hide a wait behind, so a round whose quorum a death lowered waited out
     # the 10 s cap for nobody (every survivor's work in)
-    mode = {"mode": "decoupled", "quorum_fraction": 1.0, "grace_gamma": 0.0} if elastic else {"mode": "sync"}
-    return RunConfig(peers=peers, fragments=layout.tensors, inner_steps=10**9, codec=up, download_codec=down,
-                     update_codec=update, outer_lr=1.0, outer_momentum=0.0, quorum=peers, **mode,
-                     eval_every=10**9,
-                     adopt_rebase=0)  # nothing trains between shipping and adopting: overwrite, one copy
+    mode = (
+        {"mode": "decoupled", "quorum_fraction": 1.0, "grace_gamma": 0.0}
+        if elastic
+        else {"mode": "sync"}
+    )
+    return RunConfig(
+        peers=peers,
+        fragments=layout.tensors,
+        inner_steps=10**9,
+        codec=up,
+        download_codec=down,
+        update_codec=update,
+        outer_lr=1.0,
+        outer_momentum=0.0,
+        quorum=peers,
+        **mode,
+        eval_every=10**9,
+        adopt_rebase=0,
+    )  # nothing trains between shipping and adopting: overwrite, one copy
 
 
 def _seed(*parts: object) -> bytes:
     return hashlib.sha256("/".join(map(str, parts)).encode()).digest()
 
 
-def swarm_credentials(*, peers: int, seed: int, layout: Layout, codec: str, elastic: bool = False) -> dict[str, Any]:
+def swarm_credentials(
+    *, peers: int, seed: int, layout: Layout, codec: str, elastic: bool = False
+) -> dict[str, Any]:
     """A swarm as ``atoll local`` makes one (a founder's signed manifest with one lab, and a
     learner-and-owner certificate per peer), as JSON-ready text for the peers' specs: the swarm
     as deployed, with admission and certificate checks on every request. Keys are derived from
     ``seed``: the bench's swarms are throw-away and local."""
     founder, lab = Signer(_seed("bench-founder", seed)), Signer(_seed("bench-lab", seed))
     shapes = _Tensors([torch.empty(n, device="meta") for n in layout.sizes()])
-    manifest = SwarmIsland.found(shapes, founder, name=SWARM, tokens_per_step=1,
-                                 config=bench_config(peers, layout, codec, elastic=elastic),
-                                 authorities=[("bench", lab.public_key)])
+    manifest = SwarmIsland.found(
+        shapes,
+        founder,
+        name=SWARM,
+        tokens_per_step=1,
+        config=bench_config(peers, layout, codec, elastic=elastic),
+        authorities=[("bench", lab.public_key)],
+    )
     now = time.time()
-    certs = [Certificate.issue(lab, manifest=manifest, subject=Signer(_seed("bench-peer", seed, i)).public_key,
-                               roles=("learner", "owner"), not_before=now - 60, not_after=now + 7 * 86400)
-             for i in range(peers)]
-    return {"manifest": tomli_w.dumps(manifest.to_toml_data()), "certs": [c.to_text() for c in certs]}
+    certs = [
+        Certificate.issue(
+            lab,
+            manifest=manifest,
+            subject=Signer(_seed("bench-peer", seed, i)).public_key,
+            roles=("learner", "owner"),
+            not_before=now - 60,
+            not_after=now + 7 * 86400,
+        )
+        for i in range(peers)
+    ]
+    return {
+        "manifest": tomli_w.dumps(manifest.to_toml_data()),
+        "certs": [c.to_text() for c in certs],
+    }
 
 
 class AtollSide:
     """One Atoll peer of the bench (see the module docstring)."""
 
-    def __init__(self, *, index: int, peers: int, seed: int, layout: Layout, codec: str,
-                 initial: list[torch.Tensor], initial_peers: list[str],
-                 credentials: dict[str, Any] | None = None, elastic: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        index: int,
+        peers: int,
+        seed: int,
+        layout: Layout,
+        codec: str,
+        initial: list[torch.Tensor],
+        initial_peers: list[str],
+        credentials: dict[str, Any] | None = None,
+        elastic: bool = False,
+    ) -> None:
         """``credentials``: from ``swarm_credentials`` (a signed swarm); without, a development
         swarm (no manifest, no admission). ``elastic``: see ``bench_config``."""
         self.index, self.peers, self.seed, self.layout = index, peers, seed, layout
@@ -115,18 +161,32 @@ class AtollSide:
         cfg = bench_config(peers, layout, codec, elastic=elastic)
         swarm: dict[str, Any] = {"swarm": SWARM}
         if credentials is not None:
-            swarm = {"manifest": SwarmManifest.from_toml(credentials["manifest"]),
-                     "key": Signer(_seed("bench-peer", seed, index)),
-                     "cert": Certificate.from_text(credentials["certs"][index])}
-        self.api = SwarmIsland(self.model, self.optimizer, tokens_per_step=1, initial_peers=initial_peers,
-                               config=cfg, join_timeout_s=300.0, finish_timeout_s=0.0, **swarm)
+            swarm = {
+                "manifest": SwarmManifest.from_toml(credentials["manifest"]),
+                "key": Signer(_seed("bench-peer", seed, index)),
+                "cert": Certificate.from_text(credentials["certs"][index]),
+            }
+        self.api = SwarmIsland(
+            self.model,
+            self.optimizer,
+            tokens_per_step=1,
+            initial_peers=initial_peers,
+            config=cfg,
+            join_timeout_s=300.0,
+            finish_timeout_s=0.0,
+            **swarm,
+        )
         self.island = self.api.island
         self.block_size = cfg.block_size
         # the owners' merge, as the check recomputes it
-        self.outer = OuterConfig(lr=1.0, momentum=0.0, aggregate=cfg.aggregate, rda_max_gain=cfg.rda_max_gain)
+        self.outer = OuterConfig(
+            lr=1.0, momentum=0.0, aggregate=cfg.aggregate, rda_max_gain=cfg.rda_max_gain
+        )
         named = dict(self.model.named_parameters())
         self.params = [[named[n] for n in f.names] for f in self.api.plan.fragments]
-        self.tensor_ids = [[int(n.split(".")[-1]) for n in f.names] for f in self.api.plan.fragments]
+        self.tensor_ids = [
+            [int(n.split(".")[-1]) for n in f.names] for f in self.api.plan.fragments
+        ]
         self.round = -1
         self.target: list[int] = []
         self.base: list[torch.Tensor] = []
@@ -164,7 +224,7 @@ class AtollSide:
         self.island.adopt_pending()
         if self.codec != "none":
             net = self.api.node.net
-            for residual in (net.residuals.values() if net is not None else ()):
+            for residual in net.residuals.values() if net is not None else ():
                 residual.zero_()
         self.round = round_
         self.target = [v + 1 for v in self.island.versions]
@@ -178,7 +238,7 @@ class AtollSide:
             for param, t in zip(self.params[p], self.tensor_ids[p], strict=True):
                 n = param.numel()
                 d = delta(self.seed, self.layout, self.round, self.index, t)
-                torch.sub(flat[offset:offset + n], d, out=param.data)
+                torch.sub(flat[offset : offset + n], d, out=param.data)
                 offset += n
 
     def cycle(self, timeout_s: float) -> dict[str, Any]:
@@ -192,11 +252,17 @@ class AtollSide:
         deadline = time.monotonic() + timeout_s
         while not self._done():
             if time.monotonic() > deadline:
-                return {"ok": False, "error": f"versions {island.versions}, wanted {self.target} "
-                                              f"within {timeout_s:.0f} s", "retries": retries}
+                return {
+                    "ok": False,
+                    "error": f"versions {island.versions}, wanted {self.target} "
+                    f"within {timeout_s:.0f} s",
+                    "retries": retries,
+                }
             seen = island.news
             retries += self._mark_retries(marked)
-            due = any(island.next_due[p] <= island.stats.step + 1 for p in range(n) if not self._has(p))
+            due = any(
+                island.next_due[p] <= island.stats.step + 1 for p in range(n) if not self._has(p)
+            )
             if due:
                 for p in range(n):  # one step, one token per contribution: equal merge weights
                     island.c_steps[p], island.c_tokens[p] = 0, 1
@@ -212,9 +278,18 @@ class AtollSide:
         """Versions this learner received, and of them taken as updates / updates refused."""
         net = self.api.node.net
         if net is None:
-            return {"versions_received": 0, "updates_applied": 0, "update_mismatches": 0, "versions_replica": 0}
-        return {"versions_received": net.stats.versions_received, "updates_applied": net.stats.updates_applied,
-                "update_mismatches": net.stats.update_mismatches, "versions_replica": net.stats.versions_replica}
+            return {
+                "versions_received": 0,
+                "updates_applied": 0,
+                "update_mismatches": 0,
+                "versions_replica": 0,
+            }
+        return {
+            "versions_received": net.stats.versions_received,
+            "updates_applied": net.stats.updates_applied,
+            "update_mismatches": net.stats.update_mismatches,
+            "versions_replica": net.stats.versions_replica,
+        }
 
     def _has(self, p: int) -> bool:
         return self.island.versions[p] >= self.target[p]
@@ -264,16 +339,28 @@ class AtollSide:
                 self.owner_residual[p] = residual
             if theta is not None:  # the owner's fp32 state behind the encoded version
                 self.owner_theta[p] = theta
-            out.append({"fragment": p, "matches": matches, "version": version,
-                        "errors": {k: float(f"{v:.3g}") for k, v in errors.items()},
-                        "embedding": frag.is_embedding})
+            out.append(
+                {
+                    "fragment": p,
+                    "matches": matches,
+                    "version": version,
+                    "errors": {k: float(f"{v:.3g}") for k, v in errors.items()},
+                    "embedding": frag.is_embedding,
+                }
+            )
             del refs
         return {"fragments": out, "matches": sorted({f["matches"] for f in out})}
 
-    def _match_subset(self, p: int, held: torch.Tensor, base: torch.Tensor, peers: list[int],
-                      tried: set[tuple[int, ...]],
-                      refs: dict[str, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]],
-                      errors: dict[str, float]) -> str:
+    def _match_subset(
+        self,
+        p: int,
+        held: torch.Tensor,
+        base: torch.Tensor,
+        peers: list[int],
+        tried: set[tuple[int, ...]],
+        refs: dict[str, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]],
+        errors: dict[str, float],
+    ) -> str:
         """The first subset of ``peers`` (largest first) whose merge ``held`` is: at a whole step
         (two peers or more, not in ``tried``) or at the subset's share of one (a round that
         closed below its share of the learners: the missing contributions as zeros,
@@ -284,15 +371,24 @@ class AtollSide:
                 for scaled in (False, True):
                     if not scaled and (k < 2 or subset in tried):
                         continue
-                    name = "subset " + ",".join(map(str, subset)) + (f" at {k}/{n} of a step" if scaled else "")
+                    name = (
+                        "subset "
+                        + ",".join(map(str, subset))
+                        + (f" at {k}/{n} of a step" if scaled else "")
+                    )
                     refs[name] = self._reference(p, list(subset), scale=k / n if scaled else 1.0)
                     errors[name] = relative_error(held, refs[name][0], base)
                     if classify({name: errors[name]}, self.codec) == name:
                         return name
         return "neither"
 
-    def _reference(self, p: int, members: list[int], *, scale: float = 1.0,
-                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    def _reference(
+        self,
+        p: int,
+        members: list[int],
+        *,
+        scale: float = 1.0,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """What the owner's merge of ``members``' contributions gives (equal weights, no clip),
         as the peers hold it; with updates the owner's residual after it, and with a lossy
         download codec the owner's fp32 state after it (else None).
@@ -312,18 +408,32 @@ class AtollSide:
         base, frag = self.base[p], self.api.plan.fragments[p]
         deltas = []
         for i in members:
-            d = torch.cat([delta(self.seed, self.layout, self.round, i, t) for t in self.tensor_ids[p]])
+            d = torch.cat(
+                [delta(self.seed, self.layout, self.round, i, t) for t in self.tensor_ids[p]]
+            )
             d = base - (base - d)  # as the island measures it: Θ − θ with θ = Θ − Δ
             enc, _ = compress(d, self.codec, block_size=self.block_size)
             deltas.append(decompress(enc))
         ones = [1.0] * len(deltas)
         start = self.owner_theta.get(p, base) if self.download_codec != "none" else base
-        theta = merge_update(start, None, deltas, ones, ones, self.outer, embedding=frag.is_embedding, scale=scale).theta
+        theta = merge_update(
+            start, None, deltas, ones, ones, self.outer, embedding=frag.is_embedding, scale=scale
+        ).theta
         shapes = [tuple(q.shape) for q in self.params[p]]
         if self.update_codec != "none":
-            _, published, residual = encode_update(theta, base, self.owner_residual.get(p), shapes,
-                                                   self.update_codec, block_size=self.block_size)
+            _, published, residual = encode_update(
+                theta,
+                base,
+                self.owner_residual.get(p),
+                shapes,
+                self.update_codec,
+                block_size=self.block_size,
+            )
             return published, residual, None
         if self.download_codec == "none":
             return theta, None, None
-        return flat_from_tensors(encode_flat(theta, shapes, self.download_codec), shapes), None, theta
+        return (
+            flat_from_tensors(encode_flat(theta, shapes, self.download_codec), shapes),
+            None,
+            theta,
+        )

@@ -42,27 +42,45 @@ def hivemind_missing() -> str | None:
     try:
         import hivemind  # noqa: F401
     except Exception as exc:  # ImportError, or a broken dependency at import time
-        return f"import hivemind failed: {exc!r} (pip install -e '.[bench]', see docs/benchmarks.md)"
+        return (
+            f"import hivemind failed: {exc!r} (pip install -e '.[bench]', see docs/benchmarks.md)"
+        )
     return None
 
 
 class HivemindSide:
     """One hivemind peer: DHT + averager over the bench's tensors."""
 
-    def __init__(self, *, index: int, peers: int, seed: int, layout: Layout, codec: str,
-                 initial_peers: list[str]) -> None:
+    def __init__(
+        self,
+        *,
+        index: int,
+        peers: int,
+        seed: int,
+        layout: Layout,
+        codec: str,
+        initial_peers: list[str],
+    ) -> None:
         import hivemind
         from hivemind.compression import Float16Compression, NoCompression
 
         self.index, self.peers, self.seed, self.layout = index, peers, seed, layout
         self.codec = "fp16" if codec == "fp16" else "none"  # int8 (Atoll's) runs against fp32
-        self.dht = hivemind.DHT(initial_peers=initial_peers or None, start=True,
-                                host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        self.dht = hivemind.DHT(
+            initial_peers=initial_peers or None, start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"]
+        )
         compression = NoCompression() if self.codec == "none" else Float16Compression()
         self.averager = hivemind.averaging.DecentralizedAverager(
-            [torch.zeros(n) for n in layout.sizes()], self.dht, start=True, prefix=PREFIX,
-            target_group_size=peers, min_group_size=2, compression=compression,
-            allreduce_timeout=ALLREDUCE_TIMEOUT_S, next_chunk_timeout=NEXT_CHUNK_TIMEOUT_S)
+            [torch.zeros(n) for n in layout.sizes()],
+            self.dht,
+            start=True,
+            prefix=PREFIX,
+            target_group_size=peers,
+            min_group_size=2,
+            compression=compression,
+            allreduce_timeout=ALLREDUCE_TIMEOUT_S,
+            next_chunk_timeout=NEXT_CHUNK_TIMEOUT_S,
+        )
         self.round = -1
 
     def maddrs(self) -> list[str]:
@@ -92,7 +110,9 @@ class HivemindSide:
         with self.averager.get_tensors() as tensors:  # no round runs while the launcher checks
             return self._check(list(tensors), sets, stride)
 
-    def _check(self, held_all: list[torch.Tensor], sets: dict[str, list[int]], stride: int) -> dict[str, Any]:
+    def _check(
+        self, held_all: list[torch.Tensor], sets: dict[str, list[int]], stride: int
+    ) -> dict[str, Any]:
         counts: dict[str, int] = {}
         worst: dict[str, float] = dict.fromkeys(sets, 0.0)
         for t, held in enumerate(held_all):
@@ -102,14 +122,20 @@ class HivemindSide:
                 lo, hi = c * (1 << 16), min(n, (c + 1) * (1 << 16))
                 errors = {}
                 for name, members in sets.items():
-                    ds = [delta(self.seed, self.layout, self.round, i, t, range(c, c + 1)) for i in members]
+                    ds = [
+                        delta(self.seed, self.layout, self.round, i, t, range(c, c + 1))
+                        for i in members
+                    ]
                     ref = base[lo:hi] - mean_of(ds)
                     errors[name] = relative_error(held[lo:hi], ref, base[lo:hi])
                     worst[name] = max(worst[name], errors[name])
                 match = classify(errors, self.codec)
                 counts[match] = counts.get(match, 0) + 1
-        return {"chunks": counts, "matches": sorted(counts),
-                "worst_errors": {k: float(f"{v:.3g}") for k, v in worst.items()}}
+        return {
+            "chunks": counts,
+            "matches": sorted(counts),
+            "worst_errors": {k: float(f"{v:.3g}") for k, v in worst.items()},
+        }
 
     def digests(self) -> list[str]:
         return []

@@ -21,7 +21,17 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["CHUNK", "Layout", "chunk_count", "classify", "delta", "initial", "mean_of", "relative_error", "tolerance"]
+__all__ = [
+    "CHUNK",
+    "Layout",
+    "chunk_count",
+    "classify",
+    "delta",
+    "initial",
+    "mean_of",
+    "relative_error",
+    "tolerance",
+]
 
 INIT_SCALE = 1.0
 DELTA_SCALE = 0.1
@@ -50,7 +60,9 @@ def initial(seed: int, layout: Layout, t: int) -> torch.Tensor:
     return torch.randn(layout.sizes()[t], generator=_generator(seed, "init", t)) * INIT_SCALE
 
 
-def delta(seed: int, layout: Layout, round_: int, peer: int, t: int, chunks: range | None = None) -> torch.Tensor:
+def delta(
+    seed: int, layout: Layout, round_: int, peer: int, t: int, chunks: range | None = None
+) -> torch.Tensor:
     """Peer ``peer``'s pseudo-gradient for tensor ``t`` in round ``round_``, [size_t] fp32; with
     ``chunks``, only those chunks of ``CHUNK`` values, concatenated (each chunk has its own seed,
     so a sample of chunks costs only its own size)."""
@@ -61,7 +73,9 @@ def delta(seed: int, layout: Layout, round_: int, peer: int, t: int, chunks: ran
     at = 0
     for c in picked:
         n = min(CHUNK, size - c * CHUNK)
-        torch.randn(n, generator=_generator(seed, "delta", round_, peer, t, c), out=out[at:at + n])
+        torch.randn(
+            n, generator=_generator(seed, "delta", round_, peer, t, c), out=out[at : at + n]
+        )
         at += n
     return out.mul_(DELTA_SCALE)
 

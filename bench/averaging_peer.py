@@ -33,22 +33,46 @@ class Peer:
         codec = spec["codec"]
         if "hivemind" in spec["systems"]:
             from bench.averaging_hivemind import HivemindSide
-            hm = HivemindSide(index=self.index, peers=self.peers, seed=self.seed, layout=self.layout,
-                              codec=codec, initial_peers=spec.get("hivemind_peers") or [])
+
+            hm = HivemindSide(
+                index=self.index,
+                peers=self.peers,
+                seed=self.seed,
+                layout=self.layout,
+                codec=codec,
+                initial_peers=spec.get("hivemind_peers") or [],
+            )
             self.sides["hivemind"] = hm
             self.addresses["hivemind"] = hm.maddrs()
         if "atoll" in spec["systems"]:
             from bench.averaging_atoll import AtollSide
+
             tensors = [initial(self.seed, self.layout, t) for t in range(self.layout.tensors)]
-            atoll = AtollSide(index=self.index, peers=self.peers, seed=self.seed, layout=self.layout,
-                              codec=codec, initial=tensors, initial_peers=spec.get("atoll_peers") or [],
-                              credentials=spec.get("atoll_credentials"), elastic=spec.get("elastic", False))
+            atoll = AtollSide(
+                index=self.index,
+                peers=self.peers,
+                seed=self.seed,
+                layout=self.layout,
+                codec=codec,
+                initial=tensors,
+                initial_peers=spec.get("atoll_peers") or [],
+                credentials=spec.get("atoll_credentials"),
+                elastic=spec.get("elastic", False),
+            )
             self.sides["atoll"] = atoll
         if "raw" in spec["systems"]:
             from bench.averaging_raw import RawSide
-            source = [p.data for p in self.sides["atoll"].model.w] if "atoll" in self.sides else None
-            raw = RawSide(index=self.index, peers=self.peers, fragment_values=self.layout.sizes(),
-                          bytes_per_value=2 if codec == "fp16" else 4, source=source)
+
+            source = (
+                [p.data for p in self.sides["atoll"].model.w] if "atoll" in self.sides else None
+            )
+            raw = RawSide(
+                index=self.index,
+                peers=self.peers,
+                fragment_values=self.layout.sizes(),
+                bytes_per_value=2 if codec == "fp16" else 4,
+                source=source,
+            )
             self.sides["raw"] = raw
             self.addresses["raw"] = raw.start()
         if "atoll" in self.sides:
@@ -81,13 +105,20 @@ class Peer:
             return {**out, "cycle_s": time.perf_counter() - t0}
         if kind == "check":
             sets = cmd["sets"]
-            out = side.check(sets, cmd.get("stride", 1)) if cmd["system"] == "hivemind" else side.check(sets)
+            out = (
+                side.check(sets, cmd.get("stride", 1))
+                if cmd["system"] == "hivemind"
+                else side.check(sets)
+            )
             return {**out, "digests": side.digests()}
         if kind == "digests":
             return {"digests": side.digests()}
         if kind == "memory":
-            return {"rss_mb": _status_mb("VmRSS"), "peak_rss_mb": _status_mb("VmHWM"),
-                    **({"held_mb": _held_mb()} if cmd.get("detail") else {})}
+            return {
+                "rss_mb": _status_mb("VmRSS"),
+                "peak_rss_mb": _status_mb("VmHWM"),
+                **({"held_mb": _held_mb()} if cmd.get("detail") else {}),
+            }
         raise ValueError(f"unknown command {kind!r}")
 
     def close(self) -> None:
@@ -121,7 +152,11 @@ def _held_mb() -> dict[str, int]:
         for ref in gc.get_referents(obj):
             if isinstance(ref, (bytes, bytearray, memoryview)) and len(ref) > 1 << 16:
                 size = ref.nbytes if isinstance(ref, memoryview) else len(ref)
-                if not isinstance(ref, memoryview) or ref.obj is None or not isinstance(ref.obj, (bytes, bytearray)):
+                if (
+                    not isinstance(ref, memoryview)
+                    or ref.obj is None
+                    or not isinstance(ref.obj, (bytes, bytearray))
+                ):
                     buffers[id(ref)] = (type(ref).__name__, size)
     out = {"tensors": sum(storages.values()) >> 20}
     for name, size in buffers.values():
@@ -134,8 +169,11 @@ def main() -> None:
     replies = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # stray prints (ours, hivemind's children) go to stderr, not into the replies
     torch.set_num_threads(1)
-    logging.basicConfig(level=os.environ.get("BENCH_LOG", "WARNING"), stream=sys.stderr,
-                        format=f"%(asctime)s peer{spec['index']} %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=os.environ.get("BENCH_LOG", "WARNING"),
+        stream=sys.stderr,
+        format=f"%(asctime)s peer{spec['index']} %(name)s %(levelname)s %(message)s",
+    )
     try:
         peer = Peer(spec)
     except Exception as exc:

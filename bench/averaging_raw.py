@@ -27,15 +27,25 @@ READ_CHUNK = 1 << 20
 class RawSide:
     """One peer's raw server and client (see the module docstring)."""
 
-    def __init__(self, *, index: int, peers: int, fragment_values: list[int], bytes_per_value: int,
-                 source: list[torch.Tensor] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        index: int,
+        peers: int,
+        fragment_values: list[int],
+        bytes_per_value: int,
+        source: list[torch.Tensor] | None = None,
+    ) -> None:
         """``source``: each fragment's tensor to send the bytes of (the model's own memory, so
         the raw side costs no second copy); zeros of the same size without it."""
         self.index, self.peers = index, peers
         self.sizes = [n * bytes_per_value for n in fragment_values]
         if source is None:
             source = [torch.zeros(n) for n in fragment_values]
-        self.source = [t.detach().reshape(-1).view(torch.uint8)[:s] for t, s in zip(source, self.sizes, strict=True)]
+        self.source = [
+            t.detach().reshape(-1).view(torch.uint8)[:s]
+            for t, s in zip(source, self.sizes, strict=True)
+        ]
         self.inbox: dict[tuple[int, int], bytearray] = {}  # (fragment, sender) -> its bytes
         self.result = [bytearray(s) for s in self.sizes]  # what we fetch, per fragment
         self.owners: list[str] = []
@@ -67,8 +77,9 @@ class RawSide:
         await site.start()
         port = runner.addresses[0][1]
         self.url = f"http://127.0.0.1:{port}"
-        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                             timeout=aiohttp.ClientTimeout(total=None))
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None)
+        )
         self._stop = asyncio.Event()
         self._started.set()
         await self._stop.wait()
@@ -91,7 +102,7 @@ class RawSide:
             buf = self.inbox[(p, sender)] = bytearray(self.sizes[p])
         view, got = memoryview(buf), 0
         async for chunk in request.content.iter_chunked(READ_CHUNK):
-            view[got:got + len(chunk)] = chunk
+            view[got : got + len(chunk)] = chunk
             got += len(chunk)
         if got != self.sizes[p]:
             return web.Response(status=400, text=f"got {got} bytes, expected {self.sizes[p]}")
@@ -103,7 +114,11 @@ class RawSide:
     async def _on_get(self, request: web.Request) -> web.Response:
         r, p = int(request.match_info["round"]), int(request.match_info["p"])
         await asyncio.wait_for(self._event(r, p).wait(), timeout=600)
-        body = self.inbox[(p, self.index)] if (p, self.index) in self.inbox else self.source[p].numpy().data
+        body = (
+            self.inbox[(p, self.index)]
+            if (p, self.index) in self.inbox
+            else self.source[p].numpy().data
+        )
         return web.Response(body=memoryview(body))
 
     # --- one cycle ------------------------------------------------------------------------------
@@ -139,7 +154,7 @@ class RawSide:
             if resp.status != 200:
                 raise RuntimeError(f"raw GET fragment {p}: {resp.status}")
             async for chunk in resp.content.iter_chunked(READ_CHUNK):
-                view[got:got + len(chunk)] = chunk
+                view[got : got + len(chunk)] = chunk
                 got += len(chunk)
         if got != self.sizes[p]:
             raise RuntimeError(f"raw GET fragment {p}: {got} bytes, expected {self.sizes[p]}")

@@ -85,9 +85,15 @@ class _Proc:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
         self.log_path = log
         self.log = log.open("wb")
-        self.proc = subprocess.Popen([sys.executable, "-m", "bench.averaging_peer", json.dumps(spec)],
-                                     cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self.log, start_new_session=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "bench.averaging_peer", json.dumps(spec)],
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            start_new_session=True,
+        )
         self.replies: queue.Queue[dict[str, Any] | None] = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
 
@@ -109,8 +115,10 @@ class _Proc:
         except queue.Empty:
             raise PeerFailed(f"no reply within {timeout_s:.0f} s; see {self.log_path}") from None
         if reply is None:
-            raise PeerFailed(f"the peer exited ({self.proc.poll()}); last lines of {self.log_path}:\n"
-                             + self.tail())
+            raise PeerFailed(
+                f"the peer exited ({self.proc.poll()}); last lines of {self.log_path}:\n"
+                + self.tail()
+            )
         return reply
 
     def tail(self, lines: int = 15) -> str:
@@ -127,8 +135,13 @@ class _Proc:
 class Workers:
     """N peer processes of one configuration; peer 0 starts first and the others join it."""
 
-    def __init__(self, spec: dict[str, Any], log_dir: Path, start_timeout_s: float = 600.0,
-                 min_available_mb: int = 1536) -> None:
+    def __init__(
+        self,
+        spec: dict[str, Any],
+        log_dir: Path,
+        start_timeout_s: float = 600.0,
+        min_available_mb: int = 1536,
+    ) -> None:
         """Kills every peer (``aborted`` says why) if the machine's available memory falls
         below ``min_available_mb``: the machine is shared, and its OOM killer picks anyone."""
         self.n = spec["peers"]
@@ -136,7 +149,10 @@ class Workers:
         self.procs: list[_Proc] = []
         self.last_cpu_s = 0.0
         self.last_peer_cpu_s: list[float] = []  # per live peer, the same
-        self.last_wall = (0.0, 0.0)  # the last timed round's start and end, epoch seconds (to line up profiles)
+        self.last_wall = (
+            0.0,
+            0.0,
+        )  # the last timed round's start and end, epoch seconds (to line up profiles)
         self.aborted: str | None = None
         self._closed = threading.Event()
         threading.Thread(target=self._guard_memory, args=(min_available_mb,), daemon=True).start()
@@ -147,8 +163,10 @@ class Workers:
             if ready0.get("event") != "ready":
                 raise PeerFailed(f"peer 0 did not start: {ready0}")
             self.ready = [ready0]
-            join = {"atoll_peers": [ready0["atoll"]] if "atoll" in ready0 else [],
-                    "hivemind_peers": ready0.get("hivemind", [])}
+            join = {
+                "atoll_peers": [ready0["atoll"]] if "atoll" in ready0 else [],
+                "hivemind_peers": ready0.get("hivemind", []),
+            }
             for i in range(1, self.n):
                 self._start({**spec, **join, "index": i}, log_dir / f"{tag}-peer{i}.log")
             for i in range(1, self.n):
@@ -164,7 +182,9 @@ class Workers:
         while not self._closed.wait(0.25):
             free = available_mb()
             if free < min_available_mb:
-                self.aborted = f"stopped: the machine had {free} MiB available (< {min_available_mb} MiB)"
+                self.aborted = (
+                    f"stopped: the machine had {free} MiB available (< {min_available_mb} MiB)"
+                )
                 for proc in self.procs:
                     proc.kill()
                 return
@@ -198,8 +218,9 @@ class Workers:
         """CPU seconds used so far by the live peers' process trees."""
         return session_cpu_s({self.procs[i].proc.pid for i in self.alive})
 
-    def timed(self, cmd: dict[str, Any], timeout_s: float, kill: tuple[int, float] | None = None
-              ) -> tuple[float, list[dict[str, Any]]]:
+    def timed(
+        self, cmd: dict[str, Any], timeout_s: float, kill: tuple[int, float] | None = None
+    ) -> tuple[float, list[dict[str, Any]]]:
         """Send ``cmd`` to every live peer and wait for all: (seconds to the last reply, replies).
 
         ``kill = (peer, after_s)``: SIGKILL that peer's process group ``after_s`` into the round;

@@ -28,8 +28,14 @@ class Proc:
 
     def __init__(self, args: list[str], log: Path) -> None:
         self.log = log.open("wb")
-        self.proc = subprocess.Popen([sys.executable, "-m", "node", *args], cwd=ROOT, env=ENV,
-                                     stdout=subprocess.PIPE, stderr=self.log, stdin=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "node", *args],
+            cwd=ROOT,
+            env=ENV,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            stdin=subprocess.DEVNULL,
+        )
         self.lines: queue.Queue[str] = queue.Queue()
         self.events: list[dict[str, Any]] = []
         threading.Thread(target=self._pump, daemon=True).start()
@@ -61,7 +67,9 @@ class Proc:
                 line = self.lines.get(timeout=0.5)
             except queue.Empty:
                 if self.proc.poll() is not None:
-                    raise AssertionError(f"process exited ({self.proc.returncode}) before {contains!r}") from None
+                    raise AssertionError(
+                        f"process exited ({self.proc.returncode}) before {contains!r}"
+                    ) from None
                 continue
             if contains in line:
                 return line
@@ -81,7 +89,10 @@ def admin(*args: str) -> None:
     """``atoll ARGS`` in this process (the same ``main`` as the command line; no interpreter start)."""
     from node.cli import main
 
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()) as err:
+    with (
+        contextlib.redirect_stdout(io.StringIO()),
+        contextlib.redirect_stderr(io.StringIO()) as err,
+    ):
         code = main(list(args))
     if code != 0:
         raise AssertionError(f"atoll {' '.join(args)} exited {code}: {err.getvalue()}")
@@ -89,8 +100,14 @@ def admin(*args: str) -> None:
 
 def atoll(*args: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     """``python -m node ARGS`` to completion."""
-    out = subprocess.run([sys.executable, "-m", "node", *args], cwd=ROOT, env=ENV, capture_output=True,
-                         text=True, timeout=timeout)
+    out = subprocess.run(
+        [sys.executable, "-m", "node", *args],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     if check and out.returncode != 0:
         raise AssertionError(f"atoll {' '.join(args)} exited {out.returncode}: {out.stderr}")
     return out
@@ -118,10 +135,26 @@ class SwarmFiles:
             admin("keygen", "--out", str(self.keys[name]))
         return self.keys[name]
 
-    def certify(self, peer: str, *, lab: str, roles: str = "learner,owner", days: str = "1") -> Path:
+    def certify(
+        self, peer: str, *, lab: str, roles: str = "learner,owner", days: str = "1"
+    ) -> Path:
         path = self.folder / f"{peer}.cert"
-        admin("swarm", "certify", "--manifest", str(self.manifest), "--authority", str(self.key(lab)),
-              "--peer", str(self.key(peer)), "--roles", roles, "--days", days, "--out", str(path))
+        admin(
+            "swarm",
+            "certify",
+            "--manifest",
+            str(self.manifest),
+            "--authority",
+            str(self.key(lab)),
+            "--peer",
+            str(self.key(peer)),
+            "--roles",
+            roles,
+            "--days",
+            days,
+            "--out",
+            str(path),
+        )
         self.certs[peer] = path
         return path
 
@@ -132,13 +165,35 @@ class SwarmFiles:
         return out
 
 
-def make_swarm(folder: Path, *, name: str, admission: str, labs: tuple[str, ...], recipe: list[str]) -> SwarmFiles:
+def make_swarm(
+    folder: Path, *, name: str, admission: str, labs: tuple[str, ...], recipe: list[str]
+) -> SwarmFiles:
     """Founder and one authority per lab, all through the command line."""
     folder.mkdir(parents=True, exist_ok=True)
     files = SwarmFiles(folder, folder / "swarm.toml")
-    admin("swarm", "init", "--name", name, "--founder", str(files.key("founder")), "--admission", admission,
-          *recipe, "--out", str(files.manifest))
+    admin(
+        "swarm",
+        "init",
+        "--name",
+        name,
+        "--founder",
+        str(files.key("founder")),
+        "--admission",
+        admission,
+        *recipe,
+        "--out",
+        str(files.manifest),
+    )
     for lab in labs:
-        admin("swarm", "add-authority", str(files.manifest), "--founder", str(files.key("founder")),
-              "--lab", lab, "--key", str(files.key(lab)))
+        admin(
+            "swarm",
+            "add-authority",
+            str(files.manifest),
+            "--founder",
+            str(files.key("founder")),
+            "--lab",
+            lab,
+            "--key",
+            str(files.key(lab)),
+        )
     return files

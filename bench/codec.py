@@ -190,7 +190,12 @@ def parse_args(argv: list[str] | None = None) -> Config:
     d = Config()
     p = argparse.ArgumentParser(prog="python -m bench.codec", description=__doc__.split("\n")[0])
     p.add_argument("--numel", type=int, default=d.numel, help="elements of the fp32 tensor")
-    p.add_argument("--block-size", type=int, default=d.block_size, help="int8/int4 block size; topk2: elements per value sent")
+    p.add_argument(
+        "--block-size",
+        type=int,
+        default=d.block_size,
+        help="int8/int4 block size; topk2: elements per value sent",
+    )
     p.add_argument("--repeats", type=int, default=d.repeats, help="best of this many runs")
     p.add_argument("--threads", type=int, default=d.threads, help="torch.set_num_threads")
     p.add_argument("--json", action="store_true", help="print one JSON object last on stdout")

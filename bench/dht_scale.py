@@ -102,7 +102,9 @@ async def join(nodes: list[DHTNode], cfg: Config, rng: random.Random) -> int:
     return sum(1 for r in reached if r == 0)
 
 
-async def store(nodes: list[DHTNode], keys: list[bytes], cfg: Config, rng: random.Random) -> list[int]:
+async def store(
+    nodes: list[DHTNode], keys: list[bytes], cfg: Config, rng: random.Random
+) -> list[int]:
     publishers = [rng.choice(nodes) for _ in keys]
 
     async def one(i: int) -> int:
@@ -185,8 +187,10 @@ async def phases(nodes: list[DHTNode], router: DHTRouter, keys: list[bytes], cfg
     hops: Counter[int] = Counter()
     for node in live:
         hops.update(node.metrics.value_hops)
-    say(f"get    {t_get - t_store:7.1f} s  found {found}/{cfg.keys} after killing {len(killed)}, "
-        f"hops median {statistics.median(hops.elements())} histogram {dict(sorted(hops.items()))}")
+    say(
+        f"get    {t_get - t_store:7.1f} s  found {found}/{cfg.keys} after killing {len(killed)}, "
+        f"hops median {statistics.median(hops.elements())} histogram {dict(sorted(hops.items()))}"
+    )
     return {
         "nodes": cfg.nodes, "keys": cfg.keys, "killed": len(killed),
         "found_fraction": found / cfg.keys,
@@ -201,7 +205,9 @@ async def phases(nodes: list[DHTNode], router: DHTRouter, keys: list[bytes], cfg
 
 
 def parse_args(argv: list[str] | None) -> Config:
-    p = argparse.ArgumentParser(prog="python -m bench.dht_scale", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m bench.dht_scale", description=__doc__.split("\n")[0]
+    )
     defaults = Config()
     p.add_argument("--nodes", type=int, default=defaults.nodes, help="DHT nodes in the process")
     p.add_argument("--keys", type=int, default=defaults.keys, help="keys stored, then looked up")

@@ -70,13 +70,19 @@ def fuzz_target(target: Target, seconds: float, rng: random.Random) -> dict[str,
             first = first or failure
         if end >= deadline:
             break
-    return {"inputs": inputs, "failures": failures, "first_failure": first,
-            "slowest_ms": round(slowest * 1e3, 3)}
+    return {
+        "inputs": inputs,
+        "failures": failures,
+        "first_failure": first,
+        "slowest_ms": round(slowest * 1e3, 3),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.fuzz", description=__doc__.split("\n")[0])
-    p.add_argument("--seconds", type=float, default=300.0, help="total run time, split over targets")
+    p.add_argument(
+        "--seconds", type=float, default=300.0, help="total run time, split over targets"
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     a = p.parse_args(argv)
     start = time.perf_counter()
@@ -87,8 +93,12 @@ def main(argv: list[str] | None = None) -> int:
         r = fuzz_target(target, share, random.Random(f"{a.seed}/{target.name}"))
         results[target.name] = r
         verdict = "ok" if not r["failures"] else f"FAILED {r['failures']}x: {r['first_failure']}"
-        print(f"[{i + 1}/{len(all_targets)}] {target.name}: {r['inputs']} inputs, "
-              f"slowest {r['slowest_ms']} ms, {verdict}", file=sys.stderr, flush=True)
+        print(
+            f"[{i + 1}/{len(all_targets)}] {target.name}: {r['inputs']} inputs, "
+            f"slowest {r['slowest_ms']} ms, {verdict}",
+            file=sys.stderr,
+            flush=True,
+        )
     seconds = round(time.perf_counter() - start, 1)
     print(json.dumps({"targets": results, "seconds": seconds, "seed": a.seed}))
     return 1 if any(r["failures"] for r in results.values()) else 0

@@ -14,8 +14,32 @@ __all__ = ["count_nodes", "mutate_bytes", "mutate_tree", "random_value"]
 
 
 # ── mutators ─────────────────────────────────────────────────────────────────────────────────
-_INTERESTING_BYTES = (0x00, 0x01, 0x7F, 0x80, 0xFF, 0xC0, 0xC1, 0xC2, 0xC4, 0xC6, 0xCA, 0xCB,
-                      0xCF, 0xD3, 0xD9, 0xDB, 0xDC, 0xDD, 0xDE, 0xDF, 0x90, 0x9F, 0x80, 0x8F)
+_INTERESTING_BYTES = (
+    0x00,
+    0x01,
+    0x7F,
+    0x80,
+    0xFF,
+    0xC0,
+    0xC1,
+    0xC2,
+    0xC4,
+    0xC6,
+    0xCA,
+    0xCB,
+    0xCF,
+    0xD3,
+    0xD9,
+    0xDB,
+    0xDC,
+    0xDD,
+    0xDE,
+    0xDF,
+    0x90,
+    0x9F,
+    0x80,
+    0x8F,
+)
 _INTERESTING_U32 = (0, 1, 0x7F, 0x80, 0xFF, 0xFFFF, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFF, 1 << 20)
 
 
@@ -48,10 +72,36 @@ def mutate_bytes(data: bytes, rng: random.Random, others: Sequence[bytes] = ()) 
     return bytes(buf)
 
 
-_INTERESTING_INTS = (0, 1, -1, 2, 127, 128, 255, 256, 65535, 1 << 31, (1 << 32) - 1, 1 << 53,
-                     (1 << 63) - 1, -(1 << 63), (1 << 64) - 1)
-_INTERESTING_FLOATS = (0.0, -0.0, 1.0, -1.0, 0.5, 1e308, -1e308, 5e-324, float("inf"),
-                       float("-inf"), float("nan"))
+_INTERESTING_INTS = (
+    0,
+    1,
+    -1,
+    2,
+    127,
+    128,
+    255,
+    256,
+    65535,
+    1 << 31,
+    (1 << 32) - 1,
+    1 << 53,
+    (1 << 63) - 1,
+    -(1 << 63),
+    (1 << 64) - 1,
+)
+_INTERESTING_FLOATS = (
+    0.0,
+    -0.0,
+    1.0,
+    -1.0,
+    0.5,
+    1e308,
+    -1e308,
+    5e-324,
+    float("inf"),
+    float("-inf"),
+    float("nan"),
+)
 
 
 def random_value(rng: random.Random, depth: int = 0) -> object:
@@ -66,8 +116,10 @@ def random_value(rng: random.Random, depth: int = 0) -> object:
     if kind == 3:
         return rng.choice(_INTERESTING_FLOATS)
     if kind == 4:
-        return "".join(chr(rng.choice((32, 0, 0x7F, 0xE9, 0x2603, 0xD800, 0x1F600, 104)))
-                       for _ in range(rng.choice((0, 1, 8, 200, 2000))))
+        return "".join(
+            chr(rng.choice((32, 0, 0x7F, 0xE9, 0x2603, 0xD800, 0x1F600, 104)))
+            for _ in range(rng.choice((0, 1, 8, 200, 2000)))
+        )
     if kind == 5:
         return rng.randbytes(rng.choice((0, 1, 16, 32, 64, 2000)))
     if kind == 6:
@@ -75,8 +127,10 @@ def random_value(rng: random.Random, depth: int = 0) -> object:
     n = rng.choice((0, 1, 2, 6))
     if kind == 7:
         return [random_value(rng, depth + 1) for _ in range(n)]
-    return {rng.choice(("swarm", "shape", "x", "", 0, 1, -1)): random_value(rng, depth + 1)
-            for _ in range(n)}
+    return {
+        rng.choice(("swarm", "shape", "x", "", 0, 1, -1)): random_value(rng, depth + 1)
+        for _ in range(n)
+    }
 
 
 def count_nodes(tree: object) -> int:

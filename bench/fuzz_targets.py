@@ -106,7 +106,9 @@ def _signer() -> Signer:
     return Signer(_SIGNER_SEED)
 
 
-def _tensors(codecs: tuple[str, ...] = ("none", "bf16", "int8", "int4")) -> tuple[EncodedTensor, ...]:
+def _tensors(
+    codecs: tuple[str, ...] = ("none", "bf16", "int8", "int4"),
+) -> tuple[EncodedTensor, ...]:
     out = []
     for i, (shape, codec) in enumerate(zip(SHAPES, codecs, strict=True)):
         t = torch.linspace(-1.0 - i, 2.0 + i, steps=int(torch.Size(shape).numel())).view(shape)
@@ -119,12 +121,27 @@ def _messages() -> list[Message]:
     peer = PeerInfo(peer_id=signer.peer_id, address="http://127.0.0.1:8000")
     tensors = _tensors()
     key = key_id("atoll/s/members")
-    member = MemberRecord(url="http://127.0.0.1:8000", roles=("learner", "owner"),
-                          reachable=True, manifest="ab" * 16, learning=True, step=3)
+    member = MemberRecord(
+        url="http://127.0.0.1:8000",
+        roles=("learner", "owner"),
+        reachable=True,
+        manifest="ab" * 16,
+        learning=True,
+        step=3,
+    )
     record = sign_record(signer, key, member.encode(), NOW + 60.0)
     return [
-        Contribution(swarm="s", fragment=1, base_version=2, base_digest=b"d" * 32, tokens=512, steps=10, step_time=0.25,
-                     sender_step=40, tensors=tensors),
+        Contribution(
+            swarm="s",
+            fragment=1,
+            base_version=2,
+            base_digest=b"d" * 32,
+            tokens=512,
+            steps=10,
+            step_time=0.25,
+            sender_step=40,
+            tensors=tensors,
+        ),
         FragmentState(swarm="s", fragment=0, version=7, tensors=tensors, content_hash=b"h" * 32),
         FetchFragment(swarm="s", fragment=0, after_version=-1, wait_s=5.0),
         Ack(accepted=False, reason="stale", version=3),
@@ -138,8 +155,17 @@ def _messages() -> list[Message]:
         ValueReply(records=(record, record), peers=(peer,)),
         StoreReply(accepted=1, reasons=("full",)),
         # the other codecs' tensors (last, so the indices above stay put)
-        Contribution(swarm="s", fragment=2, base_version=0, base_digest=b"e" * 32, tokens=64, steps=2, step_time=0.5,
-                     sender_step=2, tensors=_tensors(("sign1", "topk2", "sign1", "topk2"))),
+        Contribution(
+            swarm="s",
+            fragment=2,
+            base_version=0,
+            base_digest=b"e" * 32,
+            tokens=64,
+            steps=2,
+            step_time=0.5,
+            sender_step=2,
+            tensors=_tensors(("sign1", "topk2", "sign1", "topk2")),
+        ),
     ]
 
 
@@ -302,12 +328,23 @@ def _dialback(data: bytes) -> None:
 def _swarm() -> tuple[SwarmManifest, Certificate]:
     """A signed manifest with one authority, and the certificate it gave the fixed signer."""
     founder, lab, peer = Signer(b"\x0f" * 32), Signer(b"\x1e" * 32), _signer()
-    manifest = SwarmManifest(name="fuzz", founder=founder.public_key, admission="certified",
-                             created=NOW - 3600, recipe=(("inner_steps", 50), ("outer_lr", 0.7)))
+    manifest = SwarmManifest(
+        name="fuzz",
+        founder=founder.public_key,
+        admission="certified",
+        created=NOW - 3600,
+        recipe=(("inner_steps", 50), ("outer_lr", 0.7)),
+    )
     manifest = manifest.with_authority("lab-a", lab.public_key).with_revoked(b"\x05" * 32)
     manifest = manifest.signed(founder)
-    cert = Certificate.issue(lab, manifest=manifest, subject=peer.public_key, roles=("owner",),
-                             not_before=NOW - 60, not_after=NOW + 3600)
+    cert = Certificate.issue(
+        lab,
+        manifest=manifest,
+        subject=peer.public_key,
+        roles=("owner",),
+        not_before=NOW - 60,
+        not_after=NOW + 3600,
+    )
     return manifest, cert
 
 
@@ -333,8 +370,14 @@ def _cert_text(data: bytes) -> None:
 def _auth_header(data: bytes) -> None:
     auth = RequestAuth.parse(_text(data))
     assert len(auth.public_key) == 32 and len(auth.signature) == 64, auth
-    auth.verify(swarm=_swarm()[0].swarm_id, method="POST", target="/v1/rpc", now=NOW, recipient=bytes(32),
-                unbound_ok=True)
+    auth.verify(
+        swarm=_swarm()[0].swarm_id,
+        method="POST",
+        target="/v1/rpc",
+        now=NOW,
+        recipient=bytes(32),
+        unbound_ok=True,
+    )
 
 
 # ── the targets ──────────────────────────────────────────────────────────────────────────────
@@ -346,11 +389,22 @@ def targets() -> tuple[Target, ...]:
     tensor_msgs = (*encoded[:2], encoded[-1])
     sealed = tuple(_sealed(e, i) for i, e in enumerate(encoded))
     envelopes = tuple(s[4 : 4 + struct.unpack_from(">I", s)[0]] for s in sealed)
-    members = (MemberRecord(url="http://10.0.0.1:9", roles=("owner",), reachable=False,
-                            manifest="m", learning=False, step=1).encode(),
-               MemberRecord(url="", roles=(), reachable=True, manifest="", learning=True).encode())
-    manifests = (encode_manifest([b"a" * 32, b"b" * 32], etag="v3-abcdef", size=100_000,
-                                 chunk_size=64 << 10),)
+    members = (
+        MemberRecord(
+            url="http://10.0.0.1:9",
+            roles=("owner",),
+            reachable=False,
+            manifest="m",
+            learning=False,
+            step=1,
+        ).encode(),
+        MemberRecord(url="", roles=(), reachable=True, manifest="", learning=True).encode(),
+    )
+    manifests = (
+        encode_manifest(
+            [b"a" * 32, b"b" * 32], etag="v3-abcdef", size=100_000, chunk_size=64 << 10
+        ),
+    )
     strings = {
         "range": ("bytes=0-99", "bytes=-5", "bytes=10-", " bytes=1-1 ", "bytes=0-1,2-3"),
         "etag": ('"v12-0123abcdef"', "v0-ff", 'W/"v1-a"'),
@@ -362,11 +416,25 @@ def targets() -> tuple[Target, ...]:
     swarm_toml = (tomli_w.dumps(manifest.to_toml_data()).encode(),)
     certs = (cert.encode(),)
     strings["cert_text"] = (cert.to_header(), cert.to_text())
-    strings["auth_header"] = (RequestAuth.make(_signer(), swarm=manifest.swarm_id, method="POST",
-                                               target="/v1/rpc", now=NOW, recipient=bytes(32), nonce=b"\x07" * 16),)
+    strings["auth_header"] = (
+        RequestAuth.make(
+            _signer(),
+            swarm=manifest.swarm_id,
+            method="POST",
+            target="/v1/rpc",
+            now=NOW,
+            recipient=bytes(32),
+            nonce=b"\x07" * 16,
+        ),
+    )
 
-    def t(name: str, feed: Callable[[bytes], object], seeds: tuple[bytes, ...],
-          tree_list: tuple[object, ...] = (), build: Callable[[object], bytes] | None = None) -> Target:
+    def t(
+        name: str,
+        feed: Callable[[bytes], object],
+        seeds: tuple[bytes, ...],
+        tree_list: tuple[object, ...] = (),
+        build: Callable[[object], bytes] | None = None,
+    ) -> Target:
         return Target(name, feed, seeds, tree_list, build)
 
     def text(name: str, feed: Callable[[bytes], object]) -> Target:
@@ -375,8 +443,13 @@ def targets() -> tuple[Target, ...]:
     return (
         t("codec.decode", _decode, encoded, trees, frame),
         t("codec.body_reader", _body_reader, tuple(struct.pack(">Q", len(e)) + e for e in encoded)),
-        t("signing.open_envelope", lambda d: open_envelope(d, max_size=MAX_SIZE), envelopes,
-          tuple(_envelope_tree(e) for e in envelopes), _envelope_build),
+        t(
+            "signing.open_envelope",
+            lambda d: open_envelope(d, max_size=MAX_SIZE),
+            envelopes,
+            tuple(_envelope_tree(e) for e in envelopes),
+            _envelope_build,
+        ),
         t("signing.open_sealed", _open_sealed, sealed),
         t("signing.sealed_reader", _sealed_reader, sealed),
         t("signing.signed_body", _open_signed_body, encoded, trees, frame),

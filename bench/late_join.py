@@ -30,11 +30,34 @@ MODES = ("none", "swarm", "own")
 
 def run(mode: str, seed: int, args: argparse.Namespace, folder: Path) -> dict[str, Any]:
     """One swarm: two founders, and a late joiner on ``mode``'s schedule (none: no joiner)."""
-    files = make_swarm(folder, name="late-join", admission="open", labs=("lab",),
-                       recipe=["--model", args.model, "--fragments", str(args.fragments),
-                               "--inner-steps", str(args.inner_steps), "--seed", str(seed)])
-    train = ["--steps", str(args.steps), "--eval-every", str(args.steps), "--threads", "1",
-             "--serve-after-s", "30", "--listen", "127.0.0.1:0"]
+    files = make_swarm(
+        folder,
+        name="late-join",
+        admission="open",
+        labs=("lab",),
+        recipe=[
+            "--model",
+            args.model,
+            "--fragments",
+            str(args.fragments),
+            "--inner-steps",
+            str(args.inner_steps),
+            "--seed",
+            str(seed),
+        ],
+    )
+    train = [
+        "--steps",
+        str(args.steps),
+        "--eval-every",
+        str(args.steps),
+        "--threads",
+        "1",
+        "--serve-after-s",
+        "30",
+        "--listen",
+        "127.0.0.1:0",
+    ]
     for name in ("f0", "f1", "late"):
         files.certify(name, lab="lab")
     peers: list[Proc] = []
@@ -42,26 +65,50 @@ def run(mode: str, seed: int, args: argparse.Namespace, folder: Path) -> dict[st
         boot = Proc(["bootstrap", "--listen", "127.0.0.1:0"], folder / "boot.log")
         peers.append(boot)
         boot_url = boot.lines.get(timeout=60).rsplit(" ", 1)[-1]
-        founders = [Proc(["join", "--initial-peers", boot_url, *files.args(f"f{i}"), *train], folder / f"f{i}.log")
-                    for i in range(2)]
+        founders = [
+            Proc(
+                ["join", "--initial-peers", boot_url, *files.args(f"f{i}"), *train],
+                folder / f"f{i}.log",
+            )
+            for i in range(2)
+        ]
         peers += founders
         first_url = founders[0].wait_event("listening", 120)["url"]
         late = None
         if mode != "none":
             while get_json(f"{first_url}/v1/status")["step"] < args.join_at:
                 if founders[0].proc.poll() is not None:
-                    raise RuntimeError(f"founder 0 exited before step {args.join_at}: see {folder / 'f0.log'}")
+                    raise RuntimeError(
+                        f"founder 0 exited before step {args.join_at}: see {folder / 'f0.log'}"
+                    )
                 time.sleep(0.5)
-            late = Proc(["join", "--initial-peers", boot_url, *files.args("late"), *train, "--schedule", mode],
-                        folder / "late.log")
+            late = Proc(
+                [
+                    "join",
+                    "--initial-peers",
+                    boot_url,
+                    *files.args("late"),
+                    *train,
+                    "--schedule",
+                    mode,
+                ],
+                folder / "late.log",
+            )
             peers.append(late)
         ends = [f.wait_event("done", args.timeout)["result"]["eval_loss_end"] for f in founders]
-        entered = next((e["step"] for e in (late.events if late else []) if e.get("event") == "schedule"), 0)
+        entered = next(
+            (e["step"] for e in (late.events if late else []) if e.get("event") == "schedule"), 0
+        )
     finally:
         for p in peers:
             p.stop()
-    return {"mode": mode, "seed": seed, "founders_eval_loss_end": [round(x, 4) for x in ends],
-            "mean": round(statistics.fmean(ends), 4), "joiner_started_at_step": entered if late else None}
+    return {
+        "mode": mode,
+        "seed": seed,
+        "founders_eval_loss_end": [round(x, 4) for x in ends],
+        "mean": round(statistics.fmean(ends), 4),
+        "joiner_started_at_step": entered if late else None,
+    }
 
 
 def summary(runs: list[dict[str, Any]]) -> dict[str, float]:
@@ -73,11 +120,19 @@ def summary(runs: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--steps", type=int, default=1500, help="inner steps of every peer's schedule")
-    parser.add_argument("--join-at", type=int, default=900, help="the late peer joins once founder 0 is this far")
-    parser.add_argument("--modes", default=",".join(MODES), help=f"a comma list of {', '.join(MODES)}")
+    parser.add_argument(
+        "--steps", type=int, default=1500, help="inner steps of every peer's schedule"
+    )
+    parser.add_argument(
+        "--join-at", type=int, default=900, help="the late peer joins once founder 0 is this far"
+    )
+    parser.add_argument(
+        "--modes", default=",".join(MODES), help=f"a comma list of {', '.join(MODES)}"
+    )
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--fragments", type=int, default=4)
     parser.add_argument("--inner-steps", type=int, default=30)
@@ -93,11 +148,29 @@ def main() -> None:
         for seed in args.seeds:
             for mode in modes:
                 runs.append(run(mode, seed, args, Path(tmp) / f"{mode}-{seed}"))
-                print(f"[late_join] seed {seed} {mode:5s}: founders end at {runs[-1]['founders_eval_loss_end']}"
-                      + (f", joiner from step {runs[-1]['joiner_started_at_step']}" if mode != "none" else ""),
-                      file=sys.stderr, flush=True)
-    print(json.dumps({"bench": "late_join", "steps": args.steps, "join_at": args.join_at, "model": args.model,
-                      "inner_steps": args.inner_steps, "runs": runs, "mean_by_mode": summary(runs)}))
+                print(
+                    f"[late_join] seed {seed} {mode:5s}: founders end at {runs[-1]['founders_eval_loss_end']}"
+                    + (
+                        f", joiner from step {runs[-1]['joiner_started_at_step']}"
+                        if mode != "none"
+                        else ""
+                    ),
+                    file=sys.stderr,
+                    flush=True,
+                )
+    print(
+        json.dumps(
+            {
+                "bench": "late_join",
+                "steps": args.steps,
+                "join_at": args.join_at,
+                "model": args.model,
+                "inner_steps": args.inner_steps,
+                "runs": runs,
+                "mean_by_mode": summary(runs),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -38,33 +38,62 @@ __all__ = ["ABLATIONS", "QUICK", "gap", "main", "parse_ablations", "parse_set"]
 # Pinned: issue 11's runs were on the small model at 600 steps and H = 30, atoll local's defaults
 # until 2026-12-03 (its model until 2026-12-05).
 FULL: dict[str, Any] = {"peers": 4, "model": "small", "steps": 600, "inner_steps": 30}
-QUICK: dict[str, Any] = {"peers": 2, "model": "tiny", "steps": 40, "inner_steps": 10, "warmup_steps": 5,
-                         "eval_every": 20, "eval_batches": 2, "corpus_max_bytes": 1_000_000}
+QUICK: dict[str, Any] = {
+    "peers": 2,
+    "model": "tiny",
+    "steps": 40,
+    "inner_steps": 10,
+    "warmup_steps": 5,
+    "eval_every": 20,
+    "eval_batches": 2,
+    "corpus_max_bytes": 1_000_000,
+}
 
 # group -> item name -> the RunConfig fields it sets (over the main setting)
 ABLATIONS: dict[str, dict[str, dict[str, Any]]] = {
-    "codec": {"none": {"codec": "none"}, "int8": {"codec": "int8"}, "int4": {"codec": "int4"},
-              "topk2": {"codec": "topk2"}},
-    "outer": {"lr1.0-m0": {"outer_lr": 1.0, "outer_momentum": 0.0},
-              "lr0.7-m0.9": {"outer_lr": 0.7, "outer_momentum": 0.9},
-              "lr0.7-m0.5": {"outer_lr": 0.7, "outer_momentum": 0.5},
-              "lr1.0-m0.3": {"outer_lr": 1.0, "outer_momentum": 0.3},
-              "lr1.3-m0": {"outer_lr": 1.3, "outer_momentum": 0.0}},
+    "codec": {
+        "none": {"codec": "none"},
+        "int8": {"codec": "int8"},
+        "int4": {"codec": "int4"},
+        "topk2": {"codec": "topk2"},
+    },
+    "outer": {
+        "lr1.0-m0": {"outer_lr": 1.0, "outer_momentum": 0.0},
+        "lr0.7-m0.9": {"outer_lr": 0.7, "outer_momentum": 0.9},
+        "lr0.7-m0.5": {"outer_lr": 0.7, "outer_momentum": 0.5},
+        "lr1.0-m0.3": {"outer_lr": 1.0, "outer_momentum": 0.3},
+        "lr1.3-m0": {"outer_lr": 1.3, "outer_momentum": 0.0},
+    },
     "H": {"H15": {"inner_steps": 15}, "H30": {"inner_steps": 30}, "H60": {"inner_steps": 60}},
-    "fragments": {"P1": {"fragments": 1}, "P2": {"fragments": 2}, "P4": {"fragments": 4},
-                  "P8": {"fragments": 8}},
-    "download": {"fp32": {"download_codec": "none", "update_codec": "none"},
-                 "bf16": {"download_codec": "bf16", "update_codec": "none"},
-                 # versions as updates over the one before (--update-codec), full fp32 states beside
-                 "int8-update": {"update_codec": "int8"}, "int4-update": {"update_codec": "int4"}},
+    "fragments": {
+        "P1": {"fragments": 1},
+        "P2": {"fragments": 2},
+        "P4": {"fragments": 4},
+        "P8": {"fragments": 8},
+    },
+    "download": {
+        "fp32": {"download_codec": "none", "update_codec": "none"},
+        "bf16": {"download_codec": "bf16", "update_codec": "none"},
+        # versions as updates over the one before (--update-codec), full fp32 states beside
+        "int8-update": {"update_codec": "int8"},
+        "int4-update": {"update_codec": "int4"},
+    },
     "peers": {"M4": {"peers": 4}, "M8": {"peers": 8}},
     # the merge's aggregation (--aggregate): radial-directional averaging, the normed or the token-weighted mean
-    "aggregate": {"rda": {"aggregate": "rda"}, "mean": {"aggregate": "mean"}, "normed": {"aggregate": "normed"},
-                  "rda-M8": {"peers": 8, "aggregate": "rda"}, "mean-M8": {"peers": 8, "aggregate": "mean"}},
+    "aggregate": {
+        "rda": {"aggregate": "rda"},
+        "mean": {"aggregate": "mean"},
+        "normed": {"aggregate": "normed"},
+        "rda-M8": {"peers": 8, "aggregate": "rda"},
+        "mean-M8": {"peers": 8, "aggregate": "mean"},
+    },
     # adoption: overwrite (--adopt-rebase 0), or the blend theta <- alpha*theta + (1-alpha)*global
     # (--adopt-alpha), against the default rebase (global + the work no contribution holds yet)
-    "adopt": {"overwrite": {"adopt_rebase": 0}, "a0.3": {"adopt_alpha": 0.3, "adopt_rebase": 0},
-              "a0.5": {"adopt_alpha": 0.5, "adopt_rebase": 0}},
+    "adopt": {
+        "overwrite": {"adopt_rebase": 0},
+        "a0.3": {"adopt_alpha": 0.3, "adopt_rebase": 0},
+        "a0.5": {"adopt_alpha": 0.5, "adopt_rebase": 0},
+    },
     # each learner's data (--sharding): one slice of the corpus, or stripes spanning all of it
     "sharding": {"contiguous": {"sharding": "contiguous"}, "striped": {"sharding": "striped"}},
 }
@@ -81,7 +110,9 @@ def parse_set(items: list[str]) -> dict[str, Any]:
     for item in items:
         key, sep, text = item.partition("=")
         if not sep or not key:
-            raise ValueError(f"--set wants FIELD=VALUE (a RunConfig field, e.g. outer_lr=0.7), got {item!r}")
+            raise ValueError(
+                f"--set wants FIELD=VALUE (a RunConfig field, e.g. outer_lr=0.7), got {item!r}"
+            )
         value: Any = text
         for kind in (int, float):
             try:
@@ -103,7 +134,9 @@ def parse_ablations(spec: str) -> list[tuple[str, str]]:
         if group not in ABLATIONS:
             raise ValueError(f"unknown ablation group {group!r}; choose from {sorted(ABLATIONS)}")
         if item and item not in ABLATIONS[group]:
-            raise ValueError(f"unknown {group} ablation {item!r}; choose from {sorted(ABLATIONS[group])}")
+            raise ValueError(
+                f"unknown {group} ablation {item!r}; choose from {sorted(ABLATIONS[group])}"
+            )
         chosen += [(group, name) for name in ABLATIONS[group] if not item or name == item]
     return chosen
 
@@ -120,7 +153,9 @@ def best_baseline(runner: Runner, setting: Setting, dp_lrs: list[float]) -> dict
     return {**best, "tried": [{"lr": r["lr"], "eval_loss_end": r["eval_loss_end"]} for r in runs]}
 
 
-def compare_seed(runner: Runner, setting: Setting, dp_lrs: list[float], methods: tuple[str, ...]) -> dict[str, Any]:
+def compare_seed(
+    runner: Runner, setting: Setting, dp_lrs: list[float], methods: tuple[str, ...]
+) -> dict[str, Any]:
     """One seed of one setting: each method's run, data-parallel, and the gaps between them."""
     cfg = setting.config()
     out: dict[str, Any] = {"seed": cfg.seed}
@@ -131,7 +166,9 @@ def compare_seed(runner: Runner, setting: Setting, dp_lrs: list[float], methods:
     for method in methods:
         out[f"gap_{method}_vs_dp"] = gap(out[method]["eval_loss_end"], out["dp"]["eval_loss_end"])
     if "decoupled" in methods and "sync" in methods:
-        out["gap_decoupled_vs_sync"] = gap(out["decoupled"]["eval_loss_end"], out["sync"]["eval_loss_end"])
+        out["gap_decoupled_vs_sync"] = gap(
+            out["decoupled"]["eval_loss_end"], out["sync"]["eval_loss_end"]
+        )
     return out
 
 
@@ -140,7 +177,12 @@ def mean_gaps(per_seed: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key in sorted({k for s in per_seed for k in s if k.startswith("gap_")}):
         values = [s[key] for s in per_seed if key in s]
-        out[key] = {"mean": statistics.fmean(values), "min": min(values), "max": max(values), "n": len(values)}
+        out[key] = {
+            "mean": statistics.fmean(values),
+            "min": min(values),
+            "max": max(values),
+            "n": len(values),
+        }
     for method in ("decoupled", "sync"):
         ratios = [s[method]["bandwidth_reduction_vs_ddp"] for s in per_seed if method in s]
         if ratios and all(r is not None for r in ratios):
@@ -148,8 +190,14 @@ def mean_gaps(per_seed: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def run_setting(runner: Runner, name: str, overrides: dict[str, Any], seeds: list[int], dp_lrs: list[float],
-                methods: tuple[str, ...]) -> dict[str, Any]:
+def run_setting(
+    runner: Runner,
+    name: str,
+    overrides: dict[str, Any],
+    seeds: list[int],
+    dp_lrs: list[float],
+    methods: tuple[str, ...],
+) -> dict[str, Any]:
     """Every seed of one setting and the means over seeds."""
     per_seed = []
     for seed in seeds:
@@ -165,25 +213,51 @@ def run_setting(runner: Runner, name: str, overrides: dict[str, Any], seeds: lis
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.quality", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench.quality",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--quick", action="store_true", help="tiny model, 2 peers, 40 steps (for tests)")
     p.add_argument("--seeds", default="0,1,2", help="seeds of the main comparison (default: 0,1,2)")
-    p.add_argument("--ablations", default="",
-                   help=f"comma-separated groups or group:item from {sorted(ABLATIONS)} (default: none)")
+    p.add_argument(
+        "--ablations",
+        default="",
+        help=f"comma-separated groups or group:item from {sorted(ABLATIONS)} (default: none)",
+    )
     p.add_argument("--ablation-seeds", default="0", help="seeds of each ablation (default: 0)")
-    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                   help="a RunConfig field of the main setting (repeatable), e.g. outer_momentum=0.5")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="a RunConfig field of the main setting (repeatable), e.g. outer_momentum=0.5",
+    )
     p.add_argument("--methods", default="decoupled,sync", help="main comparison's swarm modes")
-    p.add_argument("--dp-lrs", default="", help="peak lrs to train data-parallel at, best kept "
-                                                "(default: the swarm's inner lr)")
-    p.add_argument("--out", type=Path, default=Path("runs/quality/reports"), help="reports and logs go here")
-    p.add_argument("--journal", type=Path, default=Path("runs/quality/results.jsonl"),
-                   help="every run's result is appended here as a JSON line")
-    p.add_argument("--resume", action="store_true", help="read back runs whose report already exists")
+    p.add_argument(
+        "--dp-lrs",
+        default="",
+        help="peak lrs to train data-parallel at, best kept (default: the swarm's inner lr)",
+    )
+    p.add_argument(
+        "--out", type=Path, default=Path("runs/quality/reports"), help="reports and logs go here"
+    )
+    p.add_argument(
+        "--journal",
+        type=Path,
+        default=Path("runs/quality/results.jsonl"),
+        help="every run's result is appended here as a JSON line",
+    )
+    p.add_argument(
+        "--resume", action="store_true", help="read back runs whose report already exists"
+    )
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds one run may take")
-    p.add_argument("--retries", type=int, default=1, help="times a failed run is tried again (default: 1)")
-    p.add_argument("--plot", type=Path, default=None, help="write the main setting's loss curves here (PNG)")
+    p.add_argument(
+        "--retries", type=int, default=1, help="times a failed run is tried again (default: 1)"
+    )
+    p.add_argument(
+        "--plot", type=Path, default=None, help="write the main setting's loss curves here (PNG)"
+    )
     return p
 
 
@@ -201,16 +275,34 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit(f"--methods takes decoupled and/or sync, got {args.methods!r}")
     dp_lrs = [float(x) for x in args.dp_lrs.split(",") if x.strip()]
     ablations = parse_ablations(args.ablations)
-    runner = Runner(args.out, resume=args.resume, journal=args.journal, timeout_s=args.timeout,
-                    retries=args.retries)
+    runner = Runner(
+        args.out,
+        resume=args.resume,
+        journal=args.journal,
+        timeout_s=args.timeout,
+        retries=args.retries,
+    )
     t0 = time.monotonic()
-    result: dict[str, Any] = {"benchmark": "quality", "quick": args.quick, "base": base,
-                              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    result: dict[str, Any] = {
+        "benchmark": "quality",
+        "quick": args.quick,
+        "base": base,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
     result["main"] = run_setting(runner, "main", base, _ints(args.seeds), dp_lrs, methods)
     result["ablations"] = [
-        {"group": group, "item": item,
-         **run_setting(runner, f"{group}:{item}", {**base, **ABLATIONS[group][item]}, _ints(args.ablation_seeds),
-                       dp_lrs, ("decoupled",))}
+        {
+            "group": group,
+            "item": item,
+            **run_setting(
+                runner,
+                f"{group}:{item}",
+                {**base, **ABLATIONS[group][item]},
+                _ints(args.ablation_seeds),
+                dp_lrs,
+                ("decoupled",),
+            ),
+        }
         for group, item in ablations
     ]
     result["wall_s"] = time.monotonic() - t0

@@ -7,7 +7,10 @@ from typing import Any
 
 __all__ = ["plot_curves"]
 
-LABELS = {"decoupled": "Decoupled DiLoCo (global model)", "sync": "synchronous DiLoCo (global model)"}
+LABELS = {
+    "decoupled": "Decoupled DiLoCo (global model)",
+    "sync": "synchronous DiLoCo (global model)",
+}
 
 
 def plot_curves(main: dict[str, Any], png: Path) -> None:
@@ -19,16 +22,27 @@ def plot_curves(main: dict[str, Any], png: Path) -> None:
     from matplotlib import ticker
 
     seeds = main["per_seed"]
-    fig, axes = plt.subplots(1, len(seeds), figsize=(5 * len(seeds), 4.2), squeeze=False, sharey=True)
+    fig, axes = plt.subplots(
+        1, len(seeds), figsize=(5 * len(seeds), 4.2), squeeze=False, sharey=True
+    )
     for ax, run in zip(axes[0], seeds, strict=True):
         for method, label in LABELS.items():
             curve = run.get(method, {}).get("eval_curve_global") or []
             if curve:  # (seconds, step, loss)
-                ax.plot([c[1] for c in curve], [c[2] for c in curve], marker=".",
-                        label=f"{label}: {run[method]['eval_loss_end']:.3f}")
+                ax.plot(
+                    [c[1] for c in curve],
+                    [c[2] for c in curve],
+                    marker=".",
+                    label=f"{label}: {run[method]['eval_loss_end']:.3f}",
+                )
         dp = run["dp"]
-        ax.plot([c[0] for c in dp["eval_curve"]], [c[2] for c in dp["eval_curve"]], "--", color="black",
-                label=f"data-parallel, lr {dp['lr']:g}: {dp['eval_loss_end']:.3f}")
+        ax.plot(
+            [c[0] for c in dp["eval_curve"]],
+            [c[2] for c in dp["eval_curve"]],
+            "--",
+            color="black",
+            label=f"data-parallel, lr {dp['lr']:g}: {dp['eval_loss_end']:.3f}",
+        )
         ax.set_title(f"seed {run['seed']}")
         ax.set_xlabel("inner step per learner (equal tokens)")
         ax.set_yscale("log")

@@ -27,8 +27,20 @@ __all__ = ["Runner", "Setting", "baseline_key", "local_flags", "summarise_local"
 
 # The RunConfig fields the data-parallel baseline depends on (node.workload.baseline's TrainConfig
 # reads these from the swarm's config); two swarms equal on them share one baseline.
-BASELINE_FIELDS = ("peers", "seed", "model", "corpus", "corpus_max_bytes", "steps", "batch_size", "lr",
-                   "warmup_steps", "weight_decay", "eval_batches", "sharding")
+BASELINE_FIELDS = (
+    "peers",
+    "seed",
+    "model",
+    "corpus",
+    "corpus_max_bytes",
+    "steps",
+    "batch_size",
+    "lr",
+    "warmup_steps",
+    "weight_decay",
+    "eval_batches",
+    "sharding",
+)
 
 
 @dataclass(frozen=True)
@@ -43,7 +55,9 @@ class Setting:
         known = {f.name for f in dataclasses.fields(RunConfig)}
         unknown = [k for k, _ in self.overrides if k not in known]
         if unknown:
-            raise ValueError(f"setting {self.name!r}: unknown RunConfig fields {unknown}; known: {sorted(known)}")
+            raise ValueError(
+                f"setting {self.name!r}: unknown RunConfig fields {unknown}; known: {sorted(known)}"
+            )
         return RunConfig(**dict(self.overrides))
 
     def slug(self) -> str:
@@ -91,8 +105,15 @@ def summarise_local(report: dict[str, Any], path: Path) -> dict[str, Any]:
 class Runner:
     """Runs (or reads back) swarms and baselines under ``out_dir``, journaling each result."""
 
-    def __init__(self, out_dir: Path, *, resume: bool, journal: Path | None, timeout_s: float,
-                 retries: int = 1) -> None:
+    def __init__(
+        self,
+        out_dir: Path,
+        *,
+        resume: bool,
+        journal: Path | None,
+        timeout_s: float,
+        retries: int = 1,
+    ) -> None:
         self.out_dir = out_dir
         self.retries = retries
         self.resume = resume
@@ -106,12 +127,29 @@ class Runner:
         path = self.out_dir / f"{method}-s{cfg.seed}-{setting.slug()}.json"
         fresh = not self._have(path)
         if fresh:
-            cmd = [sys.executable, "-m", "node", "local", "--quiet", "--report", str(path), *local_flags(cfg)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "node",
+                "local",
+                "--quiet",
+                "--report",
+                str(path),
+                *local_flags(cfg),
+            ]
             self._call(cmd, path.with_suffix(".log"), f"{method} {setting.name} seed {cfg.seed}")
         out = summarise_local(json.loads(path.read_text()), path)
         if fresh:
-            self._journal({"kind": "local", "method": method, "setting": setting.name,
-                           "overrides": dict(setting.overrides), "seed": cfg.seed, **_without_curve(out)})
+            self._journal(
+                {
+                    "kind": "local",
+                    "method": method,
+                    "setting": setting.name,
+                    "overrides": dict(setting.overrides),
+                    "seed": cfg.seed,
+                    **_without_curve(out),
+                }
+            )
         return out
 
     def baseline(self, cfg: RunConfig, lr: float) -> dict[str, Any]:
@@ -121,12 +159,36 @@ class Runner:
         fresh = not self._have(path)
         if fresh:
             # one torch thread, as each peer: two spin-waiting threads crawl on a loaded machine
-            cmd = [sys.executable, "-m", "node.workload.baseline", "--json", "--threads", "1",
-                   "--peers", str(cfg.peers), "--seed", str(cfg.seed), "--model", cfg.model,
-                   "--steps", str(cfg.steps), "--batch-size", str(cfg.batch_size), "--lr", str(lr),
-                   "--warmup-steps", str(cfg.warmup_steps), "--weight-decay", str(cfg.weight_decay),
-                   "--eval-batches", str(cfg.eval_batches), "--eval-every", str(cfg.eval_every),
-                   "--sharding", cfg.sharding]
+            cmd = [
+                sys.executable,
+                "-m",
+                "node.workload.baseline",
+                "--json",
+                "--threads",
+                "1",
+                "--peers",
+                str(cfg.peers),
+                "--seed",
+                str(cfg.seed),
+                "--model",
+                cfg.model,
+                "--steps",
+                str(cfg.steps),
+                "--batch-size",
+                str(cfg.batch_size),
+                "--lr",
+                str(lr),
+                "--warmup-steps",
+                str(cfg.warmup_steps),
+                "--weight-decay",
+                str(cfg.weight_decay),
+                "--eval-batches",
+                str(cfg.eval_batches),
+                "--eval-every",
+                str(cfg.eval_every),
+                "--sharding",
+                cfg.sharding,
+            ]
             if cfg.corpus:
                 cmd += ["--corpus", cfg.corpus]
             if cfg.corpus_max_bytes:
@@ -139,8 +201,13 @@ class Runner:
                 raise RuntimeError(f"the baseline printed no JSON result; see {log}")
             path.write_text(lines[-1])
         result = json.loads(path.read_text())
-        out = {"report": str(path), "lr": lr, "eval_loss_end": float(result["eval_loss_end"]),
-               "eval_curve": result["eval_curve"], "tokens_trained": int(result["tokens_trained"])}
+        out = {
+            "report": str(path),
+            "lr": lr,
+            "eval_loss_end": float(result["eval_loss_end"]),
+            "eval_curve": result["eval_curve"],
+            "tokens_trained": int(result["tokens_trained"]),
+        }
         if fresh:
             self._journal({"kind": "baseline", "seed": cfg.seed, **_without_curve(out)})
         return out
@@ -156,16 +223,25 @@ class Runner:
         swarm on an overloaded machine may miss a start-up deadline); RuntimeError if it never
         succeeds."""
         for attempt in range(1 + self.retries):
-            print(f"[quality] {time.strftime('%H:%M:%S')} running {what}: {' '.join(cmd[1:])}", file=sys.stderr,
-                  flush=True)
+            print(
+                f"[quality] {time.strftime('%H:%M:%S')} running {what}: {' '.join(cmd[1:])}",
+                file=sys.stderr,
+                flush=True,
+            )
             t0 = time.monotonic()
             with log.open("wb") as f:
                 try:
-                    code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=self.timeout_s).returncode
+                    code = subprocess.run(
+                        cmd, stdout=f, stderr=subprocess.STDOUT, timeout=self.timeout_s
+                    ).returncode
                 except subprocess.TimeoutExpired:
                     code = -1
             if code == 0:
-                print(f"[quality] {what} done in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
+                print(
+                    f"[quality] {what} done in {time.monotonic() - t0:.0f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 return
             tail = " | ".join(log.read_text(errors="replace").strip().splitlines()[-3:])
             problem = f"{what} failed (exit code {code}, -1: over {self.timeout_s:.0f} s): {tail} (log: {log})"
@@ -209,7 +285,11 @@ def _wait_for_other_writer(path: Path, poll_s: float = 10.0) -> None:
         if pid == os.getpid():
             return
         if not told:
-            print(f"[quality] waiting for process {pid} to finish {path.name}", file=sys.stderr, flush=True)
+            print(
+                f"[quality] waiting for process {pid} to finish {path.name}",
+                file=sys.stderr,
+                flush=True,
+            )
             told = True
         time.sleep(poll_s)
 

@@ -46,16 +46,28 @@ def problem(shard: int, n: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
 CONFIG = RunConfig(fragments=2, inner_steps=20, codec="int8", outer_lr=1.0, outer_momentum=0.0)
 
 
-def island(shard: int, steps: int, swarm: tuple[SwarmManifest, bytes, Certificate], addresses: mp.Queue,
-           results: mp.Queue) -> None:
+def island(
+    shard: int,
+    steps: int,
+    swarm: tuple[SwarmManifest, bytes, Certificate],
+    addresses: mp.Queue,
+    results: mp.Queue,
+) -> None:
     torch.set_num_threads(1)
     manifest, seed, cert = swarm
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     x, y = problem(shard)
     initial = [] if shard == 0 else [addresses.get(timeout=60)]
-    with SwarmIsland(model, opt, manifest=manifest, key=Signer(seed), cert=cert, tokens_per_step=64,
-                     initial_peers=initial) as isl:
+    with SwarmIsland(
+        model,
+        opt,
+        manifest=manifest,
+        key=Signer(seed),
+        cert=cert,
+        tokens_per_step=64,
+        initial_peers=initial,
+    ) as isl:
         if shard == 0:
             addresses.put(isl.url)
         isl.wait_for_members(2)  # start together: the final model is the one when both are done
@@ -75,11 +87,15 @@ def island(shard: int, steps: int, swarm: tuple[SwarmManifest, bytes, Certificat
     for name, tensor in sorted(isl.global_state().items()):
         digest.update(name.encode())
         digest.update(tensor.contiguous().numpy().tobytes())
-    results.put({"shard": shard, "loss": final, "versions": isl.versions, "hash": digest.hexdigest()[:16]})
+    results.put(
+        {"shard": shard, "loss": final, "versions": isl.versions, "hash": digest.hexdigest()[:16]}
+    )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=300)
     args = parser.parse_args()
     ctx = mp.get_context("spawn")
@@ -89,13 +105,32 @@ def main() -> None:
         start = nn.functional.mse_loss(make_model()(x), y).item()
     # the founder's and the lab's part (keys in memory here; on disk with atoll keygen / swarm)
     founder, lab = Signer(os.urandom(32)), Signer(os.urandom(32))
-    manifest = SwarmIsland.found(make_model(), founder, name="example", tokens_per_step=64, config=CONFIG,
-                                 authorities=[("example-lab", lab.public_key)])
+    manifest = SwarmIsland.found(
+        make_model(),
+        founder,
+        name="example",
+        tokens_per_step=64,
+        config=CONFIG,
+        authorities=[("example-lab", lab.public_key)],
+    )
     seeds = [os.urandom(32) for _ in range(2)]
-    certs = [Certificate.issue(lab, manifest=manifest, subject=Signer(seed).public_key, roles=("learner", "owner"),
-                               not_before=time.time() - 60, not_after=time.time() + 3600) for seed in seeds]
-    procs = [ctx.Process(target=island, args=(i, args.steps, (manifest, seeds[i], certs[i]), addresses, results))
-             for i in range(2)]
+    certs = [
+        Certificate.issue(
+            lab,
+            manifest=manifest,
+            subject=Signer(seed).public_key,
+            roles=("learner", "owner"),
+            not_before=time.time() - 60,
+            not_after=time.time() + 3600,
+        )
+        for seed in seeds
+    ]
+    procs = [
+        ctx.Process(
+            target=island, args=(i, args.steps, (manifest, seeds[i], certs[i]), addresses, results)
+        )
+        for i in range(2)
+    ]
     for p in procs:
         p.start()
     out = sorted((results.get(timeout=300) for _ in procs), key=lambda r: r["shard"])
@@ -103,8 +138,10 @@ def main() -> None:
         p.join(timeout=30)
     print(f"loss at start {start:.4f}")
     for r in out:
-        print(f"island {r['shard']}: loss {r['loss']:.4f}, global versions {r['versions']}, "
-              f"global model {r['hash']}")
+        print(
+            f"island {r['shard']}: loss {r['loss']:.4f}, global versions {r['versions']}, "
+            f"global model {r['hash']}"
+        )
 
 
 if __name__ == "__main__":

@@ -76,9 +76,18 @@ def make_model(block_size: int) -> GPT2LMHeadModel:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)  # every island starts from the same weights: version 0 of each fragment
-    config = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=256, n_positions=block_size,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                        bos_token_id=None, eos_token_id=None)
+    config = GPT2Config(
+        n_layer=2,
+        n_embd=64,
+        n_head=2,
+        vocab_size=256,
+        n_positions=block_size,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
     return GPT2LMHeadModel(config)
 
 
@@ -105,24 +114,47 @@ def island(shard: int, args: Args, credentials: mp.Queue, addresses: mp.Queue) -
     torch.set_num_threads(1)
     # -------------------------------------------------------------------------------- data
     train, heldout = split_corpus(load_corpus(None, max_bytes=args.corpus_bytes))
-    batches = BatchSampler(train, batch_size=args.batch_size, block_size=args.block_size,
-                           seed=1000 + shard, shard=shard, n_shards=2)
+    batches = BatchSampler(
+        train,
+        batch_size=args.batch_size,
+        block_size=args.block_size,
+        seed=1000 + shard,
+        shard=shard,
+        n_shards=2,
+    )
 
     def eval_loss() -> float:
-        return evaluate(Logits(model), heldout, batch_size=args.batch_size, block_size=args.block_size,
-                        n_batches=EVAL_BATCHES)
+        return evaluate(
+            Logits(model),
+            heldout,
+            batch_size=args.batch_size,
+            block_size=args.block_size,
+            n_batches=EVAL_BATCHES,
+        )
 
     # -------------------------------------------------------------------------------- model
     model = make_model(args.block_size)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     tokens = batches.tokens_per_batch  # (B * T) bytes per inner step
-    print(f"island {shard}: eval step 0 loss {eval_loss():.4f}", flush=True)  # version 0, as on every island
-    swarm: tuple[SwarmManifest, bytes, Certificate] = credentials.get(timeout=300)  # from the launcher
+    print(
+        f"island {shard}: eval step 0 loss {eval_loss():.4f}", flush=True
+    )  # version 0, as on every island
+    swarm: tuple[SwarmManifest, bytes, Certificate] = credentials.get(
+        timeout=300
+    )  # from the launcher
     manifest, seed, cert = swarm
     initial = [] if shard == 0 else [addresses.get(timeout=120)]
     # -------------------------------------------------------------------------------- training
-    with SwarmIsland(model, opt, manifest=manifest, key=Signer(seed), cert=cert, tokens_per_step=tokens,
-                     embeddings=EMBEDDINGS, initial_peers=initial) as isl:
+    with SwarmIsland(
+        model,
+        opt,
+        manifest=manifest,
+        key=Signer(seed),
+        cert=cert,
+        tokens_per_step=tokens,
+        embeddings=EMBEDDINGS,
+        initial_peers=initial,
+    ) as isl:
         if shard == 0:
             addresses.put(isl.url)
         isl.wait_for_members(2)  # start together: the final model is the one when both are done
@@ -137,15 +169,24 @@ def island(shard: int, args: Args, credentials: mp.Queue, addresses: mp.Queue) -
             opt.step()  # the hook adopts arrived fragments and ships due ones
             opt.zero_grad(set_to_none=True)
     # leaving the block adopted the swarm's final global model into ``model``
-    print(f"island {shard}: eval final loss {eval_loss():.4f} versions {isl.versions} "
-          f"model {model_hash(isl.global_state())}", flush=True)
+    print(
+        f"island {shard}: eval final loss {eval_loss():.4f} versions {isl.versions} "
+        f"model {model_hash(isl.global_state())}",
+        flush=True,
+    )
 
 
 def parse_args() -> Args:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     for f in dataclasses.fields(Args):
-        parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default,
-                            help=f"{f.metadata['help']} (default: %(default)s)")
+        parser.add_argument(
+            f"--{f.name.replace('_', '-')}",
+            type=type(f.default),
+            default=f.default,
+            help=f"{f.metadata['help']} (default: %(default)s)",
+        )
     return Args(**vars(parser.parse_args()))
 
 
@@ -153,24 +194,43 @@ def main() -> None:
     args = parse_args()
     ctx = mp.get_context("spawn")
     credentials, addresses = [ctx.Queue(), ctx.Queue()], ctx.Queue()
-    procs = [ctx.Process(target=island, args=(i, args, credentials[i], addresses)) for i in range(2)]
+    procs = [
+        ctx.Process(target=island, args=(i, args, credentials[i], addresses)) for i in range(2)
+    ]
     for p in procs:
         p.start()
     # the founder's and the lab's part (keys in memory here; on disk with atoll keygen / swarm)
     founder, lab = Signer(os.urandom(32)), Signer(os.urandom(32))
-    manifest = SwarmIsland.found(make_model(args.block_size), founder, name="hf-causal-lm",
-                                 tokens_per_step=args.batch_size * args.block_size, config=SWARM,
-                                 embeddings=EMBEDDINGS, authorities=[("example-lab", lab.public_key)])
+    manifest = SwarmIsland.found(
+        make_model(args.block_size),
+        founder,
+        name="hf-causal-lm",
+        tokens_per_step=args.batch_size * args.block_size,
+        config=SWARM,
+        embeddings=EMBEDDINGS,
+        authorities=[("example-lab", lab.public_key)],
+    )
     seeds = [os.urandom(32) for _ in range(2)]
-    certs = [Certificate.issue(lab, manifest=manifest, subject=Signer(seed).public_key, roles=("learner", "owner"),
-                               not_before=time.time() - 60, not_after=time.time() + 3600) for seed in seeds]
+    certs = [
+        Certificate.issue(
+            lab,
+            manifest=manifest,
+            subject=Signer(seed).public_key,
+            roles=("learner", "owner"),
+            not_before=time.time() - 60,
+            not_after=time.time() + 3600,
+        )
+        for seed in seeds
+    ]
     for i in range(2):
         credentials[i].put((manifest, seeds[i], certs[i]))
     for p in procs:
         p.join()
     failed = [i for i, p in enumerate(procs) if p.exitcode != 0]
     if failed:
-        raise SystemExit(f"island(s) {failed} failed (exit codes {[procs[i].exitcode for i in failed]})")
+        raise SystemExit(
+            f"island(s) {failed} failed (exit codes {[procs[i].exitcode for i in failed]})"
+        )
 
 
 if __name__ == "__main__":

@@ -106,59 +106,108 @@ class SwarmIsland:
         model = unwrap(model)  # DDP's "module." prefix must not change the fragment plan
         base = config or RunConfig(fragments=2, inner_steps=20)
         if manifest is not None:
-            base = dataclasses.replace(base, fragments=int(manifest.recipe_dict.get("fragments", base.fragments)))
+            base = dataclasses.replace(
+                base, fragments=int(manifest.recipe_dict.get("fragments", base.fragments))
+            )
         shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
         self.plan: FragmentPlan = plan_fragments(shapes, base.fragments, embeddings=embeddings)
         # the architecture is part of the swarm's manifest: peers must agree on the plan
         self.model_name = f"custom-{self.plan.plan_hash().hex()[:16]}"
-        self.cfg = dataclasses.replace(base, swarm=swarm, model=self.model_name, max_tokens_per_step=tokens_per_step)
+        self.cfg = dataclasses.replace(
+            base, swarm=swarm, model=self.model_name, max_tokens_per_step=tokens_per_step
+        )
         credentials = None
         signer = key or Signer.from_seed(os.urandom(32))
         if manifest is not None:
             self.cfg = config_from_manifest(manifest, self.cfg)
             if self.cfg.model != self.model_name:
-                raise ValueError(f"the swarm's recipe is for model {self.cfg.model!r}; this model's fragment plan "
-                                 f"is {self.model_name!r} (put it in the manifest: atoll swarm init --model ...)")
+                raise ValueError(
+                    f"the swarm's recipe is for model {self.cfg.model!r}; this model's fragment plan "
+                    f"is {self.model_name!r} (put it in the manifest: atoll swarm init --model ...)"
+                )
             credentials = SwarmCredentials(manifest, signer, cert)
         elif not swarm:
-            raise ValueError("name the swarm: manifest=<its signed manifest> or, for a development swarm, swarm=NAME")
+            raise ValueError(
+                "name the swarm: manifest=<its signed manifest> or, for a development swarm, swarm=NAME"
+            )
         else:
-            log.warning("swarm %r has no signed manifest: any reachable member may own fragments "
-                        "(a development swarm; pass manifest=, key=, cert= for a swarm others can join)", swarm)
+            log.warning(
+                "swarm %r has no signed manifest: any reachable member may own fragments "
+                "(a development swarm; pass manifest=, key=, cert= for a swarm others can join)",
+                swarm,
+            )
         self.rank, self.world = distributed_rank()
         self._model = model
         self._island: Island | None = None
         self._node: PeerNode | None = None
-        if self.rank == 0:  # rank 0 speaks for the island on the swarm (the only rank without torchrun)
-            self._island = Island(model, optimizer, self.plan, self._submit,
-                                  IslandConfig(inner_steps=self.cfg.inner_steps, adopt_alpha=self.cfg.adopt_alpha,
-                                               interval=interval_by_lr(optimizer, self.cfg.inner_steps,
-                                                                       self.cfg.sync_growth),
-                                               rebase=bool(self.cfg.adopt_rebase)))
-            evaluator = CallableEvaluator(model, self.plan, None, validate) if validate is not None else None
-            self._node = PeerNode(self.cfg, signer, model, self.plan, host=host, port=port,
-                                  public_address=public_address, credentials=credentials, evaluator=evaluator)
+        if (
+            self.rank == 0
+        ):  # rank 0 speaks for the island on the swarm (the only rank without torchrun)
+            self._island = Island(
+                model,
+                optimizer,
+                self.plan,
+                self._submit,
+                IslandConfig(
+                    inner_steps=self.cfg.inner_steps,
+                    adopt_alpha=self.cfg.adopt_alpha,
+                    interval=interval_by_lr(optimizer, self.cfg.inner_steps, self.cfg.sync_growth),
+                    rebase=bool(self.cfg.adopt_rebase),
+                ),
+            )
+            evaluator = (
+                CallableEvaluator(model, self.plan, None, validate)
+                if validate is not None
+                else None
+            )
+            self._node = PeerNode(
+                self.cfg,
+                signer,
+                model,
+                self.plan,
+                host=host,
+                port=port,
+                public_address=public_address,
+                credentials=credentials,
+                evaluator=evaluator,
+            )
         # the other ranks of a torchrun island follow rank 0's adoptions (node.diloco.ranks)
-        self.ranks = IslandRanks(model, optimizer, self.plan, self._island) if self.world > 1 else None
+        self.ranks = (
+            IslandRanks(model, optimizer, self.plan, self._island) if self.world > 1 else None
+        )
         self.initial_peers = list(initial_peers)
         self.join_timeout_s = join_timeout_s
         self.finish_timeout_s, self.linger_s = finish_timeout_s, linger_s
         self._thread: threading.Thread | None = None
 
     @staticmethod
-    def found(model: nn.Module, founder: Signer, *, name: str, tokens_per_step: int,
-              config: RunConfig | None = None, embeddings: Sequence[str] = (), admission: str = "open",
-              authorities: Sequence[tuple[str, bytes]] = ()) -> SwarmManifest:
+    def found(
+        model: nn.Module,
+        founder: Signer,
+        *,
+        name: str,
+        tokens_per_step: int,
+        config: RunConfig | None = None,
+        embeddings: Sequence[str] = (),
+        admission: str = "open",
+        authorities: Sequence[tuple[str, bytes]] = (),
+    ) -> SwarmManifest:
         """A signed manifest for a new swarm around ``model``: the recipe from ``config`` (fragments,
         H, codecs, outer step, merge rules), this model's fragment plan, and ``authorities`` as
         ``(lab, public key)`` pairs. ``atoll swarm add-authority`` / ``revoke`` edit it later."""
         base = config or RunConfig(fragments=2, inner_steps=20)
         shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
         plan = plan_fragments(shapes, base.fragments, embeddings=embeddings)
-        cfg = dataclasses.replace(base, model=f"custom-{plan.plan_hash().hex()[:16]}",
-                                  max_tokens_per_step=tokens_per_step)
-        manifest = SwarmManifest(name=name, founder=founder.public_key, admission=admission, created=time.time(),
-                                 recipe=recipe_of(cfg, schedule=False))  # the learners' optimizers are their own
+        cfg = dataclasses.replace(
+            base, model=f"custom-{plan.plan_hash().hex()[:16]}", max_tokens_per_step=tokens_per_step
+        )
+        manifest = SwarmManifest(
+            name=name,
+            founder=founder.public_key,
+            admission=admission,
+            created=time.time(),
+            recipe=recipe_of(cfg, schedule=False),
+        )  # the learners' optimizers are their own
         for lab, public_key in authorities:
             manifest = manifest.with_authority(lab, public_key)
         return manifest.signed(founder)
@@ -167,14 +216,18 @@ class SwarmIsland:
     def island(self) -> Island:
         """The swarm-facing island (rank 0 of a multi-process island only)."""
         if self._island is None:
-            raise RuntimeError(f"rank {self.rank} of a multi-process island has no swarm-facing island; rank 0 has")
+            raise RuntimeError(
+                f"rank {self.rank} of a multi-process island has no swarm-facing island; rank 0 has"
+            )
         return self._island
 
     @property
     def node(self) -> PeerNode:
         """This island's node (rank 0 of a multi-process island only)."""
         if self._node is None:
-            raise RuntimeError(f"rank {self.rank} of a multi-process island runs no node; rank 0 does")
+            raise RuntimeError(
+                f"rank {self.rank} of a multi-process island runs no node; rank 0 does"
+            )
         return self._node
 
     def _submit(self, out: object) -> None:
@@ -207,12 +260,17 @@ class SwarmIsland:
         if self._node is not None:
             node, island = self._node, self.island
             self._thread = threading.Thread(
-                target=lambda: asyncio.run(node.serve(island, self.initial_peers)), name="atoll-node", daemon=True)
+                target=lambda: asyncio.run(node.serve(island, self.initial_peers)),
+                name="atoll-node",
+                daemon=True,
+            )
             self._thread.start()
             if not node.joined.wait(self.join_timeout_s) or node.failure is not None:
                 self.close()
-                raise ConnectionError(f"could not join swarm {self.cfg.swarm!r} through "
-                                      f"{self.initial_peers or 'no initial peers'}: {node.failure!r}")
+                raise ConnectionError(
+                    f"could not join swarm {self.cfg.swarm!r} through "
+                    f"{self.initial_peers or 'no initial peers'}: {node.failure!r}"
+                )
             island.adopt_pending()  # the synced global fragments
         self._sync_ranks()
         return self
@@ -229,8 +287,12 @@ class SwarmIsland:
             self.island.adopt_pending()  # versions merged while we waited
         self._sync_ranks()
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         if exc_type is None and self.finish_timeout_s > 0:
             self.finish()
         self.close()

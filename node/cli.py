@@ -41,7 +41,12 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if "(default" in text or action.default is None or action.default is False or action.default in ("", []):
+        if (
+            "(default" in text
+            or action.default is None
+            or action.default is False
+            or action.default in ("", [])
+        ):
             return text
         return super()._get_help_string(action) or text
 
@@ -72,90 +77,185 @@ def _parser() -> argparse.ArgumentParser:
 
     local = sub.add_parser("local", help="run a local multi-process swarm and write a report")
     add_run_arguments(local)
-    local.add_argument("--report", type=Path, default=None,
-                       help="where to write the JSON report (a PNG plot goes beside it); "
-                            "default runs/<time>/report.json")
-    local.add_argument("--baseline", action="store_true",
-                       help="also train the synchronous data-parallel baseline at equal tokens and report the gap")
-    local.add_argument("--alone", action="store_true",
-                       help="also train peer 0's island alone (same model, shard and steps) and report "
-                            "what merging gained")
+    local.add_argument(
+        "--report",
+        type=Path,
+        default=None,
+        help="where to write the JSON report (a PNG plot goes beside it); "
+        "default runs/<time>/report.json",
+    )
+    local.add_argument(
+        "--baseline",
+        action="store_true",
+        help="also train the synchronous data-parallel baseline at equal tokens and report the gap",
+    )
+    local.add_argument(
+        "--alone",
+        action="store_true",
+        help="also train peer 0's island alone (same model, shard and steps) and report "
+        "what merging gained",
+    )
     local.add_argument("--quiet", action="store_true", help="no live progress lines")
-    local.add_argument("--admission", choices=("open", "certified"), default="open",
-                       help="the throw-away swarm's admission: certified runs every peer over HTTPS with "
-                            "certificate checks on every request")
-    local.add_argument("--attack", action="append", default=[], metavar="PEER:KIND[=X]",
-                       help="peer PEER sends malicious contributions: scale=X, random, signflip, stale, "
-                            "lie-tokens=X, alie=Z, ipm=E or steps=X (repeatable: several attackers collude, "
-                            "e.g. --attack 3:alie --attack 5:alie); the report counts what the merge did about it; "
-                            "or acts as a hostile member: forge-handoffs (forged ReplicaStates for fragments "
-                            "it does not own) or claim-address (a learner-only member claiming an owner's "
-                            "address)")
-    local.add_argument("--kill", action="append", default=[], metavar="PEER@STEP",
-                       help="fault injection: SIGKILL peer PEER once it reports inner step STEP (repeatable)")
-    local.add_argument("--slow", action="append", default=[], metavar="PEER@FACTOR",
-                       help="fault injection: peer PEER takes FACTOR times as long per inner step (repeatable)")
-    local.add_argument("--duration", type=float, default=None, metavar="SECONDS",
-                       help="train for this wall-clock time from launch (start-up included) instead of --steps")
-    local.add_argument("--chaos", default=None, metavar="SPEC",
-                       help="kill, restart, slow and shape peers on a schedule (seconds from the start of "
-                            "training). SPEC: 'default' (kill=learner@every60s+restart20s,"
-                            "kill=owner@every90s+restart20s,calm=60s) or comma-separated items: "
-                            "kill=TARGET@WHEN[+restartDELAY] with TARGET learner (owns nothing), owner, any "
-                            "or a peer index and WHEN 30s (once) or every60s; slow=PEERxFACTOR; "
-                            "link=PEER:latency=50ms,bandwidth=10mbit; calm=DURATION (no new kill in the "
-                            "last DURATION; default min(60s, a quarter of the run)). A kill never takes one of the "
-                            "last 2 live peers. E.g. --duration 300 --chaos default, or --duration 60 "
-                            "--chaos kill=1@15s+restart10s,kill=learner@every25s+restart10s,slow=3x3")
+    local.add_argument(
+        "--admission",
+        choices=("open", "certified"),
+        default="open",
+        help="the throw-away swarm's admission: certified runs every peer over HTTPS with "
+        "certificate checks on every request",
+    )
+    local.add_argument(
+        "--attack",
+        action="append",
+        default=[],
+        metavar="PEER:KIND[=X]",
+        help="peer PEER sends malicious contributions: scale=X, random, signflip, stale, "
+        "lie-tokens=X, alie=Z, ipm=E or steps=X (repeatable: several attackers collude, "
+        "e.g. --attack 3:alie --attack 5:alie); the report counts what the merge did about it; "
+        "or acts as a hostile member: forge-handoffs (forged ReplicaStates for fragments "
+        "it does not own) or claim-address (a learner-only member claiming an owner's "
+        "address)",
+    )
+    local.add_argument(
+        "--kill",
+        action="append",
+        default=[],
+        metavar="PEER@STEP",
+        help="fault injection: SIGKILL peer PEER once it reports inner step STEP (repeatable)",
+    )
+    local.add_argument(
+        "--slow",
+        action="append",
+        default=[],
+        metavar="PEER@FACTOR",
+        help="fault injection: peer PEER takes FACTOR times as long per inner step (repeatable)",
+    )
+    local.add_argument(
+        "--duration",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="train for this wall-clock time from launch (start-up included) instead of --steps",
+    )
+    local.add_argument(
+        "--chaos",
+        default=None,
+        metavar="SPEC",
+        help="kill, restart, slow and shape peers on a schedule (seconds from the start of "
+        "training). SPEC: 'default' (kill=learner@every60s+restart20s,"
+        "kill=owner@every90s+restart20s,calm=60s) or comma-separated items: "
+        "kill=TARGET@WHEN[+restartDELAY] with TARGET learner (owns nothing), owner, any "
+        "or a peer index and WHEN 30s (once) or every60s; slow=PEERxFACTOR; "
+        "link=PEER:latency=50ms,bandwidth=10mbit; calm=DURATION (no new kill in the "
+        "last DURATION; default min(60s, a quarter of the run)). A kill never takes one of the "
+        "last 2 live peers. E.g. --duration 300 --chaos default, or --duration 60 "
+        "--chaos kill=1@15s+restart10s,kill=learner@every25s+restart10s,slow=3x3",
+    )
 
     join = sub.add_parser("join", help="join a running swarm and train")
-    join.add_argument("--initial-peers", nargs="+", required=True, metavar="URL",
-                      help="addresses of any swarm members or bootstrap nodes, e.g. http://host:port")
-    join.add_argument("--listen", default="0.0.0.0:0", metavar="HOST:PORT",
-                      help="where to listen (port 0: any free port)")
-    join.add_argument("--public-address", default=None, metavar="HOST:PORT",
-                      help="the address others dial (default: the listen address); "
-                           "peers that cannot be dialled back train as learners only")
-    join.add_argument("--serve-after-s", type=float, default=3600.0,
-                      help="after training, keep serving the fragments this peer owns this long")
-    join.add_argument("--checkpoint-dir", type=Path, default=None,
-                      help="save the island here every H steps, and resume from it after a crash or restart")
-    join.add_argument("--nproc", type=int, default=1, metavar="N",
-                      help="processes in this island, launched with torchrun (DDP inside, gloo on CPU, NCCL "
-                           "on GPUs); rank 0 speaks for the island on the swarm")
-    join.add_argument("--schedule", choices=("swarm", "own"), default="swarm",
-                      help="swarm: start the learning-rate schedule at the step the swarm's learners are at "
-                           "(their median), warming up again from there, and train to --steps with them; "
-                           "own: this island's own schedule from step 0 (ignored when resuming a checkpoint)")
+    join.add_argument(
+        "--initial-peers",
+        nargs="+",
+        required=True,
+        metavar="URL",
+        help="addresses of any swarm members or bootstrap nodes, e.g. http://host:port",
+    )
+    join.add_argument(
+        "--listen",
+        default="0.0.0.0:0",
+        metavar="HOST:PORT",
+        help="where to listen (port 0: any free port)",
+    )
+    join.add_argument(
+        "--public-address",
+        default=None,
+        metavar="HOST:PORT",
+        help="the address others dial (default: the listen address); "
+        "peers that cannot be dialled back train as learners only",
+    )
+    join.add_argument(
+        "--serve-after-s",
+        type=float,
+        default=3600.0,
+        help="after training, keep serving the fragments this peer owns this long",
+    )
+    join.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        default=None,
+        help="save the island here every H steps, and resume from it after a crash or restart",
+    )
+    join.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        metavar="N",
+        help="processes in this island, launched with torchrun (DDP inside, gloo on CPU, NCCL "
+        "on GPUs); rank 0 speaks for the island on the swarm",
+    )
+    join.add_argument(
+        "--schedule",
+        choices=("swarm", "own"),
+        default="swarm",
+        help="swarm: start the learning-rate schedule at the step the swarm's learners are at "
+        "(their median), warming up again from there, and train to --steps with them; "
+        "own: this island's own schedule from step 0 (ignored when resuming a checkpoint)",
+    )
     _add_swarm_arguments(join, key_required=True)
-    join.add_argument("--swarm", default=None, metavar="ID",
-                      help="the swarm id (instead of --manifest): its manifest is fetched from an initial "
-                           "peer and checked against the id")
+    join.add_argument(
+        "--swarm",
+        default=None,
+        metavar="ID",
+        help="the swarm id (instead of --manifest): its manifest is fetched from an initial "
+        "peer and checked against the id",
+    )
     _add_json_logs(join)
-    add_run_arguments(join, exclude=SWARM_WIDE_FIELDS + LAUNCHER_FIELDS,  # the recipe is the manifest's
-                      **dict.fromkeys(SCHEDULE_FIELDS))  # None: not given, the swarm's schedule applies
+    add_run_arguments(
+        join,
+        exclude=SWARM_WIDE_FIELDS + LAUNCHER_FIELDS,  # the recipe is the manifest's
+        **dict.fromkeys(SCHEDULE_FIELDS),
+    )  # None: not given, the swarm's schedule applies
     for action in join._actions:
         if action.dest in SCHEDULE_FIELDS:
-            action.help = (f"{action.help} (default: the swarm's, from its manifest; "
-                           f"{getattr(RunConfig(), action.dest)} where the manifest has none)")
+            action.help = (
+                f"{action.help} (default: the swarm's, from its manifest; "
+                f"{getattr(RunConfig(), action.dest)} where the manifest has none)"
+            )
 
     boot = sub.add_parser("bootstrap", help="run a DHT-only entry node for a swarm")
     boot.add_argument("--listen", default="0.0.0.0:0", metavar="HOST:PORT", help="where to listen")
-    boot.add_argument("--public-address", default=None, metavar="HOST:PORT", help="the address others dial")
-    boot.add_argument("--initial-peers", nargs="*", default=[], metavar="URL",
-                      help="other bootstrap nodes or members to connect to")
+    boot.add_argument(
+        "--public-address", default=None, metavar="HOST:PORT", help="the address others dial"
+    )
+    boot.add_argument(
+        "--initial-peers",
+        nargs="*",
+        default=[],
+        metavar="URL",
+        help="other bootstrap nodes or members to connect to",
+    )
     _add_swarm_arguments(boot, key_required=False)
     _add_json_logs(boot)
 
-    rep = sub.add_parser("replay", help="re-run an owner's merger log and show every decision that differs")
-    rep.add_argument("log", type=Path, help="an owner's event log (JSON lines, from --event-log-dir)")
-    rep.add_argument("--json", action="store_true",
-                     help='print {"decisions", "versions", "mismatches"} as JSON (exit 1 on a mismatch)')
+    rep = sub.add_parser(
+        "replay", help="re-run an owner's merger log and show every decision that differs"
+    )
+    rep.add_argument(
+        "log", type=Path, help="an owner's event log (JSON lines, from --event-log-dir)"
+    )
+    rep.add_argument(
+        "--json",
+        action="store_true",
+        help='print {"decisions", "versions", "mismatches"} as JSON (exit 1 on a mismatch)',
+    )
 
     from node.run.simulate import add_simulate_arguments
 
-    add_simulate_arguments(sub.add_parser(
-        "simulate", help="expected goodput under failures (your swarm, or the paper's Table 1), simulated"))
+    add_simulate_arguments(
+        sub.add_parser(
+            "simulate",
+            help="expected goodput under failures (your swarm, or the paper's Table 1), simulated",
+        )
+    )
 
     status = sub.add_parser("status", help="show what a peer sees of its swarm")
     status.add_argument("--peer", required=True, metavar="URL", help="a member's address")
@@ -169,38 +269,70 @@ def _parser() -> argparse.ArgumentParser:
     peer = sub.add_parser("peer", help="one peer of a local swarm (used by atoll local)")
     peer.add_argument("--config", type=Path, required=True, help="the swarm's config.json")
     peer.add_argument("--index", type=int, required=True, help="this peer's index in the swarm")
-    peer.add_argument("--initial-peers", nargs="*", default=[], help="addresses of peers to join through")
+    peer.add_argument(
+        "--initial-peers", nargs="*", default=[], help="addresses of peers to join through"
+    )
     peer.add_argument("--t0", type=float, default=0.0, help="wall-clock origin of the eval curves")
-    peer.add_argument("--initial-peers-from-stdin", action="store_true",
-                      help="read {\"initial_peers\": [...]} from stdin after loading the model and data")
-    peer.add_argument("--wait-members", type=int, default=1, help="start training once this many members joined")
-    peer.add_argument("--slow-factor", type=float, default=1.0, help="emulate a slower machine (fault injection)")
-    peer.add_argument("--event-log-dir", type=Path, default=None,
-                      help="owners log their mergers' events and decisions here (atoll replay)")
-    peer.add_argument("--checkpoint-dir", type=Path, default=None,
-                      help="save the island here every H steps, and resume from it when it holds one")
-    peer.add_argument("--until", type=float, default=0.0, help="stop training at this unix time (0: run all steps)")
+    peer.add_argument(
+        "--initial-peers-from-stdin",
+        action="store_true",
+        help='read {"initial_peers": [...]} from stdin after loading the model and data',
+    )
+    peer.add_argument(
+        "--wait-members", type=int, default=1, help="start training once this many members joined"
+    )
+    peer.add_argument(
+        "--slow-factor", type=float, default=1.0, help="emulate a slower machine (fault injection)"
+    )
+    peer.add_argument(
+        "--event-log-dir",
+        type=Path,
+        default=None,
+        help="owners log their mergers' events and decisions here (atoll replay)",
+    )
+    peer.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        default=None,
+        help="save the island here every H steps, and resume from it when it holds one",
+    )
+    peer.add_argument(
+        "--until",
+        type=float,
+        default=0.0,
+        help="stop training at this unix time (0: run all steps)",
+    )
     peer.add_argument("--key", type=Path, default=None, help="this peer's key (PEM)")
     peer.add_argument("--cert", type=Path, default=None, help="this peer's certificate")
     peer.add_argument("--manifest", type=Path, default=None, help="the swarm's signed manifest")
-    peer.add_argument("--attack", default="", metavar="KIND[=X]",
-                      help="send malicious contributions (measurement): scale=X, random, signflip, stale, lie-tokens=X, "
-                           "alie=Z, ipm=E, steps=X")
+    peer.add_argument(
+        "--attack",
+        default="",
+        metavar="KIND[=X]",
+        help="send malicious contributions (measurement): scale=X, random, signflip, stale, lie-tokens=X, "
+        "alie=Z, ipm=E, steps=X",
+    )
     return parser
 
 
 def _add_json_logs(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json-logs", action="store_true",
-                        help="log one JSON object per record on stderr (time, level, logger, message and "
-                             "the record's fields) instead of text, and no progress line")
+    parser.add_argument(
+        "--json-logs",
+        action="store_true",
+        help="log one JSON object per record on stderr (time, level, logger, message and "
+        "the record's fields) instead of text, and no progress line",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # atoll join --nproc relaunches it
     tune_allocator()  # large tensors reuse warm pages round after round (node/run/allocator.py)
-    logging.basicConfig(level=args.log_level, stream=sys.stderr,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=args.log_level,
+        stream=sys.stderr,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
     try:
         return _run(args)
     except KeyboardInterrupt:
@@ -238,10 +370,15 @@ def _run(args: argparse.Namespace) -> int:
         try:  # before torch comes: a config that is not one is one line, at once
             cfg = RunConfig.load(args.config)
         except OSError as exc:
-            print(f"atoll peer: --config {args.config}: cannot read it: {exc.strerror or exc}", file=sys.stderr)
+            print(
+                f"atoll peer: --config {args.config}: cannot read it: {exc.strerror or exc}",
+                file=sys.stderr,
+            )
             return 2
         except ValueError as exc:
-            print(f"atoll peer: --config {args.config}: {' '.join(str(exc).split())}", file=sys.stderr)
+            print(
+                f"atoll peer: --config {args.config}: {' '.join(str(exc).split())}", file=sys.stderr
+            )
             return 2
         from node.run.train import PeerOptions, run_peer
 
@@ -255,14 +392,25 @@ def _run(args: argparse.Namespace) -> int:
             if signer is None:
                 print("atoll peer: --manifest needs --key", file=sys.stderr)
                 return 2
-            credentials = SwarmCredentials(load_manifest(args.manifest), signer,
-                                           load_certificate(args.cert) if args.cert else None)
-        opts = PeerOptions(index=args.index, initial_peers=tuple(args.initial_peers), t0=args.t0,
-                           initial_peers_from_stdin=args.initial_peers_from_stdin,
-                           wait_members=args.wait_members, slow_factor=args.slow_factor,
-                           attack=args.attack, signer=signer, credentials=credentials,
-                           checkpoint_dir=args.checkpoint_dir, until=args.until,
-                           event_log_dir=args.event_log_dir)
+            credentials = SwarmCredentials(
+                load_manifest(args.manifest),
+                signer,
+                load_certificate(args.cert) if args.cert else None,
+            )
+        opts = PeerOptions(
+            index=args.index,
+            initial_peers=tuple(args.initial_peers),
+            t0=args.t0,
+            initial_peers_from_stdin=args.initial_peers_from_stdin,
+            wait_members=args.wait_members,
+            slow_factor=args.slow_factor,
+            attack=args.attack,
+            signer=signer,
+            credentials=credentials,
+            checkpoint_dir=args.checkpoint_dir,
+            until=args.until,
+            event_log_dir=args.event_log_dir,
+        )
         run_peer(cfg, opts)
         _exit_without_teardown()
     return 2
@@ -284,7 +432,9 @@ def _exit_without_teardown() -> NoReturn:
 def _local(args: argparse.Namespace) -> int:
     """``atoll local``: every flag checked before a peer starts; a failure is one line."""
     try:
-        cfg = config_from_args(args)  # before the imports that bring torch: a flag's mistake is told at once
+        cfg = config_from_args(
+            args
+        )  # before the imports that bring torch: a flag's mistake is told at once
     except ValueError as exc:
         print(f"atoll local: {exc}", file=sys.stderr)
         return 2
@@ -305,9 +455,19 @@ def _local(args: argparse.Namespace) -> int:
     for i, attack in attacks.items():
         extra.setdefault(i, []).extend(["--attack", attack])
     try:
-        run_local(cfg, report_path=args.report, baseline=args.baseline, alone=args.alone, quiet=args.quiet,
-                  kill_at=kill_at, extra_peer_args=extra, attacks=attacks, admission=args.admission,
-                  chaos=chaos, duration_s=args.duration)
+        run_local(
+            cfg,
+            report_path=args.report,
+            baseline=args.baseline,
+            alone=args.alone,
+            quiet=args.quiet,
+            kill_at=kill_at,
+            extra_peer_args=extra,
+            attacks=attacks,
+            admission=args.admission,
+            chaos=chaos,
+            duration_s=args.duration,
+        )
     except Exception as exc:  # a peer's failure is one line; _one_line re-raises the rest
         print(f"atoll local: {_one_line(exc)}", file=sys.stderr)
         return 1
@@ -334,13 +494,29 @@ def _host_port(spec: str) -> tuple[str, int]:
 
 
 def _add_swarm_arguments(parser: argparse.ArgumentParser, *, key_required: bool) -> None:
-    parser.add_argument("--manifest", type=Path, default=None, metavar="swarm.toml",
-                        help="the swarm's manifest, signed by its founder")
-    parser.add_argument("--key", type=Path, required=key_required, default=None, metavar="KEY",
-                        help="this peer's key (PEM, from atoll keygen)")
-    parser.add_argument("--cert", type=Path, default=None, metavar="CERT",
-                        help="this peer's certificate from a lab's authority (atoll swarm certify); "
-                             "without one a peer may only learn, and only in an open swarm")
+    parser.add_argument(
+        "--manifest",
+        type=Path,
+        default=None,
+        metavar="swarm.toml",
+        help="the swarm's manifest, signed by its founder",
+    )
+    parser.add_argument(
+        "--key",
+        type=Path,
+        required=key_required,
+        default=None,
+        metavar="KEY",
+        help="this peer's key (PEM, from atoll keygen)",
+    )
+    parser.add_argument(
+        "--cert",
+        type=Path,
+        default=None,
+        metavar="CERT",
+        help="this peer's certificate from a lab's authority (atoll swarm certify); "
+        "without one a peer may only learn, and only in an open swarm",
+    )
 
 
 def _parse_kills(specs: list[str], peers: int) -> dict[int, int]:
@@ -349,8 +525,10 @@ def _parse_kills(specs: list[str], peers: int) -> dict[int, int]:
     for spec in specs:
         index, sep, step = spec.partition("@")
         if not (sep and index.isdigit() and step.isdigit()) or not 0 < int(index) < peers:
-            raise ValueError(f"bad --kill {spec!r}: expected PEER@STEP with 0 < PEER < {peers} "
-                             "(peer 0 founds the swarm), e.g. --kill 1@100")
+            raise ValueError(
+                f"bad --kill {spec!r}: expected PEER@STEP with 0 < PEER < {peers} "
+                "(peer 0 founds the swarm), e.g. --kill 1@100"
+            )
         out[int(index)] = int(step)
     return out
 
@@ -376,7 +554,9 @@ def _parse_attacks(specs: list[str], peers: int) -> dict[int, str]:
         if not 0 <= index < peers:
             raise ValueError(f"bad --attack {spec!r}: peer {index} is not one of 0..{peers - 1}")
         if index in out:
-            raise ValueError(f"bad --attack {spec!r}: peer {index} already attacks ({out[index]}); one kind a peer")
+            raise ValueError(
+                f"bad --attack {spec!r}: peer {index} already attacks ({out[index]}); one kind a peer"
+            )
         out[index] = attack
     return out
 
@@ -387,11 +567,18 @@ def _parse_slow(specs: list[str], peers: int) -> dict[int, float]:
     for spec in specs:
         index, sep, factor = spec.partition("@")
         try:
-            ok = bool(sep) and index.isdigit() and 0 <= int(index) < peers and 1.0 <= float(factor) < math.inf
+            ok = (
+                bool(sep)
+                and index.isdigit()
+                and 0 <= int(index) < peers
+                and 1.0 <= float(factor) < math.inf
+            )
         except ValueError:
             ok = False
         if not ok:
-            raise ValueError(f"bad --slow {spec!r}: expected PEER@FACTOR with 0 <= PEER < {peers} "
-                             "and FACTOR >= 1 (finite), e.g. --slow 2@3")
+            raise ValueError(
+                f"bad --slow {spec!r}: expected PEER@FACTOR with 0 <= PEER < {peers} "
+                "and FACTOR >= 1 (finite), e.g. --slow 2@3"
+            )
         out[int(index)] = float(factor)
     return out

@@ -18,16 +18,49 @@ from protocol.diloco.aggregates import AGGREGATES
 from protocol.diloco.interval import GROWTHS, interval
 from protocol.wire.tensors import CODECS, UPDATE_CODECS
 
-__all__ = ["SCHEDULE_FIELDS", "SHARDINGS", "SWARM_WIDE_FIELDS", "RunConfig", "add_run_arguments", "config_from_args"]
+__all__ = [
+    "SCHEDULE_FIELDS",
+    "SHARDINGS",
+    "SWARM_WIDE_FIELDS",
+    "RunConfig",
+    "add_run_arguments",
+    "config_from_args",
+]
 
-SHARDINGS = ("contiguous", "striped")  # how the train split is dealt to learners (node.workload.corpus)
+SHARDINGS = (
+    "contiguous",
+    "striped",
+)  # how the train split is dealt to learners (node.workload.corpus)
 
 # The fields every peer of a swarm must share: the model and how it is cut, merged and weighted
 # (a signed manifest's recipe holds them, but ``swarm``, which becomes the swarm id).
-SWARM_WIDE_FIELDS = ("swarm", "mode", "seed", "model", "batch_size", "fragments", "inner_steps", "sync_growth", "codec",
-                     "block_size", "download_codec", "update_codec", "full_every", "outer_lr", "outer_momentum",
-                     "quorum", "quorum_fraction", "grace_gamma", "grace_tau", "grace_cap_s", "staleness_bound", "late_policy",
-                     "max_tokens_per_step", "aggregate", "rda_max_gain")
+SWARM_WIDE_FIELDS = (
+    "swarm",
+    "mode",
+    "seed",
+    "model",
+    "batch_size",
+    "fragments",
+    "inner_steps",
+    "sync_growth",
+    "codec",
+    "block_size",
+    "download_codec",
+    "update_codec",
+    "full_every",
+    "outer_lr",
+    "outer_momentum",
+    "quorum",
+    "quorum_fraction",
+    "grace_gamma",
+    "grace_tau",
+    "grace_cap_s",
+    "staleness_bound",
+    "late_policy",
+    "max_tokens_per_step",
+    "aggregate",
+    "rda_max_gain",
+)
 # The inner learning-rate schedule a swarm's learners follow: a manifest's recipe may hold it, and
 # ``atoll join`` takes it from there unless its own flags say otherwise. Not swarm-wide: a peer on
 # another schedule is still a member (its steps only weigh its contributions), so peers need not
@@ -82,8 +115,12 @@ class RunConfig:
     codec: str = "int4"  # pseudo-gradient compression
     block_size: int = 64
     download_codec: str = "none"  # global fragments handed back by owners
-    update_codec: str = "int4"  # versions also published as compressed updates over the previous one
-    full_every: int = 0  # with updates: every Nth version goes out full (0: only when an update cannot serve)
+    update_codec: str = (
+        "int4"  # versions also published as compressed updates over the previous one
+    )
+    full_every: int = (
+        0  # with updates: every Nth version goes out full (0: only when an update cannot serve)
+    )
     outer_lr: float = 1.0
     outer_momentum: float = 0.0
     # how an owner combines contributions: "normed" (each scaled to the median norm, then the
@@ -110,7 +147,9 @@ class RunConfig:
     late_policy: str = "carry"
     adopt_alpha: float = 0.0
     hold_versions: int = 0  # 1: adopt a trained fragment's new version only once it has shipped
-    ship_before_adopt: int = 0  # >0: a fragment trained this many steps ships before taking a newer version
+    ship_before_adopt: int = (
+        0  # >0: a fragment trained this many steps ships before taking a newer version
+    )
     # 1: after its last step an island sends every fragment's work no contribution holds yet, and
     # the owners merge it into their final versions (0: that work, up to H steps, is dropped);
     # -1 (auto): 1 with plain averaging, 0 with outer momentum, where that last merge is one more
@@ -138,7 +177,9 @@ class RunConfig:
     # --- evaluation and reporting ------------------------------------------------------------
     eval_every: int = 100
     eval_batches: int = 8
-    overlap_block: int = 0  # >0: alternate blocks of this many steps detached / in the swarm (bench)
+    overlap_block: int = (
+        0  # >0: alternate blocks of this many steps detached / in the swarm (bench)
+    )
     link: str = ""  # emulated link, e.g. "latency=50ms,bandwidth=10mbit,drop=0.01"
     baseline_lr: float = 0.0  # --baseline's data-parallel peak lr (0: the islands' --lr)
 
@@ -159,27 +200,41 @@ class RunConfig:
         if self.download_codec not in ("none", "bf16"):
             problems.append(f"--download-codec must be none or bf16, got {self.download_codec!r}")
         if self.update_codec not in ("none", *UPDATE_CODECS):
-            problems.append(f"--update-codec must be {_one_of(('none', *UPDATE_CODECS))}, got {self.update_codec!r}")
+            problems.append(
+                f"--update-codec must be {_one_of(('none', *UPDATE_CODECS))}, got {self.update_codec!r}"
+            )
         elif self.update_codec != "none" and self.download_codec != "none":
-            problems.append(f"--update-codec {self.update_codec} (the default is int4) sends versions as updates over "
-                            f"fp32 full versions: with --download-codec {self.download_codec} add --update-codec none")
+            problems.append(
+                f"--update-codec {self.update_codec} (the default is int4) sends versions as updates over "
+                f"fp32 full versions: with --download-codec {self.download_codec} add --update-codec none"
+            )
         if self.full_every < 0:
-            problems.append(f"--full-every must be >= 0 (0: full versions only when an update cannot serve), "
-                            f"got {self.full_every}")
+            problems.append(
+                f"--full-every must be >= 0 (0: full versions only when an update cannot serve), "
+                f"got {self.full_every}"
+            )
         if self.sharding not in SHARDINGS:
-            problems.append(f"--sharding must be one of {', '.join(SHARDINGS)}; got {self.sharding!r}")
+            problems.append(
+                f"--sharding must be one of {', '.join(SHARDINGS)}; got {self.sharding!r}"
+            )
         if self.validate_windows == 1 or self.validate_windows < 0 or self.validate_every < 1:
-            problems.append(f"--validate-windows must be 0 (off) or >= 2 (noise needs two windows) and "
-                            f"--validate-every >= 1; got {self.validate_windows} and {self.validate_every}")
+            problems.append(
+                f"--validate-windows must be 0 (off) or >= 2 (noise needs two windows) and "
+                f"--validate-every >= 1; got {self.validate_windows} and {self.validate_every}"
+            )
         if self.aggregate not in AGGREGATES:
-            problems.append(f"--aggregate must be one of {', '.join(AGGREGATES)}; got {self.aggregate!r}")
+            problems.append(
+                f"--aggregate must be one of {', '.join(AGGREGATES)}; got {self.aggregate!r}"
+            )
         # a swarm's recipe sets these too: refused here, not when an owner starts
         if not (math.isfinite(self.outer_lr) and self.outer_lr > 0):
             problems.append(f"--outer-lr must be finite and > 0, got {self.outer_lr}")
         if not 0.0 <= self.outer_momentum < 1.0:
             problems.append(f"--outer-momentum must be in [0, 1), got {self.outer_momentum}")
         if not (self.rda_max_gain == 0 or 1 <= self.rda_max_gain < math.inf):
-            problems.append(f"--rda-max-gain must be >= 1 and finite, or 0 (unbounded), got {self.rda_max_gain}")
+            problems.append(
+                f"--rda-max-gain must be >= 1 and finite, or 0 (unbounded), got {self.rda_max_gain}"
+            )
         if self.late_policy not in ("carry", "drop"):
             problems.append(f"--late-policy must be carry or drop, got {self.late_policy!r}")
         if self.hold_versions not in (0, 1):
@@ -191,32 +246,44 @@ class RunConfig:
         if self.final_flush not in (-1, 0, 1):
             problems.append(f"--final-flush must be -1 (auto), 0 or 1, got {self.final_flush}")
         if self.ship_before_adopt < 0:
-            problems.append(f"--ship-before-adopt must be >= 0 (0: off), got {self.ship_before_adopt}")
+            problems.append(
+                f"--ship-before-adopt must be >= 0 (0: off), got {self.ship_before_adopt}"
+            )
         if not 0.0 <= self.adopt_alpha < 1.0:
             problems.append(f"--adopt-alpha must be in [0, 1), got {self.adopt_alpha}")
         if self.adopt_rebase not in (0, 1):
             problems.append(f"--adopt-rebase must be 0 or 1, got {self.adopt_rebase}")
         elif self.adopt_rebase and self.adopt_alpha:
-            problems.append(f"--adopt-alpha {self.adopt_alpha} blends the island's parameters into each version, "
-                            f"and --adopt-rebase 1 (the default) keeps its unshipped work on top: to blend, add "
-                            f"--adopt-rebase 0")
+            problems.append(
+                f"--adopt-alpha {self.adopt_alpha} blends the island's parameters into each version, "
+                f"and --adopt-rebase 1 (the default) keeps its unshipped work on top: to blend, add "
+                f"--adopt-rebase 0"
+            )
         if self.max_tokens_per_step < 0:
             problems.append(f"--max-tokens-per-step must be >= 0, got {self.max_tokens_per_step}")
         if self.mode not in ("decoupled", "sync", "ddp"):
             problems.append(f"--mode must be decoupled, sync or ddp, got {self.mode!r}")
         if not (self.baseline_lr >= 0 and self.baseline_lr < 1):
-            problems.append(f"--baseline-lr must be in [0, 1) (0: the islands' --lr), got {self.baseline_lr}")
+            problems.append(
+                f"--baseline-lr must be in [0, 1) (0: the islands' --lr), got {self.baseline_lr}"
+            )
         if self.quorum < 1:
             problems.append(f"--quorum must be >= 1, got {self.quorum}")
         if not (0.0 <= self.quorum_fraction <= 1.0 or self.quorum_fraction == -1):
-            problems.append(f"--quorum-fraction must be -1 (auto) or between 0 and 1, got {self.quorum_fraction}")
+            problems.append(
+                f"--quorum-fraction must be -1 (auto) or between 0 and 1, got {self.quorum_fraction}"
+            )
         if not 0 <= self.spread_fanout <= 64:
-            problems.append(f"--spread-fanout must be 0..64 (0: owners serve every learner), got {self.spread_fanout}")
+            problems.append(
+                f"--spread-fanout must be 0..64 (0: owners serve every learner), got {self.spread_fanout}"
+            )
         if not 1 <= self.owner_fanout <= 64:
             problems.append(f"--owner-fanout must be 1..64, got {self.owner_fanout}")
         if self.owner_max_uploads != 0 and not self.owner_fanout <= self.owner_max_uploads <= 1024:
-            problems.append(f"--owner-max-uploads must be 0 (no budget) or between --owner-fanout "
-                            f"({self.owner_fanout}) and 1024, got {self.owner_max_uploads}")
+            problems.append(
+                f"--owner-max-uploads must be 0 (no budget) or between --owner-fanout "
+                f"({self.owner_fanout}) and 1024, got {self.owner_max_uploads}"
+            )
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -239,7 +306,10 @@ class RunConfig:
         2H at the longest H of the run (``--sync-growth``), the most a learner trains between two
         sends of one fragment with one in flight. A claim beyond it only buys weight, which the
         others' median caps; the time bound alone let a 20 s-old version claim 20,001 steps."""
-        longest = max(self.inner_steps, interval(self.inner_steps, max(self.min_lr_ratio, 1e-6), self.sync_growth))
+        longest = max(
+            self.inner_steps,
+            interval(self.inner_steps, max(self.min_lr_ratio, 1e-6), self.sync_growth),
+        )
         return 2 * longest
 
     @property
@@ -264,15 +334,20 @@ class RunConfig:
         except RecursionError:
             raise ValueError("not a config: JSON nested too deeply") from None
         except json.JSONDecodeError as exc:
-            raise ValueError(f"not JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+            raise ValueError(
+                f"not JSON ({exc.msg} at line {exc.lineno} column {exc.colno})"
+            ) from None
         if not isinstance(data, dict):
             raise ValueError(f"a JSON {type(data).__name__}, not an object of config fields")
         kinds = {f.name: str(f.type) for f in dataclasses.fields(cls)}
         unknown = set(data) - set(kinds)
         if unknown:
             raise ValueError(f"unknown config keys {sorted(unknown)}; known: {sorted(kinds)}")
-        wrong = [f"{name} = {value!r:.40} should be {kinds[name]}" for name, value in data.items()
-                 if not _fits(value, kinds[name])]
+        wrong = [
+            f"{name} = {value!r:.40} should be {kinds[name]}"
+            for name, value in data.items()
+            if not _fits(value, kinds[name])
+        ]
         if wrong:
             raise ValueError(f"config fields of the wrong type: {'; '.join(wrong)}")
         return cls(**data)
@@ -283,7 +358,9 @@ class RunConfig:
         try:
             text = path.read_text(encoding="utf-8")
         except UnicodeDecodeError:
-            raise ValueError("not a text file (a config is JSON, as atoll local writes it)") from None
+            raise ValueError(
+                "not a text file (a config is JSON, as atoll local writes it)"
+            ) from None
         return cls.from_json(text)
 
 
@@ -306,8 +383,8 @@ _HELP = {
     "corpus": "a text file or folder to train on (default: the Python standard library's .py files)",
     "corpus_max_bytes": "read at most this many corpus bytes",
     "sharding": "how the train split is dealt to learners: contiguous (learner m takes the m-th slice of the corpus "
-                "sorted by path) or striped (disjoint stripes of <= 64 KiB dealt round robin: every shard spans the "
-                "whole corpus, as a data-parallel sampler's would)",
+    "sorted by path) or striped (disjoint stripes of <= 64 KiB dealt round robin: every shard spans the "
+    "whole corpus, as a data-parallel sampler's would)",
     "steps": "inner steps per island",
     "batch_size": "sequences per inner step per island",
     "lr": "inner AdamW learning rate",
@@ -317,84 +394,86 @@ _HELP = {
     "threads": "torch threads per peer",
     "device": "cpu or cuda",
     "mode": "decoupled (Atoll), sync (synchronous DiLoCo: quorum = all learners, no grace window, every "
-            "learner waits for each merged version) or ddp (sync with H = 1), to compare under the same chaos",
+    "learner waits for each merged version) or ddp (sync with H = 1), to compare under the same chaos",
     "fragments": "P: number of model fragments synchronised separately",
     "inner_steps": "H: inner steps between two syncs of the same fragment (the least, with --sync-growth)",
     "sync_growth": "how H follows the inner learning rate as it decays: constant, inverse-lr (H / (lr/peak)) or qsr "
-                   "(H / (lr/peak)^2, the quadratic synchronization rule), at most 100 H; or sqrt-lr "
-                   "(H * sqrt(lr/peak), shrinking: H is then the most)",
+    "(H / (lr/peak)^2, the quadratic synchronization rule), at most 100 H; or sqrt-lr "
+    "(H * sqrt(lr/peak), shrinking: H is then the most)",
     "final_flush": "1: after the last step every island sends the work of each fragment that no contribution "
-                   "holds yet, merged into the owners' final versions; 0: that work is dropped; -1 (auto): 1 with "
-                   "plain averaging, 0 with --outer-momentum above 0 (the last merge would be one more momentum step)",
+    "holds yet, merged into the owners' final versions; 0: that work is dropped; -1 (auto): 1 with "
+    "plain averaging, 0 with --outer-momentum above 0 (the last merge would be one more momentum step)",
     "codec": "pseudo-gradient compression: none, bf16, int8, int4, topk2 (sparse: top-k of each "
-             "4096-element chunk, 2-bit values, the rest kept in the error-feedback residual) or sign1 "
-             "(one sign bit per value and a mean |value| per block, with error feedback)",
+    "4096-element chunk, 2-bit values, the rest kept in the error-feedback residual) or sign1 "
+    "(one sign bit per value and a mean |value| per block, with error feedback)",
     "block_size": "elements per absmax block for int8/int4, per scale for sign1; for topk2, elements per "
-                  "value sent (density 1/block_size)",
+    "value sent (density 1/block_size)",
     "download_codec": "compression of global fragments sent back: none or bf16",
     "update_codec": "owners also publish each version as the outer update over the previous version, "
-                    "compressed with this codec (bf16, int8, int4, topk2 or sign1) with the owner's error feedback; "
-                    "a learner holding the previous version fetches the update, applies it and checks the "
-                    "owner-signed hash of the result (bit-identical on every peer), else the full fp32 "
-                    "version (none: always full versions)",
+    "compressed with this codec (bf16, int8, int4, topk2 or sign1) with the owner's error feedback; "
+    "a learner holding the previous version fetches the update, applies it and checks the "
+    "owner-signed hash of the result (bit-identical on every peer), else the full fp32 "
+    "version (none: always full versions)",
     "full_every": "with --update-codec: every Nth version is sent full to everyone (0: full versions only "
-                  "to joiners, learners more than one version behind and after a hash mismatch)",
+    "to joiners, learners more than one version behind and after a hash mismatch)",
     "outer_lr": "outer Nesterov learning rate (1.0 with momentum 0 = plain averaging)",
     "outer_momentum": "outer Nesterov momentum",
     "aggregate": "how an owner combines the pseudo-gradients of a round: rda (radial-directional averaging: "
-                 "the mean direction, at the median norm, so one large contribution cannot steer it), normed (the "
-                 "mean of the pseudo-gradients each scaled to the median norm: as robust, but the step shrinks "
-                 "as the mean's does when they disagree) or mean (the token-weighted mean; embedding fragments "
-                 "always use it)",
+    "the mean direction, at the median norm, so one large contribution cannot steer it), normed (the "
+    "mean of the pseudo-gradients each scaled to the median norm: as robust, but the step shrinks "
+    "as the mean's does when they disagree) or mean (the token-weighted mean; embedding fragments "
+    "always use it)",
     "rda_max_gain": "with --aggregate rda: the step is at most this many times the length of the normed mean "
-                    "(the pseudo-gradients scaled to the median norm, then averaged); 0: RDA as published, "
-                    "which keeps the median norm however much the pseudo-gradients disagree",
+    "(the pseudo-gradients scaled to the median norm, then averaged); 0: RDA as published, "
+    "which keeps the median norm however much the pseudo-gradients disagree",
     "quorum": "K: minimum contributions before a merge may close",
     "quorum_fraction": "K is also at least this share of the learners the owner sees (rounded up; 0: K alone, "
-                       "the paper's rule; learners that stop are dropped from the count, so they stall nothing; "
-                       "-1: auto, 0.5 with plain averaging and 1 with --outer-momentum above 0, where merges of "
-                       "part of the learners diverged)",
+    "the paper's rule; learners that stop are dropped from the count, so they stall nothing; "
+    "-1: auto, 0.5 with plain averaging and 1 with --outer-momentum above 0, where merges of "
+    "part of the learners diverged)",
     "grace_gamma": "gamma: fraction of hidden time the grace window may spend",
     "grace_tau": "tau: inner steps a fragment may stay in flight",
     "grace_cap_s": "upper bound of the grace window in seconds",
     "staleness_bound": "S: oldest base version (in versions) an owner accepts",
     "late_policy": "late contributions: carry (into the next merge, discounted) or drop (resync)",
     "hold_versions": "1: a fragment trained since its last adoption takes a newer global version only once it "
-                     "has shipped (every H steps whatever the version rate; pair with a larger "
-                     "--staleness-bound); 0: adopt each version as it comes",
+    "has shipped (every H steps whatever the version rate; pair with a larger "
+    "--staleness-bound); 0: adopt each version as it comes",
     "adopt_alpha": "adoption blend: theta <- alpha*theta + (1-alpha)*global (0 = overwrite)",
     "adopt_rebase": "1: adopt a version as global + (theta - theta_ref), keeping the island's work that no "
-                    "contribution holds yet (theta_ref: the fragment as it shipped, else its base); 0: overwrite",
+    "contribution holds yet (theta_ref: the fragment as it shipped, else its base); 0: overwrite",
     "ship_before_adopt": "N > 0: when a newer global version of a fragment arrives and the island trained it "
-                         "N or more steps since its last adoption without shipping, that work ships first "
-                         "(one version stale), so an island slower than the swarm still contributes (0: off)",
+    "N or more steps since its last adoption without shipping, that work ships first "
+    "(one version stale), so an island slower than the swarm still contributes (0: off)",
     "max_tokens_per_step": "the most tokens a learner may claim per inner step; the merge clamps "
-                           "to it (0: batch size x the model's context length)",
+    "to it (0: batch size x the model's context length)",
     "spread_fanout": "versions spread peer to peer: an owner (and every learner holding a version) uploads "
-                     "each version to this many learners and points the others at them, so an owner's "
-                     "upload per version stays bounded however many learners there are (0: owners "
-                     "serve every learner themselves)",
+    "each version to this many learners and points the others at them, so an owner's "
+    "upload per version stays bounded however many learners there are (0: owners "
+    "serve every learner themselves)",
     "validate_windows": "validated publication: windows of the pinned validation set an owner evaluates each "
-                        "candidate version on before publishing it; one that does not lower the loss beyond the "
-                        "windows' noise has each contribution scored alone, and those that hurt are dropped; "
-                        "one that raises it is not published (0: off)",
+    "candidate version on before publishing it; one that does not lower the loss beyond the "
+    "windows' noise has each contribution scored alone, and those that hurt are dropped; "
+    "one that raises it is not published (0: off)",
     "validate_every": "validated publication: check a random one in this many merges (1: every merge)",
     "owner_fanout": "with versions spreading: the learners an owner uploads each version to itself before it "
-                    "points the others at holders (its replica handoff is one more upload)",
+    "points the others at holders (its replica handoff is one more upload)",
     "owner_max_uploads": "with versions spreading: the most an owner uploads of one version to learners, for "
-                         "any reason (direct serves, repeats, fallbacks) and in any form (full, or an update), "
-                         "in multiples of its full size; past it, learners are pointed at peers likely to hold it, or take a later "
-                         "version; final versions are always served (0: no budget)",
+    "any reason (direct serves, repeats, fallbacks) and in any form (full, or an update), "
+    "in multiples of its full size; past it, learners are pointed at peers likely to hold it, or take a later "
+    "version; final versions are always served (0: no budget)",
     "eval_every": "inner steps between held-out evaluations",
     "eval_batches": "held-out batches per evaluation",
     "overlap_block": "measure overlap: alternate blocks of N steps trained alone and in the swarm (0: off)",
     "baseline_lr": "peak learning rate of --baseline's data-parallel run (0: the islands' --lr); its batch is "
-                   "peers x --batch-size, which usually wants a higher lr: tune it, or the comparison flatters the swarm",
+    "peers x --batch-size, which usually wants a higher lr: tune it, or the comparison flatters the swarm",
     "link": "emulated link for every peer, e.g. latency=50ms,bandwidth=10mbit,drop=0.01",
 }
 
 
-def add_run_arguments(parser: argparse.ArgumentParser, *, exclude: tuple[str, ...] = (), **defaults: Any) -> None:
+def add_run_arguments(
+    parser: argparse.ArgumentParser, *, exclude: tuple[str, ...] = (), **defaults: Any
+) -> None:
     """Add one flag per ``RunConfig`` field (``--inner-steps`` for ``inner_steps``), but those in
     ``exclude``."""
     for f in dataclasses.fields(RunConfig):
@@ -402,9 +481,7 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, exclude: tuple[str, ..
             continue
         default = defaults.get(f.name, f.default)
         flag = "--" + f.name.replace("_", "-")
-        kind = {"int": int, "float": float, "str": str}.get(
-            str(f.type).replace(" | None", ""), str
-        )
+        kind = {"int": int, "float": float, "str": str}.get(str(f.type).replace(" | None", ""), str)
         text = _HELP.get(f.name, "")
         if default not in (None, "") and "(default" not in text:
             text += " (default: %(default)s)"

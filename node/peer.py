@@ -88,13 +88,24 @@ def emit(event: str, **fields: Any) -> None:
 class PeerNode(SwarmPresence, OwnedFragments, OwnerHandoffs, VersionServing):
     """The peer's asyncio side: serves owners, RPC and the DHT, drives the island's network side."""
 
-    def __init__(self, cfg: RunConfig, signer: Signer, model: torch.nn.Module, plan: FragmentPlan, *,
-                 host: str = "127.0.0.1", port: int = 0, public_address: str | None = None,
-                 tamper: Callable[[Outgoing], Outgoing] | None = None,
-                 credentials: SwarmCredentials | None = None,
-                 initial_global: list[torch.Tensor] | None = None, versions_known_at: float | None = None,
-                 event_log_dir: Path | None = None, owner_checkpoint_dir: Path | None = None,
-                 evaluator: Evaluator | None = None) -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        signer: Signer,
+        model: torch.nn.Module,
+        plan: FragmentPlan,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        public_address: str | None = None,
+        tamper: Callable[[Outgoing], Outgoing] | None = None,
+        credentials: SwarmCredentials | None = None,
+        initial_global: list[torch.Tensor] | None = None,
+        versions_known_at: float | None = None,
+        event_log_dir: Path | None = None,
+        owner_checkpoint_dir: Path | None = None,
+        evaluator: Evaluator | None = None,
+    ) -> None:
         """``initial_global``: every fragment's version 0 (the model's initial weights), when the
         island passed in holds other versions already (resumed from a checkpoint).
         ``versions_known_at``: the wall-clock time the resumed versions were held (the
@@ -106,40 +117,62 @@ class PeerNode(SwarmPresence, OwnedFragments, OwnerHandoffs, VersionServing):
         ``evaluator``: what owners check candidate versions with before publishing them
         (``node.diloco.validation``; None: validated publication is off, which is logged)."""
         if cfg.max_tokens_per_step < 1:
-            raise ValueError("the swarm config must set max_tokens_per_step (>= 1): the merge clamps "
-                             "every learner's self-reported tokens to it")
+            raise ValueError(
+                "the swarm config must set max_tokens_per_step (>= 1): the merge clamps "
+                "every learner's self-reported tokens to it"
+            )
         self.cfg, self.signer, self.plan = cfg, signer, plan
         self.tamper = tamper  # rewrites our own contributions: attack measurements only
         self.evaluator = evaluator if cfg.validate_windows > 0 else None
         if self.evaluator is None:
-            log.info("validated publication is off: %s", "no validation set was given" if evaluator is None
-                     else "--validate-windows 0")
+            log.info(
+                "validated publication is off: %s",
+                "no validation set was given" if evaluator is None else "--validate-windows 0",
+            )
         else:
-            log.info("validated publication: %d windows a check from a pool of %d (validation set %s)",
-                     cfg.validate_windows, self.evaluator.pool, self.evaluator.digest[:16])
+            log.info(
+                "validated publication: %d windows a check from a pool of %d (validation set %s)",
+                cfg.validate_windows,
+                self.evaluator.pool,
+                self.evaluator.digest[:16],
+            )
         self.public_address = public_address
         # Without credentials (a development swarm) any reachable member may own fragments.
         self.credentials = credentials
         self.initial_global, self.event_log_dir = initial_global, event_log_dir
         self.versions_known_at = versions_known_at
         if credentials is not None and credentials.swarm_id != cfg.swarm:
-            raise ValueError(f"config swarm {cfg.swarm!r} is not the manifest's swarm id {credentials.swarm_id}")
+            raise ValueError(
+                f"config swarm {cfg.swarm!r} is not the manifest's swarm id {credentials.swarm_id}"
+            )
         tls = server_context(signer) if credentials is not None and credentials.certified else None
-        self.transport = Transport(host, port, link=LinkEmulator(default=LinkProfile.parse(cfg.link)), tls=tls)
+        self.transport = Transport(
+            host, port, link=LinkEmulator(default=LinkProfile.parse(cfg.link)), tls=tls
+        )
         if credentials is not None:
             credentials.install(self.transport)
         else:  # a development swarm: no admission, but owners still learn who asks
             Identification(signer, cfg.swarm).install(self.transport)
         # our Atoll-Auth names the member we reach (from the member records): good at that node only
-        self.transport.recipient_of = MemberAddresses(lambda: self.membership.members if self.membership else {})
-        self.model_bytes_served: collections.Counter[str] = collections.Counter()  # key hex -> bytes
-        self._long_polls: collections.Counter[str] = collections.Counter()  # poller -> long-polls held
+        self.transport.recipient_of = MemberAddresses(
+            lambda: self.membership.members if self.membership else {}
+        )
+        self.model_bytes_served: collections.Counter[str] = (
+            collections.Counter()
+        )  # key hex -> bytes
+        self._long_polls: collections.Counter[str] = (
+            collections.Counter()
+        )  # poller -> long-polls held
         self.spread = SpreadStats()  # versions spread peer to peer (``node.diloco.spread``)
         self._fanouts: dict[int, Fanout] = {}  # fragment -> this owner's serve-or-point decisions
         self.holdings = Holdings(len(plan.fragments), self.transport.pool, fanout=cfg.spread_fanout)
         # bodies capped by what the plan's largest fragment can need (not a fixed 256 MiB)
-        self.rpc = RpcServer(self.transport, signer, authorize=self._authorize,
-                             max_message=max_rpc_body(f.numel for f in plan.fragments))
+        self.rpc = RpcServer(
+            self.transport,
+            signer,
+            authorize=self._authorize,
+            max_message=max_rpc_body(f.numel for f in plan.fragments),
+        )
         self.router = DHTRouter(self.transport)
         self.dht: DHTNode | None = None
         self.membership: Membership | None = None
@@ -147,14 +180,18 @@ class PeerNode(SwarmPresence, OwnedFragments, OwnerHandoffs, VersionServing):
         named = dict(model.named_parameters())
         self.shapes = [[tuple(named[n].shape) for n in f.names] for f in plan.fragments]
         self.owners: dict[int, FragmentOwner] = {}
-        self._retired_owners: dict[int, list[OwnerCounts]] = {}  # what is kept of the owners this peer retired
+        self._retired_owners: dict[
+            int, list[OwnerCounts]
+        ] = {}  # what is kept of the owners this peer retired
         self._suspect_since: dict[bytes, float] = {}  # peer id -> when it failed us (wall clock)
         self._owner_tasks: dict[int, asyncio.Task[None]] = {}
         self.net: IslandNet | None = None
         self.learning = True
         self.awaited_members = 0  # wait_for_members: read members often until this many are seen
         self.record_published_at: float | None = None  # monotonic time our record was last stored
-        self.lease_lapses = 0  # versions not published: our record may have expired in others' views
+        self.lease_lapses = (
+            0  # versions not published: our record may have expired in others' views
+        )
         self.reachable = False
         self.step = 0
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -173,22 +210,35 @@ class PeerNode(SwarmPresence, OwnedFragments, OwnerHandoffs, VersionServing):
         self.rpc.route(ReplicaState, self._on_replica_state)
         numels = [sum(int(torch.Size(s).numel()) for s in shapes) for shapes in self.shapes]
         self.replicas = ReplicaStore(cfg.swarm, numels)
-        self.owner_checkpoints = (OwnerCheckpoints(owner_checkpoint_dir, cfg.swarm, numels)
-                                  if owner_checkpoint_dir is not None else None)
+        self.owner_checkpoints = (
+            OwnerCheckpoints(owner_checkpoint_dir, cfg.swarm, numels)
+            if owner_checkpoint_dir is not None
+            else None
+        )
         if self.owner_checkpoints is not None:
             for p, state in self.owner_checkpoints.load().items():
                 self.replicas.restore(state)
-                log.info("fragment %d: owner checkpoint at version %d (epoch %d) loaded", p, state.version,
-                         state.epoch)
+                log.info(
+                    "fragment %d: owner checkpoint at version %d (epoch %d) loaded",
+                    p,
+                    state.version,
+                    state.epoch,
+                )
         self._replica_replay = ReplayWindow()
         self._fenced_until: dict[int, float] = {}
-        self._last_owner: dict[int, bytes] = {}  # per fragment, the owner the last ownership pass saw
+        self._last_owner: dict[
+            int, bytes
+        ] = {}  # per fragment, the owner the last ownership pass saw
         self._passed_on: set[tuple[int, bytes, int]] = set()  # (fragment, peer, version) handed on
         self._seen_learning: set[bytes] = set()  # sync modes: every learner seen, and those done
         self._finished: set[bytes] = set()
         self.unreplicated = 0  # versions published with no replica reachable
-        self.replica_bytes = 0  # tensor bytes handed to replicas (an owner's upload besides versions)
-        self.replica_took: dict[int, tuple[int, bytes]] = {}  # fragment -> (version, replica that took it)
+        self.replica_bytes = (
+            0  # tensor bytes handed to replicas (an owner's upload besides versions)
+        )
+        self.replica_took: dict[
+            int, tuple[int, bytes]
+        ] = {}  # fragment -> (version, replica that took it)
         self.announce_versions = False  # a launcher counts every published version (and content)
         app = self.transport.app
         app.router.add_get("/v1/fragments/{p}/{kind}", self._on_fetch)
@@ -238,7 +288,10 @@ class PeerNode(SwarmPresence, OwnedFragments, OwnerHandoffs, VersionServing):
 
     def all_owners(self) -> list[OwnerCounts]:
         """The counts of every fragment owner this peer has run, retired ones included."""
-        return [*(o.counts for o in self.owners.values()), *(c for kept in self._retired_owners.values() for c in kept)]
+        return [
+            *(o.counts for o in self.owners.values()),
+            *(c for kept in self._retired_owners.values() for c in kept),
+        ]
 
     def status(self) -> dict[str, Any]:
         members = self.membership.members if self.membership else {}
@@ -248,15 +301,31 @@ class PeerNode(SwarmPresence, OwnedFragments, OwnerHandoffs, VersionServing):
             owners[str(p)] = {"peer_id": o[0].hex(), "url": o[1]} if o else None
         island_versions = self.net.island.versions if self.net else []
         return {
-            "swarm": self.cfg.swarm, "manifest": self.manifest,
-            "peer_id": self.signer.peer_id.hex(), "url": self.url, "reachable": self.reachable,
-            "learning": self.learning, "step": self.step,
-            "members": [{"peer_id": m.peer_id.hex(), "url": m.record.url, "roles": list(m.record.roles),
-                         "lab": m.lab, "certified_roles": list(m.cert.roles) if m.cert else [],
-                         "reachable": m.record.reachable, "learning": m.record.learning, "step": m.record.step}
-                        for m in members.values()],
-            "refused_members": {pid.hex(): why for pid, why in list(self.membership.refused.items())[:256]}
-            if self.membership else {},
+            "swarm": self.cfg.swarm,
+            "manifest": self.manifest,
+            "peer_id": self.signer.peer_id.hex(),
+            "url": self.url,
+            "reachable": self.reachable,
+            "learning": self.learning,
+            "step": self.step,
+            "members": [
+                {
+                    "peer_id": m.peer_id.hex(),
+                    "url": m.record.url,
+                    "roles": list(m.record.roles),
+                    "lab": m.lab,
+                    "certified_roles": list(m.cert.roles) if m.cert else [],
+                    "reachable": m.record.reachable,
+                    "learning": m.record.learning,
+                    "step": m.record.step,
+                }
+                for m in members.values()
+            ],
+            "refused_members": {
+                pid.hex(): why for pid, why in list(self.membership.refused.items())[:256]
+            }
+            if self.membership
+            else {},
             "admission": self.credentials.status() if self.credentials else None,
             "addresses": self.address_status(),  # address disputes, pin mismatches, manifest claims
             "model_bytes_served": dict(self.model_bytes_served),
@@ -268,9 +337,13 @@ class PeerNode(SwarmPresence, OwnedFragments, OwnerHandoffs, VersionServing):
             "versions": list(island_versions),
             "owned": {str(p): o.version for p, o in self.owners.items()},
             "owner_epochs": {str(p): o.epoch for p, o in self.owners.items()},
-            "replicas": {**self.replicas.status(), "unreplicated_versions": self.unreplicated,
-                         "lease_lapses": self.lease_lapses},
-            "bytes_sent": self.transport.bytes_sent, "bytes_received": self.transport.bytes_received,
+            "replicas": {
+                **self.replicas.status(),
+                "unreplicated_versions": self.unreplicated,
+                "lease_lapses": self.lease_lapses,
+            },
+            "bytes_sent": self.transport.bytes_sent,
+            "bytes_received": self.transport.bytes_received,
             "direct_bodies": self.transport.direct_bodies,
             "connections": self.transport.serve_status(),  # caps, evictions, reply deadlines (issue 48)
             "remote_errors": dict(self.rpc.errors),
@@ -306,20 +379,40 @@ class PeerNode(SwarmPresence, OwnedFragments, OwnerHandoffs, VersionServing):
         self.loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         await self.transport.start()
-        self.dht = DHTNode(self.signer, self.transport, self.url + "/v1/dht",
-                           DHTConfig(maintenance_period_s=30.0, request_timeout_s=3.0))
+        self.dht = DHTNode(
+            self.signer,
+            self.transport,
+            self.url + "/v1/dht",
+            DHTConfig(maintenance_period_s=30.0, request_timeout_s=3.0),
+        )
         self.router.mount(self.dht)
         await self.dht.start()
         cred = self.credentials
-        self.membership = Membership(self.dht, self.cfg.swarm, self.manifest,
-                                     swarm_manifest=(lambda: cred.manifest) if cred is not None else None,
-                                     n_fragments=len(self.plan.fragments))
-        self.net = IslandNet(island, self.transport, self.signer, swarm=self.cfg.swarm, shapes=self.shapes,
-                             owner_of=self.owner_of, codec=self.cfg.codec, block_size=self.cfg.block_size,
-                             on_unreachable=self._unreachable, tamper=self.tamper,
-                             created=cred.manifest.created if cred is not None else None,
-                             initial=self.initial_global, holdings=self.holdings, url_of=self._member_url,
-                             spread=self.spread, local=self)
+        self.membership = Membership(
+            self.dht,
+            self.cfg.swarm,
+            self.manifest,
+            swarm_manifest=(lambda: cred.manifest) if cred is not None else None,
+            n_fragments=len(self.plan.fragments),
+        )
+        self.net = IslandNet(
+            island,
+            self.transport,
+            self.signer,
+            swarm=self.cfg.swarm,
+            shapes=self.shapes,
+            owner_of=self.owner_of,
+            codec=self.cfg.codec,
+            block_size=self.cfg.block_size,
+            on_unreachable=self._unreachable,
+            tamper=self.tamper,
+            created=cred.manifest.created if cred is not None else None,
+            initial=self.initial_global,
+            holdings=self.holdings,
+            url_of=self._member_url,
+            spread=self.spread,
+            local=self,
+        )
         for p, version in enumerate(island.versions):  # resumed: state sync fetches only newer ones
             if version > 0:
                 self.net.remember(p, version, island.global_flat[p])
@@ -336,8 +429,11 @@ class PeerNode(SwarmPresence, OwnedFragments, OwnerHandoffs, VersionServing):
                     self.joined.set()
                     raise
                 self.joined.set()
-                tasks = [tg.create_task(self.net.run()), tg.create_task(self._record_loop()),
-                         tg.create_task(self._membership_loop())]
+                tasks = [
+                    tg.create_task(self.net.run()),
+                    tg.create_task(self._record_loop()),
+                    tg.create_task(self._membership_loop()),
+                ]
                 await self._stop.wait()
                 for t in [*tasks, *self._owner_tasks.values()]:
                     t.cancel()
@@ -367,14 +463,19 @@ class PeerNode(SwarmPresence, OwnedFragments, OwnerHandoffs, VersionServing):
                 async with asyncio.timeout(flush_s):
                     await self.net.flush()
             except TimeoutError:
-                log.warning("contributions still unsent after %.0f s; stopping without them", flush_s)
+                log.warning(
+                    "contributions still unsent after %.0f s; stopping without them", flush_s
+                )
         self.learning = False
-        if self.membership is not None:  # say so now, not at the next membership pass: owners wait on it
+        if (
+            self.membership is not None
+        ):  # say so now, not at the next membership pass: owners wait on it
             with contextlib.suppress(Exception):
                 await self.membership.publish(self.my_record())
 
-    async def fetch_final(self, *, settle_s: float = FINAL_SETTLE_S,
-                          rechecks: int = FINAL_RECHECKS) -> dict[int, tuple[int, torch.Tensor]]:
+    async def fetch_final(
+        self, *, settle_s: float = FINAL_SETTLE_S, rechecks: int = FINAL_RECHECKS
+    ) -> dict[int, tuple[int, torch.Tensor]]:
         """Every fragment's final version from its current owner (verified).
 
         An owner declares its fragment final once no member is learning and its last round is
@@ -395,17 +496,26 @@ class PeerNode(SwarmPresence, OwnedFragments, OwnerHandoffs, VersionServing):
             if self.membership is not None:
                 with contextlib.suppress(Exception):
                     await self.membership.refresh(full=True)
-            moved = [p for p in out if (current := self.owner_of(p)) is not None and current[0] != answered[p]]
+            moved = [
+                p
+                for p in out
+                if (current := self.owner_of(p)) is not None and current[0] != answered[p]
+            ]
             if not moved:
                 break
             for p in moved:
-                log.warning("fragment %d: its owner changed after it declared version %d final; "
-                            "asking the new owner", p, out[p][0])
+                log.warning(
+                    "fragment %d: its owner changed after it declared version %d final; "
+                    "asking the new owner",
+                    p,
+                    out[p][0],
+                )
                 del out[p]
         return out
 
-    async def _fetch_missing_finals(self, out: dict[int, tuple[int, torch.Tensor]],
-                                    answered: dict[int, bytes]) -> None:
+    async def _fetch_missing_finals(
+        self, out: dict[int, tuple[int, torch.Tensor]], answered: dict[int, bytes]
+    ) -> None:
         """Fill ``out`` with every fragment's final version, asking each one's owner until it
         declares it (an owner may be finishing a merge or moving); note who answered."""
         assert self.net is not None
@@ -418,7 +528,9 @@ class PeerNode(SwarmPresence, OwnedFragments, OwnerHandoffs, VersionServing):
                     await asyncio.sleep(0.5)
                     continue
                 try:
-                    got = await self.net.fetch(p, after=self.net.received[p], wait_s=5.0, final=True, owner=owner)
+                    got = await self.net.fetch(
+                        p, after=self.net.received[p], wait_s=5.0, final=True, owner=owner
+                    )
                 except Exception as exc:  # keep trying: the owner may be finishing a merge
                     log.warning("final fetch of fragment %d failed: %r", p, exc)
                     await asyncio.sleep(0.5)

@@ -40,7 +40,14 @@ from protocol.dht.ratelimit import RateLimiter, TokenBucket
 from protocol.errors import DecodeError, NotAuthorized, RemoteProtocolError
 from protocol.wire.signing import Signer
 
-__all__ = ["BootstrapNode", "DialBacks", "MemberListings", "UnknownSwarm", "member_list", "run_bootstrap"]
+__all__ = [
+    "BootstrapNode",
+    "DialBacks",
+    "MemberListings",
+    "UnknownSwarm",
+    "member_list",
+    "run_bootstrap",
+]
 
 # Dial-backs: a burst per address, then one a second (a local swarm's peers all join through
 # peer 0 from 127.0.0.1 at once); one at a time per address, the others wait their turn up to
@@ -73,9 +80,18 @@ async def member_list(dht: DHTNode, swarm: str) -> list[dict[str, Any]]:
     for rec in await dht.get(members_key(swarm)):
         with contextlib.suppress(DecodeError):
             m = MemberRecord.decode(rec.value)
-            out.append({"peer_id": rec.subkey.hex(), "url": m.url, "roles": list(m.roles),
-                        "reachable": m.reachable, "learning": m.learning, "step": m.step,
-                        "manifest": m.manifest, "expires_at": rec.expires_at})
+            out.append(
+                {
+                    "peer_id": rec.subkey.hex(),
+                    "url": m.url,
+                    "roles": list(m.roles),
+                    "reachable": m.reachable,
+                    "learning": m.learning,
+                    "step": m.step,
+                    "manifest": m.manifest,
+                    "expires_at": rec.expires_at,
+                }
+            )
     return out
 
 
@@ -117,8 +133,14 @@ class DialBacks:
     """``GET /v1/dialback?port=P`` (or ``?url=http://MY-HOST:P``): ping the requester's DHT node
     at its own address and answer whether it replied, and as whom (see the module docstring)."""
 
-    def __init__(self, *, rate: float = DIALBACK_PER_S, burst: float = DIALBACK_BURST,
-                 wait_s: float = DIALBACK_WAIT_S, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        *,
+        rate: float = DIALBACK_PER_S,
+        burst: float = DIALBACK_BURST,
+        wait_s: float = DIALBACK_WAIT_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._limiter = RateLimiter(rate, burst, max_peers=ADDRESSES_KEPT)
         self._turns = _Turns()
         self.wait_s, self.clock = wait_s, clock
@@ -130,12 +152,18 @@ class DialBacks:
         or ``Busy`` (rate, turn or overall cap): the transport answers them 4xx with the reason."""
         ip = _requester(request)
         scheme, host, port = _target(request.query)
-        if not self._limiter.allow(address_key(str(ip)), self.clock()):  # an IPv6 address by its /64
-            raise Busy(f"dial-backs to {ip} are limited to {self._limiter.rate:g} a second "
-                       f"after a burst of {self._limiter.burst:g}; retry later")
+        if not self._limiter.allow(
+            address_key(str(ip)), self.clock()
+        ):  # an IPv6 address by its /64
+            raise Busy(
+                f"dial-backs to {ip} are limited to {self._limiter.rate:g} a second "
+                f"after a burst of {self._limiter.burst:g}; retry later"
+            )
         if host is not None and not await _is_address_of(host, ip):
-            raise NotAuthorized(f"url names host {host[:64]!r}, not this request's address {ip}: "
-                                "a node dials back only the address a request came from")
+            raise NotAuthorized(
+                f"url names host {host[:64]!r}, not this request's address {ip}: "
+                "a node dials back only the address a request came from"
+            )
         if self.in_flight >= MAX_DIALBACKS:
             raise Busy(f"{self.in_flight} dial-backs in flight already; retry later")
         try:
@@ -149,8 +177,13 @@ class DialBacks:
                     self.in_flight -= 1
         except TimeoutError:
             raise Busy(f"another dial-back to {ip} is still running; retry later") from None
-        return web.json_response({"reachable": contact is not None, "address": address,
-                                  "peer_id": contact.peer_id.hex() if contact else None})
+        return web.json_response(
+            {
+                "reachable": contact is not None,
+                "address": address,
+                "peer_id": contact.peer_id.hex() if contact else None,
+            }
+        )
 
 
 def _target(query: Any) -> tuple[str, str | None, int]:
@@ -164,7 +197,9 @@ def _target(query: Any) -> tuple[str, str | None, int]:
         except ValueError:
             raise DecodeError("url has an invalid host") from None
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise DecodeError("url must be http(s)://HOST:PORT with HOST the requester's own address")
+            raise DecodeError(
+                "url must be http(s)://HOST:PORT with HOST the requester's own address"
+            )
         try:
             port_text = str(parts.port or (443 if parts.scheme == "https" else 80))
         except ValueError:
@@ -172,7 +207,12 @@ def _target(query: Any) -> tuple[str, str | None, int]:
         scheme, host = parts.scheme, parts.hostname
     else:
         raise DecodeError("say which port to dial back: ?port=P (or ?url=http://YOUR-ADDRESS:P)")
-    if not (port_text.isascii() and port_text.isdigit() and len(port_text) <= 5 and 0 < int(port_text) < 65536):
+    if not (
+        port_text.isascii()
+        and port_text.isdigit()
+        and len(port_text) <= 5
+        and 0 < int(port_text) < 65536
+    ):
         raise DecodeError(f"port must be 1..65535, not {port_text[:16]!r}")
     return scheme, host, int(port_text)
 
@@ -184,7 +224,9 @@ async def _is_address_of(host: str, ip: ipaddress.IPv4Address | ipaddress.IPv6Ad
         return (getattr(named, "ipv4_mapped", None) or named) == ip
     try:
         async with asyncio.timeout(RESOLVE_S):
-            infos = await asyncio.get_running_loop().getaddrinfo(host, None, type=socket.SOCK_STREAM)
+            infos = await asyncio.get_running_loop().getaddrinfo(
+                host, None, type=socket.SOCK_STREAM
+            )
     except (OSError, TimeoutError, UnicodeError):
         return False
     return any(str(info[4][0]) == str(ip) for info in infos)
@@ -198,11 +240,20 @@ class MemberListings:
     """``GET /v1/members?swarm=NAME``: a swarm's live member records from a short cache (see the
     module docstring). ``only``: the one swarm listed here (a peer's own); None lists any."""
 
-    def __init__(self, *, only: str | None = None, default: str = "atoll-local", ttl_s: float = MEMBERS_TTL_S,
-                 max_swarms: int = MAX_SWARMS_CACHED, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        *,
+        only: str | None = None,
+        default: str = "atoll-local",
+        ttl_s: float = MEMBERS_TTL_S,
+        max_swarms: int = MAX_SWARMS_CACHED,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.only, self.default = only, only or default
         self.ttl_s, self.max_swarms, self.clock = ttl_s, max_swarms, clock
-        self._cache: collections.OrderedDict[str, tuple[float, list[dict[str, Any]]]] = collections.OrderedDict()
+        self._cache: collections.OrderedDict[str, tuple[float, list[dict[str, Any]]]] = (
+            collections.OrderedDict()
+        )
         self._turns = _Turns()
         self._new_swarms = TokenBucket(NEW_SWARMS_PER_S, NEW_SWARMS_BURST)
         self.lookups = 0
@@ -213,15 +264,23 @@ class MemberListings:
         if not (0 < len(swarm) <= MAX_SWARM_NAME and swarm.isprintable()):
             raise DecodeError(f"swarm must be a printable name of 1..{MAX_SWARM_NAME} characters")
         if self.only is not None and swarm != self.only:
-            raise UnknownSwarm(f"this node lists only swarm {self.only!r}'s members, not {swarm[:64]!r}'s")
+            raise UnknownSwarm(
+                f"this node lists only swarm {self.only!r}'s members, not {swarm[:64]!r}'s"
+            )
         return web.json_response({"swarm": swarm, "members": await self.listing(swarm, dht)})
 
     async def listing(self, swarm: str, dht: DHTNode) -> list[dict[str, Any]]:
         """The cached listing of ``swarm``, looked up (once for all concurrent askers) when stale."""
         if (fresh := self._fresh(swarm)) is not None:
             return fresh
-        if self.only is None and swarm not in self._cache and not self._new_swarms.allow(self.clock()):
-            raise Busy(f"too many member listings of new swarms asked for; {swarm[:64]!r} is not cached, retry later")
+        if (
+            self.only is None
+            and swarm not in self._cache
+            and not self._new_swarms.allow(self.clock())
+        ):
+            raise Busy(
+                f"too many member listings of new swarms asked for; {swarm[:64]!r} is not cached, retry later"
+            )
         async with self._turns.turn(swarm):
             if (fresh := self._fresh(swarm)) is not None:
                 return fresh
@@ -245,11 +304,20 @@ class BootstrapNode:
     """With ``credentials`` it serves one certified swarm: HTTPS when the swarm is certified, and
     every request checked against the manifest like a peer's."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, public_address: str | None = None, *,
-                 signer: Signer | None = None, credentials: SwarmCredentials | None = None) -> None:
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        public_address: str | None = None,
+        *,
+        signer: Signer | None = None,
+        credentials: SwarmCredentials | None = None,
+    ) -> None:
         self.signer = signer or Signer.from_seed(os.urandom(32))
         certified = credentials is not None and credentials.certified
-        self.transport = Transport(host, port, tls=server_context(self.signer) if certified else None)
+        self.transport = Transport(
+            host, port, tls=server_context(self.signer) if certified else None
+        )
         if credentials is not None:
             credentials.install(self.transport)
         self.credentials = credentials
@@ -257,7 +325,9 @@ class BootstrapNode:
         self.public_address = public_address
         self.dht: DHTNode | None = None
         self.dialbacks = DialBacks()
-        self.listings = MemberListings(only=credentials.swarm_id if credentials is not None else None)
+        self.listings = MemberListings(
+            only=credentials.swarm_id if credentials is not None else None
+        )
         app = self.transport.app
         app.router.add_get("/v1/members", self._members)
         app.router.add_get("/v1/dialback", self._dialback)
@@ -269,7 +339,9 @@ class BootstrapNode:
 
     async def start(self, initial_peers: list[str]) -> str:
         await self.transport.start()
-        self.dht = DHTNode(self.signer, self.transport, self.url + "/v1/dht", DHTConfig(maintenance_period_s=30.0))
+        self.dht = DHTNode(
+            self.signer, self.transport, self.url + "/v1/dht", DHTConfig(maintenance_period_s=30.0)
+        )
         self.router.mount(self.dht)
         await self.dht.start()
         if initial_peers:
@@ -291,13 +363,27 @@ class BootstrapNode:
 
     async def _status(self, _request: web.Request) -> web.Response:
         assert self.dht is not None
-        return web.json_response({"role": "bootstrap", "peer_id": self.signer.peer_id.hex(), "url": self.url,
-                                  "dht_contacts": len(self.dht.routing), "dht_keys": len(self.dht.records),
-                                  "admission": self.credentials.status() if self.credentials else None})
+        return web.json_response(
+            {
+                "role": "bootstrap",
+                "peer_id": self.signer.peer_id.hex(),
+                "url": self.url,
+                "dht_contacts": len(self.dht.routing),
+                "dht_keys": len(self.dht.records),
+                "admission": self.credentials.status() if self.credentials else None,
+            }
+        )
 
 
-async def run_bootstrap(host: str, port: int, public_address: str | None, initial_peers: list[str], *,
-                        signer: Signer | None = None, credentials: SwarmCredentials | None = None) -> None:
+async def run_bootstrap(
+    host: str,
+    port: int,
+    public_address: str | None,
+    initial_peers: list[str],
+    *,
+    signer: Signer | None = None,
+    credentials: SwarmCredentials | None = None,
+) -> None:
     """Serve until SIGINT or SIGTERM."""
     node = BootstrapNode(host, port, public_address, signer=signer, credentials=credentials)
     url = await node.start(initial_peers)

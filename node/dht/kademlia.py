@@ -116,7 +116,9 @@ class DHTConfig:
     claim_burst: float = 50.0  # ...a burst of this many...
     max_claim_pings: int = 8  # ...with at most this many in flight
     claim_retry_s: float = 60.0  # an address that did not answer is not pinged again this soon
-    store_lookup_reuse_s: float = 60.0  # a Store reuses the nodes a lookup found this long (0: look up every time)
+    store_lookup_reuse_s: float = (
+        60.0  # a Store reuses the nodes a lookup found this long (0: look up every time)
+    )
 
 
 @dataclass(slots=True)
@@ -163,28 +165,52 @@ class DHTNode(DHTClient):
         self.config = cfg = config or DHTConfig()
         self.peer_id = signer.peer_id
         self.me = PeerInfo(peer_id=self.peer_id, address=address)
-        self.routing = RoutingTable(self.peer_id, k=cfg.k, replacement_cache=cfg.replacement_cache,
-                                    max_failures=cfg.max_failures)
-        self.records = RecordStore(max_bytes=cfg.max_store_bytes, max_subkeys_per_key=cfg.max_subkeys_per_key,
-                                  max_value_bytes=cfg.max_value_bytes, max_ttl_s=cfg.record_ttl_cap_s)
-        self.limits = StoreLimits(source_rate=cfg.store_ip_rate, source_burst=cfg.store_ip_burst,
-                                  key_rate=cfg.store_rate, key_burst=cfg.store_burst)
-        self.claims = ClaimQueue(max_pending=cfg.max_claims, rate=cfg.claim_rate, burst=cfg.claim_burst,
-                                 max_in_flight=cfg.max_claim_pings, retry_after_s=cfg.claim_retry_s)
+        self.routing = RoutingTable(
+            self.peer_id,
+            k=cfg.k,
+            replacement_cache=cfg.replacement_cache,
+            max_failures=cfg.max_failures,
+        )
+        self.records = RecordStore(
+            max_bytes=cfg.max_store_bytes,
+            max_subkeys_per_key=cfg.max_subkeys_per_key,
+            max_value_bytes=cfg.max_value_bytes,
+            max_ttl_s=cfg.record_ttl_cap_s,
+        )
+        self.limits = StoreLimits(
+            source_rate=cfg.store_ip_rate,
+            source_burst=cfg.store_ip_burst,
+            key_rate=cfg.store_rate,
+            key_burst=cfg.store_burst,
+        )
+        self.claims = ClaimQueue(
+            max_pending=cfg.max_claims,
+            rate=cfg.claim_rate,
+            burst=cfg.claim_burst,
+            max_in_flight=cfg.max_claim_pings,
+            retry_after_s=cfg.claim_retry_s,
+        )
         self._claimed = asyncio.Event()  # the claim queue changed: the verifier looks again
-        self.replay, self._reply_replay = ReplayWindow(salt=os.urandom(16)), ReplayWindow(salt=os.urandom(16))
+        self.replay, self._reply_replay = (
+            ReplayWindow(salt=os.urandom(16)),
+            ReplayWindow(salt=os.urandom(16)),
+        )
         self.metrics = DHTMetrics()
         self.rng = random.Random(int.from_bytes(self.peer_id[:8], "big"))
         self._own: dict[bytes, _OwnRecord] = {}
         self._handlers: dict[type[Message], Callable[[Any, str], Message]] = {
-            Ping: self._on_ping, FindNode: self._on_find_node,
-            FindValue: self._on_find_value, Store: self._on_store,
+            Ping: self._on_ping,
+            FindNode: self._on_find_node,
+            FindValue: self._on_find_value,
+            Store: self._on_store,
         }
         self._tg: asyncio.TaskGroup | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._pings = 0
         self._heard: dict[bytes, float] = {}  # contacts in the table: when last heard from
-        self._near: dict[bytes, tuple[float, list[PeerInfo]]] = {}  # key -> (when, nodes a lookup found nearest)
+        self._near: dict[
+            bytes, tuple[float, list[PeerInfo]]
+        ] = {}  # key -> (when, nodes a lookup found nearest)
 
     # ── lifecycle ───────────────────────────────────────────────────────────────────────────
 
@@ -233,8 +259,9 @@ class DHTNode(DHTClient):
     def seal(self, msg: Message, recipient: bytes = b"") -> bytes:
         """``msg`` sealed by this node's key with the current wall time and a fresh nonce, for
         the peer id ``recipient`` (empty: anyone; only a Ping to a bare address goes so)."""
-        return seal(encode(msg), self.signer, now=time.time(), nonce=os.urandom(16),
-                    recipient=recipient).tobytes()
+        return seal(
+            encode(msg), self.signer, now=time.time(), nonce=os.urandom(16), recipient=recipient
+        ).tobytes()
 
     def handle(self, opened: Opened, source: str = "") -> Message:
         """Answer one verified request that came from the IP address ``source``.
@@ -247,7 +274,9 @@ class DHTNode(DHTClient):
             raise NotAuthorized(f"no DHT handler for {type(msg).__name__}")
         check_sender(msg.sender, opened.public_key)
         if isinstance(msg, Store):
-            self.limits.admit(source=source, signer=opened.peer_id, records=len(msg.records), now=self.clock())
+            self.limits.admit(
+                source=source, signer=opened.peer_id, records=len(msg.records), now=self.clock()
+            )
         self.metrics.rpcs_in[type(msg).__name__] += 1
         self._claim(msg.sender, source)
         return self._handlers[type(msg)](msg, source)
@@ -264,8 +293,11 @@ class DHTNode(DHTClient):
         # before) with the value instead of contacts, as Kademlia's FIND_VALUE does; a first read
         # still gets contacts, so a reader that knows few nodes finds enough holders.
         holder = msg.known and (records or omitted)
-        return ValueReply(records=tuple(records[:MAX_REPLY_RECORDS]),
-                          peers=() if holder else tuple(self._nearest(msg.key)), omitted=omitted)
+        return ValueReply(
+            records=tuple(records[:MAX_REPLY_RECORDS]),
+            peers=() if holder else tuple(self._nearest(msg.key)),
+            omitted=omitted,
+        )
 
     def _on_store(self, msg: Store, source: str) -> StoreReply:
         now, accepted, reasons = self.clock(), 0, []
@@ -312,7 +344,9 @@ class DHTNode(DHTClient):
 
     async def _verify(self, contact: PeerInfo) -> None:
         """Ping ``contact.address``: a reply signed by ``contact``'s key puts it in the table."""
-        reply = await self._call(contact.address, Ping(sender=self.me), contact.peer_id, charge=False)
+        reply = await self._call(
+            contact.address, Ping(sender=self.me), contact.peer_id, charge=False
+        )
         answered = not isinstance(reply, _Failure)  # _call saw it: it is in the table now
         self.claims.done(contact, answered, self.clock())
         self.metrics.claims["answered" if answered else "unanswered"] += 1
@@ -364,5 +398,6 @@ class DHTNode(DHTClient):
         for key, own in due:
             await self._publish(key, (self._sign(key, own.record.value, own.ttl_s),))
         self._heard = {p: t for p, t in self._heard.items() if p in self.routing}
-        return Maintenance(refreshed=len(targets), republished=len(due),
-                           pruned=self.records.prune(self.clock()))
+        return Maintenance(
+            refreshed=len(targets), republished=len(due), pruned=self.records.prune(self.clock())
+        )

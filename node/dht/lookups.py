@@ -99,8 +99,9 @@ class DHTClient:
 
     # ── one outbound call ───────────────────────────────────────────────────────────────────
 
-    async def _call(self, address: str, msg: _Request, peer_id: bytes | None = None, *,
-                    charge: bool = True) -> Opened | _Failure:
+    async def _call(
+        self, address: str, msg: _Request, peer_id: bytes | None = None, *, charge: bool = True
+    ) -> Opened | _Failure:
         """Send ``msg`` to ``address``; the verified reply, or why not (never raises).
 
         A reply must be signed by ``peer_id`` when given; a failure counts against ``peer_id``'s
@@ -111,8 +112,13 @@ class DHTClient:
         sealed = self.seal(msg, peer_id or b"")
         try:
             status, buf, used, _ = await self.transport.request(
-                "POST", address, chunks=[sealed], size=len(sealed),
-                timeout_s=self.config.request_timeout_s, max_reply=self.config.max_reply, kind=type(msg).__name__,
+                "POST",
+                address,
+                chunks=[sealed],
+                size=len(sealed),
+                timeout_s=self.config.request_timeout_s,
+                max_reply=self.config.max_reply,
+                kind=type(msg).__name__,
             )
         except (aiohttp.ClientError, OSError, TimeoutError, ValueError, RemoteProtocolError) as exc:
             return self._failed(charged, f"unreachable ({type(exc).__name__})", unreachable=True)
@@ -120,7 +126,9 @@ class DHTClient:
         try:
             if status != 200:
                 # 404: no DHT node at that address (a name unmounted), as dead as a 5xx
-                return self._failed(charged, f"status {status}", unreachable=status >= 500 or status == 404)
+                return self._failed(
+                    charged, f"status {status}", unreachable=status >= 500 or status == 404
+                )
             opened = await self._open_reply(buf, used, msg, peer_id)
         except RemoteProtocolError as exc:
             return self._failed(charged, f"bad reply ({type(exc).__name__})", unreachable=True)
@@ -133,10 +141,15 @@ class DHTClient:
         self._seen(PeerInfo(peer_id=opened.peer_id, address=address))
         return opened
 
-    async def _open_reply(self, buf: bytearray, used: int, msg: _Request, peer_id: bytes | None) -> Opened:
-        envelope, body = split_sealed(memoryview(buf)[:used], max_size=self.config.max_reply,
-                                      expected_recipient=self.peer_id)
-        opened = await open_off_loop(envelope, body, replay=self._reply_replay)  # big replies: off the loop
+    async def _open_reply(
+        self, buf: bytearray, used: int, msg: _Request, peer_id: bytes | None
+    ) -> Opened:
+        envelope, body = split_sealed(
+            memoryview(buf)[:used], max_size=self.config.max_reply, expected_recipient=self.peer_id
+        )
+        opened = await open_off_loop(
+            envelope, body, replay=self._reply_replay
+        )  # big replies: off the loop
         reply, expected = opened.message, REPLY_TO[type(msg)]
         if type(reply) is not expected:
             raise DecodeError(f"got {type(reply).__name__} for {type(msg).__name__}")
@@ -154,14 +167,24 @@ class DHTClient:
 
     # ── lookups ─────────────────────────────────────────────────────────────────────────────
 
-    async def _lookup(self, target: bytes, *, find_value: bool, quorum: int = 1,
-                      known: tuple[bytes, ...] = ()) -> LookupResult:
+    async def _lookup(
+        self, target: bytes, *, find_value: bool, quorum: int = 1, known: tuple[bytes, ...] = ()
+    ) -> LookupResult:
         cfg = self.config
         _check_id(target)
         self.routing.touch(target, self.clock())
-        lookup = Lookup(target, self.routing.closest(target), k=cfg.k, alpha=cfg.alpha,
-                        find_value=find_value, min_values=quorum, own_id=self.peer_id)
-        known = known[:MAX_REPLY_RECORDS]  # a FindValue names at most this many: the rest come in full
+        lookup = Lookup(
+            target,
+            self.routing.closest(target),
+            k=cfg.k,
+            alpha=cfg.alpha,
+            find_value=find_value,
+            min_values=quorum,
+            own_id=self.peer_id,
+        )
+        known = known[
+            :MAX_REPLY_RECORDS
+        ]  # a FindValue names at most this many: the rest come in full
         try:
             async with asyncio.timeout(cfg.lookup_timeout_s):
                 await self._drive(lookup, known)
@@ -186,8 +209,9 @@ class DHTClient:
             for task in pending:
                 task.cancel()
 
-    async def _query(self, lookup: Lookup, contact: PeerInfo,
-                     known: tuple[bytes, ...] = ()) -> tuple[PeerInfo, Opened | _Failure]:
+    async def _query(
+        self, lookup: Lookup, contact: PeerInfo, known: tuple[bytes, ...] = ()
+    ) -> tuple[PeerInfo, Opened | _Failure]:
         msg: _Request = (
             FindValue(sender=self.me, key=lookup.target, known=known)
             if lookup.find_value
@@ -214,8 +238,12 @@ class DHTClient:
             try:
                 if rec.key != key:
                     raise DecodeError("record for another key")
-                verify_record(rec, now=now, max_ttl=self.config.record_ttl_cap_s,
-                              max_value_bytes=self.config.max_value_bytes)
+                verify_record(
+                    rec,
+                    now=now,
+                    max_ttl=self.config.record_ttl_cap_s,
+                    max_value_bytes=self.config.max_value_bytes,
+                )
             except RemoteProtocolError as exc:
                 self.metrics.failures[f"bad record ({type(exc).__name__})"] += 1
                 continue
@@ -227,7 +255,11 @@ class DHTClient:
     async def ping(self, address: str) -> PeerInfo | None:
         """Ping ``address``; the peer that answered (its id now learned), or None."""
         reply = await self._call(address, Ping(sender=self.me))
-        return None if isinstance(reply, _Failure) else PeerInfo(peer_id=reply.peer_id, address=address)
+        return (
+            None
+            if isinstance(reply, _Failure)
+            else PeerInfo(peer_id=reply.peer_id, address=address)
+        )
 
     async def bootstrap(self, addresses: Sequence[str]) -> int:
         """Join through ``addresses``: ping them, then look up our own id (section 2.3).
@@ -245,7 +277,9 @@ class DHTClient:
         """The ``k`` live nodes nearest ``target`` (32 bytes) that answered, nearest first."""
         return await self._lookup(target, find_value=False)
 
-    async def find_value(self, key: bytes, *, quorum: int = 1, known: tuple[bytes, ...] = ()) -> LookupResult:
+    async def find_value(
+        self, key: bytes, *, quorum: int = 1, known: tuple[bytes, ...] = ()
+    ) -> LookupResult:
         """FIND_VALUE until ``quorum`` peers returned records (or said that every record they
         hold is among ``known``, ``protocol.dht.records.known_tags``); records are verified."""
         return await self._lookup(key, find_value=True, quorum=quorum, known=known)
@@ -264,7 +298,9 @@ class DHTClient:
         rec = self._sign(key, value, ttl_s)
         return await self._publish(key, (rec,))
 
-    async def get(self, key: bytes, *, quorum: int = 1, known: tuple[bytes, ...] = ()) -> list[SignedRecord]:
+    async def get(
+        self, key: bytes, *, quorum: int = 1, known: tuple[bytes, ...] = ()
+    ) -> list[SignedRecord]:
         """Verified records under ``key``: the newest expiry per subkey, ordered by subkey.
 
         With ``known`` (``known_tags`` of the records the caller holds), a delta read: responders
@@ -289,7 +325,9 @@ class DHTClient:
         if not self.dialable:
             return None
         nearest = self.routing.closest(key, self.config.k)
-        if len(nearest) >= self.config.k and xor_distance(self.peer_id, key) > xor_distance(nearest[-1].peer_id, key):
+        if len(nearest) >= self.config.k and xor_distance(self.peer_id, key) > xor_distance(
+            nearest[-1].peer_id, key
+        ):
             return None
         return self.records.get(key, self.clock()) or None
 
@@ -327,12 +365,15 @@ class DHTClient:
             return closest
         merged = {c.peer_id: c for c in self.routing.closest(key, cfg.k)}
         merged.update((c.peer_id, c) for c in near[1] if c.peer_id in self.routing)
-        return sorted(merged.values(), key=lambda c: xor_distance(c.peer_id, key))[:cfg.k]
+        return sorted(merged.values(), key=lambda c: xor_distance(c.peer_id, key))[: cfg.k]
 
-    def _store_locally(self, key: bytes, records: Sequence[SignedRecord], nearest: list[PeerInfo]) -> int:
+    def _store_locally(
+        self, key: bytes, records: Sequence[SignedRecord], nearest: list[PeerInfo]
+    ) -> int:
         """Hold ``records`` here too when this node is among the ``k`` nearest ``key``."""
         near = len(nearest) < self.config.k or (
-            xor_distance(self.peer_id, key) < xor_distance(nearest[-1].peer_id, key))
+            xor_distance(self.peer_id, key) < xor_distance(nearest[-1].peer_id, key)
+        )
         if not (self.dialable and near):
             return 0
         try:
@@ -358,7 +399,9 @@ def _holds(reply: Opened | _Failure) -> bool:
         return False
     msg = reply.message
     assert isinstance(msg, StoreReply)
-    return msg.accepted > 0 or (bool(msg.reasons) and not any(r.startswith(_REFUSED) for r in msg.reasons))
+    return msg.accepted > 0 or (
+        bool(msg.reasons) and not any(r.startswith(_REFUSED) for r in msg.reasons)
+    )
 
 
 def _newest_per_subkey(records: Iterable[SignedRecord], now: float) -> list[SignedRecord]:

@@ -42,9 +42,20 @@ class ManifestClaims:
     docstring). Counters: ``ignored`` (claims too far above ours), ``backed_off`` (claims skipped
     while their member is backed off), ``failures`` and ``adopted``."""
 
-    def __init__(self, *, step: int = MAX_MANIFEST_STEP, backoff_s: float = 30.0, backoff_max_s: float = 600.0,
-                 per_pass: int = 3) -> None:
-        self.step, self.backoff_s, self.backoff_max_s, self.per_pass = step, backoff_s, backoff_max_s, per_pass
+    def __init__(
+        self,
+        *,
+        step: int = MAX_MANIFEST_STEP,
+        backoff_s: float = 30.0,
+        backoff_max_s: float = 600.0,
+        per_pass: int = 3,
+    ) -> None:
+        self.step, self.backoff_s, self.backoff_max_s, self.per_pass = (
+            step,
+            backoff_s,
+            backoff_max_s,
+            per_pass,
+        )
         self._failed: dict[bytes, _Failed] = {}
         self.ignored = self.backed_off = self.failures = self.adopted = 0
 
@@ -69,7 +80,7 @@ class ManifestClaims:
                 continue
             chosen.append(m)
         chosen.sort(key=lambda m: (-m.record.manifest_version, m.peer_id))
-        return chosen[:self.per_pass]
+        return chosen[: self.per_pass]
 
     def failed(self, member: Member, now: float) -> float:
         """``member``'s claim failed at ``now``; returns when it may be asked again at the
@@ -87,6 +98,10 @@ class ManifestClaims:
         self.adopted += 1
 
     def status(self) -> dict[str, int]:
-        return {"manifest_claims_ignored": self.ignored, "manifest_claims_backed_off": self.backed_off,
-                "manifest_claim_failures": self.failures, "manifest_claims_adopted": self.adopted,
-                "members_backed_off": len(self._failed)}
+        return {
+            "manifest_claims_ignored": self.ignored,
+            "manifest_claims_backed_off": self.backed_off,
+            "manifest_claim_failures": self.failures,
+            "manifest_claims_adopted": self.adopted,
+            "members_backed_off": len(self._failed),
+        }

@@ -44,8 +44,16 @@ from protocol.ids import key_id
 from protocol.wire.certificates import MAX_CERT_BYTES, Certificate, admit
 from protocol.wire.membership import SwarmManifest, bare_origin
 
-__all__ = ["Member", "MemberRecord", "Membership", "address_of", "config_from_manifest", "manifest_hash",
-           "members_key", "recipe_of"]
+__all__ = [
+    "Member",
+    "MemberRecord",
+    "Membership",
+    "address_of",
+    "config_from_manifest",
+    "manifest_hash",
+    "members_key",
+    "recipe_of",
+]
 
 log = logging.getLogger(__name__)
 
@@ -62,30 +70,42 @@ READ_QUORUM = 3  # responders whose member records are merged on a full read
 # responder omitted, is then seen at most FULL_READ_EVERY - 1 reads late; the view never shrinks.
 FULL_READ_EVERY = 4
 REFUSED_KEPT = 1024
-ASSIGNMENTS_KEPT = 64  # owner assignments remembered (one per candidate set: the members, less each primary)
+ASSIGNMENTS_KEPT = (
+    64  # owner assignments remembered (one per candidate set: the members, less each primary)
+)
 
 RECIPE_FIELDS = tuple(name for name in MANIFEST_FIELDS if name != "swarm") + SCHEDULE_FIELDS
 
 
-def recipe_of(cfg: RunConfig, *, schedule: bool = True) -> tuple[tuple[str, str | int | float | bool], ...]:
+def recipe_of(
+    cfg: RunConfig, *, schedule: bool = True
+) -> tuple[tuple[str, str | int | float | bool], ...]:
     """The swarm-wide fields of ``cfg`` as a signed manifest's recipe (sorted by name), with its
     learning-rate schedule (``SCHEDULE_FIELDS``) unless ``schedule`` is false (a swarm whose
     learners bring their own optimizers, as ``node.api``'s do)."""
-    names = RECIPE_FIELDS if schedule else tuple(n for n in RECIPE_FIELDS if n not in SCHEDULE_FIELDS)
+    names = (
+        RECIPE_FIELDS if schedule else tuple(n for n in RECIPE_FIELDS if n not in SCHEDULE_FIELDS)
+    )
     return tuple(sorted((name, getattr(cfg, name)) for name in names))
 
 
-def config_from_manifest(manifest: SwarmManifest, base: RunConfig, *, keep: Collection[str] = ()) -> RunConfig:
+def config_from_manifest(
+    manifest: SwarmManifest, base: RunConfig, *, keep: Collection[str] = ()
+) -> RunConfig:
     """``base`` with the manifest's recipe and the swarm id as the swarm's name on the wire.
     ``keep``: schedule fields (``SCHEDULE_FIELDS``) that stay ``base``'s, whatever the recipe says
     (the ones a joiner gave on its command line); a swarm-wide field is always the recipe's.
 
     Raises ``ValueError`` naming a recipe field this version of Atoll does not know, or one
     whose value does not fit (the manifest is newer than this install, or was edited by hand)."""
-    recipe = {k: v for k, v in manifest.recipe_dict.items() if not (k in keep and k in SCHEDULE_FIELDS)}
+    recipe = {
+        k: v for k, v in manifest.recipe_dict.items() if not (k in keep and k in SCHEDULE_FIELDS)
+    }
     unknown = sorted(set(recipe) - set(RECIPE_FIELDS))
     if unknown:
-        raise ValueError(f"the swarm's recipe has fields this Atoll does not know: {unknown}; upgrade Atoll")
+        raise ValueError(
+            f"the swarm's recipe has fields this Atoll does not know: {unknown}; upgrade Atoll"
+        )
     types = {f.name: type(getattr(base, f.name)) for f in dataclasses.fields(base)}
     fields: dict[str, Any] = {}
     for name, value in recipe.items():
@@ -129,30 +149,64 @@ class MemberRecord:
     manifest_version: int = 0
 
     def encode(self) -> bytes:
-        return msgpack.packb([self.url, list(self.roles), self.reachable, self.manifest,
-                              self.learning, self.step, self.cert, self.manifest_version], use_bin_type=True)
+        return msgpack.packb(
+            [
+                self.url,
+                list(self.roles),
+                self.reachable,
+                self.manifest,
+                self.learning,
+                self.step,
+                self.cert,
+                self.manifest_version,
+            ],
+            use_bin_type=True,
+        )
 
     @classmethod
     def decode(cls, value: bytes) -> MemberRecord:
         """Raises ``DecodeError`` for anything but a well-formed record."""
         try:
-            fields = msgpack.unpackb(bytes(value), raw=False, strict_map_key=True, max_str_len=512,
-                                     max_bin_len=MAX_CERT_BYTES, max_array_len=16, max_map_len=0)
+            fields = msgpack.unpackb(
+                bytes(value),
+                raw=False,
+                strict_map_key=True,
+                max_str_len=512,
+                max_bin_len=MAX_CERT_BYTES,
+                max_array_len=16,
+                max_map_len=0,
+            )
             url, roles, reachable, manifest, learning, step, cert, manifest_version = fields
         except (ValueError, TypeError, msgpack.UnpackException) as exc:
             raise DecodeError(f"bad member record: {exc}") from exc
-        if not (isinstance(url, str) and isinstance(manifest, str) and type(step) is int
-                and isinstance(reachable, bool) and isinstance(learning, bool) and isinstance(cert, bytes)
-                and type(manifest_version) is int and 0 <= manifest_version < 2**63
-                and isinstance(roles, list) and all(r in ROLES for r in roles)):
+        if not (
+            isinstance(url, str)
+            and isinstance(manifest, str)
+            and type(step) is int
+            and isinstance(reachable, bool)
+            and isinstance(learning, bool)
+            and isinstance(cert, bytes)
+            and type(manifest_version) is int
+            and 0 <= manifest_version < 2**63
+            and isinstance(roles, list)
+            and all(r in ROLES for r in roles)
+        ):
             raise DecodeError("bad member record: wrong field types or unknown role")
         if url:
             try:
                 bare_origin(url)
             except DecodeError as exc:
                 raise DecodeError(f"bad member record: {exc.reason}") from None
-        return cls(url=url, roles=tuple(roles), reachable=reachable, manifest=manifest,
-                   learning=learning, step=step, cert=cert, manifest_version=manifest_version)
+        return cls(
+            url=url,
+            roles=tuple(roles),
+            reachable=reachable,
+            manifest=manifest,
+            learning=learning,
+            step=step,
+            cert=cert,
+            manifest_version=manifest_version,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,8 +219,12 @@ class Member:
 
     @property
     def can_own(self) -> bool:
-        return (self.certified_owner and bool(self.record.url) and self.record.reachable
-                and "owner" in self.record.roles)
+        return (
+            self.certified_owner
+            and bool(self.record.url)
+            and self.record.reachable
+            and "owner" in self.record.roles
+        )
 
     @property
     def lab(self) -> str:
@@ -182,20 +240,38 @@ class Membership:
     makes a member a candidate owner. Without it (in-process tests of the DHT only) every
     reachable member that asks may own."""
 
-    def __init__(self, dht: DHTNode, swarm: str, manifest: str, *, ttl_s: float = 20.0,
-                 swarm_manifest: Callable[[], SwarmManifest] | None = None, n_fragments: int | None = None) -> None:
+    def __init__(
+        self,
+        dht: DHTNode,
+        swarm: str,
+        manifest: str,
+        *,
+        ttl_s: float = 20.0,
+        swarm_manifest: Callable[[], SwarmManifest] | None = None,
+        n_fragments: int | None = None,
+    ) -> None:
         self.dht, self.swarm, self.manifest, self.ttl_s = dht, swarm, manifest, ttl_s
-        self.n_fragments = n_fragments  # owners by balanced_owners when given, else plain rendezvous
+        self.n_fragments = (
+            n_fragments  # owners by balanced_owners when given, else plain rendezvous
+        )
         self._assignments: dict[tuple[str, frozenset[bytes]], tuple[bytes, ...]] = {}
         self.swarm_manifest = swarm_manifest
         self.key = members_key(swarm)
         self.members: dict[bytes, Member] = {}
-        self.refused: dict[bytes, str] = {}  # peer id -> why its record is ignored (the latest REFUSED_KEPT)
-        self._records: dict[bytes, SignedRecord] = {}  # the newest record seen per member, until it expires
+        self.refused: dict[
+            bytes, str
+        ] = {}  # peer id -> why its record is ignored (the latest REFUSED_KEPT)
+        self._records: dict[
+            bytes, SignedRecord
+        ] = {}  # the newest record seen per member, until it expires
         self._certs: dict[bytes, Certificate] = {}  # encoded certificate -> verified certificate
         self.reads = 0
-        self.holders: dict[str, bytes] = {}  # host:port -> the member that holds it (module docstring)
-        self.pins: dict[str, bytes] = {}  # https origin -> its holder's TLS pin (the transport's table)
+        self.holders: dict[
+            str, bytes
+        ] = {}  # host:port -> the member that holds it (module docstring)
+        self.pins: dict[
+            str, bytes
+        ] = {}  # https origin -> its holder's TLS pin (the transport's table)
         self.address_disputes = 0  # reads that found an address claimed by a member not holding it
         self.addresses_moved = 0  # addresses handed to another claimant by a TLS handshake
         self.pin_mismatches = 0  # servers that presented another key than their member's pin
@@ -236,9 +312,15 @@ class Membership:
             try:
                 record = MemberRecord.decode(rec.value)
                 if record.manifest != self.manifest:
-                    raise NotAuthorized(f"recipe {record.manifest} differs from ours {self.manifest}")
-                members[rec.subkey] = self._checked(rec.subkey, rec.public_key, record, rec.expires_at, now)
-                self.refused.pop(rec.subkey, None)  # refused before, good now (a dispute is settled below)
+                    raise NotAuthorized(
+                        f"recipe {record.manifest} differs from ours {self.manifest}"
+                    )
+                members[rec.subkey] = self._checked(
+                    rec.subkey, rec.public_key, record, rec.expires_at, now
+                )
+                self.refused.pop(
+                    rec.subkey, None
+                )  # refused before, good now (a dispute is settled below)
             except RemoteProtocolError as exc:
                 self._refuse(rec.subkey, exc.reason)
         self._claimed = members
@@ -256,18 +338,28 @@ class Membership:
         holders: dict[str, bytes] = {}
         for address, pids in claims.items():
             held = self.holders.get(address)
-            holder = held if held in pids else min(pids, key=lambda pid: (not members[pid].can_own, pid))
+            holder = (
+                held if held in pids else min(pids, key=lambda pid: (not members[pid].can_own, pid))
+            )
             holders[address] = holder
             for pid in pids:
                 if pid != holder:
                     self.address_disputes += 1
-                    self._refuse(pid, f"address {address} is held by member {holder.hex()[:16]}: "
-                                      "its address is ignored (it may still learn)")
+                    self._refuse(
+                        pid,
+                        f"address {address} is held by member {holder.hex()[:16]}: "
+                        "its address is ignored (it may still learn)",
+                    )
                     m = members[pid]
-                    members[pid] = dataclasses.replace(m, record=dataclasses.replace(m.record, url=""))
+                    members[pid] = dataclasses.replace(
+                        m, record=dataclasses.replace(m.record, url="")
+                    )
         self.holders = holders
-        pins = {origin(m.record.url): m.cert.tls_pin for m in members.values()
-                if m.cert is not None and m.record.url.startswith("https://")}
+        pins = {
+            origin(m.record.url): m.cert.tls_pin
+            for m in members.values()
+            if m.cert is not None and m.record.url.startswith("https://")
+        }
         self.pins.clear()  # in place: the transport may hold this very table
         self.pins.update(pins)
         return members
@@ -279,8 +371,12 @@ class Membership:
         for address, holder in self.holders.items():
             url = self.members[holder].record.url if holder in self.members else ""
             if url.startswith("https://") and any(
-                    pid != holder and m.cert is not None and m.record.url and address_of(m.record.url) == address
-                    for pid, m in self._claimed.items()):
+                pid != holder
+                and m.cert is not None
+                and m.record.url
+                and address_of(m.record.url) == address
+                for pid, m in self._claimed.items()
+            ):
                 out.append(url)
         return out
 
@@ -289,17 +385,34 @@ class Membership:
         Returns the member that holds the address pinned to ``expected`` (the one we dialled: to
         be routed around), or None when no member's does. A claimant of that address whose own
         certificate pins ``got`` has proved it is the one there: the address is handed to it."""
-        held = [(address, pid) for address, pid in self.holders.items()
-                if (m := self.members.get(pid)) is not None and m.cert is not None and m.cert.tls_pin == expected]
+        held = [
+            (address, pid)
+            for address, pid in self.holders.items()
+            if (m := self.members.get(pid)) is not None
+            and m.cert is not None
+            and m.cert.tls_pin == expected
+        ]
         if not held:
             return None
         address, holder = held[0]
         self.pin_mismatches += 1
-        proven = [pid for pid, m in self._claimed.items() if pid != holder and m.record.url
-                  and address_of(m.record.url) == address and m.cert is not None and m.cert.tls_pin == got]
+        proven = [
+            pid
+            for pid, m in self._claimed.items()
+            if pid != holder
+            and m.record.url
+            and address_of(m.record.url) == address
+            and m.cert is not None
+            and m.cert.tls_pin == got
+        ]
         if proven:
-            log.warning("address %s: the key there is member %s's, not %s's: the address is now %s's",
-                        address, proven[0].hex()[:8], holder.hex()[:8], proven[0].hex()[:8])
+            log.warning(
+                "address %s: the key there is member %s's, not %s's: the address is now %s's",
+                address,
+                proven[0].hex()[:8],
+                holder.hex()[:8],
+                proven[0].hex()[:8],
+            )
             self.holders[address] = proven[0]
             self.addresses_moved += 1
             self.members = self._settle_addresses()
@@ -311,8 +424,9 @@ class Membership:
         while len(self.refused) > REFUSED_KEPT:
             self.refused.pop(next(iter(self.refused)))
 
-    def _checked(self, peer_id: bytes, public_key: bytes, record: MemberRecord, expires_at: float,
-                 now: float) -> Member:
+    def _checked(
+        self, peer_id: bytes, public_key: bytes, record: MemberRecord, expires_at: float, now: float
+    ) -> Member:
         if self.swarm_manifest is None:
             return Member(peer_id, record, expires_at, None, certified_owner=True)
         manifest = self.swarm_manifest()
@@ -320,23 +434,40 @@ class Membership:
         if record.cert:
             known = self._certs.get(record.cert)
             cert = known if known is not None else Certificate.decode(record.cert)
-            admit(manifest, cert, public_key=public_key, role=None, now=now, signature_verified=known is not None)
+            admit(
+                manifest,
+                cert,
+                public_key=public_key,
+                role=None,
+                now=now,
+                signature_verified=known is not None,
+            )
             if known is None:
                 if len(self._certs) >= 4096:
                     self._certs.clear()
                 self._certs[record.cert] = cert
         else:
             admit(manifest, None, public_key=public_key, role=None, now=now)
-        return Member(peer_id, record, expires_at, cert, certified_owner=cert is not None and "owner" in cert.roles)
+        return Member(
+            peer_id,
+            record,
+            expires_at,
+            cert,
+            certified_owner=cert is not None and "owner" in cert.roles,
+        )
 
     def owner_candidates(self, exclude: Collection[bytes] = ()) -> list[bytes]:
         return [m.peer_id for m in self.members.values() if m.can_own and m.peer_id not in exclude]
 
-    def owner_of(self, swarm: str, fragment: int, *, exclude: Collection[bytes] = ()) -> tuple[bytes, str] | None:
+    def owner_of(
+        self, swarm: str, fragment: int, *, exclude: Collection[bytes] = ()
+    ) -> tuple[bytes, str] | None:
         ranked = self.ranked(swarm, fragment, 1, exclude=exclude)
         return ranked[0] if ranked else None
 
-    def ranked(self, swarm: str, fragment: int, r: int, *, exclude: Collection[bytes] = ()) -> list[tuple[bytes, str]]:
+    def ranked(
+        self, swarm: str, fragment: int, r: int, *, exclude: Collection[bytes] = ()
+    ) -> list[tuple[bytes, str]]:
         """The first ``r`` candidate owners of ``fragment``: the primary, then its replicas (by
         ``balanced_owners`` when the number of fragments is known, else by rendezvous hash)."""
         candidates = self.owner_candidates(exclude)
@@ -358,4 +489,6 @@ class Membership:
         return got
 
     def learners(self) -> int:
-        return sum(1 for m in self.members.values() if m.record.learning and m.expires_at > time.time())
+        return sum(
+            1 for m in self.members.values() if m.record.learning and m.expires_at > time.time()
+        )

@@ -64,7 +64,9 @@ __all__ = ["JOINING_PERIOD_S", "MEMBERSHIP_PERIOD_S", "SwarmPresence"]
 log = logging.getLogger("atoll.peer")
 
 MEMBERSHIP_PERIOD_S = 2.0
-JOINING_PERIOD_S = 0.5  # the membership period while fewer members are seen than wait_for_members awaits
+JOINING_PERIOD_S = (
+    0.5  # the membership period while fewer members are seen than wait_for_members awaits
+)
 REPUBLISH_S = 6.0
 RECORD_CHECK_S = 0.5  # how often our record is compared with what was last published
 JOIN_ATTEMPTS = 5
@@ -118,6 +120,7 @@ class SwarmPresence(ExpectedLearners):
     _unknown: collections.OrderedDict[bytes, float]
 
     if TYPE_CHECKING:  # ``OwnedFragments``'s (declared only: a stub here would shadow it)
+
         async def _reconcile_owners(self) -> None: ...
 
     def _is_member(self, peer_id: bytes) -> bool:
@@ -136,7 +139,10 @@ class SwarmPresence(ExpectedLearners):
             return False
         arrived = time.monotonic()
         async with self._lookup_lock:
-            if not self._is_member(peer_id) and time.monotonic() - self._last_lookup >= MEMBER_LOOKUP_GAP_S:
+            if (
+                not self._is_member(peer_id)
+                and time.monotonic() - self._last_lookup >= MEMBER_LOOKUP_GAP_S
+            ):
                 self._last_lookup = time.monotonic()
                 self.member_lookups += 1
                 try:
@@ -170,16 +176,22 @@ class SwarmPresence(ExpectedLearners):
         """
         assert self.membership is not None
         live, ttl = self.membership.members, self.membership.ttl_s
-        return {pid for pid, since in self._suspect_since.items()
-                if pid in live and live[pid].expires_at - ttl <= since}
+        return {
+            pid
+            for pid, since in self._suspect_since.items()
+            if pid in live and live[pid].expires_at - ttl <= since
+        }
 
     def _unreachable(self, peer_id: bytes) -> None:
         if self.membership is None or peer_id == self.signer.peer_id:
             return
         member = self.membership.members.get(peer_id)
         if member is not None and peer_id not in self.suspects():
-            log.warning("member %s at %s refuses connections: routing around it",
-                        peer_id.hex()[:8], member.record.url)
+            log.warning(
+                "member %s at %s refuses connections: routing around it",
+                peer_id.hex()[:8],
+                member.record.url,
+            )
             self._suspect_since[peer_id] = time.time()
             if self._tg is not None:  # move its fragments now, not at the next membership pass
                 self._tg.create_task(self._reconcile_owners())
@@ -188,11 +200,19 @@ class SwarmPresence(ExpectedLearners):
         cred = self.credentials
         may_own = cred is None or (cred.cert is not None and "owner" in cred.cert.roles)
         roles = ("learner", "owner") if self.reachable and may_own else ("learner",)
-        url = origin(self.url) if self.reachable else ""  # a bare origin: others refuse anything more
-        return MemberRecord(url=url, roles=roles, reachable=self.reachable, manifest=self.manifest,
-                            learning=self.learning, step=self.step,
-                            cert=cred.cert.encode() if cred is not None and cred.cert is not None else b"",
-                            manifest_version=cred.manifest.version if cred is not None else 0)
+        url = (
+            origin(self.url) if self.reachable else ""
+        )  # a bare origin: others refuse anything more
+        return MemberRecord(
+            url=url,
+            roles=roles,
+            reachable=self.reachable,
+            manifest=self.manifest,
+            learning=self.learning,
+            step=self.step,
+            cert=cred.cert.encode() if cred is not None and cred.cert is not None else b"",
+            manifest_version=cred.manifest.version if cred is not None else 0,
+        )
 
     @property
     def url(self) -> str:
@@ -211,14 +231,18 @@ class SwarmPresence(ExpectedLearners):
             record = self.my_record()
             # a new step alone is news only every REPUBLISH_S (the status page shows it); a
             # change of role, address, reachability or manifest is published at once
-            changed = published is None or dataclasses.replace(record, step=published.step) != published
+            changed = (
+                published is None or dataclasses.replace(record, step=published.step) != published
+            )
             if changed or time.monotonic() - (self.record_published_at or 0.0) > REPUBLISH_S:
                 try:
                     if await self._publish_record(record):
                         published = record
                     else:
                         log.debug("publishing our member record: no node took it")
-                except Exception as exc:  # the DHT is unreachable for now: the next pass tries again
+                except (
+                    Exception
+                ) as exc:  # the DHT is unreachable for now: the next pass tries again
                     log.debug("publishing our member record failed: %r", exc)
             await asyncio.sleep(RECORD_CHECK_S)
 
@@ -271,8 +295,12 @@ class SwarmPresence(ExpectedLearners):
             return
         holder = self.membership.pin_mismatch(expected, got)
         if holder is not None:
-            log.warning("member %s: its address answered with another TLS key (%s, not %s)",
-                        holder.hex()[:8], got.hex()[:16] or "none", expected.hex()[:16])
+            log.warning(
+                "member %s: its address answered with another TLS key (%s, not %s)",
+                holder.hex()[:8],
+                got.hex()[:16] or "none",
+                expected.hex()[:16],
+            )
             self._unreachable(holder)
 
     @functools.cached_property
@@ -293,7 +321,9 @@ class SwarmPresence(ExpectedLearners):
                 continue
             self._probed[url] = now
             try:  # no request byte leaves before the key is checked against the holder's pin
-                _, buf, _, _ = await self.transport.request("HEAD", url + MANIFEST_PATH, timeout_s=PROBE_TIMEOUT_S)
+                _, buf, _, _ = await self.transport.request(
+                    "HEAD", url + MANIFEST_PATH, timeout_s=PROBE_TIMEOUT_S
+                )
                 self.transport.pool.give(buf)
             except Exception as exc:  # a mismatch is handled on the way (``_pin_mismatch``)
                 log.info("disputed address %s: %r", url, exc)
@@ -308,8 +338,16 @@ class SwarmPresence(ExpectedLearners):
         found a claim of an address another member holds, TLS keys that did not match their
         pin, addresses moved by a handshake, and manifest claims ignored, backed off, failed."""
         ms = self.membership
-        counts = {"address_disputes": ms.address_disputes, "pin_mismatches": ms.pin_mismatches,
-                  "addresses_moved": ms.addresses_moved, "pins": len(ms.pins)} if ms is not None else {}
+        counts = (
+            {
+                "address_disputes": ms.address_disputes,
+                "pin_mismatches": ms.pin_mismatches,
+                "addresses_moved": ms.addresses_moved,
+                "pins": len(ms.pins),
+            }
+            if ms is not None
+            else {}
+        )
         return {**counts, **self._manifest_claims.status()}
 
     async def _follow_manifest(self) -> None:
@@ -320,7 +358,9 @@ class SwarmPresence(ExpectedLearners):
         if self.credentials is None or self.membership is None:
             return
         claims, deadline = self._manifest_claims, time.monotonic() + CLAIMS_BUDGET_S
-        for m in claims.candidates(self.membership.members.values(), self.credentials.manifest.version, time.time()):
+        for m in claims.candidates(
+            self.membership.members.values(), self.credentials.manifest.version, time.time()
+        ):
             left = deadline - time.monotonic()
             if left <= 0:
                 return
@@ -337,16 +377,23 @@ class SwarmPresence(ExpectedLearners):
                 await self.membership.refresh()  # revoked members drop out now
                 return
             retry = claims.failed(m, time.time())
-            log.info("member %s claims manifest version %d: %s; not asked again for %.0f s and until it "
-                     "republishes", m.peer_id.hex()[:8], m.record.manifest_version, why, retry - time.time())
+            log.info(
+                "member %s claims manifest version %d: %s; not asked again for %.0f s and until it "
+                "republishes",
+                m.peer_id.hex()[:8],
+                m.record.manifest_version,
+                why,
+                retry - time.time(),
+            )
 
     async def _adopt_claim(self, m: Member, timeout_s: float) -> bool:
         """Fetch ``m``'s manifest (at most ``MAX_MANIFEST_BYTES``, within ``timeout_s``) and adopt
         it if newer. Raises ``Busy`` while another manifest is being parsed, anything else for a
         failure."""
         assert self.credentials is not None
-        status, buf, used, _ = await self.transport.request("GET", m.record.url + MANIFEST_PATH, timeout_s=timeout_s,
-                                                            max_reply=MAX_MANIFEST_BYTES)
+        status, buf, used, _ = await self.transport.request(
+            "GET", m.record.url + MANIFEST_PATH, timeout_s=timeout_s, max_reply=MAX_MANIFEST_BYTES
+        )
         try:
             body = bytes(memoryview(buf)[:used])
         finally:
@@ -380,13 +427,17 @@ class SwarmPresence(ExpectedLearners):
         if initial_peers:
             reached = 0
             for attempt in range(JOIN_ATTEMPTS):  # a lossy network may drop the first tries
-                reached = await self.dht.bootstrap([u.rstrip("/") + "/v1/dht" for u in initial_peers])
+                reached = await self.dht.bootstrap(
+                    [u.rstrip("/") + "/v1/dht" for u in initial_peers]
+                )
                 if reached:
                     break
                 await asyncio.sleep(0.5 * 2**attempt)
             if not reached:
-                raise ConnectionError(f"none of the initial peers answered after {JOIN_ATTEMPTS} tries: "
-                                      f"{initial_peers}; check the addresses and that they are running")
+                raise ConnectionError(
+                    f"none of the initial peers answered after {JOIN_ATTEMPTS} tries: "
+                    f"{initial_peers}; check the addresses and that they are running"
+                )
             for _ in range(3):  # each try costs a ping timeout when we really cannot be dialled
                 self.reachable = await self._dialback(initial_peers)
                 if self.reachable:
@@ -400,19 +451,27 @@ class SwarmPresence(ExpectedLearners):
         await self._publish_record(self.my_record())
         await self.membership.refresh()
         await self._reconcile_owners()
-        log.info("joined swarm %s: %d members, reachable=%s", self.cfg.swarm,
-                 len(self.membership.members), self.reachable)
+        log.info(
+            "joined swarm %s: %d members, reachable=%s",
+            self.cfg.swarm,
+            len(self.membership.members),
+            self.reachable,
+        )
 
     async def _dialback(self, initial_peers: list[str]) -> bool:
         for base in initial_peers:
             with contextlib.suppress(Exception):
                 status, buf, used, _ = await self.transport.request(
-                    "GET", f"{base.rstrip('/')}/v1/dialback?url={self.url}", timeout_s=10)
+                    "GET", f"{base.rstrip('/')}/v1/dialback?url={self.url}", timeout_s=10
+                )
                 body = bytes(memoryview(buf)[:used])
                 self.transport.pool.give(buf)
                 if status == 200:
                     answer = json.loads(body)
-                    return bool(answer.get("reachable")) and answer.get("peer_id") == self.signer.peer_id.hex()
+                    return (
+                        bool(answer.get("reachable"))
+                        and answer.get("peer_id") == self.signer.peer_id.hex()
+                    )
         return False
 
     async def _sync(self) -> None:
@@ -428,38 +487,58 @@ class SwarmPresence(ExpectedLearners):
         assert self.membership is not None and self.net is not None
         me, n = self.signer.peer_id, len(self.shapes)
         held = [self.net.latest.get(p, (0, None))[0] for p in range(n)]
-        candidates = [self.membership.ranked(self.cfg.swarm, p, SYNC_SOURCES, exclude={me}) for p in range(n)]
+        candidates = [
+            self.membership.ranked(self.cfg.swarm, p, SYNC_SOURCES, exclude={me}) for p in range(n)
+        ]
         got: dict[int, tuple[int, torch.Tensor]] = {}
         failed = {p: "no owner known" for p in range(n) if not candidates[p]}
-        pending = [p for p in range(n) if candidates[p]]  # then those that failed: synced or nothing newer
+        pending = [
+            p for p in range(n) if candidates[p]
+        ]  # then those that failed: synced or nothing newer
         for attempt in range(SYNC_SOURCES):
             sources = {p: candidates[p][attempt] for p in pending if attempt < len(candidates[p])}
             if not sources:
                 break
             try:
-                got.update(await sync_fragments(
-                    self.transport, sources.get, n, self.shapes, swarm=self.cfg.swarm, held_versions=held,
-                    max_size=MAX_STATE))
+                got.update(
+                    await sync_fragments(
+                        self.transport,
+                        sources.get,
+                        n,
+                        self.shapes,
+                        swarm=self.cfg.swarm,
+                        held_versions=held,
+                        max_size=MAX_STATE,
+                    )
+                )
                 failures: dict[int, str] = {}
             except SyncFailed as exc:
                 got.update(exc.fetched)
                 failures = exc.failures
-            for p in sources:  # its last source's answer counts: a failure, or synced / nothing newer
+            for (
+                p
+            ) in sources:  # its last source's answer counts: a failure, or synced / nothing newer
                 if p in failures:
                     failed[p] = failures[p]
                 else:
                     failed.pop(p, None)
             pending = [p for p in sources if p in failures]
         if failed:
-            log.warning("state sync incomplete: %d/%d fragments failed: %s", len(failed), n,
-                        "; ".join(f"fragment {p}: {why}" for p, why in sorted(failed.items())))
+            log.warning(
+                "state sync incomplete: %d/%d fragments failed: %s",
+                len(failed),
+                n,
+                "; ".join(f"fragment {p}: {why}" for p, why in sorted(failed.items())),
+            )
         for p, (version, flat) in got.items():
             jump = self.net.version_jump(p, version)
             if jump is not None:
                 log.warning("state sync: fragment %d refused: %s", p, jump)
                 self.net.stats.version_jumps += 1
                 continue
-            self.net.remember(p, version, flat, await asyncio.to_thread(flat_digest, flat))  # off the loop
+            self.net.remember(
+                p, version, flat, await asyncio.to_thread(flat_digest, flat)
+            )  # off the loop
             self.net.island.deliver(p, version, flat)
         self.synced = got
 
@@ -467,7 +546,11 @@ class SwarmPresence(ExpectedLearners):
         """The inner step each other learning member claims in its record (read by the trainer
         thread: a copy of the view taken at once)."""
         members = dict(self.membership.members) if self.membership is not None else {}
-        return [m.record.step for pid, m in members.items() if m.record.learning and pid != self.signer.peer_id]
+        return [
+            m.record.step
+            for pid, m in members.items()
+            if m.record.learning and pid != self.signer.peer_id
+        ]
 
     def wait_for_members(self, n: int, timeout_s: float = 180.0) -> None:
         """Block (the trainer thread) until ``n`` members are visible, then one joining period
@@ -478,6 +561,8 @@ class SwarmPresence(ExpectedLearners):
         while self.membership is None or len(self.membership.members) < n:
             if time.monotonic() > deadline:
                 seen = len(self.membership.members) if self.membership else 0
-                raise TimeoutError(f"only {seen} of {n} expected members joined within {timeout_s:.0f} s")
+                raise TimeoutError(
+                    f"only {seen} of {n} expected members joined within {timeout_s:.0f} s"
+                )
             time.sleep(0.1)
         time.sleep(JOINING_PERIOD_S + 0.5)

@@ -35,7 +35,9 @@ if TYPE_CHECKING:
 
 __all__ = ["DHTRouter"]
 
-log = logging.getLogger("node.dht.kademlia")  # the name its records had before the router moved here
+log = logging.getLogger(
+    "node.dht.kademlia"
+)  # the name its records had before the router moved here
 
 
 class DHTRouter:
@@ -73,7 +75,10 @@ class DHTRouter:
         if node is None:
             # a name nobody mounted is a wrong address (404); the default node is down (503)
             self.errors["no node" if name else "unavailable"] += 1
-            body = {"error": "NotFound" if name else "Unavailable", "reason": f"no DHT node at {request.path}"}
+            body = {
+                "error": "NotFound" if name else "Unavailable",
+                "reason": f"no DHT node at {request.path}",
+            }
             return web.json_response(body, status=404 if name else 503)
 
         async def dispatch(opened: Opened) -> bytes:
@@ -84,6 +89,13 @@ class DHTRouter:
             node.metrics.refusals[type(exc).__name__] += 1
             log.debug("refused DHT request from %s: %r", request.remote, exc)
 
-        return await serve_sealed_request(self.transport, request, max_size=node.config.max_request,
-                                          replay=node.replay, recipient=node.peer_id, dispatch=dispatch,
-                                          on_error=refused, broadcast=(Ping,))
+        return await serve_sealed_request(
+            self.transport,
+            request,
+            max_size=node.config.max_request,
+            replay=node.replay,
+            recipient=node.peer_id,
+            dispatch=dispatch,
+            on_error=refused,
+            broadcast=(Ping,),
+        )

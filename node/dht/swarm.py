@@ -69,7 +69,9 @@ def _post_signing_bytes(swarm_id: str, version: int, digest: bytes) -> bytes:
     return bytes(msgpack.packb([_POST_DOMAIN, swarm_id, version, digest], use_bin_type=True))
 
 
-def manifest_post_headers(founder: ManifestSigner, manifest: SwarmManifest, body: bytes) -> dict[str, str]:
+def manifest_post_headers(
+    founder: ManifestSigner, manifest: SwarmManifest, body: bytes
+) -> dict[str, str]:
     """The ``Atoll-Manifest-Signature`` header for posting ``body`` (``manifest``'s TOML) to a
     member: the founder's signature over the swarm id, the version and the body's SHA-256."""
     digest = hashlib.sha256(body).digest()
@@ -88,14 +90,22 @@ def _parse_verified(text: bytes, swarm_id: str) -> SwarmManifest:
 class SwarmCredentials:
     """A node's manifest and certificate, and their enforcement (see the module docstring)."""
 
-    def __init__(self, manifest: SwarmManifest, signer: Signer, cert: Certificate | None, *,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        manifest: SwarmManifest,
+        signer: Signer,
+        cert: Certificate | None,
+        *,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         manifest.verify()
         if cert is not None:
             check_certificate(manifest, cert, public_key=signer.public_key, role=None, now=clock())
         self.manifest, self.signer, self.cert, self.clock = manifest, signer, cert, clock
         self._cert_header = cert.to_header() if cert is not None else ""
-        self.admission = Admission(lambda: self.manifest, own_id=signer.peer_id, exempt=self._exempt, clock=clock)
+        self.admission = Admission(
+            lambda: self.manifest, own_id=signer.peer_id, exempt=self._exempt, clock=clock
+        )
         self._publishes = RateLimiter(rate=PUBLISH_PER_S, burst=PUBLISH_BURST)
         self.on_adopt: list[Callable[[SwarmManifest], None]] = []
         self.adopted = 0
@@ -120,8 +130,15 @@ class SwarmCredentials:
         transport.app.router.add_post(MANIFEST_PATH, self._on_post)
 
     def headers(self, method: str, url: str, recipient: bytes | None = None) -> dict[str, str]:
-        return request_headers(self.signer, self._cert_header, swarm=self.swarm_id, method=method, url=url,
-                               now=self.clock(), recipient=recipient)
+        return request_headers(
+            self.signer,
+            self._cert_header,
+            swarm=self.swarm_id,
+            method=method,
+            url=url,
+            now=self.clock(),
+            recipient=recipient,
+        )
 
     @staticmethod
     def _exempt(request: web.Request) -> bool:
@@ -155,14 +172,23 @@ class SwarmCredentials:
             return False
         self.manifest = newer
         self.adopted += 1
-        log.warning("adopted swarm manifest version %d (%d authorities, %d revoked)", newer.version,
-                    len(newer.authorities), len(newer.revoked))
+        log.warning(
+            "adopted swarm manifest version %d (%d authorities, %d revoked)",
+            newer.version,
+            len(newer.authorities),
+            len(newer.revoked),
+        )
         if self.cert is not None:
             try:
-                check_certificate(newer, self.cert, public_key=self.signer.public_key, role=None, now=self.clock())
+                check_certificate(
+                    newer, self.cert, public_key=self.signer.public_key, role=None, now=self.clock()
+                )
             except RemoteProtocolError as exc:
-                log.error("our own certificate no longer holds under manifest version %d: %s",
-                          newer.version, exc.reason)
+                log.error(
+                    "our own certificate no longer holds under manifest version %d: %s",
+                    newer.version,
+                    exc.reason,
+                )
         for callback in self.on_adopt:
             callback(newer)
         return True
@@ -171,8 +197,9 @@ class SwarmCredentials:
         """Fetch a member's manifest and adopt it if newer; False (logged) on any failure (a
         parse already running included: a later membership pass tries again)."""
         try:
-            status, buf, used, _ = await transport.request("GET", url.rstrip("/") + MANIFEST_PATH, timeout_s=10,
-                                                           max_reply=MAX_MANIFEST_BYTES)
+            status, buf, used, _ = await transport.request(
+                "GET", url.rstrip("/") + MANIFEST_PATH, timeout_s=10, max_reply=MAX_MANIFEST_BYTES
+            )
             try:
                 body = bytes(memoryview(buf)[:used])
             finally:
@@ -193,13 +220,19 @@ class SwarmCredentials:
         The connection closes after the reply: a refused body is not drained."""
         assert self._transport is not None
         self._transport.hang_up(request)
-        if not self._publishes.allow(address_key(request.remote or "unknown"), self.clock()):  # IPv6 by its /64
+        if not self._publishes.allow(
+            address_key(request.remote or "unknown"), self.clock()
+        ):  # IPv6 by its /64
             raise Busy("too many manifest posts from this address; retry in a few seconds")
         length = request.content_length
         if length is None or length > MAX_MANIFEST_BYTES:
-            raise Oversize(f"a manifest post needs a Content-Length of at most {MAX_MANIFEST_BYTES} bytes")
+            raise Oversize(
+                f"a manifest post needs a Content-Length of at most {MAX_MANIFEST_BYTES} bytes"
+            )
         signed = self._post_signature(request)
-        if signed is not None and signed[0] <= self.manifest.version:  # a replayed older post: not read
+        if (
+            signed is not None and signed[0] <= self.manifest.version
+        ):  # a replayed older post: not read
             return self._answer(False)
         buf, used = await self._transport.read_request(request, MAX_MANIFEST_BYTES)
         try:
@@ -207,10 +240,14 @@ class SwarmCredentials:
         finally:
             self._transport.pool.give(buf)
         if signed is not None and hashlib.sha256(body).digest() != signed[1]:
-            raise BadSignature("the manifest post's body is not the one its founder's signature names")
+            raise BadSignature(
+                "the manifest post's body is not the one its founder's signature names"
+            )
         newer = await self.parse(body)
         if signed is not None and newer.version != signed[0]:
-            raise BadSignature(f"the manifest is version {newer.version}, its post's signature names {signed[0]}")
+            raise BadSignature(
+                f"the manifest is version {newer.version}, its post's signature names {signed[0]}"
+            )
         return self._answer(self.adopt(newer))
 
     def _post_signature(self, request: web.Request) -> tuple[int, bytes] | None:
@@ -222,24 +259,40 @@ class SwarmCredentials:
             return None
         value = request.headers.get(POST_SIGNATURE_HEADER)
         if value is None:
-            raise BadSignature(f"a manifest post needs the founder's signature in an {POST_SIGNATURE_HEADER} header "
-                               "(atoll swarm publish MANIFEST --founder KEY --peer URL signs it)")
+            raise BadSignature(
+                f"a manifest post needs the founder's signature in an {POST_SIGNATURE_HEADER} header "
+                "(atoll swarm publish MANIFEST --founder KEY --peer URL signs it)"
+            )
         m = _POST_SIGNATURE.fullmatch(value.strip())
         if m is None:
-            raise DecodeError(f"{POST_SIGNATURE_HEADER} must be '<version> <sha256 hex> <signature hex>'")
+            raise DecodeError(
+                f"{POST_SIGNATURE_HEADER} must be '<version> <sha256 hex> <signature hex>'"
+            )
         version, digest = int(m[1]), bytes.fromhex(m[2])
-        verify_signature(self.manifest.founder, bytes.fromhex(m[3]),
-                         _post_signing_bytes(self.swarm_id, version, digest), "manifest post (founder's)")
+        verify_signature(
+            self.manifest.founder,
+            bytes.fromhex(m[3]),
+            _post_signing_bytes(self.swarm_id, version, digest),
+            "manifest post (founder's)",
+        )
         return version, digest
 
     def _answer(self, adopted: bool) -> web.Response:
-        return web.json_response({"adopted": adopted, "version": self.manifest.version, "swarm": self.swarm_id})
+        return web.json_response(
+            {"adopted": adopted, "version": self.manifest.version, "swarm": self.swarm_id}
+        )
 
     def status(self) -> dict[str, object]:
         m = self.manifest
-        return {"id": m.swarm_id, "name": m.name, "version": m.version, "admission": m.admission,
-                "authorities": {a.lab: a.public_key.hex() for a in m.authorities}, "revoked": len(m.revoked),
-                "manifest_parses": self.parses,
-                "lab": self.cert.lab if self.cert else None,
-                "roles": list(self.cert.roles) if self.cert else [],
-                **self.admission.status()}
+        return {
+            "id": m.swarm_id,
+            "name": m.name,
+            "version": m.version,
+            "admission": m.admission,
+            "authorities": {a.lab: a.public_key.hex() for a in m.authorities},
+            "revoked": len(m.revoked),
+            "manifest_parses": self.parses,
+            "lab": self.cert.lab if self.cert else None,
+            "roles": list(self.cert.roles) if self.cert else [],
+            **self.admission.status(),
+        }

@@ -47,11 +47,10 @@ class IslandAdoption:
     _copy_s: float
 
     if TYPE_CHECKING:  # Island's
-        def _h(self) -> int:
-            ...
 
-        def _ship(self, p: int) -> None:
-            ...
+        def _h(self) -> int: ...
+
+        def _ship(self, p: int) -> None: ...
 
     # --- taking what arrived -------------------------------------------------------------------
     def adopt_final(self, fragment: int, version: int, flat: torch.Tensor) -> None:
@@ -77,8 +76,11 @@ class IslandAdoption:
         try:
             arrived, self._inbox = self._inbox, {}
             if between_steps and self.cfg.hold_until_shipped:
-                held = {p: a for p, a in arrived.items()
-                        if not a[2] and self.in_flight[p] is None and self.c_steps[p] > 0}
+                held = {
+                    p: a
+                    for p, a in arrived.items()
+                    if not a[2] and self.in_flight[p] is None and self.c_steps[p] > 0
+                }
                 for p in held:
                     del arrived[p]
                 self._inbox.update(held)
@@ -105,14 +107,22 @@ class IslandAdoption:
         """Overwrite fragment ``p`` with ``flat``; drop inner-optimizer state that is not finite."""
         for param in self.params[p]:
             state = self.optimizer.state.get(param)
-            if state and not all(bool(torch.isfinite(v).all()) for v in state.values()
-                                 if isinstance(v, torch.Tensor)):
+            if state and not all(
+                bool(torch.isfinite(v).all()) for v in state.values() if isinstance(v, torch.Tensor)
+            ):
                 del self.optimizer.state[param]
         self._adopt(p, version, flat, alpha=0.0, rebase=False)
         self.stats.resynced += 1
 
-    def _adopt(self, p: int, version: int, flat: torch.Tensor, *, alpha: float | None = None,
-               rebase: bool | None = None) -> None:
+    def _adopt(
+        self,
+        p: int,
+        version: int,
+        flat: torch.Tensor,
+        *,
+        alpha: float | None = None,
+        rebase: bool | None = None,
+    ) -> None:
         t0 = time.thread_time()
         alpha = self.cfg.adopt_alpha if alpha is None else alpha
         shipped = self._shipped[p]
@@ -130,8 +140,13 @@ class IslandAdoption:
         self.versions[p] = version
         if reference is None:
             self.c_steps[p] = self.c_tokens[p] = 0
-        elif shipped is not None:  # the steps since it shipped stay counted (unshipped work: all of it)
-            self.c_steps[p], self.c_tokens[p] = self.c_steps[p] - shipped[1], self.c_tokens[p] - shipped[2]
+        elif (
+            shipped is not None
+        ):  # the steps since it shipped stay counted (unshipped work: all of it)
+            self.c_steps[p], self.c_tokens[p] = (
+                self.c_steps[p] - shipped[1],
+                self.c_tokens[p] - shipped[2],
+            )
         # H counts from this adoption, which keeps the island in phase with the merge that made
         # it, but kept work is due no later than 2H after it began: versions arriving more often
         # than every H steps cannot starve it
@@ -148,7 +163,7 @@ class IslandAdoption:
             offset = 0
             for param in self.params[p]:
                 n = param.numel()
-                incoming = flat[offset:offset + n].view_as(param).to(param.device, param.dtype)
+                incoming = flat[offset : offset + n].view_as(param).to(param.device, param.dtype)
                 if alpha:
                     param.mul_(alpha).add_(incoming, alpha=1.0 - alpha)
                 else:
@@ -162,7 +177,7 @@ class IslandAdoption:
             offset = 0
             for param in self.params[p]:
                 n = param.numel()
-                work = param.detach().reshape(-1).float().cpu() - reference[offset:offset + n]
+                work = param.detach().reshape(-1).float().cpu() - reference[offset : offset + n]
                 if not all_finite(work):
                     return False
                 kept.append(work)
@@ -170,7 +185,9 @@ class IslandAdoption:
             offset = 0
             for param, work in zip(self.params[p], kept, strict=True):
                 n = param.numel()
-                rebased = work.add_(flat[offset:offset + n])  # Θ + 0 is Θ: with no work kept, an overwrite
+                rebased = work.add_(
+                    flat[offset : offset + n]
+                )  # Θ + 0 is Θ: with no work kept, an overwrite
                 param.copy_(rebased.view_as(param))
                 offset += n
         return True

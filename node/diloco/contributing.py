@@ -80,19 +80,25 @@ class ContributionSending:
     _resent: dict[int, tuple[_Accepted, dict[tuple[int, int], torch.Tensor | None]]]
 
     if TYPE_CHECKING:  # IslandNet's
-        async def _request(self, owner_id: bytes, method: str, url: str,
-                           **kw: Any) -> tuple[int, bytearray, int, dict[str, str]]:
-            ...
 
-        async def resync(self) -> int:
-            ...
+        async def _request(
+            self, owner_id: bytes, method: str, url: str, **kw: Any
+        ) -> tuple[int, bytearray, int, dict[str, str]]: ...
+
+        async def resync(self) -> int: ...
 
     async def send(self, out: Outgoing) -> None:
         """Compress, seal and send one contribution; tell the island how it went. Never raises
         for the network's or the owner's doing (counted in ``stats`` and logged instead)."""
         try:
             await self._send(out)
-        except (aiohttp.ClientError, LinkDropped, TimeoutError, OSError, RemoteProtocolError) as exc:
+        except (
+            aiohttp.ClientError,
+            LinkDropped,
+            TimeoutError,
+            OSError,
+            RemoteProtocolError,
+        ) as exc:
             self.stats.send_failures += 1
             self._resent.pop(out.fragment, None)  # a copy that never arrived: nothing to put back
             log.warning("contribution for fragment %d not delivered: %r", out.fragment, exc)
@@ -107,35 +113,56 @@ class ContributionSending:
         tensors, residuals, offset = [], {}, 0
         for i, shape in enumerate(self.shapes[out.fragment]):
             n = int(torch.Size(shape).numel())
-            part = out.delta[offset:offset + n].view(shape)
+            part = out.delta[offset : offset + n].view(shape)
             try:
                 enc, residual = compress(
-                    part, self.codec, block_size=self.block_size,
-                    residual=self.residuals.get((out.fragment, i)), copy=False,
+                    part,
+                    self.codec,
+                    block_size=self.block_size,
+                    residual=self.residuals.get((out.fragment, i)),
+                    copy=False,
                 )
             except LocalProtocolError as exc:
-                raise LocalProtocolError(f"fragment {out.fragment}: the pseudo-gradient has NaN or Inf "
-                                         f"values ({exc})") from exc
+                raise LocalProtocolError(
+                    f"fragment {out.fragment}: the pseudo-gradient has NaN or Inf values ({exc})"
+                ) from exc
             if self.codec != "none":
                 residuals[(out.fragment, i)] = residual
             tensors.append(enc)
             offset += n
         digest = self.digests[out.fragment].get(out.base_version)
         if digest is None:
-            raise LocalProtocolError(f"fragment {out.fragment}: the state of base version {out.base_version} "
-                                     "is not known here")
+            raise LocalProtocolError(
+                f"fragment {out.fragment}: the state of base version {out.base_version} "
+                "is not known here"
+            )
         msg = Contribution(
-            swarm=self.swarm, fragment=out.fragment, base_version=out.base_version, base_digest=digest,
-            tokens=out.tokens, steps=out.steps, step_time=out.step_time,
-            sender_step=out.sender_step, tensors=tuple(tensors), last=out.last,
+            swarm=self.swarm,
+            fragment=out.fragment,
+            base_version=out.base_version,
+            base_digest=digest,
+            tokens=out.tokens,
+            steps=out.steps,
+            step_time=out.step_time,
+            sender_step=out.sender_step,
+            tensors=tuple(tensors),
+            last=out.last,
         )
         return msg, residuals
 
-    def _seal_contribution(self, out: Outgoing, owner_id: bytes) -> tuple[Sealed, dict[tuple[int, int], torch.Tensor]]:
+    def _seal_contribution(
+        self, out: Outgoing, owner_id: bytes
+    ) -> tuple[Sealed, dict[tuple[int, int], torch.Tensor]]:
         """The contribution sealed for ``owner_id`` (who refuses one addressed to another), and
         its residuals. Raises ``LocalProtocolError`` as ``_compress``."""
         msg, residuals = self._compress(out)
-        sealed = seal(encode(msg), self.signer, now=self.wall_clock(), nonce=os.urandom(16), recipient=owner_id)
+        sealed = seal(
+            encode(msg),
+            self.signer,
+            now=self.wall_clock(),
+            nonce=os.urandom(16),
+            recipient=owner_id,
+        )
         return sealed, residuals
 
     async def _send(self, out: Outgoing) -> None:
@@ -155,7 +182,12 @@ class ContributionSending:
             return
         self.stats.contributions_sent += 1
         status, buf, used, _ = await self._request(
-            owner_id, "POST", f"{url}/v1/rpc", chunks=sealed.iter_chunks(), size=sealed.size, timeout_s=60,
+            owner_id,
+            "POST",
+            f"{url}/v1/rpc",
+            chunks=sealed.iter_chunks(),
+            size=sealed.size,
+            timeout_s=60,
             kind="Contribution",
         )
         try:
@@ -165,13 +197,16 @@ class ContributionSending:
                 log.info("fragment %d contribution refused (%d): %s", out.fragment, status, reason)
                 self.island.resolved(out.fragment, accepted=False)
                 return
-            opened = open_sealed(memoryview(buf)[:used], now=self.wall_clock(), replay=self._replay,
-                                 max_size=1 << 16)
+            opened = open_sealed(
+                memoryview(buf)[:used], now=self.wall_clock(), replay=self._replay, max_size=1 << 16
+            )
         finally:
             self.transport.pool.give(buf)
         if opened.peer_id != owner_id:
-            raise RemoteProtocolError(f"fragment {out.fragment}: Ack signed by {opened.peer_id.hex()[:8]}, "
-                                      f"not by the owner {owner_id.hex()[:8]} it was sent to")
+            raise RemoteProtocolError(
+                f"fragment {out.fragment}: Ack signed by {opened.peer_id.hex()[:8]}, "
+                f"not by the owner {owner_id.hex()[:8]} it was sent to"
+            )
         reply = opened.message
         if not isinstance(reply, Ack):
             raise RemoteProtocolError(f"owner replied {type(reply).__name__}, expected Ack")
@@ -194,16 +229,25 @@ class ContributionSending:
             return
         self.stats.contributions_sent += 1
         try:
-            reply = await self.local.contribute_local(msg, out.delta if self.codec == "none" else None)
+            reply = await self.local.contribute_local(
+                msg, out.delta if self.codec == "none" else None
+            )
         except RemoteProtocolError as exc:
             self.stats.contributions_refused += 1
-            log.info("fragment %d contribution refused by our own owner: %s", out.fragment, exc.reason)
+            log.info(
+                "fragment %d contribution refused by our own owner: %s", out.fragment, exc.reason
+            )
             self.island.resolved(out.fragment, accepted=False)
             return
         await self._answered(out, self.signer.peer_id, reply, residuals)
 
-    async def _answered(self, out: Outgoing, owner_id: bytes, reply: Ack,
-                        residuals: dict[tuple[int, int], torch.Tensor]) -> None:
+    async def _answered(
+        self,
+        out: Outgoing,
+        owner_id: bytes,
+        reply: Ack,
+        residuals: dict[tuple[int, int], torch.Tensor],
+    ) -> None:
         """The owner's answer to a contribution: commit its residuals (accepted) or free the
         fragment (refused; a base mismatch resyncs the island)."""
         resent = self._resent.pop(out.fragment, None)
@@ -212,12 +256,19 @@ class ContributionSending:
             first, after = resent
             self._restore(after)
             self._accepted_by[out.fragment] = replace(first, at=self.wall_clock())
-            log.info("fragment %d: the owner still holds our contribution (%s)", out.fragment, reply.reason)
+            log.info(
+                "fragment %d: the owner still holds our contribution (%s)",
+                out.fragment,
+                reply.reason,
+            )
             return
         if reply.accepted:
-            self._accepted_by[out.fragment] = _Accepted(owner_id, out.base_version,
-                                                        {k: self.residuals.get(k) for k in residuals},
-                                                        self.wall_clock())
+            self._accepted_by[out.fragment] = _Accepted(
+                owner_id,
+                out.base_version,
+                {k: self.residuals.get(k) for k in residuals},
+                self.wall_clock(),
+            )
             self.residuals.update(residuals)
             self.stats.contributions_accepted += 1
         else:
@@ -248,19 +299,33 @@ class ContributionSending:
             now = self.owner_of(p)
             if now is None:
                 continue
-            silent = self.island.cfg.wait_for_merge and self.wall_clock() - accepted.at > RESEND_AFTER_S
+            silent = (
+                self.island.cfg.wait_for_merge and self.wall_clock() - accepted.at > RESEND_AFTER_S
+            )
             if now[0] == owner_id and not silent:
                 continue
             del self._accepted_by[p]
             if now[0] == owner_id:  # the same owner, silent: it may hold the first copy still
                 self._resent[p] = (accepted, {k: self.residuals.get(k) for k in before})
                 self.stats.resent_after_silence += 1
-                log.info("fragment %d: no version %.0f s after %s accepted our contribution (base %d); "
-                         "sending it again", p, RESEND_AFTER_S, owner_id.hex()[:8], base)
+                log.info(
+                    "fragment %d: no version %.0f s after %s accepted our contribution (base %d); "
+                    "sending it again",
+                    p,
+                    RESEND_AFTER_S,
+                    owner_id.hex()[:8],
+                    base,
+                )
             else:
                 self.stats.resent_on_owner_change += 1
-                log.info("fragment %d: owner %s left before merging our contribution (base %d); sending it "
-                         "again to %s", p, owner_id.hex()[:8], base, now[0].hex()[:8])
+                log.info(
+                    "fragment %d: owner %s left before merging our contribution (base %d); sending it "
+                    "again to %s",
+                    p,
+                    owner_id.hex()[:8],
+                    base,
+                    now[0].hex()[:8],
+                )
             self._restore(before)
             self.island.resend(p)
             resent += 1

@@ -41,7 +41,15 @@ from protocol.diloco.outer import OuterConfig
 from protocol.wire.codec import encode
 from protocol.wire.messages import Contribution
 
-__all__ = ["Content", "EmptyLog", "LogError", "LoggedMerger", "ReplayResult", "payload_dir", "replay"]
+__all__ = [
+    "Content",
+    "EmptyLog",
+    "LogError",
+    "LoggedMerger",
+    "ReplayResult",
+    "payload_dir",
+    "replay",
+]
 
 log = logging.getLogger(__name__)
 
@@ -62,12 +70,20 @@ class Content:
     block_size: int = 64
 
 
-
 class LoggedMerger:
     """A ``FragmentMerger`` whose every call is written to ``path`` (JSON lines)."""
 
-    def __init__(self, merger: FragmentMerger, path: Path, *, fragment: int, config: MergeConfig,
-                 version: int, now: float, content: Content | None = None) -> None:
+    def __init__(
+        self,
+        merger: FragmentMerger,
+        path: Path,
+        *,
+        fragment: int,
+        config: MergeConfig,
+        version: int,
+        now: float,
+        content: Content | None = None,
+    ) -> None:
         """With ``content``, contributions and states are kept too (see the module docstring)."""
         self.merger = merger
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -78,13 +94,24 @@ class LoggedMerger:
         self._payload_bytes = 0
         self._next_payload: str | None = None
         self._learners: frozenset[bytes] | None = None  # as last logged: written when it changes
-        start: dict[str, Any] = {"kind": "start", "format": FORMAT, "fragment": fragment, "version": version,
-                                 "now": now, "config": dataclasses.asdict(config)}
+        start: dict[str, Any] = {
+            "kind": "start",
+            "format": FORMAT,
+            "fragment": fragment,
+            "version": version,
+            "now": now,
+            "config": dataclasses.asdict(config),
+        }
         if content is not None:
-            start["content"] = {"shapes": [list(s) for s in content.shapes], "codec": content.download_codec,
-                                "outer": dataclasses.asdict(content.outer), "embedding": content.embedding,
-                                "update_codec": content.update_codec, "block_size": content.block_size,
-                                "threads": torch.get_num_threads()}
+            start["content"] = {
+                "shapes": [list(s) for s in content.shapes],
+                "codec": content.download_codec,
+                "outer": dataclasses.asdict(content.outer),
+                "embedding": content.embedding,
+                "update_codec": content.update_codec,
+                "block_size": content.block_size,
+                "threads": torch.get_num_threads(),
+            }
         self._write(start)
 
     def __getattr__(self, name: str) -> Any:  # phase, count, deadline(), ... of the merger itself
@@ -124,7 +151,9 @@ class LoggedMerger:
                 write(target)
                 self._payload_bytes += size
         except OSError as exc:  # a full disk stops the keeping, never the owner
-            log.warning("event log: cannot keep %s (%s); contents are no longer logged", target, exc)
+            log.warning(
+                "event log: cannot keep %s (%s); contents are no longer logged", target, exc
+            )
             self._payloads = None
             self._write({"kind": "payloads_full"})
             return None
@@ -136,8 +165,9 @@ class LoggedMerger:
         h = hashlib.sha256()
         for part in encoded.parts:
             h.update(part)
-        self._next_payload = self._keep(h.hexdigest() + ".msg", lambda t: t.write_bytes(encoded.tobytes()),
-                                        encoded.size)
+        self._next_payload = self._keep(
+            h.hexdigest() + ".msg", lambda t: t.write_bytes(encoded.tobytes()), encoded.size
+        )
 
     def note_state(self, theta: torch.Tensor, momentum: torch.Tensor | None) -> None:
         """The global fragment (and momentum) this owner starts from or takes over now."""
@@ -148,18 +178,49 @@ class LoggedMerger:
         for key, t in tensors.items():
             h.update(key.encode())
             h.update(flat_digest(t))
-        name = self._keep(h.hexdigest() + ".safetensors", lambda t: save_file(tensors, str(t)),
-                          sum(t.numel() * 4 for t in tensors.values()))
+        name = self._keep(
+            h.hexdigest() + ".safetensors",
+            lambda t: save_file(tensors, str(t)),
+            sum(t.numel() * 4 for t in tensors.values()),
+        )
         self._write({"kind": "state", "blob": name})
 
-    def on_contribution(self, peer: bytes, *, base_version: int, tokens: int, steps: int, step_time: float,
-                        payload: object, now: float, norm: float | None = None, last: bool = False) -> Decision:
-        d = self.merger.on_contribution(peer, base_version=base_version, tokens=tokens, steps=steps,
-                                        step_time=step_time, payload=payload, now=now, norm=norm, last=last)
+    def on_contribution(
+        self,
+        peer: bytes,
+        *,
+        base_version: int,
+        tokens: int,
+        steps: int,
+        step_time: float,
+        payload: object,
+        now: float,
+        norm: float | None = None,
+        last: bool = False,
+    ) -> Decision:
+        d = self.merger.on_contribution(
+            peer,
+            base_version=base_version,
+            tokens=tokens,
+            steps=steps,
+            step_time=step_time,
+            payload=payload,
+            now=now,
+            norm=norm,
+            last=last,
+        )
         kept, self._next_payload = self._next_payload, None
-        rec: dict[str, Any] = {"kind": "contribution", "peer": peer.hex(), "base_version": base_version,
-                               "tokens": tokens, "steps": steps, "step_time": step_time, "norm": norm, "now": now,
-                               "payload": kept}
+        rec: dict[str, Any] = {
+            "kind": "contribution",
+            "peer": peer.hex(),
+            "base_version": base_version,
+            "tokens": tokens,
+            "steps": steps,
+            "step_time": step_time,
+            "norm": norm,
+            "now": now,
+            "payload": kept,
+        }
         if last:  # absent in logs written before learners marked their last contribution
             rec["last"] = True
         return self._log(rec, d)
@@ -167,8 +228,14 @@ class LoggedMerger:
     def on_tick(self, now: float) -> Decision:
         return self._log({"kind": "tick", "now": now}, self.merger.on_tick(now))
 
-    def set_expected(self, n: int | None, *, now: float, finished: int = 0,
-                     learners: frozenset[bytes] | None = None) -> Decision:
+    def set_expected(
+        self,
+        n: int | None,
+        *,
+        now: float,
+        finished: int = 0,
+        learners: frozenset[bytes] | None = None,
+    ) -> Decision:
         rec: dict[str, Any] = {"kind": "expect", "n": n, "now": now}
         if finished:  # absent in logs written before learners that finished were counted
             rec["finished"] = finished
@@ -180,21 +247,38 @@ class LoggedMerger:
 
     def on_published(self, new_version: int, *, sync_time: float, now: float) -> Decision:
         d = self.merger.on_published(new_version, sync_time=sync_time, now=now)
-        return self._log({"kind": "published", "version": new_version, "sync_time": sync_time, "now": now}, d)
+        return self._log(
+            {"kind": "published", "version": new_version, "sync_time": sync_time, "now": now}, d
+        )
 
-    def on_merge_failed(self, reason: str, *, now: float, discard: Collection[bytes] = ()) -> Decision:
+    def on_merge_failed(
+        self, reason: str, *, now: float, discard: Collection[bytes] = ()
+    ) -> Decision:
         d = self.merger.on_merge_failed(reason, now=now, discard=discard)
-        return self._log({"kind": "merge_failed", "reason": reason, "discard": sorted(p.hex() for p in discard),
-                          "now": now}, d)
+        return self._log(
+            {
+                "kind": "merge_failed",
+                "reason": reason,
+                "discard": sorted(p.hex() for p in discard),
+                "now": now,
+            },
+            d,
+        )
 
     def rebase(self, version: int, *, now: float) -> Decision:
-        return self._log({"kind": "rebase", "version": version, "now": now}, self.merger.rebase(version, now=now))
+        return self._log(
+            {"kind": "rebase", "version": version, "now": now}, self.merger.rebase(version, now=now)
+        )
 
     def hold_until(self, until: float, *, now: float) -> Decision:
-        return self._log({"kind": "hold", "until": until, "now": now}, self.merger.hold_until(until, now=now))
+        return self._log(
+            {"kind": "hold", "until": until, "now": now}, self.merger.hold_until(until, now=now)
+        )
 
     def drop_round(self, reason: str, *, now: float) -> Decision:
-        return self._log({"kind": "drop", "reason": reason, "now": now}, self.merger.drop_round(reason, now=now))
+        return self._log(
+            {"kind": "drop", "reason": reason, "now": now}, self.merger.drop_round(reason, now=now)
+        )
 
     def seed_reference(self, norms: Collection[float]) -> None:
         """``FragmentMerger.seed_reference``, logged so that replay starts from the same history."""

@@ -19,6 +19,12 @@ def payload_dir(log: Path) -> Path:
 
 
 def _decision(d: Decision) -> dict[str, Any]:
-    return {"kind": d.kind, "reason": d.reason, "version": d.version, "accepted": d.accepted,
-            "refusal": d.refusal,
-            "entries": [[e.peer.hex(), e.weight, e.staleness, e.clip] for e in d.entries], "scale": d.scale}
+    return {
+        "kind": d.kind,
+        "reason": d.reason,
+        "version": d.version,
+        "accepted": d.accepted,
+        "refusal": d.refusal,
+        "entries": [[e.peer.hex(), e.weight, e.staleness, e.clip] for e in d.entries],
+        "scale": d.scale,
+    }

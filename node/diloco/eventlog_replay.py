@@ -30,7 +30,9 @@ from protocol.wire.tensors import CODECS, UPDATE_CODECS
 __all__ = ["EmptyLog", "LogError", "ReplayResult", "replay"]
 
 MAX_PAYLOAD_MESSAGE = 1 << 31
-MAX_REPLAY_THREADS = 1024  # a log's thread count past this is damage (10**6 ran libgomp out of memory)
+MAX_REPLAY_THREADS = (
+    1024  # a log's thread count past this is damage (10**6 ran libgomp out of memory)
+)
 MAX_UINT = (1 << 64) - 1  # the wire's integers (msgpack uint64): versions, tokens, steps
 _HEX = re.compile(r"(?:[0-9a-fA-F]{2})*")
 
@@ -38,7 +40,9 @@ _HEX = re.compile(r"(?:[0-9a-fA-F]{2})*")
 @dataclasses.dataclass
 class ReplayResult:
     decisions: int = 0
-    versions: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # {version, digest, merged, replayed}
+    versions: list[dict[str, Any]] = dataclasses.field(
+        default_factory=list
+    )  # {version, digest, merged, replayed}
     mismatches: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     unchecked: str | None = None  # why version contents were not (all) recomputed
     validations: int = 0  # candidate checks recomputed (``node.diloco.validation.recheck``)
@@ -48,9 +52,14 @@ class ReplayResult:
         return sum(v["replayed"] is not None for v in self.versions)
 
     def to_json(self) -> dict[str, Any]:
-        return {"decisions": self.decisions, "versions": self.versions, "contents_checked": self.contents_checked,
-                "validations": self.validations,
-                "unchecked": self.unchecked, "mismatches": self.mismatches}
+        return {
+            "decisions": self.decisions,
+            "versions": self.versions,
+            "contents_checked": self.contents_checked,
+            "validations": self.validations,
+            "unchecked": self.unchecked,
+            "mismatches": self.mismatches,
+        }
 
 
 class LogError(ValueError):
@@ -70,16 +79,26 @@ def _records(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
                     rec = json.loads(line)
                 except (json.JSONDecodeError, RecursionError) as exc:
                     why = exc.msg if isinstance(exc, json.JSONDecodeError) else "nested too deeply"
-                    raise LogError(f"{path}:{n}: not a JSON line ({why}); the log is damaged") from None
+                    raise LogError(
+                        f"{path}:{n}: not a JSON line ({why}); the log is damaged"
+                    ) from None
                 if not isinstance(rec, dict) or not isinstance(rec.get("kind"), str):
                     what = "a record without a kind" if isinstance(rec, dict) else _kind(rec)
-                    raise LogError(f"{path}:{n}: {what}, not a merger log record; the log is damaged")
+                    raise LogError(
+                        f"{path}:{n}: {what}, not a merger log record; the log is damaged"
+                    )
                 yield n, rec
 
 
 def _kind(value: object) -> str:
     """A JSON value's kind, as JSON names it."""
-    kinds = ((bool, "a boolean"), (int | float, "a number"), (str, "a string"), (list, "an array"), (dict, "an object"))
+    kinds = (
+        (bool, "a boolean"),
+        (int | float, "a number"),
+        (str, "a string"),
+        (list, "an array"),
+        (dict, "an object"),
+    )
     return next((name for cls, name in kinds if isinstance(value, cls)), "null")
 
 
@@ -135,21 +154,32 @@ class _Contents:
             raise ValueError(f"content is {_kind(spec)}, not an object")
         self.folder = folder
         shapes = spec.get("shapes")
-        if not (isinstance(shapes, list) and all(isinstance(s, list) and all(_is_uint(d) for d in s) for s in shapes)):
-            raise ValueError("content.shapes is not a list of tensor shapes (lists of integers >= 0)")
+        if not (
+            isinstance(shapes, list)
+            and all(isinstance(s, list) and all(_is_uint(d) for d in s) for s in shapes)
+        ):
+            raise ValueError(
+                "content.shapes is not a list of tensor shapes (lists of integers >= 0)"
+            )
         self.shapes = [tuple(s) for s in shapes]
         codec, embedding = spec.get("codec"), spec.get("embedding")
         if codec not in CODECS or not isinstance(embedding, bool):
-            raise ValueError(f"content.codec must be one of {', '.join(CODECS)} and content.embedding true "
-                             f"or false, got {_shown(codec)} and {_shown(embedding)}")
+            raise ValueError(
+                f"content.codec must be one of {', '.join(CODECS)} and content.embedding true "
+                f"or false, got {_shown(codec)} and {_shown(embedding)}"
+            )
         self.codec, self.embedding = str(codec), embedding
         self.update_codec = spec.get("update_codec")
         if self.update_codec is not None and self.update_codec not in UPDATE_CODECS:
-            raise ValueError(f"content.update_codec must be null or one of {', '.join(UPDATE_CODECS)}, "
-                             f"got {_shown(self.update_codec)}")
+            raise ValueError(
+                f"content.update_codec must be null or one of {', '.join(UPDATE_CODECS)}, "
+                f"got {_shown(self.update_codec)}"
+            )
         self.block_size = spec.get("block_size", 64)
         if not _is_uint(self.block_size) or self.block_size < 1:
-            raise ValueError(f"content.block_size must be an integer >= 1, got {_shown(self.block_size)}")
+            raise ValueError(
+                f"content.block_size must be an integer >= 1, got {_shown(self.block_size)}"
+            )
         self.residual: torch.Tensor | None = None  # the owner's error feedback (updates)
         outer = spec.get("outer")
         if not isinstance(outer, dict):
@@ -158,7 +188,9 @@ class _Contents:
         self.numel = sum(int(torch.Size(s).numel()) for s in self.shapes)
         self.theta: torch.Tensor | None = None
         self.buffer: torch.Tensor | None = None
-        self.pending: dict[int, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None] = {}
+        self.pending: dict[
+            int, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None
+        ] = {}
         self.missing: str | None = None  # set once something needed is not in the folder
 
     def _file(self, name: object) -> Path | None:
@@ -167,10 +199,18 @@ class _Contents:
         if name is None:  # the owner kept nothing: the folder was full, or the disk
             self.missing = self.missing or "the payload folder stopped growing at its size cap"
             return None
-        if (not isinstance(name, str) or not name or name.startswith(".") or "/" in name or "\\" in name
-                or "\0" in name):
-            raise ValueError(f"blob {_shown(name)} is not a file name in the payload folder (a path, or not "
-                             "a name at all): refused, nothing read; the log is damaged or edited")
+        if (
+            not isinstance(name, str)
+            or not name
+            or name.startswith(".")
+            or "/" in name
+            or "\\" in name
+            or "\0" in name
+        ):
+            raise ValueError(
+                f"blob {_shown(name)} is not a file name in the payload folder (a path, or not "
+                "a name at all): refused, nothing read; the log is damaged or edited"
+            )
         path = self.folder / name
         if not path.is_file():
             self.missing = self.missing or f"{path} is missing"
@@ -179,7 +219,9 @@ class _Contents:
 
     def load_state(self, name: object) -> None:
         path = self._file(name)
-        self.theta = self.buffer = self.residual = None  # an owner starting a state starts with no residual
+        self.theta = self.buffer = self.residual = (
+            None  # an owner starting a state starts with no residual
+        )
         if path is None:
             return
         try:
@@ -199,7 +241,9 @@ class _Contents:
         if path is None:
             return None
         try:
-            msg = decode(bytearray(path.read_bytes()), max_size=MAX_PAYLOAD_MESSAGE)  # writable: tensors view it
+            msg = decode(
+                bytearray(path.read_bytes()), max_size=MAX_PAYLOAD_MESSAGE
+            )  # writable: tensors view it
         except RemoteProtocolError as exc:
             raise ValueError(f"{path}: not a contribution ({exc})") from None
         if not isinstance(msg, Contribution):
@@ -212,27 +256,44 @@ class _Contents:
             self.pending = {version: None}  # this version's contents, and all after it, are unknown
             return
         try:
-            update = merge_update(self.theta, self.buffer, [p for p in payloads if isinstance(p, torch.Tensor)],
-                                  [e.weight for e in decision.entries], [e.clip for e in decision.entries],
-                                  self.outer, embedding=self.embedding, scale=decision.scale,
-                                  aggregate=decision.aggregate(self.outer.aggregate))
+            update = merge_update(
+                self.theta,
+                self.buffer,
+                [p for p in payloads if isinstance(p, torch.Tensor)],
+                [e.weight for e in decision.entries],
+                [e.clip for e in decision.entries],
+                self.outer,
+                embedding=self.embedding,
+                scale=decision.scale,
+                aggregate=decision.aggregate(self.outer.aggregate),
+            )
         except Exception:  # the owner failed this merge too; the log's merge_failed line follows
             self.pending = {version: None}
             return
         theta, residual = update.theta, self.residual
         if self.update_codec is not None:  # as the owner published it: the state its update gives
-            _, theta, residual = encode_update(theta, self.theta, self.residual, self.shapes,
-                                               self.update_codec, block_size=self.block_size)
+            _, theta, residual = encode_update(
+                theta,
+                self.theta,
+                self.residual,
+                self.shapes,
+                self.update_codec,
+                block_size=self.block_size,
+            )
         self.pending = {version: (theta, update.buffer, residual)}
 
     def digest(self, version: int) -> str | None:
         """The digest of ``version`` as recomputed (None when the contents are not all there)."""
         if version in self.pending:
             merged = self.pending.pop(version)
-            self.theta, self.buffer, self.residual = merged if merged is not None else (None, None, None)
+            self.theta, self.buffer, self.residual = (
+                merged if merged is not None else (None, None, None)
+            )
         if self.theta is None:
             return None
-        return flat_digest(flat_from_tensors(encode_flat(self.theta, self.shapes, self.codec), self.shapes)).hex()
+        return flat_digest(
+            flat_from_tensors(encode_flat(self.theta, self.shapes, self.codec), self.shapes)
+        ).hex()
 
 
 def replay(path: Path) -> ReplayResult:
@@ -256,7 +317,9 @@ def replay(path: Path) -> ReplayResult:
     finally:
         torch.set_num_threads(threads)
     if not run.records:
-        raise EmptyLog(f"{path} holds no records: an owner's log starts with a start line; is this a merger log?")
+        raise EmptyLog(
+            f"{path} holds no records: an owner's log starts with a start line; is this a merger log?"
+        )
     result, contents = run.result, run.contents
     if contents is not None and contents.missing is not None:
         result.unchecked = contents.missing
@@ -266,8 +329,16 @@ def replay(path: Path) -> ReplayResult:
 _EVENTS = ("contribution", "tick", "expect", "published", "merge_failed", "rebase", "hold", "drop")
 # what a damaged record makes the replay raise: checked fields say what is wrong themselves; the
 # rest (a merger refusing an event, a payload that does not fit) is named with the line
-_DAMAGE = (ValueError, TypeError, KeyError, IndexError, OverflowError, RuntimeError, LocalProtocolError,
-           RemoteProtocolError)
+_DAMAGE = (
+    ValueError,
+    TypeError,
+    KeyError,
+    IndexError,
+    OverflowError,
+    RuntimeError,
+    LocalProtocolError,
+    RemoteProtocolError,
+)
 
 
 class _Replay:
@@ -292,8 +363,10 @@ class _Replay:
         text = " ".join(text.split())[:300]
         first = next((m["line"] for m in self.result.mismatches if "line" in m), None)
         if isinstance(exc, LocalProtocolError) and first is not None:
-            return (f"{kind} record: the replayed merger refuses it ({text}); the replay diverged from the log "
-                    f"at line {first}: the log was edited, or written by another Atoll version")
+            return (
+                f"{kind} record: the replayed merger refuses it ({text}); the replay diverged from the log "
+                f"at line {first}: the log was edited, or written by another Atoll version"
+            )
         return f"{kind} record: {text}; the log is damaged or edited"
 
     def feed(self, n: int, rec: dict[str, Any]) -> bool:
@@ -308,39 +381,58 @@ class _Replay:
                 self.contents.load_state(rec.get("blob"))
         elif kind == "reference":  # a history handed over or measured at the owner's start
             norms = rec.get("norms")
-            if self.merger is None or not isinstance(norms, list) or not all(
-                    isinstance(x, (int, float)) and not isinstance(x, bool) for x in norms):
-                raise ValueError("a reference record needs a start line before it and a list of numbers")
+            if (
+                self.merger is None
+                or not isinstance(norms, list)
+                or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in norms)
+            ):
+                raise ValueError(
+                    "a reference record needs a start line before it and a list of numbers"
+                )
             self.merger.seed_reference(norms)
         elif kind == "validation":  # a candidate's check: the same windows and verdict again
             self.result.validations += 1
             for what in recheck(rec):
                 self.result.mismatches.append({"line": n, "event": "validation", "what": what})
         elif kind == "truncated":
-            self.result.mismatches.append({"line": n, "what": "the log was truncated at its size cap"})
+            self.result.mismatches.append(
+                {"line": n, "what": "the log was truncated at its size cap"}
+            )
             return False
         elif kind in _EVENTS:
             if self.merger is None:
-                raise LogError(f"{self.path}:{n}: event before the log's start line; is this a merger log?")
+                raise LogError(
+                    f"{self.path}:{n}: event before the log's start line; is this a merger log?"
+                )
             self._event(n, kind, rec, self.merger)
         elif kind != "payloads_full":
-            raise LogError(f"{self.path}:{n}: unknown event {kind[:40]!r}; the log is damaged, or from a newer Atoll")
+            raise LogError(
+                f"{self.path}:{n}: unknown event {kind[:40]!r}; the log is damaged, or from a newer Atoll"
+            )
         return True
 
     def _start(self, n: int, rec: dict[str, Any]) -> None:
         if rec.get("format") != FORMAT:
-            raise LogError(f"{self.path}:{n}: log format {_shown(rec.get('format'))}, this Atoll reads {FORMAT}")
+            raise LogError(
+                f"{self.path}:{n}: log format {_shown(rec.get('format'))}, this Atoll reads {FORMAT}"
+            )
         config = rec.get("config")
         if not isinstance(config, dict):
             raise ValueError(f"config is {_kind(config)}, not an object")
-        self.merger = FragmentMerger(_uint(rec, "fragment"), MergeConfig(**config), version=_uint(rec, "version"),
-                                     now=_finite(rec, "now"))
+        self.merger = FragmentMerger(
+            _uint(rec, "fragment"),
+            MergeConfig(**config),
+            version=_uint(rec, "version"),
+            now=_finite(rec, "now"),
+        )
         if "content" in rec:
             self.contents = _Contents(payload_dir(self.path), rec["content"])
             threads = rec["content"].get("threads")
             if not (_is_uint(threads) and 1 <= threads <= MAX_REPLAY_THREADS):
-                raise ValueError(f"content.threads must be an integer in 1..{MAX_REPLAY_THREADS}, "
-                                 f"got {_shown(threads)}")
+                raise ValueError(
+                    f"content.threads must be an integer in 1..{MAX_REPLAY_THREADS}, "
+                    f"got {_shown(threads)}"
+                )
             torch.set_num_threads(threads)  # same reduction order
         else:
             self.result.unchecked = "the log has no contents (written without them)"
@@ -350,11 +442,24 @@ class _Replay:
         if not isinstance(digest, str):
             raise ValueError(f"digest is {_kind(digest)}, not a string")
         replayed = self.contents.digest(v) if self.contents is not None else None
-        self.result.versions.append({"version": v, "digest": digest, "merged": self.merged_at.get(v, []),
-                                     "replayed": replayed})
+        self.result.versions.append(
+            {
+                "version": v,
+                "digest": digest,
+                "merged": self.merged_at.get(v, []),
+                "replayed": replayed,
+            }
+        )
         if replayed is not None and replayed != digest:
-            self.result.mismatches.append({"line": n, "event": "version", "what": f"version {v}'s content differs",
-                                           "logged": {"reason": digest}, "replayed": {"reason": replayed}})
+            self.result.mismatches.append(
+                {
+                    "line": n,
+                    "event": "version",
+                    "what": f"version {v}'s content differs",
+                    "logged": {"reason": digest},
+                    "replayed": {"reason": replayed},
+                }
+            )
 
     def _event(self, n: int, kind: str, rec: dict[str, Any], merger: FragmentMerger) -> None:
         now, logged = _finite(rec, "now"), rec.get("decision")
@@ -364,26 +469,41 @@ class _Replay:
             peer, norm = _peer(rec.get("peer"), "peer"), _finite(rec, "norm", optional=True)
             fields = {k: _uint(rec, k) for k in ("base_version", "tokens", "steps")}
             step_time = _finite(rec, "step_time")
-            payload = self.contents.payload(rec.get("payload")) if self.contents is not None else None
+            payload = (
+                self.contents.payload(rec.get("payload")) if self.contents is not None else None
+            )
             last = rec.get("last", False)
             if not isinstance(last, bool):
                 raise ValueError(f"last is {_kind(last)}, not a boolean")
-            d = merger.on_contribution(peer, **fields, step_time=step_time, payload=payload, now=now,
-                                       norm=None if math.isnan(norm) else norm, last=last)
+            d = merger.on_contribution(
+                peer,
+                **fields,
+                step_time=step_time,
+                payload=payload,
+                now=now,
+                norm=None if math.isnan(norm) else norm,
+                last=last,
+            )
         elif kind == "tick":
             d = merger.on_tick(now)
         elif kind == "expect":
             expected = None if rec.get("n") is None else _uint(rec, "n")
             if "learners" in rec:  # absent: unchanged since the last expect record that had it
                 self.learners = _learners(rec.get("learners"))
-            d = merger.set_expected(expected, now=now, finished=_uint(rec, "finished", 0), learners=self.learners)
+            d = merger.set_expected(
+                expected, now=now, finished=_uint(rec, "finished", 0), learners=self.learners
+            )
         elif kind == "published":
-            d = merger.on_published(_uint(rec, "version"), sync_time=_finite(rec, "sync_time"), now=now)
+            d = merger.on_published(
+                _uint(rec, "version"), sync_time=_finite(rec, "sync_time"), now=now
+            )
         elif kind == "merge_failed":
             reason, discard = rec.get("reason"), rec.get("discard")
             if not isinstance(reason, str) or not isinstance(discard, list):
                 raise ValueError("reason must be a string and discard a list of peer ids")
-            d = merger.on_merge_failed(reason, now=now, discard=[_peer(p, "discard") for p in discard])
+            d = merger.on_merge_failed(
+                reason, now=now, discard=[_peer(p, "discard") for p in discard]
+            )
         elif kind == "hold":
             d = merger.hold_until(_finite(rec, "until"), now=now)
         elif kind == "drop":
@@ -396,7 +516,9 @@ class _Replay:
         self.result.decisions += 1
         got = _decision(d)
         if got != logged:
-            self.result.mismatches.append({"line": n, "event": kind, "logged": logged, "replayed": got})
+            self.result.mismatches.append(
+                {"line": n, "event": kind, "logged": logged, "replayed": got}
+            )
         if d.kind == "merge":
             self.merged_at[d.version + 1] = got["entries"]
             if self.contents is not None:

@@ -16,8 +16,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("atoll.peer")
 
-RECENT_ROUNDS = 3.0  # a learner's accepted work older than this many of the owner's round times: not waited for
-FINISHED_MIN_MERGES = 2  # a finished learner counts in a merge's share once its work was in this many merges
+RECENT_ROUNDS = (
+    3.0  # a learner's accepted work older than this many of the owner's round times: not waited for
+)
+FINISHED_MIN_MERGES = (
+    2  # a finished learner counts in a merge's share once its work was in this many merges
+)
 
 
 class ExpectedLearners:
@@ -41,7 +45,9 @@ class ExpectedLearners:
         if self.cfg.mode != "decoupled":
             for pid, m in self.membership.members.items():
                 (self._seen_learning if m.record.learning else self._finished).add(pid)
-            return max(self.cfg.peers, len(self._seen_learning | self._finished)) - len(self._finished)
+            return max(self.cfg.peers, len(self._seen_learning | self._finished)) - len(
+                self._finished
+            )
         return len(self.learning_members())
 
     def learning_members(self) -> set[bytes]:
@@ -49,8 +55,11 @@ class ExpectedLearners:
         if self.membership is None:
             return set()
         now = time.time()
-        return {pid for pid, m in self.membership.members.items()
-                if m.record.learning and m.expires_at > now} - self.suspects()
+        return {
+            pid
+            for pid, m in self.membership.members.items()
+            if m.record.learning and m.expires_at > now
+        } - self.suspects()
 
     async def tell_expected(self, owner: FragmentOwner, *, at_end: bool = False) -> int:
         """Give ``owner``'s merger the learners it waits for and the finished ones it heard
@@ -60,7 +69,9 @@ class ExpectedLearners:
         await owner.set_expected(n, self.finished_learners_heard(owner), waiting)
         return n
 
-    def learner_ids_waited_for(self, owner: FragmentOwner, *, at_end: bool = False) -> frozenset[bytes] | None:
+    def learner_ids_waited_for(
+        self, owner: FragmentOwner, *, at_end: bool = False
+    ) -> frozenset[bytes] | None:
         """Decoupled: the learning members, less those ``owner`` finds silent: a record's
         "learning" is a claim, and members that make it and send nothing must not raise a merge's
         quorum past what the learners at work can reach, nor hold the end of a run
@@ -76,21 +87,31 @@ class ExpectedLearners:
         activity.seen(learning, now)
         # a member whose work waits in the open round is not silent: it waits on us (in a round
         # held below its quorum its next contribution would be the same round's, refused)
-        silent = activity.silent(learning, since=owner.started_at, now=now, at_end=at_end) - owner.merger.contributors
+        silent = (
+            activity.silent(learning, since=owner.started_at, now=now, at_end=at_end)
+            - owner.merger.contributors
+        )
         if not at_end:  # and of the rest, those whose work this owner took lately
             silent |= self._not_recent(owner, learning - silent, now)
         # logged once a silence: until the member is heard from again or stops learning (the
         # end's view and the rounds' view alternate, and neither must log the other's again)
         logged = owner.not_waited_for
-        for pid in [pid for pid, at in logged.items()
-                    if pid not in learning or (activity.last_heard(pid) or -math.inf) > at]:
+        for pid in [
+            pid
+            for pid, at in logged.items()
+            if pid not in learning or (activity.last_heard(pid) or -math.inf) > at
+        ]:
             del logged[pid]
         for pid in silent - logged.keys():
             heard = activity.last_heard(pid)
-            log.warning("fragment %d: not waiting for member %s: its record says learning, but it has sent "
-                        "nothing for %.0f s (%s)", owner.fragment.index, pid.hex()[:8],
-                        activity.bound(pid, at_end=at_end) or 0.0,
-                        "never heard from" if heard is None else f"last heard {now - heard:.0f} s ago")
+            log.warning(
+                "fragment %d: not waiting for member %s: its record says learning, but it has sent "
+                "nothing for %.0f s (%s)",
+                owner.fragment.index,
+                pid.hex()[:8],
+                activity.bound(pid, at_end=at_end) or 0.0,
+                "never heard from" if heard is None else f"last heard {now - heard:.0f} s ago",
+            )
             logged[pid] = now
         return frozenset(learning - silent)
 
@@ -109,7 +130,9 @@ class ExpectedLearners:
         if rounds is None or all(at is None for at in heard.values()):
             return set()
         window = min(activity.bounds.cap_s, max(activity.bounds.floor_s, RECENT_ROUNDS * rounds))
-        old = {pid for pid, at in heard.items() if at is None or now - at > window} - owner.merger.contributors
+        old = {
+            pid for pid, at in heard.items() if at is None or now - at > window
+        } - owner.merger.contributors
         return set() if old == members else old
 
     def finished_learners(self) -> int:
@@ -126,7 +149,9 @@ class ExpectedLearners:
             return 0
         learning = {pid for pid, m in self.membership.members.items() if m.record.learning}
         self._seen_learning |= learning
-        self._finished |= {pid for pid in self.membership.members if pid in self._seen_learning} - learning
+        self._finished |= {
+            pid for pid in self.membership.members if pid in self._seen_learning
+        } - learning
         return len(self._finished - learning)
 
     def finished_learners_heard(self, owner: FragmentOwner) -> int:
@@ -141,4 +166,8 @@ class ExpectedLearners:
         learning = {pid for pid, m in self.membership.members.items() if m.record.learning}
         # merged in FINISHED_MIN_MERGES rounds at least: identities that sent one contribution
         # each and then said "stopped" would otherwise shrink every merge to its share of them
-        return sum(1 for pid in self._finished - learning if owner.merger.merges_of(pid) >= FINISHED_MIN_MERGES)
+        return sum(
+            1
+            for pid in self._finished - learning
+            if owner.merger.merges_of(pid) >= FINISHED_MIN_MERGES
+        )

@@ -42,7 +42,13 @@ if TYPE_CHECKING:
     from node.diloco.learner import LearnerStats
     from node.diloco.replica import Handed
 
-__all__ = ["DIGESTS_KEPT", "LocalOwners", "UpdateNotApplicable", "VersionFetching", "VersionRefused"]
+__all__ = [
+    "DIGESTS_KEPT",
+    "LocalOwners",
+    "UpdateNotApplicable",
+    "VersionFetching",
+    "VersionRefused",
+]
 
 log = logging.getLogger("node.diloco.learner")
 
@@ -60,8 +66,9 @@ class LocalOwners(Protocol):
         as it is, not copied (nothing writes to it; the owner never reuses it for another)."""
         ...
 
-    async def version_local(self, p: int, *, after: int, wait_s: float,
-                            final: bool) -> tuple[int, torch.Tensor, bytes] | None:
+    async def version_local(
+        self, p: int, *, after: int, wait_s: float, final: bool
+    ) -> tuple[int, torch.Tensor, bytes] | None:
         """(version, flat state, digest) of the first version of ``p`` above ``after`` (the final
         one with ``final``) within ``wait_s``, else None; raises ``RemoteProtocolError`` when
         ``p`` is not owned here (any more). The flat state is the owner's, never written to."""
@@ -107,11 +114,14 @@ class VersionFetching:
     island_initial: Sequence[torch.Tensor]
     digests: list[dict[int, bytes]]
 
-    async def _request(self, owner_id: bytes, method: str, url: str,
-                       **kw: Any) -> tuple[int, bytearray, int, dict[str, str]]:
+    async def _request(
+        self, owner_id: bytes, method: str, url: str, **kw: Any
+    ) -> tuple[int, bytearray, int, dict[str, str]]:
         raise NotImplementedError
 
-    def remember(self, p: int, version: int, flat: torch.Tensor, digest: bytes | None = None) -> None:
+    def remember(
+        self, p: int, version: int, flat: torch.Tensor, digest: bytes | None = None
+    ) -> None:
         """Keep the newest verified version of fragment ``p`` (a new owner starts from it), and
         the digest of every version delivered (hashed here unless given)."""
         known = self.digests[p]
@@ -125,12 +135,24 @@ class VersionFetching:
 
     def version_jump(self, p: int, version: int) -> str | None:
         """Why fragment ``p``'s ``version`` cannot be an honest owner's (None when it can be)."""
-        return version_jump_reason(version, held=self.received[p], held_at=self.received_at.get(p),
-                                   now=self.wall_clock(), created=self.created,
-                                   max_rounds_per_s=self.max_rounds_per_s)
+        return version_jump_reason(
+            version,
+            held=self.received[p],
+            held_at=self.received_at.get(p),
+            now=self.wall_clock(),
+            created=self.created,
+            max_rounds_per_s=self.max_rounds_per_s,
+        )
 
-    async def fetch(self, p: int, *, after: int, wait_s: float, final: bool = False,
-                    owner: tuple[bytes, str] | None = None) -> tuple[int, torch.Tensor] | None:
+    async def fetch(
+        self,
+        p: int,
+        *,
+        after: int,
+        wait_s: float,
+        final: bool = False,
+        owner: tuple[bytes, str] | None = None,
+    ) -> tuple[int, torch.Tensor] | None:
         """Fetch the owner's first version of fragment ``p`` above ``after`` (verified).
 
         With ``final``, ask instead for the latest version once the owner declares it final: when
@@ -153,17 +175,22 @@ class VersionFetching:
         if self._holds(p, after):
             upd = "&update=1" + (f"&digest={self.digests[p][after].hex()}" if final else "")
         try:
-            return await self._fetch(p, owner_id, url, kind, after=after, wait_s=wait_s, final=final, upd=upd)
+            return await self._fetch(
+                p, owner_id, url, kind, after=after, wait_s=wait_s, final=final, upd=upd
+            )
         except UpdateNotApplicable as exc:  # take the full version instead, at once
             if self.received[p] > max(after, 0):
                 return None  # another fetch (the final one, a resync) moved us past it meanwhile
             self.stats.update_mismatches += 1
             log.warning("fragment %d: %s; fetching the full version", p, exc)
-            status, buf, used, _ = await self._from_owner_itself(owner_id, url, p, kind, after=after)
+            status, buf, used, _ = await self._from_owner_itself(
+                owner_id, url, p, kind, after=after
+            )
             return await self._accept(p, owner_id, status, buf, used, after=after, final=final)
 
-    async def _fetch_local(self, p: int, *, after: int, wait_s: float,
-                           final: bool) -> tuple[int, torch.Tensor] | None:
+    async def _fetch_local(
+        self, p: int, *, after: int, wait_s: float, final: bool
+    ) -> tuple[int, torch.Tensor] | None:
         """A version of a fragment we own, from our owner in process (its state, not a copy)."""
         assert self.local is not None
         got = await self.local.version_local(p, after=after, wait_s=wait_s, final=final)
@@ -175,7 +202,9 @@ class VersionFetching:
         self.stats.versions_local += 1
         return version, flat
 
-    async def _from_replica(self, p: int, owner_id: bytes, after: int) -> tuple[int, torch.Tensor] | None:
+    async def _from_replica(
+        self, p: int, owner_id: bytes, after: int
+    ) -> tuple[int, torch.Tensor] | None:
         """Fragment ``p``'s version above ``after`` as ``owner_id`` handed it to this peer's
         replica store (before publishing it: the same content, under the fence), when its state
         hashes to the digest the owner signed; else None (it is downloaded)."""
@@ -188,8 +217,12 @@ class VersionFetching:
         if self.version_jump(p, version) is not None:
             return None
         if not held.hashed and await asyncio.to_thread(flat_digest, flat) != digest:
-            log.warning("fragment %d: version %d as handed to our replica store does not hash to its "
-                        "digest; downloading it", p, version)
+            log.warning(
+                "fragment %d: version %d as handed to our replica store does not hash to its "
+                "digest; downloading it",
+                p,
+                version,
+            )
             return None
         self.digests[p][version] = digest
         self.stats.versions_received += 1
@@ -214,19 +247,36 @@ class VersionFetching:
         """The newest version of fragment ``p`` we hold (version 0: the initial weights)."""
         return self.latest.get(p) or (0, self.island_initial[p])
 
-    async def _fetch(self, p: int, owner_id: bytes, url: str, kind: str, *, after: int, wait_s: float,
-                     final: bool, upd: str) -> tuple[int, torch.Tensor] | None:
+    async def _fetch(
+        self,
+        p: int,
+        owner_id: bytes,
+        url: str,
+        kind: str,
+        *,
+        after: int,
+        wait_s: float,
+        final: bool,
+        upd: str,
+    ) -> tuple[int, torch.Tensor] | None:
         status, buf, used, headers = await self._request(
-            owner_id, "GET", f"{url}/v1/fragments/{p}/{kind}?after={after}&wait={wait_s}{upd}",
-            timeout_s=wait_s + 30, max_reply=self.max_message,
+            owner_id,
+            "GET",
+            f"{url}/v1/fragments/{p}/{kind}?after={after}&wait={wait_s}{upd}",
+            timeout_s=wait_s + 30,
+            max_reply=self.max_message,
         )
         if status == REPLICA_HELD_STATUS and not final:  # our replica store took it from the owner
             self.transport.pool.give(buf)
             held = await self._from_replica(p, owner_id, after)
             if held is not None:
                 return held
-            status, buf, used, headers = await self._from_owner_itself(owner_id, url, p, kind, after=after, upd=upd)
-        if status == FINAL_HELD_STATUS and final and upd:  # the version we hold (and named) is final
+            status, buf, used, headers = await self._from_owner_itself(
+                owner_id, url, p, kind, after=after, upd=upd
+            )
+        if (
+            status == FINAL_HELD_STATUS and final and upd
+        ):  # the version we hold (and named) is final
             self.transport.pool.give(buf)
             self.stats.finals_held += 1
             return self._held(p)
@@ -234,21 +284,30 @@ class VersionFetching:
             holders = self._pointer(buf, used)
             pointed = pointed_version(headers)
             if final and pointed is None:
-                raise RemoteProtocolError(f"fragment {p}: a pointer for the final version names no version")
-            got = await self._from_holders(p, owner_id, pointed - 1 if final and pointed else after, holders, upd)
+                raise RemoteProtocolError(
+                    f"fragment {p}: a pointer for the final version names no version"
+                )
+            got = await self._from_holders(
+                p, owner_id, pointed - 1 if final and pointed else after, holders, upd
+            )
             if got is not None and (not final or got[0] == pointed):
                 return got
             self.spread.fallbacks_asked += 1
-            status, buf, used, headers = await self._from_owner_itself(owner_id, url, p, kind, after=after,
-                                                                       wait_s=5 if final else 0, upd=upd)
+            status, buf, used, headers = await self._from_owner_itself(
+                owner_id, url, p, kind, after=after, wait_s=5 if final else 0, upd=upd
+            )
             if status == POINTER_STATUS and not final:
                 # the owner's upload budget for this version is spent: the peers likely to hold
                 # it by now, asked for a fallback (a holder serves each requester one)
-                got = await self._from_holders(p, owner_id, after, self._pointer(buf, used), upd, fallback=True)
+                got = await self._from_holders(
+                    p, owner_id, after, self._pointer(buf, used), upd, fallback=True
+                )
                 if got is not None:
                     return got
-                raise VersionRefused(f"fragment {p}: the owner's uploads of version {pointed_version(headers)} "
-                                     "are spent and the peers it named did not serve it; waiting for a later one")
+                raise VersionRefused(
+                    f"fragment {p}: the owner's uploads of version {pointed_version(headers)} "
+                    "are spent and the peers it named did not serve it; waiting for a later one"
+                )
         return await self._accept(p, owner_id, status, buf, used, after=after, final=final)
 
     def _pointer(self, buf: bytearray, used: int) -> list[bytes]:
@@ -258,17 +317,37 @@ class VersionFetching:
         finally:
             self.transport.pool.give(buf)
 
-    async def _from_owner_itself(self, owner_id: bytes, url: str, p: int, kind: str, *, after: int,
-                                 wait_s: float = 0, upd: str = "") -> tuple[int, bytearray, int, dict[str, str]]:
+    async def _from_owner_itself(
+        self,
+        owner_id: bytes,
+        url: str,
+        p: int,
+        kind: str,
+        *,
+        after: int,
+        wait_s: float = 0,
+        upd: str = "",
+    ) -> tuple[int, bytearray, int, dict[str, str]]:
         """Ask the owner again with ``fallback=1``: it serves the version itself (once per
         requester and version), not a pointer or a 208."""
         return await self._request(
-            owner_id, "GET", f"{url}/v1/fragments/{p}/{kind}?after={after}&wait={wait_s}&fallback=1{upd}",
-            timeout_s=60, max_reply=self.max_message,
+            owner_id,
+            "GET",
+            f"{url}/v1/fragments/{p}/{kind}?after={after}&wait={wait_s}&fallback=1{upd}",
+            timeout_s=60,
+            max_reply=self.max_message,
         )
 
-    async def _from_holders(self, p: int, owner_id: bytes, after: int, holders: list[bytes], upd: str = "",
-                            *, fallback: bool = False) -> tuple[int, torch.Tensor] | None:
+    async def _from_holders(
+        self,
+        p: int,
+        owner_id: bytes,
+        after: int,
+        holders: list[bytes],
+        upd: str = "",
+        *,
+        fallback: bool = False,
+    ) -> tuple[int, torch.Tensor] | None:
         """Fragment ``p``'s first version above ``after`` from the holders named (and those they
         point at, in order), checked as the owner's; None when none served one. ``fallback``:
         ask each for a fallback (the owner pointed here instead of serving one)."""
@@ -282,9 +361,11 @@ class VersionFetching:
                 continue
             try:
                 status, buf, used, _ = await self._request(
-                    holder, "GET",
+                    holder,
+                    "GET",
                     f"{url}/v1/fragments/{p}/held?after={after}&wait={HOLDER_WAIT_S}&owner={owner_id.hex()}{upd}",
-                    timeout_s=HOLDER_WAIT_S + 30, max_reply=self.max_message,
+                    timeout_s=HOLDER_WAIT_S + 30,
+                    max_reply=self.max_message,
                 )
             except (aiohttp.ClientError, LinkDropped, TimeoutError, OSError) as exc:
                 log.debug("holder %s of fragment %d failed: %r", holder.hex()[:8], p, exc)
@@ -294,7 +375,9 @@ class VersionFetching:
                     queue.extendleft(reversed(self._pointer(buf, used)))
                     continue
                 got = await self._accept(p, owner_id, status, buf, used, after=after, final=False)
-            except UpdateNotApplicable as exc:  # an update over another version: not this holder's fault
+            except (
+                UpdateNotApplicable
+            ) as exc:  # an update over another version: not this holder's fault
                 log.debug("holder %s of fragment %d: %s", holder.hex()[:8], p, exc)
                 continue
             except RemoteProtocolError as exc:
@@ -306,31 +389,53 @@ class VersionFetching:
                 return got
         return None
 
-    async def _accept(self, p: int, owner_id: bytes, status: int, buf: bytearray, used: int, *,
-                      after: int, final: bool) -> tuple[int, torch.Tensor] | None:
+    async def _accept(
+        self,
+        p: int,
+        owner_id: bytes,
+        status: int,
+        buf: bytearray,
+        used: int,
+        *,
+        after: int,
+        final: bool,
+    ) -> tuple[int, torch.Tensor] | None:
         """Check a fetched version of fragment ``p`` as ``owner_id``'s (whoever sent it) and
         decode it; keep its bytes for others. Raises ``RemoteProtocolError``."""
         kept = False
         try:
             if status == UPDATE_NOT_HELD_STATUS:
-                raise UpdateNotApplicable(f"the holder has only an update over another version of fragment {p}")
+                raise UpdateNotApplicable(
+                    f"the holder has only an update over another version of fragment {p}"
+                )
             if status == 204:
                 return None
-            if status == POINTER_STATUS:  # to a fallback: the owner's budget for the version is spent
-                raise VersionRefused(f"fragment {p}: pointed at holders where the owner was asked to serve")
+            if (
+                status == POINTER_STATUS
+            ):  # to a fallback: the owner's budget for the version is spent
+                raise VersionRefused(
+                    f"fragment {p}: pointed at holders where the owner was asked to serve"
+                )
             if status == 429:
-                raise VersionRefused(f"fragment {p}: refused for now (429: {bytes(memoryview(buf)[:min(used, 300)])!r})")
+                raise VersionRefused(
+                    f"fragment {p}: refused for now (429: {bytes(memoryview(buf)[: min(used, 300)])!r})"
+                )
             if status != 200:
                 raise RemoteProtocolError(f"answered {status} for fragment {p}")
             # one worker-thread hop: verify (the one hash of the payload), check, decode
-            version, flat, digest, base = await asyncio.to_thread(self._open_version, memoryview(buf)[:used],
-                                                                  p, owner_id)
+            version, flat, digest, base = await asyncio.to_thread(
+                self._open_version, memoryview(buf)[:used], p, owner_id
+            )
             if version <= after and not final:
-                raise RemoteProtocolError(f"owner sent version {version}, asked for one above {after}")
+                raise RemoteProtocolError(
+                    f"owner sent version {version}, asked for one above {after}"
+                )
             jump = self.version_jump(p, version)
             if jump is not None:
                 self.stats.version_jumps += 1
-                log.warning("fragment %d: refused a version from %s: %s", p, owner_id.hex()[:8], jump)
+                log.warning(
+                    "fragment %d: refused a version from %s: %s", p, owner_id.hex()[:8], jump
+                )
                 raise RemoteProtocolError(f"fragment {p}: {jump}")
             if self.holdings is not None:
                 await self.holdings.put(p, version, buf, used, owner_id, base=base)
@@ -343,8 +448,12 @@ class VersionFetching:
         self.stats.updates_applied += base is not None
         return version, flat
 
-    def _open_version(self, wire: memoryview, p: int, owner_id: bytes,
-                      ) -> tuple[int, torch.Tensor, bytes, int | None]:
+    def _open_version(
+        self,
+        wire: memoryview,
+        p: int,
+        owner_id: bytes,
+    ) -> tuple[int, torch.Tensor, bytes, int | None]:
         """Verify a sealed version of fragment ``p`` as signed by ``owner_id`` (before anything
         of its body is decoded), decode it (shapes checked, NaN/Inf refused) and name it by a
         digest the owner knows it by. Returns its version, flat state, digest, and the base
@@ -358,7 +467,9 @@ class VersionFetching:
         version is fetched instead). Raises ``RemoteProtocolError``."""
         envelope, body = split_sealed(wire, max_size=self.max_message)
         if envelope.peer_id != owner_id:
-            raise RemoteProtocolError(f"fragment {p} version signed by {envelope.peer_id.hex()[:8]}, not its owner")
+            raise RemoteProtocolError(
+                f"fragment {p} version signed by {envelope.peer_id.hex()[:8]}, not its owner"
+            )
         opened = envelope.verify_body(body)
         msg = opened.message
         if isinstance(msg, FragmentUpdate) and msg.swarm == self.swarm and msg.fragment == p:
@@ -366,17 +477,25 @@ class VersionFetching:
         if not isinstance(msg, FragmentState) or msg.swarm != self.swarm or msg.fragment != p:
             raise RemoteProtocolError(f"owner sent the wrong message for fragment {p}")
         if msg.content_hash != opened.blobs_digest:  # the blobs are the tensors: checked at no cost
-            raise RemoteProtocolError(f"fragment {p} version {msg.version}: its content hash is not its tensors'")
+            raise RemoteProtocolError(
+                f"fragment {p} version {msg.version}: its content hash is not its tensors'"
+            )
         digest = msg.content_hash if flat_is_wire_form(msg.tensors) else envelope.digest
         return msg.version, flat_from_tensors(msg.tensors, self.shapes[p]), digest, None
 
     def _apply_update(self, p: int, msg: FragmentUpdate) -> torch.Tensor:
         held = self._held(p)
         if held[0] != msg.base_version or self.digests[p].get(msg.base_version) != msg.base_digest:
-            raise UpdateNotApplicable(f"an update over version {msg.base_version} of fragment {p} does not "
-                                      f"apply to ours (version {held[0]})")
-        flat = apply_update(held[1], msg.tensors, self.shapes[p], out=new_flat(held[1].numel()))  # DecodeError: remote
+            raise UpdateNotApplicable(
+                f"an update over version {msg.base_version} of fragment {p} does not "
+                f"apply to ours (version {held[0]})"
+            )
+        flat = apply_update(
+            held[1], msg.tensors, self.shapes[p], out=new_flat(held[1].numel())
+        )  # DecodeError: remote
         if flat_digest(flat) != msg.state_digest:
-            raise UpdateNotApplicable(f"fragment {p}: version {msg.version} from the update does not hash to "
-                                      "the owner's signed digest")
+            raise UpdateNotApplicable(
+                f"fragment {p}: version {msg.version} from the update does not hash to "
+                "the owner's signed digest"
+            )
         return flat

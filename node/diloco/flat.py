@@ -25,9 +25,15 @@ from protocol.diloco.vectors import new_vector as new_flat
 from protocol.wire.signing import digest_parts
 from protocol.wire.tensors import EncodedTensor
 
-__all__ = ["content_hash", "encode_flat", "flat_digest", "flat_from_tensors", "flat_is_wire_form", "new_flat",
-           "wire_flat_span"]
-
+__all__ = [
+    "content_hash",
+    "encode_flat",
+    "flat_digest",
+    "flat_from_tensors",
+    "flat_is_wire_form",
+    "new_flat",
+    "wire_flat_span",
+]
 
 
 def content_hash(tensors: Sequence[EncodedTensor]) -> bytes:
@@ -50,7 +56,9 @@ def flat_is_wire_form(tensors: Sequence[EncodedTensor]) -> bool:
     return all(t.codec == "none" for t in tensors)
 
 
-def wire_flat_span(tensors: Sequence[EncodedTensor], shapes: Sequence[tuple[int, ...]]) -> tuple[bytearray, int, int] | None:
+def wire_flat_span(
+    tensors: Sequence[EncodedTensor], shapes: Sequence[tuple[int, ...]]
+) -> tuple[bytearray, int, int] | None:
     """Where the flat fp32 vector these tensors decode to lies as they arrived: (the buffer, the
     byte offset in it, the number of values), when they are fp32 ``none`` tensors of the plan's
     shapes lying end to end in one ``bytearray``; else None (``flat_from_tensors`` copies them)."""
@@ -58,7 +66,11 @@ def wire_flat_span(tensors: Sequence[EncodedTensor], shapes: Sequence[tuple[int,
         return None
     start, end, total, owner = None, None, 0, None
     for t, shape in zip(tensors, shapes, strict=True):
-        if t.dtype != "float32" or tuple(t.shape) != tuple(shape) or not isinstance(t.data, memoryview):
+        if (
+            t.dtype != "float32"
+            or tuple(t.shape) != tuple(shape)
+            or not isinstance(t.data, memoryview)
+        ):
             return None
         n = t.numel
         if n == 0:
@@ -75,8 +87,13 @@ def wire_flat_span(tensors: Sequence[EncodedTensor], shapes: Sequence[tuple[int,
     return owner, start - ctypes.addressof(ctypes.c_char.from_buffer(owner)), total
 
 
-def flat_from_tensors(tensors: Sequence[EncodedTensor], shapes: Sequence[tuple[int, ...]],
-                      out: torch.Tensor | None = None, *, finite_check: bool = True) -> torch.Tensor:
+def flat_from_tensors(
+    tensors: Sequence[EncodedTensor],
+    shapes: Sequence[tuple[int, ...]],
+    out: torch.Tensor | None = None,
+    *,
+    finite_check: bool = True,
+) -> torch.Tensor:
     """Decompress a fragment's tensors into one flat fp32 vector, checking shapes; into ``out``
     (a contiguous fp32 vector of the fragment's size, e.g. a reused buffer) when given, else
     into a ``new_flat`` one.
@@ -90,8 +107,14 @@ def flat_from_tensors(tensors: Sequence[EncodedTensor], shapes: Sequence[tuple[i
     return decode_flat(tensors, shapes, out, finite_check=finite_check)
 
 
-def encode_flat(flat: torch.Tensor, shapes: Sequence[tuple[int, ...]], codec: str, *,
-                copy: bool = True, known_finite: bool = False) -> list[EncodedTensor]:
+def encode_flat(
+    flat: torch.Tensor,
+    shapes: Sequence[tuple[int, ...]],
+    codec: str,
+    *,
+    copy: bool = True,
+    known_finite: bool = False,
+) -> list[EncodedTensor]:
     """A flat fp32 fragment as its tensors on the wire, each compressed with ``codec`` (how an
     owner publishes a version: ``flat_digest(flat_from_tensors(encode_flat(...)))`` is the
     version's digest). ``copy=False``: ``none`` tensors are views of ``flat``, which must then
@@ -100,7 +123,9 @@ def encode_flat(flat: torch.Tensor, shapes: Sequence[tuple[int, ...]], codec: st
     tensors, offset = [], 0
     for shape in shapes:
         n = int(torch.Size(shape).numel())
-        enc, _ = compress(flat[offset:offset + n].view(shape), codec, copy=copy, known_finite=known_finite)
+        enc, _ = compress(
+            flat[offset : offset + n].view(shape), codec, copy=copy, known_finite=known_finite
+        )
         tensors.append(enc)
         offset += n
     return tensors

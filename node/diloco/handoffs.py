@@ -42,7 +42,9 @@ log = logging.getLogger("atoll.peer")
 
 REPLICAS = 1  # replicas per fragment beside its owner (r = 2): each holds the owner's last state
 MAX_EPOCH_BUMPS = 3  # per handoff: stale fences passed by adopting an epoch above them
-LEASE_MARGIN_S = 2.0  # an owner stops publishing this long before its member record may expire (clock skew)
+LEASE_MARGIN_S = (
+    2.0  # an owner stops publishing this long before its member record may expire (clock skew)
+)
 
 
 class _FencedBy(Exception):
@@ -79,7 +81,9 @@ class OwnerHandoffs:
     _last_owner: dict[int, bytes]
     # every handoff taken is told to the peer, which announces it under a launcher (``handoff_taken``)
     _handoff_taken: Callable[[int, int, bytes], None]
-    record_published_at: float | None  # monotonic: when our member record was last stored (from before the store)
+    record_published_at: (
+        float | None
+    )  # monotonic: when our member record was last stored (from before the store)
     lease_lapses: int  # versions not published because our record may have expired in others' views
 
     def suspects(self) -> set[bytes]:
@@ -89,8 +93,8 @@ class OwnerHandoffs:
         raise NotImplementedError
 
     if TYPE_CHECKING:  # SwarmPresence's (no stub may shadow it)
-        def owner_of(self, p: int) -> tuple[bytes, str] | None:
-            ...
+
+        def owner_of(self, p: int) -> tuple[bytes, str] | None: ...
 
     async def _reconcile_owners(self) -> None:
         raise NotImplementedError
@@ -117,10 +121,19 @@ class OwnerHandoffs:
                 ack = exc.ack
                 if not (ack.epoch > state.epoch and 0 <= ack.version < state.version):
                     # the successor has moved on already: our state is old news
-                    log.info("fragment %d: successor did not need version %d: %s", p, state.version, exc)
+                    log.info(
+                        "fragment %d: successor did not need version %d: %s", p, state.version, exc
+                    )
                     return
-                log.info("fragment %d: the successor's fence at epoch %d ends at version %d, behind our %d: "
-                         "handing it on under epoch %d", p, ack.epoch, ack.version, state.version, ack.epoch)
+                log.info(
+                    "fragment %d: the successor's fence at epoch %d ends at version %d, behind our %d: "
+                    "handing it on under epoch %d",
+                    p,
+                    ack.epoch,
+                    ack.version,
+                    state.version,
+                    ack.epoch,
+                )
                 state = dataclasses.replace(state, epoch=ack.epoch)
 
     def _final_declared(self, owner: FragmentOwner) -> None:
@@ -130,46 +143,81 @@ class OwnerHandoffs:
         if self._tg is None or self.membership is None:
             return
         p = owner.fragment.index
-        ranked = self.membership.ranked(self.cfg.swarm, p, REPLICAS, exclude={self.signer.peer_id} | self.suspects())
+        ranked = self.membership.ranked(
+            self.cfg.swarm, p, REPLICAS, exclude={self.signer.peer_id} | self.suspects()
+        )
         if ranked:
             self._tg.create_task(self._hand_on(p, ranked[0], owner.snapshot()))
 
-    async def _hand_by_reference(self, p: int, target: tuple[bytes, str], state: ReplicaState) -> bool:
+    async def _hand_by_reference(
+        self, p: int, target: tuple[bytes, str], state: ReplicaState
+    ) -> bool:
         """Hand ``state`` as a reference to the version and digest the target may hold already
         (no tensors); whether it took it. Only a whole state without momentum can go so."""
         if state.base_version >= 0 or state.momentum:
             return False
-        reference = dataclasses.replace(state, theta=(), base_version=state.version, base_digest=state.digest)
+        reference = dataclasses.replace(
+            state, theta=(), base_version=state.version, base_digest=state.digest
+        )
         return await self._hand_to(p, target, reference)
 
-    async def _hand_to(self, p: int, target: tuple[bytes, str], state: ReplicaState,
-                       theta_digest: bytes | None = None) -> bool:
+    async def _hand_to(
+        self,
+        p: int,
+        target: tuple[bytes, str],
+        state: ReplicaState,
+        theta_digest: bytes | None = None,
+    ) -> bool:
         """Hand ``state`` to ``target``; whether it took it (failures are logged, not raised, but
         ``NotAMemberThere`` and a fenced refusal, ``_FencedBy``). ``theta_digest``: see ``hand_over``."""
-        self.replica_bytes += sum(len(t.data) + len(t.scales) for t in (*state.theta, *state.momentum))
+        self.replica_bytes += sum(
+            len(t.data) + len(t.scales) for t in (*state.theta, *state.momentum)
+        )
         try:
-            ack = await hand_over(self.transport, self.signer, target, state, self._replica_replay,
-                                  blobs_digest=theta_digest)
+            ack = await hand_over(
+                self.transport,
+                self.signer,
+                target,
+                state,
+                self._replica_replay,
+                blobs_digest=theta_digest,
+            )
         except aiohttp.ClientConnectorError:
             self._unreachable(target[0])
             return False
         except NotAMemberThere as exc:  # not a failure to route around: the caller decides
-            log.info("fragment %d: %s refused version %d: %s", p, target[1], state.version, exc.reason)
+            log.info(
+                "fragment %d: %s refused version %d: %s", p, target[1], state.version, exc.reason
+            )
             raise
         except Exception as exc:  # the replica may be busy, new or gone: the caller tries another
-            log.info("fragment %d: handoff of version %d to %s failed: %r", p, state.version,
-                     target[1], exc)
+            log.info(
+                "fragment %d: handoff of version %d to %s failed: %r",
+                p,
+                state.version,
+                target[1],
+                exc,
+            )
             return False
         if not ack.accepted:
-            log.info("fragment %d: %s refused version %d: %s", p, target[1], state.version, ack.reason)
+            log.info(
+                "fragment %d: %s refused version %d: %s", p, target[1], state.version, ack.reason
+            )
             # a fence names what stands above us: a higher epoch, or this version (or a later one)
             # held here; a "fenced" answer claiming neither fences nothing, and is routed around
-            if ack.reason.startswith("fenced") and (ack.epoch > state.epoch or ack.version >= state.version):
+            if ack.reason.startswith("fenced") and (
+                ack.epoch > state.epoch or ack.version >= state.version
+            ):
                 raise _FencedBy(ack)
         return ack.accepted
 
-    async def _replicate(self, p: int, state: ReplicaState, update: ReplicaState | None = None,
-                         theta_digest: bytes | None = None) -> str | None:
+    async def _replicate(
+        self,
+        p: int,
+        state: ReplicaState,
+        update: ReplicaState | None = None,
+        theta_digest: bytes | None = None,
+    ) -> str | None:
         """Before publishing: hand the version's whole state to the fragment's replica (the next
         member by rendezvous hash; a replica that cannot be reached is routed around and the
         next one tried). None when one took it, or none is left (counted); the reason when a
@@ -184,12 +232,16 @@ class OwnerHandoffs:
         held = self.replicas.held.get(p)
         if held is not None and held.version >= state.version and held.digest != state.digest:
             # our predecessor handed us this version while we merged ours: its content stands
-            return (f"fenced: fragment {p} version {held.version} was handed to this peer by the previous "
-                    f"owner while it merged its own")
+            return (
+                f"fenced: fragment {p} version {held.version} was handed to this peer by the previous "
+                f"owner while it merged its own"
+            )
         tried: set[bytes] = {self.signer.peer_id}
         bumps = 0
         while True:
-            ranked = self.membership.ranked(self.cfg.swarm, p, REPLICAS, exclude=tried | self.suspects())
+            ranked = self.membership.ranked(
+                self.cfg.swarm, p, REPLICAS, exclude=tried | self.suspects()
+            )
             if not ranked:
                 self.unreplicated += 1
                 return None
@@ -197,12 +249,20 @@ class OwnerHandoffs:
                 # the update first: the replica holds its base if it took the version before from
                 # us, and its learner does once it has fetched that version (the whole state
                 # follows when it has neither)
-                if (update is not None and await self._hand_to(p, ranked[0], update)
-                        or await self._hand_to(p, ranked[0], state, theta_digest)):
-                    self.replica_took[p] = (state.version, ranked[0][0])  # its learner needs no download
+                if (
+                    update is not None
+                    and await self._hand_to(p, ranked[0], update)
+                    or await self._hand_to(p, ranked[0], state, theta_digest)
+                ):
+                    self.replica_took[p] = (
+                        state.version,
+                        ranked[0][0],
+                    )  # its learner needs no download
                     return None
             except _FencedBy as exc:
-                bumped = self._above_stale_fence(p, state, exc.ack) if bumps < MAX_EPOCH_BUMPS else None
+                bumped = (
+                    self._above_stale_fence(p, state, exc.ack) if bumps < MAX_EPOCH_BUMPS else None
+                )
                 if bumped is None:
                     return str(exc)
                 state, bumps = bumped, bumps + 1
@@ -211,8 +271,10 @@ class OwnerHandoffs:
                 # an unreachable replica may be dead, but this one is alive and routes around us:
                 # the fragment may have another owner in its view, publishing this version number
                 # (and a peer further down the list, which has not seen that owner, would take it)
-                return (f"fenced: the replica {ranked[0][1]} of fragment {p} refused version {state.version}: "
-                        "this peer is not a member in its view")
+                return (
+                    f"fenced: the replica {ranked[0][1]} of fragment {p} refused version {state.version}: "
+                    "this peer is not a member in its view"
+                )
             tried.add(ranked[0][0])
 
     def _record_lapsed(self, p: int) -> str | None:
@@ -221,14 +283,21 @@ class OwnerHandoffs:
         clocks), drop us, and hand the fragment to a successor; None while it is live."""
         if self.record_published_at is None or self.membership is None:
             return None
-        age, lease = time.monotonic() - self.record_published_at, self.membership.ttl_s - LEASE_MARGIN_S
+        age, lease = (
+            time.monotonic() - self.record_published_at,
+            self.membership.ttl_s - LEASE_MARGIN_S,
+        )
         if age <= lease:
             return None
         self.lease_lapses += 1
-        return (f"fenced: our member record was last stored {age:.1f} s ago, past its {self.membership.ttl_s:g} s "
-                f"TTL less {LEASE_MARGIN_S:g} s: others may have handed fragment {p} to a successor")
+        return (
+            f"fenced: our member record was last stored {age:.1f} s ago, past its {self.membership.ttl_s:g} s "
+            f"TTL less {LEASE_MARGIN_S:g} s: others may have handed fragment {p} to a successor"
+        )
 
-    def _above_stale_fence(self, p: int, state: ReplicaState, ack: ReplicaAck) -> ReplicaState | None:
+    def _above_stale_fence(
+        self, p: int, state: ReplicaState, ack: ReplicaAck
+    ) -> ReplicaState | None:
         """The handoff again under an epoch above ``ack``'s when the fence that refused it is
         stale: the replica's highest epoch ended at a version older than the one this owner's
         line already starts from (``state.version - 1``), so no owner of that epoch is ahead of
@@ -237,12 +306,23 @@ class OwnerHandoffs:
         records. A fence whose version is not behind ours is real: None (stop publishing)."""
         owner = self.owners.get(p)
         base = state.version - 1
-        if owner is None or owner.epoch != state.epoch or ack.epoch <= state.epoch or not 0 <= ack.version < base:
+        if (
+            owner is None
+            or owner.epoch != state.epoch
+            or ack.epoch <= state.epoch
+            or not 0 <= ack.version < base
+        ):
             return None
         owner.epoch = ack.epoch + 1
         self.replicas.fence(p, owner.epoch, base, owner.digest_of(base))
-        log.info("fragment %d: the fence at epoch %d ends at version %d, behind our %d: owning at epoch %d",
-                 p, ack.epoch, ack.version, base, owner.epoch)
+        log.info(
+            "fragment %d: the fence at epoch %d ends at version %d, behind our %d: owning at epoch %d",
+            p,
+            ack.epoch,
+            ack.version,
+            base,
+            owner.epoch,
+        )
         return dataclasses.replace(state, epoch=owner.epoch)
 
     async def _on_replica_state(self, opened: Opened) -> ReplicaAck:
@@ -251,8 +331,12 @@ class OwnerHandoffs:
         assert isinstance(msg, ReplicaState)
         member = self.membership.members.get(opened.peer_id) if self.membership else None
         if member is None or not member.certified_owner:  # signed, so that its primary may trust it
-            return self._refuse_handoff(msg, "not-a-member", f"{NOT_A_MEMBER}: peer {opened.peer_id.hex()[:8]} "
-                                        "may not own fragments in this peer's view; its state is not taken")
+            return self._refuse_handoff(
+                msg,
+                "not-a-member",
+                f"{NOT_A_MEMBER}: peer {opened.peer_id.hex()[:8]} "
+                "may not own fragments in this peer's view; its state is not taken",
+            )
         admission = self._admit_handoff(opened.peer_id, msg)
         if not admission.accepted:
             return self._refuse_handoff(msg, admission.kind, admission.reason)
@@ -263,13 +347,23 @@ class OwnerHandoffs:
         fence = self._owner_fence(msg)
         if fence is not None:
             return fence
-        learned = self.net.held_state(msg.fragment) if self.net is not None and msg.base_version >= 0 else None
+        learned = (
+            self.net.held_state(msg.fragment)
+            if self.net is not None and msg.base_version >= 0
+            else None
+        )
         try:
-            decoded = await asyncio.to_thread(self.replicas.decode, msg, learned)  # a whole fragment: off the loop
+            decoded = await asyncio.to_thread(
+                self.replicas.decode, msg, learned
+            )  # a whole fragment: off the loop
         except BaseNotHeld as exc:  # not the sender's fault: it sends the whole state next
             held = self.replicas.held.get(msg.fragment)
-            return ReplicaAck(accepted=False, reason=exc.reason, epoch=held.epoch if held else -1,
-                              version=held.version if held else -1)
+            return ReplicaAck(
+                accepted=False,
+                reason=exc.reason,
+                epoch=held.epoch if held else -1,
+                version=held.version if held else -1,
+            )
         fence = self._owner_fence(msg)  # the loop ran meanwhile: look again
         if fence is not None:
             return fence
@@ -277,8 +371,13 @@ class OwnerHandoffs:
         if not admission.accepted:
             return self._refuse_handoff(msg, admission.kind, admission.reason)
         own = self.owners.get(msg.fragment)
-        ack = self.replicas.offer(opened.peer_id, msg, successor=own is not None and not own.retired,
-                                  decoded=decoded, hashed=self.replicas.hashes_to_digest(msg, opened.blobs_digest))
+        ack = self.replicas.offer(
+            opened.peer_id,
+            msg,
+            successor=own is not None and not own.retired,
+            decoded=decoded,
+            hashed=self.replicas.hashes_to_digest(msg, opened.blobs_digest),
+        )
         if ack.accepted:
             self._handoff_taken(msg.fragment, msg.version, msg.digest)
         if ack.accepted and own is not None and not own.retired:
@@ -286,7 +385,11 @@ class OwnerHandoffs:
             # that has merged was superseded by an owner above it in epoch and version
             if not await own.take_over(self.replicas.states[msg.fragment]) and supersedes(msg, own):
                 await self._step_back_for(own, msg, member.record.url)
-        elif ack.accepted and self._fenced_until.pop(msg.fragment, None) is not None and self._tg is not None:
+        elif (
+            ack.accepted
+            and self._fenced_until.pop(msg.fragment, None) is not None
+            and self._tg is not None
+        ):
             # we stepped back for the owner that has now handed us its state: take over now
             self._tg.create_task(self._reconcile_owners())
         elif not ack.accepted and (own is None or own.retired):
@@ -311,8 +414,12 @@ class OwnerHandoffs:
         took = self.replicas.took_from.get(p) if own is not None and not own.retired else None
         if took is not None:
             owners.add(took)
-        return HandoffView(me=me, owners=frozenset(owners), predecessor=predecessor,
-                           merged=own is not None and not own.retired and own.merges_done > 0)
+        return HandoffView(
+            me=me,
+            owners=frozenset(owners),
+            predecessor=predecessor,
+            merged=own is not None and not own.retired and own.merges_done > 0,
+        )
 
     def _admit_handoff(self, sender: bytes, msg: ReplicaState) -> Admission:
         """``admit`` for ``msg`` from ``sender``: the view, the fence held and the newest version
@@ -321,32 +428,65 @@ class OwnerHandoffs:
         held = self.replicas.held.get(p)
         received, received_at, created = -1, None, None
         if self.net is not None:
-            received, received_at, created = self.net.received[p], self.net.received_at.get(p), self.net.created
+            received, received_at, created = (
+                self.net.received[p],
+                self.net.received_at.get(p),
+                self.net.created,
+            )
         known = max(received, held.version if held is not None else -1)
-        return admit(sender, self._handoff_view(p), held, fragment=p, epoch=msg.epoch, version=msg.version,
-                     final=msg.final, merged_bases=msg.merged_bases, known_version=known, received=received,
-                     received_at=received_at, created=created, now=time.time())
+        return admit(
+            sender,
+            self._handoff_view(p),
+            held,
+            fragment=p,
+            epoch=msg.epoch,
+            version=msg.version,
+            final=msg.final,
+            merged_bases=msg.merged_bases,
+            known_version=known,
+            received=received,
+            received_at=received_at,
+            created=created,
+            now=time.time(),
+        )
 
     def _refuse_handoff(self, msg: ReplicaState, kind: str, reason: str) -> ReplicaAck:
         """A signed refusal (the RPC layer seals every answer), counted by ``kind``."""
         self.replicas.refused += 1
         self.replicas.refusals[kind] += 1
-        log.info("fragment %d: handoff of version %d (epoch %d) refused: %s", msg.fragment, msg.version,
-                 msg.epoch, reason)
+        log.info(
+            "fragment %d: handoff of version %d (epoch %d) refused: %s",
+            msg.fragment,
+            msg.version,
+            msg.epoch,
+            reason,
+        )
         held = self.replicas.held.get(msg.fragment)
-        return ReplicaAck(accepted=False, reason=reason, epoch=held.epoch if held else -1,
-                          version=held.version if held else -1)
+        return ReplicaAck(
+            accepted=False,
+            reason=reason,
+            epoch=held.epoch if held else -1,
+            version=held.version if held else -1,
+        )
 
     def _owner_fence(self, msg: ReplicaState) -> ReplicaAck | None:
         """The refusal of a handoff for a fragment this peer owns and has moved on with (merged
         already, or holds a newer version of); None when the handoff may be judged, and when the
         handoff supersedes this owner (``supersedes``)."""
         own = self.owners.get(msg.fragment)
-        if own is not None and not own.retired and not supersedes(msg, own) and (
-                own.merges_done or msg.version < own.version):
-            return ReplicaAck(accepted=False, epoch=own.epoch, version=own.version,
-                              reason=f"fenced: this peer owns fragment {msg.fragment} (epoch {own.epoch}, "
-                                     f"version {own.version})")
+        if (
+            own is not None
+            and not own.retired
+            and not supersedes(msg, own)
+            and (own.merges_done or msg.version < own.version)
+        ):
+            return ReplicaAck(
+                accepted=False,
+                epoch=own.epoch,
+                version=own.version,
+                reason=f"fenced: this peer owns fragment {msg.fragment} (epoch {own.epoch}, "
+                f"version {own.version})",
+            )
         return None
 
     async def _step_back_for(self, own: FragmentOwner, msg: ReplicaState, url: str) -> None:
@@ -355,8 +495,10 @@ class OwnerHandoffs:
         under way does not publish (it would give one of that owner's version numbers another
         content); the next membership pass owns the fragment again from the state we were handed,
         if the view still names us."""
-        own.fenced = (f"fenced: {url} handed over fragment {msg.fragment} version {msg.version} at epoch "
-                      f"{msg.epoch}, past this owner's version {own.version} at epoch {own.epoch}")
+        own.fenced = (
+            f"fenced: {url} handed over fragment {msg.fragment} version {msg.version} at epoch "
+            f"{msg.epoch}, past this owner's version {own.version} at epoch {own.epoch}"
+        )
         log.warning("fragment %d: stepping back: %s", msg.fragment, own.fenced)
         await own.retire()
         if self._tg is not None:
@@ -386,9 +528,21 @@ class OwnerHandoffs:
         if len(self._passed_on) > 4096:
             self._passed_on.clear()
         # under the new owner's epoch when that is higher: it is the owner now, continuing from here
-        state = encode_state(swarm=self.cfg.swarm, fragment=p, epoch=max(held.epoch, refused.epoch),
-                             version=held.version,
-                             digest=held.digest, theta=held.theta, momentum=held.momentum, merged=held.merged)
-        log.info("fragment %d: handing version %d (epoch %d) to %s, which took the fragment over without it",
-                 p, held.version, held.epoch, url)
+        state = encode_state(
+            swarm=self.cfg.swarm,
+            fragment=p,
+            epoch=max(held.epoch, refused.epoch),
+            version=held.version,
+            digest=held.digest,
+            theta=held.theta,
+            momentum=held.momentum,
+            merged=held.merged,
+        )
+        log.info(
+            "fragment %d: handing version %d (epoch %d) to %s, which took the fragment over without it",
+            p,
+            held.version,
+            held.epoch,
+            url,
+        )
         self._tg.create_task(self._hand_on(p, (sender, url), state))

@@ -89,7 +89,9 @@ def make_inner_optimizer(model: nn.Module, cfg: InnerSchedule) -> torch.optim.Ad
     return torch.optim.AdamW(groups, lr=lr_at(0, cfg), betas=(cfg.beta1, cfg.beta2))
 
 
-def interval_by_lr(optimizer: torch.optim.Optimizer, base: int, growth: str) -> Callable[[int], int] | None:
+def interval_by_lr(
+    optimizer: torch.optim.Optimizer, base: int, growth: str
+) -> Callable[[int], int] | None:
     """H at each inner step under ``growth`` (``protocol.diloco.interval``), from the optimizer's
     own learning rate as a fraction of the highest it has had: 1 through warmup, then the decay
     of whatever schedule the caller runs. None for ``constant`` (the island keeps ``base``).
@@ -104,5 +106,8 @@ def interval_by_lr(optimizer: torch.optim.Optimizer, base: int, growth: str) -> 
         nonlocal peak
         lr = float(optimizer.param_groups[0]["lr"])
         peak = max(peak, lr)
-        return interval(base, lr / peak if peak > 0 and math.isfinite(lr) and lr > 0 else 1.0, growth)
+        return interval(
+            base, lr / peak if peak > 0 and math.isfinite(lr) and lr > 0 else 1.0, growth
+        )
+
     return h

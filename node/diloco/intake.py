@@ -43,9 +43,15 @@ log = logging.getLogger("node.diloco.owner")
 
 
 LAST_SENDERS_KEPT = 100_000  # senders whose "last" mark was honoured; beyond, the mark is ignored
-RESYNCS_OWED_KEPT = 4096  # learners told to resync (owed a serve, or served one of this version); the oldest go
-OWED_SERVES_PER_VERSION = 2  # owed serves of one version to one learner: one more if the first is lost
-OUT_OF_BOUNDS = 1000.0  # a contribution's norm over this many times the reference is refused at intake
+RESYNCS_OWED_KEPT = (
+    4096  # learners told to resync (owed a serve, or served one of this version); the oldest go
+)
+OWED_SERVES_PER_VERSION = (
+    2  # owed serves of one version to one learner: one more if the first is lost
+)
+OUT_OF_BOUNDS = (
+    1000.0  # a contribution's norm over this many times the reference is refused at intake
+)
 
 
 class ContributionIntake:
@@ -62,7 +68,9 @@ class ContributionIntake:
     _keep_digests: int
     _merged_base: dict[bytes, int]
     _last_from: set[bytes]  # senders whose last contribution this owner has taken
-    resyncs_owed: dict[bytes, tuple[int, int, bool]]  # learner -> (version, owed serves of it given, one owed now)
+    resyncs_owed: dict[
+        bytes, tuple[int, int, bool]
+    ]  # learner -> (version, owed serves of it given, one owed now)
     activity: LearnerActivity
     _spare: list[torch.Tensor]
     _spare_max: int
@@ -73,27 +81,41 @@ class ContributionIntake:
     counts: OwnerCounts
 
     if TYPE_CHECKING:  # FragmentOwner's
-        def final_hold(self) -> str | None:
-            ...
 
-    async def _accept(self, sender: bytes, msg: Contribution, given: torch.Tensor | None = None) -> Decision | Ack:
+        def final_hold(self) -> str | None: ...
+
+    async def _accept(
+        self, sender: bytes, msg: Contribution, given: torch.Tensor | None = None
+    ) -> Decision | Ack:
         """Decode, check and hand one contribution to the merger: its decision, or the Ack of
         a refusal before the merger (a final version handed out, a base this owner does not hold,
         work merged already)."""
         if (held := self.final_hold()) is not None:  # before decoding: refused at no cost
             log.info("%s (from %s)", held, sender.hex()[:8])
             return Ack(accepted=False, reason=held, version=self.version)
-        if (low := self.standing.refused(sender, version=self.version)) is not None:  # also at no cost
+        if (
+            low := self.standing.refused(sender, version=self.version)
+        ) is not None:  # also at no cost
             self.counts.penalties[sender]["refused_standing"] += 1
-            return Ack(accepted=False, reason=f"fragment {self.fragment.index}: {low}", version=self.version)
+            return Ack(
+                accepted=False,
+                reason=f"fragment {self.fragment.index}: {low}",
+                version=self.version,
+            )
         if msg.base_version > self.version:
             raise Stale(f"base version {msg.base_version} is ahead of the owner's {self.version}")
         try:
-            flat, norm = await asyncio.to_thread(self._decode, msg, given)  # malformed: a 4xx, whatever its base
-        except DecodeError:  # NaN/Inf or a wrong shape: counts against the (authenticated) sender too
+            flat, norm = await asyncio.to_thread(
+                self._decode, msg, given
+            )  # malformed: a 4xx, whatever its base
+        except (
+            DecodeError
+        ):  # NaN/Inf or a wrong shape: counts against the (authenticated) sender too
             self.standing.record(sender, Event.REFUSED, version=self.version)
             raise
-        if (far := self._out_of_bounds(norm)) is not None:  # acknowledged as taken, it was a free shot
+        if (
+            far := self._out_of_bounds(norm)
+        ) is not None:  # acknowledged as taken, it was a free shot
             self._give_back(flat)
             self.counts.penalties[sender]["refused_out_of_bounds"] += 1
             self.standing.record(sender, Event.REFUSED, version=self.version)
@@ -111,15 +133,26 @@ class ContributionIntake:
         # a sender's last contribution makes its round wait for the others' (bounded): honoured
         # once per sender, so a member marking all its work "last" cannot slow every round; a
         # refused one (a duplicate, say) does not spend the mark, so its resend is still honoured
-        last = msg.last and sender not in self._last_from and len(self._last_from) < LAST_SENDERS_KEPT
+        last = (
+            msg.last and sender not in self._last_from and len(self._last_from) < LAST_SENDERS_KEPT
+        )
         now = self.clock()
         decision = self.merger.on_contribution(
-            sender, base_version=msg.base_version, tokens=msg.tokens, steps=msg.steps,
-            step_time=msg.step_time, payload=flat, norm=norm, now=now, last=last,
+            sender,
+            base_version=msg.base_version,
+            tokens=msg.tokens,
+            steps=msg.steps,
+            step_time=msg.step_time,
+            payload=flat,
+            norm=norm,
+            now=now,
+            last=last,
         )
         if decision.refusal is not None:
             self.counts.penalties[sender][f"refused_{decision.refusal}"] += 1
-        self.activity.heard(sender, now, steps=msg.steps, step_time=msg.step_time, accepted=decision.accepted)
+        self.activity.heard(
+            sender, now, steps=msg.steps, step_time=msg.step_time, accepted=decision.accepted
+        )
         if decision.accepted:
             if last:
                 self._last_from.add(sender)
@@ -159,11 +192,16 @@ class ContributionIntake:
         |Theta|; fp32 values near 3e38 or an int8 scale of 2.6e36 are 1e30 times over), and the
         merge would only clip it: refused here, with a reason, it counts against its sender."""
         reference = self.merger.norm_reference()
-        basis, what = (reference, "the recent merged norms' median") if reference is not None else (
-            self._current_theta_norm(), "|Theta|")
+        basis, what = (
+            (reference, "the recent merged norms' median")
+            if reference is not None
+            else (self._current_theta_norm(), "|Theta|")
+        )
         if basis > 0 and norm > OUT_OF_BOUNDS * basis:
-            return (f"out of bounds: the contribution's norm {norm:.3g} is over {OUT_OF_BOUNDS:g}x {what} "
-                    f"({basis:.3g}) of fragment {self.fragment.index}; not merged")
+            return (
+                f"out of bounds: the contribution's norm {norm:.3g} is over {OUT_OF_BOUNDS:g}x {what} "
+                f"({basis:.3g}) of fragment {self.fragment.index}; not merged"
+            )
         return None
 
     def _current_theta_norm(self) -> float:
@@ -179,13 +217,19 @@ class ContributionIntake:
         known = self.digests.get(msg.base_version)
         if known is None:
             if msg.base_version >= self.version - self._keep_digests + 2:
-                return (f"resync: base version {msg.base_version} of fragment {self.fragment.index} is not "
-                        f"known here (this owner starts at version {min(self.digests, default=self.version)})")
-            return None  # older than any kept digest: the merger refuses it as stale, with that reason
+                return (
+                    f"resync: base version {msg.base_version} of fragment {self.fragment.index} is not "
+                    f"known here (this owner starts at version {min(self.digests, default=self.version)})"
+                )
+            return (
+                None  # older than any kept digest: the merger refuses it as stale, with that reason
+            )
         if msg.base_digest not in known:
-            return (f"resync: base version {msg.base_version} of fragment {self.fragment.index} has state "
-                    f"{next(iter(known)).hex()[:12]} here, the contribution was measured against "
-                    f"{msg.base_digest.hex()[:12]}")
+            return (
+                f"resync: base version {msg.base_version} of fragment {self.fragment.index} has state "
+                f"{next(iter(known)).hex()[:12]} here, the contribution was measured against "
+                f"{msg.base_digest.hex()[:12]}"
+            )
         return None
 
     def _already_merged(self, sender: bytes, msg: Contribution) -> str | None:
@@ -194,11 +238,15 @@ class ContributionIntake:
         count the first one's steps twice."""
         merged = self._merged_base.get(sender)
         if merged is not None and msg.base_version <= merged:
-            return (f"resync: a contribution of yours based on version {merged} of fragment "
-                    f"{self.fragment.index} was merged already; take version {self.version} first")
+            return (
+                f"resync: a contribution of yours based on version {merged} of fragment "
+                f"{self.fragment.index} was merged already; take version {self.version} first"
+            )
         return None
 
-    def _decode(self, msg: Contribution, given: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
+    def _decode(
+        self, msg: Contribution, given: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, float]:
         """The contribution as one flat fp32 vector (in a reused buffer when one is spare) and
         its norm. Raises ``DecodeError`` for a wrong shape, or NaN/Inf: the norm (fp64-summed,
         finite exactly when every value is) is the check, so the values are read once for it.
@@ -206,11 +254,20 @@ class ContributionIntake:
         views of: taken without a copy, and never given back for reuse (it is the learner's)."""
         numel = self.theta.numel()
         if given is not None:
-            if (given.dtype != torch.float32 or given.dim() != 1 or given.numel() != numel
-                    or not given.is_contiguous() or given.device.type != "cpu"):
-                raise DecodeError(f"a local contribution must be a flat fp32 vector of {numel} values")
+            if (
+                given.dtype != torch.float32
+                or given.dim() != 1
+                or given.numel() != numel
+                or not given.is_contiguous()
+                or given.device.type != "cpu"
+            ):
+                raise DecodeError(
+                    f"a local contribution must be a flat fp32 vector of {numel} values"
+                )
             flat = self._lend(given)
-        elif (view := self._view_in_body(msg)) is not None:  # fp32 tensors merged where they arrived: no copy
+        elif (
+            view := self._view_in_body(msg)
+        ) is not None:  # fp32 tensors merged where they arrived: no copy
             flat = self._lend(view)
         else:
             try:
@@ -224,7 +281,9 @@ class ContributionIntake:
                 raise
         norm = norm64(flat)
         if not math.isfinite(norm):
-            self._give_back(flat)  # a decoded buffer is kept for the next one, a lent vector dropped
+            self._give_back(
+                flat
+            )  # a decoded buffer is kept for the next one, a lent vector dropped
             raise DecodeError("the contribution holds NaN or Inf values")
         return flat, norm
 

@@ -102,8 +102,10 @@ class IslandConfig:
 
     def __post_init__(self) -> None:
         if self.rebase and self.adopt_alpha:
-            raise ValueError(f"adopt_alpha={self.adopt_alpha} blends the island's parameters into each version and "
-                             "rebase keeps its unshipped work on top of it: set rebase=False to blend")
+            raise ValueError(
+                f"adopt_alpha={self.adopt_alpha} blends the island's parameters into each version and "
+                "rebase keeps its unshipped work on top of it: set rebase=False to blend"
+            )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -134,7 +136,9 @@ class IslandStats:
     resynced: int = 0
     step_times: list[float] = field(default_factory=list)
     step_times_detached: list[float] = field(default_factory=list)  # while ``enabled`` was False
-    compute_times: list[float] = field(default_factory=list)  # step times less any wait for a merge (sync)
+    compute_times: list[float] = field(
+        default_factory=list
+    )  # step times less any wait for a merge (sync)
 
 
 class Island(IslandAdoption):
@@ -154,9 +158,13 @@ class Island(IslandAdoption):
         missing = [n for f in plan.fragments for n in f.names if n not in named]
         if missing:
             raise ValueError(f"fragment plan names parameters the model lacks: {missing[:5]}")
-        self.params: list[list[nn.Parameter]] = [[named[n] for n in f.names] for f in plan.fragments]
+        self.params: list[list[nn.Parameter]] = [
+            [named[n] for n in f.names] for f in plan.fragments
+        ]
         # global fragments live on the CPU, where the network side compresses and decodes them
-        self.global_flat: list[torch.Tensor] = [self._flatten(p).float().cpu() for p in range(len(self.params))]
+        self.global_flat: list[torch.Tensor] = [
+            self._flatten(p).float().cpu() for p in range(len(self.params))
+        ]
         self.versions: list[int] = [0] * len(self.params)
         # per fragment, how often its parameters were replaced by a global version (a final or a
         # resync may replace them at the version held): what the other ranks of an island follow
@@ -191,13 +199,17 @@ class Island(IslandAdoption):
         self._hook.remove()
 
     # --- called by the network side (any thread) -----------------------------------------------
-    def deliver(self, fragment: int, version: int, flat: torch.Tensor, *, force: bool = False) -> None:
+    def deliver(
+        self, fragment: int, version: int, flat: torch.Tensor, *, force: bool = False
+    ) -> None:
         """A verified global fragment arrived; it is adopted after the next inner step.
 
         ``force``: adopt it whole even if it is not above the version held (a resync)."""
         self.deliver_many({fragment: (version, flat)}, force=force)
 
-    def deliver_many(self, arrived: dict[int, tuple[int, torch.Tensor]], *, force: bool = False) -> None:
+    def deliver_many(
+        self, arrived: dict[int, tuple[int, torch.Tensor]], *, force: bool = False
+    ) -> None:
         """Several fragments at once: all are adopted after the same inner step."""
         with self._lock:
             for fragment, (version, flat) in arrived.items():
@@ -276,7 +288,9 @@ class Island(IslandAdoption):
 
     def _ship_last(self) -> int:
         """Ship, marked last, every fragment trained since its version and not in flight."""
-        due = [p for p in range(len(self.params)) if self.in_flight[p] is None and self.c_steps[p] > 0]
+        due = [
+            p for p in range(len(self.params)) if self.in_flight[p] is None and self.c_steps[p] > 0
+        ]
         for p in due:
             self._ship(p, last=True)
         return len(due)
@@ -325,8 +339,11 @@ class Island(IslandAdoption):
     def _waiting(self, among: Collection[int] | None = None) -> bool:
         """Some fragment (of ``among``, if given) is in flight and neither its next version nor
         a refusal has come."""
-        return any(sent is not None and not (p in self._inbox and self._inbox[p][0] > self.versions[p])
-                   for p, sent in enumerate(self.in_flight) if among is None or p in among)
+        return any(
+            sent is not None and not (p in self._inbox and self._inbox[p][0] > self.versions[p])
+            for p, sent in enumerate(self.in_flight)
+            if among is None or p in among
+        )
 
     def _wait_for_merges(self) -> None:
         """Synchronous mode: block until every fragment in flight has its merged version."""
@@ -353,9 +370,14 @@ class Island(IslandAdoption):
         self.next_due[p] = self.stats.step + self._h()
         self.stats.sent += 1
         out = Outgoing(
-            fragment=p, base_version=self.versions[p], tokens=self.c_tokens[p],
-            steps=max(self.c_steps[p], 1), step_time=self._step_ema, sender_step=self.stats.step,
-            delta=delta, last=last,
+            fragment=p,
+            base_version=self.versions[p],
+            tokens=self.c_tokens[p],
+            steps=max(self.c_steps[p], 1),
+            step_time=self._step_ema,
+            sender_step=self.stats.step,
+            delta=delta,
+            last=last,
         )
         t0 = time.perf_counter()  # wall time: a hand-off that blocks is a stall
         self._submit(out)
@@ -371,7 +393,11 @@ class Island(IslandAdoption):
         with torch.no_grad():
             for param in self.params[p]:
                 n = param.numel()
-                torch.sub(base[offset:offset + n], param.detach().reshape(-1).float().cpu(), out=out[offset:offset + n])
+                torch.sub(
+                    base[offset : offset + n],
+                    param.detach().reshape(-1).float().cpu(),
+                    out=out[offset : offset + n],
+                )
                 offset += n
         return out
 
@@ -386,6 +412,6 @@ class Island(IslandAdoption):
             offset = 0
             for name, param in zip(self.plan.fragments[p].names, params, strict=True):
                 n = param.numel()
-                state[name] = self.global_flat[p][offset:offset + n].view_as(param)
+                state[name] = self.global_flat[p][offset : offset + n].view_as(param)
                 offset += n
         return state

@@ -51,14 +51,22 @@ class LearnerStats:
     base_mismatches: int = 0  # contributions refused because their base state was not the owner's
     version_jumps: int = 0  # versions above what an owner can have reached (refused)
     updates_applied: int = 0  # versions taken as an update over the one held (not a full download)
-    update_mismatches: int = 0  # updates that did not apply to our state (or hashed otherwise): full fetched
+    update_mismatches: int = (
+        0  # updates that did not apply to our state (or hashed otherwise): full fetched
+    )
     finals_held: int = 0  # final versions the owner said we held already (nothing downloaded)
     versions_local: int = 0  # versions of fragments we own, taken from our owner in process
-    versions_replica: int = 0  # versions our replica store took from their owner (not downloaded again)
+    versions_replica: int = (
+        0  # versions our replica store took from their owner (not downloaded again)
+    )
     skipped_nonfinite: int = 0
     resyncs: int = 0
-    resent_on_owner_change: int = 0  # accepted, then its owner was gone before merging it: sent again
-    resent_after_silence: int = 0  # synchronous: accepted, no version RESEND_AFTER_S later: sent again
+    resent_on_owner_change: int = (
+        0  # accepted, then its owner was gone before merging it: sent again
+    )
+    resent_after_silence: int = (
+        0  # synchronous: accepted, no version RESEND_AFTER_S later: sent again
+    )
 
 
 class IslandNet(ContributionSending, VersionFetching):
@@ -112,9 +120,13 @@ class IslandNet(ContributionSending, VersionFetching):
             self._loop = None
         self._replay = ReplayWindow()
         self.received = [0] * len(self.shapes)  # highest version delivered, per fragment
-        self.latest: dict[int, tuple[int, torch.Tensor]] = {}  # newest verified version per fragment
+        self.latest: dict[
+            int, tuple[int, torch.Tensor]
+        ] = {}  # newest verified version per fragment
         # version 0 (the initial weights), for a first owner: the island's own unless it resumed
-        self.island_initial = [g.clone() for g in (initial if initial is not None else island.global_flat)]
+        self.island_initial = [
+            g.clone() for g in (initial if initial is not None else island.global_flat)
+        ]
         # fragment -> version -> digest of that version's state as delivered to the island: what a
         # contribution names as its base, so an owner applies it only to that very state
         self.digests: list[dict[int, bytes]] = [{0: flat_digest(g)} for g in self.island_initial]
@@ -153,7 +165,10 @@ class IslandNet(ContributionSending, VersionFetching):
         its way: uploads to different owners overlap."""
         try:
             owner = self.owner_of(out.fragment)
-            async with self._lock("fragment", out.fragment), self._lock("owner", owner[0] if owner else None):
+            async with (
+                self._lock("fragment", out.fragment),
+                self._lock("owner", owner[0] if owner else None),
+            ):
                 await self.send(out)
         finally:
             self._queue.task_done()
@@ -178,7 +193,13 @@ class IslandNet(ContributionSending, VersionFetching):
                     self.remember(p, *got)
                     self.island.deliver(p, *got)
                 backoff = 0.2
-            except (aiohttp.ClientError, LinkDropped, TimeoutError, OSError, RemoteProtocolError) as exc:
+            except (
+                aiohttp.ClientError,
+                LinkDropped,
+                TimeoutError,
+                OSError,
+                RemoteProtocolError,
+            ) as exc:
                 if isinstance(exc, VersionRefused):
                     self.spread.refusals += 1
                 elif isinstance(exc, RemoteProtocolError):
@@ -187,7 +208,9 @@ class IslandNet(ContributionSending, VersionFetching):
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
 
-    async def _request(self, owner_id: bytes, method: str, url: str, **kw: Any) -> tuple[int, bytearray, int, dict[str, str]]:
+    async def _request(
+        self, owner_id: bytes, method: str, url: str, **kw: Any
+    ) -> tuple[int, bytearray, int, dict[str, str]]:
         try:
             return await self.transport.request(method, url, **kw)
         except aiohttp.ClientConnectorError:
@@ -203,7 +226,13 @@ class IslandNet(ContributionSending, VersionFetching):
         for p in range(len(self.shapes)):
             try:
                 version = await self.fetch(p, after=-1, wait_s=0.0)
-            except (aiohttp.ClientError, LinkDropped, TimeoutError, OSError, RemoteProtocolError) as exc:
+            except (
+                aiohttp.ClientError,
+                LinkDropped,
+                TimeoutError,
+                OSError,
+                RemoteProtocolError,
+            ) as exc:
                 log.warning("resync of fragment %d failed: %r", p, exc)
                 continue
             if version is not None:

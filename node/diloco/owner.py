@@ -72,7 +72,9 @@ class Rejected(MergeFailed):
     """Validation kept the candidate from being published: ``culprits`` hurt the loss alone (or,
     when none did, are the whole round); ``helped`` lowered it alone."""
 
-    def __init__(self, reason: str, culprits: frozenset[bytes], helped: frozenset[bytes], whole: bool) -> None:
+    def __init__(
+        self, reason: str, culprits: frozenset[bytes], helped: frozenset[bytes], whole: bool
+    ) -> None:
         super().__init__(reason, culprits)
         self.helped, self.whole = helped, whole
 
@@ -94,8 +96,12 @@ class _Next:
     update: Sealed | None = None  # with updates: the sealed update over the version before
     residual: torch.Tensor | None = None  # and the error feedback it leaves
     state_update: ReplicaState | None = None  # ``state`` as that update (no momentum only)
-    theta_digest: bytes | None = None  # BLAKE3 of ``state``'s blobs (fp32 theta, no momentum), when known
-    helped: frozenset[bytes] = frozenset()  # validation scored their work alone: it lowered the loss
+    theta_digest: bytes | None = (
+        None  # BLAKE3 of ``state``'s blobs (fp32 theta, no momentum), when known
+    )
+    helped: frozenset[bytes] = (
+        frozenset()
+    )  # validation scored their work alone: it lowered the loss
 
 
 @dataclass
@@ -113,11 +119,14 @@ class OwnerCounts:
     checks: int = 0  # candidate versions validated before publication (node.diloco.validation)
     rejected: int = 0  # of them, not published
     check_seconds: float = 0.0  # spent evaluating them
-    recent: collections.deque[str] = dataclasses.field(default_factory=lambda: collections.deque(maxlen=OwnerCounts.RECENT))
+    recent: collections.deque[str] = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=OwnerCounts.RECENT)
+    )
     # per sender: how often a bound bit (clipped, weight_capped, steps_bounded, tokens_bounded, work_capped),
     # its contribution was dropped from a failed merge, or refused (refused_<why>)
     penalties: collections.defaultdict[bytes, collections.Counter[str]] = dataclasses.field(
-        default_factory=lambda: collections.defaultdict(collections.Counter))
+        default_factory=lambda: collections.defaultdict(collections.Counter)
+    )
 
     def merged(self, reason: str) -> None:
         self.merges_done += 1
@@ -157,7 +166,10 @@ class FragmentOwner(ContributionIntake, VersionSealing, OwnerSuccession):
         wall_clock: Callable[[], float] = time.time,
         epoch: int = 0,
         momentum: torch.Tensor | None = None,
-        replicate: Callable[[ReplicaState, ReplicaState | None, bytes | None], Awaitable[str | None]] | None = None,
+        replicate: Callable[
+            [ReplicaState, ReplicaState | None, bytes | None], Awaitable[str | None]
+        ]
+        | None = None,
         on_publish: Callable[[int, int, bytes], None] | None = None,
         on_final: Callable[[FragmentOwner], None] | None = None,
         event_log: Path | None = None,
@@ -189,15 +201,24 @@ class FragmentOwner(ContributionIntake, VersionSealing, OwnerSuccession):
         (``protocol.diloco.reference``), which seed it otherwise; ``standing``: the predecessor's
         standing per sender key (``Standing.export``)."""
         self.clock, self.wall_clock = clock, wall_clock
-        self.epoch, self.replicate, self.on_publish, self.on_final = epoch, replicate, on_publish, on_final
+        self.epoch, self.replicate, self.on_publish, self.on_final = (
+            epoch,
+            replicate,
+            on_publish,
+            on_final,
+        )
         self.fenced: str | None = None
         self.swarm, self.fragment, self.shapes = swarm, fragment, list(shapes)
         self.theta = initial.detach().float().clone()  # [numel_p] fp32
         # Nesterov momentum, created on first merge (or taken over from the previous owner)
-        self.buffer: torch.Tensor | None = None if momentum is None else momentum.detach().float().clone()
+        self.buffer: torch.Tensor | None = (
+            None if momentum is None else momentum.detach().float().clone()
+        )
         self.outer_cfg, self.signer, self.download_codec = outer_cfg, signer, download_codec
         if update_codec is not None and download_codec != "none":
-            raise ValueError("updates are applied to fp32 full versions: download_codec must be none")
+            raise ValueError(
+                "updates are applied to fp32 full versions: download_codec must be none"
+            )
         self.update_codec, self.block_size = update_codec, block_size
         # with updates: what the last update rounded away (sent with the next), and the sealed
         # update from version - 1 to version (None until this owner has merged once)
@@ -206,17 +227,40 @@ class FragmentOwner(ContributionIntake, VersionSealing, OwnerSuccession):
         start = clock()
         merger = FragmentMerger(fragment.index, merge_cfg, version=version, now=start)
         # with ``event_log``, every merger call and decision is logged for ``atoll replay``
-        content = Content(shapes=self.shapes, download_codec=download_codec, outer=outer_cfg,
-                          embedding=fragment.is_embedding, update_codec=update_codec, block_size=block_size)
-        self.log = (LoggedMerger(merger, event_log, fragment=fragment.index, config=merge_cfg, version=version,
-                                 now=start, content=content) if event_log is not None else None)
-        self.merger: FragmentMerger = cast(FragmentMerger, self.log) if self.log is not None else merger
+        content = Content(
+            shapes=self.shapes,
+            download_codec=download_codec,
+            outer=outer_cfg,
+            embedding=fragment.is_embedding,
+            update_codec=update_codec,
+            block_size=block_size,
+        )
+        self.log = (
+            LoggedMerger(
+                merger,
+                event_log,
+                fragment=fragment.index,
+                config=merge_cfg,
+                version=version,
+                now=start,
+                content=content,
+            )
+            if event_log is not None
+            else None
+        )
+        self.merger: FragmentMerger = (
+            cast(FragmentMerger, self.log) if self.log is not None else merger
+        )
         self.version = version
         # digest of each recent version's state as learners decode it: a contribution is applied
         # only to the state it was measured against (version numbers alone can name two contents)
         self.digests: dict[int, set[bytes]] = {}
-        self._state_digest: dict[int, bytes] = {}  # the one of them any owner computes: handoffs, fences
-        self._merged_base: dict[bytes, int] = dict(merged or {})  # sender -> newest base of its merged work
+        self._state_digest: dict[
+            int, bytes
+        ] = {}  # the one of them any owner computes: handoffs, fences
+        self._merged_base: dict[bytes, int] = dict(
+            merged or {}
+        )  # sender -> newest base of its merged work
         self.resyncs_owed: dict[bytes, tuple[int, int, bool]] = {}
         self._last_from: set[bytes] = set()  # senders whose last contribution was taken (``last``)
         # when each sender's contributions were taken: a member claiming to learn that has long
@@ -228,14 +272,20 @@ class FragmentOwner(ContributionIntake, VersionSealing, OwnerSuccession):
         # decoded contributions' buffers, reused once their merge is published (fresh memory is
         # slow to fill); at most as many as the last published merge had contributions
         self._spare: list[torch.Tensor] = []
-        self._borrowed: dict[int, weakref.ref[torch.Tensor]] = {}  # local contributions' vectors, by id
-        self._theta_norm: tuple[weakref.ref[torch.Tensor], float] | None = None  # a merge's result and its norm64
+        self._borrowed: dict[
+            int, weakref.ref[torch.Tensor]
+        ] = {}  # local contributions' vectors, by id
+        self._theta_norm: tuple[weakref.ref[torch.Tensor], float] | None = (
+            None  # a merge's result and its norm64
+        )
         self._spare_max = 4
         self._background: set[asyncio.Task[None]] = set()  # merges started by ``receive``
         self.latest, *digests = self._seal_state(version, self.theta)
         if self.log is not None:
             self.log.note_state(self.theta, self.buffer)
-        self._remember_digests(version, *digests, flat_digest(self.theta))  # and v0 unrounded (bf16 download)
+        self._remember_digests(
+            version, *digests, flat_digest(self.theta)
+        )  # and v0 unrounded (bf16 download)
         self.counts = OwnerCounts(self.fragment.index)  # what outlives this owner once it retires
         self.validation = validation
         # per sender key: what its work came to here, carried to successors (``protocol.diloco.standing``)
@@ -246,13 +296,17 @@ class FragmentOwner(ContributionIntake, VersionSealing, OwnerSuccession):
             self.take_standing(standing)
         self.step_bounds = 0  # merges whose aggregate was scaled down to max_delta_ratio * |Theta|
         self.retired = False
-        self.final_declared: tuple[int, float] | None = None  # (version, when) it was last handed out as final
+        self.final_declared: tuple[int, float] | None = (
+            None  # (version, when) it was last handed out as final
+        )
         self._changed = asyncio.Condition()
         self._wake = asyncio.Event()
         self._retired_event = asyncio.Event()
 
     # --- inbound -------------------------------------------------------------------------------
-    async def contribute(self, sender: bytes, msg: Contribution, flat: torch.Tensor | None = None) -> Ack:
+    async def contribute(
+        self, sender: bytes, msg: Contribution, flat: torch.Tensor | None = None
+    ) -> Ack:
         """Check and feed one contribution to the merger; the merge it completes (if any) has
         run when this returns (``flat``: see ``_decode``). Raises ``RemoteProtocolError``."""
         decision = await self._accept(sender, msg, flat)
@@ -261,7 +315,9 @@ class FragmentOwner(ContributionIntake, VersionSealing, OwnerSuccession):
         await self._apply(decision)
         return Ack(accepted=decision.accepted, reason=decision.reason, version=self.version)
 
-    async def receive(self, sender: bytes, msg: Contribution, flat: torch.Tensor | None = None) -> Ack:
+    async def receive(
+        self, sender: bytes, msg: Contribution, flat: torch.Tensor | None = None
+    ) -> Ack:
         """``contribute``, answered as soon as the contribution is checked and taken (or
         refused): the merge it completes runs on in the background, so the sender's next
         contribution (to this or another owner) does not wait for it. Raises
@@ -281,20 +337,28 @@ class FragmentOwner(ContributionIntake, VersionSealing, OwnerSuccession):
     def _merge_done(self, task: asyncio.Task[None]) -> None:
         self._background.discard(task)
         if not task.cancelled() and task.exception() is not None:
-            log.error("fragment %d: background merge failed", self.fragment.index, exc_info=task.exception())
+            log.error(
+                "fragment %d: background merge failed",
+                self.fragment.index,
+                exc_info=task.exception(),
+            )
 
     async def settled(self) -> None:
         """Wait for the merges ``receive`` started (tests, and a clean shutdown)."""
         while self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
 
-    async def set_expected(self, n: int, finished: int = 0, learners: frozenset[bytes] | None = None) -> None:
+    async def set_expected(
+        self, n: int, finished: int = 0, learners: frozenset[bytes] | None = None
+    ) -> None:
         """Tell the merger how many live learners may contribute (``learners``: which, when
         known) and how many finished training (counted in a round's share, see
         ``protocol.diloco.merge``); may close the round."""
         if self.merger.phase is Phase.MERGING:
             return
-        await self._apply(self.merger.set_expected(n, now=self.clock(), finished=finished, learners=learners))
+        await self._apply(
+            self.merger.set_expected(n, now=self.clock(), finished=finished, learners=learners)
+        )
 
     @property
     def merges_done(self) -> int:
@@ -366,19 +430,38 @@ class FragmentOwner(ContributionIntake, VersionSealing, OwnerSuccession):
             merged[e.peer] = max(merged.get(e.peer, -1), self.version - e.staleness)
         carry = self._carried(self.version + 1)  # read here, on the event loop: intake changes them
         try:  # one worker-thread hop: the outer step, the sealed version and the replica's state
-            nxt = await asyncio.to_thread(self._next_version, self.version + 1, peers, deltas, weights, clips,
-                                          merged, decision.scale, norms, decision.aggregate(self.outer_cfg.aggregate),
-                                          carry)
+            nxt = await asyncio.to_thread(
+                self._next_version,
+                self.version + 1,
+                peers,
+                deltas,
+                weights,
+                clips,
+                merged,
+                decision.scale,
+                norms,
+                decision.aggregate(self.outer_cfg.aggregate),
+                carry,
+            )
             if nxt.state is not None and self.replicate is not None:
                 fence = await self.replicate(nxt.state, nxt.state_update, nxt.theta_digest)
                 if fence is not None:
                     raise Fenced(fence, frozenset(peers))
-            if self.retired:  # retired while merging (past the wait): the successor owns the next version
-                raise Fenced(f"retired before publishing version {self.version + 1}", frozenset(peers))
+            if (
+                self.retired
+            ):  # retired while merging (past the wait): the successor owns the next version
+                raise Fenced(
+                    f"retired before publishing version {self.version + 1}", frozenset(peers)
+                )
         except Rejected as exc:
             self._rejected(exc)
             failed = self.merger.on_merge_failed(exc.reason, now=self.clock(), discard=exc.culprits)
-            log.warning("fragment %d: version %d not published: %s", self.fragment.index, self.version + 1, exc.reason)
+            log.warning(
+                "fragment %d: version %d not published: %s",
+                self.fragment.index,
+                self.version + 1,
+                exc.reason,
+            )
             return failed
         except Fenced as exc:
             self.fenced = exc.reason
@@ -393,13 +476,20 @@ class FragmentOwner(ContributionIntake, VersionSealing, OwnerSuccession):
             return failed
         except Exception as exc:  # an unforeseen failure must not kill the owner, nor loop forever
             log.exception("fragment %d: merge failed", self.fragment.index)
-            failed = self.merger.on_merge_failed(f"merge failed: {exc!r}", now=self.clock(), discard=peers)
+            failed = self.merger.on_merge_failed(
+                f"merge failed: {exc!r}", now=self.clock(), discard=peers
+            )
             log.warning("fragment %d: %s", self.fragment.index, failed.reason)
             return failed
         self._merged_base = merged  # their bases, so that a second send of the same work is refused
         while len(self._merged_base) > MERGED_BASES_KEPT:
             self._merged_base.pop(next(iter(self._merged_base)))
-        self.theta, self.buffer, self.version, self.latest = nxt.theta, nxt.buffer, self.version + 1, nxt.latest
+        self.theta, self.buffer, self.version, self.latest = (
+            nxt.theta,
+            nxt.buffer,
+            self.version + 1,
+            nxt.latest,
+        )
         self.update, self.residual = nxt.update, nxt.residual
         self._remember_digests(self.version, nxt.digest, nxt.message_digest)
         self._spare_max = max(4, len(deltas))
@@ -413,53 +503,123 @@ class FragmentOwner(ContributionIntake, VersionSealing, OwnerSuccession):
             counts["merged"] += 1
             for flag in ("weight_capped", "steps_bounded", "tokens_bounded"):
                 counts[flag] += int(getattr(e, flag))
-            counts["clipped"] += int(e.clip < e.work_scale)  # the norm clip bit (clip is it times work_scale)
+            counts["clipped"] += int(
+                e.clip < e.work_scale
+            )  # the norm clip bit (clip is it times work_scale)
             counts["work_capped"] += int(e.work_scale < 1.0)  # covered more than max_work_steps
             counts["late"] += int(e.staleness > 0)  # its round had closed: carried to this one
         for peer in nxt.helped:  # first: the version's one credit is the larger one
             self.penalties[peer]["helped"] += 1
             self.standing.record(peer, Event.HELPED, version=self.version)
         self._note_standing(decision)
-        log.info("fragment %d: published version %d (%s)", self.fragment.index, self.version, decision.reason)
+        log.info(
+            "fragment %d: published version %d (%s)",
+            self.fragment.index,
+            self.version,
+            decision.reason,
+        )
         async with self._changed:
             self._changed.notify_all()
         now = self.clock()
         self.counts.merge_seconds += now - t0
         return self.merger.on_published(self.version, sync_time=now - t0, now=now)
 
-    def _next_version(self, version: int, peers: list[bytes], deltas: list[torch.Tensor], weights: list[float],
-                      clips: list[float], merged: Mapping[bytes, int], scale: float = 1.0,
-                      norms: Sequence[float | None] | None = None, aggregate: str | None = None,
-                      carry: Carried | None = None) -> _Next:
+    def _next_version(
+        self,
+        version: int,
+        peers: list[bytes],
+        deltas: list[torch.Tensor],
+        weights: list[float],
+        clips: list[float],
+        merged: Mapping[bytes, int],
+        scale: float = 1.0,
+        norms: Sequence[float | None] | None = None,
+        aggregate: str | None = None,
+        carry: Carried | None = None,
+    ) -> _Next:
         """The merge's new state, sealed as ``version``, the state to hand to a replica, and with
         updates the sealed update from ``version - 1`` and the new error-feedback residual."""
         theta, buffer = self._outer(peers, deltas, weights, clips, scale, norms, aggregate)
         tensors, residual = None, None
         if self.update_codec is not None:  # publish what learners compute from the update
-            tensors, theta, residual = encode_update(theta, self.theta, self.residual, self.shapes,
-                                                     self.update_codec, block_size=self.block_size)
+            tensors, theta, residual = encode_update(
+                theta,
+                self.theta,
+                self.residual,
+                self.shapes,
+                self.update_codec,
+                block_size=self.block_size,
+            )
         helped: frozenset[bytes] = frozenset()
-        if self.validation is not None:  # before anything is sealed: a rejected candidate leaves no trace
-            helped = self._validate(version, theta, peers, deltas, weights, clips, scale, norms, aggregate)
-        checked = tensors is None  # _outer checked theta and buffer; an update's result is checked when sealed
+        if (
+            self.validation is not None
+        ):  # before anything is sealed: a rejected candidate leaves no trace
+            helped = self._validate(
+                version, theta, peers, deltas, weights, clips, scale, norms, aggregate
+            )
+        checked = (
+            tensors is None
+        )  # _outer checked theta and buffer; an update's result is checked when sealed
         latest, digest, message_digest = self._seal_state(version, theta, known_finite=checked)
-        state = (self._replica_state(version, digest, theta, buffer, merged, known_finite=checked, carry=carry)
-                 if self.replicate else None)
+        state = (
+            self._replica_state(
+                version, digest, theta, buffer, merged, known_finite=checked, carry=carry
+            )
+            if self.replicate
+            else None
+        )
         # an fp32 version's state digest is its bytes' BLAKE3, the handoff's blobs when there is no momentum
         theta_digest = digest if self.download_codec == "none" and buffer is None else None
         if tensors is None:
-            return _Next(theta, buffer, latest, digest, message_digest, state, theta_digest=theta_digest, helped=helped)
+            return _Next(
+                theta,
+                buffer,
+                latest,
+                digest,
+                message_digest,
+                state,
+                theta_digest=theta_digest,
+                helped=helped,
+            )
         update = self._seal_update(version, tensors, digest)
         base_digest = self.digest_of(version - 1)
-        state_update = (dataclasses.replace(state, theta=tuple(tensors), momentum=(), base_version=version - 1,
-                                            base_digest=base_digest)
-                        if state is not None and buffer is None else None)
-        return _Next(theta, buffer, latest, digest, message_digest, state, update, residual, state_update,
-                     theta_digest, helped)
+        state_update = (
+            dataclasses.replace(
+                state,
+                theta=tuple(tensors),
+                momentum=(),
+                base_version=version - 1,
+                base_digest=base_digest,
+            )
+            if state is not None and buffer is None
+            else None
+        )
+        return _Next(
+            theta,
+            buffer,
+            latest,
+            digest,
+            message_digest,
+            state,
+            update,
+            residual,
+            state_update,
+            theta_digest,
+            helped,
+        )
 
-    def _validate(self, version: int, theta: torch.Tensor, peers: list[bytes], deltas: list[torch.Tensor],
-                  weights: list[float], clips: list[float], scale: float, norms: Sequence[float | None] | None,
-                  aggregate: str | None) -> frozenset[bytes]:
+    def _validate(
+        self,
+        version: int,
+        theta: torch.Tensor,
+        peers: list[bytes],
+        deltas: list[torch.Tensor],
+        weights: list[float],
+        clips: list[float],
+        scale: float,
+        norms: Sequence[float | None] | None,
+        aggregate: str | None,
+    ) -> frozenset[bytes]:
         """Check the candidate ``theta`` (``node.diloco.validation``); log the check. Returns the
         senders whose work, scored alone, lowered the loss; raises ``Rejected`` when it is not to be
         published."""
@@ -469,10 +629,18 @@ class FragmentOwner(ContributionIntake, VersionSealing, OwnerSuccession):
             out: dict[bytes, torch.Tensor] = {}
             for peer in dict.fromkeys(peers):
                 mine = [i for i, p in enumerate(peers) if p == peer]
-                out[peer] = merge_update(self.theta, self.buffer, [deltas[i] for i in mine], [weights[i] for i in mine],
-                                         [clips[i] for i in mine], self.outer_cfg, embedding=self.fragment.is_embedding,
-                                         scale=scale, norms=None if norms is None else [norms[i] for i in mine],
-                                         aggregate=aggregate).theta
+                out[peer] = merge_update(
+                    self.theta,
+                    self.buffer,
+                    [deltas[i] for i in mine],
+                    [weights[i] for i in mine],
+                    [clips[i] for i in mine],
+                    self.outer_cfg,
+                    embedding=self.fragment.is_embedding,
+                    scale=scale,
+                    norms=None if norms is None else [norms[i] for i in mine],
+                    aggregate=aggregate,
+                ).theta
             return out
 
         check = self.validation.check(self.fragment.index, version, self.theta, theta, alone)
@@ -534,7 +702,9 @@ class FragmentOwner(ContributionIntake, VersionSealing, OwnerSuccession):
         for e in decision.entries:
             if e.clip < e.work_scale:
                 event = Event.CLIPPED
-            elif e.steps_bounded or e.tokens_bounded:  # a claim past what the owner can see (a weight
+            elif (
+                e.steps_bounded or e.tokens_bounded
+            ):  # a claim past what the owner can see (a weight
                 # cap is not: it bites whichever honest learner counted the most tokens)
                 event = Event.BOUNDED
             else:
@@ -543,26 +713,56 @@ class FragmentOwner(ContributionIntake, VersionSealing, OwnerSuccession):
 
     def standing_status(self, lowest: int = 5) -> dict[str, object]:
         """The standing per sender key in short: how many are refused now, the lowest scores."""
-        return {"keys": len(self.standing), "refused": self.standing.below(version=self.version),
-                "threshold": self.standing.config.threshold,
-                "lowest": [{"peer": p.hex()[:16], "score": round(s, 3)}
-                           for p, s in self.standing.lowest(lowest, version=self.version)],
-                "reference": self.reference_note}
+        return {
+            "keys": len(self.standing),
+            "refused": self.standing.below(version=self.version),
+            "threshold": self.standing.config.threshold,
+            "lowest": [
+                {"peer": p.hex()[:16], "score": round(s, 3)}
+                for p, s in self.standing.lowest(lowest, version=self.version)
+            ],
+            "reference": self.reference_note,
+        }
 
-    def _outer(self, peers: list[bytes], deltas: list[torch.Tensor], weights: list[float],
-               clips: list[float], scale: float = 1.0, norms: Sequence[float | None] | None = None,
-               aggregate: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _outer(
+        self,
+        peers: list[bytes],
+        deltas: list[torch.Tensor],
+        weights: list[float],
+        clips: list[float],
+        scale: float = 1.0,
+        norms: Sequence[float | None] | None = None,
+        aggregate: str | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Clip, aggregate, scale, bound and apply the outer step. Raises ``MergeFailed`` naming the
         peers to drop. (Every payload's shape, finiteness and norm were checked by ``_decode``.)"""
         known = self._theta_norm
-        update = merge_update(self.theta, self.buffer, deltas, weights, clips, self.outer_cfg,
-                              embedding=self.fragment.is_embedding, scale=scale, norms=norms, aggregate=aggregate,
-                              theta_norm=known[1] if known is not None and known[0]() is self.theta else None)
+        update = merge_update(
+            self.theta,
+            self.buffer,
+            deltas,
+            weights,
+            clips,
+            self.outer_cfg,
+            embedding=self.fragment.is_embedding,
+            scale=scale,
+            norms=norms,
+            aggregate=aggregate,
+            theta_norm=known[1] if known is not None and known[0]() is self.theta else None,
+        )
         self.step_bounds += int(update.bounded)
         theta, buffer = update.theta, update.buffer
-        theta_norm = norm64(theta)  # finite exactly when every value is; the next merge's bound needs it
+        theta_norm = norm64(
+            theta
+        )  # finite exactly when every value is; the next merge's bound needs it
         if not (math.isfinite(theta_norm) and (buffer is None or all_finite(buffer))):
-            raise MergeFailed(f"the outer step over {len(peers)} contributions is not finite; "
-                              "no single one is to blame, all are dropped", frozenset(peers))
-        self._theta_norm = (weakref.ref(theta), theta_norm)  # used once ``theta`` is the published one
+            raise MergeFailed(
+                f"the outer step over {len(peers)} contributions is not finite; "
+                "no single one is to blame, all are dropped",
+                frozenset(peers),
+            )
+        self._theta_norm = (
+            weakref.ref(theta),
+            theta_norm,
+        )  # used once ``theta`` is the published one
         return theta, buffer

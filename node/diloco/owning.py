@@ -46,7 +46,9 @@ log = logging.getLogger("atoll.peer")
 
 CATCH_UP_S = 6.0
 CATCH_UP_SOURCES = 3  # members a new owner asks for its predecessor's newer versions, in turn
-FENCE_BACKOFF_S = 5.0  # an owner fenced off does not claim the fragment again for this long (or until handed it)
+FENCE_BACKOFF_S = (
+    5.0  # an owner fenced off does not claim the fragment again for this long (or until handed it)
+)
 RETIRE_MERGE_WAIT_S = 10.0  # a retiring owner lets a merge under way finish this long
 
 
@@ -64,7 +66,9 @@ class OwnedFragments:
     evaluator: Evaluator | None
     event_log_dir: Path | None
     _owner_tasks: dict[int, asyncio.Task[None]]
-    _retired_owners: dict[int, list[OwnerCounts]]  # per fragment: the earlier retired owners folded, the last
+    _retired_owners: dict[
+        int, list[OwnerCounts]
+    ]  # per fragment: the earlier retired owners folded, the last
     _fenced_until: dict[int, float]
     _last_owner: dict[int, bytes]
     _tg: asyncio.TaskGroup | None
@@ -79,18 +83,22 @@ class OwnedFragments:
         raise NotImplementedError
 
     if TYPE_CHECKING:  # provided by the other mixins (handoffs, serving): no stub may shadow them
-        async def _replicate(self, p: int, state: ReplicaState, update: ReplicaState | None = None,
-                             theta_digest: bytes | None = None) -> str | None:
-            ...
 
-        async def _hand_on(self, p: int, target: tuple[bytes, str], state: ReplicaState) -> None:
-            ...
+        async def _replicate(
+            self,
+            p: int,
+            state: ReplicaState,
+            update: ReplicaState | None = None,
+            theta_digest: bytes | None = None,
+        ) -> str | None: ...
 
-        async def _wait_final(self, owner: FragmentOwner, wait_s: float) -> object:
-            ...
+        async def _hand_on(
+            self, p: int, target: tuple[bytes, str], state: ReplicaState
+        ) -> None: ...
 
-        def _final_declared(self, owner: FragmentOwner) -> None:
-            ...
+        async def _wait_final(self, owner: FragmentOwner, wait_s: float) -> object: ...
+
+        def _final_declared(self, owner: FragmentOwner) -> None: ...
 
     async def _reconcile_owners(self) -> None:
         now = time.monotonic()
@@ -99,8 +107,13 @@ class OwnedFragments:
             if running is not None and running.fenced is not None:
                 handed = self.replicas.states.get(p)
                 self._drop_owner(p)
-                if handed is None or (handed.version, handed.epoch) <= (running.version, running.epoch):
-                    self._fenced_until[p] = now + FENCE_BACKOFF_S  # another owner took over: step back
+                if handed is None or (handed.version, handed.epoch) <= (
+                    running.version,
+                    running.epoch,
+                ):
+                    self._fenced_until[p] = (
+                        now + FENCE_BACKOFF_S
+                    )  # another owner took over: step back
                     continue
                 # else a newer state was handed to us: own again from it at once (below)
             owner = self.owner_of(p)
@@ -108,9 +121,13 @@ class OwnedFragments:
             if mine and p not in self.owners and now >= self._fenced_until.get(p, 0.0):
                 self._start_owner(p)
             elif not mine and p in self.owners:
-                log.info("fragment %d: no longer the owner (now %s)", p, owner[1] if owner else None)
+                log.info(
+                    "fragment %d: no longer the owner (now %s)", p, owner[1] if owner else None
+                )
                 retired = self._drop_owner(p, finish_merge=True)
-                await retired.retire(finish_merge_s=RETIRE_MERGE_WAIT_S)  # a merge under way ends first
+                await retired.retire(
+                    finish_merge_s=RETIRE_MERGE_WAIT_S
+                )  # a merge under way ends first
                 if owner is not None and self._tg is not None:  # hand our state on: nothing is lost
                     self._tg.create_task(self._hand_on(p, owner, retired.snapshot()))
             if owner is not None:
@@ -131,11 +148,13 @@ class OwnedFragments:
         kept.append(retired.counts)
         task = self._owner_tasks.pop(p)
         if finish_merge and self._tg is not None:
+
             async def cancel_after_retire() -> None:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(RETIRE_MERGE_WAIT_S + 1.0):
                         await retired.wait_retired()
                 task.cancel()
+
             self._tg.create_task(cancel_after_retire())
         else:
             task.cancel()
@@ -158,33 +177,73 @@ class OwnedFragments:
         from_handoff = False
         # the predecessor's clip reference and standing come with its state; an older state held
         # here measures the updates since, which checks (or seeds) the reference
-        measured = (measured_updates(handed.theta, handed.version, flat, version, lr=self.cfg.outer_lr)
-                    if handed is not None else [])
+        measured = (
+            measured_updates(handed.theta, handed.version, flat, version, lr=self.cfg.outer_lr)
+            if handed is not None
+            else []
+        )
         if handed is not None and handed.version >= version:
             from_handoff = True
-            version, flat, momentum, merged = handed.version, handed.theta, handed.momentum, handed.merged
-            log.info("fragment %d: taking over version %d (epoch %d) with its momentum", p, version, handed.epoch)
+            version, flat, momentum, merged = (
+                handed.version,
+                handed.theta,
+                handed.momentum,
+                handed.merged,
+            )
+            log.info(
+                "fragment %d: taking over version %d (epoch %d) with its momentum",
+                p,
+                version,
+                handed.epoch,
+            )
         owner = FragmentOwner(
-            swarm=self.cfg.swarm, fragment=self.plan.fragments[p], shapes=self.shapes[p],
-            initial=flat, version=version, merge_cfg=self._merge_cfg(), outer_cfg=self._outer_cfg(),
-            signer=self.signer, download_codec=self.cfg.download_codec, epoch=epoch, momentum=momentum,
+            swarm=self.cfg.swarm,
+            fragment=self.plan.fragments[p],
+            shapes=self.shapes[p],
+            initial=flat,
+            version=version,
+            merge_cfg=self._merge_cfg(),
+            outer_cfg=self._outer_cfg(),
+            signer=self.signer,
+            download_codec=self.cfg.download_codec,
+            epoch=epoch,
+            momentum=momentum,
             update_codec=None if self.cfg.update_codec == "none" else self.cfg.update_codec,
             block_size=self.cfg.block_size,
-            replicate=functools.partial(self._replicate, p), merged=merged,
-            on_publish=self._published, on_final=self._final_declared, round_steps=2 * self._longest_interval(),
-            reference=handed.norms if from_handoff and handed is not None else (), measured=measured,
+            replicate=functools.partial(self._replicate, p),
+            merged=merged,
+            on_publish=self._published,
+            on_final=self._final_declared,
+            round_steps=2 * self._longest_interval(),
+            reference=handed.norms if from_handoff and handed is not None else (),
+            measured=measured,
             standing=handed.standing if from_handoff and handed is not None else None,
-            validation=(OwnerValidation(self.evaluator, ValidationConfig(windows=self.cfg.validate_windows,
-                                                                         every=self.cfg.validate_every))
-                        if self.evaluator is not None else None),
-            event_log=(self.event_log_dir / f"fragment{p}-epoch{epoch}-v{version}-{time.time_ns()}.jsonl"
-                       if self.event_log_dir is not None else None),
+            validation=(
+                OwnerValidation(
+                    self.evaluator,
+                    ValidationConfig(
+                        windows=self.cfg.validate_windows, every=self.cfg.validate_every
+                    ),
+                )
+                if self.evaluator is not None
+                else None
+            ),
+            event_log=(
+                self.event_log_dir / f"fragment{p}-epoch{epoch}-v{version}-{time.time_ns()}.jsonl"
+                if self.event_log_dir is not None
+                else None
+            ),
         )
         if handed is not None and handed.final:
             owner.hold_final(handed.version)
         self.replicas.fence(p, epoch, version, owner.digest_of(version))
-        previous = (self.membership.owner_of(self.cfg.swarm, p, exclude={self.signer.peer_id, *self.suspects()})
-                    if self.membership else None)
+        previous = (
+            self.membership.owner_of(
+                self.cfg.swarm, p, exclude={self.signer.peer_id, *self.suspects()}
+            )
+            if self.membership
+            else None
+        )
         if not from_handoff and version > 0 and self._displaces_a_live_owner(p, previous):
             # it hands us its state as it retires, maybe a version it handed out as final: merge
             # nothing before. (A replica taking over from a dead owner starts from its last state,
@@ -202,7 +261,9 @@ class OwnedFragments:
         seen = self._last_owner.get(p)
         if seen is None or seen == self.signer.peer_id:
             return previous is not None
-        return seen not in self.suspects() and (self.membership is None or seen in self.membership.members)
+        return seen not in self.suspects() and (
+            self.membership is None or seen in self.membership.members
+        )
 
     async def _run_owner(self, owner: FragmentOwner, previous: tuple[bytes, str] | None) -> None:
         """Catch up with the previous owner's latest version for a few seconds, then merge.
@@ -216,16 +277,21 @@ class OwnedFragments:
                 p = owner.fragment.index
                 sources = [previous]
                 if self.membership is not None:
-                    ranked = self.membership.ranked(self.cfg.swarm, p, CATCH_UP_SOURCES,
-                                                    exclude={self.signer.peer_id, *self.suspects()})
+                    ranked = self.membership.ranked(
+                        self.cfg.swarm,
+                        p,
+                        CATCH_UP_SOURCES,
+                        exclude={self.signer.peer_id, *self.suspects()},
+                    )
                     sources += [c for c in ranked if c[0] != previous[0]]
                 deadline = time.monotonic() + CATCH_UP_S
                 for turn in itertools.count():
                     if time.monotonic() >= deadline or owner.merges_done:
                         break
                     with contextlib.suppress(Exception):
-                        got = await self.net.fetch(p, after=owner.version, wait_s=1.0,
-                                                   owner=sources[turn % len(sources)])
+                        got = await self.net.fetch(
+                            p, after=owner.version, wait_s=1.0, owner=sources[turn % len(sources)]
+                        )
                         if got is not None:
                             await owner.catch_up(*got)
                     await asyncio.sleep(0.5)
@@ -238,17 +304,28 @@ class OwnedFragments:
 
     def _merge_cfg(self) -> MergeConfig:
         c = self.cfg
-        return MergeConfig(quorum=c.quorum, quorum_fraction=c.merge_quorum_fraction, gamma=c.grace_gamma,
-                           tau=c.grace_tau, grace_cap_s=c.grace_cap_s,
-                           staleness_bound=c.staleness_bound,
-                           late_policy="carry" if c.late_policy == "carry" else "drop",
-                           max_tokens_per_step=c.max_tokens_per_step, quorum_is_expected=c.mode != "decoupled",
-                           max_work_steps=c.merge_max_work_steps, max_claimed_steps=c.merge_max_claimed_steps,
-                           reference_min_steps=c.inner_steps // 2)
+        return MergeConfig(
+            quorum=c.quorum,
+            quorum_fraction=c.merge_quorum_fraction,
+            gamma=c.grace_gamma,
+            tau=c.grace_tau,
+            grace_cap_s=c.grace_cap_s,
+            staleness_bound=c.staleness_bound,
+            late_policy="carry" if c.late_policy == "carry" else "drop",
+            max_tokens_per_step=c.max_tokens_per_step,
+            quorum_is_expected=c.mode != "decoupled",
+            max_work_steps=c.merge_max_work_steps,
+            max_claimed_steps=c.merge_max_claimed_steps,
+            reference_min_steps=c.inner_steps // 2,
+        )
 
     def _outer_cfg(self) -> OuterConfig:
-        return OuterConfig(lr=self.cfg.outer_lr, momentum=self.cfg.outer_momentum, aggregate=self.cfg.aggregate,
-                           rda_max_gain=self.cfg.rda_max_gain)
+        return OuterConfig(
+            lr=self.cfg.outer_lr,
+            momentum=self.cfg.outer_momentum,
+            aggregate=self.cfg.aggregate,
+            rda_max_gain=self.cfg.rda_max_gain,
+        )
 
     async def _on_contribution(self, opened: Opened, flat: torch.Tensor | None = None) -> Ack:
         msg = opened.message
@@ -257,23 +334,36 @@ class OwnedFragments:
             raise NotAuthorized(f"contribution for swarm {msg.swarm!r}, this is {self.cfg.swarm!r}")
         owner = self.owners.get(msg.fragment)
         if owner is None:
-            raise UnknownFragment(f"fragment {msg.fragment} is not owned here (plan has {len(self.plan.fragments)})")
+            raise UnknownFragment(
+                f"fragment {msg.fragment} is not owned here (plan has {len(self.plan.fragments)})"
+            )
         member = self.membership.members.get(opened.peer_id) if self.membership else None
         if member is not None and not member.record.learning:
             # its final versions may already be out: a late contribution would fork the model
-            return Ack(accepted=False, version=owner.version,
-                       reason=f"peer {opened.peer_id.hex()[:8]} has stopped learning; contribution not merged")
-        return await owner.receive(opened.peer_id, msg, flat)  # answered before the merge it completes
+            return Ack(
+                accepted=False,
+                version=owner.version,
+                reason=f"peer {opened.peer_id.hex()[:8]} has stopped learning; contribution not merged",
+            )
+        return await owner.receive(
+            opened.peer_id, msg, flat
+        )  # answered before the merge it completes
 
     async def contribute_local(self, msg: Contribution, flat: torch.Tensor | None = None) -> Ack:
         """Our own learner's contribution to a fragment we own: the RPC's checks, in process
         (``flat``: see ``LocalOwners.contribute_local``)."""
-        me = Opened(public_key=self.signer.public_key, peer_id=self.signer.peer_id, timestamp=time.time(),
-                    nonce=b"", message=msg)
+        me = Opened(
+            public_key=self.signer.public_key,
+            peer_id=self.signer.peer_id,
+            timestamp=time.time(),
+            nonce=b"",
+            message=msg,
+        )
         return await self._on_contribution(me, flat)
 
-    async def version_local(self, p: int, *, after: int, wait_s: float,
-                            final: bool) -> tuple[int, torch.Tensor, bytes] | None:
+    async def version_local(
+        self, p: int, *, after: int, wait_s: float, final: bool
+    ) -> tuple[int, torch.Tensor, bytes] | None:
         """A version of a fragment we own for our own learner, in process: the owner's state as
         every other learner decodes it (``IslandNet.fetch``'s local path)."""
         owner = self.owners.get(p)
@@ -287,7 +377,9 @@ class OwnedFragments:
         version, theta, digest = owner.version, owner.theta, owner.digest_of(owner.version)
         if owner.download_codec != "none":  # others hold the decoded bf16 state: so must we
             shapes, codec = self.shapes[p], owner.download_codec
-            theta = await asyncio.to_thread(lambda: flat_from_tensors(encode_flat(theta, shapes, codec), shapes))
+            theta = await asyncio.to_thread(
+                lambda: flat_from_tensors(encode_flat(theta, shapes, codec), shapes)
+            )
         return version, theta, digest
 
     def replica_version(self, p: int, owner_id: bytes) -> Handed | None:

@@ -44,18 +44,31 @@ def distributed_rank() -> tuple[int, int]:
 class IslandRanks:
     """Keeps every rank of a multi-process island on the global fragments rank 0 adopts."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, plan: FragmentPlan,
-                 island: Island | None, *, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        plan: FragmentPlan,
+        island: Island | None,
+        *,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
         """``island``: the swarm-facing island on rank 0, None on the other ranks."""
         if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError("a multi-process island needs torch.distributed initialised (torchrun sets it up)")
+            raise RuntimeError(
+                "a multi-process island needs torch.distributed initialised (torchrun sets it up)"
+            )
         self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         if (self.rank == 0) != (island is not None):
-            raise ValueError(f"rank {self.rank}: the swarm-facing island belongs on rank 0 and only there")
+            raise ValueError(
+                f"rank {self.rank}: the swarm-facing island belongs on rank 0 and only there"
+            )
         self.island = island
         by_name = dict(model.named_parameters())
-        self.params: list[list[nn.Parameter]] = [[by_name[n] for n in f.names] for f in plan.fragments]
+        self.params: list[list[nn.Parameter]] = [
+            [by_name[n] for n in f.names] for f in plan.fragments
+        ]
         device = self.params[0][0].device if self.params and self.params[0] else torch.device("cpu")
         self._n = len(plan.fragments)
         # rank 0's versions, then its adoption counts (a final or a resync replaces a fragment at
@@ -101,7 +114,9 @@ class IslandRanks:
         """Give every rank the fragments rank 0 holds (a collective); returns the fragments that
         were broadcast."""
         if self.island is not None:
-            self._versions.copy_(torch.tensor(self.island.versions + self.island.adoptions, dtype=torch.int64))
+            self._versions.copy_(
+                torch.tensor(self.island.versions + self.island.adoptions, dtype=torch.int64)
+            )
         dist.broadcast(self._versions, src=0, group=self.group)
         differs = (self._versions != self._seen).view(2, self._n).any(dim=0)
         changed = [int(p) for p in torch.nonzero(differs).flatten().tolist()]

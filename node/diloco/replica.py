@@ -30,12 +30,23 @@ from protocol.wire.codec import encode
 from protocol.wire.messages import MAX_NORM_HISTORY, MAX_STANDING, ReplicaAck, ReplicaState
 from protocol.wire.signing import ReplayWindow, Signer, open_sealed, seal
 
-__all__ = ["NOT_A_MEMBER", "BaseNotHeld", "Carried", "Handed", "NotAMemberThere", "ReplicaStore", "encode_state", "hand_over"]
+__all__ = [
+    "NOT_A_MEMBER",
+    "BaseNotHeld",
+    "Carried",
+    "Handed",
+    "NotAMemberThere",
+    "ReplicaStore",
+    "encode_state",
+    "hand_over",
+]
 
 log = logging.getLogger(__name__)
 
 MAX_MERGED = 4096  # senders whose merged work a handoff names (the most recent ones)
-NOT_A_MEMBER = "not a member here"  # how a replica's signed refusal of a non-member (or non-owner) starts
+NOT_A_MEMBER = (
+    "not a member here"  # how a replica's signed refusal of a non-member (or non-owner) starts
+)
 
 
 # what an owner's state carries besides its tensors: the merger's reference (recent accepted
@@ -55,17 +66,34 @@ class Handed:
     momentum: torch.Tensor | None
     sender: bytes
     merged: dict[bytes, int]  # sender -> newest base version of its work merged into this state
-    hashed: bool = False  # ``theta`` is known to hash to ``digest`` (its learner need not hash it again)
-    final: bool = False  # the sender handed ``version`` out as final: a successor holds it final too
+    hashed: bool = (
+        False  # ``theta`` is known to hash to ``digest`` (its learner need not hash it again)
+    )
+    final: bool = (
+        False  # the sender handed ``version`` out as final: a successor holds it final too
+    )
     norms: tuple[float, ...] = ()  # the merger's reference (recent accepted norms), oldest first
-    standing: tuple[tuple[bytes, ...], tuple[float, ...]] = ((), ())  # peer ids, scores (``Standing.export``)
+    standing: tuple[tuple[bytes, ...], tuple[float, ...]] = (
+        (),
+        (),
+    )  # peer ids, scores (``Standing.export``)
 
 
-def encode_state(*, swarm: str, fragment: int, epoch: int, version: int, digest: bytes,
-                 theta: torch.Tensor, momentum: torch.Tensor | None,
-                 merged: Mapping[bytes, int] | None = None, known_finite: bool = False,
-                 final: bool = False, norms: Sequence[float] = (),
-                 standing: tuple[tuple[bytes, ...], tuple[float, ...]] = ((), ())) -> ReplicaState:
+def encode_state(
+    *,
+    swarm: str,
+    fragment: int,
+    epoch: int,
+    version: int,
+    digest: bytes,
+    theta: torch.Tensor,
+    momentum: torch.Tensor | None,
+    merged: Mapping[bytes, int] | None = None,
+    known_finite: bool = False,
+    final: bool = False,
+    norms: Sequence[float] = (),
+    standing: tuple[tuple[bytes, ...], tuple[float, ...]] = ((), ()),
+) -> ReplicaState:
     """An owner's state as a ``ReplicaState`` (fp32, uncompressed: a replica must hold it exactly).
     ``merged``: sender -> newest base version of its merged work (the newest ``MAX_MERGED`` kept).
     The tensors are views of ``theta`` and ``momentum`` (an owner never writes to a state it
@@ -73,15 +101,37 @@ def encode_state(*, swarm: str, fragment: int, epoch: int, version: int, digest:
     both when it made them (``compress``'s NaN/Inf pass is skipped). ``final``: see ``ReplicaState``;
     ``norms``, ``standing``: the merger's reference and the owner's standing per key (the newest
     ``MAX_NORM_HISTORY`` norms and the most recently seen ``MAX_STANDING`` keys are sent)."""
-    t, _ = compress(theta.detach().float().contiguous(), "none", copy=False, known_finite=known_finite)
-    m = ((compress(momentum.detach().float().contiguous(), "none", copy=False, known_finite=known_finite)[0],)
-         if momentum is not None else ())
+    t, _ = compress(
+        theta.detach().float().contiguous(), "none", copy=False, known_finite=known_finite
+    )
+    m = (
+        (
+            compress(
+                momentum.detach().float().contiguous(),
+                "none",
+                copy=False,
+                known_finite=known_finite,
+            )[0],
+        )
+        if momentum is not None
+        else ()
+    )
     recent = sorted((merged or {}).items(), key=lambda kv: kv[1], reverse=True)[:MAX_MERGED]
-    return ReplicaState(swarm=swarm, fragment=fragment, epoch=epoch, version=version, digest=digest,
-                        theta=(t,), momentum=m, merged_peers=tuple(k for k, _ in recent),
-                        merged_bases=tuple(min(v, version) for _, v in recent), final=final,
-                        norm_history=tuple(norms)[-MAX_NORM_HISTORY:], standing_peers=standing[0][-MAX_STANDING:],
-                        standing_scores=standing[1][-MAX_STANDING:])
+    return ReplicaState(
+        swarm=swarm,
+        fragment=fragment,
+        epoch=epoch,
+        version=version,
+        digest=digest,
+        theta=(t,),
+        momentum=m,
+        merged_peers=tuple(k for k, _ in recent),
+        merged_bases=tuple(min(v, version) for _, v in recent),
+        final=final,
+        norm_history=tuple(norms)[-MAX_NORM_HISTORY:],
+        standing_peers=standing[0][-MAX_STANDING:],
+        standing_scores=standing[1][-MAX_STANDING:],
+    )
 
 
 class NotAMemberThere(RemoteProtocolError):
@@ -105,10 +155,15 @@ class ReplicaStore:
         self.taken = 0
         self.refused = 0
         self.refusals: Counter[str] = Counter()  # handoffs refused (or claims ignored), by reason
-        self.took_from: dict[int, bytes] = {}  # the owner this peer's last pass saw before it owned p
+        self.took_from: dict[
+            int, bytes
+        ] = {}  # the owner this peer's last pass saw before it owned p
 
-    def decode(self, msg: ReplicaState, learned: tuple[int, bytes, torch.Tensor] | None = None,
-               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def decode(
+        self,
+        msg: ReplicaState,
+        learned: tuple[int, bytes, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A handoff's global fragment and momentum as fp32 vectors (touches no state here: it
         may run in a worker thread). An update applies over the state handed here before, or
         over ``learned``: ``(version, digest, flat)`` this peer's learner holds (every learner
@@ -124,7 +179,9 @@ class ReplicaStore:
         theta = flat_from_tensors(msg.theta, shape)
         return theta, (flat_from_tensors(msg.momentum, shape) if msg.momentum else None)
 
-    def _held_base(self, msg: ReplicaState, learned: tuple[int, bytes, torch.Tensor] | None) -> torch.Tensor:
+    def _held_base(
+        self, msg: ReplicaState, learned: tuple[int, bytes, torch.Tensor] | None
+    ) -> torch.Tensor:
         """The state of ``base_version`` with ``base_digest`` as this peer holds it, handed to it
         before (as a replica) or as its learner holds it (never written to); else ``BaseNotHeld``."""
         held = self.states.get(msg.fragment)
@@ -133,26 +190,36 @@ class ReplicaStore:
         if learned is not None and learned[:2] == (msg.base_version, msg.base_digest):
             return learned[2]
         what = "a handoff by reference to" if msg.base_version == msg.version else "an update over"
-        raise BaseNotHeld(f"{what} version {msg.base_version} of fragment {msg.fragment}, but this peer holds "
-                          f"{'no state' if held is None else f'version {held.version}'} of it with that digest: "
-                          "hand over the whole state")
+        raise BaseNotHeld(
+            f"{what} version {msg.base_version} of fragment {msg.fragment}, but this peer holds "
+            f"{'no state' if held is None else f'version {held.version}'} of it with that digest: "
+            "hand over the whole state"
+        )
 
-    def _apply_update(self, msg: ReplicaState, learned: tuple[int, bytes, torch.Tensor] | None) -> torch.Tensor:
+    def _apply_update(
+        self, msg: ReplicaState, learned: tuple[int, bytes, torch.Tensor] | None
+    ) -> torch.Tensor:
         """The state an update handoff gives over the one held: it must hash to its digest."""
         base = self._held_base(msg, learned)
         shapes = [tuple(t.shape) for t in msg.theta]
         if sum(int(torch.Size(s).numel()) for s in shapes) != self.numels[msg.fragment]:
-            raise DecodeError(f"the update's tensors do not add up to fragment {msg.fragment}'s "
-                              f"{self.numels[msg.fragment]} values")
+            raise DecodeError(
+                f"the update's tensors do not add up to fragment {msg.fragment}'s "
+                f"{self.numels[msg.fragment]} values"
+            )
         theta = apply_update(base, msg.theta, shapes, out=new_flat(base.numel()))
         if flat_digest(theta) != msg.digest:
-            raise DecodeError(f"fragment {msg.fragment}: the update over version {msg.base_version} does not "
-                              f"hash to version {msg.version}'s digest")
+            raise DecodeError(
+                f"fragment {msg.fragment}: the update over version {msg.base_version} does not "
+                f"hash to version {msg.version}'s digest"
+            )
         return theta
 
     def _check_fragment(self, msg: ReplicaState) -> None:
         if msg.swarm != self.swarm or not 0 <= msg.fragment < len(self.numels):
-            raise DecodeError(f"handoff for swarm {msg.swarm!r} fragment {msg.fragment}: not a fragment of this swarm")
+            raise DecodeError(
+                f"handoff for swarm {msg.swarm!r} fragment {msg.fragment}: not a fragment of this swarm"
+            )
 
     def hashes_to_digest(self, msg: ReplicaState, blobs_digest: bytes | None) -> bool:
         """Whether ``msg``'s state, as ``decode`` gives it, is known to hash to ``msg.digest``
@@ -161,36 +228,74 @@ class ReplicaStore:
         hash) or a reference to a state held here that was known so."""
         if msg.base_version == msg.version:
             held = self.states.get(msg.fragment)
-            return (held is not None and held.hashed
-                    and (held.version, held.digest) == (msg.base_version, msg.base_digest))
+            return (
+                held is not None
+                and held.hashed
+                and (held.version, held.digest) == (msg.base_version, msg.base_digest)
+            )
         if msg.base_version >= 0:
             return True
-        return (not msg.momentum and flat_is_wire_form(msg.theta)
-                and all(t.dtype == "float32" for t in msg.theta) and blobs_digest == msg.digest)
+        return (
+            not msg.momentum
+            and flat_is_wire_form(msg.theta)
+            and all(t.dtype == "float32" for t in msg.theta)
+            and blobs_digest == msg.digest
+        )
 
-    def offer(self, sender: bytes, msg: ReplicaState, *, successor: bool = False,
-              decoded: tuple[torch.Tensor, torch.Tensor | None] | None = None, hashed: bool = False) -> ReplicaAck:
+    def offer(
+        self,
+        sender: bytes,
+        msg: ReplicaState,
+        *,
+        successor: bool = False,
+        decoded: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+        hashed: bool = False,
+    ) -> ReplicaAck:
         """Judge and (if taken) keep one handoff (``successor``: see ``judge``); ``decoded``: its
         tensors from ``decode`` when the caller decoded them already (off its event loop);
         ``hashed``: what ``hashes_to_digest`` said of it. Raises ``DecodeError`` for a malformed one."""
         p = msg.fragment
         self._check_fragment(msg)
-        verdict = judge(self.held.get(p), epoch=msg.epoch, version=msg.version, digest=msg.digest, fragment=p,
-                        successor=successor)
+        verdict = judge(
+            self.held.get(p),
+            epoch=msg.epoch,
+            version=msg.version,
+            digest=msg.digest,
+            fragment=p,
+            successor=successor,
+        )
         held = self.held.get(p)
         if not verdict.accepted:
             self.refused += 1
             self.refusals["fenced" if verdict.reason.startswith("fenced") else "refused"] += 1
-            return ReplicaAck(accepted=False, reason=verdict.reason, epoch=held.epoch if held else -1,
-                              version=held.version if held else -1)
+            return ReplicaAck(
+                accepted=False,
+                reason=verdict.reason,
+                epoch=held.epoch if held else -1,
+                version=held.version if held else -1,
+            )
         theta, momentum = decoded if decoded is not None else self.decode(msg)
         merged = dict(zip(msg.merged_peers, msg.merged_bases, strict=True))
-        self.states[p] = Handed(p, msg.epoch, msg.version, msg.digest, theta, momentum, sender, merged, hashed,
-                                msg.final, msg.norm_history, (msg.standing_peers, msg.standing_scores))
+        self.states[p] = Handed(
+            p,
+            msg.epoch,
+            msg.version,
+            msg.digest,
+            theta,
+            momentum,
+            sender,
+            merged,
+            hashed,
+            msg.final,
+            msg.norm_history,
+            (msg.standing_peers, msg.standing_scores),
+        )
         held = self.held.get(p)
         self.held[p] = Held(max(msg.epoch, held.epoch if held else 0), msg.version, msg.digest)
         self.taken += 1
-        return ReplicaAck(accepted=True, reason=verdict.reason, epoch=msg.epoch, version=msg.version)
+        return ReplicaAck(
+            accepted=True, reason=verdict.reason, epoch=msg.epoch, version=msg.version
+        )
 
     def version_from(self, p: int, sender: bytes) -> Handed | None:
         """Fragment ``p``'s state as ``sender`` handed it here, else None: this peer's learner
@@ -221,12 +326,26 @@ class ReplicaStore:
             self.held[p] = Held(epoch, version, digest)
 
     def status(self) -> dict[str, object]:
-        return {"held": {str(p): {"epoch": h.epoch, "version": h.version} for p, h in self.held.items()},
-                "taken": self.taken, "refused": self.refused, "handoff_refusals": dict(self.refusals)}
+        return {
+            "held": {
+                str(p): {"epoch": h.epoch, "version": h.version} for p, h in self.held.items()
+            },
+            "taken": self.taken,
+            "refused": self.refused,
+            "handoff_refusals": dict(self.refusals),
+        }
 
 
-async def hand_over(transport: Transport, signer: Signer, target: tuple[bytes, str], msg: ReplicaState,
-                    replay: ReplayWindow, timeout_s: float = 30.0, *, blobs_digest: bytes | None = None) -> ReplicaAck:
+async def hand_over(
+    transport: Transport,
+    signer: Signer,
+    target: tuple[bytes, str],
+    msg: ReplicaState,
+    replay: ReplayWindow,
+    timeout_s: float = 30.0,
+    *,
+    blobs_digest: bytes | None = None,
+) -> ReplicaAck:
     """Send ``msg`` to ``target`` (peer id, URL) and return its signed answer. ``blobs_digest``:
     the BLAKE3 of ``msg``'s tensor bytes end to end when the caller knows it (see ``seal``).
 
@@ -236,22 +355,45 @@ async def hand_over(transport: Transport, signer: Signer, target: tuple[bytes, s
     transport's errors when it cannot be reached."""
     peer_id, url = target
     # hashing a whole fragment takes tens of ms: off the event loop
-    sealed = await asyncio.to_thread(seal, encode(msg), signer, now=time.time(), nonce=os.urandom(16),
-                                     recipient=peer_id, blobs_digest=blobs_digest)
-    status, buf, used, _ = await transport.request("POST", f"{url}/v1/rpc", chunks=sealed.iter_chunks(),
-                                                   size=sealed.size, timeout_s=timeout_s, max_reply=1 << 16,
-                                                   kind=type(msg).__name__)
+    sealed = await asyncio.to_thread(
+        seal,
+        encode(msg),
+        signer,
+        now=time.time(),
+        nonce=os.urandom(16),
+        recipient=peer_id,
+        blobs_digest=blobs_digest,
+    )
+    status, buf, used, _ = await transport.request(
+        "POST",
+        f"{url}/v1/rpc",
+        chunks=sealed.iter_chunks(),
+        size=sealed.size,
+        timeout_s=timeout_s,
+        max_reply=1 << 16,
+        kind=type(msg).__name__,
+    )
     try:
         if status != 200:
-            raise RemoteProtocolError(f"handoff refused unsigned ({status}): {bytes(memoryview(buf)[:used])[:300]!r}",
-                                      penalty=0.0)
-        opened = open_sealed(memoryview(buf)[:used], now=time.time(), replay=replay, max_size=1 << 16,
-                             expected_recipient=signer.peer_id)
+            raise RemoteProtocolError(
+                f"handoff refused unsigned ({status}): {bytes(memoryview(buf)[:used])[:300]!r}",
+                penalty=0.0,
+            )
+        opened = open_sealed(
+            memoryview(buf)[:used],
+            now=time.time(),
+            replay=replay,
+            max_size=1 << 16,
+            expected_recipient=signer.peer_id,
+        )
     finally:
         transport.pool.give(buf)
     if opened.peer_id != peer_id or not isinstance(opened.message, ReplicaAck):
-        raise RemoteProtocolError(f"handoff answered by {opened.peer_id.hex()[:8]} with "
-                                  f"{type(opened.message).__name__}, not by the replica", penalty=0.0)
+        raise RemoteProtocolError(
+            f"handoff answered by {opened.peer_id.hex()[:8]} with "
+            f"{type(opened.message).__name__}, not by the replica",
+            penalty=0.0,
+        )
     if not opened.message.accepted and opened.message.reason.startswith(NOT_A_MEMBER):
         raise NotAMemberThere(opened.message.reason, penalty=0.0)
     return opened.message

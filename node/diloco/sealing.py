@@ -57,8 +57,8 @@ class VersionSealing:
     _merged_base: dict[bytes, int]
 
     if TYPE_CHECKING:  # OwnerSuccession's
-        def holds_final(self) -> bool:
-            ...
+
+        def holds_final(self) -> bool: ...
 
         def _carried(self, version: int) -> Carried:  # FragmentOwner's
             ...
@@ -82,58 +82,119 @@ class VersionSealing:
         """What a learner holding version ``after`` should fetch of the latest version: the update
         over ``after`` when it asked for one and it exists (and the version is not one of every
         ``full_every`` that go out full), else the full state."""
-        if (update_ok and self.update is not None and after == self.version - 1
-                and not (full_every > 0 and self.version % full_every == 0)):
+        if (
+            update_ok
+            and self.update is not None
+            and after == self.version - 1
+            and not (full_every > 0 and self.version % full_every == 0)
+        ):
             return self.update
         return self.latest
 
     def _seal_update(self, version: int, tensors: Sequence[EncodedTensor], digest: bytes) -> Sealed:
         """Seal ``tensors`` as the update from ``version - 1`` to ``version``, whose state has ``digest``."""
-        msg = FragmentUpdate(swarm=self.swarm, fragment=self.fragment.index, version=version,
-                             base_version=version - 1, base_digest=self.digest_of(version - 1), state_digest=digest,
-                             tensors=tuple(tensors))
+        msg = FragmentUpdate(
+            swarm=self.swarm,
+            fragment=self.fragment.index,
+            version=version,
+            base_version=version - 1,
+            base_digest=self.digest_of(version - 1),
+            state_digest=digest,
+            tensors=tuple(tensors),
+        )
         return seal(encode(msg), self.signer, now=self.wall_clock(), nonce=os.urandom(16))
 
-    def _replica_state(self, version: int, digest: bytes, theta: torch.Tensor,
-                       buffer: torch.Tensor | None, merged: Mapping[bytes, int], *,
-                       known_finite: bool = False, final: bool = False, carry: Carried | None = None) -> ReplicaState:
+    def _replica_state(
+        self,
+        version: int,
+        digest: bytes,
+        theta: torch.Tensor,
+        buffer: torch.Tensor | None,
+        merged: Mapping[bytes, int],
+        *,
+        known_finite: bool = False,
+        final: bool = False,
+        carry: Carried | None = None,
+    ) -> ReplicaState:
         """``known_finite``: ``theta`` and ``buffer`` were checked for NaN/Inf when made (a merge's);
         ``final``: the version was handed out as final (``ReplicaState.final``); ``carry``: the
         reference and standing to hand on, taken on the event loop (``_carried``; taken here when
         None, so call it from the event loop then)."""
         norms, standing = carry if carry is not None else self._carried(version)
-        return encode_state(swarm=self.swarm, fragment=self.fragment.index, epoch=self.epoch, version=version,
-                            digest=digest, theta=theta, momentum=buffer, merged=merged, known_finite=known_finite,
-                            final=final, norms=norms, standing=standing)
+        return encode_state(
+            swarm=self.swarm,
+            fragment=self.fragment.index,
+            epoch=self.epoch,
+            version=version,
+            digest=digest,
+            theta=theta,
+            momentum=buffer,
+            merged=merged,
+            known_finite=known_finite,
+            final=final,
+            norms=norms,
+            standing=standing,
+        )
 
     def snapshot(self) -> ReplicaState:
         """The whole state at the latest version (handed to the successor when retiring), marked
         final while this owner holds that version final (``holds_final``)."""
         digest = self.digest_of(self.version)
-        return self._replica_state(self.version, digest, self.theta, self.buffer, dict(self._merged_base),
-                                   final=self.holds_final())
+        return self._replica_state(
+            self.version,
+            digest,
+            self.theta,
+            self.buffer,
+            dict(self._merged_base),
+            final=self.holds_final(),
+        )
 
     def state(self) -> Handed:
         """The whole state at the latest version, as held (for an owner checkpoint)."""
         norms, standing = self._carried(self.version)
-        return Handed(self.fragment.index, self.epoch, self.version, self.digest_of(self.version),
-                      self.theta, self.buffer, self.signer.peer_id, dict(self._merged_base), norms=norms,
-                      standing=standing)
+        return Handed(
+            self.fragment.index,
+            self.epoch,
+            self.version,
+            self.digest_of(self.version),
+            self.theta,
+            self.buffer,
+            self.signer.peer_id,
+            dict(self._merged_base),
+            norms=norms,
+            standing=standing,
+        )
 
-    def _seal_state(self, version: int, theta: torch.Tensor, *, known_finite: bool = False) -> tuple[Sealed, bytes, bytes]:
+    def _seal_state(
+        self, version: int, theta: torch.Tensor, *, known_finite: bool = False
+    ) -> tuple[Sealed, bytes, bytes]:
         """Seal ``theta`` as ``version`` (its tensors are views of ``theta``, which is never
         written to). Returns the sealed state and the two digests a learner may name it by: of
         the flat state as decoded (``flat_digest``; for ``none`` it is the content hash) and of
         the sealed message (a learner that took this version from the wire has verified that
         digest already; the same state always encodes to the same message bytes). ``known_finite``:
         ``theta`` was checked for NaN/Inf when it was made (a merge's result), not read again."""
-        tensors = encode_flat(theta, self.shapes, self.download_codec, copy=False, known_finite=known_finite)
+        tensors = encode_flat(
+            theta, self.shapes, self.download_codec, copy=False, known_finite=known_finite
+        )
         chash = content_hash(tensors)
         state = FragmentState(
-            swarm=self.swarm, fragment=self.fragment.index, version=version,
-            tensors=tuple(tensors), content_hash=chash,
+            swarm=self.swarm,
+            fragment=self.fragment.index,
+            version=version,
+            tensors=tuple(tensors),
+            content_hash=chash,
         )
-        sealed = seal(encode(state), self.signer, now=self.wall_clock(), nonce=os.urandom(16),
-                      blobs_digest=chash)  # the tensors are the message's blobs: hashed once
-        digest = chash if flat_is_wire_form(tensors) else flat_digest(flat_from_tensors(tensors, self.shapes))
+        sealed = seal(
+            encode(state),
+            self.signer,
+            now=self.wall_clock(),
+            nonce=os.urandom(16),
+            blobs_digest=chash,
+        )  # the tensors are the message's blobs: hashed once
+        digest = (
+            chash
+            if flat_is_wire_form(tensors)
+            else flat_digest(flat_from_tensors(tensors, self.shapes))
+        )
         return sealed, digest, sealed.digest

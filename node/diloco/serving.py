@@ -55,9 +55,17 @@ from protocol.wire.signing import Signer
 if TYPE_CHECKING:
     from node.dht.swarm import SwarmCredentials
 
-__all__ = ["MAX_ANONYMOUS_POLLS_PER_IP", "MAX_POLLS_PER_ADDRESS", "MAX_WAIT_S", "SharedReads", "VersionServing"]
+__all__ = [
+    "MAX_ANONYMOUS_POLLS_PER_IP",
+    "MAX_POLLS_PER_ADDRESS",
+    "MAX_WAIT_S",
+    "SharedReads",
+    "VersionServing",
+]
 
-FINAL_READ_S = 0.5  # how often final long-poll waiters (all of them, together) read the member records
+FINAL_READ_S = (
+    0.5  # how often final long-poll waiters (all of them, together) read the member records
+)
 MAX_WAIT_S = 30.0  # the longest a long-poll (/v1/fragments/p/next, /final) is held
 MAX_ANONYMOUS_POLLS_PER_IP = 64  # long-polls held at once for requests that name no key
 # long-polls held at once per address, keys or not, outside certified swarms: under the 128
@@ -77,8 +85,12 @@ class SharedReads:
     """One ``read`` (a membership refresh) at a time, at most one per ``period_s``, shared by
     everyone waiting for it: ``next_read`` returns once a read that began after the call ended."""
 
-    def __init__(self, read: Callable[[], Awaitable[object]], period_s: float = FINAL_READ_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        read: Callable[[], Awaitable[object]],
+        period_s: float = FINAL_READ_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.read, self.period_s, self.clock = read, period_s, clock
         self._lock = asyncio.Lock()
         self._last = -math.inf
@@ -146,7 +158,9 @@ class VersionServing:
     def _fragment_index(request: web.Request) -> int:
         text = request.match_info["p"]
         if not (text.isascii() and text.isdigit() and len(text) <= 9):  # int() also reads "٣" as 3
-            raise web.HTTPBadRequest(text="fragment index must be a non-negative integer in ASCII digits")
+            raise web.HTTPBadRequest(
+                text="fragment index must be a non-negative integer in ASCII digits"
+            )
         return int(text)
 
     def _fragment_owner(self, request: web.Request) -> FragmentOwner:
@@ -163,52 +177,96 @@ class VersionServing:
         owner = self._fragment_owner(request)
         if kind == "latest":
             self._count_served(request, owner.latest.size)
-            return await serve_sealed(request, self.transport, owner.latest,
-                                      etag=state_etag(owner.latest, owner.version))
+            return await serve_sealed(
+                request, self.transport, owner.latest, etag=state_etag(owner.latest, owner.version)
+            )
         after, wait_s = _long_poll_query(request)  # DecodeError: the transport answers 400
         if kind not in ("final", "next"):
-            return web.json_response({"error": "DecodeError", "reason": f"unknown kind {kind!r}"}, status=404)
+            return web.json_response(
+                {"error": "DecodeError", "reason": f"unknown kind {kind!r}"}, status=404
+            )
         with self._long_poll(request):
-            sealed = (await self._wait_final(owner, wait_s) if kind == "final"
-                      else await owner.wait_after(after, wait_s))
+            sealed = (
+                await self._wait_final(owner, wait_s)
+                if kind == "final"
+                else await owner.wait_after(after, wait_s)
+            )
         if sealed is None:
             return web.Response(status=204)
         update_ok = request.query.get("update") == "1"
-        if kind == "final" and update_ok and owner.version == after and _holds_same(request, owner, after):
-            return web.Response(status=FINAL_HELD_STATUS)  # the learner holds the final version already
+        if (
+            kind == "final"
+            and update_ok
+            and owner.version == after
+            and _holds_same(request, owner, after)
+        ):
+            return web.Response(
+                status=FINAL_HELD_STATUS
+            )  # the learner holds the final version already
         if update_ok:  # a learner holding version ``after`` may take the update over it
-            sealed = owner.sealed_after(after, update_ok=True, full_every=0 if kind == "final" else self.cfg.full_every)
+            sealed = owner.sealed_after(
+                after, update_ok=True, full_every=0 if kind == "final" else self.cfg.full_every
+            )
         p, asker = owner.fragment.index, requester(request, self._member_url)
-        if (kind == "next" and asker is not None and self.replica_took.get(p) == (owner.version, asker)
-                and owner.download_codec == "none" and request.query.get("fallback") != "1"):
+        if (
+            kind == "next"
+            and asker is not None
+            and self.replica_took.get(p) == (owner.version, asker)
+            and owner.download_codec == "none"
+            and request.query.get("fallback") != "1"
+        ):
             # the replica that took this version holds what its learner would download
             self.spread.replica_held += 1
-            return web.Response(status=REPLICA_HELD_STATUS, headers={VERSION_HEADER: str(owner.version)})
+            return web.Response(
+                status=REPLICA_HELD_STATUS, headers={VERSION_HEADER: str(owner.version)}
+            )
         decision: SpreadDecision = Serve("our own learner")
         if asker != self.signer.peer_id:  # our own learner's fetch never leaves the machine
             fanout = self._fanouts.get(p)
             if fanout is None:
-                fanout = self._fanouts[p] = Fanout(self.cfg.owner_fanout if self.cfg.spread_fanout else 0,
-                                                   max_uploads=self.cfg.owner_max_uploads)
+                fanout = self._fanouts[p] = Fanout(
+                    self.cfg.owner_fanout if self.cfg.spread_fanout else 0,
+                    max_uploads=self.cfg.owner_max_uploads,
+                )
             spent, owed = fanout.over_budget, owner.owes_resync(asker)
-            decision = fanout.decide(owner.version, asker, fallback=request.query.get("fallback") == "1",
-                                     size=sealed.size, unit=owner.latest.size,
-                                     must=kind == "final", direct=owed)
+            decision = fanout.decide(
+                owner.version,
+                asker,
+                fallback=request.query.get("fallback") == "1",
+                size=sealed.size,
+                unit=owner.latest.size,
+                must=kind == "final",
+                direct=owed,
+            )
             self.spread.over_budget += fanout.over_budget - spent
             if isinstance(decision, Serve):
                 self.spread.owner_bytes += sealed.size
                 self.spread.owned_version(p, owner.version, sealed.size)
         if isinstance(decision, Serve):
             self._count_served(request, sealed.size)
-        return await answer(request, self.transport, decision, sealed.iter_chunks, sealed.size, self.spread,
-                            version=owner.version)
+        return await answer(
+            request,
+            self.transport,
+            decision,
+            sealed.iter_chunks,
+            sealed.size,
+            self.spread,
+            version=owner.version,
+        )
 
     async def _on_held(self, request: web.Request) -> web.StreamResponse:
         p = self._fragment_index(request)
         after, wait_s = _long_poll_query(request)
         with self._long_poll(request):
-            return await self.holdings.serve(request, self.transport, p, after, wait_s,
-                                             requester(request, self._member_url), self.spread)
+            return await self.holdings.serve(
+                request,
+                self.transport,
+                p,
+                after,
+                wait_s,
+                requester(request, self._member_url),
+                self.spread,
+            )
 
     def _member_url(self, peer_id: bytes) -> str | None:
         """The address of a reachable member (None for anyone else): where holders are fetched from."""
@@ -223,9 +281,15 @@ class VersionServing:
         its address whatever the key; ``Busy`` (429) past a cap."""
         who = self._poller(request)
         if self._long_polls[who] >= self._long_poll_cap(who):
-            raise Busy(f"{self._long_polls[who]} long-polls from {who[:24]} are held already "
-                       f"(at most {self._long_poll_cap(who)}: two per fragment); retry later")
-        ip = None if self.credentials is not None and self.credentials.certified else (request.remote or "unknown")
+            raise Busy(
+                f"{self._long_polls[who]} long-polls from {who[:24]} are held already "
+                f"(at most {self._long_poll_cap(who)}: two per fragment); retry later"
+            )
+        ip = (
+            None
+            if self.credentials is not None and self.credentials.certified
+            else (request.remote or "unknown")
+        )
         if ip is not None and _loopback(ip):  # a local swarm: every peer polls from 127.0.0.1
             ip = None
         full = self._polls_by_address.refusal(ip) if ip is not None else None
@@ -263,14 +327,22 @@ class VersionServing:
 
     def _count_served(self, request: web.Request, size: int) -> None:
         admitted = request.get(ADMITTED)
-        key = admitted.public_key.hex() if admitted is not None and admitted.public_key else "anonymous"
+        key = (
+            admitted.public_key.hex()
+            if admitted is not None and admitted.public_key
+            else "anonymous"
+        )
         if key in self.model_bytes_served or len(self.model_bytes_served) < 4096:
             self.model_bytes_served[key] += size
 
     async def _on_manifest(self, request: web.Request) -> web.Response:
         owner = self._fragment_owner(request)
-        return await serve_manifest(request, owner.latest, etag=state_etag(owner.latest, owner.version),
-                                    cache=self._manifests)
+        return await serve_manifest(
+            request,
+            owner.latest,
+            etag=state_etag(owner.latest, owner.version),
+            cache=self._manifests,
+        )
 
     async def _wait_final(self, owner: FragmentOwner, wait_s: float) -> Any:
         """The final version, once no member is learning (members claiming to learn that have
@@ -295,8 +367,11 @@ class VersionServing:
         if self.membership is not None:
             waits.append(asyncio.ensure_future(self._final_reads.next_read()))
         try:
-            await asyncio.wait(waits, timeout=timeout_s if self.membership is not None else min(timeout_s, FINAL_READ_S),
-                               return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(
+                waits,
+                timeout=timeout_s if self.membership is not None else min(timeout_s, FINAL_READ_S),
+                return_when=asyncio.FIRST_COMPLETED,
+            )
         finally:
             for w in waits:
                 w.cancel()

@@ -33,12 +33,27 @@ from protocol.errors import DecodeError
 from protocol.ids import ID_BYTES, peer_id_from_public_key
 from protocol.wire.codec import chunk_views
 
-__all__ = ["FINAL_HELD_STATUS", "POINTER_STATUS", "REPLICA_HELD_STATUS", "UPDATE_NOT_HELD_STATUS", "VERSION_HEADER", "pointed_version", "Holdings", "SpreadStats", "answer", "encode_pointer", "parse_pointer", "requester"]
+__all__ = [
+    "FINAL_HELD_STATUS",
+    "POINTER_STATUS",
+    "REPLICA_HELD_STATUS",
+    "UPDATE_NOT_HELD_STATUS",
+    "VERSION_HEADER",
+    "pointed_version",
+    "Holdings",
+    "SpreadStats",
+    "answer",
+    "encode_pointer",
+    "parse_pointer",
+    "requester",
+]
 
 log = logging.getLogger(__name__)
 
 POINTER_STATUS = 303  # "See Other": fetch this version from the holders named in the body
-FINAL_HELD_STATUS = 304  # "Not Modified": the final version is the one the learner named (after, digest)
+FINAL_HELD_STATUS = (
+    304  # "Not Modified": the final version is the one the learner named (after, digest)
+)
 UPDATE_NOT_HELD_STATUS = 409  # the holder holds the version as an update over another one only
 REPLICA_HELD_STATUS = 208  # "Already Reported": the requester is the replica that took this version
 MAX_POINTER_BODY = 16 + MAX_POINTERS * (ID_BYTES + 4)
@@ -56,17 +71,27 @@ def pointed_version(headers: Mapping[str, str]) -> int | None:
 class SpreadStats:
     """What this peer uploaded of versions, and how it spread them."""
 
-    owner_bytes: int = 0  # versions uploaded as their owner to other peers (next, final; not joins' latest)
+    owner_bytes: int = (
+        0  # versions uploaded as their owner to other peers (next, final; not joins' latest)
+    )
     held_bytes: int = 0  # versions re-served as a holder
     pointers: int = 0  # requests pointed at other holders (owner and holder side)
     refused: int = 0  # requests refused (their share of a version was spent)
-    over_budget: int = 0  # owner side: requests past a version's upload budget (pointed elsewhere or refused)
+    over_budget: int = (
+        0  # owner side: requests past a version's upload budget (pointed elsewhere or refused)
+    )
     fallbacks_asked: int = 0  # learner side: the holders failed, the owner was asked again
-    refusals: int = 0  # learner side: a version refused for now (429; the owner's budget for it spent)
+    refusals: int = (
+        0  # learner side: a version refused for now (429; the owner's budget for it spent)
+    )
     from_holders: int = 0  # learner side: versions fetched from a holder, not the owner
     bad_from_holders: int = 0  # learner side: a holder served bytes that failed the checks
-    replica_held: int = 0  # owner side: learners told they hold the version as its replica (nothing sent)
-    published_bytes: int = 0  # owner side: sealed size of every distinct version published or served as owner
+    replica_held: int = (
+        0  # owner side: learners told they hold the version as its replica (nothing sent)
+    )
+    published_bytes: int = (
+        0  # owner side: sealed size of every distinct version published or served as owner
+    )
     _versions: set[tuple[int, int]] = field(default_factory=set, repr=False)
 
     def as_dict(self) -> dict[str, int]:
@@ -91,11 +116,21 @@ def parse_pointer(body: memoryview | bytes) -> list[bytes]:
     if len(body) > MAX_POINTER_BODY:
         raise DecodeError(f"pointer of {len(body)} bytes (at most {MAX_POINTER_BODY})")
     try:
-        ids = msgpack.unpackb(bytes(body), raw=False, strict_map_key=True, max_bin_len=ID_BYTES,
-                              max_array_len=MAX_POINTERS, max_str_len=0, max_map_len=0, max_ext_len=0)
+        ids = msgpack.unpackb(
+            bytes(body),
+            raw=False,
+            strict_map_key=True,
+            max_bin_len=ID_BYTES,
+            max_array_len=MAX_POINTERS,
+            max_str_len=0,
+            max_map_len=0,
+            max_ext_len=0,
+        )
     except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
         raise DecodeError(f"malformed pointer: {exc}") from None
-    if not isinstance(ids, list) or not all(isinstance(i, bytes) and len(i) == ID_BYTES for i in ids):
+    if not isinstance(ids, list) or not all(
+        isinstance(i, bytes) and len(i) == ID_BYTES for i in ids
+    ):
         raise DecodeError(f"a pointer is a list of at most {MAX_POINTERS} {ID_BYTES}-byte peer ids")
     return ids
 
@@ -109,15 +144,26 @@ def requester(request: web.Request, url_of: Callable[[bytes], str | None]) -> by
     return peer_id if url_of(peer_id) else None
 
 
-async def answer(request: web.Request, transport: Transport, decision: SpreadDecision,
-                 chunks: Callable[[], Iterator[memoryview]], size: int, stats: SpreadStats, *,
-                 version: int) -> web.StreamResponse:
+async def answer(
+    request: web.Request,
+    transport: Transport,
+    decision: SpreadDecision,
+    chunks: Callable[[], Iterator[memoryview]],
+    size: int,
+    stats: SpreadStats,
+    *,
+    version: int,
+) -> web.StreamResponse:
     """The reply a ``Fanout`` decision calls for (``chunks`` streams ``version`` when served; a
     pointer names it in ``VERSION_HEADER``, so a learner asking for a final version knows which)."""
     if isinstance(decision, PointTo):
         stats.pointers += 1
-        return web.Response(status=POINTER_STATUS, body=encode_pointer(decision.holders),
-                            content_type="application/msgpack", headers={VERSION_HEADER: str(version)})
+        return web.Response(
+            status=POINTER_STATUS,
+            body=encode_pointer(decision.holders),
+            content_type="application/msgpack",
+            headers={VERSION_HEADER: str(version)},
+        )
     if isinstance(decision, Refuse):
         stats.refused += 1
         log.info("version refused to %s: %s", request.remote, decision.reason)
@@ -166,8 +212,16 @@ class Holdings:
         held = self._held[p]
         return None if held is None else held.version
 
-    async def put(self, p: int, version: int, buf: bytearray, used: int, signer: bytes, *,
-                  base: int | None = None) -> None:
+    async def put(
+        self,
+        p: int,
+        version: int,
+        buf: bytearray,
+        used: int,
+        signer: bytes,
+        *,
+        base: int | None = None,
+    ) -> None:
         """Keep ``buf[:used]`` (verified, signed by the owner ``signer``) as fragment ``p``'s
         ``version``, an update over version ``base`` when given; this takes the buffer over (an
         older or equal version is given straight back to the pool)."""
@@ -186,12 +240,17 @@ class Holdings:
         if held.replaced and held.readers == 0:
             self.pool.give(held.buf)
 
-    async def wait_after(self, p: int, after: int, wait_s: float, signer: bytes | None = None) -> _Held | None:
+    async def wait_after(
+        self, p: int, after: int, wait_s: float, signer: bytes | None = None
+    ) -> _Held | None:
         """The held version of ``p`` once it is above ``after`` (and signed by ``signer``, when
         given: the owner the asker sees; views of ownership differ while it moves)."""
+
         def ready() -> bool:
             h = self._held[p]
-            return self._closed or (h is not None and h.version > after and (signer is None or h.signer == signer))
+            return self._closed or (
+                h is not None and h.version > after and (signer is None or h.signer == signer)
+            )
 
         async with self._changed:
             try:
@@ -201,8 +260,16 @@ class Holdings:
                 return None
         return None if self._closed else self._held[p]
 
-    async def serve(self, request: web.Request, transport: Transport, p: int, after: int, wait_s: float,
-                    who: bytes | None, stats: SpreadStats) -> web.StreamResponse:
+    async def serve(
+        self,
+        request: web.Request,
+        transport: Transport,
+        p: int,
+        after: int,
+        wait_s: float,
+        who: bytes | None,
+        stats: SpreadStats,
+    ) -> web.StreamResponse:
         """Answer ``GET /v1/fragments/{p}/held?after=A&wait=W[&owner=HEX]``: 204 when nothing above
         ``after`` (signed by ``owner``) came in time. Raises ``DecodeError`` for a bad ``owner``."""
         if not 0 <= p < len(self._held):
@@ -211,15 +278,28 @@ class Holdings:
         if held is None:
             return web.Response(status=204)
         if held.base is not None and (held.base != after or request.query.get("update") != "1"):
-            return web.json_response({"error": "UpdateNotHeld", "reason": f"version {held.version} of fragment {p} "
-                                      f"is held as an update over version {held.base} only; ask its owner"},
-                                     status=UPDATE_NOT_HELD_STATUS)
-        decision = self.fanouts[p].decide(held.version, who, fallback=request.query.get("fallback") == "1")
+            return web.json_response(
+                {
+                    "error": "UpdateNotHeld",
+                    "reason": f"version {held.version} of fragment {p} "
+                    f"is held as an update over version {held.base} only; ask its owner",
+                },
+                status=UPDATE_NOT_HELD_STATUS,
+            )
+        decision = self.fanouts[p].decide(
+            held.version, who, fallback=request.query.get("fallback") == "1"
+        )
         held.readers += 1
         try:
-            resp = await answer(request, transport, decision,
-                                lambda: chunk_views([memoryview(held.buf)[:held.used]], 1 << 20), held.used, stats,
-                                version=held.version)
+            resp = await answer(
+                request,
+                transport,
+                decision,
+                lambda: chunk_views([memoryview(held.buf)[: held.used]], 1 << 20),
+                held.used,
+                stats,
+                version=held.version,
+            )
         finally:
             held.readers -= 1
             self._release(held)

@@ -41,8 +41,9 @@ FINAL_HOLD_S = 120.0
 MAX_MEASURED_GAP = 4
 
 
-def measured_updates(then: torch.Tensor, then_version: int, now: torch.Tensor, now_version: int, *,
-                     lr: float) -> list[float]:
+def measured_updates(
+    then: torch.Tensor, then_version: int, now: torch.Tensor, now_version: int, *, lr: float
+) -> list[float]:
     """Per-version update norm estimates between two states of a fragment this peer holds (none
     when they are the same version, or too far apart to tell one update's size): what checks or
     seeds a new owner's clip reference (``protocol.diloco.reference``)."""
@@ -76,25 +77,27 @@ class OwnerSuccession:
     _wake: asyncio.Event
 
     if TYPE_CHECKING:  # FragmentOwner's and VersionSealing's
+
         @property
-        def merges_done(self) -> int:
-            ...
+        def merges_done(self) -> int: ...
 
-        async def _apply(self, decision: Decision) -> None:
-            ...
+        async def _apply(self, decision: Decision) -> None: ...
 
-        def start_reference(self, handed: Sequence[float], measured: Sequence[float] = ()) -> str:
-            ...
+        def start_reference(
+            self, handed: Sequence[float], measured: Sequence[float] = ()
+        ) -> str: ...
 
-        def take_standing(self, standing: tuple[tuple[bytes, ...], tuple[float, ...]]) -> None:
-            ...
+        def take_standing(self, standing: tuple[tuple[bytes, ...], tuple[float, ...]]) -> None: ...
 
-        def _seal_state(self, version: int, theta: torch.Tensor, *, known_finite: bool = False,
-                        ) -> tuple[Sealed, bytes, bytes]:
-            ...
+        def _seal_state(
+            self,
+            version: int,
+            theta: torch.Tensor,
+            *,
+            known_finite: bool = False,
+        ) -> tuple[Sealed, bytes, bytes]: ...
 
-        def _remember_digests(self, version: int, state_digest: bytes, *others: bytes) -> None:
-            ...
+        def _remember_digests(self, version: int, state_digest: bytes, *others: bytes) -> None: ...
 
     # --- starting from a predecessor -----------------------------------------------------------
     async def catch_up(self, version: int, flat: torch.Tensor) -> bool:
@@ -106,12 +109,17 @@ class OwnerSuccession:
         if version <= self.version or self.merges_done or self.merger.phase is Phase.MERGING:
             return False
         if flat.numel() != self.theta.numel() or not all_finite(flat):
-            log.warning("fragment %d: the previous owner's version %d is malformed; not taken",
-                        self.fragment.index, version)
+            log.warning(
+                "fragment %d: the previous owner's version %d is malformed; not taken",
+                self.fragment.index,
+                version,
+            )
             return False
         theta = flat.detach().float().clone()
         latest, *digests = await asyncio.to_thread(self._seal_state, version, theta)
-        measured = await asyncio.to_thread(self._measure_updates, self.theta, self.version, theta, version)
+        measured = await asyncio.to_thread(
+            self._measure_updates, self.theta, self.version, theta, version
+        )
         if version <= self.version or self.merges_done or self.merger.phase is Phase.MERGING:
             return False  # a merge or another catch-up ran while we sealed
         if not self.merger.reference():  # none handed: seed it from the updates between the two
@@ -124,8 +132,12 @@ class OwnerSuccession:
         self._remember_digests(version, *digests)
         async with self._changed:
             self._changed.notify_all()
-        log.info("fragment %d: caught up with the previous owner at version %d (%s)",
-                 self.fragment.index, version, decision.reason)
+        log.info(
+            "fragment %d: caught up with the previous owner at version %d (%s)",
+            self.fragment.index,
+            version,
+            decision.reason,
+        )
         await self._apply(decision)
         return True
 
@@ -136,21 +148,36 @@ class OwnerSuccession:
         if handed.version < self.version or self.merges_done or self.merger.phase is Phase.MERGING:
             return False
         theta = handed.theta.detach().float().clone()
-        latest, digest, message_digest = await asyncio.to_thread(self._seal_state, handed.version, theta)
-        measured = await asyncio.to_thread(self._measure_updates, self.theta, self.version, theta, handed.version)
+        latest, digest, message_digest = await asyncio.to_thread(
+            self._seal_state, handed.version, theta
+        )
+        measured = await asyncio.to_thread(
+            self._measure_updates, self.theta, self.version, theta, handed.version
+        )
         if handed.version < self.version or self.merges_done or self.merger.phase is Phase.MERGING:
             return False
         if digest != handed.digest:
-            log.warning("fragment %d: handed version %d does not hash to its digest; not taken",
-                        self.fragment.index, handed.version)
+            log.warning(
+                "fragment %d: handed version %d does not hash to its digest; not taken",
+                self.fragment.index,
+                handed.version,
+            )
             return False
         now = self.clock()
-        if handed.final and self.merger.count:  # late work: the predecessor's learners left without it
-            self.merger.drop_round(f"version {handed.version} was handed out as final by the previous owner",
-                                   now=now)
-        decision = self.merger.rebase(handed.version, now=now) if handed.version > self.version else None
+        if (
+            handed.final and self.merger.count
+        ):  # late work: the predecessor's learners left without it
+            self.merger.drop_round(
+                f"version {handed.version} was handed out as final by the previous owner", now=now
+            )
+        decision = (
+            self.merger.rebase(handed.version, now=now) if handed.version > self.version else None
+        )
         self.theta, self.version, self.latest = theta, handed.version, latest
-        self.update, self.residual = None, None  # the residual is not handed over: it starts at zero
+        self.update, self.residual = (
+            None,
+            None,
+        )  # the residual is not handed over: it starts at zero
         self.buffer = None if handed.momentum is None else handed.momentum.detach().float().clone()
         self.epoch = max(self.epoch, handed.epoch + 1)
         for peer, base in handed.merged.items():
@@ -163,18 +190,25 @@ class OwnerSuccession:
         self._remember_digests(handed.version, digest, message_digest)
         async with self._changed:
             self._changed.notify_all()
-        log.info("fragment %d: took over version %d with its momentum (epoch %d)", self.fragment.index,
-                 handed.version, self.epoch)
+        log.info(
+            "fragment %d: took over version %d with its momentum (epoch %d)",
+            self.fragment.index,
+            handed.version,
+            self.epoch,
+        )
         if handed.final:
             self.hold_final(handed.version)
         if (decision is None or decision.kind != "merge") and self.merger.held_until is not None:
-            decision = self.merger.hold_until(now, now=now)  # the predecessor's state is in: merge freely
+            decision = self.merger.hold_until(
+                now, now=now
+            )  # the predecessor's state is in: merge freely
         if decision is not None:
             await self._apply(decision)
         return True
 
-    def _measure_updates(self, then: torch.Tensor, then_version: int, now: torch.Tensor,
-                         now_version: int) -> list[float]:
+    def _measure_updates(
+        self, then: torch.Tensor, then_version: int, now: torch.Tensor, now_version: int
+    ) -> list[float]:
         return measured_updates(then, then_version, now, now_version, lr=self.outer_cfg.lr)
 
     def hold_first_merge(self, seconds: float) -> None:
@@ -210,8 +244,11 @@ class OwnerSuccession:
         ended their run took it from that owner, so work is refused here for the hold too."""
         if version != self.version:
             return
-        log.info("fragment %d: version %d was handed out as final by the previous owner; holding it final",
-                 self.fragment.index, version)
+        log.info(
+            "fragment %d: version %d was handed out as final by the previous owner; holding it final",
+            self.fragment.index,
+            version,
+        )
         newly = not self.holds_final()
         self.final_declared = (version, self.clock())
         if newly:
@@ -225,8 +262,11 @@ class OwnerSuccession:
 
     def holds_final(self) -> bool:
         """Whether the latest version was handed out as final and the hold has not lapsed."""
-        return (self.final_declared is not None and self.final_declared[0] == self.version
-                and self.final_hold() is not None)
+        return (
+            self.final_declared is not None
+            and self.final_declared[0] == self.version
+            and self.final_hold() is not None
+        )
 
     def final_hold(self) -> str | None:
         """Why a contribution is refused now: a final version was handed out under ``FINAL_HOLD_S``
@@ -237,9 +277,11 @@ class OwnerSuccession:
         age = self.clock() - at
         if age >= FINAL_HOLD_S:
             return None
-        return (f"fragment {self.fragment.index}: version {version} was handed out as final "
-                f"{age:.1f} s ago (the swarm's run ended); contribution not merged, "
-                f"take the final version instead")
+        return (
+            f"fragment {self.fragment.index}: version {version} was handed out as final "
+            f"{age:.1f} s ago (the swarm's run ended); contribution not merged, "
+            f"take the final version instead"
+        )
 
     async def retire(self, *, finish_merge_s: float = 0.0) -> None:
         """This peer no longer owns the fragment: release every long-poll (and close the log).

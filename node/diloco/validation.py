@@ -48,8 +48,15 @@ from protocol.diloco.validation import (
     judge,
 )
 
-__all__ = ["CallableEvaluator", "Check", "Evaluator", "OwnerValidation", "WindowEvaluator", "recheck",
-           "window_evaluator"]
+__all__ = [
+    "CallableEvaluator",
+    "Check",
+    "Evaluator",
+    "OwnerValidation",
+    "WindowEvaluator",
+    "recheck",
+    "window_evaluator",
+]
 
 log = logging.getLogger("atoll.validation")
 
@@ -60,14 +67,18 @@ class Evaluator(Protocol):
     pool: int  # how many windows there are to draw from
     digest: str  # what is evaluated on (the pinned slice's SHA-256), for the log
 
-    def losses(self, fragment: int, theta: torch.Tensor, windows: Sequence[int]) -> list[float]:
-        ...
+    def losses(self, fragment: int, theta: torch.Tensor, windows: Sequence[int]) -> list[float]: ...
 
 
 class _ModelCopy:
     """A frozen copy of an island's model whose fragments are set from flat vectors."""
 
-    def __init__(self, model: nn.Module, plan: FragmentPlan, held: Callable[[], Sequence[torch.Tensor]] | None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        plan: FragmentPlan,
+        held: Callable[[], Sequence[torch.Tensor]] | None,
+    ) -> None:
         """``held``: the other fragments (flat fp32, one per fragment), read at each evaluation;
         None: ``model``'s own parameters as they are then (the island's trained weights)."""
         self.model = copy.deepcopy(model).eval().requires_grad_(False)
@@ -88,23 +99,35 @@ class _ModelCopy:
                 for param, src in zip(params, self.live[p], strict=True):
                     param.copy_(src.detach())
                 continue
-            flat = theta if p == fragment or held is None else held[p]  # held is None only for ``fragment`` here
+            flat = (
+                theta if p == fragment or held is None else held[p]
+            )  # held is None only for ``fragment`` here
             offset = 0
             for param in params:
                 n = param.numel()
-                param.copy_(flat[offset:offset + n].view_as(param))
+                param.copy_(flat[offset : offset + n].view_as(param))
                 offset += n
 
 
 class WindowEvaluator:
     """Cross-entropy per window of a pinned validation slice (see the module docstring)."""
 
-    def __init__(self, model: nn.Module, plan: FragmentPlan, held: Callable[[], Sequence[torch.Tensor]] | None,
-                 data: torch.Tensor, *, block_size: int, batch: int = 16) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        plan: FragmentPlan,
+        held: Callable[[], Sequence[torch.Tensor]] | None,
+        data: torch.Tensor,
+        *,
+        block_size: int,
+        batch: int = 16,
+    ) -> None:
         """``data``: the validation slice, uint8 (n,). Raises ``ValueError`` when it is shorter
         than one window."""
         if data.numel() <= block_size + 1:
-            raise ValueError(f"a validation slice of {data.numel()} bytes holds no window of {block_size + 1}")
+            raise ValueError(
+                f"a validation slice of {data.numel()} bytes holds no window of {block_size + 1}"
+            )
         self.copy = _ModelCopy(model, plan, held)
         self.data, self.block_size, self.batch = data, block_size, batch
         self.pool = data.numel() - block_size - 1  # window i starts at byte i
@@ -119,10 +142,12 @@ class WindowEvaluator:
         with self.copy.lock:
             self.copy.load(fragment, theta)
             for b in range(0, len(starts), self.batch):
-                idx = starts[b:b + self.batch, None] + self._offsets  # (B, T+1)
+                idx = starts[b : b + self.batch, None] + self._offsets  # (B, T+1)
                 window = self.data[idx].to(device=device, dtype=torch.long)  # (B, T+1) int64
                 logits, _ = self.copy.model(window[:, :-1], None)  # (B, T, vocab)
-                loss = F.cross_entropy(logits.float().transpose(1, 2), window[:, 1:], reduction="none")  # (B, T)
+                loss = F.cross_entropy(
+                    logits.float().transpose(1, 2), window[:, 1:], reduction="none"
+                )  # (B, T)
                 out.extend(loss.mean(dim=1).tolist())
         return out
 
@@ -132,8 +157,15 @@ class CallableEvaluator:
 
     pool = 1 << 30  # the windows only number the repeats: the callable draws its own batches
 
-    def __init__(self, model: nn.Module, plan: FragmentPlan, held: Callable[[], Sequence[torch.Tensor]] | None,
-                 validate: Callable[[nn.Module], float], *, repeats: int = 4) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        plan: FragmentPlan,
+        held: Callable[[], Sequence[torch.Tensor]] | None,
+        validate: Callable[[nn.Module], float],
+        *,
+        repeats: int = 4,
+    ) -> None:
         if repeats < 2:
             raise ValueError(f"validation needs at least 2 repeats to measure noise, got {repeats}")
         self.copy = _ModelCopy(model, plan, held)
@@ -160,8 +192,13 @@ class Check:
 class OwnerValidation:
     """One owner's checks of its candidates (``protocol.diloco.validation`` for the theory)."""
 
-    def __init__(self, evaluator: Evaluator, config: ValidationConfig = ValidationConfig(),
-                 rng: random.Random | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(
+        self,
+        evaluator: Evaluator,
+        config: ValidationConfig = ValidationConfig(),
+        rng: random.Random | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
         """``rng``: the owner's own randomness for window seeds and which merges to check (a
         fresh ``random.SystemRandom`` unless a test passes a seeded one)."""
         self.evaluator, self.config, self.clock = evaluator, config, clock
@@ -170,13 +207,21 @@ class OwnerValidation:
         self.checks = self.rejected = 0
         self.seconds = 0.0
 
-    def check(self, fragment: int, version: int, current: torch.Tensor, candidate: torch.Tensor,
-              alone: Callable[[], Mapping[bytes, torch.Tensor]]) -> Check | None:
+    def check(
+        self,
+        fragment: int,
+        version: int,
+        current: torch.Tensor,
+        candidate: torch.Tensor,
+        alone: Callable[[], Mapping[bytes, torch.Tensor]],
+    ) -> Check | None:
         """Check ``candidate`` (to be published as ``version``) against ``current``; ``alone``
         gives, per sender, the candidate with only its work applied (asked for only when the
         candidate does not improve beyond noise: ``protocol.diloco.validation.judge``). None when
         this merge is not one of those checked (``config.every``)."""
-        if not (self._recheck or self.config.every == 1 or self.rng.random() * self.config.every < 1.0):
+        if not (
+            self._recheck or self.config.every == 1 or self.rng.random() * self.config.every < 1.0
+        ):
             return None
         t0 = self.clock()
         seed = draw_seed(self.rng)
@@ -188,20 +233,36 @@ class OwnerValidation:
         if not verdict.publish:
             thetas = alone()
             # one sender's work alone is the candidate: its losses are measured already
-            scored = ({peer: after for peer in thetas} if len(thetas) == 1 else
-                      {peer: self.evaluator.losses(fragment, theta, windows) for peer, theta in thetas.items()})
+            scored = (
+                {peer: after for peer in thetas}
+                if len(thetas) == 1
+                else {
+                    peer: self.evaluator.losses(fragment, theta, windows)
+                    for peer, theta in thetas.items()
+                }
+            )
             verdict = judge(before, after, scored, self.config)
         seconds = self.clock() - t0
         self.checks += 1
         self.rejected += int(not verdict.publish)
         self.seconds += seconds
         self._recheck = not verdict.publish
-        record = {"kind": "validation", "version": version, "seed": seed, "pool": self.evaluator.pool,
-                  "windows": list(windows), "data": self.evaluator.digest, "config": dataclasses.asdict(self.config),
-                  "before": before, "candidate": after,
-                  "alone": None if scored is None else {p.hex(): v for p, v in sorted(scored.items())},
-                  "publish": verdict.publish, "drop": sorted(p.hex() for p in verdict.drop),
-                  "helped": sorted(p.hex() for p in verdict.helped), "reason": verdict.reason}
+        record = {
+            "kind": "validation",
+            "version": version,
+            "seed": seed,
+            "pool": self.evaluator.pool,
+            "windows": list(windows),
+            "data": self.evaluator.digest,
+            "config": dataclasses.asdict(self.config),
+            "before": before,
+            "candidate": after,
+            "alone": None if scored is None else {p.hex(): v for p, v in sorted(scored.items())},
+            "publish": verdict.publish,
+            "drop": sorted(p.hex() for p in verdict.drop),
+            "helped": sorted(p.hex() for p in verdict.helped),
+            "reason": verdict.reason,
+        }
         return Check(verdict, record, seconds)
 
 
@@ -213,28 +274,55 @@ def recheck(record: Mapping[str, Any]) -> list[str]:
         # a record from before ``rule`` was logged was judged by rule 1
         config = ValidationConfig(**{"rule": 1, **record["config"]})
         windows = draw_windows(int(record["pool"]), config.windows, int(record["seed"]))
-        before, after = [float(x) for x in record["before"]], [float(x) for x in record["candidate"]]
+        before, after = (
+            [float(x) for x in record["before"]],
+            [float(x) for x in record["candidate"]],
+        )
         alone = record["alone"]
-        scored = None if alone is None else {bytes.fromhex(p): [float(x) for x in v] for p, v in alone.items()}
+        scored = (
+            None
+            if alone is None
+            else {bytes.fromhex(p): [float(x) for x in v] for p, v in alone.items()}
+        )
         verdict = judge(before, after, scored, config)
     except (KeyError, TypeError, AttributeError) as exc:
         raise ValueError(f"not a validation record as an owner writes it ({exc!r})") from None
-    got = {"windows": list(windows), "publish": verdict.publish, "drop": sorted(p.hex() for p in verdict.drop),
-           "helped": sorted(p.hex() for p in verdict.helped), "reason": verdict.reason}
-    return [f"version {record.get('version')}: {key} logged {record.get(key)!r:.80}, recomputed {value!r:.80}"
-            for key, value in got.items() if record.get(key) != value]
+    got = {
+        "windows": list(windows),
+        "publish": verdict.publish,
+        "drop": sorted(p.hex() for p in verdict.drop),
+        "helped": sorted(p.hex() for p in verdict.helped),
+        "reason": verdict.reason,
+    }
+    return [
+        f"version {record.get('version')}: {key} logged {record.get(key)!r:.80}, recomputed {value!r:.80}"
+        for key, value in got.items()
+        if record.get(key) != value
+    ]
 
 
-def window_evaluator(model: nn.Module, plan: FragmentPlan, held: Callable[[], Sequence[torch.Tensor]] | None,
-                     data: torch.Tensor, *, block_size: int, windows: int) -> WindowEvaluator | None:
+def window_evaluator(
+    model: nn.Module,
+    plan: FragmentPlan,
+    held: Callable[[], Sequence[torch.Tensor]] | None,
+    data: torch.Tensor,
+    *,
+    block_size: int,
+    windows: int,
+) -> WindowEvaluator | None:
     """The built-in workload's evaluator, or None (logged: validation is then off) when ``windows``
     is 0 or the validation slice is too small for a pool far larger than one check."""
     if windows <= 0:
         return None
     pool = data.numel() - block_size - 1
     if pool < MIN_POOL_RATIO * windows:
-        log.warning("validated publication is off: the validation slice holds %d windows, fewer than %d "
-                    "(%d checks of %d); use a bigger corpus", max(pool, 0), MIN_POOL_RATIO * windows,
-                    MIN_POOL_RATIO, windows)
+        log.warning(
+            "validated publication is off: the validation slice holds %d windows, fewer than %d "
+            "(%d checks of %d); use a bigger corpus",
+            max(pool, 0),
+            MIN_POOL_RATIO * windows,
+            MIN_POOL_RATIO,
+            windows,
+        )
         return None
     return WindowEvaluator(model, plan, held, data, block_size=block_size)

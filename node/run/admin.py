@@ -17,7 +17,7 @@ import json
 import sys
 import time
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -52,39 +52,82 @@ class UsageError(ValueError):
 # --- the parsers -----------------------------------------------------------------------------
 def add_admin_commands(sub: Any) -> None:
     """Add ``keygen`` and ``swarm`` (with its sub-commands) to the ``atoll`` sub-parsers."""
-    keygen = sub.add_parser("keygen", help="make an Ed25519 key (PEM, mode 0600) and print its public key")
-    keygen.add_argument("--out", type=Path, required=True, metavar="KEY", help="where to write the key")
-    keygen.add_argument("--json", action="store_true", help='print {"public_key", "peer_id"} as JSON')
+    keygen = sub.add_parser(
+        "keygen", help="make an Ed25519 key (PEM, mode 0600) and print its public key"
+    )
+    keygen.add_argument(
+        "--out", type=Path, required=True, metavar="KEY", help="where to write the key"
+    )
+    keygen.add_argument(
+        "--json", action="store_true", help='print {"public_key", "peer_id"} as JSON'
+    )
     keygen.add_argument("--force", action="store_true", help="overwrite an existing key file")
 
-    swarm = sub.add_parser("swarm", help="found and administer a certified swarm (manifest, authorities, "
-                                         "certificates, revocations)")
+    swarm = sub.add_parser(
+        "swarm",
+        help="found and administer a certified swarm (manifest, authorities, "
+        "certificates, revocations)",
+    )
     cmds = swarm.add_subparsers(dest="swarm_command", required=True)
     _add_init(cmds)
-    add = cmds.add_parser("add-authority", help="let a lab's authority key certify peers (founder only)")
+    add = cmds.add_parser(
+        "add-authority", help="let a lab's authority key certify peers (founder only)"
+    )
     add.add_argument("manifest", type=Path, help="the swarm manifest (rewritten in place)")
-    add.add_argument("--founder", type=Path, required=True, metavar="KEY", help="the founder's key file")
+    add.add_argument(
+        "--founder", type=Path, required=True, metavar="KEY", help="the founder's key file"
+    )
     add.add_argument("--lab", required=True, help="the lab's name")
-    add.add_argument("--key", required=True, metavar="PUBKEY", help="the authority's public key (hex) or key file")
+    add.add_argument(
+        "--key",
+        required=True,
+        metavar="PUBKEY",
+        help="the authority's public key (hex) or key file",
+    )
 
     cert = cmds.add_parser("certify", help="certify a peer's key as a lab's authority")
     cert.add_argument("--manifest", type=Path, required=True, help="the swarm manifest")
-    cert.add_argument("--authority", type=Path, required=True, metavar="KEY", help="the authority's key file")
-    cert.add_argument("--peer", required=True, metavar="PUBKEY", help="the peer's public key (hex) or key file")
-    cert.add_argument("--roles", required=True, help="comma-separated roles: learner, owner or learner,owner")
-    cert.add_argument("--days", default="30", help="validity in days; fractions allowed (default: 30)")
-    cert.add_argument("--out", type=Path, required=True, metavar="CERT", help="where to write the certificate")
+    cert.add_argument(
+        "--authority", type=Path, required=True, metavar="KEY", help="the authority's key file"
+    )
+    cert.add_argument(
+        "--peer", required=True, metavar="PUBKEY", help="the peer's public key (hex) or key file"
+    )
+    cert.add_argument(
+        "--roles", required=True, help="comma-separated roles: learner, owner or learner,owner"
+    )
+    cert.add_argument(
+        "--days", default="30", help="validity in days; fractions allowed (default: 30)"
+    )
+    cert.add_argument(
+        "--out", type=Path, required=True, metavar="CERT", help="where to write the certificate"
+    )
 
-    rev = cmds.add_parser("revoke", help="revoke a peer's key (founder only; bumps the manifest version)")
+    rev = cmds.add_parser(
+        "revoke", help="revoke a peer's key (founder only; bumps the manifest version)"
+    )
     rev.add_argument("manifest", type=Path, help="the swarm manifest (rewritten in place)")
-    rev.add_argument("--founder", type=Path, required=True, metavar="KEY", help="the founder's key file")
-    rev.add_argument("--peer", required=True, metavar="PUBKEY", help="the key to revoke (hex) or its key file")
+    rev.add_argument(
+        "--founder", type=Path, required=True, metavar="KEY", help="the founder's key file"
+    )
+    rev.add_argument(
+        "--peer", required=True, metavar="PUBKEY", help="the key to revoke (hex) or its key file"
+    )
 
-    pub = cmds.add_parser("publish", help="hand a (newer) manifest to a member; it spreads from there")
+    pub = cmds.add_parser(
+        "publish", help="hand a (newer) manifest to a member; it spreads from there"
+    )
     pub.add_argument("manifest", type=Path, help="the swarm manifest")
-    pub.add_argument("--peer", required=True, metavar="URL", help="a member's address, e.g. http://host:port")
-    pub.add_argument("--founder", type=Path, required=True, metavar="KEY",
-                     help="the founder's key file: members take a manifest post only with its signature")
+    pub.add_argument(
+        "--peer", required=True, metavar="URL", help="a member's address, e.g. http://host:port"
+    )
+    pub.add_argument(
+        "--founder",
+        type=Path,
+        required=True,
+        metavar="KEY",
+        help="the founder's key file: members take a manifest post only with its signature",
+    )
 
     show = cmds.add_parser("show", help="print what a manifest says (its signature verified)")
     show.add_argument("manifest", type=Path, help="the swarm manifest")
@@ -94,9 +137,15 @@ def add_admin_commands(sub: Any) -> None:
 def _add_init(cmds: Any) -> None:
     init = cmds.add_parser("init", help="found a swarm: write its signed manifest")
     init.add_argument("--name", required=True, help="the swarm's name")
-    init.add_argument("--founder", type=Path, required=True, metavar="KEY", help="the founder's key file")
-    init.add_argument("--admission", choices=ADMISSIONS, default="open",
-                      help="open: anyone may learn, certified peers own; certified: every peer needs a certificate")
+    init.add_argument(
+        "--founder", type=Path, required=True, metavar="KEY", help="the founder's key file"
+    )
+    init.add_argument(
+        "--admission",
+        choices=ADMISSIONS,
+        default="open",
+        help="open: anyone may learn, certified peers own; certified: every peer needs a certificate",
+    )
     init.add_argument("--out", type=Path, required=True, help="where to write the manifest")
     init.add_argument("--force", action="store_true", help="overwrite an existing manifest")
     recipe = init.add_argument_group("recipe (shared by every peer of the swarm)")
@@ -106,10 +155,19 @@ def _add_init(cmds: Any) -> None:
         if action.dest in RECIPE_FIELDS:
             text = action.help or ""
             if action.dest in SCHEDULE_FIELDS:  # before " (default: ...)"
-                text = text.replace(" (default", "; part of the swarm's learning-rate schedule, which "
-                                    "atoll join follows unless given its own (default", 1)
-            recipe.add_argument(*action.option_strings, dest=action.dest, type=action.type,
-                                default=action.default, help=text)
+                text = text.replace(
+                    " (default",
+                    "; part of the swarm's learning-rate schedule, which "
+                    "atoll join follows unless given its own (default",
+                    1,
+                )
+            recipe.add_argument(
+                *action.option_strings,
+                dest=action.dest,
+                type=action.type,
+                default=action.default,
+                help=text,
+            )
 
 
 # --- running them ----------------------------------------------------------------------------
@@ -126,7 +184,9 @@ def run_admin(args: argparse.Namespace) -> int:
     except RemoteProtocolError as exc:
         return _fail(name, exc.reason, 1)
     except OSError as exc:
-        return _fail(name, f"{exc.strerror or exc}" + (f": {exc.filename}" if exc.filename else ""), 1)
+        return _fail(
+            name, f"{exc.strerror or exc}" + (f": {exc.filename}" if exc.filename else ""), 1
+        )
 
 
 def _fail(name: str, message: str, code: int) -> int:
@@ -147,11 +207,18 @@ def _keygen(args: argparse.Namespace) -> int:
 
 def _init(args: argparse.Namespace) -> int:
     if args.out.exists() and not args.force:
-        raise IdentityError(f"{args.out} already exists; pass --force to overwrite it "
-                            "(or edit it with add-authority / revoke)")
+        raise IdentityError(
+            f"{args.out} already exists; pass --force to overwrite it "
+            "(or edit it with add-authority / revoke)"
+        )
     founder = load_key(args.founder)
-    manifest = SwarmManifest(name=args.name, founder=founder.public_key, admission=args.admission,
-                             created=time.time(), recipe=recipe_of(_recipe_config(args)))
+    manifest = SwarmManifest(
+        name=args.name,
+        founder=founder.public_key,
+        admission=args.admission,
+        created=time.time(),
+        recipe=recipe_of(_recipe_config(args)),
+    )
     save_manifest(manifest.signed(founder), args.out)
     print(manifest.swarm_id)
     print(f"wrote {args.out}: swarm {args.name}, admission {args.admission}, version 1")
@@ -176,8 +243,10 @@ def _recipe_config(args: argparse.Namespace) -> RunConfig:
 def _founder_of(manifest: SwarmManifest, path: Path) -> Signer:
     founder = load_key(path)
     if founder.public_key != manifest.founder:
-        raise IdentityError(f"{path} is not the founder's key of swarm {manifest.name} (founder "
-                            f"{manifest.founder.hex()}); only the founder may edit its manifest")
+        raise IdentityError(
+            f"{path} is not the founder's key of swarm {manifest.name} (founder "
+            f"{manifest.founder.hex()}); only the founder may edit its manifest"
+        )
     return founder
 
 
@@ -186,10 +255,14 @@ def _add_authority(args: argparse.Namespace) -> int:
     founder = _founder_of(manifest, args.founder)
     key = public_key_from_arg(args.key)
     if key in manifest.revoked:
-        raise IdentityError(f"key {key.hex()} is revoked in this swarm; make a new key for lab {args.lab}")
+        raise IdentityError(
+            f"key {key.hex()} is revoked in this swarm; make a new key for lab {args.lab}"
+        )
     newer = manifest.with_authority(args.lab, key).signed(founder)
     save_manifest(newer, args.manifest)
-    print(f"lab {args.lab} (authority {key.hex()}) added; {args.manifest} is now version {newer.version}")
+    print(
+        f"lab {args.lab} (authority {key.hex()}) added; {args.manifest} is now version {newer.version}"
+    )
     return 0
 
 
@@ -198,12 +271,16 @@ def _revoke(args: argparse.Namespace) -> int:
     founder = _founder_of(manifest, args.founder)
     key = public_key_from_arg(args.peer)
     if key in manifest.revoked:
-        print(f"{key.hex()} is already revoked; {args.manifest} stays at version {manifest.version}")
+        print(
+            f"{key.hex()} is already revoked; {args.manifest} stays at version {manifest.version}"
+        )
         return 0
     newer = manifest.with_revoked(key).signed(founder)
     save_manifest(newer, args.manifest)
-    print(f"revoked {key.hex()}; {args.manifest} is now version {newer.version} "
-          f"(hand it to a member: atoll swarm publish {args.manifest} --peer URL)")
+    print(
+        f"revoked {key.hex()}; {args.manifest} is now version {newer.version} "
+        f"(hand it to a member: atoll swarm publish {args.manifest} --peer URL)"
+    )
     return 0
 
 
@@ -213,15 +290,25 @@ def _certify(args: argparse.Namespace) -> int:
     subject = public_key_from_arg(args.peer)
     roles, days = _parse_roles(args.roles), _parse_days(args.days)
     if subject in manifest.revoked:
-        raise IdentityError(f"key {subject.hex()} is revoked in swarm {manifest.name} "
-                            f"(manifest version {manifest.version}); the peer needs a new key")
+        raise IdentityError(
+            f"key {subject.hex()} is revoked in swarm {manifest.name} "
+            f"(manifest version {manifest.version}); the peer needs a new key"
+        )
     now = time.time()
-    cert = Certificate.issue(authority, manifest=manifest, subject=subject, roles=roles,
-                             not_before=now - CLOCK_SKEW_S, not_after=now + days * 86400.0)
+    cert = Certificate.issue(
+        authority,
+        manifest=manifest,
+        subject=subject,
+        roles=roles,
+        not_before=now - CLOCK_SKEW_S,
+        not_after=now + days * 86400.0,
+    )
     save_certificate(cert, args.out)
-    expiry = datetime.fromtimestamp(cert.not_after, tz=timezone.utc).isoformat(timespec="seconds")
-    print(f"certified {subject.hex()} for lab {cert.lab}, roles {','.join(cert.roles)}, "
-          f"valid until {expiry}; wrote {args.out}")
+    expiry = datetime.fromtimestamp(cert.not_after, tz=UTC).isoformat(timespec="seconds")
+    print(
+        f"certified {subject.hex()} for lab {cert.lab}, roles {','.join(cert.roles)}, "
+        f"valid until {expiry}; wrote {args.out}"
+    )
     return 0
 
 
@@ -238,8 +325,10 @@ def _parse_days(text: str) -> float:
     except ValueError:
         days = float("nan")
     if not 0 < days < 36500:
-        raise UsageError(f"--days {text!r}: expected a positive number of days below 36500 "
-                         "(fractions allowed: 0.0001 is about 9 s)")
+        raise UsageError(
+            f"--days {text!r}: expected a positive number of days below 36500 "
+            "(fractions allowed: 0.0001 is about 9 s)"
+        )
     return days
 
 
@@ -256,17 +345,26 @@ def _publish(args: argparse.Namespace) -> int:
         # a certified peer's TLS certificate is self-signed: the manifest proves itself (the founder's
         # signature), so the publisher needs no pin to hand it over. The whole answer within the
         # timeout: a peer trickling it a byte a second does not hold the command
-        status, got = http_fetch(base + MANIFEST_PATH, method="POST", body=body, limit=65536,
-                                 headers={"Content-Type": "application/toml",
-                                          **manifest_post_headers(founder, manifest, body)},
-                                 timeout=PUBLISH_TIMEOUT_S)
+        status, got = http_fetch(
+            base + MANIFEST_PATH,
+            method="POST",
+            body=body,
+            limit=65536,
+            headers={
+                "Content-Type": "application/toml",
+                **manifest_post_headers(founder, manifest, body),
+            },
+            timeout=PUBLISH_TIMEOUT_S,
+        )
     except TimeoutError:
         raise IdentityError(f"{base} did not answer within {PUBLISH_TIMEOUT_S:.0f} s") from None
     except OSError as exc:
         raise IdentityError(f"could not reach {base}: {exc.strerror or exc}") from None
     answer = got.decode(errors="replace").strip()
     if status >= 400:
-        raise IdentityError(f"{base} refused the manifest: {status} {_reason(answer or str(status))}")
+        raise IdentityError(
+            f"{base} refused the manifest: {status} {_reason(answer or str(status))}"
+        )
     print(answer or f"{base} took the manifest")
     return 0
 
@@ -288,7 +386,9 @@ def _show(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
-    print(f"swarm {info['name']} id {info['id']} version {info['version']} admission {info['admission']}")
+    print(
+        f"swarm {info['name']} id {info['id']} version {info['version']} admission {info['admission']}"
+    )
     print(f"  founder {info['founder']}")
     for a in info["authorities"]:
         print(f"  authority {a['lab']}: {a['public_key']}")
@@ -299,10 +399,17 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _describe(m: SwarmManifest) -> dict[str, Any]:
-    return {"id": m.swarm_id, "name": m.name, "version": m.version, "admission": m.admission,
-            "created": m.created, "founder": m.founder.hex(),
-            "authorities": [{"lab": a.lab, "public_key": a.public_key.hex()} for a in m.authorities],
-            "revoked": sorted(k.hex() for k in m.revoked), "recipe": dict(m.recipe)}
+    return {
+        "id": m.swarm_id,
+        "name": m.name,
+        "version": m.version,
+        "admission": m.admission,
+        "created": m.created,
+        "founder": m.founder.hex(),
+        "authorities": [{"lab": a.lab, "public_key": a.public_key.hex()} for a in m.authorities],
+        "revoked": sorted(k.hex() for k in m.revoked),
+        "recipe": dict(m.recipe),
+    }
 
 
 _HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {

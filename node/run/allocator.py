@@ -52,7 +52,9 @@ def tune_allocator() -> bool:
     if _tuned is not None:
         return _tuned
     _tuned = False
-    if os.environ.get("ATOLL_MALLOC", "").strip().lower() == "default" or not sys.platform.startswith("linux"):
+    if os.environ.get(
+        "ATOLL_MALLOC", ""
+    ).strip().lower() == "default" or not sys.platform.startswith("linux"):
         return False
     try:
         libc = ctypes.CDLL(None)
@@ -61,18 +63,37 @@ def tune_allocator() -> bool:
     except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    mmap_ok = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) or bool(mallopt(_M_MMAP_THRESHOLD, 32 << 20))
+    mmap_ok = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) or bool(
+        mallopt(_M_MMAP_THRESHOLD, 32 << 20)
+    )
     trim_ok = bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
     one_arena = bool(mallopt(_M_ARENA_MAX, 1))  # threads started from now on share the main heap
     _tuned = mmap_ok and trim_ok
-    log.debug("glibc allocator: mmap threshold raised %s, trim threshold raised %s, one arena %s",
-              mmap_ok, trim_ok, one_arena)
+    log.debug(
+        "glibc allocator: mmap threshold raised %s, trim threshold raised %s, one arena %s",
+        mmap_ok,
+        trim_ok,
+        one_arena,
+    )
     return _tuned
 
 
 class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 @functools.cache

@@ -31,15 +31,21 @@ def train_island_alone(cfg: RunConfig, index: int = 0) -> dict[str, Any]:
     gcfg = GPTConfig.preset(cfg.model)
     device = torch.device(cfg.device)
     model = GPT(gcfg, seed=cfg.seed).to(device)  # the swarm's version 0
-    train, heldout = split_corpus(load_corpus(Path(cfg.corpus) if cfg.corpus else None,
-                                              max_bytes=cfg.corpus_max_bytes))
+    train, heldout = split_corpus(
+        load_corpus(Path(cfg.corpus) if cfg.corpus else None, max_bytes=cfg.corpus_max_bytes)
+    )
     sampler = island_sampler(cfg, train, gcfg.block_size, index)
     tcfg = train_config_for(cfg)
     optimizer = make_inner_optimizer(model, tcfg)
 
     def eval_loss() -> float:
-        return evaluate(model, heldout, batch_size=cfg.batch_size, block_size=gcfg.block_size,
-                        n_batches=cfg.eval_batches)
+        return evaluate(
+            model,
+            heldout,
+            batch_size=cfg.batch_size,
+            block_size=gcfg.block_size,
+            n_batches=cfg.eval_batches,
+        )
 
     eval_start = eval_loss()
     t0 = time.perf_counter()
@@ -48,6 +54,10 @@ def train_island_alone(cfg: RunConfig, index: int = 0) -> dict[str, Any]:
         x, y = (t.to(device, non_blocking=True) for t in sampler.next())  # [B, T] int64 each
         inner_step(model, optimizer, tcfg, step, x, y)
     return {
-        "eval_loss_start": eval_start, "eval_loss_end": eval_loss(), "steps": cfg.steps, "shard": index,
-        "tokens_trained": cfg.steps * sampler.tokens_per_batch, "wall_s": time.perf_counter() - t0,
+        "eval_loss_start": eval_start,
+        "eval_loss_end": eval_loss(),
+        "steps": cfg.steps,
+        "shard": index,
+        "tokens_trained": cfg.steps * sampler.tokens_per_batch,
+        "wall_s": time.perf_counter() - t0,
     }

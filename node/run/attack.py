@@ -39,9 +39,19 @@ from node.run.attack_peer import is_peer_attack
 
 __all__ = ["KINDS", "Attack", "parse_local_attack"]
 
-KINDS = {"scale": 1000.0, "random": 1.0, "signflip": 1.0, "stale": 1.0, "lie-tokens": 1000.0,
-         "alie": 1.0, "ipm": 2.0, "steps": 2.0}
-HISTORY = 4  # honest pseudo-gradients per fragment that alie and ipm estimate the honest statistics from
+KINDS = {
+    "scale": 1000.0,
+    "random": 1.0,
+    "signflip": 1.0,
+    "stale": 1.0,
+    "lie-tokens": 1000.0,
+    "alie": 1.0,
+    "ipm": 2.0,
+    "steps": 2.0,
+}
+HISTORY = (
+    4  # honest pseudo-gradients per fragment that alie and ipm estimate the honest statistics from
+)
 
 
 @dataclass
@@ -52,7 +62,9 @@ class Attack:
     arg: float
     seed: int = 0
     _first: dict[int, torch.Tensor] = field(default_factory=dict)
-    _seen: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # per fragment, the last HISTORY honest ones
+    _seen: dict[int, list[torch.Tensor]] = field(
+        default_factory=dict
+    )  # per fragment, the last HISTORY honest ones
     _rng: torch.Generator = field(init=False)
 
     def __post_init__(self) -> None:
@@ -67,7 +79,9 @@ class Attack:
         """``KIND`` or ``KIND=X`` (see the module docstring). Raises ``ValueError``."""
         kind, _, arg = spec.strip().partition("=")
         if kind not in KINDS:
-            raise ValueError(f"unknown attack {kind!r} in {spec!r}; choose one of {', '.join(KINDS)}")
+            raise ValueError(
+                f"unknown attack {kind!r} in {spec!r}; choose one of {', '.join(KINDS)}"
+            )
         try:
             value = float(arg) if arg else KINDS[kind]
         except ValueError:
@@ -84,13 +98,24 @@ class Attack:
             return dataclasses.replace(out, delta=self._against(out.fragment, delta))
         if self.kind == "steps":
             factor = int(self.arg)
-            return dataclasses.replace(out, delta=delta * float(factor), tokens=out.tokens * factor,
-                                       steps=out.steps * factor)
-        if self.kind == "random":  # the same draw for every colluder at one fragment and base version
-            self._rng.manual_seed(((self.seed * 1_000_003 + out.fragment) * 1_000_003 + out.base_version) & (2**63 - 1))
+            return dataclasses.replace(
+                out,
+                delta=delta * float(factor),
+                tokens=out.tokens * factor,
+                steps=out.steps * factor,
+            )
+        if (
+            self.kind == "random"
+        ):  # the same draw for every colluder at one fragment and base version
+            self._rng.manual_seed(
+                ((self.seed * 1_000_003 + out.fragment) * 1_000_003 + out.base_version)
+                & (2**63 - 1)
+            )
             noise = torch.randn(delta.shape, generator=self._rng)
             norm = float(torch.linalg.vector_norm(delta)) * self.arg
-            return dataclasses.replace(out, delta=noise * (norm / max(float(torch.linalg.vector_norm(noise)), 1e-12)))
+            return dataclasses.replace(
+                out, delta=noise * (norm / max(float(torch.linalg.vector_norm(noise)), 1e-12))
+            )
         if self.kind == "stale":
             first = self._first.setdefault(out.fragment, delta.clone())
             return dataclasses.replace(out, delta=first.clone())

@@ -89,17 +89,31 @@ class PeerAttack:
         node, me = self.node, self.node.signer.peer_id
         if node.membership is None or node.net is None:
             return
-        members = [(pid, m.record.url) for pid, m in node.membership.members.items() if pid != me and m.record.url]
+        members = [
+            (pid, m.record.url)
+            for pid, m in node.membership.members.items()
+            if pid != me and m.record.url
+        ]
         for p in range(len(node.plan.fragments)):
             if p in node.owners:
                 continue  # its own fragments it owns honestly: the attack is on the others'
             version = node.net.received[p] + 1
             _, base = node.net.latest.get(p, (0, node.net.island_initial[p]))
-            theta = base.detach().float() + SHIFT  # a new tensor: the learner's copy is never written to
+            theta = (
+                base.detach().float() + SHIFT
+            )  # a new tensor: the learner's copy is never written to
             digest = await asyncio.to_thread(flat_digest, theta)
-            state = encode_state(swarm=node.cfg.swarm, fragment=p, epoch=FORGED_EPOCH, version=version,
-                                 digest=digest, theta=theta, momentum=torch.zeros_like(theta),
-                                 merged={pid: version for pid in [me, *(pid for pid, _ in members)]}, final=True)
+            state = encode_state(
+                swarm=node.cfg.swarm,
+                fragment=p,
+                epoch=FORGED_EPOCH,
+                version=version,
+                digest=digest,
+                theta=theta,
+                momentum=torch.zeros_like(theta),
+                merged={pid: version for pid in [me, *(pid for pid, _ in members)]},
+                final=True,
+            )
             self.say("forged", fragment=p, version=version, digest=digest.hex()[:32])
             self.counts["forged_states"] += 1
             for target in members:
@@ -108,13 +122,17 @@ class PeerAttack:
     async def _send(self, p: int, target: tuple[bytes, str], state: Any) -> None:
         self.counts["sent"] += 1
         try:
-            ack = await hand_over(self.node.transport, self.node.signer, target, state, self._replay, timeout_s=10.0)
+            ack = await hand_over(
+                self.node.transport, self.node.signer, target, state, self._replay, timeout_s=10.0
+            )
         except Exception as exc:  # refused unsigned, unreachable, ...: counted by kind
             self.counts[f"error_{type(exc).__name__}"] += 1
             return
         if ack.accepted:
             self.counts["taken"] += 1  # the fence failed: a member took a forged state
-            log.warning("forge-handoffs: %s TOOK the forged fragment %d: %s", target[1], p, ack.reason)
+            log.warning(
+                "forge-handoffs: %s TOOK the forged fragment %d: %s", target[1], p, ack.reason
+            )
         else:
             why = ack.reason.partition(":")[0][:40]  # "refused", "fenced", "not a member here"
             self.counts["refused" if why == "refused" else f"refused_{why}"] += 1

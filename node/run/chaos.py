@@ -44,8 +44,21 @@ import statistics
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["MIN_LIVE", "ChaosSchedule", "ChaosSpec", "ChaosSpecError", "Kill", "KillRule", "Restart",
-           "Skip", "goodput", "longest_gaps", "median_step_s", "parse_chaos", "uptime"]
+__all__ = [
+    "MIN_LIVE",
+    "ChaosSchedule",
+    "ChaosSpec",
+    "ChaosSpecError",
+    "Kill",
+    "KillRule",
+    "Restart",
+    "Skip",
+    "goodput",
+    "longest_gaps",
+    "median_step_s",
+    "parse_chaos",
+    "uptime",
+]
 
 MIN_LIVE = 2  # a kill never leaves fewer live peers than this
 DEFAULT_CALM_S = 60.0
@@ -100,8 +113,10 @@ def _peer(item: str, raw: str, peers: int, expected: str, example: str) -> int:
 
 
 def _kill_rule(item: str, peers: int) -> KillRule:
-    expected = ("kill=TARGET@WHEN[+restartDELAY] with TARGET learner, owner, any or a peer index "
-                "and WHEN 30s (once) or every60s")
+    expected = (
+        "kill=TARGET@WHEN[+restartDELAY] with TARGET learner, owner, any or a peer index "
+        "and WHEN 30s (once) or every60s"
+    )
     m = _KILL.match(item.removeprefix("kill="))
     if not m:
         raise _bad(item, expected, "kill=learner@every60s+restart20s or kill=2@30s+restart10s")
@@ -111,8 +126,13 @@ def _kill_rule(item: str, peers: int) -> KillRule:
     at = _seconds(value, unit)
     if at <= 0:
         raise _bad(item, expected + " after 0 s", "kill=learner@every60s+restart20s")
-    return KillRule(item=item, target=target, at_s=at, every_s=at if every else 0.0,
-                    restart_s=_seconds(restart, restart_unit) if restart else None)
+    return KillRule(
+        item=item,
+        target=target,
+        at_s=at,
+        every_s=at if every else 0.0,
+        restart_s=_seconds(restart, restart_unit) if restart else None,
+    )
 
 
 def _items(text: str) -> Iterable[str]:
@@ -124,7 +144,9 @@ def _items(text: str) -> Iterable[str]:
             items.extend(DEFAULT.split(","))
             continue
         if not part:
-            raise ChaosSpecError(f"bad --chaos {text!r}: an empty item; items are separated by single commas, {EXAMPLE}")
+            raise ChaosSpecError(
+                f"bad --chaos {text!r}: an empty item; items are separated by single commas, {EXAMPLE}"
+            )
         if part.startswith(LINK_KEYS) and items and items[-1].startswith("link="):
             items[-1] += "," + part
         else:
@@ -167,12 +189,19 @@ def parse_chaos(text: str, peers: int) -> ChaosSpec:
                 raise _bad(item, "calm=DURATION", "calm=60s")
             calm = _seconds(*m.groups())
         else:
-            raise ChaosSpecError(f"bad --chaos item {item!r}: expected default or items kill=..., "
-                                 f"slow=..., link=..., calm=... separated by commas, {EXAMPLE}")
+            raise ChaosSpecError(
+                f"bad --chaos item {item!r}: expected default or items kill=..., "
+                f"slow=..., link=..., calm=... separated by commas, {EXAMPLE}"
+            )
     if not (kills or slow or links):
         raise ChaosSpecError(f"bad --chaos {text!r}: nothing to do; {EXAMPLE}")
-    return ChaosSpec(text=text, kills=tuple(kills), slow=tuple(sorted(slow.items())),
-                     links=tuple(sorted(links.items())), calm_s=calm)
+    return ChaosSpec(
+        text=text,
+        kills=tuple(kills),
+        slow=tuple(sorted(slow.items())),
+        links=tuple(sorted(links.items())),
+        calm_s=calm,
+    )
 
 
 # --- the schedule ------------------------------------------------------------------------------
@@ -220,8 +249,10 @@ class ChaosSchedule:
 
     def owners_needed(self, now: float) -> bool:
         """Whether a kill by role is due: the caller then passes fresh ``owners`` to ``tick``."""
-        return any(r.target in ("learner", "owner") and t <= now <= self.stop_at
-                   for r, t in zip(self.spec.kills, self._next, strict=True))
+        return any(
+            r.target in ("learner", "owner") and t <= now <= self.stop_at
+            for r, t in zip(self.spec.kills, self._next, strict=True)
+        )
 
     def pending_restarts(self) -> dict[int, float]:
         return dict(self._restarts)
@@ -252,22 +283,35 @@ class ChaosSchedule:
     def _kill(self, rule: KillRule, t: float, alive: set[int], owners: set[int]) -> Decision:
         restart_at = t + rule.restart_s if rule.restart_s is not None else None
         if restart_at is not None and restart_at >= self.duration_s:
-            return Skip(rule.item, f"{rule.item} at {t:.1f} s: skipped, its restart at {restart_at:.1f} s "
-                                   f"would come after the end ({self.duration_s:.1f} s)")
+            return Skip(
+                rule.item,
+                f"{rule.item} at {t:.1f} s: skipped, its restart at {restart_at:.1f} s "
+                f"would come after the end ({self.duration_s:.1f} s)",
+            )
         if len(alive) <= MIN_LIVE:
-            return Skip(rule.item, f"{rule.item} at {t:.1f} s: skipped, only {len(alive)} live peers "
-                                   f"(never the last {MIN_LIVE})")
+            return Skip(
+                rule.item,
+                f"{rule.item} at {t:.1f} s: skipped, only {len(alive)} live peers "
+                f"(never the last {MIN_LIVE})",
+            )
         pool, what = self._candidates(rule.target, alive, owners)
         if not pool:
-            return Skip(rule.item, f"{rule.item} at {t:.1f} s: skipped, no live {what} "
-                                   f"({len(alive)} live, {len(owners & alive)} owners)")
+            return Skip(
+                rule.item,
+                f"{rule.item} at {t:.1f} s: skipped, no live {what} "
+                f"({len(alive)} live, {len(owners & alive)} owners)",
+            )
         victim = self.rng.choice(sorted(pool))
         alive.discard(victim)
         if restart_at is not None:
             self._restarts[victim] = restart_at
         then = f"restart at {restart_at:.1f} s" if restart_at is not None else "no restart"
-        return Kill(victim, restart_at, f"{rule.item} at {t:.1f} s: killed peer {victim} "
-                                        f"(1 of {len(pool)} live {what}; {len(alive) + 1} were live), {then}")
+        return Kill(
+            victim,
+            restart_at,
+            f"{rule.item} at {t:.1f} s: killed peer {victim} "
+            f"(1 of {len(pool)} live {what}; {len(alive) + 1} were live), {then}",
+        )
 
     @staticmethod
     def _candidates(target: str, alive: set[int], owners: set[int]) -> tuple[set[int], str]:
@@ -275,7 +319,11 @@ class ChaosSchedule:
             # learner's loss is measured apart from an owner's, but never skip for want of one
             # (with as many fragments as peers, every peer may own one)
             learners = alive - owners
-            return (learners, "peers owning nothing") if learners else (set(alive), "learners (all own fragments)")
+            return (
+                (learners, "peers owning nothing")
+                if learners
+                else (set(alive), "learners (all own fragments)")
+            )
         if target == "owner":
             return alive & owners, "owners"
         if target == "any":
@@ -298,8 +346,13 @@ def median_step_s(progress: Sequence[tuple[float, int, int]]) -> float:
     return statistics.median(rates) if rates else 0.0
 
 
-def uptime(published: Sequence[tuple[float, int]], fragments: int, start: float, end: float,
-           window_s: float | Callable[[float], float]) -> float:
+def uptime(
+    published: Sequence[tuple[float, int]],
+    fragments: int,
+    start: float,
+    end: float,
+    window_s: float | Callable[[float], float],
+) -> float:
     """The fraction of ``[start, end]`` in which every fragment advanced at least once per
     ``window_s`` (2H: 2 × H × the median inner-step time; a function of the time a wait began
     when H grows during the run).
@@ -324,8 +377,9 @@ def uptime(published: Sequence[tuple[float, int]], fragments: int, start: float,
     return 1.0 - lost / (end - start)
 
 
-def longest_gaps(published: Sequence[tuple[float, int]], fragments: int, start: float,
-                 end: float) -> list[float]:
+def longest_gaps(
+    published: Sequence[tuple[float, int]], fragments: int, start: float, end: float
+) -> list[float]:
     """Per fragment, the longest time in ``[start, end]`` without a new version."""
     out = []
     for p in range(fragments):

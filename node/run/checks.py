@@ -26,7 +26,15 @@ from node.config import SCHEDULE_FIELDS, SWARM_WIDE_FIELDS, RunConfig
 from protocol.errors import DecodeError
 from protocol.wire.membership import MAX_NAME, check_name
 
-__all__ = ["CheckError", "check_listen", "check_local", "check_recipe", "check_run", "host_port", "peer_url"]
+__all__ = [
+    "CheckError",
+    "check_listen",
+    "check_local",
+    "check_recipe",
+    "check_run",
+    "host_port",
+    "peer_url",
+]
 
 CORPUS_CHECK_BYTES = 4 << 20  # the corpus check reads at most this much (a peer reads it all)
 CORES = os.cpu_count() or 1
@@ -62,17 +70,26 @@ class CheckError(ValueError):
 def check_local(cfg: RunConfig) -> None:
     """Raise ``CheckError`` when ``atoll local`` would start more peer processes than it allows."""
     if cfg.peers > MAX_LOCAL_PEERS:
-        raise CheckError(f"--peers must be at most {MAX_LOCAL_PEERS} for atoll local, which starts every peer "
-                         f"as a process on this machine, got {cfg.peers}; a larger swarm is many machines "
-                         f"running atoll join")
+        raise CheckError(
+            f"--peers must be at most {MAX_LOCAL_PEERS} for atoll local, which starts every peer "
+            f"as a process on this machine, got {cfg.peers}; a larger swarm is many machines "
+            f"running atoll join"
+        )
 
 
 def check_run(cfg: RunConfig) -> None:
     """Raise ``CheckError`` naming every flag of ``cfg`` a peer would fail on; reads the corpus
     (at most ``CORPUS_CHECK_BYTES``) when ``--corpus`` names one."""
     problems = _range_problems(cfg)
-    problems += filter(None, (_swarm_problem(cfg.swarm), _model_problem(cfg), _device_problem(cfg.device),
-                              _link_problem(cfg.link)))
+    problems += filter(
+        None,
+        (
+            _swarm_problem(cfg.swarm),
+            _model_problem(cfg),
+            _device_problem(cfg.device),
+            _link_problem(cfg.link),
+        ),
+    )
     if problems:
         raise CheckError("; ".join(problems))
     _check_corpus(cfg)
@@ -93,8 +110,11 @@ def check_recipe(cfg: RunConfig) -> None:
 
 def _range_problems(cfg: RunConfig, fields: tuple[str, ...] | None = None) -> list[str]:
     """What ``_RANGES`` finds wrong with ``cfg`` (only ``fields`` of it, when given)."""
-    return [f"--{name.replace('_', '-')} must be {want}, got {getattr(cfg, name)}"
-            for name, ok, want in _RANGES if (fields is None or name in fields) and not ok(getattr(cfg, name))]
+    return [
+        f"--{name.replace('_', '-')} must be {want}, got {getattr(cfg, name)}"
+        for name, ok, want in _RANGES
+        if (fields is None or name in fields) and not ok(getattr(cfg, name))
+    ]
 
 
 def _swarm_problem(swarm: str) -> str | None:
@@ -174,12 +194,21 @@ def _check_corpus(cfg: RunConfig) -> None:
         data = load_corpus(Path(cfg.corpus), max_bytes=cap)
         train, heldout = split_corpus(data)
         heldout_windows(heldout, block_size=block, n_windows=1)
-        BatchSampler(train, batch_size=cfg.batch_size, block_size=block, seed=0,
-                     shard=max(cfg.peers, 1) - 1, n_shards=max(cfg.peers, 1), sharding=cfg.sharding)
+        BatchSampler(
+            train,
+            batch_size=cfg.batch_size,
+            block_size=block,
+            seed=0,
+            shard=max(cfg.peers, 1) - 1,
+            n_shards=max(cfg.peers, 1),
+            sharding=cfg.sharding,
+        )
     except FileNotFoundError as exc:
         raise CheckError(str(exc)) from None
     except OSError as exc:
-        raise CheckError(f"cannot read the corpus: {exc.strerror or exc}: {exc.filename or cfg.corpus}") from None
+        raise CheckError(
+            f"cannot read the corpus: {exc.strerror or exc}: {exc.filename or cfg.corpus}"
+        ) from None
     except ValueError as exc:
         advice = "" if "bigger corpus" in str(exc) else "; pass a longer text"
         raise CheckError(f"--corpus {cfg.corpus}: {exc}{advice}") from None
@@ -189,7 +218,9 @@ def host_port(spec: str, flag: str) -> tuple[str, int]:
     """``"0.0.0.0:7000"`` -> ``("0.0.0.0", 7000)``; ``":0"`` -> ``("0.0.0.0", 0)``."""
     host, sep, port = spec.rpartition(":")
     if not sep or not port.isdigit() or int(port) > 65535:
-        raise CheckError(f"{flag} {spec!r} is not HOST:PORT, e.g. 0.0.0.0:7000 (port 0: any free port)")
+        raise CheckError(
+            f"{flag} {spec!r} is not HOST:PORT, e.g. 0.0.0.0:7000 (port 0: any free port)"
+        )
     return host.strip("[]") or "0.0.0.0", int(port)
 
 
@@ -201,15 +232,23 @@ def check_listen(host: str, port: int, flag: str = "--listen") -> None:
         try:
             sock.bind((host, port))
         except socket.gaierror:
-            raise CheckError(f"{flag} {host}:{port}: {host!r} is not an address of this machine") from None
+            raise CheckError(
+                f"{flag} {host}:{port}: {host!r} is not an address of this machine"
+            ) from None
         except OSError as exc:
             if exc.errno == errno.EADDRINUSE:
-                raise CheckError(f"{flag} {host}:{port}: port {port} is in use; pick another port, "
-                                 f"or {host}:0 for any free one") from None
+                raise CheckError(
+                    f"{flag} {host}:{port}: port {port} is in use; pick another port, "
+                    f"or {host}:0 for any free one"
+                ) from None
             if exc.errno == errno.EADDRNOTAVAIL:
-                raise CheckError(f"{flag} {host}:{port}: {host} is not an address of this machine; "
-                                 "listen on 0.0.0.0 and give others --public-address") from None
-            raise CheckError(f"{flag} {host}:{port}: cannot listen there: {exc.strerror or exc}") from None
+                raise CheckError(
+                    f"{flag} {host}:{port}: {host} is not an address of this machine; "
+                    "listen on 0.0.0.0 and give others --public-address"
+                ) from None
+            raise CheckError(
+                f"{flag} {host}:{port}: cannot listen there: {exc.strerror or exc}"
+            ) from None
 
 
 def peer_url(url: str, flag: str = "--initial-peers") -> str:
@@ -219,8 +258,16 @@ def peer_url(url: str, flag: str = "--initial-peers") -> str:
         port = parts.port
     except ValueError:
         port = None
-    if (parts.scheme not in ("http", "https") or not parts.hostname or port is None
-            or parts.path not in ("", "/") or parts.query or parts.fragment):
-        raise CheckError(f"{flag} {url!r} is not a peer's address: expected http(s)://HOST:PORT, "
-                         "e.g. http://203.0.113.5:7000")
+    if (
+        parts.scheme not in ("http", "https")
+        or not parts.hostname
+        or port is None
+        or parts.path not in ("", "/")
+        or parts.query
+        or parts.fragment
+    ):
+        raise CheckError(
+            f"{flag} {url!r} is not a peer's address: expected http(s)://HOST:PORT, "
+            "e.g. http://203.0.113.5:7000"
+        )
     return url

@@ -17,7 +17,7 @@ import logging
 import shutil
 import threading
 from collections.abc import Sequence
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any, TextIO
 
 __all__ = ["JoinView", "JsonFormatter", "ProgressLine", "render_status", "setup_logging"]
@@ -76,12 +76,20 @@ class _AboveLine(logging.Handler):
             self.handleError(record)
 
 
-_RECORD_FIELDS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime"}
+_RECORD_FIELDS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {
+    "message",
+    "asctime",
+}
 
 
 # the standard names, whatever another library renamed them to (hivemind renames WARNING "WARN")
-_LEVELS = {logging.DEBUG: "DEBUG", logging.INFO: "INFO", logging.WARNING: "WARNING", logging.ERROR: "ERROR",
-           logging.CRITICAL: "CRITICAL"}
+_LEVELS = {
+    logging.DEBUG: "DEBUG",
+    logging.INFO: "INFO",
+    logging.WARNING: "WARNING",
+    logging.ERROR: "ERROR",
+    logging.CRITICAL: "CRITICAL",
+}
 
 
 class JsonFormatter(logging.Formatter):
@@ -90,22 +98,34 @@ class JsonFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, Any] = {
-            "time": datetime.fromtimestamp(record.created, timezone.utc).isoformat(timespec="milliseconds"),
-            "level": _LEVELS.get(record.levelno, record.levelname), "logger": record.name,
+            "time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+            "level": _LEVELS.get(record.levelno, record.levelname),
+            "logger": record.name,
             "message": record.getMessage(),
         }
-        out.update((k, v) for k, v in vars(record).items() if k not in _RECORD_FIELDS and not k.startswith("_"))
+        out.update(
+            (k, v)
+            for k, v in vars(record).items()
+            if k not in _RECORD_FIELDS and not k.startswith("_")
+        )
         if record.exc_info:
             out["exception"] = self.formatException(record.exc_info)
         return json.dumps(out, default=str)
 
 
-def setup_logging(level: str, stream: TextIO, *, json_logs: bool = False, line: ProgressLine | None = None) -> None:
+def setup_logging(
+    level: str, stream: TextIO, *, json_logs: bool = False, line: ProgressLine | None = None
+) -> None:
     """The root logger at ``level`` with one handler on ``stream``: JSON lines with ``json_logs``,
     above ``line`` when there is one, else plain lines."""
-    handler: logging.Handler = _AboveLine(line) if line is not None else logging.StreamHandler(stream)
-    handler.setFormatter(JsonFormatter() if json_logs
-                         else logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    handler: logging.Handler = (
+        _AboveLine(line) if line is not None else logging.StreamHandler(stream)
+    )
+    handler.setFormatter(
+        JsonFormatter()
+        if json_logs
+        else logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s")
+    )
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)
@@ -149,27 +169,37 @@ class JoinView:
         if event == "resumed":
             return f"resumed from the checkpoint at step {f['step']}, versions {_versions(f['versions'])}"
         if event == "schedule":
-            return (f"the swarm's learners are at step {f['step']}/{f['steps']} (median of {f['learners']}): "
-                    f"training from there, the learning rate warmed up again")
+            return (
+                f"the swarm's learners are at step {f['step']}/{f['steps']} (median of {f['learners']}): "
+                f"training from there, the learning rate warmed up again"
+            )
         if event == "joined":
-            return (f"joined: {len(f['synced'])} fragments synced from their owners, "
-                    f"versions {_versions(f['versions'])}; training")
+            return (
+                f"joined: {len(f['synced'])} fragments synced from their owners, "
+                f"versions {_versions(f['versions'])}; training"
+            )
         if event == "progress":
-            return (f"step {f['step']}/{self.steps}  loss {f['loss']:.3f}  versions {_versions(f['versions'])}  "
-                    f"sent {f['bytes_sent'] / 1e6:.1f} MB  received {f.get('bytes_received', 0) / 1e6:.1f} MB  "
-                    f"peers {f.get('peers', '?')}")
+            return (
+                f"step {f['step']}/{self.steps}  loss {f['loss']:.3f}  versions {_versions(f['versions'])}  "
+                f"sent {f['bytes_sent'] / 1e6:.1f} MB  received {f.get('bytes_received', 0) / 1e6:.1f} MB  "
+                f"peers {f.get('peers', '?')}"
+            )
         if event == "done":
             r = f["result"]
-            return (f"done: {r['steps']} steps, eval loss {r['eval_loss_start']:.3f} -> {r['eval_loss_end']:.3f}, "
-                    f"versions {_versions(r['global_versions'])}, {r['bytes_sent'] / 1e6:.1f} MB sent")
+            return (
+                f"done: {r['steps']} steps, eval loss {r['eval_loss_start']:.3f} -> {r['eval_loss_end']:.3f}, "
+                f"versions {_versions(r['global_versions'])}, {r['bytes_sent'] / 1e6:.1f} MB sent"
+            )
         return None
 
 
 # --- atoll status ----------------------------------------------------------------------------------
 def _table(header: Sequence[str], rows: list[list[str]]) -> list[str]:
     widths = [max(len(str(c)) for c in col) for col in zip(header, *rows, strict=False)]
-    return ["  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
-            for row in [list(header), *rows]]
+    return [
+        "  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+        for row in [list(header), *rows]
+    ]
 
 
 def _yes(value: object) -> str:
@@ -180,21 +210,44 @@ def render_status(status: dict[str, Any]) -> str:
     """A peer's (or a bootstrap node's) ``/v1/status`` as a few lines and two tables: the members
     (roles, lab, reachability, step) and the fragments (the version this peer holds, the owner)."""
     adm = status.get("admission") or {}
-    swarm = (f"swarm {adm.get('name')!r} ({adm.get('id')}), {adm.get('admission')}, manifest v{adm.get('version')}"
-             if adm else f"swarm {status['swarm']}" if status.get("swarm") else "no swarm manifest (DHT only)")
+    swarm = (
+        f"swarm {adm.get('name')!r} ({adm.get('id')}), {adm.get('admission')}, manifest v{adm.get('version')}"
+        if adm
+        else f"swarm {status['swarm']}"
+        if status.get("swarm")
+        else "no swarm manifest (DHT only)"
+    )
     me = str(status.get("peer_id", "?"))
     if status.get("role") == "bootstrap":
-        return "\n".join([f"bootstrap node {me[:12]} at {status.get('url')}; {swarm}",
-                          f"DHT contacts {status.get('dht_contacts', 0)}, keys {status.get('dht_keys', 0)}",
-                          *_admission_lines(adm)])
-    lines = [f"peer {me[:12]} at {status.get('url')}; {swarm}",
-             f"step {status.get('step', 0)}, {'learning' if status.get('learning') else 'not learning'}, "
-             f"{'reachable' if status.get('reachable') else 'not reachable (learner only)'}", ""]
+        return "\n".join(
+            [
+                f"bootstrap node {me[:12]} at {status.get('url')}; {swarm}",
+                f"DHT contacts {status.get('dht_contacts', 0)}, keys {status.get('dht_keys', 0)}",
+                *_admission_lines(adm),
+            ]
+        )
+    lines = [
+        f"peer {me[:12]} at {status.get('url')}; {swarm}",
+        f"step {status.get('step', 0)}, {'learning' if status.get('learning') else 'not learning'}, "
+        f"{'reachable' if status.get('reachable') else 'not reachable (learner only)'}",
+        "",
+    ]
     members = sorted(status.get("members", []), key=lambda m: str(m.get("url") or ""))
-    lines += _table(["MEMBER", "URL", "LAB", "ROLES", "REACHABLE", "LEARNING", "STEP"],
-                    [[m["peer_id"][:12] + ("*" if m["peer_id"] == me else ""), m.get("url") or "-",
-                      m.get("lab") or "-", ",".join(m.get("roles", [])) or "-", _yes(m.get("reachable")),
-                      _yes(m.get("learning")), str(m.get("step", 0))] for m in members])
+    lines += _table(
+        ["MEMBER", "URL", "LAB", "ROLES", "REACHABLE", "LEARNING", "STEP"],
+        [
+            [
+                m["peer_id"][:12] + ("*" if m["peer_id"] == me else ""),
+                m.get("url") or "-",
+                m.get("lab") or "-",
+                ",".join(m.get("roles", [])) or "-",
+                _yes(m.get("reachable")),
+                _yes(m.get("learning")),
+                str(m.get("step", 0)),
+            ]
+            for m in members
+        ],
+    )
     lines.append("")
     versions = status.get("versions", [])
     rows = []
@@ -204,11 +257,13 @@ def render_status(status: dict[str, Any]) -> str:
         rows.append([p, held, owner, o["url"] if o else "-"])
     lines += _table(["FRAGMENT", "VERSION", "OWNER", "OWNER URL"], rows)
     lines.append("")
-    lines.append(f"bytes sent {status.get('bytes_sent', 0) / 1e6:.1f} MB, received "
-                 f"{status.get('bytes_received', 0) / 1e6:.1f} MB; members {len(members)}, refused "
-                 f"{len(status.get('refused_members', {}))}; remote errors "
-                 f"{sum(status.get('remote_errors', {}).values())}; version jumps refused "
-                 f"{status.get('version_jumps_refused', 0)}")
+    lines.append(
+        f"bytes sent {status.get('bytes_sent', 0) / 1e6:.1f} MB, received "
+        f"{status.get('bytes_received', 0) / 1e6:.1f} MB; members {len(members)}, refused "
+        f"{len(status.get('refused_members', {}))}; remote errors "
+        f"{sum(status.get('remote_errors', {}).values())}; version jumps refused "
+        f"{status.get('version_jumps_refused', 0)}"
+    )
     lines += _admission_lines(adm)
     lines.append("* this peer")
     return "\n".join(lines)
@@ -219,5 +274,7 @@ def _admission_lines(adm: dict[str, Any]) -> list[str]:
         return []
     refused = adm.get("refused", {})
     why = ", ".join(f"{k}: {v}" for k, v in sorted(refused.items(), key=lambda kv: -kv[1])[:3])
-    return [f"requests admitted {adm.get('admitted', 0)}, refused {sum(refused.values())}"
-            + (f" ({why})" if why else "")]
+    return [
+        f"requests admitted {adm.get('admitted', 0)}, refused {sum(refused.values())}"
+        + (f" ({why})" if why else "")
+    ]

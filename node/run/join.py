@@ -37,8 +37,16 @@ from protocol.wire.certificates import Certificate, admit
 from protocol.wire.membership import MAX_MANIFEST_BYTES, SwarmManifest
 from protocol.wire.signing import Signer
 
-__all__ = ["SlowAnswer", "SwarmError", "bootstrap_main", "http_fetch", "join_main", "load_swarm", "signed_request",
-           "status_main"]
+__all__ = [
+    "SlowAnswer",
+    "SwarmError",
+    "bootstrap_main",
+    "http_fetch",
+    "join_main",
+    "load_swarm",
+    "signed_request",
+    "status_main",
+]
 
 log = logging.getLogger("atoll.join")
 
@@ -51,7 +59,6 @@ class SwarmError(Exception):
     """A one-line reason the command cannot go on, and what to do."""
 
 
-
 @dataclass(frozen=True)
 class Swarm:
     signer: Signer
@@ -59,12 +66,27 @@ class Swarm:
     cert: Certificate | None
 
 
-def signed_request(url: str, *, swarm: str, signer: Signer, cert: Certificate | None, method: str = "GET",
-                   body: bytes | None = None, limit: int = 16 << 20, timeout: float = 10.0) -> tuple[int, bytes]:
+def signed_request(
+    url: str,
+    *,
+    swarm: str,
+    signer: Signer,
+    cert: Certificate | None,
+    method: str = "GET",
+    body: bytes | None = None,
+    limit: int = 16 << 20,
+    timeout: float = 10.0,
+) -> tuple[int, bytes]:
     """One signed request (``Atoll-Auth`` and the certificate); TLS without a pin: the answer's
     contents are checked by signature. Returns (status, body) for any HTTP status."""
-    headers = request_headers(signer, cert.to_header() if cert is not None else "", swarm=swarm, method=method,
-                              url=url, now=time.time())
+    headers = request_headers(
+        signer,
+        cert.to_header() if cert is not None else "",
+        swarm=swarm,
+        method=method,
+        url=url,
+        now=time.time(),
+    )
     return http_fetch(url, method=method, body=body, headers=headers, limit=limit, timeout=timeout)
 
 
@@ -90,7 +112,9 @@ def _unanswered(exc: BaseException) -> str:
 def _their_manifest(base: str) -> SwarmManifest | None:
     """The manifest a peer hands anyone (unsigned ``GET``), verified; None when it has none."""
     try:
-        status, body = http_fetch(base.rstrip("/") + MANIFEST_PATH, limit=MAX_MANIFEST_BYTES, timeout=5)
+        status, body = http_fetch(
+            base.rstrip("/") + MANIFEST_PATH, limit=MAX_MANIFEST_BYTES, timeout=5
+        )
         if status != 200:
             return None
         m = SwarmManifest.from_toml(body)
@@ -105,13 +129,22 @@ def _refused(base: str, body: bytes, *, swarm: str, named: str) -> SwarmError:
     (a request signed for another swarm does not verify there)."""
     theirs = _their_manifest(base)
     if theirs is not None and theirs.swarm_id != swarm:
-        return SwarmError(f"{base} is a peer of swarm {theirs.name!r} ({theirs.swarm_id}), not of {named}: "
-                          "pass that swarm's manifest, or --initial-peers of your swarm")
+        return SwarmError(
+            f"{base} is a peer of swarm {theirs.name!r} ({theirs.swarm_id}), not of {named}: "
+            "pass that swarm's manifest, or --initial-peers of your swarm"
+        )
     return SwarmError(f"refused by {base}: {_reason(body)}")
 
 
-def fetch_manifest(initial_peers: list[str], *, swarm: str, signer: Signer, cert: Certificate | None,
-                   named: str = "", require_answer: bool = False) -> SwarmManifest | None:
+def fetch_manifest(
+    initial_peers: list[str],
+    *,
+    swarm: str,
+    signer: Signer,
+    cert: Certificate | None,
+    named: str = "",
+    require_answer: bool = False,
+) -> SwarmManifest | None:
     """The newest verified manifest of swarm ``swarm`` that an initial peer hands over, or None.
 
     Raises ``SwarmError`` when a peer refuses us (its reason: revoked, expired, another swarm …)
@@ -123,8 +156,14 @@ def fetch_manifest(initial_peers: list[str], *, swarm: str, signer: Signer, cert
         if not base.startswith(("http://", "https://")):
             raise SwarmError(f"initial peer {base!r} is not an http(s) URL, e.g. https://host:7000")
         try:
-            status, body = signed_request(base.rstrip("/") + MANIFEST_PATH, swarm=swarm, signer=signer, cert=cert,
-                                          limit=MAX_MANIFEST_BYTES, timeout=MANIFEST_TIMEOUT_S)
+            status, body = signed_request(
+                base.rstrip("/") + MANIFEST_PATH,
+                swarm=swarm,
+                signer=signer,
+                cert=cert,
+                limit=MAX_MANIFEST_BYTES,
+                timeout=MANIFEST_TIMEOUT_S,
+            )
         except (OSError, ssl.SSLError) as exc:
             silent.append(f"{base} ({_unanswered(exc)})")
             continue
@@ -137,19 +176,26 @@ def fetch_manifest(initial_peers: list[str], *, swarm: str, signer: Signer, cert
             m = SwarmManifest.from_toml(body)
             m.verify(expected_id=swarm)
         except RemoteProtocolError as exc:
-            print(f"atoll: {base} handed over a manifest that does not check out: {exc.reason}", file=sys.stderr)
+            print(
+                f"atoll: {base} handed over a manifest that does not check out: {exc.reason}",
+                file=sys.stderr,
+            )
             continue
         if best is None or m.version > best.version:
             best = m
     if silent and len(silent) == len(initial_peers) and require_answer:
-        raise SwarmError(f"no initial peer answered: {', '.join(silent)}; check --initial-peers "
-                         "and that those peers are running")
+        raise SwarmError(
+            f"no initial peer answered: {', '.join(silent)}; check --initial-peers "
+            "and that those peers are running"
+        )
     for what in silent:
         print(f"atoll: {what} did not answer; going on with the others", file=sys.stderr)
     return best
 
 
-def load_swarm(args: argparse.Namespace, *, initial_peers: list[str], require_answer: bool = False) -> Swarm:
+def load_swarm(
+    args: argparse.Namespace, *, initial_peers: list[str], require_answer: bool = False
+) -> Swarm:
     """Key, certificate and manifest from ``args`` (``--key``, ``--cert``, ``--manifest`` or
     ``--swarm``), the manifest updated from ``initial_peers``, and the certificate checked.
     ``require_answer``: fail when no initial peer answers (``fetch_manifest``)."""
@@ -161,25 +207,41 @@ def load_swarm(args: argparse.Namespace, *, initial_peers: list[str], require_an
         raise SwarmError(str(exc)) from None
     swarm_id = manifest.swarm_id if manifest is not None else getattr(args, "swarm", None)
     if swarm_id is None:
-        raise SwarmError("say which swarm: --manifest swarm.toml, or --swarm ID with --initial-peers")
-    named = (f"swarm {manifest.name!r} ({swarm_id}) that --manifest names" if manifest is not None
-             else f"swarm {swarm_id} that --swarm names")
+        raise SwarmError(
+            "say which swarm: --manifest swarm.toml, or --swarm ID with --initial-peers"
+        )
+    named = (
+        f"swarm {manifest.name!r} ({swarm_id}) that --manifest names"
+        if manifest is not None
+        else f"swarm {swarm_id} that --swarm names"
+    )
     if initial_peers:
-        fetched = fetch_manifest(initial_peers, swarm=swarm_id, signer=signer, cert=cert, named=named,
-                                 require_answer=require_answer)
+        fetched = fetch_manifest(
+            initial_peers,
+            swarm=swarm_id,
+            signer=signer,
+            cert=cert,
+            named=named,
+            require_answer=require_answer,
+        )
         if manifest is None:
             manifest = fetched
         elif fetched is not None:
             try:
                 if manifest.superseded_by(fetched):
-                    print(f"atoll: using manifest version {fetched.version} from the swarm "
-                          f"(the file holds {manifest.version})", file=sys.stderr)
+                    print(
+                        f"atoll: using manifest version {fetched.version} from the swarm "
+                        f"(the file holds {manifest.version})",
+                        file=sys.stderr,
+                    )
                     manifest = fetched
             except RemoteProtocolError as exc:
                 raise SwarmError(f"the swarm's manifest does not fit yours: {exc.reason}") from None
     if manifest is None:
-        raise SwarmError(f"no initial peer handed over the manifest of swarm {swarm_id}; "
-                         "check --initial-peers, or pass --manifest swarm.toml")
+        raise SwarmError(
+            f"no initial peer handed over the manifest of swarm {swarm_id}; "
+            "check --initial-peers, or pass --manifest swarm.toml"
+        )
     try:
         admit(manifest, cert, public_key=signer.public_key, role=None, now=time.time())
     except RemoteProtocolError as exc:
@@ -208,7 +270,9 @@ def join_config(manifest: SwarmManifest, args: argparse.Namespace) -> RunConfig:
     the schedule flags given on the command line (``None`` in ``args`` when not given).
     Raises ``ValueError`` for a recipe this Atoll cannot run (see ``config_from_manifest``)."""
     given = _schedule_given(args)
-    flags = argparse.Namespace(**{k: v for k, v in vars(args).items() if not (k in SCHEDULE_FIELDS and v is None)})
+    flags = argparse.Namespace(
+        **{k: v for k, v in vars(args).items() if not (k in SCHEDULE_FIELDS and v is None)}
+    )
     return config_from_manifest(manifest, config_from_args(flags), keep=given)
 
 
@@ -223,7 +287,9 @@ def schedule_source(manifest: SwarmManifest, args: argparse.Namespace) -> str:
     flags = [f"--{n.replace('_', '-')}" for n in _schedule_given(args)]
     if not any(n in recipe for n in SCHEDULE_FIELDS):
         return "this peer's schedule: the swarm's manifest has none"
-    return "the swarm's schedule" + (f", but {', '.join(flags)} from the command line" if flags else "")
+    return "the swarm's schedule" + (
+        f", but {', '.join(flags)} from the command line" if flags else ""
+    )
 
 
 def join_main(args: argparse.Namespace) -> int:
@@ -236,8 +302,12 @@ def join_main(args: argparse.Namespace) -> int:
     if int(os.environ.get("RANK", "0")) > 0:  # a follower rank of a multi-process island: quiet
         args.json_logs = False
     line = ProgressLine(sys.stderr) if sys.stderr.isatty() and not args.json_logs else None
-    setup_logging(min(args.log_level, "INFO", key=logging.getLevelName), sys.stderr,
-                  json_logs=args.json_logs, line=line)
+    setup_logging(
+        min(args.log_level, "INFO", key=logging.getLevelName),
+        sys.stderr,
+        json_logs=args.json_logs,
+        line=line,
+    )
     try:
         host, port = _listen_address(args)
         if args.serve_after_s < 0:
@@ -252,25 +322,45 @@ def join_main(args: argparse.Namespace) -> int:
     from node.run.train import PeerOptions, data_seed_of, run_peer
 
     m = swarm.manifest
-    lab = f", lab {swarm.cert.lab} ({','.join(swarm.cert.roles)})" if swarm.cert else ", uncertified learner"
-    print(f"atoll join: swarm {m.name!r} ({m.swarm_id}, {m.admission}, manifest v{m.version}){lab}; "
-          f"model {cfg.model}, {cfg.fragments} fragments, H={cfg.inner_steps}; {cfg.steps} steps at lr "
-          f"{cfg.lr:g} ({schedule_source(m, args)})", flush=True)
+    lab = (
+        f", lab {swarm.cert.lab} ({','.join(swarm.cert.roles)})"
+        if swarm.cert
+        else ", uncertified learner"
+    )
+    print(
+        f"atoll join: swarm {m.name!r} ({m.swarm_id}, {m.admission}, manifest v{m.version}){lab}; "
+        f"model {cfg.model}, {cfg.fragments} fragments, H={cfg.inner_steps}; {cfg.steps} steps at lr "
+        f"{cfg.lr:g} ({schedule_source(m, args)})",
+        flush=True,
+    )
     scheme = _scheme(m)
     public = f"{scheme}://{args.public_address}" if args.public_address else None
     if public is None and host in ("0.0.0.0", "::"):
         public = f"{scheme}://127.0.0.1:{port}" if port else None
         if port == 0:
             host = "127.0.0.1"
-            print("atoll join: no --public-address; listening on 127.0.0.1 only "
-                  "(others on this machine can reach it)", file=sys.stderr)
+            print(
+                "atoll join: no --public-address; listening on 127.0.0.1 only "
+                "(others on this machine can reach it)",
+                file=sys.stderr,
+            )
     view = JoinView(line, json_events=args.json_logs or not sys.stdout.isatty(), steps=cfg.steps)
-    opts = PeerOptions(index=int.from_bytes(os.urandom(2), "big") % max(cfg.peers, 1),
-                       initial_peers=tuple(args.initial_peers), host=host, port=port, public_address=public,
-                       wait_for_stop=False, final_sync=False, serve_after_s=args.serve_after_s,
-                       signer=swarm.signer, credentials=SwarmCredentials(m, swarm.signer, swarm.cert),
-                       checkpoint_dir=args.checkpoint_dir, events=view,
-                       own_data_seed=data_seed_of(swarm.signer.peer_id), schedule=args.schedule)
+    opts = PeerOptions(
+        index=int.from_bytes(os.urandom(2), "big") % max(cfg.peers, 1),
+        initial_peers=tuple(args.initial_peers),
+        host=host,
+        port=port,
+        public_address=public,
+        wait_for_stop=False,
+        final_sync=False,
+        serve_after_s=args.serve_after_s,
+        signer=swarm.signer,
+        credentials=SwarmCredentials(m, swarm.signer, swarm.cert),
+        checkpoint_dir=args.checkpoint_dir,
+        events=view,
+        own_data_seed=data_seed_of(swarm.signer.peer_id),
+        schedule=args.schedule,
+    )
     try:
         run_peer(cfg, opts)
     except KeyboardInterrupt:
@@ -303,9 +393,21 @@ def _launch_ranks(nproc: int, given: list[str]) -> int:
         if arg.startswith("--nproc="):
             continue
         argv.append(arg)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           "-m", "node", *argv]
-    print(f"atoll join: an island of {nproc} processes (torchrun); rank 0 joins the swarm", file=sys.stderr)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(nproc),
+        "-m",
+        "node",
+        *argv,
+    ]
+    print(
+        f"atoll join: an island of {nproc} processes (torchrun); rank 0 joins the swarm",
+        file=sys.stderr,
+    )
     try:
         return subprocess.call(cmd)
     except KeyboardInterrupt:
@@ -325,7 +427,9 @@ def bootstrap_main(args: argparse.Namespace) -> int:
         credentials, signer, scheme = None, None, "http"
         if args.manifest or args.key or args.cert:
             if not (args.manifest and args.key):
-                raise SwarmError("a swarm's bootstrap node needs --manifest and --key (and --cert in a certified swarm)")
+                raise SwarmError(
+                    "a swarm's bootstrap node needs --manifest and --key (and --cert in a certified swarm)"
+                )
             swarm = load_swarm(args, initial_peers=list(args.initial_peers))
             signer, scheme = swarm.signer, _scheme(swarm.manifest)
             credentials = SwarmCredentials(swarm.manifest, swarm.signer, swarm.cert)
@@ -334,10 +438,17 @@ def bootstrap_main(args: argparse.Namespace) -> int:
         return 1
     public = f"{scheme}://{args.public_address}" if args.public_address else None
     if public is None and host in ("0.0.0.0", "::"):
-        print("atoll bootstrap: listening on all interfaces; pass --public-address HOST:PORT "
-              "so the node advertises an address others can dial", file=sys.stderr)
+        print(
+            "atoll bootstrap: listening on all interfaces; pass --public-address HOST:PORT "
+            "so the node advertises an address others can dial",
+            file=sys.stderr,
+        )
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(run_bootstrap(host, port, public, args.initial_peers, signer=signer, credentials=credentials))
+        asyncio.run(
+            run_bootstrap(
+                host, port, public, args.initial_peers, signer=signer, credentials=credentials
+            )
+        )
     return 0
 
 
@@ -349,17 +460,32 @@ def status_main(args: argparse.Namespace) -> int:
             if not args.manifest:
                 raise SwarmError("--key needs --manifest (the swarm whose peer this is)")
             swarm = load_swarm(args, initial_peers=[])
-            code, body = signed_request(url, swarm=swarm.manifest.swarm_id, signer=swarm.signer, cert=swarm.cert,
-                                        limit=STATUS_MAX_BYTES, timeout=STATUS_TIMEOUT_S)
+            code, body = signed_request(
+                url,
+                swarm=swarm.manifest.swarm_id,
+                signer=swarm.signer,
+                cert=swarm.cert,
+                limit=STATUS_MAX_BYTES,
+                timeout=STATUS_TIMEOUT_S,
+            )
         else:
             code, body = http_fetch(url, limit=STATUS_MAX_BYTES, timeout=STATUS_TIMEOUT_S)
         if code != 200:
-            raise SwarmError(f"{url} answered {code}: {_reason(body)}"
-                             + ("; a certified swarm's peer needs --manifest, --key and --cert" if code in (401, 403) else ""))
+            raise SwarmError(
+                f"{url} answered {code}: {_reason(body)}"
+                + (
+                    "; a certified swarm's peer needs --manifest, --key and --cert"
+                    if code in (401, 403)
+                    else ""
+                )
+            )
         status = _status_of(url, body)
     except (OSError, ssl.SSLError) as exc:
-        print(f"atoll status: {args.peer} did not answer ({_unanswered(exc)}); check --peer and that the "
-              "peer is running", file=sys.stderr)
+        print(
+            f"atoll status: {args.peer} did not answer ({_unanswered(exc)}); check --peer and that the "
+            "peer is running",
+            file=sys.stderr,
+        )
         return 1
     except (SwarmError, ValueError) as exc:  # CheckError too
         print(f"atoll status: {' '.join(str(exc).split())}", file=sys.stderr)

@@ -58,10 +58,20 @@ log = logging.getLogger(__name__)
 class LocalSwarm(SwarmChaos):
     """Start, watch and stop N peer processes; collect their results."""
 
-    def __init__(self, cfg: RunConfig, run_dir: Path, *, extra_peer_args: dict[int, list[str]] | None = None,
-                 quiet: bool = False, startup_timeout_s: float | None = None, run_timeout_s: float | None = None,
-                 kill_at: dict[int, int] | None = None, admission: str = "open",
-                 chaos: ChaosSpec | None = None, duration_s: float | None = None) -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        run_dir: Path,
+        *,
+        extra_peer_args: dict[int, list[str]] | None = None,
+        quiet: bool = False,
+        startup_timeout_s: float | None = None,
+        run_timeout_s: float | None = None,
+        kill_at: dict[int, int] | None = None,
+        admission: str = "open",
+        chaos: ChaosSpec | None = None,
+        duration_s: float | None = None,
+    ) -> None:
         self.cfg = cfg
         self.admission = admission
         self.run_dir = run_dir
@@ -69,13 +79,23 @@ class LocalSwarm(SwarmChaos):
         self.quiet = quiet
         # every peer imports torch and builds its model at once: on a small machine start-up
         # takes longer the more peers share it (32 peers on 2 cores: ~2 min)
-        self.startup_timeout_s = startup_timeout_s if startup_timeout_s is not None else 120.0 + STARTUP_S_PER_PEER * cfg.peers
+        self.startup_timeout_s = (
+            startup_timeout_s
+            if startup_timeout_s is not None
+            else 120.0 + STARTUP_S_PER_PEER * cfg.peers
+        )
         self.run_timeout_s = run_timeout_s
         self.peers: list[PeerProcess] = []
-        self.kill_at = dict(kill_at or {})  # fault injection: peer index -> inner step to SIGKILL it at
+        self.kill_at = dict(
+            kill_at or {}
+        )  # fault injection: peer index -> inner step to SIGKILL it at
         self.killed: list[int] = []
-        self.published: list[tuple[int, int, str, int]] = []  # (fragment, version, digest, peer index)
-        self.forged: set[str] = set()  # digests of states an attacker forged (--attack N:forge-handoffs)
+        self.published: list[
+            tuple[int, int, str, int]
+        ] = []  # (fragment, version, digest, peer index)
+        self.forged: set[str] = (
+            set()
+        )  # digests of states an attacker forged (--attack N:forge-handoffs)
         self.handed: set[str] = set()  # digests of every handoff a peer took (none may be forged)
         self.listening = asyncio.Event()  # every peer has bound its address
         self.t0 = time.time()
@@ -83,10 +103,14 @@ class LocalSwarm(SwarmChaos):
         self.chaos = chaos
         self.duration_s = duration_s
         self.incarnations: list[PeerProcess] = []  # every process started, restarts included
-        self.restarts: list[dict[str, Any]] = []  # {peer, killed_at_s, restarted_at_s} (s after training start)
+        self.restarts: list[
+            dict[str, Any]
+        ] = []  # {peer, killed_at_s, restarted_at_s} (s after training start)
         self.chaos_events: list[str] = []  # every chaos decision's reason
         self.train_started: float | None = None  # monotonic time of {"start": true}
-        self.progress_log: list[tuple[float, int, int]] = []  # (monotonic time, incarnation id, step)
+        self.progress_log: list[
+            tuple[float, int, int]
+        ] = []  # (monotonic time, incarnation id, step)
         self.version_times: dict[tuple[int, int], float] = {}  # (fragment, version) -> first seen
         self.done_times: list[float] = []  # monotonic times of "done" events
 
@@ -106,29 +130,55 @@ class LocalSwarm(SwarmChaos):
         save_key(founder, folder / "founder.key", force=True)
         save_key(authority, folder / "authority.key", force=True)
         now = time.time()
-        manifest = SwarmManifest(name=self.cfg.swarm, founder=founder.public_key, admission=self.admission,
-                                 created=now, recipe=recipe_of(resolved(self.cfg)))
+        manifest = SwarmManifest(
+            name=self.cfg.swarm,
+            founder=founder.public_key,
+            admission=self.admission,
+            created=now,
+            recipe=recipe_of(resolved(self.cfg)),
+        )
         manifest = manifest.with_authority("local", authority.public_key).signed(founder)
         save_manifest(manifest, folder / "swarm.toml")
         for i in range(self.cfg.peers):
             key = generate_key()
             save_key(key, folder / f"peer{i}.key", force=True)
             # issue 48's address attacker is a learner-only member (node.run.attack_peer)
-            roles = ("learner",) if "claim-address" in self.extra.get(i, []) else ("learner", "owner")
-            save_certificate(Certificate.issue(authority, manifest=manifest, subject=key.public_key,
-                                               roles=roles, not_before=now - 60,
-                                               not_after=now + 7 * 86400), folder / f"peer{i}.cert")
+            roles = (
+                ("learner",) if "claim-address" in self.extra.get(i, []) else ("learner", "owner")
+            )
+            save_certificate(
+                Certificate.issue(
+                    authority,
+                    manifest=manifest,
+                    subject=key.public_key,
+                    roles=roles,
+                    not_before=now - 60,
+                    not_after=now + 7 * 86400,
+                ),
+                folder / f"peer{i}.cert",
+            )
         return config_from_manifest(manifest, self.cfg)
 
     def _identity_args(self, index: int) -> list[str]:
         folder = self.run_dir / "swarm"
-        return ["--manifest", str(folder / "swarm.toml"), "--key", str(folder / f"peer{index}.key"),
-                "--cert", str(folder / f"peer{index}.cert")]
+        return [
+            "--manifest",
+            str(folder / "swarm.toml"),
+            "--key",
+            str(folder / f"peer{index}.key"),
+            "--cert",
+            str(folder / f"peer{index}.cert"),
+        ]
 
     def _peer_args(self, index: int) -> list[str]:
         """Per-peer flags: identity, checkpoints, the end time, and chaos's stragglers."""
-        args = [*self._identity_args(index), "--checkpoint-dir", str(self.run_dir / f"peer{index}-checkpoints"),
-                "--event-log-dir", str(self.run_dir / f"peer{index}-events")]
+        args = [
+            *self._identity_args(index),
+            "--checkpoint-dir",
+            str(self.run_dir / f"peer{index}-checkpoints"),
+            "--event-log-dir",
+            str(self.run_dir / f"peer{index}-events"),
+        ]
         if self.duration_s is not None:
             args += ["--until", f"{self.t0 + self.duration_s:.3f}"]
         args += self.extra.get(index, [])
@@ -147,16 +197,38 @@ class LocalSwarm(SwarmChaos):
         own.write_text(dataclasses.replace(self.cfg, link=links[index]).to_json())
         return own
 
-    async def _spawn(self, index: int, config_path: Path, *, wait_members: int | None = None,
-                     incarnation: int = 0) -> PeerProcess:
+    async def _spawn(
+        self,
+        index: int,
+        config_path: Path,
+        *,
+        wait_members: int | None = None,
+        incarnation: int = 0,
+    ) -> PeerProcess:
         suffix = f".{incarnation}" if incarnation else ""
         log_path = self.run_dir / f"peer{index}{suffix}.log"
-        cmd = [sys.executable, "-m", "node", "peer", "--config", str(self._config_for(index, config_path)),
-               "--index", str(index), "--t0", str(self.t0), "--initial-peers-from-stdin",
-               "--wait-members", str(wait_members or self.cfg.peers), *self._peer_args(index)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "node",
+            "peer",
+            "--config",
+            str(self._config_for(index, config_path)),
+            "--index",
+            str(index),
+            "--t0",
+            str(self.t0),
+            "--initial-peers-from-stdin",
+            "--wait-members",
+            str(wait_members or self.cfg.peers),
+            *self._peer_args(index),
+        ]
         proc = await asyncio.create_subprocess_exec(
-            *cmd, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            stderr=log_path.open("wb"), start_new_session=True,
+            *cmd,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=log_path.open("wb"),
+            start_new_session=True,
         )
         peer = PeerProcess(index, proc, log_path, incarnation=incarnation)
         self.incarnations.append(peer)
@@ -168,7 +240,11 @@ class LocalSwarm(SwarmChaos):
             try:
                 msg = json.loads(raw)
             except json.JSONDecodeError:  # a peer's own print, or a line cut short by a kill
-                log.warning("peer %d: a line on its stdout is not an event, skipped: %r", peer.index, raw[:200])
+                log.warning(
+                    "peer %d: a line on its stdout is not an event, skipped: %r",
+                    peer.index,
+                    raw[:200],
+                )
                 continue
             event = msg.get("event") if isinstance(msg, dict) else None
             if event == "listening":
@@ -184,21 +260,34 @@ class LocalSwarm(SwarmChaos):
                 if peer.index in self.kill_at and msg["step"] >= self.kill_at[peer.index]:
                     del self.kill_at[peer.index]
                     self.killed.append(peer.index)
-                    log.warning("fault injection: killing peer %d at step %d", peer.index, msg["step"])
+                    log.warning(
+                        "fault injection: killing peer %d at step %d", peer.index, msg["step"]
+                    )
                     self._kill(peer)
             elif event == "published":  # every version any owner published, killed peers' included
-                self.published.append((int(msg["fragment"]), int(msg["version"]), str(msg["digest"]), peer.index))
-                self.version_times.setdefault((int(msg["fragment"]), int(msg["version"])), time.monotonic())
+                self.published.append(
+                    (int(msg["fragment"]), int(msg["version"]), str(msg["digest"]), peer.index)
+                )
+                self.version_times.setdefault(
+                    (int(msg["fragment"]), int(msg["version"])), time.monotonic()
+                )
             elif event == "forged":  # an attacker's forged handoff: no owner may ever publish it
                 self.forged.add(str(msg["digest"]))
             elif event == "handoff_taken":
                 self.handed.add(str(msg["digest"]))
             elif event == "resumed":
                 peer.resumed_from_step = int(msg["step"])
-                log.warning("peer %d resumed from its checkpoint at step %d", peer.index, peer.resumed_from_step)
+                log.warning(
+                    "peer %d resumed from its checkpoint at step %d",
+                    peer.index,
+                    peer.resumed_from_step,
+                )
             elif event == "done":
-                peer.result = {**msg["result"], "incarnation": peer.incarnation,
-                               "resumed_from_step": peer.resumed_from_step}
+                peer.result = {
+                    **msg["result"],
+                    "incarnation": peer.incarnation,
+                    "resumed_from_step": peer.resumed_from_step,
+                }
                 self.done_times.append(time.monotonic())
                 peer.finished.set()
         peer.finished.set()
@@ -233,8 +322,10 @@ class LocalSwarm(SwarmChaos):
                 elif p.killed:
                     parts.append(f"p{p.index}: killed")
                 elif g:
-                    parts.append(f"p{p.index}: step {g['step']}{of} loss {g['loss']:.3f} "
-                                 f"v{g['versions']} {g['bytes_sent'] / 1e6:.1f}MB")
+                    parts.append(
+                        f"p{p.index}: step {g['step']}{of} loss {g['loss']:.3f} "
+                        f"v{g['versions']} {g['bytes_sent'] / 1e6:.1f}MB"
+                    )
                 else:
                     parts.append(f"p{p.index}: starting")
             print(f"[{time.monotonic() - t0:6.1f}s] " + " | ".join(parts), flush=True)
@@ -266,8 +357,9 @@ class LocalSwarm(SwarmChaos):
                     r.cancel()
         return [p.result for p in self.peers if p.result is not None]
 
-    async def _start_peers(self, config_path: Path, tg: asyncio.TaskGroup,
-                           readers: list[asyncio.Task[None]]) -> None:
+    async def _start_peers(
+        self, config_path: Path, tg: asyncio.TaskGroup, readers: list[asyncio.Task[None]]
+    ) -> None:
         """Start all peers at once; peer 0 founds the swarm, the others join through its address."""
         for i in range(self.cfg.peers):
             peer = await self._spawn(i, config_path)
@@ -278,15 +370,19 @@ class LocalSwarm(SwarmChaos):
         async with asyncio.timeout(self.startup_timeout_s):
             await first.listening.wait()
         if not first.url:
-            raise RuntimeError(f"peer 0 exited before listening: {last_error(first.log_path)} (log: {first.log_path})")
+            raise RuntimeError(
+                f"peer 0 exited before listening: {last_error(first.log_path)} (log: {first.log_path})"
+            )
         for peer in self.peers[1:]:
             await self._send(peer, {"initial_peers": [first.url]})
         async with asyncio.timeout(self.startup_timeout_s):
             await asyncio.gather(*(p.listening.wait() for p in self.peers))
         dead = [p for p in self.peers if not p.url]
         if dead:
-            raise RuntimeError(f"peer {dead[0].index} exited before listening: {last_error(dead[0].log_path)} "
-                               f"(log: {dead[0].log_path})")
+            raise RuntimeError(
+                f"peer {dead[0].index} exited before listening: {last_error(dead[0].log_path)} "
+                f"(log: {dead[0].log_path})"
+            )
         self.listening.set()
 
     async def _start_training(self) -> None:
@@ -301,20 +397,25 @@ class LocalSwarm(SwarmChaos):
 
     async def _drive(self) -> None:
         limit = self.run_timeout_s
-        if limit is None and self.duration_s is not None:  # a timed run must end: wind-down is bounded
+        if (
+            limit is None and self.duration_s is not None
+        ):  # a timed run must end: wind-down is bounded
             limit = self.startup_timeout_s + 180.0 + self.duration_s + FINISH_GRACE_S
         try:
             async with asyncio.timeout(limit):
                 await asyncio.gather(*(p.finished.wait() for p in self.peers))
         except TimeoutError:
             stuck = [p.index for p in self.peers if not p.finished.is_set()]
-            raise RuntimeError(f"peers {stuck} did not finish within {limit:.0f} s of the launch; see their "
-                               f"logs in {self.peers[stuck[0]].log_path.parent if stuck else 'the run folder'}"
-                               ) from None
+            raise RuntimeError(
+                f"peers {stuck} did not finish within {limit:.0f} s of the launch; see their "
+                f"logs in {self.peers[stuck[0]].log_path.parent if stuck else 'the run folder'}"
+            ) from None
         failed = [p for p in self.peers if p.result is None and not p.killed]
         if failed:
-            raise RuntimeError(f"peer {failed[0].index} failed: {last_error(failed[0].log_path)} "
-                               f"(log: {failed[0].log_path})")
+            raise RuntimeError(
+                f"peer {failed[0].index} failed: {last_error(failed[0].log_path)} "
+                f"(log: {failed[0].log_path})"
+            )
 
     async def stop(self, grace_s: float = 10.0) -> None:
         """Ask every peer to stop, then terminate, then kill what is left."""

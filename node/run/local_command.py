@@ -33,17 +33,30 @@ def version_accounting(published: list[tuple[int, int, str, int]]) -> dict[str, 
     for fragment, version, digest, _index in published:
         contents.setdefault((fragment, version), set()).add(digest)
     conflicts = sorted(k for k, v in contents.items() if len(v) > 1)
-    return {"version_conflicts": len(conflicts),
-            "version_conflict_list": [{"fragment": f, "version": v, "digests": sorted(contents[(f, v)])}
-                                      for f, v in conflicts[:20]],
-            "versions_published": len(contents)}
+    return {
+        "version_conflicts": len(conflicts),
+        "version_conflict_list": [
+            {"fragment": f, "version": v, "digests": sorted(contents[(f, v)])}
+            for f, v in conflicts[:20]
+        ],
+        "versions_published": len(contents),
+    }
 
 
-def run_local(cfg: RunConfig, *, report_path: Path | None, baseline: bool = False,
-              alone: bool = False, quiet: bool = False, kill_at: dict[int, int] | None = None,
-              extra_peer_args: dict[int, list[str]] | None = None,
-              attacks: dict[int, str] | None = None, admission: str = "open",
-              chaos: ChaosSpec | None = None, duration_s: float | None = None) -> dict[str, Any]:
+def run_local(
+    cfg: RunConfig,
+    *,
+    report_path: Path | None,
+    baseline: bool = False,
+    alone: bool = False,
+    quiet: bool = False,
+    kill_at: dict[int, int] | None = None,
+    extra_peer_args: dict[int, list[str]] | None = None,
+    attacks: dict[int, str] | None = None,
+    admission: str = "open",
+    chaos: ChaosSpec | None = None,
+    duration_s: float | None = None,
+) -> dict[str, Any]:
     """Run a local swarm end to end, write the report and plot, print the summary. With
     ``duration_s`` the peers train until that many seconds after launch instead of ``cfg.steps``."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -51,13 +64,25 @@ def run_local(cfg: RunConfig, *, report_path: Path | None, baseline: bool = Fals
     run_dir = report_path.parent / f"{report_path.stem}-peers"
     if duration_s is not None:
         cfg = dataclasses.replace(cfg, steps=ENDLESS_STEPS)
-    swarm = LocalSwarm(cfg, run_dir, quiet=quiet, kill_at=kill_at, extra_peer_args=extra_peer_args,
-                       admission=admission, chaos=chaos, duration_s=duration_s)
+    swarm = LocalSwarm(
+        cfg,
+        run_dir,
+        quiet=quiet,
+        kill_at=kill_at,
+        extra_peer_args=extra_peer_args,
+        admission=admission,
+        chaos=chaos,
+        duration_s=duration_s,
+    )
     t0 = time.monotonic()
     length = f"{duration_s:g} s" if duration_s is not None else f"{cfg.steps} steps"
-    print(f"atoll local: {cfg.peers} peers, {length}, model {cfg.model}, "
-          f"{cfg.fragments} fragments, H={cfg.inner_steps}, codec {cfg.codec}"
-          + (f", chaos {chaos.text}" if chaos else "") + f"; logs in {run_dir}", flush=True)
+    print(
+        f"atoll local: {cfg.peers} peers, {length}, model {cfg.model}, "
+        f"{cfg.fragments} fragments, H={cfg.inner_steps}, codec {cfg.codec}"
+        + (f", chaos {chaos.text}" if chaos else "")
+        + f"; logs in {run_dir}",
+        flush=True,
+    )
     try:
         results = asyncio.run(swarm.run())
     except KeyboardInterrupt:
@@ -72,7 +97,9 @@ def run_local(cfg: RunConfig, *, report_path: Path | None, baseline: bool = Fals
     report["killed_peers"] = swarm.killed
     report.update(version_accounting(swarm.published))
     if swarm.forged:  # issue 48: versions published whose content an attacker forged (must be 0)
-        report["attacker_versions_published"] = sum(1 for _f, _v, d, _i in swarm.published if d in swarm.forged)
+        report["attacker_versions_published"] = sum(
+            1 for _f, _v, d, _i in swarm.published if d in swarm.forged
+        )
         report["forged_states"] = len(swarm.forged)
         # a forged state a peer took becomes its version once it owns the fragment: must be 0 too
         report["forged_states_taken"] = len(swarm.handed & swarm.forged)
@@ -83,7 +110,9 @@ def run_local(cfg: RunConfig, *, report_path: Path | None, baseline: bool = Fals
         end = report["baseline"]["eval_loss_end"]
         report["eval_loss_gap_rel"] = (report["eval_loss"]["end"] - end) / end
     if alone:
-        print("training peer 0's island alone (same model, shard and steps, no swarm) ...", flush=True)
+        print(
+            "training peer 0's island alone (same model, shard and steps, no swarm) ...", flush=True
+        )
         report.update(island_alone_for(cfg, report["eval_loss"]["end"]))
     png = write_report(report, report_path)
     for line in summary_lines(report):

@@ -39,5 +39,7 @@ def last_error(log_path: Path) -> str:
         lines = log_path.read_text(errors="replace").splitlines()
     except OSError:
         return "no log"
-    top = [ln for ln in lines if ln.strip() and not ln[0].isspace() and not ln.startswith("Traceback")]
+    top = [
+        ln for ln in lines if ln.strip() and not ln[0].isspace() and not ln.startswith("Traceback")
+    ]
     return top[-1][:300] if top else "its log is empty"

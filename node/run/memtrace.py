@@ -30,8 +30,10 @@ class MemTrace:
         try:
             frames = int(text) if text.strip() else 0
         except ValueError:
-            raise ValueError(f"ATOLL_TRACEMALLOC={text!r}: give the number of frames to record (e.g. 1), "
-                             "or leave it unset") from None
+            raise ValueError(
+                f"ATOLL_TRACEMALLOC={text!r}: give the number of frames to record (e.g. 1), "
+                "or leave it unset"
+            ) from None
         self.enabled = frames > 0
         self._baseline: tracemalloc.Snapshot | None = None
         self._fds_warm = 0
@@ -50,10 +52,15 @@ class MemTrace:
             return []
         now = tracemalloc.take_snapshot()
         key = "traceback" if tracemalloc.get_traceback_limit() > 1 else "lineno"
-        lines = [f"{stat.size_diff / 1e6:+.3f} MB in {stat.count_diff:+d} blocks: "
-                 + " <- ".join(str(frame) for frame in stat.traceback)
-                 for stat in now.compare_to(self._baseline, key)[:TOP] if stat.size_diff > 0]
-        lines.append(f"open file descriptors (sockets, files): {self._fds_warm} at warm-up, {open_fds()} now")
+        lines = [
+            f"{stat.size_diff / 1e6:+.3f} MB in {stat.count_diff:+d} blocks: "
+            + " <- ".join(str(frame) for frame in stat.traceback)
+            for stat in now.compare_to(self._baseline, key)[:TOP]
+            if stat.size_diff > 0
+        ]
+        lines.append(
+            f"open file descriptors (sockets, files): {self._fds_warm} at warm-up, {open_fds()} now"
+        )
         for line in lines:
             log.info("grew since warm-up: %s", line)
         return lines

@@ -20,8 +20,15 @@ class SlowAnswer(TimeoutError):
     """A peer's answer that was not whole within the deadline (one trickling a byte a second, say)."""
 
 
-def http_fetch(url: str, *, method: str = "GET", body: bytes | None = None, headers: dict[str, str] | None = None,
-               limit: int = 16 << 20, timeout: float = 10.0) -> tuple[int, bytes]:
+def http_fetch(
+    url: str,
+    *,
+    method: str = "GET",
+    body: bytes | None = None,
+    headers: dict[str, str] | None = None,
+    limit: int = 16 << 20,
+    timeout: float = 10.0,
+) -> tuple[int, bytes]:
     """One HTTP(S) exchange, all of it (connecting, sending, the answer's head and at most ``limit``
     bytes of its body, ``ERROR_BODY_BYTES`` of an error's) within ``timeout`` s: a socket timeout
     bounds each read only, and a peer trickling a byte a second held ``urlopen`` for ever. Past
@@ -30,8 +37,13 @@ def http_fetch(url: str, *, method: str = "GET", body: bytes | None = None, head
     answer (``SlowAnswer`` past the deadline)."""
     parts = urlsplit(url)
     target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-    conn = (http.client.HTTPSConnection(parts.hostname or "", parts.port, timeout=timeout, context=client_context())
-            if parts.scheme == "https" else http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=timeout))
+    conn = (
+        http.client.HTTPSConnection(
+            parts.hostname or "", parts.port, timeout=timeout, context=client_context()
+        )
+        if parts.scheme == "https"
+        else http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=timeout)
+    )
     expired = threading.Event()
     connected: list[socket.socket] = []  # the socket: a response that closes takes it from conn
 

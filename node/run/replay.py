@@ -26,7 +26,10 @@ def replay_main(args: argparse.Namespace) -> int:
     if path.is_dir():
         return _replay_folder(path, as_json=args.json)
     if not path.is_file():
-        print(f"atoll replay: no log at {path}; owners write them with --event-log-dir", file=sys.stderr)
+        print(
+            f"atoll replay: no log at {path}; owners write them with --event-log-dir",
+            file=sys.stderr,
+        )
         return 1
     try:
         result = replay(path)
@@ -36,17 +39,26 @@ def replay_main(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result.to_json()))
         return 0 if not result.mismatches else 1
-    print(f"{path}: {result.decisions} decisions replayed, {len(result.versions)} versions "
-          f"({result.contents_checked} recomputed from the kept contents), {result.validations} validation checks "
-          f"recomputed, {len(result.mismatches)} mismatches")
+    print(
+        f"{path}: {result.decisions} decisions replayed, {len(result.versions)} versions "
+        f"({result.contents_checked} recomputed from the kept contents), {result.validations} validation checks "
+        f"recomputed, {len(result.mismatches)} mismatches"
+    )
     if result.unchecked:
         print(f"  contents not all recomputed: {result.unchecked}")
     for v in result.versions:
-        merged = ", ".join(f"{peer[:8]} w={w:.3g} stale={s} clip={c:.3g}" for peer, w, s, c in v["merged"])
-        print(f"  version {v['version']} {v['digest'][:12]}" + (f": merged {merged}" if merged else ""))
+        merged = ", ".join(
+            f"{peer[:8]} w={w:.3g} stale={s} clip={c:.3g}" for peer, w, s, c in v["merged"]
+        )
+        print(
+            f"  version {v['version']} {v['digest'][:12]}"
+            + (f": merged {merged}" if merged else "")
+        )
     for m in result.mismatches[:20]:
-        print(f"  MISMATCH line {m.get('line')}: {m.get('event', m.get('what'))}: logged "
-              f"{m.get('logged', {}).get('reason')!r}, replayed {m.get('replayed', {}).get('reason')!r}")
+        print(
+            f"  MISMATCH line {m.get('line')}: {m.get('event', m.get('what'))}: logged "
+            f"{m.get('logged', {}).get('reason')!r}, replayed {m.get('replayed', {}).get('reason')!r}"
+        )
     return 0 if not result.mismatches else 1
 
 
@@ -70,24 +82,46 @@ def _replay_folder(folder: Path, *, as_json: bool) -> int:
         versions += len(result.versions)
         checked += result.contents_checked
         mismatches += [{"log": str(log), **m} for m in result.mismatches]
-        per_log.append({"log": str(log), "decisions": result.decisions, "versions": len(result.versions),
-                        "contents_checked": result.contents_checked, "unchecked": result.unchecked,
-                        "mismatches": len(result.mismatches)})
+        per_log.append(
+            {
+                "log": str(log),
+                "decisions": result.decisions,
+                "versions": len(result.versions),
+                "contents_checked": result.contents_checked,
+                "unchecked": result.unchecked,
+                "mismatches": len(result.mismatches),
+            }
+        )
         if not as_json:
-            print(f"{log}: {result.decisions} decisions, {len(result.versions)} versions "
-                  f"({result.contents_checked} recomputed), {len(result.mismatches)} mismatches"
-                  + (f"; contents not all recomputed: {result.unchecked}" if result.unchecked else ""))
+            print(
+                f"{log}: {result.decisions} decisions, {len(result.versions)} versions "
+                f"({result.contents_checked} recomputed), {len(result.mismatches)} mismatches"
+                + (f"; contents not all recomputed: {result.unchecked}" if result.unchecked else "")
+            )
     if as_json:
-        print(json.dumps({"decisions": decisions, "versions": versions, "contents_checked": checked,
-                          "mismatches": mismatches, "logs": per_log}))
+        print(
+            json.dumps(
+                {
+                    "decisions": decisions,
+                    "versions": versions,
+                    "contents_checked": checked,
+                    "mismatches": mismatches,
+                    "logs": per_log,
+                }
+            )
+        )
     else:
-        print(f"{len(logs)} logs: {decisions} decisions replayed, {versions} versions ({checked} recomputed "
-              f"from the kept contents), {len(mismatches)} mismatches")
+        print(
+            f"{len(logs)} logs: {decisions} decisions replayed, {versions} versions ({checked} recomputed "
+            f"from the kept contents), {len(mismatches)} mismatches"
+        )
     return 0 if not mismatches else 1
 
 
 def _one_line(path: Path, exc: BaseException) -> str:
     """Why ``path`` cannot be replayed, in one line that names it (a ``LogError`` names its line)."""
     if isinstance(exc, OSError):
-        return f"{path}: cannot read it: {exc.strerror or exc}" + (f": {exc.filename}" if exc.filename else "")
+        return f"{path}: cannot read it: {exc.strerror or exc}" + (
+            f": {exc.filename}" if exc.filename else ""
+        )
     return " ".join(str(exc).split())

@@ -39,7 +39,9 @@ def standing_of(peer_id: str, peers: list[dict[str, Any]]) -> float | None:
     return min((float(r[peer_id]) for r in reports if peer_id in r), default=0.0)
 
 
-def build_report(config: dict[str, Any], peers: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
+def build_report(
+    config: dict[str, Any], peers: list[dict[str, Any]], wall_s: float
+) -> dict[str, Any]:
     """Fold the peers' final results into the swarm report (field names are read by checks)."""
     reference = next((p for p in peers if p.get("eval_curve_global")), peers[0])
     versions = reference.get("global_versions", [])
@@ -67,31 +69,66 @@ def build_report(config: dict[str, Any], peers: list[dict[str, Any]], wall_s: fl
             "sent": sum(int(p.get("contributions_sent", 0)) for p in peers),
             "accepted": sum(int(p.get("contributions_accepted", 0)) for p in peers),
             "refused": sum(int(p.get("contributions_refused", 0)) for p in peers),
-            "accepted_per_peer": {str(p["index"]): int(p.get("contributions_accepted", 0)) for p in peers},
+            "accepted_per_peer": {
+                str(p["index"]): int(p.get("contributions_accepted", 0)) for p in peers
+            },
         },
         "remote_errors": sum(int(p.get("remote_errors", 0)) for p in peers),
-        "handoff_refusals": dict(sum((collections.Counter(p.get("handoff_refusals") or {}) for p in peers),
-                                     collections.Counter())),  # by reason, every peer's (issue 48)
-        "peer_attacks": {str(p.get("index")): p["peer_attack"] for p in peers if p.get("peer_attack")},
+        "handoff_refusals": dict(
+            sum(
+                (collections.Counter(p.get("handoff_refusals") or {}) for p in peers),
+                collections.Counter(),
+            )
+        ),  # by reason, every peer's (issue 48)
+        "peer_attacks": {
+            str(p.get("index")): p["peer_attack"] for p in peers if p.get("peer_attack")
+        },
         "per_peer": [
-            {**{k: p[k] for k in ("index", "peer_id", "steps", "tokens_trained", "bytes_sent",
-                                  "stalled_steps", "median_step_s", "median_step_s_detached",
-                                  "eval_curve_local", "attack", "incarnation", "resumed_from_step",
-                                  "validation") if k in p},
-             "penalties": penalties_of(p.get("peer_id", ""), peers),
-             "standing": standing_of(p.get("peer_id", ""), peers)}
+            {
+                **{
+                    k: p[k]
+                    for k in (
+                        "index",
+                        "peer_id",
+                        "steps",
+                        "tokens_trained",
+                        "bytes_sent",
+                        "stalled_steps",
+                        "median_step_s",
+                        "median_step_s_detached",
+                        "eval_curve_local",
+                        "attack",
+                        "incarnation",
+                        "resumed_from_step",
+                        "validation",
+                    )
+                    if k in p
+                },
+                "penalties": penalties_of(p.get("peer_id", ""), peers),
+                "standing": standing_of(p.get("peer_id", ""), peers),
+            }
             for p in peers
         ],
         "eval_curve_global": reference.get("eval_curve_global", []),
     }
     report["spread"] = spread_summary(peers)
     report["memory"] = memory_summary(peers)
-    report["versions_in"] = {k: sum(int((p.get("versions_in") or {}).get(k, 0)) for p in peers)
-                             for k in ("received", "as_updates", "update_mismatches", "local", "from_replica",
-                                       "finals_held")}
+    report["versions_in"] = {
+        k: sum(int((p.get("versions_in") or {}).get(k, 0)) for p in peers)
+        for k in (
+            "received",
+            "as_updates",
+            "update_mismatches",
+            "local",
+            "from_replica",
+            "finals_held",
+        )
+    }
     report["bytes_by_route"] = bytes_by_route(peers, report["tokens_trained"])
     if report["bytes_sent"]:
-        report["bandwidth_reduction_vs_ddp"] = report["bytes_sent_ddp_equivalent"] / report["bytes_sent"]
+        report["bandwidth_reduction_vs_ddp"] = (
+            report["bytes_sent_ddp_equivalent"] / report["bytes_sent"]
+        )
     return report
 
 
@@ -102,8 +139,10 @@ def bytes_by_route(peers: list[dict[str, Any]], tokens: int) -> dict[str, dict[s
     for p in peers:
         for route, n in (p.get("bytes_by_route") or {}).items():
             total[route] = total.get(route, 0) + int(n)
-    return {route: {"bytes": n, "per_token": round(n / tokens, 4) if tokens else 0.0}
-            for route, n in sorted(total.items(), key=lambda kv: -kv[1])}
+    return {
+        route: {"bytes": n, "per_token": round(n / tokens, 4) if tokens else 0.0}
+        for route, n in sorted(total.items(), key=lambda kv: -kv[1])
+    }
 
 
 def spread_summary(peers: list[dict[str, Any]]) -> dict[str, Any]:
@@ -118,12 +157,25 @@ def spread_summary(peers: list[dict[str, Any]]) -> dict[str, Any]:
         owner = int(s.get("owner_bytes", 0)) + int(p.get("replica_bytes", 0))
         ratio = owner / published if published else None
         worst = max(worst, ratio or 0.0)
-        per_peer[str(p["index"])] = {"published_bytes": published, "owner_upload_bytes": owner,
-                                     "owner_upload_per_published": ratio,
-                                     "held_bytes": int(s.get("held_bytes", 0))}
-    total = {k: sum(int((p.get("spread") or {}).get(k, 0)) for p in peers)
-             for k in ("pointers", "refused", "fallbacks_asked", "from_holders", "bad_from_holders", "replica_held",
-                       "over_budget", "refusals")}
+        per_peer[str(p["index"])] = {
+            "published_bytes": published,
+            "owner_upload_bytes": owner,
+            "owner_upload_per_published": ratio,
+            "held_bytes": int(s.get("held_bytes", 0)),
+        }
+    total = {
+        k: sum(int((p.get("spread") or {}).get(k, 0)) for p in peers)
+        for k in (
+            "pointers",
+            "refused",
+            "fallbacks_asked",
+            "from_holders",
+            "bad_from_holders",
+            "replica_held",
+            "over_budget",
+            "refusals",
+        )
+    }
     return {"per_peer": per_peer, "max_owner_upload_per_published": worst, **total}
 
 
@@ -150,18 +202,27 @@ def memory_summary(peers: list[dict[str, Any]], warmup: float = WARMUP) -> dict[
         growth = _growth_after(curve, start) / 1e6
         worst = max(worst, growth)
         entry: dict[str, Any] = {
-            "warm_mb": round(warm / 1e6, 1), "peak_mb": round(max(curve) / 1e6, 1),
-            "end_mb": round(curve[-1] / 1e6, 1), "growth_after_warmup_mb": round(growth, 1),
-            "samples": len(curve), "curve_mb": _thinned_mb(curve)}
+            "warm_mb": round(warm / 1e6, 1),
+            "peak_mb": round(max(curve) / 1e6, 1),
+            "end_mb": round(curve[-1] / 1e6, 1),
+            "growth_after_warmup_mb": round(growth, 1),
+            "samples": len(curve),
+            "curve_mb": _thinned_mb(curve),
+        }
         heap = [int(c[3]) for c in samples if len(c) > 4 and int(c[3]) >= 0]
         if len(heap) == len(curve):
             heap_growth = _growth_after(heap, start) / 1e6
             worst_heap = heap_growth if worst_heap is None else max(worst_heap, heap_growth)
-            entry |= {"heap_growth_after_warmup_mb": round(heap_growth, 1), "heap_curve_mb": _thinned_mb(heap)}
+            entry |= {
+                "heap_growth_after_warmup_mb": round(heap_growth, 1),
+                "heap_curve_mb": _thinned_mb(heap),
+            }
         blocks = [int(c[4]) for c in samples if len(c) > 4]
         if len(blocks) == len(curve):
-            entry |= {"py_blocks_growth_after_warmup": _growth_after(blocks, start),
-                      "py_blocks_curve": _thinned(blocks)}
+            entry |= {
+                "py_blocks_growth_after_warmup": _growth_after(blocks, start),
+                "py_blocks_curve": _thinned(blocks),
+            }
         per_peer[str(p["index"])] = entry
     out: dict[str, Any] = {"per_peer": per_peer, "max_growth_mb": round(worst, 1)}
     if worst_heap is not None:
@@ -182,7 +243,11 @@ def _thinned_mb(curve: list[int]) -> list[float]:
 def _thinned(curve: list[int]) -> list[int]:
     """``CURVE_POINTS`` evenly spaced samples of ``curve``, ending with the last."""
     n = len(curve)
-    picks = sorted({(n - 1) * i // (CURVE_POINTS - 1) for i in range(CURVE_POINTS)}) if n > CURVE_POINTS else range(n)
+    picks = (
+        sorted({(n - 1) * i // (CURVE_POINTS - 1) for i in range(CURVE_POINTS)})
+        if n > CURVE_POINTS
+        else range(n)
+    )
     return [curve[i] for i in picks]
 
 
@@ -206,16 +271,30 @@ def plot_report(report: dict[str, Any], png: Path) -> None:
     for peer in report["per_peer"]:
         curve = peer.get("eval_curve_local") or []
         if curve:
-            ax.plot([c[1] for c in curve], [c[2] for c in curve], alpha=0.6,
-                    label=f"peer {peer['index']} (local)")
+            ax.plot(
+                [c[1] for c in curve],
+                [c[2] for c in curve],
+                alpha=0.6,
+                label=f"peer {peer['index']} (local)",
+            )
     glob = report.get("eval_curve_global") or []
     if glob:
-        ax.plot([c[1] for c in glob], [c[2] for c in glob], color="black", linewidth=2.5,
-                label="global model")
+        ax.plot(
+            [c[1] for c in glob],
+            [c[2] for c in glob],
+            color="black",
+            linewidth=2.5,
+            label="global model",
+        )
     baseline = report.get("baseline", {}).get("eval_curve")
     if baseline:
-        ax.plot([c[0] for c in baseline], [c[2] for c in baseline], "--", color="gray",
-                label="synchronous data-parallel, equal tokens")
+        ax.plot(
+            [c[0] for c in baseline],
+            [c[2] for c in baseline],
+            "--",
+            color="gray",
+            label="synchronous data-parallel, equal tokens",
+        )
     ax.set_xlabel("inner step (per island)")
     ax.set_ylabel("held-out loss (nats/byte)")
     ax.set_title(f"atoll local: {report['peers']} peers, {report['steps']} steps")
@@ -243,40 +322,59 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         f"stalled steps: {report['stalled_steps']}; contributions sent/accepted/refused: "
         f"{report['contributions']['sent']}/{report['contributions']['accepted']}/"
         f"{report['contributions']['refused']}"
-        + "; accepted per peer: " + ", ".join(
-            f"p{i} {n}" for i, n in report["contributions"].get("accepted_per_peer", {}).items()),
+        + "; accepted per peer: "
+        + ", ".join(
+            f"p{i} {n}" for i, n in report["contributions"].get("accepted_per_peer", {}).items()
+        ),
     ]
     routes = report.get("bytes_by_route") or {}
     if routes:
-        lines.append("bytes per trained token, largest first: " + ", ".join(
-            f"{route} {r['per_token']:.2f}" for route, r in list(routes.items())[:5]))
+        lines.append(
+            "bytes per trained token, largest first: "
+            + ", ".join(f"{route} {r['per_token']:.2f}" for route, r in list(routes.items())[:5])
+        )
     if "versions_published" in report:
-        lines.append(f"versions published {report['versions_published']}, with two contents: "
-                     f"{report['version_conflicts']}")
+        lines.append(
+            f"versions published {report['versions_published']}, with two contents: "
+            f"{report['version_conflicts']}"
+        )
     spread = report.get("spread")
     if spread and spread.get("max_owner_upload_per_published"):
-        lines.append(f"versions spread peer to peer: an owner uploaded at most "
-                     f"{spread['max_owner_upload_per_published']:.2f}x what it published (versions and replica "
-                     f"handoffs); {spread['from_holders']} versions came from holders, {spread['pointers']} "
-                     f"pointers, {spread['fallbacks_asked']} fallbacks to an owner")
+        lines.append(
+            f"versions spread peer to peer: an owner uploaded at most "
+            f"{spread['max_owner_upload_per_published']:.2f}x what it published (versions and replica "
+            f"handoffs); {spread['from_holders']} versions came from holders, {spread['pointers']} "
+            f"pointers, {spread['fallbacks_asked']} fallbacks to an owner"
+        )
     came = report.get("versions_in")
     if came and came.get("received"):
-        lines.append(f"versions received: {came['received']}, {came['local']} of them from the peer's own owner "
-                     f"(in process), {came.get('from_replica', 0)} from its replica store, {came['as_updates']} as updates over the version held; "
-                     f"{came['update_mismatches']} updates did not apply (full version fetched)")
+        lines.append(
+            f"versions received: {came['received']}, {came['local']} of them from the peer's own owner "
+            f"(in process), {came.get('from_replica', 0)} from its replica store, {came['as_updates']} as updates over the version held; "
+            f"{came['update_mismatches']} updates did not apply (full version fetched)"
+        )
     memory = report.get("memory")
     if memory and memory.get("per_peer"):
-        lines.append(f"memory: peers grew by at most {memory['max_growth_mb']:.1f} MB after warm-up "
-                     f"(peak {max(m['peak_mb'] for m in memory['per_peer'].values()):.0f} MB resident)"
-                     + (f"; C heap in use grew by at most {memory['max_heap_growth_mb']:.1f} MB"
-                        if "max_heap_growth_mb" in memory else ""))
+        lines.append(
+            f"memory: peers grew by at most {memory['max_growth_mb']:.1f} MB after warm-up "
+            f"(peak {max(m['peak_mb'] for m in memory['per_peer'].values()):.0f} MB resident)"
+            + (
+                f"; C heap in use grew by at most {memory['max_heap_growth_mb']:.1f} MB"
+                if "max_heap_growth_mb" in memory
+                else ""
+            )
+        )
     if report.get("chaos"):
         restarted = sum(r["restarted_at_s"] is not None for r in report.get("restarts", []))
-        lines.append(f"chaos {report['chaos']}: {len(report.get('restarts', []))} kills, {restarted} restarts")
+        lines.append(
+            f"chaos {report['chaos']}: {len(report.get('restarts', []))} kills, {restarted} restarts"
+        )
     if report.get("uptime") is not None:
-        lines.append(f"uptime {100 * report['uptime']:.1f} % (every fragment advanced within 2H = "
-                     f"{report['uptime_window_s']:.1f} s), goodput {100 * report['goodput']:.1f} % "
-                     f"over {report['training_s']:.0f} s of training")
+        lines.append(
+            f"uptime {100 * report['uptime']:.1f} % (every fragment advanced within 2H = "
+            f"{report['uptime_window_s']:.1f} s), goodput {100 * report['goodput']:.1f} % "
+            f"over {report['training_s']:.0f} s of training"
+        )
     if "baseline" in report:
         b = report["baseline"]
         lines.append(
@@ -284,11 +382,16 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
             f"Atoll's gap {100 * report['eval_loss_gap_rel']:+.1f} %"
         )
     for index, attack in report.get("attacks", {}).items():
-        row: dict[str, Any] = next((p for p in report["per_peer"] if str(p.get("index")) == index), {})
+        row: dict[str, Any] = next(
+            (p for p in report["per_peer"] if str(p.get("index")) == index), {}
+        )
         counts: dict[str, int] = row.get("penalties", {})
         standing = f"; standing {row['standing']:.2f}" if row.get("standing") is not None else ""
-        lines.append(f"peer {index} attacked ({attack}); what the merge did to it: "
-                     + (", ".join(f"{k} {v}" for k, v in counts.items()) or "nothing recorded") + standing)
+        lines.append(
+            f"peer {index} attacked ({attack}); what the merge did to it: "
+            + (", ".join(f"{k} {v}" for k, v in counts.items()) or "nothing recorded")
+            + standing
+        )
     if "island_alone" in report:
         a = report["island_alone"]
         lines.append(

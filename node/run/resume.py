@@ -37,10 +37,23 @@ FORMAT = "atoll-island/1"
 class IslandCheckpoints:
     """Saves and restores one island (model, optimizer, global fragments, counters, data order)."""
 
-    def __init__(self, folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, island: Island,
-                 generator: torch.Generator, *, keep: int = 2) -> None:
+    def __init__(
+        self,
+        folder: Path,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        island: Island,
+        generator: torch.Generator,
+        *,
+        keep: int = 2,
+    ) -> None:
         self.store = Checkpointer(folder, keep=keep)
-        self.model, self.optimizer, self.island, self.generator = model, optimizer, island, generator
+        self.model, self.optimizer, self.island, self.generator = (
+            model,
+            optimizer,
+            island,
+            generator,
+        )
         self._writer: threading.Thread | None = None
         self.saved = self.skipped = 0
         self.failed: str | None = None
@@ -48,8 +61,9 @@ class IslandCheckpoints:
     # --- save ------------------------------------------------------------------------------------
     def _snapshot(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         isl = self.island
-        tensors: dict[str, torch.Tensor] = {f"model.{n}": p.detach().cpu().clone()
-                                            for n, p in self.model.named_parameters()}
+        tensors: dict[str, torch.Tensor] = {
+            f"model.{n}": p.detach().cpu().clone() for n, p in self.model.named_parameters()
+        }
         index = {id(p): i for i, p in enumerate(self._optimizer_params())}  # state_dict's numbering
         for param, state in self.optimizer.state.items():
             for k, v in state.items():
@@ -58,12 +72,18 @@ class IslandCheckpoints:
         for i, flat in enumerate(isl.global_flat):
             tensors[f"global.{i}"] = flat.clone()
         tensors["sampler.rng"] = self.generator.get_state()
-        meta = {"format": FORMAT, "step": isl.stats.step, "tokens_trained": isl.stats.tokens_trained,
-                "versions": list(isl.versions), "c_steps": list(isl.c_steps), "c_tokens": list(isl.c_tokens),
-                "next_due": list(isl.next_due),
-                # wall clock: a restarted peer's version fence counts the swarm's merges since
-                # then, not since it loaded these versions (which refused honest versions)
-                "saved_at": time.time()}
+        meta = {
+            "format": FORMAT,
+            "step": isl.stats.step,
+            "tokens_trained": isl.stats.tokens_trained,
+            "versions": list(isl.versions),
+            "c_steps": list(isl.c_steps),
+            "c_tokens": list(isl.c_tokens),
+            "next_due": list(isl.next_due),
+            # wall clock: a restarted peer's version fence counts the swarm's merges since
+            # then, not since it loaded these versions (which refused honest versions)
+            "saved_at": time.time(),
+        }
         return tensors, meta
 
     def save(self) -> bool:
@@ -104,14 +124,24 @@ class IslandCheckpoints:
 
         def counts(value: object, length: int | None) -> bool:
             items = value if isinstance(value, list) else [value]
-            return ((length is None or (isinstance(value, list) and len(value) == length))
-                    and all(type(v) is int and 0 <= v < 1 << 63 for v in items))
+            return (length is None or (isinstance(value, list) and len(value) == length)) and all(
+                type(v) is int and 0 <= v < 1 << 63 for v in items
+            )
 
-        fields = {"step": None, "tokens_trained": None, "versions": n, "c_steps": n, "c_tokens": n, "next_due": n}
+        fields = {
+            "step": None,
+            "tokens_trained": None,
+            "versions": n,
+            "c_steps": n,
+            "c_tokens": n,
+            "next_due": n,
+        }
         bad = [name for name, length in fields.items() if not counts(meta.get(name), length)]
         if bad or not isinstance(tensors.get("sampler.rng"), torch.Tensor):
-            raise CheckpointError(f"island checkpoint in {self.store.folder}: malformed meta record "
-                                  f"({', '.join(bad) or 'sampler.rng'}: not counts for {n} fragments)")
+            raise CheckpointError(
+                f"island checkpoint in {self.store.folder}: malformed meta record "
+                f"({', '.join(bad) or 'sampler.rng'}: not counts for {n} fragments)"
+            )
 
     def restore(self) -> dict[str, Any] | None:
         """Load the newest valid checkpoint into the model, optimizer, island and sampler.
@@ -119,7 +149,9 @@ class IslandCheckpoints:
         Returns its meta (None when there is none). Raises ``CheckpointError`` when one exists
         but does not fit this model (another model or fragment plan): a clear message, not a
         half-restored island."""
-        expected = {f"model.{n}": (tuple(p.shape), p.dtype) for n, p in self.model.named_parameters()}
+        expected = {
+            f"model.{n}": (tuple(p.shape), p.dtype) for n, p in self.model.named_parameters()
+        }
         for i, flat in enumerate(self.island.global_flat):
             expected[f"global.{i}"] = (tuple(flat.shape), flat.dtype)
         found = self.store.latest(check=self._well_formed)
@@ -127,18 +159,24 @@ class IslandCheckpoints:
             return None
         tensors, meta = found
         if meta.get("format") != FORMAT:
-            raise CheckpointError(f"checkpoint in {self.store.folder} is not an island checkpoint "
-                                  f"({meta.get('format')!r}); point --checkpoint-dir at an empty folder")
+            raise CheckpointError(
+                f"checkpoint in {self.store.folder} is not an island checkpoint "
+                f"({meta.get('format')!r}); point --checkpoint-dir at an empty folder"
+            )
         for name, (shape, dtype) in expected.items():
             t = tensors.get(name)
             if t is None or tuple(t.shape) != shape or t.dtype != dtype:
-                raise CheckpointError(f"checkpoint in {self.store.folder} does not fit this model ({name}: "
-                                      f"{None if t is None else tuple(t.shape)}, expected {shape}); it is "
-                                      "another swarm's: point --checkpoint-dir at an empty folder")
+                raise CheckpointError(
+                    f"checkpoint in {self.store.folder} does not fit this model ({name}: "
+                    f"{None if t is None else tuple(t.shape)}, expected {shape}); it is "
+                    "another swarm's: point --checkpoint-dir at an empty folder"
+                )
         versions = [int(v) for v in meta["versions"]]
         if len(versions) != len(self.island.versions):
-            raise CheckpointError(f"checkpoint holds {len(versions)} fragments, this plan has "
-                                  f"{len(self.island.versions)}")
+            raise CheckpointError(
+                f"checkpoint holds {len(versions)} fragments, this plan has "
+                f"{len(self.island.versions)}"
+            )
         with torch.no_grad():
             for n, param in self.model.named_parameters():
                 param.copy_(tensors[f"model.{n}"])
@@ -149,14 +187,20 @@ class IslandCheckpoints:
                 _, index, k = name.split(".", 2)
                 state.setdefault(int(index), {})[k] = t
         sd = self.optimizer.state_dict()
-        sd["state"] = {i: {k: v.to(params[i].device) if k != "step" else v for k, v in s.items()}
-                       for i, s in state.items() if i < len(params)}
+        sd["state"] = {
+            i: {k: v.to(params[i].device) if k != "step" else v for k, v in s.items()}
+            for i, s in state.items()
+            if i < len(params)
+        }
         self.optimizer.load_state_dict(sd)
         isl = self.island
         for p in range(len(isl.global_flat)):
             isl.global_flat[p] = tensors[f"global.{p}"].float().clone()
         isl.versions = versions
-        isl.c_steps, isl.c_tokens = [int(x) for x in meta["c_steps"]], [int(x) for x in meta["c_tokens"]]
+        isl.c_steps, isl.c_tokens = (
+            [int(x) for x in meta["c_steps"]],
+            [int(x) for x in meta["c_tokens"]],
+        )
         isl.next_due = [int(x) for x in meta["next_due"]]
         isl.stats.step, isl.stats.tokens_trained = int(meta["step"]), int(meta["tokens_trained"])
         self.generator.set_state(tensors["sampler.rng"])

@@ -43,7 +43,14 @@ from node.workload.presets import resolved
 from protocol.diloco.fragments import FragmentPlan, plan_fragments
 from protocol.wire.signing import Signer
 
-__all__ = ["data_seed_of", "global_param_hash", "inner_step", "island_sampler", "resolved", "run_peer"]
+__all__ = [
+    "data_seed_of",
+    "global_param_hash",
+    "inner_step",
+    "island_sampler",
+    "resolved",
+    "run_peer",
+]
 
 log = logging.getLogger("atoll.train")
 
@@ -60,18 +67,35 @@ def global_param_hash(state: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def island_sampler(cfg: RunConfig, train: torch.Tensor, block_size: int, index: int, *,
-                   rank: int = 0, own_seed: int | None = None) -> BatchSampler:
+def island_sampler(
+    cfg: RunConfig,
+    train: torch.Tensor,
+    block_size: int,
+    index: int,
+    *,
+    rank: int = 0,
+    own_seed: int | None = None,
+) -> BatchSampler:
     """Island ``index``'s batches: its own shard of the train split, its own seed (and for the
     ranks of a multi-process island, each rank its own seed within the island's shard).
 
     ``own_seed`` (a joining peer's, ``data_seed_of`` its key): windows from the whole train split
     with that seed instead. A peer of a swarm whose size it does not know has no shard of its
     own, and joiners that drew the same index of ``--peers`` would train on the same batches."""
-    seed, shard, n_shards, sharding = ((sampler_seed(cfg.seed, index), index, cfg.peers, cfg.sharding)
-                                       if own_seed is None else (own_seed, 0, 1, "contiguous"))
-    return BatchSampler(train, batch_size=cfg.batch_size, block_size=block_size,
-                        seed=seed + RANK_SEED_STRIDE * rank, shard=shard, n_shards=n_shards, sharding=sharding)
+    seed, shard, n_shards, sharding = (
+        (sampler_seed(cfg.seed, index), index, cfg.peers, cfg.sharding)
+        if own_seed is None
+        else (own_seed, 0, 1, "contiguous")
+    )
+    return BatchSampler(
+        train,
+        batch_size=cfg.batch_size,
+        block_size=block_size,
+        seed=seed + RANK_SEED_STRIDE * rank,
+        shard=shard,
+        n_shards=n_shards,
+        sharding=sharding,
+    )
 
 
 def data_seed_of(peer_id: bytes) -> int:
@@ -92,9 +116,16 @@ def start_ranks(device: torch.device) -> tuple[int, int]:
     return distributed_rank()
 
 
-def _follow_rank_zero(cfg: RunConfig, model: torch.nn.Module, stepper: torch.nn.Module,
-                      optimizer: torch.optim.Optimizer, plan: FragmentPlan, sampler: BatchSampler,
-                      tcfg: TrainConfig, device: torch.device) -> dict[str, Any]:
+def _follow_rank_zero(
+    cfg: RunConfig,
+    model: torch.nn.Module,
+    stepper: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    plan: FragmentPlan,
+    sampler: BatchSampler,
+    tcfg: TrainConfig,
+    device: torch.device,
+) -> dict[str, Any]:
     """A rank other than 0 of a multi-process island: the same steps as rank 0 (DDP averages
     the gradients), the fragments rank 0 adopts after each step (``IslandRanks``), no node."""
     ranks = IslandRanks(model, optimizer, plan, None)
@@ -107,7 +138,9 @@ def _follow_rank_zero(cfg: RunConfig, model: torch.nn.Module, stepper: torch.nn.
             break
         x, y = (t.to(device, non_blocking=True) for t in sampler.next())
         ranks.tokens(x.numel())
-        inner_step(stepper, optimizer, tcfg, step, x, y, rewarm_from=start)  # the post-step hook syncs with rank 0
+        inner_step(
+            stepper, optimizer, tcfg, step, x, y, rewarm_from=start
+        )  # the post-step hook syncs with rank 0
         steps += 1
     else:
         ranks.agree(True)  # rank 0's closing agree(False) after its last step
@@ -115,12 +148,31 @@ def _follow_rank_zero(cfg: RunConfig, model: torch.nn.Module, stepper: torch.nn.
     ranks.close()
     leave_process_group()  # when rank 0 is done serving too
     param_hash = global_param_hash(dict(model.named_parameters()))
-    log.info("rank %d of %d: %d steps, final parameters %s", ranks.rank, ranks.world, steps, param_hash[:16])
-    return {"rank": ranks.rank, "steps": steps, "versions": ranks.versions, "param_hash": param_hash}
+    log.info(
+        "rank %d of %d: %d steps, final parameters %s",
+        ranks.rank,
+        ranks.world,
+        steps,
+        param_hash[:16],
+    )
+    return {
+        "rank": ranks.rank,
+        "steps": steps,
+        "versions": ranks.versions,
+        "param_hash": param_hash,
+    }
 
 
-def inner_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, tcfg: TrainConfig, step: int,
-               x: torch.Tensor, y: torch.Tensor, *, rewarm_from: int = 0) -> torch.Tensor:
+def inner_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    tcfg: TrainConfig,
+    step: int,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    rewarm_from: int = 0,
+) -> torch.Tensor:
     """One inner step on batch x, y ([B, T] int64): set the lr (``lr_at``), forward, backward,
     clip, step (on an island the optimizer's hook then adopts and ships fragments); returns the
     loss."""
@@ -137,8 +189,13 @@ def inner_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, tcfg: T
 def _eval_global(model: GPT, island: Island, heldout: torch.Tensor, cfg: RunConfig) -> float:
     scratch = GPT(model.config)
     scratch.load_state_dict(island.global_state(), strict=True)
-    return evaluate(scratch, heldout, batch_size=cfg.batch_size, block_size=model.config.block_size,
-                    n_batches=cfg.eval_batches)
+    return evaluate(
+        scratch,
+        heldout,
+        batch_size=cfg.batch_size,
+        block_size=model.config.block_size,
+        n_batches=cfg.eval_batches,
+    )
 
 
 def _read_stdin_line() -> dict[str, Any]:
@@ -159,21 +216,36 @@ class PeerOptions:
     public_address: str | None = None
     t0: float = 0.0  # wall-clock origin of the eval curves (the launcher's start)
     wait_for_stop: bool = True  # after the result, serve until the launcher says stop
-    initial_peers_from_stdin: bool = False  # the launcher sends {"initial_peers": [...]} once known,
+    initial_peers_from_stdin: bool = (
+        False  # the launcher sends {"initial_peers": [...]} once known,
+    )
     # then {"start": true} once every peer is ready, so that all islands start their steps together
     wait_members: int = 1  # start training once this many members are visible (a local swarm: all)
     final_sync: bool = True  # end on the owners' final versions (a local swarm, where all finish)
     serve_after_s: float = 0.0  # without a launcher: keep serving this long after training
-    slow_factor: float = 1.0  # fault injection: stretch every inner step to this many times its length
-    attack: str = ""  # measurement: send malicious contributions (node.run.attack), e.g. "scale=1000"
-    checkpoint_dir: Path | None = None  # save the island every H steps here; resume from it at start
+    slow_factor: float = (
+        1.0  # fault injection: stretch every inner step to this many times its length
+    )
+    attack: str = (
+        ""  # measurement: send malicious contributions (node.run.attack), e.g. "scale=1000"
+    )
+    checkpoint_dir: Path | None = (
+        None  # save the island every H steps here; resume from it at start
+    )
     event_log_dir: Path | None = None  # owners log their mergers' events here (atoll replay)
     until: float = 0.0  # stop training at this unix time even if steps remain (0: run all steps)
     signer: Signer | None = None  # this peer's key (None: a fresh one)
     credentials: SwarmCredentials | None = None  # the swarm's manifest and our certificate
-    events: Callable[..., None] | None = None  # event(name, **fields); None: JSON lines on stdout (emit)
-    own_data_seed: int | None = None  # a joiner's: batches from the whole corpus with this seed (island_sampler)
-    schedule: str = "own"  # "swarm": start the lr schedule where the swarm's learners are (atoll join)
+    events: Callable[..., None] | None = (
+        None  # event(name, **fields); None: JSON lines on stdout (emit)
+    )
+    own_data_seed: int | None = (
+        None  # a joiner's: batches from the whole corpus with this seed (island_sampler)
+    )
+    schedule: str = (
+        "own"  # "swarm": start the lr schedule where the swarm's learners are (atoll join)
+    )
+
 
 def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
     index = opts.index
@@ -190,12 +262,18 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
     if world > 1 and device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     if world > 1 and opts.checkpoint_dir is not None:
-        raise RuntimeError("--checkpoint-dir is not supported for islands of several processes yet "
-                           "(every rank's optimizer state would have to be saved); leave it out with --nproc")
-    model = GPT(gcfg, seed=cfg.seed).to(device)  # identical on every peer: version 0 of every fragment
+        raise RuntimeError(
+            "--checkpoint-dir is not supported for islands of several processes yet "
+            "(every rank's optimizer state would have to be saved); leave it out with --nproc"
+        )
+    model = GPT(gcfg, seed=cfg.seed).to(
+        device
+    )  # identical on every peer: version 0 of every fragment
     data = load_corpus(Path(cfg.corpus) if cfg.corpus else None, max_bytes=cfg.corpus_max_bytes)
     train, heldout = split_corpus(data)
-    sampler = island_sampler(cfg, train, gcfg.block_size, index, rank=rank, own_seed=opts.own_data_seed)
+    sampler = island_sampler(
+        cfg, train, gcfg.block_size, index, rank=rank, own_seed=opts.own_data_seed
+    )
     tcfg = train_config_for(cfg)
     optimizer = make_inner_optimizer(model, tcfg)
     shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
@@ -204,49 +282,83 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
     if world > 1:
         from torch.nn.parallel import DistributedDataParallel
 
-        stepper = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        stepper = DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None
+        )
     if rank > 0:  # this rank trains and follows rank 0's adoptions; rank 0 speaks for the island
         return _follow_rank_zero(cfg, model, stepper, optimizer, plan, sampler, tcfg, device)
     signer = opts.signer or Signer.from_seed(os.urandom(32))
     # the global model at the start: version 0 of every fragment is this deterministic init
-    eval_start = evaluate(model, heldout, batch_size=cfg.batch_size, block_size=gcfg.block_size,
-                          n_batches=cfg.eval_batches)
+    eval_start = evaluate(
+        model,
+        heldout,
+        batch_size=cfg.batch_size,
+        block_size=gcfg.block_size,
+        n_batches=cfg.eval_batches,
+    )
 
     # --- the island, resumed from its checkpoint if it has one ---------------------------------
     holder: list[PeerNode] = []
-    island = Island(model, optimizer, plan, submit=lambda out: holder[0].net.submit(out) if holder[0].net else None,
-                    cfg=IslandConfig(inner_steps=cfg.inner_steps,
-                                     interval=interval_by_lr(optimizer, cfg.inner_steps, cfg.sync_growth),
-                                     adopt_alpha=cfg.adopt_alpha,
-                                     wait_for_merge=cfg.mode != "decoupled",
-                                     hold_until_shipped=bool(cfg.hold_versions),
-                                     ship_before_adopt=cfg.ship_before_adopt, rebase=bool(cfg.adopt_rebase)))
+    island = Island(
+        model,
+        optimizer,
+        plan,
+        submit=lambda out: holder[0].net.submit(out) if holder[0].net else None,
+        cfg=IslandConfig(
+            inner_steps=cfg.inner_steps,
+            interval=interval_by_lr(optimizer, cfg.inner_steps, cfg.sync_growth),
+            adopt_alpha=cfg.adopt_alpha,
+            wait_for_merge=cfg.mode != "decoupled",
+            hold_until_shipped=bool(cfg.hold_versions),
+            ship_before_adopt=cfg.ship_before_adopt,
+            rebase=bool(cfg.adopt_rebase),
+        ),
+    )
     ranks = IslandRanks(model, optimizer, plan, island) if world > 1 else None
     initial_global = [g.clone() for g in island.global_flat]  # version 0 of every fragment
-    checkpoints = (IslandCheckpoints(opts.checkpoint_dir, model, optimizer, island, sampler.generator)
-                   if opts.checkpoint_dir else None)
+    checkpoints = (
+        IslandCheckpoints(opts.checkpoint_dir, model, optimizer, island, sampler.generator)
+        if opts.checkpoint_dir
+        else None
+    )
     resumed = checkpoints.restore() if checkpoints is not None else None
     start_step = int(resumed["step"]) if resumed else 0
     if resumed:
         say("resumed", index=index, step=start_step, versions=list(island.versions))
 
     # --- validated publication: owners check candidates on the pinned held-out slice ------------
-    validation, validation_hash = validation_slice(heldout)  # (m,) uint8; the same bytes on every peer
-    evaluator = window_evaluator(model, plan, None, validation, block_size=gcfg.block_size,
-                                 windows=cfg.validate_windows)  # None: the other fragments as the island trains them
+    validation, validation_hash = validation_slice(
+        heldout
+    )  # (m,) uint8; the same bytes on every peer
+    evaluator = window_evaluator(
+        model, plan, None, validation, block_size=gcfg.block_size, windows=cfg.validate_windows
+    )  # None: the other fragments as the island trains them
 
     # --- the node, on its own thread: join the swarm, sync the global fragments ---------------
-    node = PeerNode(cfg, signer, model, plan, host=opts.host, port=opts.port,
-                    public_address=opts.public_address, credentials=opts.credentials,
-                    tamper=(Attack.parse(opts.attack, seed=cfg.seed)  # the run's seed: attackers collude
-                            if opts.attack and not is_peer_attack(opts.attack) else None),
-                    initial_global=initial_global if resumed else None,
-                    versions_known_at=float(resumed["saved_at"]) if resumed and "saved_at" in resumed else None,
-                    event_log_dir=opts.event_log_dir,
-                    owner_checkpoint_dir=opts.checkpoint_dir / "owner" if opts.checkpoint_dir else None,
-                    evaluator=evaluator)
+    node = PeerNode(
+        cfg,
+        signer,
+        model,
+        plan,
+        host=opts.host,
+        port=opts.port,
+        public_address=opts.public_address,
+        credentials=opts.credentials,
+        tamper=(
+            Attack.parse(opts.attack, seed=cfg.seed)  # the run's seed: attackers collude
+            if opts.attack and not is_peer_attack(opts.attack)
+            else None
+        ),
+        initial_global=initial_global if resumed else None,
+        versions_known_at=float(resumed["saved_at"]) if resumed and "saved_at" in resumed else None,
+        event_log_dir=opts.event_log_dir,
+        owner_checkpoint_dir=opts.checkpoint_dir / "owner" if opts.checkpoint_dir else None,
+        evaluator=evaluator,
+    )
     holder.append(node)
-    node.announce_versions = opts.initial_peers_from_stdin  # under a launcher: it checks every version's content
+    node.announce_versions = (
+        opts.initial_peers_from_stdin
+    )  # under a launcher: it checks every version's content
     initial = list(opts.initial_peers)
     if opts.initial_peers_from_stdin:
         initial += list(_read_stdin_line().get("initial_peers", []))
@@ -257,15 +369,21 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
             asyncio.run(node.serve(island, initial))
         except BaseException as exc:
             crashed.append(exc)
-            log.log(logging.ERROR if node.joined.is_set() and node.failure is None else logging.DEBUG,
-                    "the node stopped: %r", exc, exc_info=True)
+            log.log(
+                logging.ERROR if node.joined.is_set() and node.failure is None else logging.DEBUG,
+                "the node stopped: %r",
+                exc,
+                exc_info=True,
+            )
 
     thread = threading.Thread(target=serve, name="atoll-node", daemon=True)
     thread.start()
     deadline = time.monotonic() + 60
     while not node.ready.wait(0.1):
         if crashed or time.monotonic() > deadline:
-            raise RuntimeError(f"the node could not start listening: {crashed[0] if crashed else 'not within 60 s'}")
+            raise RuntimeError(
+                f"the node could not start listening: {crashed[0] if crashed else 'not within 60 s'}"
+            )
     say("listening", index=index, url=node.url, peer_id=signer.peer_id.hex())
     if not node.joined.wait(120) or node.failure is not None:
         raise RuntimeError(f"could not join the swarm: {str(node.failure) or repr(node.failure)}")
@@ -281,19 +399,32 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
         start_step = rewarm_from = joining_step(claims, cfg.steps)
         if start_step:
             say("schedule", index=index, step=start_step, steps=cfg.steps, learners=len(claims))
-            log.info("joining the swarm's schedule at step %d of %d (the median of %d learners' steps): "
-                     "%d steps to train, the learning rate warmed up again over %d", start_step, cfg.steps,
-                     len(claims), cfg.steps - start_step, cfg.warmup_steps)
+            log.info(
+                "joining the swarm's schedule at step %d of %d (the median of %d learners' steps): "
+                "%d steps to train, the learning rate warmed up again over %d",
+                start_step,
+                cfg.steps,
+                len(claims),
+                cfg.steps - start_step,
+                cfg.warmup_steps,
+            )
         if start_step >= cfg.steps:
-            log.warning("the swarm's learners are at step %d, the end of this run's --steps %d: nothing to "
-                        "train on the swarm's schedule (pass a larger --steps, or --schedule own)",
-                        start_step, cfg.steps)
+            log.warning(
+                "the swarm's learners are at step %d, the end of this run's --steps %d: nothing to "
+                "train on the swarm's schedule (pass a larger --steps, or --schedule own)",
+                start_step,
+                cfg.steps,
+            )
     if ranks is not None:
         ranks.sync()
         start_step = ranks.start_step(start_step)  # the followers' steps and lr are rank 0's
     say("joined", index=index, versions=list(island.versions), synced=sorted(node.synced))
     # a peer-level attack (node.run.attack_peer: forged handoffs, a claimed address) runs on the node's loop
-    peer_attack = PeerAttack(opts.attack.strip(), node, say) if opts.attack and is_peer_attack(opts.attack) else None
+    peer_attack = (
+        PeerAttack(opts.attack.strip(), node, say)
+        if opts.attack and is_peer_attack(opts.attack)
+        else None
+    )
     if peer_attack is not None:
         peer_attack.start()
     t0 = opts.t0 or time.time()
@@ -321,31 +452,63 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
             ranks.tokens(x.numel())  # every rank's tokens count
         else:
             island.tokens(x.numel())  # counted into the contributions this step may ship
-        loss = inner_step(stepper, optimizer, tcfg, step, x, y, rewarm_from=rewarm_from)  # the hook: adopt, ship
+        loss = inner_step(
+            stepper, optimizer, tcfg, step, x, y, rewarm_from=rewarm_from
+        )  # the hook: adopt, ship
         loss_ema = loss.item() if step == start_step else 0.95 * loss_ema + 0.05 * loss.item()
         if opts.slow_factor > 1.0:  # an emulated slower machine
             time.sleep((opts.slow_factor - 1.0) * (time.perf_counter() - t_step))
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
-            curve_local.append((time.time() - t0, step + 1,
-                                evaluate(model, heldout, batch_size=cfg.batch_size,
-                                         block_size=gcfg.block_size, n_batches=cfg.eval_batches)))
+            curve_local.append(
+                (
+                    time.time() - t0,
+                    step + 1,
+                    evaluate(
+                        model,
+                        heldout,
+                        batch_size=cfg.batch_size,
+                        block_size=gcfg.block_size,
+                        n_batches=cfg.eval_batches,
+                    ),
+                )
+            )
             if index == 0:
-                curve_global.append((time.time() - t0, step + 1, _eval_global(model, island, heldout, cfg)))
+                curve_global.append(
+                    (time.time() - t0, step + 1, _eval_global(model, island, heldout, cfg))
+                )
         if checkpoints is not None and (step + 1) % cfg.inner_steps == 0:
             checkpoints.save()
         if time.monotonic() - last_progress > 1.0:
             if not rss_curve or time.time() - t0 - rss_curve[-1][0] >= RSS_EVERY_S:
                 heap = heap_in_use()
-                if time.time() >= warm_at if warm_at is not None else step + 1 >= WARMUP * cfg.steps:
+                if (
+                    time.time() >= warm_at
+                    if warm_at is not None
+                    else step + 1 >= WARMUP * cfg.steps
+                ):
                     memtrace.mark_warm()
-                rss_curve.append((time.time() - t0, step + 1, resident_bytes(),
-                                  -1 if heap is None else heap, sys.getallocatedblocks()))
+                rss_curve.append(
+                    (
+                        time.time() - t0,
+                        step + 1,
+                        resident_bytes(),
+                        -1 if heap is None else heap,
+                        sys.getallocatedblocks(),
+                    )
+                )
             last_progress = time.monotonic()
             node.step = step + 1
             node.board.record(step + 1, loss_ema)  # the status page's loss curve
-            say("progress", index=index, step=step + 1, loss=loss_ema, versions=list(island.versions),
-                bytes_sent=node.transport.bytes_sent, bytes_received=node.transport.bytes_received,
-                peers=len(node.membership.members) if node.membership else 0)
+            say(
+                "progress",
+                index=index,
+                step=step + 1,
+                loss=loss_ema,
+                versions=list(island.versions),
+                bytes_sent=node.transport.bytes_sent,
+                bytes_received=node.transport.bytes_received,
+                peers=len(node.membership.members) if node.membership else 0,
+            )
 
     # --- finalise: all peers end on the owners' final versions ---------------------------------
     if ranks is not None and not ranks.told_to_stop:
@@ -365,8 +528,12 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
     if ranks is not None:
         ranks.sync()  # every rank ends on the final model
         ranks.close()
-        log.info("rank 0 of %d: %d steps, final parameters %s", world, island.stats.step,
-                 global_param_hash(dict(model.named_parameters()))[:16])
+        log.info(
+            "rank 0 of %d: %d steps, final parameters %s",
+            world,
+            island.stats.step,
+            global_param_hash(dict(model.named_parameters()))[:16],
+        )
     eval_end = _eval_global(model, island, heldout, cfg)
     curve_global.append((time.time() - t0, island.stats.step, eval_end))
     if checkpoints is not None:
@@ -375,37 +542,56 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
     net = node.net
     assert net is not None
     result = {
-        "index": index, "peer_id": signer.peer_id.hex(), "steps": island.stats.step,
+        "index": index,
+        "peer_id": signer.peer_id.hex(),
+        "steps": island.stats.step,
         "n_params": sum(p.numel() for p in model.parameters()),
         "global_versions": list(island.versions),
         "final_param_hash": global_param_hash(island.global_state()),
-        "eval_loss_start": eval_start, "eval_loss_end": eval_end,
-        "eval_curve_local": curve_local, "eval_curve_global": curve_global if index == 0 else [],
-        "tokens_trained": island.stats.tokens_trained, "bytes_sent": node.transport.bytes_sent,
+        "eval_loss_start": eval_start,
+        "eval_loss_end": eval_end,
+        "eval_curve_local": curve_local,
+        "eval_curve_global": curve_global if index == 0 else [],
+        "tokens_trained": island.stats.tokens_trained,
+        "bytes_sent": node.transport.bytes_sent,
         "bytes_by_route": dict(node.transport.bytes_by_route),
         "stalled_steps": island.stats.stalled_steps,
         "median_step_s": _median(island.stats.step_times),
         "median_step_s_detached": _median(island.stats.step_times_detached),
         "median_compute_s": _median(island.stats.compute_times),  # without waits for merges (sync)
-        "contributions_sent": net.stats.contributions_sent, "contributions_accepted": net.stats.contributions_accepted,
-        "contributions_refused": net.stats.contributions_refused, "remote_errors": node.rpc.error_count,
+        "contributions_sent": net.stats.contributions_sent,
+        "contributions_accepted": net.stats.contributions_accepted,
+        "contributions_refused": net.stats.contributions_refused,
+        "remote_errors": node.rpc.error_count,
         "merges": {p: o.merges[-3:] for p, o in node.owners.items()},
         "penalties": node.penalties(),  # as an owner: per sender, what the merge's bounds did
         "standing": node.standings(),  # as an owner: per sender, its standing score (issue 47)
         "rss_curve": rss_curve,
         "spread": node.spread.as_dict(),  # versions uploaded as owner / holder, pointers, fallbacks
-        "versions_in": {"received": net.stats.versions_received, "as_updates": net.stats.updates_applied,
-                        "update_mismatches": net.stats.update_mismatches, "local": net.stats.versions_local,
-                        "from_replica": net.stats.versions_replica, "finals_held": net.stats.finals_held},
+        "versions_in": {
+            "received": net.stats.versions_received,
+            "as_updates": net.stats.updates_applied,
+            "update_mismatches": net.stats.update_mismatches,
+            "local": net.stats.versions_local,
+            "from_replica": net.stats.versions_replica,
+            "finals_held": net.stats.finals_held,
+        },
         "replica_bytes": node.replica_bytes,
         "attack": opts.attack,
-        "peer_attack": peer_attack.stop() if peer_attack is not None else None,  # what it did, how answered
-        "handoff_refusals": dict(node.replicas.refusals),  # handoffs this peer refused, by reason (issue 48)
+        "peer_attack": peer_attack.stop()
+        if peer_attack is not None
+        else None,  # what it did, how answered
+        "handoff_refusals": dict(
+            node.replicas.refusals
+        ),  # handoffs this peer refused, by reason (issue 48)
         # validated publication: the pinned slice, and what checking candidates cost this peer's owners
-        "validation": {"data_sha256": validation_hash, "on": evaluator is not None,
-                       "checks": sum(c.checks for c in node.all_owners()),
-                       "rejected": sum(c.rejected for c in node.all_owners()),
-                       "seconds": round(sum(c.check_seconds for c in node.all_owners()), 3)},
+        "validation": {
+            "data_sha256": validation_hash,
+            "on": evaluator is not None,
+            "checks": sum(c.checks for c in node.all_owners()),
+            "rejected": sum(c.rejected for c in node.all_owners()),
+            "seconds": round(sum(c.check_seconds for c in node.all_owners()), 3),
+        },
     }
     say("done", index=index, result=result)
     if opts.wait_for_stop:
@@ -432,6 +618,7 @@ def resident_bytes() -> int:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         import resource
+
         return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 

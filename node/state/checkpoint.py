@@ -107,7 +107,10 @@ class Checkpointer:
         return path
 
     def latest(
-        self, *, expected: Expected | None = None, allow_nonfinite: bool = False,
+        self,
+        *,
+        expected: Expected | None = None,
+        allow_nonfinite: bool = False,
         check: Callable[[Mapping[str, torch.Tensor], Mapping[str, Any]], None] | None = None,
     ) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
         """The newest checkpoint that loads (and that ``check`` does not refuse with a

@@ -150,7 +150,13 @@ def _read_tensors(path: Path, names: list[str]) -> dict[str, torch.Tensor]:
     try:
         with safe_open(str(path), framework="pt") as f:  # memory-mapped
             return {name: f.get_tensor(name) for name in names}
-    except (SafetensorError, ValueError, TypeError, OverflowError, RuntimeError) as e:  # a crafted header
+    except (
+        SafetensorError,
+        ValueError,
+        TypeError,
+        OverflowError,
+        RuntimeError,
+    ) as e:  # a crafted header
         raise _corrupt(path, f"safetensors: {str(e)[:200]}") from None
 
 
@@ -177,8 +183,10 @@ def _check_expected(path: Path, tensors: Mapping[str, torch.Tensor], expected: E
 def _finite(t: torch.Tensor) -> bool:
     """No NaN or Inf (``all_finite``: a finite sum proves it cheaply), piece by piece: float8
     has no sum, so each of its pieces is widened first."""
-    return all(all_finite(piece.float() if piece.element_size() == 1 else piece)
-               for piece in t.reshape(-1).split(CHUNK))
+    return all(
+        all_finite(piece.float() if piece.element_size() == 1 else piece)
+        for piece in t.reshape(-1).split(CHUNK)
+    )
 
 
 def _check_finite(path: Path, tensors: Mapping[str, torch.Tensor]) -> None:

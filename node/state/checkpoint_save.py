@@ -19,7 +19,7 @@ import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -49,6 +49,7 @@ def _item(name: str, tensor: torch.Tensor) -> _Item:
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)  # copies only if it must
     data = flat.view(torch.uint8).numpy().data
     return _Item(name, _DTYPES[tensor.dtype], list(tensor.shape), tensor.element_size(), data)
+
 
 def _header(items: list[_Item], created: str, meta: str, digest: str) -> bytes:
     """The length-prefixed, space-padded JSON header; ``items`` are in data order."""
@@ -117,7 +118,7 @@ def save_checkpoint(
     if sys.byteorder != "little":
         raise RuntimeError("checkpoints are written on little-endian hosts only")
     path = Path(path)
-    created = datetime.fromtimestamp(time.time() if now is None else now, timezone.utc).isoformat()
+    created = datetime.fromtimestamp(time.time() if now is None else now, UTC).isoformat()
     meta_json = json.dumps(dict(meta), sort_keys=True, allow_nan=False)
     items = [_item(name, t) for name, t in tensors.items()]
     items.sort(key=lambda it: (-it.width, it.name))  # widest first keeps every tensor aligned

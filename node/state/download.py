@@ -112,8 +112,17 @@ _SKIP = "skip"  # the server has nothing newer than the caller holds
 class _Download:
     """One resumable download of a sealed body into one pooled buffer (see the docstring)."""
 
-    def __init__(self, transport: Transport, url: str, *, max_size: int, expected_signer: bytes | None,
-                 chunk_timeout_s: float, config: FetchConfig, stats: FetchStats) -> None:
+    def __init__(
+        self,
+        transport: Transport,
+        url: str,
+        *,
+        max_size: int,
+        expected_signer: bytes | None,
+        chunk_timeout_s: float,
+        config: FetchConfig,
+        stats: FetchStats,
+    ) -> None:
         self.transport, self.url, self.max_size = transport, url, max_size
         self.expected_signer, self.chunk_timeout_s = expected_signer, chunk_timeout_s
         self.cfg, self.stats = config, stats
@@ -128,9 +137,13 @@ class _Download:
         self.chunk_failures: dict[int, int] = {}
 
     def resume_from(self, partial: PartialDownload) -> None:
-        if not (0 <= partial.have <= partial.total <= self.cap and partial.have <= len(partial.buffer)):
-            raise ValueError(f"inconsistent partial download {partial.have}/{partial.total} "
-                             f"in a buffer of {len(partial.buffer)} bytes")
+        if not (
+            0 <= partial.have <= partial.total <= self.cap and partial.have <= len(partial.buffer)
+        ):
+            raise ValueError(
+                f"inconsistent partial download {partial.have}/{partial.total} "
+                f"in a buffer of {len(partial.buffer)} bytes"
+            )
         self.buf, self.view = partial.buffer, memoryview(partial.buffer)[: partial.total]
         self.etag, self.total, self.have = partial.etag, partial.total, partial.have
 
@@ -163,9 +176,14 @@ class _Download:
                     failures = 1 if self.got >= CHUNK else failures + 1
                     self._note(f"attempt failed at {self.have}/{self.total} bytes: {e!r}")
                     if failures > self.cfg.retries:
-                        raise DownloadFailed(f"{self.url}: gave up after {failures} failed attempts "
-                                             f"in a row ({e!r})", self.partial()) from e
-                    await asyncio.sleep(min(self.cfg.backoff_cap_s, self.cfg.backoff_s * 2 ** (failures - 1)))
+                        raise DownloadFailed(
+                            f"{self.url}: gave up after {failures} failed attempts "
+                            f"in a row ({e!r})",
+                            self.partial(),
+                        ) from e
+                    await asyncio.sleep(
+                        min(self.cfg.backoff_cap_s, self.cfg.backoff_s * 2 ** (failures - 1))
+                    )
                     continue
                 if outcome == _SKIP:
                     return None
@@ -184,8 +202,10 @@ class _Download:
         try:
             outcome = await self._exchange(headers)
         except TimeoutError:
-            raise _Transient(f"nothing arrived for {self.chunk_timeout_s:.1f} s "
-                             f"(at {self.have}/{self.total} bytes)") from None
+            raise _Transient(
+                f"nothing arrived for {self.chunk_timeout_s:.1f} s "
+                f"(at {self.have}/{self.total} bytes)"
+            ) from None
         if outcome is not None:
             return outcome
         if self.have != self.total:
@@ -225,7 +245,9 @@ class _Download:
             raise RemoteProtocolError(f"{self.url} answered {status}")
         total = resp.content_length
         if total is None or total > self.cap:
-            raise Oversize(f"{self.url}: body of {total} bytes (cap {self.cap}, Content-Length required)")
+            raise Oversize(
+                f"{self.url}: body of {total} bytes (cap {self.cap}, Content-Length required)"
+            )
         version = etag_version(etag)
         if self.newer_than is not None and version is not None and version <= self.newer_than:
             self._note(f"server's version {version} is not newer than the {self.newer_than} held")
@@ -234,8 +256,10 @@ class _Download:
             self.stats.version_changes += 1
             self._note(f"whole body sent again (ETag {self.etag} -> {etag}): restarting from 0")
             if self.stats.version_changes > self.cfg.version_changes:
-                raise DownloadFailed(f"{self.url}: version changed {self.stats.version_changes} "
-                                     "times during the download")
+                raise DownloadFailed(
+                    f"{self.url}: version changed {self.stats.version_changes} "
+                    "times during the download"
+                )
         self._begin(total, etag)
         return None
 
@@ -306,9 +330,13 @@ class _Download:
             return self._restart(f"envelope refused: {e.reason}")
         self._check_signer(peer_id_from_public_key(env.public_key))
         if end + env.size != self.total:
-            return self._restart(f"envelope declares {end + env.size} bytes, server sends {self.total}")
+            return self._restart(
+                f"envelope declares {end + env.size} bytes, server sends {self.total}"
+            )
         self.env_checked = True
-        if self.expected_signer is not None:  # the owner signed this size: no need to creep up to it
+        if (
+            self.expected_signer is not None
+        ):  # the owner signed this size: no need to creep up to it
             self._reserve(self.total)
         return None
 
@@ -322,8 +350,10 @@ class _Download:
             self.stats.refetched_chunks += 1
             self.chunk_failures[k] = self.chunk_failures.get(k, 0) + 1
             if self.chunk_failures[k] > 1:
-                self._note(f"chunk {k} failed its manifest hash twice: manifest dropped, "
-                           "the owner-signed hash decides")
+                self._note(
+                    f"chunk {k} failed its manifest hash twice: manifest dropped, "
+                    "the owner-signed hash decides"
+                )
                 self.manifest = None
                 return None
             self._note(f"chunk {k} [{a}, {b}) failed its manifest hash: re-fetching from {a}")
@@ -335,15 +365,19 @@ class _Download:
         """A corrupt body: start again from 0, or give up once the restarts are spent."""
         self.stats.restarts += 1
         if self.stats.restarts > self.cfg.restarts:
-            raise DownloadFailed(f"{self.url}: {reason}; refused after {self.stats.restarts} downloads")
+            raise DownloadFailed(
+                f"{self.url}: {reason}; refused after {self.stats.restarts} downloads"
+            )
         self.manifest = None  # it vouched for corrupt bytes, or was beside the point
         self._reset(f"{reason}; restarting from 0")
         return _REFETCH
 
     def _check_signer(self, peer_id: bytes) -> None:
         if self.expected_signer is not None and peer_id != self.expected_signer:
-            raise NotAuthorized(f"{self.url}: state signed by {peer_id.hex()[:16]}, "
-                                f"not the expected owner {self.expected_signer.hex()[:16]}")
+            raise NotAuthorized(
+                f"{self.url}: state signed by {peer_id.hex()[:16]}, "
+                f"not the expected owner {self.expected_signer.hex()[:16]}"
+            )
 
     async def _verify(self) -> Opened | None:
         try:
@@ -353,4 +387,3 @@ class _Download:
             return None
         self._check_signer(opened.peer_id)
         return opened
-

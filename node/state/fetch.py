@@ -27,15 +27,21 @@ log = logging.getLogger("node.state.sync")  # the name it logged under before th
 
 
 # ── manifests ────────────────────────────────────────────────────────────────────────────────
-async def _fetch_manifest(transport: Transport, url: str, max_total: int, timeout_s: float) -> Manifest | None:
+async def _fetch_manifest(
+    transport: Transport, url: str, max_total: int, timeout_s: float
+) -> Manifest | None:
     cap = 256 + HASH * (max_total // MIN_MANIFEST_CHUNK + 1)
     try:
-        status, buf, used, _ = await transport.request("GET", url, timeout_s=timeout_s, max_reply=cap)
+        status, buf, used, _ = await transport.request(
+            "GET", url, timeout_s=timeout_s, max_reply=cap
+        )
     except (*_TRANSIENT, Oversize) as e:
         log.info("no manifest from %s (%s); relying on the whole-message hash", url, e)
         return None
     try:
-        return Manifest.parse(memoryview(buf)[:used], max_total=max_total) if status == 200 else None
+        return (
+            Manifest.parse(memoryview(buf)[:used], max_total=max_total) if status == 200 else None
+        )
     except DecodeError as e:
         log.info("ignoring manifest from %s: %s", url, e.reason)
         return None
@@ -43,14 +49,29 @@ async def _fetch_manifest(transport: Transport, url: str, max_total: int, timeou
         transport.pool.give(buf)
 
 
-async def _fetch(transport: Transport, url: str, *, max_size: int, expected_signer: bytes | None,
-                 resume: PartialDownload | None, chunk_timeout_s: float, manifest_url: str | None,
-                 newer_than: int | None, config: FetchConfig | None, stats: FetchStats | None,
-                 ) -> tuple[Opened, bytearray] | None:
+async def _fetch(
+    transport: Transport,
+    url: str,
+    *,
+    max_size: int,
+    expected_signer: bytes | None,
+    resume: PartialDownload | None,
+    chunk_timeout_s: float,
+    manifest_url: str | None,
+    newer_than: int | None,
+    config: FetchConfig | None,
+    stats: FetchStats | None,
+) -> tuple[Opened, bytearray] | None:
     """``fetch_sealed`` returning the buffer too (the caller owns it), or None if not newer."""
-    dl = _Download(transport, url, max_size=max_size, expected_signer=expected_signer,
-                   chunk_timeout_s=chunk_timeout_s, config=config or FetchConfig(),
-                   stats=stats if stats is not None else FetchStats())
+    dl = _Download(
+        transport,
+        url,
+        max_size=max_size,
+        expected_signer=expected_signer,
+        chunk_timeout_s=chunk_timeout_s,
+        config=config or FetchConfig(),
+        stats=stats if stats is not None else FetchStats(),
+    )
     dl.newer_than = newer_than
     if manifest_url is not None:
         dl.manifest = await _fetch_manifest(transport, manifest_url, dl.cap, chunk_timeout_s)
@@ -98,9 +119,18 @@ async def fetch_sealed(
     Raises NotAuthorized (wrong signer), Oversize (over ``max_size``), RemoteProtocolError
     (a 4xx answer) and DownloadFailed (retries or restarts spent; ``partial`` may resume).
     """
-    result = await _fetch(transport, url, max_size=max_size, expected_signer=expected_signer,
-                          resume=resume, chunk_timeout_s=chunk_timeout_s, manifest_url=manifest_url,
-                          newer_than=None, config=config, stats=stats)
+    result = await _fetch(
+        transport,
+        url,
+        max_size=max_size,
+        expected_signer=expected_signer,
+        resume=resume,
+        chunk_timeout_s=chunk_timeout_s,
+        manifest_url=manifest_url,
+        newer_than=None,
+        config=config,
+        stats=stats,
+    )
     if result is None:
         raise RuntimeError("unreachable: a download without newer_than is never skipped")
     return result[0]

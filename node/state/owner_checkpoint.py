@@ -59,31 +59,55 @@ def _carried(meta: dict[str, object], path: Path) -> Carried:
     peers: tuple[bytes, ...] = ()
     scores: tuple[float, ...] = ()
     raw = meta.get("norm_history", [])
-    if (isinstance(raw, list) and len(raw) <= MAX_NORM_HISTORY
-            and all(type(x) in (int, float) and math.isfinite(x) and x >= 0 for x in raw)):
+    if (
+        isinstance(raw, list)
+        and len(raw) <= MAX_NORM_HISTORY
+        and all(type(x) in (int, float) and math.isfinite(x) and x >= 0 for x in raw)
+    ):
         norms = tuple(float(x) for x in raw)
     else:
-        log.warning("owner checkpoint %s: norm_history refused (not a list of at most %d finite norms >= 0); "
-                    "the owner measures its reference instead", path, MAX_NORM_HISTORY)
+        log.warning(
+            "owner checkpoint %s: norm_history refused (not a list of at most %d finite norms >= 0); "
+            "the owner measures its reference instead",
+            path,
+            MAX_NORM_HISTORY,
+        )
     raw = meta.get("standing", [])
     try:
         if not isinstance(raw, list) or len(raw) > MAX_STANDING:
             raise ValueError(f"not a list of at most {MAX_STANDING} entries")
-        pairs = [(bytes.fromhex(e[0]), float(e[1])) for e in raw
-                 if isinstance(e, list) and len(e) == 2 and isinstance(e[0], str) and type(e[1]) in (int, float)]
-        if len(pairs) != len(raw) or not all(len(k) == PEER_ID_BYTES and math.isfinite(v) for k, v in pairs):
+        pairs = [
+            (bytes.fromhex(e[0]), float(e[1]))
+            for e in raw
+            if isinstance(e, list)
+            and len(e) == 2
+            and isinstance(e[0], str)
+            and type(e[1]) in (int, float)
+        ]
+        if len(pairs) != len(raw) or not all(
+            len(k) == PEER_ID_BYTES and math.isfinite(v) for k, v in pairs
+        ):
             raise ValueError("entries must be [peer id hex, finite score]")
         peers, scores = tuple(k for k, _ in pairs), tuple(v for _, v in pairs)
     except (ValueError, OverflowError) as exc:
-        log.warning("owner checkpoint %s: standing refused (%s); the owner starts with none", path, exc)
+        log.warning(
+            "owner checkpoint %s: standing refused (%s); the owner starts with none", path, exc
+        )
     return norms, (peers, scores)
 
 
 class OwnerCheckpoints:
     """Writes and reads the owner checkpoints of one peer in ``folder``."""
 
-    def __init__(self, folder: Path, swarm: str, numels: Sequence[int], *, min_gap_s: float = MIN_GAP_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        folder: Path,
+        swarm: str,
+        numels: Sequence[int],
+        *,
+        min_gap_s: float = MIN_GAP_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.folder, self.swarm, self.numels = Path(folder), swarm, list(numels)
         self.min_gap_s, self.clock = min_gap_s, clock
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -124,11 +148,17 @@ class OwnerCheckpoints:
         tensors = {"theta": state.theta.detach().float().contiguous()}
         if state.momentum is not None:
             tensors["momentum"] = state.momentum.detach().float().contiguous()
-        meta = {"kind": "atoll-owner", "swarm": self.swarm, "fragment": state.fragment, "epoch": state.epoch,
-                "version": state.version, "digest": state.digest.hex(),
-                "merged": [[peer.hex(), base] for peer, base in state.merged.items()],
-                "norm_history": list(state.norms),
-                "standing": [[peer.hex(), score] for peer, score in zip(*state.standing, strict=True)]}
+        meta = {
+            "kind": "atoll-owner",
+            "swarm": self.swarm,
+            "fragment": state.fragment,
+            "epoch": state.epoch,
+            "version": state.version,
+            "digest": state.digest.hex(),
+            "merged": [[peer.hex(), base] for peer, base in state.merged.items()],
+            "norm_history": list(state.norms),
+            "standing": [[peer.hex(), score] for peer, score in zip(*state.standing, strict=True)],
+        }
         path = self.path(state.fragment)
         save_checkpoint(path, tensors, meta)
         self.written += 1
@@ -143,33 +173,58 @@ class OwnerCheckpoints:
                 continue
             try:
                 found[int(m.group(1))] = self._load(path, int(m.group(1)))
-            except (CheckpointError, ValueError, KeyError, TypeError, OverflowError, AttributeError, RecursionError,
-                    OSError) as exc:  # any parse error of a file we did not write: skip it, never fail to start
-                log.warning("owner checkpoint %s refused: %s; this fragment starts from the swarm's version",
-                            path, exc)
+            except (
+                CheckpointError,
+                ValueError,
+                KeyError,
+                TypeError,
+                OverflowError,
+                AttributeError,
+                RecursionError,
+                OSError,
+            ) as exc:  # any parse error of a file we did not write: skip it, never fail to start
+                log.warning(
+                    "owner checkpoint %s refused: %s; this fragment starts from the swarm's version",
+                    path,
+                    exc,
+                )
         return found
 
     def _load(self, path: Path, p: int) -> Handed:
         if not 0 <= p < len(self.numels):
-            raise ValueError(f"fragment {p} is not in this swarm's plan ({len(self.numels)} fragments)")
+            raise ValueError(
+                f"fragment {p} is not in this swarm's plan ({len(self.numels)} fragments)"
+            )
         tensors, meta = load_checkpoint(path)
-        if meta.get("kind") != "atoll-owner" or meta.get("swarm") != self.swarm or meta.get("fragment") != p:
-            raise ValueError(f"written for swarm {meta.get('swarm')!r} fragment {meta.get('fragment')!r}, "
-                             f"not {self.swarm!r} fragment {p}")
+        if (
+            meta.get("kind") != "atoll-owner"
+            or meta.get("swarm") != self.swarm
+            or meta.get("fragment") != p
+        ):
+            raise ValueError(
+                f"written for swarm {meta.get('swarm')!r} fragment {meta.get('fragment')!r}, "
+                f"not {self.swarm!r} fragment {p}"
+            )
         theta, momentum = tensors.get("theta"), tensors.get("momentum")
         if set(tensors) - {"theta", "momentum"} or theta is None:
             raise ValueError(f"holds tensors {sorted(tensors)}, expected theta (and momentum)")
         for name, t in (("theta", theta), ("momentum", momentum)):
             if t is not None and (t.dtype != torch.float32 or t.shape != (self.numels[p],)):
-                raise ValueError(f"{name} is {t.dtype} {tuple(t.shape)}, expected float32 ({self.numels[p]},)")
+                raise ValueError(
+                    f"{name} is {t.dtype} {tuple(t.shape)}, expected float32 ({self.numels[p]},)"
+                )
         epoch, version = _count(meta, "epoch"), _count(meta, "version")
         digest = bytes.fromhex(meta["digest"]) if isinstance(meta.get("digest"), str) else b""
         if len(digest) != 32:
             raise ValueError(f"digest of {len(digest)} bytes, expected 32 in hex")
         pairs = meta.get("merged")
         if not isinstance(pairs, list) or not all(
-                isinstance(e, list) and len(e) == 2 and isinstance(e[0], str) and _is_count(e[1]) for e in pairs):
+            isinstance(e, list) and len(e) == 2 and isinstance(e[0], str) and _is_count(e[1])
+            for e in pairs
+        ):
             raise ValueError("merged must be a list of [peer id hex, base version] pairs")
         merged = {bytes.fromhex(peer): int(base) for peer, base in pairs}
         norms, standing = _carried(meta, path)
-        return Handed(p, epoch, version, digest, theta, momentum, b"", merged, norms=norms, standing=standing)
+        return Handed(
+            p, epoch, version, digest, theta, momentum, b"", merged, norms=norms, standing=standing
+        )

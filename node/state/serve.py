@@ -48,10 +48,22 @@ from protocol.errors import DecodeError, RemoteProtocolError
 from protocol.wire.signing import Sealed
 
 __all__ = [
-    "HASH", "MAX_MANIFEST_CHUNK", "MAX_RANGE_DIGITS", "MIN_MANIFEST_CHUNK", "Manifest", "ManifestCache",
-    "RangeNotSatisfiable", "chunk_manifest", "encode_manifest", "etag_version", "parse_content_range",
+    "HASH",
+    "MAX_MANIFEST_CHUNK",
+    "MAX_RANGE_DIGITS",
+    "MIN_MANIFEST_CHUNK",
+    "Manifest",
+    "ManifestCache",
+    "RangeNotSatisfiable",
+    "chunk_manifest",
+    "encode_manifest",
+    "etag_version",
+    "parse_content_range",
     "parse_range",
-    "serve_manifest", "serve_sealed", "state_etag", "unquote_etag",
+    "serve_manifest",
+    "serve_sealed",
+    "state_etag",
+    "unquote_etag",
 ]
 
 log = logging.getLogger(__name__)
@@ -93,8 +105,9 @@ def parse_range(value: str, size: int) -> tuple[int, int] | None:
     if m is None or (not m.group(1) and not m.group(2)):
         return None
     if max(len(m.group(1)), len(m.group(2))) > MAX_RANGE_DIGITS:
-        raise RangeNotSatisfiable(f"range position of more than {MAX_RANGE_DIGITS} digits "
-                                  f"(a {size}-byte body)")
+        raise RangeNotSatisfiable(
+            f"range position of more than {MAX_RANGE_DIGITS} digits (a {size}-byte body)"
+        )
     if not m.group(1):  # suffix: the last K bytes
         k = int(m.group(2))
         if k == 0 or size == 0:
@@ -143,15 +156,26 @@ async def serve_sealed(
         try:
             span = parse_range(request.headers["Range"], size)
         except RangeNotSatisfiable as exc:
-            return web.json_response({"error": "RangeNotSatisfiable", "reason": exc.reason}, status=416,
-                                     headers={**headers, "Content-Range": f"bytes */{size}"})
+            return web.json_response(
+                {"error": "RangeNotSatisfiable", "reason": exc.reason},
+                status=416,
+                headers={**headers, "Content-Range": f"bytes */{size}"},
+            )
     start, end = span or (0, size)
     with transport.streaming(request):  # Busy (429) when this address has too many being written
         return await _stream(request, transport, sealed, headers, span, start, end, etag)
 
 
-async def _stream(request: web.Request, transport: Transport, sealed: Sealed, headers: dict[str, str],
-                  span: tuple[int, int] | None, start: int, end: int, etag: str) -> web.StreamResponse:
+async def _stream(
+    request: web.Request,
+    transport: Transport,
+    sealed: Sealed,
+    headers: dict[str, str],
+    span: tuple[int, int] | None,
+    start: int,
+    end: int,
+    etag: str,
+) -> web.StreamResponse:
     """Write bytes ``[start, end)`` of ``sealed`` in pieces of at most ``REPLY_PIECE`` bytes (a
     reader that stops pins about one piece in our buffer); the connection's gate cuts off a reply
     that stalls or misses its deadline (``node.wire.connections``), which ends here as a
@@ -172,7 +196,9 @@ async def _stream(request: web.Request, transport: Transport, sealed: Sealed, he
             sent += chunk.nbytes
             transport.count_sent(route, chunk.nbytes)
         await resp.write_eof()
-    except ConnectionError as e:  # the client went away (or was cut off for not reading); it resumes with a Range
+    except (
+        ConnectionError
+    ) as e:  # the client went away (or was cut off for not reading); it resumes with a Range
         log.info("%s left after %d/%d bytes of %s: %s", request.remote, sent, end - start, etag, e)
         if request.transport is not None:
             request.transport.close()  # never leave a short body on a live connection
@@ -216,14 +242,31 @@ class Manifest:
     def parse(cls, data: bytes | bytearray | memoryview, *, max_total: int) -> Manifest:
         """Raises DecodeError for anything but a well-formed manifest of <= ``max_total`` bytes."""
         try:
-            raw = msgpack.unpackb(data, raw=False, use_list=False, max_str_len=128, max_map_len=0,
-                                  max_array_len=4, max_ext_len=0,
-                                  max_bin_len=HASH * (max_total // MIN_MANIFEST_CHUNK + 1))
+            raw = msgpack.unpackb(
+                data,
+                raw=False,
+                use_list=False,
+                max_str_len=128,
+                max_map_len=0,
+                max_array_len=4,
+                max_ext_len=0,
+                max_bin_len=HASH * (max_total // MIN_MANIFEST_CHUNK + 1),
+            )
         except (ValueError, TypeError, OverflowError, msgpack.UnpackException) as e:
             raise DecodeError(f"malformed manifest: {e}") from e
-        ok = type(raw) is tuple and len(raw) == 4 and [type(x) for x in raw] == [str, int, int, bytes]
-        if not ok or not (0 < raw[1] <= max_total) or not MIN_MANIFEST_CHUNK <= raw[2] <= MAX_MANIFEST_CHUNK:
-            raise DecodeError("manifest must be [etag, 0 < size <= cap, 64 KiB <= chunk <= 64 MiB, hashes]")
+        ok = (
+            type(raw) is tuple
+            and len(raw) == 4
+            and [type(x) for x in raw] == [str, int, int, bytes]
+        )
+        if (
+            not ok
+            or not (0 < raw[1] <= max_total)
+            or not MIN_MANIFEST_CHUNK <= raw[2] <= MAX_MANIFEST_CHUNK
+        ):
+            raise DecodeError(
+                "manifest must be [etag, 0 < size <= cap, 64 KiB <= chunk <= 64 MiB, hashes]"
+            )
         if len(raw[3]) != HASH * -(-raw[1] // raw[2]):
             raise DecodeError(f"manifest has {len(raw[3]) // HASH} hashes for {raw[1]} bytes")
         return cls(*raw)
@@ -250,7 +293,8 @@ class ManifestCache:
                 if len(self._cache) >= self.capacity:
                     del self._cache[next(iter(self._cache))]
                 self._cache[etag] = encode_manifest(
-                    hashes, etag=etag, size=sealed.size, chunk_size=self.chunk_size)
+                    hashes, etag=etag, size=sealed.size, chunk_size=self.chunk_size
+                )
             return self._cache[etag]
 
 
@@ -259,4 +303,6 @@ async def serve_manifest(
 ) -> web.Response:
     """Reply with the chunk manifest of ``sealed`` (msgpack, ETag as for the body)."""
     body = await cache.get(sealed, etag)
-    return web.Response(body=body, content_type="application/msgpack", headers={"ETag": f'"{etag}"'})
+    return web.Response(
+        body=body, content_type="application/msgpack", headers={"ETag": f'"{etag}"'}
+    )

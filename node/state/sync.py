@@ -47,10 +47,23 @@ from protocol.errors import DecodeError, RemoteProtocolError
 from protocol.wire.messages import FragmentState
 
 __all__ = [
-    "DownloadFailed", "FetchConfig", "FetchStats", "Manifest", "ManifestCache",
-    "PartialDownload", "RangeNotSatisfiable", "SyncFailed", "chunk_manifest", "encode_manifest",
-    "etag_version", "fetch_sealed", "parse_range", "serve_manifest", "serve_sealed",
-    "state_etag", "sync_fragments",
+    "DownloadFailed",
+    "FetchConfig",
+    "FetchStats",
+    "Manifest",
+    "ManifestCache",
+    "PartialDownload",
+    "RangeNotSatisfiable",
+    "SyncFailed",
+    "chunk_manifest",
+    "encode_manifest",
+    "etag_version",
+    "fetch_sealed",
+    "parse_range",
+    "serve_manifest",
+    "serve_sealed",
+    "state_etag",
+    "sync_fragments",
 ]
 
 log = logging.getLogger(__name__)
@@ -59,8 +72,12 @@ log = logging.getLogger(__name__)
 class SyncFailed(RemoteProtocolError):
     """Some fragments could not be synced; ``fetched`` holds the ones that were."""
 
-    def __init__(self, failures: dict[int, str], fetched: dict[int, tuple[int, torch.Tensor]],
-                 n_fragments: int) -> None:
+    def __init__(
+        self,
+        failures: dict[int, str],
+        fetched: dict[int, tuple[int, torch.Tensor]],
+        n_fragments: int,
+    ) -> None:
         detail = "; ".join(f"fragment {p}: {r}" for p, r in sorted(failures.items()))
         super().__init__(f"{len(failures)}/{n_fragments} fragments failed: {detail}", 0.0)
         self.failures, self.fetched = failures, fetched
@@ -89,8 +106,10 @@ async def sync_fragments(
     (carrying what did sync) if any fragment failed, ValueError on mismatched arguments.
     """
     if len(held_versions) != n_fragments or len(shapes) != n_fragments or concurrency < 1:
-        raise ValueError(f"{n_fragments} fragments need as many held versions and shape lists "
-                         f"(got {len(held_versions)}, {len(shapes)}) and concurrency >= 1")
+        raise ValueError(
+            f"{n_fragments} fragments need as many held versions and shape lists "
+            f"(got {len(held_versions)}, {len(shapes)}) and concurrency >= 1"
+        )
     gate = asyncio.Semaphore(concurrency)
     fetched: dict[int, tuple[int, torch.Tensor]] = {}
     failures: dict[int, str] = {}
@@ -101,9 +120,19 @@ async def sync_fragments(
             stats[p] = fs
         async with gate:
             try:
-                got = await _sync_one(transport, p, owner_of(p), shapes[p], swarm=swarm,
-                                      held=held_versions[p], max_size=max_size, use_manifest=use_manifest,
-                                      chunk_timeout_s=chunk_timeout_s, config=config, stats=fs)
+                got = await _sync_one(
+                    transport,
+                    p,
+                    owner_of(p),
+                    shapes[p],
+                    swarm=swarm,
+                    held=held_versions[p],
+                    max_size=max_size,
+                    use_manifest=use_manifest,
+                    chunk_timeout_s=chunk_timeout_s,
+                    config=config,
+                    stats=fs,
+                )
             except RemoteProtocolError as e:
                 failures[p] = e.reason
                 return
@@ -118,19 +147,37 @@ async def sync_fragments(
     return dict(sorted(fetched.items()))
 
 
-async def _sync_one(transport: Transport, p: int, owner: tuple[bytes, str] | None,
-                    shapes: Sequence[tuple[int, ...]], *, swarm: str, held: int, max_size: int,
-                    use_manifest: bool, chunk_timeout_s: float, config: FetchConfig | None,
-                    stats: FetchStats) -> tuple[int, torch.Tensor] | None:
+async def _sync_one(
+    transport: Transport,
+    p: int,
+    owner: tuple[bytes, str] | None,
+    shapes: Sequence[tuple[int, ...]],
+    *,
+    swarm: str,
+    held: int,
+    max_size: int,
+    use_manifest: bool,
+    chunk_timeout_s: float,
+    config: FetchConfig | None,
+    stats: FetchStats,
+) -> tuple[int, torch.Tensor] | None:
     if owner is None:
         raise RemoteProtocolError("no owner known", penalty=0.0)
     owner_id, base = owner
     url = f"{base}/v1/fragments/{p}/latest"
     try:
-        result = await _fetch(transport, url, max_size=max_size, expected_signer=owner_id, resume=None,
-                              chunk_timeout_s=chunk_timeout_s,
-                              manifest_url=f"{url}/manifest" if use_manifest else None,
-                              newer_than=held, config=config, stats=stats)
+        result = await _fetch(
+            transport,
+            url,
+            max_size=max_size,
+            expected_signer=owner_id,
+            resume=None,
+            chunk_timeout_s=chunk_timeout_s,
+            manifest_url=f"{url}/manifest" if use_manifest else None,
+            newer_than=held,
+            config=config,
+            stats=stats,
+        )
     except DownloadFailed as e:
         if e.partial is not None:
             transport.pool.give(e.partial.buffer)
@@ -141,9 +188,11 @@ async def _sync_one(transport: Transport, p: int, owner: tuple[bytes, str] | Non
     try:
         state = opened.message
         if not isinstance(state, FragmentState) or state.swarm != swarm or state.fragment != p:
-            raise DecodeError(f"{url} sent {type(state).__name__} "
-                              f"{getattr(state, 'swarm', '?')}/{getattr(state, 'fragment', '?')}, "
-                              f"not FragmentState {swarm}/{p}")
+            raise DecodeError(
+                f"{url} sent {type(state).__name__} "
+                f"{getattr(state, 'swarm', '?')}/{getattr(state, 'fragment', '?')}, "
+                f"not FragmentState {swarm}/{p}"
+            )
         if state.version <= held:
             stats.reasons.append(f"version {state.version} is not newer than the {held} held")
             log.info("fragment %d: %s", p, stats.reasons[-1])

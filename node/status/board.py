@@ -43,21 +43,33 @@ def _cut(value: object, limit: int = MAX_TEXT) -> str:
 class StatusBoard:
     """Serves one node's status page, its JSON and its metrics (see the module docstring)."""
 
-    def __init__(self, node: PeerNode, *, max_age_s: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        node: PeerNode,
+        *,
+        max_age_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
         self.node, self.max_age_s, self.clock, self.wall_clock = node, max_age_s, clock, wall_clock
         self.history = History()
         self._sums = GoodputSums()
         self._totals: tuple[float, Totals] | None = None
         self._json: tuple[float, bytes] | None = None
         self.metrics = MetricsText(self._reading, max_age_s=max_age_s, clock=clock)
-        add_routes(node.transport.app, board=self.board_json, metrics=self.metrics.text,
-                   metrics_type=CONTENT_TYPE)
+        add_routes(
+            node.transport.app,
+            board=self.board_json,
+            metrics=self.metrics.text,
+            metrics_type=CONTENT_TYPE,
+        )
 
     def record(self, step: int, loss: float) -> None:
         """One progress point, from the trainer thread (about once a second)."""
         t = self.node.transport
-        self.history.record(Point(self.wall_clock(), step, float(loss), t.bytes_sent, t.bytes_received))
+        self.history.record(
+            Point(self.wall_clock(), step, float(loss), t.bytes_sent, t.bytes_received)
+        )
 
     @property
     def loss(self) -> float | None:
@@ -87,9 +99,15 @@ class StatusBoard:
         node = self.node
         members = self._members()
         return {
-            "swarm": node.cfg.swarm, "peer_id": node.signer.peer_id.hex(), "url": node.url,
-            "reachable": node.reachable, "learning": node.learning, "step": node.step, "loss": self.loss,
-            "members": members[:MAX_MEMBERS], "members_total": len(members),
+            "swarm": node.cfg.swarm,
+            "peer_id": node.signer.peer_id.hex(),
+            "url": node.url,
+            "reachable": node.reachable,
+            "learning": node.learning,
+            "step": node.step,
+            "loss": self.loss,
+            "members": members[:MAX_MEMBERS],
+            "members_total": len(members),
             "fragments": self._fragments(),
             "history": [p.row() for p in self.history.points()],
             "totals": _finite(dataclasses.asdict(self.totals())),
@@ -100,7 +118,9 @@ class StatusBoard:
         if node.membership is None:
             return []
         suspects, me = node.suspects(), node.signer.peer_id
-        listed = sorted(node.membership.members.values(), key=lambda m: (m.peer_id != me, m.peer_id))
+        listed = sorted(
+            node.membership.members.values(), key=lambda m: (m.peer_id != me, m.peer_id)
+        )
         return [_member(m, self_=m.peer_id == me, suspect=m.peer_id in suspects) for m in listed]
 
     def _fragments(self) -> list[dict[str, Any]]:
@@ -110,22 +130,34 @@ class StatusBoard:
         for p in range(len(node.plan.fragments)):
             owner = node.owner_of(p)
             running = node.owners.get(p)
-            out.append({"fragment": p, "owner_id": owner[0].hex() if owner else None,
-                        "owner_url": _cut(owner[1]) if owner else None,
-                        "version": versions[p] if p < len(versions) else None,
-                        "owned": running.version if running is not None else None,
-                        "epoch": running.epoch if running is not None else None,
-                        # senders refused for low standing now, and the lowest scores (issue 47)
-                        "standing": running.standing_status(3) if running is not None else None})
+            out.append(
+                {
+                    "fragment": p,
+                    "owner_id": owner[0].hex() if owner else None,
+                    "owner_url": _cut(owner[1]) if owner else None,
+                    "version": versions[p] if p < len(versions) else None,
+                    "owned": running.version if running is not None else None,
+                    "epoch": running.epoch if running is not None else None,
+                    # senders refused for low standing now, and the lowest scores (issue 47)
+                    "standing": running.standing_status(3) if running is not None else None,
+                }
+            )
         return out
 
 
 def _member(m: Member, *, self_: bool, suspect: bool) -> dict[str, Any]:
     r = m.record
-    return {"peer_id": m.peer_id.hex(), "lab": _cut(m.lab, 64), "url": _cut(r.url),
-            "roles": [_cut(role, 16) for role in list(r.roles)[:MAX_ROLES]],
-            "reachable": bool(r.reachable), "learning": bool(r.learning), "step": int(r.step),
-            "self": self_, "suspect": suspect}
+    return {
+        "peer_id": m.peer_id.hex(),
+        "lab": _cut(m.lab, 64),
+        "url": _cut(r.url),
+        "roles": [_cut(role, 16) for role in list(r.roles)[:MAX_ROLES]],
+        "reachable": bool(r.reachable),
+        "learning": bool(r.learning),
+        "step": int(r.step),
+        "self": self_,
+        "suspect": suspect,
+    }
 
 
 def _finite(value: Any) -> Any:

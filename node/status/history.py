@@ -31,8 +31,13 @@ class Point:
 
     def row(self) -> list[float | int | None]:
         """As a JSON row ``[t, step, loss, sent, received]`` (a non-finite loss becomes null)."""
-        return [round(self.t, 3), self.step, self.loss if math.isfinite(self.loss) else None,
-                self.sent, self.received]
+        return [
+            round(self.t, 3),
+            self.step,
+            self.loss if math.isfinite(self.loss) else None,
+            self.sent,
+            self.received,
+        ]
 
 
 class History:
@@ -57,7 +62,9 @@ class History:
             self._points.append(point)
             self._since = 0
             if len(self._points) >= self.max_points:
-                if len(self._points) % 2 == 0:  # the newest point goes: the last kept is one stride back
+                if (
+                    len(self._points) % 2 == 0
+                ):  # the newest point goes: the last kept is one stride back
                     self._since = self._stride
                 self._points = self._points[::2]
                 self._stride *= 2

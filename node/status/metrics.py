@@ -53,10 +53,14 @@ def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
     return CounterMetricFamily(f"atoll_{name}", doc, value=value)
 
 
-def _labelled(name: str, doc: str, label: str, values: dict[str, int], *, gauge: bool = False) -> Metric:
+def _labelled(
+    name: str, doc: str, label: str, values: dict[str, int], *, gauge: bool = False
+) -> Metric:
     family: CounterMetricFamily | GaugeMetricFamily = (
-        GaugeMetricFamily(f"atoll_{name}", doc, labels=[label]) if gauge
-        else CounterMetricFamily(f"atoll_{name}", doc, labels=[label]))
+        GaugeMetricFamily(f"atoll_{name}", doc, labels=[label])
+        if gauge
+        else CounterMetricFamily(f"atoll_{name}", doc, labels=[label])
+    )
     for key, value in sorted(values.items()):
         family.add_metric([key], value)
     return family
@@ -69,50 +73,108 @@ def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
 def families(t: Totals, *, loss: float | None, versions: list[int]) -> Iterator[Metric]:
     """Every ``atoll_*`` family for one reading (``versions``: the island's, per fragment)."""
     i, o = t.island, t.owners
-    yield _counter("bytes_sent", "Bytes this node sent over HTTP (requests and replies).", t.bytes_sent)
+    yield _counter(
+        "bytes_sent", "Bytes this node sent over HTTP (requests and replies).", t.bytes_sent
+    )
     yield _counter("bytes_received", "Bytes this node received over HTTP.", t.bytes_received)
-    yield _counter("direct_bodies", "Large bodies (requests and replies) read straight off their socket.",
-                   t.direct_bodies)
+    yield _counter(
+        "direct_bodies",
+        "Large bodies (requests and replies) read straight off their socket.",
+        t.direct_bodies,
+    )
     yield _counter("inner_steps", "Inner optimizer steps of this node's island.", i.inner_steps)
     yield _counter("tokens_trained", "Tokens this node's island trained on.", i.tokens_trained)
-    yield _counter("stalled_steps", "Island steps that waited on the network side.", i.stalled_steps)
-    yield _labelled("learner_contributions", "This island's contributions, by outcome at their owner.",
-                    "outcome", i.contributions)
-    yield _counter("learner_resyncs", "Times this island took every fragment whole from its owners.", i.resyncs)
-    yield _counter("contributions_accepted", "Contributions this node's owners merged into a version.", o.merged)
-    yield _counter("contributions_late", "Merged contributions that arrived after their base's round "
-                   "closed (carried to the next round, discounted).", o.late)
-    yield _labelled("contributions_refused", "Contributions this node's owners refused, by reason "
-                    "(closed and stale: late ones).", "reason", o.refused)
-    yield _counter("contributions_dropped", "Contributions dropped from a merge that failed.", o.dropped)
-    yield _labelled("contributions_bounded", "Merged contributions a merge bound bit.", "bound", o.bounded)
-    yield _counter("versions_published", "Global fragment versions this node's owners published.",
-                   o.versions_published)
-    merge = SummaryMetricFamily("atoll_merge_seconds", "Time from a round's close to its version's "
-                                "publication (aggregate, outer step, replica handoff, seal).",
-                                count_value=o.versions_published, sum_value=o.merge_seconds)
+    yield _counter(
+        "stalled_steps", "Island steps that waited on the network side.", i.stalled_steps
+    )
+    yield _labelled(
+        "learner_contributions",
+        "This island's contributions, by outcome at their owner.",
+        "outcome",
+        i.contributions,
+    )
+    yield _counter(
+        "learner_resyncs", "Times this island took every fragment whole from its owners.", i.resyncs
+    )
+    yield _counter(
+        "contributions_accepted",
+        "Contributions this node's owners merged into a version.",
+        o.merged,
+    )
+    yield _counter(
+        "contributions_late",
+        "Merged contributions that arrived after their base's round "
+        "closed (carried to the next round, discounted).",
+        o.late,
+    )
+    yield _labelled(
+        "contributions_refused",
+        "Contributions this node's owners refused, by reason (closed and stale: late ones).",
+        "reason",
+        o.refused,
+    )
+    yield _counter(
+        "contributions_dropped", "Contributions dropped from a merge that failed.", o.dropped
+    )
+    yield _labelled(
+        "contributions_bounded", "Merged contributions a merge bound bit.", "bound", o.bounded
+    )
+    yield _counter(
+        "versions_published",
+        "Global fragment versions this node's owners published.",
+        o.versions_published,
+    )
+    merge = SummaryMetricFamily(
+        "atoll_merge_seconds",
+        "Time from a round's close to its version's "
+        "publication (aggregate, outer step, replica handoff, seal).",
+        count_value=o.versions_published,
+        sum_value=o.merge_seconds,
+    )
     yield merge
-    yield _labelled("remote_errors", "Requests this node refused, by error.", "error", t.remote_errors)
-    yield _counter("version_jumps_refused", "Versions refused as above what an owner can have reached.",
-                   i.version_jumps)
+    yield _labelled(
+        "remote_errors", "Requests this node refused, by error.", "error", t.remote_errors
+    )
+    yield _counter(
+        "version_jumps_refused",
+        "Versions refused as above what an owner can have reached.",
+        i.version_jumps,
+    )
     if loss is not None:
         yield _gauge("loss", "The island's training loss (exponential moving average).", loss)
     if i.goodput is not None:
-        yield _gauge("goodput", "Accepted share of contributions times computing share of step time.",
-                     i.goodput)
+        yield _gauge(
+            "goodput",
+            "Accepted share of contributions times computing share of step time.",
+            i.goodput,
+        )
     yield _gauge("members", "Swarm members this node sees.", t.members)
     yield _gauge("suspected_members", "Members that refused this node's connections.", t.suspects)
     yield _gauge("fragments_owned", "Fragments this node owns now.", o.fragments_owned)
-    yield _labelled("senders_refused_for_standing", "Sender keys whose standing is below the threshold "
-                    "now (their contributions are refused), per fragment owned.", "fragment", o.senders_refused,
-                    gauge=True)
-    lowest = GaugeMetricFamily("atoll_sender_standing_lowest", "The lowest sender standing score per "
-                               "fragment owned (0: neutral; below the threshold: refused).", labels=["fragment"])
+    yield _labelled(
+        "senders_refused_for_standing",
+        "Sender keys whose standing is below the threshold "
+        "now (their contributions are refused), per fragment owned.",
+        "fragment",
+        o.senders_refused,
+        gauge=True,
+    )
+    lowest = GaugeMetricFamily(
+        "atoll_sender_standing_lowest",
+        "The lowest sender standing score per "
+        "fragment owned (0: neutral; below the threshold: refused).",
+        labels=["fragment"],
+    )
     for p, score in o.lowest_standing.items():
         lowest.add_metric([p], score)
     yield lowest
-    yield _labelled("fragment_version", "The global version this island holds, per fragment.", "fragment",
-                    {str(p): v for p, v in enumerate(versions)}, gauge=True)
+    yield _labelled(
+        "fragment_version",
+        "The global version this island holds, per fragment.",
+        "fragment",
+        {str(p): v for p, v in enumerate(versions)},
+        gauge=True,
+    )
 
 
 class TotalsCollector(Collector):
@@ -129,8 +191,13 @@ class TotalsCollector(Collector):
 class MetricsText:
     """A node's registry and its exposition text, rendered at most once per ``max_age_s``."""
 
-    def __init__(self, read: Callable[[], tuple[Totals, float | None, list[int]]], *,
-                 max_age_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        read: Callable[[], tuple[Totals, float | None, list[int]]],
+        *,
+        max_age_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(TotalsCollector(read))
         self.max_age_s, self.clock = max_age_s, clock

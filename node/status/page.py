@@ -38,31 +38,53 @@ def _static(name: str) -> bytes:
 def security_policy() -> str:
     """The page's CSP: its own script and JSON, and its inline style by hash; nothing else."""
     style = _STYLE.search(_static("page.html").decode())
-    digest = base64.b64encode(hashlib.sha256(style.group(1).encode() if style else b"").digest()).decode()
-    return ("default-src 'none'; script-src 'self'; connect-src 'self'; "
-            f"style-src 'sha256-{digest}'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+    digest = base64.b64encode(
+        hashlib.sha256(style.group(1).encode() if style else b"").digest()
+    ).decode()
+    return (
+        "default-src 'none'; script-src 'self'; connect-src 'self'; "
+        f"style-src 'sha256-{digest}'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+    )
 
 
-def add_routes(app: web.Application, *, board: Callable[[], bytes], metrics: Callable[[], bytes],
-               metrics_type: str) -> None:
+def add_routes(
+    app: web.Application,
+    *,
+    board: Callable[[], bytes],
+    metrics: Callable[[], bytes],
+    metrics_type: str,
+) -> None:
     """Serve the page on ``app`` (before it starts); ``board`` and ``metrics`` give the bodies of
     the JSON and of ``/metrics`` (whose content type is ``metrics_type``)."""
 
     async def page(_request: web.Request) -> web.Response:
-        return web.Response(body=_static("page.html"), content_type="text/html", charset="utf-8",
-                            headers={**_COMMON, "Content-Security-Policy": security_policy()})
+        return web.Response(
+            body=_static("page.html"),
+            content_type="text/html",
+            charset="utf-8",
+            headers={**_COMMON, "Content-Security-Policy": security_policy()},
+        )
 
     async def script(_request: web.Request) -> web.Response:
-        return web.Response(body=_static("status.js"), content_type="text/javascript", charset="utf-8",
-                            headers=_COMMON)
+        return web.Response(
+            body=_static("status.js"),
+            content_type="text/javascript",
+            charset="utf-8",
+            headers=_COMMON,
+        )
 
     async def board_json(_request: web.Request) -> web.Response:
-        return web.Response(body=board(), content_type="application/json",
-                            headers={**_COMMON, "Cache-Control": "no-store"})
+        return web.Response(
+            body=board(),
+            content_type="application/json",
+            headers={**_COMMON, "Cache-Control": "no-store"},
+        )
 
     async def metrics_text(_request: web.Request) -> web.Response:
-        return web.Response(body=metrics(), headers={**_COMMON, "Content-Type": metrics_type,
-                                                     "Cache-Control": "no-store"})
+        return web.Response(
+            body=metrics(),
+            headers={**_COMMON, "Content-Type": metrics_type, "Cache-Control": "no-store"},
+        )
 
     app.router.add_get("/", page)
     app.router.add_get("/status.js", script)

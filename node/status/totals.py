@@ -24,7 +24,13 @@ if TYPE_CHECKING:
 
 __all__ = ["BOUNDS", "GoodputSums", "IslandTotals", "OwnerTotals", "Totals", "read_totals"]
 
-BOUNDS = ("clipped", "weight_capped", "steps_bounded", "tokens_bounded", "work_capped")  # owner.penalties keys
+BOUNDS = (
+    "clipped",
+    "weight_capped",
+    "steps_bounded",
+    "tokens_bounded",
+    "work_capped",
+)  # owner.penalties keys
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -35,7 +41,9 @@ class IslandTotals:
     tokens_trained: int = 0
     stalled_steps: int = 0
     goodput: float | None = None  # None until a step was timed and a contribution sent
-    contributions: dict[str, int] = field(default_factory=dict)  # sent, accepted, refused, undelivered
+    contributions: dict[str, int] = field(
+        default_factory=dict
+    )  # sent, accepted, refused, undelivered
     resyncs: int = 0
     version_jumps: int = 0  # versions refused as above what an honest owner can have reached
 
@@ -82,8 +90,8 @@ class GoodputSums:
         self.compute_s = 0.0
 
     def update(self, step_times: Sequence[float], compute_times: Sequence[float]) -> None:
-        new_steps = step_times[self._seen["step"]:]
-        new_compute = compute_times[self._seen["compute"]:]
+        new_steps = step_times[self._seen["step"] :]
+        new_compute = compute_times[self._seen["compute"] :]
         self._seen["step"] += len(new_steps)
         self._seen["compute"] += len(new_compute)
         self.step_s += sum(new_steps)
@@ -99,10 +107,14 @@ def read_totals(node: PeerNode, sums: GoodputSums) -> Totals:
     """Sum ``node``'s counters (on the node's event loop; the trainer thread only appends)."""
     members = node.membership.members if node.membership is not None else {}
     return Totals(
-        bytes_sent=node.transport.bytes_sent, bytes_received=node.transport.bytes_received,
+        bytes_sent=node.transport.bytes_sent,
+        bytes_received=node.transport.bytes_received,
         direct_bodies=node.transport.direct_bodies,
-        members=len(members), suspects=len(node.suspects()) if node.membership is not None else 0,
-        remote_errors=dict(node.rpc.errors), island=_island(node, sums), owners=_owners(node),
+        members=len(members),
+        suspects=len(node.suspects()) if node.membership is not None else 0,
+        remote_errors=dict(node.rpc.errors),
+        island=_island(node, sums),
+        owners=_owners(node),
     )
 
 
@@ -112,11 +124,19 @@ def _island(node: PeerNode, sums: GoodputSums) -> IslandTotals:
     stats, ls = node.net.island.stats, node.net.stats
     sums.update(stats.step_times, stats.compute_times)
     return IslandTotals(
-        inner_steps=stats.step, tokens_trained=stats.tokens_trained, stalled_steps=stats.stalled_steps,
+        inner_steps=stats.step,
+        tokens_trained=stats.tokens_trained,
+        stalled_steps=stats.stalled_steps,
         goodput=sums.goodput(ls.contributions_sent, ls.contributions_accepted),
-        contributions={"sent": ls.contributions_sent, "accepted": ls.contributions_accepted,
-                       "refused": ls.contributions_refused, "undelivered": ls.send_failures},
-        resyncs=ls.resyncs, version_jumps=ls.version_jumps)
+        contributions={
+            "sent": ls.contributions_sent,
+            "accepted": ls.contributions_accepted,
+            "refused": ls.contributions_refused,
+            "undelivered": ls.send_failures,
+        },
+        resyncs=ls.resyncs,
+        version_jumps=ls.version_jumps,
+    )
 
 
 def _owners(node: PeerNode) -> OwnerTotals:
@@ -128,10 +148,22 @@ def _owners(node: PeerNode) -> OwnerTotals:
         for per_sender in list(owner.penalties.values()):
             counts.update(per_sender)
     return OwnerTotals(
-        merged=counts["merged"], late=counts["late"], dropped=counts["dropped"],
-        refused={k.removeprefix("refused_"): v for k, v in counts.items() if k.startswith("refused_")},
-        bounded={b: counts[b] for b in BOUNDS}, versions_published=published,
-        merge_seconds=merge_s if math.isfinite(merge_s) else 0.0, fragments_owned=len(node.owners),
-        senders_refused={str(p): o.standing.below(version=o.version) for p, o in list(node.owners.items())},
-        lowest_standing={str(p): low[0][1] for p, o in list(node.owners.items())
-                         if (low := o.standing.lowest(1, version=o.version))})
+        merged=counts["merged"],
+        late=counts["late"],
+        dropped=counts["dropped"],
+        refused={
+            k.removeprefix("refused_"): v for k, v in counts.items() if k.startswith("refused_")
+        },
+        bounded={b: counts[b] for b in BOUNDS},
+        versions_published=published,
+        merge_seconds=merge_s if math.isfinite(merge_s) else 0.0,
+        fragments_owned=len(node.owners),
+        senders_refused={
+            str(p): o.standing.below(version=o.version) for p, o in list(node.owners.items())
+        },
+        lowest_standing={
+            str(p): low[0][1]
+            for p, o in list(node.owners.items())
+            if (low := o.standing.lowest(1, version=o.version))
+        },
+    )

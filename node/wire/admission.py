@@ -45,7 +45,15 @@ from protocol.wire.request_auth import AUTH_HEADER, NONCE_BYTES, ReplayCache, Re
 if TYPE_CHECKING:
     from node.wire.transport import Transport
 
-__all__ = ["ADMITTED", "Admission", "Admitted", "Identification", "MemberAddresses", "request_headers", "unbound_ok"]
+__all__ = [
+    "ADMITTED",
+    "Admission",
+    "Admitted",
+    "Identification",
+    "MemberAddresses",
+    "request_headers",
+    "unbound_ok",
+]
 
 log = logging.getLogger(__name__)
 
@@ -63,18 +71,37 @@ class Admitted:
 
 ANONYMOUS = Admitted(None, None)
 # where a request's ``Admitted`` is kept for its route (aiohttp >= 3.12 types request keys)
-ADMITTED: Any = web.RequestKey("atoll_admitted", Admitted) if hasattr(web, "RequestKey") else "atoll_admitted"
+ADMITTED: Any = (
+    web.RequestKey("atoll_admitted", Admitted) if hasattr(web, "RequestKey") else "atoll_admitted"
+)
 
 
-def request_headers(signer: ManifestSigner, cert_header: str, *, swarm: str, method: str, url: str,
-                    now: float, recipient: bytes | None = None) -> dict[str, str]:
+def request_headers(
+    signer: ManifestSigner,
+    cert_header: str,
+    *,
+    swarm: str,
+    method: str,
+    url: str,
+    now: float,
+    recipient: bytes | None = None,
+) -> dict[str, str]:
     """``Atoll-Auth`` for a request of ``method`` to ``url`` at the node whose peer id is
     ``recipient`` (None: not known yet, which only first-contact routes accept, see
     ``unbound_ok``), with a fresh nonce; and the certificate, if any."""
     parts = urlsplit(url)
     target = parts.path + (f"?{parts.query}" if parts.query else "")
-    out = {AUTH_HEADER: RequestAuth.make(signer, swarm=swarm, method=method, target=target, now=now,
-                                         recipient=recipient, nonce=os.urandom(NONCE_BYTES))}
+    out = {
+        AUTH_HEADER: RequestAuth.make(
+            signer,
+            swarm=swarm,
+            method=method,
+            target=target,
+            now=now,
+            recipient=recipient,
+            nonce=os.urandom(NONCE_BYTES),
+        )
+    }
     if cert_header:
         out[CERT_HEADER] = cert_header
     return out
@@ -83,15 +110,24 @@ def request_headers(signer: ManifestSigner, cert_header: str, *, swarm: str, met
 # Routes a client may sign for without knowing the peer id it reaches (first contact with an
 # initial peer's URL, ``atoll status``): what they answer is public to members or proves itself,
 # and the DHT's and RPC's bodies are signed envelopes that name their recipient themselves.
-_UNBOUND_OK = {("GET", "/v1/swarm/manifest"), ("POST", "/v1/swarm/manifest"), ("GET", "/v1/members"),
-               ("GET", "/v1/dialback"), ("GET", "/v1/status"), ("POST", "/v1/rpc"), ("POST", "/v1/dht")}
+_UNBOUND_OK = {
+    ("GET", "/v1/swarm/manifest"),
+    ("POST", "/v1/swarm/manifest"),
+    ("GET", "/v1/members"),
+    ("GET", "/v1/dialback"),
+    ("GET", "/v1/status"),
+    ("POST", "/v1/rpc"),
+    ("POST", "/v1/dht"),
+}
 
 
 def unbound_ok(request: web.Request) -> bool:
     """Whether ``request`` may carry an ``Atoll-Auth`` that names no recipient (see above); every
     other route (fragments, state sync, long-polls) needs the header to name this node."""
     path = request.path
-    return (request.method, path) in _UNBOUND_OK or (request.method == "POST" and path.startswith("/v1/dht/"))
+    return (request.method, path) in _UNBOUND_OK or (
+        request.method == "POST" and path.startswith("/v1/dht/")
+    )
 
 
 class MemberAddresses:
@@ -126,8 +162,9 @@ class _Checks:
         raise NotImplementedError
 
     @web.middleware
-    async def middleware(self, request: web.Request,
-                         handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    async def middleware(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
         try:
             request[ADMITTED] = self.check(request)
         except RemoteProtocolError as exc:
@@ -140,14 +177,21 @@ class _Checks:
 class Admission(_Checks):
     """Checks requests against ``manifest()``; ``exempt(request)`` names routes anyone may use."""
 
-    def __init__(self, manifest: Callable[[], SwarmManifest], *, own_id: bytes,
-                 exempt: Callable[[web.Request], bool] = lambda _r: False,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        manifest: Callable[[], SwarmManifest],
+        *,
+        own_id: bytes,
+        exempt: Callable[[web.Request], bool] = lambda _r: False,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.manifest, self.own_id, self.exempt, self.clock = manifest, own_id, exempt, clock
         self.replays = ReplayCache()
         self._verified: collections.OrderedDict[str, Certificate] = collections.OrderedDict()
         self.refused: collections.Counter[str] = collections.Counter()  # reason -> requests
-        self.refused_keys: collections.OrderedDict[str, str] = collections.OrderedDict()  # key hex -> reason
+        self.refused_keys: collections.OrderedDict[str, str] = (
+            collections.OrderedDict()
+        )  # key hex -> reason
         self.admitted = 0
 
     def check(self, request: web.Request) -> Admitted:
@@ -163,14 +207,23 @@ class Admission(_Checks):
             return ANONYMOUS
         auth = RequestAuth.parse(auth_value)
         now = self.clock()
-        auth.verify(swarm=manifest.swarm_id, method=request.method, target=request.path_qs, now=now,
-                    recipient=self.own_id, unbound_ok=True)
-        cert = self._admit(manifest, auth, request.headers.get(CERT_HEADER), now)  # a stranger hears why first
+        auth.verify(
+            swarm=manifest.swarm_id,
+            method=request.method,
+            target=request.path_qs,
+            now=now,
+            recipient=self.own_id,
+            unbound_ok=True,
+        )
+        cert = self._admit(
+            manifest, auth, request.headers.get(CERT_HEADER), now
+        )  # a stranger hears why first
         _take_once(auth, request, self.replays, own_id=self.own_id, now=now)
         return Admitted(auth.public_key, cert)
 
-    def _admit(self, manifest: SwarmManifest, auth: RequestAuth, cert_value: str | None,
-               now: float) -> Certificate | None:
+    def _admit(
+        self, manifest: SwarmManifest, auth: RequestAuth, cert_value: str | None, now: float
+    ) -> Certificate | None:
         """The sender's certificate checked against ``manifest`` (None: it sent none, which an
         open swarm admits); raises ``NotAuthorized`` with the reason."""
         if not cert_value:
@@ -178,7 +231,14 @@ class Admission(_Checks):
             return None
         known = self._verified.get(cert_value)
         cert = known if known is not None else Certificate.from_header(cert_value)
-        admit(manifest, cert, public_key=auth.public_key, role=None, now=now, signature_verified=known is not None)
+        admit(
+            manifest,
+            cert,
+            public_key=auth.public_key,
+            role=None,
+            now=now,
+            signature_verified=known is not None,
+        )
         if known is None:
             self._verified[cert_value] = cert
             while len(self._verified) > CERTS_KEPT:
@@ -197,11 +257,14 @@ class Admission(_Checks):
             self.refused_keys.popitem(last=False)
         log.info("refused %s %s from %s: %s", request.method, request.path, who[:16], exc.reason)
 
-
     def status(self) -> dict[str, object]:
-        return {"admitted": self.admitted, "refused": dict(self.refused),
-                "refused_keys": dict(self.refused_keys),
-                "auth_replays": self.replays.replays, "auth_cache": len(self.replays)}
+        return {
+            "admitted": self.admitted,
+            "refused": dict(self.refused),
+            "refused_keys": dict(self.refused_keys),
+            "auth_replays": self.replays.replays,
+            "auth_cache": len(self.replays),
+        }
 
 
 class Identification(_Checks):
@@ -214,7 +277,9 @@ class Identification(_Checks):
 
     ``headers`` signs our own requests the same way (``Transport.authenticate``)."""
 
-    def __init__(self, signer: ManifestSigner, swarm: str, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, signer: ManifestSigner, swarm: str, *, clock: Callable[[], float] = time.time
+    ) -> None:
         self.signer, self.swarm, self.clock = signer, swarm, clock
         self.own_id = peer_id_from_public_key(signer.public_key)
         self.refused: collections.Counter[str] = collections.Counter()  # reason -> requests
@@ -226,8 +291,15 @@ class Identification(_Checks):
         transport.admit_with(self.middleware)
 
     def headers(self, method: str, url: str, recipient: bytes | None = None) -> dict[str, str]:
-        return request_headers(self.signer, "", swarm=self.swarm, method=method, url=url, now=self.clock(),
-                               recipient=recipient)
+        return request_headers(
+            self.signer,
+            "",
+            swarm=self.swarm,
+            method=method,
+            url=url,
+            now=self.clock(),
+            recipient=recipient,
+        )
 
     def check(self, request: web.Request) -> Admitted:
         """The request's signer; raises ``BadSignature`` or ``AuthRefused`` (401: another node's
@@ -238,8 +310,14 @@ class Identification(_Checks):
             return ANONYMOUS
         auth = RequestAuth.parse(value)
         now = self.clock()
-        auth.verify(swarm=self.swarm, method=request.method, target=request.path_qs, now=now, recipient=self.own_id,
-                    unbound_ok=True)
+        auth.verify(
+            swarm=self.swarm,
+            method=request.method,
+            target=request.path_qs,
+            now=now,
+            recipient=self.own_id,
+            unbound_ok=True,
+        )
         _take_once(auth, request, self.replays, own_id=self.own_id, now=now)
         return Admitted(auth.public_key, None)
 
@@ -248,7 +326,9 @@ class Identification(_Checks):
         log.info("refused %s %s: %s", request.method, request.path, exc.reason)
 
 
-def _take_once(auth: RequestAuth, request: web.Request, replays: ReplayCache, *, own_id: bytes, now: float) -> None:
+def _take_once(
+    auth: RequestAuth, request: web.Request, replays: ReplayCache, *, own_id: bytes, now: float
+) -> None:
     """After ``auth`` verified: refuse it on a route that needs a recipient when it names none,
     then take it once (``replays``, counted per sender address). Raises ``AuthRefused``."""
     if not unbound_ok(request):

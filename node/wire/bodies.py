@@ -26,8 +26,19 @@ import aiohttp
 from node.wire.direct import DIRECT_MIN, Socket, read_direct
 from protocol.errors import Oversize, RemoteProtocolError
 
-__all__ = ["CHUNK", "MIN_BUFFER", "POOL_BUFFERS", "POOL_MAX_BUFFER", "POOL_MAX_BYTES", "REQUEST_BODY", "BodyTimeout",
-           "BufferPool", "ClientGone", "RequestBody", "read_stream"]
+__all__ = [
+    "CHUNK",
+    "MIN_BUFFER",
+    "POOL_BUFFERS",
+    "POOL_MAX_BUFFER",
+    "POOL_MAX_BYTES",
+    "REQUEST_BODY",
+    "BodyTimeout",
+    "BufferPool",
+    "ClientGone",
+    "RequestBody",
+    "read_stream",
+]
 
 CHUNK = 1 << 20
 # a piece of a body under SMALL_PIECE bytes takes what else is buffered along, up to COALESCE bytes
@@ -60,8 +71,13 @@ class BufferPool:
     ``max_bytes`` in all; beyond that its smallest buffers are dropped (and their memory freed):
     a large buffer is the costly one to fill afresh."""
 
-    def __init__(self, max_buffers: int = POOL_BUFFERS, *, max_buffer: int = POOL_MAX_BUFFER,
-                 max_bytes: int = POOL_MAX_BYTES) -> None:
+    def __init__(
+        self,
+        max_buffers: int = POOL_BUFFERS,
+        *,
+        max_buffer: int = POOL_MAX_BUFFER,
+        max_bytes: int = POOL_MAX_BYTES,
+    ) -> None:
         self._free: list[bytearray] = []
         self._max, self.max_buffer, self.max_bytes = max_buffers, max_buffer, max_bytes
         self.held = 0  # bytes kept for reuse
@@ -141,7 +157,9 @@ class RequestBody:
             self.pool.give(self.buf)
 
     def _release_from_any_thread(self) -> None:
-        with contextlib.suppress(RuntimeError):  # a closed loop: the buffer is simply freed with the view
+        with contextlib.suppress(
+            RuntimeError
+        ):  # a closed loop: the buffer is simply freed with the view
             self.loop.call_soon_threadsafe(self.release)
 
 
@@ -149,9 +167,15 @@ REQUEST_BODY: ContextVar[RequestBody | None] = ContextVar("atoll_request_body", 
 
 
 async def read_stream(
-    content: aiohttp.StreamReader, length: int | None, max_size: int, pool: BufferPool,
-    *, timeout_s: float | None = None, idle_s: float | None = None,
-    on_head: Callable[[memoryview], Awaitable[int | None]] | None = None, head_timeout_s: float | None = None,
+    content: aiohttp.StreamReader,
+    length: int | None,
+    max_size: int,
+    pool: BufferPool,
+    *,
+    timeout_s: float | None = None,
+    idle_s: float | None = None,
+    on_head: Callable[[memoryview], Awaitable[int | None]] | None = None,
+    head_timeout_s: float | None = None,
     socket: Socket | None = None,
 ) -> tuple[bytearray, int]:
     """Read a body into a pooled buffer; return (buffer, used bytes). Caller gives it back.
@@ -179,13 +203,19 @@ async def read_stream(
     limit = max_size if length is None else length
     loop = asyncio.get_running_loop()
     deadline = None if timeout_s is None else loop.time() + timeout_s
-    head_deadline = None if on_head is None or head_timeout_s is None else loop.time() + head_timeout_s
+    head_deadline = (
+        None if on_head is None or head_timeout_s is None else loop.time() + head_timeout_s
+    )
     buf = pool.take(limit, fresh=CHUNK)
     used, handed = 0, False
     try:
         while True:
             # until the head has vouched for the body's length, the head's deadline binds too
-            by_head = on_head is not None and head_deadline is not None and (deadline is None or head_deadline < deadline)
+            by_head = (
+                on_head is not None
+                and head_deadline is not None
+                and (deadline is None or head_deadline < deadline)
+            )
             until = head_deadline if by_head else deadline
             left = None if until is None else max(until - loop.time(), 0.0)
             by_idle = idle_s is not None and (left is None or idle_s <= left)
@@ -198,8 +228,10 @@ async def read_stream(
                 if by_idle:
                     raise BodyTimeout(_stalled(used, length, wait, whole=False)) from None
                 if by_head:
-                    raise BodyTimeout(f"request body's head not complete after {head_timeout_s:.1f} s ({used} bytes "
-                                      "arrived): a body has no more time than a small one until its head is in") from None
+                    raise BodyTimeout(
+                        f"request body's head not complete after {head_timeout_s:.1f} s ({used} bytes "
+                        "arrived): a body has no more time than a small one until its head is in"
+                    ) from None
                 raise BodyTimeout(_stalled(used, length, timeout_s, whole=True)) from None
             if not chunk:
                 # the end of one chunk of a chunked body: more may follow. aiohttp's shared empty
@@ -211,38 +243,65 @@ async def read_stream(
             # loop ran them back to back while any were buffered (6 MB of 1-byte chunks: 12 s, stalls
             # of 1.2 s): what is buffered now comes along joined, then other tasks run. (A stand-in
             # reader without ``read_nowait`` is read piece by piece.)
-            read_nowait = getattr(content, "read_nowait", None) if len(chunk) < SMALL_PIECE else None
+            read_nowait = (
+                getattr(content, "read_nowait", None) if len(chunk) < SMALL_PIECE else None
+            )
             if read_nowait is not None and (more := read_nowait(COALESCE)):
                 chunk += more
                 await asyncio.sleep(0)
             end = used + len(chunk)
             if end > limit:
-                raise Oversize(f"body exceeds {'its declared length' if length is not None else 'the cap'} "
-                               f"of {limit} bytes")
+                raise Oversize(
+                    f"body exceeds {'its declared length' if length is not None else 'the cap'} "
+                    f"of {limit} bytes"
+                )
             if end > len(buf):
                 buf = pool.grow(buf, used, end, limit)
             buf[used:end] = chunk
             used = end
             if on_head is not None and (length is None or used < length):
-                with memoryview(buf) as whole, whole[:used] as head:  # released before the buffer grows
+                with (
+                    memoryview(buf) as whole,
+                    whole[:used] as head,
+                ):  # released before the buffer grows
                     declared = await on_head(head)
                 if declared is not None:
                     on_head = None
                     if length is not None and declared != length:
-                        raise Oversize(f"body of {length} bytes by its Content-Length but {declared} by its head "
-                                       "(the sealed message's envelope): refused before the rest is read")
+                        raise Oversize(
+                            f"body of {length} bytes by its Content-Length but {declared} by its head "
+                            "(the sealed message's envelope): refused before the rest is read"
+                        )
                     if declared > limit or declared < used:
-                        raise Oversize(f"body of {declared} bytes by its head does not fit the {limit} allowed "
-                                       f"with {used} arrived")
+                        raise Oversize(
+                            f"body of {declared} bytes by its head does not fit the {limit} allowed "
+                            f"with {used} arrived"
+                        )
                     limit = declared
-            if socket is not None and on_head is None and length is not None and length - used >= DIRECT_MIN:
+            if (
+                socket is not None
+                and on_head is None
+                and length is not None
+                and length - used >= DIRECT_MIN
+            ):
                 handed = True  # read_direct gives it back if it fails
 
                 def timed_out(got: int, whole: bool) -> BaseException:
-                    return BodyTimeout(_stalled(got, length, timeout_s if whole else idle_s, whole=whole))
+                    return BodyTimeout(
+                        _stalled(got, length, timeout_s if whole else idle_s, whole=whole)
+                    )
 
-                buf, used = await read_direct(socket, content, buf, used, length, pool, deadline=deadline,
-                                              idle_s=idle_s, on_timeout=timed_out)
+                buf, used = await read_direct(
+                    socket,
+                    content,
+                    buf,
+                    used,
+                    length,
+                    pool,
+                    deadline=deadline,
+                    idle_s=idle_s,
+                    on_timeout=timed_out,
+                )
                 handed = False
                 break
         if length is not None and used != length:

@@ -44,9 +44,13 @@ __all__ = ["Connections", "address_key"]
 log = logging.getLogger("node.wire.transport")
 
 
-_HEAD_TIMEOUT_BODY = b'{"error": "HeadTimeout", "reason": "the request head did not arrive in time"}'
-_HEAD_TIMEOUT_REPLY = (b"HTTP/1.1 408 Request Timeout\r\nConnection: close\r\nContent-Type: application/json\r\n"
-                       b"Content-Length: %d\r\n\r\n%s" % (len(_HEAD_TIMEOUT_BODY), _HEAD_TIMEOUT_BODY))
+_HEAD_TIMEOUT_BODY = (
+    b'{"error": "HeadTimeout", "reason": "the request head did not arrive in time"}'
+)
+_HEAD_TIMEOUT_REPLY = (
+    b"HTTP/1.1 408 Request Timeout\r\nConnection: close\r\nContent-Type: application/json\r\n"
+    b"Content-Length: %d\r\n\r\n%s" % (len(_HEAD_TIMEOUT_BODY), _HEAD_TIMEOUT_BODY)
+)
 _RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends a reset and keeps no TIME_WAIT
 # A connection is pending (no complete request head yet, TLS handshake included), busy (a
 # request is being handled), idle (kept alive between requests) or closed.
@@ -86,10 +90,14 @@ class Connections:
         self.evicted = 0  # closed to make room for a newer connection
         self.head_timeouts = 0  # closed with a 408: the request head did not arrive in time
         self.handshakes_failed = 0  # TLS handshakes that failed or did not finish in time
-        self.reply_timeouts = 0  # closed: a reply made no progress for reply_idle_s, or missed its deadline
+        self.reply_timeouts = (
+            0  # closed: a reply made no progress for reply_idle_s, or missed its deadline
+        )
         self._pending: dict[_Gate, None] = {}  # oldest first
         self._idle: dict[_Gate, None] = {}  # oldest first
-        self._stalled: dict[_Gate, None] = {}  # replies whose writes backed up, longest-stalled first
+        self._stalled: dict[
+            _Gate, None
+        ] = {}  # replies whose writes backed up, longest-stalled first
         self._gates: dict[object, _Gate] = {}  # aiohttp's request handler -> its gate
 
     def admit(self, ip: str) -> str | None:
@@ -144,8 +152,13 @@ class _Gate(asyncio.Protocol):
     a 408 when a request head misses its deadline. ``Transport._guard`` says when a request
     starts and ends; ``opening`` is the task that opens it (a TLS handshake), until it is open."""
 
-    def __init__(self, conns: Connections, key: str, make_handler: Callable[[], asyncio.Protocol],
-                 deadline: float) -> None:
+    def __init__(
+        self,
+        conns: Connections,
+        key: str,
+        make_handler: Callable[[], asyncio.Protocol],
+        deadline: float,
+    ) -> None:
         self.conns, self.key, self.make_handler = conns, key, make_handler
         self.deadline = deadline  # the first request head must be complete by then (loop time)
         self.loop = asyncio.get_running_loop()
@@ -154,7 +167,9 @@ class _Gate(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.held, self.busy = True, False
         self._timer: asyncio.TimerHandle | None = None  # the request head's deadline
-        self._write_timer: asyncio.TimerHandle | None = None  # armed while the reply's writes are backed up
+        self._write_timer: asyncio.TimerHandle | None = (
+            None  # armed while the reply's writes are backed up
+        )
         self._reply_timer: asyncio.TimerHandle | None = None  # the reply's whole deadline
         conns._state(self, "pending")
 
@@ -167,7 +182,9 @@ class _Gate(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         if not self.busy and self._timer is None:  # the first byte of a next request
-            self._timer = self.loop.call_at(self.loop.time() + self.conns.limits.head_timeout_s, self._expire)
+            self._timer = self.loop.call_at(
+                self.loop.time() + self.conns.limits.head_timeout_s, self._expire
+            )
             self.conns._state(self, "pending")
         assert self.handler is not None
         self.handler.data_received(data)
@@ -177,7 +194,9 @@ class _Gate(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         if self.held and self._write_timer is None:
-            self._write_timer = self.loop.call_later(self.conns.limits.reply_idle_s, self._cut_off, "stalled")
+            self._write_timer = self.loop.call_later(
+                self.conns.limits.reply_idle_s, self._cut_off, "stalled"
+            )
             self.conns._stalled[self] = None
         if self.handler is not None:
             self.handler.pause_writing()
@@ -193,7 +212,9 @@ class _Gate(asyncio.Protocol):
         if self._reply_timer is not None:
             self._reply_timer.cancel()
         if self.held:
-            self._reply_timer = self.loop.call_later(self.conns.limits.reply_deadline_s(size), self._cut_off, "late")
+            self._reply_timer = self.loop.call_later(
+                self.conns.limits.reply_deadline_s(size), self._cut_off, "late"
+            )
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.release()
@@ -260,9 +281,13 @@ class _Gate(asyncio.Protocol):
             return
         self.conns.reply_timeouts += 1
         lim = self.conns.limits
-        log.info("cutting off a reply to %s: %s", transport.get_extra_info("peername"),
-                 f"no progress for {lim.reply_idle_s:.1f} s (the peer does not read)" if why == "stalled"
-                 else "not written within its deadline")
+        log.info(
+            "cutting off a reply to %s: %s",
+            transport.get_extra_info("peername"),
+            f"no progress for {lim.reply_idle_s:.1f} s (the peer does not read)"
+            if why == "stalled"
+            else "not written within its deadline",
+        )
         self.release()
         transport.abort()
 
@@ -271,8 +296,11 @@ class _Gate(asyncio.Protocol):
         if self.busy or self.transport is None or self.transport.is_closing():
             return
         self.conns.head_timeouts += 1
-        log.debug("closing a connection from %s: no request head within %.1f s",
-                  self.transport.get_extra_info("peername"), self.conns.limits.head_timeout_s)
+        log.debug(
+            "closing a connection from %s: no request head within %.1f s",
+            self.transport.get_extra_info("peername"),
+            self.conns.limits.head_timeout_s,
+        )
         self.transport.write(_HEAD_TIMEOUT_REPLY)
         self.transport.close()
 
@@ -283,8 +311,14 @@ class _GatedSite(web.BaseSite):
 
     __slots__ = ("_host", "_port", "_conns", "_sockets", "_task", "_unopened")
 
-    def __init__(self, runner: web.BaseRunner, host: str, port: int, conns: Connections,
-                 ssl_context: ssl.SSLContext | None) -> None:
+    def __init__(
+        self,
+        runner: web.BaseRunner,
+        host: str,
+        port: int,
+        conns: Connections,
+        ssl_context: ssl.SSLContext | None,
+    ) -> None:
         super().__init__(runner, ssl_context=ssl_context)
         self._host, self._port, self._conns = host, port, conns
         self._sockets: list[socket.socket] = []
@@ -336,7 +370,9 @@ class _GatedSite(web.BaseSite):
                 self._admit(conn, addr[0], tg)
                 try:
                     conn, addr = sock.accept()
-                except OSError:  # nothing waiting (BlockingIOError), or an error the next await sees
+                except (
+                    OSError
+                ):  # nothing waiting (BlockingIOError), or an error the next await sees
                     break
 
     def _admit(self, conn: socket.socket, ip: str, tg: asyncio.TaskGroup) -> None:
@@ -363,10 +399,15 @@ class _GatedSite(web.BaseSite):
             return
         gate.opening = asyncio.current_task()
         head_s = self._conns.limits.head_timeout_s
-        tls = {"ssl_handshake_timeout": head_s, "ssl_shutdown_timeout": head_s} if self._ssl_context else {}
+        tls = (
+            {"ssl_handshake_timeout": head_s, "ssl_shutdown_timeout": head_s}
+            if self._ssl_context
+            else {}
+        )
         try:
             await asyncio.get_running_loop().connect_accepted_socket(
-                lambda: gate, conn, ssl=self._ssl_context, **tls)
+                lambda: gate, conn, ssl=self._ssl_context, **tls
+            )
         except (OSError, ssl.SSLError, TimeoutError) as exc:  # a failed or slow TLS handshake
             log.debug("connection not opened: %r", exc)
             self._conns.handshakes_failed += 1
@@ -381,7 +422,8 @@ class _GatedSite(web.BaseSite):
 async def _listen(host: str, port: int, backlog: int) -> list[socket.socket]:
     """Listening sockets on every address ``host`` names (one port for all, when ``port`` is 0)."""
     infos = await asyncio.get_running_loop().getaddrinfo(
-        host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )
     sockets: list[socket.socket] = []
     try:
         for family, kind, proto, _, addr in dict.fromkeys(infos):
@@ -390,7 +432,9 @@ async def _listen(host: str, port: int, backlog: int) -> list[socket.socket]:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             if family == socket.AF_INET6:
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            sock.bind((addr[0], sockets[0].getsockname()[1] if len(sockets) > 1 else port, *addr[2:]))
+            sock.bind(
+                (addr[0], sockets[0].getsockname()[1] if len(sockets) > 1 else port, *addr[2:])
+            )
             sock.listen(backlog)
             sock.setblocking(False)
     except BaseException:
@@ -398,4 +442,3 @@ async def _listen(host: str, port: int, backlog: int) -> list[socket.socket]:
             sock.close()
         raise
     return sockets
-

@@ -60,7 +60,9 @@ class _Sink(asyncio.BufferedProtocol):
     """Reads into ``target[:end]`` from ``got`` on; pauses the transport while the target is full
     (the reader grows it); passes other events to the protocol it replaced."""
 
-    def __init__(self, transport: Any, replaced: Any, target: bytearray, got: int, end: int) -> None:
+    def __init__(
+        self, transport: Any, replaced: Any, target: bytearray, got: int, end: int
+    ) -> None:
         self.transport, self.replaced = transport, replaced
         self.loop = asyncio.get_running_loop()
         self.last = self.loop.time()  # when bytes last arrived
@@ -86,13 +88,15 @@ class _Sink(asyncio.BufferedProtocol):
     # --- the transport's calls --------------------------------------------------------------------
     def get_buffer(self, sizehint: int) -> memoryview | bytearray:
         if self.room > 0:
-            return self.target[self.got:min(len(self.target), self.end)]
+            return self.target[self.got : min(len(self.target), self.end)]
         if self._spare is None:  # a read already under way when we paused: its bytes are dropped
             self._spare = bytearray(_SPARE)
         return self._spare
 
     def buffer_updated(self, nbytes: int) -> None:
-        if self.room <= 0:  # past the body: dropped, and no more read once that is more than a little
+        if (
+            self.room <= 0
+        ):  # past the body: dropped, and no more read once that is more than a little
             self.dropped += nbytes
             if self.dropped > _DROP_MAX:
                 self.transport.pause_reading()
@@ -109,8 +113,13 @@ class _Sink(asyncio.BufferedProtocol):
         return self.replaced.eof_received()  # type: ignore[no-any-return]
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._fail(Gone(f"connection lost before the body was in: {exc!r}" if exc else "connection closed "
-                        "before the body was in"))
+        self._fail(
+            Gone(
+                f"connection lost before the body was in: {exc!r}"
+                if exc
+                else "connection closed before the body was in"
+            )
+        )
         self.replaced.connection_lost(exc)
 
     def pause_writing(self) -> None:
@@ -144,8 +153,15 @@ class _Sink(asyncio.BufferedProtocol):
 
 
 async def read_direct(
-    sock: Socket, content: aiohttp.StreamReader, buf: bytearray, used: int, length: int, pool: BufferPool,
-    *, deadline: float | None, idle_s: float | None,
+    sock: Socket,
+    content: aiohttp.StreamReader,
+    buf: bytearray,
+    used: int,
+    length: int,
+    pool: BufferPool,
+    *,
+    deadline: float | None,
+    idle_s: float | None,
     on_timeout: Callable[[int, bool], BaseException],
 ) -> tuple[bytearray, int]:
     """Read the rest of a body of ``length`` bytes into ``buf`` (``used`` bytes in so far; grown
@@ -163,9 +179,17 @@ async def read_direct(
         raise
 
 
-async def _read(sock: Socket, content: aiohttp.StreamReader, holder: list[bytearray], used: int, length: int,
-                pool: BufferPool, deadline: float | None, idle_s: float | None,
-                on_timeout: Callable[[int, bool], BaseException]) -> tuple[bytearray, int]:
+async def _read(
+    sock: Socket,
+    content: aiohttp.StreamReader,
+    holder: list[bytearray],
+    used: int,
+    length: int,
+    pool: BufferPool,
+    deadline: float | None,
+    idle_s: float | None,
+    on_timeout: Callable[[int, bool], BaseException],
+) -> tuple[bytearray, int]:
     while True:  # what aiohttp parsed already (at most its reader's high-water mark)
         more = content.read_nowait(-1)
         if not more:
@@ -199,8 +223,14 @@ async def _read(sock: Socket, content: aiohttp.StreamReader, holder: list[bytear
                 raise on_timeout(sink.got, True)
             if idle_s is not None and now - sink.last >= idle_s:
                 raise on_timeout(sink.got, False)
-            waits = [t for t in (None if deadline is None else deadline - now,
-                                 None if idle_s is None else sink.last + idle_s - now) if t is not None]
+            waits = [
+                t
+                for t in (
+                    None if deadline is None else deadline - now,
+                    None if idle_s is None else sink.last + idle_s - now,
+                )
+                if t is not None
+            ]
             await sink.wait(min(waits) if waits else None)
         if sink.error is not None:
             raise sink.error

@@ -78,8 +78,9 @@ def save_key(signer: Signer, path: Path | str, *, force: bool = False) -> None:
         with os.fdopen(fd, "wb") as f:
             f.write(_pem(signer))
     except FileExistsError:
-        raise IdentityError(f"{path} already exists; pass --force to overwrite it "
-                            "(the key in it is lost)") from None
+        raise IdentityError(
+            f"{path} already exists; pass --force to overwrite it (the key in it is lost)"
+        ) from None
     except OSError as exc:
         raise IdentityError(f"cannot write key {path}: {exc.strerror or exc}") from None
 
@@ -98,7 +99,9 @@ def load_key(path: Path | str) -> Signer:
         raise IdentityError(f"cannot read key {path}: {exc.strerror}") from None
     if mode & 0o077:
         how = "readable" if mode & 0o044 else "writable"
-        raise IdentityError(f"key file {path} is {how} by others (mode {mode:04o}); run chmod 600 {path}")
+        raise IdentityError(
+            f"key file {path} is {how} by others (mode {mode:04o}); run chmod 600 {path}"
+        )
     try:
         data = path.read_bytes()
     except OSError as exc:
@@ -106,13 +109,19 @@ def load_key(path: Path | str) -> Signer:
     try:
         key = load_pem_private_key(data, password=None)
     except TypeError:
-        raise IdentityError(f"{path}: the key is encrypted; Atoll reads unencrypted PEM keys "
-                            "(make one with atoll keygen)") from None
+        raise IdentityError(
+            f"{path}: the key is encrypted; Atoll reads unencrypted PEM keys "
+            "(make one with atoll keygen)"
+        ) from None
     except (ValueError, UnsupportedAlgorithm):
-        raise IdentityError(f"{path} is not a PEM private key; make one with atoll keygen --out PATH") from None
+        raise IdentityError(
+            f"{path} is not a PEM private key; make one with atoll keygen --out PATH"
+        ) from None
     if not isinstance(key, Ed25519PrivateKey):
-        raise IdentityError(f"{path} holds a {type(key).__name__.removeprefix('_')} key, not Ed25519; "
-                            "make one with atoll keygen --out PATH")
+        raise IdentityError(
+            f"{path} holds a {type(key).__name__.removeprefix('_')} key, not Ed25519; "
+            "make one with atoll keygen --out PATH"
+        )
     return Signer(key.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption()))
 
 
@@ -123,8 +132,10 @@ def public_key_from_arg(text: str) -> bytes:
         return parse_public_key(text)
     if Path(text).is_file():
         return load_key(text).public_key
-    raise IdentityError(f"{text[:80]!r} is neither a public key (64 hex digits, as atoll keygen prints) "
-                        "nor a key file")
+    raise IdentityError(
+        f"{text[:80]!r} is neither a public key (64 hex digits, as atoll keygen prints) "
+        "nor a key file"
+    )
 
 
 # --- manifests -------------------------------------------------------------------------------
@@ -142,8 +153,9 @@ def load_manifest(path: Path | str, *, expected_id: str | None = None) -> SwarmM
     try:
         text = path.read_bytes()
     except FileNotFoundError:
-        raise IdentityError(f"no manifest at {path}; the founder makes one with atoll swarm init "
-                            f"--out {path}") from None
+        raise IdentityError(
+            f"no manifest at {path}; the founder makes one with atoll swarm init --out {path}"
+        ) from None
     except OSError as exc:
         raise IdentityError(f"cannot read manifest {path}: {exc.strerror}") from None
     try:
@@ -155,8 +167,10 @@ def load_manifest(path: Path | str, *, expected_id: str | None = None) -> SwarmM
     except BadSignature as exc:
         if not manifest.signature:
             raise IdentityError(f"{path}: {exc.reason}") from None
-        raise IdentityError(f"{path}: manifest signature does not verify: it was edited after signing, "
-                            "or not signed by its founder") from None
+        raise IdentityError(
+            f"{path}: manifest signature does not verify: it was edited after signing, "
+            "or not signed by its founder"
+        ) from None
     except RemoteProtocolError as exc:
         raise IdentityError(f"{path}: {exc.reason}") from None
     return manifest
@@ -176,10 +190,14 @@ def load_certificate(path: Path | str) -> Certificate:
     try:
         text = path.read_text()
     except FileNotFoundError:
-        raise IdentityError(f"no certificate at {path}; ask a lab's authority for one "
-                            f"(atoll swarm certify --out {path})") from None
+        raise IdentityError(
+            f"no certificate at {path}; ask a lab's authority for one "
+            f"(atoll swarm certify --out {path})"
+        ) from None
     except (OSError, UnicodeDecodeError) as exc:
-        raise IdentityError(f"cannot read certificate {path}: {getattr(exc, 'strerror', None) or exc}") from None
+        raise IdentityError(
+            f"cannot read certificate {path}: {getattr(exc, 'strerror', None) or exc}"
+        ) from None
     try:
         return Certificate.from_text(text)
     except RemoteProtocolError as exc:

@@ -20,7 +20,9 @@ class LinkProfile:
 
     def __post_init__(self) -> None:
         if self.latency_s < 0 or self.bandwidth_bps < 0 or not 0.0 <= self.drop_rate <= 1.0:
-            raise ValueError(f"invalid link profile {self}: need latency >= 0, bandwidth >= 0, 0 <= drop <= 1")
+            raise ValueError(
+                f"invalid link profile {self}: need latency >= 0, bandwidth >= 0, 0 <= drop <= 1"
+            )
 
     @classmethod
     def parse(cls, spec: str) -> LinkProfile:
@@ -29,9 +31,13 @@ class LinkProfile:
         for part in filter(None, (p.strip() for p in spec.split(","))):
             key, sep, raw = part.partition("=")
             if not sep or key not in ("latency", "bandwidth", "drop"):
-                raise ValueError(f"bad link spec {part!r}: use latency=50ms,bandwidth=10mbit,drop=0.01")
+                raise ValueError(
+                    f"bad link spec {part!r}: use latency=50ms,bandwidth=10mbit,drop=0.01"
+                )
             values[key] = _parse_quantity(key, raw.strip().lower())
-        return cls(values.get("latency", 0.0), values.get("bandwidth", 0.0), values.get("drop", 0.0))
+        return cls(
+            values.get("latency", 0.0), values.get("bandwidth", 0.0), values.get("drop", 0.0)
+        )
 
     @property
     def active(self) -> bool:
@@ -50,7 +56,9 @@ def _parse_quantity(key: str, raw: str) -> float:
                 return float(raw[: len(raw) - len(suffix)]) * units[suffix]
             except ValueError:
                 break
-    raise ValueError(f"bad {key} value {raw!r}; examples: latency=50ms, bandwidth=10mbit, drop=0.01")
+    raise ValueError(
+        f"bad {key} value {raw!r}; examples: latency=50ms, bandwidth=10mbit, drop=0.01"
+    )
 
 
 class LinkDropped(ConnectionError):

@@ -90,9 +90,14 @@ OFF_LOOP_BODY = 1 << 20  # bodies above this are hashed in a worker thread (blak
 
 # Bytes an element of the widest single tensor any codec makes (int8 with one fp32 scale an
 # element: 5), and of the widest message: a ReplicaState carrying fp32 theta and momentum (8).
-_WIDEST_CODEC = max(sum(payload_bytes(c, TOPK_CHUNK, 0 if c in ("none", "bf16") else 1)) for c in CODECS) / TOPK_CHUNK
+_WIDEST_CODEC = (
+    max(sum(payload_bytes(c, TOPK_CHUNK, 0 if c in ("none", "bf16") else 1)) for c in CODECS)
+    / TOPK_CHUNK
+)
 WIDEST_BYTES_PER_ELEMENT = max(2 * payload_bytes("none", 1, 0)[0], _WIDEST_CODEC)
-RPC_SLACK = 1 << 20  # and 1/64 of the tensor bytes: msgpack framing of blobs, a few small tensors' rounding
+RPC_SLACK = (
+    1 << 20
+)  # and 1/64 of the tensor bytes: msgpack framing of blobs, a few small tensors' rounding
 
 log = logging.getLogger(__name__)
 
@@ -118,13 +123,20 @@ def check_header(body: Buffer, max_header: int) -> int:
     and DecodeError on a bad prefix. Costs no hash and no decode."""
     n = header_length(body)
     if n > max_header:
-        raise Oversize(f"message header of {n} bytes exceeds this route's cap of {max_header} "
-                       "(tensors travel as blobs, not in the header)")
+        raise Oversize(
+            f"message header of {n} bytes exceeds this route's cap of {max_header} "
+            "(tensors travel as blobs, not in the header)"
+        )
     return n
 
 
-async def open_off_loop(envelope: Envelope, body: memoryview, *, replay: ReplayWindow,
-                        expected_recipient: bytes | None = None) -> Opened:
+async def open_off_loop(
+    envelope: Envelope,
+    body: memoryview,
+    *,
+    replay: ReplayWindow,
+    expected_recipient: bytes | None = None,
+) -> Opened:
     """``envelope.open_body`` with the body hashed in a worker thread above ``OFF_LOOP_BODY``
     bytes and the header decoded in one above ``OFF_LOOP_HEADER`` bytes; ``replay`` is checked
     here, on the loop, with the time after hashing. Raises as ``Envelope.open_body``. If the
@@ -132,8 +144,9 @@ async def open_off_loop(envelope: Envelope, body: memoryview, *, replay: ReplayW
     digests = None
     if body.nbytes > OFF_LOOP_BODY:
         digests = await asyncio.to_thread(message_digests, body)
-    admitted = envelope.admit(body, now=time.time(), replay=replay,
-                              expected_recipient=expected_recipient, digests=digests)
+    admitted = envelope.admit(
+        body, now=time.time(), replay=replay, expected_recipient=expected_recipient, digests=digests
+    )
     if header_length(body) > OFF_LOOP_HEADER:
         return await asyncio.to_thread(_decode, admitted)
     return _decode(admitted)
@@ -194,6 +207,7 @@ async def serve_sealed_request(
     becomes a 4xx ``error_response``; anything else propagates. The buffer goes back to the pool
     unless the request was cancelled (a worker thread may still be reading it), once no view a
     handler kept of it (``REQUEST_BODY``) is alive."""
+
     async def admit(envelope: Envelope) -> None:
         envelope.check_recipient(recipient, broadcast_ok=bool(broadcast))
         if authorize is not None and not await authorize(envelope.peer_id):
@@ -202,9 +216,11 @@ async def serve_sealed_request(
     async def head(wire: memoryview) -> int | None:
         # a large body's envelope, checked as soon as it is in: a stranger, a message for another
         # node or a forged signature is refused before the rest costs a buffer
-        if wire.nbytes < LENGTH_PREFIX.size or wire.nbytes < (end := LENGTH_PREFIX.size + envelope_length(wire)):
+        if wire.nbytes < LENGTH_PREFIX.size or wire.nbytes < (
+            end := LENGTH_PREFIX.size + envelope_length(wire)
+        ):
             return None
-        envelope = open_envelope(wire[LENGTH_PREFIX.size:end], max_size=max_size)
+        envelope = open_envelope(wire[LENGTH_PREFIX.size : end], max_size=max_size)
         await admit(envelope)
         return end + envelope.size
 
@@ -270,18 +286,28 @@ class RpcServer:
 
     def seal_reply(self, msg: Message, recipient: bytes = b"") -> bytes:
         """``msg`` sealed by this node for ``recipient`` (the requester's peer id)."""
-        return seal(encode(msg), self.signer, now=time.time(), nonce=os.urandom(16),
-                    recipient=recipient).tobytes()
+        return seal(
+            encode(msg), self.signer, now=time.time(), nonce=os.urandom(16), recipient=recipient
+        ).tobytes()
 
     async def _serve(self, request: web.Request) -> web.StreamResponse:
         def refused(exc: RemoteProtocolError) -> None:
             self.errors[type(exc).__name__] += 1
-            log.warning("refused request from %s: %s: %s", request.remote, type(exc).__name__, exc.reason)
+            log.warning(
+                "refused request from %s: %s: %s", request.remote, type(exc).__name__, exc.reason
+            )
 
-        return await serve_sealed_request(self.transport, request, max_size=self.max_message,
-                                          replay=self.replay, recipient=self.signer.peer_id,
-                                          dispatch=self._dispatch, on_error=refused,
-                                          authorize=self.authorize, max_header=self.max_header)
+        return await serve_sealed_request(
+            self.transport,
+            request,
+            max_size=self.max_message,
+            replay=self.replay,
+            recipient=self.signer.peer_id,
+            dispatch=self._dispatch,
+            on_error=refused,
+            authorize=self.authorize,
+            max_header=self.max_header,
+        )
 
     async def _dispatch(self, opened: Opened) -> bytes:
         handler = self.handlers.get(type(opened.message))
@@ -292,4 +318,3 @@ class RpcServer:
     @property
     def error_count(self) -> int:
         return sum(self.errors.values())
-

@@ -40,8 +40,10 @@ class PinMismatch(aiohttp.ServerFingerprintMismatch):
     """The server's TLS key is not the one its Atoll certificate pins."""
 
     def __str__(self) -> str:
-        return (f"TLS key of {self.host}:{self.port} does not match the pin in its Atoll certificate "
-                f"(expected {self.expected.hex()[:16]}, got {self.got.hex()[:16] or 'none'})")
+        return (
+            f"TLS key of {self.host}:{self.port} does not match the pin in its Atoll certificate "
+            f"(expected {self.expected.hex()[:16]}, got {self.got.hex()[:16] or 'none'})"
+        )
 
 
 def origin(url: str) -> str:
@@ -55,20 +57,28 @@ def origin(url: str) -> str:
 def spki_pin(cert_der: bytes) -> bytes:
     """SHA-256 of a DER certificate's SubjectPublicKeyInfo."""
     cert = x509.load_der_x509_certificate(cert_der)
-    spki = cert.public_key().public_bytes(serialization.Encoding.DER,
-                                          serialization.PublicFormat.SubjectPublicKeyInfo)
+    spki = cert.public_key().public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
     return hashlib.sha256(spki).digest()
 
 
 def server_context(signer: Signer) -> ssl.SSLContext:
     """A TLS 1.3 server context whose certificate is self-signed with the peer's Atoll key."""
     key = signer.private_key()
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"atoll-{signer.peer_id.hex()[:16]}")])
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(int.from_bytes(signer.peer_id[:16], "big") >> 1)
-            .not_valid_before(datetime.datetime(2020, 1, 1, tzinfo=datetime.timezone.utc))
-            .not_valid_after(datetime.datetime(9999, 12, 31, tzinfo=datetime.timezone.utc))
-            .sign(key, None))
+    name = x509.Name(
+        [x509.NameAttribute(NameOID.COMMON_NAME, f"atoll-{signer.peer_id.hex()[:16]}")]
+    )
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(int.from_bytes(signer.peer_id[:16], "big") >> 1)
+        .not_valid_before(datetime.datetime(2020, 1, 1, tzinfo=datetime.UTC))
+        .not_valid_after(datetime.datetime(9999, 12, 31, tzinfo=datetime.UTC))
+        .sign(key, None)
+    )
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_3
     # load_cert_chain reads files only: write both to a private directory and remove it at once
@@ -78,8 +88,13 @@ def server_context(signer: Signer) -> ssl.SSLContext:
             f.write(cert.public_bytes(serialization.Encoding.PEM))
         fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as f:
-            f.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                      serialization.NoEncryption()))
+            f.write(
+                key.private_bytes(
+                    serialization.Encoding.PEM,
+                    serialization.PrivateFormat.PKCS8,
+                    serialization.NoEncryption(),
+                )
+            )
         ctx.load_cert_chain(cert_path, key_path)
     return ctx
 
@@ -100,7 +115,9 @@ class PinnedKey(aiohttp.Fingerprint):
     every path that connects (requests and downloads alike), so the node can route around the
     member it dialled: the key that answered is not that member's."""
 
-    def __init__(self, fingerprint: bytes, on_mismatch: Callable[[bytes, bytes], None] | None = None) -> None:
+    def __init__(
+        self, fingerprint: bytes, on_mismatch: Callable[[bytes, bytes], None] | None = None
+    ) -> None:
         super().__init__(fingerprint)
         self.on_mismatch = on_mismatch
 

@@ -58,8 +58,22 @@ if TYPE_CHECKING:
     from multidict import CIMultiDictProxy  # aiohttp's headers (a dependency of aiohttp's)
 
 __all__ = [
-    "CHUNK", "BodyTimeout", "BufferPool", "Busy", "ClientGone", "Connections", "LinkDropped", "LinkEmulator",
-    "LinkProfile", "REPLY_PIECE", "ServeLimits", "Transport", "address_key", "pieces", "refusal", "read_stream",
+    "CHUNK",
+    "BodyTimeout",
+    "BufferPool",
+    "Busy",
+    "ClientGone",
+    "Connections",
+    "LinkDropped",
+    "LinkEmulator",
+    "LinkProfile",
+    "REPLY_PIECE",
+    "ServeLimits",
+    "Transport",
+    "address_key",
+    "pieces",
+    "refusal",
+    "read_stream",
 ]
 
 log = logging.getLogger(__name__)
@@ -122,7 +136,7 @@ def pieces(chunks: Iterable[memoryview | bytes], size: int = REPLY_PIECE) -> Ite
     for chunk in chunks:
         view = memoryview(chunk).cast("B")
         for start in range(0, view.nbytes, size):
-            yield view[start:start + size]
+            yield view[start : start + size]
 
 
 class EncodedBody(RemoteProtocolError):
@@ -159,10 +173,22 @@ class ServeLimits:
     send_buffer: int | None = None
 
     def __post_init__(self) -> None:
-        timeouts = (self.body_timeout_s, self.body_idle_s, self.head_timeout_s, self.reply_timeout_s, self.reply_idle_s)
+        timeouts = (
+            self.body_timeout_s,
+            self.body_idle_s,
+            self.head_timeout_s,
+            self.reply_timeout_s,
+            self.reply_idle_s,
+        )
         caps = (self.bodies_per_ip, self.bodies, self.conns_per_ip, self.conns, self.replies_per_ip)
-        if min(timeouts) <= 0 or min(caps) < 1 or min(self.body_slack_s_per_mib, self.reply_slack_s_per_mib) < 0:
-            raise ValueError(f"invalid serve limits {self}: timeouts must be > 0, slack >= 0 and caps >= 1")
+        if (
+            min(timeouts) <= 0
+            or min(caps) < 1
+            or min(self.body_slack_s_per_mib, self.reply_slack_s_per_mib) < 0
+        ):
+            raise ValueError(
+                f"invalid serve limits {self}: timeouts must be > 0, slack >= 0 and caps >= 1"
+            )
 
     def body_deadline_s(self, declared: int | None) -> float:
         """How long a body of ``declared`` bytes (None: unknown) may take in all."""
@@ -248,8 +274,12 @@ class Transport:
         # bytes_sent by what they were: a request's route (a path, or a message type) or
         # "reply <route>"; where a swarm's bytes go, for the report and bench.bandwidth
         self.bytes_by_route: Counter[str] = Counter()
-        self.bodies_in_flight: Counter[str] = Counter()  # request bodies being read, per address_key
-        self.replies_in_flight: Counter[str] = Counter()  # streamed replies being written, per address_key
+        self.bodies_in_flight: Counter[str] = (
+            Counter()
+        )  # request bodies being read, per address_key
+        self.replies_in_flight: Counter[str] = (
+            Counter()
+        )  # streamed replies being written, per address_key
         self.replies_refused = 0  # streamed replies refused (429): too many to one address at once
         self.app.on_response_prepare.append(self._reply_prepared)
         self.connections = Connections(self.limits)  # open connections, per address and in all
@@ -270,7 +300,11 @@ class Transport:
     def client_options(self, method: str, url: str) -> dict[str, Any]:
         """``headers`` (authentication) and ``ssl`` (TLS pin, when the address has one) for a
         request of ``method`` to ``url``."""
-        headers = self.authenticate(method, url, self.recipient_of(url)) if self.authenticate is not None else {}
+        headers = (
+            self.authenticate(method, url, self.recipient_of(url))
+            if self.authenticate is not None
+            else {}
+        )
         opts: dict[str, Any] = {"headers": headers}
         if url.startswith("https://"):
             # one object per pin (and one context): aiohttp keys its connection pool by them
@@ -292,8 +326,14 @@ class Transport:
         lim = self.limits
         self._runner = web.AppRunner(
             # a node that stops does not wait out the long-polls it holds (up to 30 s): 1 s, then cancelled
-            self.app, access_log=None, handle_signals=False, shutdown_timeout=1.0, keepalive_timeout=lim.keepalive_s,
-            max_line_size=lim.max_line_size, max_field_size=lim.max_field_size, max_headers=lim.max_headers,
+            self.app,
+            access_log=None,
+            handle_signals=False,
+            shutdown_timeout=1.0,
+            keepalive_timeout=lim.keepalive_s,
+            max_line_size=lim.max_line_size,
+            max_field_size=lim.max_field_size,
+            max_headers=lim.max_headers,
             logger=_ServerLog(logging.getLogger("aiohttp.server"), {}),
         )
         await self._runner.setup()
@@ -334,8 +374,9 @@ class Transport:
         self.bytes_sent += n
         self.bytes_by_route[route] += n
 
-    async def _body(self, url: str, route: str,
-                    chunks: Iterable[memoryview | bytes]) -> AsyncIterator[memoryview | bytes]:
+    async def _body(
+        self, url: str, route: str, chunks: Iterable[memoryview | bytes]
+    ) -> AsyncIterator[memoryview | bytes]:
         for chunk in chunks:
             await self.link.throttle(url, len(chunk))
             self.count_sent(route, len(chunk))
@@ -366,12 +407,22 @@ class Transport:
             headers["Content-Length"] = str(size)
         data = self._body(url, route, chunks) if size else None
         async with asyncio.timeout(timeout_s):
-            async with self.session.request(method, url, data=data, headers=headers, **opts) as resp:
+            async with self.session.request(
+                method, url, data=data, headers=headers, **opts
+            ) as resp:
                 info = resp.request_info
-                self.count_sent(route, _head_bytes(f"{info.method} {info.url.raw_path_qs} HTTP/1.1", info.headers))
+                self.count_sent(
+                    route,
+                    _head_bytes(f"{info.method} {info.url.raw_path_qs} HTTP/1.1", info.headers),
+                )
                 length = resp.content_length if method != "HEAD" else 0
-                buf, used = await read_stream(resp.content, length, max_reply or self.max_body, self.pool,
-                                              socket=self._reply_socket(resp, length))
+                buf, used = await read_stream(
+                    resp.content,
+                    length,
+                    max_reply or self.max_body,
+                    self.pool,
+                    socket=self._reply_socket(resp, length),
+                )
                 self.bytes_received += used
                 return resp.status, buf, used, dict(resp.headers)
 
@@ -382,7 +433,11 @@ class Transport:
         if length is None or length < DIRECT_MIN:
             return None
         conn = resp.connection
-        if conn is None or conn.transport is None or any(e not in ("", "identity") for e in _encodings(resp.headers)):
+        if (
+            conn is None
+            or conn.transport is None
+            or any(e not in ("", "identity") for e in _encodings(resp.headers))
+        ):
             return None
 
         def spent() -> None:
@@ -397,8 +452,10 @@ class Transport:
         key = address_key(request.remote or "unknown")
         if self.replies_in_flight[key] >= self.limits.replies_per_ip:
             self.replies_refused += 1
-            raise Busy(f"{self.replies_in_flight[key]} replies to {key} are being written already "
-                       f"(at most {self.limits.replies_per_ip} at once); retry later")
+            raise Busy(
+                f"{self.replies_in_flight[key]} replies to {key} are being written already "
+                f"(at most {self.limits.replies_per_ip} at once); retry later"
+            )
         self.replies_in_flight[key] += 1
         return _Streaming(self.replies_in_flight, key)
 
@@ -412,10 +469,18 @@ class Transport:
         """What the server's limits did: connections open, refused, evicted, cut off, stalled;
         request bodies and streamed replies in flight, replies refused (for ``/v1/status``)."""
         c = self.connections
-        return {"open": c.total, "refused": c.refused, "evicted": c.evicted, "head_timeouts": c.head_timeouts,
-                "handshakes_failed": c.handshakes_failed, "reply_timeouts": c.reply_timeouts,
-                "stalled_replies": c.stalled, "bodies_in_flight": self.bodies_in_flight.total(),
-                "replies_in_flight": self.replies_in_flight.total(), "replies_refused": self.replies_refused}
+        return {
+            "open": c.total,
+            "refused": c.refused,
+            "evicted": c.evicted,
+            "head_timeouts": c.head_timeouts,
+            "handshakes_failed": c.handshakes_failed,
+            "reply_timeouts": c.reply_timeouts,
+            "stalled_replies": c.stalled,
+            "bodies_in_flight": self.bodies_in_flight.total(),
+            "replies_in_flight": self.replies_in_flight.total(),
+            "replies_refused": self.replies_refused,
+        }
 
     def hang_up(self, request: web.Request) -> None:
         """Close ``request``'s connection after its reply: its body is left unread, not drained."""
@@ -426,9 +491,13 @@ class Transport:
         self.direct_bodies += 1
         self._hang_up.add(id(request))
 
-    async def read_request(self, request: web.Request, max_size: int | None = None, *,
-                           on_head: Callable[[memoryview], Awaitable[int | None]] | None = None,
-                           ) -> tuple[bytearray, int]:
+    async def read_request(
+        self,
+        request: web.Request,
+        max_size: int | None = None,
+        *,
+        on_head: Callable[[memoryview], Awaitable[int | None]] | None = None,
+    ) -> tuple[bytearray, int]:
         """Read a request body into a pooled buffer (see ``read_stream``) under ``self.limits``.
 
         Raises ``Busy`` when the sender's address (or the server) has too many bodies being read,
@@ -437,11 +506,16 @@ class Transport:
         ``on_head`` may refuse a large body from its first bytes, and until it has had its say the
         body has no more time than a small one (see ``read_stream``). A body not
         read to its end is not drained: the connection is closed after the reply."""
-        ip, lim = address_key(request.remote or "unknown"), self.limits  # an IPv6 address by its /64
+        ip, lim = (
+            address_key(request.remote or "unknown"),
+            self.limits,
+        )  # an IPv6 address by its /64
         if self.bodies_in_flight[ip] >= lim.bodies_per_ip:
             self._hang_up.add(id(request))
-            raise Busy(f"{self.bodies_in_flight[ip]} request bodies from {ip} are being read already "
-                       f"(at most {lim.bodies_per_ip} at once); retry later")
+            raise Busy(
+                f"{self.bodies_in_flight[ip]} request bodies from {ip} are being read already "
+                f"(at most {lim.bodies_per_ip} at once); retry later"
+            )
         if self.bodies_in_flight.total() >= lim.bodies:
             self._hang_up.add(id(request))
             raise Busy(f"{lim.bodies} request bodies are being read already; retry later")
@@ -449,12 +523,26 @@ class Transport:
         length = request.content_length
         try:
             buf, used = await read_stream(
-                request.content, length, max_size or self.max_body, self.pool,
-                timeout_s=lim.body_deadline_s(length), idle_s=lim.body_idle_s, on_head=on_head,
-                head_timeout_s=lim.body_deadline_s(None),  # a declared size buys time once its head vouches
-                socket=None if request.transport is None else Socket(request.transport, lambda: self._spent(request)),
+                request.content,
+                length,
+                max_size or self.max_body,
+                self.pool,
+                timeout_s=lim.body_deadline_s(length),
+                idle_s=lim.body_idle_s,
+                on_head=on_head,
+                head_timeout_s=lim.body_deadline_s(
+                    None
+                ),  # a declared size buys time once its head vouches
+                socket=None
+                if request.transport is None
+                else Socket(request.transport, lambda: self._spent(request)),
             )
-        except (ConnectionError, aiohttp.ClientPayloadError, HttpProcessingError, RequestPayloadError) as exc:  # cut off
+        except (
+            ConnectionError,
+            aiohttp.ClientPayloadError,
+            HttpProcessingError,
+            RequestPayloadError,
+        ) as exc:  # cut off
             self._hang_up.add(id(request))
             raise ClientGone(f"request body cut off: {exc}") from None
         except RemoteProtocolError:
@@ -474,8 +562,10 @@ class Transport:
         encodings = _encodings(request.headers)
         if any(e != "identity" for e in encodings):
             self._hang_up.add(id(request))
-            raise EncodedBody(f"request bodies are not content-encoded: Content-Encoding {', '.join(encodings)[:32]!r} "
-                              f"refused; send the body as it is")
+            raise EncodedBody(
+                f"request bodies are not content-encoded: Content-Encoding {', '.join(encodings)[:32]!r} "
+                f"refused; send the body as it is"
+            )
 
     def _count_reply(self, request: web.Request, resp: web.StreamResponse) -> None:
         """Add a reply's head (and, for a reply not streamed by us, its body) to ``bytes_sent``:
@@ -484,8 +574,10 @@ class Transport:
         size = len(body) if isinstance(body, bytes | bytearray | memoryview) else 0
         # aiohttp adds Date, Server and Content-Length when it sends an unprepared reply's head
         extra = 0 if resp.prepared else _AIOHTTP_HEADERS
-        self.count_sent(self.reply_route(request),
-                        size + extra + _head_bytes(f"HTTP/1.1 {resp.status} {resp.reason}", resp.headers))
+        self.count_sent(
+            self.reply_route(request),
+            size + extra + _head_bytes(f"HTTP/1.1 {resp.status} {resp.reason}", resp.headers),
+        )
 
     @web.middleware
     async def _guard(
@@ -499,17 +591,27 @@ class Transport:
             gate.request_started()
         try:
             try:
-                self._refuse_encoded(request)  # any route, a missing one too: aiohttp would inflate and drain it
+                self._refuse_encoded(
+                    request
+                )  # any route, a missing one too: aiohttp would inflate and drain it
                 resp = await handler(request)
             except RemoteProtocolError as exc:
-                log.info("refused %s %s from %s: %s: %s", request.method, request.path, request.remote,
-                         type(exc).__name__, exc.reason)
+                log.info(
+                    "refused %s %s from %s: %s: %s",
+                    request.method,
+                    request.path,
+                    request.remote,
+                    type(exc).__name__,
+                    exc.reason,
+                )
                 resp = refusal(exc)
             self._count_reply(request, resp)
             if id(request) not in self._hang_up:
                 return resp
             resp.force_close()
-            with contextlib.suppress(ConnectionError, aiohttp.ClientConnectionResetError, RuntimeError):
+            with contextlib.suppress(
+                ConnectionError, aiohttp.ClientConnectionResetError, RuntimeError
+            ):
                 await resp.prepare(request)
                 await resp.write_eof()
             request.protocol.force_close()  # the reply is flushed first; no lingering read of the rest
@@ -521,7 +623,10 @@ class Transport:
                 gate.request_finished()
 
     async def stream_reply(
-        self, request: web.Request, chunks: Iterable[memoryview | bytes], size: int,
+        self,
+        request: web.Request,
+        chunks: Iterable[memoryview | bytes],
+        size: int,
         headers: dict[str, str] | None = None,
     ) -> web.StreamResponse:
         """Reply with a streamed body of ``size`` bytes, in pieces of at most ``REPLY_PIECE``

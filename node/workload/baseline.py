@@ -63,7 +63,9 @@ class TrainConfig:
     beta2: float = _f(0.95, "AdamW beta2")
     grad_clip: float = _f(1.0, "clip the gradient's global norm to this (0 disables)")
     seed: int = _f(0, "seed for model init and data order")
-    sharding: str = _f("contiguous", "how the train split is dealt to learners: contiguous or striped")
+    sharding: str = _f(
+        "contiguous", "how the train split is dealt to learners: contiguous or striped"
+    )
     eval_every: int = _f(50, "steps between held-out evaluations")
     eval_batches: int = _f(8, "held-out batches (of batch_size windows) per evaluation")
     device: str = _f("cpu", "torch device: cpu or cuda")
@@ -73,7 +75,9 @@ class TrainConfig:
         if self.model not in PRESETS:
             problems.append(f"model must be one of {sorted(PRESETS)}, got {self.model!r}")
         if self.sharding not in SHARDINGS:
-            problems.append(f"sharding must be one of {', '.join(SHARDINGS)}, got {self.sharding!r}")
+            problems.append(
+                f"sharding must be one of {', '.join(SHARDINGS)}, got {self.sharding!r}"
+            )
         if self.schedule not in ("cosine", "constant"):
             problems.append(f"schedule must be cosine or constant, got {self.schedule!r}")
         for name in ("batch_size", "steps", "eval_every", "eval_batches"):

@@ -220,8 +220,9 @@ class BatchSampler:
             raise ValueError(
                 f"batch_size and block_size must be >= 1, got {batch_size}, {block_size}"
             )
-        self.spans = shard_spans(train.numel(), shard=shard, n_shards=n_shards, sharding=sharding,
-                                 block_size=block_size)
+        self.spans = shard_spans(
+            train.numel(), shard=shard, n_shards=n_shards, sharding=sharding, block_size=block_size
+        )
         pieces = [train[a:b] for a, b in self.spans]
         # (shard_len,) uint8: a view of one span; stripes joined (none: empty, refused below)
         self.data = pieces[0] if len(pieces) == 1 else torch.cat([train[:0], *pieces])
@@ -283,7 +284,7 @@ def validation_slice(heldout: torch.Tensor, *, fraction: float = 0.25) -> tuple[
     Raises ValueError for a fraction outside (0, 1]."""
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"validation fraction must be in (0, 1], got {fraction}")
-    part = heldout[heldout.numel() - max(1, int(heldout.numel() * fraction)):]
+    part = heldout[heldout.numel() - max(1, int(heldout.numel() * fraction)) :]
     return part, hashlib.sha256(part.numpy().tobytes()).hexdigest()
 
 

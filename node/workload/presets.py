@@ -56,9 +56,13 @@ def resolved(cfg: RunConfig) -> RunConfig:
     contributed (quorum = peers, no grace window), ``ddp`` does so every inner step (H = 1, which
     does not grow). The swarm's manifest covers the result."""
     if cfg.mode in ("sync", "ddp"):
-        cfg = replace(cfg, quorum=cfg.peers, grace_gamma=0.0,
-                      inner_steps=1 if cfg.mode == "ddp" else cfg.inner_steps,
-                      sync_growth="constant" if cfg.mode == "ddp" else cfg.sync_growth)
+        cfg = replace(
+            cfg,
+            quorum=cfg.peers,
+            grace_gamma=0.0,
+            inner_steps=1 if cfg.mode == "ddp" else cfg.inner_steps,
+            sync_growth="constant" if cfg.mode == "ddp" else cfg.sync_growth,
+        )
     if cfg.max_tokens_per_step:
         return cfg
     block = GPTConfig.preset(cfg.model).block_size

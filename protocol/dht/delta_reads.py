@@ -42,7 +42,9 @@ def known_tags(records: Iterable[SignedRecord]) -> tuple[bytes, ...]:
     return tuple(known_tag(newest[p]) for p in sorted(newest))
 
 
-def unknown_to(records: Sequence[SignedRecord], tags: Iterable[bytes]) -> tuple[list[SignedRecord], int]:
+def unknown_to(
+    records: Sequence[SignedRecord], tags: Iterable[bytes]
+) -> tuple[list[SignedRecord], int]:
     """The records a reader that sent ``tags`` does not hold yet, and how many were left out.
 
     A record is left out when the reader names its subkey prefix with an expiry at or after the

@@ -106,8 +106,10 @@ class FindValue(Message):
     def _check(self) -> None:
         _id(self.key, "FindValue.key")
         _at_most(self.known, MAX_REPLY_RECORDS, "FindValue.known")
-        _require(all(len(t) == KNOWN_TAG_BYTES for t in self.known),
-                 f"FindValue.known: every tag must be {KNOWN_TAG_BYTES} bytes")
+        _require(
+            all(len(t) == KNOWN_TAG_BYTES for t in self.known),
+            f"FindValue.known: every tag must be {KNOWN_TAG_BYTES} bytes",
+        )
 
 
 @register(36)
@@ -147,8 +149,10 @@ class ValueReply(Message):
     def _check(self) -> None:
         _at_most(self.records, MAX_REPLY_RECORDS, "ValueReply.records")
         _at_most(self.peers, MAX_REPLY_PEERS, "ValueReply.peers")
-        _require(0 <= self.omitted <= MAX_REPLY_RECORDS,
-                 f"ValueReply.omitted must be in [0, {MAX_REPLY_RECORDS}], got {self.omitted}")
+        _require(
+            0 <= self.omitted <= MAX_REPLY_RECORDS,
+            f"ValueReply.omitted must be in [0, {MAX_REPLY_RECORDS}], got {self.omitted}",
+        )
 
 
 @register(39)

@@ -51,14 +51,17 @@ def counted_prefixes(ip: str) -> list[tuple[str, int]]:
         return [(ip[:64], 1)]
     if isinstance(addr, ipaddress.IPv4Address):
         return [(str(addr), 1)]
-    return [(str(ipaddress.IPv6Network((addr, bits), strict=False)), share) for bits, share in PREFIX_SHARES.items()]
+    return [
+        (str(ipaddress.IPv6Network((addr, bits), strict=False)), share)
+        for bits, share in PREFIX_SHARES.items()
+    ]
 
 
 def _host(address: str) -> str:
     """The host of ``scheme://host:port/path`` (IPv6 in brackets), or of a bare host[:port]."""
     netloc = address.split("://", 1)[-1].split("/", 1)[0].rsplit("@", 1)[-1]
     if netloc.startswith("["):
-        return netloc[1:netloc.find("]")] if "]" in netloc else ""
+        return netloc[1 : netloc.find("]")] if "]" in netloc else ""
     return netloc.rsplit(":", 1)[0] if netloc.count(":") == 1 else netloc
 
 

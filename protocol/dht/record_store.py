@@ -296,4 +296,3 @@ def _push(heap: list[_Item], item: _Item, live_count: int, live: Callable[[_Item
     if len(heap) > 2 * live_count + 64:
         heap[:] = [i for i in heap if live(i)]
         heapq.heapify(heap)
-

@@ -88,18 +88,30 @@ class RoutingTable:
     """The k-buckets of the peer ``own_id``. See the module docstring."""
 
     def __init__(
-        self, own_id: bytes, *, k: int = 20, replacement_cache: int = 10, max_failures: int = 3,
+        self,
+        own_id: bytes,
+        *,
+        k: int = 20,
+        replacement_cache: int = 10,
+        max_failures: int = 3,
         max_per_group: int | None = 2,
     ) -> None:
         if len(own_id) != ID_BYTES:
             raise LocalProtocolError(f"own id must be {ID_BYTES} bytes, got {len(own_id)}")
-        if k < 1 or replacement_cache < 0 or max_failures < 1 or (max_per_group is not None and max_per_group < 1):
+        if (
+            k < 1
+            or replacement_cache < 0
+            or max_failures < 1
+            or (max_per_group is not None and max_per_group < 1)
+        ):
             raise LocalProtocolError(
                 f"need k >= 1, replacement_cache >= 0, max_failures >= 1, max_per_group >= 1 or None; "
                 f"got {k}, {replacement_cache}, {max_failures}, {max_per_group}"
             )
         self.max_per_group = max_per_group
-        self.diversity_refused = 0  # newcomers refused: their network's share of the bucket was full
+        self.diversity_refused = (
+            0  # newcomers refused: their network's share of the bucket was full
+        )
         self.own_id = own_id
         self.k = k
         self.replacement_cache = replacement_cache
@@ -170,7 +182,9 @@ class RoutingTable:
         bucket.last_touched = now
         entry = bucket.entries.get(contact.peer_id)
         if entry is not None:
-            if contact.address == entry.contact.address or self._group_has_room(bucket, contact, contact.peer_id):
+            if contact.address == entry.contact.address or self._group_has_room(
+                bucket, contact, contact.peer_id
+            ):
                 entry.contact = contact  # a move into a full network keeps the old address
                 self._index[contact.peer_id] = contact
             entry.last_seen, entry.failures = now, 0
@@ -261,14 +275,19 @@ class RoutingTable:
             return None
         return self._buckets[self.bucket_index(peer_id)]
 
-    def _group_has_room(self, bucket: _Bucket, contact: PeerInfo, leaving: bytes | None = None) -> bool:
+    def _group_has_room(
+        self, bucket: _Bucket, contact: PeerInfo, leaving: bytes | None = None
+    ) -> bool:
         """Whether ``contact``'s network has fewer than ``max_per_group`` contacts in ``bucket``
         (not counting ``leaving``)."""
         group = diversity_group(contact.address) if self.max_per_group is not None else None
         if group is None or self.max_per_group is None:
             return True
-        same = sum(1 for pid, e in bucket.entries.items()
-                   if pid != leaving and diversity_group(e.contact.address) == group)
+        same = sum(
+            1
+            for pid, e in bucket.entries.items()
+            if pid != leaving and diversity_group(e.contact.address) == group
+        )
         return same < self.max_per_group
 
     def _cache(self, bucket: _Bucket, entry: _Entry) -> None:
@@ -283,7 +302,14 @@ class RoutingTable:
         del bucket.entries[peer_id]
         del self._index[peer_id]
         # the freshest cached contact whose network has room (diversity holds after promotion)
-        pid = next((p for p in reversed(bucket.cache) if self._group_has_room(bucket, bucket.cache[p].contact)), None)
+        pid = next(
+            (
+                p
+                for p in reversed(bucket.cache)
+                if self._group_has_room(bucket, bucket.cache[p].contact)
+            ),
+            None,
+        )
         if pid is None:
             return None
         fresh = bucket.cache.pop(pid)

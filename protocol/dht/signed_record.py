@@ -126,4 +126,3 @@ def verify_record(
         raise BadSignature(
             f"record signature does not verify for subkey {rec.subkey.hex()[:16]}"
         ) from None
-

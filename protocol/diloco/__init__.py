@@ -16,12 +16,29 @@ from typing import Any
 
 _HOME = {
     "protocol.diloco.compression": ("QMAX", "compress", "decompress", "wire_bytes"),
-    "protocol.diloco.fragments": ("Fragment", "FragmentPlan", "balanced_owners", "due_fragments", "due_offset",
-                                  "owner_chain", "owners_of", "plan_fragments"),
+    "protocol.diloco.fragments": (
+        "Fragment",
+        "FragmentPlan",
+        "balanced_owners",
+        "due_fragments",
+        "due_offset",
+        "owner_chain",
+        "owners_of",
+        "plan_fragments",
+    ),
     "protocol.diloco.merge": ("Decision", "Entry", "FragmentMerger", "MergeConfig", "Phase"),
-    "protocol.diloco.outer": ("OuterConfig", "clamp_weights", "clip_to_median_norm", "outer_step", "outer_step_",
-                              "pseudo_gradient", "radial_directional_average", "staleness_discount",
-                              "token_weight", "weighted_mean"),
+    "protocol.diloco.outer": (
+        "OuterConfig",
+        "clamp_weights",
+        "clip_to_median_norm",
+        "outer_step",
+        "outer_step_",
+        "pseudo_gradient",
+        "radial_directional_average",
+        "staleness_discount",
+        "token_weight",
+        "weighted_mean",
+    ),
 }
 _MODULE_OF = {name: module for module, names in _HOME.items() for name in names}
 

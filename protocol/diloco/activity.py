@@ -51,8 +51,10 @@ class SilenceBounds:
 
     def __post_init__(self) -> None:
         if not 0 < self.floor_s <= self.end_floor_s <= self.unknown_s <= self.cap_s:
-            raise ValueError(f"silence bounds must satisfy 0 < floor_s <= end_floor_s <= unknown_s <= cap_s, "
-                             f"got {self.floor_s}, {self.end_floor_s}, {self.unknown_s}, {self.cap_s}")
+            raise ValueError(
+                f"silence bounds must satisfy 0 < floor_s <= end_floor_s <= unknown_s <= cap_s, "
+                f"got {self.floor_s}, {self.end_floor_s}, {self.unknown_s}, {self.cap_s}"
+            )
         if self.factor < 1:
             raise ValueError(f"the silence factor must be at least 1 interval, got {self.factor}")
 
@@ -62,16 +64,26 @@ class LearnerActivity:
     in the caller's clock's seconds. At most ``max_senders`` of each are kept (the least recently
     heard or seen are forgotten first; a forgotten member counts as never heard from)."""
 
-    def __init__(self, bounds: SilenceBounds = SilenceBounds(), *, min_steps: int = 0, max_senders: int = 4096) -> None:
+    def __init__(
+        self,
+        bounds: SilenceBounds = SilenceBounds(),
+        *,
+        min_steps: int = 0,
+        max_senders: int = 4096,
+    ) -> None:
         self.bounds = bounds
-        self.min_steps = min_steps  # the steps a learner trains between two contributions (2H); 0: its own
+        self.min_steps = (
+            min_steps  # the steps a learner trains between two contributions (2H); 0: its own
+        )
         self.max_senders = max_senders
         self._last: dict[bytes, float] = {}  # insertion order: least recently heard first
         self._interval: dict[bytes, float] = {}
         self._first_seen: dict[bytes, float] = {}
         self._found_silent: set[bytes] = set()  # found silent in a round's count, until heard again
 
-    def heard(self, sender: bytes, now: float, *, steps: int, step_time: float, accepted: bool = True) -> None:
+    def heard(
+        self, sender: bytes, now: float, *, steps: int, step_time: float, accepted: bool = True
+    ) -> None:
         """``sender``'s contribution reached the merger at ``now``, saying it holds ``steps`` inner
         steps of ``step_time`` seconds each (claims, bounded by the caller's checks; the bound they
         earn is capped anyway). A claim that makes no positive number keeps the last one. Only an
@@ -123,7 +135,9 @@ class LearnerActivity:
             return b.unknown_s if at_end else None
         return min(b.cap_s, max(b.end_floor_s if at_end else b.floor_s, b.factor * interval))
 
-    def silent(self, learning: Iterable[bytes], *, since: float, now: float, at_end: bool = False) -> set[bytes]:
+    def silent(
+        self, learning: Iterable[bytes], *, since: float, now: float, at_end: bool = False
+    ) -> set[bytes]:
         """The members of ``learning`` silent for their bound, counted from their last accepted
         contribution, from when they were first seen, or from ``since`` (when the owner began
         owning), the latest. Outside ``at_end``, those found silent before stay so until heard."""
@@ -136,7 +150,9 @@ class LearnerActivity:
             if bound is None:
                 continue
             heard = self._last.get(member)
-            quiet_from = max(since, heard if heard is not None else self._first_seen.get(member, since))
+            quiet_from = max(
+                since, heard if heard is not None else self._first_seen.get(member, since)
+            )
             if now - quiet_from >= bound:
                 out.add(member)
         if not at_end:

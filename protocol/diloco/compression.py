@@ -60,8 +60,12 @@ from protocol.wire.tensors import BLOCKED, CODECS, TOPK_CHUNK, EncodedTensor, pa
 
 __all__ = ["QMAX", "compress", "decompress", "wire_bytes"]
 
-warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning,
-                        module=r"protocol\.diloco\.")
+warnings.filterwarnings(
+    "ignore",
+    message="The given buffer is not writable",
+    category=UserWarning,
+    module=r"protocol\.diloco\.",
+)
 
 QMAX = {"int8": 127, "int4": 7}
 _BITS = 1 << torch.arange(8, dtype=torch.uint8)  # sign1: bit i of a byte holds element i
@@ -117,13 +121,19 @@ def compress(
     if codec == "none":
         if not (known_finite and residual is None) and not all_finite(x):
             _raise_not_finite(t, residual)
-        aliases_t = residual is None and x.data_ptr() == t.data_ptr()  # else x is a new tensor already
+        aliases_t = (
+            residual is None and x.data_ptr() == t.data_ptr()
+        )  # else x is a new tensor already
         data = _to_buffer(x.clone() if aliases_t and copy else x)
-        enc = EncodedTensor(codec="none", shape=shape, dtype=dtype, block_size=0, data=data, scales=b"")
+        enc = EncodedTensor(
+            codec="none", shape=shape, dtype=dtype, block_size=0, data=data, scales=b""
+        )
         return enc, torch.zeros((), dtype=torch.float32, device=t.device).expand(shape)
     if codec == "bf16":
         half, new_residual = _encode_bf16(x, t, residual)
-        enc = EncodedTensor(codec="bf16", shape=shape, dtype=dtype, block_size=0, data=half, scales=b"")
+        enc = EncodedTensor(
+            codec="bf16", shape=shape, dtype=dtype, block_size=0, data=half, scales=b""
+        )
         return enc, new_residual.view(shape)
     if codec == "topk2":
         return _compress_topk(x, t, residual, block_size, dtype)
@@ -134,7 +144,11 @@ def compress(
         _raise_not_finite(t, residual)
     data = _to_buffer(_pack_int8(codes) if codec == "int8" else _pack_int4(codes))
     enc = EncodedTensor(
-        codec=codec, shape=shape, dtype=dtype, block_size=block_size, data=data,
+        codec=codec,
+        shape=shape,
+        dtype=dtype,
+        block_size=block_size,
+        data=data,
         scales=_to_buffer(scales),
     )
     _scale_blocks(codes, scales, block_size)  # codes now hold exactly what decompress returns
@@ -142,7 +156,9 @@ def compress(
     return enc, codes.view(shape)
 
 
-def decompress(enc: EncodedTensor, out: torch.Tensor | None = None, *, finite_check: bool = True) -> torch.Tensor:
+def decompress(
+    enc: EncodedTensor, out: torch.Tensor | None = None, *, finite_check: bool = True
+) -> torch.Tensor:
     """Decode ``enc`` into a new fp32 tensor of its shape, or into ``out`` (any float dtype).
 
     Raises ``DecodeError`` when ``out``'s shape differs from ``enc.shape`` or when the remote
@@ -152,9 +168,16 @@ def decompress(enc: EncodedTensor, out: torch.Tensor | None = None, *, finite_ch
     next (finite exactly when every value is) and refuses it if it is not; every other check stays.
     """
     if out is not None and tuple(out.shape) != enc.shape:
-        raise DecodeError(f"tensor of shape {enc.shape} does not fit output of shape {tuple(out.shape)}")
+        raise DecodeError(
+            f"tensor of shape {enc.shape} does not fit output of shape {tuple(out.shape)}"
+        )
     n = enc.numel
-    direct = out is not None and out.dtype == torch.float32 and out.is_contiguous() and out.device.type == "cpu"
+    direct = (
+        out is not None
+        and out.dtype == torch.float32
+        and out.is_contiguous()
+        and out.device.type == "cpu"
+    )
     if n == 0:
         return out if out is not None else torch.empty(enc.shape, dtype=torch.float32)
     unchecked = not finite_check and enc.codec in ("none", "bf16")
@@ -192,10 +215,14 @@ def _input_vector(t: torch.Tensor, residual: torch.Tensor | None) -> torch.Tenso
     if residual is None:
         return flat
     if residual.shape != t.shape:
-        raise LocalProtocolError(f"residual shape {tuple(residual.shape)} != tensor shape {tuple(t.shape)}")
+        raise LocalProtocolError(
+            f"residual shape {tuple(residual.shape)} != tensor shape {tuple(t.shape)}"
+        )
     if not residual.is_floating_point():
         raise LocalProtocolError(f"residual must be a float tensor, got {residual.dtype}")
-    return torch.add(flat, residual.detach().reshape(-1).to(torch.float32), out=new_vector_like(flat))
+    return torch.add(
+        flat, residual.detach().reshape(-1).to(torch.float32), out=new_vector_like(flat)
+    )
 
 
 def _raise_not_finite(t: torch.Tensor, residual: torch.Tensor | None) -> None:
@@ -228,8 +255,12 @@ def _compress_topk(
         _raise_not_finite(t, residual)
     data, steps, decoded = encode_topk(x, block_size)
     enc = EncodedTensor(
-        codec="topk2", shape=tuple(t.shape), dtype=dtype, block_size=block_size,
-        data=_to_buffer(data), scales=_to_buffer(steps),
+        codec="topk2",
+        shape=tuple(t.shape),
+        dtype=dtype,
+        block_size=block_size,
+        data=_to_buffer(data),
+        scales=_to_buffer(steps),
     )
     torch.sub(x, decoded, out=decoded)
     return enc, decoded.view(t.shape)
@@ -247,17 +278,29 @@ def _compress_sign(
     for lo, hi, first, rows in _spans(n, block_size):
         # |x| into the decoded buffer, then its row means (fp32 sums of finite values: finite
         # unless a block's |x| sum overflows, which only values near fp32's maximum can do)
-        torch.mean(torch.abs(x[lo:hi], out=decoded[lo:hi]).view(rows, -1), dim=1, out=scales[first:first + rows])
+        torch.mean(
+            torch.abs(x[lo:hi], out=decoded[lo:hi]).view(rows, -1),
+            dim=1,
+            out=scales[first : first + rows],
+        )
     if not all_finite(scales):
-        raise LocalProtocolError("tensor to compress is too large for sign1's block means (near fp32's maximum)")
+        raise LocalProtocolError(
+            "tensor to compress is too large for sign1's block means (near fp32's maximum)"
+        )
     bits = torch.zeros(-(-n // 8) * 8, dtype=torch.uint8, device=x.device)
     torch.ge(x, 0, out=bits[:n].view(torch.bool))
     packed = (bits.view(-1, 8) * _BITS.to(x.device)).sum(dim=1, dtype=torch.uint8)
     torch.mul(bits[:n], 2, out=bits[:n])  # 0/2, then -1/+1 in fp32 below
     decoded.copy_(bits[:n]).sub_(1)
     _scale_blocks(decoded, scales, block_size)  # decoded now holds exactly what decompress returns
-    enc = EncodedTensor(codec="sign1", shape=tuple(t.shape), dtype=dtype, block_size=block_size,
-                        data=_to_buffer(packed), scales=_to_buffer(scales))
+    enc = EncodedTensor(
+        codec="sign1",
+        shape=tuple(t.shape),
+        dtype=dtype,
+        block_size=block_size,
+        data=_to_buffer(packed),
+        scales=_to_buffer(scales),
+    )
     torch.sub(x, decoded, out=decoded)
     return enc, decoded.view(t.shape)
 
@@ -315,7 +358,9 @@ def _check_remote(enc: EncodedTensor) -> torch.Tensor | None:
     Raises ``DecodeError`` for NaN/Inf payloads or NaN, negative or out-of-range scales.
     """
     if enc.codec == "none" or enc.codec == "bf16":
-        view = torch.frombuffer(enc.data, dtype=torch.float32 if enc.codec == "none" else torch.bfloat16)
+        view = torch.frombuffer(
+            enc.data, dtype=torch.float32 if enc.codec == "none" else torch.bfloat16
+        )
         if not all_finite(view):
             raise DecodeError(f"{enc.codec} tensor payload contains NaN or Inf")
         return None

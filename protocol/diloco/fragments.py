@@ -91,7 +91,11 @@ class FragmentPlan:
     def plan_hash(self) -> bytes:
         """SHA-256 of the canonical plan (indices, kinds, names, shapes), for peers to compare."""
         canon = [
-            [f.index, f.is_embedding, [[n, list(s)] for n, s in zip(f.names, f.shapes, strict=True)]]
+            [
+                f.index,
+                f.is_embedding,
+                [[n, list(s)] for n, s in zip(f.names, f.shapes, strict=True)],
+            ]
             for f in self.fragments
         ]
         text = json.dumps(canon, separators=(",", ":"), ensure_ascii=True)
@@ -156,8 +160,9 @@ def due_fragments(step: int, n_fragments: int, period: int) -> tuple[int, ...]:
     return tuple(range(first, stop))
 
 
-def owners_of(swarm: str, fragment: int, members: Iterable[bytes], r: int, *,
-              n_fragments: int | None = None) -> tuple[bytes, ...]:
+def owners_of(
+    swarm: str, fragment: int, members: Iterable[bytes], r: int, *, n_fragments: int | None = None
+) -> tuple[bytes, ...]:
     """The ``r`` owners of ``fragment`` among ``members``, primary first: by rendezvous hash, or
     with ``n_fragments`` by ``balanced_owners`` (the owner among the members, then the owner
     among the members less those already named, and so on).
@@ -174,8 +179,12 @@ def owners_of(swarm: str, fragment: int, members: Iterable[bytes], r: int, *,
     return owner_chain(fragment, members, r, lambda rest: balanced_owners(swarm, n_fragments, rest))
 
 
-def owner_chain(fragment: int, members: Iterable[bytes], r: int,
-                assign: Callable[[frozenset[bytes]], Sequence[bytes]]) -> tuple[bytes, ...]:
+def owner_chain(
+    fragment: int,
+    members: Iterable[bytes],
+    r: int,
+    assign: Callable[[frozenset[bytes]], Sequence[bytes]],
+) -> tuple[bytes, ...]:
     """The first ``r`` owners of ``fragment`` by an assignment of every fragment (``assign``,
     e.g. ``balanced_owners`` over the members given, or a cache of it): its owner among the
     members, then its owner among the members less that one, and so on. Raises
@@ -200,8 +209,10 @@ def balanced_owners(swarm: str, n_fragments: int, members: Iterable[bytes]) -> t
     if not peers:
         return ()
     room, extra = divmod(n_fragments, len(peers))
-    pairs = sorted(((rendezvous_score(swarm, f, m), f, m) for f in range(n_fragments) for m in peers),
-                   reverse=True)
+    pairs = sorted(
+        ((rendezvous_score(swarm, f, m), f, m) for f in range(n_fragments) for m in peers),
+        reverse=True,
+    )
     owner: list[bytes | None] = [None] * n_fragments
     load = dict.fromkeys(peers, 0)
     left = n_fragments
@@ -226,7 +237,9 @@ def _check_schedule(n_fragments: int, period: int) -> None:
         raise LocalProtocolError(f"period H must be >= 1, got {period}")
 
 
-def _validated_sizes(shapes: Sequence[tuple[str, Shape]], embeddings: Collection[str]) -> dict[str, int]:
+def _validated_sizes(
+    shapes: Sequence[tuple[str, Shape]], embeddings: Collection[str]
+) -> dict[str, int]:
     """Name -> numel in canonical order (numel descending, then name); validates the inputs."""
     sizes: dict[str, int] = {}
     for name, shape in shapes:

@@ -38,9 +38,13 @@ def interval(base: int, lr_ratio: float, growth: str) -> int:
     if base < 1:
         raise LocalProtocolError(f"sync interval base must be >= 1 inner step, got {base}")
     if growth not in GROWTHS:
-        raise LocalProtocolError(f"sync interval growth must be one of {', '.join(GROWTHS)}, got {growth!r}")
+        raise LocalProtocolError(
+            f"sync interval growth must be one of {', '.join(GROWTHS)}, got {growth!r}"
+        )
     if not (math.isfinite(lr_ratio) and 0.0 < lr_ratio <= 1.0 + 1e-9):
-        raise LocalProtocolError(f"lr_ratio must be in (0, 1] (the lr as a fraction of its peak), got {lr_ratio!r}")
+        raise LocalProtocolError(
+            f"lr_ratio must be in (0, 1] (the lr as a fraction of its peak), got {lr_ratio!r}"
+        )
     if growth == "constant":
         return base
     if growth == "sqrt-lr":

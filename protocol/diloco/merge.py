@@ -70,8 +70,18 @@ from protocol.diloco.merge_results import Decision, DecisionKind, Entry, Refusal
 from protocol.diloco.merge_weights import NormHistory, weigh
 from protocol.errors import LocalProtocolError
 
-__all__ = ["Decision", "DecisionKind", "Entry", "FragmentMerger", "LatePolicy", "MergeConfig", "NormHistory", "Phase",
-           "Refusal", "latest_per_sender"]
+__all__ = [
+    "Decision",
+    "DecisionKind",
+    "Entry",
+    "FragmentMerger",
+    "LatePolicy",
+    "MergeConfig",
+    "NormHistory",
+    "Phase",
+    "Refusal",
+    "latest_per_sender",
+]
 
 
 def latest_per_sender(history: NormHistory, keep: int) -> NormHistory:
@@ -90,7 +100,9 @@ def latest_per_sender(history: NormHistory, keep: int) -> NormHistory:
     return out[::-1]
 
 
-MERGED_SENDERS_KEPT = 4096  # senders whose merged rounds are counted (``merges_of``); the least recent go
+MERGED_SENDERS_KEPT = (
+    4096  # senders whose merged rounds are counted (``merges_of``); the least recent go
+)
 
 
 class Phase(enum.Enum):
@@ -104,7 +116,9 @@ class FragmentMerger:
 
     def __init__(self, fragment: int, config: MergeConfig, *, version: int = 0, now: float) -> None:
         if fragment < 0 or version < 0 or not math.isfinite(now):
-            raise LocalProtocolError(f"bad merger start: fragment {fragment}, version {version}, now {now}")
+            raise LocalProtocolError(
+                f"bad merger start: fragment {fragment}, version {version}, now {now}"
+            )
         self.fragment, self.config, self.version = fragment, config, version
         self.phase = Phase.COLLECTING
         self.expected: int | None = None
@@ -121,18 +135,31 @@ class FragmentMerger:
         self._published_at: dict[int, float] = {version: now}  # recent versions -> when they opened
         self.norms: NormHistory = []  # (sender, clipped whole norm) of the last senders merged
         self._closing_norms: NormHistory = []  # of the merge in progress, kept on publish
-        self._merged_rounds: dict[bytes, int] = {}  # sender -> merges its work was in (least recent first)
+        self._merged_rounds: dict[
+            bytes, int
+        ] = {}  # sender -> merges its work was in (least recent first)
         self._round_share = 0  # the largest share-of-learners quorum of the round open (0: none)
         self._hold: float | None = None  # no round closes before this (``hold_until``)
         self._grace_due: float | None = None  # when GRACE would close without the hold
-        self._last_until: float | None = None  # a last contribution in the round: wait for all till then
+        self._last_until: float | None = (
+            None  # a last contribution in the round: wait for all till then
+        )
         self._last_from: float | None = None  # when the round's first last contribution came
 
     # -- events ------------------------------------------------------------------------------
 
     def on_contribution(
-        self, peer: bytes, *, base_version: int, tokens: int, steps: int, step_time: float,
-        payload: object, now: float, norm: float | None = None, last: bool = False,
+        self,
+        peer: bytes,
+        *,
+        base_version: int,
+        tokens: int,
+        steps: int,
+        step_time: float,
+        payload: object,
+        now: float,
+        norm: float | None = None,
+        last: bool = False,
     ) -> Decision:
         """A learner's contribution (payload opaque, e.g. the decoded pseudo-gradient; ``norm``
         its L2 norm, measured by the node: without it the contribution is never clipped;
@@ -140,15 +167,23 @@ class FragmentMerger:
         to ``last_wait_s`` for every expected learner's)."""
         if norm is not None and not (math.isfinite(norm) and norm >= 0):
             raise LocalProtocolError(f"norm must be finite and >= 0, got {norm}")
-        return self._dispatch(ContributionEvent(peer, base_version, tokens, steps, step_time, payload, norm, last),
-                              now)
+        return self._dispatch(
+            ContributionEvent(peer, base_version, tokens, steps, step_time, payload, norm, last),
+            now,
+        )
 
     def on_tick(self, now: float) -> Decision:
         """Timer event; due at ``deadline()``. Closes an elapsed grace window."""
         return self._dispatch(Tick(), now)
 
-    def set_expected(self, n: int | None, *, now: float, finished: int = 0,
-                     learners: frozenset[bytes] | None = None) -> Decision:
+    def set_expected(
+        self,
+        n: int | None,
+        *,
+        now: float,
+        finished: int = 0,
+        learners: frozenset[bytes] | None = None,
+    ) -> Decision:
         """Number of live learners expected to contribute (None: unknown), and of those that
         finished training (counted in a round's share of the learners, never waited for); may
         close the round. ``learners``, when the node knows them, are the ``n`` expected: a round
@@ -166,7 +201,9 @@ class FragmentMerger:
         """The node applied and published the merge; opens round ``new_version`` (== v + 1)."""
         return self._dispatch(Published(new_version, sync_time), now)
 
-    def on_merge_failed(self, reason: str, *, now: float, discard: Collection[bytes] = ()) -> Decision:
+    def on_merge_failed(
+        self, reason: str, *, now: float, discard: Collection[bytes] = ()
+    ) -> Decision:
         """The merge failed; drop ``discard`` peers' contributions and retry after ``retry_s``."""
         return self._dispatch(MergeFailed(reason, frozenset(discard)), now)
 
@@ -178,7 +215,9 @@ class FragmentMerger:
         that fall beyond ``staleness_bound`` are dropped (the reason counts them).
         """
         if version <= self.version:
-            raise LocalProtocolError(f"rebase to version {version}, not above the held {self.version}")
+            raise LocalProtocolError(
+                f"rebase to version {version}, not above the held {self.version}"
+            )
         return self._dispatch(Rebase(version), now)
 
     def hold_until(self, until: float, *, now: float) -> Decision:
@@ -291,10 +330,14 @@ class FragmentMerger:
         refused = self._refusal(ev, self.version, self._entries)
         if refused is None:
             self._admit(ev, self._entries)
-            return self._settle(True, f"accepted from {ev.peer.hex()[:8]} for version {self.version}")
+            return self._settle(
+                True, f"accepted from {ev.peer.hex()[:8]} for version {self.version}"
+            )
         if self.phase is Phase.GRACE and self._deadline is not None and self._deadline <= self._now:
             closing = self._settle(False, "")  # the window elapsed: a refusal still closes it
-            return replace(closing, reason=f"{refused.reason}; {closing.reason}", refusal=refused.refusal)
+            return replace(
+                closing, reason=f"{refused.reason}; {closing.reason}", refusal=refused.refusal
+            )
         return refused
 
     def _carry(self, ev: ContributionEvent) -> Decision:
@@ -303,8 +346,12 @@ class FragmentMerger:
             return refused
         self._admit(ev, self._carried)
         stale = self.version + 1 - ev.base_version
-        return self._decide("accept", f"carried into round for version {self.version + 1} "
-                            f"(staleness {stale}; {len(self._carried)} carried)", accepted=True)
+        return self._decide(
+            "accept",
+            f"carried into round for version {self.version + 1} "
+            f"(staleness {stale}; {len(self._carried)} carried)",
+            accepted=True,
+        )
 
     def _tick(self, ev: Tick) -> Decision:
         return self._settle(False, "")
@@ -321,24 +368,36 @@ class FragmentMerger:
             dropped, self._entries, self._first_at = n, [], None
             self._last_until = self._last_from = None
             self._reopen(Phase.COLLECTING, opened_at=self._now)
-            return self._decide("wait", f"no learner left to reach quorum {self.config.quorum}: "
-                                        f"{dropped} contributions dropped")
-        if ev.n == 0 and self.phase is Phase.GRACE:  # it reached its (lowered) quorum: nobody to wait for
+            return self._decide(
+                "wait",
+                f"no learner left to reach quorum {self.config.quorum}: "
+                f"{dropped} contributions dropped",
+            )
+        if (
+            ev.n == 0 and self.phase is Phase.GRACE
+        ):  # it reached its (lowered) quorum: nobody to wait for
             return self._close(f"no learner left: closing with {self._tally()}", False)
         k, note = self._quorum()
         if self.phase is Phase.GRACE and n < k:  # a learner is back: the lowered quorum rises again
             self._reopen(Phase.COLLECTING, opened_at=self._opened_at)
-            return self._decide("wait", f"expecting {ev.n}: quorum back to {k}{note}, grace window "
-                                        f"closed ({self._tally()})")
+            return self._decide(
+                "wait",
+                f"expecting {ev.n}: quorum back to {k}{note}, grace window "
+                f"closed ({self._tally()})",
+            )
         return self._settle(False, f"expecting {ev.n}")
 
     def _expect_merging(self, ev: Expect) -> Decision:
         self.expected, self.finished, self.learners = ev.n, ev.finished, ev.learners
-        return self._decide("wait", f"expecting {ev.n}; merge for version {self.version} in progress")
+        return self._decide(
+            "wait", f"expecting {ev.n}; merge for version {self.version} in progress"
+        )
 
     def _published(self, ev: Published) -> Decision:
         if ev.new_version != self.version + 1:
-            raise LocalProtocolError(f"published version {ev.new_version}, expected {self.version + 1}")
+            raise LocalProtocolError(
+                f"published version {ev.new_version}, expected {self.version + 1}"
+            )
         if not (math.isfinite(ev.sync_time) and ev.sync_time >= 0):
             raise LocalProtocolError(f"sync_time must be finite and >= 0, got {ev.sync_time}")
         self._sync_ema = moving_average(self._sync_ema, ev.sync_time, self.config.ema_alpha)
@@ -358,7 +417,9 @@ class FragmentMerger:
         self._round_share = 0
         horizon = self.version - self.config.step_time_rounds + 1
         self._step_ema = {p: v for p, v in self._step_ema.items() if v[1] >= horizon}
-        return self._settle(False, f"round for version {self.version} open with carried contributions")
+        return self._settle(
+            False, f"round for version {self.version} open with carried contributions"
+        )
 
     def _merge_failed(self, ev: MergeFailed) -> Decision:
         kept = [e for e in self._entries if e.peer not in ev.discard]
@@ -388,8 +449,11 @@ class FragmentMerger:
             self._reopen(Phase.COLLECTING, opened_at=self._opened_at)
         if not kept:
             self._first_at = None
-        return self._settle(False, f"rebased from version {old} to {ev.version}; {len(kept)} kept, "
-                                   f"{dropped} dropped as stale beyond {bound}")
+        return self._settle(
+            False,
+            f"rebased from version {old} to {ev.version}; {len(kept)} kept, "
+            f"{dropped} dropped as stale beyond {bound}",
+        )
 
     def _hold_rounds(self, ev: Hold) -> Decision:
         self._hold = ev.until if ev.until > self._now else None
@@ -406,8 +470,12 @@ class FragmentMerger:
 
     def _held_until(self) -> float | None:
         """Until when the round may not close now (``merge_quorum.held_until``); None: free."""
-        return held_until(hold=self._hold, last_until=self._last_until, all_in=self._all_expected_in(),
-                          now=self._now)
+        return held_until(
+            hold=self._hold,
+            last_until=self._last_until,
+            all_in=self._all_expected_in(),
+            now=self._now,
+        )
 
     def _all_expected_in(self) -> bool:
         """Every expected learner has work in the round: each of ``learners`` when known, else
@@ -445,13 +513,17 @@ class FragmentMerger:
 
     def _refusal(self, ev: ContributionEvent, target: int, pool: list[Pending]) -> Decision | None:
         """The refusal for ``ev`` joining the round for version ``target``, or None to accept."""
-        problem = refusal_for(ev, version=self.version, target=target, pool=pool, config=self.config)
+        problem = refusal_for(
+            ev, version=self.version, target=target, pool=pool, config=self.config
+        )
         if problem is None:
             return None
         return self._decide("refuse", problem[1], refusal=problem[0])
 
     def _admit(self, ev: ContributionEvent, pool: list[Pending]) -> None:
-        pool.append(bounded_pending(ev, config=self.config, published_at=self._published_at, now=self._now))
+        pool.append(
+            bounded_pending(ev, config=self.config, published_at=self._published_at, now=self._now)
+        )
         if pool is self._entries and self._first_at is None:
             self._first_at = self._now
         if pool is self._entries and ev.last:
@@ -465,7 +537,9 @@ class FragmentMerger:
         n, expected = len(self._entries), self.expected
         k, note = self._quorum()
         if self.config.quorum_fraction > 0 and not self.config.quorum_is_expected and expected:
-            self._round_share = max(self._round_share, quorum_share(self.config, expected + self.finished))
+            self._round_share = max(
+                self._round_share, quorum_share(self.config, expected + self.finished)
+            )
         if n >= k and expected is not None and n >= expected and "lowered" not in note:
             return self._close(f"all {n}/{expected} expected contributions in", accepted)
         if self.phase is Phase.COLLECTING and n >= k:
@@ -489,8 +563,12 @@ class FragmentMerger:
 
     def _open_grace(self) -> float:
         xi_quorum = self._now - (self._opened_at if self._first_at is None else self._first_at)
-        wait = grace_window(self.config, xi_step=self.step_time_estimate(), xi_quorum=xi_quorum,
-                            xi_sync=self.sync_time_estimate())
+        wait = grace_window(
+            self.config,
+            xi_step=self.step_time_estimate(),
+            xi_quorum=xi_quorum,
+            xi_sync=self.sync_time_estimate(),
+        )
         self.phase, self._quorum_at, self._grace_due = Phase.GRACE, self._now, self._now + wait
         self._deadline = self._held_deadline(self._grace_due)
         return wait
@@ -501,18 +579,25 @@ class FragmentMerger:
             self.phase, self._grace_due, self._deadline = Phase.GRACE, self._now, until
             if self._quorum_at is None:
                 self._quorum_at = self._now
-            why = ("the previous owner's state may still come" if self._hold is not None and self._hold >= until
-                   else "a learner's last contribution is in: waiting for the others'")
-            return self._decide("accept" if accepted else "wait",
-                                f"{reason}; held {until - self._now:.2f} s more ({why})", accepted=accepted)
+            why = (
+                "the previous owner's state may still come"
+                if self._hold is not None and self._hold >= until
+                else "a learner's last contribution is in: waiting for the others'"
+            )
+            return self._decide(
+                "accept" if accepted else "wait",
+                f"{reason}; held {until - self._now:.2f} s more ({why})",
+                accepted=accepted,
+            )
         self.phase, self._deadline, self._grace_due = Phase.MERGING, None, None
         self._last_until = self._last_from = None
         n, share = len(self._entries), self._round_share
         scale = n / share if n < share else 1.0
         if scale < 1.0:
             reason += f"; scaled to {n}/{share} of a step (the round's quorum was {share})"
-        entries, self._closing_norms = weigh(self._entries, version=self.version, history=self.norms,
-                                             config=self.config)
+        entries, self._closing_norms = weigh(
+            self._entries, version=self.version, history=self.norms, config=self.config
+        )
         return self._decide("merge", reason, accepted=accepted, entries=entries, scale=scale)
 
     def _opened(self, version: int) -> None:
@@ -527,12 +612,31 @@ class FragmentMerger:
 
     def _tally(self) -> str:
         n = len(self._entries)
-        return f"{n}/{self.expected} contributions" if self.expected is not None else f"{n} contributions"
+        return (
+            f"{n}/{self.expected} contributions"
+            if self.expected is not None
+            else f"{n} contributions"
+        )
 
-    def _decide(self, kind: DecisionKind, reason: str, *, accepted: bool = False,
-                refusal: Refusal | None = None, entries: tuple[Entry, ...] = (), scale: float = 1.0) -> Decision:
-        return Decision(kind=kind, reason=reason, version=self.version, accepted=accepted,
-                        refusal=refusal, entries=entries, scale=scale)
+    def _decide(
+        self,
+        kind: DecisionKind,
+        reason: str,
+        *,
+        accepted: bool = False,
+        refusal: Refusal | None = None,
+        entries: tuple[Entry, ...] = (),
+        scale: float = 1.0,
+    ) -> Decision:
+        return Decision(
+            kind=kind,
+            reason=reason,
+            version=self.version,
+            accepted=accepted,
+            refusal=refusal,
+            entries=entries,
+            scale=scale,
+        )
 
 
 _C, _G, _M = Phase.COLLECTING, Phase.GRACE, Phase.MERGING

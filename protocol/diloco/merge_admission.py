@@ -65,8 +65,14 @@ class Pending:
     evidence: bool = True
 
 
-def refusal_for(ev: ContributionEvent, *, version: int, target: int, pool: Sequence[Pending],
-                config: MergeConfig) -> tuple[Refusal, str] | None:
+def refusal_for(
+    ev: ContributionEvent,
+    *,
+    version: int,
+    target: int,
+    pool: Sequence[Pending],
+    config: MergeConfig,
+) -> tuple[Refusal, str] | None:
     """Why ``ev`` may not join the round for version ``target`` of a merger holding ``version``
     (``pool``: that round's contributions so far), or None to accept it."""
     stale = target - ev.base_version
@@ -81,12 +87,16 @@ def refusal_for(ev: ContributionEvent, *, version: int, target: int, pool: Seque
     if config.late_policy == "drop" and stale > 0:
         return ("closed", f"merge for version {ev.base_version} closed; resync")
     if any(e.peer == ev.peer for e in pool):
-        return ("duplicate", f"duplicate contribution from {ev.peer.hex()[:8]} for version {target}")
+        return (
+            "duplicate",
+            f"duplicate contribution from {ev.peer.hex()[:8]} for version {target}",
+        )
     return None
 
 
-def bounded_pending(ev: ContributionEvent, *, config: MergeConfig,
-                    published_at: Mapping[int, float], now: float) -> Pending:
+def bounded_pending(
+    ev: ContributionEvent, *, config: MergeConfig, published_at: Mapping[int, float], now: float
+) -> Pending:
     """``ev`` as a round holds it, its counts bounded (``published_at``: when each recent version
     opened, never empty; a base not in it counts from the oldest)."""
     steps = ev.steps
@@ -99,6 +109,15 @@ def bounded_pending(ev: ContributionEvent, *, config: MergeConfig,
     tokens_bounded = cap is not None and ev.tokens > cap * steps
     w = token_weight(ev.tokens, steps, max_tokens_per_step=cap)
     evidence = steps >= config.reference_min_steps
-    return Pending(ev.peer, ev.base_version, w, ev.payload, ev.norm,
-                   steps_bounded=steps < ev.steps, tokens_bounded=tokens_bounded, steps=steps,
-                   last=ev.last, evidence=evidence)
+    return Pending(
+        ev.peer,
+        ev.base_version,
+        w,
+        ev.payload,
+        ev.norm,
+        steps_bounded=steps < ev.steps,
+        tokens_bounded=tokens_bounded,
+        steps=steps,
+        last=ev.last,
+        evidence=evidence,
+    )

@@ -80,8 +80,10 @@ class MergeConfig:
             (self.staleness_bound >= 0, "staleness_bound must be >= 0"),
             (0.0 < self.stale_discount <= 1.0, "stale_discount must be in (0, 1]"),
             (self.late_policy in ("carry", "drop"), "late_policy must be 'carry' or 'drop'"),
-            (self.max_tokens_per_step is None or self.max_tokens_per_step >= 1,
-             "max_tokens_per_step must be None or >= 1"),
+            (
+                self.max_tokens_per_step is None or self.max_tokens_per_step >= 1,
+                "max_tokens_per_step must be None or >= 1",
+            ),
             (self.max_weight_median_multiple >= 1.0, "max_weight_median_multiple must be >= 1"),
             (0.0 < self.ema_alpha <= 1.0, "ema_alpha must be in (0, 1]"),
             (self.step_time_rounds >= 1, "step_time_rounds must be >= 1"),
@@ -90,8 +92,14 @@ class MergeConfig:
             (self.clip_multiple >= 1.0, "clip_multiple must be >= 1 (math.inf: no clipping)"),
             (self.norm_history >= 0, "norm_history must be >= 0"),
             (0.0 <= self.min_step_time_s < math.inf, "min_step_time_s must be finite and >= 0"),
-            (self.max_work_steps is None or self.max_work_steps >= 1, "max_work_steps must be None or >= 1"),
-            (self.max_claimed_steps is None or self.max_claimed_steps >= 1, "max_claimed_steps must be None or >= 1"),
+            (
+                self.max_work_steps is None or self.max_work_steps >= 1,
+                "max_work_steps must be None or >= 1",
+            ),
+            (
+                self.max_claimed_steps is None or self.max_claimed_steps >= 1,
+                "max_claimed_steps must be None or >= 1",
+            ),
             (self.reference_min_steps >= 0, "reference_min_steps must be >= 0"),
         ]
         for ok, message in checks:

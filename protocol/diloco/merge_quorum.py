@@ -63,7 +63,9 @@ def moving_average(old: float | None, value: float, alpha: float) -> float:
     return value if old is None else alpha * value + (1.0 - alpha) * old
 
 
-def held_until(*, hold: float | None, last_until: float | None, all_in: bool, now: float) -> float | None:
+def held_until(
+    *, hold: float | None, last_until: float | None, all_in: bool, now: float
+) -> float | None:
     """Until when a round may not close at ``now``: a ``hold`` not yet over, and a last
     contribution's wait (``last_until``) not yet over while not ``all_in``; None: it may close."""
     waits = [t for t in (hold, None if all_in else last_until) if t is not None and t > now]

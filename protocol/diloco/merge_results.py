@@ -28,7 +28,9 @@ class Entry:
     weight_capped: bool = False
     steps_bounded: bool = False
     tokens_bounded: bool = False
-    work_scale: float = 1.0  # its payload's share kept by ``MergeConfig.max_work_steps`` (in ``clip``)
+    work_scale: float = (
+        1.0  # its payload's share kept by ``MergeConfig.max_work_steps`` (in ``clip``)
+    )
     last: bool = False  # the sender's end-of-run flush (see ``Decision.ends_runs``)
 
 

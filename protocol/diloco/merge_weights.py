@@ -47,11 +47,14 @@ from protocol.diloco.outer import (
 __all__ = ["NormHistory", "clip_reference", "clip_scales", "others_multiple", "weigh", "work_scale"]
 
 
-NormHistory = list[tuple[bytes | None, float]]  # (sender, clipped whole norm), oldest first; None: seeded
+NormHistory = list[
+    tuple[bytes | None, float]
+]  # (sender, clipped whole norm), oldest first; None: seeded
 
 
-def weigh(pending: Sequence[Pending], *, version: int, history: NormHistory,
-          config: MergeConfig) -> tuple[tuple[Entry, ...], NormHistory]:
+def weigh(
+    pending: Sequence[Pending], *, version: int, history: NormHistory, config: MergeConfig
+) -> tuple[tuple[Entry, ...], NormHistory]:
     """The ``Entry`` of each contribution of a round closing at ``version``, and the (sender,
     clipped norm) of those that are evidence (to join ``history`` once the merge is published)."""
     stale = [version - e.base_version for e in pending]
@@ -63,14 +66,32 @@ def weigh(pending: Sequence[Pending], *, version: int, history: NormHistory,
     weights = clamp_weights(weights, max_median_multiple=config.max_weight_median_multiple)
     # the others' cap is for weights from claims: discounts are the owner's own (a fresh
     # contribution outweighs a stale one, whatever the number of senders)
-    weights, capped = (cap_weights_by_others(weights, multiple=others_multiple(weights, config)) if claimed
-                       else (weights, [False] * len(weights)))
+    weights, capped = (
+        cap_weights_by_others(weights, multiple=others_multiple(weights, config))
+        if claimed
+        else (weights, [False] * len(weights))
+    )
     clips = clip_scales(pending, history, config.clip_multiple)
-    norms: NormHistory = [(e.peer, e.norm * c) for e, c in zip(pending, clips, strict=True) if e.norm is not None and e.evidence]
+    norms: NormHistory = [
+        (e.peer, e.norm * c)
+        for e, c in zip(pending, clips, strict=True)
+        if e.norm is not None and e.evidence
+    ]
     work = [work_scale(e.steps, config.max_work_steps) for e in pending]
     entries = tuple(
-        Entry(peer=e.peer, payload=e.payload, weight=w, staleness=s, clip=c * ws, norm=e.norm, weight_capped=k,
-              steps_bounded=e.steps_bounded, tokens_bounded=e.tokens_bounded, work_scale=ws, last=e.last)
+        Entry(
+            peer=e.peer,
+            payload=e.payload,
+            weight=w,
+            staleness=s,
+            clip=c * ws,
+            norm=e.norm,
+            weight_capped=k,
+            steps_bounded=e.steps_bounded,
+            tokens_bounded=e.tokens_bounded,
+            work_scale=ws,
+            last=e.last,
+        )
         for e, w, s, c, k, ws in zip(pending, weights, stale, clips, capped, work, strict=True)
     )
     return entries, norms  # norms as the norm clip left them: the work cap is no evidence of a norm
@@ -103,7 +124,9 @@ def clip_reference(pending: Sequence[Pending], history: NormHistory) -> float | 
     return statistics.median_low(pool) if pool else None
 
 
-def clip_scales(pending: Sequence[Pending], history: NormHistory, clip_multiple: float) -> list[float]:
+def clip_scales(
+    pending: Sequence[Pending], history: NormHistory, clip_multiple: float
+) -> list[float]:
     """Scale per contribution bringing its whole norm to ``clip_multiple`` x ``clip_reference``
     (1.0: not clipped; see above)."""
     reference = clip_reference(pending, history)

@@ -46,7 +46,7 @@ def norm64(t: torch.Tensor) -> float:
     scratch = torch.empty(SUM_CHUNK, dtype=torch.float32)
     total = 0.0
     for start in range(0, n, SUM_CHUNK):
-        part = flat[start:start + SUM_CHUNK]
+        part = flat[start : start + SUM_CHUNK]
         squared = scratch[: part.numel()]
         torch.mul(part, part, out=squared)
         squares = float(squared.sum())
@@ -69,7 +69,9 @@ def _norm64_converted(flat: torch.Tensor) -> float:
     if n <= CHUNK:
         return float(torch.linalg.vector_norm(flat, dtype=torch.float64))
     buf = torch.empty(CHUNK, dtype=torch.float64, device=flat.device)
-    return math.sqrt(sum(_squares64(flat[start:start + CHUNK], buf) for start in range(0, n, CHUNK)))
+    return math.sqrt(
+        sum(_squares64(flat[start : start + CHUNK], buf) for start in range(0, n, CHUNK))
+    )
 
 
 def all_finite(t: torch.Tensor) -> bool:

@@ -100,7 +100,9 @@ def weighted_mean(deltas: Sequence[torch.Tensor], weights: Sequence[float]) -> t
     non-finite weights, or a zero total weight.
     """
     total = _check_inputs(deltas, weights)
-    return _weighted_sum([(d, w / total) for d, w in zip(deltas, weights, strict=True) if w > 0], deltas[0])
+    return _weighted_sum(
+        [(d, w / total) for d, w in zip(deltas, weights, strict=True) if w > 0], deltas[0]
+    )
 
 
 def _weighted_sum(terms: Sequence[tuple[torch.Tensor, float]], like: torch.Tensor) -> torch.Tensor:
@@ -117,8 +119,12 @@ def _weighted_sum(terms: Sequence[tuple[torch.Tensor, float]], like: torch.Tenso
     return out
 
 
-def _unit_average(deltas: Sequence[torch.Tensor], weights: Sequence[float], eps: float,
-                  known: Sequence[float | None] | None = None) -> tuple[torch.Tensor, list[float], float]:
+def _unit_average(
+    deltas: Sequence[torch.Tensor],
+    weights: Sequence[float],
+    eps: float,
+    known: Sequence[float | None] | None = None,
+) -> tuple[torch.Tensor, list[float], float]:
     """(``sum w unit(Delta_m) / sum w``, every delta's norm, the total weight); deltas with norm
     <= ``eps`` add no direction. ``known``: each delta's ``norm64`` where the caller measured it
     already (None: measured here)."""
@@ -128,7 +134,9 @@ def _unit_average(deltas: Sequence[torch.Tensor], weights: Sequence[float], eps:
     norms, terms = [], []
     for i, (d, w) in enumerate(zip(deltas, weights, strict=True)):
         given = known[i] if known is not None else None
-        norm = norm64(d) if given is None else given  # in fp64: an fp32 sum of squares overflows near 3e38
+        norm = (
+            norm64(d) if given is None else given
+        )  # in fp64: an fp32 sum of squares overflows near 3e38
         norms.append(norm)
         if w > 0 and norm > eps:
             terms.append((d, w / (total * norm)))
@@ -175,8 +183,12 @@ def radial_directional_average(
     return _scale_(direction, r / length if length * max_gain >= 1.0 else r * max_gain)
 
 
-def normed_mean(deltas: Sequence[torch.Tensor], weights: Sequence[float], eps: float = 1e-12,
-                norms: Sequence[float | None] | None = None) -> torch.Tensor:
+def normed_mean(
+    deltas: Sequence[torch.Tensor],
+    weights: Sequence[float],
+    eps: float = 1e-12,
+    norms: Sequence[float | None] | None = None,
+) -> torch.Tensor:
     """The weighted mean of the deltas, each first scaled to the median norm:
     ``median |Delta_m| * sum w unit(Delta_m) / sum w``, the median unweighted over the
     contributions with a weight (``median_norm``): the step's length is one vote per sender,
@@ -212,7 +224,9 @@ def weighted_median(values: Sequence[float], weights: Sequence[float]) -> float:
     falls exactly between them). Raises ``LocalProtocolError`` like ``weighted_mean``."""
     total = check_weights(weights)
     if not values or len(values) != len(weights) or total <= 0:
-        raise LocalProtocolError(f"weighted median of {len(values)} values, {len(weights)} weights, total {total}")
+        raise LocalProtocolError(
+            f"weighted median of {len(values)} values, {len(weights)} weights, total {total}"
+        )
     pairs = sorted((v, w) for v, w in zip(values, weights, strict=True) if w > 0)
     half, seen = total / 2.0, 0.0
     for i, (v, w) in enumerate(pairs):
@@ -255,9 +269,17 @@ class MergeUpdate:
 
 
 def merge_update(
-    theta: torch.Tensor, buffer: torch.Tensor | None, deltas: Sequence[torch.Tensor], weights: Sequence[float],
-    clips: Sequence[float], cfg: OuterConfig, *, embedding: bool, scale: float = 1.0,
-    norms: Sequence[float | None] | None = None, theta_norm: float | None = None,
+    theta: torch.Tensor,
+    buffer: torch.Tensor | None,
+    deltas: Sequence[torch.Tensor],
+    weights: Sequence[float],
+    clips: Sequence[float],
+    cfg: OuterConfig,
+    *,
+    embedding: bool,
+    scale: float = 1.0,
+    norms: Sequence[float | None] | None = None,
+    theta_norm: float | None = None,
     aggregate: str | None = None,
 ) -> MergeUpdate:
     """One merge of a fragment: clip each delta by its factor, aggregate (a weighted mean for an
@@ -283,14 +305,23 @@ def merge_update(
     if norms is not None and len(norms) != len(deltas):
         raise LocalProtocolError(f"{len(deltas)} deltas but {len(norms)} known norms")
     # a clipped delta's norm is measured again: (d * c)'s is not c * |d| to the last bit
-    known = None if norms is None else [n if c >= 1.0 else None for n, c in zip(norms, clips, strict=True)]
+    known = (
+        None
+        if norms is None
+        else [n if c >= 1.0 else None for n, c in zip(norms, clips, strict=True)]
+    )
     if embedding or aggregate == "mean":
         delta = weighted_mean(clipped, weights)
     elif aggregate == "normed":
         delta = normed_mean(clipped, weights, norms=known)
     else:
-        delta = radial_directional_average(clipped, weights, radius=cfg.rda_radius, max_gain=cfg.rda_max_gain or math.inf,
-                                           norms=known)
+        delta = radial_directional_average(
+            clipped,
+            weights,
+            radius=cfg.rda_radius,
+            max_gain=cfg.rda_max_gain or math.inf,
+            norms=known,
+        )
     if not 0.0 < scale <= 1.0:
         raise LocalProtocolError(f"a merge's scale must be in (0, 1], got {scale}")
     if scale < 1.0:

@@ -31,8 +31,12 @@ class OuterConfig:
     nesterov: bool = True
     max_delta_ratio: float = 1.0  # the owner bounds an aggregate's norm to this times |Theta|
     rda_radius: str = "median"  # radial-directional averaging's step length: "median" or "mean"
-    rda_max_gain: float = 0.0  # RDA's step at most this many times the normed mean's (0: unbounded; see max_gain)
-    aggregate: str = "rda"  # non-embedding fragments: "rda", "normed" (``normed_mean``) or "mean" (weighted)
+    rda_max_gain: float = (
+        0.0  # RDA's step at most this many times the normed mean's (0: unbounded; see max_gain)
+    )
+    aggregate: str = (
+        "rda"  # non-embedding fragments: "rda", "normed" (``normed_mean``) or "mean" (weighted)
+    )
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.lr) and self.lr > 0):
@@ -40,13 +44,21 @@ class OuterConfig:
         if not 0.0 <= self.momentum < 1.0:
             raise LocalProtocolError(f"outer momentum must be in [0, 1), got {self.momentum}")
         if self.aggregate not in AGGREGATES:
-            raise LocalProtocolError(f"aggregate must be one of {', '.join(AGGREGATES)}; got {self.aggregate!r}")
+            raise LocalProtocolError(
+                f"aggregate must be one of {', '.join(AGGREGATES)}; got {self.aggregate!r}"
+            )
         if self.rda_radius not in ("mean", "median"):
-            raise LocalProtocolError(f"rda_radius must be 'mean' or 'median', got {self.rda_radius!r}")
+            raise LocalProtocolError(
+                f"rda_radius must be 'mean' or 'median', got {self.rda_radius!r}"
+            )
         if not (self.rda_max_gain == 0.0 or 1.0 <= self.rda_max_gain < math.inf):
-            raise LocalProtocolError(f"rda_max_gain must be >= 1 and finite, or 0 (unbounded); got {self.rda_max_gain}")
+            raise LocalProtocolError(
+                f"rda_max_gain must be >= 1 and finite, or 0 (unbounded); got {self.rda_max_gain}"
+            )
         if not self.max_delta_ratio > 0:
-            raise LocalProtocolError(f"max_delta_ratio must be > 0 (inf: unbounded), got {self.max_delta_ratio}")
+            raise LocalProtocolError(
+                f"max_delta_ratio must be > 0 (inf: unbounded), got {self.max_delta_ratio}"
+            )
 
 
 def outer_step(
@@ -60,7 +72,9 @@ def outer_step(
         # the same kernel as outer_step_'s param.add_(grad, alpha=-lr), into a new tensor: one
         # pass over the fragment instead of a copy and then an in-place add
         with torch.no_grad():
-            out = new_vector_like(param) if param.dtype == torch.float32 else torch.empty_like(param)
+            out = (
+                new_vector_like(param) if param.dtype == torch.float32 else torch.empty_like(param)
+            )
             return torch.add(param.detach(), delta.detach(), alpha=-cfg.lr, out=out), None
     new_param = copy_vector(param)
     new_buffer = None if buffer is None else copy_vector(buffer)
@@ -77,8 +91,10 @@ def outer_step_(
     ``LocalProtocolError`` when shapes differ.
     """
     if param.shape != delta.shape or (buffer is not None and buffer.shape != param.shape):
-        raise LocalProtocolError(f"outer step shapes differ: param {tuple(param.shape)}, delta "
-                                 f"{tuple(delta.shape)}, buffer {None if buffer is None else tuple(buffer.shape)}")
+        raise LocalProtocolError(
+            f"outer step shapes differ: param {tuple(param.shape)}, delta "
+            f"{tuple(delta.shape)}, buffer {None if buffer is None else tuple(buffer.shape)}"
+        )
     grad = delta.detach()
     if cfg.momentum != 0:
         if buffer is None:

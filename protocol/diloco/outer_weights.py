@@ -77,7 +77,9 @@ def clamp_weights(weights: Sequence[float], *, max_median_multiple: float = 4.0)
     return [min(float(w), cap) for w in weights]
 
 
-def cap_weights_by_others(weights: Sequence[float], *, multiple: float) -> tuple[list[float], list[bool]]:
+def cap_weights_by_others(
+    weights: Sequence[float], *, multiple: float
+) -> tuple[list[float], list[bool]]:
     """Each weight capped at ``multiple`` times the median positive weight of the *other* ones.
 
     Returns the weights and which were capped. A lone weight, or one whose others are all zero,

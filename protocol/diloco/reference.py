@@ -39,14 +39,22 @@ PLAUSIBLE_FACTOR = 10.0
 def update_norm_estimate(update_norm: float, versions: int, *, lr: float) -> float | None:
     """The per-version update norm ``update_norm / versions / lr`` as a contribution-norm estimate,
     or None when it tells nothing (no version between the two states, a zero or non-finite norm)."""
-    if versions < 1 or not (math.isfinite(update_norm) and update_norm > 0) or not (math.isfinite(lr) and lr > 0):
+    if (
+        versions < 1
+        or not (math.isfinite(update_norm) and update_norm > 0)
+        or not (math.isfinite(lr) and lr > 0)
+    ):
         return None
     return update_norm / versions / lr
 
 
-def starting_reference(handed: Sequence[float], measured: Sequence[float], *,
-                       factor: float = PLAUSIBLE_FACTOR, ceiling: float = math.inf,
-                       ) -> tuple[tuple[float, ...], str]:
+def starting_reference(
+    handed: Sequence[float],
+    measured: Sequence[float],
+    *,
+    factor: float = PLAUSIBLE_FACTOR,
+    ceiling: float = math.inf,
+) -> tuple[tuple[float, ...], str]:
     """The reference a new owner starts from, and why. ``handed``: a predecessor's (replica
     handoff or checkpoint); ``measured``: estimates from ``update_norm_estimate``. Values that
     are not finite and >= 0, or above ``ceiling``, are dropped first."""
@@ -59,11 +67,22 @@ def starting_reference(handed: Sequence[float], measured: Sequence[float], *,
     if given and seen:
         mid, own = statistics.median(given), statistics.median(seen)
         if own / factor <= mid <= own * factor:
-            return given, f"handed reference of {len(given)} norms (median {mid:.4g}, measured {own:.4g})"
-        return seen, (f"handed reference ignored: its median {mid:.4g} is over {factor:g}x off the "
-                      f"{own:.4g} measured from published updates; seeded from those")
+            return (
+                given,
+                f"handed reference of {len(given)} norms (median {mid:.4g}, measured {own:.4g})",
+            )
+        return seen, (
+            f"handed reference ignored: its median {mid:.4g} is over {factor:g}x off the "
+            f"{own:.4g} measured from published updates; seeded from those"
+        )
     if given:
-        return given, f"handed reference of {len(given)} norms (nothing measured to check it against)"
+        return (
+            given,
+            f"handed reference of {len(given)} norms (nothing measured to check it against)",
+        )
     if seen:
-        return seen, f"seeded from {len(seen)} published update norms (median {statistics.median(seen):.4g})"
+        return (
+            seen,
+            f"seeded from {len(seen)} published update norms (median {statistics.median(seen):.4g})",
+        )
     return (), "no reference handed and no published update to measure"

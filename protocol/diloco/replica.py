@@ -57,8 +57,15 @@ class Judgement:
     reason: str
 
 
-def judge(held: Held | None, *, epoch: int, version: int, digest: bytes, fragment: int,
-          successor: bool = False) -> Judgement:
+def judge(
+    held: Held | None,
+    *,
+    epoch: int,
+    version: int,
+    digest: bytes,
+    fragment: int,
+    successor: bool = False,
+) -> Judgement:
     """Whether a replica holding ``held`` takes the handoff ``(epoch, version, digest)``.
 
     ``successor``: the receiver is the fragment's new owner, not yet merging, and the handoff is
@@ -66,19 +73,34 @@ def judge(held: Held | None, *, epoch: int, version: int, digest: bytes, fragmen
     (which ``held`` records) by construction, so the epoch rule does not apply; the version and
     content rules still do."""
     if held is None:
-        return Judgement(True, f"fragment {fragment}: took version {version} (epoch {epoch}); held nothing")
+        return Judgement(
+            True, f"fragment {fragment}: took version {version} (epoch {epoch}); held nothing"
+        )
     if epoch < held.epoch and not successor:
-        return Judgement(False, f"fenced: fragment {fragment} is at epoch {held.epoch} here (version "
-                                f"{held.version}); a handoff from epoch {epoch} comes from a replaced owner")
+        return Judgement(
+            False,
+            f"fenced: fragment {fragment} is at epoch {held.epoch} here (version "
+            f"{held.version}); a handoff from epoch {epoch} comes from a replaced owner",
+        )
     if version < held.version:
-        return Judgement(False, f"fenced: fragment {fragment} version {held.version} is held here; "
-                                f"version {version} is behind it")
+        return Judgement(
+            False,
+            f"fenced: fragment {fragment} version {held.version} is held here; "
+            f"version {version} is behind it",
+        )
     if version == held.version and digest != held.digest:
-        return Judgement(False, f"fenced: fragment {fragment} version {version} was handed over with another "
-                                f"content ({held.digest.hex()[:12]}, not {digest.hex()[:12]})")
+        return Judgement(
+            False,
+            f"fenced: fragment {fragment} version {version} was handed over with another "
+            f"content ({held.digest.hex()[:12]}, not {digest.hex()[:12]})",
+        )
     if version == held.version:
-        return Judgement(True, f"fragment {fragment}: version {version} again (epoch {epoch}); same content")
-    return Judgement(True, f"fragment {fragment}: took version {version} (epoch {epoch}); held {held.version}")
+        return Judgement(
+            True, f"fragment {fragment}: version {version} again (epoch {epoch}); same content"
+        )
+    return Judgement(
+        True, f"fragment {fragment}: took version {version} (epoch {epoch}); held {held.version}"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,10 +130,23 @@ class Admission:
     merged_bases: tuple[int, ...] = ()
 
 
-def admit(sender: bytes, view: HandoffView, held: Held | None, *, fragment: int, epoch: int, version: int,
-          final: bool, merged_bases: tuple[int, ...], known_version: int, received: int,
-          received_at: float | None, created: float | None, now: float,
-          max_rounds_per_s: float = MAX_ROUNDS_PER_S) -> Admission:
+def admit(
+    sender: bytes,
+    view: HandoffView,
+    held: Held | None,
+    *,
+    fragment: int,
+    epoch: int,
+    version: int,
+    final: bool,
+    merged_bases: tuple[int, ...],
+    known_version: int,
+    received: int,
+    received_at: float | None,
+    created: float | None,
+    now: float,
+    max_rounds_per_s: float = MAX_ROUNDS_PER_S,
+) -> Admission:
     """Whether ``sender``'s handoff of ``fragment`` (``epoch``, ``version``, ``final``,
     ``merged_bases``) may be taken here, before ``judge`` looks at its content.
 
@@ -126,29 +161,52 @@ def admit(sender: bytes, view: HandoffView, held: Held | None, *, fragment: int,
     p = fragment
     if not is_owner and sender != predecessor:
         named = ", ".join(sorted(o.hex()[:8] for o in owners)) or "no one"
-        return Admission(False, "not-entitled",
-                         f"refused: this peer's view names {named} as fragment {p}'s owner and "
-                         f"{predecessor.hex()[:8] if predecessor else 'no one'} as its predecessor; "
-                         f"a handoff from {sender.hex()[:8]} is not taken")
+        return Admission(
+            False,
+            "not-entitled",
+            f"refused: this peer's view names {named} as fragment {p}'s owner and "
+            f"{predecessor.hex()[:8] if predecessor else 'no one'} as its predecessor; "
+            f"a handoff from {sender.hex()[:8]} is not taken",
+        )
     held_epoch = held.epoch if held is not None else -1
     if not is_owner and epoch > held_epoch + 1:
-        return Admission(False, "epoch-jump",
-                         f"refused: fragment {p} is at epoch {held_epoch} here; only its owner may hand it "
-                         f"over at epoch {epoch} (its predecessor at most {held_epoch + 1})")
-    jump = version_jump_reason(version, held=received, held_at=received_at, now=now, created=created,
-                               max_rounds_per_s=max_rounds_per_s)
+        return Admission(
+            False,
+            "epoch-jump",
+            f"refused: fragment {p} is at epoch {held_epoch} here; only its owner may hand it "
+            f"over at epoch {epoch} (its predecessor at most {held_epoch + 1})",
+        )
+    jump = version_jump_reason(
+        version,
+        held=received,
+        held_at=received_at,
+        now=now,
+        created=created,
+        max_rounds_per_s=max_rounds_per_s,
+    )
     if jump is not None:
         return Admission(False, "version-jump", f"refused: fragment {p}: {jump}")
     if not is_owner and version > known_version + PREDECESSOR_LEAD:
-        return Admission(False, "ahead-of-known",
-                         f"refused: fragment {p} version {version} is not known here (newest {known_version}); "
-                         f"a predecessor hands over at most {PREDECESSOR_LEAD} versions beyond it, only the "
-                         f"owner more")
+        return Admission(
+            False,
+            "ahead-of-known",
+            f"refused: fragment {p} version {version} is not known here (newest {known_version}); "
+            f"a predecessor hands over at most {PREDECESSOR_LEAD} versions beyond it, only the "
+            f"owner more",
+        )
     if view.merged and not is_owner:
-        return Admission(False, "owner-merged",
-                         f"refused: this peer owns fragment {p} and has merged; only an owner in its view "
-                         f"may hand it a state")
+        return Admission(
+            False,
+            "owner-merged",
+            f"refused: this peer owns fragment {p} and has merged; only an owner in its view "
+            f"may hand it a state",
+        )
     cap = max(version - 1, 0)  # work merged into version v was measured against v - 1 or older
-    return Admission(True, "", f"fragment {p}: handoff from {'owner' if is_owner else 'predecessor'} "
-                               f"{sender.hex()[:8]} admitted", final=final and is_owner,
-                     merged_bases=tuple(min(b, cap) for b in merged_bases))
+    return Admission(
+        True,
+        "",
+        f"fragment {p}: handoff from {'owner' if is_owner else 'predecessor'} "
+        f"{sender.hex()[:8]} admitted",
+        final=final and is_owner,
+        merged_bases=tuple(min(b, cap) for b in merged_bases),
+    )

@@ -40,7 +40,9 @@ __all__ = ["decode_topk", "encode_topk"]
 _STEP_LIMIT = torch.finfo(torch.float32).max / 2  # 1.5 * step stays finite
 
 
-def encode_topk(x: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def encode_topk(
+    x: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Encode the finite flat fp32 ``x``: (data bytes, fp32 steps, fp32 decoded values of x's size).
 
     ``decoded`` is exactly what ``decode_topk`` writes for this encoding. Expects
@@ -59,7 +61,9 @@ def encode_topk(x: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.T
         positions.append(pos.reshape(-1).to(torch.int16))  # < 4096: the uint16 bytes
         codes.append(q.reshape(-1).to(torch.uint8))
         steps.append(step)
-    data = torch.cat([_cat(positions, torch.int16).view(torch.uint8), _pack2(_cat(codes, torch.uint8))])
+    data = torch.cat(
+        [_cat(positions, torch.int16).view(torch.uint8), _pack2(_cat(codes, torch.uint8))]
+    )
     return data, _cat(steps, torch.float32), decoded
 
 
@@ -75,7 +79,9 @@ def decode_topk(enc: EncodedTensor, target: torch.Tensor) -> None:
     if not bool(((steps >= 0) & (steps <= _STEP_LIMIT)).all()):
         raise DecodeError("topk2 tensor has NaN, negative or out-of-range chunk steps")
     data = memoryview(enc.data).cast("B")
-    positions = torch.frombuffer(data[: 2 * kept], dtype=torch.int16).to(torch.int64) & 0xFFFF  # (K,)
+    positions = (
+        torch.frombuffer(data[: 2 * kept], dtype=torch.int16).to(torch.int64) & 0xFFFF
+    )  # (K,)
     codes = _unpack2(data[2 * kept :], kept).to(torch.float32)  # (K,)
     checked, first, at = [], 0, 0
     for lo, rows, length, k in spans:

@@ -43,7 +43,9 @@ from dataclasses import dataclass, field
 __all__ = ["Fanout", "PointTo", "Refuse", "Serve", "SpreadDecision"]
 
 MAX_POINTERS = 4  # holders named in one pointer (the learner tries them in order)
-REPEATS_ALLOWED = 1  # direct serves of one version a requester may ask for again (a broken download)
+REPEATS_ALLOWED = (
+    1  # direct serves of one version a requester may ask for again (a broken download)
+)
 MAX_LIKELY = 1024  # requesters remembered per version as likely holders (pointed, not fallen back)
 
 
@@ -75,12 +77,18 @@ SpreadDecision = Serve | PointTo | Refuse
 @dataclass
 class _Version:
     served: list[bytes] = field(default_factory=list)  # holders-to-be served directly, in order
-    asked: collections.Counter[bytes] = field(default_factory=collections.Counter)  # direct serves per requester
-    fallbacks: dict[bytes, None] = field(default_factory=dict)  # requesters served a fallback, in order
+    asked: collections.Counter[bytes] = field(
+        default_factory=collections.Counter
+    )  # direct serves per requester
+    fallbacks: dict[bytes, None] = field(
+        default_factory=dict
+    )  # requesters served a fallback, in order
     pointed: int = 0
     anonymous: int = 0
     uploaded: int = 0  # bytes uploaded (the sizes given to ``decide``)
-    unit: int = 0  # the size the budget is counted in (the version's full size, or its first upload's)
+    unit: int = (
+        0  # the size the budget is counted in (the version's full size, or its first upload's)
+    )
     likely: dict[bytes, None] = field(default_factory=dict)  # pointed and not fallen back, in order
 
 
@@ -100,16 +108,27 @@ class Fanout:
         if versions_kept < 1:
             raise ValueError(f"versions_kept must be >= 1, got {versions_kept}")
         if max_uploads != 0 and not max_uploads >= max(fanout, 1):
-            raise ValueError(f"max_uploads must be 0 (no budget) or at least the fanout ({max(fanout, 1)}), "
-                             f"got {max_uploads}")
+            raise ValueError(
+                f"max_uploads must be 0 (no budget) or at least the fanout ({max(fanout, 1)}), "
+                f"got {max_uploads}"
+            )
         self.fanout, self.versions_kept, self.max_uploads = fanout, versions_kept, max_uploads
         self._versions: collections.OrderedDict[int, _Version] = collections.OrderedDict()
         self.served = 0  # direct uploads decided, all versions
         self.pointed = 0  # pointers given, all versions
         self.over_budget = 0  # requests a spent budget pointed elsewhere or refused, all versions
 
-    def decide(self, version: int, requester: bytes | None, *, fallback: bool = False, size: int = 1,
-               unit: int = 0, must: bool = False, direct: bool = False) -> SpreadDecision:
+    def decide(
+        self,
+        version: int,
+        requester: bytes | None,
+        *,
+        fallback: bool = False,
+        size: int = 1,
+        unit: int = 0,
+        must: bool = False,
+        direct: bool = False,
+    ) -> SpreadDecision:
         """What to do with a request for ``version``. ``requester``: the id of a reachable
         member (None for one that cannot serve others); ``fallback``: the requester says the
         holders it was pointed at failed it; ``size``: the bytes a serve would upload (what the
@@ -125,8 +144,12 @@ class Fanout:
         if fallback and requester is not None:
             state.likely.pop(requester, None)  # it did not get the version where it was pointed
         state.unit = state.unit or unit
-        spent = (not must and self.max_uploads > 0 and state.unit > 0
-                 and state.uploaded + size > self.max_uploads * state.unit)
+        spent = (
+            not must
+            and self.max_uploads > 0
+            and state.unit > 0
+            and state.uploaded + size > self.max_uploads * state.unit
+        )
         if direct:
             decision: SpreadDecision = self._serve(f"version {version}: owed, served from here")
         else:
@@ -138,20 +161,30 @@ class Fanout:
             state.uploaded += size
         return decision
 
-    def _decide(self, state: _Version, version: int, requester: bytes | None, fallback: bool,
-                spent: bool) -> SpreadDecision:
+    def _decide(
+        self, state: _Version, version: int, requester: bytes | None, fallback: bool, spent: bool
+    ) -> SpreadDecision:
         """The decision, state updated for a serve; ``spent``: a serve would pass the budget."""
-        if requester is None and fallback:  # cannot be told apart: served, as before versions spread
-            return self._spent(state, version, requester) if spent else self._serve(
-                f"version {version}: fallback for a requester that cannot hold it")
+        if (
+            requester is None and fallback
+        ):  # cannot be told apart: served, as before versions spread
+            return (
+                self._spent(state, version, requester)
+                if spent
+                else self._serve(f"version {version}: fallback for a requester that cannot hold it")
+            )
         if requester is not None and fallback:
             if requester in state.fallbacks:
-                return Refuse(f"version {version}: a fallback was served to this peer already; "
-                              "wait for the next version")
+                return Refuse(
+                    f"version {version}: a fallback was served to this peer already; "
+                    "wait for the next version"
+                )
             if spent:
                 return self._spent(state, version, requester)
             state.fallbacks[requester] = None
-            return self._serve(f"version {version}: fallback {len(state.fallbacks)} (pointed holders failed)")
+            return self._serve(
+                f"version {version}: fallback {len(state.fallbacks)} (pointed holders failed)"
+            )
         if requester is not None and requester in state.asked:
             if state.asked[requester] > REPEATS_ALLOWED:
                 return self._point(state, version, requester, "asked again past its repeats")
@@ -169,15 +202,25 @@ class Fanout:
             if spent:
                 return self._spent(state, version, requester)
             state.anonymous += 1
-            return self._serve(f"version {version}: no holder yet; anonymous serve {state.anonymous}")
-        return self._point(state, version, requester, f"{len(state.served)}/{self.fanout} direct serves done")
+            return self._serve(
+                f"version {version}: no holder yet; anonymous serve {state.anonymous}"
+            )
+        return self._point(
+            state, version, requester, f"{len(state.served)}/{self.fanout} direct serves done"
+        )
 
     def _spent(self, state: _Version, version: int, requester: bytes | None) -> SpreadDecision:
         """Past the budget: point at the likeliest holders (not the requester), or refuse."""
         self.over_budget += 1
-        why = (f"version {version}: {state.uploaded} bytes uploaded already "
-               f"(budget {self.max_uploads:g}x its size, {state.unit} bytes)")
-        likely = [h for h in dict.fromkeys((*state.served, *state.fallbacks, *state.likely)) if h != requester]
+        why = (
+            f"version {version}: {state.uploaded} bytes uploaded already "
+            f"(budget {self.max_uploads:g}x its size, {state.unit} bytes)"
+        )
+        likely = [
+            h
+            for h in dict.fromkeys((*state.served, *state.fallbacks, *state.likely))
+            if h != requester
+        ]
         if not likely:
             return Refuse(f"{why}; no holder to point at: take a later version")
         start = state.pointed % len(likely)
@@ -190,14 +233,20 @@ class Fanout:
         self.served += 1
         return Serve(reason)
 
-    def _point(self, state: _Version, version: int, requester: bytes | None, why: str) -> SpreadDecision:
+    def _point(
+        self, state: _Version, version: int, requester: bytes | None, why: str
+    ) -> SpreadDecision:
         holders = [h for h in state.served if h != requester]
         if not holders:
             return Refuse(f"version {version}: no other holder to point at ({why})")
         start = state.pointed % len(holders)
         state.pointed += 1
         self.pointed += 1
-        if requester is not None and requester not in state.served and len(state.likely) < MAX_LIKELY:
+        if (
+            requester is not None
+            and requester not in state.served
+            and len(state.likely) < MAX_LIKELY
+        ):
             state.likely[requester] = None
         ordered = tuple((holders[start:] + holders[:start])[:MAX_POINTERS])
         return PointTo(ordered, f"version {version}: pointed at {len(ordered)} holder(s) ({why})")

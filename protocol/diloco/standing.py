@@ -68,12 +68,17 @@ class StandingConfig:
     max_keys: int = 4096
 
     def __post_init__(self) -> None:
-        gains, losses = (self.merged, self.helped), (self.bounded, self.clipped, self.hurt, self.refused)
+        gains, losses = (
+            (self.merged, self.helped),
+            (self.bounded, self.clipped, self.hurt, self.refused),
+        )
         if not all(0 <= g <= self.max_credit for g in gains) or not all(x <= 0 for x in losses):
             raise ValueError("standing gains must lie in 0..max_credit and losses be <= 0")
         if not self.floor < self.threshold < 0 < self.max_credit or not math.isfinite(self.floor):
-            raise ValueError(f"standing bounds must satisfy floor < threshold < 0 < max_credit, got "
-                             f"{self.floor}, {self.threshold}, {self.max_credit}")
+            raise ValueError(
+                f"standing bounds must satisfy floor < threshold < 0 < max_credit, got "
+                f"{self.floor}, {self.threshold}, {self.max_credit}"
+            )
         if self.recovery < 0 or self.max_keys < 1:
             raise ValueError("standing recovery must be >= 0 and max_keys >= 1")
 
@@ -127,19 +132,28 @@ class Standing:
         score = self.score(peer, version=version)
         if score >= self.config.threshold:
             return None
-        wait = math.ceil((self.config.threshold - score) / self.config.recovery) if self.config.recovery else -1
-        return (f"sender's standing {score:.2f} is below {self.config.threshold:.2f} (clipped, refused or "
-                f"hurtful work); refused for about {wait} more versions" if wait >= 0 else
-                f"sender's standing {score:.2f} is below {self.config.threshold:.2f}; refused")
+        wait = (
+            math.ceil((self.config.threshold - score) / self.config.recovery)
+            if self.config.recovery
+            else -1
+        )
+        return (
+            f"sender's standing {score:.2f} is below {self.config.threshold:.2f} (clipped, refused or "
+            f"hurtful work); refused for about {wait} more versions"
+            if wait >= 0
+            else f"sender's standing {score:.2f} is below {self.config.threshold:.2f}; refused"
+        )
 
     def below(self, *, version: int) -> int:
         """How many known keys are refused at ``version``."""
-        return sum(1 for r in self._records.values() if self._current(r, version) < self.config.threshold)
+        return sum(
+            1 for r in self._records.values() if self._current(r, version) < self.config.threshold
+        )
 
     def lowest(self, n: int, *, version: int) -> list[tuple[bytes, float]]:
         """The ``n`` lowest scores at ``version``, lowest first."""
         scored = [(peer, self._current(r, version)) for peer, r in self._records.items()]
-        return sorted(scored, key=lambda item: (item[1], item[0]))[:max(0, n)]
+        return sorted(scored, key=lambda item: (item[1], item[0]))[: max(0, n)]
 
     def export(self, *, version: int) -> tuple[tuple[bytes, ...], tuple[float, ...]]:
         """Parallel tuples (peer ids, scores at ``version``), least recently seen first: what the
@@ -155,12 +169,16 @@ class Standing:
         finite number within ``[floor, max_credit]``."""
         cfg = self.config
         if len(peers) != len(scores) or len(peers) > cfg.max_keys:
-            raise ValueError(f"standing must pair up peers and scores and hold at most {cfg.max_keys} keys, "
-                             f"got {len(peers)} peers and {len(scores)} scores")
+            raise ValueError(
+                f"standing must pair up peers and scores and hold at most {cfg.max_keys} keys, "
+                f"got {len(peers)} peers and {len(scores)} scores"
+            )
         for score in scores:
             if not (math.isfinite(score) and cfg.floor <= score <= cfg.max_credit):
-                raise ValueError(f"a standing score must be finite and lie in {cfg.floor}..{cfg.max_credit}, "
-                                 f"got {score!r}")
+                raise ValueError(
+                    f"a standing score must be finite and lie in {cfg.floor}..{cfg.max_credit}, "
+                    f"got {score!r}"
+                )
         for peer, score in zip(peers, scores, strict=True):
             if peer in self._records:
                 continue
@@ -179,5 +197,7 @@ class Standing:
             return
         # least informative: nearest 0 now, then least recently seen (dict order)
         order = {peer: i for i, peer in enumerate(self._records)}
-        victim = min(self._records, key=lambda p: (abs(self._current(self._records[p], version)), order[p]))
+        victim = min(
+            self._records, key=lambda p: (abs(self._current(self._records[p], version)), order[p])
+        )
         del self._records[victim]

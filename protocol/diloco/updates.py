@@ -35,8 +35,13 @@ def fragment_numel(shapes: Sequence[tuple[int, ...]]) -> int:
     return sum(int(torch.Size(s).numel()) for s in shapes)
 
 
-def decode_flat(tensors: Sequence[EncodedTensor], shapes: Sequence[tuple[int, ...]],
-                out: torch.Tensor | None = None, *, finite_check: bool = True) -> torch.Tensor:
+def decode_flat(
+    tensors: Sequence[EncodedTensor],
+    shapes: Sequence[tuple[int, ...]],
+    out: torch.Tensor | None = None,
+    *,
+    finite_check: bool = True,
+) -> torch.Tensor:
     """Decompress a fragment's tensors into one flat fp32 vector, checking shapes; into ``out``
     (a contiguous fp32 vector of the fragment's size, e.g. a reused buffer) when given.
 
@@ -50,19 +55,27 @@ def decode_flat(tensors: Sequence[EncodedTensor], shapes: Sequence[tuple[int, ..
     if out is None:
         out = new_vector(total)
     elif out.shape != (total,) or out.dtype != torch.float32 or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous fp32 vector of {total} values, got {out.dtype} {tuple(out.shape)}")
+        raise ValueError(
+            f"out must be a contiguous fp32 vector of {total} values, got {out.dtype} {tuple(out.shape)}"
+        )
     offset = 0
     for i, (t, shape) in enumerate(zip(tensors, shapes, strict=True)):
         if tuple(t.shape) != tuple(shape):
-            raise DecodeError(f"tensor {i}: shape {tuple(t.shape)} does not match the plan's {tuple(shape)}")
+            raise DecodeError(
+                f"tensor {i}: shape {tuple(t.shape)} does not match the plan's {tuple(shape)}"
+            )
         n = t.numel
-        decompress(t, out=out[offset:offset + n].view(shape), finite_check=finite_check)
+        decompress(t, out=out[offset : offset + n].view(shape), finite_check=finite_check)
         offset += n
     return out
 
 
-def apply_update(base: torch.Tensor, tensors: Sequence[EncodedTensor], shapes: Sequence[tuple[int, ...]],
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+def apply_update(
+    base: torch.Tensor,
+    tensors: Sequence[EncodedTensor],
+    shapes: Sequence[tuple[int, ...]],
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``base + D(tensors)``: the next published state, as every peer computes it (a new fp32
     vector, or ``out``; ``base`` is not written unless it is ``out``).
 
@@ -71,7 +84,9 @@ def apply_update(base: torch.Tensor, tensors: Sequence[EncodedTensor], shapes: S
     """
     total = fragment_numel(shapes)
     if base.shape != (total,) or base.dtype != torch.float32:
-        raise ValueError(f"base must be a flat fp32 vector of {total} values, got {base.dtype} {tuple(base.shape)}")
+        raise ValueError(
+            f"base must be a flat fp32 vector of {total} values, got {base.dtype} {tuple(base.shape)}"
+        )
     same = out is not None and out.data_ptr() == base.data_ptr()
     delta = decode_flat(tensors, shapes, out=None if same else out)
     result = base.add_(delta) if same else delta.add_(base)
@@ -80,9 +95,15 @@ def apply_update(base: torch.Tensor, tensors: Sequence[EncodedTensor], shapes: S
     return result
 
 
-def encode_update(target: torch.Tensor, published: torch.Tensor, residual: torch.Tensor | None,
-                  shapes: Sequence[tuple[int, ...]], codec: str, *, block_size: int = 64,
-                  ) -> tuple[list[EncodedTensor], torch.Tensor, torch.Tensor]:
+def encode_update(
+    target: torch.Tensor,
+    published: torch.Tensor,
+    residual: torch.Tensor | None,
+    shapes: Sequence[tuple[int, ...]],
+    codec: str,
+    *,
+    block_size: int = 64,
+) -> tuple[list[EncodedTensor], torch.Tensor, torch.Tensor]:
     """The owner's side: compress ``target − published + residual`` tensor by tensor.
 
     Returns the encoded update, the new published state (``apply_update(published, ...)``, a new
@@ -91,24 +112,30 @@ def encode_update(target: torch.Tensor, published: torch.Tensor, residual: torch
     or a target/residual that is not finite.
     """
     if codec not in UPDATE_CODECS:
-        raise LocalProtocolError(f"updates are published with one of {UPDATE_CODECS}, not {codec!r}")
+        raise LocalProtocolError(
+            f"updates are published with one of {UPDATE_CODECS}, not {codec!r}"
+        )
     total = fragment_numel(shapes)
     for name, t in (("target", target), ("published", published), ("residual", residual)):
         if t is not None and t.shape != (total,):
-            raise LocalProtocolError(f"{name} must be a flat vector of {total} values, got {tuple(t.shape)}")
+            raise LocalProtocolError(
+                f"{name} must be a flat vector of {total} values, got {tuple(t.shape)}"
+            )
     delta = torch.sub(target.detach().float(), published, out=new_vector(total))
     new_residual = new_vector(total)
     tensors, offset = [], 0
     for shape in shapes:
         n = int(torch.Size(shape).numel())
-        part = delta[offset:offset + n].view(shape)
-        r = None if residual is None else residual[offset:offset + n].view(shape)
+        part = delta[offset : offset + n].view(shape)
+        r = None if residual is None else residual[offset : offset + n].view(shape)
         enc, left = compress(part, codec, block_size=block_size, residual=r)
-        new_residual[offset:offset + n].copy_(left.reshape(-1))
+        new_residual[offset : offset + n].copy_(left.reshape(-1))
         tensors.append(enc)
         offset += n
     try:
-        new_published = apply_update(published, tensors, shapes, out=delta)  # delta is ours to reuse
+        new_published = apply_update(
+            published, tensors, shapes, out=delta
+        )  # delta is ours to reuse
     except DecodeError as exc:
         raise LocalProtocolError(f"the owner's own update does not apply: {exc}") from None
     return tensors, new_published, new_residual

@@ -42,7 +42,15 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["Comparison", "ValidationConfig", "Verdict", "compare", "draw_seed", "draw_windows", "judge"]
+__all__ = [
+    "Comparison",
+    "ValidationConfig",
+    "Verdict",
+    "compare",
+    "draw_seed",
+    "draw_windows",
+    "judge",
+]
 
 MIN_POOL_RATIO = 16  # a pool holds at least this many checks' worth of windows
 
@@ -65,13 +73,17 @@ class ValidationConfig:
 
     def __post_init__(self) -> None:
         if self.windows < 2:
-            raise ValueError(f"validation needs at least 2 windows per check to measure noise, got {self.windows}")
+            raise ValueError(
+                f"validation needs at least 2 windows per check to measure noise, got {self.windows}"
+            )
         if self.every < 1:
             raise ValueError(f"validation every must be >= 1 (1: every merge), got {self.every}")
         if self.rule not in (1, 2):
             raise ValueError(f"validation rule must be 1 or 2, got {self.rule}")
         if not (0.0 <= self.z < math.inf and 0.0 <= self.min_rise < math.inf):
-            raise ValueError(f"validation z and min_rise must be finite and >= 0, got {self.z}, {self.min_rise}")
+            raise ValueError(
+                f"validation z and min_rise must be finite and >= 0, got {self.z}, {self.min_rise}"
+            )
 
 
 def draw_seed(rng: random.Random) -> int:
@@ -84,8 +96,10 @@ def draw_windows(pool: int, n: int, seed: int) -> tuple[int, ...]:
     the same windows on any machine). Raises ``ValueError`` when the pool is not at least
     ``MIN_POOL_RATIO`` checks' worth of windows: a small pool lets a sender fit them all."""
     if n < 1 or pool < MIN_POOL_RATIO * n:
-        raise ValueError(f"a validation pool of {pool} windows is too small for checks of {n}: it needs at "
-                         f"least {MIN_POOL_RATIO * n}; use a bigger validation set or fewer windows per check")
+        raise ValueError(
+            f"a validation pool of {pool} windows is too small for checks of {n}: it needs at "
+            f"least {MIN_POOL_RATIO * n}; use a bigger validation set or fewer windows per check"
+        )
     return tuple(random.Random(seed).sample(range(pool), n))
 
 
@@ -102,12 +116,16 @@ class Comparison:
         return f"{self.rise:+.4f} (noise {self.margin:.4f})"
 
 
-def compare(before: Sequence[float], after: Sequence[float], config: ValidationConfig) -> Comparison:
+def compare(
+    before: Sequence[float], after: Sequence[float], config: ValidationConfig
+) -> Comparison:
     """Whether ``after`` (the candidate's per-window losses) is worse than ``before`` (the current
     version's, same windows) beyond measured noise. A non-finite candidate loss always hurts.
     Raises ``ValueError`` for sequences of different lengths or fewer than two windows."""
     if len(before) != len(after) or len(before) < 2:
-        raise ValueError(f"compare needs two equal sequences of >= 2 window losses, got {len(before)} and {len(after)}")
+        raise ValueError(
+            f"compare needs two equal sequences of >= 2 window losses, got {len(before)} and {len(after)}"
+        )
     diffs = [a - b for a, b in zip(after, before, strict=True)]
     if not all(math.isfinite(d) for d in diffs):
         return Comparison(math.inf, 0.0, True)
@@ -134,8 +152,12 @@ class Verdict:
     whole: bool = False
 
 
-def judge(before: Sequence[float], candidate: Sequence[float],
-          alone: Mapping[bytes, Sequence[float]] | None, config: ValidationConfig) -> Verdict:
+def judge(
+    before: Sequence[float],
+    candidate: Sequence[float],
+    alone: Mapping[bytes, Sequence[float]] | None,
+    config: ValidationConfig,
+) -> Verdict:
     """Decide on a candidate (see the module docstring). ``alone``: per sender, the losses with
     only its contribution applied (None: not scored yet; then a candidate that hurts is returned
     with an empty ``drop`` and the owner scores them and asks again). Raises ``ValueError`` as
@@ -146,20 +168,45 @@ def judge(before: Sequence[float], candidate: Sequence[float],
         return Verdict(True, frozenset(), frozenset(), f"validated: loss {overall}")
     what = "raises the loss" if overall.hurts else "does not lower the loss beyond noise"
     if alone is None:
-        return Verdict(False, frozenset(), frozenset(), f"the candidate {what} {overall}; scoring each contribution")
+        return Verdict(
+            False,
+            frozenset(),
+            frozenset(),
+            f"the candidate {what} {overall}; scoring each contribution",
+        )
     scores = {peer: compare(before, losses, config) for peer, losses in alone.items()}
     hurt = frozenset(p for p, c in scores.items() if c.hurts)
-    if config.rule >= 2 and not overall.hurts and len(alone) > 1:  # flat: beyond what the round's typical work does
-        typical = [statistics.median(losses[w] for losses in alone.values()) for w in range(len(before))]
+    if (
+        config.rule >= 2 and not overall.hurts and len(alone) > 1
+    ):  # flat: beyond what the round's typical work does
+        typical = [
+            statistics.median(losses[w] for losses in alone.values()) for w in range(len(before))
+        ]
         hurt = frozenset(p for p in hurt if compare(typical, alone[p], config).hurts)
     helped = frozenset(p for p, c in scores.items() if not c.hurts and c.rise < -c.margin)
     if hurt:
         detail = ", ".join(f"{p.hex()[:8]} {scores[p]}" for p in sorted(hurt))
-        return Verdict(False, hurt, helped, f"the candidate {what} {overall}; "
-                                            f"{len(hurt)} of {len(scores)} contributions hurt alone: {detail}")
-    if not overall.hurts:  # flat, and none of its work hurts alone: an honest round that moved little
-        return Verdict(True, frozenset(), helped, f"validated: loss {overall}, none of its {len(scores)} "
-                                                  "contributions hurts alone")
-    return Verdict(False, frozenset(scores), helped,
-                   f"the candidate raises the loss {overall} but none of its {len(scores)} contributions does "
-                   "alone; the round is dropped", whole=True)
+        return Verdict(
+            False,
+            hurt,
+            helped,
+            f"the candidate {what} {overall}; "
+            f"{len(hurt)} of {len(scores)} contributions hurt alone: {detail}",
+        )
+    if (
+        not overall.hurts
+    ):  # flat, and none of its work hurts alone: an honest round that moved little
+        return Verdict(
+            True,
+            frozenset(),
+            helped,
+            f"validated: loss {overall}, none of its {len(scores)} contributions hurts alone",
+        )
+    return Verdict(
+        False,
+        frozenset(scores),
+        helped,
+        f"the candidate raises the loss {overall} but none of its {len(scores)} contributions does "
+        "alone; the round is dropped",
+        whole=True,
+    )

@@ -18,7 +18,9 @@ __all__ = ["MAX_ROUNDS_PER_S", "version_ceiling", "version_jump_reason"]
 MAX_ROUNDS_PER_S = 100.0
 
 
-def version_ceiling(*, held: int, held_at: float, now: float, max_rounds_per_s: float = MAX_ROUNDS_PER_S) -> int:
+def version_ceiling(
+    *, held: int, held_at: float, now: float, max_rounds_per_s: float = MAX_ROUNDS_PER_S
+) -> int:
     """The highest version reachable at ``now`` from version ``held`` known at ``held_at``.
 
     One round more than the elapsed time allows is granted, for the round that was already
@@ -29,8 +31,15 @@ def version_ceiling(*, held: int, held_at: float, now: float, max_rounds_per_s: 
     return max(held, 0) + 1 + math.floor(elapsed * max_rounds_per_s)
 
 
-def version_jump_reason(version: int, *, held: int, held_at: float | None, now: float,
-                        created: float | None = None, max_rounds_per_s: float = MAX_ROUNDS_PER_S) -> str | None:
+def version_jump_reason(
+    version: int,
+    *,
+    held: int,
+    held_at: float | None,
+    now: float,
+    created: float | None = None,
+    max_rounds_per_s: float = MAX_ROUNDS_PER_S,
+) -> str | None:
     """Why ``version`` cannot have been produced (None when it can).
 
     Bounded from the newest version received from the swarm (``held`` at ``held_at``; None when
@@ -38,13 +47,22 @@ def version_jump_reason(version: int, *, held: int, held_at: float | None, now: 
     smaller bound wins. With neither known there is no bound."""
     ceiling, since = math.inf, ""
     if held_at is not None:
-        ceiling = version_ceiling(held=held, held_at=held_at, now=now, max_rounds_per_s=max_rounds_per_s)
+        ceiling = version_ceiling(
+            held=held, held_at=held_at, now=now, max_rounds_per_s=max_rounds_per_s
+        )
         since = f"version {held} was seen {max(0.0, now - held_at):.1f} s ago"
     if created is not None:
-        from_start = version_ceiling(held=0, held_at=created, now=now, max_rounds_per_s=max_rounds_per_s)
+        from_start = version_ceiling(
+            held=0, held_at=created, now=now, max_rounds_per_s=max_rounds_per_s
+        )
         if from_start < ceiling:
-            ceiling, since = from_start, f"the swarm was created {max(0.0, now - created):.0f} s ago"
+            ceiling, since = (
+                from_start,
+                f"the swarm was created {max(0.0, now - created):.0f} s ago",
+            )
     if version > ceiling:
-        return (f"version {version} is above the {int(ceiling)} an owner can have reached "
-                f"({since}, at most {max_rounds_per_s:g} merges a second)")
+        return (
+            f"version {version} is above the {int(ceiling)} an owner can have reached "
+            f"({since}, at most {max_rounds_per_s:g} merges a second)"
+        )
     return None

@@ -42,9 +42,17 @@ class ExpWeibull:
     power: float = 1.0
 
     def __post_init__(self) -> None:
-        _check([(self.scale_s >= 0 and math.isfinite(self.scale_s), "scale_s must be finite and >= 0"),
+        _check(
+            [
+                (
+                    self.scale_s >= 0 and math.isfinite(self.scale_s),
+                    "scale_s must be finite and >= 0",
+                ),
                 (0 < self.shape < math.inf, "shape must be finite and > 0"),
-                (0 < self.power < math.inf, "power must be finite and > 0")], self)
+                (0 < self.power < math.inf, "power must be finite and > 0"),
+            ],
+            self,
+        )
 
     def quantile(self, u: float) -> float:
         """The inverse CDF at ``u`` in [0, 1)."""
@@ -56,7 +64,11 @@ class ExpWeibull:
     @classmethod
     def with_mean(cls, mean_s: float, *, shape: float = 1.0, power: float = 1.0) -> ExpWeibull:
         """The distribution of this shape and power whose mean is ``mean_s``."""
-        return cls(scale_s=mean_s / cls(scale_s=1.0, shape=shape, power=power).mean(), shape=shape, power=power)
+        return cls(
+            scale_s=mean_s / cls(scale_s=1.0, shape=shape, power=power).mean(),
+            shape=shape,
+            power=power,
+        )
 
     def sample(self, rng: random.Random) -> float:
         return self.quantile(rng.random())
@@ -94,12 +106,23 @@ class Hardware:
     spare_fraction: float = 0.0
 
     def __post_init__(self) -> None:
-        finite = [self.mtbi_s, self.reconfig_s, self.rejoin_wait_s, self.restart_s, self.checkpoint_s,
-                  self.spare_fraction]
-        _check([(self.chips >= 1, "chips must be >= 1"),
+        finite = [
+            self.mtbi_s,
+            self.reconfig_s,
+            self.rejoin_wait_s,
+            self.restart_s,
+            self.checkpoint_s,
+            self.spare_fraction,
+        ]
+        _check(
+            [
+                (self.chips >= 1, "chips must be >= 1"),
                 (self.chips_per_slice >= 1, "chips_per_slice must be >= 1"),
                 (self.mtbi_s > 0, "mtbi_s must be > 0"),
-                (all(math.isfinite(x) and x >= 0 for x in finite), "times must be finite and >= 0")], self)
+                (all(math.isfinite(x) and x >= 0 for x in finite), "times must be finite and >= 0"),
+            ],
+            self,
+        )
 
     @property
     def failure_rate(self) -> float:
@@ -120,10 +143,20 @@ class Timing:
     dp_sync_s: float = 0.0
 
     def __post_init__(self) -> None:
-        _check([(self.step_s > 0 and math.isfinite(self.step_s), "step_s must be finite and > 0"),
+        _check(
+            [
+                (self.step_s > 0 and math.isfinite(self.step_s), "step_s must be finite and > 0"),
                 (self.inner_steps >= 1, "inner_steps must be >= 1"),
-                (all(math.isfinite(x) and x >= 0 for x in (self.sync_s, self.upload_s, self.dp_sync_s)),
-                 "sync_s, upload_s and dp_sync_s must be finite and >= 0")], self)
+                (
+                    all(
+                        math.isfinite(x) and x >= 0
+                        for x in (self.sync_s, self.upload_s, self.dp_sync_s)
+                    ),
+                    "sync_s, upload_s and dp_sync_s must be finite and >= 0",
+                ),
+            ],
+            self,
+        )
 
     @property
     def interval_s(self) -> float:
@@ -145,10 +178,15 @@ class SimConfig:
     merge: MergeConfig = field(default_factory=lambda: MergeConfig(late_policy="carry"))
 
     def __post_init__(self) -> None:
-        _check([(self.learners >= 1, "learners must be >= 1"),
+        _check(
+            [
+                (self.learners >= 1, "learners must be >= 1"),
                 (self.hardware.chips >= self.learners, "every learner needs at least one chip"),
                 (0 < self.horizon_s < math.inf, "horizon_s must be finite and > 0"),
-                (self.failures in ("domain", "chip"), "failures must be 'domain' or 'chip'")], self)
+                (self.failures in ("domain", "chip"), "failures must be 'domain' or 'chip'"),
+            ],
+            self,
+        )
 
     @property
     def chips_per_learner(self) -> float:

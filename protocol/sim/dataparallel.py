@@ -56,9 +56,16 @@ def simulate_data_parallel(cfg: SimConfig) -> Outcome:
         down += min(outage, horizon - end)
         t = end + outage
     provisioned = horizon * (1.0 + hw.spare_fraction)
-    return Outcome(method="data-parallel", chips=hw.chips, learners=1,
-                   goodput=useful / provisioned * _comm_factor(cfg), uptime=1.0 - down / horizon,
-                   horizon_s=horizon, failures=failures, lost_fraction=1.0 - useful / horizon - down / horizon)
+    return Outcome(
+        method="data-parallel",
+        chips=hw.chips,
+        learners=1,
+        goodput=useful / provisioned * _comm_factor(cfg),
+        uptime=1.0 - down / horizon,
+        horizon_s=horizon,
+        failures=failures,
+        lost_fraction=1.0 - useful / horizon - down / horizon,
+    )
 
 
 def _kept(run: float, period: float, checkpoint_s: float, *, failed: bool) -> float:
@@ -75,12 +82,23 @@ def _kept(run: float, period: float, checkpoint_s: float, *, failed: bool) -> fl
 def simulate_elastic(cfg: SimConfig) -> Outcome:
     """Elastic data-parallel: one ``ElasticGroup`` of all chips for ``cfg.horizon_s``."""
     queue = EventQueue()
-    group = ElasticGroup(queue, cfg.hardware, cfg.hardware.chips, random.Random(cfg.seed),
-                         until=cfg.horizon_s, failures=cfg.failures)
+    group = ElasticGroup(
+        queue,
+        cfg.hardware,
+        cfg.hardware.chips,
+        random.Random(cfg.seed),
+        until=cfg.horizon_s,
+        failures=cfg.failures,
+    )
     queue.run(cfg.horizon_s)
     group.advance(cfg.horizon_s)
     provisioned = cfg.hardware.chips * cfg.horizon_s
-    return Outcome(method="elastic", chips=cfg.hardware.chips, learners=1,
-                   goodput=group.chip_s / provisioned * _comm_factor(cfg),
-                   uptime=group.compute_s / cfg.horizon_s, horizon_s=cfg.horizon_s,
-                   failures=group.failures)
+    return Outcome(
+        method="elastic",
+        chips=cfg.hardware.chips,
+        learners=1,
+        goodput=group.chip_s / provisioned * _comm_factor(cfg),
+        uptime=group.compute_s / cfg.horizon_s,
+        horizon_s=cfg.horizon_s,
+        failures=group.failures,
+    )

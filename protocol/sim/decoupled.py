@@ -49,8 +49,19 @@ def sync_merge_config(cfg: SimConfig) -> MergeConfig:
 
 
 class _Learner:
-    __slots__ = ("awaiting", "group", "index", "mark_chip_s", "mark_compute_s", "mark_t",
-                 "peer", "send_at", "version", "wake_token", "send_token")
+    __slots__ = (
+        "awaiting",
+        "group",
+        "index",
+        "mark_chip_s",
+        "mark_compute_s",
+        "mark_t",
+        "peer",
+        "send_at",
+        "version",
+        "wake_token",
+        "send_token",
+    )
 
     def __init__(self, index: int, group: ElasticGroup) -> None:
         self.index, self.group = index, group
@@ -73,9 +84,14 @@ class _Run:
         self.merger = FragmentMerger(0, sync_merge_config(cfg) if sync else cfg.merge, now=0.0)
         self.learners: list[_Learner] = []
         for i in range(cfg.learners):
-            group = ElasticGroup(self.q, cfg.hardware, cfg.chips_per_learner,
-                                 random.Random(cfg.seed * 1_000_003 + i + 1),
-                                 until=self.horizon, failures=cfg.failures)
+            group = ElasticGroup(
+                self.q,
+                cfg.hardware,
+                cfg.chips_per_learner,
+                random.Random(cfg.seed * 1_000_003 + i + 1),
+                until=self.horizon,
+                failures=cfg.failures,
+            )
             learner = _Learner(i, group)
             group.on_lost = lambda now, lr=learner: self._lost(lr, now)
             group.on_restart = lambda now, lr=learner: self._restarted(lr, now)
@@ -122,7 +138,9 @@ class _Run:
             return
         step_s = self.cfg.timing.step_s
         steps = max(1, round(compute / step_s))
-        tokens = max(1, round(chip_s / step_s))  # chip-steps: a learner's batch scales with its chips
+        tokens = max(
+            1, round(chip_s / step_s)
+        )  # chip-steps: a learner's batch scales with its chips
         step_time = (now - lr.mark_t) / steps
         lr.mark_chip_s, lr.mark_compute_s, lr.mark_t = lr.group.chip_s, lr.group.compute_s, now
         if self.sync:
@@ -163,9 +181,18 @@ class _Run:
 
     # -- the owner's side: everything goes through the merger ---------------------------------
 
-    def _arrive(self, lr: _Learner, base: int, tokens: int, steps: int, step_time: float, chip_s: float) -> None:
-        d = self.merger.on_contribution(lr.peer, base_version=base, tokens=tokens, steps=steps,
-                                        step_time=step_time, payload=chip_s, now=self.q.now)
+    def _arrive(
+        self, lr: _Learner, base: int, tokens: int, steps: int, step_time: float, chip_s: float
+    ) -> None:
+        d = self.merger.on_contribution(
+            lr.peer,
+            base_version=base,
+            tokens=tokens,
+            steps=steps,
+            step_time=step_time,
+            payload=chip_s,
+            now=self.q.now,
+        )
         if d.refusal is not None:
             self.refusals[d.refusal] += 1
             self.lost += chip_s
@@ -223,13 +250,19 @@ class _Run:
         cfg = self.cfg
         provisioned = cfg.hardware.chips * self.horizon
         nominal = cfg.timing.interval_s + (cfg.timing.sync_s if self.sync else 0.0)
-        return Outcome(method=method, chips=cfg.hardware.chips, learners=cfg.learners,
-                       goodput=self.useful / provisioned,
-                       uptime=_uptime(self.published, self.horizon, 2.0 * nominal),
-                       horizon_s=self.horizon, failures=sum(lr.group.failures for lr in self.learners),
-                       versions=self.merger.version, merged=self.merges,
-                       refusals=tuple(sorted(self.refusals.items())),
-                       lost_fraction=self.lost / provisioned)
+        return Outcome(
+            method=method,
+            chips=cfg.hardware.chips,
+            learners=cfg.learners,
+            goodput=self.useful / provisioned,
+            uptime=_uptime(self.published, self.horizon, 2.0 * nominal),
+            horizon_s=self.horizon,
+            failures=sum(lr.group.failures for lr in self.learners),
+            versions=self.merger.version,
+            merged=self.merges,
+            refusals=tuple(sorted(self.refusals.items())),
+            lost_fraction=self.lost / provisioned,
+        )
 
 
 def _chip_s(payload: object) -> float:

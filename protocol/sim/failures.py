@@ -65,7 +65,9 @@ class _UpSet:
 class DomainFailures:
     """The up slices fail as one Poisson process (see the module docstring)."""
 
-    def __init__(self, n_slices: int, chips_per_slice: float, mtbi_s: float, rng: random.Random) -> None:
+    def __init__(
+        self, n_slices: int, chips_per_slice: float, mtbi_s: float, rng: random.Random
+    ) -> None:
         self._up = _UpSet(n_slices)
         self._slice_rate = chips_per_slice / mtbi_s
         self._rng = rng
@@ -87,9 +89,13 @@ class DomainFailures:
 class PerChipFailures:
     """A failure clock per chip (``chips_per_slice`` whole chips per slice)."""
 
-    def __init__(self, n_slices: int, chips_per_slice: int, mtbi_s: float, rng: random.Random) -> None:
+    def __init__(
+        self, n_slices: int, chips_per_slice: int, mtbi_s: float, rng: random.Random
+    ) -> None:
         if chips_per_slice < 1:
-            raise LocalProtocolError(f"chips_per_slice must be a whole number >= 1, got {chips_per_slice}")
+            raise LocalProtocolError(
+                f"chips_per_slice must be a whole number >= 1, got {chips_per_slice}"
+            )
         self._per_slice, self._mtbi, self._rng = chips_per_slice, mtbi_s, rng
         self._epoch = [0] * n_slices  # bumped when a slice goes down: its chips' clocks are void
         self._up = [True] * n_slices

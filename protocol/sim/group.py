@@ -37,8 +37,17 @@ __all__ = ["ElasticGroup"]
 class ElasticGroup:
     """One elastic group of ``chips`` chips; see the module docstring."""
 
-    def __init__(self, queue: EventQueue, hw: Hardware, chips: float, rng: random.Random, *,
-                 until: float, failures: FailureModel = "domain", source: FailureSource | None = None) -> None:
+    def __init__(
+        self,
+        queue: EventQueue,
+        hw: Hardware,
+        chips: float,
+        rng: random.Random,
+        *,
+        until: float,
+        failures: FailureModel = "domain",
+        source: FailureSource | None = None,
+    ) -> None:
         n_slices = max(1, round(chips / hw.chips_per_slice))
         self.chips, self.slice_chips = chips, chips / n_slices
         self._q, self._hw, self._rng, self.until = queue, hw, rng, until
@@ -165,5 +174,7 @@ class ElasticGroup:
             self.on_restart(now)
 
     def __repr__(self) -> str:
-        return (f"ElasticGroup(chips={self.chips:g}, live={self.live}, down={self.down}, "
-                f"ready={len(self.ready)}, failures={self.failures}, stall_until={self.stall_until:g})")
+        return (
+            f"ElasticGroup(chips={self.chips:g}, live={self.live}, down={self.down}, "
+            f"ready={len(self.ready)}, failures={self.failures}, stall_until={self.stall_until:g})"
+        )

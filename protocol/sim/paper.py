@@ -57,8 +57,13 @@ PAPER_TABLE: dict[str, tuple[int, ...]] = {
     "decoupled-16": (99, 98, 96, 93, 86),
 }
 PAPER_CONSTANTS = Hardware(
-    chips=1, chips_per_slice=256, repair=ExpWeibull(scale_s=30.0, shape=1.0, power=2.0),
-    reconfig_s=20.5, rejoin_wait_s=120.0, restart_s=20.0, spare_fraction=0.10,
+    chips=1,
+    chips_per_slice=256,
+    repair=ExpWeibull(scale_s=30.0, shape=1.0, power=2.0),
+    reconfig_s=20.5,
+    rejoin_wait_s=120.0,
+    restart_s=20.0,
+    spare_fraction=0.10,
 )
 PAPER_TIMING = Timing(step_s=10.0, inner_steps=60, sync_s=1.0, upload_s=0.5)
 PAPER_MERGE = MergeConfig(late_policy="carry")
@@ -76,14 +81,27 @@ class Cell:
     outcome: Outcome
 
 
-def paper_config(chips: int, learners: int = 1, *, failures: int = 2000, seed: int = 0,
-                 hardware: Hardware = PAPER_CONSTANTS, min_days: float = 4.0) -> SimConfig:
+def paper_config(
+    chips: int,
+    learners: int = 1,
+    *,
+    failures: int = 2000,
+    seed: int = 0,
+    hardware: Hardware = PAPER_CONSTANTS,
+    min_days: float = 4.0,
+) -> SimConfig:
     """The paper scenario at ``chips``: a horizon holding about ``failures`` chip failures, and
     at least ``min_days`` (the cells with more failures are the noisier ones)."""
     hw = replace(hardware, chips=chips)
     horizon = max(failures / hw.failure_rate, min_days * 86400.0)
-    return SimConfig(hardware=hw, timing=PAPER_TIMING, learners=learners, horizon_s=horizon,
-                     seed=seed, merge=PAPER_MERGE)
+    return SimConfig(
+        hardware=hw,
+        timing=PAPER_TIMING,
+        learners=learners,
+        horizon_s=horizon,
+        seed=seed,
+        merge=PAPER_MERGE,
+    )
 
 
 def _row(method: str) -> tuple[str, int]:
@@ -92,21 +110,39 @@ def _row(method: str) -> tuple[str, int]:
     return method, 1
 
 
-def paper_grid(*, failures: int = 2000, seed: int = 0, hardware: Hardware = PAPER_CONSTANTS,
-               methods: Iterable[str] = tuple(PAPER_TABLE),
-               on_cell: Callable[[Cell], None] | None = None) -> list[Cell]:
+def paper_grid(
+    *,
+    failures: int = 2000,
+    seed: int = 0,
+    hardware: Hardware = PAPER_CONSTANTS,
+    methods: Iterable[str] = tuple(PAPER_TABLE),
+    on_cell: Callable[[Cell], None] | None = None,
+) -> list[Cell]:
     """Simulate every cell of ``PAPER_TABLE`` (data-parallel gets 100x the failures: it is cheap)."""
     cells = []
     for method in methods:
         kind, m = _row(method)
         for chips, paper in zip(CHIPS, PAPER_TABLE[method], strict=True):
             if kind == "data-parallel":
-                out = simulate_data_parallel(paper_config(chips, failures=100 * failures, seed=seed, hardware=hardware))
+                out = simulate_data_parallel(
+                    paper_config(chips, failures=100 * failures, seed=seed, hardware=hardware)
+                )
             elif kind == "elastic":
-                out = simulate_elastic(paper_config(chips, failures=failures, seed=seed, hardware=hardware))
+                out = simulate_elastic(
+                    paper_config(chips, failures=failures, seed=seed, hardware=hardware)
+                )
             else:
-                out = simulate_decoupled(paper_config(chips, m, failures=failures, seed=seed, hardware=hardware))
-            cell = Cell(chips=chips, learners=m, method=kind, paper=float(paper), sim=100.0 * out.goodput, outcome=out)
+                out = simulate_decoupled(
+                    paper_config(chips, m, failures=failures, seed=seed, hardware=hardware)
+                )
+            cell = Cell(
+                chips=chips,
+                learners=m,
+                method=kind,
+                paper=float(paper),
+                sim=100.0 * out.goodput,
+                outcome=out,
+            )
             cells.append(cell)
             if on_cell is not None:
                 on_cell(cell)
@@ -117,30 +153,46 @@ def _worst(devs: list[float]) -> float:
     return max(abs(d) for d in devs)
 
 
-def calibrate_data_parallel(restarts: Iterable[float], spares: Iterable[float], *,
-                            failures: int = 200000) -> list[tuple[float, float, float]]:
+def calibrate_data_parallel(
+    restarts: Iterable[float], spares: Iterable[float], *, failures: int = 200000
+) -> list[tuple[float, float, float]]:
     """(largest deviation, restart_s, spare_fraction) over the data-parallel row, best first."""
     found = []
     for restart, spare in itertools.product(restarts, spares):
         hw = replace(PAPER_CONSTANTS, restart_s=restart, spare_fraction=spare)
-        devs = [100.0 * simulate_data_parallel(paper_config(c, failures=failures, seed=1, hardware=hw)).goodput - p
-                for c, p in zip(CHIPS, PAPER_TABLE["data-parallel"], strict=True)]
+        devs = [
+            100.0
+            * simulate_data_parallel(
+                paper_config(c, failures=failures, seed=1, hardware=hw)
+            ).goodput
+            - p
+            for c, p in zip(CHIPS, PAPER_TABLE["data-parallel"], strict=True)
+        ]
         found.append((_worst(devs), restart, spare))
     return sorted(found)
 
 
-def calibrate_groups(reconfigs: Iterable[float], waits: Iterable[float], *,
-                     failures: int = 4000) -> list[tuple[float, float, float]]:
+def calibrate_groups(
+    reconfigs: Iterable[float], waits: Iterable[float], *, failures: int = 4000
+) -> list[tuple[float, float, float]]:
     """(largest deviation, reconfig_s, rejoin_wait_s), best first, over every elastic and
     decoupled cell, each taken as one elastic group of chips / M chips (the decoupled learners'
     failure model without the merger, which costs little with these timings; ``paper_grid``
     checks the whole)."""
-    targets = [(c // m, float(p)) for method in PAPER_TABLE if method != "data-parallel"
-               for m in [_row(method)[1]] for c, p in zip(CHIPS, PAPER_TABLE[method], strict=True)]
+    targets = [
+        (c // m, float(p))
+        for method in PAPER_TABLE
+        if method != "data-parallel"
+        for m in [_row(method)[1]]
+        for c, p in zip(CHIPS, PAPER_TABLE[method], strict=True)
+    ]
     found = []
     for reconfig, wait in itertools.product(reconfigs, waits):
         hw = replace(PAPER_CONSTANTS, reconfig_s=reconfig, rejoin_wait_s=wait)
-        sim = {size: 100.0 * simulate_elastic(paper_config(size, failures=failures, seed=1, hardware=hw)).goodput
-               for size in sorted({size for size, _ in targets})}
+        sim = {
+            size: 100.0
+            * simulate_elastic(paper_config(size, failures=failures, seed=1, hardware=hw)).goodput
+            for size in sorted({size for size, _ in targets})
+        }
         found.append((_worst([sim[size] - p for size, p in targets]), reconfig, wait))
     return sorted(found)

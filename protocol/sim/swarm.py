@@ -44,17 +44,35 @@ class Swarm:
 def swarm_config(swarm: Swarm, merge: MergeConfig) -> SimConfig:
     """The ``SimConfig`` of ``swarm``: one chip per peer, one peer per failure domain. Without a
     horizon, one holding about ``swarm.failures`` peer failures and at least 50 intervals."""
-    hw = Hardware(chips=swarm.peers, chips_per_slice=1, mtbi_s=swarm.mtbf_s,
-                  repair=ExpWeibull.with_mean(swarm.repair_s, shape=swarm.repair_shape, power=swarm.repair_power),
-                  reconfig_s=swarm.reconfig_s, rejoin_wait_s=swarm.rejoin_wait_s, restart_s=swarm.restart_s)
-    timing = Timing(step_s=swarm.step_s, inner_steps=swarm.inner_steps, sync_s=swarm.sync_s,
-                    upload_s=swarm.sync_s / 2.0,
-                    dp_sync_s=swarm.sync_s if swarm.dp_sync_s is None else swarm.dp_sync_s)
+    hw = Hardware(
+        chips=swarm.peers,
+        chips_per_slice=1,
+        mtbi_s=swarm.mtbf_s,
+        repair=ExpWeibull.with_mean(
+            swarm.repair_s, shape=swarm.repair_shape, power=swarm.repair_power
+        ),
+        reconfig_s=swarm.reconfig_s,
+        rejoin_wait_s=swarm.rejoin_wait_s,
+        restart_s=swarm.restart_s,
+    )
+    timing = Timing(
+        step_s=swarm.step_s,
+        inner_steps=swarm.inner_steps,
+        sync_s=swarm.sync_s,
+        upload_s=swarm.sync_s / 2.0,
+        dp_sync_s=swarm.sync_s if swarm.dp_sync_s is None else swarm.dp_sync_s,
+    )
     horizon = swarm.horizon_s
     if horizon is None:
         horizon = max(swarm.failures / hw.failure_rate, 50.0 * timing.interval_s)
-    return SimConfig(hardware=hw, timing=timing, learners=swarm.peers, horizon_s=horizon,
-                     seed=swarm.seed, merge=merge)
+    return SimConfig(
+        hardware=hw,
+        timing=timing,
+        learners=swarm.peers,
+        horizon_s=horizon,
+        seed=swarm.seed,
+        merge=merge,
+    )
 
 
 def compare(cfg: SimConfig) -> dict[str, Outcome]:

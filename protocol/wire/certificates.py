@@ -38,7 +38,15 @@ from protocol.wire.membership import (
     verify_signature,
 )
 
-__all__ = ["CERT_HEADER", "MAX_CERT_BYTES", "ROLES", "Certificate", "Role", "admit", "check_certificate"]
+__all__ = [
+    "CERT_HEADER",
+    "MAX_CERT_BYTES",
+    "ROLES",
+    "Certificate",
+    "Role",
+    "admit",
+    "check_certificate",
+]
 
 Role = Literal["learner", "owner"]
 ROLES: tuple[Role, ...] = ("learner", "owner")
@@ -65,13 +73,26 @@ class Certificate:
     def __post_init__(self) -> None:
         if not (isinstance(self.swarm, str) and re.fullmatch(r"[0-9a-f]{32}", self.swarm)):
             raise DecodeError("certificate swarm must be a swarm id (32 hex digits)")
-        if len(self.subject) != KEY_BYTES or len(self.issuer) != KEY_BYTES or len(self.tls_pin) != 32:
+        if (
+            len(self.subject) != KEY_BYTES
+            or len(self.issuer) != KEY_BYTES
+            or len(self.tls_pin) != 32
+        ):
             raise DecodeError("certificate keys must be 32 bytes and its TLS pin a SHA-256")
-        if not self.roles or len(set(self.roles)) != len(self.roles) or any(r not in ROLES for r in self.roles):
-            raise DecodeError(f"certificate roles must be a non-empty subset of {ROLES}, got {self.roles}")
+        if (
+            not self.roles
+            or len(set(self.roles)) != len(self.roles)
+            or any(r not in ROLES for r in self.roles)
+        ):
+            raise DecodeError(
+                f"certificate roles must be a non-empty subset of {ROLES}, got {self.roles}"
+            )
         check_name(self.lab, "lab name", MAX_LAB)
-        if not (math.isfinite(self.not_before) and math.isfinite(self.not_after)
-                and self.not_before < self.not_after):
+        if not (
+            math.isfinite(self.not_before)
+            and math.isfinite(self.not_after)
+            and self.not_before < self.not_after
+        ):
             raise DecodeError("certificate validity must be finite with not_before < not_after")
 
     @property
@@ -79,32 +100,77 @@ class Certificate:
         return peer_id_from_public_key(self.subject)
 
     def signing_bytes(self) -> bytes:
-        return bytes(msgpack.packb([CERT_DOMAIN, self.swarm, self.subject, list(self.roles), self.lab,
-                                    float(self.not_before), float(self.not_after), self.tls_pin, self.issuer],
-                                   use_bin_type=True))
+        return bytes(
+            msgpack.packb(
+                [
+                    CERT_DOMAIN,
+                    self.swarm,
+                    self.subject,
+                    list(self.roles),
+                    self.lab,
+                    float(self.not_before),
+                    float(self.not_after),
+                    self.tls_pin,
+                    self.issuer,
+                ],
+                use_bin_type=True,
+            )
+        )
 
     @classmethod
-    def issue(cls, authority: ManifestSigner, *, manifest: SwarmManifest, subject: bytes,
-              roles: Iterable[str], not_before: float, not_after: float) -> Certificate:
+    def issue(
+        cls,
+        authority: ManifestSigner,
+        *,
+        manifest: SwarmManifest,
+        subject: bytes,
+        roles: Iterable[str],
+        not_before: float,
+        not_after: float,
+    ) -> Certificate:
         """A certificate signed by ``authority``; raises ``LocalProtocolError`` when that key is
         not one of the manifest's authorities (its lab name comes from the manifest)."""
         lab = manifest.authority(authority.public_key)
         if lab is None:
-            raise LocalProtocolError(f"key {authority.public_key.hex()} is not an authority of swarm "
-                                     f"{manifest.name!r}; the founder adds it with atoll swarm add-authority")
+            raise LocalProtocolError(
+                f"key {authority.public_key.hex()} is not an authority of swarm "
+                f"{manifest.name!r}; the founder adds it with atoll swarm add-authority"
+            )
         roles_t = tuple(r for r in ROLES if r in set(roles))
         unknown = set(roles) - set(ROLES)
         if unknown or not roles_t:
-            raise LocalProtocolError(f"roles must be a non-empty subset of learner,owner; got {sorted(set(roles))}")
-        cert = cls(swarm=manifest.swarm_id, subject=bytes(subject), roles=roles_t, lab=lab.lab,
-                   not_before=float(not_before), not_after=float(not_after), tls_pin=tls_pin(subject),
-                   issuer=authority.public_key)
+            raise LocalProtocolError(
+                f"roles must be a non-empty subset of learner,owner; got {sorted(set(roles))}"
+            )
+        cert = cls(
+            swarm=manifest.swarm_id,
+            subject=bytes(subject),
+            roles=roles_t,
+            lab=lab.lab,
+            not_before=float(not_before),
+            not_after=float(not_after),
+            tls_pin=tls_pin(subject),
+            issuer=authority.public_key,
+        )
         return replace(cert, signature=authority.sign(cert.signing_bytes()))
 
     def encode(self) -> bytes:
-        return bytes(msgpack.packb([self.swarm, self.subject, list(self.roles), self.lab, float(self.not_before),
-                                    float(self.not_after), self.tls_pin, self.issuer, self.signature],
-                                   use_bin_type=True))
+        return bytes(
+            msgpack.packb(
+                [
+                    self.swarm,
+                    self.subject,
+                    list(self.roles),
+                    self.lab,
+                    float(self.not_before),
+                    float(self.not_after),
+                    self.tls_pin,
+                    self.issuer,
+                    self.signature,
+                ],
+                use_bin_type=True,
+            )
+        )
 
     @classmethod
     def decode(cls, data: bytes) -> Certificate:
@@ -112,27 +178,54 @@ class Certificate:
         if len(data) > MAX_CERT_BYTES:
             raise Oversize(f"certificate of {len(data)} bytes exceeds {MAX_CERT_BYTES}")
         try:
-            fields = msgpack.unpackb(bytes(data), raw=False, strict_map_key=True, max_str_len=128,
-                                     max_bin_len=64, max_array_len=9, max_map_len=0)
+            fields = msgpack.unpackb(
+                bytes(data),
+                raw=False,
+                strict_map_key=True,
+                max_str_len=128,
+                max_bin_len=64,
+                max_array_len=9,
+                max_map_len=0,
+            )
         except (ValueError, TypeError, msgpack.UnpackException) as exc:
             raise DecodeError(f"certificate does not decode: {exc}") from None
         if not isinstance(fields, list) or len(fields) != 9:
             raise DecodeError("certificate must be a 9-element array")
         swarm, subject, roles, lab, nb, na, pin, issuer, sig = fields
-        if not (isinstance(subject, bytes) and isinstance(pin, bytes) and isinstance(issuer, bytes)
-                and isinstance(sig, bytes) and len(sig) == SIG_BYTES and isinstance(roles, list)
-                and all(isinstance(r, str) for r in roles) and isinstance(nb, float) and isinstance(na, float)
-                and isinstance(lab, str) and isinstance(swarm, str)):
+        if not (
+            isinstance(subject, bytes)
+            and isinstance(pin, bytes)
+            and isinstance(issuer, bytes)
+            and isinstance(sig, bytes)
+            and len(sig) == SIG_BYTES
+            and isinstance(roles, list)
+            and all(isinstance(r, str) for r in roles)
+            and isinstance(nb, float)
+            and isinstance(na, float)
+            and isinstance(lab, str)
+            and isinstance(swarm, str)
+        ):
             raise DecodeError("certificate has a field of the wrong type")
-        return cls(swarm=swarm, subject=subject, roles=tuple(roles), lab=lab, not_before=nb,
-                   not_after=na, tls_pin=pin, issuer=issuer, signature=sig)
+        return cls(
+            swarm=swarm,
+            subject=subject,
+            roles=tuple(roles),
+            lab=lab,
+            not_before=nb,
+            not_after=na,
+            tls_pin=pin,
+            issuer=issuer,
+            signature=sig,
+        )
 
     def to_text(self) -> str:
         """The certificate file's text: base64 between armor lines, and a readable summary."""
         body = base64.b64encode(self.encode()).decode()
-        lines = [body[i:i + 64] for i in range(0, len(body), 64)]
-        summary = (f"# atoll certificate: peer {self.subject.hex()} lab {self.lab} roles {','.join(self.roles)} "
-                   f"swarm {self.swarm}")
+        lines = [body[i : i + 64] for i in range(0, len(body), 64)]
+        summary = (
+            f"# atoll certificate: peer {self.subject.hex()} lab {self.lab} roles {','.join(self.roles)} "
+            f"swarm {self.swarm}"
+        )
         return "\n".join([summary, _CERT_ARMOR[0], *lines, _CERT_ARMOR[1], ""])
 
     @classmethod
@@ -142,7 +235,7 @@ class Certificate:
         begin, end = text.find(_CERT_ARMOR[0]), text.find(_CERT_ARMOR[1])
         if begin < 0 or end < begin:
             raise DecodeError("not an Atoll certificate (no BEGIN/END ATOLL CERTIFICATE lines)")
-        body = "".join(text[begin + len(_CERT_ARMOR[0]):end].split())
+        body = "".join(text[begin + len(_CERT_ARMOR[0]) : end].split())
         try:
             raw = base64.b64decode(body, validate=True)
         except (binascii.Error, ValueError):
@@ -163,46 +256,80 @@ class Certificate:
         return cls.decode(raw)
 
 
-def check_certificate(manifest: SwarmManifest, cert: Certificate, *, public_key: bytes,
-                      role: Role | None, now: float, signature_verified: bool = False) -> None:
+def check_certificate(
+    manifest: SwarmManifest,
+    cert: Certificate,
+    *,
+    public_key: bytes,
+    role: Role | None,
+    now: float,
+    signature_verified: bool = False,
+) -> None:
     """Raise ``NotAuthorized`` (or ``BadSignature``) with the reason ``cert`` does not let the
     holder of ``public_key`` take ``role`` (None: any role) at ``now`` in ``manifest``'s swarm.
 
     ``signature_verified``: the caller verified this exact certificate's signature before (and
     remembers it by its bytes); the checks that change with time and manifest still run."""
     if cert.subject != public_key:
-        raise NotAuthorized(f"certificate is for key {cert.subject.hex()[:16]}, not the sender's "
-                            f"{public_key.hex()[:16]}")
+        raise NotAuthorized(
+            f"certificate is for key {cert.subject.hex()[:16]}, not the sender's "
+            f"{public_key.hex()[:16]}"
+        )
     if cert.swarm != manifest.swarm_id:
-        raise NotAuthorized(f"certificate is for swarm {cert.swarm}, this is {manifest.swarm_id} ({manifest.name})")
+        raise NotAuthorized(
+            f"certificate is for swarm {cert.swarm}, this is {manifest.swarm_id} ({manifest.name})"
+        )
     authority = manifest.authority(cert.issuer)
     if authority is None:
         raise NotAuthorized(f"issuer {cert.issuer.hex()[:16]} not an authority of this swarm")
     if authority.lab != cert.lab:
-        raise NotAuthorized(f"certificate names lab {cert.lab!r}, its issuer is lab {authority.lab!r}")
+        raise NotAuthorized(
+            f"certificate names lab {cert.lab!r}, its issuer is lab {authority.lab!r}"
+        )
     if cert.subject in manifest.revoked:
-        raise NotAuthorized(f"key {cert.subject.hex()[:16]} revoked (manifest version {manifest.version})")
+        raise NotAuthorized(
+            f"key {cert.subject.hex()[:16]} revoked (manifest version {manifest.version})"
+        )
     if now >= cert.not_after:
-        raise NotAuthorized(f"certificate expired {now - cert.not_after:.0f} s ago; ask lab {cert.lab} "
-                            "for a new one (atoll swarm certify)")
+        raise NotAuthorized(
+            f"certificate expired {now - cert.not_after:.0f} s ago; ask lab {cert.lab} "
+            "for a new one (atoll swarm certify)"
+        )
     if now < cert.not_before:
         raise NotAuthorized(f"certificate not valid for another {cert.not_before - now:.0f} s")
     if role is not None and role not in cert.roles:
         raise NotAuthorized(f"certificate grants {','.join(cert.roles)}, not {role}")
     if not signature_verified:
-        verify_signature(cert.issuer, cert.signature, cert.signing_bytes(), f"certificate from lab {cert.lab}")
+        verify_signature(
+            cert.issuer, cert.signature, cert.signing_bytes(), f"certificate from lab {cert.lab}"
+        )
 
 
-def admit(manifest: SwarmManifest, cert: Certificate | None, *, public_key: bytes, role: Role | None,
-          now: float, signature_verified: bool = False) -> None:
+def admit(
+    manifest: SwarmManifest,
+    cert: Certificate | None,
+    *,
+    public_key: bytes,
+    role: Role | None,
+    now: float,
+    signature_verified: bool = False,
+) -> None:
     """Raise ``NotAuthorized`` unless the holder of ``public_key`` may take ``role`` (None: be
     served at all). Open swarms let anyone learn; owning always needs a certificate."""
     if cert is None:
         if manifest.admission == "certified":
-            raise NotAuthorized("no certificate: this swarm admits certified peers only "
-                                "(ask a lab's authority for one: atoll swarm certify)")
+            raise NotAuthorized(
+                "no certificate: this swarm admits certified peers only "
+                "(ask a lab's authority for one: atoll swarm certify)"
+            )
         if role == "owner":
             raise NotAuthorized("owning a fragment needs a certificate with the owner role")
         return
-    check_certificate(manifest, cert, public_key=public_key, role=role, now=now,
-                      signature_verified=signature_verified)
+    check_certificate(
+        manifest,
+        cert,
+        public_key=public_key,
+        role=role,
+        now=now,
+        signature_verified=signature_verified,
+    )

@@ -108,7 +108,9 @@ def _frame(header: bytes, blobs: list[memoryview]) -> Encoded:
 
 
 def _encode_fields(obj: object, blobs: list[memoryview], where: str) -> dict[str, Any]:
-    added: frozenset[str] = getattr(type(obj), "ADDED", frozenset())  # fields added later: left out when empty, as before them
+    added: frozenset[str] = getattr(
+        type(obj), "ADDED", frozenset()
+    )  # fields added later: left out when empty, as before them
     return {
         name: _encode_value(kind, getattr(obj, name), blobs, f"{where}.{name}")
         for name, kind in schema_of(type(obj))

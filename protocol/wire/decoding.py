@@ -151,7 +151,9 @@ def _check_whole(header: memoryview) -> None:
     try:
         unpacker.skip()
     except msgpack.OutOfData:
-        raise DecodeError(f"header of {header.nbytes} bytes is not a whole msgpack object") from None
+        raise DecodeError(
+            f"header of {header.nbytes} bytes is not a whole msgpack object"
+        ) from None
 
 
 def _strict_map(pairs: Sequence[tuple[object, object]]) -> dict[object, object]:
@@ -184,12 +186,16 @@ def _build(cls: type, fields: object, blobs: _Blobs, where: str) -> Any:
         raise DecodeError(f"{where}: fields must be a map")
     schema = schema_of(cls)
     names = {name for name, _ in schema}
-    added: frozenset[str] = getattr(cls, "ADDED", frozenset())  # fields added later, which an older sender leaves out
+    added: frozenset[str] = getattr(
+        cls, "ADDED", frozenset()
+    )  # fields added later, which an older sender leaves out
     if fields.keys() != names and not (fields.keys() <= names and names - fields.keys() <= added):
         missing = sorted(names - fields.keys())
         unknown = sorted(str(k) for k in fields.keys() - names)
         raise DecodeError(f"{where}: missing fields {missing}, unknown fields {unknown}")
-    kwargs = {n: _decode_value(k, fields[n], blobs, f"{where}.{n}") for n, k in schema if n in fields}
+    kwargs = {
+        n: _decode_value(k, fields[n], blobs, f"{where}.{n}") for n, k in schema if n in fields
+    }
     try:
         return cls(**kwargs)
     except RemoteProtocolError:

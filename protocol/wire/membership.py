@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import math
 import re
-import sys
+import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
@@ -32,11 +32,6 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from protocol.errors import BadSignature, DecodeError, LocalProtocolError, NotAuthorized, Oversize
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on 3.10 only
-    import tomli as tomllib
 
 __all__ = [
     "ADMISSIONS",
@@ -71,7 +66,9 @@ _HEX_KEY = re.compile(f"[0-9a-fA-F]{{{2 * KEY_BYTES}}}")
 # A member's address: scheme, host (a DNS name, an IPv4 address or a bracketed IPv6 one) and port,
 # nothing else. A path, query, fragment or userinfo would make every peer that dials the member
 # send its signed requests wherever the record says (a blind GET to any host and path).
-_ORIGIN = re.compile(r"(https?)://([A-Za-z0-9](?:[A-Za-z0-9.-]{0,251}[A-Za-z0-9])?|\[[0-9A-Fa-f:.]{2,45}\]):([0-9]{1,5})")
+_ORIGIN = re.compile(
+    r"(https?)://([A-Za-z0-9](?:[A-Za-z0-9.-]{0,251}[A-Za-z0-9])?|\[[0-9A-Fa-f:.]{2,45}\]):([0-9]{1,5})"
+)
 # How far above our own manifest version a member's claim may be and still be fetched: a founder
 # edits the manifest by hand (an authority added, a key revoked), a few versions a day at most,
 # and a running member follows each one within a membership pass. A claim further up is a lie or
@@ -96,8 +93,10 @@ def bare_origin(url: str) -> str:
     nothing after it; raises ``DecodeError`` saying what is wrong otherwise."""
     match = _ORIGIN.fullmatch(url) if isinstance(url, str) else None
     if match is None:
-        raise DecodeError(f"address {str(url)[:80]!r} is not a bare origin: expected http(s)://HOST:PORT "
-                          "with no path, query, fragment or user name")
+        raise DecodeError(
+            f"address {str(url)[:80]!r} is not a bare origin: expected http(s)://HOST:PORT "
+            "with no path, query, fragment or user name"
+        )
     if not 1 <= int(match.group(3)) <= 65535:
         raise DecodeError(f"address {url[:80]!r}: port {match.group(3)} is not in 1-65535")
     return url
@@ -139,8 +138,10 @@ def parse_public_key(text: str) -> bytes:
 def check_name(name: Any, what: str, limit: int) -> str:
     """``name`` if it is a name of at most ``limit`` characters (a swarm's, a lab's); ``DecodeError`` if not."""
     if not isinstance(name, str) or not _NAME.fullmatch(name) or len(name) > limit:
-        raise DecodeError(f"{what} must be 1-{limit} letters, digits, '.', '_' or '-', "
-                          f"starting with a letter or digit; got {str(name)[:80]!r}")
+        raise DecodeError(
+            f"{what} must be 1-{limit} letters, digits, '.', '_' or '-', "
+            f"starting with a letter or digit; got {str(name)[:80]!r}"
+        )
     return name
 
 
@@ -178,7 +179,9 @@ class SwarmManifest:
         if not (math.isfinite(self.created) and self.created >= 0):
             raise DecodeError(f"created must be a finite unix time, got {self.created}")
         if len(self.recipe) > MAX_RECIPE_FIELDS:
-            raise DecodeError(f"a recipe holds at most {MAX_RECIPE_FIELDS} fields, got {len(self.recipe)}")
+            raise DecodeError(
+                f"a recipe holds at most {MAX_RECIPE_FIELDS} fields, got {len(self.recipe)}"
+            )
         for key, value in self.recipe:
             if not _RECIPE_KEY.fullmatch(key):
                 raise DecodeError(f"recipe key {key[:48]!r} is not a lower-case identifier")
@@ -186,9 +189,15 @@ class SwarmManifest:
                 raise DecodeError(f"recipe value {key} must be finite")
             if isinstance(value, int) and not -(2**63) <= value < 2**63:  # TOML's range, msgpack's
                 raise DecodeError(f"recipe value {key} must be a 64-bit integer")
-            if not isinstance(value, (str, int, float, bool)) or (isinstance(value, str) and len(value) > 256):
-                raise DecodeError(f"recipe value {key} must be a string (<= 256 chars), number or bool")
-        if list(self.recipe) != sorted(self.recipe, key=lambda kv: kv[0]) or len(dict(self.recipe)) != len(self.recipe):
+            if not isinstance(value, (str, int, float, bool)) or (
+                isinstance(value, str) and len(value) > 256
+            ):
+                raise DecodeError(
+                    f"recipe value {key} must be a string (<= 256 chars), number or bool"
+                )
+        if list(self.recipe) != sorted(self.recipe, key=lambda kv: kv[0]) or len(
+            dict(self.recipe)
+        ) != len(self.recipe):
             raise DecodeError("recipe keys must be unique and sorted")
         if len(self.authorities) > MAX_AUTHORITIES:
             raise DecodeError(f"at most {MAX_AUTHORITIES} authorities, got {len(self.authorities)}")
@@ -210,18 +219,30 @@ class SwarmManifest:
         return swarm_id(self.founder, self.name)
 
     def signing_bytes(self) -> bytes:
-        return bytes(msgpack.packb([
-            MANIFEST_DOMAIN, self.name, self.founder, self.version, self.admission, float(self.created),
-            [[k, v] for k, v in self.recipe],
-            [[a.lab, a.public_key] for a in self.authorities],
-            sorted(self.revoked),
-        ], use_bin_type=True))
+        return bytes(
+            msgpack.packb(
+                [
+                    MANIFEST_DOMAIN,
+                    self.name,
+                    self.founder,
+                    self.version,
+                    self.admission,
+                    float(self.created),
+                    [[k, v] for k, v in self.recipe],
+                    [[a.lab, a.public_key] for a in self.authorities],
+                    sorted(self.revoked),
+                ],
+                use_bin_type=True,
+            )
+        )
 
     def signed(self, founder: ManifestSigner) -> SwarmManifest:
         """This manifest signed by ``founder``; raises ``LocalProtocolError`` for another key."""
         if founder.public_key != self.founder:
-            raise LocalProtocolError("this key is not the swarm's founder: only the founder's key "
-                                     f"{self.founder.hex()} may sign its manifest")
+            raise LocalProtocolError(
+                "this key is not the swarm's founder: only the founder's key "
+                f"{self.founder.hex()} may sign its manifest"
+            )
         unsigned = replace(self, signature=b"")
         return replace(unsigned, signature=founder.sign(unsigned.signing_bytes()))
 
@@ -229,11 +250,17 @@ class SwarmManifest:
         """Raise ``BadSignature`` unless the founder signed exactly this manifest, and
         ``NotAuthorized`` when it is not the swarm ``expected_id``."""
         if expected_id is not None and self.swarm_id != expected_id:
-            raise NotAuthorized(f"manifest is for swarm {self.swarm_id} ({self.name!r}), not {expected_id}")
+            raise NotAuthorized(
+                f"manifest is for swarm {self.swarm_id} ({self.name!r}), not {expected_id}"
+            )
         if len(self.signature) != SIG_BYTES:
-            raise BadSignature("manifest is not signed by its founder (sign it with atoll swarm init / "
-                               "add-authority / revoke)")
-        verify_signature(self.founder, self.signature, self.signing_bytes(), f"manifest of swarm {self.name!r}")
+            raise BadSignature(
+                "manifest is not signed by its founder (sign it with atoll swarm init / "
+                "add-authority / revoke)"
+            )
+        verify_signature(
+            self.founder, self.signature, self.signing_bytes(), f"manifest of swarm {self.name!r}"
+        )
 
     def superseded_by(self, newer: SwarmManifest) -> bool:
         """Whether ``newer`` (already verified) replaces this manifest. Raises ``NotAuthorized``
@@ -244,10 +271,15 @@ class SwarmManifest:
         if newer.version <= self.version:
             return False
         if newer.recipe != self.recipe:
-            changed = sorted(k for k in set(dict(newer.recipe)) | set(dict(self.recipe))
-                             if dict(newer.recipe).get(k) != dict(self.recipe).get(k))
-            raise NotAuthorized(f"manifest version {newer.version} changes the recipe ({', '.join(changed)}); "
-                                "a running swarm keeps its recipe: found a new swarm instead")
+            changed = sorted(
+                k
+                for k in set(dict(newer.recipe)) | set(dict(self.recipe))
+                if dict(newer.recipe).get(k) != dict(self.recipe).get(k)
+            )
+            raise NotAuthorized(
+                f"manifest version {newer.version} changes the recipe ({', '.join(changed)}); "
+                "a running swarm keeps its recipe: found a new swarm instead"
+            )
         if newer.created != self.created:
             raise NotAuthorized("a newer manifest must keep the swarm's creation time")
         return True
@@ -266,21 +298,37 @@ class SwarmManifest:
     # -- edits (each returns an unsigned manifest one version up) ---------------------------------
     def with_authority(self, lab: str, public_key: bytes) -> SwarmManifest:
         others = tuple(a for a in self.authorities if a.lab != lab and a.public_key != public_key)
-        return replace(self, version=self.version + 1, signature=b"",
-                       authorities=(*others, Authority(lab, bytes(public_key))))
+        return replace(
+            self,
+            version=self.version + 1,
+            signature=b"",
+            authorities=(*others, Authority(lab, bytes(public_key))),
+        )
 
     def with_revoked(self, public_key: bytes) -> SwarmManifest:
-        return replace(self, version=self.version + 1, signature=b"",
-                       revoked=self.revoked | {bytes(public_key)})
+        return replace(
+            self,
+            version=self.version + 1,
+            signature=b"",
+            revoked=self.revoked | {bytes(public_key)},
+        )
 
     # -- TOML -------------------------------------------------------------------------------------
     def to_toml_data(self) -> dict[str, Any]:
         """The manifest as TOML-ready data (``tomli_w.dumps`` writes it)."""
         data: dict[str, Any] = {
-            "swarm": {"name": self.name, "id": self.swarm_id, "founder": self.founder.hex(),
-                      "version": self.version, "admission": self.admission, "created": float(self.created)},
+            "swarm": {
+                "name": self.name,
+                "id": self.swarm_id,
+                "founder": self.founder.hex(),
+                "version": self.version,
+                "admission": self.admission,
+                "created": float(self.created),
+            },
             "recipe": dict(self.recipe),
-            "authorities": [{"lab": a.lab, "public_key": a.public_key.hex()} for a in self.authorities],
+            "authorities": [
+                {"lab": a.lab, "public_key": a.public_key.hex()} for a in self.authorities
+            ],
             "revoked": {"public_keys": sorted(k.hex() for k in self.revoked)},
         }
         if self.signature:
@@ -330,16 +378,23 @@ class SwarmManifest:
         if sig is None:
             raise DecodeError("signature.founder must be hex")
         manifest = cls(
-            name=swarm["name"], founder=hex_key(swarm["founder"], "swarm.founder"), version=version,
-            admission=swarm.get("admission", "open"), created=float(created),
+            name=swarm["name"],
+            founder=hex_key(swarm["founder"], "swarm.founder"),
+            version=version,
+            admission=swarm.get("admission", "open"),
+            created=float(created),
             recipe=tuple(sorted(recipe.items())),
-            authorities=tuple(Authority(a["lab"], hex_key(a["public_key"], f"authority {a.get('lab')!r} key"))
-                              for a in authorities),
+            authorities=tuple(
+                Authority(a["lab"], hex_key(a["public_key"], f"authority {a.get('lab')!r} key"))
+                for a in authorities
+            ),
             revoked=frozenset(hex_key(k, "revoked key") for k in revoked),
             signature=sig,
         )
         declared = swarm.get("id")
         if declared is not None and declared != manifest.swarm_id:
-            raise DecodeError(f"swarm.id {str(declared)[:40]!r} does not match the founder and name "
-                              f"(expected {manifest.swarm_id})")
+            raise DecodeError(
+                f"swarm.id {str(declared)[:40]!r} does not match the founder and name "
+                f"(expected {manifest.swarm_id})"
+            )
         return manifest

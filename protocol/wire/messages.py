@@ -187,7 +187,9 @@ class FragmentUpdate(Message):
         _name(self.swarm, "FragmentUpdate.swarm")
         _non_negative(self, "fragment", "version", "base_version")
         if self.base_version >= self.version:
-            raise DecodeError(f"FragmentUpdate.base_version {self.base_version} must be below version {self.version}")
+            raise DecodeError(
+                f"FragmentUpdate.base_version {self.base_version} must be below version {self.version}"
+            )
         _hash(self.base_digest, HASH_BYTES, "FragmentUpdate.base_digest")
         _hash(self.state_digest, HASH_BYTES, "FragmentUpdate.state_digest")
         _tensors(self.tensors, "FragmentUpdate.tensors")
@@ -263,39 +265,60 @@ class ReplicaState(Message):
     standing_peers: tuple[bytes, ...] = ()
     standing_scores: tuple[float, ...] = ()
     # left out of the bytes when empty, and taken as empty when absent (older senders)
-    ADDED: ClassVar[frozenset[str]] = frozenset({"norm_history", "standing_peers", "standing_scores"})
+    ADDED: ClassVar[frozenset[str]] = frozenset(
+        {"norm_history", "standing_peers", "standing_scores"}
+    )
 
     def _check(self) -> None:
         _name(self.swarm, "ReplicaState.swarm")
         _non_negative(self, "fragment", "epoch", "version")
         _hash(self.digest, HASH_BYTES, "ReplicaState.digest")
-        _require(len(self.merged_peers) == len(self.merged_bases),
-                 "ReplicaState.merged_peers and merged_bases must pair up")
+        _require(
+            len(self.merged_peers) == len(self.merged_bases),
+            "ReplicaState.merged_peers and merged_bases must pair up",
+        )
         for peer in self.merged_peers:
             _hash(peer, PEER_ID_BYTES, "ReplicaState.merged_peers")
-        _require(all(0 <= b <= self.version for b in self.merged_bases),
-                 "ReplicaState.merged_bases must lie in 0..version")
-        _require(len(self.norm_history) <= MAX_NORM_HISTORY and all(x >= 0 for x in self.norm_history),
-                 f"ReplicaState.norm_history must hold at most {MAX_NORM_HISTORY} norms, each >= 0")
-        _require(len(self.standing_peers) == len(self.standing_scores) <= MAX_STANDING,
-                 f"ReplicaState.standing_peers and standing_scores must pair up, at most {MAX_STANDING}")
+        _require(
+            all(0 <= b <= self.version for b in self.merged_bases),
+            "ReplicaState.merged_bases must lie in 0..version",
+        )
+        _require(
+            len(self.norm_history) <= MAX_NORM_HISTORY and all(x >= 0 for x in self.norm_history),
+            f"ReplicaState.norm_history must hold at most {MAX_NORM_HISTORY} norms, each >= 0",
+        )
+        _require(
+            len(self.standing_peers) == len(self.standing_scores) <= MAX_STANDING,
+            f"ReplicaState.standing_peers and standing_scores must pair up, at most {MAX_STANDING}",
+        )
         for peer in self.standing_peers:
             _hash(peer, PEER_ID_BYTES, "ReplicaState.standing_peers")
-        _require(all(abs(s) <= MAX_STANDING_SCORE for s in self.standing_scores),
-                 f"ReplicaState.standing_scores must lie in -{MAX_STANDING_SCORE}..{MAX_STANDING_SCORE}")
+        _require(
+            all(abs(s) <= MAX_STANDING_SCORE for s in self.standing_scores),
+            f"ReplicaState.standing_scores must lie in -{MAX_STANDING_SCORE}..{MAX_STANDING_SCORE}",
+        )
         if self.base_version == -1:
             _tensors(self.theta, "ReplicaState.theta")
-            _require(self.base_digest == b"", "ReplicaState.base_digest must be empty without a base_version")
-            _require(len(self.theta) == 1 and len(self.momentum) <= 1,
-                     "ReplicaState carries one theta tensor and at most one momentum tensor")
+            _require(
+                self.base_digest == b"",
+                "ReplicaState.base_digest must be empty without a base_version",
+            )
+            _require(
+                len(self.theta) == 1 and len(self.momentum) <= 1,
+                "ReplicaState carries one theta tensor and at most one momentum tensor",
+            )
         elif self.base_version == self.version:
-            _require(self.base_digest == self.digest and not self.theta and not self.momentum,
-                     "a handoff by reference (base_version == version) names the version's digest as its "
-                     "base and carries no tensors")
+            _require(
+                self.base_digest == self.digest and not self.theta and not self.momentum,
+                "a handoff by reference (base_version == version) names the version's digest as its "
+                "base and carries no tensors",
+            )
         else:
-            _require(0 <= self.base_version < self.version,
-                     "ReplicaState.base_version must be -1, lie in 0..version-1 (an update) or be version "
-                     "(by reference)")
+            _require(
+                0 <= self.base_version < self.version,
+                "ReplicaState.base_version must be -1, lie in 0..version-1 (an update) or be version "
+                "(by reference)",
+            )
             _hash(self.base_digest, HASH_BYTES, "ReplicaState.base_digest")
             _require(not self.momentum, "an update handoff (base_version >= 0) carries no momentum")
             _tensors(self.theta, "ReplicaState.theta")
@@ -315,7 +338,9 @@ class ReplicaAck(Message):
     version: int
 
     def _check(self) -> None:
-        _require(self.epoch >= -1 and self.version >= -1, "ReplicaAck epoch and version must be >= -1")
+        _require(
+            self.epoch >= -1 and self.version >= -1, "ReplicaAck epoch and version must be >= -1"
+        )
 
 
 @register(5)

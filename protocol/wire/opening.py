@@ -103,11 +103,20 @@ class Envelope:
                 "message names no recipient (a broadcast); one sent here must name this node "
                 f"{_short(expected)}"
             )
-        raise NotAuthorized(f"message sealed for peer {_short(self.recipient)}, not for this node "
-                            f"{_short(expected)}: replayed from elsewhere?")
+        raise NotAuthorized(
+            f"message sealed for peer {_short(self.recipient)}, not for this node "
+            f"{_short(expected)}: replayed from elsewhere?"
+        )
 
-    def admit(self, body: Buffer, *, now: float, replay: ReplayWindow,
-              expected_recipient: bytes | None = None, digests: Digests | None = None) -> Admitted:
+    def admit(
+        self,
+        body: Buffer,
+        *,
+        now: float,
+        replay: ReplayWindow,
+        expected_recipient: bytes | None = None,
+        digests: Digests | None = None,
+    ) -> Admitted:
         """Check ``body`` against this envelope (length, content hash), its recipient, then skew
         and replay; the decode is left to ``Admitted.decode``. ``digests`` are the body's
         ``message_digests`` when the caller has computed them already (e.g. in a worker thread).
@@ -128,8 +137,14 @@ class Envelope:
             raise BadSignature("content hash mismatch")
         return digests
 
-    def open_body(self, body: Buffer, *, now: float, replay: ReplayWindow,
-                  expected_recipient: bytes | None = None) -> Opened:
+    def open_body(
+        self,
+        body: Buffer,
+        *,
+        now: float,
+        replay: ReplayWindow,
+        expected_recipient: bytes | None = None,
+    ) -> Opened:
         """``admit`` then ``decode``: raises as both."""
         admitted = self.admit(body, now=now, replay=replay, expected_recipient=expected_recipient)
         return admitted.decode()
@@ -155,8 +170,15 @@ class Admitted:
         """The decoded message; raises DecodeError or Oversize (see ``codec.decode``)."""
         env = self.envelope
         message = decode(self.body, max_size=env.size)
-        return Opened(env.public_key, env.peer_id, env.timestamp, env.nonce, message, env.recipient,
-                      self.blobs_digest)
+        return Opened(
+            env.public_key,
+            env.peer_id,
+            env.timestamp,
+            env.nonce,
+            message,
+            env.recipient,
+            self.blobs_digest,
+        )
 
 
 def _body_view(env: Envelope, body: Buffer) -> memoryview:
@@ -245,8 +267,9 @@ def _split(wire: Buffer, max_size: int) -> tuple[Envelope, memoryview]:
     return env, mv[end:]
 
 
-def split_sealed(wire: Buffer, *, max_size: int,
-                 expected_recipient: bytes | None = None) -> tuple[Envelope, memoryview]:
+def split_sealed(
+    wire: Buffer, *, max_size: int, expected_recipient: bytes | None = None
+) -> tuple[Envelope, memoryview]:
     """The verified envelope of a sealed message and its body, not yet hashed nor decoded: a
     receiver can decide from ``Envelope.peer_id`` whether the sender may ask this at all, and
     refuse a message sealed for another node (``expected_recipient``, see
@@ -260,8 +283,14 @@ def split_sealed(wire: Buffer, *, max_size: int,
     return env, body
 
 
-def open_sealed(wire: Buffer, *, now: float, replay: ReplayWindow, max_size: int,
-                expected_recipient: bytes | None = None) -> Opened:
+def open_sealed(
+    wire: Buffer,
+    *,
+    now: float,
+    replay: ReplayWindow,
+    max_size: int,
+    expected_recipient: bytes | None = None,
+) -> Opened:
     """Verify, recipient- and replay-check and decode a whole sealed message (see the module
     docstring).
 

@@ -74,15 +74,24 @@ class ReplayWindow:
     ~170 B a dormant key, 8 B a bucket.
     """
 
-    def __init__(self, max_skew_s: float = 60.0, capacity: int = 100_000, *,
-                 max_dormant: int | None = None, buckets: int = 1 << 16, salt: bytes = b"") -> None:
+    def __init__(
+        self,
+        max_skew_s: float = 60.0,
+        capacity: int = 100_000,
+        *,
+        max_dormant: int | None = None,
+        buckets: int = 1 << 16,
+        salt: bytes = b"",
+    ) -> None:
         """``max_dormant`` defaults to ``capacity // 4``. Raises LocalProtocolError on a
         non-positive skew, capacity or bucket count, a negative ``max_dormant`` or a salt longer
         than 64 bytes."""
         dormant = capacity // 4 if max_dormant is None else max_dormant
         if not max_skew_s > 0 or capacity < 1 or dormant < 0 or buckets < 1 or len(salt) > 64:
-            raise LocalProtocolError("need max_skew_s > 0, capacity >= 1, max_dormant >= 0, "
-                                     "buckets >= 1 and a salt of at most 64 bytes")
+            raise LocalProtocolError(
+                "need max_skew_s > 0, capacity >= 1, max_dormant >= 0, "
+                "buckets >= 1 and a salt of at most 64 bytes"
+            )
         self.max_skew_s, self.capacity, self.max_dormant = max_skew_s, capacity, dormant
         self.floor = -math.inf  # newest pruned timestamp (see the class docstring)
         self._salt = bytes(salt)
@@ -105,14 +114,18 @@ class ReplayWindow:
         direction (clock skew), or at or below its key's floor."""
         skew = timestamp - now
         if not abs(skew) <= self.max_skew_s:
-            raise Replay(f"timestamp {skew:+.1f} s from now exceeds the clock skew limit of "
-                         f"{self.max_skew_s} s")
+            raise Replay(
+                f"timestamp {skew:+.1f} s from now exceeds the clock skew limit of "
+                f"{self.max_skew_s} s"
+            )
         self.prune(now)
         key, nonce = bytes(public_key), bytes(nonce)
         floor = self.floor_of(key)
         if timestamp <= floor:
-            raise Replay(f"timestamp {timestamp} at or below this key's replay floor {floor} "
-                         "(its older messages were forgotten)")
+            raise Replay(
+                f"timestamp {timestamp} at or below this key's replay floor {floor} "
+                "(its older messages were forgotten)"
+            )
         if (key, nonce) in self._seen:
             raise Replay("nonce already seen from this key")
         if len(self._seen) >= self.capacity:

@@ -69,14 +69,28 @@ class RequestAuth:
     signature: bytes
 
     @staticmethod
-    def signing_bytes(swarm: str, method: str, target: str, timestamp: float, recipient: bytes,
-                      nonce: bytes) -> bytes:
-        return bytes(msgpack.packb([AUTH_DOMAIN, swarm, method.upper(), target, float(timestamp), recipient, nonce],
-                                   use_bin_type=True))
+    def signing_bytes(
+        swarm: str, method: str, target: str, timestamp: float, recipient: bytes, nonce: bytes
+    ) -> bytes:
+        return bytes(
+            msgpack.packb(
+                [AUTH_DOMAIN, swarm, method.upper(), target, float(timestamp), recipient, nonce],
+                use_bin_type=True,
+            )
+        )
 
     @classmethod
-    def make(cls, signer: ManifestSigner, *, swarm: str, method: str, target: str, now: float,
-             recipient: bytes | None, nonce: bytes) -> str:
+    def make(
+        cls,
+        signer: ManifestSigner,
+        *,
+        swarm: str,
+        method: str,
+        target: str,
+        now: float,
+        recipient: bytes | None,
+        nonce: bytes,
+    ) -> str:
         """The header value for a request of ``method`` to ``target`` (path and query) at the node
         ``recipient`` (its peer id; None when not known yet). ``nonce``: ``NONCE_BYTES`` random
         bytes, fresh for every request."""
@@ -85,8 +99,10 @@ class RequestAuth:
         ts = round(now, 3)
         to = recipient or b""
         sig = signer.sign(cls.signing_bytes(swarm, method, target, ts, to, nonce))
-        return (f"v2 {signer.public_key.hex()} {ts!r} {to.hex() or NO_RECIPIENT} {nonce.hex()} "
-                f"{base64.b64encode(sig).decode()}")
+        return (
+            f"v2 {signer.public_key.hex()} {ts!r} {to.hex() or NO_RECIPIENT} {nonce.hex()} "
+            f"{base64.b64encode(sig).decode()}"
+        )
 
     @classmethod
     def parse(cls, value: str) -> RequestAuth:
@@ -96,48 +112,77 @@ class RequestAuth:
             raise Oversize(f"{AUTH_HEADER} header of {len(value)} characters is too long")
         parts = value.split(" ")
         if parts[0] == "v1":
-            raise AuthRefused(f"{AUTH_HEADER} v1 is no longer accepted: it names neither the node it is for nor a "
-                              "nonce, so a captured one could be replayed; upgrade atoll (this node takes v2)")
+            raise AuthRefused(
+                f"{AUTH_HEADER} v1 is no longer accepted: it names neither the node it is for nor a "
+                "nonce, so a captured one could be replayed; upgrade atoll (this node takes v2)"
+            )
         if len(parts) != 6 or parts[0] != "v2":
-            raise DecodeError(f"{AUTH_HEADER} must be 'v2 <key hex> <unix time> <recipient peer id hex or -> "
-                              "<nonce hex> <signature base64>'")
+            raise DecodeError(
+                f"{AUTH_HEADER} must be 'v2 <key hex> <unix time> <recipient peer id hex or -> "
+                "<nonce hex> <signature base64>'"
+            )
         key = hex_key(parts[1], f"{AUTH_HEADER} key")
-        recipient = b"" if parts[3] == NO_RECIPIENT else hex_key(parts[3], f"{AUTH_HEADER} recipient")
+        recipient = (
+            b"" if parts[3] == NO_RECIPIENT else hex_key(parts[3], f"{AUTH_HEADER} recipient")
+        )
         try:
             ts = float(parts[2]) if len(parts[2]) <= 24 else math.nan
-            nonce = bytes.fromhex(parts[4]) if len(parts[4]) == 2 * NONCE_BYTES and parts[4].isalnum() else b""
+            nonce = (
+                bytes.fromhex(parts[4])
+                if len(parts[4]) == 2 * NONCE_BYTES and parts[4].isalnum()
+                else b""
+            )
             sig = base64.b64decode(parts[5], validate=True)
         except (ValueError, binascii.Error):
             raise DecodeError(f"{AUTH_HEADER}: bad time, nonce or signature encoding") from None
         if not math.isfinite(ts) or len(sig) != SIG_BYTES or len(nonce) != NONCE_BYTES:
-            raise DecodeError(f"{AUTH_HEADER}: time must be finite, the nonce {NONCE_BYTES} bytes in hex and the "
-                              f"signature {SIG_BYTES} bytes")
+            raise DecodeError(
+                f"{AUTH_HEADER}: time must be finite, the nonce {NONCE_BYTES} bytes in hex and the "
+                f"signature {SIG_BYTES} bytes"
+            )
         return cls(key, ts, recipient, nonce, sig)
 
-    def verify(self, *, swarm: str, method: str, target: str, now: float, recipient: bytes,
-               unbound_ok: bool = False) -> None:
+    def verify(
+        self,
+        *,
+        swarm: str,
+        method: str,
+        target: str,
+        now: float,
+        recipient: bytes,
+        unbound_ok: bool = False,
+    ) -> None:
         """Check the header for a request to this node (peer id ``recipient``). Raises
         ``NotAuthorized`` for a stale or future timestamp, ``AuthRefused`` for a header naming
         another node (or none, unless ``unbound_ok``: a route reachable on first contact),
         ``BadSignature`` for a bad signature. Replays are ``ReplayCache``'s to catch."""
         if abs(now - self.timestamp) > MAX_SKEW_S:
-            raise NotAuthorized(f"{AUTH_HEADER} is dated {self.timestamp - now:+.0f} s from this node's clock "
-                                f"(at most {MAX_SKEW_S:.0f} s apart): check the sender's clock")
+            raise NotAuthorized(
+                f"{AUTH_HEADER} is dated {self.timestamp - now:+.0f} s from this node's clock "
+                f"(at most {MAX_SKEW_S:.0f} s apart): check the sender's clock"
+            )
         if self.recipient and self.recipient != recipient:
-            raise AuthRefused(f"{AUTH_HEADER} names peer {self.recipient.hex()[:16]}, not this node "
-                              f"({recipient.hex()[:16]}): a header is good only at the node it was signed for")
+            raise AuthRefused(
+                f"{AUTH_HEADER} names peer {self.recipient.hex()[:16]}, not this node "
+                f"({recipient.hex()[:16]}): a header is good only at the node it was signed for"
+            )
         if not unbound_ok:
             self.check_bound(recipient)
-        verify_signature(self.public_key, self.signature,
-                         self.signing_bytes(swarm, method, target, self.timestamp, self.recipient, self.nonce),
-                         f"{AUTH_HEADER} of {self.public_key.hex()[:16]}")
+        verify_signature(
+            self.public_key,
+            self.signature,
+            self.signing_bytes(swarm, method, target, self.timestamp, self.recipient, self.nonce),
+            f"{AUTH_HEADER} of {self.public_key.hex()[:16]}",
+        )
 
     def check_bound(self, recipient: bytes) -> None:
         """``AuthRefused`` for a header that names no recipient, on a route that needs one (a
         server may check this after the certificate, so a stranger learns why it is refused)."""
         if not self.recipient:
-            raise AuthRefused(f"{AUTH_HEADER} names no recipient, which only the routes reachable on first contact "
-                              f"accept: sign for this node's peer id ({recipient.hex()[:16]}…, in its member record)")
+            raise AuthRefused(
+                f"{AUTH_HEADER} names no recipient, which only the routes reachable on first contact "
+                f"accept: sign for this node's peer id ({recipient.hex()[:16]}…, in its member record)"
+            )
 
     @property
     def expires_at(self) -> float:
@@ -180,8 +225,10 @@ class ReplayCache:
         entry = self._entry(auth)
         if entry in self._expiry:
             self.replays += 1
-            raise AuthRefused(f"{AUTH_HEADER} of {auth.public_key.hex()[:16]} was used before (nonce "
-                              f"{auth.nonce.hex()[:8]}…): each header is taken once; sign every request afresh")
+            raise AuthRefused(
+                f"{AUTH_HEADER} of {auth.public_key.hex()[:16]} was used before (nonce "
+                f"{auth.nonce.hex()[:8]}…): each header is taken once; sign every request afresh"
+            )
         while len(self._expiry) >= self.max_entries:
             self._evict_heaviest()
         self._expiry[entry] = (auth.expires_at, source)

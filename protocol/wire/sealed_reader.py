@@ -65,8 +65,9 @@ class SealedReader:
         """Hash, recipient and replay checks, decode; raises as ``Envelope.open_body``, or
         LocalProtocolError before the message is complete."""
         env = self._complete()
-        admitted = env.admit(self._body.view(), now=now, replay=replay,
-                             expected_recipient=expected_recipient)
+        admitted = env.admit(
+            self._body.view(), now=now, replay=replay, expected_recipient=expected_recipient
+        )
         return admitted.decode()
 
     def verify(self) -> Opened:

@@ -134,7 +134,10 @@ class Sealed:
 
     @property
     def parts(self) -> list[memoryview]:
-        return [memoryview(LENGTH_PREFIX.pack(len(self.envelope)) + self.envelope), *self.message.parts]
+        return [
+            memoryview(LENGTH_PREFIX.pack(len(self.envelope)) + self.envelope),
+            *self.message.parts,
+        ]
 
     def iter_chunks(self, chunk_size: int = 1 << 20) -> Iterator[memoryview]:
         """The whole wire form in chunks of at most ``chunk_size`` (big blobs not copied)."""
@@ -146,7 +149,12 @@ class Sealed:
 
 
 def seal(
-    encoded: Encoded, signer: Signer, *, now: float, nonce: bytes, recipient: bytes = b"",
+    encoded: Encoded,
+    signer: Signer,
+    *,
+    now: float,
+    nonce: bytes,
+    recipient: bytes = b"",
     blobs_digest: bytes | None = None,
 ) -> Sealed:
     """Sign ``encoded`` as sent by ``signer`` at time ``now`` with a fresh 16-byte ``nonce``, for

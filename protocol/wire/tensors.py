@@ -24,7 +24,9 @@ __all__ = [
 ]
 
 CODECS = ("none", "bf16", "int8", "int4", "topk2", "sign1")
-UPDATE_CODECS = CODECS[1:]  # the lossy ones: what an owner may publish updates in (protocol.diloco.updates)
+UPDATE_CODECS = CODECS[
+    1:
+]  # the lossy ones: what an owner may publish updates in (protocol.diloco.updates)
 BLOCKED = ("int8", "int4", "topk2", "sign1")  # codecs whose block_size is >= 1
 TOPK_CHUNK = 4096  # topk2: elements per chunk, so a position within it fits in 16 bits
 DTYPES = ("float32", "bfloat16", "float16")
@@ -117,6 +119,11 @@ def payload_bytes(codec: str, numel: int, block_size: int) -> tuple[int, int]:
         full, k, k_tail = topk_counts(numel, block_size)
         kept = full * k + k_tail
         return 2 * kept + (kept + 3) // 4, 4 * (full + (k_tail > 0))
-    data = {"none": 4 * numel, "bf16": 2 * numel, "int8": numel, "int4": (numel + 1) // 2,
-            "sign1": (numel + 7) // 8}[codec]
+    data = {
+        "none": 4 * numel,
+        "bf16": 2 * numel,
+        "int8": numel,
+        "int4": (numel + 1) // 2,
+        "sign1": (numel + 7) // 8,
+    }[codec]
     return data, 4 * -(-numel // block_size) if codec in BLOCKED else 0

@@ -34,12 +34,16 @@ def test_a_case_is_skipped_per_codec_by_the_memory_its_largest_group_needs(monke
     # does not; hivemind alone fits; all three in the same processes do not
     atoll, hivemind = ["atoll", "raw"], ["hivemind"]
     assert memory_needed_mb(8, 50_000_000, atoll) < memory_needed_mb(8, 50_000_000, atoll, "fp16")
-    assert memory_needed_mb(8, 50_000_000, atoll, "fp16") < memory_needed_mb(8, 50_000_000, atoll, "int8")
+    assert memory_needed_mb(8, 50_000_000, atoll, "fp16") < memory_needed_mb(
+        8, 50_000_000, atoll, "int8"
+    )
     monkeypatch.setattr(bench.averaging, "available_mb", lambda: 23 * 1024)
     systems = atoll + hivemind
     assert memory_shortfall(8, 50_000_000, systems, True, "none") is None
     reason = memory_shortfall(8, 50_000_000, systems, True, "fp16")
-    assert reason is not None and reason.startswith("not run: 8 peers x 50,000,000 parameters with codec fp16")
+    assert reason is not None and reason.startswith(
+        "not run: 8 peers x 50,000,000 parameters with codec fp16"
+    )
     assert memory_shortfall(8, 50_000_000, systems, False, "none") is not None  # --no-isolate
     assert memory_shortfall(4, 10_000_000, systems, False, "fp16") is None
 
@@ -51,11 +55,13 @@ def test_inputs_are_seeded_and_chunks_stand_alone() -> None:
     assert torch.equal(whole, delta(7, layout, 2, 1, 1))
     assert not torch.equal(whole, delta(7, layout, 2, 0, 1))  # another peer
     assert not torch.equal(whole, delta(7, layout, 3, 1, 1))  # another round
-    assert torch.equal(delta(7, layout, 2, 1, 1, range(1, 2)), whole[CHUNK:2 * CHUNK])
+    assert torch.equal(delta(7, layout, 2, 1, 1, range(1, 2)), whole[CHUNK : 2 * CHUNK])
     assert torch.equal(initial(7, layout, 0), initial(7, layout, 0))
 
 
-def _rounded(full: torch.Tensor, base: torch.Tensor, deltas: list[torch.Tensor], codec: str) -> torch.Tensor:
+def _rounded(
+    full: torch.Tensor, base: torch.Tensor, deltas: list[torch.Tensor], codec: str
+) -> torch.Tensor:
     """``full`` as a codec leaves it; int8: every input and the update quantised, the update
     with an owner residual as large as one int8 rounding carried in (as in later rounds)."""
     if codec == "fp16":
@@ -77,7 +83,10 @@ def test_a_merge_missing_one_input_is_told_from_codec_rounding(codec: str) -> No
     rounded = _rounded(full, base, deltas, codec)
     assert relative_error(rounded, full, base) < tolerance(codec)
     assert relative_error(partial, full, base) > 5 * tolerance(codec)
-    errors = {"all": relative_error(partial, full, base), "survivors": relative_error(partial, partial, base)}
+    errors = {
+        "all": relative_error(partial, full, base),
+        "survivors": relative_error(partial, partial, base),
+    }
     assert classify(errors, codec) == "survivors"
     assert classify({"all": 0.5}, codec) == "neither"
 
@@ -86,13 +95,32 @@ def test_a_merge_missing_one_input_is_told_from_codec_rounding(codec: str) -> No
 @pytest.mark.timeout(600)
 def test_a_tiny_run_of_atoll_and_raw_checks_every_merge(tmp_path) -> None:
     systems = "atoll,raw,hivemind" if importlib.util.find_spec("hivemind") else "atoll,raw"
-    out = main(["--cases", "2x40k", "--codecs", "none", "--systems", systems, "--repeats", "1",
-                "--fragments", "2", "--no-kill", "--timeout", "120", "--log-dir", str(tmp_path)])
+    out = main(
+        [
+            "--cases",
+            "2x40k",
+            "--codecs",
+            "none",
+            "--systems",
+            systems,
+            "--repeats",
+            "1",
+            "--fragments",
+            "2",
+            "--no-kill",
+            "--timeout",
+            "120",
+            "--log-dir",
+            str(tmp_path),
+        ]
+    )
     case = out["cases"][0]
     assert (case["peers"], case["params"]) == (2, 40_000)
     assert case["atoll_s"] > 0 and case["raw_s"] > 0
     run = case["atoll_runs"][0]
-    assert run["ok"] and run["check"]["matches"] == ["all"] and run["check"]["identical_on_every_peer"]
+    assert (
+        run["ok"] and run["check"]["matches"] == ["all"] and run["check"]["identical_on_every_peer"]
+    )
     assert {f["matches"] for f in run["check"]["fragments"]} == {"all"}
     if "hivemind" in systems:
         assert case["hivemind_runs"][0]["check"]["matches"] == ["all"]
@@ -102,8 +130,25 @@ def test_a_tiny_run_of_atoll_and_raw_checks_every_merge(tmp_path) -> None:
 
 def _two_rounds_of_atoll_and_raw(tmp_path, codec: str) -> dict:  # type: ignore[no-untyped-def,type-arg]
     """The case of a tiny run (2 peers x 40k values, 2 fragments) timing two rounds of Atoll and raw."""
-    out = main(["--cases", "2x40k", "--codecs", codec, "--systems", "atoll,raw", "--repeats", "2",
-                "--fragments", "2", "--no-kill", "--timeout", "120", "--log-dir", str(tmp_path)])
+    out = main(
+        [
+            "--cases",
+            "2x40k",
+            "--codecs",
+            codec,
+            "--systems",
+            "atoll,raw",
+            "--repeats",
+            "2",
+            "--fragments",
+            "2",
+            "--no-kill",
+            "--timeout",
+            "120",
+            "--log-dir",
+            str(tmp_path),
+        ]
+    )
     return out["cases"][0]  # type: ignore[no-any-return]
 
 
@@ -115,7 +160,11 @@ def test_a_tiny_bf16_run_checks_every_merge_against_the_owners_own_fp32_state(tm
     case = _two_rounds_of_atoll_and_raw(tmp_path, "fp16")
     assert (case["codec"], case["atoll_codec"]) == ("fp16", "bf16 up / bf16 down")
     for run in case["atoll_runs"]:
-        assert run["ok"] and run["check"]["matches"] == ["all"] and run["check"]["identical_on_every_peer"]
+        assert (
+            run["ok"]
+            and run["check"]["matches"] == ["all"]
+            and run["check"]["identical_on_every_peer"]
+        )
         assert max(f["errors"]["all"] for f in run["check"]["fragments"]) < tolerance("none")
 
 
@@ -123,17 +172,26 @@ def test_a_tiny_bf16_run_checks_every_merge_against_the_owners_own_fp32_state(tm
 @pytest.mark.timeout(600)
 def test_a_tiny_int8_run_ships_updates_and_checks_every_merge(tmp_path) -> None:
     case = _two_rounds_of_atoll_and_raw(tmp_path, "int8")
-    assert (case["codec"], case["atoll_codec"], case["raw_codec"]) == ("int8", "int8 up / int8 update down", "fp32")
+    assert (case["codec"], case["atoll_codec"], case["raw_codec"]) == (
+        "int8",
+        "int8 up / int8 update down",
+        "fp32",
+    )
     assert case["atoll_s"] > 0 and case["raw_s"] > 0
     for run in case["atoll_runs"]:  # each carries an owner residual from the rounds before it
-        assert run["ok"] and run["check"]["matches"] == ["all"] and run["check"]["identical_on_every_peer"]
+        assert (
+            run["ok"]
+            and run["check"]["matches"] == ["all"]
+            and run["check"]["identical_on_every_peer"]
+        )
         assert run["versions_received"] == 2 * 2 and run["update_mismatches"] == 0
         # every version of a fragment it does not own comes to a peer as an int8 update: its
         # learner downloads and applies it, or (a signed swarm) it is the fragment's replica and
         # its learner takes the state the owner's update handoff gave (its own fragments'
         # versions its learner may take locally)
-        for i, (applied, replica) in enumerate(zip(run["updates_applied_per_peer"],
-                                                   run["versions_replica_per_peer"], strict=True)):
+        for i, (applied, replica) in enumerate(
+            zip(run["updates_applied_per_peer"], run["versions_replica_per_peer"], strict=True)
+        ):
             assert applied + replica >= 2 - case["owners"].count(i)
         assert sum(run["versions_replica_per_peer"]) == 2  # 2 peers: the non-owner is the replica
         # the check replays the owner's residual: the reference is the owners' own result
@@ -148,21 +206,50 @@ def test_hivemind_is_never_imported_by_node_or_protocol() -> None:
     offenders = []
     for path in [*root.glob("node/**/*.py"), *root.glob("protocol/**/*.py")]:
         for node in ast.walk(ast.parse(path.read_text())):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
-            offenders += [f"{path.relative_to(root)}: {n}" for n in names if n.split(".")[0] == "hivemind"]
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
+            offenders += [
+                f"{path.relative_to(root)}: {n}" for n in names if n.split(".")[0] == "hivemind"
+            ]
     assert offenders == []
 
 
 @pytest.mark.integration
 @pytest.mark.timeout(600)
-def test_a_peer_killed_mid_round_leaves_the_survivors_a_checked_merge_within_seconds(tmp_path) -> None:
+def test_a_peer_killed_mid_round_leaves_the_survivors_a_checked_merge_within_seconds(
+    tmp_path,
+) -> None:
     """The kill test on Atoll (elastic: a death lowers the rounds' quorum): the survivors hold
     a version of every fragment above the one they had, the same on each, every fragment a merge
     of whole contributions (all, the survivors, or a named subset; never "neither"), well before
     the 60 s timeout."""
-    out = main(["--cases", "3x40k", "--codecs", "none", "--systems", "atoll", "--repeats", "1", "--warmup", "0",
-                "--fragments", "3", "--kill-at", "0.1", "--timeout", "60", "--log-dir", str(tmp_path)])
+    out = main(
+        [
+            "--cases",
+            "3x40k",
+            "--codecs",
+            "none",
+            "--systems",
+            "atoll",
+            "--repeats",
+            "1",
+            "--warmup",
+            "0",
+            "--fragments",
+            "3",
+            "--kill-at",
+            "0.1",
+            "--timeout",
+            "60",
+            "--log-dir",
+            str(tmp_path),
+        ]
+    )
     kill = out["cases"][0]["kill"]["atoll"]
     assert kill["killed_peer"] == 2 and kill["recovered"], kill.get("errors")
     assert kill["seconds_to_merged"] < 30 and not kill["silently_partial"]

@@ -21,7 +21,10 @@ def test_gap_is_relative_to_the_second_argument() -> None:
 
 def test_parse_set_reads_numbers_and_strings() -> None:
     assert parse_set(["outer_lr=0.7", "inner-steps=60", "codec=int4"]) == {
-        "outer_lr": 0.7, "inner_steps": 60, "codec": "int4"}
+        "outer_lr": 0.7,
+        "inner_steps": 60,
+        "codec": "int4",
+    }
     with pytest.raises(ValueError, match="FIELD=VALUE"):
         parse_set(["outer_lr"])
 
@@ -62,37 +65,71 @@ def test_the_baseline_key_ignores_what_data_parallel_does_not_use() -> None:
 @pytest.mark.timeout(900)
 def test_a_quick_run_reports_gaps_computed_from_its_reports(tmp_path: Path, capsys) -> None:
     journal = tmp_path / "results.jsonl"
-    out = main(["--quick", "--seeds", "0", "--ablations", "codec:int8", "--dp-lrs", "3e-3,6e-3",
-                "--out", str(tmp_path / "reports"), "--journal", str(journal), "--plot", str(tmp_path / "q.png")])
-    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == json.loads(json.dumps(out))
+    out = main(
+        [
+            "--quick",
+            "--seeds",
+            "0",
+            "--ablations",
+            "codec:int8",
+            "--dp-lrs",
+            "3e-3,6e-3",
+            "--out",
+            str(tmp_path / "reports"),
+            "--journal",
+            str(journal),
+            "--plot",
+            str(tmp_path / "q.png"),
+        ]
+    )
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == json.loads(
+        json.dumps(out)
+    )
 
     run = out["main"]["per_seed"][0]
-    ends = {m: json.loads(Path(run[m]["report"]).read_text())["eval_loss"]["end"] for m in ("decoupled", "sync")}
-    tried = [json.loads(Path(out_dir).read_text())["eval_loss_end"]
-             for out_dir in sorted((tmp_path / "reports").glob("dp-s0-*.json"))]
+    ends = {
+        m: json.loads(Path(run[m]["report"]).read_text())["eval_loss"]["end"]
+        for m in ("decoupled", "sync")
+    }
+    tried = [
+        json.loads(Path(out_dir).read_text())["eval_loss_end"]
+        for out_dir in sorted((tmp_path / "reports").glob("dp-s0-*.json"))
+    ]
     assert len(tried) == 2 and run["dp"]["eval_loss_end"] == min(tried)  # the better-tuned baseline
     assert run["gap_decoupled_vs_dp"] == pytest.approx(gap(ends["decoupled"], min(tried)))
     assert run["gap_sync_vs_dp"] == pytest.approx(gap(ends["sync"], min(tried)))
     assert run["gap_decoupled_vs_sync"] == pytest.approx(gap(ends["decoupled"], ends["sync"]))
-    assert out["main"]["mean"]["gap_decoupled_vs_dp"]["mean"] == pytest.approx(run["gap_decoupled_vs_dp"])
+    assert out["main"]["mean"]["gap_decoupled_vs_dp"]["mean"] == pytest.approx(
+        run["gap_decoupled_vs_dp"]
+    )
 
     for method in ("decoupled", "sync"):
         report = json.loads(Path(run[method]["report"]).read_text())
         assert report["config"]["mode"] == method and report["config"]["model"] == "tiny"
         assert report["tokens_trained"] == run["dp"]["tokens_trained"]  # equal tokens
         assert run[method]["bandwidth_reduction_vs_ddp"] == pytest.approx(
-            report["bytes_sent_ddp_equivalent"] / report["bytes_sent"])
+            report["bytes_sent_ddp_equivalent"] / report["bytes_sent"]
+        )
 
     (ablation,) = out["ablations"]
     ab_run = ablation["per_seed"][0]
     ab_report = json.loads(Path(ab_run["decoupled"]["report"]).read_text())
     assert ab_report["config"]["codec"] == "int8" and "sync" not in ab_run  # int4 is the default
     assert ab_run["dp"]["report"] == run["dp"]["report"]  # same baseline, trained once
-    assert ab_run["gap_decoupled_vs_dp"] == pytest.approx(gap(ab_report["eval_loss"]["end"], min(tried)))
+    assert ab_run["gap_decoupled_vs_dp"] == pytest.approx(
+        gap(ab_report["eval_loss"]["end"], min(tried))
+    )
 
     lines = [json.loads(x) for x in journal.read_text().splitlines()]
     assert sorted((r["kind"], r.get("method")) for r in lines) == sorted(
-        [("local", "decoupled"), ("local", "sync"), ("local", "decoupled"), ("baseline", None), ("baseline", None)])
+        [
+            ("local", "decoupled"),
+            ("local", "sync"),
+            ("local", "decoupled"),
+            ("baseline", None),
+            ("baseline", None),
+        ]
+    )
     assert (tmp_path / "q.png").stat().st_size > 0
 
 
@@ -100,8 +137,11 @@ def test_a_failed_run_is_tried_again_then_reported(tmp_path: Path) -> None:
     journal = tmp_path / "j.jsonl"
     runner = Runner(tmp_path, resume=False, journal=journal, timeout_s=60, retries=1)
     marker = tmp_path / "ran-once"
-    flaky = ["-c", f"import pathlib, sys; m = pathlib.Path({str(marker)!r}); ok = m.exists(); m.touch(); "
-                   "print('second try' if ok else 'first try failed'); sys.exit(0 if ok else 3)"]
+    flaky = [
+        "-c",
+        f"import pathlib, sys; m = pathlib.Path({str(marker)!r}); ok = m.exists(); m.touch(); "
+        "print('second try' if ok else 'first try failed'); sys.exit(0 if ok else 3)",
+    ]
     runner._call([sys.executable, *flaky], tmp_path / "flaky.log", "flaky")
     assert (tmp_path / "flaky.log").read_text().strip() == "second try"
     assert "first try failed" in (tmp_path / "flaky.failed0.log").read_text()
@@ -109,21 +149,29 @@ def test_a_failed_run_is_tried_again_then_reported(tmp_path: Path) -> None:
     assert failure["kind"] == "failure" and failure["exit_code"] == 3
 
     with pytest.raises(RuntimeError, match=r"always failed \(exit code 4"):
-        runner._call([sys.executable, "-c", "import sys; sys.exit(4)"], tmp_path / "bad.log", "always")
+        runner._call(
+            [sys.executable, "-c", "import sys; sys.exit(4)"], tmp_path / "bad.log", "always"
+        )
 
 
 def test_a_baseline_claimed_by_another_live_process_is_waited_for(tmp_path: Path) -> None:
     from bench.quality_runs import _wait_for_other_writer
 
     target = tmp_path / "dp-s0-x.json"
-    script = ("import pathlib, os, sys, time; t = pathlib.Path(sys.argv[1]); l = t.with_suffix('.lock'); "
-              "l.write_text(str(os.getpid())); print('claimed', flush=True); time.sleep(1); "
-              "t.write_text('{\"done\": true}'); l.unlink()")
-    writer = subprocess.Popen([sys.executable, "-c", script, str(target)], stdout=subprocess.PIPE, text=True)
+    script = (
+        "import pathlib, os, sys, time; t = pathlib.Path(sys.argv[1]); l = t.with_suffix('.lock'); "
+        "l.write_text(str(os.getpid())); print('claimed', flush=True); time.sleep(1); "
+        "t.write_text('{\"done\": true}'); l.unlink()"
+    )
+    writer = subprocess.Popen(
+        [sys.executable, "-c", script, str(target)], stdout=subprocess.PIPE, text=True
+    )
     assert writer.stdout is not None and writer.stdout.readline().strip() == "claimed"
     _wait_for_other_writer(target, poll_s=0.1)
     assert json.loads(target.read_text()) == {"done": True}  # read only once its writer finished
     writer.wait(timeout=30)
 
-    target.with_suffix(".lock").write_text("999999999")  # a writer that is gone: nothing to wait for
+    target.with_suffix(".lock").write_text(
+        "999999999"
+    )  # a writer that is gone: nothing to wait for
     _wait_for_other_writer(target, poll_s=0.1)

@@ -22,14 +22,26 @@ UNIGRAM_NATS = 3.42  # cross-entropy of the held-out bytes under the training by
 
 
 def test_two_islands_train_a_transformers_causal_lm_together() -> None:
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "hf_causal_lm.py"),
-                           "--steps", "150", "--eval-every", "50"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=220,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "examples" / "hf_causal_lm.py"),
+            "--steps",
+            "150",
+            "--eval-every",
+            "50",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=220,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     evals = re.findall(r"island (\d): eval step (\d+) loss ([\d.]+)", proc.stdout)
-    finals = re.findall(r"island (\d): eval final loss ([\d.]+) versions \[([\d, ]+)\] model (\w+)",
-                        proc.stdout)
+    finals = re.findall(
+        r"island (\d): eval final loss ([\d.]+) versions \[([\d, ]+)\] model (\w+)", proc.stdout
+    )
     assert len(finals) == 2, proc.stdout
     for island in ("0", "1"):
         steps = [int(step) for i, step, _ in evals if i == island]

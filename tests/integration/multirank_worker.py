@@ -41,7 +41,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--name", required=True)
-    parser.add_argument("--found", action="store_true", help="found the swarm and write its address")
+    parser.add_argument(
+        "--found", action="store_true", help="found the swarm and write its address"
+    )
     parser.add_argument("--initial-peer", default="")
     parser.add_argument("--steps", type=int, default=60)
     args = parser.parse_args()
@@ -57,8 +59,14 @@ def main() -> None:
     target = torch.randn(DIM, DIM, generator=torch.Generator().manual_seed(7))
     steps: list[dict[str, object]] = []
     initial = [args.initial_peer] if args.initial_peer else []
-    with SwarmIsland(wrapped, opt, swarm="multirank-test", tokens_per_step=32, initial_peers=initial,
-                     config=CONFIG) as isl:
+    with SwarmIsland(
+        wrapped,
+        opt,
+        swarm="multirank-test",
+        tokens_per_step=32,
+        initial_peers=initial,
+        config=CONFIG,
+    ) as isl:
         if args.found:
             (args.out / "founder.url").write_text(isl.url)
         isl.wait_for_members(2)
@@ -72,9 +80,18 @@ def main() -> None:
             steps.append({"versions": isl.versions, "hash": params_hash(model)})
             time.sleep(0.01)  # leave the owners time to merge within the run
         counted = isl.island.stats.tokens_trained if rank == 0 else None
-    (args.out / f"{args.name}.rank{rank}.json").write_text(json.dumps({
-        "rank": rank, "world": dist.get_world_size() if dist.is_initialized() else 1, "steps": steps,
-        "final": params_hash(model), "versions": isl.versions, "tokens_counted": counted}))
+    (args.out / f"{args.name}.rank{rank}.json").write_text(
+        json.dumps(
+            {
+                "rank": rank,
+                "world": dist.get_world_size() if dist.is_initialized() else 1,
+                "steps": steps,
+                "final": params_hash(model),
+                "versions": isl.versions,
+                "tokens_counted": counted,
+            }
+        )
+    )
     if dist.is_initialized():
         dist.barrier()  # rank 0 writes its file too before any rank leaves the group
         dist.destroy_process_group()

@@ -16,13 +16,20 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_two_islands_train_a_custom_model_together() -> None:
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "custom_model.py"), "--steps", "200"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=150,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "custom_model.py"), "--steps", "200"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=150,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     start = float(re.search(r"loss at start ([\d.]+)", proc.stdout).group(1))  # type: ignore[union-attr]
-    islands = re.findall(r"island (\d): loss ([\d.]+), global versions \[([\d, ]+)\], global model (\w+)",
-                         proc.stdout)
+    islands = re.findall(
+        r"island (\d): loss ([\d.]+), global versions \[([\d, ]+)\], global model (\w+)",
+        proc.stdout,
+    )
     assert len(islands) == 2, proc.stdout
     for _, loss, versions, _ in islands:
         assert float(loss) < 0.3 * start

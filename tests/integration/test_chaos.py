@@ -23,12 +23,38 @@ def test_killed_and_restarted_peers_rejoin_and_the_swarm_agrees(tmp_path: Path) 
     # restarts at 30 s, before the end even on a loaded machine (at every25s its restart at 35 s
     # was skipped when start-up took over 10 s), and rejoins ~20 merges behind the swarm. Its version fence used to count from the restart, refused the swarm's
     # versions as impossible jumps, spent its one fallback on them and hung the run
-    args = [sys.executable, "-m", "node", "local", "--quiet", "--report", str(tmp_path / "report.json"),
-            "--model", "tiny", "--peers", "4", "--fragments", "2", "--inner-steps", "10",
-            "--corpus-max-bytes", "300000", "--duration", "45", "--chaos", CHAOS]
+    args = [
+        sys.executable,
+        "-m",
+        "node",
+        "local",
+        "--quiet",
+        "--report",
+        str(tmp_path / "report.json"),
+        "--model",
+        "tiny",
+        "--peers",
+        "4",
+        "--fragments",
+        "2",
+        "--inner-steps",
+        "10",
+        "--corpus-max-bytes",
+        "300000",
+        "--duration",
+        "45",
+        "--chaos",
+        CHAOS,
+    ]
     t0 = time.monotonic()
-    proc = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=140,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.run(
+        args,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=140,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     wall = time.monotonic() - t0
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "report.json").read_text())
@@ -41,11 +67,15 @@ def test_killed_and_restarted_peers_rejoin_and_the_swarm_agrees(tmp_path: Path) 
     assert report["chaos"] == CHAOS
     restarts = report["restarts"]
     assert len(restarts) == 2 and "owner" in report["chaos_events"][0], report["chaos_events"]
-    assert all(r["restarted_at_s"] - r["killed_at_s"] == pytest.approx(10, abs=1.0) for r in restarts), restarts
+    assert all(
+        r["restarted_at_s"] - r["killed_at_s"] == pytest.approx(10, abs=1.0) for r in restarts
+    ), restarts
     per_peer = {p["index"]: p for p in report["per_peer"]}
     killed = {r["peer"] for r in restarts}
     assert all(per_peer[i]["incarnation"] >= 1 for i in killed)
-    assert any(per_peer[i]["resumed_from_step"] > 0 for i in killed), per_peer  # from its checkpoint
+    assert any(per_peer[i]["resumed_from_step"] > 0 for i in killed), (
+        per_peer
+    )  # from its checkpoint
     # the survivors never waited on the swarm. A step counts as stalled when its hook spent over
     # 50 ms with the network side (node.diloco.island); on a 2-core machine a restarting peer
     # (importing torch, evaluating) takes the CPUs for seconds, and in some runs a survivor had

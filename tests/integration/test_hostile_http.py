@@ -29,8 +29,19 @@ from tests.node.fakes import signer, tiny_model, tiny_plan
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
 HUGE = "9" * 5000  # past Python's int-parsing limit of 4300 digits
-LONG_POLL_QUERIES = ["wait=nan", "wait=1e309", "wait=-5", "wait=inf", "wait=" + HUGE, "wait=",
-                     "after=abc", "after=" + "9" * 30, "after=" + HUGE, "after=-2", "after=1.5"]
+LONG_POLL_QUERIES = [
+    "wait=nan",
+    "wait=1e309",
+    "wait=-5",
+    "wait=inf",
+    "wait=" + HUGE,
+    "wait=",
+    "after=abc",
+    "after=" + "9" * 30,
+    "after=" + HUGE,
+    "after=-2",
+    "after=1.5",
+]
 
 
 @pytest.fixture
@@ -38,9 +49,16 @@ async def peer() -> AsyncIterator[PeerNode]:
     model = tiny_model()
     plan = tiny_plan(model)
     node = PeerNode(RunConfig(max_tokens_per_step=64, swarm="hostile"), signer(1), model, plan)
-    node.transport.limits = ServeLimits(body_timeout_s=1.0, body_slack_s_per_mib=0.0, body_idle_s=1.0)
-    island = Island(model, torch.optim.SGD(model.parameters(), lr=0.1), plan, lambda _out: None,
-                    IslandConfig(inner_steps=5))
+    node.transport.limits = ServeLimits(
+        body_timeout_s=1.0, body_slack_s_per_mib=0.0, body_idle_s=1.0
+    )
+    island = Island(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        plan,
+        lambda _out: None,
+        IslandConfig(inner_steps=5),
+    )
     serving = asyncio.create_task(node.serve(island, []))
     async with asyncio.timeout(15):
         while len(node.owners) < len(plan.fragments):  # joined alone: it owns every fragment
@@ -60,8 +78,14 @@ async def raw(port: int, data: bytes) -> tuple[int, bytes]:
         await w.drain()
         async with asyncio.timeout(10):
             head = await r.readuntil(b"\r\n\r\n")
-            length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                           if line.lower().startswith(b"content-length:")), 0)
+            length = next(
+                (
+                    int(line.split(b":")[1])
+                    for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length:")
+                ),
+                0,
+            )
             body = await r.readexactly(length)
         return int(head.split(b" ")[1]), body
     finally:
@@ -81,34 +105,62 @@ def sealed_bytes(message: Any) -> bytes:
 
 
 async def test_every_route_refuses_hostile_requests_with_a_4xx_and_a_reason(
-        peer: PeerNode, caplog: pytest.LogCaptureFixture) -> None:
+    peer: PeerNode, caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.INFO)
     port = peer.transport.port
     ack = sealed_bytes(Ack(accepted=True, reason="", version=0))  # a reply, never a request
     bodies = {
-        "garbage": os.urandom(3000), "empty": b"", "truncated": ack[: len(ack) // 2],
-        "json": b'{"message": "hello"}', "sealed, wrong type": ack, "appended garbage": ack + b"\0" * 64,
+        "garbage": os.urandom(3000),
+        "empty": b"",
+        "truncated": ack[: len(ack) // 2],
+        "json": b'{"message": "hello"}',
+        "sealed, wrong type": ack,
+        "appended garbage": ack + b"\0" * 64,
     }
     cases: list[tuple[str, str, dict[str, Any]]] = []  # (method, path, request kwargs)
     for route in ("/v1/rpc", "/v1/dht"):
         cases += [("POST", route, {"data": body}) for body in bodies.values()]
         cases += [("GET", route, {}), ("PUT", route, {"data": b"x"})]
     for name in ("find", "0", "x" * 300, "..", "%00"):  # a DHT node name nobody mounted
-        cases += [("POST", f"/v1/dht/{name}", {"data": bodies["garbage"]}), ("POST", f"/v1/dht/{name}", {"data": ack})]
+        cases += [
+            ("POST", f"/v1/dht/{name}", {"data": bodies["garbage"]}),
+            ("POST", f"/v1/dht/{name}", {"data": ack}),
+        ]
     for kind in ("next", "final", "latest", "latest/manifest", "held"):
-        for p in ("abc", "99", HUGE, "-1", "1e3", "%D9%A0", "+0", "0_0"):  # %D9%A0: an Arabic-Indic 0
+        for p in (
+            "abc",
+            "99",
+            HUGE,
+            "-1",
+            "1e3",
+            "%D9%A0",
+            "+0",
+            "0_0",
+        ):  # %D9%A0: an Arabic-Indic 0
             cases.append(("GET", f"/v1/fragments/{p}/{kind}", {}))
         cases.append(("POST", f"/v1/fragments/0/{kind}", {"data": os.urandom(100)}))
     for kind in ("next", "final", "held"):
         cases += [("GET", f"/v1/fragments/0/{kind}?{q}", {}) for q in LONG_POLL_QUERIES]
-    cases += [("GET", f"/v1/fragments/0/held?after=0&wait=0&owner={o}", {}) for o in ("zz", "ab" * 31, "AB" * 32)]
+    cases += [
+        ("GET", f"/v1/fragments/0/held?after=0&wait=0&owner={o}", {})
+        for o in ("zz", "ab" * 31, "AB" * 32)
+    ]
     cases.append(("GET", "/v1/fragments/0/bogus", {}))
     for value in (f"bytes={HUGE}-", f"bytes=-{HUGE}", f"bytes=0-{HUGE}", "bytes=99999999-"):
         cases.append(("GET", "/v1/fragments/0/latest", {"headers": {"Range": value}}))
     for route in ("/v1/status", "/v1/manifest"):
         cases += [("POST", route, {"data": os.urandom(500)}), ("DELETE", route, {})]
-    for q in ("", "port=abc", "port=0", "port=" + HUGE, "url=http://10.1.2.3:9", "url=http://example.invalid:1",
-              "url=ftp://127.0.0.1:1", "url=" + "x" * 4000):
+    for q in (
+        "",
+        "port=abc",
+        "port=0",
+        "port=" + HUGE,
+        "url=http://10.1.2.3:9",
+        "url=http://example.invalid:1",
+        "url=ftp://127.0.0.1:1",
+        "url=" + "x" * 4000,
+    ):
         cases.append(("GET", f"/v1/dialback?{q}", {}))
     for q in ("swarm=other", "swarm=", "swarm=%00", "swarm=" + "s" * 500):
         cases.append(("GET", f"/v1/members?{q}", {}))
@@ -129,7 +181,9 @@ async def test_every_route_refuses_hostile_requests_with_a_4xx_and_a_reason(
         b"GET /v1/status HTTP/1.1\r\nHost: x\r\nX-Big: " + b"b" * 20_000 + b"\r\n\r\n",
         b"GET /v1/status?" + b"q" * 20_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",
         b"GARBAGE\r\n\r\n",
-        b"GET /v1/fragments/0/latest HTTP/1.1\r\nHost: x\r\nRange: bytes=" + HUGE.encode() + b"-\r\n\r\n",
+        b"GET /v1/fragments/0/latest HTTP/1.1\r\nHost: x\r\nRange: bytes="
+        + HUGE.encode()
+        + b"-\r\n\r\n",
     ]
     for data in raw_cases:
         status, body = await raw(port, data)
@@ -138,7 +192,10 @@ async def test_every_route_refuses_hostile_requests_with_a_4xx_and_a_reason(
     bad = [a for a in answers if not (400 <= a[2] < 500 and a[3])]
     assert not bad, bad
     assert {a[2] for a in answers} >= {400, 403, 404, 405, 408, 413, 416}
-    async with aiohttp.ClientSession() as session, session.get(peer.transport.url + "/v1/status") as resp:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(peer.transport.url + "/v1/status") as resp,
+    ):
         status = await resp.json()
         assert resp.status == 200 and status["swarm"] == "hostile"
         assert status["remote_errors"]  # the refused RPCs were counted
@@ -147,16 +204,22 @@ async def test_every_route_refuses_hostile_requests_with_a_4xx_and_a_reason(
 
 
 async def test_an_rpc_body_larger_than_the_fragment_plan_allows_is_refused_before_it_is_read(
-        peer: PeerNode) -> None:
+    peer: PeerNode,
+) -> None:
     """The tiny model's largest legitimate RPC body is ~1.3 MiB (``max_rpc_body`` of its plan):
     a body declaring 64 MiB is a 413 from its head alone (before, anything up to 256 MiB was
     read, and this one waited for its bytes until the body timeout's 408)."""
     assert peer.rpc.max_message < 4 << 20
     for declared in (peer.rpc.max_message + 1, 64 << 20):
         start = time.perf_counter()
-        status, body = await raw(peer.transport.port,
-                                 f"POST /v1/rpc HTTP/1.1\r\nHost: x\r\nContent-Length: {declared}\r\n\r\n".encode())
+        status, body = await raw(
+            peer.transport.port,
+            f"POST /v1/rpc HTTP/1.1\r\nHost: x\r\nContent-Length: {declared}\r\n\r\n".encode(),
+        )
         assert status == 413 and "exceeds the cap" in reason_of(body), (status, body[:200])
         assert time.perf_counter() - start < 0.9  # not the fixture's 1 s body timeout
-    async with aiohttp.ClientSession() as session, session.get(peer.transport.url + "/v1/status") as resp:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(peer.transport.url + "/v1/status") as resp,
+    ):
         assert resp.status == 200

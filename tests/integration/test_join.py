@@ -19,8 +19,18 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 H = 20
 # the schedule's length is the manifest's: no joiner passes --steps, each follows the swarm's
 RECIPE = ["--model", "tiny", "--fragments", "4", "--inner-steps", str(H), "--steps", "100000"]
-TRAIN = ["--corpus-max-bytes", "2000000", "--eval-every", "1000000", "--threads", "1",
-         "--serve-after-s", "0", "--listen", "127.0.0.1:0"]
+TRAIN = [
+    "--corpus-max-bytes",
+    "2000000",
+    "--eval-every",
+    "1000000",
+    "--threads",
+    "1",
+    "--serve-after-s",
+    "0",
+    "--listen",
+    "127.0.0.1:0",
+]
 LATE_JOIN_S = 2.0  # the "a minute later", shortened to keep the suite fast
 
 
@@ -29,7 +39,9 @@ def _status(url: str) -> dict[str, Any]:
 
 
 def test_bootstrap_three_joiners_and_a_late_fourth(tmp_path: Path) -> None:
-    files = make_swarm(tmp_path / "swarm", name="open-swarm", admission="open", labs=("lab",), recipe=RECIPE)
+    files = make_swarm(
+        tmp_path / "swarm", name="open-swarm", admission="open", labs=("lab",), recipe=RECIPE
+    )
     for peer in ("j0", "j1", "j2", "late"):
         files.certify(peer, lab="lab")
     procs: list[Proc] = []
@@ -40,8 +52,13 @@ def test_bootstrap_three_joiners_and_a_late_fourth(tmp_path: Path) -> None:
         assert "listening at" in first, first
         boot_url = first.rsplit(" ", 1)[-1]
 
-        joiners = [Proc(["join", "--initial-peers", boot_url, *files.args(f"j{i}"), *TRAIN], tmp_path / f"join{i}.log")
-                   for i in range(3)]
+        joiners = [
+            Proc(
+                ["join", "--initial-peers", boot_url, *files.args(f"j{i}"), *TRAIN],
+                tmp_path / f"join{i}.log",
+            )
+            for i in range(3)
+        ]
         procs += joiners
         urls = [j.wait_event("listening", 90)["url"] for j in joiners]
         for j in joiners:
@@ -57,11 +74,19 @@ def test_bootstrap_three_joiners_and_a_late_fourth(tmp_path: Path) -> None:
         else:
             raise AssertionError(f"the three joiners did not form a training swarm: {statuses}")
         time.sleep(LATE_JOIN_S)
-        deadline = time.monotonic() + 30  # their records say how far they are (republished every few s)
-        while not all(m["step"] > 0 for m in _status(urls[0])["members"]) and time.monotonic() < deadline:
+        deadline = (
+            time.monotonic() + 30
+        )  # their records say how far they are (republished every few s)
+        while (
+            not all(m["step"] > 0 for m in _status(urls[0])["members"])
+            and time.monotonic() < deadline
+        ):
             time.sleep(0.5)
 
-        late = Proc(["join", "--initial-peers", boot_url, *files.args("late"), *TRAIN], tmp_path / "late.log")
+        late = Proc(
+            ["join", "--initial-peers", boot_url, *files.args("late"), *TRAIN],
+            tmp_path / "late.log",
+        )
         procs.append(late)
         late_url = late.wait_event("listening", 90)["url"]
         joined = late.wait_event("joined", 90)
@@ -69,9 +94,13 @@ def test_bootstrap_three_joiners_and_a_late_fourth(tmp_path: Path) -> None:
         assert min(joined["versions"]) > 0
         # it enters the learning-rate schedule where the others are, not at its warm-up
         schedule = next(e for e in late.events if e.get("event") == "schedule")
-        assert schedule["learners"] == 3 and 0 < schedule["step"] <= max(_status(u)["step"] for u in urls), schedule
+        assert schedule["learners"] == 3 and 0 < schedule["step"] <= max(
+            _status(u)["step"] for u in urls
+        ), schedule
         assert schedule["steps"] == 100000, schedule  # the swarm's schedule, from its manifest
-        assert "100000 steps at lr 0.006 (the swarm's schedule)" in late.wait_line("steps at lr", 10)
+        assert "100000 steps at lr 0.006 (the swarm's schedule)" in late.wait_line(
+            "steps at lr", 10
+        )
         first = late.wait_event("progress", 60)
         assert first["step"] > schedule["step"], (schedule, first)
 
@@ -83,8 +112,15 @@ def test_bootstrap_three_joiners_and_a_late_fourth(tmp_path: Path) -> None:
             same = any(o == mine for o in others)
         assert same, (mine, others)
 
-        out = subprocess.run([sys.executable, "-m", "node", "status", "--peer", late_url, "--json"],
-                             cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=30, check=True)
+        out = subprocess.run(
+            [sys.executable, "-m", "node", "status", "--peer", late_url, "--json"],
+            cwd=ROOT,
+            env=ENV,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        )
         status = json.loads(out.stdout)
         deadline = time.monotonic() + 10
         while len(status["members"]) < 4 and time.monotonic() < deadline:
@@ -95,10 +131,19 @@ def test_bootstrap_three_joiners_and_a_late_fourth(tmp_path: Path) -> None:
         assert all(status["owners"][str(p)] is not None for p in range(4)), status["owners"]
         owner_urls = {o["url"] for o in status["owners"].values()}
         assert owner_urls <= {*urls, late_url}
-        human = subprocess.run([sys.executable, "-m", "node", "status", "--peer", urls[0]],
-                               cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=30, check=True)
+        human = subprocess.run(
+            [sys.executable, "-m", "node", "status", "--peer", urls[0]],
+            cwd=ROOT,
+            env=ENV,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        )
         rows = [line.split() for line in human.stdout.splitlines()]
-        assert any(r[:1] == ["3"] and len(r) == 4 and r[3] in owner_urls for r in rows), human.stdout  # fragment 3
+        assert any(r[:1] == ["3"] and len(r) == 4 and r[3] in owner_urls for r in rows), (
+            human.stdout
+        )  # fragment 3
         assert ["MEMBER", "URL", "LAB", "ROLES", "REACHABLE", "LEARNING", "STEP"] in rows
     finally:
         for p in procs:

@@ -13,12 +13,26 @@ from tests.integration.swarms import Proc, make_swarm
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
 RECIPE = ["--model", "tiny", "--fragments", "2", "--inner-steps", "10"]
-TRAIN = ["--steps", "80", "--corpus-max-bytes", "300000", "--eval-every", "1000000", "--threads", "1",
-         "--serve-after-s", "0", "--listen", "127.0.0.1:0"]
+TRAIN = [
+    "--steps",
+    "80",
+    "--corpus-max-bytes",
+    "300000",
+    "--eval-every",
+    "1000000",
+    "--threads",
+    "1",
+    "--serve-after-s",
+    "0",
+    "--listen",
+    "127.0.0.1:0",
+]
 
 
 def test_an_island_of_two_processes_joins_and_its_ranks_agree(tmp_path: Path) -> None:
-    files = make_swarm(tmp_path / "swarm", name="nproc-swarm", admission="open", labs=("lab",), recipe=RECIPE)
+    files = make_swarm(
+        tmp_path / "swarm", name="nproc-swarm", admission="open", labs=("lab",), recipe=RECIPE
+    )
     for peer in ("solo", "pair"):
         files.certify(peer, lab="lab")
     procs: list[Proc] = []
@@ -27,9 +41,14 @@ def test_an_island_of_two_processes_joins_and_its_ranks_agree(tmp_path: Path) ->
         procs.append(boot)
         first = boot.lines.get(timeout=60)
         boot_url = first.rsplit(" ", 1)[-1]
-        solo = Proc(["join", "--initial-peers", boot_url, *files.args("solo"), *TRAIN], tmp_path / "solo.log")
-        pair = Proc(["join", "--nproc", "2", "--initial-peers", boot_url, *files.args("pair"), *TRAIN],
-                    tmp_path / "pair.log")
+        solo = Proc(
+            ["join", "--initial-peers", boot_url, *files.args("solo"), *TRAIN],
+            tmp_path / "solo.log",
+        )
+        pair = Proc(
+            ["join", "--nproc", "2", "--initial-peers", boot_url, *files.args("pair"), *TRAIN],
+            tmp_path / "pair.log",
+        )
         procs += [solo, pair]
         done = pair.wait_event("done", 200)["result"]
         assert pair.proc.wait(timeout=60) == 0
@@ -38,11 +57,21 @@ def test_an_island_of_two_processes_joins_and_its_ranks_agree(tmp_path: Path) ->
         for p in procs:
             p.stop()
     log = (tmp_path / "pair.log").read_text(errors="replace")
-    ranks = {rank: (int(steps), params) for rank, steps, params
-             in re.findall(r"rank (\d) of 2: (\d+) steps, final parameters ([0-9a-f]{16})", log)}
+    ranks = {
+        rank: (int(steps), params)
+        for rank, steps, params in re.findall(
+            r"rank (\d) of 2: (\d+) steps, final parameters ([0-9a-f]{16})", log
+        )
+    }
     assert set(ranks) == {"0", "1"}, log[-3000:]
-    assert ranks["0"] == ranks["1"]  # both processes of the island took the same steps and hold the same model
+    assert (
+        ranks["0"] == ranks["1"]
+    )  # both processes of the island took the same steps and hold the same model
     # it enters the swarm's schedule where the solo island is when it joins (0 if it had not trained yet)
     start = next((e["step"] for e in pair.events if e.get("event") == "schedule"), 0)
-    assert done["steps"] == 80 - start and min(done["global_versions"]) > 0  # it trained with the swarm
-    assert done["tokens_trained"] == 2 * done["steps"] * 16 * 64  # both ranks' tokens (batch 16 x 64)
+    assert (
+        done["steps"] == 80 - start and min(done["global_versions"]) > 0
+    )  # it trained with the swarm
+    assert (
+        done["tokens_trained"] == 2 * done["steps"] * 16 * 64
+    )  # both ranks' tokens (batch 16 x 64)

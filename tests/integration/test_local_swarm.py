@@ -39,22 +39,45 @@ from protocol.wire.tensors import EncodedTensor
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
 
 ROOT = Path(__file__).resolve().parents[2]
-SMALL = dict(model="tiny", steps=200, fragments=4, inner_steps=20, eval_every=100,
-             corpus_max_bytes=2_000_000, peers=3)
+SMALL = dict(
+    model="tiny",
+    steps=200,
+    fragments=4,
+    inner_steps=20,
+    eval_every=100,
+    corpus_max_bytes=2_000_000,
+    peers=3,
+)
 
 
 def _local_args(tmp_path: Path, *extra: str, quiet: bool = True, **overrides: object) -> list[str]:
-    args = [sys.executable, "-m", "node", "local", "--report", str(tmp_path / "report.json"), *extra]
+    args = [
+        sys.executable,
+        "-m",
+        "node",
+        "local",
+        "--report",
+        str(tmp_path / "report.json"),
+        *extra,
+    ]
     args += ["--quiet"] if quiet else []
     for key, value in {**SMALL, **overrides}.items():
         args += [f"--{key.replace('_', '-')}", str(value)]
     return args
 
 
-def _run_local(tmp_path: Path, *extra: str, **overrides: object) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+def _run_local(
+    tmp_path: Path, *extra: str, **overrides: object
+) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
     """Run ``atoll local`` to completion; return the process and its report."""
-    proc = subprocess.run(_local_args(tmp_path, *extra, **overrides), cwd=tmp_path, capture_output=True,
-                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.run(
+        _local_args(tmp_path, *extra, **overrides),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc, json.loads((tmp_path / "report.json").read_text())
 
@@ -91,20 +114,30 @@ def test_three_peer_swarm_trains_to_one_global_model(tmp_path: Path) -> None:
 
 
 def test_ctrl_c_stops_every_peer(tmp_path: Path) -> None:
-    proc = subprocess.Popen(_local_args(tmp_path, quiet=False, steps=100000), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)},
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = subprocess.Popen(
+        _local_args(tmp_path, quiet=False, steps=100000),
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     assert proc.stdout is not None
     for line in proc.stdout:  # wait until every peer trains
         if line.count("step ") == 3:
             break
-    peers = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout.split()
+    peers = subprocess.run(
+        ["pgrep", "-f", str(tmp_path)], capture_output=True, text=True
+    ).stdout.split()
     assert len(peers) >= 3, peers
     proc.send_signal(signal.SIGINT)
     assert proc.wait(30) == 130
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        left = subprocess.run(["pgrep", "-f", f"node peer --config {tmp_path}"], capture_output=True, text=True)
+        left = subprocess.run(
+            ["pgrep", "-f", f"node peer --config {tmp_path}"], capture_output=True, text=True
+        )
         if not left.stdout.strip():
             break
         time.sleep(0.2)
@@ -146,8 +179,17 @@ SWARM_ID = {"id": "atoll-local"}  # the throw-away swarm's id, once the launcher
 
 
 def _contribution(fragment: int, tensors: tuple[EncodedTensor, ...]) -> Contribution:
-    return Contribution(swarm=SWARM_ID["id"], fragment=fragment, base_version=0, base_digest=bytes(32), tokens=1024, steps=1,
-                        step_time=0.01, sender_step=1, tensors=tensors)
+    return Contribution(
+        swarm=SWARM_ID["id"],
+        fragment=fragment,
+        base_version=0,
+        base_digest=bytes(32),
+        tokens=1024,
+        steps=1,
+        step_time=0.01,
+        sender_step=1,
+        tensors=tensors,
+    )
 
 
 def _sealed(signer: Signer, msg: Contribution, to: bytes) -> bytes:
@@ -157,19 +199,29 @@ def _sealed(signer: Signer, msg: Contribution, to: bytes) -> bytes:
 def _fragment_shapes(cfg: RunConfig, fragment: int) -> list[tuple[int, ...]]:
     model = GPT(GPTConfig.preset(cfg.model), seed=cfg.seed)
     named = dict(model.named_parameters())
-    plan = plan_fragments([(n, tuple(p.shape)) for n, p in named.items()], cfg.fragments,
-                          embeddings=embedding_parameter_names(model))
+    plan = plan_fragments(
+        [(n, tuple(p.shape)) for n, p in named.items()],
+        cfg.fragments,
+        embeddings=embedding_parameter_names(model),
+    )
     return [tuple(named[n].shape) for n in plan.fragments[fragment].names]
 
 
-async def _attack(url: str, to: bytes, signer: Signer,
-                  shapes: list[tuple[int, ...]]) -> list[tuple[str, int, dict[str, Any]]]:
+async def _attack(
+    url: str, to: bytes, signer: Signer, shapes: list[tuple[int, ...]]
+) -> list[tuple[str, int, dict[str, Any]]]:
     """Send one bad request of each kind to the owner of fragment 0 (peer id ``to``); return
     (name, status, body)."""
     good = tuple(compress(torch.zeros(s), "int8")[0] for s in shapes)
     first = shapes[0]
-    nan = EncodedTensor(codec="none", shape=first, dtype="float32", block_size=0,
-                        data=torch.full(first, float("nan")).numpy().tobytes(), scales=b"")
+    nan = EncodedTensor(
+        codec="none",
+        shape=first,
+        dtype="float32",
+        block_size=0,
+        data=torch.full(first, float("nan")).numpy().tobytes(),
+        scales=b"",
+    )
     wrong = compress(torch.zeros(first[::-1] + (1,)), "int8")[0]
     valid = _sealed(signer, _contribution(0, (wrong, *good[1:])), to)
     tampered = bytearray(valid)
@@ -191,7 +243,9 @@ async def _attack(url: str, to: bytes, signer: Signer,
     return out
 
 
-async def _join_as_insider(entry_url: str, insider: Signer, cfg: RunConfig) -> tuple[Transport, DHTNode]:
+async def _join_as_insider(
+    entry_url: str, insider: Signer, cfg: RunConfig
+) -> tuple[Transport, DHTNode]:
     """A member that cannot be dialled (behind NAT): it publishes a record, nothing more."""
     transport = Transport()
     await transport.start()
@@ -205,8 +259,9 @@ async def _join_as_insider(entry_url: str, insider: Signer, cfg: RunConfig) -> t
 async def _publish_insider(dht: DHTNode, cfg: RunConfig, *, learning: bool) -> int:
     """The insider's member record: learning (owners take its contributions), or stopped (owners
     then refuse them, and do not wait for it to close their last rounds)."""
-    record = MemberRecord(url="", roles=("learner",), reachable=False, manifest=manifest_hash(cfg),
-                          learning=learning)
+    record = MemberRecord(
+        url="", roles=("learner",), reachable=False, manifest=manifest_hash(cfg), learning=learning
+    )
     return await Membership(dht, cfg.swarm, manifest_hash(cfg)).publish(record)
 
 
@@ -219,13 +274,23 @@ async def _flood_dht(url: str, to: bytes, insider: Signer) -> tuple[list[int], t
     statuses = []
     async with aiohttp.ClientSession() as session:
         for _ in range(80):
-            body = seal(encode(Store(sender=me, records=(good,))), insider, now=time.time(),
-                        nonce=os.urandom(16), recipient=to).tobytes()
+            body = seal(
+                encode(Store(sender=me, records=(good,))),
+                insider,
+                now=time.time(),
+                nonce=os.urandom(16),
+                recipient=to,
+            ).tobytes()
             async with session.post(f"{url}/v1/dht", data=body) as resp:
                 statuses.append(resp.status)
         await asyncio.sleep(1.0)  # the bucket refills a little
-        body = seal(encode(Store(sender=me, records=(forged,))), insider, now=time.time(),
-                    nonce=os.urandom(16), recipient=to).tobytes()
+        body = seal(
+            encode(Store(sender=me, records=(forged,))),
+            insider,
+            now=time.time(),
+            nonce=os.urandom(16),
+            recipient=to,
+        ).tobytes()
         async with session.post(f"{url}/v1/dht", data=body) as resp:
             reply = verify_sealed(await resp.read(), max_size=1 << 20).message
     assert isinstance(reply, StoreReply)
@@ -242,12 +307,18 @@ def test_running_node_refuses_garbage_bad_signatures_and_unknown_fragments(tmp_p
     cfg = resolved(RunConfig(**SMALL))  # type: ignore[arg-type]  # as the peers see it
     swarm = LocalSwarm(cfg, tmp_path, quiet=True, run_timeout_s=120)
 
-    async def scenario() -> tuple[list[dict[str, Any]], list[tuple[str, int, dict[str, Any]]], str,
-                                  tuple[list[int], tuple[str, ...]]]:
+    async def scenario() -> tuple[
+        list[dict[str, Any]],
+        list[tuple[str, int, dict[str, Any]]],
+        str,
+        tuple[list[int], tuple[str, ...]],
+    ]:
         run = asyncio.create_task(swarm.run())
         async with asyncio.timeout(60):
             await swarm.listening.wait()
-        cfg = swarm.cfg  # with the throw-away manifest's swarm id; the insider is an open swarm's learner
+        cfg = (
+            swarm.cfg
+        )  # with the throw-away manifest's swarm id; the insider is an open swarm's learner
         SWARM_ID["id"] = cfg.swarm
         transport, dht = await _join_as_insider(swarm.peers[0].url, insider, cfg)
         try:
@@ -255,7 +326,9 @@ def test_running_node_refuses_garbage_bad_signatures_and_unknown_fragments(tmp_p
                 while True:
                     status = await _status(swarm.peers[0].url)
                     owner = status["owners"]["0"]
-                    if owner and insider.peer_id.hex() in [m["peer_id"] for m in (await _status(owner["url"]))["members"]]:
+                    if owner and insider.peer_id.hex() in [
+                        m["peer_id"] for m in (await _status(owner["url"]))["members"]
+                    ]:
                         break
                     await asyncio.sleep(0.5)
             to = bytes.fromhex(owner["peer_id"])  # requests name the node they are for
@@ -292,7 +365,9 @@ def test_running_node_refuses_garbage_bad_signatures_and_unknown_fragments(tmp_p
     assert math.isfinite(end) and end < 0.75 * start
 
 
-def test_identities_that_claim_to_learn_and_send_nothing_do_not_stall_the_swarm(tmp_path: Path) -> None:
+def test_identities_that_claim_to_learn_and_send_nothing_do_not_stall_the_swarm(
+    tmp_path: Path,
+) -> None:
     """Six keys join an open swarm of three learners and keep republishing member records that
     say "learning", and never contribute. Counted as learners they lift the owners' quorum (half
     the learners expected) to 5 of 9, which three learners cannot reach: before, no merge closed
@@ -328,7 +403,11 @@ def test_identities_that_claim_to_learn_and_send_nothing_do_not_stall_the_swarm(
     start, end = results[0]["eval_loss_start"], results[0]["eval_loss_end"]
     assert math.isfinite(end) and end < 0.75 * start, results[0]["eval_curve_global"]
     logs = "".join(p.read_text() for p in tmp_path.glob("peer*.log"))
-    named = {f.peer_id.hex()[:8] for f in fakes if f"not waiting for member {f.peer_id.hex()[:8]}" in logs}
+    named = {
+        f.peer_id.hex()[:8]
+        for f in fakes
+        if f"not waiting for member {f.peer_id.hex()[:8]}" in logs
+    }
     assert named == {f.peer_id.hex()[:8] for f in fakes}
     # the owners saw them: some round waited on a quorum only they could have made up
     assert "0.5 of the 9 learners expected" in logs

@@ -30,8 +30,13 @@ def _free_port() -> int:
 def test_a_two_rank_island_and_a_one_rank_island_train_one_model(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     common = ["--out", str(tmp_path), "--steps", str(STEPS)]
-    one = subprocess.Popen([sys.executable, str(WORKER), "--name", "one", "--found", *common], env=env,
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    one = subprocess.Popen(
+        [sys.executable, str(WORKER), "--name", "one", "--found", *common],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     two = None
     try:
         deadline = time.monotonic() + 90
@@ -40,10 +45,29 @@ def test_a_two_rank_island_and_a_one_rank_island_train_one_model(tmp_path: Path)
             assert time.monotonic() < deadline, "the 1-rank island never came up"
             time.sleep(0.2)
         url = (tmp_path / "founder.url").read_text()
-        two = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                                "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), str(WORKER),
-                                "--name", "two", "--initial-peer", url, *common], env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        two = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc_per_node",
+                "2",
+                "--master_addr",
+                "127.0.0.1",
+                "--master_port",
+                str(_free_port()),
+                str(WORKER),
+                "--name",
+                "two",
+                "--initial-peer",
+                url,
+                *common,
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         out_two, _ = two.communicate(timeout=200)
         assert two.returncode == 0, out_two[-3000:]
         out_one, _ = one.communicate(timeout=60)
@@ -52,8 +76,10 @@ def test_a_two_rank_island_and_a_one_rank_island_train_one_model(tmp_path: Path)
         for proc in (one, two):
             if proc is not None and proc.poll() is None:
                 proc.kill()
-    r0, r1, solo = (json.loads((tmp_path / f).read_text())
-                    for f in ("two.rank0.json", "two.rank1.json", "one.rank0.json"))
+    r0, r1, solo = (
+        json.loads((tmp_path / f).read_text())
+        for f in ("two.rank0.json", "two.rank1.json", "one.rank0.json")
+    )
     assert r0["world"] == r1["world"] == 2 and solo["world"] == 1
     # after every step, adoptions included, both ranks hold the same versions and parameters
     assert len(r0["steps"]) == len(r1["steps"]) == STEPS

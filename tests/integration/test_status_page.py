@@ -25,7 +25,9 @@ from tests.node.status.chromium import need_chromium, render
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
-SWARM = dict(model="tiny", peers=3, fragments=2, inner_steps=10, eval_every=10**6, corpus_max_bytes=200_000)
+SWARM = dict(
+    model="tiny", peers=3, fragments=2, inner_steps=10, eval_every=10**6, corpus_max_bytes=200_000
+)
 WAIT_S = 150.0
 
 
@@ -57,8 +59,16 @@ def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSwarm]:
     thread.start()
     task = asyncio.run_coroutine_threadsafe(_started(running), loop).result(10)
     try:
-        _until("every peer trains", lambda: task.done() or (
-            len(running.peers) == cfg.peers and all(p.progress.get("step", 0) >= 3 for p in running.peers)))
+        _until(
+            "every peer trains",
+            lambda: (
+                task.done()
+                or (
+                    len(running.peers) == cfg.peers
+                    and all(p.progress.get("step", 0) >= 3 for p in running.peers)
+                )
+            ),
+        )
         assert not task.done(), "the launcher stopped before training"
         yield running
     finally:
@@ -71,8 +81,11 @@ def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSwarm]:
 def _scrape(url: str) -> dict[str, float]:
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
         text = resp.read().decode()
-    return {s.name + "".join(f"{{{k}={v}}}" for k, v in sorted(s.labels.items())): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        s.name + "".join(f"{{{k}={v}}}" for k, v in sorted(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 MOVING = ("atoll_inner_steps_total", "atoll_bytes_sent_total", "atoll_bytes_received_total")
@@ -90,7 +103,12 @@ def test_metrics_counters_move_while_the_swarm_trains(swarm: LocalSwarm) -> None
         published = sum(n["atoll_versions_published_total"] for n in now)
         merged = sum(n["atoll_contributions_accepted_total"] for n in now)
         sent = sum(n["atoll_learner_contributions_total{outcome=accepted}"] for n in now)
-        return each and published > sum(b["atoll_versions_published_total"] for b in first) and merged > 0 and sent > 0
+        return (
+            each
+            and published > sum(b["atoll_versions_published_total"] for b in first)
+            and merged > 0
+            and sent > 0
+        )
 
     _until("every peer's steps and bytes grow and the owners publish versions", moved)
     last = [_scrape(u) for u in urls]
@@ -100,14 +118,23 @@ def test_metrics_counters_move_while_the_swarm_trains(swarm: LocalSwarm) -> None
 
 def test_the_status_page_lists_every_member_and_draws_the_loss_curve(swarm: LocalSwarm) -> None:
     need_chromium()
-    _until("peer 0 sees every member", lambda: all(
-        p.peer_id in urllib.request.urlopen(f"{swarm.peers[0].url}/v1/status/board", timeout=10).read().decode()
-        for p in swarm.peers))
+    _until(
+        "peer 0 sees every member",
+        lambda: all(
+            p.peer_id
+            in urllib.request.urlopen(f"{swarm.peers[0].url}/v1/status/board", timeout=10)
+            .read()
+            .decode()
+            for p in swarm.peers
+        ),
+    )
     shown = render(swarm.peers[0].url + "/", budget_ms=4000)
     listed = re.findall(r'<tr class="member[^"]*" data-peer="([0-9a-f]+)"', shown.dom)
     assert sorted(listed) == sorted(p.peer_id for p in swarm.peers)
     assert len(re.findall(r'<tr class="fragment"', shown.dom)) == SWARM["fragments"]
     points = re.search(r'data-series="loss" data-points="(\d+)"', shown.dom)
     assert points is not None and int(points.group(1)) >= 2, "the loss curve has no line"
-    problems = [line for line in shown.console if "Content Security Policy" in line or "Uncaught" in line]
+    problems = [
+        line for line in shown.console if "Content Security Policy" in line or "Uncaught" in line
+    ]
     assert not problems, problems

@@ -72,19 +72,48 @@ def flat_of(model: nn.Module, plan: FragmentPlan, p: int) -> torch.Tensor:
     return torch.cat([named[n].detach().reshape(-1) for n in plan.fragments[p].names]).float()
 
 
-def make_owner(plan: FragmentPlan, shapes: Sequence[Sequence[tuple[int, ...]]], p: int, initial: torch.Tensor,
-               clock: FakeClock, *, who: Signer | None = None, version: int = 0, event_log: Path | None = None,
-               update_codec: str | None = None, **merge: object) -> FragmentOwner:
+def make_owner(
+    plan: FragmentPlan,
+    shapes: Sequence[Sequence[tuple[int, ...]]],
+    p: int,
+    initial: torch.Tensor,
+    clock: FakeClock,
+    *,
+    who: Signer | None = None,
+    version: int = 0,
+    event_log: Path | None = None,
+    update_codec: str | None = None,
+    **merge: object,
+) -> FragmentOwner:
     cfg = MergeConfig(**{"quorum": 1, "gamma": 0.5, "tau": 2.0, **merge})  # type: ignore[arg-type]
-    return FragmentOwner(swarm=SWARM, fragment=plan.fragments[p], shapes=shapes[p], initial=initial,
-                         version=version, merge_cfg=cfg, outer_cfg=OuterConfig(lr=1.0, momentum=0.0),
-                         signer=who or signer(1), clock=clock, event_log=event_log, update_codec=update_codec)
+    return FragmentOwner(
+        swarm=SWARM,
+        fragment=plan.fragments[p],
+        shapes=shapes[p],
+        initial=initial,
+        version=version,
+        merge_cfg=cfg,
+        outer_cfg=OuterConfig(lr=1.0, momentum=0.0),
+        signer=who or signer(1),
+        clock=clock,
+        event_log=event_log,
+        update_codec=update_codec,
+    )
 
 
-def contribution(delta: torch.Tensor, shapes: Sequence[tuple[int, ...]], *, fragment: int = 0,
-                 base_version: int = 0, tokens: int = 64, steps: int = 4, step_time: float = 1.0,
-                 codec: str = "none", owner: FragmentOwner | None = None,
-                 base_digest: bytes | None = None) -> Contribution:
+def contribution(
+    delta: torch.Tensor,
+    shapes: Sequence[tuple[int, ...]],
+    *,
+    fragment: int = 0,
+    base_version: int = 0,
+    tokens: int = 64,
+    steps: int = 4,
+    step_time: float = 1.0,
+    codec: str = "none",
+    owner: FragmentOwner | None = None,
+    base_digest: bytes | None = None,
+) -> Contribution:
     """A contribution carrying ``delta`` (flat fp32) cut to ``shapes``, compressed with ``codec``,
     measured against ``owner``'s state at ``base_version`` (or the state named by ``base_digest``)."""
     if base_digest is None:
@@ -93,10 +122,19 @@ def contribution(delta: torch.Tensor, shapes: Sequence[tuple[int, ...]], *, frag
     tensors, offset = [], 0
     for shape in shapes:
         n = int(torch.Size(shape).numel())
-        tensors.append(compress(delta[offset:offset + n].view(shape), codec)[0])
+        tensors.append(compress(delta[offset : offset + n].view(shape), codec)[0])
         offset += n
-    return Contribution(swarm=SWARM, fragment=fragment, base_version=base_version, base_digest=base_digest, tokens=tokens,
-                        steps=steps, step_time=step_time, sender_step=steps, tensors=tuple(tensors))
+    return Contribution(
+        swarm=SWARM,
+        fragment=fragment,
+        base_version=base_version,
+        base_digest=base_digest,
+        tokens=tokens,
+        steps=steps,
+        step_time=step_time,
+        sender_step=steps,
+        tensors=tuple(tensors),
+    )
 
 
 def sealed_bytes(msg: Message, who: Signer) -> bytes:
@@ -122,28 +160,45 @@ class MemoryOwnerPeer:
     replay: ReplayWindow = field(default_factory=ReplayWindow)
     requests: int = 0
 
-    async def handle(self, method: str, path: str, query: dict[str, str], body: bytes) -> tuple[int, bytes]:
+    async def handle(
+        self, method: str, path: str, query: dict[str, str], body: bytes
+    ) -> tuple[int, bytes]:
         self.requests += 1
         if method == "POST" and path == "/v1/rpc":
             try:
-                opened = open_sealed(memoryview(body), now=time.time(), replay=self.replay, max_size=1 << 24)
+                opened = open_sealed(
+                    memoryview(body), now=time.time(), replay=self.replay, max_size=1 << 24
+                )
                 if opened.peer_id not in self.members:
-                    raise NotAuthorized(f"peer {opened.peer_id.hex()[:8]} is not a member of this swarm")
+                    raise NotAuthorized(
+                        f"peer {opened.peer_id.hex()[:8]} is not a member of this swarm"
+                    )
                 msg = opened.message
                 assert isinstance(msg, Contribution)
                 ack = await self.owners[msg.fragment].contribute(opened.peer_id, msg)
             except RemoteProtocolError as exc:
-                return exc.status, json.dumps({"error": type(exc).__name__, "reason": exc.reason}).encode()
+                return exc.status, json.dumps(
+                    {"error": type(exc).__name__, "reason": exc.reason}
+                ).encode()
             return 200, sealed_bytes(ack, self.ack_signer or self.who)
         parts = path.strip("/").split("/")
         if method == "GET" and parts[:2] == ["v1", "fragments"] and len(parts) == 4:
             owner = self.owners[int(parts[2])]
             after, wait = int(query.get("after", "-1")), float(query.get("wait", "0"))
-            sealed = (owner.declare_final() if parts[3] == "final"  # an idle owner's latest is final
-                      else await owner.wait_after(after, wait) if parts[3] == "next" else None)
+            sealed = (
+                owner.declare_final()
+                if parts[3] == "final"  # an idle owner's latest is final
+                else await owner.wait_after(after, wait)
+                if parts[3] == "next"
+                else None
+            )
             if sealed is not None and query.get("update") == "1":  # as node.diloco.serving
                 named = bytes.fromhex(query.get("digest", ""))
-                if parts[3] == "final" and owner.version == after and named in owner.digests.get(after, set()):
+                if (
+                    parts[3] == "final"
+                    and owner.version == after
+                    and named in owner.digests.get(after, set())
+                ):
                     return 304, b""  # the learner holds the final version already
                 sealed = owner.sealed_after(after, update_ok=True)
             return (204, b"") if sealed is None else (200, sealed.tobytes())
@@ -162,9 +217,17 @@ class MemoryTransport:
     def add(self, base: str, peer: MemoryOwnerPeer) -> None:
         self.peers[base] = peer
 
-    async def request(self, method: str, url: str, *, chunks: Iterable[memoryview | bytes] = (),
-                      size: int | None = None, timeout_s: float = 30.0,
-                      max_reply: int | None = None, kind: str = "") -> tuple[int, bytearray, int, dict[str, str]]:
+    async def request(
+        self,
+        method: str,
+        url: str,
+        *,
+        chunks: Iterable[memoryview | bytes] = (),
+        size: int | None = None,
+        timeout_s: float = 30.0,
+        max_reply: int | None = None,
+        kind: str = "",
+    ) -> tuple[int, bytearray, int, dict[str, str]]:
         parts = urlsplit(url)
         base = f"{parts.scheme}://{parts.netloc}"
         if base in self.down or base not in self.peers:

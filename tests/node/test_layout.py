@@ -72,7 +72,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         stack.append(m)
         for n in sorted(graph.get(m, ())):
             if state.get(n) == 1:
-                return stack[stack.index(n):] + [n]
+                return stack[stack.index(n) :] + [n]
             if n not in state and (cycle := visit(n)):
                 return cycle
         stack.pop()
@@ -110,19 +110,27 @@ def test_arrows_point_down() -> None:
                 wrong.append(f"{module} imports the entry point {dep}")
             if dep == "node.peer" and not _in(module, ENTRY):
                 wrong.append(f"{module} imports node.peer (only run/, api and cli may)")
-            if _in(module, CONCERNS + ("node.peer", "node.config")) and _in(dep, ("node.workload",)):
+            if _in(module, CONCERNS + ("node.peer", "node.config")) and _in(
+                dep, ("node.workload",)
+            ):
                 wrong.append(f"{module} imports the workload {dep}")
             if module == "node.config" and dep != module:
                 wrong.append(f"node.config must be a leaf, imports {dep}")
     assert not wrong, "\n".join(sorted(wrong))
 
 
-@pytest.mark.parametrize("source, expected", [
-    ("import node.peer\n", {"node.peer"}),
-    ("from node.diloco.owner import FragmentOwner\n", {"node.diloco.owner"}),
-    ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from node.peer import PeerNode\n", set()),
-    ("def f():\n    from node.peer import PeerNode\n", {"node.peer"}),
-])
+@pytest.mark.parametrize(
+    "source, expected",
+    [
+        ("import node.peer\n", {"node.peer"}),
+        ("from node.diloco.owner import FragmentOwner\n", {"node.diloco.owner"}),
+        (
+            "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from node.peer import PeerNode\n",
+            set(),
+        ),
+        ("def f():\n    from node.peer import PeerNode\n", {"node.peer"}),
+    ],
+)
 def test_import_parser(tmp_path: Path, source: str, expected: set[str]) -> None:
     path = tmp_path / "m.py"
     path.write_text(source)

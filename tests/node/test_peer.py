@@ -32,15 +32,20 @@ class FakeMembership:
         self.members = dict(self.records)
         return self.members
 
-    def owner_of(self, swarm: str, fragment: int, *, exclude: object = ()) -> tuple[bytes, str] | None:
+    def owner_of(
+        self, swarm: str, fragment: int, *, exclude: object = ()
+    ) -> tuple[bytes, str] | None:
         """The first member that may own, by peer id (a plain stand-in for the rendezvous rank)."""
-        ranked = sorted(pid for pid, m in self.members.items() if m.certified_owner and pid not in exclude)  # type: ignore[operator]
+        ranked = sorted(
+            pid for pid, m in self.members.items() if m.certified_owner and pid not in exclude
+        )  # type: ignore[operator]
         return (ranked[0], self.members[ranked[0]].record.url) if ranked else None
 
 
 def _member(peer_id: bytes) -> Member:
-    record = MemberRecord(url="http://127.0.0.1:1", roles=("learner",), reachable=False,
-                          manifest="m", learning=True)
+    record = MemberRecord(
+        url="http://127.0.0.1:1", roles=("learner",), reachable=False, manifest="m", learning=True
+    )
     return Member(peer_id, record, expires_at=2e9)
 
 
@@ -49,7 +54,9 @@ def _node() -> tuple[PeerNode, FakeMembership]:
     node = PeerNode(RunConfig(max_tokens_per_step=64), signer(1), model, tiny_plan(model))
     old, new = signer(2).peer_id, signer(3).peer_id
     membership = FakeMembership(records={old: _member(old), new: _member(new)})
-    membership.members = {old: membership.records[old]}  # the new member published after our last read
+    membership.members = {
+        old: membership.records[old]
+    }  # the new member published after our last read
     node.membership = membership  # type: ignore[assignment]
     return node, membership
 
@@ -60,10 +67,17 @@ def _successor_and_retiring() -> tuple[PeerNode, PeerNode]:
     model = tiny_model()
     successor = PeerNode(RunConfig(max_tokens_per_step=64), signer(2), model, tiny_plan(model))
     retiring = PeerNode(RunConfig(max_tokens_per_step=64), signer(1), model, tiny_plan(model))
-    record = MemberRecord(url="http://127.0.0.1:1", roles=("learner", "owner"), reachable=True, manifest="m",
-                          learning=True)
+    record = MemberRecord(
+        url="http://127.0.0.1:1",
+        roles=("learner", "owner"),
+        reachable=True,
+        manifest="m",
+        learning=True,
+    )
     successor.membership = FakeMembership(records={})  # type: ignore[assignment]
-    successor.membership.members = {signer(1).peer_id: Member(signer(1).peer_id, record, 2e9, certified_owner=True)}
+    successor.membership.members = {
+        signer(1).peer_id: Member(signer(1).peer_id, record, 2e9, certified_owner=True)
+    }
     return successor, retiring
 
 
@@ -78,8 +92,13 @@ def _hand_in_memory(retiring: PeerNode, successor: PeerNode) -> list[ReplicaStat
 
     async def hand_to(p: int, target: tuple[bytes, str], state: ReplicaState) -> bool:
         sent.append(state)
-        ack = await successor._on_replica_state(types.SimpleNamespace(peer_id=retiring.signer.peer_id,  # type: ignore[arg-type]
-                                                                      message=state, blobs_digest=None))
+        ack = await successor._on_replica_state(
+            types.SimpleNamespace(
+                peer_id=retiring.signer.peer_id,  # type: ignore[arg-type]
+                message=state,
+                blobs_digest=None,
+            )
+        )
         if not ack.accepted and ack.reason.startswith("fenced"):
             raise _FencedBy(ack)
         return ack.accepted
@@ -118,8 +137,12 @@ async def test_strangers_cost_at_most_one_lookup_per_gap() -> None:
     node, membership = _node()
     stranger, other = signer(40).peer_id, signer(41).peer_id
     assert not await node._authorize(stranger) and membership.refreshes == 1
-    assert not await node._authorize(stranger) and membership.refreshes == 1  # remembered: no lookup
-    assert not await node._authorize(other) and membership.refreshes == 1  # inside the gap: no lookup
+    assert (
+        not await node._authorize(stranger) and membership.refreshes == 1
+    )  # remembered: no lookup
+    assert (
+        not await node._authorize(other) and membership.refreshes == 1
+    )  # inside the gap: no lookup
     assert other not in node._unknown  # refused unread: may be looked up after the gap
     for n in range(100, 200):
         assert not await node._authorize(signer(n).peer_id)
@@ -149,13 +172,20 @@ async def test_long_polls_are_capped_per_key_and_per_anonymous_address() -> None
     model = tiny_model()
     plan = tiny_plan(model)
     node = PeerNode(RunConfig(max_tokens_per_step=64), signer(1), model, plan)
-    node.owners[0] = FragmentOwner(swarm="atoll-local", fragment=plan.fragments[0], shapes=shapes_of(model, plan)[0],
-                                   initial=flat_of(model, plan, 0), merge_cfg=MergeConfig(),
-                                   outer_cfg=OuterConfig(), signer=signer(1))
+    node.owners[0] = FragmentOwner(
+        swarm="atoll-local",
+        fragment=plan.fragments[0],
+        shapes=shapes_of(model, plan)[0],
+        initial=flat_of(model, plan, 0),
+        merge_cfg=MergeConfig(),
+        outer_cfg=OuterConfig(),
+        signer=signer(1),
+    )
 
     def poll(key: bytes | None) -> object:
-        request = make_mocked_request("GET", "/v1/fragments/0/next?after=0&wait=5",
-                                      match_info={"p": "0", "kind": "next"})
+        request = make_mocked_request(
+            "GET", "/v1/fragments/0/next?after=0&wait=5", match_info={"p": "0", "kind": "next"}
+        )
         if key is not None:
             request[ADMITTED] = Admitted(key, None)
         return request
@@ -184,14 +214,20 @@ async def test_a_stale_fence_is_passed_with_a_higher_epoch_and_a_real_one_is_not
     model = tiny_model()
     plan = tiny_plan(model)
     node = PeerNode(RunConfig(max_tokens_per_step=64), signer(1), model, plan)
-    owner = make_owner(plan, shapes_of(model, plan), 0, flat_of(model, plan, 0), FakeClock(), version=184)
+    owner = make_owner(
+        plan, shapes_of(model, plan), 0, flat_of(model, plan, 0), FakeClock(), version=184
+    )
     node.owners[0] = owner
     state = owner.snapshot()
     state = dataclasses.replace(state, version=185)  # the next version's handoff, at epoch 0
 
     def ack(epoch: int, version: int) -> ReplicaAck:
-        return ReplicaAck(accepted=False, epoch=epoch, version=version,
-                          reason=f"fenced: fragment 0 is at epoch {epoch} here (version {version})")
+        return ReplicaAck(
+            accepted=False,
+            epoch=epoch,
+            version=version,
+            reason=f"fenced: fragment 0 is at epoch {epoch} here (version {version})",
+        )
 
     assert node._above_stale_fence(0, state, ack(3, 184)) is None  # it knows our version: real
     assert node._above_stale_fence(0, state, ack(3, 200)) is None  # ahead of us: real
@@ -217,8 +253,15 @@ async def test_a_retiring_owner_hands_its_newer_state_past_a_successors_stale_fe
     sent = _hand_in_memory(retiring, successor)
     target = (signer(2).peer_id, "http://127.0.0.1:2")
     successor.replicas.fence(0, 1, 0, b"\x00" * 32)  # its own brief ownership, from version 0
-    newest = encode_state(swarm=successor.cfg.swarm, fragment=0, epoch=0, version=40, digest=b"\x07" * 32,
-                          theta=torch.ones(n), momentum=torch.full((n,), 0.5))
+    newest = encode_state(
+        swarm=successor.cfg.swarm,
+        fragment=0,
+        epoch=0,
+        version=40,
+        digest=b"\x07" * 32,
+        theta=torch.ones(n),
+        momentum=torch.full((n,), 0.5),
+    )
     await retiring._hand_on(0, target, newest)
     assert [x.epoch for x in sent] == [0, 1]  # refused at epoch 0, taken under the fence's epoch
     taken = successor.replicas.states[0]
@@ -242,7 +285,9 @@ async def test_a_replica_hands_its_state_to_a_successor_it_refused() -> None:
     model = tiny_model()
     node = PeerNode(RunConfig(max_tokens_per_step=64), signer(1), model, tiny_plan(model))
     n = node.replicas.numels[0]
-    node.replicas.restore(Handed(0, 1, 84, b"\x07" * 32, torch.ones(n), torch.full((n,), 0.5), b"", {}))
+    node.replicas.restore(
+        Handed(0, 1, 84, b"\x07" * 32, torch.ones(n), torch.full((n,), 0.5), b"", {})
+    )
     handed: list[tuple[int, tuple[bytes, str], ReplicaState]] = []
 
     async def record(p: int, target: tuple[bytes, str], state: ReplicaState) -> None:
@@ -256,8 +301,16 @@ async def test_a_replica_hands_its_state_to_a_successor_it_refused() -> None:
         return dataclasses.replace(handed_state, version=version, epoch=epoch)
 
     from node.diloco.replica import encode_state
-    handed_state = encode_state(swarm=node.cfg.swarm, fragment=0, epoch=0, version=85, digest=b"\x08" * 32,
-                                theta=torch.zeros(n), momentum=None)
+
+    handed_state = encode_state(
+        swarm=node.cfg.swarm,
+        fragment=0,
+        epoch=0,
+        version=85,
+        digest=b"\x08" * 32,
+        theta=torch.zeros(n),
+        momentum=None,
+    )
     node._pass_on_held(refused(86, 0), "http://127.0.0.1:9", successor)  # not built on what we hold
     node._pass_on_held(refused(85, 1), "http://127.0.0.1:9", successor)  # not from a lower epoch
     await asyncio.sleep(0)
@@ -272,9 +325,14 @@ async def test_a_replica_hands_its_state_to_a_successor_it_refused() -> None:
     # the same version with another content: the owner we hold it from died before publishing
     # it; a new owner at a higher epoch that merged its own gets ours, under its epoch
     other = signer(6).peer_id
-    node._pass_on_held(dataclasses.replace(handed_state, version=84, epoch=3), "http://127.0.0.1:8", other)
-    node._pass_on_held(dataclasses.replace(handed_state, version=84, epoch=3, digest=b"\x07" * 32),
-                       "http://127.0.0.1:8", signer(7).peer_id)  # the same content: nothing to pass on
+    node._pass_on_held(
+        dataclasses.replace(handed_state, version=84, epoch=3), "http://127.0.0.1:8", other
+    )
+    node._pass_on_held(
+        dataclasses.replace(handed_state, version=84, epoch=3, digest=b"\x07" * 32),
+        "http://127.0.0.1:8",
+        signer(7).peer_id,
+    )  # the same content: nothing to pass on
     await asyncio.sleep(0)
     assert len(handed) == 2
     assert (handed[1][1][0], handed[1][2].version, handed[1][2].epoch) == (other, 84, 3)
@@ -282,7 +340,9 @@ async def test_a_replica_hands_its_state_to_a_successor_it_refused() -> None:
     # view, while the others' view made another peer the owner from its own older state (82,
     # its own epoch 5); it steps back when we refuse its 83, and takes ours under its epoch
     behind = signer(8).peer_id
-    node._pass_on_held(dataclasses.replace(handed_state, version=83, epoch=5), "http://127.0.0.1:7", behind)
+    node._pass_on_held(
+        dataclasses.replace(handed_state, version=83, epoch=5), "http://127.0.0.1:7", behind
+    )
     await asyncio.sleep(0)
     assert len(handed) == 3
     assert (handed[2][1][0], handed[2][2].version, handed[2][2].epoch) == (behind, 84, 5)
@@ -292,7 +352,9 @@ def test_a_synchronous_round_waits_for_every_provisioned_learner_but_the_finishe
     """Synchronous DiLoCo is not elastic: a learner that died is waited for until it is back
     (the paper's baseline); one that finished training is not. Decoupled waits for live ones."""
     model = tiny_model()
-    node = PeerNode(RunConfig(max_tokens_per_step=64, mode="sync", peers=4), signer(1), model, tiny_plan(model))
+    node = PeerNode(
+        RunConfig(max_tokens_per_step=64, mode="sync", peers=4), signer(1), model, tiny_plan(model)
+    )
     ids = [signer(n).peer_id for n in (2, 3, 4)]
     membership = FakeMembership(records={})
     membership.members = {pid: _member(pid) for pid in ids}  # three of four are up so far
@@ -301,12 +363,15 @@ def test_a_synchronous_round_waits_for_every_provisioned_learner_but_the_finishe
     del membership.members[ids[0]]  # killed: its record lapsed
     assert node.expected_learners() == 4  # still waited for
     done = _member(ids[1])
-    membership.members[ids[1]] = Member(ids[1], dataclasses.replace(done.record, learning=False), 2e9)
+    membership.members[ids[1]] = Member(
+        ids[1], dataclasses.replace(done.record, learning=False), 2e9
+    )
     assert node.expected_learners() == 3  # finished: no longer waited for
 
 
-
-async def test_replicas_that_do_not_see_us_stop_the_version_and_dead_ones_do_not(monkeypatch) -> None:
+async def test_replicas_that_do_not_see_us_stop_the_version_and_dead_ones_do_not(
+    monkeypatch,
+) -> None:
     """A version published while no replica holds it could get a second content from the owner
     the others' views name. Replicas that cannot be reached may be dead: publish, counted as
     unreplicated. A replica that answers 403 (we are not a member in its view) is alive and
@@ -324,18 +389,31 @@ async def test_replicas_that_do_not_see_us_stop_the_version_and_dead_ones_do_not
     class Members(FakeMembership):
         ttl_s = 20.0
 
-        def ranked(self, swarm: str, p: int, r: int, *, exclude: object = ()) -> list[tuple[bytes, str]]:
+        def ranked(
+            self, swarm: str, p: int, r: int, *, exclude: object = ()
+        ) -> list[tuple[bytes, str]]:
             return [t for t in replicas if t[0] not in exclude][:r]  # type: ignore[operator]
 
     node.membership = Members(records={})  # type: ignore[assignment]
     n = node.replicas.numels[0]
-    state = encode_state(swarm=node.cfg.swarm, fragment=0, epoch=0, version=5, digest=b"\x01" * 32,
-                         theta=torch.zeros(n), momentum=None)
+    state = encode_state(
+        swarm=node.cfg.swarm,
+        fragment=0,
+        epoch=0,
+        version=5,
+        digest=b"\x01" * 32,
+        theta=torch.zeros(n),
+        momentum=None,
+    )
     asked: list[str] = []
 
-    async def refusing(transport: object, signer_: object, target: tuple[bytes, str], *_: object, **__: object) -> None:
+    async def refusing(
+        transport: object, signer_: object, target: tuple[bytes, str], *_: object, **__: object
+    ) -> None:
         asked.append(target[1])
-        raise NotAMemberThere("handoff refused (403): peer is not a member of this swarm", penalty=0.0)
+        raise NotAMemberThere(
+            "handoff refused (403): peer is not a member of this swarm", penalty=0.0
+        )
 
     monkeypatch.setattr(handoffs, "hand_over", refusing)
     reason = await node._replicate(0, state)
@@ -367,21 +445,46 @@ async def test_a_retiring_owner_hands_a_state_the_successor_holds_by_reference()
     sent = _hand_in_memory(retiring, successor)
     target = (signer(2).peer_id, "http://127.0.0.1:2")
     theta = torch.linspace(-1, 1, n)
-    v7 = encode_state(swarm=successor.cfg.swarm, fragment=0, epoch=0, version=7, digest=b"\x07" * 32,
-                      theta=theta, momentum=None)
-    assert successor.replicas.offer(signer(1).peer_id, v7).accepted  # as our replica, before we published 7
+    v7 = encode_state(
+        swarm=successor.cfg.swarm,
+        fragment=0,
+        epoch=0,
+        version=7,
+        digest=b"\x07" * 32,
+        theta=theta,
+        momentum=None,
+    )
+    assert successor.replicas.offer(
+        signer(1).peer_id, v7
+    ).accepted  # as our replica, before we published 7
     await retiring._hand_on(0, target, dataclasses.replace(v7, epoch=1))
     assert len(sent) == 1 and sent[0].theta == () and sent[0].base_version == 7  # by reference only
-    assert torch.equal(successor.replicas.states[0].theta, theta) and successor.replicas.states[0].epoch == 1
+    assert (
+        torch.equal(successor.replicas.states[0].theta, theta)
+        and successor.replicas.states[0].epoch == 1
+    )
     sent.clear()
-    v8 = encode_state(swarm=successor.cfg.swarm, fragment=0, epoch=1, version=8, digest=b"\x08" * 32,
-                      theta=theta + 1, momentum=None)
-    await retiring._hand_on(0, target, v8)  # version 8 never reached it: refused by reference, then whole
+    v8 = encode_state(
+        swarm=successor.cfg.swarm,
+        fragment=0,
+        epoch=1,
+        version=8,
+        digest=b"\x08" * 32,
+        theta=theta + 1,
+        momentum=None,
+    )
+    await retiring._hand_on(
+        0, target, v8
+    )  # version 8 never reached it: refused by reference, then whole
     assert [len(s.theta) for s in sent] == [0, 1]
-    assert successor.replicas.states[0].version == 8 and torch.equal(successor.replicas.states[0].theta, theta + 1)
+    assert successor.replicas.states[0].version == 8 and torch.equal(
+        successor.replicas.states[0].theta, theta + 1
+    )
 
 
-async def test_a_running_owner_behind_a_retiring_owners_epoch_and_version_steps_back_for_its_state() -> None:
+async def test_a_running_owner_behind_a_retiring_owners_epoch_and_version_steps_back_for_its_state() -> (
+    None
+):
     """Views differed: peer B owned fragment 0 at epoch 6 and merged up to version 32, while peer A
     took the fragment over at epoch 7 and published 33; then the views moved it to B and A handed
     its version 33 on. B refused it as "moved on" and later published another 33 (one version,
@@ -402,8 +505,11 @@ async def test_a_running_owner_behind_a_retiring_owners_epoch_and_version_steps_
     owner = make_owner(plan, shapes, 0, flat_of(model, plan, 0), clock, who=signer(2), version=31)
     owner.epoch = 6
     delta = torch.linspace(-0.05, 0.05, owner.theta.numel())
-    assert (await owner.contribute(signer(4).peer_id, contribution(delta, shapes[0], base_version=31,
-                                                                   owner=owner))).accepted
+    assert (
+        await owner.contribute(
+            signer(4).peer_id, contribution(delta, shapes[0], base_version=31, owner=owner)
+        )
+    ).accepted
     clock.advance(60.0)
     await owner.tick()
     assert (owner.version, owner.merges_done) == (32, 1)
@@ -422,19 +528,35 @@ async def test_a_running_owner_behind_a_retiring_owners_epoch_and_version_steps_
     target = (signer(2).peer_id, "http://127.0.0.1:2")
 
     def state(epoch: int, version: int, fill: float) -> ReplicaState:
-        return encode_state(swarm=successor.cfg.swarm, fragment=0, epoch=epoch, version=version,
-                            digest=bytes([version]) * 32, theta=torch.full((n,), fill), momentum=None)
+        return encode_state(
+            swarm=successor.cfg.swarm,
+            fragment=0,
+            epoch=epoch,
+            version=version,
+            digest=bytes([version]) * 32,
+            theta=torch.full((n,), fill),
+            momentum=None,
+        )
 
     for epoch, version in ((7, 32), (5, 33), (6, 33)):  # not above it in both: refused, B owns on
-        ack = await successor._on_replica_state(types.SimpleNamespace(peer_id=signer(1).peer_id,  # type: ignore[arg-type]
-                                                                      message=state(epoch, version, 1.0), blobs_digest=None))
+        ack = await successor._on_replica_state(
+            types.SimpleNamespace(
+                peer_id=signer(1).peer_id,  # type: ignore[arg-type]
+                message=state(epoch, version, 1.0),
+                blobs_digest=None,
+            )
+        )
         assert not ack.accepted and ack.reason.startswith("fenced") and owner.fenced is None
     assert 0 not in successor.replicas.states and reconciles == []
 
     await retiring._hand_on(0, target, state(7, 33, 2.0))
-    assert sent and sent[-1].theta  # by reference refused (B never held A's 33), then the whole state: taken
+    assert (
+        sent and sent[-1].theta
+    )  # by reference refused (B never held A's 33), then the whole state: taken
     handed = successor.replicas.states[0]
-    assert (handed.version, handed.epoch) == (33, 7) and torch.equal(handed.theta, torch.full((n,), 2.0))
+    assert (handed.version, handed.epoch) == (33, 7) and torch.equal(
+        handed.theta, torch.full((n,), 2.0)
+    )
     assert owner.fenced is not None and "past this owner's version 32 at epoch 6" in owner.fenced
     assert owner.retired and owner.version == 32  # B published nothing more
     assert reconciles == ["OwnedFragments._reconcile_owners"]  # owning again from A's 33 comes next
@@ -459,8 +581,11 @@ async def test_a_retired_owner_leaves_its_counts_and_not_its_state() -> None:
     shapes, clock = shapes_of(model, plan), FakeClock()
     owner = make_owner(plan, shapes, 0, flat_of(model, plan, 0), clock, who=signer(1), version=3)
     delta = torch.linspace(-0.05, 0.05, owner.theta.numel())
-    assert (await owner.contribute(signer(4).peer_id, contribution(delta, shapes[0], base_version=3,
-                                                                   owner=owner))).accepted
+    assert (
+        await owner.contribute(
+            signer(4).peer_id, contribution(delta, shapes[0], base_version=3, owner=owner)
+        )
+    ).accepted
     clock.advance(60.0)
     await owner.tick()
     assert owner.merges_done == 1
@@ -545,9 +670,13 @@ async def test_a_final_version_from_an_owner_that_moved_is_asked_of_the_new_one(
     out = await node.fetch_final(settle_s=0.01)
     assert {p: v for p, (v, _) in out.items()} == {p: 19 for p in range(len(node.shapes))}
     assert [a for a in asked if a[0] == q] == [(q, x, 0), (q, y, 0)]
-    assert membership.refreshes == refreshes_before + 2  # one full read moved it, the next found it still
+    assert (
+        membership.refreshes == refreshes_before + 2
+    )  # one full read moved it, the next found it still
 
-    owner_now[q] = x  # views that never converge: asked again at most `rechecks` times, then it ends
+    owner_now[q] = (
+        x  # views that never converge: asked again at most `rechecks` times, then it ends
+    )
     membership.refresh = FakeMembership.refresh.__get__(membership)  # type: ignore[method-assign]
 
     def flapping(p: int) -> tuple[bytes, str]:
@@ -607,13 +736,25 @@ async def test_an_owner_whose_record_may_have_expired_does_not_publish() -> None
 
     from node.diloco.replica import encode_state
 
-    state = encode_state(swarm="s", fragment=0, epoch=0, version=3, digest=bytes(32), theta=torch.zeros(4),
-                         momentum=None, merged={})
+    state = encode_state(
+        swarm="s",
+        fragment=0,
+        epoch=0,
+        version=3,
+        digest=bytes(32),
+        theta=torch.zeros(4),
+        momentum=None,
+        merged={},
+    )
     node.record_published_at = time.monotonic() - (20.0 - LEASE_MARGIN_S) + 2.0
     assert await node._replicate(0, state) is None
     node.record_published_at = time.monotonic() - (20.0 - LEASE_MARGIN_S) - 0.5
     reason = await node._replicate(0, state)
-    assert reason is not None and reason.startswith("fenced: our member record") and node.lease_lapses == 1
+    assert (
+        reason is not None
+        and reason.startswith("fenced: our member record")
+        and node.lease_lapses == 1
+    )
 
 
 async def test_an_owner_handing_out_a_final_version_tells_its_replica_once() -> None:
@@ -627,10 +768,14 @@ async def test_an_owner_handing_out_a_final_version_tells_its_replica_once() -> 
     sent = _hand_in_memory(owner_node, replica)
     model = tiny_model()
     plan = tiny_plan(model)
-    owner = make_owner(plan, shapes_of(model, plan), 0, flat_of(model, plan, 0), FakeClock(), version=7)
+    owner = make_owner(
+        plan, shapes_of(model, plan), 0, flat_of(model, plan, 0), FakeClock(), version=7
+    )
     owner.on_final = owner_node._final_declared  # as _start_owner wires it
     owner_node.owners[0] = owner
-    assert replica.replicas.offer(signer(1).peer_id, owner.snapshot()).accepted  # handed before publishing
+    assert replica.replicas.offer(
+        signer(1).peer_id, owner.snapshot()
+    ).accepted  # handed before publishing
     assert not replica.replicas.states[0].final
     membership = FakeMembership(records={})
     membership.ranked = lambda swarm, p, n, exclude: [(signer(2).peer_id, "http://127.0.0.1:2")]  # type: ignore[attr-defined]
@@ -641,7 +786,9 @@ async def test_an_owner_handing_out_a_final_version_tells_its_replica_once() -> 
     owner_node._tg = tasks  # type: ignore[assignment]
     assert await owner_node._wait_final(owner, 1.0) is owner.latest
     await tasks.done()
-    assert [(s.version, s.final, s.theta, s.base_version) for s in sent] == [(7, True, (), 7)]  # by reference
+    assert [(s.version, s.final, s.theta, s.base_version) for s in sent] == [
+        (7, True, (), 7)
+    ]  # by reference
     held = replica.replicas.states[0]
     assert held.final and held.version == 7 and held.digest == owner.digest_of(7)
     assert await owner_node._wait_final(owner, 1.0) is owner.latest
@@ -662,8 +809,10 @@ def _owning_node(*, latest: dict[int, int]) -> tuple[PeerNode, torch.Tensor, _Ta
     theta = flat_of(model, plan, 0)
     tasks = _Tasks()
     node._tg = tasks  # type: ignore[assignment]
-    node.net = types.SimpleNamespace(latest={p: (v, theta) for p, v in latest.items()},  # type: ignore[assignment]
-                                     island_initial={0: theta, 1: flat_of(model, plan, 1)})
+    node.net = types.SimpleNamespace(
+        latest={p: (v, theta) for p, v in latest.items()},  # type: ignore[assignment]
+        island_initial={0: theta, 1: flat_of(model, plan, 1)},
+    )
     return node, theta, tasks
 
 
@@ -676,8 +825,9 @@ async def test_an_owner_started_from_a_state_handed_out_as_final_holds_it_final(
     told: list[int] = []
     node._final_declared = lambda owner: told.append(owner.version)  # type: ignore[method-assign]
     for final in (True, False):
-        node.replicas.states[0] = Handed(0, 1, 12, b"\x07" * 32, theta.clone(), None, signer(2).peer_id, {},
-                                         final=final)
+        node.replicas.states[0] = Handed(
+            0, 1, 12, b"\x07" * 32, theta.clone(), None, signer(2).peer_id, {}, final=final
+        )
         node._start_owner(0)
         owner = node.owners.pop(0)
         assert owner.version == 12 and owner.holds_final() is final
@@ -686,7 +836,9 @@ async def test_an_owner_started_from_a_state_handed_out_as_final_holds_it_final(
     await tasks.cancel()
 
 
-async def test_an_owner_that_displaces_a_live_one_holds_its_first_merge_and_a_failover_does_not() -> None:
+async def test_an_owner_that_displaces_a_live_one_holds_its_first_merge_and_a_failover_does_not() -> (
+    None
+):
     """A peer that comes back and takes its fragment back from the live owner that stood in
     starts from the version it holds: it merges nothing until that owner's handoff (or
     ``CATCH_UP_S``). A replica taking over from a dead owner starts from the state that owner
@@ -703,8 +855,14 @@ async def test_an_owner_that_displaces_a_live_one_holds_its_first_merge_and_a_fa
     node._start_owner(0)
     owner = node.owners.pop(0)
     held = owner.merger.held_until
-    assert owner.version == 5 and held is not None and held == pytest.approx(owner.clock() + CATCH_UP_S, abs=1.0)
-    node.replicas.states[0] = Handed(0, 1, 5, owner.digest_of(5), theta.clone(), None, signer(2).peer_id, {})
+    assert (
+        owner.version == 5
+        and held is not None
+        and held == pytest.approx(owner.clock() + CATCH_UP_S, abs=1.0)
+    )
+    node.replicas.states[0] = Handed(
+        0, 1, 5, owner.digest_of(5), theta.clone(), None, signer(2).peer_id, {}
+    )
     node._start_owner(0)
     assert node.owners.pop(0).merger.held_until is None  # from the dead owner's handoff
     node.replicas.states.clear()
@@ -724,7 +882,9 @@ async def test_an_owner_that_displaces_a_live_one_holds_its_first_merge_and_a_fa
     node.net.latest.clear()  # type: ignore[attr-defined]
     node._last_owner.clear()
     node._start_owner(0)
-    assert node.owners.pop(0).merger.held_until is None  # a swarm's start: nothing merged to hand over
+    assert (
+        node.owners.pop(0).merger.held_until is None
+    )  # a swarm's start: nothing merged to hand over
     await tasks.cancel()
 
 
@@ -747,11 +907,15 @@ def test_events_from_two_threads_reach_the_launcher_as_whole_lines() -> None:
         "[t.start() for t in ts]\n"
         "[t.join() for t in ts]\n"
     )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
+    )
     lines = out.stdout.splitlines()
     events = [json.loads(line) for line in lines]  # raises on a broken line
     assert len(events) == 12000
-    assert {(e["fragment"], e["version"]) for e in events} == {(i, k) for i in range(4) for k in range(3000)}
+    assert {(e["fragment"], e["version"]) for e in events} == {
+        (i, k) for i in range(4) for k in range(3000)
+    }
 
 
 def _ending_owner(members: dict[bytes, bool], **merge: object) -> tuple[PeerNode, object, object]:
@@ -763,13 +927,25 @@ def _ending_owner(members: dict[bytes, bool], **merge: object) -> tuple[PeerNode
     plan = tiny_plan(model)
     node = PeerNode(RunConfig(max_tokens_per_step=64), signer(1), model, plan)
     clock = FakeClock()
-    owner = make_owner(plan, shapes_of(model, plan), 0, flat_of(model, plan, 0), clock, version=3,
-                       **{"quorum": 1, **merge})
+    owner = make_owner(
+        plan,
+        shapes_of(model, plan),
+        0,
+        flat_of(model, plan, 0),
+        clock,
+        version=3,
+        **{"quorum": 1, **merge},
+    )
     node.owners[0] = owner
     records = {}
     for pid, learning in members.items():
-        record = MemberRecord(url="http://127.0.0.1:1", roles=("learner",), reachable=False, manifest="m",
-                              learning=learning)
+        record = MemberRecord(
+            url="http://127.0.0.1:1",
+            roles=("learner",),
+            reachable=False,
+            manifest="m",
+            learning=learning,
+        )
         records[pid] = Member(pid, record, expires_at=2e9)
     membership = FakeMembership(records=records, members=dict(records))
     membership.learners = lambda: sum(m.record.learning for m in membership.members.values())  # type: ignore[attr-defined]
@@ -780,7 +956,8 @@ def _ending_owner(members: dict[bytes, bool], **merge: object) -> tuple[PeerNode
 
 
 async def test_a_member_claiming_to_learn_that_never_sends_does_not_hold_the_end(
-        caplog: pytest.LogCaptureFixture) -> None:
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """A peer that joined and never trained (once: a restarted peer the launcher never started),
     or a hostile member republishing "learning" for ever, held every final fetch until it timed
     out. With nobody's pace known the owner now waits 120 s from when it began owning, then
@@ -794,7 +971,10 @@ async def test_a_member_claiming_to_learn_that_never_sends_does_not_hold_the_end
     with caplog.at_level("WARNING", logger="atoll.peer"):
         final = await node._wait_final(owner, 0.2)
     assert final is owner.latest and owner.holds_final
-    assert f"not waiting for member {silent.hex()[:8]}" in caplog.text and "never heard from" in caplog.text
+    assert (
+        f"not waiting for member {silent.hex()[:8]}" in caplog.text
+        and "never heard from" in caplog.text
+    )
 
 
 async def _contribute(owner, who: bytes, *, steps: int = 4, step_time: float = 1.0):  # type: ignore[no-untyped-def]
@@ -807,7 +987,9 @@ async def _contribute(owner, who: bytes, *, steps: int = 4, step_time: float = 1
     shapes = shapes_of(tiny_model(), tiny_plan(tiny_model()))[0]
     delta = torch.full((owner.theta.numel(),), 0.01)
     msg = contribution(delta, shapes, base_version=owner.version, owner=owner)
-    return await owner.contribute(who, dataclasses.replace(msg, steps=steps, sender_step=steps, step_time=step_time))
+    return await owner.contribute(
+        who, dataclasses.replace(msg, steps=steps, sender_step=steps, step_time=step_time)
+    )
 
 
 async def test_a_learner_still_sending_is_waited_for_until_three_of_its_intervals_pass() -> None:
@@ -831,7 +1013,8 @@ async def test_a_learner_still_sending_is_waited_for_until_three_of_its_interval
 
 
 async def test_members_that_claim_to_learn_and_send_nothing_cannot_stall_the_merges(
-        caplog: pytest.LogCaptureFixture) -> None:
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """Seven identities whose records say learning and that never contribute raised the quorum
     (half the learners expected) to 5 of 10, which the three learners at work can never reach:
     no merge, ever. Now, once they have been silent three times the learners' usual interval
@@ -839,7 +1022,9 @@ async def test_members_that_claim_to_learn_and_send_nothing_cannot_stall_the_mer
     quorum of 2 of 3."""
     real = [signer(10 + i).peer_id for i in range(3)]
     fake = [signer(20 + i).peer_id for i in range(7)]
-    node, owner, clock = _ending_owner({pid: True for pid in real + fake}, quorum=1, quorum_fraction=0.5)
+    node, owner, clock = _ending_owner(
+        {pid: True for pid in real + fake}, quorum=1, quorum_fraction=0.5
+    )
     await node.tell_expected(owner)
     for pid in real:
         ack = await _contribute(owner, pid)  # 4 steps of 1 s: the usual interval 4 s
@@ -854,8 +1039,12 @@ async def test_members_that_claim_to_learn_and_send_nothing_cannot_stall_the_mer
     clock.advance(0.5)
     with caplog.at_level("WARNING", logger="atoll.peer"):
         waited = node.learner_ids_waited_for(owner)
-    assert waited == set(real) and caplog.text.count("not waiting for member") == 7  # the fakes, once each
-    with caplog.at_level("WARNING", logger="atoll.peer"):  # the end's view (30 s floor), then the rounds' again
+    assert (
+        waited == set(real) and caplog.text.count("not waiting for member") == 7
+    )  # the fakes, once each
+    with caplog.at_level(
+        "WARNING", logger="atoll.peer"
+    ):  # the end's view (30 s floor), then the rounds' again
         assert node.learner_ids_waited_for(owner, at_end=True) == set(real + fake)
         assert node.learner_ids_waited_for(owner) == set(real)
     assert caplog.text.count("not waiting for member") == 7  # not logged again
@@ -871,12 +1060,16 @@ async def test_identities_that_stopped_without_contributing_do_not_shrink_the_me
     for nothing, and the learners' merge is a whole step."""
     real = [signer(10 + i).peer_id for i in range(3)]
     fake = [signer(40 + i).peer_id for i in range(50)]
-    node, owner, clock = _ending_owner({pid: True for pid in real + fake}, quorum=1, quorum_fraction=0.5)
+    node, owner, clock = _ending_owner(
+        {pid: True for pid in real + fake}, quorum=1, quorum_fraction=0.5
+    )
     node.finished_learners()  # the first read: all fifty seen learning
     members = node.membership.members  # type: ignore[union-attr]
 
     def stop(pid: bytes) -> None:
-        members[pid] = dataclasses.replace(members[pid], record=dataclasses.replace(members[pid].record, learning=False))
+        members[pid] = dataclasses.replace(
+            members[pid], record=dataclasses.replace(members[pid].record, learning=False)
+        )
 
     for pid in fake:
         stop(pid)
@@ -890,18 +1083,23 @@ async def test_identities_that_stopped_without_contributing_do_not_shrink_the_me
     await owner.tick()
     assert owner.version == 4 and "scaled" not in owner.merges[-1]
     stop(real[0])
-    assert node.finished_learners_heard(owner) == 0  # one merge of its work: as good as a sybil's (issue 47)
+    assert (
+        node.finished_learners_heard(owner) == 0
+    )  # one merge of its work: as good as a sybil's (issue 47)
     stop(real[1])
     ack = await _contribute(owner, real[0])  # its end-of-run flush, say: a second merge of its work
     await node.tell_expected(owner)
     clock.advance(5.0)
     await owner.tick()
     assert owner.version == 5 and owner.merger.merges_of(real[0]) == 2
-    assert node.finished_learners_heard(owner) == 1  # a learner whose work was taken twice, now finished
+    assert (
+        node.finished_learners_heard(owner) == 1
+    )  # a learner whose work was taken twice, now finished
 
 
 async def test_a_joining_peer_asks_the_next_members_when_the_presumed_owner_does_not_own(
-        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     """At join a fragment's latest version is asked of the member ranked first without us. With
     bounded loads that need not be the member that took the fragment while we were away (a
     restarted peer then took the fragment over from its own checkpoint two versions behind, and
@@ -931,7 +1129,10 @@ async def test_a_joining_peer_asks_the_next_members_when_the_presumed_owner_does
                 continue
             asked.append((p, source[0]))
             if source[0] == real_owner[p]:
-                fetched[p] = (11, torch.full((sum(int(torch.Size(s).numel()) for s in shapes[p]),), float(p)))
+                fetched[p] = (
+                    11,
+                    torch.full((sum(int(torch.Size(s).numel()) for s in shapes[p]),), float(p)),
+                )
             else:
                 failures[p] = f"answered 404 for fragment {p}"
         if failures:
@@ -941,9 +1142,11 @@ async def test_a_joining_peer_asks_the_next_members_when_the_presumed_owner_does
     monkeypatch.setattr(presence, "sync_fragments", fake_sync)
     remembered: dict[int, int] = {}
     node.net = types.SimpleNamespace(  # type: ignore[assignment]
-        latest={}, version_jump=lambda p, v: None,
+        latest={},
+        version_jump=lambda p, v: None,
         remember=lambda p, v, flat, digest: remembered.__setitem__(p, v),
-        island=types.SimpleNamespace(deliver=lambda p, v, flat: None))
+        island=types.SimpleNamespace(deliver=lambda p, v, flat: None),
+    )
     await node._sync()
     assert remembered == {0: 11, 1: 11}
     assert asked == [(0, ids[0]), (1, ids[0]), (1, ids[1]), (1, ids[2])]
@@ -953,9 +1156,16 @@ async def test_a_joining_peer_asks_the_next_members_when_the_presumed_owner_does
     remembered.clear()
 
     async def nothing_newer(transport, owner_of, n, shapes, *, swarm, held_versions, max_size):  # type: ignore[no-untyped-def]
-        failures = {p: "answered 404" for p in range(n) if owner_of(p) is not None and owner_of(p)[0] != real_owner[p]}
-        fetched = {p: (11, torch.zeros(1)) for p in range(n) if held_versions[p] < 11 and p not in failures
-                   and owner_of(p) is not None}
+        failures = {
+            p: "answered 404"
+            for p in range(n)
+            if owner_of(p) is not None and owner_of(p)[0] != real_owner[p]
+        }
+        fetched = {
+            p: (11, torch.zeros(1))
+            for p in range(n)
+            if held_versions[p] < 11 and p not in failures and owner_of(p) is not None
+        }
         if failures:
             raise SyncFailed(failures, fetched, n)
         return fetched
@@ -967,7 +1177,8 @@ async def test_a_joining_peer_asks_the_next_members_when_the_presumed_owner_does
 
 
 async def test_a_new_owner_asks_the_next_ranked_members_for_its_predecessors_versions(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The previous owner is presumed to be the member ranked first without us; when it is
     another (bounded loads), the next-ranked members are asked in turn, and the one that owned
     the fragment hands over its newer version before our first merge."""

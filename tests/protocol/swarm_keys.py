@@ -18,13 +18,29 @@ def key() -> Signer:
 
 def two_labs() -> tuple[Signer, Signer, Signer, SwarmManifest]:
     founder, lab_a, lab_b = key(), key(), key()
-    m = SwarmManifest(name="two-labs", founder=founder.public_key, admission="certified", created=NOW - 100,
-                      recipe=(("fragments", 4), ("model", "tiny"), ("outer_lr", 0.7)))
+    m = SwarmManifest(
+        name="two-labs",
+        founder=founder.public_key,
+        admission="certified",
+        created=NOW - 100,
+        recipe=(("fragments", 4), ("model", "tiny"), ("outer_lr", 0.7)),
+    )
     m = m.with_authority("lab-a", lab_a.public_key).with_authority("lab-b", lab_b.public_key)
     return founder, lab_a, lab_b, m.signed(founder)
 
 
-def cert(authority: Signer, manifest: SwarmManifest, peer: Signer, roles: tuple[str, ...] = ("learner", "owner"),
-         days: float = 1.0) -> Certificate:
-    return Certificate.issue(authority, manifest=manifest, subject=peer.public_key, roles=roles,
-                             not_before=NOW - 10, not_after=NOW + days * 86400)
+def cert(
+    authority: Signer,
+    manifest: SwarmManifest,
+    peer: Signer,
+    roles: tuple[str, ...] = ("learner", "owner"),
+    days: float = 1.0,
+) -> Certificate:
+    return Certificate.issue(
+        authority,
+        manifest=manifest,
+        subject=peer.public_key,
+        roles=roles,
+        not_before=NOW - 10,
+        not_after=NOW + days * 86400,
+    )

@@ -53,7 +53,9 @@ def test_silence_counts_from_when_a_member_was_first_seen_or_from_since() -> Non
     activity.seen({B}, 120.0)  # seen again: still counted from the first time
     assert activity.silent({A, B}, since=0.0, now=129.0, at_end=True) == {A}
     assert activity.silent({A, B}, since=0.0, now=130.0, at_end=True) == {A, B}
-    assert activity.silent({A, B}, since=500.0, now=529.0, at_end=True) == set()  # owning since 500 s
+    assert (
+        activity.silent({A, B}, since=500.0, now=529.0, at_end=True) == set()
+    )  # owning since 500 s
     assert activity.silent({A, B}, since=500.0, now=530.0, at_end=True) == {A, B}
 
 
@@ -74,7 +76,9 @@ def test_a_member_found_silent_stays_so_until_it_is_heard_from() -> None:
     activity.heard(A, 0.0, steps=1, step_time=2.0)
     assert activity.silent({A, D}, since=0.0, now=6.0) == {A, D}
     for sender in (B, C, E):
-        activity.heard(sender, 6.0, steps=1, step_time=100.0)  # the median is now 100 s: D's bound 300 s
+        activity.heard(
+            sender, 6.0, steps=1, step_time=100.0
+        )  # the median is now 100 s: D's bound 300 s
     assert activity.silent({A, D}, since=0.0, now=7.0) == {A, D}
     assert activity.silent({D}, since=0.0, now=7.0, at_end=True) == set()  # the end looks afresh
     activity.heard(D, 8.0, steps=1, step_time=2.0)
@@ -98,32 +102,55 @@ def test_the_least_recently_heard_are_forgotten_beyond_max_senders() -> None:
     activity.heard(B, 1.0, steps=1, step_time=2.0)
     activity.heard(A, 2.0, steps=1, step_time=2.0)  # A is now the most recent
     activity.heard(C, 3.0, steps=1, step_time=2.0)
-    assert activity.last_heard(B) is None and activity.last_heard(A) == 2.0 and activity.last_heard(C) == 3.0
+    assert (
+        activity.last_heard(B) is None
+        and activity.last_heard(A) == 2.0
+        and activity.last_heard(C) == 3.0
+    )
     activity.seen([A, B, C, D], 4.0)  # only C's and D's sightings are kept
-    assert activity.silent({B, D}, since=0.0, now=7.0) == {B}  # bound 6 s: B counted from since, D from 4 s
+    assert activity.silent({B, D}, since=0.0, now=7.0) == {
+        B
+    }  # bound 6 s: B counted from since, D from 4 s
 
 
-@pytest.mark.parametrize("kw", [{"floor_s": 0.0}, {"floor_s": 40.0}, {"end_floor_s": 200.0},
-                                {"unknown_s": 400.0}, {"factor": 0.5}])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"floor_s": 0.0},
+        {"floor_s": 40.0},
+        {"end_floor_s": 200.0},
+        {"unknown_s": 400.0},
+        {"factor": 0.5},
+    ],
+)
 def test_inconsistent_bounds_are_refused_with_what_is_wrong(kw: dict[str, float]) -> None:
     with pytest.raises(ValueError, match="silence"):
         SilenceBounds(**kw)
 
 
 @settings(max_examples=200, deadline=None)
-@given(times=st.lists(st.floats(0, 10_000, allow_nan=False), min_size=1, max_size=20),
-       work=st.floats(1e-3, 1e6, allow_nan=False), since=st.floats(0, 10_000, allow_nan=False),
-       later=st.floats(0, 1_000, allow_nan=False), at_end=st.booleans())
+@given(
+    times=st.lists(st.floats(0, 10_000, allow_nan=False), min_size=1, max_size=20),
+    work=st.floats(1e-3, 1e6, allow_nan=False),
+    since=st.floats(0, 10_000, allow_nan=False),
+    later=st.floats(0, 1_000, allow_nan=False),
+    at_end=st.booleans(),
+)
 def test_silence_comes_exactly_at_the_bound_never_before_the_floor_and_always_by_the_cap(
-        times: list[float], work: float, since: float, later: float, at_end: bool) -> None:
+    times: list[float], work: float, since: float, later: float, at_end: bool
+) -> None:
     activity = LearnerActivity()
     for t in sorted(times):
         activity.heard(A, t, steps=1, step_time=work)
     quiet_from = max(since, max(times))
     bound = activity.bound(A, at_end=at_end)
     assert bound is not None and (30.0 if at_end else 5.0) <= bound <= 300.0
-    assert A not in activity.silent({A}, since=since, now=quiet_from + min(later, bound * 0.999), at_end=at_end)
-    assert A in activity.silent({A}, since=since, now=quiet_from + bound * 1.0001 + later, at_end=at_end)
+    assert A not in activity.silent(
+        {A}, since=since, now=quiet_from + min(later, bound * 0.999), at_end=at_end
+    )
+    assert A in activity.silent(
+        {A}, since=since, now=quiet_from + bound * 1.0001 + later, at_end=at_end
+    )
     assert A in activity.silent({A}, since=since, now=quiet_from + 301.0, at_end=at_end)
 
 

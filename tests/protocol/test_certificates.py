@@ -32,15 +32,25 @@ def test_certificate_checks_each_reason(swarm):
     with pytest.raises(NotAuthorized, match="not owner"):
         check_certificate(m, learner_only, public_key=peer.public_key, role="owner", now=NOW)
     stranger = key()
-    other = SwarmManifest(name="two-labs", founder=founder.public_key).with_authority("lab-x", stranger.public_key)
-    forged = Certificate.issue(stranger, manifest=other, subject=peer.public_key, roles=["owner"],
-                               not_before=NOW - 1, not_after=NOW + 60)
+    other = SwarmManifest(name="two-labs", founder=founder.public_key).with_authority(
+        "lab-x", stranger.public_key
+    )
+    forged = Certificate.issue(
+        stranger,
+        manifest=other,
+        subject=peer.public_key,
+        roles=["owner"],
+        not_before=NOW - 1,
+        not_after=NOW + 60,
+    )
     with pytest.raises(NotAuthorized, match="not an authority of this swarm"):
         check_certificate(m, forged, public_key=peer.public_key, role=None, now=NOW)
     revoked = m.with_revoked(peer.public_key).signed(founder)
     with pytest.raises(NotAuthorized, match="revoked"):
         check_certificate(revoked, c, public_key=peer.public_key, role=None, now=NOW)
-    elsewhere = SwarmManifest(name="another", founder=founder.public_key).with_authority("lab-a", lab_a.public_key)
+    elsewhere = SwarmManifest(name="another", founder=founder.public_key).with_authority(
+        "lab-a", lab_a.public_key
+    )
     with pytest.raises(NotAuthorized, match="for swarm"):
         check_certificate(elsewhere, c, public_key=peer.public_key, role=None, now=NOW)
     tampered = dataclasses.replace(c, roles=("learner", "owner"), not_after=c.not_after + 1e6)

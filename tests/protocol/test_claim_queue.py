@@ -13,7 +13,9 @@ from protocol.wire.messages import PeerInfo
 
 
 def claim(i: int, address: str | None = None) -> PeerInfo:
-    return PeerInfo(peer_id=key_id(f"claimer {i}"), address=address or f"http://10.0.0.{i % 250}:{1000 + i}")
+    return PeerInfo(
+        peer_id=key_id(f"claimer {i}"), address=address or f"http://10.0.0.{i % 250}:{1000 + i}"
+    )
 
 
 def drain(queue: ClaimQueue, now: float) -> list[PeerInfo]:

@@ -109,7 +109,10 @@ def test_bounds_hold_for_arbitrary_values(values: list[float], codec: str, block
 def test_int8_layout() -> None:
     enc, _ = compress(torch.tensor([254.0, -127.0, 1.0, 0.0, 3.0]), "int8", block_size=4)
     assert bytes(enc.data) == bytes([127, 0xC0, 0, 0, 127])  # -63.5 rounds to even: -64
-    assert torch.frombuffer(bytearray(enc.scales), dtype=torch.float32).tolist() == [2.0, pytest.approx(3 / 127, rel=1e-7)]
+    assert torch.frombuffer(bytearray(enc.scales), dtype=torch.float32).tolist() == [
+        2.0,
+        pytest.approx(3 / 127, rel=1e-7),
+    ]
 
 
 def test_int4_layout_odd_count() -> None:
@@ -120,7 +123,11 @@ def test_int4_layout_odd_count() -> None:
 
 
 def test_records_dtype_and_block_size() -> None:
-    for dtype, name in [(torch.float32, "float32"), (torch.bfloat16, "bfloat16"), (torch.float16, "float16")]:
+    for dtype, name in [
+        (torch.float32, "float32"),
+        (torch.bfloat16, "bfloat16"),
+        (torch.float16, "float16"),
+    ]:
         enc, residual = compress(torch.ones(3, dtype=dtype), "int8", block_size=2)
         assert (enc.dtype, enc.block_size, enc.codec) == (name, 2, "int8")
         assert residual.dtype == torch.float32
@@ -226,7 +233,11 @@ def _f32(*values: float) -> bytes:
     [
         ("none", _f32(1.0, math.nan), b""),
         ("none", _f32(math.inf, 1.0), b""),
-        ("bf16", torch.tensor([1.0, -math.inf]).to(torch.bfloat16).view(torch.int16).numpy().tobytes(), b""),
+        (
+            "bf16",
+            torch.tensor([1.0, -math.inf]).to(torch.bfloat16).view(torch.int16).numpy().tobytes(),
+            b"",
+        ),
         ("int8", bytes([1, 2]), _f32(math.nan)),
         ("int8", bytes([1, 2]), _f32(-1.0)),
         ("int8", bytes([1, 2]), _f32(3e38)),
@@ -234,8 +245,14 @@ def _f32(*values: float) -> bytes:
     ],
 )
 def test_remote_bytes_that_decode_to_nan_or_inf(codec: str, data: bytes, scales: bytes) -> None:
-    enc = EncodedTensor(codec=codec, shape=(2,), dtype="float32",
-                        block_size=64 if scales else 0, data=data, scales=scales)
+    enc = EncodedTensor(
+        codec=codec,
+        shape=(2,),
+        dtype="float32",
+        block_size=64 if scales else 0,
+        data=data,
+        scales=scales,
+    )
     out = torch.full((2,), 9.0)
     with pytest.raises(DecodeError):
         decompress(enc)
@@ -245,8 +262,14 @@ def test_remote_bytes_that_decode_to_nan_or_inf(codec: str, data: bytes, scales:
 
 
 def test_int4_pad_nibble_and_minus_eight_decode_finitely() -> None:
-    enc = EncodedTensor(codec="int4", shape=(3,), dtype="float32", block_size=2,
-                        data=bytes([0x00, 0xF0]), scales=_f32(1.0, 2.0))
+    enc = EncodedTensor(
+        codec="int4",
+        shape=(3,),
+        dtype="float32",
+        block_size=2,
+        data=bytes([0x00, 0xF0]),
+        scales=_f32(1.0, 2.0),
+    )
     assert decompress(enc).tolist() == [-8.0, -8.0, -16.0]
 
 
@@ -295,13 +318,16 @@ def test_sign1_sends_each_sign_and_each_blocks_mean_magnitude(n: int, block: int
     assert torch.equal(out >= 0, t >= 0)  # zero is sent as +
     pad = -n % block
     means = torch.nn.functional.pad(t.abs(), (0, pad)).view(-1, block).sum(1) / torch.tensor(
-        [block] * (-(-n // block) - (pad > 0)) + ([block - pad] if pad else []), dtype=torch.float32)
+        [block] * (-(-n // block) - (pad > 0)) + ([block - pad] if pad else []), dtype=torch.float32
+    )
     assert torch.allclose(out.abs(), means.repeat_interleave(block)[:n], rtol=1e-5)
     assert bool(((t - out).abs() <= t.abs() + out.abs()).all())
 
 
 def test_sign1_layout_and_error_feedback() -> None:
-    enc, _ = compress(torch.tensor([1.0, -2.0, 3.0, 0.0, -4.0, 5.0, 6.0, -7.0, 8.0, -1.0]), "sign1", block_size=10)
+    enc, _ = compress(
+        torch.tensor([1.0, -2.0, 3.0, 0.0, -4.0, 5.0, 6.0, -7.0, 8.0, -1.0]), "sign1", block_size=10
+    )
     assert bytes(enc.data) == bytes([0b01101101, 0b01]) and enc.scales == _f32(3.7)
     r, total, sent = None, torch.zeros(500), torch.zeros(500)
     for i in range(40):  # error feedback: what was sent plus what is owed is what came in
@@ -318,11 +344,24 @@ def test_sign1_refuses_what_it_cannot_send_and_remote_scales_that_would_not_deco
     with pytest.raises(LocalProtocolError, match="too large"):
         compress(torch.full((64,), 3e38), "sign1", block_size=64)  # the block's |x| sum overflows
     for scales in (_f32(math.nan), _f32(-1.0), _f32(math.inf)):
-        enc = EncodedTensor(codec="sign1", shape=(2,), dtype="float32", block_size=64, data=bytes([1]), scales=scales)
+        enc = EncodedTensor(
+            codec="sign1",
+            shape=(2,),
+            dtype="float32",
+            block_size=64,
+            data=bytes([1]),
+            scales=scales,
+        )
         with pytest.raises(DecodeError):
             decompress(enc)
-    spare = EncodedTensor(codec="sign1", shape=(3,), dtype="float32", block_size=2, data=bytes([0b11111010]),
-                          scales=_f32(1.5, 2.0))
+    spare = EncodedTensor(
+        codec="sign1",
+        shape=(3,),
+        dtype="float32",
+        block_size=2,
+        data=bytes([0b11111010]),
+        scales=_f32(1.5, 2.0),
+    )
     assert decompress(spare).tolist() == [-1.5, 1.5, -2.0]  # bits past the last element are ignored
     t = torch.randn(3, 5, generator=gen(9))
     enc, _ = compress(t, "sign1", block_size=4)

@@ -100,7 +100,9 @@ def test_embedding_fragment_count_follows_share_within_limits() -> None:
         ([("wte", (2,)), ("b", (3,))], 1, ("wte",), "at least 2 fragments"),
     ],
 )
-def test_plan_errors(shapes: list[tuple[str, tuple[int, ...]]], n: int, embeddings: tuple[str, ...], match: str) -> None:
+def test_plan_errors(
+    shapes: list[tuple[str, tuple[int, ...]]], n: int, embeddings: tuple[str, ...], match: str
+) -> None:
     with pytest.raises(LocalProtocolError, match=match):
         plan_fragments(shapes, n, embeddings=embeddings)
 
@@ -186,13 +188,30 @@ def test_every_tensor_once_every_fragment_non_empty(sizes: list[int], data: st.D
 
 def test_one_fragment_per_step_when_p_equals_h() -> None:
     assert [due_fragments(t, 4, 4) for t in range(1, 10)] == [
-        (0,), (1,), (2,), (3,), (0,), (1,), (2,), (3,), (0,)
+        (0,),
+        (1,),
+        (2,),
+        (3,),
+        (0,),
+        (1,),
+        (2,),
+        (3,),
+        (0,),
     ]
 
 
 def test_fewer_fragments_than_period() -> None:
     assert [due_fragments(t, 2, 5) for t in range(1, 11)] == [
-        (0,), (), (1,), (), (), (0,), (), (1,), (), ()
+        (0,),
+        (),
+        (1,),
+        (),
+        (),
+        (0,),
+        (),
+        (1,),
+        (),
+        (),
     ]
     assert [due_offset(p, 2, 5) for p in range(2)] == [0, 2]
 
@@ -213,7 +232,9 @@ def test_each_fragment_exactly_once_per_window(p: int, h: int, start: int) -> No
         assert frag in due_fragments(1 + due_offset(frag, p, h), p, h)
 
 
-@pytest.mark.parametrize(("args", "match"), [((0, 2, 2), "from 1"), ((1, 0, 2), "n_fragments"), ((1, 2, 0), "period")])
+@pytest.mark.parametrize(
+    ("args", "match"), [((0, 2, 2), "from 1"), ((1, 0, 2), "n_fragments"), ((1, 2, 0), "period")]
+)
 def test_due_errors(args: tuple[int, int, int], match: str) -> None:
     with pytest.raises(LocalProtocolError, match=match):
         due_fragments(*args)
@@ -233,7 +254,9 @@ def test_owners_follow_rendezvous_rank() -> None:
     assert isinstance(owners, tuple) and len(owners) == 3
     assert owners == tuple(rendezvous_rank("swarm", 2, members, 3))
     assert owners_of("swarm", 2, reversed(members), 3) == owners
-    assert owners_of("swarm", 2, members[:2], 3) == tuple(rendezvous_rank("swarm", 2, members[:2], 3))
+    assert owners_of("swarm", 2, members[:2], 3) == tuple(
+        rendezvous_rank("swarm", 2, members[:2], 3)
+    )
     assert owners_of("swarm", 2, [], 2) == ()
 
 
@@ -250,7 +273,9 @@ def _ids(n: int, salt: int = 0) -> list[bytes]:
 
 @settings(max_examples=150, deadline=None)
 @given(n_fragments=st.integers(1, 24), n_members=st.integers(1, 40), salt=st.integers(0, 255))
-def test_balanced_owners_give_every_member_its_share(n_fragments: int, n_members: int, salt: int) -> None:
+def test_balanced_owners_give_every_member_its_share(
+    n_fragments: int, n_members: int, salt: int
+) -> None:
     """Every fragment has one owner among the members, each member owns floor(P/N) or ceil(P/N)
     (distinct owners when P <= N), and the order the members come in does not matter."""
     members = _ids(n_members, salt)
@@ -264,7 +289,9 @@ def test_balanced_owners_give_every_member_its_share(n_fragments: int, n_members
 
 @settings(max_examples=150, deadline=None)
 @given(n_fragments=st.integers(1, 16), n_members=st.integers(2, 20), salt=st.integers(0, 255))
-def test_the_replica_is_the_owner_once_the_primary_is_gone(n_fragments: int, n_members: int, salt: int) -> None:
+def test_the_replica_is_the_owner_once_the_primary_is_gone(
+    n_fragments: int, n_members: int, salt: int
+) -> None:
     """A fragment's replica holds its state; when the primary leaves, the fragment goes to it."""
     members = _ids(n_members, salt)
     for p in range(n_fragments):

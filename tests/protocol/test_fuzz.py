@@ -88,8 +88,10 @@ _SCALARS = (
 )
 MSGPACK_VALUES = st.recursive(
     _SCALARS,
-    lambda inner: st.lists(inner, max_size=4)
-    | st.dictionaries(st.text(max_size=8) | st.integers(-3, 3), inner, max_size=4),
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.dictionaries(st.text(max_size=8) | st.integers(-3, 3), inner, max_size=4)
+    ),
     max_leaves=5,
 )
 
@@ -233,7 +235,10 @@ def test_suffix_range_of_an_empty_body_is_unsatisfiable() -> None:
     [
         "a = " + "[" * 3000 + "]" * 3000,  # was RecursionError
         "a = " + "{b=" * 3000 + "1" + "}" * 3000,  # was RecursionError
-        "[swarm]\nname = 'x'\nfounder = '" + "0" * 64 + "'\ncreated = 1" + "0" * 400,  # OverflowError
+        "[swarm]\nname = 'x'\nfounder = '"
+        + "0" * 64
+        + "'\ncreated = 1"
+        + "0" * 400,  # OverflowError
         "[swarm]\nname = 'x'\nfounder = '" + "0" * 64 + "'\nversion = 1" + "0" * 5000,  # ValueError
     ],
 )
@@ -258,4 +263,6 @@ def test_manifest_recipe_integers_beyond_64_bits_are_a_decode_error() -> None:
     # tomllib reads any integer; signing_bytes (msgpack) raised OverflowError in verify()
     founder = "0" * 64
     with pytest.raises(DecodeError, match="64-bit"):
-        SwarmManifest.from_toml(f"[swarm]\nname = 'x'\nfounder = '{founder}'\n[recipe]\nn = {10**20}")
+        SwarmManifest.from_toml(
+            f"[swarm]\nname = 'x'\nfounder = '{founder}'\n[recipe]\nn = {10**20}"
+        )

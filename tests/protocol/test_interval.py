@@ -31,32 +31,48 @@ def test_sqrt_lr_shrinks_as_the_root_of_the_ratio() -> None:
     assert interval(1, 1e-6, "sqrt-lr") == 1  # never below one step
 
 
-@given(base=st.integers(1, 1000), a=st.floats(1e-6, 1.0), b=st.floats(1e-6, 1.0),
-       growth=st.sampled_from([g for g in GROWTHS if g not in SHRINKING]))
-def test_never_below_base_never_above_the_cap_and_longer_as_the_lr_falls(base: int, a: float, b: float,
-                                                                          growth: str) -> None:
+@given(
+    base=st.integers(1, 1000),
+    a=st.floats(1e-6, 1.0),
+    b=st.floats(1e-6, 1.0),
+    growth=st.sampled_from([g for g in GROWTHS if g not in SHRINKING]),
+)
+def test_never_below_base_never_above_the_cap_and_longer_as_the_lr_falls(
+    base: int, a: float, b: float, growth: str
+) -> None:
     ha, hb = interval(base, a, growth), interval(base, b, growth)
     assert base <= ha <= base * MAX_GROWTH
     if a <= b:
         assert ha >= hb
 
 
-@given(base=st.integers(1, 1000), a=st.floats(1e-6, 1.0), b=st.floats(1e-6, 1.0), growth=st.sampled_from(SHRINKING))
+@given(
+    base=st.integers(1, 1000),
+    a=st.floats(1e-6, 1.0),
+    b=st.floats(1e-6, 1.0),
+    growth=st.sampled_from(SHRINKING),
+)
 def test_a_shrinking_schedule_stays_within_one_step_and_base_and_shortens_as_the_lr_falls(
-        base: int, a: float, b: float, growth: str) -> None:
+    base: int, a: float, b: float, growth: str
+) -> None:
     ha, hb = interval(base, a, growth), interval(base, b, growth)
     assert 1 <= ha <= base
     if a <= b:
         assert ha <= hb
 
 
-@pytest.mark.parametrize(("base", "ratio", "growth", "says"), [
-    (0, 1.0, "qsr", "base must be >= 1"),
-    (30, 0.0, "qsr", "lr_ratio must be in (0, 1]"),
-    (30, math.nan, "qsr", "lr_ratio must be in (0, 1]"),
-    (30, 2.0, "qsr", "lr_ratio must be in (0, 1]"),
-    (30, 0.5, "cubic", "growth must be one of constant, inverse-lr, qsr, sqrt-lr"),
-])
+@pytest.mark.parametrize(
+    ("base", "ratio", "growth", "says"),
+    [
+        (0, 1.0, "qsr", "base must be >= 1"),
+        (30, 0.0, "qsr", "lr_ratio must be in (0, 1]"),
+        (30, math.nan, "qsr", "lr_ratio must be in (0, 1]"),
+        (30, 2.0, "qsr", "lr_ratio must be in (0, 1]"),
+        (30, 0.5, "cubic", "growth must be one of constant, inverse-lr, qsr, sqrt-lr"),
+    ],
+)
 def test_bad_arguments_say_what_was_wrong(base: int, ratio: float, growth: str, says: str) -> None:
-    with pytest.raises(LocalProtocolError, match=says.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+    with pytest.raises(
+        LocalProtocolError, match=says.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")
+    ):
         interval(base, ratio, growth)

@@ -50,28 +50,47 @@ def test_newer_manifest_supersedes_but_may_not_change_the_recipe(swarm):
     newer = m.with_revoked(os.urandom(32)).signed(founder)
     assert m.superseded_by(newer)
     assert not newer.superseded_by(m)  # an older one arriving late is ignored
-    changed = dataclasses.replace(newer, version=newer.version + 1, recipe=(("fragments", 8),)).signed(founder)
+    changed = dataclasses.replace(
+        newer, version=newer.version + 1, recipe=(("fragments", 8),)
+    ).signed(founder)
     with pytest.raises(NotAuthorized, match="changes the recipe"):
         m.superseded_by(changed)
 
 
-@pytest.mark.parametrize("text", ["", "not toml [", "[swarm]\nname='x'", "[swarm]\nname=1\nfounder='00'",
-                                  "x" * (2 << 20)])
+@pytest.mark.parametrize(
+    "text",
+    ["", "not toml [", "[swarm]\nname='x'", "[swarm]\nname=1\nfounder='00'", "x" * (2 << 20)],
+)
 def test_bad_manifest_text_is_a_clear_error(text):
     with pytest.raises((DecodeError, Oversize)):
         SwarmManifest.from_toml(text)
 
 
-@pytest.mark.parametrize("url", ["http://10.0.0.1:7000", "https://peer.example.org:443", "https://[2001:db8::1]:7000"])
+@pytest.mark.parametrize(
+    "url", ["http://10.0.0.1:7000", "https://peer.example.org:443", "https://[2001:db8::1]:7000"]
+)
 def test_bare_origins_pass_as_they_are(url):
     from protocol.wire.membership import bare_origin
 
     assert bare_origin(url) == url
 
 
-@pytest.mark.parametrize("url", ["http://10.0.0.1:7000/x", "http://10.0.0.1:7000/", "http://10.0.0.1:7000?a",
-                                 "http://10.0.0.1:7000#a", "http://u:p@10.0.0.1:7000", "http://10.0.0.1",
-                                 "http://10.0.0.1:65536", "http://10.0.0.1:0", "http://-x:1", " http://a:1", 7])
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://10.0.0.1:7000/x",
+        "http://10.0.0.1:7000/",
+        "http://10.0.0.1:7000?a",
+        "http://10.0.0.1:7000#a",
+        "http://u:p@10.0.0.1:7000",
+        "http://10.0.0.1",
+        "http://10.0.0.1:65536",
+        "http://10.0.0.1:0",
+        "http://-x:1",
+        " http://a:1",
+        7,
+    ],
+)
 def test_anything_but_a_bare_origin_is_refused_with_what_to_send(url):
     from protocol.wire.membership import bare_origin
 

@@ -44,133 +44,362 @@ def apply(m: FragmentMerger, event: Event) -> Decision:
 
 
 SCENARIOS: dict[str, tuple[dict[str, Any], int, list[tuple[Event, tuple[str, ...]]]]] = {
-    "quorum, grace window, elapsed": (EXACT, 0, [
-        # xi_quorum is 0 with K = 1: the window is gamma * tau * xi_step = 0.5 * 2 * 1.0
-        (c(0.5, A), ("accept", "quorum 1/1 reached; grace window 1.00 s")),
-        (("t", 1.0), ("wait", "grace window open (1 contributions; 0.50 s left)")),
-        (c(1.25, B, step_time=2.0), ("accept", "accepted from b2b2b2b2 for version 0 (2 contributions; 0.25 s left)")),
-        (("t", 1.5), ("merge", "grace window elapsed with 2 contributions")),
-        (("t", 1.55), ("wait", "merge for version 0 in progress")),
-        (("e", 1.55, 4), ("wait", "expecting 4; merge for version 0 in progress")),
-        (("p", 1.75, 1, 0.25), ("wait", "round for version 1 open with carried contributions (0/4 contributions; quorum 1)")),
-        (("t", 1.85), ("wait", "waiting for quorum (0/4 contributions; quorum 1)")),
-    ]),
-    "all expected in during grace": (EXACT, 0, [
-        (("e", 0.0, 3), ("wait", "expecting 3 (0/3 contributions; quorum 1)")),
-        (c(1.0, A), ("accept", "quorum 1/1 reached; grace window 1.00 s")),
-        (c(1.5, B), ("accept", "accepted from b2b2b2b2 for version 0 (2/3 contributions; 0.50 s left)")),
-        (c(1.75, C), ("merge", "all 3/3 expected contributions in")),
-    ]),
-    "expected already in at quorum": ({"quorum": 2} | EXACT, 0, [
-        (("e", 0.0, 2), ("wait", "expecting 2 (0/2 contributions; quorum 2)")),
-        (c(0.1, A), ("accept", "accepted from a1a1a1a1 for version 0 (1/2 contributions; quorum 2)")),
-        (c(0.2, B), ("merge", "all 2/2 expected contributions in")),
-    ]),
+    "quorum, grace window, elapsed": (
+        EXACT,
+        0,
+        [
+            # xi_quorum is 0 with K = 1: the window is gamma * tau * xi_step = 0.5 * 2 * 1.0
+            (c(0.5, A), ("accept", "quorum 1/1 reached; grace window 1.00 s")),
+            (("t", 1.0), ("wait", "grace window open (1 contributions; 0.50 s left)")),
+            (
+                c(1.25, B, step_time=2.0),
+                ("accept", "accepted from b2b2b2b2 for version 0 (2 contributions; 0.25 s left)"),
+            ),
+            (("t", 1.5), ("merge", "grace window elapsed with 2 contributions")),
+            (("t", 1.55), ("wait", "merge for version 0 in progress")),
+            (("e", 1.55, 4), ("wait", "expecting 4; merge for version 0 in progress")),
+            (
+                ("p", 1.75, 1, 0.25),
+                (
+                    "wait",
+                    "round for version 1 open with carried contributions (0/4 contributions; quorum 1)",
+                ),
+            ),
+            (("t", 1.85), ("wait", "waiting for quorum (0/4 contributions; quorum 1)")),
+        ],
+    ),
+    "all expected in during grace": (
+        EXACT,
+        0,
+        [
+            (("e", 0.0, 3), ("wait", "expecting 3 (0/3 contributions; quorum 1)")),
+            (c(1.0, A), ("accept", "quorum 1/1 reached; grace window 1.00 s")),
+            (
+                c(1.5, B),
+                ("accept", "accepted from b2b2b2b2 for version 0 (2/3 contributions; 0.50 s left)"),
+            ),
+            (c(1.75, C), ("merge", "all 3/3 expected contributions in")),
+        ],
+    ),
+    "expected already in at quorum": (
+        {"quorum": 2} | EXACT,
+        0,
+        [
+            (("e", 0.0, 2), ("wait", "expecting 2 (0/2 contributions; quorum 2)")),
+            (
+                c(0.1, A),
+                ("accept", "accepted from a1a1a1a1 for version 0 (1/2 contributions; quorum 2)"),
+            ),
+            (c(0.2, B), ("merge", "all 2/2 expected contributions in")),
+        ],
+    ),
     # fewer learners expected than K: the quorum is lowered to them, never below 1, and such a
     # round always waits out its grace window (the owner's view of membership lags)
-    "expected below quorum lowers it, through the grace window": ({"quorum": 2} | EXACT, 0, [
-        (("e", 0.0, 1), ("wait", "expecting 1 (0/1 contributions; quorum 1 (K = 2 lowered to the 1 learners expected))")),
-        (c(0.5, A), ("accept", "quorum 1/1 (K = 2 lowered to the 1 learners expected) reached; grace window 1.00 s")),
-        (c(0.75, B), ("accept", "accepted from b2b2b2b2 for version 0 (2/1 contributions; 0.75 s left)")),
-        (("t", 1.5), ("merge", "grace window elapsed with 2/1 contributions")),
-    ]),
-    "a learner that leaves lowers K after it stalled the round": ({"quorum": 3} | EXACT, 0, [
-        (("e", 0.0, 3), ("wait", "expecting 3 (0/3 contributions; quorum 3)")),
-        (c(0.5, A), ("accept", "accepted from a1a1a1a1 for version 0 (1/3 contributions; quorum 3)")),
-        (c(0.75, B), ("accept", "accepted from b2b2b2b2 for version 0 (2/3 contributions; quorum 3)")),
-        (("t", 0.9), ("wait", "waiting for quorum (2/3 contributions; quorum 3)")),
-        # C's record lapsed: xi_quorum is 0.5 s since A, the window 0.5 * (2 * 1.0 - 0.5)
-        (("e", 1.0, 2), ("wait", "quorum 2/2 (K = 3 lowered to the 2 learners expected) reached; grace window 0.75 s")),
-        (("t", 1.5), ("wait", "grace window open (2/2 contributions; 0.25 s left)")),
-        (("t", 1.75), ("merge", "grace window elapsed with 2/2 contributions")),
-    ]),
-    "a learner back raises the lowered quorum again": ({"quorum": 3} | EXACT, 0, [
-        (("e", 0.0, 2), ("wait", "expecting 2 (0/2 contributions; quorum 2 (K = 3 lowered to the 2 learners expected))")),
-        (c(0.5, A), ("accept", "accepted from a1a1a1a1 for version 0 (1/2 contributions; quorum 2 (K = 3 lowered to the 2 learners expected))")),
-        (c(0.75, B), ("accept", "quorum 2/2 (K = 3 lowered to the 2 learners expected) reached; grace window 0.88 s")),
-        (("e", 1.0, 3), ("wait", "expecting 3: quorum back to 3, grace window closed (2/3 contributions)")),
-        (("t", 2.0), ("wait", "waiting for quorum (2/3 contributions; quorum 3)")),
-        (c(2.5, C), ("merge", "all 3/3 expected contributions in")),
-    ]),
-    "no learner left while a lowered round is in its window: it closes": ({"quorum": 3} | EXACT, 0, [
-        (("e", 0.0, 1), ("wait", "expecting 1 (0/1 contributions; quorum 1 (K = 3 lowered to the 1 learners expected))")),
-        (c(0.5, A), ("accept", "quorum 1/1 (K = 3 lowered to the 1 learners expected) reached; grace window 1.00 s")),
-        (("e", 1.0, 0), ("merge", "no learner left: closing with 1/0 contributions")),
-    ]),
+    "expected below quorum lowers it, through the grace window": (
+        {"quorum": 2} | EXACT,
+        0,
+        [
+            (
+                ("e", 0.0, 1),
+                (
+                    "wait",
+                    "expecting 1 (0/1 contributions; quorum 1 (K = 2 lowered to the 1 learners expected))",
+                ),
+            ),
+            (
+                c(0.5, A),
+                (
+                    "accept",
+                    "quorum 1/1 (K = 2 lowered to the 1 learners expected) reached; grace window 1.00 s",
+                ),
+            ),
+            (
+                c(0.75, B),
+                ("accept", "accepted from b2b2b2b2 for version 0 (2/1 contributions; 0.75 s left)"),
+            ),
+            (("t", 1.5), ("merge", "grace window elapsed with 2/1 contributions")),
+        ],
+    ),
+    "a learner that leaves lowers K after it stalled the round": (
+        {"quorum": 3} | EXACT,
+        0,
+        [
+            (("e", 0.0, 3), ("wait", "expecting 3 (0/3 contributions; quorum 3)")),
+            (
+                c(0.5, A),
+                ("accept", "accepted from a1a1a1a1 for version 0 (1/3 contributions; quorum 3)"),
+            ),
+            (
+                c(0.75, B),
+                ("accept", "accepted from b2b2b2b2 for version 0 (2/3 contributions; quorum 3)"),
+            ),
+            (("t", 0.9), ("wait", "waiting for quorum (2/3 contributions; quorum 3)")),
+            # C's record lapsed: xi_quorum is 0.5 s since A, the window 0.5 * (2 * 1.0 - 0.5)
+            (
+                ("e", 1.0, 2),
+                (
+                    "wait",
+                    "quorum 2/2 (K = 3 lowered to the 2 learners expected) reached; grace window 0.75 s",
+                ),
+            ),
+            (("t", 1.5), ("wait", "grace window open (2/2 contributions; 0.25 s left)")),
+            (("t", 1.75), ("merge", "grace window elapsed with 2/2 contributions")),
+        ],
+    ),
+    "a learner back raises the lowered quorum again": (
+        {"quorum": 3} | EXACT,
+        0,
+        [
+            (
+                ("e", 0.0, 2),
+                (
+                    "wait",
+                    "expecting 2 (0/2 contributions; quorum 2 (K = 3 lowered to the 2 learners expected))",
+                ),
+            ),
+            (
+                c(0.5, A),
+                (
+                    "accept",
+                    "accepted from a1a1a1a1 for version 0 (1/2 contributions; quorum 2 (K = 3 lowered to the 2 learners expected))",
+                ),
+            ),
+            (
+                c(0.75, B),
+                (
+                    "accept",
+                    "quorum 2/2 (K = 3 lowered to the 2 learners expected) reached; grace window 0.88 s",
+                ),
+            ),
+            (
+                ("e", 1.0, 3),
+                ("wait", "expecting 3: quorum back to 3, grace window closed (2/3 contributions)"),
+            ),
+            (("t", 2.0), ("wait", "waiting for quorum (2/3 contributions; quorum 3)")),
+            (c(2.5, C), ("merge", "all 3/3 expected contributions in")),
+        ],
+    ),
+    "no learner left while a lowered round is in its window: it closes": (
+        {"quorum": 3} | EXACT,
+        0,
+        [
+            (
+                ("e", 0.0, 1),
+                (
+                    "wait",
+                    "expecting 1 (0/1 contributions; quorum 1 (K = 3 lowered to the 1 learners expected))",
+                ),
+            ),
+            (
+                c(0.5, A),
+                (
+                    "accept",
+                    "quorum 1/1 (K = 3 lowered to the 1 learners expected) reached; grace window 1.00 s",
+                ),
+            ),
+            (("e", 1.0, 0), ("merge", "no learner left: closing with 1/0 contributions")),
+        ],
+    ),
     # nobody left to reach K: the rest is dropped, never merged below quorum, never stuck
-    "no learner left drops a round below quorum": ({"quorum": 2} | EXACT, 0, [
-        (c(0.5, A), ("accept", "accepted from a1a1a1a1 for version 0 (1 contributions; quorum 2)")),
-        (("e", 0.6, 0), ("wait", "no learner left to reach quorum 2: 1 contributions dropped")),
-        (c(0.7, B), ("accept", "accepted from b2b2b2b2 for version 0 (1/0 contributions; quorum 2)")),
-    ]),
-    "set_expected closes the grace window": (EXACT, 0, [
-        (c(0.5, A), ("accept", "quorum 1/1 reached; grace window 1.00 s")),
-        (c(1.0, B), ("accept", "accepted from b2b2b2b2 for version 0 (2 contributions; 0.50 s left)")),
-        (("e", 1.25, 2), ("merge", "all 2/2 expected contributions in")),
-    ]),
-    "window of zero closes at once": (EXACT, 0, [
-        (c(5.0, A, step_time=0.0), ("merge", "quorum 1/1 reached; grace window 0.00 s; closing with 1 contributions")),
-        (c(5.1, B), ("refuse", "merge for version 0 closed; resync", "closed")),
-    ]),
-    "window capped": ({"grace_cap_s": 10.0} | EXACT, 0, [
-        (c(0.5, A, step_time=100.0), ("accept", "quorum 1/1 reached; grace window 10.00 s")),
-        (("t", 10.25), ("wait", "grace window open (1 contributions; 0.25 s left)")),
-        (("t", 10.5), ("merge", "grace window elapsed with 1 contributions")),
-    ]),
-    "refusals under drop": ({"quorum": 3}, 5, [
-        (c(0.1, A, 5, steps=0), ("refuse", "steps must be >= 1 and tokens >= 0, got 0 and 100", "invalid")),
-        (c(0.1, A, 5, tokens=-1), ("refuse", "steps must be >= 1 and tokens >= 0, got 10 and -1", "invalid")),
-        (c(0.1, A, 5, step_time=math.nan), ("refuse", "step_time must be finite and >= 0, got nan", "invalid")),
-        (c(0.1, A, 5, step_time=-1.0), ("refuse", "step_time must be finite and >= 0, got -1.0", "invalid")),
-        (c(0.1, A, 5, step_time=math.inf), ("refuse", "step_time must be finite and >= 0, got inf", "invalid")),
-        (c(0.1, A, 6), ("refuse", "base version 6 is ahead of version 5", "future")),
-        (c(0.1, A, 2), ("refuse", "stale by 3 versions (bound 2); resync", "stale")),
-        (c(0.1, A, 4), ("refuse", "merge for version 4 closed; resync", "closed")),
-        (c(0.2, A, 5), ("accept", "accepted from a1a1a1a1 for version 5 (1 contributions; quorum 3)")),
-        (c(0.3, A, 5), ("refuse", "duplicate contribution from a1a1a1a1 for version 5", "duplicate")),
-    ]),
-    "carry late and stale contributions": ({"late_policy": "carry"} | EXACT, 5, [
-        (c(0.5, A, 4), ("accept", "quorum 1/1 reached; grace window 1.00 s")),
-        (c(1.0, B, 5), ("accept", "accepted from b2b2b2b2 for version 5 (2 contributions; 0.50 s left)")),
-        (c(1.25, C, 2), ("refuse", "stale by 3 versions (bound 2); resync", "stale")),
-        (("t", 1.5), ("merge", "grace window elapsed with 2 contributions")),
-        (c(1.55, C, 5), ("accept", "carried into round for version 6 (staleness 1; 1 carried)")),
-        (c(1.55, C, 5), ("refuse", "duplicate contribution from c3c3c3c3 for version 6", "duplicate")),
-        (c(1.55, D, 3), ("refuse", "stale by 3 versions (bound 2); resync", "stale")),
-        (c(1.55, D, 6), ("refuse", "base version 6 is ahead of version 5", "future")),
-        (c(1.6, D, 4), ("accept", "carried into round for version 6 (staleness 2; 2 carried)")),
-        # carried contributions count as arriving when the round opens: xi_quorum 0, xi_sync 0.5
-        (("p", 1.75, 6, 0.5), ("wait", "quorum 2/1 reached; grace window 0.75 s")),
-        (("t", 2.5), ("merge", "grace window elapsed with 2 contributions")),
-    ]),
-    "merge failure, retry, discard": ({"quorum": 2} | EXACT, 0, [
-        # xi_quorum: 0.5 s from the first contribution to the second
-        (c(0.25, A), ("accept", "accepted from a1a1a1a1 for version 0 (1 contributions; quorum 2)")),
-        (c(0.75, B), ("accept", "quorum 2/2 reached; grace window 0.75 s")),
-        (("t", 1.5), ("merge", "grace window elapsed with 2 contributions")),
-        (("f", 2.0, "replica down", ()), ("wait", "merge for version 0 failed (replica down); 0 discarded, 2 contributions kept; retry in 1.00 s")),
-        (("t", 2.5), ("wait", "grace window open (2 contributions; 0.50 s left)")),
-        (("t", 3.0), ("merge", "grace window elapsed with 2 contributions")),
-        (("f", 3.5, "bad shape", (A,)), ("wait", "merge for version 0 failed (bad shape); 1 discarded, 1 contributions kept; waiting for quorum 2")),
-        (c(3.75, A), ("merge", "quorum 2/2 reached; grace window 0.00 s; closing with 2 contributions")),
-        (("p", 4.0, 1, 0.0), ("wait", "round for version 1 open with carried contributions (0 contributions; quorum 2)")),
-    ]),
-    "immediate retry": ({"retry_s": 0.0} | EXACT, 0, [
-        (c(5.0, A, step_time=0.0), ("merge", "quorum 1/1 reached; grace window 0.00 s; closing with 1 contributions")),
-        (("f", 5.5, "oops", ()), ("merge", "merge for version 0 failed (oops); 0 discarded, 1 contributions kept; retrying now")),
-    ]),
-    "events after the deadline close the window": (EXACT, 0, [
-        (c(0.5, A), ("accept", "quorum 1/1 reached; grace window 1.00 s")),
-        (c(2.0, A), ("merge", "duplicate contribution from a1a1a1a1 for version 0; grace window elapsed with 1 contributions", "duplicate")),
-    ]),
-    "late accepted contribution joins the closing merge": (EXACT, 0, [
-        (c(0.5, A), ("accept", "quorum 1/1 reached; grace window 1.00 s")),
-        (c(2.0, B), ("merge", "grace window elapsed with 2 contributions")),
-    ]),
-    "set_expected after the deadline closes": (EXACT, 0, [
-        (c(0.5, A), ("accept", "quorum 1/1 reached; grace window 1.00 s")),
-        (("e", 2.0, 5), ("merge", "grace window elapsed with 1/5 contributions")),
-    ]),
+    "no learner left drops a round below quorum": (
+        {"quorum": 2} | EXACT,
+        0,
+        [
+            (
+                c(0.5, A),
+                ("accept", "accepted from a1a1a1a1 for version 0 (1 contributions; quorum 2)"),
+            ),
+            (("e", 0.6, 0), ("wait", "no learner left to reach quorum 2: 1 contributions dropped")),
+            (
+                c(0.7, B),
+                ("accept", "accepted from b2b2b2b2 for version 0 (1/0 contributions; quorum 2)"),
+            ),
+        ],
+    ),
+    "set_expected closes the grace window": (
+        EXACT,
+        0,
+        [
+            (c(0.5, A), ("accept", "quorum 1/1 reached; grace window 1.00 s")),
+            (
+                c(1.0, B),
+                ("accept", "accepted from b2b2b2b2 for version 0 (2 contributions; 0.50 s left)"),
+            ),
+            (("e", 1.25, 2), ("merge", "all 2/2 expected contributions in")),
+        ],
+    ),
+    "window of zero closes at once": (
+        EXACT,
+        0,
+        [
+            (
+                c(5.0, A, step_time=0.0),
+                ("merge", "quorum 1/1 reached; grace window 0.00 s; closing with 1 contributions"),
+            ),
+            (c(5.1, B), ("refuse", "merge for version 0 closed; resync", "closed")),
+        ],
+    ),
+    "window capped": (
+        {"grace_cap_s": 10.0} | EXACT,
+        0,
+        [
+            (c(0.5, A, step_time=100.0), ("accept", "quorum 1/1 reached; grace window 10.00 s")),
+            (("t", 10.25), ("wait", "grace window open (1 contributions; 0.25 s left)")),
+            (("t", 10.5), ("merge", "grace window elapsed with 1 contributions")),
+        ],
+    ),
+    "refusals under drop": (
+        {"quorum": 3},
+        5,
+        [
+            (
+                c(0.1, A, 5, steps=0),
+                ("refuse", "steps must be >= 1 and tokens >= 0, got 0 and 100", "invalid"),
+            ),
+            (
+                c(0.1, A, 5, tokens=-1),
+                ("refuse", "steps must be >= 1 and tokens >= 0, got 10 and -1", "invalid"),
+            ),
+            (
+                c(0.1, A, 5, step_time=math.nan),
+                ("refuse", "step_time must be finite and >= 0, got nan", "invalid"),
+            ),
+            (
+                c(0.1, A, 5, step_time=-1.0),
+                ("refuse", "step_time must be finite and >= 0, got -1.0", "invalid"),
+            ),
+            (
+                c(0.1, A, 5, step_time=math.inf),
+                ("refuse", "step_time must be finite and >= 0, got inf", "invalid"),
+            ),
+            (c(0.1, A, 6), ("refuse", "base version 6 is ahead of version 5", "future")),
+            (c(0.1, A, 2), ("refuse", "stale by 3 versions (bound 2); resync", "stale")),
+            (c(0.1, A, 4), ("refuse", "merge for version 4 closed; resync", "closed")),
+            (
+                c(0.2, A, 5),
+                ("accept", "accepted from a1a1a1a1 for version 5 (1 contributions; quorum 3)"),
+            ),
+            (
+                c(0.3, A, 5),
+                ("refuse", "duplicate contribution from a1a1a1a1 for version 5", "duplicate"),
+            ),
+        ],
+    ),
+    "carry late and stale contributions": (
+        {"late_policy": "carry"} | EXACT,
+        5,
+        [
+            (c(0.5, A, 4), ("accept", "quorum 1/1 reached; grace window 1.00 s")),
+            (
+                c(1.0, B, 5),
+                ("accept", "accepted from b2b2b2b2 for version 5 (2 contributions; 0.50 s left)"),
+            ),
+            (c(1.25, C, 2), ("refuse", "stale by 3 versions (bound 2); resync", "stale")),
+            (("t", 1.5), ("merge", "grace window elapsed with 2 contributions")),
+            (
+                c(1.55, C, 5),
+                ("accept", "carried into round for version 6 (staleness 1; 1 carried)"),
+            ),
+            (
+                c(1.55, C, 5),
+                ("refuse", "duplicate contribution from c3c3c3c3 for version 6", "duplicate"),
+            ),
+            (c(1.55, D, 3), ("refuse", "stale by 3 versions (bound 2); resync", "stale")),
+            (c(1.55, D, 6), ("refuse", "base version 6 is ahead of version 5", "future")),
+            (c(1.6, D, 4), ("accept", "carried into round for version 6 (staleness 2; 2 carried)")),
+            # carried contributions count as arriving when the round opens: xi_quorum 0, xi_sync 0.5
+            (("p", 1.75, 6, 0.5), ("wait", "quorum 2/1 reached; grace window 0.75 s")),
+            (("t", 2.5), ("merge", "grace window elapsed with 2 contributions")),
+        ],
+    ),
+    "merge failure, retry, discard": (
+        {"quorum": 2} | EXACT,
+        0,
+        [
+            # xi_quorum: 0.5 s from the first contribution to the second
+            (
+                c(0.25, A),
+                ("accept", "accepted from a1a1a1a1 for version 0 (1 contributions; quorum 2)"),
+            ),
+            (c(0.75, B), ("accept", "quorum 2/2 reached; grace window 0.75 s")),
+            (("t", 1.5), ("merge", "grace window elapsed with 2 contributions")),
+            (
+                ("f", 2.0, "replica down", ()),
+                (
+                    "wait",
+                    "merge for version 0 failed (replica down); 0 discarded, 2 contributions kept; retry in 1.00 s",
+                ),
+            ),
+            (("t", 2.5), ("wait", "grace window open (2 contributions; 0.50 s left)")),
+            (("t", 3.0), ("merge", "grace window elapsed with 2 contributions")),
+            (
+                ("f", 3.5, "bad shape", (A,)),
+                (
+                    "wait",
+                    "merge for version 0 failed (bad shape); 1 discarded, 1 contributions kept; waiting for quorum 2",
+                ),
+            ),
+            (
+                c(3.75, A),
+                ("merge", "quorum 2/2 reached; grace window 0.00 s; closing with 2 contributions"),
+            ),
+            (
+                ("p", 4.0, 1, 0.0),
+                (
+                    "wait",
+                    "round for version 1 open with carried contributions (0 contributions; quorum 2)",
+                ),
+            ),
+        ],
+    ),
+    "immediate retry": (
+        {"retry_s": 0.0} | EXACT,
+        0,
+        [
+            (
+                c(5.0, A, step_time=0.0),
+                ("merge", "quorum 1/1 reached; grace window 0.00 s; closing with 1 contributions"),
+            ),
+            (
+                ("f", 5.5, "oops", ()),
+                (
+                    "merge",
+                    "merge for version 0 failed (oops); 0 discarded, 1 contributions kept; retrying now",
+                ),
+            ),
+        ],
+    ),
+    "events after the deadline close the window": (
+        EXACT,
+        0,
+        [
+            (c(0.5, A), ("accept", "quorum 1/1 reached; grace window 1.00 s")),
+            (
+                c(2.0, A),
+                (
+                    "merge",
+                    "duplicate contribution from a1a1a1a1 for version 0; grace window elapsed with 1 contributions",
+                    "duplicate",
+                ),
+            ),
+        ],
+    ),
+    "late accepted contribution joins the closing merge": (
+        EXACT,
+        0,
+        [
+            (c(0.5, A), ("accept", "quorum 1/1 reached; grace window 1.00 s")),
+            (c(2.0, B), ("merge", "grace window elapsed with 2 contributions")),
+        ],
+    ),
+    "set_expected after the deadline closes": (
+        EXACT,
+        0,
+        [
+            (c(0.5, A), ("accept", "quorum 1/1 reached; grace window 1.00 s")),
+            (("e", 2.0, 5), ("merge", "grace window elapsed with 1/5 contributions")),
+        ],
+    ),
 }
 
 
@@ -259,7 +488,9 @@ def test_learners_that_finished_count_as_zero_in_every_later_round() -> None:
     apply(m, c(5.1, peers[0], 4))
     d = apply(m, c(5.2, peers[1], 4))
     assert d.kind == "merge" and d.scale == 0.5
-    m.set_expected(1, now=5.25)  # not told of the finished (while merging): the next round merges whole
+    m.set_expected(
+        1, now=5.25
+    )  # not told of the finished (while merging): the next round merges whole
     m.on_published(5, sync_time=0.0, now=5.3)
     d = apply(m, c(6.1, peers[0], 5))
     assert d.kind == "merge" and d.scale == 1.0
@@ -294,7 +525,10 @@ def test_merge_entries_carry_weights_and_staleness() -> None:
     apply(m, c(0.6, B, 5, tokens=100, steps=10))  # 1000
     d = m.on_tick(2.0)
     # one of two senders weighs at most as much as the other (``others_multiple``): B capped to A's
-    assert [(e.peer, e.weight, e.staleness, e.payload) for e in d.entries] == [(A, 500.0, 1, A), (B, 500.0, 0, B)]
+    assert [(e.peer, e.weight, e.staleness, e.payload) for e in d.entries] == [
+        (A, 500.0, 1, A),
+        (B, 500.0, 0, B),
+    ]
     assert [e.weight_capped for e in d.entries] == [False, True]
     assert d.version == 5
     apply(m, c(2.1, C, 5, tokens=40, steps=4))  # carried: 400 * 0.5
@@ -319,7 +553,9 @@ def test_weights_clamped_by_tokens_per_step_and_median() -> None:
     m.set_expected(3, now=0.0)
     for peer, tokens in [(A, 10), (B, 10)]:
         apply(m, c(0.1, peer, tokens=tokens, steps=1))
-    d = apply(m, c(0.1, C, tokens=1000, steps=1))  # 1e6 capped at 4 x median 100, then at 2 x the others'
+    d = apply(
+        m, c(0.1, C, tokens=1000, steps=1)
+    )  # 1e6 capped at 4 x median 100, then at 2 x the others'
     assert [e.weight for e in d.entries] == [100.0, 100.0, 200.0]
 
 
@@ -402,10 +638,23 @@ def test_publish_and_clock_misuse_raise() -> None:
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"quorum": 0}, {"quorum_fraction": -0.1}, {"quorum_fraction": 1.5}, {"gamma": 1.5}, {"tau": -1.0}, {"grace_cap_s": math.inf}, {"staleness_bound": -1},
-     {"stale_discount": 0.0}, {"late_policy": "keep"}, {"max_tokens_per_step": 0},
-     {"max_weight_median_multiple": 0.5}, {"ema_alpha": 0.0}, {"step_time_rounds": 0},
-     {"retry_s": -1.0}, {"last_wait_s": math.inf}],
+    [
+        {"quorum": 0},
+        {"quorum_fraction": -0.1},
+        {"quorum_fraction": 1.5},
+        {"gamma": 1.5},
+        {"tau": -1.0},
+        {"grace_cap_s": math.inf},
+        {"staleness_bound": -1},
+        {"stale_discount": 0.0},
+        {"late_policy": "keep"},
+        {"max_tokens_per_step": 0},
+        {"max_weight_median_multiple": 0.5},
+        {"ema_alpha": 0.0},
+        {"step_time_rounds": 0},
+        {"retry_s": -1.0},
+        {"last_wait_s": math.inf},
+    ],
 )
 def test_config_validation(kwargs: dict[str, Any]) -> None:
     with pytest.raises(LocalProtocolError, match="MergeConfig"):
@@ -417,14 +666,21 @@ def test_config_validation(kwargs: dict[str, Any]) -> None:
 PEERS = [bytes([i]) * 32 for i in range(1, 6)]
 
 op_contribution = st.tuples(
-    st.just("c"), st.integers(0, 4), st.sampled_from([0, 0, 0, 0, -1, -2, -3, 1]), st.integers(-1, 400),
-    st.integers(0, 12), st.sampled_from([0.0, 0.1, 0.5, 1.0, 3.0, math.nan]), st.floats(0, 2),
+    st.just("c"),
+    st.integers(0, 4),
+    st.sampled_from([0, 0, 0, 0, -1, -2, -3, 1]),
+    st.integers(-1, 400),
+    st.integers(0, 12),
+    st.sampled_from([0.0, 0.1, 0.5, 1.0, 3.0, math.nan]),
+    st.floats(0, 2),
     st.sampled_from([False, False, False, True]),
 )
 op_tick = st.tuples(st.just("t"), st.booleans(), st.floats(0, 3))
 op_expect = st.tuples(st.just("e"), st.one_of(st.none(), st.integers(0, 6)), st.floats(0, 1))
 op_named = st.tuples(st.just("n"), st.sets(st.integers(0, 4)), st.floats(0, 1))
-op_finish = st.tuples(st.just("p"), st.booleans(), st.floats(0, 1), st.sets(st.integers(0, 4), max_size=2))
+op_finish = st.tuples(
+    st.just("p"), st.booleans(), st.floats(0, 1), st.sets(st.integers(0, 4), max_size=2)
+)
 op_hold = st.tuples(st.just("h"), st.booleans(), st.floats(0, 5))
 op_drop = st.tuples(st.just("d"))
 configs = st.builds(
@@ -443,11 +699,25 @@ configs = st.builds(
 @settings(max_examples=150, deadline=None)
 @example(  # a round that reached a quorum lowered to its 1 learner, which then left: it closes with 1
     MergeConfig(quorum=2, gamma=0.5, grace_cap_s=0.0, staleness_bound=0),
-    [("n", {0}, 0.0), ("h", False, 3.0), ("c", 0, 0, 0, 0, 0.0, 2.0, False), ("c", 0, 0, 0, 1, 0.0, 0.0, False),
-     ("n", set(), 0.0), ("c", 0, 0, 0, 0, 0.0, 1.0, False)])
-@given(configs, st.lists(st.one_of(op_contribution, op_tick, op_expect, op_named, op_finish, op_finish, op_hold,
-                                   op_drop),
-                         min_size=15, max_size=60))
+    [
+        ("n", {0}, 0.0),
+        ("h", False, 3.0),
+        ("c", 0, 0, 0, 0, 0.0, 2.0, False),
+        ("c", 0, 0, 0, 1, 0.0, 0.0, False),
+        ("n", set(), 0.0),
+        ("c", 0, 0, 0, 0, 0.0, 1.0, False),
+    ],
+)
+@given(
+    configs,
+    st.lists(
+        st.one_of(
+            op_contribution, op_tick, op_expect, op_named, op_finish, op_finish, op_hold, op_drop
+        ),
+        min_size=15,
+        max_size=60,
+    ),
+)
 def test_invariants_over_random_event_orders(cfg: MergeConfig, ops: list[tuple[Any, ...]]) -> None:
     now = 0.0
     m = FragmentMerger(0, cfg, now=now)
@@ -474,8 +744,16 @@ def test_invariants_over_random_event_orders(cfg: MergeConfig, ops: list[tuple[A
         elif op[0] == "c":
             _, who, offset, tokens, steps, step_time, dt, last = op
             now += dt
-            d = m.on_contribution(PEERS[who], base_version=max(0, m.version + offset), tokens=tokens,
-                                  steps=steps, step_time=step_time, payload=who, now=now, last=last)
+            d = m.on_contribution(
+                PEERS[who],
+                base_version=max(0, m.version + offset),
+                tokens=tokens,
+                steps=steps,
+                step_time=step_time,
+                payload=who,
+                now=now,
+                last=last,
+            )
             if last:
                 last_at = now
         elif op[0] == "t":
@@ -507,8 +785,16 @@ def test_invariants_over_random_event_orders(cfg: MergeConfig, ops: list[tuple[A
             lowest = m.quorum  # the next round starts
 
 
-def check_decision(m: FragmentMerger, cfg: MergeConfig, d: Decision, published: set[int], now: float,
-                   quorum_before: int, hold: float | None = None, last_at: float = -math.inf) -> None:
+def check_decision(
+    m: FragmentMerger,
+    cfg: MergeConfig,
+    d: Decision,
+    published: set[int],
+    now: float,
+    quorum_before: int,
+    hold: float | None = None,
+    last_at: float = -math.inf,
+) -> None:
     assert any(ch.isdigit() for ch in d.reason), d.reason  # reasons carry counts
     assert (d.kind == "refuse") == (d.refusal is not None and not d.entries) or d.kind == "merge"
     if d.kind == "merge":
@@ -523,19 +809,30 @@ def check_decision(m: FragmentMerger, cfg: MergeConfig, d: Decision, published: 
         assert d.version == m.version and d.version not in published  # no version merged twice
         peers = [e.peer for e in d.entries]
         assert len(set(peers)) == len(peers)
-        assert 0 < d.scale <= 1.0 and (d.scale == 1.0 or cfg.quorum_fraction > 0)  # only a share is scaled
+        assert 0 < d.scale <= 1.0 and (
+            d.scale == 1.0 or cfg.quorum_fraction > 0
+        )  # only a share is scaled
         assert all(0 <= e.staleness <= cfg.staleness_bound for e in d.entries)
         if cfg.late_policy == "drop":
             assert all(e.staleness == 0 for e in d.entries)
         weights = [e.weight for e in d.entries]
         assert sum(weights) > 0
         positive = [w for w in weights if w > 0]
-        assert max(weights) <= cfg.max_weight_median_multiple * statistics.median(positive) * (1 + 1e-12)
+        assert max(weights) <= cfg.max_weight_median_multiple * statistics.median(positive) * (
+            1 + 1e-12
+        )
     if m.phase is Phase.GRACE:
         deadline, t_q = m.deadline(), m.quorum_time
         assert deadline is not None and t_q is not None
-        assert now < deadline <= max(t_q + cfg.grace_cap_s, -math.inf if hold is None else hold,
-                                     last_at + min(cfg.last_wait_s, cfg.grace_cap_s))
+        assert (
+            now
+            < deadline
+            <= max(
+                t_q + cfg.grace_cap_s,
+                -math.inf if hold is None else hold,
+                last_at + min(cfg.last_wait_s, cfg.grace_cap_s),
+            )
+        )
         # (a round left with no learner closes below K: one held back then waits in GRACE so)
         assert m.count >= m.quorum >= 1 or (m.expected == 0 and m.count >= 1)
     else:
@@ -589,13 +886,19 @@ def test_a_held_round_closes_only_when_the_hold_ends() -> None:
     assert d.kind == "merge" and {e.peer for e in d.entries} == {A, B} and d.version == 3
 
 
-def test_releasing_a_hold_closes_a_held_round_at_once_and_a_rebase_keeps_its_contributions() -> None:
+def test_releasing_a_hold_closes_a_held_round_at_once_and_a_rebase_keeps_its_contributions() -> (
+    None
+):
     m = FragmentMerger(0, MergeConfig(quorum=1, staleness_bound=2, **EXACT), version=3, now=0.0)
     m.hold_until(6.0, now=0.0)
     assert apply(m, c(1.0, A, base=3, step_time=0.0)).kind == "accept"  # would have merged at once
     assert m.rebase(4, now=1.5).kind == "wait"  # the predecessor's newer version came
     d = m.hold_until(2.0, now=2.0)  # handed over: released
-    assert d.kind == "merge" and d.version == 4 and [(e.peer, e.staleness) for e in d.entries] == [(A, 1)]
+    assert (
+        d.kind == "merge"
+        and d.version == 4
+        and [(e.peer, e.staleness) for e in d.entries] == [(A, 1)]
+    )
 
 
 def test_a_dropped_round_merges_nothing_and_collects_afresh() -> None:
@@ -607,7 +910,10 @@ def test_a_dropped_round_merges_nothing_and_collects_afresh() -> None:
     apply(m, c(1.5, B, base=5))
     assert m.phase is Phase.GRACE
     d = m.drop_round("version 5 was handed out as final", now=2.0)
-    assert d.kind == "wait" and "2 contributions dropped, not merged: version 5 was handed out as final" in d.reason
+    assert (
+        d.kind == "wait"
+        and "2 contributions dropped, not merged: version 5 was handed out as final" in d.reason
+    )
     assert m.phase is Phase.COLLECTING and m.count == 0 and m.deadline() is None
     assert m.on_tick(7.0).kind == "wait" and m.version == 5
     with pytest.raises(LocalProtocolError, match="finite"):
@@ -624,10 +930,16 @@ def test_last_contributions_of_learners_stopping_together_merge_in_one_round() -
     m.set_expected(4, now=0.0)
     assert apply(m, c(0.0, A, base=7, last=True, step_time=0.0)).kind == "accept"
     d = apply(m, c(0.01, B, base=7, last=True, step_time=0.0))
-    assert d.kind == "accept" and m.phase is Phase.GRACE and m.deadline() == 3.01  # not merged on the quorum
+    assert (
+        d.kind == "accept" and m.phase is Phase.GRACE and m.deadline() == 3.01
+    )  # not merged on the quorum
     assert apply(m, c(0.02, C, base=7, last=True)).kind == "accept"
     d = apply(m, c(0.05, D, base=7, last=True))
-    assert d.kind == "merge" and len(d.entries) == 4 and "all 4/4 expected contributions in" in d.reason
+    assert (
+        d.kind == "merge"
+        and len(d.entries) == 4
+        and "all 4/4 expected contributions in" in d.reason
+    )
     # without the mark the quorum closes the round on two, as before
     m = FragmentMerger(0, cfg, version=7, now=0.0)
     m.set_expected(4, now=0.0)
@@ -650,8 +962,14 @@ def test_the_last_round_waits_for_each_learner_still_training_not_for_a_count() 
     later, was measured from that version and merged alone at half a step. Named, the learners
     still training are each waited for; and each last contribution extends the wait by
     ``last_wait_s``, up to ``grace_cap_s`` from the first."""
-    cfg = MergeConfig(quorum=1, quorum_fraction=0.5, late_policy="carry", last_wait_s=3.0, grace_cap_s=10.0,
-                      **EXACT)
+    cfg = MergeConfig(
+        quorum=1,
+        quorum_fraction=0.5,
+        late_policy="carry",
+        last_wait_s=3.0,
+        grace_cap_s=10.0,
+        **EXACT,
+    )
     m = FragmentMerger(0, cfg, version=15, now=0.0)
     m.set_expected(3, now=0.0, learners=frozenset({A, B, C}))
     assert apply(m, c(1.0, A, base=15, last=True, step_time=0.0)).kind == "accept"
@@ -677,7 +995,9 @@ def test_the_last_round_waits_for_each_learner_still_training_not_for_a_count() 
     d = apply(m, ("t", 10.0))
     assert d.kind == "merge" and len(d.entries) == 5
     # a learner whose work is already in the round is not waited for again
-    m = FragmentMerger(0, dataclasses.replace(cfg, quorum=2, quorum_fraction=0.0), version=15, now=0.0)
+    m = FragmentMerger(
+        0, dataclasses.replace(cfg, quorum=2, quorum_fraction=0.0), version=15, now=0.0
+    )
     m.set_expected(2, now=0.0, learners=frozenset({A, B}))
     apply(m, c(0.5, B, base=15, step_time=0.0))
     d = apply(m, c(1.0, A, base=15, last=True, step_time=0.0))
@@ -696,7 +1016,9 @@ def test_an_end_of_run_round_is_the_mean_of_the_islands_not_of_their_works_at_on
     cfg = MergeConfig(quorum=1, quorum_fraction=1.0, late_policy="carry", **EXACT)
     m = FragmentMerger(0, cfg, version=15, now=0.0)
     m.set_expected(3, now=0.0, learners=frozenset({A, B, C}))
-    apply(m, c(0.0, A, base=15, tokens=20_000, steps=200))  # A's regular work, then B's and C's flushes
+    apply(
+        m, c(0.0, A, base=15, tokens=20_000, steps=200)
+    )  # A's regular work, then B's and C's flushes
     apply(m, c(0.5, B, base=15, tokens=19_000, steps=190, last=True))
     d = apply(m, c(1.0, C, base=15, tokens=1_000, steps=10, last=True))
     assert d.kind == "merge" and d.ends_runs and d.aggregate("normed") == "mean"
@@ -704,15 +1026,27 @@ def test_an_end_of_run_round_is_the_mean_of_the_islands_not_of_their_works_at_on
 
     theta = torch.zeros(64)
     g = torch.Generator().manual_seed(0)
-    islands = [torch.randn(64, generator=g) * s for s in (1.4, 1.3, 0.2)]  # C trained 10 steps since
+    islands = [
+        torch.randn(64, generator=g) * s for s in (1.4, 1.3, 0.2)
+    ]  # C trained 10 steps since
     deltas = [theta - x for x in islands]  # pseudo-gradients: global minus local
     outer = OuterConfig(lr=1.0, momentum=0.0, aggregate="normed")
     weights, clips = [e.weight for e in d.entries], [e.clip for e in d.entries]
-    end = merge_update(theta, None, deltas, weights, clips, outer, embedding=False,
-                       aggregate=d.aggregate(outer.aggregate)).theta
+    end = merge_update(
+        theta,
+        None,
+        deltas,
+        weights,
+        clips,
+        outer,
+        embedding=False,
+        aggregate=d.aggregate(outer.aggregate),
+    ).theta
     assert torch.allclose(end, torch.stack(islands).mean(0), atol=1e-6)
     normed = merge_update(theta, None, deltas, weights, clips, outer, embedding=False).theta
-    assert not torch.allclose(normed, end, atol=1e-2)  # what the configured aggregate would have made
+    assert not torch.allclose(
+        normed, end, atol=1e-2
+    )  # what the configured aggregate would have made
 
     m = FragmentMerger(0, cfg, version=15, now=0.0)
     m.set_expected(2, now=0.0, learners=frozenset({A, B}))
@@ -733,7 +1067,9 @@ def test_rebase_not_allowed_while_merging() -> None:
 # --- a merge that one liar cannot steer ------------------------------------------------------------
 
 
-def _merge_of(m: FragmentMerger, now: float, contributions: list[tuple[bytes, dict[str, Any]]]) -> Decision:
+def _merge_of(
+    m: FragmentMerger, now: float, contributions: list[tuple[bytes, dict[str, Any]]]
+) -> Decision:
     m.set_expected(len(contributions), now=now)
     d: Decision | None = None
     for peer, kw in contributions:
@@ -744,7 +1080,9 @@ def _merge_of(m: FragmentMerger, now: float, contributions: list[tuple[bytes, di
 
 def test_a_scaled_contribution_is_clipped_to_the_honest_norm() -> None:
     m = FragmentMerger(0, MergeConfig(quorum=1, clip_multiple=2.0), now=0.0)
-    d = _merge_of(m, 1.0, [(A, {"norm": 1.0}), (B, {"norm": 1.2}), (C, {"norm": 0.9}), (D, {"norm": 1000.0})])
+    d = _merge_of(
+        m, 1.0, [(A, {"norm": 1.0}), (B, {"norm": 1.2}), (C, {"norm": 0.9}), (D, {"norm": 1000.0})]
+    )
     clips = {e.peer: e.clip for e in d.entries}
     assert clips[A] == clips[B] == clips[C] == 1.0
     assert clips[D] * 1000.0 == pytest.approx(2.0 * 1.0)  # 2 x the lower median of the four norms
@@ -763,10 +1101,18 @@ def test_a_lone_attacker_at_quorum_one_cannot_set_its_own_reference() -> None:
 
 
 def test_a_liar_about_steps_and_tokens_is_bounded_by_time_and_by_the_others() -> None:
-    cfg = MergeConfig(quorum=1, max_tokens_per_step=100, min_step_time_s=0.01, max_weight_median_multiple=4.0)
+    cfg = MergeConfig(
+        quorum=1, max_tokens_per_step=100, min_step_time_s=0.01, max_weight_median_multiple=4.0
+    )
     m = FragmentMerger(0, cfg, now=0.0)
-    d = _merge_of(m, 1.0, [(A, {"tokens": 1000, "steps": 10}),  # honest: 10 steps of 100 tokens
-                           (B, {"tokens": 10**12, "steps": 10**6})])  # 1 s allows 101 steps at most
+    d = _merge_of(
+        m,
+        1.0,
+        [
+            (A, {"tokens": 1000, "steps": 10}),  # honest: 10 steps of 100 tokens
+            (B, {"tokens": 10**12, "steps": 10**6}),
+        ],
+    )  # 1 s allows 101 steps at most
     by = {e.peer: e for e in d.entries}
     assert by[B].steps_bounded and by[B].tokens_bounded and by[B].weight_capped
     assert not (by[A].steps_bounded or by[A].tokens_bounded or by[A].weight_capped)
@@ -782,14 +1128,26 @@ def test_a_work_cap_scales_a_contribution_beyond_it_and_leaves_norm_clipping_alo
     rounds' clip reference are as without the cap: the work cap is no evidence of a norm."""
     cfg = MergeConfig(quorum=1, clip_multiple=4.0, min_step_time_s=0.0, max_work_steps=10)
     m = FragmentMerger(0, cfg, now=0.0)
-    d = _merge_of(m, 1.0, [(A, {"steps": 30, "norm": 3.0}), (B, {"steps": 10, "norm": 1.0}),
-                           (C, {"steps": 4, "norm": 0.4})])
+    d = _merge_of(
+        m,
+        1.0,
+        [
+            (A, {"steps": 30, "norm": 3.0}),
+            (B, {"steps": 10, "norm": 1.0}),
+            (C, {"steps": 4, "norm": 0.4}),
+        ],
+    )
     by = {e.peer: e for e in d.entries}
     assert by[A].work_scale == pytest.approx(1 / 3) and by[A].clip == pytest.approx(1 / 3)
-    assert (by[B].work_scale, by[B].clip) == (1.0, 1.0) and (by[C].work_scale, by[C].clip) == (1.0, 1.0)
+    assert (by[B].work_scale, by[B].clip) == (1.0, 1.0) and (by[C].work_scale, by[C].clip) == (
+        1.0,
+        1.0,
+    )
     m.on_published(1, sync_time=0.0, now=1.0)
     assert m.norms == [(A, 3.0), (B, 1.0), (C, 0.4)]  # unchanged by the cap
-    plain = FragmentMerger(0, MergeConfig(quorum=1, min_step_time_s=0.0), now=0.0)  # no cap: all of it
+    plain = FragmentMerger(
+        0, MergeConfig(quorum=1, min_step_time_s=0.0), now=0.0
+    )  # no cap: all of it
     d = _merge_of(plain, 1.0, [(A, {"steps": 30, "norm": 3.0}), (B, {"steps": 10, "norm": 1.0})])
     assert [(e.work_scale, e.clip) for e in d.entries] == [(1.0, 1.0), (1.0, 1.0)]
     with pytest.raises(LocalProtocolError, match="max_work_steps must be None or >= 1"):
@@ -797,9 +1155,13 @@ def test_a_work_cap_scales_a_contribution_beyond_it_and_leaves_norm_clipping_alo
 
 
 @settings(max_examples=60, deadline=None)
-@given(norms=st.lists(st.floats(min_value=0.0, max_value=1e30), min_size=1, max_size=8),
-       c_mult=st.sampled_from([1.0, 2.0, 3.0]))
-@example(norms=[0.0, 2.252956018866386e29, 1.4882256214878484e-291], c_mult=1.0)  # a subnormal scale
+@given(
+    norms=st.lists(st.floats(min_value=0.0, max_value=1e30), min_size=1, max_size=8),
+    c_mult=st.sampled_from([1.0, 2.0, 3.0]),
+)
+@example(
+    norms=[0.0, 2.252956018866386e29, 1.4882256214878484e-291], c_mult=1.0
+)  # a subnormal scale
 def test_no_merged_norm_exceeds_c_times_the_median(norms: list[float], c_mult: float) -> None:
     m = FragmentMerger(0, MergeConfig(quorum=1, clip_multiple=c_mult), now=0.0)
     peers = [bytes([i + 1]) * 32 for i in range(len(norms))]
@@ -817,13 +1179,19 @@ def test_a_synchronous_quorum_is_every_live_learner() -> None:
     cfg = MergeConfig(quorum=4, gamma=0.0, quorum_is_expected=True)
     m = FragmentMerger(0, cfg, version=0, now=0.0)
     m.set_expected(4, now=0.0)
-    a = m.on_contribution(b"a" * 32, base_version=0, tokens=10, steps=1, step_time=0.1, payload=None, now=1.0)
-    b = m.on_contribution(b"b" * 32, base_version=0, tokens=10, steps=1, step_time=0.1, payload=None, now=1.1)
+    a = m.on_contribution(
+        b"a" * 32, base_version=0, tokens=10, steps=1, step_time=0.1, payload=None, now=1.0
+    )
+    b = m.on_contribution(
+        b"b" * 32, base_version=0, tokens=10, steps=1, step_time=0.1, payload=None, now=1.1
+    )
     assert a.kind == b.kind == "accept" and m.phase is Phase.COLLECTING  # 2 of 4: waiting
     assert m.set_expected(2, now=2.0).kind == "merge"  # the others left: every live learner is in
     plain = FragmentMerger(0, MergeConfig(quorum=4, gamma=0.0), version=0, now=0.0)
     for peer in (b"a" * 32, b"b" * 32):
-        plain.on_contribution(peer, base_version=0, tokens=10, steps=1, step_time=0.1, payload=None, now=1.0)
+        plain.on_contribution(
+            peer, base_version=0, tokens=10, steps=1, step_time=0.1, payload=None, now=1.0
+        )
     # decoupled: K = 4 is lowered to the 2 expected, through the grace window (0 s at gamma 0)
     lowered = plain.set_expected(2, now=2.0)
     assert lowered.kind == "merge" and "K = 4 lowered to the 2 learners expected" in lowered.reason

@@ -34,8 +34,13 @@ from protocol.diloco.outer import OuterConfig, merge_update
 H = 200
 DIM = 64
 C_BOUND = 5.0  # clip_multiple x the honest norms' spread (1.25): see the module docstring
-CFG = MergeConfig(quorum=1, max_tokens_per_step=100, max_claimed_steps=2 * H, reference_min_steps=H // 2,
-                  late_policy="carry")
+CFG = MergeConfig(
+    quorum=1,
+    max_tokens_per_step=100,
+    max_claimed_steps=2 * H,
+    reference_min_steps=H // 2,
+    late_policy="carry",
+)
 OUTER = OuterConfig(lr=1.0, momentum=0.0, aggregate="normed", max_delta_ratio=0.1)
 HONEST = [bytes([0x10 + i]) * 32 for i in range(8)]
 LIAR = bytes([0xEE]) * 32
@@ -47,20 +52,43 @@ def _vector(seed: int, norm: float) -> torch.Tensor:
     return (v * (norm / float(v.norm()))).to(torch.float32)
 
 
-def _round(m: FragmentMerger, theta: torch.Tensor, now: float,
-           contributions: list[tuple[bytes, torch.Tensor, int, int]], *, embedding: bool) -> torch.Tensor:
+def _round(
+    m: FragmentMerger,
+    theta: torch.Tensor,
+    now: float,
+    contributions: list[tuple[bytes, torch.Tensor, int, int]],
+    *,
+    embedding: bool,
+) -> torch.Tensor:
     """One round closed on every expected contribution, merged as the owner merges it."""
     m.set_expected(len(contributions), now=now)
     d = None
     for peer, delta, steps, tokens in contributions:
-        d = m.on_contribution(peer, base_version=m.version, tokens=tokens, steps=steps, step_time=1.0,
-                              payload=delta, norm=norm64(delta), now=now)
+        d = m.on_contribution(
+            peer,
+            base_version=m.version,
+            tokens=tokens,
+            steps=steps,
+            step_time=1.0,
+            payload=delta,
+            norm=norm64(delta),
+            now=now,
+        )
     assert d is not None and d.kind == "merge", d
     deltas = [e.payload for e in d.entries]
     assert all(isinstance(x, torch.Tensor) for x in deltas)
-    update = merge_update(theta, None, deltas, [e.weight for e in d.entries],  # type: ignore[misc]
-                          [e.clip for e in d.entries], OUTER, embedding=embedding, scale=d.scale,
-                          norms=[e.norm for e in d.entries], aggregate=d.aggregate(OUTER.aggregate))
+    update = merge_update(
+        theta,
+        None,
+        deltas,
+        [e.weight for e in d.entries],  # type: ignore[misc]
+        [e.clip for e in d.entries],
+        OUTER,
+        embedding=embedding,
+        scale=d.scale,
+        norms=[e.norm for e in d.entries],
+        aggregate=d.aggregate(OUTER.aggregate),
+    )
     m.on_published(m.version + 1, sync_time=0.0, now=now)
     return update.theta
 
@@ -81,8 +109,15 @@ def _honest(i: int, m_norm: float, spread: float) -> tuple[bytes, torch.Tensor, 
     embedding=st.booleans(),
 )
 def test_one_adversarial_contribution_moves_a_fragment_by_a_bounded_multiple_of_an_honest_step(
-        steps: int, tokens: int, log_scale: float, direction: str, honest: int, spreads: list[float],
-        warm: bool, embedding: bool) -> None:
+    steps: int,
+    tokens: int,
+    log_scale: float,
+    direction: str,
+    honest: int,
+    spreads: list[float],
+    warm: bool,
+    embedding: bool,
+) -> None:
     theta = _vector(7, 8.97)
     m_norm = 0.02 * float(theta.norm())  # an honest merge moves a fragment ~2 % of its norm
     m = FragmentMerger(0, CFG, now=0.0)
@@ -95,9 +130,13 @@ def test_one_adversarial_contribution_moves_a_fragment_by_a_bounded_multiple_of_
             used.append(float(delta.norm()))
             theta = _round(m, theta, now, [(peer, delta, s, t)], embedding=embedding)
     now += 20.0  # a version 20 s old: the time bound alone allows 20,001 steps
-    scale = 10.0 ** log_scale
-    unit = {"theta": theta, "random": _vector(999, 1.0), "flip-honest": -_vector(100, 1.0),
-            "honest": _vector(100, 1.0)}[direction].double()
+    scale = 10.0**log_scale
+    unit = {
+        "theta": theta,
+        "random": _vector(999, 1.0),
+        "flip-honest": -_vector(100, 1.0),
+        "honest": _vector(100, 1.0),
+    }[direction].double()
     attack = (unit / unit.norm() * scale).to(torch.float32)
     assert bool(torch.isfinite(attack).all())
     round_ = [_honest(i, m_norm, spreads[i]) for i in range(honest)]
@@ -106,7 +145,10 @@ def test_one_adversarial_contribution_moves_a_fragment_by_a_bounded_multiple_of_
     after = _round(m, theta, now, [*round_, (LIAR, attack, steps, tokens)], embedding=embedding)
     moved = float((after.double() - before.double()).norm())
     if used:
-        assert moved <= C_BOUND * statistics.median(used) * (1 + 1e-4), (moved, statistics.median(used))
+        assert moved <= C_BOUND * statistics.median(used) * (1 + 1e-4), (
+            moved,
+            statistics.median(used),
+        )
     else:  # a fresh owner alone with the attacker: max_delta_ratio is the bound
         assert moved <= OUTER.max_delta_ratio * float(before.norm()) * (1 + 1e-4)
     assert math.isfinite(moved)
@@ -130,7 +172,9 @@ def test_the_three_cases_of_issue_47_at_the_merge() -> None:
         honest = [] if case == "alone-warm" else [_honest(0, m_norm, 1.0), _honest(1, m_norm, 1.0)]
         steps, tokens = (20_001, 20_001 * 100) if case != "fresh-with-two-honest" else (H, H * 100)
         before = theta.clone()
-        after = _round(m, theta, now, [*honest, (LIAR, theta.clone(), steps, tokens)], embedding=False)
+        after = _round(
+            m, theta, now, [*honest, (LIAR, theta.clone(), steps, tokens)], embedding=False
+        )
         moved = float((after - before).norm())
         limit = (4.0 if case == "alone-warm" else 1.0) * m_norm
         assert moved <= limit * (1 + 1e-4), (case, moved / m_norm)

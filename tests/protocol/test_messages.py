@@ -53,8 +53,14 @@ def encoded_tensors(draw: st.DrawFn) -> EncodedTensor:
     block = draw(st.integers(1, 8)) if codec_name in ("int8", "int4", "topk2", "sign1") else 0
     numel = math.prod(shape)
     kept = -(-numel // block) if block else 0  # topk2: one in block_size (numel < one chunk)
-    per = {"none": 4 * numel, "bf16": 2 * numel, "int8": numel, "int4": (numel + 1) // 2,
-           "topk2": 2 * kept + (kept + 3) // 4, "sign1": (numel + 7) // 8}
+    per = {
+        "none": 4 * numel,
+        "bf16": 2 * numel,
+        "int8": numel,
+        "int4": (numel + 1) // 2,
+        "topk2": 2 * kept + (kept + 3) // 4,
+        "sign1": (numel + 7) // 8,
+    }
     n_scales = 4 * (numel > 0) if codec_name == "topk2" else 4 * -(-numel // block) if block else 0
     return EncodedTensor(
         codec=codec_name,

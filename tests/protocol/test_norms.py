@@ -19,7 +19,10 @@ def _exact(t: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("scale", [1e-3, 1.0, 1e3])
 def test_norm_of_a_large_vector_matches_the_fp64_sum(scale: float) -> None:
-    t = torch.randn(5 * SUM_CHUNK + 123, generator=torch.Generator().manual_seed(0)) * scale + scale / 3
+    t = (
+        torch.randn(5 * SUM_CHUNK + 123, generator=torch.Generator().manual_seed(0)) * scale
+        + scale / 3
+    )
     assert norm64(t) == pytest.approx(_exact(t), rel=1e-7)
 
 
@@ -58,15 +61,19 @@ def test_other_dtypes_shapes_and_empty() -> None:
     assert norm64(half) == pytest.approx(2.0 * math.sqrt(4 * SUM_CHUNK))
     assert not all_finite(torch.tensor([1.0, math.nan], dtype=torch.bfloat16))
     assert not all_finite(torch.tensor([60000.0, math.inf], dtype=torch.float16))
-    assert all_finite(torch.full((8,), 60000.0, dtype=torch.float16))  # the fp16 sum overflows; the values do not
+    assert all_finite(
+        torch.full((8,), 60000.0, dtype=torch.float16)
+    )  # the fp16 sum overflows; the values do not
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.floats(allow_nan=True, allow_infinity=True, width=32), min_size=1, max_size=40),
-       st.integers(0, 3 * SUM_CHUNK))
+@given(
+    st.lists(st.floats(allow_nan=True, allow_infinity=True, width=32), min_size=1, max_size=40),
+    st.integers(0, 3 * SUM_CHUNK),
+)
 def test_finiteness_agrees_with_torch_isfinite(values: list[float], at: int) -> None:
     t = torch.ones(3 * SUM_CHUNK + len(values))
-    t[at:at + len(values)] = torch.tensor(values)
+    t[at : at + len(values)] = torch.tensor(values)
     finite = bool(torch.isfinite(t).all())
     assert all_finite(t) == finite
     assert math.isfinite(norm64(t)) == finite

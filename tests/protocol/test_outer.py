@@ -141,7 +141,12 @@ def test_aggregation_errors(fn: object) -> None:
 
 
 def test_clip_to_median_norm() -> None:
-    ds = [torch.tensor([3.0, 4.0]), torch.tensor([0.0, 1.0]), torch.tensor([0.0, 100.0]), torch.tensor([2.0, 0.0])]
+    ds = [
+        torch.tensor([3.0, 4.0]),
+        torch.tensor([0.0, 1.0]),
+        torch.tensor([0.0, 100.0]),
+        torch.tensor([2.0, 0.0]),
+    ]
     before = [d.clone() for d in ds]
     clipped = clip_to_median_norm(ds, 2.0)  # median norm 3.5 -> cap 7
     assert [round(float(d.norm()), 5) for d in clipped] == [5.0, 1.0, 7.0, 2.0]
@@ -160,8 +165,13 @@ def reference_sgd(
 ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """(param, momentum buffer) after each step of ``torch.optim.SGD`` fed ``delta`` as grad."""
     p = torch.nn.Parameter(start.clone())
-    opt = torch.optim.SGD([p], lr=cfg.lr, momentum=cfg.momentum,
-                          nesterov=cfg.nesterov and cfg.momentum > 0, foreach=foreach)
+    opt = torch.optim.SGD(
+        [p],
+        lr=cfg.lr,
+        momentum=cfg.momentum,
+        nesterov=cfg.nesterov and cfg.momentum > 0,
+        foreach=foreach,
+    )
     out = []
     for d in deltas:
         p.grad = d.clone()
@@ -173,8 +183,12 @@ def reference_sgd(
 
 @pytest.mark.parametrize(
     "cfg",
-    [OuterConfig(), OuterConfig(lr=0.4, momentum=0.9), OuterConfig(lr=1.0, momentum=0.0),
-     OuterConfig(lr=0.7, momentum=0.5, nesterov=False)],
+    [
+        OuterConfig(),
+        OuterConfig(lr=0.4, momentum=0.9),
+        OuterConfig(lr=1.0, momentum=0.0),
+        OuterConfig(lr=0.7, momentum=0.5, nesterov=False),
+    ],
 )
 @pytest.mark.parametrize("foreach", [False, True])
 def test_outer_step_matches_torch_sgd_to_the_bit(cfg: OuterConfig, foreach: bool) -> None:
@@ -220,7 +234,9 @@ def test_outer_step_matches_torch_sgd_to_the_bit(cfg: OuterConfig, foreach: bool
         (OuterConfig(lr=0.5, momentum=0.0), [0.75, 0.625], [None, None]),
     ],
 )
-def test_outer_step_hand_computed(cfg: OuterConfig, params: list[float], buffers: list[float | None]) -> None:
+def test_outer_step_hand_computed(
+    cfg: OuterConfig, params: list[float], buffers: list[float | None]
+) -> None:
     # dyadic inputs: every intermediate is exact in fp32, so the literals are exact
     param, buffer = torch.tensor([1.0, -2.0]), None
     for d, want_p, want_b in zip([0.5, 0.25], params, buffers, strict=True):
@@ -260,9 +276,13 @@ def test_outer_config_and_shape_errors() -> None:
 
 def test_cap_weights_by_others_ignores_the_liars_own_weight() -> None:
     from protocol.diloco.outer import cap_weights_by_others
+
     weights, capped = cap_weights_by_others([1.0, 1e6], multiple=4.0)
     assert weights == [1.0, 4.0] and capped == [False, True]
-    assert cap_weights_by_others([5.0], multiple=4.0) == ([5.0], [False])  # alone: nothing to compare
+    assert cap_weights_by_others([5.0], multiple=4.0) == (
+        [5.0],
+        [False],
+    )  # alone: nothing to compare
     assert cap_weights_by_others([0.0, 3.0], multiple=4.0) == ([0.0, 3.0], [False, False])
     with pytest.raises(LocalProtocolError):
         cap_weights_by_others([1.0], multiple=0.5)
@@ -270,6 +290,7 @@ def test_cap_weights_by_others_ignores_the_liars_own_weight() -> None:
 
 def test_clip_factors_and_bound_to_norm() -> None:
     from protocol.diloco.outer import bound_to_norm, clip_factors
+
     assert clip_factors([1.0, 4.0, 10.0], reference=2.0, c=2.0) == [1.0, 1.0, 0.4]
     # a scale that would be subnormal is 0 (hypothesis found 2.25e29 * 6.6e-321 over its limit)
     assert clip_factors([2.252956018866386e29], reference=1.4882256214878484e-291, c=1.0) == [0.0]
@@ -290,6 +311,7 @@ def test_rda_keeps_the_norm_of_huge_finite_deltas() -> None:
 
 def test_weighted_median_and_a_median_radius() -> None:
     from protocol.diloco.outer import weighted_median
+
     assert weighted_median([1.0, 2.0, 100.0], [1.0, 1.0, 1.0]) == 2.0
     assert weighted_median([1.0, 3.0], [1.0, 1.0]) == 2.0  # the half falls between them
     assert weighted_median([1.0, 100.0], [1.0, 3.0]) == 100.0
@@ -310,8 +332,15 @@ def test_the_mean_aggregate_is_the_token_weighted_mean_and_rda_is_not() -> None:
     deltas = [torch.tensor([1.0, 0.0, 0.0, 0.0]), torch.tensor([0.0, 3.0, 0.0, 0.0])]
     weights, clips = [1.0, 3.0], [1.0, 1.0]
     plain = OuterConfig(lr=1.0, momentum=0.0, max_delta_ratio=math.inf)
-    mean = merge_update(theta, None, deltas, weights, clips, dataclasses.replace(plain, aggregate="mean"),
-                        embedding=False)
+    mean = merge_update(
+        theta,
+        None,
+        deltas,
+        weights,
+        clips,
+        dataclasses.replace(plain, aggregate="mean"),
+        embedding=False,
+    )
     assert torch.allclose(mean.theta, -weighted_mean(deltas, weights))  # theta - lr * delta
     rda = merge_update(theta, None, deltas, weights, clips, plain, embedding=False)
     assert not torch.allclose(rda.theta, mean.theta)
@@ -320,7 +349,9 @@ def test_the_mean_aggregate_is_the_token_weighted_mean_and_rda_is_not() -> None:
 
 
 @pytest.mark.parametrize("m", [2, 4, 16])
-def test_the_normed_mean_shrinks_like_the_mean_for_orthogonal_deltas_and_rda_does_not(m: int) -> None:
+def test_the_normed_mean_shrinks_like_the_mean_for_orthogonal_deltas_and_rda_does_not(
+    m: int,
+) -> None:
     """Many pseudo-gradients that mostly disagree: RDA steps the full median norm along their
     mean direction (at 32 peers, 16 per merge, that overshot), the normed mean as far as their
     mean does, in the same direction."""
@@ -329,13 +360,19 @@ def test_the_normed_mean_shrinks_like_the_mean_for_orthogonal_deltas_and_rda_doe
     normed, mean = normed_mean(deltas, weights), weighted_mean(deltas, weights)
     assert torch.allclose(normed, mean, atol=1e-6)
     assert float(normed.norm()) == pytest.approx(3.0 / math.sqrt(m), rel=1e-5)
-    assert float(radial_directional_average(deltas, weights, radius="median").norm()) == pytest.approx(3.0, rel=1e-5)
+    assert float(
+        radial_directional_average(deltas, weights, radius="median").norm()
+    ) == pytest.approx(3.0, rel=1e-5)
 
 
 def test_the_normed_mean_counts_no_contributions_length() -> None:
     """Each delta is scaled to the (unweighted) median norm first: one scaled up 1000x, or one of
     random direction and huge norm, weighs as one unit direction, where the mean follows it."""
-    honest = [torch.tensor([1.0, 0.0, 0.0]), torch.tensor([0.8, 0.6, 0.0]), torch.tensor([0.6, 0.8, 0.0])]
+    honest = [
+        torch.tensor([1.0, 0.0, 0.0]),
+        torch.tensor([0.8, 0.6, 0.0]),
+        torch.tensor([0.6, 0.8, 0.0]),
+    ]
     weights = [1.0, 1.0, 1.0, 1.0]
     for attack in (honest[0] * 1000, torch.tensor([0.0, 0.0, -500.0])):
         deltas = [*honest, attack]
@@ -348,7 +385,9 @@ def test_the_normed_mean_counts_no_contributions_length() -> None:
     # the median norm, 3, one vote a sender (a holding 3 of the 4 weight once made it a's 4),
     # times (3*(1,0) + 1*(0,1))/4
     assert torch.allclose(normed_mean([a, b], [3.0, 1.0]), torch.tensor([2.25, 0.75]))
-    assert torch.allclose(normed_mean([a, b], [1.0, 1.0]), torch.tensor([1.5, 1.5]))  # median 3: (1,0)/2 + (0,1)/2
+    assert torch.allclose(
+        normed_mean([a, b], [1.0, 1.0]), torch.tensor([1.5, 1.5])
+    )  # median 3: (1,0)/2 + (0,1)/2
     assert normed_mean([torch.zeros(3), torch.zeros(3)], [1.0, 1.0]).tolist() == [0.0] * 3
     big = torch.full((4,), 3.0e38)
     assert torch.isfinite(normed_mean([big, big], [1.0, 1.0])).all()
@@ -356,12 +395,18 @@ def test_the_normed_mean_counts_no_contributions_length() -> None:
 
 def test_the_normed_aggregate_is_chosen_by_the_config() -> None:
     theta = torch.zeros(2)
-    deltas, weights, clips = [torch.tensor([4.0, 0.0]), torch.tensor([0.0, 2.0])], [1.0, 1.0], [1.0, 1.0]
+    deltas, weights, clips = (
+        [torch.tensor([4.0, 0.0]), torch.tensor([0.0, 2.0])],
+        [1.0, 1.0],
+        [1.0, 1.0],
+    )
     cfg = OuterConfig(lr=1.0, momentum=0.0, max_delta_ratio=math.inf, aggregate="normed")
     got = merge_update(theta, None, deltas, weights, clips, cfg, embedding=False)
     assert torch.allclose(got.theta, -normed_mean(deltas, weights))
     embedding = merge_update(theta, None, deltas, weights, clips, cfg, embedding=True)
-    assert torch.allclose(embedding.theta, -weighted_mean(deltas, weights))  # embeddings: the plain mean
+    assert torch.allclose(
+        embedding.theta, -weighted_mean(deltas, weights)
+    )  # embeddings: the plain mean
 
 
 @pytest.mark.parametrize("m", [2, 4, 16])
@@ -376,8 +421,10 @@ def test_rdas_gain_over_the_normed_mean_can_be_bounded(m: int) -> None:
     assert float(bounded.norm()) == pytest.approx(min(3.0, gain * 3.0 / math.sqrt(m)), rel=1e-5)
     assert torch.allclose(bounded / bounded.norm(), normed / normed.norm(), atol=1e-6)
     same = [deltas[0], deltas[0] * 2]  # agreeing deltas: no gain to bound
-    assert torch.allclose(radial_directional_average(same, [1.0, 1.0], max_gain=1.0),
-                          radial_directional_average(same, [1.0, 1.0]))
+    assert torch.allclose(
+        radial_directional_average(same, [1.0, 1.0], max_gain=1.0),
+        radial_directional_average(same, [1.0, 1.0]),
+    )
     cfg = OuterConfig(lr=1.0, momentum=0.0, max_delta_ratio=math.inf, rda_max_gain=gain)
     got = merge_update(torch.zeros(64), None, deltas, weights, [1.0] * m, cfg, embedding=False)
     assert torch.allclose(got.theta, -bounded)
@@ -388,7 +435,11 @@ def test_rdas_gain_over_the_normed_mean_can_be_bounded(m: int) -> None:
 
 def test_a_merge_scales_its_aggregate_before_the_bound_and_the_outer_step() -> None:
     theta = torch.zeros(2)
-    deltas, weights, clips = [torch.tensor([4.0, 0.0]), torch.tensor([0.0, 4.0])], [1.0, 1.0], [1.0, 1.0]
+    deltas, weights, clips = (
+        [torch.tensor([4.0, 0.0]), torch.tensor([0.0, 4.0])],
+        [1.0, 1.0],
+        [1.0, 1.0],
+    )
     cfg = OuterConfig(lr=1.0, momentum=0.0, max_delta_ratio=math.inf, aggregate="normed")
     whole = merge_update(theta, None, deltas, weights, clips, cfg, embedding=False)
     part = merge_update(theta, None, deltas, weights, clips, cfg, embedding=False, scale=0.25)
@@ -404,13 +455,17 @@ def test_a_part_of_a_step_under_momentum_is_a_plain_step_that_leaves_the_buffer(
     momentum: a straggler's lone tail merges must not coast on the whole swarm's buffer."""
     theta, buffer = torch.tensor([1.0, -1.0]), torch.tensor([0.5, 0.5])
     deltas, weights, clips = [torch.tensor([0.2, 0.4])], [1.0], [1.0]
-    cfg = OuterConfig(lr=0.7, momentum=0.9, nesterov=True, max_delta_ratio=math.inf, aggregate="mean")
+    cfg = OuterConfig(
+        lr=0.7, momentum=0.9, nesterov=True, max_delta_ratio=math.inf, aggregate="mean"
+    )
     whole = merge_update(theta, buffer, deltas, weights, clips, cfg, embedding=False)
     assert whole.buffer is not None and torch.allclose(whole.buffer, 0.9 * buffer + deltas[0])
     assert torch.allclose(whole.theta, theta - 0.7 * (deltas[0] + 0.9 * whole.buffer))
     part = merge_update(theta, buffer, deltas, weights, clips, cfg, embedding=False, scale=0.25)
     assert torch.equal(part.theta, theta - 0.7 * 0.25 * deltas[0])
-    assert part.buffer is not None and torch.equal(part.buffer, buffer) and part.buffer is not buffer
+    assert (
+        part.buffer is not None and torch.equal(part.buffer, buffer) and part.buffer is not buffer
+    )
     assert torch.equal(buffer, torch.tensor([0.5, 0.5]))  # the input is not modified
     first = merge_update(theta, None, deltas, weights, clips, cfg, embedding=False, scale=0.5)
     assert first.buffer is None and torch.equal(first.theta, theta - 0.7 * 0.5 * deltas[0])
@@ -422,6 +477,7 @@ def test_norms_measured_before_the_merge_give_the_same_bits(aggregate: str) -> N
     measures them again: both must publish the same bits, clipped deltas included (their norm
     is measured anew). A list of the wrong length is refused."""
     from protocol.diloco.norms import norm64
+
     deltas = [torch.randn(3000, generator=gen(i)) * (i + 1) for i in range(4)]
     weights, clips = [1.0, 2.0, 1.0, 3.0], [1.0, 0.37, 1.0, 1.0]
     theta, buffer = torch.randn(3000, generator=gen(9)), torch.randn(3000, generator=gen(10))
@@ -430,43 +486,91 @@ def test_norms_measured_before_the_merge_give_the_same_bits(aggregate: str) -> N
     known = [norm64(d) for d in deltas]
     given = merge_update(theta, buffer, deltas, weights, clips, cfg, embedding=False, norms=known)
     assert torch.equal(plain.theta, given.theta) and torch.equal(plain.buffer, given.buffer)
-    some = merge_update(theta, buffer, deltas, weights, clips, cfg, embedding=False, norms=[known[0], None, None, known[3]])
+    some = merge_update(
+        theta,
+        buffer,
+        deltas,
+        weights,
+        clips,
+        cfg,
+        embedding=False,
+        norms=[known[0], None, None, known[3]],
+    )
     assert torch.equal(plain.theta, some.theta)
     if aggregate != "mean":  # a norm that is not the delta's would change the result: it is used
-        wrong = merge_update(theta, buffer, deltas, weights, clips, cfg, embedding=False, norms=[2 * n for n in known])
+        wrong = merge_update(
+            theta,
+            buffer,
+            deltas,
+            weights,
+            clips,
+            cfg,
+            embedding=False,
+            norms=[2 * n for n in known],
+        )
         assert not torch.equal(plain.theta, wrong.theta)
         with pytest.raises(LocalProtocolError, match="known norms"):
-            merge_update(theta, buffer, deltas, weights, clips, cfg, embedding=False, norms=known[:2])
+            merge_update(
+                theta, buffer, deltas, weights, clips, cfg, embedding=False, norms=known[:2]
+            )
 
 
 @settings(max_examples=60, deadline=None)
-@given(aggregate=st.sampled_from(["normed", "mean", "rda"]), embedding=st.booleans(),
-       sizes=st.lists(st.floats(1e-3, 50.0), min_size=1, max_size=5), theta_size=st.floats(1e-3, 100.0),
-       ratio=st.sampled_from([0.1, 1.0, 3.0]), scale=st.sampled_from([1.0, 0.5]), seed=st.integers(0, 99))
+@given(
+    aggregate=st.sampled_from(["normed", "mean", "rda"]),
+    embedding=st.booleans(),
+    sizes=st.lists(st.floats(1e-3, 50.0), min_size=1, max_size=5),
+    theta_size=st.floats(1e-3, 100.0),
+    ratio=st.sampled_from([0.1, 1.0, 3.0]),
+    scale=st.sampled_from([1.0, 0.5]),
+    seed=st.integers(0, 99),
+)
 def test_a_merge_given_every_norm_gives_the_same_bits_and_bounds_what_it_must(
-        aggregate: str, embedding: bool, sizes: list[float], theta_size: float, ratio: float,
-        scale: float, seed: int) -> None:
+    aggregate: str,
+    embedding: bool,
+    sizes: list[float],
+    theta_size: float,
+    ratio: float,
+    scale: float,
+    seed: int,
+) -> None:
     """The owner passes every contribution's norm and Theta's (measured when each arrived and
     when Theta was made), and the aggregate's own norm is then measured only when the longest
     delta might break the bound: the result is bit-identical to a merge that measures them all,
     as ``atoll replay`` does, whether the bound bites or not."""
     from protocol.diloco.norms import norm64
+
     g = gen(seed)
     deltas = [torch.randn(257, generator=g) * s for s in sizes]
     weights = [float(i % 3 + 1) for i in range(len(deltas))]
     clips = [1.0 if i % 2 == 0 else 0.5 for i in range(len(deltas))]
     theta = torch.randn(257, generator=g) * theta_size
     cfg = OuterConfig(lr=1.0, momentum=0.0, aggregate=aggregate, max_delta_ratio=ratio)
-    measured = merge_update(theta, None, deltas, weights, clips, cfg, embedding=embedding, scale=scale)
-    given_all = merge_update(theta, None, deltas, weights, clips, cfg, embedding=embedding, scale=scale,
-                             norms=[norm64(d) for d in deltas], theta_norm=norm64(theta))
+    measured = merge_update(
+        theta, None, deltas, weights, clips, cfg, embedding=embedding, scale=scale
+    )
+    given_all = merge_update(
+        theta,
+        None,
+        deltas,
+        weights,
+        clips,
+        cfg,
+        embedding=embedding,
+        scale=scale,
+        norms=[norm64(d) for d in deltas],
+        theta_norm=norm64(theta),
+    )
     assert torch.equal(measured.theta, given_all.theta) and measured.bounded == given_all.bounded
     assert norm64(theta - given_all.theta) <= ratio * norm64(theta) * (1 + 1e-5)
 
 
-def test_a_merge_skips_measuring_an_aggregate_that_cannot_break_the_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_merge_skips_measuring_an_aggregate_that_cannot_break_the_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from protocol.diloco import outer
     from protocol.diloco.norms import norm64
+
     measured: list[int] = []
     real = outer.norm64
     monkeypatch.setattr(outer, "norm64", lambda t: measured.append(t.numel()) or real(t))
@@ -474,7 +578,29 @@ def test_a_merge_skips_measuring_an_aggregate_that_cannot_break_the_bound(monkey
     theta = torch.ones(64)
     cfg = OuterConfig(lr=1.0, momentum=0.0, aggregate="normed", max_delta_ratio=1.0)
     norms = [norm64(d) for d in deltas]
-    merge_update(theta, None, deltas, [1.0, 1.0], [1.0, 1.0], cfg, embedding=False, norms=norms, theta_norm=8.0)
+    merge_update(
+        theta,
+        None,
+        deltas,
+        [1.0, 1.0],
+        [1.0, 1.0],
+        cfg,
+        embedding=False,
+        norms=norms,
+        theta_norm=8.0,
+    )
     assert measured == []  # neither Theta's norm (given) nor the aggregate's (|d| <= 0.16 < 8)
-    merge_update(theta, None, deltas, [1.0, 1.0], [1.0, 1.0], cfg, embedding=False, norms=norms, theta_norm=0.1)
-    assert measured == [64]  # the longest delta (0.16) could break 1.0 x 0.1: the aggregate is measured
+    merge_update(
+        theta,
+        None,
+        deltas,
+        [1.0, 1.0],
+        [1.0, 1.0],
+        cfg,
+        embedding=False,
+        norms=norms,
+        theta_norm=0.1,
+    )
+    assert measured == [
+        64
+    ]  # the longest delta (0.16) could break 1.0 x 0.1: the aggregate is measured

@@ -9,16 +9,46 @@ import pytest
 
 PROTOCOL = Path(__file__).resolve().parents[2] / "protocol"
 FORBIDDEN_MODULES = {
-    "asyncio", "aiohttp", "socket", "threading", "time", "node", "logging", "selectors",
-    "subprocess", "multiprocessing", "concurrent", "urllib", "http", "requests", "secrets",
+    "asyncio",
+    "aiohttp",
+    "socket",
+    "threading",
+    "time",
+    "node",
+    "logging",
+    "selectors",
+    "subprocess",
+    "multiprocessing",
+    "concurrent",
+    "urllib",
+    "http",
+    "requests",
+    "secrets",
 }
 # Calls that read the clock, the OS entropy pool, or a global (unseeded) random state.
 FORBIDDEN_CALLS = {
-    "os.urandom", "os.getrandom", "random.random", "random.randint", "random.choice",
-    "random.shuffle", "random.sample", "random.uniform", "random.getrandbits", "random.seed",
-    "torch.manual_seed", "torch.rand", "torch.randn", "torch.randint", "torch.randperm",
-    "numpy.random", "np.random", "uuid.uuid4", "datetime.now", "datetime.datetime.now",
-    "datetime.utcnow", "open",
+    "os.urandom",
+    "os.getrandom",
+    "random.random",
+    "random.randint",
+    "random.choice",
+    "random.shuffle",
+    "random.sample",
+    "random.uniform",
+    "random.getrandbits",
+    "random.seed",
+    "torch.manual_seed",
+    "torch.rand",
+    "torch.randn",
+    "torch.randint",
+    "torch.randperm",
+    "numpy.random",
+    "np.random",
+    "uuid.uuid4",
+    "datetime.now",
+    "datetime.datetime.now",
+    "datetime.utcnow",
+    "open",
 }
 
 

@@ -270,10 +270,13 @@ WRITERS = [Signer(bytes([i]) * 32) for i in range(1, 9)]
 
 
 @settings(max_examples=60, deadline=None)
-@given(held=st.lists(st.tuples(st.integers(0, 7), st.integers(1, 50)), max_size=12),
-       known=st.lists(st.tuples(st.integers(0, 7), st.integers(1, 50)), max_size=12))
+@given(
+    held=st.lists(st.tuples(st.integers(0, 7), st.integers(1, 50)), max_size=12),
+    known=st.lists(st.tuples(st.integers(0, 7), st.integers(1, 50)), max_size=12),
+)
 def test_a_responder_sends_exactly_the_records_newer_than_the_readers(
-        held: list[tuple[int, int]], known: list[tuple[int, int]]) -> None:
+    held: list[tuple[int, int]], known: list[tuple[int, int]]
+) -> None:
     """Whatever the responder holds and the reader names: a record is sent iff the reader holds
     nothing as new for its writer, and ``omitted`` counts the rest."""
     records = [rec(WRITERS[w], ttl=float(t)) for w, t in held]

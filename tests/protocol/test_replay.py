@@ -28,8 +28,15 @@ def nonce(i: int) -> bytes:
     return i.to_bytes(16, "big")
 
 
-def flood(w: ReplayWindow, n: int, *, start: float, rng: random.Random, every: int = 0,
-          honest: bytes = HONEST) -> list[tuple[bytes, bytes, float]]:
+def flood(
+    w: ReplayWindow,
+    n: int,
+    *,
+    start: float,
+    rng: random.Random,
+    every: int = 0,
+    honest: bytes = HONEST,
+) -> list[tuple[bytes, bytes, float]]:
     """``n`` messages from fresh keys dated ``SKEW - 1`` s ahead, 100 µs apart; every ``every``
     one of them, ``honest`` sends one dated now (each must be accepted). Returns the honest
     messages."""
@@ -68,7 +75,12 @@ def test_a_flood_past_every_table_still_refuses_every_replay_and_no_talking_memb
     sent = flood(w, 100_000, start=NOW, rng=random.Random(2), every=100)  # overflows all 100 times
     assert len(sent) == 1000
     sizes = w.sizes()
-    assert (sizes.pairs, sizes.live_keys <= 1000, sizes.dormant_keys, sizes.buckets) == (1000, True, 1000, 4096)
+    assert (sizes.pairs, sizes.live_keys <= 1000, sizes.dormant_keys, sizes.buckets) == (
+        1000,
+        True,
+        1000,
+        4096,
+    )
     now = NOW + 10.0
     for key, n, ts in sent:  # every message the member sent is refused a second time
         with pytest.raises(Replay):
@@ -95,20 +107,28 @@ def test_buckets_take_over_only_after_the_dormant_table_overflows() -> None:
 
 
 def test_misuse_raises() -> None:
-    for kwargs in ({"capacity": 0}, {"max_skew_s": 0}, {"max_dormant": -1}, {"buckets": 0},
-                   {"salt": bytes(65)}):
+    for kwargs in (
+        {"capacity": 0},
+        {"max_skew_s": 0},
+        {"max_dormant": -1},
+        {"buckets": 0},
+        {"salt": bytes(65)},
+    ):
         with pytest.raises(LocalProtocolError):
             ReplayWindow(**kwargs)  # type: ignore[arg-type]
 
 
-ops = st.lists(st.tuples(st.integers(0, 5), st.integers(0, 3), st.floats(-70, 70), st.floats(0, 3)),
-               max_size=200)
+ops = st.lists(
+    st.tuples(st.integers(0, 5), st.integers(0, 3), st.floats(-70, 70), st.floats(0, 3)),
+    max_size=200,
+)
 
 
 @settings(max_examples=200, deadline=None)
 @given(ops, st.integers(1, 4), st.integers(0, 3), st.integers(1, 3))
-def test_no_message_is_ever_accepted_twice(events: list[tuple[int, int, float, float]], capacity: int,
-                                           dormant: int, buckets: int) -> None:
+def test_no_message_is_ever_accepted_twice(
+    events: list[tuple[int, int, float, float]], capacity: int, dormant: int, buckets: int
+) -> None:
     w = ReplayWindow(max_skew_s=10, capacity=capacity, max_dormant=dormant, buckets=buckets)
     accepted: set[tuple[bytes, bytes, float]] = set()
     now = NOW
@@ -122,13 +142,18 @@ def test_no_message_is_ever_accepted_twice(events: list[tuple[int, int, float, f
         assert message not in accepted
         accepted.add(message)
         sizes = w.sizes()
-        assert sizes.pairs <= capacity and sizes.live_keys <= capacity and sizes.dormant_keys <= dormant
+        assert (
+            sizes.pairs <= capacity
+            and sizes.live_keys <= capacity
+            and sizes.dormant_keys <= dormant
+        )
 
 
 @settings(max_examples=200, deadline=None)
 @given(ops, st.integers(1, 4))
-def test_a_member_with_a_steady_clock_is_never_refused(events: list[tuple[int, int, float, float]],
-                                                       capacity: int) -> None:
+def test_a_member_with_a_steady_clock_is_never_refused(
+    events: list[tuple[int, int, float, float]], capacity: int
+) -> None:
     """Whatever others send (any key, any nonce, any allowed date), a member that dates its
     messages by a clock that moves forward is never refused, while buckets are not in play."""
     w = ReplayWindow(max_skew_s=10, capacity=capacity, max_dormant=8)
@@ -157,8 +182,9 @@ def test_a_validly_signed_flood_through_open_sealed() -> None:
             open_sealed(wire, now=now, replay=w, max_size=1 << 16)
     assert len(w) == 1000 and w.sizes().dormant_keys == 1000
     now = NOW + 3.0
-    opened = open_sealed(seal(body, member, now=now, nonce=nonce(1)).tobytes(), now=now, replay=w,
-                         max_size=1 << 16)
+    opened = open_sealed(
+        seal(body, member, now=now, nonce=nonce(1)).tobytes(), now=now, replay=w, max_size=1 << 16
+    )
     assert opened.peer_id == member.peer_id
     with pytest.raises(Replay):
         open_sealed(first, now=now, replay=w, max_size=1 << 16)

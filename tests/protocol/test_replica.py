@@ -32,7 +32,11 @@ def test_one_version_one_content() -> None:
     assert not judge(held, epoch=1, version=4, digest=D2, fragment=0).accepted
 
 
-@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 6), st.sampled_from([D1, D2])), max_size=40))
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 3), st.integers(0, 6), st.sampled_from([D1, D2])), max_size=40
+    )
+)
 def test_no_version_is_taken_with_two_contents(handoffs: list[tuple[int, int, bytes]]) -> None:
     held: Held | None = None
     taken: dict[int, bytes] = {}
@@ -51,19 +55,33 @@ def test_a_successor_takes_its_predecessors_final_state_whatever_its_epoch() -> 
     held = Held(epoch=2, version=60, digest=b"a" * 32)
     assert not judge(held, epoch=1, version=61, digest=b"b" * 32, fragment=3).accepted
     assert judge(held, epoch=1, version=61, digest=b"b" * 32, fragment=3, successor=True).accepted
-    assert not judge(held, epoch=1, version=59, digest=b"b" * 32, fragment=3, successor=True).accepted
-    assert not judge(Held(2, 61, b"a" * 32), epoch=1, version=61, digest=b"b" * 32, fragment=3,
-                     successor=True).accepted  # a second content for a version is never taken
+    assert not judge(
+        held, epoch=1, version=59, digest=b"b" * 32, fragment=3, successor=True
+    ).accepted
+    assert not judge(
+        Held(2, 61, b"a" * 32), epoch=1, version=61, digest=b"b" * 32, fragment=3, successor=True
+    ).accepted  # a second content for a version is never taken
 
 
 # --- admit: who may hand a fragment over (issue 48) ---------------------------------------------
 ME, OWNER, PRED, ATTACKER = b"m" * 32, b"o" * 32, b"p" * 32, b"a" * 32
 
 
-def _admit(sender: bytes, view: HandoffView, held: Held | None = Held(3, 10, D1), **kw: object) -> object:
-    args: dict[str, object] = dict(fragment=2, epoch=3, version=11, final=False, merged_bases=(),
-                                   known_version=10, received=10, received_at=100.0, created=0.0,
-                                   now=101.0)
+def _admit(
+    sender: bytes, view: HandoffView, held: Held | None = Held(3, 10, D1), **kw: object
+) -> object:
+    args: dict[str, object] = dict(
+        fragment=2,
+        epoch=3,
+        version=11,
+        final=False,
+        merged_bases=(),
+        known_version=10,
+        received=10,
+        received_at=100.0,
+        created=0.0,
+        now=101.0,
+    )
     args.update(kw)
     return admit(sender, view, held, **args)  # type: ignore[arg-type]
 
@@ -74,7 +92,9 @@ def test_a_handoff_from_neither_owner_nor_predecessor_is_refused() -> None:
     assert not a.accepted and a.kind == "not-entitled" and "not taken" in a.reason
     assert _admit(OWNER, view).accepted
     # this peer naming itself owner does not entitle anyone else
-    assert not _admit(ATTACKER, HandoffView(me=ME, owners=frozenset({ME}), predecessor=None)).accepted
+    assert not _admit(
+        ATTACKER, HandoffView(me=ME, owners=frozenset({ME}), predecessor=None)
+    ).accepted
 
 
 def test_only_the_owner_raises_the_epoch_past_held_plus_one_or_hands_an_unknown_version() -> None:
@@ -87,7 +107,9 @@ def test_only_the_owner_raises_the_epoch_past_held_plus_one_or_hands_an_unknown_
     ahead = _admit(PRED, view, epoch=4, version=11 + PREDECESSOR_LEAD)
     assert not ahead.accepted and ahead.kind == "ahead-of-known"
     owner_view = HandoffView(me=ME, owners=frozenset({OWNER}), predecessor=OWNER)
-    assert _admit(OWNER, owner_view, epoch=2**62, version=11).accepted  # a takeover far above: the owner's
+    assert _admit(
+        OWNER, owner_view, epoch=2**62, version=11
+    ).accepted  # a takeover far above: the owner's
 
 
 def test_handed_versions_obey_the_version_jump_fence() -> None:

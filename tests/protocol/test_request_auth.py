@@ -17,10 +17,26 @@ OTHER = bytes(32)
 TARGET = "/v1/fragments/0/latest"
 
 
-def _header(signer, swarm: str, *, recipient: bytes | None = SERVER, nonce: bytes = b"n" * 16, now: float = NOW,
-            target: str = TARGET) -> RequestAuth:
-    return RequestAuth.parse(RequestAuth.make(signer, swarm=swarm, method="GET", target=target, now=now,
-                                              recipient=recipient, nonce=nonce))
+def _header(
+    signer,
+    swarm: str,
+    *,
+    recipient: bytes | None = SERVER,
+    nonce: bytes = b"n" * 16,
+    now: float = NOW,
+    target: str = TARGET,
+) -> RequestAuth:
+    return RequestAuth.parse(
+        RequestAuth.make(
+            signer,
+            swarm=swarm,
+            method="GET",
+            target=target,
+            now=now,
+            recipient=recipient,
+            nonce=nonce,
+        )
+    )
 
 
 def test_request_auth_binds_swarm_method_target_and_time(swarm):
@@ -30,7 +46,13 @@ def test_request_auth_binds_swarm_method_target_and_time(swarm):
     assert auth.public_key == peer.public_key
     auth.verify(swarm=m.swarm_id, method="GET", target=TARGET, now=NOW + 5, recipient=SERVER)
     with pytest.raises(BadSignature):
-        auth.verify(swarm=m.swarm_id, method="GET", target="/v1/fragments/1/latest", now=NOW, recipient=SERVER)
+        auth.verify(
+            swarm=m.swarm_id,
+            method="GET",
+            target="/v1/fragments/1/latest",
+            now=NOW,
+            recipient=SERVER,
+        )
     with pytest.raises(BadSignature):
         auth.verify(swarm="11" * 16, method="GET", target=TARGET, now=NOW, recipient=SERVER)
     with pytest.raises(NotAuthorized, match="clock"):
@@ -45,7 +67,9 @@ def test_a_header_is_good_only_at_the_node_it_names(swarm):
     with pytest.raises(AuthRefused, match="not this node") as refused:
         auth.verify(swarm=m.swarm_id, method="GET", target=TARGET, now=NOW, recipient=OTHER)
     assert refused.value.status == 401
-    forged = RequestAuth(auth.public_key, auth.timestamp, OTHER, auth.nonce, auth.signature)  # recipient rewritten
+    forged = RequestAuth(
+        auth.public_key, auth.timestamp, OTHER, auth.nonce, auth.signature
+    )  # recipient rewritten
     with pytest.raises(BadSignature):
         forged.verify(swarm=m.swarm_id, method="GET", target=TARGET, now=NOW, recipient=OTHER)
 
@@ -56,7 +80,9 @@ def test_a_header_naming_no_recipient_is_taken_only_on_first_contact_routes(swar
     assert auth.recipient == b""
     with pytest.raises(AuthRefused, match="names no recipient"):
         auth.verify(swarm=m.swarm_id, method="GET", target=TARGET, now=NOW, recipient=SERVER)
-    auth.verify(swarm=m.swarm_id, method="GET", target=TARGET, now=NOW, recipient=SERVER, unbound_ok=True)
+    auth.verify(
+        swarm=m.swarm_id, method="GET", target=TARGET, now=NOW, recipient=SERVER, unbound_ok=True
+    )
 
 
 def test_a_version_1_header_is_a_401_that_says_to_upgrade():
@@ -92,7 +118,11 @@ def test_the_replay_cache_is_bounded_and_a_flood_evicts_only_its_own_address(swa
         cache.admit(auth, "192.0.2.1", NOW)
     flooder = key()
     for i in range(1000):  # signed requests from one address (keys cost nothing in open swarms)
-        cache.admit(_header(flooder, m.swarm_id, nonce=i.to_bytes(16, "big")), "198.51.100.7", NOW + i * 0.01)
+        cache.admit(
+            _header(flooder, m.swarm_id, nonce=i.to_bytes(16, "big")),
+            "198.51.100.7",
+            NOW + i * 0.01,
+        )
     assert len(cache) == 64 and cache.evicted == 1000 + 8 - 64
     for auth in honest:  # the honest address's headers are still remembered: their replays refused
         with pytest.raises(AuthRefused, match="used before"):

@@ -115,7 +115,9 @@ NODE_A, NODE_B = Signer.from_seed(b"a" * 32).peer_id, Signer.from_seed(b"b" * 32
 def test_a_message_sealed_for_node_a_is_refused_by_node_b_with_the_reason() -> None:
     wire = seal(encode(contribution()), ALICE, now=NOW, nonce=nonce(), recipient=NODE_A).tobytes()
     at_b = ReplayWindow()
-    with pytest.raises(NotAuthorized, match=f"sealed for peer {NODE_A.hex()[:16]}, not for this node") as exc:
+    with pytest.raises(
+        NotAuthorized, match=f"sealed for peer {NODE_A.hex()[:16]}, not for this node"
+    ) as exc:
         open_sealed(wire, now=NOW, replay=at_b, max_size=MAX, expected_recipient=NODE_B)
     assert exc.value.status == 403 and NODE_B.hex()[:16] in exc.value.reason
     assert len(at_b) == 0  # refused before it took a place in B's window
@@ -154,19 +156,35 @@ def test_broadcasts_name_nobody_and_are_refused_where_a_recipient_is_required() 
 def test_digest_covers_head_and_blobs_apart_and_is_the_one_the_envelope_signs() -> None:
     s = sealed()
     whole = s.message.tobytes()
-    head, blobs = whole[: s.message.parts[0].nbytes], b"".join(bytes(b) for b in s.message.blobs or ())
-    framed = blake3.blake3(FRAMED + blake3.blake3(head).digest() + blake3.blake3(blobs).digest()).digest()
+    head, blobs = (
+        whole[: s.message.parts[0].nbytes],
+        b"".join(bytes(b) for b in s.message.blobs or ()),
+    )
+    framed = blake3.blake3(
+        FRAMED + blake3.blake3(head).digest() + blake3.blake3(blobs).digest()
+    ).digest()
     assert message_digest(whole) == framed == s.digest
-    assert message_digests(whole).blobs == digest_parts(s.message.blobs or ()) == blake3.blake3(blobs).digest()
+    assert (
+        message_digests(whole).blobs
+        == digest_parts(s.message.blobs or ())
+        == blake3.blake3(blobs).digest()
+    )
     envelope, _ = split_sealed(s.tobytes(), max_size=MAX)
     assert envelope.digest == s.digest
 
 
 def test_a_state_is_sealed_with_its_content_hash_as_its_blobs_digest() -> None:
     t = tensor(64)
-    state = FragmentState(swarm="s", fragment=0, version=3, tensors=(t,),
-                          content_hash=digest_parts([t.data, t.scales]))
-    given_digest = seal(encode(state), ALICE, now=NOW, nonce=nonce(), blobs_digest=state.content_hash)
+    state = FragmentState(
+        swarm="s",
+        fragment=0,
+        version=3,
+        tensors=(t,),
+        content_hash=digest_parts([t.data, t.scales]),
+    )
+    given_digest = seal(
+        encode(state), ALICE, now=NOW, nonce=nonce(), blobs_digest=state.content_hash
+    )
     assert given_digest.digest == seal(encode(state), ALICE, now=NOW, nonce=nonce(1)).digest
     opened = verify_sealed(given_digest.tobytes(), max_size=MAX)
     assert opened.blobs_digest == state.content_hash  # a receiver checks the field for free
@@ -181,7 +199,9 @@ def test_a_body_that_is_no_frame_is_digested_whole_and_then_refused_by_the_decod
     body = b"not a message at all"
     digests = message_digests(body)
     assert digests.blobs is None and digests.message == blake3.blake3(RAW + body).digest()
-    hand_made = seal(Encoded(parts=[memoryview(body)], size=len(body)), ALICE, now=NOW, nonce=nonce())
+    hand_made = seal(
+        Encoded(parts=[memoryview(body)], size=len(body)), ALICE, now=NOW, nonce=nonce()
+    )
     with pytest.raises(DecodeError):
         open_sealed(hand_made.tobytes(), now=NOW, replay=ReplayWindow(), max_size=MAX)
 
@@ -199,7 +219,9 @@ def test_padding_between_blobs_is_checked_though_not_hashed() -> None:
         offset += part.nbytes
     assert pad_at is not None and wire[pad_at] == 0
     wire[pad_at] = 1
-    assert message_digests(bytes(wire[len(wire) - s.message.size:])).blobs is None  # not a valid frame
+    assert (
+        message_digests(bytes(wire[len(wire) - s.message.size :])).blobs is None
+    )  # not a valid frame
     with pytest.raises(BadSignature):  # no longer a valid frame: digested whole, so no match
         open_sealed(bytes(wire), now=NOW, replay=ReplayWindow(), max_size=MAX)
 
@@ -415,6 +437,7 @@ def test_sealed_reader_tampered_body_and_empty_envelope() -> None:
 
 def test_split_sealed_names_the_signer_before_the_body_is_looked_at() -> None:
     from protocol.wire.signing import split_sealed
+
     wire = bytearray(sealed().tobytes())
     wire[-1] ^= 0xFF  # a tampered body: the envelope still verifies, the body is not hashed yet
     envelope, body = split_sealed(bytes(wire), max_size=MAX)

@@ -25,30 +25,47 @@ from protocol.sim import (
 )
 
 DAY = 86400.0
-HW = Hardware(chips=4096, chips_per_slice=64, mtbi_s=30 * DAY, repair=ExpWeibull(scale_s=60.0, power=2.0),
-              reconfig_s=20.0, rejoin_wait_s=120.0, restart_s=30.0)
+HW = Hardware(
+    chips=4096,
+    chips_per_slice=64,
+    mtbi_s=30 * DAY,
+    repair=ExpWeibull(scale_s=60.0, power=2.0),
+    reconfig_s=20.0,
+    rejoin_wait_s=120.0,
+    restart_s=30.0,
+)
 TIMING = Timing(step_s=2.0, inner_steps=60, sync_s=1.0, upload_s=0.5)
 
 
 def cfg(**kw: Any) -> SimConfig:
     hw = replace(HW, **kw.pop("hw", {}))
-    return SimConfig(hardware=hw, timing=kw.pop("timing", TIMING), horizon_s=kw.pop("horizon_s", 2 * DAY), **kw)
+    return SimConfig(
+        hardware=hw, timing=kw.pop("timing", TIMING), horizon_s=kw.pop("horizon_s", 2 * DAY), **kw
+    )
 
 
 def test_decoupled_goodput_falls_as_mtbi_shrinks() -> None:
-    goodput = [simulate_decoupled(cfg(learners=4, hw={"mtbi_s": d * DAY})).goodput for d in (120, 30, 8, 2)]
+    goodput = [
+        simulate_decoupled(cfg(learners=4, hw={"mtbi_s": d * DAY})).goodput for d in (120, 30, 8, 2)
+    ]
     assert all(a > b for a, b in zip(goodput, goodput[1:], strict=False)), goodput
     assert goodput[0] > 0.97 and goodput[-1] < 0.85, goodput
 
 
 def test_decoupled_goodput_rises_with_learners() -> None:
-    goodput = [simulate_decoupled(cfg(learners=m, hw={"mtbi_s": 4 * DAY})).goodput for m in (1, 2, 4, 8, 16)]
+    goodput = [
+        simulate_decoupled(cfg(learners=m, hw={"mtbi_s": 4 * DAY})).goodput
+        for m in (1, 2, 4, 8, 16)
+    ]
     assert all(a < b for a, b in zip(goodput, goodput[1:], strict=False)), goodput
 
 
 def test_methods_rank_as_in_the_paper() -> None:
     c = cfg(learners=8, hw={"mtbi_s": 4 * DAY})
-    g = {f.__name__: f(c).goodput for f in (simulate_data_parallel, simulate_elastic, simulate_sync, simulate_decoupled)}
+    g = {
+        f.__name__: f(c).goodput
+        for f in (simulate_data_parallel, simulate_elastic, simulate_sync, simulate_decoupled)
+    }
     assert g["simulate_data_parallel"] < g["simulate_elastic"] < g["simulate_decoupled"], g
     assert g["simulate_sync"] < g["simulate_decoupled"], g
 
@@ -136,10 +153,14 @@ def test_goodput_is_what_the_merger_merged(spy: type[SpyMerger], simulate: Any) 
     assert merger.published == list(range(1, merger.version + 1))  # every merge published in order
     assert out.goodput * c.hardware.chips * c.horizon_s == pytest.approx(_merged_chip_s(merger))
     refused = [d.refusal for d in merger.decisions if d.refusal is not None]
-    assert sorted(dict(out.refusals).items()) == sorted({r: refused.count(r) for r in set(refused)}.items())
+    assert sorted(dict(out.refusals).items()) == sorted(
+        {r: refused.count(r) for r in set(refused)}.items()
+    )
 
 
-def test_a_quorum_above_the_learners_is_lowered_to_them_instead_of_stalling(spy: type[SpyMerger]) -> None:
+def test_a_quorum_above_the_learners_is_lowered_to_them_instead_of_stalling(
+    spy: type[SpyMerger],
+) -> None:
     """Quorum 5 with 4 learners used to hold one contribution each forever (goodput 0, every
     later send refused as a duplicate). The effective quorum is the learners expected, so the
     swarm merges every round with all 4 in, as K = 4 would."""

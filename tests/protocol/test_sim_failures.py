@@ -59,14 +59,18 @@ def test_exp_weibull_quantile_inverts_its_cdf() -> None:
 
 def test_exp_weibull_means() -> None:
     assert ExpWeibull(scale_s=10.0).mean() == pytest.approx(10.0, rel=1e-3)  # exponential
-    assert ExpWeibull(scale_s=30.0, power=2.0).mean() == pytest.approx(45.0, rel=1e-3)  # 1.5 x scale
+    assert ExpWeibull(scale_s=30.0, power=2.0).mean() == pytest.approx(
+        45.0, rel=1e-3
+    )  # 1.5 x scale
     d = ExpWeibull.with_mean(1200.0, shape=0.7, power=1.8)
     assert d.mean() == pytest.approx(1200.0, rel=1e-3)
     rng = random.Random(1)
     assert statistics.fmean(d.sample(rng) for _ in range(40000)) == pytest.approx(1200.0, rel=0.03)
 
 
-@pytest.mark.parametrize("kw", [{"scale_s": -1.0}, {"scale_s": 1.0, "shape": 0.0}, {"scale_s": 1.0, "power": math.inf}])
+@pytest.mark.parametrize(
+    "kw", [{"scale_s": -1.0}, {"scale_s": 1.0, "shape": 0.0}, {"scale_s": 1.0, "power": math.inf}]
+)
 def test_exp_weibull_validates(kw: dict[str, float]) -> None:
     with pytest.raises(LocalProtocolError):
         ExpWeibull(**kw)
@@ -99,11 +103,19 @@ class FixedRepair(random.Random):
         return 1.0 - math.exp(-1.0)
 
 
-HW = Hardware(chips=4, chips_per_slice=1, repair=ExpWeibull(scale_s=100.0), reconfig_s=10.0,
-              rejoin_wait_s=30.0, restart_s=50.0)
+HW = Hardware(
+    chips=4,
+    chips_per_slice=1,
+    repair=ExpWeibull(scale_s=100.0),
+    reconfig_s=10.0,
+    rejoin_wait_s=30.0,
+    restart_s=50.0,
+)
 
 
-def scripted_group(script: list[tuple[float, int]], until: float = 300.0) -> tuple[EventQueue, ElasticGroup]:
+def scripted_group(
+    script: list[tuple[float, int]], until: float = 300.0
+) -> tuple[EventQueue, ElasticGroup]:
     q = EventQueue()
     g = ElasticGroup(q, HW, 4, FixedRepair(), until=until, source=Scripted(script))
     return q, g
@@ -156,22 +168,45 @@ def test_group_computes_nothing_after_the_horizon_or_while_blocked() -> None:
 
 def _hw(chips: int) -> Hardware:
     # a chip fails every 2 days: 2048 chips see ~1000 failures a day, slices of 32 chips
-    return Hardware(chips=chips, chips_per_slice=32, mtbi_s=2 * 86400.0,
-                    repair=ExpWeibull(scale_s=300.0, shape=0.8, power=2.0), reconfig_s=20.0,
-                    rejoin_wait_s=120.0, restart_s=30.0)
+    return Hardware(
+        chips=chips,
+        chips_per_slice=32,
+        mtbi_s=2 * 86400.0,
+        repair=ExpWeibull(scale_s=300.0, shape=0.8, power=2.0),
+        reconfig_s=20.0,
+        rejoin_wait_s=120.0,
+        restart_s=30.0,
+    )
 
 
 def _runs(fn, learners: int, kind: str, seeds: range, inner_steps: int) -> list[Outcome]:  # type: ignore[no-untyped-def]
-    return [fn(SimConfig(hardware=_hw(2048), timing=Timing(step_s=1.0, inner_steps=inner_steps),
-                         learners=learners, horizon_s=2 * 86400.0, seed=s, failures=kind)) for s in seeds]
+    return [
+        fn(
+            SimConfig(
+                hardware=_hw(2048),
+                timing=Timing(step_s=1.0, inner_steps=inner_steps),
+                learners=learners,
+                horizon_s=2 * 86400.0,
+                seed=s,
+                failures=kind,
+            )
+        )
+        for s in seeds
+    ]
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize(("fn", "learners", "seeds", "inner_steps"), [
-    (simulate_elastic, 1, range(16), 60),
-    (simulate_decoupled, 4, range(8), 600),
-], ids=["elastic", "decoupled"])
-def test_domain_model_matches_a_clock_per_chip(fn, learners: int, seeds: range, inner_steps: int) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(
+    ("fn", "learners", "seeds", "inner_steps"),
+    [
+        (simulate_elastic, 1, range(16), 60),
+        (simulate_decoupled, 4, range(8), 600),
+    ],
+    ids=["elastic", "decoupled"],
+)
+def test_domain_model_matches_a_clock_per_chip(
+    fn, learners: int, seeds: range, inner_steps: int
+) -> None:  # type: ignore[no-untyped-def]
     """The aggregated model (one Poisson process per group, uniform slice hit) gives the same
     goodput and failure rate as 2048 chips with a clock each: the mean goodputs over the seeds
     differ by less than 4 standard errors, and that is under 0.5 points."""

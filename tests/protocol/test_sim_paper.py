@@ -19,14 +19,20 @@ def test_every_cell_within_three_points_of_table_1() -> None:
     cells = paper_grid()
     assert len(cells) == len(PAPER_TABLE) * len(CHIPS) == 30
     assert {c.learners for c in cells if c.method == "decoupled"} == set(LEARNERS)
-    off = [(c.method, c.learners, c.chips, round(c.sim, 1), c.paper) for c in cells if abs(c.sim - c.paper) > 3.0]
+    off = [
+        (c.method, c.learners, c.chips, round(c.sim, 1), c.paper)
+        for c in cells
+        if abs(c.sim - c.paper) > 3.0
+    ]
     assert off == []
     # the paper's shape: decoupled beats elastic beats data-parallel in every column, and more
     # learners never lose
     for chips in CHIPS:
         col = {(c.method, c.learners): c.sim for c in cells if c.chips == chips}
         assert col[("data-parallel", 1)] < col[("elastic", 1)] < col[("decoupled", 2)]
-        assert [col[("decoupled", m)] for m in LEARNERS] == sorted(col[("decoupled", m)] for m in LEARNERS)
+        assert [col[("decoupled", m)] for m in LEARNERS] == sorted(
+            col[("decoupled", m)] for m in LEARNERS
+        )
     # no decoupled work was refused with these constants: the merger merged everything sent
     assert all(c.outcome.refusals == () for c in cells)
 

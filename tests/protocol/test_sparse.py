@@ -33,7 +33,9 @@ def kept_per_chunk(length: int, block: int) -> int:
 
 
 def topk2(shape: tuple[int, ...], block: int, data: bytes, scales: bytes) -> EncodedTensor:
-    return EncodedTensor(codec="topk2", shape=shape, dtype="float32", block_size=block, data=data, scales=scales)
+    return EncodedTensor(
+        codec="topk2", shape=shape, dtype="float32", block_size=block, data=data, scales=scales
+    )
 
 
 def u16(*values: int) -> bytes:
@@ -99,7 +101,10 @@ def test_shapes_dtypes_and_out() -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.floats(width=32, allow_nan=False, allow_infinity=False), min_size=1, max_size=300), st.integers(1, 80))
+@given(
+    st.lists(st.floats(width=32, allow_nan=False, allow_infinity=False), min_size=1, max_size=300),
+    st.integers(1, 80),
+)
 def test_residual_identity_for_arbitrary_values(values: list[float], block: int) -> None:
     t = torch.tensor(values, dtype=torch.float32)
     enc, residual = compress(t, "topk2", block_size=block)
@@ -111,8 +116,17 @@ def test_residual_identity_for_arbitrary_values(values: list[float], block: int)
 
 def test_travels_in_a_contribution() -> None:
     enc, _ = compress(torch.randn(5000, generator=gen(2)), "topk2", block_size=50)
-    msg = Contribution(swarm="s", fragment=0, base_version=0, base_digest=bytes(32), tokens=1,
-                       steps=1, step_time=0.1, sender_step=0, tensors=(enc,))
+    msg = Contribution(
+        swarm="s",
+        fragment=0,
+        base_version=0,
+        base_digest=bytes(32),
+        tokens=1,
+        steps=1,
+        step_time=0.1,
+        sender_step=0,
+        tensors=(enc,),
+    )
     back = decode(encode(msg).tobytes(), max_size=1 << 20)
     assert isinstance(back, Contribution)
     assert torch.equal(decompress(back.tensors[0]), decompress(enc))
@@ -211,14 +225,18 @@ def test_hostile_encodings_are_refused_before_writing(
         ((1 << 31, 2), u16(0, 1) + b"\x00", f32(1.0)),  # more elements than any tensor may have
     ],
 )
-def test_wrong_lengths_are_refused_on_construction(shape: tuple[int, ...], data: bytes, scales: bytes) -> None:
+def test_wrong_lengths_are_refused_on_construction(
+    shape: tuple[int, ...], data: bytes, scales: bytes
+) -> None:
     with pytest.raises(DecodeError):
         topk2(shape, 2, data, scales)
 
 
 @settings(max_examples=200, deadline=None)
 @given(st.data(), st.integers(1, 9000), st.integers(1, 200))
-def test_random_bytes_decode_finitely_or_are_refused(data: st.DataObject, n: int, block: int) -> None:
+def test_random_bytes_decode_finitely_or_are_refused(
+    data: st.DataObject, n: int, block: int
+) -> None:
     k_full, k_tail = kept_per_chunk(TOPK_CHUNK, block), kept_per_chunk(n % TOPK_CHUNK, block)
     kept = n // TOPK_CHUNK * k_full + k_tail
     n_chunks = -(-n // TOPK_CHUNK)
@@ -228,8 +246,13 @@ def test_random_bytes_decode_finitely_or_are_refused(data: st.DataObject, n: int
         positions = torch.randint(0, 1 << 16, (kept,), generator=g).tolist()
     else:  # well-formed positions, so the values themselves are what is hostile
         lengths = [TOPK_CHUNK] * (n // TOPK_CHUNK) + [n % TOPK_CHUNK] * (n % TOPK_CHUNK > 0)
-        positions = [p for length in lengths
-                     for p in sorted(torch.randperm(length, generator=g)[:kept_per_chunk(length, block)].tolist())]
+        positions = [
+            p
+            for length in lengths
+            for p in sorted(
+                torch.randperm(length, generator=g)[: kept_per_chunk(length, block)].tolist()
+            )
+        ]
     codes = data.draw(st.binary(min_size=(kept + 3) // 4, max_size=(kept + 3) // 4))
     steps = data.draw(st.lists(st.floats(width=32), min_size=n_chunks, max_size=n_chunks))
     enc = topk2((n,), block, u16(*positions) + codes, f32(*steps))

@@ -94,7 +94,9 @@ def test_pointers_name_at_most_max_pointers_holders() -> None:
     assert isinstance(d, PointTo) and len(d.holders) == MAX_POINTERS
 
 
-def _spread(n_learners: int, fanout: int, rng: random.Random) -> tuple[dict[int, int], dict[int, int]]:
+def _spread(
+    n_learners: int, fanout: int, rng: random.Random
+) -> tuple[dict[int, int], dict[int, int]]:
     """Every learner fetches one version from the owner (peer 0), following pointers from holder
     to holder; returns uploads per peer and the hops each learner took."""
     fanouts = {peer: Fanout(fanout) for peer in range(n_learners + 1)}
@@ -124,7 +126,8 @@ def _spread(n_learners: int, fanout: int, rng: random.Random) -> tuple[dict[int,
 @settings(max_examples=60, deadline=None)
 @given(n=st.integers(1, 300), fanout=st.integers(1, 6), seed=st.integers(0, 2**32 - 1))
 def test_every_learner_gets_the_version_and_no_peer_uploads_it_more_than_fanout_times(
-        n: int, fanout: int, seed: int) -> None:
+    n: int, fanout: int, seed: int
+) -> None:
     uploads, hops = _spread(n, fanout, random.Random(seed))
     assert max(uploads.values()) <= fanout
     assert sum(uploads.values()) == n
@@ -200,7 +203,9 @@ def test_a_request_that_must_be_served_is_never_refused() -> None:
     assert isinstance(fan.decide(2, _id(1), fallback=True, must=True), Serve)
     budget = Fanout(1, max_uploads=1)
     budget.decide(2, _id(1), size=10)
-    assert isinstance(budget.decide(2, _id(1), size=10), Refuse)  # past the budget, nobody else holds it
+    assert isinstance(
+        budget.decide(2, _id(1), size=10), Refuse
+    )  # past the budget, nobody else holds it
     assert isinstance(budget.decide(2, _id(1), size=10, must=True), Serve)
 
 
@@ -235,10 +240,15 @@ def test_a_budget_below_the_fanout_is_refused() -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(n=st.integers(2, 120), hostile=st.floats(0.0, 0.6), budget=st.integers(1, 4),
-       seed=st.integers(0, 2**32 - 1))
+@given(
+    n=st.integers(2, 120),
+    hostile=st.floats(0.0, 0.6),
+    budget=st.integers(1, 4),
+    seed=st.integers(0, 2**32 - 1),
+)
 def test_with_hostile_holders_every_honest_learner_gets_the_version_and_the_owner_stays_in_budget(
-        n: int, hostile: float, budget: int, seed: int) -> None:
+    n: int, hostile: float, budget: int, seed: int
+) -> None:
     """Learners 1..n fetch one version; hostile ones never serve it. A learner tries the holders
     it is pointed at (following their pointers), falls back to the owner, and when that fails
     too, asks again later, and when the owner points it elsewhere instead of serving the fallback,
@@ -247,7 +257,9 @@ def test_with_hostile_holders_every_honest_learner_gets_the_version_and_the_owne
     honest ones take a later version (the owner still uploads no more)."""
     rng = random.Random(seed)
     bad = {peer for peer in range(1, n + 1) if rng.random() < hostile}
-    fanouts = {peer: Fanout(1, max_uploads=budget) if peer == 0 else Fanout(2) for peer in range(n + 1)}
+    fanouts = {
+        peer: Fanout(1, max_uploads=budget) if peer == 0 else Fanout(2) for peer in range(n + 1)
+    }
     holds, uploads, from_owner = {0}, collections.Counter[int](), set[int]()
 
     def ask(holder: int, learner: int, fallback: bool = False) -> list[int] | None:
@@ -261,7 +273,11 @@ def test_with_hostile_holders_every_honest_learner_gets_the_version_and_the_owne
                 from_owner.add(learner)
             holds.add(learner)
             return None
-        return [int.from_bytes(h, "big") for h in decision.holders] if isinstance(decision, PointTo) else []
+        return (
+            [int.from_bytes(h, "big") for h in decision.holders]
+            if isinstance(decision, PointTo)
+            else []
+        )
 
     def via(pointed: list[int], learner: int, fallback: bool = False) -> bool:
         queue, tried = list(pointed), {0, learner}

@@ -34,11 +34,17 @@ def test_every_score_stays_within_floor_and_credit(history: list[tuple[int, Even
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.sampled_from([Event.CLIPPED, Event.HURT, Event.REFUSED, Event.BOUNDED]), min_size=1,
-                max_size=60),
-       st.lists(st.sampled_from([Event.MERGED, Event.HELPED]), min_size=60, max_size=60))
+@given(
+    st.lists(
+        st.sampled_from([Event.CLIPPED, Event.HURT, Event.REFUSED, Event.BOUNDED]),
+        min_size=1,
+        max_size=60,
+    ),
+    st.lists(st.sampled_from([Event.MERGED, Event.HELPED]), min_size=60, max_size=60),
+)
 def test_an_attacker_whose_work_is_all_clipped_or_hurt_falls_below_honest(
-        attack: list[Event], honest: list[Event]) -> None:
+    attack: list[Event], honest: list[Event]
+) -> None:
     standing = Standing()
     attacker, learner = _key(1), _key(2)
     for version, (bad, good) in enumerate(zip(attack, honest, strict=False), start=1):
@@ -76,17 +82,25 @@ def test_a_key_refused_out_of_bounds_three_times_is_refused_at_once() -> None:
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.integers(1, 50), st.lists(st.sampled_from([Event.MERGED, Event.HELPED]), min_size=1, max_size=20))
+@given(
+    st.integers(1, 50),
+    st.lists(st.sampled_from([Event.MERGED, Event.HELPED]), min_size=1, max_size=20),
+)
 def test_sybil_keys_that_contribute_once_never_outrank_a_long_honest_key(
-        sybils: int, burst: list[Event]) -> None:
+    sybils: int, burst: list[Event]
+) -> None:
     standing, honest = Standing(), _key(0)
     for version in range(1, 41):  # 40 clean rounds
         standing.record(honest, Event.MERGED, version=version)
-    for i in range(sybils):  # each Sybil sends one contribution; a burst of good events in one version
+    for i in range(
+        sybils
+    ):  # each Sybil sends one contribution; a burst of good events in one version
         for event in burst:
             standing.record(bytes([1, i]) * 16, event, version=41)
     top = standing.score(honest, version=41)
-    assert all(standing.score(bytes([1, i]) * 16, version=41) <= CFG.helped < top for i in range(sybils))
+    assert all(
+        standing.score(bytes([1, i]) * 16, version=41) <= CFG.helped < top for i in range(sybils)
+    )
 
 
 def test_credit_is_at_most_one_per_version() -> None:
@@ -119,19 +133,28 @@ def test_export_restore_round_trips(history: list[tuple[int, Event, int]], later
     copy = Standing()
     copy.restore(peers, scores, version=at)
     for peer in range(4):
-        assert copy.score(_key(peer), version=at) == pytest.approx(standing.score(_key(peer), version=at))
-        assert copy.score(_key(peer), version=at + 9) == pytest.approx(standing.score(_key(peer), version=at + 9))
+        assert copy.score(_key(peer), version=at) == pytest.approx(
+            standing.score(_key(peer), version=at)
+        )
+        assert copy.score(_key(peer), version=at + 9) == pytest.approx(
+            standing.score(_key(peer), version=at + 9)
+        )
     assert copy.export(version=at) == (peers, scores)
 
 
-@pytest.mark.parametrize("peers,scores", [
-    ((_key(1),), ()),
-    ((_key(1),), (math.nan,)),
-    ((_key(1),), (math.inf,)),
-    ((_key(1),), (CFG.max_credit + 1,)),
-    ((_key(1),), (CFG.floor - 1,)),
-])
-def test_restore_refuses_bad_tuples_and_changes_nothing(peers: tuple[bytes, ...], scores: tuple[float, ...]) -> None:
+@pytest.mark.parametrize(
+    "peers,scores",
+    [
+        ((_key(1),), ()),
+        ((_key(1),), (math.nan,)),
+        ((_key(1),), (math.inf,)),
+        ((_key(1),), (CFG.max_credit + 1,)),
+        ((_key(1),), (CFG.floor - 1,)),
+    ],
+)
+def test_restore_refuses_bad_tuples_and_changes_nothing(
+    peers: tuple[bytes, ...], scores: tuple[float, ...]
+) -> None:
     standing = Standing()
     standing.record(_key(9), Event.CLIPPED, version=0)
     before = standing.export(version=0)
@@ -154,30 +177,40 @@ def test_lowest_and_below_summarise_for_status() -> None:
         standing.record(_key(1), Event.HURT, version=0)
     standing.record(_key(2), Event.MERGED, version=0)
     assert standing.below(version=0) == 1
-    assert standing.lowest(1, version=0) == [(_key(1), CFG.floor if 6 * CFG.hurt < CFG.floor else 6 * CFG.hurt)]
+    assert standing.lowest(1, version=0) == [
+        (_key(1), CFG.floor if 6 * CFG.hurt < CFG.floor else 6 * CFG.hurt)
+    ]
 
 
 # --- on the wire: ReplicaState carries the reference and the standing ---------------------------
 
+
 def _replica_state(**changes: object) -> object:
     from protocol.wire.messages import ReplicaState
     from protocol.wire.tensors import EncodedTensor
-    theta = EncodedTensor(codec="none", shape=(4,), dtype="float32", block_size=0, data=bytes(16), scales=b"")
-    fields: dict[str, object] = dict(swarm="s", fragment=0, epoch=1, version=3, digest=bytes(32), theta=(theta,),
-                                     momentum=())
+
+    theta = EncodedTensor(
+        codec="none", shape=(4,), dtype="float32", block_size=0, data=bytes(16), scales=b""
+    )
+    fields: dict[str, object] = dict(
+        swarm="s", fragment=0, epoch=1, version=3, digest=bytes(32), theta=(theta,), momentum=()
+    )
     fields.update(changes)
     return ReplicaState(**fields)  # type: ignore[arg-type]
 
 
 def test_replica_state_round_trips_the_reference_and_the_standing() -> None:
     from protocol.wire import codec
-    msg = _replica_state(norm_history=(1.5, 2.0, 0.0), standing_peers=(_key(1), _key(2)),
-                         standing_scores=(-2.5, 1.0))
+
+    msg = _replica_state(
+        norm_history=(1.5, 2.0, 0.0), standing_peers=(_key(1), _key(2)), standing_scores=(-2.5, 1.0)
+    )
     assert codec.decode(codec.encode(msg).tobytes(), max_size=1 << 20) == msg
 
 
 def test_a_replica_state_without_the_new_fields_is_encoded_and_decoded_as_before() -> None:
     from protocol.wire import codec
+
     plain = _replica_state()
     data = codec.encode(plain).tobytes()
     # the bytes an older sender makes (no such fields): an older peer reads them, and we decode
@@ -186,15 +219,19 @@ def test_a_replica_state_without_the_new_fields_is_encoded_and_decoded_as_before
     assert codec.decode(data, max_size=1 << 20) == plain
 
 
-@pytest.mark.parametrize("changes", [
-    dict(norm_history=(-1.0,)),
-    dict(norm_history=(1.0,) * 65),
-    dict(standing_peers=(_key(1),), standing_scores=()),
-    dict(standing_peers=(b"short",), standing_scores=(0.5,)),
-    dict(standing_peers=(_key(1),), standing_scores=(1e9,)),
-])
+@pytest.mark.parametrize(
+    "changes",
+    [
+        dict(norm_history=(-1.0,)),
+        dict(norm_history=(1.0,) * 65),
+        dict(standing_peers=(_key(1),), standing_scores=()),
+        dict(standing_peers=(b"short",), standing_scores=(0.5,)),
+        dict(standing_peers=(_key(1),), standing_scores=(1e9,)),
+    ],
+)
 def test_replica_state_refuses_bad_references_and_standings(changes: dict[str, object]) -> None:
     from protocol.errors import DecodeError
+
     with pytest.raises(DecodeError):
         _replica_state(**changes)
 
@@ -202,14 +239,19 @@ def test_replica_state_refuses_bad_references_and_standings(changes: dict[str, o
 def test_replica_state_refuses_non_finite_norms_on_the_wire() -> None:
     from protocol.errors import DecodeError
     from protocol.wire import codec
+
     with pytest.raises((DecodeError, ValueError)):
         codec.encode(_replica_state(norm_history=(math.inf,)))
 
 
 # --- a new owner's starting reference (protocol.diloco.reference) --------------------------------
 
-def test_a_plausible_handed_reference_is_taken_and_a_wild_one_ignored_for_what_is_measured() -> None:
+
+def test_a_plausible_handed_reference_is_taken_and_a_wild_one_ignored_for_what_is_measured() -> (
+    None
+):
     from protocol.diloco.reference import PLAUSIBLE_FACTOR, starting_reference
+
     ref, why = starting_reference((1.0, 1.2, 0.9), (1.1,))
     assert ref == (1.0, 1.2, 0.9) and "handed" in why
     for wild in (1.1 * PLAUSIBLE_FACTOR * 2, 1.1 / PLAUSIBLE_FACTOR / 2):
@@ -217,10 +259,16 @@ def test_a_plausible_handed_reference_is_taken_and_a_wild_one_ignored_for_what_i
         assert ref == (1.1,) and "ignored" in why
 
 
-def test_with_nothing_handed_the_reference_is_seeded_from_measured_updates_and_junk_is_dropped() -> None:
+def test_with_nothing_handed_the_reference_is_seeded_from_measured_updates_and_junk_is_dropped() -> (
+    None
+):
     from protocol.diloco.reference import starting_reference, update_norm_estimate
+
     assert update_norm_estimate(2.0, 2, lr=0.5) == 2.0
-    assert update_norm_estimate(0.0, 1, lr=1.0) is None and update_norm_estimate(1.0, 0, lr=1.0) is None
+    assert (
+        update_norm_estimate(0.0, 1, lr=1.0) is None
+        and update_norm_estimate(1.0, 0, lr=1.0) is None
+    )
     assert update_norm_estimate(math.inf, 1, lr=1.0) is None
     assert starting_reference((), (0.5,))[0] == (0.5,)
     assert starting_reference((math.nan, -1.0), ())[0] == ()
@@ -229,6 +277,7 @@ def test_with_nothing_handed_the_reference_is_seeded_from_measured_updates_and_j
 
 def test_handed_norms_longer_than_the_fragment_are_dropped_even_with_nothing_measured() -> None:
     from protocol.diloco.reference import starting_reference
+
     ref, why = starting_reference((1e9, 1e9, 0.5), (), ceiling=10.0)
     assert ref == (0.5,) and "2 of the handed norms dropped" in why
     assert starting_reference((1e9,), (), ceiling=10.0)[0] == ()

@@ -125,7 +125,9 @@ def test_a_full_store_evicts_from_the_heaviest_source_first() -> None:
     assert store.nbytes == 4 * SIZE
     # C holds nothing; A holds 3 records > C's 1 after storing: A's earliest (ttl 100) goes,
     # although it expires after C's record
-    put = store.put(sign_record(Signer(key_id("c")), key_id("c"), bytes(1024), NOW + 50), NOW, "3.3.3.3")
+    put = store.put(
+        sign_record(Signer(key_id("c")), key_id("c"), bytes(1024), NOW + 50), NOW, "3.3.3.3"
+    )
     assert put.stored and put.evicted == 1
     assert store.get(key_id("a100"), NOW) == [] and store.held_by("1.1.1.1") == 2 * SIZE
     # now A, B and C hold 2, 1 and 1: A storing again is its own heaviest and may only trade its
@@ -162,7 +164,9 @@ def test_a_refresh_that_does_not_fit_keeps_the_held_copy() -> None:
     first = sign_record(me, MEMBERS, b"short", NOW + 60)
     store.put(first, NOW, "10.0.0.1")
     store.put(sign_record(other, MEMBERS, bytes(1024), NOW + 100), NOW, "10.0.0.1")
-    bigger = sign_record(me, MEMBERS, bytes(1024), NOW + 90)  # its source's other record lives longer
+    bigger = sign_record(
+        me, MEMBERS, bytes(1024), NOW + 90
+    )  # its source's other record lives longer
     with pytest.raises(Oversize):
         store.put(bigger, NOW, "10.0.0.1")
     assert first in store.get(MEMBERS, NOW) and store.nbytes == 2 * SIZE - 1024 + 5
@@ -186,7 +190,9 @@ def test_overhead_per_record_is_an_upper_bound_on_memory() -> None:
         used, _ = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    print(json.dumps({"traced_bytes_per_record": used / len(store), "charged": RECORD_OVERHEAD_BYTES}))
+    print(
+        json.dumps({"traced_bytes_per_record": used / len(store), "charged": RECORD_OVERHEAD_BYTES})
+    )
     assert used / len(store) <= RECORD_OVERHEAD_BYTES
     assert store.nbytes == len(store) * RECORD_OVERHEAD_BYTES
 
@@ -220,7 +226,9 @@ def test_caps_accounting_and_the_honest_record_hold_under_any_puts(
         held = {k: store.get(k, now) for k in keys}
         assert store.nbytes <= cap
         assert all(len(recs) <= 4 for recs in held.values())
-        assert store.nbytes == sum(len(r.value) + RECORD_OVERHEAD_BYTES for rs in held.values() for r in rs)
+        assert store.nbytes == sum(
+            len(r.value) + RECORD_OVERHEAD_BYTES for rs in held.values() for r in rs
+        )
         assert len(store) == sum(len(rs) for rs in held.values())
         assert honest in held[KEYS[0]]  # the smallest holder is never anyone's victim
     held_at_end = len(store)
@@ -252,6 +260,10 @@ def test_store_limits_meter_records_per_ip_and_requests_per_key() -> None:
 
 def test_source_key_groups_an_ipv6_64_and_bounds_the_rest() -> None:
     assert source_key("10.0.0.7") == "10.0.0.7"
-    assert source_key("2001:db8:1:2:aaaa::1") == source_key("2001:db8:1:2:bbbb::9") == "2001:db8:1:2::/64"
+    assert (
+        source_key("2001:db8:1:2:aaaa::1")
+        == source_key("2001:db8:1:2:bbbb::9")
+        == "2001:db8:1:2::/64"
+    )
     assert source_key("::ffff:192.0.2.1") == "192.0.2.1"
     assert source_key("") == "" and len(source_key("x" * 1000)) == 64

@@ -33,9 +33,22 @@ def test_every_peer_holds_the_owners_state_bit_for_bit(codec: str) -> None:
     for _ in range(20):
         target = owner + 0.01 * torch.randn(N, generator=g)
         tensors, owner, residual = encode_update(target, owner, residual, SHAPES, codec)
-        wire = decode(bytearray(encode(FragmentUpdate(
-            swarm="s", fragment=0, version=2, base_version=1, base_digest=bytes(32), state_digest=bytes(32),
-            tensors=tuple(tensors))).tobytes()), max_size=1 << 24)
+        wire = decode(
+            bytearray(
+                encode(
+                    FragmentUpdate(
+                        swarm="s",
+                        fragment=0,
+                        version=2,
+                        base_version=1,
+                        base_digest=bytes(32),
+                        state_digest=bytes(32),
+                        tensors=tuple(tensors),
+                    )
+                ).tobytes()
+            ),
+            max_size=1 << 24,
+        )
         assert isinstance(wire, FragmentUpdate)
         learner = apply_update(learner, wire.tensors, SHAPES)
         assert _sha(learner) == _sha(owner)
@@ -65,22 +78,29 @@ def _split(flat: torch.Tensor) -> list[torch.Tensor]:
     out, offset = [], 0
     for s in SHAPES:
         n = int(torch.Size(s).numel())
-        out.append(flat[offset:offset + n].view(s))
+        out.append(flat[offset : offset + n].view(s))
         offset += n
     return out
 
 
 @settings(max_examples=15, deadline=None)
-@given(st.integers(min_value=0, max_value=2**31 - 1), st.sampled_from(UPDATE_CODECS),
-       st.floats(min_value=1e-6, max_value=1e3))
-def test_applying_is_deterministic_and_matches_the_owner(seed: int, codec: str, scale: float) -> None:
+@given(
+    st.integers(min_value=0, max_value=2**31 - 1),
+    st.sampled_from(UPDATE_CODECS),
+    st.floats(min_value=1e-6, max_value=1e3),
+)
+def test_applying_is_deterministic_and_matches_the_owner(
+    seed: int, codec: str, scale: float
+) -> None:
     g = torch.Generator().manual_seed(seed)
     base = torch.randn(N, generator=g) * scale
     target = base + torch.randn(N, generator=g) * scale * 0.1
     tensors, new, _ = encode_update(target, base, None, SHAPES, codec)
     assert torch.equal(apply_update(base.clone(), tensors, SHAPES), new)
     into = base.clone()
-    assert torch.equal(apply_update(into, tensors, SHAPES, out=into), new)  # in place gives the same
+    assert torch.equal(
+        apply_update(into, tensors, SHAPES, out=into), new
+    )  # in place gives the same
 
 
 def test_an_update_that_does_not_fit_is_refused() -> None:
@@ -111,14 +131,33 @@ def test_the_owner_refuses_to_publish_an_exact_or_unknown_codec_or_a_bad_target(
 
 def test_update_messages_are_checked_on_decode() -> None:
     tensors, _, _ = encode_update(torch.ones(N), torch.zeros(N), None, SHAPES, "int8")
-    ok = dict(swarm="s", fragment=0, version=3, base_version=2, base_digest=bytes(32), state_digest=bytes(32),
-              tensors=tuple(tensors))
+    ok = dict(
+        swarm="s",
+        fragment=0,
+        version=3,
+        base_version=2,
+        base_digest=bytes(32),
+        state_digest=bytes(32),
+        tensors=tuple(tensors),
+    )
     FragmentUpdate(**ok)  # type: ignore[arg-type]
-    for bad, match in (({"base_version": 3}, "below version"), ({"base_digest": b"x"}, "base_digest"),
-                       ({"state_digest": b""}, "state_digest"), ({"tensors": ()}, "no tensors")):
+    for bad, match in (
+        ({"base_version": 3}, "below version"),
+        ({"base_digest": b"x"}, "base_digest"),
+        ({"state_digest": b""}, "state_digest"),
+        ({"tensors": ()}, "no tensors"),
+    ):
         with pytest.raises(DecodeError, match=match):
             FragmentUpdate(**{**ok, **bad})  # type: ignore[arg-type]
-    state = dict(swarm="s", fragment=0, epoch=0, version=3, digest=bytes(32), theta=tuple(tensors), momentum=())
+    state = dict(
+        swarm="s",
+        fragment=0,
+        epoch=0,
+        version=3,
+        digest=bytes(32),
+        theta=tuple(tensors),
+        momentum=(),
+    )
     ReplicaState(**state, base_version=2, base_digest=bytes(32))  # type: ignore[arg-type]
     with pytest.raises(DecodeError, match="base_version"):
         ReplicaState(**state, base_version=3, base_digest=bytes(32))  # type: ignore[arg-type]
@@ -128,12 +167,18 @@ def test_update_messages_are_checked_on_decode() -> None:
     with pytest.raises(DecodeError, match="by reference"):
         ReplicaState(**by_ref, base_version=3, base_digest=bytes(32))  # type: ignore[arg-type]
     with pytest.raises(DecodeError, match="by reference"):
-        ReplicaState(**{**by_ref, "momentum": tuple(tensors[:1])}, base_version=3,  # type: ignore[arg-type]
-                     base_digest=b"\x07" * 32)
+        ReplicaState(
+            **{**by_ref, "momentum": tuple(tensors[:1])},
+            base_version=3,  # type: ignore[arg-type]
+            base_digest=b"\x07" * 32,
+        )
     with pytest.raises(DecodeError, match="base_version"):
         ReplicaState(**by_ref, base_version=4, base_digest=b"\x07" * 32)  # type: ignore[arg-type]
     with pytest.raises(DecodeError, match="base_digest"):
         ReplicaState(**{**state, "theta": tuple(tensors[:1])}, base_digest=bytes(32))  # type: ignore[arg-type]
     with pytest.raises(DecodeError, match="momentum"):
-        ReplicaState(**{**state, "momentum": tuple(tensors[:1])}, base_version=2,  # type: ignore[arg-type]
-                     base_digest=bytes(32))
+        ReplicaState(
+            **{**state, "momentum": tuple(tensors[:1])},
+            base_version=2,  # type: ignore[arg-type]
+            base_digest=bytes(32),
+        )

@@ -30,7 +30,9 @@ def _problem(seed: int) -> tuple[list[float], list[list[float]]]:
     return start, targets
 
 
-def _losses(theta: list[float], targets: list[list[float]], windows: tuple[int, ...]) -> list[float]:
+def _losses(
+    theta: list[float], targets: list[list[float]], windows: tuple[int, ...]
+) -> list[float]:
     return [sum((a - b) ** 2 for a, b in zip(theta, targets[w], strict=True)) for w in windows]
 
 
@@ -68,17 +70,25 @@ def test_compare_noise_floor() -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(seed=st.integers(0, 2**32), honest=st.integers(1, 3), strength=st.floats(0.3, 2.0),
-       kind=st.sampled_from(["signflip", "ipm", "away"]))
-def test_the_contribution_that_raises_the_loss_is_dropped(seed: int, honest: int, strength: float,
-                                                          kind: str) -> None:
+@given(
+    seed=st.integers(0, 2**32),
+    honest=st.integers(1, 3),
+    strength=st.floats(0.3, 2.0),
+    kind=st.sampled_from(["signflip", "ipm", "away"]),
+)
+def test_the_contribution_that_raises_the_loss_is_dropped(
+    seed: int, honest: int, strength: float, kind: str
+) -> None:
     start, targets = _problem(seed)
     rng = random.Random(seed)
     windows = draw_windows(len(targets), CFG.windows, draw_seed(rng))
     honest_steps = {bytes([i]): [-x * rng.uniform(0.3, 0.6) for x in start] for i in range(honest)}
     mean = [sum(s[i] for s in honest_steps.values()) / honest for i in range(DIM)]
-    bad = {"signflip": [-x for x in mean], "ipm": [-strength * x for x in mean],
-           "away": [x * strength for x in start]}[kind]
+    bad = {
+        "signflip": [-x for x in mean],
+        "ipm": [-strength * x for x in mean],
+        "away": [x * strength for x in start],
+    }[kind]
     steps = {**honest_steps, b"\xff": bad}
     before = _losses(start, targets, windows)
     candidate = _losses(_apply(start, *steps.values()), targets, windows)
@@ -99,14 +109,20 @@ def test_honest_rounds_publish(seed: int, honest: int) -> None:
     rng = random.Random(seed)
     windows = draw_windows(len(targets), CFG.windows, draw_seed(rng))
     steps = [[-x * rng.uniform(0.2, 0.8) for x in start] for _ in range(honest)]
-    verdict = judge(_losses(start, targets, windows), _losses(_apply(start, *steps), targets, windows), None, CFG)
+    verdict = judge(
+        _losses(start, targets, windows),
+        _losses(_apply(start, *steps), targets, windows),
+        None,
+        CFG,
+    )
     assert verdict.publish and not verdict.drop, verdict.reason
 
 
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 2**32), pairs=st.integers(1, 3), strength=st.floats(1.0, 3.0))
-def test_colluders_who_cancel_the_honest_work_are_scored_and_dropped(seed: int, pairs: int,
-                                                                     strength: float) -> None:
+def test_colluders_who_cancel_the_honest_work_are_scored_and_dropped(
+    seed: int, pairs: int, strength: float
+) -> None:
     """Each colluder sends minus ``strength`` times one honest learner's step, so that the round's
     candidate barely moves: it does not raise the loss, which let them through when only a
     hurtful candidate was scored; a flat one is scored too, and every colluder hurts alone."""
@@ -114,14 +130,18 @@ def test_colluders_who_cancel_the_honest_work_are_scored_and_dropped(seed: int, 
     rng = random.Random(seed)
     windows = draw_windows(len(targets), CFG.windows, draw_seed(rng))
     honest = {bytes([i]): [-x * rng.uniform(0.3, 0.6) for x in start] for i in range(pairs)}
-    bad = {bytes([0xF0 + i]): [-strength * x for x in step] for i, step in enumerate(honest.values())}
+    bad = {
+        bytes([0xF0 + i]): [-strength * x for x in step] for i, step in enumerate(honest.values())
+    }
     before = _losses(start, targets, windows)
     # the normed mean takes each contribution as a unit direction at the median norm: the
     # colluders' directions cancel the honest ones whatever their own norm
     at_honest_norm = [[x / strength for x in step] for step in bad.values()]
     candidate = _losses(_apply(start, *honest.values(), *at_honest_norm), targets, windows)
     overall = compare(before, candidate, CFG)
-    assert not overall.hurts and not overall.rise < -overall.margin  # flat: the old rule published it
+    assert (
+        not overall.hurts and not overall.rise < -overall.margin
+    )  # flat: the old rule published it
     assert judge(before, candidate, None, ValidationConfig(windows=16, rule=1)).publish
     first = judge(before, candidate, None, CFG)
     assert not first.publish and not first.drop and "does not lower the loss" in first.reason
@@ -147,7 +167,9 @@ def test_a_hurtful_candidate_asks_for_scores_then_drops_the_round_when_none_hurt
     assert not first.publish and not first.drop and "scoring" in first.reason
     fine = [b - 0.05 for b in before]
     second = judge(before, worse, {b"a": fine, b"b": before}, CFG)
-    assert not second.publish and second.drop == {b"a", b"b"} and "round is dropped" in second.reason
+    assert (
+        not second.publish and second.drop == {b"a", b"b"} and "round is dropped" in second.reason
+    )
     assert second.helped == {b"a"}
 
 

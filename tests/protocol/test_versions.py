@@ -23,7 +23,10 @@ def test_the_creation_time_bounds_a_first_version():
 def test_an_honest_rate_is_never_refused(held, held_at, elapsed, rate):
     now = held_at + elapsed
     honest = held + int(elapsed * rate)
-    assert version_jump_reason(honest, held=held, held_at=held_at, now=now, max_rounds_per_s=rate) is None
+    assert (
+        version_jump_reason(honest, held=held, held_at=held_at, now=now, max_rounds_per_s=rate)
+        is None
+    )
     assert version_ceiling(held=held, held_at=held_at, now=now, max_rounds_per_s=rate) >= honest
 
 

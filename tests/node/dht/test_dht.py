@@ -76,18 +76,24 @@ async def joined(net: Net, n: int, cfg: DHTConfig = FAST) -> list[DHTNode]:
     return nodes
 
 
-async def raw(net: Net, address: str, sender: Signer, msg: Message | bytes) -> tuple[int, Message | bytes]:
+async def raw(
+    net: Net, address: str, sender: Signer, msg: Message | bytes
+) -> tuple[int, Message | bytes]:
     """POST one sealed message (or raw bytes); the status and the opened reply (or error body)."""
     to = next((n.peer_id for n in net.nodes if n.me.address == address), b"")  # the addressed node
     body = msg if isinstance(msg, bytes) else sealed(sender, msg, to)
-    status, buf, used, _ = await net.transport.request("POST", address, chunks=[body], size=len(body))
+    status, buf, used, _ = await net.transport.request(
+        "POST", address, chunks=[body], size=len(body)
+    )
     try:
         data = bytes(memoryview(buf)[:used])
     finally:
         net.transport.pool.give(buf)
     if status != 200:
         return status, data
-    return status, open_sealed(data, now=time.time(), replay=ReplayWindow(), max_size=1 << 20).message
+    return status, open_sealed(
+        data, now=time.time(), replay=ReplayWindow(), max_size=1 << 20
+    ).message
 
 
 def sealed(sender: Signer, msg: Message, to: bytes = b"") -> bytes:
@@ -165,19 +171,27 @@ async def test_a_delta_read_gets_only_newer_records_for_a_fraction_of_the_bytes(
     holding nothing new still counts as having the value, so the lookup asks no more peers."""
     async with network() as net:
         nodes = await joined(net, 8)
-        reader = await net.add(99, dialable=False)  # holds nothing locally: every record comes over the wire
+        reader = await net.add(
+            99, dialable=False
+        )  # holds nothing locally: every record comes over the wire
         assert await reader.bootstrap([nodes[0].me.address]) == 1
         key = key_id("swarm/members")
         for node in nodes:
             assert await node.store(key, b"http://member:1/" + bytes(200), 60) == 8
 
         def reply_bytes() -> int:  # the test's nodes are mounted at /v1/dht/<i>
-            return sum(n for route, n in net.transport.bytes_by_route.items()
-                       if route.startswith("reply ") and route.endswith(":FindValue"))
+            return sum(
+                n
+                for route, n in net.transport.bytes_by_route.items()
+                if route.startswith("reply ") and route.endswith(":FindValue")
+            )
 
         before, asked = reply_bytes(), reader.metrics.rpcs_out["FindValue"]
         full = await reader.get(key, quorum=3)
-        full_bytes, full_asked = reply_bytes() - before, reader.metrics.rpcs_out["FindValue"] - asked
+        full_bytes, full_asked = (
+            reply_bytes() - before,
+            reader.metrics.rpcs_out["FindValue"] - asked,
+        )
         assert {r.subkey for r in full} == {n.peer_id for n in nodes}
 
         before, asked = reply_bytes(), reader.metrics.rpcs_out["FindValue"]
@@ -187,7 +201,9 @@ async def test_a_delta_read_gets_only_newer_records_for_a_fraction_of_the_bytes(
 
         assert await nodes[3].store(key, b"http://member:1/moved", 120) == 8
         newer = await reader.get(key, quorum=3, known=known_tags(full))
-        assert [(r.subkey, r.value) for r in newer] == [(nodes[3].peer_id, b"http://member:1/moved")]
+        assert [(r.subkey, r.value) for r in newer] == [
+            (nodes[3].peer_id, b"http://member:1/moved")
+        ]
         # a reader holding more records than a FindValue may name names the first 4096
         many = tuple(os.urandom(16) + bytes(8) for _ in range(5000)) + known_tags(full)
         assert len(await reader.get(key, quorum=3, known=many)) == 8
@@ -246,7 +262,9 @@ async def test_dead_peers_fail_lookups_over_to_live_ones_and_are_evicted() -> No
             result = await node.find_node(dead.peer_id)
             assert dead.peer_id not in [c.peer_id for c in result.closest]
             assert dead.peer_id not in node.routing
-        assert any(k.startswith("status 404") for k in nodes[0].metrics.failures)  # its name is unmounted
+        assert any(
+            k.startswith("status 404") for k in nodes[0].metrics.failures
+        )  # its name is unmounted
 
 
 async def test_full_bucket_pings_oldest_and_replaces_it_when_dead() -> None:
@@ -373,11 +391,15 @@ async def test_store_flood_is_rate_limited_while_others_still_store() -> None:
         statuses = []
         for i in range(9):
             rec = sign_record(flooder, key, b"%d" % i, time.time() + 60 + i)
-            status, _ = await raw(net, node.me.address, flooder, Store(sender=info(flooder), records=(rec,)))
+            status, _ = await raw(
+                net, node.me.address, flooder, Store(sender=info(flooder), records=(rec,))
+            )
             statuses.append(status)
         assert statuses == [200] * 5 + [429] * 4
         rec = sign_record(polite, key, b"polite", time.time() + 60)
-        status, reply = await raw(net, node.me.address, polite, Store(sender=info(polite), records=(rec,)))
+        status, reply = await raw(
+            net, node.me.address, polite, Store(sender=info(polite), records=(rec,))
+        )
         assert status == 200 and isinstance(reply, StoreReply) and reply.accepted == 1
         status, _ = await raw(net, node.me.address, flooder, Ping(sender=info(flooder)))
         assert status == 200  # only Store is metered
@@ -398,8 +420,14 @@ async def test_garbage_and_forgeries_get_4xx_and_the_node_keeps_working() -> Non
             (bytes(tampered), 401),  # bad envelope signature
             (ping, 200),
             (ping, 409),  # replayed
-            (sealed(mallory, Ping(sender=info(victim, "http://127.0.0.1:1/x"))), 403),  # not the signer
-            (sealed(mallory, Hello(swarm="s", peer=info(mallory), roles=(), step=0)), 403),  # not DHT
+            (
+                sealed(mallory, Ping(sender=info(victim, "http://127.0.0.1:1/x"))),
+                403,
+            ),  # not the signer
+            (
+                sealed(mallory, Hello(swarm="s", peer=info(mallory), roles=(), step=0)),
+                403,
+            ),  # not DHT
         ]
         for body, expected in cases:
             status, _ = await raw(net, url, mallory, body)
@@ -414,6 +442,8 @@ async def test_garbage_and_forgeries_get_4xx_and_the_node_keeps_working() -> Non
         status, body = await raw(net, url, mallory, sealed(mallory, bad_tags))
         assert status == 400 and b"24 bytes" in body  # type: ignore[operator]
         assert await friend.ping(url) == node.me  # still serving
-        status, reply = await raw(net, url, mallory, FindNode(sender=info(mallory), target=bytes(32)))
+        status, reply = await raw(
+            net, url, mallory, FindNode(sender=info(mallory), target=bytes(32))
+        )
         assert status == 200 and not isinstance(reply, bytes)
         assert isinstance((await raw(net, url, mallory, Ping(sender=info(mallory))))[1], Pong)

@@ -28,13 +28,18 @@ async def test_a_claimed_address_enters_routing_only_after_it_answered_our_ping(
         await eventually(lambda: node.metrics.claims["unanswered"] == 1)
         assert mallory.peer_id not in node.routing and not node.routing.cached(mallory.peer_id)
         pings = node.metrics.rpcs_out["Ping"]
-        await raw(net, node.me.address, sybil, Ping(sender=info(sybil, DEAD)))  # a fresh key, same address
+        await raw(
+            net, node.me.address, sybil, Ping(sender=info(sybil, DEAD))
+        )  # a fresh key, same address
         assert node.metrics.claims["ignored"] == 1 and node.metrics.rpcs_out["Ping"] == pings
         # someone else's live address: that node refuses our ping, which is sealed for mallory
         await raw(net, node.me.address, mallory, Ping(sender=info(mallory, other.me.address)))
         await eventually(lambda: node.metrics.claims["unanswered"] == 2)
         assert mallory.peer_id not in node.routing and not node.routing.cached(mallory.peer_id)
-        assert node.metrics.failures["status 403"] == 1 and other.metrics.refusals["NotAuthorized"] == 1
+        assert (
+            node.metrics.failures["status 403"] == 1
+            and other.metrics.refusals["NotAuthorized"] == 1
+        )
         assert node.metrics.failures["unreachable (ClientConnectorError)"] == 1
         # an honest node that answers gets in
         assert await honest.ping(node.me.address) == node.me
@@ -71,13 +76,19 @@ async def test_a_store_flood_from_fresh_keys_is_limited_per_ip_and_capped() -> N
     async with network() as net:
         node = await net.add(0, cfg)
         members, now = key_id("atoll/demo/members"), time.time()
-        honest = sign_record(Signer(key_id("honest member")), members, b"http://10.1.2.3:80", now + 20)
+        honest = sign_record(
+            Signer(key_id("honest member")), members, b"http://10.1.2.3:80", now + 20
+        )
         assert node.records.put(honest, now, "10.1.2.3").stored  # a member on another host
         statuses = []
         for i in range(60):
             s = signer(2000 + i)
-            rec = sign_record(s, members if i % 2 else key_id(f"junk {i}"), bytes(1024), now + 80_000 + i)
-            status, reply = await raw(net, node.me.address, s, Store(sender=info(s), records=(rec,)))
+            rec = sign_record(
+                s, members if i % 2 else key_id(f"junk {i}"), bytes(1024), now + 80_000 + i
+            )
+            status, reply = await raw(
+                net, node.me.address, s, Store(sender=info(s), records=(rec,))
+            )
             statuses.append(status)
             assert status != 200 or (isinstance(reply, StoreReply) and reply.accepted == 1)
         assert statuses == [200] * 40 + [429] * 20  # fresh keys do not escape the IP's budget

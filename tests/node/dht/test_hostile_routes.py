@@ -45,6 +45,7 @@ class FakeDHT:
         @dataclass
         class Contact:
             peer_id: bytes = b"\xab" * 32
+
         return Contact()
 
     async def get(self, key: bytes) -> list[Any]:
@@ -57,9 +58,12 @@ class FakeDHT:
 Serve = Callable[[str], Awaitable[tuple[int, dict[str, Any]]]]
 
 
-def _route(handler: DialBacks | MemberListings, dht: FakeDHT) -> Callable[[web.Request], Awaitable[web.Response]]:
+def _route(
+    handler: DialBacks | MemberListings, dht: FakeDHT
+) -> Callable[[web.Request], Awaitable[web.Response]]:
     async def route(request: web.Request) -> web.Response:
         return await handler.answer(request, dht)  # type: ignore[arg-type]
+
     return route
 
 
@@ -77,6 +81,7 @@ async def routes() -> AsyncIterator[Callable[[Any, FakeDHT], Awaitable[Serve]]]:
         async def get(query: str) -> tuple[int, dict[str, Any]]:
             async with session.get(f"{t.url}/r?{query}") as r:
                 return r.status, json.loads(await r.read())
+
         return get
 
     yield start
@@ -88,16 +93,33 @@ async def routes() -> AsyncIterator[Callable[[Any, FakeDHT], Awaitable[Serve]]]:
 async def test_a_node_dials_back_only_the_requesters_own_address(routes: Any) -> None:
     dht = FakeDHT()
     get = await routes(DialBacks(), dht)
-    for query in ("url=http://10.1.2.3:9/", "url=http://192.168.0.1:22", "url=http://example.invalid:80"):
+    for query in (
+        "url=http://10.1.2.3:9/",
+        "url=http://192.168.0.1:22",
+        "url=http://example.invalid:80",
+    ):
         status, body = await get(query)
-        assert status == 403 and "dials back only the address a request came from" in body["reason"], query
-    for query in ("", "port=0", "port=65536", "port=abc", "port=" + "9" * 3000, "port=%D9%A3",
-                  "url=ftp://127.0.0.1:21", "url=http://127.0.0.1:99999", "url=nonsense"):
+        assert (
+            status == 403 and "dials back only the address a request came from" in body["reason"]
+        ), query
+    for query in (
+        "",
+        "port=0",
+        "port=65536",
+        "port=abc",
+        "port=" + "9" * 3000,
+        "port=%D9%A3",
+        "url=ftp://127.0.0.1:21",
+        "url=http://127.0.0.1:99999",
+        "url=nonsense",
+    ):
         status, body = await get(query)
         assert status == 400 and body["reason"], query
     assert dht.pinged == []  # nothing refused was dialled
-    assert await get("port=4321") == (200, {"reachable": True, "address": "http://127.0.0.1:4321",
-                                            "peer_id": "ab" * 32})
+    assert await get("port=4321") == (
+        200,
+        {"reachable": True, "address": "http://127.0.0.1:4321", "peer_id": "ab" * 32},
+    )
     status, body = await get("url=http://127.0.0.1:5555")  # how node.peer asks
     assert status == 200 and body["reachable"]
     status, body = await get("url=http://localhost:6666/")  # a name that resolves to the requester
@@ -165,9 +187,11 @@ async def test_the_default_handler_refusals_are_json(route: str) -> None:
     t.app.router.add_get("/r", _route(handler, FakeDHT()))
     await t.start()
     try:
-        async with aiohttp.ClientSession() as session, session.get(f"{t.url}/r?swarm=no&port=no") as r:
+        async with (
+            aiohttp.ClientSession() as session,
+            session.get(f"{t.url}/r?swarm=no&port=no") as r,
+        ):
             body = json.loads(await r.read())
             assert 400 <= r.status < 500 and body["error"] and body["reason"]
     finally:
         await t.close()
-

@@ -20,8 +20,14 @@ from protocol.wire.signing import Signer
 
 
 def _record(**kw: object) -> MemberRecord:
-    fields: dict[str, object] = dict(url="http://127.0.0.1:9000", roles=("learner", "owner"), reachable=True,
-                                     manifest="m", learning=True, step=3)
+    fields: dict[str, object] = dict(
+        url="http://127.0.0.1:9000",
+        roles=("learner", "owner"),
+        reachable=True,
+        manifest="m",
+        learning=True,
+        step=3,
+    )
     fields.update(kw)
     return MemberRecord(**fields)  # type: ignore[arg-type]
 
@@ -32,12 +38,18 @@ def test_record_round_trip_fits_a_dht_value() -> None:
     assert MemberRecord.decode(raw) == rec and len(raw) < 1024
 
 
-@pytest.mark.parametrize("raw", [
-    b"", b"\xc1", msgpack.packb([1, 2, 3]), msgpack.packb(["http://x", ["admin"], True, "m", True, 0]),
-    msgpack.packb(["ftp://x", ["learner"], True, "m", True, 0]),
-    msgpack.packb(["http://x", ["learner"], "yes", "m", True, 0]),
-    msgpack.packb({"url": "http://x"}),
-])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"",
+        b"\xc1",
+        msgpack.packb([1, 2, 3]),
+        msgpack.packb(["http://x", ["admin"], True, "m", True, 0]),
+        msgpack.packb(["ftp://x", ["learner"], True, "m", True, 0]),
+        msgpack.packb(["http://x", ["learner"], "yes", "m", True, 0]),
+        msgpack.packb({"url": "http://x"}),
+    ],
+)
 def test_bad_records_are_refused_with_a_decode_error(raw: bytes) -> None:
     with pytest.raises(DecodeError, match="bad member record"):
         MemberRecord.decode(raw)
@@ -45,7 +57,9 @@ def test_bad_records_are_refused_with_a_decode_error(raw: bytes) -> None:
 
 def test_manifest_covers_swarm_wide_fields_only() -> None:
     base = RunConfig()
-    assert manifest_hash(base) == manifest_hash(dataclasses.replace(base, steps=5, threads=2, corpus="x"))
+    assert manifest_hash(base) == manifest_hash(
+        dataclasses.replace(base, steps=5, threads=2, corpus="x")
+    )
     assert manifest_hash(base) != manifest_hash(dataclasses.replace(base, fragments=8))
     assert manifest_hash(base) != manifest_hash(dataclasses.replace(base, model="small"))
     assert members_key("a") != members_key("b")
@@ -57,8 +71,12 @@ def test_owners_only_among_reachable_owner_role_members() -> None:
     ms.members = {
         b"a" * 32: Member(b"a" * 32, _record(url="http://a"), far, certified_owner=True),
         b"b" * 32: Member(b"b" * 32, _record(url="", reachable=False, roles=("learner",)), far),
-        b"c" * 32: Member(b"c" * 32, _record(url="http://c", reachable=False), far, certified_owner=True),
-        b"d" * 32: Member(b"d" * 32, _record(url="http://d", learning=False), far, certified_owner=True),
+        b"c" * 32: Member(
+            b"c" * 32, _record(url="http://c", reachable=False), far, certified_owner=True
+        ),
+        b"d" * 32: Member(
+            b"d" * 32, _record(url="http://d", learning=False), far, certified_owner=True
+        ),
         b"e" * 32: Member(b"e" * 32, _record(url="http://e"), far),  # asks to own, not certified to
     }
     assert sorted(ms.owner_candidates()) == [b"a" * 32, b"d" * 32]
@@ -91,18 +109,32 @@ class FakeDHT:
 class Swarm:
     def __init__(self, admission: str) -> None:
         self.founder, self.lab = Signer.from_seed(os.urandom(32)), Signer.from_seed(os.urandom(32))
-        m = SwarmManifest(name="m", founder=self.founder.public_key, admission=admission, created=time.time())
+        m = SwarmManifest(
+            name="m", founder=self.founder.public_key, admission=admission, created=time.time()
+        )
         self.manifest = m.with_authority("lab", self.lab.public_key).signed(self.founder)
         self.dht = FakeDHT()
         self.membership = Membership(self.dht, "s", "m", swarm_manifest=lambda: self.manifest)  # type: ignore[arg-type]
 
-    def record(self, who: Signer, *, roles: tuple[str, ...] | None = ("learner", "owner"), life_s: float = 3600,
-               ttl_s: float = 20) -> object:
+    def record(
+        self,
+        who: Signer,
+        *,
+        roles: tuple[str, ...] | None = ("learner", "owner"),
+        life_s: float = 3600,
+        ttl_s: float = 20,
+    ) -> object:
         cert = b""
         if roles is not None:
             now = time.time()
-            cert = Certificate.issue(self.lab, manifest=self.manifest, subject=who.public_key, roles=roles,
-                                     not_before=now - 60, not_after=now + life_s).encode()
+            cert = Certificate.issue(
+                self.lab,
+                manifest=self.manifest,
+                subject=who.public_key,
+                roles=roles,
+                not_before=now - 60,
+                not_after=now + life_s,
+            ).encode()
         value = _record(cert=cert).encode()
         return sign_record(who, members_key("s"), value, time.time() + ttl_s)
 
@@ -110,10 +142,17 @@ class Swarm:
 async def test_owners_need_a_certificate_with_the_owner_role() -> None:
     swarm = Swarm("open")
     owner, learner, anonymous = (Signer.from_seed(os.urandom(32)) for _ in range(3))
-    swarm.dht.answer = [swarm.record(owner), swarm.record(learner, roles=("learner",)),
-                        swarm.record(anonymous, roles=None)]
+    swarm.dht.answer = [
+        swarm.record(owner),
+        swarm.record(learner, roles=("learner",)),
+        swarm.record(anonymous, roles=None),
+    ]
     members = await swarm.membership.refresh()
-    assert set(members) == {owner.peer_id, learner.peer_id, anonymous.peer_id}  # open: all may learn
+    assert set(members) == {
+        owner.peer_id,
+        learner.peer_id,
+        anonymous.peer_id,
+    }  # open: all may learn
     assert swarm.membership.owner_candidates() == [owner.peer_id]
     assert members[owner.peer_id].lab == "lab" and members[anonymous.peer_id].cert is None
 
@@ -121,8 +160,11 @@ async def test_owners_need_a_certificate_with_the_owner_role() -> None:
 async def test_certified_swarm_reads_only_valid_certificates_and_follows_revocations() -> None:
     swarm = Swarm("certified")
     good, anonymous, expired = (Signer.from_seed(os.urandom(32)) for _ in range(3))
-    swarm.dht.answer = [swarm.record(good), swarm.record(anonymous, roles=None),
-                        swarm.record(expired, life_s=-10)]
+    swarm.dht.answer = [
+        swarm.record(good),
+        swarm.record(anonymous, roles=None),
+        swarm.record(expired, life_s=-10),
+    ]
     members = await swarm.membership.refresh()
     assert set(members) == {good.peer_id}
     assert "certified peers only" in swarm.membership.refused[anonymous.peer_id]
@@ -149,7 +191,11 @@ async def test_reads_after_the_first_name_every_record_held_refused_ones_too() -
     member (refused ones too, so a refused record is not sent again), never an expired one."""
     swarm = Swarm("certified")
     a, stranger, brief = (Signer.from_seed(os.urandom(32)) for _ in range(3))
-    rec_a, rec_stranger, rec_brief = swarm.record(a), swarm.record(stranger, roles=None), swarm.record(brief, ttl_s=0.05)
+    rec_a, rec_stranger, rec_brief = (
+        swarm.record(a),
+        swarm.record(stranger, roles=None),
+        swarm.record(brief, ttl_s=0.05),
+    )
     swarm.dht.answer = [rec_a, rec_stranger, rec_brief]
     assert set(await swarm.membership.refresh()) == {a.peer_id, brief.peer_id}
     assert swarm.dht.known[0] == ()
@@ -172,15 +218,24 @@ async def test_the_first_read_and_every_fourth_merge_several_responders() -> Non
 
 async def test_refusals_kept_are_bounded() -> None:
     swarm = Swarm("certified")
-    swarm.dht.answer = [swarm.record(Signer.from_seed(os.urandom(32)), roles=None) for _ in range(1100)]
+    swarm.dht.answer = [
+        swarm.record(Signer.from_seed(os.urandom(32)), roles=None) for _ in range(1100)
+    ]
     await swarm.membership.refresh()
     assert len(swarm.membership.refused) <= 1024
 
 
-@pytest.mark.parametrize(("field", "value", "says"), [("rda_max_gain", 0.5, "--rda-max-gain"),
-                                                      ("outer_momentum", 1.5, "--outer-momentum"),
-                                                      ("outer_lr", 0.0, "--outer-lr")])
-def test_a_recipe_whose_outer_step_cannot_run_is_refused_when_read(field: str, value: float, says: str) -> None:
+@pytest.mark.parametrize(
+    ("field", "value", "says"),
+    [
+        ("rda_max_gain", 0.5, "--rda-max-gain"),
+        ("outer_momentum", 1.5, "--outer-momentum"),
+        ("outer_lr", 0.0, "--outer-lr"),
+    ],
+)
+def test_a_recipe_whose_outer_step_cannot_run_is_refused_when_read(
+    field: str, value: float, says: str
+) -> None:
     """A swarm's recipe sets the outer step for every peer: a value ``OuterConfig`` refuses must
     fail as the manifest is read, with the flag named, not when a peer starts owning a fragment."""
     import types
@@ -191,8 +246,16 @@ def test_a_recipe_whose_outer_step_cannot_run_is_refused_when_read(field: str, v
     manifest = types.SimpleNamespace(recipe_dict={field: value}, swarm_id="s" * 16)
     with pytest.raises(ValueError, match=says):
         config_from_manifest(manifest, RunConfig())  # type: ignore[arg-type]
-    assert config_from_manifest(types.SimpleNamespace(recipe_dict={"aggregate": "rda", "rda_max_gain": 1.5},  # type: ignore[arg-type]
-                                                      swarm_id="s" * 16), RunConfig()).rda_max_gain == 1.5
+    assert (
+        config_from_manifest(
+            types.SimpleNamespace(
+                recipe_dict={"aggregate": "rda", "rda_max_gain": 1.5},  # type: ignore[arg-type]
+                swarm_id="s" * 16,
+            ),
+            RunConfig(),
+        ).rda_max_gain
+        == 1.5
+    )
 
 
 def test_finished_learners_are_counted_in_decoupled_swarms_and_only_once_seen_learning() -> None:
@@ -201,11 +264,19 @@ def test_finished_learners_are_counted_in_decoupled_swarms_and_only_once_seen_le
     from node.dht.presence import SwarmPresence
 
     def view(**learning: bool) -> SimpleNamespace:
-        return SimpleNamespace(members={k.encode(): SimpleNamespace(record=SimpleNamespace(learning=v))
-                                        for k, v in learning.items()})
+        return SimpleNamespace(
+            members={
+                k.encode(): SimpleNamespace(record=SimpleNamespace(learning=v))
+                for k, v in learning.items()
+            }
+        )
 
-    node = SimpleNamespace(cfg=RunConfig(outer_momentum=0.9), _seen_learning=set(), _finished=set(),
-                           membership=view(a=True, b=True, c=False))  # c: joined, not yet training
+    node = SimpleNamespace(
+        cfg=RunConfig(outer_momentum=0.9),
+        _seen_learning=set(),
+        _finished=set(),
+        membership=view(a=True, b=True, c=False),
+    )  # c: joined, not yet training
     count = SwarmPresence.finished_learners
     assert count(node) == 0  # type: ignore[arg-type]
     node.membership = view(a=True, b=False, c=False)  # b stopped; c never trained
@@ -214,10 +285,17 @@ def test_finished_learners_are_counted_in_decoupled_swarms_and_only_once_seen_le
     assert count(node) == 2  # type: ignore[arg-type]
     node.membership = view(a=True, c=False)  # a trains again (restarted)
     assert count(node) == 1  # type: ignore[arg-type]
-    plain = SimpleNamespace(cfg=RunConfig(), _seen_learning={b"a"}, _finished=set(), membership=view(a=False))
+    plain = SimpleNamespace(
+        cfg=RunConfig(), _seen_learning={b"a"}, _finished=set(), membership=view(a=False)
+    )
     assert count(plain) == 1  # type: ignore[arg-type]  # plain averaging: a straggler's work is a share too
-    for cfg in (RunConfig(mode="sync"), RunConfig(outer_momentum=0.9, mode="sync")):  # sync rounds wait for all
-        rounds = SimpleNamespace(cfg=cfg, _seen_learning={b"a"}, _finished=set(), membership=view(a=False))
+    for cfg in (
+        RunConfig(mode="sync"),
+        RunConfig(outer_momentum=0.9, mode="sync"),
+    ):  # sync rounds wait for all
+        rounds = SimpleNamespace(
+            cfg=cfg, _seen_learning={b"a"}, _finished=set(), membership=view(a=False)
+        )
         assert count(rounds) == 0  # type: ignore[arg-type]
 
 
@@ -230,8 +308,16 @@ def test_a_joiner_reads_the_steps_other_learners_claim_not_its_own_nor_idle_memb
         return SimpleNamespace(record=SimpleNamespace(learning=learning, step=step))
 
     me = b"m" * 32
-    node = SimpleNamespace(signer=SimpleNamespace(peer_id=me), membership=SimpleNamespace(members={
-        me: member(True, 0), b"a" * 32: member(True, 700), b"b" * 32: member(True, 650),
-        b"c" * 32: member(False, 3000)}))  # c: finished, or an owner that does not learn
+    node = SimpleNamespace(
+        signer=SimpleNamespace(peer_id=me),
+        membership=SimpleNamespace(
+            members={
+                me: member(True, 0),
+                b"a" * 32: member(True, 700),
+                b"b" * 32: member(True, 650),
+                b"c" * 32: member(False, 3000),
+            }
+        ),
+    )  # c: finished, or an owner that does not learn
     assert sorted(SwarmPresence.learner_steps(node)) == [650, 700]  # type: ignore[arg-type]
     assert SwarmPresence.learner_steps(SimpleNamespace(signer=node.signer, membership=None)) == []  # type: ignore[arg-type]

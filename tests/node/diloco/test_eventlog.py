@@ -36,12 +36,25 @@ async def _run(tmp_path: Path) -> Path:
     for round_ in range(4):
         for i, peer in enumerate((A, B, C)):
             clock.advance(0.1 + 0.05 * i)
-            base = owner.version if peer != C else max(0, owner.version - 1)  # C lags a version behind
-            await owner.contribute(peer, contribution(delta * (round_ + 1), shapes[0], base_version=base,
-                                                      owner=owner, steps=4, tokens=64))
+            base = (
+                owner.version if peer != C else max(0, owner.version - 1)
+            )  # C lags a version behind
+            await owner.contribute(
+                peer,
+                contribution(
+                    delta * (round_ + 1),
+                    shapes[0],
+                    base_version=base,
+                    owner=owner,
+                    steps=4,
+                    tokens=64,
+                ),
+            )
         clock.advance(5.0)
         await owner.tick()
-    await owner.contribute(A, contribution(delta, shapes[0], base_version=0, owner=owner))  # refused: merged
+    await owner.contribute(
+        A, contribution(delta, shapes[0], base_version=0, owner=owner)
+    )  # refused: merged
     assert owner.version >= 3
     owner.log.close()
     return log
@@ -57,7 +70,9 @@ async def test_a_log_replays_to_every_decision_and_version(tmp_path: Path) -> No
     assert all(v["merged"] for v in result.versions[1:])  # each version names what it merged
 
 
-async def test_a_replay_recomputes_every_version_digest_from_the_kept_contents(tmp_path: Path) -> None:
+async def test_a_replay_recomputes_every_version_digest_from_the_kept_contents(
+    tmp_path: Path,
+) -> None:
     log = await _run(tmp_path)
     result = replay(log)
     assert result.unchecked is None
@@ -70,6 +85,7 @@ async def test_a_changed_payload_changes_the_replayed_version(tmp_path: Path) ->
     states = sorted(payload_dir(log).glob("*.safetensors"))
     assert len(states) == 1  # the state the owner started from
     from safetensors.torch import load_file, save_file
+
     tensors = load_file(str(states[0]))
     tensors["theta"][0] += 1e-3  # a different starting state: every version's bits differ
     save_file(tensors, str(states[0]))
@@ -104,7 +120,9 @@ def test_a_file_that_is_not_a_log_is_a_clear_error(tmp_path: Path) -> None:
         replay(bad)
 
 
-async def test_a_straggler_after_the_others_finished_merges_its_share_and_replays(tmp_path: Path) -> None:
+async def test_a_straggler_after_the_others_finished_merges_its_share_and_replays(
+    tmp_path: Path,
+) -> None:
     """Three learners, every one waited for; two finish. The straggler's lone contributions
     merge a third of a step each (the owner told of the two finished), and the log, which
     records them, replays to the same decisions and version contents."""
@@ -163,7 +181,9 @@ async def test_a_held_first_merge_and_a_dropped_round_replay(tmp_path: Path) -> 
     assert result.mismatches == [] and all(v["replayed"] == v["digest"] for v in result.versions)
 
 
-async def test_the_learners_an_owner_waits_for_are_logged_when_they_change_and_replay(tmp_path: Path) -> None:
+async def test_the_learners_an_owner_waits_for_are_logged_when_they_change_and_replay(
+    tmp_path: Path,
+) -> None:
     """A round holding last contributions waits for each learner the node names: the names are
     merger input, logged when they change, and the replay, given them, makes the same decisions
     (without them it would merge on the count when B's flush comes)."""
@@ -188,7 +208,9 @@ async def test_the_learners_an_owner_waits_for_are_logged_when_they_change_and_r
     await owner.settled()
     assert owner.version == 1
     owner.log.close()
-    expects = [json.loads(line) for line in log.read_text().splitlines() if '"kind":"expect"' in line]
+    expects = [
+        json.loads(line) for line in log.read_text().splitlines() if '"kind":"expect"' in line
+    ]
     assert [len(r["learners"]) if "learners" in r else None for r in expects] == [3, None, 2]
     result = replay(log)
     assert result.mismatches == [] and all(v["replayed"] == v["digest"] for v in result.versions)

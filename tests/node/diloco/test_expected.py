@@ -11,8 +11,13 @@ from tests.node.test_peer import _contribute, _ending_owner
 
 
 def _learning(pid: bytes, learning: bool = True) -> Member:
-    record = MemberRecord(url="http://127.0.0.1:1", roles=("learner",), reachable=False, manifest="m",
-                          learning=learning)
+    record = MemberRecord(
+        url="http://127.0.0.1:1",
+        roles=("learner",),
+        reachable=False,
+        manifest="m",
+        learning=learning,
+    )
     return Member(pid, record, expires_at=2e9)
 
 
@@ -46,14 +51,17 @@ async def test_identities_that_send_once_neither_stall_the_rounds_nor_shrink_the
         assert (await _contribute(owner, pid, step_time=1e6)).accepted
     clock.advance(4.0)
     await owner.tick()
-    burst = owner.version  # their work merged (in rounds of three: they were never heard from before)
+    burst = (
+        owner.version
+    )  # their work merged (in rounds of three: they were never heard from before)
     for _ in range(10):  # 40 s of the three learners at work
         await honest_round()
     assert owner.version >= burst + 7  # waited for 12 s at most: a stall of three rounds, not 75
     assert len(node.learner_ids_waited_for(owner)) == 3
     for pid in sybils:  # they say "stopped"
-        members[pid] = dataclasses.replace(members[pid], record=dataclasses.replace(members[pid].record,
-                                                                                      learning=False))
+        members[pid] = dataclasses.replace(
+            members[pid], record=dataclasses.replace(members[pid].record, learning=False)
+        )
     assert node.finished_learners() == 50 and node.finished_learners_heard(owner) == 0
     before = owner.version
     await honest_round()

@@ -40,14 +40,21 @@ class _RankedMembership:
     ttl_s: float = 60.0
     refused: dict[bytes, str] = dataclasses.field(default_factory=dict)
 
-    def owner_of(self, swarm: str, fragment: int, *, exclude: object = ()) -> tuple[bytes, str] | None:
+    def owner_of(
+        self, swarm: str, fragment: int, *, exclude: object = ()
+    ) -> tuple[bytes, str] | None:
         left = [p for p in self.rank if p not in exclude]  # type: ignore[operator]
         return (left[0], self.members[left[0]].record.url) if left else None
 
 
 def _member(s, *, owner: bool = True) -> Member:  # type: ignore[no-untyped-def]
-    record = MemberRecord(url=f"http://127.0.0.1:{s.peer_id[0]}", roles=("learner", "owner") if owner else ("learner",),
-                          reachable=True, manifest="m", learning=True)
+    record = MemberRecord(
+        url=f"http://127.0.0.1:{s.peer_id[0]}",
+        roles=("learner", "owner") if owner else ("learner",),
+        reachable=True,
+        manifest="m",
+        learning=True,
+    )
     return Member(s.peer_id, record, 2e9, certified_owner=owner)
 
 
@@ -55,25 +62,44 @@ def _peer(rank: list[bytes]) -> PeerNode:
     """This peer (ME) with OWNER, ATTACKER (owner-certified) and LEARNER as members, ranked ``rank``."""
     model = tiny_model()
     node = PeerNode(RunConfig(max_tokens_per_step=64), ME, model, tiny_plan(model))
-    members = {s.peer_id: _member(s, owner=s is not LEARNER) for s in (OWNER, ME, ATTACKER, LEARNER)}
+    members = {
+        s.peer_id: _member(s, owner=s is not LEARNER) for s in (OWNER, ME, ATTACKER, LEARNER)
+    }
     node.membership = _RankedMembership(members, rank)  # type: ignore[assignment]
     return node
 
 
-def _forged(node: PeerNode, *, epoch: int = 2**62, version: int = 1, final: bool = True) -> ReplicaState:
+def _forged(
+    node: PeerNode, *, epoch: int = 2**62, version: int = 1, final: bool = True
+) -> ReplicaState:
     n = node.replicas.numels[0]
     theta = torch.full((n,), 7.0)  # the attacker's own weights
-    return encode_state(swarm=node.cfg.swarm, fragment=0, epoch=epoch, version=version, digest=flat_digest(theta),
-                        theta=theta, momentum=None, merged={ATTACKER.peer_id: version, OWNER.peer_id: version},
-                        final=final)
+    return encode_state(
+        swarm=node.cfg.swarm,
+        fragment=0,
+        epoch=epoch,
+        version=version,
+        digest=flat_digest(theta),
+        theta=theta,
+        momentum=None,
+        merged={ATTACKER.peer_id: version, OWNER.peer_id: version},
+        final=final,
+    )
 
 
 async def _offer(node: PeerNode, sender, msg: ReplicaState) -> ReplicaAck:  # type: ignore[no-untyped-def]
-    return await node._on_replica_state(types.SimpleNamespace(peer_id=sender.peer_id, message=msg,  # type: ignore[arg-type]
-                                                              blobs_digest=None))
+    return await node._on_replica_state(
+        types.SimpleNamespace(
+            peer_id=sender.peer_id,
+            message=msg,  # type: ignore[arg-type]
+            blobs_digest=None,
+        )
+    )
 
 
-async def test_a_certified_owner_that_neither_owns_nor_precedes_a_fragment_cannot_hand_it_over() -> None:
+async def test_a_certified_owner_that_neither_owns_nor_precedes_a_fragment_cannot_hand_it_over() -> (
+    None
+):
     node = _peer([OWNER.peer_id, ME.peer_id, ATTACKER.peer_id])  # we are the owner's replica
     ack = await _offer(node, ATTACKER, _forged(node))
     assert not ack.accepted and ack.reason.startswith("refused") and "not taken" in ack.reason
@@ -83,7 +109,9 @@ async def test_a_certified_owner_that_neither_owns_nor_precedes_a_fragment_canno
     assert ok.accepted, ok.reason
 
 
-async def test_a_predecessor_may_not_jump_the_epoch_hand_a_version_far_ahead_or_declare_it_final() -> None:
+async def test_a_predecessor_may_not_jump_the_epoch_hand_a_version_far_ahead_or_declare_it_final() -> (
+    None
+):
     node = _peer([ME.peer_id, ATTACKER.peer_id, OWNER.peer_id])  # we own; the attacker ranks next
     n = node.replicas.numels[0]
     theta0 = torch.zeros(n)
@@ -95,23 +123,33 @@ async def test_a_predecessor_may_not_jump_the_epoch_hand_a_version_far_ahead_or_
     assert node.replicas.held[0].version == 0 and 0 not in node.replicas.states
 
 
-async def test_final_is_honoured_only_from_the_owner_and_merged_bases_are_clamped_below_the_version() -> None:
+async def test_final_is_honoured_only_from_the_owner_and_merged_bases_are_clamped_below_the_version() -> (
+    None
+):
     node2 = _peer([OWNER.peer_id, ME.peer_id])
     ack = await _offer(node2, OWNER, _forged(node2, epoch=0, version=5))
     taken = node2.replicas.states[0]
-    assert ack.accepted and taken.final and set(taken.merged.values()) == {4}  # bases clamped to 5 - 1
+    assert (
+        ack.accepted and taken.final and set(taken.merged.values()) == {4}
+    )  # bases clamped to 5 - 1
     node3 = _peer([ME.peer_id, ATTACKER.peer_id, OWNER.peer_id])
     n = node3.replicas.numels[0]
     theta = torch.full((n,), 7.0)
     node3.replicas.fence(0, 0, 3, flat_digest(theta))  # version 3 with that content is held here
-    ack = await _offer(node3, ATTACKER, dataclasses.replace(_forged(node3, epoch=1, version=3), final=True))
-    assert ack.accepted and not node3.replicas.states[0].final  # the predecessor's "final" is not honoured
+    ack = await _offer(
+        node3, ATTACKER, dataclasses.replace(_forged(node3, epoch=1, version=3), final=True)
+    )
+    assert (
+        ack.accepted and not node3.replicas.states[0].final
+    )  # the predecessor's "final" is not honoured
     assert node3.replicas.status()["handoff_refusals"] == {"final-ignored": 1}
 
 
 async def test_a_member_that_may_not_own_gets_a_signed_refusal_not_an_unsigned_403() -> None:
     node = _peer([OWNER.peer_id, ME.peer_id])
-    ack = await _offer(node, LEARNER, _forged(node))  # an answer the RPC layer seals, not a NotAuthorized
+    ack = await _offer(
+        node, LEARNER, _forged(node)
+    )  # an answer the RPC layer seals, not a NotAuthorized
     assert not ack.accepted and ack.reason.startswith(NOT_A_MEMBER)
     assert node.replicas.status()["handoff_refusals"] == {"not-a-member": 1}
 
@@ -133,8 +171,15 @@ class _Answering:
 
 def _state() -> ReplicaState:
     theta = torch.zeros(4)
-    return encode_state(swarm=SWARM, fragment=0, epoch=0, version=1, digest=flat_digest(theta), theta=theta,
-                        momentum=None)
+    return encode_state(
+        swarm=SWARM,
+        fragment=0,
+        epoch=0,
+        version=1,
+        digest=flat_digest(theta),
+        theta=theta,
+        momentum=None,
+    )
 
 
 async def test_an_unsigned_403_does_not_stop_a_primary_and_a_signed_not_a_member_does() -> None:
@@ -142,12 +187,22 @@ async def test_an_unsigned_403_does_not_stop_a_primary_and_a_signed_not_a_member
     with pytest.raises(RemoteProtocolError) as refused:
         await hand_over(_Answering(403, b"forbidden"), OWNER, target, _state(), ReplayWindow())  # type: ignore[arg-type]
     assert not isinstance(refused.value, NotAMemberThere)  # anyone on the path can send a 403
-    signed = seal(encode(ReplicaAck(accepted=False, reason=f"{NOT_A_MEMBER}: x", epoch=-1, version=-1)), ME,
-                  now=time.time(), nonce=os.urandom(16), recipient=OWNER.peer_id).tobytes()
+    signed = seal(
+        encode(ReplicaAck(accepted=False, reason=f"{NOT_A_MEMBER}: x", epoch=-1, version=-1)),
+        ME,
+        now=time.time(),
+        nonce=os.urandom(16),
+        recipient=OWNER.peer_id,
+    ).tobytes()
     with pytest.raises(NotAMemberThere):
         await hand_over(_Answering(200, signed), OWNER, target, _state(), ReplayWindow())  # type: ignore[arg-type]
-    forged = seal(encode(ReplicaAck(accepted=False, reason=f"{NOT_A_MEMBER}: x", epoch=-1, version=-1)), ATTACKER,
-                  now=time.time(), nonce=os.urandom(16), recipient=OWNER.peer_id).tobytes()
+    forged = seal(
+        encode(ReplicaAck(accepted=False, reason=f"{NOT_A_MEMBER}: x", epoch=-1, version=-1)),
+        ATTACKER,
+        now=time.time(),
+        nonce=os.urandom(16),
+        recipient=OWNER.peer_id,
+    ).tobytes()
     with pytest.raises(RemoteProtocolError) as other:  # signed, but not by the replica asked
         await hand_over(_Answering(200, forged), OWNER, target, _state(), ReplayWindow())  # type: ignore[arg-type]
     assert not isinstance(other.value, NotAMemberThere)
@@ -164,7 +219,9 @@ async def test_a_fenced_answer_that_names_no_fence_is_routed_around(monkeypatch)
 
     monkeypatch.setattr(handoffs, "hand_over", answering)
     state = dataclasses.replace(_state(), epoch=3, version=9)
-    assert await node._hand_to(0, (ATTACKER.peer_id, "http://x"), state) is False  # no fence: not stopped
+    assert (
+        await node._hand_to(0, (ATTACKER.peer_id, "http://x"), state) is False
+    )  # no fence: not stopped
     answer = ReplicaAck(accepted=False, reason="fenced: epoch 4", epoch=4, version=8)
     with pytest.raises(_FencedBy):
         await node._hand_to(0, (ATTACKER.peer_id, "http://x"), state)

@@ -14,8 +14,14 @@ from node.diloco.island import Island, IslandConfig, Outgoing
 from protocol.diloco.fragments import plan_fragments
 
 
-def _island(h: int = 4, fragments: int = 2, alpha: float = 0.0, *, rebase: bool = False,
-            interval: Callable[[int], int] | None = None) -> tuple[Island, nn.Module, torch.optim.Optimizer, list[Outgoing]]:
+def _island(
+    h: int = 4,
+    fragments: int = 2,
+    alpha: float = 0.0,
+    *,
+    rebase: bool = False,
+    interval: Callable[[int], int] | None = None,
+) -> tuple[Island, nn.Module, torch.optim.Optimizer, list[Outgoing]]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
@@ -177,16 +183,22 @@ def test_a_slower_island_ships_its_work_before_adopting_a_newer_version() -> Non
         _step(model, opt, island)  # the third step since the adoption: ship, then adopt
         assert len(sent) == v and sent[-1].base_version == v - 1 and sent[-1].steps == 3
         assert sent[-1].tokens == 36 and island.versions[0] == v
-        assert torch.equal(sent[-1].delta, base - shipped_from[-1])  # the 3 steps' work, against v - 1
+        assert torch.equal(
+            sent[-1].delta, base - shipped_from[-1]
+        )  # the 3 steps' work, against v - 1
         assert not torch.equal(shipped_from[-1], base)
         assert all(torch.all(p == float(v)) for p in model.parameters())  # adopted right away
     assert island.stats.shipped_before_adopting == 4
     island.deliver(0, 6, torch.zeros_like(island.global_flat[0]))
-    _step(model, opt, island)  # only 1 step trained since the last adoption (< 2): adopted, not shipped
+    _step(
+        model, opt, island
+    )  # only 1 step trained since the last adoption (< 2): adopted, not shipped
     assert len(sent) == 5 and island.versions[0] == 6
 
 
-def _rebasing(h: int, fragments: int = 1) -> tuple[Island, nn.Module, torch.optim.Optimizer, list[Outgoing]]:
+def _rebasing(
+    h: int, fragments: int = 1
+) -> tuple[Island, nn.Module, torch.optim.Optimizer, list[Outgoing]]:
     island, model, opt, sent = _island(h=h, fragments=fragments)
     island.cfg = IslandConfig(inner_steps=h, rebase=True)
     return island, model, opt, sent
@@ -211,7 +223,12 @@ def test_rebase_keeps_the_steps_trained_while_a_contribution_is_in_flight() -> N
     before_next = island._flatten(0).clone()
     for _ in range(4):  # due H steps after the adoption
         _step(model, opt, island)
-    assert len(sent) == 2 and sent[-1].base_version == 1 and sent[-1].steps == 7 and sent[-1].tokens == 84
+    assert (
+        len(sent) == 2
+        and sent[-1].base_version == 1
+        and sent[-1].steps == 7
+        and sent[-1].tokens == 84
+    )
     assert torch.allclose(sent[-1].delta, new - island._flatten(0), atol=1e-6)
     assert not torch.allclose(before_next, new)  # the kept work was really in the model
 
@@ -235,14 +252,18 @@ def test_rebase_keeps_unshipped_work_when_others_versions_arrive() -> None:
         if len(sent) == 2:
             break
     # not starved: shipped 2H steps after the kept work began (step 1), all of it, from the newest base
-    assert len(sent) == 2 and island.stats.step == 9 and sent[-1].steps == 8 and sent[-1].tokens == 96
+    assert (
+        len(sent) == 2 and island.stats.step == 9 and sent[-1].steps == 8 and sent[-1].tokens == 96
+    )
     assert sent[-1].base_version == island.versions[0] == 8
 
 
 def test_rebase_with_nothing_to_keep_overwrites_bit_for_bit() -> None:
     """Synchronous DiLoCo ships and adopts with no step between: rebasing is then an overwrite."""
     island, model, opt, sent = _rebasing(h=2)
-    island.global_flat[0] = torch.randn_like(island.global_flat[0]) * 1e3  # far from θ: Θ − (Θ − θ) ≠ θ
+    island.global_flat[0] = (
+        torch.randn_like(island.global_flat[0]) * 1e3
+    )  # far from θ: Θ − (Θ − θ) ≠ θ
     _step(model, opt, island)  # ships at step 1
     new = torch.randn_like(island.global_flat[0])
     island.deliver(0, 1, new)
@@ -309,7 +330,9 @@ def test_flush_ships_the_work_no_contribution_holds_measured_from_the_version_in
     assert flushed == 1 and island.stats.flushed == 1
     last = sent[-1]
     assert last.fragment == 0 and last.base_version == 1
-    assert last.last and not any(o.last for o in sent[:-1])  # marked: the owner waits for the others'
+    assert last.last and not any(
+        o.last for o in sent[:-1]
+    )  # marked: the owner waits for the others'
     assert last.steps == 5 and last.tokens == 60  # the 5 steps trained since fragment 0 shipped
     order = [dict(model.named_parameters())[n] for n in island.plan.fragments[0].names]
     local = torch.cat([p.detach().reshape(-1) for p in order])
@@ -332,7 +355,10 @@ def test_flush_ships_a_fragment_with_nothing_in_flight_before_waiting_for_anothe
         assert island.flush(timeout_s=5.0) == 2
     finally:
         timer.cancel()
-    assert [(o.fragment, o.last) for o in sent[2:]] == [(1, True), (0, True)]  # 1 did not wait for 0
+    assert [(o.fragment, o.last) for o in sent[2:]] == [
+        (1, True),
+        (0, True),
+    ]  # 1 did not wait for 0
     assert sent[-1].base_version == 1 and sent[-2].base_version == 1
 
 
@@ -345,7 +371,9 @@ def test_flush_sends_nothing_for_a_fragment_untrained_since_it_was_adopted() -> 
 
 
 def test_a_growing_interval_spaces_a_fragments_syncs_as_it_says() -> None:
-    island, model, opt, sent = _island(h=2, fragments=1, rebase=True, interval=lambda step: 2 if step < 4 else 6)
+    island, model, opt, sent = _island(
+        h=2, fragments=1, rebase=True, interval=lambda step: 2 if step < 4 else 6
+    )
     for _ in range(14):
         _step(model, opt, island)
         if island.in_flight[0] is not None:  # its version comes back at once

@@ -44,19 +44,37 @@ class Rig:
         self.shapes = shapes_of(self.model, self.plan)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=0.05)
         self.clock = FakeClock()
-        self.island = Island(self.model, self.opt, self.plan, lambda _out: None, IslandConfig(inner_steps=H))
+        self.island = Island(
+            self.model, self.opt, self.plan, lambda _out: None, IslandConfig(inner_steps=H)
+        )
         self.me, self.owner_key = signer(7), signer(1)
         self.owners: dict[int, FragmentOwner] = {
-            p: make_owner(self.plan, self.shapes, p, flat_of(self.model, self.plan, p), self.clock,
-                          who=self.owner_key, quorum=1, late_policy="drop")
-            for p in range(len(self.plan.fragments))}
-        self.peer = MemoryOwnerPeer(self.owner_key, self.owners,
-                                    members={self.me.peer_id} if member else set())
+            p: make_owner(
+                self.plan,
+                self.shapes,
+                p,
+                flat_of(self.model, self.plan, p),
+                self.clock,
+                who=self.owner_key,
+                quorum=1,
+                late_policy="drop",
+            )
+            for p in range(len(self.plan.fragments))
+        }
+        self.peer = MemoryOwnerPeer(
+            self.owner_key, self.owners, members={self.me.peer_id} if member else set()
+        )
         self.transport = MemoryTransport()
         self.transport.add(OWNER_URL, self.peer)
-        self.net = IslandNet(self.island, self.transport, self.me, swarm=SWARM,  # type: ignore[arg-type]
-                             shapes=self.shapes, owner_of=lambda p: (self.owner_key.peer_id, OWNER_URL),
-                             codec=codec)
+        self.net = IslandNet(
+            self.island,
+            self.transport,
+            self.me,
+            swarm=SWARM,  # type: ignore[arg-type]
+            shapes=self.shapes,
+            owner_of=lambda p: (self.owner_key.peer_id, OWNER_URL),
+            codec=codec,
+        )
 
     def step(self) -> None:
         loss = self.model(torch.randn(3, 4)).pow(2).sum()
@@ -65,13 +83,22 @@ class Rig:
         self.opt.step()
         self.opt.zero_grad()
 
-    def outgoing(self, p: int = 0, delta: torch.Tensor | None = None, base_version: int = 0) -> Outgoing:
+    def outgoing(
+        self, p: int = 0, delta: torch.Tensor | None = None, base_version: int = 0
+    ) -> Outgoing:
         """What the island's hook hands over when fragment ``p`` is due (marked in flight)."""
         if delta is None:
             delta = self.island.global_flat[p] - flat_of(self.model, self.plan, p)
         self.island.in_flight[p] = self.island.stats.step
-        return Outgoing(fragment=p, base_version=base_version, tokens=48, steps=H, step_time=0.0,
-                        sender_step=self.island.stats.step, delta=delta.clone())
+        return Outgoing(
+            fragment=p,
+            base_version=base_version,
+            tokens=48,
+            steps=H,
+            step_time=0.0,
+            sender_step=self.island.stats.step,
+            delta=delta.clone(),
+        )
 
 
 def _delta(n: int) -> torch.Tensor:
@@ -110,7 +137,9 @@ async def test_a_refused_contribution_frees_the_fragment_and_keeps_the_residual(
     assert rig.island.in_flight[0] is None  # freed: due again H steps later
     assert rig.island.next_due[0] == rig.island.stats.step + H
     assert rig.net.residuals.keys() == kept.keys()
-    assert all(torch.equal(rig.net.residuals[k], kept[k]) for k in kept)  # no error from the refused one
+    assert all(
+        torch.equal(rig.net.residuals[k], kept[k]) for k in kept
+    )  # no error from the refused one
 
 
 async def test_an_undelivered_contribution_keeps_the_residual() -> None:
@@ -146,7 +175,9 @@ async def test_a_non_member_is_refused_and_the_fragment_freed() -> None:
 async def test_a_non_finite_pseudo_gradient_is_skipped_and_the_island_resynced() -> None:
     rig = Rig()
     await rig.owners[0].set_expected(1)
-    await rig.net.send(rig.outgoing(0, _delta(rig.owners[0].theta.numel())))  # the owner is at version 1
+    await rig.net.send(
+        rig.outgoing(0, _delta(rig.owners[0].theta.numel()))
+    )  # the owner is at version 1
     rig.step()
     with torch.no_grad():  # the island diverges: fragment 0's parameters and AdamW moments go NaN
         for param in rig.island.params[0]:
@@ -157,7 +188,9 @@ async def test_a_non_finite_pseudo_gradient_is_skipped_and_the_island_resynced()
     sent_before = rig.peer.requests
     await rig.net.send(out)  # must not raise: the node keeps running
     assert rig.net.stats.skipped_nonfinite == 1 and rig.net.stats.resyncs == 1
-    assert rig.owners[0].merger.count == 0 and rig.owners[0].version == 1  # nothing was sent to merge
+    assert (
+        rig.owners[0].merger.count == 0 and rig.owners[0].version == 1
+    )  # nothing was sent to merge
     assert rig.peer.requests == sent_before + 2  # only the resync's fetches, one per fragment
     rig.step()  # adopts the owners' versions whole
     assert rig.island.versions == [1, 0] and rig.island.stats.resynced == 2
@@ -201,13 +234,27 @@ async def test_a_version_jump_is_refused_with_a_reason() -> None:
     the swarm was created, or since the last version seen, is refused; honest rates pass."""
     rig = Rig()
     created = rig.clock() - 10.0  # ten seconds at most 100 merges a second: at most version 1001
-    net = IslandNet(rig.island, rig.transport, rig.me, swarm=SWARM,  # type: ignore[arg-type]
-                    shapes=rig.shapes, owner_of=lambda p: (rig.owner_key.peer_id, OWNER_URL),
-                    wall_clock=rig.clock, created=created)
+    net = IslandNet(
+        rig.island,
+        rig.transport,
+        rig.me,
+        swarm=SWARM,  # type: ignore[arg-type]
+        shapes=rig.shapes,
+        owner_of=lambda p: (rig.owner_key.peer_id, OWNER_URL),
+        wall_clock=rig.clock,
+        created=created,
+    )
 
     def serve(version: int) -> None:
-        rig.owners[0] = make_owner(rig.plan, rig.shapes, 0, flat_of(rig.model, rig.plan, 0), rig.clock,
-                                   who=rig.owner_key, version=version)
+        rig.owners[0] = make_owner(
+            rig.plan,
+            rig.shapes,
+            0,
+            flat_of(rig.model, rig.plan, 0),
+            rig.clock,
+            who=rig.owner_key,
+            version=version,
+        )
         rig.peer.owners[0] = rig.owners[0]
 
     serve(2**63 - 1)
@@ -263,7 +310,9 @@ async def test_sync_mode_waits_for_the_merged_version_before_the_next_step() -> 
     assert time.monotonic() - t0 < 2.0 and rig.island.in_flight[p] is not None
 
 
-async def test_work_accepted_by_an_owner_that_left_is_sent_again_at_once_with_its_residuals() -> None:
+async def test_work_accepted_by_an_owner_that_left_is_sent_again_at_once_with_its_residuals() -> (
+    None
+):
     """An owner accepted a contribution and stopped owning the fragment before merging it: the
     island sends it again at its next step (not after a 2H timeout), and the error-feedback
     residuals are those from before the lost send (the next send carries that work again)."""
@@ -293,8 +342,16 @@ def _sync_rig() -> Rig:
 
 
 def _waiting_owner(rig: Rig) -> FragmentOwner:
-    return make_owner(rig.plan, rig.shapes, 0, flat_of(rig.model, rig.plan, 0), rig.clock,
-                      who=rig.owner_key, quorum=2, late_policy="drop")
+    return make_owner(
+        rig.plan,
+        rig.shapes,
+        0,
+        flat_of(rig.model, rig.plan, 0),
+        rig.clock,
+        who=rig.owner_key,
+        quorum=2,
+        late_policy="drop",
+    )
 
 
 def _age(rig: Rig, p: int, seconds: float) -> None:
@@ -396,15 +453,21 @@ async def test_uploads_to_different_owners_overlap() -> None:
     gate, slow_key, slow_url = asyncio.Event(), signer(2), "http://slow.test"
 
     class SlowPeer(MemoryOwnerPeer):
-        async def handle(self, method: str, path: str, query: dict[str, str], body: bytes) -> tuple[int, bytes]:
+        async def handle(
+            self, method: str, path: str, query: dict[str, str], body: bytes
+        ) -> tuple[int, bytes]:
             await gate.wait()
             return await super().handle(method, path, query, body)
 
     rig.transport.add(slow_url, SlowPeer(slow_key, rig.owners, members={rig.me.peer_id}))
-    rig.net.owner_of = lambda p: (rig.owner_key.peer_id, OWNER_URL) if p == 0 else (slow_key.peer_id, slow_url)
+    rig.net.owner_of = lambda p: (
+        (rig.owner_key.peer_id, OWNER_URL) if p == 0 else (slow_key.peer_id, slow_url)
+    )
     running = asyncio.create_task(rig.net.run())
     try:
-        rig.net.submit(rig.outgoing(1, _delta(rig.owners[1].theta.numel())))  # queued first, to the slow one
+        rig.net.submit(
+            rig.outgoing(1, _delta(rig.owners[1].theta.numel()))
+        )  # queued first, to the slow one
         rig.net.submit(rig.outgoing(0, _delta(rig.owners[0].theta.numel())))
         async with asyncio.timeout(10):
             while rig.net.stats.contributions_accepted == 0:

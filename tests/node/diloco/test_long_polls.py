@@ -49,7 +49,9 @@ async def test_final_long_polls_share_one_membership_read_and_do_not_spin() -> N
     assert checks[0] <= 10 * (reads + 1), checks[0]  # one check per poll per event
     from node.dht.membership import Member, MemberRecord
 
-    stopped = MemberRecord(url="http://127.0.0.1:1", roles=("learner",), reachable=False, manifest="m", learning=False)
+    stopped = MemberRecord(
+        url="http://127.0.0.1:1", roles=("learner",), reachable=False, manifest="m", learning=False
+    )
     node.membership.records[LEARNER] = Member(LEARNER, stopped, expires_at=2e9)
     started = time.monotonic()
     finals = await asyncio.gather(*polls)
@@ -83,7 +85,9 @@ async def test_a_final_long_poll_wakes_when_the_owner_publishes() -> None:
     assert node.final_checks <= checks + 2  # woken by the publication (and at most one shared read)
 
 
-async def test_fresh_keys_do_not_buy_more_long_polls_from_one_address(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_fresh_keys_do_not_buy_more_long_polls_from_one_address(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """In an open swarm a key costs nothing: each fresh key got its own two-per-fragment cap, so
     one address held as many long-polls as it had keys. Now the address is capped whatever keys
     it names (an IPv6 sender at its /64, /56 and /48)."""
@@ -94,8 +98,9 @@ async def test_fresh_keys_do_not_buy_more_long_polls_from_one_address(monkeypatc
     node.__dict__.pop("_polls_by_address", None)
 
     def poll(n: int, remote: str) -> object:
-        request = make_mocked_request("GET", "/v1/fragments/0/next?after=3&wait=5",
-                                      match_info={"p": "0", "kind": "next"}).clone(remote=remote)
+        request = make_mocked_request(
+            "GET", "/v1/fragments/0/next?after=3&wait=5", match_info={"p": "0", "kind": "next"}
+        ).clone(remote=remote)
         request[ADMITTED] = Admitted(n.to_bytes(32, "big"), None)  # a fresh key each time
         return request
 
@@ -105,12 +110,16 @@ async def test_fresh_keys_do_not_buy_more_long_polls_from_one_address(monkeypatc
     with pytest.raises(Busy, match="whatever keys"):
         await node._on_fetch(poll(99, attacker))
     for n in range(18):  # other /64s of the same /56: it holds 4 caps in all
-        held.append(asyncio.create_task(node._on_fetch(poll(100 + n, f"2a00:1450:4001:8{0x20 + n:02x}::1"))))
+        held.append(
+            asyncio.create_task(node._on_fetch(poll(100 + n, f"2a00:1450:4001:8{0x20 + n:02x}::1")))
+        )
     await asyncio.sleep(0.05)
     assert not any(t.done() for t in held)
     with pytest.raises(Busy, match="/56"):
         await node._on_fetch(poll(200, "2a00:1450:4001:8ff::1"))
-    other = asyncio.create_task(node._on_fetch(poll(500, "203.0.114.9")))  # another address is not affected
+    other = asyncio.create_task(
+        node._on_fetch(poll(500, "203.0.114.9"))
+    )  # another address is not affected
     await asyncio.sleep(0.05)
     assert not other.done()
     await owner.retire()

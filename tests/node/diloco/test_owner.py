@@ -43,7 +43,9 @@ def _setup(**merge: object):  # type: ignore[no-untyped-def]
     return plan, shapes, clock, theta0, make_owner(plan, shapes, 0, theta0, clock, **merge)
 
 
-def _opened_state(sealed_bytes: bytes, shapes: list[tuple[int, ...]]) -> tuple[int, torch.Tensor, bytes]:
+def _opened_state(
+    sealed_bytes: bytes, shapes: list[tuple[int, ...]]
+) -> tuple[int, torch.Tensor, bytes]:
     opened = verify_sealed(memoryview(sealed_bytes), max_size=1 << 24)
     state = opened.message
     assert isinstance(state, FragmentState) and state.content_hash == content_hash(state.tensors)
@@ -105,7 +107,9 @@ async def test_version_fencing_and_refusals() -> None:
     assert await owner.wait_after(0, wait_s=0.0) is owner.latest
 
 
-async def test_work_arriving_after_a_final_version_was_handed_out_is_refused_until_the_hold_lapses() -> None:
+async def test_work_arriving_after_a_final_version_was_handed_out_is_refused_until_the_hold_lapses() -> (
+    None
+):
     """A learner that ended its run took version v as final and left: a late learner's work (a
     peer restarted after the end, flushing what its checkpoint held) must not make v + 1, or the
     swarm ends on two models. An idle swarm joined much later merges again."""
@@ -124,24 +128,37 @@ async def test_work_arriving_after_a_final_version_was_handed_out_is_refused_unt
     assert owner.version == 1 and owner.latest is final and owner.idle()
     assert owner.declare_final() is final and held_final == [1]  # renewed within the hold: no news
     # refused before it is decoded: a malformed payload gets the same answer, not a DecodeError
-    bad = contribution(torch.full((theta0.numel() + 5,), 0.01), [(theta0.numel() + 5,)], base_version=1, owner=owner)
+    bad = contribution(
+        torch.full((theta0.numel() + 5,), 0.01),
+        [(theta0.numel() + 5,)],
+        base_version=1,
+        owner=owner,
+    )
     assert not (await owner.contribute(C, bad)).accepted
     # every final answer renews the hold; once it lapses the owner merges again
     clock.advance(FINAL_HOLD_S - 1.0)
     owner.declare_final()
     clock.advance(FINAL_HOLD_S - 1.0)
-    assert not (await owner.contribute(C, contribution(delta, shapes[0], base_version=1, owner=owner))).accepted
+    assert not (
+        await owner.contribute(C, contribution(delta, shapes[0], base_version=1, owner=owner))
+    ).accepted
     assert held_final == [1]  # each renewal came within the hold: no news
     clock.advance(1.0)
-    assert (await owner.contribute(C, contribution(delta, shapes[0], base_version=1, owner=owner))).accepted
+    assert (
+        await owner.contribute(C, contribution(delta, shapes[0], base_version=1, owner=owner))
+    ).accepted
     assert owner.version == 2
     owner.declare_final()
     owner.hold_final(2)  # already held: no news either
     assert held_final == [1, 2]
 
 
-@pytest.mark.parametrize(("codec", "bad"), [("none", float("nan")), ("none", float("inf")), ("bf16", float("-inf"))])
-async def test_a_contribution_holding_nan_or_inf_is_refused_and_merges_nothing(codec: str, bad: float) -> None:
+@pytest.mark.parametrize(
+    ("codec", "bad"), [("none", float("nan")), ("none", float("inf")), ("bf16", float("-inf"))]
+)
+async def test_a_contribution_holding_nan_or_inf_is_refused_and_merges_nothing(
+    codec: str, bad: float
+) -> None:
     """The owner reads a contribution's values once, for its norm: a NaN or Inf anywhere makes the
     norm non-finite and the contribution is refused (a 4xx on the wire) before the merger sees it."""
     _, shapes, _, theta0, owner = _setup(quorum=1)
@@ -156,7 +173,9 @@ async def test_a_contribution_holding_nan_or_inf_is_refused_and_merges_nothing(c
     with pytest.raises(DecodeError, match="NaN or Inf"):
         await owner.contribute(A, dataclasses.replace(msg, tensors=tensors))
     assert owner.version == 0 and torch.equal(owner.theta, theta0)
-    ack = await owner.contribute(B, contribution(delta, shapes[0], owner=owner, codec=codec))  # the next one merges
+    ack = await owner.contribute(
+        B, contribution(delta, shapes[0], owner=owner, codec=codec)
+    )  # the next one merges
     assert ack.accepted and owner.version == 1 and all_finite(owner.theta)
 
 
@@ -186,17 +205,22 @@ async def test_catch_up_refuses_a_malformed_version() -> None:
 
 async def test_a_failed_merge_drops_its_contributions_instead_of_retrying_forever() -> None:
     model = tiny_model()
-    plan = plan_fragments([(n, tuple(p.shape)) for n, p in model.named_parameters()], 2,
-                          embeddings=["0.weight"])
+    plan = plan_fragments(
+        [(n, tuple(p.shape)) for n, p in model.named_parameters()], 2, embeddings=["0.weight"]
+    )
     p = next(f.index for f in plan.fragments if f.is_embedding)  # merged by a weighted mean
     shapes, clock = shapes_of(model, plan), FakeClock()
     theta0 = torch.full_like(flat_of(model, plan, p), 3.0e38)  # finite, near the float32 maximum
     owner = make_owner(plan, shapes, p, theta0, clock, quorum=1)
     await owner.set_expected(1)
-    ack = await owner.contribute(A, contribution(torch.full_like(theta0, -3.0e38), shapes[p], fragment=p, owner=owner))
+    ack = await owner.contribute(
+        A, contribution(torch.full_like(theta0, -3.0e38), shapes[p], fragment=p, owner=owner)
+    )
     assert ack.accepted  # the outer step overflows to Inf: the merge fails ...
     assert owner.version == 0 and owner.merges == []
-    assert owner.merger.count == 0 and owner.merger.deadline() is None  # ... its set is dropped, no retry
+    assert (
+        owner.merger.count == 0 and owner.merger.deadline() is None
+    )  # ... its set is dropped, no retry
     assert torch.equal(flat_from_tensors(_state(owner).tensors, shapes[p]), theta0)
     clock.advance(5.0)
     await owner.tick()
@@ -246,7 +270,9 @@ async def test_an_aggregate_longer_than_the_fragment_itself_is_bounded() -> None
     await owner.contribute(A, contribution(huge, shapes[0], owner=owner))
     assert owner.version == 1 and owner.step_bounds == 1
     step = float(torch.linalg.vector_norm(owner.theta - theta0))
-    assert step == pytest.approx(float(torch.linalg.vector_norm(theta0)), rel=1e-4)  # max_delta_ratio 1
+    assert step == pytest.approx(
+        float(torch.linalg.vector_norm(theta0)), rel=1e-4
+    )  # max_delta_ratio 1
 
 
 async def test_a_contribution_is_applied_only_to_the_state_it_was_measured_against() -> None:
@@ -269,7 +295,9 @@ async def test_a_contribution_is_applied_only_to_the_state_it_was_measured_again
     _, flat1, _ = _opened_state(owner.latest.tobytes(), shapes[0])
     envelope, _ = split_sealed(owner.latest.tobytes(), max_size=1 << 24)
     assert owner.digests[1] == {flat_digest(flat1), envelope.digest}
-    ack = await owner.contribute(A, contribution(delta, shapes[0], base_version=1, base_digest=flat_digest(flat1)))
+    ack = await owner.contribute(
+        A, contribution(delta, shapes[0], base_version=1, base_digest=flat_digest(flat1))
+    )
     assert ack.accepted
 
 
@@ -277,7 +305,9 @@ async def test_a_new_owner_asks_for_a_resync_of_bases_it_never_held() -> None:
     plan, shapes, clock, theta0, _ = _setup()
     owner = make_owner(plan, shapes, 0, theta0, clock, version=5)  # took over at version 5
     delta = torch.linspace(-0.05, 0.05, theta0.numel())
-    ack = await owner.contribute(A, contribution(delta, shapes[0], base_version=4, base_digest=flat_digest(theta0)))
+    ack = await owner.contribute(
+        A, contribution(delta, shapes[0], base_version=4, base_digest=flat_digest(theta0))
+    )
     assert not ack.accepted and "not known here" in ack.reason and ack.reason.startswith("resync")
 
 
@@ -291,13 +321,17 @@ async def test_a_learner_told_to_resync_is_owed_one_serve_of_the_version() -> No
     delta = torch.linspace(-0.05, 0.05, theta0.numel())
     assert not owner.owes_resync(A) and not owner.owes_resync(None)
     for _ in range(2):  # refused twice: still one serve owed
-        ack = await owner.contribute(A, contribution(delta, shapes[0], base_version=4, base_digest=flat_digest(theta0)))
+        ack = await owner.contribute(
+            A, contribution(delta, shapes[0], base_version=4, base_digest=flat_digest(theta0))
+        )
         assert ack.reason.startswith("resync")
     assert not owner.owes_resync(B)  # only the learner refused
     assert owner.owes_resync(A) and not owner.owes_resync(A)  # spent by asking
 
     async def refused() -> None:
-        ack = await owner.contribute(A, contribution(delta, shapes[0], base_version=4, base_digest=flat_digest(theta0)))
+        ack = await owner.contribute(
+            A, contribution(delta, shapes[0], base_version=4, base_digest=flat_digest(theta0))
+        )
         assert ack.reason.startswith("resync")
 
     await refused()  # its fetch was lost: one more serve of the version
@@ -320,15 +354,23 @@ async def test_work_already_merged_is_not_counted_twice() -> None:
     await owner.set_expected(1)
     assert (await owner.contribute(A, contribution(delta, shapes[0], owner=owner))).accepted
     assert owner.version == 1
-    again = await owner.contribute(A, contribution(delta * 2, shapes[0], base_version=0, owner=owner))
-    assert not again.accepted and again.reason.startswith("resync: a contribution of yours based on version 0")
+    again = await owner.contribute(
+        A, contribution(delta * 2, shapes[0], base_version=0, owner=owner)
+    )
+    assert not again.accepted and again.reason.startswith(
+        "resync: a contribution of yours based on version 0"
+    )
     assert owner.version == 1 and owner.penalties[A]["refused_base"] == 1
     other = await owner.contribute(B, contribution(delta, shapes[0], base_version=0, owner=owner))
     assert "merged already" not in other.reason  # another learner's late work is judged as before
-    assert (await owner.contribute(A, contribution(delta, shapes[0], base_version=1, owner=owner))).accepted
+    assert (
+        await owner.contribute(A, contribution(delta, shapes[0], base_version=1, owner=owner))
+    ).accepted
 
 
-async def test_a_quorum_above_the_live_learners_closes_once_a_record_lapses_not_when_one_is_quiet() -> None:
+async def test_a_quorum_above_the_live_learners_closes_once_a_record_lapses_not_when_one_is_quiet() -> (
+    None
+):
     """K = 3 with three learners, one of which dies: the round waits while its member record is
     live (quiet is not gone), then closes with the other two, after the grace window, once the
     record lapses and the node's expected learners (from membership, as its membership loop
@@ -337,9 +379,13 @@ async def test_a_quorum_above_the_live_learners_closes_once_a_record_lapses_not_
     model = tiny_model()
     node = PeerNode(RunConfig(max_tokens_per_step=64), signer(1), model, tiny_plan(model))
     membership = Membership(None, "s", "m")  # type: ignore[arg-type]  # members only: no DHT needed
-    learner = MemberRecord(url="http://127.0.0.1:1", roles=("learner",), reachable=False, manifest="m", learning=True)
+    learner = MemberRecord(
+        url="http://127.0.0.1:1", roles=("learner",), reachable=False, manifest="m", learning=True
+    )
     live = time.time() + 3600.0
-    membership.members = {signer(n).peer_id: Member(signer(n).peer_id, learner, live) for n in (2, 3, 4)}
+    membership.members = {
+        signer(n).peer_id: Member(signer(n).peer_id, learner, live) for n in (2, 3, 4)
+    }
     node.membership = membership
     await owner.set_expected(node.expected_learners())
     delta = torch.full_like(theta0, 0.01)
@@ -348,7 +394,9 @@ async def test_a_quorum_above_the_live_learners_closes_once_a_record_lapses_not_
         assert ack.accepted and "quorum 3)" in ack.reason
     clock.advance(600.0)
     await owner.tick()
-    await owner.set_expected(node.expected_learners())  # the third went quiet, its record still live
+    await owner.set_expected(
+        node.expected_learners()
+    )  # the third went quiet, its record still live
     assert owner.version == 0 and owner.merger.count == 2
     dead = signer(4).peer_id
     membership.members[dead] = Member(dead, learner, time.time() - 1.0)  # its record lapsed
@@ -356,7 +404,8 @@ async def test_a_quorum_above_the_live_learners_closes_once_a_record_lapses_not_
     await owner.set_expected(node.expected_learners())
     assert owner.version == 1 and owner.merges == [
         "quorum 2/2 (K = 3 lowered to the 2 learners expected) reached; grace window 0.00 s; "
-        "closing with 2/2 contributions"]
+        "closing with 2/2 contributions"
+    ]
     version, flat, _ = _opened_state(owner.latest.tobytes(), shapes[0])
     assert version == 1 and torch.allclose(flat, theta0 - delta, atol=1e-6)
 
@@ -368,9 +417,15 @@ async def test_a_lowered_quorum_waits_out_the_grace_window_before_closing() -> N
     await owner.set_expected(1)
     delta = torch.full_like(theta0, 0.01)
     ack = await owner.contribute(A, contribution(delta, shapes[0], owner=owner))
-    assert ack.accepted and "K = 3 lowered to the 1 learners expected" in ack.reason and owner.version == 0
+    assert (
+        ack.accepted
+        and "K = 3 lowered to the 1 learners expected" in ack.reason
+        and owner.version == 0
+    )
     clock.advance(0.5)
-    assert (await owner.contribute(B, contribution(delta, shapes[0], owner=owner))).accepted  # missed by the view
+    assert (
+        await owner.contribute(B, contribution(delta, shapes[0], owner=owner))
+    ).accepted  # missed by the view
     await owner.tick()
     assert owner.version == 0
     clock.advance(0.5)
@@ -378,7 +433,9 @@ async def test_a_lowered_quorum_waits_out_the_grace_window_before_closing() -> N
     assert owner.version == 1 and owner.merges == ["grace window elapsed with 2/1 contributions"]
 
 
-async def test_receive_answers_before_the_merge_it_completes_and_reused_buffers_merge_right() -> None:
+async def test_receive_answers_before_the_merge_it_completes_and_reused_buffers_merge_right() -> (
+    None
+):
     """``receive`` acknowledges the contribution that completes a round at once and merges in the
     background; the next round decodes into the buffers the first one freed, and both merges
     give exactly what ``contribute`` gives."""
@@ -399,7 +456,9 @@ async def test_receive_answers_before_the_merge_it_completes_and_reused_buffers_
     assert torch.equal(flat2, owner.theta)  # the published bytes are the merged state
 
 
-async def test_a_successor_knows_a_version_by_the_digest_learners_verified_from_its_predecessor() -> None:
+async def test_a_successor_knows_a_version_by_the_digest_learners_verified_from_its_predecessor() -> (
+    None
+):
     """Learners name a downloaded version by the digest its owner's signature covers (the sealed
     message's). The message holds no signer, time or nonce, so another owner sealing the same
     state (a successor after a handoff) knows the version by that same digest, and work
@@ -414,7 +473,9 @@ async def test_a_successor_knows_a_version_by_the_digest_learners_verified_from_
     assert ack.accepted, ack.reason
 
 
-async def test_a_merge_takes_each_contributions_norm_from_its_arrival_and_publishes_the_same_bits(monkeypatch) -> None:
+async def test_a_merge_takes_each_contributions_norm_from_its_arrival_and_publishes_the_same_bits(
+    monkeypatch,
+) -> None:
     """An owner measures each contribution's norm once, as it arrives, and its merge reuses it
     (norm64 over every fragment-sized buffer costs an owner as much as hashing it), as it does
     |Θ| from when it checked the last merge's result; the published state is bit for bit the
@@ -430,7 +491,10 @@ async def test_a_merge_takes_each_contributions_norm_from_its_arrival_and_publis
     monkeypatch.setattr(outer, "norm64", lambda t: measured.append(t.numel()) or norm64(t))
     numel = theta0.numel()
     for rnd in range(2):  # the second round decodes into the first round's buffers
-        deltas = [torch.randn(numel, generator=torch.Generator().manual_seed(10 * rnd + i)) * 0.01 for i in range(3)]
+        deltas = [
+            torch.randn(numel, generator=torch.Generator().manual_seed(10 * rnd + i)) * 0.01
+            for i in range(3)
+        ]
         before, measured[:] = owner.theta.clone(), []
         for who, d in zip((A, B, C), deltas, strict=True):
             await owner.contribute(who, contribution(d, shapes[0], base_version=rnd, owner=owner))
@@ -439,7 +503,9 @@ async def test_a_merge_takes_each_contributions_norm_from_its_arrival_and_publis
         # previous merge's, measured as its result was checked for NaN/Inf), and the aggregate's
         # not at all: no longer than its longest delta, it cannot break the bound of |Θ|
         assert measured == ([numel] if rnd == 0 else []), (rnd, measured)
-        replayed = merge_update(before, None, deltas, [1.0] * 3, [1.0] * 3, owner.outer_cfg, embedding=False)
+        replayed = merge_update(
+            before, None, deltas, [1.0] * 3, [1.0] * 3, owner.outer_cfg, embedding=False
+        )
         assert torch.equal(owner.theta, replayed.theta)
 
 
@@ -459,18 +525,28 @@ async def test_our_own_learners_contribution_is_taken_without_a_copy_and_never_r
     kept = own.clone()
     msg = contribution(own, shapes[0], base_version=0, owner=owner)
     assert (await owner.contribute(A, msg, own)).accepted
-    assert (await twin.contribute(A, contribution(own, shapes[0], base_version=0, owner=twin))).accepted
+    assert (
+        await twin.contribute(A, contribution(own, shapes[0], base_version=0, owner=twin))
+    ).accepted
     assert owner.version == twin.version == 1 and torch.equal(owner.theta, twin.theta)
     assert all(spare is not own for spare in owner._spare)
-    for rnd, who in enumerate((B, C), start=1):  # later contributions decode into spares, never into ``own``
+    for rnd, who in enumerate(
+        (B, C), start=1
+    ):  # later contributions decode into spares, never into ``own``
         d = torch.randn(numel, generator=torch.Generator().manual_seed(10 + rnd)) * 0.01
-        assert (await owner.contribute(who, contribution(d, shapes[0], base_version=rnd, owner=owner))).accepted
+        assert (
+            await owner.contribute(who, contribution(d, shapes[0], base_version=rnd, owner=owner))
+        ).accepted
     assert torch.equal(own, kept)
     with pytest.raises(DecodeError, match="flat fp32 vector"):
-        await owner.contribute(A, contribution(own, shapes[0], base_version=3, owner=owner), own[:-1])
+        await owner.contribute(
+            A, contribution(own, shapes[0], base_version=3, owner=owner), own[:-1]
+        )
 
 
-async def test_fp32_contributions_are_merged_where_they_arrived_and_their_bodies_pooled_after() -> None:
+async def test_fp32_contributions_are_merged_where_they_arrived_and_their_bodies_pooled_after() -> (
+    None
+):
     """An fp32 contribution read into a request body is merged as a view of that body (no
     decode copy): the same state as one decoded by copy, and the body's buffer goes back to the
     pool only once the request has ended and the merge no longer holds the view."""
@@ -484,7 +560,9 @@ async def test_fp32_contributions_are_merged_where_they_arrived_and_their_bodies
     for o in (owner, twin):
         await o.set_expected(2)
     pool, numel = BufferPool(), theta0.numel()
-    deltas = [torch.randn(numel, generator=torch.Generator().manual_seed(20 + i)) * 0.01 for i in range(2)]
+    deltas = [
+        torch.randn(numel, generator=torch.Generator().manual_seed(20 + i)) * 0.01 for i in range(2)
+    ]
     bodies = []
     for who, d in zip((A, B), deltas, strict=True):
         buf = bytearray(encode(contribution(d, shapes[0], base_version=0, owner=owner)).tobytes())
@@ -498,12 +576,16 @@ async def test_fp32_contributions_are_merged_where_they_arrived_and_their_bodies
         del msg
         body.end()
         bodies.append(buf)
-        if who == A:  # one contribution of a quorum of two: its view waits in the merger, holding the body
+        if (
+            who == A
+        ):  # one contribution of a quorum of two: its view waits in the merger, holding the body
             gc.collect()
             await asyncio.sleep(0)
             assert not any(f is buf for f in pool._free)
     for who, d in zip((A, B), deltas, strict=True):
-        assert (await twin.contribute(who, contribution(d, shapes[0], base_version=0, owner=twin))).accepted
+        assert (
+            await twin.contribute(who, contribution(d, shapes[0], base_version=0, owner=twin))
+        ).accepted
     await owner.settled()
     assert owner.version == twin.version == 1 and torch.equal(owner.theta, twin.theta)
     assert owner._spare == []  # a view of a body is never kept as a spare buffer
@@ -524,12 +606,16 @@ async def test_a_senders_last_contribution_waits_for_the_others_once() -> None:
     _, shapes, clock, theta0, owner = _setup(quorum=1)
     delta = torch.full_like(theta0, 0.01)
     await owner.set_expected(2)
-    ack = await owner.contribute(A, dataclasses.replace(contribution(delta, shapes[0], owner=owner), last=True))
+    ack = await owner.contribute(
+        A, dataclasses.replace(contribution(delta, shapes[0], owner=owner), last=True)
+    )
     assert ack.accepted and owner.version == 0 and owner.merger.phase is Phase.GRACE  # waits for B
     await owner.contribute(B, contribution(delta, shapes[0], owner=owner))
     assert owner.version == 1  # both in: merged at once, in one round
-    ack = await owner.contribute(A, dataclasses.replace(contribution(delta, shapes[0], base_version=1, owner=owner),
-                                                        last=True))
+    ack = await owner.contribute(
+        A,
+        dataclasses.replace(contribution(delta, shapes[0], base_version=1, owner=owner), last=True),
+    )
     clock.advance(1.0)  # its grace window (0.5 * 2 steps * 1 s), not last_wait_s (3 s)
     await owner.tick()
     assert ack.accepted and owner.version == 2  # a second "last" from A is not honoured
@@ -547,13 +633,17 @@ async def test_a_refused_last_contribution_does_not_spend_the_senders_mark() -> 
     delta = torch.full_like(theta0, 0.01)
     await owner.set_expected(2)
     assert (await owner.contribute(A, contribution(delta, shapes[0], owner=owner))).accepted
-    ack = await owner.contribute(A, dataclasses.replace(contribution(delta, shapes[0], owner=owner), last=True))
+    ack = await owner.contribute(
+        A, dataclasses.replace(contribution(delta, shapes[0], owner=owner), last=True)
+    )
     assert not ack.accepted and "duplicate" in ack.reason
     clock.advance(1.0)
     await owner.tick()
     assert owner.version == 1
-    ack = await owner.contribute(A, dataclasses.replace(contribution(delta, shapes[0], base_version=1, owner=owner),
-                                                        last=True))
+    ack = await owner.contribute(
+        A,
+        dataclasses.replace(contribution(delta, shapes[0], base_version=1, owner=owner), last=True),
+    )
     assert ack.accepted and owner.merger.phase is Phase.GRACE
     clock.advance(1.0)  # past its grace window (1 s), within last_wait_s (3 s): still waiting for B
     await owner.tick()
@@ -565,8 +655,13 @@ async def test_a_refused_last_contribution_does_not_spend_the_senders_mark() -> 
 # --- issue 47: no member can steer a merge ------------------------------------------------------
 
 
-def _node_owner(clock: FakeClock, initial: torch.Tensor, shapes: list[list[tuple[int, ...]]], plan,  # type: ignore[no-untyped-def]
-                version: int = 0):
+def _node_owner(
+    clock: FakeClock,
+    initial: torch.Tensor,
+    shapes: list[list[tuple[int, ...]]],
+    plan,  # type: ignore[no-untyped-def]
+    version: int = 0,
+):
     """A ``FragmentOwner`` configured as the node configures one from ``RunConfig``'s defaults
     (``OwnedFragments._merge_cfg``/``_outer_cfg``): plain averaging, ``normed``, K = 1 at half
     the learners, steps bounded to 2H, max_tokens_per_step set as a swarm sets it."""
@@ -576,13 +671,33 @@ def _node_owner(clock: FakeClock, initial: torch.Tensor, shapes: list[list[tuple
     from tests.node.fakes import SWARM
 
     c = RunConfig(max_tokens_per_step=1024)
-    cfg = MergeConfig(quorum=c.quorum, quorum_fraction=c.merge_quorum_fraction, gamma=c.grace_gamma, tau=c.grace_tau,
-                      grace_cap_s=c.grace_cap_s, staleness_bound=c.staleness_bound, late_policy="carry",
-                      max_tokens_per_step=c.max_tokens_per_step, max_work_steps=c.merge_max_work_steps,
-                      max_claimed_steps=c.merge_max_claimed_steps, reference_min_steps=c.inner_steps // 2)
-    outer = OuterConfig(lr=c.outer_lr, momentum=c.outer_momentum, aggregate=c.aggregate, rda_max_gain=c.rda_max_gain)
-    return FragmentOwner(swarm=SWARM, fragment=plan.fragments[0], shapes=shapes[0], initial=initial, version=version,
-                         merge_cfg=cfg, outer_cfg=outer, signer=signer(1), clock=clock)
+    cfg = MergeConfig(
+        quorum=c.quorum,
+        quorum_fraction=c.merge_quorum_fraction,
+        gamma=c.grace_gamma,
+        tau=c.grace_tau,
+        grace_cap_s=c.grace_cap_s,
+        staleness_bound=c.staleness_bound,
+        late_policy="carry",
+        max_tokens_per_step=c.max_tokens_per_step,
+        max_work_steps=c.merge_max_work_steps,
+        max_claimed_steps=c.merge_max_claimed_steps,
+        reference_min_steps=c.inner_steps // 2,
+    )
+    outer = OuterConfig(
+        lr=c.outer_lr, momentum=c.outer_momentum, aggregate=c.aggregate, rda_max_gain=c.rda_max_gain
+    )
+    return FragmentOwner(
+        swarm=SWARM,
+        fragment=plan.fragments[0],
+        shapes=shapes[0],
+        initial=initial,
+        version=version,
+        merge_cfg=cfg,
+        outer_cfg=outer,
+        signer=signer(1),
+        clock=clock,
+    )
 
 
 def _direction(seed: int, like: torch.Tensor, norm: float) -> torch.Tensor:
@@ -591,8 +706,13 @@ def _direction(seed: int, like: torch.Tensor, norm: float) -> torch.Tensor:
     return v * (norm / float(v.norm()))
 
 
-async def _warm_node_owner(theta0: torch.Tensor, shapes: list[list[tuple[int, ...]]], plan,  # type: ignore[no-untyped-def]
-                           clock: FakeClock, honest_norm: float):
+async def _warm_node_owner(
+    theta0: torch.Tensor,
+    shapes: list[list[tuple[int, ...]]],
+    plan,  # type: ignore[no-untyped-def]
+    clock: FakeClock,
+    honest_norm: float,
+):
     """A node-configured owner after four honest rounds of one learner each (a warm history)."""
     H = RunConfig().inner_steps
     owner = _node_owner(clock, theta0, shapes, plan)
@@ -600,8 +720,12 @@ async def _warm_node_owner(theta0: torch.Tensor, shapes: list[list[tuple[int, ..
         clock.advance(20.0)
         await owner.set_expected(1)
         delta = _direction(i, theta0, honest_norm)
-        ack = await owner.contribute(bytes([0x10 + i]) * 32, contribution(delta, shapes[0], owner=owner,
-                                     base_version=owner.version, steps=H, tokens=H * 1024))
+        ack = await owner.contribute(
+            bytes([0x10 + i]) * 32,
+            contribution(
+                delta, shapes[0], owner=owner, base_version=owner.version, steps=H, tokens=H * 1024
+            ),
+        )
         assert ack.accepted and owner.version == i + 1
     return owner
 
@@ -633,18 +757,40 @@ async def test_issue_47_no_member_steers_a_merge_through_the_owner(case: str) ->
     await owner.set_expected(1 + len(honest))
     base = owner.version
     for j, peer in enumerate(honest):
-        await owner.contribute(peer, contribution(_direction(50 + j, theta0, honest_norm), shapes[0], owner=owner,
-                                                  base_version=base, steps=H, tokens=H * 1024))
-    ack = await owner.contribute(liar, contribution(before.clone(), shapes[0], owner=owner, base_version=base,
-                                                    steps=steps, tokens=steps * 1024))
+        await owner.contribute(
+            peer,
+            contribution(
+                _direction(50 + j, theta0, honest_norm),
+                shapes[0],
+                owner=owner,
+                base_version=base,
+                steps=H,
+                tokens=H * 1024,
+            ),
+        )
+    ack = await owner.contribute(
+        liar,
+        contribution(
+            before.clone(),
+            shapes[0],
+            owner=owner,
+            base_version=base,
+            steps=steps,
+            tokens=steps * 1024,
+        ),
+    )
     assert ack.accepted and owner.version == base + 1, ack.reason
     moved = float((owner.theta - before).norm()) / honest_norm
-    assert moved <= {"alone": 4.0, "beside two honest": 1.0, "fresh owner": 2.5}[case] * 1.0001, moved
+    assert moved <= {"alone": 4.0, "beside two honest": 1.0, "fresh owner": 2.5}[case] * 1.0001, (
+        moved
+    )
     assert owner.penalties[liar]["clipped"] == 1
 
 
 @pytest.mark.parametrize("codec", ["none", "int8"])
-async def test_a_contribution_far_out_of_bounds_is_refused_at_intake_and_counted(codec: str) -> None:
+async def test_a_contribution_far_out_of_bounds_is_refused_at_intake_and_counted(
+    codec: str,
+) -> None:
     """fp32 values near 3e38 (or int8 with a scale near 2.6e36) were acknowledged as accepted and
     only clipped at the merge: now refused as "out of bounds" (over 1000x the recent merged
     norms' median, or |Theta| with no history), counted against the sender, merging nothing."""
@@ -657,7 +803,13 @@ async def test_a_contribution_far_out_of_bounds_is_refused_at_intake_and_counted
     honest = torch.full_like(theta0, 0.01)
     assert (await owner.contribute(B, contribution(honest, shapes[0], owner=owner))).accepted
     assert owner.version == 1  # with a history, the bound is 1000x its median
-    ack = await owner.contribute(A, contribution(honest * 2000.0, shapes[0], owner=owner, base_version=1, codec=codec))
+    ack = await owner.contribute(
+        A, contribution(honest * 2000.0, shapes[0], owner=owner, base_version=1, codec=codec)
+    )
     assert not ack.accepted and "recent merged norms' median" in ack.reason
     assert owner.version == 1 and owner.penalties[A]["refused_out_of_bounds"] == 2
-    assert (await owner.contribute(A, contribution(honest * 3.0, shapes[0], owner=owner, base_version=1))).accepted
+    assert (
+        await owner.contribute(
+            A, contribution(honest * 3.0, shapes[0], owner=owner, base_version=1)
+        )
+    ).accepted

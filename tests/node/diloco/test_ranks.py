@@ -30,11 +30,19 @@ def _rank(rank: int, rendezvous: str, results: mp.Queue) -> None:  # type: ignor
         model = tiny_model()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
         plan = tiny_plan(model)
-        island = Island(model, optimizer, plan, lambda _out: None, IslandConfig(inner_steps=5)) if rank == 0 else None
+        island = (
+            Island(model, optimizer, plan, lambda _out: None, IslandConfig(inner_steps=5))
+            if rank == 0
+            else None
+        )
         ranks = IslandRanks(model, optimizer, plan, island)
         ranks.sync()
-        start = ranks.start_step(63 if rank == 0 else 0)  # rank 0 joined the swarm's schedule at step 63
-        results.put((rank, start, [lr_at(s, SCHEDULE, rewarm_from=start) for s in range(start, start + 3)]))
+        start = ranks.start_step(
+            63 if rank == 0 else 0
+        )  # rank 0 joined the swarm's schedule at step 63
+        results.put(
+            (rank, start, [lr_at(s, SCHEDULE, rewarm_from=start) for s in range(start, start + 3)])
+        )
         ranks.close()
     finally:
         dist.destroy_process_group()
@@ -47,7 +55,9 @@ def test_every_rank_starts_where_rank_0_joined_the_schedule(tmp_path: Path) -> N
     procs = [ctx.Process(target=_rank, args=(r, rendezvous, results)) for r in range(2)]
     for p in procs:
         p.start()
-    got = dict((rank, (start, rates)) for rank, start, rates in (results.get(timeout=90) for _ in procs))
+    got = dict(
+        (rank, (start, rates)) for rank, start, rates in (results.get(timeout=90) for _ in procs)
+    )
     for p in procs:
         p.join(30)
         assert p.exitcode == 0

@@ -31,38 +31,58 @@ A, B, C = (bytes([b]) * 32 for b in (0xA1, 0xB2, 0xC3))
 
 
 def _owner(plan, shapes, clock, initial, *, who, replicate=None, version=0, epoch=0, momentum=None):  # type: ignore[no-untyped-def]
-    return FragmentOwner(swarm=SWARM, fragment=plan.fragments[0], shapes=shapes[0], initial=initial,
-                         version=version, merge_cfg=MergeConfig(quorum=1, gamma=0.5, tau=2.0),
-                         outer_cfg=OuterConfig(lr=0.7, momentum=0.9), signer=who, clock=clock,
-                         epoch=epoch, momentum=momentum, replicate=replicate)
+    return FragmentOwner(
+        swarm=SWARM,
+        fragment=plan.fragments[0],
+        shapes=shapes[0],
+        initial=initial,
+        version=version,
+        merge_cfg=MergeConfig(quorum=1, gamma=0.5, tau=2.0),
+        outer_cfg=OuterConfig(lr=0.7, momentum=0.9),
+        signer=who,
+        clock=clock,
+        epoch=epoch,
+        momentum=momentum,
+        replicate=replicate,
+    )
 
 
 def _handing_to(store: ReplicaStore):  # type: ignore[no-untyped-def]
     """A primary's replicate callback: hand each version to ``store`` as signer 1."""
-    async def to_replica(state: ReplicaState, delta: ReplicaState | None = None,
-                         theta_digest: bytes | None = None) -> str | None:
+
+    async def to_replica(
+        state: ReplicaState, delta: ReplicaState | None = None, theta_digest: bytes | None = None
+    ) -> str | None:
         ack = store.offer(signer(1).peer_id, state)
         return None if ack.accepted else ack.reason
+
     return to_replica
 
 
-async def _merge_one(owner: FragmentOwner, clock: FakeClock, delta: torch.Tensor, shapes, sender: bytes) -> None:  # type: ignore[no-untyped-def]
-    ack = await owner.contribute(sender, contribution(delta, shapes[0], base_version=owner.version, owner=owner))
+async def _merge_one(
+    owner: FragmentOwner, clock: FakeClock, delta: torch.Tensor, shapes, sender: bytes
+) -> None:  # type: ignore[no-untyped-def]
+    ack = await owner.contribute(
+        sender, contribution(delta, shapes[0], base_version=owner.version, owner=owner)
+    )
     assert ack.accepted, ack.reason
     await owner.set_expected(1)
     clock.advance(30.0)
     await owner.tick()
 
 
-async def test_the_replica_takes_over_with_the_momentum_intact_and_matches_an_uninterrupted_owner() -> None:
+async def test_the_replica_takes_over_with_the_momentum_intact_and_matches_an_uninterrupted_owner() -> (
+    None
+):
     model = tiny_model()
     plan, clock = tiny_plan(model), FakeClock()
     shapes, theta0 = shapes_of(model, plan), flat_of(model, plan, 0)
     store = ReplicaStore(SWARM, [theta0.numel(), 0])
     handed: list[ReplicaState] = []
 
-    async def to_replica(state: ReplicaState, delta: ReplicaState | None = None,
-                         theta_digest: bytes | None = None) -> str | None:
+    async def to_replica(
+        state: ReplicaState, delta: ReplicaState | None = None, theta_digest: bytes | None = None
+    ) -> str | None:
         handed.append(state)
         ack = store.offer(signer(1).peer_id, state)
         return None if ack.accepted else ack.reason
@@ -73,14 +93,25 @@ async def test_the_replica_takes_over_with_the_momentum_intact_and_matches_an_un
     for d in deltas[:2]:
         await _merge_one(primary, clock, d, shapes, A)
         await _merge_one(reference, clock, d, shapes, A)
-    assert primary.version == 2 and [s.version for s in handed] == [1, 2]  # handed before publishing
+    assert primary.version == 2 and [s.version for s in handed] == [
+        1,
+        2,
+    ]  # handed before publishing
     # the primary accepted a contribution for version 3 and died before merging it
     await primary.set_expected(2)  # it waits for a second learner's contribution, in vain
     await primary.contribute(B, contribution(deltas[2], shapes[0], base_version=2, owner=primary))
 
     state = store.states[0]
-    replica = _owner(plan, shapes, clock, state.theta, who=signer(2), version=state.version,
-                     epoch=state.epoch + 1, momentum=state.momentum)
+    replica = _owner(
+        plan,
+        shapes,
+        clock,
+        state.theta,
+        who=signer(2),
+        version=state.version,
+        epoch=state.epoch + 1,
+        momentum=state.momentum,
+    )
     assert replica.version == 2 and replica.epoch == 1
     assert torch.equal(replica.theta, primary.theta) and torch.equal(replica.buffer, primary.buffer)
     assert replica.digests[2] & primary.digests[2]  # the same version 2, the same content
@@ -101,8 +132,9 @@ async def test_a_replaced_primary_is_fenced_and_publishes_nothing() -> None:
     assert primary.version == 1
     store.fence(0, epoch=1, version=1, digest=primary.digest_of(1))  # someone took over at epoch 1
     waiter_version = primary.version
-    await primary.contribute(C, contribution(torch.full_like(theta0, 0.02), shapes[0], base_version=1,
-                                             owner=primary))
+    await primary.contribute(
+        C, contribution(torch.full_like(theta0, 0.02), shapes[0], base_version=1, owner=primary)
+    )
     await primary.set_expected(1)
     clock.advance(30.0)
     await primary.tick()
@@ -110,7 +142,9 @@ async def test_a_replaced_primary_is_fenced_and_publishes_nothing() -> None:
     assert primary.fenced is not None and primary.fenced.startswith("fenced:") and primary.retired
 
 
-async def test_work_merged_into_a_handed_version_is_refused_by_the_successor_if_sent_again() -> None:
+async def test_work_merged_into_a_handed_version_is_refused_by_the_successor_if_sent_again() -> (
+    None
+):
     """The primary merged A's contribution, handed the version to its replica and died before
     publishing it. A (its in-flight contribution unanswered by a version) sends the same work
     again to the successor: the handoff named it as merged, so it is refused with "resync" and
@@ -124,19 +158,33 @@ async def test_work_merged_into_a_handed_version_is_refused_by_the_successor_if_
     await _merge_one(primary, clock, delta, shapes, A)
     handed = store.states[0]
     assert handed.version == 1 and handed.merged == {A: 0}
-    def successor() -> FragmentOwner:  # a peer that knew version 0, then takes over the handed state
-        return FragmentOwner(swarm=SWARM, fragment=plan.fragments[0], shapes=shapes[0], initial=theta0,
-                             merge_cfg=MergeConfig(quorum=2, gamma=0.5, tau=2.0),
-                             outer_cfg=OuterConfig(lr=0.7, momentum=0.9), signer=signer(2), clock=clock)
 
-    again = contribution(delta, shapes[0], base_version=0, owner=primary)  # measured against version 0
+    def successor() -> (
+        FragmentOwner
+    ):  # a peer that knew version 0, then takes over the handed state
+        return FragmentOwner(
+            swarm=SWARM,
+            fragment=plan.fragments[0],
+            shapes=shapes[0],
+            initial=theta0,
+            merge_cfg=MergeConfig(quorum=2, gamma=0.5, tau=2.0),
+            outer_cfg=OuterConfig(lr=0.7, momentum=0.9),
+            signer=signer(2),
+            clock=clock,
+        )
+
+    again = contribution(
+        delta, shapes[0], base_version=0, owner=primary
+    )  # measured against version 0
     told = successor()
     assert await told.take_over(handed)
     ack = await told.contribute(A, again)
     assert not ack.accepted and "merged already" in ack.reason
     ack = await told.contribute(B, contribution(delta, shapes[0], base_version=1, owner=told))
     assert ack.accepted, ack.reason
-    assert told.penalties[A]["refused_base"] == 1  # refused by the handed merged set, before the merger
+    assert (
+        told.penalties[A]["refused_base"] == 1
+    )  # refused by the handed merged set, before the merger
 
 
 async def test_a_retiring_owner_lets_a_merge_under_way_publish_or_publishes_nothing() -> None:
@@ -151,14 +199,22 @@ async def test_a_retiring_owner_lets_a_merge_under_way_publish_or_publishes_noth
     for wait_s, published in ((5.0, True), (0.05, False)):
         release = asyncio.Event()
 
-        async def slow_replica(state: ReplicaState, delta: ReplicaState | None = None,
-                               theta_digest: bytes | None = None, release: asyncio.Event = release) -> str | None:
+        async def slow_replica(
+            state: ReplicaState,
+            delta: ReplicaState | None = None,
+            theta_digest: bytes | None = None,
+            release: asyncio.Event = release,
+        ) -> str | None:
             await release.wait()  # the handoff is under way
             return None
 
         owner = _owner(plan, shapes, clock, theta0, who=signer(1), replicate=slow_replica)
-        await owner.contribute(A, contribution(torch.linspace(-0.05, 0.05, theta0.numel()), shapes[0],
-                                               base_version=0, owner=owner))
+        await owner.contribute(
+            A,
+            contribution(
+                torch.linspace(-0.05, 0.05, theta0.numel()), shapes[0], base_version=0, owner=owner
+            ),
+        )
         merging = asyncio.ensure_future(owner.set_expected(1))  # closes the round: the merge starts
         await asyncio.sleep(0.1)
         assert owner.merger.phase is Phase.MERGING
@@ -194,7 +250,9 @@ async def test_a_successor_takes_its_predecessors_state_of_the_version_it_holds_
         assert successor.state().digest == predecessor.state().digest == store.held[0].digest
 
 
-async def test_a_whole_fp32_handoff_is_known_to_hash_to_its_digest_from_the_digest_its_seal_computed() -> None:
+async def test_a_whole_fp32_handoff_is_known_to_hash_to_its_digest_from_the_digest_its_seal_computed() -> (
+    None
+):
     """The owner hashes a version's bytes once: the seal of its handoff reuses that digest, the
     replica's verified body yields it as the blobs' digest at no cost, and the store records the
     state as hashed, so its learner takes it without hashing it again. With momentum, another
@@ -205,35 +263,66 @@ async def test_a_whole_fp32_handoff_is_known_to_hash_to_its_digest_from_the_dige
     store = ReplicaStore(SWARM, [theta0.numel(), 0])
     handed: list[tuple[ReplicaState, bytes | None]] = []
 
-    async def to_replica(state: ReplicaState, delta: ReplicaState | None = None,
-                         theta_digest: bytes | None = None) -> str | None:
+    async def to_replica(
+        state: ReplicaState, delta: ReplicaState | None = None, theta_digest: bytes | None = None
+    ) -> str | None:
         handed.append((state, theta_digest))
         return None
 
-    owner = FragmentOwner(swarm=SWARM, fragment=plan.fragments[0], shapes=shapes[0], initial=theta0,
-                          merge_cfg=MergeConfig(quorum=1, gamma=0.5, tau=2.0), outer_cfg=OuterConfig(lr=1.0, momentum=0.0),
-                          signer=signer(1), clock=clock, replicate=to_replica)
+    owner = FragmentOwner(
+        swarm=SWARM,
+        fragment=plan.fragments[0],
+        shapes=shapes[0],
+        initial=theta0,
+        merge_cfg=MergeConfig(quorum=1, gamma=0.5, tau=2.0),
+        outer_cfg=OuterConfig(lr=1.0, momentum=0.0),
+        signer=signer(1),
+        clock=clock,
+        replicate=to_replica,
+    )
     await _merge_one(owner, clock, torch.linspace(-0.05, 0.05, theta0.numel()), shapes, A)
-    (state, theta_digest), = handed
+    ((state, theta_digest),) = handed
     assert theta_digest == state.digest == flat_digest(owner.theta)
-    wire = seal(encode(state), signer(1), now=1e6, nonce=bytes(16), blobs_digest=theta_digest).tobytes()
+    wire = seal(
+        encode(state), signer(1), now=1e6, nonce=bytes(16), blobs_digest=theta_digest
+    ).tobytes()
     opened = verify_sealed(wire, max_size=1 << 24)  # the receiver computes the same digests itself
-    assert opened.blobs_digest == state.digest and store.hashes_to_digest(state, opened.blobs_digest)
+    assert opened.blobs_digest == state.digest and store.hashes_to_digest(
+        state, opened.blobs_digest
+    )
     assert store.offer(signer(1).peer_id, state, hashed=True).accepted
     assert store.version_from(0, signer(1).peer_id).hashed  # type: ignore[union-attr]
-    reference = dataclasses.replace(state, theta=(), base_version=state.version, base_digest=state.digest)
+    reference = dataclasses.replace(
+        state, theta=(), base_version=state.version, base_digest=state.digest
+    )
     assert store.hashes_to_digest(reference, None)  # a reference to a state held as hashed
     assert not store.hashes_to_digest(state, bytes(32))  # another body digest
-    momentum = encode_state(swarm=SWARM, fragment=0, epoch=0, version=1, digest=state.digest,
-                            theta=owner.theta, momentum=torch.zeros_like(owner.theta))
+    momentum = encode_state(
+        swarm=SWARM,
+        fragment=0,
+        epoch=0,
+        version=1,
+        digest=state.digest,
+        theta=owner.theta,
+        momentum=torch.zeros_like(owner.theta),
+    )
     assert not store.hashes_to_digest(momentum, message_digests(encode(momentum).tobytes()).blobs)
     store.states[0] = dataclasses.replace(store.states[0], hashed=False)
     assert not store.hashes_to_digest(reference, None)  # the held state was not known to hash so
 
     # an owner whose versions go out as bf16: its state digest is not its fp32 bytes' hash
-    bf16 = FragmentOwner(swarm=SWARM, fragment=plan.fragments[0], shapes=shapes[0], initial=theta0,
-                         merge_cfg=MergeConfig(quorum=1, gamma=0.5, tau=2.0), outer_cfg=OuterConfig(lr=1.0, momentum=0.0),
-                         signer=signer(1), clock=clock, replicate=to_replica, download_codec="bf16")
+    bf16 = FragmentOwner(
+        swarm=SWARM,
+        fragment=plan.fragments[0],
+        shapes=shapes[0],
+        initial=theta0,
+        merge_cfg=MergeConfig(quorum=1, gamma=0.5, tau=2.0),
+        outer_cfg=OuterConfig(lr=1.0, momentum=0.0),
+        signer=signer(1),
+        clock=clock,
+        replicate=to_replica,
+        download_codec="bf16",
+    )
     await _merge_one(bf16, clock, torch.linspace(-0.05, 0.05, theta0.numel()), shapes, A)
     assert handed[-1][1] is None
 
@@ -272,19 +361,25 @@ async def test_a_version_handed_out_as_final_stays_final_with_the_successor() ->
     assert predecessor.snapshot().final
     successor = await hand_on(predecessor)
     assert successor.version == 1 and successor.holds_final()
-    late = await successor.contribute(C, contribution(delta, shapes[0], base_version=1, owner=successor))
+    late = await successor.contribute(
+        C, contribution(delta, shapes[0], base_version=1, owner=successor)
+    )
     assert not late.accepted and "version 1 was handed out as final" in late.reason
     await successor.set_expected(1)
     clock.advance(30.0)
     await successor.tick()
-    assert successor.version == 1 and successor.digest_of(1) == predecessor.digest_of(1)  # one model
+    assert successor.version == 1 and successor.digest_of(1) == predecessor.digest_of(
+        1
+    )  # one model
 
     # a handoff of a version that was not handed out as final: the successor merges late work
     fresh = _owner(plan, shapes, clock, theta0, who=signer(1))
     await _merge_one(fresh, clock, delta, shapes, A)
     taken = await hand_on(fresh)
     assert not taken.holds_final()
-    assert (await taken.contribute(C, contribution(delta, shapes[0], base_version=1, owner=taken))).accepted
+    assert (
+        await taken.contribute(C, contribution(delta, shapes[0], base_version=1, owner=taken))
+    ).accepted
     # nor once the predecessor's hold has lapsed (an idle swarm joined much later merges again)
     clock.advance(FINAL_HOLD_S)
     assert not predecessor.holds_final() and not predecessor.snapshot().final
@@ -316,10 +411,14 @@ async def test_a_new_owner_merges_nothing_before_its_predecessors_handoff() -> N
     delta = torch.linspace(-0.05, 0.05, theta0.numel())
 
     async def successor_with_late_work(predecessor: FragmentOwner, *, hold: bool) -> FragmentOwner:
-        successor = _owner(plan, shapes, clock, predecessor.theta, who=signer(2), version=1, epoch=1)
+        successor = _owner(
+            plan, shapes, clock, predecessor.theta, who=signer(2), version=1, epoch=1
+        )
         if hold:
             successor.hold_first_merge(6.0)
-        ack = await successor.contribute(C, contribution(delta, shapes[0], base_version=1, owner=successor))
+        ack = await successor.contribute(
+            C, contribution(delta, shapes[0], base_version=1, owner=successor)
+        )
         assert ack.accepted, ack.reason
         await successor.set_expected(1)
         clock.advance(2.0)
@@ -358,7 +457,9 @@ async def test_a_new_owner_merges_nothing_before_its_predecessors_handoff() -> N
     assert orphan.version == 2
 
 
-async def test_a_state_from_an_earlier_tenure_is_not_offered_to_the_learner_once_the_store_is_fenced_past_it() -> None:
+async def test_a_state_from_an_earlier_tenure_is_not_offered_to_the_learner_once_the_store_is_fenced_past_it() -> (
+    None
+):
     """Ownership moved 1 -> this peer -> 1 again: the state 1 handed over in its first tenure is
     not 1's latest, so this peer's learner must not take it as 1's version (a resync asking for
     "the latest" took it, went back to version 0, and was refused by 1 as unknown for ever, in
@@ -369,15 +470,29 @@ async def test_a_state_from_an_earlier_tenure_is_not_offered_to_the_learner_once
     store = ReplicaStore(SWARM, [theta0.numel(), 0])
     first = _owner(plan, shapes, clock, theta0, who=signer(1), replicate=_handing_to(store))
     await _merge_one(first, clock, torch.linspace(-0.05, 0.05, theta0.numel()), shapes, A)
-    assert store.version_from(0, signer(1).peer_id) is store.states[0] and store.states[0].version == 1
+    assert (
+        store.version_from(0, signer(1).peer_id) is store.states[0] and store.states[0].version == 1
+    )
     store.fence(0, 1, 1, first.digest_of(1))  # this peer owns fragment 0 now, at epoch 1
     assert store.version_from(0, signer(1).peer_id) is None
     assert store.states[0].version == 1  # still held: a takeover of it is not refused
-    later = _owner(plan, shapes, clock, first.theta.clone(), who=signer(1), replicate=_handing_to(store),
-                   version=3, epoch=2)
+    later = _owner(
+        plan,
+        shapes,
+        clock,
+        first.theta.clone(),
+        who=signer(1),
+        replicate=_handing_to(store),
+        version=3,
+        epoch=2,
+    )
     await _merge_one(later, clock, torch.linspace(0.05, -0.05, theta0.numel()), shapes, B)
     got = store.version_from(0, signer(1).peer_id)
-    assert got is not None and (got.epoch, got.version) == (2, 4) and torch.equal(got.theta, later.theta)
+    assert (
+        got is not None
+        and (got.epoch, got.version) == (2, 4)
+        and torch.equal(got.theta, later.theta)
+    )
 
 
 # --- the clip reference and the standing survive owner changes (issue 47) ------------------------
@@ -385,18 +500,34 @@ async def test_a_state_from_an_earlier_tenure_is_not_offered_to_the_learner_once
 D, E = (bytes([b]) * 32 for b in (0xD4, 0xE5))
 
 
-def _plain_owner(plan, shapes, clock, initial, *, who, replicate=None, version=0, epoch=0, **carried):  # type: ignore[no-untyped-def]
+def _plain_owner(
+    plan, shapes, clock, initial, *, who, replicate=None, version=0, epoch=0, **carried
+):  # type: ignore[no-untyped-def]
     """An owner at the node's defaults for the outer step (lr 1, no momentum): a version's update
     is its aggregate, so the bound on a step reads directly as a bound on the aggregate."""
-    return FragmentOwner(swarm=SWARM, fragment=plan.fragments[0], shapes=shapes[0], initial=initial,
-                         version=version, merge_cfg=MergeConfig(quorum=1, gamma=0.5, tau=2.0),
-                         outer_cfg=OuterConfig(lr=1.0, momentum=0.0), signer=who, clock=clock, epoch=epoch,
-                         replicate=replicate, **carried)
+    return FragmentOwner(
+        swarm=SWARM,
+        fragment=plan.fragments[0],
+        shapes=shapes[0],
+        initial=initial,
+        version=version,
+        merge_cfg=MergeConfig(quorum=1, gamma=0.5, tau=2.0),
+        outer_cfg=OuterConfig(lr=1.0, momentum=0.0),
+        signer=who,
+        clock=clock,
+        epoch=epoch,
+        replicate=replicate,
+        **carried,
+    )
 
 
-async def _round(owner: FragmentOwner, clock: FakeClock, work: dict[bytes, torch.Tensor], shapes) -> None:  # type: ignore[no-untyped-def]
+async def _round(
+    owner: FragmentOwner, clock: FakeClock, work: dict[bytes, torch.Tensor], shapes
+) -> None:  # type: ignore[no-untyped-def]
     for sender, delta in work.items():
-        ack = await owner.contribute(sender, contribution(delta, shapes[0], base_version=owner.version, owner=owner))
+        ack = await owner.contribute(
+            sender, contribution(delta, shapes[0], base_version=owner.version, owner=owner)
+        )
         assert ack.accepted, ack.reason
     await owner.set_expected(len(work))
     clock.advance(30.0)
@@ -412,8 +543,12 @@ async def _predecessor_with_history(store: ReplicaStore, plan, shapes, clock, th
     primary = _plain_owner(plan, shapes, clock, theta0, who=signer(1), replicate=_handing_to(store))
     n = theta0.numel()
     for r in range(5):
-        await _round(primary, clock, {A: _honest(n, 2 * r), B: _honest(n, 2 * r + 1), E: 20 * _honest(n, 99 + r)},
-                     shapes)
+        await _round(
+            primary,
+            clock,
+            {A: _honest(n, 2 * r), B: _honest(n, 2 * r + 1), E: 20 * _honest(n, 99 + r)},
+            shapes,
+        )
     assert primary.version == 5 and primary.penalties[E]["clipped"] == 5
     return primary
 
@@ -421,6 +556,7 @@ async def _predecessor_with_history(store: ReplicaStore, plan, shapes, clock, th
 def _handed_over_the_wire(primary: FragmentOwner, store: ReplicaStore):  # type: ignore[no-untyped-def]
     """The retiring primary's snapshot, encoded and decoded as on the wire, taken by the successor's store."""
     from protocol.wire import codec
+
     msg = codec.decode(codec.encode(primary.snapshot()).tobytes(), max_size=1 << 26)
     assert isinstance(msg, ReplicaState)
     assert store.offer(signer(1).peer_id, msg, successor=True).accepted
@@ -439,18 +575,31 @@ async def test_a_successor_taking_over_clips_an_oversized_contribution_in_its_fi
     primary = await _predecessor_with_history(store, plan, shapes, clock, theta0)
     honest = max(float(_honest(theta0.numel(), s).norm()) for s in range(10))
     # the successor started from the swarm's version 0 (no handoff yet), then the retiring primary's state came
-    successor = _plain_owner(plan, shapes, clock, theta0, who=signer(2), replicate=_handing_to(ReplicaStore(SWARM, [theta0.numel(), 0])))
+    successor = _plain_owner(
+        plan,
+        shapes,
+        clock,
+        theta0,
+        who=signer(2),
+        replicate=_handing_to(ReplicaStore(SWARM, [theta0.numel(), 0])),
+    )
     assert await successor.take_over(_handed_over_the_wire(primary, store))
     before = successor.theta.clone()
-    await _round(successor, clock, {D: 30 * _honest(theta0.numel(), 7)}, shapes)  # D alone, in its first round
+    await _round(
+        successor, clock, {D: 30 * _honest(theta0.numel(), 7)}, shapes
+    )  # D alone, in its first round
     assert successor.version == 6
     step = float((successor.theta - before).norm())
-    assert successor.penalties[D]["clipped"] == 1, "the successor's first round did not clip a 30x contribution"
+    assert successor.penalties[D]["clipped"] == 1, (
+        "the successor's first round did not clip a 30x contribution"
+    )
     assert step <= 4.0 * honest * 1.01  # clip_multiple x the honest norms, not 30x
     assert successor.merger.reference() and len(successor.merger.reference()) >= 2
 
 
-async def test_a_successor_built_from_a_handoff_has_the_reference_and_refuses_a_sender_of_low_standing() -> None:
+async def test_a_successor_built_from_a_handoff_has_the_reference_and_refuses_a_sender_of_low_standing() -> (
+    None
+):
     model = tiny_model()
     plan, clock = tiny_plan(model), FakeClock()
     shapes, theta0 = shapes_of(model, plan), flat_of(model, plan, 0)
@@ -459,20 +608,32 @@ async def test_a_successor_built_from_a_handoff_has_the_reference_and_refuses_a_
     assert primary.standing.refused(E, version=primary.version) is not None  # clipped every round
     handed = _handed_over_the_wire(primary, store)
     assert handed.norms == primary.merger.reference() and handed.norms
-    successor = _plain_owner(plan, shapes, clock, handed.theta, who=signer(2), version=handed.version,
-                             epoch=handed.epoch + 1, reference=handed.norms, standing=handed.standing)
+    successor = _plain_owner(
+        plan,
+        shapes,
+        clock,
+        handed.theta,
+        who=signer(2),
+        version=handed.version,
+        epoch=handed.epoch + 1,
+        reference=handed.norms,
+        standing=handed.standing,
+    )
     assert successor.merger.reference() == primary.merger.reference()
     assert successor.standing.score(E, version=5) == primary.standing.score(E, version=5) < 0
     assert successor.standing.score(A, version=5) > 0
-    ack = await successor.contribute(E, contribution(_honest(theta0.numel(), 3), shapes[0], base_version=5,
-                                                     owner=successor))
+    ack = await successor.contribute(
+        E, contribution(_honest(theta0.numel(), 3), shapes[0], base_version=5, owner=successor)
+    )
     assert not ack.accepted and "standing" in ack.reason
     assert successor.penalties[E]["refused_standing"] == 1
     status = successor.standing_status()
     assert status["refused"] == 1 and status["lowest"][0]["peer"] == E.hex()[:16]  # type: ignore[index]
 
 
-async def test_a_hostile_predecessors_huge_reference_is_ignored_for_the_updates_the_successor_measures() -> None:
+async def test_a_hostile_predecessors_huge_reference_is_ignored_for_the_updates_the_successor_measures() -> (
+    None
+):
     """A predecessor hands a reference some 30x the real norms, though shorter than the fragment
     (its next contribution would pass the clip): the successor, holding the version before,
     measures the last update itself and seeds from that instead."""
@@ -481,9 +642,13 @@ async def test_a_hostile_predecessors_huge_reference_is_ignored_for_the_updates_
     shapes, theta0 = shapes_of(model, plan), flat_of(model, plan, 0)
     store = ReplicaStore(SWARM, [theta0.numel(), 0])
     primary = _plain_owner(plan, shapes, clock, theta0, who=signer(1), replicate=_handing_to(store))
-    await _round(primary, clock, {A: _honest(theta0.numel(), 0), B: _honest(theta0.numel(), 1)}, shapes)
+    await _round(
+        primary, clock, {A: _honest(theta0.numel(), 0), B: _honest(theta0.numel(), 1)}, shapes
+    )
     successor = _plain_owner(plan, shapes, clock, primary.theta.clone(), who=signer(2), version=1)
-    await _round(primary, clock, {A: _honest(theta0.numel(), 2), B: _honest(theta0.numel(), 3)}, shapes)
+    await _round(
+        primary, clock, {A: _honest(theta0.numel(), 2), B: _honest(theta0.numel(), 3)}, shapes
+    )
     hostile = 0.9 * float(primary.theta.norm())
     handed = dataclasses.replace(_handed_over_the_wire(primary, store), norms=(hostile,) * 3)
     assert await successor.take_over(handed)
@@ -491,12 +656,16 @@ async def test_a_hostile_predecessors_huge_reference_is_ignored_for_the_updates_
     assert reference and max(reference) < hostile / 10 and "ignored" in successor.reference_note
 
 
-async def test_a_handed_reference_longer_than_the_fragment_is_dropped_when_nothing_can_be_measured() -> None:
+async def test_a_handed_reference_longer_than_the_fragment_is_dropped_when_nothing_can_be_measured() -> (
+    None
+):
     """A hostile predecessor hands a reference of norms longer than the fragment itself to a
     successor that holds no earlier version to measure against: dropped all the same."""
     model = tiny_model()
     plan, clock = tiny_plan(model), FakeClock()
     shapes, theta0 = shapes_of(model, plan), flat_of(model, plan, 0)
     huge = 10 * float(theta0.norm())
-    owner = _plain_owner(plan, shapes, clock, theta0, who=signer(2), version=3, reference=(huge,) * 4)
+    owner = _plain_owner(
+        plan, shapes, clock, theta0, who=signer(2), version=3, reference=(huge,) * 4
+    )
     assert owner.merger.reference() == () and "dropped" in owner.reference_note

@@ -39,8 +39,11 @@ from tests.node.fakes import (
 )
 
 OWNER, HOLDER, HOLDER2, ME = signer(1), signer(2), signer(3), signer(7)
-URLS = {OWNER.peer_id: "http://owner.test", HOLDER.peer_id: "http://holder.test",
-        HOLDER2.peer_id: "http://holder2.test"}
+URLS = {
+    OWNER.peer_id: "http://owner.test",
+    HOLDER.peer_id: "http://holder.test",
+    HOLDER2.peer_id: "http://holder2.test",
+}
 
 
 @dataclasses.dataclass
@@ -56,7 +59,9 @@ class FakePeer:
     busy: bool = False  # answer 429
     asked: list[str] = dataclasses.field(default_factory=list)
 
-    async def handle(self, method: str, path: str, query: dict[str, str], body: bytes) -> tuple[int, bytes]:
+    async def handle(
+        self, method: str, path: str, query: dict[str, str], body: bytes
+    ) -> tuple[int, bytes]:
         kind = path.rsplit("/", 1)[-1]
         self.asked.append(kind + ("+fallback" if query.get("fallback") == "1" else ""))
         if self.busy:
@@ -73,7 +78,9 @@ class FakePeer:
 class HeaderTransport(MemoryTransport):
     """``MemoryTransport`` that also answers a pointer's version header."""
 
-    async def request(self, method: str, url: str, **kw: Any) -> tuple[int, bytearray, int, dict[str, str]]:
+    async def request(
+        self, method: str, url: str, **kw: Any
+    ) -> tuple[int, bytearray, int, dict[str, str]]:
         status, buf, used, headers = await super().request(method, url, **kw)
         peer = self.peers[url.split("/v1/")[0]]
         if status == POINTER_STATUS and getattr(peer, "pointed", None) is not None:
@@ -86,18 +93,32 @@ class Rig:
         model = tiny_model()
         plan = tiny_plan(model)
         self.shapes = shapes_of(model, plan)
-        self.owner = make_owner(plan, self.shapes, 0, flat_of(model, plan, 0), FakeClock(), who=OWNER)
+        self.owner = make_owner(
+            plan, self.shapes, 0, flat_of(model, plan, 0), FakeClock(), who=OWNER
+        )
         self.signed = self.owner.latest.tobytes()  # version 0, sealed by the owner
-        island = Island(model, torch.optim.AdamW(model.parameters()), plan, lambda _o: None,
-                        IslandConfig(inner_steps=4))
+        island = Island(
+            model,
+            torch.optim.AdamW(model.parameters()),
+            plan,
+            lambda _o: None,
+            IslandConfig(inner_steps=4),
+        )
         self.transport = HeaderTransport()
         self.peers = {pid: FakePeer() for pid in URLS}
         for pid, url in URLS.items():
             self.transport.add(url, self.peers[pid])  # type: ignore[arg-type]
         self.holdings = Holdings(len(plan.fragments), self.transport.pool, fanout=2)  # type: ignore[arg-type]
-        self.net = IslandNet(island, self.transport, ME, swarm=SWARM, shapes=self.shapes,  # type: ignore[arg-type]
-                             owner_of=lambda p: (OWNER.peer_id, URLS[OWNER.peer_id]),
-                             holdings=self.holdings, url_of=URLS.get)
+        self.net = IslandNet(
+            island,
+            self.transport,
+            ME,
+            swarm=SWARM,
+            shapes=self.shapes,  # type: ignore[arg-type]
+            owner_of=lambda p: (OWNER.peer_id, URLS[OWNER.peer_id]),
+            holdings=self.holdings,
+            url_of=URLS.get,
+        )
 
     def forged(self) -> bytes:
         """The same state, sealed by the holder instead of the owner."""
@@ -114,7 +135,9 @@ async def test_a_pointed_learner_takes_the_owners_version_from_a_holder_and_keep
     assert got is not None and got[0] == 0
     assert torch.equal(got[1], rig.owner.theta)
     assert rig.net.spread.from_holders == 1 and rig.net.spread.fallbacks_asked == 0
-    assert rig.peers[OWNER.peer_id].asked == ["next"] and rig.peers[HOLDER.peer_id].asked == ["held"]
+    assert rig.peers[OWNER.peer_id].asked == ["next"] and rig.peers[HOLDER.peer_id].asked == [
+        "held"
+    ]
     assert rig.holdings.version(0) == 0  # kept, to serve the learners pointed at us
 
 
@@ -132,11 +155,16 @@ async def test_a_version_a_holder_signed_itself_is_refused_and_the_owner_asked_a
 async def test_pointers_are_followed_from_holder_to_holder() -> None:
     rig = Rig()
     rig.peers[OWNER.peer_id].pointer = [HOLDER.peer_id]
-    rig.peers[HOLDER.peer_id].pointer = [HOLDER2.peer_id, OWNER.peer_id]  # the owner is never asked as a holder
+    rig.peers[HOLDER.peer_id].pointer = [
+        HOLDER2.peer_id,
+        OWNER.peer_id,
+    ]  # the owner is never asked as a holder
     rig.peers[HOLDER2.peer_id].version = rig.signed
     got = await rig.net.fetch(0, after=-1, wait_s=0.0)
     assert got is not None and rig.net.spread.from_holders == 1
-    assert rig.peers[HOLDER2.peer_id].asked == ["held"] and rig.peers[OWNER.peer_id].asked == ["next"]
+    assert rig.peers[HOLDER2.peer_id].asked == ["held"] and rig.peers[OWNER.peer_id].asked == [
+        "next"
+    ]
 
 
 async def test_ids_the_learner_does_not_know_are_skipped_for_the_owner() -> None:
@@ -145,7 +173,9 @@ async def test_ids_the_learner_does_not_know_are_skipped_for_the_owner() -> None
     rig.peers[OWNER.peer_id].pointer = [stranger]
     rig.peers[OWNER.peer_id].version = rig.signed
     got = await rig.net.fetch(0, after=-1, wait_s=0.0)
-    assert got is not None and rig.net.spread.fallbacks_asked == 1 and rig.net.spread.from_holders == 0
+    assert (
+        got is not None and rig.net.spread.fallbacks_asked == 1 and rig.net.spread.from_holders == 0
+    )
 
 
 async def test_a_holder_that_serves_nothing_costs_one_ask_then_the_owner_serves() -> None:
@@ -180,7 +210,9 @@ async def test_past_the_owners_budget_a_fallback_is_asked_of_the_holders_it_name
     assert rig.net.spread.from_holders == 1 and rig.net.spread.fallbacks_asked == 1
 
 
-async def test_past_the_owners_budget_with_no_holder_serving_the_version_is_refused_not_bad() -> None:
+async def test_past_the_owners_budget_with_no_holder_serving_the_version_is_refused_not_bad() -> (
+    None
+):
     rig = Rig()
     rig.peers[OWNER.peer_id].pointer = [HOLDER.peer_id]
     rig.peers[OWNER.peer_id].spent = [HOLDER2.peer_id]
@@ -212,8 +244,9 @@ async def test_a_final_pointer_without_a_version_is_a_remote_error() -> None:
         await rig.net.fetch(0, after=-1, wait_s=0.0, final=True)
 
 
-@pytest.mark.parametrize("body", [b"\x92\xa1x", msgpack.packb([b"short"]), b"\xff" * 400,
-                                  msgpack.packb([bytes(32)] * 9)])
+@pytest.mark.parametrize(
+    "body", [b"\x92\xa1x", msgpack.packb([b"short"]), b"\xff" * 400, msgpack.packb([bytes(32)] * 9)]
+)
 def test_malformed_pointers_are_refused(body: bytes) -> None:
     with pytest.raises(DecodeError):
         parse_pointer(body)
@@ -296,8 +329,12 @@ def test_an_owner_counts_each_version_it_publishes_or_serves_once() -> None:
         stats.owned_version(fragment, version, 100)
     stats.owner_bytes = 900
     assert stats.published_bytes == 300 and "_versions" not in stats.as_dict()
-    summary = spread_summary([{"index": 0, "spread": stats.as_dict(), "replica_bytes": 300},
-                              {"index": 1, "spread": SpreadStats().as_dict()}])
+    summary = spread_summary(
+        [
+            {"index": 0, "spread": stats.as_dict(), "replica_bytes": 300},
+            {"index": 1, "spread": SpreadStats().as_dict()},
+        ]
+    )
     assert summary["per_peer"]["0"]["owner_upload_per_published"] == 4.0
     assert summary["per_peer"]["1"]["owner_upload_per_published"] is None
     assert summary["max_owner_upload_per_published"] == 4.0
@@ -317,8 +354,11 @@ async def test_a_holder_serves_an_update_only_to_learners_holding_its_base() -> 
 
     held = Holdings(1, CountingPool(), fanout=2)  # type: ignore[arg-type]
     await held.put(0, 4, bytearray(b"update"), 6, OWNER.peer_id, base=3)
-    for query, status in (("after=2&update=1", UPDATE_NOT_HELD_STATUS), ("after=3", UPDATE_NOT_HELD_STATUS),
-                          ("after=3&update=1", 200)):
+    for query, status in (
+        ("after=2&update=1", UPDATE_NOT_HELD_STATUS),
+        ("after=3", UPDATE_NOT_HELD_STATUS),
+        ("after=3&update=1", 200),
+    ):
         request = make_mocked_request("GET", f"/v1/fragments/0/held?{query}")
         after = int(request.query["after"])
         resp = await held.serve(request, Streams(), 0, after, 0.0, None, SpreadStats())  # type: ignore[arg-type]
@@ -341,8 +381,12 @@ async def test_a_holder_past_its_fanout_serves_a_fallback_once_per_requester() -
     await held.put(0, 4, bytearray(b"version"), 7, OWNER.peer_id)
     first, late = signer(20).peer_id, signer(21).peer_id
     statuses = []
-    for who, query in ((first, "after=3"), (late, "after=3"), (late, "after=3&fallback=1"),
-                       (late, "after=3&fallback=1")):
+    for who, query in (
+        (first, "after=3"),
+        (late, "after=3"),
+        (late, "after=3&fallback=1"),
+        (late, "after=3&fallback=1"),
+    ):
         request = make_mocked_request("GET", f"/v1/fragments/0/held?{query}")
         resp = await held.serve(request, Streams(), 0, 3, 0.0, who, SpreadStats())  # type: ignore[arg-type]
         statuses.append(resp.status)

@@ -46,30 +46,57 @@ class Rig:
         self.shapes = shapes_of(self.models[0], self.plan)
         self.clock, self.owner_key = FakeClock(), signer(1)
         self.handed: list[tuple[ReplicaState, ReplicaState | None]] = []
-        self.store = ReplicaStore(SWARM, [sum(int(torch.Size(s).numel()) for s in sh) for sh in self.shapes])
+        self.store = ReplicaStore(
+            SWARM, [sum(int(torch.Size(s).numel()) for s in sh) for sh in self.shapes]
+        )
         self.owners: dict[int, FragmentOwner] = {
-            p: make_owner(self.plan, self.shapes, p, flat_of(self.models[0], self.plan, p), self.clock,
-                          who=self.owner_key, quorum=1, late_policy="drop", update_codec=codec)
-            for p in range(len(self.plan.fragments))}
+            p: make_owner(
+                self.plan,
+                self.shapes,
+                p,
+                flat_of(self.models[0], self.plan, p),
+                self.clock,
+                who=self.owner_key,
+                quorum=1,
+                late_policy="drop",
+                update_codec=codec,
+            )
+            for p in range(len(self.plan.fragments))
+        }
         for owner in self.owners.values():
             owner.replicate = self._replicate
         self.keys = [signer(7), signer(8)]
-        self.peer = MemoryOwnerPeer(self.owner_key, self.owners, members={k.peer_id for k in self.keys})
+        self.peer = MemoryOwnerPeer(
+            self.owner_key, self.owners, members={k.peer_id for k in self.keys}
+        )
         self.transport = MemoryTransport()
         self.transport.add(OWNER_URL, self.peer)
         self.nets = []
         for model, key in zip(self.models, self.keys, strict=True):
             opt = torch.optim.AdamW(model.parameters(), lr=0.05)
             island = Island(model, opt, self.plan, lambda _out: None, IslandConfig(inner_steps=4))
-            self.nets.append(IslandNet(island, self.transport, key, swarm=SWARM,  # type: ignore[arg-type]
-                                       shapes=self.shapes, owner_of=lambda p: (self.owner_key.peer_id, OWNER_URL),
-                                       codec="int8"))
+            self.nets.append(
+                IslandNet(
+                    island,
+                    self.transport,
+                    key,
+                    swarm=SWARM,  # type: ignore[arg-type]
+                    shapes=self.shapes,
+                    owner_of=lambda p: (self.owner_key.peer_id, OWNER_URL),
+                    codec="int8",
+                )
+            )
 
-    async def _replicate(self, state: ReplicaState, update: ReplicaState | None = None,
-                         theta_digest: bytes | None = None) -> str | None:
+    async def _replicate(
+        self,
+        state: ReplicaState,
+        update: ReplicaState | None = None,
+        theta_digest: bytes | None = None,
+    ) -> str | None:
         self.handed.append((state, update))
-        ack = self.store.offer(self.owner_key.peer_id, update if update is not None and self.store.states
-                               else state)
+        ack = self.store.offer(
+            self.owner_key.peer_id, update if update is not None and self.store.states else state
+        )
         return None if ack.accepted else ack.reason
 
     async def merge(self, learner: int = 0, p: int = 0) -> None:
@@ -80,8 +107,17 @@ class Rig:
         g = torch.Generator().manual_seed(owner.version)
         delta = 0.01 * torch.randn(owner.theta.numel(), generator=g)
         net.island.in_flight[p] = net.island.stats.step
-        await net.send(Outgoing(fragment=p, base_version=version, tokens=48, steps=4, step_time=0.0,
-                                sender_step=0, delta=delta))
+        await net.send(
+            Outgoing(
+                fragment=p,
+                base_version=version,
+                tokens=48,
+                steps=4,
+                step_time=0.0,
+                sender_step=0,
+                delta=delta,
+            )
+        )
         assert owner.version == before + 1, net.stats
 
     async def fetch(self, learner: int = 0, p: int = 0) -> tuple[int, torch.Tensor]:
@@ -191,11 +227,16 @@ async def test_a_replica_refuses_an_update_over_a_state_it_does_not_hold() -> No
     store = ReplicaStore(SWARM, rig.store.numels)
     with pytest.raises(DecodeError, match="whole state"):
         store.decode(update)
-    with pytest.raises(DecodeError, match="whole state"):  # held, but another content under that version
+    with pytest.raises(
+        DecodeError, match="whole state"
+    ):  # held, but another content under that version
         rig.store.decode(dataclasses.replace(update, base_digest=bytes(32)))
     with pytest.raises(DecodeError, match="hash"):  # applies, but not to the digest it names
-        rig.store.decode(dataclasses.replace(update, base_version=2, base_digest=rig.store.states[0].digest,
-                                             version=3))
+        rig.store.decode(
+            dataclasses.replace(
+                update, base_version=2, base_digest=rig.store.states[0].digest, version=3
+            )
+        )
 
 
 async def test_a_replica_with_no_state_applies_the_update_over_its_own_learners_version() -> None:
@@ -213,8 +254,11 @@ async def test_a_replica_with_no_state_applies_the_update_over_its_own_learners_
     learned = rig.nets[0].held_state(0)
     assert learned is not None and learned[0] == 1
     theta, momentum = fresh.decode(update, learned)
-    assert momentum is None and torch.equal(theta, owner.theta) and fresh.offer(
-        rig.owner_key.peer_id, update, decoded=(theta, momentum)).accepted
+    assert (
+        momentum is None
+        and torch.equal(theta, owner.theta)
+        and fresh.offer(rig.owner_key.peer_id, update, decoded=(theta, momentum)).accepted
+    )
     assert fresh.states[0].version == 2
     behind = rig.nets[1].held_state(0)
     assert behind is not None and behind[0] == 0
@@ -223,15 +267,21 @@ async def test_a_replica_with_no_state_applies_the_update_over_its_own_learners_
             ReplicaStore(SWARM, rig.store.numels).decode(update, other)
 
 
-async def test_a_learner_holding_the_final_version_downloads_nothing_and_one_behind_takes_the_update() -> None:
+async def test_a_learner_holding_the_final_version_downloads_nothing_and_one_behind_takes_the_update() -> (
+    None
+):
     rig = Rig()
     owner = rig.owners[0]
     await rig.merge(learner=0)
     await rig.fetch(learner=0)
-    got = await rig.nets[0].fetch(0, after=1, wait_s=0.0, final=True)  # holds the latest: it is final
+    got = await rig.nets[0].fetch(
+        0, after=1, wait_s=0.0, final=True
+    )  # holds the latest: it is final
     assert got is not None and got[0] == 1 and torch.equal(got[1], owner.theta)
     assert rig.nets[0].stats.finals_held == 1 and rig.nets[0].stats.versions_received == 1
-    got = await rig.nets[1].fetch(0, after=0, wait_s=0.0, final=True)  # one behind: the update over 0
+    got = await rig.nets[1].fetch(
+        0, after=0, wait_s=0.0, final=True
+    )  # one behind: the update over 0
     assert got is not None and got[0] == 1 and torch.equal(got[1], owner.theta)
     assert rig.nets[1].stats.updates_applied == 1 and rig.nets[1].stats.finals_held == 0
 
@@ -245,8 +295,9 @@ class OwnOwners:
     async def contribute_local(self, msg: Contribution, flat: torch.Tensor | None = None) -> Ack:
         return await self.owners[msg.fragment].contribute(self.me, msg, flat)
 
-    async def version_local(self, p: int, *, after: int, wait_s: float,
-                            final: bool) -> tuple[int, torch.Tensor, bytes] | None:
+    async def version_local(
+        self, p: int, *, after: int, wait_s: float, final: bool
+    ) -> tuple[int, torch.Tensor, bytes] | None:
         owner = self.owners[p]
         if not final and await owner.wait_after(after, wait_s) is None:
             return None
@@ -259,9 +310,16 @@ async def test_a_peer_reaches_the_fragments_it_owns_in_process() -> None:
     the owner's state under the digest the owner knows it by (so its next work is taken)."""
     rig = Rig()
     me = rig.owner_key
-    net = IslandNet(rig.nets[0].island, rig.transport, me, swarm=SWARM,  # type: ignore[arg-type]
-                    shapes=rig.shapes, owner_of=lambda p: (me.peer_id, OWNER_URL), codec="int8",
-                    local=OwnOwners(rig.owners, me.peer_id))
+    net = IslandNet(
+        rig.nets[0].island,
+        rig.transport,
+        me,
+        swarm=SWARM,  # type: ignore[arg-type]
+        shapes=rig.shapes,
+        owner_of=lambda p: (me.peer_id, OWNER_URL),
+        codec="int8",
+        local=OwnOwners(rig.owners, me.peer_id),
+    )
     rig.nets[0] = net
     before = rig.peer.requests
     for version in (1, 2):
@@ -282,8 +340,9 @@ class ReplicaOnly:
     async def contribute_local(self, msg: Contribution, flat: torch.Tensor | None = None) -> Ack:
         raise AssertionError("this peer owns nothing")
 
-    async def version_local(self, p: int, *, after: int, wait_s: float,
-                            final: bool) -> tuple[int, torch.Tensor, bytes] | None:
+    async def version_local(
+        self, p: int, *, after: int, wait_s: float, final: bool
+    ) -> tuple[int, torch.Tensor, bytes] | None:
         raise AssertionError("this peer owns nothing")
 
     def replica_version(self, p: int, owner_id: bytes) -> Handed | None:
@@ -295,16 +354,27 @@ async def test_the_replicas_learner_takes_the_version_from_its_store_not_the_wir
     there (no request, no byte), names it by the owner's digest so its next work is merged, and
     a state that does not hash to that digest, or one another peer handed over, is downloaded."""
     rig = Rig()
-    net = IslandNet(rig.nets[0].island, rig.transport, rig.keys[0], swarm=SWARM,  # type: ignore[arg-type]
-                    shapes=rig.shapes, owner_of=lambda p: (rig.owner_key.peer_id, OWNER_URL), codec="int8",
-                    local=ReplicaOnly(rig.store))
+    net = IslandNet(
+        rig.nets[0].island,
+        rig.transport,
+        rig.keys[0],
+        swarm=SWARM,  # type: ignore[arg-type]
+        shapes=rig.shapes,
+        owner_of=lambda p: (rig.owner_key.peer_id, OWNER_URL),
+        codec="int8",
+        local=ReplicaOnly(rig.store),
+    )
     rig.nets[0] = net
     owner = rig.owners[0]
     for version in (1, 2):
         await rig.merge()
         before = rig.peer.requests
         got = await rig.fetch()
-        assert got[0] == version and got[1] is rig.store.states[0].theta and torch.equal(got[1], owner.theta)
+        assert (
+            got[0] == version
+            and got[1] is rig.store.states[0].theta
+            and torch.equal(got[1], owner.theta)
+        )
         assert rig.peer.requests == before and net.digests[0][version] == owner.digest_of(version)
     assert net.stats.versions_replica == 2 and net.stats.base_mismatches == 0 and owner.version == 2
     # handed over by a peer that is not the owner this learner's view names: not taken
@@ -317,7 +387,9 @@ async def test_the_replicas_learner_takes_the_version_from_its_store_not_the_wir
     # a state in the store that is not what its digest says: downloaded from the owner instead
     rig.store.states[0] = held
     await rig.merge()
-    rig.store.states[0] = dataclasses.replace(rig.store.states[0], theta=rig.store.states[0].theta + 1.0)
+    rig.store.states[0] = dataclasses.replace(
+        rig.store.states[0], theta=rig.store.states[0].theta + 1.0
+    )
     got = await rig.fetch()
     assert got[0] == 4 and torch.equal(got[1], owner.theta) and net.stats.versions_replica == 2
 
@@ -327,9 +399,16 @@ async def test_a_resync_never_takes_a_replica_state_older_than_the_version_recei
     store below the version this learner already received (handed in the owner's earlier tenure)
     is not it, so the learner downloads the owner's latest instead of going back."""
     rig = Rig()
-    net = IslandNet(rig.nets[0].island, rig.transport, rig.keys[0], swarm=SWARM,  # type: ignore[arg-type]
-                    shapes=rig.shapes, owner_of=lambda p: (rig.owner_key.peer_id, OWNER_URL), codec="int8",
-                    local=ReplicaOnly(rig.store))
+    net = IslandNet(
+        rig.nets[0].island,
+        rig.transport,
+        rig.keys[0],
+        swarm=SWARM,  # type: ignore[arg-type]
+        shapes=rig.shapes,
+        owner_of=lambda p: (rig.owner_key.peer_id, OWNER_URL),
+        codec="int8",
+        local=ReplicaOnly(rig.store),
+    )
     rig.nets[0] = net
     await rig.merge()
     await rig.fetch()
@@ -349,18 +428,31 @@ async def test_a_replica_state_known_to_hash_to_its_digest_is_not_hashed_again(m
     """A state the store took as hashed (its handoff's verified blobs digest was its digest) is
     taken by the replica's learner with no second pass over its bytes; one not known so is hashed."""
     rig = Rig()
-    net = IslandNet(rig.nets[0].island, rig.transport, rig.keys[0], swarm=SWARM,  # type: ignore[arg-type]
-                    shapes=rig.shapes, owner_of=lambda p: (rig.owner_key.peer_id, OWNER_URL), codec="int8",
-                    local=ReplicaOnly(rig.store))
+    net = IslandNet(
+        rig.nets[0].island,
+        rig.transport,
+        rig.keys[0],
+        swarm=SWARM,  # type: ignore[arg-type]
+        shapes=rig.shapes,
+        owner_of=lambda p: (rig.owner_key.peer_id, OWNER_URL),
+        codec="int8",
+        local=ReplicaOnly(rig.store),
+    )
     rig.nets[0] = net
     hashed: list[int] = []
     real = fetching.flat_digest
-    monkeypatch.setattr(fetching, "flat_digest", lambda flat: hashed.append(flat.numel()) or real(flat))
+    monkeypatch.setattr(
+        fetching, "flat_digest", lambda flat: hashed.append(flat.numel()) or real(flat)
+    )
     await rig.merge()
-    assert await rig.fetch() and hashed and net.stats.versions_replica == 1  # offered without ``hashed``
+    assert (
+        await rig.fetch() and hashed and net.stats.versions_replica == 1
+    )  # offered without ``hashed``
     await rig.merge()
     rig.store.states[0] = dataclasses.replace(rig.store.states[0], hashed=True)
     hashed.clear()
     got = await rig.fetch()
-    assert got[0] == 2 and torch.equal(got[1], rig.owners[0].theta) and net.stats.versions_replica == 2
+    assert (
+        got[0] == 2 and torch.equal(got[1], rig.owners[0].theta) and net.stats.versions_replica == 2
+    )
     assert hashed == []

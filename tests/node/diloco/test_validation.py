@@ -24,14 +24,18 @@ from tests.node.fakes import SWARM, FakeClock, contribution, flat_of, signer
 
 A, B, C, D = (bytes([b]) * 32 for b in (0xA1, 0xB2, 0xC3, 0xD4))
 pytestmark = pytest.mark.timeout(300)  # the module fixture trains a tiny GPT on a shared CPU
-CORPUS = b"".join(p.read_bytes() for p in sorted(Path(__file__).parents[3].glob("node/diloco/*.py")))
+CORPUS = b"".join(
+    p.read_bytes() for p in sorted(Path(__file__).parents[3].glob("node/diloco/*.py"))
+)
 
 
 def _world():  # type: ignore[no-untyped-def]
     gcfg = GPTConfig.preset("tiny")
     model = GPT(gcfg, seed=0)
     train, heldout = split_corpus(CORPUS)
-    _train(gcfg, model, train, seed=0, steps=80)  # past the first steps, where any step lowers the loss
+    _train(
+        gcfg, model, train, seed=0, steps=80
+    )  # past the first steps, where any step lowers the loss
     plan = plan_fragments([(n, tuple(p.shape)) for n, p in model.named_parameters()], 2)
     named = dict(model.named_parameters())
     shapes = [[tuple(named[n].shape) for n in f.names] for f in plan.fragments]
@@ -62,10 +66,18 @@ def _honest(gcfg, model, plan, train, seed: int) -> torch.Tensor:  # type: ignor
 
 
 def _owner(plan, shapes, model, clock, validation, event_log=None, quorum=2):  # type: ignore[no-untyped-def]
-    return FragmentOwner(swarm=SWARM, fragment=plan.fragments[0], shapes=shapes[0], initial=flat_of(model, plan, 0),
-                         merge_cfg=MergeConfig(quorum=quorum, gamma=0.5, tau=2.0),
-                         outer_cfg=OuterConfig(lr=1.0, momentum=0.0), signer=signer(1), clock=clock,
-                         validation=validation, event_log=event_log)
+    return FragmentOwner(
+        swarm=SWARM,
+        fragment=plan.fragments[0],
+        shapes=shapes[0],
+        initial=flat_of(model, plan, 0),
+        merge_cfg=MergeConfig(quorum=quorum, gamma=0.5, tau=2.0),
+        outer_cfg=OuterConfig(lr=1.0, momentum=0.0),
+        signer=signer(1),
+        clock=clock,
+        validation=validation,
+        event_log=event_log,
+    )
 
 
 def _loss(evaluator: WindowEvaluator, theta: torch.Tensor) -> float:
@@ -115,18 +127,24 @@ async def test_validation_catches_what_clipping_let_through(world, tmp_path: Pat
 
     clock = FakeClock()
     validation = OwnerValidation(evaluator, ValidationConfig(windows=16), rng=random.Random(1))
-    owner = _owner(plan, shapes, model, clock, validation, event_log=tmp_path / "log.jsonl", quorum=1)
+    owner = _owner(
+        plan, shapes, model, clock, validation, event_log=tmp_path / "log.jsonl", quorum=1
+    )
     await _round(owner, shapes, sends)
     assert owner.version == 0 and owner.penalties[C]["hurt"] == owner.penalties[D]["hurt"] == 1
     assert owner.penalties[A]["hurt"] == 0 and owner.penalties[A]["helped"] == 1
-    assert owner.standing.score(C, version=0) < 0 < owner.standing.score(A, version=0)  # fed to the standing
+    assert (
+        owner.standing.score(C, version=0) < 0 < owner.standing.score(A, version=0)
+    )  # fed to the standing
     clock.advance(5.0)  # the merger retries the rest after retry_s
     await owner.tick()
     assert owner.version == 1 and owner.penalties[A]["merged"] == 1
     assert owner.penalties[C]["merged"] == owner.penalties[D]["merged"] == 0
     alone = _owner(plan, shapes, model, FakeClock(), None, quorum=1)  # A's work alone, unvalidated
     await _round(alone, shapes, [(A, d1)])
-    assert torch.equal(owner.theta, alone.theta)  # the published version excludes the attacker's work
+    assert torch.equal(
+        owner.theta, alone.theta
+    )  # the published version excludes the attacker's work
     assert _loss(evaluator, owner.theta) < start
     result = replay(tmp_path / "log.jsonl")
     assert result.validations == 2 and result.mismatches == []
@@ -149,12 +167,17 @@ async def test_colluders_who_cancel_the_honest_work_are_dropped(world, tmp_path:
 
     clock = FakeClock()
     validation = OwnerValidation(evaluator, ValidationConfig(windows=16), rng=random.Random(3))
-    owner = _owner(plan, shapes, model, clock, validation, event_log=tmp_path / "log.jsonl", quorum=1)
+    owner = _owner(
+        plan, shapes, model, clock, validation, event_log=tmp_path / "log.jsonl", quorum=1
+    )
     await _round(owner, shapes, sends)
     assert owner.version == 0 and owner.penalties[C]["hurt"] == owner.penalties[D]["hurt"] == 1
     assert owner.penalties[A]["hurt"] == owner.penalties[B]["hurt"] == 0
-    assert max(owner.standing.score(p, version=0) for p in (C, D)) < 0 < min(
-        owner.standing.score(p, version=0) for p in (A, B))
+    assert (
+        max(owner.standing.score(p, version=0) for p in (C, D))
+        < 0
+        < min(owner.standing.score(p, version=0) for p in (A, B))
+    )
     clock.advance(5.0)  # the merger retries the rest after retry_s
     await owner.tick()
     assert owner.version == 1 and owner.penalties[C]["merged"] == owner.penalties[D]["merged"] == 0
@@ -170,9 +193,22 @@ def test_a_check_logged_before_flat_candidates_were_scored_replays_as_it_was() -
     flat = [b + (0.001 if i % 2 else -0.001) for i, b in enumerate(before)]
     old = {"windows": 16, "every": 1, "z": 3.0, "min_rise": 0.002}
     verdict = judge(before, flat, None, ValidationConfig(**old, rule=1))
-    record = {"kind": "validation", "version": 1, "seed": 5, "pool": 4096, "windows": list(draw_windows(4096, 16, 5)),
-              "data": "x", "config": old, "before": before, "candidate": flat, "alone": None, "publish": True,
-              "drop": [], "helped": [], "reason": verdict.reason}
+    record = {
+        "kind": "validation",
+        "version": 1,
+        "seed": 5,
+        "pool": 4096,
+        "windows": list(draw_windows(4096, 16, 5)),
+        "data": "x",
+        "config": old,
+        "before": before,
+        "candidate": flat,
+        "alone": None,
+        "publish": True,
+        "drop": [],
+        "helped": [],
+        "reason": verdict.reason,
+    }
     assert verdict.publish and recheck(record) == []
     assert recheck({**record, "config": {**old, "rule": 2}})  # the new rule would have scored it
 
@@ -180,7 +216,9 @@ def test_a_check_logged_before_flat_candidates_were_scored_replays_as_it_was() -
 async def test_replay_finds_an_edited_check(world, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     model, plan, shapes, evaluator, (d1, _) = world
     validation = OwnerValidation(evaluator, ValidationConfig(windows=16), rng=random.Random(2))
-    owner = _owner(plan, shapes, model, FakeClock(), validation, event_log=tmp_path / "log.jsonl", quorum=1)
+    owner = _owner(
+        plan, shapes, model, FakeClock(), validation, event_log=tmp_path / "log.jsonl", quorum=1
+    )
     await _round(owner, shapes, [(C, -d1)])  # a sign flip alone in its round: nothing published
     assert owner.version == 0 and owner.penalties[C]["hurt"] == 1
     lines = (tmp_path / "log.jsonl").read_text().splitlines()
@@ -213,7 +251,9 @@ def test_a_callable_validation_loss_checks_candidates_too() -> None:
     assert validation.check(0, 1, theta, theta, lambda: {}).verdict.publish  # unchanged: no rise
     worse = validation.check(0, 1, theta, theta * -4.0, lambda: {A: theta * -4.0})
     assert worse is not None and not worse.verdict.publish and worse.verdict.drop == {A}
-    assert worse.record["before"] == [worse.record["before"][0]] * 4  # the repeats of a deterministic loss
+    assert (
+        worse.record["before"] == [worse.record["before"][0]] * 4
+    )  # the repeats of a deterministic loss
 
 
 def test_without_held_fragments_the_others_are_the_islands_trained_weights() -> None:

@@ -54,21 +54,42 @@ def keygen(capsys: pytest.CaptureFixture[str], path: Path) -> str:
 @pytest.fixture
 def keys(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> dict[str, str]:
     """Keys for the founder, two labs' authorities and three peers: name -> public key hex."""
-    return {name: keygen(capsys, tmp_path / f"{name}.pem")
-            for name in ("founder", "auth_a", "auth_b", "peer", "peer2", "stranger")}
+    return {
+        name: keygen(capsys, tmp_path / f"{name}.pem")
+        for name in ("founder", "auth_a", "auth_b", "peer", "peer2", "stranger")
+    }
 
 
 def init(capsys: pytest.CaptureFixture[str], tmp_path: Path, *extra: str) -> str:
-    out = ok(capsys, "swarm", "init", "--name", "two-labs", "--founder", tmp_path / "founder.pem",
-             "--admission", "certified", "--model", "tiny", "--out", tmp_path / "swarm.toml", *extra)
+    out = ok(
+        capsys,
+        "swarm",
+        "init",
+        "--name",
+        "two-labs",
+        "--founder",
+        tmp_path / "founder.pem",
+        "--admission",
+        "certified",
+        "--model",
+        "tiny",
+        "--out",
+        tmp_path / "swarm.toml",
+        *extra,
+    )
     return out.splitlines()[0]
 
 
 # --- keygen ------------------------------------------------------------------------------------
-def test_keygen_prints_public_key_and_peer_id(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_keygen_prints_public_key_and_peer_id(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = ok(capsys, "keygen", "--out", tmp_path / "k.pem")
     signer = load_key(tmp_path / "k.pem")
-    assert out.splitlines() == [f"public_key {signer.public_key.hex()}", f"peer_id {signer.peer_id.hex()}"]
+    assert out.splitlines() == [
+        f"public_key {signer.public_key.hex()}",
+        f"peer_id {signer.peer_id.hex()}",
+    ]
     assert "PRIVATE" not in out
     line = fails(capsys, "keygen", "--out", tmp_path / "k.pem")
     assert line.startswith("atoll keygen: ") and "--force" in line
@@ -77,7 +98,9 @@ def test_keygen_prints_public_key_and_peer_id(tmp_path: Path, capsys: pytest.Cap
 
 
 # --- the walk ----------------------------------------------------------------------------------
-def test_two_lab_walk(tmp_path: Path, capsys: pytest.CaptureFixture[str], keys: dict[str, str]) -> None:
+def test_two_lab_walk(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], keys: dict[str, str]
+) -> None:
     manifest_path, cert_path = tmp_path / "swarm.toml", tmp_path / "peer.cert"
     sid = init(capsys, tmp_path)
     m = load_manifest(manifest_path, expected_id=sid)
@@ -87,17 +110,54 @@ def test_two_lab_walk(tmp_path: Path, capsys: pytest.CaptureFixture[str], keys: 
     assert m.recipe_dict["max_tokens_per_step"] == 16 * 64  # resolved: batch size x tiny's context
     assert abs(m.created - time.time()) < 60
 
-    out = ok(capsys, "swarm", "add-authority", manifest_path, "--founder", tmp_path / "founder.pem",
-             "--lab", "labA", "--key", keys["auth_a"])
+    out = ok(
+        capsys,
+        "swarm",
+        "add-authority",
+        manifest_path,
+        "--founder",
+        tmp_path / "founder.pem",
+        "--lab",
+        "labA",
+        "--key",
+        keys["auth_a"],
+    )
     assert "version 2" in out
-    ok(capsys, "swarm", "add-authority", manifest_path, "--founder", tmp_path / "founder.pem",
-       "--lab", "labB", "--key", tmp_path / "auth_b.pem")  # a key file stands for its public key
+    ok(
+        capsys,
+        "swarm",
+        "add-authority",
+        manifest_path,
+        "--founder",
+        tmp_path / "founder.pem",
+        "--lab",
+        "labB",
+        "--key",
+        tmp_path / "auth_b.pem",
+    )  # a key file stands for its public key
     m = load_manifest(manifest_path, expected_id=sid)
     assert m.version == 3 and [(a.lab, a.public_key.hex()) for a in m.authorities] == [
-        ("labA", keys["auth_a"]), ("labB", keys["auth_b"])]
+        ("labA", keys["auth_a"]),
+        ("labB", keys["auth_b"]),
+    ]
 
-    out = ok(capsys, "swarm", "certify", "--manifest", manifest_path, "--authority", tmp_path / "auth_a.pem",
-             "--peer", keys["peer"], "--roles", "learner,owner", "--days", "0.0001", "--out", cert_path)
+    out = ok(
+        capsys,
+        "swarm",
+        "certify",
+        "--manifest",
+        manifest_path,
+        "--authority",
+        tmp_path / "auth_a.pem",
+        "--peer",
+        keys["peer"],
+        "--roles",
+        "learner,owner",
+        "--days",
+        "0.0001",
+        "--out",
+        cert_path,
+    )
     assert "lab labA" in out and "roles learner,owner" in out and "valid until" in out
     cert = load_certificate(cert_path)
     peer_key = bytes.fromhex(keys["peer"])
@@ -107,13 +167,31 @@ def test_two_lab_walk(tmp_path: Path, capsys: pytest.CaptureFixture[str], keys: 
     with pytest.raises(NotAuthorized, match="expired"):
         check_certificate(m, cert, public_key=peer_key, role="owner", now=now + 10)
 
-    out = ok(capsys, "swarm", "revoke", manifest_path, "--founder", tmp_path / "founder.pem", "--peer", keys["peer"])
+    out = ok(
+        capsys,
+        "swarm",
+        "revoke",
+        manifest_path,
+        "--founder",
+        tmp_path / "founder.pem",
+        "--peer",
+        keys["peer"],
+    )
     assert "version 4" in out
     revoked = load_manifest(manifest_path, expected_id=sid)
     assert revoked.version == 4 and peer_key in revoked.revoked and m.superseded_by(revoked)
     with pytest.raises(NotAuthorized, match="revoked"):
         check_certificate(revoked, cert, public_key=peer_key, role="learner", now=now)
-    out = ok(capsys, "swarm", "revoke", manifest_path, "--founder", tmp_path / "founder.pem", "--peer", keys["peer"])
+    out = ok(
+        capsys,
+        "swarm",
+        "revoke",
+        manifest_path,
+        "--founder",
+        tmp_path / "founder.pem",
+        "--peer",
+        keys["peer"],
+    )
     assert "already revoked" in out and load_manifest(manifest_path).version == 4
 
     shown = json.loads(ok(capsys, "swarm", "show", manifest_path, "--json"))
@@ -123,108 +201,285 @@ def test_two_lab_walk(tmp_path: Path, capsys: pytest.CaptureFixture[str], keys: 
     assert sid in text and "authority labB" in text and f"revoked {keys['peer']}" in text
 
 
-def test_recipe_flags_are_the_recipe_fields(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                            keys: dict[str, str]) -> None:
-    init(capsys, tmp_path, "--fragments", "8", "--max-tokens-per-step", "500", "--outer-momentum", "0.9")
+def test_recipe_flags_are_the_recipe_fields(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], keys: dict[str, str]
+) -> None:
+    init(
+        capsys,
+        tmp_path,
+        "--fragments",
+        "8",
+        "--max-tokens-per-step",
+        "500",
+        "--outer-momentum",
+        "0.9",
+    )
     recipe = load_manifest(tmp_path / "swarm.toml").recipe_dict
-    assert (recipe["fragments"], recipe["max_tokens_per_step"], recipe["outer_momentum"]) == (8, 500, 0.9)
+    assert (recipe["fragments"], recipe["max_tokens_per_step"], recipe["outer_momentum"]) == (
+        8,
+        500,
+        0.9,
+    )
     # the learners' schedule is in the recipe too (atoll join follows it unless told otherwise)
     init(capsys, tmp_path, "--steps", "100000", "--lr", "0.002", "--force")
     recipe = load_manifest(tmp_path / "swarm.toml").recipe_dict
     assert (recipe["steps"], recipe["lr"], recipe["warmup_steps"]) == (100000, 0.002, 50)
     # fields outside the recipe are not flags of swarm init
     with pytest.raises(SystemExit) as exc:
-        main(["swarm", "init", "--name", "x", "--founder", str(tmp_path / "founder.pem"),
-              "--out", str(tmp_path / "x.toml"), "--threads", "1"])
+        main(
+            [
+                "swarm",
+                "init",
+                "--name",
+                "x",
+                "--founder",
+                str(tmp_path / "founder.pem"),
+                "--out",
+                str(tmp_path / "x.toml"),
+                "--threads",
+                "1",
+            ]
+        )
     assert exc.value.code == 2 and "unrecognized arguments: --threads" in capsys.readouterr().err
 
 
 # --- mistakes ----------------------------------------------------------------------------------
-@pytest.mark.parametrize(("flags", "says"), [
-    (("--block-size", "0"), "--block-size must be >= 1, got 0"),
-    (("--batch-size", "0"), "--batch-size must be >= 1, got 0"),
-    (("--grace-cap-s", "inf"), "--grace-cap-s must be finite and >= 0, got inf"),
-    (("--fragments", "100000"), "--fragments 100000: 100000 fragments for only 29 tensors"),
-])
-def test_a_recipe_every_peer_would_refuse_is_never_signed(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                                           flags: tuple[str, str], says: str) -> None:
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (("--block-size", "0"), "--block-size must be >= 1, got 0"),
+        (("--batch-size", "0"), "--batch-size must be >= 1, got 0"),
+        (("--grace-cap-s", "inf"), "--grace-cap-s must be finite and >= 0, got inf"),
+        (("--fragments", "100000"), "--fragments 100000: 100000 fragments for only 29 tensors"),
+    ],
+)
+def test_a_recipe_every_peer_would_refuse_is_never_signed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: tuple[str, str], says: str
+) -> None:
     keygen(capsys, tmp_path / "founder.pem")
-    line = fails(capsys, "swarm", "init", "--name", "s", "--founder", tmp_path / "founder.pem", "--model", "tiny",
-                 "--out", tmp_path / "s.toml", *flags, code=2)
+    line = fails(
+        capsys,
+        "swarm",
+        "init",
+        "--name",
+        "s",
+        "--founder",
+        tmp_path / "founder.pem",
+        "--model",
+        "tiny",
+        "--out",
+        tmp_path / "s.toml",
+        *flags,
+        code=2,
+    )
     assert line.startswith("atoll swarm init: ") and says in line, line
     assert not (tmp_path / "s.toml").exists()
 
 
-def test_certificate_from_a_non_authority_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                                     keys: dict[str, str]) -> None:
+def test_certificate_from_a_non_authority_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], keys: dict[str, str]
+) -> None:
     init(capsys, tmp_path)
-    line = fails(capsys, "swarm", "certify", "--manifest", tmp_path / "swarm.toml", "--authority",
-                 tmp_path / "stranger.pem", "--peer", keys["peer"], "--roles", "learner", "--out",
-                 tmp_path / "c.cert")
+    line = fails(
+        capsys,
+        "swarm",
+        "certify",
+        "--manifest",
+        tmp_path / "swarm.toml",
+        "--authority",
+        tmp_path / "stranger.pem",
+        "--peer",
+        keys["peer"],
+        "--roles",
+        "learner",
+        "--out",
+        tmp_path / "c.cert",
+    )
     assert line.startswith("atoll swarm certify: ") and "not an authority" in line
     assert not (tmp_path / "c.cert").exists()
 
 
-def test_only_the_founder_edits_the_manifest(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                             keys: dict[str, str]) -> None:
+def test_only_the_founder_edits_the_manifest(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], keys: dict[str, str]
+) -> None:
     init(capsys, tmp_path)
     before = (tmp_path / "swarm.toml").read_text()
-    line = fails(capsys, "swarm", "add-authority", tmp_path / "swarm.toml", "--founder", tmp_path / "stranger.pem",
-                 "--lab", "labA", "--key", keys["stranger"])
+    line = fails(
+        capsys,
+        "swarm",
+        "add-authority",
+        tmp_path / "swarm.toml",
+        "--founder",
+        tmp_path / "stranger.pem",
+        "--lab",
+        "labA",
+        "--key",
+        keys["stranger"],
+    )
     assert "is not the founder's key" in line
-    line = fails(capsys, "swarm", "revoke", tmp_path / "swarm.toml", "--founder", tmp_path / "auth_a.pem",
-                 "--peer", keys["peer"])
+    line = fails(
+        capsys,
+        "swarm",
+        "revoke",
+        tmp_path / "swarm.toml",
+        "--founder",
+        tmp_path / "auth_a.pem",
+        "--peer",
+        keys["peer"],
+    )
     assert "is not the founder's key" in line
     assert (tmp_path / "swarm.toml").read_text() == before
 
 
-def test_manifest_edited_by_hand_is_refused_everywhere(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                                       keys: dict[str, str]) -> None:
+def test_manifest_edited_by_hand_is_refused_everywhere(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], keys: dict[str, str]
+) -> None:
     init(capsys, tmp_path)
     path = tmp_path / "swarm.toml"
     path.write_text(path.read_text().replace('admission = "certified"', 'admission = "open"'))
-    expected = (f"{path}: manifest signature does not verify: it was edited after signing, "
-                "or not signed by its founder")
+    expected = (
+        f"{path}: manifest signature does not verify: it was edited after signing, "
+        "or not signed by its founder"
+    )
     assert fails(capsys, "swarm", "show", path) == f"atoll swarm show: {expected}"
-    assert fails(capsys, "swarm", "certify", "--manifest", path, "--authority", tmp_path / "auth_a.pem",
-                 "--peer", keys["peer"], "--roles", "learner", "--out", tmp_path / "c.cert").endswith(expected)
-    assert fails(capsys, "swarm", "revoke", path, "--founder", tmp_path / "founder.pem",
-                 "--peer", keys["peer"]).endswith(expected)
-    assert fails(capsys, "swarm", "publish", path, "--peer", "http://127.0.0.1:9",
-                 "--founder", tmp_path / "founder.pem").endswith(expected)
+    assert fails(
+        capsys,
+        "swarm",
+        "certify",
+        "--manifest",
+        path,
+        "--authority",
+        tmp_path / "auth_a.pem",
+        "--peer",
+        keys["peer"],
+        "--roles",
+        "learner",
+        "--out",
+        tmp_path / "c.cert",
+    ).endswith(expected)
+    assert fails(
+        capsys,
+        "swarm",
+        "revoke",
+        path,
+        "--founder",
+        tmp_path / "founder.pem",
+        "--peer",
+        keys["peer"],
+    ).endswith(expected)
+    assert fails(
+        capsys,
+        "swarm",
+        "publish",
+        path,
+        "--peer",
+        "http://127.0.0.1:9",
+        "--founder",
+        tmp_path / "founder.pem",
+    ).endswith(expected)
 
 
-def test_every_mistake_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                   keys: dict[str, str]) -> None:
+def test_every_mistake_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], keys: dict[str, str]
+) -> None:
     init(capsys, tmp_path)
     m, f, a = tmp_path / "swarm.toml", tmp_path / "founder.pem", tmp_path / "auth_a.pem"
-    ok(capsys, "swarm", "add-authority", m, "--founder", f, "--lab", "labA", "--key", keys["auth_a"])
-    certify = ("swarm", "certify", "--manifest", m, "--authority", a, "--peer", keys["peer"], "--out",
-               tmp_path / "c.cert")
+    ok(
+        capsys,
+        "swarm",
+        "add-authority",
+        m,
+        "--founder",
+        f,
+        "--lab",
+        "labA",
+        "--key",
+        keys["auth_a"],
+    )
+    certify = (
+        "swarm",
+        "certify",
+        "--manifest",
+        m,
+        "--authority",
+        a,
+        "--peer",
+        keys["peer"],
+        "--out",
+        tmp_path / "c.cert",
+    )
     missing = tmp_path / "missing.pem"
-    assert "no key at" in fails(capsys, "swarm", "init", "--name", "s", "--founder", missing, "--out",
-                                tmp_path / "s.toml")
-    assert "already exists" in fails(capsys, "swarm", "init", "--name", "s", "--founder", f, "--out", m)
-    assert "swarm name" in fails(capsys, "swarm", "init", "--name", "bad name", "--founder", f, "--out",
-                                 tmp_path / "s.toml")
-    assert "unknown model preset" in fails(capsys, "swarm", "init", "--name", "s", "--founder", f, "--model",
-                                           "huge", "--out", tmp_path / "s.toml", code=2)
-    assert "--codec must be" in fails(capsys, "swarm", "init", "--name", "s", "--founder", f, "--codec",
-                                      "int3", "--out", tmp_path / "s.toml", code=2)
+    assert "no key at" in fails(
+        capsys, "swarm", "init", "--name", "s", "--founder", missing, "--out", tmp_path / "s.toml"
+    )
+    assert "already exists" in fails(
+        capsys, "swarm", "init", "--name", "s", "--founder", f, "--out", m
+    )
+    assert "swarm name" in fails(
+        capsys, "swarm", "init", "--name", "bad name", "--founder", f, "--out", tmp_path / "s.toml"
+    )
+    assert "unknown model preset" in fails(
+        capsys,
+        "swarm",
+        "init",
+        "--name",
+        "s",
+        "--founder",
+        f,
+        "--model",
+        "huge",
+        "--out",
+        tmp_path / "s.toml",
+        code=2,
+    )
+    assert "--codec must be" in fails(
+        capsys,
+        "swarm",
+        "init",
+        "--name",
+        "s",
+        "--founder",
+        f,
+        "--codec",
+        "int3",
+        "--out",
+        tmp_path / "s.toml",
+        code=2,
+    )
     assert "no manifest at" in fails(capsys, "swarm", "show", tmp_path / "nope.toml")
     assert "--roles" in fails(capsys, *certify, "--roles", "admin", code=2)
     assert "--days" in fails(capsys, *certify, "--roles", "learner", "--days", "-1", code=2)
     assert "--days" in fails(capsys, *certify, "--roles", "learner", "--days", "soon", code=2)
-    assert "neither a public key" in fails(capsys, *certify[:-4], "--peer", "abcd", "--roles", "learner",
-                                           "--out", tmp_path / "c.cert")
-    assert "is not an http(s) URL" in fails(capsys, "swarm", "publish", m, "--peer", "ftp://x", "--founder", f, code=2)
-    assert "could not reach" in fails(capsys, "swarm", "publish", m, "--peer", "http://127.0.0.1:9", "--founder", f)
+    assert "neither a public key" in fails(
+        capsys, *certify[:-4], "--peer", "abcd", "--roles", "learner", "--out", tmp_path / "c.cert"
+    )
+    assert "is not an http(s) URL" in fails(
+        capsys, "swarm", "publish", m, "--peer", "ftp://x", "--founder", f, code=2
+    )
+    assert "could not reach" in fails(
+        capsys, "swarm", "publish", m, "--peer", "http://127.0.0.1:9", "--founder", f
+    )
     (tmp_path / "leaky.pem").write_bytes(a.read_bytes())
     (tmp_path / "leaky.pem").chmod(0o644)
-    line = fails(capsys, "swarm", "certify", "--manifest", m, "--authority", tmp_path / "leaky.pem",
-                 "--peer", keys["peer"], "--roles", "learner", "--out", tmp_path / "c.cert")
-    assert line == (f"atoll swarm certify: key file {tmp_path / 'leaky.pem'} is readable by others "
-                    f"(mode 0644); run chmod 600 {tmp_path / 'leaky.pem'}")
+    line = fails(
+        capsys,
+        "swarm",
+        "certify",
+        "--manifest",
+        m,
+        "--authority",
+        tmp_path / "leaky.pem",
+        "--peer",
+        keys["peer"],
+        "--roles",
+        "learner",
+        "--out",
+        tmp_path / "c.cert",
+    )
+    assert line == (
+        f"atoll swarm certify: key file {tmp_path / 'leaky.pem'} is readable by others "
+        f"(mode 0644); run chmod 600 {tmp_path / 'leaky.pem'}"
+    )
     ok(capsys, "swarm", "revoke", m, "--founder", f, "--peer", keys["peer"])
     assert "revoked" in fails(capsys, *certify, "--roles", "learner")
     assert not (tmp_path / "c.cert").exists()
@@ -240,7 +495,9 @@ async def manifest_sink() -> AsyncIterator[tuple[str, list[tuple[str, bytes]]]]:
         body = await request.read()
         got.append((request.content_type, body))
         if SwarmManifest.from_toml(body).version == 1:
-            return web.json_response({"error": "manifest version 1 is not newer than ours (2)"}, status=409)
+            return web.json_response(
+                {"error": "manifest version 1 is not newer than ours (2)"}, status=409
+            )
         return web.json_response({"adopted": True})
 
     app = web.Application()
@@ -256,21 +513,44 @@ async def manifest_sink() -> AsyncIterator[tuple[str, list[tuple[str, bytes]]]]:
         await runner.cleanup()
 
 
-async def test_publish_posts_the_toml(tmp_path: Path, capsys: pytest.CaptureFixture[str], keys: dict[str, str],
-                                      manifest_sink: tuple[str, list[tuple[str, bytes]]]) -> None:
+async def test_publish_posts_the_toml(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    keys: dict[str, str],
+    manifest_sink: tuple[str, list[tuple[str, bytes]]],
+) -> None:
     url, got = manifest_sink
     init(capsys, tmp_path)
     m = tmp_path / "swarm.toml"
 
     async def publish() -> tuple[int, str, str]:
-        code = await asyncio.wait_for(asyncio.to_thread(main, ["swarm", "publish", str(m), "--peer", url + "/",
-                                                              "--founder", str(tmp_path / "founder.pem")]), 30)
+        code = await asyncio.wait_for(
+            asyncio.to_thread(
+                main,
+                [
+                    "swarm",
+                    "publish",
+                    str(m),
+                    "--peer",
+                    url + "/",
+                    "--founder",
+                    str(tmp_path / "founder.pem"),
+                ],
+            ),
+            30,
+        )
         out, err = capsys.readouterr()
         return code, out, err
 
     code, out, err = await publish()
-    assert code == 1 and out == "" and err.splitlines() == [
-        f"atoll swarm publish: {url} refused the manifest: 409 manifest version 1 is not newer than ours (2)"]
+    assert (
+        code == 1
+        and out == ""
+        and err.splitlines()
+        == [
+            f"atoll swarm publish: {url} refused the manifest: 409 manifest version 1 is not newer than ours (2)"
+        ]
+    )
     ok(capsys, "swarm", "revoke", m, "--founder", tmp_path / "founder.pem", "--peer", keys["peer"])
     code, out, err = await publish()
     assert code == 0 and json.loads(out) == {"adopted": True}

@@ -32,13 +32,21 @@ for line in open("/proc/self/maps"):
 print(tuned, tune_allocator(), where)
 """
 
-glibc = pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",
-                           reason="glibc's mallopt")
+glibc = pytest.mark.skipif(
+    not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",
+    reason="glibc's mallopt",
+)
 
 
 def _run(env: dict[str, str]) -> list[str]:
-    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, **env}, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **env},
+        check=True,
+    )
     return out.stdout.split()
 
 

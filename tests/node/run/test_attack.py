@@ -10,8 +10,15 @@ from node.run.attack import Attack, parse_local_attack
 
 
 def _out(delta: torch.Tensor, fragment: int = 0) -> Outgoing:
-    return Outgoing(fragment=fragment, base_version=3, tokens=64, steps=4, step_time=0.1, sender_step=9,
-                    delta=delta)
+    return Outgoing(
+        fragment=fragment,
+        base_version=3,
+        tokens=64,
+        steps=4,
+        step_time=0.1,
+        sender_step=9,
+        delta=delta,
+    )
 
 
 def test_each_kind() -> None:
@@ -42,7 +49,9 @@ def test_bad_specs_say_what_to_write() -> None:
 def test_alie_shifts_the_honest_mean_by_z_deviations_against_its_sign() -> None:
     alie = Attack.parse("alie=2")
     first = alie(_out(torch.tensor([1.0, -2.0]))).delta
-    assert torch.equal(first, torch.tensor([1.0, -2.0]) - 2 * torch.tensor([1.0, 2.0]) * torch.tensor([1.0, -1.0]))
+    assert torch.equal(
+        first, torch.tensor([1.0, -2.0]) - 2 * torch.tensor([1.0, 2.0]) * torch.tensor([1.0, -1.0])
+    )
     second = alie(_out(torch.tensor([3.0, -2.0]))).delta  # mean (2, -2), std (1.414, 0)
     assert torch.allclose(second, torch.tensor([2.0 - 2 * 2**0.5, -2.0]))
     other = alie(_out(torch.tensor([9.0, 9.0]), fragment=1)).delta  # per fragment
@@ -52,7 +61,9 @@ def test_alie_shifts_the_honest_mean_by_z_deviations_against_its_sign() -> None:
 def test_ipm_is_minus_epsilon_times_the_honest_estimate() -> None:
     ipm = Attack.parse("ipm=0.5")
     assert torch.equal(ipm(_out(torch.tensor([2.0, 4.0]))).delta, torch.tensor([-1.0, -2.0]))
-    assert torch.equal(ipm(_out(torch.tensor([4.0, 0.0]))).delta, torch.tensor([-1.5, -1.0]))  # mean of both
+    assert torch.equal(
+        ipm(_out(torch.tensor([4.0, 0.0]))).delta, torch.tensor([-1.5, -1.0])
+    )  # mean of both
     assert Attack.parse("ipm").arg == 2.0
 
 
@@ -70,9 +81,15 @@ def test_colluders_draw_the_same_direction_and_a_lone_one_another() -> None:
     assert torch.equal(a(_out(d)).delta, b(_out(d)).delta)
     assert not torch.equal(a(_out(d)).delta, Attack.parse("random", seed=8)(_out(d)).delta)
     alie_a, alie_b = Attack.parse("alie", seed=7), Attack.parse("alie", seed=7)
-    assert torch.equal(alie_a(_out(d)).delta, alie_b(_out(d)).delta)  # same work, same rule, same step
+    assert torch.equal(
+        alie_a(_out(d)).delta, alie_b(_out(d)).delta
+    )  # same work, same rule, same step
 
 
 def test_several_attackers_parse() -> None:
     assert [parse_local_attack(s) for s in ("3:alie", "5:alie=1.5", "6:ipm", "7:steps")] == [
-        (3, "alie"), (5, "alie=1.5"), (6, "ipm"), (7, "steps")]
+        (3, "alie"),
+        (5, "alie=1.5"),
+        (6, "ipm"),
+        (7, "steps"),
+    ]

@@ -17,8 +17,17 @@ from protocol.wire.messages import Contribution
 
 def contribution_bytes(n: int) -> bytes:
     enc, _ = compress(torch.randn(n, generator=torch.Generator().manual_seed(n)), "topk2")
-    msg = Contribution(swarm="s", fragment=0, base_version=0, base_digest=bytes(32), tokens=1, steps=1,
-                       step_time=0.1, sender_step=0, tensors=(enc,))
+    msg = Contribution(
+        swarm="s",
+        fragment=0,
+        base_version=0,
+        base_digest=bytes(32),
+        tokens=1,
+        steps=1,
+        step_time=0.1,
+        sender_step=0,
+        tensors=(enc,),
+    )
     return encode(msg).tobytes()
 
 
@@ -30,15 +39,30 @@ def fake_report(tmp_path: Path) -> dict[str, object]:
     (payloads / "a.msg").write_bytes(small)
     (payloads / "b.msg").write_bytes(big)
     content = {"shapes": [[10, 30], [30]], "codec": "none"}
-    lines = [{"kind": "start", "fragment": 0, "content": content}, {"kind": "tick", "now": 1.0},
-             {"kind": "contribution", "peer": "aa", "payload": "a.msg"},
-             {"kind": "contribution", "peer": "aa", "payload": "b.msg"},
-             {"kind": "contribution", "peer": "bb", "payload": "a.msg"}]
+    lines = [
+        {"kind": "start", "fragment": 0, "content": content},
+        {"kind": "tick", "now": 1.0},
+        {"kind": "contribution", "peer": "aa", "payload": "a.msg"},
+        {"kind": "contribution", "peer": "aa", "payload": "b.msg"},
+        {"kind": "contribution", "peer": "bb", "payload": "a.msg"},
+    ]
     log.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    return {"event_logs": [str(log)], "tokens_trained": 2000, "bytes_sent": 100_000, "n_params": 1000,
-            "steps": 10, "peers": 2, "config": {"swarm": "atoll-local"}, "eval_loss": {"end": 2.5}, "hashes_agree": True, "wall_s": 3.0,
-            "per_peer": [{"peer_id": "aa", "bytes_sent": 60_000, "median_step_s": 0.1},
-                         {"peer_id": "bb", "bytes_sent": 40_000, "median_step_s": 0.3}]}
+    return {
+        "event_logs": [str(log)],
+        "tokens_trained": 2000,
+        "bytes_sent": 100_000,
+        "n_params": 1000,
+        "steps": 10,
+        "peers": 2,
+        "config": {"swarm": "atoll-local"},
+        "eval_loss": {"end": 2.5},
+        "hashes_agree": True,
+        "wall_s": 3.0,
+        "per_peer": [
+            {"peer_id": "aa", "bytes_sent": 60_000, "median_step_s": 0.1},
+            {"peer_id": "bb", "bytes_sent": 40_000, "median_step_s": 0.3},
+        ],
+    }
 
 
 def test_uploads_count_every_logged_contribution_sealed(tmp_path: Path) -> None:
@@ -69,7 +93,9 @@ def test_measure_and_table(tmp_path: Path) -> None:
 def test_a_contribution_without_its_payload_is_an_error(tmp_path: Path) -> None:
     report = fake_report(tmp_path)
     log = Path(report["event_logs"][0])  # type: ignore[index]
-    log.write_text(log.read_text() + json.dumps({"kind": "contribution", "peer": "aa", "payload": None}) + "\n")
+    log.write_text(
+        log.read_text() + json.dumps({"kind": "contribution", "peer": "aa", "payload": None}) + "\n"
+    )
     with pytest.raises(RuntimeError, match="payload"):
         uploads(report)
 

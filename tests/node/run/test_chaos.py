@@ -28,17 +28,23 @@ from node.run.chaos import (
 def test_default_is_a_learner_every_60s_and_an_owner_every_90s_restarted_after_20s() -> None:
     spec = parse_chaos("default", peers=4)
     assert [(k.target, k.at_s, k.every_s, k.restart_s) for k in spec.kills] == [
-        ("learner", 60.0, 60.0, 20.0), ("owner", 90.0, 90.0, 20.0)]
+        ("learner", 60.0, 60.0, 20.0),
+        ("owner", 90.0, 90.0, 20.0),
+    ]
     assert spec.calm_for(300) == 60.0 and spec.calm_for(120) == 60.0
     assert spec.text == "default"
 
 
 def test_items_of_every_kind() -> None:
-    spec = parse_chaos("kill=2@30s+restart10s,kill=any@every1.5m,slow=3x2.5,"
-                       "link=1:latency=50ms,bandwidth=10mbit,drop=0.01,calm=500ms", peers=4)
+    spec = parse_chaos(
+        "kill=2@30s+restart10s,kill=any@every1.5m,slow=3x2.5,"
+        "link=1:latency=50ms,bandwidth=10mbit,drop=0.01,calm=500ms",
+        peers=4,
+    )
     assert spec.kills == (
         KillRule(item="kill=2@30s+restart10s", target="2", at_s=30.0, every_s=0.0, restart_s=10.0),
-        KillRule(item="kill=any@every1.5m", target="any", at_s=90.0, every_s=90.0, restart_s=None))
+        KillRule(item="kill=any@every1.5m", target="any", at_s=90.0, every_s=90.0, restart_s=None),
+    )
     assert spec.slow == ((3, 2.5),)
     assert spec.links == ((1, "latency=50ms,bandwidth=10mbit,drop=0.01"),)
     assert spec.calm_s == 0.5
@@ -54,32 +60,37 @@ def test_calm_defaults_to_a_minute_or_a_quarter_of_a_short_run() -> None:
     assert spec.calm_for(300) == 60.0 and spec.calm_for(60) == 15.0
 
 
-@pytest.mark.parametrize(("text", "says"), [
-    ("", "empty item"),
-    ("kill=1@15s,,slow=2x2", "empty item"),
-    ("explode", "expected default or items kill=..."),
-    ("kill=1", "kill=TARGET@WHEN"),
-    ("kill=leader@every60s", "TARGET learner, owner, any or a peer index"),
-    ("kill=learner@sometimes", "WHEN 30s (once) or every60s"),
-    ("kill=learner@0s", "after 0 s"),
-    ("kill=9@30s", "PEER one of 0..3"),
-    ("kill=1@30s+restart", "kill=TARGET@WHEN[+restartDELAY]"),
-    ("slow=3", "slow=PEERxFACTOR"),
-    ("slow=3x0.5", "FACTOR >= 1"),
-    ("slow=4x3", "PEER one of 0..3"),
-    ("link=1", "link=PEER:PROFILE"),
-    ("link=1:speed=fast", "bad link spec"),
-    ("latency=50ms", "expected default or items"),
-    ("calm=soon", "calm=DURATION"),
-    ("calm=10s", "nothing to do"),
-])
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("", "empty item"),
+        ("kill=1@15s,,slow=2x2", "empty item"),
+        ("explode", "expected default or items kill=..."),
+        ("kill=1", "kill=TARGET@WHEN"),
+        ("kill=leader@every60s", "TARGET learner, owner, any or a peer index"),
+        ("kill=learner@sometimes", "WHEN 30s (once) or every60s"),
+        ("kill=learner@0s", "after 0 s"),
+        ("kill=9@30s", "PEER one of 0..3"),
+        ("kill=1@30s+restart", "kill=TARGET@WHEN[+restartDELAY]"),
+        ("slow=3", "slow=PEERxFACTOR"),
+        ("slow=3x0.5", "FACTOR >= 1"),
+        ("slow=4x3", "PEER one of 0..3"),
+        ("link=1", "link=PEER:PROFILE"),
+        ("link=1:speed=fast", "bad link spec"),
+        ("latency=50ms", "expected default or items"),
+        ("calm=soon", "calm=DURATION"),
+        ("calm=10s", "nothing to do"),
+    ],
+)
 def test_bad_specs_say_what_is_expected_in_one_line_with_an_example(text: str, says: str) -> None:
     with pytest.raises(ChaosSpecError, match="e\\.g\\.") as info:
         parse_chaos(text, peers=4)
     assert says in str(info.value) and "\n" not in str(info.value)
 
 
-def test_the_command_line_refuses_a_bad_spec_or_duration(capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_command_line_refuses_a_bad_spec_or_duration(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     assert main(["local", "--peers", "4", "--chaos", "kill=7@10s"]) == 2
     assert "PEER one of 0..3" in capsys.readouterr().err
     assert main(["local", "--duration", "-5"]) == 2
@@ -89,8 +100,15 @@ def test_the_command_line_refuses_a_bad_spec_or_duration(capsys: pytest.CaptureF
 # --- the schedule ------------------------------------------------------------------------------
 
 
-def _run(spec: str, *, peers: int = 4, duration: float = 300.0, owners: set[int] | None = None,
-         seed: int = 0, dt: float = 0.5) -> list[tuple[float, Kill | Restart | Skip]]:
+def _run(
+    spec: str,
+    *,
+    peers: int = 4,
+    duration: float = 300.0,
+    owners: set[int] | None = None,
+    seed: int = 0,
+    dt: float = 0.5,
+) -> list[tuple[float, Kill | Restart | Skip]]:
     """Drive a schedule with a fake clock; killed peers are dead until their restart."""
     schedule = ChaosSchedule(parse_chaos(spec, peers), duration, random.Random(seed))
     live, out, now = set(range(peers)), [], 0.0
@@ -117,7 +135,9 @@ def test_default_kills_learners_and_owners_and_stops_a_minute_before_the_end() -
     restarts = [(t, d.peer) for t, d in events if isinstance(d, Restart)]
     assert [t for t, _ in restarts] == [80.0, 110.0, 140.0, 200.0, 200.0, 260.0]
     assert sorted(p for _, p in restarts) == sorted(d.peer for _, d in kills)
-    assert "(1 of 2 live peers owning nothing; 4 were live), restart at 80.0 s" in kills[0][1].reason
+    assert (
+        "(1 of 2 live peers owning nothing; 4 were live), restart at 80.0 s" in kills[0][1].reason
+    )
 
 
 def test_never_the_last_two_live_peers() -> None:
@@ -140,7 +160,8 @@ def test_a_kill_whose_restart_would_fall_after_the_end_is_skipped() -> None:
 def test_no_owner_to_kill_is_a_skip_with_counts() -> None:
     events = _run("kill=owner@10s", owners=set(), duration=100.0)
     assert [d.reason for _, d in events] == [
-        "kill=owner@10s at 10.0 s: skipped, no live owners (4 live, 0 owners)"]
+        "kill=owner@10s at 10.0 s: skipped, no live owners (4 live, 0 owners)"
+    ]
 
 
 def test_a_dead_fixed_target_is_skipped_and_a_seed_fixes_the_choice() -> None:
@@ -171,22 +192,32 @@ def test_a_late_tick_catches_up_in_time_order() -> None:
 
 def test_uptime_counts_time_when_a_fragment_went_more_than_the_window_without_a_version() -> None:
     # fragment 0 every 10 s; fragment 1 silent between 20 and 60 s; window 20 s
-    published = [(float(t), 0) for t in range(10, 101, 10)] + [(10.0, 1), (20.0, 1), (60.0, 1), (80.0, 1)]
+    published = [(float(t), 0) for t in range(10, 101, 10)] + [
+        (10.0, 1),
+        (20.0, 1),
+        (60.0, 1),
+        (80.0, 1),
+    ]
     assert uptime(published, 2, 0.0, 100.0, 20.0) == pytest.approx(1 - 20 / 100)  # down 40..60
     assert uptime(published, 2, 0.0, 100.0, 50.0) == 1.0
     assert uptime([], 1, 0.0, 100.0, 30.0) == pytest.approx(0.3)  # up only for the first window
     assert uptime(published, 3, 0.0, 100.0, 20.0) == pytest.approx(0.2)  # fragment 2 never advanced
     # overlapping down time of two fragments counts once
-    assert uptime([(0.0, 0), (0.0, 1), (50.0, 0), (40.0, 1), (100.0, 0), (100.0, 1)], 2, 0.0, 100.0,
-                  20.0) == pytest.approx(1 - (30 + 40) / 100)
+    assert uptime(
+        [(0.0, 0), (0.0, 1), (50.0, 0), (40.0, 1), (100.0, 0), (100.0, 1)], 2, 0.0, 100.0, 20.0
+    ) == pytest.approx(1 - (30 + 40) / 100)
 
 
 def test_uptime_with_a_window_that_grows_with_h_judges_each_wait_by_when_it_began() -> None:
     # H grows late in the run: a wait that began at 50 s or later may last 40 s, earlier ones 20 s
     published = [(10.0, 0), (45.0, 0), (55.0, 0), (90.0, 0)]
     grows = lambda t: 20.0 if t < 50 else 40.0  # noqa: E731
-    assert uptime(published, 1, 0.0, 100.0, grows) == pytest.approx(1 - 15 / 100)  # down 30..45 only
-    assert uptime(published, 1, 0.0, 100.0, 20.0) == pytest.approx(1 - (15 + 15) / 100)  # and 75..90
+    assert uptime(published, 1, 0.0, 100.0, grows) == pytest.approx(
+        1 - 15 / 100
+    )  # down 30..45 only
+    assert uptime(published, 1, 0.0, 100.0, 20.0) == pytest.approx(
+        1 - (15 + 15) / 100
+    )  # and 75..90
 
 
 def test_longest_gap_per_fragment_counts_from_the_start_and_to_the_end() -> None:
@@ -200,15 +231,29 @@ def test_median_step_time_from_progress_events_per_incarnation() -> None:
 
 
 def test_goodput_is_accepted_work_over_provisioned_time() -> None:
-    results = [{"contributions_accepted": 40, "contributions_sent": 40, "steps": 200, "median_step_s": 0.1},
-               {"contributions_accepted": 10, "contributions_sent": 40, "steps": 200, "median_step_s": 0.1}]
+    results = [
+        {
+            "contributions_accepted": 40,
+            "contributions_sent": 40,
+            "steps": 200,
+            "median_step_s": 0.1,
+        },
+        {
+            "contributions_accepted": 10,
+            "contributions_sent": 40,
+            "steps": 200,
+            "median_step_s": 0.1,
+        },
+    ]
     assert goodput(results, peers=2, span_s=25.0) == pytest.approx((20 + 5) / 50)
     # a killed peer's slot counts as provisioned with no goodput
     assert goodput(results, peers=4, span_s=25.0) == pytest.approx((20 + 5) / 100)
     # work lost to a kill is not in the island's steps: a resumed island counts from its checkpoint
     resumed = [{**results[0], "steps": 150}]
     assert goodput(resumed, peers=1, span_s=25.0) == pytest.approx(15 / 25)
-    assert goodput([{"steps": 10, "median_step_s": 1.0}], peers=1, span_s=10.0) == 0.0  # nothing sent
+    assert (
+        goodput([{"steps": 10, "median_step_s": 1.0}], peers=1, span_s=10.0) == 0.0
+    )  # nothing sent
 
 
 def test_a_learner_kill_takes_any_peer_when_every_peer_owns_a_fragment() -> None:

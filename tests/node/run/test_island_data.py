@@ -27,7 +27,9 @@ def test_a_local_peer_samples_its_shard_of_peers() -> None:
         assert sampler.spans == shard_spans(TRAIN.numel(), shard=index, n_shards=3)
 
 
-def test_joiners_that_drew_the_same_index_train_on_different_batches_from_the_whole_corpus() -> None:
+def test_joiners_that_drew_the_same_index_train_on_different_batches_from_the_whole_corpus() -> (
+    None
+):
     a, b = signer(1).peer_id, signer(2).peer_id
     assert data_seed_of(a) != data_seed_of(b) and data_seed_of(a) == data_seed_of(a)
     # the index a joiner draws among --peers is the same for both: without their own seeds the
@@ -36,7 +38,9 @@ def test_joiners_that_drew_the_same_index_train_on_different_batches_from_the_wh
     assert all(torch.equal(x, y) for x, y in zip(*same, strict=True))
     mine, theirs = (first_batches({"index": 1, "own_seed": data_seed_of(p)}) for p in (a, b))
     assert not any(torch.equal(x, y) for x, y in zip(mine, theirs, strict=True))
-    again = first_batches({"index": 2, "own_seed": data_seed_of(a)})  # a restart: another index, same key
+    again = first_batches(
+        {"index": 2, "own_seed": data_seed_of(a)}
+    )  # a restart: another index, same key
     assert all(torch.equal(x, y) for x, y in zip(mine, again, strict=True))
     sampler = island_sampler(RunConfig(peers=3), TRAIN, BLOCK, 1, own_seed=data_seed_of(a))
     assert sampler.spans == [(0, TRAIN.numel())]  # the whole train split, not a third of it

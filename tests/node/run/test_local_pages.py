@@ -35,11 +35,17 @@ class _Proc:
 
 
 @pytest.mark.parametrize("quiet", [False, True])
-async def test_each_peer_page_is_printed_when_it_listens(tmp_path: Path, quiet: bool,
-                                                         capsys: pytest.CaptureFixture[str]) -> None:
+async def test_each_peer_page_is_printed_when_it_listens(
+    tmp_path: Path, quiet: bool, capsys: pytest.CaptureFixture[str]
+) -> None:
     swarm = LocalSwarm(RunConfig(peers=2), tmp_path, quiet=quiet)
     for index, port in ((0, 41001), (1, 41002)):
-        listening = {"event": "listening", "index": index, "url": f"http://127.0.0.1:{port}", "peer_id": "ab"}
+        listening = {
+            "event": "listening",
+            "index": index,
+            "url": f"http://127.0.0.1:{port}",
+            "peer_id": "ab",
+        }
         peer = PeerProcess(index, _Proc(_Lines(listening)), tmp_path / f"peer{index}.log")  # type: ignore[arg-type]
         await swarm._read(peer)
         assert peer.url == f"http://127.0.0.1:{port}"

@@ -8,11 +8,17 @@ from node.run.report import bytes_by_route
 
 
 def test_bytes_by_route_sums_the_peers_largest_first_per_trained_token() -> None:
-    peers = [{"bytes_by_route": {"/v1/rpc:Contribution": 600, "/v1/dht:FindValue": 50}},
-             {"bytes_by_route": {"/v1/rpc:Contribution": 400, "reply /v1/fragments/*/next": 2000}},
-             {}]  # a peer that sent nothing (or an older peer without the field)
+    peers = [
+        {"bytes_by_route": {"/v1/rpc:Contribution": 600, "/v1/dht:FindValue": 50}},
+        {"bytes_by_route": {"/v1/rpc:Contribution": 400, "reply /v1/fragments/*/next": 2000}},
+        {},
+    ]  # a peer that sent nothing (or an older peer without the field)
     routes = bytes_by_route(peers, tokens=1000)
-    assert list(routes) == ["reply /v1/fragments/*/next", "/v1/rpc:Contribution", "/v1/dht:FindValue"]
+    assert list(routes) == [
+        "reply /v1/fragments/*/next",
+        "/v1/rpc:Contribution",
+        "/v1/dht:FindValue",
+    ]
     assert routes["/v1/rpc:Contribution"] == {"bytes": 1000, "per_token": 1.0}
     assert routes["/v1/dht:FindValue"]["per_token"] == 0.05
     assert bytes_by_route(peers, tokens=0)["/v1/dht:FindValue"]["per_token"] == 0.0
@@ -22,14 +28,25 @@ def test_memory_keeps_a_thinned_curve_that_tells_a_late_peak_from_a_climb() -> N
     from node.run.report import CURVE_POINTS, memory_summary
 
     climb = [[t, 0, (400 + t / 10) * 1e6] for t in range(200)]  # +0.1 MB a sample, all run long
-    spike = [[t, 0, (420 if t == 199 else 400) * 1e6] for t in range(200)]  # flat, then one peak at the end
+    spike = [
+        [t, 0, (420 if t == 199 else 400) * 1e6] for t in range(200)
+    ]  # flat, then one peak at the end
     out = memory_summary([{"index": 0, "rss_curve": climb}, {"index": 1, "rss_curve": spike}])
     c0, c1 = out["per_peer"]["0"]["curve_mb"], out["per_peer"]["1"]["curve_mb"]
     assert len(c0) == len(c1) == CURVE_POINTS and c0[-1] == 419.9 and c1[-1] == 420.0
-    assert min(out["per_peer"][i]["growth_after_warmup_mb"] for i in "01") > 10  # both grew; the numbers alone do not say how
+    assert (
+        min(out["per_peer"][i]["growth_after_warmup_mb"] for i in "01") > 10
+    )  # both grew; the numbers alone do not say how
     assert all(b > a for a, b in zip(c0, c0[1:], strict=False))  # the climb shows in the curve
     assert c1[:-1] == [400.0] * (CURVE_POINTS - 1)  # the late peak does not
-    assert memory_summary([{"index": 2, "rss_curve": climb[:6]}])["per_peer"]["2"]["curve_mb"] == [400.0, 400.1, 400.2, 400.3, 400.4, 400.5]
+    assert memory_summary([{"index": 2, "rss_curve": climb[:6]}])["per_peer"]["2"]["curve_mb"] == [
+        400.0,
+        400.1,
+        400.2,
+        400.3,
+        400.4,
+        400.5,
+    ]
 
 
 def test_memory_tells_a_heap_that_keeps_freed_blocks_from_one_that_holds_more() -> None:
@@ -37,10 +54,17 @@ def test_memory_tells_a_heap_that_keeps_freed_blocks_from_one_that_holds_more() 
 
     # resident size climbs on both; only peer 1's tensors and buffers in use climb with it
     kept = [[t, 0, (400 + t / 10) * 1e6, 90e6, 500_000] for t in range(100)]
-    leak = [[t, 0, (400 + t / 10) * 1e6, (90 + t / 10) * 1e6, 500_000 + 100 * t] for t in range(100)]
+    leak = [
+        [t, 0, (400 + t / 10) * 1e6, (90 + t / 10) * 1e6, 500_000 + 100 * t] for t in range(100)
+    ]
     old = [[t, 0, 400e6] for t in range(100)]  # a peer without the heap samples (an older peer)
-    out = memory_summary([{"index": 0, "rss_curve": kept}, {"index": 1, "rss_curve": leak},
-                          {"index": 2, "rss_curve": old}])
+    out = memory_summary(
+        [
+            {"index": 0, "rss_curve": kept},
+            {"index": 1, "rss_curve": leak},
+            {"index": 2, "rss_curve": old},
+        ]
+    )
     p0, p1, p2 = (out["per_peer"][i] for i in "012")
     assert p0["growth_after_warmup_mb"] == p1["growth_after_warmup_mb"] == 7.5
     assert p0["heap_growth_after_warmup_mb"] == 0.0 and p0["py_blocks_growth_after_warmup"] == 0
@@ -67,6 +91,7 @@ def test_the_heap_in_use_counts_a_tensor_while_it_lives() -> None:
 
 def test_the_report_shows_each_peers_lowest_standing_and_the_attackers_in_its_lines() -> None:
     from node.run.report import standing_of
+
     peers = [{"standing": {"aa": -2.5, "bb": 0.4}}, {"standing": {"aa": -1.0}}, {}]
     assert standing_of("aa", peers) == -2.5  # the lowest at any owner
     assert standing_of("bb", peers) == 0.4

@@ -20,21 +20,30 @@ from node.workload.model import GPT, GPTConfig, embedding_parameter_names
 from protocol.diloco.fragments import plan_fragments
 from protocol.diloco.versions import version_jump_reason
 
-TRAIN = torch.randint(0, 256, (20_000,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+TRAIN = torch.randint(
+    0, 256, (20_000,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3)
+)
 
 
 def _island(tcfg: TrainConfig):  # type: ignore[no-untyped-def]
     model = GPT(GPTConfig.preset("tiny"), seed=0)
     opt = make_inner_optimizer(model, tcfg)
-    plan = plan_fragments([(n, tuple(p.shape)) for n, p in model.named_parameters()], 2,
-                          embeddings=embedding_parameter_names(model))
+    plan = plan_fragments(
+        [(n, tuple(p.shape)) for n, p in model.named_parameters()],
+        2,
+        embeddings=embedding_parameter_names(model),
+    )
     island = Island(model, opt, plan, lambda _out: None, IslandConfig(inner_steps=4))
-    sampler = BatchSampler(TRAIN, batch_size=4, block_size=model.config.block_size, seed=7, shard=0, n_shards=1)
+    sampler = BatchSampler(
+        TRAIN, batch_size=4, block_size=model.config.block_size, seed=7, shard=0, n_shards=1
+    )
     return model, opt, island, sampler
 
 
 def _steps(model, opt, island, sampler, tcfg, start: int, n: int) -> list[float]:  # type: ignore[no-untyped-def]
-    return [inner_step(model, opt, tcfg, s, *sampler.next()).item() for s in range(start, start + n)]
+    return [
+        inner_step(model, opt, tcfg, s, *sampler.next()).item() for s in range(start, start + n)
+    ]
 
 
 def test_a_restarted_island_continues_exactly_where_it_stopped(tmp_path: Path) -> None:
@@ -47,7 +56,9 @@ def test_a_restarted_island_continues_exactly_where_it_stopped(tmp_path: Path) -
     t0 = time.time()
     assert ckpt.save()
     ckpt.wait()
-    expected = _steps(model, opt, island, sampler, tcfg, 8, 4)  # what an uninterrupted island does next
+    expected = _steps(
+        model, opt, island, sampler, tcfg, 8, 4
+    )  # what an uninterrupted island does next
 
     model2, opt2, island2, sampler2 = _island(tcfg)  # a fresh process after kill -9
     meta = IslandCheckpoints(tmp_path, model2, opt2, island2, sampler2.generator).restore()
@@ -69,23 +80,40 @@ def test_a_restarted_island_continues_exactly_where_it_stopped(tmp_path: Path) -
 def test_no_checkpoint_means_a_fresh_start_and_a_foreign_one_is_refused(tmp_path: Path) -> None:
     tcfg = TrainConfig(steps=20)
     model, opt, island, sampler = _island(tcfg)
-    assert IslandCheckpoints(tmp_path / "empty", model, opt, island, sampler.generator).restore() is None
+    assert (
+        IslandCheckpoints(tmp_path / "empty", model, opt, island, sampler.generator).restore()
+        is None
+    )
     other = GPT(GPTConfig.preset("tiny"), seed=0)
     other.lm_head = torch.nn.Linear(other.config.n_embd, 7, bias=False)  # another model
     opt_o = torch.optim.AdamW(other.parameters())
     plan = plan_fragments([(n, tuple(p.shape)) for n, p in other.named_parameters()], 2)
-    foreign = IslandCheckpoints(tmp_path / "f", other, opt_o, Island(other, opt_o, plan, lambda _o: None, IslandConfig()),
-                                sampler.generator)
+    foreign = IslandCheckpoints(
+        tmp_path / "f",
+        other,
+        opt_o,
+        Island(other, opt_o, plan, lambda _o: None, IslandConfig()),
+        sampler.generator,
+    )
     foreign.save()
     foreign.wait()
     with pytest.raises(CheckpointError, match="does not fit this model|fragments"):
         IslandCheckpoints(tmp_path / "f", model, opt, island, sampler.generator).restore()
 
 
-@pytest.mark.parametrize("field, value", [("versions", ["x", 1]), ("step", 1e400), ("c_steps", [1]),
-                                          ("next_due", None), ("tokens_trained", 2**70)])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("versions", ["x", 1]),
+        ("step", 1e400),
+        ("c_steps", [1]),
+        ("next_due", None),
+        ("tokens_trained", 2**70),
+    ],
+)
 def test_a_checkpoint_whose_meta_record_is_malformed_is_skipped_not_raised(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture, field: str, value: object) -> None:
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, field: str, value: object
+) -> None:
     """A file with a valid digest but a crafted meta record (a version that is a string, a step
     of 1e400, a list of the wrong length) raised KeyError/TypeError/OverflowError out of
     ``restore`` and the peer failed to start; now it is skipped with the reason and the older
@@ -101,7 +129,11 @@ def test_a_checkpoint_whose_meta_record_is_malformed_is_skipped_not_raised(
     assert ckpt.save()
     ckpt.wait()
     tensors, meta = load_checkpoint(ckpt.store.path(0))
-    craft(ckpt.store.path(1), tensors, json.dumps({**meta, "step": 1, field: value}).replace("Infinity", "1e400"))
+    craft(
+        ckpt.store.path(1),
+        tensors,
+        json.dumps({**meta, "step": 1, field: value}).replace("Infinity", "1e400"),
+    )
     model2, opt2, island2, sampler2 = _island(tcfg)
     with caplog.at_level("WARNING", logger="node.state.checkpoint"):
         restored = IslandCheckpoints(tmp_path, model2, opt2, island2, sampler2.generator).restore()

@@ -486,6 +486,7 @@ def test_kill_9_while_saving_always_leaves_a_valid_checkpoint(
 
 # ----------------------------------------------------------------------------- crafted files
 
+
 def craft(path: Path, tensors: dict[str, torch.Tensor], meta_json: str) -> None:
     """A checkpoint whose meta record is ``meta_json`` as given (any text), with a valid digest:
     what someone who can write to the folder, or hand over a file, can make."""
@@ -496,7 +497,8 @@ def craft(path: Path, tensors: dict[str, torch.Tensor], meta_json: str) -> None:
 
 
 def test_a_header_nested_past_the_parsers_recursion_is_refused_and_skipped(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """A JSON header nested 100,000 deep raised ``RecursionError`` out of ``load_checkpoint``
     (not a ``CheckpointError``), so ``latest`` let it through and the peer failed to start."""
     ck = Checkpointer(tmp_path)
@@ -511,14 +513,22 @@ def test_a_header_nested_past_the_parsers_recursion_is_refused_and_skipped(
     assert "skipping checkpoint step 2" in caplog.text and "nested too deeply" in caplog.text
 
 
-@pytest.mark.parametrize("meta_json, why", [
-    ("[" * 100_000 + "]" * 100_000, "the meta record is nested too deeply"),
-    ('{"step": 1e99999}', "the meta record is not valid JSON"),  # parses to inf: refused
-    ('{"step": NaN}', "the meta record is not valid JSON"),
-    ('{"step": ' + "9" * 5000 + "}", "the meta record is not valid JSON"),  # past the digit limit
-    ("[1, 2]", "the meta record is a JSON list, not an object"),
-])
-def test_a_crafted_meta_record_with_a_valid_digest_is_refused(tmp_path: Path, meta_json: str, why: str) -> None:
+@pytest.mark.parametrize(
+    "meta_json, why",
+    [
+        ("[" * 100_000 + "]" * 100_000, "the meta record is nested too deeply"),
+        ('{"step": 1e99999}', "the meta record is not valid JSON"),  # parses to inf: refused
+        ('{"step": NaN}', "the meta record is not valid JSON"),
+        (
+            '{"step": ' + "9" * 5000 + "}",
+            "the meta record is not valid JSON",
+        ),  # past the digit limit
+        ("[1, 2]", "the meta record is a JSON list, not an object"),
+    ],
+)
+def test_a_crafted_meta_record_with_a_valid_digest_is_refused(
+    tmp_path: Path, meta_json: str, why: str
+) -> None:
     path = tmp_path / "step-000001.safetensors"
     craft(path, state(1), meta_json)
     with pytest.raises(CheckpointError, match=why.replace("(", r"\(")):

@@ -62,7 +62,8 @@ async def client() -> AsyncIterator[Transport]:
 
 @pytest.mark.parametrize("stall", [False, True], ids=["hangs-up", "stalls"])
 async def test_a_claimed_512_mib_body_of_10_bytes_costs_a_chunk_and_fails_with_the_reason(
-        client: Transport, stall: bool) -> None:
+    client: Transport, stall: bool
+) -> None:
     liar = Liar(stall=stall)
     await liar.t.start()
     stats = FetchStats()
@@ -72,8 +73,15 @@ async def test_a_claimed_512_mib_body_of_10_bytes_costs_a_chunk_and_fails_with_t
         tracemalloc.start()
         try:
             with pytest.raises(DownloadFailed) as failed:
-                await fetch_sealed(client, f"{liar.t.url}/f", max_size=1 << 30, expected_signer=OWNER.peer_id,
-                                   chunk_timeout_s=0.5, config=FAST, stats=stats)
+                await fetch_sealed(
+                    client,
+                    f"{liar.t.url}/f",
+                    max_size=1 << 30,
+                    expected_signer=OWNER.peer_id,
+                    chunk_timeout_s=0.5,
+                    config=FAST,
+                    stats=stats,
+                )
             _, peak = tracemalloc.get_traced_memory()
         finally:
             tracemalloc.stop()
@@ -82,11 +90,16 @@ async def test_a_claimed_512_mib_body_of_10_bytes_costs_a_chunk_and_fails_with_t
         liar.done.set()
         await liar.t.close()
     reason = failed.value.reason
-    print(f"{'stalling' if stall else 'hanging-up'} liar: peak traced {peak / MIB:.2f} MiB, "
-          f"RSS +{grew / MIB:.1f} MiB; {reason}")
+    print(
+        f"{'stalling' if stall else 'hanging-up'} liar: peak traced {peak / MIB:.2f} MiB, "
+        f"RSS +{grew / MIB:.1f} MiB; {reason}"
+    )
     assert "gave up after 2 failed attempts" in reason
-    assert ("received 10 of 536870912 bytes" in reason if not stall
-            else "nothing arrived for 0.5 s (at 10/536870912 bytes)" in reason)
+    assert (
+        "received 10 of 536870912 bytes" in reason
+        if not stall
+        else "nothing arrived for 0.5 s (at 10/536870912 bytes)" in reason
+    )
     assert stats.statuses == [200, 200] and stats.bytes_received == 20
     assert peak < 8 * MIB and grew < 16 * MIB
     partial = failed.value.partial
@@ -107,7 +120,9 @@ class _Sizes(BufferPool):
         return buf
 
 
-async def test_an_honest_body_is_taken_at_its_signed_size_or_grown_by_doubling(client: Transport) -> None:
+async def test_an_honest_body_is_taken_at_its_signed_size_or_grown_by_doubling(
+    client: Transport,
+) -> None:
     sealed, _ = make_state(3 << 20)  # 12 MiB of fp32
     total = len(sealed.tobytes())
     server = Transport()
@@ -118,11 +133,14 @@ async def test_an_honest_body_is_taken_at_its_signed_size_or_grown_by_doubling(c
     server.app.router.add_get("/f", serve)
     await server.start()
     try:
-        for signer, expect in ((OWNER.peer_id, [CHUNK, total]),  # the owner signed the size: one step
-                               (None, [CHUNK, 2 * CHUNK, 4 * CHUNK, 8 * CHUNK, total])):  # any signer: doubling
+        for signer, expect in (
+            (OWNER.peer_id, [CHUNK, total]),  # the owner signed the size: one step
+            (None, [CHUNK, 2 * CHUNK, 4 * CHUNK, 8 * CHUNK, total]),
+        ):  # any signer: doubling
             client.pool = pool = _Sizes()
-            opened = await fetch_sealed(client, f"{server.url}/f", max_size=64 * MIB, expected_signer=signer,
-                                        config=FAST)
+            opened = await fetch_sealed(
+                client, f"{server.url}/f", max_size=64 * MIB, expected_signer=signer, config=FAST
+            )
             assert opened.peer_id == OWNER.peer_id and pool.sizes == expect
     finally:
         await server.close()

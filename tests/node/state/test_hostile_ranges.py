@@ -52,22 +52,38 @@ async def served() -> AsyncIterator[tuple[Transport, bytes]]:
 
 
 async def test_hostile_range_headers_get_416_with_a_reason_or_the_whole_body(
-        served: tuple[Transport, bytes], caplog: pytest.LogCaptureFixture) -> None:
+    served: tuple[Transport, bytes], caplog: pytest.LogCaptureFixture
+) -> None:
     t, wire = served
     async with aiohttp.ClientSession() as session:
-        for value in (f"bytes={HUGE}-", f"bytes=-{HUGE}", f"bytes=0-{HUGE}", f"bytes={'7' * 3000}-"):
+        for value in (
+            f"bytes={HUGE}-",
+            f"bytes=-{HUGE}",
+            f"bytes=0-{HUGE}",
+            f"bytes={'7' * 3000}-",
+        ):
             async with session.get(f"{t.url}/f", headers={"Range": value}) as r:
                 body = await r.read()
                 assert r.status == 416 and r.headers["Content-Range"] == f"bytes */{len(wire)}"
                 assert json.loads(body)["reason"], body
-        for value in ("bytes=abc", "bytes=5-2", "bytes=0-1,4-5", "items=0-5", "bytes=", "bytes=1-2-3"):
+        for value in (
+            "bytes=abc",
+            "bytes=5-2",
+            "bytes=0-1,4-5",
+            "items=0-5",
+            "bytes=",
+            "bytes=1-2-3",
+        ):
             async with session.get(f"{t.url}/f", headers={"Range": value}) as r:
-                assert (r.status, await r.read()) == (200, wire), value  # ignored, as RFC 9110 allows
+                assert (r.status, await r.read()) == (200, wire), (
+                    value
+                )  # ignored, as RFC 9110 allows
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
-async def test_an_asker_that_hangs_up_is_no_error(served: tuple[Transport, bytes],
-                                                  caplog: pytest.LogCaptureFixture) -> None:
+async def test_an_asker_that_hangs_up_is_no_error(
+    served: tuple[Transport, bytes], caplog: pytest.LogCaptureFixture
+) -> None:
     t, _ = served
     caplog.set_level(logging.DEBUG)
     for read_first in (0, 1000):

@@ -48,13 +48,21 @@ FAST = FetchConfig(retries=2, backoff_s=0.01, backoff_cap_s=0.05)
 N = 1 << 20  # elements in most test states: 4 MiB of fp32
 
 
-def make_state(numel: int = N, version: int = 1, *, fragment: int = 0,
-               signer: Signer = OWNER) -> tuple[Sealed, torch.Tensor]:
+def make_state(
+    numel: int = N, version: int = 1, *, fragment: int = 0, signer: Signer = OWNER
+) -> tuple[Sealed, torch.Tensor]:
     theta = torch.randn(numel, generator=torch.Generator().manual_seed(version * 100 + fragment))
     enc, _ = compress(theta, "none")
-    state = FragmentState(swarm=SWARM, fragment=fragment, version=version, tensors=(enc,),
-                          content_hash=content_hash([enc]))
-    return seal(encode(state), signer, now=1000.0 + version, nonce=version.to_bytes(16, "big")), theta
+    state = FragmentState(
+        swarm=SWARM,
+        fragment=fragment,
+        version=version,
+        tensors=(enc,),
+        content_hash=content_hash([enc]),
+    )
+    return seal(
+        encode(state), signer, now=1000.0 + version, nonce=version.to_bytes(16, "big")
+    ), theta
 
 
 def flipped(sealed: Sealed, at: int) -> Sealed:
@@ -62,7 +70,9 @@ def flipped(sealed: Sealed, at: int) -> Sealed:
     head = 4 + len(sealed.envelope)
     body = bytearray(sealed.message.tobytes())
     body[at - head] ^= 0xFF
-    return Sealed(envelope=sealed.envelope, message=Encoded(parts=[memoryview(body)], size=len(body)))
+    return Sealed(
+        envelope=sealed.envelope, message=Encoded(parts=[memoryview(body)], size=len(body))
+    )
 
 
 class CutLink(LinkEmulator):
@@ -88,7 +98,9 @@ class Server:
     def __init__(self, *, link: LinkEmulator | None = None, manifests: bool = True) -> None:
         self.t = Transport(link=link)
         self.states: dict[int, tuple[int, Sealed]] = {}
-        self.hook: Callable[[int], Sealed | None] = lambda i: None  # request no. -> bytes to serve instead
+        self.hook: Callable[[int], Sealed | None] = lambda i: (
+            None
+        )  # request no. -> bytes to serve instead
         self.headers: list[dict[str, str]] = []
         self.cache = ManifestCache(chunk_size=PIECE)
         self.lying_manifest: bytes | None = None
@@ -112,7 +124,9 @@ class Server:
         version, sealed = self.states[int(request.match_info["p"])]
         if self.lying_manifest is not None:
             return web.Response(body=self.lying_manifest)
-        return await serve_manifest(request, sealed, etag=state_etag(sealed, version), cache=self.cache)
+        return await serve_manifest(
+            request, sealed, etag=state_etag(sealed, version), cache=self.cache
+        )
 
 
 class Net:
@@ -175,17 +189,25 @@ def test_manifest_round_trip_and_caps() -> None:
     sealed, _ = make_state(100_000)
     wire = sealed.tobytes()
     hashes = chunk_manifest(sealed, PIECE // 4)
-    assert hashes == [hashlib.sha256(wire[i:i + PIECE // 4]).digest() for i in range(0, len(wire), PIECE // 4)]
+    assert hashes == [
+        hashlib.sha256(wire[i : i + PIECE // 4]).digest() for i in range(0, len(wire), PIECE // 4)
+    ]
     etag = state_etag(sealed, 1)
     assert etag_version(etag) == 1 and etag_version("W/x") is None
     raw = encode_manifest(hashes, etag=etag, size=sealed.size, chunk_size=PIECE // 4)
     m = Manifest.parse(raw, max_total=MAX)
     assert all(m.ok(k, memoryview(wire)[slice(*m.span(k))]) for k in range(len(hashes)))
     with pytest.raises(DecodeError, match="hashes for"):
-        Manifest.parse(encode_manifest(hashes[:-1], etag=etag, size=sealed.size, chunk_size=PIECE // 4),
-                       max_total=MAX)
-    for garbage in (b"", b"\x91\x01", raw[:-3], encode_manifest(hashes, etag=etag, size=sealed.size,
-                                                                 chunk_size=1024)):
+        Manifest.parse(
+            encode_manifest(hashes[:-1], etag=etag, size=sealed.size, chunk_size=PIECE // 4),
+            max_total=MAX,
+        )
+    for garbage in (
+        b"",
+        b"\x91\x01",
+        raw[:-3],
+        encode_manifest(hashes, etag=etag, size=sealed.size, chunk_size=1024),
+    ):
         with pytest.raises(DecodeError):
             Manifest.parse(garbage, max_total=MAX)
 
@@ -290,7 +312,9 @@ async def test_corrupt_chunk_with_manifest_refetches_only_that_range(net: Net) -
     s.hook = lambda i: bad if i == 0 else None
     stats = FetchStats()
     state = await fetch(net, s.url(), stats, manifest_url=s.url() + "/manifest")
-    assert stats.manifest_used and stats.refetched_chunks == 1 and stats.restarts == 0, stats.reasons
+    assert stats.manifest_used and stats.refetched_chunks == 1 and stats.restarts == 0, (
+        stats.reasons
+    )
     assert stats.statuses == [200, 206] and stats.ranges[1] == f"bytes={9 * PIECE}-"
     assert stats.bytes_received <= sealed.size + PIECE + (1 << 20)
     assert torch.equal(decoded(state), theta)
@@ -320,7 +344,9 @@ async def test_persistent_corruption_is_refused(net: Net, manifest: bool) -> Non
     s.hook = lambda i: bad
     stats = FetchStats()
     url = s.url() + "/manifest" if manifest else None
-    with pytest.raises(DownloadFailed, match="content hash mismatch; refused after 2 downloads") as info:
+    with pytest.raises(
+        DownloadFailed, match="content hash mismatch; refused after 2 downloads"
+    ) as info:
         await fetch(net, s.url(), stats, manifest_url=url)
     assert info.value.partial is None
     assert stats.refetched_chunks == (2 if manifest else 0), stats.reasons
@@ -333,7 +359,8 @@ async def test_lying_manifest_is_dropped_and_the_owner_hash_decides(net: Net) ->
     s.put(0, 1, sealed)
     lie = chunk_manifest(flipped(sealed, 3 * PIECE), PIECE)
     s.lying_manifest = encode_manifest(
-        lie, etag=state_etag(sealed, 1), size=sealed.size, chunk_size=PIECE)
+        lie, etag=state_etag(sealed, 1), size=sealed.size, chunk_size=PIECE
+    )
     stats = FetchStats()
     state = await fetch(net, s.url(), stats, manifest_url=s.url() + "/manifest")
     assert stats.refetched_chunks == 2 and "manifest dropped" in stats.reasons[-1]
@@ -367,22 +394,49 @@ async def test_sync_fragments_from_two_owners(net: Net) -> None:
         return signer.peer_id, server.t.url
 
     stats: dict[int, FetchStats] = {}
-    got = await sync_fragments(net.client, owner_of, 3, shapes, swarm=SWARM,
-                               held_versions=[-1, -1, -1], max_size=MAX, config=FAST, stats=stats)
+    got = await sync_fragments(
+        net.client,
+        owner_of,
+        3,
+        shapes,
+        swarm=SWARM,
+        held_versions=[-1, -1, -1],
+        max_size=MAX,
+        config=FAST,
+        stats=stats,
+    )
     assert {p: v for p, (v, _) in got.items()} == {0: 3, 1: 4, 2: 5}
     assert all(torch.equal(flat, thetas[p]) for p, (_, flat) in got.items())
     assert stats[0].manifest_used and not stats[1].manifest_used
 
     requests = len(a.headers)
-    got = await sync_fragments(net.client, owner_of, 3, shapes, swarm=SWARM,
-                               held_versions=[3, -1, 5], max_size=MAX, config=FAST, stats=stats)
+    got = await sync_fragments(
+        net.client,
+        owner_of,
+        3,
+        shapes,
+        swarm=SWARM,
+        held_versions=[3, -1, 5],
+        max_size=MAX,
+        config=FAST,
+        stats=stats,
+    )
     assert list(got) == [1] and got[1][0] == 4
     assert len(a.headers) == requests  # up to date: the manifest said so, no body requested
     assert "not newer" in stats[0].reasons[-1]
 
     requests = len(b.headers)
-    got = await sync_fragments(net.client, owner_of, 3, shapes, swarm=SWARM, held_versions=[3, 4, 5],
-                               max_size=MAX, config=FAST, stats=stats)
+    got = await sync_fragments(
+        net.client,
+        owner_of,
+        3,
+        shapes,
+        swarm=SWARM,
+        held_versions=[3, 4, 5],
+        max_size=MAX,
+        config=FAST,
+        stats=stats,
+    )
     assert got == {} and len(b.headers) == requests + 1  # no manifest: the body's ETag said so
     assert stats[1].statuses == [200] and stats[1].bytes_received < 50_000 * 8
     assert "version 4 is not newer than the 4 held" in stats[1].reasons[-1]
@@ -397,8 +451,16 @@ async def test_sync_failure_keeps_what_synced(net: Net) -> None:
     shapes = [[(1000,)], [(1000,)], [(1000,)]]
     owner_of = {0: (OWNER.peer_id, a.t.url), 1: (OWNER.peer_id, a.t.url)}.get
     with pytest.raises(SyncFailed) as info:
-        await sync_fragments(net.client, owner_of, 3, shapes, swarm=SWARM,
-                             held_versions=[-1, -1, -1], max_size=MAX, config=FAST)
+        await sync_fragments(
+            net.client,
+            owner_of,
+            3,
+            shapes,
+            swarm=SWARM,
+            held_versions=[-1, -1, -1],
+            max_size=MAX,
+            config=FAST,
+        )
     err = info.value
     assert set(err.failures) == {1, 2} and "not FragmentState sync-test/1" in err.failures[1]
     assert err.failures[2] == "no owner known" and "2/3 fragments failed" in err.reason

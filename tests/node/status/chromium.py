@@ -25,8 +25,10 @@ def find_chromium() -> str | None:
 def need_chromium() -> str:
     browser = find_chromium()
     if browser is None:
-        pytest.skip("no headless Chromium found (Debian: apt-get install chromium, as .ci/run does; "
-                    "or set ATOLL_CHROMIUM to a Chromium binary)")
+        pytest.skip(
+            "no headless Chromium found (Debian: apt-get install chromium, as .ci/run does; "
+            "or set ATOLL_CHROMIUM to a Chromium binary)"
+        )
     return browser
 
 
@@ -41,10 +43,25 @@ def render(url: str, *, budget_ms: int = 5000, timeout_s: float = 90.0) -> Rende
     browser = need_chromium()
     with tempfile.TemporaryDirectory(prefix="atoll-chromium-") as profile:
         out = subprocess.run(
-            [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-             "--no-first-run", "--disable-extensions", f"--user-data-dir={profile}",
-             "--enable-logging=stderr", f"--virtual-time-budget={budget_ms}", "--dump-dom", url],
-            capture_output=True, text=True, timeout=timeout_s, check=False)
+            [
+                browser,
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-dev-shm-usage",
+                "--no-first-run",
+                "--disable-extensions",
+                f"--user-data-dir={profile}",
+                "--enable-logging=stderr",
+                f"--virtual-time-budget={budget_ms}",
+                "--dump-dom",
+                url,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=False,
+        )
     if out.returncode != 0 or "<html" not in out.stdout:
         raise AssertionError(f"chromium exited {out.returncode}: {out.stderr[-2000:]}")
     return Rendered(out.stdout, [line for line in out.stderr.splitlines() if ":CONSOLE" in line])

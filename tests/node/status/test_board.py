@@ -39,23 +39,44 @@ class FakeMembership:
     members: dict[bytes, Member] = field(default_factory=dict)
     ttl_s: float = 20.0
 
-    def owner_of(self, _swarm: str, fragment: int, *, exclude: object = ()) -> tuple[bytes, str] | None:
+    def owner_of(
+        self, _swarm: str, fragment: int, *, exclude: object = ()
+    ) -> tuple[bytes, str] | None:
         ranked = sorted(self.members)
-        return (ranked[fragment % len(ranked)], self.members[ranked[fragment % len(ranked)]].record.url)
+        return (
+            ranked[fragment % len(ranked)],
+            self.members[ranked[fragment % len(ranked)]].record.url,
+        )
 
 
 def _member(n: int, *, url: str = "", lab: str = "", learning: bool = True) -> Member:
-    record = MemberRecord(url=url or f"http://127.0.0.1:{9000 + n}", roles=("learner", "owner"), reachable=True,
-                          manifest="m", learning=learning, step=10 * n)
-    cert = types.SimpleNamespace(lab=lab) if lab else None  # a lab name as another peer's certificate says
+    record = MemberRecord(
+        url=url or f"http://127.0.0.1:{9000 + n}",
+        roles=("learner", "owner"),
+        reachable=True,
+        manifest="m",
+        learning=learning,
+        step=10 * n,
+    )
+    cert = (
+        types.SimpleNamespace(lab=lab) if lab else None
+    )  # a lab name as another peer's certificate says
     return Member(signer(n).peer_id, record, expires_at=2e9, cert=cert)  # type: ignore[arg-type]
 
 
 def _node(clock: FakeClock | None = None) -> PeerNode:
     model = tiny_model()
     node = PeerNode(RunConfig(max_tokens_per_step=64), signer(1), model, tiny_plan(model))
-    node.membership = FakeMembership({m.peer_id: m for m in (  # type: ignore[assignment]
-        _member(1), _member(2, url=HOSTILE_URL, lab=HOSTILE_LAB), _member(3, learning=False))})
+    node.membership = FakeMembership(
+        {
+            m.peer_id: m
+            for m in (  # type: ignore[assignment]
+                _member(1),
+                _member(2, url=HOSTILE_URL, lab=HOSTILE_LAB),
+                _member(3, learning=False),
+            )
+        }
+    )
     if clock is not None:
         node.board.clock = node.board.metrics.clock = clock
     return node
@@ -68,7 +89,9 @@ def test_the_board_lists_members_this_node_first_and_cuts_what_peers_chose() -> 
     assert {m["peer_id"] for m in board["members"]} == {signer(n).peer_id.hex() for n in (1, 2, 3)}
     assert board["members_total"] == 3 and board["members"][0]["self"]
     hostile = next(m for m in board["members"] if m["lab"])
-    assert hostile["url"] == HOSTILE_URL[:MAX_TEXT] and hostile["lab"] == HOSTILE_LAB  # data: escaped by the page
+    assert (
+        hostile["url"] == HOSTILE_URL[:MAX_TEXT] and hostile["lab"] == HOSTILE_LAB
+    )  # data: escaped by the page
     learning = {m["peer_id"]: m["learning"] for m in board["members"]}
     assert not learning[signer(3).peer_id.hex()] and learning[signer(2).peer_id.hex()]
     assert [f["fragment"] for f in board["fragments"]] == [0, 1]
@@ -78,7 +101,10 @@ def test_the_board_lists_members_this_node_first_and_cuts_what_peers_chose() -> 
 
 def test_the_member_list_is_bounded() -> None:
     node = _node()
-    many = [dataclasses.replace(_member(2), peer_id=i.to_bytes(32, "big")) for i in range(MAX_MEMBERS + 40)]
+    many = [
+        dataclasses.replace(_member(2), peer_id=i.to_bytes(32, "big"))
+        for i in range(MAX_MEMBERS + 40)
+    ]
     node.membership.members = {m.peer_id: m for m in many}  # type: ignore[union-attr]
     board = node.board.board()
     assert len(board["members"]) == MAX_MEMBERS and board["members_total"] == MAX_MEMBERS + 40
@@ -101,8 +127,16 @@ async def test_owner_counters_sum_into_totals_and_metrics() -> None:
     plan = tiny_plan(model)
     shapes = shapes_of(model, plan)
     owner_clock = FakeClock()
-    owner = make_owner(plan, shapes, 0, flat_of(model, plan, 0), owner_clock, quorum=1, staleness_bound=3,
-                       late_policy="carry")
+    owner = make_owner(
+        plan,
+        shapes,
+        0,
+        flat_of(model, plan, 0),
+        owner_clock,
+        quorum=1,
+        staleness_bound=3,
+        late_policy="carry",
+    )
     node.owners[0] = owner
     await owner.set_expected(1)
     a, b, c = (signer(n).peer_id for n in (2, 3, 4))
@@ -117,14 +151,17 @@ async def test_owner_counters_sum_into_totals_and_metrics() -> None:
     assert (totals.owners.merged, totals.owners.late, totals.owners.versions_published) == (2, 1, 2)
     assert totals.owners.refused == {"base": 1} and totals.owners.fragments_owned == 1
     assert totals.members == 3 and totals.island.inner_steps == 0  # not serving: no island yet
-    metrics = {s.name + json.dumps(s.labels, sort_keys=True): s.value
-               for f in text_string_to_metric_families(node.board.metrics.text().decode()) for s in f.samples}
-    assert metrics['atoll_contributions_accepted_total{}'] == 2
-    assert metrics['atoll_contributions_late_total{}'] == 1
+    metrics = {
+        s.name + json.dumps(s.labels, sort_keys=True): s.value
+        for f in text_string_to_metric_families(node.board.metrics.text().decode())
+        for s in f.samples
+    }
+    assert metrics["atoll_contributions_accepted_total{}"] == 2
+    assert metrics["atoll_contributions_late_total{}"] == 1
     assert metrics['atoll_contributions_refused_total{"reason": "base"}'] == 1
-    assert metrics['atoll_versions_published_total{}'] == 2
-    assert metrics['atoll_merge_seconds_count{}'] == 2
-    assert metrics['atoll_members{}'] == 3
+    assert metrics["atoll_versions_published_total{}"] == 2
+    assert metrics["atoll_merge_seconds_count{}"] == 2
+    assert metrics["atoll_members{}"] == 3
     assert all(name.startswith("atoll_") for name in metrics)
     # a retired owner keeps its counts: the totals never go down
     node.owners.pop(0)
@@ -172,7 +209,10 @@ async def test_a_serving_node_answers_the_page_its_script_json_and_metrics() -> 
     csp = headers["Content-Security-Policy"]
     assert "script-src 'self'" in csp and "default-src 'none'" in csp and "unsafe-inline" not in csp
     script = bodies["/status.js"][1]  # no markup made from strings, nothing fetched from elsewhere
-    assert not any(sink in script for sink in (b".innerHTML", b".outerHTML", b"insertAdjacentHTML", b"document.write"))
+    assert not any(
+        sink in script
+        for sink in (b".innerHTML", b".outerHTML", b"insertAdjacentHTML", b"document.write")
+    )
     assert b"http" not in script.replace(b"http://www.w3.org/2000/svg", b"")
     assert json.loads(bodies["/v1/status/board"][1])["peer_id"] == signer(1).peer_id.hex()
     assert bodies["/metrics"][0]["Content-Type"].startswith("text/plain")
@@ -186,6 +226,7 @@ async def test_standing_shows_in_status_board_metrics_and_the_final_results() ->
     owner refuses it with the reason, and /v1/status, the board, /metrics and the per-peer
     results the report folds all show it (issue 47)."""
     from protocol.diloco.standing import Event
+
     node = _node(FakeClock())
     model = tiny_model()
     plan = tiny_plan(model)
@@ -199,17 +240,25 @@ async def test_standing_shows_in_status_board_metrics_and_the_final_results() ->
     delta = torch.full_like(flat_of(model, plan, 0), 0.01)
     ack = await owner.contribute(bad, contribution(delta, shapes[0], owner=owner))
     assert not ack.accepted and "standing" in ack.reason
-    members, node.membership = node.membership, None  # status() wants certified members, not these fakes
+    members, node.membership = (
+        node.membership,
+        None,
+    )  # status() wants certified members, not these fakes
     status = node.status()["standing"]["0"]
     node.membership = members
     assert status["refused"] == 1 and status["lowest"][0]["peer"] == bad.hex()[:16]
     assert node.board.board()["fragments"][0]["standing"]["refused"] == 1
     totals = node.board.totals()
     assert totals.owners.refused["standing"] == 1 and totals.owners.senders_refused == {"0": 1}
-    metrics = {s.name + json.dumps(s.labels, sort_keys=True): s.value
-               for f in text_string_to_metric_families(node.board.metrics.text().decode()) for s in f.samples}
+    metrics = {
+        s.name + json.dumps(s.labels, sort_keys=True): s.value
+        for f in text_string_to_metric_families(node.board.metrics.text().decode())
+        for s in f.samples
+    }
     assert metrics['atoll_senders_refused_for_standing{"fragment": "0"}'] == 1
-    assert metrics['atoll_sender_standing_lowest{"fragment": "0"}'] < owner.standing.config.threshold
+    assert (
+        metrics['atoll_sender_standing_lowest{"fragment": "0"}'] < owner.standing.config.threshold
+    )
     assert metrics['atoll_contributions_refused_total{"reason": "standing"}'] == 1
     scores = node.standings()
     assert scores[bad.hex()] < 0 < scores[good.hex()]

@@ -27,7 +27,9 @@ def test_a_long_run_stays_bounded_evenly_spaced_and_ends_at_the_newest(records: 
         h.record(_point(i))
     steps = [p.step for p in h.points()]
     assert len(steps) <= 8 + 1 and steps[0] == 0 and steps[-1] == records - 1
-    kept = steps[:-1] if steps[-1] - steps[-2] < steps[1] - steps[0] else steps  # the newest, unkept
+    kept = (
+        steps[:-1] if steps[-1] - steps[-2] < steps[1] - steps[0] else steps
+    )  # the newest, unkept
     gaps = {b - a for a, b in zip(kept, kept[1:], strict=False)}
     assert len(gaps) == 1, steps  # every kept point one stride from the next
 

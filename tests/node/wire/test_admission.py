@@ -30,13 +30,23 @@ def key() -> Signer:
 class Swarm:
     def __init__(self, admission: str) -> None:
         self.founder, self.lab = key(), key()
-        m = SwarmManifest(name="t", founder=self.founder.public_key, admission=admission, created=time.time())
+        m = SwarmManifest(
+            name="t", founder=self.founder.public_key, admission=admission, created=time.time()
+        )
         self.manifest = m.with_authority("lab", self.lab.public_key).signed(self.founder)
 
-    def cert(self, peer: Signer, *, roles: tuple[str, ...] = ("learner", "owner"), life_s: float = 3600) -> Certificate:
+    def cert(
+        self, peer: Signer, *, roles: tuple[str, ...] = ("learner", "owner"), life_s: float = 3600
+    ) -> Certificate:
         now = time.time()
-        return Certificate.issue(self.lab, manifest=self.manifest, subject=peer.public_key, roles=roles,
-                                 not_before=now - 60, not_after=now + life_s)
+        return Certificate.issue(
+            self.lab,
+            manifest=self.manifest,
+            subject=peer.public_key,
+            roles=roles,
+            not_before=now - 60,
+            not_after=now + life_s,
+        )
 
 
 async def serve(swarm: Swarm, who: Signer) -> tuple[Transport, SwarmCredentials]:
@@ -48,13 +58,22 @@ async def serve(swarm: Swarm, who: Signer) -> tuple[Transport, SwarmCredentials]
     return transport, cred
 
 
-async def client(swarm: Swarm, who: Signer, cert: Certificate | None, server_id: bytes | None = None) -> Transport:
+async def client(
+    swarm: Swarm, who: Signer, cert: Certificate | None, server_id: bytes | None = None
+) -> Transport:
     """A client that signs its requests as ``who`` (with ``cert``, which may be anyone's) for the
     node ``server_id`` (None: unknown, as on first contact)."""
     t = Transport("127.0.0.1", 0)
     cert_header = cert.to_header() if cert is not None else ""
-    t.authenticate = lambda method, url, to: request_headers(who, cert_header, swarm=swarm.manifest.swarm_id,
-                                                             method=method, url=url, now=time.time(), recipient=to)
+    t.authenticate = lambda method, url, to: request_headers(
+        who,
+        cert_header,
+        swarm=swarm.manifest.swarm_id,
+        method=method,
+        url=url,
+        now=time.time(),
+        recipient=to,
+    )
     t.recipient_of = lambda _url: server_id
     await t.start()
     return t
@@ -90,12 +109,26 @@ async def test_certified_swarm_admits_members_and_refuses_everyone_else_with_the
         status, body = await get(foreign, url)
         assert status == 403 and "for swarm" in body
         # a header copied onto another route, or a stale one, is worth nothing
-        async with anon.session.get(url.replace("hello", "status"), ssl=False, headers=ok.authenticate("GET", url, cred.signer.peer_id)) as r:  # type: ignore[misc]
+        async with anon.session.get(
+            url.replace("hello", "status"),
+            ssl=False,
+            headers=ok.authenticate("GET", url, cred.signer.peer_id),
+        ) as r:  # type: ignore[misc]
             assert r.status in (401, 404)
-        stale = RequestAuth.make(member, swarm=swarm.manifest.swarm_id, method="GET", target="/v1/hello",
-                                 now=time.time() - 600, recipient=cred.signer.peer_id, nonce=b"s" * 16)
-        async with anon.session.get(url, ssl=False, headers={AUTH_HEADER: stale,
-                                                             CERT_HEADER: swarm.cert(member).to_header()}) as r:
+        stale = RequestAuth.make(
+            member,
+            swarm=swarm.manifest.swarm_id,
+            method="GET",
+            target="/v1/hello",
+            now=time.time() - 600,
+            recipient=cred.signer.peer_id,
+            nonce=b"s" * 16,
+        )
+        async with anon.session.get(
+            url,
+            ssl=False,
+            headers={AUTH_HEADER: stale, CERT_HEADER: swarm.cert(member).to_header()},
+        ) as r:
             assert r.status == 403 and "clock" in (await r.json())["reason"]
         assert cred.admission.refused and cred.admission.admitted >= 1
 
@@ -103,17 +136,23 @@ async def test_certified_swarm_admits_members_and_refuses_everyone_else_with_the
         # the founder's signature over the body's hash, in its head)
         revoked = swarm.manifest.with_revoked(member.public_key).signed(swarm.founder)
         text = tomli_w.dumps(revoked.to_toml_data()).encode()
-        async with anon.session.post(server.url + MANIFEST_PATH, data=text, ssl=False,
-                                     headers=manifest_post_headers(swarm.founder, revoked, text)) as r:
+        async with anon.session.post(
+            server.url + MANIFEST_PATH,
+            data=text,
+            ssl=False,
+            headers=manifest_post_headers(swarm.founder, revoked, text),
+        ) as r:
             assert r.status == 200 and (await r.json())["adopted"] is True
         status, body = await get(ok, url)
         assert status == 403 and "revoked" in body
         # a forged newer manifest is refused and changes nothing
         forged = revoked.with_authority("evil", key().public_key)
-        forged = SwarmManifest.from_toml(tomli_w.dumps({**forged.to_toml_data(),
-                                                        "signature": {"founder": "00" * 64}}))
-        async with anon.session.post(server.url + MANIFEST_PATH, data=tomli_w.dumps(forged.to_toml_data()),
-                                     ssl=False) as r:
+        forged = SwarmManifest.from_toml(
+            tomli_w.dumps({**forged.to_toml_data(), "signature": {"founder": "00" * 64}})
+        )
+        async with anon.session.post(
+            server.url + MANIFEST_PATH, data=tomli_w.dumps(forged.to_toml_data()), ssl=False
+        ) as r:
             assert r.status == 401
         assert cred.manifest.version == revoked.version
     finally:
@@ -155,7 +194,9 @@ async def test_a_pinned_key_that_does_not_match_fails_before_the_request_is_sent
         await server.close()
 
 
-async def test_open_swarm_serves_anonymous_learners_and_still_checks_headers_that_are_sent() -> None:
+async def test_open_swarm_serves_anonymous_learners_and_still_checks_headers_that_are_sent() -> (
+    None
+):
     swarm = Swarm("open")
     server, cred = await serve(swarm, key())
     anon = Transport("127.0.0.1", 0)

@@ -35,16 +35,29 @@ LIMITS = ServeLimits(body_timeout_s=1.0, body_slack_s_per_mib=2.0, body_idle_s=0
 
 
 def _contribution(n: int) -> Contribution:
-    tensor = EncodedTensor(codec="none", shape=(n,), dtype="float32", block_size=0, data=bytes(4 * n), scales=b"")
-    return Contribution(swarm="s", fragment=0, base_version=0, base_digest=bytes(32), tokens=1, steps=1,
-                        step_time=0.1, sender_step=1, tensors=(tensor,))
+    tensor = EncodedTensor(
+        codec="none", shape=(n,), dtype="float32", block_size=0, data=bytes(4 * n), scales=b""
+    )
+    return Contribution(
+        swarm="s",
+        fragment=0,
+        base_version=0,
+        base_digest=bytes(32),
+        tokens=1,
+        steps=1,
+        step_time=0.1,
+        sender_step=1,
+        tensors=(tensor,),
+    )
 
 
 def _sealed(who: Signer, n: int = MIB // 2, *, size: int | None = None) -> bytes:
     encoded = encode(_contribution(n))
     if size is not None:  # an envelope that declares another size than the message has
         encoded = Encoded(parts=encoded.parts, size=size)
-    return seal(encoded, who, now=time.time(), nonce=os.urandom(16), recipient=SERVER.peer_id).tobytes()
+    return seal(
+        encoded, who, now=time.time(), nonce=os.urandom(16), recipient=SERVER.peer_id
+    ).tobytes()
 
 
 async def _server() -> tuple[Transport, RpcServer, list[Opened]]:
@@ -53,7 +66,9 @@ async def _server() -> tuple[Transport, RpcServer, list[Opened]]:
     return transport, server, seen
 
 
-async def _post(port: int, declared: int, pieces: list[bytes], gap_s: float, wait_s: float) -> tuple[bytes, float]:
+async def _post(
+    port: int, declared: int, pieces: list[bytes], gap_s: float, wait_s: float
+) -> tuple[bytes, float]:
     """POST /v1/rpc declaring ``declared`` bytes, then ``pieces`` ``gap_s`` apart (stopping when
     the server hangs up); the reply (b"" if none) and the seconds from the head to the reply."""
     r, w = await asyncio.open_connection("127.0.0.1", port)
@@ -86,7 +101,7 @@ async def test_a_claimed_size_buys_no_time_before_the_envelope_vouches_for_it() 
     transport, server, _ = await _server()
     try:
         wire = _sealed(STRANGER)
-        pieces = [wire[i:i + 1] for i in range(200)]  # the envelope is ~210 bytes: never complete
+        pieces = [wire[i : i + 1] for i in range(200)]  # the envelope is ~210 bytes: never complete
         reply, took = await _post(transport.port, 64 * MIB, pieces, gap_s=0.3, wait_s=8.0)
         assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
         assert b"head not complete" in reply, reply
@@ -102,11 +117,14 @@ async def test_once_the_envelope_is_in_a_large_body_has_its_whole_deadline() -> 
     transport, server, seen = await _server()
     try:
         wire = _sealed(MEMBER)
-        head, rest = wire[:64 << 10], wire[64 << 10:]
-        pieces = [head] + [rest[i:i + (256 << 10)] for i in range(0, len(rest), 256 << 10)]
+        head, rest = wire[: 64 << 10], wire[64 << 10 :]
+        pieces = [head] + [rest[i : i + (256 << 10)] for i in range(0, len(rest), 256 << 10)]
         reply, took = await _post(transport.port, len(wire), pieces, gap_s=0.25, wait_s=10.0)
         assert reply.startswith(b"HTTP/1.1 200"), reply[:300]
-        assert took > LIMITS.body_timeout_s and len(seen) == 1 and not server.errors, (took, server.errors)
+        assert took > LIMITS.body_timeout_s and len(seen) == 1 and not server.errors, (
+            took,
+            server.errors,
+        )
     finally:
         await transport.close()
 
@@ -121,8 +139,13 @@ async def test_a_content_length_other_than_the_envelope_says_is_refused_at_once(
         wire = _sealed(MEMBER, size=message_size - 1024)
         declared = len(wire)
         # send all but the last 1024 bytes, exactly what the envelope declares, then go quiet
-        reply, took = await _post(transport.port, declared, [wire[:64 << 10], wire[64 << 10:-1024]],
-                                  gap_s=0.05, wait_s=8.0)
+        reply, took = await _post(
+            transport.port,
+            declared,
+            [wire[: 64 << 10], wire[64 << 10 : -1024]],
+            gap_s=0.05,
+            wait_s=8.0,
+        )
         assert reply == b"" or reply.startswith(b"HTTP/1.1 413"), reply[:300]
         if reply:
             assert f"{declared}".encode() in reply and b"envelope" in reply, reply

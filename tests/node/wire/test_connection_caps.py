@@ -44,7 +44,9 @@ class Hold:
 
 
 async def serve(limits: ServeLimits, tls: bool, hold: Hold | None = None) -> Transport:
-    t = Transport(limits=limits, tls=server_context(Signer.from_seed(os.urandom(32))) if tls else None)
+    t = Transport(
+        limits=limits, tls=server_context(Signer.from_seed(os.urandom(32))) if tls else None
+    )
     t.app.router.add_get("/ok", _ok)
     t.app.router.add_get("/hold", (hold or Hold()).handle)
 
@@ -78,15 +80,21 @@ async def timed_get(t: Transport) -> tuple[int, float]:
     loop = asyncio.get_running_loop()
     start = loop.time()
     connector = aiohttp.TCPConnector(ssl=client_context() if t.tls else False, force_close=True)
-    async with aiohttp.ClientSession(connector=connector) as session, \
-            session.get(f"{t.url}/ok", timeout=aiohttp.ClientTimeout(total=5)) as resp:
+    async with (
+        aiohttp.ClientSession(connector=connector) as session,
+        session.get(f"{t.url}/ok", timeout=aiohttp.ClientTimeout(total=5)) as resp,
+    ):
         assert await resp.text() == "ok"
         return resp.status, loop.time() - start
 
 
 @pytest.mark.parametrize("tls", [False, True], ids=["http", "https"])
-async def test_a_flood_of_idle_sockets_holds_only_the_cap_and_honest_requests_are_answered(tls: bool) -> None:
-    limits = ServeLimits(head_timeout_s=3.0, conns_per_ip=32)  # a public node's setting; 128 by default
+async def test_a_flood_of_idle_sockets_holds_only_the_cap_and_honest_requests_are_answered(
+    tls: bool,
+) -> None:
+    limits = ServeLimits(
+        head_timeout_s=3.0, conns_per_ip=32
+    )  # a public node's setting; 128 by default
     t = await serve(limits, tls)
     loop = asyncio.get_running_loop()
     try:
@@ -108,7 +116,10 @@ async def test_a_flood_of_idle_sockets_holds_only_the_cap_and_honest_requests_ar
         done, held = await asyncio.wait(waits, timeout=1.0)
         closed_within = max(hung_up)
         assert len(held) == limits.conns_per_ip and len(done) == 200 - limits.conns_per_ip
-        assert t.connections.open == {FLOOD: limits.conns_per_ip} and t.connections.total == limits.conns_per_ip
+        assert (
+            t.connections.open == {FLOOD: limits.conns_per_ip}
+            and t.connections.total == limits.conns_per_ip
+        )
         assert t.connections.refused == 0  # each newcomer took the place of the oldest idle one
         status, latency = await timed_get(t)
         peak = rss()
@@ -122,9 +133,11 @@ async def test_a_flood_of_idle_sockets_holds_only_the_cap_and_honest_requests_ar
         await until(lambda: t.connections.total == 0)
         assert t.connections.head_timeouts == (0 if tls else limits.conns_per_ip)
         assert t.connections.handshakes_failed == (limits.conns_per_ip if tls else 0)
-        print(f"{'https' if tls else 'http'}: 200 idle sockets from {FLOOD}: {limits.conns_per_ip} held, "
-              f"{len(done)} closed within {closed_within * 1e3:.0f} ms of the first connect; "
-              f"honest GET answered in {latency * 1e3:.0f} ms; RSS +{(peak - before) / MIB:.1f} MiB; held ones closed after {closed_after:.2f} s")
+        print(
+            f"{'https' if tls else 'http'}: 200 idle sockets from {FLOOD}: {limits.conns_per_ip} held, "
+            f"{len(done)} closed within {closed_within * 1e3:.0f} ms of the first connect; "
+            f"honest GET answered in {latency * 1e3:.0f} ms; RSS +{(peak - before) / MIB:.1f} MiB; held ones closed after {closed_after:.2f} s"
+        )
         assert peak - before < 16 * MIB
         for _, w in conns:
             w.close()
@@ -140,8 +153,12 @@ async def test_an_honest_client_behind_the_flooding_address_still_gets_in(tls: b
         await until(lambda: t.connections.evicted == 200 - t.limits.conns_per_ip)
         status, latency = await timed_get(t)  # takes the place of the oldest idle socket
         assert status == 200 and latency < 1.0
-        assert t.connections.open["127.0.0.1"] <= t.limits.conns_per_ip and t.connections.refused == 0
-        print(f"{'https' if tls else 'http'}: honest GET from the flooding address answered in {latency * 1e3:.0f} ms")
+        assert (
+            t.connections.open["127.0.0.1"] <= t.limits.conns_per_ip and t.connections.refused == 0
+        )
+        print(
+            f"{'https' if tls else 'http'}: honest GET from the flooding address answered in {latency * 1e3:.0f} ms"
+        )
         for _, w in conns:
             w.close()
         await until(lambda: t.connections.total == 0)
@@ -191,7 +208,9 @@ async def test_an_idle_keepalive_connection_makes_room_when_nothing_is_pending()
     try:
         r1, w1 = await asyncio.open_connection("127.0.0.1", t.port, local_addr=(FLOOD, 0))
         w1.write(b"GET /ok HTTP/1.1\r\nHost: x\r\n\r\n")
-        assert (await r1.readuntil(b"\r\n\r\nok")).startswith(b"HTTP/1.1 200")  # now idle, kept alive
+        assert (await r1.readuntil(b"\r\n\r\nok")).startswith(
+            b"HTTP/1.1 200"
+        )  # now idle, kept alive
         r2, w2 = await asyncio.open_connection("127.0.0.1", t.port, local_addr=(FLOOD, 0))
         w2.write(b"GET /ok HTTP/1.1\r\nHost: x\r\n")  # pending: half a head
         await until(lambda: t.connections.total == 2)
@@ -227,11 +246,14 @@ async def trickle(writer: asyncio.StreamWriter, data: bytes, gap_s: float) -> No
 async def test_a_trickled_request_head_is_closed_within_the_head_timeout(tls: bool) -> None:
     t = await serve(ServeLimits(head_timeout_s=1.0), tls)
     loop = asyncio.get_running_loop()
-    head = b"GET /ok HTTP/1.1\r\nHost: x\r\n" + b"X-Slow: " + b"s" * 100 + b"\r\n\r\n"  # 6.5 s of bytes
+    head = (
+        b"GET /ok HTTP/1.1\r\nHost: x\r\n" + b"X-Slow: " + b"s" * 100 + b"\r\n\r\n"
+    )  # 6.5 s of bytes
     try:
         start = loop.time()
-        r, w = await asyncio.open_connection("127.0.0.1", t.port, local_addr=(FLOOD, 0),
-                                             ssl=client_context() if tls else None)
+        r, w = await asyncio.open_connection(
+            "127.0.0.1", t.port, local_addr=(FLOOD, 0), ssl=client_context() if tls else None
+        )
         writing = asyncio.create_task(trickle(w, head, 0.05))
         async with asyncio.timeout(3.0):
             reply = await closed(r)
@@ -240,8 +262,10 @@ async def test_a_trickled_request_head_is_closed_within_the_head_timeout(tls: bo
         assert reply.startswith(b"HTTP/1.1 408") and b"HeadTimeout" in reply, reply[:80]
         assert 0.9 < took < 2.0 and t.connections.head_timeouts == 1
         await until(lambda: t.connections.total == 0)
-        print(f"{'https' if tls else 'http'}: trickled head closed after {took:.2f} s "
-              f"(head timeout {t.limits.head_timeout_s} s)")
+        print(
+            f"{'https' if tls else 'http'}: trickled head closed after {took:.2f} s "
+            f"(head timeout {t.limits.head_timeout_s} s)"
+        )
         w.close()
     finally:
         await t.close()
@@ -306,7 +330,11 @@ async def test_a_failed_tls_handshake_frees_its_slot() -> None:
 def test_addresses_are_counted_per_ipv4_address_and_per_ipv6_64() -> None:
     assert address_key("192.0.2.7") == "192.0.2.7"
     assert address_key("::ffff:192.0.2.7") == "192.0.2.7"
-    assert address_key("2001:db8:1:2:aaaa::1") == address_key("2001:db8:1:2:ffff::9") == "2001:db8:1:2::/64"
+    assert (
+        address_key("2001:db8:1:2:aaaa::1")
+        == address_key("2001:db8:1:2:ffff::9")
+        == "2001:db8:1:2::/64"
+    )
     assert address_key("2001:db8:1:3::1") != address_key("2001:db8:1:2::1")
     assert address_key("fe80::1%eth0") == "fe80::/64"
     assert address_key("not an address") == "not an address"

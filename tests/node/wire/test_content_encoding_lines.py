@@ -25,9 +25,17 @@ MIB = 1 << 20
 
 
 async def _post(port: int, path: str, encodings: list[str], body: bytes, *, chunked: bool) -> bytes:
-    head = f"POST {path} HTTP/1.1\r\nHost: x\r\n" + "".join(f"Content-Encoding: {e}\r\n" for e in encodings)
+    head = f"POST {path} HTTP/1.1\r\nHost: x\r\n" + "".join(
+        f"Content-Encoding: {e}\r\n" for e in encodings
+    )
     if chunked:
-        data = head.encode() + b"Transfer-Encoding: chunked\r\n\r\n" + b"%x\r\n" % len(body) + body + b"\r\n0\r\n\r\n"
+        data = (
+            head.encode()
+            + b"Transfer-Encoding: chunked\r\n\r\n"
+            + b"%x\r\n" % len(body)
+            + body
+            + b"\r\n0\r\n\r\n"
+        )
     else:
         data = head.encode() + f"Content-Length: {len(body)}\r\n\r\n".encode() + body
     r, w = await asyncio.open_connection("127.0.0.1", port)
@@ -42,9 +50,18 @@ async def _post(port: int, path: str, encodings: list[str], body: bytes, *, chun
         w.close()
 
 
-@pytest.mark.parametrize("encodings", [["identity", "gzip"], ["identity", "identity", "deflate"],
-                                       ["gzip", "identity"], ["IDENTITY", " gzip "]])
-async def test_every_content_encoding_line_counts(encodings: list[str], caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize(
+    "encodings",
+    [
+        ["identity", "gzip"],
+        ["identity", "identity", "deflate"],
+        ["gzip", "identity"],
+        ["IDENTITY", " gzip "],
+    ],
+)
+async def test_every_content_encoding_line_counts(
+    encodings: list[str], caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.INFO)
     transport = Transport(limits=ServeLimits(body_timeout_s=5, body_idle_s=3))
     RpcServer(transport, Signer.from_seed(b"\1" * 32))
@@ -57,7 +74,9 @@ async def test_every_content_encoding_line_counts(encodings: list[str], caplog: 
                     reply = await _post(transport.port, path, encodings, body, chunked=chunked)
                     assert reply.startswith(b"HTTP/1.1 415"), (path, chunked, reply[:200])
                     assert b"EncodedBody" in reply and b"send the body as it is" in reply, reply
-        assert transport.bodies_in_flight.total() == 0 and transport.bytes_received == 0  # not a byte read
+        assert (
+            transport.bodies_in_flight.total() == 0 and transport.bytes_received == 0
+        )  # not a byte read
     finally:
         await transport.close()
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]

@@ -32,8 +32,11 @@ class _Server:
     record of what each upload ended in."""
 
     def __init__(self, *, tls: bool = False, limits: ServeLimits | None = None) -> None:
-        self.t = Transport(max_body=64 << 20, limits=limits or ServeLimits(),
-                           tls=server_context(Signer.from_seed(os.urandom(32))) if tls else None)
+        self.t = Transport(
+            max_body=64 << 20,
+            limits=limits or ServeLimits(),
+            tls=server_context(Signer.from_seed(os.urandom(32))) if tls else None,
+        )
         self.outcomes: list[str] = []
         self.handled: list[str] = []
         self.download = random.Random(7).randbytes(BIG)
@@ -56,7 +59,9 @@ class _Server:
 
     async def _down(self, request: web.Request) -> web.StreamResponse:
         view = memoryview(self.download)
-        return await self.t.stream_reply(request, [view[i:i + CHUNK] for i in range(0, len(view), CHUNK)], len(view))
+        return await self.t.stream_reply(
+            request, [view[i : i + CHUNK] for i in range(0, len(view), CHUNK)], len(view)
+        )
 
     async def _smuggled(self, request: web.Request) -> web.StreamResponse:
         self.handled.append("smuggled")
@@ -69,22 +74,31 @@ async def _started(**kw: object) -> _Server:
     return s
 
 
-async def test_a_large_upload_arrives_whole_read_off_its_socket_and_its_connection_is_not_reused() -> None:
+async def test_a_large_upload_arrives_whole_read_off_its_socket_and_its_connection_is_not_reused() -> (
+    None
+):
     server, client = await _started(), Transport()
     await client.start()
     try:
         payload = random.Random(1).randbytes(BIG)
         view = memoryview(payload)
-        chunks = [view[i:i + CHUNK] for i in range(0, len(view), CHUNK)]
+        chunks = [view[i : i + CHUNK] for i in range(0, len(view), CHUNK)]
         for _ in range(2):
-            status, buf, used, _ = await client.request("POST", f"{server.t.url}/up", chunks=chunks, size=len(payload))
-            assert status == 200 and bytes(memoryview(buf)[:used]).decode() == hashlib.sha256(payload).hexdigest()
+            status, buf, used, _ = await client.request(
+                "POST", f"{server.t.url}/up", chunks=chunks, size=len(payload)
+            )
+            assert (
+                status == 200
+                and bytes(memoryview(buf)[:used]).decode() == hashlib.sha256(payload).hexdigest()
+            )
             client.pool.give(buf)
         assert server.outcomes == ["ok", "ok"] and server.t.direct_bodies == 2
         await asyncio.sleep(0.1)
         assert server.t.connections.total == 0  # each connection closed after its reply
         # a small body stays on aiohttp's path, and its connection alive
-        status, buf, _, _ = await client.request("POST", f"{server.t.url}/up", chunks=[b"x" * 1000], size=1000)
+        status, buf, _, _ = await client.request(
+            "POST", f"{server.t.url}/up", chunks=[b"x" * 1000], size=1000
+        )
         client.pool.give(buf)
         await asyncio.sleep(0.1)
         assert status == 200 and server.t.direct_bodies == 2 and server.t.connections.total == 1
@@ -93,7 +107,9 @@ async def test_a_large_upload_arrives_whole_read_off_its_socket_and_its_connecti
         await server.t.close()
 
 
-async def test_a_large_reply_arrives_whole_read_off_its_socket_and_again_on_a_new_connection() -> None:
+async def test_a_large_reply_arrives_whole_read_off_its_socket_and_again_on_a_new_connection() -> (
+    None
+):
     server, client = await _started(), Transport()
     await client.start()
     try:
@@ -114,8 +130,13 @@ async def test_large_bodies_over_tls_arrive_whole() -> None:
     await client.start()
     try:
         payload = random.Random(3).randbytes(BIG)
-        status, buf, used, _ = await client.request("POST", f"{server.t.url}/up", chunks=[payload], size=len(payload))
-        assert status == 200 and bytes(memoryview(buf)[:used]).decode() == hashlib.sha256(payload).hexdigest()
+        status, buf, used, _ = await client.request(
+            "POST", f"{server.t.url}/up", chunks=[payload], size=len(payload)
+        )
+        assert (
+            status == 200
+            and bytes(memoryview(buf)[:used]).decode() == hashlib.sha256(payload).hexdigest()
+        )
         client.pool.give(buf)
         status, buf, used, _ = await client.request("GET", f"{server.t.url}/down")
         assert status == 200 and memoryview(buf)[:used] == server.download
@@ -156,14 +177,19 @@ async def test_a_body_that_stalls_part_way_times_out_and_the_server_serves_on() 
         assert server.outcomes == ["BodyTimeout"] and server.t.direct_bodies == 1
         payload = os.urandom(BIG)
         reply = await _raw(server.t.port, _head(BIG), [payload])
-        assert reply.startswith(b"HTTP/1.1 200") and hashlib.sha256(payload).hexdigest().encode() in reply
+        assert (
+            reply.startswith(b"HTTP/1.1 200")
+            and hashlib.sha256(payload).hexdigest().encode() in reply
+        )
     finally:
         await server.t.close()
 
 
 async def test_a_body_that_trickles_in_gets_no_more_time_than_its_deadline() -> None:
     # never idle for long, but far too slow: the whole body's deadline still binds off the socket
-    server = await _started(limits=ServeLimits(body_timeout_s=1.0, body_slack_s_per_mib=0.0, body_idle_s=5.0))
+    server = await _started(
+        limits=ServeLimits(body_timeout_s=1.0, body_slack_s_per_mib=0.0, body_idle_s=5.0)
+    )
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", server.t.port)
         writer.write(_head(BIG) + b"a" * (DIRECT_MIN // 2))
@@ -212,10 +238,17 @@ async def test_bytes_after_a_body_are_never_parsed_as_a_request() -> None:
             reply = await _raw(server.t.port, _head(BIG), [payload + smuggled])
         except ConnectionResetError:
             reply = b""
-        assert reply == b"" or (reply.count(b"HTTP/1.1 ") == 1 and reply.startswith(b"HTTP/1.1 200")
-                                and b"connection: close" in reply.lower())
+        assert reply == b"" or (
+            reply.count(b"HTTP/1.1 ") == 1
+            and reply.startswith(b"HTTP/1.1 200")
+            and b"connection: close" in reply.lower()
+        )
         await asyncio.sleep(0.2)
-        assert server.handled == ["up"] and server.outcomes == ["ok"] and server.t.connections.total == 0
+        assert (
+            server.handled == ["up"]
+            and server.outcomes == ["ok"]
+            and server.t.connections.total == 0
+        )
     finally:
         await server.t.close()
 

@@ -43,10 +43,14 @@ async def until(cond: Callable[[], bool], timeout_s: float = 5.0) -> None:
             await asyncio.sleep(0.01)
 
 
-async def stall(port: int, declared: int, sent: bytes, path: str = "/v1/rpc") -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+async def stall(
+    port: int, declared: int, sent: bytes, path: str = "/v1/rpc"
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     """A raw connection that declares ``declared`` body bytes, sends ``sent`` and goes quiet."""
     r, w = await asyncio.open_connection("127.0.0.1", port)
-    w.write(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {declared}\r\n\r\n".encode() + sent)
+    w.write(
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {declared}\r\n\r\n".encode() + sent
+    )
     await w.drain()
     return r, w
 
@@ -69,7 +73,9 @@ async def test_idle_bodies_declaring_256_mib_cost_little_and_are_hung_up() -> No
         loop = asyncio.get_running_loop()
         start = loop.time()
         async with asyncio.timeout(5):
-            replies = [await r.read() for r, _ in conns]  # read() returns at EOF: the server hung up
+            replies = [
+                await r.read() for r, _ in conns
+            ]  # read() returns at EOF: the server hung up
         waited = loop.time() - start
         for reply in replies:
             assert reply.startswith(b"HTTP/1.1 408"), reply[:80]
@@ -77,8 +83,10 @@ async def test_idle_bodies_declaring_256_mib_cost_little_and_are_hung_up() -> No
         after = rss()
         for _, w in conns:
             w.close()
-        print(f"RSS before {before / MIB:.0f} MiB, with 4 stalled bodies {peak / MIB:.0f} MiB, "
-              f"after {after / MIB:.0f} MiB; pool holds {t.pool.held / MIB:.0f} MiB; hung up after {waited:.2f} s")
+        print(
+            f"RSS before {before / MIB:.0f} MiB, with 4 stalled bodies {peak / MIB:.0f} MiB, "
+            f"after {after / MIB:.0f} MiB; pool holds {t.pool.held / MIB:.0f} MiB; hung up after {waited:.2f} s"
+        )
         assert peak - before < 32 * MIB and after - before < 32 * MIB
         assert t.pool.held <= 4 * CHUNK
         assert waited < 3.0 and t.bodies_in_flight.total() == 0
@@ -103,7 +111,9 @@ async def test_each_address_has_a_few_bodies_in_flight_at_most() -> None:
         await t.close()
 
 
-async def test_a_sender_that_disconnects_mid_body_is_no_error(caplog: pytest.LogCaptureFixture) -> None:
+async def test_a_sender_that_disconnects_mid_body_is_no_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     t = await rpc_server(ServeLimits())
     try:
         caplog.set_level(logging.DEBUG)
@@ -126,15 +136,20 @@ async def test_a_sender_that_disconnects_mid_body_is_no_error(caplog: pytest.Log
 
 
 async def test_header_lines_and_fields_are_bounded_and_refused_without_a_traceback(
-        caplog: pytest.LogCaptureFixture) -> None:
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     caplog.set_level(logging.INFO)
     t = Transport()
     t.app.router.add_get("/ok", _ok)
     await t.start()
     try:
-        for head in (f"GET /ok?{'a' * 20_000} HTTP/1.1\r\nHost: x\r\n\r\n",
-                     f"GET /ok HTTP/1.1\r\nHost: x\r\nX-Big: {'b' * 20_000}\r\n\r\n",
-                     "GET /ok HTTP/1.1\r\nHost: x\r\n" + "".join(f"X-{i}: v\r\n" for i in range(200)) + "\r\n"):
+        for head in (
+            f"GET /ok?{'a' * 20_000} HTTP/1.1\r\nHost: x\r\n\r\n",
+            f"GET /ok HTTP/1.1\r\nHost: x\r\nX-Big: {'b' * 20_000}\r\n\r\n",
+            "GET /ok HTTP/1.1\r\nHost: x\r\n"
+            + "".join(f"X-{i}: v\r\n" for i in range(200))
+            + "\r\n",
+        ):
             r, w = await asyncio.open_connection("127.0.0.1", t.port)
             w.write(head.encode())
             async with asyncio.timeout(5):
@@ -187,7 +202,7 @@ async def test_the_buffer_grows_with_the_bytes_that_arrive_not_the_declared_leng
     with pytest.raises(ClientGone, match="3 of 10 declared"):
         await read_stream(_Trickle([b"abc"], then_stall=False), 10, 100, pool)  # type: ignore[arg-type]
     payload = os.urandom(5 * MIB + 7)
-    chunks = [payload[i:i + CHUNK] for i in range(0, len(payload), CHUNK)]
+    chunks = [payload[i : i + CHUNK] for i in range(0, len(payload), CHUNK)]
     buf, used = await read_stream(_Trickle(chunks, then_stall=False), len(payload), 8 * MIB, pool)  # type: ignore[arg-type]
     assert bytes(memoryview(buf)[:used]) == payload and len(buf) == len(payload)
 
@@ -231,8 +246,9 @@ async def test_a_route_that_raises_its_own_http_error_leaves_no_hang_up_mark() -
 
 
 @pytest.mark.parametrize("encoding", ["gzip", "deflate", "GZIP", "br", "x-unknown"])
-async def test_a_content_encoded_body_is_refused_before_it_is_inflated(encoding: str,
-                                                                       caplog: pytest.LogCaptureFixture) -> None:
+async def test_a_content_encoded_body_is_refused_before_it_is_inflated(
+    encoding: str, caplog: pytest.LogCaptureFixture
+) -> None:
     """A stranger's 200 KB of gzip inflated to 200 MiB of buffer before any check, and a body that
     did not inflate gave a 500. Any Content-Encoding is now a 415 with a reason, before a byte of
     the body is read, and the sender is hung up on."""
@@ -244,16 +260,23 @@ async def test_a_content_encoded_body_is_refused_before_it_is_inflated(encoding:
         for path in ("/v1/rpc", "/v1/dht", "/v1/swarm/manifest"):
             for body in (bomb, b"not deflate"):
                 r, w = await asyncio.open_connection("127.0.0.1", t.port)
-                w.write(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Encoding: {encoding}\r\n"
-                        f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+                w.write(
+                    f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Encoding: {encoding}\r\n"
+                    f"Content-Length: {len(body)}\r\n\r\n".encode()
+                    + body
+                )
                 await w.drain()
                 async with asyncio.timeout(5):
                     reply = await r.read()
                 w.close()
-                if encoding == "br":  # aiohttp's parser has no brotli here: it answers 400 before any route
+                if (
+                    encoding == "br"
+                ):  # aiohttp's parser has no brotli here: it answers 400 before any route
                     assert reply[9:12] == b"400", reply[:200]
                     continue
-                assert reply.startswith(b"HTTP/1.1 415"), reply[:200]  # routes this server lacks too
+                assert reply.startswith(b"HTTP/1.1 415"), reply[
+                    :200
+                ]  # routes this server lacks too
                 assert b"EncodedBody" in reply and b"send the body as it is" in reply
         assert t.bodies_in_flight.total() == 0
         assert max((len(b) for b in t.pool._free), default=0) < MIB  # no inflated buffer kept

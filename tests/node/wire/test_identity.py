@@ -37,8 +37,13 @@ def _mode(path: Path) -> int:
 
 
 def _manifest(founder: Signer, *authorities: tuple[str, Signer]) -> SwarmManifest:
-    m = SwarmManifest(name="two-labs", founder=founder.public_key, admission="certified", created=1000.0,
-                      recipe=(("fragments", 4), ("model", "tiny")))
+    m = SwarmManifest(
+        name="two-labs",
+        founder=founder.public_key,
+        admission="certified",
+        created=1000.0,
+        recipe=(("fragments", 4), ("model", "tiny")),
+    )
     for lab, key in authorities:
         m = m.with_authority(lab, key.public_key)
     return m.signed(founder)
@@ -84,24 +89,34 @@ def test_key_readable_by_others_is_refused(tmp_path: Path) -> None:
     os.chmod(path, 0o644)
     with pytest.raises(IdentityError) as exc:
         load_key(path)
-    assert str(exc.value) == f"key file {path} is readable by others (mode 0644); run chmod 600 {path}"
+    assert (
+        str(exc.value) == f"key file {path} is readable by others (mode 0644); run chmod 600 {path}"
+    )
     os.chmod(path, 0o620)
     with pytest.raises(IdentityError, match="writable by others"):
         load_key(path)
 
 
-@pytest.mark.parametrize("content, reason", [
-    (b"hello\n", "is not a PEM private key"),
-    (b"", "is not a PEM private key"),
-    ("ec", "not Ed25519"),
-    ("encrypted", "encrypted"),
-])
-def test_bad_key_files_are_refused_in_one_line(tmp_path: Path, content: bytes | str, reason: str) -> None:
+@pytest.mark.parametrize(
+    "content, reason",
+    [
+        (b"hello\n", "is not a PEM private key"),
+        (b"", "is not a PEM private key"),
+        ("ec", "not Ed25519"),
+        ("encrypted", "encrypted"),
+    ],
+)
+def test_bad_key_files_are_refused_in_one_line(
+    tmp_path: Path, content: bytes | str, reason: str
+) -> None:
     if content == "ec":
-        data = generate_private_key(SECP256R1()).private_bytes(Encoding.PEM, PrivateFormat.PKCS8, NoEncryption())
+        data = generate_private_key(SECP256R1()).private_bytes(
+            Encoding.PEM, PrivateFormat.PKCS8, NoEncryption()
+        )
     elif content == "encrypted":
-        data = generate_key()._key.private_bytes(Encoding.PEM, PrivateFormat.PKCS8,
-                                                 BestAvailableEncryption(b"pw"))
+        data = generate_key()._key.private_bytes(
+            Encoding.PEM, PrivateFormat.PKCS8, BestAvailableEncryption(b"pw")
+        )
     else:
         assert isinstance(content, bytes)
         data = content
@@ -159,8 +174,10 @@ def test_manifest_edited_after_signing_does_not_load(tmp_path: Path) -> None:
     path.write_text(path.read_text().replace("fragments = 4", "fragments = 8"))
     with pytest.raises(IdentityError) as exc:
         load_manifest(path)
-    assert str(exc.value) == (f"{path}: manifest signature does not verify: it was edited after signing, "
-                              "or not signed by its founder")
+    assert str(exc.value) == (
+        f"{path}: manifest signature does not verify: it was edited after signing, "
+        "or not signed by its founder"
+    )
 
 
 def test_manifest_signed_by_another_key_does_not_load(tmp_path: Path) -> None:
@@ -174,11 +191,14 @@ def test_manifest_signed_by_another_key_does_not_load(tmp_path: Path) -> None:
         load_manifest(path)
 
 
-@pytest.mark.parametrize("text, reason", [
-    (None, "no manifest at"),
-    ("[swarm\nname = 1", "not valid TOML"),
-    ("[swarm]\nname = 'x'\n", "missing a field"),
-])
+@pytest.mark.parametrize(
+    "text, reason",
+    [
+        (None, "no manifest at"),
+        ("[swarm\nname = 1", "not valid TOML"),
+        ("[swarm]\nname = 'x'\n", "missing a field"),
+    ],
+)
 def test_manifest_file_mistakes(tmp_path: Path, text: str | None, reason: str) -> None:
     path = tmp_path / "swarm.toml"
     if text is not None:
@@ -204,8 +224,14 @@ def test_unsigned_manifest_and_wrong_swarm_id(tmp_path: Path) -> None:
 def test_certificate_round_trip(tmp_path: Path) -> None:
     founder, authority, peer = generate_key(), generate_key(), generate_key()
     m = _manifest(founder, ("labA", authority))
-    cert = Certificate.issue(authority, manifest=m, subject=peer.public_key, roles=["learner"],
-                             not_before=0.0, not_after=100.0)
+    cert = Certificate.issue(
+        authority,
+        manifest=m,
+        subject=peer.public_key,
+        roles=["learner"],
+        not_before=0.0,
+        not_after=100.0,
+    )
     path = tmp_path / "peer.cert"
     save_certificate(cert, path)
     loaded = load_certificate(path)

@@ -60,20 +60,23 @@ async def open_swarm() -> AsyncIterator[tuple[Swarm, Transport, SwarmCredentials
         await server.close()
 
 
-async def _post(s: aiohttp.ClientSession, url: str, body: bytes, headers: dict[str, str] | None = None
-                ) -> tuple[int, dict[str, object]]:
+async def _post(
+    s: aiohttp.ClientSession, url: str, body: bytes, headers: dict[str, str] | None = None
+) -> tuple[int, dict[str, object]]:
     async with s.post(url + MANIFEST_PATH, data=body, headers=headers) as r:
         return r.status, await r.json()
 
 
 async def test_unsigned_manifest_posts_cost_no_parse_and_leave_the_loop_free(
-        open_swarm: tuple[Swarm, Transport, SwarmCredentials], parses: list[int]) -> None:
+    open_swarm: tuple[Swarm, Transport, SwarmCredentials], parses: list[int]
+) -> None:
     """A burst of unsigned 1 MiB posts (each ~2 s of TOML to parse) while GETs are answered:
     before, every one was parsed on the loop and a GET waited seconds; now each is a 401 before its
     body is read, no parse runs, and every GET is answered within a second."""
     _, server, _ = open_swarm
     url = server.url
     async with aiohttp.ClientSession() as s:
+
         async def post() -> int | str:
             try:
                 async with s.post(url + MANIFEST_PATH, data=SLOW_TOML) as r:
@@ -94,12 +97,15 @@ async def test_unsigned_manifest_posts_cost_no_parse_and_leave_the_loop_free(
             waits.append(await get())
         statuses = [p.result() for p in posts]
     assert parses == [], f"unsigned posts were parsed: {len(parses)} parses of {parses[:4]} bytes"
-    assert max(waits) < 1.0, f"a GET waited {max(waits):.2f} s during the burst (statuses {statuses})"
+    assert max(waits) < 1.0, (
+        f"a GET waited {max(waits):.2f} s during the burst (statuses {statuses})"
+    )
     assert all(st in (401, "ClientOSError", "ServerDisconnectedError") for st in statuses), statuses
 
 
 async def test_a_founder_signed_post_is_adopted_and_forgeries_are_refused_unread(
-        open_swarm: tuple[Swarm, Transport, SwarmCredentials], parses: list[int]) -> None:
+    open_swarm: tuple[Swarm, Transport, SwarmCredentials], parses: list[int]
+) -> None:
     swarm, server, cred = open_swarm
     cred._publishes = RateLimiter(rate=1.0, burst=100)  # more posts than one address's burst of 4
     newer = swarm.manifest.with_revoked(key().public_key).signed(swarm.founder)
@@ -124,17 +130,22 @@ async def test_a_founder_signed_post_is_adopted_and_forgeries_are_refused_unread
 
 
 async def test_a_second_parse_meanwhile_is_refused_at_once(
-        open_swarm: tuple[Swarm, Transport, SwarmCredentials]) -> None:
+    open_swarm: tuple[Swarm, Transport, SwarmCredentials],
+) -> None:
     swarm, server, cred = open_swarm
     newer = swarm.manifest.with_revoked(key().public_key).signed(swarm.founder)
     text = tomli_w.dumps(newer.to_toml_data()).encode()
     async with aiohttp.ClientSession() as s:
         async with cred._parsing:  # a parse running (another post's, or a member's manifest)
             t0 = time.perf_counter()
-            status, body = await _post(s, server.url, text, manifest_post_headers(swarm.founder, newer, text))
+            status, body = await _post(
+                s, server.url, text, manifest_post_headers(swarm.founder, newer, text)
+            )
             assert status == 429 and "being checked" in str(body["reason"])
             assert time.perf_counter() - t0 < 1.0  # refused, not queued
-        status, body = await _post(s, server.url, text, manifest_post_headers(swarm.founder, newer, text))
+        status, body = await _post(
+            s, server.url, text, manifest_post_headers(swarm.founder, newer, text)
+        )
         assert status == 200 and body["adopted"] is True
 
 
@@ -145,9 +156,12 @@ async def test_a_certified_member_may_post_without_the_founder_header() -> None:
     ok = await client(swarm, member, swarm.cert(member))
     try:
         newer = swarm.manifest.with_revoked(key().public_key).signed(swarm.founder)
-        status, buf, used, _ = await ok.request("POST", server.url + MANIFEST_PATH,
-                                                chunks=[tomli_w.dumps(newer.to_toml_data()).encode()],
-                                                size=len(tomli_w.dumps(newer.to_toml_data()).encode()))
+        status, buf, used, _ = await ok.request(
+            "POST",
+            server.url + MANIFEST_PATH,
+            chunks=[tomli_w.dumps(newer.to_toml_data()).encode()],
+            size=len(tomli_w.dumps(newer.to_toml_data()).encode()),
+        )
         ok.pool.give(buf)
         assert status == 200 and cred.manifest == newer
     finally:
@@ -155,24 +169,59 @@ async def test_a_certified_member_may_post_without_the_founder_header() -> None:
         await server.close()
 
 
-async def test_atoll_swarm_publish_signs_its_post(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+async def test_atoll_swarm_publish_signs_its_post(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from node.cli import main
     from node.wire.identity import load_manifest
 
     founder_key, path = tmp_path / "f.pem", tmp_path / "s.toml"
     assert main(["keygen", "--out", str(founder_key)]) == 0
-    assert main(["swarm", "init", "--name", "s", "--founder", str(founder_key), "--model", "tiny",
-                 "--admission", "open", "--out", str(path)]) == 0
+    assert (
+        main(
+            [
+                "swarm",
+                "init",
+                "--name",
+                "s",
+                "--founder",
+                str(founder_key),
+                "--model",
+                "tiny",
+                "--admission",
+                "open",
+                "--out",
+                str(path),
+            ]
+        )
+        == 0
+    )
     first = load_manifest(path)
-    assert main(["swarm", "revoke", str(path), "--founder", str(founder_key), "--peer", "ab" * 32]) == 0
+    assert (
+        main(["swarm", "revoke", str(path), "--founder", str(founder_key), "--peer", "ab" * 32])
+        == 0
+    )
     capsys.readouterr()
     cred = SwarmCredentials(first, key(), None)
     server = Transport("127.0.0.1", 0)
     cred.install(server)
     await server.start()
     try:
-        code = await asyncio.wait_for(asyncio.to_thread(
-            main, ["swarm", "publish", str(path), "--peer", server.url, "--founder", str(founder_key)]), 60)
+        code = await asyncio.wait_for(
+            asyncio.to_thread(
+                main,
+                [
+                    "swarm",
+                    "publish",
+                    str(path),
+                    "--peer",
+                    server.url,
+                    "--founder",
+                    str(founder_key),
+                ],
+            ),
+            60,
+        )
         assert code == 0, capsys.readouterr().err
         assert cred.manifest.version == first.version + 1 and cred.parses == 1
     finally:
@@ -183,10 +232,20 @@ def test_the_size_cap_fits_256_authorities_and_10000_revocations() -> None:
     """The cap (MAX_MANIFEST_BYTES) with headroom over a large real manifest, as tomli_w writes it:
     256 authorities with 64-character lab names, 64 recipe fields, 10,000 revoked keys."""
     founder = key()
-    m = SwarmManifest(name="s" * 64, founder=founder.public_key, admission="certified", created=time.time(),
-                      version=1 << 40, recipe=tuple(sorted({f"k{i}": "v" * 60 for i in range(64)}.items())),
-                      authorities=tuple(Authority(f"lab{i:03d}".ljust(64, "x"), os.urandom(32)) for i in range(256)),
-                      revoked=frozenset(os.urandom(32) for _ in range(10_000))).signed(founder)
+    m = SwarmManifest(
+        name="s" * 64,
+        founder=founder.public_key,
+        admission="certified",
+        created=time.time(),
+        version=1 << 40,
+        recipe=tuple(sorted({f"k{i}": "v" * 60 for i in range(64)}.items())),
+        authorities=tuple(
+            Authority(f"lab{i:03d}".ljust(64, "x"), os.urandom(32)) for i in range(256)
+        ),
+        revoked=frozenset(os.urandom(32) for _ in range(10_000)),
+    ).signed(founder)
     size = len(tomli_w.dumps(m.to_toml_data()).encode())
-    assert size * 1.25 < MAX_MANIFEST_BYTES, f"{size} bytes leave no headroom under {MAX_MANIFEST_BYTES}"
+    assert size * 1.25 < MAX_MANIFEST_BYTES, (
+        f"{size} bytes leave no headroom under {MAX_MANIFEST_BYTES}"
+    )
     assert SwarmManifest.from_toml(tomli_w.dumps(m.to_toml_data())) == m

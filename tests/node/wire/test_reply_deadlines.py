@@ -41,7 +41,9 @@ SEND_BUFFER = 64 << 10
 def fragment(size: int) -> Sealed:
     """A sealed FragmentState of about ``size`` bytes."""
     n = size // 4
-    t = EncodedTensor(codec="none", shape=(n,), dtype="float32", block_size=0, data=bytes(4 * n), scales=b"")
+    t = EncodedTensor(
+        codec="none", shape=(n,), dtype="float32", block_size=0, data=bytes(4 * n), scales=b""
+    )
     state = FragmentState(swarm="t", fragment=0, version=1, tensors=(t,), content_hash=bytes(32))
     return seal(encode(state), SIGNER, now=1000.0, nonce=bytes(16))
 
@@ -77,7 +79,9 @@ async def serving(limits: ServeLimits, size: int = 2 * MIB) -> AsyncIterator[Ser
         await server.t.close()
 
 
-async def non_reader(port: int, source: str = "127.0.0.2", path: str = "/fragment") -> socket.socket:
+async def non_reader(
+    port: int, source: str = "127.0.0.2", path: str = "/fragment"
+) -> socket.socket:
     """A connection from ``source`` with a 4 KiB receive buffer that asks for ``path`` and then
     reads nothing."""
     loop = asyncio.get_running_loop()
@@ -110,8 +114,10 @@ async def timed_get(url: str, source: str) -> tuple[int, float]:
     """An honest GET /ok from ``source`` on a fresh connection: (status, seconds)."""
     start = time.perf_counter()
     connector = aiohttp.TCPConnector(force_close=True, local_addr=(source, 0))
-    async with aiohttp.ClientSession(connector=connector) as s, \
-            s.get(url + "/ok", timeout=aiohttp.ClientTimeout(total=10)) as resp:
+    async with (
+        aiohttp.ClientSession(connector=connector) as s,
+        s.get(url + "/ok", timeout=aiohttp.ClientTimeout(total=10)) as resp,
+    ):
         assert await resp.text() == "ok"
         return resp.status, time.perf_counter() - start
 
@@ -127,9 +133,18 @@ async def test_a_client_that_never_reads_is_cut_off_at_the_write_idle_deadline()
         assert 0.9 < took < 5.0, took
         assert t.connections.reply_timeouts == 1
         await until(lambda: not t.replies_in_flight)  # the route saw the cut and ended
-        assert t.serve_status() == {"open": 0, "refused": 0, "evicted": 0, "head_timeouts": 0,
-                                    "handshakes_failed": 0, "reply_timeouts": 1, "stalled_replies": 0,
-                                    "bodies_in_flight": 0, "replies_in_flight": 0, "replies_refused": 0}
+        assert t.serve_status() == {
+            "open": 0,
+            "refused": 0,
+            "evicted": 0,
+            "head_timeouts": 0,
+            "handshakes_failed": 0,
+            "reply_timeouts": 1,
+            "stalled_replies": 0,
+            "bodies_in_flight": 0,
+            "replies_in_flight": 0,
+            "replies_refused": 0,
+        }
         got = await drained(sock)  # what the kernel held, then the cut
         assert got < server.sealed.size
         sock.close()
@@ -157,7 +172,9 @@ async def test_an_honest_reader_and_a_kept_alive_connection_are_untouched() -> N
         async with aiohttp.ClientSession() as s:
             async with s.get(t.url + "/fragment") as r:
                 assert r.status == 200 and len(await r.read()) == server.sealed.size
-            await asyncio.sleep(2.5)  # past the reply's deadline (2 s): the connection is idle, not cut
+            await asyncio.sleep(
+                2.5
+            )  # past the reply's deadline (2 s): the connection is idle, not cut
             async with s.get(t.url + "/fragment") as r:
                 assert r.status == 200 and len(await r.read()) == server.sealed.size
         assert t.connections.reply_timeouts == 0 and t.connections.evicted == 0
@@ -201,12 +218,16 @@ async def _flood(port: int, sources: list[str], per_source: int) -> list[socket.
 
 
 @pytest.mark.parametrize("addresses", [4, 8], ids=["4x128", "8x64"])
-async def test_a_slow_reader_flood_at_the_real_caps_leaves_honest_requests_answered(addresses: int) -> None:
+async def test_a_slow_reader_flood_at_the_real_caps_leaves_honest_requests_answered(
+    addresses: int,
+) -> None:
     """``addresses`` loopback addresses open all 512 connections the server allows, each asking
     for a fragment it never reads: with 4 (the issue's 128 each), 64 an address are stalled
     replies and the rest were refused (429) and kept alive; with 8, all 512 are stalled replies.
     Before, every one was busy for ever and both honest requests were reset at accept."""
-    limits = ServeLimits()  # the real caps: 128 connections an address, 512 in all, 64 replies an address
+    limits = (
+        ServeLimits()
+    )  # the real caps: 128 connections an address, 512 in all, 64 replies an address
     assert (limits.conns_per_ip, limits.conns, limits.replies_per_ip) == (128, 512, 64)
     per_address = limits.conns // addresses
     flooders = [f"127.0.0.{i}" for i in range(2, 2 + addresses)]
@@ -215,7 +236,10 @@ async def test_a_slow_reader_flood_at_the_real_caps_leaves_honest_requests_answe
         socks = await _flood(t.port, flooders, per_address)
         try:
             stalled = addresses * min(per_address, limits.replies_per_ip)
-            await until(lambda: server.served == limits.conns and t.connections.stalled == stalled, timeout_s=30.0)
+            await until(
+                lambda: server.served == limits.conns and t.connections.stalled == stalled,
+                timeout_s=30.0,
+            )
             assert t.connections.total == limits.conns
             # a newcomer from another address (the server is full) and one from a full address
             for source in ("127.0.0.200", flooders[0]):

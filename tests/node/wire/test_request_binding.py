@@ -41,20 +41,31 @@ async def _member_server(swarm: Swarm) -> tuple[Transport, SwarmCredentials]:
     return t, cred
 
 
-async def _send(session: aiohttp.ClientSession, url: str, headers: dict[str, str]) -> tuple[int, str]:
+async def _send(
+    session: aiohttp.ClientSession, url: str, headers: dict[str, str]
+) -> tuple[int, str]:
     async with session.get(url, headers=headers) as r:
         return r.status, await r.text()
 
 
-async def test_a_captured_header_is_refused_by_other_members_and_by_its_own_node_the_second_time() -> None:
+async def test_a_captured_header_is_refused_by_other_members_and_by_its_own_node_the_second_time() -> (
+    None
+):
     swarm = Swarm("open")
     (a, cred_a), (b, cred_b) = await _member_server(swarm), await _member_server(swarm)
     member = key()
     cert = swarm.cert(member).to_header()
 
     def headers(url: str, to: bytes | None) -> dict[str, str]:
-        return request_headers(member, cert, swarm=swarm.manifest.swarm_id, method="GET", url=url,
-                               now=time.time(), recipient=to)
+        return request_headers(
+            member,
+            cert,
+            swarm=swarm.manifest.swarm_id,
+            method="GET",
+            url=url,
+            now=time.time(),
+            recipient=to,
+        )
 
     try:
         async with aiohttp.ClientSession() as s:
@@ -65,9 +76,13 @@ async def test_a_captured_header_is_refused_by_other_members_and_by_its_own_node
             status, body = await _send(s, b.url + ROUTE, captured)  # replayed at another member
             assert status == 401 and "not this node" in body
             # a fresh header is a fresh request
-            assert (await _send(s, a.url + ROUTE, headers(a.url + ROUTE, cred_a.signer.peer_id)))[0] == 200
+            assert (await _send(s, a.url + ROUTE, headers(a.url + ROUTE, cred_a.signer.peer_id)))[
+                0
+            ] == 200
             # first contact: a header naming nobody reaches the first-contact routes only
-            assert (await _send(s, b.url + "/v1/status", headers(b.url + "/v1/status", None)))[0] == 200
+            assert (await _send(s, b.url + "/v1/status", headers(b.url + "/v1/status", None)))[
+                0
+            ] == 200
             status, body = await _send(s, b.url + ROUTE, headers(b.url + ROUTE, None))
             assert status == 401 and "names no recipient" in body
             # an old client's header: a 401 that says why, never taken silently
@@ -96,7 +111,10 @@ async def test_a_peers_requests_name_the_member_its_address_belongs_to() -> None
     class Member:
         record: Record
 
-    members = {cred.signer.peer_id: Member(Record(server.url)), key().peer_id: Member(Record("http://10.0.0.1:9"))}
+    members = {
+        cred.signer.peer_id: Member(Record(server.url)),
+        key().peer_id: Member(Record("http://10.0.0.1:9")),
+    }
     member = key()
     client = Transport("127.0.0.1", 0)
     SwarmCredentials(swarm.manifest, member, swarm.cert(member)).install(client)
@@ -104,7 +122,9 @@ async def test_a_peers_requests_name_the_member_its_address_belongs_to() -> None
     await client.start()
     try:
         assert client.recipient_of(server.url + ROUTE) == cred.signer.peer_id
-        assert client.recipient_of("http://127.0.0.1:1/v1/status") is None  # not a member's: first contact
+        assert (
+            client.recipient_of("http://127.0.0.1:1/v1/status") is None
+        )  # not a member's: first contact
         status, buf, used, _ = await client.request("GET", server.url + ROUTE, timeout_s=10)
         assert status == 200 and bytes(buf[:used]) == b"model bytes"
         members = {}  # a new read that no longer lists it: the index is rebuilt

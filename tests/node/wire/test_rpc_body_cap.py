@@ -29,28 +29,53 @@ def tensor(codec: str, shape: tuple[int, ...], block_size: int) -> EncodedTensor
     for d in shape:
         n *= d
     data, scales = payload_bytes(codec, n, block_size)
-    return EncodedTensor(codec=codec, shape=shape, dtype="float32", block_size=block_size,
-                         data=bytes(data), scales=bytes(scales))
+    return EncodedTensor(
+        codec=codec,
+        shape=shape,
+        dtype="float32",
+        block_size=block_size,
+        data=bytes(data),
+        scales=bytes(scales),
+    )
 
 
 def sealed_size(msg: object) -> int:
-    return seal(encode(msg), SENDER, now=time.time(), nonce=os.urandom(16), recipient=SERVER.peer_id).size
+    return seal(
+        encode(msg), SENDER, now=time.time(), nonce=os.urandom(16), recipient=SERVER.peer_id
+    ).size
 
 
 def test_the_widest_legitimate_message_of_the_largest_fragment_fits_the_cap() -> None:
-    plan = plan_fragments([("w1", (512, 300)), ("b1", (300,)), ("w2", (300, 7)), ("emb", (1000, 64))], 3)
+    plan = plan_fragments(
+        [("w1", (512, 300)), ("b1", (300,)), ("w2", (300, 7)), ("emb", (1000, 64))], 3
+    )
     largest = max(plan.fragments, key=lambda f: f.numel)
     cap = max_rpc_body(f.numel for f in plan.fragments)
     assert WIDEST_BYTES_PER_ELEMENT == 8  # fp32 theta + fp32 momentum
     flat = (largest.numel,)
-    replica = ReplicaState(swarm="s", fragment=largest.index, epoch=1, version=3, digest=bytes(32),
-                           theta=(tensor("none", flat, 0),), momentum=(tensor("none", flat, 0),))
+    replica = ReplicaState(
+        swarm="s",
+        fragment=largest.index,
+        epoch=1,
+        version=3,
+        digest=bytes(32),
+        theta=(tensor("none", flat, 0),),
+        momentum=(tensor("none", flat, 0),),
+    )
     assert sealed_size(replica) <= cap
     for codec in CODECS:  # a contribution per tensor, each codec at its widest (block size 1)
         block = 0 if codec in ("none", "bf16") else 1
-        c = Contribution(swarm="s", fragment=largest.index, base_version=0, base_digest=bytes(32), tokens=1,
-                         steps=1, step_time=0.1, sender_step=1,
-                         tensors=tuple(tensor(codec, s, block) for s in largest.shapes))
+        c = Contribution(
+            swarm="s",
+            fragment=largest.index,
+            base_version=0,
+            base_digest=bytes(32),
+            tokens=1,
+            steps=1,
+            step_time=0.1,
+            sender_step=1,
+            tensors=tuple(tensor(codec, s, block) for s in largest.shapes),
+        )
         assert sealed_size(c) <= cap, codec
     # and no more than a few MiB above it: not the 256 MiB of before
     assert cap < 8 * largest.numel * 1.05 + MAX_REQUEST_HEADER + (2 << 20)
@@ -66,7 +91,9 @@ class _CountingPool(BufferPool):
         return super().take(size, fresh=fresh)
 
 
-async def test_a_body_declaring_more_than_the_plan_allows_is_refused_before_it_is_buffered() -> None:
+async def test_a_body_declaring_more_than_the_plan_allows_is_refused_before_it_is_buffered() -> (
+    None
+):
     plan = plan_fragments([("w", (256, 256)), ("b", (256,))], 2)
     cap = max_rpc_body(f.numel for f in plan.fragments)
     t = Transport()
@@ -76,7 +103,9 @@ async def test_a_body_declaring_more_than_the_plan_allows_is_refused_before_it_i
     try:
         for declared, expect in ((cap + 1, b"HTTP/1.1 413"), (256 << 20, b"HTTP/1.1 413")):
             r, w = await asyncio.open_connection("127.0.0.1", t.port)
-            w.write(f"POST /v1/rpc HTTP/1.1\r\nHost: x\r\nContent-Length: {declared}\r\n\r\n".encode())
+            w.write(
+                f"POST /v1/rpc HTTP/1.1\r\nHost: x\r\nContent-Length: {declared}\r\n\r\n".encode()
+            )
             await w.drain()  # the head only: not a byte of the body is sent
             async with asyncio.timeout(5.0):
                 head = await r.readuntil(b"\r\n\r\n")

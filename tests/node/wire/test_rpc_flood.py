@@ -27,16 +27,24 @@ SERVER = Signer.from_seed(bytes([1]) * 32)
 
 def _sealed(who: Signer, *, at: float, to: bytes = SERVER.peer_id) -> bytes:
     tensor = compress(torch.zeros(2, 2), "none")[0]
-    msg = Contribution(swarm="flood", fragment=0, base_version=0, base_digest=bytes(32), tokens=1, steps=1, step_time=0.0,
-                       sender_step=1, tensors=(tensor,))
+    msg = Contribution(
+        swarm="flood",
+        fragment=0,
+        base_version=0,
+        base_digest=bytes(32),
+        tokens=1,
+        steps=1,
+        step_time=0.0,
+        sender_step=1,
+        tensors=(tensor,),
+    )
     return seal(encode(msg), who, now=at, nonce=os.urandom(16), recipient=to).tobytes()
 
 
 async def test_a_flood_from_fresh_keys_leaves_a_members_next_message_accepted() -> None:
     member = Signer.from_seed(bytes([5]) * 32)
     transport = Transport()
-    server = RpcServer(transport, SERVER,
-                       authorize=lambda peer: _member(peer, member.peer_id))
+    server = RpcServer(transport, SERVER, authorize=lambda peer: _member(peer, member.peer_id))
     server.replay = ReplayWindow(capacity=CAPACITY)
 
     async def handler(opened: Opened) -> Ack:
@@ -54,7 +62,9 @@ async def test_a_flood_from_fresh_keys_leaves_a_members_next_message_accepted() 
                     assert "not a member" in (await resp.json())["reason"]
             assert statuses == [403] * STRANGERS
             assert len(server.replay) == 0  # not one of them took a place in the window
-            async with session.post(f"{transport.url}/v1/rpc", data=_sealed(member, at=time.time())) as resp:
+            async with session.post(
+                f"{transport.url}/v1/rpc", data=_sealed(member, at=time.time())
+            ) as resp:
                 assert resp.status == 200, await resp.text()
                 reply = verify_sealed(await resp.read(), max_size=1 << 16).message
         assert isinstance(reply, Ack) and reply.accepted

@@ -90,7 +90,9 @@ async def serve(*, dht: bool = False) -> tuple[Transport, RpcServer, list[Opened
     return transport, server, seen
 
 
-async def while_posting(url: str, path: str, body: bytes, pollers: int = 4) -> tuple[int, str, float, int]:
+async def while_posting(
+    url: str, path: str, body: bytes, pollers: int = 4
+) -> tuple[int, str, float, int]:
     """POST ``body`` to ``path`` while ``pollers`` clients GET /v1/status back to back (one is
     always in flight, so any stall of the loop shows); the POST's status and reason, the slowest
     GET in seconds and how many GETs answered meanwhile."""
@@ -130,33 +132,57 @@ async def while_posting(url: str, path: str, body: bytes, pollers: int = 4) -> t
 
 @pytest.mark.parametrize("element", [EMPTY_MAP, ONE_ELEMENT_ARRAY], ids=["maps", "arrays"])
 async def test_an_8_mib_header_bomb_is_refused_from_its_prefix_and_status_keeps_answering(
-        element: bytes, decodes: list[bool]) -> None:
+    element: bytes, decodes: list[bool]
+) -> None:
     transport, server, seen = await serve()
     try:
         body = sealed(bomb(8 * MIB, element))
         status, reason, slowest, answered = await while_posting(transport.url, "/v1/rpc", body)
         assert status == 413 and f"cap of {MAX_REQUEST_HEADER}" in reason, reason
         assert answered > 0 and decodes == [], (slowest, answered, decodes)  # never decoded
-        assert server.errors["Oversize"] == 1 and len(server.replay) == 0 and not seen  # not even hashed
+        assert (
+            server.errors["Oversize"] == 1 and len(server.replay) == 0 and not seen
+        )  # not even hashed
     finally:
         await transport.close()
 
 
 @pytest.mark.parametrize("element", [EMPTY_MAP, ONE_ELEMENT_ARRAY], ids=["maps", "arrays"])
-async def test_a_header_bomb_just_under_the_cap_is_decoded_off_the_loop(element: bytes, decodes: list[bool]) -> None:
+async def test_a_header_bomb_just_under_the_cap_is_decoded_off_the_loop(
+    element: bytes, decodes: list[bool]
+) -> None:
     transport, server, seen = await serve()
     try:
         message = bomb(MAX_REQUEST_HEADER - 64, element)
         assert OFF_LOOP_HEADER < header_length(message) <= MAX_REQUEST_HEADER
-        status, reason, slowest, answered = await while_posting(transport.url, "/v1/rpc", sealed(message))
-        assert status == 400 and "Contribution" in reason, reason  # decoded, and refused for what it is
-        assert answered > 0 and decodes == [False], (slowest, answered, decodes)  # in a worker thread
+        status, reason, slowest, answered = await while_posting(
+            transport.url, "/v1/rpc", sealed(message)
+        )
+        assert status == 400 and "Contribution" in reason, (
+            reason
+        )  # decoded, and refused for what it is
+        assert answered > 0 and decodes == [False], (
+            slowest,
+            answered,
+            decodes,
+        )  # in a worker thread
         assert server.errors["DecodeError"] == 1 and not seen
         # the member's next, honest message still goes through
-        contribution = Contribution(swarm="s", fragment=0, base_version=0, base_digest=bytes(32), tokens=1,
-                                    steps=1, step_time=0.1, sender_step=1, tensors=(_tensor((2, 2)),))
-        async with aiohttp.ClientSession() as session, \
-                session.post(transport.url + "/v1/rpc", data=sealed(contribution)) as resp:
+        contribution = Contribution(
+            swarm="s",
+            fragment=0,
+            base_version=0,
+            base_digest=bytes(32),
+            tokens=1,
+            steps=1,
+            step_time=0.1,
+            sender_step=1,
+            tensors=(_tensor((2, 2)),),
+        )
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(transport.url + "/v1/rpc", data=sealed(contribution)) as resp,
+        ):
             assert resp.status == 200, await resp.text()
         assert len(seen) == 1 and seen[0].recipient == SERVER.peer_id
     finally:
@@ -178,10 +204,21 @@ async def test_the_dht_route_caps_request_headers_too(decodes: list[bool]) -> No
 async def test_requests_for_another_node_are_refused_with_the_reason() -> None:
     transport, server, seen = await serve(dht=True)
     elsewhere = Signer.from_seed(b"\7" * 32).peer_id
-    contribution = Contribution(swarm="s", fragment=0, base_version=0, base_digest=bytes(32), tokens=1,
-                                steps=1, step_time=0.1, sender_step=1, tensors=(_tensor((2, 2)),))
-    store = Store(sender=PeerInfo(peer_id=MEMBER.peer_id),
-                  records=(sign_record(MEMBER, key_id("k"), b"v", time.time() + 60),))
+    contribution = Contribution(
+        swarm="s",
+        fragment=0,
+        base_version=0,
+        base_digest=bytes(32),
+        tokens=1,
+        steps=1,
+        step_time=0.1,
+        sender_step=1,
+        tensors=(_tensor((2, 2)),),
+    )
+    store = Store(
+        sender=PeerInfo(peer_id=MEMBER.peer_id),
+        records=(sign_record(MEMBER, key_id("k"), b"v", time.time() + 60),),
+    )
     try:
         async with aiohttp.ClientSession() as session:
             for path, message, to, why in [
@@ -200,13 +237,29 @@ async def test_requests_for_another_node_are_refused_with_the_reason() -> None:
 def test_honest_requests_fit_their_route_caps() -> None:
     """The caps leave room: a Store of the most records with the largest values, and a
     Contribution of 3,000 int8-coded 2-d tensors (a whole 70B-parameter Llama has ~720)."""
-    records = tuple(sign_record(MEMBER, key_id(f"k{i}"), bytes(1024), 2e9) for i in range(MAX_STORE_RECORDS))
-    store = encode(Store(sender=PeerInfo(peer_id=MEMBER.peer_id, address="http://" + "h" * 200), records=records))
+    records = tuple(
+        sign_record(MEMBER, key_id(f"k{i}"), bytes(1024), 2e9) for i in range(MAX_STORE_RECORDS)
+    )
+    store = encode(
+        Store(
+            sender=PeerInfo(peer_id=MEMBER.peer_id, address="http://" + "h" * 200), records=records
+        )
+    )
     assert header_length(store.parts[0]) < MAX_REQUEST_HEADER // 2
     tensors = tuple(_tensor((1, 70_000), "int8") for _ in range(3_000))  # 32-bit dims
-    contribution = encode(Contribution(swarm="s" * 128, fragment=0, base_version=2**40, base_digest=bytes(32),
-                                       tokens=2**40, steps=2**20, step_time=0.1, sender_step=2**30,
-                                       tensors=tensors))
+    contribution = encode(
+        Contribution(
+            swarm="s" * 128,
+            fragment=0,
+            base_version=2**40,
+            base_digest=bytes(32),
+            tokens=2**40,
+            steps=2**20,
+            step_time=0.1,
+            sender_step=2**30,
+            tensors=tensors,
+        )
+    )
     assert header_length(contribution.parts[0]) < MAX_REQUEST_HEADER
     with pytest.raises(Oversize):
         check_header(bomb(2 * MIB, EMPTY_MAP), MAX_REQUEST_HEADER)
@@ -218,17 +271,32 @@ _ZEROS = memoryview(bytes(1 << 20))  # shared by every test tensor: encode copie
 def _tensor(shape: tuple[int, ...], codec: str = "none") -> EncodedTensor:
     n = math.prod(shape)
     if codec == "none":
-        return EncodedTensor(codec="none", shape=shape, dtype="float32", block_size=0, data=_ZEROS[:4 * n],
-                             scales=b"")
-    return EncodedTensor(codec="int8", shape=shape, dtype="float32", block_size=256, data=_ZEROS[:n],
-                         scales=_ZEROS[:4 * -(-n // 256)])
+        return EncodedTensor(
+            codec="none",
+            shape=shape,
+            dtype="float32",
+            block_size=0,
+            data=_ZEROS[: 4 * n],
+            scales=b"",
+        )
+    return EncodedTensor(
+        codec="int8",
+        shape=shape,
+        dtype="float32",
+        block_size=256,
+        data=_ZEROS[:n],
+        scales=_ZEROS[: 4 * -(-n // 256)],
+    )
 
 
 async def _send_head(port: int, sealed: bytes, declared: int, sent: int) -> bytes:
     """POST /v1/rpc declaring ``declared`` body bytes, send the first ``sent`` of ``sealed`` and
     wait for the answer with the rest never sent."""
     r, w = await asyncio.open_connection("127.0.0.1", port)
-    w.write(f"POST /v1/rpc HTTP/1.1\r\nHost: x\r\nContent-Length: {declared}\r\n\r\n".encode() + sealed[:sent])
+    w.write(
+        f"POST /v1/rpc HTTP/1.1\r\nHost: x\r\nContent-Length: {declared}\r\n\r\n".encode()
+        + sealed[:sent]
+    )
     try:
         await w.drain()
         async with asyncio.timeout(10):
@@ -248,7 +316,9 @@ async def test_a_large_body_is_refused_from_its_envelope_before_the_rest_is_read
     stranger = Signer.from_seed(b"\7" * 32)
 
     def sealed(by: Signer, recipient: bytes = SERVER.peer_id) -> bytes:
-        return b"".join(seal(encoded, by, now=time.time(), nonce=os.urandom(16), recipient=recipient).parts)
+        return b"".join(
+            seal(encoded, by, now=time.time(), nonce=os.urandom(16), recipient=recipient).parts
+        )
 
     async def member(peer: bytes) -> bool:
         return peer == MEMBER.peer_id
@@ -257,18 +327,24 @@ async def test_a_large_body_is_refused_from_its_envelope_before_the_rest_is_read
     server = RpcServer(transport, SERVER, authorize=member)
     await transport.start()
     try:
-        cases = [(sealed(stranger), b"403", b"not a member"),
-                 (sealed(MEMBER, recipient=stranger.peer_id), b"403", b""),
-                 (bytearray(sealed(MEMBER)), b"401", b"")]
+        cases = [
+            (sealed(stranger), b"403", b"not a member"),
+            (sealed(MEMBER, recipient=stranger.peer_id), b"403", b""),
+            (bytearray(sealed(MEMBER)), b"401", b""),
+        ]
         cases[2][0][200] ^= 1  # a flipped byte in the signed envelope fields
         for wire, status, says in cases:
             reply = await _send_head(transport.port, bytes(wire), len(wire), 64 << 10)
             assert reply[9:12] == status and says in reply, reply[:300]
-        assert max((len(b) for b in transport.pool._free), default=0) <= MIB  # no body-sized buffer was made
+        assert (
+            max((len(b) for b in transport.pool._free), default=0) <= MIB
+        )  # no body-sized buffer was made
         longer = sealed(MEMBER) + bytes(2 * MIB)  # 2 MiB more than the envelope declares
         reply = await _send_head(transport.port, longer, len(longer), len(longer))
         assert reply == b"" or (reply[9:12] == b"413" and b"by its head" in reply), reply[:300]
-        assert server.errors == {"NotAuthorized": 2, "BadSignature": 1, "Oversize": 1}, server.errors
+        assert server.errors == {"NotAuthorized": 2, "BadSignature": 1, "Oversize": 1}, (
+            server.errors
+        )
         assert transport.bodies_in_flight.total() == 0
     finally:
         await transport.close()

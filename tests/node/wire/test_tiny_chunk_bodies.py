@@ -49,7 +49,7 @@ def _tiny_chunked(payload: bytes) -> _Counting:
     reader = _Counting(BaseProtocol(loop), 1 << 30, loop=loop)  # a high limit: never paused here
     reader.begin_http_chunk_receiving()
     for i in range(len(payload)):
-        reader.feed_data(payload[i:i + 1])
+        reader.feed_data(payload[i : i + 1])
         reader.end_http_chunk_receiving()
     reader.feed_eof()
     return reader
@@ -78,7 +78,8 @@ async def test_tiny_pieces_are_read_together_and_other_tasks_run_meanwhile() -> 
 
 
 async def test_a_strangers_dht_request_in_1_byte_chunks_is_answered_without_an_error(
-        caplog: pytest.LogCaptureFixture) -> None:
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """End to end: the request is read whole and refused for what it is (not a message) with a 400
     and a reason, and nothing worse than INFO/WARNING is logged."""
     caplog.set_level(logging.DEBUG)
@@ -89,16 +90,28 @@ async def test_a_strangers_dht_request_in_1_byte_chunks_is_answered_without_an_e
     router.mount(DHTNode(server, transport, router.url(), DHTConfig(maintenance_period_s=0)))
     try:
         message = bytes(PIECES)
-        wire = seal(Encoded(parts=[memoryview(message)], size=len(message)), stranger, now=time.time(),
-                    nonce=os.urandom(16), recipient=server.peer_id).tobytes()
-        body = b"".join(b"1\r\n" + wire[i:i + 1] + b"\r\n" for i in range(len(wire))) + b"0\r\n\r\n"
+        wire = seal(
+            Encoded(parts=[memoryview(message)], size=len(message)),
+            stranger,
+            now=time.time(),
+            nonce=os.urandom(16),
+            recipient=server.peer_id,
+        ).tobytes()
+        body = (
+            b"".join(b"1\r\n" + wire[i : i + 1] + b"\r\n" for i in range(len(wire))) + b"0\r\n\r\n"
+        )
         r, w = await asyncio.open_connection("127.0.0.1", transport.port)
-        w.write(b"POST /v1/dht HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n" + body)
+        w.write(
+            b"POST /v1/dht HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+            + body
+        )
         await w.drain()
         async with asyncio.timeout(30):
             reply = await r.read()
         w.close()
-        assert reply.startswith(b"HTTP/1.1 400") and b"DecodeError" in reply and b"bad magic" in reply, reply[:300]
+        assert (
+            reply.startswith(b"HTTP/1.1 400") and b"DecodeError" in reply and b"bad magic" in reply
+        ), reply[:300]
         assert router.errors == {"DecodeError": 1} and transport.bodies_in_flight.total() == 0
     finally:
         await transport.close()

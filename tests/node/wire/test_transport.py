@@ -49,7 +49,12 @@ def test_a_small_body_takes_a_small_buffer_and_a_large_claim_at_most_a_chunk() -
 def test_buffer_pool_keeps_its_largest_buffers_and_grows_from_its_largest() -> None:
     mib = 1 << 20
     pool = BufferPool(max_buffers=2, max_buffer=64 * mib, max_bytes=45 * mib)
-    small, mid, big, other = bytearray(mib), bytearray(8 * mib), bytearray(25 * mib), bytearray(16 * mib)
+    small, mid, big, other = (
+        bytearray(mib),
+        bytearray(8 * mib),
+        bytearray(25 * mib),
+        bytearray(16 * mib),
+    )
     for buf in (small, mid, big):
         pool.give(buf)  # three buffers, two places: the smallest goes
     assert pool.held == 33 * mib
@@ -70,9 +75,12 @@ async def test_a_chunked_body_is_read_whole_across_its_chunk_boundaries() -> Non
 
         async def pieces() -> AsyncIterator[bytes]:  # no Content-Length: chunked transfer encoding
             for i in range(0, len(payload), 100_000):
-                yield payload[i:i + 100_000]
+                yield payload[i : i + 100_000]
 
-        async with aiohttp.ClientSession() as session, session.post(f"{server.url}/echo", data=pieces()) as resp:
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(f"{server.url}/echo", data=pieces()) as resp,
+        ):
             assert resp.status == 200 and await resp.read() == payload
         assert server.bytes_received == len(payload)
     finally:
@@ -104,8 +112,10 @@ async def test_streamed_round_trip_and_caps() -> None:
     try:
         assert server.port != 0 and server.url.endswith(str(server.port))
         payload = random.Random(1).randbytes(2_500_000)
-        chunks = [memoryview(payload)[i:i + (1 << 20)] for i in range(0, len(payload), 1 << 20)]
-        status, buf, used, _ = await client.request("POST", f"{server.url}/echo", chunks=chunks, size=len(payload))
+        chunks = [memoryview(payload)[i : i + (1 << 20)] for i in range(0, len(payload), 1 << 20)]
+        status, buf, used, _ = await client.request(
+            "POST", f"{server.url}/echo", chunks=chunks, size=len(payload)
+        )
         assert status == 200 and bytes(memoryview(buf)[:used]) == payload
         client.pool.give(buf)
         assert server.bytes_received == len(payload)
@@ -114,10 +124,14 @@ async def test_streamed_round_trip_and_caps() -> None:
         # the server sent the echoed body and a reply head
         assert len(payload) + 50 < server.bytes_sent < len(payload) + 1024, server.bytes_sent
         big = b"x" * (4 << 20)
-        status, buf, used, _ = await client.request("POST", f"{server.url}/echo", chunks=[big], size=len(big))
+        status, buf, used, _ = await client.request(
+            "POST", f"{server.url}/echo", chunks=[big], size=len(big)
+        )
         assert status == 413
         with pytest.raises(Oversize):
-            await client.request("POST", f"{server.url}/echo", chunks=[payload], size=len(payload), max_reply=1000)
+            await client.request(
+                "POST", f"{server.url}/echo", chunks=[payload], size=len(payload), max_reply=1000
+            )
     finally:
         await client.close()
         await server.close()
@@ -131,7 +145,9 @@ async def test_link_emulator_drops_and_delays() -> None:
         with pytest.raises(LinkDropped):
             await client.request("POST", f"{server.url}/echo", chunks=[b"hi"], size=2)
         client.link.per_peer[server.url] = LinkProfile(latency_s=0.05, bandwidth_bps=8e5)
-        status, buf, used, _ = await client.request("POST", f"{server.url}/echo", chunks=[b"y" * 10_000], size=10_000)
+        status, buf, used, _ = await client.request(
+            "POST", f"{server.url}/echo", chunks=[b"y" * 10_000], size=10_000
+        )
         assert status == 200 and used == 10_000
     finally:
         await client.close()
@@ -164,7 +180,9 @@ async def test_bytes_by_route_names_every_byte_sent() -> None:
 
     async def tagged(request: web.Request) -> web.StreamResponse:
         await request.read()
-        server.name_kind(request, "Contribution")  # as a sealed-RPC handler does once it has opened the body
+        server.name_kind(
+            request, "Contribution"
+        )  # as a sealed-RPC handler does once it has opened the body
         return web.Response(body=b"y" * 500)
 
     async def echo(request: web.Request) -> web.StreamResponse:
@@ -178,15 +196,25 @@ async def test_bytes_by_route_names_every_byte_sent() -> None:
     await client.start()
     try:
         for p in (0, 7):  # fragment numbers fold into one route
-            status, buf, _, _ = await client.request("POST", f"{server.url}/v1/fragments/{p}/rpc", chunks=[b"x" * 1000],
-                                                     size=1000, kind="Contribution")
+            status, buf, _, _ = await client.request(
+                "POST",
+                f"{server.url}/v1/fragments/{p}/rpc",
+                chunks=[b"x" * 1000],
+                size=1000,
+                kind="Contribution",
+            )
             assert status == 200
             client.pool.give(buf)
-        status, buf, _, _ = await client.request("POST", f"{server.url}/echo", chunks=[b"z" * 300], size=300)
+        status, buf, _, _ = await client.request(
+            "POST", f"{server.url}/echo", chunks=[b"z" * 300], size=300
+        )
         client.pool.give(buf)
         assert set(client.bytes_by_route) == {"/v1/fragments/*/rpc:Contribution", "/echo"}
         assert 2000 < client.bytes_by_route["/v1/fragments/*/rpc:Contribution"] < 2000 + 1024
-        assert set(server.bytes_by_route) == {"reply /v1/fragments/*/rpc:Contribution", "reply /echo"}
+        assert set(server.bytes_by_route) == {
+            "reply /v1/fragments/*/rpc:Contribution",
+            "reply /echo",
+        }
         assert 1000 < server.bytes_by_route["reply /v1/fragments/*/rpc:Contribution"] < 1000 + 1024
         assert 300 < server.bytes_by_route["reply /echo"] < 300 + 512
         for t in (client, server):  # the routes add up to bytes_sent, nothing left out

@@ -126,9 +126,13 @@ def test_contiguous_shards_are_disjoint_slices_sampled_only_from_their_own() -> 
 
 @pytest.mark.parametrize("n", [3000, 100_000, 5_000_000])
 @pytest.mark.parametrize("n_shards", [1, 3, 32])
-def test_striped_shards_are_disjoint_cover_the_split_and_each_spans_it(n: int, n_shards: int) -> None:
-    spans = [shard_spans(n, shard=m, n_shards=n_shards, sharding="striped", block_size=32)
-             for m in range(n_shards)]
+def test_striped_shards_are_disjoint_cover_the_split_and_each_spans_it(
+    n: int, n_shards: int
+) -> None:
+    spans = [
+        shard_spans(n, shard=m, n_shards=n_shards, sharding="striped", block_size=32)
+        for m in range(n_shards)
+    ]
     covered = sorted(span for shard in spans for span in shard)
     assert covered[0][0] == 0 and covered[-1][1] == n
     assert all(a[1] == b[0] for a, b in itertools.pairwise(covered))  # disjoint, no gap
@@ -144,8 +148,9 @@ def test_a_striped_shard_samples_every_part_of_the_corpus_and_only_its_own_strip
     # ten regions of 10 KB, each one byte value: a contiguous third sees three or four of them,
     # a striped third sees all ten
     train = torch.cat([torch.full((10_000,), v, dtype=torch.uint8) for v in range(10)])
-    striped = BatchSampler(train, batch_size=64, block_size=8, seed=0, shard=1, n_shards=3,
-                           sharding="striped")
+    striped = BatchSampler(
+        train, batch_size=64, block_size=8, seed=0, shard=1, n_shards=3, sharding="striped"
+    )
     contiguous = BatchSampler(train, batch_size=64, block_size=8, seed=0, shard=1, n_shards=3)
     seen_striped = {v for _ in range(20) for v in striped.next()[0].unique().tolist()}
     seen_contiguous = {v for _ in range(20) for v in contiguous.next()[0].unique().tolist()}
@@ -180,11 +185,25 @@ def test_sampler_refuses_bad_shards() -> None:
     with pytest.raises(ValueError, match="fewer than a window"):
         BatchSampler(three_shards(), batch_size=1, block_size=8, seed=0, shard=0, n_shards=1000)
     with pytest.raises(ValueError, match="fewer than a window"):  # a striped shard with no stripe
-        BatchSampler(three_shards(), batch_size=1, block_size=8, seed=0, shard=999, n_shards=1000,
-                     sharding="striped")
+        BatchSampler(
+            three_shards(),
+            batch_size=1,
+            block_size=8,
+            seed=0,
+            shard=999,
+            n_shards=1000,
+            sharding="striped",
+        )
     with pytest.raises(ValueError, match="sharding must be one of contiguous, striped"):
-        BatchSampler(three_shards(), batch_size=1, block_size=8, seed=0, shard=0, n_shards=3,
-                     sharding="random")
+        BatchSampler(
+            three_shards(),
+            batch_size=1,
+            block_size=8,
+            seed=0,
+            shard=0,
+            n_shards=3,
+            sharding="random",
+        )
 
 
 # --- evaluation ----------------------------------------------------------------------------
