@@ -32,21 +32,14 @@ async def _fetch_manifest(
 ) -> Manifest | None:
     cap = 256 + HASH * (max_total // MIN_MANIFEST_CHUNK + 1)
     try:
-        status, buf, used, _ = await transport.request(
-            "GET", url, timeout_s=timeout_s, max_reply=cap
-        )
+        async with transport.reply("GET", url, timeout_s=timeout_s, max_reply=cap) as r:
+            return Manifest.parse(r.body, max_total=max_total) if r.status == 200 else None
     except (*_TRANSIENT, Oversize) as e:
         log.info("no manifest from %s (%s); relying on the whole-message hash", url, e)
         return None
-    try:
-        return (
-            Manifest.parse(memoryview(buf)[:used], max_total=max_total) if status == 200 else None
-        )
     except DecodeError as e:
         log.info("ignoring manifest from %s: %s", url, e.reason)
         return None
-    finally:
-        transport.pool.give(buf)
 
 
 async def _fetch(

@@ -68,6 +68,7 @@ __all__ = [
     "LinkEmulator",
     "LinkProfile",
     "REPLY_PIECE",
+    "Reply",
     "ServeLimits",
     "Transport",
     "address_key",
@@ -233,6 +234,16 @@ def refusal(exc: RemoteProtocolError) -> web.Response:
     """The reply to a refused request: its status and a JSON ``{"error", "reason"}``."""
     body = {"error": type(exc).__name__, "reason": exc.reason}
     return web.Response(status=exc.status, text=json.dumps(body), content_type="application/json")
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """A reply to ``Transport.reply``: its status, its body (valid inside the ``async with``
+    only: the buffer goes back to the pool on exit) and its headers."""
+
+    status: int
+    body: memoryview
+    headers: dict[str, str]
 
 
 class Transport:
@@ -425,6 +436,38 @@ class Transport:
                 )
                 self.bytes_received += used
                 return resp.status, buf, used, dict(resp.headers)
+
+    @contextlib.asynccontextmanager
+    async def reply(
+        self,
+        method: str,
+        url: str,
+        *,
+        chunks: Iterable[memoryview | bytes] = (),
+        size: int | None = None,
+        timeout_s: float = 30.0,
+        max_reply: int | None = None,
+        kind: str = "",
+    ) -> AsyncIterator[Reply]:
+        """``request`` as a context manager: ``async with transport.reply(...) as r`` gives the
+        reply (its body a view into a pooled buffer), and gives the buffer back on exit, so no
+        caller frees it by hand. Copy out (``bytes(r.body)``) anything kept past the block."""
+        status, buf, used, headers = await self.request(
+            method,
+            url,
+            chunks=chunks,
+            size=size,
+            timeout_s=timeout_s,
+            max_reply=max_reply,
+            kind=kind,
+        )
+        body = memoryview(buf)[:used]
+        try:
+            yield Reply(status, body, headers)
+        finally:
+            with contextlib.suppress(BufferError):  # a view the caller kept: it stays valid
+                body.release()
+            self.pool.give(buf)
 
     def _reply_socket(self, resp: aiohttp.ClientResponse, length: int | None) -> Socket | None:
         """The connection a reply's body arrives on, to read its bulk off (and close after:

@@ -137,6 +137,30 @@ async def test_streamed_round_trip_and_caps() -> None:
         await server.close()
 
 
+async def test_a_reply_gives_its_buffer_back_on_exit_even_when_the_block_raises() -> None:
+    server = await _echo_server(max_body=3 << 20)
+    client = Transport()
+    await client.start()
+    try:
+        payload = random.Random(2).randbytes(300_000)
+        async with client.reply(
+            "POST", f"{server.url}/echo", chunks=[payload], size=len(payload)
+        ) as r:
+            assert r.status == 200 and bytes(r.body) == payload
+            assert client.pool.held == 0  # the buffer is out with the reply
+        held = client.pool.held
+        assert held >= len(payload)  # back in the pool
+        with pytest.raises(RuntimeError, match="caller failed"):
+            async with client.reply(
+                "POST", f"{server.url}/echo", chunks=[payload], size=len(payload)
+            ) as r:
+                raise RuntimeError("caller failed")
+        assert client.pool.held == held  # taken again and given back again
+    finally:
+        await client.close()
+        await server.close()
+
+
 async def test_link_emulator_drops_and_delays() -> None:
     server = await _echo_server(max_body=1 << 20)
     client = Transport(link=LinkEmulator(default=LinkProfile(drop_rate=1.0)))
