@@ -23,7 +23,7 @@ Design choices that matter to the rest of Atoll:
                                                             small's 3,000 end, in two thirds the time)
   small   3       4      64    128    191k     ~12-15       ``atoll local``'s until 2026-12-05; the
                                                             biggest at ~15 steps/s on one thread
-  base    4       4      128   128    875k     ~4           the reference run's size (algorithm.md)
+  base    4       4      128   128    875k     ~4           size of docs/algorithm.md's reference run
   medium  6       8      256   256    4.9M     ~0.4         GPU machines
   ======  ======  =====  ====  =====  =======  ===========  ==========================================
 """

@@ -1,7 +1,7 @@
 """The owner's round for one fragment: quorum, adaptive grace window, staleness, late policy.
 
 Theory of operation (arXiv 2604.21428, the synchronizer's minimum quorum and adaptive grace
-window, made per-fragment and peer-to-peer as in docs/algorithm.md, "Owner loop"):
+window, made per-fragment and peer-to-peer as in docs/algorithm.md, "The owner loop"):
 
 A ``FragmentMerger`` holds fragment ``p`` at version ``v`` (the number of merges applied) and
 collects contributions for the round that produces ``v + 1``; a contribution's staleness is

@@ -1,9 +1,10 @@
 """The paper's Table 1 (goodput at 150k ... 2.4M chips, chip MTBI one year) and our constants.
 
 arXiv 2604.21428 reports goodput for data-parallel, elastic data-parallel and Decoupled DiLoCo
-with M = 2 ... 16 learners (``PAPER_TABLE``, as read in docs/algorithm.md). It models failures
-as a Poisson process per chip and repair times with an exponentiated Weibull distribution, but
-gives no detection, reconfiguration or repair constants, so ``PAPER_CONSTANTS`` are ours:
+with M = 2 ... 16 learners (``PAPER_TABLE``; docs/algorithm.md, "The paper's figures, as
+read"). It models failures as a Poisson process per chip and repair times with an exponentiated
+Weibull distribution, but gives no detection, reconfiguration or repair constants, so
+``PAPER_CONSTANTS`` are ours:
 
 - Failure domain: a slice of 256 chips; repair (the failed slice back in service) exponentiated
   Weibull with scale 30 s, shape 1, power 2 (mean 45 s).
