@@ -1,7 +1,8 @@
 """Every ``atoll ...`` command the CLI prints as a hint works as printed: each one parses with the
 real parser, and where it is cheap it runs. ``atoll bootstrap``'s join line joins a certified
 swarm through the live bootstrap node (the joiner's checks pass and it starts, before training);
-``atoll swarm revoke``'s publish line hands the new manifest to that node. Placeholders in
+``atoll swarm revoke``'s publish line hands the new manifest to that node, which tells an unsigned
+post how to sign it. Placeholders in
 capitals (``PATH``, ``KEY``, ``URL``) stand for what only the user knows."""
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 
 from node.cli import _parser, main
 from node.dht.bootstrap import join_hint
+from node.dht.swarm import MANIFEST_PATH
+from node.run.peer_http import http_fetch
 from node.wire.identity import IdentityError, load_certificate, load_key, load_manifest
 from protocol.wire.membership import SwarmManifest
 from protocol.wire.signing import Signer
@@ -124,6 +127,13 @@ def test_the_bootstrap_join_line_joins_as_printed_and_the_revoke_line_publishes(
         parsed(publish)
         code, out = run(publish.replace("--peer URL", f"--peer {url}"))
         assert code == 0, out
+        # a manifest posted without the founder's signature: the node says how to sign it
+        status, reason = http_fetch(
+            url + MANIFEST_PATH, method="POST", body=files.manifest.read_bytes(), timeout=10
+        )
+        assert status == 401
+        (sign,) = hints(reason.decode())
+        assert parsed(sign).swarm_command == "publish"
     finally:
         boot.stop()
 
