@@ -39,10 +39,10 @@ def _key() -> Signer:
 class Swarm:
     """A certified swarm: its founder, one lab's authority and the manifest naming it."""
 
-    def __init__(self) -> None:
+    def __init__(self, admission: str = "certified") -> None:
         self.founder, self.lab = _key(), _key()
         m = SwarmManifest(
-            name="ops", founder=self.founder.public_key, admission="certified", created=time.time()
+            name="ops", founder=self.founder.public_key, admission=admission, created=time.time()
         )
         self.manifest = m.with_authority("lab-a", self.lab.public_key).signed(self.founder)
 
@@ -59,9 +59,10 @@ class Swarm:
 
 
 @pytest.fixture
-async def peer() -> AsyncIterator[tuple[Swarm, PeerNode]]:
-    """A certified peer serving HTTPS on 127.0.0.1 (its board, metrics and admission real)."""
-    swarm, who = Swarm(), _key()
+async def peer(request: pytest.FixtureRequest) -> AsyncIterator[tuple[Swarm, PeerNode]]:
+    """A certified peer serving HTTPS on 127.0.0.1 (its board, metrics and admission real); an
+    open swarm's (plain HTTP) when the test is parametrized with ``"open"``."""
+    swarm, who = Swarm(getattr(request, "param", "certified")), _key()
     model = tiny_model()
     node = PeerNode(
         RunConfig(max_tokens_per_step=64, swarm=swarm.manifest.swarm_id),
@@ -110,6 +111,25 @@ async def test_the_proxy_signs_what_an_unsigned_request_cannot_read(
         assert status == 200 and b'<script src="/status.js">' in page
         status, _ = await _get(url + "metrics", Host="rebound.example:80")
         assert status == 421  # a page elsewhere, through DNS rebinding
+    finally:
+        await proxy.close()
+
+
+@pytest.mark.parametrize("peer", ["open"], indirect=True)
+async def test_over_plain_http_the_peer_id_comes_from_its_signed_status(
+    peer: tuple[Swarm, PeerNode],
+) -> None:
+    swarm, node = peer
+    assert node.transport.url.startswith("http://")
+    operator = _key()
+    proxy = StatusProxy(
+        node.transport.url, swarm=swarm.manifest.swarm_id, signer=operator, cert=None
+    )
+    url = await proxy.start()
+    try:
+        assert proxy.peer_id == node.signer.peer_id
+        status, metrics = await _get(url + "metrics")
+        assert status == 200 and b"atoll_bytes_sent_total" in metrics
     finally:
         await proxy.close()
 
