@@ -123,7 +123,8 @@ class SwarmIsland:
             if self.cfg.model != self.model_name:
                 raise ValueError(
                     f"the swarm's recipe is for model {self.cfg.model!r}; this model's fragment plan "
-                    f"is {self.model_name!r} (put it in the manifest: atoll swarm init --model ...)"
+                    f"is {self.model_name!r} (found the swarm with SwarmIsland.found(model, ...), "
+                    "whose manifest names it: the command line's swarm init knows only the GPT presets)"
                 )
             credentials = SwarmCredentials(manifest, signer, cert)
         elif not swarm:

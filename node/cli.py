@@ -3,7 +3,8 @@
 ``atoll local``      a multi-process swarm on 127.0.0.1 training a byte-level GPT on a real corpus.
 ``atoll join``       join a running swarm from any machine: sync the global model, then train.
 ``atoll bootstrap``  a DHT-only node: a stable entry point for a swarm.
-``atoll status``     what a peer sees: members, roles, reachability, owners, versions.
+``atoll status``     what a peer sees: members, roles, reachability, owners, versions; with
+                     ``--serve``, its page and metrics on this machine, signed for.
 ``atoll simulate``   expected goodput under failures: your swarm, or the paper's Table 1.
 ``atoll peer``       one peer of a local swarm (started by ``atoll local``; not for direct use).
 """
@@ -29,6 +30,7 @@ from node.run.allocator import tune_allocator
 
 if TYPE_CHECKING:
     from node.run.chaos import ChaosSpec
+    from node.status.serve import StatusProxy
 
 __all__ = ["main"]
 
@@ -260,6 +262,17 @@ def _parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="show what a peer sees of its swarm")
     status.add_argument("--peer", required=True, metavar="URL", help="a member's address")
     status.add_argument("--json", action="store_true", help="print the raw JSON (default: tables)")
+    status.add_argument(
+        "--serve",
+        nargs="?",
+        const="127.0.0.1:0",
+        default=None,
+        metavar="HOST:PORT",
+        help="instead of printing, serve the peer's status page and /metrics here, each request to "
+        "the peer signed with --key and --cert (a certified swarm's peer answers nothing else), "
+        "for a browser or Prometheus; PORT alone listens on 127.0.0.1 (default 127.0.0.1, any "
+        "free port)",
+    )
     _add_swarm_arguments(status, key_required=False)
 
     from node.run.admin import add_admin_commands
@@ -363,6 +376,8 @@ def _run(args: argparse.Namespace) -> int:
 
         return replay_main(args)
     if args.command == "status":
+        if args.serve is not None:
+            return _status_serve(args)
         from node.run.join import status_main
 
         return status_main(args)
@@ -471,6 +486,75 @@ def _local(args: argparse.Namespace) -> int:
     except Exception as exc:  # a peer's failure is one line; _one_line re-raises the rest
         print(f"atoll local: {_one_line(exc)}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _status_serve(args: argparse.Namespace) -> int:
+    """``atoll status --serve``: the peer's page and metrics on this machine, signed for
+    (``node.status.serve``), until SIGINT or SIGTERM. A mistake, or a peer that refuses or does not
+    answer at start, is one line and exit 1."""
+    import asyncio
+
+    from node.run.checks import CheckError, peer_url
+    from node.run.join import SwarmError, load_swarm
+    from node.status.serve import PeerUnavailable, StatusProxy
+
+    try:
+        host, port = _serve_address(args.serve)
+        peer = peer_url(args.peer, "--peer")
+        if not (args.key and args.manifest):
+            raise SwarmError(
+                "--serve signs its requests to the peer: pass --manifest and --key "
+                "(and --cert in a certified swarm)"
+            )
+        swarm = load_swarm(args, initial_peers=[])
+        proxy = StatusProxy(
+            peer, swarm=swarm.manifest.swarm_id, signer=swarm.signer, cert=swarm.cert
+        )
+        return asyncio.run(_serve_status(proxy, host, port))
+    except (SwarmError, CheckError, PeerUnavailable) as exc:
+        why = exc.reason_text if isinstance(exc, PeerUnavailable) else str(exc)
+        print(f"atoll status: {' '.join(why.split())}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"atoll status: --serve {args.serve}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+
+
+def _serve_address(spec: str) -> tuple[str, int]:
+    """``--serve``'s ``HOST:PORT``; ``PORT`` or ``:PORT`` alone listens on 127.0.0.1."""
+    from node.run.checks import CheckError
+
+    host, _, port = spec.rpartition(":")
+    if not port.isdigit() or int(port) > 65535:
+        raise CheckError(
+            f"--serve {spec!r} is not HOST:PORT or PORT, e.g. 127.0.0.1:9100 (port 0: any free port)"
+        )
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+async def _serve_status(proxy: StatusProxy, host: str, port: int) -> int:
+    import asyncio
+    import signal
+
+    url = await proxy.start(host, port)
+    try:
+        print(
+            f"atoll status: {proxy.peer}'s status page at {url} and its metrics at {url}metrics "
+            "(each request signed with --key); Ctrl-C stops",
+            flush=True,
+        )
+        if not host.startswith("127.") and host not in ("localhost", "::1"):
+            print(
+                f"atoll status: listening on {host}: whoever reaches it reads what your key may",
+                file=sys.stderr,
+            )
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        await stop.wait()
+    finally:
+        await proxy.close()
     return 0
 
 

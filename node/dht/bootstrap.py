@@ -38,6 +38,7 @@ from node.wire.tls import server_context
 from node.wire.transport import Busy, Transport
 from protocol.dht.ratelimit import RateLimiter, TokenBucket
 from protocol.errors import DecodeError, NotAuthorized, RemoteProtocolError
+from protocol.wire.membership import SwarmManifest
 from protocol.wire.signing import Signer
 
 __all__ = [
@@ -375,6 +376,27 @@ class BootstrapNode:
         )
 
 
+def join_hint(url: str, manifest: SwarmManifest | None) -> str:
+    """How to join through this node, as ``atoll bootstrap`` prints it: an ``atoll join`` that runs
+    as printed once the joiner has made its key and got what the swarm asks for, and how to."""
+    if manifest is None:  # a node of no one swarm: the joiner names its swarm by its manifest
+        return (
+            f"join with: atoll join --initial-peers {url} --manifest swarm.toml --key peer.key\n"
+            "  (swarm.toml: your swarm's manifest, from its founder; "
+            "peer.key: atoll keygen --out peer.key)"
+        )
+    command = f"atoll join --initial-peers {url} --swarm {manifest.swarm_id} --key peer.key"
+    if manifest.admission == "certified":
+        return (
+            f"join with: {command} --cert peer.cert\n  (peer.key: atoll keygen --out peer.key; "
+            "peer.cert: your certificate, from your lab's authority)"
+        )
+    return (
+        f"join with: {command}\n  (peer.key: atoll keygen --out peer.key; to own fragments too, "
+        "add --cert peer.cert, a certificate from your lab's authority)"
+    )
+
+
 async def run_bootstrap(
     host: str,
     port: int,
@@ -388,7 +410,7 @@ async def run_bootstrap(
     node = BootstrapNode(host, port, public_address, signer=signer, credentials=credentials)
     url = await node.start(initial_peers)
     print(f"atoll bootstrap node listening at {url}", flush=True)
-    print(f"join with: atoll join --initial-peers {url}", flush=True)
+    print(join_hint(url, credentials.manifest if credentials else None), flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

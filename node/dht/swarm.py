@@ -261,7 +261,7 @@ class SwarmCredentials:
         if value is None:
             raise BadSignature(
                 f"a manifest post needs the founder's signature in an {POST_SIGNATURE_HEADER} header "
-                "(atoll swarm publish MANIFEST --founder KEY --peer URL signs it)"
+                "(signed by: atoll swarm publish MANIFEST --founder KEY --peer URL)"
             )
         m = _POST_SIGNATURE.fullmatch(value.strip())
         if m is None:

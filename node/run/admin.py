@@ -279,7 +279,8 @@ def _revoke(args: argparse.Namespace) -> int:
     save_manifest(newer, args.manifest)
     print(
         f"revoked {key.hex()}; {args.manifest} is now version {newer.version} "
-        f"(hand it to a member: atoll swarm publish {args.manifest} --peer URL)"
+        f"(hand it to a member: atoll swarm publish {args.manifest} --founder {args.founder} "
+        "--peer URL)"
     )
     return 0
 

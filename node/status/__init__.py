@@ -1,7 +1,10 @@
-"""What a node shows of itself: the status page at ``/``, its JSON and Prometheus ``/metrics``."""
+"""What a node shows of itself: the status page at ``/``, its JSON and Prometheus ``/metrics``,
+all read from one ``PeerStatus`` snapshot."""
 
 from node.status.board import StatusBoard
+from node.status.cache import Cached
 from node.status.history import History, Point
-from node.status.totals import Totals, read_totals
+from node.status.snapshot import PeerReader, PeerStatus
+from node.status.totals import Totals
 
-__all__ = ["History", "Point", "StatusBoard", "Totals", "read_totals"]
+__all__ = ["Cached", "History", "PeerReader", "PeerStatus", "Point", "StatusBoard", "Totals"]

@@ -1,9 +1,10 @@
-"""Prometheus metrics (``GET /metrics``): ``atoll_*`` families read from a node's ``Totals``.
+"""Prometheus metrics (``GET /metrics``): ``atoll_*`` families read from a node's ``PeerStatus``.
 
 Each node has its own ``CollectorRegistry`` (several nodes may run in one process, in tests)
-holding one custom collector: a scrape reads the counters the node already keeps (see
-``node.status.totals``) instead of the code incrementing a second set. The text is rendered at
-most once per ``max_age_s``; a scrape in between gets the same bytes.
+holding one custom collector: a scrape reads one ``PeerStatus`` snapshot (its ``Totals`` come
+from the counters the node already keeps, see ``node.status.snapshot``) instead of the code
+incrementing a second set. The text is rendered at most once per ``max_age_s``; a scrape in
+between gets the same bytes.
 
 Families (counters end in ``_total`` on the wire):
   atoll_bytes_sent, atoll_bytes_received          bytes over HTTP, both directions
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from typing import TypeAlias
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.core import (
@@ -42,11 +44,13 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from node.status.totals import Totals
+from node.status.cache import Cached
+from node.status.snapshot import PeerStatus
 
-__all__ = ["CONTENT_TYPE", "MetricsText", "TotalsCollector", "families"]
+__all__ = ["CONTENT_TYPE", "MetricsText", "Reading", "StatusCollector", "families"]
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+Reading: TypeAlias = tuple[PeerStatus, float | None]  # a snapshot and the training loss (EMA)
 
 
 def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
@@ -70,8 +74,9 @@ def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(f"atoll_{name}", doc, value=value)
 
 
-def families(t: Totals, *, loss: float | None, versions: list[int]) -> Iterator[Metric]:
-    """Every ``atoll_*`` family for one reading (``versions``: the island's, per fragment)."""
+def families(status: PeerStatus, *, loss: float | None) -> Iterator[Metric]:
+    """Every ``atoll_*`` family for one snapshot and the island's training ``loss``."""
+    t, versions = status.totals, status.versions
     i, o = t.island, t.owners
     yield _counter(
         "bytes_sent", "Bytes this node sent over HTTP (requests and replies).", t.bytes_sent
@@ -177,15 +182,15 @@ def families(t: Totals, *, loss: float | None, versions: list[int]) -> Iterator[
     )
 
 
-class TotalsCollector(Collector):
+class StatusCollector(Collector):
     """Yields ``families`` of ``read()`` at each collection."""
 
-    def __init__(self, read: Callable[[], tuple[Totals, float | None, list[int]]]) -> None:
+    def __init__(self, read: Callable[[], Reading]) -> None:
         self.read = read
 
     def collect(self) -> Iterator[Metric]:
-        totals, loss, versions = self.read()
-        yield from families(totals, loss=loss, versions=versions)
+        status, loss = self.read()
+        yield from families(status, loss=loss)
 
 
 class MetricsText:
@@ -193,20 +198,30 @@ class MetricsText:
 
     def __init__(
         self,
-        read: Callable[[], tuple[Totals, float | None, list[int]]],
+        read: Callable[[], Reading],
         *,
         max_age_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(TotalsCollector(read))
-        self.max_age_s, self.clock = max_age_s, clock
-        self._text, self._at = b"", -float("inf")
-        self.renders = 0
+        self.registry.register(StatusCollector(read))
+        self._text = Cached(self._render, max_age_s=max_age_s, clock=clock)
+
+    def _render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        return self._text.clock
+
+    @clock.setter
+    def clock(self, clock: Callable[[], float]) -> None:
+        self._text.clock = clock
+
+    @property
+    def renders(self) -> int:
+        """Times the text was rendered."""
+        return self._text.computed
 
     def text(self) -> bytes:
-        now = self.clock()
-        if now - self._at >= self.max_age_s:
-            self._text, self._at = generate_latest(self.registry), now
-            self.renders += 1
-        return self._text
+        return self._text.get()

@@ -6,7 +6,9 @@ are: no template, no build step, nothing fetched from elsewhere (the page works 
 script draws with DOM calls only; a Content-Security-Policy lets the page run its own script and
 nothing else (no inline script, no other origin, its one inline style by hash), so even a remote
 string that got past the script's escaping could not run. The JSON and metrics bodies come from
-callables that cache their own rendering.
+coroutine functions: a node's board (which caches its own rendering), or ``atoll status
+--serve``'s proxy (``node.status.serve``), which asks the peer and raises an
+``aiohttp.web.HTTPException`` (a 502 saying why) when it cannot.
 """
 
 from __future__ import annotations
@@ -15,18 +17,19 @@ import base64
 import functools
 import hashlib
 import re
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from aiohttp import web
 
-__all__ = ["BOARD_PATH", "METRICS_PATH", "add_routes", "security_policy"]
+__all__ = ["BOARD_PATH", "METRICS_PATH", "Body", "add_routes", "security_policy"]
 
 STATIC = Path(__file__).with_name("static")
 BOARD_PATH = "/v1/status/board"
 METRICS_PATH = "/metrics"
 _STYLE = re.compile(r"<style>(.*?)</style>", re.S)
 _COMMON = {"X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer"}
+Body = Callable[[], Awaitable[bytes]]  # a route's body; may raise web.HTTPException
 
 
 @functools.cache
@@ -50,8 +53,8 @@ def security_policy() -> str:
 def add_routes(
     app: web.Application,
     *,
-    board: Callable[[], bytes],
-    metrics: Callable[[], bytes],
+    board: Body,
+    metrics: Body,
     metrics_type: str,
 ) -> None:
     """Serve the page on ``app`` (before it starts); ``board`` and ``metrics`` give the bodies of
@@ -75,14 +78,14 @@ def add_routes(
 
     async def board_json(_request: web.Request) -> web.Response:
         return web.Response(
-            body=board(),
+            body=await board(),
             content_type="application/json",
             headers={**_COMMON, "Cache-Control": "no-store"},
         )
 
     async def metrics_text(_request: web.Request) -> web.Response:
         return web.Response(
-            body=metrics(),
+            body=await metrics(),
             headers={**_COMMON, "Content-Type": metrics_type, "Cache-Control": "no-store"},
         )
 

@@ -1,10 +1,8 @@
-"""What a node has done so far, read from the counters its parts already keep.
+"""What a node has done so far: ``Totals``, summed from the counters its parts already keep.
 
-Nothing here counts anything itself: the transport counts bytes, the island its steps, stalls
-and step times, the learner side its contributions, each fragment owner the contributions it
-merged or refused per sender (``penalties``), its published versions and its time spent merging.
-``read_totals`` sums them into one ``Totals`` for ``/metrics`` and the status page. Owners this
-peer has stopped running keep their counts (``PeerNode.all_owners``), so every total only grows.
+Nothing here counts anything itself: ``node.status.snapshot.PeerReader`` reads the transport's
+bytes, the island's steps, stalls and step times, the learner side's contributions and each
+fragment owner's per-sender counts into one ``Totals`` for ``/metrics`` and the status page.
 
 Goodput, for one node: the share of its contributions the owners accepted times the share of its
 training time spent computing (a step's time less any wait for a merge): the per-peer term of
@@ -13,16 +11,10 @@ training time spent computing (a step's time less any wait for a merge): the per
 
 from __future__ import annotations
 
-import collections
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from node.peer import PeerNode
-
-__all__ = ["BOUNDS", "GoodputSums", "IslandTotals", "OwnerTotals", "Totals", "read_totals"]
+__all__ = ["BOUNDS", "GoodputSums", "IslandTotals", "OwnerTotals", "Totals"]
 
 BOUNDS = (
     "clipped",
@@ -101,69 +93,3 @@ class GoodputSums:
         if self.step_s <= 0 or sent <= 0:
             return None
         return min(1.0, accepted / sent) * min(1.0, self.compute_s / self.step_s)
-
-
-def read_totals(node: PeerNode, sums: GoodputSums) -> Totals:
-    """Sum ``node``'s counters (on the node's event loop; the trainer thread only appends)."""
-    members = node.membership.members if node.membership is not None else {}
-    return Totals(
-        bytes_sent=node.transport.bytes_sent,
-        bytes_received=node.transport.bytes_received,
-        direct_bodies=node.transport.direct_bodies,
-        members=len(members),
-        suspects=len(node.suspects()) if node.membership is not None else 0,
-        remote_errors=dict(node.rpc.errors),
-        island=_island(node, sums),
-        owners=_owners(node),
-    )
-
-
-def _island(node: PeerNode, sums: GoodputSums) -> IslandTotals:
-    if node.net is None:
-        return IslandTotals()
-    stats, ls = node.net.island.stats, node.net.stats
-    sums.update(stats.step_times, stats.compute_times)
-    return IslandTotals(
-        inner_steps=stats.step,
-        tokens_trained=stats.tokens_trained,
-        stalled_steps=stats.stalled_steps,
-        goodput=sums.goodput(ls.contributions_sent, ls.contributions_accepted),
-        contributions={
-            "sent": ls.contributions_sent,
-            "accepted": ls.contributions_accepted,
-            "refused": ls.contributions_refused,
-            "undelivered": ls.send_failures,
-        },
-        resyncs=ls.resyncs,
-        version_jumps=ls.version_jumps,
-    )
-
-
-def _owners(node: PeerNode) -> OwnerTotals:
-    counts: collections.Counter[str] = collections.Counter()
-    published, merge_s = 0, 0.0
-    for owner in node.all_owners():
-        published += owner.merges_done
-        merge_s += owner.merge_seconds
-        for per_sender in list(owner.penalties.values()):
-            counts.update(per_sender)
-    return OwnerTotals(
-        merged=counts["merged"],
-        late=counts["late"],
-        dropped=counts["dropped"],
-        refused={
-            k.removeprefix("refused_"): v for k, v in counts.items() if k.startswith("refused_")
-        },
-        bounded={b: counts[b] for b in BOUNDS},
-        versions_published=published,
-        merge_seconds=merge_s if math.isfinite(merge_s) else 0.0,
-        fragments_owned=len(node.owners),
-        senders_refused={
-            str(p): o.standing.below(version=o.version) for p, o in list(node.owners.items())
-        },
-        lowest_standing={
-            str(p): low[0][1]
-            for p, o in list(node.owners.items())
-            if (low := o.standing.lowest(1, version=o.version))
-        },
-    )

@@ -111,7 +111,7 @@ def load_key(path: Path | str) -> Signer:
     except TypeError:
         raise IdentityError(
             f"{path}: the key is encrypted; Atoll reads unencrypted PEM keys "
-            "(make one with atoll keygen)"
+            "(make one with atoll keygen --out PATH)"
         ) from None
     except (ValueError, UnsupportedAlgorithm):
         raise IdentityError(
@@ -154,7 +154,8 @@ def load_manifest(path: Path | str, *, expected_id: str | None = None) -> SwarmM
         text = path.read_bytes()
     except FileNotFoundError:
         raise IdentityError(
-            f"no manifest at {path}; the founder makes one with atoll swarm init --out {path}"
+            f"no manifest at {path}; the founder makes one with "
+            f"atoll swarm init --name NAME --founder KEY --out {path}"
         ) from None
     except OSError as exc:
         raise IdentityError(f"cannot read manifest {path}: {exc.strerror}") from None
@@ -192,7 +193,8 @@ def load_certificate(path: Path | str) -> Certificate:
     except FileNotFoundError:
         raise IdentityError(
             f"no certificate at {path}; ask a lab's authority for one "
-            f"(atoll swarm certify --out {path})"
+            f"(atoll swarm certify --manifest MANIFEST --authority KEY --peer PUBKEY "
+            f"--roles learner,owner --out {path})"
         ) from None
     except (OSError, UnicodeDecodeError) as exc:
         raise IdentityError(

@@ -103,12 +103,14 @@ BOARD = {
 @pytest.fixture
 async def page_url() -> AsyncIterator[str]:
     app = web.Application()
-    add_routes(
-        app,
-        board=lambda: json.dumps(BOARD).encode(),
-        metrics=lambda: b"",
-        metrics_type="text/plain",
-    )
+
+    async def board() -> bytes:
+        return json.dumps(BOARD).encode()
+
+    async def metrics() -> bytes:
+        return b""
+
+    add_routes(app, board=board, metrics=metrics, metrics_type="text/plain")
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
