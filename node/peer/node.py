@@ -1,16 +1,23 @@
 """One peer of a swarm: an island (learner) and the owner of some fragments, in one process.
 
-The asyncio node (transport, RPC, DHT, owners, the island's network side, membership) runs on
-its own thread; the training loop runs on the main thread and never waits on the network.
-``PeerNode`` is the node's state and lifecycle (``serve``, ``stop_learning``, ``fetch_final``,
-``stop``, its status); the rest is mixed in by concern: joining and the members' view
-(``node.dht.presence``), the fragments it owns (``node.diloco.owning``), handing their versions
-to replicas (``node.diloco.handoffs``) and serving them (``node.diloco.serving``).
+The asyncio node runs on its own thread; the training loop runs on the main thread and never
+waits on the network. ``PeerNode`` composes the peer from one object per concern, each built with
+the few collaborators it calls, and runs them in one task group:
+
+  transport, rpc, router   node/wire, node/dht   HTTP, the sealed RPC path, the DHT's route
+  presence                 node/peer/presence    joining, our member record, the members' view
+  expected, finals         node/peer/            the learners a round waits for; final versions
+  ownership (+ handoffs)   node/peer/ownership   the fragments we own, replicas and handoffs
+  serving                  node/peer/serving     the version routes and their long-polls
+  net                      node/diloco/learner   the island's network side (built in ``serve``)
+
+What exists only while serving (the DHT node, the membership, the learner, the task group) is
+in ``started``, which the services read.
 
 Joining (``serve``): bind, start the DHT node, join through the initial peers (bootstrap,
-dial-back, state sync, then our member record: ``SwarmPresence._join``). Only then may the
-rendezvous hash hand us fragments to own; a new owner starts from the version it synced and, for
-a few seconds, catches up with the previous owner's latest version (versions are fencing tokens).
+dial-back, state sync, then our member record: ``Presence.join``). Only then may the rendezvous
+hash hand us fragments to own; a new owner starts from the version it synced and, for a few
+seconds, catches up with the previous owner's latest version (versions are fencing tokens).
 
 Shutdown: when its steps are done a peer stops learning and republishes its record saying so.
 An owner whose learners have all finished closes its last round; the fragment's state is then
@@ -29,6 +36,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,32 +45,33 @@ from aiohttp import web
 
 from node.config import RunConfig
 from node.dht.kademlia import DHTConfig, DHTNode
-from node.dht.membership import Membership, manifest_hash
-from node.dht.presence import SwarmPresence
+from node.dht.membership import Membership
 from node.dht.route import DHTRouter
 from node.dht.swarm import SwarmCredentials
-from node.diloco.handoffs import OwnerHandoffs
 from node.diloco.island import Island, Outgoing
 from node.diloco.learner import IslandNet
 from node.diloco.owner import FragmentOwner, OwnerCounts
-from node.diloco.owning import OwnedFragments
 from node.diloco.replica import ReplicaStore
-from node.diloco.serving import VersionServing
 from node.diloco.spread import Holdings, SpreadStats
 from node.diloco.validation import Evaluator
+from node.peer.expected import LearnerExpectations
+from node.peer.finals import FinalVersions
+from node.peer.handoffs import Handoffs
+from node.peer.ownership import Ownership, OwnershipConfig
+from node.peer.presence import MEMBERSHIP_PERIOD_S, Presence
+from node.peer.serving import ServingConfig, VersionServer
+from node.peer.started import Started
 from node.state.owner_checkpoint import OwnerCheckpoints
-from node.state.serve import ManifestCache
 from node.status import StatusBoard
 from node.wire.admission import Identification, MemberAddresses
 from node.wire.rpc import RpcServer, max_rpc_body
 from node.wire.tls import server_context
 from node.wire.transport import LinkEmulator, LinkProfile, Transport
 from protocol.diloco.fragments import FragmentPlan
-from protocol.diloco.spread import Fanout
 from protocol.wire.messages import Contribution, ReplicaState
-from protocol.wire.signing import ReplayWindow, Signer
+from protocol.wire.signing import Signer
 
-__all__ = ["PeerNode", "emit"]
+__all__ = ["MEMBERSHIP_PERIOD_S", "NodeOptions", "PeerNode", "emit"]
 
 log = logging.getLogger("atoll.peer")
 
@@ -85,8 +94,37 @@ def emit(event: str, **fields: Any) -> None:
         sys.stdout.flush()
 
 
-class PeerNode(SwarmPresence, OwnedFragments, OwnerHandoffs, VersionServing):
-    """The peer's asyncio side: serves owners, RPC and the DHT, drives the island's network side."""
+@dataclass(frozen=True, slots=True)
+class NodeOptions:
+    """How one peer is run (the swarm's config is ``RunConfig``).
+
+    ``host``/``port``: where it binds (port 0: any); ``public_address``: the address others dial
+    when it is not the bound one. ``tamper`` rewrites our own contributions (attack measurements
+    only). ``initial_global``: every fragment's version 0 (the model's initial weights), when the
+    island holds other versions already (resumed from a checkpoint); ``versions_known_at``: the
+    wall-clock time those versions were held (the checkpoint's), from which the version fence
+    counts the merges the swarm can have made. ``event_log_dir``: every owner logs its merger's
+    events and decisions there (``atoll replay`` re-runs them). ``owner_checkpoint_dir``: owners
+    checkpoint their fragments' states there, and the states found there at start are taken over
+    like a handoff (``node.state.owner_checkpoint``). ``evaluator``: what owners check candidate
+    versions with before publishing them (``node.diloco.validation``; None: validated
+    publication is off, which is logged)."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    public_address: str | None = None
+    tamper: Callable[[Outgoing], Outgoing] | None = None
+    initial_global: list[torch.Tensor] | None = None
+    versions_known_at: float | None = None
+    event_log_dir: Path | None = None
+    owner_checkpoint_dir: Path | None = None
+    evaluator: Evaluator | None = None
+
+
+class PeerNode:
+    """The peer's asyncio side, composed (see the module docstring): serves owners, RPC and the
+    DHT, drives the island's network side. ``credentials``: the swarm's admission (None: a
+    development swarm, where any reachable member may own fragments)."""
 
     def __init__(
         self,
@@ -94,159 +132,220 @@ class PeerNode(SwarmPresence, OwnedFragments, OwnerHandoffs, VersionServing):
         signer: Signer,
         model: torch.nn.Module,
         plan: FragmentPlan,
+        options: NodeOptions = NodeOptions(),
         *,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        public_address: str | None = None,
-        tamper: Callable[[Outgoing], Outgoing] | None = None,
         credentials: SwarmCredentials | None = None,
-        initial_global: list[torch.Tensor] | None = None,
-        versions_known_at: float | None = None,
-        event_log_dir: Path | None = None,
-        owner_checkpoint_dir: Path | None = None,
-        evaluator: Evaluator | None = None,
     ) -> None:
-        """``initial_global``: every fragment's version 0 (the model's initial weights), when the
-        island passed in holds other versions already (resumed from a checkpoint).
-        ``versions_known_at``: the wall-clock time the resumed versions were held (the
-        checkpoint's), from which the version fence counts the merges the swarm can have made.
-        ``event_log_dir``: every owner logs its merger's events and decisions there, one file per
-        fragment and ownership (``atoll replay`` re-runs them).
-        ``owner_checkpoint_dir``: owners checkpoint their fragments' states there, and the states
-        found there at start are taken over like a handoff (``node.state.owner_checkpoint``).
-        ``evaluator``: what owners check candidate versions with before publishing them
-        (``node.diloco.validation``; None: validated publication is off, which is logged)."""
         if cfg.max_tokens_per_step < 1:
             raise ValueError(
                 "the swarm config must set max_tokens_per_step (>= 1): the merge clamps "
                 "every learner's self-reported tokens to it"
             )
-        self.cfg, self.signer, self.plan = cfg, signer, plan
-        self.tamper = tamper  # rewrites our own contributions: attack measurements only
-        self.evaluator = evaluator if cfg.validate_windows > 0 else None
-        if self.evaluator is None:
-            log.info(
-                "validated publication is off: %s",
-                "no validation set was given" if evaluator is None else "--validate-windows 0",
-            )
-        else:
-            log.info(
-                "validated publication: %d windows a check from a pool of %d (validation set %s)",
-                cfg.validate_windows,
-                self.evaluator.pool,
-                self.evaluator.digest[:16],
-            )
-        self.public_address = public_address
-        # Without credentials (a development swarm) any reachable member may own fragments.
-        self.credentials = credentials
-        self.initial_global, self.event_log_dir = initial_global, event_log_dir
-        self.versions_known_at = versions_known_at
         if credentials is not None and credentials.swarm_id != cfg.swarm:
             raise ValueError(
                 f"config swarm {cfg.swarm!r} is not the manifest's swarm id {credentials.swarm_id}"
             )
-        tls = server_context(signer) if credentials is not None and credentials.certified else None
-        self.transport = Transport(
-            host, port, link=LinkEmulator(default=LinkProfile.parse(cfg.link)), tls=tls
-        )
-        if credentials is not None:
-            credentials.install(self.transport)
-        else:  # a development swarm: no admission, but owners still learn who asks
-            Identification(signer, cfg.swarm).install(self.transport)
-        # our Atoll-Auth names the member we reach (from the member records): good at that node only
-        self.transport.recipient_of = MemberAddresses(
-            lambda: self.membership.members if self.membership else {}
-        )
-        self.model_bytes_served: collections.Counter[str] = (
-            collections.Counter()
-        )  # key hex -> bytes
-        self._long_polls: collections.Counter[str] = (
-            collections.Counter()
-        )  # poller -> long-polls held
+        self.cfg, self.signer, self.plan, self.options = cfg, signer, plan, options
+        self.credentials = credentials
+        self.evaluator = _validated_publication(cfg, options.evaluator)
+        named = dict(model.named_parameters())
+        self.shapes = [[tuple(named[n].shape) for n in f.names] for f in plan.fragments]
+        self.started = Started()
+        self.transport = self._transport()
         self.spread = SpreadStats()  # versions spread peer to peer (``node.diloco.spread``)
-        self._fanouts: dict[int, Fanout] = {}  # fragment -> this owner's serve-or-point decisions
         self.holdings = Holdings(len(plan.fragments), self.transport.pool, fanout=cfg.spread_fanout)
+        self._build_services()
+        self.owner_checkpoints = self._owner_checkpoints(options.owner_checkpoint_dir)
         # bodies capped by what the plan's largest fragment can need (not a fixed 256 MiB)
         self.rpc = RpcServer(
             self.transport,
             signer,
-            authorize=self._authorize,
+            authorize=self.presence.authorize,
             max_message=max_rpc_body(f.numel for f in plan.fragments),
         )
+        self.rpc.route(Contribution, self.ownership.on_contribution)
+        self.rpc.route(ReplicaState, self.ownership.on_replica_state)
         self.router = DHTRouter(self.transport)
-        self.dht: DHTNode | None = None
-        self.membership: Membership | None = None
-        self.manifest = manifest_hash(cfg)
-        named = dict(model.named_parameters())
-        self.shapes = [[tuple(named[n].shape) for n in f.names] for f in plan.fragments]
-        self.owners: dict[int, FragmentOwner] = {}
-        self._retired_owners: dict[
-            int, list[OwnerCounts]
-        ] = {}  # what is kept of the owners this peer retired
-        self._suspect_since: dict[bytes, float] = {}  # peer id -> when it failed us (wall clock)
-        self._owner_tasks: dict[int, asyncio.Task[None]] = {}
-        self.net: IslandNet | None = None
-        self.learning = True
-        self.awaited_members = 0  # wait_for_members: read members often until this many are seen
-        self.record_published_at: float | None = None  # monotonic time our record was last stored
-        self.lease_lapses = (
-            0  # versions not published: our record may have expired in others' views
-        )
-        self.reachable = False
-        self.step = 0
         self.loop: asyncio.AbstractEventLoop | None = None
         self.ready = threading.Event()  # bound and listening
         self.joined = threading.Event()  # synced and published: training may start
-        self.synced: dict[int, tuple[int, torch.Tensor]] = {}
         self.failure: BaseException | None = None
         self._stop: asyncio.Event | None = None
-        self._tg: asyncio.TaskGroup | None = None
-        self._manifests = ManifestCache()
-        self._lookup_lock = asyncio.Lock()
-        self._last_lookup = -math.inf
-        self._unknown: collections.OrderedDict[bytes, float] = collections.OrderedDict()
-        self.member_lookups = 0
-        self.rpc.route(Contribution, self._on_contribution)
-        self.rpc.route(ReplicaState, self._on_replica_state)
-        numels = [sum(int(torch.Size(s).numel()) for s in shapes) for shapes in self.shapes]
-        self.replicas = ReplicaStore(cfg.swarm, numels)
-        self.owner_checkpoints = (
-            OwnerCheckpoints(owner_checkpoint_dir, cfg.swarm, numels)
-            if owner_checkpoint_dir is not None
-            else None
-        )
-        if self.owner_checkpoints is not None:
-            for p, state in self.owner_checkpoints.load().items():
-                self.replicas.restore(state)
-                log.info(
-                    "fragment %d: owner checkpoint at version %d (epoch %d) loaded",
-                    p,
-                    state.version,
-                    state.epoch,
-                )
-        self._replica_replay = ReplayWindow()
-        self._fenced_until: dict[int, float] = {}
-        self._last_owner: dict[
-            int, bytes
-        ] = {}  # per fragment, the owner the last ownership pass saw
-        self._passed_on: set[tuple[int, bytes, int]] = set()  # (fragment, peer, version) handed on
-        self._seen_learning: set[bytes] = set()  # sync modes: every learner seen, and those done
-        self._finished: set[bytes] = set()
-        self.unreplicated = 0  # versions published with no replica reachable
-        self.replica_bytes = (
-            0  # tensor bytes handed to replicas (an owner's upload besides versions)
-        )
-        self.replica_took: dict[
-            int, tuple[int, bytes]
-        ] = {}  # fragment -> (version, replica that took it)
         self.announce_versions = False  # a launcher counts every published version (and content)
+        self._status_cache: tuple[float, bytes] | None = None  # (when, JSON)
         app = self.transport.app
-        app.router.add_get("/v1/fragments/{p}/{kind}", self._on_fetch)
-        app.router.add_get("/v1/fragments/{p}/latest/manifest", self._on_manifest)
+        app.router.add_get("/v1/fragments/{p}/{kind}", self.serving.on_fetch)
+        app.router.add_get("/v1/fragments/{p}/latest/manifest", self.serving.on_manifest)
         app.router.add_get("/v1/status", self._on_status)
-        app.router.add_get("/v1/dialback", self._on_dialback)
-        app.router.add_get("/v1/members", self._on_members)
+        app.router.add_get("/v1/dialback", self.presence.on_dialback)
+        app.router.add_get("/v1/members", self.presence.on_members)
         self.board = StatusBoard(self)  # "/", "/metrics" and the JSON the page polls
+
+    def _transport(self) -> Transport:
+        """Our transport, with admission (or, in a development swarm, identification: owners
+        still learn who asks), and our Atoll-Auth naming the member we reach."""
+        cred, opts = self.credentials, self.options
+        tls = server_context(self.signer) if cred is not None and cred.certified else None
+        transport = Transport(
+            opts.host,
+            opts.port,
+            link=LinkEmulator(default=LinkProfile.parse(self.cfg.link)),
+            tls=tls,
+        )
+        if cred is not None:
+            cred.install(transport)
+        else:
+            Identification(self.signer, self.cfg.swarm).install(transport)
+        started = self.started  # the member records: good at that node only
+        transport.recipient_of = MemberAddresses(
+            lambda: started.membership.members if started.membership else {}
+        )
+        return transport
+
+    def _build_services(self) -> None:
+        """The peer's services, each with what it calls; callbacks wired here explicitly."""
+        cfg, signer, started = self.cfg, self.signer, self.started
+        self.presence = Presence(
+            cfg,
+            signer,
+            self.transport,
+            started,
+            shapes=self.shapes,
+            credentials=self.credentials,
+            public_address=self.options.public_address,
+            on_suspect=self._reconcile_soon,
+        )
+        self.expected = LearnerExpectations(cfg, started, self.presence)
+        self.finals = FinalVersions(started, self.expected)
+        self.ownership = Ownership(
+            OwnershipConfig(
+                cfg, self.plan, self.shapes, self.evaluator, self.options.event_log_dir
+            ),
+            signer,
+            self.transport,
+            started,
+            self.presence,
+            self.finals,
+            on_publish=self._published,
+            on_taken=self._handoff_taken,
+        )
+        self.serving = VersionServer(
+            ServingConfig(cfg, len(self.plan.fragments), signer.peer_id),
+            self.transport,
+            self.ownership.owners,
+            self.holdings,
+            self.spread,
+            self.finals,
+            replica_took=self.handoffs.replica_took,
+            member_url=self.presence.member_url,
+            credentials=self.credentials,
+        )
+
+    def _owner_checkpoints(self, directory: Path | None) -> OwnerCheckpoints | None:
+        """Owner checkpoints in ``directory``; the states found there are taken as handed over."""
+        if directory is None:
+            return None
+        numels = [sum(int(torch.Size(s).numel()) for s in shapes) for shapes in self.shapes]
+        checkpoints = OwnerCheckpoints(directory, self.cfg.swarm, numels)
+        for p, state in checkpoints.load().items():
+            self.replicas.restore(state)
+            log.info(
+                "fragment %d: owner checkpoint at version %d (epoch %d) loaded",
+                p,
+                state.version,
+                state.epoch,
+            )
+        return checkpoints
+
+    # --- what the trainer, the launchers and the status page read ------------------------------
+    @property
+    def handoffs(self) -> Handoffs:
+        return self.ownership.handoffs
+
+    @property
+    def replicas(self) -> ReplicaStore:
+        return self.ownership.replicas
+
+    @property
+    def owners(self) -> dict[int, FragmentOwner]:
+        return self.ownership.owners
+
+    @property
+    def membership(self) -> Membership | None:
+        return self.started.membership
+
+    @membership.setter
+    def membership(self, membership: Membership | None) -> None:
+        self.started.membership = membership
+
+    @property
+    def net(self) -> IslandNet | None:
+        return self.started.net
+
+    @net.setter
+    def net(self, net: IslandNet | None) -> None:
+        self.started.net = net
+
+    @property
+    def dht(self) -> DHTNode | None:
+        return self.started.dht
+
+    @property
+    def url(self) -> str:
+        return self.presence.url
+
+    @property
+    def public_address(self) -> str | None:
+        return self.presence.public_address
+
+    @public_address.setter
+    def public_address(self, address: str | None) -> None:
+        self.presence.public_address = address
+
+    @property
+    def reachable(self) -> bool:
+        return self.presence.reachable
+
+    @property
+    def learning(self) -> bool:
+        return self.presence.learning
+
+    @learning.setter
+    def learning(self, learning: bool) -> None:
+        self.presence.learning = learning
+
+    @property
+    def step(self) -> int:
+        """The inner step our record claims (the trainer sets it)."""
+        return self.presence.step
+
+    @step.setter
+    def step(self, step: int) -> None:
+        self.presence.step = step
+
+    @property
+    def synced(self) -> dict[int, tuple[int, torch.Tensor]]:
+        return self.presence.synced
+
+    @property
+    def replica_bytes(self) -> int:
+        return self.handoffs.replica_bytes
+
+    def owner_of(self, p: int) -> tuple[bytes, str] | None:
+        return self.presence.owner_of(p)
+
+    def suspects(self) -> set[bytes]:
+        return self.presence.suspects()
+
+    def learner_steps(self) -> list[int]:
+        return self.presence.learner_steps()
+
+    def wait_for_members(self, n: int, timeout_s: float = 180.0) -> None:
+        self.presence.wait_for_members(n, timeout_s)
+
+    # --- callbacks the services are wired with -------------------------------------------------
+    def _reconcile_soon(self) -> None:
+        self.ownership.reconcile_soon()
 
     def _published(self, fragment: int, version: int, digest: bytes) -> None:
         owner = self.owners.get(fragment)
@@ -263,8 +362,8 @@ class PeerNode(SwarmPresence, OwnedFragments, OwnerHandoffs, VersionServing):
         if self.announce_versions:  # a launcher checks that no forged state was taken
             emit("handoff_taken", fragment=fragment, version=version, digest=digest.hex()[:32])
 
+    # --- status --------------------------------------------------------------------------------
     status_max_age_s = 1.0  # /v1/status is computed at most this often (as the board is)
-    _status_cache: tuple[float, bytes] | None = None  # (when, JSON)
 
     async def _on_status(self, _request: web.Request) -> web.Response:
         """``status()`` as JSON, computed at most once per ``status_max_age_s`` (it walks the DHT
@@ -290,7 +389,7 @@ class PeerNode(SwarmPresence, OwnedFragments, OwnerHandoffs, VersionServing):
         """The counts of every fragment owner this peer has run, retired ones included."""
         return [
             *(o.counts for o in self.owners.values()),
-            *(c for kept in self._retired_owners.values() for c in kept),
+            *(c for kept in self.ownership.retired.values() for c in kept),
         ]
 
     def status(self) -> dict[str, Any]:
@@ -302,7 +401,7 @@ class PeerNode(SwarmPresence, OwnedFragments, OwnerHandoffs, VersionServing):
         island_versions = self.net.island.versions if self.net else []
         return {
             "swarm": self.cfg.swarm,
-            "manifest": self.manifest,
+            "manifest": self.presence.manifest,
             "peer_id": self.signer.peer_id.hex(),
             "url": self.url,
             "reachable": self.reachable,
@@ -327,8 +426,8 @@ class PeerNode(SwarmPresence, OwnedFragments, OwnerHandoffs, VersionServing):
             if self.membership
             else {},
             "admission": self.credentials.status() if self.credentials else None,
-            "addresses": self.address_status(),  # address disputes, pin mismatches, manifest claims
-            "model_bytes_served": dict(self.model_bytes_served),
+            "addresses": self.presence.address_status(),  # address disputes, pin mismatches, manifest claims
+            "model_bytes_served": dict(self.serving.model_bytes_served),
             "spread": self.spread.as_dict(),
             "dht_records_by_signer": self._records_by_signer(),
             "version_jumps_refused": self.net.stats.version_jumps if self.net else 0,
@@ -339,8 +438,8 @@ class PeerNode(SwarmPresence, OwnedFragments, OwnerHandoffs, VersionServing):
             "owner_epochs": {str(p): o.epoch for p, o in self.owners.items()},
             "replicas": {
                 **self.replicas.status(),
-                "unreplicated_versions": self.unreplicated,
-                "lease_lapses": self.lease_lapses,
+                "unreplicated_versions": self.handoffs.unreplicated,
+                "lease_lapses": self.handoffs.lease_lapses,
             },
             "bytes_sent": self.transport.bytes_sent,
             "bytes_received": self.transport.bytes_received,
@@ -379,49 +478,27 @@ class PeerNode(SwarmPresence, OwnedFragments, OwnerHandoffs, VersionServing):
         self.loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         await self.transport.start()
-        self.dht = DHTNode(
+        dht = self.started.dht = DHTNode(
             self.signer,
             self.transport,
             self.url + "/v1/dht",
             DHTConfig(maintenance_period_s=30.0, request_timeout_s=3.0),
         )
-        self.router.mount(self.dht)
-        await self.dht.start()
+        self.router.mount(dht)
+        await dht.start()
         cred = self.credentials
-        self.membership = Membership(
-            self.dht,
+        self.started.membership = Membership(
+            dht,
             self.cfg.swarm,
-            self.manifest,
+            self.presence.manifest,
             swarm_manifest=(lambda: cred.manifest) if cred is not None else None,
             n_fragments=len(self.plan.fragments),
         )
-        self.net = IslandNet(
-            island,
-            self.transport,
-            self.signer,
-            swarm=self.cfg.swarm,
-            shapes=self.shapes,
-            owner_of=self.owner_of,
-            codec=self.cfg.codec,
-            block_size=self.cfg.block_size,
-            on_unreachable=self._unreachable,
-            tamper=self.tamper,
-            created=cred.manifest.created if cred is not None else None,
-            initial=self.initial_global,
-            holdings=self.holdings,
-            url_of=self._member_url,
-            spread=self.spread,
-            local=self,
-        )
-        for p, version in enumerate(island.versions):  # resumed: state sync fetches only newer ones
-            if version > 0:
-                self.net.remember(p, version, island.global_flat[p])
-                if self.versions_known_at is not None and math.isfinite(self.versions_known_at):
-                    self.net.received_at[p] = min(self.net.received_at[p], self.versions_known_at)
+        net = self.started.net = self._learner(island)
         self.ready.set()
         try:
             async with asyncio.TaskGroup() as tg:
-                self._tg = tg
+                self.started.tg = tg
                 try:
                     await self._join(initial_peers)
                 except BaseException as exc:
@@ -430,17 +507,75 @@ class PeerNode(SwarmPresence, OwnedFragments, OwnerHandoffs, VersionServing):
                     raise
                 self.joined.set()
                 tasks = [
-                    tg.create_task(self.net.run()),
-                    tg.create_task(self._record_loop()),
+                    tg.create_task(net.run()),
+                    tg.create_task(self.presence.record_loop()),
                     tg.create_task(self._membership_loop()),
                 ]
                 await self._stop.wait()
-                for t in [*tasks, *self._owner_tasks.values()]:
+                for t in tasks:
                     t.cancel()
+                self.ownership.cancel_tasks()
         finally:
             await self._release_waiters()
-            await self.dht.close()
+            await dht.close()
             await self.transport.close()
+
+    def _learner(self, island: Island) -> IslandNet:
+        """The island's network side; a resumed island's versions are held (state sync fetches
+        only newer ones), as of when its checkpoint held them."""
+        cred, opts = self.credentials, self.options
+        net = IslandNet(
+            island,
+            self.transport,
+            self.signer,
+            swarm=self.cfg.swarm,
+            shapes=self.shapes,
+            owner_of=self.presence.owner_of,
+            codec=self.cfg.codec,
+            block_size=self.cfg.block_size,
+            on_unreachable=self.presence.unreachable,
+            tamper=opts.tamper,
+            created=cred.manifest.created if cred is not None else None,
+            initial=opts.initial_global,
+            holdings=self.holdings,
+            url_of=self.presence.member_url,
+            spread=self.spread,
+            local=self.ownership,
+        )
+        known_at = opts.versions_known_at
+        for p, version in enumerate(island.versions):
+            if version > 0:
+                net.remember(p, version, island.global_flat[p])
+                if known_at is not None and math.isfinite(known_at):
+                    net.received_at[p] = min(net.received_at[p], known_at)
+        return net
+
+    async def _join(self, initial_peers: list[str]) -> None:
+        """Join (``Presence.join``), then own what the view hands us."""
+        await self.presence.join(initial_peers)
+        await self.ownership.reconcile()
+        assert self.membership is not None
+        log.info(
+            "joined swarm %s: %d members, reachable=%s",
+            self.cfg.swarm,
+            len(self.membership.members),
+            self.presence.reachable,
+        )
+
+    async def _membership_loop(self) -> None:
+        """Read everyone's records, follow a newer manifest, probe a disputed address, reconcile
+        the fragments we own and tell their owners whom to wait for; then pause."""
+        membership = self.membership
+        assert membership is not None
+        while True:
+            with contextlib.suppress(Exception):
+                await membership.refresh()
+            await self.presence.follow_manifest()
+            await self.presence.probe_disputes()
+            await self.ownership.reconcile()
+            for owner in list(self.owners.values()):
+                await self.expected.tell_expected(owner)
+            await self.presence.pause()
 
     async def _release_waiters(self) -> None:
         """Answer every long-poll this peer is holding open (204) before its server closes: the
@@ -466,12 +601,12 @@ class PeerNode(SwarmPresence, OwnedFragments, OwnerHandoffs, VersionServing):
                 log.warning(
                     "contributions still unsent after %.0f s; stopping without them", flush_s
                 )
-        self.learning = False
+        self.presence.learning = False
         if (
             self.membership is not None
         ):  # say so now, not at the next membership pass: owners wait on it
             with contextlib.suppress(Exception):
-                await self.membership.publish(self.my_record())
+                await self.membership.publish(self.presence.my_record())
 
     async def fetch_final(
         self, *, settle_s: float = FINAL_SETTLE_S, rechecks: int = FINAL_RECHECKS
@@ -499,7 +634,7 @@ class PeerNode(SwarmPresence, OwnedFragments, OwnerHandoffs, VersionServing):
             moved = [
                 p
                 for p in out
-                if (current := self.owner_of(p)) is not None and current[0] != answered[p]
+                if (current := self.presence.owner_of(p)) is not None and current[0] != answered[p]
             ]
             if not moved:
                 break
@@ -523,7 +658,7 @@ class PeerNode(SwarmPresence, OwnedFragments, OwnerHandoffs, VersionServing):
             for p in range(len(self.shapes)):
                 if p in out:
                     continue
-                owner = self.owner_of(p)
+                owner = self.presence.owner_of(p)
                 if owner is None:
                     await asyncio.sleep(0.5)
                     continue
@@ -546,3 +681,20 @@ class PeerNode(SwarmPresence, OwnedFragments, OwnerHandoffs, VersionServing):
         """Run a coroutine on the node's loop from the trainer thread and wait for it."""
         assert self.loop is not None
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+
+def _validated_publication(cfg: RunConfig, evaluator: Evaluator | None) -> Evaluator | None:
+    """The evaluator owners check candidates with (None: validated publication off), logged."""
+    if cfg.validate_windows <= 0 or evaluator is None:
+        log.info(
+            "validated publication is off: %s",
+            "no validation set was given" if evaluator is None else "--validate-windows 0",
+        )
+        return None
+    log.info(
+        "validated publication: %d windows a check from a pool of %d (validation set %s)",
+        cfg.validate_windows,
+        evaluator.pool,
+        evaluator.digest[:16],
+    )
+    return evaluator
