@@ -55,10 +55,10 @@ from node.diloco.replica import ReplicaStore
 from node.diloco.spread import Holdings, SpreadStats
 from node.diloco.validation import Evaluator
 from node.peer.expected import LearnerExpectations
-from node.peer.finals import FinalVersions
+from node.peer.finals import FINAL_RECHECKS, FINAL_SETTLE_S, FinalFetch, FinalVersions
 from node.peer.handoffs import Handoffs
 from node.peer.ownership import Ownership, OwnershipConfig
-from node.peer.presence import MEMBERSHIP_PERIOD_S, Presence
+from node.peer.presence import Presence
 from node.peer.serving import ServingConfig, VersionServer
 from node.peer.started import Started
 from node.state.owner_checkpoint import OwnerCheckpoints
@@ -71,15 +71,9 @@ from protocol.diloco.fragments import FragmentPlan
 from protocol.wire.messages import Contribution, ReplicaState
 from protocol.wire.signing import Signer
 
-__all__ = ["MEMBERSHIP_PERIOD_S", "NodeOptions", "PeerNode", "emit"]
+__all__ = ["NodeOptions", "PeerNode", "emit"]
 
 log = logging.getLogger("atoll.peer")
-
-# once the final versions are in, the members are read again and a fragment whose owner moved is
-# fetched again from the new one: up to FINAL_RECHECKS times, FINAL_SETTLE_S apart
-FINAL_SETTLE_S = 2.0
-FINAL_RECHECKS = 3
-
 
 _EMIT_LOCK = threading.Lock()
 
@@ -217,6 +211,7 @@ class PeerNode:
         )
         self.expected = LearnerExpectations(cfg, started, self.presence)
         self.finals = FinalVersions(started, self.expected)
+        self.final_fetch = FinalFetch(started, self.presence, len(self.plan.fragments))
         self.ownership = Ownership(
             OwnershipConfig(
                 cfg, self.plan, self.shapes, self.evaluator, self.options.event_log_dir
@@ -611,67 +606,8 @@ class PeerNode:
     async def fetch_final(
         self, *, settle_s: float = FINAL_SETTLE_S, rechecks: int = FINAL_RECHECKS
     ) -> dict[int, tuple[int, torch.Tensor]]:
-        """Every fragment's final version from its current owner (verified).
-
-        An owner declares its fragment final once no member is learning and its last round is
-        merged; until then this keeps asking (an owner may be finishing a merge or moving).
-        Then the members are read afresh (a full read) and each fragment's owner looked up
-        again: a fragment whose owner changed since it answered is fetched again from the new
-        one, ``settle_s`` later, up to ``rechecks`` times. Views that differed while the machine
-        was overloaded (records lapsing) converge once training stops, and a successor that split
-        off and declared an older version final then no longer speaks for the fragment."""
-        out: dict[int, tuple[int, torch.Tensor]] = {}
-        answered: dict[int, bytes] = {}  # fragment -> the owner that declared its final version
-        for check in range(rechecks + 1):
-            await self._fetch_missing_finals(out, answered)
-            if check == rechecks:
-                break
-            if check > 0:
-                await asyncio.sleep(settle_s)
-            if self.membership is not None:
-                with contextlib.suppress(Exception):
-                    await self.membership.refresh(full=True)
-            moved = [
-                p
-                for p in out
-                if (current := self.presence.owner_of(p)) is not None and current[0] != answered[p]
-            ]
-            if not moved:
-                break
-            for p in moved:
-                log.warning(
-                    "fragment %d: its owner changed after it declared version %d final; "
-                    "asking the new owner",
-                    p,
-                    out[p][0],
-                )
-                del out[p]
-        return out
-
-    async def _fetch_missing_finals(
-        self, out: dict[int, tuple[int, torch.Tensor]], answered: dict[int, bytes]
-    ) -> None:
-        """Fill ``out`` with every fragment's final version, asking each one's owner until it
-        declares it (an owner may be finishing a merge or moving); note who answered."""
-        assert self.net is not None
-        while len(out) < len(self.shapes):
-            for p in range(len(self.shapes)):
-                if p in out:
-                    continue
-                owner = self.presence.owner_of(p)
-                if owner is None:
-                    await asyncio.sleep(0.5)
-                    continue
-                try:
-                    got = await self.net.fetch(
-                        p, after=self.net.received[p], wait_s=5.0, final=True, owner=owner
-                    )
-                except Exception as exc:  # keep trying: the owner may be finishing a merge
-                    log.warning("final fetch of fragment %d failed: %r", p, exc)
-                    await asyncio.sleep(0.5)
-                    continue
-                if got is not None:
-                    out[p], answered[p] = got, owner[0]
+        """Every fragment's final version from its current owner (``FinalFetch.fetch``)."""
+        return await self.final_fetch.fetch(settle_s=settle_s, rechecks=rechecks)
 
     def stop(self) -> None:
         if self.loop is not None and self._stop is not None:
