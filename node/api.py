@@ -49,7 +49,7 @@ from node.diloco.inner import interval_by_lr
 from node.diloco.island import Island, IslandConfig
 from node.diloco.ranks import IslandRanks, distributed_rank, unwrap
 from node.diloco.validation import CallableEvaluator
-from node.peer import PeerNode
+from node.peer import NodeOptions, PeerNode
 from node.run.allocator import tune_allocator
 from protocol.diloco.fragments import FragmentPlan, plan_fragments
 from protocol.wire.certificates import Certificate
@@ -166,11 +166,10 @@ class SwarmIsland:
                 signer,
                 model,
                 self.plan,
-                host=host,
-                port=port,
-                public_address=public_address,
+                NodeOptions(
+                    host=host, port=port, public_address=public_address, evaluator=evaluator
+                ),
                 credentials=credentials,
-                evaluator=evaluator,
             )
         # the other ranks of a torchrun island follow rank 0's adoptions (node.diloco.ranks)
         self.ranks = (

@@ -1,7 +1,7 @@
 """Which members' claims of a newer swarm manifest to follow, and when to stop asking one.
 
 Every member record carries the version of the swarm manifest its member holds, and a member
-holding a higher one than ours is asked for it (``SwarmPresence._follow_manifest``). A claim is
+holding a higher one than ours is asked for it (``Presence.follow_manifest``). A claim is
 free to make and says nothing until the founder's signature over what the member serves
 verifies, while asking costs a request and a parse (up to ``MAX_MANIFEST_BYTES`` of TOML). A
 record claiming version 2^63-1 once made every peer fetch and parse its URL every membership

@@ -29,7 +29,7 @@ from node.diloco.inner import interval_by_lr, joining_step, lr_at, make_inner_op
 from node.diloco.island import Island, IslandConfig
 from node.diloco.ranks import IslandRanks, distributed_rank, leave_process_group
 from node.diloco.validation import window_evaluator
-from node.peer import PeerNode, emit
+from node.peer import NodeOptions, PeerNode, emit
 from node.run.allocator import heap_in_use
 from node.run.attack import Attack
 from node.run.attack_peer import PeerAttack, is_peer_attack
@@ -340,20 +340,24 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
         signer,
         model,
         plan,
-        host=opts.host,
-        port=opts.port,
-        public_address=opts.public_address,
-        credentials=opts.credentials,
-        tamper=(
-            Attack.parse(opts.attack, seed=cfg.seed)  # the run's seed: attackers collude
-            if opts.attack and not is_peer_attack(opts.attack)
-            else None
+        NodeOptions(
+            host=opts.host,
+            port=opts.port,
+            public_address=opts.public_address,
+            tamper=(
+                Attack.parse(opts.attack, seed=cfg.seed)  # the run's seed: attackers collude
+                if opts.attack and not is_peer_attack(opts.attack)
+                else None
+            ),
+            initial_global=initial_global if resumed else None,
+            versions_known_at=float(resumed["saved_at"])
+            if resumed and "saved_at" in resumed
+            else None,
+            event_log_dir=opts.event_log_dir,
+            owner_checkpoint_dir=opts.checkpoint_dir / "owner" if opts.checkpoint_dir else None,
+            evaluator=evaluator,
         ),
-        initial_global=initial_global if resumed else None,
-        versions_known_at=float(resumed["saved_at"]) if resumed and "saved_at" in resumed else None,
-        event_log_dir=opts.event_log_dir,
-        owner_checkpoint_dir=opts.checkpoint_dir / "owner" if opts.checkpoint_dir else None,
-        evaluator=evaluator,
+        credentials=opts.credentials,
     )
     holder.append(node)
     node.announce_versions = (

@@ -192,7 +192,7 @@ class MemoryOwnerPeer:
                 if parts[3] == "next"
                 else None
             )
-            if sealed is not None and query.get("update") == "1":  # as node.diloco.serving
+            if sealed is not None and query.get("update") == "1":  # as node.peer.serving
                 named = bytes.fromhex(query.get("digest", ""))
                 if (
                     parts[3] == "final"

@@ -57,13 +57,13 @@ def test_a_merge_waits_for_every_learner_under_outer_momentum_unless_told() -> N
     # auto: half the learners with plain averaging; all with momentum, whose partial merges diverged
     from types import SimpleNamespace
 
-    from node.diloco.owning import OwnedFragments
+    from node.peer.ownership import Ownership
 
     assert RunConfig().merge_quorum_fraction == 0.5
     assert RunConfig(outer_momentum=0.9).merge_quorum_fraction == 1.0
     assert RunConfig(outer_momentum=0.9, quorum_fraction=0.25).merge_quorum_fraction == 0.25
     assert RunConfig(quorum_fraction=0.0).merge_quorum_fraction == 0.0
-    owner_cfg = OwnedFragments._merge_cfg(
+    owner_cfg = Ownership._merge_cfg(
         SimpleNamespace(cfg=RunConfig(outer_momentum=0.9, max_tokens_per_step=2048))
     )  # type: ignore[arg-type]
     assert owner_cfg.quorum_fraction == 1.0

@@ -86,13 +86,13 @@ def _hand_in_memory(retiring: PeerNode, successor: PeerNode) -> list[ReplicaStat
     does (a fenced refusal raises ``_FencedBy``); returns the states sent, in order."""
     import types
 
-    from node.diloco.handoffs import _FencedBy
+    from node.peer.handoffs import _FencedBy
 
     sent: list[ReplicaState] = []
 
     async def hand_to(p: int, target: tuple[bytes, str], state: ReplicaState) -> bool:
         sent.append(state)
-        ack = await successor._on_replica_state(
+        ack = await successor.ownership.on_replica_state(
             types.SimpleNamespace(
                 peer_id=retiring.signer.peer_id,  # type: ignore[arg-type]
                 message=state,
@@ -103,7 +103,7 @@ def _hand_in_memory(retiring: PeerNode, successor: PeerNode) -> list[ReplicaStat
             raise _FencedBy(ack)
         return ack.accepted
 
-    retiring._hand_to = hand_to  # type: ignore[method-assign]
+    retiring.handoffs._hand_to = hand_to  # type: ignore[method-assign]
     return sent
 
 
@@ -128,25 +128,25 @@ class _Tasks:
 
 async def test_a_new_member_is_admitted_after_one_lookup() -> None:
     node, membership = _node()
-    assert await node._authorize(signer(2).peer_id) and membership.refreshes == 0
-    assert await node._authorize(signer(3).peer_id) and membership.refreshes == 1
-    assert await node._authorize(signer(3).peer_id) and membership.refreshes == 1
+    assert await node.presence.authorize(signer(2).peer_id) and membership.refreshes == 0
+    assert await node.presence.authorize(signer(3).peer_id) and membership.refreshes == 1
+    assert await node.presence.authorize(signer(3).peer_id) and membership.refreshes == 1
 
 
 async def test_strangers_cost_at_most_one_lookup_per_gap() -> None:
     node, membership = _node()
     stranger, other = signer(40).peer_id, signer(41).peer_id
-    assert not await node._authorize(stranger) and membership.refreshes == 1
+    assert not await node.presence.authorize(stranger) and membership.refreshes == 1
     assert (
-        not await node._authorize(stranger) and membership.refreshes == 1
+        not await node.presence.authorize(stranger) and membership.refreshes == 1
     )  # remembered: no lookup
     assert (
-        not await node._authorize(other) and membership.refreshes == 1
+        not await node.presence.authorize(other) and membership.refreshes == 1
     )  # inside the gap: no lookup
-    assert other not in node._unknown  # refused unread: may be looked up after the gap
+    assert other not in node.presence._unknown  # refused unread: may be looked up after the gap
     for n in range(100, 200):
-        assert not await node._authorize(signer(n).peer_id)
-    assert membership.refreshes == 1 and node.member_lookups == 1
+        assert not await node.presence.authorize(signer(n).peer_id)
+    assert membership.refreshes == 1 and node.presence.member_lookups == 1
 
 
 def test_the_token_cap_must_come_from_the_swarm_config() -> None:
@@ -191,16 +191,18 @@ async def test_long_polls_are_capped_per_key_and_per_anonymous_address() -> None
         return request
 
     cap = 2 * len(plan.fragments) + 2
-    held = [asyncio.create_task(node._on_fetch(poll(b"k" * 32))) for _ in range(cap)]  # type: ignore[arg-type]
+    held = [asyncio.create_task(node.serving.on_fetch(poll(b"k" * 32))) for _ in range(cap)]  # type: ignore[arg-type]
     await asyncio.sleep(0.05)
     with pytest.raises(Busy, match="long-polls from key:"):
-        await node._on_fetch(poll(b"k" * 32))  # type: ignore[arg-type]
-    other = asyncio.create_task(node._on_fetch(poll(b"o" * 32)))  # another key is not affected
+        await node.serving.on_fetch(poll(b"k" * 32))  # type: ignore[arg-type]
+    other = asyncio.create_task(
+        node.serving.on_fetch(poll(b"o" * 32))
+    )  # another key is not affected
     await asyncio.sleep(0.05)
     assert not other.done()
     await node.owners[0].retire()  # releases every long-poll at once
     await asyncio.gather(*held, other)
-    assert not node._long_polls  # all given back
+    assert not node.serving._long_polls  # all given back
 
 
 async def test_a_stale_fence_is_passed_with_a_higher_epoch_and_a_real_one_is_not() -> None:
@@ -229,10 +231,12 @@ async def test_a_stale_fence_is_passed_with_a_higher_epoch_and_a_real_one_is_not
             reason=f"fenced: fragment 0 is at epoch {epoch} here (version {version})",
         )
 
-    assert node._above_stale_fence(0, state, ack(3, 184)) is None  # it knows our version: real
-    assert node._above_stale_fence(0, state, ack(3, 200)) is None  # ahead of us: real
-    assert node._above_stale_fence(0, state, ack(0, 100)) is None  # not a higher epoch
-    bumped = node._above_stale_fence(0, state, ack(3, 130))
+    assert (
+        node.handoffs._above_stale_fence(0, state, ack(3, 184)) is None
+    )  # it knows our version: real
+    assert node.handoffs._above_stale_fence(0, state, ack(3, 200)) is None  # ahead of us: real
+    assert node.handoffs._above_stale_fence(0, state, ack(0, 100)) is None  # not a higher epoch
+    bumped = node.handoffs._above_stale_fence(0, state, ack(3, 130))
     assert bumped is not None and bumped.epoch == owner.epoch == 4 and bumped.version == 185
     assert node.replicas.held[0].epoch == 4  # and this peer now refuses handoffs below it
 
@@ -262,14 +266,14 @@ async def test_a_retiring_owner_hands_its_newer_state_past_a_successors_stale_fe
         theta=torch.ones(n),
         momentum=torch.full((n,), 0.5),
     )
-    await retiring._hand_on(0, target, newest)
+    await retiring.handoffs.hand_on(0, target, newest)
     assert [x.epoch for x in sent] == [0, 1]  # refused at epoch 0, taken under the fence's epoch
     taken = successor.replicas.states[0]
     assert (taken.version, taken.epoch) == (40, 1) and taken.momentum is not None
     assert successor.replicas.held[0].version == 40
     sent.clear()
     successor.replicas.fence(0, 3, 40, b"\x07" * 32)  # a fence at our version is real: no retry
-    await retiring._hand_on(0, target, dataclasses.replace(newest, epoch=2))
+    await retiring.handoffs.hand_on(0, target, dataclasses.replace(newest, epoch=2))
     assert [x.epoch for x in sent] == [2] and successor.replicas.states[0].epoch == 1
 
 
@@ -293,8 +297,8 @@ async def test_a_replica_hands_its_state_to_a_successor_it_refused() -> None:
     async def record(p: int, target: tuple[bytes, str], state: ReplicaState) -> None:
         handed.append((p, target, state))
 
-    node._hand_on = record  # type: ignore[method-assign]
-    node._tg = _Tasks()  # type: ignore[assignment]
+    node.handoffs.hand_on = record  # type: ignore[method-assign]
+    node.started.tg = _Tasks()  # type: ignore[assignment]
     successor = signer(5).peer_id
 
     def refused(version: int, epoch: int) -> ReplicaState:
@@ -311,12 +315,16 @@ async def test_a_replica_hands_its_state_to_a_successor_it_refused() -> None:
         theta=torch.zeros(n),
         momentum=None,
     )
-    node._pass_on_held(refused(86, 0), "http://127.0.0.1:9", successor)  # not built on what we hold
-    node._pass_on_held(refused(85, 1), "http://127.0.0.1:9", successor)  # not from a lower epoch
+    node.handoffs.pass_on_held(
+        refused(86, 0), "http://127.0.0.1:9", successor
+    )  # not built on what we hold
+    node.handoffs.pass_on_held(
+        refused(85, 1), "http://127.0.0.1:9", successor
+    )  # not from a lower epoch
     await asyncio.sleep(0)
     assert handed == []
-    node._pass_on_held(refused(85, 0), "http://127.0.0.1:9", successor)
-    node._pass_on_held(refused(85, 0), "http://127.0.0.1:9", successor)  # once per version
+    node.handoffs.pass_on_held(refused(85, 0), "http://127.0.0.1:9", successor)
+    node.handoffs.pass_on_held(refused(85, 0), "http://127.0.0.1:9", successor)  # once per version
     await asyncio.sleep(0)
     assert len(handed) == 1
     p, target, state = handed[0]
@@ -325,10 +333,10 @@ async def test_a_replica_hands_its_state_to_a_successor_it_refused() -> None:
     # the same version with another content: the owner we hold it from died before publishing
     # it; a new owner at a higher epoch that merged its own gets ours, under its epoch
     other = signer(6).peer_id
-    node._pass_on_held(
+    node.handoffs.pass_on_held(
         dataclasses.replace(handed_state, version=84, epoch=3), "http://127.0.0.1:8", other
     )
-    node._pass_on_held(
+    node.handoffs.pass_on_held(
         dataclasses.replace(handed_state, version=84, epoch=3, digest=b"\x07" * 32),
         "http://127.0.0.1:8",
         signer(7).peer_id,
@@ -340,7 +348,7 @@ async def test_a_replica_hands_its_state_to_a_successor_it_refused() -> None:
     # view, while the others' view made another peer the owner from its own older state (82,
     # its own epoch 5); it steps back when we refuse its 83, and takes ours under its epoch
     behind = signer(8).peer_id
-    node._pass_on_held(
+    node.handoffs.pass_on_held(
         dataclasses.replace(handed_state, version=83, epoch=5), "http://127.0.0.1:7", behind
     )
     await asyncio.sleep(0)
@@ -359,14 +367,14 @@ def test_a_synchronous_round_waits_for_every_provisioned_learner_but_the_finishe
     membership = FakeMembership(records={})
     membership.members = {pid: _member(pid) for pid in ids}  # three of four are up so far
     node.membership = membership  # type: ignore[assignment]
-    assert node.expected_learners() == 4
+    assert node.expected.expected_learners() == 4
     del membership.members[ids[0]]  # killed: its record lapsed
-    assert node.expected_learners() == 4  # still waited for
+    assert node.expected.expected_learners() == 4  # still waited for
     done = _member(ids[1])
     membership.members[ids[1]] = Member(
         ids[1], dataclasses.replace(done.record, learning=False), 2e9
     )
-    assert node.expected_learners() == 3  # finished: no longer waited for
+    assert node.expected.expected_learners() == 3  # finished: no longer waited for
 
 
 async def test_replicas_that_do_not_see_us_stop_the_version_and_dead_ones_do_not(
@@ -379,8 +387,8 @@ async def test_replicas_that_do_not_see_us_stop_the_version_and_dead_ones_do_not
     import aiohttp
     import torch
 
-    from node.diloco import handoffs
     from node.diloco.replica import NotAMemberThere, encode_state
+    from node.peer import handoffs
 
     model = tiny_model()
     node = PeerNode(RunConfig(max_tokens_per_step=64), signer(1), model, tiny_plan(model))
@@ -416,19 +424,21 @@ async def test_replicas_that_do_not_see_us_stop_the_version_and_dead_ones_do_not
         )
 
     monkeypatch.setattr(handoffs, "hand_over", refusing)
-    reason = await node._replicate(0, state)
+    reason = await node.handoffs.replicate(0, state)
     assert reason is not None and reason.startswith("fenced") and "not a member" in reason
     # the first refusal stops it: a peer further down the list may not have seen the other owner
-    assert asked == ["http://127.0.0.1:2"] and node.unreplicated == 0
-    await node._hand_on(0, replicas[0], state)  # a successor that does not see us: nothing raised
+    assert asked == ["http://127.0.0.1:2"] and node.handoffs.unreplicated == 0
+    await node.handoffs.hand_on(
+        0, replicas[0], state
+    )  # a successor that does not see us: nothing raised
     assert len(asked) == 2
 
     async def unreachable(*_: object, **__: object) -> None:
         raise aiohttp.ClientConnectorError(None, OSError("connection refused"))  # type: ignore[arg-type]
 
     monkeypatch.setattr(handoffs, "hand_over", unreachable)
-    monkeypatch.setattr(node, "_unreachable", lambda peer_id: None)
-    assert await node._replicate(0, state) is None and node.unreplicated == 1
+    monkeypatch.setattr(node.presence, "unreachable", lambda peer_id: None)
+    assert await node.handoffs.replicate(0, state) is None and node.handoffs.unreplicated == 1
 
 
 async def test_a_retiring_owner_hands_a_state_the_successor_holds_by_reference() -> None:
@@ -457,7 +467,7 @@ async def test_a_retiring_owner_hands_a_state_the_successor_holds_by_reference()
     assert successor.replicas.offer(
         signer(1).peer_id, v7
     ).accepted  # as our replica, before we published 7
-    await retiring._hand_on(0, target, dataclasses.replace(v7, epoch=1))
+    await retiring.handoffs.hand_on(0, target, dataclasses.replace(v7, epoch=1))
     assert len(sent) == 1 and sent[0].theta == () and sent[0].base_version == 7  # by reference only
     assert (
         torch.equal(successor.replicas.states[0].theta, theta)
@@ -473,7 +483,7 @@ async def test_a_retiring_owner_hands_a_state_the_successor_holds_by_reference()
         theta=theta + 1,
         momentum=None,
     )
-    await retiring._hand_on(
+    await retiring.handoffs.hand_on(
         0, target, v8
     )  # version 8 never reached it: refused by reference, then whole
     assert [len(s.theta) for s in sent] == [0, 1]
@@ -522,7 +532,7 @@ async def test_a_running_owner_behind_a_retiring_owners_epoch_and_version_steps_
             reconciles.append(coro.__qualname__)
             coro.close()
 
-    successor._tg = Tasks()  # type: ignore[assignment]
+    successor.started.tg = Tasks()  # type: ignore[assignment]
     n = successor.replicas.numels[0]
     sent = _hand_in_memory(retiring, successor)
     target = (signer(2).peer_id, "http://127.0.0.1:2")
@@ -539,7 +549,7 @@ async def test_a_running_owner_behind_a_retiring_owners_epoch_and_version_steps_
         )
 
     for epoch, version in ((7, 32), (5, 33), (6, 33)):  # not above it in both: refused, B owns on
-        ack = await successor._on_replica_state(
+        ack = await successor.ownership.on_replica_state(
             types.SimpleNamespace(
                 peer_id=signer(1).peer_id,  # type: ignore[arg-type]
                 message=state(epoch, version, 1.0),
@@ -549,7 +559,7 @@ async def test_a_running_owner_behind_a_retiring_owners_epoch_and_version_steps_
         assert not ack.accepted and ack.reason.startswith("fenced") and owner.fenced is None
     assert 0 not in successor.replicas.states and reconciles == []
 
-    await retiring._hand_on(0, target, state(7, 33, 2.0))
+    await retiring.handoffs.hand_on(0, target, state(7, 33, 2.0))
     assert (
         sent and sent[-1].theta
     )  # by reference refused (B never held A's 33), then the whole state: taken
@@ -559,7 +569,7 @@ async def test_a_running_owner_behind_a_retiring_owners_epoch_and_version_steps_
     )
     assert owner.fenced is not None and "past this owner's version 32 at epoch 6" in owner.fenced
     assert owner.retired and owner.version == 32  # B published nothing more
-    assert reconciles == ["OwnedFragments._reconcile_owners"]  # owning again from A's 33 comes next
+    assert reconciles == ["Ownership.reconcile"]  # owning again from A's 33 comes next
 
 
 async def test_a_retired_owner_leaves_its_counts_and_not_its_state() -> None:
@@ -594,9 +604,9 @@ async def test_a_retired_owner_leaves_its_counts_and_not_its_state() -> None:
         def cancel(self) -> None:
             pass
 
-    node.owners[0], node._owner_tasks[0] = owner, Task()  # type: ignore[assignment]
+    node.owners[0], node.ownership._owner_tasks[0] = owner, Task()  # type: ignore[assignment]
     gone, theta = weakref.ref(owner), weakref.ref(owner.theta)
-    node._drop_owner(0)
+    node.ownership._drop_owner(0)
     del owner
     for _ in range(3):  # the loop lets go of the merge's finished future
         await asyncio.sleep(0)
@@ -625,12 +635,12 @@ def test_a_fragment_retired_many_times_keeps_two_counts_that_add_up() -> None:
             pass
 
     for n in range(1, 101):
-        node.owners[0], node._owner_tasks[0] = Retired(n), Task()  # type: ignore[assignment]
-        node._drop_owner(0)
-    assert len(node._retired_owners[0]) == 2
+        node.owners[0], node.ownership._owner_tasks[0] = Retired(n), Task()  # type: ignore[assignment]
+        node.ownership._drop_owner(0)
+    assert len(node.ownership.retired[0]) == 2
     assert sum(c.merges_done for c in node.all_owners()) == 5050
     assert node.penalties()[signer(4).peer_id.hex()]["merged"] == 5050
-    node._retired_owners[0][-1].merged("a merge that finished after its owner retired")
+    node.ownership.retired[0][-1].merged("a merge that finished after its owner retired")
     assert sum(c.merges_done for c in node.all_owners()) == 5051
 
 
@@ -657,7 +667,7 @@ async def test_a_final_version_from_an_owner_that_moved_is_asked_of_the_new_one(
         return membership.members
 
     membership.refresh = refresh  # type: ignore[method-assign]
-    node.owner_of = lambda p: (owner_now[p], f"http://{owner_now[p].hex()[:8]}")  # type: ignore[method-assign]
+    node.presence.owner_of = lambda p: (owner_now[p], f"http://{owner_now[p].hex()[:8]}")  # type: ignore[method-assign]
     asked: list[tuple[int, bytes, int]] = []
 
     async def fetch(p: int, *, after: int, wait_s: float, final: bool, owner: tuple[bytes, str]):  # type: ignore[no-untyped-def]
@@ -684,7 +694,7 @@ async def test_a_final_version_from_an_owner_that_moved_is_asked_of_the_new_one(
             owner_now[q] = x if owner_now[q] == y else y
         return owner_now[p], "http://flapping"
 
-    node.owner_of = flapping  # type: ignore[method-assign]
+    node.presence.owner_of = flapping  # type: ignore[method-assign]
     asked.clear()
     await node.fetch_final(settle_s=0.01, rechecks=2)
     assert len([a for a in asked if a[0] == q]) == 3
@@ -696,7 +706,7 @@ async def test_our_record_is_republished_while_the_membership_loop_is_held_up(mo
     so others do not hand our fragments to a successor meanwhile."""
     import asyncio
 
-    import node.dht.presence as presence
+    import node.peer.presence as presence
 
     monkeypatch.setattr(presence, "REPUBLISH_S", 0.05)
     monkeypatch.setattr(presence, "RECORD_CHECK_S", 0.01)
@@ -711,14 +721,17 @@ async def test_our_record_is_republished_while_the_membership_loop_is_held_up(mo
         await asyncio.sleep(3600)
 
     membership.publish = publish  # type: ignore[attr-defined]
-    node._reconcile_owners = held_up  # type: ignore[method-assign]
-    loops = [asyncio.create_task(node._membership_loop()), asyncio.create_task(node._record_loop())]
+    node.ownership.reconcile = held_up  # type: ignore[method-assign]
+    loops = [
+        asyncio.create_task(node._membership_loop()),
+        asyncio.create_task(node.presence.record_loop()),
+    ]
     await asyncio.sleep(0.5)
     for loop in loops:
         loop.cancel()
     await asyncio.gather(*loops, return_exceptions=True)
     assert membership.refreshes == 1  # the membership loop is stuck in its first pass
-    assert len(published) >= 4 and node.record_published_at is not None
+    assert len(published) >= 4 and node.presence.record_published_at is not None
 
 
 async def test_an_owner_whose_record_may_have_expired_does_not_publish() -> None:
@@ -727,7 +740,7 @@ async def test_an_owner_whose_record_may_have_expired_does_not_publish() -> None
     not handed on (the owner retires, fenced) until our record is stored again."""
     import time
 
-    from node.diloco.handoffs import LEASE_MARGIN_S
+    from node.peer.handoffs import LEASE_MARGIN_S
 
     node, membership = _node()
     membership.ttl_s = 20.0  # type: ignore[attr-defined]
@@ -746,14 +759,14 @@ async def test_an_owner_whose_record_may_have_expired_does_not_publish() -> None
         momentum=None,
         merged={},
     )
-    node.record_published_at = time.monotonic() - (20.0 - LEASE_MARGIN_S) + 2.0
-    assert await node._replicate(0, state) is None
-    node.record_published_at = time.monotonic() - (20.0 - LEASE_MARGIN_S) - 0.5
-    reason = await node._replicate(0, state)
+    node.presence.record_published_at = time.monotonic() - (20.0 - LEASE_MARGIN_S) + 2.0
+    assert await node.handoffs.replicate(0, state) is None
+    node.presence.record_published_at = time.monotonic() - (20.0 - LEASE_MARGIN_S) - 0.5
+    reason = await node.handoffs.replicate(0, state)
     assert (
         reason is not None
         and reason.startswith("fenced: our member record")
-        and node.lease_lapses == 1
+        and node.handoffs.lease_lapses == 1
     )
 
 
@@ -771,7 +784,7 @@ async def test_an_owner_handing_out_a_final_version_tells_its_replica_once() -> 
     owner = make_owner(
         plan, shapes_of(model, plan), 0, flat_of(model, plan, 0), FakeClock(), version=7
     )
-    owner.on_final = owner_node._final_declared  # as _start_owner wires it
+    owner.on_final = owner_node.handoffs.final_declared  # as _start_owner wires it
     owner_node.owners[0] = owner
     assert replica.replicas.offer(
         signer(1).peer_id, owner.snapshot()
@@ -780,18 +793,18 @@ async def test_an_owner_handing_out_a_final_version_tells_its_replica_once() -> 
     membership = FakeMembership(records={})
     membership.ranked = lambda swarm, p, n, exclude: [(signer(2).peer_id, "http://127.0.0.1:2")]  # type: ignore[attr-defined]
     owner_node.membership = membership  # type: ignore[assignment]
-    owner_node.expected_learners = lambda: 0  # type: ignore[method-assign]
-    owner_node.suspects = lambda: set()  # type: ignore[method-assign]
+    owner_node.expected.expected_learners = lambda: 0  # type: ignore[method-assign]
+    owner_node.presence.suspects = lambda: set()  # type: ignore[method-assign]
     tasks = _Tasks()
-    owner_node._tg = tasks  # type: ignore[assignment]
-    assert await owner_node._wait_final(owner, 1.0) is owner.latest
+    owner_node.started.tg = tasks  # type: ignore[assignment]
+    assert await owner_node.finals.wait(owner, 1.0) is owner.latest
     await tasks.done()
     assert [(s.version, s.final, s.theta, s.base_version) for s in sent] == [
         (7, True, (), 7)
     ]  # by reference
     held = replica.replicas.states[0]
     assert held.final and held.version == 7 and held.digest == owner.digest_of(7)
-    assert await owner_node._wait_final(owner, 1.0) is owner.latest
+    assert await owner_node.finals.wait(owner, 1.0) is owner.latest
     await tasks.done()
     assert len(sent) == 1
 
@@ -808,7 +821,7 @@ def _owning_node(*, latest: dict[int, int]) -> tuple[PeerNode, torch.Tensor, _Ta
     node = PeerNode(RunConfig(max_tokens_per_step=64), signer(1), model, plan)
     theta = flat_of(model, plan, 0)
     tasks = _Tasks()
-    node._tg = tasks  # type: ignore[assignment]
+    node.started.tg = tasks  # type: ignore[assignment]
     node.net = types.SimpleNamespace(
         latest={p: (v, theta) for p, v in latest.items()},  # type: ignore[assignment]
         island_initial={0: theta, 1: flat_of(model, plan, 1)},
@@ -823,12 +836,12 @@ async def test_an_owner_started_from_a_state_handed_out_as_final_holds_it_final(
 
     node, theta, tasks = _owning_node(latest={})
     told: list[int] = []
-    node._final_declared = lambda owner: told.append(owner.version)  # type: ignore[method-assign]
+    node.handoffs.final_declared = lambda owner: told.append(owner.version)  # type: ignore[method-assign]
     for final in (True, False):
         node.replicas.states[0] = Handed(
             0, 1, 12, b"\x07" * 32, theta.clone(), None, signer(2).peer_id, {}, final=final
         )
-        node._start_owner(0)
+        node.ownership._start_owner(0)
         owner = node.owners.pop(0)
         assert owner.version == 12 and owner.holds_final() is final
         assert (owner.final_hold() is not None) is final
@@ -844,15 +857,15 @@ async def test_an_owner_that_displaces_a_live_one_holds_its_first_merge_and_a_fa
     ``CATCH_UP_S``). A replica taking over from a dead owner starts from the state that owner
     handed it before publishing, and merges at once, as does one whose last seen owner has died
     (not a replica: the live one next in rank), and every owner at a swarm's start."""
-    from node.diloco.owning import CATCH_UP_S
     from node.diloco.replica import Handed
+    from node.peer.ownership import CATCH_UP_S
 
     node, theta, tasks = _owning_node(latest={0: 5})
     membership = FakeMembership(records={})
     membership.owner_of = lambda swarm, p, exclude: (signer(2).peer_id, "http://127.0.0.1:2")  # type: ignore[attr-defined]
     node.membership = membership  # type: ignore[assignment]
-    node.suspects = lambda: set()  # type: ignore[method-assign]
-    node._start_owner(0)
+    node.presence.suspects = lambda: set()  # type: ignore[method-assign]
+    node.ownership._start_owner(0)
     owner = node.owners.pop(0)
     held = owner.merger.held_until
     assert (
@@ -863,25 +876,25 @@ async def test_an_owner_that_displaces_a_live_one_holds_its_first_merge_and_a_fa
     node.replicas.states[0] = Handed(
         0, 1, 5, owner.digest_of(5), theta.clone(), None, signer(2).peer_id, {}
     )
-    node._start_owner(0)
+    node.ownership._start_owner(0)
     assert node.owners.pop(0).merger.held_until is None  # from the dead owner's handoff
     node.replicas.states.clear()
     # the owner the last ownership pass saw: taken from it while it lives, not once it is gone
     dead = signer(3).peer_id
-    node._last_owner[0] = dead
+    node.ownership._last_owner[0] = dead
     membership.members = {dead: _member(dead)}
-    node._start_owner(0)
+    node.ownership._start_owner(0)
     assert node.owners.pop(0).merger.held_until is not None
-    node.suspects = lambda: {dead}  # type: ignore[method-assign]
-    node._start_owner(0)
+    node.presence.suspects = lambda: {dead}  # type: ignore[method-assign]
+    node.ownership._start_owner(0)
     assert node.owners.pop(0).merger.held_until is None
-    node.suspects = lambda: set()  # type: ignore[method-assign]
+    node.presence.suspects = lambda: set()  # type: ignore[method-assign]
     membership.members = {}
-    node._start_owner(0)
+    node.ownership._start_owner(0)
     assert node.owners.pop(0).merger.held_until is None
     node.net.latest.clear()  # type: ignore[attr-defined]
-    node._last_owner.clear()
-    node._start_owner(0)
+    node.ownership._last_owner.clear()
+    node.ownership._start_owner(0)
     assert (
         node.owners.pop(0).merger.held_until is None
     )  # a swarm's start: nothing merged to hand over
@@ -951,7 +964,7 @@ def _ending_owner(members: dict[bytes, bool], **merge: object) -> tuple[PeerNode
     membership.learners = lambda: sum(m.record.learning for m in membership.members.values())  # type: ignore[attr-defined]
     membership.ranked = lambda *a, **k: []  # type: ignore[attr-defined]
     node.membership = membership  # type: ignore[assignment]
-    node.suspects = lambda: set()  # type: ignore[method-assign]
+    node.presence.suspects = lambda: set()  # type: ignore[method-assign]
     return node, owner, clock
 
 
@@ -964,12 +977,12 @@ async def test_a_member_claiming_to_learn_that_never_sends_does_not_hold_the_end
     declares the fragment final and says whom it did not wait for."""
     silent = signer(7).peer_id
     node, owner, clock = _ending_owner({signer(1).peer_id: False, silent: True})
-    assert await node._wait_final(owner, 0.2) is None  # owning since t = 1000: waits
+    assert await node.finals.wait(owner, 0.2) is None  # owning since t = 1000: waits
     clock.advance(119.0)
-    assert await node._wait_final(owner, 0.2) is None
+    assert await node.finals.wait(owner, 0.2) is None
     clock.advance(1.0)
     with caplog.at_level("WARNING", logger="atoll.peer"):
-        final = await node._wait_final(owner, 0.2)
+        final = await node.finals.wait(owner, 0.2)
     assert final is owner.latest and owner.holds_final
     assert (
         f"not waiting for member {silent.hex()[:8]}" in caplog.text
@@ -1004,11 +1017,11 @@ async def test_a_learner_still_sending_is_waited_for_until_three_of_its_interval
         assert (await _contribute(owner, learner)).accepted
     clock.advance(5.0)
     await owner.tick()
-    assert await node._wait_final(owner, 0.2) is None  # the end asked at t = 1025
+    assert await node.finals.wait(owner, 0.2) is None  # the end asked at t = 1025
     clock.advance(24.0)
-    assert await node._wait_final(owner, 0.2) is None  # t = 1049: 29 s quiet, still at work
+    assert await node.finals.wait(owner, 0.2) is None  # t = 1049: 29 s quiet, still at work
     clock.advance(1.0)
-    assert await node._wait_final(owner, 0.2) is owner.latest
+    assert await node.finals.wait(owner, 0.2) is owner.latest
     assert owner.version == 6  # its three contributions merged; nothing dropped
 
 
@@ -1025,7 +1038,7 @@ async def test_members_that_claim_to_learn_and_send_nothing_cannot_stall_the_mer
     node, owner, clock = _ending_owner(
         {pid: True for pid in real + fake}, quorum=1, quorum_fraction=0.5
     )
-    await node.tell_expected(owner)
+    await node.expected.tell_expected(owner)
     for pid in real:
         ack = await _contribute(owner, pid)  # 4 steps of 1 s: the usual interval 4 s
         assert ack.accepted and "quorum 5 (K = 5: 0.5 of the 10 learners expected)" in ack.reason
@@ -1033,22 +1046,22 @@ async def test_members_that_claim_to_learn_and_send_nothing_cannot_stall_the_mer
     await owner.tick()
     assert owner.version == 3 and owner.merger.contributors == set(real)  # these are never silent
     clock.advance(10.0)  # the fakes, seen at t = 1000, silent 11.5 s: still counted
-    await node.tell_expected(owner)
+    await node.expected.tell_expected(owner)
     await owner.tick()
     assert owner.version == 3
     clock.advance(0.5)
     with caplog.at_level("WARNING", logger="atoll.peer"):
-        waited = node.learner_ids_waited_for(owner)
+        waited = node.expected.learner_ids_waited_for(owner)
     assert (
         waited == set(real) and caplog.text.count("not waiting for member") == 7
     )  # the fakes, once each
     with caplog.at_level(
         "WARNING", logger="atoll.peer"
     ):  # the end's view (30 s floor), then the rounds' again
-        assert node.learner_ids_waited_for(owner, at_end=True) == set(real + fake)
-        assert node.learner_ids_waited_for(owner) == set(real)
+        assert node.expected.learner_ids_waited_for(owner, at_end=True) == set(real + fake)
+        assert node.expected.learner_ids_waited_for(owner) == set(real)
     assert caplog.text.count("not waiting for member") == 7  # not logged again
-    assert await node.tell_expected(owner) == 3 and owner.merger.learners == set(real)
+    assert await node.expected.tell_expected(owner) == 3 and owner.merger.learners == set(real)
     await owner.tick()
     assert owner.version == 4  # merged: the three learners' work
 
@@ -1063,7 +1076,7 @@ async def test_identities_that_stopped_without_contributing_do_not_shrink_the_me
     node, owner, clock = _ending_owner(
         {pid: True for pid in real + fake}, quorum=1, quorum_fraction=0.5
     )
-    node.finished_learners()  # the first read: all fifty seen learning
+    node.expected.finished_learners()  # the first read: all fifty seen learning
     members = node.membership.members  # type: ignore[union-attr]
 
     def stop(pid: bytes) -> None:
@@ -1073,9 +1086,9 @@ async def test_identities_that_stopped_without_contributing_do_not_shrink_the_me
 
     for pid in fake:
         stop(pid)
-    assert node.finished_learners() == 50
-    assert node.finished_learners_heard(owner) == 0
-    await node.tell_expected(owner)
+    assert node.expected.finished_learners() == 50
+    assert node.expected.finished_learners_heard(owner) == 0
+    await node.expected.tell_expected(owner)
     for pid in real[:2]:
         ack = await _contribute(owner, pid)
         assert ack.accepted and "(K = 2: 0.5 of the 3 learners expected)" in ack.reason
@@ -1084,16 +1097,16 @@ async def test_identities_that_stopped_without_contributing_do_not_shrink_the_me
     assert owner.version == 4 and "scaled" not in owner.merges[-1]
     stop(real[0])
     assert (
-        node.finished_learners_heard(owner) == 0
+        node.expected.finished_learners_heard(owner) == 0
     )  # one merge of its work: as good as a sybil's (issue 47)
     stop(real[1])
     ack = await _contribute(owner, real[0])  # its end-of-run flush, say: a second merge of its work
-    await node.tell_expected(owner)
+    await node.expected.tell_expected(owner)
     clock.advance(5.0)
     await owner.tick()
     assert owner.version == 5 and owner.merger.merges_of(real[0]) == 2
     assert (
-        node.finished_learners_heard(owner) == 1
+        node.expected.finished_learners_heard(owner) == 1
     )  # a learner whose work was taken twice, now finished
 
 
@@ -1109,7 +1122,7 @@ async def test_a_joining_peer_asks_the_next_members_when_the_presumed_owner_does
 
     import torch
 
-    import node.dht.presence as presence
+    import node.peer.presence as presence
     from node.state.sync import SyncFailed
 
     node, _ = _node()
@@ -1147,7 +1160,7 @@ async def test_a_joining_peer_asks_the_next_members_when_the_presumed_owner_does
         remember=lambda p, v, flat, digest: remembered.__setitem__(p, v),
         island=types.SimpleNamespace(deliver=lambda p, v, flat: None),
     )
-    await node._sync()
+    await node.presence.sync()
     assert remembered == {0: 11, 1: 11}
     assert asked == [(0, ids[0]), (1, ids[0]), (1, ids[1]), (1, ids[2])]
     # the owner, found second, has nothing newer than we hold: synced, and no warning either
@@ -1172,7 +1185,7 @@ async def test_a_joining_peer_asks_the_next_members_when_the_presumed_owner_does
 
     monkeypatch.setattr(presence, "sync_fragments", nothing_newer)
     with caplog.at_level("WARNING", logger="atoll.peer"):
-        await node._sync()
+        await node.presence.sync()
     assert remembered == {0: 11} and "state sync incomplete" not in caplog.text
 
 
@@ -1184,7 +1197,7 @@ async def test_a_new_owner_asks_the_next_ranked_members_for_its_predecessors_ver
     the fragment hands over its newer version before our first merge."""
     import types
 
-    import node.diloco.owning as owning
+    import node.peer.ownership as owning
     from protocol.errors import RemoteProtocolError
 
     monkeypatch.setattr(owning, "CATCH_UP_S", 3.0)
@@ -1202,7 +1215,7 @@ async def test_a_new_owner_asks_the_next_ranked_members_for_its_predecessors_ver
         return (7, newer.clone()) if after < 7 else None
 
     node.net = types.SimpleNamespace(fetch=fetch)  # type: ignore[assignment]
-    task = asyncio.create_task(node._run_owner(owner, ranking[0]))
+    task = asyncio.create_task(node.ownership._run_owner(owner, ranking[0]))
     try:
         async with asyncio.timeout(5.0):
             while owner.version != 7:

@@ -259,50 +259,37 @@ def test_a_recipe_whose_outer_step_cannot_run_is_refused_when_read(
 
 
 def test_finished_learners_are_counted_in_decoupled_swarms_and_only_once_seen_learning() -> None:
-    from types import SimpleNamespace
+    from protocol.diloco.expected import Claim, ExpectedLearners
 
-    from node.dht.presence import SwarmPresence
+    def view(**learning: bool) -> dict[bytes, Claim]:
+        return {k.encode(): Claim(learning=v, expires_at=2e9) for k, v in learning.items()}
 
-    def view(**learning: bool) -> SimpleNamespace:
-        return SimpleNamespace(
-            members={
-                k.encode(): SimpleNamespace(record=SimpleNamespace(learning=v))
-                for k, v in learning.items()
-            }
-        )
+    def expected(cfg: RunConfig, seen: set[bytes]) -> ExpectedLearners:
+        out = ExpectedLearners(mode=cfg.mode, provisioned=cfg.peers)
+        out.seen_learning |= seen
+        return out
 
-    node = SimpleNamespace(
-        cfg=RunConfig(outer_momentum=0.9),
-        _seen_learning=set(),
-        _finished=set(),
-        membership=view(a=True, b=True, c=False),
-    )  # c: joined, not yet training
-    count = SwarmPresence.finished_learners
-    assert count(node) == 0  # type: ignore[arg-type]
-    node.membership = view(a=True, b=False, c=False)  # b stopped; c never trained
-    assert count(node) == 1  # type: ignore[arg-type]
-    node.membership = view(a=False, c=False)  # a stopped, b's record expired: still finished
-    assert count(node) == 2  # type: ignore[arg-type]
-    node.membership = view(a=True, c=False)  # a trains again (restarted)
-    assert count(node) == 1  # type: ignore[arg-type]
-    plain = SimpleNamespace(
-        cfg=RunConfig(), _seen_learning={b"a"}, _finished=set(), membership=view(a=False)
-    )
-    assert count(plain) == 1  # type: ignore[arg-type]  # plain averaging: a straggler's work is a share too
+    count = expected(RunConfig(outer_momentum=0.9), set()).finished_count
+    assert count(view(a=True, b=True, c=False)) == 0  # c: joined, not yet training
+    assert count(view(a=True, b=False, c=False)) == 1  # b stopped; c never trained
+    assert count(view(a=False, c=False)) == 2  # a stopped, b's record expired: still finished
+    assert count(view(a=True, c=False)) == 1  # a trains again (restarted)
+    plain = expected(RunConfig(), {b"a"})
+    assert (
+        plain.finished_count(view(a=False)) == 1
+    )  # plain averaging: a straggler's work is a share too
     for cfg in (
         RunConfig(mode="sync"),
         RunConfig(outer_momentum=0.9, mode="sync"),
     ):  # sync rounds wait for all
-        rounds = SimpleNamespace(
-            cfg=cfg, _seen_learning={b"a"}, _finished=set(), membership=view(a=False)
-        )
-        assert count(rounds) == 0  # type: ignore[arg-type]
+        rounds = expected(cfg, {b"a"})
+        assert rounds.finished_count(view(a=False)) == 0
 
 
 def test_a_joiner_reads_the_steps_other_learners_claim_not_its_own_nor_idle_members() -> None:
     from types import SimpleNamespace
 
-    from node.dht.presence import SwarmPresence
+    from node.peer.presence import Presence
 
     def member(learning: bool, step: int) -> SimpleNamespace:
         return SimpleNamespace(record=SimpleNamespace(learning=learning, step=step))
@@ -319,5 +306,5 @@ def test_a_joiner_reads_the_steps_other_learners_claim_not_its_own_nor_idle_memb
             }
         ),
     )  # c: finished, or an owner that does not learn
-    assert sorted(SwarmPresence.learner_steps(node)) == [650, 700]  # type: ignore[arg-type]
-    assert SwarmPresence.learner_steps(SimpleNamespace(signer=node.signer, membership=None)) == []  # type: ignore[arg-type]
+    assert sorted(Presence.learner_steps(node)) == [650, 700]  # type: ignore[arg-type]
+    assert Presence.learner_steps(SimpleNamespace(signer=node.signer, membership=None)) == []  # type: ignore[arg-type]

@@ -336,13 +336,13 @@ async def test_a_learner_claiming_an_owners_address_does_not_cut_it_off(servers)
             swarm.record(liar, owner.url, roles=("learner",)),
         ]
         await node.membership.refresh()
-        await node._follow_manifest()  # a membership pass (today's main pinned here)
+        await node.presence.follow_manifest()  # a membership pass (today's main pinned here)
         status, buf, used, _ = await node.transport.request("GET", owner.url + MANIFEST_PATH)
         node.transport.pool.give(buf)
         assert status == 200 and owner.hits == [MANIFEST_PATH]
         assert node.owner_of(0) == (owner.signer.peer_id, owner.url)
         assert (
-            node.address_status()["address_disputes"] == 1
+            node.presence.address_status()["address_disputes"] == 1
             and liar.peer_id.hex() in node.status()["refused_members"]
         )
     finally:
@@ -363,12 +363,12 @@ async def test_a_key_that_does_not_match_its_pin_routes_around_the_member(server
             swarm.record(backup, "https://127.0.0.1:1"),
         ]
         await node.membership.refresh()
-        await node._follow_manifest()
-        node._tg = None  # no task group: the reconcile runs at the next pass
+        await node.presence.follow_manifest()
+        node.started.tg = None  # no task group: the reconcile runs at the next pass
         with pytest.raises(PinMismatch):
             await node.transport.request("GET", there.url + MANIFEST_PATH)
         assert claimant.peer_id in node.suspects() and there.hits == []
-        assert node.address_status()["pin_mismatches"] == 1
+        assert node.presence.address_status()["pin_mismatches"] == 1
         assert all(node.owner_of(p) == (backup.peer_id, "https://127.0.0.1:1") for p in range(2))
     finally:
         await node.transport.close()
@@ -398,7 +398,7 @@ async def test_a_liars_claim_neither_lures_every_pass_nor_hides_the_founders_rev
         await node.membership.refresh()
         assert liar.peer_id in node.membership.members
         for _ in range(5):  # five membership passes, records republished in between
-            await node._follow_manifest()
+            await node.presence.follow_manifest()
             dht.answer = [
                 swarm.record(honest, honest_server.url, version=v),
                 swarm.record(liar, lure.url, version=2**63 - 1),
@@ -409,7 +409,7 @@ async def test_a_liars_claim_neither_lures_every_pass_nor_hides_the_founders_rev
         assert lure.hits == [] and near.hits == [
             MANIFEST_PATH
         ]  # the near liar once, then backed off
-        counts = node.address_status()
+        counts = node.presence.address_status()
         assert counts["manifest_claim_failures"] == 1 and counts["manifest_claims_adopted"] == 1
         assert counts["manifest_claims_ignored"] >= 1
     finally:
@@ -423,7 +423,7 @@ async def test_a_joiner_syncs_state_pinned(monkeypatch) -> None:  # type: ignore
     node, dht = _client(swarm)
     owner = key()
     dht.answer = [swarm.record(owner, "https://127.0.0.1:9000")]
-    node.dht, node.net = types.SimpleNamespace(), types.SimpleNamespace()  # type: ignore[assignment]
+    node.started.dht, node.started.net = types.SimpleNamespace(), types.SimpleNamespace()  # type: ignore[assignment]
     pins_at_sync: list[dict[str, bytes]] = []
 
     async def sync() -> None:
@@ -432,9 +432,9 @@ async def test_a_joiner_syncs_state_pinned(monkeypatch) -> None:  # type: ignore
     async def nothing(*_: object) -> bool:
         return True
 
-    monkeypatch.setattr(node, "_sync", sync)
-    monkeypatch.setattr(node, "_publish_record", nothing)
-    monkeypatch.setattr(node, "_reconcile_owners", nothing)
+    monkeypatch.setattr(node.presence, "sync", sync)
+    monkeypatch.setattr(node.presence, "publish_record", nothing)
+    monkeypatch.setattr(node.ownership, "reconcile", nothing)
     await node._join([])
     assert pins_at_sync == [{"https://127.0.0.1:9000": swarm.cert(owner).tls_pin}]
 
@@ -445,7 +445,7 @@ async def test_a_claimant_that_never_answers_holds_a_pass_up_for_the_budget_only
     """A member that claims a newer manifest and never answers cost a membership pass a 10 s
     timeout each pass; now the pass spends at most ``CLAIMS_BUDGET_S`` on claims, the silent
     member is backed off, and the honest claim is adopted on the next pass."""
-    from node.dht import presence
+    from node.peer import presence
 
     monkeypatch.setattr(presence, "CLAIMS_BUDGET_S", 0.5, raising=False)
     swarm = Swarm()
@@ -464,10 +464,10 @@ async def test_a_claimant_that_never_answers_holds_a_pass_up_for_the_budget_only
         ]
         await node.membership.refresh()
         started = time.monotonic()
-        await node._follow_manifest()
+        await node.presence.follow_manifest()
         assert time.monotonic() - started < 2.0 and quiet.hits == [MANIFEST_PATH]
         assert node.credentials is not None and node.credentials.manifest.version < newer.version
-        await node._follow_manifest()
+        await node.presence.follow_manifest()
         assert node.credentials.manifest.version == newer.version and quiet.hits == [MANIFEST_PATH]
     finally:
         await node.transport.close()
@@ -487,15 +487,15 @@ async def test_an_address_taken_while_its_owner_was_away_goes_back_at_the_first_
         liar = key()
         dht.answer = [swarm.record(liar, owner.url)]  # the owner's record lapsed: only the liar's
         await node.membership.refresh()
-        await node._follow_manifest()
+        await node.presence.follow_manifest()
         dht.answer = [
             swarm.record(liar, owner.url),
             swarm.record(owner.signer, owner.url),
         ]  # the owner is back
         await node.membership.refresh()
         assert node.transport.pins[origin(owner.url)] == swarm.cert(liar).tls_pin  # held by records
-        node._tg = None
-        await node._probe_disputes()
+        node.started.tg = None
+        await node.presence.probe_disputes()
         assert node.transport.pins[origin(owner.url)] == swarm.cert(owner.signer).tls_pin
         assert (
             node.owner_of(0) == (owner.signer.peer_id, owner.url)
@@ -504,8 +504,8 @@ async def test_an_address_taken_while_its_owner_was_away_goes_back_at_the_first_
         assert node.membership.disputed() == [
             owner.url
         ]  # the liar still names it: probed again later only
-        await node._probe_disputes()
-        assert owner.hits == [] and node.address_status()["addresses_moved"] == 1
+        await node.presence.probe_disputes()
+        assert owner.hits == [] and node.presence.address_status()["addresses_moved"] == 1
         status, buf, _, _ = await node.transport.request("GET", owner.url + MANIFEST_PATH)
         node.transport.pool.give(buf)
         assert status == 200

@@ -1,4 +1,4 @@
-"""Which learners an owner's rounds wait for (``node.diloco.expected``), against identities that
+"""Which learners an owner's rounds wait for (``node.peer.expected``), against identities that
 register as learners and send little (issue 47), with a fake clock."""
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ async def test_identities_that_send_once_neither_stall_the_rounds_nor_shrink_the
     members = node.membership.members  # type: ignore[union-attr]
 
     async def honest_round() -> None:
-        await node.tell_expected(owner)
+        await node.expected.tell_expected(owner)
         for pid in real:
             await _contribute(owner, pid)  # 4 steps of 1 s
         clock.advance(4.0)
@@ -46,7 +46,7 @@ async def test_identities_that_send_once_neither_stall_the_rounds_nor_shrink_the
     assert owner.version == 7 and owner.merger.round_seconds() == 4.0
     for pid in sybils:  # they register, and each sends one contribution
         members[pid] = _learning(pid)
-    await node.tell_expected(owner)
+    await node.expected.tell_expected(owner)
     for pid in sybils:
         assert (await _contribute(owner, pid, step_time=1e6)).accepted
     clock.advance(4.0)
@@ -57,12 +57,15 @@ async def test_identities_that_send_once_neither_stall_the_rounds_nor_shrink_the
     for _ in range(10):  # 40 s of the three learners at work
         await honest_round()
     assert owner.version >= burst + 7  # waited for 12 s at most: a stall of three rounds, not 75
-    assert len(node.learner_ids_waited_for(owner)) == 3
+    assert len(node.expected.learner_ids_waited_for(owner)) == 3
     for pid in sybils:  # they say "stopped"
         members[pid] = dataclasses.replace(
             members[pid], record=dataclasses.replace(members[pid].record, learning=False)
         )
-    assert node.finished_learners() == 50 and node.finished_learners_heard(owner) == 0
+    assert (
+        node.expected.finished_learners() == 50
+        and node.expected.finished_learners_heard(owner) == 0
+    )
     before = owner.version
     await honest_round()
     assert owner.version == before + 1 and "scaled" not in owner.merges[-1]

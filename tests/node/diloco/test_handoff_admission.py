@@ -18,9 +18,9 @@ import torch
 from node.config import RunConfig
 from node.dht.membership import Member, MemberRecord
 from node.diloco.flat import flat_digest
-from node.diloco.handoffs import _FencedBy
 from node.diloco.replica import NOT_A_MEMBER, NotAMemberThere, encode_state, hand_over
 from node.peer import PeerNode
+from node.peer.handoffs import _FencedBy
 from protocol.diloco.replica import PREDECESSOR_LEAD
 from protocol.errors import RemoteProtocolError
 from protocol.wire.codec import encode
@@ -88,7 +88,7 @@ def _forged(
 
 
 async def _offer(node: PeerNode, sender, msg: ReplicaState) -> ReplicaAck:  # type: ignore[no-untyped-def]
-    return await node._on_replica_state(
+    return await node.ownership.on_replica_state(
         types.SimpleNamespace(
             peer_id=sender.peer_id,
             message=msg,  # type: ignore[arg-type]
@@ -209,7 +209,7 @@ async def test_an_unsigned_403_does_not_stop_a_primary_and_a_signed_not_a_member
 
 
 async def test_a_fenced_answer_that_names_no_fence_is_routed_around(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    from node.diloco import handoffs
+    from node.peer import handoffs
 
     node = _peer([OWNER.peer_id, ME.peer_id])
     answer = ReplicaAck(accepted=False, reason="fenced: trust me", epoch=0, version=0)
@@ -220,11 +220,11 @@ async def test_a_fenced_answer_that_names_no_fence_is_routed_around(monkeypatch)
     monkeypatch.setattr(handoffs, "hand_over", answering)
     state = dataclasses.replace(_state(), epoch=3, version=9)
     assert (
-        await node._hand_to(0, (ATTACKER.peer_id, "http://x"), state) is False
+        await node.handoffs._hand_to(0, (ATTACKER.peer_id, "http://x"), state) is False
     )  # no fence: not stopped
     answer = ReplicaAck(accepted=False, reason="fenced: epoch 4", epoch=4, version=8)
     with pytest.raises(_FencedBy):
-        await node._hand_to(0, (ATTACKER.peer_id, "http://x"), state)
+        await node.handoffs._hand_to(0, (ATTACKER.peer_id, "http://x"), state)
 
 
 def test_the_peer_level_attacks_parse_and_the_address_attacker_is_learner_only(tmp_path) -> None:  # type: ignore[no-untyped-def]

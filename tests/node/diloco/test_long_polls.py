@@ -25,13 +25,13 @@ LEARNER = signer(5).peer_id
 def _counting(node) -> list[int]:  # type: ignore[no-untyped-def]
     """Count the node's end-of-run checks (``tell_expected`` calls)."""
     calls = [0]
-    real = node.tell_expected
+    real = node.expected.tell_expected
 
     async def tell_expected(owner, *, at_end: bool = False) -> int:  # type: ignore[no-untyped-def]
         calls[0] += 1
         return await real(owner, at_end=at_end)
 
-    node.tell_expected = tell_expected
+    node.expected.tell_expected = tell_expected
     return calls
 
 
@@ -41,7 +41,7 @@ async def test_final_long_polls_share_one_membership_read_and_do_not_spin() -> N
     first read after the learner's "stopped" record appears."""
     node, owner, clock = _ending_owner({LEARNER: True})
     checks = _counting(node)
-    polls = [asyncio.create_task(node._wait_final(owner, 5.0)) for _ in range(10)]
+    polls = [asyncio.create_task(node.finals.wait(owner, 5.0)) for _ in range(10)]
     await asyncio.sleep(1.0)
     assert not any(p.done() for p in polls)
     reads = node.membership.refreshes
@@ -68,21 +68,23 @@ async def test_a_final_long_poll_wakes_when_the_owner_publishes() -> None:
     async def tell_expected(owner, *, at_end: bool = False) -> int:  # type: ignore[no-untyped-def]
         return waiting[0]
 
-    node.tell_expected = tell_expected
-    poll = asyncio.create_task(node._wait_final(owner, 20.0))
+    node.expected.tell_expected = tell_expected
+    poll = asyncio.create_task(node.finals.wait(owner, 20.0))
     await asyncio.sleep(0.05)  # waiting for the learner
     waiting[0] = 0  # the last learner's work arrives: merged at the end of its grace window
     assert (await _contribute(owner, LEARNER)).accepted and not owner.idle()
     await asyncio.sleep(0.1)
     assert not poll.done()
-    checks = node.final_checks
+    checks = node.finals.final_checks
     clock.advance(1.5)
     published = time.monotonic()
     await owner.tick()  # the grace window ends: merged and published
     final = await asyncio.wait_for(poll, 2.0)
     assert final is owner.latest and owner.version == 4
     assert time.monotonic() - published < 0.1
-    assert node.final_checks <= checks + 2  # woken by the publication (and at most one shared read)
+    assert (
+        node.finals.final_checks <= checks + 2
+    )  # woken by the publication (and at most one shared read)
 
 
 async def test_fresh_keys_do_not_buy_more_long_polls_from_one_address(
@@ -91,11 +93,12 @@ async def test_fresh_keys_do_not_buy_more_long_polls_from_one_address(
     """In an open swarm a key costs nothing: each fresh key got its own two-per-fragment cap, so
     one address held as many long-polls as it had keys. Now the address is capped whatever keys
     it names (an IPv6 sender at its /64, /56 and /48)."""
-    import node.diloco.serving as serving
+    import node.peer.serving as serving
+    from protocol.dht.netgroups import PrefixCounts
 
     monkeypatch.setattr(serving, "MAX_POLLS_PER_ADDRESS", 6)
     node, owner, _ = _ending_owner({})
-    node.__dict__.pop("_polls_by_address", None)
+    node.serving._polls_by_address = PrefixCounts(serving.MAX_POLLS_PER_ADDRESS)
 
     def poll(n: int, remote: str) -> object:
         request = make_mocked_request(
@@ -105,26 +108,28 @@ async def test_fresh_keys_do_not_buy_more_long_polls_from_one_address(
         return request
 
     attacker = "2a00:1450:4001:812::1"
-    held = [asyncio.create_task(node._on_fetch(poll(n, attacker))) for n in range(6)]
+    held = [asyncio.create_task(node.serving.on_fetch(poll(n, attacker))) for n in range(6)]
     await asyncio.sleep(0.05)
     with pytest.raises(Busy, match="whatever keys"):
-        await node._on_fetch(poll(99, attacker))
+        await node.serving.on_fetch(poll(99, attacker))
     for n in range(18):  # other /64s of the same /56: it holds 4 caps in all
         held.append(
-            asyncio.create_task(node._on_fetch(poll(100 + n, f"2a00:1450:4001:8{0x20 + n:02x}::1")))
+            asyncio.create_task(
+                node.serving.on_fetch(poll(100 + n, f"2a00:1450:4001:8{0x20 + n:02x}::1"))
+            )
         )
     await asyncio.sleep(0.05)
     assert not any(t.done() for t in held)
     with pytest.raises(Busy, match="/56"):
-        await node._on_fetch(poll(200, "2a00:1450:4001:8ff::1"))
+        await node.serving.on_fetch(poll(200, "2a00:1450:4001:8ff::1"))
     other = asyncio.create_task(
-        node._on_fetch(poll(500, "203.0.114.9"))
+        node.serving.on_fetch(poll(500, "203.0.114.9"))
     )  # another address is not affected
     await asyncio.sleep(0.05)
     assert not other.done()
     await owner.retire()
     await asyncio.gather(*held, other)
-    assert not node._polls_by_address.held and not node._long_polls
+    assert not node.serving._polls_by_address.held and not node.serving._long_polls
 
 
 async def test_status_is_cached_and_repeated_calls_cost_one_walk() -> None:

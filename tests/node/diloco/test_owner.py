@@ -387,7 +387,7 @@ async def test_a_quorum_above_the_live_learners_closes_once_a_record_lapses_not_
         signer(n).peer_id: Member(signer(n).peer_id, learner, live) for n in (2, 3, 4)
     }
     node.membership = membership
-    await owner.set_expected(node.expected_learners())
+    await owner.set_expected(node.expected.expected_learners())
     delta = torch.full_like(theta0, 0.01)
     for who in (signer(2), signer(3)):
         ack = await owner.contribute(who.peer_id, contribution(delta, shapes[0], owner=owner))
@@ -395,13 +395,13 @@ async def test_a_quorum_above_the_live_learners_closes_once_a_record_lapses_not_
     clock.advance(600.0)
     await owner.tick()
     await owner.set_expected(
-        node.expected_learners()
+        node.expected.expected_learners()
     )  # the third went quiet, its record still live
     assert owner.version == 0 and owner.merger.count == 2
     dead = signer(4).peer_id
     membership.members[dead] = Member(dead, learner, time.time() - 1.0)  # its record lapsed
-    assert node.expected_learners() == 2
-    await owner.set_expected(node.expected_learners())
+    assert node.expected.expected_learners() == 2
+    await owner.set_expected(node.expected.expected_learners())
     assert owner.version == 1 and owner.merges == [
         "quorum 2/2 (K = 3 lowered to the 2 learners expected) reached; grace window 0.00 s; "
         "closing with 2/2 contributions"
@@ -663,7 +663,7 @@ def _node_owner(
     version: int = 0,
 ):
     """A ``FragmentOwner`` configured as the node configures one from ``RunConfig``'s defaults
-    (``OwnedFragments._merge_cfg``/``_outer_cfg``): plain averaging, ``normed``, K = 1 at half
+    (``Ownership._merge_cfg``/``_outer_cfg``): plain averaging, ``normed``, K = 1 at half
     the learners, steps bounded to 2H, max_tokens_per_step set as a swarm sets it."""
     from node.diloco.owner import FragmentOwner
     from protocol.diloco.merge import MergeConfig

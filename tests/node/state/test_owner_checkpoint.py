@@ -11,7 +11,7 @@ import torch
 
 from node.config import RunConfig
 from node.diloco.replica import Handed
-from node.peer import PeerNode
+from node.peer import NodeOptions, PeerNode
 from node.state.owner_checkpoint import OwnerCheckpoints
 from tests.node.fakes import signer, tiny_model, tiny_plan
 
@@ -91,7 +91,7 @@ def test_a_peer_starts_with_its_owner_checkpoints_as_handed_states(tmp_path: Pat
     OwnerCheckpoints(tmp_path, cfg.swarm, numels).save(
         Handed(0, 2, 40, b"\x01" * 32, theta, None, b"", {})
     )
-    node = PeerNode(cfg, signer(1), model, plan, owner_checkpoint_dir=tmp_path)
+    node = PeerNode(cfg, signer(1), model, plan, NodeOptions(owner_checkpoint_dir=tmp_path))
     held = node.replicas.states[0]
     assert held.version == 40 and held.epoch == 2 and torch.equal(held.theta, theta)
     assert node.replicas.held[0].version == 40  # and a handoff older than it is refused
@@ -145,7 +145,11 @@ def test_crafted_owner_checkpoints_are_skipped_and_the_peer_starts(
     with caplog.at_level("WARNING", logger="node.state.owner_checkpoint"):
         assert OwnerCheckpoints(tmp_path, "atoll-local", numels).load() == {}
         node = PeerNode(
-            RunConfig(max_tokens_per_step=64), signer(1), model, plan, owner_checkpoint_dir=tmp_path
+            RunConfig(max_tokens_per_step=64),
+            signer(1),
+            model,
+            plan,
+            NodeOptions(owner_checkpoint_dir=tmp_path),
         )
     assert 1 not in node.replicas.states
     assert f"owner checkpoint {path} refused" in caplog.text

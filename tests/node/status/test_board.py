@@ -165,7 +165,7 @@ async def test_owner_counters_sum_into_totals_and_metrics() -> None:
     assert all(name.startswith("atoll_") for name in metrics)
     # a retired owner keeps its counts: the totals never go down
     node.owners.pop(0)
-    node._retired_owners[0] = [owner.counts]
+    node.ownership.retired[0] = [owner.counts]
     clock.advance(1.0)
     assert node.board.totals().owners.versions_published == 2
     assert node.board.totals().owners.fragments_owned == 0

@@ -1,5 +1,5 @@
-"""Serving global versions over HTTP (mixed into ``PeerNode``): an owner's ``latest``, ``next``
-and ``final`` routes and their long-polls, with the spread-or-serve decision of
+"""Serving global versions over HTTP (``VersionServer``): an owner's ``latest``, ``next`` and
+``final`` routes and their long-polls, with the spread-or-serve decision of
 ``protocol.diloco.spread`` for every version (``node.diloco.spread``), and the ``held`` route
 any peer answers with the versions it fetched.
 
@@ -7,31 +7,24 @@ Long-polls are capped per signing key (two per fragment) and per anonymous addre
 certified swarm (where a key costs nothing) also per address whatever the key, an IPv6 sender at
 its /64, /56 and /48 (``protocol.dht.netgroups.PrefixCounts``), so fresh keys do not buy more
 (loopback excepted: a local swarm's peers all poll from 127.0.0.1).
-The next one gets 429 at once, never a queue.
-
-A ``final`` long-poll waits on events, not a timer: the owner's publication or retirement
-(``FragmentOwner.wait_after``) and the next membership read (``SharedReads``: one read at a time,
-at most one per ``FINAL_READ_S``, shared by every waiter), which brings the last learners'
-"stopped" records and lets silence bounds run out.
+The next one gets 429 at once, never a queue. A ``final`` long-poll waits on events, not a timer
+(``node.peer.finals``).
 """
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import contextlib
-import functools
 import ipaddress
 import math
 import re
-import time
-from collections.abc import Awaitable, Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 
 from aiohttp import web
 
 from node.config import RunConfig
-from node.dht.membership import Membership
+from node.dht.swarm import SwarmCredentials
 from node.diloco.owner import FragmentOwner
 from node.diloco.spread import (
     FINAL_HELD_STATUS,
@@ -42,30 +35,23 @@ from node.diloco.spread import (
     answer,
     requester,
 )
+from node.peer.finals import FinalVersions
 from node.state.serve import ManifestCache, serve_manifest, serve_sealed, state_etag
 from node.wire.admission import ADMITTED
 from node.wire.connections import address_key
 from node.wire.transport import Busy, Transport
 from protocol.dht.netgroups import PrefixCounts
-from protocol.diloco.fragments import FragmentPlan
 from protocol.diloco.spread import Fanout, Serve, SpreadDecision
 from protocol.errors import DecodeError
-from protocol.wire.signing import Signer
-
-if TYPE_CHECKING:
-    from node.dht.swarm import SwarmCredentials
 
 __all__ = [
     "MAX_ANONYMOUS_POLLS_PER_IP",
     "MAX_POLLS_PER_ADDRESS",
     "MAX_WAIT_S",
-    "SharedReads",
-    "VersionServing",
+    "ServingConfig",
+    "VersionServer",
 ]
 
-FINAL_READ_S = (
-    0.5  # how often final long-poll waiters (all of them, together) read the member records
-)
 MAX_WAIT_S = 30.0  # the longest a long-poll (/v1/fragments/p/next, /final) is held
 MAX_ANONYMOUS_POLLS_PER_IP = 64  # long-polls held at once for requests that name no key
 # long-polls held at once per address, keys or not, outside certified swarms: under the 128
@@ -79,33 +65,6 @@ def _loopback(ip: str) -> bool:
         return ipaddress.ip_address(ip.partition("%")[0]).is_loopback
     except ValueError:
         return False
-
-
-class SharedReads:
-    """One ``read`` (a membership refresh) at a time, at most one per ``period_s``, shared by
-    everyone waiting for it: ``next_read`` returns once a read that began after the call ended."""
-
-    def __init__(
-        self,
-        read: Callable[[], Awaitable[object]],
-        period_s: float = FINAL_READ_S,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.read, self.period_s, self.clock = read, period_s, clock
-        self._lock = asyncio.Lock()
-        self._last = -math.inf
-        self.reads = 0  # reads done (for tests and status)
-
-    async def next_read(self) -> None:
-        done = self.reads
-        async with self._lock:  # one reader; the others wait here and find its read done
-            if self.reads != done:
-                return
-            await asyncio.sleep(max(0.0, self._last + self.period_s - self.clock()))
-            with contextlib.suppress(Exception):  # a failed read is retried by the next waiter
-                await self.read()
-            self._last = self.clock()
-            self.reads += 1
 
 
 def _holds_same(request: web.Request, owner: FragmentOwner, version: int) -> bool:
@@ -133,26 +92,51 @@ def _long_poll_query(request: web.Request) -> tuple[int, float]:
     return int(after), min(wait_s, MAX_WAIT_S)
 
 
-class VersionServing:
-    """The version routes of a peer (mixed into ``PeerNode``, which provides the attributes)."""
+@dataclass(frozen=True, slots=True)
+class ServingConfig:
+    """The swarm's config, its plan's fragment count, and this peer's id (its own learner's
+    fetches never leave the machine, nor count against a fanout)."""
 
-    cfg: RunConfig
-    plan: FragmentPlan
-    signer: Signer
-    transport: Transport
-    membership: Membership | None
-    owners: dict[int, FragmentOwner]
-    holdings: Holdings
-    spread: SpreadStats
-    replica_took: dict[int, tuple[int, bytes]]
-    model_bytes_served: collections.Counter[str]
-    _long_polls: collections.Counter[str]
-    _fanouts: dict[int, Fanout]
-    _manifests: ManifestCache
-    credentials: SwarmCredentials | None
+    run: RunConfig
+    n_fragments: int
+    peer_id: bytes
 
-    async def tell_expected(self, owner: FragmentOwner, *, at_end: bool = False) -> int:
-        raise NotImplementedError
+
+class VersionServer:
+    """The version routes of a peer: what its owners (``owners``, read only) publish, and what
+    its learner holds (``holdings``). ``replica_took``: per fragment, the version a replica took
+    from us and which replica (its learner needs no download); ``member_url``: a reachable
+    member's address; ``credentials``: the swarm's admission (None in a development swarm)."""
+
+    def __init__(
+        self,
+        config: ServingConfig,
+        transport: Transport,
+        owners: Mapping[int, FragmentOwner],
+        holdings: Holdings,
+        spread: SpreadStats,
+        finals: FinalVersions,
+        *,
+        replica_took: Mapping[int, tuple[int, bytes]],
+        member_url: Callable[[bytes], str | None],
+        credentials: SwarmCredentials | None,
+    ) -> None:
+        self.cfg, self.n_fragments, self.peer_id = config.run, config.n_fragments, config.peer_id
+        self.transport, self.owners, self.holdings, self.spread = (
+            transport,
+            owners,
+            holdings,
+            spread,
+        )
+        self.finals, self.replica_took, self._member_url = finals, replica_took, member_url
+        self.credentials = credentials
+        self.model_bytes_served: collections.Counter[str] = (
+            collections.Counter()
+        )  # key hex -> bytes
+        self._long_polls: collections.Counter[str] = collections.Counter()  # poller -> polls held
+        self._polls_by_address = PrefixCounts(MAX_POLLS_PER_ADDRESS)
+        self._fanouts: dict[int, Fanout] = {}  # fragment -> this owner's serve-or-point decisions
+        self._manifests = ManifestCache()
 
     @staticmethod
     def _fragment_index(request: web.Request) -> int:
@@ -170,7 +154,7 @@ class VersionServing:
             raise web.HTTPNotFound(text=f"fragment {p} is not owned here")
         return owner
 
-    async def _on_fetch(self, request: web.Request) -> web.StreamResponse:
+    async def on_fetch(self, request: web.Request) -> web.StreamResponse:
         kind = request.match_info["kind"]
         if kind == "held":  # any peer re-serves the versions it fetched (signed by their owners)
             return await self._on_held(request)
@@ -187,7 +171,7 @@ class VersionServing:
             )
         with self._long_poll(request):
             sealed = (
-                await self._wait_final(owner, wait_s)
+                await self.finals.wait(owner, wait_s)
                 if kind == "final"
                 else await owner.wait_after(after, wait_s)
             )
@@ -221,7 +205,7 @@ class VersionServing:
                 status=REPLICA_HELD_STATUS, headers={VERSION_HEADER: str(owner.version)}
             )
         decision: SpreadDecision = Serve("our own learner")
-        if asker != self.signer.peer_id:  # our own learner's fetch never leaves the machine
+        if asker != self.peer_id:  # our own learner's fetch never leaves the machine
             fanout = self._fanouts.get(p)
             if fanout is None:
                 fanout = self._fanouts[p] = Fanout(
@@ -268,13 +252,6 @@ class VersionServing:
                 self.spread,
             )
 
-    def _member_url(self, peer_id: bytes) -> str | None:
-        """The address of a reachable member (None for anyone else): where holders are fetched from."""
-        member = self.membership.members.get(peer_id) if self.membership is not None else None
-        if member is None or not member.record.url or not member.record.reachable:
-            return None
-        return member.record.url
-
     @contextlib.contextmanager
     def _long_poll(self, request: web.Request) -> Iterator[None]:
         """Count a held long-poll against its key (or address) and, outside certified swarms,
@@ -307,10 +284,6 @@ class VersionServing:
             if ip is not None:
                 self._polls_by_address.remove(ip)
 
-    @functools.cached_property
-    def _polls_by_address(self) -> PrefixCounts:
-        return PrefixCounts(MAX_POLLS_PER_ADDRESS)
-
     @staticmethod
     def _poller(request: web.Request) -> str:
         """Who holds a long-poll: its signing key when it sent one, else its address."""
@@ -322,7 +295,7 @@ class VersionServing:
     def _long_poll_cap(self, who: str) -> int:
         # a learner polls each fragment once (and its final version once): a key gets two per
         # fragment; an address may stand for many anonymous learners of an open swarm
-        per_key = 2 * len(self.plan.fragments) + 2
+        per_key = 2 * self.n_fragments + 2
         return per_key if who.startswith("key:") else MAX_ANONYMOUS_POLLS_PER_IP
 
     def _count_served(self, request: web.Request, size: int) -> None:
@@ -335,7 +308,7 @@ class VersionServing:
         if key in self.model_bytes_served or len(self.model_bytes_served) < 4096:
             self.model_bytes_served[key] += size
 
-    async def _on_manifest(self, request: web.Request) -> web.Response:
+    async def on_manifest(self, request: web.Request) -> web.Response:
         owner = self._fragment_owner(request)
         return await serve_manifest(
             request,
@@ -343,46 +316,3 @@ class VersionServing:
             etag=state_etag(owner.latest, owner.version),
             cache=self._manifests,
         )
-
-    async def _wait_final(self, owner: FragmentOwner, wait_s: float) -> Any:
-        """The final version, once no member is learning (members claiming to learn that have
-        sent nothing for their silence bound left out) and the last round is merged; None if
-        that takes longer than ``wait_s``. Checked again on each event that can change the
-        answer (see the module docstring), never on a timer of its own."""
-        deadline = time.monotonic() + wait_s
-        while not owner.retired:
-            self.final_checks += 1
-            if await self.tell_expected(owner, at_end=True) == 0 and owner.idle():
-                return owner.declare_final()  # the first time, its on_final tells the replica
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return None
-            await self._final_change(owner, left)
-        return None
-
-    async def _final_change(self, owner: FragmentOwner, timeout_s: float) -> None:
-        """Until ``owner`` publishes or retires, the next shared membership read ends (without a
-        membership: ``FINAL_READ_S``, for silence bounds to run out), or ``timeout_s``."""
-        waits = [asyncio.ensure_future(owner.wait_after(owner.version, timeout_s))]
-        if self.membership is not None:
-            waits.append(asyncio.ensure_future(self._final_reads.next_read()))
-        try:
-            await asyncio.wait(
-                waits,
-                timeout=timeout_s if self.membership is not None else min(timeout_s, FINAL_READ_S),
-                return_when=asyncio.FIRST_COMPLETED,
-            )
-        finally:
-            for w in waits:
-                w.cancel()
-            await asyncio.gather(*waits, return_exceptions=True)
-
-    final_checks = 0  # times a final long-poll checked whether the end is reached (one per event)
-
-    @functools.cached_property
-    def _final_reads(self) -> SharedReads:
-        return SharedReads(self._read_members)
-
-    async def _read_members(self) -> None:
-        if self.membership is not None:
-            await self.membership.refresh()

@@ -1,24 +1,23 @@
-"""A peer's presence in its swarm, as a part of ``PeerNode``: joining, its member record, and
-the view of the members that routing, ownership and admission read.
+"""A peer's presence in its swarm: joining, its member record, and the view of the members
+that routing, ownership and admission read (``Presence``).
 
-``SwarmPresence`` is a mixin: ``PeerNode`` provides the transport, the DHT node, the membership,
-the learner and the owners it names below.
-
-Joining (``_join``): bootstrap the DHT from the initial peers (``JOIN_ATTEMPTS`` tries, backing
+Joining (``join``): bootstrap the DHT from the initial peers (``JOIN_ATTEMPTS`` tries, backing
 off), ask one of them to dial us back (reachable peers may own fragments; the others are learners
 only), read the member list (which pins each member's TLS key to the address it holds, so that
-what follows never runs unpinned: ``_pin_members``), download every global fragment at its latest version from its
-current owner (``_sync``, verified against the owner's key), then publish our own member record.
-Only then may the rendezvous hash hand us fragments to own.
+what follows never runs unpinned: ``pin_members``), download every global fragment at its latest
+version from its current owner (``sync``, verified against the owner's key), then publish our own
+member record. Only then may the rendezvous hash hand us fragments to own.
 
-Our record (``_record_loop``): republished when it changes (within ``RECORD_CHECK_S``) or every
+Our record (``record_loop``): republished when it changes (within ``RECORD_CHECK_S``) or every
 ``REPUBLISH_S``, in a loop of its own, so that nothing the membership loop waits for can let it
-lapse. Membership (``_membership_loop``): read everyone's records, follow a newer swarm manifest
-(claims checked and backed off by ``ManifestClaims``), and reconcile the fragments we own, every ``MEMBERSHIP_PERIOD_S`` (``JOINING_PERIOD_S`` while ``wait_for_members`` waits for
-more). A member that refuses our connections is a suspect and routed around until it
-republishes (``suspects``), and so is one whose address answered with another TLS key than its
-pin (``_pin_mismatch``). A sealed request from a key that is no member is admitted after one
-rate-limited read of the records finds it (``_authorize``).
+lapse. The membership loop (``PeerNode``) reads everyone's records, follows a newer swarm
+manifest (``follow_manifest``: claims checked and backed off by ``ManifestClaims``), probes
+disputed addresses and reconciles the fragments we own, every ``MEMBERSHIP_PERIOD_S``
+(``JOINING_PERIOD_S`` while ``wait_for_members`` waits for more: ``pause``). A member that
+refuses our connections is a suspect and routed around until it republishes (``suspects``), and
+so is one whose address answered with another TLS key than its pin (``_pin_mismatch``). A sealed
+request from a key that is no member is admitted after one rate-limited read of the records
+finds it (``authorize``).
 """
 
 from __future__ import annotations
@@ -27,39 +26,31 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
-import functools
 import json
 import logging
+import math
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
+import torch
 from aiohttp import web
 
+from node.config import RunConfig
 from node.dht.bootstrap import DialBacks, MemberListings
+from node.dht.kademlia import DHTNode
 from node.dht.manifest_claims import ManifestClaims
-from node.dht.membership import Member, MemberRecord
-from node.dht.swarm import MANIFEST_PATH
-from node.diloco.expected import ExpectedLearners
+from node.dht.membership import Member, MemberRecord, Membership, manifest_hash
+from node.dht.swarm import MANIFEST_PATH, SwarmCredentials
 from node.diloco.flat import flat_digest
+from node.peer.started import Started
 from node.state.sync import SyncFailed, sync_fragments
 from node.wire.tls import origin
-from node.wire.transport import Busy
+from node.wire.transport import Busy, Transport
 from protocol.errors import DecodeError
 from protocol.wire.membership import MAX_MANIFEST_BYTES
+from protocol.wire.signing import Signer
 
-if TYPE_CHECKING:
-    import torch
-
-    from node.config import RunConfig
-    from node.dht.kademlia import DHTNode
-    from node.dht.membership import Membership
-    from node.dht.swarm import SwarmCredentials
-    from node.diloco.learner import IslandNet
-    from node.diloco.owner import FragmentOwner
-    from node.wire.transport import Transport
-    from protocol.wire.signing import Signer
-
-__all__ = ["JOINING_PERIOD_S", "MEMBERSHIP_PERIOD_S", "SwarmPresence"]
+__all__ = ["JOINING_PERIOD_S", "MEMBERSHIP_PERIOD_S", "Presence"]
 
 log = logging.getLogger("atoll.peer")
 
@@ -90,47 +81,60 @@ PROBE_EVERY_S = 60.0
 PROBE_TIMEOUT_S = 2.0
 
 
-class SwarmPresence(ExpectedLearners):
-    """Joining, the member record and the members' view (mixed into ``PeerNode``)."""
+class Presence:
+    """Joining, our member record and the members' view: who is a member, who owns a fragment,
+    whom we route around. ``started`` holds the DHT node, the membership and the learner once the
+    peer serves; ``on_suspect`` is called when a member is newly routed around (the peer moves
+    its fragments at once, not at the next membership pass)."""
 
-    cfg: RunConfig
-    signer: Signer
-    credentials: SwarmCredentials | None
-    transport: Transport
-    public_address: str | None
-    manifest: str
-    dht: DHTNode | None
-    membership: Membership | None
-    net: IslandNet | None
-    owners: dict[int, FragmentOwner]
-    shapes: list[list[tuple[int, ...]]]
-    reachable: bool
-    learning: bool
-    step: int
-    awaited_members: int
-    record_published_at: float | None
-    synced: dict[int, tuple[int, torch.Tensor]]
-    member_lookups: int
-    _tg: asyncio.TaskGroup | None
-    _suspect_since: dict[bytes, float]
-    _seen_learning: set[bytes]
-    _finished: set[bytes]
-    _lookup_lock: asyncio.Lock
-    _last_lookup: float
-    _unknown: collections.OrderedDict[bytes, float]
+    def __init__(
+        self,
+        cfg: RunConfig,
+        signer: Signer,
+        transport: Transport,
+        started: Started,
+        *,
+        shapes: list[list[tuple[int, ...]]],
+        credentials: SwarmCredentials | None,
+        public_address: str | None,
+        on_suspect: Callable[[], None],
+    ) -> None:
+        self.cfg, self.signer, self.transport, self.started = cfg, signer, transport, started
+        self.shapes, self.credentials, self.public_address = shapes, credentials, public_address
+        self.on_suspect = on_suspect
+        self.manifest = manifest_hash(cfg)
+        self.reachable = False
+        self.learning = True
+        self.step = 0
+        self.awaited_members = 0  # wait_for_members: read members often until this many are seen
+        self.record_published_at: float | None = None  # monotonic time our record was last stored
+        self.synced: dict[int, tuple[int, torch.Tensor]] = {}
+        self.member_lookups = 0
+        self._suspect_since: dict[bytes, float] = {}  # peer id -> when it failed us (wall clock)
+        self._lookup_lock = asyncio.Lock()
+        self._last_lookup = -math.inf
+        self._unknown: collections.OrderedDict[bytes, float] = collections.OrderedDict()
+        self._probed: dict[str, float] = {}  # disputed address -> when we last dialled it
+        self._manifest_claims = ManifestClaims()
+        self._dialbacks = DialBacks()
+        self._listings = MemberListings(only=cfg.swarm)
 
-    if TYPE_CHECKING:  # ``OwnedFragments``'s (declared only: a stub here would shadow it)
+    @property
+    def membership(self) -> Membership | None:
+        return self.started.membership
 
-        async def _reconcile_owners(self) -> None: ...
+    @property
+    def dht(self) -> DHTNode | None:
+        return self.started.dht
 
-    def _is_member(self, peer_id: bytes) -> bool:
+    def is_member(self, peer_id: bytes) -> bool:
         """A member whose record passed the certificate checks and that may learn (contribute)."""
         member = self.membership.members.get(peer_id) if self.membership is not None else None
         return member is not None and (member.cert is None or "learner" in member.cert.roles)
 
-    async def _authorize(self, peer_id: bytes) -> bool:
+    async def authorize(self, peer_id: bytes) -> bool:
         """A member, or a key whose member record a (rate-limited) read of the DHT finds."""
-        if self._is_member(peer_id):
+        if self.is_member(peer_id):
             return True
         if self.membership is None:
             return False
@@ -140,7 +144,7 @@ class SwarmPresence(ExpectedLearners):
         arrived = time.monotonic()
         async with self._lookup_lock:
             if (
-                not self._is_member(peer_id)
+                not self.is_member(peer_id)
                 and time.monotonic() - self._last_lookup >= MEMBER_LOOKUP_GAP_S
             ):
                 self._last_lookup = time.monotonic()
@@ -149,7 +153,7 @@ class SwarmPresence(ExpectedLearners):
                     await self.membership.refresh()
                 except Exception as exc:  # the DHT may be unreachable; the key is refused for now
                     log.warning("member lookup for %s failed: %r", peer_id.hex()[:8], exc)
-        if self._is_member(peer_id):
+        if self.is_member(peer_id):
             log.info("member %s found on lookup", peer_id.hex()[:8])
             return True
         if self._last_lookup < arrived:
@@ -182,7 +186,7 @@ class SwarmPresence(ExpectedLearners):
             if pid in live and live[pid].expires_at - ttl <= since
         }
 
-    def _unreachable(self, peer_id: bytes) -> None:
+    def unreachable(self, peer_id: bytes) -> None:
         if self.membership is None or peer_id == self.signer.peer_id:
             return
         member = self.membership.members.get(peer_id)
@@ -193,8 +197,7 @@ class SwarmPresence(ExpectedLearners):
                 member.record.url,
             )
             self._suspect_since[peer_id] = time.time()
-            if self._tg is not None:  # move its fragments now, not at the next membership pass
-                self._tg.create_task(self._reconcile_owners())
+            self.on_suspect()  # move its fragments now, not at the next membership pass
 
     def my_record(self) -> MemberRecord:
         cred = self.credentials
@@ -218,7 +221,14 @@ class SwarmPresence(ExpectedLearners):
     def url(self) -> str:
         return self.public_address or self.transport.url
 
-    async def _record_loop(self) -> None:
+    def member_url(self, peer_id: bytes) -> str | None:
+        """The address of a reachable member (None for anyone else): where holders are fetched from."""
+        member = self.membership.members.get(peer_id) if self.membership is not None else None
+        if member is None or not member.record.url or not member.record.reachable:
+            return None
+        return member.record.url
+
+    async def record_loop(self) -> None:
         """Keep our member record live: republish it when it changes or every ``REPUBLISH_S``.
 
         A loop of its own: the membership loop's reads, handoffs and the merges it starts
@@ -236,7 +246,7 @@ class SwarmPresence(ExpectedLearners):
             )
             if changed or time.monotonic() - (self.record_published_at or 0.0) > REPUBLISH_S:
                 try:
-                    if await self._publish_record(record):
+                    if await self.publish_record(record):
                         published = record
                     else:
                         log.debug("publishing our member record: no node took it")
@@ -246,7 +256,7 @@ class SwarmPresence(ExpectedLearners):
                     log.debug("publishing our member record failed: %r", exc)
             await asyncio.sleep(RECORD_CHECK_S)
 
-    async def _publish_record(self, record: MemberRecord) -> bool:
+    async def publish_record(self, record: MemberRecord) -> bool:
         """Store our record; when a node took it, note the time (from before the store: its TTL
         runs from no earlier than that) as ``record_published_at``, the owners' lease."""
         assert self.membership is not None
@@ -256,19 +266,7 @@ class SwarmPresence(ExpectedLearners):
         self.record_published_at = started
         return True
 
-    async def _membership_loop(self) -> None:
-        assert self.membership is not None
-        while True:
-            with contextlib.suppress(Exception):
-                await self.membership.refresh()
-            await self._follow_manifest()
-            await self._probe_disputes()
-            await self._reconcile_owners()
-            for owner in list(self.owners.values()):
-                await self.tell_expected(owner)
-            await self._membership_pause()
-
-    async def _membership_pause(self) -> None:
+    async def pause(self) -> None:
         """``MEMBERSHIP_PERIOD_S``, cut to ``JOINING_PERIOD_S`` while fewer members are seen than
         ``wait_for_members`` awaits (it may start waiting while a pause is under way)."""
         assert self.membership is not None
@@ -277,7 +275,7 @@ class SwarmPresence(ExpectedLearners):
             if len(self.membership.members) < self.awaited_members:
                 return
 
-    def _pin_members(self) -> None:
+    def pin_members(self) -> None:
         """Have the transport pin each address to the key of the member that holds it: the
         membership's own pin table (``Membership.pins``), kept current by every read, so a
         member's pin is set by the read that finds it and goes with its record. A server that
@@ -301,13 +299,9 @@ class SwarmPresence(ExpectedLearners):
                 got.hex()[:16] or "none",
                 expected.hex()[:16],
             )
-            self._unreachable(holder)
+            self.unreachable(holder)
 
-    @functools.cached_property
-    def _probed(self) -> dict[str, float]:
-        return {}  # disputed address -> when we last dialled it (time.monotonic)
-
-    async def _probe_disputes(self) -> None:
+    async def probe_disputes(self) -> None:
         """Dial one disputed address not dialled in the last ``PROBE_EVERY_S``: a key there that
         is not its holder's pin hands it to the claimant whose key it is (``_pin_mismatch``)."""
         if self.membership is None:
@@ -321,17 +315,13 @@ class SwarmPresence(ExpectedLearners):
                 continue
             self._probed[url] = now
             try:  # no request byte leaves before the key is checked against the holder's pin
-                _, buf, _, _ = await self.transport.request(
+                async with self.transport.reply(
                     "HEAD", url + MANIFEST_PATH, timeout_s=PROBE_TIMEOUT_S
-                )
-                self.transport.pool.give(buf)
+                ):
+                    pass
             except Exception as exc:  # a mismatch is handled on the way (``_pin_mismatch``)
                 log.info("disputed address %s: %r", url, exc)
             return
-
-    @functools.cached_property
-    def _manifest_claims(self) -> ManifestClaims:
-        return ManifestClaims()
 
     def address_status(self) -> dict[str, int]:
         """What members' addresses and manifest claims cost us, for ``/v1/status``: reads that
@@ -350,11 +340,11 @@ class SwarmPresence(ExpectedLearners):
         )
         return {**counts, **self._manifest_claims.status()}
 
-    async def _follow_manifest(self) -> None:
+    async def follow_manifest(self) -> None:
         """Keep the pins current, and adopt a newer swarm manifest that a member claims: claims
         within reach tried highest first, a member whose claim failed backed off
         (``ManifestClaims``); the fetch is capped, the parse runs off the loop (``parse``)."""
-        self._pin_members()
+        self.pin_members()
         if self.credentials is None or self.membership is None:
             return
         claims, deadline = self._manifest_claims, time.monotonic() + CLAIMS_BUDGET_S
@@ -391,39 +381,28 @@ class SwarmPresence(ExpectedLearners):
         it if newer. Raises ``Busy`` while another manifest is being parsed, anything else for a
         failure."""
         assert self.credentials is not None
-        status, buf, used, _ = await self.transport.request(
+        async with self.transport.reply(
             "GET", m.record.url + MANIFEST_PATH, timeout_s=timeout_s, max_reply=MAX_MANIFEST_BYTES
-        )
-        try:
-            body = bytes(memoryview(buf)[:used])
-        finally:
-            self.transport.pool.give(buf)
+        ) as r:
+            status, body = r.status, bytes(r.body)
         if status != 200:
             raise DecodeError(f"answered {status}")
         return self.credentials.adopt(await self.credentials.parse(body))
 
-    async def _on_dialback(self, request: web.Request) -> web.Response:
+    async def on_dialback(self, request: web.Request) -> web.Response:
         """Ping the requester's DHT node at its own address (a joining peer asks whether it can be
         dialled); rate-limited per address, see ``DialBacks``."""
         assert self.dht is not None
         return await self._dialbacks.answer(request, self.dht)
 
-    async def _on_members(self, request: web.Request) -> web.Response:
+    async def on_members(self, request: web.Request) -> web.Response:
         """This swarm's members, from a cache refreshed at most every couple of seconds; other
         swarms' names get 404 without a DHT lookup."""
         assert self.dht is not None
         return await self._listings.answer(request, self.dht)
 
-    @functools.cached_property
-    def _dialbacks(self) -> DialBacks:
-        return DialBacks()
-
-    @functools.cached_property
-    def _listings(self) -> MemberListings:
-        return MemberListings(only=self.cfg.swarm)
-
-    async def _join(self, initial_peers: list[str]) -> None:
-        assert self.dht is not None and self.membership is not None and self.net is not None
+    async def join(self, initial_peers: list[str]) -> None:
+        assert self.dht is not None and self.membership is not None
         if initial_peers:
             reached = 0
             for attempt in range(JOIN_ATTEMPTS):  # a lossy network may drop the first tries
@@ -444,28 +423,20 @@ class SwarmPresence(ExpectedLearners):
                     break
         else:
             self.reachable = True  # the first peer: others will reach it through its address
-        self._pin_members()  # before the first read: state sync below runs pinned
+        self.pin_members()  # before the first read: state sync below runs pinned
         await self.membership.refresh()
         if self.membership.owner_candidates():
-            await self._sync()
-        await self._publish_record(self.my_record())
+            await self.sync()
+        await self.publish_record(self.my_record())
         await self.membership.refresh()
-        await self._reconcile_owners()
-        log.info(
-            "joined swarm %s: %d members, reachable=%s",
-            self.cfg.swarm,
-            len(self.membership.members),
-            self.reachable,
-        )
 
     async def _dialback(self, initial_peers: list[str]) -> bool:
         for base in initial_peers:
             with contextlib.suppress(Exception):
-                status, buf, used, _ = await self.transport.request(
+                async with self.transport.reply(
                     "GET", f"{base.rstrip('/')}/v1/dialback?url={self.url}", timeout_s=10
-                )
-                body = bytes(memoryview(buf)[:used])
-                self.transport.pool.give(buf)
+                ) as r:
+                    status, body = r.status, bytes(r.body)
                 if status == 200:
                     answer = json.loads(body)
                     return (
@@ -474,7 +445,7 @@ class SwarmPresence(ExpectedLearners):
                     )
         return False
 
-    async def _sync(self) -> None:
+    async def sync(self) -> None:
         """Download every fragment's latest version from its current owner (not us).
 
         Which member owns a fragment now is a guess from our first read of the members: the one
@@ -484,9 +455,10 @@ class SwarmPresence(ExpectedLearners):
         every learner's work as ahead of it for the rest of the run). So a fragment the guess
         failed for is asked of the next-ranked members, up to ``SYNC_SOURCES`` in all; only its
         owner answers, with a version it signed itself."""
-        assert self.membership is not None and self.net is not None
+        net = self.started.net
+        assert self.membership is not None and net is not None
         me, n = self.signer.peer_id, len(self.shapes)
-        held = [self.net.latest.get(p, (0, None))[0] for p in range(n)]
+        held = [net.latest.get(p, (0, None))[0] for p in range(n)]
         candidates = [
             self.membership.ranked(self.cfg.swarm, p, SYNC_SOURCES, exclude={me}) for p in range(n)
         ]
@@ -531,15 +503,15 @@ class SwarmPresence(ExpectedLearners):
                 "; ".join(f"fragment {p}: {why}" for p, why in sorted(failed.items())),
             )
         for p, (version, flat) in got.items():
-            jump = self.net.version_jump(p, version)
+            jump = net.version_jump(p, version)
             if jump is not None:
                 log.warning("state sync: fragment %d refused: %s", p, jump)
-                self.net.stats.version_jumps += 1
+                net.stats.version_jumps += 1
                 continue
-            self.net.remember(
+            net.remember(
                 p, version, flat, await asyncio.to_thread(flat_digest, flat)
             )  # off the loop
-            self.net.island.deliver(p, version, flat)
+            net.island.deliver(p, version, flat)
         self.synced = got
 
     def learner_steps(self) -> list[int]:

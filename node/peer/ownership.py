@@ -1,11 +1,11 @@
-"""Owning fragments, as a part of ``PeerNode``: which fragments this peer owns by its view of
-the members, starting and stopping their ``FragmentOwner``s, and the owners' training routes.
+"""Owning fragments (``Ownership``): which fragments this peer owns by its view of the members,
+starting and stopping their ``FragmentOwner``s, the owners' training routes, and what a handoff
+taken in means for them (the handoffs themselves: ``node.peer.handoffs``).
 
-``OwnedFragments`` is a mixin: ``PeerNode`` provides the membership, the learner, the replica
-store and the handoffs (``node.diloco.handoffs``). ``_reconcile_owners`` runs after every
-membership read: a fragment the view hands us is owned from the state a previous owner handed
-us (or the newest version we hold), one the view moves away is retired and handed on; an owner
-fenced off steps back for ``FENCE_BACKOFF_S`` unless a newer state was handed to us.
+``reconcile`` runs after every membership read: a fragment the view hands us is owned from the
+state a previous owner handed us (or the newest version we hold), one the view moves away is
+retired and handed on; an owner fenced off steps back for ``FENCE_BACKOFF_S`` unless a newer
+state was handed to us.
 """
 
 from __future__ import annotations
@@ -16,31 +16,40 @@ import functools
 import itertools
 import logging
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
+from node.config import RunConfig
+from node.dht.membership import Membership
 from node.diloco.flat import encode_flat, flat_from_tensors
 from node.diloco.owner import FragmentOwner, OwnerCounts
+from node.diloco.replica import Handed, ReplicaStore
 from node.diloco.succession import measured_updates
 from node.diloco.validation import Evaluator, OwnerValidation
+from node.peer.finals import FinalVersions
+from node.peer.handoffs import Handoffs, TakenIn, supersedes
+from node.peer.started import Started
+from node.peer.view import MemberView
+from node.wire.transport import Transport
+from protocol.diloco.fragments import FragmentPlan
 from protocol.diloco.interval import interval
 from protocol.diloco.merge import MergeConfig
 from protocol.diloco.outer import OuterConfig
 from protocol.diloco.validation import ValidationConfig
 from protocol.errors import NotAuthorized, UnknownFragment
-from protocol.wire.messages import Ack, Contribution, ReplicaState
+from protocol.wire.messages import Ack, Contribution, ReplicaAck, ReplicaState
 from protocol.wire.signing import Opened, Signer
 
-if TYPE_CHECKING:
-    from node.config import RunConfig
-    from node.dht.membership import Membership
-    from node.diloco.learner import IslandNet
-    from node.diloco.replica import Handed, ReplicaStore
-    from protocol.diloco.fragments import FragmentPlan
-
-__all__ = ["CATCH_UP_S", "FENCE_BACKOFF_S", "RETIRE_MERGE_WAIT_S", "OwnedFragments"]
+__all__ = [
+    "CATCH_UP_S",
+    "FENCE_BACKOFF_S",
+    "RETIRE_MERGE_WAIT_S",
+    "Ownership",
+    "OwnershipConfig",
+]
 
 log = logging.getLogger("atoll.peer")
 
@@ -52,55 +61,74 @@ FENCE_BACKOFF_S = (
 RETIRE_MERGE_WAIT_S = 10.0  # a retiring owner lets a merge under way finish this long
 
 
-class OwnedFragments:
-    """The fragments a peer owns (mixed into ``PeerNode``, which provides the attributes)."""
+@dataclass(frozen=True, slots=True)
+class OwnershipConfig:
+    """What owners are built from: the swarm's config, the plan and its tensors' shapes, the
+    validation set (None: validated publication off) and where owners log their merges."""
 
-    cfg: RunConfig
+    run: RunConfig
     plan: FragmentPlan
-    signer: Signer
     shapes: list[list[tuple[int, ...]]]
-    membership: Membership | None
-    net: IslandNet | None
-    replicas: ReplicaStore
-    owners: dict[int, FragmentOwner]
-    evaluator: Evaluator | None
-    event_log_dir: Path | None
-    _owner_tasks: dict[int, asyncio.Task[None]]
-    _retired_owners: dict[
-        int, list[OwnerCounts]
-    ]  # per fragment: the earlier retired owners folded, the last
-    _fenced_until: dict[int, float]
-    _last_owner: dict[int, bytes]
-    _tg: asyncio.TaskGroup | None
+    evaluator: Evaluator | None = None
+    event_log_dir: Path | None = None
 
-    def owner_of(self, p: int) -> tuple[bytes, str] | None:
-        raise NotImplementedError
 
-    def suspects(self) -> set[bytes]:
-        raise NotImplementedError
+class Ownership:
+    """The fragments a peer owns, their ``FragmentOwner``s and their handoffs (``handoffs``).
+    ``on_publish`` hears of every version an owner publishes, ``on_taken`` of every handoff
+    taken in (the peer fences, checkpoints and announces them)."""
 
-    def _published(self, fragment: int, version: int, digest: bytes) -> None:
-        raise NotImplementedError
+    def __init__(
+        self,
+        config: OwnershipConfig,
+        signer: Signer,
+        transport: Transport,
+        started: Started,
+        view: MemberView,
+        finals: FinalVersions,
+        *,
+        on_publish: Callable[[int, int, bytes], None],
+        on_taken: Callable[[int, int, bytes], None],
+    ) -> None:
+        self.cfg, self.plan, self.shapes = config.run, config.plan, config.shapes
+        self.evaluator, self.event_log_dir = config.evaluator, config.event_log_dir
+        self.signer, self.started, self.view, self.finals = signer, started, view, finals
+        self.on_publish = on_publish
+        numels = [sum(int(torch.Size(s).numel()) for s in shapes) for shapes in self.shapes]
+        self.replicas = ReplicaStore(self.cfg.swarm, numels)
+        self.owners: dict[int, FragmentOwner] = {}
+        # per fragment, what is kept of the owners this peer retired: the earlier ones folded, the last
+        self.retired: dict[int, list[OwnerCounts]] = {}
+        self._owner_tasks: dict[int, asyncio.Task[None]] = {}
+        self._fenced_until: dict[int, float] = {}
+        self._last_owner: dict[int, bytes] = {}  # per fragment, the owner the last pass saw
+        self.handoffs = Handoffs(
+            self.cfg,
+            signer,
+            transport,
+            started,
+            view,
+            self.replicas,
+            owners=self.owners,
+            last_owner=self._last_owner,
+            on_taken=on_taken,
+        )
 
-    if TYPE_CHECKING:  # provided by the other mixins (handoffs, serving): no stub may shadow them
+    @property
+    def membership(self) -> Membership | None:
+        return self.started.membership
 
-        async def _replicate(
-            self,
-            p: int,
-            state: ReplicaState,
-            update: ReplicaState | None = None,
-            theta_digest: bytes | None = None,
-        ) -> str | None: ...
+    def cancel_tasks(self) -> None:
+        """Cancel every owner's task (the peer is stopping)."""
+        for task in self._owner_tasks.values():
+            task.cancel()
 
-        async def _hand_on(
-            self, p: int, target: tuple[bytes, str], state: ReplicaState
-        ) -> None: ...
+    def reconcile_soon(self) -> None:
+        """Reconcile now in a task of its own (a member was found dead, or handed us a state)."""
+        if self.started.tg is not None:
+            self.started.tg.create_task(self.reconcile())
 
-        async def _wait_final(self, owner: FragmentOwner, wait_s: float) -> object: ...
-
-        def _final_declared(self, owner: FragmentOwner) -> None: ...
-
-    async def _reconcile_owners(self) -> None:
+    async def reconcile(self) -> None:
         now = time.monotonic()
         for p in range(len(self.plan.fragments)):
             running = self.owners.get(p)
@@ -116,7 +144,7 @@ class OwnedFragments:
                     )  # another owner took over: step back
                     continue
                 # else a newer state was handed to us: own again from it at once (below)
-            owner = self.owner_of(p)
+            owner = self.view.owner_of(p)
             mine = owner is not None and owner[0] == self.signer.peer_id
             if mine and p not in self.owners and now >= self._fenced_until.get(p, 0.0):
                 self._start_owner(p)
@@ -128,12 +156,14 @@ class OwnedFragments:
                 await retired.retire(
                     finish_merge_s=RETIRE_MERGE_WAIT_S
                 )  # a merge under way ends first
-                if owner is not None and self._tg is not None:  # hand our state on: nothing is lost
-                    self._tg.create_task(self._hand_on(p, owner, retired.snapshot()))
+                if (
+                    owner is not None and self.started.tg is not None
+                ):  # hand our state on: nothing is lost
+                    self.started.tg.create_task(self.handoffs.hand_on(p, owner, retired.snapshot()))
             if owner is not None:
                 self._last_owner[p] = owner[0]
-        if self.net is not None:
-            self.net.owners_changed()  # work accepted by an owner that has gone is sent again now
+        if self.started.net is not None:
+            self.started.net.owners_changed()  # work accepted by an owner that has gone is sent again now
 
     def _drop_owner(self, p: int, *, finish_merge: bool = False) -> FragmentOwner:
         """Stop owning ``p``. With ``finish_merge`` a merge under way is not cancelled: its
@@ -142,12 +172,12 @@ class OwnedFragments:
         retired = self.owners.pop(p)
         # its counts for the report (its state goes), kept live while a merge under way may
         # still finish; the fragment's earlier retired owners' are folded into one
-        kept = self._retired_owners.setdefault(p, [])
+        kept = self.retired.setdefault(p, [])
         if len(kept) == 2:
             kept[0].fold(kept.pop())
         kept.append(retired.counts)
         task = self._owner_tasks.pop(p)
-        if finish_merge and self._tg is not None:
+        if finish_merge and self.started.tg is not None:
 
             async def cancel_after_retire() -> None:
                 with contextlib.suppress(TimeoutError):
@@ -155,7 +185,7 @@ class OwnedFragments:
                         await retired.wait_retired()
                 task.cancel()
 
-            self._tg.create_task(cancel_after_retire())
+            self.started.tg.create_task(cancel_after_retire())
         else:
             task.cancel()
         return retired
@@ -164,8 +194,8 @@ class OwnedFragments:
         """Own fragment ``p``: from the state a previous owner handed us (its global fragment,
         momentum and version, under a higher epoch) when it is not behind what we hold, else
         from the newest version we hold."""
-        assert self.net is not None and self._tg is not None
-        version, flat = self.net.latest.get(p, (0, self.net.island_initial[p]))
+        assert self.started.net is not None and self.started.tg is not None
+        version, flat = self.started.net.latest.get(p, (0, self.started.net.island_initial[p]))
         held, handed = self.replicas.held.get(p), self.replicas.states.get(p)
         # the owner our last pass saw is the one we take p from: its handoff is an owner's (issue 48)
         took = self._last_owner.get(p)
@@ -210,10 +240,10 @@ class OwnedFragments:
             momentum=momentum,
             update_codec=None if self.cfg.update_codec == "none" else self.cfg.update_codec,
             block_size=self.cfg.block_size,
-            replicate=functools.partial(self._replicate, p),
+            replicate=functools.partial(self.handoffs.replicate, p),
             merged=merged,
-            on_publish=self._published,
-            on_final=self._final_declared,
+            on_publish=self.on_publish,
+            on_final=self.handoffs.final_declared,
             round_steps=2 * self._longest_interval(),
             reference=handed.norms if from_handoff and handed is not None else (),
             measured=measured,
@@ -239,7 +269,7 @@ class OwnedFragments:
         self.replicas.fence(p, epoch, version, owner.digest_of(version))
         previous = (
             self.membership.owner_of(
-                self.cfg.swarm, p, exclude={self.signer.peer_id, *self.suspects()}
+                self.cfg.swarm, p, exclude={self.signer.peer_id, *self.view.suspects()}
             )
             if self.membership
             else None
@@ -250,7 +280,7 @@ class OwnedFragments:
             # handed before it was published; at a swarm's start nobody has merged anything.)
             owner.hold_first_merge(CATCH_UP_S)
         self.owners[p] = owner
-        self._owner_tasks[p] = self._tg.create_task(self._run_owner(owner, previous))
+        self._owner_tasks[p] = self.started.tg.create_task(self._run_owner(owner, previous))
         log.info("fragment %d: now the owner, from version %d", p, version)
 
     def _displaces_a_live_owner(self, p: int, previous: tuple[bytes, str] | None) -> bool:
@@ -261,7 +291,7 @@ class OwnedFragments:
         seen = self._last_owner.get(p)
         if seen is None or seen == self.signer.peer_id:
             return previous is not None
-        return seen not in self.suspects() and (
+        return seen not in self.view.suspects() and (
             self.membership is None or seen in self.membership.members
         )
 
@@ -273,7 +303,7 @@ class OwnedFragments:
         answers, with a version it signed)."""
         async with asyncio.TaskGroup() as tg:
             tg.create_task(owner.run())
-            if previous is not None and self.net is not None:
+            if previous is not None and self.started.net is not None:
                 p = owner.fragment.index
                 sources = [previous]
                 if self.membership is not None:
@@ -281,7 +311,7 @@ class OwnedFragments:
                         self.cfg.swarm,
                         p,
                         CATCH_UP_SOURCES,
-                        exclude={self.signer.peer_id, *self.suspects()},
+                        exclude={self.signer.peer_id, *self.view.suspects()},
                     )
                     sources += [c for c in ranked if c[0] != previous[0]]
                 deadline = time.monotonic() + CATCH_UP_S
@@ -289,7 +319,7 @@ class OwnedFragments:
                     if time.monotonic() >= deadline or owner.merges_done:
                         break
                     with contextlib.suppress(Exception):
-                        got = await self.net.fetch(
+                        got = await self.started.net.fetch(
                             p, after=owner.version, wait_s=1.0, owner=sources[turn % len(sources)]
                         )
                         if got is not None:
@@ -327,7 +357,7 @@ class OwnedFragments:
             rda_max_gain=self.cfg.rda_max_gain,
         )
 
-    async def _on_contribution(self, opened: Opened, flat: torch.Tensor | None = None) -> Ack:
+    async def on_contribution(self, opened: Opened, flat: torch.Tensor | None = None) -> Ack:
         msg = opened.message
         assert isinstance(msg, Contribution)
         if msg.swarm != self.cfg.swarm:
@@ -359,7 +389,7 @@ class OwnedFragments:
             nonce=b"",
             message=msg,
         )
-        return await self._on_contribution(me, flat)
+        return await self.on_contribution(me, flat)
 
     async def version_local(
         self, p: int, *, after: int, wait_s: float, final: bool
@@ -369,7 +399,7 @@ class OwnedFragments:
         owner = self.owners.get(p)
         if owner is None or owner.retired:
             raise UnknownFragment(f"fragment {p} is not owned here")
-        got = await (self._wait_final(owner, wait_s) if final else owner.wait_after(after, wait_s))
+        got = await (self.finals.wait(owner, wait_s) if final else owner.wait_after(after, wait_s))
         if got is None:
             return None
         if owner.retired:
@@ -386,3 +416,38 @@ class OwnedFragments:
         """Fragment ``p`` as ``owner_id`` handed it to this peer's replica store (``IslandNet.fetch``
         takes it instead of downloading it again): see ``ReplicaStore.version_from``."""
         return self.replicas.version_from(p, owner_id)
+
+    async def on_replica_state(self, opened: Opened) -> ReplicaAck:
+        """A handoff (``Handoffs.take_in``), then what it means for the fragment we own, if any:
+        an owner that has not merged yet starts from it; one it supersedes steps back; an owner
+        that stepped back for its sender takes over now; a refused successor is handed ours."""
+        taken = await self.handoffs.take_in(opened)
+        if not isinstance(taken, TakenIn):
+            return taken
+        ack, msg, url = taken.ack, taken.state, taken.url
+        own = self.owners.get(msg.fragment)
+        if ack.accepted and own is not None and not own.retired:
+            # a retiring owner's newer state: an owner that has not merged yet starts from it; one
+            # that has merged was superseded by an owner above it in epoch and version
+            if not await own.take_over(self.replicas.states[msg.fragment]) and supersedes(msg, own):
+                await self._step_back_for(own, msg, url)
+        elif ack.accepted and self._fenced_until.pop(msg.fragment, None) is not None:
+            # we stepped back for the owner that has now handed us its state: take over now
+            self.reconcile_soon()
+        elif not ack.accepted and (own is None or own.retired):
+            self.handoffs.pass_on_held(msg, url, opened.peer_id)
+        return ack
+
+    async def _step_back_for(self, own: FragmentOwner, msg: ReplicaState, url: str) -> None:
+        """Stop owning a fragment whose state ``msg`` was handed to us from above our epoch and
+        version: another owner published past us while views of the members differed. A merge
+        under way does not publish (it would give one of that owner's version numbers another
+        content); the next membership pass owns the fragment again from the state we were handed,
+        if the view still names us."""
+        own.fenced = (
+            f"fenced: {url} handed over fragment {msg.fragment} version {msg.version} at epoch "
+            f"{msg.epoch}, past this owner's version {own.version} at epoch {own.epoch}"
+        )
+        log.warning("fragment %d: stepping back: %s", msg.fragment, own.fenced)
+        await own.retire()
+        self.reconcile_soon()

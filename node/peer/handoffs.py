@@ -1,9 +1,9 @@
-"""An owner's handoffs, as a part of ``PeerNode``: replicating each version before it is
-published, handing a retiring owner's state on, taking handoffs in, and the fencing rules that
-keep a version to one content while members' views differ (``protocol.diloco.replica`` judges).
+"""An owner's handoffs (``Handoffs``): replicating each version before it is published, handing
+a retiring owner's state on, taking handoffs in, and the fencing rules that keep a version to one
+content while members' views differ (``protocol.diloco.replica`` judges).
 
-``OwnerHandoffs`` is a mixin: ``PeerNode`` provides the membership, the replica store, the owners
-and the transport it names below.
+``Handoffs`` reads the fragments this peer owns (``Ownership`` owns them, and reacts to what a
+handoff taken in means for them: ``TakenIn``) and the members' view (``MemberView``).
 """
 
 from __future__ import annotations
@@ -12,11 +12,14 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import aiohttp
 
+from node.config import RunConfig
+from node.dht.membership import Membership
+from node.diloco.owner import FragmentOwner
 from node.diloco.replica import (
     NOT_A_MEMBER,
     BaseNotHeld,
@@ -25,18 +28,14 @@ from node.diloco.replica import (
     encode_state,
     hand_over,
 )
+from node.peer.started import Started
+from node.peer.view import MemberView
+from node.wire.transport import Transport
 from protocol.diloco.replica import Admission, HandoffView, admit
 from protocol.wire.messages import ReplicaAck, ReplicaState
 from protocol.wire.signing import Opened, ReplayWindow, Signer
 
-if TYPE_CHECKING:
-    from node.config import RunConfig
-    from node.dht.membership import Membership
-    from node.diloco.learner import IslandNet
-    from node.diloco.owner import FragmentOwner
-    from node.wire.transport import Transport
-
-__all__ = ["REPLICAS", "OwnerHandoffs"]
+__all__ = ["REPLICAS", "Handoffs", "TakenIn", "supersedes"]
 
 log = logging.getLogger("atoll.peer")
 
@@ -61,45 +60,51 @@ def supersedes(msg: ReplicaState, own: FragmentOwner) -> bool:
     return msg.epoch > own.epoch and msg.version > own.version
 
 
-class OwnerHandoffs:
-    """Replication, handoffs and fencing of the fragments a peer owns (mixed into ``PeerNode``)."""
+@dataclass(frozen=True, slots=True)
+class TakenIn:
+    """A handoff judged and offered to the replica store: its answer, the state as admitted,
+    and the sender's address (for what the owner of the fragment does next)."""
 
-    cfg: RunConfig
-    signer: Signer
-    transport: Transport
-    membership: Membership | None
-    net: IslandNet | None  # this peer's learner (replicas apply update handoffs over what it holds)
-    replicas: ReplicaStore
-    owners: dict[int, FragmentOwner]
-    unreplicated: int
-    replica_bytes: int  # tensor bytes of every state handed to a replica
-    replica_took: dict[int, tuple[int, bytes]]  # fragment -> (version, the replica that took it)
-    _replica_replay: ReplayWindow
-    _tg: asyncio.TaskGroup | None
-    _passed_on: set[tuple[int, bytes, int]]
-    _fenced_until: dict[int, float]
-    _last_owner: dict[int, bytes]
-    # every handoff taken is told to the peer, which announces it under a launcher (``handoff_taken``)
-    _handoff_taken: Callable[[int, int, bytes], None]
-    record_published_at: (
-        float | None
-    )  # monotonic: when our member record was last stored (from before the store)
-    lease_lapses: int  # versions not published because our record may have expired in others' views
+    ack: ReplicaAck
+    state: ReplicaState
+    url: str
 
-    def suspects(self) -> set[bytes]:
-        raise NotImplementedError
 
-    def _unreachable(self, peer_id: bytes) -> None:
-        raise NotImplementedError
+class Handoffs:
+    """Replication, handoffs and fencing of the fragments a peer owns. ``owners`` and
+    ``last_owner`` (per fragment, the owner the last ownership pass saw) are read, never written;
+    ``on_taken`` hears of every handoff taken (the peer announces it under a launcher)."""
 
-    if TYPE_CHECKING:  # SwarmPresence's (no stub may shadow it)
+    def __init__(
+        self,
+        cfg: RunConfig,
+        signer: Signer,
+        transport: Transport,
+        started: Started,
+        view: MemberView,
+        replicas: ReplicaStore,
+        *,
+        owners: Mapping[int, FragmentOwner],
+        last_owner: Mapping[int, bytes],
+        on_taken: Callable[[int, int, bytes], None],
+    ) -> None:
+        self.cfg, self.signer, self.transport, self.started = cfg, signer, transport, started
+        self.view, self.replicas, self.owners, self.last_owner = view, replicas, owners, last_owner
+        self.on_taken = on_taken
+        self.unreplicated = 0  # versions published with no replica reachable
+        self.replica_bytes = (
+            0  # tensor bytes handed to replicas (an owner's upload besides versions)
+        )
+        self.replica_took: dict[int, tuple[int, bytes]] = {}  # fragment -> (version, replica)
+        self.lease_lapses = 0  # versions not published: our record may have expired elsewhere
+        self._replica_replay = ReplayWindow()
+        self._passed_on: set[tuple[int, bytes, int]] = set()  # (fragment, peer, version) handed on
 
-        def owner_of(self, p: int) -> tuple[bytes, str] | None: ...
+    @property
+    def membership(self) -> Membership | None:
+        return self.started.membership
 
-    async def _reconcile_owners(self) -> None:
-        raise NotImplementedError
-
-    async def _hand_on(self, p: int, target: tuple[bytes, str], state: ReplicaState) -> None:
+    async def hand_on(self, p: int, target: tuple[bytes, str], state: ReplicaState) -> None:
         """A retiring owner's handoff to its successor: best effort, never fatal to the node.
 
         A successor whose fence ends at an older version than ours (an epoch it took while it
@@ -136,18 +141,18 @@ class OwnerHandoffs:
                 )
                 state = dataclasses.replace(state, epoch=ack.epoch)
 
-    def _final_declared(self, owner: FragmentOwner) -> None:
+    def final_declared(self, owner: FragmentOwner) -> None:
         """``owner`` has just handed its latest version out as final: tell the fragment's replica
         (by reference when it holds that version), so that should this owner die within the hold,
         the replica taking over holds the version final too and merges no late work into it."""
-        if self._tg is None or self.membership is None:
+        if self.started.tg is None or self.membership is None:
             return
         p = owner.fragment.index
         ranked = self.membership.ranked(
-            self.cfg.swarm, p, REPLICAS, exclude={self.signer.peer_id} | self.suspects()
+            self.cfg.swarm, p, REPLICAS, exclude={self.signer.peer_id} | self.view.suspects()
         )
         if ranked:
-            self._tg.create_task(self._hand_on(p, ranked[0], owner.snapshot()))
+            self.started.tg.create_task(self.hand_on(p, ranked[0], owner.snapshot()))
 
     async def _hand_by_reference(
         self, p: int, target: tuple[bytes, str], state: ReplicaState
@@ -183,7 +188,7 @@ class OwnerHandoffs:
                 blobs_digest=theta_digest,
             )
         except aiohttp.ClientConnectorError:
-            self._unreachable(target[0])
+            self.view.unreachable(target[0])
             return False
         except NotAMemberThere as exc:  # not a failure to route around: the caller decides
             log.info(
@@ -211,7 +216,7 @@ class OwnerHandoffs:
                 raise _FencedBy(ack)
         return ack.accepted
 
-    async def _replicate(
+    async def replicate(
         self,
         p: int,
         state: ReplicaState,
@@ -240,7 +245,7 @@ class OwnerHandoffs:
         bumps = 0
         while True:
             ranked = self.membership.ranked(
-                self.cfg.swarm, p, REPLICAS, exclude=tried | self.suspects()
+                self.cfg.swarm, p, REPLICAS, exclude=tried | self.view.suspects()
             )
             if not ranked:
                 self.unreplicated += 1
@@ -281,10 +286,10 @@ class OwnerHandoffs:
         """Why this owner must not publish ``p``'s next version: our member record was last stored
         so long ago that others may see it expire (its TTL, less ``LEASE_MARGIN_S`` for their
         clocks), drop us, and hand the fragment to a successor; None while it is live."""
-        if self.record_published_at is None or self.membership is None:
+        if self.view.record_published_at is None or self.membership is None:
             return None
         age, lease = (
-            time.monotonic() - self.record_published_at,
+            time.monotonic() - self.view.record_published_at,
             self.membership.ttl_s - LEASE_MARGIN_S,
         )
         if age <= lease:
@@ -325,8 +330,10 @@ class OwnerHandoffs:
         )
         return dataclasses.replace(state, epoch=owner.epoch)
 
-    async def _on_replica_state(self, opened: Opened) -> ReplicaAck:
-        """A handoff: the owner of a fragment (or the one retiring from it) hands us its state."""
+    async def take_in(self, opened: Opened) -> ReplicaAck | TakenIn:
+        """A handoff: the owner of a fragment (or the one retiring from it) hands us its state.
+        A refusal before the replica store is asked (a ``ReplicaAck``), else what it answered
+        (``TakenIn``): the fragment's owner here reacts to it (``Ownership.on_replica_state``)."""
         msg = opened.message
         assert isinstance(msg, ReplicaState)
         member = self.membership.members.get(opened.peer_id) if self.membership else None
@@ -348,8 +355,8 @@ class OwnerHandoffs:
         if fence is not None:
             return fence
         learned = (
-            self.net.held_state(msg.fragment)
-            if self.net is not None and msg.base_version >= 0
+            self.started.net.held_state(msg.fragment)
+            if self.started.net is not None and msg.base_version >= 0
             else None
         )
         try:
@@ -379,22 +386,8 @@ class OwnerHandoffs:
             hashed=self.replicas.hashes_to_digest(msg, opened.blobs_digest),
         )
         if ack.accepted:
-            self._handoff_taken(msg.fragment, msg.version, msg.digest)
-        if ack.accepted and own is not None and not own.retired:
-            # a retiring owner's newer state: an owner that has not merged yet starts from it; one
-            # that has merged was superseded by an owner above it in epoch and version
-            if not await own.take_over(self.replicas.states[msg.fragment]) and supersedes(msg, own):
-                await self._step_back_for(own, msg, member.record.url)
-        elif (
-            ack.accepted
-            and self._fenced_until.pop(msg.fragment, None) is not None
-            and self._tg is not None
-        ):
-            # we stepped back for the owner that has now handed us its state: take over now
-            self._tg.create_task(self._reconcile_owners())
-        elif not ack.accepted and (own is None or own.retired):
-            self._pass_on_held(msg, member.record.url, opened.peer_id)
-        return ack
+            self.on_taken(msg.fragment, msg.version, msg.digest)
+        return TakenIn(ack, msg, member.record.url)
 
     def _handoff_view(self, p: int) -> HandoffView:
         """Who this peer's view names for fragment ``p`` (``protocol.diloco.replica.admit``): its
@@ -403,11 +396,11 @@ class OwnerHandoffs:
         me, owners = self.signer.peer_id, set()
         predecessor = None
         if self.membership is not None:
-            ranked = (self.membership.owner_of(self.cfg.swarm, p), self.owner_of(p))
+            ranked = (self.membership.owner_of(self.cfg.swarm, p), self.view.owner_of(p))
             owners |= {o[0] for o in ranked if o is not None}
             without_us = self.membership.owner_of(self.cfg.swarm, p, exclude={me})
             predecessor = without_us[0] if without_us is not None else None
-        last = self._last_owner.get(p)
+        last = self.last_owner.get(p)
         if last is not None:
             owners.add(last)
         own = self.owners.get(p)
@@ -427,11 +420,11 @@ class OwnerHandoffs:
         p = msg.fragment
         held = self.replicas.held.get(p)
         received, received_at, created = -1, None, None
-        if self.net is not None:
+        if self.started.net is not None:
             received, received_at, created = (
-                self.net.received[p],
-                self.net.received_at.get(p),
-                self.net.created,
+                self.started.net.received[p],
+                self.started.net.received_at.get(p),
+                self.started.net.created,
             )
         known = max(received, held.version if held is not None else -1)
         return admit(
@@ -489,29 +482,14 @@ class OwnerHandoffs:
             )
         return None
 
-    async def _step_back_for(self, own: FragmentOwner, msg: ReplicaState, url: str) -> None:
-        """Stop owning a fragment whose state ``msg`` was handed to us from above our epoch and
-        version: another owner published past us while views of the members differed. A merge
-        under way does not publish (it would give one of that owner's version numbers another
-        content); the next membership pass owns the fragment again from the state we were handed,
-        if the view still names us."""
-        own.fenced = (
-            f"fenced: {url} handed over fragment {msg.fragment} version {msg.version} at epoch "
-            f"{msg.epoch}, past this owner's version {own.version} at epoch {own.epoch}"
-        )
-        log.warning("fragment %d: stepping back: %s", msg.fragment, own.fenced)
-        await own.retire()
-        if self._tg is not None:
-            self._tg.create_task(self._reconcile_owners())
-
-    def _pass_on_held(self, refused: ReplicaState, url: str, sender: bytes) -> None:
+    def pass_on_held(self, refused: ReplicaState, url: str, sender: bytes) -> None:
         """A new owner (by its view) was refused because we hold its base version's state from
         a higher epoch (we are the replica of a failed owner that the rendezvous did not make the
         successor), its next version with another content (handed to us by an owner that did
         not live to publish it), or a newer version than it holds. Hand it that state (global fragment, momentum, merged work), so
         it owns the fragment from exactly there instead of stepping back and leaving it unowned."""
         p, held = refused.fragment, self.replicas.states.get(refused.fragment)
-        if held is None or self._tg is None or (p, sender, held.version) in self._passed_on:
+        if held is None or self.started.tg is None or (p, sender, held.version) in self._passed_on:
             return
         builds_on_it = refused.version == held.version + 1 and refused.epoch < held.epoch
         # or the same version with another content: the owner we hold it from handed it to us
@@ -545,4 +523,4 @@ class OwnerHandoffs:
             held.epoch,
             url,
         )
-        self._tg.create_task(self._hand_on(p, (sender, url), state))
+        self.started.tg.create_task(self.hand_on(p, (sender, url), state))
