@@ -61,8 +61,9 @@ from node.peer.ownership import Ownership, OwnershipConfig
 from node.peer.presence import Presence
 from node.peer.serving import ServingConfig, VersionServer
 from node.peer.started import Started
+from node.peer.status import PeerReader
 from node.state.owner_checkpoint import OwnerCheckpoints
-from node.status import StatusBoard
+from node.status import Cached, StatusBoard
 from node.wire.admission import Identification, MemberAddresses
 from node.wire.rpc import RpcServer, max_rpc_body
 from node.wire.tls import server_context
@@ -86,6 +87,9 @@ def emit(event: str, **fields: Any) -> None:
     with _EMIT_LOCK:
         sys.stdout.write(line)
         sys.stdout.flush()
+
+
+STATUS_MAX_AGE_S = 1.0  # /v1/status is computed at most this often (as the board is)
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,14 +170,17 @@ class PeerNode:
         self.failure: BaseException | None = None
         self._stop: asyncio.Event | None = None
         self.announce_versions = False  # a launcher counts every published version (and content)
-        self._status_cache: tuple[float, bytes] | None = None  # (when, JSON)
+        # /v1/status walks the DHT store (~30 ms at 30k records): at most once a second
+        self._status_json = Cached(
+            lambda: json.dumps(self.status()).encode(), max_age_s=STATUS_MAX_AGE_S
+        )
         app = self.transport.app
         app.router.add_get("/v1/fragments/{p}/{kind}", self.serving.on_fetch)
         app.router.add_get("/v1/fragments/{p}/latest/manifest", self.serving.on_manifest)
         app.router.add_get("/v1/status", self._on_status)
         app.router.add_get("/v1/dialback", self.presence.on_dialback)
         app.router.add_get("/v1/members", self.presence.on_members)
-        self.board = StatusBoard(self)  # "/", "/metrics" and the JSON the page polls
+        self.board = StatusBoard(PeerReader(self))  # "/", "/metrics" and the JSON the page polls
 
     def _transport(self) -> Transport:
         """Our transport, with admission (or, in a development swarm, identification: owners
@@ -358,16 +365,9 @@ class PeerNode:
             emit("handoff_taken", fragment=fragment, version=version, digest=digest.hex()[:32])
 
     # --- status --------------------------------------------------------------------------------
-    status_max_age_s = 1.0  # /v1/status is computed at most this often (as the board is)
-
     async def _on_status(self, _request: web.Request) -> web.Response:
-        """``status()`` as JSON, computed at most once per ``status_max_age_s`` (it walks the DHT
-        store: ~30 ms at 30k records), like the status board."""
-        now = time.monotonic()
-        cached = self._status_cache
-        if cached is None or not 0 <= now - cached[0] < self.status_max_age_s:
-            cached = self._status_cache = (now, json.dumps(self.status()).encode())
-        return web.Response(body=cached[1], content_type="application/json")
+        """``status()`` as JSON, computed at most once per ``STATUS_MAX_AGE_S``."""
+        return web.Response(body=self._status_json.get(), content_type="application/json")
 
     def penalties(self) -> dict[str, dict[str, int]]:
         """Per sender (peer id hex), what this peer's owners' merge bounds did to its contributions:

@@ -1,9 +1,9 @@
 """A node's status board: what ``/``, ``/v1/status/board`` and ``/metrics`` show.
 
-``StatusBoard(node)`` adds the routes to the node's server; the trainer calls ``record(step,
-loss)`` about once a second. Everything shown comes from one ``PeerStatus`` snapshot
-(``node.status.snapshot``: the only code here that reads the node) and the board's own progress
-history. The board's JSON holds what the page draws and nothing more (no keys beyond peer ids,
+``StatusBoard(reader)`` adds the routes to the node's server (``reader``: a ``StatusSource``,
+the peer's ``node.peer.status.PeerReader``); the trainer calls ``record(step, loss)`` about once
+a second. Everything shown comes from one ``PeerStatus`` snapshot the reader builds and the
+board's own progress history. The board's JSON holds what the page draws and nothing more (no keys beyond peer ids,
 no credentials): this node, the members it sees with their roles, labs and reachability, each
 fragment's owner and versions, the progress history and the totals. It is cheap whatever a
 visitor does: the snapshot, the JSON and the metrics are each computed at most once per
@@ -20,7 +20,9 @@ import json
 import math
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
+
+from aiohttp import web
 
 from node.status.cache import Cached
 from node.status.history import History, Point
@@ -31,15 +33,23 @@ from node.status.snapshot import (
     MAX_TEXT,
     FragmentStatus,
     MemberStatus,
-    PeerReader,
     PeerStatus,
 )
 from node.status.totals import Totals
 
-if TYPE_CHECKING:
-    from node.peer import PeerNode
+__all__ = ["MAX_MEMBERS", "MAX_TEXT", "StatusBoard", "StatusSource", "board_of"]
 
-__all__ = ["MAX_MEMBERS", "MAX_TEXT", "StatusBoard", "board_of"]
+
+class StatusSource(Protocol):
+    """What a board reads: the snapshot, the byte counters (from any thread) and the server's
+    application its routes go on (``node.peer.status.PeerReader`` for a peer)."""
+
+    @property
+    def app(self) -> web.Application: ...
+
+    def status(self) -> PeerStatus: ...
+
+    def traffic(self) -> tuple[int, int]: ...
 
 
 class StatusBoard:
@@ -47,13 +57,13 @@ class StatusBoard:
 
     def __init__(
         self,
-        node: PeerNode,
+        reader: StatusSource,
         *,
         max_age_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
-        self.reader = PeerReader(node)
+        self.reader = reader
         self.max_age_s, self.clock, self.wall_clock = max_age_s, clock, wall_clock
         self.history = History()
         self._status = Cached(self.reader.status, max_age_s=max_age_s, clock=self._now)

@@ -1,6 +1,6 @@
 """What a node has done so far: ``Totals``, summed from the counters its parts already keep.
 
-Nothing here counts anything itself: ``node.status.snapshot.PeerReader`` reads the transport's
+Nothing here counts anything itself: ``node.peer.status.PeerReader`` reads the transport's
 bytes, the island's steps, stalls and step times, the learner side's contributions and each
 fragment owner's per-sender counts into one ``Totals`` for ``/metrics`` and the status page.
 
