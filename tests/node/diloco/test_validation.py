@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from node.diloco.eventlog import replay
-from node.diloco.owner import FragmentOwner
+from node.diloco.owner import FragmentOwner, OwnerConfig, OwnerStart
 from node.diloco.validation import OwnerValidation, WindowEvaluator, recheck
 from node.workload.corpus import split_corpus, validation_slice
 from node.workload.model import GPT, GPTConfig
@@ -67,16 +67,20 @@ def _honest(gcfg, model, plan, train, seed: int) -> torch.Tensor:  # type: ignor
 
 def _owner(plan, shapes, model, clock, validation, event_log=None, quorum=2):  # type: ignore[no-untyped-def]
     return FragmentOwner(
-        swarm=SWARM,
-        fragment=plan.fragments[0],
-        shapes=shapes[0],
-        initial=flat_of(model, plan, 0),
-        merge_cfg=MergeConfig(quorum=quorum, gamma=0.5, tau=2.0),
-        outer_cfg=OuterConfig(lr=1.0, momentum=0.0),
+        OwnerConfig(
+            swarm=SWARM,
+            fragment=plan.fragments[0],
+            shapes=tuple(shapes[0]),
+            merge=MergeConfig(quorum=quorum, gamma=0.5, tau=2.0),
+            outer=OuterConfig(lr=1.0, momentum=0.0),
+            event_log=event_log,
+        ),
+        OwnerStart(
+            theta=flat_of(model, plan, 0),
+        ),
         signer=signer(1),
         clock=clock,
         validation=validation,
-        event_log=event_log,
     )
 
 
