@@ -1,15 +1,21 @@
 """The owner of a fragment: drives ``protocol.diloco.merge`` and publishes global versions.
 
-For each fragment this peer owns, a ``FragmentOwner`` is composed of: its state (``OwnerState``:
-the global fragment Θ_p as one flat fp32 vector, its Nesterov buffer, version and the digests
-that name it), the ``FragmentMerger`` state machine (logged for replay with an event log), an
-intake that decodes each contribution and says why it is refused before the merger
-(``node.diloco.intake``), a ``VersionMaker`` that computes and checks the next version
-(``node.diloco.merging``), a ``Sealer`` that seals versions with its key
-(``node.diloco.sealing``), and its succession (``node.diloco.succession``: the final hold,
-retiring). The owner feeds the merger with ``now`` from its ``clock`` (``time.monotonic``; tests
-pass a fake one), carries out what it decides, and wakes every long-poll waiting for a version.
-The timer task calls ``tick`` at the merger's deadline.
+For each fragment this peer owns, a ``FragmentOwner`` is composed of parts, each owning its piece:
+- ``OwnerState`` (``node.diloco.owner_state``): the global fragment Θ_p as one flat fp32 vector,
+  its Nesterov buffer, version, sealed forms and the digests that name it; the only state the
+  parts share;
+- the ``FragmentMerger`` state machine (written to an event log for ``atoll replay`` when asked);
+- ``ContributionIntake`` (``node.diloco.intake``): decodes each contribution and says why it is
+  refused before the merger (``protocol.diloco.intake``);
+- ``VersionMaker`` (``node.diloco.merging``): the next version's outer step, check and seal, off
+  the event loop; ``Sealer`` (``node.diloco.sealing``): seals with the owner's key;
+- ``Reputation`` (``node.diloco.reputation``): standing and penalties per sender, the clip
+  reference's source;
+- ``Succession`` (``node.diloco.succession``): taking over from a predecessor, the final hold,
+  retiring.
+The owner feeds the merger with ``now`` from its ``clock`` (``time.monotonic``; tests pass a fake
+one), carries out what it decides, and wakes every long-poll waiting for a version; the timer
+task calls ``tick`` at the merger's deadline.
 
 A merge that fails (a non-finite aggregate or result, or any unforeseen error) drops the
 contributions that caused it (every one of them: no single one is to blame, since each was
@@ -25,7 +31,6 @@ import asyncio
 import collections
 import contextlib
 import logging
-import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import cast
@@ -38,16 +43,15 @@ from node.diloco.intake import ContributionIntake
 from node.diloco.merging import Fenced, MergeFailed, NextVersion, Rejected, VersionMaker, Work
 from node.diloco.owner_state import OwnerConfig, OwnerCounts, OwnerStart, OwnerState
 from node.diloco.replica import Carried, Handed
+from node.diloco.reputation import Reputation
 from node.diloco.sealing import Sealer
-from node.diloco.succession import FINAL_HOLD_S, Prepared, Succession, prepare
+from node.diloco.succession import FINAL_HOLD_S, Succession, Taken
 from node.diloco.validation import OwnerValidation
 from protocol.diloco.activity import LearnerActivity
 from protocol.diloco.fragments import Fragment
 from protocol.diloco.merge import Decision, FragmentMerger, Phase
-from protocol.diloco.norms import all_finite, norm64
 from protocol.diloco.outer import OuterConfig
-from protocol.diloco.reference import starting_reference
-from protocol.diloco.standing import Event, Standing
+from protocol.diloco.standing import Standing
 from protocol.errors import DecodeError, Stale
 from protocol.wire.messages import Ack, Contribution, ReplicaState
 from protocol.wire.signing import Sealed, Signer
@@ -107,24 +111,31 @@ class FragmentOwner:
             latest=latest,
             keep=config.merge.staleness_bound + 2,
             merged_base=dict(start.merged),
+            log=self.log,
         )
-        if self.log is not None:
-            self.log.note_state(self.held.theta, self.held.buffer)
-        self._remember(start.version, *digests, flat_digest(theta))  # and v0 unrounded (bf16)
+        self.held.note_state()
+        self.held.remember(start.version, *digests, flat_digest(theta))  # and v0 unrounded (bf16)
         self.counts = OwnerCounts(config.fragment.index)  # what outlives this owner once retired
         self.intake = ContributionIntake(config, self.held)
         self.maker = VersionMaker(config, self.held, self.sealer, validation, self.log, self.counts)
-        self.succession = Succession(config.fragment.index, clock)
+        self.reputation = Reputation(config.fragment.index, self.merger, self.counts)
+        self.succession = Succession(
+            config,
+            self.held,
+            self.merger,
+            self.sealer,
+            self.reputation,
+            self.counts,
+            clock,
+            on_final=self._held_final,
+        )
         # when each sender's contributions were taken: a member claiming to learn that has long
         # sent nothing is not waited for (``protocol.diloco.activity``)
         self.activity = LearnerActivity(min_steps=config.round_steps)
         self.not_waited_for: dict[bytes, float] = {}  # members found silent, and when logged
-        # per sender key: what its work came to here, carried to successors
-        self.standing = Standing()
-        self.reference_note = ""  # where the clip reference came from (status)
         self.start_reference(start.reference, start.measured)
         if start.standing is not None:
-            self.take_standing(start.standing)
+            self.reputation.take_standing(start.standing, version=start.version)
         self._background: set[asyncio.Task[None]] = set()  # merges started by ``receive``
         self._changed = asyncio.Condition()
         self._wake = asyncio.Event()
@@ -215,11 +226,21 @@ class FragmentOwner:
         """Whether ``asker`` is owed a serve (``ContributionIntake.owes_resync``)."""
         return self.intake.owes_resync(asker)
 
-    def _remember(self, version: int, state_digest: bytes, *others: bytes) -> None:
-        """Know ``version`` by its digests (``OwnerState.remember``), logged for replay."""
-        self.held.remember(version, state_digest, *others)
-        if self.log is not None:
-            self.log.note_version(version, state_digest)
+    @property
+    def standing(self) -> Standing:
+        return self.reputation.standing
+
+    @property
+    def reference_note(self) -> str:
+        return self.reputation.reference_note
+
+    def start_reference(self, handed: Sequence[float], measured: Sequence[float] = ()) -> str:
+        """Start the merger's clip reference (``Reputation.start_reference``); returns why."""
+        return self.reputation.start_reference(handed, measured, theta=self.theta)
+
+    def standing_status(self, lowest: int = 5) -> dict[str, object]:
+        """The standing per sender key in short (``Reputation.status``)."""
+        return self.reputation.status(version=self.version, lowest=lowest)
 
     # --- inbound -------------------------------------------------------------------------------
     async def contribute(
@@ -263,24 +284,23 @@ class FragmentOwner:
         if (held := self.final_hold()) is not None:  # before decoding: refused at no cost
             log.info("%s (from %s)", held, sender.hex()[:8])
             return Ack(accepted=False, reason=held, version=version)
-        if (low := self.standing.refused(sender, version=version)) is not None:  # also free
-            penalties[sender]["refused_standing"] += 1
+        if (low := self.reputation.refused(sender, version=version)) is not None:  # also free
             return Ack(accepted=False, reason=f"fragment {index}: {low}", version=version)
         if msg.base_version > version:
             raise Stale(f"base version {msg.base_version} is ahead of the owner's {version}")
         try:  # malformed: a 4xx, whatever its base
             flat, norm = await asyncio.to_thread(self.intake.decode, msg, given)
         except DecodeError:  # NaN/Inf or a wrong shape: counts against the (authenticated) sender
-            self.standing.record(sender, Event.REFUSED, version=self.version)
+            self.reputation.malformed(sender, version=self.version)
             raise
         refused = self.intake.screen(sender, msg, norm, self.merger.norm_reference())
         if refused is not None:
             self.intake.give_back(flat)
-            penalties[sender][f"refused_{refused.counted}"] += 1
             if refused.counted == "out_of_bounds":  # acknowledged as taken, it was a free shot
-                self.standing.record(sender, Event.REFUSED, version=self.version)
+                self.reputation.malformed(sender, version=self.version, counted=refused.counted)
                 log.info("fragment %d: %s (from %s)", index, refused.reason, sender.hex()[:8])
             else:
+                penalties[sender][f"refused_{refused.counted}"] += 1
                 log.info("fragment %d: %s", index, refused.reason)
             return Ack(accepted=False, reason=refused.reason, version=self.version)
         return self._offer(sender, msg, flat, norm)
@@ -451,7 +471,9 @@ class FragmentOwner:
     async def _failed(self, exc: MergeFailed) -> Decision:
         """Tell the merger a merge failed, dropping the work ``exc`` names, and count it."""
         if isinstance(exc, Rejected):
-            self._rejected(exc)
+            self.reputation.rejected(
+                exc.culprits, exc.helped, whole=exc.whole, version=self.version
+            )
             failed = self.merger.on_merge_failed(exc.reason, now=self.clock(), discard=exc.culprits)
             log.warning(
                 "fragment %d: version %d not published: %s",
@@ -465,8 +487,7 @@ class FragmentOwner:
             log.warning("fragment %d: stopped publishing: %s", self.fragment.index, exc.reason)
             await self.retire()
             return self.merger.on_merge_failed(exc.reason, now=self.clock(), discard=exc.culprits)
-        for peer in exc.culprits:
-            self.penalties[peer]["dropped"] += 1
+        self.reputation.dropped(exc.culprits)
         failed = self.merger.on_merge_failed(exc.reason, now=self.clock(), discard=exc.culprits)
         log.warning("fragment %d: %s", self.fragment.index, failed.reason)
         return failed
@@ -482,7 +503,7 @@ class FragmentOwner:
             nxt.latest,
         )
         held.update, held.residual = nxt.update, nxt.residual
-        self._remember(held.version, nxt.digest, nxt.message_digest)
+        held.remember(held.version, nxt.digest, nxt.message_digest)
         self.intake.spare_max = max(4, len(work.deltas))
         for d in work.deltas:  # merged and published: nothing refers to these buffers any more
             self.intake.give_back(d)
@@ -490,20 +511,9 @@ class FragmentOwner:
             self.on_publish(self.fragment.index, held.version, nxt.digest)
 
     def _count(self, decision: Decision, nxt: NextVersion) -> None:
-        """Count a published merge per sender, in penalties and standing, and log it."""
+        """Count a published merge, per sender too, and log it."""
         self.counts.merged(decision.reason)
-        for e in decision.entries:
-            counts = self.penalties[e.peer]
-            counts["merged"] += 1
-            for flag in ("weight_capped", "steps_bounded", "tokens_bounded"):
-                counts[flag] += int(getattr(e, flag))
-            counts["clipped"] += int(e.clip < e.work_scale)  # the norm clip bit (clip * work_scale)
-            counts["work_capped"] += int(e.work_scale < 1.0)  # covered more than max_work_steps
-            counts["late"] += int(e.staleness > 0)  # its round had closed: carried to this one
-        for peer in nxt.helped:  # first: the version's one credit is the larger one
-            self.penalties[peer]["helped"] += 1
-            self.standing.record(peer, Event.HELPED, version=self.version)
-        self._note_standing(decision)
+        self.reputation.published(decision, nxt.helped, version=self.version)
         log.info(
             "fragment %d: published version %d (%s)",
             self.fragment.index,
@@ -511,182 +521,30 @@ class FragmentOwner:
             decision.reason,
         )
 
-    def _rejected(self, exc: Rejected) -> None:
-        """Count a rejected candidate against the senders it names (and for those that helped)."""
-        for peer in exc.culprits:  # a round dropped whole blames no one of them: no standing lost
-            self.penalties[peer]["round_dropped" if exc.whole else "hurt"] += 1
-            if not exc.whole:
-                self.standing.record(peer, Event.HURT, version=self.version)
-        for peer in exc.helped:
-            self.penalties[peer]["helped"] += 1
-            self.standing.record(peer, Event.HELPED, version=self.version)
-
-    # --- the reference and the standing, which outlive this owner ----------------------------------
-    def start_reference(self, handed: Sequence[float], measured: Sequence[float] = ()) -> str:
-        """Start the merger's clip reference from a predecessor's (``handed``) when it is plausible
-        against ``measured`` (estimates from published updates), else from ``measured``
-        (``protocol.diloco.reference``); only before the first merge. Returns why."""
-        if self.merges_done:
-            return "this owner has merged already: its own reference stands"
-        # a norm longer than the fragment itself is no honest reference (``starting_reference``)
-        ceiling = norm64(self.theta) if handed or measured else math.inf
-        reference, why = starting_reference(handed, measured, ceiling=ceiling)
-        if reference:
-            self.merger.seed_reference(reference)  # logged for replay when there is a log
-        if handed or measured:
-            log.info("fragment %d: clip reference: %s", self.fragment.index, why)
-        self.reference_note = why
-        return why
-
-    def take_standing(self, standing: tuple[tuple[bytes, ...], tuple[float, ...]]) -> None:
-        """Take a predecessor's standing per sender key (what this owner saw itself wins); one
-        that does not fit ``StandingConfig`` is refused whole, with the reason logged and counted."""
-        try:
-            self.standing.restore(*standing, version=self.version)
-        except ValueError as exc:
-            self.counts.recent.append(f"handed standing refused: {exc}")
-            log.warning("fragment %d: handed standing refused: %s", self.fragment.index, exc)
-
     def _carried(self, version: int) -> Carried:
         """The reference and standing to hand to a replica or successor with ``version``."""
-        return self.merger.reference(), self.standing.export(version=version)
-
-    def _note_standing(self, decision: Decision) -> None:
-        """Count a published merge's outcomes in each sender's standing: the norm clip worst, then
-        a claim capped to what the owner can see, else merged cleanly (a late one is not its fault)."""
-        for e in decision.entries:
-            if e.clip < e.work_scale:
-                event = Event.CLIPPED
-            elif (
-                e.steps_bounded or e.tokens_bounded
-            ):  # a claim past what the owner can see (a weight
-                # cap is not: it bites whichever honest learner counted the most tokens)
-                event = Event.BOUNDED
-            else:
-                event = Event.MERGED
-            self.standing.record(e.peer, event, version=self.version)
-
-    def standing_status(self, lowest: int = 5) -> dict[str, object]:
-        """The standing per sender key in short: how many are refused now, the lowest scores."""
-        return {
-            "keys": len(self.standing),
-            "refused": self.standing.below(version=self.version),
-            "threshold": self.standing.config.threshold,
-            "lowest": [
-                {"peer": p.hex()[:16], "score": round(s, 3)}
-                for p, s in self.standing.lowest(lowest, version=self.version)
-            ],
-            "reference": self.reference_note,
-        }
+        return self.reputation.carried(version)
 
     # --- starting from a predecessor -----------------------------------------------------------
-    def _before_first_merge(self) -> bool:
-        """A predecessor's state may still be taken: no merge is done or under way."""
-        return not self.merges_done and self.merger.phase is not Phase.MERGING
-
     async def catch_up(self, version: int, flat: torch.Tensor) -> bool:
-        """Take over a newer version published by the previous owner, before our first merge.
-
-        Returns whether it was taken. Contributions accepted so far stay (their staleness
-        counts against the new version; those beyond the staleness bound are dropped).
-        """
-        if version <= self.version or not self._before_first_merge():
-            return False
-        if flat.numel() != self.theta.numel() or not all_finite(flat):
-            log.warning(
-                "fragment %d: the previous owner's version %d is malformed; not taken",
-                self.fragment.index,
-                version,
-            )
-            return False
-        new = await prepare(
-            self.sealer,
-            flat,
-            version,
-            held=self.theta,
-            held_version=self.version,
-            lr=self.outer_cfg.lr,
-        )
-        if version <= self.version or not self._before_first_merge():
-            return False  # a merge or another catch-up ran while we sealed
-        if not self.merger.reference():  # none handed: seed it from the updates between the two
-            self.start_reference((), new.measured)
-        decision = self.merger.rebase(version, now=self.clock())
-        await self._adopt(new, version)
-        log.info(
-            "fragment %d: caught up with the previous owner at version %d (%s)",
-            self.fragment.index,
-            version,
-            decision.reason,
-        )
-        await self._apply(decision)
-        return True
+        """Take over a newer version published by the previous owner, before our first merge
+        (``Succession.catch_up``). Returns whether it was taken."""
+        return await self._took(await self.succession.catch_up(version, flat))
 
     async def take_over(self, handed: Handed) -> bool:
         """Start from a state handed over by the previous owner (or to us as its replica), before
-        our first merge: the same global fragment, momentum, version and digest, under an epoch
-        above it. Returns whether it was taken (it must not be behind what we hold)."""
-        if handed.version < self.version or not self._before_first_merge():
-            return False
-        new = await prepare(
-            self.sealer,
-            handed.theta,
-            handed.version,
-            held=self.theta,
-            held_version=self.version,
-            lr=self.outer_cfg.lr,
-        )
-        if handed.version < self.version or not self._before_first_merge():
-            return False
-        if new.digest != handed.digest:
-            log.warning(
-                "fragment %d: handed version %d does not hash to its digest; not taken",
-                self.fragment.index,
-                handed.version,
-            )
-            return False
-        now = self.clock()
-        if handed.final and self.merger.count:  # late work: the predecessor's learners left
-            self.merger.drop_round(
-                f"version {handed.version} was handed out as final by the previous owner", now=now
-            )
-        decision = (
-            self.merger.rebase(handed.version, now=now) if handed.version > self.version else None
-        )
-        await self._adopt(new, handed.version, handed)
-        log.info(
-            "fragment %d: took over version %d with its momentum (epoch %d)",
-            self.fragment.index,
-            handed.version,
-            self.epoch,
-        )
-        if handed.final:
-            self.hold_final(handed.version)
-        if (decision is None or decision.kind != "merge") and self.merger.held_until is not None:
-            decision = self.merger.hold_until(now, now=now)  # the predecessor's state is in
-        if decision is not None:
-            await self._apply(decision)
-        return True
+        our first merge (``Succession.take_over``). Returns whether it was taken."""
+        return await self._took(await self.succession.take_over(handed))
 
-    async def _adopt(self, new: Prepared, version: int, handed: Handed | None = None) -> None:
-        """Hold a predecessor's state ``new`` as ``version`` (with what ``handed`` carries: its
-        momentum, epoch, merged bases, reference and standing), and wake the long-polls."""
-        held = self.held
-        held.theta, held.version, held.latest = new.theta, version, new.latest
-        held.update, held.residual = None, None  # the residual is not handed over: it starts at 0
-        if handed is not None:
-            held.buffer = (
-                None if handed.momentum is None else handed.momentum.detach().float().clone()
-            )
-            held.epoch = max(held.epoch, handed.epoch + 1)
-            held.take_merged(handed.merged)
-            self.start_reference(handed.norms, new.measured)  # the predecessor's, when plausible
-            self.take_standing(handed.standing)
-        if self.log is not None:
-            self.log.note_state(held.theta, held.buffer)
-        self._remember(version, new.digest, new.message_digest)
+    async def _took(self, taken: Taken | None) -> bool:
+        """Wake the long-polls for a state taken over, and carry out what the merger decided."""
+        if taken is None:
+            return False
         async with self._changed:
             self._changed.notify_all()
+        if taken.decision is not None:
+            await self._apply(taken.decision)
+        return True
 
     def hold_first_merge(self, seconds: float) -> None:
         """Merge nothing for ``seconds`` unless the previous owner's state comes first (a handoff,
@@ -694,11 +552,8 @@ class FragmentOwner:
         this before any contribution: merging first would make a version the predecessor's
         learners never see, and at the end of a run fork the swarm off a version it handed out
         as final. Contributions are accepted meanwhile and merge once the hold ends."""
-        if self.merges_done or self.merger.phase is Phase.MERGING:
-            return
-        now = self.clock()
-        self.merger.hold_until(now + seconds, now=now)  # setting a hold never merges
-        self._wake.set()
+        if self.succession.hold_first_merge(seconds):
+            self._wake.set()
 
     # --- the end of a run, and of this term ------------------------------------------------------
     def idle(self) -> bool:
@@ -708,25 +563,11 @@ class FragmentOwner:
     def declare_final(self) -> Sealed:
         """The latest version, handed out as final (call when ``idle`` and no learner is left):
         contributions are refused for ``FINAL_HOLD_S`` after (``final_hold``)."""
-        declared = self.final_declared
-        if declared is None or declared[0] != self.version:
-            log.info("fragment %d: version %d is final", self.fragment.index, self.version)
-        if self.succession.declare(self.version):
-            self._held_final()
-        return self.latest
+        return self.succession.declare_final()
 
     def hold_final(self, version: int) -> None:
-        """Hold ``version`` final as the previous owner did (its handoff said so): learners that
-        ended their run took it from that owner, so work is refused here for the hold too."""
-        if version != self.version:
-            return
-        log.info(
-            "fragment %d: version %d was handed out as final by the previous owner; holding it final",
-            self.fragment.index,
-            version,
-        )
-        if self.succession.declare(version):
-            self._held_final()
+        """Hold ``version`` final as the previous owner did (``Succession.hold_final``)."""
+        self.succession.hold_final(version)
 
     def _held_final(self) -> None:
         """The latest version is newly held final: tell ``on_final`` (the node hands that on to
@@ -736,7 +577,7 @@ class FragmentOwner:
 
     def holds_final(self) -> bool:
         """Whether the latest version was handed out as final and the hold has not lapsed."""
-        return self.succession.holds_final(self.version)
+        return self.succession.holds_final()
 
     def final_hold(self) -> str | None:
         """Why a contribution is refused now (``Succession.final_hold``), or None."""

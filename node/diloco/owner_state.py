@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from node.diloco.eventlog import LoggedMerger
 from protocol.diloco.fragments import Fragment
 from protocol.diloco.merge import MergeConfig
 from protocol.diloco.norms import norm64
@@ -99,12 +100,20 @@ class OwnerState:
     merged_base: dict[bytes, int] = field(default_factory=dict)
     # a merge's result and its norm64, measured as it was made (``theta_norm``)
     known_norm: tuple[weakref.ref[torch.Tensor], float] | None = None
+    log: LoggedMerger | None = None  # with an event log, each state and version is noted there
+
+    def note_state(self) -> None:
+        """Note the state held in the event log (a start or a takeover: replay starts from it)."""
+        if self.log is not None:
+            self.log.note_state(self.theta, self.buffer)
 
     def remember(self, version: int, state_digest: bytes, *others: bytes) -> None:
         """Know ``version`` by the digest of its state as learners decode it and by ``others``;
         forget versions older than the last ``keep``."""
         self.digests.setdefault(version, set()).update((state_digest, *others))
         self.state_digests[version] = state_digest
+        if self.log is not None:
+            self.log.note_version(version, state_digest)
         for old in [v for v in self.digests if v <= version - self.keep]:
             del self.digests[old]
             self.state_digests.pop(old, None)
