@@ -1,14 +1,21 @@
 """The owner of a fragment: drives ``protocol.diloco.merge`` and publishes global versions.
 
-For each fragment this peer owns, ``FragmentOwner`` holds the global fragment Θ_p (one flat fp32
-vector), its Nesterov buffer and version, and a ``FragmentMerger`` state machine. Contributions
-arrive through ``rpc`` and are checked, decoded and fed to the merger (``node.diloco.intake``)
-with ``now`` from the owner's ``clock`` (``time.monotonic``; tests pass a fake one). The timer
-task calls ``tick`` at the merger's deadline. When the merger says "merge", the owner aggregates
-(the configured aggregate, or a weighted mean for embedding fragments) and applies the outer
-Nesterov step off the event loop, hands the new state to a replica, seals the new version with
-its own key (``node.diloco.sealing``) and wakes every long-poll waiting for it. How its term
-starts from a predecessor's state and ends (finality, retiring) is ``node.diloco.succession``.
+For each fragment this peer owns, a ``FragmentOwner`` is composed of parts, each owning its piece:
+- ``OwnerState`` (``node.diloco.owner_state``): the global fragment Θ_p as one flat fp32 vector,
+  its Nesterov buffer, version, sealed forms and the digests that name it; the only state the
+  parts share;
+- the ``FragmentMerger`` state machine (written to an event log for ``atoll replay`` when asked);
+- ``ContributionIntake`` (``node.diloco.intake``): decodes each contribution and says why it is
+  refused before the merger (``protocol.diloco.intake``);
+- ``VersionMaker`` (``node.diloco.merging``): the next version's outer step, check and seal, off
+  the event loop; ``Sealer`` (``node.diloco.sealing``): seals with the owner's key;
+- ``Reputation`` (``node.diloco.reputation``): standing and penalties per sender, the clip
+  reference's source;
+- ``Succession`` (``node.diloco.succession``): taking over from a predecessor, the final hold,
+  retiring.
+The owner feeds the merger with ``now`` from its ``clock`` (``time.monotonic``; tests pass a fake
+one), carries out what it decides, and wakes every long-poll waiting for a version; the timer
+task calls ``tick`` at the merger's deadline.
 
 A merge that fails (a non-finite aggregate or result, or any unforeseen error) drops the
 contributions that caused it (every one of them: no single one is to blame, since each was
@@ -22,14 +29,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
+import contextlib
 import logging
-import math
 import time
-import weakref
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Awaitable, Callable, Sequence
 from typing import cast
 
 import torch
@@ -37,278 +40,215 @@ import torch
 from node.diloco.eventlog import Content, LoggedMerger
 from node.diloco.flat import flat_digest
 from node.diloco.intake import ContributionIntake
-from node.diloco.replica import Carried
-from node.diloco.sealing import VersionSealing
-from node.diloco.succession import FINAL_HOLD_S, OwnerSuccession
+from node.diloco.merging import Fenced, MergeFailed, NextVersion, Rejected, VersionMaker, Work
+from node.diloco.owner_state import OwnerConfig, OwnerCounts, OwnerStart, OwnerState
+from node.diloco.replica import Carried, Handed
+from node.diloco.reputation import Reputation
+from node.diloco.sealing import Sealer
+from node.diloco.succession import FINAL_HOLD_S, Succession, Taken
 from node.diloco.validation import OwnerValidation
 from protocol.diloco.activity import LearnerActivity
 from protocol.diloco.fragments import Fragment
-from protocol.diloco.merge import Decision, FragmentMerger, MergeConfig, Phase
-from protocol.diloco.norms import all_finite, norm64
-from protocol.diloco.outer import OuterConfig, merge_update
-from protocol.diloco.reference import starting_reference
-from protocol.diloco.standing import Event, Standing
-from protocol.diloco.updates import encode_update
+from protocol.diloco.merge import Decision, FragmentMerger, Phase
+from protocol.diloco.outer import OuterConfig
+from protocol.diloco.standing import Standing
+from protocol.errors import DecodeError, Stale
 from protocol.wire.messages import Ack, Contribution, ReplicaState
 from protocol.wire.signing import Sealed, Signer
 
-__all__ = ["FINAL_HOLD_S", "FragmentOwner", "MergeFailed", "OwnerCounts"]
+__all__ = [
+    "FINAL_HOLD_S",
+    "FragmentOwner",
+    "MergeFailed",
+    "OwnerConfig",
+    "OwnerCounts",
+    "OwnerStart",
+]
 
 log = logging.getLogger(__name__)
 
-
-class MergeFailed(Exception):
-    """A merge could not produce a finite global fragment; ``culprits`` are the peers to drop."""
-
-    def __init__(self, reason: str, culprits: frozenset[bytes]) -> None:
-        super().__init__(reason)
-        self.reason, self.culprits = reason, culprits
+Replicate = Callable[[ReplicaState, ReplicaState | None, bytes | None], Awaitable[str | None]]
 
 
-MERGED_BASES_KEPT = 100_000  # senders whose newest merged base is remembered
-
-
-class Rejected(MergeFailed):
-    """Validation kept the candidate from being published: ``culprits`` hurt the loss alone (or,
-    when none did, are the whole round); ``helped`` lowered it alone."""
-
-    def __init__(
-        self, reason: str, culprits: frozenset[bytes], helped: frozenset[bytes], whole: bool
-    ) -> None:
-        super().__init__(reason, culprits)
-        self.helped, self.whole = helped, whole
-
-
-class Fenced(MergeFailed):
-    """A replica refused this owner's next version: another owner has taken over."""
-
-
-@dataclass(frozen=True, slots=True)
-class _Next:
-    """A merge's next version, computed off the event loop."""
-
-    theta: torch.Tensor
-    buffer: torch.Tensor | None
-    latest: Sealed  # the full state, sealed
-    digest: bytes  # of the flat state
-    message_digest: bytes  # of the sealed full state's message
-    state: ReplicaState | None  # the whole state for the replica
-    update: Sealed | None = None  # with updates: the sealed update over the version before
-    residual: torch.Tensor | None = None  # and the error feedback it leaves
-    state_update: ReplicaState | None = None  # ``state`` as that update (no momentum only)
-    theta_digest: bytes | None = (
-        None  # BLAKE3 of ``state``'s blobs (fp32 theta, no momentum), when known
-    )
-    helped: frozenset[bytes] = (
-        frozenset()
-    )  # validation scored their work alone: it lowered the loss
-
-
-@dataclass
-class OwnerCounts:
-    """What an owner did, in counts: all a peer keeps of an owner once it retires (its tensors,
-    buffers and sealed versions go with it; a peer whose fragments change hands often would
-    otherwise hold every retired owner's state). A merge that finishes after the retirement
-    still counts here."""
-
-    RECENT = 16  # merge reasons kept (the report shows the last few)
-
-    fragment: int
-    merges_done: int = 0
-    merge_seconds: float = 0.0  # from each published round's close to its publication, in all
-    checks: int = 0  # candidate versions validated before publication (node.diloco.validation)
-    rejected: int = 0  # of them, not published
-    check_seconds: float = 0.0  # spent evaluating them
-    recent: collections.deque[str] = dataclasses.field(
-        default_factory=lambda: collections.deque(maxlen=OwnerCounts.RECENT)
-    )
-    # per sender: how often a bound bit (clipped, weight_capped, steps_bounded, tokens_bounded, work_capped),
-    # its contribution was dropped from a failed merge, or refused (refused_<why>)
-    penalties: collections.defaultdict[bytes, collections.Counter[str]] = dataclasses.field(
-        default_factory=lambda: collections.defaultdict(collections.Counter)
-    )
-
-    def merged(self, reason: str) -> None:
-        self.merges_done += 1
-        self.recent.append(reason)
-
-    def fold(self, other: OwnerCounts) -> None:
-        """Add ``other``'s counts to these (a peer keeps one ``OwnerCounts`` per fragment for all
-        the owners of it it retired, however often the fragment comes and goes)."""
-        self.merges_done += other.merges_done
-        self.merge_seconds += other.merge_seconds
-        self.checks += other.checks
-        self.rejected += other.rejected
-        self.check_seconds += other.check_seconds
-        self.recent.extend(other.recent)
-        for peer, counts in other.penalties.items():
-            self.penalties[peer].update(counts)
-
-
-class FragmentOwner(ContributionIntake, VersionSealing, OwnerSuccession):
+class FragmentOwner:
     """Merges contributions for one fragment and serves its versions."""
 
     def __init__(
         self,
+        config: OwnerConfig,
+        start: OwnerStart,
         *,
-        swarm: str,
-        fragment: Fragment,
-        shapes: Sequence[tuple[int, ...]],
-        initial: torch.Tensor,
-        version: int = 0,
-        merge_cfg: MergeConfig,
-        outer_cfg: OuterConfig,
         signer: Signer,
-        download_codec: str = "none",
-        update_codec: str | None = None,
-        block_size: int = 64,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
-        epoch: int = 0,
-        momentum: torch.Tensor | None = None,
-        replicate: Callable[
-            [ReplicaState, ReplicaState | None, bytes | None], Awaitable[str | None]
-        ]
-        | None = None,
+        replicate: Replicate | None = None,
         on_publish: Callable[[int, int, bytes], None] | None = None,
         on_final: Callable[[FragmentOwner], None] | None = None,
-        event_log: Path | None = None,
-        merged: Mapping[bytes, int] | None = None,
-        round_steps: int = 0,
         validation: OwnerValidation | None = None,
-        reference: Sequence[float] = (),
-        measured: Sequence[float] = (),
-        standing: tuple[tuple[bytes, ...], tuple[float, ...]] | None = None,
     ) -> None:
-        """``epoch``: this ownership's epoch (a takeover starts one above the state it took
-        over); ``momentum``: the outer Nesterov buffer taken over with ``initial``;
-        ``replicate``: hands each next version's whole state to a replica before it is
+        """``replicate``: hands each next version's whole state to a replica before it is
         published (and the same state as an update over the version before, when there is one,
-        and the BLAKE3 of the state's fp32 bytes when its seal computed that already), returning None when a replica took it (or none can) and the reason when this owner has
-        been replaced ("fenced: ..."), after which it stops publishing and retires;
-        ``on_final``: called with this owner the first time its latest version is held final
-        (handed out as final here, or taken over as final from the previous owner);
-        ``merged``: per sender, the newest base version of its work merged into ``initial`` (taken
-        over with it), so that work is refused if it is sent again; ``update_codec``: also publish
-        each version as an update over the one before, compressed with it (see
-        ``protocol.diloco.updates``; the full versions are then fp32, ``download_codec`` none);
-        ``round_steps``: the inner steps a learner may train between two contributions to a
-        fragment (2H), which tells how long one at work may stay silent
-        (``protocol.diloco.activity``); ``validation``: check each candidate version on the
-        swarm's validation set before publishing it (``node.diloco.validation``; None: off);
-        ``reference``: the predecessor's clip reference (recent accepted norms), taken when it is
-        plausible against ``measured``, estimates from published updates this peer could measure
-        (``protocol.diloco.reference``), which seed it otherwise; ``standing``: the predecessor's
-        standing per sender key (``Standing.export``)."""
-        self.clock, self.wall_clock = clock, wall_clock
-        self.epoch, self.replicate, self.on_publish, self.on_final = (
-            epoch,
-            replicate,
-            on_publish,
-            on_final,
+        and the BLAKE3 of the state's fp32 bytes when its seal computed that already), returning
+        None when a replica took it (or none can) and the reason when this owner has been
+        replaced ("fenced: ..."), after which it stops publishing and retires; ``on_publish``:
+        called with (fragment, version, digest) of each published version; ``on_final``: called
+        with this owner the first time its latest version is held final (handed out as final
+        here, or taken over as final from the previous owner); ``validation``: check each
+        candidate version on the swarm's validation set before publishing it
+        (``node.diloco.validation``; None: off)."""
+        self.config, self.clock = config, clock
+        self.replicate, self.on_publish, self.on_final = replicate, on_publish, on_final
+        self.sealer = Sealer(config, signer, wall_clock)
+        now = self.started_at = clock()
+        self.merger, self.log = _merger(config, start.version, now)
+        theta = start.theta.detach().float().clone()  # [numel_p] fp32
+        latest, *digests = self.sealer.state(start.version, theta)
+        self.held = OwnerState(
+            theta=theta,
+            buffer=None if start.momentum is None else start.momentum.detach().float().clone(),
+            version=start.version,
+            epoch=start.epoch,
+            latest=latest,
+            keep=config.merge.staleness_bound + 2,
+            merged_base=dict(start.merged),
+            log=self.log,
         )
-        self.fenced: str | None = None
-        self.swarm, self.fragment, self.shapes = swarm, fragment, list(shapes)
-        self.theta = initial.detach().float().clone()  # [numel_p] fp32
-        # Nesterov momentum, created on first merge (or taken over from the previous owner)
-        self.buffer: torch.Tensor | None = (
-            None if momentum is None else momentum.detach().float().clone()
+        self.held.note_state()
+        self.held.remember(start.version, *digests, flat_digest(theta))  # and v0 unrounded (bf16)
+        self.counts = OwnerCounts(config.fragment.index)  # what outlives this owner once retired
+        self.intake = ContributionIntake(config, self.held)
+        self.maker = VersionMaker(config, self.held, self.sealer, validation, self.log, self.counts)
+        self.reputation = Reputation(config.fragment.index, self.merger, self.counts)
+        self.succession = Succession(
+            config,
+            self.held,
+            self.merger,
+            self.sealer,
+            self.reputation,
+            self.counts,
+            clock,
+            on_final=self._held_final,
         )
-        self.outer_cfg, self.signer, self.download_codec = outer_cfg, signer, download_codec
-        if update_codec is not None and download_codec != "none":
-            raise ValueError(
-                "updates are applied to fp32 full versions: download_codec must be none"
-            )
-        self.update_codec, self.block_size = update_codec, block_size
-        # with updates: what the last update rounded away (sent with the next), and the sealed
-        # update from version - 1 to version (None until this owner has merged once)
-        self.residual: torch.Tensor | None = None
-        self.update: Sealed | None = None
-        start = clock()
-        merger = FragmentMerger(fragment.index, merge_cfg, version=version, now=start)
-        # with ``event_log``, every merger call and decision is logged for ``atoll replay``
-        content = Content(
-            shapes=self.shapes,
-            download_codec=download_codec,
-            outer=outer_cfg,
-            embedding=fragment.is_embedding,
-            update_codec=update_codec,
-            block_size=block_size,
-        )
-        self.log = (
-            LoggedMerger(
-                merger,
-                event_log,
-                fragment=fragment.index,
-                config=merge_cfg,
-                version=version,
-                now=start,
-                content=content,
-            )
-            if event_log is not None
-            else None
-        )
-        self.merger: FragmentMerger = (
-            cast(FragmentMerger, self.log) if self.log is not None else merger
-        )
-        self.version = version
-        # digest of each recent version's state as learners decode it: a contribution is applied
-        # only to the state it was measured against (version numbers alone can name two contents)
-        self.digests: dict[int, set[bytes]] = {}
-        self._state_digest: dict[
-            int, bytes
-        ] = {}  # the one of them any owner computes: handoffs, fences
-        self._merged_base: dict[bytes, int] = dict(
-            merged or {}
-        )  # sender -> newest base of its merged work
-        self.resyncs_owed: dict[bytes, tuple[int, int, bool]] = {}
-        self._last_from: set[bytes] = set()  # senders whose last contribution was taken (``last``)
         # when each sender's contributions were taken: a member claiming to learn that has long
         # sent nothing is not waited for (``protocol.diloco.activity``)
-        self.activity = LearnerActivity(min_steps=round_steps)
-        self.started_at = start
-        self.not_waited_for: dict[bytes, float] = {}  # members found silent, and when it was logged
-        self._keep_digests = merge_cfg.staleness_bound + 2
-        # decoded contributions' buffers, reused once their merge is published (fresh memory is
-        # slow to fill); at most as many as the last published merge had contributions
-        self._spare: list[torch.Tensor] = []
-        self._borrowed: dict[
-            int, weakref.ref[torch.Tensor]
-        ] = {}  # local contributions' vectors, by id
-        self._theta_norm: tuple[weakref.ref[torch.Tensor], float] | None = (
-            None  # a merge's result and its norm64
-        )
-        self._spare_max = 4
+        self.activity = LearnerActivity(min_steps=config.round_steps)
+        self.not_waited_for: dict[bytes, float] = {}  # members found silent, and when logged
+        self.start_reference(start.reference, start.measured)
+        if start.standing is not None:
+            self.reputation.take_standing(start.standing, version=start.version)
         self._background: set[asyncio.Task[None]] = set()  # merges started by ``receive``
-        self.latest, *digests = self._seal_state(version, self.theta)
-        if self.log is not None:
-            self.log.note_state(self.theta, self.buffer)
-        self._remember_digests(
-            version, *digests, flat_digest(self.theta)
-        )  # and v0 unrounded (bf16 download)
-        self.counts = OwnerCounts(self.fragment.index)  # what outlives this owner once it retires
-        self.validation = validation
-        # per sender key: what its work came to here, carried to successors (``protocol.diloco.standing``)
-        self.standing = Standing()
-        self.reference_note = ""  # where the clip reference came from (status)
-        self.start_reference(reference, measured)
-        if standing is not None:
-            self.take_standing(standing)
-        self.step_bounds = 0  # merges whose aggregate was scaled down to max_delta_ratio * |Theta|
-        self.retired = False
-        self.final_declared: tuple[int, float] | None = (
-            None  # (version, when) it was last handed out as final
-        )
         self._changed = asyncio.Condition()
         self._wake = asyncio.Event()
-        self._retired_event = asyncio.Event()
+
+    # --- the state, as others read it ----------------------------------------------------------
+    @property
+    def theta(self) -> torch.Tensor:
+        return self.held.theta
+
+    @property
+    def buffer(self) -> torch.Tensor | None:
+        return self.held.buffer
+
+    @property
+    def version(self) -> int:
+        return self.held.version
+
+    @property
+    def epoch(self) -> int:
+        return self.held.epoch
+
+    @epoch.setter
+    def epoch(self, epoch: int) -> None:  # a fence behind our version: owning at a higher epoch
+        self.held.epoch = epoch
+
+    @property
+    def latest(self) -> Sealed:
+        return self.held.latest
+
+    @property
+    def update(self) -> Sealed | None:
+        return self.held.update
+
+    @property
+    def residual(self) -> torch.Tensor | None:
+        return self.held.residual
+
+    @property
+    def digests(self) -> dict[int, set[bytes]]:
+        return self.held.digests
+
+    @property
+    def fragment(self) -> Fragment:
+        return self.config.fragment
+
+    @property
+    def download_codec(self) -> str:
+        return self.config.download_codec
+
+    @property
+    def outer_cfg(self) -> OuterConfig:
+        return self.config.outer
+
+    @property
+    def signer(self) -> Signer:
+        return self.sealer.signer
+
+    @property
+    def step_bounds(self) -> int:
+        """Merges whose aggregate was scaled down to max_delta_ratio * |Theta|."""
+        return self.maker.step_bounds
+
+    @property
+    def retired(self) -> bool:
+        return self.succession.retired
+
+    @property
+    def fenced(self) -> str | None:
+        return self.succession.fenced
+
+    @fenced.setter
+    def fenced(self, why: str | None) -> None:  # a handoff from above: stepping back
+        self.succession.fenced = why
+
+    @property
+    def final_declared(self) -> tuple[int, float] | None:
+        return self.succession.final_declared
+
+    def digest_of(self, version: int) -> bytes:
+        """The digest of ``version``'s state as learners decode it (``OwnerState.digest_of``)."""
+        return self.held.digest_of(version)
+
+    def sealed_after(self, after: int, *, update_ok: bool, full_every: int = 0) -> Sealed:
+        """What a learner holding ``after`` should fetch (``OwnerState.sealed_after``)."""
+        return self.held.sealed_after(after, update_ok=update_ok, full_every=full_every)
+
+    def owes_resync(self, asker: bytes | None) -> bool:
+        """Whether ``asker`` is owed a serve (``ContributionIntake.owes_resync``)."""
+        return self.intake.owes_resync(asker)
+
+    @property
+    def standing(self) -> Standing:
+        return self.reputation.standing
+
+    @property
+    def reference_note(self) -> str:
+        return self.reputation.reference_note
+
+    def start_reference(self, handed: Sequence[float], measured: Sequence[float] = ()) -> str:
+        """Start the merger's clip reference (``Reputation.start_reference``); returns why."""
+        return self.reputation.start_reference(handed, measured, theta=self.theta)
+
+    def standing_status(self, lowest: int = 5) -> dict[str, object]:
+        """The standing per sender key in short (``Reputation.status``)."""
+        return self.reputation.status(version=self.version, lowest=lowest)
 
     # --- inbound -------------------------------------------------------------------------------
     async def contribute(
         self, sender: bytes, msg: Contribution, flat: torch.Tensor | None = None
     ) -> Ack:
         """Check and feed one contribution to the merger; the merge it completes (if any) has
-        run when this returns (``flat``: see ``_decode``). Raises ``RemoteProtocolError``."""
+        run when this returns (``flat``: see ``ContributionIntake.decode``). Raises
+        ``RemoteProtocolError``."""
         decision = await self._accept(sender, msg, flat)
         if isinstance(decision, Ack):
             return decision
@@ -333,6 +273,67 @@ class FragmentOwner(ContributionIntake, VersionSealing, OwnerSuccession):
         else:
             await self._apply(decision)
         return ack
+
+    async def _accept(
+        self, sender: bytes, msg: Contribution, given: torch.Tensor | None = None
+    ) -> Decision | Ack:
+        """Decode, check and hand one contribution to the merger: its decision, or the Ack of
+        a refusal before the merger (a final version handed out, low standing, a base this
+        owner does not hold, work merged already, a norm far out of bounds)."""
+        index, version, penalties = self.fragment.index, self.version, self.counts.penalties
+        if (held := self.final_hold()) is not None:  # before decoding: refused at no cost
+            log.info("%s (from %s)", held, sender.hex()[:8])
+            return Ack(accepted=False, reason=held, version=version)
+        if (low := self.reputation.refused(sender, version=version)) is not None:  # also free
+            return Ack(accepted=False, reason=f"fragment {index}: {low}", version=version)
+        if msg.base_version > version:
+            raise Stale(f"base version {msg.base_version} is ahead of the owner's {version}")
+        try:  # malformed: a 4xx, whatever its base
+            flat, norm = await asyncio.to_thread(self.intake.decode, msg, given)
+        except DecodeError:  # NaN/Inf or a wrong shape: counts against the (authenticated) sender
+            self.reputation.malformed(sender, version=self.version)
+            raise
+        refused = self.intake.screen(sender, msg, norm, self.merger.norm_reference())
+        if refused is not None:
+            self.intake.give_back(flat)
+            if refused.counted == "out_of_bounds":  # acknowledged as taken, it was a free shot
+                self.reputation.malformed(sender, version=self.version, counted=refused.counted)
+                log.info("fragment %d: %s (from %s)", index, refused.reason, sender.hex()[:8])
+            else:
+                penalties[sender][f"refused_{refused.counted}"] += 1
+                log.info("fragment %d: %s", index, refused.reason)
+            return Ack(accepted=False, reason=refused.reason, version=self.version)
+        return self._offer(sender, msg, flat, norm)
+
+    def _offer(self, sender: bytes, msg: Contribution, flat: torch.Tensor, norm: float) -> Decision:
+        """Hand a screened contribution to the merger, and count what it decided."""
+        if self.log is not None:
+            self.log.note_payload(msg)
+        last = self.intake.last.honoured(sender, msg.last)  # a refused one does not spend it
+        now = self.clock()
+        decision = self.merger.on_contribution(
+            sender,
+            base_version=msg.base_version,
+            tokens=msg.tokens,
+            steps=msg.steps,
+            step_time=msg.step_time,
+            payload=flat,
+            norm=norm,
+            now=now,
+            last=last,
+        )
+        if decision.refusal is not None:
+            self.counts.penalties[sender][f"refused_{decision.refusal}"] += 1
+        self.activity.heard(
+            sender, now, steps=msg.steps, step_time=msg.step_time, accepted=decision.accepted
+        )
+        if decision.accepted:
+            if last:
+                self.intake.last.taken(sender)
+        else:
+            self.intake.give_back(flat)
+        log.info("fragment %d: %s", self.fragment.index, decision.reason)
+        return decision
 
     def _merge_done(self, task: asyncio.Task[None]) -> None:
         self._background.discard(task)
@@ -419,42 +420,60 @@ class FragmentOwner(ContributionIntake, VersionSealing, OwnerSuccession):
         self._wake.set()
 
     async def _merge(self, decision: Decision) -> Decision:
+        """Make, hand to a replica and publish the next version; a failure is the merger's to
+        retry without the work it names."""
         t0 = self.clock()
-        deltas = [cast(torch.Tensor, e.payload) for e in decision.entries]  # set by ``contribute``
-        weights = [e.weight for e in decision.entries]
-        peers = [e.peer for e in decision.entries]
-        clips = [e.clip for e in decision.entries]
-        norms = [e.norm for e in decision.entries]  # measured by ``_decode``: the merge reuses them
-        merged = dict(self._merged_base)  # as it will be once this merge is published
-        for e in decision.entries:
-            merged[e.peer] = max(merged.get(e.peer, -1), self.version - e.staleness)
+        work = Work.of(decision, self.outer_cfg.aggregate)
+        # the merged bases as they will be once this merge is published
+        merged = self.held.merged_with(
+            (e.peer, self.version - e.staleness) for e in decision.entries
+        )
         carry = self._carried(self.version + 1)  # read here, on the event loop: intake changes them
         try:  # one worker-thread hop: the outer step, the sealed version and the replica's state
             nxt = await asyncio.to_thread(
-                self._next_version,
+                self.maker.make,
                 self.version + 1,
-                peers,
-                deltas,
-                weights,
-                clips,
+                work,
                 merged,
-                decision.scale,
-                norms,
-                decision.aggregate(self.outer_cfg.aggregate),
                 carry,
+                for_replica=self.replicate is not None,
             )
-            if nxt.state is not None and self.replicate is not None:
-                fence = await self.replicate(nxt.state, nxt.state_update, nxt.theta_digest)
-                if fence is not None:
-                    raise Fenced(fence, frozenset(peers))
-            if (
-                self.retired
-            ):  # retired while merging (past the wait): the successor owns the next version
-                raise Fenced(
-                    f"retired before publishing version {self.version + 1}", frozenset(peers)
-                )
-        except Rejected as exc:
-            self._rejected(exc)
+            await self._replicated(nxt, work)
+        except MergeFailed as exc:
+            return await self._failed(exc)
+        except Exception as exc:  # an unforeseen failure must not kill the owner, nor loop forever
+            log.exception("fragment %d: merge failed", self.fragment.index)
+            failed = self.merger.on_merge_failed(
+                f"merge failed: {exc!r}", now=self.clock(), discard=work.peers
+            )
+            log.warning("fragment %d: %s", self.fragment.index, failed.reason)
+            return failed
+        self._publish(nxt, merged, work)
+        self._count(decision, nxt)
+        async with self._changed:
+            self._changed.notify_all()
+        now = self.clock()
+        self.counts.merge_seconds += now - t0
+        return self.merger.on_published(self.version, sync_time=now - t0, now=now)
+
+    async def _replicated(self, nxt: NextVersion, work: Work) -> None:
+        """Hand ``nxt`` to a replica before it is published. Raises ``Fenced`` when another owner
+        has taken over (or this one retired while merging: the successor owns the next version)."""
+        if nxt.state is not None and self.replicate is not None:
+            fence = await self.replicate(nxt.state, nxt.state_update, nxt.theta_digest)
+            if fence is not None:
+                raise Fenced(fence, frozenset(work.peers))
+        if self.retired:
+            raise Fenced(
+                f"retired before publishing version {self.version + 1}", frozenset(work.peers)
+            )
+
+    async def _failed(self, exc: MergeFailed) -> Decision:
+        """Tell the merger a merge failed, dropping the work ``exc`` names, and count it."""
+        if isinstance(exc, Rejected):
+            self.reputation.rejected(
+                exc.culprits, exc.helped, whole=exc.whole, version=self.version
+            )
             failed = self.merger.on_merge_failed(exc.reason, now=self.clock(), discard=exc.culprits)
             log.warning(
                 "fragment %d: version %d not published: %s",
@@ -463,306 +482,184 @@ class FragmentOwner(ContributionIntake, VersionSealing, OwnerSuccession):
                 exc.reason,
             )
             return failed
-        except Fenced as exc:
-            self.fenced = exc.reason
+        if isinstance(exc, Fenced):
+            self.succession.fenced = exc.reason
             log.warning("fragment %d: stopped publishing: %s", self.fragment.index, exc.reason)
             await self.retire()
             return self.merger.on_merge_failed(exc.reason, now=self.clock(), discard=exc.culprits)
-        except MergeFailed as exc:
-            for peer in exc.culprits:
-                self.penalties[peer]["dropped"] += 1
-            failed = self.merger.on_merge_failed(exc.reason, now=self.clock(), discard=exc.culprits)
-            log.warning("fragment %d: %s", self.fragment.index, failed.reason)
-            return failed
-        except Exception as exc:  # an unforeseen failure must not kill the owner, nor loop forever
-            log.exception("fragment %d: merge failed", self.fragment.index)
-            failed = self.merger.on_merge_failed(
-                f"merge failed: {exc!r}", now=self.clock(), discard=peers
-            )
-            log.warning("fragment %d: %s", self.fragment.index, failed.reason)
-            return failed
-        self._merged_base = merged  # their bases, so that a second send of the same work is refused
-        while len(self._merged_base) > MERGED_BASES_KEPT:
-            self._merged_base.pop(next(iter(self._merged_base)))
-        self.theta, self.buffer, self.version, self.latest = (
+        self.reputation.dropped(exc.culprits)
+        failed = self.merger.on_merge_failed(exc.reason, now=self.clock(), discard=exc.culprits)
+        log.warning("fragment %d: %s", self.fragment.index, failed.reason)
+        return failed
+
+    def _publish(self, nxt: NextVersion, merged: dict[bytes, int], work: Work) -> None:
+        """Hold ``nxt`` as the latest version, and tell ``on_publish``."""
+        held = self.held
+        held.set_merged(merged)  # their bases, so that a second send of the same work is refused
+        held.theta, held.buffer, held.version, held.latest = (
             nxt.theta,
             nxt.buffer,
-            self.version + 1,
+            held.version + 1,
             nxt.latest,
         )
-        self.update, self.residual = nxt.update, nxt.residual
-        self._remember_digests(self.version, nxt.digest, nxt.message_digest)
-        self._spare_max = max(4, len(deltas))
-        for d in deltas:  # merged and published: nothing refers to these buffers any more
-            self._give_back(d)
+        held.update, held.residual = nxt.update, nxt.residual
+        held.remember(held.version, nxt.digest, nxt.message_digest)
+        self.intake.spare_max = max(4, len(work.deltas))
+        for d in work.deltas:  # merged and published: nothing refers to these buffers any more
+            self.intake.give_back(d)
         if self.on_publish is not None:
-            self.on_publish(self.fragment.index, self.version, nxt.digest)
+            self.on_publish(self.fragment.index, held.version, nxt.digest)
+
+    def _count(self, decision: Decision, nxt: NextVersion) -> None:
+        """Count a published merge, per sender too, and log it."""
         self.counts.merged(decision.reason)
-        for e in decision.entries:
-            counts = self.penalties[e.peer]
-            counts["merged"] += 1
-            for flag in ("weight_capped", "steps_bounded", "tokens_bounded"):
-                counts[flag] += int(getattr(e, flag))
-            counts["clipped"] += int(
-                e.clip < e.work_scale
-            )  # the norm clip bit (clip is it times work_scale)
-            counts["work_capped"] += int(e.work_scale < 1.0)  # covered more than max_work_steps
-            counts["late"] += int(e.staleness > 0)  # its round had closed: carried to this one
-        for peer in nxt.helped:  # first: the version's one credit is the larger one
-            self.penalties[peer]["helped"] += 1
-            self.standing.record(peer, Event.HELPED, version=self.version)
-        self._note_standing(decision)
+        self.reputation.published(decision, nxt.helped, version=self.version)
         log.info(
             "fragment %d: published version %d (%s)",
             self.fragment.index,
             self.version,
             decision.reason,
         )
-        async with self._changed:
-            self._changed.notify_all()
-        now = self.clock()
-        self.counts.merge_seconds += now - t0
-        return self.merger.on_published(self.version, sync_time=now - t0, now=now)
-
-    def _next_version(
-        self,
-        version: int,
-        peers: list[bytes],
-        deltas: list[torch.Tensor],
-        weights: list[float],
-        clips: list[float],
-        merged: Mapping[bytes, int],
-        scale: float = 1.0,
-        norms: Sequence[float | None] | None = None,
-        aggregate: str | None = None,
-        carry: Carried | None = None,
-    ) -> _Next:
-        """The merge's new state, sealed as ``version``, the state to hand to a replica, and with
-        updates the sealed update from ``version - 1`` and the new error-feedback residual."""
-        theta, buffer = self._outer(peers, deltas, weights, clips, scale, norms, aggregate)
-        tensors, residual = None, None
-        if self.update_codec is not None:  # publish what learners compute from the update
-            tensors, theta, residual = encode_update(
-                theta,
-                self.theta,
-                self.residual,
-                self.shapes,
-                self.update_codec,
-                block_size=self.block_size,
-            )
-        helped: frozenset[bytes] = frozenset()
-        if (
-            self.validation is not None
-        ):  # before anything is sealed: a rejected candidate leaves no trace
-            helped = self._validate(
-                version, theta, peers, deltas, weights, clips, scale, norms, aggregate
-            )
-        checked = (
-            tensors is None
-        )  # _outer checked theta and buffer; an update's result is checked when sealed
-        latest, digest, message_digest = self._seal_state(version, theta, known_finite=checked)
-        state = (
-            self._replica_state(
-                version, digest, theta, buffer, merged, known_finite=checked, carry=carry
-            )
-            if self.replicate
-            else None
-        )
-        # an fp32 version's state digest is its bytes' BLAKE3, the handoff's blobs when there is no momentum
-        theta_digest = digest if self.download_codec == "none" and buffer is None else None
-        if tensors is None:
-            return _Next(
-                theta,
-                buffer,
-                latest,
-                digest,
-                message_digest,
-                state,
-                theta_digest=theta_digest,
-                helped=helped,
-            )
-        update = self._seal_update(version, tensors, digest)
-        base_digest = self.digest_of(version - 1)
-        state_update = (
-            dataclasses.replace(
-                state,
-                theta=tuple(tensors),
-                momentum=(),
-                base_version=version - 1,
-                base_digest=base_digest,
-            )
-            if state is not None and buffer is None
-            else None
-        )
-        return _Next(
-            theta,
-            buffer,
-            latest,
-            digest,
-            message_digest,
-            state,
-            update,
-            residual,
-            state_update,
-            theta_digest,
-            helped,
-        )
-
-    def _validate(
-        self,
-        version: int,
-        theta: torch.Tensor,
-        peers: list[bytes],
-        deltas: list[torch.Tensor],
-        weights: list[float],
-        clips: list[float],
-        scale: float,
-        norms: Sequence[float | None] | None,
-        aggregate: str | None,
-    ) -> frozenset[bytes]:
-        """Check the candidate ``theta`` (``node.diloco.validation``); log the check. Returns the
-        senders whose work, scored alone, lowered the loss; raises ``Rejected`` when it is not to be
-        published."""
-        assert self.validation is not None
-
-        def alone() -> dict[bytes, torch.Tensor]:  # per sender, the outer step over its work only
-            out: dict[bytes, torch.Tensor] = {}
-            for peer in dict.fromkeys(peers):
-                mine = [i for i, p in enumerate(peers) if p == peer]
-                out[peer] = merge_update(
-                    self.theta,
-                    self.buffer,
-                    [deltas[i] for i in mine],
-                    [weights[i] for i in mine],
-                    [clips[i] for i in mine],
-                    self.outer_cfg,
-                    embedding=self.fragment.is_embedding,
-                    scale=scale,
-                    norms=None if norms is None else [norms[i] for i in mine],
-                    aggregate=aggregate,
-                ).theta
-            return out
-
-        check = self.validation.check(self.fragment.index, version, self.theta, theta, alone)
-        if check is None:
-            return frozenset()
-        self.counts.checks += 1
-        self.counts.rejected += int(not check.verdict.publish)
-        self.counts.check_seconds += check.seconds
-        if self.log is not None:
-            self.log.note_validation(check.record)
-        verdict = check.verdict
-        if not verdict.publish:
-            raise Rejected(verdict.reason, verdict.drop, verdict.helped, whole=verdict.whole)
-        return verdict.helped
-
-    def _rejected(self, exc: Rejected) -> None:
-        """Count a rejected candidate against the senders it names (and for those that helped)."""
-        for peer in exc.culprits:  # a round dropped whole blames no one of them: no standing lost
-            self.penalties[peer]["round_dropped" if exc.whole else "hurt"] += 1
-            if not exc.whole:
-                self.standing.record(peer, Event.HURT, version=self.version)
-        for peer in exc.helped:
-            self.penalties[peer]["helped"] += 1
-            self.standing.record(peer, Event.HELPED, version=self.version)
-
-    # --- the reference and the standing, which outlive this owner ----------------------------------
-    def start_reference(self, handed: Sequence[float], measured: Sequence[float] = ()) -> str:
-        """Start the merger's clip reference from a predecessor's (``handed``) when it is plausible
-        against ``measured`` (estimates from published updates), else from ``measured``
-        (``protocol.diloco.reference``); only before the first merge. Returns why."""
-        if self.merges_done:
-            return "this owner has merged already: its own reference stands"
-        # a norm longer than the fragment itself is no honest reference (``starting_reference``)
-        ceiling = norm64(self.theta) if handed or measured else math.inf
-        reference, why = starting_reference(handed, measured, ceiling=ceiling)
-        if reference:
-            self.merger.seed_reference(reference)  # logged for replay when there is a log
-        if handed or measured:
-            log.info("fragment %d: clip reference: %s", self.fragment.index, why)
-        self.reference_note = why
-        return why
-
-    def take_standing(self, standing: tuple[tuple[bytes, ...], tuple[float, ...]]) -> None:
-        """Take a predecessor's standing per sender key (what this owner saw itself wins); one
-        that does not fit ``StandingConfig`` is refused whole, with the reason logged and counted."""
-        try:
-            self.standing.restore(*standing, version=self.version)
-        except ValueError as exc:
-            self.counts.recent.append(f"handed standing refused: {exc}")
-            log.warning("fragment %d: handed standing refused: %s", self.fragment.index, exc)
 
     def _carried(self, version: int) -> Carried:
         """The reference and standing to hand to a replica or successor with ``version``."""
-        return self.merger.reference(), self.standing.export(version=version)
+        return self.reputation.carried(version)
 
-    def _note_standing(self, decision: Decision) -> None:
-        """Count a published merge's outcomes in each sender's standing: the norm clip worst, then
-        a claim capped to what the owner can see, else merged cleanly (a late one is not its fault)."""
-        for e in decision.entries:
-            if e.clip < e.work_scale:
-                event = Event.CLIPPED
-            elif (
-                e.steps_bounded or e.tokens_bounded
-            ):  # a claim past what the owner can see (a weight
-                # cap is not: it bites whichever honest learner counted the most tokens)
-                event = Event.BOUNDED
-            else:
-                event = Event.MERGED
-            self.standing.record(e.peer, event, version=self.version)
+    # --- starting from a predecessor -----------------------------------------------------------
+    async def catch_up(self, version: int, flat: torch.Tensor) -> bool:
+        """Take over a newer version published by the previous owner, before our first merge
+        (``Succession.catch_up``). Returns whether it was taken."""
+        return await self._took(await self.succession.catch_up(version, flat))
 
-    def standing_status(self, lowest: int = 5) -> dict[str, object]:
-        """The standing per sender key in short: how many are refused now, the lowest scores."""
-        return {
-            "keys": len(self.standing),
-            "refused": self.standing.below(version=self.version),
-            "threshold": self.standing.config.threshold,
-            "lowest": [
-                {"peer": p.hex()[:16], "score": round(s, 3)}
-                for p, s in self.standing.lowest(lowest, version=self.version)
-            ],
-            "reference": self.reference_note,
-        }
+    async def take_over(self, handed: Handed) -> bool:
+        """Start from a state handed over by the previous owner (or to us as its replica), before
+        our first merge (``Succession.take_over``). Returns whether it was taken."""
+        return await self._took(await self.succession.take_over(handed))
 
-    def _outer(
-        self,
-        peers: list[bytes],
-        deltas: list[torch.Tensor],
-        weights: list[float],
-        clips: list[float],
-        scale: float = 1.0,
-        norms: Sequence[float | None] | None = None,
-        aggregate: str | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Clip, aggregate, scale, bound and apply the outer step. Raises ``MergeFailed`` naming the
-        peers to drop. (Every payload's shape, finiteness and norm were checked by ``_decode``.)"""
-        known = self._theta_norm
-        update = merge_update(
-            self.theta,
-            self.buffer,
-            deltas,
-            weights,
-            clips,
-            self.outer_cfg,
-            embedding=self.fragment.is_embedding,
-            scale=scale,
-            norms=norms,
-            aggregate=aggregate,
-            theta_norm=known[1] if known is not None and known[0]() is self.theta else None,
+    async def _took(self, taken: Taken | None) -> bool:
+        """Wake the long-polls for a state taken over, and carry out what the merger decided."""
+        if taken is None:
+            return False
+        async with self._changed:
+            self._changed.notify_all()
+        if taken.decision is not None:
+            await self._apply(taken.decision)
+        return True
+
+    def hold_first_merge(self, seconds: float) -> None:
+        """Merge nothing for ``seconds`` unless the previous owner's state comes first (a handoff,
+        ``take_over``, releases the hold). A new owner whose predecessor may still be alive calls
+        this before any contribution: merging first would make a version the predecessor's
+        learners never see, and at the end of a run fork the swarm off a version it handed out
+        as final. Contributions are accepted meanwhile and merge once the hold ends."""
+        if self.succession.hold_first_merge(seconds):
+            self._wake.set()
+
+    # --- the end of a run, and of this term ------------------------------------------------------
+    def idle(self) -> bool:
+        """No contribution is waiting and no merge is running: the latest version is final."""
+        return self.merger.phase is Phase.COLLECTING and self.merger.count == 0
+
+    def declare_final(self) -> Sealed:
+        """The latest version, handed out as final (call when ``idle`` and no learner is left):
+        contributions are refused for ``FINAL_HOLD_S`` after (``final_hold``)."""
+        return self.succession.declare_final()
+
+    def hold_final(self, version: int) -> None:
+        """Hold ``version`` final as the previous owner did (``Succession.hold_final``)."""
+        self.succession.hold_final(version)
+
+    def _held_final(self) -> None:
+        """The latest version is newly held final: tell ``on_final`` (the node hands that on to
+        the fragment's replica, so a replica taking over within the hold holds it final too)."""
+        if self.on_final is not None:
+            self.on_final(self)
+
+    def holds_final(self) -> bool:
+        """Whether the latest version was handed out as final and the hold has not lapsed."""
+        return self.succession.holds_final()
+
+    def final_hold(self) -> str | None:
+        """Why a contribution is refused now (``Succession.final_hold``), or None."""
+        return self.succession.final_hold()
+
+    async def retire(self, *, finish_merge_s: float = 0.0) -> None:
+        """This peer no longer owns the fragment: release every long-poll (and close the log).
+
+        ``finish_merge_s``: first let a merge under way finish (up to that long), so the version
+        its replica may already hold is published and in the state handed to the successor; a
+        merge still running after that does not publish."""
+        if finish_merge_s > 0 and self.merger.phase is Phase.MERGING:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(finish_merge_s):
+                    while self.merger.phase is Phase.MERGING:
+                        await asyncio.sleep(0.01)
+        self.succession.retire()
+        if self.log is not None:
+            self.log.close()
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def wait_retired(self) -> None:
+        await self.succession.wait_retired()
+
+    # --- the whole state, handed on ----------------------------------------------------------------
+    def snapshot(self) -> ReplicaState:
+        """The whole state at the latest version (handed to the successor when retiring), marked
+        final while this owner holds that version final (``holds_final``)."""
+        held = self.held
+        return self.sealer.replica_state(
+            held.version,
+            held.digest_of(held.version),
+            held.theta,
+            held.buffer,
+            dict(held.merged_base),
+            epoch=held.epoch,
+            carry=self._carried(held.version),
+            final=self.holds_final(),
         )
-        self.step_bounds += int(update.bounded)
-        theta, buffer = update.theta, update.buffer
-        theta_norm = norm64(
-            theta
-        )  # finite exactly when every value is; the next merge's bound needs it
-        if not (math.isfinite(theta_norm) and (buffer is None or all_finite(buffer))):
-            raise MergeFailed(
-                f"the outer step over {len(peers)} contributions is not finite; "
-                "no single one is to blame, all are dropped",
-                frozenset(peers),
-            )
-        self._theta_norm = (
-            weakref.ref(theta),
-            theta_norm,
-        )  # used once ``theta`` is the published one
-        return theta, buffer
+
+    def state(self) -> Handed:
+        """The whole state at the latest version, as held (for an owner checkpoint)."""
+        held = self.held
+        norms, standing = self._carried(held.version)
+        return Handed(
+            self.fragment.index,
+            held.epoch,
+            held.version,
+            held.digest_of(held.version),
+            held.theta,
+            held.buffer,
+            self.signer.peer_id,
+            dict(held.merged_base),
+            norms=norms,
+            standing=standing,
+        )
+
+
+def _merger(
+    config: OwnerConfig, version: int, now: float
+) -> tuple[FragmentMerger, LoggedMerger | None]:
+    """The owner's merger, and with ``config.event_log`` the log every call and decision of it
+    is written to for ``atoll replay`` (the merger is then that log)."""
+    merger = FragmentMerger(config.fragment.index, config.merge, version=version, now=now)
+    if config.event_log is None:
+        return merger, None
+    content = Content(
+        shapes=list(config.shapes),
+        download_codec=config.download_codec,
+        outer=config.outer,
+        embedding=config.fragment.is_embedding,
+        update_codec=config.update_codec,
+        block_size=config.block_size,
+    )
+    logged = LoggedMerger(
+        merger,
+        config.event_log,
+        fragment=config.fragment.index,
+        config=config.merge,
+        version=version,
+        now=now,
+        content=content,
+    )
+    return cast(FragmentMerger, logged), logged

@@ -25,7 +25,7 @@ import torch
 from node.config import RunConfig
 from node.dht.membership import Membership
 from node.diloco.flat import encode_flat, flat_from_tensors
-from node.diloco.owner import FragmentOwner, OwnerCounts
+from node.diloco.owner import FragmentOwner, OwnerConfig, OwnerCounts, OwnerStart
 from node.diloco.replica import Handed, ReplicaStore
 from node.diloco.succession import measured_updates
 from node.diloco.validation import Evaluator, OwnerValidation
@@ -227,27 +227,37 @@ class Ownership:
                 handed.epoch,
             )
         owner = FragmentOwner(
-            swarm=self.cfg.swarm,
-            fragment=self.plan.fragments[p],
-            shapes=self.shapes[p],
-            initial=flat,
-            version=version,
-            merge_cfg=self._merge_cfg(),
-            outer_cfg=self._outer_cfg(),
+            OwnerConfig(
+                swarm=self.cfg.swarm,
+                fragment=self.plan.fragments[p],
+                shapes=tuple(self.shapes[p]),
+                merge=self._merge_cfg(),
+                outer=self._outer_cfg(),
+                download_codec=self.cfg.download_codec,
+                update_codec=None if self.cfg.update_codec == "none" else self.cfg.update_codec,
+                block_size=self.cfg.block_size,
+                round_steps=2 * self._longest_interval(),
+                event_log=(
+                    self.event_log_dir
+                    / f"fragment{p}-epoch{epoch}-v{version}-{time.time_ns()}.jsonl"
+                    if self.event_log_dir is not None
+                    else None
+                ),
+            ),
+            OwnerStart(
+                theta=flat,
+                version=version,
+                epoch=epoch,
+                momentum=momentum,
+                merged=merged or {},
+                reference=handed.norms if from_handoff and handed is not None else (),
+                measured=measured,
+                standing=handed.standing if from_handoff and handed is not None else None,
+            ),
             signer=self.signer,
-            download_codec=self.cfg.download_codec,
-            epoch=epoch,
-            momentum=momentum,
-            update_codec=None if self.cfg.update_codec == "none" else self.cfg.update_codec,
-            block_size=self.cfg.block_size,
             replicate=functools.partial(self.handoffs.replicate, p),
-            merged=merged,
             on_publish=self.on_publish,
             on_final=self.handoffs.final_declared,
-            round_steps=2 * self._longest_interval(),
-            reference=handed.norms if from_handoff and handed is not None else (),
-            measured=measured,
-            standing=handed.standing if from_handoff and handed is not None else None,
             validation=(
                 OwnerValidation(
                     self.evaluator,
@@ -256,11 +266,6 @@ class Ownership:
                     ),
                 )
                 if self.evaluator is not None
-                else None
-            ),
-            event_log=(
-                self.event_log_dir / f"fragment{p}-epoch{epoch}-v{version}-{time.time_ns()}.jsonl"
-                if self.event_log_dir is not None
                 else None
             ),
         )

@@ -21,7 +21,7 @@ from urllib.parse import parse_qs, urlsplit
 import torch
 from torch import nn
 
-from node.diloco.owner import FragmentOwner
+from node.diloco.owner import FragmentOwner, OwnerConfig, OwnerStart
 from node.wire.transport import LinkDropped
 from protocol.diloco.compression import compress
 from protocol.diloco.fragments import FragmentPlan, plan_fragments
@@ -87,17 +87,21 @@ def make_owner(
 ) -> FragmentOwner:
     cfg = MergeConfig(**{"quorum": 1, "gamma": 0.5, "tau": 2.0, **merge})  # type: ignore[arg-type]
     return FragmentOwner(
-        swarm=SWARM,
-        fragment=plan.fragments[p],
-        shapes=shapes[p],
-        initial=initial,
-        version=version,
-        merge_cfg=cfg,
-        outer_cfg=OuterConfig(lr=1.0, momentum=0.0),
+        OwnerConfig(
+            swarm=SWARM,
+            fragment=plan.fragments[p],
+            shapes=tuple(shapes[p]),
+            merge=cfg,
+            outer=OuterConfig(lr=1.0, momentum=0.0),
+            event_log=event_log,
+            update_codec=update_codec,
+        ),
+        OwnerStart(
+            theta=initial,
+            version=version,
+        ),
         signer=who or signer(1),
         clock=clock,
-        event_log=event_log,
-        update_codec=update_codec,
     )
 
 

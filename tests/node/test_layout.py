@@ -230,11 +230,6 @@ KNOWN_MIXINS = {
     "node.diloco.learner.IslandNet(ContributionSending) subclasses "
     "node.diloco.contributing.ContributionSending",
     "node.diloco.learner.IslandNet(VersionFetching) subclasses node.diloco.fetching.VersionFetching",
-    "node.diloco.owner.FragmentOwner(ContributionIntake) subclasses "
-    "node.diloco.intake.ContributionIntake",
-    "node.diloco.owner.FragmentOwner(OwnerSuccession) subclasses "
-    "node.diloco.succession.OwnerSuccession",
-    "node.diloco.owner.FragmentOwner(VersionSealing) subclasses node.diloco.sealing.VersionSealing",
     "node.run.local.LocalSwarm(SwarmChaos) subclasses node.run.local_chaos.SwarmChaos",
 }
 

@@ -162,7 +162,7 @@ async def test_long_polls_are_capped_per_key_and_per_anonymous_address() -> None
 
     from aiohttp.test_utils import make_mocked_request
 
-    from node.diloco.owner import FragmentOwner
+    from node.diloco.owner import FragmentOwner, OwnerConfig, OwnerStart
     from node.wire.admission import ADMITTED, Admitted
     from node.wire.transport import Busy
     from protocol.diloco.merge import MergeConfig
@@ -173,12 +173,16 @@ async def test_long_polls_are_capped_per_key_and_per_anonymous_address() -> None
     plan = tiny_plan(model)
     node = PeerNode(RunConfig(max_tokens_per_step=64), signer(1), model, plan)
     node.owners[0] = FragmentOwner(
-        swarm="atoll-local",
-        fragment=plan.fragments[0],
-        shapes=shapes_of(model, plan)[0],
-        initial=flat_of(model, plan, 0),
-        merge_cfg=MergeConfig(),
-        outer_cfg=OuterConfig(),
+        OwnerConfig(
+            swarm="atoll-local",
+            fragment=plan.fragments[0],
+            shapes=tuple(shapes_of(model, plan)[0]),
+            merge=MergeConfig(),
+            outer=OuterConfig(),
+        ),
+        OwnerStart(
+            theta=flat_of(model, plan, 0),
+        ),
         signer=signer(1),
     )
 

@@ -529,7 +529,7 @@ async def test_our_own_learners_contribution_is_taken_without_a_copy_and_never_r
         await twin.contribute(A, contribution(own, shapes[0], base_version=0, owner=twin))
     ).accepted
     assert owner.version == twin.version == 1 and torch.equal(owner.theta, twin.theta)
-    assert all(spare is not own for spare in owner._spare)
+    assert all(spare is not own for spare in owner.intake.spare)
     for rnd, who in enumerate(
         (B, C), start=1
     ):  # later contributions decode into spares, never into ``own``
@@ -588,7 +588,7 @@ async def test_fp32_contributions_are_merged_where_they_arrived_and_their_bodies
         ).accepted
     await owner.settled()
     assert owner.version == twin.version == 1 and torch.equal(owner.theta, twin.theta)
-    assert owner._spare == []  # a view of a body is never kept as a spare buffer
+    assert owner.intake.spare == []  # a view of a body is never kept as a spare buffer
     gc.collect()
     for _ in range(3):
         await asyncio.sleep(0)
@@ -665,7 +665,7 @@ def _node_owner(
     """A ``FragmentOwner`` configured as the node configures one from ``RunConfig``'s defaults
     (``Ownership._merge_cfg``/``_outer_cfg``): plain averaging, ``normed``, K = 1 at half
     the learners, steps bounded to 2H, max_tokens_per_step set as a swarm sets it."""
-    from node.diloco.owner import FragmentOwner
+    from node.diloco.owner import FragmentOwner, OwnerConfig, OwnerStart
     from protocol.diloco.merge import MergeConfig
     from protocol.diloco.outer import OuterConfig
     from tests.node.fakes import SWARM
@@ -688,13 +688,17 @@ def _node_owner(
         lr=c.outer_lr, momentum=c.outer_momentum, aggregate=c.aggregate, rda_max_gain=c.rda_max_gain
     )
     return FragmentOwner(
-        swarm=SWARM,
-        fragment=plan.fragments[0],
-        shapes=shapes[0],
-        initial=initial,
-        version=version,
-        merge_cfg=cfg,
-        outer_cfg=outer,
+        OwnerConfig(
+            swarm=SWARM,
+            fragment=plan.fragments[0],
+            shapes=tuple(shapes[0]),
+            merge=cfg,
+            outer=outer,
+        ),
+        OwnerStart(
+            theta=initial,
+            version=version,
+        ),
         signer=signer(1),
         clock=clock,
     )

@@ -9,7 +9,7 @@ import dataclasses
 import torch
 
 from node.diloco.flat import flat_digest
-from node.diloco.owner import FragmentOwner
+from node.diloco.owner import FragmentOwner, OwnerConfig, OwnerStart
 from node.diloco.replica import ReplicaStore, encode_state
 from protocol.diloco.merge import MergeConfig, Phase
 from protocol.diloco.outer import OuterConfig
@@ -32,17 +32,21 @@ A, B, C = (bytes([b]) * 32 for b in (0xA1, 0xB2, 0xC3))
 
 def _owner(plan, shapes, clock, initial, *, who, replicate=None, version=0, epoch=0, momentum=None):  # type: ignore[no-untyped-def]
     return FragmentOwner(
-        swarm=SWARM,
-        fragment=plan.fragments[0],
-        shapes=shapes[0],
-        initial=initial,
-        version=version,
-        merge_cfg=MergeConfig(quorum=1, gamma=0.5, tau=2.0),
-        outer_cfg=OuterConfig(lr=0.7, momentum=0.9),
+        OwnerConfig(
+            swarm=SWARM,
+            fragment=plan.fragments[0],
+            shapes=tuple(shapes[0]),
+            merge=MergeConfig(quorum=1, gamma=0.5, tau=2.0),
+            outer=OuterConfig(lr=0.7, momentum=0.9),
+        ),
+        OwnerStart(
+            theta=initial,
+            version=version,
+            epoch=epoch,
+            momentum=momentum,
+        ),
         signer=who,
         clock=clock,
-        epoch=epoch,
-        momentum=momentum,
         replicate=replicate,
     )
 
@@ -163,12 +167,16 @@ async def test_work_merged_into_a_handed_version_is_refused_by_the_successor_if_
         FragmentOwner
     ):  # a peer that knew version 0, then takes over the handed state
         return FragmentOwner(
-            swarm=SWARM,
-            fragment=plan.fragments[0],
-            shapes=shapes[0],
-            initial=theta0,
-            merge_cfg=MergeConfig(quorum=2, gamma=0.5, tau=2.0),
-            outer_cfg=OuterConfig(lr=0.7, momentum=0.9),
+            OwnerConfig(
+                swarm=SWARM,
+                fragment=plan.fragments[0],
+                shapes=tuple(shapes[0]),
+                merge=MergeConfig(quorum=2, gamma=0.5, tau=2.0),
+                outer=OuterConfig(lr=0.7, momentum=0.9),
+            ),
+            OwnerStart(
+                theta=theta0,
+            ),
             signer=signer(2),
             clock=clock,
         )
@@ -270,12 +278,16 @@ async def test_a_whole_fp32_handoff_is_known_to_hash_to_its_digest_from_the_dige
         return None
 
     owner = FragmentOwner(
-        swarm=SWARM,
-        fragment=plan.fragments[0],
-        shapes=shapes[0],
-        initial=theta0,
-        merge_cfg=MergeConfig(quorum=1, gamma=0.5, tau=2.0),
-        outer_cfg=OuterConfig(lr=1.0, momentum=0.0),
+        OwnerConfig(
+            swarm=SWARM,
+            fragment=plan.fragments[0],
+            shapes=tuple(shapes[0]),
+            merge=MergeConfig(quorum=1, gamma=0.5, tau=2.0),
+            outer=OuterConfig(lr=1.0, momentum=0.0),
+        ),
+        OwnerStart(
+            theta=theta0,
+        ),
         signer=signer(1),
         clock=clock,
         replicate=to_replica,
@@ -312,16 +324,20 @@ async def test_a_whole_fp32_handoff_is_known_to_hash_to_its_digest_from_the_dige
 
     # an owner whose versions go out as bf16: its state digest is not its fp32 bytes' hash
     bf16 = FragmentOwner(
-        swarm=SWARM,
-        fragment=plan.fragments[0],
-        shapes=shapes[0],
-        initial=theta0,
-        merge_cfg=MergeConfig(quorum=1, gamma=0.5, tau=2.0),
-        outer_cfg=OuterConfig(lr=1.0, momentum=0.0),
+        OwnerConfig(
+            swarm=SWARM,
+            fragment=plan.fragments[0],
+            shapes=tuple(shapes[0]),
+            merge=MergeConfig(quorum=1, gamma=0.5, tau=2.0),
+            outer=OuterConfig(lr=1.0, momentum=0.0),
+            download_codec="bf16",
+        ),
+        OwnerStart(
+            theta=theta0,
+        ),
         signer=signer(1),
         clock=clock,
         replicate=to_replica,
-        download_codec="bf16",
     )
     await _merge_one(bf16, clock, torch.linspace(-0.05, 0.05, theta0.numel()), shapes, A)
     assert handed[-1][1] is None
@@ -506,18 +522,22 @@ def _plain_owner(
     """An owner at the node's defaults for the outer step (lr 1, no momentum): a version's update
     is its aggregate, so the bound on a step reads directly as a bound on the aggregate."""
     return FragmentOwner(
-        swarm=SWARM,
-        fragment=plan.fragments[0],
-        shapes=shapes[0],
-        initial=initial,
-        version=version,
-        merge_cfg=MergeConfig(quorum=1, gamma=0.5, tau=2.0),
-        outer_cfg=OuterConfig(lr=1.0, momentum=0.0),
+        OwnerConfig(
+            swarm=SWARM,
+            fragment=plan.fragments[0],
+            shapes=tuple(shapes[0]),
+            merge=MergeConfig(quorum=1, gamma=0.5, tau=2.0),
+            outer=OuterConfig(lr=1.0, momentum=0.0),
+        ),
+        OwnerStart(
+            theta=initial,
+            version=version,
+            epoch=epoch,
+            **carried,
+        ),
         signer=who,
         clock=clock,
-        epoch=epoch,
         replicate=replicate,
-        **carried,
     )
 
 
