@@ -45,12 +45,12 @@ from torch import nn
 from node.config import RunConfig
 from node.dht.membership import config_from_manifest, recipe_of
 from node.dht.swarm import SwarmCredentials
-from node.diloco.inner import interval_by_lr
-from node.diloco.island import Island, IslandConfig
+from node.diloco.allocator import tune_allocator
+from node.diloco.island import Island
+from node.diloco.island_config import FLUSH_WAIT_S, flush_at_end, island_config
 from node.diloco.ranks import IslandRanks, distributed_rank, unwrap
 from node.diloco.validation import CallableEvaluator
 from node.peer import PeerNode
-from node.run.allocator import tune_allocator
 from protocol.diloco.fragments import FragmentPlan, plan_fragments
 from protocol.wire.certificates import Certificate
 from protocol.wire.membership import SwarmManifest
@@ -100,7 +100,7 @@ class SwarmIsland:
         it, validated publication is off, and the node says so at start.
 
         Also raises glibc's mmap and trim thresholds for this process, so the large tensors of
-        each round reuse warm pages (``node.run.allocator``; ``ATOLL_MALLOC=default`` opts out).
+        each round reuse warm pages (``node.diloco.allocator``; ``ATOLL_MALLOC=default`` opts out).
         """
         tune_allocator()
         model = unwrap(model)  # DDP's "module." prefix must not change the fragment plan
@@ -144,16 +144,7 @@ class SwarmIsland:
             self.rank == 0
         ):  # rank 0 speaks for the island on the swarm (the only rank without torchrun)
             self._island = Island(
-                model,
-                optimizer,
-                self.plan,
-                self._submit,
-                IslandConfig(
-                    inner_steps=self.cfg.inner_steps,
-                    adopt_alpha=self.cfg.adopt_alpha,
-                    interval=interval_by_lr(optimizer, self.cfg.inner_steps, self.cfg.sync_growth),
-                    rebase=bool(self.cfg.adopt_rebase),
-                ),
+                model, optimizer, self.plan, self._submit, island_config(self.cfg, optimizer)
             )
             evaluator = (
                 CallableEvaluator(model, self.plan, None, validate)
@@ -309,8 +300,8 @@ class SwarmIsland:
         Raises ``TimeoutError`` if the finals do not come within ``finish_timeout_s``."""
         if self._node is not None:
             node = self._node
-            if self.cfg.flushes:  # the work since each fragment's last contribution
-                self.island.flush(timeout_s=min(30.0, self.finish_timeout_s))
+            # the work since each fragment's last contribution, as atoll join sends it
+            flush_at_end(self.island, self.cfg, timeout_s=min(FLUSH_WAIT_S, self.finish_timeout_s))
             node.call(node.stop_learning(), timeout=self.finish_timeout_s)
             self.island.adopt_pending()
             final = node.call(node.fetch_final(), timeout=self.finish_timeout_s)

@@ -25,12 +25,13 @@ import torch
 
 from node.config import RunConfig
 from node.dht.swarm import SwarmCredentials
-from node.diloco.inner import interval_by_lr, joining_step, lr_at, make_inner_optimizer
-from node.diloco.island import Island, IslandConfig
+from node.diloco.allocator import heap_in_use
+from node.diloco.inner import joining_step, lr_at, make_inner_optimizer
+from node.diloco.island import Island
+from node.diloco.island_config import flush_at_end, island_config
 from node.diloco.ranks import IslandRanks, distributed_rank, leave_process_group
 from node.diloco.validation import window_evaluator
 from node.peer import PeerNode, emit
-from node.run.allocator import heap_in_use
 from node.run.attack import Attack
 from node.run.attack_peer import PeerAttack, is_peer_attack
 from node.run.memtrace import MemTrace
@@ -53,9 +54,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("atoll.train")
-
-# the end-of-run flush waits this long for the versions of fragments in flight before it ships
-FLUSH_WAIT_S = 30.0
 
 
 def global_param_hash(state: dict[str, torch.Tensor]) -> str:
@@ -304,15 +302,7 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
         optimizer,
         plan,
         submit=lambda out: holder[0].net.submit(out) if holder[0].net else None,
-        cfg=IslandConfig(
-            inner_steps=cfg.inner_steps,
-            interval=interval_by_lr(optimizer, cfg.inner_steps, cfg.sync_growth),
-            adopt_alpha=cfg.adopt_alpha,
-            wait_for_merge=cfg.mode != "decoupled",
-            hold_until_shipped=bool(cfg.hold_versions),
-            ship_before_adopt=cfg.ship_before_adopt,
-            rebase=bool(cfg.adopt_rebase),
-        ),
+        cfg=island_config(cfg, optimizer),
     )
     ranks = IslandRanks(model, optimizer, plan, island) if world > 1 else None
     initial_global = [g.clone() for g in island.global_flat]  # version 0 of every fragment
@@ -513,8 +503,7 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
     # --- finalise: all peers end on the owners' final versions ---------------------------------
     if ranks is not None and not ranks.told_to_stop:
         ranks.agree(False)  # the other ranks leave their loop at this same point
-    if cfg.flushes and island.enabled:
-        flushed = island.flush(timeout_s=FLUSH_WAIT_S)
+    if flushed := flush_at_end(island, cfg):
         log.info("final flush: sent the unshipped work of %d fragment(s)", flushed)
     node.call(node.stop_learning(), timeout=120)
     memtrace.report()
