@@ -96,27 +96,25 @@ def _one_of(names: tuple[str, ...]) -> str:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RunConfig:
+    """One swarm run's settings; a field's flag is ``--`` plus its name with dashes (``_HELP``).
+    Why each default is what it is, with the measurements and commands: docs/configuration.md."""
+
     # --- swarm -----------------------------------------------------------------------------
     swarm: str = "atoll-local"
     peers: int = 3
     seed: int = 0
     # --- inner training (each island) -------------------------------------------------------
-    # tiny at 9,000 steps ends where small did at 3,000 (1.37-1.38 nats/byte) in about two thirds
-    # of the time on 2 cores, and its 45 rounds a fragment at H = 200 cost -0.01 % against H = 30
-    # int8 / fp32 over six seeds, where small's 15 cost +2.8 % (docs/results.md, "More rounds in
-    # the same time")
+    # the smallest preset: the most rounds a fragment in a given time, which is what closes the
+    # gap to frequent syncs at H = 200
     model: str = "tiny"
     corpus: str | None = None  # None: the Python standard library's own .py files
     corpus_max_bytes: int | None = None
-    # contiguous: learner m trains on the m-th slice of the corpus sorted by path; striped: each
-    # learner's shard spans the whole corpus, as a data-parallel sampler's would. No difference
-    # measured, on the stdlib or on a C / Python / Perl mix (docs/results.md, "Striped shards")
+    # contiguous: learner m trains on the m-th slice of the corpus by path; striped: every
+    # learner's shard spans the whole corpus, as a data-parallel sampler's would
     sharding: Sharding = "contiguous"
-    # 9000 steps (329 tokens a parameter of the tiny model) and H = 200: 45 rounds a fragment,
-    # over 1000x fewer bytes than fp32 ring all-reduce (docs/results.md, "Where the open claims stand")
-    steps: int = 9000
+    steps: int = 9000  # at H = 200, 45 rounds a fragment: within 1 % of syncing every 30 steps
     batch_size: int = 16
-    lr: float = 6e-3  # bench.quality: -5.3 % eval loss against 3e-3 at M = 4 (docs/benchmarks.md, Quality); 4e-3 at H = 200: the same (docs/results.md)
+    lr: float = 6e-3  # the inner AdamW peak: lower eval loss than 3e-3 at 4 peers
     warmup_steps: int = 50
     min_lr_ratio: float = 0.1  # the cosine ends at lr * this
     weight_decay: float = 0.1
@@ -126,40 +124,26 @@ class RunConfig:
     mode: Mode = "decoupled"  # or "sync" / "ddp": the synchronous comparisons (see _HELP)
     fragments: int = 4
     inner_steps: int = 200  # H: every fragment is due once per H inner steps (see ``steps``)
-    # how H follows the inner lr as it decays: constant, inverse-lr (H/ratio), qsr (H/ratio²) or sqrt-lr (H·√ratio)
+    # how H follows the inner lr as it decays: constant, inverse-lr (H/ratio), qsr (H/ratio²)
+    # or sqrt-lr (H·√ratio)
     sync_growth: Growth = "constant"
-    # int4 both ways: in synchronous DiLoCo (where only the codec differs between two runs of a
-    # seed) int4 contributions and int4 updates ended within 0.5 % of int8 up / fp32 down on
-    # each of 3 seeds, at 190x instead of 46x fewer bytes than fp32 ring all-reduce; over six
-    # seeds of bench.quality (4 peers) it cost Decoupled +0.09 % and sync +0.17 %
-    # (docs/results.md, *int4 both ways by default*; docs/benchmarks.md, *Six seeds*)
-    codec: Codec = "int4"  # pseudo-gradient compression
+    # pseudo-gradient compression; int4 both ways cost under 0.5 % of eval loss against int8
+    # up / fp32 down, at about 4x fewer bytes
+    codec: Codec = "int4"
     block_size: int = 64
     download_codec: DownloadCodec = "none"  # global fragments handed back by owners
-    update_codec: UpdateCodec = (
-        "int4"  # versions also published as compressed updates over the previous one
-    )
-    full_every: int = (
-        0  # with updates: every Nth version goes out full (0: only when an update cannot serve)
-    )
+    update_codec: UpdateCodec = "int4"  # versions also published as updates over the previous one
+    # with updates: every Nth version goes out full (0: only when an update cannot serve)
+    full_every: int = 0
     outer_lr: float = 1.0
     outer_momentum: float = 0.0
-    # how an owner combines contributions: "normed" (each scaled to the median norm, then the
-    # mean), "rda" (the paper's; overshot at 32 peers) or "mean" (docs/results.md, *Many
-    # contributions per merge*)
+    # how an owner combines a round's contributions: normed (each scaled to the median norm,
+    # then the mean), rda (the paper's, which overshot at 32 peers) or mean
     aggregate: Aggregate = "normed"
     rda_max_gain: float = 0.0  # RDA's step at most this many times the normed mean's (0: unbounded)
     quorum: int = 1
-    # K = 1 alone makes most versions one learner's work, and costs more as swarms grow: at 8
-    # tiny peers a quarter of the learners (K = 2) merged 6 % lower, half 10 %; at 32 a quarter
-    # ended at 2.73-4.25 nats/byte in three runs, with owners flapping and versions published
-    # twice, half at 2.17 and 2.25 with neither. bench.quality's small model at 4 peers did a
-    # little better at K = 1 (Decoupled +0.9 % vs +2.2 % over synchronous DiLoCo, 3 seeds; within
-    # its run-to-run spread). docs/results.md, "a quorum that grows with the swarm".
-    # -1 (auto): 0.5 with plain averaging, 1 with outer momentum: merges of half the learners
-    # under Nesterov (eta 0.7, mu 0.9, H = 10, 4 peers) diverged (loss 5.6 -> 2.7 -> 60 by step
-    # 1,200); waiting for every learner the owner sees trained (docs/benchmarks.md, "Decoupled
-    # DiLoCo with outer momentum")
+    # K is at least this share of the learners an owner sees: with K = 1 alone most versions are
+    # one learner's work. -1 (auto): 0.5, or 1 with outer momentum, where partial merges diverged
     quorum_fraction: float = -1.0
     grace_gamma: float = 0.8
     grace_tau: int = 2
@@ -168,39 +152,30 @@ class RunConfig:
     late_policy: LatePolicy = "carry"
     adopt_alpha: float = 0.0
     hold_versions: Switch = 0  # 1: adopt a trained fragment's new version only once it has shipped
-    ship_before_adopt: int = (
-        0  # >0: a fragment trained this many steps ships before taking a newer version
-    )
-    # 1: after its last step an island sends every fragment's work no contribution holds yet, and
-    # the owners merge it into their final versions (0: that work, up to H steps, is dropped);
-    # -1 (auto): 1 with plain averaging, 0 with outer momentum, where that last merge is one more
-    # momentum step past the schedule (3 seeds at M = 4, H = 10, mu 0.9: +1.1 % eval loss with it)
+    # >0: a fragment trained this many steps ships before taking a newer version
+    ship_before_adopt: int = 0
+    # 1: after its last step an island sends the work no contribution holds yet (0: up to H steps
+    # are dropped); -1 (auto): on with plain averaging, off with outer momentum, where it overshot
     final_flush: FinalFlush = -1
-    # 1: adopt by replaying the work no contribution holds yet onto the new version; overwriting
-    # (0) undid the steps trained while a fragment was in flight and whenever others' merges
-    # came. 4 peers, 6 seeds: Decoupled - sync DiLoCo +1.9 % overwriting, +0.0 % rebasing, at the
-    # same bytes (docs/results.md, "Adoption that keeps the island's work")
+    # 1: adopt a version with the island's unshipped work replayed on top (0: overwrite, which
+    # undid the steps trained while a fragment was in flight)
     adopt_rebase: Switch = 1
     max_tokens_per_step: int = 0  # the most tokens a contribution may claim per inner step
     spread_fanout: int = 2  # uploads of each version per holder before it points learners at others
-    # an owner's own direct uploads of each version: its replica handoff is one more, and repeats
-    # and fallbacks come on top (32 peers at 2: the busiest owner uploaded 4.4x what it published)
+    # an owner's own direct uploads of each version before it points learners at holders (its
+    # replica handoff is one more): owners stay off the hot path as swarms grow
     owner_fanout: int = 1
-    # validated publication (node.diloco.validation): an owner evaluates each candidate version on
-    # this many windows of the pinned validation set before publishing it (0: off), on a random
-    # one in validate_every merges (docs/security.md measures the cost)
+    # validated publication (node.diloco.validation): windows of the pinned validation set an
+    # owner checks each candidate version on (0: off), in a random one of validate_every merges
     validate_windows: int = 16
     validate_every: int = 1
-    # an owner's uploads of one version to learners, all reasons and forms (full, update), in
-    # multiples of its full size (the replica handoff comes on top): past it, learners are pointed at peers
-    # that hold it or take a later version; a final version is always served (0: no budget)
+    # an owner's uploads of one version to learners, in multiples of its size, past which it
+    # points them at holders; a final version is always served (0: no budget)
     owner_max_uploads: float = 3.0
     # --- evaluation and reporting ------------------------------------------------------------
     eval_every: int = 100
     eval_batches: int = 8
-    overlap_block: int = (
-        0  # >0: alternate blocks of this many steps detached / in the swarm (bench)
-    )
+    overlap_block: int = 0  # >0: alternate blocks of this many steps detached / in the swarm
     link: str = ""  # emulated link, e.g. "latency=50ms,bandwidth=10mbit,drop=0.01"
     baseline_lr: float = 0.0  # --baseline's data-parallel peak lr (0: the islands' --lr)
 
