@@ -105,37 +105,20 @@ class SwarmIsland:
         tune_allocator()
         model = unwrap(model)  # DDP's "module." prefix must not change the fragment plan
         base = config or RunConfig(fragments=2, inner_steps=20)
-        if manifest is not None:
-            base = dataclasses.replace(
-                base, fragments=int(manifest.recipe_dict.get("fragments", base.fragments))
-            )
+        recipe = manifest.recipe_dict if manifest is not None else {}
+        fragments = int(recipe.get("fragments", base.fragments))  # the plan is the swarm's
         shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
-        self.plan: FragmentPlan = plan_fragments(shapes, base.fragments, embeddings=embeddings)
+        self.plan: FragmentPlan = plan_fragments(shapes, fragments, embeddings=embeddings)
         # the architecture is part of the swarm's manifest: peers must agree on the plan
         self.model_name = f"custom-{self.plan.plan_hash().hex()[:16]}"
-        self.cfg = dataclasses.replace(
-            base, swarm=swarm, model=self.model_name, max_tokens_per_step=tokens_per_step
+        self.cfg = _swarm_config(
+            dataclasses.replace(
+                base, swarm=swarm, model=self.model_name, max_tokens_per_step=tokens_per_step
+            ),
+            manifest,
         )
-        credentials = None
         signer = key or Signer.from_seed(os.urandom(32))
-        if manifest is not None:
-            self.cfg = config_from_manifest(manifest, self.cfg)
-            if self.cfg.model != self.model_name:
-                raise ValueError(
-                    f"the swarm's recipe is for model {self.cfg.model!r}; this model's fragment plan "
-                    f"is {self.model_name!r} (put it in the manifest: atoll swarm init --model ...)"
-                )
-            credentials = SwarmCredentials(manifest, signer, cert)
-        elif not swarm:
-            raise ValueError(
-                "name the swarm: manifest=<its signed manifest> or, for a development swarm, swarm=NAME"
-            )
-        else:
-            log.warning(
-                "swarm %r has no signed manifest: any reachable member may own fragments "
-                "(a development swarm; pass manifest=, key=, cert= for a swarm others can join)",
-                swarm,
-            )
+        credentials = SwarmCredentials(manifest, signer, cert) if manifest is not None else None
         self.rank, self.world = distributed_rank()
         self._model = model
         self._island: Island | None = None
@@ -322,3 +305,27 @@ class SwarmIsland:
             self.ranks.close()
         if self._island is not None:
             self._island.close()
+
+
+def _swarm_config(cfg: RunConfig, manifest: SwarmManifest | None) -> RunConfig:
+    """``cfg`` under the manifest's recipe; without a manifest, a development swarm named
+    ``cfg.swarm`` (warned: any reachable member may own fragments). Raises ``ValueError`` for a
+    recipe of another model, or no manifest and no swarm name."""
+    if manifest is not None:
+        swarm_cfg = config_from_manifest(manifest, cfg)
+        if swarm_cfg.model != cfg.model:
+            raise ValueError(
+                f"the swarm's recipe is for model {swarm_cfg.model!r}; this model's fragment plan "
+                f"is {cfg.model!r} (put it in the manifest: atoll swarm init --model ...)"
+            )
+        return swarm_cfg
+    if not cfg.swarm:
+        raise ValueError(
+            "name the swarm: manifest=<its signed manifest> or, for a development swarm, swarm=NAME"
+        )
+    log.warning(
+        "swarm %r has no signed manifest: any reachable member may own fragments "
+        "(a development swarm; pass manifest=, key=, cert= for a swarm others can join)",
+        cfg.swarm,
+    )
+    return cfg
