@@ -1,7 +1,10 @@
-"""A peer's main: build the island, train it, finalise, report (``python -m node peer``).
+"""A peer's main (``python -m node peer``, ``atoll join``): ``run_peer`` in three phases.
 
-Reads like nanoGPT: one loop top to bottom. The asyncio node runs on a background thread
-(``PeerNode.serve``); this thread only trains and talks to it through the island's hook.
+build (``build_workload``, ``build_peer``): the model, data and optimizer, the island (resumed
+from its checkpoint) and its node; run (``join_swarm``, ``TrainingLoop``): join, then one loop
+top to bottom, as nanoGPT reads; finish (``finish_peer``, ``peer_result``): flush, the final
+versions, a typed ``PeerResult``. The asyncio node runs on a background thread (``NodeThread``);
+this thread only trains and talks to it through the island's hook.
 """
 
 from __future__ import annotations
