@@ -45,12 +45,12 @@ from torch import nn
 from node.config import RunConfig
 from node.dht.membership import config_from_manifest, recipe_of
 from node.dht.swarm import SwarmCredentials
-from node.diloco.inner import interval_by_lr
-from node.diloco.island import Island, IslandConfig
+from node.diloco.allocator import tune_allocator
+from node.diloco.island import Island
+from node.diloco.island_config import FLUSH_WAIT_S, flush_at_end, island_config
 from node.diloco.ranks import IslandRanks, distributed_rank, unwrap
 from node.diloco.validation import CallableEvaluator
 from node.peer import NodeOptions, PeerNode
-from node.run.allocator import tune_allocator
 from protocol.diloco.fragments import FragmentPlan, plan_fragments
 from protocol.wire.certificates import Certificate
 from protocol.wire.membership import SwarmManifest
@@ -100,43 +100,25 @@ class SwarmIsland:
         it, validated publication is off, and the node says so at start.
 
         Also raises glibc's mmap and trim thresholds for this process, so the large tensors of
-        each round reuse warm pages (``node.run.allocator``; ``ATOLL_MALLOC=default`` opts out).
+        each round reuse warm pages (``node.diloco.allocator``; ``ATOLL_MALLOC=default`` opts out).
         """
         tune_allocator()
         model = unwrap(model)  # DDP's "module." prefix must not change the fragment plan
         base = config or RunConfig(fragments=2, inner_steps=20)
-        if manifest is not None:
-            base = dataclasses.replace(
-                base, fragments=int(manifest.recipe_dict.get("fragments", base.fragments))
-            )
+        recipe = manifest.recipe_dict if manifest is not None else {}
+        fragments = int(recipe.get("fragments", base.fragments))  # the plan is the swarm's
         shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
-        self.plan: FragmentPlan = plan_fragments(shapes, base.fragments, embeddings=embeddings)
+        self.plan: FragmentPlan = plan_fragments(shapes, fragments, embeddings=embeddings)
         # the architecture is part of the swarm's manifest: peers must agree on the plan
         self.model_name = f"custom-{self.plan.plan_hash().hex()[:16]}"
-        self.cfg = dataclasses.replace(
-            base, swarm=swarm, model=self.model_name, max_tokens_per_step=tokens_per_step
+        self.cfg = _swarm_config(
+            dataclasses.replace(
+                base, swarm=swarm, model=self.model_name, max_tokens_per_step=tokens_per_step
+            ),
+            manifest,
         )
-        credentials = None
         signer = key or Signer.from_seed(os.urandom(32))
-        if manifest is not None:
-            self.cfg = config_from_manifest(manifest, self.cfg)
-            if self.cfg.model != self.model_name:
-                raise ValueError(
-                    f"the swarm's recipe is for model {self.cfg.model!r}; this model's fragment plan "
-                    f"is {self.model_name!r} (found the swarm with SwarmIsland.found(model, ...), "
-                    "whose manifest names it: the command line's swarm init knows only the GPT presets)"
-                )
-            credentials = SwarmCredentials(manifest, signer, cert)
-        elif not swarm:
-            raise ValueError(
-                "name the swarm: manifest=<its signed manifest> or, for a development swarm, swarm=NAME"
-            )
-        else:
-            log.warning(
-                "swarm %r has no signed manifest: any reachable member may own fragments "
-                "(a development swarm; pass manifest=, key=, cert= for a swarm others can join)",
-                swarm,
-            )
+        credentials = SwarmCredentials(manifest, signer, cert) if manifest is not None else None
         self.rank, self.world = distributed_rank()
         self._model = model
         self._island: Island | None = None
@@ -145,16 +127,7 @@ class SwarmIsland:
             self.rank == 0
         ):  # rank 0 speaks for the island on the swarm (the only rank without torchrun)
             self._island = Island(
-                model,
-                optimizer,
-                self.plan,
-                self._submit,
-                IslandConfig(
-                    inner_steps=self.cfg.inner_steps,
-                    adopt_alpha=self.cfg.adopt_alpha,
-                    interval=interval_by_lr(optimizer, self.cfg.inner_steps, self.cfg.sync_growth),
-                    rebase=bool(self.cfg.adopt_rebase),
-                ),
+                model, optimizer, self.plan, self._submit, island_config(self.cfg, optimizer)
             )
             evaluator = (
                 CallableEvaluator(model, self.plan, None, validate)
@@ -309,8 +282,8 @@ class SwarmIsland:
         Raises ``TimeoutError`` if the finals do not come within ``finish_timeout_s``."""
         if self._node is not None:
             node = self._node
-            if self.cfg.flushes:  # the work since each fragment's last contribution
-                self.island.flush(timeout_s=min(30.0, self.finish_timeout_s))
+            # the work since each fragment's last contribution, as atoll join sends it
+            flush_at_end(self.island, self.cfg, timeout_s=min(FLUSH_WAIT_S, self.finish_timeout_s))
             node.call(node.stop_learning(), timeout=self.finish_timeout_s)
             self.island.adopt_pending()
             final = node.call(node.fetch_final(), timeout=self.finish_timeout_s)
@@ -331,3 +304,28 @@ class SwarmIsland:
             self.ranks.close()
         if self._island is not None:
             self._island.close()
+
+
+def _swarm_config(cfg: RunConfig, manifest: SwarmManifest | None) -> RunConfig:
+    """``cfg`` under the manifest's recipe; without a manifest, a development swarm named
+    ``cfg.swarm`` (warned: any reachable member may own fragments). Raises ``ValueError`` for a
+    recipe of another model, or no manifest and no swarm name."""
+    if manifest is not None:
+        swarm_cfg = config_from_manifest(manifest, cfg)
+        if swarm_cfg.model != cfg.model:
+            raise ValueError(
+                f"the swarm's recipe is for model {swarm_cfg.model!r}; this model's fragment plan "
+                f"is {cfg.model!r} (found the swarm with SwarmIsland.found(model, ...), "
+                "whose manifest names it: the command line's swarm init knows only the GPT presets)"
+            )
+        return swarm_cfg
+    if not cfg.swarm:
+        raise ValueError(
+            "name the swarm: manifest=<its signed manifest> or, for a development swarm, swarm=NAME"
+        )
+    log.warning(
+        "swarm %r has no signed manifest: any reachable member may own fragments "
+        "(a development swarm; pass manifest=, key=, cert= for a swarm others can join)",
+        cfg.swarm,
+    )
+    return cfg

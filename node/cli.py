@@ -26,7 +26,7 @@ from node.config import (
     add_run_arguments,
     config_from_args,
 )
-from node.run.allocator import tune_allocator
+from node.diloco.allocator import tune_allocator
 
 if TYPE_CHECKING:
     from node.run.chaos import ChaosSpec
@@ -340,7 +340,7 @@ def _add_json_logs(parser: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # atoll join --nproc relaunches it
-    tune_allocator()  # large tensors reuse warm pages round after round (node/run/allocator.py)
+    tune_allocator()  # large tensors reuse warm pages round after round (node/diloco/allocator.py)
     logging.basicConfig(
         level=args.log_level,
         stream=sys.stderr,

@@ -8,29 +8,50 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args, get_origin, get_type_hints
 
-from protocol.diloco.aggregates import AGGREGATES
-from protocol.diloco.interval import GROWTHS, interval
-from protocol.wire.tensors import CODECS, UPDATE_CODECS
+from protocol.diloco.interval import interval
+from protocol.diloco.merge_config import LatePolicy
 
 __all__ = [
     "SCHEDULE_FIELDS",
     "SHARDINGS",
     "SWARM_WIDE_FIELDS",
+    "Aggregate",
+    "Codec",
+    "DownloadCodec",
+    "FinalFlush",
+    "Growth",
+    "LatePolicy",
+    "Mode",
     "RunConfig",
+    "Sharding",
+    "Switch",
+    "UpdateCodec",
     "add_run_arguments",
     "config_from_args",
 ]
 
-SHARDINGS = (
-    "contiguous",
-    "striped",
-)  # how the train split is dealt to learners (node.workload.corpus)
+# The values a field takes (RunConfig checks them; tests/node/test_config.py checks that they are
+# protocol/'s: CODECS, UPDATE_CODECS, GROWTHS, AGGREGATES).
+Mode = Literal["decoupled", "sync", "ddp"]
+Sharding = Literal["contiguous", "striped"]  # how the train split is dealt (node.workload.corpus)
+Growth = Literal["constant", "inverse-lr", "qsr", "sqrt-lr"]  # protocol.diloco.interval
+Codec = Literal["none", "bf16", "int8", "int4", "topk2", "sign1"]  # protocol.wire.tensors
+DownloadCodec = Literal["none", "bf16"]
+UpdateCodec = Literal[
+    "none", "bf16", "int8", "int4", "topk2", "sign1"
+]  # "none": full versions only
+Aggregate = Literal["rda", "normed", "mean"]  # protocol.diloco.aggregates
+FinalFlush = Literal[-1, 0, 1]  # -1: auto (``RunConfig.flushes``)
+Switch = Literal[0, 1]  # an on/off flag, spelled 0 or 1 on the command line and in JSON
+
+SHARDINGS: tuple[Sharding, ...] = get_args(Sharding)
 
 # The fields every peer of a swarm must share: the model and how it is cut, merged and weighted
 # (a signed manifest's recipe holds them, but ``swarm``, which becomes the swarm id).
@@ -75,158 +96,122 @@ def _one_of(names: tuple[str, ...]) -> str:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RunConfig:
+    """One swarm run's settings; a field's flag is ``--`` plus its name with dashes (``_HELP``).
+    Why each default is what it is, with the measurements and commands: docs/configuration.md."""
+
     # --- swarm -----------------------------------------------------------------------------
     swarm: str = "atoll-local"
     peers: int = 3
     seed: int = 0
     # --- inner training (each island) -------------------------------------------------------
-    # tiny at 9,000 steps ends where small did at 3,000 (1.37-1.38 nats/byte) in about two thirds
-    # of the time on 2 cores, and its 45 rounds a fragment at H = 200 cost -0.01 % against H = 30
-    # int8 / fp32 over six seeds, where small's 15 cost +2.8 % (docs/results.md, "More rounds in
-    # the same time")
+    # the smallest preset: the most rounds a fragment in a given time, which is what closes the
+    # gap to frequent syncs at H = 200
     model: str = "tiny"
     corpus: str | None = None  # None: the Python standard library's own .py files
     corpus_max_bytes: int | None = None
-    # contiguous: learner m trains on the m-th slice of the corpus sorted by path; striped: each
-    # learner's shard spans the whole corpus, as a data-parallel sampler's would. No difference
-    # measured, on the stdlib or on a C / Python / Perl mix (docs/results.md, "Striped shards")
-    sharding: str = "contiguous"
-    # 9000 steps (329 tokens a parameter of the tiny model) and H = 200: 45 rounds a fragment,
-    # over 1000x fewer bytes than fp32 ring all-reduce (docs/results.md, "Where the open claims stand")
-    steps: int = 9000
+    # contiguous: learner m trains on the m-th slice of the corpus by path; striped: every
+    # learner's shard spans the whole corpus, as a data-parallel sampler's would
+    sharding: Sharding = "contiguous"
+    steps: int = 9000  # at H = 200, 45 rounds a fragment: within 1 % of syncing every 30 steps
     batch_size: int = 16
-    lr: float = 6e-3  # bench.quality: -5.3 % eval loss against 3e-3 at M = 4 (docs/benchmarks.md, Quality); 4e-3 at H = 200: the same (docs/results.md)
+    lr: float = 6e-3  # the inner AdamW peak: lower eval loss than 3e-3 at 4 peers
     warmup_steps: int = 50
     min_lr_ratio: float = 0.1  # the cosine ends at lr * this
     weight_decay: float = 0.1
     threads: int = 1
     device: str = "cpu"
     # --- Decoupled DiLoCo --------------------------------------------------------------------
-    mode: str = "decoupled"  # or "sync" / "ddp": the synchronous comparisons (see _HELP)
+    mode: Mode = "decoupled"  # or "sync" / "ddp": the synchronous comparisons (see _HELP)
     fragments: int = 4
     inner_steps: int = 200  # H: every fragment is due once per H inner steps (see ``steps``)
-    # how H follows the inner lr as it decays: constant, inverse-lr (H/ratio), qsr (H/ratio²) or sqrt-lr (H·√ratio)
-    sync_growth: str = "constant"
-    # int4 both ways: in synchronous DiLoCo (where only the codec differs between two runs of a
-    # seed) int4 contributions and int4 updates ended within 0.5 % of int8 up / fp32 down on
-    # each of 3 seeds, at 190x instead of 46x fewer bytes than fp32 ring all-reduce; over six
-    # seeds of bench.quality (4 peers) it cost Decoupled +0.09 % and sync +0.17 %
-    # (docs/results.md, *int4 both ways by default*; docs/benchmarks.md, *Six seeds*)
-    codec: str = "int4"  # pseudo-gradient compression
+    # how H follows the inner lr as it decays: constant, inverse-lr (H/ratio), qsr (H/ratio²)
+    # or sqrt-lr (H·√ratio)
+    sync_growth: Growth = "constant"
+    # pseudo-gradient compression; int4 both ways cost under 0.5 % of eval loss against int8
+    # up / fp32 down, at about 4x fewer bytes
+    codec: Codec = "int4"
     block_size: int = 64
-    download_codec: str = "none"  # global fragments handed back by owners
-    update_codec: str = (
-        "int4"  # versions also published as compressed updates over the previous one
-    )
-    full_every: int = (
-        0  # with updates: every Nth version goes out full (0: only when an update cannot serve)
-    )
+    download_codec: DownloadCodec = "none"  # global fragments handed back by owners
+    update_codec: UpdateCodec = "int4"  # versions also published as updates over the previous one
+    # with updates: every Nth version goes out full (0: only when an update cannot serve)
+    full_every: int = 0
     outer_lr: float = 1.0
     outer_momentum: float = 0.0
-    # how an owner combines contributions: "normed" (each scaled to the median norm, then the
-    # mean), "rda" (the paper's; overshot at 32 peers) or "mean" (docs/results.md, *Many
-    # contributions per merge*)
-    aggregate: str = "normed"
+    # how an owner combines a round's contributions: normed (each scaled to the median norm,
+    # then the mean), rda (the paper's, which overshot at 32 peers) or mean
+    aggregate: Aggregate = "normed"
     rda_max_gain: float = 0.0  # RDA's step at most this many times the normed mean's (0: unbounded)
     quorum: int = 1
-    # K = 1 alone makes most versions one learner's work, and costs more as swarms grow: at 8
-    # tiny peers a quarter of the learners (K = 2) merged 6 % lower, half 10 %; at 32 a quarter
-    # ended at 2.73-4.25 nats/byte in three runs, with owners flapping and versions published
-    # twice, half at 2.17 and 2.25 with neither. bench.quality's small model at 4 peers did a
-    # little better at K = 1 (Decoupled +0.9 % vs +2.2 % over synchronous DiLoCo, 3 seeds; within
-    # its run-to-run spread). docs/results.md, "a quorum that grows with the swarm".
-    # -1 (auto): 0.5 with plain averaging, 1 with outer momentum: merges of half the learners
-    # under Nesterov (eta 0.7, mu 0.9, H = 10, 4 peers) diverged (loss 5.6 -> 2.7 -> 60 by step
-    # 1,200); waiting for every learner the owner sees trained (docs/benchmarks.md, "Decoupled
-    # DiLoCo with outer momentum")
+    # K is at least this share of the learners an owner sees: with K = 1 alone most versions are
+    # one learner's work. -1 (auto): 0.5, or 1 with outer momentum, where partial merges diverged
     quorum_fraction: float = -1.0
     grace_gamma: float = 0.8
     grace_tau: int = 2
     grace_cap_s: float = 10.0
     staleness_bound: int = 2
-    late_policy: str = "carry"
+    late_policy: LatePolicy = "carry"
     adopt_alpha: float = 0.0
-    hold_versions: int = 0  # 1: adopt a trained fragment's new version only once it has shipped
-    ship_before_adopt: int = (
-        0  # >0: a fragment trained this many steps ships before taking a newer version
-    )
-    # 1: after its last step an island sends every fragment's work no contribution holds yet, and
-    # the owners merge it into their final versions (0: that work, up to H steps, is dropped);
-    # -1 (auto): 1 with plain averaging, 0 with outer momentum, where that last merge is one more
-    # momentum step past the schedule (3 seeds at M = 4, H = 10, mu 0.9: +1.1 % eval loss with it)
-    final_flush: int = -1
-    # 1: adopt by replaying the work no contribution holds yet onto the new version; overwriting
-    # (0) undid the steps trained while a fragment was in flight and whenever others' merges
-    # came. 4 peers, 6 seeds: Decoupled - sync DiLoCo +1.9 % overwriting, +0.0 % rebasing, at the
-    # same bytes (docs/results.md, "Adoption that keeps the island's work")
-    adopt_rebase: int = 1
+    hold_versions: Switch = 0  # 1: adopt a trained fragment's new version only once it has shipped
+    # >0: a fragment trained this many steps ships before taking a newer version
+    ship_before_adopt: int = 0
+    # 1: after its last step an island sends the work no contribution holds yet (0: up to H steps
+    # are dropped); -1 (auto): on with plain averaging, off with outer momentum, where it overshot
+    final_flush: FinalFlush = -1
+    # 1: adopt a version with the island's unshipped work replayed on top (0: overwrite, which
+    # undid the steps trained while a fragment was in flight)
+    adopt_rebase: Switch = 1
     max_tokens_per_step: int = 0  # the most tokens a contribution may claim per inner step
     spread_fanout: int = 2  # uploads of each version per holder before it points learners at others
-    # an owner's own direct uploads of each version: its replica handoff is one more, and repeats
-    # and fallbacks come on top (32 peers at 2: the busiest owner uploaded 4.4x what it published)
+    # an owner's own direct uploads of each version before it points learners at holders (its
+    # replica handoff is one more): owners stay off the hot path as swarms grow
     owner_fanout: int = 1
-    # validated publication (node.diloco.validation): an owner evaluates each candidate version on
-    # this many windows of the pinned validation set before publishing it (0: off), on a random
-    # one in validate_every merges (docs/security.md measures the cost)
+    # validated publication (node.diloco.validation): windows of the pinned validation set an
+    # owner checks each candidate version on (0: off), in a random one of validate_every merges
     validate_windows: int = 16
     validate_every: int = 1
-    # an owner's uploads of one version to learners, all reasons and forms (full, update), in
-    # multiples of its full size (the replica handoff comes on top): past it, learners are pointed at peers
-    # that hold it or take a later version; a final version is always served (0: no budget)
+    # an owner's uploads of one version to learners, in multiples of its size, past which it
+    # points them at holders; a final version is always served (0: no budget)
     owner_max_uploads: float = 3.0
     # --- evaluation and reporting ------------------------------------------------------------
     eval_every: int = 100
     eval_batches: int = 8
-    overlap_block: int = (
-        0  # >0: alternate blocks of this many steps detached / in the swarm (bench)
-    )
+    overlap_block: int = 0  # >0: alternate blocks of this many steps detached / in the swarm
     link: str = ""  # emulated link, e.g. "latency=50ms,bandwidth=10mbit,drop=0.01"
     baseline_lr: float = 0.0  # --baseline's data-parallel peak lr (0: the islands' --lr)
 
     def __post_init__(self) -> None:
+        """Raises ``ValueError`` naming every field whose value is out of range, with the fix."""
+        problems = [*self._choice_problems(), *self._range_problems(), *self._clash_problems()]
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    def _choice_problems(self) -> list[str]:
+        """Fields of a ``Literal`` type holding a value it does not list."""
         problems = []
-        if self.peers < 1:
-            problems.append(f"--peers must be >= 1, got {self.peers}")
-        if self.steps < 1:
-            problems.append(f"--steps must be >= 1, got {self.steps}")
-        if self.fragments < 1:
-            problems.append(f"--fragments must be >= 1, got {self.fragments}")
-        if self.inner_steps < 1:
-            problems.append(f"--inner-steps must be >= 1, got {self.inner_steps}")
-        if self.codec not in CODECS:
-            problems.append(f"--codec must be {_one_of(CODECS)}, got {self.codec!r}")
-        if self.codec == "topk2" and not 1 <= self.block_size <= 4096:
-            problems.append(f"--block-size must be 1..4096 with topk2, got {self.block_size}")
-        if self.download_codec not in ("none", "bf16"):
-            problems.append(f"--download-codec must be none or bf16, got {self.download_codec!r}")
-        if self.update_codec not in ("none", *UPDATE_CODECS):
-            problems.append(
-                f"--update-codec must be {_one_of(('none', *UPDATE_CODECS))}, got {self.update_codec!r}"
-            )
-        elif self.update_codec != "none" and self.download_codec != "none":
-            problems.append(
-                f"--update-codec {self.update_codec} (the default is int4) sends versions as updates over "
-                f"fp32 full versions: with --download-codec {self.download_codec} add --update-codec none"
-            )
+        for name, choices in _choices().items():
+            value = getattr(self, name)
+            if value not in choices:
+                problems.append(_not_one_of(name, value, choices))
+        return problems
+
+    def _range_problems(self) -> list[str]:
+        """Numbers out of their range (a swarm's recipe sets some: refused here, not when an
+        owner starts)."""
+        problems = [
+            f"{_flag(name)} must be >= {least}, got {getattr(self, name)}"
+            for name, least in _AT_LEAST.items()
+            if getattr(self, name) < least
+        ]
         if self.full_every < 0:
             problems.append(
                 f"--full-every must be >= 0 (0: full versions only when an update cannot serve), "
                 f"got {self.full_every}"
-            )
-        if self.sharding not in SHARDINGS:
-            problems.append(
-                f"--sharding must be one of {', '.join(SHARDINGS)}; got {self.sharding!r}"
             )
         if self.validate_windows == 1 or self.validate_windows < 0 or self.validate_every < 1:
             problems.append(
                 f"--validate-windows must be 0 (off) or >= 2 (noise needs two windows) and "
                 f"--validate-every >= 1; got {self.validate_windows} and {self.validate_every}"
             )
-        if self.aggregate not in AGGREGATES:
-            problems.append(
-                f"--aggregate must be one of {', '.join(AGGREGATES)}; got {self.aggregate!r}"
-            )
-        # a swarm's recipe sets these too: refused here, not when an owner starts
         if not (math.isfinite(self.outer_lr) and self.outer_lr > 0):
             problems.append(f"--outer-lr must be finite and > 0, got {self.outer_lr}")
         if not 0.0 <= self.outer_momentum < 1.0:
@@ -235,40 +220,23 @@ class RunConfig:
             problems.append(
                 f"--rda-max-gain must be >= 1 and finite, or 0 (unbounded), got {self.rda_max_gain}"
             )
-        if self.late_policy not in ("carry", "drop"):
-            problems.append(f"--late-policy must be carry or drop, got {self.late_policy!r}")
-        if self.hold_versions not in (0, 1):
-            problems.append(f"--hold-versions must be 0 or 1, got {self.hold_versions}")
-        if self.sync_growth not in GROWTHS:
-            problems.append(f"--sync-growth must be {_one_of(GROWTHS)}, got {self.sync_growth!r}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             problems.append(f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
-        if self.final_flush not in (-1, 0, 1):
-            problems.append(f"--final-flush must be -1 (auto), 0 or 1, got {self.final_flush}")
         if self.ship_before_adopt < 0:
             problems.append(
                 f"--ship-before-adopt must be >= 0 (0: off), got {self.ship_before_adopt}"
             )
         if not 0.0 <= self.adopt_alpha < 1.0:
             problems.append(f"--adopt-alpha must be in [0, 1), got {self.adopt_alpha}")
-        if self.adopt_rebase not in (0, 1):
-            problems.append(f"--adopt-rebase must be 0 or 1, got {self.adopt_rebase}")
-        elif self.adopt_rebase and self.adopt_alpha:
-            problems.append(
-                f"--adopt-alpha {self.adopt_alpha} blends the island's parameters into each version, "
-                f"and --adopt-rebase 1 (the default) keeps its unshipped work on top: to blend, add "
-                f"--adopt-rebase 0"
-            )
-        if self.max_tokens_per_step < 0:
-            problems.append(f"--max-tokens-per-step must be >= 0, got {self.max_tokens_per_step}")
-        if self.mode not in ("decoupled", "sync", "ddp"):
-            problems.append(f"--mode must be decoupled, sync or ddp, got {self.mode!r}")
+        return problems + self._share_problems()
+
+    def _share_problems(self) -> list[str]:
+        """Shares and fan-outs out of their range."""
+        problems = []
         if not (self.baseline_lr >= 0 and self.baseline_lr < 1):
             problems.append(
                 f"--baseline-lr must be in [0, 1) (0: the islands' --lr), got {self.baseline_lr}"
             )
-        if self.quorum < 1:
-            problems.append(f"--quorum must be >= 1, got {self.quorum}")
         if not (0.0 <= self.quorum_fraction <= 1.0 or self.quorum_fraction == -1):
             problems.append(
                 f"--quorum-fraction must be -1 (auto) or between 0 and 1, got {self.quorum_fraction}"
@@ -284,8 +252,25 @@ class RunConfig:
                 f"--owner-max-uploads must be 0 (no budget) or between --owner-fanout "
                 f"({self.owner_fanout}) and 1024, got {self.owner_max_uploads}"
             )
-        if problems:
-            raise ValueError("; ".join(problems))
+        return problems
+
+    def _clash_problems(self) -> list[str]:
+        """Valid values that do not go together."""
+        problems = []
+        if self.codec == "topk2" and not 1 <= self.block_size <= 4096:
+            problems.append(f"--block-size must be 1..4096 with topk2, got {self.block_size}")
+        if self.update_codec in _UPDATE_CODECS and self.download_codec != "none":
+            problems.append(
+                f"--update-codec {self.update_codec} (the default is int4) sends versions as updates over "
+                f"fp32 full versions: with --download-codec {self.download_codec} add --update-codec none"
+            )
+        if self.adopt_rebase == 1 and self.adopt_alpha:
+            problems.append(
+                f"--adopt-alpha {self.adopt_alpha} blends the island's parameters into each version, "
+                f"and --adopt-rebase 1 (the default) keeps its unshipped work on top: to blend, add "
+                f"--adopt-rebase 0"
+            )
+        return problems
 
     @property
     def flushes(self) -> bool:
@@ -339,14 +324,14 @@ class RunConfig:
             ) from None
         if not isinstance(data, dict):
             raise ValueError(f"a JSON {type(data).__name__}, not an object of config fields")
-        kinds = {f.name: str(f.type) for f in dataclasses.fields(cls)}
+        kinds = _field_types()
         unknown = set(data) - set(kinds)
         if unknown:
             raise ValueError(f"unknown config keys {sorted(unknown)}; known: {sorted(kinds)}")
         wrong = [
-            f"{name} = {value!r:.40} should be {kinds[name]}"
+            f"{name} = {value!r:.40} should be {_type_name(*kinds[name])}"
             for name, value in data.items()
-            if not _fits(value, kinds[name])
+            if not _fits(value, *kinds[name])
         ]
         if wrong:
             raise ValueError(f"config fields of the wrong type: {'; '.join(wrong)}")
@@ -364,15 +349,68 @@ class RunConfig:
         return cls.from_json(text)
 
 
-def _fits(value: object, kind: str) -> bool:
-    """Whether a JSON value fits a field annotated ``kind`` (``"int"``, ``"float"``, ``"str | None"``);
-    an int fits a float field, a bool fits none."""
+# the least value of a count (``--peers must be >= 1``)
+_AT_LEAST = {
+    "peers": 1,
+    "steps": 1,
+    "fragments": 1,
+    "inner_steps": 1,
+    "quorum": 1,
+    "max_tokens_per_step": 0,
+}
+_UPDATE_CODECS = get_args(UpdateCodec)[1:]  # the lossy ones ("none": full versions only)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _not_one_of(name: str, value: object, choices: tuple[object, ...]) -> str:
+    """``--mode must be decoupled, sync or ddp, got 'x'``."""
+    if name in ("sharding", "aggregate"):
+        return f"{_flag(name)} must be one of {', '.join(map(str, choices))}; got {value!r}"
+    listed = "-1 (auto), 0 or 1" if name == "final_flush" else _one_of(tuple(map(str, choices)))
+    return f"{_flag(name)} must be {listed}, got {value!r}"
+
+
+@functools.cache
+def _field_types() -> dict[str, tuple[type, bool]]:
+    """Each field's JSON and command-line type (a ``Literal``'s: its values' type) and whether
+    it may be None."""
+    types = {}
+    for name, hint in get_type_hints(RunConfig).items():
+        args = get_args(hint)
+        if get_origin(hint) is Literal:
+            types[name] = (type(args[0]), False)
+        elif type(None) in args:
+            types[name] = (next(a for a in args if a is not type(None)), True)
+        else:
+            types[name] = (hint, False)
+    return types
+
+
+@functools.cache
+def _choices() -> dict[str, tuple[object, ...]]:
+    """The values each field of a ``Literal`` type may take."""
+    return {
+        name: get_args(hint)
+        for name, hint in get_type_hints(RunConfig).items()
+        if get_origin(hint) is Literal
+    }
+
+
+def _type_name(kind: type, optional: bool) -> str:
+    return kind.__name__ + (" | None" if optional else "")
+
+
+def _fits(value: object, kind: type, optional: bool) -> bool:
+    """Whether a JSON value fits a field of type ``kind``: an int fits a float field, a bool
+    fits none, None only an optional one."""
     if value is None:
-        return kind.endswith("| None")
+        return optional
     if isinstance(value, bool):
         return False
-    base = kind.removesuffix(" | None")
-    return isinstance(value, {"int": int, "float": int | float, "str": str}.get(base, object))
+    return isinstance(value, int | float) if kind is float else isinstance(value, kind)
 
 
 _HELP = {
@@ -480,8 +518,8 @@ def add_run_arguments(
         if f.name in exclude:
             continue
         default = defaults.get(f.name, f.default)
-        flag = "--" + f.name.replace("_", "-")
-        kind = {"int": int, "float": float, "str": str}.get(str(f.type).replace(" | None", ""), str)
+        flag = _flag(f.name)
+        kind, _ = _field_types()[f.name]
         text = _HELP.get(f.name, "")
         if default not in (None, "") and "(default" not in text:
             text += " (default: %(default)s)"

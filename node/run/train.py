@@ -1,13 +1,17 @@
-"""A peer's main: build the island, train it, finalise, report (``python -m node peer``).
+"""A peer's main (``python -m node peer``, ``atoll join``): ``run_peer`` in three phases.
 
-Reads like nanoGPT: one loop top to bottom. The asyncio node runs on a background thread
-(``PeerNode.serve``); this thread only trains and talks to it through the island's hook.
+build (``build_workload``, ``build_peer``): the model, data and optimizer, the island (resumed
+from its checkpoint) and its node; run (``join_swarm``, ``TrainingLoop``): join, then one loop
+top to bottom, as nanoGPT reads; finish (``finish_peer``, ``peer_result``): flush, the final
+versions, a typed ``PeerResult``. The asyncio node runs on a background thread (``NodeThread``);
+this thread only trains and talks to it through the island's hook.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -17,7 +21,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +29,13 @@ import torch
 
 from node.config import RunConfig
 from node.dht.swarm import SwarmCredentials
-from node.diloco.inner import interval_by_lr, joining_step, lr_at, make_inner_optimizer
-from node.diloco.island import Island, IslandConfig
+from node.diloco.allocator import heap_in_use
+from node.diloco.inner import joining_step, lr_at, make_inner_optimizer
+from node.diloco.island import Island, Outgoing
+from node.diloco.island_config import flush_at_end, island_config
 from node.diloco.ranks import IslandRanks, distributed_rank, leave_process_group
-from node.diloco.validation import window_evaluator
+from node.diloco.validation import WindowEvaluator, window_evaluator
 from node.peer import NodeOptions, PeerNode, emit
-from node.run.allocator import heap_in_use
 from node.run.attack import Attack
 from node.run.attack_peer import PeerAttack, is_peer_attack
 from node.run.memtrace import MemTrace
@@ -44,6 +49,9 @@ from protocol.diloco.fragments import FragmentPlan, plan_fragments
 from protocol.wire.signing import Signer
 
 __all__ = [
+    "FollowerResult",
+    "PeerOptions",
+    "PeerResult",
     "data_seed_of",
     "global_param_hash",
     "inner_step",
@@ -53,9 +61,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("atoll.train")
-
-# the end-of-run flush waits this long for the versions of fragments in flight before it ships
-FLUSH_WAIT_S = 30.0
 
 
 def global_param_hash(state: dict[str, torch.Tensor]) -> str:
@@ -114,53 +119,6 @@ def start_ranks(device: torch.device) -> tuple[int, int]:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     return distributed_rank()
-
-
-def _follow_rank_zero(
-    cfg: RunConfig,
-    model: torch.nn.Module,
-    stepper: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    plan: FragmentPlan,
-    sampler: BatchSampler,
-    tcfg: TrainConfig,
-    device: torch.device,
-) -> dict[str, Any]:
-    """A rank other than 0 of a multi-process island: the same steps as rank 0 (DDP averages
-    the gradients), the fragments rank 0 adopts after each step (``IslandRanks``), no node."""
-    ranks = IslandRanks(model, optimizer, plan, None)
-    ranks.sync()  # the global fragments rank 0 synced when it joined
-    start = ranks.start_step(0)  # where rank 0 starts on the schedule (a joiner: the swarm's step)
-    model.train()
-    steps = 0
-    for step in range(start, cfg.steps):
-        if not ranks.agree(True):
-            break
-        x, y = (t.to(device, non_blocking=True) for t in sampler.next())
-        ranks.tokens(x.numel())
-        inner_step(
-            stepper, optimizer, tcfg, step, x, y, rewarm_from=start
-        )  # the post-step hook syncs with rank 0
-        steps += 1
-    else:
-        ranks.agree(True)  # rank 0's closing agree(False) after its last step
-    ranks.sync()  # the final model
-    ranks.close()
-    leave_process_group()  # when rank 0 is done serving too
-    param_hash = global_param_hash(dict(model.named_parameters()))
-    log.info(
-        "rank %d of %d: %d steps, final parameters %s",
-        ranks.rank,
-        ranks.world,
-        steps,
-        param_hash[:16],
-    )
-    return {
-        "rank": ranks.rank,
-        "steps": steps,
-        "versions": ranks.versions,
-        "param_hash": param_hash,
-    }
 
 
 def inner_step(
@@ -247,13 +205,38 @@ class PeerOptions:
     )
 
 
-def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
-    index = opts.index
-    say = opts.events or emit
-    memtrace = MemTrace()  # ATOLL_TRACEMALLOC: where the heap grew after warm-up, logged at the end
-    torch.set_num_threads(cfg.threads)
-    # --- model, data, optimizer -----------------------------------------------------------------
-    cfg = resolved(cfg)
+# --- build: the model, its data and its optimizer; the island and its node ---------------------
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Workload:
+    """One process's model, data and inner optimizer (the same on every rank of an island)."""
+
+    gcfg: GPTConfig
+    device: torch.device
+    rank: int
+    world: int
+    model: GPT  # identical on every peer at the start: version 0 of every fragment
+    stepper: torch.nn.Module  # the model, or DDP around it on a multi-process island
+    optimizer: torch.optim.Optimizer
+    tcfg: TrainConfig
+    plan: FragmentPlan
+    sampler: BatchSampler
+    heldout: torch.Tensor  # (n,) uint8
+
+    def evaluate(self, model: torch.nn.Module, cfg: RunConfig) -> float:
+        """``model``'s held-out loss on ``cfg.eval_batches`` batches."""
+        return evaluate(
+            model,
+            self.heldout,
+            batch_size=cfg.batch_size,
+            block_size=self.gcfg.block_size,
+            n_batches=cfg.eval_batches,
+        )
+
+
+def build_workload(cfg: RunConfig, opts: PeerOptions) -> Workload:
+    """The GPT preset ``cfg.model``, the corpus split, this island's sampler and AdamW. Under
+    ``torchrun`` it joins the island's process group first. Raises ``RuntimeError`` for a CUDA
+    device torch does not see, or a checkpoint folder on a multi-process island."""
     gcfg = GPTConfig.preset(cfg.model)
     device = torch.device(cfg.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -266,80 +249,142 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
             "--checkpoint-dir is not supported for islands of several processes yet "
             "(every rank's optimizer state would have to be saved); leave it out with --nproc"
         )
-    model = GPT(gcfg, seed=cfg.seed).to(
-        device
-    )  # identical on every peer: version 0 of every fragment
+    model = GPT(gcfg, seed=cfg.seed).to(device)
     data = load_corpus(Path(cfg.corpus) if cfg.corpus else None, max_bytes=cfg.corpus_max_bytes)
     train, heldout = split_corpus(data)
     sampler = island_sampler(
-        cfg, train, gcfg.block_size, index, rank=rank, own_seed=opts.own_data_seed
+        cfg, train, gcfg.block_size, opts.index, rank=rank, own_seed=opts.own_data_seed
     )
     tcfg = train_config_for(cfg)
-    optimizer = make_inner_optimizer(model, tcfg)
     shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
-    plan = plan_fragments(shapes, cfg.fragments, embeddings=embedding_parameter_names(model))
-    stepper: torch.nn.Module = model
-    if world > 1:
-        from torch.nn.parallel import DistributedDataParallel
+    return Workload(
+        gcfg=gcfg,
+        device=device,
+        rank=rank,
+        world=world,
+        model=model,
+        stepper=_data_parallel(model, device) if world > 1 else model,
+        optimizer=make_inner_optimizer(model, tcfg),
+        tcfg=tcfg,
+        plan=plan_fragments(shapes, cfg.fragments, embeddings=embedding_parameter_names(model)),
+        sampler=sampler,
+        heldout=heldout,
+    )
 
-        stepper = DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None
-        )
-    if rank > 0:  # this rank trains and follows rank 0's adoptions; rank 0 speaks for the island
-        return _follow_rank_zero(cfg, model, stepper, optimizer, plan, sampler, tcfg, device)
+
+def _data_parallel(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(
+        model, device_ids=[device.index] if device.type == "cuda" else None
+    )
+
+
+class NodeOutbox:
+    """The island's ``submit``: hands each due fragment to the node's network side, which exists
+    while the node serves. The island is built before the node (a resumed checkpoint tells the
+    node which versions it holds), so the node is attached once built."""
+
+    def __init__(self) -> None:
+        self._node: PeerNode | None = None
+
+    def attach(self, node: PeerNode) -> None:
+        self._node = node
+
+    def __call__(self, out: Outgoing) -> None:
+        net = self._node.net if self._node is not None else None
+        if net is not None:
+            net.submit(out)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class IslandPeer:
+    """Rank 0's swarm side, built but not started: the island (resumed from its checkpoint if it
+    has one) and the node that speaks for it."""
+
+    work: Workload
+    signer: Signer
+    island: Island
+    ranks: IslandRanks | None  # the other ranks of a multi-process island
+    checkpoints: IslandCheckpoints | None
+    resumed_step: int | None  # the step a checkpoint resumed at (None: a fresh start)
+    evaluator: WindowEvaluator | None  # validated publication (None: off)
+    validation_hash: str  # SHA-256 of the pinned validation slice
+    node: PeerNode
+    eval_start: float  # the global model's held-out loss at the start (version 0)
+
+
+def build_peer(
+    cfg: RunConfig, opts: PeerOptions, work: Workload, say: Callable[..., None]
+) -> IslandPeer:
+    """The island around ``work``'s model, resumed from ``opts.checkpoint_dir`` if it holds a
+    checkpoint, its evaluator for validated publication, and its node (not serving yet)."""
     signer = opts.signer or Signer.from_seed(os.urandom(32))
     # the global model at the start: version 0 of every fragment is this deterministic init
-    eval_start = evaluate(
-        model,
-        heldout,
-        batch_size=cfg.batch_size,
-        block_size=gcfg.block_size,
-        n_batches=cfg.eval_batches,
-    )
-
-    # --- the island, resumed from its checkpoint if it has one ---------------------------------
-    holder: list[PeerNode] = []
+    eval_start = work.evaluate(work.model, cfg)
+    outbox = NodeOutbox()
     island = Island(
-        model,
-        optimizer,
-        plan,
-        submit=lambda out: holder[0].net.submit(out) if holder[0].net else None,
-        cfg=IslandConfig(
-            inner_steps=cfg.inner_steps,
-            interval=interval_by_lr(optimizer, cfg.inner_steps, cfg.sync_growth),
-            adopt_alpha=cfg.adopt_alpha,
-            wait_for_merge=cfg.mode != "decoupled",
-            hold_until_shipped=bool(cfg.hold_versions),
-            ship_before_adopt=cfg.ship_before_adopt,
-            rebase=bool(cfg.adopt_rebase),
-        ),
+        work.model,
+        work.optimizer,
+        work.plan,
+        submit=outbox,
+        cfg=island_config(cfg, work.optimizer),
     )
-    ranks = IslandRanks(model, optimizer, plan, island) if world > 1 else None
+    ranks = IslandRanks(work.model, work.optimizer, work.plan, island) if work.world > 1 else None
     initial_global = [g.clone() for g in island.global_flat]  # version 0 of every fragment
     checkpoints = (
-        IslandCheckpoints(opts.checkpoint_dir, model, optimizer, island, sampler.generator)
+        IslandCheckpoints(
+            opts.checkpoint_dir, work.model, work.optimizer, island, work.sampler.generator
+        )
         if opts.checkpoint_dir
         else None
     )
     resumed = checkpoints.restore() if checkpoints is not None else None
-    start_step = int(resumed["step"]) if resumed else 0
     if resumed:
-        say("resumed", index=index, step=start_step, versions=list(island.versions))
-
-    # --- validated publication: owners check candidates on the pinned held-out slice ------------
-    validation, validation_hash = validation_slice(
-        heldout
-    )  # (m,) uint8; the same bytes on every peer
+        say("resumed", index=opts.index, step=int(resumed["step"]), versions=list(island.versions))
+    # validated publication: owners check candidates on the pinned held-out slice
+    validation, validation_hash = validation_slice(work.heldout)  # (m,) uint8, on every peer
     evaluator = window_evaluator(
-        model, plan, None, validation, block_size=gcfg.block_size, windows=cfg.validate_windows
-    )  # None: the other fragments as the island trains them
+        work.model,
+        work.plan,
+        None,  # the other fragments as the island trains them
+        validation,
+        block_size=work.gcfg.block_size,
+        windows=cfg.validate_windows,
+    )
+    node = _peer_node(cfg, opts, work, signer, evaluator, initial_global, resumed)
+    outbox.attach(node)
+    # under a launcher, which checks every version's content
+    node.announce_versions = opts.initial_peers_from_stdin
+    return IslandPeer(
+        work=work,
+        signer=signer,
+        island=island,
+        ranks=ranks,
+        checkpoints=checkpoints,
+        resumed_step=int(resumed["step"]) if resumed else None,
+        evaluator=evaluator,
+        validation_hash=validation_hash,
+        node=node,
+        eval_start=eval_start,
+    )
 
-    # --- the node, on its own thread: join the swarm, sync the global fragments ---------------
-    node = PeerNode(
+
+def _peer_node(
+    cfg: RunConfig,
+    opts: PeerOptions,
+    work: Workload,
+    signer: Signer,
+    evaluator: WindowEvaluator | None,
+    initial_global: list[torch.Tensor],
+    resumed: dict[str, Any] | None,
+) -> PeerNode:
+    """The node that speaks for the island; a resumed one starts from the checkpoint's versions."""
+    return PeerNode(
         cfg,
         signer,
-        model,
-        plan,
+        work.model,
+        work.plan,
         NodeOptions(
             host=opts.host,
             port=opts.port,
@@ -359,220 +404,353 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
         ),
         credentials=opts.credentials,
     )
-    holder.append(node)
-    node.announce_versions = (
-        opts.initial_peers_from_stdin
-    )  # under a launcher: it checks every version's content
-    initial = list(opts.initial_peers)
-    if opts.initial_peers_from_stdin:
-        initial += list(_read_stdin_line().get("initial_peers", []))
-    crashed: list[BaseException] = []  # why the node's thread ended early (the main thread says it)
 
-    def serve() -> None:
+
+# --- run: join the swarm, train -----------------------------------------------------------------
+class NodeThread:
+    """The node's event loop (``PeerNode.serve``) on its own thread; ``crashed``: why it ended
+    early (the main thread says it)."""
+
+    def __init__(self, node: PeerNode, island: Island, initial_peers: list[str]) -> None:
+        self.node = node
+        self.crashed: BaseException | None = None
+        self.thread = threading.Thread(
+            target=self._serve, args=(island, initial_peers), name="atoll-node", daemon=True
+        )
+
+    def _serve(self, island: Island, initial_peers: list[str]) -> None:
         try:
-            asyncio.run(node.serve(island, initial))
+            asyncio.run(self.node.serve(island, initial_peers))
         except BaseException as exc:
-            crashed.append(exc)
+            self.crashed = exc
             log.log(
-                logging.ERROR if node.joined.is_set() and node.failure is None else logging.DEBUG,
+                logging.ERROR
+                if self.node.joined.is_set() and self.node.failure is None
+                else logging.DEBUG,
                 "the node stopped: %r",
                 exc,
                 exc_info=True,
             )
 
-    thread = threading.Thread(target=serve, name="atoll-node", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not node.ready.wait(0.1):
-        if crashed or time.monotonic() > deadline:
-            raise RuntimeError(
-                f"the node could not start listening: {crashed[0] if crashed else 'not within 60 s'}"
-            )
-    say("listening", index=index, url=node.url, peer_id=signer.peer_id.hex())
+    def start(self, timeout_s: float = 60.0) -> None:
+        """Start serving; return once the node listens. Raises ``RuntimeError`` if it cannot."""
+        self.thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.node.ready.wait(0.1):
+            if self.crashed is not None or time.monotonic() > deadline:
+                why = self.crashed if self.crashed is not None else f"not within {timeout_s:g} s"
+                raise RuntimeError(f"the node could not start listening: {why}")
+
+
+@dataclass(frozen=True, slots=True)
+class Joined:
+    """Where training starts once the island is in the swarm."""
+
+    serving: NodeThread
+    start_step: int
+    rewarm_from: int  # the step the inner lr warms up again from (a joiner on the swarm's schedule)
+
+
+def join_swarm(
+    cfg: RunConfig, opts: PeerOptions, peer: IslandPeer, say: Callable[..., None]
+) -> Joined:
+    """Start the node, join through the initial peers, wait for ``opts.wait_members`` (and a
+    launcher's start), adopt the synced global fragments and pick the first step. Raises
+    ``RuntimeError`` when the node cannot listen or join, or the launcher stopped the swarm."""
+    node, island = peer.node, peer.island
+    initial = list(opts.initial_peers)
+    if opts.initial_peers_from_stdin:
+        initial += list(_read_stdin_line().get("initial_peers", []))
+    serving = NodeThread(node, island, initial)
+    serving.start()
+    say("listening", index=opts.index, url=node.url, peer_id=peer.signer.peer_id.hex())
     if not node.joined.wait(120) or node.failure is not None:
         raise RuntimeError(f"could not join the swarm: {str(node.failure) or repr(node.failure)}")
     node.wait_for_members(opts.wait_members)
     if opts.initial_peers_from_stdin:
-        say("ready", index=index)
+        say("ready", index=opts.index)
         if not _read_stdin_line().get("start"):
             raise RuntimeError("the launcher stopped the swarm before it started")
     island.adopt_pending()  # the synced global fragments
-    rewarm_from = 0
-    if opts.schedule == "swarm" and not resumed:
-        claims = node.learner_steps()
-        start_step = rewarm_from = joining_step(claims, cfg.steps)
-        if start_step:
-            say("schedule", index=index, step=start_step, steps=cfg.steps, learners=len(claims))
-            log.info(
-                "joining the swarm's schedule at step %d of %d (the median of %d learners' steps): "
-                "%d steps to train, the learning rate warmed up again over %d",
-                start_step,
-                cfg.steps,
-                len(claims),
-                cfg.steps - start_step,
-                cfg.warmup_steps,
-            )
-        if start_step >= cfg.steps:
-            log.warning(
-                "the swarm's learners are at step %d, the end of this run's --steps %d: nothing to "
-                "train on the swarm's schedule (pass a larger --steps, or --schedule own)",
-                start_step,
-                cfg.steps,
-            )
-    if ranks is not None:
-        ranks.sync()
-        start_step = ranks.start_step(start_step)  # the followers' steps and lr are rank 0's
-    say("joined", index=index, versions=list(island.versions), synced=sorted(node.synced))
-    # a peer-level attack (node.run.attack_peer: forged handoffs, a claimed address) runs on the node's loop
-    peer_attack = (
-        PeerAttack(opts.attack.strip(), node, say)
-        if opts.attack and is_peer_attack(opts.attack)
-        else None
-    )
-    if peer_attack is not None:
-        peer_attack.start()
-    t0 = opts.t0 or time.time()
-    # the trace's baseline is taken where the report's warm-up ends
-    warm_at = t0 + WARMUP * (opts.until - t0) if opts.until else None
+    start_step, rewarm_from = peer.resumed_step or 0, 0
+    if opts.schedule == "swarm" and peer.resumed_step is None:
+        start_step = rewarm_from = _swarm_step(cfg, opts, node, say)
+    if peer.ranks is not None:
+        peer.ranks.sync()
+        start_step = peer.ranks.start_step(start_step)  # the followers' steps and lr are rank 0's
+    say("joined", index=opts.index, versions=list(island.versions), synced=sorted(node.synced))
+    return Joined(serving, start_step, rewarm_from)
 
-    curve_local: list[tuple[float, int, float]] = []
+
+def _swarm_step(cfg: RunConfig, opts: PeerOptions, node: PeerNode, say: Callable[..., None]) -> int:
+    """The step a joiner starts at on the swarm's schedule: the median of its learners' steps."""
+    claims = node.learner_steps()
+    start_step = joining_step(claims, cfg.steps)
+    if start_step:
+        say("schedule", index=opts.index, step=start_step, steps=cfg.steps, learners=len(claims))
+        log.info(
+            "joining the swarm's schedule at step %d of %d (the median of %d learners' steps): "
+            "%d steps to train, the learning rate warmed up again over %d",
+            start_step,
+            cfg.steps,
+            len(claims),
+            cfg.steps - start_step,
+            cfg.warmup_steps,
+        )
+    if start_step >= cfg.steps:
+        log.warning(
+            "the swarm's learners are at step %d, the end of this run's --steps %d: nothing to "
+            "train on the swarm's schedule (pass a larger --steps, or --schedule own)",
+            start_step,
+            cfg.steps,
+        )
+    return start_step
+
+
+@dataclass
+class Curves:
+    """What the report plots, against seconds since ``t0``: held-out losses and memory."""
+
+    t0: float
+    local: list[tuple[float, int, float]] = field(default_factory=list)  # (s, step, loss)
+    global_: list[tuple[float, int, float]] = field(default_factory=list)  # index 0 only
     # every ~5 s: (seconds, step, resident bytes, C heap in use or -1, Python's allocated blocks)
-    rss_curve: list[tuple[float, int, int, int, int]] = []
-    curve_global: list[tuple[float, int, float]] = [(time.time() - t0, 0, eval_start)]
-    # --- the training loop ----------------------------------------------------------------------
-    model.train()
-    last_progress, loss_ema = 0.0, float("nan")
-    for step in range(start_step, cfg.steps):
-        go_on = not (opts.until and time.time() >= opts.until)
-        if ranks is not None:
-            go_on = ranks.agree(go_on)  # every rank stops at the same step
-        if not go_on:
-            break
-        t_step = time.perf_counter()
+    rss: list[tuple[float, int, int, int, int]] = field(default_factory=list)
+
+    def now(self) -> float:
+        return time.time() - self.t0
+
+
+class TrainingLoop:
+    """Rank 0's inner steps (the island's hook adopts and ships), its evaluations, checkpoints
+    and progress events, until ``cfg.steps`` or ``opts.until``."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        opts: PeerOptions,
+        peer: IslandPeer,
+        say: Callable[..., None],
+        memtrace: MemTrace,
+    ) -> None:
+        self.cfg, self.opts, self.peer, self.say, self.memtrace = cfg, opts, peer, say, memtrace
+        t0 = opts.t0 or time.time()
+        # the trace's baseline is taken where the report's warm-up ends
+        self.warm_at = t0 + WARMUP * (opts.until - t0) if opts.until else None
+        self.curves = Curves(t0)
+        self.curves.global_.append((self.curves.now(), 0, peer.eval_start))
+        self.loss_ema = float("nan")
+
+    def run(self, start_step: int, rewarm_from: int) -> None:
+        cfg, peer = self.cfg, self.peer
+        peer.work.model.train()
+        last_progress = 0.0
+        for step in range(start_step, cfg.steps):
+            if not self._go_on():
+                break
+            t_step = time.perf_counter()
+            loss = self._step(step, rewarm_from)
+            self.loss_ema = loss if step == start_step else 0.95 * self.loss_ema + 0.05 * loss
+            if self.opts.slow_factor > 1.0:  # an emulated slower machine
+                time.sleep((self.opts.slow_factor - 1.0) * (time.perf_counter() - t_step))
+            if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
+                self._evaluate(step + 1)
+            if peer.checkpoints is not None and (step + 1) % cfg.inner_steps == 0:
+                peer.checkpoints.save()
+            if time.monotonic() - last_progress > 1.0:
+                self._sample_memory(step + 1)
+                last_progress = time.monotonic()
+                self._progress(step + 1)
+
+    def _go_on(self) -> bool:
+        go_on = not (self.opts.until and time.time() >= self.opts.until)
+        if self.peer.ranks is not None:
+            go_on = self.peer.ranks.agree(go_on)  # every rank stops at the same step
+        return go_on
+
+    def _step(self, step: int, rewarm_from: int) -> float:
+        """One inner step on the next batch; the island's hook adopts and ships. Its loss."""
+        cfg, work, island = self.cfg, self.peer.work, self.peer.island
         if cfg.overlap_block:
             island.enabled = (step // cfg.overlap_block) % 2 == 1
-        x, y = (t.to(device, non_blocking=True) for t in sampler.next())  # [B, T] int64 each
-        if ranks is not None:
-            ranks.tokens(x.numel())  # every rank's tokens count
+        x, y = (t.to(work.device, non_blocking=True) for t in work.sampler.next())  # [B, T] int64
+        if self.peer.ranks is not None:
+            self.peer.ranks.tokens(x.numel())  # every rank's tokens count
         else:
             island.tokens(x.numel())  # counted into the contributions this step may ship
         loss = inner_step(
-            stepper, optimizer, tcfg, step, x, y, rewarm_from=rewarm_from
-        )  # the hook: adopt, ship
-        loss_ema = loss.item() if step == start_step else 0.95 * loss_ema + 0.05 * loss.item()
-        if opts.slow_factor > 1.0:  # an emulated slower machine
-            time.sleep((opts.slow_factor - 1.0) * (time.perf_counter() - t_step))
-        if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
-            curve_local.append(
-                (
-                    time.time() - t0,
-                    step + 1,
-                    evaluate(
-                        model,
-                        heldout,
-                        batch_size=cfg.batch_size,
-                        block_size=gcfg.block_size,
-                        n_batches=cfg.eval_batches,
-                    ),
-                )
-            )
-            if index == 0:
-                curve_global.append(
-                    (time.time() - t0, step + 1, _eval_global(model, island, heldout, cfg))
-                )
-        if checkpoints is not None and (step + 1) % cfg.inner_steps == 0:
-            checkpoints.save()
-        if time.monotonic() - last_progress > 1.0:
-            if not rss_curve or time.time() - t0 - rss_curve[-1][0] >= RSS_EVERY_S:
-                heap = heap_in_use()
-                if (
-                    time.time() >= warm_at
-                    if warm_at is not None
-                    else step + 1 >= WARMUP * cfg.steps
-                ):
-                    memtrace.mark_warm()
-                rss_curve.append(
-                    (
-                        time.time() - t0,
-                        step + 1,
-                        resident_bytes(),
-                        -1 if heap is None else heap,
-                        sys.getallocatedblocks(),
-                    )
-                )
-            last_progress = time.monotonic()
-            node.step = step + 1
-            node.board.record(step + 1, loss_ema)  # the status page's loss curve
-            say(
-                "progress",
-                index=index,
-                step=step + 1,
-                loss=loss_ema,
-                versions=list(island.versions),
-                bytes_sent=node.transport.bytes_sent,
-                bytes_received=node.transport.bytes_received,
-                peers=len(node.membership.members) if node.membership else 0,
-            )
+            work.stepper, work.optimizer, work.tcfg, step, x, y, rewarm_from=rewarm_from
+        )
+        return float(loss.item())
 
-    # --- finalise: all peers end on the owners' final versions ---------------------------------
+    def _evaluate(self, step: int) -> None:
+        work = self.peer.work
+        self.curves.local.append((self.curves.now(), step, work.evaluate(work.model, self.cfg)))
+        if self.opts.index == 0:
+            at = self.curves.now()
+            loss = _eval_global(work.model, self.peer.island, work.heldout, self.cfg)
+            self.curves.global_.append((at, step, loss))
+
+    def _sample_memory(self, step: int) -> None:
+        """Every ``RSS_EVERY_S``: resident bytes, the C heap, Python's blocks; marks the trace's
+        baseline where the report's warm-up ends."""
+        rss = self.curves.rss
+        if rss and self.curves.now() - rss[-1][0] < RSS_EVERY_S:
+            return
+        heap = heap_in_use()
+        warm = (
+            time.time() >= self.warm_at
+            if self.warm_at is not None
+            else step >= WARMUP * self.cfg.steps
+        )
+        if warm:
+            self.memtrace.mark_warm()
+        rss.append(
+            (
+                self.curves.now(),
+                step,
+                resident_bytes(),
+                -1 if heap is None else heap,
+                sys.getallocatedblocks(),
+            )
+        )
+
+    def _progress(self, step: int) -> None:
+        node, island = self.peer.node, self.peer.island
+        node.step = step
+        node.board.record(step, self.loss_ema)  # the status page's loss curve
+        self.say(
+            "progress",
+            index=self.opts.index,
+            step=step,
+            loss=self.loss_ema,
+            versions=list(island.versions),
+            bytes_sent=node.transport.bytes_sent,
+            bytes_received=node.transport.bytes_received,
+            peers=len(node.membership.members) if node.membership else 0,
+        )
+
+
+# --- finish: every peer ends on the owners' final versions ---------------------------------------
+def finish_peer(
+    cfg: RunConfig,
+    opts: PeerOptions,
+    peer: IslandPeer,
+    curves: Curves,
+    memtrace: MemTrace,
+) -> float:
+    """Flush the unshipped work, stop learning, adopt the final versions (``opts.final_sync``)
+    and save the last checkpoint. Returns the global model's held-out loss at the end."""
+    island, node, ranks = peer.island, peer.node, peer.ranks
     if ranks is not None and not ranks.told_to_stop:
         ranks.agree(False)  # the other ranks leave their loop at this same point
-    if cfg.flushes and island.enabled:
-        flushed = island.flush(timeout_s=FLUSH_WAIT_S)
+    if flushed := flush_at_end(island, cfg):
         log.info("final flush: sent the unshipped work of %d fragment(s)", flushed)
     node.call(node.stop_learning(), timeout=120)
     memtrace.report()
+    island.adopt_pending()
     if opts.final_sync:
-        island.adopt_pending()
         final = node.call(node.fetch_final(), timeout=600)
         for p, (version, flat) in final.items():
             island.adopt_final(p, version, flat)
-    else:
-        island.adopt_pending()
     if ranks is not None:
         ranks.sync()  # every rank ends on the final model
         ranks.close()
         log.info(
             "rank 0 of %d: %d steps, final parameters %s",
-            world,
+            peer.work.world,
             island.stats.step,
-            global_param_hash(dict(model.named_parameters()))[:16],
+            global_param_hash(dict(peer.work.model.named_parameters()))[:16],
         )
-    eval_end = _eval_global(model, island, heldout, cfg)
-    curve_global.append((time.time() - t0, island.stats.step, eval_end))
-    if checkpoints is not None:
-        checkpoints.save()  # the final state: a restart resumes here instead of training again
-        checkpoints.wait()
+    eval_end = _eval_global(peer.work.model, island, peer.work.heldout, cfg)
+    curves.global_.append((curves.now(), island.stats.step, eval_end))
+    if peer.checkpoints is not None:
+        peer.checkpoints.save()  # the final state: a restart resumes here instead of training again
+        peer.checkpoints.wait()
+    return eval_end
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PeerResult:
+    """What one peer's run did: the "done" event's ``result`` (``as_dict``), read by the report."""
+
+    index: int
+    peer_id: str
+    steps: int
+    n_params: int
+    global_versions: list[int]
+    final_param_hash: str
+    eval_loss_start: float
+    eval_loss_end: float
+    eval_curve_local: list[tuple[float, int, float]]
+    eval_curve_global: list[tuple[float, int, float]]  # peer 0's only
+    tokens_trained: int
+    bytes_sent: int
+    bytes_by_route: dict[str, int]
+    stalled_steps: int
+    median_step_s: float
+    median_step_s_detached: float
+    median_compute_s: float  # without waits for merges (sync)
+    contributions_sent: int
+    contributions_accepted: int
+    contributions_refused: int
+    remote_errors: int
+    merges: dict[int, list[Any]]
+    penalties: dict[str, dict[str, int]]  # as an owner: per sender, what the merge's bounds did
+    standing: dict[str, float]  # as an owner: per sender, its standing score (issue 47)
+    rss_curve: list[tuple[float, int, int, int, int]]
+    spread: dict[str, Any]  # versions uploaded as owner / holder, pointers, fallbacks
+    versions_in: dict[str, int]
+    replica_bytes: int
+    attack: str
+    peer_attack: dict[str, Any] | None  # what a peer-level attack did, how it was answered
+    handoff_refusals: dict[str, int]  # handoffs this peer refused, by reason (issue 48)
+    # validated publication: the pinned slice, and what checking candidates cost this peer's owners
+    validation: dict[str, Any]
+
+    def as_dict(self) -> dict[str, Any]:
+        """The fields by name, in order (JSON-ready; the report reads these names)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+def peer_result(
+    opts: PeerOptions,
+    peer: IslandPeer,
+    curves: Curves,
+    eval_end: float,
+    peer_attack: dict[str, Any] | None,
+) -> PeerResult:
+    node, island, stats = peer.node, peer.island, peer.island.stats
     net = node.net
-    assert net is not None
-    result = {
-        "index": index,
-        "peer_id": signer.peer_id.hex(),
-        "steps": island.stats.step,
-        "n_params": sum(p.numel() for p in model.parameters()),
-        "global_versions": list(island.versions),
-        "final_param_hash": global_param_hash(island.global_state()),
-        "eval_loss_start": eval_start,
-        "eval_loss_end": eval_end,
-        "eval_curve_local": curve_local,
-        "eval_curve_global": curve_global if index == 0 else [],
-        "tokens_trained": island.stats.tokens_trained,
-        "bytes_sent": node.transport.bytes_sent,
-        "bytes_by_route": dict(node.transport.bytes_by_route),
-        "stalled_steps": island.stats.stalled_steps,
-        "median_step_s": _median(island.stats.step_times),
-        "median_step_s_detached": _median(island.stats.step_times_detached),
-        "median_compute_s": _median(island.stats.compute_times),  # without waits for merges (sync)
-        "contributions_sent": net.stats.contributions_sent,
-        "contributions_accepted": net.stats.contributions_accepted,
-        "contributions_refused": net.stats.contributions_refused,
-        "remote_errors": node.rpc.error_count,
-        "merges": {p: o.merges[-3:] for p, o in node.owners.items()},
-        "penalties": node.penalties(),  # as an owner: per sender, what the merge's bounds did
-        "standing": node.standings(),  # as an owner: per sender, its standing score (issue 47)
-        "rss_curve": rss_curve,
-        "spread": node.spread.as_dict(),  # versions uploaded as owner / holder, pointers, fallbacks
-        "versions_in": {
+    assert net is not None  # set while the node serves
+    return PeerResult(
+        index=opts.index,
+        peer_id=peer.signer.peer_id.hex(),
+        steps=stats.step,
+        n_params=sum(p.numel() for p in peer.work.model.parameters()),
+        global_versions=list(island.versions),
+        final_param_hash=global_param_hash(island.global_state()),
+        eval_loss_start=peer.eval_start,
+        eval_loss_end=eval_end,
+        eval_curve_local=curves.local,
+        eval_curve_global=curves.global_ if opts.index == 0 else [],
+        tokens_trained=stats.tokens_trained,
+        bytes_sent=node.transport.bytes_sent,
+        bytes_by_route=dict(node.transport.bytes_by_route),
+        stalled_steps=stats.stalled_steps,
+        median_step_s=_median(stats.step_times),
+        median_step_s_detached=_median(stats.step_times_detached),
+        median_compute_s=_median(stats.compute_times),
+        contributions_sent=net.stats.contributions_sent,
+        contributions_accepted=net.stats.contributions_accepted,
+        contributions_refused=net.stats.contributions_refused,
+        remote_errors=node.rpc.error_count,
+        merges={p: o.merges[-3:] for p, o in node.owners.items()},
+        penalties=node.penalties(),
+        standing=node.standings(),
+        rss_curve=curves.rss,
+        spread=node.spread.as_dict(),
+        versions_in={
             "received": net.stats.versions_received,
             "as_updates": net.stats.updates_applied,
             "update_mismatches": net.stats.update_mismatches,
@@ -580,36 +758,115 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
             "from_replica": net.stats.versions_replica,
             "finals_held": net.stats.finals_held,
         },
-        "replica_bytes": node.replica_bytes,
-        "attack": opts.attack,
-        "peer_attack": peer_attack.stop()
-        if peer_attack is not None
-        else None,  # what it did, how answered
-        "handoff_refusals": dict(
-            node.replicas.refusals
-        ),  # handoffs this peer refused, by reason (issue 48)
-        # validated publication: the pinned slice, and what checking candidates cost this peer's owners
-        "validation": {
-            "data_sha256": validation_hash,
-            "on": evaluator is not None,
+        replica_bytes=node.replica_bytes,
+        attack=opts.attack,
+        peer_attack=peer_attack,
+        handoff_refusals=dict(node.replicas.refusals),
+        validation={
+            "data_sha256": peer.validation_hash,
+            "on": peer.evaluator is not None,
             "checks": sum(c.checks for c in node.all_owners()),
             "rejected": sum(c.rejected for c in node.all_owners()),
             "seconds": round(sum(c.check_seconds for c in node.all_owners()), 3),
         },
-    }
-    say("done", index=index, result=result)
+    )
+
+
+def _leave(opts: PeerOptions, peer: IslandPeer, serving: NodeThread) -> None:
+    """Serve on until the launcher says stop (or ``opts.serve_after_s``), then stop the node."""
     if opts.wait_for_stop:
         while "stop" not in _read_stdin_line():
             pass
     elif opts.serve_after_s:
         # keep serving the fragments we own (others still train) until told to stop
         with contextlib.suppress(KeyboardInterrupt):
-            thread.join(timeout=opts.serve_after_s)
-    node.stop()
-    thread.join(timeout=10)
-    if world > 1:
+            serving.thread.join(timeout=opts.serve_after_s)
+    peer.node.stop()
+    serving.thread.join(timeout=10)
+    if peer.work.world > 1:
         leave_process_group()  # the other ranks wait here for rank 0's end
+
+
+def run_peer(cfg: RunConfig, opts: PeerOptions) -> PeerResult | FollowerResult:
+    """One peer's run in three phases: build (model, data, island, node), run (join the swarm,
+    train), finish (flush, final versions, the result, said as the "done" event); then it
+    serves until told to stop. A rank other than 0 of a multi-process island follows rank 0."""
+    say = opts.events or emit
+    memtrace = MemTrace()  # ATOLL_TRACEMALLOC: where the heap grew after warm-up, logged at the end
+    torch.set_num_threads(cfg.threads)
+    cfg = resolved(cfg)
+    work = build_workload(cfg, opts)
+    if (
+        work.rank > 0
+    ):  # this rank trains and follows rank 0's adoptions; rank 0 speaks for the island
+        return follow_rank_zero(cfg, work)
+    peer = build_peer(cfg, opts, work, say)
+
+    joined = join_swarm(cfg, opts, peer, say)
+    # a peer-level attack (node.run.attack_peer: forged handoffs, a claimed address) runs on the node's loop
+    attack = (
+        PeerAttack(opts.attack.strip(), peer.node, say)
+        if opts.attack and is_peer_attack(opts.attack)
+        else None
+    )
+    if attack is not None:
+        attack.start()
+    loop = TrainingLoop(cfg, opts, peer, say, memtrace)
+    loop.run(joined.start_step, joined.rewarm_from)
+
+    eval_end = finish_peer(cfg, opts, peer, loop.curves, memtrace)
+    result = peer_result(
+        opts, peer, loop.curves, eval_end, attack.stop() if attack is not None else None
+    )
+    say("done", index=opts.index, result=result.as_dict())
+    _leave(opts, peer, joined.serving)
     return result
+
+
+# --- the other ranks of a multi-process island ---------------------------------------------------
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FollowerResult:
+    """What a rank other than 0 did: its steps, the versions it ended on, its parameters' hash."""
+
+    rank: int
+    steps: int
+    versions: list[int]
+    param_hash: str
+
+
+def follow_rank_zero(cfg: RunConfig, work: Workload) -> FollowerResult:
+    """A rank other than 0 of a multi-process island: the same steps as rank 0 (DDP averages
+    the gradients), the fragments rank 0 adopts after each step (``IslandRanks``), no node."""
+    model, optimizer = work.model, work.optimizer
+    ranks = IslandRanks(model, optimizer, work.plan, None)
+    ranks.sync()  # the global fragments rank 0 synced when it joined
+    start = ranks.start_step(0)  # where rank 0 starts on the schedule (a joiner: the swarm's step)
+    model.train()
+    steps = 0
+    for step in range(start, cfg.steps):
+        if not ranks.agree(True):
+            break
+        x, y = (t.to(work.device, non_blocking=True) for t in work.sampler.next())
+        ranks.tokens(x.numel())
+        # the post-step hook syncs with rank 0
+        inner_step(work.stepper, optimizer, work.tcfg, step, x, y, rewarm_from=start)
+        steps += 1
+    else:
+        ranks.agree(True)  # rank 0's closing agree(False) after its last step
+    ranks.sync()  # the final model
+    ranks.close()
+    leave_process_group()  # when rank 0 is done serving too
+    param_hash = global_param_hash(dict(model.named_parameters()))
+    log.info(
+        "rank %d of %d: %d steps, final parameters %s",
+        ranks.rank,
+        ranks.world,
+        steps,
+        param_hash[:16],
+    )
+    return FollowerResult(
+        rank=ranks.rank, steps=steps, versions=ranks.versions, param_hash=param_hash
+    )
 
 
 RSS_EVERY_S = 5.0

@@ -76,7 +76,7 @@ def test_memory_tells_a_heap_that_keeps_freed_blocks_from_one_that_holds_more() 
 def test_the_heap_in_use_counts_a_tensor_while_it_lives() -> None:
     import torch
 
-    from node.run.allocator import heap_in_use
+    from node.diloco.allocator import heap_in_use
 
     before = heap_in_use()
     if before is None:

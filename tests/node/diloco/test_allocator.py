@@ -1,4 +1,4 @@
-"""node.run.allocator: tuned, a large tensor comes from glibc's heap, where a freed block stays
+"""node.diloco.allocator: tuned, a large tensor comes from glibc's heap, where a freed block stays
 for the next one, instead of a mapping of its own that is unmapped when it is freed;
 ``ATOLL_MALLOC=default`` leaves glibc as it is.
 
@@ -19,7 +19,7 @@ import pytest
 # is a new 64 MiB tensor inside the [heap] mapping (glibc's brk heap) or in one of its own?
 PROBE = """
 import torch
-from node.run.allocator import tune_allocator
+from node.diloco.allocator import tune_allocator
 tuned = tune_allocator()
 t = torch.empty(16 << 20, dtype=torch.float32)
 ptr = t.data_ptr()
