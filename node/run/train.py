@@ -331,8 +331,14 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> dict[str, Any]:
         heldout
     )  # (m,) uint8; the same bytes on every peer
     evaluator = window_evaluator(
-        model, plan, None, validation, block_size=gcfg.block_size, windows=cfg.validate_windows
-    )  # None: the other fragments as the island trains them
+        model,
+        plan,
+        None,
+        validation,
+        block_size=gcfg.block_size,
+        windows=cfg.validate_windows,
+        pinned=opts.credentials.manifest.validation_sha256 if opts.credentials else "",
+    )  # None: the other fragments as the island trains them; a slice not the pinned one raises
 
     # --- the node, on its own thread: join the swarm, sync the global fragments ---------------
     node = PeerNode(
