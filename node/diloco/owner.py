@@ -46,7 +46,7 @@ from protocol.diloco.fragments import Fragment
 from protocol.diloco.merge import Decision, FragmentMerger, MergeConfig, Phase
 from protocol.diloco.norms import all_finite, norm64
 from protocol.diloco.outer import OuterConfig, merge_update
-from protocol.diloco.reference import starting_reference
+from protocol.diloco.reference import HandedNorm, starting_history
 from protocol.diloco.standing import Event, Standing
 from protocol.diloco.updates import encode_update
 from protocol.wire.messages import Ack, Contribution, ReplicaState
@@ -176,7 +176,7 @@ class FragmentOwner(ContributionIntake, VersionSealing, OwnerSuccession):
         merged: Mapping[bytes, int] | None = None,
         round_steps: int = 0,
         validation: OwnerValidation | None = None,
-        reference: Sequence[float] = (),
+        reference: Sequence[HandedNorm | float] = (),
         measured: Sequence[float] = (),
         standing: tuple[tuple[bytes, ...], tuple[float, ...]] | None = None,
     ) -> None:
@@ -667,7 +667,9 @@ class FragmentOwner(ContributionIntake, VersionSealing, OwnerSuccession):
             self.standing.record(peer, Event.HELPED, version=self.version)
 
     # --- the reference and the standing, which outlive this owner ----------------------------------
-    def start_reference(self, handed: Sequence[float], measured: Sequence[float] = ()) -> str:
+    def start_reference(
+        self, handed: Sequence[HandedNorm | float], measured: Sequence[float] = ()
+    ) -> str:
         """Start the merger's clip reference from a predecessor's (``handed``) when it is plausible
         against ``measured`` (estimates from published updates), else from ``measured``
         (``protocol.diloco.reference``); only before the first merge. Returns why."""
@@ -675,7 +677,7 @@ class FragmentOwner(ContributionIntake, VersionSealing, OwnerSuccession):
             return "this owner has merged already: its own reference stands"
         # a norm longer than the fragment itself is no honest reference (``starting_reference``)
         ceiling = norm64(self.theta) if handed or measured else math.inf
-        reference, why = starting_reference(handed, measured, ceiling=ceiling)
+        reference, why = starting_history(handed, measured, ceiling=ceiling)  # senders kept
         if reference:
             self.merger.seed_reference(reference)  # logged for replay when there is a log
         if handed or measured:

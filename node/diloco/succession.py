@@ -25,7 +25,7 @@ from protocol.diloco.fragments import Fragment
 from protocol.diloco.merge import Decision, FragmentMerger, Phase
 from protocol.diloco.norms import all_finite, norm64
 from protocol.diloco.outer import OuterConfig
-from protocol.diloco.reference import update_norm_estimate
+from protocol.diloco.reference import HandedNorm, update_norm_estimate
 from protocol.wire.signing import Sealed
 
 __all__ = ["FINAL_HOLD_S", "OwnerSuccession", "measured_updates"]
@@ -84,7 +84,7 @@ class OwnerSuccession:
         async def _apply(self, decision: Decision) -> None: ...
 
         def start_reference(
-            self, handed: Sequence[float], measured: Sequence[float] = ()
+            self, handed: Sequence[HandedNorm | float], measured: Sequence[float] = ()
         ) -> str: ...
 
         def take_standing(self, standing: tuple[tuple[bytes, ...], tuple[float, ...]]) -> None: ...
