@@ -38,6 +38,7 @@ from node.diloco.eventlog_replay import EmptyLog, LogError, ReplayResult, replay
 from node.diloco.flat import flat_digest
 from protocol.diloco.merge import Decision, FragmentMerger, MergeConfig
 from protocol.diloco.outer import OuterConfig
+from protocol.diloco.reference import HandedNorm, as_history
 from protocol.wire.codec import encode
 from protocol.wire.messages import Contribution
 
@@ -280,10 +281,18 @@ class LoggedMerger:
             {"kind": "drop", "reason": reason, "now": now}, self.merger.drop_round(reason, now=now)
         )
 
-    def seed_reference(self, norms: Collection[float]) -> None:
-        """``FragmentMerger.seed_reference``, logged so that replay starts from the same history."""
+    def seed_reference(self, norms: Collection[HandedNorm | float]) -> None:
+        """``FragmentMerger.seed_reference``, logged so that replay starts from the same history
+        (``senders``: each norm's sender in hex, "" when anonymous)."""
         self.merger.seed_reference(norms)
-        self._write({"kind": "reference", "norms": [float(x) for x in norms]})
+        pairs = as_history(norms)
+        self._write(
+            {
+                "kind": "reference",
+                "norms": [x for _, x in pairs],
+                "senders": [p.hex() if p else "" for p, _ in pairs],
+            }
+        )
 
     def note_version(self, version: int, digest: bytes) -> None:
         """The content digest of a version this owner published (or took over)."""

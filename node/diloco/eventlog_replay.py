@@ -381,15 +381,25 @@ class _Replay:
                 self.contents.load_state(rec.get("blob"))
         elif kind == "reference":  # a history handed over or measured at the owner's start
             norms = rec.get("norms")
+            senders = rec.get("senders", [""] * len(norms) if isinstance(norms, list) else None)
             if (
                 self.merger is None
                 or not isinstance(norms, list)
                 or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in norms)
+                or not isinstance(senders, list)
+                or len(senders) != len(norms)
+                or not all(
+                    isinstance(p, str) and re.fullmatch(r"([0-9a-f]{2})*", p) for p in senders
+                )
             ):
                 raise ValueError(
-                    "a reference record needs a start line before it and a list of numbers"
+                    "a reference record needs a start line before it, a list of numbers and "
+                    "as many senders (hex, or empty)"
                 )
-            self.merger.seed_reference(norms)
+            # older logs name no senders: every norm was anonymous then
+            self.merger.seed_reference(
+                [(bytes.fromhex(p) or None, float(x)) for p, x in zip(senders, norms, strict=True)]
+            )
         elif kind == "validation":  # a candidate's check: the same windows and verdict again
             self.result.validations += 1
             for what in recheck(rec):

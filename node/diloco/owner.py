@@ -51,6 +51,7 @@ from protocol.diloco.activity import LearnerActivity
 from protocol.diloco.fragments import Fragment
 from protocol.diloco.merge import Decision, FragmentMerger, Phase
 from protocol.diloco.outer import OuterConfig
+from protocol.diloco.reference import HandedNorm
 from protocol.diloco.standing import Standing
 from protocol.errors import DecodeError, Stale
 from protocol.wire.messages import Ack, Contribution, ReplicaState
@@ -234,7 +235,9 @@ class FragmentOwner:
     def reference_note(self) -> str:
         return self.reputation.reference_note
 
-    def start_reference(self, handed: Sequence[float], measured: Sequence[float] = ()) -> str:
+    def start_reference(
+        self, handed: Sequence[HandedNorm | float], measured: Sequence[float] = ()
+    ) -> str:
         """Start the merger's clip reference (``Reputation.start_reference``); returns why."""
         return self.reputation.start_reference(handed, measured, theta=self.theta)
 

@@ -23,6 +23,7 @@ from protocol.diloco.fragments import Fragment
 from protocol.diloco.merge import MergeConfig
 from protocol.diloco.norms import norm64
 from protocol.diloco.outer import OuterConfig
+from protocol.diloco.reference import HandedNorm
 from protocol.wire.signing import Sealed
 
 __all__ = ["MERGED_BASES_KEPT", "OwnerConfig", "OwnerCounts", "OwnerStart", "OwnerState"]
@@ -73,7 +74,7 @@ class OwnerStart:
     epoch: int = 0
     momentum: torch.Tensor | None = None
     merged: Mapping[bytes, int] = field(default_factory=dict)
-    reference: Sequence[float] = ()
+    reference: Sequence[HandedNorm | float] = ()
     measured: Sequence[float] = ()
     standing: tuple[tuple[bytes, ...], tuple[float, ...]] | None = None
 

@@ -23,6 +23,7 @@ import torch
 from node.diloco.flat import flat_digest, flat_from_tensors, flat_is_wire_form, new_flat
 from node.wire.transport import Transport
 from protocol.diloco.compression import compress
+from protocol.diloco.reference import HandedNorm, as_history, on_the_wire
 from protocol.diloco.replica import Held, judge
 from protocol.diloco.updates import apply_update
 from protocol.errors import DecodeError, RemoteProtocolError
@@ -51,7 +52,7 @@ NOT_A_MEMBER = (
 
 # what an owner's state carries besides its tensors: the merger's reference (recent accepted
 # norms) and the standing per sender key (peer ids, scores), so a successor starts with both
-Carried = tuple[tuple[float, ...], tuple[tuple[bytes, ...], tuple[float, ...]]]
+Carried = tuple[tuple[HandedNorm, ...], tuple[tuple[bytes, ...], tuple[float, ...]]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +73,9 @@ class Handed:
     final: bool = (
         False  # the sender handed ``version`` out as final: a successor holds it final too
     )
-    norms: tuple[float, ...] = ()  # the merger's reference (recent accepted norms), oldest first
+    # the merger's reference (recent accepted norms, each with its sender or None), oldest first;
+    # bare norms (an older peer's, a test's) are anonymous
+    norms: tuple[HandedNorm | float, ...] = ()
     standing: tuple[tuple[bytes, ...], tuple[float, ...]] = (
         (),
         (),
@@ -91,7 +94,7 @@ def encode_state(
     merged: Mapping[bytes, int] | None = None,
     known_finite: bool = False,
     final: bool = False,
-    norms: Sequence[float] = (),
+    norms: Sequence[HandedNorm | float] = (),
     standing: tuple[tuple[bytes, ...], tuple[float, ...]] = ((), ()),
 ) -> ReplicaState:
     """An owner's state as a ``ReplicaState`` (fp32, uncompressed: a replica must hold it exactly).
@@ -117,6 +120,7 @@ def encode_state(
         else ()
     )
     recent = sorted((merged or {}).items(), key=lambda kv: kv[1], reverse=True)[:MAX_MERGED]
+    norm_history, norm_senders = on_the_wire(as_history(norms)[-MAX_NORM_HISTORY:])
     return ReplicaState(
         swarm=swarm,
         fragment=fragment,
@@ -128,7 +132,8 @@ def encode_state(
         merged_peers=tuple(k for k, _ in recent),
         merged_bases=tuple(min(v, version) for _, v in recent),
         final=final,
-        norm_history=tuple(norms)[-MAX_NORM_HISTORY:],
+        norm_history=norm_history,
+        norm_senders=norm_senders,
         standing_peers=standing[0][-MAX_STANDING:],
         standing_scores=standing[1][-MAX_STANDING:],
     )
@@ -287,7 +292,7 @@ class ReplicaStore:
             merged,
             hashed,
             msg.final,
-            msg.norm_history,
+            msg.handed_norms,  # an older sender's norms are all anonymous
             (msg.standing_peers, msg.standing_scores),
         )
         held = self.held.get(p)

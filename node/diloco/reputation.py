@@ -19,7 +19,7 @@ from node.diloco.owner_state import OwnerCounts
 from node.diloco.replica import Carried
 from protocol.diloco.merge import Decision, FragmentMerger
 from protocol.diloco.norms import norm64
-from protocol.diloco.reference import starting_reference
+from protocol.diloco.reference import HandedNorm, starting_history
 from protocol.diloco.standing import Event, Standing
 
 __all__ = ["Reputation"]
@@ -39,7 +39,11 @@ class Reputation:
 
     # --- the reference and the standing, carried to successors -----------------------------------
     def start_reference(
-        self, handed: Sequence[float], measured: Sequence[float], *, theta: torch.Tensor
+        self,
+        handed: Sequence[HandedNorm | float],
+        measured: Sequence[float],
+        *,
+        theta: torch.Tensor,
     ) -> str:
         """Start the merger's clip reference from a predecessor's (``handed``) when it is plausible
         against ``measured`` (estimates from published updates), else from ``measured``
@@ -48,7 +52,7 @@ class Reputation:
             return "this owner has merged already: its own reference stands"
         # a norm longer than the fragment itself is no honest reference (``starting_reference``)
         ceiling = norm64(theta) if handed or measured else math.inf
-        reference, why = starting_reference(handed, measured, ceiling=ceiling)
+        reference, why = starting_history(handed, measured, ceiling=ceiling)  # senders kept
         if reference:
             self.merger.seed_reference(reference)  # logged for replay when there is a log
         if handed or measured:

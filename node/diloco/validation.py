@@ -53,7 +53,9 @@ __all__ = [
     "Check",
     "Evaluator",
     "OwnerValidation",
+    "ValidationSetMismatch",
     "WindowEvaluator",
+    "check_pin",
     "recheck",
     "window_evaluator",
 ]
@@ -301,6 +303,26 @@ def recheck(record: Mapping[str, Any]) -> list[str]:
     ]
 
 
+class ValidationSetMismatch(RuntimeError):
+    """This peer's validation slice is not the one the swarm's manifest pins."""
+
+
+def check_pin(digest: str, pinned: str) -> None:
+    """Raise ``ValidationSetMismatch`` naming both hashes and what to do unless ``digest`` (this
+    peer's validation slice) is ``pinned`` (the manifest's ``validation_sha256``; "": no pin).
+
+    The peer then does not start: as an owner it would publish versions no check stands behind,
+    in a swarm whose manifest says every owner checks them on those bytes."""
+    if pinned and digest != pinned:
+        raise ValidationSetMismatch(
+            f"this peer's validation set hashes to {digest} (SHA-256), but the swarm's manifest "
+            f"pins {pinned}: validated publication would judge versions on other data. Train on "
+            "the swarm's corpus (the same --corpus and --corpus-max-bytes as its founder), or pass "
+            "--validate-windows 0 to train without validating (this peer's owned fragments are "
+            "then published unchecked, and it logs so)"
+        )
+
+
 def window_evaluator(
     model: nn.Module,
     plan: FragmentPlan,
@@ -309,11 +331,21 @@ def window_evaluator(
     *,
     block_size: int,
     windows: int,
+    pinned: str = "",
 ) -> WindowEvaluator | None:
     """The built-in workload's evaluator, or None (logged: validation is then off) when ``windows``
-    is 0 or the validation slice is too small for a pool far larger than one check."""
+    is 0 or the validation slice is too small for a pool far larger than one check. ``pinned``:
+    the SHA-256 the swarm's manifest pins the slice to (``check_pin``; "": none); raises
+    ``ValidationSetMismatch`` when ``data`` hashes otherwise."""
     if windows <= 0:
+        if pinned:
+            log.warning(
+                "validated publication is off (--validate-windows 0) in a swarm whose manifest pins "
+                "its validation set (%s): this peer's owned fragments are published unchecked",
+                pinned[:16],
+            )
         return None
+    check_pin(hashlib.sha256(data.numpy().tobytes()).hexdigest(), pinned)
     pool = data.numel() - block_size - 1
     if pool < MIN_POOL_RATIO * windows:
         log.warning(

@@ -148,6 +148,14 @@ def _add_init(cmds: Any) -> None:
     )
     init.add_argument("--out", type=Path, required=True, help="where to write the manifest")
     init.add_argument("--force", action="store_true", help="overwrite an existing manifest")
+    init.add_argument(
+        "--validation-sha256",
+        default="",
+        metavar="HEX",
+        help="pin the swarm's validation set: the SHA-256 every peer reports as "
+        "per_peer[i].validation.data_sha256 (a format-2 manifest; a peer whose set hashes "
+        "otherwise refuses to start)",
+    )
     recipe = init.add_argument_group("recipe (shared by every peer of the swarm)")
     every = argparse.ArgumentParser(add_help=False)
     add_run_arguments(every)
@@ -218,6 +226,8 @@ def _init(args: argparse.Namespace) -> int:
         admission=args.admission,
         created=time.time(),
         recipe=recipe_of(_recipe_config(args)),
+        format=2 if args.validation_sha256 else 1,
+        validation_sha256=args.validation_sha256.lower(),
     )
     save_manifest(manifest.signed(founder), args.out)
     print(manifest.swarm_id)
@@ -409,7 +419,7 @@ def _describe(m: SwarmManifest) -> dict[str, Any]:
         "founder": m.founder.hex(),
         "authorities": [{"lab": a.lab, "public_key": a.public_key.hex()} for a in m.authorities],
         "revoked": sorted(k.hex() for k in m.revoked),
-        "recipe": dict(m.recipe),
+        "recipe": dict(m.signed_recipe()),  # with the format and the validation pin (format 2)
     }
 
 

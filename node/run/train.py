@@ -351,7 +351,8 @@ def build_peer(
         validation,
         block_size=work.gcfg.block_size,
         windows=cfg.validate_windows,
-    )
+        pinned=opts.credentials.manifest.validation_sha256 if opts.credentials else "",
+    )  # a held-out slice that is not the manifest's pinned one raises
     node = _peer_node(cfg, opts, work, signer, evaluator, initial_global, resumed)
     outbox.attach(node)
     # under a launcher, which checks every version's content

@@ -30,6 +30,7 @@ import torch
 
 from node.diloco.replica import Carried, Handed
 from node.state.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from protocol.diloco.reference import HandedNorm, as_history
 from protocol.wire.messages import MAX_NORM_HISTORY, MAX_STANDING, PEER_ID_BYTES
 
 __all__ = ["OwnerCheckpoints"]
@@ -55,19 +56,30 @@ def _count(meta: dict[str, object], name: str) -> int:
 def _carried(meta: dict[str, object], path: Path) -> Carried:
     """The clip reference and standing a checkpoint holds (absent in older ones). Either that is
     malformed is refused alone, with the reason logged: the state itself is still good."""
-    norms: tuple[float, ...] = ()
+    norms: tuple[HandedNorm, ...] = ()
     peers: tuple[bytes, ...] = ()
     scores: tuple[float, ...] = ()
     raw = meta.get("norm_history", [])
+    # each norm's sender in hex ("": anonymous); absent in older checkpoints: all anonymous
+    senders = meta.get("norm_senders", [""] * len(raw) if isinstance(raw, list) else None)
     if (
         isinstance(raw, list)
         and len(raw) <= MAX_NORM_HISTORY
         and all(type(x) in (int, float) and math.isfinite(x) and x >= 0 for x in raw)
+        and isinstance(senders, list)
+        and len(senders) == len(raw)
+        and all(
+            isinstance(p, str) and re.fullmatch(f"|[0-9a-f]{{{2 * PEER_ID_BYTES}}}", p)
+            for p in senders
+        )
     ):
-        norms = tuple(float(x) for x in raw)
+        norms = tuple(
+            (bytes.fromhex(p) or None, float(x)) for p, x in zip(senders, raw, strict=True)
+        )
     else:
         log.warning(
-            "owner checkpoint %s: norm_history refused (not a list of at most %d finite norms >= 0); "
+            "owner checkpoint %s: norm_history refused (not a list of at most %d finite norms >= 0, "
+            "with as many senders); "
             "the owner measures its reference instead",
             path,
             MAX_NORM_HISTORY,
@@ -156,7 +168,8 @@ class OwnerCheckpoints:
             "version": state.version,
             "digest": state.digest.hex(),
             "merged": [[peer.hex(), base] for peer, base in state.merged.items()],
-            "norm_history": list(state.norms),
+            "norm_history": [x for _, x in as_history(state.norms)],
+            "norm_senders": [p.hex() if p else "" for p, _ in as_history(state.norms)],
             "standing": [[peer.hex(), score] for peer, score in zip(*state.standing, strict=True)],
         }
         path = self.path(state.fragment)

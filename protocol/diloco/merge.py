@@ -68,6 +68,7 @@ from protocol.diloco.merge_quorum import (
 )
 from protocol.diloco.merge_results import Decision, DecisionKind, Entry, Refusal
 from protocol.diloco.merge_weights import NormHistory, weigh
+from protocol.diloco.reference import HandedNorm, as_history
 from protocol.errors import LocalProtocolError
 
 __all__ = [
@@ -294,21 +295,25 @@ class FragmentMerger:
         """``xi_sync``: EMA of reported merge-plus-transfer times (0 with no reports)."""
         return 0.0 if self._sync_ema is None else self._sync_ema
 
-    def reference(self) -> tuple[float, ...]:
-        """The recent accepted norms the clip measures against, oldest first: what a successor
-        owner needs so that its first rounds are not judged against nothing (the replica
+    def reference(self) -> tuple[HandedNorm, ...]:
+        """The recent accepted norms the clip measures against, oldest first, each with its
+        sender (None: seeded anonymously): what a successor owner needs so that its first rounds
+        are not judged against nothing, and count each of their senders once (the replica
         handoff and the owner checkpoint carry it; ``seed_reference`` installs it)."""
-        return tuple(n for _, n in self.norms)
+        return tuple(self.norms)
 
-    def seed_reference(self, norms: Collection[float]) -> None:
+    def seed_reference(self, norms: Collection[float | HandedNorm]) -> None:
         """Start the clip's history from ``norms`` (a predecessor's ``reference``, or norms the
-        node measured), keeping the newest ``norm_history``. Raises ``LocalProtocolError`` for a
-        norm that is not finite and >= 0 (the node validates what a peer handed first)."""
-        values = [float(x) for x in norms]
-        if not all(math.isfinite(x) and x >= 0 for x in values):
+        node measured; a bare norm is anonymous), keeping the newest ``norm_history``. Raises
+        ``LocalProtocolError`` for a norm that is not finite and >= 0 or a sender that is not a
+        key id (the node validates what a peer handed first)."""
+        pairs = as_history(norms)
+        if not all(math.isfinite(x) and x >= 0 for _, x in pairs):
             raise LocalProtocolError("a seeded reference norm must be finite and >= 0")
-        # senders unknown (None): each seeded norm holds its own vote (``latest_per_sender``)
-        self.norms = latest_per_sender([(None, x) for x in values], self.config.norm_history)
+        if not all(p is None or (type(p) is bytes and p) for p, _ in pairs):
+            raise LocalProtocolError("a seeded reference norm's sender must be a key id or None")
+        # a sender's latest norm holds its vote; anonymous ones (None) one each (``latest_per_sender``)
+        self.norms = latest_per_sender(list(pairs), self.config.norm_history)
 
     # -- dispatch ----------------------------------------------------------------------------
 

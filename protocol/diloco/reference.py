@@ -15,6 +15,12 @@ and a new owner starts from
     estimate within a factor of a few, which is why it only seeds and bounds;
   * else nothing (a swarm's first round: no version was published yet).
 
+Handed norms carry their senders (``HandedNorm``: sender key id, norm), so the successor's clip
+counts a sender of its first round once, by that round's contribution, not also by the norm it
+had merged under the predecessor (``merge_weights.clip_reference``). A norm with sender None is
+anonymous: measured here, or handed by an older peer that sent norms alone; each such norm
+holds its own vote.
+
 A handed reference whose median lies more than ``factor`` times above (or below) the measured
 estimate is ignored: a hostile predecessor could hand a huge reference that lets its own next
 contribution through, or a tiny one that clips every honest sender. With nothing measured, a
@@ -27,9 +33,19 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
-__all__ = ["PLAUSIBLE_FACTOR", "starting_reference", "update_norm_estimate"]
+__all__ = [
+    "PLAUSIBLE_FACTOR",
+    "HandedNorm",
+    "as_history",
+    "on_the_wire",
+    "starting_history",
+    "starting_reference",
+    "update_norm_estimate",
+]
+
+HandedNorm = tuple[bytes | None, float]  # (sender key id, its merged whole norm); None: anonymous
 
 # a version's update norm and the median contribution norm differ by the outer step's momentum
 # (up to 1 / (1 - momentum)) and a round scaled below its quorum; beyond 10x, a reference is wrong
@@ -48,24 +64,53 @@ def update_norm_estimate(update_norm: float, versions: int, *, lr: float) -> flo
     return update_norm / versions / lr
 
 
-def starting_reference(
-    handed: Sequence[float],
+def as_history(norms: Iterable[float | HandedNorm]) -> tuple[HandedNorm, ...]:
+    """``norms`` as (sender, norm) pairs: a bare norm (an older peer's handoff or checkpoint, a
+    measured estimate) is anonymous."""
+    return tuple((n[0], float(n[1])) if isinstance(n, tuple) else (None, float(n)) for n in norms)
+
+
+def on_the_wire(
+    norms: Iterable[float | HandedNorm],
+) -> tuple[tuple[float, ...], tuple[bytes, ...]]:
+    """``ReplicaState.norm_history`` and ``norm_senders`` for ``norms`` (b"": anonymous; no
+    senders at all when every norm is anonymous, the bytes an older sender makes)."""
+    pairs = as_history(norms)
+    senders = tuple(p or b"" for p, _ in pairs)
+    return tuple(n for _, n in pairs), senders if any(senders) else ()
+
+
+def starting_history(
+    handed: Sequence[float | HandedNorm],
     measured: Sequence[float],
     *,
     factor: float = PLAUSIBLE_FACTOR,
     ceiling: float = math.inf,
-) -> tuple[tuple[float, ...], str]:
-    """The reference a new owner starts from, and why. ``handed``: a predecessor's (replica
-    handoff or checkpoint); ``measured``: estimates from ``update_norm_estimate``. Values that
-    are not finite and >= 0, or above ``ceiling``, are dropped first."""
-    given = tuple(float(x) for x in handed if math.isfinite(x) and 0 <= x <= ceiling)
-    seen = tuple(float(x) for x in measured if math.isfinite(x) and 0 < x <= ceiling)
-    if len(given) < len(handed):
-        dropped = f"{len(handed) - len(given)} of the handed norms dropped (not finite, < 0 or above {ceiling:.4g}); "
-        reference, why = starting_reference(given, seen, factor=factor)
-        return reference, dropped + why
+) -> tuple[tuple[HandedNorm, ...], str]:
+    """The reference a new owner starts from, each handed norm with its sender (bare norms and
+    measured ones anonymous), and why. ``handed``: a predecessor's (replica handoff or
+    checkpoint); ``measured``: estimates from ``update_norm_estimate``. Values that are not
+    finite and >= 0, or above ``ceiling``, are dropped first."""
+    pairs = as_history(handed)
+    given = tuple(p for p in pairs if math.isfinite(p[1]) and 0 <= p[1] <= ceiling)
+    seen = as_history(x for x in measured if math.isfinite(x) and 0 < x <= ceiling)
+    dropped = (
+        f"{len(pairs) - len(given)} of the handed norms dropped (not finite, < 0 or above "
+        f"{ceiling:.4g}); "
+        if len(given) < len(pairs)
+        else ""
+    )
+    reference, why = _choose(given, seen, factor)
+    return reference, dropped + why
+
+
+def _choose(
+    given: tuple[HandedNorm, ...], seen: tuple[HandedNorm, ...], factor: float
+) -> tuple[tuple[HandedNorm, ...], str]:
+    """The handed reference when plausible against the measured one, else the measured one."""
     if given and seen:
-        mid, own = statistics.median(given), statistics.median(seen)
+        mid = statistics.median(n for _, n in given)
+        own = statistics.median(n for _, n in seen)
         if own / factor <= mid <= own * factor:
             return (
                 given,
@@ -83,6 +128,19 @@ def starting_reference(
     if seen:
         return (
             seen,
-            f"seeded from {len(seen)} published update norms (median {statistics.median(seen):.4g})",
+            f"seeded from {len(seen)} published update norms "
+            f"(median {statistics.median(n for _, n in seen):.4g})",
         )
     return (), "no reference handed and no published update to measure"
+
+
+def starting_reference(
+    handed: Sequence[float],
+    measured: Sequence[float],
+    *,
+    factor: float = PLAUSIBLE_FACTOR,
+    ceiling: float = math.inf,
+) -> tuple[tuple[float, ...], str]:
+    """``starting_history`` without the senders: the norms a new owner starts from, and why."""
+    reference, why = starting_history(handed, measured, factor=factor, ceiling=ceiling)
+    return tuple(n for _, n in reference), why

@@ -7,6 +7,15 @@ swarm id is a hash of the founder's key and the name, so a manifest fetched from
 checked against the id alone; a manifest with a higher version, signed by the same founder, for
 the same id and recipe, supersedes the one held (that is how revocations spread).
 
+Formats. A manifest of format 1 (every swarm founded before 2026-12-06) is signed and written
+exactly as then. Format 2 adds the SHA-256 of the swarm's validation set (``validation_sha256``,
+the bytes validated publication evaluates on), so every owner checks the same data. Both new
+values travel *inside the recipe table* (``manifest_format``, ``validation_sha256``): the recipe
+is already signed, so an Atoll that reads only format 1 verifies the signature and then refuses
+the manifest with its "the swarm's recipe has fields this Atoll does not know ...; upgrade Atoll"
+(``node.dht.membership.config_from_manifest``); a reader of this module refuses a format above
+``MANIFEST_FORMAT`` with "upgrade atoll". A format-1 manifest keeps its bytes and its id.
+
 An authority (a lab) certifies a peer with a ``Certificate`` (``protocol.wire.certificates``),
 which every receiver checks against its own manifest; requests over HTTP carry the sender's
 signature in a header (``protocol.wire.request_auth``). A peer's TLS certificate uses its Atoll
@@ -37,11 +46,13 @@ __all__ = [
     "ADMISSIONS",
     "KEY_BYTES",
     "SIG_BYTES",
+    "MANIFEST_FORMAT",
     "MAX_MANIFEST_STEP",
     "Authority",
     "ManifestSigner",
     "SwarmManifest",
     "bare_origin",
+    "check_format",
     "check_name",
     "hex_key",
     "parse_public_key",
@@ -60,6 +71,11 @@ MAX_LAB = 64
 MAX_AUTHORITIES = 256
 MAX_REVOKED = 65536
 MAX_RECIPE_FIELDS = 64
+# The newest manifest format this Atoll reads (see the module docstring), and the recipe-table
+# keys that carry the format and the validation set's pin from format 2 on.
+MANIFEST_FORMAT = 2
+FORMAT_KEY, PIN_KEY = "manifest_format", "validation_sha256"
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _RECIPE_KEY = re.compile(r"[a-z][a-z0-9_]{0,39}")
 _HEX_KEY = re.compile(f"[0-9a-fA-F]{{{2 * KEY_BYTES}}}")
@@ -145,6 +161,19 @@ def check_name(name: Any, what: str, limit: int) -> str:
     return name
 
 
+def check_format(value: int) -> int:
+    """``value`` when this Atoll reads manifests of that format; ``DecodeError`` saying to
+    upgrade when it is newer (``MANIFEST_FORMAT``), or saying what is wrong when it is not one."""
+    if value > MANIFEST_FORMAT:
+        raise DecodeError(
+            f"the swarm's manifest is format {value}; this Atoll reads formats up to "
+            f"{MANIFEST_FORMAT}: upgrade atoll"
+        )
+    if value < 1:
+        raise DecodeError(f"manifest format must be 1 or more, got {value}")
+    return value
+
+
 # --- the manifest ---------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class Authority:
@@ -167,9 +196,22 @@ class SwarmManifest:
     authorities: tuple[Authority, ...] = ()
     revoked: frozenset[bytes] = field(default_factory=frozenset)
     signature: bytes = b""
+    format: int = 1  # 2: carries ``validation_sha256`` (see the module docstring)
+    validation_sha256: str = ""  # hex SHA-256 of the swarm's validation set ("": not pinned)
 
     def __post_init__(self) -> None:
         check_name(self.name, "swarm name", MAX_NAME)
+        check_format(self.format)
+        if self.validation_sha256 and not _SHA256_HEX.fullmatch(self.validation_sha256):
+            raise DecodeError(
+                f"validation_sha256 must be 64 lower-case hex digits, got {self.validation_sha256[:80]!r}"
+            )
+        if self.validation_sha256 and self.format < 2:
+            raise DecodeError("a manifest that pins its validation set is format 2 or above")
+        if any(k in (FORMAT_KEY, PIN_KEY) for k, _ in self.recipe):
+            raise DecodeError(
+                f"{FORMAT_KEY} and {PIN_KEY} are the manifest's own fields, not recipe fields"
+            )
         if len(self.founder) != KEY_BYTES:
             raise DecodeError(f"founder key must be {KEY_BYTES} bytes")
         if not 1 <= self.version < 2**63:
@@ -228,13 +270,23 @@ class SwarmManifest:
                     self.version,
                     self.admission,
                     float(self.created),
-                    [[k, v] for k, v in self.recipe],
+                    [[k, v] for k, v in self.signed_recipe()],
                     [[a.lab, a.public_key] for a in self.authorities],
                     sorted(self.revoked),
                 ],
                 use_bin_type=True,
             )
         )
+
+    def signed_recipe(self) -> tuple[tuple[str, str | int | float | bool], ...]:
+        """The recipe table as signed and written: the recipe, and from format 2 on the format
+        and the validation pin among its fields (sorted by name)."""
+        if self.format == 1:
+            return self.recipe
+        extra: list[tuple[str, str | int | float | bool]] = [(FORMAT_KEY, self.format)]
+        if self.validation_sha256:
+            extra.append((PIN_KEY, self.validation_sha256))
+        return tuple(sorted((*self.recipe, *extra), key=lambda kv: kv[0]))
 
     def signed(self, founder: ManifestSigner) -> SwarmManifest:
         """This manifest signed by ``founder``; raises ``LocalProtocolError`` for another key."""
@@ -279,6 +331,11 @@ class SwarmManifest:
             raise NotAuthorized(
                 f"manifest version {newer.version} changes the recipe ({', '.join(changed)}); "
                 "a running swarm keeps its recipe: found a new swarm instead"
+            )
+        if (newer.format, newer.validation_sha256) != (self.format, self.validation_sha256):
+            raise NotAuthorized(
+                f"manifest version {newer.version} changes the format or the validation set's "
+                "pin; a running swarm keeps both: found a new swarm instead"
             )
         if newer.created != self.created:
             raise NotAuthorized("a newer manifest must keep the swarm's creation time")
@@ -325,7 +382,7 @@ class SwarmManifest:
                 "admission": self.admission,
                 "created": float(self.created),
             },
-            "recipe": dict(self.recipe),
+            "recipe": dict(self.signed_recipe()),
             "authorities": [
                 {"lab": a.lab, "public_key": a.public_key.hex()} for a in self.authorities
             ],
@@ -364,6 +421,19 @@ class SwarmManifest:
         recipe = data.get("recipe", {})
         if not isinstance(recipe, dict):
             raise DecodeError("[recipe] must be a table")
+        recipe = dict(recipe)
+        fmt, pin = recipe.pop(FORMAT_KEY, 1), recipe.pop(PIN_KEY, "")
+        if (
+            not isinstance(fmt, int)
+            or isinstance(fmt, bool)
+            or (FORMAT_KEY in data["recipe"] and fmt < 2)
+        ):
+            raise DecodeError(
+                f"recipe.{FORMAT_KEY} must be an integer >= 2 (format 1 is written without it)"
+            )
+        check_format(fmt)
+        if not isinstance(pin, str):
+            raise DecodeError(f"recipe.{PIN_KEY} must be a string of 64 hex digits")
         authorities = data.get("authorities", [])
         if not isinstance(authorities, list) or len(authorities) > MAX_AUTHORITIES:
             raise DecodeError(f"[[authorities]] must be a list of at most {MAX_AUTHORITIES} tables")
@@ -390,6 +460,8 @@ class SwarmManifest:
             ),
             revoked=frozenset(hex_key(k, "revoked key") for k in revoked),
             signature=sig,
+            format=fmt,
+            validation_sha256=pin,
         )
         declared = swarm.get("id")
         if declared is not None and declared != manifest.swarm_id:

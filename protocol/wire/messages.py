@@ -247,7 +247,10 @@ class ReplicaState(Message):
     ``norm_history``: the merger's recent accepted norms, the reference its clip measures
     against, so a successor does not start without one; ``standing_peers``/``standing_scores``:
     the owner's standing per sender key (``protocol.diloco.standing``). Absent in older
-    senders' messages (a successor then seeds its reference from norms it measures)."""
+    senders' messages (a successor then seeds its reference from norms it measures).
+    ``norm_senders``: the key id of each ``norm_history`` norm's sender (empty bytes: unknown,
+    e.g. a measured norm), so a successor counts a sender of its first round once in its clip
+    reference; absent (older senders): every handed norm is anonymous."""
 
     swarm: str
     fragment: int
@@ -264,10 +267,18 @@ class ReplicaState(Message):
     norm_history: tuple[float, ...] = ()
     standing_peers: tuple[bytes, ...] = ()
     standing_scores: tuple[float, ...] = ()
+    norm_senders: tuple[bytes, ...] = ()
     # left out of the bytes when empty, and taken as empty when absent (older senders)
     ADDED: ClassVar[frozenset[str]] = frozenset(
-        {"norm_history", "standing_peers", "standing_scores"}
+        {"norm_history", "standing_peers", "standing_scores", "norm_senders"}
     )
+
+    @property
+    def handed_norms(self) -> tuple[tuple[bytes | None, float], ...]:
+        """``norm_history`` with each norm's sender (None: anonymous, as every norm is in an
+        older sender's message)."""
+        senders = self.norm_senders or (b"",) * len(self.norm_history)
+        return tuple((p or None, n) for p, n in zip(senders, self.norm_history, strict=True))
 
     def _check(self) -> None:
         _name(self.swarm, "ReplicaState.swarm")
@@ -287,6 +298,13 @@ class ReplicaState(Message):
             len(self.norm_history) <= MAX_NORM_HISTORY and all(x >= 0 for x in self.norm_history),
             f"ReplicaState.norm_history must hold at most {MAX_NORM_HISTORY} norms, each >= 0",
         )
+        _require(
+            not self.norm_senders or len(self.norm_senders) == len(self.norm_history),
+            "ReplicaState.norm_senders must be empty or pair up with norm_history",
+        )
+        for peer in self.norm_senders:
+            if peer:
+                _hash(peer, PEER_ID_BYTES, "ReplicaState.norm_senders")
         _require(
             len(self.standing_peers) == len(self.standing_scores) <= MAX_STANDING,
             f"ReplicaState.standing_peers and standing_scores must pair up, at most {MAX_STANDING}",

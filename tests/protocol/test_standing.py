@@ -281,3 +281,100 @@ def test_handed_norms_longer_than_the_fragment_are_dropped_even_with_nothing_mea
     ref, why = starting_reference((1e9, 1e9, 0.5), (), ceiling=10.0)
     assert ref == (0.5,) and "2 of the handed norms dropped" in why
     assert starting_reference((1e9,), (), ceiling=10.0)[0] == ()
+
+
+# --- handed norms carry their senders: a successor counts each sender once ----------------------
+H = 200
+A, B, C, X = (_key(i) for i in (0xA1, 0xB2, 0xC3, 0xEE))
+
+
+def _merged_round(merger: object, now: float, sends: list[tuple[bytes, float]]) -> object:
+    """One round of ``sends`` (sender, whole norm), closed on every expected one and published;
+    returns the merge decision."""
+    from protocol.diloco.merge import FragmentMerger
+
+    assert isinstance(merger, FragmentMerger)
+    merger.set_expected(len(sends), now=now)
+    decision = None
+    for peer, norm in sends:
+        decision = merger.on_contribution(
+            peer,
+            base_version=merger.version,
+            tokens=H * 100,
+            steps=H,
+            step_time=1.0,
+            payload=None,
+            norm=norm,
+            now=now,
+        )
+    assert decision is not None and decision.kind == "merge", decision
+    merger.on_published(merger.version + 1, sync_time=0.0, now=now)
+    return decision
+
+
+def _successor_round(handoff: object) -> dict[bytes, float]:
+    """A new owner seeded from ``handoff`` (a decoded ``ReplicaState``), its first round: X and C
+    at 10. Returns each sender's clip scale (1.0: not clipped)."""
+    from protocol.diloco.merge import FragmentMerger
+    from protocol.diloco.reference import starting_history
+    from protocol.wire.messages import ReplicaState
+
+    assert isinstance(handoff, ReplicaState)
+    successor = FragmentMerger(0, _MERGE, version=handoff.version, now=100.0)  # type: ignore[arg-type]
+    reference, _ = starting_history(handoff.handed_norms, ())
+    successor.seed_reference(reference)
+    decision = _merged_round(successor, 101.0, [(X, 10.0), (C, 10.0)])  # a second to step in
+    return {e.peer: e.clip for e in decision.entries}  # type: ignore[attr-defined]
+
+
+def _merge_config() -> object:
+    from protocol.diloco.merge import MergeConfig
+
+    return MergeConfig(
+        quorum=1, max_tokens_per_step=100, max_claimed_steps=2 * H, reference_min_steps=H // 2
+    )
+
+
+_MERGE = _merge_config()
+
+
+def test_a_sender_in_a_successors_first_round_counts_once_not_also_by_its_handed_norm() -> None:
+    """The predecessor merged A and B at norm 1, then X (clipped to 4 x 1). Its successor's first
+    round holds X and C at 10: one norm per sender is A 1, B 1, X 10, C 10, lower median 1, so
+    both are clipped to 4. Counting X also by the norm it had merged before (4: handoffs without
+    senders, as before them) makes the pool 1, 1, 4, 10, 10 and the reference 4: nothing clipped."""
+    from protocol.diloco.merge import FragmentMerger
+    from protocol.diloco.reference import on_the_wire
+    from protocol.wire import codec
+
+    predecessor = FragmentMerger(0, _MERGE, version=0, now=0.0)  # type: ignore[arg-type]
+    _merged_round(predecessor, 1.0, [(A, 1.0), (B, 1.0)])
+    _merged_round(predecessor, 2.0, [(X, 10.0)])
+    assert predecessor.reference() == ((A, 1.0), (B, 1.0), (X, 4.0))
+    norms, senders = on_the_wire(predecessor.reference())
+    assert senders == (A, B, X)
+
+    def handed(**fields: object) -> object:  # over the wire, as a successor decodes it
+        msg = _replica_state(version=predecessor.version, **fields)
+        return codec.decode(codec.encode(msg).tobytes(), max_size=1 << 20)
+
+    clips = _successor_round(handed(norm_history=norms, norm_senders=senders))
+    assert clips[X] == pytest.approx(0.4) and clips[C] == pytest.approx(0.4)
+    # an older predecessor's handoff (norms alone) still reads, its norms anonymous: X's old
+    # norm then votes beside its new one, which is what every handoff did before senders
+    older = handed(norm_history=norms)
+    assert older.handed_norms == ((None, 1.0), (None, 1.0), (None, 4.0))  # type: ignore[attr-defined]
+    assert _successor_round(older) == {X: 1.0, C: 1.0}
+
+
+def test_replica_state_norm_senders_pair_up_with_the_norms_or_are_absent() -> None:
+    from protocol.errors import DecodeError
+    from protocol.wire import codec
+
+    msg = _replica_state(norm_history=(1.0, 2.0), norm_senders=(_key(1), b""))
+    back = codec.decode(codec.encode(msg).tobytes(), max_size=1 << 20)
+    assert back == msg and back.handed_norms == ((_key(1), 1.0), (None, 2.0))  # type: ignore[attr-defined]
+    assert b"norm_senders" not in codec.encode(_replica_state(norm_history=(1.0,))).tobytes()
+    for bad in ((_key(1),), (_key(1), b"short")):
+        with pytest.raises(DecodeError):
+            _replica_state(norm_history=(1.0, 2.0), norm_senders=bad)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import email
+import hashlib
 import random
 from pathlib import Path
 
@@ -280,3 +281,82 @@ def test_without_held_fragments_the_others_are_the_islands_trained_weights() -> 
         for name in plan.fragments[1].names:
             dict(model.named_parameters())[name].add_(0.5)
     assert evaluator.losses(0, theta, range(2)) == [validate(model)] * 2
+
+
+# --- the validation set the swarm's manifest pins (format 2) ----------------------------------
+def _pinned_manifest(pin: str):  # type: ignore[no-untyped-def]
+    """A founder's format-2 manifest pinning ``pin``, as a peer reads it from its TOML."""
+    import tomli_w
+
+    from protocol.wire.membership import SwarmManifest
+
+    founder = signer(9)
+    m = SwarmManifest(
+        name="pinned",
+        founder=founder.public_key,
+        recipe=(("fragments", 2),),
+        format=2,
+        validation_sha256=pin,
+    ).signed(founder)
+    back = SwarmManifest.from_toml(tomli_w.dumps(m.to_toml_data()))
+    back.verify(expected_id=m.swarm_id)
+    return back
+
+
+async def test_a_peer_whose_validation_set_is_the_pinned_one_validates(world) -> None:  # type: ignore[no-untyped-def]
+    from node.diloco.validation import window_evaluator
+
+    model, plan, shapes, evaluator, (d1, d2) = world
+    data = evaluator.data
+    manifest = _pinned_manifest(evaluator.digest)
+    pinned = window_evaluator(
+        model,
+        plan,
+        None,
+        data,
+        block_size=evaluator.block_size,
+        windows=16,
+        pinned=manifest.validation_sha256,
+    )
+    assert pinned is not None and pinned.digest == manifest.validation_sha256
+    validation = OwnerValidation(pinned, ValidationConfig(windows=16), rng=random.Random(0))
+    owner = _owner(plan, shapes, model, FakeClock(), validation)
+    await _round(owner, shapes, [(A, d1), (B, d2)])
+    assert owner.version == 1 and owner.counts.checks == 1
+
+
+def test_a_peer_whose_validation_set_is_not_the_pinned_one_refuses_to_start(world, caplog) -> None:  # type: ignore[no-untyped-def]
+    from node.diloco.validation import ValidationSetMismatch, window_evaluator
+
+    model, plan, _, evaluator, _ = world
+    other = evaluator.data[: evaluator.data.numel() // 2].clone()  # e.g. a smaller corpus
+    theirs = hashlib.sha256(other.numpy().tobytes()).hexdigest()
+    manifest = _pinned_manifest(evaluator.digest)
+    with pytest.raises(ValidationSetMismatch) as caught:
+        window_evaluator(
+            model,
+            plan,
+            None,
+            other,
+            block_size=evaluator.block_size,
+            windows=16,
+            pinned=manifest.validation_sha256,
+        )
+    message = str(caught.value)
+    assert theirs in message and evaluator.digest in message  # both hashes
+    assert "--corpus" in message and "--validate-windows 0" in message  # what to do
+    # opting out is explicit, and said: the owned fragments are then published unchecked
+    with caplog.at_level("WARNING", logger="atoll.validation"):
+        assert (
+            window_evaluator(
+                model,
+                plan,
+                None,
+                other,
+                block_size=evaluator.block_size,
+                windows=0,
+                pinned=manifest.validation_sha256,
+            )
+            is None
+        )
+    assert "published unchecked" in caplog.text

@@ -244,6 +244,33 @@ def test_recipe_flags_are_the_recipe_fields(
 
 
 # --- mistakes ----------------------------------------------------------------------------------
+def test_init_pins_the_validation_set_in_a_format_2_manifest(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], keys: dict[str, str]
+) -> None:
+    pin = "ab" * 32
+    init(capsys, tmp_path, "--validation-sha256", pin.upper())
+    manifest = load_manifest(tmp_path / "swarm.toml")
+    assert (manifest.format, manifest.validation_sha256) == (2, pin)
+    assert "validation_sha256" not in manifest.recipe_dict  # not a field peers configure
+    assert f"validation_sha256={pin}" in ok(capsys, "swarm", "show", tmp_path / "swarm.toml")
+    init(capsys, tmp_path, "--force")  # without a pin: format 1, as before
+    assert load_manifest(tmp_path / "swarm.toml").format == 1
+    line = fails(
+        capsys,
+        "swarm",
+        "init",
+        "--name",
+        "s",
+        "--founder",
+        tmp_path / "founder.pem",
+        "--out",
+        tmp_path / "s.toml",
+        "--validation-sha256",
+        "xyz",
+    )
+    assert "64 lower-case hex digits" in line
+
+
 @pytest.mark.parametrize(
     ("flags", "says"),
     [

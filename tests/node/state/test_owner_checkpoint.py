@@ -167,7 +167,9 @@ def test_the_clip_reference_and_the_standing_come_back_and_bad_ones_are_refused_
 
     store = OwnerCheckpoints(tmp_path, SWARM, [5, 10])
     saved = dataclasses.replace(
-        _state(7), norms=(0.5, 0.25, 1.0), standing=((b"\xa1" * 32, b"\xb2" * 32), (-2.5, 0.75))
+        _state(7),
+        norms=((b"\xc3" * 32, 0.5), (None, 0.25), (b"\xd4" * 32, 1.0)),  # None: anonymous
+        standing=((b"\xa1" * 32, b"\xb2" * 32), (-2.5, 0.75)),
     )
     path = store.save(saved)
     got = OwnerCheckpoints(tmp_path, SWARM, [5, 10]).load()[1]
@@ -186,6 +188,8 @@ def test_the_clip_reference_and_the_standing_come_back_and_bad_ones_are_refused_
         {"norm_history": [1.0, -2.0]},
         {"norm_history": "x"},
         {"norm_history": [1.0] * 65},
+        {"norm_history": [1.0, 2.0], "norm_senders": ["c3" * 32]},
+        {"norm_history": [1.0], "norm_senders": ["c3" * 5]},
         {"standing": [["zz", 1.0]]},
         {"standing": [["a1" * 32]]},
         {"standing": [["a1" * 5, 1.0]]},
@@ -197,6 +201,9 @@ def test_the_clip_reference_and_the_standing_come_back_and_bad_ones_are_refused_
         got = OwnerCheckpoints(tmp_path, SWARM, [5, 10]).load()[1]  # the state is taken
         assert got.version == 7 and got.norms == () and got.standing == ((), ())
         assert "refused" in caplog.text, bad
+    save_checkpoint(path, tensors, {**base, "norm_history": [0.5, 1]})  # before norm_senders
+    got = OwnerCheckpoints(tmp_path, SWARM, [5, 10]).load()[1]
+    assert got.norms == ((None, 0.5), (None, 1.0))  # anonymous: each norm its own vote
     save_checkpoint(path, tensors, base)  # an older checkpoint
     got = OwnerCheckpoints(tmp_path, SWARM, [5, 10]).load()[1]
     assert got.norms == () and got.standing == ((), ())
