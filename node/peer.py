@@ -43,7 +43,7 @@ from node.dht.route import DHTRouter
 from node.dht.swarm import SwarmCredentials
 from node.diloco.handoffs import OwnerHandoffs
 from node.diloco.island import Island, Outgoing
-from node.diloco.learner import IslandNet
+from node.diloco.learner import IslandNet, LearnerNetConfig, Reach
 from node.diloco.owner import FragmentOwner, OwnerCounts
 from node.diloco.owning import OwnedFragments
 from node.diloco.replica import ReplicaStore
@@ -397,21 +397,25 @@ class PeerNode(SwarmPresence, OwnedFragments, OwnerHandoffs, VersionServing):
         )
         self.net = IslandNet(
             island,
-            self.transport,
             self.signer,
-            swarm=self.cfg.swarm,
-            shapes=self.shapes,
-            owner_of=self.owner_of,
-            codec=self.cfg.codec,
-            block_size=self.cfg.block_size,
-            on_unreachable=self._unreachable,
-            tamper=self.tamper,
-            created=cred.manifest.created if cred is not None else None,
-            initial=self.initial_global,
-            holdings=self.holdings,
-            url_of=self._member_url,
-            spread=self.spread,
+            LearnerNetConfig(
+                swarm=self.cfg.swarm,
+                shapes=self.shapes,
+                codec=self.cfg.codec,
+                block_size=self.cfg.block_size,
+                created=cred.manifest.created if cred is not None else None,
+                tamper=self.tamper,
+            ),
+            Reach(
+                self.transport,
+                self.owner_of,
+                url_of=self._member_url,
+                on_unreachable=self._unreachable,
+            ),
             local=self,
+            holdings=self.holdings,
+            spread=self.spread,
+            initial=self.initial_global,
         )
         for p, version in enumerate(island.versions):  # resumed: state sync fetches only newer ones
             if version > 0:
