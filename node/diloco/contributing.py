@@ -1,5 +1,9 @@
-"""Sending contributions (mixed into ``IslandNet``): compress with error feedback, seal, send,
-take the owner's Ack; and sending accepted work again when it may have been lost.
+"""Sending contributions (``ContributionSender``, held by ``IslandNet``): queue them from the
+trainer thread, compress with error feedback, seal, send, take the owner's Ack; and send accepted
+work again when it may have been lost.
+
+Contributions go out concurrently, one at a time per fragment (its residuals) and per owner (an
+owner reads one body from us at a time).
 
 An owner's Ack counts only when it is signed by the owner the contribution was sent to. Error
 feedback is committed only when the owner accepts: a refused or undelivered contribution leaves
@@ -21,26 +25,26 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Callable
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import torch
 
 from node.diloco.fetching import LocalOwners
 from node.diloco.island import Island, Outgoing
-from node.wire.transport import LinkDropped, Transport
+from node.diloco.learner_config import LearnerNetConfig, LearnerStats
+from node.diloco.reach import Reach
+from node.diloco.received import ReceivedVersions
+from node.wire.transport import LinkDropped
 from protocol.diloco.compression import compress
 from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.wire.codec import encode
 from protocol.wire.messages import Ack, Contribution
 from protocol.wire.signing import ReplayWindow, Sealed, Signer, open_sealed, seal
 
-if TYPE_CHECKING:
-    from node.diloco.learner import LearnerStats
-
-__all__ = ["RESEND_AFTER_S", "ContributionSending"]
+__all__ = ["RESEND_AFTER_S", "ContributionSender"]
 
 log = logging.getLogger("node.diloco.learner")
 
@@ -58,34 +62,83 @@ class _Accepted:
     at: float
 
 
-class ContributionSending:
-    """The contributing side of ``IslandNet`` (which provides the attributes below)."""
+class ContributionSender:
+    """Sends one island's contributions to the owners of its fragments."""
 
-    island: Island
-    transport: Transport
-    signer: Signer
-    swarm: str
-    shapes: list[list[tuple[int, ...]]]
-    owner_of: Callable[[int], tuple[bytes, str] | None]
-    codec: str
-    block_size: int
-    wall_clock: Callable[[], float]
-    tamper: Callable[[Outgoing], Outgoing] | None
-    local: LocalOwners | None
-    stats: LearnerStats
-    residuals: dict[tuple[int, int], torch.Tensor]
-    digests: list[dict[int, bytes]]
-    _replay: ReplayWindow
-    _accepted_by: dict[int, _Accepted]
-    _resent: dict[int, tuple[_Accepted, dict[tuple[int, int], torch.Tensor | None]]]
+    def __init__(
+        self,
+        cfg: LearnerNetConfig,
+        island: Island,
+        signer: Signer,
+        reach: Reach,
+        known: ReceivedVersions,
+        stats: LearnerStats,
+        *,
+        resync: Callable[[], Awaitable[int]],
+        local: LocalOwners | None = None,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        """``known``: the versions received (a contribution names its base state's digest);
+        ``resync``: has the island adopt every fragment's latest version whole (after a
+        non-finite pseudo-gradient or a base the owner does not know); ``local``: our own
+        owners, reached in process."""
+        self.cfg, self.island, self.signer, self.reach = cfg, island, signer, reach
+        self.known, self.stats, self.local = known, stats, local
+        self.resync, self.wall_clock = resync, wall_clock
+        self.residuals: dict[tuple[int, int], torch.Tensor] = {}  # error feedback, per tensor
+        self._replay = ReplayWindow()
+        self._queue: asyncio.Queue[Outgoing] = asyncio.Queue()
+        self._sending: dict[tuple[str, object], asyncio.Lock] = {}
+        try:  # built on the node's loop: submissions may queue before ``run`` starts
+            self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            self._loop = None
+        # fragment -> the contribution an owner accepted and has not merged yet: if that owner
+        # stops owning the fragment before a version above the base comes, the work is sent again
+        # at once (``owners_changed``)
+        self._accepted_by: dict[int, _Accepted] = {}
+        # fragment -> an accepted contribution sent again after silence, and the residuals after
+        # it: a "duplicate" refusal of the copy puts both back
+        self._resent: dict[int, tuple[_Accepted, dict[tuple[int, int], torch.Tensor | None]]] = {}
 
-    if TYPE_CHECKING:  # IslandNet's
+    # --- trainer thread ------------------------------------------------------------------------
+    def submit(self, out: Outgoing) -> None:
+        """Enqueue a due fragment without waiting (safe from any thread)."""
+        if self._loop is None:
+            raise RuntimeError("IslandNet.run() has not started")
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, out)
 
-        async def _request(
-            self, owner_id: bytes, method: str, url: str, **kw: Any
-        ) -> tuple[int, bytearray, int, dict[str, str]]: ...
+    # --- event loop ----------------------------------------------------------------------------
+    async def run(self) -> None:
+        """Send what is submitted, concurrently, until cancelled."""
+        self._loop = asyncio.get_running_loop()
+        async with asyncio.TaskGroup() as tg:
+            while True:
+                out = await self._queue.get()
+                tg.create_task(self._send_queued(out))
 
-        async def resync(self) -> int: ...
+    async def _send_queued(self, out: Outgoing) -> None:
+        """Send one queued contribution once no other of its fragment, nor to its owner, is on
+        its way: uploads to different owners overlap."""
+        try:
+            owner = self.reach.owner_of(out.fragment)
+            async with (
+                self._lock("fragment", out.fragment),
+                self._lock("owner", owner[0] if owner else None),
+            ):
+                await self.send(out)
+        finally:
+            self._queue.task_done()
+
+    def _lock(self, kind: str, key: object) -> asyncio.Lock:
+        lock = self._sending.get((kind, key))
+        if lock is None:
+            lock = self._sending[(kind, key)] = asyncio.Lock()
+        return lock
+
+    async def flush(self) -> None:
+        """Wait until every contribution submitted so far has been sent and answered (or failed)."""
+        await self._queue.join()
 
     async def send(self, out: Outgoing) -> None:
         """Compress, seal and send one contribution; tell the island how it went. Never raises
@@ -111,14 +164,14 @@ class ContributionSending:
 
         Raises ``LocalProtocolError`` for a non-finite pseudo-gradient (``compress`` checks)."""
         tensors, residuals, offset = [], {}, 0
-        for i, shape in enumerate(self.shapes[out.fragment]):
+        for i, shape in enumerate(self.cfg.shapes[out.fragment]):
             n = int(torch.Size(shape).numel())
             part = out.delta[offset : offset + n].view(shape)
             try:
                 enc, residual = compress(
                     part,
-                    self.codec,
-                    block_size=self.block_size,
+                    self.cfg.codec,
+                    block_size=self.cfg.block_size,
                     residual=self.residuals.get((out.fragment, i)),
                     copy=False,
                 )
@@ -126,18 +179,18 @@ class ContributionSending:
                 raise LocalProtocolError(
                     f"fragment {out.fragment}: the pseudo-gradient has NaN or Inf values ({exc})"
                 ) from exc
-            if self.codec != "none":
+            if self.cfg.codec != "none":
                 residuals[(out.fragment, i)] = residual
             tensors.append(enc)
             offset += n
-        digest = self.digests[out.fragment].get(out.base_version)
+        digest = self.known.digest(out.fragment, out.base_version)
         if digest is None:
             raise LocalProtocolError(
                 f"fragment {out.fragment}: the state of base version {out.base_version} "
                 "is not known here"
             )
         msg = Contribution(
-            swarm=self.swarm,
+            swarm=self.cfg.swarm,
             fragment=out.fragment,
             base_version=out.base_version,
             base_digest=digest,
@@ -166,12 +219,12 @@ class ContributionSending:
         return sealed, residuals
 
     async def _send(self, out: Outgoing) -> None:
-        owner = self.owner_of(out.fragment)
+        owner = self.reach.owner_of(out.fragment)
         if owner is None:
             raise RemoteProtocolError(f"no live owner for fragment {out.fragment}")
         owner_id, url = owner
-        if self.tamper is not None:
-            out = self.tamper(out)
+        if self.cfg.tamper is not None:
+            out = self.cfg.tamper(out)
         if self.local is not None and owner_id == self.signer.peer_id:
             await self._send_local(out)
             return
@@ -181,7 +234,7 @@ class ContributionSending:
             await self._skip(out, exc)
             return
         self.stats.contributions_sent += 1
-        status, buf, used, _ = await self._request(
+        async with self.reach.reply(
             owner_id,
             "POST",
             f"{url}/v1/rpc",
@@ -189,19 +242,18 @@ class ContributionSending:
             size=sealed.size,
             timeout_s=60,
             kind="Contribution",
-        )
-        try:
-            if status != 200:
-                reason = bytes(memoryview(buf)[:used]).decode(errors="replace")
+        ) as r:
+            if r.status != 200:
+                reason = bytes(r.body).decode(errors="replace")
                 self.stats.contributions_refused += 1
-                log.info("fragment %d contribution refused (%d): %s", out.fragment, status, reason)
+                log.info(
+                    "fragment %d contribution refused (%d): %s", out.fragment, r.status, reason
+                )
                 self.island.resolved(out.fragment, accepted=False)
                 return
             opened = open_sealed(
-                memoryview(buf)[:used], now=self.wall_clock(), replay=self._replay, max_size=1 << 16
+                r.body, now=self.wall_clock(), replay=self._replay, max_size=1 << 16
             )
-        finally:
-            self.transport.pool.give(buf)
         if opened.peer_id != owner_id:
             raise RemoteProtocolError(
                 f"fragment {out.fragment}: Ack signed by {opened.peer_id.hex()[:8]}, "
@@ -230,7 +282,7 @@ class ContributionSending:
         self.stats.contributions_sent += 1
         try:
             reply = await self.local.contribute_local(
-                msg, out.delta if self.codec == "none" else None
+                msg, out.delta if self.cfg.codec == "none" else None
             )
         except RemoteProtocolError as exc:
             self.stats.contributions_refused += 1
@@ -296,7 +348,7 @@ class ContributionSending:
             if self.island.in_flight[p] is None or self.island.versions[p] > base:
                 del self._accepted_by[p]  # merged (a newer version came) or already resolved
                 continue
-            now = self.owner_of(p)
+            now = self.reach.owner_of(p)
             if now is None:
                 continue
             silent = (

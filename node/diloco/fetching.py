@@ -1,5 +1,5 @@
-"""Fetching versions (mixed into ``IslandNet``): from a fragment's owner, from the holders it
-points at, or, for fragments this peer owns, from its own owner in process; as the full state or
+"""Fetching versions (``VersionFetcher``, held by ``IslandNet``): from a fragment's owner, from the
+holders it points at, or, for fragments this peer owns, from its own owner in process; as the full state or
 as the owner's update over the version held (``protocol.diloco.updates``).
 
 Everything fetched is checked as the owner's before it counts: its signature (the owner this
@@ -7,6 +7,9 @@ learner's view names, whoever sent the bytes), swarm, fragment and version, the 
 shapes and finiteness, and for an update the digest of its base and of its result. An update
 that does not apply here is not the sender's fault (``UpdateNotApplicable``): the full version is
 fetched instead.
+
+Replies come through ``Reach.keepable``, not ``Transport.reply``: a version that passes the checks
+is kept for other learners as the pooled buffer it arrived in (``Holdings.put``), not a copy.
 """
 
 from __future__ import annotations
@@ -14,13 +17,18 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
+from typing import Protocol
 
 import aiohttp
 import torch
 
 from node.diloco.flat import flat_digest, flat_from_tensors, flat_is_wire_form, new_flat
+from node.diloco.learner_config import LearnerNetConfig, LearnerStats
+from node.diloco.reach import KeptReply, Reach
+from node.diloco.received import ReceivedVersions
+from node.diloco.replica import Handed
 from node.diloco.spread import (
     FINAL_HELD_STATUS,
     POINTER_STATUS,
@@ -31,28 +39,21 @@ from node.diloco.spread import (
     parse_pointer,
     pointed_version,
 )
-from node.wire.transport import LinkDropped, Transport
+from node.wire.transport import LinkDropped
 from protocol.diloco.updates import apply_update
-from protocol.diloco.versions import version_jump_reason
 from protocol.errors import RemoteProtocolError
 from protocol.wire.messages import Ack, Contribution, FragmentState, FragmentUpdate
-from protocol.wire.signing import Signer, split_sealed
-
-if TYPE_CHECKING:
-    from node.diloco.learner import LearnerStats
-    from node.diloco.replica import Handed
+from protocol.wire.signing import split_sealed
 
 __all__ = [
-    "DIGESTS_KEPT",
     "LocalOwners",
     "UpdateNotApplicable",
-    "VersionFetching",
+    "VersionFetcher",
     "VersionRefused",
 ]
 
 log = logging.getLogger("node.diloco.learner")
 
-DIGESTS_KEPT = 8  # versions per fragment whose state digest a learner remembers
 HOLDERS_TRIED = 8  # holders asked for one version (pointers followed) before asking the owner again
 HOLDER_WAIT_S = 10.0  # how long a holder may take to have the version it was named for
 
@@ -91,58 +92,39 @@ class UpdateNotApplicable(RemoteProtocolError):
     not hash to the owner's signed digest: the full version is fetched instead."""
 
 
-class VersionFetching:
-    """The version-fetching side of ``IslandNet`` (which provides the attributes below)."""
+@dataclass(frozen=True, slots=True)
+class _Pointer:
+    """A 303: the holders an owner (or holder) pointed at, and the version it names (if any)."""
 
-    transport: Transport
-    signer: Signer
-    swarm: str
-    shapes: list[list[tuple[int, ...]]]
-    owner_of: Callable[[int], tuple[bytes, str] | None]
-    max_message: int
-    wall_clock: Callable[[], float]
-    created: float | None
-    max_rounds_per_s: float
-    holdings: Holdings | None
-    url_of: Callable[[bytes], str | None] | None
-    spread: SpreadStats
-    local: LocalOwners | None
-    stats: LearnerStats
-    received: list[int]
-    received_at: dict[int, float]
-    latest: dict[int, tuple[int, torch.Tensor]]
-    island_initial: Sequence[torch.Tensor]
-    digests: list[dict[int, bytes]]
+    holders: list[bytes]
+    version: int | None
 
-    async def _request(
-        self, owner_id: bytes, method: str, url: str, **kw: Any
-    ) -> tuple[int, bytearray, int, dict[str, str]]:
-        raise NotImplementedError
 
-    def remember(
-        self, p: int, version: int, flat: torch.Tensor, digest: bytes | None = None
+@dataclass(frozen=True, slots=True)
+class _ReplicaHeld:
+    """A 208: our replica store took the version from its owner (nothing was sent)."""
+
+
+class VersionFetcher:
+    """Fetches and checks the versions of a learner's fragments."""
+
+    def __init__(
+        self,
+        cfg: LearnerNetConfig,
+        me: bytes,
+        reach: Reach,
+        known: ReceivedVersions,
+        stats: LearnerStats,
+        *,
+        spread: SpreadStats,
+        holdings: Holdings | None = None,
+        local: LocalOwners | None = None,
     ) -> None:
-        """Keep the newest verified version of fragment ``p`` (a new owner starts from it), and
-        the digest of every version delivered (hashed here unless given)."""
-        known = self.digests[p]
-        known[version] = digest or known.get(version) or flat_digest(flat)
-        for old in sorted(known)[:-DIGESTS_KEPT]:
-            del known[old]
-        if version > self.received[p]:
-            self.received[p] = version
-            self.latest[p] = (version, flat)
-            self.received_at[p] = self.wall_clock()
-
-    def version_jump(self, p: int, version: int) -> str | None:
-        """Why fragment ``p``'s ``version`` cannot be an honest owner's (None when it can be)."""
-        return version_jump_reason(
-            version,
-            held=self.received[p],
-            held_at=self.received_at.get(p),
-            now=self.wall_clock(),
-            created=self.created,
-            max_rounds_per_s=self.max_rounds_per_s,
-        )
+        """``me``: this peer's id; ``known``: the versions received, which the checks read and
+        ``fetch`` adds digests to; ``holdings``: where fetched versions are kept for other
+        learners (None: not kept); ``local``: our own owners, reached in process."""
+        self.cfg, self.me, self.reach, self.known = cfg, me, reach, known
+        self.stats, self.spread, self.holdings, self.local = stats, spread, holdings, local
 
     async def fetch(
         self,
@@ -161,32 +143,30 @@ class VersionFetching:
         Returns None if nothing new arrived within ``wait_s``. Raises ``RemoteProtocolError``
         for a version that fails verification.
         """
-        owner = owner or self.owner_of(p)
+        owner = owner or self.reach.owner_of(p)
         if owner is None:
             await asyncio.sleep(min(wait_s, 1.0))
             return None
         owner_id, url = owner
-        if self.local is not None and owner_id == self.signer.peer_id:
+        if self.local is not None and owner_id == self.me:
             return await self._fetch_local(p, after=after, wait_s=wait_s, final=final)
         if not final and (held := await self._from_replica(p, owner_id, after)) is not None:
             return held
         kind = "final" if final else "next"
         upd = ""
-        if self._holds(p, after):
-            upd = "&update=1" + (f"&digest={self.digests[p][after].hex()}" if final else "")
+        if self.known.holds(p, after):
+            upd = "&update=1" + (f"&digest={self.known.digests[p][after].hex()}" if final else "")
         try:
             return await self._fetch(
                 p, owner_id, url, kind, after=after, wait_s=wait_s, final=final, upd=upd
             )
         except UpdateNotApplicable as exc:  # take the full version instead, at once
-            if self.received[p] > max(after, 0):
+            if self.known.received[p] > max(after, 0):
                 return None  # another fetch (the final one, a resync) moved us past it meanwhile
             self.stats.update_mismatches += 1
             log.warning("fragment %d: %s; fetching the full version", p, exc)
-            status, buf, used, _ = await self._from_owner_itself(
-                owner_id, url, p, kind, after=after
-            )
-            return await self._accept(p, owner_id, status, buf, used, after=after, final=final)
+            async with self._from_owner_itself(owner_id, url, p, kind, after=after) as r:
+                return await self._accept(p, owner_id, r, after=after, final=final)
 
     async def _fetch_local(
         self, p: int, *, after: int, wait_s: float, final: bool
@@ -197,7 +177,7 @@ class VersionFetching:
         if got is None or (got[0] <= after and not final):
             return None
         version, flat, digest = got
-        self.digests[p][version] = digest
+        self.known.know(p, version, digest)
         self.stats.versions_received += 1
         self.stats.versions_local += 1
         return version, flat
@@ -211,10 +191,10 @@ class VersionFetching:
         held = self.local.replica_version(p, owner_id) if self.local is not None else None
         # never below a version received: a resync asks for "the latest" (after -1), which a
         # store entry from the owner's earlier tenure is not
-        if held is None or held.version <= max(after, self.received[p] - 1):
+        if held is None or held.version <= max(after, self.known.received[p] - 1):
             return None
         version, flat, digest = held.version, held.theta, held.digest
-        if self.version_jump(p, version) is not None:
+        if self.known.version_jump(p, version) is not None:
             return None
         if not held.hashed and await asyncio.to_thread(flat_digest, flat) != digest:
             log.warning(
@@ -224,28 +204,10 @@ class VersionFetching:
                 version,
             )
             return None
-        self.digests[p][version] = digest
+        self.known.know(p, version, digest)
         self.stats.versions_received += 1
         self.stats.versions_replica += 1
         return version, flat
-
-    def _holds(self, p: int, version: int) -> bool:
-        """Whether we hold fragment ``p``'s ``version`` with its state digest (an update over it
-        can be applied here)."""
-        held = self._held(p)
-        return held[0] == version and version in self.digests[p]
-
-    def held_state(self, p: int) -> tuple[int, bytes, torch.Tensor] | None:
-        """The newest version of fragment ``p`` this learner holds, with its verified state
-        digest, as ``(version, digest, flat)`` (a replica here applies an owner's update handoff
-        over it); None when its digest is not known."""
-        version, flat = self._held(p)
-        digest = self.digests[p].get(version)
-        return None if digest is None else (version, digest, flat)
-
-    def _held(self, p: int) -> tuple[int, torch.Tensor]:
-        """The newest version of fragment ``p`` we hold (version 0: the initial weights)."""
-        return self.latest.get(p) or (0, self.island_initial[p])
 
     async def _fetch(
         self,
@@ -259,65 +221,90 @@ class VersionFetching:
         final: bool,
         upd: str,
     ) -> tuple[int, torch.Tensor] | None:
-        status, buf, used, headers = await self._request(
-            owner_id,
-            "GET",
-            f"{url}/v1/fragments/{p}/{kind}?after={after}&wait={wait_s}{upd}",
-            timeout_s=wait_s + 30,
-            max_reply=self.max_message,
-        )
-        if status == REPLICA_HELD_STATUS and not final:  # our replica store took it from the owner
-            self.transport.pool.give(buf)
+        """Ask the owner; follow a 208 to our replica store and a pointer to the holders."""
+        asked = f"{url}/v1/fragments/{p}/{kind}?after={after}&wait={wait_s}{upd}"
+        async with self.reach.keepable(
+            owner_id, "GET", asked, timeout_s=wait_s + 30, max_reply=self.cfg.max_message
+        ) as r:
+            answer = await self._answer(p, owner_id, r, after=after, final=final, upd=upd)
+        if isinstance(answer, _ReplicaHeld):  # our replica store took it from the owner
             held = await self._from_replica(p, owner_id, after)
             if held is not None:
                 return held
-            status, buf, used, headers = await self._from_owner_itself(
-                owner_id, url, p, kind, after=after, upd=upd
+            async with self._from_owner_itself(owner_id, url, p, kind, after=after, upd=upd) as r:
+                answer = await self._answer(
+                    p, owner_id, r, after=after, final=final, upd=upd, replica=False
+                )
+        if isinstance(answer, _Pointer):  # the owner served its share: ask the holders it names
+            return await self._follow(
+                p, owner_id, url, kind, answer, after=after, final=final, upd=upd
             )
-        if (
-            status == FINAL_HELD_STATUS and final and upd
-        ):  # the version we hold (and named) is final
-            self.transport.pool.give(buf)
+        assert not isinstance(answer, _ReplicaHeld)  # asked once only
+        return answer
+
+    async def _answer(
+        self,
+        p: int,
+        owner_id: bytes,
+        r: KeptReply,
+        *,
+        after: int,
+        final: bool,
+        upd: str,
+        replica: bool = True,
+    ) -> tuple[int, torch.Tensor] | _Pointer | _ReplicaHeld | None:
+        """An owner's reply to a fetch: the version it sent (checked), ours when it says the
+        final one is the one we hold, a pointer to holders, or (``replica``) a 208."""
+        if r.status == REPLICA_HELD_STATUS and not final and replica:
+            return _ReplicaHeld()
+        if r.status == FINAL_HELD_STATUS and final and upd:  # the version we hold is final
             self.stats.finals_held += 1
-            return self._held(p)
-        if status == POINTER_STATUS:  # the owner served its share: fetch from the holders it names
-            holders = self._pointer(buf, used)
-            pointed = pointed_version(headers)
-            if final and pointed is None:
-                raise RemoteProtocolError(
-                    f"fragment {p}: a pointer for the final version names no version"
-                )
-            got = await self._from_holders(
-                p, owner_id, pointed - 1 if final and pointed else after, holders, upd
-            )
-            if got is not None and (not final or got[0] == pointed):
-                return got
-            self.spread.fallbacks_asked += 1
-            status, buf, used, headers = await self._from_owner_itself(
-                owner_id, url, p, kind, after=after, wait_s=5 if final else 0, upd=upd
-            )
-            if status == POINTER_STATUS and not final:
-                # the owner's upload budget for this version is spent: the peers likely to hold
-                # it by now, asked for a fallback (a holder serves each requester one)
-                got = await self._from_holders(
-                    p, owner_id, after, self._pointer(buf, used), upd, fallback=True
-                )
-                if got is not None:
-                    return got
-                raise VersionRefused(
-                    f"fragment {p}: the owner's uploads of version {pointed_version(headers)} "
-                    "are spent and the peers it named did not serve it; waiting for a later one"
-                )
-        return await self._accept(p, owner_id, status, buf, used, after=after, final=final)
+            return self.known.held(p)
+        if r.status == POINTER_STATUS:
+            return _Pointer(parse_pointer(r.body), pointed_version(r.headers))
+        return await self._accept(p, owner_id, r, after=after, final=final)
 
-    def _pointer(self, buf: bytearray, used: int) -> list[bytes]:
-        """The peer ids a 303 names (its buffer goes back to the pool). Raises ``DecodeError``."""
-        try:
-            return parse_pointer(memoryview(buf)[:used])
-        finally:
-            self.transport.pool.give(buf)
+    async def _follow(
+        self,
+        p: int,
+        owner_id: bytes,
+        url: str,
+        kind: str,
+        pointer: _Pointer,
+        *,
+        after: int,
+        final: bool,
+        upd: str,
+    ) -> tuple[int, torch.Tensor] | None:
+        """Fetch from the holders an owner pointed at; failing that, ask the owner itself."""
+        pointed = pointer.version
+        if final and pointed is None:
+            raise RemoteProtocolError(
+                f"fragment {p}: a pointer for the final version names no version"
+            )
+        got = await self._from_holders(
+            p, owner_id, pointed - 1 if final and pointed else after, pointer.holders, upd
+        )
+        if got is not None and (not final or got[0] == pointed):
+            return got
+        self.spread.fallbacks_asked += 1
+        async with self._from_owner_itself(
+            owner_id, url, p, kind, after=after, wait_s=5 if final else 0, upd=upd
+        ) as r:
+            if r.status != POINTER_STATUS or final:
+                return await self._accept(p, owner_id, r, after=after, final=final)
+            # the owner's upload budget for this version is spent: the peers likely to hold it
+            # by now, asked for a fallback (a holder serves each requester one)
+            spent = _Pointer(parse_pointer(r.body), pointed_version(r.headers))
+        got = await self._from_holders(p, owner_id, after, spent.holders, upd, fallback=True)
+        if got is not None:
+            return got
+        raise VersionRefused(
+            f"fragment {p}: the owner's uploads of version {spent.version} "
+            "are spent and the peers it named did not serve it; waiting for a later one"
+        )
 
-    async def _from_owner_itself(
+    def _from_owner_itself(
         self,
         owner_id: bytes,
         url: str,
@@ -327,15 +314,15 @@ class VersionFetching:
         after: int,
         wait_s: float = 0,
         upd: str = "",
-    ) -> tuple[int, bytearray, int, dict[str, str]]:
+    ) -> AbstractAsyncContextManager[KeptReply]:
         """Ask the owner again with ``fallback=1``: it serves the version itself (once per
         requester and version), not a pointer or a 208."""
-        return await self._request(
+        return self.reach.keepable(
             owner_id,
             "GET",
             f"{url}/v1/fragments/{p}/{kind}?after={after}&wait={wait_s}&fallback=1{upd}",
             timeout_s=60,
-            max_reply=self.max_message,
+            max_reply=self.cfg.max_message,
         )
 
     async def _from_holders(
@@ -351,33 +338,31 @@ class VersionFetching:
         """Fragment ``p``'s first version above ``after`` from the holders named (and those they
         point at, in order), checked as the owner's; None when none served one. ``fallback``:
         ask each for a fallback (the owner pointed here instead of serving one)."""
-        queue, tried = collections.deque(holders), {self.signer.peer_id, owner_id}
+        queue, tried = collections.deque(holders), {self.me, owner_id}
         upd += "&fallback=1" if fallback else ""
         while queue and len(tried) < HOLDERS_TRIED + 2:
             holder = queue.popleft()
-            url = self.url_of(holder) if self.url_of is not None and holder not in tried else None
+            url = self.reach.url_of(holder) if holder not in tried else None
             tried.add(holder)
             if url is None:
                 continue
+            query = f"after={after}&wait={HOLDER_WAIT_S}&owner={owner_id.hex()}{upd}"
             try:
-                status, buf, used, _ = await self._request(
+                async with self.reach.keepable(
                     holder,
                     "GET",
-                    f"{url}/v1/fragments/{p}/held?after={after}&wait={HOLDER_WAIT_S}&owner={owner_id.hex()}{upd}",
+                    f"{url}/v1/fragments/{p}/held?{query}",
                     timeout_s=HOLDER_WAIT_S + 30,
-                    max_reply=self.max_message,
-                )
+                    max_reply=self.cfg.max_message,
+                ) as r:
+                    if r.status == POINTER_STATUS:
+                        queue.extendleft(reversed(parse_pointer(r.body)))
+                        continue
+                    got = await self._accept(p, owner_id, r, after=after, final=False)
             except (aiohttp.ClientError, LinkDropped, TimeoutError, OSError) as exc:
                 log.debug("holder %s of fragment %d failed: %r", holder.hex()[:8], p, exc)
                 continue
-            try:
-                if status == POINTER_STATUS:
-                    queue.extendleft(reversed(self._pointer(buf, used)))
-                    continue
-                got = await self._accept(p, owner_id, status, buf, used, after=after, final=False)
-            except (
-                UpdateNotApplicable
-            ) as exc:  # an update over another version: not this holder's fault
+            except UpdateNotApplicable as exc:  # an update over another version: not its fault
                 log.debug("holder %s of fragment %d: %s", holder.hex()[:8], p, exc)
                 continue
             except RemoteProtocolError as exc:
@@ -390,60 +375,40 @@ class VersionFetching:
         return None
 
     async def _accept(
-        self,
-        p: int,
-        owner_id: bytes,
-        status: int,
-        buf: bytearray,
-        used: int,
-        *,
-        after: int,
-        final: bool,
+        self, p: int, owner_id: bytes, r: KeptReply, *, after: int, final: bool
     ) -> tuple[int, torch.Tensor] | None:
         """Check a fetched version of fragment ``p`` as ``owner_id``'s (whoever sent it) and
-        decode it; keep its bytes for others. Raises ``RemoteProtocolError``."""
-        kept = False
-        try:
-            if status == UPDATE_NOT_HELD_STATUS:
-                raise UpdateNotApplicable(
-                    f"the holder has only an update over another version of fragment {p}"
-                )
-            if status == 204:
-                return None
-            if (
-                status == POINTER_STATUS
-            ):  # to a fallback: the owner's budget for the version is spent
-                raise VersionRefused(
-                    f"fragment {p}: pointed at holders where the owner was asked to serve"
-                )
-            if status == 429:
-                raise VersionRefused(
-                    f"fragment {p}: refused for now (429: {bytes(memoryview(buf)[: min(used, 300)])!r})"
-                )
-            if status != 200:
-                raise RemoteProtocolError(f"answered {status} for fragment {p}")
-            # one worker-thread hop: verify (the one hash of the payload), check, decode
-            version, flat, digest, base = await asyncio.to_thread(
-                self._open_version, memoryview(buf)[:used], p, owner_id
+        decode it; keep its bytes for others (taking the reply's buffer). Raises
+        ``RemoteProtocolError``."""
+        if r.status == UPDATE_NOT_HELD_STATUS:
+            raise UpdateNotApplicable(
+                f"the holder has only an update over another version of fragment {p}"
             )
-            if version <= after and not final:
-                raise RemoteProtocolError(
-                    f"owner sent version {version}, asked for one above {after}"
-                )
-            jump = self.version_jump(p, version)
-            if jump is not None:
-                self.stats.version_jumps += 1
-                log.warning(
-                    "fragment %d: refused a version from %s: %s", p, owner_id.hex()[:8], jump
-                )
-                raise RemoteProtocolError(f"fragment {p}: {jump}")
-            if self.holdings is not None:
-                await self.holdings.put(p, version, buf, used, owner_id, base=base)
-                kept = True
-        finally:
-            if not kept:
-                self.transport.pool.give(buf)
-        self.digests[p][version] = digest
+        if r.status == 204:
+            return None
+        if r.status == POINTER_STATUS:  # to a fallback: the owner's budget for the version is spent
+            raise VersionRefused(
+                f"fragment {p}: pointed at holders where the owner was asked to serve"
+            )
+        if r.status == 429:
+            raise VersionRefused(f"fragment {p}: refused for now (429: {bytes(r.body[:300])!r})")
+        if r.status != 200:
+            raise RemoteProtocolError(f"answered {r.status} for fragment {p}")
+        # one worker-thread hop: verify (the one hash of the payload), check, decode
+        version, flat, digest, base = await asyncio.to_thread(
+            self._open_version, r.body, p, owner_id
+        )
+        if version <= after and not final:
+            raise RemoteProtocolError(f"owner sent version {version}, asked for one above {after}")
+        jump = self.known.version_jump(p, version)
+        if jump is not None:
+            self.stats.version_jumps += 1
+            log.warning("fragment %d: refused a version from %s: %s", p, owner_id.hex()[:8], jump)
+            raise RemoteProtocolError(f"fragment {p}: {jump}")
+        if self.holdings is not None:
+            buf, used = r.take()
+            await self.holdings.put(p, version, buf, used, owner_id, base=base)
+        self.known.know(p, version, digest)
         self.stats.versions_received += 1
         self.stats.updates_applied += base is not None
         return version, flat
@@ -465,33 +430,34 @@ class VersionFetching:
         applied to the state we hold of its base, which must hash as the owner's did, and the
         result must hash to the digest the owner signed: else ``UpdateNotApplicable`` (the full
         version is fetched instead). Raises ``RemoteProtocolError``."""
-        envelope, body = split_sealed(wire, max_size=self.max_message)
+        envelope, body = split_sealed(wire, max_size=self.cfg.max_message)
         if envelope.peer_id != owner_id:
             raise RemoteProtocolError(
                 f"fragment {p} version signed by {envelope.peer_id.hex()[:8]}, not its owner"
             )
         opened = envelope.verify_body(body)
         msg = opened.message
-        if isinstance(msg, FragmentUpdate) and msg.swarm == self.swarm and msg.fragment == p:
+        swarm = self.cfg.swarm
+        if isinstance(msg, FragmentUpdate) and msg.swarm == swarm and msg.fragment == p:
             return msg.version, self._apply_update(p, msg), msg.state_digest, msg.base_version
-        if not isinstance(msg, FragmentState) or msg.swarm != self.swarm or msg.fragment != p:
+        if not isinstance(msg, FragmentState) or msg.swarm != swarm or msg.fragment != p:
             raise RemoteProtocolError(f"owner sent the wrong message for fragment {p}")
         if msg.content_hash != opened.blobs_digest:  # the blobs are the tensors: checked at no cost
             raise RemoteProtocolError(
                 f"fragment {p} version {msg.version}: its content hash is not its tensors'"
             )
         digest = msg.content_hash if flat_is_wire_form(msg.tensors) else envelope.digest
-        return msg.version, flat_from_tensors(msg.tensors, self.shapes[p]), digest, None
+        return msg.version, flat_from_tensors(msg.tensors, self.cfg.shapes[p]), digest, None
 
     def _apply_update(self, p: int, msg: FragmentUpdate) -> torch.Tensor:
-        held = self._held(p)
-        if held[0] != msg.base_version or self.digests[p].get(msg.base_version) != msg.base_digest:
+        held = self.known.held(p)
+        if held[0] != msg.base_version or self.known.digest(p, msg.base_version) != msg.base_digest:
             raise UpdateNotApplicable(
                 f"an update over version {msg.base_version} of fragment {p} does not "
                 f"apply to ours (version {held[0]})"
             )
         flat = apply_update(
-            held[1], msg.tensors, self.shapes[p], out=new_flat(held[1].numel())
+            held[1], msg.tensors, self.cfg.shapes[p], out=new_flat(held[1].numel())
         )  # DecodeError: remote
         if flat_digest(flat) != msg.state_digest:
             raise UpdateNotApplicable(

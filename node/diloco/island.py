@@ -19,9 +19,10 @@ When is a fragment due? First at its offset in the staggered schedule of
 adoption of a new version of it. Counting from adoption keeps the swarm in phase by itself:
 every learner receives version v+1 at about the same moment, so their next contributions
 reach the owner together, inside the grace window, whatever their start-up skew was. A
-refused or undelivered contribution makes the fragment due again H steps later. Compression, signing and sending happen on the network thread. The only
-synchronisation is a lock around the inbox, held for a dict swap, which the hook never waits
-for (a busy inbox is adopted a step later). The time each hook spends with the network side
+refused or undelivered contribution makes the fragment due again H steps later. Compression,
+signing and sending happen on the network thread. The only synchronisation is the ``Inbox``
+(``node.diloco.inbox``): a lock held for a dict swap, which the hook never waits for (a busy inbox
+is adopted a step later). The time each hook spends with the network side
 (taking the inbox, enqueueing due fragments — not the local tensor copies) is measured; a step
 where it exceeds max(50 ms, half a step) is reported as stalled.
 
@@ -43,13 +44,13 @@ passed): versions arriving more often than every H steps cannot keep it from shi
 moments are kept. A forced delivery (a resync after the island's own fragment went non-finite)
 overwrites θ_p whatever α and the version held, and resets the inner optimizer's state of any
 parameter of the fragment whose state is not finite. Versions act as fencing tokens: only a
-version above the one held is adopted. How arrivals are adopted (blended, overwritten, rebased,
-resynced) is ``node.diloco.adoption``.
+version above the one held is adopted. ``Island`` decides what to adopt and when, and keeps the
+books; writing a version into the parameters (blended, overwritten, rebased) is
+``node.diloco.adoption``.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
@@ -57,8 +58,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from node.diloco.adoption import IslandAdoption
+from node.diloco.adoption import Adoption
 from node.diloco.flat import new_flat
+from node.diloco.inbox import Arrival, Inbox
 from protocol.diloco.fragments import FragmentPlan, due_offset
 
 __all__ = ["Island", "IslandConfig", "IslandStats", "Outgoing"]
@@ -141,7 +143,7 @@ class IslandStats:
     )  # step times less any wait for a merge (sync)
 
 
-class Island(IslandAdoption):
+class Island:
     """Wraps a model and its inner optimizer; talks to the swarm through ``submit``/``deliver``."""
 
     def __init__(
@@ -177,10 +179,8 @@ class Island(IslandAdoption):
         n, h = len(self.params), cfg.inner_steps
         self.next_due = [due_offset(p, n, h) + 1 for p in range(n)]
         self.stats = IslandStats()
-        self._inbox: dict[int, tuple[int, torch.Tensor, bool]] = {}  # p -> (version, flat, force)
-        self._lock = threading.Lock()
-        self._arrived = threading.Condition(self._lock)  # a delivery or a refusal (wait_for_merge)
-        self._news = 0  # deliveries, refusals and resends so far (``wait_for_news``)
+        self._inbox = Inbox()  # versions arrived from the network side, not yet adopted
+        self._adoption = Adoption(self.params, optimizer)
         self._step_ema = 0.0
         self._copy_s = self._submit_s = 0.0  # per-hook timing, for the stall count
         self._last_step_at: float | None = None
@@ -211,17 +211,7 @@ class Island(IslandAdoption):
         self, arrived: dict[int, tuple[int, torch.Tensor]], *, force: bool = False
     ) -> None:
         """Several fragments at once: all are adopted after the same inner step."""
-        with self._lock:
-            for fragment, (version, flat) in arrived.items():
-                self._put(fragment, version, flat, force)
-            self._announce()
-
-    def _put(self, fragment: int, version: int, flat: torch.Tensor, force: bool) -> None:
-        held = self._inbox.get(fragment)  # the caller holds the lock
-        if held is None or held[0] < version or (force and held[0] == version):
-            self._inbox[fragment] = (version, flat, force or (held is not None and held[2]))
-        elif force:  # a newer version is already waiting: adopt that one whole
-            self._inbox[fragment] = (held[0], held[1], True)
+        self._inbox.put_many(arrived, force=force)
 
     def resolved(self, fragment: int, accepted: bool) -> None:
         """The owner answered a contribution; a refusal frees the fragment to be sent again."""
@@ -229,8 +219,7 @@ class Island(IslandAdoption):
             self.in_flight[fragment] = None
             self._shipped[fragment] = None
             self.next_due[fragment] = self.stats.step + self._h()
-            with self._arrived:
-                self._announce()
+            self._inbox.announce()
 
     def resend(self, fragment: int) -> None:
         """The owner that accepted this fragment's contribution left before merging it: send the
@@ -238,30 +227,18 @@ class Island(IslandAdoption):
         self.in_flight[fragment] = None
         self._shipped[fragment] = None
         self.next_due[fragment] = self.stats.step
-        with self._arrived:
-            self._announce()
-
-    def _announce(self) -> None:
-        self._news += 1  # the caller holds the lock
-        self._arrived.notify_all()
+        self._inbox.announce()
 
     @property
     def news(self) -> int:
         """How many deliveries, refusals and resends this island has had so far (for ``wait_for_news``)."""
-        return self._news
+        return self._inbox.news
 
     def wait_for_news(self, seen: int, timeout_s: float) -> bool:
         """Block (at most ``timeout_s``) until the island has had a delivery, a refusal or a resend
         since ``news`` read ``seen``; return whether it has. For a loop that drives the optimizer
         only when there is something to ship or adopt, instead of polling (``bench.averaging``)."""
-        deadline = time.monotonic() + timeout_s
-        with self._arrived:
-            while self._news == seen:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._arrived.wait(timeout=left)
-        return True
+        return self._inbox.wait_for_news(seen, timeout_s)
 
     def flush(self, timeout_s: float) -> int:
         """End of training: send every fragment's work that no contribution holds yet.
@@ -278,9 +255,7 @@ class Island(IslandAdoption):
         self.adopt_pending()
         flying = {p for p, sent in enumerate(self.in_flight) if sent is not None}
         shipped = self._ship_last()
-        with self._arrived:
-            while self._waiting(flying) and time.monotonic() < deadline:
-                self._arrived.wait(timeout=min(0.5, max(0.0, deadline - time.monotonic())))
+        self._inbox.wait_while(lambda: self._waiting(flying), deadline, poll_s=0.5)
         self.adopt_pending()
         shipped += self._ship_last()
         self.stats.flushed += shipped
@@ -338,9 +313,9 @@ class Island(IslandAdoption):
 
     def _waiting(self, among: Collection[int] | None = None) -> bool:
         """Some fragment (of ``among``, if given) is in flight and neither its next version nor
-        a refusal has come."""
+        a refusal has come (called by ``Inbox.wait_while``, which holds its lock)."""
         return any(
-            sent is not None and not (p in self._inbox and self._inbox[p][0] > self.versions[p])
+            sent is not None and not self._inbox.newer(p, self.versions[p])
             for p, sent in enumerate(self.in_flight)
             if among is None or p in among
         )
@@ -348,9 +323,7 @@ class Island(IslandAdoption):
     def _wait_for_merges(self) -> None:
         """Synchronous mode: block until every fragment in flight has its merged version."""
         deadline = time.monotonic() + self.cfg.wait_timeout_s
-        with self._arrived:
-            while self._waiting() and time.monotonic() < deadline:
-                self._arrived.wait(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+        self._inbox.wait_while(self._waiting, deadline, poll_s=1.0)
         self.adopt_pending()
 
     def _ship(self, p: int, *, last: bool = False) -> None:
@@ -403,6 +376,98 @@ class Island(IslandAdoption):
 
     def _flatten(self, p: int) -> torch.Tensor:
         return torch.cat([t.detach().reshape(-1) for t in self.params[p]])
+
+    # --- adopting what arrived (trainer thread) ------------------------------------------------
+    def adopt_final(self, fragment: int, version: int, flat: torch.Tensor) -> None:
+        """Adopt the owner's final version even if it is not above the one held.
+
+        At the end of a run the current owner's latest version is authoritative: after an
+        owner's crash the new owner may restart below a version some learner already held.
+        """
+        self._adopt(fragment, version, flat, rebase=False)
+
+    def adopt_pending(self, *, block: bool = True, between_steps: bool = False) -> int:
+        """Adopt whatever arrived; return how many fragments were adopted (trainer thread only).
+
+        With ``block=False`` (the hook) a busy inbox is left for the next step instead of waited on.
+        ``between_steps`` (the hook, with ``hold_until_shipped``): a fragment this island has
+        trained since it last adopted one, and not shipped yet, keeps its arrived version
+        waiting until it ships. Adopting it then would overwrite those steps' work, and restart
+        the fragment's H count: an island slower than the swarm's version rate would never ship.
+        """
+        hold = between_steps and self.cfg.hold_until_shipped
+        arrived = self._inbox.take(block=block, keep=self._unshipped if hold else None)
+        if arrived is None:
+            self.stats.deferred_adoptions += 1
+            return 0
+        for fragment, (version, flat, force) in sorted(arrived.items()):
+            if force:
+                self._resync(fragment, version, flat)
+            elif version > self.versions[fragment]:
+                if between_steps and self._ships_first(fragment):
+                    self._ship(fragment)
+                    self.stats.shipped_before_adopting += 1
+                self._adopt(fragment, version, flat)
+        return len(arrived)
+
+    def _unshipped(self, p: int, arrival: Arrival) -> bool:
+        """Whether an arrival for ``p`` waits until ``p`` ships (``hold_until_shipped``): not
+        forced, and ``p`` has trained since its last adoption with nothing in flight."""
+        return not arrival[2] and self.in_flight[p] is None and self.c_steps[p] > 0
+
+    def _ships_first(self, p: int) -> bool:
+        """Whether fragment ``p``'s work since its last adoption ships before a newer version
+        replaces it (``ship_before_adopt``): enough steps trained, and none of it in flight."""
+        least = self.cfg.ship_before_adopt
+        return least > 0 and self.in_flight[p] is None and self.c_steps[p] >= least
+
+    def _resync(self, p: int, version: int, flat: torch.Tensor) -> None:
+        """Overwrite fragment ``p`` with ``flat``; drop inner-optimizer state that is not finite."""
+        self._adoption.drop_nonfinite_state(p)
+        self._adopt(p, version, flat, alpha=0.0, rebase=False)
+        self.stats.resynced += 1
+
+    def _adopt(
+        self,
+        p: int,
+        version: int,
+        flat: torch.Tensor,
+        *,
+        alpha: float | None = None,
+        rebase: bool | None = None,
+    ) -> None:
+        t0 = time.thread_time()
+        alpha = self.cfg.adopt_alpha if alpha is None else alpha
+        shipped = self._shipped[p]
+        reference = None
+        if self.cfg.rebase if rebase is None else rebase:  # the work to keep is θ_p − reference
+            if shipped is not None:
+                reference = shipped[0]
+            elif self.c_steps[p]:
+                reference = self.global_flat[p]
+        if reference is not None and not self._adoption.rebase(p, flat, reference):
+            reference = None  # the local work is not finite: overwrite
+        if reference is None:
+            self._adoption.overwrite(p, flat, alpha)
+        self.global_flat[p] = flat.float()
+        self.versions[p] = version
+        if reference is None:
+            self.c_steps[p] = self.c_tokens[p] = 0
+        elif shipped is not None:  # the steps since it shipped stay counted (unshipped: all)
+            self.c_steps[p], self.c_tokens[p] = (
+                self.c_steps[p] - shipped[1],
+                self.c_tokens[p] - shipped[2],
+            )
+        # H counts from this adoption, which keeps the island in phase with the merge that made
+        # it, but kept work is due no later than 2H after it began: versions arriving more often
+        # than every H steps cannot starve it
+        h = self._h()
+        self.next_due[p] = self.stats.step + min(h, 2 * h - self.c_steps[p])
+        self.in_flight[p] = None
+        self._shipped[p] = None
+        self.stats.adopted += 1
+        self.adoptions[p] += 1
+        self._copy_s += time.thread_time() - t0
 
     # --- the global model this island holds ----------------------------------------------------
     def global_state(self) -> dict[str, torch.Tensor]:

@@ -49,7 +49,7 @@ from node.dht.membership import Membership
 from node.dht.route import DHTRouter
 from node.dht.swarm import SwarmCredentials
 from node.diloco.island import Island, Outgoing
-from node.diloco.learner import IslandNet
+from node.diloco.learner import IslandNet, LearnerNetConfig, Reach
 from node.diloco.owner import FragmentOwner, OwnerCounts
 from node.diloco.replica import ReplicaStore
 from node.diloco.spread import Holdings, SpreadStats
@@ -521,21 +521,25 @@ class PeerNode:
         cred, opts = self.credentials, self.options
         net = IslandNet(
             island,
-            self.transport,
             self.signer,
-            swarm=self.cfg.swarm,
-            shapes=self.shapes,
-            owner_of=self.presence.owner_of,
-            codec=self.cfg.codec,
-            block_size=self.cfg.block_size,
-            on_unreachable=self.presence.unreachable,
-            tamper=opts.tamper,
-            created=cred.manifest.created if cred is not None else None,
-            initial=opts.initial_global,
-            holdings=self.holdings,
-            url_of=self.presence.member_url,
-            spread=self.spread,
+            LearnerNetConfig(
+                swarm=self.cfg.swarm,
+                shapes=self.shapes,
+                codec=self.cfg.codec,
+                block_size=self.cfg.block_size,
+                created=cred.manifest.created if cred is not None else None,
+                tamper=opts.tamper,
+            ),
+            Reach(
+                self.transport,
+                self.presence.owner_of,
+                url_of=self.presence.member_url,
+                on_unreachable=self.presence.unreachable,
+            ),
             local=self.ownership,
+            holdings=self.holdings,
+            spread=self.spread,
+            initial=opts.initial_global,
         )
         known_at = opts.versions_known_at
         for p, version in enumerate(island.versions):

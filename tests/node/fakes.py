@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from node.diloco.owner import FragmentOwner, OwnerConfig, OwnerStart
-from node.wire.transport import LinkDropped
+from node.wire.transport import LinkDropped, Transport
 from protocol.diloco.compression import compress
 from protocol.diloco.fragments import FragmentPlan, plan_fragments
 from protocol.diloco.merge import MergeConfig
@@ -210,7 +210,7 @@ class MemoryOwnerPeer:
 
 
 class MemoryTransport:
-    """``request`` and ``pool`` of ``Transport``, routed to in-memory peers by base URL."""
+    """``request``, ``reply`` and ``pool`` of ``Transport``, routed to in-memory peers by base URL."""
 
     def __init__(self) -> None:
         self.peers: dict[str, MemoryOwnerPeer] = {}
@@ -243,3 +243,5 @@ class MemoryTransport:
         if max_reply is not None and len(reply) > max_reply:
             raise RemoteProtocolError(f"reply of {len(reply)} bytes over {max_reply}")
         return status, bytearray(reply), len(reply), {}
+
+    reply = Transport.reply  # ``request`` as a context manager, as the real one

@@ -226,10 +226,6 @@ TYPE_CHECKING_BUDGET = 16
 # fails, and so does an entry that is gone (delete its line, so that it cannot come back).
 KNOWN_MIXINS = {
     "node.dht.kademlia.DHTNode(DHTClient) subclasses node.dht.lookups.DHTClient",
-    "node.diloco.island.Island(IslandAdoption) subclasses node.diloco.adoption.IslandAdoption",
-    "node.diloco.learner.IslandNet(ContributionSending) subclasses "
-    "node.diloco.contributing.ContributionSending",
-    "node.diloco.learner.IslandNet(VersionFetching) subclasses node.diloco.fetching.VersionFetching",
     "node.run.local.LocalSwarm(SwarmChaos) subclasses node.run.local_chaos.SwarmChaos",
 }
 

@@ -15,7 +15,7 @@ import torch
 
 from node.diloco.flat import flat_digest
 from node.diloco.island import Island, IslandConfig, Outgoing
-from node.diloco.learner import IslandNet
+from node.diloco.learner import IslandNet, LearnerNetConfig, Reach
 from node.diloco.owner import FragmentOwner
 from protocol.errors import RemoteProtocolError
 from tests.node.fakes import (
@@ -68,12 +68,9 @@ class Rig:
         self.transport.add(OWNER_URL, self.peer)
         self.net = IslandNet(
             self.island,
-            self.transport,
             self.me,
-            swarm=SWARM,  # type: ignore[arg-type]
-            shapes=self.shapes,
-            owner_of=lambda p: (self.owner_key.peer_id, OWNER_URL),
-            codec=codec,
+            LearnerNetConfig(swarm=SWARM, shapes=self.shapes, codec=codec),
+            Reach(self.transport, owner_of=lambda p: (self.owner_key.peer_id, OWNER_URL)),
         )
 
     def step(self) -> None:
@@ -110,7 +107,7 @@ async def test_accepted_contribution_is_merged_and_delivered() -> None:
     await rig.owners[0].set_expected(1)
     before = rig.owners[0].theta.clone()
     out = rig.outgoing(0, _delta(before.numel()))
-    await rig.net.send(out)
+    await rig.net.sender.send(out)
     assert rig.net.stats.contributions_accepted == 1 and rig.owners[0].version == 1
     assert rig.island.in_flight[0] is not None  # accepted: in flight until the new version comes
     assert (0, 0) in rig.net.residuals  # the quantisation error is kept for the next contribution
@@ -128,11 +125,15 @@ async def test_accepted_contribution_is_merged_and_delivered() -> None:
 async def test_a_refused_contribution_frees_the_fragment_and_keeps_the_residual() -> None:
     rig = Rig()
     n = rig.owners[0].theta.numel()
-    await rig.net.send(rig.outgoing(0, _delta(n)))  # accepted; owner waits for more (grace window)
+    await rig.net.sender.send(
+        rig.outgoing(0, _delta(n))
+    )  # accepted; owner waits for more (grace window)
     kept = {k: v.clone() for k, v in rig.net.residuals.items()}
     for _ in range(3):
         rig.step()
-    await rig.net.send(rig.outgoing(0, _delta(n) * 2))  # a duplicate for the same round: refused
+    await rig.net.sender.send(
+        rig.outgoing(0, _delta(n) * 2)
+    )  # a duplicate for the same round: refused
     assert rig.net.stats.contributions_refused == 1
     assert rig.island.in_flight[0] is None  # freed: due again H steps later
     assert rig.island.next_due[0] == rig.island.stats.step + H
@@ -146,13 +147,13 @@ async def test_an_undelivered_contribution_keeps_the_residual() -> None:
     rig = Rig()
     await rig.owners[0].set_expected(1)
     n = rig.owners[0].theta.numel()
-    await rig.net.send(rig.outgoing(0, _delta(n)))
+    await rig.net.sender.send(rig.outgoing(0, _delta(n)))
     kept = {k: v.clone() for k, v in rig.net.residuals.items()}
     got = await rig.net.fetch(0, after=0, wait_s=0.0)  # version 1, the base of the next one
     assert got is not None
     rig.net.remember(0, *got)
     rig.transport.down.add(OWNER_URL)
-    await rig.net.send(rig.outgoing(0, _delta(n) * 3, base_version=1))
+    await rig.net.sender.send(rig.outgoing(0, _delta(n) * 3, base_version=1))
     assert rig.net.stats.send_failures == 1 and rig.island.in_flight[0] is None
     assert all(torch.equal(rig.net.residuals[k], kept[k]) for k in kept)
 
@@ -160,14 +161,14 @@ async def test_an_undelivered_contribution_keeps_the_residual() -> None:
 async def test_an_ack_signed_by_another_key_does_not_count() -> None:
     rig = Rig()
     rig.peer.ack_signer = signer(66)  # someone between us and the owner answers for it
-    await rig.net.send(rig.outgoing(0, _delta(rig.owners[0].theta.numel())))
+    await rig.net.sender.send(rig.outgoing(0, _delta(rig.owners[0].theta.numel())))
     assert rig.net.stats.contributions_accepted == 0 and rig.net.stats.send_failures == 1
     assert rig.island.in_flight[0] is None and rig.net.residuals == {}
 
 
 async def test_a_non_member_is_refused_and_the_fragment_freed() -> None:
     rig = Rig(member=False)
-    await rig.net.send(rig.outgoing(0, _delta(rig.owners[0].theta.numel())))
+    await rig.net.sender.send(rig.outgoing(0, _delta(rig.owners[0].theta.numel())))
     assert rig.net.stats.contributions_refused == 1 and rig.island.in_flight[0] is None
     assert rig.owners[0].merger.count == 0
 
@@ -175,7 +176,7 @@ async def test_a_non_member_is_refused_and_the_fragment_freed() -> None:
 async def test_a_non_finite_pseudo_gradient_is_skipped_and_the_island_resynced() -> None:
     rig = Rig()
     await rig.owners[0].set_expected(1)
-    await rig.net.send(
+    await rig.net.sender.send(
         rig.outgoing(0, _delta(rig.owners[0].theta.numel()))
     )  # the owner is at version 1
     rig.step()
@@ -186,7 +187,7 @@ async def test_a_non_finite_pseudo_gradient_is_skipped_and_the_island_resynced()
     out = rig.outgoing(0, base_version=0)
     assert not torch.isfinite(out.delta).all()
     sent_before = rig.peer.requests
-    await rig.net.send(out)  # must not raise: the node keeps running
+    await rig.net.sender.send(out)  # must not raise: the node keeps running
     assert rig.net.stats.skipped_nonfinite == 1 and rig.net.stats.resyncs == 1
     assert (
         rig.owners[0].merger.count == 0 and rig.owners[0].version == 1
@@ -206,7 +207,7 @@ async def test_a_non_finite_pseudo_gradient_is_skipped_and_the_island_resynced()
 async def test_fetch_checks_signer_version_and_fragment() -> None:
     rig = Rig()
     await rig.owners[1].set_expected(1)
-    await rig.net.send(rig.outgoing(1, _delta(rig.owners[1].theta.numel())))
+    await rig.net.sender.send(rig.outgoing(1, _delta(rig.owners[1].theta.numel())))
     assert (await rig.net.fetch(1, after=0, wait_s=0.0)) is not None
     assert await rig.net.fetch(1, after=1, wait_s=0.0) is None  # nothing newer: 204
     impostor = signer(99).peer_id  # the version is not signed by the peer we take for the owner
@@ -236,13 +237,10 @@ async def test_a_version_jump_is_refused_with_a_reason() -> None:
     created = rig.clock() - 10.0  # ten seconds at most 100 merges a second: at most version 1001
     net = IslandNet(
         rig.island,
-        rig.transport,
         rig.me,
-        swarm=SWARM,  # type: ignore[arg-type]
-        shapes=rig.shapes,
-        owner_of=lambda p: (rig.owner_key.peer_id, OWNER_URL),
+        LearnerNetConfig(swarm=SWARM, shapes=rig.shapes, created=created),
+        Reach(rig.transport, owner_of=lambda p: (rig.owner_key.peer_id, OWNER_URL)),
         wall_clock=rig.clock,
-        created=created,
     )
 
     def serve(version: int) -> None:
@@ -319,9 +317,9 @@ async def test_work_accepted_by_an_owner_that_left_is_sent_again_at_once_with_it
     rig = Rig()
     owner_id = rig.owner_key.peer_id
     current = {"id": owner_id}
-    rig.net.owner_of = lambda p: (current["id"], OWNER_URL)
+    rig.net.sender.reach.owner_of = lambda p: (current["id"], OWNER_URL)
     n = rig.owners[0].theta.numel()
-    await rig.net.send(rig.outgoing(0, _delta(n)))  # accepted; the owner waits for more
+    await rig.net.sender.send(rig.outgoing(0, _delta(n)))  # accepted; the owner waits for more
     assert rig.net.stats.contributions_accepted == 1 and rig.island.in_flight[0] is not None
     assert rig.net.residuals  # the send's quantisation error
     assert rig.net.owners_changed() == 0  # the same owner: nothing to do
@@ -357,8 +355,8 @@ def _waiting_owner(rig: Rig) -> FragmentOwner:
 def _age(rig: Rig, p: int, seconds: float) -> None:
     """Move the Ack of fragment ``p``'s contribution ``seconds`` into the past (the envelopes'
     wall clock stays real: owners refuse timestamps far from their own)."""
-    accepted = rig.net._accepted_by[p]
-    rig.net._accepted_by[p] = dataclasses.replace(accepted, at=accepted.at - seconds)
+    accepted = rig.net.sender._accepted_by[p]
+    rig.net.sender._accepted_by[p] = dataclasses.replace(accepted, at=accepted.at - seconds)
 
 
 async def test_sync_work_a_restarted_owner_never_saw_is_sent_again_after_silence() -> None:
@@ -370,7 +368,7 @@ async def test_sync_work_a_restarted_owner_never_saw_is_sent_again_after_silence
 
     rig = _sync_rig()
     n = rig.owners[0].theta.numel()
-    await rig.net.send(rig.outgoing(0, _delta(n)))  # accepted; the owner waits for more
+    await rig.net.sender.send(rig.outgoing(0, _delta(n)))  # accepted; the owner waits for more
     assert rig.net.stats.contributions_accepted == 1
     assert rig.owners[0].version == 0  # not merged
     rig.owners[0] = _waiting_owner(rig)  # fenced off and owning again: a new, empty instance
@@ -380,7 +378,7 @@ async def test_sync_work_a_restarted_owner_never_saw_is_sent_again_after_silence
     assert rig.net.owners_changed() == 1 and rig.net.stats.resent_after_silence == 1
     assert rig.island.in_flight[0] is None and rig.island.next_due[0] == rig.island.stats.step
     assert not any(k[0] == 0 for k in rig.net.residuals)  # back to before the first send
-    await rig.net.send(rig.outgoing(0, _delta(n)))
+    await rig.net.sender.send(rig.outgoing(0, _delta(n)))
     assert rig.net.stats.contributions_accepted == 2  # the new instance has it now
 
 
@@ -389,11 +387,11 @@ async def test_a_copy_the_owner_still_holds_is_refused_as_duplicate_and_changes_
 
     rig = _sync_rig()
     n = rig.owners[0].theta.numel()
-    await rig.net.send(rig.outgoing(0, _delta(n)))  # accepted; the owner waits for more
+    await rig.net.sender.send(rig.outgoing(0, _delta(n)))  # accepted; the owner waits for more
     after_first = {k: v.clone() for k, v in rig.net.residuals.items()}
     _age(rig, 0, RESEND_AFTER_S + 1.0)
     assert rig.net.owners_changed() == 1
-    await rig.net.send(rig.outgoing(0, _delta(n)))  # the same owner instance: "duplicate"
+    await rig.net.sender.send(rig.outgoing(0, _delta(n)))  # the same owner instance: "duplicate"
     assert rig.owners[0].version == 0
     assert rig.net.stats.contributions_accepted == 1 and rig.net.stats.contributions_refused == 0
     assert rig.island.in_flight[0] is not None  # still waiting for the merge that holds the first
@@ -407,7 +405,7 @@ async def test_a_decoupled_island_does_not_resend_after_silence() -> None:
     from node.diloco.learner import RESEND_AFTER_S
 
     rig = Rig()
-    await rig.net.send(rig.outgoing(0, _delta(rig.owners[0].theta.numel())))
+    await rig.net.sender.send(rig.outgoing(0, _delta(rig.owners[0].theta.numel())))
     _age(rig, 0, 10 * RESEND_AFTER_S)
     assert rig.net.owners_changed() == 0 and rig.net.stats.resent_after_silence == 0
 
@@ -415,9 +413,11 @@ async def test_a_decoupled_island_does_not_resend_after_silence() -> None:
 async def test_work_already_merged_is_not_sent_again_when_the_owner_changes() -> None:
     rig = Rig()
     current = {"id": rig.owner_key.peer_id}
-    rig.net.owner_of = lambda p: (current["id"], OWNER_URL)
+    rig.net.sender.reach.owner_of = lambda p: (current["id"], OWNER_URL)
     await rig.owners[0].set_expected(1)
-    await rig.net.send(rig.outgoing(0, _delta(rig.owners[0].theta.numel())))  # accepted and merged
+    await rig.net.sender.send(
+        rig.outgoing(0, _delta(rig.owners[0].theta.numel()))
+    )  # accepted and merged
     got = await rig.net.fetch(0, after=0, wait_s=0.0)
     assert got is not None
     rig.island.deliver(0, *got)
@@ -434,15 +434,15 @@ async def test_a_version_is_named_by_the_digest_its_owner_signed_and_work_on_it_
     rig = Rig(codec="none")
     owner = rig.owners[0]
     await owner.set_expected(1)
-    await rig.net.send(rig.outgoing(0, _delta(owner.theta.numel())))
+    await rig.net.sender.send(rig.outgoing(0, _delta(owner.theta.numel())))
     assert owner.version == 1 and not rig.net.residuals
     got = await rig.net.fetch(0, after=0, wait_s=0.0)
     assert got is not None and got[0] == 1 and torch.equal(got[1], owner.theta)
-    assert rig.net.digests[0][1] == owner.digest_of(1) == flat_digest(owner.theta)
+    assert rig.net.known.digests[0][1] == owner.digest_of(1) == flat_digest(owner.theta)
     assert owner.latest.digest in owner.digests[1]
     rig.island.deliver(0, *got)
     rig.step()
-    await rig.net.send(rig.outgoing(0, _delta(owner.theta.numel()), base_version=1))
+    await rig.net.sender.send(rig.outgoing(0, _delta(owner.theta.numel()), base_version=1))
     assert rig.net.stats.contributions_accepted == 2 and rig.net.stats.base_mismatches == 0
     assert owner.version == 2
 
@@ -460,7 +460,7 @@ async def test_uploads_to_different_owners_overlap() -> None:
             return await super().handle(method, path, query, body)
 
     rig.transport.add(slow_url, SlowPeer(slow_key, rig.owners, members={rig.me.peer_id}))
-    rig.net.owner_of = lambda p: (
+    rig.net.sender.reach.owner_of = lambda p: (
         (rig.owner_key.peer_id, OWNER_URL) if p == 0 else (slow_key.peer_id, slow_url)
     )
     running = asyncio.create_task(rig.net.run())

@@ -14,7 +14,7 @@ import torch
 
 from node.diloco.fetching import VersionRefused
 from node.diloco.island import Island, IslandConfig
-from node.diloco.learner import IslandNet
+from node.diloco.learner import IslandNet, LearnerNetConfig, Reach
 from node.diloco.spread import (
     POINTER_STATUS,
     VERSION_HEADER,
@@ -111,13 +111,14 @@ class Rig:
         self.holdings = Holdings(len(plan.fragments), self.transport.pool, fanout=2)  # type: ignore[arg-type]
         self.net = IslandNet(
             island,
-            self.transport,
             ME,
-            swarm=SWARM,
-            shapes=self.shapes,  # type: ignore[arg-type]
-            owner_of=lambda p: (OWNER.peer_id, URLS[OWNER.peer_id]),
+            LearnerNetConfig(swarm=SWARM, shapes=self.shapes),
+            Reach(
+                self.transport,
+                owner_of=lambda p: (OWNER.peer_id, URLS[OWNER.peer_id]),
+                url_of=URLS.get,
+            ),
             holdings=self.holdings,
-            url_of=URLS.get,
         )
 
     def forged(self) -> bytes:

@@ -13,7 +13,7 @@ import torch
 from node.diloco import fetching
 from node.diloco.flat import flat_digest
 from node.diloco.island import Island, IslandConfig, Outgoing
-from node.diloco.learner import IslandNet
+from node.diloco.learner import IslandNet, LearnerNetConfig, Reach
 from node.diloco.owner import FragmentOwner
 from node.diloco.replica import BaseNotHeld, Handed, ReplicaStore
 from protocol.errors import DecodeError
@@ -78,12 +78,9 @@ class Rig:
             self.nets.append(
                 IslandNet(
                     island,
-                    self.transport,
                     key,
-                    swarm=SWARM,  # type: ignore[arg-type]
-                    shapes=self.shapes,
-                    owner_of=lambda p: (self.owner_key.peer_id, OWNER_URL),
-                    codec="int8",
+                    LearnerNetConfig(swarm=SWARM, shapes=self.shapes, codec="int8"),
+                    Reach(self.transport, owner_of=lambda p: (self.owner_key.peer_id, OWNER_URL)),
                 )
             )
 
@@ -107,7 +104,7 @@ class Rig:
         g = torch.Generator().manual_seed(owner.version)
         delta = 0.01 * torch.randn(owner.theta.numel(), generator=g)
         net.island.in_flight[p] = net.island.stats.step
-        await net.send(
+        await net.sender.send(
             Outgoing(
                 fragment=p,
                 base_version=version,
@@ -135,7 +132,7 @@ async def test_a_learner_applies_each_update_and_holds_the_owners_state_bit_for_
         await rig.merge()
         got = await rig.fetch()
         assert got[0] == version and torch.equal(got[1], owner.theta)
-        assert net.digests[0][version] == owner.digest_of(version) == flat_digest(got[1])
+        assert net.known.digests[0][version] == owner.digest_of(version) == flat_digest(got[1])
     assert net.stats.updates_applied == 5 and net.stats.update_mismatches == 0
     # what came down is the update: about a quarter of the full fp32 version (int8 + scales)
     assert owner.update is not None
@@ -186,7 +183,7 @@ async def test_a_learner_whose_state_differs_from_the_owners_takes_the_full_vers
     wrong = flat.clone()
     wrong[0] += 1.0
     net.latest[0] = (version, wrong)
-    net.digests[0][version] = flat_digest(wrong)
+    net.known.digests[0][version] = flat_digest(wrong)
     got = await rig.fetch()
     assert torch.equal(got[1], owner.theta) and net.stats.update_mismatches == 1
 
@@ -312,12 +309,9 @@ async def test_a_peer_reaches_the_fragments_it_owns_in_process() -> None:
     me = rig.owner_key
     net = IslandNet(
         rig.nets[0].island,
-        rig.transport,
         me,
-        swarm=SWARM,  # type: ignore[arg-type]
-        shapes=rig.shapes,
-        owner_of=lambda p: (me.peer_id, OWNER_URL),
-        codec="int8",
+        LearnerNetConfig(swarm=SWARM, shapes=rig.shapes, codec="int8"),
+        Reach(rig.transport, owner_of=lambda p: (me.peer_id, OWNER_URL)),
         local=OwnOwners(rig.owners, me.peer_id),
     )
     rig.nets[0] = net
@@ -356,12 +350,9 @@ async def test_the_replicas_learner_takes_the_version_from_its_store_not_the_wir
     rig = Rig()
     net = IslandNet(
         rig.nets[0].island,
-        rig.transport,
         rig.keys[0],
-        swarm=SWARM,  # type: ignore[arg-type]
-        shapes=rig.shapes,
-        owner_of=lambda p: (rig.owner_key.peer_id, OWNER_URL),
-        codec="int8",
+        LearnerNetConfig(swarm=SWARM, shapes=rig.shapes, codec="int8"),
+        Reach(rig.transport, owner_of=lambda p: (rig.owner_key.peer_id, OWNER_URL)),
         local=ReplicaOnly(rig.store),
     )
     rig.nets[0] = net
@@ -375,7 +366,9 @@ async def test_the_replicas_learner_takes_the_version_from_its_store_not_the_wir
             and got[1] is rig.store.states[0].theta
             and torch.equal(got[1], owner.theta)
         )
-        assert rig.peer.requests == before and net.digests[0][version] == owner.digest_of(version)
+        assert rig.peer.requests == before and net.known.digests[0][version] == owner.digest_of(
+            version
+        )
     assert net.stats.versions_replica == 2 and net.stats.base_mismatches == 0 and owner.version == 2
     # handed over by a peer that is not the owner this learner's view names: not taken
     await rig.merge()
@@ -401,12 +394,9 @@ async def test_a_resync_never_takes_a_replica_state_older_than_the_version_recei
     rig = Rig()
     net = IslandNet(
         rig.nets[0].island,
-        rig.transport,
         rig.keys[0],
-        swarm=SWARM,  # type: ignore[arg-type]
-        shapes=rig.shapes,
-        owner_of=lambda p: (rig.owner_key.peer_id, OWNER_URL),
-        codec="int8",
+        LearnerNetConfig(swarm=SWARM, shapes=rig.shapes, codec="int8"),
+        Reach(rig.transport, owner_of=lambda p: (rig.owner_key.peer_id, OWNER_URL)),
         local=ReplicaOnly(rig.store),
     )
     rig.nets[0] = net
@@ -430,12 +420,9 @@ async def test_a_replica_state_known_to_hash_to_its_digest_is_not_hashed_again(m
     rig = Rig()
     net = IslandNet(
         rig.nets[0].island,
-        rig.transport,
         rig.keys[0],
-        swarm=SWARM,  # type: ignore[arg-type]
-        shapes=rig.shapes,
-        owner_of=lambda p: (rig.owner_key.peer_id, OWNER_URL),
-        codec="int8",
+        LearnerNetConfig(swarm=SWARM, shapes=rig.shapes, codec="int8"),
+        Reach(rig.transport, owner_of=lambda p: (rig.owner_key.peer_id, OWNER_URL)),
         local=ReplicaOnly(rig.store),
     )
     rig.nets[0] = net
