@@ -197,15 +197,12 @@ class SwarmCredentials:
         """Fetch a member's manifest and adopt it if newer; False (logged) on any failure (a
         parse already running included: a later membership pass tries again)."""
         try:
-            status, buf, used, _ = await transport.request(
+            async with transport.reply(
                 "GET", url.rstrip("/") + MANIFEST_PATH, timeout_s=10, max_reply=MAX_MANIFEST_BYTES
-            )
-            try:
-                body = bytes(memoryview(buf)[:used])
-            finally:
-                transport.pool.give(buf)
-            if status != 200:
-                raise DecodeError(f"answered {status}")
+            ) as r:
+                if r.status != 200:
+                    raise DecodeError(f"answered {r.status}")
+                body = bytes(r.body)
             return await self.offer(body)
         except Exception as exc:  # a member that cannot hand it over: another will
             log.info("no newer manifest from %s: %r", url, exc)

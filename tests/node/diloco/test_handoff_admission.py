@@ -7,10 +7,12 @@ any "fenced" answer stopped it too."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
 import types
+from collections.abc import AsyncIterator
 
 import pytest
 import torch
@@ -21,6 +23,7 @@ from node.diloco.flat import flat_digest
 from node.diloco.handoffs import _FencedBy
 from node.diloco.replica import NOT_A_MEMBER, NotAMemberThere, encode_state, hand_over
 from node.peer import PeerNode
+from node.wire.transport import Reply
 from protocol.diloco.replica import PREDECESSOR_LEAD
 from protocol.errors import RemoteProtocolError
 from protocol.wire.codec import encode
@@ -167,6 +170,10 @@ class _Answering:
 
     async def request(self, *a: object, **kw: object) -> tuple[int, bytearray, int, dict[str, str]]:
         return self.status, bytearray(self.body), len(self.body), {}
+
+    @contextlib.asynccontextmanager
+    async def reply(self, *a: object, **kw: object) -> AsyncIterator[Reply]:
+        yield Reply(self.status, memoryview(self.body), {})
 
 
 def _state() -> ReplicaState:
