@@ -47,13 +47,26 @@ from node.run.chaos import ChaosSpec
 from node.run.local_chaos import ChaosDriver, run_accounting
 from node.run.local_peers import PeerProcess, Timeline, last_error
 
-__all__ = ["ENDLESS_STEPS", "LocalSwarm", "PeerProcess", "last_error"]
+__all__ = ["ENDLESS_STEPS", "LaunchPlan", "LocalSwarm", "PeerProcess", "last_error"]
 
 ENDLESS_STEPS = 10**9  # --duration: peers step until --until stops them
 FINISH_GRACE_S = 300.0  # --duration: how long after it the peers may take to agree on a final model
 STARTUP_S_PER_PEER = 4.0  # start-up deadline: 120 s plus this per peer
 
 log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class LaunchPlan:
+    """What a local run does besides training ``cfg``: the swarm's admission, extra flags per
+    peer (attackers), fault injection (peer index -> inner step to SIGKILL it at), the chaos
+    schedule, and a wall-clock duration (None: ``cfg.steps``)."""
+
+    admission: str = "open"
+    extra_peer_args: dict[int, list[str]] = dataclasses.field(default_factory=dict)
+    kill_at: dict[int, int] = dataclasses.field(default_factory=dict)
+    chaos: ChaosSpec | None = None
+    duration_s: float | None = None
 
 
 class LocalSwarm:
@@ -64,20 +77,17 @@ class LocalSwarm:
         self,
         cfg: RunConfig,
         run_dir: Path,
+        plan: LaunchPlan | None = None,
         *,
-        extra_peer_args: dict[int, list[str]] | None = None,
         quiet: bool = False,
         startup_timeout_s: float | None = None,
         run_timeout_s: float | None = None,
-        kill_at: dict[int, int] | None = None,
-        admission: str = "open",
-        chaos: ChaosSpec | None = None,
-        duration_s: float | None = None,
     ) -> None:
+        plan = plan or LaunchPlan()
         self.cfg = cfg
-        self.admission = admission
+        self.admission = plan.admission
         self.run_dir = run_dir
-        self.extra = extra_peer_args or {}
+        self.extra = plan.extra_peer_args
         self.quiet = quiet
         # every peer imports torch and builds its model at once: on a small machine start-up
         # takes longer the more peers share it (32 peers on 2 cores: ~2 min)
@@ -88,9 +98,7 @@ class LocalSwarm:
         )
         self.run_timeout_s = run_timeout_s
         self.peers: list[PeerProcess] = []
-        self.kill_at = dict(
-            kill_at or {}
-        )  # fault injection: peer index -> inner step to SIGKILL it at
+        self.kill_at = dict(plan.kill_at)  # fault injection: peer index -> step to SIGKILL it at
         self.killed: list[int] = []
         self.published: list[
             tuple[int, int, str, int]
@@ -102,10 +110,11 @@ class LocalSwarm:
         self.listening = asyncio.Event()  # every peer has bound its address
         self.t0 = time.time()
         # the same moment on the monotonic clock starts the timeline
-        self.timeline = Timeline(t0_mono=time.monotonic(), duration_s=duration_s)
-        self.chaos = chaos
-        self.duration_s = duration_s
-        self.chaos_driver = ChaosDriver(chaos, self, self.timeline) if chaos is not None else None
+        self.timeline = Timeline(t0_mono=time.monotonic(), duration_s=plan.duration_s)
+        self.chaos, self.duration_s = plan.chaos, plan.duration_s
+        self.chaos_driver = (
+            ChaosDriver(plan.chaos, self, self.timeline) if plan.chaos is not None else None
+        )
         self.incarnations: list[PeerProcess] = []  # every process started, restarts included
 
     def accounting(self, results: list[dict[str, Any]]) -> dict[str, Any]:
