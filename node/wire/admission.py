@@ -31,12 +31,13 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import urlsplit
 
 from aiohttp import web
 
 from node.wire.tls import origin
+from node.wire.transport import Transport
 from protocol.errors import RemoteProtocolError
 from protocol.ids import peer_id_from_public_key
 from protocol.wire.certificates import CERT_HEADER
@@ -50,9 +51,6 @@ from protocol.wire.request_checks import (
     RequestHead,
 )
 from protocol.wire.request_checks import unbound_ok as _unbound_ok
-
-if TYPE_CHECKING:
-    from node.wire.transport import Transport
 
 __all__ = [
     "ADMITTED",

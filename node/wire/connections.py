@@ -33,14 +33,11 @@ import ssl
 import struct
 from collections import Counter
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Literal
+from typing import Literal, Protocol
 
 from aiohttp import web
 
 from protocol.dht.netgroups import PrefixCounts, counted_prefixes, sender_key
-
-if TYPE_CHECKING:
-    from node.wire.transport import ServeLimits
 
 __all__ = ["Connections", "address_key"]
 
@@ -63,6 +60,22 @@ _Phase = Literal["pending", "busy", "idle", "closed"]
 address_key = sender_key  # what an address is counted under (IPv6 by its /64; see netgroups)
 
 
+class ConnectionLimits(Protocol):
+    """The caps and deadlines connections are held to (``node.wire.transport.ServeLimits``)."""
+
+    @property
+    def conns_per_ip(self) -> int: ...
+    @property
+    def conns(self) -> int: ...
+    @property
+    def head_timeout_s(self) -> float: ...
+    @property
+    def reply_idle_s(self) -> float: ...
+    @property
+    def send_buffer(self) -> int | None: ...
+    def reply_deadline_s(self, size: int | None) -> float: ...
+
+
 class Connections:
     """The server's open connections, per address prefix (``PrefixCounts``) and in all.
 
@@ -74,7 +87,7 @@ class Connections:
     busy with a request that is not stalled. So a flood from one address holds at most the cap,
     and an honest client (even one behind the same address) still gets in."""
 
-    def __init__(self, limits: ServeLimits) -> None:
+    def __init__(self, limits: ConnectionLimits) -> None:
         self.limits = limits
         self.by_prefix = PrefixCounts(limits.conns_per_ip)
         self.total = 0
