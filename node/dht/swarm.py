@@ -40,8 +40,8 @@ import tomli_w
 from aiohttp import web
 
 from node.wire.admission import ADMITTED, Admission, Admitted, request_headers
-from node.wire.connections import address_key
 from node.wire.transport import Busy, Transport
+from protocol.dht.netgroups import sender_key
 from protocol.dht.ratelimit import RateLimiter
 from protocol.errors import BadSignature, DecodeError, NotAuthorized, Oversize, RemoteProtocolError
 from protocol.wire.certificates import Certificate, check_certificate
@@ -218,7 +218,7 @@ class SwarmCredentials:
         assert self._transport is not None
         self._transport.hang_up(request)
         if not self._publishes.allow(
-            address_key(request.remote or "unknown"), self.clock()
+            sender_key(request.remote or "unknown"), self.clock()
         ):  # IPv6 by its /64
             raise Busy("too many manifest posts from this address; retry in a few seconds")
         length = request.content_length
