@@ -111,4 +111,3 @@ def _not_ip(text: str) -> bool:
     except ValueError:
         return True
     return False
-
