@@ -1,8 +1,9 @@
 """The DHT node: drives ``protocol.dht`` (routing, lookup, records) over the shared transport.
 
-Theory of operation (Maymounkov & Mazières, "Kademlia", IPTPS 2002, sections 2.3-2.5). This module
-is the serving side, routing, maintenance and lifecycle; the client side (calls, lookups, store,
-get) is ``DHTClient`` in ``node.dht.lookups``, mixed into ``DHTNode``.
+Theory of operation (Maymounkov & Mazières, "Kademlia", IPTPS 2002, sections 2.3-2.5). ``DHTNode``
+is the serving side, routing upkeep, maintenance and lifecycle; it holds the client side, a
+``Caller`` (one outbound call) and a ``DHTClient`` (lookups, store, get; ``node.dht.lookups``),
+and offers the client's API as its own.
 
 Serving. ``DHTRouter`` (``node.dht.route``) mounts nodes on one POST route of
 a ``Transport`` and verifies each request over its exact bytes with the addressed node's replay
@@ -48,13 +49,14 @@ import logging
 import os
 import random
 import time
-from collections import Counter
-from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from node.dht.lookups import _REFUSED, DHTClient, _Failure, _OwnRecord, _Request
+from node.dht.dht_config import DHTConfig, DHTMetrics
+from node.dht.lookups import REFUSED, Caller, DHTClient, DHTRequest, Failure
 from node.wire.transport import Transport
+from protocol.dht.lookup import LookupResult
 from protocol.dht.messages import (
     MAX_REPLY_PEERS,
     MAX_REPLY_RECORDS,
@@ -68,73 +70,15 @@ from protocol.dht.messages import (
     ValueReply,
     check_sender,
 )
-from protocol.dht.records import (
-    DEFAULT_MAX_VALUE_BYTES,
-    RateLimited,
-    RecordStore,
-    StoreLimits,
-    unknown_to,
-)
+from protocol.dht.records import RateLimited, RecordStore, SignedRecord, StoreLimits, unknown_to
 from protocol.dht.routing import ClaimQueue, PingCandidate, RoutingTable
 from protocol.errors import LocalProtocolError, NotAuthorized, RemoteProtocolError
-from protocol.wire.codec import encode
 from protocol.wire.messages import Message, PeerInfo
-from protocol.wire.signing import Opened, ReplayWindow, Signer, seal
+from protocol.wire.signing import Opened, ReplayWindow, Signer
 
 __all__ = ["DHTConfig", "DHTMetrics", "DHTNode", "Maintenance", "RateLimited"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class DHTConfig:
-    """Kademlia parameters, timeouts and caps of one node."""
-
-    k: int = 20  # bucket size and replication factor
-    alpha: int = 3  # lookup queries in flight
-    request_timeout_s: float = 5.0
-    lookup_timeout_s: float = 30.0
-    refresh_interval_s: float = 3600.0  # refresh a bucket idle this long (paper: an hour)
-    republish_interval_s: float = 3600.0  # re-sign our records this often (or at half their ttl)
-    maintenance_period_s: float = 60.0  # how often run() wakes; 0: start() does not spawn it
-    record_ttl_cap_s: float = 24 * 3600.0
-    store_rate: float = 10.0  # Store requests a second per signing key, after...
-    store_burst: float = 50.0  # ...a burst of this many
-    store_ip_rate: float = 100.0  # records stored a second per requester IP (IPv6: per /64)...
-    store_ip_burst: float = 1000.0  # ...after a burst of this many
-    max_store_bytes: int = 64 << 20  # values plus 1 KiB a record (RECORD_OVERHEAD_BYTES)
-    max_subkeys_per_key: int = 1_000
-    max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES
-    max_request: int = 1 << 20  # bytes of a sealed request (Store is at most 64 records)
-    max_reply: int = 8 << 20  # bytes of a sealed reply (a ValueReply of many subkeys)
-    max_failures: int = 3  # RPC failures before a contact is evicted
-    replacement_cache: int = 10
-    max_background_pings: int = 16
-    ping_fresh_s: float = 60.0  # a full bucket's oldest contact heard from this recently is alive
-    max_claims: int = 64  # senders' claimed addresses waiting for our ping...
-    claim_rate: float = 10.0  # ...pinged at this many a second, after...
-    claim_burst: float = 50.0  # ...a burst of this many...
-    max_claim_pings: int = 8  # ...with at most this many in flight
-    claim_retry_s: float = 60.0  # an address that did not answer is not pinged again this soon
-    store_lookup_reuse_s: float = (
-        60.0  # a Store reuses the nodes a lookup found this long (0: look up every time)
-    )
-
-
-@dataclass(slots=True)
-class DHTMetrics:
-    """Counters of one node. ``refusals``: inbound requests or records refused, by error class;
-    ``failures``: outbound calls that failed, by kind; ``claims``: what became of addresses that
-    senders claimed (queued, dropped, answered, unanswered); hops: completed lookups by hop
-    count. The record store counts its own evictions (``records.counts``)."""
-
-    rpcs_in: Counter[str] = field(default_factory=Counter)
-    rpcs_out: Counter[str] = field(default_factory=Counter)
-    refusals: Counter[str] = field(default_factory=Counter)
-    failures: Counter[str] = field(default_factory=Counter)
-    claims: Counter[str] = field(default_factory=Counter)  # senders' claimed addresses, by outcome
-    node_hops: Counter[int] = field(default_factory=Counter)
-    value_hops: Counter[int] = field(default_factory=Counter)
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,8 +93,12 @@ class Maintenance:
 # ── the node ────────────────────────────────────────────────────────────────────────────────
 
 
-class DHTNode(DHTClient):
-    """One Kademlia node with key ``signer``, dialled at ``address`` ("" when not dialable)."""
+class DHTNode:
+    """One Kademlia node with key ``signer``, dialled at ``address`` ("" when not dialable).
+
+    Serves requests (``handle``), keeps its routing table, and runs lookups through its
+    ``client`` (whose API it offers: ``ping``, ``bootstrap``, ``find_node``, ``find_value``,
+    ``store``, ``get``, ``held_near``, ``forget``)."""
 
     def __init__(
         self,
@@ -191,13 +139,27 @@ class DHTNode(DHTClient):
             retry_after_s=cfg.claim_retry_s,
         )
         self._claimed = asyncio.Event()  # the claim queue changed: the verifier looks again
-        self.replay, self._reply_replay = (
-            ReplayWindow(salt=os.urandom(16)),
-            ReplayWindow(salt=os.urandom(16)),
-        )
+        self.replay = ReplayWindow(salt=os.urandom(16))  # requests' nonces
         self.metrics = DHTMetrics()
         self.rng = random.Random(int.from_bytes(self.peer_id[:8], "big"))
-        self._own: dict[bytes, _OwnRecord] = {}
+        self.caller = Caller(
+            signer,
+            transport,
+            cfg,
+            metrics=self.metrics,
+            routing=self.routing,
+            seen=self._seen,
+            clock=clock,
+        )
+        self.client = DHTClient(
+            self.caller,
+            self.me,
+            cfg,
+            routing=self.routing,
+            records=self.records,
+            metrics=self.metrics,
+            clock=clock,
+        )
         self._handlers: dict[type[Message], Callable[[Any, str], Message]] = {
             Ping: self._on_ping,
             FindNode: self._on_find_node,
@@ -208,9 +170,6 @@ class DHTNode(DHTClient):
         self._tasks: set[asyncio.Task[None]] = set()
         self._pings = 0
         self._heard: dict[bytes, float] = {}  # contacts in the table: when last heard from
-        self._near: dict[
-            bytes, tuple[float, list[PeerInfo]]
-        ] = {}  # key -> (when, nodes a lookup found nearest)
 
     # ── lifecycle ───────────────────────────────────────────────────────────────────────────
 
@@ -257,11 +216,8 @@ class DHTNode(DHTClient):
     # ── serving ─────────────────────────────────────────────────────────────────────────────
 
     def seal(self, msg: Message, recipient: bytes = b"") -> bytes:
-        """``msg`` sealed by this node's key with the current wall time and a fresh nonce, for
-        the peer id ``recipient`` (empty: anyone; only a Ping to a bare address goes so)."""
-        return seal(
-            encode(msg), self.signer, now=time.time(), nonce=os.urandom(16), recipient=recipient
-        ).tobytes()
+        """``msg`` sealed by this node's key for the peer id ``recipient`` (``Caller.seal``)."""
+        return self.caller.seal(msg, recipient)
 
     def handle(self, opened: Opened, source: str = "") -> Message:
         """Answer one verified request that came from the IP address ``source``.
@@ -270,7 +226,7 @@ class DHTNode(DHTClient):
         ``RateLimited`` (Store over the requester IP's or the signing key's budget).
         """
         msg = opened.message
-        if not isinstance(msg, _Request):
+        if not isinstance(msg, DHTRequest):
             raise NotAuthorized(f"no DHT handler for {type(msg).__name__}")
         check_sender(msg.sender, opened.public_key)
         if isinstance(msg, Store):
@@ -306,7 +262,7 @@ class DHTNode(DHTClient):
                 put = self.records.put(rec, now, source)
             except RemoteProtocolError as exc:
                 self.metrics.refusals[f"record {type(exc).__name__}"] += 1
-                reasons.append(f"{_REFUSED}{type(exc).__name__}: {exc.reason}")
+                reasons.append(f"{REFUSED}{type(exc).__name__}: {exc.reason}")
                 continue
             accepted += put.stored
             if not put.stored:
@@ -344,10 +300,10 @@ class DHTNode(DHTClient):
 
     async def _verify(self, contact: PeerInfo) -> None:
         """Ping ``contact.address``: a reply signed by ``contact``'s key puts it in the table."""
-        reply = await self._call(
+        reply = await self.caller.call(
             contact.address, Ping(sender=self.me), contact.peer_id, charge=False
         )
-        answered = not isinstance(reply, _Failure)  # _call saw it: it is in the table now
+        answered = not isinstance(reply, Failure)  # the caller saw it: it is in the table now
         self.claims.done(contact, answered, self.clock())
         self.metrics.claims["answered" if answered else "unanswered"] += 1
         self._claimed.set()
@@ -373,10 +329,10 @@ class DHTNode(DHTClient):
 
     async def _probe(self, oldest: PeerInfo) -> None:
         try:
-            reply = await self._call(oldest.address, Ping(sender=self.me), oldest.peer_id)
+            reply = await self.caller.call(oldest.address, Ping(sender=self.me), oldest.peer_id)
         finally:
             self._pings -= 1
-        alive = not isinstance(reply, _Failure)
+        alive = not isinstance(reply, Failure)
         self.routing.on_ping_result(oldest.peer_id, alive, self.clock())
 
     # ── maintenance ─────────────────────────────────────────────────────────────────────────
@@ -393,11 +349,51 @@ class DHTNode(DHTClient):
         now = self.clock()
         targets = self.routing.stale_buckets(now, self.config.refresh_interval_s, self.rng)
         for target in targets:
-            await self.find_node(target)
-        due = [(k, o) for k, o in self._own.items() if now >= o.due_at]
-        for key, own in due:
-            await self._publish(key, (self._sign(key, own.record.value, own.ttl_s),))
+            await self.client.find_node(target)
+        republished = await self.client.republish_due(now)
         self._heard = {p: t for p, t in self._heard.items() if p in self.routing}
         return Maintenance(
-            refreshed=len(targets), republished=len(due), pruned=self.records.prune(self.clock())
+            refreshed=len(targets), republished=republished, pruned=self.records.prune(self.clock())
         )
+
+    # ── the client's API ────────────────────────────────────────────────────────────────────
+
+    @property
+    def dialable(self) -> bool:
+        return self.client.dialable
+
+    async def ping(self, address: str) -> PeerInfo | None:
+        """``DHTClient.ping``."""
+        return await self.client.ping(address)
+
+    async def bootstrap(self, addresses: Sequence[str]) -> int:
+        """``DHTClient.bootstrap``: how many of ``addresses`` answered (0: the join failed)."""
+        return await self.client.bootstrap(addresses)
+
+    async def find_node(self, target: bytes) -> LookupResult:
+        """``DHTClient.find_node``."""
+        return await self.client.find_node(target)
+
+    async def find_value(
+        self, key: bytes, *, quorum: int = 1, known: tuple[bytes, ...] = ()
+    ) -> LookupResult:
+        """``DHTClient.find_value``."""
+        return await self.client.find_value(key, quorum=quorum, known=known)
+
+    async def store(self, key: bytes, value: bytes, ttl_s: float) -> int:
+        """``DHTClient.store``: how many nodes hold the record."""
+        return await self.client.store(key, value, ttl_s)
+
+    async def get(
+        self, key: bytes, *, quorum: int = 1, known: tuple[bytes, ...] = ()
+    ) -> list[SignedRecord]:
+        """``DHTClient.get``."""
+        return await self.client.get(key, quorum=quorum, known=known)
+
+    def held_near(self, key: bytes) -> list[SignedRecord] | None:
+        """``DHTClient.held_near``."""
+        return self.client.held_near(key)
+
+    def forget(self, key: bytes) -> None:
+        """``DHTClient.forget``."""
+        self.client.forget(key)

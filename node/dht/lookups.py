@@ -1,5 +1,6 @@
-"""The DHT node's client side (mixed into ``DHTNode``, ``node.dht.kademlia``): calls, lookups,
-store and get (Maymounkov & Mazières, "Kademlia", IPTPS 2002, sections 2.3-2.5).
+"""A DHT node's client side (Maymounkov & Mazières, "Kademlia", IPTPS 2002, sections 2.3-2.5):
+``Caller`` makes one outbound call, ``DHTClient`` runs lookups, store and get with it. ``DHTNode``
+(``node.dht.kademlia``) builds both and serves the other side.
 
 Client. ``find_node`` feeds a ``Lookup`` with ``alpha`` queries in flight, each bounded by
 ``request_timeout_s``, the whole by ``lookup_timeout_s``. ``store`` signs a record in our own
@@ -11,19 +12,22 @@ keeps the newest expiry per subkey and caches the result at the nearest node tha
 without it (section 2.3's caching); a delta ``get`` (``known``) names the records the caller
 holds, so responders send only newer ones, and caches nothing.
 
-Every outbound call goes through ``_call``, which never raises: a verified reply is its signer
-seen at the address dialled (``DHTNode._seen``), anything else a ``_Failure`` (``_failed``).
+Every outbound call goes through ``Caller.call``, which never raises: a verified reply is its
+signer seen at the address dialled (the ``seen`` callback the node gives it), anything else a
+``Failure`` (counted, and charged to the contact's routing entry).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import aiohttp
 
+from node.dht.dht_config import DHTConfig, DHTMetrics
 from node.wire.rpc import open_off_loop
 from node.wire.transport import Transport
 from protocol.dht.lookup import Lookup, LookupResult
@@ -45,20 +49,20 @@ from protocol.dht.records import RecordStore, SignedRecord, sign_record, verify_
 from protocol.dht.routing import RoutingTable
 from protocol.errors import DecodeError, LocalProtocolError, NotAuthorized, RemoteProtocolError
 from protocol.ids import ID_BYTES, xor_distance
+from protocol.wire.codec import encode
 from protocol.wire.messages import Message, PeerInfo
-from protocol.wire.signing import Opened, ReplayWindow, Signer, split_sealed
+from protocol.wire.signing import Opened, ReplayWindow, Signer, seal, split_sealed
 
-if TYPE_CHECKING:
-    from node.dht.kademlia import DHTConfig, DHTMetrics
+__all__ = ["REFUSED", "Caller", "DHTClient", "DHTRequest", "Failure"]
 
-__all__ = ["DHTClient"]
-
-_Request = Ping | FindNode | FindValue | Store
-_REFUSED = "refused: "  # StoreReply reasons with this prefix are refusals, others "already held"
+DHTRequest = Ping | FindNode | FindValue | Store
+REFUSED = "refused: "  # StoreReply reasons with this prefix are refusals, others "already held"
 
 
 @dataclass(frozen=True, slots=True)
-class _Failure:
+class Failure:
+    """Why an outbound call got no verified reply."""
+
     reason: str
     unreachable: bool  # counts against the peer in the routing table
 
@@ -70,38 +74,40 @@ class _OwnRecord:
     due_at: float
 
 
-class DHTClient:
-    """The client side of ``DHTNode`` (which provides the attributes below): outbound calls,
-    lookups, and the public API (ping, bootstrap, find_node, find_value, store, get)."""
+# ── one outbound call ───────────────────────────────────────────────────────────────────────
 
-    signer: Signer
-    transport: Transport
-    clock: Callable[[], float]
-    config: DHTConfig
-    peer_id: bytes
-    me: PeerInfo
-    routing: RoutingTable
-    records: RecordStore
-    _reply_replay: ReplayWindow
-    metrics: DHTMetrics
-    _own: dict[bytes, _OwnRecord]
-    _near: dict[bytes, tuple[float, list[PeerInfo]]]  # key -> (when, nodes a lookup found nearest)
+
+class Caller:
+    """Outbound calls of the node with key ``signer``: seal, send, verify the reply.
+
+    ``seen(contact)`` hears of every peer that answered at the address dialled (the node's
+    routing upkeep); a failure is counted in ``metrics`` and charged to ``routing``."""
+
+    def __init__(
+        self,
+        signer: Signer,
+        transport: Transport,
+        config: DHTConfig,
+        *,
+        metrics: DHTMetrics,
+        routing: RoutingTable,
+        seen: Callable[[PeerInfo], None],
+        clock: Callable[[], float],
+    ) -> None:
+        self.signer, self.transport, self.config = signer, transport, config
+        self.metrics, self.routing, self.seen, self.clock = metrics, routing, seen, clock
+        self.replay = ReplayWindow(salt=os.urandom(16))  # replies' nonces
 
     def seal(self, msg: Message, recipient: bytes = b"") -> bytes:
-        raise NotImplementedError
+        """``msg`` sealed by our key with the current wall time and a fresh nonce, for the peer
+        id ``recipient`` (empty: anyone; only a Ping to a bare address goes so)."""
+        return seal(
+            encode(msg), self.signer, now=time.time(), nonce=os.urandom(16), recipient=recipient
+        ).tobytes()
 
-    def _seen(self, contact: PeerInfo) -> None:
-        raise NotImplementedError
-
-    @property
-    def dialable(self) -> bool:
-        return bool(self.me.address)
-
-    # ── one outbound call ───────────────────────────────────────────────────────────────────
-
-    async def _call(
-        self, address: str, msg: _Request, peer_id: bytes | None = None, *, charge: bool = True
-    ) -> Opened | _Failure:
+    async def call(
+        self, address: str, msg: DHTRequest, peer_id: bytes | None = None, *, charge: bool = True
+    ) -> Opened | Failure:
         """Send ``msg`` to ``address``; the verified reply, or why not (never raises).
 
         A reply must be signed by ``peer_id`` when given; a failure counts against ``peer_id``'s
@@ -111,7 +117,7 @@ class DHTClient:
         self.metrics.rpcs_out[type(msg).__name__] += 1
         sealed = self.seal(msg, peer_id or b"")
         try:
-            status, buf, used, _ = await self.transport.request(
+            async with self.transport.reply(
                 "POST",
                 address,
                 chunks=[sealed],
@@ -119,37 +125,42 @@ class DHTClient:
                 timeout_s=self.config.request_timeout_s,
                 max_reply=self.config.max_reply,
                 kind=type(msg).__name__,
-            )
+            ) as r:
+                if r.status != 200:
+                    # 404: no DHT node at that address (a name unmounted), as dead as a 5xx
+                    return self._failed(
+                        charged,
+                        f"status {r.status}",
+                        unreachable=r.status >= 500 or r.status == 404,
+                    )
+                try:
+                    opened = await self._open_reply(r.body, msg, peer_id)
+                except RemoteProtocolError as exc:
+                    return self._failed(
+                        charged, f"bad reply ({type(exc).__name__})", unreachable=True
+                    )
         except (aiohttp.ClientError, OSError, TimeoutError, ValueError, RemoteProtocolError) as exc:
             return self._failed(charged, f"unreachable ({type(exc).__name__})", unreachable=True)
-        give_back = True
-        try:
-            if status != 200:
-                # 404: no DHT node at that address (a name unmounted), as dead as a 5xx
-                return self._failed(
-                    charged, f"status {status}", unreachable=status >= 500 or status == 404
-                )
-            opened = await self._open_reply(buf, used, msg, peer_id)
-        except RemoteProtocolError as exc:
-            return self._failed(charged, f"bad reply ({type(exc).__name__})", unreachable=True)
-        except asyncio.CancelledError:
-            give_back = False  # a decoding thread may still read it: not back to the pool
-            raise
-        finally:
-            if give_back:
-                self.transport.pool.give(buf)
-        self._seen(PeerInfo(peer_id=opened.peer_id, address=address))
+        self.seen(PeerInfo(peer_id=opened.peer_id, address=address))
         return opened
 
-    async def _open_reply(
-        self, buf: bytearray, used: int, msg: _Request, peer_id: bytes | None
-    ) -> Opened:
-        envelope, body = split_sealed(
-            memoryview(buf)[:used], max_size=self.config.max_reply, expected_recipient=self.peer_id
+    async def _open_reply(self, body: memoryview, msg: DHTRequest, peer_id: bytes | None) -> Opened:
+        """The reply in ``body`` verified; if we are cancelled while a worker thread still reads
+        ``body``, wait for it before the buffer goes back to the pool (on leaving ``reply``)."""
+        opening = asyncio.ensure_future(self._open(body, msg, peer_id))
+        try:
+            return await asyncio.shield(opening)
+        except asyncio.CancelledError:
+            await asyncio.wait([opening])
+            if not opening.cancelled():
+                opening.exception()  # retrieved: the cancellation is what propagates
+            raise
+
+    async def _open(self, body: memoryview, msg: DHTRequest, peer_id: bytes | None) -> Opened:
+        envelope, payload = split_sealed(
+            body, max_size=self.config.max_reply, expected_recipient=self.signer.peer_id
         )
-        opened = await open_off_loop(
-            envelope, body, replay=self._reply_replay
-        )  # big replies: off the loop
+        opened = await open_off_loop(envelope, payload, replay=self.replay)  # big: off the loop
         reply, expected = opened.message, REPLY_TO[type(msg)]
         if type(reply) is not expected:
             raise DecodeError(f"got {type(reply).__name__} for {type(msg).__name__}")
@@ -159,11 +170,47 @@ class DHTClient:
             check_sender(reply.sender, opened.public_key)
         return opened
 
-    def _failed(self, peer_id: bytes | None, reason: str, *, unreachable: bool) -> _Failure:
+    def _failed(self, peer_id: bytes | None, reason: str, *, unreachable: bool) -> Failure:
         self.metrics.failures[reason] += 1
         if unreachable and peer_id is not None:
             self.routing.on_failed(peer_id, self.clock())
-        return _Failure(reason, unreachable)
+        return Failure(reason, unreachable)
+
+
+# ── lookups, store and get ──────────────────────────────────────────────────────────────────
+
+
+class DHTClient:
+    """Lookups and the client API (ping, bootstrap, find_node, find_value, store, get) of the
+    node ``me``, calling out through ``caller``; keeps our own records republished."""
+
+    def __init__(
+        self,
+        caller: Caller,
+        me: PeerInfo,
+        config: DHTConfig,
+        *,
+        routing: RoutingTable,
+        records: RecordStore,
+        metrics: DHTMetrics,
+        clock: Callable[[], float],
+    ) -> None:
+        self.caller, self.me, self.config = caller, me, config
+        self.peer_id = me.peer_id
+        self.routing, self.records, self.metrics, self.clock = routing, records, metrics, clock
+        self._own: dict[bytes, _OwnRecord] = {}
+        self._near: dict[
+            bytes, tuple[float, list[PeerInfo]]
+        ] = {}  # key -> (when, nodes a lookup found nearest)
+
+    @property
+    def dialable(self) -> bool:
+        return bool(self.me.address)
+
+    async def _call(
+        self, address: str, msg: DHTRequest, peer_id: bytes | None = None
+    ) -> Opened | Failure:
+        return await self.caller.call(address, msg, peer_id)
 
     # ── lookups ─────────────────────────────────────────────────────────────────────────────
 
@@ -197,7 +244,7 @@ class DHTClient:
 
     async def _drive(self, lookup: Lookup, known: tuple[bytes, ...] = ()) -> None:
         async with asyncio.TaskGroup() as tg:
-            pending: set[asyncio.Task[tuple[PeerInfo, Opened | _Failure]]] = set()
+            pending: set[asyncio.Task[tuple[PeerInfo, Opened | Failure]]] = set()
             while not lookup.done:
                 for contact in lookup.next_queries(self.clock()):
                     pending.add(tg.create_task(self._query(lookup, contact, known)))
@@ -211,17 +258,17 @@ class DHTClient:
 
     async def _query(
         self, lookup: Lookup, contact: PeerInfo, known: tuple[bytes, ...] = ()
-    ) -> tuple[PeerInfo, Opened | _Failure]:
-        msg: _Request = (
+    ) -> tuple[PeerInfo, Opened | Failure]:
+        msg: DHTRequest = (
             FindValue(sender=self.me, key=lookup.target, known=known)
             if lookup.find_value
             else FindNode(sender=self.me, target=lookup.target)
         )
         return contact, await self._call(contact.address, msg, contact.peer_id)
 
-    def _feed(self, lookup: Lookup, contact: PeerInfo, reply: Opened | _Failure) -> None:
+    def _feed(self, lookup: Lookup, contact: PeerInfo, reply: Opened | Failure) -> None:
         now = self.clock()
-        if isinstance(reply, _Failure):
+        if isinstance(reply, Failure):
             lookup.on_failure(contact.peer_id, now)
             return
         msg = reply.message
@@ -256,9 +303,7 @@ class DHTClient:
         """Ping ``address``; the peer that answered (its id now learned), or None."""
         reply = await self._call(address, Ping(sender=self.me))
         return (
-            None
-            if isinstance(reply, _Failure)
-            else PeerInfo(peer_id=reply.peer_id, address=address)
+            None if isinstance(reply, Failure) else PeerInfo(peer_id=reply.peer_id, address=address)
         )
 
     async def bootstrap(self, addresses: Sequence[str]) -> int:
@@ -335,9 +380,16 @@ class DHTClient:
         """Stop republishing our record under ``key`` (it expires at its ttl)."""
         self._own.pop(key, None)
 
+    async def republish_due(self, now: float) -> int:
+        """Re-sign and store again each of our records due at ``now``; how many were."""
+        due = [(k, o) for k, o in self._own.items() if now >= o.due_at]
+        for key, own in due:
+            await self._publish(key, (self._sign(key, own.record.value, own.ttl_s),))
+        return len(due)
+
     def _sign(self, key: bytes, value: bytes, ttl_s: float) -> SignedRecord:
         now = self.clock()
-        rec = sign_record(self.signer, key, value, now + ttl_s)
+        rec = sign_record(self.caller.signer, key, value, now + ttl_s)
         due = now + min(self.config.republish_interval_s, ttl_s / 2)
         self._own[key] = _OwnRecord(rec, ttl_s, due)
         return rec
@@ -393,14 +445,14 @@ def _check_id(value: bytes) -> None:
         raise LocalProtocolError(f"DHT keys and targets are {ID_BYTES} bytes, got {len(value)}")
 
 
-def _holds(reply: Opened | _Failure) -> bool:
+def _holds(reply: Opened | Failure) -> bool:
     """Whether a Store reply says the peer now holds the record (stored, or held already)."""
-    if isinstance(reply, _Failure):
+    if isinstance(reply, Failure):
         return False
     msg = reply.message
     assert isinstance(msg, StoreReply)
     return msg.accepted > 0 or (
-        bool(msg.reasons) and not any(r.startswith(_REFUSED) for r in msg.reasons)
+        bool(msg.reasons) and not any(r.startswith(REFUSED) for r in msg.reasons)
     )
 
 

@@ -20,18 +20,15 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from node.dht.kademlia import DHTNode
 from node.wire.rpc import serve_sealed_request
 from node.wire.transport import Transport
 from protocol.dht.messages import Ping
 from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.wire.signing import Opened
-
-if TYPE_CHECKING:
-    from node.dht.kademlia import DHTNode
 
 __all__ = ["DHTRouter"]
 

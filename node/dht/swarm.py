@@ -40,8 +40,8 @@ import tomli_w
 from aiohttp import web
 
 from node.wire.admission import ADMITTED, Admission, Admitted, request_headers
-from node.wire.connections import address_key
 from node.wire.transport import Busy, Transport
+from protocol.dht.netgroups import sender_key
 from protocol.dht.ratelimit import RateLimiter
 from protocol.errors import BadSignature, DecodeError, NotAuthorized, Oversize, RemoteProtocolError
 from protocol.wire.certificates import Certificate, check_certificate
@@ -197,15 +197,12 @@ class SwarmCredentials:
         """Fetch a member's manifest and adopt it if newer; False (logged) on any failure (a
         parse already running included: a later membership pass tries again)."""
         try:
-            status, buf, used, _ = await transport.request(
+            async with transport.reply(
                 "GET", url.rstrip("/") + MANIFEST_PATH, timeout_s=10, max_reply=MAX_MANIFEST_BYTES
-            )
-            try:
-                body = bytes(memoryview(buf)[:used])
-            finally:
-                transport.pool.give(buf)
-            if status != 200:
-                raise DecodeError(f"answered {status}")
+            ) as r:
+                if r.status != 200:
+                    raise DecodeError(f"answered {r.status}")
+                body = bytes(r.body)
             return await self.offer(body)
         except Exception as exc:  # a member that cannot hand it over: another will
             log.info("no newer manifest from %s: %r", url, exc)
@@ -221,7 +218,7 @@ class SwarmCredentials:
         assert self._transport is not None
         self._transport.hang_up(request)
         if not self._publishes.allow(
-            address_key(request.remote or "unknown"), self.clock()
+            sender_key(request.remote or "unknown"), self.clock()
         ):  # IPv6 by its /64
             raise Busy("too many manifest posts from this address; retry in a few seconds")
         length = request.content_length

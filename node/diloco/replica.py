@@ -369,7 +369,7 @@ async def hand_over(
         recipient=peer_id,
         blobs_digest=blobs_digest,
     )
-    status, buf, used, _ = await transport.request(
+    async with transport.reply(
         "POST",
         f"{url}/v1/rpc",
         chunks=sealed.iter_chunks(),
@@ -377,22 +377,19 @@ async def hand_over(
         timeout_s=timeout_s,
         max_reply=1 << 16,
         kind=type(msg).__name__,
-    )
-    try:
-        if status != 200:
+    ) as r:
+        if r.status != 200:
             raise RemoteProtocolError(
-                f"handoff refused unsigned ({status}): {bytes(memoryview(buf)[:used])[:300]!r}",
+                f"handoff refused unsigned ({r.status}): {bytes(r.body[:300])!r}",
                 penalty=0.0,
             )
         opened = open_sealed(
-            memoryview(buf)[:used],
+            r.body,
             now=time.time(),
             replay=replay,
             max_size=1 << 16,
             expected_recipient=signer.peer_id,
         )
-    finally:
-        transport.pool.give(buf)
     if opened.peer_id != peer_id or not isinstance(opened.message, ReplicaAck):
         raise RemoteProtocolError(
             f"handoff answered by {opened.peer_id.hex()[:8]} with "

@@ -13,8 +13,9 @@ time + S, start-up included) and steps without end, and stops training then. ``-
 start of training: a restarted peer is the same index with the same key, certificate and
 ``--checkpoint-dir`` (every peer saves its island there every H steps and resumes from it),
 joins through the live peers with ``--wait-members 1`` and starts at once. A peer's result is
-its last incarnation's. Carrying out that schedule, and the report's accounting of it, is
-``node.run.local_chaos``; the launcher's record of each peer process is ``node.run.local_peers``.
+its last incarnation's. Carrying out that schedule is a ``ChaosDriver`` the launcher holds, and
+the report's accounting of the run is ``run_accounting`` (both ``node.run.local_chaos``); the
+launcher's record of each peer process and the run's timeline are ``node.run.local_peers``.
 
 Peer ↔ launcher protocol (one JSON object per line):
   peer → launcher  {"event": "listening", "index", "url", "peer_id"}
@@ -43,10 +44,10 @@ from typing import Any
 
 from node.config import RunConfig
 from node.run.chaos import ChaosSpec
-from node.run.local_chaos import SwarmChaos
-from node.run.local_peers import PeerProcess, last_error
+from node.run.local_chaos import ChaosDriver, run_accounting
+from node.run.local_peers import PeerProcess, Timeline, last_error
 
-__all__ = ["ENDLESS_STEPS", "LocalSwarm", "PeerProcess", "last_error"]
+__all__ = ["ENDLESS_STEPS", "LaunchPlan", "LocalSwarm", "PeerProcess", "last_error"]
 
 ENDLESS_STEPS = 10**9  # --duration: peers step until --until stops them
 FINISH_GRACE_S = 300.0  # --duration: how long after it the peers may take to agree on a final model
@@ -55,27 +56,38 @@ STARTUP_S_PER_PEER = 4.0  # start-up deadline: 120 s plus this per peer
 log = logging.getLogger(__name__)
 
 
-class LocalSwarm(SwarmChaos):
-    """Start, watch and stop N peer processes; collect their results."""
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class LaunchPlan:
+    """What a local run does besides training ``cfg``: the swarm's admission, extra flags per
+    peer (attackers), fault injection (peer index -> inner step to SIGKILL it at), the chaos
+    schedule, and a wall-clock duration (None: ``cfg.steps``)."""
+
+    admission: str = "open"
+    extra_peer_args: dict[int, list[str]] = dataclasses.field(default_factory=dict)
+    kill_at: dict[int, int] = dataclasses.field(default_factory=dict)
+    chaos: ChaosSpec | None = None
+    duration_s: float | None = None
+
+
+class LocalSwarm:
+    """Start, watch and stop N peer processes; collect their results. Holds the chaos driver
+    (``--chaos``) and the run's timeline."""
 
     def __init__(
         self,
         cfg: RunConfig,
         run_dir: Path,
+        plan: LaunchPlan | None = None,
         *,
-        extra_peer_args: dict[int, list[str]] | None = None,
         quiet: bool = False,
         startup_timeout_s: float | None = None,
         run_timeout_s: float | None = None,
-        kill_at: dict[int, int] | None = None,
-        admission: str = "open",
-        chaos: ChaosSpec | None = None,
-        duration_s: float | None = None,
     ) -> None:
+        plan = plan or LaunchPlan()
         self.cfg = cfg
-        self.admission = admission
+        self.admission = plan.admission
         self.run_dir = run_dir
-        self.extra = extra_peer_args or {}
+        self.extra = plan.extra_peer_args
         self.quiet = quiet
         # every peer imports torch and builds its model at once: on a small machine start-up
         # takes longer the more peers share it (32 peers on 2 cores: ~2 min)
@@ -86,9 +98,7 @@ class LocalSwarm(SwarmChaos):
         )
         self.run_timeout_s = run_timeout_s
         self.peers: list[PeerProcess] = []
-        self.kill_at = dict(
-            kill_at or {}
-        )  # fault injection: peer index -> inner step to SIGKILL it at
+        self.kill_at = dict(plan.kill_at)  # fault injection: peer index -> step to SIGKILL it at
         self.killed: list[int] = []
         self.published: list[
             tuple[int, int, str, int]
@@ -99,20 +109,17 @@ class LocalSwarm(SwarmChaos):
         self.handed: set[str] = set()  # digests of every handoff a peer took (none may be forged)
         self.listening = asyncio.Event()  # every peer has bound its address
         self.t0 = time.time()
-        self.t0_mono = time.monotonic()  # the same moment on the monotonic clock
-        self.chaos = chaos
-        self.duration_s = duration_s
+        # the same moment on the monotonic clock starts the timeline
+        self.timeline = Timeline(t0_mono=time.monotonic(), duration_s=plan.duration_s)
+        self.chaos, self.duration_s = plan.chaos, plan.duration_s
+        self.chaos_driver = (
+            ChaosDriver(plan.chaos, self, self.timeline) if plan.chaos is not None else None
+        )
         self.incarnations: list[PeerProcess] = []  # every process started, restarts included
-        self.restarts: list[
-            dict[str, Any]
-        ] = []  # {peer, killed_at_s, restarted_at_s} (s after training start)
-        self.chaos_events: list[str] = []  # every chaos decision's reason
-        self.train_started: float | None = None  # monotonic time of {"start": true}
-        self.progress_log: list[
-            tuple[float, int, int]
-        ] = []  # (monotonic time, incarnation id, step)
-        self.version_times: dict[tuple[int, int], float] = {}  # (fragment, version) -> first seen
-        self.done_times: list[float] = []  # monotonic times of "done" events
+
+    def accounting(self, results: list[dict[str, Any]]) -> dict[str, Any]:
+        """The report's chaos, restarts, uptime and goodput (``node.run.local_chaos.run_accounting``)."""
+        return run_accounting(self.cfg, self.timeline, self.chaos_driver, results)
 
     def make_swarm(self) -> RunConfig:
         """A throw-away founder, one authority ("local") and a key and certificate per peer,
@@ -197,7 +204,7 @@ class LocalSwarm(SwarmChaos):
         own.write_text(dataclasses.replace(self.cfg, link=links[index]).to_json())
         return own
 
-    async def _spawn(
+    async def spawn(
         self,
         index: int,
         config_path: Path,
@@ -234,7 +241,7 @@ class LocalSwarm(SwarmChaos):
         self.incarnations.append(peer)
         return peer
 
-    async def _read(self, peer: PeerProcess) -> None:
+    async def read(self, peer: PeerProcess) -> None:
         assert peer.proc.stdout is not None
         async for raw in peer.proc.stdout:
             try:
@@ -256,19 +263,19 @@ class LocalSwarm(SwarmChaos):
                 peer.ready.set()
             elif event == "progress":
                 peer.progress = msg
-                self.progress_log.append((time.monotonic(), id(peer), int(msg["step"])))
+                self.timeline.progress_log.append((time.monotonic(), id(peer), int(msg["step"])))
                 if peer.index in self.kill_at and msg["step"] >= self.kill_at[peer.index]:
                     del self.kill_at[peer.index]
                     self.killed.append(peer.index)
                     log.warning(
                         "fault injection: killing peer %d at step %d", peer.index, msg["step"]
                     )
-                    self._kill(peer)
+                    self.kill(peer)
             elif event == "published":  # every version any owner published, killed peers' included
                 self.published.append(
                     (int(msg["fragment"]), int(msg["version"]), str(msg["digest"]), peer.index)
                 )
-                self.version_times.setdefault(
+                self.timeline.version_times.setdefault(
                     (int(msg["fragment"]), int(msg["version"])), time.monotonic()
                 )
             elif event == "forged":  # an attacker's forged handoff: no owner may ever publish it
@@ -288,19 +295,19 @@ class LocalSwarm(SwarmChaos):
                     "incarnation": peer.incarnation,
                     "resumed_from_step": peer.resumed_from_step,
                 }
-                self.done_times.append(time.monotonic())
+                self.timeline.done_times.append(time.monotonic())
                 peer.finished.set()
         peer.finished.set()
         peer.listening.set()
         peer.ready.set()
 
     @staticmethod
-    def _kill(peer: PeerProcess) -> None:
+    def kill(peer: PeerProcess) -> None:
         peer.killed = True
         with contextlib.suppress(ProcessLookupError):
             peer.proc.kill()
 
-    async def _send(self, peer: PeerProcess, msg: dict[str, Any]) -> None:
+    async def send(self, peer: PeerProcess, msg: dict[str, Any]) -> None:
         if peer.proc.stdin is None or peer.proc.returncode is not None:
             return
         with contextlib.suppress(ConnectionError, BrokenPipeError):
@@ -345,8 +352,8 @@ class LocalSwarm(SwarmChaos):
             try:
                 await self._start_peers(config_path, tg, readers)
                 await self._start_training()
-                if self.chaos is not None and self.chaos.kills:
-                    await self._run_chaos(self.chaos, config_path, tg, readers)
+                if self.chaos_driver is not None and self.chaos_driver.spec.kills:
+                    await self.chaos_driver.run(config_path, tg, readers)
                 await self._drive()
                 completed = True
             finally:
@@ -362,11 +369,11 @@ class LocalSwarm(SwarmChaos):
     ) -> None:
         """Start all peers at once; peer 0 founds the swarm, the others join through its address."""
         for i in range(self.cfg.peers):
-            peer = await self._spawn(i, config_path)
+            peer = await self.spawn(i, config_path)
             self.peers.append(peer)
-            readers.append(tg.create_task(self._read(peer)))
+            readers.append(tg.create_task(self.read(peer)))
         first = self.peers[0]
-        await self._send(first, {"initial_peers": []})
+        await self.send(first, {"initial_peers": []})
         async with asyncio.timeout(self.startup_timeout_s):
             await first.listening.wait()
         if not first.url:
@@ -374,7 +381,7 @@ class LocalSwarm(SwarmChaos):
                 f"peer 0 exited before listening: {last_error(first.log_path)} (log: {first.log_path})"
             )
         for peer in self.peers[1:]:
-            await self._send(peer, {"initial_peers": [first.url]})
+            await self.send(peer, {"initial_peers": [first.url]})
         async with asyncio.timeout(self.startup_timeout_s):
             await asyncio.gather(*(p.listening.wait() for p in self.peers))
         dead = [p for p in self.peers if not p.url]
@@ -390,10 +397,10 @@ class LocalSwarm(SwarmChaos):
         that start seconds apart contribute from different points of training."""
         async with asyncio.timeout(self.startup_timeout_s + 180.0):
             await asyncio.gather(*(p.ready.wait() for p in self.peers))
-        self.train_started = time.monotonic()
+        self.timeline.train_started = time.monotonic()
         for peer in self.peers:
             peer.started = True
-            await self._send(peer, {"start": True})
+            await self.send(peer, {"start": True})
 
     async def _drive(self) -> None:
         limit = self.run_timeout_s
@@ -420,7 +427,7 @@ class LocalSwarm(SwarmChaos):
     async def stop(self, grace_s: float = 10.0) -> None:
         """Ask every peer to stop, then terminate, then kill what is left."""
         for p in self.incarnations:
-            await self._send(p, {"stop": True})
+            await self.send(p, {"stop": True})
         for sig, wait in ((None, grace_s), (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
             alive = [p for p in self.incarnations if p.proc.returncode is None]
             if not alive:

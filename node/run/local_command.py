@@ -19,7 +19,7 @@ from typing import Any
 
 from node.config import RunConfig
 from node.run.chaos import ChaosSpec
-from node.run.local import ENDLESS_STEPS, LocalSwarm
+from node.run.local import ENDLESS_STEPS, LaunchPlan, LocalSwarm
 from node.run.report import build_report, summary_lines, write_report
 
 __all__ = ["baseline_for", "island_alone_for", "run_local", "version_accounting"]
@@ -64,16 +64,14 @@ def run_local(
     run_dir = report_path.parent / f"{report_path.stem}-peers"
     if duration_s is not None:
         cfg = dataclasses.replace(cfg, steps=ENDLESS_STEPS)
-    swarm = LocalSwarm(
-        cfg,
-        run_dir,
-        quiet=quiet,
-        kill_at=kill_at,
-        extra_peer_args=extra_peer_args,
+    plan = LaunchPlan(
         admission=admission,
+        extra_peer_args=extra_peer_args or {},
+        kill_at=kill_at or {},
         chaos=chaos,
         duration_s=duration_s,
     )
+    swarm = LocalSwarm(cfg, run_dir, plan, quiet=quiet)
     t0 = time.monotonic()
     length = f"{duration_s:g} s" if duration_s is not None else f"{cfg.steps} steps"
     print(

@@ -2,7 +2,8 @@
 
 ``PeerProcess`` is the launcher's record of one process (one incarnation of a peer index): its
 address once it listens, its latest progress and final result, and whether it was started or
-killed. ``last_error`` reads a peer's exception from its log, for the launcher's messages.
+killed. ``Timeline`` is when things happened in the run, for its accounting. ``last_error``
+reads a peer's exception from its log, for the launcher's messages.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PeerProcess", "last_error"]
+__all__ = ["PeerProcess", "Timeline", "last_error"]
 
 
 @dataclass
@@ -31,6 +32,23 @@ class PeerProcess:
     listening: asyncio.Event = field(default_factory=asyncio.Event)
     ready: asyncio.Event = field(default_factory=asyncio.Event)  # joined, waiting for "start"
     finished: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@dataclass
+class Timeline:
+    """When things happened in a local run, on the monotonic clock: the launch, the start of
+    training, each progress line, each version's first publication, each peer's end."""
+
+    t0_mono: float  # the launch
+    duration_s: float | None  # --duration: the run ends this long after the launch
+    train_started: float | None = None  # {"start": true} sent
+    progress_log: list[tuple[float, int, int]] = field(
+        default_factory=list
+    )  # (time, incarnation id, step)
+    version_times: dict[tuple[int, int], float] = field(
+        default_factory=dict
+    )  # (fragment, version) -> first seen
+    done_times: list[float] = field(default_factory=list)  # "done" events
 
 
 def last_error(log_path: Path) -> str:

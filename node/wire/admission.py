@@ -1,5 +1,9 @@
 """Who may be served: every request's key and certificate, checked before its route runs.
 
+The decisions are ``protocol.wire.request_checks`` (sans-IO: headers and ``now`` in, who sent
+it or the refusal out); this module is their aiohttp side: it reads the clock and the headers,
+keeps the result in ``request[ADMITTED]``, and logs refusals.
+
 Requests from peers carry two headers (``protocol.wire.request_auth.RequestAuth``): ``Atoll-Auth``
 (the sender's key signs the swarm id, method, path, time, the peer id of the node it means to
 reach and a nonce) and ``Atoll-Certificate``. The
@@ -23,30 +27,34 @@ id behind an address from the member records (``MemberAddresses``, the transport
 
 from __future__ import annotations
 
-import collections
 import logging
 import os
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import urlsplit
 
 from aiohttp import web
 
-from node.wire.connections import address_key
 from node.wire.tls import origin
+from node.wire.transport import Transport
 from protocol.errors import RemoteProtocolError
 from protocol.ids import peer_id_from_public_key
-from protocol.wire.certificates import CERT_HEADER, Certificate, admit
+from protocol.wire.certificates import CERT_HEADER
 from protocol.wire.membership import ManifestSigner, SwarmManifest
-from protocol.wire.request_auth import AUTH_HEADER, NONCE_BYTES, ReplayCache, RequestAuth
-
-if TYPE_CHECKING:
-    from node.wire.transport import Transport
+from protocol.wire.request_auth import AUTH_HEADER, NONCE_BYTES, RequestAuth
+from protocol.wire.request_checks import (
+    ANONYMOUS,
+    Admitted,
+    Refusals,
+    RequestChecks,
+    RequestHead,
+)
+from protocol.wire.request_checks import unbound_ok as _unbound_ok
 
 __all__ = [
     "ADMITTED",
+    "ANONYMOUS",
     "Admission",
     "Admitted",
     "Identification",
@@ -57,19 +65,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-CERTS_KEPT = 4096
-REFUSED_KEYS_KEPT = 1024
-
-
-@dataclass(frozen=True, slots=True)
-class Admitted:
-    """Who sent a request: their key and certificate (both None for an anonymous open-swarm learner)."""
-
-    public_key: bytes | None
-    cert: Certificate | None
-
-
-ANONYMOUS = Admitted(None, None)
 # where a request's ``Admitted`` is kept for its route (aiohttp >= 3.12 types request keys)
 ADMITTED: Any = (
     web.RequestKey("atoll_admitted", Admitted) if hasattr(web, "RequestKey") else "atoll_admitted"
@@ -107,26 +102,21 @@ def request_headers(
     return out
 
 
-# Routes a client may sign for without knowing the peer id it reaches (first contact with an
-# initial peer's URL, ``atoll status``): what they answer is public to members or proves itself,
-# and the DHT's and RPC's bodies are signed envelopes that name their recipient themselves.
-_UNBOUND_OK = {
-    ("GET", "/v1/swarm/manifest"),
-    ("POST", "/v1/swarm/manifest"),
-    ("GET", "/v1/members"),
-    ("GET", "/v1/dialback"),
-    ("GET", "/v1/status"),
-    ("POST", "/v1/rpc"),
-    ("POST", "/v1/dht"),
-}
-
-
 def unbound_ok(request: web.Request) -> bool:
-    """Whether ``request`` may carry an ``Atoll-Auth`` that names no recipient (see above); every
-    other route (fragments, state sync, long-polls) needs the header to name this node."""
-    path = request.path
-    return (request.method, path) in _UNBOUND_OK or (
-        request.method == "POST" and path.startswith("/v1/dht/")
+    """Whether ``request`` may carry an ``Atoll-Auth`` that names no recipient
+    (``protocol.wire.request_checks.unbound_ok``)."""
+    return _unbound_ok(request.method, request.path)
+
+
+def head_of(request: web.Request) -> RequestHead:
+    """What the checks read of ``request``."""
+    return RequestHead(
+        method=request.method,
+        path=request.path,
+        target=request.path_qs,
+        remote=request.remote or "unknown",
+        auth=request.headers.get(AUTH_HEADER),
+        cert=request.headers.get(CERT_HEADER),
     )
 
 
@@ -148,18 +138,18 @@ class MemberAddresses:
         return self._index.get(origin(url))
 
 
-class _Checks:
-    """The middleware of ``Admission`` and ``Identification``: ``check`` each request before its
-    route runs, keeping who sent it in ``request[ADMITTED]``; a refusal is noted and re-raised
-    (the transport's guard answers it with its 4xx)."""
+class Checked:
+    """An aiohttp middleware that runs ``check`` on each request before its route, keeping who
+    sent it in ``request[ADMITTED]``; a refusal goes to ``refused`` and is re-raised (the
+    transport's guard answers it with its 4xx). ``admitted`` counts the requests let through."""
 
-    admitted = 0
-
-    def check(self, request: web.Request) -> Admitted:
-        raise NotImplementedError
-
-    def note_refusal(self, request: web.Request, exc: RemoteProtocolError) -> None:
-        raise NotImplementedError
+    def __init__(
+        self,
+        check: Callable[[web.Request], Admitted],
+        refused: Callable[[web.Request, RemoteProtocolError], None],
+    ) -> None:
+        self.check, self.refused = check, refused
+        self.admitted = 0
 
     @web.middleware
     async def middleware(
@@ -168,13 +158,13 @@ class _Checks:
         try:
             request[ADMITTED] = self.check(request)
         except RemoteProtocolError as exc:
-            self.note_refusal(request, exc)
+            self.refused(request, exc)
             raise
         self.admitted += 1
         return await handler(request)
 
 
-class Admission(_Checks):
+class Admission:
     """Checks requests against ``manifest()``; ``exempt(request)`` names routes anyone may use."""
 
     def __init__(
@@ -186,75 +176,28 @@ class Admission(_Checks):
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.manifest, self.own_id, self.exempt, self.clock = manifest, own_id, exempt, clock
-        self.replays = ReplayCache()
-        self._verified: collections.OrderedDict[str, Certificate] = collections.OrderedDict()
-        self.refused: collections.Counter[str] = collections.Counter()  # reason -> requests
-        self.refused_keys: collections.OrderedDict[str, str] = (
-            collections.OrderedDict()
-        )  # key hex -> reason
-        self.admitted = 0
+        self.checks = RequestChecks(own_id)
+        self.replays = self.checks.replays
+        self.refusals = Refusals()
+        self.refused = self.refusals.by_reason  # reason -> requests
+        self.refused_keys = self.refusals.by_key  # key hex -> reason
+        self.checked = Checked(self.check, self.note_refusal)
+        self.middleware = self.checked.middleware
+
+    @property
+    def admitted(self) -> int:
+        return self.checked.admitted
 
     def check(self, request: web.Request) -> Admitted:
-        """Who sent ``request``; raises ``NotAuthorized`` (403), ``BadSignature`` or ``AuthRefused``
-        (401: another node's header, an old version, a replay) or ``DecodeError`` (400) with the
-        reason."""
-        manifest = self.manifest()
-        auth_value = request.headers.get(AUTH_HEADER)
-        if auth_value is None:
-            if self.exempt(request):
-                return ANONYMOUS
-            admit(manifest, None, public_key=b"", role=None, now=self.clock())
-            return ANONYMOUS
-        auth = RequestAuth.parse(auth_value)
-        now = self.clock()
-        auth.verify(
-            swarm=manifest.swarm_id,
-            method=request.method,
-            target=request.path_qs,
-            now=now,
-            recipient=self.own_id,
-            unbound_ok=True,
-        )
-        cert = self._admit(
-            manifest, auth, request.headers.get(CERT_HEADER), now
-        )  # a stranger hears why first
-        _take_once(auth, request, self.replays, own_id=self.own_id, now=now)
-        return Admitted(auth.public_key, cert)
-
-    def _admit(
-        self, manifest: SwarmManifest, auth: RequestAuth, cert_value: str | None, now: float
-    ) -> Certificate | None:
-        """The sender's certificate checked against ``manifest`` (None: it sent none, which an
-        open swarm admits); raises ``NotAuthorized`` with the reason."""
-        if not cert_value:
-            admit(manifest, None, public_key=auth.public_key, role=None, now=now)
-            return None
-        known = self._verified.get(cert_value)
-        cert = known if known is not None else Certificate.from_header(cert_value)
-        admit(
-            manifest,
-            cert,
-            public_key=auth.public_key,
-            role=None,
-            now=now,
-            signature_verified=known is not None,
-        )
-        if known is None:
-            self._verified[cert_value] = cert
-            while len(self._verified) > CERTS_KEPT:
-                self._verified.popitem(last=False)
-        else:
-            self._verified.move_to_end(cert_value)
-        return cert
+        """Who sent ``request`` (``RequestChecks.admit`` at the clock's time); raises
+        ``NotAuthorized`` (403), ``BadSignature`` or ``AuthRefused`` (401: another node's header,
+        an old version, a replay) or ``DecodeError`` (400) with the reason."""
+        head = head_of(request)
+        exempt = head.auth is None and self.exempt(request)
+        return self.checks.admit(head, self.manifest(), exempt=exempt, now=self.clock())
 
     def note_refusal(self, request: web.Request, exc: RemoteProtocolError) -> None:
-        self.refused[exc.reason.split(":")[0][:80]] += 1
-        key = request.headers.get(AUTH_HEADER, "").split(" ")
-        who = key[1][:64] if len(key) > 1 else f"anonymous@{request.remote}"
-        self.refused_keys[who] = exc.reason[:200]
-        self.refused_keys.move_to_end(who)
-        while len(self.refused_keys) > REFUSED_KEYS_KEPT:
-            self.refused_keys.popitem(last=False)
+        who = self.refusals.note(head_of(request), exc.reason)
         log.info("refused %s %s from %s: %s", request.method, request.path, who[:16], exc.reason)
 
     def status(self) -> dict[str, object]:
@@ -267,7 +210,7 @@ class Admission(_Checks):
         }
 
 
-class Identification(_Checks):
+class Identification:
     """Who asks, in a development swarm (no manifest, so no admission): requests that carry an
     ``Atoll-Auth`` header are checked (the sender's key signed this swarm's name, the method,
     path and time: a bad signature is a 401, a stale one a 403, as with ``Admission``) and served
@@ -282,8 +225,16 @@ class Identification(_Checks):
     ) -> None:
         self.signer, self.swarm, self.clock = signer, swarm, clock
         self.own_id = peer_id_from_public_key(signer.public_key)
-        self.refused: collections.Counter[str] = collections.Counter()  # reason -> requests
-        self.replays = ReplayCache()
+        self.checks = RequestChecks(self.own_id)
+        self.replays = self.checks.replays
+        self.refusals = Refusals()
+        self.refused = self.refusals.by_reason  # reason -> requests
+        self.checked = Checked(self.check, self.note_refusal)
+        self.middleware = self.checked.middleware
+
+    @property
+    def admitted(self) -> int:
+        return self.checked.admitted
 
     def install(self, transport: Transport) -> None:
         """Sign our requests and check everyone's (before ``transport.start``)."""
@@ -302,35 +253,12 @@ class Identification(_Checks):
         )
 
     def check(self, request: web.Request) -> Admitted:
-        """The request's signer; raises ``BadSignature`` or ``AuthRefused`` (401: another node's
-        header, an old version, a replay), ``NotAuthorized`` (403: too far from our clock) or
-        ``DecodeError`` (400) for a bad header."""
-        value = request.headers.get(AUTH_HEADER)
-        if value is None:
-            return ANONYMOUS
-        auth = RequestAuth.parse(value)
-        now = self.clock()
-        auth.verify(
-            swarm=self.swarm,
-            method=request.method,
-            target=request.path_qs,
-            now=now,
-            recipient=self.own_id,
-            unbound_ok=True,
-        )
-        _take_once(auth, request, self.replays, own_id=self.own_id, now=now)
-        return Admitted(auth.public_key, None)
+        """The request's signer (``RequestChecks.identify`` at the clock's time); raises
+        ``BadSignature`` or ``AuthRefused`` (401: another node's header, an old version, a
+        replay), ``NotAuthorized`` (403: too far from our clock) or ``DecodeError`` (400) for a
+        bad header."""
+        return self.checks.identify(head_of(request), swarm=self.swarm, now=self.clock())
 
     def note_refusal(self, request: web.Request, exc: RemoteProtocolError) -> None:
-        self.refused[exc.reason.split(":")[0][:80]] += 1
+        self.refusals.note(head_of(request), exc.reason)
         log.info("refused %s %s: %s", request.method, request.path, exc.reason)
-
-
-def _take_once(
-    auth: RequestAuth, request: web.Request, replays: ReplayCache, *, own_id: bytes, now: float
-) -> None:
-    """After ``auth`` verified: refuse it on a route that needs a recipient when it names none,
-    then take it once (``replays``, counted per sender address). Raises ``AuthRefused``."""
-    if not unbound_ok(request):
-        auth.check_bound(own_id)
-    replays.admit(auth, address_key(request.remote or "unknown"), now)

@@ -1,11 +1,13 @@
 """Connections, counted before anything is parsed: the server's own accept loop and a deadline
 on every request head.
 
-``_GatedSite`` runs the accept loop: each accepted socket is counted under its remote address (an
-IPv6 address by its /64, ``address_key``) before a TLS handshake or an HTTP byte is read. Beyond
-``conns_per_ip`` for that address or ``conns`` in all (``ServeLimits``), the oldest connection
-there without a request in progress is closed to make room, and the newcomer is reset only when
-there is none (``Connections``). An admitted socket gets a ``_Gate`` in front of aiohttp's request
+``_GatedSite`` runs the accept loop: each accepted socket is counted under its remote address
+before a TLS handshake or an HTTP byte is read, as long-polls are (``PrefixCounts``): an IPv4
+address itself, an IPv6 one at its /64, /56 and /48, each held to ``PREFIX_SHARES`` times
+``conns_per_ip``. Beyond that for any of its prefixes, or ``conns`` in all (``ServeLimits``), the
+oldest connection in that prefix (or anywhere) without a request in progress is closed to make
+room, and the newcomer is reset only when there is none (``Connections``). So many addresses of
+one /48 hold at most 16 addresses' worth, never every slot. An admitted socket gets a ``_Gate`` in front of aiohttp's request
 handler, which gives up its place when the connection closes (whichever way) and holds a header
 deadline: the first request head (TLS handshake included) must be complete within
 ``head_timeout_s`` of the accept, and every later one within ``head_timeout_s`` of its first
@@ -25,19 +27,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import logging
 import socket
 import ssl
 import struct
 from collections import Counter
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Literal
+from typing import Literal, Protocol
 
 from aiohttp import web
 
-if TYPE_CHECKING:
-    from node.wire.transport import ServeLimits
+from protocol.dht.netgroups import PrefixCounts, counted_prefixes, sender_key
 
 __all__ = ["Connections", "address_key"]
 
@@ -57,22 +57,27 @@ _RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends a reset and
 _Phase = Literal["pending", "busy", "idle", "closed"]
 
 
-def address_key(ip: str) -> str:
-    """What an address is counted under: an IPv4 address itself (also when IPv4-mapped), an
-    IPv6 address by its /64 (one host commonly holds a whole /64); anything else as it is."""
-    try:
-        addr = ipaddress.ip_address(ip.partition("%")[0])
-    except ValueError:
-        return ip
-    if isinstance(addr, ipaddress.IPv6Address):
-        if addr.ipv4_mapped is None:
-            return str(ipaddress.IPv6Network((addr, 64), strict=False))
-        addr = addr.ipv4_mapped
-    return str(addr)
+address_key = sender_key  # what an address is counted under (IPv6 by its /64; see netgroups)
+
+
+class ConnectionLimits(Protocol):
+    """The caps and deadlines connections are held to (``node.wire.transport.ServeLimits``)."""
+
+    @property
+    def conns_per_ip(self) -> int: ...
+    @property
+    def conns(self) -> int: ...
+    @property
+    def head_timeout_s(self) -> float: ...
+    @property
+    def reply_idle_s(self) -> float: ...
+    @property
+    def send_buffer(self) -> int | None: ...
+    def reply_deadline_s(self, size: int | None) -> float: ...
 
 
 class Connections:
-    """The server's open connections, per address key (``address_key``) and in all.
+    """The server's open connections, per address prefix (``PrefixCounts``) and in all.
 
     At a cap, room is made by closing the oldest connection of that address (or, when the
     server is full, of any) that is *pending* (no complete request head yet: most likely a
@@ -82,9 +87,9 @@ class Connections:
     busy with a request that is not stalled. So a flood from one address holds at most the cap,
     and an honest client (even one behind the same address) still gets in."""
 
-    def __init__(self, limits: ServeLimits) -> None:
+    def __init__(self, limits: ConnectionLimits) -> None:
         self.limits = limits
-        self.open: Counter[str] = Counter()
+        self.by_prefix = PrefixCounts(limits.conns_per_ip)
         self.total = 0
         self.refused = 0  # reset at accept: no room
         self.evicted = 0  # closed to make room for a newer connection
@@ -100,17 +105,32 @@ class Connections:
         ] = {}  # replies whose writes backed up, longest-stalled first
         self._gates: dict[object, _Gate] = {}  # aiohttp's request handler -> its gate
 
-    def admit(self, ip: str) -> str | None:
-        """Count a new connection from ``ip`` (making room if need be) and return its key, or
-        None when there is no room."""
-        key = address_key(ip)
-        per_ip_full = self.open[key] >= self.limits.conns_per_ip and not self._evict(key)
-        if per_ip_full or (self.total >= self.limits.conns and not self._evict(None)):
+    @property
+    def open(self) -> Counter[str]:
+        """Open connections per counted key: an IPv4 address; an IPv6 /64, /56 and /48."""
+        return self.by_prefix.held
+
+    def admit(self, ip: str) -> bool:
+        """Count a new connection from ``ip`` (making room if need be); False when there is no
+        room."""
+        if not self._room_in_prefixes(ip) or (
+            self.total >= self.limits.conns and not self._evict(None)
+        ):
             self.refused += 1
-            return None
-        self.open[key] += 1
+            return False
+        self.by_prefix.add(ip)
         self.total += 1
-        return key
+        return True
+
+    def _room_in_prefixes(self, ip: str) -> bool:
+        """Whether ``ip`` may open one more, after closing a connection in each full prefix of
+        it if one can be closed (one per prefix at most: each frees room in the narrower too)."""
+        for prefix, share in counted_prefixes(ip):
+            if self.by_prefix.held[prefix] >= self.by_prefix.cap * share and not self._evict(
+                prefix
+            ):
+                return False
+        return True
 
     def gate(self, handler: object) -> _Gate | None:
         """The gate in front of aiohttp's request handler ``handler`` (``request.protocol``)."""
@@ -123,7 +143,7 @@ class Connections:
 
     def _evict(self, key: str | None) -> bool:
         for group in (self._pending, self._idle, self._stalled):
-            victim = next((g for g in group if key is None or g.key == key), None)
+            victim = next((g for g in group if key is None or key in g.prefixes), None)
             if victim is not None:
                 self.evicted += 1
                 victim.evict()
@@ -141,9 +161,7 @@ class Connections:
         elif state == "closed":
             self._stalled.pop(gate, None)
             self.total -= 1
-            self.open[gate.key] -= 1
-            if self.open[gate.key] <= 0:
-                del self.open[gate.key]
+            self.by_prefix.remove(gate.ip)
 
 
 class _Gate(asyncio.Protocol):
@@ -155,11 +173,12 @@ class _Gate(asyncio.Protocol):
     def __init__(
         self,
         conns: Connections,
-        key: str,
+        ip: str,
         make_handler: Callable[[], asyncio.Protocol],
         deadline: float,
     ) -> None:
-        self.conns, self.key, self.make_handler = conns, key, make_handler
+        self.conns, self.ip, self.make_handler = conns, ip, make_handler
+        self.prefixes = frozenset(key for key, _ in counted_prefixes(ip))  # where it is counted
         self.deadline = deadline  # the first request head must be complete by then (loop time)
         self.loop = asyncio.get_running_loop()
         self.opening: asyncio.Task[None] | None = None
@@ -376,8 +395,7 @@ class _GatedSite(web.BaseSite):
                     break
 
     def _admit(self, conn: socket.socket, ip: str, tg: asyncio.TaskGroup) -> None:
-        key = self._conns.admit(ip)
-        if key is None:
+        if not self._conns.admit(ip):
             with contextlib.suppress(OSError):
                 conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET)
             conn.close()
@@ -388,7 +406,7 @@ class _GatedSite(web.BaseSite):
         server = self._runner.server
         assert server is not None
         loop = asyncio.get_running_loop()
-        gate = _Gate(self._conns, key, server, loop.time() + self._conns.limits.head_timeout_s)
+        gate = _Gate(self._conns, ip, server, loop.time() + self._conns.limits.head_timeout_s)
         self._unopened.add(conn)
         tg.create_task(self._open(conn, gate))
 

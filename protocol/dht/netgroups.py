@@ -1,6 +1,12 @@
 """Which addresses count as one sender: per-address caps over IPv6 prefixes, and the network
 groups that keep a routing bucket diverse.
 
+**One sender key.** ``sender_key`` is the one function that says under which key a sender's
+address is counted, everywhere (record fair shares, Store and manifest-post rate limits, auth
+replays, connections, bodies, replies, long-polls): an IPv4 address as itself (a /32; also when
+IPv4-mapped), an IPv6 address by its /64, zone ids stripped, and anything that is not an IP
+address as its text cut to 64 characters (a bounded key whatever the peer sends).
+
 **Per-address caps.** An IPv4 address is one sender. IPv6 hands whole prefixes to one party: a
 host commonly gets a /64, a subscriber a /56 (RFC 6177's recommendation for homes), a site or a
 rented server a /48. Counting IPv6 only per /64 let one /56 count as 256 senders and one /48 as
@@ -26,7 +32,13 @@ from __future__ import annotations
 import ipaddress
 from collections import Counter
 
-__all__ = ["PREFIX_SHARES", "PrefixCounts", "counted_prefixes", "diversity_group"]
+__all__ = [
+    "PREFIX_SHARES",
+    "PrefixCounts",
+    "counted_prefixes",
+    "diversity_group",
+    "sender_key",
+]
 
 PREFIX_SHARES = {64: 1, 56: 4, 48: 16}  # IPv6 prefix length -> how many caps it may hold
 V4_GROUP, V6_GROUP = 24, 48
@@ -42,15 +54,24 @@ def _ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
     return addr
 
 
-def counted_prefixes(ip: str) -> list[tuple[str, int]]:
-    """(key, share) pairs ``ip`` counts under, narrowest first: ``[(ipv4, 1)]`` for IPv4 (also
-    IPv4-mapped), the /64, /56 and /48 with ``PREFIX_SHARES`` for IPv6, ``[(ip, 1)]`` for
-    anything else (cut to 64 characters)."""
+def sender_key(ip: str) -> str:
+    """The key ``ip`` is counted under (see the module docstring): an IPv4 address, an IPv6 /64
+    (no zone id), or other text cut to 64 characters. The narrowest of ``counted_prefixes``."""
     addr = _ip(ip)
     if addr is None:
-        return [(ip[:64], 1)]
+        return ip[:64]
     if isinstance(addr, ipaddress.IPv4Address):
-        return [(str(addr), 1)]
+        return str(addr)
+    return str(ipaddress.IPv6Network((addr, 64), strict=False))
+
+
+def counted_prefixes(ip: str) -> list[tuple[str, int]]:
+    """(key, share) pairs ``ip`` counts under, narrowest first, the first always
+    ``(sender_key(ip), 1)``: only that for IPv4 (also IPv4-mapped) and for anything that is not
+    an IP address; for IPv6 its /64, /56 and /48 with their ``PREFIX_SHARES``."""
+    addr = _ip(ip)
+    if not isinstance(addr, ipaddress.IPv6Address):
+        return [(sender_key(ip), 1)]
     return [
         (str(ipaddress.IPv6Network((addr, bits), strict=False)), share)
         for bits, share in PREFIX_SHARES.items()

@@ -9,7 +9,8 @@ Republishing is the node's job: it re-signs its own records with a later expiry 
 again on the ``k`` nearest peers (the paper's hourly republish); the store never re-signs.
 
 Room policy: fair share first, expiry second. Each record is charged to the *source* that last
-stored it (the requester's IP, an IPv6 /64, ``source_key``; "" for the node's own). When a
+stored it (the requester's IP, an IPv6 /64: ``source_key``, which is
+``protocol.dht.netgroups.sender_key``; "" for the node's own). When a
 record from source ``s`` does not fit (the key is full, or the store's bytes are), the store
 looks at the source that holds the most (subkeys of that key, or bytes of the store):
 
@@ -30,11 +31,11 @@ when a newcomer is finally refused (they only ever took from heavier sources).
 from __future__ import annotations
 
 import heapq
-import ipaddress
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from protocol.dht.netgroups import sender_key
 from protocol.dht.signed_record import DEFAULT_MAX_VALUE_BYTES, SignedRecord, verify_record
 from protocol.errors import LocalProtocolError, Oversize
 
@@ -56,18 +57,7 @@ class PutResult:
     evicted: int = 0
 
 
-def source_key(address: str) -> str:
-    """Who a request came from, for rate limits and fair shares: an IPv4 address, or the /64 of
-    an IPv6 one (one host commonly holds a whole /64); anything else as given, cut to 64 chars."""
-    try:
-        ip = ipaddress.ip_address(address)
-    except ValueError:
-        return address[:64]
-    if isinstance(ip, ipaddress.IPv6Address):
-        if ip.ipv4_mapped is not None:
-            return str(ip.ipv4_mapped)
-        return str(ipaddress.IPv6Network((ip, 64), strict=False))
-    return str(ip)
+source_key = sender_key  # who a request came from, for fair shares and rate limits
 
 
 _Item = tuple[float, int, bytes, bytes]  # (expires_at, seq, key, subkey): stale once seq differs

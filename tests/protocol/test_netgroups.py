@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-import pytest
+import ipaddress
 
-from protocol.dht.netgroups import PrefixCounts, counted_prefixes, diversity_group
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from protocol.dht.netgroups import PrefixCounts, counted_prefixes, diversity_group, sender_key
 
 
 def test_ipv6_counts_at_its_64_56_and_48_and_ipv4_as_itself() -> None:
@@ -53,3 +57,57 @@ def test_a_56_cannot_multiply_its_share_by_changing_its_64() -> None:
 )
 def test_diversity_groups(address: str, group: str | None) -> None:
     assert diversity_group(address) == group
+
+
+# ── sender_key: the one key a sender's address is counted under ─────────────────────────────
+
+_V6 = st.integers(min_value=0, max_value=(1 << 128) - 1).map(ipaddress.IPv6Address)
+_V4 = st.integers(min_value=0, max_value=(1 << 32) - 1).map(ipaddress.IPv4Address)
+_ZONE = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789", min_size=1, max_size=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(st.text(max_size=200), _V4.map(str), _V6.map(str)))
+def test_sender_key_is_the_narrowest_counted_prefix_and_is_bounded(text: str) -> None:
+    key = sender_key(text)
+    assert counted_prefixes(text)[0] == (key, 1)
+    assert len(key) <= 64
+    assert sender_key(key) == key  # a key counts as itself: idempotent
+
+
+@settings(max_examples=300, deadline=None)
+@given(_V4)
+def test_ipv4_counts_as_itself_also_when_mapped(v4: ipaddress.IPv4Address) -> None:
+    mapped = ipaddress.IPv6Address((0xFFFF << 32) | int(v4))
+    assert sender_key(str(v4)) == sender_key(str(mapped)) == str(v4)
+    assert counted_prefixes(str(mapped)) == [(str(v4), 1)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(_V6, st.integers(min_value=0, max_value=(1 << 64) - 1), _ZONE)
+def test_ipv6_counts_by_its_64_whatever_its_host_bits_and_zone(
+    v6: ipaddress.IPv6Address, host: int, zone: str
+) -> None:
+    if v6.ipv4_mapped is not None:
+        return
+    same_64 = ipaddress.IPv6Address((int(v6) >> 64 << 64) | host)
+    key = sender_key(str(v6))
+    assert key == sender_key(str(same_64)) == sender_key(f"{same_64}%{zone}")
+    assert key == str(ipaddress.IPv6Network((v6, 64), strict=False))
+    other_64 = ipaddress.IPv6Address(int(v6) ^ (1 << 64))
+    if other_64.ipv4_mapped is None:
+        assert sender_key(str(other_64)) != key
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(min_size=0, max_size=300).filter(lambda t: _not_ip(t)))
+def test_other_text_is_cut_to_64_characters(text: str) -> None:
+    assert sender_key(text) == text[:64]
+
+
+def _not_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text.partition("%")[0])
+    except ValueError:
+        return True
+    return False

@@ -447,3 +447,38 @@ async def test_garbage_and_forgeries_get_4xx_and_the_node_keeps_working() -> Non
         )
         assert status == 200 and not isinstance(reply, bytes)
         assert isinstance((await raw(net, url, mallory, Ping(sender=info(mallory))))[1], Pong)
+
+
+async def test_a_cancelled_call_gives_the_reply_buffer_back_only_after_its_reader_finished(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A big reply is verified in a worker thread that reads the pooled buffer: when the call is
+    cancelled meanwhile, the buffer must not go back to the pool (and be reused) before the
+    thread is done with it."""
+    from node.dht import lookups
+    from node.wire.transport import Reply
+
+    events: list[str] = []
+
+    async def slow_open(*_a: object, **_kw: object) -> None:
+        await asyncio.to_thread(time.sleep, 0.2)  # a thread hashing the body
+        events.append("read")
+        raise AssertionError("the call was cancelled: nobody looks at this")
+
+    class OneReply:
+        @asynccontextmanager
+        async def reply(self, *_a: object, **_kw: object) -> AsyncIterator[Reply]:
+            try:
+                yield Reply(200, memoryview(bytearray(64)), {})
+            finally:
+                events.append("given back")
+
+    monkeypatch.setattr(lookups, "open_off_loop", slow_open)
+    monkeypatch.setattr(lookups, "split_sealed", lambda body, **_kw: (None, body))
+    node = DHTNode(signer(1), OneReply(), "")  # type: ignore[arg-type]
+    call = asyncio.create_task(node.caller.call("http://x/v1/dht", Ping(sender=node.me)))
+    await asyncio.sleep(0.05)
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    assert events == ["read", "given back"]

@@ -7,10 +7,12 @@ any "fenced" answer stopped it too."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
 import types
+from collections.abc import AsyncIterator
 
 import pytest
 import torch
@@ -21,6 +23,7 @@ from node.diloco.flat import flat_digest
 from node.diloco.replica import NOT_A_MEMBER, NotAMemberThere, encode_state, hand_over
 from node.peer import PeerNode
 from node.peer.handoffs import _FencedBy
+from node.wire.transport import Reply
 from protocol.diloco.replica import PREDECESSOR_LEAD
 from protocol.errors import RemoteProtocolError
 from protocol.wire.codec import encode
@@ -168,6 +171,10 @@ class _Answering:
     async def request(self, *a: object, **kw: object) -> tuple[int, bytearray, int, dict[str, str]]:
         return self.status, bytearray(self.body), len(self.body), {}
 
+    @contextlib.asynccontextmanager
+    async def reply(self, *a: object, **kw: object) -> AsyncIterator[Reply]:
+        yield Reply(self.status, memoryview(self.body), {})
+
 
 def _state() -> ReplicaState:
     theta = torch.zeros(4)
@@ -230,13 +237,13 @@ async def test_a_fenced_answer_that_names_no_fence_is_routed_around(monkeypatch)
 def test_the_peer_level_attacks_parse_and_the_address_attacker_is_learner_only(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from node.run.attack import parse_local_attack
     from node.run.attack_peer import is_peer_attack
-    from node.run.local import LocalSwarm
+    from node.run.local import LaunchPlan, LocalSwarm
     from node.wire.identity import load_certificate
 
     assert parse_local_attack("1:forge-handoffs") == (1, "forge-handoffs")
     assert parse_local_attack("2:claim-address") == (2, "claim-address")
     assert is_peer_attack("forge-handoffs") and not is_peer_attack("scale=10")
     extra = {1: ["--attack", "forge-handoffs"], 2: ["--attack", "claim-address"]}
-    LocalSwarm(RunConfig(peers=3), tmp_path, extra_peer_args=extra).make_swarm()
+    LocalSwarm(RunConfig(peers=3), tmp_path, LaunchPlan(extra_peer_args=extra)).make_swarm()
     roles = [load_certificate(tmp_path / "swarm" / f"peer{i}.cert").roles for i in range(3)]
     assert roles == [("learner", "owner"), ("learner", "owner"), ("learner",)]

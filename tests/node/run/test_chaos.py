@@ -265,3 +265,71 @@ def test_a_learner_kill_takes_any_peer_when_every_peer_owns_a_fragment() -> None
     decisions = schedule.tick(10.0, [0, 1, 2, 3], [0, 1, 2, 3])
     assert len(decisions) == 1 and isinstance(decisions[0], Kill)
     assert "learners (all own fragments)" in decisions[0].reason
+
+
+# --- the driver and the accounting, on a fake launcher --------------------------------------------
+
+
+class _FakeLauncher:
+    """The ``Launcher`` the chaos driver drives: peers that train until the first kill."""
+
+    def __init__(self, peers: int) -> None:
+        import types
+        from pathlib import Path
+
+        from node.config import RunConfig
+
+        self.cfg, self.run_dir, self.startup_timeout_s = RunConfig(peers=peers), Path("."), 1.0
+        self.killed: list[int] = []
+        self.peers = [
+            types.SimpleNamespace(
+                index=i,
+                started=True,
+                killed=False,
+                result=None,
+                incarnation=0,
+                proc=types.SimpleNamespace(returncode=None),
+                url="",
+            )
+            for i in range(peers)
+        ]
+
+    def kill(self, peer) -> None:  # type: ignore[no-untyped-def]
+        peer.killed = True
+        for other in self.peers:  # then the others finish: the driver has nothing left to do
+            if other is not peer:
+                other.result = {}
+
+    async def spawn(self, *a: object, **kw: object) -> None:
+        raise AssertionError("no restart in this schedule")
+
+    async def read(self, peer: object) -> None:
+        pass
+
+    async def send(self, peer: object, msg: object) -> None:
+        pass
+
+
+async def test_the_chaos_driver_kills_on_its_launcher_and_the_accounting_reports_it() -> None:
+    import asyncio
+    import time
+
+    from node.run.local_chaos import ChaosDriver, run_accounting
+    from node.run.local_peers import Timeline
+
+    launcher = _FakeLauncher(4)
+    timeline = Timeline(t0_mono=time.monotonic(), duration_s=None)
+    timeline.train_started = timeline.t0_mono - 1.0  # the kill is due at once
+    driver = ChaosDriver(parse_chaos("kill=2@1s", peers=4), launcher, timeline)  # type: ignore[arg-type]
+    async with asyncio.timeout(10.0), asyncio.TaskGroup() as tg:
+        await driver.run(launcher.run_dir, tg, [])
+    assert [p.killed for p in launcher.peers] == [False, False, True, False]
+    assert launcher.killed == [2] and driver.restarts[0]["peer"] == 2 and driver.events
+    timeline.progress_log += [(timeline.train_started + s, 1, s) for s in range(10)]
+    timeline.done_times.append(timeline.train_started + 10.0)
+    report = run_accounting(launcher.cfg, timeline, driver, [])
+    assert report["chaos"] == "kill=2@1s" and report["chaos_events"] == driver.events
+    assert report["median_step_s"] == pytest.approx(1.0) and report["training_s"] == pytest.approx(
+        10.0
+    )
+    assert run_accounting(launcher.cfg, timeline, None, [])["chaos_events"] == []

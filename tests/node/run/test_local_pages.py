@@ -47,7 +47,7 @@ async def test_each_peer_page_is_printed_when_it_listens(
             "peer_id": "ab",
         }
         peer = PeerProcess(index, _Proc(_Lines(listening)), tmp_path / f"peer{index}.log")  # type: ignore[arg-type]
-        await swarm._read(peer)
+        await swarm.read(peer)
         assert peer.url == f"http://127.0.0.1:{port}"
     printed = capsys.readouterr().out.splitlines()
     expected = ["peer 0: http://127.0.0.1:41001/", "peer 1: http://127.0.0.1:41002/"]

@@ -342,3 +342,48 @@ def test_addresses_are_counted_per_ipv4_address_and_per_ipv6_64() -> None:
         ServeLimits(conns_per_ip=0)
     with pytest.raises(ValueError):
         ServeLimits(head_timeout_s=0)
+
+
+def test_every_place_that_counts_senders_uses_sender_key() -> None:
+    """One function says which key a sender's address is counted under (netgroups)."""
+    from protocol.dht.netgroups import sender_key
+    from protocol.dht.record_store import source_key
+
+    assert address_key is sender_key and source_key is sender_key
+    assert address_key("x" * 100) == "x" * 64  # other text is cut, as the record store did
+    assert source_key("fe80::1%eth0") == "fe80::/64"  # zones are stripped, as connections did
+
+
+class _Handler(asyncio.Protocol):
+    pass
+
+
+async def test_many_addresses_of_one_48_cannot_take_every_connection_slot() -> None:
+    """Counted per /64 only, 32 /64s of one /48 took all 64 slots; counted at the /56 and /48
+    too (``PrefixCounts``, as long-polls are), the /48 holds 16 caps' worth and no more."""
+    from node.wire.connections import Connections, _Gate
+
+    limits = ServeLimits(conns_per_ip=2, conns=64)
+    conns = Connections(limits)
+    loop = asyncio.get_running_loop()
+
+    def connect(ip: str) -> _Gate | None:
+        return _Gate(conns, ip, _Handler, loop.time() + 60) if conns.admit(ip) else None
+
+    # every /64 of the /48 (256 /56s x 2 /64s) opens one idle, pending connection after another
+    flood = [f"2001:db8:7:{s:02x}{h:02x}::1" for s in range(256) for h in range(2)]
+    for ip in flood:
+        connect(ip)
+    assert conns.open["2001:db8:7::/48"] == 16 * limits.conns_per_ip == conns.total
+    assert conns.refused == 0  # newcomers took the place of the /48's oldest, not anyone else's
+    # the rest of the server is free: an honest IPv4 client and another /48 get every slot left
+    honest = [connect(f"192.0.2.{i}") for i in range(1, 17)]
+    honest += [connect(f"2001:db8:8:{i:x}00::1") for i in range(16)]
+    assert all(g is not None for g in honest) and conns.total == 64 and conns.evicted > 0
+    # busy connections are never closed for room: a full /48 then refuses its own newcomers
+    for gate in list(conns._pending):
+        if "2001:db8:7::/48" in gate.prefixes:
+            conns._state(gate, "busy")
+    evicted = conns.evicted
+    assert connect("2001:db8:7:ffff::9") is None and conns.evicted == evicted
+    assert conns.open["2001:db8:7::/48"] == 32
