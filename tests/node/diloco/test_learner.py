@@ -1,7 +1,8 @@
 """The island's network side (IslandNet) against in-memory owners, with a fake clock.
 
-No sockets and no sleeps: contributions go through ``MemoryTransport`` to real
-``FragmentOwner`` objects, sealed and verified both ways.
+No sockets: contributions go through ``MemoryTransport`` to real ``FragmentOwner`` objects,
+sealed and verified both ways, and timeouts run on a fake clock. Two tests wait on real
+concurrency (sync mode's blocked step on a thread; a slow owner's task), polling every 10 ms.
 """
 
 from __future__ import annotations
