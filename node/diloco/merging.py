@@ -48,10 +48,16 @@ class Rejected(MergeFailed):
     when none did, are the whole round); ``helped`` lowered it alone."""
 
     def __init__(
-        self, reason: str, culprits: frozenset[bytes], helped: frozenset[bytes], whole: bool
+        self,
+        reason: str,
+        culprits: frozenset[bytes],
+        helped: frozenset[bytes],
+        whole: bool,
+        severity: Mapping[bytes, float] | None = None,
     ) -> None:
         super().__init__(reason, culprits)
         self.helped, self.whole = helped, whole
+        self.severity = dict(severity or {})  # per culprit: its harm in noise margins
 
 
 class Fenced(MergeFailed):
@@ -269,5 +275,11 @@ class VersionMaker:
             self.log.note_validation(check.record)
         verdict = check.verdict
         if not verdict.publish:
-            raise Rejected(verdict.reason, verdict.drop, verdict.helped, whole=verdict.whole)
+            raise Rejected(
+                verdict.reason,
+                verdict.drop,
+                verdict.helped,
+                whole=verdict.whole,
+                severity=verdict.severity,
+            )
         return verdict.helped

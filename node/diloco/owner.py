@@ -475,7 +475,11 @@ class FragmentOwner:
         """Tell the merger a merge failed, dropping the work ``exc`` names, and count it."""
         if isinstance(exc, Rejected):
             self.reputation.rejected(
-                exc.culprits, exc.helped, whole=exc.whole, version=self.version
+                exc.culprits,
+                exc.helped,
+                whole=exc.whole,
+                version=self.version,
+                severity=exc.severity,
             )
             failed = self.merger.on_merge_failed(exc.reason, now=self.clock(), discard=exc.culprits)
             log.warning(

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -116,14 +116,22 @@ class Reputation:
             self.standing.record(e.peer, event, version=version)
 
     def rejected(
-        self, culprits: frozenset[bytes], helped: frozenset[bytes], *, whole: bool, version: int
+        self,
+        culprits: frozenset[bytes],
+        helped: frozenset[bytes],
+        *,
+        whole: bool,
+        version: int,
+        severity: Mapping[bytes, float] | None = None,
     ) -> None:
         """Count a candidate validation rejected against the senders it names (a round dropped
-        whole blames no one of them: no standing lost), and for those that helped."""
+        whole blames no one of them: no standing lost), and for those that helped. ``severity``:
+        each culprit's harm in noise margins, which weights its ``HURT``."""
         for peer in culprits:
             self.counts.penalties[peer]["round_dropped" if whole else "hurt"] += 1
             if not whole:
-                self.standing.record(peer, Event.HURT, version=version)
+                weight = (severity or {}).get(peer)  # None: not measured, the whole effect
+                self.standing.record(peer, Event.HURT, version=version, severity=weight)
         for peer in helped:
             self.counts.penalties[peer]["helped"] += 1
             self.standing.record(peer, Event.HELPED, version=version)

@@ -6,7 +6,9 @@ candidate version) limits what one contribution can do; none of them remembers. 
 every contribution is clipped keeps a clipped share of every merge for ever. ``Standing`` is that
 memory: each outcome the owner sees is an ``Event`` with a fixed effect on the sender's score,
 
-  * bad outcomes (``CLIPPED``, ``REFUSED``, ``HURT``) subtract at once; ``BOUNDED`` (a claim
+  * bad outcomes (``CLIPPED``, ``REFUSED``, ``HURT``) subtract at once, a ``HURT`` weighted by
+    how far beyond the noise it was (``hurt_scale``: honest false positives sit just past it,
+    attacks far beyond); ``BOUNDED`` (a claim
     capped to what the owner can see) earns nothing;
   * good ones (``MERGED`` cleanly, ``HELPED`` the validation loss) add a small credit, at most one
     credit per key and version and never above ``max_credit`` (a key costs nothing, so a fresh one
@@ -31,7 +33,17 @@ import enum
 import math
 from dataclasses import dataclass
 
-__all__ = ["Event", "Standing", "StandingConfig"]
+__all__ = ["Event", "Standing", "StandingConfig", "hurt_scale"]
+
+
+def hurt_scale(severity: float) -> float:
+    """A ``HURT``'s weight from its severity in noise margins: half its effect just past the noise
+    (an honest false positive's usual size), the whole at 2 margins, at most twice it from 4
+    (a sign flip's or an inner-product attack's usual size); 1 for a severity that is not a
+    number."""
+    if not math.isfinite(severity):
+        return 2.0 if severity > 0 else 1.0
+    return min(2.0, max(0.5, severity / 2.0))
 
 
 class Event(enum.Enum):
@@ -108,8 +120,13 @@ class Standing:
         record = self._records.get(peer)
         return 0.0 if record is None else self._current(record, version)
 
-    def record(self, peer: bytes, event: Event, *, version: int) -> float:
-        """Count ``event`` against (or for) ``peer`` at ``version``; returns its new score."""
+    def record(
+        self, peer: bytes, event: Event, *, version: int, severity: float | None = None
+    ) -> float:
+        """Count ``event`` against (or for) ``peer`` at ``version``; returns its new score.
+        ``severity`` scales a loss: a ``HURT`` measured in noise margins (1: just past the noise,
+        where validation's false positives on honest work sit), as ``hurt_scale`` maps it; None: the
+        event's whole effect."""
         cfg = self.config
         record = self._records.pop(peer, None)
         if record is None:
@@ -117,6 +134,8 @@ class Standing:
             record = _Record(0.0, version, -1)
         score = self._current(record, version)
         effect = cfg.effect(event)
+        if event is Event.HURT and severity is not None:
+            effect *= hurt_scale(severity)
         if effect > 0:
             if version <= record.credited:
                 effect = 0.0  # one credit per version: a key cannot farm standing inside a round

@@ -40,7 +40,7 @@ import math
 import random
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = [
     "Comparison",
@@ -137,19 +137,26 @@ def compare(
     return Comparison(mean, margin, mean > margin)
 
 
+def _severity(c: Comparison) -> float:
+    """How far beyond noise a rise is, in margins (1: just past it)."""
+    return c.rise / c.margin if c.margin > 0 and math.isfinite(c.rise) else 1.0
+
+
 @dataclass(frozen=True, slots=True)
 class Verdict:
     """What to do with a candidate: ``publish`` it, or not and ``drop`` these senders'
     contributions (all of them: drop the round); ``helped``: the senders whose work, scored alone,
     lowered the loss beyond noise (of a published candidate too, when it was scored); ``reason``:
     one line with the numbers; ``whole``: the round is dropped because the harm is in the
-    combination (no single contribution hurt alone)."""
+    combination (no single contribution hurt alone); ``severity``: per sender dropped for
+    hurting alone, its rise over the noise margin (>= 1; a false positive sits near 1)."""
 
     publish: bool
     drop: frozenset[bytes]
     helped: frozenset[bytes]
     reason: str
     whole: bool = False
+    severity: Mapping[bytes, float] = field(default_factory=dict)
 
 
 def judge(
@@ -192,6 +199,7 @@ def judge(
             helped,
             f"the candidate {what} {overall}; "
             f"{len(hurt)} of {len(scores)} contributions hurt alone: {detail}",
+            severity={p: _severity(scores[p]) for p in hurt},
         )
     if (
         not overall.hurts

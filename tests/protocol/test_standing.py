@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from protocol.diloco.standing import Event, Standing, StandingConfig
+from protocol.diloco.standing import Event, Standing, StandingConfig, hurt_scale
 
 CFG = StandingConfig()
 events = st.sampled_from(list(Event))
@@ -378,3 +378,39 @@ def test_replica_state_norm_senders_pair_up_with_the_norms_or_are_absent() -> No
     for bad in ((_key(1),), (_key(1), b"short")):
         with pytest.raises(DecodeError):
             _replica_state(norm_history=(1.0, 2.0), norm_senders=bad)
+
+
+def test_a_hurt_weighs_by_its_severity_so_honest_false_positives_do_not_get_a_key_refused() -> None:
+    """An honest learner flagged just past the noise once every 5 versions (4x the rate measured
+    at H = 20 under validation rule 2) stays above the threshold for 200 versions; an attacker
+    flagged at 4 margins as often is refused, and one flagged at 4 margins once every 3 versions
+    stays refused. With every HURT at full weight the honest learner would fall below too."""
+    standing, honest, attacker, steady = Standing(), _key(1), _key(2), _key(3)
+    flat = Standing()
+    lowest_honest, lowest_flat = 0.0, 0.0
+    for version in range(1, 201):
+        for key, severity, every in ((honest, 1.1, 5), (attacker, 4.0, 5), (steady, 4.0, 3)):
+            if version % every == 0:
+                standing.record(key, Event.HURT, version=version, severity=severity)
+            else:
+                standing.record(key, Event.MERGED, version=version)
+        lowest_honest = min(lowest_honest, standing.score(honest, version=version))
+        if version % 5 == 0:  # the same record, every HURT at its whole effect
+            flat.record(honest, Event.HURT, version=version)
+        else:
+            flat.record(honest, Event.MERGED, version=version)
+        lowest_flat = min(lowest_flat, flat.score(honest, version=version))
+    assert lowest_honest > CFG.threshold > lowest_flat  # weighted: kept; unweighted: refused
+    assert standing.score(attacker, version=200) < lowest_honest
+    assert standing.refused(steady, version=200) is not None
+    assert hurt_scale(1.0) == 0.5 and hurt_scale(2.0) == 1.0 and hurt_scale(9.0) == 2.0
+    assert hurt_scale(float("nan")) == 1.0 and hurt_scale(float("inf")) == 2.0
+
+
+def test_other_events_ignore_severity_and_an_unmeasured_hurt_weighs_in_whole() -> None:
+    a, b = Standing(), Standing()
+    for event in (e for e in Event if e is not Event.HURT):
+        assert a.record(_key(1), event, version=1, severity=8.0) == b.record(
+            _key(1), event, version=1
+        )
+    assert a.record(_key(2), Event.HURT, version=1) == CFG.hurt

@@ -100,6 +100,7 @@ def test_the_contribution_that_raises_the_loss_is_dropped(
     assert b"\xff" in verdict.drop
     assert verdict.drop == {b"\xff"}  # every honest one is kept
     assert set(honest_steps) <= verdict.helped
+    assert set(verdict.severity) == verdict.drop and verdict.severity[b"\xff"] >= 1.0
 
 
 @settings(max_examples=40, deadline=None)
@@ -178,3 +179,16 @@ def test_config_rejects_nonsense() -> None:
         ValidationConfig(windows=1)
     with pytest.raises(ValueError, match="every"):
         ValidationConfig(every=0)
+
+
+def test_severity_is_the_rise_in_noise_margins_so_a_bare_false_positive_weighs_least() -> None:
+    """A contribution just past the noise is dropped with severity near 1, a gross one far above:
+    standing (``hurt_scale``) charges the first half a HURT and the second twice."""
+    before = [1.0 + 0.01 * (w % 4) for w in range(16)]
+    marginal = [b + 0.0035 for b in before]  # a rise just past the 0.2 % floor (0.00209)
+    gross = [b + 0.05 for b in before]
+    alone = {b"\x01": marginal, b"\x02": gross, b"\x03": [b - 0.01 for b in before]}
+    candidate = [b + 0.02 for b in before]
+    verdict = judge(before, candidate, alone, CFG)
+    assert not verdict.publish and verdict.drop == {b"\x01", b"\x02"}
+    assert 1.0 <= verdict.severity[b"\x01"] < 2.0 < 4.0 < verdict.severity[b"\x02"]
