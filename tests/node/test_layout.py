@@ -124,6 +124,31 @@ def test_arrows_point_down() -> None:
     assert not wrong, "\n".join(sorted(wrong))
 
 
+# sibling folders (above wire, below the peer) import each other only here; a new edge fails
+SIBLINGS = ("node.dht", "node.diloco", "node.state", "node.status")
+SIBLING_IMPORTS = {
+    ("node.state.owner_checkpoint", "node.diloco.replica"),  # a checkpoint holds a ReplicaState
+    ("node.state.sync", "node.diloco.flat"),  # state sync checks a fragment's flat shapes
+}
+
+
+def test_sibling_folders_import_each_other_only_where_listed() -> None:
+    def folder(module: str) -> str | None:
+        return next((s for s in SIBLINGS if _in(module, (s,))), None)
+
+    graph = import_graph()
+    edges = {
+        (module, dep)
+        for module, deps in graph.items()
+        for dep in deps
+        if folder(module) and folder(dep) and folder(module) != folder(dep)
+    }
+    assert edges <= SIBLING_IMPORTS, (
+        f"new imports between sibling folders: {edges - SIBLING_IMPORTS}"
+    )
+    assert edges >= SIBLING_IMPORTS, f"gone, delete from SIBLING_IMPORTS: {SIBLING_IMPORTS - edges}"
+
+
 @pytest.mark.parametrize(
     "source, expected",
     [
