@@ -515,21 +515,29 @@ class PeerNode:
             await dht.close()
             await self.transport.close()
 
+    def learner_config(self) -> LearnerNetConfig:
+        """The learner side's settings; the largest version reply it takes follows the fragment
+        plan (``max_rpc_body``), so an owner can neither make it buffer more than the largest
+        fragment's bytes nor have a large model's versions refused."""
+        cred = self.credentials
+        return LearnerNetConfig(
+            swarm=self.cfg.swarm,
+            shapes=self.shapes,
+            codec=self.cfg.codec,
+            block_size=self.cfg.block_size,
+            max_message=max_rpc_body(f.numel for f in self.plan.fragments),
+            created=cred.manifest.created if cred is not None else None,
+            tamper=self.options.tamper,
+        )
+
     def _learner(self, island: Island) -> IslandNet:
         """The island's network side; a resumed island's versions are held (state sync fetches
         only newer ones), as of when its checkpoint held them."""
-        cred, opts = self.credentials, self.options
+        opts = self.options
         net = IslandNet(
             island,
             self.signer,
-            LearnerNetConfig(
-                swarm=self.cfg.swarm,
-                shapes=self.shapes,
-                codec=self.cfg.codec,
-                block_size=self.cfg.block_size,
-                created=cred.manifest.created if cred is not None else None,
-                tamper=opts.tamper,
-            ),
+            self.learner_config(),
             Reach(
                 self.transport,
                 self.presence.owner_of,

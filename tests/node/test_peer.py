@@ -1229,3 +1229,18 @@ async def test_a_new_owner_asks_the_next_ranked_members_for_its_predecessors_ver
         with contextlib.suppress(asyncio.CancelledError):
             await task
     assert asked[:3] == ids and torch.equal(owner.theta, newer)
+
+
+def test_the_learners_reply_cap_follows_the_fragment_plan() -> None:
+    """A version reply is taken up to the largest fragment's bytes (``max_rpc_body``), no more:
+    ~1 MiB for the tiny model, where a fixed 256 MiB let any owner make a learner buffer that much,
+    and a model whose fragments are larger than 256 MiB is not refused."""
+    from node.wire.rpc import max_rpc_body
+    from protocol.diloco.fragments import plan_fragments
+
+    model = tiny_model()
+    node = PeerNode(RunConfig(max_tokens_per_step=64), signer(1), model, tiny_plan(model))
+    cap = node.learner_config().max_message
+    assert cap == max_rpc_body(f.numel for f in node.plan.fragments) < 4 << 20
+    big = plan_fragments([("w", (20_000, 4_096))], 1)  # 82M elements: 328 MB in fp32
+    assert max_rpc_body(f.numel for f in big.fragments) > 4 * 20_000 * 4_096 > 256 << 20
