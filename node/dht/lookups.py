@@ -134,7 +134,8 @@ class Caller:
                         unreachable=r.status >= 500 or r.status == 404,
                     )
                 try:
-                    opened = await self._open_reply(r.body, msg, peer_id)
+                    # a big reply is verified on a worker thread: ``settle`` lets it finish
+                    opened = await r.settle(self._open(r.body, msg, peer_id))
                 except RemoteProtocolError as exc:
                     return self._failed(
                         charged, f"bad reply ({type(exc).__name__})", unreachable=True
@@ -143,18 +144,6 @@ class Caller:
             return self._failed(charged, f"unreachable ({type(exc).__name__})", unreachable=True)
         self.seen(PeerInfo(peer_id=opened.peer_id, address=address))
         return opened
-
-    async def _open_reply(self, body: memoryview, msg: DHTRequest, peer_id: bytes | None) -> Opened:
-        """The reply in ``body`` verified; if we are cancelled while a worker thread still reads
-        ``body``, wait for it before the buffer goes back to the pool (on leaving ``reply``)."""
-        opening = asyncio.ensure_future(self._open(body, msg, peer_id))
-        try:
-            return await asyncio.shield(opening)
-        except asyncio.CancelledError:
-            await asyncio.wait([opening])
-            if not opening.cancelled():
-                opening.exception()  # retrieved: the cancellation is what propagates
-            raise
 
     async def _open(self, body: memoryview, msg: DHTRequest, peer_id: bytes | None) -> Opened:
         envelope, payload = split_sealed(

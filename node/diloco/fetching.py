@@ -8,8 +8,9 @@ shapes and finiteness, and for an update the digest of its base and of its resul
 that does not apply here is not the sender's fault (``UpdateNotApplicable``): the full version is
 fetched instead.
 
-Replies come through ``Reach.keepable``, not ``Transport.reply``: a version that passes the checks
-is kept for other learners as the pooled buffer it arrived in (``Holdings.put``), not a copy.
+A version that passes the checks is kept for other learners as the pooled buffer it arrived in
+(``Reply.take``, then ``Holdings.put``), not a copy; it is verified on a worker thread through
+``Reply.settle``, so a cancelled fetch does not give its buffer back while the thread reads it.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 
 from node.diloco.flat import flat_digest, flat_from_tensors, flat_is_wire_form, new_flat
 from node.diloco.learner_config import LearnerNetConfig, LearnerStats
-from node.diloco.reach import KeptReply, Reach
+from node.diloco.reach import Reach
 from node.diloco.received import ReceivedVersions
 from node.diloco.replica import Handed
 from node.diloco.spread import (
@@ -39,7 +40,7 @@ from node.diloco.spread import (
     parse_pointer,
     pointed_version,
 )
-from node.wire.transport import LinkDropped
+from node.wire.transport import LinkDropped, Reply
 from protocol.diloco.updates import apply_update
 from protocol.errors import RemoteProtocolError
 from protocol.wire.messages import Ack, Contribution, FragmentState, FragmentUpdate
@@ -223,7 +224,7 @@ class VersionFetcher:
     ) -> tuple[int, torch.Tensor] | None:
         """Ask the owner; follow a 208 to our replica store and a pointer to the holders."""
         asked = f"{url}/v1/fragments/{p}/{kind}?after={after}&wait={wait_s}{upd}"
-        async with self.reach.keepable(
+        async with self.reach.reply(
             owner_id, "GET", asked, timeout_s=wait_s + 30, max_reply=self.cfg.max_message
         ) as r:
             answer = await self._answer(p, owner_id, r, after=after, final=final, upd=upd)
@@ -246,7 +247,7 @@ class VersionFetcher:
         self,
         p: int,
         owner_id: bytes,
-        r: KeptReply,
+        r: Reply,
         *,
         after: int,
         final: bool,
@@ -314,10 +315,10 @@ class VersionFetcher:
         after: int,
         wait_s: float = 0,
         upd: str = "",
-    ) -> AbstractAsyncContextManager[KeptReply]:
+    ) -> AbstractAsyncContextManager[Reply]:
         """Ask the owner again with ``fallback=1``: it serves the version itself (once per
         requester and version), not a pointer or a 208."""
-        return self.reach.keepable(
+        return self.reach.reply(
             owner_id,
             "GET",
             f"{url}/v1/fragments/{p}/{kind}?after={after}&wait={wait_s}&fallback=1{upd}",
@@ -348,7 +349,7 @@ class VersionFetcher:
                 continue
             query = f"after={after}&wait={HOLDER_WAIT_S}&owner={owner_id.hex()}{upd}"
             try:
-                async with self.reach.keepable(
+                async with self.reach.reply(
                     holder,
                     "GET",
                     f"{url}/v1/fragments/{p}/held?{query}",
@@ -375,7 +376,7 @@ class VersionFetcher:
         return None
 
     async def _accept(
-        self, p: int, owner_id: bytes, r: KeptReply, *, after: int, final: bool
+        self, p: int, owner_id: bytes, r: Reply, *, after: int, final: bool
     ) -> tuple[int, torch.Tensor] | None:
         """Check a fetched version of fragment ``p`` as ``owner_id``'s (whoever sent it) and
         decode it; keep its bytes for others (taking the reply's buffer). Raises
@@ -395,8 +396,8 @@ class VersionFetcher:
         if r.status != 200:
             raise RemoteProtocolError(f"answered {r.status} for fragment {p}")
         # one worker-thread hop: verify (the one hash of the payload), check, decode
-        version, flat, digest, base = await asyncio.to_thread(
-            self._open_version, r.body, p, owner_id
+        version, flat, digest, base = await r.settle(
+            asyncio.to_thread(self._open_version, r.body, p, owner_id)
         )
         if version <= after and not final:
             raise RemoteProtocolError(f"owner sent version {version}, asked for one above {after}")

@@ -38,8 +38,8 @@ import re
 import ssl
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -236,14 +236,39 @@ def refusal(exc: RemoteProtocolError) -> web.Response:
     return web.Response(status=exc.status, text=json.dumps(body), content_type="application/json")
 
 
-@dataclass(frozen=True, slots=True)
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
 class Reply:
     """A reply to ``Transport.reply``: its status, its body (valid inside the ``async with``
-    only: the buffer goes back to the pool on exit) and its headers."""
+    only: the pooled buffer goes back on exit unless ``take``n) and its headers."""
 
     status: int
     body: memoryview
     headers: dict[str, str]
+    buf: bytearray | None = field(default=None, repr=False)  # the pooled buffer, until taken
+
+    def take(self) -> tuple[bytearray, int]:
+        """The pooled buffer and the body's length, now the caller's to give back (a verified
+        version kept for other peers as the very bytes received: ``Holdings.put``)."""
+        if self.buf is None:
+            raise RuntimeError("the reply's buffer was taken already (or it has none)")
+        buf, self.buf = self.buf, None
+        return buf, self.body.nbytes
+
+    async def settle(self, work: Awaitable[T]) -> T:
+        """Await ``work`` that reads ``body`` (on a worker thread, say); when the caller is
+        cancelled meanwhile, wait for ``work`` to finish before the cancellation goes on, so the
+        buffer does not go back to the pool (and get reused) while a thread still reads it."""
+        task = asyncio.ensure_future(work)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            await asyncio.wait([task])
+            if not task.cancelled():
+                task.exception()  # retrieved: the cancellation is what propagates
+            raise
 
 
 class Transport:
@@ -451,7 +476,8 @@ class Transport:
     ) -> AsyncIterator[Reply]:
         """``request`` as a context manager: ``async with transport.reply(...) as r`` gives the
         reply (its body a view into a pooled buffer), and gives the buffer back on exit, so no
-        caller frees it by hand. Copy out (``bytes(r.body)``) anything kept past the block."""
+        caller frees it by hand. Copy out (``bytes(r.body)``) anything kept past the block, or
+        ``r.take()`` the buffer itself; read the body off the loop through ``r.settle``."""
         status, buf, used, headers = await self.request(
             method,
             url,
@@ -461,13 +487,14 @@ class Transport:
             max_reply=max_reply,
             kind=kind,
         )
-        body = memoryview(buf)[:used]
+        r = Reply(status, memoryview(buf)[:used], headers, buf)
         try:
-            yield Reply(status, body, headers)
+            yield r
         finally:
             with contextlib.suppress(BufferError):  # a view the caller kept: it stays valid
-                body.release()
-            self.pool.give(buf)
+                r.body.release()
+            if r.buf is not None:  # not taken
+                self.pool.give(r.buf)
 
     def _reply_socket(self, resp: aiohttp.ClientResponse, length: int | None) -> Socket | None:
         """The connection a reply's body arrives on, to read its bulk off (and close after:

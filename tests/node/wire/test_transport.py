@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -243,6 +244,46 @@ async def test_bytes_by_route_names_every_byte_sent() -> None:
         assert 300 < server.bytes_by_route["reply /echo"] < 300 + 512
         for t in (client, server):  # the routes add up to bytes_sent, nothing left out
             assert sum(t.bytes_by_route.values()) == t.bytes_sent
+    finally:
+        await client.close()
+        await server.close()
+
+
+async def test_a_taken_reply_buffer_stays_the_callers_and_settle_outlives_a_cancel() -> None:
+    server = await _echo_server(max_body=3 << 20)
+    client = Transport()
+    await client.start()
+    try:
+        payload = random.Random(3).randbytes(200_000)
+        async with client.reply(
+            "POST", f"{server.url}/echo", chunks=[payload], size=len(payload)
+        ) as r:
+            buf, used = r.take()
+            with pytest.raises(RuntimeError, match="taken already"):
+                r.take()
+        assert client.pool.held == 0 and bytes(buf[:used]) == payload  # not given back
+        events: list[str] = []
+        reading = asyncio.Event()
+
+        async def read_in_a_thread() -> None:
+            reading.set()
+            await asyncio.to_thread(time.sleep, 0.2)
+            events.append("read")
+
+        async def fetch() -> None:
+            async with client.reply(
+                "POST", f"{server.url}/echo", chunks=[payload], size=len(payload)
+            ) as r:
+                await r.settle(read_in_a_thread())
+            events.append("not reached")
+
+        task = asyncio.create_task(fetch())
+        await reading.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert events == ["read"]  # the reader finished before the buffer went back
+        assert client.pool.held >= len(payload)
     finally:
         await client.close()
         await server.close()
