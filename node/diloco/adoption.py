@@ -9,6 +9,8 @@ drops the inner optimizer's state of any parameter whose state is not finite.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -38,17 +40,25 @@ class Adoption:
                 offset += n
 
     def rebase(self, p: int, flat: torch.Tensor, reference: torch.Tensor) -> bool:
-        """θ_p ← Θ_p + (θ_p − θ_ref); False (nothing written) when θ_p − θ_ref is not finite."""
+        """θ_p ← Θ_p + (θ_p − θ_ref); False (nothing written) when θ_p − θ_ref is not finite.
+        ``flat`` and ``reference`` lie where the parameters do (on a device: one host wait, for
+        the finite check of the whole fragment)."""
         with torch.no_grad():
             kept = []
             offset = 0
+            on_cpu = reference.device.type == "cpu"
             for param in self.params[p]:
                 n = param.numel()
-                work = param.detach().reshape(-1).float().cpu() - reference[offset : offset + n]
-                if not all_finite(work):
+                work = (
+                    param.detach().reshape(-1).float().to(reference.device)
+                    - reference[offset : offset + n]
+                )
+                if on_cpu and not all_finite(work):
                     return False
                 kept.append(work)
                 offset += n
+            if not on_cpu and not _all_finite(kept):
+                return False
             offset = 0
             for param, work in zip(self.params[p], kept, strict=True):
                 n = param.numel()
@@ -67,3 +77,12 @@ class Adoption:
                 bool(torch.isfinite(v).all()) for v in state.values() if isinstance(v, torch.Tensor)
             ):
                 del self.optimizer.state[param]
+
+
+def _all_finite(parts: list[torch.Tensor]) -> bool:
+    """Whether every value of ``parts`` (on a device) is finite, with one host wait: the sum of
+    their sums is finite only if every value is; when it is not, each part is checked."""
+    if not parts:
+        return True
+    total = torch.stack([t.sum() for t in parts]).sum()
+    return math.isfinite(float(total)) or all(all_finite(t) for t in parts)

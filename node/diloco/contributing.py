@@ -26,7 +26,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass, replace
 
 import aiohttp
@@ -39,10 +39,12 @@ from node.diloco.reach import Reach
 from node.diloco.received import ReceivedVersions
 from node.wire.transport import LinkDropped
 from protocol.diloco.compression import compress
+from protocol.diloco.device_codec import ON_DEVICE, encode_on_device, wire_tensor
 from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.wire.codec import encode
 from protocol.wire.messages import Ack, Contribution
 from protocol.wire.signing import ReplayWindow, Sealed, Signer, open_sealed, seal
+from protocol.wire.tensors import EncodedTensor
 
 __all__ = ["RESEND_AFTER_S", "ContributionSender"]
 
@@ -157,12 +159,34 @@ class ContributionSender:
             log.warning("contribution for fragment %d not delivered: %r", out.fragment, exc)
             self.island.resolved(out.fragment, accepted=False)
 
-    def _compress(self, out: Outgoing) -> tuple[Contribution, dict[tuple[int, int], torch.Tensor]]:
+    def _compress(
+        self, out: Outgoing, host_key: Hashable | None = None
+    ) -> tuple[Contribution, dict[tuple[int, int], torch.Tensor]]:
         """The contribution and the residuals it leaves (committed only if it is accepted); with
         the ``none`` codec its tensors are views of ``out.delta`` (a fresh tensor that nothing
-        else writes to) and it leaves no residual (it would be zero).
+        else writes to) and it leaves no residual (it would be zero). On a staged link (a GPU)
+        the codes are computed on the device and copied into ``host_key``'s host buffer (None:
+        a fresh one), held until ``island.device_link.release(host_key)``.
 
         Raises ``LocalProtocolError`` for a non-finite pseudo-gradient (``compress`` checks)."""
+        if self.island.device_link.staged and self.cfg.codec in ON_DEVICE:
+            tensors, residuals = self._encode_on_device(out, host_key)
+        else:
+            tensors, residuals = self._encode(out)
+        return self._contribution(out, tensors), residuals
+
+    def _encode(
+        self, out: Outgoing
+    ) -> tuple[list[EncodedTensor], dict[tuple[int, int], torch.Tensor]]:
+        """``_compress``'s tensors and residuals, encoded where ``out.delta`` lies, tensor by tensor
+        (on a device: one copy of Δ to the host first, for the codecs not encoded on devices)."""
+        if out.delta.device.type != "cpu":
+            with self.island.device_link.side(out.ready, out.delta):
+                (host,) = self.island.device_link.to_host([out.delta], None)
+            out = replace(out, delta=host, ready=None)
+            for key, residual in self.residuals.items():  # kept on the host from now on
+                if key[0] == out.fragment and residual.device.type != "cpu":
+                    self.residuals[key] = residual.cpu()
         tensors, residuals, offset = [], {}, 0
         for i, shape in enumerate(self.cfg.shapes[out.fragment]):
             n = int(torch.Size(shape).numel())
@@ -183,6 +207,51 @@ class ContributionSender:
                 residuals[(out.fragment, i)] = residual
             tensors.append(enc)
             offset += n
+        return tensors, residuals
+
+    def _encode_on_device(
+        self, out: Outgoing, host_key: Hashable | None
+    ) -> tuple[list[EncodedTensor], dict[tuple[int, int], torch.Tensor]]:
+        """``_encode`` on the island's device: every tensor's codes, scales and residual there
+        (``encode_on_device``, on the network side's stream), then all payloads and finite flags
+        to the host at once. Raises ``LocalProtocolError`` for a non-finite pseudo-gradient (or
+        one whose sum overflows fp32: no finite training run comes near it)."""
+        link, codec = self.island.device_link, self.cfg.codec
+        shapes = self.cfg.shapes[out.fragment]
+        with link.side(out.ready, out.delta):
+            encoded, offset = [], 0
+            for i, shape in enumerate(shapes):
+                n = int(torch.Size(shape).numel())
+                part = out.delta[offset : offset + n].view(shape)
+                residual = self.residuals.get((out.fragment, i))
+                if residual is not None and residual.device != part.device:
+                    residual = residual.to(part.device)  # from a host fallback
+                encoded.append(
+                    encode_on_device(part, codec, block_size=self.cfg.block_size, residual=residual)
+                )
+                offset += n
+            flags = torch.stack([e.finite for e in encoded]) if encoded else out.delta[:0].bool()
+            parts = [flags] + [t for e in encoded for t in (e.data, e.scales)]
+            host = link.to_host(parts, host_key)
+        if not bool(host[0].all()):
+            raise LocalProtocolError(
+                f"fragment {out.fragment}: the pseudo-gradient has NaN or Inf values "
+                "(or values whose sum overflows float32)"
+            )
+        tensors = [
+            wire_tensor(e, _readonly_bytes(host[1 + 2 * i]), _readonly_bytes(host[2 + 2 * i]))
+            for i, e in enumerate(encoded)
+        ]
+        residuals = (
+            {}
+            if codec == "none"
+            else {(out.fragment, i): e.residual for i, e in enumerate(encoded)}
+        )
+        return tensors, residuals
+
+    def _contribution(self, out: Outgoing, tensors: list[EncodedTensor]) -> Contribution:
+        """The contribution message for ``out`` with its encoded ``tensors``. Raises
+        ``LocalProtocolError`` when the state of its base version is not known here."""
         digest = self.known.digest(out.fragment, out.base_version)
         if digest is None:
             raise LocalProtocolError(
@@ -201,14 +270,14 @@ class ContributionSender:
             tensors=tuple(tensors),
             last=out.last,
         )
-        return msg, residuals
+        return msg
 
     def _seal_contribution(
         self, out: Outgoing, owner_id: bytes
     ) -> tuple[Sealed, dict[tuple[int, int], torch.Tensor]]:
         """The contribution sealed for ``owner_id`` (who refuses one addressed to another), and
         its residuals. Raises ``LocalProtocolError`` as ``_compress``."""
-        msg, residuals = self._compress(out)
+        msg, residuals = self._compress(out, host_key=("out", out.fragment))
         sealed = seal(
             encode(msg),
             self.signer,
@@ -228,6 +297,12 @@ class ContributionSender:
         if self.local is not None and owner_id == self.signer.peer_id:
             await self._send_local(out)
             return
+        try:
+            await self._send_remote(out, owner_id, url)
+        finally:  # the contribution's host bytes (on a GPU) are sent or dropped: reuse them
+            self.island.device_link.release(("out", out.fragment))
+
+    async def _send_remote(self, out: Outgoing, owner_id: bytes, url: str) -> None:
         try:  # one worker-thread hop: compress and seal (hashing the whole payload once)
             sealed, residuals = await asyncio.to_thread(self._seal_contribution, out, owner_id)
         except LocalProtocolError as exc:
@@ -281,9 +356,10 @@ class ContributionSender:
             return
         self.stats.contributions_sent += 1
         try:
-            reply = await self.local.contribute_local(
-                msg, out.delta if self.cfg.codec == "none" else None
+            given = (
+                out.delta if self.cfg.codec == "none" and out.delta.device.type == "cpu" else None
             )
+            reply = await self.local.contribute_local(msg, given)
         except RemoteProtocolError as exc:
             self.stats.contributions_refused += 1
             log.info(
@@ -390,3 +466,8 @@ class ContributionSender:
                 self.residuals.pop(key, None)
             else:
                 self.residuals[key] = residual
+
+
+def _readonly_bytes(t: torch.Tensor) -> memoryview:
+    """A read-only byte view of a 1-D host tensor (any dtype)."""
+    return t.view(torch.uint8).numpy().data.toreadonly()

@@ -12,11 +12,11 @@ import threading
 import time
 from collections.abc import Callable
 
-import torch
+from node.diloco.device import Landed
 
 __all__ = ["Arrival", "Inbox"]
 
-Arrival = tuple[int, torch.Tensor, bool]  # (version, flat state, force: adopt it whole)
+Arrival = tuple[int, Landed, bool]  # (version, flat state, force: adopt it whole)
 
 
 class Inbox:
@@ -28,14 +28,14 @@ class Inbox:
         self._changed = threading.Condition(self._lock)
         self._news = 0  # deliveries, refusals and resends so far
 
-    def put_many(self, arrived: dict[int, tuple[int, torch.Tensor]], *, force: bool) -> None:
+    def put_many(self, arrived: dict[int, tuple[int, Landed]], *, force: bool) -> None:
         """Versions arrived (any thread); ``force``: adopt them whole even at the version held."""
         with self._lock:
             for fragment, (version, flat) in arrived.items():
                 self._put(fragment, version, flat, force)
             self._announce()
 
-    def _put(self, fragment: int, version: int, flat: torch.Tensor, force: bool) -> None:
+    def _put(self, fragment: int, version: int, flat: Landed, force: bool) -> None:
         held = self._arrived.get(fragment)  # the caller holds the lock
         if held is None or held[0] < version or (force and held[0] == version):
             self._arrived[fragment] = (version, flat, force or (held is not None and held[2]))

@@ -54,14 +54,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
 from node.diloco.adoption import Adoption
-from node.diloco.flat import new_flat
+from node.diloco.device import DeviceLink, Landed
 from node.diloco.inbox import Arrival, Inbox
 from protocol.diloco.fragments import FragmentPlan, due_offset
+from protocol.diloco.vectors import new_vector_like
 
 __all__ = ["Island", "IslandConfig", "IslandStats", "Outgoing"]
 
@@ -120,8 +122,9 @@ class Outgoing:
     steps: int
     step_time: float
     sender_step: int
-    delta: torch.Tensor  # [numel_p] float32, a private copy
+    delta: torch.Tensor  # [numel_p] float32, a private copy, on the island's device
     last: bool = False  # the island's end-of-run flush: its last contribution for the fragment
+    ready: Any = None  # on CUDA: the event after which ``delta`` holds its values (else None)
 
 
 @dataclass
@@ -153,7 +156,11 @@ class Island:
         plan: FragmentPlan,
         submit: Callable[[Outgoing], None],
         cfg: IslandConfig,
+        *,
+        device_link: DeviceLink | None = None,
     ) -> None:
+        """``device_link``: how tensors cross between the parameters' device and the host (default:
+        ``DeviceLink`` of the first parameter's device; on the CPU nothing crosses)."""
         self.model, self.plan, self.cfg, self.optimizer = model, plan, cfg, optimizer
         self._submit = submit
         named = dict(model.named_parameters())
@@ -163,10 +170,23 @@ class Island:
         self.params: list[list[nn.Parameter]] = [
             [named[n] for n in f.names] for f in plan.fragments
         ]
-        # global fragments live on the CPU, where the network side compresses and decodes them
+        first = next((t for ts in self.params for t in ts), None)
+        self.device_link = device_link or DeviceLink(
+            first.device if first is not None else torch.device("cpu")
+        )
+        # global fragments live on the CPU, where the network side decodes and hashes them; on a
+        # device the island also holds a copy there (``_base``), which Δ and rebases read
         self.global_flat: list[torch.Tensor] = [
             self._flatten(p).float().cpu() for p in range(len(self.params))
         ]
+        self._device_global: list[torch.Tensor] | None = None
+        self._mirrored: list[torch.Tensor | None] = [None] * len(self.params)
+        if self.device_link.staged:
+            self._device_global = [
+                self._flatten(p).float().to(self.device_link.device)
+                for p in range(len(self.params))
+            ]
+            self._mirrored = list(self.global_flat)
         self.versions: list[int] = [0] * len(self.params)
         # per fragment, how often its parameters were replaced by a global version (a final or a
         # resync may replace them at the version held): what the other ranks of an island follow
@@ -211,7 +231,10 @@ class Island:
         self, arrived: dict[int, tuple[int, torch.Tensor]], *, force: bool = False
     ) -> None:
         """Several fragments at once: all are adopted after the same inner step."""
-        self._inbox.put_many(arrived, force=force)
+        landed = {
+            p: (v, self.device_link.to_device(flat, ("in", p))) for p, (v, flat) in arrived.items()
+        }
+        self._inbox.put_many(landed, force=force)
 
     def resolved(self, fragment: int, accepted: bool) -> None:
         """The owner answered a contribution; a refusal frees the fragment to be sent again."""
@@ -334,9 +357,9 @@ class Island:
         if sent_at is not None:
             self.stats.gave_up_in_flight += 1
         if self.cfg.rebase:  # θ_p as it ships, copied exactly (Θ − Δ would round), and Δ from it
-            shipped = self._flatten(p).float().cpu()
+            shipped = self._flatten(p).float().to(self._base(p).device)
             self._shipped[p] = (shipped, self.c_steps[p], self.c_tokens[p])
-            delta = torch.sub(self.global_flat[p], shipped)
+            delta = torch.sub(self._base(p), shipped)
         else:
             delta = self._pseudo_gradient(p)
         self.in_flight[p] = self.stats.step
@@ -351,28 +374,41 @@ class Island:
             sender_step=self.stats.step,
             delta=delta,
             last=last,
+            ready=self.device_link.record(),  # on CUDA, the network side's stream waits for Δ
         )
         t0 = time.perf_counter()  # wall time: a hand-off that blocks is a stall
         self._submit(out)
         self._submit_s += time.perf_counter() - t0
 
     def _pseudo_gradient(self, p: int) -> torch.Tensor:
-        """Θ_base − θ of fragment ``p`` as a new flat fp32 CPU tensor (the network side keeps it),
-        subtracted parameter by parameter into it: one buffer (``new_flat``: the block the last
-        one left, not fresh pages), not a concatenated copy of θ and then the difference."""
-        base = self.global_flat[p]
-        out = new_flat(base.numel())
+        """Θ_base − θ of fragment ``p`` as a new flat fp32 tensor on the island's device (the
+        network side keeps it), subtracted parameter by parameter into it: one buffer
+        (``new_vector_like``: on the CPU the block the last one left, not fresh pages), not a
+        concatenated copy of θ and then the difference."""
+        base = self._base(p)
+        out = new_vector_like(base)
         offset = 0
         with torch.no_grad():
             for param in self.params[p]:
                 n = param.numel()
                 torch.sub(
                     base[offset : offset + n],
-                    param.detach().reshape(-1).float().cpu(),
+                    param.detach().reshape(-1).float().to(base.device),
                     out=out[offset : offset + n],
                 )
                 offset += n
         return out
+
+    def _base(self, p: int) -> torch.Tensor:
+        """The global fragment ``p`` this island holds, on its device (on the CPU: ``global_flat``).
+        A host copy replaced from outside (a resumed checkpoint) is copied over again here."""
+        if self._device_global is None:
+            return self.global_flat[p]
+        host = self.global_flat[p]
+        if self._mirrored[p] is not host:
+            self._device_global[p] = self.device_link.arrive(self.device_link.to_device(host, None))
+            self._mirrored[p] = host
+        return self._device_global[p]
 
     def _flatten(self, p: int) -> torch.Tensor:
         return torch.cat([t.detach().reshape(-1) for t in self.params[p]])
@@ -384,7 +420,7 @@ class Island:
         At the end of a run the current owner's latest version is authoritative: after an
         owner's crash the new owner may restart below a version some learner already held.
         """
-        self._adopt(fragment, version, flat, rebase=False)
+        self._adopt(fragment, version, self.device_link.to_device(flat, None), rebase=False)
 
     def adopt_pending(self, *, block: bool = True, between_steps: bool = False) -> int:
         """Adopt whatever arrived; return how many fragments were adopted (trainer thread only).
@@ -421,7 +457,7 @@ class Island:
         least = self.cfg.ship_before_adopt
         return least > 0 and self.in_flight[p] is None and self.c_steps[p] >= least
 
-    def _resync(self, p: int, version: int, flat: torch.Tensor) -> None:
+    def _resync(self, p: int, version: int, flat: Landed) -> None:
         """Overwrite fragment ``p`` with ``flat``; drop inner-optimizer state that is not finite."""
         self._adoption.drop_nonfinite_state(p)
         self._adopt(p, version, flat, alpha=0.0, rebase=False)
@@ -431,12 +467,13 @@ class Island:
         self,
         p: int,
         version: int,
-        flat: torch.Tensor,
+        landed: Landed,
         *,
         alpha: float | None = None,
         rebase: bool | None = None,
     ) -> None:
         t0 = time.thread_time()
+        flat = self.device_link.arrive(landed)  # on the island's device; no host wait on CUDA
         alpha = self.cfg.adopt_alpha if alpha is None else alpha
         shipped = self._shipped[p]
         reference = None
@@ -444,12 +481,14 @@ class Island:
             if shipped is not None:
                 reference = shipped[0]
             elif self.c_steps[p]:
-                reference = self.global_flat[p]
+                reference = self._base(p)
         if reference is not None and not self._adoption.rebase(p, flat, reference):
             reference = None  # the local work is not finite: overwrite
         if reference is None:
             self._adoption.overwrite(p, flat, alpha)
-        self.global_flat[p] = flat.float()
+        self.global_flat[p] = landed.host.float()
+        if self._device_global is not None:
+            self._device_global[p], self._mirrored[p] = flat.float(), self.global_flat[p]
         self.versions[p] = version
         if reference is None:
             self.c_steps[p] = self.c_tokens[p] = 0

@@ -136,7 +136,9 @@ def inner_step(
     loss."""
     for group in optimizer.param_groups:
         group["lr"] = lr_at(step, tcfg, rewarm_from=rewarm_from)
-    _, loss = model(x, y)
+    # on a GPU the forward runs in bf16 autocast (weights, grads and AdamW stay fp32)
+    with torch.autocast("cuda", dtype=torch.bfloat16) if x.is_cuda else contextlib.nullcontext():
+        _, loss = model(x, y)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), tcfg.grad_clip)
     optimizer.step()
@@ -708,6 +710,7 @@ class PeerResult:
     handoff_refusals: dict[str, int]  # handoffs this peer refused, by reason (issue 48)
     # validated publication: the pinned slice, and what checking candidates cost this peer's owners
     validation: dict[str, Any]
+    device_peak_mb: float = 0.0  # on CUDA: torch.cuda.max_memory_allocated (0 on the CPU)
 
     def as_dict(self) -> dict[str, Any]:
         """The fields by name, in order (JSON-ready; the report reads these names)."""
@@ -770,7 +773,15 @@ def peer_result(
             "rejected": sum(c.rejected for c in node.all_owners()),
             "seconds": round(sum(c.check_seconds for c in node.all_owners()), 3),
         },
+        device_peak_mb=_device_peak_mb(peer.work.device),
     )
+
+
+def _device_peak_mb(device: torch.device) -> float:
+    """The most memory torch's allocator held on ``device`` (CUDA), in MiB; 0 elsewhere."""
+    if device.type != "cuda":
+        return 0.0
+    return torch.cuda.max_memory_allocated(device) / 2**20
 
 
 def _leave(opts: PeerOptions, peer: IslandPeer, serving: NodeThread) -> None:

@@ -40,6 +40,7 @@ RESULT_FIELDS = [
     "peer_attack",
     "handoff_refusals",
     "validation",
+    "device_peak_mb",
 ]
 
 
