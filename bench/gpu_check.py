@@ -42,9 +42,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cuda", help="cuda (the check) or cpu (a dry run)")
     p.add_argument("--seconds", type=float, default=120.0, help="training time of the swarm")
     p.add_argument(
+        "--startup-s",
+        type=float,
+        default=-1.0,
+        help="added to --seconds for the peers' start-up and state sync (default: 45 on cuda, "
+        "15 on cpu): the peers train until this long after launch",
+    )
+    p.add_argument(
         "--model", default="auto", help="a GPT preset; auto: gpt2-124m if known, else medium"
     )
-    p.add_argument("--batch-size", type=int, default=0, help="0: 32 on cuda, 4 on cpu")
+    p.add_argument("--batch-size", type=int, default=0, help="0: 16 on cuda, 4 on cpu")
     p.add_argument("--inner-steps", type=int, default=40, help="H")
     p.add_argument("--fragments", type=int, default=4)
     p.add_argument("--codec", default="int8")
@@ -75,6 +82,12 @@ def _model(name: str) -> str:
     return "gpt2-124m" if "gpt2-124m" in PRESETS else "medium"
 
 
+def _startup_s(args: argparse.Namespace) -> float:
+    if args.startup_s >= 0:
+        return float(args.startup_s)
+    return 45.0 if args.device.startswith("cuda") else 15.0
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the swarm; the JSON summary."""
     from node.config import RunConfig
@@ -86,7 +99,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         steps=ENDLESS_STEPS,
         model=_model(args.model),
         device=args.device,
-        batch_size=args.batch_size or (32 if cuda else 4),
+        batch_size=args.batch_size or (16 if cuda else 4),
         inner_steps=args.inner_steps,
         fragments=args.fragments,
         codec=args.codec,
@@ -98,7 +111,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
-        swarm = LocalSwarm(cfg, Path(tmp), LaunchPlan(duration_s=args.seconds), quiet=True)
+        swarm = LocalSwarm(
+            cfg, Path(tmp), LaunchPlan(duration_s=args.seconds + _startup_s(args)), quiet=True
+        )
         results = asyncio.run(swarm.run())
     return summary(cfg, args.seconds, results, time.monotonic() - t0)
 

@@ -60,6 +60,9 @@ class DeviceLink:
             raise ValueError(f"a link to {device} must be staged")
         self.pinned = self.staged and pinning_available()
         self.cuda = device.type == "cuda"
+        # a copy that returns before it is done is waited for by an event: CUDA's; the CPU's
+        # copies are done when they return (the flag is a no-op there)
+        self._non_blocking = device.type in ("cuda", "cpu")
         self._stream = torch.cuda.Stream(device) if self.cuda else None
         self._buffers: dict[Hashable, torch.Tensor] = {}  # reused host buffers, by key
         self._busy: set[Hashable] = set()
@@ -117,7 +120,7 @@ class DeviceLink:
         out = []
         for part, offset, size in zip(parts, offsets, sizes, strict=True):
             host = buffer[offset : offset + size].view(part.dtype)
-            host.copy_(part.detach().reshape(-1), non_blocking=True)
+            host.copy_(part.detach().reshape(-1), non_blocking=self._non_blocking)
             out.append(host)
         done = self.record()  # one wait for all of them (the current stream: ``side``'s)
         if done is not None:
@@ -144,7 +147,7 @@ class DeviceLink:
         stage.copy_(host)
         with self.side():
             on_device = torch.empty(host.shape, dtype=host.dtype, device=self.device)
-            on_device.copy_(stage, non_blocking=True)
+            on_device.copy_(stage, non_blocking=self._non_blocking)
             ready = self.record()
         if ready is not None and key is not None:
             with self._lock:

@@ -68,7 +68,7 @@ def global_param_hash(state: dict[str, torch.Tensor]) -> str:
     h = hashlib.sha256()
     for name in sorted(state):
         h.update(name.encode())
-        h.update(state[name].detach().float().contiguous().numpy().tobytes())
+        h.update(state[name].detach().float().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
 
 
