@@ -49,10 +49,8 @@ class Adoption:
             on_cpu = reference.device.type == "cpu"
             for param in self.params[p]:
                 n = param.numel()
-                work = (
-                    param.detach().reshape(-1).float().to(reference.device)
-                    - reference[offset : offset + n]
-                )
+                theta = param.detach().reshape(-1).float()
+                work = (theta.cpu() if on_cpu else theta) - reference[offset : offset + n]
                 if on_cpu and not all_finite(work):
                     return False
                 kept.append(work)

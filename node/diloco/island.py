@@ -61,9 +61,9 @@ from torch import nn
 
 from node.diloco.adoption import Adoption
 from node.diloco.device import DeviceLink, Landed
+from node.diloco.flat import new_flat
 from node.diloco.inbox import Arrival, Inbox
 from protocol.diloco.fragments import FragmentPlan, due_offset
-from protocol.diloco.vectors import new_vector_like
 
 __all__ = ["Island", "IslandConfig", "IslandStats", "Outgoing"]
 
@@ -383,17 +383,19 @@ class Island:
     def _pseudo_gradient(self, p: int) -> torch.Tensor:
         """Θ_base − θ of fragment ``p`` as a new flat fp32 tensor on the island's device (the
         network side keeps it), subtracted parameter by parameter into it: one buffer
-        (``new_vector_like``: on the CPU the block the last one left, not fresh pages), not a
+        (``new_flat``: on the CPU the block the last one left, not fresh pages), not a
         concatenated copy of θ and then the difference."""
         base = self._base(p)
-        out = new_vector_like(base)
+        on_host = self._device_global is None  # θ is copied to the host (a no-op on the CPU)
+        out = new_flat(base.numel()) if on_host else torch.empty_like(base)
         offset = 0
         with torch.no_grad():
             for param in self.params[p]:
                 n = param.numel()
+                theta = param.detach().reshape(-1).float()
                 torch.sub(
                     base[offset : offset + n],
-                    param.detach().reshape(-1).float().to(base.device),
+                    theta.cpu() if on_host else theta,
                     out=out[offset : offset + n],
                 )
                 offset += n
