@@ -9,6 +9,8 @@ only a GPU can show (streams, pinned memory, speed) is ``python -m bench.gpu_che
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -247,3 +249,18 @@ async def test_staged_contribution_is_merged_and_its_version_adopted() -> None:
     assert s.island.versions[0] == 1 and torch.equal(s.island.global_flat[0], got[1])
     assert torch.equal(s.island._base(0), got[1])  # the device copy (here: staged on the CPU)
     assert isinstance(Landed(got[1]), tuple)
+
+
+# --- asking for CUDA where there is none ---------------------------------------------------------
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_device_cuda_without_cuda_stops_before_training_with_one_line() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "node", "local", "--peers", "2", "--device", "cuda", "--steps", "5"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.strip() == (
+        "atoll local: --device cuda: torch sees no CUDA device here; use --device cpu"
+    )
