@@ -47,6 +47,11 @@ parameter of the fragment whose state is not finite. Versions act as fencing tok
 version above the one held is adopted. ``Island`` decides what to adopt and when, and keeps the
 books; writing a version into the parameters (blended, overwritten, rebased) is
 ``node.diloco.adoption``.
+
+On a GPU the island also holds its global fragments on the device, so Δ and adoption run there;
+arrived versions are copied to the device as they are delivered, and Δ goes to the network side
+with an event its stream waits for (``node.diloco.device``, docs/gpu.md). On the CPU nothing
+crosses and this is the code as it was.
 """
 
 from __future__ import annotations
