@@ -51,6 +51,7 @@ books; writing a version into the parameters (blended, overwritten, rebased) is
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
@@ -61,6 +62,7 @@ from torch import nn
 from node.diloco.adoption import Adoption
 from node.diloco.flat import new_flat
 from node.diloco.inbox import Arrival, Inbox
+from node.diloco.sharding import ShardedFragments
 from protocol.diloco.fragments import FragmentPlan, due_offset
 
 __all__ = ["Island", "IslandConfig", "IslandStats", "Outgoing"]
@@ -153,9 +155,14 @@ class Island:
         plan: FragmentPlan,
         submit: Callable[[Outgoing], None],
         cfg: IslandConfig,
+        *,
+        shards: ShardedFragments | None = None,
     ) -> None:
+        """``shards``: rank 0 of an FSDP island, whose parameters are shards: each fragment is
+        gathered only while it ships or is adopted (``node.diloco.sharding``)."""
         self.model, self.plan, self.cfg, self.optimizer = model, plan, cfg, optimizer
         self._submit = submit
+        self._shards = shards
         named = dict(model.named_parameters())
         missing = [n for f in plan.fragments for n in f.names if n not in named]
         if missing:
@@ -164,9 +171,10 @@ class Island:
             [named[n] for n in f.names] for f in plan.fragments
         ]
         # global fragments live on the CPU, where the network side compresses and decodes them
-        self.global_flat: list[torch.Tensor] = [
-            self._flatten(p).float().cpu() for p in range(len(self.params))
-        ]
+        self.global_flat: list[torch.Tensor] = []
+        for p in range(len(self.params)):
+            with self._full(p, write=False):
+                self.global_flat.append(self._flatten(p).float().cpu())
         self.versions: list[int] = [0] * len(self.params)
         # per fragment, how often its parameters were replaced by a global version (a final or a
         # resync may replace them at the version held): what the other ranks of an island follow
@@ -333,12 +341,15 @@ class Island:
             return
         if sent_at is not None:
             self.stats.gave_up_in_flight += 1
-        if self.cfg.rebase:  # θ_p as it ships, copied exactly (Θ − Δ would round), and Δ from it
-            shipped = self._flatten(p).float().cpu()
-            self._shipped[p] = (shipped, self.c_steps[p], self.c_tokens[p])
-            delta = torch.sub(self.global_flat[p], shipped)
-        else:
-            delta = self._pseudo_gradient(p)
+        with self._full(p, write=False):
+            if (
+                self.cfg.rebase
+            ):  # θ_p as it ships, copied exactly (Θ − Δ would round), and Δ from it
+                shipped = self._flatten(p).float().cpu()
+                self._shipped[p] = (shipped, self.c_steps[p], self.c_tokens[p])
+                delta = torch.sub(self.global_flat[p], shipped)
+            else:
+                delta = self._pseudo_gradient(p)
         self.in_flight[p] = self.stats.step
         self.next_due[p] = self.stats.step + self._h()
         self.stats.sent += 1
@@ -376,6 +387,13 @@ class Island:
 
     def _flatten(self, p: int) -> torch.Tensor:
         return torch.cat([t.detach().reshape(-1) for t in self.params[p]])
+
+    def _full(self, p: int, *, write: bool) -> contextlib.AbstractContextManager[None]:
+        """Fragment ``p``'s full parameters in ``self.params[p]`` for the block (a sharded
+        island gathers them, and with ``write`` scatters them back; otherwise they are)."""
+        if self._shards is None:
+            return contextlib.nullcontext()
+        return self._shards.full(p, self.params[p], write=write)
 
     # --- adopting what arrived (trainer thread) ------------------------------------------------
     def adopt_final(self, fragment: int, version: int, flat: torch.Tensor) -> None:
@@ -445,10 +463,11 @@ class Island:
                 reference = shipped[0]
             elif self.c_steps[p]:
                 reference = self.global_flat[p]
-        if reference is not None and not self._adoption.rebase(p, flat, reference):
-            reference = None  # the local work is not finite: overwrite
-        if reference is None:
-            self._adoption.overwrite(p, flat, alpha)
+        with self._full(p, write=True):
+            if reference is not None and not self._adoption.rebase(p, flat, reference):
+                reference = None  # the local work is not finite: overwrite
+            if reference is None:
+                self._adoption.overwrite(p, flat, alpha)
         self.global_flat[p] = flat.float()
         self.versions[p] = version
         if reference is None:
@@ -477,6 +496,6 @@ class Island:
             offset = 0
             for name, param in zip(self.plan.fragments[p].names, params, strict=True):
                 n = param.numel()
-                state[name] = self.global_flat[p][offset : offset + n].view_as(param)
+                state[name] = self.global_flat[p][offset : offset + n].view(param.shape)
                 offset += n
         return state
