@@ -129,7 +129,7 @@ class SwarmIsland:
         self.rank, self.world = distributed_rank()
         self._model = model
         # an FSDP2 island: rank 0 gathers one fragment at a time (node.diloco.sharding)
-        self.shards = ShardedFragments(model, self.plan) if is_sharded(model) else None
+        self.shards = ShardedFragments(model, self.plan, optimizer) if is_sharded(model) else None
         if self.shards is not None and validate is not None:
             raise ValueError(
                 "validate= needs the whole model on rank 0, and this island shards it "

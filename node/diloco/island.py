@@ -441,7 +441,10 @@ class Island:
 
     def _resync(self, p: int, version: int, flat: torch.Tensor) -> None:
         """Overwrite fragment ``p`` with ``flat``; drop inner-optimizer state that is not finite."""
-        self._adoption.drop_nonfinite_state(p)
+        if self._shards is not None:  # every rank checks its own shard of the state
+            self._shards.drop_nonfinite_state(p)
+        else:
+            self._adoption.drop_nonfinite_state(p)
         self._adopt(p, version, flat, alpha=0.0, rebase=False)
         self.stats.resynced += 1
 

@@ -43,7 +43,7 @@ from protocol.diloco.fragments import FragmentPlan
 
 __all__ = ["ShardedFragments", "held_bytes", "is_sharded"]
 
-_DONE, _READ, _WRITE = 0, 1, 2  # rank 0's commands to the other ranks
+_DONE, _READ, _WRITE, _DROP = 0, 1, 2, 3  # rank 0's commands to the other ranks
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -73,16 +73,22 @@ class ShardedFragments:
     """Gathers one fragment of an FSDP2-sharded model to rank 0 and writes it back (collectives)."""
 
     def __init__(
-        self, model: nn.Module, plan: FragmentPlan, *, group: dist.ProcessGroup | None = None
+        self,
+        model: nn.Module,
+        plan: FragmentPlan,
+        optimizer: torch.optim.Optimizer,
+        *,
+        group: dist.ProcessGroup | None = None,
     ) -> None:
-        """Raises ``ValueError`` for a parameter that is not a dim-0 shard over ``group`` (apply
+        """``optimizer``: the inner optimizer over the shards (a resync drops its non-finite
+        state on every rank). Raises ``ValueError`` for a parameter that is not a dim-0 shard over ``group`` (apply
         ``fully_shard`` to the model, and to nothing with another mesh), ``RuntimeError`` without
         torch.distributed."""
         from torch.distributed.tensor import DTensor, Shard
 
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("a sharded island needs torch.distributed initialised (torchrun)")
-        self.group = group
+        self.group, self.optimizer = group, optimizer
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         named = dict(model.named_parameters())
         self.params: list[list[nn.Parameter]] = [
@@ -129,6 +135,23 @@ class ShardedFragments:
             self.writes += 1
         self.gathers += 1
 
+    def drop_nonfinite_state(self, p: int) -> None:
+        """Rank 0 (a resync): every rank forgets the inner-optimizer state of each of fragment
+        ``p``'s parameters whose shard of it holds a NaN or Inf (``Adoption.drop_nonfinite_state``
+        for shards: each rank checks its own, with no collective that rank 0 would wait on)."""
+        self._send(_DROP, p)
+        self._drop_local(p)
+
+    def _drop_local(self, p: int) -> None:
+        for param in self.params[p]:
+            state = self.optimizer.state.get(param)
+            if state and not all(
+                bool(torch.isfinite(_local(v)).all())
+                for v in state.values()
+                if isinstance(v, torch.Tensor)
+            ):
+                del self.optimizer.state[param]
+
     def settle(self) -> None:
         """A collective: rank 0 says it is done gathering; every other rank serves rank 0's
         gathers and write-backs until then."""
@@ -140,6 +163,9 @@ class ShardedFragments:
             op, p = (int(v) for v in self._cmd.tolist())
             if op == _DONE:
                 return
+            if op == _DROP:
+                self._drop_local(p)
+                continue
             for shard in self.params[p]:
                 self._gather(shard)
             if op == _WRITE:

@@ -42,7 +42,7 @@ def _rank(rank: int, rendezvous: str, results: mp.Queue) -> None:  # type: ignor
         fully_shard(model)
         assert is_sharded(model)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-        shards = ShardedFragments(model, plan)
+        shards = ShardedFragments(model, plan, optimizer)
         before = _whole(model)
         island = (
             Island(
@@ -65,6 +65,14 @@ def _rank(rank: int, rendezvous: str, results: mp.Queue) -> None:  # type: ignor
             island.adopt_final(1, 3, new[1])  # written into both ranks' shards at this sync
         ranks.sync()
         after = _whole(model)
+        # a resync of fragment 0: rank 1's shard of its state is NaN, rank 0's is finite
+        first = shards.params[0][0]
+        optimizer.state[first] = {"buf": torch.full((1,), float("nan") if rank else 1.0)}
+        if island is not None:
+            island.deliver(0, 5, new[0], force=True)
+            island.adopt_pending()
+        ranks.sync()
+        resynced = _whole(model)
         results.put(
             (
                 rank,
@@ -74,6 +82,8 @@ def _rank(rank: int, rendezvous: str, results: mp.Queue) -> None:  # type: ignor
                 ranks.versions,
                 shards.most_open if rank == 0 else 1,
                 held_bytes(model, optimizer),
+                torch.cat([resynced[n].reshape(-1) for n in plan.fragments[0].names]).tolist(),
+                first in optimizer.state,
             )
         )
         ranks.close()
@@ -97,11 +107,15 @@ def test_rank_0_gathers_one_fragment_and_writes_an_adoption_into_every_shard(
         assert p.exitcode == 0
     plan = tiny_plan(_model())
     for rank in (0, 1):
-        gathered_ok, written, untouched, versions, most_open, held = got[rank]
+        gathered_ok, written, untouched, versions, most_open, held, resynced, kept = got[rank]
         assert gathered_ok  # rank 0's version 0 is the whole model, gathered from both shards
         assert written == (torch.arange(plan.fragments[1].numel) + 100.0).tolist()
         assert all(untouched)  # the other fragment was read, never written
-        assert versions == [0, 3]
+        assert versions == [5, 3]
         assert most_open == 1
+        assert resynced == torch.arange(plan.fragments[0].numel).tolist()  # overwritten
+        assert kept is (rank == 0)  # each rank dropped its own non-finite state, and only that
     whole = sum(p.numel() * 4 for p in _model().parameters())
-    assert got[0][5] + got[1][5] == whole  # each rank holds its rows only, together the model
+    assert (
+        got[0][5] + got[1][5] == whole + 4
+    )  # + rank 0's one-float state kept  # each rank holds its rows only, together the model
