@@ -26,6 +26,12 @@ every rank after ``torch.distributed.init_process_group``, and call ``tokens`` o
 Rank 0 joins the swarm and speaks for the island; the others adopt every fragment rank 0 adopts,
 at the same step (``node.diloco.ranks``); tokens count all ranks. Leaving the ``with`` block
 waits for every rank, so that all of them can ``destroy_process_group`` together.
+
+An island that shards: apply FSDP2's ``fully_shard`` to the model on every rank before building
+``SwarmIsland`` (and the optimizer over the sharded parameters); the island sees the ``DTensor``
+shards and gathers one fragment at a time to rank 0 when it ships or adopts it, writing adoptions
+back into every rank's shard at the same step (``node.diloco.sharding``, docs/islands.md).
+``validate=`` is refused there (rank 0 alone cannot run the sharded model's forward pass).
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ from node.diloco.allocator import tune_allocator
 from node.diloco.island import Island
 from node.diloco.island_config import FLUSH_WAIT_S, flush_at_end, island_config
 from node.diloco.ranks import IslandRanks, distributed_rank, unwrap
+from node.diloco.sharding import ShardedFragments, is_sharded
 from node.diloco.validation import CallableEvaluator
 from node.peer import NodeOptions, PeerNode
 from protocol.diloco.fragments import FragmentPlan, plan_fragments
@@ -121,13 +128,25 @@ class SwarmIsland:
         credentials = SwarmCredentials(manifest, signer, cert) if manifest is not None else None
         self.rank, self.world = distributed_rank()
         self._model = model
+        # an FSDP2 island: rank 0 gathers one fragment at a time (node.diloco.sharding)
+        self.shards = ShardedFragments(model, self.plan, optimizer) if is_sharded(model) else None
+        if self.shards is not None and validate is not None:
+            raise ValueError(
+                "validate= needs the whole model on rank 0, and this island shards it "
+                "(fully_shard): leave validate out, or validate on a one-process island"
+            )
         self._island: Island | None = None
         self._node: PeerNode | None = None
         if (
             self.rank == 0
         ):  # rank 0 speaks for the island on the swarm (the only rank without torchrun)
             self._island = Island(
-                model, optimizer, self.plan, self._submit, island_config(self.cfg, optimizer)
+                model,
+                optimizer,
+                self.plan,
+                self._submit,
+                island_config(self.cfg, optimizer),
+                shards=self.shards,
             )
             evaluator = (
                 CallableEvaluator(model, self.plan, None, validate)
@@ -145,8 +164,12 @@ class SwarmIsland:
                 credentials=credentials,
             )
         # the other ranks of a torchrun island follow rank 0's adoptions (node.diloco.ranks)
+        if self.shards is not None:
+            self.shards.settle()  # the other ranks served rank 0's island its version 0
         self.ranks = (
-            IslandRanks(model, optimizer, self.plan, self._island) if self.world > 1 else None
+            IslandRanks(model, optimizer, self.plan, self._island, shards=self.shards)
+            if self.world > 1
+            else None
         )
         self.initial_peers = list(initial_peers)
         self.join_timeout_s = join_timeout_s

@@ -56,6 +56,7 @@ crosses and this is the code as it was.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
@@ -68,6 +69,7 @@ from node.diloco.adoption import Adoption
 from node.diloco.device import DeviceLink, Landed
 from node.diloco.flat import new_flat
 from node.diloco.inbox import Arrival, Inbox
+from node.diloco.sharding import ShardedFragments
 from protocol.diloco.fragments import FragmentPlan, due_offset
 
 __all__ = ["Island", "IslandConfig", "IslandStats", "Outgoing"]
@@ -163,11 +165,15 @@ class Island:
         cfg: IslandConfig,
         *,
         device_link: DeviceLink | None = None,
+        shards: ShardedFragments | None = None,
     ) -> None:
         """``device_link``: how tensors cross between the parameters' device and the host (default:
-        ``DeviceLink`` of the first parameter's device; on the CPU nothing crosses)."""
+        ``DeviceLink`` of the first parameter's device; on the CPU nothing crosses). ``shards``:
+        rank 0 of an FSDP island, whose parameters are shards: each fragment is gathered only
+        while it ships or is adopted (``node.diloco.sharding``)."""
         self.model, self.plan, self.cfg, self.optimizer = model, plan, cfg, optimizer
         self._submit = submit
+        self._shards = shards
         named = dict(model.named_parameters())
         missing = [n for f in plan.fragments for n in f.names if n not in named]
         if missing:
@@ -181,16 +187,17 @@ class Island:
         )
         # global fragments live on the CPU, where the network side decodes and hashes them; on a
         # device the island also holds a copy there (``_base``), which Δ and rebases read
-        self.global_flat: list[torch.Tensor] = [
-            self._flatten(p).float().cpu() for p in range(len(self.params))
-        ]
+        self.global_flat: list[torch.Tensor] = []
+        for p in range(len(self.params)):
+            with self._full(p, write=False):
+                self.global_flat.append(self._flatten(p).float().cpu())
         self._device_global: list[torch.Tensor] | None = None
         self._mirrored: list[torch.Tensor | None] = [None] * len(self.params)
         if self.device_link.staged:
-            self._device_global = [
-                self._flatten(p).float().to(self.device_link.device)
-                for p in range(len(self.params))
-            ]
+            self._device_global = []
+            for p in range(len(self.params)):
+                with self._full(p, write=False):
+                    self._device_global.append(self._flatten(p).float().to(self.device_link.device))
             self._mirrored = list(self.global_flat)
         self.versions: list[int] = [0] * len(self.params)
         # per fragment, how often its parameters were replaced by a global version (a final or a
@@ -361,12 +368,15 @@ class Island:
             return
         if sent_at is not None:
             self.stats.gave_up_in_flight += 1
-        if self.cfg.rebase:  # θ_p as it ships, copied exactly (Θ − Δ would round), and Δ from it
-            shipped = self._flatten(p).float().to(self._base(p).device)
-            self._shipped[p] = (shipped, self.c_steps[p], self.c_tokens[p])
-            delta = torch.sub(self._base(p), shipped)
-        else:
-            delta = self._pseudo_gradient(p)
+        with self._full(p, write=False):
+            if (
+                self.cfg.rebase
+            ):  # θ_p as it ships, copied exactly (Θ − Δ would round), and Δ from it
+                shipped = self._flatten(p).float().to(self._base(p).device)
+                self._shipped[p] = (shipped, self.c_steps[p], self.c_tokens[p])
+                delta = torch.sub(self._base(p), shipped)
+            else:
+                delta = self._pseudo_gradient(p)
         self.in_flight[p] = self.stats.step
         self.next_due[p] = self.stats.step + self._h()
         self.stats.sent += 1
@@ -420,6 +430,13 @@ class Island:
     def _flatten(self, p: int) -> torch.Tensor:
         return torch.cat([t.detach().reshape(-1) for t in self.params[p]])
 
+    def _full(self, p: int, *, write: bool) -> contextlib.AbstractContextManager[None]:
+        """Fragment ``p``'s full parameters in ``self.params[p]`` for the block (a sharded
+        island gathers them, and with ``write`` scatters them back; otherwise they are)."""
+        if self._shards is None:
+            return contextlib.nullcontext()
+        return self._shards.full(p, self.params[p], write=write)
+
     # --- adopting what arrived (trainer thread) ------------------------------------------------
     def adopt_final(self, fragment: int, version: int, flat: torch.Tensor) -> None:
         """Adopt the owner's final version even if it is not above the one held.
@@ -466,7 +483,10 @@ class Island:
 
     def _resync(self, p: int, version: int, flat: Landed) -> None:
         """Overwrite fragment ``p`` with ``flat``; drop inner-optimizer state that is not finite."""
-        self._adoption.drop_nonfinite_state(p)
+        if self._shards is not None:  # every rank checks its own shard of the state
+            self._shards.drop_nonfinite_state(p)
+        else:
+            self._adoption.drop_nonfinite_state(p)
         self._adopt(p, version, flat, alpha=0.0, rebase=False)
         self.stats.resynced += 1
 
@@ -489,10 +509,11 @@ class Island:
                 reference = shipped[0]
             elif self.c_steps[p]:
                 reference = self._base(p)
-        if reference is not None and not self._adoption.rebase(p, flat, reference):
-            reference = None  # the local work is not finite: overwrite
-        if reference is None:
-            self._adoption.overwrite(p, flat, alpha)
+        with self._full(p, write=True):
+            if reference is not None and not self._adoption.rebase(p, flat, reference):
+                reference = None  # the local work is not finite: overwrite
+            if reference is None:
+                self._adoption.overwrite(p, flat, alpha)
         self.global_flat[p] = landed.host.float()
         if self._device_global is not None:
             self._device_global[p], self._mirrored[p] = flat.float(), self.global_flat[p]
@@ -523,6 +544,6 @@ class Island:
             offset = 0
             for name, param in zip(self.plan.fragments[p].names, params, strict=True):
                 n = param.numel()
-                state[name] = self.global_flat[p][offset : offset + n].view_as(param)
+                state[name] = self.global_flat[p][offset : offset + n].view(param.shape)
                 offset += n
         return state

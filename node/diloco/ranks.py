@@ -15,6 +15,11 @@ gives the island the sum.
 
 Works with any process group: gloo on CPU, NCCL on GPUs (tensors are broadcast on the
 parameters' own device).
+
+An FSDP island (``shards``: its parameters are ``fully_shard`` shards, ``node.diloco.sharding``)
+broadcasts no fragment: rank 0's island gathers a fragment and scatters an adoption back into
+every rank's shard itself, while the other ranks serve those collectives from ``sync``'s first
+call, ``ShardedFragments.settle``.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from node.diloco.island import Island
+from node.diloco.sharding import ShardedFragments
 from protocol.diloco.fragments import FragmentPlan
 
 __all__ = ["IslandRanks", "distributed_rank", "leave_process_group", "unwrap"]
@@ -52,8 +58,10 @@ class IslandRanks:
         island: Island | None,
         *,
         group: dist.ProcessGroup | None = None,
+        shards: ShardedFragments | None = None,
     ) -> None:
-        """``island``: the swarm-facing island on rank 0, None on the other ranks."""
+        """``island``: the swarm-facing island on rank 0, None on the other ranks. ``shards``:
+        the model is FSDP-sharded, and rank 0's island gathers through it."""
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
                 "a multi-process island needs torch.distributed initialised (torchrun sets it up)"
@@ -65,6 +73,7 @@ class IslandRanks:
                 f"rank {self.rank}: the swarm-facing island belongs on rank 0 and only there"
             )
         self.island = island
+        self.shards = shards
         by_name = dict(model.named_parameters())
         self.params: list[list[nn.Parameter]] = [
             [by_name[n] for n in f.names] for f in plan.fragments
@@ -112,7 +121,9 @@ class IslandRanks:
     @torch.no_grad()
     def sync(self) -> list[int]:
         """Give every rank the fragments rank 0 holds (a collective); returns the fragments that
-        were broadcast."""
+        were broadcast (a sharded island: that rank 0 replaced, already written into every shard)."""
+        if self.shards is not None:
+            self.shards.settle()  # rank 0's gathers and write-backs since the last sync
         if self.island is not None:
             self._versions.copy_(
                 torch.tensor(self.island.versions + self.island.adoptions, dtype=torch.int64)
@@ -120,7 +131,7 @@ class IslandRanks:
         dist.broadcast(self._versions, src=0, group=self.group)
         differs = (self._versions != self._seen).view(2, self._n).any(dim=0)
         changed = [int(p) for p in torch.nonzero(differs).flatten().tolist()]
-        for p in changed:
+        for p in changed if self.shards is None else ():
             for param in self.params[p]:
                 dist.broadcast(param.data, src=0, group=self.group)
         self._seen.copy_(self._versions)

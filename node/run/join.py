@@ -21,7 +21,7 @@ import ssl
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from node.config import SCHEDULE_FIELDS, RunConfig, config_from_args
 from node.dht.membership import config_from_manifest
@@ -299,6 +299,31 @@ def join_main(args: argparse.Namespace) -> int:
         return 1
     if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
         return _launch_ranks(args.nproc, args.argv)
+    code = _join(args)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        _leave_rank(code)
+    return code
+
+
+def _leave_rank(code: int) -> NoReturn:
+    """End one rank of ``atoll join --nproc N`` at once, after its result is out and every rank
+    has passed the final barrier and destroyed the process group (``leave_process_group``).
+
+    Not through the interpreter's teardown: ``destroy_process_group`` unregisters the gloo group,
+    but DDP's reducer still holds it, so the group's C++ objects (context, sockets, the tensors
+    of its last work) are freed during interpreter finalization, with the other rank possibly
+    gone already, where gloo's teardown can abort the process (SIGABRT, "terminate called without
+    an active exception"; PyTorch PR #179291 describes that finalization crash). torchrun then
+    reports the island failed and exits 1 after the result was printed, the more often the
+    busier the machine (docs/islands.md). Flush the streams and log handlers, and go."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)
+
+
+def _join(args: argparse.Namespace) -> int:
+    """One island's (or one rank's) ``atoll join``: the checks, then training."""
     if int(os.environ.get("RANK", "0")) > 0:  # a follower rank of a multi-process island: quiet
         args.json_logs = False
     line = ProgressLine(sys.stderr) if sys.stderr.isatty() and not args.json_logs else None

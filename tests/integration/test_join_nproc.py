@@ -1,5 +1,6 @@
 """`atoll join --nproc 2`: an island of two processes (torchrun, gloo, DDP) joins a swarm beside a
-one-process island; both ranks train, follow rank 0's adoptions and end on the same parameters."""
+one-process island; both ranks train, follow rank 0's adoptions and end on the same parameters,
+and the island exits 0 (every rank leaves without the interpreter's teardown: docs/islands.md)."""
 
 from __future__ import annotations
 
@@ -64,6 +65,7 @@ def test_an_island_of_two_processes_joins_and_its_ranks_agree(tmp_path: Path) ->
         )
     }
     assert set(ranks) == {"0", "1"}, log[-3000:]
+    assert "terminate called" not in log and "ChildFailedError" not in log, log[-3000:]
     assert (
         ranks["0"] == ranks["1"]
     )  # both processes of the island took the same steps and hold the same model
