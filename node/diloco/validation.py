@@ -43,7 +43,6 @@ from protocol.diloco.validation import (
     MIN_POOL_RATIO,
     ValidationConfig,
     Verdict,
-    close,
     draw_seed,
     draw_windows,
     judge,
@@ -228,14 +227,11 @@ class OwnerValidation:
             return None
         t0 = self.clock()
         seed = draw_seed(self.rng)
-        drawn = draw_windows(self.evaluator.pool, self.config.drawn, seed)
-        windows = drawn[: self.config.windows]
+        windows = draw_windows(self.evaluator.pool, self.config.windows, seed)
         before = self.evaluator.losses(fragment, current, windows)
         after = self.evaluator.losses(fragment, candidate, windows)
-        first = len(before)
         verdict = judge(before, after, None, self.config)
         scored: dict[bytes, list[float]] | None = None
-        thetas: Mapping[bytes, torch.Tensor] = {}
         if not verdict.publish:
             thetas = alone()
             # one sender's work alone is the candidate: its losses are measured already
@@ -244,20 +240,6 @@ class OwnerValidation:
                 if len(thetas) == 1
                 else {
                     peer: self.evaluator.losses(fragment, theta, windows)
-                    for peer, theta in thetas.items()
-                }
-            )
-            verdict = judge(before, after, scored, self.config)
-        if scored is not None and close(verdict, self.config):  # confirm on more windows
-            windows = drawn
-            more = drawn[self.config.windows :]
-            before = before + self.evaluator.losses(fragment, current, more)
-            after = after + self.evaluator.losses(fragment, candidate, more)
-            scored = (
-                {peer: after for peer in thetas}
-                if len(thetas) == 1
-                else {
-                    peer: scored[peer] + self.evaluator.losses(fragment, theta, more)
                     for peer, theta in thetas.items()
                 }
             )
@@ -273,7 +255,6 @@ class OwnerValidation:
             "seed": seed,
             "pool": self.evaluator.pool,
             "windows": list(windows),
-            "first": first,  # losses judged before a close call was confirmed on more windows
             "data": self.evaluator.digest,
             "config": dataclasses.asdict(self.config),
             "before": before,
@@ -294,7 +275,7 @@ def recheck(record: Mapping[str, Any]) -> list[str]:
     try:
         # a record from before ``rule`` was logged was judged by rule 1
         config = ValidationConfig(**{"rule": 1, **record["config"]})
-        drawn = draw_windows(int(record["pool"]), config.drawn, int(record["seed"]))
+        windows = draw_windows(int(record["pool"]), config.windows, int(record["seed"]))
         before, after = (
             [float(x) for x in record["before"]],
             [float(x) for x in record["candidate"]],
@@ -305,17 +286,7 @@ def recheck(record: Mapping[str, Any]) -> list[str]:
             if alone is None
             else {bytes.fromhex(p): [float(x) for x in v] for p, v in alone.items()}
         )
-        n = int(record.get("first", len(before)))  # absent before close calls were confirmed
-        verdict = judge(
-            before[:n],
-            after[:n],
-            None if scored is None else {p: v[:n] for p, v in scored.items()},
-            config,
-        )
-        windows = drawn[: config.windows]
-        if scored is not None and close(verdict, config):
-            windows = drawn
-            verdict = judge(before, after, scored, config)
+        verdict = judge(before, after, scored, config)
     except (KeyError, TypeError, AttributeError) as exc:
         raise ValueError(f"not a validation record as an owner writes it ({exc!r})") from None
     got = {

@@ -29,11 +29,6 @@ pins it by hash), next to the version it would replace, on the *same* windows:
    a hurtful one is dropped whole
    (nothing is published for the round): the harm is in their combination, which no per-sender
    test can pin on one of them.
-4. ``close``: a sender blamed less than ``confirm`` noise margins past the noise is a close call
-   (where validation's false positives on honest work sit). Before blaming it, the owner
-   evaluates ``more`` windows beyond the first (drawn with the first from the same seed), and
-   judges the whole check again on all of them: a false positive, a high draw of the first
-   windows, regresses towards no rise, while real harm stays past the (narrower) noise.
 
 Everything here is pure: losses come in as numbers, randomness as a ``random.Random`` or a seed.
 The owner (``node.diloco.owner``) runs the evaluations off its event loop and logs each check.
@@ -54,7 +49,6 @@ __all__ = [
     "compare",
     "draw_seed",
     "draw_windows",
-    "close",
     "judge",
 ]
 
@@ -69,29 +63,13 @@ class ValidationConfig:
     counts as hurt, however small the spread; ``rule``: 2 scores each contribution alone when the
     candidate does not lower the loss beyond noise and blames harm beyond the round's typical
     contribution (``judge``); 1, the rule before, only when it raises the loss, and blames any
-    harm alone (kept so that ``atoll replay`` recomputes older checks as they were made); 3, rule
-    2 with close calls confirmed (``close``): a sender blamed less than ``confirm`` margins past
-    the noise is judged again on ``more`` windows beyond the first ``windows``."""
+    harm alone (kept so that ``atoll replay`` recomputes older checks as they were made)."""
 
     windows: int = 16
     every: int = 1
     z: float = 3.0
     min_rise: float = 0.002
-    rule: int = 3
-    confirm: float = 2.0
-    more: int | None = None  # None: as many as ``windows``
-
-    @property
-    def extra(self) -> int:
-        """Windows evaluated beyond the first ``windows`` for a close call (0 before rule 3)."""
-        if self.rule < 3:
-            return 0
-        return self.windows if self.more is None else self.more
-
-    @property
-    def drawn(self) -> int:
-        """Windows drawn per check: the first ``windows``, then ``extra`` for close calls."""
-        return self.windows + self.extra
+    rule: int = 2
 
     def __post_init__(self) -> None:
         if self.windows < 2:
@@ -100,13 +78,8 @@ class ValidationConfig:
             )
         if self.every < 1:
             raise ValueError(f"validation every must be >= 1 (1: every merge), got {self.every}")
-        if self.rule not in (1, 2, 3):
-            raise ValueError(f"validation rule must be 1, 2 or 3, got {self.rule}")
-        if (self.more is not None and self.more < 0) or not (1.0 <= self.confirm < math.inf):
-            raise ValueError(
-                f"validation more must be >= 0 and confirm finite and >= 1, got {self.more}, "
-                f"{self.confirm}"
-            )
+        if self.rule not in (1, 2):
+            raise ValueError(f"validation rule must be 1 or 2, got {self.rule}")
         if not (0.0 <= self.z < math.inf and 0.0 <= self.min_rise < math.inf):
             raise ValueError(
                 f"validation z and min_rise must be finite and >= 0, got {self.z}, {self.min_rise}"
@@ -184,13 +157,6 @@ class Verdict:
     reason: str
     whole: bool = False
     severity: Mapping[bytes, float] = field(default_factory=dict)
-
-
-def close(verdict: Verdict, config: ValidationConfig) -> bool:
-    """Whether ``verdict`` blames a sender less than ``config.confirm`` noise margins past the
-    noise, so that (rule 3, with ``more`` windows to draw) the check is judged again on all its
-    windows before anyone is blamed."""
-    return config.extra > 0 and any(s < config.confirm for s in verdict.severity.values())
 
 
 def judge(

@@ -12,7 +12,6 @@ from hypothesis import strategies as st
 from protocol.diloco.validation import (
     MIN_POOL_RATIO,
     ValidationConfig,
-    close,
     compare,
     draw_seed,
     draw_windows,
@@ -193,23 +192,3 @@ def test_severity_is_the_rise_in_noise_margins_so_a_bare_false_positive_weighs_l
     verdict = judge(before, candidate, alone, CFG)
     assert not verdict.publish and verdict.drop == {b"\x01", b"\x02"}
     assert 1.0 <= verdict.severity[b"\x01"] < 2.0 < 4.0 < verdict.severity[b"\x02"]
-
-
-def test_a_close_call_is_one_blamed_less_than_confirm_margins_past_the_noise() -> None:
-    """Rule 3 (the default) draws twice the windows, and judges again on all of them only when a
-    sender is blamed less than ``confirm`` margins past the noise; rules 1 and 2 drew and judged
-    the first ``windows`` only."""
-    assert (CFG.rule, CFG.drawn, ValidationConfig(windows=16, rule=2).drawn) == (3, 32, 16)
-    assert ValidationConfig(windows=16, more=4).drawn == 20
-    before = [1.0 + 0.01 * (w % 4) for w in range(16)]
-    alone = {
-        b"\x01": [b + 0.0035 for b in before],  # 1.7 margins: close
-        b"\x02": [b + 0.05 for b in before],  # 24 margins: not
-        b"\x03": before,
-    }
-    verdict = judge(before, [b + 0.02 for b in before], alone, CFG)
-    assert close(verdict, CFG) and not close(verdict, ValidationConfig(windows=16, rule=2))
-    gross = judge(before, [b + 0.02 for b in before], {**alone, b"\x01": before}, CFG)
-    assert gross.drop == {b"\x02"} and not close(gross, CFG)
-    with pytest.raises(ValueError, match="confirm"):
-        ValidationConfig(confirm=0.5)
