@@ -22,8 +22,8 @@ measures, for every contribution, how well it agrees with the *other* senders' w
    consensus judges no one: two colluders among four senders leave every median near 0), a
    sender *dissents* when its agreement is below ``floor`` and below ``ratio`` times the level.
    The defaults come from measurement (``python -m bench.attacks --peers 8 --model tiny``
-   settings, docs/security.md): honest medians 0.14 at the 5th percentile and >= 0.5 x the level
-   but for 1 of 205; random, stale and alie work about 0 (60-100 % of it dissents).
+   settings, docs/security.md): honest medians 0.14 at the 5th percentile and >= 0.35 x the level
+   but for 2 of 205; random, stale and alie work about 0 (45-90 % of it dissents).
 
 Pure: contributions in as flat tensors, verdicts out; ``now`` is not needed (a verdict is per
 published version). ``atoll replay`` recomputes a verdict from the logged medians with ``judge``

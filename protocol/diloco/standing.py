@@ -80,7 +80,7 @@ class StandingConfig:
     costs by how far past the bound it went (``bounded_scale``): honest learners are bounded 1-2
     times a run, at most ~2x past (-0.05 to -0.1 each); ``lie-tokens`` every time at 500x (-0.4).
     A dissent costs what a hurt does: 8-peer tiny runs judged 1 honest contribution of 205 and
-    60-100 % of random, stale and alie work dissenting (docs/security.md)."""
+    45-90 % of random, stale and alie work dissenting (docs/security.md)."""
 
     merged: float = 0.05
     helped: float = 0.1
