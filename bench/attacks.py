@@ -11,8 +11,10 @@ and, last, JSON: per run the global model's final eval loss and its ratio to the
 the same seed, what the owners did to the attackers' contributions (the report's ``penalties``:
 clipped, hurt, refused_...), the attackers' standing against the honest learners' (the lowest
 score any owner holds for each key at the end, ``protocol.diloco.standing``), how often honest
-work was dropped as hurtful (``honest_hurt``: validation's false positives), and what validated
-publication checked and cost. The clean run is measured in the same invocation, so the ratios
+work was dropped as hurtful (``honest_hurt``: validation's false positives), how often each
+side's work dissented from its round (``attacker_dissent``, ``honest_dissent``:
+``protocol.diloco.agreement``), what ``atoll replay`` recomputed from the owners' event logs and
+its mismatches (``replay``: must be 0), and what validated publication checked and cost. The clean run is measured in the same invocation, so the ratios
 hold on a noisy machine; the swarm's own run-to-run noise is in ``clean_repeat``.
 """
 
@@ -78,6 +80,7 @@ def run(
     if proc.returncode != 0:
         raise RuntimeError(f"{name} failed:\n{proc.stderr[-2000:]}")
     data = json.loads(report.read_text())
+    replayed = _replayed(workdir / f"{name}-peers")
     bad = set(attackers) if kind else set()
     peers = data["per_peer"]
     honest = [
@@ -104,11 +107,39 @@ def run(
         "honest_hurt": sum(
             int(p.get("penalties", {}).get("hurt", 0)) for p in peers if p["index"] not in bad
         ),
+        # how often each side's work agreed with none of its round's (protocol.diloco.agreement)
+        "attacker_dissent": sum(
+            int(p.get("penalties", {}).get("dissent", 0)) for p in peers if p["index"] in bad
+        ),
+        "honest_dissent": sum(
+            int(p.get("penalties", {}).get("dissent", 0)) for p in peers if p["index"] not in bad
+        ),
+        "replay": replayed,
         "validation": {
             "checks": sum(c.get("checks", 0) for c in checks),
             "rejected": sum(c.get("rejected", 0) for c in checks),
             "seconds": round(sum(c.get("seconds", 0.0) for c in checks), 2),
         },
+    }
+
+
+def _replayed(folder: Path) -> dict[str, Any]:
+    """``atoll replay`` over a run's event logs: what it recomputed, and the mismatches (must be 0)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "node", "replay", str(folder), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
+    try:
+        out = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        return {"error": proc.stderr[-500:]}
+    return {
+        "decisions": out["decisions"],
+        "versions": out["versions"],
+        "agreements": out.get("agreements", 0),
+        "mismatches": len(out["mismatches"]),
     }
 
 
@@ -184,7 +215,7 @@ def main() -> None:
         row["attackers_below_honest"] = _below_honest(row)
     print(
         f"{'run':16} {'attack':16} {'seed':>4} {'eval loss':>9} {'vs clean':>8} {'standing':>17} "
-        f"{'honest hurt':>11}  attackers' contributions"
+        f"{'honest hurt':>11} {'dissent a/h':>11} {'replay':>6}  attackers' contributions"
     )
     for row in rows:
         att = [s for s in row["attacker_standing"].values() if s is not None]
@@ -199,7 +230,9 @@ def main() -> None:
         )
         print(
             f"{row['run']:16} {row['attack']:16} {row['seed']:4d} {row['eval_loss_end']:9.3f} "
-            f"{row['vs_clean']:8.3f} {standing:>17} {row['honest_hurt']:11d}  {pens}"
+            f"{row['vs_clean']:8.3f} {standing:>17} {row['honest_hurt']:11d} "
+            f"{row['attacker_dissent']:5d}/{row['honest_dissent']:<5d} "
+            f"{row['replay'].get('mismatches', '?')!s:>6}  {pens}"
         )
     print(
         json.dumps(

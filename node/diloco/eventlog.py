@@ -36,6 +36,7 @@ from safetensors.torch import save_file
 from node.diloco.eventlog_format import FORMAT, _decision, payload_dir
 from node.diloco.eventlog_replay import EmptyLog, LogError, ReplayResult, replay
 from node.diloco.flat import flat_digest
+from protocol.diloco.agreement import Agreement, AgreementConfig
 from protocol.diloco.merge import Decision, FragmentMerger, MergeConfig
 from protocol.diloco.outer import OuterConfig
 from protocol.diloco.reference import HandedNorm, as_history
@@ -302,6 +303,22 @@ class LoggedMerger:
         """A check of a candidate version (``node.diloco.validation.Check.record``): replay redraws
         its windows from the logged seed and recomputes its verdict from the logged losses."""
         self._write(record)
+
+    def note_agreement(self, version: int, verdict: Agreement, config: AgreementConfig) -> None:
+        """How each contribution of the merge to be published as ``version`` agreed with the
+        round's others (``protocol.diloco.agreement``): replay recomputes the dissent from the
+        logged medians and, from the kept contributions, the medians."""
+        self._write(
+            {
+                "kind": "agreement",
+                "version": version,
+                "peers": [p.hex() for p in verdict.peers],
+                "medians": list(verdict.medians),
+                "level": verdict.level,
+                "dissent": sorted(p.hex() for p in verdict.dissent),
+                "config": dataclasses.asdict(config),
+            }
+        )
 
     def close(self) -> None:
         with self._lock:

@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from node.diloco.eventlog_format import FORMAT, _decision, payload_dir
 from node.diloco.flat import encode_flat, flat_digest, flat_from_tensors
 from node.diloco.validation import recheck
+from protocol.diloco.agreement import AgreementConfig, gram, judge, medians
 from protocol.diloco.merge import Decision, FragmentMerger, MergeConfig
 from protocol.diloco.outer import OuterConfig, merge_update
 from protocol.diloco.updates import encode_update
@@ -46,6 +47,7 @@ class ReplayResult:
     mismatches: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     unchecked: str | None = None  # why version contents were not (all) recomputed
     validations: int = 0  # candidate checks recomputed (``node.diloco.validation.recheck``)
+    agreements: int = 0  # agreement verdicts recomputed (``protocol.diloco.agreement``)
 
     @property
     def contents_checked(self) -> int:
@@ -57,6 +59,7 @@ class ReplayResult:
             "versions": self.versions,
             "contents_checked": self.contents_checked,
             "validations": self.validations,
+            "agreements": self.agreements,
             "unchecked": self.unchecked,
             "mismatches": self.mismatches,
         }
@@ -352,6 +355,7 @@ class _Replay:
         self.learners: frozenset[bytes] | None = None  # the expected learners as last logged
         self.contents: _Contents | None = None
         self.merged_at: dict[int, list[list[Any]]] = {}
+        self.last_merge: tuple[int, list[tuple[bytes, object]]] | None = None  # version, work
 
     def why(self, kind: str, exc: BaseException) -> str:
         """What is wrong at a line, in one line; where a merger refuses an event, where the replay
@@ -404,6 +408,10 @@ class _Replay:
             self.result.validations += 1
             for what in recheck(rec):
                 self.result.mismatches.append({"line": n, "event": "validation", "what": what})
+        elif kind == "agreement":  # who dissented: from the logged medians, and from the contents
+            self.result.agreements += 1
+            for what in recheck_agreement(rec, self.last_merge):
+                self.result.mismatches.append({"line": n, "event": "agreement", "what": what})
         elif kind == "truncated":
             self.result.mismatches.append(
                 {"line": n, "what": "the log was truncated at its size cap"}
@@ -531,5 +539,52 @@ class _Replay:
             )
         if d.kind == "merge":
             self.merged_at[d.version + 1] = got["entries"]
+            self.last_merge = (d.version + 1, [(e.peer, e.payload) for e in d.entries])
             if self.contents is not None:
                 self.contents.merge(d.version + 1, d)
+
+
+AGREEMENT_TOLERANCE = 1e-6  # a recomputed cosine may differ in its last bits (BLAS threads)
+
+
+def recheck_agreement(
+    rec: dict[str, Any], last_merge: tuple[int, list[tuple[bytes, object]]] | None
+) -> list[str]:
+    """What differs between a logged agreement verdict and the one recomputed: from the logged
+    medians under the logged config, and, when the replayed merge of that version has every
+    contribution's contents, the medians themselves. Raises ``ValueError`` for a damaged record."""
+    config = rec.get("config")
+    peers, values, dissent = rec.get("peers"), rec.get("medians"), rec.get("dissent")
+    if not (
+        isinstance(config, dict)
+        and isinstance(peers, list)
+        and isinstance(values, list)
+        and isinstance(dissent, list)
+        and len(peers) == len(values)
+        and all(
+            v is None or (isinstance(v, int | float) and not isinstance(v, bool)) for v in values
+        )
+    ):
+        raise ValueError("an agreement record needs a config, and as many peers as medians")
+    ids = [_peer(p, "peers") for p in peers]
+    verdict = judge(ids, values, AgreementConfig(**config))
+    out = []
+    if sorted(p.hex() for p in verdict.dissent) != sorted(dissent):
+        out.append(f"version {rec.get('version')}: dissent recomputed as {verdict.reason}")
+    if last_merge is None or last_merge[0] != rec.get("version"):
+        return out
+    work = last_merge[1]
+    if [p for p, _ in work] != ids or not all(isinstance(t, torch.Tensor) for _, t in work):
+        return out  # contents not all kept: the medians are checked from the log only
+    if all(v is None for v in values):
+        return out  # too few senders: none were measured
+    again = medians(ids, gram([t for _, t in work if isinstance(t, torch.Tensor)]))
+    for peer, logged, got in zip(ids, values, again, strict=True):
+        if (logged is None) != (got is None) or (
+            logged is not None and got is not None and abs(logged - got) > AGREEMENT_TOLERANCE
+        ):
+            out.append(
+                f"version {rec.get('version')}: {peer.hex()[:8]}'s median cosine recomputed as "
+                f"{got}, logged {logged}"
+            )
+    return out

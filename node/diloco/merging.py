@@ -3,7 +3,9 @@
 ``VersionMaker.make`` runs off the event loop: it clips, aggregates and applies the outer Nesterov
 step (``protocol.diloco.outer.merge_update``), with updates encodes the result as an update over
 the version held (error feedback), checks the candidate on the swarm's validation set when the
-owner validates (``node.diloco.validation``), and seals it, with the whole state for a replica.
+owner validates (``node.diloco.validation``), measures how each sender's work agrees with the
+rest of the round's (``protocol.diloco.agreement``: for standing; one chunked pass over the
+contributions, no copy of them), and seals it, with the whole state for a replica.
 A failure raises ``MergeFailed`` naming the senders to drop: every one of a non-finite result's
 (each was checked for shape, finiteness and a finite norm on arrival, so no single one is to
 blame), or those validation blamed (``Rejected``).
@@ -25,6 +27,7 @@ from node.diloco.owner_state import OwnerConfig, OwnerCounts, OwnerState
 from node.diloco.replica import Carried
 from node.diloco.sealing import Sealer
 from node.diloco.validation import OwnerValidation
+from protocol.diloco.agreement import Agreement, AgreementConfig, agreement
 from protocol.diloco.merge import Decision
 from protocol.diloco.norms import all_finite, norm64
 from protocol.diloco.outer import MergeUpdate, merge_update
@@ -118,6 +121,7 @@ class NextVersion:
     state_update: ReplicaState | None = None  # ``state`` as that update (no momentum only)
     theta_digest: bytes | None = None  # BLAKE3 of ``state``'s blobs (fp32, no momentum), if known
     helped: frozenset[bytes] = frozenset()  # validation scored their work alone: it helped
+    dissent: frozenset[bytes] = frozenset()  # their work agreed with none of the round's
 
 
 class VersionMaker:
@@ -131,9 +135,11 @@ class VersionMaker:
         validation: OwnerValidation | None,
         log: LoggedMerger | None,
         counts: OwnerCounts,
+        agreeing: AgreementConfig = AgreementConfig(),
     ) -> None:
         self.config, self.state, self.sealer = config, state, sealer
         self.validation, self.log, self.counts = validation, log, counts
+        self.agreeing = agreeing
         self.step_bounds = 0  # merges whose aggregate was scaled down to max_delta_ratio * |Theta|
 
     def make(
@@ -163,6 +169,7 @@ class VersionMaker:
         helped: frozenset[bytes] = frozenset()
         if self.validation is not None:  # before anything is sealed: a rejected one leaves no trace
             helped = self._validate(version, theta, work)
+        dissent = self._agreement(version, work).dissent
         checked = tensors is None  # _outer checked theta and buffer; an update's is checked here
         latest, digest, message_digest = self.sealer.state(version, theta, known_finite=checked)
         replica = (
@@ -191,6 +198,7 @@ class VersionMaker:
                 replica,
                 theta_digest=theta_digest,
                 helped=helped,
+                dissent=dissent,
             )
         base_digest = state.digest_of(version - 1)
         update = self.sealer.update(version, tensors, base_digest, digest)
@@ -217,6 +225,7 @@ class VersionMaker:
             state_update,
             theta_digest,
             helped,
+            dissent,
         )
 
     def _step(self, work: Work, *, theta_norm: float | None = None) -> MergeUpdate:
@@ -254,6 +263,14 @@ class VersionMaker:
             )
         self.state.known_norm = (weakref.ref(theta), theta_norm)  # once ``theta`` is published
         return theta, buffer
+
+    def _agreement(self, version: int, work: Work) -> Agreement:
+        """Who of ``work``'s senders dissents from the round (``protocol.diloco.agreement``), logged
+        for replay. The work to be published as ``version``, after validation let it through."""
+        verdict = agreement(work.peers, work.deltas, self.agreeing)
+        if self.log is not None:
+            self.log.note_agreement(version, verdict, self.agreeing)
+        return verdict
 
     def _validate(self, version: int, theta: torch.Tensor, work: Work) -> frozenset[bytes]:
         """Check the candidate ``theta`` (``node.diloco.validation``); log the check. Returns the

@@ -520,7 +520,7 @@ class FragmentOwner:
     def _count(self, decision: Decision, nxt: NextVersion) -> None:
         """Count a published merge, per sender too, and log it."""
         self.counts.merged(decision.reason)
-        self.reputation.published(decision, nxt.helped, version=self.version)
+        self.reputation.published(decision, nxt.helped, version=self.version, dissent=nxt.dissent)
         log.info(
             "fragment %d: published version %d (%s)",
             self.fragment.index,

@@ -90,10 +90,19 @@ class Reputation:
             self.counts.penalties[sender][f"refused_{counted}"] += 1
         self.standing.record(sender, Event.REFUSED, version=version)
 
-    def published(self, decision: Decision, helped: frozenset[bytes], *, version: int) -> None:
+    def published(
+        self,
+        decision: Decision,
+        helped: frozenset[bytes],
+        *,
+        version: int,
+        dissent: frozenset[bytes] = frozenset(),
+    ) -> None:
         """Count a published merge per sender: its bound bits in penalties, validation's credit,
-        then in standing the norm clip worst, then a claim capped to what the owner can see,
-        else merged cleanly (a late one is not its fault)."""
+        then in standing the norm clip worst, then a claim capped to what the owner can see
+        (weighted by how far past the bound), else merged cleanly (a late one is not its fault);
+        a sender in ``dissent`` (its work agreed with none of its round's:
+        ``protocol.diloco.agreement``) earns no merge credit and a ``DISSENT`` instead."""
         for e in decision.entries:
             counts = self.counts.penalties[e.peer]
             counts["merged"] += 1
@@ -105,15 +114,21 @@ class Reputation:
         for peer in helped:  # first: the version's one credit is the larger one
             self.counts.penalties[peer]["helped"] += 1
             self.standing.record(peer, Event.HELPED, version=version)
+        for peer in dissent:
+            self.counts.penalties[peer]["dissent"] += 1
+            self.standing.record(peer, Event.DISSENT, version=version)
         for e in decision.entries:
+            severity = None
             if e.clip < e.work_scale:
                 event = Event.CLIPPED
             elif e.steps_bounded or e.tokens_bounded:  # a claim past what the owner can see (a
                 # weight cap is not: it bites whichever honest learner counted the most tokens)
-                event = Event.BOUNDED
+                event, severity = Event.BOUNDED, e.overclaim
+            elif e.peer in dissent:
+                continue  # recorded above, once per version
             else:
                 event = Event.MERGED
-            self.standing.record(e.peer, event, version=version)
+            self.standing.record(e.peer, event, version=version, severity=severity)
 
     def rejected(
         self,

@@ -42,7 +42,7 @@ def replay_main(args: argparse.Namespace) -> int:
     print(
         f"{path}: {result.decisions} decisions replayed, {len(result.versions)} versions "
         f"({result.contents_checked} recomputed from the kept contents), {result.validations} validation checks "
-        f"recomputed, {len(result.mismatches)} mismatches"
+        f"and {result.agreements} agreement verdicts recomputed, {len(result.mismatches)} mismatches"
     )
     if result.unchecked:
         print(f"  contents not all recomputed: {result.unchecked}")
@@ -69,7 +69,7 @@ def _replay_folder(folder: Path, *, as_json: bool) -> int:
     if not logs:
         print(f"atoll replay: no event logs (*.jsonl) under {folder}", file=sys.stderr)
         return 1
-    decisions, versions, checked, mismatches, per_log = 0, 0, 0, [], []
+    decisions, versions, checked, agreements, mismatches, per_log = 0, 0, 0, 0, [], []
     for log in logs:
         try:
             result = replay(log)
@@ -81,6 +81,7 @@ def _replay_folder(folder: Path, *, as_json: bool) -> int:
         decisions += result.decisions
         versions += len(result.versions)
         checked += result.contents_checked
+        agreements += result.agreements
         mismatches += [{"log": str(log), **m} for m in result.mismatches]
         per_log.append(
             {
@@ -105,6 +106,7 @@ def _replay_folder(folder: Path, *, as_json: bool) -> int:
                     "decisions": decisions,
                     "versions": versions,
                     "contents_checked": checked,
+                    "agreements": agreements,
                     "mismatches": mismatches,
                     "logs": per_log,
                 }
@@ -113,7 +115,8 @@ def _replay_folder(folder: Path, *, as_json: bool) -> int:
     else:
         print(
             f"{len(logs)} logs: {decisions} decisions replayed, {versions} versions ({checked} recomputed "
-            f"from the kept contents), {len(mismatches)} mismatches"
+            f"from the kept contents), {agreements} agreement verdicts recomputed, "
+            f"{len(mismatches)} mismatches"
         )
     return 0 if not mismatches else 1
 

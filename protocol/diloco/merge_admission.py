@@ -63,6 +63,10 @@ class Pending:
     # (a staggered fragment's first contribution, a step or a few, whose tiny norm would have the
     # next honest ones clipped); a claim of few steps only withdraws its own sender's evidence
     evidence: bool = True
+    # how far its claims went past what the owner counted (claimed / counted steps, or tokens /
+    # the tokens its counted steps allow; 1.0: within bounds): an honest stall lands near 1-2,
+    # a liar far beyond, and standing charges a capped claim by it
+    overclaim: float = 1.0
 
 
 def refusal_for(
@@ -109,6 +113,7 @@ def bounded_pending(
     tokens_bounded = cap is not None and ev.tokens > cap * steps
     w = token_weight(ev.tokens, steps, max_tokens_per_step=cap)
     evidence = steps >= config.reference_min_steps
+    overclaim = max(ev.steps / steps, ev.tokens / (cap * steps) if cap else 1.0, 1.0)
     return Pending(
         ev.peer,
         ev.base_version,
@@ -120,4 +125,5 @@ def bounded_pending(
         steps=steps,
         last=ev.last,
         evidence=evidence,
+        overclaim=overclaim,
     )

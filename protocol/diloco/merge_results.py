@@ -32,6 +32,7 @@ class Entry:
         1.0  # its payload's share kept by ``MergeConfig.max_work_steps`` (in ``clip``)
     )
     last: bool = False  # the sender's end-of-run flush (see ``Decision.ends_runs``)
+    overclaim: float = 1.0  # claimed / counted steps or tokens when bounded (``Pending.overclaim``)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

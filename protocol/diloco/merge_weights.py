@@ -91,6 +91,7 @@ def weigh(
             tokens_bounded=e.tokens_bounded,
             work_scale=ws,
             last=e.last,
+            overclaim=e.overclaim,
         )
         for e, w, s, c, k, ws in zip(pending, weights, stale, clips, capped, work, strict=True)
     )

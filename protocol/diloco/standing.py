@@ -6,10 +6,12 @@ candidate version) limits what one contribution can do; none of them remembers. 
 every contribution is clipped keeps a clipped share of every merge for ever. ``Standing`` is that
 memory: each outcome the owner sees is an ``Event`` with a fixed effect on the sender's score,
 
-  * bad outcomes (``CLIPPED``, ``REFUSED``, ``HURT``) subtract at once, a ``HURT`` weighted by
-    how far beyond the noise it was (``hurt_scale``: honest false positives sit just past it,
-    attacks far beyond); ``BOUNDED`` (a claim
-    capped to what the owner can see) earns nothing;
+  * bad outcomes (``CLIPPED``, ``REFUSED``, ``HURT``, ``DISSENT``, ``BOUNDED``) subtract at once,
+    a ``HURT`` weighted by how far beyond the noise it was (``hurt_scale``: honest false positives
+    sit just past it, attacks far beyond), a ``BOUNDED`` (a claim capped to what the owner can
+    see) by how far past the bound the claim went (``bounded_scale``: an honest learner after a
+    stall claims up to ~2x, a liar 1000x); a ``DISSENT`` (work that agrees with none of its
+    round's: ``protocol.diloco.agreement``) costs a fixed amount and earns no credit;
   * good ones (``MERGED`` cleanly, ``HELPED`` the validation loss) add a small credit, at most one
     credit per key and version and never above ``max_credit`` (a key costs nothing, so a fresh one
     starts neutral at 0 and cannot buy standing quickly: Sybil keys that contribute once hold at
@@ -33,7 +35,7 @@ import enum
 import math
 from dataclasses import dataclass
 
-__all__ = ["Event", "Standing", "StandingConfig", "hurt_scale"]
+__all__ = ["Event", "Standing", "StandingConfig", "bounded_scale", "hurt_scale"]
 
 
 def hurt_scale(severity: float) -> float:
@@ -46,12 +48,22 @@ def hurt_scale(severity: float) -> float:
     return min(2.0, max(0.5, severity / 2.0))
 
 
+def bounded_scale(overclaim: float) -> float:
+    """A ``BOUNDED``'s weight from how far the claim went past the bound (claimed / counted): half
+    its effect up to 1.4x (an honest learner's claim after a stall), log2 of it above, at most 4
+    from 16x (``lie-tokens`` claims 1000x); 4 for a ratio that is not a finite number."""
+    if not math.isfinite(overclaim):
+        return 4.0
+    return min(4.0, max(0.5, math.log2(max(overclaim, 1.0))))
+
+
 class Event(enum.Enum):
     """What became of one contribution (the worst outcome is the one to record)."""
 
     MERGED = "merged"  # merged with no bound applied
     HELPED = "helped"  # scored alone, it lowered the validation loss
     BOUNDED = "bounded"  # a claim (steps, tokens, weight) was capped to what the owner can see
+    DISSENT = "dissent"  # its direction agreed with none of its round's other senders' work
     CLIPPED = "clipped"  # its norm was clipped to the reference
     HURT = "hurt"  # scored alone, it raised the validation loss; dropped
     REFUSED = "refused"  # refused at intake as out of bounds (non-finite, absurd norm or scale)
@@ -64,12 +76,16 @@ class StandingConfig:
     once. Measured on a 3-peer ``atoll local`` run with validation on, honest learners had about
     one contribution in ten judged hurtful (the per-contribution check is noisy on small models)
     and a few claims capped after stalls: at -1 a hurt and -0.25 a cap, an honest learner fell
-    to -2.05 and was refused 35 times; so a hurt costs what ten clean merges earn, and a capped
-    claim only forgoes the credit (the cap already took what the claim would have bought)."""
+    to -2.05 and was refused 35 times; so a hurt costs what ten clean merges earn. A capped claim
+    costs by how far past the bound it went (``bounded_scale``): honest learners are bounded 1-2
+    times a run, at most ~2x past (-0.05 to -0.1 each); ``lie-tokens`` every time at 500x (-0.4).
+    A dissent costs what a hurt does: 8-peer tiny runs judged 1 honest contribution of 205 and
+    45-90 % of random, stale and alie work dissenting (docs/security.md)."""
 
     merged: float = 0.05
     helped: float = 0.1
-    bounded: float = 0.0
+    bounded: float = -0.1
+    dissent: float = -0.5
     clipped: float = -0.5
     hurt: float = -0.5
     refused: float = -1.0
@@ -82,7 +98,7 @@ class StandingConfig:
     def __post_init__(self) -> None:
         gains, losses = (
             (self.merged, self.helped),
-            (self.bounded, self.clipped, self.hurt, self.refused),
+            (self.bounded, self.dissent, self.clipped, self.hurt, self.refused),
         )
         if not all(0 <= g <= self.max_credit for g in gains) or not all(x <= 0 for x in losses):
             raise ValueError("standing gains must lie in 0..max_credit and losses be <= 0")
@@ -125,8 +141,9 @@ class Standing:
     ) -> float:
         """Count ``event`` against (or for) ``peer`` at ``version``; returns its new score.
         ``severity`` scales a loss: a ``HURT`` measured in noise margins (1: just past the noise,
-        where validation's false positives on honest work sit), as ``hurt_scale`` maps it; None: the
-        event's whole effect."""
+        where validation's false positives on honest work sit), as ``hurt_scale`` maps it; a
+        ``BOUNDED`` as claimed / counted, as ``bounded_scale`` maps it; None: the event's whole
+        effect."""
         cfg = self.config
         record = self._records.pop(peer, None)
         if record is None:
@@ -136,6 +153,8 @@ class Standing:
         effect = cfg.effect(event)
         if event is Event.HURT and severity is not None:
             effect *= hurt_scale(severity)
+        elif event is Event.BOUNDED and severity is not None:
+            effect *= bounded_scale(severity)
         if effect > 0:
             if version <= record.credited:
                 effect = 0.0  # one credit per version: a key cannot farm standing inside a round
@@ -157,8 +176,8 @@ class Standing:
             else -1
         )
         return (
-            f"sender's standing {score:.2f} is below {self.config.threshold:.2f} (clipped, refused or "
-            f"hurtful work); refused for about {wait} more versions"
+            f"sender's standing {score:.2f} is below {self.config.threshold:.2f} (clipped, refused, "
+            f"hurtful or dissenting work, or claims past the bounds); refused for about {wait} more versions"
             if wait >= 0
             else f"sender's standing {score:.2f} is below {self.config.threshold:.2f}; refused"
         )

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from protocol.diloco.standing import Event, Standing, StandingConfig, hurt_scale
+from protocol.diloco.standing import Event, Standing, StandingConfig, bounded_scale, hurt_scale
 
 CFG = StandingConfig()
 events = st.sampled_from(list(Event))
@@ -409,8 +409,31 @@ def test_a_hurt_weighs_by_its_severity_so_honest_false_positives_do_not_get_a_ke
 
 def test_other_events_ignore_severity_and_an_unmeasured_hurt_weighs_in_whole() -> None:
     a, b = Standing(), Standing()
-    for event in (e for e in Event if e is not Event.HURT):
+    for event in (e for e in Event if e not in (Event.HURT, Event.BOUNDED)):
         assert a.record(_key(1), event, version=1, severity=8.0) == b.record(
             _key(1), event, version=1
         )
     assert a.record(_key(2), Event.HURT, version=1) == CFG.hurt
+
+
+def test_a_claim_far_past_the_bound_costs_by_how_far_and_a_liar_ends_below_honest_keys() -> None:
+    """``lie-tokens`` claims 1000x its steps and tokens: bounded on every contribution at ~500x
+    the owner's count. Honest learners are bounded once or twice a run after a stall, at most ~2x.
+    Before, a capped claim cost nothing: the liar earned what the honest keys earned. Now each cap
+    costs by how far past the bound it went, so the liar falls below every honest key, which never
+    nears the threshold."""
+    assert bounded_scale(1.1) == 0.5 and bounded_scale(2.0) == 1.0 and bounded_scale(500.0) == 4.0
+    assert bounded_scale(float("inf")) == 4.0 and bounded_scale(float("nan")) == 4.0
+    standing = Standing()
+    honest, liar = _key(1), _key(2)
+    lowest_honest = 0.0
+    for version in range(1, 31):
+        if version in (3, 4):  # a stall: two claims capped at ~2x in a row
+            standing.record(honest, Event.BOUNDED, version=version, severity=2.1)
+        else:
+            standing.record(honest, Event.MERGED, version=version)
+        lowest_honest = min(lowest_honest, standing.score(honest, version=version))
+        if version % 2:  # the liar sends every other version, as an attacker among 8 does
+            standing.record(liar, Event.BOUNDED, version=version, severity=500.0)
+    assert lowest_honest > -0.5 > CFG.threshold
+    assert standing.score(liar, version=30) < -1.0 < standing.score(honest, version=30)

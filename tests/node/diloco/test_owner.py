@@ -817,3 +817,60 @@ async def test_a_contribution_far_out_of_bounds_is_refused_at_intake_and_counted
             A, contribution(honest * 3.0, shapes[0], owner=owner, base_version=1)
         )
     ).accepted
+
+
+async def test_work_that_agrees_with_no_one_in_its_rounds_falls_below_every_honest_sender(
+    tmp_path,  # type: ignore[no-untyped-def]
+) -> None:
+    """Issue 47, attackers whose work does no measurable harm: four honest learners whose work
+    shares each round's direction, one sending a random direction at an honest norm and one
+    re-sending its first round's work for ever (``random`` and ``stale``). On main each earned
+    the merge credit an honest learner earns, and both ended level with them. Now the owner finds
+    their work agreeing with none of the round's other senders' (``dissent``), charges it, and both
+    end below every honest learner; ``atoll replay`` recomputes every verdict from the log and
+    the kept contributions with no mismatch."""
+    from node.diloco.eventlog import replay
+
+    model = tiny_model()
+    plan = tiny_plan(model)
+    shapes = shapes_of(model, plan)
+    clock = FakeClock()
+    theta0 = flat_of(model, plan, 0)
+    log = tmp_path / "owner.jsonl"
+    owner = make_owner(plan, shapes, 0, theta0, clock, event_log=log)
+    honest = [bytes([0x20 + i]) * 32 for i in range(4)]
+    noisy, stale = bytes([0xD1]) * 32, bytes([0xD2]) * 32
+    norm = 0.01 * float(theta0.norm())
+    # the tiny fragment has 32 values: random directions would agree by chance (~0.18), so every
+    # direction is a column of one orthonormal basis: each round's shared one, each honest
+    # learner's own, the random sender's; honest pairs then agree at exactly 0.5, the rest at 0
+    basis = torch.linalg.qr(
+        torch.randn(theta0.numel(), theta0.numel(), generator=torch.Generator().manual_seed(5))
+    )[0].T
+    first: torch.Tensor | None = None
+    rounds = 5  # the random sender is refused for its standing after these
+    for r in range(rounds):
+        clock.advance(5.0)
+        await owner.set_expected(6)
+        work = {
+            peer: (basis[r] + basis[5 + 4 * r + i]) * (norm / 2**0.5)
+            for i, peer in enumerate(honest)
+        }
+        first = work[honest[0]].clone() if first is None else first
+        work[noisy] = basis[25 + r] * norm
+        work[stale] = first.clone()
+        base = owner.version
+        for peer, delta in work.items():
+            ack = await owner.contribute(
+                peer, contribution(delta, shapes[0], owner=owner, base_version=base)
+            )
+            assert ack.accepted, ack.reason
+        assert owner.version == base + 1
+    scores = {p: owner.standing.score(p, version=owner.version) for p in [*honest, noisy, stale]}
+    assert owner.penalties[noisy]["dissent"] == rounds
+    assert owner.penalties[stale]["dissent"] == rounds - 1  # its first round was honest work
+    assert all(owner.penalties[p]["dissent"] == 0 for p in honest)
+    assert max(scores[noisy], scores[stale]) < 0 < min(scores[p] for p in honest), scores
+    assert owner.standing.refused(noisy, version=owner.version) is not None
+    result = replay(log)
+    assert result.agreements == rounds and not result.mismatches, result.mismatches

@@ -1,0 +1,171 @@
+"""Agreement: does each sender's work point where the rest of its round's work points?
+
+Theory of operation. Validation (``protocol.diloco.validation``) and the norm bounds record harm
+they can measure; work that does no measurable harm but carries no honest signal goes through
+them and earns the credit honest work earns: a random direction at an honest norm, an old
+pseudo-gradient re-sent for ever, a "little is enough" shift (docs/security.md). Honest learners
+of one round train the same model from nearby bases on data from one distribution, so their
+pseudo-gradients are correlated; such work is not. At each published merge the owner therefore
+measures, for every contribution, how well it agrees with the *other* senders' work:
+
+1. ``gram``: the pairwise inner products of the round's contributions, in fp64, in one pass over
+   them in column chunks (a scratch of ``len(deltas) x CHUNK`` values, never a copy of a whole
+   contribution).
+2. ``medians``: per contribution, its cosine with each other distinct sender's work (the mean over
+   that sender's contributions, so one that sends twice gets one vote), and the median of those.
+   A median is robust to colluders who are fewer than half of the others: two colluders sending
+   one vector agree with each other and with no one else, so each one's median is the honest
+   work's (about 0), while an honest contribution's median is an honest pair's.
+3. ``judge``: a sender's agreement is the best median of its contributions (a late honest one may
+   lag its round); the round's ``level`` is the median over its senders. With at least
+   ``min_senders`` distinct senders and a level of at least ``min_level`` (a round with no
+   consensus judges no one: two colluders among four senders leave every median near 0), a
+   sender *dissents* when its agreement is below ``floor`` and below ``ratio`` times the level.
+   The defaults come from measurement (``python -m bench.attacks --peers 8 --model tiny``
+   settings, docs/security.md): honest medians 0.14 at the 5th percentile and >= 0.35 x the level
+   but for 2 of 205; random, stale and alie work about 0 (45-90 % of it dissents).
+
+Pure: contributions in as flat tensors, verdicts out; ``now`` is not needed (a verdict is per
+published version). ``atoll replay`` recomputes a verdict from the logged medians with ``judge``
+and, from the kept contributions, the medians themselves.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["CHUNK", "Agreement", "AgreementConfig", "agreement", "gram", "judge", "medians"]
+
+CHUNK = 1 << 16  # columns per pass: a scratch of n x 64 Ki fp64 values (4 MiB for 8 contributions)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AgreementConfig:
+    """When a sender dissents from its round (see the module docstring). ``min_senders``: distinct
+    senders a round needs before anyone is judged (with 3, two colluders are its majority and the
+    honest one would dissent); ``min_level``: the round's median agreement below which it has no
+    consensus to dissent from; ``floor``: an agreement at or above this never dissents;
+    ``ratio``: nor one at or above this fraction of the round's level."""
+
+    min_senders: int = 4
+    min_level: float = 0.1
+    floor: float = 0.05
+    ratio: float = 0.35
+
+    def __post_init__(self) -> None:
+        if self.min_senders < 3:
+            raise ValueError(
+                f"agreement needs min_senders >= 3 (a median over at least 2 others), got {self.min_senders}"
+            )
+        if not (
+            -1.0 <= self.floor <= 1.0 and 0.0 <= self.ratio <= 1.0 and 0.0 < self.min_level <= 1.0
+        ):
+            raise ValueError(
+                "agreement floor must lie in -1..1, ratio in 0..1 and min_level in (0, 1], got "
+                f"{self.floor}, {self.ratio}, {self.min_level}"
+            )
+
+
+def gram(deltas: Sequence[torch.Tensor], *, chunk: int = CHUNK) -> list[list[float]]:
+    """The pairwise inner products of ``deltas`` (flat tensors of one length, any float dtype), in
+    fp64: one pass over them, ``chunk`` columns at a time. Raises ``ValueError`` when their
+    lengths differ."""
+    n = len(deltas)
+    if n == 0:
+        return []
+    flats = [d.detach().reshape(-1) for d in deltas]
+    length = flats[0].numel()
+    if any(f.numel() != length for f in flats):
+        raise ValueError(
+            f"agreement needs contributions of one length, got {sorted({f.numel() for f in flats})}"
+        )
+    total = torch.zeros((n, n), dtype=torch.float64)
+    scratch = torch.empty((n, min(chunk, max(1, length))), dtype=torch.float64)
+    for start in range(0, length, chunk):
+        width = min(chunk, length - start)
+        part = scratch[:, :width]
+        for row, flat in enumerate(flats):
+            part[row].copy_(flat[start : start + width])
+        total += part @ part.T
+    return [[float(x) for x in row] for row in total.tolist()]
+
+
+def medians(peers: Sequence[bytes], products: Sequence[Sequence[float]]) -> list[float | None]:
+    """Per contribution (``peers[i]`` sent the ``i``-th), the median over the other distinct
+    senders of its cosine with their work (each sender's cosines averaged), from the Gram matrix
+    ``products``; None when no other sender sent anything. A zero or non-finite contribution has
+    cosine 0 with everything. Raises ``ValueError`` when the sizes do not match."""
+    n = len(peers)
+    if len(products) != n or any(len(row) != n for row in products):
+        raise ValueError(f"agreement needs a {n} x {n} Gram matrix for {n} contributions")
+    norms = [math.sqrt(products[i][i]) if products[i][i] > 0 else 0.0 for i in range(n)]
+    out: list[float | None] = []
+    for i in range(n):
+        by_sender: dict[bytes, list[float]] = {}
+        for j in range(n):
+            if peers[j] == peers[i]:
+                continue
+            denominator = norms[i] * norms[j]
+            cosine = products[i][j] / denominator if denominator > 0 else 0.0
+            by_sender.setdefault(peers[j], []).append(cosine if math.isfinite(cosine) else 0.0)
+        votes = [math.fsum(c) / len(c) for c in by_sender.values()]
+        out.append(statistics.median(votes) if votes else None)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Agreement:
+    """A round's agreement: per contribution its ``peers`` entry and ``medians`` value; the
+    round's ``level`` (None: too few senders to judge); who ``dissent``s; one line ``reason``."""
+
+    peers: tuple[bytes, ...]
+    medians: tuple[float | None, ...]
+    level: float | None
+    dissent: frozenset[bytes]
+    reason: str
+
+
+def judge(
+    peers: Sequence[bytes], values: Sequence[float | None], config: AgreementConfig
+) -> Agreement:
+    """Who dissents from the round, from each contribution's median cosine (``medians``); see
+    the module docstring. Raises ``ValueError`` when the sequences differ in length."""
+    if len(peers) != len(values):
+        raise ValueError(f"agreement got {len(peers)} peers and {len(values)} medians")
+    best: dict[bytes, float] = {}
+    for peer, value in zip(peers, values, strict=True):
+        if value is not None:
+            best[peer] = max(value, best.get(peer, -math.inf))
+    keep = (tuple(peers), tuple(values))
+    senders = len(set(peers))
+    if senders < config.min_senders or len(best) < senders:
+        why = f"{senders} distinct senders, fewer than {config.min_senders}: no one judged"
+        return Agreement(*keep, None, frozenset(), why)
+    level = statistics.median(best.values())
+    if level < config.min_level:
+        why = f"level {level:.3f} below {config.min_level}: no consensus, no one judged"
+        return Agreement(*keep, level, frozenset(), why)
+    bar = min(config.floor, config.ratio * level)
+    dissent = frozenset(p for p, v in best.items() if v < bar)
+    detail = ", ".join(f"{p.hex()[:8]} {best[p]:+.3f}" for p in sorted(dissent))
+    why = f"level {level:.3f} over {len(best)} senders; {len(dissent)} below {bar:.3f}" + (
+        f": {detail}" if detail else ""
+    )
+    return Agreement(*keep, level, dissent, why)
+
+
+def agreement(
+    peers: Sequence[bytes], deltas: Sequence[torch.Tensor], config: AgreementConfig
+) -> Agreement:
+    """``judge`` over the medians of ``deltas`` (``peers[i]`` sent ``deltas[i]``). Raises
+    ``ValueError`` as ``gram`` and ``judge`` do."""
+    if len(peers) != len(deltas):
+        raise ValueError(f"agreement got {len(peers)} peers and {len(deltas)} contributions")
+    if len(set(peers)) < config.min_senders:  # nothing to judge: skip the pass over the work
+        return judge(peers, [None] * len(peers), config)
+    return judge(peers, medians(peers, gram(deltas)), config)
