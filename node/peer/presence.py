@@ -44,8 +44,8 @@ from node.dht.swarm import MANIFEST_PATH, SwarmCredentials
 from node.diloco.flat import flat_digest
 from node.peer.started import Started
 from node.state.sync import SyncFailed, sync_fragments
-from node.wire.tls import origin
 from node.wire.rpc import max_rpc_body
+from node.wire.tls import origin
 from node.wire.transport import Busy, Transport
 from protocol.errors import DecodeError
 from protocol.wire.membership import MAX_MANIFEST_BYTES

@@ -366,7 +366,9 @@ def plot_report(report: dict[str, Any], png: Path) -> None:
     if ax.get_legend_handles_labels()[0]:
         ax.legend()
     else:  # stand-in compute: nothing measured to plot
-        ax.text(0.5, 0.5, "loss not measured (stand-in compute)", ha="center", transform=ax.transAxes)
+        ax.text(
+            0.5, 0.5, "loss not measured (stand-in compute)", ha="center", transform=ax.transAxes
+        )
     fig.tight_layout()
     fig.savefig(png, dpi=100)
     plt.close(fig)
