@@ -112,7 +112,12 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig, *, seed: int = 0) -> None:
         super().__init__()
         self.config = config
-        with torch.random.fork_rng(devices=[]):  # torch's default init must not move the global RNG
+        device = (
+            torch.get_default_device()
+        )  # a model built under ``torch.device("meta")`` stays there
+        # built on the meta device, then given memory once: torch's default init would draw every
+        # weight a second time (~5 s of CPU at 124M parameters), and ``reset_parameters`` draws all
+        with torch.random.fork_rng(devices=[]), torch.device("meta"):
             self.wte = nn.Embedding(config.vocab_size, config.n_embd)  # token embedding
             self.wpe = nn.Embedding(config.block_size, config.n_embd)  # position embedding
             self.drop = nn.Dropout(config.dropout)
@@ -124,6 +129,7 @@ class GPT(nn.Module):
                 if config.tie_embeddings
                 else nn.Linear(config.n_embd, config.vocab_size, bias=False)
             )
+        self.to_empty(device=device)
         self.reset_parameters(torch.Generator().manual_seed(seed))
 
     @torch.no_grad()
