@@ -392,7 +392,6 @@ def build_peer(
         cfg=island_config(cfg, work.optimizer),
     )
     ranks = IslandRanks(work.model, work.optimizer, work.plan, island) if work.world > 1 else None
-    initial_global = [g.clone() for g in island.global_flat]  # version 0 of every fragment
     # stand-in compute has no data order to save: its steps are seeded by their index
     generator = work.sampler.generator if work.sampler is not None else torch.Generator()
     checkpoints = (
@@ -400,6 +399,9 @@ def build_peer(
         if opts.checkpoint_dir
         else None
     )
+    # version 0 of every fragment, kept only where a checkpoint may replace it (the node then
+    # starts from the checkpoint's versions): a whole model's fp32 bytes otherwise spent for nothing
+    initial_global = [g.clone() for g in island.global_flat] if checkpoints is not None else []
     resumed = checkpoints.restore() if checkpoints is not None else None
     if resumed:
         say("resumed", index=opts.index, step=int(resumed["step"]), versions=list(island.versions))
