@@ -29,7 +29,7 @@ import torch
 
 from node.config import RunConfig
 from node.dht.swarm import SwarmCredentials
-from node.diloco.allocator import heap_in_use
+from node.diloco.allocator import bound_for_model, heap_in_use
 from node.diloco.inner import joining_step, lr_at, make_inner_optimizer
 from node.diloco.island import Island, Outgoing
 from node.diloco.island_config import flush_at_end, island_config
@@ -269,6 +269,7 @@ def build_workload(cfg: RunConfig, opts: PeerOptions) -> Workload:
             "(every rank's optimizer state would have to be saved); leave it out with --nproc"
         )
     model = GPT(gcfg, seed=cfg.seed).to(device)
+    bound_for_model(4 * model.num_params())  # large models: freed tensors go back (docs/scale.md)
     tcfg = train_config_for(cfg)
     shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
     if cfg.standin is not None:
