@@ -228,9 +228,11 @@ def _steps_done(peers: list[dict[str, Any]]) -> int:
 
 CURVE_POINTS = 24  # resident-memory samples kept per peer in the report
 WARMUP = 0.25  # the share of a run (of its memory samples) that is warm-up
-# a peer's resident memory, in multiples of its model's fp32 bytes, that docs/scale.md budgets
-# (for models large enough that the interpreter and torch's own ~0.3 GB do not count)
-BUDGET_X_MODEL = 6.0
+# a peer's resident memory in multiples of its model's fp32 bytes: what docs/scale.md's budget
+# adds up to (4 peers, 4 fragments, int4 both ways; for models large enough that the interpreter
+# and torch's own ~0.3 GB hardly count), and the ceiling issue 50 sets
+BUDGET_X_MODEL = 10.0
+TARGET_X_MODEL = 8.0
 
 
 def memory_summary(
@@ -244,7 +246,8 @@ def memory_summary(
     and Python's allocated blocks (``py_blocks_*``): resident growth with a flat heap in use and
     flat blocks is memory kept by the allocator, not a leak. ``model_bytes`` (the model's fp32
     bytes): each peer's peak as a multiple of it (``peak_x_model``), beside the budget
-    ``BUDGET_X_MODEL`` of docs/scale.md, and whether every peer stayed within it."""
+    ``BUDGET_X_MODEL`` of docs/scale.md and the ceiling ``TARGET_X_MODEL``, and whether every
+    peer stayed within each."""
     per_peer, worst, worst_heap = {}, 0.0, None
     for p in peers:
         samples = p.get("rss_curve") or []
@@ -288,6 +291,8 @@ def memory_summary(
             "budget_mb": round(BUDGET_X_MODEL * model_bytes / 1e6, 1),
             "max_peak_x_model": max(peaks, default=None),
             "within_budget": all(x <= BUDGET_X_MODEL for x in peaks) if peaks else None,
+            "target_x_model": TARGET_X_MODEL,
+            "under_target": all(x <= TARGET_X_MODEL for x in peaks) if peaks else None,
         }
     if worst_heap is not None:
         out["max_heap_growth_mb"] = round(worst_heap, 1)
@@ -446,7 +451,8 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
             )
             + (
                 f"; at most {memory['max_peak_x_model']:.2f}x the model's fp32 "
-                f"{memory['model_fp32_mb']:.0f} MB (budget {memory['budget_x_model']:g}x)"
+                f"{memory['model_fp32_mb']:.0f} MB (budget {memory['budget_x_model']:g}x, "
+                f"ceiling {memory['target_x_model']:g}x)"
                 if memory.get("max_peak_x_model") is not None
                 else ""
             )
