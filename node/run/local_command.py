@@ -59,9 +59,10 @@ def run_local(
 ) -> dict[str, Any]:
     """Run a local swarm end to end, write the report and plot, print the summary. With
     ``duration_s`` the peers train until that many seconds after launch instead of ``cfg.steps``.
-    Raises ``ValueError`` for ``baseline`` or ``alone`` with stand-in compute (no loss to compare)."""
+    Raises ``RuntimeError`` (told in one line) for ``baseline`` or ``alone`` with stand-in
+    compute, which measures no loss to compare."""
     if cfg.standin is not None and (baseline or alone):
-        raise ValueError(
+        raise RuntimeError(
             "--baseline and --alone compare losses, which --compute standin does not measure: "
             "leave them out, or use --compute real"
         )
