@@ -2,6 +2,9 @@
 
     python -m bench.late_join [--seeds 0 1 2] [--steps 1500] [--join-at 900] [--modes none,swarm,own]
 
+    python -m bench.late_join --modes swarm --seeds 0 --model gpt2-124m --compute standin=0.5 \
+        --link latency=50ms,bandwidth=100mbit --inner-steps 20 --steps 400 --join-at 40
+
 Each run is a real swarm on 127.0.0.1 made with the command line: a bootstrap node and two
 founding learners (``atoll join``, ``--steps`` each), then, once the first founder's status says
 it has trained ``--join-at`` steps, a third peer joins with ``--schedule swarm`` (it starts at the
@@ -10,6 +13,11 @@ step 0); ``none`` adds no one. What is compared is what the founders end with: t
 each one's global model after its last step, at equal founder tokens. Every mode of a seed runs
 the same recipe (the seed is the manifest's), one run at a time. Prints a line per run and, last,
 JSON: every run, and per mode the mean over seeds and founders.
+
+Every run with a joiner also times it (``joiner``): seconds from launching it to its first inner
+step and to its first accepted contribution, against ``1.2 × state bytes / link rate + 10 s``
+(the model's fp32 bytes over ``--link``'s bandwidth; no bound without one). With ``--compute
+standin=...`` (models this box cannot train) no loss is measured and only the timing is reported.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.cli_swarm import Proc, get_json, make_swarm
+from node.wire.link import LinkProfile
 
 MODES = ("none", "swarm", "own")
 
@@ -57,6 +66,9 @@ def run(mode: str, seed: int, args: argparse.Namespace, folder: Path) -> dict[st
         "30",
         "--listen",
         "127.0.0.1:0",
+        "--compute",
+        args.compute,
+        *(["--link", args.link] if args.link else []),
     ]
     for name in ("f0", "f1", "late"):
         files.certify(name, lab="lab")
@@ -95,6 +107,7 @@ def run(mode: str, seed: int, args: argparse.Namespace, folder: Path) -> dict[st
                 folder / "late.log",
             )
             peers.append(late)
+            timing = time_joiner(late, args, launched=time.monotonic())
         ends = [f.wait_event("done", args.timeout)["result"]["eval_loss_end"] for f in founders]
         entered = next(
             (e["step"] for e in (late.events if late else []) if e.get("event") == "schedule"), 0
@@ -102,21 +115,72 @@ def run(mode: str, seed: int, args: argparse.Namespace, folder: Path) -> dict[st
     finally:
         for p in peers:
             p.stop()
+    measured = all(x is not None for x in ends)  # None: stand-in compute measures no loss
     return {
         "mode": mode,
         "seed": seed,
-        "founders_eval_loss_end": [round(x, 4) for x in ends],
-        "mean": round(statistics.fmean(ends), 4),
+        "founders_eval_loss_end": [round(x, 4) for x in ends] if measured else None,
+        "mean": round(statistics.fmean(ends), 4) if measured else None,
         "joiner_started_at_step": entered if late else None,
+        "joiner": timing if late else None,
     }
+
+
+def time_joiner(late: Proc, args: argparse.Namespace, *, launched: float) -> dict[str, Any]:
+    """Seconds from ``launched`` to the joiner's first inner step (its first progress event,
+    said within a second of a step) and first accepted contribution (its ``/v1/status``), and
+    the bound they are held to."""
+    url = late.wait_event("listening", 300)["url"]
+    first_step = first_accepted = None
+    deadline = launched + args.timeout
+    while first_accepted is None and time.monotonic() < deadline:
+        if late.proc.poll() is not None:
+            raise RuntimeError("the late joiner exited before its first accepted contribution")
+        try:
+            status = get_json(f"{url}/v1/status")
+        except OSError:  # not serving its status yet (or busy): ask again
+            status = {}
+        now = time.monotonic() - launched
+        if first_step is None and any(e.get("event") == "progress" for e in late.events):
+            first_step = now
+        if _accepted(status) >= 1:
+            first_accepted = now
+        time.sleep(0.25)
+    state_bytes = 4 * n_params(args.model)  # every fragment's fp32 state, synced at join
+    rate = LinkProfile.parse(args.link).bandwidth_bps / 8 if args.link else 0.0
+    bound = 1.2 * state_bytes / rate + 10 if rate else None
+    return {
+        "state_bytes": state_bytes,
+        "link": args.link,
+        "training_after_s": None if first_step is None else round(first_step, 1),
+        "first_accepted_after_s": None if first_accepted is None else round(first_accepted, 1),
+        "bound_s": None if bound is None else round(bound, 1),
+        "within_bound": None if bound is None or first_step is None else first_step <= bound,
+    }
+
+
+def n_params(model: str) -> int:
+    """The preset's parameter count (built on the meta device: no memory)."""
+    import torch
+
+    from node.workload.model import GPT, GPTConfig
+
+    with torch.device("meta"):
+        return GPT(GPTConfig.preset(model)).num_params()
+
+
+def _accepted(status: dict[str, Any]) -> int:
+    """The contributions of this peer's island that owners accepted (``totals.island``)."""
+    island = status.get("totals", {}).get("island", {})
+    return int(island.get("contributions", {}).get("accepted", 0))
 
 
 def summary(runs: list[dict[str, Any]]) -> dict[str, float]:
     """Per mode, the mean over every run's founders."""
     by_mode: dict[str, list[float]] = {}
     for r in runs:
-        by_mode.setdefault(r["mode"], []).extend(r["founders_eval_loss_end"])
-    return {mode: round(statistics.fmean(losses), 4) for mode, losses in by_mode.items()}
+        by_mode.setdefault(r["mode"], []).extend(r["founders_eval_loss_end"] or [])
+    return {mode: round(statistics.fmean(losses), 4) for mode, losses in by_mode.items() if losses}
 
 
 def main() -> None:
@@ -137,6 +201,10 @@ def main() -> None:
     parser.add_argument("--fragments", type=int, default=4)
     parser.add_argument("--inner-steps", type=int, default=30)
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds a run may take")
+    parser.add_argument(
+        "--compute", default="real", help="every peer's --compute (standin=S: no loss measured)"
+    )
+    parser.add_argument("--link", default="", help="every peer's emulated --link")
     args = parser.parse_args()
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if unknown := sorted(set(modes) - set(MODES)):

@@ -22,6 +22,7 @@ __all__ = [
     "SCHEDULE_FIELDS",
     "SHARDINGS",
     "SWARM_WIDE_FIELDS",
+    "StandinSpec",
     "Aggregate",
     "Codec",
     "DownloadCodec",
@@ -120,6 +121,10 @@ class RunConfig:
     weight_decay: float = 0.1
     threads: int = 1
     device: str = "cpu"
+    # "real" (forward, backward, AdamW on the corpus) or "standin=STEP_S[,rms=R]": each inner
+    # step waits STEP_S s and moves the parameters by a seeded drift plus noise (no loss measured;
+    # node.workload.standin), to run models the CPU cannot train
+    compute: str = "real"
     # --- Decoupled DiLoCo --------------------------------------------------------------------
     mode: Mode = "decoupled"  # or "sync" / "ddp": the synchronous comparisons (see _HELP)
     fragments: int = 4
@@ -228,6 +233,10 @@ class RunConfig:
             )
         if not 0.0 <= self.adopt_alpha < 1.0:
             problems.append(f"--adopt-alpha must be in [0, 1), got {self.adopt_alpha}")
+        try:
+            StandinSpec.parse(self.compute)
+        except ValueError as exc:
+            problems.append(str(exc))
         return problems + self._share_problems()
 
     def _share_problems(self) -> list[str]:
@@ -271,6 +280,11 @@ class RunConfig:
                 f"--adopt-rebase 0"
             )
         return problems
+
+    @property
+    def standin(self) -> StandinSpec | None:
+        """The stand-in compute ``compute`` asks for (None: real training)."""
+        return StandinSpec.parse(self.compute)
 
     @property
     def flushes(self) -> bool:
@@ -431,6 +445,10 @@ _HELP = {
     "weight_decay": "inner AdamW weight decay",
     "threads": "torch threads per peer",
     "device": "cpu or cuda",
+    "compute": "real (forward, backward and AdamW on the corpus) or standin=STEP_S[,rms=R]: each inner step "
+    "waits STEP_S seconds (a device's time) and moves the parameters by a seeded drift shared by all "
+    "peers plus per-peer noise, R per element (default 1e-4) times the lr schedule's shape; "
+    "no loss is measured (docs/scale.md)",
     "mode": "decoupled (Atoll), sync (synchronous DiLoCo: quorum = all learners, no grace window, every "
     "learner waits for each merged version) or ddp (sync with H = 1), to compare under the same chaos",
     "fragments": "P: number of model fragments synchronised separately",
@@ -507,6 +525,35 @@ _HELP = {
     "peers x --batch-size, which usually wants a higher lr: tune it, or the comparison flatters the swarm",
     "link": "emulated link for every peer, e.g. latency=50ms,bandwidth=10mbit,drop=0.01",
 }
+
+
+@dataclass(frozen=True, slots=True)
+class StandinSpec:
+    """``--compute standin=STEP_S[,rms=R]``: seconds per inner step and RMS change per element."""
+
+    step_s: float
+    step_rms: float = 1e-4
+
+    @staticmethod
+    def parse(text: str) -> StandinSpec | None:
+        """None for ``real``; raises ``ValueError`` (one line, with the fix) for anything else."""
+        if text == "real":
+            return None
+        usage = "--compute must be real or standin=STEP_S[,rms=R] (e.g. standin=0.5)"
+        kind, _, rest = text.partition("=")
+        if kind != "standin" or not rest:
+            raise ValueError(f"{usage}, got {text!r}")
+        step, *extra = rest.split(",")
+        fields = dict(e.partition("=")[::2] for e in extra)
+        if set(fields) - {"rms"} or any("=" not in e for e in extra):
+            raise ValueError(f"{usage}: only rms=R may follow STEP_S, got {text!r}")
+        try:
+            spec = StandinSpec(float(step), float(fields.get("rms", 1e-4)))
+        except ValueError:
+            raise ValueError(f"{usage}: STEP_S and R are numbers, got {text!r}") from None
+        if not (0 <= spec.step_s <= 3600 and 0 < spec.step_rms < 1):
+            raise ValueError(f"{usage}: STEP_S in 0..3600 and R in (0, 1), got {text!r}")
+        return spec
 
 
 def add_run_arguments(

@@ -53,6 +53,9 @@ class ReceivedVersions:
             self.received[p] = version
             self.latest[p] = (version, flat)
             self.received_at[p] = self.wall_clock()
+            # version 0 serves only until a later one is held (``held``; ``latest`` keeps its
+            # entries): its copy is a whole model's fp32 bytes once every fragment moved on
+            self.initial[p] = self.initial[p].new_empty(0)
 
     def know(self, p: int, version: int, digest: bytes) -> None:
         """The digest of fragment ``p``'s ``version``, verified as the owner's."""

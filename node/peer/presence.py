@@ -44,13 +44,14 @@ from node.dht.swarm import MANIFEST_PATH, SwarmCredentials
 from node.diloco.flat import flat_digest
 from node.peer.started import Started
 from node.state.sync import SyncFailed, sync_fragments
+from node.wire.rpc import max_rpc_body
 from node.wire.tls import origin
 from node.wire.transport import Busy, Transport
 from protocol.errors import DecodeError
 from protocol.wire.membership import MAX_MANIFEST_BYTES
 from protocol.wire.signing import Signer
 
-__all__ = ["JOINING_PERIOD_S", "MEMBERSHIP_PERIOD_S", "Presence"]
+__all__ = ["JOINING_PERIOD_S", "MEMBERSHIP_PERIOD_S", "Presence", "state_cap"]
 
 log = logging.getLogger("atoll.peer")
 
@@ -61,7 +62,6 @@ JOINING_PERIOD_S = (
 REPUBLISH_S = 6.0
 RECORD_CHECK_S = 0.5  # how often our record is compared with what was last published
 JOIN_ATTEMPTS = 5
-MAX_STATE = 1 << 30
 SYNC_SOURCES = 4  # members asked for a fragment's latest version at join, the presumed owner first
 # A sealed request from a key that is not (yet) a member makes the owner read the member records
 # once before refusing: a new member is refused only until its record is found, not until the
@@ -480,7 +480,7 @@ class Presence:
                         self.shapes,
                         swarm=self.cfg.swarm,
                         held_versions=held,
-                        max_size=MAX_STATE,
+                        max_size=state_cap(self.shapes),
                     )
                 )
                 failures: dict[int, str] = {}
@@ -538,3 +538,10 @@ class Presence:
                 )
             time.sleep(0.1)
         time.sleep(JOINING_PERIOD_S + 0.5)
+
+
+def state_cap(shapes: list[list[tuple[int, ...]]]) -> int:
+    """The largest sealed fragment state a join syncs, sized from the model (``max_rpc_body`` of
+    its fragments): a fixed 1 GiB let a small swarm's owner make a joiner buffer 1 GiB, and
+    refused a fragment over 1 GiB (GPT-2 medium's at 1 fragment, anything past ~1.3B at 4)."""
+    return max_rpc_body(sum(math.prod(shape) for shape in fragment) for fragment in shapes)

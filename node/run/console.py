@@ -180,17 +180,29 @@ class JoinView:
             )
         if event == "progress":
             return (
-                f"step {f['step']}/{self.steps}  loss {f['loss']:.3f}  versions {_versions(f['versions'])}  "
+                f"step {f['step']}/{self.steps}  {_loss(f['loss'])}  versions {_versions(f['versions'])}  "
                 f"sent {f['bytes_sent'] / 1e6:.1f} MB  received {f.get('bytes_received', 0) / 1e6:.1f} MB  "
                 f"peers {f.get('peers', '?')}"
             )
         if event == "done":
             r = f["result"]
             return (
-                f"done: {r['steps']} steps, eval loss {r['eval_loss_start']:.3f} -> {r['eval_loss_end']:.3f}, "
+                f"done: {r['steps']} steps, {_eval_span(r)}, "
                 f"versions {_versions(r['global_versions'])}, {r['bytes_sent'] / 1e6:.1f} MB sent"
             )
         return None
+
+
+def _loss(loss: float | None) -> str:
+    """A progress line's loss; None with stand-in compute, which measures none."""
+    return "loss not measured (stand-in)" if loss is None else f"loss {loss:.3f}"
+
+
+def _eval_span(result: dict[str, Any]) -> str:
+    start, end = result.get("eval_loss_start"), result.get("eval_loss_end")
+    if start is None or end is None:
+        return "loss not measured (stand-in compute)"
+    return f"eval loss {start:.3f} -> {end:.3f}"
 
 
 # --- atoll status ----------------------------------------------------------------------------------

@@ -330,8 +330,9 @@ class LocalSwarm:
                     parts.append(f"p{p.index}: killed")
                 elif g:
                     parts.append(
-                        f"p{p.index}: step {g['step']}{of} loss {g['loss']:.3f} "
-                        f"v{g['versions']} {g['bytes_sent'] / 1e6:.1f}MB"
+                        f"p{p.index}: step {g['step']}{of} "
+                        + ("loss - " if g["loss"] is None else f"loss {g['loss']:.3f} ")
+                        + f"v{g['versions']} {g['bytes_sent'] / 1e6:.1f}MB"
                     )
                 else:
                     parts.append(f"p{p.index}: starting")

@@ -58,7 +58,14 @@ def run_local(
     duration_s: float | None = None,
 ) -> dict[str, Any]:
     """Run a local swarm end to end, write the report and plot, print the summary. With
-    ``duration_s`` the peers train until that many seconds after launch instead of ``cfg.steps``."""
+    ``duration_s`` the peers train until that many seconds after launch instead of ``cfg.steps``.
+    Raises ``RuntimeError`` (told in one line) for ``baseline`` or ``alone`` with stand-in
+    compute, which measures no loss to compare."""
+    if cfg.standin is not None and (baseline or alone):
+        raise RuntimeError(
+            "--baseline and --alone compare losses, which --compute standin does not measure: "
+            "leave them out, or use --compute real"
+        )
     stamp = time.strftime("%Y%m%d-%H%M%S")
     report_path = report_path or Path("runs") / stamp / "report.json"
     run_dir = report_path.parent / f"{report_path.stem}-peers"
@@ -77,6 +84,7 @@ def run_local(
     print(
         f"atoll local: {cfg.peers} peers, {length}, model {cfg.model}, "
         f"{cfg.fragments} fragments, H={cfg.inner_steps}, codec {cfg.codec}"
+        + (f", compute {cfg.compute} (loss not measured)" if cfg.standin else "")
         + (f", chaos {chaos.text}" if chaos else "")
         + f"; logs in {run_dir}",
         flush=True,

@@ -69,8 +69,10 @@ class IslandCheckpoints:
             for k, v in state.items():
                 if isinstance(v, torch.Tensor):
                     tensors[f"optim.{index[id(param)]}.{k}"] = v.detach().cpu().clone()
+        # a global version is a value (adoption replaces the tensor, never writes into it): the
+        # writer reads it as it is, without a second copy of the model (docs/scale.md)
         for i, flat in enumerate(isl.global_flat):
-            tensors[f"global.{i}"] = flat.clone()
+            tensors[f"global.{i}"] = flat
         tensors["sampler.rng"] = self.generator.get_state()
         meta = {
             "format": FORMAT,

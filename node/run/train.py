@@ -29,7 +29,7 @@ import torch
 
 from node.config import RunConfig
 from node.dht.swarm import SwarmCredentials
-from node.diloco.allocator import heap_in_use
+from node.diloco.allocator import bound_for_model, heap_in_use
 from node.diloco.inner import joining_step, lr_at, make_inner_optimizer
 from node.diloco.island import Island, Outgoing
 from node.diloco.island_config import flush_at_end, island_config
@@ -45,6 +45,7 @@ from node.workload.baseline import TrainConfig, sampler_seed, train_config_for
 from node.workload.corpus import BatchSampler, evaluate, load_corpus, split_corpus, validation_slice
 from node.workload.model import GPT, GPTConfig, embedding_parameter_names
 from node.workload.presets import resolved
+from node.workload.standin import StandinOptimizer
 from protocol.diloco.fragments import FragmentPlan, plan_fragments
 from protocol.wire.signing import Signer
 
@@ -146,6 +147,17 @@ def inner_step(
     return loss
 
 
+def standin_step(
+    optimizer: StandinOptimizer, tcfg: TrainConfig, step: int, *, rewarm_from: int = 0
+) -> None:
+    """One stand-in inner step (``--compute standin``): the lr the schedule gives ``step`` (it
+    scales the update), then the step (on an island the hook then adopts and ships)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr_at(step, tcfg, rewarm_from=rewarm_from)
+    optimizer.next_step = step
+    optimizer.step()
+
+
 def _eval_global(model: GPT, island: Island, heldout: torch.Tensor, cfg: RunConfig) -> float:
     scratch = GPT(model.config)
     scratch.load_state_dict(island.global_state(), strict=True)
@@ -221,11 +233,18 @@ class Workload:
     optimizer: torch.optim.Optimizer
     tcfg: TrainConfig
     plan: FragmentPlan
-    sampler: BatchSampler
-    heldout: torch.Tensor  # (n,) uint8
+    sampler: BatchSampler | None  # None with stand-in compute: no corpus
+    heldout: torch.Tensor | None  # (n,) uint8; None with stand-in compute: no loss measured
 
-    def evaluate(self, model: torch.nn.Module, cfg: RunConfig) -> float:
-        """``model``'s held-out loss on ``cfg.eval_batches`` batches."""
+    @property
+    def standin(self) -> StandinOptimizer | None:
+        """The stand-in compute in the optimizer's place (``--compute standin=...``), or None."""
+        return self.optimizer if isinstance(self.optimizer, StandinOptimizer) else None
+
+    def evaluate(self, model: torch.nn.Module, cfg: RunConfig) -> float | None:
+        """``model``'s held-out loss on ``cfg.eval_batches`` batches (None: stand-in compute)."""
+        if self.heldout is None:
+            return None
         return evaluate(
             model,
             self.heldout,
@@ -252,13 +271,16 @@ def build_workload(cfg: RunConfig, opts: PeerOptions) -> Workload:
             "(every rank's optimizer state would have to be saved); leave it out with --nproc"
         )
     model = GPT(gcfg, seed=cfg.seed).to(device)
+    bound_for_model(4 * model.num_params())  # large models: freed tensors go back (docs/scale.md)
+    tcfg = train_config_for(cfg)
+    shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    if cfg.standin is not None:
+        return _standin_workload(cfg, opts, gcfg, device, model, tcfg, world)
     data = load_corpus(Path(cfg.corpus) if cfg.corpus else None, max_bytes=cfg.corpus_max_bytes)
     train, heldout = split_corpus(data)
     sampler = island_sampler(
         cfg, train, gcfg.block_size, opts.index, rank=rank, own_seed=opts.own_data_seed
     )
-    tcfg = train_config_for(cfg)
-    shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
     return Workload(
         gcfg=gcfg,
         device=device,
@@ -271,6 +293,46 @@ def build_workload(cfg: RunConfig, opts: PeerOptions) -> Workload:
         plan=plan_fragments(shapes, cfg.fragments, embeddings=embedding_parameter_names(model)),
         sampler=sampler,
         heldout=heldout,
+    )
+
+
+def _standin_workload(
+    cfg: RunConfig,
+    opts: PeerOptions,
+    gcfg: GPTConfig,
+    device: torch.device,
+    model: GPT,
+    tcfg: TrainConfig,
+    world: int,
+) -> Workload:
+    """Stand-in compute's workload: the model and a ``StandinOptimizer`` in AdamW's place; no
+    corpus, no sampler, no held-out split, no optimizer state. Raises ``RuntimeError`` on a
+    multi-process island (its ranks would each step the shared model)."""
+    if world > 1:
+        raise RuntimeError(
+            "--compute standin runs one process per island: leave out --nproc (or use --compute real)"
+        )
+    spec = cfg.standin
+    assert spec is not None
+    peer_seed = (
+        opts.own_data_seed if opts.own_data_seed is not None else sampler_seed(cfg.seed, opts.index)
+    )
+    optimizer = StandinOptimizer(
+        model.parameters(), spec, lr=cfg.lr, run_seed=cfg.seed, peer_seed=peer_seed
+    )
+    shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    return Workload(
+        gcfg=gcfg,
+        device=device,
+        rank=0,
+        world=1,
+        model=model,
+        stepper=model,
+        optimizer=optimizer,
+        tcfg=tcfg,
+        plan=plan_fragments(shapes, cfg.fragments, embeddings=embedding_parameter_names(model)),
+        sampler=None,
+        heldout=None,
     )
 
 
@@ -311,9 +373,9 @@ class IslandPeer:
     checkpoints: IslandCheckpoints | None
     resumed_step: int | None  # the step a checkpoint resumed at (None: a fresh start)
     evaluator: WindowEvaluator | None  # validated publication (None: off)
-    validation_hash: str  # SHA-256 of the pinned validation slice
+    validation_hash: str  # SHA-256 of the pinned validation slice ("": none, stand-in compute)
     node: PeerNode
-    eval_start: float  # the global model's held-out loss at the start (version 0)
+    eval_start: float | None  # the global model's held-out loss at the start (None: stand-in)
 
 
 def build_peer(
@@ -333,28 +395,20 @@ def build_peer(
         cfg=island_config(cfg, work.optimizer),
     )
     ranks = IslandRanks(work.model, work.optimizer, work.plan, island) if work.world > 1 else None
-    initial_global = [g.clone() for g in island.global_flat]  # version 0 of every fragment
+    # stand-in compute has no data order to save: its steps are seeded by their index
+    generator = work.sampler.generator if work.sampler is not None else torch.Generator()
     checkpoints = (
-        IslandCheckpoints(
-            opts.checkpoint_dir, work.model, work.optimizer, island, work.sampler.generator
-        )
+        IslandCheckpoints(opts.checkpoint_dir, work.model, work.optimizer, island, generator)
         if opts.checkpoint_dir
         else None
     )
+    # version 0 of every fragment, kept only where a checkpoint may replace it (the node then
+    # starts from the checkpoint's versions): a whole model's fp32 bytes otherwise spent for nothing
+    initial_global = [g.clone() for g in island.global_flat] if checkpoints is not None else []
     resumed = checkpoints.restore() if checkpoints is not None else None
     if resumed:
         say("resumed", index=opts.index, step=int(resumed["step"]), versions=list(island.versions))
-    # validated publication: owners check candidates on the pinned held-out slice
-    validation, validation_hash = validation_slice(work.heldout)  # (m,) uint8, on every peer
-    evaluator = window_evaluator(
-        work.model,
-        work.plan,
-        None,  # the other fragments as the island trains them
-        validation,
-        block_size=work.gcfg.block_size,
-        windows=cfg.validate_windows,
-        pinned=opts.credentials.manifest.validation_sha256 if opts.credentials else "",
-    )  # a held-out slice that is not the manifest's pinned one raises
+    evaluator, validation_hash = _validation(cfg, opts, work)
     node = _peer_node(cfg, opts, work, signer, evaluator, initial_global, resumed)
     outbox.attach(node)
     # under a launcher, which checks every version's content
@@ -371,6 +425,28 @@ def build_peer(
         node=node,
         eval_start=eval_start,
     )
+
+
+def _validation(
+    cfg: RunConfig, opts: PeerOptions, work: Workload
+) -> tuple[WindowEvaluator | None, str]:
+    """Validated publication's evaluator and the pinned slice's hash: owners check candidates on
+    the pinned held-out slice. Off with stand-in compute, which measures no loss."""
+    if work.heldout is None:
+        if cfg.validate_windows:
+            log.info("stand-in compute: validated publication is off (no loss is measured)")
+        return None, ""
+    validation, validation_hash = validation_slice(work.heldout)  # (m,) uint8, on every peer
+    evaluator = window_evaluator(
+        work.model,
+        work.plan,
+        None,  # the other fragments as the island trains them
+        validation,
+        block_size=work.gcfg.block_size,
+        windows=cfg.validate_windows,
+        pinned=opts.credentials.manifest.validation_sha256 if opts.credentials else "",
+    )  # a held-out slice that is not the manifest's pinned one raises
+    return evaluator, validation_hash
 
 
 def _peer_node(
@@ -515,7 +591,8 @@ class Curves:
     """What the report plots, against seconds since ``t0``: held-out losses and memory."""
 
     t0: float
-    local: list[tuple[float, int, float]] = field(default_factory=list)  # (s, step, loss)
+    # (s, step, loss); empty with stand-in compute, which measures no loss
+    local: list[tuple[float, int, float]] = field(default_factory=list)
     global_: list[tuple[float, int, float]] = field(default_factory=list)  # index 0 only
     # every ~5 s: (seconds, step, resident bytes, C heap in use or -1, Python's allocated blocks)
     rss: list[tuple[float, int, int, int, int]] = field(default_factory=list)
@@ -541,7 +618,8 @@ class TrainingLoop:
         # the trace's baseline is taken where the report's warm-up ends
         self.warm_at = t0 + WARMUP * (opts.until - t0) if opts.until else None
         self.curves = Curves(t0)
-        self.curves.global_.append((self.curves.now(), 0, peer.eval_start))
+        if peer.eval_start is not None:
+            self.curves.global_.append((self.curves.now(), 0, peer.eval_start))
         self.loss_ema = float("nan")
 
     def run(self, start_step: int, rewarm_from: int) -> None:
@@ -553,7 +631,8 @@ class TrainingLoop:
                 break
             t_step = time.perf_counter()
             loss = self._step(step, rewarm_from)
-            self.loss_ema = loss if step == start_step else 0.95 * self.loss_ema + 0.05 * loss
+            if loss is not None:
+                self.loss_ema = loss if step == start_step else 0.95 * self.loss_ema + 0.05 * loss
             if self.opts.slow_factor > 1.0:  # an emulated slower machine
                 time.sleep((self.opts.slow_factor - 1.0) * (time.perf_counter() - t_step))
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
@@ -571,11 +650,17 @@ class TrainingLoop:
             go_on = self.peer.ranks.agree(go_on)  # every rank stops at the same step
         return go_on
 
-    def _step(self, step: int, rewarm_from: int) -> float:
-        """One inner step on the next batch; the island's hook adopts and ships. Its loss."""
+    def _step(self, step: int, rewarm_from: int) -> float | None:
+        """One inner step on the next batch; the island's hook adopts and ships. Its loss
+        (None: a stand-in step, which has none)."""
         cfg, work, island = self.cfg, self.peer.work, self.peer.island
         if cfg.overlap_block:
             island.enabled = (step // cfg.overlap_block) % 2 == 1
+        if work.standin is not None:
+            island.tokens(cfg.batch_size * work.gcfg.block_size)  # what a real step would train
+            standin_step(work.standin, work.tcfg, step, rewarm_from=rewarm_from)
+            return None
+        assert work.sampler is not None  # real compute
         x, y = (t.to(work.device, non_blocking=True) for t in work.sampler.next())  # [B, T] int64
         if self.peer.ranks is not None:
             self.peer.ranks.tokens(x.numel())  # every rank's tokens count
@@ -588,7 +673,11 @@ class TrainingLoop:
 
     def _evaluate(self, step: int) -> None:
         work = self.peer.work
-        self.curves.local.append((self.curves.now(), step, work.evaluate(work.model, self.cfg)))
+        if work.heldout is None:
+            return  # stand-in compute: no loss to measure
+        local = work.evaluate(work.model, self.cfg)
+        assert local is not None  # real compute
+        self.curves.local.append((self.curves.now(), step, local))
         if self.opts.index == 0:
             at = self.curves.now()
             loss = _eval_global(work.model, self.peer.island, work.heldout, self.cfg)
@@ -626,7 +715,7 @@ class TrainingLoop:
             "progress",
             index=self.opts.index,
             step=step,
-            loss=self.loss_ema,
+            loss=None if self.peer.work.standin is not None else self.loss_ema,
             versions=list(island.versions),
             bytes_sent=node.transport.bytes_sent,
             bytes_received=node.transport.bytes_received,
@@ -641,9 +730,10 @@ def finish_peer(
     peer: IslandPeer,
     curves: Curves,
     memtrace: MemTrace,
-) -> float:
+) -> float | None:
     """Flush the unshipped work, stop learning, adopt the final versions (``opts.final_sync``)
-    and save the last checkpoint. Returns the global model's held-out loss at the end."""
+    and save the last checkpoint. Returns the global model's held-out loss at the end (None:
+    stand-in compute, which measures none)."""
     island, node, ranks = peer.island, peer.node, peer.ranks
     if ranks is not None and not ranks.told_to_stop:
         ranks.agree(False)  # the other ranks leave their loop at this same point
@@ -665,8 +755,10 @@ def finish_peer(
             island.stats.step,
             global_param_hash(dict(peer.work.model.named_parameters()))[:16],
         )
-    eval_end = _eval_global(peer.work.model, island, peer.work.heldout, cfg)
-    curves.global_.append((curves.now(), island.stats.step, eval_end))
+    eval_end = None
+    if peer.work.heldout is not None:
+        eval_end = _eval_global(peer.work.model, island, peer.work.heldout, cfg)
+        curves.global_.append((curves.now(), island.stats.step, eval_end))
     if peer.checkpoints is not None:
         peer.checkpoints.save()  # the final state: a restart resumes here instead of training again
         peer.checkpoints.wait()
@@ -683,8 +775,8 @@ class PeerResult:
     n_params: int
     global_versions: list[int]
     final_param_hash: str
-    eval_loss_start: float
-    eval_loss_end: float
+    eval_loss_start: float | None  # None with stand-in compute: no loss is measured
+    eval_loss_end: float | None
     eval_curve_local: list[tuple[float, int, float]]
     eval_curve_global: list[tuple[float, int, float]]  # peer 0's only
     tokens_trained: int
@@ -710,6 +802,10 @@ class PeerResult:
     handoff_refusals: dict[str, int]  # handoffs this peer refused, by reason (issue 48)
     # validated publication: the pinned slice, and what checking candidates cost this peer's owners
     validation: dict[str, Any]
+    # "real", or the stand-in's spec and what its updates cost this peer's CPU (issue 50)
+    compute: dict[str, Any]
+    # as an owner: versions published and the seconds from each round's close to its publication
+    owner_merge: dict[str, float]
     device_peak_mb: float = 0.0  # on CUDA: torch.cuda.max_memory_allocated (0 on the CPU)
 
     def as_dict(self) -> dict[str, Any]:
@@ -721,7 +817,7 @@ def peer_result(
     opts: PeerOptions,
     peer: IslandPeer,
     curves: Curves,
-    eval_end: float,
+    eval_end: float | None,
     peer_attack: dict[str, Any] | None,
 ) -> PeerResult:
     node, island, stats = peer.node, peer.island, peer.island.stats
@@ -773,6 +869,11 @@ def peer_result(
             "rejected": sum(c.rejected for c in node.all_owners()),
             "seconds": round(sum(c.check_seconds for c in node.all_owners()), 3),
         },
+        compute=_compute_of(peer.work),
+        owner_merge={
+            "versions": sum(o.merges_done for o in node.all_owners()),
+            "seconds": round(sum(o.merge_seconds for o in node.all_owners()), 4),
+        },
         device_peak_mb=_device_peak_mb(peer.work.device),
     )
 
@@ -782,6 +883,20 @@ def _device_peak_mb(device: torch.device) -> float:
     if device.type != "cuda":
         return 0.0
     return torch.cuda.max_memory_allocated(device) / 2**20
+
+
+def _compute_of(work: Workload) -> dict[str, Any]:
+    """The report's ``compute``: real, or the stand-in's step time, RMS and update cost."""
+    standin = work.standin
+    if standin is None:
+        return {"kind": "real", "loss_measured": True}
+    return {
+        "kind": "standin",
+        "loss_measured": False,
+        "step_s": standin.spec.step_s,
+        "step_rms": standin.spec.step_rms,
+        "update_cpu_s_median": round(_median(standin.update_s), 4),
+    }
 
 
 def _leave(opts: PeerOptions, peer: IslandPeer, serving: NodeThread) -> None:
@@ -858,6 +973,7 @@ def follow_rank_zero(cfg: RunConfig, work: Workload) -> FollowerResult:
     for step in range(start, cfg.steps):
         if not ranks.agree(True):
             break
+        assert work.sampler is not None  # stand-in compute runs one process per island
         x, y = (t.to(work.device, non_blocking=True) for t in work.sampler.next())
         ranks.tokens(x.numel())
         # the post-step hook syncs with rank 0

@@ -25,7 +25,14 @@ Design choices that matter to the rest of Atoll:
                                                             biggest at ~15 steps/s on one thread
   base    4       4      128   128    875k     ~4           size of docs/algorithm.md's reference run
   medium  6       8      256   256    4.9M     ~0.4         GPU machines
+  gpt2-   12      12     768   1024   124.4M   --           GPT-2 small's shape, vocabulary 50,257, tied
+  124m                                                      head; on CPU with ``--compute standin=S``
+  gpt2-   24      16     1024  1024   354.8M   --           GPT-2 medium's shape, as gpt2-124m
+  350m
   ======  ======  =====  ====  =====  =======  ===========  ==========================================
+
+  GPT-2's presets tie the head to ``wte`` as GPT-2 does (the counts are GPT-2's own); the tied
+  matrix is an embedding to the fragment plan, so it is merged with the plain weighted mean.
 """
 
 from __future__ import annotations
@@ -105,13 +112,24 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig, *, seed: int = 0) -> None:
         super().__init__()
         self.config = config
-        with torch.random.fork_rng(devices=[]):  # torch's default init must not move the global RNG
+        device = (
+            torch.get_default_device()
+        )  # a model built under ``torch.device("meta")`` stays there
+        # built on the meta device, then given memory once: torch's default init would draw every
+        # weight a second time (~5 s of CPU at 124M parameters), and ``reset_parameters`` draws all
+        with torch.random.fork_rng(devices=[]), torch.device("meta"):
             self.wte = nn.Embedding(config.vocab_size, config.n_embd)  # token embedding
             self.wpe = nn.Embedding(config.block_size, config.n_embd)  # position embedding
             self.drop = nn.Dropout(config.dropout)
             self.h = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
             self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
-            self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)  # untied
+            # untied, but for the GPT-2 presets: their head is wte's weight (``forward``)
+            self.lm_head = (
+                None
+                if config.tie_embeddings
+                else nn.Linear(config.n_embd, config.vocab_size, bias=False)
+            )
+        self.to_empty(device=device)
         self.reset_parameters(torch.Generator().manual_seed(seed))
 
     @torch.no_grad()
@@ -133,7 +151,7 @@ class GPT(nn.Module):
 
     def num_params(self, *, non_embedding: bool = False) -> int:
         """Number of parameters; with ``non_embedding`` the token and position embeddings are
-        left out (the output head, being untied, is counted)."""
+        left out (the output head is counted when it is untied)."""
         n = sum(p.numel() for p in self.parameters())
         if non_embedding:
             n -= self.wte.weight.numel() + self.wpe.weight.numel()
@@ -160,7 +178,8 @@ class GPT(nn.Module):
         for block in self.h:
             x = block(x)  # (B, T, C)
         x = self.ln_f(x)  # (B, T, C)
-        logits = self.lm_head(x)  # (B, T, vocab)
+        head = self.wte.weight if self.lm_head is None else self.lm_head.weight  # (vocab, C)
+        logits = F.linear(x, head)  # (B, T, vocab)
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.view(B * T, -1), targets.reshape(B * T))  # scalar

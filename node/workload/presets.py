@@ -21,6 +21,8 @@ class GPTConfig:
     n_embd: int = 128
     dropout: float = 0.0
     bias: bool = True  # biases in Linear and LayerNorm, like GPT-2
+    # the output head is the token embedding (GPT-2's, nanoGPT's); the byte presets untie them
+    tie_embeddings: bool = False
 
     def __post_init__(self) -> None:
         if self.n_embd % self.n_head != 0:
@@ -33,7 +35,7 @@ class GPTConfig:
 
     @staticmethod
     def preset(name: str, **overrides: object) -> GPTConfig:
-        """The named preset ("tiny", "small", "medium"), with optional field overrides.
+        """The named preset (``PRESETS``' keys), with optional field overrides.
 
         Raises ValueError for an unknown name.
         """
@@ -47,6 +49,14 @@ PRESETS: dict[str, GPTConfig] = {
     "small": GPTConfig(block_size=128, n_layer=3, n_head=4, n_embd=64),
     "base": GPTConfig(block_size=128, n_layer=4, n_head=4, n_embd=128),
     "medium": GPTConfig(block_size=256, n_layer=6, n_head=8, n_embd=256),
+    # GPT-2 small's and medium's shapes with its vocabulary and tied head: 124,439,808 and
+    # 354,823,168 parameters, GPT-2's own counts. The byte tokens use 256 of the 50,257 rows.
+    "gpt2-124m": GPTConfig(
+        block_size=1024, vocab_size=50257, n_layer=12, n_head=12, n_embd=768, tie_embeddings=True
+    ),
+    "gpt2-350m": GPTConfig(
+        block_size=1024, vocab_size=50257, n_layer=24, n_head=16, n_embd=1024, tie_embeddings=True
+    ),
 }
 
 

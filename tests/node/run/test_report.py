@@ -97,3 +97,37 @@ def test_the_report_shows_each_peers_lowest_standing_and_the_attackers_in_its_li
     assert standing_of("bb", peers) == 0.4
     assert standing_of("cc", peers) == 0.0  # never judged: neutral
     assert standing_of("aa", [{}, {"penalties": {}}]) is None  # a run before standings
+
+
+def test_memory_reads_against_the_models_fp32_bytes_the_budget_and_the_ceiling() -> None:
+    from node.run.report import BUDGET_X_MODEL, TARGET_X_MODEL, memory_summary
+
+    model = 500_000_000
+    peers = [
+        {"index": 0, "rss_curve": [[t, 0, x * model, -1, 0] for t, x in enumerate([2, 5, 6, 7])]},
+        {"index": 1, "rss_curve": [[t, 0, x * model, -1, 0] for t, x in enumerate([2, 5, 9, 9])]},
+    ]
+    out = memory_summary(peers, model_bytes=model)
+    assert [p["peak_x_model"] for p in out["per_peer"].values()] == [7.0, 9.0]
+    assert (out["model_fp32_mb"], out["max_peak_x_model"]) == (500.0, 9.0)
+    assert out["budget_x_model"] == BUDGET_X_MODEL and out["target_x_model"] == TARGET_X_MODEL
+    assert out["within_budget"] is (BUDGET_X_MODEL >= 9.0)
+    assert out["under_target"] is False  # peer 1 went over 8x
+
+
+def test_owners_merge_time_per_version_and_standin_compute_are_folded() -> None:
+    from node.run.report import compute_summary, merge_summary
+
+    peers = [
+        {"index": 0, "owner_merge": {"versions": 4, "seconds": 2.0}, "compute": {"kind": "real"}},
+        {"index": 1, "owner_merge": {"versions": 0, "seconds": 0.0}},  # owned nothing
+        {"index": 2, "owner_merge": {"versions": 5, "seconds": 5.0}},
+    ]
+    merges = merge_summary(peers)
+    assert merges["per_owner"]["0"]["per_version_s"] == 0.5 and "1" not in merges["per_owner"]
+    assert merges["max_per_version_s"] == 1.0
+    assert compute_summary(peers) == {"kind": "real", "loss_measured": True}
+    standin = {"kind": "standin", "step_s": 0.5, "step_rms": 1e-4, "update_cpu_s_median": 0.07}
+    folded = compute_summary([{**p, "compute": standin} for p in peers])
+    assert folded["loss_measured"] is False and "no loss was measured" in folded["note"]
+    assert folded["update_cpu_s_median_max"] == 0.07

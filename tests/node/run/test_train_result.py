@@ -40,6 +40,8 @@ RESULT_FIELDS = [
     "peer_attack",
     "handoff_refusals",
     "validation",
+    "compute",
+    "owner_merge",
     "device_peak_mb",
 ]
 
