@@ -59,6 +59,7 @@ from bench.averaging_workers import PeerFailed, Workers, available_mb
 __all__ = ["main", "parse_case"]
 
 SYSTEMS = ("atoll", "hivemind", "raw")
+DEFAULT_CASES = "4x10M,4x50M,8x50M,4x124M"  # 4x124M: GPT-2 small's size
 HEADROOM_MB = 1536  # left to the machine's other users (the memory guard stops a case below it)
 # the bench's codec -> what each system sends (atoll: up / down), and Atoll's bytes per value
 # each way (int8: one byte per value and an fp32 scale per block of 64)
@@ -497,7 +498,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument(
         "--cases",
-        default="4x10M,4x50M,8x50M,4x124M",
+        default=DEFAULT_CASES,
         help="PEERSxPARAMS, comma-separated (4x124M: GPT-2 small's size)",
     )
     parser.add_argument(
