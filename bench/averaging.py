@@ -401,20 +401,22 @@ def memory_needed_mb(
     bench's own measurements of each peer's processes (shared pages count in each, so it errs
     high; the memory guard stops a case that leaves the machine under ``HEADROOM_MB`` anyway):
 
-    - Atoll and raw, fp32: 2.2-2.6 GiB per peer at 4 x 50M and 2.2-2.75 GiB (mean 2.42) at
-      8 x 50M (2026-12-05), ~0.6 GiB plus ~38 bytes per parameter on average: counted as 42;
+    - Atoll and raw, fp32: 3985-4243 MiB per peer at 4 x 124M (2026-12-06, after the checker alone
+      kept a base state and raw one buffer per fragment), ~0.6 GiB plus ~30 bytes per parameter:
+      counted as 31, and peer 0, which recomputes every merge to check it, ~17 more (6132 MiB);
     - Atoll and raw with bf16 (``fp16``): 3.0-3.3 GiB per peer at 4 x 50M: counted as 58; with
       ``int8``/``int4`` (peers read 4.3-6.6 GiB at 50M with hivemind's processes): 72;
     - hivemind alone: 1.4-1.85 GiB per peer's processes at 4 x 50M, ~1.0 GiB at 10M: 0.8 GiB
       plus 24 bytes per parameter;
     - all of them in the same processes (``--no-isolate``): the two added."""
     mib = params / (1 << 20)
-    per_peer = 0.0
+    per_peer, checker = 0.0, 0.0
     if {"atoll", "raw"} & set(systems):
-        per_peer += 600 + {"none": 42, "fp16": 58}.get(codec, 72) * mib
+        per_peer += 600 + {"none": 31, "fp16": 58}.get(codec, 72) * mib
+        checker = 17 * mib if codec == "none" else 0.0
     if "hivemind" in systems:
         per_peer += 800 + 24 * mib
-    return int(peers * per_peer)
+    return int(peers * per_peer + checker)
 
 
 def memory_shortfall(

@@ -269,3 +269,13 @@ def test_no_memory_guard_runs_a_case_the_estimate_would_skip(tmp_path, monkeypat
     assert ran["config"]["memory_guard"] is False and "error" not in case
     assert case["atoll_s"] > 0 and case["raw_s"] > 0 and case["peak_rss_mb"][0] > 0
     assert "4x124M" in bench.averaging.DEFAULT_CASES.split(",")
+
+
+def test_4x124m_fits_the_box_with_its_measured_peak(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # 4 x 124M, Atoll and raw: 6132 + 4243 + 4005 + 3985 MiB of peak RSS measured (2026-12-06)
+    need = memory_needed_mb(4, 124_000_000, ["atoll", "raw"])
+    assert 18_365 <= need <= 19_500
+    monkeypatch.setattr(bench.averaging, "available_mb", lambda: 21 * 1024)
+    systems = ["atoll", "raw", "hivemind"]
+    assert memory_shortfall(4, 124_000_000, systems, True, "none") is None
+    assert memory_shortfall(4, 124_000_000, systems, True, "fp16") is not None
