@@ -35,7 +35,9 @@ a silently partial or wrong merge).
 
 Progress goes to stderr; the last line of stdout is the JSON result.
 
-    python -m bench.averaging [--cases 4x10M,4x50M,8x50M] [--codecs none,fp16,int8] [--repeats 3]
+    python -m bench.averaging [--cases 4x10M,4x50M,8x50M,4x124M] [--codecs none,fp16,int8] [--repeats 3]
+
+``4x124M`` is a GPT-2-small-sized model (124M fp32 values, ~496 MB a peer) cut in 4 fragments.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ from bench.averaging_workers import PeerFailed, Workers, available_mb
 __all__ = ["main", "parse_case"]
 
 SYSTEMS = ("atoll", "hivemind", "raw")
+DEFAULT_CASES = "4x10M,4x50M,8x50M,4x124M"  # 4x124M: GPT-2 small's size
 HEADROOM_MB = 1536  # left to the machine's other users (the memory guard stops a case below it)
 # the bench's codec -> what each system sends (atoll: up / down), and Atoll's bytes per value
 # each way (int8: one byte per value and an fp32 scale per block of 64)
@@ -112,7 +115,10 @@ class Round:
         self.counter[system] += 1
         everyone = list(self.w.alive)
         self.w.ask_all(
-            {"cmd": "prepare", "system": system, "round": r, "keep_base": True}, self.args.timeout
+            # only peer 0 checks Atoll's merges (``check``), so only it keeps the round's base
+            # state: at 4 x 124M a copy on every peer was 1.5 GB of the box's 23 GiB
+            {"cmd": "prepare", "system": system, "round": r, "keep_base_peers": [0]},
+            self.args.timeout,
         )
         seconds, replies = self.w.timed(
             {"cmd": "go", "system": system, "round": r, "timeout_s": self.args.timeout},
@@ -395,20 +401,22 @@ def memory_needed_mb(
     bench's own measurements of each peer's processes (shared pages count in each, so it errs
     high; the memory guard stops a case that leaves the machine under ``HEADROOM_MB`` anyway):
 
-    - Atoll and raw, fp32: 2.2-2.6 GiB per peer at 4 x 50M and 2.2-2.75 GiB (mean 2.42) at
-      8 x 50M (2026-12-05), ~0.6 GiB plus ~38 bytes per parameter on average: counted as 42;
+    - Atoll and raw, fp32: 3985-4243 MiB per peer at 4 x 124M (2026-12-06, after the checker alone
+      kept a base state and raw one buffer per fragment), ~0.6 GiB plus ~30 bytes per parameter:
+      counted as 31, and peer 0, which recomputes every merge to check it, ~17 more (6132 MiB);
     - Atoll and raw with bf16 (``fp16``): 3.0-3.3 GiB per peer at 4 x 50M: counted as 58; with
       ``int8``/``int4`` (peers read 4.3-6.6 GiB at 50M with hivemind's processes): 72;
     - hivemind alone: 1.4-1.85 GiB per peer's processes at 4 x 50M, ~1.0 GiB at 10M: 0.8 GiB
       plus 24 bytes per parameter;
     - all of them in the same processes (``--no-isolate``): the two added."""
     mib = params / (1 << 20)
-    per_peer = 0.0
+    per_peer, checker = 0.0, 0.0
     if {"atoll", "raw"} & set(systems):
-        per_peer += 600 + {"none": 42, "fp16": 58}.get(codec, 72) * mib
+        per_peer += 600 + {"none": 31, "fp16": 58}.get(codec, 72) * mib
+        checker = 17 * mib if codec == "none" else 0.0
     if "hivemind" in systems:
         per_peer += 800 + 24 * mib
-    return int(peers * per_peer)
+    return int(peers * per_peer + checker)
 
 
 def memory_shortfall(
@@ -441,7 +449,11 @@ def run_case(
     }
     measured: set[str] = set()
     for codec in args.codecs:
-        shortfall = memory_shortfall(peers, params, systems, args.isolate, codec)
+        shortfall = (
+            memory_shortfall(peers, params, systems, args.isolate, codec)
+            if args.memory_guard
+            else None
+        )
         if shortfall is not None:  # checked per codec: 8 x 50M fits here in fp32, not in bf16
             _say(shortfall)
             got: dict[str, Any] = {"error": shortfall}
@@ -490,7 +502,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--cases", default="4x10M,4x50M,8x50M", help="PEERSxPARAMS, comma-separated"
+        "--cases",
+        default=DEFAULT_CASES,
+        help="PEERSxPARAMS, comma-separated (4x124M: GPT-2 small's size)",
     )
     parser.add_argument(
         "--codecs",
@@ -563,6 +577,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="also report the MiB each peer holds in tensors and buffers (slow)",
     )
     parser.add_argument(
+        "--memory-guard",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="skip a case whose estimated peak (memory_needed_mb) leaves the machine under "
+        f"{HEADROOM_MB} MiB (--no-memory-guard: run it anyway, to measure a new size's peak)",
+    )
+    parser.add_argument(
         "--log-dir", type=Path, default=None, help="peer logs (default: a temporary folder)"
     )
     parser.add_argument(
@@ -607,6 +628,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "codecs": args.codecs,
             "kill_at": args.kill_at,
             "seed": args.seed,
+            "memory_guard": args.memory_guard,
         },
         "cases": cases,
     }

@@ -92,7 +92,8 @@ class Peer:
         if kind == "prepare":
             t0 = time.perf_counter()
             if cmd["system"] == "atoll":
-                side.prepare(cmd["round"], keep_base=cmd.get("keep_base", False))
+                keep = self.index in cmd.get("keep_base_peers", ())
+                side.prepare(cmd["round"], keep_base=keep)
             elif cmd["system"] == "hivemind":
                 side.prepare(cmd["round"])
             return {"prepare_s": time.perf_counter() - t0}

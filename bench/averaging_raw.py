@@ -5,8 +5,10 @@ one Atoll cycle moves, between the same processes (or, against Atoll's int8, wha
 cycle moves): every peer POSTs each fragment's bytes (4 per value, 2 with the 16-bit codec)
 to that fragment's owner, one fragment after the other as Atoll's learner does, while it
 long-polls every owner for the fragment's result; an owner answers those polls once all N
-peers' bytes for the fragment are in. Bodies are read into buffers allocated once and reused;
-nothing is compressed, signed, hashed, checked or merged.
+peers' bytes for the fragment are in. Bodies are read into buffers allocated once and reused
+(an owner reads every sender's body of a fragment into the same one: nothing reads them, and
+at 4 x 124M a buffer per sender was 1.5 GB of the box's memory); nothing is compressed, signed,
+hashed, checked or merged.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ class RawSide:
             t.detach().reshape(-1).view(torch.uint8)[:s]
             for t, s in zip(source, self.sizes, strict=True)
         ]
-        self.inbox: dict[tuple[int, int], bytearray] = {}  # (fragment, sender) -> its bytes
+        self.inbox: dict[int, bytearray] = {}  # fragment -> where every sender's bytes land
         self.result = [bytearray(s) for s in self.sizes]  # what we fetch, per fragment
         self.owners: list[str] = []
         self._arrived: dict[tuple[int, int], int] = {}  # (round, fragment) -> senders in
@@ -97,9 +99,9 @@ class RawSide:
 
     async def _on_post(self, request: web.Request) -> web.Response:
         r, p, sender = (int(request.match_info[k]) for k in ("round", "p", "sender"))
-        buf = self.inbox.get((p, sender))
+        buf = self.inbox.get(p)
         if buf is None:
-            buf = self.inbox[(p, sender)] = bytearray(self.sizes[p])
+            buf = self.inbox[p] = bytearray(self.sizes[p])
         view, got = memoryview(buf), 0
         async for chunk in request.content.iter_chunked(READ_CHUNK):
             view[got : got + len(chunk)] = chunk
@@ -114,11 +116,7 @@ class RawSide:
     async def _on_get(self, request: web.Request) -> web.Response:
         r, p = int(request.match_info["round"]), int(request.match_info["p"])
         await asyncio.wait_for(self._event(r, p).wait(), timeout=600)
-        body = (
-            self.inbox[(p, self.index)]
-            if (p, self.index) in self.inbox
-            else self.source[p].numpy().data
-        )
+        body = self.inbox[p] if p in self.inbox else self.source[p].numpy().data
         return web.Response(body=memoryview(body))
 
     # --- one cycle ------------------------------------------------------------------------------

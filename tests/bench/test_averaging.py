@@ -255,3 +255,27 @@ def test_a_peer_killed_mid_round_leaves_the_survivors_a_checked_merge_within_sec
     assert kill["seconds_to_merged"] < 30 and not kill["silently_partial"]
     assert kill["check"]["identical_on_every_peer"]
     assert all(f["matches"] != "neither" and f["version"] >= 2 for f in kill["check"]["fragments"])
+
+
+def test_no_memory_guard_runs_a_case_the_estimate_would_skip(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # a new size (4 x 124M) is run once unguarded to measure its peak; the guard skips it otherwise
+    monkeypatch.setattr(bench.averaging, "available_mb", lambda: 0)
+    args = ["--cases", "2x40k", "--codecs", "none", "--systems", "atoll,raw", "--repeats", "1"]
+    args += ["--warmup", "0", "--fragments", "2", "--no-kill", "--log-dir", str(tmp_path)]
+    skipped = main(args)["cases"][0]
+    assert skipped["atoll_s"] is None and skipped["error"].startswith("not run: 2 peers")
+    ran = main([*args, "--no-memory-guard"])
+    case = ran["cases"][0]
+    assert ran["config"]["memory_guard"] is False and "error" not in case
+    assert case["atoll_s"] > 0 and case["raw_s"] > 0 and case["peak_rss_mb"][0] > 0
+    assert "4x124M" in bench.averaging.DEFAULT_CASES.split(",")
+
+
+def test_4x124m_fits_the_box_with_its_measured_peak(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # 4 x 124M, Atoll and raw: 6132 + 4243 + 4005 + 3985 MiB of peak RSS measured (2026-12-06)
+    need = memory_needed_mb(4, 124_000_000, ["atoll", "raw"])
+    assert 18_365 <= need <= 19_500
+    monkeypatch.setattr(bench.averaging, "available_mb", lambda: 21 * 1024)
+    systems = ["atoll", "raw", "hivemind"]
+    assert memory_shortfall(4, 124_000_000, systems, True, "none") is None
+    assert memory_shortfall(4, 124_000_000, systems, True, "fp16") is not None
