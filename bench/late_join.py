@@ -128,18 +128,25 @@ def run(mode: str, seed: int, args: argparse.Namespace, folder: Path) -> dict[st
 
 def time_joiner(late: Proc, args: argparse.Namespace, *, launched: float) -> dict[str, Any]:
     """Seconds from ``launched`` to the joiner's first inner step (its first progress event,
-    said within a second of a step) and first accepted contribution (its ``/v1/status``), and
+    said within a second of a step) and first accepted contribution (its status board), and
     the bound they are held to."""
     url = late.wait_event("listening", 300)["url"]
     first_step = first_accepted = None
+    last_error: OSError | None = None
     deadline = launched + args.timeout
     while first_accepted is None and time.monotonic() < deadline:
         if late.proc.poll() is not None:
-            raise RuntimeError("the late joiner exited before its first accepted contribution")
+            late.log.flush()
+            tail = Path(late.log.name).read_text(errors="replace").splitlines()[-15:]
+            raise RuntimeError(
+                f"the late joiner exited ({late.proc.returncode}) before its first accepted "
+                f"contribution (last status error: {last_error!r}); its log ends:\n"
+                + "\n".join(tail)
+            )
         try:
-            status = get_json(f"{url}/v1/status")
-        except OSError:  # not serving its status yet (or busy): ask again
-            status = {}
+            status = get_json(f"{url}/v1/status/board")  # the board carries the totals
+        except OSError as exc:  # not serving its status yet (or busy): ask again
+            status, last_error = {}, exc
         now = time.monotonic() - launched
         if first_step is None and any(e.get("event") == "progress" for e in late.events):
             first_step = now
@@ -170,7 +177,8 @@ def n_params(model: str) -> int:
 
 
 def _accepted(status: dict[str, Any]) -> int:
-    """The contributions of this peer's island that owners accepted (``totals.island``)."""
+    """The contributions of this peer's island that owners accepted (the board's
+    ``totals.island``; ``/v1/status`` has no totals)."""
     island = status.get("totals", {}).get("island", {})
     return int(island.get("contributions", {}).get("accepted", 0))
 
@@ -205,6 +213,7 @@ def main() -> None:
         "--compute", default="real", help="every peer's --compute (standin=S: no loss measured)"
     )
     parser.add_argument("--link", default="", help="every peer's emulated --link")
+    parser.add_argument("--logs", default="", help="keep every peer's log in this folder")
     args = parser.parse_args()
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if unknown := sorted(set(modes) - set(MODES)):
@@ -212,7 +221,8 @@ def main() -> None:
     if not 0 < args.join_at < args.steps:
         parser.error(f"--join-at must be between 0 and --steps ({args.steps}), got {args.join_at}")
     runs = []
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as scratch:
+        tmp = args.logs or scratch
         for seed in args.seeds:
             for mode in modes:
                 runs.append(run(mode, seed, args, Path(tmp) / f"{mode}-{seed}"))
