@@ -69,6 +69,7 @@ from node.diloco.adoption import Adoption
 from node.diloco.device import DeviceLink, Landed
 from node.diloco.flat import new_flat
 from node.diloco.inbox import Arrival, Inbox
+from node.diloco.run_delay import run_delay_s
 from node.diloco.sharding import ShardedFragments
 from protocol.diloco.fragments import FragmentPlan, due_offset
 
@@ -391,9 +392,11 @@ class Island:
             last=last,
             ready=self.device_link.record(),  # on CUDA, the network side's stream waits for Δ
         )
-        t0 = time.perf_counter()  # wall time: a hand-off that blocks is a stall
+        # wall time, for a hand-off that blocks is a stall, less the time the scheduler kept this
+        # thread waiting for a CPU (a busy box, not the network side)
+        t0, queued = time.perf_counter(), run_delay_s()
         self._submit(out)
-        self._submit_s += time.perf_counter() - t0
+        self._submit_s += max(0.0, time.perf_counter() - t0 - (run_delay_s() - queued))
 
     def _pseudo_gradient(self, p: int) -> torch.Tensor:
         """Θ_base − θ of fragment ``p`` as a new flat fp32 tensor on the island's device (the

@@ -397,3 +397,37 @@ def test_wait_for_news_wakes_on_a_delivery_or_a_refusal_and_not_on_what_it_alrea
     assert island.wait_for_news(island.news, 0.01) is False
     island.resolved(1, accepted=True)  # an acceptance frees nothing: no news
     assert island.wait_for_news(island.news, 0.01) is False
+
+
+def _slow_submit(
+    sent: list[Outgoing], seconds: float, clock: list[float], queued: float
+) -> Callable[[Outgoing], None]:
+    def submit(out: Outgoing) -> None:
+        time.sleep(seconds)
+        clock[0] += queued  # what the scheduler reports this thread waited for a CPU meanwhile
+        sent.append(out)
+
+    return submit
+
+
+@pytest.mark.parametrize(("queued", "stalls"), [(0.0, True), (0.3, False)])
+def test_a_hand_off_counts_as_a_stall_only_for_the_time_not_spent_waiting_for_a_cpu(
+    monkeypatch: pytest.MonkeyPatch, queued: float, stalls: bool
+) -> None:
+    """A hand-off that takes 0.3 s of wall time is a stall; one whose 0.3 s the scheduler says
+    the thread spent runnable, waiting for a CPU on a busy box, is not."""
+    clock = [0.0]
+    monkeypatch.setattr("node.diloco.island.run_delay_s", lambda: clock[0])
+    island, model, opt, sent = _island(h=4, fragments=1)
+    island._submit = _slow_submit(sent, 0.3, clock, queued)
+    _step(model, opt, island)  # fragment 0 is due at step 1
+    assert len(sent) == 1
+    assert (island.stats.stalled_steps == 1) is stalls
+
+
+def test_the_run_delay_of_a_thread_only_grows() -> None:
+    from node.diloco.run_delay import run_delay_s
+
+    first = run_delay_s()
+    sum(range(200_000))
+    assert 0.0 <= first <= run_delay_s()
