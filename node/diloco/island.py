@@ -194,11 +194,10 @@ class Island:
                 self.global_flat.append(self._flatten(p).float().cpu())
         self._device_global: list[torch.Tensor] | None = None
         self._mirrored: list[torch.Tensor | None] = [None] * len(self.params)
-        if self.device_link.staged:
-            self._device_global = []
-            for p in range(len(self.params)):
-                with self._full(p, write=False):
-                    self._device_global.append(self._flatten(p).float().to(self.device_link.device))
+        if self.device_link.staged:  # the same values, copied over rather than gathered again
+            self._device_global = [
+                g.to(self.device_link.device, copy=True) for g in self.global_flat
+            ]
             self._mirrored = list(self.global_flat)
         self.versions: list[int] = [0] * len(self.params)
         # per fragment, how often its parameters were replaced by a global version (a final or a
