@@ -4,6 +4,7 @@ text, bounded reads, and one-line mistakes."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -99,3 +100,24 @@ def test_mistakes_are_one_line_and_exit_2(tmp_path: Path) -> None:
         assert run.returncode == 2 and match in run.stderr
         assert len(run.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "t.json").exists()
+
+
+def test_the_example_recipe_data_script(tmp_path: Path) -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, str(ROOT / "recipes" / "stdlib_bpe_data.py"), "--out", str(tmp_path)]
+    run = subprocess.run(
+        [*cmd, "--vocab", "300", "--max-bytes", "200000"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=True,
+    )
+    made = json.loads(run.stdout.strip().splitlines()[-1])
+    assert set(made) == {"train", "valid", "tokenizer"}
+    for item in made.values():
+        assert hashlib.sha256(Path(item["path"]).read_bytes()).hexdigest() == item["sha256"]
+    train, valid = (tmp_path / "train.txt").read_bytes(), (tmp_path / "valid.txt").read_bytes()
+    assert 150_000 < len(train) <= 200_000 and 5_000 < len(valid) <= 10_000
+    tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    assert tok.get_vocab_size() == 300
