@@ -71,9 +71,20 @@ EOT = "<|endoftext|>"  # appended after each document when the tokenizer has it
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _HF_NAME = re.compile(r"[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?")
+_HF_REVISION = re.compile(r"[\w.\-/]*")
 _HF_SPLIT = re.compile(r"[\w.\-\[\]:%+]+")
 _TABLE_KEYS = frozenset(
-    {"source", "files", "format", "text_field", "hf_name", "hf_split", "shards", "validation"}
+    {
+        "source",
+        "files",
+        "format",
+        "text_field",
+        "hf_name",
+        "hf_split",
+        "hf_revision",
+        "shards",
+        "validation",
+    }
 )
 
 
@@ -92,7 +103,8 @@ class DataSpec:
     """The recipe's ``[data]`` table.
 
     source: ``"files"`` (``files`` are artifacts, sha256 hex) or ``"hf"`` (``hf_name`` and
-    ``hf_split`` through ``datasets`` streaming, on machines that reach the hub).
+    ``hf_split`` through ``datasets`` streaming, on machines that reach the hub; ``hf_revision``
+    pins a commit, since a hub dataset can change under a running swarm).
     format: how the ``files`` and ``validation`` artifacts are read: ``"text"`` (each file one
     document) or ``"jsonl"`` (one JSON object a line, its ``text_field`` string a document).
     shards: how many shards the training text is cut into (deal more shards than learners).
@@ -106,6 +118,7 @@ class DataSpec:
     text_field: str = "text"
     hf_name: str = ""
     hf_split: str = "train"
+    hf_revision: str = ""
     shards: int = 64
     validation: tuple[str, ...] = field(default=())
 
@@ -121,8 +134,10 @@ class DataSpec:
         _check_hashes("data.validation", self.validation, required=True)
         if self.source == "files":
             _check_hashes("data.files", self.files, required=True)
-            if self.hf_name:
-                raise ValueError('data.hf_name is for source = "hf": remove it or change source')
+            if self.hf_name or self.hf_revision:
+                raise ValueError(
+                    'data.hf_name and hf_revision are for source = "hf": remove them or change source'
+                )
         else:
             if self.files:
                 raise ValueError('data.files is for source = "files": remove it or change source')
@@ -133,6 +148,10 @@ class DataSpec:
             if len(self.hf_split) > 100 or not _HF_SPLIT.fullmatch(self.hf_split):
                 raise ValueError(
                     f'data.hf_split must be a split like "train", got {self.hf_split!r}'
+                )
+            if len(self.hf_revision) > 100 or not _HF_REVISION.fullmatch(self.hf_revision):
+                raise ValueError(
+                    f"data.hf_revision must be a commit hash, tag or branch, got {self.hf_revision!r}"
                 )
 
     @classmethod
@@ -167,6 +186,8 @@ class DataSpec:
             table["files"] = list(self.files)
         else:
             table |= {"hf_name": self.hf_name, "hf_split": self.hf_split}
+            if self.hf_revision:
+                table["hf_revision"] = self.hf_revision
         table |= {
             "text_field": self.text_field,
             "shards": self.shards,
@@ -303,11 +324,38 @@ class _Tokenizer:
 
     def encode(self, texts: list[str], *, end_documents: bool) -> np.ndarray:
         """The ids of ``texts`` joined, one EOT after each when ``end_documents`` (and the
-        tokenizer has one), as int64 (n,)."""
-        encoded = self.inner.encode_batch(texts, add_special_tokens=False)
+        tokenizer has one), as int64 (n,). Each text is encoded in pieces of about 64 K
+        characters cut after a line end, as one batch (``tokenizers`` spreads a batch over the
+        cores), so the ids are a function of the text alone."""
+        pieces, ends = [], []
+        for text in texts:
+            pieces += _line_pieces(text)
+            ends.append(len(pieces) - 1)
+        encoded = self._encode_batch(pieces, add_special_tokens=False)
         tail = [self.eot] if end_documents and self.eot is not None else []
-        ids = [i for e in encoded for i in (*e.ids, *tail)]
-        return np.asarray(ids, dtype=np.int64)
+        last = set(ends)
+        out = [
+            np.asarray(e.ids if k not in last else [*e.ids, *tail], dtype=np.int64)
+            for k, e in enumerate(encoded)
+        ]
+        return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+
+    @property
+    def _encode_batch(self) -> Callable[..., list[Any]]:
+        # encode_batch_fast (tokenizers >= 0.21) skips the character offsets we never read
+        return getattr(self.inner, "encode_batch_fast", self.inner.encode_batch)
+
+
+def _line_pieces(text: str, size: int = 1 << 16) -> list[str]:
+    """``text`` cut after the first line end at or past every ``size`` characters ([text] when
+    it has none there; [""] for an empty text, so each text keeps one piece)."""
+    pieces, start = [], 0
+    while start < len(text):
+        nl = text.find("\n", start + size)
+        end = len(text) if nl < 0 else nl + 1
+        pieces.append(text[start:end])
+        start = end
+    return pieces or [""]
 
 
 # -----------------------------------------------------------------------------
@@ -467,7 +515,7 @@ def _tokenise_pieces(
 # source = "hf"
 
 
-def _load_hf(name: str, split: str) -> Any:
+def _load_hf(name: str, split: str, revision: str) -> Any:
     """The streaming ``datasets`` dataset. Raises DataError (one line) if ``datasets`` is not
     installed or the dataset cannot be opened."""
     try:
@@ -478,7 +526,7 @@ def _load_hf(name: str, split: str) -> Any:
             'or use source = "files"'
         ) from e
     try:
-        return datasets.load_dataset(name, split=split, streaming=True)
+        return datasets.load_dataset(name, split=split, revision=revision or None, streaming=True)
     except Exception as e:  # hub, network and format errors all come here
         first = (str(e).splitlines() or [type(e).__name__])[0][:200]
         raise DataError(
@@ -599,7 +647,7 @@ class RecipeData:
         self.shard_dir = Path(cache_dir) / _cache_key(
             source=spec.source,
             files=spec.files,
-            hf=[spec.hf_name, spec.hf_split],
+            hf=[spec.hf_name, spec.hf_split, spec.hf_revision],
             shards=spec.shards,
             **common,
         )
@@ -609,7 +657,11 @@ class RecipeData:
             if spec.source == "files"
             else None
         )
-        self._hf = None if spec.source == "files" else _load_hf(spec.hf_name, spec.hf_split)
+        self._hf = (
+            None
+            if spec.source == "files"
+            else _load_hf(spec.hf_name, spec.hf_split, spec.hf_revision)
+        )
         self._shards: dict[int, np.ndarray] = {}
         valid = [_Piece(paths[h], 0, paths[h].stat().st_size, True) for h in spec.validation]
         self.validation = _cached_tokens(

@@ -20,6 +20,7 @@ from node.workload.token_data import (
     DataError,
     DataSpec,
     RecipeData,
+    _line_pieces,
     read_token_file,
     write_token_file,
 )
@@ -111,6 +112,8 @@ def test_from_table_reads_a_full_table_and_to_table_reads_back() -> None:
     hf = DataSpec.from_table({"source": "hf", "hf_name": "user/corpus", "validation": [H]})
     assert hf.hf_split == "train" and hf.artifacts() == (H,)
     assert DataSpec.from_table(hf.to_table()) == hf
+    pinned = DataSpec.from_table(hf.to_table() | {"hf_revision": "9e1f3a2", "hf_split": "val"})
+    assert pinned.hf_revision == "9e1f3a2" and DataSpec.from_table(pinned.to_table()) == pinned
 
 
 @pytest.mark.parametrize(
@@ -127,7 +130,12 @@ def test_from_table_reads_a_full_table_and_to_table_reads_back() -> None:
         ({"files": [H], "validation": [H], "shards": "8"}, "data.shards must be an integer"),
         ({"files": [H], "validation": [H], "shards": True}, "data.shards must be an integer"),
         ({"files": [H], "validation": [H], "format": "csv"}, "data.format must be"),
-        ({"files": [H], "validation": [H], "hf_name": "a/b"}, "data.hf_name is for"),
+        ({"files": [H], "validation": [H], "hf_name": "a/b"}, "data.hf_name and hf_revision"),
+        ({"files": [H], "validation": [H], "hf_revision": "main"}, "data.hf_name and hf_revision"),
+        (
+            {"source": "hf", "hf_name": "a/b", "hf_revision": "x y", "validation": [H]},
+            "hf_revision",
+        ),
         ({"source": "hf", "validation": [H]}, "data.hf_name must be"),
         ({"source": "hf", "hf_name": "../x", "validation": [H]}, "data.hf_name must be"),
         ({"source": "hf", "hf_name": "a/b", "files": [H], "validation": [H]}, "data.files is for"),
@@ -448,3 +456,13 @@ def test_source_hf_without_datasets_says_what_to_install(
     with pytest.raises(DataError, match="pip install datasets") as e:
         make_data(spec)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "text", ["", "no line end", "a\nb\n", ("x" * 50 + "\n") * 5000, "y" * 200_000 + "\nz"]
+)
+def test_line_pieces_cut_after_line_ends_and_lose_nothing(text: str) -> None:
+    pieces = _line_pieces(text, size=1000)
+    assert "".join(pieces) == text and pieces
+    for piece in pieces[:-1]:
+        assert piece.endswith("\n") and len(piece) > 1000
