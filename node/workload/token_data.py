@@ -741,6 +741,7 @@ class TrainStream:
         self._seen: frozenset[bytes] | None = None
         self._tokens: list[np.ndarray] = []
         self._cum = torch.zeros(1, dtype=torch.long)
+        self._window = np.empty((self.batch_size, self.seq_len + 1), dtype=np.int64)
 
     @property
     def tokens_per_batch(self) -> int:
@@ -781,12 +782,10 @@ class TrainStream:
         picks = torch.randint(0, total, (self.batch_size,), generator=self.generator)  # (B,)
         which = torch.searchsorted(self._cum, picks, right=True) - 1  # (B,) shard index
         local = picks - self._cum[which]  # (B,) start inside that shard
-        T = self.seq_len
-        rows = [
-            self._tokens[w][s : s + T + 1]
-            for w, s in zip(which.tolist(), local.tolist(), strict=True)
-        ]
-        window = torch.from_numpy(np.stack(rows).astype(np.int64))  # (B, T+1) int64
+        T, out = self.seq_len, self._window
+        for row, (w, s) in enumerate(zip(which.tolist(), local.tolist(), strict=True)):
+            out[row] = self._tokens[w][s : s + T + 1]  # uint16/32 memmap -> int64, one copy
+        window = torch.from_numpy(out)  # (B, T+1) int64, reused: x and y below are copies
         return window[:, :-1].contiguous(), window[:, 1:].contiguous()
 
     __next__ = next
