@@ -15,6 +15,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 
+from node.workload import token_data
 from node.workload.corpus import stdlib_corpus_files
 from node.workload.token_data import (
     DataError,
@@ -384,6 +385,7 @@ def test_jsonl_records_are_read_by_their_text_field(
         (b'{"text": "ok"}\nnot json\n', "not a JSON line"),
         (b'{"text": "ok"}\n{"body": "x"}\n', 'no string field "text"'),
         (b'["text"]\n', 'no string field "text"'),
+        (b"[" * 100_000 + b"]" * 100_000 + b"\n", "not a JSON line"),
     ],
 )
 def test_a_bad_json_line_is_one_line_error(
@@ -466,3 +468,20 @@ def test_line_pieces_cut_after_line_ends_and_lose_nothing(text: str) -> None:
     assert "".join(pieces) == text and pieces
     for piece in pieces[:-1]:
         assert piece.endswith("\n") and len(piece) > 1000
+
+
+def test_a_stream_keeps_few_shards_open(
+    make_data: Callable[..., RecipeData],
+    text_spec: DataSpec,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(token_data, "MAX_OPEN_SHARDS", 2)
+    data = make_data(text_spec, batch_size=16)
+    stream = data.train_stream(lambda: [b"me"])  # alone: all 12 shards dealt
+    mine = set().union(*(_windows_of(data.shard_tokens(s), 33) for s in range(12)))
+    for _ in range(4):
+        x, y = stream.next()
+        assert len(stream._maps) <= 2
+        for row in torch.cat([x, y[:, -1:]], dim=1):
+            assert row.numpy().tobytes() in mine
+    assert stream.dealt == tuple(range(12))
