@@ -624,7 +624,8 @@ class _VerifiedArtifacts:
 
 
 def _cache_key(**parts: object) -> str:
-    text = json.dumps({"format": 1, **parts}, sort_keys=True, separators=(",", ":"))
+    # format: bump when the way text becomes tokens changes, so no peer reuses an older cut
+    text = json.dumps({"format": 2, **parts}, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
@@ -746,6 +747,16 @@ class RecipeData:
         starts = np.linspace(0, high, n).round().astype(np.int64)
         rows = [self.validation[s : s + self.seq_len + 1] for s in starts]
         return torch.from_numpy(np.stack(rows).astype(np.int64))  # (n, T+1) int64
+
+    @property
+    def validation_sha256(self) -> str:
+        """SHA-256 (hex) of the validation tokens as little-endian int64, which is what
+        ``hashlib.sha256(t.numpy().tobytes())`` gives for them as an int64 tensor ``t``: peers
+        whose tokenizers library cuts the text differently see different hashes."""
+        digest, step = hashlib.sha256(), CHUNK_BYTES // 8
+        for i in range(0, self.validation.size, step):
+            digest.update(self.validation[i : i + step].astype("<i8").tobytes())
+        return digest.hexdigest()
 
     def train_stream(self, learners: Callable[[], Sequence[bytes]]) -> TrainStream:
         """Batches from this peer's dealt shards; ``learners()`` is asked before each batch and

@@ -278,6 +278,9 @@ def test_validation_windows_are_the_same_on_every_peer(
     assert torch.equal(wa, wb)
     assert int(wa.max()) < a.vocab_size
     assert torch.equal(wa[-1], torch.from_numpy(a.validation[-33:].astype(np.int64)))
+    whole = torch.from_numpy(np.asarray(a.validation, dtype=np.int64))
+    assert a.validation_sha256 == hashlib.sha256(whole.numpy().tobytes()).hexdigest()
+    assert a.validation_sha256 == b.validation_sha256
 
 
 # -----------------------------------------------------------------------------
