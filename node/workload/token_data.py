@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import itertools
 import json
 import logging
 import os
@@ -45,7 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from protocol.diloco.shard_deal import MAX_SHARDS, deal, preferred_shard
+from protocol.diloco.shard_deal import MAX_SHARDS, deal, shard_preference
 
 __all__ = [
     "CHUNK_BYTES",
@@ -401,6 +402,15 @@ class _ByteShards:
         for k in range(1, n):
             cuts.append(max(cuts[-1], self._line_cut(k * self.total // n)))
         self.cuts = [*cuts, self.total]
+        empty = sum(1 for a, b in itertools.pairwise(self.cuts) if a == b)
+        if empty:  # a learner dealt only empty shards borrows one (TrainStream)
+            log.warning(
+                "%d of %d shards are empty (%d bytes, lines or records longer than a shard): "
+                "fewer data.shards would spread the text evenly",
+                empty,
+                n,
+                self.total,
+            )
 
     def _line_cut(self, at: int) -> int:
         """The global offset just after the first line end at or after ``at`` (or the end of
@@ -795,12 +805,8 @@ class TrainStream:
         if current == self._seen:
             return
         data, n = self.data, self.data.spec.shards
-        dealt = deal(n, sorted(current), data.me)
-        self._seen, self.dealt = current, dealt
-        note = ""
-        if not dealt:
-            dealt = (preferred_shard(n, data.me),)
-            note = f" (none: more learners than shards; sharing shard {dealt[0]})"
+        self._seen, self.dealt = current, deal(n, sorted(current), data.me)
+        sampled, note = self._usable(self.dealt)
         log.info(
             "shards dealt: %s of %d among %d learners%s",
             list(self.dealt),
@@ -808,14 +814,25 @@ class TrainStream:
             len(current | {data.me}),
             note,
         )
-        starts = [max(0, data.shard_size(s) - self.seq_len) for s in dealt]  # window starts
-        if sum(starts) == 0:
-            raise DataError(
-                f"the dealt shards {list(dealt)} hold no window of {self.seq_len + 1} tokens: "
-                "use fewer shards, more text or a shorter seq_len"
-            )
-        self._order, self._maps = dealt, OrderedDict()
+        starts = [max(0, data.shard_size(s) - self.seq_len) for s in sampled]  # window starts
+        self._order, self._maps = sampled, OrderedDict()
         self._cum = torch.tensor(np.cumsum([0, *starts]), dtype=torch.long)
+
+    def _usable(self, dealt: tuple[int, ...]) -> tuple[tuple[int, ...], str]:
+        """The shards to sample and a note for the log: the dealt ones when they hold a window;
+        else (none dealt, or all too short) those and the first shard in this peer's rendezvous
+        preference that holds one, shared with its owner. Raises DataError when none does."""
+        data, T = self.data, self.seq_len
+        if any(data.shard_size(s) > T for s in dealt):
+            return dealt, ""
+        why = "none: more learners than shards" if not dealt else f"no window of {T + 1} tokens"
+        for s in shard_preference(data.spec.shards, data.me):
+            if s not in dealt and data.shard_size(s) > T:
+                return (*dealt, s), f" ({why}; sharing shard {s})"
+        raise DataError(
+            f"no shard holds a window of {T + 1} tokens: use fewer shards, more text or a "
+            "shorter seq_len"
+        )
 
     def _shard(self, shard: int) -> np.ndarray:
         """The memory map of a dealt shard; at most MAX_OPEN_SHARDS stay open (LRU)."""

@@ -488,3 +488,46 @@ def test_a_stream_keeps_few_shards_open(
         for row in torch.cat([x, y[:, -1:]], dim=1):
             assert row.numpy().tobytes() in mine
     assert stream.dealt == tuple(range(12))
+
+
+def test_too_many_shards_for_the_lines_are_logged_and_borrowed_around(
+    make_data: Callable[..., RecipeData],
+    store: Store,
+    texts: list[bytes],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="node.workload.token_data")
+    one_line = store.put(b"x = 1 " * 2000 + b"\n")
+    spec = DataSpec(files=(one_line,), validation=(store.put(texts[1]),), shards=8)
+    data = make_data(spec)
+    assert any("7 of 8 shards are empty" in r.message for r in caplog.records)
+    assert [data.shard_size(s) for s in range(8)].count(0) == 7
+    learners = [b"me", b"you"]
+    stream = data.train_stream(lambda: learners)
+    x, _ = stream.next()  # dealt empty shards or not, the stream finds the one with windows
+    assert x.shape == (4, 32)
+
+
+def test_a_learner_whose_shards_are_too_short_borrows_one(
+    make_data: Callable[..., RecipeData],
+    store: Store,
+    texts: list[bytes],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # two lines: the first (most bytes, few tokens: one long run of spaces) is shard 0 alone
+    code = b" ".join(t.replace(b"\n", b" ") for t in texts[5:8])[:20_000]
+    train = store.put(b" " * 30_000 + b"\n" + code + b"\n")
+    spec = DataSpec(files=(train,), validation=(store.put(b"".join(texts[:12])),), shards=2)
+    sizes = [make_data(spec).shard_size(s) for s in range(2)]
+    assert sizes[0] + 2 < sizes[1]
+    me, other = next(
+        (bytes([i]), bytes([i + 100]))
+        for i in range(100)
+        if deal(2, [bytes([i]), bytes([i + 100])], bytes([i])) == (0,)
+    )
+    caplog.set_level(logging.INFO, logger="node.workload.token_data")
+    data = make_data(spec, me=me, seq_len=sizes[0])  # shard 0 holds no window of seq_len + 1
+    stream = data.train_stream(lambda: [me, other])
+    x, _ = stream.next()
+    assert stream.dealt == (0,) and x.shape == (4, sizes[0])
+    assert any("no window" in r.message and "sharing shard 1" in r.message for r in caplog.records)
