@@ -11,7 +11,8 @@ the validation set's artifacts. ``RecipeData`` turns them into batches:
                                                                  tokenises alone
     dealt        learner l holds the shards protocol.diloco.shard_deal deals it (rendezvous:
                  disjoint while the learner set holds, only a leaver's or joiner's move)
-    batches      random windows of seq_len + 1 tokens from the dealt shards only
+    batches      random windows of seq_len + 1 tokens from the dealt shards only (a learner
+                 dealt none that holds a window borrows one, in its own rendezvous order)
 
 A shard is tokenised the first time it is dealt here, in chunks of at most 1 MiB, and cached
 under ``cache_dir`` as a token file (a 64-byte header with a BLAKE2b digest, then uint16 tokens
@@ -779,8 +780,9 @@ class TrainStream:
 
     Before each batch the learner set is read; when it changed, the shards are dealt again
     (``protocol.diloco.shard_deal``), the newly dealt ones tokenised or read from the cache, and
-    one line ``shards dealt: [...]`` logged. A window never crosses a shard's end; shards are
-    drawn in proportion to their window starts. The sampler is seeded by (seed, me), so two
+    one line ``shards dealt: [...]`` logged (with the shard borrowed, if the dealt ones hold no
+    window). A window never crosses a shard's end; shards are drawn in proportion to their
+    window starts. The sampler is seeded by (seed, me), so two
     peers draw different windows and one peer draws the same ones on a rerun.
     """
 
