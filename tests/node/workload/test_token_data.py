@@ -531,3 +531,16 @@ def test_a_learner_whose_shards_are_too_short_borrows_one(
     x, _ = stream.next()
     assert stream.dealt == (0,) and x.shape == (4, sizes[0])
     assert any("no window" in r.message and "sharing shard 1" in r.message for r in caplog.records)
+
+
+def test_lines_longer_than_a_block_are_cut_between_characters(
+    make_data: Callable[..., RecipeData], store: Store, tokenizer_file: Path, texts: list[bytes]
+) -> None:
+    # one 2.2 MB line of 1- to 4-byte characters: the shard cut (no line end within 1 MiB of
+    # the middle) and the 1 MiB blocks fall inside it, each moved to a character's start
+    line = "aé€𝄞 " * 200_000
+    spec = DataSpec(files=(store.put(line.encode()),), validation=(store.put(texts[2]),), shards=2)
+    data = make_data(spec)
+    decoded = [decode_without_eot(tokenizer_file, data.shard_tokens(s)) for s in range(2)]
+    assert all(decoded) and "\ufffd" not in "".join(decoded)
+    assert "".join(decoded) == line
