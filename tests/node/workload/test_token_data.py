@@ -7,6 +7,9 @@ import hashlib
 import importlib.util
 import json
 import logging
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -544,3 +547,32 @@ def test_lines_longer_than_a_block_are_cut_between_characters(
     decoded = [decode_without_eot(tokenizer_file, data.shard_tokens(s)) for s in range(2)]
     assert all(decoded) and "\ufffd" not in "".join(decoded)
     assert "".join(decoded) == line
+
+
+def test_two_processes_filling_one_cache_leave_it_whole(
+    text_spec: DataSpec, store: Store, tokenizer_file: Path, tmp_path: Path
+) -> None:
+    code = (
+        "import sys\nfrom pathlib import Path\n"
+        "from node.workload.token_data import DataSpec, RecipeData\n"
+        f"spec = DataSpec.from_table({text_spec.to_table()!r})\n"
+        f"data = RecipeData(spec, tokenizer_file=Path({str(tokenizer_file)!r}), "
+        f"artifact_path=lambda h: Path({str(store.root)!r}) / h, "
+        f"cache_dir=Path({str(tmp_path / 'shared')!r}), seq_len=32, batch_size=4, "
+        "me=sys.argv[1].encode(), seed=0)\n"
+        "print(data.prepare())\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[3]))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, me], stdout=subprocess.PIPE, text=True, env=env
+        )
+        for me in ("a", "b")
+    ]
+    outs = [p.communicate(timeout=120)[0].strip() for p in procs]
+    assert [p.returncode for p in procs] == [0, 0] and outs[0] == outs[1]
+    shard_dir = next(d for d in (tmp_path / "shared").iterdir() if (d / "shard-00000.tok").exists())
+    files = sorted(shard_dir.iterdir())
+    assert [f.name for f in files] == [f"shard-{s:05d}.tok" for s in range(12)]  # no .tmp left
+    total = sum(read_token_file(f, dtype=np.dtype(np.uint16)).size for f in files)
+    assert str(total) == outs[0]
