@@ -549,6 +549,7 @@ def test_lines_longer_than_a_block_are_cut_between_characters(
     assert "".join(decoded) == line
 
 
+@pytest.mark.timeout(300)  # two fresh interpreters import torch on a shared box
 def test_two_processes_filling_one_cache_leave_it_whole(
     text_spec: DataSpec, store: Store, tokenizer_file: Path, tmp_path: Path
 ) -> None:
