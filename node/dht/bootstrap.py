@@ -33,8 +33,6 @@ from node.dht.kademlia import DHTConfig, DHTNode
 from node.dht.membership import MemberRecord, members_key
 from node.dht.route import DHTRouter
 from node.dht.swarm import SwarmCredentials
-from node.state.artifact_serve import ArtifactServer
-from node.state.artifacts import ArtifactStore
 from node.wire.connections import address_key
 from node.wire.tls import server_context
 from node.wire.transport import Busy, Transport
@@ -315,7 +313,7 @@ class BootstrapNode:
         *,
         signer: Signer | None = None,
         credentials: SwarmCredentials | None = None,
-        artifacts: ArtifactStore | None = None,
+        routes: Callable[[Transport], None] | None = None,
     ) -> None:
         self.signer = signer or Signer.from_seed(os.urandom(32))
         certified = credentials is not None and credentials.certified
@@ -336,10 +334,8 @@ class BootstrapNode:
         app.router.add_get("/v1/members", self._members)
         app.router.add_get("/v1/dialback", self._dialback)
         app.router.add_get("/v1/status", self._status)
-        # a founder's bootstrap seeds the recipe's artifacts (atoll swarm init --recipe)
-        self.artifacts = ArtifactServer(artifacts, self.transport) if artifacts else None
-        if self.artifacts is not None:
-            self.artifacts.install()
+        if routes is not None:  # more routes (a founder's: the recipe's artifacts)
+            routes(self.transport)
 
     @property
     def url(self) -> str:
@@ -412,11 +408,11 @@ async def run_bootstrap(
     *,
     signer: Signer | None = None,
     credentials: SwarmCredentials | None = None,
-    artifacts: ArtifactStore | None = None,
+    routes: Callable[[Transport], None] | None = None,
 ) -> None:
-    """Serve until SIGINT or SIGTERM."""
+    """Serve until SIGINT or SIGTERM; ``routes`` adds routes to the node's server."""
     node = BootstrapNode(
-        host, port, public_address, signer=signer, credentials=credentials, artifacts=artifacts
+        host, port, public_address, signer=signer, credentials=credentials, routes=routes
     )
     url = await node.start(initial_peers)
     print(f"atoll bootstrap node listening at {url}", flush=True)

@@ -506,9 +506,14 @@ def bootstrap_main(args: argparse.Namespace) -> int:
             "so the node advertises an address others can dial",
             file=sys.stderr,
         )
+    from node.state.artifact_serve import ArtifactServer
     from node.state.artifacts import ArtifactStore
+    from node.wire.transport import Transport
 
-    artifacts = ArtifactStore(args.artifact_dir) if args.artifact_dir else None
+    def routes(transport: Transport) -> None:  # the founder's bootstrap seeds the artifacts
+        if args.artifact_dir:
+            ArtifactServer(ArtifactStore(args.artifact_dir), transport).install()
+
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(
             run_bootstrap(
@@ -518,7 +523,7 @@ def bootstrap_main(args: argparse.Namespace) -> int:
                 args.initial_peers,
                 signer=signer,
                 credentials=credentials,
-                artifacts=artifacts,
+                routes=routes,
             )
         )
     return 0

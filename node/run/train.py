@@ -348,7 +348,6 @@ def _recipe_workload(cfg: RunConfig, opts: PeerOptions, loaded: LoadedRecipe) ->
         batch_size=recipe.batch_size,
         me=me,
         seed=recipe.seed,
-        verify_artifacts=False,  # prepare_recipe verified every byte
     )
     learners = RecipeLearners(me)
     model = build_recipe_model(recipe, loaded.files, vocab_size=data.vocab_size, seed=cfg.seed)
