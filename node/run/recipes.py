@@ -63,12 +63,13 @@ def recipe_config(recipe: Recipe, base: RunConfig) -> RunConfig:
     """``base`` with the recipe's model, batch size, tokens per step, seed and schedule: the
     flat fields the manifest carries besides the recipe's hash (every peer checks those)."""
     fields: dict[str, Any] = dict(recipe.schedule)
+    if recipe.data:  # without [data], the built-in GPT on the standard library: its own context
+        fields["max_tokens_per_step"] = recipe.batch_size * recipe.seq_len
     return replace(
         base,
         model=recipe.preset if recipe.model_type == "gpt" else RECIPE_MODEL,
         batch_size=recipe.batch_size,
         seed=recipe.seed,
-        max_tokens_per_step=recipe.batch_size * recipe.seq_len,
         **fields,
     )
 

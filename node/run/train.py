@@ -268,7 +268,7 @@ def build_workload(cfg: RunConfig, opts: PeerOptions) -> Workload:
     ``torchrun`` it joins the island's process group first. Raises ``RuntimeError`` for a CUDA
     device torch does not see, or a checkpoint folder on a multi-process island. A recipe
     swarm's peer (``opts.recipe``) builds the recipe's model and data (``_recipe_workload``)."""
-    if opts.recipe is not None:
+    if opts.recipe is not None and opts.recipe.recipe.data:
         return _recipe_workload(cfg, opts, opts.recipe)
     gcfg = GPTConfig.preset(cfg.model)
     device = torch.device(cfg.device)

@@ -142,3 +142,23 @@ def test_a_joiner_refuses_an_artifact_changed_on_disk_before_training(folder: Pa
     # and it is fetched again, refused again when no peer has it right
     with pytest.raises(RecipeError, match="could not be fetched: no peer to ask"):
         prepare_recipe(manifest, store, no_peer, [])
+
+
+def test_the_examples_in_recipes_parse_and_the_built_in_one_founds_a_swarm(tmp_path: Path) -> None:
+    import hashlib
+
+    root = Path(__file__).resolve().parents[3] / "recipes"
+    bpe = Recipe.from_toml(
+        (root / "gpt2-stdlib-bpe.toml").read_text(),
+        lambda path: hashlib.sha256(path.encode()).hexdigest(),
+    )
+    assert bpe.model_type == "hf" and len(bpe.artifacts()) == 4 and bpe.seq_len == 256
+    assert _atoll("keygen", "--out", str(tmp_path / "f.key"))[0] == 0
+    code, _, err = _atoll(
+        "swarm", "init", "--name", "stdlib-gpt", "--founder", str(tmp_path / "f.key"),
+        "--recipe", str(root / "stdlib-gpt.toml"), "--artifact-dir", str(tmp_path / "art"),
+        "--out", str(tmp_path / "swarm.toml"),
+    )  # fmt: skip
+    assert code == 0, err
+    manifest = load_manifest(tmp_path / "swarm.toml")
+    assert manifest.recipe_dict["model"] == "tiny" and manifest.recipe_dict["steps"] == 9000
