@@ -459,6 +459,8 @@ class PeerNode:
             "penalties": self.penalties(),
             # per fragment owned: senders refused for low standing, the lowest scores (issue 47)
             "standing": {str(p): o.standing_status() for p, o in self.owners.items()},
+            # a recipe swarm's artifacts this peer serves (issue 51); None: it serves none
+            "artifacts": self.artifacts.status() if self.artifacts is not None else None,
         }
 
     def standings(self) -> dict[str, float]:

@@ -45,6 +45,10 @@ class ArtifactServer:
         self.served_bytes = 0
         self.misses = 0
 
+    def status(self) -> dict[str, int]:
+        """For ``/v1/status``: bytes served, asks for artifacts not held here."""
+        return {"served_bytes": self.served_bytes, "misses": self.misses}
+
     def install(self) -> None:
         self.transport.app.router.add_get(ARTIFACT_PATH, self.on_get)
 
