@@ -206,6 +206,18 @@ def test_recipe_swarm_fetches_artifacts_trains_disjoint_shards_ends_on_one_model
         start, end = results[0]["eval_loss_start"], results[0]["eval_loss_end"]
         assert end < start - MARGIN, (start, end)
         assert all(r["validation"]["on"] for r in results)
+        print(  # the figures docs/recipes.md quotes (pytest -s shows them)
+            json.dumps(
+                {
+                    "eval_loss_start": start,
+                    "eval_loss_end": end,
+                    "final_param_hash": results[0]["final_param_hash"][:16],
+                    "steps": [r["steps"] for r in results],
+                    "dealt_3": [sorted(d) for d in dealt],
+                    "dealt_4": [sorted(d) for d in four],
+                }
+            )
+        )
     finally:
         for p in procs:
             p.stop()
