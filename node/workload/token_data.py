@@ -11,7 +11,8 @@ the validation set's artifacts. ``RecipeData`` turns them into batches:
                                                                  tokenises alone
     dealt        learner l holds the shards protocol.diloco.shard_deal deals it (rendezvous:
                  disjoint while the learner set holds, only a leaver's or joiner's move)
-    batches      random windows of seq_len + 1 tokens from the dealt shards only
+    batches      random windows of seq_len + 1 tokens from the dealt shards only (a learner
+                 dealt none that holds a window borrows one, in its own rendezvous order)
 
 A shard is tokenised the first time it is dealt here, in chunks of at most 1 MiB, and cached
 under ``cache_dir`` as a token file (a 64-byte header with a BLAKE2b digest, then uint16 tokens
@@ -30,12 +31,14 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import itertools
 import json
 import logging
 import os
 import re
 import struct
 import tempfile
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,7 +47,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from protocol.diloco.shard_deal import MAX_SHARDS, deal, preferred_shard
+from protocol.diloco.shard_deal import MAX_SHARDS, deal, shard_preference
 
 __all__ = [
     "CHUNK_BYTES",
@@ -66,6 +69,7 @@ MAX_VOCAB = 1 << 31  # token ids are stored as uint32 above 65535
 MAX_RECORD_BYTES = 64 << 20  # one JSON line
 MAX_SHARD_TOKENS = 1 << 34  # a streamed ("hf") shard stops here
 MAX_WINDOWS = 1 << 16  # validation windows in one call
+MAX_OPEN_SHARDS = 256  # memory maps a train stream keeps open (each holds a file descriptor)
 MAX_HF_NAME = 200
 EOT = "<|endoftext|>"  # appended after each document when the tokenizer has it
 
@@ -322,23 +326,36 @@ class _Tokenizer:
         self.dtype: np.dtype[Any] = np.dtype(np.uint16 if self.vocab_size <= 65535 else np.uint32)
         self.eot: int | None = self.inner.token_to_id(EOT)
 
-    def encode(self, texts: list[str], *, end_documents: bool) -> np.ndarray:
-        """The ids of ``texts`` joined, one EOT after each when ``end_documents`` (and the
-        tokenizer has one), as int64 (n,). Each text is encoded in pieces of about 64 K
-        characters cut after a line end, as one batch (``tokenizers`` spreads a batch over the
-        cores), so the ids are a function of the text alone."""
-        pieces, ends = [], []
-        for text in texts:
-            pieces += _line_pieces(text)
-            ends.append(len(pieces) - 1)
-        encoded = self._encode_batch(pieces, add_special_tokens=False)
+    def encode(self, texts: list[str], *, end_documents: bool) -> Iterator[np.ndarray]:
+        """The ids of ``texts`` in order, one EOT after each when ``end_documents`` (and the
+        tokenizer has one), as int64 arrays. Each text is cut into pieces of about 64 K
+        characters after a line end, and pieces are encoded in batches of about 1 MiB
+        (``tokenizers`` spreads a batch over the cores), so memory stays bounded and the ids are
+        a function of the text alone."""
         tail = [self.eot] if end_documents and self.eot is not None else []
-        last = set(ends)
+        batch: list[str] = []
+        ends: set[int] = set()  # indices in batch of a text's last piece
+        size = 0
+        for text in texts:
+            pieces = _line_pieces(text)
+            for k, piece in enumerate(pieces):
+                if k == len(pieces) - 1:
+                    ends.add(len(batch))
+                batch.append(piece)
+                size += len(piece)
+                if size >= CHUNK_BYTES:
+                    yield self._encode(batch, ends, tail)
+                    batch, ends, size = [], set(), 0
+        if batch:
+            yield self._encode(batch, ends, tail)
+
+    def _encode(self, batch: list[str], ends: set[int], tail: list[int]) -> np.ndarray:
+        encoded = self._encode_batch(batch, add_special_tokens=False)
         out = [
-            np.asarray(e.ids if k not in last else [*e.ids, *tail], dtype=np.int64)
+            np.asarray([*e.ids, *tail] if k in ends else e.ids, dtype=np.int64)
             for k, e in enumerate(encoded)
         ]
-        return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+        return np.concatenate(out)
 
     @property
     def _encode_batch(self) -> Callable[..., list[Any]]:
@@ -386,6 +403,15 @@ class _ByteShards:
         for k in range(1, n):
             cuts.append(max(cuts[-1], self._line_cut(k * self.total // n)))
         self.cuts = [*cuts, self.total]
+        empty = sum(1 for a, b in itertools.pairwise(self.cuts) if a == b)
+        if empty:  # a learner dealt only empty shards borrows one (TrainStream)
+            log.warning(
+                "%d of %d shards are empty (%d bytes, lines or records longer than a shard): "
+                "fewer data.shards would spread the text evenly",
+                empty,
+                n,
+                self.total,
+            )
 
     def _line_cut(self, at: int) -> int:
         """The global offset just after the first line end at or after ``at`` (or the end of
@@ -478,8 +504,9 @@ def _record_text(line: bytes, text_field: str, path: Path, offset: int) -> Itera
         return
     try:
         record = json.loads(line)
-    except ValueError as e:
-        raise DataError(f"{path} byte {offset}: not a JSON line ({e}): fix the record") from e
+    except (ValueError, RecursionError) as e:  # RecursionError: nesting too deep to parse
+        first = str(e)[:200] or type(e).__name__
+        raise DataError(f"{path} byte {offset}: not a JSON line ({first}): fix the record") from e
     text = record.get(text_field) if isinstance(record, dict) else None
     if not isinstance(text, str):
         raise DataError(
@@ -494,10 +521,13 @@ def _tokenise_pieces(
     """The token stream of ``pieces``, in chunks of at most ~1 MiB of text each."""
     for piece in pieces:
         if not jsonl:
-            blocks = list(_text_blocks(piece))
-            for k, block in enumerate(blocks):
-                last = k == len(blocks) - 1 and piece.ends_file
-                yield tok.encode([block.decode("utf-8", errors="replace")], end_documents=last)
+            blocks = _text_blocks(piece)
+            block = next(blocks, None)
+            while block is not None:  # one block ahead, to know which block ends the file
+                following = next(blocks, None)
+                last = following is None and piece.ends_file
+                yield from tok.encode([block.decode("utf-8", errors="replace")], end_documents=last)
+                block = following
             continue
         batch: list[str] = []
         size = 0
@@ -505,10 +535,10 @@ def _tokenise_pieces(
             batch.append(text)
             size += len(text)
             if size >= CHUNK_BYTES:
-                yield tok.encode(batch, end_documents=True)
+                yield from tok.encode(batch, end_documents=True)
                 batch, size = [], 0
         if batch:
-            yield tok.encode(batch, end_documents=True)
+            yield from tok.encode(batch, end_documents=True)
 
 
 # -----------------------------------------------------------------------------
@@ -556,14 +586,15 @@ def _tokenise_hf(
         batch.append(text)
         size += len(text)
         if size >= CHUNK_BYTES:
-            ids = tok.encode(batch, end_documents=True)
-            yield ids
-            batch, size, total = [], 0, total + ids.size
+            for ids in tok.encode(batch, end_documents=True):
+                yield ids
+                total += ids.size
+            batch, size = [], 0
             if total >= MAX_SHARD_TOKENS:
                 log.warning("hf shard %d stops at %d tokens (the cap)", shard, total)
                 return
     if batch:
-        yield tok.encode(batch, end_documents=True)
+        yield from tok.encode(batch, end_documents=True)
 
 
 # -----------------------------------------------------------------------------
@@ -604,7 +635,8 @@ class _VerifiedArtifacts:
 
 
 def _cache_key(**parts: object) -> str:
-    text = json.dumps({"format": 1, **parts}, sort_keys=True, separators=(",", ":"))
+    # format: bump when the way text becomes tokens changes, so no peer reuses an older cut
+    text = json.dumps({"format": 2, **parts}, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
@@ -662,7 +694,7 @@ class RecipeData:
             if spec.source == "files"
             else _load_hf(spec.hf_name, spec.hf_split, spec.hf_revision)
         )
-        self._shards: dict[int, np.ndarray] = {}
+        self._ready: dict[int, int] = {}  # shard -> tokens, once built or verified here
         valid = [_Piece(paths[h], 0, paths[h].stat().st_size, True) for h in spec.validation]
         self.validation = _cached_tokens(
             Path(cache_dir) / _cache_key(validation=spec.validation, **common) / "validation.tok",
@@ -677,17 +709,28 @@ class RecipeData:
                 f"of {seq_len + 1}: add validation text or lower seq_len"
             )
 
-    def shard_tokens(self, shard: int) -> np.ndarray:
-        """Shard ``shard``'s tokens (a read-only memory map), tokenised and cached on first use."""
+    def shard_size(self, shard: int) -> int:
+        """Shard ``shard``'s token count, tokenising and caching it first if needed (a cached
+        file is verified once per process). Raises ValueError for a shard out of range."""
         if not 0 <= shard < self.spec.shards:
             raise ValueError(f"shard {shard} outside 0..{self.spec.shards - 1}")
-        if shard not in self._shards:
-            self._shards[shard] = _cached_tokens(
-                self.shard_dir / f"shard-{shard:05d}.tok",
+        if shard not in self._ready:
+            tokens = _cached_tokens(
+                self._shard_path(shard),
                 lambda: self._tokenise_shard(shard),
                 dtype=self.tokenizer.dtype,
             )
-        return self._shards[shard]
+            self._ready[shard] = int(tokens.size)
+            del tokens  # no map kept open: a peer may hold thousands of shards
+        return self._ready[shard]
+
+    def shard_tokens(self, shard: int) -> np.ndarray:
+        """Shard ``shard``'s tokens: a read-only memory map (an open file while it lives)."""
+        self.shard_size(shard)
+        return read_token_file(self._shard_path(shard), dtype=self.tokenizer.dtype, verify=False)
+
+    def _shard_path(self, shard: int) -> Path:
+        return self.shard_dir / f"shard-{shard:05d}.tok"
 
     def _tokenise_shard(self, shard: int) -> Iterator[np.ndarray]:
         spec = self.spec
@@ -704,7 +747,7 @@ class RecipeData:
         """Tokenise (or check the cache of) ``shards``, every shard when None, and return their
         tokens: what a founder runs to see that the whole dataset reads."""
         wanted = range(self.spec.shards) if shards is None else shards
-        return sum(int(self.shard_tokens(s).size) for s in wanted)
+        return sum(self.shard_size(s) for s in wanted)
 
     def validation_windows(self, n: int) -> torch.Tensor:
         """``n`` evenly spaced windows of the validation tokens, int64 (n, seq_len + 1): the
@@ -715,6 +758,16 @@ class RecipeData:
         starts = np.linspace(0, high, n).round().astype(np.int64)
         rows = [self.validation[s : s + self.seq_len + 1] for s in starts]
         return torch.from_numpy(np.stack(rows).astype(np.int64))  # (n, T+1) int64
+
+    @property
+    def validation_sha256(self) -> str:
+        """SHA-256 (hex) of the validation tokens as little-endian int64, which is what
+        ``hashlib.sha256(t.numpy().tobytes())`` gives for them as an int64 tensor ``t``: peers
+        whose tokenizers library cuts the text differently see different hashes."""
+        digest, step = hashlib.sha256(), CHUNK_BYTES // 8
+        for i in range(0, self.validation.size, step):
+            digest.update(self.validation[i : i + step].astype("<i8").tobytes())
+        return digest.hexdigest()
 
     def train_stream(self, learners: Callable[[], Sequence[bytes]]) -> TrainStream:
         """Batches from this peer's dealt shards; ``learners()`` is asked before each batch and
@@ -727,8 +780,9 @@ class TrainStream:
 
     Before each batch the learner set is read; when it changed, the shards are dealt again
     (``protocol.diloco.shard_deal``), the newly dealt ones tokenised or read from the cache, and
-    one line ``shards dealt: [...]`` logged. A window never crosses a shard's end; shards are
-    drawn in proportion to their window starts. The sampler is seeded by (seed, me), so two
+    one line ``shards dealt: [...]`` logged (with the shard borrowed, if the dealt ones hold no
+    window). A window never crosses a shard's end; shards are drawn in proportion to their
+    window starts. The sampler is seeded by (seed, me), so two
     peers draw different windows and one peer draws the same ones on a rerun.
     """
 
@@ -738,8 +792,9 @@ class TrainStream:
         seed = hashlib.blake2b(data.seed.to_bytes(8, "big", signed=True) + data.me, digest_size=8)
         self.generator = torch.Generator().manual_seed(int.from_bytes(seed.digest(), "big") >> 1)
         self.dealt: tuple[int, ...] = ()
+        self._order: tuple[int, ...] = ()  # the shards sampled (dealt, or the preferred one)
         self._seen: frozenset[bytes] | None = None
-        self._tokens: list[np.ndarray] = []
+        self._maps: OrderedDict[int, np.ndarray] = OrderedDict()  # open shards, LRU first
         self._cum = torch.zeros(1, dtype=torch.long)
         self._window = np.empty((self.batch_size, self.seq_len + 1), dtype=np.int64)
 
@@ -752,12 +807,8 @@ class TrainStream:
         if current == self._seen:
             return
         data, n = self.data, self.data.spec.shards
-        dealt = deal(n, sorted(current), data.me)
-        self._seen, self.dealt = current, dealt
-        note = ""
-        if not dealt:
-            dealt = (preferred_shard(n, data.me),)
-            note = f" (none: more learners than shards; sharing shard {dealt[0]})"
+        self._seen, self.dealt = current, deal(n, sorted(current), data.me)
+        sampled, note = self._usable(self.dealt)
         log.info(
             "shards dealt: %s of %d among %d learners%s",
             list(self.dealt),
@@ -765,15 +816,35 @@ class TrainStream:
             len(current | {data.me}),
             note,
         )
-        tokens = [data.shard_tokens(s) for s in dealt]
-        starts = [max(0, t.size - self.seq_len) for t in tokens]  # valid window starts
-        if sum(starts) == 0:
-            raise DataError(
-                f"the dealt shards {list(dealt)} hold no window of {self.seq_len + 1} tokens: "
-                "use fewer shards, more text or a shorter seq_len"
-            )
-        self._tokens = tokens
+        starts = [max(0, data.shard_size(s) - self.seq_len) for s in sampled]  # window starts
+        self._order, self._maps = sampled, OrderedDict()
         self._cum = torch.tensor(np.cumsum([0, *starts]), dtype=torch.long)
+
+    def _usable(self, dealt: tuple[int, ...]) -> tuple[tuple[int, ...], str]:
+        """The shards to sample and a note for the log: the dealt ones when they hold a window;
+        else (none dealt, or all too short) those and the first shard in this peer's rendezvous
+        preference that holds one, shared with its owner. Raises DataError when none does."""
+        data, T = self.data, self.seq_len
+        if any(data.shard_size(s) > T for s in dealt):
+            return dealt, ""
+        why = "none: more learners than shards" if not dealt else f"no window of {T + 1} tokens"
+        for s in shard_preference(data.spec.shards, data.me):
+            if s not in dealt and data.shard_size(s) > T:
+                return (*dealt, s), f" ({why}; sharing shard {s})"
+        raise DataError(
+            f"no shard holds a window of {T + 1} tokens: use fewer shards, more text or a "
+            "shorter seq_len"
+        )
+
+    def _shard(self, shard: int) -> np.ndarray:
+        """The memory map of a dealt shard; at most MAX_OPEN_SHARDS stay open (LRU)."""
+        if shard in self._maps:
+            self._maps.move_to_end(shard)
+        else:
+            self._maps[shard] = self.data.shard_tokens(shard)
+            if len(self._maps) > MAX_OPEN_SHARDS:
+                self._maps.popitem(last=False)
+        return self._maps[shard]
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One batch: x, y int64 (B, T), y shifted one token right of x."""
@@ -784,7 +855,7 @@ class TrainStream:
         local = picks - self._cum[which]  # (B,) start inside that shard
         T, out = self.seq_len, self._window
         for row, (w, s) in enumerate(zip(which.tolist(), local.tolist(), strict=True)):
-            out[row] = self._tokens[w][s : s + T + 1]  # uint16/32 memmap -> int64, one copy
+            out[row] = self._shard(self._order[w])[s : s + T + 1]  # uint16/32 -> int64 copy
         window = torch.from_numpy(out)  # (B, T+1) int64, reused: x and y below are copies
         return window[:, :-1].contiguous(), window[:, 1:].contiguous()
 

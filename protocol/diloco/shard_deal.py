@@ -25,6 +25,7 @@ __all__ = [
     "deal_all",
     "owner_of",
     "preferred_shard",
+    "shard_preference",
     "shard_weight",
 ]
 
@@ -102,11 +103,18 @@ def deal(n_shards: int, learners: Sequence[bytes], me: bytes) -> tuple[int, ...]
     return deal_all(n_shards, [*learners, me])[me]
 
 
-def preferred_shard(n_shards: int, me: bytes) -> int:
-    """The shard on which ``me`` has its highest weight: what a learner dealt no shard (more
-    learners than shards) trains on, shared with that shard's owner.
+def shard_preference(n_shards: int, me: bytes) -> list[int]:
+    """Every shard, by ``me``'s weight on it, highest first: the order in which a learner dealt
+    no usable shard borrows one (shared with its owner).
 
     Raises ValueError for ``n_shards`` outside 1..MAX_SHARDS or a bad learner id."""
     _check_shards(n_shards)
     _learner_set([me])
-    return max(range(n_shards), key=lambda shard: (shard_weight(shard, me), -shard))
+    return sorted(range(n_shards), key=lambda shard: (-shard_weight(shard, me), shard))
+
+
+def preferred_shard(n_shards: int, me: bytes) -> int:
+    """The shard on which ``me`` has its highest weight (``shard_preference``'s first).
+
+    Raises ValueError for ``n_shards`` outside 1..MAX_SHARDS or a bad learner id."""
+    return shard_preference(n_shards, me)[0]

@@ -17,6 +17,8 @@ from protocol.diloco.shard_deal import (
     deal_all,
     owner_of,
     preferred_shard,
+    shard_preference,
+    shard_weight,
 )
 
 learner_ids = st.binary(min_size=1, max_size=40)
@@ -86,6 +88,15 @@ def test_more_learners_than_shards_leaves_some_empty_and_they_have_a_preference(
     assert sum(1 for shards in dealt.values() if not shards) >= 7
     for learner in learners:
         assert 0 <= preferred_shard(3, learner) < 3
+
+
+@settings(max_examples=60, deadline=None)
+@given(n_shards=shard_counts, me=learner_ids)
+def test_the_preference_ranks_every_shard_by_weight(n_shards: int, me: bytes) -> None:
+    ranked = shard_preference(n_shards, me)
+    assert sorted(ranked) == list(range(n_shards)) and ranked[0] == preferred_shard(n_shards, me)
+    weights = [shard_weight(s, me) for s in ranked]
+    assert weights == sorted(weights, reverse=True)
 
 
 def test_the_split_is_roughly_even() -> None:

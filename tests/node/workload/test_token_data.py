@@ -15,6 +15,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 
+from node.workload import token_data
 from node.workload.corpus import stdlib_corpus_files
 from node.workload.token_data import (
     DataError,
@@ -277,6 +278,9 @@ def test_validation_windows_are_the_same_on_every_peer(
     assert torch.equal(wa, wb)
     assert int(wa.max()) < a.vocab_size
     assert torch.equal(wa[-1], torch.from_numpy(a.validation[-33:].astype(np.int64)))
+    whole = torch.from_numpy(np.asarray(a.validation, dtype=np.int64))
+    assert a.validation_sha256 == hashlib.sha256(whole.numpy().tobytes()).hexdigest()
+    assert a.validation_sha256 == b.validation_sha256
 
 
 # -----------------------------------------------------------------------------
@@ -384,6 +388,7 @@ def test_jsonl_records_are_read_by_their_text_field(
         (b'{"text": "ok"}\nnot json\n', "not a JSON line"),
         (b'{"text": "ok"}\n{"body": "x"}\n', 'no string field "text"'),
         (b'["text"]\n', 'no string field "text"'),
+        (b"[" * 100_000 + b"]" * 100_000 + b"\n", "not a JSON line"),
     ],
 )
 def test_a_bad_json_line_is_one_line_error(
@@ -466,3 +471,63 @@ def test_line_pieces_cut_after_line_ends_and_lose_nothing(text: str) -> None:
     assert "".join(pieces) == text and pieces
     for piece in pieces[:-1]:
         assert piece.endswith("\n") and len(piece) > 1000
+
+
+def test_a_stream_keeps_few_shards_open(
+    make_data: Callable[..., RecipeData],
+    text_spec: DataSpec,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(token_data, "MAX_OPEN_SHARDS", 2)
+    data = make_data(text_spec, batch_size=16)
+    stream = data.train_stream(lambda: [b"me"])  # alone: all 12 shards dealt
+    mine = set().union(*(_windows_of(data.shard_tokens(s), 33) for s in range(12)))
+    for _ in range(4):
+        x, y = stream.next()
+        assert len(stream._maps) <= 2
+        for row in torch.cat([x, y[:, -1:]], dim=1):
+            assert row.numpy().tobytes() in mine
+    assert stream.dealt == tuple(range(12))
+
+
+def test_too_many_shards_for_the_lines_are_logged_and_borrowed_around(
+    make_data: Callable[..., RecipeData],
+    store: Store,
+    texts: list[bytes],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="node.workload.token_data")
+    one_line = store.put(b"x = 1 " * 2000 + b"\n")
+    spec = DataSpec(files=(one_line,), validation=(store.put(texts[1]),), shards=8)
+    data = make_data(spec)
+    assert any("7 of 8 shards are empty" in r.message for r in caplog.records)
+    assert [data.shard_size(s) for s in range(8)].count(0) == 7
+    learners = [b"me", b"you"]
+    stream = data.train_stream(lambda: learners)
+    x, _ = stream.next()  # dealt empty shards or not, the stream finds the one with windows
+    assert x.shape == (4, 32)
+
+
+def test_a_learner_whose_shards_are_too_short_borrows_one(
+    make_data: Callable[..., RecipeData],
+    store: Store,
+    texts: list[bytes],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # two lines: the first (most bytes, few tokens: one long run of spaces) is shard 0 alone
+    code = b" ".join(t.replace(b"\n", b" ") for t in texts[5:8])[:20_000]
+    train = store.put(b" " * 30_000 + b"\n" + code + b"\n")
+    spec = DataSpec(files=(train,), validation=(store.put(b"".join(texts[:12])),), shards=2)
+    sizes = [make_data(spec).shard_size(s) for s in range(2)]
+    assert sizes[0] + 2 < sizes[1]
+    me, other = next(
+        (bytes([i]), bytes([i + 100]))
+        for i in range(100)
+        if deal(2, [bytes([i]), bytes([i + 100])], bytes([i])) == (0,)
+    )
+    caplog.set_level(logging.INFO, logger="node.workload.token_data")
+    data = make_data(spec, me=me, seq_len=sizes[0])  # shard 0 holds no window of seq_len + 1
+    stream = data.train_stream(lambda: [me, other])
+    x, _ = stream.next()
+    assert stream.dealt == (0,) and x.shape == (4, sizes[0])
+    assert any("no window" in r.message and "sharing shard 1" in r.message for r in caplog.records)
