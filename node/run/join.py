@@ -437,6 +437,8 @@ def _recipe(swarm: Swarm, args: argparse.Namespace) -> LoadedRecipe:
 def _recipe_model(loaded: LoadedRecipe) -> str:
     r = loaded.recipe
     what = f"GPT preset {r.preset}" if r.model_type == "gpt" else "a transformers model"
+    if not r.data:  # the built-in GPT on the standard library, as without a recipe
+        return f"{what} of recipe {loaded.sha256[:16]} (the standard library's bytes)"
     return f"{what} of recipe {loaded.sha256[:16]} (seq_len {r.seq_len}, vocab {loaded.vocab_size})"
 
 
