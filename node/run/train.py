@@ -339,18 +339,21 @@ def _recipe_workload(cfg: RunConfig, opts: PeerOptions, loaded: LoadedRecipe) ->
     if opts.signer is None:
         raise RuntimeError("a recipe swarm's peer needs its key (shards are dealt by peer id)")
     me = opts.signer.peer_id
-    data = RecipeData(
-        _data_spec(recipe),
-        tokenizer_file=loaded.files[recipe.tokenizer],
-        artifact_path=loaded.store.path,
-        cache_dir=loaded.cache_dir,
-        seq_len=recipe.seq_len,
-        batch_size=recipe.batch_size,
-        me=me,
-        seed=recipe.seed,
-    )
+    try:  # a dataset that cannot be read, a model that cannot be built: one line, no traceback
+        data = RecipeData(
+            _data_spec(recipe),
+            tokenizer_file=loaded.files[recipe.tokenizer],
+            artifact_path=loaded.store.path,
+            cache_dir=loaded.cache_dir,
+            seq_len=recipe.seq_len,
+            batch_size=recipe.batch_size,
+            me=me,
+            seed=recipe.seed,
+        )
+        model = build_recipe_model(recipe, loaded.files, vocab_size=data.vocab_size, seed=cfg.seed)
+    except ValueError as exc:  # DataError, RecipeModelError
+        raise RuntimeError(f"the recipe cannot be trained: {exc}") from None
     learners = RecipeLearners(me)
-    model = build_recipe_model(recipe, loaded.files, vocab_size=data.vocab_size, seed=cfg.seed)
     model = model.to(device)
     # TrainConfig's model names a preset for the data-parallel baseline only: not used here
     tcfg = train_config_for(dataclasses.replace(cfg, model="tiny"))
