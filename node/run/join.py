@@ -344,6 +344,8 @@ def _join(args: argparse.Namespace) -> int:
         swarm = load_swarm(args, initial_peers=list(args.initial_peers), require_answer=True)
         cfg = join_config(swarm.manifest, args)
         check_run(cfg)
+        if swarm.manifest.recipe_sha256 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise SwarmError("a recipe swarm runs one process per island: leave out --nproc")
         recipe = _recipe(swarm, args) if swarm.manifest.recipe_sha256 else None
     except (SwarmError, ValueError) as exc:
         print(f"atoll join: {' '.join(str(exc).split())}", file=sys.stderr)
