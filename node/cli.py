@@ -181,6 +181,12 @@ def _parser() -> argparse.ArgumentParser:
         help="after training, keep serving the fragments this peer owns this long",
     )
     join.add_argument(
+        "--final-sync",
+        action="store_true",
+        help="after training, wait until no member learns and end on the owners' final "
+        "versions: every peer that passes it ends on the same model (its final_param_hash)",
+    )
+    join.add_argument(
         "--checkpoint-dir",
         type=Path,
         default=None,
@@ -203,6 +209,11 @@ def _parser() -> argparse.ArgumentParser:
         "own: this island's own schedule from step 0 (ignored when resuming a checkpoint)",
     )
     _add_swarm_arguments(join, key_required=True)
+    _add_artifact_dir(
+        join,
+        "where the swarm recipe's artifacts are kept and served from; "
+        "missing ones are fetched from peers by hash before training",
+    )
     join.add_argument(
         "--swarm",
         default=None,
@@ -236,6 +247,12 @@ def _parser() -> argparse.ArgumentParser:
         help="other bootstrap nodes or members to connect to",
     )
     _add_swarm_arguments(boot, key_required=False)
+    _add_artifact_dir(
+        boot,
+        "serve the recipe artifacts held here (the founder's: atoll swarm "
+        "init --recipe stores them there)",
+        default=None,
+    )
     _add_json_logs(boot)
 
     rep = sub.add_parser(
@@ -326,6 +343,19 @@ def _parser() -> argparse.ArgumentParser:
         "alie=Z, ipm=E, steps=X",
     )
     return parser
+
+
+def _add_artifact_dir(parser: argparse.ArgumentParser, text: str, **kw: Any) -> None:
+    from node.state.artifacts import default_artifact_dir
+
+    default = kw.get("default", default_artifact_dir())
+    parser.add_argument(
+        "--artifact-dir",
+        type=Path,
+        default=default,
+        metavar="DIR",
+        help=f"{text} (default: {default or 'none'})",
+    )
 
 
 def _add_json_logs(parser: argparse.ArgumentParser) -> None:

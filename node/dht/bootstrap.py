@@ -313,6 +313,7 @@ class BootstrapNode:
         *,
         signer: Signer | None = None,
         credentials: SwarmCredentials | None = None,
+        routes: Callable[[Transport], None] | None = None,
     ) -> None:
         self.signer = signer or Signer.from_seed(os.urandom(32))
         certified = credentials is not None and credentials.certified
@@ -333,6 +334,8 @@ class BootstrapNode:
         app.router.add_get("/v1/members", self._members)
         app.router.add_get("/v1/dialback", self._dialback)
         app.router.add_get("/v1/status", self._status)
+        if routes is not None:  # more routes (a founder's: the recipe's artifacts)
+            routes(self.transport)
 
     @property
     def url(self) -> str:
@@ -405,9 +408,12 @@ async def run_bootstrap(
     *,
     signer: Signer | None = None,
     credentials: SwarmCredentials | None = None,
+    routes: Callable[[Transport], None] | None = None,
 ) -> None:
-    """Serve until SIGINT or SIGTERM."""
-    node = BootstrapNode(host, port, public_address, signer=signer, credentials=credentials)
+    """Serve until SIGINT or SIGTERM; ``routes`` adds routes to the node's server."""
+    node = BootstrapNode(
+        host, port, public_address, signer=signer, credentials=credentials, routes=routes
+    )
     url = await node.start(initial_peers)
     print(f"atoll bootstrap node listening at {url}", flush=True)
     print(join_hint(url, credentials.manifest if credentials else None), flush=True)

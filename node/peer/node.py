@@ -62,6 +62,8 @@ from node.peer.presence import Presence
 from node.peer.serving import ServingConfig, VersionServer
 from node.peer.started import Started
 from node.peer.status import PeerReader
+from node.state.artifact_serve import ArtifactServer
+from node.state.artifacts import ArtifactStore
 from node.state.owner_checkpoint import OwnerCheckpoints
 from node.status import Cached, StatusBoard
 from node.wire.admission import Identification, MemberAddresses
@@ -117,6 +119,7 @@ class NodeOptions:
     event_log_dir: Path | None = None
     owner_checkpoint_dir: Path | None = None
     evaluator: Evaluator | None = None
+    artifacts: ArtifactStore | None = None  # the recipe's artifacts, served to members
 
 
 class PeerNode:
@@ -180,7 +183,19 @@ class PeerNode:
         app.router.add_get("/v1/status", self._on_status)
         app.router.add_get("/v1/dialback", self.presence.on_dialback)
         app.router.add_get("/v1/members", self.presence.on_members)
+        self.artifacts = (
+            ArtifactServer(options.artifacts, self.transport, hints=self._member_urls)
+            if options.artifacts is not None
+            else None
+        )
+        if self.artifacts is not None:
+            self.artifacts.install()
         self.board = StatusBoard(PeerReader(self))  # "/", "/metrics" and the JSON the page polls
+
+    def _member_urls(self) -> list[str]:
+        """The addresses of the members this peer knows (where a missing artifact may be)."""
+        members = self.membership.members if self.membership is not None else {}
+        return [m.record.url for m in members.values() if m.record.url and m.record.reachable]
 
     def _transport(self) -> Transport:
         """Our transport, with admission (or, in a development swarm, identification: owners
@@ -444,6 +459,8 @@ class PeerNode:
             "penalties": self.penalties(),
             # per fragment owned: senders refused for low standing, the lowest scores (issue 47)
             "standing": {str(p): o.standing_status() for p, o in self.owners.items()},
+            # a recipe swarm's artifacts this peer serves (issue 51); None: it serves none
+            "artifacts": self.artifacts.status() if self.artifacts is not None else None,
         }
 
     def standings(self) -> dict[str, float]:

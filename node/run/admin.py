@@ -132,6 +132,13 @@ def add_admin_commands(sub: Any) -> None:
     show = cmds.add_parser("show", help="print what a manifest says (its signature verified)")
     show.add_argument("manifest", type=Path, help="the swarm manifest")
     show.add_argument("--json", action="store_true", help="print JSON")
+    show.add_argument(
+        "--artifact-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="where the recipe's artifacts are kept: print the recipe itself when it is there",
+    )
 
 
 def _add_init(cmds: Any) -> None:
@@ -155,6 +162,23 @@ def _add_init(cmds: Any) -> None:
         help="pin the swarm's validation set: the SHA-256 every peer reports as "
         "per_peer[i].validation.data_sha256 (a format-2 manifest; a peer whose set hashes "
         "otherwise refuses to start)",
+    )
+    init.add_argument(
+        "--recipe",
+        type=Path,
+        default=None,
+        metavar="TOML",
+        help="the swarm trains this recipe (docs/recipes.md): its model, tokenizer and data are "
+        "stored in --artifact-dir by hash, and the manifest pins the recipe's hash (format 3); "
+        "its [schedule], batch size and seed replace the flags below",
+    )
+    init.add_argument(
+        "--artifact-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="where --recipe's artifacts are stored (serve them with atoll bootstrap "
+        "--artifact-dir DIR); default: the same folder atoll join uses",
     )
     recipe = init.add_argument_group("recipe (shared by every peer of the swarm)")
     every = argparse.ArgumentParser(add_help=False)
@@ -220,19 +244,46 @@ def _init(args: argparse.Namespace) -> int:
             "(or edit it with add-authority / revoke)"
         )
     founder = load_key(args.founder)
+    recipe_sha256, cfg = "", _recipe_config(args)
+    if args.recipe is not None:
+        recipe_sha256, cfg = _stored_recipe(args, cfg)
     manifest = SwarmManifest(
         name=args.name,
         founder=founder.public_key,
         admission=args.admission,
         created=time.time(),
-        recipe=recipe_of(_recipe_config(args)),
-        format=2 if args.validation_sha256 else 1,
+        recipe=recipe_of(cfg),
+        format=3 if recipe_sha256 else 2 if args.validation_sha256 else 1,
         validation_sha256=args.validation_sha256.lower(),
+        recipe_sha256=recipe_sha256,
     )
     save_manifest(manifest.signed(founder), args.out)
     print(manifest.swarm_id)
     print(f"wrote {args.out}: swarm {args.name}, admission {args.admission}, version 1")
+    if recipe_sha256:
+        print(f"recipe {recipe_sha256} and its artifacts stored in {_artifact_dir(args)}")
     return 0
+
+
+def _artifact_dir(args: argparse.Namespace) -> Path:
+    from node.state.artifacts import default_artifact_dir
+
+    return Path(args.artifact_dir) if args.artifact_dir else default_artifact_dir()
+
+
+def _stored_recipe(args: argparse.Namespace, cfg: RunConfig) -> tuple[str, RunConfig]:
+    """Store ``--recipe`` and its artifacts; the recipe's hash and the run fields it sets."""
+    from node.run.checks import check_recipe
+    from node.run.recipes import init_recipe, recipe_config
+    from node.state.artifacts import ArtifactStore
+
+    recipe, digest = init_recipe(args.recipe, ArtifactStore(_artifact_dir(args)))
+    try:
+        cfg = recipe_config(recipe, cfg)
+        check_recipe(cfg)
+    except ValueError as exc:  # CheckError too
+        raise UsageError(str(exc)) from None
+    return digest, cfg
 
 
 def _recipe_config(args: argparse.Namespace) -> RunConfig:
@@ -394,6 +445,10 @@ def _reason(text: str) -> str:
 def _show(args: argparse.Namespace) -> int:
     manifest = load_manifest(args.manifest)
     info = _describe(manifest)
+    if manifest.recipe_sha256:
+        document = _recipe_document(manifest.recipe_sha256, _artifact_dir(args))
+        if document is not None:
+            info["recipe_document"] = document
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -406,7 +461,30 @@ def _show(args: argparse.Namespace) -> int:
     for key in info["revoked"]:
         print(f"  revoked {key}")
     print("  recipe " + " ".join(f"{k}={v}" for k, v in info["recipe"].items()))
+    if "recipe_document" in info:
+        print(f"  recipe document {manifest.recipe_sha256}:")
+        for line in info["recipe_document"].splitlines():
+            print(f"    {line}")
     return 0
+
+
+def _recipe_document(digest: str, folder: Path) -> str | None:
+    """The recipe the manifest pins, as text, when the artifact store holds it (verified)."""
+    from node.state.artifacts import ArtifactError, ArtifactStore
+
+    store = ArtifactStore(folder)
+    if not store.has(digest):
+        print(
+            f"atoll swarm show: the recipe {digest[:16]} is not in {folder} (atoll join fetches "
+            "it from peers; pass --artifact-dir to read another folder)",
+            file=sys.stderr,
+        )
+        return None
+    try:
+        return store.open_verified(digest).read_text()
+    except (ArtifactError, UnicodeDecodeError) as exc:
+        print(f"atoll swarm show: {exc}", file=sys.stderr)
+        return None
 
 
 def _describe(m: SwarmManifest) -> dict[str, Any]:

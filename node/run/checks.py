@@ -127,6 +127,9 @@ def _swarm_problem(swarm: str) -> str | None:
     return None
 
 
+RECIPE_MODEL = "recipe"  # node.run.recipes.RECIPE_MODEL: the model is the recipe's
+
+
 def _fragments_problem(cfg: RunConfig) -> str | None:
     """Whether every peer can cut the model into ``cfg.fragments`` fragments (``plan_fragments``)."""
     import torch
@@ -136,6 +139,8 @@ def _fragments_problem(cfg: RunConfig) -> str | None:
     from protocol.diloco.fragments import plan_fragments
     from protocol.errors import LocalProtocolError
 
+    if cfg.model == RECIPE_MODEL:
+        return None  # a recipe's model: cut (and checked) once built from its artifacts
     with torch.device("meta"):  # shapes and names only: no memory, no init cost
         model = GPT(GPTConfig.preset(cfg.model))
     shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
@@ -149,6 +154,8 @@ def _fragments_problem(cfg: RunConfig) -> str | None:
 def _model_problem(cfg: RunConfig) -> str | None:
     from node.workload.presets import GPTConfig
 
+    if cfg.model == RECIPE_MODEL:
+        return None  # the swarm's recipe names the model (node.run.recipes)
     try:
         GPTConfig.preset(cfg.model)
     except ValueError as exc:

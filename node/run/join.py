@@ -29,6 +29,7 @@ from node.dht.swarm import MANIFEST_PATH
 from node.run.checks import CheckError, check_listen, check_run, host_port, peer_url
 from node.run.console import JoinView, ProgressLine, render_status, setup_logging
 from node.run.peer_http import SlowAnswer, http_fetch
+from node.run.recipes import LoadedRecipe
 from node.run.status_shape import _not_a_status
 from node.wire.admission import request_headers
 from node.wire.identity import IdentityError, load_certificate, load_key, load_manifest
@@ -53,6 +54,7 @@ log = logging.getLogger("atoll.join")
 STATUS_TIMEOUT_S = 10.0  # atoll status: the whole answer, not each read
 MANIFEST_TIMEOUT_S = 10.0  # an initial peer's manifest, likewise
 STATUS_MAX_BYTES = 16 << 20
+ARTIFACT_TIMEOUT_S = 60.0  # one piece of an artifact (4 MiB), the whole answer
 
 
 class SwarmError(Exception):
@@ -76,9 +78,11 @@ def signed_request(
     body: bytes | None = None,
     limit: int = 16 << 20,
     timeout: float = 10.0,
+    extra: dict[str, str] | None = None,
 ) -> tuple[int, bytes]:
-    """One signed request (``Atoll-Auth`` and the certificate); TLS without a pin: the answer's
-    contents are checked by signature. Returns (status, body) for any HTTP status."""
+    """One signed request (``Atoll-Auth`` and the certificate, and the ``extra`` headers); TLS
+    without a pin: the answer's contents are checked by signature (or hash). Returns (status,
+    body) for any HTTP status."""
     headers = request_headers(
         signer,
         cert.to_header() if cert is not None else "",
@@ -86,7 +90,7 @@ def signed_request(
         method=method,
         url=url,
         now=time.time(),
-    )
+    ) | (extra or {})
     return http_fetch(url, method=method, body=body, headers=headers, limit=limit, timeout=timeout)
 
 
@@ -340,8 +344,11 @@ def _join(args: argparse.Namespace) -> int:
         swarm = load_swarm(args, initial_peers=list(args.initial_peers), require_answer=True)
         cfg = join_config(swarm.manifest, args)
         check_run(cfg)
+        if swarm.manifest.recipe_sha256 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise SwarmError("a recipe swarm runs one process per island: leave out --nproc")
+        recipe = _recipe(swarm, args) if swarm.manifest.recipe_sha256 else None
     except (SwarmError, ValueError) as exc:
-        print(f"atoll join: {exc}", file=sys.stderr)
+        print(f"atoll join: {' '.join(str(exc).split())}", file=sys.stderr)
         return 1
     from node.dht.swarm import SwarmCredentials  # after the checks: torch comes with the trainer
     from node.run.train import PeerOptions, data_seed_of, run_peer
@@ -352,9 +359,10 @@ def _join(args: argparse.Namespace) -> int:
         if swarm.cert
         else ", uncertified learner"
     )
+    model = cfg.model if recipe is None else _recipe_model(recipe)
     print(
         f"atoll join: swarm {m.name!r} ({m.swarm_id}, {m.admission}, manifest v{m.version}){lab}; "
-        f"model {cfg.model}, {cfg.fragments} fragments, H={cfg.inner_steps}; {cfg.steps} steps at lr "
+        f"model {model}, {cfg.fragments} fragments, H={cfg.inner_steps}; {cfg.steps} steps at lr "
         f"{cfg.lr:g} ({schedule_source(m, args)})",
         flush=True,
     )
@@ -377,7 +385,7 @@ def _join(args: argparse.Namespace) -> int:
         port=port,
         public_address=public,
         wait_for_stop=False,
-        final_sync=False,
+        final_sync=args.final_sync,
         serve_after_s=args.serve_after_s,
         signer=swarm.signer,
         credentials=SwarmCredentials(m, swarm.signer, swarm.cert),
@@ -385,6 +393,8 @@ def _join(args: argparse.Namespace) -> int:
         events=view,
         own_data_seed=data_seed_of(swarm.signer.peer_id),
         schedule=args.schedule,
+        recipe=recipe,
+        artifacts=recipe.store if recipe is not None else None,
     )
     try:
         run_peer(cfg, opts)
@@ -400,6 +410,38 @@ def _join(args: argparse.Namespace) -> int:
         if line is not None:
             line.close()
     return 0
+
+
+def _recipe(swarm: Swarm, args: argparse.Namespace) -> LoadedRecipe:
+    """The swarm's recipe with every artifact held and checked: fetched by hash from the initial
+    peers (and the members they name) where missing. Raises ``RecipeError`` with one line."""
+    from node.run.recipes import prepare_recipe
+    from node.state.artifact_serve import ARTIFACT_PIECE
+    from node.state.artifacts import ArtifactStore
+
+    m = swarm.manifest
+
+    def get(url: str, headers: dict[str, str]) -> tuple[int, bytes]:
+        return signed_request(
+            url,
+            swarm=m.swarm_id,
+            signer=swarm.signer,
+            cert=swarm.cert,
+            limit=ARTIFACT_PIECE,
+            timeout=ARTIFACT_TIMEOUT_S,
+            extra=headers,
+        )
+
+    store = ArtifactStore(args.artifact_dir)
+    return prepare_recipe(m, store, get, list(args.initial_peers))
+
+
+def _recipe_model(loaded: LoadedRecipe) -> str:
+    r = loaded.recipe
+    what = f"GPT preset {r.preset}" if r.model_type == "gpt" else "a transformers model"
+    if not r.data:  # the built-in GPT on the standard library, as without a recipe
+        return f"{what} of recipe {loaded.sha256[:16]} (the standard library's bytes)"
+    return f"{what} of recipe {loaded.sha256[:16]} (seq_len {r.seq_len}, vocab {loaded.vocab_size})"
 
 
 def _launch_ranks(nproc: int, given: list[str]) -> int:
@@ -468,10 +510,24 @@ def bootstrap_main(args: argparse.Namespace) -> int:
             "so the node advertises an address others can dial",
             file=sys.stderr,
         )
+    from node.state.artifact_serve import ArtifactServer
+    from node.state.artifacts import ArtifactStore
+    from node.wire.transport import Transport
+
+    def routes(transport: Transport) -> None:  # the founder's bootstrap seeds the artifacts
+        if args.artifact_dir:
+            ArtifactServer(ArtifactStore(args.artifact_dir), transport).install()
+
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(
             run_bootstrap(
-                host, port, public, args.initial_peers, signer=signer, credentials=credentials
+                host,
+                port,
+                public,
+                args.initial_peers,
+                signer=signer,
+                credentials=credentials,
+                routes=routes,
             )
         )
     return 0

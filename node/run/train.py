@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import dataclasses
 import hashlib
 import json
@@ -39,13 +40,16 @@ from node.peer import NodeOptions, PeerNode, emit
 from node.run.attack import Attack
 from node.run.attack_peer import PeerAttack, is_peer_attack
 from node.run.memtrace import MemTrace
+from node.run.recipes import LoadedRecipe
 from node.run.report import WARMUP
 from node.run.resume import IslandCheckpoints
+from node.state.artifacts import ArtifactStore
 from node.workload.baseline import TrainConfig, sampler_seed, train_config_for
 from node.workload.corpus import BatchSampler, evaluate, load_corpus, split_corpus, validation_slice
 from node.workload.model import GPT, GPTConfig, embedding_parameter_names
 from node.workload.presets import resolved
 from node.workload.standin import StandinOptimizer
+from node.workload.token_data import TrainStream
 from protocol.diloco.fragments import FragmentPlan, plan_fragments
 from protocol.wire.signing import Signer
 
@@ -158,14 +162,16 @@ def standin_step(
     optimizer.step()
 
 
-def _eval_global(model: GPT, island: Island, heldout: torch.Tensor, cfg: RunConfig) -> float:
-    scratch = GPT(model.config)
-    scratch.load_state_dict(island.global_state(), strict=True)
+def _eval_global(
+    model: torch.nn.Module, island: Island, heldout: torch.Tensor, cfg: RunConfig, block_size: int
+) -> float:
+    scratch = GPT(model.config) if isinstance(model, GPT) else copy.deepcopy(model)
+    scratch.load_state_dict(island.global_state(), strict=isinstance(model, GPT))
     return evaluate(
         scratch,
         heldout,
         batch_size=cfg.batch_size,
-        block_size=model.config.block_size,
+        block_size=block_size,
         n_batches=cfg.eval_batches,
     )
 
@@ -217,6 +223,8 @@ class PeerOptions:
     schedule: str = (
         "own"  # "swarm": start the lr schedule where the swarm's learners are (atoll join)
     )
+    recipe: LoadedRecipe | None = None  # the swarm's recipe, its artifacts held (atoll join)
+    artifacts: ArtifactStore | None = None  # served to members (the recipe's artifacts)
 
 
 # --- build: the model, its data and its optimizer; the island and its node ---------------------
@@ -228,13 +236,14 @@ class Workload:
     device: torch.device
     rank: int
     world: int
-    model: GPT  # identical on every peer at the start: version 0 of every fragment
+    model: torch.nn.Module  # identical on every peer at the start: version 0 of every fragment
     stepper: torch.nn.Module  # the model, or DDP around it on a multi-process island
     optimizer: torch.optim.Optimizer
     tcfg: TrainConfig
     plan: FragmentPlan
-    sampler: BatchSampler | None  # None with stand-in compute: no corpus
-    heldout: torch.Tensor | None  # (n,) uint8; None with stand-in compute: no loss measured
+    sampler: BatchSampler | TrainStream | None  # None with stand-in compute: no corpus
+    heldout: torch.Tensor | None  # (n,) uint8 (a recipe's: int64 tokens); None: stand-in compute
+    learners: RecipeLearners | None = None  # a recipe's: whom its shards are dealt among
 
     @property
     def standin(self) -> StandinOptimizer | None:
@@ -257,7 +266,10 @@ class Workload:
 def build_workload(cfg: RunConfig, opts: PeerOptions) -> Workload:
     """The GPT preset ``cfg.model``, the corpus split, this island's sampler and AdamW. Under
     ``torchrun`` it joins the island's process group first. Raises ``RuntimeError`` for a CUDA
-    device torch does not see, or a checkpoint folder on a multi-process island."""
+    device torch does not see, or a checkpoint folder on a multi-process island. A recipe
+    swarm's peer (``opts.recipe``) builds the recipe's model and data (``_recipe_workload``)."""
+    if opts.recipe is not None and opts.recipe.recipe.data:
+        return _recipe_workload(cfg, opts, opts.recipe)
     gcfg = GPTConfig.preset(cfg.model)
     device = torch.device(cfg.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -294,6 +306,78 @@ def build_workload(cfg: RunConfig, opts: PeerOptions) -> Workload:
         sampler=sampler,
         heldout=heldout,
     )
+
+
+class RecipeLearners:
+    """The learners a recipe's shards are dealt among (``TrainStream``): this peer and the
+    members whose records say they learn, read from the node once it serves."""
+
+    def __init__(self, me: bytes) -> None:
+        self.me = me
+        self.node: PeerNode | None = None
+
+    def __call__(self) -> list[bytes]:
+        membership = self.node.membership if self.node is not None else None
+        members = list(membership.members.values()) if membership is not None else []
+        return sorted({self.me, *(m.peer_id for m in members if m.record.learning)})
+
+
+def _recipe_workload(cfg: RunConfig, opts: PeerOptions, loaded: LoadedRecipe) -> Workload:
+    """The recipe's model (``node.workload.recipe_model``) on its data: the shards dealt to this
+    peer (``RecipeData.train_stream``) and the recipe's validation set for every loss measured.
+    One process per island, real compute. Raises ``RuntimeError`` otherwise."""
+    import numpy as np
+
+    from node.workload.recipe_model import build_recipe_model
+    from node.workload.token_data import RecipeData
+
+    if cfg.standin is not None or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise RuntimeError("a recipe swarm runs one process per island with real compute")
+    recipe, device = loaded.recipe, torch.device(cfg.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda was asked for, but torch sees no CUDA device here")
+    if opts.signer is None:
+        raise RuntimeError("a recipe swarm's peer needs its key (shards are dealt by peer id)")
+    me = opts.signer.peer_id
+    try:  # a dataset that cannot be read, a model that cannot be built: one line, no traceback
+        data = RecipeData(
+            _data_spec(recipe),
+            tokenizer_file=loaded.files[recipe.tokenizer],
+            artifact_path=loaded.store.path,
+            cache_dir=loaded.cache_dir,
+            seq_len=recipe.seq_len,
+            batch_size=recipe.batch_size,
+            me=me,
+            seed=recipe.seed,
+        )
+        model = build_recipe_model(recipe, loaded.files, vocab_size=data.vocab_size, seed=cfg.seed)
+    except ValueError as exc:  # DataError, RecipeModelError
+        raise RuntimeError(f"the recipe cannot be trained: {exc}") from None
+    learners = RecipeLearners(me)
+    model = model.to(device)
+    # TrainConfig's model names a preset for the data-parallel baseline only: not used here
+    tcfg = train_config_for(dataclasses.replace(cfg, model="tiny"))
+    shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    return Workload(
+        gcfg=GPTConfig(block_size=recipe.seq_len, vocab_size=data.vocab_size),  # shape only
+        device=device,
+        rank=0,
+        world=1,
+        model=model,
+        stepper=model,
+        optimizer=make_inner_optimizer(model, tcfg),
+        tcfg=tcfg,
+        plan=plan_fragments(shapes, cfg.fragments, embeddings=embedding_parameter_names(model)),
+        sampler=data.train_stream(learners),
+        heldout=torch.from_numpy(np.asarray(data.validation, dtype=np.int64)),  # (n,) tokens
+        learners=learners,
+    )
+
+
+def _data_spec(recipe: Any) -> Any:
+    from node.workload.token_data import DataSpec
+
+    return DataSpec.from_table(recipe.data_table)
 
 
 def _standin_workload(
@@ -480,6 +564,7 @@ def _peer_node(
             event_log_dir=opts.event_log_dir,
             owner_checkpoint_dir=opts.checkpoint_dir / "owner" if opts.checkpoint_dir else None,
             evaluator=evaluator,
+            artifacts=opts.artifacts,
         ),
         credentials=opts.credentials,
     )
@@ -680,7 +765,9 @@ class TrainingLoop:
         self.curves.local.append((self.curves.now(), step, local))
         if self.opts.index == 0:
             at = self.curves.now()
-            loss = _eval_global(work.model, self.peer.island, work.heldout, self.cfg)
+            loss = _eval_global(
+                work.model, self.peer.island, work.heldout, self.cfg, work.gcfg.block_size
+            )
             self.curves.global_.append((at, step, loss))
 
     def _sample_memory(self, step: int) -> None:
@@ -757,7 +844,9 @@ def finish_peer(
         )
     eval_end = None
     if peer.work.heldout is not None:
-        eval_end = _eval_global(peer.work.model, island, peer.work.heldout, cfg)
+        eval_end = _eval_global(
+            peer.work.model, island, peer.work.heldout, cfg, peer.work.gcfg.block_size
+        )
         curves.global_.append((curves.now(), island.stats.step, eval_end))
     if peer.checkpoints is not None:
         peer.checkpoints.save()  # the final state: a restart resumes here instead of training again
@@ -928,6 +1017,8 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> PeerResult | FollowerResult:
     ):  # this rank trains and follows rank 0's adoptions; rank 0 speaks for the island
         return follow_rank_zero(cfg, work)
     peer = build_peer(cfg, opts, work, say)
+    if work.learners is not None:
+        work.learners.node = peer.node  # shards are dealt among the members that learn
 
     joined = join_swarm(cfg, opts, peer, say)
     # a peer-level attack (node.run.attack_peer: forged handoffs, a claimed address) runs on the node's loop

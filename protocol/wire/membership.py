@@ -15,6 +15,9 @@ is already signed, so an Atoll that reads only format 1 verifies the signature a
 the manifest with its "the swarm's recipe has fields this Atoll does not know ...; upgrade Atoll"
 (``node.dht.membership.config_from_manifest``); a reader of this module refuses a format above
 ``MANIFEST_FORMAT`` with "upgrade atoll". A format-1 manifest keeps its bytes and its id.
+Format 3 adds ``recipe_sha256``, the SHA-256 of the swarm's recipe document
+(``protocol.wire.recipe``: the model, tokenizer and data, each named by its own hash), carried
+the same way; a peer fetches the recipe and its artifacts from members by those hashes.
 
 An authority (a lab) certifies a peer with a ``Certificate`` (``protocol.wire.certificates``),
 which every receiver checks against its own manifest; requests over HTTP carry the sender's
@@ -73,8 +76,8 @@ MAX_REVOKED = 65536
 MAX_RECIPE_FIELDS = 64
 # The newest manifest format this Atoll reads (see the module docstring), and the recipe-table
 # keys that carry the format and the validation set's pin from format 2 on.
-MANIFEST_FORMAT = 2
-FORMAT_KEY, PIN_KEY = "manifest_format", "validation_sha256"
+MANIFEST_FORMAT = 3
+FORMAT_KEY, PIN_KEY, RECIPE_PIN_KEY = "manifest_format", "validation_sha256", "recipe_sha256"
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _RECIPE_KEY = re.compile(r"[a-z][a-z0-9_]{0,39}")
@@ -196,8 +199,9 @@ class SwarmManifest:
     authorities: tuple[Authority, ...] = ()
     revoked: frozenset[bytes] = field(default_factory=frozenset)
     signature: bytes = b""
-    format: int = 1  # 2: carries ``validation_sha256`` (see the module docstring)
+    format: int = 1  # 2: carries ``validation_sha256``, 3: ``recipe_sha256`` (module docstring)
     validation_sha256: str = ""  # hex SHA-256 of the swarm's validation set ("": not pinned)
+    recipe_sha256: str = ""  # hex SHA-256 of the recipe document (format 3; "": none)
 
     def __post_init__(self) -> None:
         check_name(self.name, "swarm name", MAX_NAME)
@@ -208,9 +212,16 @@ class SwarmManifest:
             )
         if self.validation_sha256 and self.format < 2:
             raise DecodeError("a manifest that pins its validation set is format 2 or above")
-        if any(k in (FORMAT_KEY, PIN_KEY) for k, _ in self.recipe):
+        if self.recipe_sha256 and not _SHA256_HEX.fullmatch(self.recipe_sha256):
             raise DecodeError(
-                f"{FORMAT_KEY} and {PIN_KEY} are the manifest's own fields, not recipe fields"
+                f"recipe_sha256 must be 64 lower-case hex digits, got {self.recipe_sha256[:80]!r}"
+            )
+        if self.recipe_sha256 and self.format < 3:
+            raise DecodeError("a manifest that pins a recipe document is format 3 or above")
+        if any(k in (FORMAT_KEY, PIN_KEY, RECIPE_PIN_KEY) for k, _ in self.recipe):
+            raise DecodeError(
+                f"{FORMAT_KEY}, {PIN_KEY} and {RECIPE_PIN_KEY} are the manifest's own fields, "
+                "not recipe fields"
             )
         if len(self.founder) != KEY_BYTES:
             raise DecodeError(f"founder key must be {KEY_BYTES} bytes")
@@ -286,6 +297,8 @@ class SwarmManifest:
         extra: list[tuple[str, str | int | float | bool]] = [(FORMAT_KEY, self.format)]
         if self.validation_sha256:
             extra.append((PIN_KEY, self.validation_sha256))
+        if self.recipe_sha256:
+            extra.append((RECIPE_PIN_KEY, self.recipe_sha256))
         return tuple(sorted((*self.recipe, *extra), key=lambda kv: kv[0]))
 
     def signed(self, founder: ManifestSigner) -> SwarmManifest:
@@ -332,10 +345,14 @@ class SwarmManifest:
                 f"manifest version {newer.version} changes the recipe ({', '.join(changed)}); "
                 "a running swarm keeps its recipe: found a new swarm instead"
             )
-        if (newer.format, newer.validation_sha256) != (self.format, self.validation_sha256):
+        if (newer.format, newer.validation_sha256, newer.recipe_sha256) != (
+            self.format,
+            self.validation_sha256,
+            self.recipe_sha256,
+        ):
             raise NotAuthorized(
-                f"manifest version {newer.version} changes the format or the validation set's "
-                "pin; a running swarm keeps both: found a new swarm instead"
+                f"manifest version {newer.version} changes the format, the validation set's "
+                "pin or the recipe's; a running swarm keeps them: found a new swarm instead"
             )
         if newer.created != self.created:
             raise NotAuthorized("a newer manifest must keep the swarm's creation time")
@@ -423,6 +440,7 @@ class SwarmManifest:
             raise DecodeError("[recipe] must be a table")
         recipe = dict(recipe)
         fmt, pin = recipe.pop(FORMAT_KEY, 1), recipe.pop(PIN_KEY, "")
+        recipe_pin = recipe.pop(RECIPE_PIN_KEY, "")
         if (
             not isinstance(fmt, int)
             or isinstance(fmt, bool)
@@ -434,6 +452,8 @@ class SwarmManifest:
         check_format(fmt)
         if not isinstance(pin, str):
             raise DecodeError(f"recipe.{PIN_KEY} must be a string of 64 hex digits")
+        if not isinstance(recipe_pin, str):
+            raise DecodeError(f"recipe.{RECIPE_PIN_KEY} must be a string of 64 hex digits")
         authorities = data.get("authorities", [])
         if not isinstance(authorities, list) or len(authorities) > MAX_AUTHORITIES:
             raise DecodeError(f"[[authorities]] must be a list of at most {MAX_AUTHORITIES} tables")
@@ -462,6 +482,7 @@ class SwarmManifest:
             signature=sig,
             format=fmt,
             validation_sha256=pin,
+            recipe_sha256=recipe_pin,
         )
         declared = swarm.get("id")
         if declared is not None and declared != manifest.swarm_id:

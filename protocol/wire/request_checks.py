@@ -57,7 +57,12 @@ _UNBOUND_OK = {
 def unbound_ok(method: str, path: str) -> bool:
     """Whether a request may carry an ``Atoll-Auth`` that names no recipient (see above); every
     other route (fragments, state sync, long-polls) needs the header to name this node."""
-    return (method, path) in _UNBOUND_OK or (method == "POST" and path.startswith("/v1/dht/"))
+    return (
+        (method, path) in _UNBOUND_OK
+        or (method == "POST" and path.startswith("/v1/dht/"))
+        # an artifact proves itself by its hash (node.state.artifact_serve)
+        or (method == "GET" and path.startswith("/v1/artifacts/"))
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -198,8 +198,8 @@ def test_a_reader_of_older_formats_says_to_upgrade(monkeypatch):
         SwarmManifest.from_toml(text)
     monkeypatch.undo()
     data = m.to_toml_data()
-    data["recipe"]["manifest_format"] = 3
-    with pytest.raises(DecodeError, match="format 3; .* up to 2: upgrade atoll"):
+    data["recipe"]["manifest_format"] = 4
+    with pytest.raises(DecodeError, match="format 4; .* up to 3: upgrade atoll"):
         SwarmManifest.from_toml(tomli_w.dumps(data))
 
 
