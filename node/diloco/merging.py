@@ -267,7 +267,7 @@ class VersionMaker:
     def _agreement(self, version: int, work: Work) -> Agreement:
         """Who of ``work``'s senders dissents from the round (``protocol.diloco.agreement``), logged
         for replay. The work to be published as ``version``, after validation let it through."""
-        verdict = agreement(work.peers, work.deltas, self.agreeing)
+        verdict = agreement(work.peers, work.deltas, self.agreeing, norms=work.norms)
         if self.log is not None:
             self.log.note_agreement(version, verdict, self.agreeing)
         return verdict

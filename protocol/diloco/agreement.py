@@ -8,9 +8,13 @@ of one round train the same model from nearby bases on data from one distributio
 pseudo-gradients are correlated; such work is not. At each published merge the owner therefore
 measures, for every contribution, how well it agrees with the *other* senders' work:
 
-1. ``gram``: the pairwise inner products of the round's contributions, in fp64, in one pass over
-   them in column chunks (a scratch of ``len(deltas) x CHUNK`` values, never a copy of a whole
-   contribution).
+1. ``gram``: the pairwise inner products of the round's contributions, in one pass over them in
+   column chunks, no copy of any of them: each chunk's dot products in fp32 (one BLAS ``sdot``
+   of ``CHUNK`` values each, which the chunk's data stays in cache for), summed over the chunks
+   in fp64; the diagonal is the squared norms the owner measured on arrival, where given. A
+   cosine comes out within ~1e-8 of the fp64 one (the tests bound it by 1e-6, replay's
+   tolerance), at half an owner's CPU of the fp64 conversion and BLAS ``dgemm`` it replaced
+   (2026-12-06, docs/benchmarks.md, *Where Atoll's round goes*).
 2. ``medians``: per contribution, its cosine with each other distinct sender's work (the mean over
    that sender's contributions, so one that sends twice gets one vote), and the median of those.
    A median is robust to colluders who are fewer than half of the others: two colluders sending
@@ -37,11 +41,14 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 __all__ = ["CHUNK", "Agreement", "AgreementConfig", "agreement", "gram", "judge", "medians"]
 
-CHUNK = 1 << 16  # columns per pass: a scratch of n x 64 Ki fp64 values (4 MiB for 8 contributions)
+# columns per dot product: OpenBLAS runs a dot of at most 10,000 values on one thread, so the
+# sums do not depend on the core count and no BLAS thread spins on a busy machine
+CHUNK = 8192
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -71,28 +78,52 @@ class AgreementConfig:
             )
 
 
-def gram(deltas: Sequence[torch.Tensor], *, chunk: int = CHUNK) -> list[list[float]]:
-    """The pairwise inner products of ``deltas`` (flat tensors of one length, any float dtype), in
-    fp64: one pass over them, ``chunk`` columns at a time. Raises ``ValueError`` when their
-    lengths differ."""
+def gram(
+    deltas: Sequence[torch.Tensor],
+    *,
+    chunk: int = CHUNK,
+    norms: Sequence[float | None] | None = None,
+) -> list[list[float]]:
+    """The pairwise inner products of ``deltas`` (flat tensors of one length, any float dtype):
+    one pass over them, ``chunk`` columns at a time, each chunk's products in fp32 (fp64 for fp64
+    tensors) and their sum over the chunks in fp64. ``norms``: each delta's L2 norm where known
+    (``protocol.diloco.norms.norm64``): its squared norm is the diagonal entry, not computed again.
+    Raises ``ValueError`` when their lengths (or the norms' count) differ."""
     n = len(deltas)
     if n == 0:
         return []
-    flats = [d.detach().reshape(-1) for d in deltas]
-    length = flats[0].numel()
-    if any(f.numel() != length for f in flats):
+    flats = [_host_array(d) for d in deltas]
+    length = flats[0].size
+    if any(f.size != length for f in flats):
         raise ValueError(
-            f"agreement needs contributions of one length, got {sorted({f.numel() for f in flats})}"
+            f"agreement needs contributions of one length, got {sorted({f.size for f in flats})}"
         )
-    total = torch.zeros((n, n), dtype=torch.float64)
-    scratch = torch.empty((n, min(chunk, max(1, length))), dtype=torch.float64)
+    if norms is not None and len(norms) != n:
+        raise ValueError(f"gram got {n} contributions and {len(norms)} norms")
+    total = [[0.0] * n for _ in range(n)]
+    known = [False] * n
+    for i, norm in enumerate(norms or ()):
+        if norm is not None and math.isfinite(norm):
+            total[i][i], known[i] = norm * norm, True
+    pairs = [(i, j) for i in range(n) for j in range(i, n) if i != j or not known[i]]
+    chunk = max(1, chunk)
     for start in range(0, length, chunk):
-        width = min(chunk, length - start)
-        part = scratch[:, :width]
-        for row, flat in enumerate(flats):
-            part[row].copy_(flat[start : start + width])
-        total += part @ part.T
-    return [[float(x) for x in row] for row in total.tolist()]
+        parts = [f[start : start + chunk] for f in flats]
+        for i, j in pairs:
+            total[i][j] += float(np.dot(parts[i], parts[j]))
+    for i in range(n):
+        for j in range(i):
+            total[i][j] = total[j][i]
+    return total
+
+
+def _host_array(t: torch.Tensor) -> np.ndarray:
+    """``t`` as a flat fp32 or fp64 numpy array: a view of a CPU tensor of either dtype, else a
+    copy converted to fp32 (a half-precision or device tensor)."""
+    flat = t.detach().reshape(-1)
+    if flat.device.type != "cpu" or flat.dtype not in (torch.float32, torch.float64):
+        flat = flat.to("cpu", torch.float32)
+    return flat.numpy()
 
 
 def medians(peers: Sequence[bytes], products: Sequence[Sequence[float]]) -> list[float | None]:
@@ -160,12 +191,17 @@ def judge(
 
 
 def agreement(
-    peers: Sequence[bytes], deltas: Sequence[torch.Tensor], config: AgreementConfig
+    peers: Sequence[bytes],
+    deltas: Sequence[torch.Tensor],
+    config: AgreementConfig,
+    *,
+    norms: Sequence[float | None] | None = None,
 ) -> Agreement:
-    """``judge`` over the medians of ``deltas`` (``peers[i]`` sent ``deltas[i]``). Raises
-    ``ValueError`` as ``gram`` and ``judge`` do."""
+    """``judge`` over the medians of ``deltas`` (``peers[i]`` sent ``deltas[i]``; ``norms``: their
+    norms where known, as ``gram`` takes them). Raises ``ValueError`` as ``gram`` and ``judge``
+    do."""
     if len(peers) != len(deltas):
         raise ValueError(f"agreement got {len(peers)} peers and {len(deltas)} contributions")
     if len(set(peers)) < config.min_senders:  # nothing to judge: skip the pass over the work
         return judge(peers, [None] * len(peers), config)
-    return judge(peers, medians(peers, gram(deltas)), config)
+    return judge(peers, medians(peers, gram(deltas, norms=norms)), config)

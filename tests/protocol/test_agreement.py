@@ -121,16 +121,46 @@ def test_a_sender_is_judged_by_its_best_contribution_and_each_other_sender_votes
     assert values[0] == pytest.approx(votes[1], abs=1e-6)
 
 
-@given(n=st.integers(1, 6), length=st.integers(1, 300), chunk=st.integers(1, 64))
+@given(
+    n=st.integers(1, 6),
+    length=st.integers(1, 300),
+    chunk=st.integers(1, 64),
+    with_norms=st.booleans(),
+)
 @settings(max_examples=30, deadline=None)
-def test_the_chunked_gram_matrix_is_the_plain_one(n: int, length: int, chunk: int) -> None:
+def test_the_chunked_gram_matrix_is_the_plain_one(
+    n: int, length: int, chunk: int, with_norms: bool
+) -> None:
+    """Within 1e-6 of |a| |b| of the fp64 products (each chunk is summed in fp32): a cosine
+    within replay's tolerance; the known norms' squares are the diagonal as given."""
     gen = torch.Generator().manual_seed(n * 1000 + length)
     deltas = [torch.randn(length, generator=gen) for _ in range(n)]
     stacked = torch.stack(deltas).double()
     expected = (stacked @ stacked.T).tolist()
-    got = gram(deltas, chunk=chunk)
-    for row, want in zip(got, expected, strict=True):
-        assert row == pytest.approx(want, rel=1e-9, abs=1e-9)
+    norms = [float(d.double().norm()) for d in deltas]
+    got = gram(deltas, chunk=chunk, norms=norms if with_norms else None)
+    for i in range(n):
+        if with_norms:
+            assert got[i][i] == norms[i] ** 2
+        for j in range(n):
+            assert got[i][j] == got[j][i]
+            assert abs(got[i][j] - expected[i][j]) <= 1e-6 * norms[i] * norms[j] + 1e-12
+
+
+def test_the_gram_matrix_of_fp64_and_half_precision_work() -> None:
+    """fp64 work is multiplied in fp64; bf16 work is converted to fp32 first; an unknown or
+    non-finite norm is computed."""
+    gen = torch.Generator().manual_seed(7)
+    wide = [torch.randn(20_000, generator=gen, dtype=torch.float64) for _ in range(3)]
+    plain = (torch.stack(wide) @ torch.stack(wide).T).tolist()
+    for row, want in zip(gram(wide, norms=[None, math.nan, None]), plain, strict=True):
+        assert row == pytest.approx(want, rel=1e-12, abs=1e-9)
+    half = [w.to(torch.bfloat16) for w in wide]
+    exact = torch.stack([h.double() for h in half])
+    for row, want in zip(gram(half), (exact @ exact.T).tolist(), strict=True):
+        assert row == pytest.approx(want, rel=1e-5, abs=1e-3)
+    with pytest.raises(ValueError, match="norms"):
+        gram(wide, norms=[1.0])
 
 
 def test_zero_and_mismatched_contributions() -> None:
