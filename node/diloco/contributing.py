@@ -407,6 +407,14 @@ class ContributionSender:
             self.stats.base_mismatches += 1
             await self.resync()  # our base state is not the owner's: take the owners' states whole
 
+    def version_came(self, p: int, version: int) -> None:
+        """A version of fragment ``p`` was delivered: work accepted on a base below it was merged,
+        and the residuals from before it (a fragment's fp32 bytes) are not needed to send it again
+        (``owners_changed`` would drop them at its next call)."""
+        accepted = self._accepted_by.get(p)
+        if accepted is not None and version > accepted.base:
+            del self._accepted_by[p]
+
     def owners_changed(self) -> int:
         """Call when the owners may have changed (a membership pass, an unreachable owner).
 
