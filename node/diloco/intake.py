@@ -38,7 +38,7 @@ __all__ = ["SPARE_MAX_BYTES", "ContributionIntake", "Refused"]
 # a small model's buffers are reused warm, but at 124M parameters four spares of a 113-157 MB
 # fragment were most of an owner's memory between merges, for ~55 ms of page faults saved per
 # contribution (docs/scale.md)
-SPARE_MAX_BYTES = 200 << 20  # four of a 50M-parameter model's fragments; one at 124M
+SPARE_MAX_BYTES = 100 << 20  # two of a 50M-parameter model's fragments; none at 124M
 
 
 @dataclass(frozen=True, slots=True)
