@@ -484,3 +484,23 @@ async def test_uploads_to_different_owners_overlap() -> None:
         running.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await running
+
+
+async def test_the_residuals_from_before_accepted_work_go_once_its_version_comes() -> None:
+    """An accepted contribution keeps the residuals from before it (to send its work again if
+    its owner leaves before merging): a fragment's fp32 bytes, dropped as soon as a version above
+    its base is delivered, not at the next membership pass; an older version keeps them."""
+    rig = Rig()
+    rig.net.sender.reach.owner_of = lambda p: (rig.owner_key.peer_id, OWNER_URL)
+    n = rig.owners[0].theta.numel()
+    await rig.net.sender.send(rig.outgoing(0, _delta(n)))  # accepted on base 0
+    assert 0 in rig.net.sender._accepted_by
+    rig.net.sender.version_came(0, 0)  # not above its base: still unmerged
+    assert 0 in rig.net.sender._accepted_by
+    rig.net.sender.version_came(0, 1)
+    assert 0 not in rig.net.sender._accepted_by
+    current = {
+        "id": signer(8).peer_id
+    }  # its owner leaves now: the work was merged, nothing to send
+    rig.net.sender.reach.owner_of = lambda p: (current["id"], OWNER_URL)
+    assert rig.net.owners_changed() == 0
