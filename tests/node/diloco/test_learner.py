@@ -314,7 +314,7 @@ async def test_work_accepted_by_an_owner_that_left_is_sent_again_at_once_with_it
 ):
     """An owner accepted a contribution and stopped owning the fragment before merging it: the
     island sends it again at its next step (not after a 2H timeout), and the error-feedback
-    residuals are those from before the lost send (the next send carries that work again)."""
+    residuals the lost send left are dropped (the next send carries that work again)."""
     rig = Rig()
     owner_id = rig.owner_key.peer_id
     current = {"id": owner_id}
@@ -486,15 +486,15 @@ async def test_uploads_to_different_owners_overlap() -> None:
             await running
 
 
-async def test_the_residuals_from_before_accepted_work_go_once_its_version_comes() -> None:
-    """An accepted contribution keeps the residuals from before it (to send its work again if
-    its owner leaves before merging): a fragment's fp32 bytes, dropped as soon as a version above
-    its base is delivered, not at the next membership pass; an older version keeps them."""
+async def test_accepted_work_is_forgotten_once_its_version_comes() -> None:
+    """An accepted contribution is remembered (to send its work again if its owner leaves before
+    merging it) until a version above its base is delivered, not until the next membership pass;
+    an older version keeps it. It holds no residuals: a lost send's are dropped."""
     rig = Rig()
     rig.net.sender.reach.owner_of = lambda p: (rig.owner_key.peer_id, OWNER_URL)
     n = rig.owners[0].theta.numel()
     await rig.net.sender.send(rig.outgoing(0, _delta(n)))  # accepted on base 0
-    assert 0 in rig.net.sender._accepted_by
+    assert rig.net.sender._accepted_by[0].keys == tuple(k for k in rig.net.residuals if k[0] == 0)
     rig.net.sender.version_came(0, 0)  # not above its base: still unmerged
     assert 0 in rig.net.sender._accepted_by
     rig.net.sender.version_came(0, 1)
