@@ -313,6 +313,7 @@ class ContributionSender:
         except LocalProtocolError as exc:
             await self._skip(out, exc)
             return
+        self._compressed(out)
         self.stats.contributions_sent += 1
         async with self.reach.reply(
             owner_id,
@@ -359,6 +360,7 @@ class ContributionSender:
         except LocalProtocolError as exc:
             await self._skip(out, exc)
             return
+        self._compressed(out)
         self.stats.contributions_sent += 1
         try:
             given = (
@@ -373,6 +375,15 @@ class ContributionSender:
             self.island.resolved(out.fragment, accepted=False)
             return
         await self._answered(out, self.signer.peer_id, reply, residuals)
+
+    def _compressed(self, out: Outgoing) -> None:
+        """``out``'s pseudo-gradient is compressed: its memory (a fragment's fp32 bytes, the
+        network side's private copy) goes now, not once the upload and the owner's answer are
+        done, while ``out`` is still held for them. Not with ``none``, whose message is views of
+        it, nor off the CPU, where the device link still orders its use."""
+        if self.cfg.codec != "none" and out.delta.device.type == "cpu":
+            empty = out.delta.new_empty(0)  # the tensor made empty: its storage is released
+            out.delta.set_(empty.untyped_storage(), 0, (0,), (1,))
 
     async def _answered(
         self,

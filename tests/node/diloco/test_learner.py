@@ -108,7 +108,9 @@ async def test_accepted_contribution_is_merged_and_delivered() -> None:
     await rig.owners[0].set_expected(1)
     before = rig.owners[0].theta.clone()
     out = rig.outgoing(0, _delta(before.numel()))
+    delta = out.delta.clone()  # the network side's copy is released once it is compressed
     await rig.net.sender.send(out)
+    assert out.delta.numel() == 0
     assert rig.net.stats.contributions_accepted == 1 and rig.owners[0].version == 1
     assert rig.island.in_flight[0] is not None  # accepted: in flight until the new version comes
     assert (0, 0) in rig.net.residuals  # the quantisation error is kept for the next contribution
@@ -116,7 +118,7 @@ async def test_accepted_contribution_is_merged_and_delivered() -> None:
     assert got is not None and got[0] == 1
     # what the owner merged is the int8 image of the delta: the residual is exactly the rest
     residual = torch.cat([rig.net.residuals[(0, i)].reshape(-1) for i in range(len(rig.shapes[0]))])
-    assert torch.allclose(before - got[1], out.delta - residual, atol=1e-6)
+    assert torch.allclose(before - got[1], delta - residual, atol=1e-6)
     rig.island.deliver(0, *got)
     rig.step()  # adopted after the next inner step
     assert rig.island.versions[0] == 1 and rig.island.in_flight[0] is None
