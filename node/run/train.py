@@ -404,7 +404,11 @@ def build_peer(
     )
     # version 0 of every fragment, kept only where a checkpoint may replace it (the node then
     # starts from the checkpoint's versions): a whole model's fp32 bytes otherwise spent for nothing
-    initial_global = [g.clone() for g in island.global_flat] if checkpoints is not None else []
+    initial_global = (
+        [g.clone() for g in island.global_flat]
+        if checkpoints is not None and checkpoints.store.steps()
+        else []
+    )
     resumed = checkpoints.restore() if checkpoints is not None else None
     if resumed:
         say("resumed", index=opts.index, step=int(resumed["step"]), versions=list(island.versions))
