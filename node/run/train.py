@@ -811,6 +811,9 @@ class PeerResult:
     # as an owner: versions published and the seconds from each round's close to its publication
     owner_merge: dict[str, float]
     device_peak_mb: float = 0.0  # on CUDA: torch.cuda.max_memory_allocated (0 on the CPU)
+    # the kernel's high-water mark of resident bytes, start and end of the run included, which
+    # ``rss_curve`` samples only every RSS_EVERY_S while training (0 where getrusage has none)
+    max_rss_bytes: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         """The fields by name, in order (JSON-ready; the report reads these names)."""
@@ -853,6 +856,7 @@ def peer_result(
         penalties=node.penalties(),
         standing=node.standings(),
         rss_curve=curves.rss,
+        max_rss_bytes=max_resident_bytes(),
         spread=node.spread.as_dict(),
         versions_in={
             "received": net.stats.versions_received,
@@ -1013,6 +1017,16 @@ def resident_bytes() -> int:
         import resource
 
         return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def max_resident_bytes() -> int:
+    """This process's peak resident bytes so far (``getrusage``; Linux counts KiB), 0 elsewhere."""
+    try:
+        import resource
+    except ImportError:  # not on this platform
+        return 0
+    peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    return peak if sys.platform == "darwin" else peak * 1024
 
 
 def _median(values: list[float]) -> float:
