@@ -43,6 +43,8 @@ class Adoption:
         """θ_p ← Θ_p + (θ_p − θ_ref); False (nothing written) when θ_p − θ_ref is not finite.
         ``flat`` and ``reference`` lie where the parameters do (on a device: one host wait, for
         the finite check of the whole fragment)."""
+        if reference.device.type == "cpu" and all(_flat_fp32(t) for t in self.params[p]):
+            return self._rebase_in_slices(p, flat, reference)
         with torch.no_grad():
             kept = []
             offset = 0
@@ -66,6 +68,25 @@ class Adoption:
                 offset += n
         return True
 
+    def _rebase_in_slices(self, p: int, flat: torch.Tensor, reference: torch.Tensor) -> bool:
+        """``rebase`` on the CPU, in slices of at most ``SLICE`` values: θ − θ_ref is computed
+        twice (the same bits), once to check it is finite and once to write it, and never held
+        for the whole fragment (at 124M parameters that was 157 MB at each adoption)."""
+        with torch.no_grad():
+            for write in (False, True):
+                offset = 0
+                for param in self.params[p]:
+                    theta = param.detach().view(-1)
+                    for a in range(0, theta.numel(), SLICE):
+                        b = min(a + SLICE, theta.numel())
+                        work = theta[a:b] - reference[offset + a : offset + b]
+                        if write:
+                            theta[a:b].copy_(work.add_(flat[offset + a : offset + b]))
+                        elif not all_finite(work):
+                            return False
+                    offset += theta.numel()
+        return True
+
     def drop_nonfinite_state(self, p: int) -> None:
         """Forget the inner optimizer's state of each parameter of fragment ``p`` whose state
         has a NaN or Inf (a resync: the fresh version must not be stepped with it)."""
@@ -75,6 +96,14 @@ class Adoption:
                 bool(torch.isfinite(v).all()) for v in state.values() if isinstance(v, torch.Tensor)
             ):
                 del self.optimizer.state[param]
+
+
+SLICE = 1 << 22  # values of θ − θ_ref held at once by a rebase on the CPU (16 MB)
+
+
+def _flat_fp32(param: torch.Tensor) -> bool:
+    """Whether ``param`` is a contiguous fp32 CPU tensor (its values a flat view away)."""
+    return param.dtype == torch.float32 and param.is_contiguous() and param.device.type == "cpu"
 
 
 def _all_finite(parts: list[torch.Tensor]) -> bool:

@@ -87,17 +87,22 @@ def tune_allocator() -> bool:
 
 # A model's fp32 bytes from which the heap gives freed large tensors back (``bound_for_model``)
 LARGE_MODEL_BYTES = 256 << 20
-LARGE_MMAP_THRESHOLD = 32 << 20  # glibc's cap for it on 64-bit, and 4x GPT-2 small's largest tensor
+# for such a model, what has pages of its own: every tensor of GPT-2 small but its biases and
+# LayerNorm gains (the smallest matrix, 768 x 768 fp32, is 2.4 MB), and every per-tensor residual
+# and code buffer the codecs make of them
+LARGE_MMAP_THRESHOLD = 1 << 20
 
 
 def bound_for_model(model_bytes: int) -> bool:
     """For a model of ``model_bytes`` fp32 bytes at or above ``LARGE_MODEL_BYTES``: lower the
-    mmap threshold back to 32 MiB and the trim threshold to it, so fragment-sized tensors get
-    pages of their own and give them back when freed. Tuned for small models, the heap kept up to
+    mmap threshold to 1 MiB and the trim threshold to it, so every tensor of a MB or more gets
+    pages of its own and gives them back when freed. Tuned for small models, the heap kept up to
     2 GiB of freed blocks besides fragmentation: at 124M parameters a peer's resident size was
-    ~2 GB (4x the model) above the bytes it had in use (docs/scale.md). The price is the page
-    faults of each fresh large tensor (~0.5 ms per MB here). Returns whether it changed anything
-    (False under ``ATOLL_MALLOC=default``, off glibc, or below the size)."""
+    ~2 GB (4x the model) above the bytes it had in use; with the threshold at 32 MiB the codecs'
+    per-tensor residuals and codes (up to 9.4 MB each at 124M) still churned through the heap and
+    kept it ~0.9 GB above them (docs/scale.md). The price is the page faults of each fresh tensor
+    (~0.5 ms per MB here). Returns whether it changed anything (False under
+    ``ATOLL_MALLOC=default``, off glibc, or below the size)."""
     if model_bytes < LARGE_MODEL_BYTES or not tune_allocator():
         return False
     mallopt = ctypes.CDLL(None).mallopt
@@ -105,7 +110,11 @@ def bound_for_model(model_bytes: int) -> bool:
     ok = bool(mallopt(_M_MMAP_THRESHOLD, LARGE_MMAP_THRESHOLD)) and bool(
         mallopt(_M_TRIM_THRESHOLD, LARGE_MMAP_THRESHOLD)
     )
-    log.info("a %d MB model: freed tensors above 32 MiB go back to the system", model_bytes >> 20)
+    log.info(
+        "a %d MB model: freed tensors above %d KiB go back to the system",
+        model_bytes >> 20,
+        LARGE_MMAP_THRESHOLD >> 10,
+    )
     return ok
 
 

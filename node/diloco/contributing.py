@@ -18,6 +18,11 @@ An accepted contribution is sent again when its owner leaves before merging it
 every learner), also when no newer version has come ``RESEND_AFTER_S`` after the Ack: an owner
 that was fenced off and then owned the fragment again is the same peer but a new instance that
 never saw it. An owner that still holds it refuses the copy as a duplicate, which changes nothing.
+The work goes again with its fragment's error-feedback residuals dropped, not restored to what
+they were before the lost send: the residuals it left count a quantisation of work that never
+arrived, and keeping the ones from before every accepted send for this rare case held up to a
+whole model's fp32 bytes until each version came (docs/scale.md); what is lost is at most the
+quantisation error carried from before that send.
 """
 
 from __future__ import annotations
@@ -55,12 +60,12 @@ RESEND_AFTER_S = 30.0  # synchronous islands: an accepted contribution with no n
 
 @dataclass(frozen=True, slots=True)
 class _Accepted:
-    """A contribution an owner accepted: who, on which base version, the error-feedback
-    residuals from before it (None: there was none), and when (wall clock)."""
+    """A contribution an owner accepted: who, on which base version, the keys of the
+    error-feedback residuals it left, and when (wall clock)."""
 
     owner: bytes
     base: int
-    before: dict[tuple[int, int], torch.Tensor | None]
+    keys: tuple[tuple[int, int], ...]
     at: float
 
 
@@ -308,6 +313,7 @@ class ContributionSender:
         except LocalProtocolError as exc:
             await self._skip(out, exc)
             return
+        self._compressed(out)
         self.stats.contributions_sent += 1
         async with self.reach.reply(
             owner_id,
@@ -354,6 +360,7 @@ class ContributionSender:
         except LocalProtocolError as exc:
             await self._skip(out, exc)
             return
+        self._compressed(out)
         self.stats.contributions_sent += 1
         try:
             given = (
@@ -368,6 +375,15 @@ class ContributionSender:
             self.island.resolved(out.fragment, accepted=False)
             return
         await self._answered(out, self.signer.peer_id, reply, residuals)
+
+    def _compressed(self, out: Outgoing) -> None:
+        """``out``'s pseudo-gradient is compressed: its memory (a fragment's fp32 bytes, the
+        network side's private copy) goes now, not once the upload and the owner's answer are
+        done, while ``out`` is still held for them. Not with ``none``, whose message is views of
+        it, nor off the CPU, where the device link still orders its use."""
+        if self.cfg.codec != "none" and out.delta.device.type == "cpu":
+            empty = out.delta.new_empty(0)  # the tensor made empty: its storage is released
+            out.delta.set_(empty.untyped_storage(), 0, (0,), (1,))
 
     async def _answered(
         self,
@@ -392,10 +408,7 @@ class ContributionSender:
             return
         if reply.accepted:
             self._accepted_by[out.fragment] = _Accepted(
-                owner_id,
-                out.base_version,
-                {k: self.residuals.get(k) for k in residuals},
-                self.wall_clock(),
+                owner_id, out.base_version, tuple(residuals), self.wall_clock()
             )
             self.residuals.update(residuals)
             self.stats.contributions_accepted += 1
@@ -407,20 +420,27 @@ class ContributionSender:
             self.stats.base_mismatches += 1
             await self.resync()  # our base state is not the owner's: take the owners' states whole
 
+    def version_came(self, p: int, version: int) -> None:
+        """A version of fragment ``p`` was delivered: work accepted on a base below it was merged
+        and is not to be sent again (``owners_changed`` would forget it at its next call)."""
+        accepted = self._accepted_by.get(p)
+        if accepted is not None and version > accepted.base:
+            del self._accepted_by[p]
+
     def owners_changed(self) -> int:
         """Call when the owners may have changed (a membership pass, an unreachable owner).
 
         A contribution that an owner accepted but had not merged when it stopped owning the
         fragment (it failed, or retired) would be lost: the island sends its cumulative
-        pseudo-gradient again at its next step, to the new owner, with the error-feedback
-        residuals restored to what they were before the lost send. If the old owner had merged
+        pseudo-gradient again at its next step, to the new owner, with the fragment's
+        error-feedback residuals dropped (see the module docstring). If the old owner had merged
         it after all, its successor knows (the handoff names merged work) and refuses it with
         "resync". A synchronous island also sends it again, to the same owner, after
         ``RESEND_AFTER_S`` without a version (see the module docstring). Returns how many
         fragments are sent again."""
         resent = 0
         for p, accepted in list(self._accepted_by.items()):
-            owner_id, base, before = accepted.owner, accepted.base, accepted.before
+            owner_id, base, keys = accepted.owner, accepted.base, accepted.keys
             if self.island.in_flight[p] is None or self.island.versions[p] > base:
                 del self._accepted_by[p]  # merged (a newer version came) or already resolved
                 continue
@@ -434,7 +454,7 @@ class ContributionSender:
                 continue
             del self._accepted_by[p]
             if now[0] == owner_id:  # the same owner, silent: it may hold the first copy still
-                self._resent[p] = (accepted, {k: self.residuals.get(k) for k in before})
+                self._resent[p] = (accepted, {k: self.residuals.get(k) for k in keys})
                 self.stats.resent_after_silence += 1
                 log.info(
                     "fragment %d: no version %.0f s after %s accepted our contribution (base %d); "
@@ -454,13 +474,13 @@ class ContributionSender:
                     base,
                     now[0].hex()[:8],
                 )
-            self._restore(before)
+            self._restore(dict.fromkeys(keys))  # dropped: see the docstring
             self.island.resend(p)
             resent += 1
         return resent
 
     def _restore(self, residuals: dict[tuple[int, int], torch.Tensor | None]) -> None:
-        """Put error-feedback residuals back as they were (None: there was none)."""
+        """Put error-feedback residuals back as they were (None: none, or dropped)."""
         for key, residual in residuals.items():
             if residual is None:
                 self.residuals.pop(key, None)

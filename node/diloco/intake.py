@@ -32,7 +32,13 @@ from protocol.diloco.norms import norm64
 from protocol.errors import DecodeError
 from protocol.wire.messages import Contribution
 
-__all__ = ["ContributionIntake", "Refused"]
+__all__ = ["SPARE_MAX_BYTES", "ContributionIntake", "Refused"]
+
+# A decoded buffer is kept for the next contribution only while the spares stay within this:
+# a small model's buffers are reused warm, but at 124M parameters four spares of a 113-157 MB
+# fragment were most of an owner's memory between merges, for ~55 ms of page faults saved per
+# contribution (docs/scale.md)
+SPARE_MAX_BYTES = 100 << 20  # two of a 50M-parameter model's fragments; none at 124M
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,5 +175,10 @@ class ContributionIntake:
         borrowed = self._borrowed.pop(id(flat), None)
         if borrowed is not None and borrowed() is flat:
             return
-        if len(self.spare) < self.spare_max and flat.numel() == self.state.theta.numel():
+        numel = self.state.theta.numel()
+        if (
+            len(self.spare) < self.spare_max
+            and flat.numel() == numel
+            and (len(self.spare) + 1) * 4 * numel <= SPARE_MAX_BYTES
+        ):
             self.spare.append(flat)

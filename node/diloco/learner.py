@@ -190,6 +190,7 @@ class IslandNet:
                 if got is not None:
                     self.known.remember(p, *got)
                     self.island.deliver(p, *got)
+                    self.sender.version_came(p, got[0])
                 backoff = 0.2
             except _FAILED as exc:
                 if isinstance(exc, VersionRefused):

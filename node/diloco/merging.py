@@ -158,6 +158,9 @@ class VersionMaker:
         theta, buffer = self._outer(work)
         tensors, residual = None, None
         if config.update_codec is not None:  # publish what learners compute from the update
+            # the outer step's result is needed no more: the update is computed in its place,
+            # and what it held is no longer the published state whose norm ``_outer`` noted
+            state.known_norm = None
             tensors, theta, residual = encode_update(
                 theta,
                 state.theta,
@@ -165,6 +168,7 @@ class VersionMaker:
                 config.shapes,
                 config.update_codec,
                 block_size=config.block_size,
+                consume_target=True,
             )
         helped: frozenset[bytes] = frozenset()
         if self.validation is not None:  # before anything is sealed: a rejected one leaves no trace

@@ -28,11 +28,14 @@ class ReceivedVersions:
         created: float | None = None,
         max_rounds_per_s: float = MAX_ROUNDS_PER_S,
     ) -> None:
-        """``initial``: version 0 of every fragment (the initial weights; copied here)."""
+        """``initial``: version 0 of every fragment (the initial weights), held as given, not
+        copied: a version is a value that is replaced, never written into (the island's
+        ``global_flat``, which it usually is, too), and a copy was a whole model's fp32 bytes
+        until every fragment's first version came (docs/scale.md)."""
         self.wall_clock = wall_clock
         # the version fence: the swarm's creation time (from its manifest) and the top merge rate
         self.created, self.max_rounds_per_s = created, max_rounds_per_s
-        self.initial = [g.clone() for g in initial]
+        self.initial = list(initial)
         self.received = [0] * len(self.initial)  # highest version delivered, per fragment
         self.received_at: dict[int, float] = {}  # fragment -> when its newest version arrived
         self.latest: dict[int, tuple[int, torch.Tensor]] = {}  # newest verified version

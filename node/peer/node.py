@@ -67,6 +67,7 @@ from node.state.artifacts import ArtifactStore
 from node.state.owner_checkpoint import OwnerCheckpoints
 from node.status import Cached, StatusBoard
 from node.wire.admission import Identification, MemberAddresses
+from node.wire.bodies import pool_bytes_for_model
 from node.wire.rpc import RpcServer, max_rpc_body
 from node.wire.tls import server_context
 from node.wire.transport import LinkEmulator, LinkProfile, Transport
@@ -153,6 +154,8 @@ class PeerNode:
         self.shapes = [[tuple(named[n].shape) for n in f.names] for f in plan.fragments]
         self.started = Started()
         self.transport = self._transport()
+        # a large model's bodies: a pool of its size, not a fixed 512 MiB (docs/scale.md)
+        self.transport.pool.bound(pool_bytes_for_model(4 * sum(f.numel for f in plan.fragments)))
         self.spread = SpreadStats()  # versions spread peer to peer (``node.diloco.spread``)
         self.holdings = Holdings(len(plan.fragments), self.transport.pool, fanout=cfg.spread_fanout)
         self._build_services()

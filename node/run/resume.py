@@ -61,14 +61,16 @@ class IslandCheckpoints:
     # --- save ------------------------------------------------------------------------------------
     def _snapshot(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         isl = self.island
+        # the model and the optimizer's state as they are, not copied: ``save`` writes them into
+        # the checkpoint's file before training goes on (docs/scale.md)
         tensors: dict[str, torch.Tensor] = {
-            f"model.{n}": p.detach().cpu().clone() for n, p in self.model.named_parameters()
+            f"model.{n}": p.detach() for n, p in self.model.named_parameters()
         }
         index = {id(p): i for i, p in enumerate(self._optimizer_params())}  # state_dict's numbering
         for param, state in self.optimizer.state.items():
             for k, v in state.items():
                 if isinstance(v, torch.Tensor):
-                    tensors[f"optim.{index[id(param)]}.{k}"] = v.detach().cpu().clone()
+                    tensors[f"optim.{index[id(param)]}.{k}"] = v.detach()
         # a global version is a value (adoption replaces the tensor, never writes into it): the
         # writer reads it as it is, without a second copy of the model (docs/scale.md)
         for i, flat in enumerate(isl.global_flat):
@@ -89,23 +91,35 @@ class IslandCheckpoints:
         return tensors, meta
 
     def save(self) -> bool:
-        """Snapshot now and write in the background; False when the previous write is still going."""
+        """Write the model and optimizer state into the checkpoint's file now, and the rest (the
+        global fragments, which adoption replaces and never writes into; the hashes; the fsync)
+        in the background. False when the previous write is still going."""
         if self._writer is not None and self._writer.is_alive():
             self.skipped += 1
             return False
         tensors, meta = self._snapshot()
+        try:
+            live = [n for n in tensors if n.startswith(("model.", "optim."))]
+            finish = self.store.begin(int(meta["step"]), tensors, meta, write_now=live)
+        except (OSError, ValueError) as exc:  # a full disk must not stop training
+            self._failed(meta, exc)
+            return False
+        del tensors
 
         def write() -> None:
             try:
-                self.store.save(int(meta["step"]), tensors, meta)
+                finish()
                 self.saved += 1
-            except (OSError, ValueError) as exc:  # a full disk must not stop training
-                self.failed = f"{type(exc).__name__}: {exc}"
-                log.error("checkpoint at step %s not written: %s", meta["step"], self.failed)
+            except (OSError, ValueError) as exc:
+                self._failed(meta, exc)
 
         self._writer = threading.Thread(target=write, name="atoll-checkpoint", daemon=True)
         self._writer.start()
         return True
+
+    def _failed(self, meta: dict[str, Any], exc: Exception) -> None:
+        self.failed = f"{type(exc).__name__}: {exc}"
+        log.error("checkpoint at step %s not written: %s", meta["step"], self.failed)
 
     def wait(self) -> None:
         if self._writer is not None:

@@ -488,7 +488,11 @@ def build_peer(
     )
     # version 0 of every fragment, kept only where a checkpoint may replace it (the node then
     # starts from the checkpoint's versions): a whole model's fp32 bytes otherwise spent for nothing
-    initial_global = [g.clone() for g in island.global_flat] if checkpoints is not None else []
+    initial_global = (
+        [g.clone() for g in island.global_flat]
+        if checkpoints is not None and checkpoints.store.steps()
+        else []
+    )
     resumed = checkpoints.restore() if checkpoints is not None else None
     if resumed:
         say("resumed", index=opts.index, step=int(resumed["step"]), versions=list(island.versions))
@@ -896,6 +900,9 @@ class PeerResult:
     # as an owner: versions published and the seconds from each round's close to its publication
     owner_merge: dict[str, float]
     device_peak_mb: float = 0.0  # on CUDA: torch.cuda.max_memory_allocated (0 on the CPU)
+    # the kernel's high-water mark of resident bytes, start and end of the run included, which
+    # ``rss_curve`` samples only every RSS_EVERY_S while training (0 where getrusage has none)
+    max_rss_bytes: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         """The fields by name, in order (JSON-ready; the report reads these names)."""
@@ -938,6 +945,7 @@ def peer_result(
         penalties=node.penalties(),
         standing=node.standings(),
         rss_curve=curves.rss,
+        max_rss_bytes=max_resident_bytes(),
         spread=node.spread.as_dict(),
         versions_in={
             "received": net.stats.versions_received,
@@ -1100,6 +1108,16 @@ def resident_bytes() -> int:
         import resource
 
         return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def max_resident_bytes() -> int:
+    """This process's peak resident bytes so far (``getrusage``; Linux counts KiB), 0 elsewhere."""
+    try:
+        import resource
+    except ImportError:  # not on this platform
+        return 0
+    peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    return peak if sys.platform == "darwin" else peak * 1024
 
 
 def _median(values: list[float]) -> float:

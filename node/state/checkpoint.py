@@ -42,7 +42,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +50,12 @@ import torch
 
 from node.state.checkpoint_format import FORMAT_VERSION, CheckpointError, Expected
 from node.state.checkpoint_load import load_checkpoint
-from node.state.checkpoint_save import _remove_temps, save_checkpoint
+from node.state.checkpoint_save import (
+    PendingCheckpoint,
+    _remove_temps,
+    begin_checkpoint,
+    save_checkpoint,
+)
 
 __all__ = [
     "FORMAT_VERSION",
@@ -98,13 +103,30 @@ class Checkpointer:
 
     def save(self, step: int, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> Path:
         """Write checkpoint ``step`` atomically, then prune; raises like ``save_checkpoint``."""
+        return self.begin(step, tensors, meta)()
+
+    def begin(
+        self,
+        step: int,
+        tensors: Mapping[str, torch.Tensor],
+        meta: Mapping[str, Any],
+        *,
+        write_now: Collection[str] = (),
+    ) -> Callable[[], Path]:
+        """``save`` in two parts (``begin_checkpoint``): the tensors named in ``write_now`` are
+        in the file when this returns; the function returned writes the rest, renames, prunes
+        and returns the path (call it once, in any thread). Raises like ``save_checkpoint``."""
         path = self.path(step)
         _remove_temps(self.folder, ".step-*.tmp")
-        save_checkpoint(path, tensors, meta)
+        pending = begin_checkpoint(path, tensors, meta, write_now=write_now)
+        return lambda: self._finish(step, pending)
+
+    def _finish(self, step: int, pending: PendingCheckpoint) -> Path:
+        pending.finish()
         for old in [s for s in self.steps() if s <= step][: -self.keep]:
             with contextlib.suppress(FileNotFoundError):
                 self.path(old).unlink()
-        return path
+        return pending.path
 
     def latest(
         self,

@@ -33,6 +33,7 @@ __all__ = [
     "POOL_MAX_BUFFER",
     "POOL_MAX_BYTES",
     "REQUEST_BODY",
+    "pool_bytes_for_model",
     "BodyTimeout",
     "BufferPool",
     "ClientGone",
@@ -52,6 +53,20 @@ MIN_BUFFER = 64 << 10  # the smallest buffer made: a body of a few bytes and one
 POOL_MAX_BUFFER = 256 << 20
 POOL_MAX_BYTES = 512 << 20
 POOL_BUFFERS = 32
+# A model of at least LARGE_MODEL_BYTES fp32 bytes has its pool capped at 1/MODEL_SHARE of them.
+# Its bodies arrive over links (a 113 MB fragment in ~9 s at 100 Mbit/s) far slower than a fresh
+# buffer's page faults (~55 ms for it here), and at 124M parameters a pool of 512 MiB was a whole
+# model's bytes held beside everything else (docs/scale.md)
+LARGE_MODEL_BYTES = 256 << 20
+MODEL_SHARE = 16
+
+
+def pool_bytes_for_model(model_bytes: int) -> int:
+    """What a peer's pool keeps for a model of ``model_bytes`` fp32 bytes: ``POOL_MAX_BYTES`` for
+    a small one, a 1/``MODEL_SHARE`` of the model from ``LARGE_MODEL_BYTES`` on (never more)."""
+    if model_bytes < LARGE_MODEL_BYTES:
+        return POOL_MAX_BYTES
+    return min(POOL_MAX_BYTES, model_bytes // MODEL_SHARE)
 
 
 class BodyTimeout(RemoteProtocolError):
@@ -82,6 +97,11 @@ class BufferPool:
         self._max, self.max_buffer, self.max_bytes = max_buffers, max_buffer, max_bytes
         self.held = 0  # bytes kept for reuse
 
+    def bound(self, max_bytes: int) -> None:
+        """Keep at most ``max_bytes`` from now on (what is kept beyond it is dropped now)."""
+        self.max_bytes = max_bytes
+        self._drop_excess()
+
     def take(self, size: int, *, fresh: int | None = None) -> bytearray:
         """The smallest pooled buffer of at least ``size`` bytes. If none: with ``fresh`` (the
         caller grows the buffer as bytes arrive), the largest pooled one of at least
@@ -102,6 +122,9 @@ class BufferPool:
             return
         self._free.append(buf)
         self.held += len(buf)
+        self._drop_excess()
+
+    def _drop_excess(self) -> None:
         while len(self._free) > self._max or self.held > self.max_bytes:
             smallest = min(self._free, key=len)
             self._free.remove(smallest)

@@ -103,13 +103,16 @@ def encode_update(
     codec: str,
     *,
     block_size: int = 64,
+    consume_target: bool = False,
 ) -> tuple[list[EncodedTensor], torch.Tensor, torch.Tensor]:
     """The owner's side: compress ``target − published + residual`` tensor by tensor.
 
     Returns the encoded update, the new published state (``apply_update(published, ...)``, a new
-    vector: what every learner will hold) and the new residual (flat fp32). Raises
-    ``LocalProtocolError`` for a codec that is not lossy (``UPDATE_CODECS``), mismatched sizes,
-    or a target/residual that is not finite.
+    vector: what every learner will hold) and the new residual (flat fp32). ``consume_target``:
+    ``target`` is a flat fp32 vector the caller no longer needs (a merge's fresh result): the
+    difference is computed in its place, and the published state reuses it (the same bits, one
+    fragment-sized vector fewer). Raises ``LocalProtocolError`` for a codec that is not lossy
+    (``UPDATE_CODECS``), mismatched sizes, or a target/residual that is not finite.
     """
     if codec not in UPDATE_CODECS:
         raise LocalProtocolError(
@@ -121,7 +124,15 @@ def encode_update(
             raise LocalProtocolError(
                 f"{name} must be a flat vector of {total} values, got {tuple(t.shape)}"
             )
-    delta = torch.sub(target.detach().float(), published, out=new_vector(total))
+    scratch = (
+        consume_target
+        and target.dtype == torch.float32
+        and target.is_contiguous()
+        and target.data_ptr() != published.data_ptr()
+    )
+    delta = torch.sub(
+        target.detach().float(), published, out=target if scratch else new_vector(total)
+    )
     new_residual = new_vector(total)
     tensors, offset = [], 0
     for shape in shapes:

@@ -182,3 +182,19 @@ def test_update_messages_are_checked_on_decode() -> None:
             base_version=2,  # type: ignore[arg-type]
             base_digest=bytes(32),
         )
+
+
+@pytest.mark.parametrize("codec", UPDATE_CODECS)
+def test_an_update_computed_in_its_targets_place_is_the_same_bits(codec: str) -> None:
+    """``consume_target`` (a merge's result the owner needs no more) saves a fragment-sized
+    vector and changes no bit of the update, the published state or the residual."""
+    g = torch.Generator().manual_seed(2)
+    published, residual = torch.randn(N, generator=g), 1e-3 * torch.randn(N, generator=g)
+    for _ in range(5):
+        target = published + 0.01 * torch.randn(N, generator=g)
+        want = encode_update(target.clone(), published, residual, SHAPES, codec)
+        got = encode_update(target, published, residual, SHAPES, codec, consume_target=True)
+        assert got[1].data_ptr() == target.data_ptr()  # the published state is in its place
+        assert [t.data for t in got[0]] == [t.data for t in want[0]]
+        assert _sha(got[1]) == _sha(want[1]) and _sha(got[2]) == _sha(want[2])
+        published, residual = got[1], got[2]

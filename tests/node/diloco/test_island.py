@@ -431,3 +431,28 @@ def test_the_run_delay_of_a_thread_only_grows() -> None:
     first = run_delay_s()
     sum(range(200_000))
     assert 0.0 <= first <= run_delay_s()
+
+
+def test_a_rebase_in_slices_writes_the_same_bits_and_nothing_when_not_finite() -> None:
+    """On the CPU a rebase works in slices (never θ − θ_ref for a whole fragment at once): the
+    parameters end as Θ + (θ − θ_ref) computed whole, bit for bit, across slice edges; a
+    non-finite value in the last slice leaves every parameter as it was."""
+    from node.diloco.adoption import SLICE, Adoption
+
+    g = torch.Generator().manual_seed(3)
+    params = [
+        nn.Parameter(torch.randn(SLICE + 12345, generator=g)),
+        nn.Parameter(torch.randn(7, 3, generator=g)),
+    ]
+    n = sum(p.numel() for p in params)
+    flat, reference = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    theta = torch.cat([p.detach().reshape(-1) for p in params])
+    adoption = Adoption([params], torch.optim.SGD(params, lr=0.1))
+    assert adoption.rebase(0, flat, reference)
+    assert torch.equal(
+        torch.cat([p.detach().reshape(-1) for p in params]), (theta - reference).add_(flat)
+    )
+    before = [p.detach().clone() for p in params]
+    reference[-1] = float("inf")
+    assert not adoption.rebase(0, flat, reference)
+    assert all(torch.equal(p.detach(), b) for p, b in zip(params, before, strict=True))

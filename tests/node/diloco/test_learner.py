@@ -108,7 +108,9 @@ async def test_accepted_contribution_is_merged_and_delivered() -> None:
     await rig.owners[0].set_expected(1)
     before = rig.owners[0].theta.clone()
     out = rig.outgoing(0, _delta(before.numel()))
+    delta = out.delta.clone()  # the network side's copy is released once it is compressed
     await rig.net.sender.send(out)
+    assert out.delta.numel() == 0
     assert rig.net.stats.contributions_accepted == 1 and rig.owners[0].version == 1
     assert rig.island.in_flight[0] is not None  # accepted: in flight until the new version comes
     assert (0, 0) in rig.net.residuals  # the quantisation error is kept for the next contribution
@@ -116,7 +118,7 @@ async def test_accepted_contribution_is_merged_and_delivered() -> None:
     assert got is not None and got[0] == 1
     # what the owner merged is the int8 image of the delta: the residual is exactly the rest
     residual = torch.cat([rig.net.residuals[(0, i)].reshape(-1) for i in range(len(rig.shapes[0]))])
-    assert torch.allclose(before - got[1], out.delta - residual, atol=1e-6)
+    assert torch.allclose(before - got[1], delta - residual, atol=1e-6)
     rig.island.deliver(0, *got)
     rig.step()  # adopted after the next inner step
     assert rig.island.versions[0] == 1 and rig.island.in_flight[0] is None
@@ -314,7 +316,7 @@ async def test_work_accepted_by_an_owner_that_left_is_sent_again_at_once_with_it
 ):
     """An owner accepted a contribution and stopped owning the fragment before merging it: the
     island sends it again at its next step (not after a 2H timeout), and the error-feedback
-    residuals are those from before the lost send (the next send carries that work again)."""
+    residuals the lost send left are dropped (the next send carries that work again)."""
     rig = Rig()
     owner_id = rig.owner_key.peer_id
     current = {"id": owner_id}
@@ -484,3 +486,23 @@ async def test_uploads_to_different_owners_overlap() -> None:
         running.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await running
+
+
+async def test_accepted_work_is_forgotten_once_its_version_comes() -> None:
+    """An accepted contribution is remembered (to send its work again if its owner leaves before
+    merging it) until a version above its base is delivered, not until the next membership pass;
+    an older version keeps it. It holds no residuals: a lost send's are dropped."""
+    rig = Rig()
+    rig.net.sender.reach.owner_of = lambda p: (rig.owner_key.peer_id, OWNER_URL)
+    n = rig.owners[0].theta.numel()
+    await rig.net.sender.send(rig.outgoing(0, _delta(n)))  # accepted on base 0
+    assert rig.net.sender._accepted_by[0].keys == tuple(k for k in rig.net.residuals if k[0] == 0)
+    rig.net.sender.version_came(0, 0)  # not above its base: still unmerged
+    assert 0 in rig.net.sender._accepted_by
+    rig.net.sender.version_came(0, 1)
+    assert 0 not in rig.net.sender._accepted_by
+    current = {
+        "id": signer(8).peer_id
+    }  # its owner leaves now: the work was merged, nothing to send
+    rig.net.sender.reach.owner_of = lambda p: (current["id"], OWNER_URL)
+    assert rig.net.owners_changed() == 0

@@ -113,6 +113,26 @@ def test_memory_reads_against_the_models_fp32_bytes_the_budget_and_the_ceiling()
     assert out["budget_x_model"] == BUDGET_X_MODEL and out["target_x_model"] == TARGET_X_MODEL
     assert out["within_budget"] is (BUDGET_X_MODEL >= 9.0)
     assert out["under_target"] is False  # peer 1 went over 8x
+    assert out["max_rss_x_model"] is None  # no peer sent its high-water mark
+
+
+def test_memory_shows_the_kernels_high_water_mark_beside_the_samples() -> None:
+    """A peak between the 5 s samples (or after the last, at the end of the run) is in
+    ``max_rss_x_model``; the budget and the ceiling still read the samples."""
+    from node.run.report import memory_summary
+
+    model = 500_000_000
+    curve = [[t, 0, x * model, -1, 0] for t, x in enumerate([2, 5, 6, 7])]
+    peers = [
+        {"index": 0, "rss_curve": curve, "max_rss_bytes": int(8.9 * model)},
+        {"index": 1, "rss_curve": curve},
+    ]
+    out = memory_summary(peers, model_bytes=model)
+    assert out["per_peer"]["0"]["max_rss_x_model"] == 8.9
+    assert out["per_peer"]["0"]["max_rss_mb"] == 4450.0
+    assert "max_rss_x_model" not in out["per_peer"]["1"]
+    assert out["max_rss_x_model"] == 8.9 and out["max_peak_x_model"] == 7.0
+    assert out["under_target"] is True
 
 
 def test_owners_merge_time_per_version_and_standin_compute_are_folded() -> None:

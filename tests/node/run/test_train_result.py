@@ -43,6 +43,7 @@ RESULT_FIELDS = [
     "compute",
     "owner_merge",
     "device_peak_mb",
+    "max_rss_bytes",
 ]
 
 

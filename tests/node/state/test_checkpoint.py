@@ -534,3 +534,40 @@ def test_a_crafted_meta_record_with_a_valid_digest_is_refused(
     with pytest.raises(CheckpointError, match=why.replace("(", r"\(")):
         load_checkpoint(path)
     assert Checkpointer(tmp_path).latest() is None  # skipped, not raised
+
+
+# ----------------------------------------------------------------------------- written in two parts
+
+
+def test_tensors_written_at_begin_may_change_before_finish(tmp_path: Path) -> None:
+    """``begin_checkpoint`` writes the tensors named ``write_now`` into the file at once (an
+    island's model, which trains on while the rest is written): changing them afterwards does
+    not change the checkpoint, which is the same file ``save_checkpoint`` writes."""
+    from node.state.checkpoint_save import begin_checkpoint
+
+    want = mixed()
+    live = {n: t.detach().clone() for n, t in want.items()}
+    early = ["f64", "f32", "u8", "transposed", "empty"]
+    pending = begin_checkpoint(tmp_path / "a", live, {"step": 3}, now=0.0, write_now=early)
+    for name in early:
+        live[name].zero_()  # trained on meanwhile
+    assert not (tmp_path / "a").exists()  # nothing under the final name until it is finished
+    pending.finish()
+    got, meta = load_checkpoint(tmp_path / "a")
+    assert meta == {"step": 3}
+    assert_same(got, {n: t.detach() for n, t in want.items()})
+    save_checkpoint(tmp_path / "b", {n: t.detach() for n, t in want.items()}, {"step": 3}, now=0.0)
+    assert (tmp_path / "a").read_bytes() == (tmp_path / "b").read_bytes()
+
+
+def test_a_begun_checkpoint_that_is_abandoned_leaves_nothing(tmp_path: Path) -> None:
+    from node.state.checkpoint_save import begin_checkpoint
+
+    ck = Checkpointer(tmp_path)
+    ck.save(1, state(1), {"step": 1})
+    pending = begin_checkpoint(ck.path(2), state(2), {"step": 2}, write_now=["w"])
+    pending.abandon()
+    assert ck.steps() == [1] and not list(tmp_path.glob(".*.tmp"))
+    with pytest.raises(ValueError, match="write_now names tensors"):
+        begin_checkpoint(ck.path(2), state(2), {"step": 2}, write_now=["nope"])
+    assert not list(tmp_path.glob(".*.tmp"))
