@@ -437,7 +437,9 @@ async def test_garbage_and_forgeries_get_4xx_and_the_node_keeps_working() -> Non
         assert sum(node.metrics.refusals.values()) == 7 and node.metrics.refusals["Replay"] == 1
         assert victim.peer_id not in node.routing
         bad_tags = object.__new__(FindValue)  # past the sender's own checks: a tag one byte short
-        for name, value in dict(sender=info(mallory), key=bytes(32), known=(b"t" * 23,)).items():
+        for name, value in dict(
+            sender=info(mallory), key=bytes(32), known=(b"t" * 23,), only=()
+        ).items():
             object.__setattr__(bad_tags, name, value)
         status, body = await raw(net, url, mallory, sealed(mallory, bad_tags))
         assert status == 400 and b"24 bytes" in body  # type: ignore[operator]
