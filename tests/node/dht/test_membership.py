@@ -98,6 +98,8 @@ class FakeDHT:
         self.known: list[tuple[bytes, ...]] = []
 
     async def get(self, key: bytes, *, quorum: int = 1, known: tuple[bytes, ...] = ()) -> list:
+        if key != members_key("s"):  # the roster: these tests put every record under the other key
+            return []
         self.quorums.append(quorum)
         self.known.append(known)
         return list(self.answer)
