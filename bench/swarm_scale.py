@@ -85,6 +85,7 @@ __all__ = [
 ]
 
 ROOT = Path(__file__).resolve().parents[1]
+BOOTSTRAP_LOCAL = 2  # joined peers of its own worker a joiner also bootstraps from
 
 
 @dataclass(frozen=True)
@@ -311,7 +312,7 @@ class Worker:
             peer = self.peers[ev.slot] = build_peer(
                 ev.slot, self.cfg, self.rcfg, may_own=ev.may_own
             )
-            peer.serve = tg.create_task(self.serve(peer, list(self.initial)))
+            peer.serve = tg.create_task(self.serve(peer, self.initial_peers(ev.slot)))
             peer.train = tg.create_task(train(peer, self.cfg))
             if ev.slot == 0:  # the founder: the others join through it
                 while not peer.node.ready.is_set():
@@ -322,6 +323,18 @@ class Worker:
         peer = self.peers[ev.slot]
         self.close_window(peer)
         await self.stop(peer, kill=ev.kind == "kill")
+
+    def initial_peers(self, slot: int) -> list[str]:
+        """The founder and up to ``BOOTSTRAP_LOCAL`` live peers of this worker that have joined,
+        drawn by ``slot``: one founder alone cannot answer hundreds of joins in a few seconds
+        (its loop is shared with its worker's other peers)."""
+        joined = [
+            p.node.url
+            for p in self.peers.values()
+            if p.gone_at is None and p.joined_at is not None and p.slot != slot
+        ]
+        rng = random.Random(slot)
+        return [*rng.sample(joined, min(BOOTSTRAP_LOCAL, len(joined))), *self.initial]
 
     async def serve(self, peer: Peer, initial: list[str]) -> None:
         with contextlib.suppress(Exception):

@@ -377,7 +377,7 @@ class DHTClient:
         found = only_subkeys([*local, *result.value], only)
         records = _newest_per_subkey(found, self.clock())
         cache = result.closest_without_value
-        if result.found and cache is not None and not known and not only:
+        if result.found and records and cache is not None and not known and not only:
             batch = tuple(sorted(records, key=lambda r: -r.expires_at)[:MAX_STORE_RECORDS])
             await self._call(cache.address, Store(sender=self.me, records=batch), cache.peer_id)
         return records

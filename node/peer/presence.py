@@ -430,8 +430,10 @@ class Presence:
                     break
         else:
             self.reachable = True  # the first peer: others will reach it through its address
-        # a peer that may own reads every member; one that may not, a bounded view
-        self.membership.sees_all = "owner" in self.my_record().roles
+        # a peer told never to own reads a bounded view (the roster, others by id); any other
+        # reads every member, so that counts of members (``wait_for_members``, the learners'
+        # steps) stay whole for peers that merely cannot be dialled (docs/scale_peers.md)
+        self.membership.sees_all = self.may_own
         self.pin_members()  # before the first read: state sync below runs pinned
         await self.membership.refresh()
         if self.membership.owner_candidates():
