@@ -23,15 +23,17 @@ PANELS = (
 
 
 def load_series(args: list[str]) -> dict[str, list[dict[str, Any]]]:
-    """``LABEL=FILE`` arguments to label -> cases sorted by swarm size (cases with no joined
-    peers or no measurement are kept: the plot leaves their points out)."""
+    """``LABEL=FILE`` arguments to label -> cases sorted by swarm size (a missing measurement
+    leaves its point out; a case with a ``note`` is left out)."""
     series: dict[str, list[dict[str, Any]]] = {}
     for arg in args:
         label, _, path = arg.partition("=")
         if not path:
             raise SystemExit(f"expected LABEL=FILE, got {arg!r}")
         lines = Path(path).read_text().strip().splitlines()
-        series.setdefault(label, []).extend(json.loads(lines[-1])["cases"])
+        cases = json.loads(lines[-1])["cases"]
+        # a case with a "note" was kept for the record, not for comparison (docs say why)
+        series.setdefault(label, []).extend(c for c in cases if "note" not in c)
     return {k: sorted(v, key=lambda c: c["peers"]) for k, v in series.items()}
 
 
