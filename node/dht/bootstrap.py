@@ -30,7 +30,7 @@ from urllib.parse import urlsplit
 from aiohttp import web
 
 from node.dht.kademlia import DHTConfig, DHTNode
-from node.dht.membership import MemberRecord, members_key
+from node.dht.membership import MemberRecord, members_key, roster_key
 from node.dht.route import DHTRouter
 from node.dht.swarm import SwarmCredentials
 from node.wire.connections import address_key
@@ -78,7 +78,8 @@ class UnknownSwarm(RemoteProtocolError):
 async def member_list(dht: DHTNode, swarm: str) -> list[dict[str, Any]]:
     """The live member records of ``swarm`` as JSON-ready dicts (records that fail to decode are skipped)."""
     out = []
-    for rec in await dht.get(members_key(swarm)):
+    records = [*await dht.get(roster_key(swarm)), *await dht.get(members_key(swarm))]
+    for rec in records:
         with contextlib.suppress(DecodeError):
             m = MemberRecord.decode(rec.value)
             out.append(

@@ -70,7 +70,14 @@ from protocol.dht.messages import (
     ValueReply,
     check_sender,
 )
-from protocol.dht.records import RateLimited, RecordStore, SignedRecord, StoreLimits, unknown_to
+from protocol.dht.records import (
+    RateLimited,
+    RecordStore,
+    SignedRecord,
+    StoreLimits,
+    only_subkeys,
+    unknown_to,
+)
 from protocol.dht.routing import ClaimQueue, PingCandidate, RoutingTable
 from protocol.errors import LocalProtocolError, NotAuthorized, RemoteProtocolError
 from protocol.wire.messages import Message, PeerInfo
@@ -244,11 +251,13 @@ class DHTNode:
         return NodesReply(peers=tuple(self._nearest(msg.target)))
 
     def _on_find_value(self, msg: FindValue, source: str) -> ValueReply:
-        records, omitted = unknown_to(self.records.get(msg.key, self.clock()), msg.known)
+        held = only_subkeys(self.records.get(msg.key, self.clock()), msg.only)
+        records, omitted = unknown_to(held, msg.known)
         # A holder answers a delta read (one that names records: the asker has read the key
-        # before) with the value instead of contacts, as Kademlia's FIND_VALUE does; a first read
-        # still gets contacts, so a reader that knows few nodes finds enough holders.
-        holder = msg.known and (records or omitted)
+        # before) or a lookup by subkey with the value instead of contacts, as Kademlia's
+        # FIND_VALUE does; a first read still gets contacts, so a reader that knows few nodes
+        # finds enough holders.
+        holder = (msg.known or msg.only) and (records or omitted)
         return ValueReply(
             records=tuple(records[:MAX_REPLY_RECORDS]),
             peers=() if holder else tuple(self._nearest(msg.key)),
@@ -385,10 +394,15 @@ class DHTNode:
         return await self.client.store(key, value, ttl_s)
 
     async def get(
-        self, key: bytes, *, quorum: int = 1, known: tuple[bytes, ...] = ()
+        self,
+        key: bytes,
+        *,
+        quorum: int = 1,
+        known: tuple[bytes, ...] = (),
+        only: tuple[bytes, ...] = (),
     ) -> list[SignedRecord]:
         """``DHTClient.get``."""
-        return await self.client.get(key, quorum=quorum, known=known)
+        return await self.client.get(key, quorum=quorum, known=known, only=only)
 
     def held_near(self, key: bytes) -> list[SignedRecord] | None:
         """``DHTClient.held_near``."""

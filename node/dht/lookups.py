@@ -45,7 +45,13 @@ from protocol.dht.messages import (
     ValueReply,
     check_sender,
 )
-from protocol.dht.records import RecordStore, SignedRecord, sign_record, verify_record
+from protocol.dht.records import (
+    RecordStore,
+    SignedRecord,
+    only_subkeys,
+    sign_record,
+    verify_record,
+)
 from protocol.dht.routing import RoutingTable
 from protocol.errors import DecodeError, LocalProtocolError, NotAuthorized, RemoteProtocolError
 from protocol.ids import ID_BYTES, xor_distance
@@ -204,7 +210,13 @@ class DHTClient:
     # ── lookups ─────────────────────────────────────────────────────────────────────────────
 
     async def _lookup(
-        self, target: bytes, *, find_value: bool, quorum: int = 1, known: tuple[bytes, ...] = ()
+        self,
+        target: bytes,
+        *,
+        find_value: bool,
+        quorum: int = 1,
+        known: tuple[bytes, ...] = (),
+        only: tuple[bytes, ...] = (),
     ) -> LookupResult:
         cfg = self.config
         _check_id(target)
@@ -223,7 +235,7 @@ class DHTClient:
         ]  # a FindValue names at most this many: the rest come in full
         try:
             async with asyncio.timeout(cfg.lookup_timeout_s):
-                await self._drive(lookup, known)
+                await self._drive(lookup, known, only)
         except TimeoutError:
             self.metrics.failures["lookup timed out"] += 1
         result = lookup.result()
@@ -231,12 +243,14 @@ class DHTClient:
         hops[result.hops] += 1
         return result
 
-    async def _drive(self, lookup: Lookup, known: tuple[bytes, ...] = ()) -> None:
+    async def _drive(
+        self, lookup: Lookup, known: tuple[bytes, ...] = (), only: tuple[bytes, ...] = ()
+    ) -> None:
         async with asyncio.TaskGroup() as tg:
             pending: set[asyncio.Task[tuple[PeerInfo, Opened | Failure]]] = set()
             while not lookup.done:
                 for contact in lookup.next_queries(self.clock()):
-                    pending.add(tg.create_task(self._query(lookup, contact, known)))
+                    pending.add(tg.create_task(self._query(lookup, contact, known, only)))
                 if not pending:
                     break
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -246,10 +260,14 @@ class DHTClient:
                 task.cancel()
 
     async def _query(
-        self, lookup: Lookup, contact: PeerInfo, known: tuple[bytes, ...] = ()
+        self,
+        lookup: Lookup,
+        contact: PeerInfo,
+        known: tuple[bytes, ...] = (),
+        only: tuple[bytes, ...] = (),
     ) -> tuple[PeerInfo, Opened | Failure]:
         msg: DHTRequest = (
-            FindValue(sender=self.me, key=lookup.target, known=known)
+            FindValue(sender=self.me, key=lookup.target, known=known, only=only)
             if lookup.find_value
             else FindNode(sender=self.me, target=lookup.target)
         )
@@ -312,11 +330,17 @@ class DHTClient:
         return await self._lookup(target, find_value=False)
 
     async def find_value(
-        self, key: bytes, *, quorum: int = 1, known: tuple[bytes, ...] = ()
+        self,
+        key: bytes,
+        *,
+        quorum: int = 1,
+        known: tuple[bytes, ...] = (),
+        only: tuple[bytes, ...] = (),
     ) -> LookupResult:
         """FIND_VALUE until ``quorum`` peers returned records (or said that every record they
-        hold is among ``known``, ``protocol.dht.records.known_tags``); records are verified."""
-        return await self._lookup(key, find_value=True, quorum=quorum, known=known)
+        hold is among ``known``, ``protocol.dht.records.known_tags``); records are verified.
+        ``only``: subkey prefixes, for the records of those subkeys alone."""
+        return await self._lookup(key, find_value=True, quorum=quorum, known=known, only=only)
 
     async def store(self, key: bytes, value: bytes, ttl_s: float) -> int:
         """Sign ``value`` under ``key`` (32 bytes) in our subkey and store it on the ``k`` nodes
@@ -333,20 +357,27 @@ class DHTClient:
         return await self._publish(key, (rec,))
 
     async def get(
-        self, key: bytes, *, quorum: int = 1, known: tuple[bytes, ...] = ()
+        self,
+        key: bytes,
+        *,
+        quorum: int = 1,
+        known: tuple[bytes, ...] = (),
+        only: tuple[bytes, ...] = (),
     ) -> list[SignedRecord]:
         """Verified records under ``key``: the newest expiry per subkey, ordered by subkey.
 
         With ``known`` (``known_tags`` of the records the caller holds), a delta read: responders
         leave those out, so what comes back is only what is newer, and nothing is cached (a
         partial set would make the cache a source that lacks records). Without it, caches what
-        it found at the nearest node that answered without it.
+        it found at the nearest node that answered without it. With ``only`` (subkey
+        prefixes), the records of those subkeys alone, and nothing cached either.
         """
-        result = await self.find_value(key, quorum=quorum, known=known)
+        result = await self.find_value(key, quorum=quorum, known=known, only=only)
         local = self.records.get(key, self.clock()) if self.dialable else []
-        records = _newest_per_subkey([*local, *result.value], self.clock())
+        found = only_subkeys([*local, *result.value], only)
+        records = _newest_per_subkey(found, self.clock())
         cache = result.closest_without_value
-        if result.found and cache is not None and not known:
+        if result.found and records and cache is not None and not known and not only:
             batch = tuple(sorted(records, key=lambda r: -r.expires_at)[:MAX_STORE_RECORDS])
             await self._call(cache.address, Store(sender=self.me, records=batch), cache.peer_id)
         return records

@@ -1,10 +1,17 @@
 """Swarm membership over the DHT: signed, expiring member records under the swarm's key.
 
-Every peer publishes one record under ``key_id("atoll/<swarm>/members")`` in its own subkey (its
-peer id; the DHT refuses a subkey signed by anyone else): its address, its roles, whether a
-dial-back from another member reached it, the swarm manifest hash it trains with, whether it is
-still learning, and its step. Records expire after ``ttl_s`` unless republished, so a crashed
-peer leaves the member list by itself.
+Every peer publishes one record in its own subkey (its peer id; the DHT refuses a subkey signed
+by anyone else): its address, its roles, whether a dial-back from another member reached it, the
+swarm manifest hash it trains with, whether it is still learning, and its step. A record that
+offers to own goes under the *roster*, ``key_id("atoll/<swarm>/roster")``; any other under
+``key_id("atoll/<swarm>/members")``. Records expire after ``ttl_s`` unless republished, so a
+crashed peer leaves the member list by itself.
+
+Who reads what (docs/scale_peers.md). A peer that may own (``sees_all``) reads both keys whole:
+it needs its learners' records. A peer that may not reads the roster whole (every candidate owner)
+and only the other members it needs, by id (``want``: a holder a version pointer names, a
+requester it serves; ``protocol.dht.member_lookups`` bounds how many a read and how many kept),
+so its reads do not grow with the number of learners.
 
 Owners are chosen from this list by rendezvous hash over live members that are reachable,
 accept the owner role, share our recipe and carry a certificate that grants the owner role (in
@@ -37,7 +44,8 @@ import msgpack
 from node.config import SCHEDULE_FIELDS, SWARM_WIDE_FIELDS, RunConfig
 from node.dht.kademlia import DHTNode
 from node.wire.tls import origin
-from protocol.dht.records import SignedRecord, known_tags
+from protocol.dht.member_lookups import MemberLookups
+from protocol.dht.records import KNOWN_TAG_ID_BYTES, SignedRecord, known_tags
 from protocol.diloco.fragments import balanced_owners, owner_chain, owners_of
 from protocol.errors import DecodeError, NotAuthorized, RemoteProtocolError
 from protocol.ids import key_id
@@ -53,6 +61,7 @@ __all__ = [
     "manifest_hash",
     "members_key",
     "recipe_of",
+    "roster_key",
 ]
 
 log = logging.getLogger(__name__)
@@ -70,6 +79,11 @@ READ_QUORUM = 3  # responders whose member records are merged on a full read
 # responder omitted, is then seen at most FULL_READ_EVERY - 1 reads late; the view never shrinks.
 FULL_READ_EVERY = 4
 REFUSED_KEPT = 1024
+# A peer that may not own looks other members up by id: at most this many a read, this many
+# records kept beyond the roster, an id not found not asked for again within this many seconds.
+LOOKUPS_PER_READ = 16
+LOOKED_UP_KEPT = 256
+LOOKUP_RETRY_S = 5.0
 ASSIGNMENTS_KEPT = (
     64  # owner assignments remembered (one per candidate set: the members, less each primary)
 )
@@ -124,7 +138,13 @@ def address_of(url: str) -> str:
 
 
 def members_key(swarm: str) -> bytes:
+    """Where the records of members that do not offer to own are published."""
     return key_id(f"atoll/{swarm}/members")
+
+
+def roster_key(swarm: str) -> bytes:
+    """Where the records of members that offer to own are published (every peer reads it)."""
+    return key_id(f"atoll/{swarm}/roster")
 
 
 def manifest_hash(cfg: RunConfig) -> str:
@@ -257,6 +277,14 @@ class Membership:
         self._assignments: dict[tuple[str, frozenset[bytes]], tuple[bytes, ...]] = {}
         self.swarm_manifest = swarm_manifest
         self.key = members_key(swarm)
+        self.roster = roster_key(swarm)
+        # True: read both keys whole (a peer that may own); False: the roster, and the other
+        # members by id as they are wanted (module docstring)
+        self.sees_all = True
+        self.lookups = MemberLookups(
+            per_read=LOOKUPS_PER_READ, kept=LOOKED_UP_KEPT, retry_s=LOOKUP_RETRY_S
+        )
+        self._published_under: bytes | None = None  # the key our record was last stored under
         self.members: dict[bytes, Member] = {}
         self.refused: dict[
             bytes, str
@@ -278,12 +306,51 @@ class Membership:
         self._claimed: dict[bytes, Member] = {}  # the last read's members, addresses as claimed
 
     async def publish(self, record: MemberRecord) -> int:
-        """Store our record at the nodes nearest the swarm key; return how many took it."""
-        return await self.dht.store(self.key, record.encode(), self.ttl_s)
+        """Store our record at the nodes nearest its key (the roster's when it offers to own, the
+        members key's otherwise); return how many took it."""
+        key = self.roster if "owner" in record.roles else self.key
+        old, self._published_under = self._published_under, key
+        if old is not None and old != key:
+            self.dht.forget(old)  # it expires there at its ttl
+        return await self.dht.store(key, record.encode(), self.ttl_s)
+
+    def want(self, peer_id: bytes) -> None:
+        """``peer_id``'s record is needed: a peer that does not see all members looks it up at
+        its next read (no-op for one that does)."""
+        if not self.sees_all:
+            self.lookups.want(peer_id, time.time())
+
+    async def _read(self, key: bytes, full: bool, now: float) -> list[SignedRecord]:
+        """``key``'s records: this node's own store when it is among the nearest and ``full`` is
+        not asked, else a delta read of ``READ_QUORUM`` responders (``full``) or one."""
+        local = None if full else self.dht.held_near(key)
+        if local is not None:
+            return local
+        known = known_tags(r for r in self._records.values() if r.expires_at > now and r.key == key)
+        return await self.dht.get(key, quorum=READ_QUORUM if full else 1, known=known)
+
+    async def _look_up(self, now: float) -> None:
+        """Read the wanted members' records by id (``MemberLookups.due``), and drop the
+        looked-up records no longer among the most recently wanted."""
+        live = {pid: r.expires_at for pid, r in self._records.items()}
+        due = self.lookups.due(live, now)
+        if due:
+            only = tuple(pid[:KNOWN_TAG_ID_BYTES] for pid in due)
+            self._merge(await self.dht.get(self.key, only=only))
+        others = [pid for pid, r in self._records.items() if r.key != self.roster]
+        for pid in self.lookups.keep(others):
+            del self._records[pid]
+
+    def _merge(self, records: list[SignedRecord]) -> None:
+        for rec in records:
+            held = self._records.get(rec.subkey)
+            if held is None or rec.expires_at > held.expires_at:
+                self._records[rec.subkey] = rec
 
     async def refresh(self, *, full: bool = False) -> dict[bytes, Member]:
-        """Read every member record; keep those that decode, are live, share our manifest and
-        pass the certificate checks.
+        """Read the member records (both keys whole, or the roster and the members wanted by
+        id: ``sees_all``); keep those that decode, are live, share our manifest and pass the
+        certificate checks.
 
         Records are merged with the records already held (the newest expiry per member wins),
         so one responder that leaves members out cannot shrink the view: records are signed, a
@@ -295,15 +362,11 @@ class Membership:
         responders send only newer ones. ``full`` asks for a full read now."""
         full = full or self.reads % FULL_READ_EVERY == 0
         self.reads += 1
-        local = None if full else self.dht.held_near(self.key)
         now = time.time()
-        if local is None:
-            known = known_tags(r for r in self._records.values() if r.expires_at > now)
-            local = await self.dht.get(self.key, quorum=READ_QUORUM if full else 1, known=known)
-        for rec in local:
-            held = self._records.get(rec.subkey)
-            if held is None or rec.expires_at > held.expires_at:
-                self._records[rec.subkey] = rec
+        for key in (self.roster, self.key) if self.sees_all else (self.roster,):
+            self._merge(await self._read(key, full, now))
+        if not self.sees_all:
+            await self._look_up(now)
         members: dict[bytes, Member] = {}
         for subkey, rec in list(self._records.items()):
             if rec.expires_at <= now:

@@ -109,7 +109,8 @@ class NodeOptions:
     checkpoint their fragments' states there, and the states found there at start are taken over
     like a handoff (``node.state.owner_checkpoint``). ``evaluator``: what owners check candidate
     versions with before publishing them (``node.diloco.validation``; None: validated
-    publication is off, which is logged)."""
+    publication is off, which is logged). ``may_own``: False for a peer that never offers to own
+    fragments, which then reads only a bounded view of the members (``node.dht.membership``)."""
 
     host: str = "127.0.0.1"
     port: int = 0
@@ -121,6 +122,7 @@ class NodeOptions:
     owner_checkpoint_dir: Path | None = None
     evaluator: Evaluator | None = None
     artifacts: ArtifactStore | None = None  # the recipe's artifacts, served to members
+    may_own: bool = True  # False: never offer to own; read a bounded view of the members
 
 
 class PeerNode:
@@ -233,6 +235,7 @@ class PeerNode:
             credentials=self.credentials,
             public_address=self.options.public_address,
             on_suspect=self._reconcile_soon,
+            may_own=self.options.may_own,
         )
         self.expected = LearnerExpectations(cfg, started, self.presence)
         self.finals = FinalVersions(started, self.expected)

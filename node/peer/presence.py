@@ -98,10 +98,12 @@ class Presence:
         credentials: SwarmCredentials | None,
         public_address: str | None,
         on_suspect: Callable[[], None],
+        may_own: bool = True,
     ) -> None:
         self.cfg, self.signer, self.transport, self.started = cfg, signer, transport, started
         self.shapes, self.credentials, self.public_address = shapes, credentials, public_address
         self.on_suspect = on_suspect
+        self.may_own = may_own  # False: never offer to own (a learner that reads a bounded view)
         self.manifest = manifest_hash(cfg)
         self.reachable = False
         self.learning = True
@@ -142,6 +144,7 @@ class Presence:
         if seen is not None and time.monotonic() - seen < UNKNOWN_KEY_RETRY_S:
             return False
         arrived = time.monotonic()
+        self.membership.want(peer_id)  # a bounded view looks it up in the read below
         async with self._lookup_lock:
             if (
                 not self.is_member(peer_id)
@@ -201,7 +204,9 @@ class Presence:
 
     def my_record(self) -> MemberRecord:
         cred = self.credentials
-        may_own = cred is None or (cred.cert is not None and "owner" in cred.cert.roles)
+        may_own = self.may_own and (
+            cred is None or (cred.cert is not None and "owner" in cred.cert.roles)
+        )
         roles = ("learner", "owner") if self.reachable and may_own else ("learner",)
         url = (
             origin(self.url) if self.reachable else ""
@@ -224,6 +229,8 @@ class Presence:
     def member_url(self, peer_id: bytes) -> str | None:
         """The address of a reachable member (None for anyone else): where holders are fetched from."""
         member = self.membership.members.get(peer_id) if self.membership is not None else None
+        if member is None and self.membership is not None:
+            self.membership.want(peer_id)  # a bounded view: looked up at the next read
         if member is None or not member.record.url or not member.record.reachable:
             return None
         return member.record.url
@@ -423,6 +430,10 @@ class Presence:
                     break
         else:
             self.reachable = True  # the first peer: others will reach it through its address
+        # a peer told never to own reads a bounded view (the roster, others by id); any other
+        # reads every member, so that counts of members (``wait_for_members``, the learners'
+        # steps) stay whole for peers that merely cannot be dialled (docs/scale_peers.md)
+        self.membership.sees_all = self.may_own
         self.pin_members()  # before the first read: state sync below runs pinned
         await self.membership.refresh()
         if self.membership.owner_candidates():

@@ -19,7 +19,14 @@ from collections.abc import Iterable, Sequence
 from protocol.dht.signed_record import SignedRecord
 from protocol.errors import DecodeError
 
-__all__ = ["KNOWN_TAG_BYTES", "KNOWN_TAG_ID_BYTES", "known_tag", "known_tags", "unknown_to"]
+__all__ = [
+    "KNOWN_TAG_BYTES",
+    "KNOWN_TAG_ID_BYTES",
+    "known_tag",
+    "known_tags",
+    "only_subkeys",
+    "unknown_to",
+]
 
 KNOWN_TAG_ID_BYTES = 16  # of the subkey: a forged match needs a 128-bit prefix collision
 KNOWN_TAG_BYTES = KNOWN_TAG_ID_BYTES + 8  # ... then the expiry held, as a little-endian float64
@@ -63,3 +70,12 @@ def unknown_to(
         return list(records), 0
     out = [r for r in records if r.expires_at > held.get(r.subkey[:KNOWN_TAG_ID_BYTES], -math.inf)]
     return out, len(records) - len(out)
+
+
+def only_subkeys(records: Sequence[SignedRecord], only: Iterable[bytes]) -> list[SignedRecord]:
+    """The records whose subkey starts with one of the ``only`` prefixes (all of them when
+    ``only`` is empty): a reader that needs a few members' records by id, not the whole key."""
+    wanted = {bytes(p[:KNOWN_TAG_ID_BYTES]) for p in only}
+    if not wanted:
+        return list(records)
+    return [r for r in records if r.subkey[:KNOWN_TAG_ID_BYTES] in wanted]

@@ -18,14 +18,16 @@ Records in ``Store`` and ``ValueReply`` are only shaped on decode: the node runs
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
-from protocol.dht.records import KNOWN_TAG_BYTES, SignedRecord
+from protocol.dht.records import KNOWN_TAG_BYTES, KNOWN_TAG_ID_BYTES, SignedRecord
 from protocol.errors import DecodeError, NotAuthorized
 from protocol.ids import ID_BYTES, peer_id_from_public_key
 from protocol.wire.messages import Message, PeerInfo, register
 
 __all__ = [
     "DHT_MESSAGES",
+    "MAX_ONLY_SUBKEYS",
     "MAX_REPLY_PEERS",
     "MAX_REPLY_RECORDS",
     "MAX_STORE_RECORDS",
@@ -44,6 +46,7 @@ __all__ = [
 MAX_REPLY_PEERS = 64  # k = 20 is what we send; room for peers configured with a larger k
 MAX_STORE_RECORDS = 64
 MAX_REPLY_RECORDS = 4096  # one key's subkeys, e.g. a large swarm's member list
+MAX_ONLY_SUBKEYS = 64  # subkeys one FindValue may single out (``FindValue.only``)
 
 
 def _require(ok: bool, reason: str) -> None:
@@ -97,11 +100,16 @@ class FindNode(Message):
 @dataclass(frozen=True, slots=True, kw_only=True)
 class FindValue(Message):
     """Send me the records under ``key``, or the contacts you know nearest it; leave out the
-    records ``known`` names (``protocol.dht.records.known_tag``: I hold them or newer ones)."""
+    records ``known`` names (``protocol.dht.records.known_tag``: I hold them or newer ones).
+    ``only``: send only the records whose subkeys start with one of these prefixes (a lookup of
+    a few members by id, ``protocol.dht.records.only_subkeys``); empty: every record."""
 
     sender: PeerInfo
     key: bytes
     known: tuple[bytes, ...] = ()
+    only: tuple[bytes, ...] = ()
+    # left out of the bytes when empty, and taken as empty when absent (older senders)
+    ADDED: ClassVar[frozenset[str]] = frozenset({"only"})
 
     def _check(self) -> None:
         _id(self.key, "FindValue.key")
@@ -109,6 +117,11 @@ class FindValue(Message):
         _require(
             all(len(t) == KNOWN_TAG_BYTES for t in self.known),
             f"FindValue.known: every tag must be {KNOWN_TAG_BYTES} bytes",
+        )
+        _at_most(self.only, MAX_ONLY_SUBKEYS, "FindValue.only")
+        _require(
+            all(len(t) == KNOWN_TAG_ID_BYTES for t in self.only),
+            f"FindValue.only: every subkey prefix must be {KNOWN_TAG_ID_BYTES} bytes",
         )
 
 

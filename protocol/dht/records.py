@@ -8,7 +8,8 @@ This module is the import point; the pieces, each with its theory of operation, 
   expiry second), ``PutResult`` and ``source_key``;
 - ``protocol.dht.store_limits``: ``StoreLimits``, the token buckets on STORE, and ``RateLimited``;
 - ``protocol.dht.delta_reads``: ``known_tag``/``known_tags`` and ``unknown_to``, so a FIND_VALUE
-  answer leaves out the records its reader already holds.
+  answer leaves out the records its reader already holds; ``only_subkeys`` for a FIND_VALUE
+  that asks for a few subkeys by id.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from protocol.dht.delta_reads import (
     KNOWN_TAG_ID_BYTES,
     known_tag,
     known_tags,
+    only_subkeys,
     unknown_to,
 )
 from protocol.dht.record_store import RECORD_OVERHEAD_BYTES, PutResult, RecordStore, source_key
@@ -47,6 +49,7 @@ __all__ = [
     "StoreLimits",
     "known_tag",
     "known_tags",
+    "only_subkeys",
     "record_signing_bytes",
     "sign_record",
     "unknown_to",

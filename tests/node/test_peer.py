@@ -32,6 +32,9 @@ class FakeMembership:
         self.members = dict(self.records)
         return self.members
 
+    def want(self, peer_id: bytes) -> None:
+        """A view that reads every record: nothing to look up by id."""
+
     def owner_of(
         self, swarm: str, fragment: int, *, exclude: object = ()
     ) -> tuple[bytes, str] | None:

@@ -209,6 +209,27 @@ async def test_a_delta_read_gets_only_newer_records_for_a_fraction_of_the_bytes(
         assert len(await reader.get(key, quorum=3, known=many)) == 8
 
 
+async def test_a_lookup_by_subkey_gets_those_records_alone_and_caches_nothing() -> None:
+    """``only``: the records of the named subkeys, from a reader with nothing stored locally,
+    for a fraction of a whole read's bytes; a subkey nobody stored gets nothing."""
+    async with network() as net:
+        nodes = await joined(net, 8)
+        reader = await net.add(99, dialable=False)
+        assert await reader.bootstrap([nodes[0].me.address]) == 1
+        key = key_id("swarm/members")
+        for node in nodes:
+            assert await node.store(key, b"http://member:1/" + bytes(200), 60) == 8
+        sent = net.transport.bytes_sent
+        whole = await reader.get(key)
+        whole_bytes, sent = net.transport.bytes_sent - sent, net.transport.bytes_sent
+        wanted = (nodes[2].peer_id, nodes[6].peer_id)
+        got = await reader.get(key, only=tuple(p[:16] for p in wanted))
+        assert len(whole) == 8 and sorted(r.subkey for r in got) == sorted(wanted)
+        assert net.transport.bytes_sent - sent < whole_bytes / 2
+        assert await reader.get(key, only=(bytes(16),)) == []
+        assert len(await reader.get(key)) == 8  # nothing partial was cached in between
+
+
 async def test_a_republication_reuses_its_lookup_until_the_neighbourhood_fails() -> None:
     async with network() as net:
         nodes = await joined(net, 6)
@@ -437,7 +458,9 @@ async def test_garbage_and_forgeries_get_4xx_and_the_node_keeps_working() -> Non
         assert sum(node.metrics.refusals.values()) == 7 and node.metrics.refusals["Replay"] == 1
         assert victim.peer_id not in node.routing
         bad_tags = object.__new__(FindValue)  # past the sender's own checks: a tag one byte short
-        for name, value in dict(sender=info(mallory), key=bytes(32), known=(b"t" * 23,)).items():
+        for name, value in dict(
+            sender=info(mallory), key=bytes(32), known=(b"t" * 23,), only=()
+        ).items():
             object.__setattr__(bad_tags, name, value)
         status, body = await raw(net, url, mallory, sealed(mallory, bad_tags))
         assert status == 400 and b"24 bytes" in body  # type: ignore[operator]

@@ -98,6 +98,8 @@ class FakeDHT:
         self.known: list[tuple[bytes, ...]] = []
 
     async def get(self, key: bytes, *, quorum: int = 1, known: tuple[bytes, ...] = ()) -> list:
+        if key != members_key("s"):  # the roster: these tests put every record under the other key
+            return []
         self.quorums.append(quorum)
         self.known.append(known)
         return list(self.answer)
@@ -308,3 +310,85 @@ def test_a_joiner_reads_the_steps_other_learners_claim_not_its_own_nor_idle_memb
     )  # c: finished, or an owner that does not learn
     assert sorted(Presence.learner_steps(node)) == [650, 700]  # type: ignore[arg-type]
     assert Presence.learner_steps(SimpleNamespace(signer=node.signer, membership=None)) == []  # type: ignore[arg-type]
+
+
+class KeyedDHT:
+    """Records per key; ``get`` honours ``only`` (subkey prefixes) as a responder does."""
+
+    def __init__(self) -> None:
+        self.by_key: dict[bytes, list] = {}
+        self.reads: list[tuple[bytes, tuple[bytes, ...]]] = []
+        self.stored: list[bytes] = []
+        self.forgotten: list[bytes] = []
+
+    async def get(
+        self,
+        key: bytes,
+        *,
+        quorum: int = 1,
+        known: tuple[bytes, ...] = (),
+        only: tuple[bytes, ...] = (),
+    ) -> list:
+        self.reads.append((key, only))
+        recs = self.by_key.get(key, [])
+        return [r for r in recs if not only or r.subkey[:16] in only]
+
+    def held_near(self, key: bytes) -> list | None:
+        return None
+
+    async def store(self, key: bytes, value: bytes, ttl_s: float) -> int:
+        self.stored.append(key)
+        return 1
+
+    def forget(self, key: bytes) -> None:
+        self.forgotten.append(key)
+
+
+async def test_a_bounded_view_reads_the_roster_and_looks_others_up_by_id() -> None:
+    from node.dht.membership import LOOKUPS_PER_READ, roster_key
+
+    dht = KeyedDHT()
+    owners = [Signer.from_seed(os.urandom(32)) for _ in range(2)]
+    learners = [Signer.from_seed(os.urandom(32)) for _ in range(LOOKUPS_PER_READ + 4)]
+    expiry = time.time() + 20
+    dht.by_key[roster_key("s")] = [
+        sign_record(
+            o, roster_key("s"), _record(url=f"http://127.0.0.1:{9000 + i}").encode(), expiry
+        )
+        for i, o in enumerate(owners)
+    ]
+    learner_value = _record(url="", roles=("learner",), reachable=False).encode()
+    dht.by_key[members_key("s")] = [
+        sign_record(s, members_key("s"), learner_value, expiry) for s in learners
+    ]
+    view = Membership(dht, "s", "m")  # type: ignore[arg-type]
+    view.sees_all = False
+    assert set(await view.refresh()) == {o.peer_id for o in owners}  # no learner read
+    assert all(key == roster_key("s") for key, _ in dht.reads)
+    for s in learners:
+        view.want(s.peer_id)
+    members = await view.refresh()
+    # the most recently wanted, at most LOOKUPS_PER_READ a read, by id from the members key
+    looked = [only for key, only in dht.reads if key == members_key("s")]
+    assert len(looked) == 1 and len(looked[0]) == LOOKUPS_PER_READ
+    assert set(members) - {o.peer_id for o in owners} == {
+        s.peer_id for s in learners[-LOOKUPS_PER_READ:]
+    }
+    assert len(await view.refresh()) == len(owners) + len(learners)  # the rest next read
+    assert sorted(view.owner_candidates()) == sorted(o.peer_id for o in owners)
+
+    full = Membership(dht, "s", "m")  # type: ignore[arg-type]
+    assert len(await full.refresh()) == len(owners) + len(learners)  # sees_all: both keys whole
+    full.want(learners[0].peer_id)  # no-op: nothing to look up
+    assert len(full.lookups) == 0
+
+
+async def test_a_record_is_published_under_the_roster_when_it_offers_to_own() -> None:
+    from node.dht.membership import roster_key
+
+    dht = KeyedDHT()
+    view = Membership(dht, "s", "m")  # type: ignore[arg-type]
+    await view.publish(_record())
+    await view.publish(_record(roles=("learner",)))
+    assert dht.stored == [roster_key("s"), members_key("s")]
+    assert dht.forgotten == [roster_key("s")]  # not republished there: it expires

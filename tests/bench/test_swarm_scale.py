@@ -1,0 +1,158 @@
+"""bench.swarm_scale: its accounting (pure, on made-up reports) and one small real run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.swarm_scale import Config, Schedule, is_control, owner_agreement, spread_times, summarize
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_control_routes_are_everything_but_fragment_payloads() -> None:
+    for route in (
+        "/v1/dht:FindValue",
+        "reply /v1/dht:Store",
+        "/v1/fragments/*/held",
+        "reply /v1/fragments/*/held",
+        "reply /v1/fragments/*/latest/manifest",
+        "/v1/status",
+        "reply /v1/dialback",
+    ):
+        assert is_control(route), route
+    for route in (
+        "/v1/rpc:Contribution",
+        "reply /v1/rpc:Contribution",
+        "/v1/rpc:ReplicaState",
+        "reply /v1/fragments/*/latest",
+        "reply /v1/fragments/*/next",
+        "reply /v1/fragments/*/final",
+    ):
+        assert not is_control(route), route
+
+
+def test_owner_agreement_counts_pairs_that_name_the_same_owner() -> None:
+    # 3 peers agree on fragment 0; on fragment 1 two of three agree (1 pair of 3), one names none
+    sample = {"a": ["x", "y"], "b": ["x", "y"], "c": ["x", ""]}
+    assert owner_agreement([sample], 2) == pytest.approx((1.0 + 2 / 6) / 2)
+    assert owner_agreement([{"a": ["x"]}], 1) is None  # one peer: no pair to compare
+    assert owner_agreement([{"a": [""], "b": [""]}], 1) == 0.0  # naming no owner is no agreement
+
+
+def test_spread_counts_only_peers_live_through_the_horizon_and_versions_judged() -> None:
+    held = {
+        "a": {"0:1": 10.0, "0:2": 95.0},
+        "b": {"0:1": 11.0},
+        "c": {"0:1": 13.5},
+        "late": {"0:1": 50.0},  # joined after the version was first held: not counted
+    }
+    lives = {"a": (0.0, None), "b": (0.0, None), "c": (1.0, None), "late": (20.0, None)}
+    times, judged = spread_times(held, lives, until=100.0, horizon_s=30.0)
+    # 0:1 reaches 99 % of a, b, c (all three) at 13.5; 0:2 is too close to the end to judge
+    assert times == [pytest.approx(3.5)] and judged == 1
+    # a peer that leaves within the horizon is not waited for; one that never gets it fails it
+    lives["c"] = (1.0, 20.0)
+    held["b"] = {}
+    times, judged = spread_times(held, lives, until=100.0, horizon_s=30.0)
+    assert times == [] and judged == 1
+
+
+def test_schedule_churns_the_share_asked_for_and_keeps_the_founder() -> None:
+    cfg = Config(peers=20, duration_s=220.0, churn_at=90.0, churn=0.1)
+    s = Schedule.of(cfg)
+    joins = [e for e in s.events if e.kind == "join"]
+    gone = [e for e in s.events if e.kind in ("leave", "kill")]
+    assert len(gone) == 2 * 2  # 10 % of 20 a minute, for the two whole minutes that fit
+    assert {e.kind for e in gone} == {"leave", "kill"}
+    assert len(joins) == 20 + len(gone) and s.slots == 24
+    assert all(e.slot != 0 for e in gone)
+    assert s.steady == (cfg.join_s + cfg.settle_s, 90.0)
+    assert Schedule.of(cfg) == s  # every worker derives the same one
+
+
+def test_summarize_divides_control_bytes_by_each_peers_window() -> None:
+    cfg = Config(peers=2, duration_s=100.0, join_s=1.0, settle_s=1.0, sample_s=2.0)
+    peer = {
+        "joined_at": 1.0,
+        "gone_at": None,
+        "failure": None,
+        "first_held": {},
+    }
+    reports = [
+        {
+            "worker": 0,
+            "peak_rss_mb": 300.0,
+            "samples": [{"t": 10.0, "owners": {"0": ["x"] * 4}, "views": {"0": 2}}],
+            "peers": {
+                "0": {
+                    **peer,
+                    "window": {
+                        "s": 10.0,
+                        "bytes": {"/v1/dht:Store": 500, "/v1/rpc:Contribution": 90},
+                    },
+                }
+            },
+        },
+        {
+            "worker": 1,
+            "peak_rss_mb": 200.0,
+            "samples": [{"t": 10.5, "owners": {"1": ["x"] * 4}, "views": {"1": 1}}],
+            "peers": {
+                "1": {**peer, "window": {"s": 20.0, "bytes": {"reply /v1/dht:FindValue": 2000}}}
+            },
+        },
+    ]
+    case = summarize(cfg, reports)
+    assert case["control_bytes_per_peer_s"] == pytest.approx((50.0 + 100.0) / 2)
+    assert case["control_by_route"] == {"reply /v1/dht:FindValue": 50.0, "/v1/dht:Store": 25.0}
+    assert case["data_bytes_per_peer_s"] == pytest.approx(4.5)
+    assert case["member_view"] == 1.5 and case["owner_agreement"] == 1.0
+    assert case["peak_rss_mb"] == 300.0 and case["rss_mb_per_peer"] == 250.0
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(240)
+def test_a_small_real_swarm_is_measured(tmp_path: Path) -> None:
+    # four real peers in two processes: every one joins, sees the others, names the same owners
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.swarm_scale",
+            "--json",
+            "--peers",
+            "4",
+            "--per-process",
+            "2",
+            "--duration",
+            "40",
+            "--join-s",
+            "4",
+            "--settle-s",
+            "6",
+            "--step-s",
+            "0.2",
+            "--inner-steps",
+            "10",
+        ],  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=200,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (case,) = json.loads(proc.stdout.strip().splitlines()[-1])["cases"]
+    assert case["peers"] == 4 and case["processes"] == 2
+    assert case["joined"] == 4 and case["failed"] == 0
+    assert case["member_view"] >= 3.5
+    assert case["owner_agreement"] >= 0.9
+    assert case["control_bytes_per_peer_s"] > 0
+    assert any(route.startswith("/v1/dht") for route in case["control_by_route"])
+    assert case["versions"] > 0 and case["peak_rss_mb"] > 0
