@@ -767,6 +767,7 @@ class TrainingLoop:
         local = work.evaluate(work.model, self.cfg)
         assert local is not None  # real compute
         self.curves.local.append((self.curves.now(), step, local))
+        self.peer.node.board.record_validation(step, local)  # the status page's held-out curve
         if self.opts.index == 0:
             at = self.curves.now()
             loss = _eval_global(

@@ -2,10 +2,11 @@
 
 ``StatusBoard(reader)`` adds the routes to the node's server (``reader``: a ``StatusSource``,
 the peer's ``node.peer.status.PeerReader``); the trainer calls ``record(step, loss)`` about once
-a second. Everything shown comes from one ``PeerStatus`` snapshot the reader builds and the
+a second and ``record_validation(step, loss)`` at each evaluation on the held-out set (a
+recipe's validation set, which the merge checks use too). Everything shown comes from one ``PeerStatus`` snapshot the reader builds and the
 board's own progress history. The board's JSON holds what the page draws and nothing more (no keys beyond peer ids,
 no credentials): this node, the members it sees with their roles, labs and reachability, each
-fragment's owner and versions, the progress history and the totals. It is cheap whatever a
+fragment's owner and versions, the progress and validation histories and the totals. It is cheap whatever a
 visitor does: the snapshot, the JSON and the metrics are each computed at most once per
 ``max_age_s`` (``Cached``), and the snapshot holds at most ``MAX_MEMBERS`` members with every
 string a peer chose cut short. The totals sum every owner's per-sender counts, on the event
@@ -66,6 +67,7 @@ class StatusBoard:
         self.reader = reader
         self.max_age_s, self.clock, self.wall_clock = max_age_s, clock, wall_clock
         self.history = History()
+        self.validation = History()  # held-out loss at each evaluation, bounded the same way
         self._status = Cached(self.reader.status, max_age_s=max_age_s, clock=self._now)
         self._json = Cached(self._render_json, max_age_s=max_age_s, clock=self._now)
         self.metrics = MetricsText(self._reading, max_age_s=max_age_s, clock=clock)
@@ -87,6 +89,11 @@ class StatusBoard:
         """One progress point, from the trainer thread (about once a second)."""
         sent, received = self.reader.traffic()
         self.history.record(Point(self.wall_clock(), step, float(loss), sent, received))
+
+    def record_validation(self, step: int, loss: float) -> None:
+        """The held-out loss of the model at inner ``step``, from the trainer thread."""
+        sent, received = self.reader.traffic()
+        self.validation.record(Point(self.wall_clock(), step, float(loss), sent, received))
 
     @property
     def loss(self) -> float | None:
@@ -113,11 +120,23 @@ class StatusBoard:
 
     def board(self) -> dict[str, Any]:
         """What the page draws (see the module docstring)."""
-        return board_of(self.status(), self.history.points(), loss=self.loss)
+        return board_of(
+            self.status(),
+            self.history.points(),
+            loss=self.loss,
+            validation=self.validation.points(),
+        )
 
 
-def board_of(status: PeerStatus, history: Sequence[Point], *, loss: float | None) -> dict[str, Any]:
-    """The page's JSON for one snapshot, the progress ``history`` and the training ``loss``."""
+def board_of(
+    status: PeerStatus,
+    history: Sequence[Point],
+    *,
+    loss: float | None,
+    validation: Sequence[Point] = (),
+) -> dict[str, Any]:
+    """The page's JSON for one snapshot, the progress ``history``, the training ``loss`` and the
+    held-out loss at each evaluation (``validation``, rows ``[step, loss]``)."""
     return {
         "swarm": status.swarm,
         "peer_id": status.peer_id,
@@ -130,6 +149,7 @@ def board_of(status: PeerStatus, history: Sequence[Point], *, loss: float | None
         "members_total": status.members_total,
         "fragments": [_fragment(f) for f in status.fragments],
         "history": [p.row() for p in history],
+        "validation": [[p.step, p.loss] for p in validation if math.isfinite(p.loss)],
         "totals": _finite(dataclasses.asdict(status.totals)),
     }
 

@@ -131,7 +131,11 @@
     fillTable("fragments", b.fragments.map(fragmentRow));
     const rows = Array.isArray(b.history) ? b.history : [];
     const t0 = rows.length ? rows[0][0] : 0;
-    chart("loss-chart", [{ name: "loss", color: "#1f6fd1", points: rows.filter((r) => num(r[2])).map((r) => [r[1], r[2]]) }]);
+    const held = Array.isArray(b.validation) ? b.validation : [];
+    chart("loss-chart", [
+      { name: "loss", color: "#1f6fd1", points: rows.filter((r) => num(r[2])).map((r) => [r[1], r[2]]) },
+      { name: "validation loss", color: "#d1561f", points: held.filter((r) => num(r[1])).map((r) => [r[0], r[1]]) },
+    ]);
     chart("bytes-chart", [
       { name: "sent", color: "#d1561f", points: rows.map((r) => [r[0] - t0, r[3] / 1e6]) },
       { name: "received", color: "#2a9d4b", points: rows.map((r) => [r[0] - t0, r[4] / 1e6]) },

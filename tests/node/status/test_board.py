@@ -120,6 +120,18 @@ def test_the_loss_curve_records_the_trainer_points() -> None:
     assert rows[0][3] == 500 and node.board.loss == 2.5
 
 
+def test_each_evaluation_is_drawn_on_the_validation_curve_and_the_training_loss_is_untouched() -> (
+    None
+):
+    node = _node()
+    node.board.record(10, 3.0)
+    for step, loss in ((0, 5.0), (50, 4.0), (100, 3.5)):
+        node.board.record_validation(step, loss)
+    board = node.board.board()
+    assert board["validation"] == [[0, 5.0], [50, 4.0], [100, 3.5]]
+    assert node.board.loss == 3.0 and [r[1] for r in board["history"]] == [10]
+
+
 async def test_owner_counters_sum_into_totals_and_metrics() -> None:
     clock = FakeClock()
     node = _node(clock)

@@ -71,6 +71,7 @@ BOARD = {
         },
     ],
     "history": [[100.0 + i, 10 * i, 4.0 - 0.3 * i, 1000 * i * i, 800 * i * i] for i in range(6)],
+    "validation": [[0, 4.2], [25, 3.4], [50, 2.9]],
     "totals": {
         "bytes_sent": 25000,
         "bytes_received": 20000,
@@ -154,6 +155,8 @@ async def test_the_page_draws_members_fragments_and_charts_from_hostile_strings_
         r'<polyline[^>]*data-series="loss"[^>]*data-points="(\d+)"[^>]*points="([^"]+)"', dom
     )
     assert loss is not None and int(loss.group(1)) == 6 and len(loss.group(2).split()) == 6
+    held = re.search(r'<polyline[^>]*data-series="validation loss"[^>]*data-points="(\d+)"', dom)
+    assert held is not None and int(held.group(1)) == 3  # the held-out curve beside it
     assert re.search(r'data-series="sent" data-points="6"', dom) and re.search(
         r'data-series="received"', dom
     )

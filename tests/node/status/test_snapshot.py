@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -89,6 +90,18 @@ def test_the_page_json_is_made_from_a_snapshot_alone() -> None:
     assert [f["owned"] for f in board["fragments"]] == [4, None]
     assert board["history"] == [[1.0, 40, 2.5, 10, 20]]
     assert board["totals"]["island"]["goodput"] is None  # NaN: JSON has none
+    assert board["validation"] == []  # no evaluation yet
+
+
+def test_the_page_json_carries_each_evaluations_held_out_loss_by_step() -> None:
+    held = [
+        Point(1.0, 0, 5.5, 0, 0),
+        Point(9.0, 100, float("nan"), 5, 5),
+        Point(20.0, 200, 4.25, 9, 9),
+    ]
+    board = board_of(_status(), [], loss=None, validation=held)
+    assert board["validation"] == [[0, 5.5], [200, 4.25]]  # a non-finite loss is left out
+    json.dumps(board, allow_nan=False)  # what the page reads is valid JSON
 
 
 def test_the_metrics_are_made_from_a_snapshot_alone() -> None:
