@@ -15,9 +15,11 @@ the others), with inner-optimizer moments reset where they are not finite.
 
 An accepted contribution is sent again when its owner leaves before merging it
 (``owners_changed``), and, for a synchronous island (``wait_for_merge``: the merge waits for
-every learner), also when no newer version has come ``RESEND_AFTER_S`` after the Ack: an owner
-that was fenced off and then owned the fragment again is the same peer but a new instance that
-never saw it. An owner that still holds it refuses the copy as a duplicate, which changes nothing.
+every learner), also when no newer version has come ``resend_after_s()`` after the Ack
+(``RESEND_AFTER_S``, or 4x the slowest recent merge once merges were seen): an owner that was
+fenced off and then owned the fragment again is the same peer but a new instance that never saw
+it, and an owner whose validation declined a round's candidate drops that round's work without
+telling anyone. An owner that still holds it refuses the copy as a duplicate, which changes nothing.
 The work goes again with its fragment's error-feedback residuals dropped, not restored to what
 they were before the lost send: the residuals it left count a quantisation of work that never
 arrived, and keeping the ones from before every accepted send for this rare case held up to a
@@ -31,6 +33,7 @@ import asyncio
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass, replace
 
@@ -51,11 +54,17 @@ from protocol.wire.messages import Ack, Contribution
 from protocol.wire.signing import ReplayWindow, Sealed, Signer, open_sealed, seal
 from protocol.wire.tensors import EncodedTensor
 
-__all__ = ["RESEND_AFTER_S", "ContributionSender"]
+__all__ = ["RESEND_AFTER_S", "RESEND_MIN_S", "ContributionSender"]
 
 log = logging.getLogger("node.diloco.learner")
 
 RESEND_AFTER_S = 30.0  # synchronous islands: an accepted contribution with no newer version this long is sent again
+# ...or sooner once merges have been seen: RESEND_FACTOR x the slowest of the last RESEND_SAMPLES
+# Ack-to-version waits, at least RESEND_MIN_S. An owner that declined to publish a round (validated
+# publication) tells no one, and a synchronous swarm would stand still the whole RESEND_AFTER_S.
+RESEND_MIN_S = 5.0
+RESEND_FACTOR = 4.0
+RESEND_SAMPLES = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +113,7 @@ class ContributionSender:
         # stops owning the fragment before a version above the base comes, the work is sent again
         # at once (``owners_changed``)
         self._accepted_by: dict[int, _Accepted] = {}
+        self._merge_waits: deque[float] = deque(maxlen=RESEND_SAMPLES)  # Ack to version, seconds
         # fragment -> an accepted contribution sent again after silence, and the residuals after
         # it: a "duplicate" refusal of the copy puts both back
         self._resent: dict[int, tuple[_Accepted, dict[tuple[int, int], torch.Tensor | None]]] = {}
@@ -425,7 +435,17 @@ class ContributionSender:
         and is not to be sent again (``owners_changed`` would forget it at its next call)."""
         accepted = self._accepted_by.get(p)
         if accepted is not None and version > accepted.base:
+            self._merge_waits.append(max(0.0, self.wall_clock() - accepted.at))
             del self._accepted_by[p]
+
+    def resend_after_s(self) -> float:
+        """How long a synchronous island waits for a version after an Ack before sending the
+        work again: ``RESEND_FACTOR`` x the slowest recent merge, within [``RESEND_MIN_S``,
+        ``RESEND_AFTER_S``]; ``RESEND_AFTER_S`` before any merge was seen. A copy the owner still
+        holds is refused as a duplicate, so sending early costs bytes, never a double count."""
+        if not self._merge_waits:
+            return RESEND_AFTER_S
+        return min(RESEND_AFTER_S, max(RESEND_MIN_S, RESEND_FACTOR * max(self._merge_waits)))
 
     def owners_changed(self) -> int:
         """Call when the owners may have changed (a membership pass, an unreachable owner).
@@ -439,6 +459,7 @@ class ContributionSender:
         ``RESEND_AFTER_S`` without a version (see the module docstring). Returns how many
         fragments are sent again."""
         resent = 0
+        wait_s = self.resend_after_s()
         for p, accepted in list(self._accepted_by.items()):
             owner_id, base, keys = accepted.owner, accepted.base, accepted.keys
             if self.island.in_flight[p] is None or self.island.versions[p] > base:
@@ -447,9 +468,7 @@ class ContributionSender:
             now = self.reach.owner_of(p)
             if now is None:
                 continue
-            silent = (
-                self.island.cfg.wait_for_merge and self.wall_clock() - accepted.at > RESEND_AFTER_S
-            )
+            silent = self.island.cfg.wait_for_merge and self.wall_clock() - accepted.at > wait_s
             if now[0] == owner_id and not silent:
                 continue
             del self._accepted_by[p]
@@ -460,7 +479,7 @@ class ContributionSender:
                     "fragment %d: no version %.0f s after %s accepted our contribution (base %d); "
                     "sending it again",
                     p,
-                    RESEND_AFTER_S,
+                    wait_s,
                     owner_id.hex()[:8],
                     base,
                 )

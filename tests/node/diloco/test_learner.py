@@ -385,6 +385,33 @@ async def test_sync_work_a_restarted_owner_never_saw_is_sent_again_after_silence
     assert rig.net.stats.contributions_accepted == 2  # the new instance has it now
 
 
+async def test_once_merges_were_seen_silent_work_is_sent_again_after_a_few_merge_times() -> None:
+    """An owner whose validation declined a round drops its work and tells no one: a synchronous
+    swarm stood still RESEND_AFTER_S (30 s) each time. After a merge that took 0.5 s the learner
+    waits RESEND_MIN_S, not 30 s; slow merges lengthen the wait, never past RESEND_AFTER_S."""
+    from node.diloco.contributing import RESEND_FACTOR, RESEND_MIN_S
+    from node.diloco.learner import RESEND_AFTER_S
+
+    rig = _sync_rig()
+    sender = rig.net.sender
+    n = rig.owners[0].theta.numel()
+    assert sender.resend_after_s() == RESEND_AFTER_S  # no merge seen yet
+    await sender.send(rig.outgoing(0, _delta(n)))
+    _age(rig, 0, 0.5)
+    sender.version_came(0, 1)  # merged 0.5 s after the Ack
+    assert sender.resend_after_s() == RESEND_MIN_S
+    rig.owners[0] = _waiting_owner(rig)  # the next round's work is dropped by the owner
+    await sender.send(rig.outgoing(0, _delta(n)))
+    _age(rig, 0, RESEND_MIN_S - 1.0)
+    assert rig.net.owners_changed() == 0  # not yet
+    _age(rig, 0, 2.0)
+    assert rig.net.owners_changed() == 1 and rig.net.stats.resent_after_silence == 1
+    sender._merge_waits.append(4.0)  # a slow merge: 4 x 4 s
+    assert sender.resend_after_s() == RESEND_FACTOR * 4.0
+    sender._merge_waits.append(60.0)
+    assert sender.resend_after_s() == RESEND_AFTER_S  # capped
+
+
 async def test_a_copy_the_owner_still_holds_is_refused_as_duplicate_and_changes_nothing() -> None:
     from node.diloco.learner import RESEND_AFTER_S
 
