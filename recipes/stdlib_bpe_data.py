@@ -12,16 +12,15 @@ line is trained on. The same Python version gives the same three files, byte for
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from node.state.artifacts import sha256_file
 from node.workload.corpus import stdlib_corpus_files
 from node.workload.tokenizer_train import TrainConfig, train_tokenizer
 
-CHUNK_BYTES = 1 << 20
 VALID_EVERY = 20
 
 
@@ -38,14 +37,6 @@ def _join(files: Iterable[Path], out: Path, max_bytes: int) -> None:
             left -= len(data) + 1
             if left <= 1:
                 break
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(CHUNK_BYTES):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -69,7 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     tok = args.out / "tokenizer.json"
     tok.write_text(train_tokenizer(config))
-    made = {p.stem: {"path": str(p), "sha256": _sha256(p)} for p in (train, valid, tok)}
+    made = {p.stem: {"path": str(p), "sha256": sha256_file(p)} for p in (train, valid, tok)}
     print(json.dumps(made, sort_keys=True))
     return 0
 

@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from node.state.artifacts import sha256_file
 from protocol.diloco.shard_deal import MAX_SHARDS, deal, shard_preference
 
 __all__ = [
@@ -623,11 +624,7 @@ class _VerifiedArtifacts:
         marker, seen = self.root / h, f"{stat.st_size} {stat.st_mtime_ns}"
         if marker.is_file() and marker.read_text()[:100] == seen:
             return path
-        digest = hashlib.sha256()
-        with path.open("rb") as f:
-            while block := f.read(CHUNK_BYTES):
-                digest.update(block)
-        if digest.hexdigest() != h:
+        if sha256_file(path) != h:
             raise DataError(f"{path} does not hash to {h[:16]}…: delete it and fetch it again")
         self.root.mkdir(parents=True, exist_ok=True)
         marker.write_text(seen)
