@@ -87,13 +87,15 @@ class StatusBoard:
 
     def record(self, step: int, loss: float) -> None:
         """One progress point, from the trainer thread (about once a second)."""
-        sent, received = self.reader.traffic()
-        self.history.record(Point(self.wall_clock(), step, float(loss), sent, received))
+        self.history.record(self._point(step, loss))
 
     def record_validation(self, step: int, loss: float) -> None:
         """The held-out loss of the model at inner ``step``, from the trainer thread."""
+        self.validation.record(self._point(step, loss))
+
+    def _point(self, step: int, loss: float) -> Point:
         sent, received = self.reader.traffic()
-        self.validation.record(Point(self.wall_clock(), step, float(loss), sent, received))
+        return Point(self.wall_clock(), step, float(loss), sent, received)
 
     @property
     def loss(self) -> float | None:
