@@ -12,11 +12,9 @@ to do. Private key bytes are never logged, printed or put in a message.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import stat
-import tempfile
 from pathlib import Path
 
 import tomli_w
@@ -29,6 +27,7 @@ from cryptography.hazmat.primitives.serialization import (
     load_pem_private_key,
 )
 
+from node.state.atomic import write_atomic
 from protocol.errors import BadSignature, RemoteProtocolError
 from protocol.wire.certificates import Certificate
 from protocol.wire.membership import SwarmManifest, parse_public_key
@@ -72,7 +71,7 @@ def save_key(signer: Signer, path: Path | str, *, force: bool = False) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         if force:
-            _write_atomic(path, _pem(signer), mode=0o600)
+            write_atomic(path, _pem(signer), mode=0o600)
             return
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as f:
@@ -210,23 +209,6 @@ def load_certificate(path: Path | str) -> Certificate:
 def _write_text(path: Path, text: str, what: str) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        _write_atomic(path, text.encode(), mode=0o644)
+        write_atomic(path, text.encode(), mode=0o644)
     except OSError as exc:
         raise IdentityError(f"cannot write {what} {path}: {exc.strerror or exc}") from None
-
-
-def _write_atomic(path: Path, data: bytes, *, mode: int) -> None:
-    """Write ``data`` to a temp file beside ``path`` (created 0600, then set to ``mode``),
-    flush it to disk and rename it over ``path``: readers see the old file or the new one."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise

@@ -34,10 +34,8 @@ import importlib
 import itertools
 import json
 import logging
-import os
 import re
 import struct
-import tempfile
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -48,6 +46,7 @@ import numpy as np
 import torch
 
 from node.state.artifacts import sha256_file
+from node.state.atomic import atomic_write
 from protocol.diloco.shard_deal import MAX_SHARDS, deal, shard_preference
 
 __all__ = [
@@ -227,30 +226,21 @@ def write_token_file(path: Path, chunks: Iterable[np.ndarray], *, dtype: np.dtyp
     """Write the token ``chunks`` (1-D integer arrays) to ``path`` as ``dtype``, atomically: a
     temporary file in the same folder, fsynced, then renamed over ``path``. Returns the count.
     Raises OverflowError if a token does not fit ``dtype``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as out:
-            out.write(bytes(_HEADER_BYTES))
-            digest, count = hashlib.blake2b(digest_size=32), 0
-            top = np.iinfo(dtype).max
-            for chunk in chunks:
-                if chunk.size and (int(chunk.max()) > top or int(chunk.min()) < 0):
-                    raise OverflowError(f"a token id outside 0..{top} for {dtype}")
-                body = np.ascontiguousarray(chunk, dtype=dtype).astype(dtype.newbyteorder("<"))
-                raw = body.tobytes()
-                digest.update(raw)
-                out.write(raw)
-                count += chunk.size
-            header = _HEADER.pack(_MAGIC, 1, dtype.itemsize, count, digest.digest())
-            out.seek(0)
-            out.write(header.ljust(_HEADER_BYTES, b"\0"))
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_write(path) as out:
+        out.write(bytes(_HEADER_BYTES))
+        digest, count = hashlib.blake2b(digest_size=32), 0
+        top = np.iinfo(dtype).max
+        for chunk in chunks:
+            if chunk.size and (int(chunk.max()) > top or int(chunk.min()) < 0):
+                raise OverflowError(f"a token id outside 0..{top} for {dtype}")
+            body = np.ascontiguousarray(chunk, dtype=dtype).astype(dtype.newbyteorder("<"))
+            raw = body.tobytes()
+            digest.update(raw)
+            out.write(raw)
+            count += chunk.size
+        header = _HEADER.pack(_MAGIC, 1, dtype.itemsize, count, digest.digest())
+        out.seek(0)
+        out.write(header.ljust(_HEADER_BYTES, b"\0"))
     return count
 
 

@@ -16,13 +16,12 @@ from __future__ import annotations
 import argparse
 import glob
 import hashlib
-import os
 import sys
-import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from node.state.atomic import write_atomic
 from node.workload.corpus import stdlib_corpus_files
 
 __all__ = ["TrainConfig", "main", "text_blocks", "train_tokenizer"]
@@ -95,20 +94,6 @@ def train_tokenizer(config: TrainConfig) -> str:
     return str(tok.to_str())
 
 
-def _write_atomically(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as out:
-            out.write(data)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _files(patterns: Sequence[str], stdlib: bool) -> tuple[Path, ...]:
     found: set[Path] = set(stdlib_corpus_files()) if stdlib else set()
     for pattern in patterns:
@@ -134,7 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"tokenizer_train: {e}", file=sys.stderr)
         return 2
     data = train_tokenizer(config).encode()
-    _write_atomically(args.out, data)
+    write_atomic(args.out, data)
     digest = hashlib.sha256(data).hexdigest()
     print(
         f"wrote {args.out}: {config.vocab} tokens from {len(config.files)} files, sha256 {digest}"
