@@ -34,7 +34,6 @@ from __future__ import annotations
 import hashlib
 import math
 import re
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
@@ -43,7 +42,8 @@ import msgpack
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from protocol.errors import BadSignature, DecodeError, LocalProtocolError, NotAuthorized, Oversize
+from protocol.errors import BadSignature, DecodeError, LocalProtocolError, NotAuthorized
+from protocol.wire.toml_text import load_bounded_toml
 
 __all__ = [
     "ADMISSIONS",
@@ -413,15 +413,7 @@ class SwarmManifest:
     def from_toml(cls, text: str | bytes) -> SwarmManifest:
         """Parse a manifest file's text; raises ``Oversize`` or ``DecodeError`` with what is wrong.
         The signature is not checked here: call ``verify``."""
-        if len(text) > MAX_MANIFEST_BYTES:
-            raise Oversize(f"manifest of {len(text)} bytes exceeds {MAX_MANIFEST_BYTES}")
-        try:
-            raw = text.decode() if isinstance(text, bytes) else text
-            data = tomllib.loads(raw)
-        # ValueError: UnicodeDecodeError, TOMLDecodeError, and int() of an integer of 4300+ digits;
-        # RecursionError: arrays or inline tables nested ~1000 deep
-        except (ValueError, RecursionError) as exc:
-            raise DecodeError(f"manifest is not valid TOML: {exc}") from None
+        data = load_bounded_toml(text, limit=MAX_MANIFEST_BYTES, what="manifest")
         try:
             return cls._from_data(data)
         except (KeyError, TypeError, AttributeError, OverflowError) as exc:  # float(10**400)

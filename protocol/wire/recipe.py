@@ -24,12 +24,12 @@ from __future__ import annotations
 import json
 import math
 import re
-import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from protocol.errors import DecodeError, Oversize
+from protocol.wire.toml_text import load_bounded_toml
 
 __all__ = [
     "DATA_ARTIFACT_KEYS",
@@ -222,13 +222,7 @@ class Recipe:
         """Parse a recipe. Without ``resolve`` it must be canonical (every artifact a hash); with
         it (``swarm init``), a path is handed to ``resolve``, which returns the file's hash.
         Raises ``Oversize`` or ``DecodeError`` (one line, ``recipe: ...``)."""
-        if len(text) > MAX_RECIPE_BYTES:
-            raise Oversize(f"recipe: {len(text)} bytes exceeds {MAX_RECIPE_BYTES}")
-        try:
-            raw = text.decode() if isinstance(text, bytes) else text
-            data = tomllib.loads(raw)
-        except (ValueError, RecursionError) as exc:
-            raise _fail(f"not valid TOML: {' '.join(str(exc).split())}") from None
+        data = load_bounded_toml(text, limit=MAX_RECIPE_BYTES, what="recipe")
         return cls.from_data(data, resolve)
 
     @classmethod
