@@ -91,29 +91,27 @@ def test_a_merge_missing_one_input_is_told_from_codec_rounding(codec: str) -> No
     assert classify({"all": 0.5}, codec) == "neither"
 
 
+@pytest.fixture(scope="module")
+def tiny_runs(tmp_path_factory) -> tuple[str, dict, dict]:  # type: ignore[no-untyped-def,type-arg]
+    """One tiny run of Atoll and raw (2 peers x 40k values, 2 fragments), with the memory guard
+    off where the estimate says no memory is left, and the guarded try that skipped it before:
+    the merge checks and the guard are both read from them, so the suite runs the swarm once
+    (each run costs ~14 s of CPU here)."""
+    systems = "atoll,raw,hivemind" if importlib.util.find_spec("hivemind") else "atoll,raw"
+    args = ["--cases", "2x40k", "--codecs", "none", "--systems", systems, "--repeats", "1"]
+    args += ["--warmup", "0", "--fragments", "2", "--no-kill", "--timeout", "120"]
+    args += ["--log-dir", str(tmp_path_factory.mktemp("averaging"))]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(bench.averaging, "available_mb", lambda: 0)
+        skipped = main(args)
+        ran = main([*args, "--no-memory-guard"])
+    return systems, skipped, ran
+
+
 @pytest.mark.integration
 @pytest.mark.timeout(600)
-def test_a_tiny_run_of_atoll_and_raw_checks_every_merge(tmp_path) -> None:
-    systems = "atoll,raw,hivemind" if importlib.util.find_spec("hivemind") else "atoll,raw"
-    out = main(
-        [
-            "--cases",
-            "2x40k",
-            "--codecs",
-            "none",
-            "--systems",
-            systems,
-            "--repeats",
-            "1",
-            "--fragments",
-            "2",
-            "--no-kill",
-            "--timeout",
-            "120",
-            "--log-dir",
-            str(tmp_path),
-        ]
-    )
+def test_a_tiny_run_of_atoll_and_raw_checks_every_merge(tiny_runs) -> None:  # type: ignore[no-untyped-def]
+    systems, _, out = tiny_runs
     case = out["cases"][0]
     assert (case["peers"], case["params"]) == (2, 40_000)
     assert case["atoll_s"] > 0 and case["raw_s"] > 0
@@ -257,14 +255,13 @@ def test_a_peer_killed_mid_round_leaves_the_survivors_a_checked_merge_within_sec
     assert all(f["matches"] != "neither" and f["version"] >= 2 for f in kill["check"]["fragments"])
 
 
-def test_no_memory_guard_runs_a_case_the_estimate_would_skip(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_no_memory_guard_runs_a_case_the_estimate_would_skip(tiny_runs) -> None:  # type: ignore[no-untyped-def]
     # a new size (4 x 124M) is run once unguarded to measure its peak; the guard skips it otherwise
-    monkeypatch.setattr(bench.averaging, "available_mb", lambda: 0)
-    args = ["--cases", "2x40k", "--codecs", "none", "--systems", "atoll,raw", "--repeats", "1"]
-    args += ["--warmup", "0", "--fragments", "2", "--no-kill", "--log-dir", str(tmp_path)]
-    skipped = main(args)["cases"][0]
-    assert skipped["atoll_s"] is None and skipped["error"].startswith("not run: 2 peers")
-    ran = main([*args, "--no-memory-guard"])
+    _, skipped, ran = tiny_runs
+    assert skipped["cases"][0]["atoll_s"] is None
+    assert skipped["cases"][0]["error"].startswith("not run: 2 peers")
     case = ran["cases"][0]
     assert ran["config"]["memory_guard"] is False and "error" not in case
     assert case["atoll_s"] > 0 and case["raw_s"] > 0 and case["peak_rss_mb"][0] > 0

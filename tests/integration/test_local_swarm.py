@@ -36,7 +36,9 @@ from protocol.wire.messages import Contribution, PeerInfo
 from protocol.wire.signing import Signer, seal, verify_sealed
 from protocol.wire.tensors import EncodedTensor
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
+# hang guards, not speed targets: at load 20 on 2 cores a 300-step run took 85 s of wall and its
+# peers 2 minutes to start (46 s and ~10 s quiet)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = dict(
@@ -75,7 +77,7 @@ def _run_local(
         cwd=tmp_path,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=300,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -84,12 +86,10 @@ def _run_local(
 
 def test_three_peer_swarm_trains_to_one_global_model(tmp_path: Path) -> None:
     report_path = tmp_path / "report.json"
-    t0 = time.monotonic()
     # a 120 kB corpus and 300 steps: peer 0's shard alone is 1/3 of the training bytes, seen ~7
     # times, so what merging the three shards gains on the held-out bytes stands out of the
     # swarm's run-to-run noise (measured +0.115, +0.141 nats/byte; +0.04 to +0.09 at 200 steps)
     proc, report = _run_local(tmp_path, "--alone", corpus_max_bytes=120_000, steps=300)
-    wall = time.monotonic() - t0
     assert report["peers"] == 3 and report["steps"] == 300
     assert report["eval_loss"]["end"] <= 0.7 * report["eval_loss"]["start"], report["eval_loss"]
     hashes = set(report["final_param_hash"].values())
@@ -110,7 +110,9 @@ def test_three_peer_swarm_trains_to_one_global_model(tmp_path: Path) -> None:
     assert report["versions_in"]["from_replica"] > 0, report["versions_in"]
     accepted = report["contributions"]["accepted_per_peer"]
     assert len(accepted) == 3 and min(accepted.values()) >= 1, accepted
-    assert wall < 90, f"swarm took {wall:.0f} s"
+    # no wall-clock bound: on a busy box the same run takes minutes (36 s quiet, 165 s of wall for
+    # the 300-step kill run at load 20); a hang still ends at _run_local's timeout, and how fast a
+    # swarm runs is measured by bench/, not asserted here
 
 
 def test_ctrl_c_stops_every_peer(tmp_path: Path) -> None:
@@ -311,7 +313,7 @@ async def _status(url: str) -> dict[str, Any]:
 def test_running_node_refuses_garbage_bad_signatures_and_unknown_fragments(tmp_path: Path) -> None:
     insider = Signer.from_seed(os.urandom(32))
     cfg = resolved(RunConfig(**SMALL))  # type: ignore[arg-type]  # as the peers see it
-    swarm = LocalSwarm(cfg, tmp_path, quiet=True, run_timeout_s=120)
+    swarm = LocalSwarm(cfg, tmp_path, quiet=True, run_timeout_s=300)
 
     async def scenario() -> tuple[
         list[dict[str, Any]],
@@ -320,7 +322,7 @@ def test_running_node_refuses_garbage_bad_signatures_and_unknown_fragments(tmp_p
         tuple[list[int], tuple[str, ...]],
     ]:
         run = asyncio.create_task(swarm.run())
-        async with asyncio.timeout(60):
+        async with asyncio.timeout(180):
             await swarm.listening.wait()
         cfg = (
             swarm.cfg
@@ -386,15 +388,17 @@ def test_identities_that_claim_to_learn_and_send_nothing_do_not_stall_the_swarm(
     say "learning", and never contribute. Counted as learners they lift the owners' quorum (half
     the learners expected) to 5 of 9, which three learners cannot reach: before, no merge closed
     once the owners saw them, and the run never ended. Now the owners stop waiting for them once
-    they have been silent three of the learners' intervals (at least 30 s), the swarm merges and
-    ends on one model, and each owner's log names them."""
-    cfg = resolved(RunConfig(**{**SMALL, "steps": 2000}))  # type: ignore[arg-type]  # ~50 s of training here
-    swarm = LocalSwarm(cfg, tmp_path, quiet=True, run_timeout_s=170)
+    they have been silent three of the learners' intervals (at least 5 s; at the end of the run
+    30 s), the swarm merges and ends on one model, and each owner's log names them. The owners
+    see the fakes within the first rounds, so 500 steps (25 rounds a fragment) show the swarm
+    going on past them; 2000 steps showed nothing more and took 50 s of CPU a peer."""
+    cfg = resolved(RunConfig(**{**SMALL, "steps": 500}))  # type: ignore[arg-type]
+    swarm = LocalSwarm(cfg, tmp_path, quiet=True, run_timeout_s=300)
     fakes = [Signer.from_seed(os.urandom(32)) for _ in range(6)]
 
     async def scenario() -> list[dict[str, Any]]:
         run = asyncio.create_task(swarm.run())
-        async with asyncio.timeout(60):
+        async with asyncio.timeout(180):
             await swarm.listening.wait()
         cfg = swarm.cfg
         joined = [await _join_as_insider(swarm.peers[0].url, fake, cfg) for fake in fakes]
@@ -413,7 +417,7 @@ def test_identities_that_claim_to_learn_and_send_nothing_do_not_stall_the_swarm(
     results = asyncio.run(scenario())
     assert len(results) == 3
     assert len({r["final_param_hash"] for r in results}) == 1
-    assert all(r["steps"] == 2000 for r in results)
+    assert all(r["steps"] == 500 for r in results)
     start, end = results[0]["eval_loss_start"], results[0]["eval_loss_end"]
     assert math.isfinite(end) and end < 0.75 * start, results[0]["eval_curve_global"]
     logs = "".join(p.read_text() for p in tmp_path.glob("peer*.log"))
