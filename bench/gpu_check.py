@@ -40,13 +40,11 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--device", default="cuda", help="cuda (the check) or cpu (a dry run)")
-    p.add_argument("--seconds", type=float, default=120.0, help="training time of the swarm")
     p.add_argument(
-        "--startup-s",
+        "--seconds",
         type=float,
-        default=-1.0,
-        help="added to --seconds for the peers' start-up and state sync (default: 45 on cuda, "
-        "15 on cpu): the peers train until this long after launch",
+        default=120.0,
+        help="training time of the swarm, from the moment both peers have joined",
     )
     p.add_argument(
         "--model", default="auto", help="a GPT preset; auto: gpt2-124m if known, else medium"
@@ -82,12 +80,6 @@ def _model(name: str) -> str:
     return "gpt2-124m" if "gpt2-124m" in PRESETS else "medium"
 
 
-def _startup_s(args: argparse.Namespace) -> float:
-    if args.startup_s >= 0:
-        return float(args.startup_s)
-    return 45.0 if args.device.startswith("cuda") else 15.0
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the swarm; the JSON summary."""
     from node.config import RunConfig
@@ -111,9 +103,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
-        swarm = LocalSwarm(
-            cfg, Path(tmp), LaunchPlan(duration_s=args.seconds + _startup_s(args)), quiet=True
-        )
+        swarm = LocalSwarm(cfg, Path(tmp), LaunchPlan(duration_s=args.seconds), quiet=True)
         results = asyncio.run(swarm.run())
     return summary(cfg, args.seconds, results, time.monotonic() - t0)
 

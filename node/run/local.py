@@ -7,8 +7,10 @@ JSON lines the peers print, and when every peer has reported its final result it
 hands their results to ``node.run.local_command``, which writes the JSON report and the plot
 and prints a summary. Ctrl-C stops every peer cleanly.
 
-``--duration S`` runs the swarm for a wall-clock time: every peer gets ``--until`` (the launch
-time + S, start-up included) and steps without end, and stops training then. ``--chaos SPEC``
+``--duration S`` runs the swarm for a wall-clock time counted from the start of training (the
+moment every peer has joined and the launcher says start, so a slow start-up on a busy box does
+not eat the run): every peer steps without end and stops training at the end time that the start
+message carries. ``--chaos SPEC``
 (``node.run.chaos``) kills peers (SIGKILL) and restarts them on a schedule counted from the
 start of training: a restarted peer is the same index with the same key, certificate and
 ``--checkpoint-dir`` (every peer saves its island there every H steps and resumes from it),
@@ -25,6 +27,7 @@ Peer ↔ launcher protocol (one JSON object per line):
                    {"event": "published", "fragment", "version", "digest"}   (as an owner)
                    {"event": "done", "index", "result": {...}}
   launcher → peer  {"initial_peers": [url, ...]}, then {"start": true} once all are ready
+                   (with "until": the unix time to stop training, under --duration)
                    {"stop": true}   (once every peer is done)
 """
 
@@ -49,7 +52,7 @@ from node.run.local_peers import PeerProcess, Timeline, last_error
 
 __all__ = ["ENDLESS_STEPS", "LaunchPlan", "LocalSwarm", "PeerProcess", "last_error"]
 
-ENDLESS_STEPS = 10**9  # --duration: peers step until --until stops them
+ENDLESS_STEPS = 10**9  # --duration: peers step until the start message's end time
 FINISH_GRACE_S = 300.0  # --duration: how long after it the peers may take to agree on a final model
 STARTUP_S_PER_PEER = 4.0  # start-up deadline: 120 s plus this per peer
 
@@ -112,6 +115,7 @@ class LocalSwarm:
         # the same moment on the monotonic clock starts the timeline
         self.timeline = Timeline(t0_mono=time.monotonic(), duration_s=plan.duration_s)
         self.chaos, self.duration_s = plan.chaos, plan.duration_s
+        self.until: float | None = None  # unix time training stops (--duration), set at start
         self.chaos_driver = (
             ChaosDriver(plan.chaos, self, self.timeline) if plan.chaos is not None else None
         )
@@ -186,8 +190,6 @@ class LocalSwarm:
             "--event-log-dir",
             str(self.run_dir / f"peer{index}-events"),
         ]
-        if self.duration_s is not None:
-            args += ["--until", f"{self.t0 + self.duration_s:.3f}"]
         args += self.extra.get(index, [])
         slow = dict(self.chaos.slow) if self.chaos else {}
         if index in slow:
@@ -399,9 +401,15 @@ class LocalSwarm:
         async with asyncio.timeout(self.startup_timeout_s + 180.0):
             await asyncio.gather(*(p.ready.wait() for p in self.peers))
         self.timeline.train_started = time.monotonic()
+        if self.duration_s is not None:
+            self.until = time.time() + self.duration_s
         for peer in self.peers:
             peer.started = True
-            await self.send(peer, {"start": True})
+            await self.send(peer, self.start_message())
+
+    def start_message(self) -> dict[str, Any]:
+        """What tells a peer to start training: with ``--duration``, also when to stop."""
+        return {"start": True} if self.until is None else {"start": True, "until": self.until}
 
     async def _drive(self) -> None:
         limit = self.run_timeout_s

@@ -64,6 +64,8 @@ class Launcher(Protocol):
 
     async def send(self, peer: PeerProcess, msg: dict[str, Any]) -> None: ...
 
+    def start_message(self) -> dict[str, Any]: ...
+
 
 class ChaosDriver:
     """Carries out ``spec`` on ``launcher``'s peers; keeps what it did (``events``, ``restarts``)."""
@@ -90,11 +92,7 @@ class ChaosDriver:
         trains any more (a restarted peer finishes its start-up on a task of its own)."""
         swarm, timeline = self.launcher, self.timeline
         assert timeline.train_started is not None
-        end = (
-            timeline.t0_mono + timeline.duration_s
-            if timeline.duration_s is not None
-            else float("inf")
-        )
+        end = timeline.training_end() or float("inf")
         schedule = ChaosSchedule(
             self.spec, end - timeline.train_started, random.Random(swarm.cfg.seed)
         )
@@ -159,7 +157,7 @@ class ChaosDriver:
                 f"(log: {peer.log_path})"
             )
         peer.started = True
-        await swarm.send(peer, {"start": True})
+        await swarm.send(peer, swarm.start_message())
 
     async def _owners(self, live: set[int]) -> set[int]:
         """The live peers that own a fragment, from their ``GET /v1/status`` (``owned``); a peer
@@ -195,11 +193,7 @@ def run_accounting(
     """The report's ``chaos``, ``restarts``, ``uptime``, ``goodput`` and what they rest on
     (definitions: ``node.run.chaos.uptime`` and ``goodput``)."""
     start = timeline.train_started or timeline.t0_mono
-    end = (
-        timeline.t0_mono + timeline.duration_s
-        if timeline.duration_s is not None
-        else min(timeline.done_times, default=time.monotonic())
-    )
+    end = timeline.training_end() or min(timeline.done_times, default=time.monotonic())
     step_s = median_step_s(timeline.progress_log)
     window = 2 * cfg.inner_steps * step_s
     growing = window and cfg.sync_growth != "constant" and cfg.mode != "ddp"  # ddp: H = 1

@@ -40,7 +40,7 @@ class Timeline:
     training, each progress line, each version's first publication, each peer's end."""
 
     t0_mono: float  # the launch
-    duration_s: float | None  # --duration: the run ends this long after the launch
+    duration_s: float | None  # --duration: training ends this long after it starts
     train_started: float | None = None  # {"start": true} sent
     progress_log: list[tuple[float, int, int]] = field(
         default_factory=list
@@ -49,6 +49,12 @@ class Timeline:
         default_factory=dict
     )  # (fragment, version) -> first seen
     done_times: list[float] = field(default_factory=list)  # "done" events
+
+    def training_end(self) -> float | None:
+        """When a ``--duration`` run stops training (None: no duration, or not started yet)."""
+        if self.duration_s is None or self.train_started is None:
+            return None
+        return self.train_started + self.duration_s
 
 
 def last_error(log_path: Path) -> str:

@@ -16,13 +16,14 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 import statistics
 import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -617,6 +618,9 @@ class Joined:
     serving: NodeThread
     start_step: int
     rewarm_from: int  # the step the inner lr warms up again from (a joiner on the swarm's schedule)
+    opts: (
+        PeerOptions  # the options it was started with, and the launcher's stop time if it sent one
+    )
 
 
 def join_swarm(
@@ -637,8 +641,12 @@ def join_swarm(
     node.wait_for_members(opts.wait_members)
     if opts.initial_peers_from_stdin:
         say("ready", index=opts.index)
-        if not _read_stdin_line().get("start"):
+        start = _read_stdin_line()
+        if not start.get("start"):
             raise RuntimeError("the launcher stopped the swarm before it started")
+        until = _launcher_until(start.get("until"))
+        if until is not None:
+            opts = replace(opts, until=until)
     island.adopt_pending()  # the synced global fragments
     start_step, rewarm_from = peer.resumed_step or 0, 0
     if opts.schedule == "swarm" and peer.resumed_step is None:
@@ -647,7 +655,16 @@ def join_swarm(
         peer.ranks.sync()
         start_step = peer.ranks.start_step(start_step)  # the followers' steps and lr are rank 0's
     say("joined", index=opts.index, versions=list(island.versions), synced=sorted(node.synced))
-    return Joined(serving, start_step, rewarm_from)
+    return Joined(serving, start_step, rewarm_from, opts)
+
+
+def _launcher_until(value: object) -> float | None:
+    """The stop time in a launcher's start message (``atoll local --duration``), if any."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise RuntimeError(f"the launcher's start message has a bad 'until': {value!r}")
+    return float(value)
 
 
 def _swarm_step(cfg: RunConfig, opts: PeerOptions, node: PeerNode, say: Callable[..., None]) -> int:
@@ -1030,6 +1047,7 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> PeerResult | FollowerResult:
         work.learners.node = peer.node  # shards are dealt among the members that learn
 
     joined = join_swarm(cfg, opts, peer, say)
+    opts = joined.opts
     # a peer-level attack (node.run.attack_peer: forged handoffs, a claimed address) runs on the node's loop
     attack = (
         PeerAttack(opts.attack.strip(), peer.node, say)
