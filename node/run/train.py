@@ -309,7 +309,8 @@ def build_workload(cfg: RunConfig, opts: PeerOptions) -> Workload:
             "(every rank's optimizer state would have to be saved); leave it out with --nproc"
         )
     model = GPT(gcfg, seed=cfg.seed).to(device)
-    bound_for_model(4 * model.num_params())  # large models: freed tensors go back (docs/scale.md)
+    # large models and FSDP ranks: freed tensors go back (docs/scale.md, docs/islands.md)
+    bound_for_model(4 * model.num_params(), sharded=opts.shard == "fsdp")
     tcfg = train_config_for(cfg)
     shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
     if cfg.standin is not None:
