@@ -5,12 +5,11 @@ fragments whole at once, and each rank holds half the parameters and AdamW state
 replica (the one-process island's, a DDP rank's) holds.
 
 Memory per rank is asserted on those bytes held, which is what sharding changes; each rank's peak
-RSS is reported beside them (the "done" event's ``ranks``) and printed, not asserted: at this
-size (the "medium" preset, 4.9M parameters, 19.5 MB fp32, on windows of 32 bytes, two per step,
-so that steps stay cheap on a busy CPU) FSDP2's transient all-gather and reduce-scatter buffers
-on gloo cost about what sharding saves, and the peak RSS of a rank is within ±10% of a DDP
-rank's (docs/islands.md has the figures, and those of gpt2-124m, where sharding's saving shows
-in the peak)."""
+RSS is reported beside them (the "done" event's ``ranks``) and printed, not asserted: rank 0's
+peak also holds the island's node and its versions in flight, which vary by ±50 MB from run to
+run at this size (the "medium" preset, 4.9M parameters, 19.5 MB fp32, on windows of 32 bytes, two
+per step, so that steps stay cheap on a busy CPU). ``bench.shard_memory`` compares the inner
+steps' peak RSS per rank against DDP's, ``bench.island_memory`` whole islands (docs/islands.md)."""
 
 from __future__ import annotations
 
