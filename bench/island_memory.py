@@ -45,7 +45,7 @@ def one_swarm(root: Path, shard: str, recipe: list[str], steps: int) -> dict[str
     train = [
         *("--steps", str(steps), "--corpus-max-bytes", "300000", "--eval-every", "1000000"),
         *("--eval-batches", "2", "--threads", "1", "--validate-windows", "0", "--final-sync"),
-        *("--listen", "127.0.0.1:0"),
+        *("--listen", "127.0.0.1:0", "--wait-members", "2"),
     ]
     procs: list[Proc] = []
     t0 = time.monotonic()

@@ -209,6 +209,14 @@ def _parser() -> argparse.ArgumentParser:
         "and --validate-windows 0; docs/islands.md)",
     )
     join.add_argument(
+        "--wait-members",
+        type=int,
+        default=1,
+        metavar="N",
+        help="start training once N members of the swarm (this island included) are visible, "
+        "e.g. islands started together that should also finish together with --final-sync",
+    )
+    join.add_argument(
         "--schedule",
         choices=("swarm", "own"),
         default="swarm",

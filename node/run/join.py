@@ -418,6 +418,7 @@ def _join(args: argparse.Namespace) -> int:
         own_data_seed=data_seed_of(swarm.signer.peer_id),
         schedule=args.schedule,
         shard=args.shard,
+        wait_members=args.wait_members,
         recipe=recipe,
         artifacts=recipe.store if recipe is not None else None,
     )

@@ -264,9 +264,8 @@ class Workload:
     sampler: BatchSampler | TrainStream | None  # None with stand-in compute: no corpus
     heldout: torch.Tensor | None  # (n,) uint8 (a recipe's: int64 tokens); None: stand-in compute
     learners: RecipeLearners | None = None  # a recipe's: whom its shards are dealt among
-    shards: ShardedFragments | None = (
-        None  # an FSDP island's (``--shard fsdp``): one fragment at a time
-    )
+    # an FSDP island's (``--shard fsdp``): rank 0's island gathers one fragment at a time
+    shards: ShardedFragments | None = None
 
     @property
     def standin(self) -> StandinOptimizer | None:
@@ -1065,7 +1064,7 @@ def peer_result(
             "seconds": round(sum(o.merge_seconds for o in node.all_owners()), 4),
         },
         device_peak_mb=_device_peak_mb(peer.work.device),
-        ranks=ranks if ranks is not None else island_memory(peer.work),
+        ranks=ranks or [],  # island_memory's: a collective, called by run_peer on every rank
         shard="none" if peer.work.world == 1 else opts.shard,
         most_fragments_gathered=peer.work.shards.most_open if peer.work.shards is not None else 0,
     )

@@ -27,7 +27,7 @@ RECIPE = ["--model", "medium", "--block-size", "32", "--batch-size", "2"]
 RECIPE += ["--fragments", "2", "--inner-steps", "5"]
 TRAIN = ["--steps", str(STEPS), "--corpus-max-bytes", "300000", "--eval-every", "1000000"]
 TRAIN += ["--eval-batches", "2", "--threads", "1", "--validate-windows", "0", "--final-sync"]
-TRAIN += ["--listen", "127.0.0.1:0"]
+TRAIN += ["--listen", "127.0.0.1:0", "--wait-members", "2"]  # train together, end together
 MB = 1 << 20
 
 
