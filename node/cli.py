@@ -201,6 +201,22 @@ def _parser() -> argparse.ArgumentParser:
         "on GPUs); rank 0 speaks for the island on the swarm",
     )
     join.add_argument(
+        "--shard",
+        choices=("ddp", "fsdp"),
+        default="ddp",
+        help="how the --nproc ranks hold the model: ddp, each a whole replica; fsdp, each 1/N of "
+        "the parameters, gradients and AdamW state (FSDP2 fully_shard; needs --nproc 2 or more "
+        "and --validate-windows 0; docs/islands.md)",
+    )
+    join.add_argument(
+        "--wait-members",
+        type=int,
+        default=1,
+        metavar="N",
+        help="start training once N members of the swarm (this island included) are visible, "
+        "e.g. islands started together that should also finish together with --final-sync",
+    )
+    join.add_argument(
         "--schedule",
         choices=("swarm", "own"),
         default="swarm",

@@ -93,7 +93,7 @@ LARGE_MODEL_BYTES = 256 << 20
 LARGE_MMAP_THRESHOLD = 1 << 20
 
 
-def bound_for_model(model_bytes: int) -> bool:
+def bound_for_model(model_bytes: int, *, sharded: bool = False) -> bool:
     """For a model of ``model_bytes`` fp32 bytes at or above ``LARGE_MODEL_BYTES``: lower the
     mmap threshold to 1 MiB and the trim threshold to it, so every tensor of a MB or more gets
     pages of its own and gives them back when freed. Tuned for small models, the heap kept up to
@@ -101,9 +101,11 @@ def bound_for_model(model_bytes: int) -> bool:
     ~2 GB (4x the model) above the bytes it had in use; with the threshold at 32 MiB the codecs'
     per-tensor residuals and codes (up to 9.4 MB each at 124M) still churned through the heap and
     kept it ~0.9 GB above them (docs/scale.md). The price is the page faults of each fresh tensor
-    (~0.5 ms per MB here). Returns whether it changed anything (False under
-    ``ATOLL_MALLOC=default``, off glibc, or below the size)."""
-    if model_bytes < LARGE_MODEL_BYTES or not tune_allocator():
+    (~0.5 ms per MB here). ``sharded``: a rank of an FSDP island, bound whatever the size: FSDP's
+    all-gather and reduce-scatter buffers come and go every step, and kept in the heap they cost
+    about what sharding saves (docs/islands.md). Returns whether it changed anything (False
+    under ``ATOLL_MALLOC=default``, off glibc, or below the size)."""
+    if (model_bytes < LARGE_MODEL_BYTES and not sharded) or not tune_allocator():
         return False
     mallopt = ctypes.CDLL(None).mallopt
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int

@@ -35,7 +35,7 @@ from node.diloco.island import Island
 from node.diloco.sharding import ShardedFragments
 from protocol.diloco.fragments import FragmentPlan
 
-__all__ = ["IslandRanks", "distributed_rank", "leave_process_group", "unwrap"]
+__all__ = ["IslandRanks", "distributed_rank", "leave_process_group", "rank_memory", "unwrap"]
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +153,24 @@ class IslandRanks:
         can abort in gloo's teardown (``terminate called without an active exception``, about
         1 run in 10 under load), so call this last, then ``destroy_process_group``."""
         dist.barrier(group=self.group)
+
+
+def rank_memory(
+    held_bytes: int, max_rss_bytes: int, device: torch.device | None = None
+) -> list[dict[str, int]]:
+    """Every rank's bytes of parameters and optimizer state held and its peak resident bytes, in
+    rank order: what sharding saves, per rank (a collective on a multi-process island: one small
+    ``all_gather`` on ``device``, the parameters' (NCCL's are on the GPU); just this process's
+    without one)."""
+    _, world = distributed_rank()
+    mine = torch.tensor([held_bytes, max_rss_bytes], dtype=torch.int64, device=device)
+    every = [mine] if world == 1 else [torch.zeros_like(mine) for _ in range(world)]
+    if world > 1:
+        dist.all_gather(every, mine)
+    return [
+        {"rank": r, "held_bytes": int(t[0]), "max_rss_bytes": int(t[1])}
+        for r, t in enumerate(every)
+    ]
 
 
 def leave_process_group() -> None:

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -41,7 +41,14 @@ from torch import nn
 
 from protocol.diloco.fragments import FragmentPlan
 
-__all__ = ["ShardedFragments", "held_bytes", "is_sharded"]
+__all__ = [
+    "ShardedFragments",
+    "full_parameters",
+    "held_bytes",
+    "is_sharded",
+    "reshard",
+    "shard_model",
+]
 
 _DONE, _READ, _WRITE, _DROP = 0, 1, 2, 3  # rank 0's commands to the other ranks
 
@@ -51,6 +58,43 @@ def is_sharded(model: nn.Module) -> bool:
     from torch.distributed.tensor import DTensor
 
     return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def shard_model(model: nn.Module, units: Iterable[nn.Module]) -> nn.Module:
+    """FSDP2 over the island's default process group, as the PyTorch docs apply it: ``fully_shard``
+    on each of ``units`` (e.g. the transformer blocks: each is gathered for its own forward and
+    backward, then freed) and then on ``model`` itself (what is left: embeddings, head, final
+    norm). Every parameter becomes a ``DTensor`` sharded on dim 0; names and global shapes stay,
+    so the fragment plan is the one a one-process island makes. Returns ``model`` (sharded in
+    place). Raises ``RuntimeError`` without an initialised process group."""
+    from torch.distributed.fsdp import fully_shard
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("sharding a model needs torch.distributed initialised (torchrun)")
+    for unit in units:
+        fully_shard(unit)
+    fully_shard(model)
+    return model
+
+
+def reshard(model: nn.Module) -> None:
+    """Back to the sharded parameters after a forward without backward (an evaluation). FSDP2
+    keeps the root module's parameters unsharded after its forward, for the backward it expects:
+    ``named_parameters`` then yields whole tensors, and an adoption written into the shards would
+    not reach the next forward, which reuses them. Local, no collective; nothing when sharded."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        model.reshard()
+
+
+def full_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, whole tensor)`` of each parameter in name order, one at a time: on a sharded
+    model a collective (every rank must iterate it to the end), each ``DTensor`` all-gathered and
+    let go before the next, so no rank holds more than one whole parameter beside its shards."""
+    for name, p in sorted(model.named_parameters()):
+        full_tensor = getattr(p, "full_tensor", None)
+        yield name, (full_tensor() if callable(full_tensor) else p).detach()
 
 
 def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
@@ -105,6 +149,7 @@ class ShardedFragments:
                     f"parameter {name!r} is not an FSDP2 dim-0 shard over the island's {self.world} "
                     "ranks: apply fully_shard(model) (default mesh) before building the island"
                 )
+        self._model = model
         self._cmd = torch.zeros(2, dtype=torch.int64)
         self.gathers = self.writes = 0  # fragments gathered, and written back, so far
         self._open = 0  # fragments gathered right now (rank 0)
@@ -118,6 +163,7 @@ class ShardedFragments:
         every rank's shard. The other ranks take part from ``settle``."""
         if self.rank != 0:
             raise RuntimeError(f"rank {self.rank}: only rank 0 gathers fragments")
+        reshard(self._model)
         self._send(_WRITE if write else _READ, p)
         shards = list(params)
         fulls = [self._gather(s) for s in shards]
@@ -158,6 +204,7 @@ class ShardedFragments:
         if self.rank == 0:
             self._send(_DONE, 0)
             return
+        reshard(self._model)
         while True:
             dist.broadcast(self._cmd, src=0, group=self.group)
             op, p = (int(v) for v in self._cmd.tolist())

@@ -301,12 +301,36 @@ def join_main(args: argparse.Namespace) -> int:
     if args.nproc < 1:
         print(f"atoll join: --nproc must be >= 1, got {args.nproc}", file=sys.stderr)
         return 1
+    if (why := _shard_refusal(args)) is not None:
+        print(f"atoll join: {why}", file=sys.stderr)
+        return 1
     if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
-        return _launch_ranks(args.nproc, args.argv)
+        return _launch_ranks(args.nproc, args.argv, args.shard)
     code = _join(args)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         _leave_rank(code)
     return code
+
+
+def _shard_refusal(args: argparse.Namespace) -> str | None:
+    """Why ``--shard fsdp`` cannot run with these flags (None: it can, or it is not asked for).
+    Checked before torchrun starts; the ranks see the flags without ``--nproc``."""
+    if getattr(args, "shard", "ddp") != "fsdp":
+        return None
+    if args.nproc < 2 and int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        return "--shard fsdp shards the model over an island's processes: add --nproc 2 or more"
+    if args.validate_windows > 0:
+        return (
+            "--shard fsdp cannot check the versions this island owns (validated publication "
+            "runs the whole model on rank 0 alone): add --validate-windows 0, or use --shard ddp"
+        )
+    if args.checkpoint_dir is not None:
+        return (
+            "--checkpoint-dir is not supported for islands of several processes yet: leave it out"
+        )
+    if args.compute != "real":
+        return "--compute standin runs one process per island: use --compute real with --shard fsdp"
+    return None
 
 
 def _leave_rank(code: int) -> NoReturn:
@@ -393,6 +417,8 @@ def _join(args: argparse.Namespace) -> int:
         events=view,
         own_data_seed=data_seed_of(swarm.signer.peer_id),
         schedule=args.schedule,
+        shard=args.shard,
+        wait_members=args.wait_members,
         recipe=recipe,
         artifacts=recipe.store if recipe is not None else None,
     )
@@ -444,7 +470,7 @@ def _recipe_model(loaded: LoadedRecipe) -> str:
     return f"{what} of recipe {loaded.sha256[:16]} (seq_len {r.seq_len}, vocab {loaded.vocab_size})"
 
 
-def _launch_ranks(nproc: int, given: list[str]) -> int:
+def _launch_ranks(nproc: int, given: list[str], shard: str = "ddp") -> int:
     """``atoll join --nproc N``: the same command as N processes of one island under torchrun
     (``torch.distributed.run``, standalone: rendezvous on this machine)."""
     import subprocess
@@ -471,8 +497,11 @@ def _launch_ranks(nproc: int, given: list[str]) -> int:
         "node",
         *argv,
     ]
+    holds = (
+        f"FSDP, each rank 1/{nproc} of the model" if shard == "fsdp" else "DDP, each rank a replica"
+    )
     print(
-        f"atoll join: an island of {nproc} processes (torchrun); rank 0 joins the swarm",
+        f"atoll join: an island of {nproc} processes (torchrun; {holds}); rank 0 joins the swarm",
         file=sys.stderr,
     )
     try:

@@ -22,7 +22,7 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -35,7 +35,14 @@ from node.diloco.allocator import bound_for_model, heap_in_use
 from node.diloco.inner import joining_step, lr_at, make_inner_optimizer
 from node.diloco.island import Island, Outgoing
 from node.diloco.island_config import flush_at_end, island_config
-from node.diloco.ranks import IslandRanks, distributed_rank, leave_process_group
+from node.diloco.ranks import IslandRanks, distributed_rank, leave_process_group, rank_memory
+from node.diloco.sharding import (
+    ShardedFragments,
+    full_parameters,
+    held_bytes,
+    reshard,
+    shard_model,
+)
 from node.diloco.validation import WindowEvaluator, window_evaluator
 from node.peer import NodeOptions, PeerNode, emit
 from node.run.attack import Attack
@@ -71,11 +78,22 @@ log = logging.getLogger("atoll.train")
 
 def global_param_hash(state: dict[str, torch.Tensor]) -> str:
     """SHA-256 over the global model's fp32 bytes, tensors in name order."""
+    return tensors_hash((name, state[name]) for name in sorted(state))
+
+
+def tensors_hash(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """SHA-256 over each ``(name, tensor)``'s name and fp32 bytes, in the order given."""
     h = hashlib.sha256()
-    for name in sorted(state):
+    for name, tensor in named:
         h.update(name.encode())
-        h.update(state[name].detach().float().cpu().contiguous().numpy().tobytes())
+        h.update(tensor.detach().float().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
+
+
+def model_param_hash(model: torch.nn.Module) -> str:
+    """``global_param_hash`` of ``model``'s parameters; on an FSDP island a collective that
+    gathers one parameter at a time (``full_parameters``)."""
+    return tensors_hash(full_parameters(model))
 
 
 def island_sampler(
@@ -226,6 +244,8 @@ class PeerOptions:
     )
     recipe: LoadedRecipe | None = None  # the swarm's recipe, its artifacts held (atoll join)
     artifacts: ArtifactStore | None = None  # served to members (the recipe's artifacts)
+    # a multi-process island's ranks: "ddp" (each a replica) or "fsdp" (each a shard, FSDP2)
+    shard: str = "ddp"
 
 
 # --- build: the model, its data and its optimizer; the island and its node ---------------------
@@ -245,6 +265,8 @@ class Workload:
     sampler: BatchSampler | TrainStream | None  # None with stand-in compute: no corpus
     heldout: torch.Tensor | None  # (n,) uint8 (a recipe's: int64 tokens); None: stand-in compute
     learners: RecipeLearners | None = None  # a recipe's: whom its shards are dealt among
+    # an FSDP island's (``--shard fsdp``): rank 0's island gathers one fragment at a time
+    shards: ShardedFragments | None = None
 
     @property
     def standin(self) -> StandinOptimizer | None:
@@ -255,13 +277,16 @@ class Workload:
         """``model``'s held-out loss on ``cfg.eval_batches`` batches (None: stand-in compute)."""
         if self.heldout is None:
             return None
-        return evaluate(
+        loss = evaluate(
             model,
             self.heldout,
             batch_size=cfg.batch_size,
             block_size=self.gcfg.block_size,
             n_batches=cfg.eval_batches,
         )
+        if self.shards is not None:
+            reshard(model)  # FSDP2 left the root's parameters whole, awaiting a backward
+        return loss
 
 
 def build_workload(cfg: RunConfig, opts: PeerOptions) -> Workload:
@@ -284,7 +309,8 @@ def build_workload(cfg: RunConfig, opts: PeerOptions) -> Workload:
             "(every rank's optimizer state would have to be saved); leave it out with --nproc"
         )
     model = GPT(gcfg, seed=cfg.seed).to(device)
-    bound_for_model(4 * model.num_params())  # large models: freed tensors go back (docs/scale.md)
+    # large models and FSDP ranks: freed tensors go back (docs/scale.md, docs/islands.md)
+    bound_for_model(4 * model.num_params(), sharded=opts.shard == "fsdp")
     tcfg = train_config_for(cfg)
     shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
     if cfg.standin is not None:
@@ -294,6 +320,9 @@ def build_workload(cfg: RunConfig, opts: PeerOptions) -> Workload:
     sampler = island_sampler(
         cfg, train, gcfg.block_size, opts.index, rank=rank, own_seed=opts.own_data_seed
     )
+    plan = plan_fragments(shapes, cfg.fragments, embeddings=embedding_parameter_names(model))
+    if opts.shard == "fsdp":
+        return _sharded_workload(cfg, model, plan, tcfg, sampler, heldout, device, (rank, world))
     return Workload(
         gcfg=gcfg,
         device=device,
@@ -303,10 +332,55 @@ def build_workload(cfg: RunConfig, opts: PeerOptions) -> Workload:
         stepper=_data_parallel(model, device) if world > 1 else model,
         optimizer=make_inner_optimizer(model, tcfg),
         tcfg=tcfg,
-        plan=plan_fragments(shapes, cfg.fragments, embeddings=embedding_parameter_names(model)),
+        plan=plan,
         sampler=sampler,
         heldout=heldout,
     )
+
+
+def _sharded_workload(
+    cfg: RunConfig,
+    model: GPT,
+    plan: FragmentPlan,
+    tcfg: TrainConfig,
+    sampler: BatchSampler,
+    heldout: torch.Tensor,
+    device: torch.device,
+    ranks: tuple[int, int],
+) -> Workload:
+    """An FSDP island's rank (``--shard fsdp``): ``fully_shard`` on each transformer block and
+    on the GPT (every rank built it whole from the same seed; each keeps its 1/N), AdamW over the
+    shards, and the ``ShardedFragments`` rank 0's island gathers through. Raises ``RuntimeError``
+    on a one-process island or with validated publication (rank 0 alone cannot run the forward)."""
+    rank, world = ranks
+    if world < 2:
+        raise RuntimeError(
+            "--shard fsdp shards the model over an island's ranks: give --nproc 2 or more"
+        )
+    if cfg.validate_windows > 0:
+        raise RuntimeError(_FSDP_VALIDATES)
+    shard_model(model, model.h)
+    optimizer = make_inner_optimizer(model, tcfg)
+    return Workload(
+        gcfg=model.config,
+        device=device,
+        rank=rank,
+        world=world,
+        model=model,
+        stepper=model,  # FSDP reduce-scatters the gradients itself: no DDP around it
+        optimizer=optimizer,
+        tcfg=tcfg,
+        plan=plan,
+        sampler=sampler,
+        heldout=heldout,
+        shards=ShardedFragments(model, plan, optimizer),
+    )
+
+
+_FSDP_VALIDATES = (
+    "--shard fsdp cannot check the versions this island owns (validated publication runs the "
+    "whole model's forward on rank 0 alone): add --validate-windows 0, or use --shard ddp"
+)
 
 
 class RecipeLearners:
@@ -478,8 +552,13 @@ def build_peer(
         work.plan,
         submit=outbox,
         cfg=island_config(cfg, work.optimizer),
+        shards=work.shards,  # an FSDP island: its version 0 gathered one fragment at a time
     )
-    ranks = IslandRanks(work.model, work.optimizer, work.plan, island) if work.world > 1 else None
+    ranks = (
+        IslandRanks(work.model, work.optimizer, work.plan, island, shards=work.shards)
+        if work.world > 1
+        else None
+    )
     # stand-in compute has no data order to save: its steps are seeded by their index
     generator = work.sampler.generator if work.sampler is not None else torch.Generator()
     checkpoints = (
@@ -785,7 +864,8 @@ class TrainingLoop:
         assert local is not None  # real compute
         self.curves.local.append((self.curves.now(), step, local))
         self.peer.node.board.record_validation(step, local)  # the status page's held-out curve
-        if self.opts.index == 0:
+        # the global model whole in a scratch GPT: not on an FSDP island, whose ranks hold shards
+        if self.opts.index == 0 and work.shards is None:
             at = self.curves.now()
             loss = _eval_global(
                 work.model, self.peer.island, work.heldout, self.cfg, work.gcfg.block_size
@@ -862,13 +942,16 @@ def finish_peer(
             "rank 0 of %d: %d steps, final parameters %s",
             peer.work.world,
             island.stats.step,
-            global_param_hash(dict(peer.work.model.named_parameters()))[:16],
+            model_param_hash(peer.work.model)[:16],  # FSDP: a collective, one parameter at a time
         )
     eval_end = None
-    if peer.work.heldout is not None:
+    if peer.work.shards is not None:  # a collective: the island's model after the finals
+        eval_end = peer.work.evaluate(peer.work.model, cfg)
+    elif peer.work.heldout is not None:
         eval_end = _eval_global(
             peer.work.model, island, peer.work.heldout, cfg, peer.work.gcfg.block_size
         )
+    if eval_end is not None:
         curves.global_.append((curves.now(), island.stats.step, eval_end))
     if peer.checkpoints is not None:
         peer.checkpoints.save()  # the final state: a restart resumes here instead of training again
@@ -921,6 +1004,13 @@ class PeerResult:
     # the kernel's high-water mark of resident bytes, start and end of the run included, which
     # ``rss_curve`` samples only every RSS_EVERY_S while training (0 where getrusage has none)
     max_rss_bytes: int = 0
+    # each rank of the island (one for a one-process island): "rank", "held_bytes" (parameters
+    # and optimizer state it holds: a DDP rank a replica, an FSDP rank its shards) and
+    # "max_rss_bytes"; and how the ranks hold the model ("none", "ddp", "fsdp")
+    ranks: list[dict[str, int]] = field(default_factory=list)
+    shard: str = "none"
+    # an FSDP island's rank 0: the most fragments it ever held whole at once (1: one at a time)
+    most_fragments_gathered: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         """The fields by name, in order (JSON-ready; the report reads these names)."""
@@ -933,6 +1023,7 @@ def peer_result(
     curves: Curves,
     eval_end: float | None,
     peer_attack: dict[str, Any] | None,
+    ranks: list[dict[str, int]] | None = None,
 ) -> PeerResult:
     node, island, stats = peer.node, peer.island, peer.island.stats
     net = node.net
@@ -990,7 +1081,16 @@ def peer_result(
             "seconds": round(sum(o.merge_seconds for o in node.all_owners()), 4),
         },
         device_peak_mb=_device_peak_mb(peer.work.device),
+        ranks=ranks or [],  # island_memory's: a collective, called by run_peer on every rank
+        shard="none" if peer.work.world == 1 else opts.shard,
+        most_fragments_gathered=peer.work.shards.most_open if peer.work.shards is not None else 0,
     )
+
+
+def island_memory(work: Workload) -> list[dict[str, int]]:
+    """Every rank's bytes held and peak resident bytes (``rank_memory``: a collective on a
+    multi-process island, which each rank calls at the same point of its end)."""
+    return rank_memory(held_bytes(work.model, work.optimizer), max_resident_bytes(), work.device)
 
 
 def _device_peak_mb(device: torch.device) -> float:
@@ -1060,8 +1160,9 @@ def run_peer(cfg: RunConfig, opts: PeerOptions) -> PeerResult | FollowerResult:
     loop.run(joined.start_step, joined.rewarm_from)
 
     eval_end = finish_peer(cfg, opts, peer, loop.curves, memtrace)
+    memory = island_memory(work)  # every rank's, at this same point of its end
     result = peer_result(
-        opts, peer, loop.curves, eval_end, attack.stop() if attack is not None else None
+        opts, peer, loop.curves, eval_end, attack.stop() if attack is not None else None, memory
     )
     say("done", index=opts.index, result=result.as_dict())
     _leave(opts, peer, joined.serving)
@@ -1081,10 +1182,14 @@ class FollowerResult:
 
 def follow_rank_zero(cfg: RunConfig, work: Workload) -> FollowerResult:
     """A rank other than 0 of a multi-process island: the same steps as rank 0 (DDP averages
-    the gradients), the fragments rank 0 adopts after each step (``IslandRanks``), no node."""
-    model, optimizer = work.model, work.optimizer
-    ranks = IslandRanks(model, optimizer, work.plan, None)
-    ranks.sync()  # the global fragments rank 0 synced when it joined
+    the gradients; FSDP reduce-scatters them), the fragments rank 0 adopts after each step
+    (``IslandRanks``), no node. On an FSDP island every forward is a collective, so this rank
+    also runs rank 0's evaluations, on the same held-out batches at the same points."""
+    model, optimizer, sharded = work.model, work.optimizer, work.shards is not None
+    if sharded:
+        work.evaluate(model, cfg)  # rank 0's loss at the start (build_peer)
+    ranks = IslandRanks(model, optimizer, work.plan, None, shards=work.shards)
+    ranks.sync()  # the global fragments rank 0 synced when it joined (FSDP: gathered, written)
     start = ranks.start_step(0)  # where rank 0 starts on the schedule (a joiner: the swarm's step)
     model.train()
     steps = 0
@@ -1097,12 +1202,17 @@ def follow_rank_zero(cfg: RunConfig, work: Workload) -> FollowerResult:
         # the post-step hook syncs with rank 0
         inner_step(work.stepper, optimizer, work.tcfg, step, x, y, rewarm_from=start)
         steps += 1
+        if sharded and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
+            work.evaluate(model, cfg)  # TrainingLoop._evaluate's, on rank 0
     else:
         ranks.agree(True)  # rank 0's closing agree(False) after its last step
     ranks.sync()  # the final model
     ranks.close()
+    param_hash = model_param_hash(model)  # FSDP: with rank 0's (finish_peer), one at a time
+    if sharded:
+        work.evaluate(model, cfg)  # rank 0's loss at the end (finish_peer)
+    island_memory(work)  # with rank 0's, for its report
     leave_process_group()  # when rank 0 is done serving too
-    param_hash = global_param_hash(dict(model.named_parameters()))
     log.info(
         "rank %d of %d: %d steps, final parameters %s",
         ranks.rank,

@@ -44,6 +44,9 @@ RESULT_FIELDS = [
     "owner_merge",
     "device_peak_mb",
     "max_rss_bytes",
+    "ranks",
+    "shard",
+    "most_fragments_gathered",
 ]
 
 
