@@ -200,6 +200,7 @@ async def read_stream(
     on_head: Callable[[memoryview], Awaitable[int | None]] | None = None,
     head_timeout_s: float | None = None,
     socket: Socket | None = None,
+    length_vouched: bool = False,
 ) -> tuple[bytearray, int]:
     """Read a body into a pooled buffer; return (buffer, used bytes). Caller gives it back.
 
@@ -219,7 +220,10 @@ async def read_stream(
     ``socket``: the connection the body arrives on. A body of a declared length with at least
     ``DIRECT_MIN`` bytes still to come once ``on_head`` (if any) has vouched for it is read from
     there on straight off the socket into the buffer (``node.wire.direct``), and the connection
-    is spent: ``socket.spent`` is called, and the caller closes it.
+    is spent: ``socket.spent`` is called, and the caller closes it. Its buffer then takes the
+    whole length at once when the length is vouched for: by ``on_head`` (a member's signed
+    envelope naming this node), or by the caller (``length_vouched``: a reply to a request of
+    ours, under its ``max_size``); else it grows with the bytes that arrive.
     """
     if length is not None and length > max_size:
         raise Oversize(f"body of {length} bytes exceeds the cap of {max_size}")
@@ -231,6 +235,7 @@ async def read_stream(
     )
     buf = pool.take(limit, fresh=CHUNK)
     used, handed = 0, False
+    vouched = length_vouched or on_head is not None
     try:
         while True:
             # until the head has vouched for the body's length, the head's deadline binds too
@@ -324,6 +329,7 @@ async def read_stream(
                     deadline=deadline,
                     idle_s=idle_s,
                     on_timeout=timed_out,
+                    whole=vouched,
                 )
                 handed = False
                 break
