@@ -38,6 +38,7 @@ __all__ = [
     "BufferPool",
     "ClientGone",
     "RequestBody",
+    "keep_while_viewed",
     "read_stream",
 ]
 
@@ -67,6 +68,35 @@ def pool_bytes_for_model(model_bytes: int) -> int:
     if model_bytes < LARGE_MODEL_BYTES:
         return POOL_MAX_BYTES
     return min(POOL_MAX_BYTES, model_bytes // MODEL_SHARE)
+
+
+# Buffers that a live view still shows (id -> views): never handed out again, so no later body is
+# read into memory a view shows; each is freed with its last reference instead of being pooled.
+_VIEWED: dict[int, int] = {}
+_VIEWED_LOCK = threading.Lock()
+
+
+def keep_while_viewed(buf: bytearray, view: object) -> None:
+    """``view`` (a weak-referenceable object over ``buf``'s bytes that lives as long as anything
+    shows them, e.g. the numpy array a tensor was made from) keeps ``buf`` out of every pool
+    until it is collected: a pool given ``buf`` meanwhile drops it instead of reusing it (a
+    learner adopting a verified version straight from the reply it arrived in, no copy)."""
+    key = id(buf)
+    with _VIEWED_LOCK:
+        _VIEWED[key] = _VIEWED.get(key, 0) + 1
+    weakref.finalize(view, _unview, key)
+
+
+def _unview(key: int) -> None:
+    with _VIEWED_LOCK:
+        left = _VIEWED.pop(key, 1) - 1
+        if left > 0:
+            _VIEWED[key] = left
+
+
+def _viewed(buf: bytearray) -> bool:
+    with _VIEWED_LOCK:
+        return id(buf) in _VIEWED
 
 
 class BodyTimeout(RemoteProtocolError):
@@ -118,7 +148,7 @@ class BufferPool:
         return best
 
     def give(self, buf: bytearray) -> None:
-        if len(buf) > self.max_buffer:
+        if len(buf) > self.max_buffer or _viewed(buf):  # a viewed one is freed with its views
             return
         self._free.append(buf)
         self.held += len(buf)
