@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from bench.averaging_inputs import Layout, initial
+from bench.averaging_profile import from_env
 
 __all__ = ["Peer", "main"]
 
@@ -30,6 +31,7 @@ class Peer:
         self.layout = Layout(spec["params"], spec["fragments"])
         self.sides: dict[str, Any] = {}
         self.addresses: dict[str, Any] = {}
+        self.sampler = from_env()  # BENCH_PROFILE: where this peer's Atoll rounds go
         codec = spec["codec"]
         if "hivemind" in spec["systems"]:
             from bench.averaging_hivemind import HivemindSide
@@ -99,10 +101,17 @@ class Peer:
             return {"prepare_s": time.perf_counter() - t0}
         if kind == "go":
             t0 = time.perf_counter()
-            if cmd["system"] == "raw":
-                out = side.cycle(cmd["round"], cmd["timeout_s"])
-            else:
-                out = side.cycle(cmd["timeout_s"])
+            profiled = self.sampler is not None and cmd["system"] == "atoll"
+            if profiled:
+                self.sampler.active = True  # type: ignore[union-attr]
+            try:
+                if cmd["system"] == "raw":
+                    out = side.cycle(cmd["round"], cmd["timeout_s"])
+                else:
+                    out = side.cycle(cmd["timeout_s"])
+            finally:
+                if profiled:
+                    self.sampler.active = False  # type: ignore[union-attr]
             return {**out, "cycle_s": time.perf_counter() - t0}
         if kind == "check":
             sets = cmd["sets"]
@@ -123,6 +132,10 @@ class Peer:
         raise ValueError(f"unknown command {kind!r}")
 
     def close(self) -> None:
+        if self.sampler is not None:
+            path = os.path.join(os.environ["BENCH_PROFILE"], f"peer{self.index}.txt")
+            with open(path, "w") as f:
+                f.write(self.sampler.report())
         for side in self.sides.values():
             try:
                 side.close()

@@ -38,6 +38,7 @@ __all__ = [
     "BufferPool",
     "ClientGone",
     "RequestBody",
+    "keep_while_viewed",
     "read_stream",
 ]
 
@@ -67,6 +68,35 @@ def pool_bytes_for_model(model_bytes: int) -> int:
     if model_bytes < LARGE_MODEL_BYTES:
         return POOL_MAX_BYTES
     return min(POOL_MAX_BYTES, model_bytes // MODEL_SHARE)
+
+
+# Buffers that a live view still shows (id -> views): never handed out again, so no later body is
+# read into memory a view shows; each is freed with its last reference instead of being pooled.
+_VIEWED: dict[int, int] = {}
+_VIEWED_LOCK = threading.Lock()
+
+
+def keep_while_viewed(buf: bytearray, view: object) -> None:
+    """``view`` (a weak-referenceable object over ``buf``'s bytes that lives as long as anything
+    shows them, e.g. the numpy array a tensor was made from) keeps ``buf`` out of every pool
+    until it is collected: a pool given ``buf`` meanwhile drops it instead of reusing it (a
+    learner adopting a verified version straight from the reply it arrived in, no copy)."""
+    key = id(buf)
+    with _VIEWED_LOCK:
+        _VIEWED[key] = _VIEWED.get(key, 0) + 1
+    weakref.finalize(view, _unview, key)
+
+
+def _unview(key: int) -> None:
+    with _VIEWED_LOCK:
+        left = _VIEWED.pop(key, 1) - 1
+        if left > 0:
+            _VIEWED[key] = left
+
+
+def _viewed(buf: bytearray) -> bool:
+    with _VIEWED_LOCK:
+        return id(buf) in _VIEWED
 
 
 class BodyTimeout(RemoteProtocolError):
@@ -118,7 +148,7 @@ class BufferPool:
         return best
 
     def give(self, buf: bytearray) -> None:
-        if len(buf) > self.max_buffer:
+        if len(buf) > self.max_buffer or _viewed(buf):  # a viewed one is freed with its views
             return
         self._free.append(buf)
         self.held += len(buf)
@@ -200,6 +230,7 @@ async def read_stream(
     on_head: Callable[[memoryview], Awaitable[int | None]] | None = None,
     head_timeout_s: float | None = None,
     socket: Socket | None = None,
+    length_vouched: bool = False,
 ) -> tuple[bytearray, int]:
     """Read a body into a pooled buffer; return (buffer, used bytes). Caller gives it back.
 
@@ -219,7 +250,10 @@ async def read_stream(
     ``socket``: the connection the body arrives on. A body of a declared length with at least
     ``DIRECT_MIN`` bytes still to come once ``on_head`` (if any) has vouched for it is read from
     there on straight off the socket into the buffer (``node.wire.direct``), and the connection
-    is spent: ``socket.spent`` is called, and the caller closes it.
+    is spent: ``socket.spent`` is called, and the caller closes it. Its buffer then takes the
+    whole length at once when the length is vouched for: by ``on_head`` (a member's signed
+    envelope naming this node), or by the caller (``length_vouched``: a reply to a request of
+    ours, under its ``max_size``); else it grows with the bytes that arrive.
     """
     if length is not None and length > max_size:
         raise Oversize(f"body of {length} bytes exceeds the cap of {max_size}")
@@ -231,6 +265,7 @@ async def read_stream(
     )
     buf = pool.take(limit, fresh=CHUNK)
     used, handed = 0, False
+    vouched = length_vouched or on_head is not None
     try:
         while True:
             # until the head has vouched for the body's length, the head's deadline binds too
@@ -324,6 +359,7 @@ async def read_stream(
                     deadline=deadline,
                     idle_s=idle_s,
                     on_timeout=timed_out,
+                    whole=vouched,
                 )
                 handed = False
                 break

@@ -458,6 +458,7 @@ class Transport:
                     max_reply or self.max_body,
                     self.pool,
                     socket=self._reply_socket(resp, length),
+                    length_vouched=True,  # the peer we asked, under max_reply
                 )
                 self.bytes_received += used
                 return resp.status, buf, used, dict(resp.headers)

@@ -15,7 +15,7 @@ import socket
 import pytest
 from aiohttp import web
 
-from node.wire.bodies import CHUNK
+from node.wire.bodies import CHUNK, BufferPool
 from node.wire.direct import DIRECT_MIN
 from node.wire.tls import client_context, server_context
 from node.wire.transport import BodyTimeout, ClientGone, ServeLimits, Transport
@@ -281,3 +281,41 @@ async def test_a_reply_that_stops_short_of_its_length_is_refused() -> None:
     finally:
         await client.close()
         await runner.cleanup()
+
+
+class _RecordingPool(BufferPool):
+    """A real pool that notes the size of every buffer it hands out."""
+
+    def __init__(self) -> None:
+        super().__init__(max_bytes=0)  # keeps nothing: every buffer is a new one, as at 124M
+        self.sizes: list[int] = []
+
+    def take(self, size: int, *, fresh: int | None = None) -> bytearray:
+        buf = super().take(size, fresh=fresh)
+        self.sizes.append(len(buf))
+        return buf
+
+
+async def test_a_vouched_length_takes_one_buffer_and_an_unvouched_one_grows_with_the_bytes() -> (
+    None
+):
+    # a reply to our own request: the first chunk's buffer, then one of the body's whole length
+    server, client = await _started(), Transport()
+    client.pool = _RecordingPool()
+    server.t.pool = _RecordingPool()
+    await client.start()
+    try:
+        status, buf, used, _ = await client.request("GET", f"{server.t.url}/down")
+        assert status == 200 and used == BIG and memoryview(buf)[:used] == server.download
+        assert client.pool.sizes[-1] == BIG and len(client.pool.sizes) <= 3
+        # a request body no head vouched for grows by doubling with what arrives
+        data = random.Random(3).randbytes(BIG)
+        status, reply, n, _ = await client.request(
+            "POST", f"{server.t.url}/up", chunks=[data], size=len(data)
+        )
+        assert bytes(reply[:n]).decode() == hashlib.sha256(data).hexdigest()
+        grown = server.t.pool.sizes
+        assert grown[-1] == BIG and len(grown) >= 4 and grown[-2] < BIG
+    finally:
+        await client.close()
+        await server.t.close()
