@@ -215,7 +215,8 @@ class Island:
         self.c_tokens = [0] * len(self.params)
         self.in_flight: list[int | None] = [None] * len(self.params)  # step it was sent at
         # rebase: per fragment in flight, θ_p as it shipped and the steps and tokens it covered
-        self._shipped: list[tuple[torch.Tensor, int, int] | None] = [None] * len(self.params)
+        # (None for the flush's last contributions: θ_p itself, no step follows them)
+        self._shipped: list[tuple[torch.Tensor | None, int, int] | None] = [None] * len(self.params)
         n, h = len(self.params), cfg.inner_steps
         self.next_due = [due_offset(p, n, h) + 1 for p in range(n)]
         self.stats = IslandStats()
@@ -303,7 +304,12 @@ class Island:
         one): each waits (until the deadline) for the previous one's Δ to be compressed, so no
         more than a window's worth of buffers are alive at once. While it waits, the network
         side sends silent accepted work again (``flushing``): a round its owner declined never
-        publishes the version waited for, and the resent fragment ships now instead."""
+        publishes the version waited for, and the resent fragment ships now instead.
+
+        It is the end of training: with ``rebase`` the fragments it ships keep no copy of θ_p
+        as shipped (a fragment's fp32 bytes each, all of the model when every fragment ships),
+        for no step follows, and a version arriving for one of them is adopted whole.
+        Training on after a flush would lose those steps at that adoption."""
         deadline = time.monotonic() + timeout_s
         self.flushing = True
         try:
@@ -417,14 +423,15 @@ class Island:
             self.stats.gave_up_in_flight += 1
         handoff = self.window.open(p) if self.window is not None else None
         with self._full(p, write=False):
-            if (
-                self.cfg.rebase
-            ):  # θ_p as it ships, copied exactly (Θ − Δ would round), and Δ from it
+            if self.cfg.rebase and not last:
+                # θ_p as it ships, copied exactly (Θ − Δ would round), and Δ from it
                 shipped = self._flatten(p).float().to(self._base(p).device)
                 self._shipped[p] = (shipped, self.c_steps[p], self.c_tokens[p])
                 delta = torch.sub(self._base(p), shipped)
             else:
-                delta = self._pseudo_gradient(p)
+                delta = self._pseudo_gradient(p)  # the same bits as Θ − (θ_p copied)
+                if self.cfg.rebase:  # the flush: training is over, so θ_p stays as it shipped
+                    self._shipped[p] = (None, self.c_steps[p], self.c_tokens[p])
         self.in_flight[p] = self.stats.step
         self.next_due[p] = self.stats.step + self._h()
         self.stats.sent += 1
@@ -558,7 +565,7 @@ class Island:
         reference = None
         if self.cfg.rebase if rebase is None else rebase:  # the work to keep is θ_p − reference
             if shipped is not None:
-                reference = shipped[0]
+                reference = shipped[0]  # None after a last one: no work since, overwrite
             elif self.c_steps[p]:
                 reference = self._base(p)
         with self._full(p, write=True):

@@ -246,3 +246,30 @@ async def test_a_flush_stops_waiting_for_a_version_a_declined_round_never_publis
     assert len(zero) == 2 and zero[-1].last and zero[-1].base_version == 0
     assert zero[-1].steps == 5  # all five steps: the declined round's and those since
     assert shipped == FRAGMENTS  # fragment 0 again, and the three never sent
+
+
+def test_the_flush_keeps_no_copy_of_what_it_ships_and_a_version_then_is_adopted_whole() -> None:
+    """Training is over: a last contribution's θ_p stays as it shipped, so the island keeps no
+    copy of it (all of the model's fp32 bytes when every fragment ships at the end). Δ has the
+    bits Θ − θ_p had from a copy, and a version arriving afterwards is adopted exactly."""
+    model = tiny_model()
+    plan = tiny_plan(model, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    sent: list[Outgoing] = []
+    island = Island(model, opt, plan, sent.append, IslandConfig(inner_steps=10**6, rebase=True))
+    island.next_due = [10**9, 10**9]
+    for _ in range(3):
+        model(torch.randn(3, 4)).pow(2).sum().backward()
+        island.tokens(12)
+        opt.step()
+        opt.zero_grad()
+    assert island.flush(timeout_s=0.0) == 2
+    for out in sent:
+        theta = flat_of(model, plan, out.fragment)
+        assert torch.equal(out.delta, torch.sub(island.global_flat[out.fragment], theta))
+        assert island._shipped[out.fragment] == (None, 3, 36)  # steps and tokens, no tensor
+    merged = island.global_flat[0] - 0.01
+    island.deliver(0, 1, merged)
+    island.adopt_pending()
+    assert torch.equal(flat_of(model, plan, 0), merged)
+    assert island.versions[0] == 1 and island.c_steps[0] == 0 and island._shipped[0] is None
