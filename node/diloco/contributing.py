@@ -3,7 +3,9 @@ trainer thread, compress with error feedback, seal, send, take the owner's Ack; 
 work again when it may have been lost.
 
 Contributions go out concurrently, one at a time per fragment (its residuals) and per owner (an
-owner reads one body from us at a time).
+owner reads one body from us at a time). Each closes its ``Outgoing.handoff`` when answered (and
+marks it compressed once Δ is released), which paces fragments shipped together
+(``node.diloco.handoffs``).
 
 An owner's Ack counts only when it is signed by the owner the contribution was sent to. Error
 feedback is committed only when the owner accepts: a refused or undelivered contribution leaves
@@ -15,7 +17,7 @@ the others), with inner-optimizer moments reset where they are not finite.
 
 An accepted contribution is sent again when its owner leaves before merging it
 (``owners_changed``), and, for a synchronous island (``wait_for_merge``: the merge waits for
-every learner), also when no newer version has come ``resend_after_s()`` after the Ack
+every learner) and for any island during its end-of-run flush (``Island.flushing``), also when no newer version has come ``resend_after_s()`` after the Ack
 (``RESEND_AFTER_S``, or 4x the slowest recent merge once merges were seen): an owner that was
 fenced off and then owned the fragment again is the same peer but a new instance that never saw
 it, and an owner whose validation declined a round's candidate drops that round's work without
@@ -159,7 +161,8 @@ class ContributionSender:
 
     async def send(self, out: Outgoing) -> None:
         """Compress, seal and send one contribution; tell the island how it went. Never raises
-        for the network's or the owner's doing (counted in ``stats`` and logged instead)."""
+        for the network's or the owner's doing (counted in ``stats`` and logged instead). Closes
+        ``out.handoff`` when done: its buffers no longer count against the island's window."""
         try:
             await self._send(out)
         except (
@@ -173,6 +176,9 @@ class ContributionSender:
             self._resent.pop(out.fragment, None)  # a copy that never arrived: nothing to put back
             log.warning("contribution for fragment %d not delivered: %r", out.fragment, exc)
             self.island.resolved(out.fragment, accepted=False)
+        finally:
+            if out.handoff is not None:
+                out.handoff.close()
 
     def _compress(
         self, out: Outgoing, host_key: Hashable | None = None
@@ -394,6 +400,8 @@ class ContributionSender:
         if self.cfg.codec != "none" and out.delta.device.type == "cpu":
             empty = out.delta.new_empty(0)  # the tensor made empty: its storage is released
             out.delta.set_(empty.untyped_storage(), 0, (0,), (1,))
+            if out.handoff is not None:  # the island may snapshot its next fragment's Δ
+                out.handoff.compressed()
 
     async def _answered(
         self,
@@ -455,8 +463,8 @@ class ContributionSender:
         pseudo-gradient again at its next step, to the new owner, with the fragment's
         error-feedback residuals dropped (see the module docstring). If the old owner had merged
         it after all, its successor knows (the handoff names merged work) and refuses it with
-        "resync". A synchronous island also sends it again, to the same owner, after
-        ``RESEND_AFTER_S`` without a version (see the module docstring). Returns how many
+        "resync". A synchronous or flushing island also sends it again, to the same owner,
+        ``resend_after_s()`` without a version (see the module docstring). Returns how many
         fragments are sent again."""
         resent = 0
         wait_s = self.resend_after_s()
@@ -468,7 +476,10 @@ class ContributionSender:
             now = self.reach.owner_of(p)
             if now is None:
                 continue
-            silent = self.island.cfg.wait_for_merge and self.wall_clock() - accepted.at > wait_s
+            # silence counts for a synchronous island, and for any during its end-of-run flush,
+            # which would otherwise wait its whole FLUSH_WAIT_S for a declined round's version
+            waits = self.island.cfg.wait_for_merge or self.island.flushing
+            silent = waits and self.wall_clock() - accepted.at > wait_s
             if now[0] == owner_id and not silent:
                 continue
             del self._accepted_by[p]

@@ -68,6 +68,7 @@ from torch import nn
 from node.diloco.adoption import Adoption
 from node.diloco.device import DeviceLink, Landed
 from node.diloco.flat import new_flat
+from node.diloco.handoffs import Handoff, ShipWindow
 from node.diloco.inbox import Arrival, Inbox
 from node.diloco.run_delay import run_delay_s
 from node.diloco.sharding import ShardedFragments
@@ -111,6 +112,10 @@ class IslandConfig:
     # that work away: every version arriving while a fragment is in flight, or from a merge the
     # island was not in, undid inner steps
     rebase: bool = True
+    # contributions open on the network side at once when several fragments ship together (the
+    # end-of-run flush, a synchronous step, resends): ``node.diloco.handoffs``. 0: not bounded,
+    # for a ``submit`` that does not report its handoffs (``ContributionSender`` does)
+    ship_window: int = 0
 
     def __post_init__(self) -> None:
         if self.rebase and self.adopt_alpha:
@@ -133,6 +138,9 @@ class Outgoing:
     delta: torch.Tensor  # [numel_p] float32, a private copy, on the island's device
     last: bool = False  # the island's end-of-run flush: its last contribution for the fragment
     ready: Any = None  # on CUDA: the event after which ``delta`` holds its values (else None)
+    # its claim on the island's ``ShipWindow`` (None: not bounded): the network side says when
+    # Δ is compressed and when the contribution is answered
+    handoff: Handoff | None = None
 
 
 @dataclass
@@ -207,11 +215,16 @@ class Island:
         self.c_tokens = [0] * len(self.params)
         self.in_flight: list[int | None] = [None] * len(self.params)  # step it was sent at
         # rebase: per fragment in flight, θ_p as it shipped and the steps and tokens it covered
-        self._shipped: list[tuple[torch.Tensor, int, int] | None] = [None] * len(self.params)
+        # (None for the flush's last contributions: θ_p itself, no step follows them)
+        self._shipped: list[tuple[torch.Tensor | None, int, int] | None] = [None] * len(self.params)
         n, h = len(self.params), cfg.inner_steps
         self.next_due = [due_offset(p, n, h) + 1 for p in range(n)]
         self.stats = IslandStats()
         self._inbox = Inbox()  # versions arrived from the network side, not yet adopted
+        self.window = ShipWindow(cfg.ship_window) if cfg.ship_window else None
+        # True during ``flush``: the network side then sends silent accepted work again after
+        # ``ContributionSender.resend_after_s`` (a declined round publishes no version)
+        self.flushing = False
         self._adoption = Adoption(self.params, optimizer)
         self._step_ema = 0.0
         self._copy_s = self._submit_s = 0.0  # per-hook timing, for the stall count
@@ -285,25 +298,51 @@ class Island:
         the global model, which costs most when H grows late in a run. Waiting for every
         fragment before shipping any made a circular wait across fragments: an owner's last
         round waits for each learner's last contribution, and a learner's flush of that
-        fragment waited for another fragment's version, held by the same kind of round."""
+        fragment waited for another fragment's version, held by the same kind of round.
+
+        The fragments ship one after another through the island's ``ShipWindow`` (if it has
+        one): each waits (until the deadline) for the previous one's Δ to be compressed, so no
+        more than a window's worth of buffers are alive at once. While it waits, the network
+        side sends silent accepted work again (``flushing``): a round its owner declined never
+        publishes the version waited for, and the resent fragment ships now instead.
+
+        It is the end of training: with ``rebase`` the fragments it ships keep no copy of θ_p
+        as shipped (a fragment's fp32 bytes each, all of the model when every fragment ships),
+        for no step follows, and a version arriving for one of them is adopted whole.
+        Training on after a flush would lose those steps at that adoption."""
         deadline = time.monotonic() + timeout_s
-        self.adopt_pending()
-        flying = {p for p, sent in enumerate(self.in_flight) if sent is not None}
-        shipped = self._ship_last()
-        self._inbox.wait_while(lambda: self._waiting(flying), deadline, poll_s=0.5)
-        self.adopt_pending()
-        shipped += self._ship_last()
+        self.flushing = True
+        try:
+            self.adopt_pending()
+            flying = {p for p, sent in enumerate(self.in_flight) if sent is not None}
+            shipped = self._ship_last(deadline)
+            self._inbox.wait_while(lambda: self._waiting(flying), deadline, poll_s=0.5)
+            self.adopt_pending()
+            shipped += self._ship_last(deadline)
+        finally:
+            self.flushing = False
         self.stats.flushed += shipped
         return shipped
 
-    def _ship_last(self) -> int:
-        """Ship, marked last, every fragment trained since its version and not in flight."""
+    def _ship_last(self, deadline: float) -> int:
+        """Ship, marked last, every fragment trained since its version and not in flight, one
+        after another within the ship window (past ``deadline``, without waiting for room)."""
         due = [
             p for p in range(len(self.params)) if self.in_flight[p] is None and self.c_steps[p] > 0
         ]
         for p in due:
+            self._wait_for_room(deadline)
             self._ship(p, last=True)
         return len(due)
+
+    def _wait_for_room(self, deadline: float) -> float:
+        """Block until the ship window has room for one more contribution (or ``deadline``);
+        return the seconds waited."""
+        if self.window is None:
+            return 0.0
+        t0 = time.perf_counter()
+        self.window.wait_for_room(deadline)
+        return time.perf_counter() - t0
 
     def _h(self) -> int:
         """H for a fragment syncing at the current step."""
@@ -332,13 +371,17 @@ class Island:
             # synchronous: the whole model goes at once. Shipping one fragment and waiting would
             # deadlock learners whose fragments fall due at different steps (after a restart)
             due = list(range(len(self.next_due)))
-        for p in due:
-            self._ship(p)
         blocked = 0.0
-        if self.cfg.wait_for_merge:  # synchronous mode: this wait is what it costs
+        if self.cfg.wait_for_merge:  # synchronous mode: these waits are what it costs
+            deadline = time.monotonic() + self.cfg.wait_timeout_s
+            for p in due:  # one after another within the ship window
+                blocked += self._wait_for_room(deadline)
+                self._ship(p)
             t_wait = time.perf_counter()
-            self._wait_for_merges()
-            blocked = time.perf_counter() - t_wait
+            self._wait_for_merges(deadline)
+            blocked += time.perf_counter() - t_wait
+        else:
+            self._ship_due(due)
         self._last_blocked = blocked
         # time with the network side, excluding the local tensor copies of adoption and snapshots
         waited = (adopting - t0 - self._copy_s) + self._submit_s + blocked
@@ -355,28 +398,40 @@ class Island:
             if among is None or p in among
         )
 
-    def _wait_for_merges(self) -> None:
+    def _ship_due(self, due: list[int]) -> None:
+        """Decoupled: ship the fragments due at this step without waiting. The first always
+        ships (fragments fall due one at a time while training); more at once (resends after an
+        owner left) ship only while the ship window has room, the rest at a later step."""
+        shipped = False
+        for p in due:
+            if shipped and self.window is not None and not self.window.has_room():
+                return
+            shipped = self._ship(p) or shipped
+
+    def _wait_for_merges(self, deadline: float) -> None:
         """Synchronous mode: block until every fragment in flight has its merged version."""
-        deadline = time.monotonic() + self.cfg.wait_timeout_s
         self._inbox.wait_while(self._waiting, deadline, poll_s=1.0)
         self.adopt_pending()
 
-    def _ship(self, p: int, *, last: bool = False) -> None:
+    def _ship(self, p: int, *, last: bool = False) -> bool:
+        """Snapshot fragment ``p``'s work and submit it; False if it is in flight (not given up)."""
         timeout = self.cfg.in_flight_timeout_steps or 2 * self.cfg.inner_steps
         sent_at = self.in_flight[p]
         if sent_at is not None and self.stats.step - sent_at < timeout:
-            return
+            return False
         if sent_at is not None:
             self.stats.gave_up_in_flight += 1
+        handoff = self.window.open(p) if self.window is not None else None
         with self._full(p, write=False):
-            if (
-                self.cfg.rebase
-            ):  # θ_p as it ships, copied exactly (Θ − Δ would round), and Δ from it
+            if self.cfg.rebase and not last:
+                # θ_p as it ships, copied exactly (Θ − Δ would round), and Δ from it
                 shipped = self._flatten(p).float().to(self._base(p).device)
                 self._shipped[p] = (shipped, self.c_steps[p], self.c_tokens[p])
                 delta = torch.sub(self._base(p), shipped)
             else:
-                delta = self._pseudo_gradient(p)
+                delta = self._pseudo_gradient(p)  # the same bits as Θ − (θ_p copied)
+                if self.cfg.rebase:  # the flush: training is over, so θ_p stays as it shipped
+                    self._shipped[p] = (None, self.c_steps[p], self.c_tokens[p])
         self.in_flight[p] = self.stats.step
         self.next_due[p] = self.stats.step + self._h()
         self.stats.sent += 1
@@ -390,12 +445,14 @@ class Island:
             delta=delta,
             last=last,
             ready=self.device_link.record(),  # on CUDA, the network side's stream waits for Δ
+            handoff=handoff,
         )
         # wall time, for a hand-off that blocks is a stall, less the time the scheduler kept this
         # thread waiting for a CPU (a busy box, not the network side)
         t0, queued = time.perf_counter(), run_delay_s()
         self._submit(out)
         self._submit_s += max(0.0, time.perf_counter() - t0 - (run_delay_s() - queued))
+        return True
 
     def _pseudo_gradient(self, p: int) -> torch.Tensor:
         """Θ_base − θ of fragment ``p`` as a new flat fp32 tensor on the island's device (the
@@ -508,7 +565,7 @@ class Island:
         reference = None
         if self.cfg.rebase if rebase is None else rebase:  # the work to keep is θ_p − reference
             if shipped is not None:
-                reference = shipped[0]
+                reference = shipped[0]  # None after a last one: no work since, overwrite
             elif self.c_steps[p]:
                 reference = self._base(p)
         with self._full(p, write=True):

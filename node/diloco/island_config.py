@@ -13,10 +13,14 @@ from node.config import RunConfig
 from node.diloco.inner import interval_by_lr
 from node.diloco.island import Island, IslandConfig
 
-__all__ = ["FLUSH_WAIT_S", "flush_at_end", "island_config"]
+__all__ = ["FLUSH_WAIT_S", "SHIP_WINDOW", "flush_at_end", "island_config"]
 
 # the end-of-run flush waits this long for the versions of fragments in flight before it ships
 FLUSH_WAIT_S = 30.0
+# contributions open at once when several fragments ship together (node.diloco.handoffs): one
+# uploading while the next compresses. Both entry points send through ``ContributionSender``,
+# which reports each contribution's handoff
+SHIP_WINDOW = 2
 
 
 def island_config(cfg: RunConfig, optimizer: torch.optim.Optimizer) -> IslandConfig:
@@ -30,6 +34,7 @@ def island_config(cfg: RunConfig, optimizer: torch.optim.Optimizer) -> IslandCon
         hold_until_shipped=bool(cfg.hold_versions),
         ship_before_adopt=cfg.ship_before_adopt,
         rebase=bool(cfg.adopt_rebase),
+        ship_window=SHIP_WINDOW,
     )
 
 
