@@ -5,7 +5,7 @@ work again when it may have been lost.
 Contributions go out concurrently, one at a time per fragment (its residuals) and per owner (an
 owner reads one body from us at a time). Each closes its ``Outgoing.handoff`` when answered (and
 marks it compressed once Δ is released), which paces fragments shipped together
-(``node.diloco.handoffs``).
+(``node.diloco.ship_window``).
 
 An owner's Ack counts only when it is signed by the owner the contribution was sent to. Error
 feedback is committed only when the owner accepts: a refused or undelivered contribution leaves

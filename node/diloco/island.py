@@ -68,10 +68,10 @@ from torch import nn
 from node.diloco.adoption import Adoption
 from node.diloco.device import DeviceLink, Landed
 from node.diloco.flat import new_flat
-from node.diloco.handoffs import Handoff, ShipWindow
 from node.diloco.inbox import Arrival, Inbox
 from node.diloco.run_delay import run_delay_s
 from node.diloco.sharding import ShardedFragments
+from node.diloco.ship_window import Handoff, ShipWindow
 from protocol.diloco.fragments import FragmentPlan, due_offset
 
 __all__ = ["Island", "IslandConfig", "IslandStats", "Outgoing"]
@@ -113,7 +113,7 @@ class IslandConfig:
     # island was not in, undid inner steps
     rebase: bool = True
     # contributions open on the network side at once when several fragments ship together (the
-    # end-of-run flush, a synchronous step, resends): ``node.diloco.handoffs``. 0: not bounded,
+    # end-of-run flush, a synchronous step, resends): ``node.diloco.ship_window``. 0: not bounded,
     # for a ``submit`` that does not report its handoffs (``ContributionSender`` does)
     ship_window: int = 0
 

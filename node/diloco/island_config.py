@@ -17,7 +17,7 @@ __all__ = ["FLUSH_WAIT_S", "SHIP_WINDOW", "flush_at_end", "island_config"]
 
 # the end-of-run flush waits this long for the versions of fragments in flight before it ships
 FLUSH_WAIT_S = 30.0
-# contributions open at once when several fragments ship together (node.diloco.handoffs): one
+# contributions open at once when several fragments ship together (node.diloco.ship_window): one
 # uploading while the next compresses. Both entry points send through ``ContributionSender``,
 # which reports each contribution's handoff
 SHIP_WINDOW = 2

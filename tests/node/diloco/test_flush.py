@@ -20,10 +20,10 @@ import pytest
 import torch
 
 from node.diloco.contributing import RESEND_AFTER_S
-from node.diloco.handoffs import ShipWindow
 from node.diloco.island import Island, IslandConfig, Outgoing
 from node.diloco.island_config import SHIP_WINDOW
 from node.diloco.learner import IslandNet, LearnerNetConfig, Reach
+from node.diloco.ship_window import ShipWindow
 from protocol.wire.signing import Signer
 from tests.node.fakes import (
     SWARM,
