@@ -75,8 +75,8 @@ from protocol.dht.records import (
     RecordStore,
     SignedRecord,
     StoreLimits,
+    answer,
     only_subkeys,
-    unknown_to,
 )
 from protocol.dht.routing import ClaimQueue, PingCandidate, RoutingTable
 from protocol.errors import LocalProtocolError, NotAuthorized, RemoteProtocolError
@@ -252,16 +252,19 @@ class DHTNode:
 
     def _on_find_value(self, msg: FindValue, source: str) -> ValueReply:
         held = only_subkeys(self.records.get(msg.key, self.clock()), msg.only)
-        records, omitted = unknown_to(held, msg.known)
+        got = answer(held, known=msg.known, same=msg.same, renew=msg.renew)
         # A holder answers a delta read (one that names records: the asker has read the key
         # before) or a lookup by subkey with the value instead of contacts, as Kademlia's
         # FIND_VALUE does; a first read still gets contacts, so a reader that knows few nodes
         # finds enough holders.
-        holder = (msg.known or msg.only) and (records or omitted)
+        named = msg.known or msg.same or msg.renew or msg.only
+        holder = named and (got.records or got.refreshes or got.omitted)
+        refreshes = tuple(got.refreshes[:MAX_REPLY_RECORDS])
         return ValueReply(
-            records=tuple(records[:MAX_REPLY_RECORDS]),
+            records=tuple(got.records[: MAX_REPLY_RECORDS - len(refreshes)]),
             peers=() if holder else tuple(self._nearest(msg.key)),
-            omitted=omitted,
+            omitted=got.omitted,
+            refreshes=refreshes,
         )
 
     def _on_store(self, msg: Store, source: str) -> StoreReply:
@@ -389,9 +392,11 @@ class DHTNode:
         """``DHTClient.find_value``."""
         return await self.client.find_value(key, quorum=quorum, known=known)
 
-    async def store(self, key: bytes, value: bytes, ttl_s: float) -> int:
+    async def store(
+        self, key: bytes, value: bytes, ttl_s: float, *, replicas: int | None = None
+    ) -> int:
         """``DHTClient.store``: how many nodes hold the record."""
-        return await self.client.store(key, value, ttl_s)
+        return await self.client.store(key, value, ttl_s, replicas=replicas)
 
     async def get(
         self,
@@ -400,13 +405,17 @@ class DHTNode:
         quorum: int = 1,
         known: tuple[bytes, ...] = (),
         only: tuple[bytes, ...] = (),
+        held: Sequence[SignedRecord] = (),
+        renew_before: float = 0.0,
     ) -> list[SignedRecord]:
         """``DHTClient.get``."""
-        return await self.client.get(key, quorum=quorum, known=known, only=only)
+        return await self.client.get(
+            key, quorum=quorum, known=known, only=only, held=held, renew_before=renew_before
+        )
 
-    def held_near(self, key: bytes) -> list[SignedRecord] | None:
+    def held_near(self, key: bytes, replicas: int | None = None) -> list[SignedRecord] | None:
         """``DHTClient.held_near``."""
-        return self.client.held_near(key)
+        return self.client.held_near(key, replicas)
 
     def forget(self, key: bytes) -> None:
         """``DHTClient.forget``."""

@@ -23,7 +23,7 @@ import asyncio
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import aiohttp
 
@@ -48,7 +48,9 @@ from protocol.dht.messages import (
 from protocol.dht.records import (
     RecordStore,
     SignedRecord,
+    content_tag,
     only_subkeys,
+    renewed,
     sign_record,
     verify_record,
 )
@@ -73,11 +75,52 @@ class Failure:
     unreachable: bool  # counts against the peer in the routing table
 
 
+@dataclass(frozen=True, slots=True)
+class _Ask:
+    """What one FIND_VALUE lookup names: expiry tags (``known``), subkey prefixes (``only``),
+    content tags (``same``, ``renew``) and the held records the refreshes apply to."""
+
+    known: tuple[bytes, ...] = ()
+    only: tuple[bytes, ...] = ()
+    same: tuple[bytes, ...] = ()
+    renew: tuple[bytes, ...] = ()
+    held: dict[bytes, SignedRecord] = field(default_factory=dict)  # subkey -> record
+
+    @property
+    def named(self) -> bool:
+        """A delta read or a lookup by id (not a first read of the key)."""
+        return bool(self.known or self.only or self.same or self.renew)
+
+    @classmethod
+    def of(
+        cls,
+        known: tuple[bytes, ...],
+        only: tuple[bytes, ...],
+        held: Sequence[SignedRecord],
+        renew_before: float,
+    ) -> _Ask:
+        """Content tags for ``held`` (newest per subkey, at most ``MAX_REPLY_RECORDS`` less
+        ``known``): ``renew`` for those expiring before ``renew_before``, ``same`` for the rest."""
+        newest: dict[bytes, SignedRecord] = {}
+        for rec in held:
+            if rec.subkey not in newest or rec.expires_at > newest[rec.subkey].expires_at:
+                newest[rec.subkey] = rec
+        kept = sorted(newest.values(), key=lambda r: r.subkey)[: MAX_REPLY_RECORDS - len(known)]
+        return cls(
+            known=known,
+            only=only,
+            same=tuple(content_tag(r) for r in kept if r.expires_at >= renew_before),
+            renew=tuple(content_tag(r) for r in kept if r.expires_at < renew_before),
+            held={r.subkey: r for r in kept},
+        )
+
+
 @dataclass(slots=True)
 class _OwnRecord:
     record: SignedRecord
     ttl_s: float
     due_at: float
+    replicas: int  # stored on this many of the nodes nearest its key
 
 
 # ── one outbound call ───────────────────────────────────────────────────────────────────────
@@ -210,32 +253,26 @@ class DHTClient:
     # ── lookups ─────────────────────────────────────────────────────────────────────────────
 
     async def _lookup(
-        self,
-        target: bytes,
-        *,
-        find_value: bool,
-        quorum: int = 1,
-        known: tuple[bytes, ...] = (),
-        only: tuple[bytes, ...] = (),
+        self, target: bytes, *, find_value: bool, quorum: int = 1, ask: _Ask | None = None
     ) -> LookupResult:
         cfg = self.config
         _check_id(target)
         self.routing.touch(target, self.clock())
+        ask = ask or _Ask()
         lookup = Lookup(
             target,
             self.routing.closest(target),
             k=cfg.k,
-            alpha=cfg.alpha,
+            # a delta read or a lookup by id asks as many holders as it needs at a time: every
+            # holder answers it with the same records (three in flight tripled a read's bytes)
+            alpha=min(cfg.alpha, max(quorum, 1)) if ask.named else cfg.alpha,
             find_value=find_value,
             min_values=quorum,
             own_id=self.peer_id,
         )
-        known = known[
-            :MAX_REPLY_RECORDS
-        ]  # a FindValue names at most this many: the rest come in full
         try:
             async with asyncio.timeout(cfg.lookup_timeout_s):
-                await self._drive(lookup, known, only)
+                await self._drive(lookup, ask)
         except TimeoutError:
             self.metrics.failures["lookup timed out"] += 1
         result = lookup.result()
@@ -243,37 +280,38 @@ class DHTClient:
         hops[result.hops] += 1
         return result
 
-    async def _drive(
-        self, lookup: Lookup, known: tuple[bytes, ...] = (), only: tuple[bytes, ...] = ()
-    ) -> None:
+    async def _drive(self, lookup: Lookup, ask: _Ask) -> None:
         async with asyncio.TaskGroup() as tg:
             pending: set[asyncio.Task[tuple[PeerInfo, Opened | Failure]]] = set()
             while not lookup.done:
                 for contact in lookup.next_queries(self.clock()):
-                    pending.add(tg.create_task(self._query(lookup, contact, known, only)))
+                    pending.add(tg.create_task(self._query(lookup, contact, ask)))
                 if not pending:
                     break
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
-                    self._feed(lookup, *task.result())
+                    self._feed(lookup, *task.result(), ask)
             for task in pending:
                 task.cancel()
 
     async def _query(
-        self,
-        lookup: Lookup,
-        contact: PeerInfo,
-        known: tuple[bytes, ...] = (),
-        only: tuple[bytes, ...] = (),
+        self, lookup: Lookup, contact: PeerInfo, ask: _Ask
     ) -> tuple[PeerInfo, Opened | Failure]:
         msg: DHTRequest = (
-            FindValue(sender=self.me, key=lookup.target, known=known, only=only)
+            FindValue(
+                sender=self.me,
+                key=lookup.target,
+                known=ask.known,
+                only=ask.only,
+                same=ask.same,
+                renew=ask.renew,
+            )
             if lookup.find_value
             else FindNode(sender=self.me, target=lookup.target)
         )
         return contact, await self._call(contact.address, msg, contact.peer_id)
 
-    def _feed(self, lookup: Lookup, contact: PeerInfo, reply: Opened | Failure) -> None:
+    def _feed(self, lookup: Lookup, contact: PeerInfo, reply: Opened | Failure, ask: _Ask) -> None:
         now = self.clock()
         if isinstance(reply, Failure):
             lookup.on_failure(contact.peer_id, now)
@@ -281,7 +319,11 @@ class DHTClient:
         msg = reply.message
         assert isinstance(msg, NodesReply | ValueReply)  # checked against REPLY_TO in _call
         if isinstance(msg, ValueReply):
-            records = self._valid(msg.records, lookup.target)
+            rebuilt, wasted = renewed(msg.refreshes, ask.held)
+            self.metrics.refreshes["received"] += len(msg.refreshes)
+            if wasted:
+                self.metrics.failures["refresh of no record held, or not newer"] += wasted
+            records = self._valid([*msg.records, *rebuilt], lookup.target)
             lookup.on_response(contact.peer_id, msg.peers, now, value=records, omitted=msg.omitted)
         else:
             lookup.on_response(contact.peer_id, msg.peers, now)
@@ -340,12 +382,21 @@ class DHTClient:
         """FIND_VALUE until ``quorum`` peers returned records (or said that every record they
         hold is among ``known``, ``protocol.dht.records.known_tags``); records are verified.
         ``only``: subkey prefixes, for the records of those subkeys alone."""
-        return await self._lookup(key, find_value=True, quorum=quorum, known=known, only=only)
+        return await self._lookup(
+            key,
+            find_value=True,
+            quorum=quorum,
+            ask=_Ask(known=known[:MAX_REPLY_RECORDS], only=only),
+        )
 
-    async def store(self, key: bytes, value: bytes, ttl_s: float) -> int:
-        """Sign ``value`` under ``key`` (32 bytes) in our subkey and store it on the ``k`` nodes
-        nearest the key; keep republishing it. Returns how many nodes hold it (this one counts
-        when it is among the nearest). Raises LocalProtocolError for a bad key, ttl or size."""
+    async def store(
+        self, key: bytes, value: bytes, ttl_s: float, *, replicas: int | None = None
+    ) -> int:
+        """Sign ``value`` under ``key`` (32 bytes) in our subkey and store it on the ``replicas``
+        nodes nearest the key (default ``k``), and here too when this node is among them; keep
+        republishing it. Returns how many nodes hold
+        it (this one counts when it is among the nearest). Raises LocalProtocolError for a bad
+        key, ttl, size or replica count."""
         _check_id(key)
         cfg = self.config
         if not 0 < ttl_s <= cfg.record_ttl_cap_s or len(value) > cfg.max_value_bytes:
@@ -353,8 +404,11 @@ class DHTClient:
                 f"need 0 < ttl <= {cfg.record_ttl_cap_s}s and value <= {cfg.max_value_bytes} "
                 f"bytes; got {ttl_s}s, {len(value)} bytes"
             )
-        rec = self._sign(key, value, ttl_s)
-        return await self._publish(key, (rec,))
+        n = cfg.k if replicas is None else replicas
+        if not 1 <= n <= cfg.k:
+            raise LocalProtocolError(f"need 1 <= replicas <= k = {cfg.k}; got {replicas}")
+        rec = self._sign(key, value, ttl_s, n)
+        return await self._publish(key, (rec,), n)
 
     async def get(
         self,
@@ -363,34 +417,42 @@ class DHTClient:
         quorum: int = 1,
         known: tuple[bytes, ...] = (),
         only: tuple[bytes, ...] = (),
+        held: Sequence[SignedRecord] = (),
+        renew_before: float = 0.0,
     ) -> list[SignedRecord]:
         """Verified records under ``key``: the newest expiry per subkey, ordered by subkey.
 
         With ``known`` (``known_tags`` of the records the caller holds), a delta read: responders
         leave those out, so what comes back is only what is newer, and nothing is cached (a
-        partial set would make the cache a source that lacks records). Without it, caches what
-        it found at the nearest node that answered without it. With ``only`` (subkey
+        partial set would make the cache a source that lacks records). With ``held`` (the
+        caller's records under ``key``), a delta read by content (``protocol.dht.delta_reads``):
+        responders leave out the held values, and send for those held that expire before
+        ``renew_before`` only their newer expiry; nothing cached either. Without either, caches
+        what it found at the nearest node that answered without it. With ``only`` (subkey
         prefixes), the records of those subkeys alone, and nothing cached either.
         """
-        result = await self.find_value(key, quorum=quorum, known=known, only=only)
+        ask = _Ask.of(known[:MAX_REPLY_RECORDS], only, held, renew_before)
+        result = await self._lookup(key, find_value=True, quorum=quorum, ask=ask)
         local = self.records.get(key, self.clock()) if self.dialable else []
         found = only_subkeys([*local, *result.value], only)
         records = _newest_per_subkey(found, self.clock())
         cache = result.closest_without_value
-        if result.found and records and cache is not None and not known and not only:
+        if result.found and records and cache is not None and not ask.named:
             batch = tuple(sorted(records, key=lambda r: -r.expires_at)[:MAX_STORE_RECORDS])
             await self._call(cache.address, Store(sender=self.me, records=batch), cache.peer_id)
         return records
 
-    def held_near(self, key: bytes) -> list[SignedRecord] | None:
-        """The records this node holds under ``key`` when it is among the ``k`` nodes nearest
-        the key that it knows of (publishers store there, so a read from here needs no
-        request); None when it is not, or holds none. Raises LocalProtocolError for a bad key."""
+    def held_near(self, key: bytes, replicas: int | None = None) -> list[SignedRecord] | None:
+        """The records this node holds under ``key`` when it is among the ``replicas`` (default
+        ``k``) nodes nearest the key that it knows of (publishers store there, so a read from
+        here needs no request); None when it is not, or holds none. Raises LocalProtocolError
+        for a bad key."""
         _check_id(key)
         if not self.dialable:
             return None
-        nearest = self.routing.closest(key, self.config.k)
-        if len(nearest) >= self.config.k and xor_distance(self.peer_id, key) > xor_distance(
+        n = self.config.k if replicas is None else replicas
+        nearest = self.routing.closest(key, n)
+        if len(nearest) >= n and xor_distance(self.peer_id, key) > xor_distance(
             nearest[-1].peer_id, key
         ):
             return None
@@ -404,24 +466,26 @@ class DHTClient:
         """Re-sign and store again each of our records due at ``now``; how many were."""
         due = [(k, o) for k, o in self._own.items() if now >= o.due_at]
         for key, own in due:
-            await self._publish(key, (self._sign(key, own.record.value, own.ttl_s),))
+            rec = self._sign(key, own.record.value, own.ttl_s, own.replicas)
+            await self._publish(key, (rec,), own.replicas)
         return len(due)
 
-    def _sign(self, key: bytes, value: bytes, ttl_s: float) -> SignedRecord:
+    def _sign(self, key: bytes, value: bytes, ttl_s: float, replicas: int) -> SignedRecord:
         now = self.clock()
         rec = sign_record(self.caller.signer, key, value, now + ttl_s)
         due = now + min(self.config.republish_interval_s, ttl_s / 2)
-        self._own[key] = _OwnRecord(rec, ttl_s, due)
+        self._own[key] = _OwnRecord(rec, ttl_s, due, replicas)
         return rec
 
-    async def _publish(self, key: bytes, records: tuple[SignedRecord, ...]) -> int:
-        targets = await self._store_targets(key)
+    async def _publish(self, key: bytes, records: tuple[SignedRecord, ...], replicas: int) -> int:
+        nearest = await self._store_targets(key)
+        targets = nearest[:replicas]
         msg = Store(sender=self.me, records=records)
         replies = await asyncio.gather(*(self._call(c.address, msg, c.peer_id) for c in targets))
         held = sum(_holds(r) for r in replies)
         if 2 * held < len(targets):
             self._near.pop(key, None)  # the neighbourhood moved on: look it up again next time
-        return held + self._store_locally(key, records, targets)
+        return held + self._store_locally(key, records, targets, replicas)
 
     async def _store_targets(self, key: bytes) -> list[PeerInfo]:
         """The ``k`` nodes nearest ``key`` to store on: a lookup's answer, reused for
@@ -440,10 +504,10 @@ class DHTClient:
         return sorted(merged.values(), key=lambda c: xor_distance(c.peer_id, key))[: cfg.k]
 
     def _store_locally(
-        self, key: bytes, records: Sequence[SignedRecord], nearest: list[PeerInfo]
+        self, key: bytes, records: Sequence[SignedRecord], nearest: list[PeerInfo], replicas: int
     ) -> int:
-        """Hold ``records`` here too when this node is among the ``k`` nearest ``key``."""
-        near = len(nearest) < self.config.k or (
+        """Hold ``records`` here too when this node is among the ``replicas`` nearest ``key``."""
+        near = len(nearest) < replicas or (
             xor_distance(self.peer_id, key) < xor_distance(nearest[-1].peer_id, key)
         )
         if not (self.dialable and near):
