@@ -237,9 +237,8 @@ class DHTClient:
         self.peer_id = me.peer_id
         self.routing, self.records, self.metrics, self.clock = routing, records, metrics, clock
         self._own: dict[bytes, _OwnRecord] = {}
-        self._near: dict[
-            bytes, tuple[float, list[PeerInfo]]
-        ] = {}  # key -> (when, nodes a lookup found nearest)
+        # key -> (when, the nodes a lookup found nearest, how many it looked for)
+        self._near: dict[bytes, tuple[float, list[PeerInfo], int]] = {}
 
     @property
     def dialable(self) -> bool:
@@ -253,7 +252,13 @@ class DHTClient:
     # ── lookups ─────────────────────────────────────────────────────────────────────────────
 
     async def _lookup(
-        self, target: bytes, *, find_value: bool, quorum: int = 1, ask: _Ask | None = None
+        self,
+        target: bytes,
+        *,
+        find_value: bool,
+        quorum: int = 1,
+        ask: _Ask | None = None,
+        k: int | None = None,
     ) -> LookupResult:
         cfg = self.config
         _check_id(target)
@@ -262,7 +267,7 @@ class DHTClient:
         lookup = Lookup(
             target,
             self.routing.closest(target),
-            k=cfg.k,
+            k=cfg.k if k is None else k,
             # a delta read or a lookup by id asks as many holders as it needs at a time: every
             # holder answers it with the same records (three in flight tripled a read's bytes)
             alpha=min(cfg.alpha, max(quorum, 1)) if ask.named else cfg.alpha,
@@ -367,9 +372,10 @@ class DHTClient:
             await self.find_node(self.peer_id)
         return reached
 
-    async def find_node(self, target: bytes) -> LookupResult:
-        """The ``k`` live nodes nearest ``target`` (32 bytes) that answered, nearest first."""
-        return await self._lookup(target, find_value=False)
+    async def find_node(self, target: bytes, *, k: int | None = None) -> LookupResult:
+        """The ``k`` (default the node's) live nodes nearest ``target`` (32 bytes) that
+        answered, nearest first. A smaller ``k`` ends the lookup once that many answered."""
+        return await self._lookup(target, find_value=False, k=k)
 
     async def find_value(
         self,
@@ -478,8 +484,7 @@ class DHTClient:
         return rec
 
     async def _publish(self, key: bytes, records: tuple[SignedRecord, ...], replicas: int) -> int:
-        nearest = await self._store_targets(key)
-        targets = nearest[:replicas]
+        targets = await self._store_targets(key, replicas)
         msg = Store(sender=self.me, records=records)
         replies = await asyncio.gather(*(self._call(c.address, msg, c.peer_id) for c in targets))
         held = sum(_holds(r) for r in replies)
@@ -487,21 +492,22 @@ class DHTClient:
             self._near.pop(key, None)  # the neighbourhood moved on: look it up again next time
         return held + self._store_locally(key, records, targets, replicas)
 
-    async def _store_targets(self, key: bytes) -> list[PeerInfo]:
-        """The ``k`` nodes nearest ``key`` to store on: a lookup's answer, reused for
-        ``store_lookup_reuse_s`` (members republish every few seconds, and the nodes nearest a
-        key rarely change), merged with the nearest contacts the routing table learned since."""
+    async def _store_targets(self, key: bytes, n: int) -> list[PeerInfo]:
+        """The ``n`` nodes nearest ``key`` to store on: a lookup's answer (one for ``n`` nodes:
+        it ends once they answered), reused for ``store_lookup_reuse_s`` (members republish
+        every few seconds, and the nodes nearest a key rarely change), merged with the nearest
+        contacts the routing table learned since."""
         now, cfg = self.clock(), self.config
         near = self._near.get(key)
-        if near is None or now - near[0] >= cfg.store_lookup_reuse_s:
-            closest = (await self.find_node(key)).closest
+        if near is None or now - near[0] >= cfg.store_lookup_reuse_s or near[2] < n:
+            closest = (await self.find_node(key, k=n)).closest[:n]
             if len(self._near) >= 64:
                 self._near.pop(next(iter(self._near)))
-            self._near[key] = (now, closest)
+            self._near[key] = (now, closest, n)
             return closest
-        merged = {c.peer_id: c for c in self.routing.closest(key, cfg.k)}
+        merged = {c.peer_id: c for c in self.routing.closest(key, n)}
         merged.update((c.peer_id, c) for c in near[1] if c.peer_id in self.routing)
-        return sorted(merged.values(), key=lambda c: xor_distance(c.peer_id, key))[: cfg.k]
+        return sorted(merged.values(), key=lambda c: xor_distance(c.peer_id, key))[:n]
 
     def _store_locally(
         self, key: bytes, records: Sequence[SignedRecord], nearest: list[PeerInfo], replicas: int
