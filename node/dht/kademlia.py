@@ -65,6 +65,7 @@ from protocol.dht.messages import (
     NodesReply,
     Ping,
     Pong,
+    Refresh,
     Store,
     StoreReply,
     ValueReply,
@@ -172,6 +173,7 @@ class DHTNode:
             FindNode: self._on_find_node,
             FindValue: self._on_find_value,
             Store: self._on_store,
+            Refresh: self._on_refresh,
         }
         self._tg: asyncio.TaskGroup | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -236,10 +238,9 @@ class DHTNode:
         if not isinstance(msg, DHTRequest):
             raise NotAuthorized(f"no DHT handler for {type(msg).__name__}")
         check_sender(msg.sender, opened.public_key)
-        if isinstance(msg, Store):
-            self.limits.admit(
-                source=source, signer=opened.peer_id, records=len(msg.records), now=self.clock()
-            )
+        if isinstance(msg, Store | Refresh):
+            n = len(msg.records) if isinstance(msg, Store) else len(msg.refreshes)
+            self.limits.admit(source=source, signer=opened.peer_id, records=n, now=self.clock())
         self.metrics.rpcs_in[type(msg).__name__] += 1
         self._claim(msg.sender, source)
         return self._handlers[type(msg)](msg, source)
@@ -274,6 +275,20 @@ class DHTNode:
                 put = self.records.put(rec, now, source)
             except RemoteProtocolError as exc:
                 self.metrics.refusals[f"record {type(exc).__name__}"] += 1
+                reasons.append(f"{REFUSED}{type(exc).__name__}: {exc.reason}")
+                continue
+            accepted += put.stored
+            if not put.stored:
+                reasons.append(put.reason)
+        return StoreReply(accepted=accepted, reasons=tuple(reasons))
+
+    def _on_refresh(self, msg: Refresh, source: str) -> StoreReply:
+        now, accepted, reasons = self.clock(), 0, []
+        for ref in msg.refreshes:
+            try:
+                put = self.records.refresh(msg.key, ref, now, source)
+            except RemoteProtocolError as exc:
+                self.metrics.refusals[f"refresh {type(exc).__name__}"] += 1
                 reasons.append(f"{REFUSED}{type(exc).__name__}: {exc.reason}")
                 continue
             accepted += put.stored

@@ -40,12 +40,14 @@ from protocol.dht.messages import (
     NodesReply,
     Ping,
     Pong,
+    Refresh,
     Store,
     StoreReply,
     ValueReply,
     check_sender,
 )
 from protocol.dht.records import (
+    RecordRefresh,
     RecordStore,
     SignedRecord,
     content_tag,
@@ -63,7 +65,7 @@ from protocol.wire.signing import Opened, ReplayWindow, Signer, seal, split_seal
 
 __all__ = ["REFUSED", "Caller", "DHTClient", "DHTRequest", "Failure"]
 
-DHTRequest = Ping | FindNode | FindValue | Store
+DHTRequest = Ping | FindNode | FindValue | Store | Refresh
 REFUSED = "refused: "  # StoreReply reasons with this prefix are refusals, others "already held"
 
 
@@ -121,6 +123,7 @@ class _OwnRecord:
     ttl_s: float
     due_at: float
     replicas: int  # stored on this many of the nodes nearest its key
+    holders: set[bytes] = field(default_factory=set)  # nodes known to hold this value
 
 
 # ── one outbound call ───────────────────────────────────────────────────────────────────────
@@ -480,17 +483,42 @@ class DHTClient:
         now = self.clock()
         rec = sign_record(self.caller.signer, key, value, now + ttl_s)
         due = now + min(self.config.republish_interval_s, ttl_s / 2)
-        self._own[key] = _OwnRecord(rec, ttl_s, due, replicas)
+        old = self._own.get(key)
+        # the nodes that hold this very value (and an unexpired copy) can take a refresh
+        holders = old.holders if old is not None and old.record.value == value else set()
+        if old is not None and old.record.expires_at <= now:
+            holders = set()
+        self._own[key] = _OwnRecord(rec, ttl_s, due, replicas, holders)
         return rec
 
     async def _publish(self, key: bytes, records: tuple[SignedRecord, ...], replicas: int) -> int:
         targets = await self._store_targets(key, replicas)
-        msg = Store(sender=self.me, records=records)
-        replies = await asyncio.gather(*(self._call(c.address, msg, c.peer_id) for c in targets))
-        held = sum(_holds(r) for r in replies)
+        replies = await asyncio.gather(*(self._put(key, records, c) for c in targets))
+        held = sum(replies)
         if 2 * held < len(targets):
             self._near.pop(key, None)  # the neighbourhood moved on: look it up again next time
         return held + self._store_locally(key, records, targets, replicas)
+
+    async def _put(self, key: bytes, records: tuple[SignedRecord, ...], to: PeerInfo) -> bool:
+        """Store ``records`` at ``to``; whether it holds them. Our own record, republished with
+        its value unchanged, goes as a ``Refresh`` (expiry and signature) to a node that holds
+        that value, and whole when the refresh is refused (the node lost it)."""
+        own = self._own.get(key)
+        mine = own is not None and records == (own.record,)
+        if mine and own is not None and to.peer_id in own.holders:
+            refresh = Refresh(sender=self.me, key=key, refreshes=(RecordRefresh.of(own.record),))
+            if _holds(await self._call(to.address, refresh, to.peer_id)):
+                self.metrics.refreshes["sent"] += 1
+                return True
+            self.metrics.refreshes["refused, stored whole"] += 1
+        held = _holds(
+            await self._call(to.address, Store(sender=self.me, records=records), to.peer_id)
+        )
+        if mine and own is not None:
+            if len(own.holders) >= 4 * self.config.k:  # nodes no longer among the targets
+                own.holders.clear()
+            (own.holders.add if held else own.holders.discard)(to.peer_id)
+        return held
 
     async def _store_targets(self, key: bytes, n: int) -> list[PeerInfo]:
         """The ``n`` nodes nearest ``key`` to store on: a lookup's answer (one for ``n`` nodes:

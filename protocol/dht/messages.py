@@ -43,6 +43,7 @@ __all__ = [
     "NodesReply",
     "Ping",
     "Pong",
+    "Refresh",
     "Store",
     "StoreReply",
     "ValueReply",
@@ -208,12 +209,30 @@ class StoreReply(Message):
         )
 
 
+@register(40)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Refresh(Message):
+    """Please hold these newer expiries of records you hold under ``key`` (a republication
+    whose value did not change: ``RecordStore.refresh``); answered with a ``StoreReply``, whose
+    refusals name the refreshes of records not held (the sender then stores them whole)."""
+
+    sender: PeerInfo
+    key: bytes
+    refreshes: tuple[RecordRefresh, ...]
+
+    def _check(self) -> None:
+        _id(self.key, "Refresh.key")
+        _require(len(self.refreshes) > 0, "Refresh carries no refreshes")
+        _at_most(self.refreshes, MAX_STORE_RECORDS, "Refresh.refreshes")
+
+
 DHT_MESSAGES: tuple[type[Message], ...] = (
-    Ping, Pong, FindNode, FindValue, Store, NodesReply, ValueReply, StoreReply,
+    Ping, Pong, FindNode, FindValue, Store, NodesReply, ValueReply, StoreReply, Refresh,
 )  # fmt: skip
 REPLY_TO: dict[type[Message], type[Message]] = {
     Ping: Pong,
     FindNode: NodesReply,
     FindValue: ValueReply,
     Store: StoreReply,
+    Refresh: StoreReply,
 }

@@ -18,6 +18,7 @@ from protocol.dht.messages import (
     NodesReply,
     Ping,
     Pong,
+    Refresh,
     Store,
     StoreReply,
     ValueReply,
@@ -213,6 +214,7 @@ NAT = PeerInfo(peer_id=BOB.peer_id)  # a learner behind NAT: no address
         ValueReply(records=(), peers=()),
         ValueReply(records=(), peers=(ME,), omitted=3),
         StoreReply(accepted=1, reasons=("record signature does not verify",)),
+        Refresh(sender=ME, key=MEMBERS, refreshes=(RecordRefresh.of(rec()),)),
     ],
     ids=lambda m: type(m).__name__,
 )
@@ -241,6 +243,9 @@ def test_dht_codes_and_reply_table() -> None:
         (lambda: ValueReply(records=(), peers=(), omitted=-1), "omitted"),
         (lambda: ValueReply(records=(), peers=(), omitted=4097), "omitted"),
         (lambda: Store(sender=ME, records=()), "no records"),
+        (lambda: Refresh(sender=ME, key=MEMBERS, refreshes=()), "no refreshes"),
+        (lambda: Refresh(sender=ME, key=b"k", refreshes=(RecordRefresh.of(rec()),)), "key"),
+        (lambda: Refresh(sender=ME, key=MEMBERS, refreshes=(RecordRefresh.of(rec()),) * 65), "cap"),
         (lambda: Store(sender=ME, records=(rec(),) * 65), "cap"),
         (lambda: NodesReply(peers=(ME,) * (MAX_REPLY_PEERS + 1)), "cap"),
         (lambda: StoreReply(accepted=-1, reasons=()), ">= 0"),
@@ -388,3 +393,19 @@ def test_content_tags_and_refreshes_are_checked_on_the_wire() -> None:
         RecordRefresh(subkey=ALICE.peer_id, expires_at=NOW, signature=b"x")
     with pytest.raises(DecodeError, match="content"):
         answer([rec()], same=(b"short",))
+
+
+def test_a_store_refreshes_only_a_record_it_holds_and_only_for_its_value() -> None:
+    store = RecordStore()
+    old = rec(ALICE, value=b"same", ttl=10)
+    with pytest.raises(Stale, match="store it"):
+        store.refresh(MEMBERS, RecordRefresh.of(old), NOW)
+    store.put(old, NOW)
+    new = rec(ALICE, value=b"same", ttl=40)
+    assert store.refresh(MEMBERS, RecordRefresh.of(new), NOW).stored
+    assert store.get(MEMBERS, NOW) == [new]
+    assert not store.refresh(MEMBERS, RecordRefresh.of(old), NOW).stored  # not newer
+    other = rec(ALICE, value=b"other", ttl=50)  # signed over another value
+    with pytest.raises(BadSignature):
+        store.refresh(MEMBERS, RecordRefresh.of(other), NOW)
+    assert store.get(MEMBERS, NOW) == [new]

@@ -274,6 +274,36 @@ async def test_a_record_stored_on_fewer_replicas_is_held_by_that_many_nearest() 
             await nodes[0].store(key, b"record", 60, replicas=0)
 
 
+async def test_a_republished_unchanged_value_is_sent_as_a_refresh_and_whole_where_lost() -> None:
+    """A republication of the same value goes to the nodes that hold it as a ``Refresh``
+    (expiry and signature, for a fraction of a Store's bytes), and whole to a node that lost
+    it; every holder ends with the new expiry; a new value goes whole again."""
+    async with network() as net:
+        nodes = await joined(net, 8)
+        key = key_id("swarm/members")
+        publisher = max(nodes, key=lambda n: xor_distance(n.peer_id, key))  # not a holder
+        value = b"http://member:1/" + bytes(200)
+        assert await publisher.store(key, value, 60, replicas=4) == 4
+        holders = [n for n in nodes if n.records.get(key, time.time())]
+
+        def sent(kind: str) -> int:  # requests only; the nodes are mounted at /v1/dht/<i>
+            routes = net.transport.bytes_by_route.items()
+            return sum(n for r, n in routes if not r.startswith("reply ") and r.endswith(kind))
+
+        stored = sent(":Store")
+        holders[0].records.prune(time.time() + 1e6)  # this one lost it
+        assert await publisher.store(key, value, 120, replicas=4) == 4
+        assert publisher.metrics.refreshes["sent"] == 3
+        assert publisher.metrics.refreshes["refused, stored whole"] == 1
+        for node in holders:
+            (held,) = node.records.get(key, time.time())
+            assert held.value == value and held.expires_at > time.time() + 100
+        resent, refreshed = sent(":Store") - stored, sent(":Refresh")
+        assert 0 < refreshed < 3 * resent  # three refreshes cost less than three whole stores
+        assert await publisher.store(key, b"http://member:1/moved", 120, replicas=4) == 4
+        assert publisher.metrics.refreshes["sent"] == 3  # a new value is stored whole
+
+
 async def test_a_lookup_by_subkey_gets_those_records_alone_and_caches_nothing() -> None:
     """``only``: the records of the named subkeys, from a reader with nothing stored locally,
     for a fraction of a whole read's bytes; a subkey nobody stored gets nothing."""
