@@ -93,6 +93,10 @@ MEMBER_REPLICAS = READ_QUORUM + 2
 # expiry and signature, ``protocol.dht.delta_reads``); one that does not is left out unless its
 # value changed. A dead member's record still leaves the view when its held copy expires.
 RENEW_SHARE = 0.5
+# A held record this close to expiry was not renewed by the responders read (one that lacks it:
+# another node's view of the nearest replicas), or its member is gone: the next read asks
+# READ_QUORUM responders, so a live member never drops out of the view for one responder's gap.
+LAPSE_GUARD_S = 6.0
 ASSIGNMENTS_KEPT = (
     64  # owner assignments remembered (one per candidate set: the members, less each primary)
 )
@@ -378,10 +382,14 @@ class Membership:
         held here, responders leave those out and send a refresh (expiry and signature) of
         those due within ``RENEW_SHARE`` of the ttl (``_read``). ``full`` asks for a full read
         now."""
-        full = full or self.reads % FULL_READ_EVERY == 0
-        self.reads += 1
         now = time.time()
-        for key in (self.roster, self.key) if self.sees_all else (self.roster,):
+        keys = (self.roster, self.key) if self.sees_all else (self.roster,)
+        lapsing = any(
+            r.key in keys and r.expires_at - now < LAPSE_GUARD_S for r in self._records.values()
+        )
+        full = full or self.reads % FULL_READ_EVERY == 0 or lapsing
+        self.reads += 1
+        for key in keys:
             self._merge(await self._read(key, full, now))
         if not self.sees_all:
             await self._look_up(now)

@@ -553,6 +553,9 @@ class Presence:
                 )
             time.sleep(0.1)
         time.sleep(JOINING_PERIOD_S + 0.5)
+        # then back to MEMBERSHIP_PERIOD_S: a member that leaves later must not make every
+        # peer read four times as often (``pause``)
+        self.awaited_members = 0
 
 
 def next_record(

@@ -226,6 +226,23 @@ async def test_the_first_read_and_every_fourth_merge_several_responders() -> Non
     assert set(swarm.dht.quorums) == {1, READ_QUORUM}
 
 
+async def test_a_held_record_close_to_expiry_makes_the_next_read_ask_several_responders() -> None:
+    """A record that was not renewed (the responder read lacks it, or its member is gone) and
+    nears expiry makes the next read a quorum read, whatever the read count says."""
+    from node.dht.membership import LAPSE_GUARD_S, READ_QUORUM
+
+    swarm = Swarm("open")
+    a, b = (Signer.from_seed(os.urandom(32)) for _ in range(2))
+    swarm.dht.answer = [swarm.record(a), swarm.record(b, ttl_s=LAPSE_GUARD_S + 0.3)]
+    await swarm.membership.refresh()  # the first read: a quorum read anyway
+    swarm.dht.answer = []
+    await swarm.membership.refresh()
+    assert swarm.dht.quorums[1] == 1  # b still has more than LAPSE_GUARD_S to live
+    await asyncio.sleep(0.4)
+    await swarm.membership.refresh()
+    assert swarm.dht.quorums[2] == READ_QUORUM
+
+
 async def test_refusals_kept_are_bounded() -> None:
     swarm = Swarm("certified")
     swarm.dht.answer = [
