@@ -58,5 +58,6 @@ class DHTMetrics:
     refusals: Counter[str] = field(default_factory=Counter)
     failures: Counter[str] = field(default_factory=Counter)
     claims: Counter[str] = field(default_factory=Counter)  # senders' claimed addresses, by outcome
+    refreshes: Counter[str] = field(default_factory=Counter)  # record refreshes read (no value)
     node_hops: Counter[int] = field(default_factory=Counter)
     value_hops: Counter[int] = field(default_factory=Counter)

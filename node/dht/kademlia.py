@@ -65,6 +65,7 @@ from protocol.dht.messages import (
     NodesReply,
     Ping,
     Pong,
+    Refresh,
     Store,
     StoreReply,
     ValueReply,
@@ -75,8 +76,8 @@ from protocol.dht.records import (
     RecordStore,
     SignedRecord,
     StoreLimits,
+    answer,
     only_subkeys,
-    unknown_to,
 )
 from protocol.dht.routing import ClaimQueue, PingCandidate, RoutingTable
 from protocol.errors import LocalProtocolError, NotAuthorized, RemoteProtocolError
@@ -172,6 +173,7 @@ class DHTNode:
             FindNode: self._on_find_node,
             FindValue: self._on_find_value,
             Store: self._on_store,
+            Refresh: self._on_refresh,
         }
         self._tg: asyncio.TaskGroup | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -236,10 +238,9 @@ class DHTNode:
         if not isinstance(msg, DHTRequest):
             raise NotAuthorized(f"no DHT handler for {type(msg).__name__}")
         check_sender(msg.sender, opened.public_key)
-        if isinstance(msg, Store):
-            self.limits.admit(
-                source=source, signer=opened.peer_id, records=len(msg.records), now=self.clock()
-            )
+        if isinstance(msg, Store | Refresh):
+            n = len(msg.records) if isinstance(msg, Store) else len(msg.refreshes)
+            self.limits.admit(source=source, signer=opened.peer_id, records=n, now=self.clock())
         self.metrics.rpcs_in[type(msg).__name__] += 1
         self._claim(msg.sender, source)
         return self._handlers[type(msg)](msg, source)
@@ -252,16 +253,19 @@ class DHTNode:
 
     def _on_find_value(self, msg: FindValue, source: str) -> ValueReply:
         held = only_subkeys(self.records.get(msg.key, self.clock()), msg.only)
-        records, omitted = unknown_to(held, msg.known)
+        got = answer(held, known=msg.known, same=msg.same, renew=msg.renew)
         # A holder answers a delta read (one that names records: the asker has read the key
         # before) or a lookup by subkey with the value instead of contacts, as Kademlia's
         # FIND_VALUE does; a first read still gets contacts, so a reader that knows few nodes
         # finds enough holders.
-        holder = (msg.known or msg.only) and (records or omitted)
+        named = msg.known or msg.same or msg.renew or msg.only
+        holder = named and (got.records or got.refreshes or got.omitted)
+        refreshes = tuple(got.refreshes[:MAX_REPLY_RECORDS])
         return ValueReply(
-            records=tuple(records[:MAX_REPLY_RECORDS]),
+            records=tuple(got.records[: MAX_REPLY_RECORDS - len(refreshes)]),
             peers=() if holder else tuple(self._nearest(msg.key)),
-            omitted=omitted,
+            omitted=got.omitted,
+            refreshes=refreshes,
         )
 
     def _on_store(self, msg: Store, source: str) -> StoreReply:
@@ -271,6 +275,20 @@ class DHTNode:
                 put = self.records.put(rec, now, source)
             except RemoteProtocolError as exc:
                 self.metrics.refusals[f"record {type(exc).__name__}"] += 1
+                reasons.append(f"{REFUSED}{type(exc).__name__}: {exc.reason}")
+                continue
+            accepted += put.stored
+            if not put.stored:
+                reasons.append(put.reason)
+        return StoreReply(accepted=accepted, reasons=tuple(reasons))
+
+    def _on_refresh(self, msg: Refresh, source: str) -> StoreReply:
+        now, accepted, reasons = self.clock(), 0, []
+        for ref in msg.refreshes:
+            try:
+                put = self.records.refresh(msg.key, ref, now, source)
+            except RemoteProtocolError as exc:
+                self.metrics.refusals[f"refresh {type(exc).__name__}"] += 1
                 reasons.append(f"{REFUSED}{type(exc).__name__}: {exc.reason}")
                 continue
             accepted += put.stored
@@ -389,9 +407,11 @@ class DHTNode:
         """``DHTClient.find_value``."""
         return await self.client.find_value(key, quorum=quorum, known=known)
 
-    async def store(self, key: bytes, value: bytes, ttl_s: float) -> int:
+    async def store(
+        self, key: bytes, value: bytes, ttl_s: float, *, replicas: int | None = None
+    ) -> int:
         """``DHTClient.store``: how many nodes hold the record."""
-        return await self.client.store(key, value, ttl_s)
+        return await self.client.store(key, value, ttl_s, replicas=replicas)
 
     async def get(
         self,
@@ -400,13 +420,17 @@ class DHTNode:
         quorum: int = 1,
         known: tuple[bytes, ...] = (),
         only: tuple[bytes, ...] = (),
+        held: Sequence[SignedRecord] = (),
+        renew_before: float = 0.0,
     ) -> list[SignedRecord]:
         """``DHTClient.get``."""
-        return await self.client.get(key, quorum=quorum, known=known, only=only)
+        return await self.client.get(
+            key, quorum=quorum, known=known, only=only, held=held, renew_before=renew_before
+        )
 
-    def held_near(self, key: bytes) -> list[SignedRecord] | None:
+    def held_near(self, key: bytes, replicas: int | None = None) -> list[SignedRecord] | None:
         """``DHTClient.held_near``."""
-        return self.client.held_near(key)
+        return self.client.held_near(key, replicas)
 
     def forget(self, key: bytes) -> None:
         """``DHTClient.forget``."""

@@ -23,7 +23,7 @@ import asyncio
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import aiohttp
 
@@ -40,15 +40,19 @@ from protocol.dht.messages import (
     NodesReply,
     Ping,
     Pong,
+    Refresh,
     Store,
     StoreReply,
     ValueReply,
     check_sender,
 )
 from protocol.dht.records import (
+    RecordRefresh,
     RecordStore,
     SignedRecord,
+    content_tag,
     only_subkeys,
+    renewed,
     sign_record,
     verify_record,
 )
@@ -61,7 +65,7 @@ from protocol.wire.signing import Opened, ReplayWindow, Signer, seal, split_seal
 
 __all__ = ["REFUSED", "Caller", "DHTClient", "DHTRequest", "Failure"]
 
-DHTRequest = Ping | FindNode | FindValue | Store
+DHTRequest = Ping | FindNode | FindValue | Store | Refresh
 REFUSED = "refused: "  # StoreReply reasons with this prefix are refusals, others "already held"
 
 
@@ -73,11 +77,53 @@ class Failure:
     unreachable: bool  # counts against the peer in the routing table
 
 
+@dataclass(frozen=True, slots=True)
+class _Ask:
+    """What one FIND_VALUE lookup names: expiry tags (``known``), subkey prefixes (``only``),
+    content tags (``same``, ``renew``) and the held records the refreshes apply to."""
+
+    known: tuple[bytes, ...] = ()
+    only: tuple[bytes, ...] = ()
+    same: tuple[bytes, ...] = ()
+    renew: tuple[bytes, ...] = ()
+    held: dict[bytes, SignedRecord] = field(default_factory=dict)  # subkey -> record
+
+    @property
+    def named(self) -> bool:
+        """A delta read or a lookup by id (not a first read of the key)."""
+        return bool(self.known or self.only or self.same or self.renew)
+
+    @classmethod
+    def of(
+        cls,
+        known: tuple[bytes, ...],
+        only: tuple[bytes, ...],
+        held: Sequence[SignedRecord],
+        renew_before: float,
+    ) -> _Ask:
+        """Content tags for ``held`` (newest per subkey, at most ``MAX_REPLY_RECORDS`` less
+        ``known``): ``renew`` for those expiring before ``renew_before``, ``same`` for the rest."""
+        newest: dict[bytes, SignedRecord] = {}
+        for rec in held:
+            if rec.subkey not in newest or rec.expires_at > newest[rec.subkey].expires_at:
+                newest[rec.subkey] = rec
+        kept = sorted(newest.values(), key=lambda r: r.subkey)[: MAX_REPLY_RECORDS - len(known)]
+        return cls(
+            known=known,
+            only=only,
+            same=tuple(content_tag(r) for r in kept if r.expires_at >= renew_before),
+            renew=tuple(content_tag(r) for r in kept if r.expires_at < renew_before),
+            held={r.subkey: r for r in kept},
+        )
+
+
 @dataclass(slots=True)
 class _OwnRecord:
     record: SignedRecord
     ttl_s: float
     due_at: float
+    replicas: int  # stored on this many of the nodes nearest its key
+    holders: set[bytes] = field(default_factory=set)  # nodes known to hold this value
 
 
 # ── one outbound call ───────────────────────────────────────────────────────────────────────
@@ -194,9 +240,8 @@ class DHTClient:
         self.peer_id = me.peer_id
         self.routing, self.records, self.metrics, self.clock = routing, records, metrics, clock
         self._own: dict[bytes, _OwnRecord] = {}
-        self._near: dict[
-            bytes, tuple[float, list[PeerInfo]]
-        ] = {}  # key -> (when, nodes a lookup found nearest)
+        # key -> (when, the nodes a lookup found nearest, how many it looked for)
+        self._near: dict[bytes, tuple[float, list[PeerInfo], int]] = {}
 
     @property
     def dialable(self) -> bool:
@@ -215,27 +260,27 @@ class DHTClient:
         *,
         find_value: bool,
         quorum: int = 1,
-        known: tuple[bytes, ...] = (),
-        only: tuple[bytes, ...] = (),
+        ask: _Ask | None = None,
+        k: int | None = None,
     ) -> LookupResult:
         cfg = self.config
         _check_id(target)
         self.routing.touch(target, self.clock())
+        ask = ask or _Ask()
         lookup = Lookup(
             target,
             self.routing.closest(target),
-            k=cfg.k,
-            alpha=cfg.alpha,
+            k=cfg.k if k is None else k,
+            # a delta read or a lookup by id asks as many holders as it needs at a time: every
+            # holder answers it with the same records (three in flight tripled a read's bytes)
+            alpha=min(cfg.alpha, max(quorum, 1)) if ask.named else cfg.alpha,
             find_value=find_value,
             min_values=quorum,
             own_id=self.peer_id,
         )
-        known = known[
-            :MAX_REPLY_RECORDS
-        ]  # a FindValue names at most this many: the rest come in full
         try:
             async with asyncio.timeout(cfg.lookup_timeout_s):
-                await self._drive(lookup, known, only)
+                await self._drive(lookup, ask)
         except TimeoutError:
             self.metrics.failures["lookup timed out"] += 1
         result = lookup.result()
@@ -243,37 +288,38 @@ class DHTClient:
         hops[result.hops] += 1
         return result
 
-    async def _drive(
-        self, lookup: Lookup, known: tuple[bytes, ...] = (), only: tuple[bytes, ...] = ()
-    ) -> None:
+    async def _drive(self, lookup: Lookup, ask: _Ask) -> None:
         async with asyncio.TaskGroup() as tg:
             pending: set[asyncio.Task[tuple[PeerInfo, Opened | Failure]]] = set()
             while not lookup.done:
                 for contact in lookup.next_queries(self.clock()):
-                    pending.add(tg.create_task(self._query(lookup, contact, known, only)))
+                    pending.add(tg.create_task(self._query(lookup, contact, ask)))
                 if not pending:
                     break
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
-                    self._feed(lookup, *task.result())
+                    self._feed(lookup, *task.result(), ask)
             for task in pending:
                 task.cancel()
 
     async def _query(
-        self,
-        lookup: Lookup,
-        contact: PeerInfo,
-        known: tuple[bytes, ...] = (),
-        only: tuple[bytes, ...] = (),
+        self, lookup: Lookup, contact: PeerInfo, ask: _Ask
     ) -> tuple[PeerInfo, Opened | Failure]:
         msg: DHTRequest = (
-            FindValue(sender=self.me, key=lookup.target, known=known, only=only)
+            FindValue(
+                sender=self.me,
+                key=lookup.target,
+                known=ask.known,
+                only=ask.only,
+                same=ask.same,
+                renew=ask.renew,
+            )
             if lookup.find_value
             else FindNode(sender=self.me, target=lookup.target)
         )
         return contact, await self._call(contact.address, msg, contact.peer_id)
 
-    def _feed(self, lookup: Lookup, contact: PeerInfo, reply: Opened | Failure) -> None:
+    def _feed(self, lookup: Lookup, contact: PeerInfo, reply: Opened | Failure, ask: _Ask) -> None:
         now = self.clock()
         if isinstance(reply, Failure):
             lookup.on_failure(contact.peer_id, now)
@@ -281,7 +327,11 @@ class DHTClient:
         msg = reply.message
         assert isinstance(msg, NodesReply | ValueReply)  # checked against REPLY_TO in _call
         if isinstance(msg, ValueReply):
-            records = self._valid(msg.records, lookup.target)
+            rebuilt, wasted = renewed(msg.refreshes, ask.held)
+            self.metrics.refreshes["received"] += len(msg.refreshes)
+            if wasted:
+                self.metrics.failures["refresh of no record held, or not newer"] += wasted
+            records = self._valid([*msg.records, *rebuilt], lookup.target)
             lookup.on_response(contact.peer_id, msg.peers, now, value=records, omitted=msg.omitted)
         else:
             lookup.on_response(contact.peer_id, msg.peers, now)
@@ -325,9 +375,10 @@ class DHTClient:
             await self.find_node(self.peer_id)
         return reached
 
-    async def find_node(self, target: bytes) -> LookupResult:
-        """The ``k`` live nodes nearest ``target`` (32 bytes) that answered, nearest first."""
-        return await self._lookup(target, find_value=False)
+    async def find_node(self, target: bytes, *, k: int | None = None) -> LookupResult:
+        """The ``k`` (default the node's) live nodes nearest ``target`` (32 bytes) that
+        answered, nearest first. A smaller ``k`` ends the lookup once that many answered."""
+        return await self._lookup(target, find_value=False, k=k)
 
     async def find_value(
         self,
@@ -340,12 +391,21 @@ class DHTClient:
         """FIND_VALUE until ``quorum`` peers returned records (or said that every record they
         hold is among ``known``, ``protocol.dht.records.known_tags``); records are verified.
         ``only``: subkey prefixes, for the records of those subkeys alone."""
-        return await self._lookup(key, find_value=True, quorum=quorum, known=known, only=only)
+        return await self._lookup(
+            key,
+            find_value=True,
+            quorum=quorum,
+            ask=_Ask(known=known[:MAX_REPLY_RECORDS], only=only),
+        )
 
-    async def store(self, key: bytes, value: bytes, ttl_s: float) -> int:
-        """Sign ``value`` under ``key`` (32 bytes) in our subkey and store it on the ``k`` nodes
-        nearest the key; keep republishing it. Returns how many nodes hold it (this one counts
-        when it is among the nearest). Raises LocalProtocolError for a bad key, ttl or size."""
+    async def store(
+        self, key: bytes, value: bytes, ttl_s: float, *, replicas: int | None = None
+    ) -> int:
+        """Sign ``value`` under ``key`` (32 bytes) in our subkey and store it on the ``replicas``
+        nodes nearest the key (default ``k``), and here too when this node is among them; keep
+        republishing it. Returns how many nodes hold
+        it (this one counts when it is among the nearest). Raises LocalProtocolError for a bad
+        key, ttl, size or replica count."""
         _check_id(key)
         cfg = self.config
         if not 0 < ttl_s <= cfg.record_ttl_cap_s or len(value) > cfg.max_value_bytes:
@@ -353,8 +413,11 @@ class DHTClient:
                 f"need 0 < ttl <= {cfg.record_ttl_cap_s}s and value <= {cfg.max_value_bytes} "
                 f"bytes; got {ttl_s}s, {len(value)} bytes"
             )
-        rec = self._sign(key, value, ttl_s)
-        return await self._publish(key, (rec,))
+        n = cfg.k if replicas is None else replicas
+        if not 1 <= n <= cfg.k:
+            raise LocalProtocolError(f"need 1 <= replicas <= k = {cfg.k}; got {replicas}")
+        rec = self._sign(key, value, ttl_s, n)
+        return await self._publish(key, (rec,), n)
 
     async def get(
         self,
@@ -363,34 +426,42 @@ class DHTClient:
         quorum: int = 1,
         known: tuple[bytes, ...] = (),
         only: tuple[bytes, ...] = (),
+        held: Sequence[SignedRecord] = (),
+        renew_before: float = 0.0,
     ) -> list[SignedRecord]:
         """Verified records under ``key``: the newest expiry per subkey, ordered by subkey.
 
         With ``known`` (``known_tags`` of the records the caller holds), a delta read: responders
         leave those out, so what comes back is only what is newer, and nothing is cached (a
-        partial set would make the cache a source that lacks records). Without it, caches what
-        it found at the nearest node that answered without it. With ``only`` (subkey
+        partial set would make the cache a source that lacks records). With ``held`` (the
+        caller's records under ``key``), a delta read by content (``protocol.dht.delta_reads``):
+        responders leave out the held values, and send for those held that expire before
+        ``renew_before`` only their newer expiry; nothing cached either. Without either, caches
+        what it found at the nearest node that answered without it. With ``only`` (subkey
         prefixes), the records of those subkeys alone, and nothing cached either.
         """
-        result = await self.find_value(key, quorum=quorum, known=known, only=only)
+        ask = _Ask.of(known[:MAX_REPLY_RECORDS], only, held, renew_before)
+        result = await self._lookup(key, find_value=True, quorum=quorum, ask=ask)
         local = self.records.get(key, self.clock()) if self.dialable else []
         found = only_subkeys([*local, *result.value], only)
         records = _newest_per_subkey(found, self.clock())
         cache = result.closest_without_value
-        if result.found and records and cache is not None and not known and not only:
+        if result.found and records and cache is not None and not ask.named:
             batch = tuple(sorted(records, key=lambda r: -r.expires_at)[:MAX_STORE_RECORDS])
             await self._call(cache.address, Store(sender=self.me, records=batch), cache.peer_id)
         return records
 
-    def held_near(self, key: bytes) -> list[SignedRecord] | None:
-        """The records this node holds under ``key`` when it is among the ``k`` nodes nearest
-        the key that it knows of (publishers store there, so a read from here needs no
-        request); None when it is not, or holds none. Raises LocalProtocolError for a bad key."""
+    def held_near(self, key: bytes, replicas: int | None = None) -> list[SignedRecord] | None:
+        """The records this node holds under ``key`` when it is among the ``replicas`` (default
+        ``k``) nodes nearest the key that it knows of (publishers store there, so a read from
+        here needs no request); None when it is not, or holds none. Raises LocalProtocolError
+        for a bad key."""
         _check_id(key)
         if not self.dialable:
             return None
-        nearest = self.routing.closest(key, self.config.k)
-        if len(nearest) >= self.config.k and xor_distance(self.peer_id, key) > xor_distance(
+        n = self.config.k if replicas is None else replicas
+        nearest = self.routing.closest(key, n)
+        if len(nearest) >= n and xor_distance(self.peer_id, key) > xor_distance(
             nearest[-1].peer_id, key
         ):
             return None
@@ -404,46 +475,73 @@ class DHTClient:
         """Re-sign and store again each of our records due at ``now``; how many were."""
         due = [(k, o) for k, o in self._own.items() if now >= o.due_at]
         for key, own in due:
-            await self._publish(key, (self._sign(key, own.record.value, own.ttl_s),))
+            rec = self._sign(key, own.record.value, own.ttl_s, own.replicas)
+            await self._publish(key, (rec,), own.replicas)
         return len(due)
 
-    def _sign(self, key: bytes, value: bytes, ttl_s: float) -> SignedRecord:
+    def _sign(self, key: bytes, value: bytes, ttl_s: float, replicas: int) -> SignedRecord:
         now = self.clock()
         rec = sign_record(self.caller.signer, key, value, now + ttl_s)
         due = now + min(self.config.republish_interval_s, ttl_s / 2)
-        self._own[key] = _OwnRecord(rec, ttl_s, due)
+        old = self._own.get(key)
+        # the nodes that hold this very value (and an unexpired copy) can take a refresh
+        holders = old.holders if old is not None and old.record.value == value else set()
+        if old is not None and old.record.expires_at <= now:
+            holders = set()
+        self._own[key] = _OwnRecord(rec, ttl_s, due, replicas, holders)
         return rec
 
-    async def _publish(self, key: bytes, records: tuple[SignedRecord, ...]) -> int:
-        targets = await self._store_targets(key)
-        msg = Store(sender=self.me, records=records)
-        replies = await asyncio.gather(*(self._call(c.address, msg, c.peer_id) for c in targets))
-        held = sum(_holds(r) for r in replies)
+    async def _publish(self, key: bytes, records: tuple[SignedRecord, ...], replicas: int) -> int:
+        targets = await self._store_targets(key, replicas)
+        replies = await asyncio.gather(*(self._put(key, records, c) for c in targets))
+        held = sum(replies)
         if 2 * held < len(targets):
             self._near.pop(key, None)  # the neighbourhood moved on: look it up again next time
-        return held + self._store_locally(key, records, targets)
+        return held + self._store_locally(key, records, targets, replicas)
 
-    async def _store_targets(self, key: bytes) -> list[PeerInfo]:
-        """The ``k`` nodes nearest ``key`` to store on: a lookup's answer, reused for
-        ``store_lookup_reuse_s`` (members republish every few seconds, and the nodes nearest a
-        key rarely change), merged with the nearest contacts the routing table learned since."""
+    async def _put(self, key: bytes, records: tuple[SignedRecord, ...], to: PeerInfo) -> bool:
+        """Store ``records`` at ``to``; whether it holds them. Our own record, republished with
+        its value unchanged, goes as a ``Refresh`` (expiry and signature) to a node that holds
+        that value, and whole when the refresh is refused (the node lost it)."""
+        own = self._own.get(key)
+        mine = own is not None and records == (own.record,)
+        if mine and own is not None and to.peer_id in own.holders:
+            refresh = Refresh(sender=self.me, key=key, refreshes=(RecordRefresh.of(own.record),))
+            if _holds(await self._call(to.address, refresh, to.peer_id)):
+                self.metrics.refreshes["sent"] += 1
+                return True
+            self.metrics.refreshes["refused, stored whole"] += 1
+        held = _holds(
+            await self._call(to.address, Store(sender=self.me, records=records), to.peer_id)
+        )
+        if mine and own is not None:
+            if len(own.holders) >= 4 * self.config.k:  # nodes no longer among the targets
+                own.holders.clear()
+            (own.holders.add if held else own.holders.discard)(to.peer_id)
+        return held
+
+    async def _store_targets(self, key: bytes, n: int) -> list[PeerInfo]:
+        """The ``n`` nodes nearest ``key`` to store on: a lookup's answer (one for ``n`` nodes:
+        it ends once they answered), reused for ``store_lookup_reuse_s`` (members republish
+        every few seconds, and the nodes nearest a key rarely change), merged with the nearest
+        contacts the routing table learned since."""
         now, cfg = self.clock(), self.config
         near = self._near.get(key)
-        if near is None or now - near[0] >= cfg.store_lookup_reuse_s:
-            closest = (await self.find_node(key)).closest
+        if near is None or now - near[0] >= cfg.store_lookup_reuse_s or near[2] < n:
+            closest = (await self.find_node(key, k=n)).closest[:n]
             if len(self._near) >= 64:
                 self._near.pop(next(iter(self._near)))
-            self._near[key] = (now, closest)
+            self._near[key] = (now, closest, n)
             return closest
-        merged = {c.peer_id: c for c in self.routing.closest(key, cfg.k)}
+        merged = {c.peer_id: c for c in self.routing.closest(key, n)}
         merged.update((c.peer_id, c) for c in near[1] if c.peer_id in self.routing)
-        return sorted(merged.values(), key=lambda c: xor_distance(c.peer_id, key))[: cfg.k]
+        return sorted(merged.values(), key=lambda c: xor_distance(c.peer_id, key))[:n]
 
     def _store_locally(
-        self, key: bytes, records: Sequence[SignedRecord], nearest: list[PeerInfo]
+        self, key: bytes, records: Sequence[SignedRecord], nearest: list[PeerInfo], replicas: int
     ) -> int:
-        """Hold ``records`` here too when this node is among the ``k`` nearest ``key``."""
-        near = len(nearest) < self.config.k or (
+        """Hold ``records`` here too when this node is among the ``replicas`` nearest ``key``."""
+        near = len(nearest) < replicas or (
             xor_distance(self.peer_id, key) < xor_distance(nearest[-1].peer_id, key)
         )
         if not (self.dialable and near):

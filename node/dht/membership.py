@@ -45,7 +45,7 @@ from node.config import SCHEDULE_FIELDS, SWARM_WIDE_FIELDS, RunConfig
 from node.dht.kademlia import DHTNode
 from node.wire.tls import origin
 from protocol.dht.member_lookups import MemberLookups
-from protocol.dht.records import KNOWN_TAG_ID_BYTES, SignedRecord, known_tags
+from protocol.dht.records import KNOWN_TAG_ID_BYTES, SignedRecord
 from protocol.diloco.fragments import balanced_owners, owner_chain, owners_of
 from protocol.errors import DecodeError, NotAuthorized, RemoteProtocolError
 from protocol.ids import key_id
@@ -84,6 +84,19 @@ REFUSED_KEPT = 1024
 LOOKUPS_PER_READ = 16
 LOOKED_UP_KEPT = 256
 LOOKUP_RETRY_S = 5.0
+# Member records are stored on this many of the nodes nearest their key, not the DHT's k = 20:
+# they are republished every few seconds anyway, so a copy lost with its node is back within a
+# republication, and every store is one request (~860 bytes with its reply) a republication.
+# READ_QUORUM + 2, so that a full read still finds its quorum with two holders gone.
+MEMBER_REPLICAS = READ_QUORUM + 2
+# A held record that expires within this share of its ttl is read again as a refresh (its newer
+# expiry and signature, ``protocol.dht.delta_reads``); one that does not is left out unless its
+# value changed. A dead member's record still leaves the view when its held copy expires.
+RENEW_SHARE = 0.5
+# A held record this close to expiry was not renewed by the responders read (one that lacks it:
+# another node's view of the nearest replicas), or its member is gone: the next read asks
+# READ_QUORUM responders, so a live member never drops out of the view for one responder's gap.
+LAPSE_GUARD_S = 6.0
 ASSIGNMENTS_KEPT = (
     64  # owner assignments remembered (one per candidate set: the members, less each primary)
 )
@@ -312,7 +325,7 @@ class Membership:
         old, self._published_under = self._published_under, key
         if old is not None and old != key:
             self.dht.forget(old)  # it expires there at its ttl
-        return await self.dht.store(key, record.encode(), self.ttl_s)
+        return await self.dht.store(key, record.encode(), self.ttl_s, replicas=MEMBER_REPLICAS)
 
     def want(self, peer_id: bytes) -> None:
         """``peer_id``'s record is needed: a peer that does not see all members looks it up at
@@ -322,12 +335,19 @@ class Membership:
 
     async def _read(self, key: bytes, full: bool, now: float) -> list[SignedRecord]:
         """``key``'s records: this node's own store when it is among the nearest and ``full`` is
-        not asked, else a delta read of ``READ_QUORUM`` responders (``full``) or one."""
-        local = None if full else self.dht.held_near(key)
+        not asked, else a delta read by content of ``READ_QUORUM`` responders (``full``) or one:
+        unchanged values are left out, and those held that expire within ``RENEW_SHARE`` of the
+        ttl come back as refreshes (``DHTNode.get``'s ``held``)."""
+        local = None if full else self.dht.held_near(key, MEMBER_REPLICAS)
         if local is not None:
             return local
-        known = known_tags(r for r in self._records.values() if r.expires_at > now and r.key == key)
-        return await self.dht.get(key, quorum=READ_QUORUM if full else 1, known=known)
+        held = [r for r in self._records.values() if r.expires_at > now and r.key == key]
+        return await self.dht.get(
+            key,
+            quorum=READ_QUORUM if full else 1,
+            held=held,
+            renew_before=now + RENEW_SHARE * self.ttl_s,
+        )
 
     async def _look_up(self, now: float) -> None:
         """Read the wanted members' records by id (``MemberLookups.due``), and drop the
@@ -357,13 +377,19 @@ class Membership:
         responder can only omit, and an omitted member stays until its own record expires. The
         first read and every ``FULL_READ_EVERY``-th merge ``READ_QUORUM`` responders' records;
         the others read this node's own store when it is among the nodes nearest the swarm key
-        (members publish there: no request at all), else one responder's. Reads from
-        responders are delta reads: they name the records held here (``known_tags``), and
-        responders send only newer ones. ``full`` asks for a full read now."""
-        full = full or self.reads % FULL_READ_EVERY == 0
-        self.reads += 1
+        (members publish there, ``MEMBER_REPLICAS`` of them: no request at all), else one
+        responder's. Reads from responders are delta reads by content: they name the values
+        held here, responders leave those out and send a refresh (expiry and signature) of
+        those due within ``RENEW_SHARE`` of the ttl (``_read``). ``full`` asks for a full read
+        now."""
         now = time.time()
-        for key in (self.roster, self.key) if self.sees_all else (self.roster,):
+        keys = (self.roster, self.key) if self.sees_all else (self.roster,)
+        lapsing = any(
+            r.key in keys and r.expires_at - now < LAPSE_GUARD_S for r in self._records.values()
+        )
+        full = full or self.reads % FULL_READ_EVERY == 0 or lapsing
+        self.reads += 1
+        for key in keys:
             self._merge(await self._read(key, full, now))
         if not self.sees_all:
             await self._look_up(now)

@@ -51,7 +51,7 @@ from protocol.errors import DecodeError
 from protocol.wire.membership import MAX_MANIFEST_BYTES
 from protocol.wire.signing import Signer
 
-__all__ = ["JOINING_PERIOD_S", "MEMBERSHIP_PERIOD_S", "Presence", "state_cap"]
+__all__ = ["JOINING_PERIOD_S", "MEMBERSHIP_PERIOD_S", "Presence", "next_record", "state_cap"]
 
 log = logging.getLogger("atoll.peer")
 
@@ -60,6 +60,10 @@ JOINING_PERIOD_S = (
     0.5  # the membership period while fewer members are seen than wait_for_members awaits
 )
 REPUBLISH_S = 6.0
+# A new step alone changes our record's value at most this often: a republication with the
+# value unchanged reaches readers as a refresh (expiry and signature, ~110 bytes) instead of the
+# whole record (docs/scale_peers.md); the step is read for a joiner's schedule and the status page.
+STEP_NEWS_S = 30.0
 RECORD_CHECK_S = 0.5  # how often our record is compared with what was last published
 JOIN_ATTEMPTS = 5
 SYNC_SOURCES = 4  # members asked for a fragment's latest version at join, the presumed owner first
@@ -244,16 +248,16 @@ class Presence:
         merge them."""
         assert self.membership is not None
         published: MemberRecord | None = None
+        step_news_at = -math.inf  # monotonic time the step last went into our record
         while True:
-            record = self.my_record()
-            # a new step alone is news only every REPUBLISH_S (the status page shows it); a
-            # change of role, address, reachability or manifest is published at once
-            changed = (
-                published is None or dataclasses.replace(record, step=published.step) != published
+            record, changed = next_record(
+                self.my_record(), published, time.monotonic() - step_news_at
             )
             if changed or time.monotonic() - (self.record_published_at or 0.0) > REPUBLISH_S:
                 try:
                     if await self.publish_record(record):
+                        if record.step != (published.step if published else None):
+                            step_news_at = time.monotonic()
                         published = record
                     else:
                         log.debug("publishing our member record: no node took it")
@@ -549,6 +553,25 @@ class Presence:
                 )
             time.sleep(0.1)
         time.sleep(JOINING_PERIOD_S + 0.5)
+        # then back to MEMBERSHIP_PERIOD_S: a member that leaves later must not make every
+        # peer read four times as often (``pause``)
+        self.awaited_members = 0
+
+
+def next_record(
+    current: MemberRecord, published: MemberRecord | None, since_step_news_s: float
+) -> tuple[MemberRecord, bool]:
+    """What to publish next, and whether it is news to publish at once: a change of role,
+    address, reachability or manifest is (``current``); a new step alone is not, and goes into
+    the record only once ``STEP_NEWS_S`` passed since the step last did, so that the
+    republications in between keep the value (readers get them as refreshes)."""
+    if published is None:
+        return current, True
+    if dataclasses.replace(current, step=published.step) != published:
+        return current, True
+    if since_step_news_s >= STEP_NEWS_S:
+        return current, False
+    return published, False
 
 
 def state_cap(shapes: list[list[tuple[int, ...]]]) -> int:

@@ -8,29 +8,50 @@ of the records it held and left out, so "I hold the value, you have it already" 
 instead of every member's record. A reader can only make itself miss records by naming tags;
 a publisher cannot make anyone miss another's record without a 128-bit prefix collision on
 the other's peer id.
+
+Republications without resending the value. A member re-signs its record every few seconds
+with a later expiry, mostly with the same value; an expiry tag then fetches the whole record
+again each time. A reader may instead name a record by its *content*: ``content_tag`` (subkey
+prefix and an 8-byte digest of the value). ``answer`` leaves out a record named in ``same`` whose
+value has that digest (the reader holds this content and needs no newer expiry yet), sends a
+``RecordRefresh`` (expiry and signature, no value) for one named in ``renew`` with that digest,
+and the whole record for any other content. So a steady swarm's reads cost O(records changed)
+plus one refresh a record a ``renew`` window, not a whole record each republication. A digest
+collision helps no one: a refresh is checked against the reader's own value by the publisher's
+signature, and only the publisher can make its own new value look unchanged.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
-from protocol.dht.signed_record import SignedRecord
+from protocol.dht.signed_record import RecordRefresh, SignedRecord
 from protocol.errors import DecodeError
 
 __all__ = [
+    "CONTENT_DIGEST_BYTES",
+    "CONTENT_TAG_BYTES",
     "KNOWN_TAG_BYTES",
     "KNOWN_TAG_ID_BYTES",
+    "Answer",
+    "answer",
+    "content_tag",
     "known_tag",
     "known_tags",
     "only_subkeys",
+    "renewed",
     "unknown_to",
 ]
 
 KNOWN_TAG_ID_BYTES = 16  # of the subkey: a forged match needs a 128-bit prefix collision
 KNOWN_TAG_BYTES = KNOWN_TAG_ID_BYTES + 8  # ... then the expiry held, as a little-endian float64
 _EXPIRY = struct.Struct("<d")
+CONTENT_DIGEST_BYTES = 8  # of SHA-256 over the value: a collision only ever hides one's own change
+CONTENT_TAG_BYTES = KNOWN_TAG_ID_BYTES + CONTENT_DIGEST_BYTES
 
 
 def known_tag(rec: SignedRecord) -> bytes:
@@ -79,3 +100,83 @@ def only_subkeys(records: Sequence[SignedRecord], only: Iterable[bytes]) -> list
     if not wanted:
         return list(records)
     return [r for r in records if r.subkey[:KNOWN_TAG_ID_BYTES] in wanted]
+
+
+def _digest(value: bytes) -> bytes:
+    return hashlib.sha256(value).digest()[:CONTENT_DIGEST_BYTES]
+
+
+def content_tag(rec: SignedRecord) -> bytes:
+    """What a reader that holds ``rec``'s value names in ``same`` or ``renew``."""
+    return rec.subkey[:KNOWN_TAG_ID_BYTES] + _digest(rec.value)
+
+
+def _by_prefix(tags: Iterable[bytes], size: int, what: str) -> dict[bytes, bytes]:
+    out: dict[bytes, bytes] = {}
+    for tag in tags:
+        if len(tag) != size:
+            raise DecodeError(f"a {what} tag is {size} bytes, got {len(tag)}")
+        out[bytes(tag[:KNOWN_TAG_ID_BYTES])] = bytes(tag[KNOWN_TAG_ID_BYTES:])
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """What a responder sends for one delta read: whole records, refreshes of records whose
+    value the reader holds, and how many held records were left out as known."""
+
+    records: list[SignedRecord]
+    refreshes: list[RecordRefresh]
+    omitted: int
+
+
+def answer(
+    records: Sequence[SignedRecord],
+    *,
+    known: Iterable[bytes] = (),
+    same: Iterable[bytes] = (),
+    renew: Iterable[bytes] = (),
+) -> Answer:
+    """A responder's answer to a reader that named ``known`` (expiry tags, ``unknown_to``),
+    ``same`` and ``renew`` (content tags, module docstring). A record named by content is
+    judged by its content (a record named both ways: by content); any other as ``unknown_to``.
+    A malformed tag is a ``DecodeError``."""
+    same_d = _by_prefix(same, CONTENT_TAG_BYTES, "content")
+    renew_d = _by_prefix(renew, CONTENT_TAG_BYTES, "content")
+    rest: list[SignedRecord] = []
+    full: list[SignedRecord] = []
+    refreshes: list[RecordRefresh] = []
+    omitted = 0
+    for rec in records:
+        prefix = rec.subkey[:KNOWN_TAG_ID_BYTES]
+        digest = same_d.get(prefix)
+        if digest is None and prefix in renew_d:
+            if renew_d[prefix] == _digest(rec.value):
+                refreshes.append(RecordRefresh.of(rec))
+            else:
+                full.append(rec)
+        elif digest is None:
+            rest.append(rec)
+        elif digest == _digest(rec.value):
+            omitted += 1
+        else:
+            full.append(rec)
+    sent, left_out = unknown_to(rest, known)
+    return Answer(records=full + sent, refreshes=refreshes, omitted=omitted + left_out)
+
+
+def renewed(
+    refreshes: Iterable[RecordRefresh], held: Mapping[bytes, SignedRecord]
+) -> tuple[list[SignedRecord], int]:
+    """The held records (``held``: subkey -> record) that ``refreshes`` carry a later expiry
+    for, rebuilt with it (still to be verified: ``verify_record``), and how many refreshes named
+    a record not held or no later than the one held (a responder's waste, to be counted)."""
+    out: list[SignedRecord] = []
+    ignored = 0
+    for ref in refreshes:
+        rec = held.get(ref.subkey)
+        if rec is None or not ref.expires_at > rec.expires_at:
+            ignored += 1
+            continue
+        out.append(ref.refreshed(rec))
+    return out, ignored

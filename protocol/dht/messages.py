@@ -20,7 +20,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from protocol.dht.records import KNOWN_TAG_BYTES, KNOWN_TAG_ID_BYTES, SignedRecord
+from protocol.dht.records import (
+    CONTENT_TAG_BYTES,
+    KNOWN_TAG_BYTES,
+    KNOWN_TAG_ID_BYTES,
+    RecordRefresh,
+    SignedRecord,
+)
 from protocol.errors import DecodeError, NotAuthorized
 from protocol.ids import ID_BYTES, peer_id_from_public_key
 from protocol.wire.messages import Message, PeerInfo, register
@@ -37,6 +43,7 @@ __all__ = [
     "NodesReply",
     "Ping",
     "Pong",
+    "Refresh",
     "Store",
     "StoreReply",
     "ValueReply",
@@ -102,21 +109,36 @@ class FindValue(Message):
     """Send me the records under ``key``, or the contacts you know nearest it; leave out the
     records ``known`` names (``protocol.dht.records.known_tag``: I hold them or newer ones).
     ``only``: send only the records whose subkeys start with one of these prefixes (a lookup of
-    a few members by id, ``protocol.dht.records.only_subkeys``); empty: every record."""
+    a few members by id, ``protocol.dht.records.only_subkeys``); empty: every record.
+    ``same`` and ``renew`` name records by content (``protocol.dht.records.content_tag``): leave
+    out one whose value is unchanged, or send only its newer expiry (``ValueReply.refreshes``);
+    ``protocol.dht.delta_reads``. The three tag lists together name at most
+    ``MAX_REPLY_RECORDS`` records."""
 
     sender: PeerInfo
     key: bytes
     known: tuple[bytes, ...] = ()
     only: tuple[bytes, ...] = ()
+    same: tuple[bytes, ...] = ()
+    renew: tuple[bytes, ...] = ()
     # left out of the bytes when empty, and taken as empty when absent (older senders)
-    ADDED: ClassVar[frozenset[str]] = frozenset({"only"})
+    ADDED: ClassVar[frozenset[str]] = frozenset({"only", "same", "renew"})
 
     def _check(self) -> None:
         _id(self.key, "FindValue.key")
-        _at_most(self.known, MAX_REPLY_RECORDS, "FindValue.known")
+        tags = len(self.known) + len(self.same) + len(self.renew)
+        _require(
+            tags <= MAX_REPLY_RECORDS,
+            f"FindValue names {tags} records in known, same and renew; the cap is "
+            f"{MAX_REPLY_RECORDS}",
+        )
         _require(
             all(len(t) == KNOWN_TAG_BYTES for t in self.known),
             f"FindValue.known: every tag must be {KNOWN_TAG_BYTES} bytes",
+        )
+        _require(
+            all(len(t) == CONTENT_TAG_BYTES for t in self.same + self.renew),
+            f"FindValue.same and renew: every tag must be {CONTENT_TAG_BYTES} bytes",
         )
         _at_most(self.only, MAX_ONLY_SUBKEYS, "FindValue.only")
         _require(
@@ -153,14 +175,17 @@ class NodesReply(Message):
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ValueReply(Message):
     """The records held under the key (maybe none) that the asker did not name as known,
-    ``omitted``: how many held records were left out as known, and contacts nearer the key."""
+    ``omitted``: how many held records were left out as known, and contacts nearer the key;
+    ``refreshes``: newer expiries of records the asker named in ``FindValue.renew``."""
 
     records: tuple[SignedRecord, ...]
     peers: tuple[PeerInfo, ...]
     omitted: int = 0
+    refreshes: tuple[RecordRefresh, ...] = ()
+    ADDED: ClassVar[frozenset[str]] = frozenset({"refreshes"})
 
     def _check(self) -> None:
-        _at_most(self.records, MAX_REPLY_RECORDS, "ValueReply.records")
+        _at_most(self.records + self.refreshes, MAX_REPLY_RECORDS, "ValueReply.records+refreshes")
         _at_most(self.peers, MAX_REPLY_PEERS, "ValueReply.peers")
         _require(
             0 <= self.omitted <= MAX_REPLY_RECORDS,
@@ -184,12 +209,30 @@ class StoreReply(Message):
         )
 
 
+@register(40)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Refresh(Message):
+    """Please hold these newer expiries of records you hold under ``key`` (a republication
+    whose value did not change: ``RecordStore.refresh``); answered with a ``StoreReply``, whose
+    refusals name the refreshes of records not held (the sender then stores them whole)."""
+
+    sender: PeerInfo
+    key: bytes
+    refreshes: tuple[RecordRefresh, ...]
+
+    def _check(self) -> None:
+        _id(self.key, "Refresh.key")
+        _require(len(self.refreshes) > 0, "Refresh carries no refreshes")
+        _at_most(self.refreshes, MAX_STORE_RECORDS, "Refresh.refreshes")
+
+
 DHT_MESSAGES: tuple[type[Message], ...] = (
-    Ping, Pong, FindNode, FindValue, Store, NodesReply, ValueReply, StoreReply,
+    Ping, Pong, FindNode, FindValue, Store, NodesReply, ValueReply, StoreReply, Refresh,
 )  # fmt: skip
 REPLY_TO: dict[type[Message], type[Message]] = {
     Ping: Pong,
     FindNode: NodesReply,
     FindValue: ValueReply,
     Store: StoreReply,
+    Refresh: StoreReply,
 }

@@ -36,8 +36,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from protocol.dht.netgroups import sender_key
-from protocol.dht.signed_record import DEFAULT_MAX_VALUE_BYTES, SignedRecord, verify_record
-from protocol.errors import LocalProtocolError, Oversize
+from protocol.dht.signed_record import (
+    DEFAULT_MAX_VALUE_BYTES,
+    RecordRefresh,
+    SignedRecord,
+    verify_record,
+)
+from protocol.errors import LocalProtocolError, Oversize, Stale
 
 __all__ = ["RECORD_OVERHEAD_BYTES", "PutResult", "RecordStore", "source_key"]
 
@@ -152,6 +157,22 @@ class RecordStore:
             f"{self._bytes}/{self.max_bytes} bytes" + (f", {evicted} evicted" if evicted else ""),
             evicted,
         )
+
+    def refresh(
+        self, key: bytes, refresh: RecordRefresh, now: float, source: str = ""
+    ) -> PutResult:
+        """``put`` the held record of ``(key, refresh.subkey)`` with the refresh's expiry and
+        signature (a republication of the same value). Raises ``Stale`` (penalty 0: the record
+        expired here, or never came) when none is held, and what ``put`` raises: a refresh
+        signed over another value fails as a ``BadSignature``."""
+        self.prune(now)
+        held = self._data.get(key, {}).get(refresh.subkey)
+        if held is None:
+            raise Stale(
+                f"no record of subkey {refresh.subkey.hex()[:16]} held to refresh: store it",
+                penalty=0.0,
+            )
+        return self.put(refresh.refreshed(held.record), now, source)
 
     def get(self, key: bytes, now: float) -> list[SignedRecord]:
         """Unexpired records under ``key``, ordered by subkey; drops expired ones."""

@@ -15,17 +15,24 @@ This module is the import point; the pieces, each with its theory of operation, 
 from __future__ import annotations
 
 from protocol.dht.delta_reads import (
+    CONTENT_TAG_BYTES,
     KNOWN_TAG_BYTES,
     KNOWN_TAG_ID_BYTES,
+    Answer,
+    answer,
+    content_tag,
     known_tag,
     known_tags,
     only_subkeys,
+    renewed,
     unknown_to,
 )
 from protocol.dht.record_store import RECORD_OVERHEAD_BYTES, PutResult, RecordStore, source_key
 from protocol.dht.signed_record import (
     DEFAULT_MAX_VALUE_BYTES,
+    RECORD_REFRESH_STRUCT_CODE,
     RECORD_STRUCT_CODE,
+    RecordRefresh,
     RecordSigner,
     SignedRecord,
     record_signing_bytes,
@@ -36,21 +43,28 @@ from protocol.dht.signed_record import DOMAIN as DOMAIN
 from protocol.dht.store_limits import RateLimited, StoreLimits
 
 __all__ = [
+    "CONTENT_TAG_BYTES",
     "DEFAULT_MAX_VALUE_BYTES",
     "KNOWN_TAG_BYTES",
     "KNOWN_TAG_ID_BYTES",
     "RECORD_OVERHEAD_BYTES",
+    "RECORD_REFRESH_STRUCT_CODE",
     "RECORD_STRUCT_CODE",
+    "Answer",
     "PutResult",
     "RateLimited",
+    "RecordRefresh",
     "RecordSigner",
     "RecordStore",
     "SignedRecord",
     "StoreLimits",
+    "answer",
+    "content_tag",
     "known_tag",
     "known_tags",
     "only_subkeys",
     "record_signing_bytes",
+    "renewed",
     "sign_record",
     "unknown_to",
     "verify_record",

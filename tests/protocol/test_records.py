@@ -18,18 +18,24 @@ from protocol.dht.messages import (
     NodesReply,
     Ping,
     Pong,
+    Refresh,
     Store,
     StoreReply,
     ValueReply,
     check_sender,
 )
 from protocol.dht.records import (
+    CONTENT_TAG_BYTES,
     DEFAULT_MAX_VALUE_BYTES,
     PutResult,
+    RecordRefresh,
     RecordStore,
     SignedRecord,
+    answer,
+    content_tag,
     known_tag,
     known_tags,
+    renewed,
     sign_record,
     unknown_to,
     verify_record,
@@ -208,6 +214,7 @@ NAT = PeerInfo(peer_id=BOB.peer_id)  # a learner behind NAT: no address
         ValueReply(records=(), peers=()),
         ValueReply(records=(), peers=(ME,), omitted=3),
         StoreReply(accepted=1, reasons=("record signature does not verify",)),
+        Refresh(sender=ME, key=MEMBERS, refreshes=(RecordRefresh.of(rec()),)),
     ],
     ids=lambda m: type(m).__name__,
 )
@@ -236,6 +243,9 @@ def test_dht_codes_and_reply_table() -> None:
         (lambda: ValueReply(records=(), peers=(), omitted=-1), "omitted"),
         (lambda: ValueReply(records=(), peers=(), omitted=4097), "omitted"),
         (lambda: Store(sender=ME, records=()), "no records"),
+        (lambda: Refresh(sender=ME, key=MEMBERS, refreshes=()), "no refreshes"),
+        (lambda: Refresh(sender=ME, key=b"k", refreshes=(RecordRefresh.of(rec()),)), "key"),
+        (lambda: Refresh(sender=ME, key=MEMBERS, refreshes=(RecordRefresh.of(rec()),) * 65), "cap"),
         (lambda: Store(sender=ME, records=(rec(),) * 65), "cap"),
         (lambda: NodesReply(peers=(ME,) * (MAX_REPLY_PEERS + 1)), "cap"),
         (lambda: StoreReply(accepted=-1, reasons=()), ">= 0"),
@@ -303,3 +313,99 @@ def test_tags_a_reader_cannot_mean_leave_nothing_out_and_bad_ones_are_refused() 
         assert unknown_to(records, (prefix + struct.pack("<d", weird),)) == (records, 0)
     with pytest.raises(DecodeError, match="24 bytes"):
         unknown_to(records, (b"short",))
+
+
+# ── reads by content: refreshes instead of republished values ───────────────────────────────
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    responder=st.lists(
+        st.tuples(st.integers(0, 7), st.integers(0, 2), st.integers(1, 50)), max_size=12
+    ),
+    reader=st.lists(
+        st.tuples(st.integers(0, 7), st.integers(0, 2), st.integers(1, 50), st.booleans()),
+        max_size=12,
+    ),
+)
+def test_a_read_by_content_ends_with_every_value_a_whole_read_would_give(
+    responder: list[tuple[int, int, int]], reader: list[tuple[int, int, int, bool]]
+) -> None:
+    """Whatever the responder holds and the reader holds by content: a record whose value the
+    reader does not hold comes whole; one it holds comes as a refresh iff named in ``renew``
+    (rebuilt on the reader's value, it verifies) and is left out iff named in ``same``; so the
+    reader ends up holding, per writer, the value of the responder's newest record unless it
+    holds that value already."""
+    records = [rec(WRITERS[w], value=b"v%d" % v, ttl=float(t)) for w, v, t in responder]
+    held_recs = {}
+    for w, v, t, due in reader:  # one held record per writer, as a reader keeps
+        held_recs[WRITERS[w].peer_id] = (rec(WRITERS[w], value=b"v%d" % v, ttl=float(t)), due)
+    same = tuple(content_tag(r) for r, due in held_recs.values() if not due)
+    renew = tuple(content_tag(r) for r, due in held_recs.values() if due)
+    got = answer(records, same=same, renew=renew)
+    for r in got.records:
+        held = held_recs.get(r.subkey)
+        assert held is None or held[0].value != r.value
+    rebuilt, _ = renewed(got.refreshes, {s: r for s, (r, _) in held_recs.items()})
+    for r in rebuilt:
+        verify_record(r, now=NOW, max_ttl=3600)
+        assert held_recs[r.subkey][1] and r.value == held_recs[r.subkey][0].value
+    assert got.omitted == sum(
+        1
+        for r in records
+        if r.subkey in held_recs
+        and not held_recs[r.subkey][1]
+        and held_recs[r.subkey][0].value == r.value
+    )
+    assert len(got.records) + len(got.refreshes) + got.omitted == len(records)
+
+
+def test_a_refresh_only_applies_to_the_value_it_was_signed_over() -> None:
+    """A refresh rebuilt on another value (a digest collision, or a lie) fails verification; one
+    for a record not held, or no newer than the one held, is counted and dropped."""
+    old, new = rec(ALICE, value=b"same", ttl=10), rec(ALICE, value=b"same", ttl=40)
+    refresh = RecordRefresh.of(new)
+    (back,), wasted = renewed([refresh], {ALICE.peer_id: old})
+    assert wasted == 0 and back == new
+    forged = refresh.refreshed(rec(ALICE, value=b"other", ttl=10))
+    with pytest.raises(BadSignature):
+        verify_record(forged, now=NOW, max_ttl=3600)
+    assert renewed([refresh], {}) == ([], 1)
+    assert renewed([RecordRefresh.of(old)], {ALICE.peer_id: new}) == ([], 1)
+    with pytest.raises(DecodeError, match="applied to"):
+        refresh.refreshed(rec(BOB))
+
+
+def test_content_tags_and_refreshes_are_checked_on_the_wire() -> None:
+    tag = content_tag(rec())
+    assert len(tag) == CONTENT_TAG_BYTES == 24
+    msg = FindValue(sender=NAT, key=MEMBERS, same=(tag,), renew=(tag,))
+    assert codec.decode(codec.encode(msg).tobytes(), max_size=1 << 20) == msg
+    reply = ValueReply(records=(), peers=(), refreshes=(RecordRefresh.of(rec()),))
+    assert codec.decode(codec.encode(reply).tobytes(), max_size=1 << 20) == reply
+    with pytest.raises(DecodeError, match="24 bytes"):
+        FindValue(sender=NAT, key=MEMBERS, same=(b"x" * 23,))
+    with pytest.raises(DecodeError, match="cap"):
+        FindValue(sender=NAT, key=MEMBERS, known=(b"x" * 24,) * 4000, renew=(tag,) * 97)
+    with pytest.raises(DecodeError, match="cap"):
+        ValueReply(records=(rec(),) * 4000, peers=(), refreshes=(RecordRefresh.of(rec()),) * 97)
+    with pytest.raises(DecodeError, match="signature"):
+        RecordRefresh(subkey=ALICE.peer_id, expires_at=NOW, signature=b"x")
+    with pytest.raises(DecodeError, match="content"):
+        answer([rec()], same=(b"short",))
+
+
+def test_a_store_refreshes_only_a_record_it_holds_and_only_for_its_value() -> None:
+    store = RecordStore()
+    old = rec(ALICE, value=b"same", ttl=10)
+    with pytest.raises(Stale, match="store it"):
+        store.refresh(MEMBERS, RecordRefresh.of(old), NOW)
+    store.put(old, NOW)
+    new = rec(ALICE, value=b"same", ttl=40)
+    assert store.refresh(MEMBERS, RecordRefresh.of(new), NOW).stored
+    assert store.get(MEMBERS, NOW) == [new]
+    assert not store.refresh(MEMBERS, RecordRefresh.of(old), NOW).stored  # not newer
+    other = rec(ALICE, value=b"other", ttl=50)  # signed over another value
+    with pytest.raises(BadSignature):
+        store.refresh(MEMBERS, RecordRefresh.of(other), NOW)
+    assert store.get(MEMBERS, NOW) == [new]

@@ -9,6 +9,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import replace
 
 import pytest
 
@@ -207,6 +208,100 @@ async def test_a_delta_read_gets_only_newer_records_for_a_fraction_of_the_bytes(
         # a reader holding more records than a FindValue may name names the first 4096
         many = tuple(os.urandom(16) + bytes(8) for _ in range(5000)) + known_tags(full)
         assert len(await reader.get(key, quorum=3, known=many)) == 8
+
+
+async def test_a_read_by_content_gets_refreshes_of_republished_values_not_the_values() -> None:
+    """``held``: a republication of an unchanged value comes back as a refresh (its new expiry,
+    rebuilt on the reader's own value and verified) only for a record due for one, for a
+    fraction of a whole read's bytes; a changed value comes back whole; a delta read of one
+    responder asks one node at a time."""
+    async with network() as net:
+        nodes = await joined(net, 8)
+        reader = await net.add(99, dialable=False)
+        assert await reader.bootstrap([nodes[0].me.address]) == 1
+        key = key_id("swarm/members")
+        for node in nodes:
+            assert await node.store(key, b"http://member:1/" + bytes(200), 60) == 8
+
+        def reply_bytes() -> int:
+            return sum(
+                n
+                for route, n in net.transport.bytes_by_route.items()
+                if route.startswith("reply ") and route.endswith(":FindValue")
+            )
+
+        before = reply_bytes()
+        full = await reader.get(key, quorum=1)
+        full_bytes = reply_bytes() - before
+        for node in nodes:  # every member republishes the same value with a later expiry
+            assert await node.store(key, b"http://member:1/" + bytes(200), 120) == 8
+
+        before, asked = reply_bytes(), reader.metrics.rpcs_out["FindValue"]
+        assert await reader.get(key, held=full, renew_before=0.0) == []  # none due: left out
+        assert reader.metrics.rpcs_out["FindValue"] - asked == 1  # one holder, not alpha = 3
+        due = {r.subkey for r in full[:3]}
+        renew_before = max(r.expires_at for r in full) + 1.0
+        held = [r if r.subkey in due else replace(r, expires_at=renew_before + 5) for r in full]
+        before = reply_bytes()
+        got = await reader.get(key, held=held, renew_before=renew_before - 1.0)
+        assert {r.subkey for r in got} == due
+        assert all(r.value == b"http://member:1/" + bytes(200) and r.expires_at > 110 + time.time()
+                   for r in got)  # fmt: skip
+        assert reader.metrics.refreshes["received"] == 3
+        assert reply_bytes() - before < full_bytes / 2
+
+        assert await nodes[3].store(key, b"http://member:1/moved", 120) == 8
+        changed = await reader.get(key, held=full, renew_before=0.0)
+        assert [(r.subkey, r.value) for r in changed] == [
+            (nodes[3].peer_id, b"http://member:1/moved")
+        ]
+
+
+async def test_a_record_stored_on_fewer_replicas_is_held_by_that_many_nearest() -> None:
+    """``replicas``: the record goes to that many of the nodes nearest its key (and this one
+    too when it is among them), and ``held_near`` with the same count reads it locally only
+    there."""
+    async with network() as net:
+        nodes = await joined(net, 8)
+        key = key_id("swarm/roster")
+        by_distance = sorted(nodes, key=lambda n: xor_distance(n.peer_id, key))
+        assert await by_distance[-1].store(key, b"record", 60, replicas=3) == 3
+        holders = [n for n in nodes if n.records.get(key, time.time())]
+        assert holders and set(holders) <= set(by_distance[:4]) and len(holders) == 3
+        assert by_distance[-1].held_near(key, 3) is None
+        assert await by_distance[0].store(key, b"mine", 60, replicas=3) == 4  # 3 and itself
+        with pytest.raises(LocalProtocolError):
+            await nodes[0].store(key, b"record", 60, replicas=0)
+
+
+async def test_a_republished_unchanged_value_is_sent_as_a_refresh_and_whole_where_lost() -> None:
+    """A republication of the same value goes to the nodes that hold it as a ``Refresh``
+    (expiry and signature, for a fraction of a Store's bytes), and whole to a node that lost
+    it; every holder ends with the new expiry; a new value goes whole again."""
+    async with network() as net:
+        nodes = await joined(net, 8)
+        key = key_id("swarm/members")
+        publisher = max(nodes, key=lambda n: xor_distance(n.peer_id, key))  # not a holder
+        value = b"http://member:1/" + bytes(200)
+        assert await publisher.store(key, value, 60, replicas=4) == 4
+        holders = [n for n in nodes if n.records.get(key, time.time())]
+
+        def sent(kind: str) -> int:  # requests only; the nodes are mounted at /v1/dht/<i>
+            routes = net.transport.bytes_by_route.items()
+            return sum(n for r, n in routes if not r.startswith("reply ") and r.endswith(kind))
+
+        stored = sent(":Store")
+        holders[0].records.prune(time.time() + 1e6)  # this one lost it
+        assert await publisher.store(key, value, 120, replicas=4) == 4
+        assert publisher.metrics.refreshes["sent"] == 3
+        assert publisher.metrics.refreshes["refused, stored whole"] == 1
+        for node in holders:
+            (held,) = node.records.get(key, time.time())
+            assert held.value == value and held.expires_at > time.time() + 100
+        resent, refreshed = sent(":Store") - stored, sent(":Refresh")
+        assert 0 < refreshed < 3 * resent  # three refreshes cost less than three whole stores
+        assert await publisher.store(key, b"http://member:1/moved", 120, replicas=4) == 4
+        assert publisher.metrics.refreshes["sent"] == 3  # a new value is stored whole
 
 
 async def test_a_lookup_by_subkey_gets_those_records_alone_and_caches_nothing() -> None:
@@ -459,7 +554,7 @@ async def test_garbage_and_forgeries_get_4xx_and_the_node_keeps_working() -> Non
         assert victim.peer_id not in node.routing
         bad_tags = object.__new__(FindValue)  # past the sender's own checks: a tag one byte short
         for name, value in dict(
-            sender=info(mallory), key=bytes(32), known=(b"t" * 23,), only=()
+            sender=info(mallory), key=bytes(32), known=(b"t" * 23,), only=(), same=(), renew=()
         ).items():
             object.__setattr__(bad_tags, name, value)
         status, body = await raw(net, url, mallory, sealed(mallory, bad_tags))

@@ -6,13 +6,14 @@ import asyncio
 import dataclasses
 import os
 import time
+from collections.abc import Sequence
 
 import msgpack
 import pytest
 
 from node.config import RunConfig
 from node.dht.membership import Member, MemberRecord, Membership, manifest_hash, members_key
-from protocol.dht.records import known_tags, sign_record
+from protocol.dht.records import sign_record
 from protocol.errors import DecodeError
 from protocol.wire.certificates import Certificate
 from protocol.wire.membership import SwarmManifest
@@ -95,16 +96,20 @@ class FakeDHT:
     def __init__(self) -> None:
         self.answer: list = []
         self.quorums: list[int] = []
-        self.known: list[tuple[bytes, ...]] = []
+        self.held: list[list] = []
+        self.renew_before: list[float] = []
 
-    async def get(self, key: bytes, *, quorum: int = 1, known: tuple[bytes, ...] = ()) -> list:
+    async def get(
+        self, key: bytes, *, quorum: int = 1, held: Sequence = (), renew_before: float = 0.0
+    ) -> list:
         if key != members_key("s"):  # the roster: these tests put every record under the other key
             return []
         self.quorums.append(quorum)
-        self.known.append(known)
+        self.held.append(list(held))
+        self.renew_before.append(renew_before)
         return list(self.answer)
 
-    def held_near(self, key: bytes) -> list | None:
+    def held_near(self, key: bytes, replicas: int | None = None) -> list | None:
         return None  # not among the nearest: every read asks responders
 
 
@@ -190,7 +195,8 @@ async def test_a_responder_that_leaves_members_out_does_not_shrink_the_view() ->
 
 async def test_reads_after_the_first_name_every_record_held_refused_ones_too() -> None:
     """Delta reads: the first read names nothing; later ones name the newest record held per
-    member (refused ones too, so a refused record is not sent again), never an expired one."""
+    member (refused ones too, so a refused record is not sent again), never an expired one, and
+    ask for refreshes of those that expire within half their ttl."""
     swarm = Swarm("certified")
     a, stranger, brief = (Signer.from_seed(os.urandom(32)) for _ in range(3))
     rec_a, rec_stranger, rec_brief = (
@@ -200,11 +206,13 @@ async def test_reads_after_the_first_name_every_record_held_refused_ones_too() -
     )
     swarm.dht.answer = [rec_a, rec_stranger, rec_brief]
     assert set(await swarm.membership.refresh()) == {a.peer_id, brief.peer_id}
-    assert swarm.dht.known[0] == ()
+    assert swarm.dht.held[0] == []
     await asyncio.sleep(0.1)
     swarm.dht.answer = []  # every responder: "nothing newer than what you named"
     assert set(await swarm.membership.refresh()) == {a.peer_id}  # the view keeps what it holds
-    assert sorted(swarm.dht.known[1]) == sorted(known_tags([rec_a, rec_stranger]))
+    assert sorted(r.subkey for r in swarm.dht.held[1]) == sorted([a.peer_id, stranger.peer_id])
+    ttl = swarm.membership.ttl_s
+    assert swarm.dht.renew_before[1] == pytest.approx(time.time() + ttl / 2, abs=1.0)
 
 
 async def test_the_first_read_and_every_fourth_merge_several_responders() -> None:
@@ -216,6 +224,23 @@ async def test_the_first_read_and_every_fourth_merge_several_responders() -> Non
     full = [i for i, q in enumerate(swarm.dht.quorums) if q == READ_QUORUM]
     assert full == [0, FULL_READ_EVERY, 2 * FULL_READ_EVERY]
     assert set(swarm.dht.quorums) == {1, READ_QUORUM}
+
+
+async def test_a_held_record_close_to_expiry_makes_the_next_read_ask_several_responders() -> None:
+    """A record that was not renewed (the responder read lacks it, or its member is gone) and
+    nears expiry makes the next read a quorum read, whatever the read count says."""
+    from node.dht.membership import LAPSE_GUARD_S, READ_QUORUM
+
+    swarm = Swarm("open")
+    a, b = (Signer.from_seed(os.urandom(32)) for _ in range(2))
+    swarm.dht.answer = [swarm.record(a), swarm.record(b, ttl_s=LAPSE_GUARD_S + 0.3)]
+    await swarm.membership.refresh()  # the first read: a quorum read anyway
+    swarm.dht.answer = []
+    await swarm.membership.refresh()
+    assert swarm.dht.quorums[1] == 1  # b still has more than LAPSE_GUARD_S to live
+    await asyncio.sleep(0.4)
+    await swarm.membership.refresh()
+    assert swarm.dht.quorums[2] == READ_QUORUM
 
 
 async def test_refusals_kept_are_bounded() -> None:
@@ -326,17 +351,20 @@ class KeyedDHT:
         key: bytes,
         *,
         quorum: int = 1,
-        known: tuple[bytes, ...] = (),
         only: tuple[bytes, ...] = (),
+        held: Sequence = (),
+        renew_before: float = 0.0,
     ) -> list:
         self.reads.append((key, only))
         recs = self.by_key.get(key, [])
         return [r for r in recs if not only or r.subkey[:16] in only]
 
-    def held_near(self, key: bytes) -> list | None:
+    def held_near(self, key: bytes, replicas: int | None = None) -> list | None:
         return None
 
-    async def store(self, key: bytes, value: bytes, ttl_s: float) -> int:
+    async def store(
+        self, key: bytes, value: bytes, ttl_s: float, *, replicas: int | None = None
+    ) -> int:
         self.stored.append(key)
         return 1
 
@@ -392,3 +420,18 @@ async def test_a_record_is_published_under_the_roster_when_it_offers_to_own() ->
     await view.publish(_record(roles=("learner",)))
     assert dht.stored == [roster_key("s"), members_key("s")]
     assert dht.forgotten == [roster_key("s")]  # not republished there: it expires
+
+
+def test_a_new_step_alone_changes_the_record_only_every_step_news_period() -> None:
+    """Republications between two pieces of step news keep the value (readers get refreshes);
+    any other change is news at once, with the current step."""
+    from node.peer.presence import STEP_NEWS_S, next_record
+
+    base = MemberRecord(url="http://a:1", roles=("learner",), reachable=True, manifest="m",
+                        learning=True, step=10)  # fmt: skip
+    assert next_record(base, None, 0.0) == (base, True)
+    later = dataclasses.replace(base, step=90)
+    assert next_record(later, base, 1.0) == (base, False)  # the old value, republished
+    assert next_record(later, base, STEP_NEWS_S) == (later, False)
+    stopped = dataclasses.replace(later, learning=False)
+    assert next_record(stopped, base, 1.0) == (stopped, True)

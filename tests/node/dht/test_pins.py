@@ -46,11 +46,11 @@ class FakeDHT:
         self.answer: list[SignedRecord] = []
 
     async def get(
-        self, key: bytes, *, quorum: int = 1, known: tuple[bytes, ...] = ()
+        self, key: bytes, *, quorum: int = 1, held: object = (), renew_before: float = 0.0
     ) -> list[SignedRecord]:
         return list(self.answer)
 
-    def held_near(self, key: bytes) -> None:
+    def held_near(self, key: bytes, replicas: int | None = None) -> None:
         return None
 
 
