@@ -562,12 +562,17 @@ def next_record(
     current: MemberRecord, published: MemberRecord | None, since_step_news_s: float
 ) -> tuple[MemberRecord, bool]:
     """What to publish next, and whether it is news to publish at once: a change of role,
-    address, reachability or manifest is (``current``); a new step alone is not, and goes into
-    the record only once ``STEP_NEWS_S`` passed since the step last did, so that the
-    republications in between keep the value (readers get them as refreshes)."""
+    address, reachability or manifest is (``current``), and so is a step that doubled (0 to the
+    first step included); another new step is not, and goes into the record only once
+    ``STEP_NEWS_S`` passed since the step last did, so that the republications in between keep
+    the value (readers get them as refreshes)."""
     if published is None:
         return current, True
     if dataclasses.replace(current, step=published.step) != published:
+        return current, True
+    if current.step > 0 and current.step >= 2 * published.step:
+        # a first step, or the step doubled: O(log steps) pieces of news a run, so a joiner
+        # early in a swarm's run does not read steps 30 s old (its schedule starts from them)
         return current, True
     if since_step_news_s >= STEP_NEWS_S:
         return current, False

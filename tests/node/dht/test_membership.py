@@ -430,8 +430,20 @@ def test_a_new_step_alone_changes_the_record_only_every_step_news_period() -> No
     base = MemberRecord(url="http://a:1", roles=("learner",), reachable=True, manifest="m",
                         learning=True, step=10)  # fmt: skip
     assert next_record(base, None, 0.0) == (base, True)
-    later = dataclasses.replace(base, step=90)
+    later = dataclasses.replace(base, step=19)
     assert next_record(later, base, 1.0) == (base, False)  # the old value, republished
     assert next_record(later, base, STEP_NEWS_S) == (later, False)
     stopped = dataclasses.replace(later, learning=False)
     assert next_record(stopped, base, 1.0) == (stopped, True)
+    # a first step and a doubled step are news at once: O(log steps) of them in a run
+    fresh = dataclasses.replace(base, step=0)
+    assert next_record(dataclasses.replace(base, step=1), fresh, 0.1)[1] is True
+    assert next_record(dataclasses.replace(base, step=20), base, 1.0) == (
+        dataclasses.replace(base, step=20),
+        True,
+    )
+    news, published = 0, fresh
+    for step in range(1, 100_001):  # 100k steps, each 1 s after the last news: only doublings
+        published, now = next_record(dataclasses.replace(base, step=step), published, 1.0)
+        news += now
+    assert published.step == 65536 and news == 17  # 1, 2, 4, ... 65536: log2, not one a step
