@@ -51,7 +51,7 @@ import random
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from node.dht.dht_config import DHTConfig, DHTMetrics
 from node.dht.lookups import REFUSED, Caller, DHTClient, DHTRequest, Failure
@@ -72,6 +72,7 @@ from protocol.dht.messages import (
     check_sender,
 )
 from protocol.dht.records import (
+    PutResult,
     RateLimited,
     RecordStore,
     SignedRecord,
@@ -83,6 +84,8 @@ from protocol.dht.routing import ClaimQueue, PingCandidate, RoutingTable
 from protocol.errors import LocalProtocolError, NotAuthorized, RemoteProtocolError
 from protocol.wire.messages import Message, PeerInfo
 from protocol.wire.signing import Opened, ReplayWindow, Signer
+
+T = TypeVar("T")
 
 __all__ = ["DHTConfig", "DHTMetrics", "DHTNode", "Maintenance", "RateLimited"]
 
@@ -269,31 +272,32 @@ class DHTNode:
         )
 
     def _on_store(self, msg: Store, source: str) -> StoreReply:
-        now, accepted, reasons = self.clock(), 0, []
-        for rec in msg.records:
-            try:
-                put = self.records.put(rec, now, source)
-            except RemoteProtocolError as exc:
-                self.metrics.refusals[f"record {type(exc).__name__}"] += 1
-                reasons.append(f"{REFUSED}{type(exc).__name__}: {exc.reason}")
-                continue
-            accepted += put.stored
-            if not put.stored:
-                reasons.append(put.reason)
-        return StoreReply(accepted=accepted, reasons=tuple(reasons))
+        return self._put_each(
+            msg.records, "record", lambda rec, now: self.records.put(rec, now, source)
+        )
 
     def _on_refresh(self, msg: Refresh, source: str) -> StoreReply:
+        return self._put_each(
+            msg.refreshes,
+            "refresh",
+            lambda ref, now: self.records.refresh(msg.key, ref, now, source),
+        )
+
+    def _put_each(
+        self, items: Sequence[T], what: str, put: Callable[[T, float], PutResult]
+    ) -> StoreReply:
+        """Store (or renew) each of ``items``; what was refused and why goes into the reply."""
         now, accepted, reasons = self.clock(), 0, []
-        for ref in msg.refreshes:
+        for item in items:
             try:
-                put = self.records.refresh(msg.key, ref, now, source)
+                done = put(item, now)
             except RemoteProtocolError as exc:
-                self.metrics.refusals[f"refresh {type(exc).__name__}"] += 1
+                self.metrics.refusals[f"{what} {type(exc).__name__}"] += 1
                 reasons.append(f"{REFUSED}{type(exc).__name__}: {exc.reason}")
                 continue
-            accepted += put.stored
-            if not put.stored:
-                reasons.append(put.reason)
+            accepted += done.stored
+            if not done.stored:
+                reasons.append(done.reason)
         return StoreReply(accepted=accepted, reasons=tuple(reasons))
 
     def _nearest(self, target: bytes) -> list[PeerInfo]:
