@@ -19,6 +19,7 @@ from protocol.diloco.interval import interval
 from protocol.diloco.merge_config import LatePolicy
 
 __all__ = [
+    "LARGE_MODEL_BYTES",
     "SCHEDULE_FIELDS",
     "SHARDINGS",
     "SWARM_WIDE_FIELDS",
@@ -88,6 +89,10 @@ SWARM_WIDE_FIELDS = (
 # another schedule is still a member (its steps only weigh its contributions), so peers need not
 # agree on it (``manifest_hash`` leaves it out).
 SCHEDULE_FIELDS = ("steps", "lr", "warmup_steps", "min_lr_ratio")
+# A model of at least this many fp32 bytes is large: a peer then sizes its memory by the model's
+# (freed tensors go back to the kernel, ``node.diloco.allocator.bound_for_model``; the body pool
+# is a share of the model, ``node.wire.bodies.pool_bytes_for_model``; docs/scale.md)
+LARGE_MODEL_BYTES = 256 << 20
 
 
 def _one_of(names: tuple[str, ...]) -> str:

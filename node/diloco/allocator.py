@@ -31,6 +31,8 @@ import sys
 from collections.abc import Callable
 from typing import cast
 
+from node.config import LARGE_MODEL_BYTES
+
 __all__ = [
     "LARGE_MODEL_BYTES",
     "MMAP_THRESHOLD",
@@ -85,8 +87,6 @@ def tune_allocator() -> bool:
     return _tuned
 
 
-# A model's fp32 bytes from which the heap gives freed large tensors back (``bound_for_model``)
-LARGE_MODEL_BYTES = 256 << 20
 # for such a model, what has pages of its own: every tensor of GPT-2 small but its biases and
 # LayerNorm gains (the smallest matrix, 768 x 768 fp32, is 2.4 MB), and every per-tensor residual
 # and code buffer the codecs make of them

@@ -23,6 +23,7 @@ from contextvars import ContextVar
 
 import aiohttp
 
+from node.config import LARGE_MODEL_BYTES
 from node.wire.direct import DIRECT_MIN, Socket, read_direct
 from protocol.errors import Oversize, RemoteProtocolError
 
@@ -54,11 +55,10 @@ MIN_BUFFER = 64 << 10  # the smallest buffer made: a body of a few bytes and one
 POOL_MAX_BUFFER = 256 << 20
 POOL_MAX_BYTES = 512 << 20
 POOL_BUFFERS = 32
-# A model of at least LARGE_MODEL_BYTES fp32 bytes has its pool capped at 1/MODEL_SHARE of them.
-# Its bodies arrive over links (a 113 MB fragment in ~9 s at 100 Mbit/s) far slower than a fresh
-# buffer's page faults (~55 ms for it here), and at 124M parameters a pool of 512 MiB was a whole
-# model's bytes held beside everything else (docs/scale.md)
-LARGE_MODEL_BYTES = 256 << 20
+# A large model (``node.config.LARGE_MODEL_BYTES``) has its pool capped at 1/MODEL_SHARE of its
+# fp32 bytes. Its bodies arrive over links (a 113 MB fragment in ~9 s at 100 Mbit/s) far slower
+# than a fresh buffer's page faults (~55 ms for it here), and at 124M parameters a pool of
+# 512 MiB was a whole model's bytes held beside everything else (docs/scale.md)
 MODEL_SHARE = 16
 
 
