@@ -136,7 +136,8 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         metavar="SECONDS",
-        help="train for this wall-clock time, counted from the start of training (every peer joined), instead of --steps",
+        help="train for this wall-clock time, counted from the start of training (every peer "
+        "joined), instead of --steps",
     )
     local.add_argument(
         "--chaos",

@@ -20,6 +20,7 @@ signer seen at the address dialled (the ``seen`` callback the node gives it), an
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -103,11 +104,7 @@ class _Ask:
     ) -> _Ask:
         """Content tags for ``held`` (newest per subkey, at most ``MAX_REPLY_RECORDS`` less
         ``known``): ``renew`` for those expiring before ``renew_before``, ``same`` for the rest."""
-        newest: dict[bytes, SignedRecord] = {}
-        for rec in held:
-            if rec.subkey not in newest or rec.expires_at > newest[rec.subkey].expires_at:
-                newest[rec.subkey] = rec
-        kept = sorted(newest.values(), key=lambda r: r.subkey)[: MAX_REPLY_RECORDS - len(known)]
+        kept = _newest_per_subkey(held, -math.inf)[: MAX_REPLY_RECORDS - len(known)]
         return cls(
             known=known,
             only=only,

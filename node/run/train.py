@@ -697,9 +697,8 @@ class Joined:
     serving: NodeThread
     start_step: int
     rewarm_from: int  # the step the inner lr warms up again from (a joiner on the swarm's schedule)
-    opts: (
-        PeerOptions  # the options it was started with, and the launcher's stop time if it sent one
-    )
+    # the options it was started with, and the launcher's stop time if it sent one
+    opts: PeerOptions
 
 
 def join_swarm(
@@ -1234,9 +1233,7 @@ def resident_bytes() -> int:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
-        import resource
-
-        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+        return max_resident_bytes()
 
 
 def max_resident_bytes() -> int:
