@@ -85,6 +85,17 @@ class Proc:
         self.log.close()
 
 
+def start_bootstrap(folder: Path, procs: list[Proc], *, timeout: float = 60) -> str:
+    """Start ``atoll bootstrap`` on 127.0.0.1 (logging to ``folder/boot.log``, appended to
+    ``procs`` so that the caller's cleanup stops it) and return the URL it listens at."""
+    boot = Proc(["bootstrap", "--listen", "127.0.0.1:0"], folder / "boot.log")
+    procs.append(boot)
+    first = boot.lines.get(timeout=timeout)
+    if "listening at" not in first:
+        raise RuntimeError(f"the bootstrap node said {first!r}, not where it listens")
+    return first.rsplit(" ", 1)[-1]
+
+
 def admin(*args: str) -> None:
     """``atoll ARGS`` in this process (the same ``main`` as the command line; no interpreter start)."""
     from node.cli import main

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.cli_swarm import Proc, make_swarm
+from bench.cli_swarm import Proc, make_swarm, start_bootstrap
 
 MB = 1 << 20
 
@@ -50,9 +50,7 @@ def one_swarm(root: Path, shard: str, recipe: list[str], steps: int) -> dict[str
     procs: list[Proc] = []
     t0 = time.monotonic()
     try:
-        boot = Proc(["bootstrap", "--listen", "127.0.0.1:0"], root / "boot.log")
-        procs.append(boot)
-        url = boot.lines.get(timeout=120).rsplit(" ", 1)[-1]
+        url = start_bootstrap(root, procs, timeout=120)
         join = ["join", "--initial-peers", url]
         solo = Proc(
             [*join, *files.args("solo"), *train, "--serve-after-s", "120"], root / "solo.log"

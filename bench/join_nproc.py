@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.cli_swarm import Proc, make_swarm
+from bench.cli_swarm import Proc, make_swarm, start_bootstrap
 
 RECIPE = ["--model", "tiny", "--fragments", "2", "--inner-steps", "10"]
 
@@ -39,9 +39,7 @@ def one_run(root: Path, steps: int) -> dict[str, Any]:
     procs: list[Proc] = []
     t0 = time.monotonic()
     try:
-        boot = Proc(["bootstrap", "--listen", "127.0.0.1:0"], root / "boot.log")
-        procs.append(boot)
-        url = boot.lines.get(timeout=120).rsplit(" ", 1)[-1]
+        url = start_bootstrap(root, procs, timeout=120)
         args = ["join", "--initial-peers", url]
         procs.append(Proc([*args, *files.args("solo"), *_train(steps)], root / "solo.log"))
         pair = Proc([*args, "--nproc", "2", *files.args("pair"), *_train(steps)], root / "pair.log")

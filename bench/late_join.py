@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.cli_swarm import Proc, get_json, make_swarm
+from bench.cli_swarm import Proc, get_json, make_swarm, start_bootstrap
 from node.wire.link import LinkProfile
 
 MODES = ("none", "swarm", "own")
@@ -74,9 +74,7 @@ def run(mode: str, seed: int, args: argparse.Namespace, folder: Path) -> dict[st
         files.certify(name, lab="lab")
     peers: list[Proc] = []
     try:
-        boot = Proc(["bootstrap", "--listen", "127.0.0.1:0"], folder / "boot.log")
-        peers.append(boot)
-        boot_url = boot.lines.get(timeout=60).rsplit(" ", 1)[-1]
+        boot_url = start_bootstrap(folder, peers)
         founders = [
             Proc(
                 ["join", "--initial-peers", boot_url, *files.args(f"f{i}"), *train],

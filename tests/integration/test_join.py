@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests.integration.swarms import ENV, ROOT, Proc, get_json, make_swarm
+from tests.integration.swarms import ENV, ROOT, Proc, get_json, make_swarm, start_bootstrap
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -46,11 +46,7 @@ def test_bootstrap_three_joiners_and_a_late_fourth(tmp_path: Path) -> None:
         files.certify(peer, lab="lab")
     procs: list[Proc] = []
     try:
-        boot = Proc(["bootstrap", "--listen", "127.0.0.1:0"], tmp_path / "boot.log")
-        procs.append(boot)
-        first = boot.lines.get(timeout=60)
-        assert "listening at" in first, first
-        boot_url = first.rsplit(" ", 1)[-1]
+        boot_url = start_bootstrap(tmp_path, procs)
 
         joiners = [
             Proc(

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.swarms import Proc, atoll, make_swarm
+from tests.integration.swarms import Proc, atoll, make_swarm, start_bootstrap
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]  # hang guards sized for a busy box
 
@@ -39,9 +39,7 @@ def test_an_fsdp_island_and_a_one_process_island_end_on_one_model(tmp_path: Path
         files.certify(peer, lab="lab")
     procs: list[Proc] = []
     try:
-        boot = Proc(["bootstrap", "--listen", "127.0.0.1:0"], tmp_path / "boot.log")
-        procs.append(boot)
-        boot_url = boot.lines.get(timeout=60).rsplit(" ", 1)[-1]
+        boot_url = start_bootstrap(tmp_path, procs)
         solo = Proc(
             ["join", "--initial-peers", boot_url, *files.args("solo"), *TRAIN]
             + ["--serve-after-s", "60"],  # serves the pair's final sync; stopped below

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.swarms import Proc, make_swarm
+from tests.integration.swarms import Proc, make_swarm, start_bootstrap
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -38,10 +38,7 @@ def test_an_island_of_two_processes_joins_and_its_ranks_agree(tmp_path: Path) ->
         files.certify(peer, lab="lab")
     procs: list[Proc] = []
     try:
-        boot = Proc(["bootstrap", "--listen", "127.0.0.1:0"], tmp_path / "boot.log")
-        procs.append(boot)
-        first = boot.lines.get(timeout=60)
-        boot_url = first.rsplit(" ", 1)[-1]
+        boot_url = start_bootstrap(tmp_path, procs)
         solo = Proc(
             ["join", "--initial-peers", boot_url, *files.args("solo"), *TRAIN],
             tmp_path / "solo.log",
