@@ -243,8 +243,3 @@ def _read_hashed(f: BinaryIO, nbytes: int) -> str:
         h.update(view[:got])
         left -= got
     return h.hexdigest()
-
-
-def _write_file(tmp: Path, items: list[_Item], created: str, meta_json: str) -> None:
-    """Write ``items`` (in data order) and the header into the new file ``tmp``, fsynced."""
-    PendingCheckpoint(tmp, tmp, items, created, meta_json)._complete()

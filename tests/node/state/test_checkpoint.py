@@ -490,10 +490,11 @@ def test_kill_9_while_saving_always_leaves_a_valid_checkpoint(
 def craft(path: Path, tensors: dict[str, torch.Tensor], meta_json: str) -> None:
     """A checkpoint whose meta record is ``meta_json`` as given (any text), with a valid digest:
     what someone who can write to the folder, or hand over a file, can make."""
-    from node.state.checkpoint_save import _item, _write_file
+    from node.state.checkpoint_save import PendingCheckpoint, _item
 
     items = sorted((_item(n, t) for n, t in tensors.items()), key=lambda it: (-it.width, it.name))
-    _write_file(path, items, "2026-01-01T00:00:00+00:00", meta_json)
+    # written in place (no rename): the writer's own steps, with meta_json as given
+    PendingCheckpoint(path, path, items, "2026-01-01T00:00:00+00:00", meta_json)._complete()
 
 
 def test_a_header_nested_past_the_parsers_recursion_is_refused_and_skipped(
