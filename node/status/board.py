@@ -1,17 +1,17 @@
 """A node's status board: what ``/``, ``/v1/status/board`` and ``/metrics`` show.
 
-``StatusBoard(reader)`` adds the routes to the node's server (``reader``: a ``StatusSource``,
-the peer's ``node.peer.status.PeerReader``); the trainer calls ``record(step, loss)`` about once
-a second and ``record_validation(step, loss)`` at each evaluation on the held-out set (a
-recipe's validation set, which the merge checks use too). Everything shown comes from one ``PeerStatus`` snapshot the reader builds and the
-board's own progress history. The board's JSON holds what the page draws and nothing more (no keys beyond peer ids,
-no credentials): this node, the members it sees with their roles, labs and reachability, each
-fragment's owner and versions, the progress and validation histories and the totals. It is cheap whatever a
-visitor does: the snapshot, the JSON and the metrics are each computed at most once per
-``max_age_s`` (``Cached``), and the snapshot holds at most ``MAX_MEMBERS`` members with every
-string a peer chose cut short. The totals sum every owner's per-sender counts, on the event
-loop: with 20,000 senders that took ~45 ms (on a busy 2-core machine), at most once per
-``max_age_s``; a cached answer costs under a microsecond.
+``StatusBoard(reader)`` adds the routes to the node's server (``reader``: a ``StatusSource``, the
+peer's ``node.peer.status.PeerReader``); the trainer calls ``record(step, loss)`` about once a
+second and ``record_validation(step, loss)`` at each evaluation on the held-out set (a recipe's
+validation set, which the merge checks use too). Everything shown comes from one ``PeerStatus``
+snapshot the reader builds and the board's own progress history. The board's JSON holds what the
+page draws and nothing more (no keys beyond peer ids, no credentials): this node, the members it
+sees with their roles, labs and reachability, each fragment's owner and versions, the progress and
+validation histories and the totals. It is cheap whatever a visitor does: the snapshot, the JSON
+and the metrics are each computed at most once per ``max_age_s`` (``Cached``), and the snapshot
+holds at most ``MAX_MEMBERS`` members with every string a peer chose cut short. The totals sum
+every owner's per-sender counts, on the event loop: with 20,000 senders that took ~45 ms (on a busy
+2-core machine), at most once per ``max_age_s``; a cached answer costs under a microsecond.
 """
 
 from __future__ import annotations
