@@ -25,7 +25,9 @@ A multi-process island (``torchrun --nproc_per_node N``, DDP inside): build ``Sw
 every rank after ``torch.distributed.init_process_group``, and call ``tokens`` on every rank.
 Rank 0 joins the swarm and speaks for the island; the others adopt every fragment rank 0 adopts,
 at the same step (``node.diloco.ranks``); tokens count all ranks. Leaving the ``with`` block
-waits for every rank, so that all of them can ``destroy_process_group`` together.
+waits for every rank, so that all of them can ``destroy_process_group`` together; then end each
+rank with ``exit_without_teardown(0)`` (the group's C++ objects, still held by DDP or FSDP, must
+not be freed in the interpreter's teardown: gloo can abort there, docs/islands.md).
 
 An island that shards: apply FSDP2's ``fully_shard`` to the model on every rank before building
 ``SwarmIsland`` (and the optimizer over the sharded parameters); the island sees the ``DTensor``
@@ -58,12 +60,13 @@ from node.diloco.ranks import IslandRanks, distributed_rank, unwrap
 from node.diloco.sharding import ShardedFragments, is_sharded
 from node.diloco.validation import CallableEvaluator
 from node.peer import NodeOptions, PeerNode
+from node.run.leave import exit_without_teardown
 from protocol.diloco.fragments import FragmentPlan, plan_fragments
 from protocol.wire.certificates import Certificate
 from protocol.wire.membership import SwarmManifest
 from protocol.wire.signing import Signer
 
-__all__ = ["SwarmIsland"]
+__all__ = ["SwarmIsland", "exit_without_teardown"]
 
 log = logging.getLogger("atoll.api")
 

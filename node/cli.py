@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -27,6 +26,7 @@ from node.config import (
     config_from_args,
 )
 from node.diloco.allocator import tune_allocator
+from node.run.leave import exit_without_teardown
 
 if TYPE_CHECKING:
     from node.run.chaos import ChaosSpec
@@ -474,21 +474,8 @@ def _run(args: argparse.Namespace) -> int:
             event_log_dir=args.event_log_dir,
         )
         run_peer(cfg, opts)
-        _exit_without_teardown()
+        exit_without_teardown(0)  # its only thread is this one, its results are out
     return 2
-
-
-def _exit_without_teardown() -> NoReturn:
-    """End a finished ``atoll peer`` process at once. The interpreter's own teardown (freeing every
-    module torch and the ``torch._dynamo`` its optimizers import brought in, and their exit hooks)
-    takes 1-2 s of CPU per process on a small machine, paid by every peer of a local swarm while
-    its launcher waits. By now the peer's only thread is this one, its results are on stdout, and
-    its checkpoints and event logs are written and closed: flush the streams and the log handlers,
-    and go."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    logging.shutdown()
-    os._exit(0)
 
 
 def _local(args: argparse.Namespace) -> int:

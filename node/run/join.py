@@ -21,13 +21,14 @@ import ssl
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any
 
 from node.config import SCHEDULE_FIELDS, RunConfig, config_from_args
 from node.dht.membership import config_from_manifest
 from node.dht.swarm import MANIFEST_PATH
 from node.run.checks import CheckError, check_listen, check_run, host_port, peer_url
 from node.run.console import JoinView, ProgressLine, render_status, setup_logging
+from node.run.leave import exit_without_teardown
 from node.run.peer_http import SlowAnswer, http_fetch
 from node.run.recipes import LoadedRecipe
 from node.run.status_shape import _not_a_status
@@ -308,7 +309,7 @@ def join_main(args: argparse.Namespace) -> int:
         return _launch_ranks(args.nproc, args.argv, args.shard)
     code = _join(args)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        _leave_rank(code)
+        exit_without_teardown(code)  # after leave_process_group, on every rank
     return code
 
 
@@ -331,23 +332,6 @@ def _shard_refusal(args: argparse.Namespace) -> str | None:
     if args.compute != "real":
         return "--compute standin runs one process per island: use --compute real with --shard fsdp"
     return None
-
-
-def _leave_rank(code: int) -> NoReturn:
-    """End one rank of ``atoll join --nproc N`` at once, after its result is out and every rank
-    has passed the final barrier and destroyed the process group (``leave_process_group``).
-
-    Not through the interpreter's teardown: ``destroy_process_group`` unregisters the gloo group,
-    but DDP's reducer still holds it, so the group's C++ objects (context, sockets, the tensors
-    of its last work) are freed during interpreter finalization, with the other rank possibly
-    gone already, where gloo's teardown can abort the process (SIGABRT, "terminate called without
-    an active exception"; PyTorch PR #179291 describes that finalization crash). torchrun then
-    reports the island failed and exits 1 after the result was printed, the more often the
-    busier the machine (docs/islands.md). Flush the streams and log handlers, and go."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    logging.shutdown()
-    os._exit(code)
 
 
 def _join(args: argparse.Namespace) -> int:

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from node.api import SwarmIsland
+from node.api import SwarmIsland, exit_without_teardown
 from node.config import RunConfig
 from node.diloco.sharding import held_bytes
 
@@ -120,6 +120,7 @@ def main() -> None:
     if dist.is_initialized():
         dist.barrier()  # rank 0 writes its file too before any rank leaves the group
         dist.destroy_process_group()
+        exit_without_teardown(0)  # not through gloo's teardown in finalization (it can abort)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ def run_two_islands(worker: Path, out: Path, steps: int, *two_args: str) -> None
     """Found the swarm with ``worker --name one --found``, then run ``worker --name two`` as 2
     torchrun ranks (with ``two_args``) against it; both must exit 0. The workers write their
     results under ``out``."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
     common = ["--out", str(out), "--steps", str(steps)]
     one = subprocess.Popen(
         [sys.executable, str(worker), "--name", "one", "--found", *common],
@@ -65,9 +65,9 @@ def run_two_islands(worker: Path, out: Path, steps: int, *two_args: str) -> None
             text=True,
         )
         out_two, _ = two.communicate(timeout=200)
-        assert two.returncode == 0, out_two[-3000:]
+        assert two.returncode == 0, out_two[-12000:]
         out_one, _ = one.communicate(timeout=60)
-        assert one.returncode == 0, out_one[-3000:]
+        assert one.returncode == 0, out_one[-12000:]
     finally:
         for proc in (one, two):
             if proc is not None and proc.poll() is None:
