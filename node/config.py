@@ -94,6 +94,14 @@ SCHEDULE_FIELDS = ("steps", "lr", "warmup_steps", "min_lr_ratio")
 # is a share of the model, ``node.wire.bodies.pool_bytes_for_model``; docs/scale.md)
 LARGE_MODEL_BYTES = 256 << 20
 
+# Why ``--shard fsdp`` cannot run (``atoll join`` refuses before torchrun starts; a rank built
+# some other way refuses in ``node.run.train``)
+FSDP_NEEDS_RANKS = "--shard fsdp shards the model over an island's processes: add --nproc 2 or more"
+FSDP_CANNOT_VALIDATE = (
+    "--shard fsdp cannot check the versions this island owns (validated publication runs the "
+    "whole model's forward on rank 0 alone): add --validate-windows 0, or use --shard ddp"
+)
+
 
 def _one_of(names: tuple[str, ...]) -> str:
     """``a, b or c``."""

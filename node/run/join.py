@@ -23,7 +23,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from node.config import SCHEDULE_FIELDS, RunConfig, config_from_args
+from node.config import (
+    FSDP_CANNOT_VALIDATE,
+    FSDP_NEEDS_RANKS,
+    SCHEDULE_FIELDS,
+    RunConfig,
+    config_from_args,
+)
 from node.dht.membership import config_from_manifest
 from node.dht.swarm import MANIFEST_PATH
 from node.run.checks import CheckError, check_listen, check_run, host_port, peer_url
@@ -319,12 +325,9 @@ def _shard_refusal(args: argparse.Namespace) -> str | None:
     if getattr(args, "shard", "ddp") != "fsdp":
         return None
     if args.nproc < 2 and int(os.environ.get("WORLD_SIZE", "1")) < 2:
-        return "--shard fsdp shards the model over an island's processes: add --nproc 2 or more"
+        return FSDP_NEEDS_RANKS
     if args.validate_windows > 0:
-        return (
-            "--shard fsdp cannot check the versions this island owns (validated publication "
-            "runs the whole model on rank 0 alone): add --validate-windows 0, or use --shard ddp"
-        )
+        return FSDP_CANNOT_VALIDATE
     if args.checkpoint_dir is not None:
         return (
             "--checkpoint-dir is not supported for islands of several processes yet: leave it out"

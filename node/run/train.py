@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from node.config import RunConfig
+from node.config import FSDP_CANNOT_VALIDATE, FSDP_NEEDS_RANKS, RunConfig
 from node.dht.swarm import SwarmCredentials
 from node.diloco.allocator import bound_for_model, heap_in_use
 from node.diloco.inner import joining_step, lr_at, make_inner_optimizer
@@ -354,11 +354,9 @@ def _sharded_workload(
     on a one-process island or with validated publication (rank 0 alone cannot run the forward)."""
     rank, world = ranks
     if world < 2:
-        raise RuntimeError(
-            "--shard fsdp shards the model over an island's ranks: give --nproc 2 or more"
-        )
+        raise RuntimeError(FSDP_NEEDS_RANKS)
     if cfg.validate_windows > 0:
-        raise RuntimeError(_FSDP_VALIDATES)
+        raise RuntimeError(FSDP_CANNOT_VALIDATE)
     shard_model(model, model.h)
     optimizer = make_inner_optimizer(model, tcfg)
     return Workload(
@@ -375,12 +373,6 @@ def _sharded_workload(
         heldout=heldout,
         shards=ShardedFragments(model, plan, optimizer),
     )
-
-
-_FSDP_VALIDATES = (
-    "--shard fsdp cannot check the versions this island owns (validated publication runs the "
-    "whole model's forward on rank 0 alone): add --validate-windows 0, or use --shard ddp"
-)
 
 
 class RecipeLearners:
