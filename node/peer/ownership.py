@@ -197,8 +197,20 @@ class Ownership:
         assert self.started.net is not None and self.started.tg is not None
         version, flat = self.started.net.latest.get(p, (0, self.started.net.island_initial[p]))
         held, handed = self.replicas.held.get(p), self.replicas.states.get(p)
-        # the owner our last pass saw is the one we take p from: its handoff is an owner's (issue 48)
+        previous = (
+            self.membership.owner_of(
+                self.cfg.swarm, p, exclude={self.signer.peer_id, *self.view.suspects()}
+            )
+            if self.membership
+            else None
+        )
+        # the owner our last pass saw is the one we take p from: its handoff is an owner's (issue
+        # 48). Without a pass (we have just joined, or come back) it is the one the members rank
+        # first without us: it owned p until now, and may have handed its version out as final
+        # (a swarm that ended while we were away), which we must then hold final too.
         took = self._last_owner.get(p)
+        if took is None and previous is not None:
+            took = previous[0]
         if took is None or took == self.signer.peer_id:
             self.replicas.took_from.pop(p, None)
         else:
@@ -272,13 +284,6 @@ class Ownership:
         if handed is not None and handed.final:
             owner.hold_final(handed.version)
         self.replicas.fence(p, epoch, version, owner.digest_of(version))
-        previous = (
-            self.membership.owner_of(
-                self.cfg.swarm, p, exclude={self.signer.peer_id, *self.view.suspects()}
-            )
-            if self.membership
-            else None
-        )
         if not from_handoff and version > 0 and self._displaces_a_live_owner(p, previous):
             # it hands us its state as it retires, maybe a version it handed out as final: merge
             # nothing before. (A replica taking over from a dead owner starts from its last state,

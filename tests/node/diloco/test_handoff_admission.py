@@ -7,6 +7,7 @@ any "fenced" answer stopped it too."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import os
@@ -48,6 +49,12 @@ class _RankedMembership:
     ) -> tuple[bytes, str] | None:
         left = [p for p in self.rank if p not in exclude]  # type: ignore[operator]
         return (left[0], self.members[left[0]].record.url) if left else None
+
+    def ranked(
+        self, swarm: str, fragment: int, n: int, *, exclude: object = ()
+    ) -> list[tuple[bytes, str]]:
+        left = [p for p in self.rank if p not in exclude]  # type: ignore[operator]
+        return [(p, self.members[p].record.url) for p in left[:n]]
 
 
 def _member(s, *, owner: bool = True) -> Member:  # type: ignore[no-untyped-def]
@@ -247,3 +254,73 @@ def test_the_peer_level_attacks_parse_and_the_address_attacker_is_learner_only(t
     LocalSwarm(RunConfig(peers=3), tmp_path, LaunchPlan(extra_peer_args=extra)).make_swarm()
     roles = [load_certificate(tmp_path / "swarm" / f"peer{i}.cert").roles for i in range(3)]
     assert roles == [("learner", "owner"), ("learner", "owner"), ("learner",)]
+
+
+class _Tasks:
+    """Stands in for the node's task group: runs what it is given."""
+
+    def __init__(self) -> None:
+        self.tasks: list[asyncio.Future[None]] = []
+
+    def create_task(self, coro):  # type: ignore[no-untyped-def]
+        self.tasks.append(asyncio.ensure_future(coro))
+        return self.tasks[-1]
+
+    async def cancel(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+
+def _coming_back(*, last_owner: bytes | None) -> tuple[PeerNode, _Tasks]:
+    """This peer ranked first for fragment 0, OWNER next; its learner holds version 5 (as state
+    sync gives a peer that comes back); ``last_owner``: whom its last ownership pass saw."""
+    node = _peer([ME.peer_id, OWNER.peer_id, ATTACKER.peer_id])
+    theta = torch.zeros(node.replicas.numels[0])
+    node.net = types.SimpleNamespace(  # type: ignore[assignment]
+        latest={0: (5, theta)},
+        island_initial={0: theta, 1: torch.zeros(node.replicas.numels[1])},
+        received={0: 5, 1: 0},
+        received_at={0: time.time()},
+        created=None,
+        held_state=lambda p: None,
+    )
+    tasks = _Tasks()
+    node.started.tg = tasks  # type: ignore[assignment]
+    if last_owner is not None:
+        node.ownership._last_owner[0] = last_owner
+    node.ownership._start_owner(0)
+    return node, tasks
+
+
+async def test_a_peer_that_comes_back_holds_final_what_the_owner_that_stood_in_handed_out_final() -> (
+    None
+):
+    """A chaos run (an owner killed, restarted after the swarm's run had ended) ended on two
+    models: the owner that stood in had handed version 5 out as final to the peers that ended,
+    the returning peer took the fragment back with no ownership pass behind it, ignored the
+    handoff's ``final`` as a mere predecessor's, merged its own late work and published 6 final.
+    The owner it takes the fragment from is the one ranked first without it, whose ``final``
+    counts; a peer whose last pass saw itself own the fragment still ignores a predecessor's."""
+    node, tasks = _coming_back(last_owner=None)
+    theta = torch.zeros(node.replicas.numels[0])  # version 5 as we hold it
+    handed = encode_state(
+        swarm=node.cfg.swarm,
+        fragment=0,
+        epoch=1,
+        version=5,
+        digest=flat_digest(theta),
+        theta=theta,
+        momentum=None,
+        merged={OWNER.peer_id: 4},
+        final=True,
+    )
+    assert (await _offer(node, OWNER, handed)).accepted
+    assert node.owners[0].version == 5 and node.owners[0].holds_final()
+    assert node.owners[0].final_hold() is not None  # late work is refused, not merged
+    await tasks.cancel()
+    node, tasks = _coming_back(last_owner=ME.peer_id)  # we owned it all along: OWNER precedes us
+    assert (await _offer(node, OWNER, handed)).accepted
+    assert not node.owners[0].holds_final()
+    assert node.replicas.status()["handoff_refusals"] == {"final-ignored": 1}
+    await tasks.cancel()
