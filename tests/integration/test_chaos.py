@@ -14,15 +14,17 @@ import pytest
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(360)]  # hang guards
 
 ROOT = Path(__file__).resolve().parents[2]
-CHAOS = "kill=owner@15s+restart10s,kill=learner@every20s+restart10s"
+CHAOS = "kill=owner@10s+restart10s,kill=learner@every14s+restart10s"
 
 
 def test_killed_and_restarted_peers_rejoin_and_the_swarm_agrees(tmp_path: Path) -> None:
-    # 35 s of training, counted from the launcher's start (start-up is not part of it, so a busy
-    # box cannot squeeze the schedule): the owner killed at 15 s restarts at 25 s, the learner
-    # killed at 20 s restarts at 30 s and rejoins ~20 merges behind the swarm. Its version fence
+    # 28 s of training, counted from the launcher's start (start-up is not part of it, so a busy
+    # box cannot squeeze the schedule): the owner killed at 10 s restarts at 20 s, the learner
+    # killed at 14 s restarts at 24 s and rejoins ~20 merges behind the swarm. Its version fence
     # used to count from the restart, refused the swarm's versions as impossible jumps, spent its
-    # one fallback on them and hung the run
+    # one fallback on them and hung the run. With start-up on a busy box the returning peers come
+    # back about when the others end: the owner used to take its fragment back, ignore the final
+    # the peer that stood in had handed out, merge its late work and end the swarm on two models
     args = [
         sys.executable,
         "-m",
@@ -42,7 +44,7 @@ def test_killed_and_restarted_peers_rejoin_and_the_swarm_agrees(tmp_path: Path) 
         "--corpus-max-bytes",
         "300000",
         "--duration",
-        "35",
+        "28",
         "--chaos",
         CHAOS,
     ]
@@ -61,7 +63,7 @@ def test_killed_and_restarted_peers_rejoin_and_the_swarm_agrees(tmp_path: Path) 
     assert report["hashes_agree"], report["final_param_hash"]
     assert report["version_conflicts"] == 0, report["version_conflict_list"]
     # both kills happened (fragments=2: at most two of the four peers own, so a learner is there
-    # to kill at 25 s) and both peers came back
+    # to kill at 14 s) and both peers came back
     assert report["chaos"] == CHAOS
     restarts = report["restarts"]
     assert len(restarts) == 2 and "owner" in report["chaos_events"][0], report["chaos_events"]
@@ -92,6 +94,6 @@ def test_killed_and_restarted_peers_rejoin_and_the_swarm_agrees(tmp_path: Path) 
     assert report["event_logs"]
     results = [replay(Path(p)) for p in report["event_logs"]]
     assert [m for r in results for m in r.mismatches] == []
-    assert sum(r.contents_checked for r in results) == sum(len(r.versions) for r in results) > 50
+    assert sum(r.contents_checked for r in results) == sum(len(r.versions) for r in results) > 25
     # no wall-clock bound (it was < 120 s): a busy box stretches start-up and wind-down past any
     # fixed figure; a run that does not end still fails at the subprocess timeout above
