@@ -52,6 +52,7 @@ from protocol.diloco.fragments import Fragment
 from protocol.diloco.merge import Decision, FragmentMerger, Phase
 from protocol.diloco.outer import OuterConfig
 from protocol.diloco.reference import HandedNorm
+from protocol.diloco.sliced import Delta
 from protocol.diloco.standing import Standing
 from protocol.errors import DecodeError, Stale
 from protocol.wire.messages import Ack, Contribution, ReplicaState
@@ -308,7 +309,7 @@ class FragmentOwner:
             return Ack(accepted=False, reason=refused.reason, version=self.version)
         return self._offer(sender, msg, flat, norm)
 
-    def _offer(self, sender: bytes, msg: Contribution, flat: torch.Tensor, norm: float) -> Decision:
+    def _offer(self, sender: bytes, msg: Contribution, flat: Delta, norm: float) -> Decision:
         """Hand a screened contribution to the merger, and count what it decided."""
         if self.log is not None:
             self.log.note_payload(msg)
