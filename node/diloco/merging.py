@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import cast
 
@@ -304,8 +304,10 @@ class VersionMaker:
         be published."""
         assert self.validation is not None
 
-        def alone() -> dict[bytes, torch.Tensor]:  # per sender, the outer step over its work only
-            return {peer: self._step(work.only(peer)).theta for peer in dict.fromkeys(work.peers)}
+        def alone() -> Mapping[
+            bytes, torch.Tensor
+        ]:  # per sender, the outer step over its work only
+            return _Alone(work, lambda only: self._step(only).theta)
 
         fragment = self.config.fragment.index
         check = self.validation.check(fragment, version, self.state.theta, theta, alone)
@@ -326,3 +328,24 @@ class VersionMaker:
                 severity=verdict.severity,
             )
         return verdict.helped
+
+
+class _Alone(Mapping[bytes, torch.Tensor]):
+    """Per sender of ``work``, the outer step over its work only, computed when read: validation
+    scores them one after another, so one fragment-sized result is held at a time, not one per
+    sender."""
+
+    def __init__(self, work: Work, step: Callable[[Work], torch.Tensor]) -> None:
+        self.work, self.step = work, step
+        self.senders = list(dict.fromkeys(work.peers))
+
+    def __getitem__(self, peer: bytes) -> torch.Tensor:
+        if peer not in self.senders:
+            raise KeyError(peer)
+        return self.step(self.work.only(peer))
+
+    def __iter__(self) -> Iterator[bytes]:
+        return iter(self.senders)
+
+    def __len__(self) -> int:
+        return len(self.senders)
