@@ -421,7 +421,8 @@ def merge_update(
         # such in-between updates too
         plain, _ = outer_step(theta, delta, None, replace(cfg, momentum=0.0))
         return MergeUpdate(plain, None if buffer is None else copy_vector(buffer), bounded)
-    new_theta, new_buffer = outer_step(theta, delta, buffer, cfg)
+    # the aggregate is this merge's own: Nesterov's gradient is formed in its place
+    new_theta, new_buffer = outer_step(theta, delta, buffer, cfg, consume_delta=True)
     return MergeUpdate(new_theta, new_buffer, bounded)
 
 
