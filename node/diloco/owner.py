@@ -5,8 +5,9 @@ For each fragment this peer owns, a ``FragmentOwner`` is composed of parts, each
   its Nesterov buffer, version, sealed forms and the digests that name it; the only state the
   parts share;
 - the ``FragmentMerger`` state machine (written to an event log for ``atoll replay`` when asked);
-- ``ContributionIntake`` (``node.diloco.intake``): decodes each contribution and says why it is
-  refused before the merger (``protocol.diloco.intake``);
+- ``ContributionIntake`` (``node.diloco.intake``): measures each contribution (kept compressed,
+  ``protocol.diloco.sliced``) and says why it is refused before the merger
+  (``protocol.diloco.intake``);
 - ``VersionMaker`` (``node.diloco.merging``): the next version's outer step, check and seal, off
   the event loop; ``Sealer`` (``node.diloco.sealing``): seals with the owner's key;
 - ``Reputation`` (``node.diloco.reputation``): standing and penalties per sender, the clip
