@@ -1,9 +1,11 @@
 """What an owner takes in: each contribution decoded, and screened against the state it holds.
 
-A contribution is decoded into one flat fp32 vector (a buffer kept from an earlier merge when one
-is spare: fresh memory is slow to fill; fp32 tensors are merged where they arrived, as a view of
-the request body, which holds its buffer until then) and its norm measured once (the merge reuses
-it). ``ContributionIntake.screen`` then says why it is refused before the merger, if it is
+A contribution is kept as it arrived, its compressed tensors (``protocol.diloco.sliced``:
+the merge decodes them a slice at a time, so a round's n contributions cost n times their
+compressed bytes, not n fragment-sized vectors), and its norm is measured once, slice by slice
+(the merge reuses it). fp32 tensors are merged where they arrived, as a view of the request
+body, which holds its buffer until then; ``topk2`` tensors are decoded whole into a flat vector
+(a buffer kept from an earlier merge when one is spare). ``ContributionIntake.screen`` then says why it is refused before the merger, if it is
 (``protocol.diloco.intake``): its norm far out of bounds, a base this owner does not hold under
 that version, or work from that base merged already. It also keeps who is owed a resync and
 whose "last" mark was spent.
@@ -11,6 +13,7 @@ whose "last" mark was spent.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import weakref
 from dataclasses import dataclass
@@ -29,8 +32,10 @@ from protocol.diloco.intake import (
     out_of_bounds,
 )
 from protocol.diloco.norms import norm64
+from protocol.diloco.sliced import Delta, EncodedVector, norm_of, sliceable
 from protocol.errors import DecodeError
 from protocol.wire.messages import Contribution
+from protocol.wire.tensors import EncodedTensor
 
 __all__ = ["SPARE_MAX_BYTES", "ContributionIntake", "Refused"]
 
@@ -102,14 +107,16 @@ class ContributionIntake:
         would wait for a version that never comes (``protocol.diloco.intake.ResyncLedger``)."""
         return self.resyncs.spend(asker)
 
-    def decode(
-        self, msg: Contribution, given: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, float]:
-        """The contribution as one flat fp32 vector (in a reused buffer when one is spare) and
-        its norm. Raises ``DecodeError`` for a wrong shape, or NaN/Inf: the norm (fp64-summed,
-        finite exactly when every value is) is the check, so the values are read once for it.
-        ``given``: our own learner's contribution as the flat vector its ``none`` tensors are
-        views of: taken without a copy, and never given back for reuse (it is the learner's)."""
+    def decode(self, msg: Contribution, given: torch.Tensor | None = None) -> tuple[Delta, float]:
+        """The contribution as its merge reads it, and its norm: a flat fp32 vector when one is
+        held anyway (``given``, or fp32 tensors lying in the request body), else the compressed
+        tensors themselves (``EncodedVector``, decoded a slice at a time by the merge, so an
+        owner holds no decoded contribution between arrival and merge; ``topk2`` tensors, which
+        have no range decoder, are decoded whole as before). Raises ``DecodeError`` for a wrong
+        shape, or NaN/Inf: the norm (fp64-summed, finite exactly when every value is) is the
+        check, so the values are read once for it. ``given``: our own learner's contribution as
+        the flat vector its ``none`` tensors are views of: taken without a copy, and never given
+        back for reuse (it is the learner's)."""
         numel = self.state.theta.numel()
         if given is not None:
             if (
@@ -122,26 +129,44 @@ class ContributionIntake:
                 raise DecodeError(
                     f"a local contribution must be a flat fp32 vector of {numel} values"
                 )
-            flat = self._lend(given)
-        elif (
-            view := self._view_in_body(msg)
-        ) is not None:  # fp32 tensors merged where they arrived: no copy
-            flat = self._lend(view)
-        else:
-            try:
-                out = self.spare.pop()
-            except IndexError:
-                out = new_flat(numel)
-            try:
-                flat = flat_from_tensors(msg.tensors, self.shapes, out=out, finite_check=False)
-            except BaseException:
-                self.give_back(out)
-                raise
+            return self._measured(self._lend(given))
+        if (view := self._view_in_body(msg)) is not None:  # fp32 merged where it arrived
+            return self._measured(self._lend(view))
+        if sliceable(msg.tensors):
+            kept = self._kept(EncodedVector(msg.tensors, self.shapes))
+            norm = norm_of(kept)
+            if not math.isfinite(norm):
+                raise DecodeError("the contribution holds NaN or Inf values")
+            return kept, norm
+        try:
+            out = self.spare.pop()
+        except IndexError:
+            out = new_flat(numel)
+        try:
+            flat = flat_from_tensors(msg.tensors, self.shapes, out=out, finite_check=False)
+        except BaseException:
+            self.give_back(out)
+            raise
+        return self._measured(flat)
+
+    def _measured(self, flat: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """``flat`` and its norm; raises ``DecodeError`` (giving it back) when not finite."""
         norm = norm64(flat)
         if not math.isfinite(norm):
             self.give_back(flat)  # a decoded buffer is kept for the next one, a lent vector dropped
             raise DecodeError("the contribution holds NaN or Inf values")
         return flat, norm
+
+    def _kept(self, encoded: EncodedVector) -> EncodedVector:
+        """``encoded``, its bytes its own past the request: a request body goes back to the
+        pool for the next download when its request ends, so tensors lying in it hold it
+        (``RequestBody.keep_for``, one holder per body) or, when it is held already, are copied."""
+        body = REQUEST_BODY.get()
+        if body is None or not any(_in_buffer(t, body.buf) for t in encoded.tensors):
+            return encoded
+        if body.keep_for(encoded):
+            return encoded
+        return EncodedVector([_owned(t) for t in encoded.tensors], self.shapes)
 
     def _view_in_body(self, msg: Contribution) -> torch.Tensor | None:
         """The contribution's fp32 tensors as one flat view of the request body they arrived in,
@@ -168,10 +193,12 @@ class ContributionIntake:
         self._borrowed[key] = weakref.ref(flat, forget)
         return flat
 
-    def give_back(self, flat: torch.Tensor) -> None:
+    def give_back(self, flat: Delta) -> None:
         """Keep a decoded contribution's buffer for the next one (nothing else refers to it; a
         local contribution's vector is its learner's, and a view of a request body is that
         body's: neither is kept)."""
+        if not isinstance(flat, torch.Tensor):  # compressed bytes: nothing to reuse
+            return
         borrowed = self._borrowed.pop(id(flat), None)
         if borrowed is not None and borrowed() is flat:
             return
@@ -182,3 +209,13 @@ class ContributionIntake:
             and (len(self.spare) + 1) * 4 * numel <= SPARE_MAX_BYTES
         ):
             self.spare.append(flat)
+
+
+def _in_buffer(t: EncodedTensor, buf: object) -> bool:
+    """Whether ``t``'s data or scales are views of ``buf``."""
+    return any(isinstance(b, memoryview) and b.obj is buf for b in (t.data, t.scales))
+
+
+def _owned(t: EncodedTensor) -> EncodedTensor:
+    """``t`` with bytes of its own."""
+    return dataclasses.replace(t, data=bytes(t.data), scales=bytes(t.scales))

@@ -4,8 +4,9 @@
 step (``protocol.diloco.outer.merge_update``), with updates encodes the result as an update over
 the version held (error feedback), checks the candidate on the swarm's validation set when the
 owner validates (``node.diloco.validation``), measures how each sender's work agrees with the
-rest of the round's (``protocol.diloco.agreement``: for standing; one chunked pass over the
-contributions, no copy of them), and seals it, with the whole state for a replica.
+rest of the round's (``protocol.diloco.agreement``: for standing; its Gram matrix summed in the
+outer step's pass over the contributions, which reads each a slice at a time: a compressed one
+is decoded slice by slice, once), and seals it, with the whole state for a replica.
 A failure raises ``MergeFailed`` naming the senders to drop: every one of a non-finite result's
 (each was checked for shape, finiteness and a finite norm on arrival, so no single one is to
 blame), or those validation blamed (``Rejected``).
@@ -16,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import cast
 
@@ -27,10 +28,11 @@ from node.diloco.owner_state import OwnerConfig, OwnerCounts, OwnerState
 from node.diloco.replica import Carried
 from node.diloco.sealing import Sealer
 from node.diloco.validation import OwnerValidation
-from protocol.diloco.agreement import Agreement, AgreementConfig, agreement
+from protocol.diloco.agreement import Agreement, AgreementConfig, GramSum, agreement, judged
 from protocol.diloco.merge import Decision
 from protocol.diloco.norms import all_finite, norm64
 from protocol.diloco.outer import MergeUpdate, merge_update
+from protocol.diloco.sliced import Delta, numel_of
 from protocol.diloco.updates import encode_update
 from protocol.wire.messages import ReplicaState
 from protocol.wire.signing import Sealed
@@ -72,7 +74,7 @@ class Work:
     """A round's contributions as the merger decided them, in entry order."""
 
     peers: list[bytes]
-    deltas: list[torch.Tensor]
+    deltas: list[Delta]  # flat fp32 vectors, or contributions kept compressed
     weights: list[float]
     clips: list[float]
     norms: list[float | None]  # measured on arrival: the merge reuses them
@@ -84,7 +86,7 @@ class Work:
         entries = decision.entries
         return cls(
             peers=[e.peer for e in entries],
-            deltas=[cast(torch.Tensor, e.payload) for e in entries],  # set by the intake
+            deltas=[cast(Delta, e.payload) for e in entries],  # set by the intake
             weights=[e.weight for e in entries],
             clips=[e.clip for e in entries],
             norms=[e.norm for e in entries],
@@ -155,7 +157,14 @@ class VersionMaker:
         ``for_replica``), and with updates the sealed update from ``version - 1`` and the new
         error-feedback residual. Raises ``MergeFailed``."""
         config, state = self.config, self.state
-        theta, buffer = self._outer(work)
+        # the agreement's Gram matrix is summed in the outer step's pass over the work, which
+        # decodes each compressed contribution's slices once for both
+        products = (
+            GramSum([numel_of(d) for d in work.deltas], norms=work.norms)
+            if judged(work.peers, self.agreeing)
+            else None
+        )
+        theta, buffer = self._outer(work, products)
         tensors, residual = None, None
         if config.update_codec is not None:  # publish what learners compute from the update
             # the outer step's result is needed no more: the update is computed in its place,
@@ -173,7 +182,7 @@ class VersionMaker:
         helped: frozenset[bytes] = frozenset()
         if self.validation is not None:  # before anything is sealed: a rejected one leaves no trace
             helped = self._validate(version, theta, work)
-        dissent = self._agreement(version, work).dissent
+        dissent = self._agreement(version, work, products).dissent
         checked = tensors is None  # _outer checked theta and buffer; an update's is checked here
         latest, digest, message_digest = self.sealer.state(version, theta, known_finite=checked)
         replica = (
@@ -232,8 +241,10 @@ class VersionMaker:
             dissent,
         )
 
-    def _step(self, work: Work, *, theta_norm: float | None = None) -> MergeUpdate:
-        """The outer step over ``work`` from the state held."""
+    def _step(
+        self, work: Work, *, theta_norm: float | None = None, products: GramSum | None = None
+    ) -> MergeUpdate:
+        """The outer step over ``work`` from the state held (summing ``products`` on the way)."""
         return merge_update(
             self.state.theta,
             self.state.buffer,
@@ -246,15 +257,19 @@ class VersionMaker:
             norms=work.norms,
             aggregate=work.aggregate,
             theta_norm=theta_norm,
+            observe=None if products is None else products.add,
         )
 
-    def _outer(self, work: Work) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _outer(
+        self, work: Work, products: GramSum | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Clip, aggregate, scale, bound and apply the outer step. Raises ``MergeFailed`` naming
         the peers to drop. (Every payload's shape, finiteness and norm were checked on arrival.)"""
         known = self.state.known_norm
         update = self._step(
             work,
             theta_norm=known[1] if known is not None and known[0]() is self.state.theta else None,
+            products=products,
         )
         self.step_bounds += int(update.bounded)
         theta, buffer = update.theta, update.buffer
@@ -268,10 +283,17 @@ class VersionMaker:
         self.state.known_norm = (weakref.ref(theta), theta_norm)  # once ``theta`` is published
         return theta, buffer
 
-    def _agreement(self, version: int, work: Work) -> Agreement:
+    def _agreement(self, version: int, work: Work, products: GramSum | None) -> Agreement:
         """Who of ``work``'s senders dissents from the round (``protocol.diloco.agreement``), logged
-        for replay. The work to be published as ``version``, after validation let it through."""
-        verdict = agreement(work.peers, work.deltas, self.agreeing, norms=work.norms)
+        for replay. The work to be published as ``version``, after validation let it through;
+        ``products``: its Gram matrix, summed by the outer step."""
+        verdict = agreement(
+            work.peers,
+            work.deltas,
+            self.agreeing,
+            norms=work.norms,
+            products=None if products is None else products.matrix(),
+        )
         if self.log is not None:
             self.log.note_agreement(version, verdict, self.agreeing)
         return verdict
@@ -282,8 +304,10 @@ class VersionMaker:
         be published."""
         assert self.validation is not None
 
-        def alone() -> dict[bytes, torch.Tensor]:  # per sender, the outer step over its work only
-            return {peer: self._step(work.only(peer)).theta for peer in dict.fromkeys(work.peers)}
+        def alone() -> Mapping[
+            bytes, torch.Tensor
+        ]:  # per sender, the outer step over its work only
+            return _Alone(work, lambda only: self._step(only).theta)
 
         fragment = self.config.fragment.index
         check = self.validation.check(fragment, version, self.state.theta, theta, alone)
@@ -304,3 +328,24 @@ class VersionMaker:
                 severity=verdict.severity,
             )
         return verdict.helped
+
+
+class _Alone(Mapping[bytes, torch.Tensor]):
+    """Per sender of ``work``, the outer step over its work only, computed when read: validation
+    scores them one after another, so one fragment-sized result is held at a time, not one per
+    sender."""
+
+    def __init__(self, work: Work, step: Callable[[Work], torch.Tensor]) -> None:
+        self.work, self.step = work, step
+        self.senders = list(dict.fromkeys(work.peers))
+
+    def __getitem__(self, peer: bytes) -> torch.Tensor:
+        if peer not in self.senders:
+            raise KeyError(peer)
+        return self.step(self.work.only(peer))
+
+    def __iter__(self) -> Iterator[bytes]:
+        return iter(self.senders)
+
+    def __len__(self) -> int:
+        return len(self.senders)

@@ -5,8 +5,9 @@ For each fragment this peer owns, a ``FragmentOwner`` is composed of parts, each
   its Nesterov buffer, version, sealed forms and the digests that name it; the only state the
   parts share;
 - the ``FragmentMerger`` state machine (written to an event log for ``atoll replay`` when asked);
-- ``ContributionIntake`` (``node.diloco.intake``): decodes each contribution and says why it is
-  refused before the merger (``protocol.diloco.intake``);
+- ``ContributionIntake`` (``node.diloco.intake``): measures each contribution (kept compressed,
+  ``protocol.diloco.sliced``) and says why it is refused before the merger
+  (``protocol.diloco.intake``);
 - ``VersionMaker`` (``node.diloco.merging``): the next version's outer step, check and seal, off
   the event loop; ``Sealer`` (``node.diloco.sealing``): seals with the owner's key;
 - ``Reputation`` (``node.diloco.reputation``): standing and penalties per sender, the clip
@@ -52,6 +53,7 @@ from protocol.diloco.fragments import Fragment
 from protocol.diloco.merge import Decision, FragmentMerger, Phase
 from protocol.diloco.outer import OuterConfig
 from protocol.diloco.reference import HandedNorm
+from protocol.diloco.sliced import Delta
 from protocol.diloco.standing import Standing
 from protocol.errors import DecodeError, Stale
 from protocol.wire.messages import Ack, Contribution, ReplicaState
@@ -308,7 +310,7 @@ class FragmentOwner:
             return Ack(accepted=False, reason=refused.reason, version=self.version)
         return self._offer(sender, msg, flat, norm)
 
-    def _offer(self, sender: bytes, msg: Contribution, flat: torch.Tensor, norm: float) -> Decision:
+    def _offer(self, sender: bytes, msg: Contribution, flat: Delta, norm: float) -> Decision:
         """Hand a screened contribution to the merger, and count what it decided."""
         if self.log is not None:
             self.log.note_payload(msg)

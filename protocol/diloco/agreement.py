@@ -44,7 +44,20 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["CHUNK", "Agreement", "AgreementConfig", "agreement", "gram", "judge", "medians"]
+from protocol.diloco.sliced import SLICE, Delta, as_source, numel_of, slices
+from protocol.diloco.vectors import new_vector
+
+__all__ = [
+    "CHUNK",
+    "Agreement",
+    "AgreementConfig",
+    "GramSum",
+    "agreement",
+    "gram",
+    "judge",
+    "judged",
+    "medians",
+]
 
 # columns per dot product: OpenBLAS runs a dot of at most 10,000 values on one thread, so the
 # sums do not depend on the core count and no BLAS thread spins on a busy machine
@@ -79,42 +92,82 @@ class AgreementConfig:
 
 
 def gram(
-    deltas: Sequence[torch.Tensor],
+    deltas: Sequence[Delta],
     *,
     chunk: int = CHUNK,
     norms: Sequence[float | None] | None = None,
 ) -> list[list[float]]:
-    """The pairwise inner products of ``deltas`` (flat tensors of one length, any float dtype):
-    one pass over them, ``chunk`` columns at a time, each chunk's products in fp32 (fp64 for fp64
-    tensors) and their sum over the chunks in fp64. ``norms``: each delta's L2 norm where known
-    (``protocol.diloco.norms.norm64``): its squared norm is the diagonal entry, not computed again.
-    Raises ``ValueError`` when their lengths (or the norms' count) differ."""
+    """The pairwise inner products of ``deltas`` (flat tensors of one length, any float dtype,
+    or ``protocol.diloco.sliced`` sources): one pass over them, ``chunk`` columns at a time,
+    each chunk's products in fp32 (fp64 for fp64 tensors) and their sum over the chunks in fp64.
+    ``norms``: each delta's L2 norm where known (``protocol.diloco.norms.norm64``): its squared
+    norm is the diagonal entry, not computed again. A source is read a slice at a time (a
+    multiple of ``chunk`` columns: the same sums). Raises ``ValueError`` when their lengths (or
+    the norms' count) differ."""
     n = len(deltas)
     if n == 0:
         return []
-    flats = [_host_array(d) for d in deltas]
-    length = flats[0].size
-    if any(f.size != length for f in flats):
-        raise ValueError(
-            f"agreement needs contributions of one length, got {sorted({f.size for f in flats})}"
-        )
-    if norms is not None and len(norms) != n:
-        raise ValueError(f"gram got {n} contributions and {len(norms)} norms")
-    total = [[0.0] * n for _ in range(n)]
-    known = [False] * n
-    for i, norm in enumerate(norms or ()):
-        if norm is not None and math.isfinite(norm):
-            total[i][i], known[i] = norm * norm, True
-    pairs = [(i, j) for i in range(n) for j in range(i, n) if i != j or not known[i]]
-    chunk = max(1, chunk)
-    for start in range(0, length, chunk):
-        parts = [f[start : start + chunk] for f in flats]
-        for i, j in pairs:
-            total[i][j] += float(np.dot(parts[i], parts[j]))
-    for i in range(n):
-        for j in range(i):
-            total[i][j] = total[j][i]
-    return total
+    sums = GramSum([numel_of(d) for d in deltas], chunk=chunk, norms=norms)
+    sources = [as_source(d) for d in deltas]
+    step = sums.slice_length()
+    scratch = [new_vector(min(sums.length, step)) for _ in sources]
+    for start in slices(sums.length, step):
+        stop = min(sums.length, start + step)
+        sums.add([s.read(start, stop, b) for s, b in zip(sources, scratch, strict=True)])
+    return sums.matrix()
+
+
+class GramSum:
+    """``gram`` fed its columns in consecutive slices (``add``), each a multiple of ``chunk``
+    columns but the last: how a merge sums the Gram matrix in the pass that sums the round's
+    contributions (``protocol.diloco.outer.merge_update``'s ``observe``). ``matrix`` is
+    ``gram``'s result to the last bit. Raises ``ValueError`` as ``gram`` does."""
+
+    def __init__(
+        self,
+        lengths: Sequence[int],
+        *,
+        chunk: int = CHUNK,
+        norms: Sequence[float | None] | None = None,
+    ) -> None:
+        n = len(lengths)
+        if n and any(size != lengths[0] for size in lengths):
+            raise ValueError(
+                f"agreement needs contributions of one length, got {sorted(set(lengths))}"
+            )
+        if norms is not None and len(norms) != n:
+            raise ValueError(f"gram got {n} contributions and {len(norms)} norms")
+        self.length, self.chunk, self.done = (lengths[0] if n else 0), max(1, chunk), 0
+        self.total = [[0.0] * n for _ in range(n)]
+        known = [False] * n
+        for i, norm in enumerate(norms or ()):
+            if norm is not None and math.isfinite(norm):
+                self.total[i][i], known[i] = norm * norm, True
+        self.pairs = [(i, j) for i in range(n) for j in range(i, n) if i != j or not known[i]]
+
+    def slice_length(self) -> int:
+        """A slice length ``add`` takes: ``sliced.SLICE`` rounded to whole chunks."""
+        return self.chunk * max(1, SLICE // self.chunk)
+
+    def add(self, parts: Sequence[torch.Tensor]) -> None:
+        """Columns ``[done, done + len)`` of every contribution, in order."""
+        flats = [_host_array(p) for p in parts]
+        if self.done % self.chunk:
+            raise ValueError("gram slices must be whole chunks but the last")
+        total, chunk = self.total, self.chunk
+        for start in range(0, flats[0].size if flats else 0, chunk):
+            cols = [f[start : start + chunk] for f in flats]
+            for i, j in self.pairs:
+                total[i][j] += float(np.dot(cols[i], cols[j]))
+        self.done += flats[0].size if flats else 0
+
+    def matrix(self) -> list[list[float]]:
+        """The Gram matrix of every column added (symmetric)."""
+        total = [row[:] for row in self.total]
+        for i in range(len(total)):
+            for j in range(i):
+                total[i][j] = total[j][i]
+        return total
 
 
 def _host_array(t: torch.Tensor) -> np.ndarray:
@@ -192,16 +245,25 @@ def judge(
 
 def agreement(
     peers: Sequence[bytes],
-    deltas: Sequence[torch.Tensor],
+    deltas: Sequence[Delta],
     config: AgreementConfig,
     *,
     norms: Sequence[float | None] | None = None,
+    products: Sequence[Sequence[float]] | None = None,
 ) -> Agreement:
     """``judge`` over the medians of ``deltas`` (``peers[i]`` sent ``deltas[i]``; ``norms``: their
-    norms where known, as ``gram`` takes them). Raises ``ValueError`` as ``gram`` and ``judge``
-    do."""
+    norms where known, as ``gram`` takes them; ``products``: their Gram matrix where summed
+    already, ``GramSum``). Raises ``ValueError`` as ``gram`` and ``judge`` do."""
     if len(peers) != len(deltas):
         raise ValueError(f"agreement got {len(peers)} peers and {len(deltas)} contributions")
-    if len(set(peers)) < config.min_senders:  # nothing to judge: skip the pass over the work
+    if not judged(peers, config):  # nothing to judge: skip the pass over the work
         return judge(peers, [None] * len(peers), config)
-    return judge(peers, medians(peers, gram(deltas, norms=norms)), config)
+    if products is None:
+        products = gram(deltas, norms=norms)
+    return judge(peers, medians(peers, products), config)
+
+
+def judged(peers: Sequence[bytes], config: AgreementConfig) -> bool:
+    """Whether a round of these senders is judged at all (enough distinct senders): else its
+    Gram matrix is not needed."""
+    return len(set(peers)) >= config.min_senders

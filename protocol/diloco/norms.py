@@ -25,7 +25,7 @@ import math
 
 import torch
 
-__all__ = ["CHUNK", "SUM_CHUNK", "all_finite", "norm64"]
+__all__ = ["CHUNK", "SUM_CHUNK", "add_squares", "all_finite", "norm64"]
 
 CHUNK = 1 << 18  # elements per fp64 conversion: 2 MiB, within a core's L2 cache
 SUM_CHUNK = 1 << 16  # elements squared and summed in fp32 at a time, the sums added in fp64
@@ -43,9 +43,15 @@ def norm64(t: torch.Tensor) -> float:
     n = flat.numel()
     if n <= SUM_CHUNK or flat.dtype != torch.float32 or flat.device.type != "cpu":
         return _norm64_converted(flat)
-    scratch = torch.empty(SUM_CHUNK, dtype=torch.float32)
-    total = 0.0
-    for start in range(0, n, SUM_CHUNK):
+    return math.sqrt(add_squares(flat, 0.0, torch.empty(SUM_CHUNK, dtype=torch.float32)))
+
+
+def add_squares(flat: torch.Tensor, total: float, scratch: torch.Tensor) -> float:
+    """``total`` plus the squares of the flat fp32 CPU ``flat``, each ``SUM_CHUNK`` of them summed
+    as ``norm64`` sums them (``scratch``: an fp32 vector of ``SUM_CHUNK``). Fed a long vector in
+    consecutive pieces of a multiple of ``SUM_CHUNK`` values, the square root of the final total
+    is ``norm64`` of the whole to the last bit (``protocol.diloco.sliced.norm_of``)."""
+    for start in range(0, flat.numel(), SUM_CHUNK):
         part = flat[start : start + SUM_CHUNK]
         squared = scratch[: part.numel()]
         torch.mul(part, part, out=squared)
@@ -53,7 +59,7 @@ def norm64(t: torch.Tensor) -> float:
         if not (_TINY <= squares < math.inf) and squares != 0.0:
             squares = _squares64(part)
         total += squares
-    return math.sqrt(total)
+    return total
 
 
 def _squares64(part: torch.Tensor, buf: torch.Tensor | None = None) -> float:

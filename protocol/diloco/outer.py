@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -42,7 +42,16 @@ from protocol.diloco.outer_weights import (
     staleness_discount,
     token_weight,
 )
-from protocol.diloco.vectors import copy_vector, new_vector_like
+from protocol.diloco.sliced import (
+    SLICE,
+    Delta,
+    ScaledSource,
+    as_source,
+    norm_of,
+    numel_of,
+    slices,
+)
+from protocol.diloco.vectors import copy_vector, new_vector, new_vector_like
 from protocol.errors import LocalProtocolError
 
 __all__ = [
@@ -93,7 +102,22 @@ def _scale_(t: torch.Tensor, factor: float) -> torch.Tensor:
 # ---------------------------------------------------------------- aggregation
 
 
-def weighted_mean(deltas: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
+# Reads each slice of a round's contributions (unclipped, in entry order) while a merge sums
+# them: the agreement's Gram matrix is summed in the same pass (``agreement.GramSum.add``)
+Observer = Callable[[Sequence[torch.Tensor]], None]
+
+
+@dataclass(frozen=True, slots=True)
+class _Term:
+    """One delta of a weighted sum: it is multiplied by ``clip`` (when below 1), then added with
+    coefficient ``coef`` (None: it adds nothing, but an observer still reads it)."""
+
+    source: Delta
+    clip: float = 1.0
+    coef: float | None = None
+
+
+def weighted_mean(deltas: Sequence[Delta], weights: Sequence[float]) -> torch.Tensor:
     """``sum w_m Delta_m / sum w`` as a new fp32 tensor.
 
     Raises ``LocalProtocolError`` for no deltas, mismatched lengths or shapes, negative or
@@ -101,50 +125,81 @@ def weighted_mean(deltas: Sequence[torch.Tensor], weights: Sequence[float]) -> t
     """
     total = _check_inputs(deltas, weights)
     return _weighted_sum(
-        [(d, w / total) for d, w in zip(deltas, weights, strict=True) if w > 0], deltas[0]
+        [_Term(d, coef=w / total if w > 0 else None) for d, w in zip(deltas, weights, strict=True)]
     )
 
 
-def _weighted_sum(terms: Sequence[tuple[torch.Tensor, float]], like: torch.Tensor) -> torch.Tensor:
-    """``sum a_m * t_m`` as a new fp32 tensor of ``like``'s shape (zeros for no terms): the first
-    term written by a multiply, not added to a zeroed tensor, into memory that is not fresh
-    pages (``new_vector_like``)."""
-    out = new_vector_like(like)
-    if not terms:
-        return out.zero_()
-    (first, a), rest = terms[0], terms[1:]
-    torch.mul(first.to(torch.float32), a, out=out)
-    for t, a in rest:
-        out.add_(t.to(torch.float32), alpha=a)
+def _weighted_sum(terms: Sequence[_Term], observe: Observer | None = None) -> torch.Tensor:
+    """``sum coef_m * (clip_m * t_m)`` as a new fp32 tensor of the first term's shape (zeros for
+    no coefficients), one ``SLICE`` of every term at a time (a contribution kept compressed is
+    decoded a slice at a time: the same bits as decoded whole, the sum being element-wise). In
+    each slice the first term is written by a multiply, not added to a zeroed tensor, into memory
+    that is not fresh pages (``new_vector_like``); ``observe`` reads every term's slice."""
+    like = terms[0].source
+    out = new_vector_like(like) if isinstance(like, torch.Tensor) else new_vector(like.numel)
+    flat, n = out.view(-1), out.numel()
+    sources = [as_source(t.source) for t in terms]
+    scratch = [new_vector(min(n, SLICE)) for _ in terms]
+    for start in slices(n):
+        stop = min(n, start + SLICE)
+        parts = [s.read(start, stop, b) for s, b in zip(sources, scratch, strict=True)]
+        if observe is not None:
+            observe(parts)
+        written, target = False, flat[start:stop]
+        for term, part in zip(terms, parts, strict=True):
+            if term.coef is None:
+                continue
+            value = (part * term.clip if term.clip < 1.0 else part).to(torch.float32)
+            if written:
+                target.add_(value, alpha=term.coef)
+            else:
+                torch.mul(value, term.coef, out=target)
+                written = True
+        if not written:
+            target.zero_()
     return out
 
 
 def _unit_average(
-    deltas: Sequence[torch.Tensor],
+    deltas: Sequence[Delta],
     weights: Sequence[float],
     eps: float,
     known: Sequence[float | None] | None = None,
+    *,
+    clips: Sequence[float] | None = None,
+    observe: Observer | None = None,
 ) -> tuple[torch.Tensor, list[float], float]:
     """(``sum w unit(Delta_m) / sum w``, every delta's norm, the total weight); deltas with norm
     <= ``eps`` add no direction. ``known``: each delta's ``norm64`` where the caller measured it
-    already (None: measured here)."""
+    already (None: measured here). ``clips``: each delta is first multiplied by its factor
+    when below 1 (its norm, when not known, measured of the product)."""
     total = _check_inputs(deltas, weights)
     if known is not None and len(known) != len(deltas):
         raise LocalProtocolError(f"{len(deltas)} deltas but {len(known)} known norms")
+    clips = clips if clips is not None else [1.0] * len(deltas)
     norms, terms = [], []
-    for i, (d, w) in enumerate(zip(deltas, weights, strict=True)):
+    for i, (d, w, c) in enumerate(zip(deltas, weights, clips, strict=True)):
         given = known[i] if known is not None else None
-        norm = (
-            norm64(d) if given is None else given
-        )  # in fp64: an fp32 sum of squares overflows near 3e38
+        # in fp64: an fp32 sum of squares overflows near 3e38
+        norm = given if given is not None else norm_of(_clipped(d, c))
         norms.append(norm)
-        if w > 0 and norm > eps:
-            terms.append((d, w / (total * norm)))
-    return _weighted_sum(terms, deltas[0]), norms, total
+        useful = w > 0 and norm > eps
+        terms.append(_Term(d, c, w / (total * norm) if useful else None))
+    return _weighted_sum(terms, observe), norms, total
+
+
+def _clipped(delta: Delta, clip: float) -> Delta:
+    """``delta`` times ``clip`` when below 1: a product of a held tensor (as the merge took it
+    before), or a compressed one's decoded slice by slice."""
+    if clip >= 1.0:
+        return delta
+    if isinstance(delta, torch.Tensor):
+        return delta * clip
+    return ScaledSource(delta, clip)
 
 
 def radial_directional_average(
-    deltas: Sequence[torch.Tensor],
+    deltas: Sequence[Delta],
     weights: Sequence[float],
     eps: float = 1e-12,
     *,
@@ -152,6 +207,8 @@ def radial_directional_average(
     radius: str = "mean",
     max_gain: float = math.inf,
     norms: Sequence[float | None] | None = None,
+    clips: Sequence[float] | None = None,
+    observe: Observer | None = None,
 ) -> torch.Tensor:
     """Radial-directional average: the weighted mean norm along the weighted mean direction.
 
@@ -168,11 +225,14 @@ def radial_directional_average(
     near-orthogonal pseudo-gradients step ``sqrt(M)`` times further than their mean along
     their small common part, which at 16 contributions per merge overshot (docs/results.md,
     *Many contributions per merge*). ``norms``: each delta's ``norm64`` where already measured.
+    ``clips`` and ``observe``: as ``merge_update`` passes them (``_unit_average``).
     Raises ``LocalProtocolError`` like ``weighted_mean``.
     """
     if radius not in ("mean", "median"):
         raise LocalProtocolError(f"radius must be 'mean' or 'median', got {radius!r}")
-    direction, norms, total = _unit_average(deltas, weights, eps, norms)
+    direction, norms, total = _unit_average(
+        deltas, weights, eps, norms, clips=clips, observe=observe
+    )
     if radius == "median":
         r = median_norm(norms, weights)
     else:
@@ -184,10 +244,13 @@ def radial_directional_average(
 
 
 def normed_mean(
-    deltas: Sequence[torch.Tensor],
+    deltas: Sequence[Delta],
     weights: Sequence[float],
     eps: float = 1e-12,
     norms: Sequence[float | None] | None = None,
+    *,
+    clips: Sequence[float] | None = None,
+    observe: Observer | None = None,
 ) -> torch.Tensor:
     """The weighted mean of the deltas, each first scaled to the median norm:
     ``median |Delta_m| * sum w unit(Delta_m) / sum w``, the median unweighted over the
@@ -201,9 +264,10 @@ def normed_mean(
     docs/results.md, *Many contributions per merge*). Like RDA, no one contribution's length
     counts: a scaled or random one weighs as one unit direction at the median norm.
     Deltas with norm <= ``eps`` add no direction. ``norms``: each delta's ``norm64`` where
-    already measured. Raises ``LocalProtocolError`` like ``weighted_mean``.
+    already measured. ``clips`` and ``observe``: as ``merge_update`` passes them
+    (``_unit_average``). Raises ``LocalProtocolError`` like ``weighted_mean``.
     """
-    direction, norms, _ = _unit_average(deltas, weights, eps, norms)
+    direction, norms, _ = _unit_average(deltas, weights, eps, norms, clips=clips, observe=observe)
     r = median_norm(norms, weights)
     if not r > 0:
         return direction.zero_()
@@ -271,7 +335,7 @@ class MergeUpdate:
 def merge_update(
     theta: torch.Tensor,
     buffer: torch.Tensor | None,
-    deltas: Sequence[torch.Tensor],
+    deltas: Sequence[Delta],
     weights: Sequence[float],
     clips: Sequence[float],
     cfg: OuterConfig,
@@ -281,6 +345,7 @@ def merge_update(
     norms: Sequence[float | None] | None = None,
     theta_norm: float | None = None,
     aggregate: str | None = None,
+    observe: Observer | None = None,
 ) -> MergeUpdate:
     """One merge of a fragment: clip each delta by its factor, aggregate (a weighted mean for an
     embedding fragment or with ``aggregate`` (default ``cfg.aggregate``) "mean", else that
@@ -299,9 +364,15 @@ def merge_update(
     The owner and ``atoll replay`` both call this, so a replayed log recomputes the same bits
     (on the same torch build and thread count). The result may be non-finite; the caller checks.
     ``aggregate``: this merge's, where it is not ``cfg.aggregate`` (``Decision.aggregate``).
+
+    A delta may be a ``VectorSource`` (``protocol.diloco.sliced``: a contribution kept
+    compressed): the deltas are read, clipped and summed a slice at a time, so the merge holds
+    one slice of each beside the aggregate, with the bits of the whole-vector arithmetic.
+    ``observe`` reads each slice of every delta, unclipped, in entry order, as it is summed.
     """
     aggregate = cfg.aggregate if aggregate is None else aggregate
-    clipped = [d * c if c < 1.0 else d for d, c in zip(deltas, clips, strict=True)]
+    if len(clips) != len(deltas):
+        raise LocalProtocolError(f"{len(deltas)} deltas but {len(clips)} clip factors")
     if norms is not None and len(norms) != len(deltas):
         raise LocalProtocolError(f"{len(deltas)} deltas but {len(norms)} known norms")
     # a clipped delta's norm is measured again: (d * c)'s is not c * |d| to the last bit
@@ -311,16 +382,25 @@ def merge_update(
         else [n if c >= 1.0 else None for n, c in zip(norms, clips, strict=True)]
     )
     if embedding or aggregate == "mean":
-        delta = weighted_mean(clipped, weights)
+        total = _check_inputs(deltas, weights)
+        delta = _weighted_sum(
+            [
+                _Term(d, c, w / total if w > 0 else None)
+                for d, w, c in zip(deltas, weights, clips, strict=True)
+            ],
+            observe,
+        )
     elif aggregate == "normed":
-        delta = normed_mean(clipped, weights, norms=known)
+        delta = normed_mean(deltas, weights, norms=known, clips=clips, observe=observe)
     else:
         delta = radial_directional_average(
-            clipped,
+            deltas,
             weights,
             radius=cfg.rda_radius,
             max_gain=cfg.rda_max_gain or math.inf,
             norms=known,
+            clips=clips,
+            observe=observe,
         )
     if not 0.0 < scale <= 1.0:
         raise LocalProtocolError(f"a merge's scale must be in (0, 1], got {scale}")
@@ -341,7 +421,8 @@ def merge_update(
         # such in-between updates too
         plain, _ = outer_step(theta, delta, None, replace(cfg, momentum=0.0))
         return MergeUpdate(plain, None if buffer is None else copy_vector(buffer), bounded)
-    new_theta, new_buffer = outer_step(theta, delta, buffer, cfg)
+    # the aggregate is this merge's own: Nesterov's gradient is formed in its place
+    new_theta, new_buffer = outer_step(theta, delta, buffer, cfg, consume_delta=True)
     return MergeUpdate(new_theta, new_buffer, bounded)
 
 
@@ -357,17 +438,22 @@ def _longest(norms: Sequence[float | None] | None, scale: float) -> float | None
 # ---------------------------------------------------------------- checks
 
 
-def _check_inputs(deltas: Sequence[torch.Tensor], weights: Sequence[float]) -> float:
+def _check_inputs(deltas: Sequence[Delta], weights: Sequence[float]) -> float:
     """Total weight after validating an aggregation's inputs (see ``weighted_mean``)."""
     if not deltas:
         raise LocalProtocolError("nothing to aggregate: no deltas")
     if len(deltas) != len(weights):
         raise LocalProtocolError(f"{len(deltas)} deltas but {len(weights)} weights")
-    shape = deltas[0].shape
-    bad = [tuple(d.shape) for d in deltas if d.shape != shape]
+    shapes = [_shape(d) for d in deltas]
+    bad = [s for s in shapes if s != shapes[0]]
     if bad:
-        raise LocalProtocolError(f"deltas differ in shape: {tuple(shape)} vs {bad[0]}")
+        raise LocalProtocolError(f"deltas differ in shape: {shapes[0]} vs {bad[0]}")
     total = check_weights(weights)
     if total <= 0:
         raise LocalProtocolError(f"total merge weight is {total}; need a positive weight")
     return total
+
+
+def _shape(delta: Delta) -> tuple[int, ...]:
+    """A delta's shape (a source's: its flat length)."""
+    return tuple(delta.shape) if isinstance(delta, torch.Tensor) else (numel_of(delta),)

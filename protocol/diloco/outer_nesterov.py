@@ -62,11 +62,18 @@ class OuterConfig:
 
 
 def outer_step(
-    param: torch.Tensor, delta: torch.Tensor, buffer: torch.Tensor | None, cfg: OuterConfig
+    param: torch.Tensor,
+    delta: torch.Tensor,
+    buffer: torch.Tensor | None,
+    cfg: OuterConfig,
+    *,
+    consume_delta: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(new param, new momentum buffer) without touching the inputs; see ``outer_step_``.
 
-    The buffer stays ``None`` when ``cfg.momentum == 0``.
+    The buffer stays ``None`` when ``cfg.momentum == 0``. ``consume_delta``: ``delta`` is the
+    caller's to spend (a merge's own aggregate): Nesterov's gradient is formed in its place
+    instead of in a new vector (the same bits).
     """
     if buffer is None and cfg.momentum == 0 and param.shape == delta.shape:
         # the same kernel as outer_step_'s param.add_(grad, alpha=-lr), into a new tensor: one
@@ -78,16 +85,22 @@ def outer_step(
             return torch.add(param.detach(), delta.detach(), alpha=-cfg.lr, out=out), None
     new_param = copy_vector(param)
     new_buffer = None if buffer is None else copy_vector(buffer)
-    return new_param, outer_step_(new_param, delta, new_buffer, cfg)
+    return new_param, outer_step_(new_param, delta, new_buffer, cfg, consume_delta=consume_delta)
 
 
 def outer_step_(
-    param: torch.Tensor, delta: torch.Tensor, buffer: torch.Tensor | None, cfg: OuterConfig
+    param: torch.Tensor,
+    delta: torch.Tensor,
+    buffer: torch.Tensor | None,
+    cfg: OuterConfig,
+    *,
+    consume_delta: bool = False,
 ) -> torch.Tensor | None:
     """In place: one SGD step on ``param`` (and ``buffer``) with ``delta`` as the gradient.
 
     Replicates ``torch.optim.SGD``'s single-tensor op order exactly. Returns the buffer to keep
-    (a new one on the first momentum step, ``None`` without momentum). Raises
+    (a new one on the first momentum step, ``None`` without momentum). ``consume_delta``: as in
+    ``outer_step``. Raises
     ``LocalProtocolError`` when shapes differ.
     """
     if param.shape != delta.shape or (buffer is not None and buffer.shape != param.shape):
@@ -101,7 +114,10 @@ def outer_step_(
             buffer = copy_vector(grad)
         else:
             buffer.mul_(cfg.momentum).add_(grad, alpha=1)
-        grad = grad.add(buffer, alpha=cfg.momentum) if cfg.nesterov else buffer
+        if cfg.nesterov:
+            grad = (grad.add_ if consume_delta else grad.add)(buffer, alpha=cfg.momentum)
+        else:
+            grad = buffer
     with torch.no_grad():
         param.add_(grad, alpha=-cfg.lr)
     return buffer

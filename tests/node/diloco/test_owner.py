@@ -595,6 +595,61 @@ async def test_fp32_contributions_are_merged_where_they_arrived_and_their_bodies
     assert all(any(f is b for f in pool._free) for b in bodies)
 
 
+@pytest.mark.parametrize("codec", ["int8", "int4"])
+async def test_compressed_contributions_wait_compressed_and_merge_to_the_decoded_ones_bits(
+    codec: str,
+) -> None:
+    """A compressed contribution waits for its round as it arrived (its tensors, holding the
+    request body they lie in), not decoded: the merge decodes it a slice at a time, to the state
+    a twin owner merges from the same contributions decoded whole; the bodies go back to the
+    pool once merged."""
+    import gc
+
+    from node.wire.bodies import REQUEST_BODY, BufferPool, RequestBody
+    from protocol.diloco.sliced import EncodedVector
+    from protocol.wire.codec import decode, encode
+
+    _, shapes, _, theta0, owner = _setup(quorum=3)
+    _, _, _, _, twin = _setup(quorum=3)
+    for o in (owner, twin):
+        await o.set_expected(3)
+    pool, numel = BufferPool(), theta0.numel()
+    msgs = [
+        contribution(
+            torch.randn(numel, generator=torch.Generator().manual_seed(40 + i)) * 0.01,
+            shapes[0],
+            codec=codec,
+            owner=owner,
+        )
+        for i in range(3)
+    ]
+    bodies = []
+    for who, msg in zip((A, B, C), msgs, strict=True):
+        buf = bytearray(encode(msg).tobytes())
+        body = RequestBody(pool, buf, asyncio.get_running_loop())
+        token = REQUEST_BODY.set(body)
+        try:
+            assert (await owner.receive(who, decode(memoryview(buf), max_size=len(buf)))).accepted
+        finally:
+            REQUEST_BODY.reset(token)
+        body.end()
+        bodies.append(buf)
+        if who != C:  # waiting in the merger: compressed, holding its body
+            assert all(isinstance(e.payload, EncodedVector) for e in owner.merger._entries)
+            gc.collect()
+            await asyncio.sleep(0)
+            assert not any(f is buf for f in pool._free)
+    for who, msg in zip((A, B, C), msgs, strict=True):  # decoded whole, as owners did before
+        flat = flat_from_tensors(msg.tensors, shapes[0])
+        assert (await twin.contribute(who, msg, flat)).accepted
+    await owner.settled()
+    assert owner.version == twin.version == 1 and torch.equal(owner.theta, twin.theta)
+    gc.collect()
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert all(any(f is b for f in pool._free) for b in bodies)
+
+
 async def test_a_senders_last_contribution_waits_for_the_others_once() -> None:
     """An island's end-of-run flush is marked ``last``: its round waits (``last_wait_s``) for
     every expected learner's instead of closing on the quorum. The mark is honoured once per
