@@ -58,7 +58,7 @@ from node.peer.expected import LearnerExpectations
 from node.peer.finals import FINAL_RECHECKS, FINAL_SETTLE_S, FinalFetch, FinalVersions
 from node.peer.handoffs import Handoffs
 from node.peer.ownership import Ownership, OwnershipConfig
-from node.peer.presence import Presence
+from node.peer.presence import Presence, ViewScope
 from node.peer.serving import ServingConfig, VersionServer
 from node.peer.started import Started
 from node.peer.status import PeerReader
@@ -238,8 +238,7 @@ class PeerNode:
             credentials=self.credentials,
             public_address=self.options.public_address,
             on_suspect=self._reconcile_soon,
-            may_own=self.options.may_own,
-            whole_view=self.options.whole_view,
+            scope=ViewScope(may_own=self.options.may_own, whole_view=self.options.whole_view),
         )
         self.expected = LearnerExpectations(cfg, started, self.presence)
         self.finals = FinalVersions(started, self.expected)

@@ -51,7 +51,14 @@ from protocol.errors import DecodeError
 from protocol.wire.membership import MAX_MANIFEST_BYTES
 from protocol.wire.signing import Signer
 
-__all__ = ["JOINING_PERIOD_S", "MEMBERSHIP_PERIOD_S", "Presence", "next_record", "state_cap"]
+__all__ = [
+    "JOINING_PERIOD_S",
+    "MEMBERSHIP_PERIOD_S",
+    "Presence",
+    "ViewScope",
+    "next_record",
+    "state_cap",
+]
 
 log = logging.getLogger("atoll.peer")
 
@@ -85,6 +92,16 @@ PROBE_EVERY_S = 60.0
 PROBE_TIMEOUT_S = 2.0
 
 
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class ViewScope:
+    """What a peer offers and which members it reads. ``may_own`` False: never offer to own (a
+    learner only, which reads the bounded view); ``whole_view``: read every member's record even
+    when not offering to own (a recipe's shards are dealt among every learner the view holds)."""
+
+    may_own: bool = True
+    whole_view: bool = False
+
+
 class Presence:
     """Joining, our member record and the members' view: who is a member, who owns a fragment,
     whom we route around. ``started`` holds the DHT node, the membership and the learner once the
@@ -102,16 +119,12 @@ class Presence:
         credentials: SwarmCredentials | None,
         public_address: str | None,
         on_suspect: Callable[[], None],
-        may_own: bool = True,
-        whole_view: bool = False,
+        scope: ViewScope = ViewScope(),
     ) -> None:
         self.cfg, self.signer, self.transport, self.started = cfg, signer, transport, started
         self.shapes, self.credentials, self.public_address = shapes, credentials, public_address
         self.on_suspect = on_suspect
-        self.may_own = may_own  # False: never offer to own (a learner that reads a bounded view)
-        # True: read every member's record even when not offering to own (a recipe's shards are
-        # dealt among every learner the view holds)
-        self.whole_view = whole_view
+        self.may_own, self.whole_view = scope.may_own, scope.whole_view
         self.manifest = manifest_hash(cfg)
         self.reachable = False
         self.learning = True

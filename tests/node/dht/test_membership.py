@@ -537,7 +537,7 @@ def test_a_new_step_alone_changes_the_record_only_every_step_news_period() -> No
 
 def _presence(membership: Membership, signer: Signer, **kw: object) -> object:
     from node.config import RunConfig
-    from node.peer.presence import Presence
+    from node.peer.presence import Presence, ViewScope
     from node.peer.started import Started
 
     return Presence(
@@ -549,7 +549,7 @@ def _presence(membership: Membership, signer: Signer, **kw: object) -> object:
         credentials=None,
         public_address="http://127.0.0.1:1",
         on_suspect=lambda: None,
-        **kw,  # type: ignore[arg-type]
+        scope=ViewScope(**kw),  # type: ignore[arg-type]
     )
 
 
