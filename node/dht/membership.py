@@ -45,7 +45,7 @@ from node.config import SCHEDULE_FIELDS, SWARM_WIDE_FIELDS, RunConfig
 from node.dht.kademlia import DHTNode
 from node.wire.tls import origin
 from protocol.dht.member_lookups import MemberLookups
-from protocol.dht.member_reads import ReadCadence, offers_to_own
+from protocol.dht.member_reads import ReadCadence, RosterSeat
 from protocol.dht.messages import MAX_ONLY_SUBKEYS
 from protocol.dht.records import KNOWN_TAG_ID_BYTES, SignedRecord
 from protocol.diloco.fragments import balanced_owners, owner_chain, owners_of
@@ -112,6 +112,9 @@ READ_MAX_S = 6.0  # on the 2 s passes; a record republished every 6 s keeps > LA
 # peer reads whole stays this size however many join; every other member reads the bounded
 # view. Certified swarms cap it by who holds an owner certificate instead.
 ROSTER_CAP = 8
+# A member outside the roster takes a place that opened in it only once it stayed open this long
+# (one record ttl): an owner whose record lapsed for a moment keeps its fragments.
+ROSTER_GRACE_S = 20.0
 ASSIGNMENTS_KEPT = (
     64  # owner assignments remembered (one per candidate set: the members, less each primary)
 )
@@ -313,6 +316,7 @@ class Membership:
             per_read=LOOKUPS_PER_READ, kept=LOOKED_UP_KEPT, retry_s=LOOKUP_RETRY_S
         )
         self.cadence = ReadCadence(base_s=READ_BASE_S, max_s=READ_MAX_S)
+        self.seat = RosterSeat(cap=ROSTER_CAP, grace_s=ROSTER_GRACE_S)
         self._published_under: bytes | None = None  # the key our record was last stored under
         self.members: dict[bytes, Member] = {}
         self.refused: dict[
@@ -355,9 +359,10 @@ class Membership:
 
     def offers_to_own(self, me: bytes, exclude: Collection[bytes] = ()) -> bool:
         """Whether ``me`` may offer to own in an open swarm: fewer than ``ROSTER_CAP`` other
-        candidate owners in our view (``exclude``: suspects) outrank it (``offers_to_own``)."""
-        rivals = [pid for pid in self.owner_candidates(exclude) if pid != me]
-        return offers_to_own(self.swarm, me, rivals, ROSTER_CAP)
+        candidate owners in our view (``exclude``: suspects) outrank it, and a place that opened
+        in an established roster stayed open ``ROSTER_GRACE_S`` (``RosterSeat``)."""
+        rivals = self.owner_candidates(exclude)
+        return self.seat.decide(self.swarm, me, rivals, time.monotonic())
 
     async def _read(self, key: bytes, full: bool, now: float) -> list[SignedRecord]:
         """``key``'s records: this node's own store when it is among the nearest and ``full`` is

@@ -17,7 +17,11 @@ while fewer than ``cap`` of the roster's other candidates outrank it by ``roster
 hash of the swarm id and the peer id, the same in every view). Every member can check every
 other's rank, none can choose its own but by its key; once the roster is read the set is the
 ``cap`` best-ranked live candidates, and one that leaves is replaced by the next, which sees
-the roster shrink at its next read.
+the roster shrink at its next read. ``RosterSeat`` adds a grace: a member not offering takes a
+place that opened in an established roster (at least half of ``cap`` others) only once it stayed
+open ``grace_s``. An owner's record that lapsed for a moment on a loaded machine (a slow store, a
+read that missed it) then costs nothing, where without the grace the next-ranked member took the
+place, the fragments moved to it, and moved back when the owner republished.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import hashlib
 import math
 from collections.abc import Iterable
 
-__all__ = ["ReadCadence", "offers_to_own", "roster_score"]
+__all__ = ["ReadCadence", "RosterSeat", "offers_to_own", "roster_score"]
 
 
 class ReadCadence:
@@ -84,3 +88,31 @@ def offers_to_own(swarm: str, me: bytes, candidates: Iterable[bytes], cap: int) 
     mine = roster_score(swarm, me)
     above = sum(1 for pid in set(candidates) if pid != me and roster_score(swarm, pid) > mine)
     return above < cap
+
+
+class RosterSeat:
+    """One member's place in a capped roster over time: ``offers_to_own``, except that a member
+    not offering waits ``grace_s`` before taking a place that opened in an established roster."""
+
+    def __init__(self, *, cap: int, grace_s: float) -> None:
+        if cap < 1 or grace_s < 0:
+            raise ValueError(f"need cap >= 1 and grace_s >= 0, got cap={cap}, grace_s={grace_s}")
+        self.cap, self.grace_s = cap, grace_s
+        self.offering = False
+        self._open_since: float | None = None  # when a place first looked open to us
+
+    def decide(self, swarm: str, me: bytes, candidates: Iterable[bytes], now: float) -> bool:
+        """Whether ``me`` offers to own at ``now``, given the members offering in our view."""
+        others = {pid for pid in candidates if pid != me}
+        ranks = offers_to_own(swarm, me, others, self.cap)
+        if not ranks or self.offering:
+            self._open_since = None
+            self.offering = ranks
+            return ranks
+        if 2 * len(others) < self.cap:  # a roster still forming: take the place at once
+            self.offering = True
+            return True
+        if self._open_since is None:
+            self._open_since = now
+        self.offering = now - self._open_since >= self.grace_s
+        return self.offering

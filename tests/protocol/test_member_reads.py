@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from protocol.dht.member_reads import ReadCadence, offers_to_own, roster_score
+from protocol.dht.member_reads import ReadCadence, RosterSeat, offers_to_own, roster_score
 
 
 def test_reads_back_off_while_nothing_changes_and_come_back_on_a_change() -> None:
@@ -79,3 +79,26 @@ def test_the_roster_rank_depends_on_the_swarm_and_the_cap_must_be_positive() -> 
     assert offers_to_own("s", pid(1), [], 1)  # alone: offers
     with pytest.raises(ValueError, match="cap"):
         offers_to_own("s", pid(1), [], 0)
+
+
+def test_a_place_that_opens_in_an_established_roster_is_taken_only_after_the_grace() -> None:
+    """An owner whose record lapses for a moment keeps its place: the next-ranked member takes it
+    only once it stayed open ``grace_s``; in a roster still forming a place is taken at once, and
+    a member offering withdraws at once when ``cap`` others outrank it."""
+    swarm, cap = "s", 4
+    members = sorted((pid(i) for i in range(cap + 2)), key=lambda m: roster_score(swarm, m))
+    nxt, roster = members[1], members[2:]  # nxt ranks right below the roster's cap members
+    seat = RosterSeat(cap=cap, grace_s=20.0)
+    assert not seat.decide(swarm, nxt, roster, now=0.0)
+    lapsed = roster[1:]  # one owner's record lapsed
+    assert not seat.decide(swarm, nxt, lapsed, now=1.0)
+    assert not seat.decide(swarm, nxt, roster, now=5.0)  # it came back: the wait starts over
+    assert not seat.decide(swarm, nxt, lapsed, now=6.0)
+    assert not seat.decide(swarm, nxt, lapsed, now=25.9)
+    assert seat.decide(swarm, nxt, lapsed, now=26.0) and seat.offering
+    assert seat.decide(swarm, nxt, lapsed, now=27.0)  # offering: stays while it ranks
+    assert not seat.decide(swarm, nxt, roster, now=28.0)  # cap others outrank it: withdraws
+    forming = RosterSeat(cap=cap, grace_s=20.0)
+    assert forming.decide(swarm, members[0], roster[:1], now=0.0)  # 1 other < cap / 2: at once
+    with pytest.raises(ValueError, match="grace_s"):
+        RosterSeat(cap=cap, grace_s=-1.0)
