@@ -99,6 +99,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     local.add_argument("--quiet", action="store_true", help="no live progress lines")
     local.add_argument(
+        "--may-own",
+        type=int,
+        default=None,
+        metavar="N",
+        help="only peers 0..N-1 may own fragments; the others are learners only and read a "
+        "bounded view of the members (default: every peer may, and an open swarm's roster of "
+        "candidate owners is capped at 8 all the same: docs/scale_peers.md)",
+    )
+    local.add_argument(
         "--admission",
         choices=("open", "certified"),
         default="open",
@@ -217,6 +226,7 @@ def _parser() -> argparse.ArgumentParser:
         help="start training once N members of the swarm (this island included) are visible, "
         "e.g. islands started together that should also finish together with --final-sync",
     )
+    _add_may_own(join)
     join.add_argument(
         "--schedule",
         choices=("swarm", "own"),
@@ -328,6 +338,7 @@ def _parser() -> argparse.ArgumentParser:
     peer.add_argument(
         "--wait-members", type=int, default=1, help="start training once this many members joined"
     )
+    _add_may_own(peer)
     peer.add_argument(
         "--slow-factor", type=float, default=1.0, help="emulate a slower machine (fault injection)"
     )
@@ -360,6 +371,16 @@ def _parser() -> argparse.ArgumentParser:
         "alie=Z, ipm=E, steps=X",
     )
     return parser
+
+
+def _add_may_own(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--may-own",
+        choices=("yes", "no"),
+        default="yes",
+        help="no: never offer to own fragments (a learner only, reading a bounded view of the "
+        "members: the candidate owners, and others by id as needed; docs/scale_peers.md)",
+    )
 
 
 def _add_artifact_dir(parser: argparse.ArgumentParser, text: str, **kw: Any) -> None:
@@ -472,6 +493,7 @@ def _run(args: argparse.Namespace) -> int:
             checkpoint_dir=args.checkpoint_dir,
             until=args.until,
             event_log_dir=args.event_log_dir,
+            may_own=args.may_own == "yes",
         )
         run_peer(cfg, opts)
         exit_without_teardown(0)  # its only thread is this one, its results are out
@@ -501,6 +523,15 @@ def _local(args: argparse.Namespace) -> int:
         print(f"atoll local: {exc}", file=sys.stderr)
         return 2
     extra: dict[int, list[str]] = {i: ["--slow-factor", str(f)] for i, f in slow.items()}
+    if args.may_own is not None:
+        if not 1 <= args.may_own <= cfg.peers:
+            print(
+                f"atoll local: --may-own must be 1..{cfg.peers}, got {args.may_own}",
+                file=sys.stderr,
+            )
+            return 2
+        for i in range(args.may_own, cfg.peers):
+            extra.setdefault(i, []).extend(["--may-own", "no"])
     for i, attack in attacks.items():
         extra.setdefault(i, []).extend(["--attack", attack])
     try:

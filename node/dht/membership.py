@@ -45,6 +45,8 @@ from node.config import SCHEDULE_FIELDS, SWARM_WIDE_FIELDS, RunConfig
 from node.dht.kademlia import DHTNode
 from node.wire.tls import origin
 from protocol.dht.member_lookups import MemberLookups
+from protocol.dht.member_reads import ReadCadence, RosterSeat
+from protocol.dht.messages import MAX_ONLY_SUBKEYS
 from protocol.dht.records import KNOWN_TAG_ID_BYTES, SignedRecord
 from protocol.diloco.fragments import balanced_owners, owner_chain, owners_of
 from protocol.errors import DecodeError, NotAuthorized, RemoteProtocolError
@@ -84,6 +86,9 @@ REFUSED_KEPT = 1024
 LOOKUPS_PER_READ = 16
 LOOKED_UP_KEPT = 256
 LOOKUP_RETRY_S = 5.0
+# A looked-up record is renewed (as a refresh, in the reads the cadence makes due) while its
+# member was wanted within this many seconds; any other lapses at its expiry.
+RENEW_WANTED_S = 60.0
 # Member records are stored on this many of the nodes nearest their key, not the DHT's k = 20:
 # they are republished every few seconds anyway, so a copy lost with its node is back within a
 # republication, and every store is one request (~860 bytes with its reply) a republication.
@@ -97,6 +102,19 @@ RENEW_SHARE = 0.5
 # another node's view of the nearest replicas), or its member is gone: the next read asks
 # READ_QUORUM responders, so a live member never drops out of the view for one responder's gap.
 LAPSE_GUARD_S = 6.0
+# The membership loop runs every 2 s, but reads the DHT only when due (``ReadCadence``): every
+# READ_BASE_S while the view changes, backing off to READ_MAX_S while it does not. A dead member
+# still leaves the view when its held record expires, one that refuses connections is routed
+# around at once, and a read is due at once for a wanted id, a suspect or a lapsing record.
+READ_BASE_S = 2.0
+READ_MAX_S = 6.0  # on the 2 s passes; a record republished every 6 s keeps > LAPSE_GUARD_S
+# In an open swarm at most this many members offer to own (``offers_to_own``): the roster every
+# peer reads whole stays this size however many join; every other member reads the bounded
+# view. Certified swarms cap it by who holds an owner certificate instead.
+ROSTER_CAP = 8
+# A member outside the roster takes a place that opened in it only once it stayed open this long
+# (one record ttl): an owner whose record lapsed for a moment keeps its fragments.
+ROSTER_GRACE_S = 20.0
 ASSIGNMENTS_KEPT = (
     64  # owner assignments remembered (one per candidate set: the members, less each primary)
 )
@@ -297,6 +315,8 @@ class Membership:
         self.lookups = MemberLookups(
             per_read=LOOKUPS_PER_READ, kept=LOOKED_UP_KEPT, retry_s=LOOKUP_RETRY_S
         )
+        self.cadence = ReadCadence(base_s=READ_BASE_S, max_s=READ_MAX_S)
+        self.seat = RosterSeat(cap=ROSTER_CAP, grace_s=ROSTER_GRACE_S)
         self._published_under: bytes | None = None  # the key our record was last stored under
         self.members: dict[bytes, Member] = {}
         self.refused: dict[
@@ -323,15 +343,26 @@ class Membership:
         members key's otherwise); return how many took it."""
         key = self.roster if "owner" in record.roles else self.key
         old, self._published_under = self._published_under, key
+        value = record.encode()
         if old is not None and old != key:
+            if old == self.roster:  # withdrawn: the roster's copy says so, so no reader of the
+                # roster alone keeps ranking us an owner until our old record there expires
+                await self.dht.store(old, value, self.ttl_s, replicas=MEMBER_REPLICAS)
             self.dht.forget(old)  # it expires there at its ttl
-        return await self.dht.store(key, record.encode(), self.ttl_s, replicas=MEMBER_REPLICAS)
+        return await self.dht.store(key, value, self.ttl_s, replicas=MEMBER_REPLICAS)
 
     def want(self, peer_id: bytes) -> None:
         """``peer_id``'s record is needed: a peer that does not see all members looks it up at
         its next read (no-op for one that does)."""
         if not self.sees_all:
             self.lookups.want(peer_id, time.time())
+
+    def offers_to_own(self, me: bytes, exclude: Collection[bytes] = ()) -> bool:
+        """Whether ``me`` may offer to own in an open swarm: fewer than ``ROSTER_CAP`` other
+        candidate owners in our view (``exclude``: suspects) outrank it, and a place that opened
+        in an established roster stayed open ``ROSTER_GRACE_S`` (``RosterSeat``)."""
+        rivals = self.owner_candidates(exclude)
+        return self.seat.decide(self.swarm, me, rivals, time.monotonic())
 
     async def _read(self, key: bytes, full: bool, now: float) -> list[SignedRecord]:
         """``key``'s records: this node's own store when it is among the nearest and ``full`` is
@@ -346,17 +377,39 @@ class Membership:
             key,
             quorum=READ_QUORUM if full else 1,
             held=held,
-            renew_before=now + RENEW_SHARE * self.ttl_s,
+            renew_before=self._renew_before(now),
         )
 
-    async def _look_up(self, now: float) -> None:
-        """Read the wanted members' records by id (``MemberLookups.due``), and drop the
-        looked-up records no longer among the most recently wanted."""
+    def _renew_before(self, now: float) -> float:
+        return self.cadence.renew_before(
+            now, share_s=RENEW_SHARE * self.ttl_s, guard_s=LAPSE_GUARD_S
+        )
+
+    async def _look_up(self, now: float, *, renewing: bool = False) -> None:
+        """Read the wanted members' records by id that are not held (``MemberLookups.due``),
+        and with ``renewing`` (a read the cadence made due) those held that expire before the
+        next read and were wanted within ``RENEW_WANTED_S``, as refreshes naming the value held: holders are named again and again by
+        pointers, and one that lapsed from the view makes the next pointer to it fall back to an
+        owner. One request for all, at most ``MAX_ONLY_SUBKEYS`` ids. Then drop the looked-up
+        records no longer among the most recently wanted."""
+        renew_at = self._renew_before(now)
         live = {pid: r.expires_at for pid, r in self._records.items()}
-        due = self.lookups.due(live, now)
+        due = list(self.lookups.due(live, now))
+        if renewing:
+            recent = self.lookups.wanted_since(now - RENEW_WANTED_S)
+            lapsing = sorted(
+                (r.expires_at, pid)
+                for pid, r in self._records.items()
+                if r.key == self.key
+                and r.expires_at < renew_at
+                and pid in recent
+                and pid not in due
+            )
+            due += [pid for _, pid in lapsing[: MAX_ONLY_SUBKEYS - len(due)]]
         if due:
             only = tuple(pid[:KNOWN_TAG_ID_BYTES] for pid in due)
-            self._merge(await self.dht.get(self.key, only=only))
+            held = [self._records[pid] for pid in due if pid in self._records]
+            self._merge(await self.dht.get(self.key, only=only, held=held, renew_before=renew_at))
         others = [pid for pid, r in self._records.items() if r.key != self.roster]
         for pid in self.lookups.keep(others):
             del self._records[pid]
@@ -366,6 +419,52 @@ class Membership:
             held = self._records.get(rec.subkey)
             if held is None or rec.expires_at > held.expires_at:
                 self._records[rec.subkey] = rec
+
+    def _lapsing(self, now: float) -> bool:
+        keys = (self.roster, self.key) if self.sees_all else (self.roster,)
+        return any(
+            r.key in keys and r.expires_at - now < LAPSE_GUARD_S for r in self._records.values()
+        )
+
+    def _shape(self) -> frozenset[tuple[bytes, str, tuple[str, ...], bool, bool, int]]:
+        """What of the view a read that changes it changes: who, and each one's address, roles,
+        reachability, learning flag and manifest version (not its step: news every minute)."""
+        return frozenset(
+            (
+                pid,
+                m.record.url,
+                m.record.roles,
+                m.record.reachable,
+                m.record.learning,
+                m.record.manifest_version,
+            )
+            for pid, m in self.members.items()
+        )
+
+    async def look_up(self) -> dict[bytes, Member]:
+        """A member we do not know asked us for something: ``refresh`` for a view of every
+        member; a bounded view reads the wanted ids alone (``want``), not the roster too."""
+        if self.sees_all:
+            return await self.refresh()
+        now = time.time()
+        await self._look_up(now)
+        self._rebuild(now)
+        return self.members
+
+    async def refresh_if_due(self) -> dict[bytes, Member]:
+        """The membership loop's pass: ``refresh`` when a read is due (``ReadCadence``, or a
+        held record lapses); else only the wanted ids looked up and the view rebuilt from the
+        records held (an expired one leaves it)."""
+        now = time.time()
+        if self.cadence.due(now) or self._lapsing(now):
+            return await self.refresh()
+        before = self._shape()
+        if not self.sees_all:
+            await self._look_up(now)
+        self._rebuild(now)
+        if self._shape() != before:
+            self.cadence.hurry()
+        return self.members
 
     async def refresh(self, *, full: bool = False) -> dict[bytes, Member]:
         """Read the member records (both keys whole, or the roster and the members wanted by
@@ -384,15 +483,19 @@ class Membership:
         now."""
         now = time.time()
         keys = (self.roster, self.key) if self.sees_all else (self.roster,)
-        lapsing = any(
-            r.key in keys and r.expires_at - now < LAPSE_GUARD_S for r in self._records.values()
-        )
-        full = full or self.reads % FULL_READ_EVERY == 0 or lapsing
+        full = full or self.reads % FULL_READ_EVERY == 0 or self._lapsing(now)
         self.reads += 1
+        before = self._shape()
         for key in keys:
             self._merge(await self._read(key, full, now))
         if not self.sees_all:
-            await self._look_up(now)
+            await self._look_up(now, renewing=True)
+        self._rebuild(now)
+        self.cadence.read(time.time(), changed=self._shape() != before)
+        return self.members
+
+    def _rebuild(self, now: float) -> None:
+        """The view from the records held: live, decoded, our manifest, certificates checked."""
         members: dict[bytes, Member] = {}
         for subkey, rec in list(self._records.items()):
             if rec.expires_at <= now:
@@ -414,7 +517,6 @@ class Membership:
                 self._refuse(rec.subkey, exc.reason)
         self._claimed = members
         self.members = self._settle_addresses()
-        return self.members
 
     def _settle_addresses(self) -> dict[bytes, Member]:
         """The members with each address held by one of its claimants (see the module

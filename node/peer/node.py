@@ -58,7 +58,7 @@ from node.peer.expected import LearnerExpectations
 from node.peer.finals import FINAL_RECHECKS, FINAL_SETTLE_S, FinalFetch, FinalVersions
 from node.peer.handoffs import Handoffs
 from node.peer.ownership import Ownership, OwnershipConfig
-from node.peer.presence import Presence
+from node.peer.presence import Presence, ViewScope
 from node.peer.serving import ServingConfig, VersionServer
 from node.peer.started import Started
 from node.peer.status import PeerReader
@@ -110,7 +110,9 @@ class NodeOptions:
     like a handoff (``node.state.owner_checkpoint``). ``evaluator``: what owners check candidate
     versions with before publishing them (``node.diloco.validation``; None: validated
     publication is off, which is logged). ``may_own``: False for a peer that never offers to own
-    fragments, which then reads only a bounded view of the members (``node.dht.membership``)."""
+    fragments, which then reads only a bounded view of the members (``node.dht.membership``), as
+    does any member of an open swarm outside its capped roster; ``whole_view``: read every
+    member's record all the same (a recipe's shards are dealt among the learners seen)."""
 
     host: str = "127.0.0.1"
     port: int = 0
@@ -123,6 +125,7 @@ class NodeOptions:
     evaluator: Evaluator | None = None
     artifacts: ArtifactStore | None = None  # the recipe's artifacts, served to members
     may_own: bool = True  # False: never offer to own; read a bounded view of the members
+    whole_view: bool = False  # True: read every member's record even when not owning
 
 
 class PeerNode:
@@ -235,7 +238,7 @@ class PeerNode:
             credentials=self.credentials,
             public_address=self.options.public_address,
             on_suspect=self._reconcile_soon,
-            may_own=self.options.may_own,
+            scope=ViewScope(may_own=self.options.may_own, whole_view=self.options.whole_view),
         )
         self.expected = LearnerExpectations(cfg, started, self.presence)
         self.finals = FinalVersions(started, self.expected)
@@ -597,15 +600,28 @@ class PeerNode:
         the fragments we own and tell their owners whom to wait for; then pause."""
         membership = self.membership
         assert membership is not None
-        while True:
-            with contextlib.suppress(Exception):
-                await membership.refresh()
-            await self.presence.follow_manifest()
-            await self.presence.probe_disputes()
-            await self.ownership.reconcile()
-            for owner in list(self.owners.values()):
-                await self.expected.tell_expected(owner)
-            await self.presence.pause()
+        try:
+            while True:
+                self.presence.scope_view()
+                with contextlib.suppress(Exception):
+                    await membership.refresh_if_due()
+                await self.presence.follow_manifest()
+                await self.presence.probe_disputes()
+                await self.ownership.reconcile()
+                for owner in list(self.owners.values()):
+                    await self.expected.tell_expected(owner)
+                await self.presence.pause()
+        finally:  # what knowing the swarm cost this peer (docs/scale_peers.md)
+            dht = self.started.dht
+            log.info(
+                "membership: %d reads, %d passes without one, %d ids looked up, view of %d; "
+                "DHT requests sent: %s",
+                membership.cadence.reads,
+                membership.cadence.skipped,
+                membership.lookups.looked_up,
+                len(membership.members),
+                dict(dht.metrics.rpcs_out) if dht is not None else {},
+            )
 
     async def _release_waiters(self) -> None:
         """Answer every long-poll this peer is holding open (204) before its server closes: the

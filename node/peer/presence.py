@@ -51,7 +51,14 @@ from protocol.errors import DecodeError
 from protocol.wire.membership import MAX_MANIFEST_BYTES
 from protocol.wire.signing import Signer
 
-__all__ = ["JOINING_PERIOD_S", "MEMBERSHIP_PERIOD_S", "Presence", "next_record", "state_cap"]
+__all__ = [
+    "JOINING_PERIOD_S",
+    "MEMBERSHIP_PERIOD_S",
+    "Presence",
+    "ViewScope",
+    "next_record",
+    "state_cap",
+]
 
 log = logging.getLogger("atoll.peer")
 
@@ -63,7 +70,7 @@ REPUBLISH_S = 6.0
 # A new step alone changes our record's value at most this often: a republication with the
 # value unchanged reaches readers as a refresh (expiry and signature, ~110 bytes) instead of the
 # whole record (docs/scale_peers.md); the step is read for a joiner's schedule and the status page.
-STEP_NEWS_S = 30.0
+STEP_NEWS_S = 60.0
 RECORD_CHECK_S = 0.5  # how often our record is compared with what was last published
 JOIN_ATTEMPTS = 5
 SYNC_SOURCES = 4  # members asked for a fragment's latest version at join, the presumed owner first
@@ -85,6 +92,16 @@ PROBE_EVERY_S = 60.0
 PROBE_TIMEOUT_S = 2.0
 
 
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class ViewScope:
+    """What a peer offers and which members it reads. ``may_own`` False: never offer to own (a
+    learner only, which reads the bounded view); ``whole_view``: read every member's record even
+    when not offering to own (a recipe's shards are dealt among every learner the view holds)."""
+
+    may_own: bool = True
+    whole_view: bool = False
+
+
 class Presence:
     """Joining, our member record and the members' view: who is a member, who owns a fragment,
     whom we route around. ``started`` holds the DHT node, the membership and the learner once the
@@ -102,12 +119,12 @@ class Presence:
         credentials: SwarmCredentials | None,
         public_address: str | None,
         on_suspect: Callable[[], None],
-        may_own: bool = True,
+        scope: ViewScope = ViewScope(),
     ) -> None:
         self.cfg, self.signer, self.transport, self.started = cfg, signer, transport, started
         self.shapes, self.credentials, self.public_address = shapes, credentials, public_address
         self.on_suspect = on_suspect
-        self.may_own = may_own  # False: never offer to own (a learner that reads a bounded view)
+        self.may_own, self.whole_view = scope.may_own, scope.whole_view
         self.manifest = manifest_hash(cfg)
         self.reachable = False
         self.learning = True
@@ -156,8 +173,8 @@ class Presence:
             ):
                 self._last_lookup = time.monotonic()
                 self.member_lookups += 1
-                try:
-                    await self.membership.refresh()
+                try:  # a bounded view asks for the wanted ids alone, not the roster too
+                    await self.membership.look_up()
                 except Exception as exc:  # the DHT may be unreachable; the key is refused for now
                     log.warning("member lookup for %s failed: %r", peer_id.hex()[:8], exc)
         if self.is_member(peer_id):
@@ -204,6 +221,7 @@ class Presence:
                 member.record.url,
             )
             self._suspect_since[peer_id] = time.time()
+            self.membership.cadence.hurry()  # read again at once: the view is in question
             self.on_suspect()  # move its fragments now, not at the next membership pass
 
     def my_record(self) -> MemberRecord:
@@ -211,6 +229,8 @@ class Presence:
         may_own = self.may_own and (
             cred is None or (cred.cert is not None and "owner" in cred.cert.roles)
         )
+        if may_own and self.reachable and (cred is None or not cred.certified):
+            may_own = self._ranks_in_roster()
         roles = ("learner", "owner") if self.reachable and may_own else ("learner",)
         url = (
             origin(self.url) if self.reachable else ""
@@ -226,6 +246,25 @@ class Presence:
             manifest_version=cred.manifest.version if cred is not None else 0,
         )
 
+    def _ranks_in_roster(self) -> bool:
+        """An open swarm's roster is capped (``Membership.offers_to_own``): whether we rank
+        among the members that offer to own, suspects left out."""
+        ms = self.membership
+        return ms is None or ms.offers_to_own(self.signer.peer_id, self.suspects())
+
+    def scope_view(self) -> None:
+        """Read every member while we offer to own (an owner needs its learners' standing),
+        while ``wait_for_members`` counts them, or with ``whole_view``; else the bounded view
+        (the roster, and the other members by id as they are wanted)."""
+        ms = self.membership
+        if ms is None:
+            return
+        ms.sees_all = (
+            self.whole_view or self.awaited_members > 0 or "owner" in self.my_record().roles
+        )
+        if len(ms.members) < self.awaited_members:
+            ms.cadence.hurry()  # read every pass (``pause``: JOINING_PERIOD_S) until all are seen
+
     @property
     def url(self) -> str:
         return self.public_address or self.transport.url
@@ -233,8 +272,8 @@ class Presence:
     def member_url(self, peer_id: bytes) -> str | None:
         """The address of a reachable member (None for anyone else): where holders are fetched from."""
         member = self.membership.members.get(peer_id) if self.membership is not None else None
-        if member is None and self.membership is not None:
-            self.membership.want(peer_id)  # a bounded view: looked up at the next read
+        if self.membership is not None:  # a bounded view: looked up at the next pass, or kept
+            self.membership.want(peer_id)  # renewed while pointers keep naming it
         if member is None or not member.record.url or not member.record.reachable:
             return None
         return member.record.url
@@ -434,15 +473,16 @@ class Presence:
                     break
         else:
             self.reachable = True  # the first peer: others will reach it through its address
-        # a peer told never to own reads a bounded view (the roster, others by id); any other
-        # reads every member, so that counts of members (``wait_for_members``, the learners'
-        # steps) stay whole for peers that merely cannot be dialled (docs/scale_peers.md)
-        self.membership.sees_all = self.may_own
+        # a peer that offers to own reads every member; any other the bounded view (the roster,
+        # others by id), but every member while ``wait_for_members`` counts them (``scope_view``;
+        # docs/scale_peers.md)
+        self.membership.sees_all = True
         self.pin_members()  # before the first read: state sync below runs pinned
         await self.membership.refresh()
         if self.membership.owner_candidates():
             await self.sync()
         await self.publish_record(self.my_record())
+        self.scope_view()
         await self.membership.refresh()
 
     async def _dialback(self, initial_peers: list[str]) -> bool:
@@ -572,7 +612,7 @@ def next_record(
         return current, True
     if current.step > 0 and current.step >= 2 * published.step:
         # a first step, or the step doubled: O(log steps) pieces of news a run, so a joiner
-        # early in a swarm's run does not read steps 30 s old (its schedule starts from them)
+        # early in a swarm's run does not read steps a minute old (its schedule starts from them)
         return current, True
     if since_step_news_s >= STEP_NEWS_S:
         return current, False

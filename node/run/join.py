@@ -406,6 +406,7 @@ def _join(args: argparse.Namespace) -> int:
         schedule=args.schedule,
         shard=args.shard,
         wait_members=args.wait_members,
+        may_own=args.may_own == "yes",
         recipe=recipe,
         artifacts=recipe.store if recipe is not None else None,
     )

@@ -246,6 +246,7 @@ class PeerOptions:
     artifacts: ArtifactStore | None = None  # served to members (the recipe's artifacts)
     # a multi-process island's ranks: "ddp" (each a replica) or "fsdp" (each a shard, FSDP2)
     shard: str = "ddp"
+    may_own: bool = True  # False: a learner only, which reads a bounded view of the members
 
 
 # --- build: the model, its data and its optimizer; the island and its node ---------------------
@@ -641,6 +642,8 @@ def _peer_node(
             owner_checkpoint_dir=opts.checkpoint_dir / "owner" if opts.checkpoint_dir else None,
             evaluator=evaluator,
             artifacts=opts.artifacts,
+            may_own=opts.may_own,
+            whole_view=opts.recipe is not None,  # its shards are dealt among every learner seen
         ),
         credentials=opts.credentials,
     )

@@ -74,6 +74,15 @@ class MemberLookups:
         self.looked_up += len(out)
         return tuple(out)
 
+    def wanted_since(self, since: float) -> set[bytes]:
+        """The ids wanted at or after ``since`` (those whose records are worth renewing)."""
+        out: set[bytes] = set()
+        for pid in reversed(self._wanted):  # most recently wanted first
+            if self._wanted[pid] < since:
+                break
+            out.add(pid)
+        return out
+
     def keep(self, held: Iterable[bytes]) -> set[bytes]:
         """Of the looked-up members ``held``, the ones to drop: all but the ``kept`` most
         recently wanted (an id never wanted, or no longer remembered as wanted, goes first)."""

@@ -116,6 +116,15 @@ def test_a_float_flag_of_inf_is_refused(
     assert err.startswith("atoll local: ") and flag in err, err
 
 
+@pytest.mark.parametrize("value", ["0", "4"])
+def test_may_own_outside_the_peers_is_refused(
+    capsys: pytest.CaptureFixture[str], value: str
+) -> None:
+    """``atoll local --may-own N``: only peers 0..N-1 may own, so N is 1..--peers."""
+    err = one_line(capsys, ["local", "--model", "tiny", "--peers", "3", "--may-own", value], 2)
+    assert err == f"atoll local: --may-own must be 1..3, got {value}", err
+
+
 # --- atoll peer --config -----------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("content", "says"),

@@ -14,6 +14,8 @@ import torch
 from node.config import RunConfig
 from node.dht.membership import Member, MemberRecord
 from node.peer import PeerNode
+from protocol.dht.member_lookups import MemberLookups
+from protocol.dht.member_reads import ReadCadence
 from protocol.wire.messages import ReplicaState
 from tests.node.fakes import signer, tiny_model, tiny_plan
 
@@ -26,6 +28,8 @@ class FakeMembership:
     members: dict[bytes, Member] = dataclasses.field(default_factory=dict)
     refreshes: int = 0
     ttl_s: float = 60.0
+    cadence: ReadCadence = dataclasses.field(default_factory=ReadCadence)
+    lookups: MemberLookups = dataclasses.field(default_factory=MemberLookups)
 
     async def refresh(self, *, full: bool = False) -> dict[bytes, Member]:
         self.refreshes += 1
@@ -34,6 +38,18 @@ class FakeMembership:
 
     def want(self, peer_id: bytes) -> None:
         """A view that reads every record: nothing to look up by id."""
+
+    async def refresh_if_due(self) -> dict[bytes, Member]:
+        """Every pass reads here (no cadence)."""
+        return await self.refresh()
+
+    async def look_up(self) -> dict[bytes, Member]:
+        """A view that reads every record looks a stranger up with a whole read."""
+        return await self.refresh()
+
+    def offers_to_own(self, me: bytes, exclude: object = ()) -> bool:
+        """No cap on the roster here: every reachable member may offer to own."""
+        return True
 
     def owner_of(
         self, swarm: str, fragment: int, *, exclude: object = ()

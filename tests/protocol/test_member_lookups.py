@@ -68,3 +68,12 @@ def test_state_and_reads_stay_bounded_whatever_is_wanted(
             asked[p] = now
     dropped = lookups.keep(pid(i) for i in range(60))
     assert len(set(pid(i) for i in range(60)) - dropped) == per_read
+
+
+def test_ids_wanted_since_a_time_are_the_ones_worth_renewing() -> None:
+    lookups = MemberLookups(per_read=2, kept=4, retry_s=5.0)
+    for i, t in ((1, 0.0), (2, 10.0), (3, 20.0), (1, 30.0)):
+        lookups.want(pid(i), t)
+    assert lookups.wanted_since(15.0) == {pid(3), pid(1)}  # 1 wanted again at 30
+    assert lookups.wanted_since(31.0) == set()
+    assert lookups.wanted_since(0.0) == {pid(1), pid(2), pid(3)}

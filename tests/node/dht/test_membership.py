@@ -418,8 +418,100 @@ async def test_a_record_is_published_under_the_roster_when_it_offers_to_own() ->
     view = Membership(dht, "s", "m")  # type: ignore[arg-type]
     await view.publish(_record())
     await view.publish(_record(roles=("learner",)))
-    assert dht.stored == [roster_key("s"), members_key("s")]
-    assert dht.forgotten == [roster_key("s")]  # not republished there: it expires
+    # withdrawn: once more under the roster (so roster readers stop ranking it an owner), then
+    # under the members key; not republished under the roster again: it expires there
+    assert dht.stored == [roster_key("s"), roster_key("s"), members_key("s")]
+    assert dht.forgotten == [roster_key("s")]
+    await view.publish(_record(roles=("learner",)))
+    assert dht.stored[3:] == [members_key("s")]
+
+
+def _roster(dht: KeyedDHT, signers: list[Signer], expiry: float) -> None:
+    from node.dht.membership import roster_key
+
+    dht.by_key[roster_key("s")] = [
+        sign_record(
+            s, roster_key("s"), _record(url=f"http://127.0.0.1:{9000 + i}").encode(), expiry
+        )
+        for i, s in enumerate(signers)
+    ]
+
+
+async def test_an_open_swarm_roster_holds_the_cap_best_ranked_candidates() -> None:
+    """Every member that reads the same roster agrees on who offers to own: the ROSTER_CAP
+    best-ranked; one more candidate only offers if it outranks one of them."""
+    from node.dht.membership import ROSTER_CAP
+    from protocol.dht.member_reads import offers_to_own, roster_score
+
+    dht = KeyedDHT()
+    signers = [Signer.from_seed(os.urandom(32)) for _ in range(ROSTER_CAP + 4)]
+    _roster(dht, signers, time.time() + 20)
+    view = Membership(dht, "s", "m")  # type: ignore[arg-type]
+    await view.refresh()
+    ranked = sorted(signers, key=lambda s: roster_score("s", s.peer_id), reverse=True)
+    candidates = view.owner_candidates()
+    offering = [s for s in signers if offers_to_own("s", s.peer_id, candidates, ROSTER_CAP)]
+    assert sorted(s.peer_id for s in offering) == sorted(s.peer_id for s in ranked[:ROSTER_CAP])
+    # a suspect (it refuses connections) leaves its place to the next-ranked, once the place
+    # stayed open ROSTER_GRACE_S (an owner's record that lapses for a moment keeps its place)
+    nxt, gone = ranked[ROSTER_CAP].peer_id, {ranked[0].peer_id}
+    assert not view.offers_to_own(nxt)
+    assert not view.offers_to_own(nxt, exclude=gone)
+    view.seat.grace_s = 0.0
+    assert view.offers_to_own(nxt, exclude=gone)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = time.time()
+
+    def time(self) -> float:
+        return self.now
+
+
+async def test_reads_back_off_while_the_view_is_unchanged_and_come_back_when_it_changes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The membership loop's passes read the DHT every READ_BASE_S while the view changes, then
+    ever more rarely (at most READ_MAX_S apart); a new member, a wanted id, a lapsing record
+    make the next pass read (a step's news alone does not)."""
+    import node.dht.membership as membership_module
+    from node.dht.membership import READ_BASE_S, READ_MAX_S, roster_key
+
+    clock = FakeClock()
+    monkeypatch.setattr(membership_module, "time", clock)
+    dht = KeyedDHT()
+    signers = [Signer.from_seed(os.urandom(32)) for _ in range(3)]
+    _roster(dht, signers[:2], clock.now + 600)
+    view = Membership(dht, "s", "m", ttl_s=600)  # type: ignore[arg-type]
+    view.sees_all = False
+
+    async def passes(n: int) -> list[float]:  # passes READ_BASE_S apart; when each read
+        read_at = []
+        for _ in range(n):
+            before = len(dht.reads)
+            await view.refresh_if_due()
+            if len(dht.reads) > before:
+                read_at.append(clock.now)
+            clock.now += READ_BASE_S
+        return read_at
+
+    read_at = await passes(20)  # the first read finds the roster: a change; then nothing changes
+    gaps = [b - a for a, b in zip(read_at, read_at[1:], strict=False)]
+    assert gaps[:2] == [READ_BASE_S, 2 * READ_BASE_S]  # doubling while nothing changes
+    assert set(gaps[2:]) == {READ_MAX_S} and len(read_at) == 8  # of 20 passes
+    _roster(dht, signers, clock.now + 600)  # a member joins the roster: seen within READ_MAX_S
+    seen_at = clock.now + READ_MAX_S
+    while len(view.members) < 3:
+        await passes(1)
+        assert clock.now <= seen_at + READ_BASE_S
+    n = len(dht.reads)
+    assert await passes(2) == [clock.now - 2 * READ_BASE_S]  # the base gap again after a change
+    view.want(os.urandom(32))  # a wanted id is looked up at the next pass, read due or not
+    clock.now -= 1.0  # no read due: the lookup alone
+    await view.refresh_if_due()
+    assert len(dht.reads) == n + 2
+    assert dht.reads[-1][0] != roster_key("s") and len(dht.reads[-1][1]) == 1
 
 
 def test_a_new_step_alone_changes_the_record_only_every_step_news_period() -> None:
@@ -447,3 +539,102 @@ def test_a_new_step_alone_changes_the_record_only_every_step_news_period() -> No
         published, now = next_record(dataclasses.replace(base, step=step), published, 1.0)
         news += now
     assert published.step == 65536 and news == 17  # 1, 2, 4, ... 65536: log2, not one a step
+
+
+def _presence(membership: Membership, signer: Signer, **kw: object) -> object:
+    from node.config import RunConfig
+    from node.peer.presence import Presence, ViewScope
+    from node.peer.started import Started
+
+    return Presence(
+        RunConfig(swarm="s"),
+        signer,
+        None,  # type: ignore[arg-type]  # no request leaves in these tests
+        Started(membership=membership),
+        shapes=[],
+        credentials=None,
+        public_address="http://127.0.0.1:1",
+        on_suspect=lambda: None,
+        scope=ViewScope(**kw),  # type: ignore[arg-type]
+    )
+
+
+async def test_in_an_open_swarm_a_member_outside_the_capped_roster_learns_from_a_bounded_view() -> (
+    None
+):
+    """A reachable member of an open swarm offers to own only while it ranks among the
+    ROSTER_CAP best of the roster; otherwise it publishes as a learner and reads the bounded
+    view, except while ``wait_for_members`` counts members (or with ``whole_view``)."""
+    from node.dht.membership import ROSTER_CAP
+    from protocol.dht.member_reads import roster_score
+
+    dht = KeyedDHT()
+    signers = [Signer.from_seed(os.urandom(32)) for _ in range(ROSTER_CAP + 3)]
+    ranked = sorted(signers, key=lambda s: roster_score("s", s.peer_id), reverse=True)
+    roster, me = ranked[:ROSTER_CAP], ranked[ROSTER_CAP]
+    _roster(dht, roster, time.time() + 20)
+    view = Membership(dht, "s", "m")  # type: ignore[arg-type]
+    await view.refresh()
+    presence = _presence(view, me)
+    presence.reachable = True  # type: ignore[attr-defined]
+    assert presence.my_record().roles == ("learner",)  # type: ignore[attr-defined]
+    presence.scope_view()  # type: ignore[attr-defined]
+    assert view.sees_all is False
+    presence.awaited_members = 40  # type: ignore[attr-defined]  # wait_for_members: count all
+    presence.scope_view()  # type: ignore[attr-defined]
+    assert view.sees_all is True and view.cadence.due(time.time())  # and read every pass
+    presence.awaited_members = 0  # type: ignore[attr-defined]
+    view.seat.grace_s = 0.0  # (the grace before taking an open place: test_member_reads)
+    presence.unreachable(roster[0].peer_id)  # type: ignore[attr-defined]  # a suspect: its place
+    assert presence.my_record().roles == ("learner", "owner")  # type: ignore[attr-defined]
+    presence.scope_view()  # type: ignore[attr-defined]
+    assert view.sees_all is True  # an owner reads every member
+    best = _presence(view, ranked[0])
+    best.reachable = True  # type: ignore[attr-defined]
+    assert best.my_record().roles == ("learner", "owner")  # type: ignore[attr-defined]
+    whole = _presence(view, me, whole_view=True)
+    whole.scope_view()  # type: ignore[attr-defined]
+    assert view.sees_all is True
+    never = _presence(view, ranked[0], may_own=False)
+    never.reachable = True  # type: ignore[attr-defined]
+    assert never.my_record().roles == ("learner",)  # type: ignore[attr-defined]
+
+
+async def test_a_bounded_view_renews_the_members_it_looked_up_in_its_reads_as_one_request() -> None:
+    """Looked-up records are asked for again, naming the value held (refreshes, not whole
+    records), in the read the cadence makes due when they would expire before the next one:
+    all in one request, not one per record as each nears expiry."""
+    from node.dht.membership import roster_key
+
+    class RenewingDHT(KeyedDHT):
+        def __init__(self) -> None:
+            super().__init__()
+            self.asks: list[tuple[bytes, tuple[bytes, ...], list, float]] = []
+
+        async def get(self, key: bytes, *, quorum: int = 1, only: tuple[bytes, ...] = (),
+                      held: Sequence = (), renew_before: float = 0.0) -> list:  # fmt: skip
+            self.asks.append((key, only, list(held), renew_before))
+            return await super().get(key, quorum=quorum, only=only)
+
+    dht = RenewingDHT()
+    owner = Signer.from_seed(os.urandom(32))
+    _roster(dht, [owner], time.time() + 60)
+    learners = [Signer.from_seed(os.urandom(32)) for _ in range(3)]
+    value = _record(url="", roles=("learner",), reachable=False).encode()
+    soon = time.time() + 5  # expires before any next read
+    dht.by_key[members_key("s")] = [sign_record(s, members_key("s"), value, soon) for s in learners]
+    view = Membership(dht, "s", "m")  # type: ignore[arg-type]
+    view.sees_all = False
+    await view.refresh()
+    for s in learners:
+        view.want(s.peer_id)
+    await view.refresh_if_due()  # not a due read: the wanted ids are looked up, whole
+    assert len(view.members) == 4 and dht.asks[-1][2] == []
+    view.cadence.hurry()
+    await view.refresh_if_due()  # a due read: one roster read, one lookup renewing all three
+    lookups = [a for a in dht.asks[2:] if a[0] != roster_key("s")]
+    assert len(lookups) == 1
+    _, only, held, renew_before = lookups[0]
+    assert sorted(only) == sorted(s.peer_id[:16] for s in learners)
+    assert sorted(r.subkey for r in held) == sorted(s.peer_id for s in learners)
+    assert all(r.expires_at < renew_before for r in held)  # named for renewal, not as same
