@@ -56,11 +56,10 @@ from node.dht.swarm import SwarmCredentials
 from node.diloco.allocator import tune_allocator
 from node.diloco.island import Island
 from node.diloco.island_config import FLUSH_WAIT_S, flush_at_end, island_config
-from node.diloco.ranks import IslandRanks, distributed_rank, unwrap
+from node.diloco.ranks import IslandRanks, distributed_rank, exit_without_teardown, unwrap
 from node.diloco.sharding import ShardedFragments, is_sharded
 from node.diloco.validation import CallableEvaluator
 from node.peer import NodeOptions, PeerNode
-from node.run.leave import exit_without_teardown
 from protocol.diloco.fragments import FragmentPlan, plan_fragments
 from protocol.wire.certificates import Certificate
 from protocol.wire.membership import SwarmManifest

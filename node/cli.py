@@ -26,7 +26,6 @@ from node.config import (
     config_from_args,
 )
 from node.diloco.allocator import tune_allocator
-from node.run.leave import exit_without_teardown
 
 if TYPE_CHECKING:
     from node.run.chaos import ChaosSpec
@@ -496,6 +495,8 @@ def _run(args: argparse.Namespace) -> int:
             may_own=args.may_own == "yes",
         )
         run_peer(cfg, opts)
+        from node.diloco.ranks import exit_without_teardown  # torch is loaded by now
+
         exit_without_teardown(0)  # its only thread is this one, its results are out
     return 2
 

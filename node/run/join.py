@@ -34,7 +34,6 @@ from node.dht.membership import config_from_manifest
 from node.dht.swarm import MANIFEST_PATH
 from node.run.checks import CheckError, check_listen, check_run, host_port, peer_url
 from node.run.console import JoinView, ProgressLine, render_status, setup_logging
-from node.run.leave import exit_without_teardown
 from node.run.peer_http import SlowAnswer, http_fetch
 from node.run.recipes import LoadedRecipe
 from node.run.status_shape import _not_a_status
@@ -315,6 +314,8 @@ def join_main(args: argparse.Namespace) -> int:
         return _launch_ranks(args.nproc, args.argv, args.shard)
     code = _join(args)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from node.diloco.ranks import exit_without_teardown  # a rank: torch is loaded
+
         exit_without_teardown(code)  # after leave_process_group, on every rank
     return code
 
