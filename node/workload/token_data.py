@@ -814,7 +814,11 @@ class TrainStream:
         data, T = self.data, self.seq_len
         if any(data.shard_size(s) > T for s in dealt):
             return dealt, ""
-        why = "none: more learners than shards" if not dealt else f"no window of {T + 1} tokens"
+        why = (
+            "none dealt: rendezvous hashing gave every shard to another learner"
+            if not dealt
+            else f"no window of {T + 1} tokens"
+        )
         for s in shard_preference(data.spec.shards, data.me):
             if s not in dealt and data.shard_size(s) > T:
                 return (*dealt, s), f" ({why}; sharing shard {s})"

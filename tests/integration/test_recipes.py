@@ -182,8 +182,9 @@ def test_recipe_swarm_fetches_artifacts_trains_disjoint_shards_ends_on_one_model
         # the three fetched every artifact from the founder's bootstrap, and share the shards
         for i in range(3):
             assert _fetched_from(tmp_path / f"j{i}.log") == {boot_url}
+        # rendezvous hashing deals disjoint and complete, not evenly: a learner is dealt none
+        # about 1 run in 40 here (3 learners, 12 shards) and 1 in 30 for the fourth below
         dealt = [_wait_dealt(tmp_path / f"j{i}.log", 3, 90) for i in range(3)]
-        assert all(dealt), dealt
         assert sum(map(len, dealt)) == SHARDS and set().union(*dealt) == set(range(SHARDS))
 
         # once they train, a fourth joins through one of them
@@ -193,7 +194,7 @@ def test_recipe_swarm_fetches_artifacts_trains_disjoint_shards_ends_on_one_model
         assert _fetched_from(tmp_path / "late.log") == {urls[0]}  # peer to peer
         late_dealt = _wait_dealt(tmp_path / "late.log", 4, 60)
         four = [_wait_dealt(tmp_path / f"j{i}.log", 4, 60) for i in range(3)] + [late_dealt]
-        assert late_dealt and sum(map(len, four)) == SHARDS, four  # the shards moved, disjoint
+        assert sum(map(len, four)) == SHARDS, four  # dealt again among four, disjoint
         assert set().union(*four) == set(range(SHARDS))
         late.wait_event("progress", 60)
         assert min(get_json(f"{urls[0]}/v1/status")["versions"]) > 0  # the swarm merged work
