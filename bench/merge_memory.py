@@ -103,32 +103,20 @@ def run_one(way: str, n: int, fragment: str, codec: str, block: int) -> dict[str
         deltas = [EncodedVector(t, shapes) for t in received]
         norms = [norm_of(d) for d in deltas]
     t1 = time.perf_counter()
-    if way == "whole":
-        update = merge_update(
-            theta,
-            buffer,
-            deltas,
-            weights,
-            clips,
-            cfg,
-            embedding=fragment == "embeddings",
-            norms=norms,
-        )
-        products = gram(deltas, norms=norms)
-    else:
-        sums = GramSum([numel] * n, norms=norms)
-        update = merge_update(
-            theta,
-            buffer,
-            deltas,
-            weights,
-            clips,
-            cfg,
-            embedding=fragment == "embeddings",
-            norms=norms,
-            observe=sums.add,
-        )
-        products = sums.matrix()
+    # the old way sums the Gram matrix in a second pass; the sliced one watches the merge's
+    sums = GramSum([numel] * n, norms=norms) if way == "sliced" else None
+    update = merge_update(
+        theta,
+        buffer,
+        deltas,
+        weights,
+        clips,
+        cfg,
+        embedding=fragment == "embeddings",
+        norms=norms,
+        observe=sums.add if sums is not None else None,
+    )
+    products = sums.matrix() if sums is not None else gram(deltas, norms=norms)
     t2 = time.perf_counter()
     peak_kb = _status_kb("VmHWM")
     digest = hashlib.blake2b(update.theta.numpy().tobytes(), digest_size=16)
