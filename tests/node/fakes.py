@@ -10,6 +10,7 @@ return the owner's sealed versions.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import time
@@ -143,6 +144,25 @@ def contribution(
 
 def sealed_bytes(msg: Message, who: Signer) -> bytes:
     return seal(encode(msg), who, now=time.time(), nonce=os.urandom(16)).tobytes()
+
+
+class Tasks:
+    """Stands in for the node's task group: runs what it is given and keeps it."""
+
+    def __init__(self) -> None:
+        self.tasks: list[asyncio.Future[None]] = []
+
+    def create_task(self, coro):  # type: ignore[no-untyped-def]
+        self.tasks.append(asyncio.ensure_future(coro))
+        return self.tasks[-1]
+
+    async def done(self) -> None:
+        await asyncio.gather(*self.tasks)
+
+    async def cancel(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
 
 
 class _Pool:

@@ -17,7 +17,7 @@ from node.peer import PeerNode
 from protocol.dht.member_lookups import MemberLookups
 from protocol.dht.member_reads import ReadCadence
 from protocol.wire.messages import ReplicaState
-from tests.node.fakes import signer, tiny_model, tiny_plan
+from tests.node.fakes import Tasks, signer, tiny_model, tiny_plan
 
 
 @dataclasses.dataclass
@@ -124,25 +124,6 @@ def _hand_in_memory(retiring: PeerNode, successor: PeerNode) -> list[ReplicaStat
 
     retiring.handoffs._hand_to = hand_to  # type: ignore[method-assign]
     return sent
-
-
-class _Tasks:
-    """Stands in for the node's task group: runs what it is given and keeps it."""
-
-    def __init__(self) -> None:
-        self.tasks: list[asyncio.Future[None]] = []
-
-    def create_task(self, coro):  # type: ignore[no-untyped-def]
-        self.tasks.append(asyncio.ensure_future(coro))
-        return self.tasks[-1]
-
-    async def done(self) -> None:
-        await asyncio.gather(*self.tasks)
-
-    async def cancel(self) -> None:
-        for task in self.tasks:
-            task.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
 
 
 async def test_a_new_member_is_admitted_after_one_lookup() -> None:
@@ -321,7 +302,7 @@ async def test_a_replica_hands_its_state_to_a_successor_it_refused() -> None:
         handed.append((p, target, state))
 
     node.handoffs.hand_on = record  # type: ignore[method-assign]
-    node.started.tg = _Tasks()  # type: ignore[assignment]
+    node.started.tg = Tasks()  # type: ignore[assignment]
     successor = signer(5).peer_id
 
     def refused(version: int, epoch: int) -> ReplicaState:
@@ -818,7 +799,7 @@ async def test_an_owner_handing_out_a_final_version_tells_its_replica_once() -> 
     owner_node.membership = membership  # type: ignore[assignment]
     owner_node.expected.expected_learners = lambda: 0  # type: ignore[method-assign]
     owner_node.presence.suspects = lambda: set()  # type: ignore[method-assign]
-    tasks = _Tasks()
+    tasks = Tasks()
     owner_node.started.tg = tasks  # type: ignore[assignment]
     assert await owner_node.finals.wait(owner, 1.0) is owner.latest
     await tasks.done()
@@ -832,9 +813,9 @@ async def test_an_owner_handing_out_a_final_version_tells_its_replica_once() -> 
     assert len(sent) == 1
 
 
-def _owning_node(*, latest: dict[int, int]) -> tuple[PeerNode, torch.Tensor, _Tasks]:
+def _owning_node(*, latest: dict[int, int]) -> tuple[PeerNode, torch.Tensor, Tasks]:
     """A node that can start owning fragment 0 (``_start_owner``): its learner holds fragment 0
-    at each version in ``latest`` with the initial state, its tasks in a ``_Tasks``."""
+    at each version in ``latest`` with the initial state, its tasks in a ``Tasks``."""
     import types
 
     from tests.node.fakes import flat_of
@@ -843,7 +824,7 @@ def _owning_node(*, latest: dict[int, int]) -> tuple[PeerNode, torch.Tensor, _Ta
     plan = tiny_plan(model)
     node = PeerNode(RunConfig(max_tokens_per_step=64), signer(1), model, plan)
     theta = flat_of(model, plan, 0)
-    tasks = _Tasks()
+    tasks = Tasks()
     node.started.tg = tasks  # type: ignore[assignment]
     node.net = types.SimpleNamespace(
         latest={p: (v, theta) for p, v in latest.items()},  # type: ignore[assignment]

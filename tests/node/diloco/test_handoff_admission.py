@@ -7,7 +7,6 @@ any "fenced" answer stopped it too."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import os
@@ -30,7 +29,7 @@ from protocol.errors import RemoteProtocolError
 from protocol.wire.codec import encode
 from protocol.wire.messages import ReplicaAck, ReplicaState
 from protocol.wire.signing import ReplayWindow, seal
-from tests.node.fakes import SWARM, signer, tiny_model, tiny_plan
+from tests.node.fakes import SWARM, Tasks, signer, tiny_model, tiny_plan
 
 OWNER, ME, ATTACKER, LEARNER = signer(1), signer(2), signer(3), signer(4)
 
@@ -256,23 +255,7 @@ def test_the_peer_level_attacks_parse_and_the_address_attacker_is_learner_only(t
     assert roles == [("learner", "owner"), ("learner", "owner"), ("learner",)]
 
 
-class _Tasks:
-    """Stands in for the node's task group: runs what it is given."""
-
-    def __init__(self) -> None:
-        self.tasks: list[asyncio.Future[None]] = []
-
-    def create_task(self, coro):  # type: ignore[no-untyped-def]
-        self.tasks.append(asyncio.ensure_future(coro))
-        return self.tasks[-1]
-
-    async def cancel(self) -> None:
-        for task in self.tasks:
-            task.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
-
-
-def _coming_back(*, last_owner: bytes | None) -> tuple[PeerNode, _Tasks]:
+def _coming_back(*, last_owner: bytes | None) -> tuple[PeerNode, Tasks]:
     """This peer ranked first for fragment 0, OWNER next; its learner holds version 5 (as state
     sync gives a peer that comes back); ``last_owner``: whom its last ownership pass saw."""
     node = _peer([ME.peer_id, OWNER.peer_id, ATTACKER.peer_id])
@@ -285,7 +268,7 @@ def _coming_back(*, last_owner: bytes | None) -> tuple[PeerNode, _Tasks]:
         created=None,
         held_state=lambda p: None,
     )
-    tasks = _Tasks()
+    tasks = Tasks()
     node.started.tg = tasks  # type: ignore[assignment]
     if last_owner is not None:
         node.ownership._last_owner[0] = last_owner
