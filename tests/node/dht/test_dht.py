@@ -77,6 +77,18 @@ async def joined(net: Net, n: int, cfg: DHTConfig = FAST) -> list[DHTNode]:
     return nodes
 
 
+async def _eight_members(net: Net) -> tuple[list[DHTNode], DHTNode, bytes]:
+    """Eight joined nodes that each store a ~220-byte record under one key, and a reader that
+    cannot be dialled, bootstrapped from node 0: (nodes, reader, key)."""
+    nodes = await joined(net, 8)
+    reader = await net.add(99, dialable=False)
+    assert await reader.bootstrap([nodes[0].me.address]) == 1
+    key = key_id("swarm/members")
+    for node in nodes:
+        assert await node.store(key, b"http://member:1/" + bytes(200), 60) == 8
+    return nodes, reader, key
+
+
 async def raw(
     net: Net, address: str, sender: Signer, msg: Message | bytes
 ) -> tuple[int, Message | bytes]:
@@ -216,12 +228,7 @@ async def test_a_read_by_content_gets_refreshes_of_republished_values_not_the_va
     fraction of a whole read's bytes; a changed value comes back whole; a delta read of one
     responder asks one node at a time."""
     async with network() as net:
-        nodes = await joined(net, 8)
-        reader = await net.add(99, dialable=False)
-        assert await reader.bootstrap([nodes[0].me.address]) == 1
-        key = key_id("swarm/members")
-        for node in nodes:
-            assert await node.store(key, b"http://member:1/" + bytes(200), 60) == 8
+        nodes, reader, key = await _eight_members(net)
 
         def reply_bytes() -> int:
             return sum(
@@ -308,12 +315,7 @@ async def test_a_lookup_by_subkey_gets_those_records_alone_and_caches_nothing() 
     """``only``: the records of the named subkeys, from a reader with nothing stored locally,
     for a fraction of a whole read's bytes; a subkey nobody stored gets nothing."""
     async with network() as net:
-        nodes = await joined(net, 8)
-        reader = await net.add(99, dialable=False)
-        assert await reader.bootstrap([nodes[0].me.address]) == 1
-        key = key_id("swarm/members")
-        for node in nodes:
-            assert await node.store(key, b"http://member:1/" + bytes(200), 60) == 8
+        nodes, reader, key = await _eight_members(net)
         sent = net.transport.bytes_sent
         whole = await reader.get(key)
         whole_bytes, sent = net.transport.bytes_sent - sent, net.transport.bytes_sent
