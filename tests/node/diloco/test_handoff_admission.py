@@ -79,10 +79,16 @@ def _peer(rank: list[bytes]) -> PeerNode:
 
 
 def _forged(
-    node: PeerNode, *, epoch: int = 2**62, version: int = 1, final: bool = True
+    node: PeerNode,
+    *,
+    epoch: int = 2**62,
+    version: int = 1,
+    final: bool = True,
+    theta: torch.Tensor | None = None,
 ) -> ReplicaState:
-    n = node.replicas.numels[0]
-    theta = torch.full((n,), 7.0)  # the attacker's own weights
+    """A handoff of fragment 0 with ``theta`` (default: the attacker's own weights)."""
+    if theta is None:
+        theta = torch.full((node.replicas.numels[0],), 7.0)
     return encode_state(
         swarm=node.cfg.swarm,
         fragment=0,
@@ -286,18 +292,8 @@ async def test_a_peer_that_comes_back_holds_final_what_the_owner_that_stood_in_h
     The owner it takes the fragment from is the one ranked first without it, whose ``final``
     counts; a peer whose last pass saw itself own the fragment still ignores a predecessor's."""
     node, tasks = _coming_back(last_owner=None)
-    theta = torch.zeros(node.replicas.numels[0])  # version 5 as we hold it
-    handed = encode_state(
-        swarm=node.cfg.swarm,
-        fragment=0,
-        epoch=1,
-        version=5,
-        digest=flat_digest(theta),
-        theta=theta,
-        momentum=None,
-        merged={OWNER.peer_id: 4},
-        final=True,
-    )
+    held = torch.zeros(node.replicas.numels[0])  # version 5 as we hold it
+    handed = _forged(node, epoch=1, version=5, theta=held)
     assert (await _offer(node, OWNER, handed)).accepted
     assert node.owners[0].version == 5 and node.owners[0].holds_final()
     assert node.owners[0].final_hold() is not None  # late work is refused, not merged
