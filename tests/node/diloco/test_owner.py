@@ -43,6 +43,16 @@ def _setup(**merge: object):  # type: ignore[no-untyped-def]
     return plan, shapes, clock, theta0, make_owner(plan, shapes, 0, theta0, clock, **merge)
 
 
+async def _owner_and_twin(n: int):  # type: ignore[no-untyped-def]
+    """Two identical owners of fragment 0, each with quorum ``n`` and ``n`` learners expected:
+    (shapes, theta0, owner, twin), to feed one two ways and compare their states."""
+    _, shapes, _, theta0, owner = _setup(quorum=n)
+    _, _, _, _, twin = _setup(quorum=n)
+    for o in (owner, twin):
+        await o.set_expected(n)
+    return shapes, theta0, owner, twin
+
+
 def _opened_state(
     sealed_bytes: bytes, shapes: list[tuple[int, ...]]
 ) -> tuple[int, torch.Tensor, bytes]:
@@ -516,10 +526,7 @@ async def test_our_own_learners_contribution_is_taken_without_a_copy_and_never_r
     (the learner may still hold it to send again). A vector of the wrong size is refused."""
     from protocol.errors import DecodeError
 
-    _, shapes, _, theta0, owner = _setup(quorum=1)
-    _, _, _, _, twin = _setup(quorum=1)
-    await owner.set_expected(1)
-    await twin.set_expected(1)
+    shapes, theta0, owner, twin = await _owner_and_twin(1)
     numel = theta0.numel()
     own = torch.randn(numel, generator=torch.Generator().manual_seed(3)) * 0.01
     kept = own.clone()
@@ -555,10 +562,7 @@ async def test_fp32_contributions_are_merged_where_they_arrived_and_their_bodies
     from node.wire.bodies import REQUEST_BODY, BufferPool, RequestBody
     from protocol.wire.codec import decode, encode
 
-    _, shapes, _, theta0, owner = _setup(quorum=2)
-    _, _, _, _, twin = _setup(quorum=2)
-    for o in (owner, twin):
-        await o.set_expected(2)
+    shapes, theta0, owner, twin = await _owner_and_twin(2)
     pool, numel = BufferPool(), theta0.numel()
     deltas = [
         torch.randn(numel, generator=torch.Generator().manual_seed(20 + i)) * 0.01 for i in range(2)
@@ -609,10 +613,7 @@ async def test_compressed_contributions_wait_compressed_and_merge_to_the_decoded
     from protocol.diloco.sliced import EncodedVector
     from protocol.wire.codec import decode, encode
 
-    _, shapes, _, theta0, owner = _setup(quorum=3)
-    _, _, _, _, twin = _setup(quorum=3)
-    for o in (owner, twin):
-        await o.set_expected(3)
+    shapes, theta0, owner, twin = await _owner_and_twin(3)
     pool, numel = BufferPool(), theta0.numel()
     msgs = [
         contribution(
