@@ -9,8 +9,9 @@ the validation set's artifacts. ``RecipeData`` turns them into batches:
                                                                  at a line end (a record's, for
                                                                  JSON lines), so a shard
                                                                  tokenises alone
-    dealt        learner l holds the shards protocol.diloco.shard_deal deals it (rendezvous:
-                 disjoint while the learner set holds, only a leaver's or joiner's move)
+    dealt        learner l holds the shards protocol.diloco.shard_deal deals it (rendezvous
+                 with bounded loads: disjoint while the learner set holds, shards // learners
+                 or one more each, few move when a learner joins or leaves)
     batches      random windows of seq_len + 1 tokens from the dealt shards only (a learner
                  dealt none that holds a window borrows one, in its own rendezvous order)
 
@@ -815,7 +816,7 @@ class TrainStream:
         if any(data.shard_size(s) > T for s in dealt):
             return dealt, ""
         why = (
-            "none dealt: rendezvous hashing gave every shard to another learner"
+            "none dealt: more learners than shards"
             if not dealt
             else f"no window of {T + 1} tokens"
         )

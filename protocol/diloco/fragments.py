@@ -39,6 +39,7 @@ import math
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from protocol.diloco.bounded_deal import deal_bounded
 from protocol.errors import LocalProtocolError
 from protocol.ids import rendezvous_rank, rendezvous_score
 
@@ -208,23 +209,8 @@ def balanced_owners(swarm: str, n_fragments: int, members: Iterable[bytes]) -> t
     peers = sorted(set(members))
     if not peers:
         return ()
-    room, extra = divmod(n_fragments, len(peers))
-    pairs = sorted(
-        ((rendezvous_score(swarm, f, m), f, m) for f in range(n_fragments) for m in peers),
-        reverse=True,
-    )
-    owner: list[bytes | None] = [None] * n_fragments
-    load = dict.fromkeys(peers, 0)
-    left = n_fragments
-    for _, f, m in pairs:
-        if owner[f] is not None or load[m] > room or (load[m] == room and extra == 0):
-            continue
-        if load[m] == room:
-            extra -= 1
-        owner[f], load[m], left = m, load[m] + 1, left - 1
-        if left == 0:
-            break
-    return tuple(o for o in owner if o is not None)
+    dealt = deal_bounded(n_fragments, peers, lambda f, m: rendezvous_score(swarm, f, m))
+    return tuple(peers[m] for m in dealt)
 
 
 # ---------------------------------------------------------------- helpers
