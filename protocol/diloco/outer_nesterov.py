@@ -77,11 +77,20 @@ def outer_step(
     """
     if buffer is None and cfg.momentum == 0 and param.shape == delta.shape:
         # the same kernel as outer_step_'s param.add_(grad, alpha=-lr), into a new tensor: one
-        # pass over the fragment instead of a copy and then an in-place add
+        # pass over the fragment instead of a copy and then an in-place add; into ``delta``
+        # itself when it is the caller's to spend (its pages are warm, a new vector's are not)
         with torch.no_grad():
-            out = (
-                new_vector_like(param) if param.dtype == torch.float32 else torch.empty_like(param)
-            )
+            if (
+                consume_delta
+                and delta.dtype == param.dtype
+                and delta.device == param.device
+                and delta.is_contiguous()
+            ):
+                out = delta.detach()
+            elif param.dtype == torch.float32:
+                out = new_vector_like(param)
+            else:
+                out = torch.empty_like(param)
             return torch.add(param.detach(), delta.detach(), alpha=-cfg.lr, out=out), None
     new_param = copy_vector(param)
     new_buffer = None if buffer is None else copy_vector(buffer)

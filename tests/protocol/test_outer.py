@@ -255,6 +255,19 @@ def test_outer_step_does_not_mutate_inputs() -> None:
     assert new_b is not None and new_b is not b and new_p is not p
 
 
+def test_a_plain_step_spends_a_delta_it_may_consume_with_the_same_bits() -> None:
+    p, d = torch.randn(1000, generator=gen(5)), torch.randn(1000, generator=gen(6))
+    cfg = OuterConfig(lr=0.7, momentum=0.0)
+    kept, _ = outer_step(p, d.clone(), None, cfg)
+    spent = d.clone()
+    new, buffer = outer_step(p, spent, None, cfg, consume_delta=True)
+    assert buffer is None and torch.equal(new, kept)
+    assert new.data_ptr() == spent.data_ptr()  # written in place of the aggregate, no new vector
+    untouched = d.clone()
+    outer_step(p, untouched, None, cfg)
+    assert torch.equal(untouched, d)
+
+
 def test_plain_averaging_recovers_the_mean_local_params() -> None:
     global_ = torch.randn(50, generator=gen(2))
     locals_ = [global_ + torch.randn(50, generator=gen(3 + i)) * 0.1 for i in range(4)]
