@@ -320,6 +320,8 @@ class Transport:
         # bytes_sent by what they were: a request's route (a path, or a message type) or
         # "reply <route>"; where a swarm's bytes go, for the report and bench.bandwidth
         self.bytes_by_route: Counter[str] = Counter()
+        # requests sent and reply heads written, by the same routes: what each one costs
+        self.messages_by_route: Counter[str] = Counter()
         self.bodies_in_flight: Counter[str] = (
             Counter()
         )  # request bodies being read, per address_key
@@ -462,6 +464,7 @@ class Transport:
                     route,
                     _head_bytes(f"{info.method} {info.url.raw_path_qs} HTTP/1.1", info.headers),
                 )
+                self.messages_by_route[route] += 1
                 length = resp.content_length if method != "HEAD" else 0
                 buf, used = await read_stream(
                     resp.content,
@@ -551,6 +554,7 @@ class Transport:
             del resp.headers[hdrs.CONTENT_TYPE]
         route = request.get(_REPLY_ROUTE) or self.reply_route(request)
         self.count_sent(route, _head_bytes(f"HTTP/1.1 {resp.status} {resp.reason}", resp.headers))
+        self.messages_by_route[route] += 1
         gate = self.connections.gate(request.protocol)
         if gate is not None:
             gate.reply_started(resp.content_length)

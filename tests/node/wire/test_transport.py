@@ -244,6 +244,12 @@ async def test_bytes_by_route_names_every_byte_sent() -> None:
         assert 300 < server.bytes_by_route["reply /echo"] < 300 + 512
         for t in (client, server):  # the routes add up to bytes_sent, nothing left out
             assert sum(t.bytes_by_route.values()) == t.bytes_sent
+        # one message a request and a reply: two Contributions and an echo each way
+        assert client.messages_by_route == {"/v1/fragments/*/rpc:Contribution": 2, "/echo": 1}
+        assert server.messages_by_route == {
+            "reply /v1/fragments/*/rpc:Contribution": 2,
+            "reply /echo": 1,
+        }
     finally:
         await client.close()
         await server.close()
