@@ -414,7 +414,11 @@ class Transport:
         self._kinds[id(request)] = kind
 
     def reply_route(self, request: web.Request) -> str:
-        """The route a reply to ``request`` is counted under in ``bytes_by_route``."""
+        """The route a reply to ``request`` is counted under in ``bytes_by_route``: a request
+        for a path no route serves counts under ``reply (no route)``, so a stranger's made-up
+        paths do not grow the counters."""
+        if request.match_info.http_exception is not None:
+            return "reply (no route)"
         kind = self._kinds.get(id(request))
         return f"reply {route_of(request.path)}" + (f":{kind}" if kind else "")
 

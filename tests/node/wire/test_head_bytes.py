@@ -73,3 +73,17 @@ async def test_counted_bytes_are_the_bytes_on_the_wire_and_no_unread_header_goes
         await server.close()
         assert relay.server is not None
         relay.server.close()
+
+
+async def test_made_up_paths_count_under_one_route() -> None:
+    server, client = await _served(), Transport()
+    await client.start()
+    try:
+        for path in ("/nowhere/a1", "/nowhere/b2", "/v1/x?y=1"):
+            async with client.reply("GET", server.url + path) as r:
+                assert r.status == 404
+        assert set(server.bytes_by_route) == {"reply (no route)"}
+        assert server.messages_by_route == {"reply (no route)": 3}
+    finally:
+        await client.close()
+        await server.close()
