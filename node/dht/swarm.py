@@ -6,7 +6,8 @@ newer version arrives), this peer's certificate, and the pieces that enforce the
 - ``admission``: the middleware that checks every incoming request's key and certificate
   (``node.wire.admission``); ``POST /v1/swarm/manifest`` is the one route a stranger may use,
   and only with the founder's signature in its head (below), and it is rate-limited.
-- ``headers(method, url)``: ``Atoll-Auth`` and ``Atoll-Certificate`` for our own requests.
+- ``headers(method, url)``: ``Atoll-Auth`` and ``Atoll-Certificate`` for our own requests (in an
+  open swarm no certificate, and neither header on the sealed DHT and RPC routes).
 - ``GET /v1/swarm/manifest``: the manifest's TOML, so ``atoll join --swarm ID`` can fetch it from
   any member and check it against the id.
 - ``POST /v1/swarm/manifest`` (``atoll swarm publish``): adopt a newer version signed by the
@@ -39,7 +40,7 @@ import msgpack
 import tomli_w
 from aiohttp import web
 
-from node.wire.admission import ADMITTED, Admission, Admitted, request_headers
+from node.wire.admission import ADMITTED, Admission, Admitted, request_headers, sealed_request
 from node.wire.transport import Busy, Transport
 from protocol.dht.netgroups import sender_key
 from protocol.dht.ratelimit import RateLimiter
@@ -130,9 +131,15 @@ class SwarmCredentials:
         transport.app.router.add_post(MANIFEST_PATH, self._on_post)
 
     def headers(self, method: str, url: str, recipient: bytes | None = None) -> dict[str, str]:
+        """``Atoll-Auth`` and, in a certified swarm, ``Atoll-Certificate`` for a request; none
+        for an open swarm's DHT and RPC requests, whose sealed bodies sign them
+        (``node.wire.admission.sealed_request``). An open swarm reads no certificate off a
+        request (a member's certificate travels in its record), so it is never sent there."""
+        if not self.certified and sealed_request(method, url):
+            return {}
         return request_headers(
             self.signer,
-            self._cert_header,
+            self._cert_header if self.certified else "",
             swarm=self.swarm_id,
             method=method,
             url=url,

@@ -158,10 +158,9 @@ async def answer(
     pointer names it in ``VERSION_HEADER``, so a learner asking for a final version knows which)."""
     if isinstance(decision, PointTo):
         stats.pointers += 1
-        return web.Response(
+        return web.Response(  # no Content-Type: a 303 from this route is a pointer (35 bytes)
             status=POINTER_STATUS,
             body=encode_pointer(decision.holders),
-            content_type="application/msgpack",
             headers={VERSION_HEADER: str(version)},
         )
     if isinstance(decision, Refuse):

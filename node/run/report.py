@@ -142,13 +142,21 @@ def build_report(
 
 def bytes_by_route(peers: list[dict[str, Any]], tokens: int) -> dict[str, dict[str, float]]:
     """Where the swarm's bytes went, largest first: per route (request path and message type, or
-    ``reply ...``), the bytes all peers sent and those bytes per trained token."""
+    ``reply ...``), the bytes all peers sent, those bytes per trained token and, from peers that
+    count them, the messages (requests or replies) sent."""
     total: dict[str, int] = {}
+    messages: dict[str, int] = {}
     for p in peers:
         for route, n in (p.get("bytes_by_route") or {}).items():
             total[route] = total.get(route, 0) + int(n)
+        for route, n in (p.get("messages_by_route") or {}).items():
+            messages[route] = messages.get(route, 0) + int(n)
     return {
-        route: {"bytes": n, "per_token": round(n / tokens, 4) if tokens else 0.0}
+        route: {
+            "bytes": n,
+            "per_token": round(n / tokens, 4) if tokens else 0.0,
+            **({"messages": messages[route]} if route in messages else {}),
+        }
         for route, n in sorted(total.items(), key=lambda kv: -kv[1])
     }
 

@@ -1005,6 +1005,8 @@ class PeerResult:
     shard: str = "none"
     # an FSDP island's rank 0: the most fragments it ever held whole at once (1: one at a time)
     most_fragments_gathered: int = 0
+    # requests and replies sent, by the routes of bytes_by_route
+    messages_by_route: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         """The fields by name, in order (JSON-ready; the report reads these names)."""
@@ -1078,6 +1080,7 @@ def peer_result(
         ranks=ranks or [],  # island_memory's: a collective, called by run_peer on every rank
         shard="none" if peer.work.world == 1 else opts.shard,
         most_fragments_gathered=peer.work.shards.most_open if peer.work.shards is not None else 0,
+        messages_by_route=dict(node.transport.messages_by_route),
     )
 
 

@@ -42,7 +42,7 @@ from protocol.errors import RemoteProtocolError
 from protocol.ids import peer_id_from_public_key
 from protocol.wire.certificates import CERT_HEADER
 from protocol.wire.membership import ManifestSigner, SwarmManifest
-from protocol.wire.request_auth import AUTH_HEADER, NONCE_BYTES, RequestAuth
+from protocol.wire.request_auth import AUTH_HEADER, NONCE_BYTES, RequestAuth, sealed_route
 from protocol.wire.request_checks import (
     ANONYMOUS,
     Admitted,
@@ -60,6 +60,7 @@ __all__ = [
     "Identification",
     "MemberAddresses",
     "request_headers",
+    "sealed_request",
     "unbound_ok",
 ]
 
@@ -100,6 +101,13 @@ def request_headers(
     if cert_header:
         out[CERT_HEADER] = cert_header
     return out
+
+
+def sealed_request(method: str, url: str) -> bool:
+    """Whether a request of ``method`` to ``url`` goes to a route that verifies its sealed body
+    (``protocol.wire.request_auth.sealed_route``): outside certified swarms it is sent without
+    ``Atoll-Auth`` and ``Atoll-Certificate``."""
+    return sealed_route(method, urlsplit(url).path)
 
 
 def unbound_ok(request: web.Request) -> bool:
@@ -242,6 +250,8 @@ class Identification:
         transport.admit_with(self.middleware)
 
     def headers(self, method: str, url: str, recipient: bytes | None = None) -> dict[str, str]:
+        if sealed_request(method, url):
+            return {}  # the envelope signs it; an unsigned request is served here all the same
         return request_headers(
             self.signer,
             "",

@@ -212,7 +212,17 @@ class _ServerLog(logging.LoggerAdapter):  # type: ignore[type-arg]
             super().exception(msg, *args, exc_info=exc_info, **kw)
 
 
-_AIOHTTP_HEADERS = 90  # "Date: ...", "Server: Python/3.x aiohttp/3.x" and "Content-Length: n" lines
+# Headers aiohttp adds that no peer reads (docs/scale_peers.md "Bytes a request"). A client's:
+# User-Agent, Accept and Accept-Encoding (our replies are never content-coded), and Content-Type
+# (a body is what its route says it is). A server's: Server and Date, and a Content-Type of
+# application/octet-stream, the meaning of a body without one (RFC 9110 8.3).
+SKIPPED_REQUEST_HEADERS = (hdrs.USER_AGENT, hdrs.ACCEPT, hdrs.ACCEPT_ENCODING, hdrs.CONTENT_TYPE)
+DROPPED_REPLY_HEADERS = (hdrs.SERVER, hdrs.DATE)
+_OCTETS = "application/octet-stream"
+# a reply's route, kept on its request until its head goes out (aiohttp >= 3.12 types request keys)
+_REPLY_ROUTE: Any = (
+    web.RequestKey("atoll_reply_route", str) if hasattr(web, "RequestKey") else "atoll_reply_route"
+)
 
 
 def _head_bytes(first_line: str, headers: Mapping[str, str]) -> int:
@@ -310,6 +320,8 @@ class Transport:
         # bytes_sent by what they were: a request's route (a path, or a message type) or
         # "reply <route>"; where a swarm's bytes go, for the report and bench.bandwidth
         self.bytes_by_route: Counter[str] = Counter()
+        # requests sent and reply heads written, by the same routes: what each one costs
+        self.messages_by_route: Counter[str] = Counter()
         self.bodies_in_flight: Counter[str] = (
             Counter()
         )  # request bodies being read, per address_key
@@ -379,6 +391,7 @@ class Transport:
         self._session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
             connector=aiohttp.TCPConnector(limit=64),
+            skip_auto_headers=SKIPPED_REQUEST_HEADERS,
         )
         return self.url
 
@@ -401,7 +414,11 @@ class Transport:
         self._kinds[id(request)] = kind
 
     def reply_route(self, request: web.Request) -> str:
-        """The route a reply to ``request`` is counted under in ``bytes_by_route``."""
+        """The route a reply to ``request`` is counted under in ``bytes_by_route``: a request
+        for a path no route serves counts under ``reply (no route)``, so a stranger's made-up
+        paths do not grow the counters."""
+        if request.match_info.http_exception is not None:
+            return "reply (no route)"
         kind = self._kinds.get(id(request))
         return f"reply {route_of(request.path)}" + (f":{kind}" if kind else "")
 
@@ -438,7 +455,7 @@ class Transport:
         route = route_of(urlsplit(url).path) + (f":{kind}" if kind else "")
         await self.link.before_send(url)
         opts = self.client_options(method, url)
-        headers = {"Content-Type": "application/octet-stream", **opts.pop("headers")}
+        headers = dict(opts.pop("headers"))
         if size is not None:
             headers["Content-Length"] = str(size)
         data = self._body(url, route, chunks) if size else None
@@ -451,6 +468,7 @@ class Transport:
                     route,
                     _head_bytes(f"{info.method} {info.url.raw_path_qs} HTTP/1.1", info.headers),
                 )
+                self.messages_by_route[route] += 1
                 length = resp.content_length if method != "HEAD" else 0
                 buf, used = await read_stream(
                     resp.content,
@@ -531,7 +549,16 @@ class Transport:
         return _Streaming(self.replies_in_flight, key)
 
     async def _reply_prepared(self, request: web.Request, resp: web.StreamResponse) -> None:
-        """A reply's head goes out (aiohttp's ``on_response_prepare``): its deadline starts."""
+        """A reply's head goes out (aiohttp's ``on_response_prepare``, after aiohttp filled in
+        its headers, before it writes them): the headers no peer reads come off, the head is
+        counted as written, and the reply's deadline starts."""
+        for name in DROPPED_REPLY_HEADERS:
+            resp.headers.popall(name, None)
+        if resp.headers.get(hdrs.CONTENT_TYPE) == _OCTETS:  # the default of a body without one
+            del resp.headers[hdrs.CONTENT_TYPE]
+        route = request.get(_REPLY_ROUTE) or self.reply_route(request)
+        self.count_sent(route, _head_bytes(f"HTTP/1.1 {resp.status} {resp.reason}", resp.headers))
+        self.messages_by_route[route] += 1
         gate = self.connections.gate(request.protocol)
         if gate is not None:
             gate.reply_started(resp.content_length)
@@ -639,16 +666,14 @@ class Transport:
             )
 
     def _count_reply(self, request: web.Request, resp: web.StreamResponse) -> None:
-        """Add a reply's head (and, for a reply not streamed by us, its body) to ``bytes_sent``:
-        streamed bodies are counted as they are written."""
+        """Add the body of a reply not streamed by us to ``bytes_sent`` (streamed bodies are
+        counted as they are written, every head as it goes out: ``_reply_prepared``), and keep
+        the reply's route for its head, which aiohttp writes after the route has returned."""
+        route = self.reply_route(request)
+        request[_REPLY_ROUTE] = route
         body = getattr(resp, "body", None) if not resp.prepared else None
-        size = len(body) if isinstance(body, bytes | bytearray | memoryview) else 0
-        # aiohttp adds Date, Server and Content-Length when it sends an unprepared reply's head
-        extra = 0 if resp.prepared else _AIOHTTP_HEADERS
-        self.count_sent(
-            self.reply_route(request),
-            size + extra + _head_bytes(f"HTTP/1.1 {resp.status} {resp.reason}", resp.headers),
-        )
+        if isinstance(body, bytes | bytearray | memoryview):
+            self.count_sent(route, len(body))
 
     @web.middleware
     async def _guard(

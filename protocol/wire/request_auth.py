@@ -18,6 +18,15 @@ bodies name their recipient themselves); anywhere else it is a 401 with the reas
 Version 1 headers (no recipient, no nonce) are refused with a 401 that says to upgrade, never
 taken silently.
 
+Outside certified swarms a client leaves both headers off the routes whose bodies are sealed
+envelopes (``sealed_route``: the DHT's and RPC's POSTs): the envelope signs the sender's key,
+the time, a nonce and the recipient, and the route verifies it (its replay window included)
+before it decodes the body, so the header added a second signature and ~630 bytes a request
+(with a certificate) and nothing a key minted for the purpose could not pass. Such a request is
+an anonymous one to admission, which open and development swarms serve (older peers did too),
+and the route checks the envelope's signer as before. A certified swarm keeps both headers: its
+admission refuses a request without a certificate before reading a byte of its body.
+
 Pure: text in, values or ``RemoteProtocolError`` out, ``now`` and the nonce passed in.
 """
 
@@ -40,7 +49,15 @@ from protocol.wire.membership import (
     verify_signature,
 )
 
-__all__ = ["AUTH_HEADER", "MAX_SKEW_S", "NONCE_BYTES", "AuthRefused", "ReplayCache", "RequestAuth"]
+__all__ = [
+    "AUTH_HEADER",
+    "MAX_SKEW_S",
+    "NONCE_BYTES",
+    "AuthRefused",
+    "ReplayCache",
+    "RequestAuth",
+    "sealed_route",
+]
 
 AUTH_DOMAIN = "atoll/request-auth/v2"
 AUTH_HEADER = "Atoll-Auth"
@@ -48,6 +65,19 @@ MAX_SKEW_S = 60.0  # a request's signed timestamp may be this far from the serve
 NONCE_BYTES = 16
 MAX_HEADER_CHARS = 384  # "v2", key, time, recipient, nonce and signature: ~270 characters
 NO_RECIPIENT = "-"
+
+
+def sealed_route(method: str, path: str) -> bool:
+    """Whether a request of ``method`` to ``path`` carries a sealed envelope that its route
+    verifies before decoding (``POST /v1/rpc``, ``POST /v1/dht`` and ``/v1/dht/<name>``): outside
+    certified swarms it needs no ``Atoll-Auth`` (see the module docstring)."""
+    if method.upper() != "POST":
+        return False
+    return (
+        path == "/v1/rpc"
+        or path == "/v1/dht"
+        or (path.startswith("/v1/dht/") and "/" not in path[len("/v1/dht/") :])
+    )
 
 
 class AuthRefused(RemoteProtocolError):

@@ -142,3 +142,37 @@ def test_auth_header_parse_never_crashes(text):
 def test_a_v2_shaped_header_parses_or_is_refused_with_a_reason(parts):
     with contextlib.suppress(DecodeError, Oversize):
         RequestAuth.parse(" ".join(["v2", *parts[1:]]))
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "sealed"),
+    [
+        ("POST", "/v1/rpc", True),
+        ("POST", "/v1/dht", True),
+        ("POST", "/v1/dht/17", True),
+        ("post", "/v1/dht", True),
+        ("GET", "/v1/dht", False),  # only a POST carries an envelope
+        ("GET", "/v1/rpc", False),
+        ("POST", "/v1/dht/17/x", False),  # not a DHT node's path
+        ("POST", "/v1/dhtx", False),
+        ("POST", "/v1/rpc/", False),
+        ("GET", "/v1/fragments/0/held", False),
+        ("GET", "/v1/fragments/0/next", False),
+        ("POST", "/v1/swarm/manifest", False),
+    ],
+)
+def test_only_the_dht_and_rpc_posts_are_sealed_routes(method: str, path: str, sealed: bool) -> None:
+    from protocol.wire.request_auth import sealed_route
+
+    assert sealed_route(method, path) is sealed
+
+
+@given(st.text(max_size=40), st.sampled_from(["GET", "POST", "PUT"]))
+@settings(max_examples=300)
+def test_a_sealed_route_is_always_one_that_takes_an_unbound_header(path: str, method: str) -> None:
+    """Leaving the header off never reaches a route that needs one naming its node."""
+    from protocol.wire.request_auth import sealed_route
+    from protocol.wire.request_checks import unbound_ok
+
+    if sealed_route(method, path):
+        assert unbound_ok(method.upper(), path)

@@ -22,6 +22,13 @@ def test_bytes_by_route_sums_the_peers_largest_first_per_trained_token() -> None
     assert routes["/v1/rpc:Contribution"] == {"bytes": 1000, "per_token": 1.0}
     assert routes["/v1/dht:FindValue"]["per_token"] == 0.05
     assert bytes_by_route(peers, tokens=0)["/v1/dht:FindValue"]["per_token"] == 0.0
+    # peers that count their messages add them; a route no peer counted has none
+    peers[0]["messages_by_route"] = {"/v1/rpc:Contribution": 3}
+    peers[1]["messages_by_route"] = {"/v1/rpc:Contribution": 2, "reply /v1/fragments/*/next": 4}
+    routes = bytes_by_route(peers, tokens=1000)
+    assert routes["/v1/rpc:Contribution"] == {"bytes": 1000, "per_token": 1.0, "messages": 5}
+    assert routes["reply /v1/fragments/*/next"]["messages"] == 4
+    assert "messages" not in routes["/v1/dht:FindValue"]
 
 
 def test_memory_keeps_a_thinned_curve_that_tells_a_late_peak_from_a_climb() -> None:

@@ -47,6 +47,7 @@ RESULT_FIELDS = [
     "ranks",
     "shard",
     "most_fragments_gathered",
+    "messages_by_route",
 ]
 
 

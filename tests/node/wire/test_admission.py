@@ -250,3 +250,57 @@ async def test_a_development_swarm_knows_who_asks_and_refuses_a_bad_or_foreign_s
     finally:
         for t in (signed, anon, foreign, stale, server):
             await t.close()
+
+
+def test_open_swarms_send_no_header_on_sealed_routes_and_no_certificate_anywhere() -> None:
+    """An open swarm's DHT and RPC requests go without Atoll-Auth (their envelopes sign them)
+    and its other requests without Atoll-Certificate (read by no open-swarm server); a certified
+    swarm's requests carry both everywhere (its admission refuses a request without them before
+    reading its body)."""
+    from protocol.wire.certificates import CERT_HEADER
+    from protocol.wire.request_auth import AUTH_HEADER
+
+    url = "http://127.0.0.1:9/v1"
+    for admission in ("open", "certified"):
+        swarm, who = Swarm(admission), key()
+        cred = SwarmCredentials(swarm.manifest, who, swarm.cert(who))
+        for method, path in (("POST", "/dht"), ("POST", "/dht/3"), ("POST", "/rpc")):
+            got = cred.headers(method, url + path, bytes(32))
+            assert set(got) == (set() if admission == "open" else {AUTH_HEADER, CERT_HEADER})
+        for method, path in (("GET", "/fragments/0/held?after=1"), ("GET", "/fragments/0/next")):
+            got = cred.headers(method, url + path, bytes(32))
+            assert set(got) == (
+                {AUTH_HEADER} if admission == "open" else {AUTH_HEADER, CERT_HEADER}
+            )
+
+
+async def test_an_open_swarm_serves_a_dht_request_sent_without_headers() -> None:
+    """The whole path: a client of an open swarm pings a DHT node with no Atoll-Auth (its
+    credentials leave it off) and is answered, its envelope verified."""
+    from node.dht.kademlia import DHTConfig, DHTNode
+    from node.dht.route import DHTRouter
+
+    swarm = Swarm("open")
+    server_key, client_key = key(), key()
+    server, cred = Transport("127.0.0.1", 0), SwarmCredentials(swarm.manifest, server_key, None)
+    cred.install(server)
+    router = DHTRouter(server)
+    await server.start()
+    node = DHTNode(server_key, server, router.url(), DHTConfig(maintenance_period_s=0))
+    router.mount(node)
+    client = Transport("127.0.0.1", 0)
+    SwarmCredentials(swarm.manifest, client_key, swarm.cert(client_key)).install(client)
+    await client.start()
+    asker = DHTNode(client_key, client, "", DHTConfig(maintenance_period_s=0))
+    try:
+        await node.start()
+        await asker.start()
+        assert await asker.ping(router.url()) is not None
+        assert cred.admission.admitted >= 1 and not cred.admission.refused
+        assert len(cred.admission.replays) == 0  # no Atoll-Auth came: nothing to remember
+        assert node.metrics.rpcs_in["Ping"] == 1
+    finally:
+        await asker.close()
+        await node.close()
+        await client.close()
+        await server.close()

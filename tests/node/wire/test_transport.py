@@ -120,10 +120,10 @@ async def test_streamed_round_trip_and_caps() -> None:
         assert status == 200 and bytes(memoryview(buf)[:used]) == payload
         client.pool.give(buf)
         assert server.bytes_received == len(payload)
-        # what went on the wire: the body and the request's head (its line and headers)
-        assert len(payload) + 100 < client.bytes_sent < len(payload) + 1024, client.bytes_sent
-        # the server sent the echoed body and a reply head
-        assert len(payload) + 50 < server.bytes_sent < len(payload) + 1024, server.bytes_sent
+        # what went on the wire: the body and the request's head (its line, Host, Content-Length)
+        assert len(payload) + 50 < client.bytes_sent < len(payload) + 1024, client.bytes_sent
+        # the server sent the echoed body and a reply head (status line, Content-Length)
+        assert len(payload) + 30 < server.bytes_sent < len(payload) + 1024, server.bytes_sent
         big = b"x" * (4 << 20)
         status, buf, used, _ = await client.request(
             "POST", f"{server.url}/echo", chunks=[big], size=len(big)
@@ -244,6 +244,12 @@ async def test_bytes_by_route_names_every_byte_sent() -> None:
         assert 300 < server.bytes_by_route["reply /echo"] < 300 + 512
         for t in (client, server):  # the routes add up to bytes_sent, nothing left out
             assert sum(t.bytes_by_route.values()) == t.bytes_sent
+        # one message a request and a reply: two Contributions and an echo each way
+        assert client.messages_by_route == {"/v1/fragments/*/rpc:Contribution": 2, "/echo": 1}
+        assert server.messages_by_route == {
+            "reply /v1/fragments/*/rpc:Contribution": 2,
+            "reply /echo": 1,
+        }
     finally:
         await client.close()
         await server.close()
