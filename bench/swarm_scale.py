@@ -87,7 +87,7 @@ __all__ = [
 
 ROOT = Path(__file__).resolve().parents[1]
 BOOTSTRAP_LOCAL = 2  # joined peers of its own worker a joiner also bootstraps from
-JOINS_AT_ONCE = 4  # joins in progress at once per worker (bootstrap to first reads)
+JOINS_AT_ONCE = 8  # joins in progress at once per worker (bootstrap to first reads)
 JOIN_TRIES = 4  # a failed join is retried with a new node this many times in all...
 JOIN_BACKOFF_S = 2.0  # ...after 2, 4, 8 s
 LEASE_S = 20.0  # a member record's ttl (``Membership.ttl_s``): an owner's lease
@@ -788,11 +788,29 @@ def summarize(cfg: Config, reports: list[dict[str, Any]]) -> dict[str, Any]:
         "versions_two_contents": two_contents(published),  # type: ignore[arg-type]
         "cpu": cpu_summary(reports),
         "joined": sum(1 for p in peers.values() if p["joined_at"] is not None),
+        # the first peers: seconds from a join's scheduled time to its end, and the last one's end
+        "join_latency_s": join_latency(cfg, schedule, peers),
         "join_retried": sum(1 for p in peers.values() if p.get("join_tries", 1) > 1),
         "failed": len(failures),
         "failures": dict(Counter(f[:120] for f in failures).most_common(4)),
         "steady_window_s": [lo, hi],
         "config": asdict(cfg),
+    }
+
+
+def join_latency(
+    cfg: Config, schedule: Schedule, peers: dict[str, dict[str, Any]]
+) -> dict[str, float | None]:
+    """Median and worst seconds from a first peer's scheduled join to its joining (a peer that
+    never joined counts as the run's end), and when the last of them joined."""
+    due = {str(e.slot): e.at for e in schedule.events if e.kind == "join" and e.slot < cfg.peers}
+    ends = [peers.get(s, {}).get("joined_at") for s in due]
+    waits = [(cfg.duration_s if t is None else t) - due[s] for s, t in zip(due, ends, strict=True)]
+    joined = [t for t in ends if t is not None]
+    return {
+        "median": round(statistics.median(waits), 1) if waits else None,
+        "max": round(max(waits), 1) if waits else None,
+        "last_joined_at": round(max(joined), 1) if len(joined) == len(due) else None,
     }
 
 
