@@ -401,11 +401,12 @@ class Worker:
                     await self.apply(ev, tg)
                 await asyncio.sleep(max(0.0, self.cfg.duration_s - self.now()))
                 sampler.cancel()
-                for peer in self.peers.values():
-                    if peer.gone_at is None:
-                        self.close_window(peer)
-                        await self.stop(peer, kill=True)
-                        peer.gone_at = None  # live to the end (the run's end is no churn)
+                live = [peer for peer in self.peers.values() if peer.gone_at is None]
+                for peer in live:
+                    self.close_window(peer)
+                await asyncio.gather(*(self.stop(peer, kill=True) for peer in live))
+                for peer in live:
+                    peer.gone_at = None  # live to the end (the run's end is no churn)
         finally:
             self.sampler.stop()
         return self.report()
