@@ -8,9 +8,12 @@ a seeded gradient (a drift every peer shares plus its own noise) and takes an SG
 the bytes the protocol puts on the wire (``Transport.bytes_by_route``) and the CPU the box has.
 
 Peers live ``--per-process`` to a worker process (one asyncio loop each, ``torch`` on one
-thread). The parent starts worker 0, whose first peer founds the swarm, then the others, which
-join through it. Every worker follows the same seeded schedule (``Schedule``), on a clock the
-parent sets: the first ``peers`` join, staggered over ``join_s``; the swarm trains; from
+thread). The parent starts every worker at once and, when all are up, sets the clock's start;
+worker 0's first peer founds the swarm. Each worker's first peer is its seed: seeds join through
+the founder, the other peers through their worker's seed and joined neighbours
+(``bootstrap_peers``), at most ``JOINS_AT_ONCE`` joins a worker at a time, a failed join retried.
+Every worker follows the same seeded schedule (``Schedule``): the first ``peers`` join, seeds
+first, staggered over ``join_s`` (``join_order``); the swarm trains; from
 ``churn_at`` on, each minute ``churn`` of the peers leaves (half said goodbye: ``stop_learning``
 then stop; half killed: the node's task cancelled, its record left to lapse) and as many new
 peers join; at ``duration_s`` everyone stops. Each worker samples its live peers every
@@ -33,6 +36,11 @@ The parent turns them into one case per swarm size (``summarize``):
                               of live peers that name the same owner; the mean
 ``peak_rss_mb``               the largest worker's peak RSS (``rss_mb_per_peer``: all workers'
                               peaks summed, per peer)
+``unowned_max_s``             the longest stretch in which no live peer ran an owner for a
+                              fragment (``owner_gaps``), against ``lease_s``
+``versions_two_contents``     versions published with more than one digest (``two_contents``)
+``cpu``                       each worker's share of a core over the steady window and where
+                              its loop's time went (``bench.swarm_scale_cpu``)
 
 Run from the repository root (a heavy run: see docs/scale_peers.md for the conditions)::
 
