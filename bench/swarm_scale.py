@@ -8,9 +8,12 @@ a seeded gradient (a drift every peer shares plus its own noise) and takes an SG
 the bytes the protocol puts on the wire (``Transport.bytes_by_route``) and the CPU the box has.
 
 Peers live ``--per-process`` to a worker process (one asyncio loop each, ``torch`` on one
-thread). The parent starts worker 0, whose first peer founds the swarm, then the others, which
-join through it. Every worker follows the same seeded schedule (``Schedule``), on a clock the
-parent sets: the first ``peers`` join, staggered over ``join_s``; the swarm trains; from
+thread). The parent starts every worker at once and, when all are up, sets the clock's start;
+worker 0's first peer founds the swarm. Each worker's first peer is its seed: seeds join through
+the founder, the other peers through their worker's seed and joined neighbours
+(``bootstrap_peers``), at most ``JOINS_AT_ONCE`` joins a worker at a time, a failed join retried.
+Every worker follows the same seeded schedule (``Schedule``): the first ``peers`` join, seeds
+first, staggered over ``join_s`` (``join_order``); the swarm trains; from
 ``churn_at`` on, each minute ``churn`` of the peers leaves (half said goodbye: ``stop_learning``
 then stop; half killed: the node's task cancelled, its record left to lapse) and as many new
 peers join; at ``duration_s`` everyone stops. Each worker samples its live peers every
@@ -33,6 +36,11 @@ The parent turns them into one case per swarm size (``summarize``):
                               of live peers that name the same owner; the mean
 ``peak_rss_mb``               the largest worker's peak RSS (``rss_mb_per_peer``: all workers'
                               peaks summed, per peer)
+``unowned_max_s``             the longest stretch in which no live peer ran an owner for a
+                              fragment (``owner_gaps``), against ``lease_s``
+``versions_two_contents``     versions published with more than one digest (``two_contents``)
+``cpu``                       each worker's share of a core over the steady window and where
+                              its loop's time went (``bench.swarm_scale_cpu``)
 
 Run from the repository root (a heavy run: see docs/scale_peers.md for the conditions)::
 
@@ -67,6 +75,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from bench.swarm_scale_cpu import StackSampler
 from node.config import RunConfig
 from node.diloco.island import Island
 from node.diloco.island_config import island_config
@@ -86,6 +95,10 @@ __all__ = [
 
 ROOT = Path(__file__).resolve().parents[1]
 BOOTSTRAP_LOCAL = 2  # joined peers of its own worker a joiner also bootstraps from
+JOINS_AT_ONCE = 8  # joins in progress at once per worker (bootstrap to first reads)
+JOIN_TRIES = 4  # a failed join is retried with a new node this many times in all...
+JOIN_BACKOFF_S = 2.0  # ...after 2, 4, 8 s
+LEASE_S = 20.0  # a member record's ttl (``Membership.ttl_s``): an owner's lease
 
 
 @dataclass(frozen=True)
@@ -131,12 +144,12 @@ class Schedule:
         owner = {i: cfg.owners <= 0 or i < cfg.owners for i in range(cfg.peers)}
         events = [
             Event(
-                at=cfg.join_s * i / max(1, cfg.peers - 1) if i else 0.0,
+                at=cfg.join_s * rank / max(1, cfg.peers - 1),
                 kind="join",
                 slot=i,
                 may_own=owner[i],
             )
-            for i in range(cfg.peers)
+            for rank, i in enumerate(join_order(cfg.peers, cfg.per_process))
         ]
         first_joined = cfg.join_s + cfg.settle_s
         end_steady = cfg.churn_at if cfg.churn_at > 0 else cfg.duration_s - 5.0
@@ -167,6 +180,18 @@ class Schedule:
     def worker_of(self, slot: int, per_process: int, workers: int) -> int:
         """First peers fill workers in order; churn joiners go round-robin."""
         return slot // per_process if slot < workers * per_process else slot % workers
+
+
+def join_order(peers: int, per_process: int) -> list[int]:
+    """The first peers' slots in the order they join: every worker's seed (its first slot; the
+    founder's is slot 0) first, then one peer of each worker in turn, so that every worker's
+    loop takes its share of the joins throughout ``join_s`` instead of one worker all of them."""
+    return sorted(range(peers), key=lambda slot: (slot % per_process, slot // per_process))
+
+
+def is_seed(slot: int, per_process: int) -> bool:
+    """A worker's first peer: it joins through the founder, its worker's other peers through it."""
+    return slot % per_process == 0
 
 
 # --- one worker: many peers on one loop ------------------------------------------------------
@@ -203,15 +228,24 @@ class Peer:
     node: PeerNode
     island: Island
     optimizer: torch.optim.Optimizer
+    box: list[PeerNode]  # the node the island submits to (a join retried gets a new one)
     may_own: bool = True
     serve: asyncio.Task[None] | None = None
     train: asyncio.Task[None] | None = None
     joined_at: float | None = None
     gone_at: float | None = None
+    join_tries: int = 0
+    opened_at: float = 0.0
+    closed_at: float = 0.0
     bytes_at_open: Counter[str] | None = None
     bytes_at_close: Counter[str] | None = None
+    rpcs_at_open: Counter[str] | None = None
+    rpcs_at_close: Counter[str] | None = None
     held: dict[int, int] = field(default_factory=dict)  # fragment -> newest version held
     first_held: dict[str, float] = field(default_factory=dict)  # "p:v" -> when first held
+    owning: dict[int, float] = field(default_factory=dict)  # fragment -> since when, now
+    owned: list[tuple[int, float, float]] = field(default_factory=list)  # (p, from, to) ended
+    published: list[tuple[int, int, str]] = field(default_factory=list)  # (p, v, digest)
 
 
 def build_peer(slot: int, cfg: Config, rcfg: RunConfig, *, may_own: bool = True) -> Peer:
@@ -228,20 +262,33 @@ def build_peer(slot: int, cfg: Config, rcfg: RunConfig, *, may_own: bool = True)
             net.submit(out)
 
     island = Island(model, optimizer, plan, submit, island_config(rcfg, optimizer))
-    signer = Signer.from_seed(random.Random(f"{cfg.seed}/{slot}").randbytes(32))
+    peer = Peer(slot, None, island, optimizer, box, may_own=may_own)  # type: ignore[arg-type]
+    fresh_node(peer, cfg, rcfg)
+    return peer
+
+
+def fresh_node(peer: Peer, cfg: Config, rcfg: RunConfig) -> None:
+    """A new ``PeerNode`` (same key, same island) for ``peer``: its first, or a join's retry."""
+    signer = Signer.from_seed(random.Random(f"{cfg.seed}/{peer.slot}").randbytes(32))
     # (NodeOptions() when every peer may own: the harness runs on trees before ``may_own`` too)
-    options = NodeOptions() if may_own else NodeOptions(may_own=False)
-    node = PeerNode(rcfg, signer, model, plan, options)
-    box.append(node)
-    return Peer(slot=slot, node=node, island=island, optimizer=optimizer, may_own=may_own)
+    options = NodeOptions() if peer.may_own else NodeOptions(may_own=False)
+    node = PeerNode(rcfg, signer, peer.island.model, peer.island.plan, options)
+    publish = node.ownership.on_publish  # read when an owner is made: every version is noted
+
+    def published(p: int, v: int, digest: bytes) -> None:
+        peer.published.append((p, v, digest.hex()[:32]))
+        publish(p, v, digest)
+
+    node.ownership.on_publish = published
+    peer.node = node
+    peer.box[:] = [node]
 
 
 async def train(peer: Peer, cfg: Config) -> None:
-    """Stand-in compute: a seeded gradient (shared drift + own noise), an SGD step, a wait."""
-    while not peer.node.joined.is_set():
+    """Stand-in compute: a seeded gradient (shared drift + own noise), an SGD step, a wait.
+    Starts once the peer's join succeeded (a retried join has a new node: ``peer.node``)."""
+    while not (peer.node.joined.is_set() and peer.node.failure is None):
         await asyncio.sleep(0.1)
-    if peer.node.failure is not None:
-        return
     peer.island.adopt_pending()  # the synced global fragments
     g = torch.Generator().manual_seed(peer.slot)
     drift = [
@@ -271,6 +318,62 @@ def is_control(route: str) -> bool:
     return not any(kind in r for kind in ("Contribution", "ReplicaState", "/v1/rpc"))
 
 
+def bootstrap_peers(
+    slot: int,
+    *,
+    seed: bool,
+    own_seed: str | None,
+    local: Sequence[str],
+    founder: str,
+    attempt: int = 0,
+) -> list[str]:
+    """The addresses a joiner bootstraps from (the first one also dials it back).
+
+    The founder (slot 0) founds; a worker's seed joins through the founder; every other joiner
+    through its worker's seed and up to ``BOOTSTRAP_LOCAL`` joined peers of its worker (``local``,
+    drawn by slot). The founder is named to a non-seed only when neither is there, or on a retry
+    (``attempt`` >= 1), last: so it answers at most one join per worker, not every one."""
+    if slot == 0:
+        return []
+    if seed:
+        return [founder]
+    rng = random.Random(slot * 1000 + attempt)
+    others = [u for u in local if u != own_seed]
+    picked = rng.sample(others, min(BOOTSTRAP_LOCAL, len(others)))
+    out = ([own_seed] if own_seed else []) + picked
+    return out + [founder] if attempt or not out else out
+
+
+def owner_gaps(
+    spans: Sequence[tuple[int, float, float]], fragments: int, start: float, end: float
+) -> dict[int, list[float]]:
+    """Per fragment, how long each stretch of [start, end] lasted in which no live peer ran an
+    owner for it; ``spans``: (fragment, from, to), one per owner a peer ran, any overlap."""
+    gaps: dict[int, list[float]] = {}
+    for p in range(fragments):
+        t, out = start, []
+        for _, lo, hi in sorted((s for s in spans if s[0] == p), key=lambda s: s[1]):
+            if hi <= t:
+                continue
+            if lo > t:
+                out.append(min(lo, end) - t)
+            t = max(t, hi)
+            if t >= end:
+                break
+        if t < end:
+            out.append(end - t)
+        gaps[p] = [round(g, 2) for g in out if g > 0]
+    return gaps
+
+
+def two_contents(published: Sequence[tuple[int, int, str]]) -> list[str]:
+    """The versions ("p:v") published with more than one content (digest), by any owners."""
+    digests: dict[str, set[str]] = defaultdict(set)
+    for p, v, digest in published:
+        digests[f"{p}:{v}"].add(digest)
+    return sorted(key for key, seen in digests.items() if len(seen) > 1)
+
+
 class Worker:
     """The peers of one process, on one loop, following the schedule for its slots."""
 
@@ -278,11 +381,15 @@ class Worker:
         self, cfg: Config, index: int, workers: int, t0: float, initial: list[str]
     ) -> None:
         self.cfg, self.index, self.workers, self.t0 = cfg, index, workers, t0
-        self.initial = initial
+        self.founder = initial[0] if initial else ""
         self.schedule = Schedule.of(cfg)
         self.rcfg = run_config(cfg)
         self.peers: dict[int, Peer] = {}
         self.samples: list[dict[str, Any]] = []
+        self.join_slots = asyncio.Semaphore(JOINS_AT_ONCE)
+        self.sampler = StackSampler()
+        self.cpu_window: list[float] = []  # [CPU s at the window's open, wall s then, ...close]
+        self.load: list[float] = []  # the box's 1-min load average at the window's open, close
 
     def mine(self, slot: int) -> bool:
         return self.schedule.worker_of(slot, self.cfg.per_process, self.workers) == self.index
@@ -291,20 +398,25 @@ class Worker:
         return time.time() - self.t0
 
     async def run(self) -> dict[str, Any]:
-        async with asyncio.TaskGroup() as tg:
-            sampler = tg.create_task(self.sample_loop())
-            for ev in self.schedule.events:
-                if not self.mine(ev.slot):
-                    continue
-                await asyncio.sleep(max(0.0, ev.at - self.now()))
-                await self.apply(ev, tg)
-            await asyncio.sleep(max(0.0, self.cfg.duration_s - self.now()))
-            sampler.cancel()
-            for peer in self.peers.values():
-                if peer.gone_at is None:
+        self.sampler.start()
+        try:
+            async with asyncio.TaskGroup() as tg:
+                sampler = tg.create_task(self.sample_loop())
+                for ev in self.schedule.events:
+                    if not self.mine(ev.slot):
+                        continue
+                    await asyncio.sleep(max(0.0, ev.at - self.now()))
+                    await self.apply(ev, tg)
+                await asyncio.sleep(max(0.0, self.cfg.duration_s - self.now()))
+                sampler.cancel()
+                live = [peer for peer in self.peers.values() if peer.gone_at is None]
+                for peer in live:
                     self.close_window(peer)
-                    await self.stop(peer, kill=True)
+                await asyncio.gather(*(self.stop(peer, kill=True) for peer in live))
+                for peer in live:
                     peer.gone_at = None  # live to the end (the run's end is no churn)
+        finally:
+            self.sampler.stop()
         return self.report()
 
     async def apply(self, ev: Event, tg: asyncio.TaskGroup) -> None:
@@ -312,33 +424,59 @@ class Worker:
             peer = self.peers[ev.slot] = build_peer(
                 ev.slot, self.cfg, self.rcfg, may_own=ev.may_own
             )
-            peer.serve = tg.create_task(self.serve(peer, self.initial_peers(ev.slot)))
+            peer.serve = tg.create_task(self.serve(peer))
             peer.train = tg.create_task(train(peer, self.cfg))
             if ev.slot == 0:  # the founder: the others join through it
                 while not peer.node.ready.is_set():
                     await asyncio.sleep(0.05)
-                self.initial = [peer.node.url]
+                self.founder = peer.node.url
                 print(json.dumps({"founder": peer.node.url}), flush=True)
             return
         peer = self.peers[ev.slot]
         self.close_window(peer)
         await self.stop(peer, kill=ev.kind == "kill")
 
-    def initial_peers(self, slot: int) -> list[str]:
-        """The founder and up to ``BOOTSTRAP_LOCAL`` live peers of this worker that have joined,
-        drawn by ``slot``: one founder alone cannot answer hundreds of joins in a few seconds
-        (its loop is shared with its worker's other peers)."""
-        joined = [
-            p.node.url
+    def initial_peers(self, slot: int, attempt: int) -> list[str]:
+        """``bootstrap_peers`` for ``slot`` from this worker's live, joined peers."""
+        per = self.cfg.per_process
+        live = [
+            p
             for p in self.peers.values()
             if p.gone_at is None and p.joined_at is not None and p.slot != slot
         ]
-        rng = random.Random(slot)
-        return [*rng.sample(joined, min(BOOTSTRAP_LOCAL, len(joined))), *self.initial]
+        seed = next(
+            (p.node.url for p in live if p.slot < self.cfg.peers and is_seed(p.slot, per)), None
+        )
+        return bootstrap_peers(
+            slot,
+            seed=slot < self.cfg.peers and is_seed(slot, per),
+            own_seed=seed,
+            local=[p.node.url for p in live],
+            founder=self.founder,
+            attempt=attempt,
+        )
 
-    async def serve(self, peer: Peer, initial: list[str]) -> None:
+    async def serve(self, peer: Peer) -> None:
+        """Join (at most ``JOINS_AT_ONCE`` of this worker's peers at a time), retrying a failed
+        join ``JOIN_TRIES`` times with a new node, backing off; then serve until stopped."""
+        for attempt in range(JOIN_TRIES):
+            peer.join_tries = attempt + 1
+            if attempt:
+                await asyncio.sleep(JOIN_BACKOFF_S * 2 ** (attempt - 1))
+                fresh_node(peer, self.cfg, self.rcfg)
+            async with asyncio.TaskGroup() as tg, self.join_slots:
+                node = peer.node
+                initial = self.initial_peers(peer.slot, attempt)
+                task = tg.create_task(self.serve_once(node, peer.island, initial))
+                while not node.joined.is_set() and not task.done():
+                    await asyncio.sleep(0.05)
+            if node.failure is None or peer.gone_at is not None:
+                return  # served until stopped (or stopped while joining)
+
+    @staticmethod
+    async def serve_once(node: PeerNode, island: Island, initial: list[str]) -> None:
         with contextlib.suppress(Exception):
-            await peer.node.serve(peer.island, initial)
+            await node.serve(island, initial)
 
     async def stop(self, peer: Peer, *, kill: bool) -> None:
         peer.gone_at = self.now()
@@ -355,26 +493,47 @@ class Worker:
         with contextlib.suppress(BaseException):
             async with asyncio.timeout(15.0):
                 await peer.serve
+        self.note_owners(peer, self.now(), stopped=True)
 
     def close_window(self, peer: Peer) -> None:
         if peer.bytes_at_open is not None and peer.bytes_at_close is None:
             peer.bytes_at_close = Counter(peer.node.transport.bytes_by_route)
-            peer.bytes_closed_at = self.now()  # type: ignore[attr-defined]
+            peer.rpcs_at_close = rpcs_out(peer.node)
+            peer.closed_at = self.now()
+
+    def open_cpu_window(self, t: float) -> None:
+        if not self.cpu_window:
+            self.cpu_window = [cpu_seconds(), t]
+            self.load = [os.getloadavg()[0]]
+            self.sampler.counting.set()
+
+    def close_cpu_window(self, t: float) -> None:
+        if len(self.cpu_window) == 2:
+            self.cpu_window += [cpu_seconds(), t]
+            self.load.append(os.getloadavg()[0])
+            self.sampler.counting.clear()
 
     async def sample_loop(self) -> None:
-        """Poll held versions often (spread timing), the rest every ``sample_s``."""
+        """Poll held versions and owners often (spread timing, unowned time), the rest every
+        ``sample_s``."""
         lo, hi = self.schedule.steady
         next_sample = 0.0
         while True:
             t = self.now()
+            if lo <= t < hi:
+                self.open_cpu_window(t)
+            elif t >= hi:
+                self.close_cpu_window(t)
             for peer in self.peers.values():
                 if peer.gone_at is None and peer.node.joined.is_set() and peer.node.net is not None:
                     if peer.joined_at is None:
                         peer.joined_at = t
                     self.note_versions(peer, t)
+                    self.note_owners(peer, t)
                     if lo <= t < hi and peer.bytes_at_open is None:
                         peer.bytes_at_open = Counter(peer.node.transport.bytes_by_route)
-                        peer.bytes_opened_at = t  # type: ignore[attr-defined]
+                        peer.rpcs_at_open = rpcs_out(peer.node)
+                        peer.opened_at = t
                     if t >= hi:
                         self.close_window(peer)
             if t >= next_sample:
@@ -391,6 +550,15 @@ class Worker:
                 for v in range(had + 1, version + 1):
                     peer.first_held.setdefault(f"{p}:{v}", t)
                 peer.held[p] = version
+
+    @staticmethod
+    def note_owners(peer: Peer, t: float, *, stopped: bool = False) -> None:
+        """Which fragments the peer runs an owner for now: spans open and close."""
+        now = set() if stopped else set(peer.node.owners)
+        for p in now - peer.owning.keys():
+            peer.owning[p] = t
+        for p in set(peer.owning) - now:
+            peer.owned.append((p, peer.owning.pop(p), t))
 
     def sample(self, t: float) -> dict[str, Any]:
         owners: dict[str, list[str]] = {}
@@ -409,34 +577,74 @@ class Worker:
 
     def report(self) -> dict[str, Any]:
         peers = {}
+        end = self.now()
         for peer in self.peers.values():
             opened, closed = peer.bytes_at_open, peer.bytes_at_close
             window = None
             if opened is not None and closed is not None:
-                span = peer.bytes_closed_at - peer.bytes_opened_at  # type: ignore[attr-defined]
-                window = {"s": span, "bytes": dict(closed - opened)}
+                window = {
+                    "s": peer.closed_at - peer.opened_at,
+                    "bytes": dict(closed - opened),
+                    "rpcs": dict(
+                        (peer.rpcs_at_close or Counter()) - (peer.rpcs_at_open or Counter())
+                    ),
+                }
+            owned = peer.owned + [(p, since, end) for p, since in peer.owning.items()]
             peers[str(peer.slot)] = {
                 "joined_at": peer.joined_at,
                 "may_own": peer.may_own,
                 "gone_at": peer.gone_at,
+                "join_tries": peer.join_tries,
                 "window": window,
                 "first_held": peer.first_held,
+                "owned": owned,
+                "published": peer.published,
                 "failure": repr(peer.node.failure) if peer.node.failure is not None else None,
             }
         rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        cpu = self.cpu_window
         return {
             "worker": self.index,
             "peers": peers,
             "samples": self.samples,
             "peak_rss_mb": rss_kb / 1024,
+            "cpu_share": (cpu[2] - cpu[0]) / (cpu[3] - cpu[1]) if len(cpu) == 4 else None,
+            "load_average": self.load,
+            "stacks": self.sampler.report(),
         }
 
 
-def worker_main(cfg: Config, index: int, workers: int, t0: float, initial: list[str]) -> None:
+def rpcs_out(node: PeerNode) -> Counter[str]:
+    """DHT requests this node sent so far, by message type."""
+    return Counter(node.dht.metrics.rpcs_out) if node.dht is not None else Counter()
+
+
+def cpu_seconds() -> float:
+    """User and system CPU seconds this process used so far."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def worker_main(cfg: Config, index: int, workers: int) -> None:
+    """One worker: warm up, say so, take the clock's start (and the founder's address) from the
+    parent on stdin, then run the schedule and print the report as the last line."""
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.ERROR, stream=sys.stderr)
+    warm_up(cfg)
+    print(json.dumps({"up": index}), flush=True)
+    t0 = json.loads(sys.stdin.readline())["t0"]
+    initial = [json.loads(sys.stdin.readline())["founder"]] if index else []
     out = asyncio.run(Worker(cfg, index, workers, t0, initial).run())
     print(json.dumps(out), flush=True)
+
+
+def warm_up(cfg: Config) -> None:
+    """Build a peer and take a step off the clock: the imports a first peer and a first step
+    pull in (torch's optimizer pulls in sympy) would otherwise land in the measured window."""
+    peer = build_peer(-1, cfg, run_config(cfg))
+    for p in peer.island.model.parameters():
+        p.grad = torch.zeros_like(p)
+    peer.optimizer.step()
 
 
 # --- the parent: start workers, merge their reports ------------------------------------------
@@ -544,6 +752,16 @@ def summarize(cfg: Config, reports: list[dict[str, Any]]) -> dict[str, Any]:
         horizon_s=min(60.0, cfg.duration_s / 4),
     )
     versions = {v for p in peers.values() for v in p["first_held"]}
+    rpc_rates: Counter[str] = Counter()
+    for p in peers.values():
+        w = p["window"]
+        if w is not None and w["s"] > 0:
+            for kind, n in w.get("rpcs", {}).items():
+                rpc_rates[kind] += n / w["s"] / measured
+    spans = [tuple(span) for p in peers.values() for span in p.get("owned", [])]
+    firsts = [span[1] for span in spans]
+    gaps = owner_gaps(spans, cfg.fragments, min(firsts), cfg.duration_s - 1.0) if firsts else {}
+    published = [tuple(x) for p in peers.values() for x in p.get("published", [])]
     failures = [
         p["failure"] for p in peers.values() if p["failure"] and "Cancelled" not in p["failure"]
     ]
@@ -569,7 +787,19 @@ def summarize(cfg: Config, reports: list[dict[str, Any]]) -> dict[str, Any]:
         "owner_agreement": owner_agreement(calm_owners, cfg.fragments),
         "peak_rss_mb": round(max(r["peak_rss_mb"] for r in reports), 1),
         "rss_mb_per_peer": round(sum(r["peak_rss_mb"] for r in reports) / schedule.slots, 2),
+        "dht_requests_per_peer_s": {k: round(v, 3) for k, v in rpc_rates.most_common()},
+        # a fragment with no live peer running an owner for it, from its first owner on
+        "unowned_max_s": max((max(g, default=0.0) for g in gaps.values()), default=None),
+        "unowned_s_by_fragment": {str(p): round(sum(g), 1) for p, g in gaps.items()},
+        "unowned_gaps_over_lease": sum(1 for g in gaps.values() for x in g if x > LEASE_S),
+        "lease_s": LEASE_S,
+        "versions_published": len({(p, v) for p, v, _ in published}),
+        "versions_two_contents": two_contents(published),  # type: ignore[arg-type]
+        "cpu": cpu_summary(reports),
         "joined": sum(1 for p in peers.values() if p["joined_at"] is not None),
+        # the first peers: seconds from a join's scheduled time to its end, and the last one's end
+        "join_latency_s": join_latency(cfg, schedule, peers),
+        "join_retried": sum(1 for p in peers.values() if p.get("join_tries", 1) > 1),
         "failed": len(failures),
         "failures": dict(Counter(f[:120] for f in failures).most_common(4)),
         "steady_window_s": [lo, hi],
@@ -577,21 +807,70 @@ def summarize(cfg: Config, reports: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def join_latency(
+    cfg: Config, schedule: Schedule, peers: dict[str, dict[str, Any]]
+) -> dict[str, float | None]:
+    """Median and worst seconds from a first peer's scheduled join to its joining (a peer that
+    never joined counts as the run's end), and when the last of them joined."""
+    due = {str(e.slot): e.at for e in schedule.events if e.kind == "join" and e.slot < cfg.peers}
+    ends = [peers.get(s, {}).get("joined_at") for s in due]
+    waits = [(cfg.duration_s if t is None else t) - due[s] for s, t in zip(due, ends, strict=True)]
+    joined = [t for t in ends if t is not None]
+    return {
+        "median": round(statistics.median(waits), 1) if waits else None,
+        "max": round(max(waits), 1) if waits else None,
+        "last_joined_at": round(max(joined), 1) if len(joined) == len(due) else None,
+    }
+
+
+def cpu_summary(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """The workers' CPU over the steady window: each one's share of a core, the box's load,
+    and what the sampled stacks were doing (shares of all looks, ``idle`` included)."""
+    shares = [r["cpu_share"] for r in reports if r.get("cpu_share") is not None]
+    activities: Counter[str] = Counter()
+    modules: Counter[str] = Counter()
+    for r in reports:
+        stacks = r.get("stacks") or {}
+        activities.update(stacks.get("by_activity", {}))
+        modules.update(stacks.get("by_module", {}))
+    looks = sum(activities.values()) or 1
+    busy = sum(modules.values()) or 1
+    return {
+        "core_share_per_process": [round(x, 3) for x in shares],
+        "cores_in_all": round(sum(shares), 2),
+        "load_average": [r.get("load_average") for r in reports[:1]],
+        "by_activity": {k: round(n / looks, 3) for k, n in activities.most_common(16)},
+        "busy_by_module": {k: round(n / busy, 3) for k, n in modules.most_common(12)},
+    }
+
+
 def run_case(cfg: Config) -> dict[str, Any]:
+    """Start every worker at once; when all are up (imports done, a peer built), set the clock's
+    start and tell them; hand worker 0's founder address to the others once it founded."""
     workers = max(1, math.ceil(cfg.peers / cfg.per_process))
-    t0 = time.time() + 3.0
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     spec = json.dumps(asdict(cfg))
-
-    def start(index: int, initial: list[str]) -> subprocess.Popen[str]:
-        args = [sys.executable, "-m", "bench.swarm_scale", "--worker", spec, str(index),
-                str(workers), repr(t0), json.dumps(initial)]  # fmt: skip
-        return subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
-
-    procs = [start(0, [])]
-    assert procs[0].stdout is not None
-    founder = json.loads(procs[0].stdout.readline())["founder"]
-    procs += [start(i, [founder]) for i in range(1, workers)]
+    args = [sys.executable, "-m", "bench.swarm_scale", "--worker", spec, str(workers)]
+    procs = [
+        subprocess.Popen(
+            [*args, str(i)],
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for i in range(workers)
+    ]
+    for proc in procs:
+        assert proc.stdout is not None and proc.stdin is not None
+        json.loads(proc.stdout.readline())  # {"up": index}
+    t0 = time.time() + 1.0
+    for proc in procs:
+        tell(proc, {"t0": t0})
+    founder = json.loads(procs[0].stdout.readline())["founder"]  # type: ignore[union-attr]
+    for proc in procs[1:]:
+        tell(proc, {"founder": founder})
     reports = []
     for proc in procs:
         out, _ = proc.communicate(timeout=cfg.duration_s + 300)
@@ -601,13 +880,17 @@ def run_case(cfg: Config) -> dict[str, Any]:
     return summarize(cfg, reports)
 
 
+def tell(proc: subprocess.Popen[str], what: dict[str, Any]) -> None:
+    assert proc.stdin is not None
+    proc.stdin.write(json.dumps(what) + "\n")
+    proc.stdin.flush()
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--worker":
-        spec, index, workers, t0, initial = argv[1:6]
-        worker_main(
-            Config(**json.loads(spec)), int(index), int(workers), float(t0), json.loads(initial)
-        )
+        spec, workers, index = argv[1:4]
+        worker_main(Config(**json.loads(spec)), int(index), int(workers))
         return
     d = Config()
     ap = argparse.ArgumentParser(

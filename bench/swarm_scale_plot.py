@@ -1,4 +1,5 @@
-"""The scaling plot of ``bench.swarm_scale`` runs: control bytes, spread and views per swarm size.
+"""The scaling plot of ``bench.swarm_scale`` runs: control bytes, views, spread and owner agreement
+per swarm size.
 
     python -m bench.swarm_scale_plot docs/scale_peers.png today=base.json bounded=new.json
 
@@ -19,6 +20,7 @@ PANELS = (
     ("control_bytes_per_peer_s", "control bytes / peer / s"),
     ("member_view", "members in a peer's view (mean)"),
     ("spread_p99_s", "s until 99 % of learners hold a version (median)"),
+    ("owner_agreement", "owner agreement (pairs naming the same owner)"),
 )
 
 
@@ -43,7 +45,7 @@ def plot_cases(series: dict[str, list[dict[str, Any]]], png: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 4))
+    fig, axes = plt.subplots(1, len(PANELS), figsize=(4.5 * len(PANELS), 4))
     for ax, (field, title) in zip(axes, PANELS, strict=True):
         for label, cases in series.items():
             pts = [(c["peers"], c[field]) for c in cases if c.get(field) is not None]

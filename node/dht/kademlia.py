@@ -24,6 +24,8 @@ table only when the reply comes back signed by its key (``metrics.claims`` count
 a node not started yet only queues claims). A flood of claims costs at most ``claim_rate`` pings a
 second, one per address per ``claim_retry_s`` when it does not answer, and fills at most its
 IP's fair share of the ``max_claims`` queue; honest peers also enter by answering our lookups.
+A claim that answered our ping stays proven for ``claim_retry_s`` (at most ``PROVEN_KEPT``): its
+requests count as seen without another ping, though its bucket had no room for it.
 When a full bucket asks for a ``PingCandidate`` the node pings the bucket's oldest contact in its
 own ``TaskGroup`` and reports ``on_ping_result``, unless it heard from that contact within
 ``ping_fresh_s`` (the lazy probing of section 4.1: it is alive, no ping needed). With no task
@@ -49,6 +51,7 @@ import logging
 import os
 import random
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -90,6 +93,8 @@ T = TypeVar("T")
 __all__ = ["DHTConfig", "DHTMetrics", "DHTNode", "Maintenance", "RateLimited"]
 
 log = logging.getLogger(__name__)
+
+PROVEN_KEPT = 4096  # claims remembered as proven (bounded: one entry per peer id)
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +187,9 @@ class DHTNode:
         self._tasks: set[asyncio.Task[None]] = set()
         self._pings = 0
         self._heard: dict[bytes, float] = {}  # contacts in the table: when last heard from
+        # claims that answered our ping: peer id -> (address, when); in a swarm larger than the
+        # table holds, those that did not fit would otherwise be pinged at every request
+        self._proven: OrderedDict[bytes, tuple[str, float]] = OrderedDict()
 
     # ── lifecycle ───────────────────────────────────────────────────────────────────────────
 
@@ -309,7 +317,7 @@ class DHTNode:
         """A request's sender: seen if the table holds it at that address, else a claim to ping."""
         if not sender.address:
             return
-        if self.routing.holds(sender):
+        if self.routing.holds(sender) or self._proven_lately(sender):
             self._seen(sender)
             return
         outcome = self.claims.offer(sender, source, self.clock())
@@ -336,8 +344,22 @@ class DHTNode:
         )
         answered = not isinstance(reply, Failure)  # the caller saw it: it is in the table now
         self.claims.done(contact, answered, self.clock())
+        if answered:
+            self._proven[contact.peer_id] = (contact.address, self.clock())
+            self._proven.move_to_end(contact.peer_id)
+            while len(self._proven) > PROVEN_KEPT:
+                self._proven.popitem(last=False)
         self.metrics.claims["answered" if answered else "unanswered"] += 1
         self._claimed.set()
+
+    def _proven_lately(self, sender: PeerInfo) -> bool:
+        """Whether ``sender`` answered our ping at this address within ``claim_retry_s``."""
+        proven = self._proven.get(sender.peer_id)
+        return (
+            proven is not None
+            and proven[0] == sender.address
+            and self.clock() - proven[1] < self.config.claim_retry_s
+        )
 
     def _seen(self, contact: PeerInfo) -> None:
         now = self.clock()

@@ -10,7 +10,19 @@ from pathlib import Path
 
 import pytest
 
-from bench.swarm_scale import Config, Schedule, is_control, owner_agreement, spread_times, summarize
+from bench.swarm_scale import (
+    Config,
+    Schedule,
+    bootstrap_peers,
+    is_control,
+    join_order,
+    owner_agreement,
+    owner_gaps,
+    spread_times,
+    summarize,
+    two_contents,
+)
+from bench.swarm_scale_cpu import activity_of, module_of
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -76,6 +88,86 @@ def test_schedule_churns_the_share_asked_for_and_keeps_the_founder() -> None:
     assert Schedule.of(cfg) == s  # every worker derives the same one
 
 
+def test_every_workers_seed_joins_first_then_the_workers_take_turns() -> None:
+    order = join_order(10, per_process=4)  # workers of slots 0-3, 4-7, 8-9
+    assert order[:3] == [0, 4, 8]  # the founder, then the other workers' seeds
+    assert order == [0, 4, 8, 1, 5, 9, 2, 6, 3, 7]
+    joins = [e for e in Schedule.of(Config(peers=10, per_process=4, join_s=9.0)).events]
+    assert [e.slot for e in joins] == order and joins[-1].at == 9.0
+
+
+def test_joiners_bootstrap_from_their_seed_and_the_founder_only_as_a_fallback() -> None:
+    local = ["http://s", "http://a", "http://b", "http://c"]
+    assert bootstrap_peers(0, seed=True, own_seed=None, local=[], founder="http://f") == []
+    assert bootstrap_peers(8, seed=True, own_seed=None, local=local, founder="http://f") == [
+        "http://f"
+    ]
+    first = bootstrap_peers(9, seed=False, own_seed="http://s", local=local, founder="http://f")
+    assert first[0] == "http://s" and len(first) == 3 and "http://f" not in first
+    assert len(set(first)) == 3 and set(first) <= set(local)
+    # nobody of its worker joined yet: the founder; a retry names the founder last
+    alone = bootstrap_peers(9, seed=False, own_seed=None, local=[], founder="http://f")
+    assert alone == ["http://f"]
+    retry = bootstrap_peers(
+        9, seed=False, own_seed="http://s", local=local, founder="http://f", attempt=1
+    )
+    assert retry[0] == "http://s" and retry[-1] == "http://f"
+
+
+def test_unowned_stretches_are_the_gaps_between_any_peers_owner_spans() -> None:
+    spans = [(0, 0.0, 50.0), (0, 45.0, 60.0), (0, 85.0, 100.0), (1, 10.0, 100.0)]
+    gaps = owner_gaps(spans, 3, start=0.0, end=100.0)
+    assert gaps[0] == [25.0]  # 60 -> 85: nobody ran fragment 0's owner
+    assert gaps[1] == [10.0]  # before its first owner (from start)
+    assert gaps[2] == [100.0]  # never owned
+    assert owner_gaps([(0, 0.0, 40.0)], 1, start=0.0, end=100.0) == {0: [60.0]}
+
+
+def test_a_version_with_two_digests_is_named() -> None:
+    published = [(0, 1, "aa"), (0, 1, "aa"), (0, 2, "bb"), (0, 2, "cc"), (1, 2, "dd")]
+    assert two_contents(published) == ["0:2"]
+    assert two_contents([]) == []
+
+
+def test_cpu_looks_are_named_by_the_task_they_ran_in() -> None:
+    loop = [
+        ("/x/bench/swarm_scale.py", "worker_main"),
+        ("/usr/lib/python3.11/asyncio/base_events.py", "BaseEventLoop._run_once"),
+        ("/usr/lib/python3.11/asyncio/events.py", "Handle._run"),
+    ]
+    idle = [*loop[:2], ("/usr/lib/python3.11/selectors.py", "EpollSelector.select")]
+    assert activity_of(idle) == "idle"
+    member = [
+        *loop,
+        ("/r/node/peer/node.py", "PeerNode._membership_loop"),
+        ("/r/node/dht/membership.py", "Membership.refresh"),
+        ("/r/protocol/wire/signing.py", "verify"),
+    ]
+    assert activity_of(member).startswith("membership loop")
+    assert module_of(member) == "protocol/wire/signing.py"
+    served = [
+        *loop,
+        ("/v/site-packages/aiohttp/web_protocol.py", "RequestHandler._handle_request"),
+        ("/r/node/wire/transport.py", "Transport._guard"),
+        ("/r/node/dht/route.py", "DHTRouter.handle"),
+        ("/r/node/dht/kademlia.py", "DHTNode._on_find_node"),
+        ("/v/site-packages/msgpack/fallback.py", "Packer.pack"),
+    ]
+    assert activity_of(served) == "serve DHT FindNode" and module_of(served) == "msgpack"
+    wrapped = [*loop, ("/r/bench/swarm_scale.py", "Worker.serve"), *member[3:]]
+    assert activity_of(wrapped) == activity_of(member)  # the harness's wrapper is not the task
+    fetch = [
+        *loop,
+        ("/r/node/wire/admission.py", "Checked.middleware"),
+        ("/r/node/wire/transport.py", "Transport._guard"),
+        ("/r/node/peer/serving.py", "VersionServer.on_fetch"),
+    ]
+    assert activity_of(fetch) == "serve VersionServer.on_fetch"
+    assert activity_of(fetch[:-1]) == "serve (admission, transport)"
+    parsing = [*loop, ("/v/site-packages/aiohttp/web_protocol.py", "data_received")]
+    assert activity_of(parsing) == "aiohttp/asyncio"
+
+
 def test_summarize_divides_control_bytes_by_each_peers_window() -> None:
     cfg = Config(peers=2, duration_s=100.0, join_s=1.0, settle_s=1.0, sample_s=2.0)
     peer = {
@@ -83,6 +175,7 @@ def test_summarize_divides_control_bytes_by_each_peers_window() -> None:
         "gone_at": None,
         "failure": None,
         "first_held": {},
+        "published": [[0, 1, "aa"]],
     }
     reports = [
         {
@@ -92,6 +185,7 @@ def test_summarize_divides_control_bytes_by_each_peers_window() -> None:
             "peers": {
                 "0": {
                     **peer,
+                    "owned": [[p, 1.0, 100.0] for p in range(4)],
                     "window": {
                         "s": 10.0,
                         "bytes": {"/v1/dht:Store": 500, "/v1/rpc:Contribution": 90},
@@ -104,7 +198,16 @@ def test_summarize_divides_control_bytes_by_each_peers_window() -> None:
             "peak_rss_mb": 200.0,
             "samples": [{"t": 10.5, "owners": {"1": ["x"] * 4}, "views": {"1": 1}}],
             "peers": {
-                "1": {**peer, "window": {"s": 20.0, "bytes": {"reply /v1/dht:FindValue": 2000}}}
+                "1": {
+                    **peer,
+                    "published": [[0, 1, "bb"], [3, 5, "cc"]],
+                    "owned": [[0, 30.0, 50.0]],
+                    "window": {
+                        "s": 20.0,
+                        "bytes": {"reply /v1/dht:FindValue": 2000},
+                        "rpcs": {"FindValue": 40},
+                    },
+                }
             },
         },
     ]
@@ -114,6 +217,9 @@ def test_summarize_divides_control_bytes_by_each_peers_window() -> None:
     assert case["data_bytes_per_peer_s"] == pytest.approx(4.5)
     assert case["member_view"] == 1.5 and case["owner_agreement"] == 1.0
     assert case["peak_rss_mb"] == 300.0 and case["rss_mb_per_peer"] == 250.0
+    assert case["dht_requests_per_peer_s"] == {"FindValue": 1.0}  # 2 a second, of 2 peers
+    assert case["unowned_max_s"] == 0.0 and case["unowned_gaps_over_lease"] == 0
+    assert case["versions_published"] == 2 and case["versions_two_contents"] == ["0:1"]
 
 
 @pytest.mark.integration

@@ -50,6 +50,25 @@ async def test_a_claimed_address_enters_routing_only_after_it_answered_our_ping(
         assert node.routing.get(other.peer_id) == other.me
 
 
+async def test_a_proven_claim_is_not_pinged_again_though_its_bucket_had_no_room() -> None:
+    # one contact a bucket and no replacement cache: a second sender of a full bucket fits nowhere
+    cfg = dataclasses.replace(FAST, k=1, replacement_cache=0)
+    async with network() as net:
+        node = await net.add(0, cfg)
+        first = node.routing.bucket_index
+        a, b = [i for i in range(1, 64) if first(signer(i).peer_id) == 0][:2]
+        one, two = await net.add(a, cfg), await net.add(b, cfg)
+        for n, sender in enumerate((one, two), 1):
+            assert await sender.ping(node.me.address) == node.me
+            await eventually(lambda n=n: node.metrics.claims["answered"] >= n)  # type: ignore[misc]
+        assert node.routing.get(one.peer_id) == one.me and two.peer_id not in node.routing
+        pings, queued = node.metrics.rpcs_out["Ping"], node.metrics.claims["queued"]
+        for _ in range(3):  # proven within claim_retry_s: seen, no claim, no ping
+            assert await two.ping(node.me.address) == node.me
+        assert node.metrics.claims["queued"] == queued and node.claims.pending == 0
+        assert node.metrics.rpcs_out["Ping"] == pings and two.peer_id not in node.routing
+
+
 async def test_a_flood_of_claims_from_fresh_keys_is_bounded_and_paced() -> None:
     cfg = dataclasses.replace(FAST, max_claims=8, claim_rate=0.0, claim_burst=5, max_claim_pings=2)
     async with network() as net:
