@@ -816,9 +816,7 @@ class TrainStream:
         if any(data.shard_size(s) > T for s in dealt):
             return dealt, ""
         why = (
-            "none dealt: more learners than shards"
-            if not dealt
-            else f"no window of {T + 1} tokens"
+            "none dealt: more learners than shards" if not dealt else f"no window of {T + 1} tokens"
         )
         for s in shard_preference(data.spec.shards, data.me):
             if s not in dealt and data.shard_size(s) > T:
