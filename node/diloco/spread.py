@@ -199,6 +199,16 @@ class Holdings:
         self.fanouts = [Fanout(fanout) for _ in range(fragments)]
         self._changed = asyncio.Condition()
         self._closed = False
+        self._fetching = True  # False once this peer fetches no more versions
+
+    async def done_fetching(self) -> None:
+        """This peer holds its final versions and fetches no more: a poll for a version it does
+        not hold is answered (204) at once instead of waiting for one that will not come (at a
+        swarm's end, a learner pointed here would wait ``HOLDER_WAIT_S`` before asking the owner
+        again). What it holds is still served."""
+        self._fetching = False
+        async with self._changed:
+            self._changed.notify_all()
 
     async def close(self) -> None:
         """This peer is stopping: every ``wait_after`` returns None (204) at once, and later ones
@@ -245,19 +255,20 @@ class Holdings:
         """The held version of ``p`` once it is above ``after`` (and signed by ``signer``, when
         given: the owner the asker sees; views of ownership differ while it moves)."""
 
-        def ready() -> bool:
+        def held() -> _Held | None:
             h = self._held[p]
-            return self._closed or (
-                h is not None and h.version > after and (signer is None or h.signer == signer)
-            )
+            ok = h is not None and h.version > after and (signer is None or h.signer == signer)
+            return h if ok else None
 
         async with self._changed:
             try:
                 async with asyncio.timeout(min(wait_s, MAX_HELD_WAIT_S)):
-                    await self._changed.wait_for(ready)
+                    await self._changed.wait_for(
+                        lambda: self._closed or not self._fetching or held() is not None
+                    )
             except TimeoutError:
                 return None
-        return None if self._closed else self._held[p]
+        return None if self._closed else held()
 
     async def serve(
         self,

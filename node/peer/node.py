@@ -657,8 +657,11 @@ class PeerNode:
     async def fetch_final(
         self, *, settle_s: float = FINAL_SETTLE_S, rechecks: int = FINAL_RECHECKS
     ) -> dict[int, tuple[int, torch.Tensor]]:
-        """Every fragment's final version from its current owner (``FinalFetch.fetch``)."""
-        return await self.final_fetch.fetch(settle_s=settle_s, rechecks=rechecks)
+        """Every fragment's final version from its current owner (``FinalFetch.fetch``); then
+        the peer fetches no more, and says so to learners pointed at it (``done_fetching``)."""
+        finals = await self.final_fetch.fetch(settle_s=settle_s, rechecks=rechecks)
+        await self.holdings.done_fetching()
+        return finals
 
     def stop(self) -> None:
         if self.loop is not None and self._stop is not None:

@@ -309,6 +309,23 @@ async def test_a_stopping_holder_answers_its_waiting_polls_at_once() -> None:
     assert await asyncio.wait_for(held.wait_after(0, 3, 30.0), 5.0) is None
 
 
+async def test_a_holder_done_fetching_answers_polls_for_what_it_lacks_at_once() -> None:
+    """At a swarm's end a holder that fetched its final versions gets no newer one: a learner
+    pointed at it for a version it lacks is answered at once (it then asks the owner), not after
+    the holder wait; what it holds is still served."""
+    held = Holdings(2, CountingPool(), fanout=2)  # type: ignore[arg-type]
+    await held.put(1, 7, bytearray(b"x"), 1, OWNER.peer_id)
+    waiter = asyncio.create_task(held.wait_after(0, 3, 30.0))
+    await asyncio.sleep(0)
+    assert not waiter.done()
+    await held.done_fetching()
+    assert await asyncio.wait_for(waiter, 5.0) is None
+    assert await asyncio.wait_for(held.wait_after(0, 3, 30.0), 5.0) is None
+    got = await asyncio.wait_for(held.wait_after(1, 6, 30.0, OWNER.peer_id), 5.0)
+    assert got is not None and got.version == 7
+    assert await asyncio.wait_for(held.wait_after(1, 7, 30.0), 5.0) is None
+
+
 async def test_a_holder_serves_only_versions_signed_by_the_owner_the_asker_names() -> None:
     """While ownership moves, views differ: a holder whose newest version is another owner's
     does not serve it to a learner that names its own view of the owner (it would be refused)."""
