@@ -80,6 +80,7 @@ from node.config import RunConfig
 from node.diloco.island import Island
 from node.diloco.island_config import island_config
 from node.peer import NodeOptions, PeerNode
+from node.run.local_command import contents_by_version
 from protocol.diloco.fragments import plan_fragments
 from protocol.wire.signing import Signer
 
@@ -368,10 +369,8 @@ def owner_gaps(
 
 def two_contents(published: Sequence[tuple[int, int, str]]) -> list[str]:
     """The versions ("p:v") published with more than one content (digest), by any owners."""
-    digests: dict[str, set[str]] = defaultdict(set)
-    for p, v, digest in published:
-        digests[f"{p}:{v}"].add(digest)
-    return sorted(key for key, seen in digests.items() if len(seen) > 1)
+    contents = contents_by_version(published)
+    return sorted(f"{p}:{v}" for (p, v), seen in contents.items() if len(seen) > 1)
 
 
 class Worker:
@@ -793,7 +792,7 @@ def summarize(cfg: Config, reports: list[dict[str, Any]]) -> dict[str, Any]:
         "unowned_s_by_fragment": {str(p): round(sum(g), 1) for p, g in gaps.items()},
         "unowned_gaps_over_lease": sum(1 for g in gaps.values() for x in g if x > LEASE_S),
         "lease_s": LEASE_S,
-        "versions_published": len({(p, v) for p, v, _ in published}),
+        "versions_published": len(contents_by_version(published)),
         "versions_two_contents": two_contents(published),  # type: ignore[arg-type]
         "cpu": cpu_summary(reports),
         "joined": sum(1 for p in peers.values() if p["joined_at"] is not None),

@@ -14,6 +14,7 @@ import dataclasses
 import json
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -22,16 +23,31 @@ from node.run.chaos import ChaosSpec
 from node.run.local import ENDLESS_STEPS, LaunchPlan, LocalSwarm
 from node.run.report import build_report, summary_lines, write_report
 
-__all__ = ["baseline_for", "island_alone_for", "run_local", "version_accounting"]
+__all__ = [
+    "baseline_for",
+    "contents_by_version",
+    "island_alone_for",
+    "run_local",
+    "version_accounting",
+]
+
+
+def contents_by_version(
+    published: Iterable[tuple[int, int, str]],
+) -> dict[tuple[int, int], set[str]]:
+    """Every (fragment, version) announced, with the contents (digests) it was published with:
+    more than one is a version published with two contents."""
+    contents: dict[tuple[int, int], set[str]] = {}
+    for fragment, version, digest in published:
+        contents.setdefault((fragment, version), set()).add(digest)
+    return contents
 
 
 def version_accounting(published: list[tuple[int, int, str, int]]) -> dict[str, Any]:
     """``version_conflicts``: (fragment, version) pairs published with more than one content
     (must be 0), from every owner's announcements, killed peers' included;
     ``versions_published``: distinct pairs."""
-    contents: dict[tuple[int, int], set[str]] = {}
-    for fragment, version, digest, _index in published:
-        contents.setdefault((fragment, version), set()).add(digest)
+    contents = contents_by_version((f, v, digest) for f, v, digest, _index in published)
     conflicts = sorted(k for k, v in contents.items() if len(v) > 1)
     return {
         "version_conflicts": len(conflicts),
