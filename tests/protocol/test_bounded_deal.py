@@ -4,6 +4,7 @@ what taking every (item, bin) pair heaviest first deals, with every bin within o
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 
 import pytest
 from hypothesis import given, settings
@@ -20,8 +21,9 @@ def _small_weight(item: int, b: bytes) -> int:
     return _weight(item, b) % 3  # ties everywhere: the tie-break decides
 
 
-def _every_pair_heaviest_first(n: int, bins: list[bytes], weight: object) -> list[int]:
-    assert callable(weight)
+def _every_pair_heaviest_first(
+    n: int, bins: list[bytes], weight: Callable[[int, bytes], int]
+) -> list[int]:
     base, extra = divmod(n, len(bins))
     pairs = sorted(
         ((weight(i, b), j, i) for i in range(n) for j, b in enumerate(bins)), reverse=True
