@@ -87,6 +87,7 @@ from protocol.dht.routing import ClaimQueue, PingCandidate, RoutingTable
 from protocol.errors import LocalProtocolError, NotAuthorized, RemoteProtocolError
 from protocol.wire.messages import Message, PeerInfo
 from protocol.wire.signing import Opened, ReplayWindow, Signer
+from protocol.wire.verified import VerifiedSignatures
 
 T = TypeVar("T")
 
@@ -140,6 +141,7 @@ class DHTNode:
             max_subkeys_per_key=cfg.max_subkeys_per_key,
             max_value_bytes=cfg.max_value_bytes,
             max_ttl_s=cfg.record_ttl_cap_s,
+            verified=VerifiedSignatures(),  # the node's own: a record seen again is not re-verified
         )
         self.limits = StoreLimits(
             source_rate=cfg.store_ip_rate,

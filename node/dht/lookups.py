@@ -344,6 +344,7 @@ class DHTClient:
                     now=now,
                     max_ttl=self.config.record_ttl_cap_s,
                     max_value_bytes=self.config.max_value_bytes,
+                    verified=self.records.verified,
                 )
             except RemoteProtocolError as exc:
                 self.metrics.failures[f"bad record ({type(exc).__name__})"] += 1

@@ -43,6 +43,7 @@ from protocol.dht.signed_record import (
     verify_record,
 )
 from protocol.errors import LocalProtocolError, Oversize, Stale
+from protocol.wire.verified import VerifiedSignatures
 
 __all__ = ["RECORD_OVERHEAD_BYTES", "PutResult", "RecordStore", "source_key"]
 
@@ -93,7 +94,9 @@ class RecordStore:
         max_subkeys_per_key: int = 1_000,
         max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES,
         max_ttl_s: float = 24 * 3600.0,
+        verified: VerifiedSignatures | None = None,
     ) -> None:
+        """``verified``: the node's memory of signatures that verified (none: verify each)."""
         if min(max_subkeys_per_key, max_value_bytes) < 1 or max_ttl_s <= 0:
             raise LocalProtocolError("record store caps must be positive")
         if max_bytes < max_value_bytes + RECORD_OVERHEAD_BYTES:
@@ -102,6 +105,7 @@ class RecordStore:
         self.max_subkeys_per_key = max_subkeys_per_key
         self.max_value_bytes = max_value_bytes
         self.max_ttl_s = max_ttl_s
+        self.verified = verified
         self.counts: Counter[str] = Counter()  # evictions and refusals for lack of room, by cap
         self._data: dict[bytes, dict[bytes, _Held]] = {}
         self._sources: dict[str, _Source] = {}
@@ -132,7 +136,13 @@ class RecordStore:
         Raises what ``verify_record`` raises, and ``Oversize`` (penalty 0) when there is no room
         for it that the policy allows.
         """
-        verify_record(rec, now=now, max_ttl=self.max_ttl_s, max_value_bytes=self.max_value_bytes)
+        verify_record(
+            rec,
+            now=now,
+            max_ttl=self.max_ttl_s,
+            max_value_bytes=self.max_value_bytes,
+            verified=self.verified,
+        )
         self.prune(now)
         held = self._data.get(rec.key, {}).get(rec.subkey)
         if held is not None and held.record.expires_at >= rec.expires_at:

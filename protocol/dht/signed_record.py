@@ -19,12 +19,11 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import msgpack
-from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from protocol.errors import BadSignature, DecodeError, NotAuthorized, Oversize, Stale
+from protocol.errors import DecodeError, NotAuthorized, Oversize, Stale
 from protocol.ids import ID_BYTES, peer_id_from_public_key
 from protocol.wire.messages import CAPS, WireStruct, register_struct
+from protocol.wire.verified import VerifiedSignatures, verify_ed25519
 
 __all__ = [
     "DEFAULT_MAX_VALUE_BYTES",
@@ -149,9 +148,16 @@ def sign_record(signer: RecordSigner, key: bytes, value: bytes, expires_at: floa
 
 
 def verify_record(
-    rec: SignedRecord, *, now: float, max_ttl: float, max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES
+    rec: SignedRecord,
+    *,
+    now: float,
+    max_ttl: float,
+    max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES,
+    verified: VerifiedSignatures | None = None,
 ) -> None:
-    """Accept ``rec`` or raise why not, cheapest check first.
+    """Accept ``rec`` or raise why not, cheapest check first. With ``verified`` (the node's
+    memory of signatures that verified) a signature this node checked before over the same
+    bytes is not verified again; every other check is made on every call.
 
     Raises ``Oversize`` (value over ``max_value_bytes``, or expiry beyond ``now + max_ttl``),
     ``Stale`` (expired), ``NotAuthorized`` (subkey not the signer's peer id), ``BadSignature``.
@@ -164,11 +170,6 @@ def verify_record(
         raise Stale(f"record expired {now - rec.expires_at:.1f}s ago", penalty=0.1)
     if rec.subkey != peer_id_from_public_key(rec.public_key):
         raise NotAuthorized(f"subkey {rec.subkey.hex()[:16]} signed by someone else")
-    try:
-        Ed25519PublicKey.from_public_bytes(rec.public_key).verify(
-            rec.signature, rec.signing_bytes()
-        )
-    except InvalidSignature:
-        raise BadSignature(
-            f"record signature does not verify for subkey {rec.subkey.hex()[:16]}"
-        ) from None
+    what = f"record for subkey {rec.subkey.hex()[:16]}"
+    check = verify_ed25519 if verified is None else verified.verify
+    check(rec.public_key, rec.signature, rec.signing_bytes(), what)
