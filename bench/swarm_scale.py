@@ -41,6 +41,12 @@ The parent turns them into one case per swarm size (``summarize``):
 ``versions_two_contents``     versions published with more than one digest (``two_contents``)
 ``cpu``                       each worker's share of a core over the steady window and where
                               its loop's time went (``bench.swarm_scale_cpu``)
+``cpu_ms_per_peer_s``         the workers' CPU time over the steady window, per peer measured
+                              there and second (``cpu.core_share_per_process`` summed, / peers)
+``http_requests_per_peer_s``  HTTP requests each peer sent a second in the steady window (every
+                              route; ``http_requests_by_route``), DHT ones included
+``record_signatures_per_peer_s``  DHT record signatures a peer verified in full a second, and
+                              those skipped as checked before (``VerifiedSignatures``)
 
 Run from the repository root (a heavy run: see docs/scale_peers.md for the conditions)::
 
@@ -99,6 +105,7 @@ BOOTSTRAP_LOCAL = 2  # joined peers of its own worker a joiner also bootstraps f
 JOINS_AT_ONCE = 8  # joins in progress at once per worker (bootstrap to first reads)
 JOIN_TRIES = 4  # a failed join is retried with a new node this many times in all...
 JOIN_BACKOFF_S = 2.0  # ...after 2, 4, 8 s
+SIGS_VERIFIED, SIGS_SKIPPED = "signatures verified", "signatures skipped"
 LEASE_S = 20.0  # a member record's ttl (``Membership.ttl_s``): an owner's lease
 
 
@@ -614,8 +621,19 @@ class Worker:
 
 
 def rpcs_out(node: PeerNode) -> Counter[str]:
-    """DHT requests this node sent so far, by message type."""
-    return Counter(node.dht.metrics.rpcs_out) if node.dht is not None else Counter()
+    """What this node sent and checked so far: DHT requests by message type, HTTP requests by
+    route (``"http <route>"``), and record signatures verified in full or skipped as checked
+    before (``"signatures verified"``, ``"signatures skipped"``): counters the node keeps anyway."""
+    out: Counter[str] = Counter()
+    if node.dht is not None:
+        out.update(node.dht.metrics.rpcs_out)
+        seen = node.dht.records.verified
+        if seen is not None:
+            out[SIGS_VERIFIED], out[SIGS_SKIPPED] = seen.verified, seen.hits
+    for route, n in node.transport.messages_by_route.items():
+        if not route.startswith("reply "):
+            out[f"http {route}"] = n
+    return out
 
 
 def cpu_seconds() -> float:
@@ -757,6 +775,10 @@ def summarize(cfg: Config, reports: list[dict[str, Any]]) -> dict[str, Any]:
         if w is not None and w["s"] > 0:
             for kind, n in w.get("rpcs", {}).items():
                 rpc_rates[kind] += n / w["s"] / measured
+    http_rates = {k[5:]: v for k, v in rpc_rates.items() if k.startswith("http ")}
+    sig_rates = {k: rpc_rates.pop(k, 0.0) for k in (SIGS_VERIFIED, SIGS_SKIPPED)}
+    dht_rates = {k: v for k, v in rpc_rates.items() if not k.startswith("http ")}
+    cpu = cpu_summary(reports)
     spans = [tuple(span) for p in peers.values() for span in p.get("owned", [])]
     firsts = [span[1] for span in spans]
     gaps = owner_gaps(spans, cfg.fragments, min(firsts), cfg.duration_s - 1.0) if firsts else {}
@@ -786,7 +808,19 @@ def summarize(cfg: Config, reports: list[dict[str, Any]]) -> dict[str, Any]:
         "owner_agreement": owner_agreement(calm_owners, cfg.fragments),
         "peak_rss_mb": round(max(r["peak_rss_mb"] for r in reports), 1),
         "rss_mb_per_peer": round(sum(r["peak_rss_mb"] for r in reports) / schedule.slots, 2),
-        "dht_requests_per_peer_s": {k: round(v, 3) for k, v in rpc_rates.most_common()},
+        "dht_requests_per_peer_s": {
+            k: round(v, 3) for k, v in sorted(dht_rates.items(), key=lambda kv: -kv[1])
+        },
+        "http_requests_per_peer_s": round(sum(http_rates.values()), 3),
+        "http_requests_by_route": {
+            k: round(v, 3) for k, v in sorted(http_rates.items(), key=lambda kv: -kv[1])[:12]
+        },
+        # record signatures each peer verified in full, and those it had checked before
+        "record_signatures_per_peer_s": {k.split()[-1]: round(v, 3) for k, v in sig_rates.items()},
+        # the workers' CPU over the steady window, per peer measured there
+        "cpu_ms_per_peer_s": round(1000 * sum(cpu["core_share_per_process"]) / len(rates), 2)
+        if rates and cpu["core_share_per_process"]
+        else None,
         # a fragment with no live peer running an owner for it, from its first owner on
         "unowned_max_s": max((max(g, default=0.0) for g in gaps.values()), default=None),
         "unowned_s_by_fragment": {str(p): round(sum(g), 1) for p, g in gaps.items()},
@@ -794,7 +828,7 @@ def summarize(cfg: Config, reports: list[dict[str, Any]]) -> dict[str, Any]:
         "lease_s": LEASE_S,
         "versions_published": len(contents_by_version(published)),
         "versions_two_contents": two_contents(published),  # type: ignore[arg-type]
-        "cpu": cpu_summary(reports),
+        "cpu": cpu,
         "joined": sum(1 for p in peers.values() if p["joined_at"] is not None),
         # the first peers: seconds from a join's scheduled time to its end, and the last one's end
         "join_latency_s": join_latency(cfg, schedule, peers),

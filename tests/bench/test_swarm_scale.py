@@ -181,6 +181,7 @@ def test_summarize_divides_control_bytes_by_each_peers_window() -> None:
         {
             "worker": 0,
             "peak_rss_mb": 300.0,
+            "cpu_share": 0.05,
             "samples": [{"t": 10.0, "owners": {"0": ["x"] * 4}, "views": {"0": 2}}],
             "peers": {
                 "0": {
@@ -205,7 +206,13 @@ def test_summarize_divides_control_bytes_by_each_peers_window() -> None:
                     "window": {
                         "s": 20.0,
                         "bytes": {"reply /v1/dht:FindValue": 2000},
-                        "rpcs": {"FindValue": 40},
+                        "rpcs": {
+                            "FindValue": 40,
+                            "http /v1/dht:FindValue": 40,
+                            "http /v1/fragments/*/held": 20,
+                            "signatures verified": 60,
+                            "signatures skipped": 20,
+                        },
                     },
                 }
             },
@@ -218,6 +225,10 @@ def test_summarize_divides_control_bytes_by_each_peers_window() -> None:
     assert case["member_view"] == 1.5 and case["owner_agreement"] == 1.0
     assert case["peak_rss_mb"] == 300.0 and case["rss_mb_per_peer"] == 250.0
     assert case["dht_requests_per_peer_s"] == {"FindValue": 1.0}  # 2 a second, of 2 peers
+    assert case["http_requests_per_peer_s"] == 1.5
+    assert case["http_requests_by_route"] == {"/v1/dht:FindValue": 1.0, "/v1/fragments/*/held": 0.5}
+    assert case["record_signatures_per_peer_s"] == {"verified": 1.5, "skipped": 0.5}
+    assert case["cpu_ms_per_peer_s"] == 25.0  # 0.05 of a core for 2 peers
     assert case["unowned_max_s"] == 0.0 and case["unowned_gaps_over_lease"] == 0
     assert case["versions_published"] == 2 and case["versions_two_contents"] == ["0:1"]
 
@@ -262,3 +273,5 @@ def test_a_small_real_swarm_is_measured(tmp_path: Path) -> None:
     assert case["control_bytes_per_peer_s"] > 0
     assert any(route.startswith("/v1/dht") for route in case["control_by_route"])
     assert case["versions"] > 0 and case["peak_rss_mb"] > 0
+    assert case["cpu_ms_per_peer_s"] > 0 and case["http_requests_per_peer_s"] > 0
+    assert case["record_signatures_per_peer_s"]["verified"] > 0
