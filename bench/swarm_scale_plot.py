@@ -1,5 +1,5 @@
-"""The scaling plot of ``bench.swarm_scale`` runs: control bytes, views, spread and owner agreement
-per swarm size.
+"""The scaling plot of ``bench.swarm_scale`` runs: control bytes, views, spread, owner agreement
+and CPU per peer, per swarm size.
 
     python -m bench.swarm_scale_plot docs/scale_peers.png today=base.json bounded=new.json
 
@@ -21,6 +21,7 @@ PANELS = (
     ("member_view", "members in a peer's view (mean)"),
     ("spread_p99_s", "s until 99 % of learners hold a version (median)"),
     ("owner_agreement", "owner agreement (pairs naming the same owner)"),
+    ("cpu_ms_per_peer_s", "CPU ms / peer / s (steady window)"),
 )
 
 
@@ -52,6 +53,7 @@ def plot_cases(series: dict[str, list[dict[str, Any]]], png: Path) -> None:
             if pts:
                 ax.plot(*zip(*pts, strict=True), marker="o", label=label)
         ax.set_xscale("log", base=2)
+        ax.set_ylim(bottom=0)
         ax.set_xlabel("peers")
         ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3)
