@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -22,7 +23,7 @@ from bench.swarm_scale import (
     summarize,
     two_contents,
 )
-from bench.swarm_scale_cpu import activity_of, module_of
+from bench.swarm_scale_cpu import activity_of, module_of, request_cost
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -275,3 +276,11 @@ def test_a_small_real_swarm_is_measured(tmp_path: Path) -> None:
     assert case["versions"] > 0 and case["peak_rss_mb"] > 0
     assert case["cpu_ms_per_peer_s"] > 0 and case["http_requests_per_peer_s"] > 0
     assert case["record_signatures_per_peer_s"]["verified"] > 0
+
+
+@pytest.mark.timeout(60)
+def test_request_cost_measures_a_real_round_trip() -> None:
+    # two bare DHT nodes over the real loopback transport: every figure is a positive CPU time
+    cost = asyncio.run(request_cost(requests=10, members=4))
+    assert set(cost) == {"Ping", "FindValue same", "ed25519_us"}
+    assert all(v > 0 for v in cost.values())
