@@ -9,8 +9,8 @@ SHA-256 of exactly the bytes verified. A hit therefore means this very key signe
 bytes with this very signature before and it verified; a changed byte, key or signature misses
 and is verified in full (a SHA-256 collision would be needed to hit otherwise). Failures are
 never remembered, so a bad signature costs a verify every time, as before. At most ``capacity``
-entries (least recently used dropped first), ~250 bytes each (1 MB at 4,096). Time plays no part: whatever the
-caller checks about *when* (expiry, skew, replay) it still checks on every call.
+entries (least recently used dropped first), ~250 bytes each (1 MB at 4,096). Time plays no
+part: whatever the caller checks about *when* (expiry, skew, replay) it still checks each call.
 
 One object per node (``VerifiedSignatures``), never a process-wide one: peers sharing a process
 in a benchmark must each pay for their own checks, as they would on their own machines.
