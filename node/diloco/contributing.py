@@ -446,6 +446,30 @@ class ContributionSender:
             self._merge_waits.append(max(0.0, self.wall_clock() - accepted.at))
             del self._accepted_by[p]
 
+    def declined(self, p: int, base: int) -> None:
+        """The owner of ``p`` declined (validation) the candidate holding our accepted work on
+        ``base``: no version will hold it. The island drops that work and goes on from the
+        version it holds at once (``Island.declined``), as if the round had published that
+        version again, instead of waiting for a version that will not come and sending the
+        refused work again after a silence; the residuals the send left go with it (the
+        quantisation error of work no one took). Ignored unless that work is still waiting."""
+        accepted = self._accepted_by.get(p)
+        if accepted is None or accepted.base != base or self.island.in_flight[p] is None:
+            log.debug("fragment %d: a decline of work on version %d that no longer waits", p, base)
+            return
+        del self._accepted_by[p]
+        self._resent.pop(p, None)
+        self._restore(dict.fromkeys(accepted.keys))
+        self.stats.declined += 1
+        log.info(
+            "fragment %d: %s declined the candidate holding our work on version %d; going on "
+            "from the version held",
+            p,
+            accepted.owner.hex()[:8],
+            base,
+        )
+        self.island.declined(p, base)
+
     def resend_after_s(self) -> float:
         """How long a synchronous island waits for a version after an Ack before sending the
         work again: ``RESEND_FACTOR`` x the slowest recent merge, within [``RESEND_MIN_S``,
