@@ -20,8 +20,10 @@ An accepted contribution is sent again when its owner leaves before merging it
 every learner) and for any island during its end-of-run flush (``Island.flushing``), also when no newer version has come ``resend_after_s()`` after the Ack
 (``RESEND_AFTER_S``, or 4x the slowest recent merge once merges were seen): an owner that was
 fenced off and then owned the fragment again is the same peer but a new instance that never saw
-it, and an owner whose validation declined a round's candidate drops that round's work without
-telling anyone. An owner that still holds it refuses the copy as a duplicate, which changes nothing.
+it. An owner whose validation declined a round's candidate tells the senders of the work it drops
+at their next long-poll (``declined``: the island drops that work and goes on at once); silence
+remains the fallback where it cannot (an unsigned poll). An owner that still holds it refuses the
+copy as a duplicate, which changes nothing.
 The work goes again with its fragment's error-feedback residuals dropped, not restored to what
 they were before the lost send: the residuals it left count a quantisation of work that never
 arrived, and keeping the ones from before every accepted send for this rare case held up to a
@@ -62,8 +64,8 @@ log = logging.getLogger("node.diloco.learner")
 
 RESEND_AFTER_S = 30.0  # synchronous islands: an accepted contribution with no newer version this long is sent again
 # ...or sooner once merges have been seen: RESEND_FACTOR x the slowest of the last RESEND_SAMPLES
-# Ack-to-version waits, at least RESEND_MIN_S. An owner that declined to publish a round (validated
-# publication) tells no one, and a synchronous swarm would stand still the whole RESEND_AFTER_S.
+# Ack-to-version waits, at least RESEND_MIN_S: a synchronous swarm would stand still the whole
+# RESEND_AFTER_S for work an owner dropped and could not tell us about (``declined``).
 RESEND_MIN_S = 5.0
 RESEND_FACTOR = 4.0
 RESEND_SAMPLES = 8
