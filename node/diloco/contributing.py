@@ -20,8 +20,10 @@ An accepted contribution is sent again when its owner leaves before merging it
 every learner) and for any island during its end-of-run flush (``Island.flushing``), also when no newer version has come ``resend_after_s()`` after the Ack
 (``RESEND_AFTER_S``, or 4x the slowest recent merge once merges were seen): an owner that was
 fenced off and then owned the fragment again is the same peer but a new instance that never saw
-it, and an owner whose validation declined a round's candidate drops that round's work without
-telling anyone. An owner that still holds it refuses the copy as a duplicate, which changes nothing.
+it. An owner whose validation declined a round's candidate tells the senders of the work it drops
+at their next long-poll (``declined``: the island drops that work and goes on at once); silence
+remains the fallback where it cannot (an unsigned poll). An owner that still holds it refuses the
+copy as a duplicate, which changes nothing.
 The work goes again with its fragment's error-feedback residuals dropped, not restored to what
 they were before the lost send: the residuals it left count a quantisation of work that never
 arrived, and keeping the ones from before every accepted send for this rare case held up to a
@@ -62,8 +64,8 @@ log = logging.getLogger("node.diloco.learner")
 
 RESEND_AFTER_S = 30.0  # synchronous islands: an accepted contribution with no newer version this long is sent again
 # ...or sooner once merges have been seen: RESEND_FACTOR x the slowest of the last RESEND_SAMPLES
-# Ack-to-version waits, at least RESEND_MIN_S. An owner that declined to publish a round (validated
-# publication) tells no one, and a synchronous swarm would stand still the whole RESEND_AFTER_S.
+# Ack-to-version waits, at least RESEND_MIN_S: a synchronous swarm would stand still the whole
+# RESEND_AFTER_S for work an owner dropped and could not tell us about (``declined``).
 RESEND_MIN_S = 5.0
 RESEND_FACTOR = 4.0
 RESEND_SAMPLES = 8
@@ -445,6 +447,30 @@ class ContributionSender:
         if accepted is not None and version > accepted.base:
             self._merge_waits.append(max(0.0, self.wall_clock() - accepted.at))
             del self._accepted_by[p]
+
+    def declined(self, p: int, base: int) -> None:
+        """The owner of ``p`` declined (validation) the candidate holding our accepted work on
+        ``base``: no version will hold it. The island drops that work and goes on from the
+        version it holds at once (``Island.declined``), as if the round had published that
+        version again, instead of waiting for a version that will not come and sending the
+        refused work again after a silence; the residuals the send left go with it (the
+        quantisation error of work no one took). Ignored unless that work is still waiting."""
+        accepted = self._accepted_by.get(p)
+        if accepted is None or accepted.base != base or self.island.in_flight[p] is None:
+            log.debug("fragment %d: a decline of work on version %d that no longer waits", p, base)
+            return
+        del self._accepted_by[p]
+        self._resent.pop(p, None)
+        self._restore(dict.fromkeys(accepted.keys))
+        self.stats.declined += 1
+        log.info(
+            "fragment %d: %s declined the candidate holding our work on version %d; going on "
+            "from the version held",
+            p,
+            accepted.owner.hex()[:8],
+            base,
+        )
+        self.island.declined(p, base)
 
     def resend_after_s(self) -> float:
         """How long a synchronous island waits for a version after an Ack before sending the

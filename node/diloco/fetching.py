@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Protocol
@@ -39,6 +39,7 @@ from node.diloco.reach import Reach
 from node.diloco.received import ReceivedVersions
 from node.diloco.replica import Handed
 from node.diloco.spread import (
+    DECLINED_STATUS,
     FINAL_HELD_STATUS,
     POINTER_STATUS,
     REPLICA_HELD_STATUS,
@@ -59,6 +60,7 @@ from protocol.wire.tensors import EncodedTensor
 
 __all__ = [
     "LocalOwners",
+    "RoundDeclined",
     "UpdateNotApplicable",
     "VersionFetcher",
     "VersionRefused",
@@ -93,6 +95,15 @@ class LocalOwners(Protocol):
         ...
 
 
+class RoundDeclined(Exception):
+    """The owner of ``fragment`` declined (validation) the candidate that held our work on
+    ``base``: no version will hold it. Not a fault: the learner goes on from the version it holds."""
+
+    def __init__(self, fragment: int, base: int) -> None:
+        super().__init__(f"fragment {fragment}: the owner declined our work on version {base}")
+        self.fragment, self.base = fragment, base
+
+
 class VersionRefused(RemoteProtocolError):
     """The owner (or a holder) refused a version for now (429: busy, or its uploads of the
     version are spent and no holder served it): not a fault of the version, the learner waits
@@ -115,6 +126,14 @@ class _Pointer:
 @dataclass(frozen=True, slots=True)
 class _ReplicaHeld:
     """A 208: our replica store took the version from its owner (nothing was sent)."""
+
+
+def _declined_base(headers: Mapping[str, str], p: int) -> int:
+    """The base version a 205 names. Raises ``RemoteProtocolError`` for a missing or bad one."""
+    base = pointed_version(headers)
+    if base is None:
+        raise RemoteProtocolError(f"fragment {p}: a declined round's answer names no base version")
+    return base
 
 
 class VersionFetcher:
@@ -266,7 +285,10 @@ class VersionFetcher:
         replica: bool = True,
     ) -> tuple[int, torch.Tensor] | _Pointer | _ReplicaHeld | None:
         """An owner's reply to a fetch: the version it sent (checked), ours when it says the
-        final one is the one we hold, a pointer to holders, or (``replica``) a 208."""
+        final one is the one we hold, a pointer to holders, or (``replica``) a 208. Raises
+        ``RoundDeclined`` when it declined our work."""
+        if r.status == DECLINED_STATUS and not final:
+            raise RoundDeclined(p, _declined_base(r.headers, p))
         if r.status == REPLICA_HELD_STATUS and not final and replica:
             return _ReplicaHeld()
         if r.status == FINAL_HELD_STATUS and final and upd:  # the version we hold is final

@@ -27,6 +27,7 @@ class Inbox:
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._news = 0  # deliveries, refusals and resends so far
+        self._declined: dict[int, int] = {}  # fragment -> base of in-flight work an owner declined
 
     def put_many(self, arrived: dict[int, tuple[int, Landed]], *, force: bool) -> None:
         """Versions arrived (any thread); ``force``: adopt them whole even at the version held."""
@@ -41,6 +42,22 @@ class Inbox:
             self._arrived[fragment] = (version, flat, force or (held is not None and held[2]))
         elif force:  # a newer version is already waiting: adopt that one whole
             self._arrived[fragment] = (held[0], held[1], True)
+
+    def decline(self, fragment: int, base: int) -> None:
+        """The owner declined the candidate holding ``fragment``'s work on ``base`` (any thread)."""
+        with self._changed:
+            self._declined[fragment] = base
+            self._announce()
+
+    def take_declined(self) -> dict[int, int]:
+        """The declines noted since the last call, per fragment its base (trainer thread)."""
+        with self._lock:
+            declined, self._declined = self._declined, {}
+        return declined
+
+    def declined(self, p: int, base: int) -> bool:
+        """Whether a decline of ``p``'s work on ``base`` waits (inside ``wait_while`` only)."""
+        return self._declined.get(p) == base
 
     def announce(self) -> None:
         """News without a version (a refusal, a resend): wakes whoever waits."""

@@ -155,6 +155,7 @@ class IslandStats:
     flushed: int = 0  # contributions sent at the end of training (``flush``)
     adopted: int = 0
     resynced: int = 0
+    declined: int = 0  # contributions in flight dropped because their owner declined the candidate
     step_times: list[float] = field(default_factory=list)
     step_times_detached: list[float] = field(default_factory=list)  # while ``enabled`` was False
     compute_times: list[float] = field(
@@ -268,6 +269,12 @@ class Island:
             self._shipped[fragment] = None
             self.next_due[fragment] = self.stats.step + self._h()
             self._inbox.announce()
+
+    def declined(self, fragment: int, base: int) -> None:
+        """The owner declined (validation) the candidate holding this fragment's work in flight
+        on version ``base``: after the next inner step the island drops that work and goes on
+        from the version it holds (``_drop_declined``); a synchronous step stops waiting."""
+        self._inbox.decline(fragment, base)
 
     def resend(self, fragment: int) -> None:
         """The owner that accepted this fragment's contribution left before merging it: send the
@@ -393,7 +400,9 @@ class Island:
         """Some fragment (of ``among``, if given) is in flight and neither its next version nor
         a refusal has come (called by ``Inbox.wait_while``, which holds its lock)."""
         return any(
-            sent is not None and not self._inbox.newer(p, self.versions[p])
+            sent is not None
+            and not self._inbox.newer(p, self.versions[p])
+            and not self._inbox.declined(p, self.versions[p])
             for p, sent in enumerate(self.in_flight)
             if among is None or p in among
         )
@@ -515,6 +524,9 @@ class Island:
         the fragment's H count: an island slower than the swarm's version rate would never ship.
         """
         hold = between_steps and self.cfg.hold_until_shipped
+        for fragment, base in sorted(self._inbox.take_declined().items()):
+            if self.in_flight[fragment] is not None and self.versions[fragment] == base:
+                self._drop_declined(fragment)
         arrived = self._inbox.take(block=block, keep=self._unshipped if hold else None)
         if arrived is None:
             self.stats.deferred_adoptions += 1
@@ -539,6 +551,14 @@ class Island:
         replaces it (``ship_before_adopt``): enough steps trained, and none of it in flight."""
         least = self.cfg.ship_before_adopt
         return least > 0 and self.in_flight[p] is None and self.c_steps[p] >= least
+
+    def _drop_declined(self, p: int) -> None:
+        """Drop fragment ``p``'s work in flight, which its owner declined: adopt the version held
+        again, as if the round had published it (with ``rebase``, θ_p ← Θ_p + (θ_p − θ_shipped)
+        keeps only the work trained since it shipped). The refused work is never sent again."""
+        device = None if self._device_global is None else self._device_global[p]
+        self._adopt(p, self.versions[p], Landed(self.global_flat[p], device))
+        self.stats.declined += 1
 
     def _resync(self, p: int, version: int, flat: Landed) -> None:
         """Overwrite fragment ``p`` with ``flat``; drop inner-optimizer state that is not finite."""

@@ -27,7 +27,13 @@ import aiohttp
 import torch
 
 from node.diloco.contributing import RESEND_AFTER_S, ContributionSender
-from node.diloco.fetching import LocalOwners, UpdateNotApplicable, VersionFetcher, VersionRefused
+from node.diloco.fetching import (
+    LocalOwners,
+    RoundDeclined,
+    UpdateNotApplicable,
+    VersionFetcher,
+    VersionRefused,
+)
 from node.diloco.island import Island, Outgoing
 from node.diloco.learner_config import LearnerNetConfig, LearnerStats
 from node.diloco.reach import Reach
@@ -192,6 +198,8 @@ class IslandNet:
                     self.island.deliver(p, *got)
                     self.sender.version_came(p, got[0])
                 backoff = 0.2
+            except RoundDeclined as declined:  # our work is in no version: go on without it
+                self.sender.declined(p, declined.base)
             except _FAILED as exc:
                 if isinstance(exc, VersionRefused):
                     self.spread.refusals += 1

@@ -48,3 +48,4 @@ class LearnerStats:
     resyncs: int = 0
     resent_on_owner_change: int = 0  # accepted, then its owner was gone before merging it: resent
     resent_after_silence: int = 0  # synchronous: accepted, no version RESEND_AFTER_S later: resent
+    declined: int = 0  # accepted, then its owner's validation declined the candidate holding it

@@ -21,7 +21,10 @@ task calls ``tick`` at the merger's deadline.
 A merge that fails (a non-finite aggregate or result, or any unforeseen error) drops the
 contributions that caused it (every one of them: no single one is to blame, since each was
 checked for shape, finiteness and a finite norm on arrival), with the reason logged, and the
-merger retries with the rest: the same failing set is never retried. A new owner that catches up
+merger retries with the rest: the same failing set is never retried. When validation declines a
+candidate, the senders whose work it drops are told at their next long-poll (``wait_after`` with
+``asker``: ``Declined``): a synchronous learner, which waits for the version, goes on from the
+version it holds at once instead of sending the refused work again after a silence. A new owner that catches up
 with its predecessor's newer version keeps the contributions it already accepted
 (``FragmentMerger.rebase``).
 """
@@ -34,6 +37,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import cast
 
 import torch
@@ -61,6 +65,7 @@ from protocol.wire.signing import Sealed, Signer
 
 __all__ = [
     "FINAL_HOLD_S",
+    "Declined",
     "FragmentOwner",
     "MergeFailed",
     "OwnerConfig",
@@ -71,6 +76,14 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 Replicate = Callable[[ReplicaState, ReplicaState | None, bytes | None], Awaitable[str | None]]
+
+
+@dataclass(frozen=True, slots=True)
+class Declined:
+    """A long-poll's answer to a sender whose work a declined candidate dropped: its work on
+    ``base`` is in no version and will be in none (validation refused it)."""
+
+    base: int
 
 
 class FragmentOwner:
@@ -140,6 +153,9 @@ class FragmentOwner:
         if start.standing is not None:
             self.reputation.take_standing(start.standing, version=start.version)
         self._background: set[asyncio.Task[None]] = set()  # merges started by ``receive``
+        # sender -> the base of its work a declined candidate dropped, until its next long-poll
+        # is told or it sends again (at most one entry per sender that was in a round)
+        self._declined: dict[bytes, int] = {}
         self._changed = asyncio.Condition()
         self._wake = asyncio.Event()
 
@@ -333,6 +349,7 @@ class FragmentOwner:
             sender, now, steps=msg.steps, step_time=msg.step_time, accepted=decision.accepted
         )
         if decision.accepted:
+            self._declined.pop(sender, None)  # new work: what was declined is behind it
             if last:
                 self.intake.last.taken(sender)
         else:
@@ -383,19 +400,30 @@ class FragmentOwner:
     def merge_seconds(self) -> float:
         return self.counts.merge_seconds
 
-    async def wait_after(self, after: int, wait_s: float) -> Sealed | None:
+    async def wait_after(
+        self, after: int, wait_s: float, *, asker: bytes | None = None
+    ) -> Sealed | Declined | None:
         """The sealed state of the first version above ``after``, waiting up to ``wait_s``.
 
         None on timeout, or at once when this peer stops owning the fragment (``retire``), so
-        long-polls move to the new owner without waiting out their timeout.
+        long-polls move to the new owner without waiting out their timeout. ``asker``: the
+        (authenticated) learner asking: when validation declined a candidate holding its work,
+        ``Declined`` at once, told once.
         """
+
+        def ready() -> bool:
+            return self.version > after or self.retired or asker in self._declined
+
         async with self._changed:
             try:
                 async with asyncio.timeout(wait_s):
-                    await self._changed.wait_for(lambda: self.version > after or self.retired)
+                    await self._changed.wait_for(ready)
             except TimeoutError:
                 return None
-            return None if self.version <= after else self.latest
+            if self.version > after:
+                return self.latest  # the learner adopts it; a decline left is told next time
+            declined = self._declined.pop(asker, None) if asker is not None else None
+            return None if declined is None else Declined(declined)
 
     # --- the timer -----------------------------------------------------------------------------
     async def run(self) -> None:
@@ -445,7 +473,7 @@ class FragmentOwner:
             )
             await self._replicated(nxt, work)
         except MergeFailed as exc:
-            return await self._failed(exc)
+            return await self._failed(exc, decision)
         except Exception as exc:  # an unforeseen failure must not kill the owner, nor loop forever
             log.exception("fragment %d: merge failed", self.fragment.index)
             failed = self.merger.on_merge_failed(
@@ -473,9 +501,11 @@ class FragmentOwner:
                 f"retired before publishing version {self.version + 1}", frozenset(work.peers)
             )
 
-    async def _failed(self, exc: MergeFailed) -> Decision:
-        """Tell the merger a merge failed, dropping the work ``exc`` names, and count it."""
+    async def _failed(self, exc: MergeFailed, decision: Decision) -> Decision:
+        """Tell the merger a merge failed, dropping the work ``exc`` names, and count it; tell
+        the senders of a declined candidate's dropped work (``decision``: the round's)."""
         if isinstance(exc, Rejected):
+            await self._decline(exc.culprits, decision)
             self.reputation.rejected(
                 exc.culprits,
                 exc.helped,
@@ -500,6 +530,15 @@ class FragmentOwner:
         failed = self.merger.on_merge_failed(exc.reason, now=self.clock(), discard=exc.culprits)
         log.warning("fragment %d: %s", self.fragment.index, failed.reason)
         return failed
+
+    async def _decline(self, dropped: frozenset[bytes], decision: Decision) -> None:
+        """Note the bases of ``dropped`` senders' work in ``decision`` for their next long-poll
+        (``wait_after``), and wake the long-polls waiting now."""
+        for e in decision.entries:
+            if e.peer in dropped:
+                self._declined[e.peer] = self.version - e.staleness
+        async with self._changed:
+            self._changed.notify_all()
 
     def _publish(self, nxt: NextVersion, merged: dict[bytes, int], work: Work) -> None:
         """Hold ``nxt`` as the latest version, and tell ``on_publish``."""

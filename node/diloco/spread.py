@@ -34,6 +34,7 @@ from protocol.ids import ID_BYTES, peer_id_from_public_key
 from protocol.wire.codec import chunk_views
 
 __all__ = [
+    "DECLINED_STATUS",
     "FINAL_HELD_STATUS",
     "POINTER_STATUS",
     "REPLICA_HELD_STATUS",
@@ -56,9 +57,14 @@ FINAL_HELD_STATUS = (
 )
 UPDATE_NOT_HELD_STATUS = 409  # the holder holds the version as an update over another one only
 REPLICA_HELD_STATUS = 208  # "Already Reported": the requester is the replica that took this version
+# "Reset Content": validation declined the candidate holding the requester's work on the base in
+# VERSION_HEADER; no version will hold it, go on from the version held (``FragmentOwner.wait_after``)
+DECLINED_STATUS = 205
 MAX_POINTER_BODY = 16 + MAX_POINTERS * (ID_BYTES + 4)
 MAX_HELD_WAIT_S = 15.0
-VERSION_HEADER = "Atoll-Version"  # on a pointer: the version the holders were served
+VERSION_HEADER = (
+    "Atoll-Version"  # on a pointer: the version the holders were served; declined: the base
+)
 
 
 def pointed_version(headers: Mapping[str, str]) -> int | None:

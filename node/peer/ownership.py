@@ -24,8 +24,9 @@ import torch
 
 from node.config import RunConfig
 from node.dht.membership import Membership
+from node.diloco.fetching import RoundDeclined
 from node.diloco.flat import encode_flat, flat_from_tensors
-from node.diloco.owner import FragmentOwner, OwnerConfig, OwnerCounts, OwnerStart
+from node.diloco.owner import Declined, FragmentOwner, OwnerConfig, OwnerCounts, OwnerStart
 from node.diloco.replica import Handed, ReplicaStore
 from node.diloco.succession import measured_updates
 from node.diloco.validation import Evaluator, OwnerValidation
@@ -409,7 +410,13 @@ class Ownership:
         owner = self.owners.get(p)
         if owner is None or owner.retired:
             raise UnknownFragment(f"fragment {p} is not owned here")
-        got = await (self.finals.wait(owner, wait_s) if final else owner.wait_after(after, wait_s))
+        got = await (
+            self.finals.wait(owner, wait_s)
+            if final
+            else owner.wait_after(after, wait_s, asker=self.signer.peer_id)
+        )
+        if isinstance(got, Declined):  # our own work was in a candidate validation declined
+            raise RoundDeclined(p, got.base)
         if got is None:
             return None
         if owner.retired:

@@ -25,8 +25,9 @@ from aiohttp import web
 
 from node.config import RunConfig
 from node.dht.swarm import SwarmCredentials
-from node.diloco.owner import FragmentOwner
+from node.diloco.owner import Declined, FragmentOwner
 from node.diloco.spread import (
+    DECLINED_STATUS,
     FINAL_HELD_STATUS,
     REPLICA_HELD_STATUS,
     VERSION_HEADER,
@@ -43,6 +44,7 @@ from node.wire.transport import Busy, Transport
 from protocol.dht.netgroups import PrefixCounts
 from protocol.diloco.spread import Fanout, Serve, SpreadDecision
 from protocol.errors import DecodeError
+from protocol.ids import peer_id_from_public_key
 
 __all__ = [
     "MAX_ANONYMOUS_POLLS_PER_IP",
@@ -75,6 +77,14 @@ def _holds_same(request: web.Request, owner: FragmentOwner, version: int) -> boo
     except ValueError:
         digest = None
     return digest is not None and digest in owner.digests.get(version, set())
+
+
+def _signer_of(request: web.Request) -> bytes | None:
+    """The peer id of the admitted member that signed ``request`` (None: unsigned)."""
+    admitted = request.get(ADMITTED)
+    if admitted is None or not admitted.public_key:
+        return None
+    return peer_id_from_public_key(admitted.public_key)
 
 
 def _long_poll_query(request: web.Request) -> tuple[int, float]:
@@ -173,8 +183,10 @@ class VersionServer:
             sealed = (
                 await self.finals.wait(owner, wait_s)
                 if kind == "final"
-                else await owner.wait_after(after, wait_s)
+                else await owner.wait_after(after, wait_s, asker=_signer_of(request))
             )
+        if isinstance(sealed, Declined):  # the asker's work is in no version: it goes on
+            return web.Response(status=DECLINED_STATUS, headers={VERSION_HEADER: str(sealed.base)})
         if sealed is None:
             return web.Response(status=204)
         update_ok = request.query.get("update") == "1"

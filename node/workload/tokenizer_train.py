@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from node.state.atomic import write_atomic
-from node.workload.corpus import stdlib_corpus_files
 
 __all__ = ["TrainConfig", "main", "text_blocks", "train_tokenizer"]
 
@@ -95,7 +94,11 @@ def train_tokenizer(config: TrainConfig) -> str:
 
 
 def _files(patterns: Sequence[str], stdlib: bool) -> tuple[Path, ...]:
-    found: set[Path] = set(stdlib_corpus_files()) if stdlib else set()
+    found: set[Path] = set()
+    if stdlib:  # imported here: node.workload.corpus imports torch (3 s), which nothing else needs
+        from node.workload.corpus import stdlib_corpus_files
+
+        found.update(stdlib_corpus_files())
     for pattern in patterns:
         found.update(Path(p) for p in glob.glob(pattern, recursive=True) if Path(p).is_file())
     return tuple(sorted(found, key=str))

@@ -22,7 +22,9 @@ from urllib.parse import parse_qs, urlsplit
 import torch
 from torch import nn
 
-from node.diloco.owner import FragmentOwner, OwnerConfig, OwnerStart
+from node.diloco.owner import Declined, FragmentOwner, OwnerConfig, OwnerStart
+from node.diloco.spread import DECLINED_STATUS, VERSION_HEADER
+from node.diloco.validation import OwnerValidation
 from node.wire.transport import LinkDropped, Transport
 from protocol.diloco.compression import compress
 from protocol.diloco.fragments import FragmentPlan, plan_fragments
@@ -84,6 +86,7 @@ def make_owner(
     version: int = 0,
     event_log: Path | None = None,
     update_codec: str | None = None,
+    validation: OwnerValidation | None = None,
     **merge: object,
 ) -> FragmentOwner:
     cfg = MergeConfig(**{"quorum": 1, "gamma": 0.5, "tau": 2.0, **merge})  # type: ignore[arg-type]
@@ -103,6 +106,7 @@ def make_owner(
         ),
         signer=who or signer(1),
         clock=clock,
+        validation=validation,
     )
 
 
@@ -181,12 +185,13 @@ class MemoryOwnerPeer:
     owners: dict[int, FragmentOwner]
     members: set[bytes] = field(default_factory=set)
     ack_signer: Signer | None = None  # sign Acks with another key (an impostor)
+    asker: bytes | None = None  # who signs the GETs (node.peer.serving reads the admitted signer)
     replay: ReplayWindow = field(default_factory=ReplayWindow)
     requests: int = 0
 
     async def handle(
         self, method: str, path: str, query: dict[str, str], body: bytes
-    ) -> tuple[int, bytes]:
+    ) -> tuple[int, bytes] | tuple[int, bytes, dict[str, str]]:
         self.requests += 1
         if method == "POST" and path == "/v1/rpc":
             try:
@@ -212,10 +217,12 @@ class MemoryOwnerPeer:
             sealed = (
                 owner.declare_final()
                 if parts[3] == "final"  # an idle owner's latest is final
-                else await owner.wait_after(after, wait)
+                else await owner.wait_after(after, wait, asker=self.asker)
                 if parts[3] == "next"
                 else None
             )
+            if isinstance(sealed, Declined):  # as node.peer.serving
+                return DECLINED_STATUS, b"", {VERSION_HEADER: str(sealed.base)}
             if sealed is not None and query.get("update") == "1":  # as node.peer.serving
                 named = bytes.fromhex(query.get("digest", ""))
                 if (
@@ -259,9 +266,9 @@ class MemoryTransport:
         body = b"".join(bytes(c) for c in chunks)
         self.bytes_sent += len(body)
         query = {k: v[0] for k, v in parse_qs(parts.query).items()}
-        status, reply = await self.peers[base].handle(method, parts.path, query, body)
+        status, reply, *headers = await self.peers[base].handle(method, parts.path, query, body)
         if max_reply is not None and len(reply) > max_reply:
             raise RemoteProtocolError(f"reply of {len(reply)} bytes over {max_reply}")
-        return status, bytearray(reply), len(reply), {}
+        return status, bytearray(reply), len(reply), headers[0] if headers else {}
 
     reply = Transport.reply  # ``request`` as a context manager, as the real one
