@@ -324,3 +324,20 @@ def test_perf_samples_are_counted_by_category_inside_the_timed_rounds_only() -> 
     assert total == 2 and "BLAKE3" not in counts
     assert classify("at::native::add_kernel(...)", "libtorch_cpu.so") == "torch add_kernel"
     assert classify("clear_page_erms", "[kernel.kallsyms]") == "kernel page faults (fresh pages)"
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_a_tiny_run_with_every_version_sent_by_its_owner_checks_every_merge(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``--owner-fanout 2`` at 3 peers: each owner uploads every version to both other
+    learners itself (raw's owners answer every peer); the swarm's manifest and every peer
+    carry it, and every merge still checks out."""
+    out = main(
+        ["--cases", "3x40k", "--codecs", "none", "--systems", "atoll", "--warmup", "0"]
+        + ["--repeats", "1", "--fragments", "3", "--no-kill", "--timeout", "120"]
+        + ["--owner-fanout", "2", "--log-dir", str(tmp_path)]
+    )
+    assert out["config"]["owner_fanout"] == 2
+    run = out["cases"][0]["atoll_runs"][0]
+    assert run["ok"] and run["check"]["matches"] == ["all"]
+    assert run["check"]["identical_on_every_peer"]
