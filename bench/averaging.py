@@ -226,6 +226,7 @@ def _spec(
         "codec": codec,
         "systems": systems,
         "elastic": elastic,
+        "owner_fanout": getattr(args, "owner_fanout", 1),
     }
     if "atoll" in systems and args.swarm == "signed":
         from bench.averaging_atoll import swarm_credentials
@@ -237,6 +238,7 @@ def _spec(
             codec=codec,
             layout=Layout(params, fragments),
             elastic=elastic,
+            owner_fanout=spec["owner_fanout"],
         )
     return spec
 
@@ -560,6 +562,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "that every peer owns one, as ring all-reduce's reduce-scatter gives each its shard "
         "(8 until 2026-12-05: 3.65 against 3.83 at 4 x 50M, docs/benchmarks.md)",
     )
+    parser.add_argument(
+        "--owner-fanout",
+        type=int,
+        default=1,
+        help="Atoll's owner_fanout (the learners an owner uploads each version to itself; the "
+        "rest fetch it from a holder): 1, Atoll's default; peers - 1 sends every version "
+        "straight from its owner, as raw's owners answer every peer",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds one round may take")
     parser.add_argument(
@@ -625,6 +635,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "isolate": args.isolate,
             "blocks": args.blocks,
             "fragments": args.fragments,
+            "owner_fanout": args.owner_fanout,
             "codecs": args.codecs,
             "kill_at": args.kill_at,
             "seed": args.seed,

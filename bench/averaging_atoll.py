@@ -67,10 +67,13 @@ class _Tensors(nn.Module):
         self.w = nn.ParameterList([nn.Parameter(t, requires_grad=False) for t in tensors])
 
 
-def bench_config(peers: int, layout: Layout, codec: str, *, elastic: bool = False) -> RunConfig:
+def bench_config(
+    peers: int, layout: Layout, codec: str, *, elastic: bool = False, owner_fanout: int = 1
+) -> RunConfig:
     """The run configuration of every Atoll peer of the bench (the manifest's recipe holds it).
     ``elastic``: decoupled mode with every live learner as the quorum (the kill test's), else
-    sync mode with quorum N (see the module docstring)."""
+    sync mode with quorum N (see the module docstring); ``owner_fanout``: ``RunConfig``'s
+    (``bench.averaging --owner-fanout``)."""
     up, down, update = CODECS[codec]
     # elastic: no grace window past the quorum (gamma 0). Its length is gamma * (tau * step time
     # - ...), the time a learner hides behind tau inner steps; the bench's "step" is a whole round
@@ -94,6 +97,7 @@ def bench_config(peers: int, layout: Layout, codec: str, *, elastic: bool = Fals
         **mode,
         eval_every=10**9,
         adopt_rebase=0,
+        owner_fanout=owner_fanout,
     )  # nothing trains between shipping and adopting: overwrite, one copy
 
 
@@ -102,7 +106,13 @@ def _seed(*parts: object) -> bytes:
 
 
 def swarm_credentials(
-    *, peers: int, seed: int, layout: Layout, codec: str, elastic: bool = False
+    *,
+    peers: int,
+    seed: int,
+    layout: Layout,
+    codec: str,
+    elastic: bool = False,
+    owner_fanout: int = 1,
 ) -> dict[str, Any]:
     """A swarm as ``atoll local`` makes one (a founder's signed manifest with one lab, and a
     learner-and-owner certificate per peer), as JSON-ready text for the peers' specs: the swarm
@@ -115,7 +125,7 @@ def swarm_credentials(
         founder,
         name=SWARM,
         tokens_per_step=1,
-        config=bench_config(peers, layout, codec, elastic=elastic),
+        config=bench_config(peers, layout, codec, elastic=elastic, owner_fanout=owner_fanout),
         authorities=[("bench", lab.public_key)],
     )
     now = time.time()
@@ -151,6 +161,7 @@ class AtollSide:
         initial_peers: list[str],
         credentials: dict[str, Any] | None = None,
         elastic: bool = False,
+        owner_fanout: int = 1,
     ) -> None:
         """``credentials``: from ``swarm_credentials`` (a signed swarm); without, a development
         swarm (no manifest, no admission). ``elastic``: see ``bench_config``."""
@@ -158,7 +169,7 @@ class AtollSide:
         self.codec, self.download_codec, self.update_codec = CODECS[codec]
         self.model = _Tensors(initial)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.0)
-        cfg = bench_config(peers, layout, codec, elastic=elastic)
+        cfg = bench_config(peers, layout, codec, elastic=elastic, owner_fanout=owner_fanout)
         swarm: dict[str, Any] = {"swarm": SWARM}
         if credentials is not None:
             swarm = {

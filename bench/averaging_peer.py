@@ -60,6 +60,7 @@ class Peer:
                 initial_peers=spec.get("atoll_peers") or [],
                 credentials=spec.get("atoll_credentials"),
                 elastic=spec.get("elastic", False),
+                owner_fanout=spec.get("owner_fanout", 1),
             )
             self.sides["atoll"] = atoll
         if "raw" in spec["systems"]:

@@ -142,7 +142,11 @@ class OwnerState:
         known = self.known_norm
         if known is not None and known[0]() is self.theta:
             return known[1]
-        return norm64(self.theta)
+        # kept for the next contribution screened against this state (``theta`` is never
+        # written to in place): one pass over it per version, not one per contribution
+        norm = norm64(self.theta)
+        self.known_norm = (weakref.ref(self.theta), norm)
+        return norm
 
     def merged_with(self, entries: Iterable[tuple[bytes, int]]) -> dict[bytes, int]:
         """``merged_base`` as it will be once the work in ``entries`` (sender, base) is merged."""

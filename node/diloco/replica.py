@@ -18,11 +18,20 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from node.diloco.flat import flat_digest, flat_from_tensors, flat_is_wire_form, new_flat
+from node.diloco.flat import (
+    flat_digest,
+    flat_from_tensors,
+    flat_is_wire_form,
+    new_flat,
+    wire_flat_span,
+)
+from node.wire.bodies import REQUEST_BODY
 from node.wire.transport import Transport
 from protocol.diloco.compression import compress
+from protocol.diloco.norms import all_finite
 from protocol.diloco.reference import HandedNorm, as_history, on_the_wire
 from protocol.diloco.replica import Held, judge
 from protocol.diloco.updates import apply_update
@@ -139,6 +148,33 @@ def encode_state(
     )
 
 
+def _state_in_body(
+    msg: ReplicaState, numel: int
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """A whole fp32 handoff's global fragment (and momentum) as views of the request body it
+    arrived in (``REQUEST_BODY``), checked finite, which then holds that buffer until the views
+    are collected (``RequestBody.keep_for``); None when its tensors are not fp32 ``none``
+    tensors lying end to end in this request's body (``decode`` copies them). A held state is
+    never written to (a takeover clones it, a new handoff replaces it), so adopting the bytes
+    where they arrived saves a copy of the fragment into fresh memory at every handoff (at
+    124M parameters 7-10 % of a replica's busy time in a round, docs/benchmarks.md). Raises
+    ``DecodeError`` for NaN or Inf values, as ``flat_from_tensors`` does."""
+    body = REQUEST_BODY.get()
+    parts = (*msg.theta, *msg.momentum)
+    span = wire_flat_span(parts, [(numel,)] * len(parts)) if body is not None else None
+    if body is None or span is None or span[0] is not body.buf or len(msg.theta) != 1:
+        return None
+    array = np.frombuffer(body.buf, dtype=np.float32, count=span[2], offset=span[1])
+    flat = torch.from_numpy(array)
+    if not all_finite(flat):
+        raise DecodeError("the handed state holds NaN or Inf values")
+    # the tensors keep this array alive for as long as they or any slice of them live: the
+    # body is held by the array, not by one tensor object
+    if not body.keep_for(array):
+        return None
+    return flat[:numel], (flat[numel:] if msg.momentum else None)
+
+
 class NotAMemberThere(RemoteProtocolError):
     """A replica refused a handoff (a signed ``ReplicaAck`` starting ``NOT_A_MEMBER``; an unsigned
     403 is not trusted) because its view of the members does not hold ours: it
@@ -181,6 +217,9 @@ class ReplicaStore:
         if msg.base_version >= 0:
             return self._apply_update(msg, learned), None
         shape = [(self.numels[msg.fragment],)]
+        viewed = _state_in_body(msg, shape[0][0])
+        if viewed is not None:
+            return viewed
         theta = flat_from_tensors(msg.theta, shape)
         return theta, (flat_from_tensors(msg.momentum, shape) if msg.momentum else None)
 

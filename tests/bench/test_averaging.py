@@ -280,3 +280,64 @@ def test_4x124m_fits_the_box_with_its_measured_peak(monkeypatch) -> None:  # typ
     systems = ["atoll", "raw", "hivemind"]
     assert memory_shortfall(4, 124_000_000, systems, True, "none") is None
     assert memory_shortfall(4, 124_000_000, systems, True, "fp16") is not None
+
+
+def test_perf_samples_are_counted_by_category_inside_the_timed_rounds_only() -> None:
+    """``bench.averaging_perf`` keeps the samples whose time falls in a timed round of the
+    system asked (a case's first rounds left out with ``skip``) and counts each by its innermost
+    native function: BLAKE3, torch's kernels, the kernel's copies, the interpreter."""
+    from bench.averaging_perf import categorize, classify, windows
+
+    result = {
+        "cases": [
+            {
+                "atoll_runs": [{"wall": [10.0, 12.0]}, {"wall": [20.0, 22.0]}],
+                "raw_runs": [{"wall": [15.0, 16.0]}],
+            }
+        ]
+    }
+    assert windows(result, "atoll") == [(10.0, 12.0), (20.0, 22.0)]
+    assert windows(result, "atoll", skip=1) == [(20.0, 22.0)]
+    script = [
+        "101 11.000000000: ",
+        "\t7f01 _blake3_hash_many_avx2+0x10 (/venv/blake3.cpython-311-x86_64-linux-gnu.so)",
+        "\t7f02 blake3::hash (/venv/blake3.cpython-311-x86_64-linux-gnu.so)",
+        "",
+        "101 21.000000000: ",
+        "\tffff81 _copy_to_iter+0x3 ([kernel.kallsyms])",
+        "\tffff82 tcp_recvmsg ([kernel.kallsyms])",
+        "",
+        "102 21.500000000: ",
+        "\t7f03 _PyEval_EvalFrameDefault+0x99 (/usr/lib/libpython3.11.so.1.0)",
+        "",
+        "102 15.500000000: ",  # a raw round: not counted for atoll
+        "\t7f04 __memmove_avx_unaligned_erms (/usr/lib/libc.so.6)",
+    ]
+    counts, total = categorize(script, windows(result, "atoll"))
+    assert total == 3
+    assert counts == {
+        "BLAKE3": 1,
+        "kernel copies (TCP send and receive)": 1,
+        "Python interpreter": 1,
+    }
+    counts, total = categorize(script, windows(result, "atoll", skip=1))
+    assert total == 2 and "BLAKE3" not in counts
+    assert classify("at::native::add_kernel(...)", "libtorch_cpu.so") == "torch add_kernel"
+    assert classify("clear_page_erms", "[kernel.kallsyms]") == "kernel page faults (fresh pages)"
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_a_tiny_run_with_every_version_sent_by_its_owner_checks_every_merge(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``--owner-fanout 2`` at 3 peers: each owner uploads every version to both other
+    learners itself (raw's owners answer every peer); the swarm's manifest and every peer
+    carry it, and every merge still checks out."""
+    out = main(
+        ["--cases", "3x40k", "--codecs", "none", "--systems", "atoll", "--warmup", "0"]
+        + ["--repeats", "1", "--fragments", "3", "--no-kill", "--timeout", "120"]
+        + ["--owner-fanout", "2", "--log-dir", str(tmp_path)]
+    )
+    assert out["config"]["owner_fanout"] == 2
+    run = out["cases"][0]["atoll_runs"][0]
+    assert run["ok"] and run["check"]["matches"] == ["all"]
+    assert run["check"]["identical_on_every_peer"]

@@ -147,6 +147,31 @@ def test_the_chunked_gram_matrix_is_the_plain_one(
             assert abs(got[i][j] - expected[i][j]) <= 1e-6 * norms[i] * norms[j] + 1e-12
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("length", [8192 * 3, 8192 * 40 + 77, 5000])
+def test_the_gram_matrix_is_the_per_chunk_dot_products_summed_in_order_to_the_last_bit(
+    dtype: torch.dtype, length: int
+) -> None:
+    """Each pair's products of whole chunks are taken in one call (``np.vecdot``), not one
+    ``np.dot`` per chunk: the same bits as ``np.dot`` of every chunk added in fp64 in chunk
+    order, a partial last chunk included (``atoll replay`` recomputes agreement from them)."""
+    import numpy as np
+
+    from protocol.diloco.agreement import CHUNK
+
+    gen = torch.Generator().manual_seed(length)
+    deltas = [torch.randn(length, generator=gen, dtype=dtype) for _ in range(4)]
+    arrays = [d.numpy() for d in deltas]
+    want = [[0.0] * 4 for _ in range(4)]
+    for i in range(4):
+        for j in range(i, 4):
+            for start in range(0, length, CHUNK):
+                end = start + CHUNK
+                want[i][j] += float(np.dot(arrays[i][start:end], arrays[j][start:end]))
+            want[j][i] = want[i][j]
+    assert gram(deltas) == want
+
+
 def test_the_gram_matrix_of_fp64_and_half_precision_work() -> None:
     """fp64 work is multiplied in fp64; bf16 work is converted to fp32 first; an unknown or
     non-finite norm is computed."""

@@ -509,10 +509,11 @@ async def test_a_merge_takes_each_contributions_norm_from_its_arrival_and_publis
         for who, d in zip((A, B, C), deltas, strict=True):
             await owner.contribute(who, contribution(d, shapes[0], base_version=rnd, owner=owner))
         assert owner.version == rnd + 1
-        # no contribution's norm is measured in the merge; |Θ| only in the first (then it is the
-        # previous merge's, measured as its result was checked for NaN/Inf), and the aggregate's
-        # not at all: no longer than its longest delta, it cannot break the bound of |Θ|
-        assert measured == ([numel] if rnd == 0 else []), (rnd, measured)
+        # no contribution's norm is measured in the merge; nor |Θ| (in the first round it is
+        # the one the screen measured on arrival, then the previous merge's, measured as its
+        # result was checked for NaN/Inf), nor the aggregate's: no longer than its longest
+        # delta, it cannot break the bound of |Θ|
+        assert measured == [], (rnd, measured)
         replayed = merge_update(
             before, None, deltas, [1.0] * 3, [1.0] * 3, owner.outer_cfg, embedding=False
         )
@@ -930,3 +931,19 @@ async def test_work_that_agrees_with_no_one_in_its_rounds_falls_below_every_hone
     assert owner.standing.refused(noisy, version=owner.version) is not None
     result = replay(log)
     assert result.agreements == rounds and not result.mismatches, result.mismatches
+
+
+async def test_the_held_states_norm_is_measured_once_per_version_and_is_norm64s() -> None:
+    """|Θ| screens every contribution that arrives with no norm reference yet: it is measured
+    once per state held (``OwnerState.theta_norm`` keeps it beside the state), to the same bits
+    as ``norm64``, and measured again once the owner holds another state."""
+    from protocol.diloco.norms import norm64
+
+    _, shapes, _, theta0, owner = _setup(quorum=1)
+    held = owner.held
+    first = held.theta_norm()
+    assert first == norm64(theta0) == norm64(held.theta)
+    assert held.known_norm is not None and held.known_norm[0]() is held.theta
+    held.theta = held.theta * 2.0  # another state held (a merge publishes a new tensor)
+    assert held.theta_norm() == norm64(held.theta) != first
+    assert held.known_norm[0]() is held.theta

@@ -690,3 +690,81 @@ async def test_a_handed_reference_longer_than_the_fragment_is_dropped_when_nothi
         plan, shapes, clock, theta0, who=signer(2), version=3, reference=(huge,) * 4
     )
     assert owner.merger.reference() == () and "dropped" in owner.reference_note
+
+
+async def test_a_whole_fp32_handoff_is_held_where_it_arrived_with_the_copys_bits() -> None:
+    """A whole fp32 handoff (global fragment and momentum) read into a request body is held as
+    views of that body, not decoded into fresh vectors: the same values as the copy
+    ``flat_from_tensors`` makes, the body back in the pool only once a later handoff replaced
+    the views, and NaN refused as before."""
+    import asyncio
+    import gc
+
+    import pytest
+
+    from node.diloco.flat import flat_from_tensors
+    from node.wire.bodies import REQUEST_BODY, BufferPool, RequestBody
+    from protocol.errors import DecodeError
+    from protocol.wire.codec import decode
+
+    numel, pool = 4096, BufferPool()
+    store = ReplicaStore(SWARM, [numel])
+    gen = torch.Generator().manual_seed(7)
+
+    def handoff(version: int, theta: torch.Tensor) -> ReplicaState:
+        # known_finite: the NaN case goes on the wire as a hostile owner would send it
+        return encode_state(
+            swarm=SWARM,
+            fragment=0,
+            epoch=1,
+            version=version,
+            digest=flat_digest(theta),
+            theta=theta,
+            momentum=torch.randn(numel, generator=gen),
+            known_finite=True,
+        )
+
+    async def take(msg: ReplicaState) -> tuple[bytearray, tuple[torch.Tensor, torch.Tensor | None]]:
+        buf = bytearray(encode(msg).tobytes())
+        body = RequestBody(pool, buf, asyncio.get_running_loop())
+        token = REQUEST_BODY.set(body)
+        try:
+            got = decode(memoryview(buf), max_size=len(buf))
+            assert isinstance(got, ReplicaState)
+            decoded = await asyncio.to_thread(store.decode, got)  # as ``Handoffs.take_in`` does
+            assert store.offer(A, got, decoded=decoded).accepted
+        finally:
+            REQUEST_BODY.reset(token)
+            body.end()
+        return buf, decoded
+
+    first = handoff(1, torch.randn(numel, generator=gen))
+    buf, (theta, momentum) = await take(first)
+    assert momentum is not None
+    start = theta.data_ptr() - ctypes_address(buf)
+    assert 0 <= start < len(buf) and momentum.data_ptr() == theta.data_ptr() + 4 * numel
+    shape = [(numel,)]
+    assert torch.equal(theta, flat_from_tensors(first.theta, shape))
+    assert torch.equal(momentum, flat_from_tensors(first.momentum, shape))
+    del theta, momentum
+    gc.collect()
+    await asyncio.sleep(0)
+    assert not any(f is buf for f in pool._free)  # the store still holds the views
+
+    await take(handoff(2, torch.randn(numel, generator=gen)))
+    gc.collect()
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert any(f is buf for f in pool._free)  # replaced: the first body went back
+
+    bad = torch.randn(numel, generator=gen)
+    bad[5] = float("nan")
+    with pytest.raises(DecodeError, match="NaN or Inf"):
+        await take(handoff(3, bad))
+    assert store.states[0].version == 2
+
+
+def ctypes_address(buf: bytearray) -> int:
+    import ctypes
+
+    return ctypes.addressof(ctypes.c_char.from_buffer(buf))
