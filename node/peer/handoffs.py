@@ -97,6 +97,7 @@ class Handoffs:
         )
         self.replica_took: dict[int, tuple[int, bytes]] = {}  # fragment -> (version, replica)
         self.lease_lapses = 0  # versions not published: our record may have expired elsewhere
+        self.claimant_fences = 0  # versions not published: the view named another owner by then
         self._replica_replay = ReplayWindow()
         self._passed_on: set[tuple[int, bytes, int]] = set()  # (fragment, peer, version) handed on
 
@@ -249,7 +250,7 @@ class Handoffs:
             )
             if not ranked:
                 self.unreplicated += 1
-                return None
+                return self._may_publish(p, state.version)
             try:
                 # the update first: the replica holds its base if it took the version before from
                 # us, and its learner does once it has fetched that version (the whole state
@@ -263,7 +264,7 @@ class Handoffs:
                         state.version,
                         ranked[0][0],
                     )  # its learner needs no download
-                    return None
+                    return self._may_publish(p, state.version)
             except _FencedBy as exc:
                 bumped = (
                     self._above_stale_fence(p, state, exc.ack) if bumps < MAX_EPOCH_BUMPS else None
@@ -281,6 +282,24 @@ class Handoffs:
                     "this peer is not a member in its view"
                 )
             tried.add(ranked[0][0])
+
+    def _may_publish(self, p: int, version: int) -> str | None:
+        """Why ``version`` of ``p``, which a replica has just taken, must not be published after
+        all (None: it may). The handoff awaited the network, and a starved loop may have run
+        seconds late: the lease is measured again, and the view must still name us ``p``'s owner
+        (a better-ranked member that entered the roster meanwhile publishes this version
+        itself). The owner publishes on the same loop turn, with no await in between."""
+        lapsed = self._record_lapsed(p)
+        if lapsed is not None:
+            return lapsed
+        owner = self.view.owner_of(p)
+        if owner is not None and owner[0] != self.signer.peer_id:
+            self.claimant_fences += 1
+            return (
+                f"fenced: this peer's view now names {owner[1]} as fragment {p}'s owner; "
+                f"version {version} is not published here"
+            )
+        return None
 
     def _record_lapsed(self, p: int) -> str | None:
         """Why this owner must not publish ``p``'s next version: our member record was last stored

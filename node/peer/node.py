@@ -459,6 +459,7 @@ class PeerNode:
                 **self.replicas.status(),
                 "unreplicated_versions": self.handoffs.unreplicated,
                 "lease_lapses": self.handoffs.lease_lapses,
+                "claimant_fences": self.handoffs.claimant_fences,
             },
             "bytes_sent": self.transport.bytes_sent,
             "bytes_received": self.transport.bytes_received,

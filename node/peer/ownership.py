@@ -285,10 +285,12 @@ class Ownership:
         if handed is not None and handed.final:
             owner.hold_final(handed.version)
         self.replicas.fence(p, epoch, version, owner.digest_of(version))
-        if not from_handoff and version > 0 and self._displaces_a_live_owner(p, previous):
+        if not from_handoff and self._displaces_a_live_owner(p, previous):
             # it hands us its state as it retires, maybe a version it handed out as final: merge
             # nothing before. (A replica taking over from a dead owner starts from its last state,
-            # handed before it was published; at a swarm's start nobody has merged anything.)
+            # handed before it was published.) At version 0 too: a joiner that has not yet fetched
+            # the live owner's first version would publish version 1 with a second content
+            # (96 peers on a starved box, docs/scale_peers.md "Two contents on a starved box").
             owner.hold_first_merge(CATCH_UP_S)
         self.owners[p] = owner
         self._owner_tasks[p] = self.started.tg.create_task(self._run_owner(owner, previous))
