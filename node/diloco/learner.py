@@ -13,7 +13,10 @@ Runs on the node's event loop. ``IslandNet`` holds the parts, each an object of 
 
 ``IslandNet`` itself runs one long-poll per fragment, asking the fragment's owner for "the next
 version after v" and handing what passes the checks to ``Island.deliver``, and ``resync``, which
-has the island adopt every fragment's latest version whole.
+has the island adopt every fragment's latest version whole. A long-poll waits up to
+``POLL_WAIT_S`` (a version ends it at once) and is cancelled and aimed again as soon as our view
+names another owner for its fragment (read every ``OWNER_CHECK_S``), so the long wait costs
+fewer requests without a new owner being polled later (docs/scale_peers.md).
 """
 
 from __future__ import annotations
@@ -55,11 +58,20 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+# A `next` long-poll's wait (the server holds it up to ``node.peer.serving.MAX_WAIT_S``, 30 s): 5 s
+# made 4 fragments ask >= 0.8 times a second with no version at all (docs/scale_peers.md).
+POLL_WAIT_S = 25.0
+# How often a parked long-poll reads who owns its fragment: a new owner is asked this soon.
+OWNER_CHECK_S = 1.0
+
 _FAILED = (aiohttp.ClientError, LinkDropped, TimeoutError, OSError, RemoteProtocolError)
 
 
 class IslandNet:
     """Connects one ``Island`` to the owners of its fragments."""
+
+    poll_wait_s = POLL_WAIT_S
+    owner_check_s = OWNER_CHECK_S
 
     def __init__(
         self,
@@ -192,7 +204,7 @@ class IslandNet:
         while True:
             try:
                 after = max(self.known.received[p], self.island.versions[p])
-                got = await self.fetcher.fetch(p, after=after, wait_s=5.0)
+                got = await self._poll(p, after)
                 if got is not None:
                     self.known.remember(p, *got)
                     self.island.deliver(p, *got)
@@ -208,6 +220,28 @@ class IslandNet:
                 log.debug("poll for fragment %d failed: %r", p, exc)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
+
+    async def _poll(self, p: int, after: int) -> tuple[int, torch.Tensor] | None:
+        """One long-poll of ``p``'s owner for a version above ``after``, up to ``poll_wait_s``;
+        None, with the request cancelled, as soon as our view names another owner for ``p``."""
+        owner = self.fetcher.reach.owner_of(p)
+        if owner is None:  # nobody to ask yet: ``fetch`` waits a second for the view to fill
+            return await self.fetcher.fetch(p, after=after, wait_s=self.poll_wait_s)
+        poll = asyncio.ensure_future(
+            self.fetcher.fetch(p, after=after, wait_s=self.poll_wait_s, owner=owner)
+        )
+        try:
+            while not poll.done():
+                await asyncio.wait({poll}, timeout=self.owner_check_s)
+                if not poll.done() and self.fetcher.reach.owner_of(p) != owner:
+                    self.stats.polls_reaimed += 1
+                    poll.cancel()
+                    await asyncio.wait({poll})  # raises nothing; our own cancellation still does
+                    return None
+            return poll.result()
+        finally:
+            if not poll.done():  # we were cancelled ourselves: so is the request
+                poll.cancel()
 
     async def resync(self) -> int:
         """Fetch every fragment's latest version from its owner and have the island adopt them

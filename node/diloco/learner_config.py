@@ -47,5 +47,6 @@ class LearnerStats:
     skipped_nonfinite: int = 0
     resyncs: int = 0
     resent_on_owner_change: int = 0  # accepted, then its owner was gone before merging it: resent
+    polls_reaimed: int = 0  # long-polls cancelled because our view named a new owner meanwhile
     resent_after_silence: int = 0  # synchronous: accepted, no version RESEND_AFTER_S later: resent
     declined: int = 0  # accepted, then its owner's validation declined the candidate holding it

@@ -533,3 +533,91 @@ async def test_accepted_work_is_forgotten_once_its_version_comes() -> None:
     }  # its owner leaves now: the work was merged, nothing to send
     rig.net.sender.reach.owner_of = lambda p: (current["id"], OWNER_URL)
     assert rig.net.owners_changed() == 0
+
+
+def _next_polls(rig: Rig) -> list[tuple[float, str]]:
+    """Record every ``next`` long-poll the learner sends: (loop time, base URL and fragment)."""
+    asked: list[tuple[float, str]] = []
+    real = rig.transport.request
+
+    async def request(method: str, url: str, **kw):  # type: ignore[no-untyped-def]
+        if "/next?" in url:
+            asked.append((asyncio.get_running_loop().time(), url.split("/next?")[0]))
+        return await real(method, url, **kw)
+
+    rig.transport.request = request  # type: ignore[method-assign]
+    return asked
+
+
+async def _run_polls(rig: Rig, seconds: float) -> None:
+    polls = [asyncio.create_task(rig.net._poll_loop(p)) for p in range(len(rig.shapes))]
+    await asyncio.sleep(seconds)
+    for task in polls:
+        task.cancel()
+    await asyncio.gather(*polls, return_exceptions=True)
+
+
+async def test_a_quiet_fragment_is_asked_once_per_long_wait_not_once_per_owner_check() -> None:
+    """No version comes: each fragment's owner gets one ``next`` request per ``poll_wait_s``
+    (25 s in a swarm, was 5 s), however often the learner reads who owns the fragment."""
+    from node.diloco.learner import POLL_WAIT_S
+
+    assert POLL_WAIT_S >= 20.0
+    rig = Rig()
+    rig.net.poll_wait_s, rig.net.owner_check_s = 0.6, 0.05  # the same ratio, scaled down
+    asked = _next_polls(rig)
+    await _run_polls(rig, 1.0)
+    per_fragment = [sum(1 for _, u in asked if u.endswith(f"/{p}")) for p in range(2)]
+    assert per_fragment == [2, 2], asked  # at 0 and 0.6 s; ~20 owner checks sent nothing
+    assert rig.net.stats.polls_reaimed == 0
+
+
+async def test_a_new_owner_is_asked_within_one_owner_check_and_its_version_delivered() -> None:
+    """The view names another owner while a long-poll is parked at the old one: the poll is
+    cancelled and the new owner asked within ``owner_check_s`` (not at the end of the wait), and
+    the version the new owner publishes is delivered at once."""
+    rig = Rig()
+    rig.net.poll_wait_s, rig.net.owner_check_s = 20.0, 0.1
+    other_url, other_key = "http://owner2.test", signer(2)
+    others = {
+        p: make_owner(
+            rig.plan,
+            rig.shapes,
+            p,
+            flat_of(rig.model, rig.plan, p),
+            rig.clock,
+            who=other_key,
+            quorum=1,
+            late_policy="drop",
+        )
+        for p in range(len(rig.plan.fragments))
+    }
+    rig.transport.add(other_url, MemoryOwnerPeer(other_key, others, members={rig.me.peer_id}))
+    current = {0: (rig.owner_key.peer_id, OWNER_URL), 1: (rig.owner_key.peer_id, OWNER_URL)}
+    rig.net.fetcher.reach.owner_of = lambda p: current[p]
+    asked = _next_polls(rig)
+    loop = asyncio.get_running_loop()
+    polls = [asyncio.create_task(rig.net._poll_loop(p)) for p in range(2)]
+    try:
+        await asyncio.sleep(0.3)
+        moved = loop.time()
+        current[0] = (other_key.peer_id, other_url)
+        await asyncio.sleep(0.3)
+        at_new = [t for t, u in asked if u == f"{other_url}/v1/fragments/0"]
+        assert at_new and at_new[0] - moved <= 0.1 + 0.1, (at_new, moved)
+        assert rig.net.stats.polls_reaimed == 1  # fragment 1's owner did not change
+        # a version at the new owner, while the poll is parked there, arrives at once
+        await others[0].set_expected(1)
+        n = others[0].theta.numel()
+        published = loop.time()
+        await rig.net.sender.send(rig.outgoing(0, _delta(n)))  # to the owner our view names
+        assert others[0].version == 1
+        while rig.net.received[0] < 1 and loop.time() - published < 2.0:
+            await asyncio.sleep(0.01)
+        assert rig.net.received[0] == 1 and loop.time() - published < 0.2
+        # the old owner got one `next` for fragment 0, the new one a poll per version
+        assert sum(1 for _, u in asked if u == f"{OWNER_URL}/v1/fragments/0") == 1
+    finally:
+        for task in polls:
+            task.cancel()
+        await asyncio.gather(*polls, return_exceptions=True)
