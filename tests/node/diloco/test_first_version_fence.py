@@ -23,7 +23,14 @@ from node.diloco.replica import encode_state
 from node.peer import PeerNode
 from node.peer.ownership import CATCH_UP_S
 from protocol.wire.messages import ReplicaAck, ReplicaState
-from tests.node.diloco.test_handoff_admission import ME, OWNER, _forged, _offer, _peer
+from tests.node.diloco.test_handoff_admission import (
+    ME,
+    OWNER,
+    _forged,
+    _offer,
+    _peer,
+    _start_owner_of_0,
+)
 from tests.node.fakes import Tasks
 
 
@@ -45,12 +52,7 @@ def _joining(rank: list[bytes], *, last_owner: bytes | None) -> tuple[PeerNode, 
         held_state=lambda p: None,
         fetch=fetch,
     )
-    tasks = Tasks()
-    node.started.tg = tasks  # type: ignore[assignment]
-    if last_owner is not None:
-        node.ownership._last_owner[0] = last_owner
-    node.ownership._start_owner(0)
-    return node, tasks
+    return node, _start_owner_of_0(node, last_owner)
 
 
 async def test_a_joiner_that_displaces_a_live_owner_at_version_0_holds_its_first_merge() -> None:

@@ -67,6 +67,17 @@ def _member(s, *, owner: bool = True) -> Member:  # type: ignore[no-untyped-def]
     return Member(s.peer_id, record, 2e9, certified_owner=owner)
 
 
+def _start_owner_of_0(node: PeerNode, last_owner: bytes | None) -> Tasks:
+    """Start ``node``'s owner of fragment 0 as its ownership pass would, ``last_owner`` being whom
+    its last pass saw own it; the owner's tasks go to the returned stand-in task group."""
+    tasks = Tasks()
+    node.started.tg = tasks  # type: ignore[assignment]
+    if last_owner is not None:
+        node.ownership._last_owner[0] = last_owner
+    node.ownership._start_owner(0)
+    return tasks
+
+
 def _peer(rank: list[bytes]) -> PeerNode:
     """This peer (ME) with OWNER, ATTACKER (owner-certified) and LEARNER as members, ranked ``rank``."""
     model = tiny_model()
@@ -274,12 +285,7 @@ def _coming_back(*, last_owner: bytes | None) -> tuple[PeerNode, Tasks]:
         created=None,
         held_state=lambda p: None,
     )
-    tasks = Tasks()
-    node.started.tg = tasks  # type: ignore[assignment]
-    if last_owner is not None:
-        node.ownership._last_owner[0] = last_owner
-    node.ownership._start_owner(0)
-    return node, tasks
+    return node, _start_owner_of_0(node, last_owner)
 
 
 async def test_a_peer_that_comes_back_holds_final_what_the_owner_that_stood_in_handed_out_final() -> (
