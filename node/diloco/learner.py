@@ -25,6 +25,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import aiohttp
 import torch
@@ -65,6 +66,13 @@ POLL_WAIT_S = 25.0
 OWNER_CHECK_S = 1.0
 
 _FAILED = (aiohttp.ClientError, LinkDropped, TimeoutError, OSError, RemoteProtocolError)
+
+
+def _retrieved(task: asyncio.Future[Any]) -> None:
+    """Mark how a cancelled poll ended as seen: it may end with the error its closing connection
+    raised, which nobody awaits any more (asyncio would log it as never retrieved)."""
+    if not task.cancelled():
+        task.exception()
 
 
 class IslandNet:
@@ -237,11 +245,20 @@ class IslandNet:
                     self.stats.polls_reaimed += 1
                     poll.cancel()
                     await asyncio.wait({poll})  # raises nothing; our own cancellation still does
-                    return None
+                    if poll.cancelled():
+                        return None
+                    # it ended another way as it was cancelled (a version came, or the request
+                    # failed as its connection closed): take what it holds, so nothing is lost
+                    # and asyncio does not log an exception never retrieved
+                    if poll.exception() is not None:
+                        log.debug("fragment %d: a re-aimed poll ended with %r", p, poll.exception())
+                        return None
+                    return poll.result()
             return poll.result()
         finally:
             if not poll.done():  # we were cancelled ourselves: so is the request
                 poll.cancel()
+                poll.add_done_callback(_retrieved)
 
     async def resync(self) -> int:
         """Fetch every fragment's latest version from its owner and have the island adopt them

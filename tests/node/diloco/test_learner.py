@@ -621,3 +621,50 @@ async def test_a_new_owner_is_asked_within_one_owner_check_and_its_version_deliv
         for task in polls:
             task.cancel()
         await asyncio.gather(*polls, return_exceptions=True)
+
+
+async def test_a_reaimed_poll_that_ends_another_way_as_it_is_cancelled_loses_nothing() -> None:
+    """A request cancelled as the view names a new owner may end otherwise: its connection's
+    close raises, or its version arrives. The error is taken (asyncio logs no exception never
+    retrieved: a 128-peer run logged seven) and the version is returned, not dropped."""
+    import gc
+
+    from protocol.errors import RemoteProtocolError
+
+    rig = Rig()
+    rig.net.poll_wait_s, rig.net.owner_check_s = 20.0, 0.05
+    loop = asyncio.get_running_loop()
+    logged: list[dict[str, object]] = []
+    loop.set_exception_handler(lambda _loop, context: logged.append(context))
+    version = (1, torch.zeros(3))
+
+    def ending(how: str):  # type: ignore[no-untyped-def]
+        async def fetch(p: int, **kw: object) -> tuple[int, torch.Tensor] | None:
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                if how == "raises":
+                    raise RemoteProtocolError("the connection closed as it was cancelled") from None
+                return version
+            return None
+
+        return fetch
+
+    owner = [(rig.owner_key.peer_id, OWNER_URL)]
+    rig.net.fetcher.reach.owner_of = lambda p: owner[0]
+    try:
+        for how, expected in (("raises", None), ("returns", version)):
+            owner[0] = (rig.owner_key.peer_id, OWNER_URL)
+            rig.net.fetcher.fetch = ending(how)  # type: ignore[method-assign]
+            task = asyncio.create_task(rig.net._poll(0, 0))
+            await asyncio.sleep(0.1)
+            owner[0] = (signer(2).peer_id, "http://owner2.test")
+            got = await asyncio.wait_for(task, 2.0)
+            assert got is expected, (how, got)
+        del task
+        gc.collect()
+        await asyncio.sleep(0)
+        assert not logged, logged
+        assert rig.net.stats.polls_reaimed == 2
+    finally:
+        loop.set_exception_handler(None)
