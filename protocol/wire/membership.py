@@ -39,11 +39,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import msgpack
-from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from protocol.errors import BadSignature, DecodeError, LocalProtocolError, NotAuthorized
 from protocol.wire.toml_text import load_bounded_toml
+from protocol.wire.verified import verify_ed25519
 
 __all__ = [
     "ADMISSIONS",
@@ -135,10 +134,7 @@ def tls_pin(public_key: bytes) -> bytes:
 
 def verify_signature(public_key: bytes, signature: bytes, data: bytes, what: str) -> None:
     """Raise ``BadSignature`` ("``what``: signature does not verify") unless it does."""
-    try:
-        Ed25519PublicKey.from_public_bytes(public_key).verify(signature, data)
-    except (InvalidSignature, ValueError):
-        raise BadSignature(f"{what}: signature does not verify") from None
+    verify_ed25519(public_key, signature, data, what)
 
 
 def hex_key(value: Any, what: str) -> bytes:
