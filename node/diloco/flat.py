@@ -17,8 +17,10 @@ import ctypes
 from collections.abc import Sequence
 
 import blake3
+import numpy as np
 import torch
 
+from node.wire.bodies import REQUEST_BODY
 from protocol.diloco.compression import compress
 from protocol.diloco.updates import decode_flat, fragment_numel
 from protocol.diloco.vectors import new_vector as new_flat
@@ -32,6 +34,7 @@ __all__ = [
     "flat_from_tensors",
     "flat_is_wire_form",
     "new_flat",
+    "view_in_request_body",
     "wire_flat_span",
 ]
 
@@ -54,6 +57,25 @@ def flat_is_wire_form(tensors: Sequence[EncodedTensor]) -> bool:
     """Whether the flat fp32 vector these tensors decode to is their data bytes end to end (every
     tensor ``none``-coded, fp32): then ``flat_digest`` of it equals ``content_hash(tensors)``."""
     return all(t.codec == "none" for t in tensors)
+
+
+def view_in_request_body(
+    tensors: Sequence[EncodedTensor], shapes: Sequence[tuple[int, ...]]
+) -> torch.Tensor | None:
+    """The flat fp32 vector ``tensors`` decode to, as a view of the request body they arrived in
+    (``REQUEST_BODY``), which then holds that buffer until the view is collected
+    (``RequestBody.keep_for``); None when they are not fp32 ``none`` tensors of ``shapes`` lying
+    end to end in this request's body, or the body is held already (the caller copies them)."""
+    body = REQUEST_BODY.get()
+    span = wire_flat_span(tensors, shapes) if body is not None else None
+    if body is None or span is None or span[0] is not body.buf:
+        return None
+    # the tensor keeps this array alive for as long as it or any slice of it lives: the body is
+    # held by the array, not by one tensor object
+    array = np.frombuffer(body.buf, dtype=np.float32, count=span[2], offset=span[1])
+    if not body.keep_for(array):
+        return None
+    return torch.from_numpy(array)
 
 
 def wire_flat_span(

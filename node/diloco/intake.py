@@ -18,10 +18,9 @@ import math
 import weakref
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from node.diloco.flat import flat_from_tensors, new_flat, wire_flat_span
+from node.diloco.flat import flat_from_tensors, new_flat, view_in_request_body
 from node.diloco.owner_state import OwnerConfig, OwnerState
 from node.wire.bodies import REQUEST_BODY
 from protocol.diloco.intake import (
@@ -169,19 +168,9 @@ class ContributionIntake:
         return EncodedVector([_owned(t) for t in encoded.tensors], self.shapes)
 
     def _view_in_body(self, msg: Contribution) -> torch.Tensor | None:
-        """The contribution's fp32 tensors as one flat view of the request body they arrived in,
-        which then holds that buffer until the view is collected (``RequestBody.keep_for``);
-        None when they are not such tensors, or not in this request's body."""
-        body = REQUEST_BODY.get()
-        span = wire_flat_span(msg.tensors, self.shapes) if body is not None else None
-        if body is None or span is None or span[0] is not body.buf:
-            return None
-        # the tensor keeps this array alive for as long as it or any slice of it lives: the body
-        # is held by the array, not by one tensor object
-        array = np.frombuffer(body.buf, dtype=np.float32, count=span[2], offset=span[1])
-        if not body.keep_for(array):
-            return None
-        return torch.from_numpy(array)
+        """The contribution's fp32 tensors as one flat view of the request body they arrived in
+        (``view_in_request_body``); None when they are not such tensors, or not in this body."""
+        return view_in_request_body(msg.tensors, self.shapes)
 
     def _lend(self, flat: torch.Tensor) -> torch.Tensor:
         """Mark ``flat`` as not ours to reuse (``give_back`` drops it instead of keeping it)."""

@@ -18,7 +18,6 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from node.diloco.flat import (
@@ -26,9 +25,8 @@ from node.diloco.flat import (
     flat_from_tensors,
     flat_is_wire_form,
     new_flat,
-    wire_flat_span,
+    view_in_request_body,
 )
-from node.wire.bodies import REQUEST_BODY
 from node.wire.transport import Transport
 from protocol.diloco.compression import compress
 from protocol.diloco.norms import all_finite
@@ -159,19 +157,14 @@ def _state_in_body(
     where they arrived saves a copy of the fragment into fresh memory at every handoff (at
     124M parameters 7-10 % of a replica's busy time in a round, docs/benchmarks.md). Raises
     ``DecodeError`` for NaN or Inf values, as ``flat_from_tensors`` does."""
-    body = REQUEST_BODY.get()
     parts = (*msg.theta, *msg.momentum)
-    span = wire_flat_span(parts, [(numel,)] * len(parts)) if body is not None else None
-    if body is None or span is None or span[0] is not body.buf or len(msg.theta) != 1:
+    if len(msg.theta) != 1:
         return None
-    array = np.frombuffer(body.buf, dtype=np.float32, count=span[2], offset=span[1])
-    flat = torch.from_numpy(array)
+    flat = view_in_request_body(parts, [(numel,)] * len(parts))
+    if flat is None:
+        return None
     if not all_finite(flat):
         raise DecodeError("the handed state holds NaN or Inf values")
-    # the tensors keep this array alive for as long as they or any slice of them live: the
-    # body is held by the array, not by one tensor object
-    if not body.keep_for(array):
-        return None
     return flat[:numel], (flat[numel:] if msg.momentum else None)
 
 
