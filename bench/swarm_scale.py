@@ -30,10 +30,20 @@ The parent turns them into one case per swarm size (``summarize``):
                               ``control_by_route`` splits it by route
 ``member_view``               the mean number of members a peer's view holds (steady window)
 ``spread_p99_s``              per fragment version, the time from its first holder (its owner)
-                              until 99 % of the learners live through it held it (or a newer
-                              one); the median over versions (``spread_p99_max_s``: the worst)
-``owner_agreement``           per sample outside churn and per fragment, the fraction of pairs
-                              of live peers that name the same owner; the mean
+                              until 99 % of the learners live through it held it or a newer
+                              one (a learner that took v+1 without ever holding v is not
+                              behind); the median over versions (``spread_p99_max_s``: the
+                              worst), of the ``versions_reaching_99`` of ``versions_judged``
+                              that got there within the horizon. ``spread_p99_exact_s`` (and
+                              ``versions_reaching_99_exact``): the strict one, counting only
+                              learners seen holding v itself (sampled every 0.1 s)
+``spread_counts``             what the peers' fetches did (pointers, fallbacks, holders, ...)
+``owner_agreement``           per sample outside the join phase and churn, and per fragment,
+                              the fraction of pairs of live peers that name the same owner;
+                              the mean. ``owner_agreement_settled``: the same, leaving out the
+                              samples within ``PROPAGATION_S`` of a change of the owner most
+                              peers name (``owner_moves``; views learn of a move at their next
+                              reads: that is propagation, not disagreement)
 ``peak_rss_mb``               the largest worker's peak RSS (``rss_mb_per_peer``: all workers'
                               peaks summed, per peer)
 ``unowned_max_s``             the longest stretch in which no live peer ran an owner for a
@@ -96,6 +106,7 @@ __all__ = [
     "TinyModel",
     "is_control",
     "owner_agreement",
+    "settled_agreement",
     "spread_times",
     "summarize",
 ]
@@ -107,6 +118,9 @@ JOIN_TRIES = 4  # a failed join is retried with a new node this many times in al
 JOIN_BACKOFF_S = 2.0  # ...after 2, 4, 8 s
 SIGS_VERIFIED, SIGS_SKIPPED = "signatures verified", "signatures skipped"
 LEASE_S = 20.0  # a member record's ttl (``Membership.ttl_s``): an owner's lease
+# Views learn of an owner's move within this: reads at most ``READ_MAX_S`` = 6 s apart, the 2 s
+# membership pass, and the samples' own 2 s grid (``settled_agreement``)
+PROPAGATION_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -251,6 +265,8 @@ class Peer:
     rpcs_at_close: Counter[str] | None = None
     held: dict[int, int] = field(default_factory=dict)  # fragment -> newest version held
     first_held: dict[str, float] = field(default_factory=dict)  # "p:v" -> when first held
+    # "p:v" -> when first held as the very version (not passed over for a newer one)
+    held_exact: dict[str, float] = field(default_factory=dict)
     owning: dict[int, float] = field(default_factory=dict)  # fragment -> since when, now
     owned: list[tuple[int, float, float]] = field(default_factory=list)  # (p, from, to) ended
     published: list[tuple[int, int, str]] = field(default_factory=list)  # (p, v, digest)
@@ -542,8 +558,8 @@ class Worker:
                         peer.opened_at = t
                     if t >= hi:
                         self.close_window(peer)
-            if t >= next_sample:
-                next_sample = t + self.cfg.sample_s
+            if t >= next_sample:  # on the grid of sample_s, as every worker: merged by tick
+                next_sample = (math.floor(t / self.cfg.sample_s) + 1) * self.cfg.sample_s
                 self.samples.append(self.sample(t))
             await asyncio.sleep(0.1)
 
@@ -555,6 +571,7 @@ class Worker:
             if version > had:
                 for v in range(had + 1, version + 1):
                     peer.first_held.setdefault(f"{p}:{v}", t)
+                peer.held_exact.setdefault(f"{p}:{version}", t)
                 peer.held[p] = version
 
     @staticmethod
@@ -603,6 +620,8 @@ class Worker:
                 "join_tries": peer.join_tries,
                 "window": window,
                 "first_held": peer.first_held,
+                "held_exact": peer.held_exact,
+                "spread": peer.node.spread.as_dict(),
                 "owned": owned,
                 "published": peer.published,
                 "failure": repr(peer.node.failure) if peer.node.failure is not None else None,
@@ -670,17 +689,52 @@ def warm_up(cfg: Config) -> None:
 def owner_agreement(samples: Sequence[dict[str, list[str]]], fragments: int) -> float | None:
     """Per sample and fragment, the fraction of pairs of peers naming the same owner; the mean.
     ``samples``: per sample, peer -> the owner it names for each fragment ("" for none)."""
-    scores = []
-    for owners in samples:
-        rows = list(owners.values())
-        n = len(rows)
-        if n < 2:
-            continue
-        for p in range(fragments):
-            counts = Counter(row[p] for row in rows)
-            same = sum(c * (c - 1) for name, c in counts.items() if name)
-            scores.append(same / (n * (n - 1)))
+    scores = [
+        pairs_agreeing(rows, p)
+        for rows in (list(owners.values()) for owners in samples)
+        if len(rows) >= 2
+        for p in range(fragments)
+    ]
     return statistics.fmean(scores) if scores else None
+
+
+def pairs_agreeing(rows: Sequence[Sequence[str]], p: int) -> float:
+    """The fraction of pairs of ``rows`` (>= 2 peers' named owners) that name the same owner
+    of fragment ``p`` (naming none is no agreement)."""
+    n = len(rows)
+    counts = Counter(row[p] for row in rows)
+    return sum(c * (c - 1) for name, c in counts.items() if name) / (n * (n - 1))
+
+
+def settled_agreement(
+    timed: Sequence[tuple[float, dict[str, list[str]]]], fragments: int, *, around_s: float
+) -> dict[str, Any]:
+    """``owner_agreement`` outside the propagation of an owner's move. Per fragment, the owner
+    most peers name in each sample (``timed``: (t, peer -> owners), any order); where it
+    changes, the samples within ``around_s`` before or after the change are left out: views
+    learn of a move at their next reads (at most ``READ_MAX_S`` apart, plus the 2 s pass), and
+    until then they differ by propagation, not by disagreement. What is left is scored as
+    ``owner_agreement``. Returns the mean (None with nothing left), the moves seen, and the
+    (sample, fragment) scores left out."""
+    ordered = sorted((t, list(owners.values())) for t, owners in timed)
+    ordered = [(t, rows) for t, rows in ordered if len(rows) >= 2]
+    scores: list[float] = []
+    moves = left_out = 0
+    for p in range(fragments):
+        majors = [max(Counter(r[p] for r in rows).items(), key=lambda kv: (kv[1], kv[0]))[0]
+                  for _, rows in ordered]  # fmt: skip
+        changes = [ordered[i][0] for i in range(1, len(ordered)) if majors[i] != majors[i - 1]]
+        moves += len(changes)
+        for t, rows in ordered:
+            if any(abs(t - c) <= around_s for c in changes):
+                left_out += 1
+            else:
+                scores.append(pairs_agreeing(rows, p))
+    return {
+        "agreement": statistics.fmean(scores) if scores else None,
+        "owner_moves": moves,
+        "left_out": left_out,
+    }
 
 
 def spread_times(
@@ -759,7 +813,10 @@ def summarize(cfg: Config, reports: list[dict[str, Any]]) -> dict[str, Any]:
         return lo <= t < hi or (t >= lo and not any(a <= t < b for a, b in schedule.churn_windows))
 
     steady = [m for tick, m in merged.items() if lo <= tick * cfg.sample_s < hi]
-    calm_owners = [m["owners"] for tick, m in merged.items() if calm(tick * cfg.sample_s)]
+    calm_timed = [(tick * cfg.sample_s, m["owners"]) for tick, m in merged.items()]
+    calm_timed = [(t, owners) for t, owners in calm_timed if calm(t)]
+    calm_owners = [owners for _, owners in calm_timed]
+    settled = settled_agreement(calm_timed, cfg.fragments, around_s=PROPAGATION_S)
     views = [v for m in steady for v in m["views"].values()]
     lives = {pid: (p["joined_at"], p["gone_at"]) for pid, p in peers.items()}
     spread, judged = spread_times(
@@ -768,7 +825,16 @@ def summarize(cfg: Config, reports: list[dict[str, Any]]) -> dict[str, Any]:
         until=cfg.duration_s,
         horizon_s=min(60.0, cfg.duration_s / 4),
     )
+    exact, _ = spread_times(
+        {pid: p.get("held_exact", {}) for pid, p in peers.items()},
+        lives,
+        until=cfg.duration_s,
+        horizon_s=min(60.0, cfg.duration_s / 4),
+    )
     versions = {v for p in peers.values() for v in p["first_held"]}
+    spread_counts: Counter[str] = Counter()
+    for p in peers.values():
+        spread_counts.update(p.get("spread", {}))
     rpc_rates: Counter[str] = Counter()
     for p in peers.values():
         w = p["window"]
@@ -805,7 +871,16 @@ def summarize(cfg: Config, reports: list[dict[str, Any]]) -> dict[str, Any]:
         "versions": len(versions),
         "versions_judged": judged,  # first held a horizon before the end, with >= 2 live peers
         "versions_reaching_99": len(spread),
+        # the same, counting only peers that held the very version (not passed over for a newer)
+        "spread_p99_exact_s": round(statistics.median(exact), 2) if exact else None,
+        "versions_reaching_99_exact": len(exact),
+        # what the peers' fetches did, summed over peers (``node.diloco.spread.SpreadStats``)
+        "spread_counts": dict(sorted(spread_counts.items())),
         "owner_agreement": owner_agreement(calm_owners, cfg.fragments),
+        # the same outside an owner move's propagation (``settled_agreement``)
+        "owner_agreement_settled": settled["agreement"],
+        "owner_moves": settled["owner_moves"],
+        "owner_samples_left_out": settled["left_out"],
         "peak_rss_mb": round(max(r["peak_rss_mb"] for r in reports), 1),
         "rss_mb_per_peer": round(sum(r["peak_rss_mb"] for r in reports) / schedule.slots, 2),
         "dht_requests_per_peer_s": {

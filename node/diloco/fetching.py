@@ -376,9 +376,12 @@ class VersionFetcher:
         upd += "&fallback=1" if fallback else ""
         while queue and len(tried) < HOLDERS_TRIED + 2:
             holder = queue.popleft()
-            url = self.reach.url_of(holder) if holder not in tried else None
+            if holder in tried:
+                continue
             tried.add(holder)
+            url = self.reach.url_of(holder)
             if url is None:
+                self.spread.holders_unknown += 1
                 continue
             query = f"after={after}&wait={HOLDER_WAIT_S}&owner={owner_id.hex()}{upd}"
             try:

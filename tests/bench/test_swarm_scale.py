@@ -19,6 +19,7 @@ from bench.swarm_scale import (
     join_order,
     owner_agreement,
     owner_gaps,
+    settled_agreement,
     spread_times,
     summarize,
     two_contents,
@@ -56,6 +57,25 @@ def test_owner_agreement_counts_pairs_that_name_the_same_owner() -> None:
     assert owner_agreement([sample], 2) == pytest.approx((1.0 + 2 / 6) / 2)
     assert owner_agreement([{"a": ["x"]}], 1) is None  # one peer: no pair to compare
     assert owner_agreement([{"a": [""], "b": [""]}], 1) == 0.0  # naming no owner is no agreement
+
+
+def test_settled_agreement_leaves_out_a_moves_propagation_and_nothing_else() -> None:
+    # fragment 0 moves from x to y: b learns of it at 10 s, a and c at 14 s (propagation)
+    def at(t: float) -> dict[str, list[str]]:
+        return {
+            "a": ["y" if t >= 14 else "x"],
+            "b": ["y" if t >= 10 else "x"],
+            "c": ["y" if t >= 14 else "x"],
+        }
+
+    timed = [(float(t), at(t)) for t in range(0, 40, 2)]
+    raw = settled_agreement(timed, 1, around_s=0.0)
+    assert raw["owner_moves"] == 1 and raw["agreement"] < 1.0  # 10, 12: one pair of three
+    settled = settled_agreement(timed, 1, around_s=6.0)
+    assert settled["agreement"] == 1.0 and settled["left_out"] == 7  # 8..20 around the move at 14
+    # a peer that names another owner with no move around it is disagreement, settled or not
+    timed = [(t, {**owners, "d": ["z"]}) for t, owners in timed]
+    assert settled_agreement(timed, 1, around_s=6.0)["agreement"] == pytest.approx(0.5)
 
 
 def test_spread_counts_only_peers_live_through_the_horizon_and_versions_judged() -> None:
