@@ -621,7 +621,7 @@ class Worker:
                 "window": window,
                 "first_held": peer.first_held,
                 "held_exact": peer.held_exact,
-                "spread": peer.node.spread.as_dict(),
+                "spread": spread_counts(peer.node),
                 "owned": owned,
                 "published": peer.published,
                 "failure": repr(peer.node.failure) if peer.node.failure is not None else None,
@@ -637,6 +637,14 @@ class Worker:
             "load_average": self.load,
             "stacks": self.sampler.report(),
         }
+
+
+def spread_counts(node: PeerNode) -> dict[str, int]:
+    """What the node's fetches and serves of versions did (``SpreadStats``), and the lookups
+    of pointed holders it made (on trees that have them)."""
+    lookup = getattr(node, "holder_lookup", None)
+    extra = {"holder_lookups": lookup.lookups} if lookup is not None else {}
+    return {**node.spread.as_dict(), **extra}
 
 
 def rpcs_out(node: PeerNode) -> Counter[str]:

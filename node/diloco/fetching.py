@@ -373,6 +373,7 @@ class VersionFetcher:
         point at, in order), checked as the owner's; None when none served one. ``fallback``:
         ask each for a fallback (the owner pointed here instead of serving one)."""
         queue, tried = collections.deque(holders), {self.me, owner_id}
+        looked: set[bytes] = set()  # ids looked up in this fetch (each once)
         upd += "&fallback=1" if fallback else ""
         while queue and len(tried) < HOLDERS_TRIED + 2:
             holder = queue.popleft()
@@ -380,6 +381,19 @@ class VersionFetcher:
                 continue
             tried.add(holder)
             url = self.reach.url_of(holder)
+            if url is None and holder not in looked:
+                # a bounded view lacks most learners: look the pointed ones up now, all those
+                # queued in one lookup, not at the next membership pass (2-6 s) after this
+                # fetch gave up on them and fell back to the owner
+                others = (h for h in queue if h not in looked and h not in tried)
+                unknown = [
+                    holder,
+                    *dict.fromkeys(h for h in others if self.reach.url_of(h) is None),
+                ]
+                looked.update(unknown)
+                await self.reach.find(unknown)
+                url = self.reach.url_of(holder)
+                self.spread.holders_found += url is not None
             if url is None:
                 self.spread.holders_unknown += 1
                 continue

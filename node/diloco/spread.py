@@ -93,6 +93,7 @@ class SpreadStats:
     from_holders: int = 0  # learner side: versions fetched from a holder, not the owner
     bad_from_holders: int = 0  # learner side: a holder served bytes that failed the checks
     holders_unknown: int = 0  # learner side: a pointed holder skipped, not found in our view
+    holders_found: int = 0  # learner side: a pointed holder our view lacked, found by a lookup
     replica_held: int = (
         0  # owner side: learners told they hold the version as its replica (nothing sent)
     )

@@ -57,6 +57,7 @@ from node.diloco.validation import Evaluator
 from node.peer.expected import LearnerExpectations
 from node.peer.finals import FINAL_RECHECKS, FINAL_SETTLE_S, FinalFetch, FinalVersions
 from node.peer.handoffs import Handoffs
+from node.peer.holder_lookup import HolderLookup
 from node.peer.ownership import Ownership, OwnershipConfig
 from node.peer.presence import Presence, ViewScope
 from node.peer.serving import ServingConfig, VersionServer
@@ -163,6 +164,8 @@ class PeerNode:
         self.transport.pool.bound(pool_bytes_for_model(4 * sum(f.numel for f in plan.fragments)))
         self.spread = SpreadStats()  # versions spread peer to peer (``node.diloco.spread``)
         self.holdings = Holdings(len(plan.fragments), self.transport.pool, fanout=cfg.spread_fanout)
+        started = self.started  # pointed holders our view lacks, looked up as a fetch needs them
+        self.holder_lookup = HolderLookup(lambda: started.membership)
         self._build_services()
         self.owner_checkpoints = self._owner_checkpoints(options.owner_checkpoint_dir)
         # bodies capped by what the plan's largest fragment can need (not a fixed 256 MiB)
@@ -447,7 +450,7 @@ class PeerNode:
             "admission": self.credentials.status() if self.credentials else None,
             "addresses": self.presence.address_status(),  # address disputes, pin mismatches, manifest claims
             "model_bytes_served": dict(self.serving.model_bytes_served),
-            "spread": self.spread.as_dict(),
+            "spread": {**self.spread.as_dict(), "holder_lookups": self.holder_lookup.lookups},
             "dht_records_by_signer": self._records_by_signer(),
             "version_jumps_refused": self.net.stats.version_jumps if self.net else 0,
             "handoff_refusals": dict(self.replicas.refusals),  # handoffs refused here, by reason
@@ -570,6 +573,7 @@ class PeerNode:
                 self.presence.owner_of,
                 url_of=self.presence.member_url,
                 on_unreachable=self.presence.unreachable,
+                find=self.holder_lookup.find,
             ),
             local=self.ownership,
             holdings=self.holdings,

@@ -1,0 +1,137 @@
+"""A pointed holder that a bounded view lacks is looked up at once (``HolderLookup``), not
+skipped for the owner: a real ``Membership`` over an in-memory DHT that answers lookups by id
+as a responder does (``KeyedDHT``), a learner fetching against in-memory peers (``Rig``)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from node.dht.membership import Membership, members_key, roster_key
+from node.diloco.learner import Reach
+from node.peer.holder_lookup import HolderLookup
+from protocol.dht.records import sign_record
+from protocol.wire.signing import Signer
+from tests.node.dht.test_membership import KeyedDHT, _record
+from tests.node.diloco.test_spread import HOLDER, HOLDER2, OWNER, URLS, Rig
+
+SWARM = "s"
+# member records hold bare origins: the rig's peers answer at these too
+ADDR = {pid: f"http://127.0.0.1:{9100 + i}" for i, pid in enumerate(URLS)}
+
+
+def bounded_view(members: list[Signer]) -> tuple[Membership, KeyedDHT]:
+    """A view that reads the roster (the owner) whole and ``members`` (reachable learners, at
+    ``ADDR``) only by id, as a peer outside an open swarm's roster does."""
+    dht, expiry = KeyedDHT(), time.time() + 20
+    dht.by_key[roster_key(SWARM)] = [
+        sign_record(OWNER, roster_key(SWARM), _record(url=ADDR[OWNER.peer_id]).encode(), expiry)
+    ]
+    dht.by_key[members_key(SWARM)] = [
+        sign_record(
+            s,
+            members_key(SWARM),
+            _record(url=ADDR[s.peer_id], roles=("learner",)).encode(),
+            expiry,
+        )
+        for s in members
+    ]
+    view = Membership(dht, SWARM, "m")  # type: ignore[arg-type]
+    view.sees_all = False
+    return view, dht
+
+
+def url_in(view: Membership):  # type: ignore[no-untyped-def]
+    def url_of(peer_id: bytes) -> str | None:
+        member = view.members.get(peer_id)
+        return member.record.url if member is not None else None
+
+    return url_of
+
+
+async def rig_over(view: Membership, lookup: HolderLookup | None) -> Rig:
+    await view.refresh()  # the roster: the owner only
+    rig = Rig()
+    for pid, url in ADDR.items():
+        rig.transport.add(url, rig.peers[pid])  # type: ignore[arg-type]
+    rig.net.fetcher.reach = Reach(
+        rig.transport,
+        owner_of=lambda p: (OWNER.peer_id, URLS[OWNER.peer_id]),
+        url_of=url_in(view),
+        find=lookup.find if lookup is not None else None,
+    )
+    rig.peers[OWNER.peer_id].pointer = [HOLDER.peer_id]
+    rig.peers[OWNER.peer_id].version = rig.signed
+    rig.peers[HOLDER.peer_id].version = rig.signed
+    return rig
+
+
+async def test_a_pointed_holder_the_view_lacks_is_looked_up_and_serves_the_version() -> None:
+    view, dht = bounded_view([HOLDER, HOLDER2])
+    lookup = HolderLookup(lambda: view)
+    rig = await rig_over(view, lookup)
+    assert HOLDER.peer_id not in view.members
+    got = await rig.net.fetch(0, after=-1, wait_s=0.0)
+    assert got is not None and got[0] == 0
+    spread = rig.net.spread
+    assert spread.from_holders == 1 and spread.holders_found == 1
+    assert spread.fallbacks_asked == 0 and rig.peers[OWNER.peer_id].asked == ["next"]
+    # one lookup, by id, for the holder alone (not the roster, not every member)
+    assert lookup.lookups == 1
+    assert dht.reads[-1] == (members_key(SWARM), (HOLDER.peer_id[:16],))
+
+
+async def test_without_the_lookup_the_same_pointer_falls_back_to_the_owner() -> None:
+    # what a bounded view did before: the pointed holder skipped, the owner asked again
+    view, _ = bounded_view([HOLDER])
+    rig = await rig_over(view, None)
+    got = await rig.net.fetch(0, after=-1, wait_s=0.0)
+    assert got is not None
+    assert rig.net.spread.holders_unknown == 1 and rig.net.spread.fallbacks_asked == 1
+    assert rig.peers[OWNER.peer_id].asked == ["next", "next+fallback"]
+
+
+async def test_every_unknown_holder_of_a_pointer_is_asked_for_in_one_lookup() -> None:
+    view, dht = bounded_view([HOLDER, HOLDER2])
+    lookup = HolderLookup(lambda: view)
+    rig = await rig_over(view, lookup)
+    rig.peers[OWNER.peer_id].pointer = [HOLDER.peer_id, HOLDER2.peer_id]
+    rig.transport.down.add(ADDR[HOLDER.peer_id])  # found, but gone: the second one serves
+    rig.peers[HOLDER2.peer_id].version = rig.signed
+    got = await rig.net.fetch(0, after=-1, wait_s=0.0)
+    assert got is not None and rig.net.spread.from_holders == 1
+    assert lookup.lookups == 1
+    (only,) = [only for key, only in dht.reads if key == members_key(SWARM)]
+    assert set(only) == {HOLDER.peer_id[:16], HOLDER2.peer_id[:16]}
+
+
+async def test_an_id_that_is_no_member_is_skipped_and_not_asked_for_again_at_once() -> None:
+    view, dht = bounded_view([])
+    lookup = HolderLookup(lambda: view)
+    rig = await rig_over(view, lookup)
+    stranger = Signer.from_seed(b"s" * 32).peer_id
+    rig.peers[OWNER.peer_id].pointer = [stranger]
+    for _ in range(2):
+        got = await rig.net.fetch(0, after=-1, wait_s=0.0)
+        assert got is not None  # from the owner, as a fallback
+    assert rig.net.spread.holders_unknown == 2 and rig.net.spread.holders_found == 0
+    # the second fetch found it asked within LOOKUP_RETRY_S: no second request by id
+    assert [only for key, only in dht.reads if key == members_key(SWARM)] == [(stranger[:16],)]
+
+
+async def test_concurrent_finds_share_one_lookup_and_a_whole_view_reads_nothing() -> None:
+    view, dht = bounded_view([HOLDER, HOLDER2])
+    await view.refresh()
+    reads = len(dht.reads)
+    lookup = HolderLookup(lambda: view)
+    await asyncio.gather(*(lookup.find([HOLDER.peer_id, HOLDER2.peer_id]) for _ in range(4)))
+    assert lookup.lookups == 1 and len(dht.reads) == reads + 1
+    assert {HOLDER.peer_id, HOLDER2.peer_id} <= set(view.members)
+    await lookup.find([HOLDER.peer_id])  # held now: nothing read
+    assert len(dht.reads) == reads + 1
+
+    whole, whole_dht = bounded_view([HOLDER])
+    whole.sees_all = True
+    await HolderLookup(lambda: whole).find([HOLDER2.peer_id])
+    assert whole_dht.reads == []  # an id a view of every member lacks is no live member
+    await HolderLookup(lambda: None).find([HOLDER.peer_id])  # not serving yet: nothing to do
