@@ -614,6 +614,7 @@ class Worker:
                 }
             owned = peer.owned + [(p, since, end) for p, since in peer.owning.items()]
             peers[str(peer.slot)] = {
+                "id": peer.node.signer.peer_id.hex()[:12],  # as samples name owners
                 "joined_at": peer.joined_at,
                 "may_own": peer.may_own,
                 "gone_at": peer.gone_at,
@@ -727,12 +728,14 @@ def settled_agreement(
     ordered = sorted((t, list(owners.values())) for t, owners in timed)
     ordered = [(t, rows) for t, rows in ordered if len(rows) >= 2]
     scores: list[float] = []
-    moves = left_out = 0
+    moves: list[tuple[float, int, str, str]] = []
+    left_out = 0
     for p in range(fragments):
         majors = [max(Counter(r[p] for r in rows).items(), key=lambda kv: (kv[1], kv[0]))[0]
                   for _, rows in ordered]  # fmt: skip
-        changes = [ordered[i][0] for i in range(1, len(ordered)) if majors[i] != majors[i - 1]]
-        moves += len(changes)
+        changed = [i for i in range(1, len(ordered)) if majors[i] != majors[i - 1]]
+        changes = [ordered[i][0] for i in changed]
+        moves += [(ordered[i][0], p, majors[i - 1], majors[i]) for i in changed]
         for t, rows in ordered:
             if any(abs(t - c) <= around_s for c in changes):
                 left_out += 1
@@ -740,7 +743,8 @@ def settled_agreement(
                 scores.append(pairs_agreeing(rows, p))
     return {
         "agreement": statistics.fmean(scores) if scores else None,
-        "owner_moves": moves,
+        "owner_moves": len(moves),
+        "moves": sorted(moves),  # (t, fragment, owner before, owner after) as most peers name it
         "left_out": left_out,
     }
 
@@ -821,6 +825,7 @@ def summarize(cfg: Config, reports: list[dict[str, Any]]) -> dict[str, Any]:
         return lo <= t < hi or (t >= lo and not any(a <= t < b for a, b in schedule.churn_windows))
 
     steady = [m for tick, m in merged.items() if lo <= tick * cfg.sample_s < hi]
+    slots = {p["id"]: pid for pid, p in peers.items() if p.get("id")}  # owner names -> slots
     calm_timed = [(tick * cfg.sample_s, m["owners"]) for tick, m in merged.items()]
     calm_timed = [(t, owners) for t, owners in calm_timed if calm(t)]
     calm_owners = [owners for _, owners in calm_timed]
@@ -889,6 +894,10 @@ def summarize(cfg: Config, reports: list[dict[str, Any]]) -> dict[str, Any]:
         "owner_agreement_settled": settled["agreement"],
         "owner_moves": settled["owner_moves"],
         "owner_samples_left_out": settled["left_out"],
+        # each move: when, fragment, and the owners before and after as peer slots
+        "owner_move_log": [
+            [round(t, 1), p, slots.get(a, a), slots.get(b, b)] for t, p, a, b in settled["moves"]
+        ],
         "peak_rss_mb": round(max(r["peak_rss_mb"] for r in reports), 1),
         "rss_mb_per_peer": round(sum(r["peak_rss_mb"] for r in reports) / schedule.slots, 2),
         "dht_requests_per_peer_s": {

@@ -71,6 +71,7 @@ def test_settled_agreement_leaves_out_a_moves_propagation_and_nothing_else() -> 
     timed = [(float(t), at(t)) for t in range(0, 40, 2)]
     raw = settled_agreement(timed, 1, around_s=0.0)
     assert raw["owner_moves"] == 1 and raw["agreement"] < 1.0  # 10, 12: one pair of three
+    assert raw["moves"] == [(14.0, 0, "x", "y")]  # when most peers name the new owner
     settled = settled_agreement(timed, 1, around_s=6.0)
     assert settled["agreement"] == 1.0 and settled["left_out"] == 7  # 8..20 around the move at 14
     # a peer that names another owner with no move around it is disagreement, settled or not
