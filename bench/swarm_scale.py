@@ -724,28 +724,34 @@ def settled_agreement(
     learn of a move at their next reads (at most ``READ_MAX_S`` apart, plus the 2 s pass), and
     until then they differ by propagation, not by disagreement. What is left is scored as
     ``owner_agreement``. Returns the mean (None with nothing left), the moves seen, and the
-    (sample, fragment) scores left out."""
-    ordered = sorted((t, list(owners.values())) for t, owners in timed)
-    ordered = [(t, rows) for t, rows in ordered if len(rows) >= 2]
+    (sample, fragment) scores left out, and every peer naming another owner than most in the
+    samples kept (what keeps the settled agreement below 1)."""
+    ordered = sorted(((t, owners) for t, owners in timed if len(owners) >= 2), key=lambda x: x[0])
     scores: list[float] = []
     moves: list[tuple[float, int, str, str]] = []
+    dissent: list[tuple[float, int, str, str, str]] = []
     left_out = 0
     for p in range(fragments):
-        majors = [max(Counter(r[p] for r in rows).items(), key=lambda kv: (kv[1], kv[0]))[0]
-                  for _, rows in ordered]  # fmt: skip
+        majors = [max(Counter(r[p] for r in owners.values()).items(),
+                      key=lambda kv: (kv[1], kv[0]))[0] for _, owners in ordered]  # fmt: skip
         changed = [i for i in range(1, len(ordered)) if majors[i] != majors[i - 1]]
         changes = [ordered[i][0] for i in changed]
         moves += [(ordered[i][0], p, majors[i - 1], majors[i]) for i in changed]
-        for t, rows in ordered:
+        for (t, owners), major in zip(ordered, majors, strict=True):
             if any(abs(t - c) <= around_s for c in changes):
                 left_out += 1
-            else:
-                scores.append(pairs_agreeing(rows, p))
+                continue
+            scores.append(pairs_agreeing(list(owners.values()), p))
+            dissent += [
+                (t, p, peer, row[p], major) for peer, row in owners.items() if row[p] != major
+            ]
     return {
         "agreement": statistics.fmean(scores) if scores else None,
         "owner_moves": len(moves),
         "moves": sorted(moves),  # (t, fragment, owner before, owner after) as most peers name it
         "left_out": left_out,
+        # (t, fragment, peer, the owner it names, the one most name) in the samples kept
+        "dissent": sorted(dissent),
     }
 
 
@@ -898,6 +904,13 @@ def summarize(cfg: Config, reports: list[dict[str, Any]]) -> dict[str, Any]:
         "owner_move_log": [
             [round(t, 1), p, slots.get(a, a), slots.get(b, b)] for t, p, a, b in settled["moves"]
         ],
+        # a peer naming another owner than most, outside a move: [t, fragment, peer slot, the
+        # owner it names, the one most name] (the first 40), and how many in all
+        "owner_dissent_log": [
+            [round(t, 1), p, peer, slots.get(a, a), slots.get(b, b)]
+            for t, p, peer, a, b in settled["dissent"][:40]
+        ],
+        "owner_dissents": len(settled["dissent"]),
         "peak_rss_mb": round(max(r["peak_rss_mb"] for r in reports), 1),
         "rss_mb_per_peer": round(sum(r["peak_rss_mb"] for r in reports) / schedule.slots, 2),
         "dht_requests_per_peer_s": {

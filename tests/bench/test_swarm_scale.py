@@ -76,7 +76,9 @@ def test_settled_agreement_leaves_out_a_moves_propagation_and_nothing_else() -> 
     assert settled["agreement"] == 1.0 and settled["left_out"] == 7  # 8..20 around the move at 14
     # a peer that names another owner with no move around it is disagreement, settled or not
     timed = [(t, {**owners, "d": ["z"]}) for t, owners in timed]
-    assert settled_agreement(timed, 1, around_s=6.0)["agreement"] == pytest.approx(0.5)
+    settled = settled_agreement(timed, 1, around_s=6.0)
+    assert settled["agreement"] == pytest.approx(0.5)
+    assert settled["dissent"][0] == (0.0, 0, "d", "z", "x") and len(settled["dissent"]) == 13
 
 
 def test_spread_counts_only_peers_live_through_the_horizon_and_versions_judged() -> None:
