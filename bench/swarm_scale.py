@@ -43,7 +43,9 @@ The parent turns them into one case per swarm size (``summarize``):
                               the mean. ``owner_agreement_settled``: the same, leaving out the
                               samples within ``PROPAGATION_S`` of a change of the owner most
                               peers name (``owner_moves``; views learn of a move at their next
-                              reads: that is propagation, not disagreement)
+                              reads: that is propagation, not disagreement); each move and each
+                              peer naming another owner outside one: ``owner_move_log``,
+                              ``owner_dissent_log``
 ``peak_rss_mb``               the largest worker's peak RSS (``rss_mb_per_peer``: all workers'
                               peaks summed, per peer)
 ``unowned_max_s``             the longest stretch in which no live peer ran an owner for a
