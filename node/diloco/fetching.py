@@ -393,7 +393,8 @@ class VersionFetcher:
                 looked.update(unknown)
                 await self.reach.find(unknown)
                 url = self.reach.url_of(holder)
-                self.spread.holders_found += url is not None
+            if url is not None and holder in looked:  # found by this lookup or an earlier one
+                self.spread.holders_found += 1
             if url is None:
                 self.spread.holders_unknown += 1
                 continue

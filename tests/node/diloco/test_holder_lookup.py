@@ -100,7 +100,7 @@ async def test_every_unknown_holder_of_a_pointer_is_asked_for_in_one_lookup() ->
     rig.peers[HOLDER2.peer_id].version = rig.signed
     got = await rig.net.fetch(0, after=-1, wait_s=0.0)
     assert got is not None and rig.net.spread.from_holders == 1
-    assert lookup.lookups == 1
+    assert lookup.lookups == 1 and rig.net.spread.holders_found == 2
     (only,) = [only for key, only in dht.reads if key == members_key(SWARM)]
     assert set(only) == {HOLDER.peer_id[:16], HOLDER2.peer_id[:16]}
 
