@@ -13,12 +13,18 @@ only once the store returned)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 
 import pytest
+from aiohttp import web
 
+from node.dht.kademlia import DHTNode
 from node.dht.membership import MemberRecord
+from node.dht.route import DHTRouter
 from node.peer.renewal import MAX_IN_FLIGHT, RecordRenewal
+from node.wire.transport import Transport
+from protocol.ids import key_id
 from tests.node.fakes import FakeClock
 
 pytestmark = pytest.mark.timeout(30)
@@ -147,3 +153,54 @@ async def test_our_record_is_renewed_while_a_store_hangs_on_a_slow_target(monkey
     renewal = node.presence.renewal
     assert renewal is not None and node.presence.record_published_at is not None
     assert renewal.cut_short >= 2  # stores that hung were cut, and did not hold the next back
+
+
+class _HungRouter(DHTRouter):
+    """DHT nodes whose requests are answered only once ``answer`` is set: a starved peer."""
+
+    def __init__(self, transport: Transport) -> None:
+        super().__init__(transport, prefix="/v1/hung")
+        self.answer = asyncio.Event()
+
+    async def _serve(self, request: web.Request) -> web.StreamResponse:
+        await self.answer.wait()
+        return await super()._serve(request)
+
+
+async def test_a_store_tells_of_each_node_that_takes_the_record_before_the_slowest_answers() -> (
+    None
+):
+    """Over real HTTP: eight nodes answer at once, one is hung. The lease must not wait for it."""
+    from tests.node.dht.test_dht import FAST, Net, joined
+    from tests.node.dht.test_dht import signer as dht_signer
+
+    transport = Transport()
+    net = Net(transport, DHTRouter(transport))
+    hung = _HungRouter(transport)
+    await transport.start()
+    try:
+        nodes = await joined(net, 8)
+        slow = DHTNode(dht_signer(99), transport, hung.url("99"), FAST)
+        hung.mount(slow, "99")
+        await slow.start()
+        net.nodes.append(slow)
+        hung.answer.set()  # it answers while it joins and the first store's lookup
+        assert await slow.bootstrap([nodes[0].me.address]) == 1
+        publisher, key = nodes[1], key_id("swarm/roster")
+        first = await publisher.store(key, b"record", 60)
+        assert slow.records.get(key, time.time())  # the hung node is one of the store's targets
+        hung.answer.clear()  # then its loop starves
+        held: list[int] = []
+        store = asyncio.ensure_future(
+            publisher.store(key, b"record", 60, on_held=lambda: held.append(1))
+        )
+        async with asyncio.timeout(FAST.request_timeout_s * 2):
+            while len(held) < first - 1:  # every target but the hung one
+                await asyncio.sleep(0.01)
+        assert not store.done()  # still waiting on the hung node
+        hung.answer.set()
+        assert await store == len(held) == first  # the hung node took it too, late
+    finally:
+        for node in net.nodes:
+            await node.close()
+        await transport.close()
