@@ -11,10 +11,11 @@ member record. Only then may the rendezvous hash hand us fragments to own.
 Our record (``record_loop``): stored when it changes (within ``RECORD_CHECK_S``) or every
 ``ttl / 3`` (at most ``REPUBLISH_S``), in a loop of its own, so that nothing the membership loop
 waits for can let it lapse, and a slow store holds up no renewal (``RecordRenewal``: the schedule
-and the owners' lease, taken from the first node that takes the record). The membership loop (``PeerNode``) reads everyone's records, follows a newer swarm
-manifest (``follow_manifest``: claims checked and backed off by ``ManifestClaims``), probes
-disputed addresses and reconciles the fragments we own, every ``MEMBERSHIP_PERIOD_S``
-(``JOINING_PERIOD_S`` while ``wait_for_members`` waits for more: ``pause``). A member that
+and the owners' lease, taken from the first node that takes the record). The membership loop
+(``PeerNode``) reads everyone's records, follows a newer swarm manifest (``follow_manifest``:
+claims checked and backed off by ``ManifestClaims``), probes disputed addresses and reconciles
+the fragments we own, every ``MEMBERSHIP_PERIOD_S`` (``JOINING_PERIOD_S`` while
+``wait_for_members`` waits for more: ``pause``). A member that
 refuses our connections is a suspect and routed around until it republishes (``suspects``), and
 so is one whose address answered with another TLS key than its pin (``_pin_mismatch``). A sealed
 request from a key that is no member is admitted after one rate-limited read of the records
