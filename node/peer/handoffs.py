@@ -47,6 +47,11 @@ MAX_EPOCH_BUMPS = 3  # per handoff: stale fences passed by adopting an epoch abo
 LEASE_MARGIN_S = (
     2.0  # an owner stops publishing this long before its member record may expire (clock skew)
 )
+# A version made while our lease is lapsed, before anything was handed on, waits this long for
+# our record to be stored again: nothing of it has left this peer, so holding it is safe, and
+# dropping it lost the round's work (one H of every learner's steps; 32 peers at load ~50)
+LEASE_WAIT_S = 20.0
+LEASE_POLL_S = 0.25
 
 
 class _FencedBy(Exception):
@@ -248,10 +253,11 @@ class Handoffs:
         from us or as its own learner holds it (the whole state follows if it holds neither).
         ``theta_digest``: the BLAKE3 of ``state``'s tensor bytes, known from its seal (not hashed again)."""
         assert self.membership is not None
-        lapsed = self._record_lapsed(p)
-        if lapsed is not None:
-            self.lapsed[p] = None
-            return lapsed
+        if not await self._lease_back():
+            lapsed = self._record_lapsed(p)
+            if lapsed is not None:
+                self.lapsed[p] = None
+                return lapsed
         held = self.replicas.held.get(p)
         if held is not None and held.version >= state.version and held.digest != state.digest:
             # our predecessor handed us this version while we merged ours: its content stands
@@ -327,6 +333,16 @@ class Handoffs:
         at, ms = self.view.record_published_at, self.membership
         return at is None or ms is None or time.monotonic() - at <= ms.ttl_s - LEASE_MARGIN_S
 
+    async def _lease_back(self) -> bool:
+        """Whether our lease is live, waiting up to ``LEASE_WAIT_S`` for our record to be stored
+        again when it is not (the record loop stores it meanwhile)."""
+        deadline = time.monotonic() + LEASE_WAIT_S
+        while not self.lease_live():
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(LEASE_POLL_S)
+        return True
+
     async def resume(self, p: int, epoch: int, *, after: int) -> Handed | None:
         """The version of ``p`` that a replica took while our lease lapsed (``lapsed``), to own
         from under ``epoch`` once the lease is live again; None when there is none newer than
@@ -347,6 +363,12 @@ class Handoffs:
             log.info("fragment %d: version %d not resumed: %s", p, state.version, exc)
             return None
         if not took:
+            log.info(
+                "fragment %d: version %d not resumed: %s did not take it",
+                p,
+                state.version,
+                kept.replica[1],
+            )
             return None
         try:
             theta, momentum = await asyncio.to_thread(self.replicas.decode, state)

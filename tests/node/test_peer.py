@@ -741,13 +741,17 @@ async def test_our_record_is_republished_while_the_membership_loop_is_held_up(mo
     assert len(published) >= 4 and node.presence.record_published_at is not None
 
 
-async def test_an_owner_whose_record_may_have_expired_does_not_publish() -> None:
+async def test_an_owner_whose_record_may_have_expired_does_not_publish(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """An owner's member record last stored longer ago than its TTL less a margin may have
     expired in others' views, and a successor may be merging the fragment: the next version is
-    not handed on (the owner retires, fenced) until our record is stored again."""
+    not handed on (the owner retires, fenced) unless our record is stored again within
+    ``LEASE_WAIT_S`` (here cut short)."""
     import time
 
+    from node.peer import handoffs
     from node.peer.handoffs import LEASE_MARGIN_S
+
+    monkeypatch.setattr(handoffs, "LEASE_WAIT_S", 0.05)
 
     node, membership = _node()
     membership.ttl_s = 20.0  # type: ignore[attr-defined]

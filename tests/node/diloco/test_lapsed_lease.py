@@ -174,3 +174,26 @@ async def test_nothing_is_resumed_where_the_replica_no_longer_sees_us() -> None:
     assert own.version == 0 and node.handoffs.resumed == 0
     assert own.merger.held_until is not None  # merges nothing before the catch-up ends
     await tasks.cancel()
+
+
+async def test_a_version_made_while_the_lease_lapsed_waits_for_the_record_not_the_next_round() -> (
+    None
+):
+    """The merge ended while our record went unstored (no node answered in time): nothing has
+    left this peer, so the version waits for the record to be stored again and is then handed
+    on and published, with the round's work in it. Before, it was dropped at once (fenced), and
+    the fragment waited for the learners' next round (3.5 min at 32 peers, load ~50)."""
+    node, tasks = _owner_node()
+    replica = _replica_node([ME.peer_id, REPLICA.peer_id])
+    _route(node, replica, lapse_on_first=False)
+    ttl = node.membership.ttl_s  # type: ignore[union-attr]
+    node.presence.record_renewal().stored_at = time.monotonic() - ttl  # lapsed as the merge ends
+    state, _ = _version_1(node, node.owners[0].epoch)
+    publishing = asyncio.ensure_future(node.handoffs.replicate(0, state))
+    await asyncio.sleep(0.3)
+    assert not publishing.done() and 0 not in replica.replicas.held  # held here, not handed
+    node.presence.record_renewal().stored_at = time.monotonic()  # the record loop stored it
+    async with asyncio.timeout(20):
+        assert await publishing is None  # handed on, and published
+    assert replica.replicas.held[0].version == 1 and node.handoffs.lease_lapses == 0
+    await tasks.cancel()
