@@ -39,6 +39,7 @@ NAMES = {
     "PeerNode.serve": "join (bootstrap, sync, first reads)",
     "PeerNode._membership_loop": "membership loop (reads, ownership, expectations)",
     "Presence.record_loop": "own record republication",
+    "Presence._store_record": "own record republication",
     "DHTNode.run": "DHT maintenance (bucket refresh, republish)",
     "DHTNode._verifier": "DHT claim pings",
     "DHTNode._verify": "DHT claim pings",

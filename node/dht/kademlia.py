@@ -436,10 +436,17 @@ class DHTNode:
         return await self.client.find_value(key, quorum=quorum, known=known)
 
     async def store(
-        self, key: bytes, value: bytes, ttl_s: float, *, replicas: int | None = None
+        self,
+        key: bytes,
+        value: bytes,
+        ttl_s: float,
+        *,
+        replicas: int | None = None,
+        on_held: Callable[[], None] | None = None,
     ) -> int:
-        """``DHTClient.store``: how many nodes hold the record."""
-        return await self.client.store(key, value, ttl_s, replicas=replicas)
+        """``DHTClient.store``: how many nodes hold the record (``on_held``: called as each
+        takes it)."""
+        return await self.client.store(key, value, ttl_s, replicas=replicas, on_held=on_held)
 
     async def get(
         self,

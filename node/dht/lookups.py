@@ -397,13 +397,20 @@ class DHTClient:
         )
 
     async def store(
-        self, key: bytes, value: bytes, ttl_s: float, *, replicas: int | None = None
+        self,
+        key: bytes,
+        value: bytes,
+        ttl_s: float,
+        *,
+        replicas: int | None = None,
+        on_held: Callable[[], None] | None = None,
     ) -> int:
         """Sign ``value`` under ``key`` (32 bytes) in our subkey and store it on the ``replicas``
         nodes nearest the key (default ``k``), and here too when this node is among them; keep
         republishing it. Returns how many nodes hold
-        it (this one counts when it is among the nearest). Raises LocalProtocolError for a bad
-        key, ttl, size or replica count."""
+        it (this one counts when it is among the nearest). ``on_held`` is called as each node
+        takes it, before the slowest has answered (an owner's lease runs from the first).
+        Raises LocalProtocolError for a bad key, ttl, size or replica count."""
         _check_id(key)
         cfg = self.config
         if not 0 < ttl_s <= cfg.record_ttl_cap_s or len(value) > cfg.max_value_bytes:
@@ -415,7 +422,7 @@ class DHTClient:
         if not 1 <= n <= cfg.k:
             raise LocalProtocolError(f"need 1 <= replicas <= k = {cfg.k}; got {replicas}")
         rec = self._sign(key, value, ttl_s, n)
-        return await self._publish(key, (rec,), n)
+        return await self._publish(key, (rec,), n, on_held)
 
     async def get(
         self,
@@ -489,13 +496,29 @@ class DHTClient:
         self._own[key] = _OwnRecord(rec, ttl_s, due, replicas, holders)
         return rec
 
-    async def _publish(self, key: bytes, records: tuple[SignedRecord, ...], replicas: int) -> int:
+    async def _publish(
+        self,
+        key: bytes,
+        records: tuple[SignedRecord, ...],
+        replicas: int,
+        on_held: Callable[[], None] | None = None,
+    ) -> int:
         targets = await self._store_targets(key, replicas)
-        replies = await asyncio.gather(*(self._put(key, records, c) for c in targets))
+        local = self._store_locally(key, records, targets, replicas)
+        if local and on_held is not None:
+            on_held()
+
+        async def put(to: PeerInfo) -> bool:
+            held = await self._put(key, records, to)
+            if held and on_held is not None:
+                on_held()
+            return held
+
+        replies = await asyncio.gather(*(put(c) for c in targets))
         held = sum(replies)
         if 2 * held < len(targets):
             self._near.pop(key, None)  # the neighbourhood moved on: look it up again next time
-        return held + self._store_locally(key, records, targets, replicas)
+        return held + local
 
     async def _put(self, key: bytes, records: tuple[SignedRecord, ...], to: PeerInfo) -> bool:
         """Store ``records`` at ``to``; whether it holds them. Our own record, republished with

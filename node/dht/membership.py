@@ -338,9 +338,9 @@ class Membership:
         self.pin_mismatches = 0  # servers that presented another key than their member's pin
         self._claimed: dict[bytes, Member] = {}  # the last read's members, addresses as claimed
 
-    async def publish(self, record: MemberRecord) -> int:
+    async def publish(self, record: MemberRecord, on_held: Callable[[], None] | None = None) -> int:
         """Store our record at the nodes nearest its key (the roster's when it offers to own, the
-        members key's otherwise); return how many took it."""
+        members key's otherwise); return how many took it (``on_held``: called as each does)."""
         key = self.roster if "owner" in record.roles else self.key
         old, self._published_under = self._published_under, key
         value = record.encode()
@@ -349,7 +349,9 @@ class Membership:
                 # roster alone keeps ranking us an owner until our old record there expires
                 await self.dht.store(old, value, self.ttl_s, replicas=MEMBER_REPLICAS)
             self.dht.forget(old)  # it expires there at its ttl
-        return await self.dht.store(key, value, self.ttl_s, replicas=MEMBER_REPLICAS)
+        return await self.dht.store(
+            key, value, self.ttl_s, replicas=MEMBER_REPLICAS, on_held=on_held
+        )
 
     def want(self, peer_id: bytes) -> None:
         """``peer_id``'s record is needed: a peer that does not see all members looks it up at

@@ -47,6 +47,7 @@ __all__ = [
     "ReplicaStore",
     "encode_state",
     "hand_over",
+    "handed_from",
 ]
 
 log = logging.getLogger(__name__)
@@ -87,6 +88,31 @@ class Handed:
         (),
         (),
     )  # peer ids, scores (``Standing.export``)
+
+
+def handed_from(
+    sender: bytes,
+    msg: ReplicaState,
+    theta: torch.Tensor,
+    momentum: torch.Tensor | None,
+    *,
+    hashed: bool = False,
+) -> Handed:
+    """``msg`` from ``sender`` as a ``Handed``, with its tensors as ``ReplicaStore.decode`` gave them."""
+    return Handed(
+        msg.fragment,
+        msg.epoch,
+        msg.version,
+        msg.digest,
+        theta,
+        momentum,
+        sender,
+        dict(zip(msg.merged_peers, msg.merged_bases, strict=True)),
+        hashed,
+        msg.final,
+        msg.handed_norms,  # an older sender's norms are all anonymous
+        (msg.standing_peers, msg.standing_scores),
+    )
 
 
 def encode_state(
@@ -312,21 +338,7 @@ class ReplicaStore:
                 version=held.version if held else -1,
             )
         theta, momentum = decoded if decoded is not None else self.decode(msg)
-        merged = dict(zip(msg.merged_peers, msg.merged_bases, strict=True))
-        self.states[p] = Handed(
-            p,
-            msg.epoch,
-            msg.version,
-            msg.digest,
-            theta,
-            momentum,
-            sender,
-            merged,
-            hashed,
-            msg.final,
-            msg.handed_norms,  # an older sender's norms are all anonymous
-            (msg.standing_peers, msg.standing_scores),
-        )
+        self.states[p] = handed_from(sender, msg, theta, momentum, hashed=hashed)
         held = self.held.get(p)
         self.held[p] = Held(max(msg.epoch, held.epoch if held else 0), msg.version, msg.digest)
         self.taken += 1

@@ -463,6 +463,7 @@ class PeerNode:
                 "unreplicated_versions": self.handoffs.unreplicated,
                 "lease_lapses": self.handoffs.lease_lapses,
                 "claimant_fences": self.handoffs.claimant_fences,
+                "resumed": self.handoffs.resumed,  # owners back from a lapsed lease, at once
             },
             "bytes_sent": self.transport.bytes_sent,
             "bytes_received": self.transport.bytes_received,

@@ -5,7 +5,9 @@ taken in means for them (the handoffs themselves: ``node.peer.handoffs``).
 ``reconcile`` runs after every membership read: a fragment the view hands us is owned from the
 state a previous owner handed us (or the newest version we hold), one the view moves away is
 retired and handed on; an owner fenced off steps back for ``FENCE_BACKOFF_S`` unless a newer
-state was handed to us.
+state was handed to us. One fenced by its own lapsed lease (nobody is known to have taken over)
+owns again as soon as our record is stored again, from the version its replica took meanwhile
+when that replica takes it again (``Handoffs.resume``).
 """
 
 from __future__ import annotations
@@ -136,7 +138,9 @@ class Ownership:
             if running is not None and running.fenced is not None:
                 handed = self.replicas.states.get(p)
                 self._drop_owner(p)
-                if handed is None or (handed.version, handed.epoch) <= (
+                if p in self.handoffs.lapsed:
+                    pass  # our lease lapsed, nobody is known to own p: own again once it is live
+                elif handed is None or (handed.version, handed.epoch) <= (
                     running.version,
                     running.epoch,
                 ):
@@ -147,7 +151,11 @@ class Ownership:
                 # else a newer state was handed to us: own again from it at once (below)
             owner = self.view.owner_of(p)
             mine = owner is not None and owner[0] == self.signer.peer_id
-            if mine and p not in self.owners and now >= self._fenced_until.get(p, 0.0):
+            if not mine:
+                self.handoffs.lapsed.pop(p, None)  # another owns it now: nothing to resume
+            # a lapsed lease: the others may not see us, and the first merge would fence again
+            may_start = now >= self._fenced_until.get(p, 0.0) and self.handoffs.lease_live()
+            if mine and p not in self.owners and may_start:
                 self._start_owner(p)
             elif not mine and p in self.owners:
                 log.info(
@@ -285,6 +293,10 @@ class Ownership:
         if handed is not None and handed.final:
             owner.hold_final(handed.version)
         self.replicas.fence(p, epoch, version, owner.digest_of(version))
+        if self.handoffs.lapsed.get(p) is not None:
+            # a replica took a version we did not publish (our lease had lapsed): merge nothing
+            # until it takes it again under our new epoch and we own from it (``_run_owner``)
+            owner.hold_first_merge(CATCH_UP_S)
         if not from_handoff and self._displaces_a_live_owner(p, previous):
             # it hands us its state as it retires, maybe a version it handed out as final: merge
             # nothing before. (A replica taking over from a dead owner starts from its last state,
@@ -309,15 +321,20 @@ class Ownership:
         )
 
     async def _run_owner(self, owner: FragmentOwner, previous: tuple[bytes, str] | None) -> None:
-        """Catch up with the previous owner's latest version for a few seconds, then merge.
+        """Resume from the version our replica took while our lease lapsed, if any
+        (``Handoffs.resume``), and catch up with the previous owner's latest version for a few
+        seconds, then merge.
 
         The previous owner is presumed to be the member ranked first without us; with bounded
         loads it may be another, so the next-ranked members are asked in turn (only an owner
         answers, with a version it signed)."""
         async with asyncio.TaskGroup() as tg:
             tg.create_task(owner.run())
+            p = owner.fragment.index
+            resumed = await self.handoffs.resume(p, owner.epoch, after=owner.version)
+            if resumed is not None:
+                await owner.take_over(resumed)
             if previous is not None and self.started.net is not None:
-                p = owner.fragment.index
                 sources = [previous]
                 if self.membership is not None:
                     ranked = self.membership.ranked(

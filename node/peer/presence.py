@@ -8,12 +8,14 @@ what follows never runs unpinned: ``pin_members``), download every global fragme
 version from its current owner (``sync``, verified against the owner's key), then publish our own
 member record. Only then may the rendezvous hash hand us fragments to own.
 
-Our record (``record_loop``): republished when it changes (within ``RECORD_CHECK_S``) or every
-``REPUBLISH_S``, in a loop of its own, so that nothing the membership loop waits for can let it
-lapse. The membership loop (``PeerNode``) reads everyone's records, follows a newer swarm
-manifest (``follow_manifest``: claims checked and backed off by ``ManifestClaims``), probes
-disputed addresses and reconciles the fragments we own, every ``MEMBERSHIP_PERIOD_S``
-(``JOINING_PERIOD_S`` while ``wait_for_members`` waits for more: ``pause``). A member that
+Our record (``record_loop``): stored when it changes (within ``RECORD_CHECK_S``) or every
+``ttl / 3`` (at most ``REPUBLISH_S``), in a loop of its own, so that nothing the membership loop
+waits for can let it lapse, and a slow store holds up no renewal (``RecordRenewal``: the schedule
+and the owners' lease, taken from the first node that takes the record). The membership loop
+(``PeerNode``) reads everyone's records, follows a newer swarm manifest (``follow_manifest``:
+claims checked and backed off by ``ManifestClaims``), probes disputed addresses and reconciles
+the fragments we own, every ``MEMBERSHIP_PERIOD_S`` (``JOINING_PERIOD_S`` while
+``wait_for_members`` waits for more: ``pause``). A member that
 refuses our connections is a suspect and routed around until it republishes (``suspects``), and
 so is one whose address answered with another TLS key than its pin (``_pin_mismatch``). A sealed
 request from a key that is no member is admitted after one rate-limited read of the records
@@ -42,6 +44,7 @@ from node.dht.manifest_claims import ManifestClaims
 from node.dht.membership import Member, MemberRecord, Membership, manifest_hash
 from node.dht.swarm import MANIFEST_PATH, SwarmCredentials
 from node.diloco.flat import flat_digest
+from node.peer.renewal import RecordRenewal
 from node.peer.started import Started
 from node.state.sync import SyncFailed, sync_fragments
 from node.wire.rpc import max_rpc_body
@@ -56,7 +59,6 @@ __all__ = [
     "MEMBERSHIP_PERIOD_S",
     "Presence",
     "ViewScope",
-    "next_record",
     "state_cap",
 ]
 
@@ -66,11 +68,6 @@ MEMBERSHIP_PERIOD_S = 2.0
 JOINING_PERIOD_S = (
     0.5  # the membership period while fewer members are seen than wait_for_members awaits
 )
-REPUBLISH_S = 6.0
-# A new step alone changes our record's value at most this often: a republication with the
-# value unchanged reaches readers as a refresh (expiry and signature, ~110 bytes) instead of the
-# whole record (docs/scale_peers.md); the step is read for a joiner's schedule and the status page.
-STEP_NEWS_S = 60.0
 RECORD_CHECK_S = 0.5  # how often our record is compared with what was last published
 JOIN_ATTEMPTS = 5
 SYNC_SOURCES = 4  # members asked for a fragment's latest version at join, the presumed owner first
@@ -130,7 +127,7 @@ class Presence:
         self.learning = True
         self.step = 0
         self.awaited_members = 0  # wait_for_members: read members often until this many are seen
-        self.record_published_at: float | None = None  # monotonic time our record was last stored
+        self.renewal: RecordRenewal | None = None  # made with the membership (its ttl)
         self.synced: dict[int, tuple[int, torch.Tensor]] = {}
         self.member_lookups = 0
         self._suspect_since: dict[bytes, float] = {}  # peer id -> when it failed us (wall clock)
@@ -278,43 +275,47 @@ class Presence:
             return None
         return member.record.url
 
+    @property
+    def record_published_at(self) -> float | None:
+        """Monotonic time from before the newest record of ours that a node took was signed:
+        the owners' lease (``RecordRenewal.stored_at``); None before any was."""
+        return self.renewal.stored_at if self.renewal is not None else None
+
+    def record_renewal(self) -> RecordRenewal:
+        """Our record's schedule and lease, made with the membership (its ttl)."""
+        assert self.membership is not None
+        if self.renewal is None:
+            self.renewal = RecordRenewal(self.membership.ttl_s)
+        return self.renewal
+
     async def record_loop(self) -> None:
-        """Keep our member record live: republish it when it changes or every ``REPUBLISH_S``.
+        """Keep our member record live: store it when it changes or every ``renew_s``
+        (``RecordRenewal``), each store in a task of its own so that a slow one delays no renewal.
 
         A loop of its own: the membership loop's reads, handoffs and the merges it starts
         (``set_expected``) can take longer than the record's TTL on a loaded machine, and a
         record that lapses makes the others hand our fragments to a successor while we still
         merge them."""
-        assert self.membership is not None
-        published: MemberRecord | None = None
-        step_news_at = -math.inf  # monotonic time the step last went into our record
-        while True:
-            record, changed = next_record(
-                self.my_record(), published, time.monotonic() - step_news_at
-            )
-            if changed or time.monotonic() - (self.record_published_at or 0.0) > REPUBLISH_S:
-                try:
-                    if await self.publish_record(record):
-                        if record.step != (published.step if published else None):
-                            step_news_at = time.monotonic()
-                        published = record
-                    else:
-                        log.debug("publishing our member record: no node took it")
-                except (
-                    Exception
-                ) as exc:  # the DHT is unreachable for now: the next pass tries again
-                    log.debug("publishing our member record failed: %r", exc)
-            await asyncio.sleep(RECORD_CHECK_S)
+        renewal = self.record_renewal()
+        async with asyncio.TaskGroup() as tg:
+            while True:
+                record = renewal.due(self.my_record())
+                if record is not None:
+                    tg.create_task(self._store_record(record))
+                await asyncio.sleep(RECORD_CHECK_S)
+
+    async def _store_record(self, record: MemberRecord) -> None:
+        try:
+            if not await self.publish_record(record):
+                log.debug("publishing our member record: no node took it")
+        except Exception as exc:  # the DHT is unreachable for now: the next renewal tries again
+            log.debug("publishing our member record failed: %r", exc)
 
     async def publish_record(self, record: MemberRecord) -> bool:
-        """Store our record; when a node took it, note the time (from before the store: its TTL
-        runs from no earlier than that) as ``record_published_at``, the owners' lease."""
+        """Store our record (``RecordRenewal.store``: the lease runs from the first node that
+        takes it); whether a node did."""
         assert self.membership is not None
-        started = time.monotonic()
-        if not await self.membership.publish(record):
-            return False
-        self.record_published_at = started
-        return True
+        return await self.record_renewal().store(record, self.membership.publish)
 
     async def pause(self) -> None:
         """``MEMBERSHIP_PERIOD_S``, cut to ``JOINING_PERIOD_S`` while fewer members are seen than
@@ -596,27 +597,6 @@ class Presence:
         # then back to MEMBERSHIP_PERIOD_S: a member that leaves later must not make every
         # peer read four times as often (``pause``)
         self.awaited_members = 0
-
-
-def next_record(
-    current: MemberRecord, published: MemberRecord | None, since_step_news_s: float
-) -> tuple[MemberRecord, bool]:
-    """What to publish next, and whether it is news to publish at once: a change of role,
-    address, reachability or manifest is (``current``), and so is a step that doubled (0 to the
-    first step included); another new step is not, and goes into the record only once
-    ``STEP_NEWS_S`` passed since the step last did, so that the republications in between keep
-    the value (readers get them as refreshes)."""
-    if published is None:
-        return current, True
-    if dataclasses.replace(current, step=published.step) != published:
-        return current, True
-    if current.step > 0 and current.step >= 2 * published.step:
-        # a first step, or the step doubled: O(log steps) pieces of news a run, so a joiner
-        # early in a swarm's run does not read steps a minute old (its schedule starts from them)
-        return current, True
-    if since_step_news_s >= STEP_NEWS_S:
-        return current, False
-    return published, False
 
 
 def state_cap(shapes: list[list[tuple[int, ...]]]) -> int:

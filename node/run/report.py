@@ -84,6 +84,12 @@ def build_report(
                 collections.Counter(),
             )
         ),  # by reason, every peer's (issue 48)
+        "owner_fences": dict(
+            sum(
+                (collections.Counter(p.get("owner_fences") or {}) for p in peers),
+                collections.Counter(),
+            )
+        ),  # versions not published by a lapsed lease or another claimant, resumed owners
         "peer_attacks": {
             str(p.get("index")): p["peer_attack"] for p in peers if p.get("peer_attack")
         },

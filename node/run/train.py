@@ -988,6 +988,9 @@ class PeerResult:
     attack: str
     peer_attack: dict[str, Any] | None  # what a peer-level attack did, how it was answered
     handoff_refusals: dict[str, int]  # handoffs this peer refused, by reason (issue 48)
+    # as an owner: versions not published (lease lapsed, view named another owner), owners that
+    # resumed from the version their replica took meanwhile, stores of our record cut short
+    owner_fences: dict[str, int]
     # validated publication: the pinned slice, and what checking candidates cost this peer's owners
     validation: dict[str, Any]
     # "real", or the stand-in's spec and what its updates cost this peer's CPU (issue 50)
@@ -1064,6 +1067,12 @@ def peer_result(
         attack=opts.attack,
         peer_attack=peer_attack,
         handoff_refusals=dict(node.replicas.refusals),
+        owner_fences={
+            "lease_lapses": node.handoffs.lease_lapses,
+            "claimant_fences": node.handoffs.claimant_fences,
+            "resumed": node.handoffs.resumed,
+            "record_stores_cut": node.presence.renewal.cut_short if node.presence.renewal else 0,
+        },
         validation={
             "data_sha256": peer.validation_hash,
             "on": peer.evaluator is not None,

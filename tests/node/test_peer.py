@@ -7,6 +7,7 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -711,14 +712,16 @@ async def test_our_record_is_republished_while_the_membership_loop_is_held_up(mo
     import asyncio
 
     import node.peer.presence as presence
+    import node.peer.renewal as renewal
 
-    monkeypatch.setattr(presence, "REPUBLISH_S", 0.05)
+    monkeypatch.setattr(renewal, "REPUBLISH_S", 0.05)
     monkeypatch.setattr(presence, "RECORD_CHECK_S", 0.01)
     node, membership = _node()
     published: list[MemberRecord] = []
 
-    async def publish(record: MemberRecord) -> int:
+    async def publish(record: MemberRecord, on_held: Callable[[], None]) -> int:
         published.append(record)
+        on_held()
         return 1
 
     async def held_up() -> None:
@@ -738,13 +741,17 @@ async def test_our_record_is_republished_while_the_membership_loop_is_held_up(mo
     assert len(published) >= 4 and node.presence.record_published_at is not None
 
 
-async def test_an_owner_whose_record_may_have_expired_does_not_publish() -> None:
+async def test_an_owner_whose_record_may_have_expired_does_not_publish(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """An owner's member record last stored longer ago than its TTL less a margin may have
     expired in others' views, and a successor may be merging the fragment: the next version is
-    not handed on (the owner retires, fenced) until our record is stored again."""
+    not handed on (the owner retires, fenced) unless our record is stored again within
+    ``LEASE_WAIT_S`` (here cut short)."""
     import time
 
+    from node.peer import handoffs
     from node.peer.handoffs import LEASE_MARGIN_S
+
+    monkeypatch.setattr(handoffs, "LEASE_WAIT_S", 0.05)
 
     node, membership = _node()
     membership.ttl_s = 20.0  # type: ignore[attr-defined]
@@ -763,9 +770,9 @@ async def test_an_owner_whose_record_may_have_expired_does_not_publish() -> None
         momentum=None,
         merged={},
     )
-    node.presence.record_published_at = time.monotonic() - (20.0 - LEASE_MARGIN_S) + 2.0
+    node.presence.record_renewal().stored_at = time.monotonic() - (20.0 - LEASE_MARGIN_S) + 2.0
     assert await node.handoffs.replicate(0, state) is None
-    node.presence.record_published_at = time.monotonic() - (20.0 - LEASE_MARGIN_S) - 0.5
+    node.presence.record_renewal().stored_at = time.monotonic() - (20.0 - LEASE_MARGIN_S) - 0.5
     reason = await node.handoffs.replicate(0, state)
     assert (
         reason is not None

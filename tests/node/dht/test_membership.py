@@ -6,7 +6,7 @@ import asyncio
 import dataclasses
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import msgpack
 import pytest
@@ -363,9 +363,17 @@ class KeyedDHT:
         return None
 
     async def store(
-        self, key: bytes, value: bytes, ttl_s: float, *, replicas: int | None = None
+        self,
+        key: bytes,
+        value: bytes,
+        ttl_s: float,
+        *,
+        replicas: int | None = None,
+        on_held: Callable[[], None] | None = None,
     ) -> int:
         self.stored.append(key)
+        if on_held is not None:
+            on_held()
         return 1
 
     def forget(self, key: bytes) -> None:
@@ -517,7 +525,7 @@ async def test_reads_back_off_while_the_view_is_unchanged_and_come_back_when_it_
 def test_a_new_step_alone_changes_the_record_only_every_step_news_period() -> None:
     """Republications between two pieces of step news keep the value (readers get refreshes);
     any other change is news at once, with the current step."""
-    from node.peer.presence import STEP_NEWS_S, next_record
+    from node.peer.renewal import STEP_NEWS_S, next_record
 
     base = MemberRecord(url="http://a:1", roles=("learner",), reachable=True, manifest="m",
                         learning=True, step=10)  # fmt: skip

@@ -129,11 +129,13 @@ async def test_a_late_loop_is_fenced_by_the_lease_measured_after_the_handoff(mon
     from node.peer import handoffs
 
     node = _peer([ME.peer_id, OWNER.peer_id])
-    node.presence.record_published_at = time.monotonic()
+    node.presence.record_renewal().stored_at = time.monotonic()
     ttl = node.membership.ttl_s  # type: ignore[union-attr]
 
     async def slow(*a: object, **kw: object) -> ReplicaAck:
-        node.presence.record_published_at = time.monotonic() - ttl  # seconds passed meanwhile
+        node.presence.record_renewal().stored_at = (
+            time.monotonic() - ttl
+        )  # seconds passed meanwhile
         return ReplicaAck(accepted=True, reason="took it", epoch=0, version=1)
 
     monkeypatch.setattr(handoffs, "hand_over", slow)

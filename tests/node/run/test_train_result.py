@@ -39,6 +39,7 @@ RESULT_FIELDS = [
     "attack",
     "peer_attack",
     "handoff_refusals",
+    "owner_fences",
     "validation",
     "compute",
     "owner_merge",
