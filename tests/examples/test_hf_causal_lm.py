@@ -15,7 +15,9 @@ import pytest
 
 pytest.importorskip("transformers")
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+# hang guards, not speed targets: 42 s quiet, 124 s at load 6 on 2 cores (the old guard was 220 s),
+# and one full-suite run at load 5 to 8 failed here
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(480)]
 
 ROOT = Path(__file__).resolve().parents[2]
 UNIGRAM_NATS = 3.42  # cross-entropy of the held-out bytes under the training bytes' frequencies
@@ -34,7 +36,7 @@ def test_two_islands_train_a_transformers_causal_lm_together() -> None:
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=220,
+        timeout=450,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

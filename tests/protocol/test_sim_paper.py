@@ -14,7 +14,8 @@ from protocol.sim.paper import (
 )
 
 
-@pytest.mark.timeout(120)
+# a hang guard for pure CPU: 49.5 s at load 4.5 (nice 10); at load 57 it ran out of the old 120 s
+@pytest.mark.timeout(600)
 def test_every_cell_within_three_points_of_table_1() -> None:
     cells = paper_grid()
     assert len(cells) == len(PAPER_TABLE) * len(CHIPS) == 30

@@ -419,7 +419,9 @@ class Lines:
     def __init__(self, fd: int) -> None:
         self.fd, self.buf = fd, b""
 
-    def next(self, timeout: float = 30.0) -> str:
+    # a hang guard: the first line comes after the saver imported torch, which took over 30 s
+    # at load 56 on 2 cores
+    def next(self, timeout: float = 120.0) -> str:
         while b"\n" not in self.buf:
             ready, _, _ = select.select([self.fd], [], [], timeout)
             assert ready, "the saver went quiet"
@@ -461,6 +463,7 @@ def _kill_while_saving(proc: subprocess.Popen[bytes], lines: Lines, delay: float
     assert line == f"reaped {-signal.SIGKILL}"
 
 
+@pytest.mark.timeout(300)  # a hang guard sized as Lines.next is
 def test_kill_9_while_saving_always_leaves_a_valid_checkpoint(
     tmp_path: Path, saver: subprocess.Popen[bytes]
 ) -> None:

@@ -14,12 +14,6 @@ from node.workload.baseline import TrainConfig, main, train_config_for, train_da
 from node.workload.corpus import split_corpus
 from node.workload.model import GPT, GPTConfig
 
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> None:
-    torch.set_num_threads(1)
-
-
 TEXT = b"def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n    y: int = 0\n\n" * 60
 
 

@@ -21,12 +21,6 @@ from node.workload.corpus import (
 )
 from node.workload.model import GPT, GPTConfig
 
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> None:
-    torch.set_num_threads(1)
-
-
 # --- loading -------------------------------------------------------------------------------
 
 

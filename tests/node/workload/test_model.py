@@ -10,11 +10,6 @@ import torch
 from node.workload.model import GPT, PRESETS, GPTConfig, embedding_parameter_names
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> None:
-    torch.set_num_threads(1)
-
-
 def tiny() -> GPT:
     return GPT(GPTConfig.preset("tiny"), seed=0)
 

@@ -13,11 +13,6 @@ from node.workload.model import GPT, GPTConfig
 from node.workload.standin import CHUNK, SHARED, StandinOptimizer
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> None:
-    torch.set_num_threads(1)
-
-
 def params(n: int = 3 * CHUNK + 1234) -> list[torch.Tensor]:
     """A chunked matrix, a vector and a scalar-sized tensor, all zero (the update is then Δ)."""
     return [torch.zeros(n), torch.zeros(17, 31), torch.zeros(1)]
