@@ -98,12 +98,13 @@ MEMBER_REPLICAS = READ_QUORUM + 2
 # expiry and signature, ``protocol.dht.delta_reads``); one that does not is left out unless its
 # value changed. A dead member's record still leaves the view when its held copy expires.
 RENEW_SHARE = 0.5
-# A held record this close to expiry makes the next pass read. When the last read asked for its
-# renewal and did not carry it past the renewal horizon (the responder read lacks its newer
-# copies: another node's view of the nearest replicas; or its member is gone), that read asks
-# READ_QUORUM responders, so a live member never drops out of the view for one responder's gap.
-# A record that only aged into the guard since a read that did not need to renew it is renewed
-# by one responder, as any other (every read was a quorum read when both counted alike).
+# A held record this close to expiry makes the next pass read. When a read asked for its renewal
+# and did not carry it past the renewal horizon (the responder read lacks its newer copies:
+# another node's view of the nearest replicas; or its member is gone), READ_QUORUM responders
+# are asked, in the same pass, so a live member never drops out of the view for one responder's
+# gap. A record that only aged into the guard since a read that did not need to renew it is
+# renewed by one responder, as any other (nearly every read was a quorum read while both
+# counted alike).
 LAPSE_GUARD_S = 6.0
 # The membership loop runs every 2 s, but reads the DHT only when due (``ReadCadence``): every
 # READ_BASE_S while the view changes, backing off to READ_MAX_S while it does not. A dead member
@@ -424,6 +425,20 @@ class Membership:
             if held is None or rec.expires_at > held.expires_at:
                 self._records[rec.subkey] = rec
 
+    async def _read_whole(
+        self, keys: tuple[bytes, ...], full: bool, now: float, renew_at: float
+    ) -> None:
+        """Read ``keys`` (``_read``), merge, and note the held records the read did not carry
+        past ``renew_at`` (``_unrenewed``: a responder lacked their newer copies, or their
+        members are gone)."""
+        for key in keys:
+            self._merge(await self._read(key, full, now, renew_at))
+        self._unrenewed = {
+            subkey
+            for subkey, r in self._records.items()
+            if r.key in keys and r.expires_at < renew_at
+        }
+
     def _whole_keys(self) -> tuple[bytes, ...]:
         return (self.roster, self.key) if self.sees_all else (self.roster,)
 
@@ -486,9 +501,9 @@ class Membership:
         Records are merged with the records already held (the newest expiry per member wins),
         so one responder that leaves members out cannot shrink the view: records are signed, a
         responder can only omit, and an omitted member stays until its own record expires. The
-        first read, every ``FULL_READ_EVERY``-th, and one made while a record the last read
-        asked to renew and did not nears expiry (``LAPSE_GUARD_S``) merge ``READ_QUORUM``
-        responders' records; the others read this node's own store when it is among the nodes nearest the swarm key
+        first read, every ``FULL_READ_EVERY``-th, and one made while a record a read asked to
+        renew and did not nears expiry (``LAPSE_GUARD_S``; asked again at once, in the same
+        pass) merge ``READ_QUORUM`` responders' records; the others read this node's own store when it is among the nodes nearest the swarm key
         (members publish there, ``MEMBER_REPLICAS`` of them: no request at all), else one
         responder's. Reads from responders are delta reads by content: they name the values
         held here, responders leave those out and send a refresh (expiry and signature) of
@@ -500,13 +515,10 @@ class Membership:
         self.reads += 1
         before = self._shape()
         renew_at = self._renew_before(now)
-        for key in keys:
-            self._merge(await self._read(key, full, now, renew_at))
-        self._unrenewed = {
-            subkey
-            for subkey, r in self._records.items()
-            if r.key in keys and r.expires_at < renew_at
-        }
+        await self._read_whole(keys, full, now, renew_at)
+        if not full and self._lapsing(time.time(), unrenewed=True):
+            # the one responder lacked a lapsing record's newer copy: ask a quorum in this pass
+            await self._read_whole(keys, True, now, renew_at)
         if not self.sees_all:
             await self._look_up(now, renewing=True)
         self._rebuild(now)

@@ -714,7 +714,8 @@ async def test_a_record_one_responder_does_not_renew_is_read_from_a_quorum_befor
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The safety net kept: a member whose newer copies the responder read lacks is asked of
-    READ_QUORUM responders once its held record nears expiry, and stays in the view."""
+    READ_QUORUM responders once its held record nears expiry (in the same pass as the read that
+    missed it), and stays in the view, though the passes come as late as a loaded loop's."""
     import node.dht.membership as membership_module
     from node.dht.membership import READ_QUORUM
 
@@ -725,8 +726,30 @@ async def test_a_record_one_responder_does_not_renew_is_read_from_a_quorum_befor
     view = Membership(dht, "s", "m", ttl_s=20.0)  # type: ignore[arg-type]
     view.sees_all = False
     dht.lacking = {signers[0].peer_id}
-    for _ in range(60):
+    for _ in range(120):
         await view.refresh_if_due()
         assert len(view.members) == 4
-        clock.now += 2.0
+        clock.now += 5.5  # passes as far apart as a loaded loop's
     assert READ_QUORUM in dht.quorums[1:]
+
+
+async def test_a_record_that_aged_into_the_guard_and_was_not_renewed_is_read_from_a_quorum_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A record fresh at the last read (not asked to renew) that ages into the lapse guard makes
+    the next pass read one responder; when that responder lacks its newer copy, the same pass
+    asks READ_QUORUM (not the next: a loaded loop's next pass may come after the expiry)."""
+    import node.dht.membership as membership_module
+    from node.dht.membership import LAPSE_GUARD_S, READ_QUORUM
+
+    clock = FakeClock()
+    monkeypatch.setattr(membership_module, "time", clock)
+    swarm = Swarm("open")
+    a, b = (Signer.from_seed(os.urandom(32)) for _ in range(2))
+    swarm.dht.answer = [swarm.record(a), swarm.record(b, ttl_s=13.0)]
+    await swarm.membership.refresh()  # the first read: a quorum read; b not yet due to renew
+    swarm.dht.answer = []  # the responder has nothing newer of b
+    clock.now += 13.0 - LAPSE_GUARD_S + 0.5
+    await swarm.membership.refresh_if_due()
+    assert swarm.dht.quorums == [READ_QUORUM, 1, READ_QUORUM]
+    assert b.peer_id in swarm.membership.members
