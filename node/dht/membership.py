@@ -98,9 +98,13 @@ MEMBER_REPLICAS = READ_QUORUM + 2
 # expiry and signature, ``protocol.dht.delta_reads``); one that does not is left out unless its
 # value changed. A dead member's record still leaves the view when its held copy expires.
 RENEW_SHARE = 0.5
-# A held record this close to expiry was not renewed by the responders read (one that lacks it:
-# another node's view of the nearest replicas), or its member is gone: the next read asks
-# READ_QUORUM responders, so a live member never drops out of the view for one responder's gap.
+# A held record this close to expiry makes the next pass read. When a read asked for its renewal
+# and did not carry it past the renewal horizon (the responder read lacks its newer copies:
+# another node's view of the nearest replicas; or its member is gone), READ_QUORUM responders
+# are asked, in the same pass, so a live member never drops out of the view for one responder's
+# gap. A record that only aged into the guard since a read that did not need to renew it is
+# renewed by one responder, as any other (nearly every read was a quorum read while both
+# counted alike).
 LAPSE_GUARD_S = 6.0
 # The membership loop runs every 2 s, but reads the DHT only when due (``ReadCadence``): every
 # READ_BASE_S while the view changes, backing off to READ_MAX_S while it does not. A dead member
@@ -325,6 +329,8 @@ class Membership:
         self._records: dict[
             bytes, SignedRecord
         ] = {}  # the newest record seen per member, until it expires
+        # held records the last whole read did not carry past its renewal horizon (LAPSE_GUARD_S)
+        self._unrenewed: set[bytes] = set()
         self._certs: dict[bytes, Certificate] = {}  # encoded certificate -> verified certificate
         self.reads = 0
         self.holders: dict[
@@ -366,20 +372,19 @@ class Membership:
         rivals = self.owner_candidates(exclude)
         return self.seat.decide(self.swarm, me, rivals, time.monotonic())
 
-    async def _read(self, key: bytes, full: bool, now: float) -> list[SignedRecord]:
+    async def _read(
+        self, key: bytes, full: bool, now: float, renew_before: float
+    ) -> list[SignedRecord]:
         """``key``'s records: this node's own store when it is among the nearest and ``full`` is
         not asked, else a delta read by content of ``READ_QUORUM`` responders (``full``) or one:
-        unchanged values are left out, and those held that expire within ``RENEW_SHARE`` of the
-        ttl come back as refreshes (``DHTNode.get``'s ``held``)."""
+        unchanged values are left out, and those held that expire before ``renew_before`` come
+        back as refreshes (``DHTNode.get``'s ``held``)."""
         local = None if full else self.dht.held_near(key, MEMBER_REPLICAS)
         if local is not None:
             return local
         held = [r for r in self._records.values() if r.expires_at > now and r.key == key]
         return await self.dht.get(
-            key,
-            quorum=READ_QUORUM if full else 1,
-            held=held,
-            renew_before=self._renew_before(now),
+            key, quorum=READ_QUORUM if full else 1, held=held, renew_before=renew_before
         )
 
     def _renew_before(self, now: float) -> float:
@@ -422,10 +427,32 @@ class Membership:
             if held is None or rec.expires_at > held.expires_at:
                 self._records[rec.subkey] = rec
 
-    def _lapsing(self, now: float) -> bool:
-        keys = (self.roster, self.key) if self.sees_all else (self.roster,)
+    async def _read_whole(
+        self, keys: tuple[bytes, ...], full: bool, now: float, renew_at: float
+    ) -> None:
+        """Read ``keys`` (``_read``), merge, and note the held records the read did not carry
+        past ``renew_at`` (``_unrenewed``: a responder lacked their newer copies, or their
+        members are gone)."""
+        for key in keys:
+            self._merge(await self._read(key, full, now, renew_at))
+        self._unrenewed = {
+            subkey
+            for subkey, r in self._records.items()
+            if r.key in keys and r.expires_at < renew_at
+        }
+
+    def _whole_keys(self) -> tuple[bytes, ...]:
+        return (self.roster, self.key) if self.sees_all else (self.roster,)
+
+    def _lapsing(self, now: float, *, unrenewed: bool = False) -> bool:
+        """Whether a held record of the keys read whole is within ``LAPSE_GUARD_S`` of expiry
+        (with ``unrenewed``: one the last read asked to renew and did not)."""
+        keys = self._whole_keys()
         return any(
-            r.key in keys and r.expires_at - now < LAPSE_GUARD_S for r in self._records.values()
+            r.key in keys
+            and r.expires_at - now < LAPSE_GUARD_S
+            and (not unrenewed or subkey in self._unrenewed)
+            for subkey, r in self._records.items()
         )
 
     def _shape(self) -> frozenset[tuple[bytes, str, tuple[str, ...], bool, bool, int]]:
@@ -476,20 +503,24 @@ class Membership:
         Records are merged with the records already held (the newest expiry per member wins),
         so one responder that leaves members out cannot shrink the view: records are signed, a
         responder can only omit, and an omitted member stays until its own record expires. The
-        first read and every ``FULL_READ_EVERY``-th merge ``READ_QUORUM`` responders' records;
-        the others read this node's own store when it is among the nodes nearest the swarm key
+        first read, every ``FULL_READ_EVERY``-th, and one made while a record a read asked to
+        renew and did not nears expiry (``LAPSE_GUARD_S``; asked again at once, in the same
+        pass) merge ``READ_QUORUM`` responders' records; the others read this node's own store when it is among the nodes nearest the swarm key
         (members publish there, ``MEMBER_REPLICAS`` of them: no request at all), else one
         responder's. Reads from responders are delta reads by content: they name the values
         held here, responders leave those out and send a refresh (expiry and signature) of
         those due within ``RENEW_SHARE`` of the ttl (``_read``). ``full`` asks for a full read
         now."""
         now = time.time()
-        keys = (self.roster, self.key) if self.sees_all else (self.roster,)
-        full = full or self.reads % FULL_READ_EVERY == 0 or self._lapsing(now)
+        keys = self._whole_keys()
+        full = full or self.reads % FULL_READ_EVERY == 0 or self._lapsing(now, unrenewed=True)
         self.reads += 1
         before = self._shape()
-        for key in keys:
-            self._merge(await self._read(key, full, now))
+        renew_at = self._renew_before(now)
+        await self._read_whole(keys, full, now, renew_at)
+        if not full and self._lapsing(time.time(), unrenewed=True):
+            # the one responder lacked a lapsing record's newer copy: ask a quorum in this pass
+            await self._read_whole(keys, True, now, renew_at)
         if not self.sees_all:
             await self._look_up(now, renewing=True)
         self._rebuild(now)

@@ -351,6 +351,30 @@ async def test_a_republication_reuses_its_lookup_until_the_neighbourhood_fails()
         assert nodes[1].metrics.rpcs_out["FindNode"] > lookups + 1
 
 
+async def test_a_node_nearer_the_key_that_joined_since_the_lookup_takes_the_republication() -> None:
+    """A republication reuses its lookup for ``store_lookup_reuse_s`` (minutes: one lookup a
+    record every few minutes, not every minute), yet stores on a node nearer the key that joined
+    meanwhile: the routing table learned it (its join reached us), and the targets merge it."""
+    from protocol.ids import xor_distance
+
+    async with network() as net:
+        nodes = await joined(net, 8)
+        key = key_id("swarm/roster")
+        writer = nodes[2]
+        assert await writer.store(key, b"v1", 60, replicas=3) == 3
+        lookups = writer.metrics.rpcs_out["FindNode"]
+        far = min(xor_distance(n.peer_id, key) for n in nodes)
+        i = next(i for i in range(100, 10_000) if xor_distance(signer(i).peer_id, key) < far)
+        newcomer = await net.add(i)
+        assert await newcomer.bootstrap([writer.me.address]) == 1
+        async with asyncio.timeout(10):  # the writer pings the newcomer's claim, then holds it
+            while newcomer.peer_id not in writer.routing:
+                await asyncio.sleep(0.01)
+        assert await writer.store(key, b"v2", 60, replicas=3) == 3
+        assert writer.metrics.rpcs_out["FindNode"] == lookups  # no second lookup
+        assert [r.value for r in newcomer.records.get(key, time.time())] == [b"v2"]
+
+
 async def test_node_behind_nat_stores_and_gets_but_is_never_routed() -> None:
     async with network() as net:
         nodes = await joined(net, 6)

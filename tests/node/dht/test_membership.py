@@ -646,3 +646,120 @@ async def test_a_bounded_view_renews_the_members_it_looked_up_in_its_reads_as_on
     assert sorted(only) == sorted(s.peer_id[:16] for s in learners)
     assert sorted(r.subkey for r in held) == sorted(s.peer_id for s in learners)
     assert all(r.expires_at < renew_before for r in held)  # named for renewal, not as same
+
+
+class RepublishingDHT:
+    """The roster's records as their responders hold them in a steady swarm: each member re-signs
+    its record every ``every_s`` with a ``ttl_s`` expiry (``clock`` is the swarm's time); a read
+    gets a record whole when it names none of its value, its newest expiry when it names the
+    value for renewal, nothing when it names it as unchanged. ``lacking``: members whose newer
+    copies the single responder a read asks does not hold (a quorum read finds them)."""
+
+    def __init__(self, clock: FakeClock, signers: list[Signer], *, every_s: float, ttl_s: float):
+        self.clock, self.signers, self.every_s, self.ttl_s = clock, signers, every_s, ttl_s
+        self.phase = {s.peer_id: i * every_s / len(signers) for i, s in enumerate(signers)}
+        self.value = _record().encode()
+        self.lacking: set[bytes] = set()
+        self.quorums: list[int] = []
+
+    def _newest(self, s: Signer, quorum: int) -> object:
+        from node.dht.membership import roster_key
+
+        t = self.clock.now
+        published = t - (t - self.phase[s.peer_id]) % self.every_s
+        if s.peer_id in self.lacking and quorum == 1:
+            published -= self.every_s * 3  # an old copy: the responder missed republications
+        return sign_record(s, roster_key("s"), self.value, published + self.ttl_s)
+
+    async def get(self, key: bytes, *, quorum: int = 1, only: tuple[bytes, ...] = (),
+                  held: Sequence = (), renew_before: float = 0.0) -> list:  # fmt: skip
+        from node.dht.membership import roster_key
+
+        if key != roster_key("s"):
+            return []
+        self.quorums.append(quorum)
+        mine = {r.subkey: r for r in held}
+        out = []
+        for s in self.signers:
+            rec = self._newest(s, quorum)
+            had = mine.get(s.peer_id)
+            if had is None or (had.expires_at < renew_before and rec.expires_at > had.expires_at):
+                out.append(rec)
+        self.clock.now += 0.3  # a read takes a moment
+        return out
+
+    def held_near(self, key: bytes, replicas: int | None = None) -> list | None:
+        return None
+
+
+@pytest.mark.parametrize("every_s", [6.5, 7.5])
+async def test_a_steady_roster_read_asks_one_responder_but_every_fourth_read(
+    monkeypatch: pytest.MonkeyPatch, every_s: float
+) -> None:
+    """Members republishing every 6.5 s with a 20 s ttl (or 7.5 s: a loaded publisher; the
+    bound is ttl - READ_MAX_S - LAPSE_GUARD_S less a read's lag), read on 2 s passes: records
+    that age into the lapse guard between reads are renewed by the next read from one responder;
+    only every FULL_READ_EVERY-th read asks READ_QUORUM (it asked three on nearly every read
+    while any record aging between two reads counted as one a responder failed to renew). And
+    no member ever leaves the view."""
+    import node.dht.membership as membership_module
+    from node.dht.membership import FULL_READ_EVERY, READ_QUORUM, ROSTER_CAP
+
+    clock = FakeClock()
+    monkeypatch.setattr(membership_module, "time", clock)
+    signers = [Signer.from_seed(os.urandom(32)) for _ in range(ROSTER_CAP)]
+    dht = RepublishingDHT(clock, signers, every_s=every_s, ttl_s=20.0)
+    view = Membership(dht, "s", "m", ttl_s=20.0)  # type: ignore[arg-type]
+    view.sees_all = False
+    for _ in range(150):  # 300 s of 2 s passes
+        await view.refresh_if_due()
+        assert len(view.members) == ROSTER_CAP
+        clock.now += 2.0
+    reads, full = len(dht.quorums), dht.quorums.count(READ_QUORUM)
+    assert reads >= 40
+    assert full <= reads // FULL_READ_EVERY + 1, (full, reads)
+
+
+async def test_a_record_one_responder_does_not_renew_is_read_from_a_quorum_before_it_lapses(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The safety net kept: a member whose newer copies the responder read lacks is asked of
+    READ_QUORUM responders once its held record nears expiry (in the same pass as the read that
+    missed it), and stays in the view, though the passes come as late as a loaded loop's."""
+    import node.dht.membership as membership_module
+    from node.dht.membership import READ_QUORUM
+
+    clock = FakeClock()
+    monkeypatch.setattr(membership_module, "time", clock)
+    signers = [Signer.from_seed(os.urandom(32)) for _ in range(4)]
+    dht = RepublishingDHT(clock, signers, every_s=6.5, ttl_s=20.0)
+    view = Membership(dht, "s", "m", ttl_s=20.0)  # type: ignore[arg-type]
+    view.sees_all = False
+    dht.lacking = {signers[0].peer_id}
+    for _ in range(120):
+        await view.refresh_if_due()
+        assert len(view.members) == 4
+        clock.now += 5.5  # passes as far apart as a loaded loop's
+    assert READ_QUORUM in dht.quorums[1:]
+
+
+async def test_a_record_that_aged_into_the_guard_and_was_not_renewed_is_read_from_a_quorum_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A record fresh at the last read (not asked to renew) that ages into the lapse guard makes
+    the next pass read one responder; when that responder lacks its newer copy, the same pass
+    asks READ_QUORUM (not the next: a loaded loop's next pass may come after the expiry)."""
+    import node.dht.membership as membership_module
+    from node.dht.membership import LAPSE_GUARD_S, READ_QUORUM
+
+    clock = FakeClock()
+    monkeypatch.setattr(membership_module, "time", clock)
+    swarm = Swarm("open")
+    a, b = (Signer.from_seed(os.urandom(32)) for _ in range(2))
+    swarm.dht.answer = [swarm.record(a), swarm.record(b, ttl_s=13.0)]
+    await swarm.membership.refresh()  # the first read: a quorum read; b not yet due to renew
+    swarm.dht.answer = []  # the responder has nothing newer of b
+    clock.now += 13.0 - LAPSE_GUARD_S + 0.5
+    await swarm.membership.refresh_if_due()
+    assert swarm.dht.quorums == [READ_QUORUM, 1, READ_QUORUM]
+    assert b.peer_id in swarm.membership.members
