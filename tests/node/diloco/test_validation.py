@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from node.diloco.eventlog import replay
-from node.diloco.owner import FragmentOwner, OwnerConfig, OwnerStart
+from node.diloco.owner import FragmentOwner, OwnerClocks, OwnerConfig, OwnerStart
 from node.diloco.validation import OwnerValidation, WindowEvaluator, recheck
 from node.workload.corpus import split_corpus, validation_slice
 from node.workload.model import GPT, GPTConfig
@@ -81,7 +81,7 @@ def _owner(plan, shapes, model, clock, validation, event_log=None, quorum=2):  #
             theta=flat_of(model, plan, 0),
         ),
         signer=signer(1),
-        clock=clock,
+        clocks=OwnerClocks(clock),
         validation=validation,
     )
 
