@@ -238,8 +238,8 @@ async def test_replay_finds_an_edited_check(world, tmp_path: Path) -> None:  # t
 
 
 def test_a_callable_validation_loss_checks_candidates_too() -> None:
-    """``SwarmIsland(validate=...)``'s evaluator: the user's ``validate(model) -> loss``, repeated;
-    a deterministic one has no spread, so the floor (``min_rise``) is the noise."""
+    """``Swarm(validate=...)``'s evaluator (``node.api``): the user's ``validate(model) -> loss``,
+    repeated; a deterministic one has no spread, so the floor (``min_rise``) is the noise."""
     from node.diloco.validation import CallableEvaluator
     from tests.node.fakes import tiny_model, tiny_plan
 
