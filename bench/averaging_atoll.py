@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from bench.averaging_inputs import Layout, classify, delta, relative_error
-from node.api import SwarmIsland
+from node.api import Network, Swarm, SwarmIsland, Timing
 from node.config import RunConfig
 from node.diloco.flat import encode_flat, flat_digest, flat_from_tensors
 from protocol.diloco.compression import compress, decompress
@@ -170,22 +170,23 @@ class AtollSide:
         self.model = _Tensors(initial)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.0)
         cfg = bench_config(peers, layout, codec, elastic=elastic, owner_fanout=owner_fanout)
-        swarm: dict[str, Any] = {"swarm": SWARM}
-        if credentials is not None:
-            swarm = {
-                "manifest": SwarmManifest.from_toml(credentials["manifest"]),
-                "key": Signer(_seed("bench-peer", seed, index)),
-                "cert": Certificate.from_text(credentials["certs"][index]),
-            }
+        swarm = (
+            Swarm(
+                manifest=SwarmManifest.from_toml(credentials["manifest"]),
+                key=Signer(_seed("bench-peer", seed, index)),
+                cert=Certificate.from_text(credentials["certs"][index]),
+                config=cfg,
+            )
+            if credentials is not None
+            else Swarm(name=SWARM, config=cfg)
+        )
         self.api = SwarmIsland(
             self.model,
             self.optimizer,
             tokens_per_step=1,
-            initial_peers=initial_peers,
-            config=cfg,
-            join_timeout_s=300.0,
-            finish_timeout_s=0.0,
-            **swarm,
+            swarm=swarm,
+            network=Network(initial_peers=initial_peers),
+            timing=Timing(join_timeout_s=300.0, finish_timeout_s=0.0),
         )
         self.island = self.api.island
         self.block_size = cfg.block_size

@@ -22,7 +22,7 @@ import time
 import torch
 from torch import nn
 
-from node.api import SwarmIsland
+from node.api import Network, Swarm, SwarmIsland
 from node.config import RunConfig
 from protocol.wire.certificates import Certificate
 from protocol.wire.membership import SwarmManifest
@@ -62,11 +62,9 @@ def island(
     with SwarmIsland(
         model,
         opt,
-        manifest=manifest,
-        key=Signer(seed),
-        cert=cert,
         tokens_per_step=64,
-        initial_peers=initial,
+        swarm=Swarm(manifest=manifest, key=Signer(seed), cert=cert),
+        network=Network(initial_peers=initial),
     ) as isl:
         if shard == 0:
             addresses.put(isl.url)

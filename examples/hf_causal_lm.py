@@ -40,7 +40,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from node.api import SwarmIsland
+from node.api import Network, Swarm, SwarmIsland
 from node.config import RunConfig
 from node.workload.corpus import BatchSampler, evaluate, load_corpus, split_corpus
 from protocol.wire.certificates import Certificate
@@ -148,12 +148,9 @@ def island(shard: int, args: Args, credentials: mp.Queue, addresses: mp.Queue) -
     with SwarmIsland(
         model,
         opt,
-        manifest=manifest,
-        key=Signer(seed),
-        cert=cert,
         tokens_per_step=tokens,
-        embeddings=EMBEDDINGS,
-        initial_peers=initial,
+        swarm=Swarm(manifest=manifest, key=Signer(seed), cert=cert, embeddings=EMBEDDINGS),
+        network=Network(initial_peers=initial),
     ) as isl:
         if shard == 0:
             addresses.put(isl.url)

@@ -36,7 +36,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass, replace
@@ -58,7 +57,7 @@ from protocol.wire.messages import Ack, Contribution
 from protocol.wire.signing import ReplayWindow, Sealed, Signer, open_sealed, seal
 from protocol.wire.tensors import EncodedTensor
 
-__all__ = ["RESEND_AFTER_S", "RESEND_MIN_S", "ContributionSender"]
+__all__ = ["RESEND_AFTER_S", "RESEND_MIN_S", "ContributionSender", "OwnerLinks"]
 
 log = logging.getLogger("node.diloco.learner")
 
@@ -82,6 +81,17 @@ class _Accepted:
     at: float
 
 
+@dataclass(frozen=True, slots=True)
+class OwnerLinks:
+    """How a learner's contributions reach their owners: sealed with ``signer`` and sent over
+    ``reach``, or, to an owner that is this peer (``signer``'s id), handed in process to
+    ``local`` (None: this peer owns nothing)."""
+
+    signer: Signer
+    reach: Reach
+    local: LocalOwners | None = None
+
+
 class ContributionSender:
     """Sends one island's contributions to the owners of its fragments."""
 
@@ -89,22 +99,19 @@ class ContributionSender:
         self,
         cfg: LearnerNetConfig,
         island: Island,
-        signer: Signer,
-        reach: Reach,
+        links: OwnerLinks,
         known: ReceivedVersions,
         stats: LearnerStats,
         *,
         resync: Callable[[], Awaitable[int]],
-        local: LocalOwners | None = None,
-        wall_clock: Callable[[], float] = time.time,
     ) -> None:
-        """``known``: the versions received (a contribution names its base state's digest);
-        ``resync``: has the island adopt every fragment's latest version whole (after a
-        non-finite pseudo-gradient or a base the owner does not know); ``local``: our own
-        owners, reached in process."""
-        self.cfg, self.island, self.signer, self.reach = cfg, island, signer, reach
-        self.known, self.stats, self.local = known, stats, local
-        self.resync, self.wall_clock = resync, wall_clock
+        """``links``: the way to the owners; ``known``: the versions received (a contribution
+        names its base state's digest), whose wall clock also stamps seals and Acks (one clock
+        for the learner); ``resync``: has the island adopt every fragment's latest version whole
+        (after a non-finite pseudo-gradient or a base the owner does not know)."""
+        self.cfg, self.island, self.known, self.stats = cfg, island, known, stats
+        self.signer, self.reach, self.local = links.signer, links.reach, links.local
+        self.resync, self.wall_clock = resync, known.wall_clock
         self.residuals: dict[tuple[int, int], torch.Tensor] = {}  # error feedback, per tensor
         self._replay = ReplayWindow()
         self._queue: asyncio.Queue[Outgoing] = asyncio.Queue()

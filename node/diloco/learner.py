@@ -30,7 +30,7 @@ from typing import Any
 import aiohttp
 import torch
 
-from node.diloco.contributing import RESEND_AFTER_S, ContributionSender
+from node.diloco.contributing import RESEND_AFTER_S, ContributionSender, OwnerLinks
 from node.diloco.fetching import (
     LocalOwners,
     RoundDeclined,
@@ -120,13 +120,10 @@ class IslandNet:
         self.sender = ContributionSender(
             cfg,
             island,
-            signer,
-            reach,
+            OwnerLinks(signer, reach, local),
             self.known,
             self.stats,
             resync=self.resync,
-            local=local,
-            wall_clock=wall_clock,
         )
 
     # --- what the peer's other parts call ------------------------------------------------------

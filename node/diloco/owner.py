@@ -69,7 +69,9 @@ __all__ = [
     "FragmentOwner",
     "MergeFailed",
     "OwnerConfig",
+    "OwnerClocks",
     "OwnerCounts",
+    "OwnerHooks",
     "OwnerStart",
 ]
 
@@ -86,6 +88,31 @@ class Declined:
     base: int
 
 
+@dataclass(frozen=True, slots=True)
+class OwnerHooks:
+    """What an owner calls out to. ``replicate``: hands each next version's whole state to a
+    replica before it is published (and the same state as an update over the version before,
+    when there is one, and the BLAKE3 of the state's fp32 bytes when its seal computed that
+    already), returning None when a replica took it (or none can) and the reason when this owner
+    has been replaced ("fenced: ..."), after which it stops publishing and retires;
+    ``on_publish``: called with (fragment, version, digest) of each published version;
+    ``on_final``: called with the owner the first time its latest version is held final (handed
+    out as final here, or taken over as final from the previous owner). None: nobody is told."""
+
+    replicate: Replicate | None = None
+    on_publish: Callable[[int, int, bytes], None] | None = None
+    on_final: Callable[[FragmentOwner], None] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class OwnerClocks:
+    """An owner's two clocks: ``monotonic`` times the merger's rounds and deadlines (tests pass
+    a fake one); ``wall`` stamps the seals peers check for freshness."""
+
+    monotonic: Callable[[], float] = time.monotonic
+    wall: Callable[[], float] = time.time
+
+
 class FragmentOwner:
     """Merges contributions for one fragment and serves its versions."""
 
@@ -95,26 +122,21 @@ class FragmentOwner:
         start: OwnerStart,
         *,
         signer: Signer,
-        clock: Callable[[], float] = time.monotonic,
-        wall_clock: Callable[[], float] = time.time,
-        replicate: Replicate | None = None,
-        on_publish: Callable[[int, int, bytes], None] | None = None,
-        on_final: Callable[[FragmentOwner], None] | None = None,
+        hooks: OwnerHooks = OwnerHooks(),
+        clocks: OwnerClocks = OwnerClocks(),
         validation: OwnerValidation | None = None,
     ) -> None:
-        """``replicate``: hands each next version's whole state to a replica before it is
-        published (and the same state as an update over the version before, when there is one,
-        and the BLAKE3 of the state's fp32 bytes when its seal computed that already), returning
-        None when a replica took it (or none can) and the reason when this owner has been
-        replaced ("fenced: ..."), after which it stops publishing and retires; ``on_publish``:
-        called with (fragment, version, digest) of each published version; ``on_final``: called
-        with this owner the first time its latest version is held final (handed out as final
-        here, or taken over as final from the previous owner); ``validation``: check each
+        """``hooks``: what it calls out to (``OwnerHooks``); ``validation``: check each
         candidate version on the swarm's validation set before publishing it
         (``node.diloco.validation``; None: off)."""
+        clock = clocks.monotonic
         self.config, self.clock = config, clock
-        self.replicate, self.on_publish, self.on_final = replicate, on_publish, on_final
-        self.sealer = Sealer(config, signer, wall_clock)
+        self.replicate, self.on_publish, self.on_final = (
+            hooks.replicate,
+            hooks.on_publish,
+            hooks.on_final,
+        )
+        self.sealer = Sealer(config, signer, clocks.wall)
         now = self.started_at = clock()
         self.merger, self.log = _merger(config, start.version, now)
         theta = start.theta.detach().float().clone()  # [numel_p] fp32

@@ -17,8 +17,9 @@ Two evaluators, one interface (``Evaluator``):
   the same bytes, identified by their SHA-256); window ``i`` starts at byte ``i``, so the pool holds
   as many windows as the slice has bytes, far more than one check evaluates. Each window's
   cross-entropy is one loss, so the noise is measured from the spread over windows.
-- ``CallableEvaluator``: ``SwarmIsland(validate=...)``'s. ``validate(model) -> loss`` is called
-  ``repeats`` times per version (it draws its own batches); the spread of those calls is the noise.
+- ``CallableEvaluator``: ``Swarm(validate=...)``'s (``node.api``). ``validate(model) -> loss`` is
+  called ``repeats`` times per version (it draws its own batches); the spread of those calls is
+  the noise.
 """
 
 from __future__ import annotations

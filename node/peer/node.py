@@ -60,7 +60,7 @@ from node.peer.handoffs import Handoffs
 from node.peer.holder_lookup import HolderLookup
 from node.peer.ownership import Ownership, OwnershipConfig
 from node.peer.presence import Presence, ViewScope
-from node.peer.serving import ServingConfig, VersionServer
+from node.peer.serving import Askers, Published, ServingConfig, VersionServer
 from node.peer.started import Started
 from node.peer.status import PeerReader
 from node.state.artifact_serve import ArtifactServer
@@ -261,13 +261,10 @@ class PeerNode:
         self.serving = VersionServer(
             ServingConfig(cfg, len(self.plan.fragments), signer.peer_id),
             self.transport,
-            self.ownership.owners,
+            Published(self.ownership.owners, self.finals, self.handoffs.replica_took),
             self.holdings,
             self.spread,
-            self.finals,
-            replica_took=self.handoffs.replica_took,
-            member_url=self.presence.member_url,
-            credentials=self.credentials,
+            Askers(self.presence.member_url, self.credentials),
         )
 
     def _owner_checkpoints(self, directory: Path | None) -> OwnerCheckpoints | None:

@@ -28,7 +28,14 @@ from node.config import RunConfig
 from node.dht.membership import Membership
 from node.diloco.fetching import RoundDeclined
 from node.diloco.flat import encode_flat, flat_from_tensors
-from node.diloco.owner import Declined, FragmentOwner, OwnerConfig, OwnerCounts, OwnerStart
+from node.diloco.owner import (
+    Declined,
+    FragmentOwner,
+    OwnerConfig,
+    OwnerCounts,
+    OwnerHooks,
+    OwnerStart,
+)
 from node.diloco.replica import Handed, ReplicaStore
 from node.diloco.succession import measured_updates
 from node.diloco.validation import Evaluator, OwnerValidation
@@ -276,9 +283,11 @@ class Ownership:
                 standing=handed.standing if from_handoff and handed is not None else None,
             ),
             signer=self.signer,
-            replicate=functools.partial(self.handoffs.replicate, p),
-            on_publish=self.on_publish,
-            on_final=self.handoffs.final_declared,
+            hooks=OwnerHooks(
+                replicate=functools.partial(self.handoffs.replicate, p),
+                on_publish=self.on_publish,
+                on_final=self.handoffs.final_declared,
+            ),
             validation=(
                 OwnerValidation(
                     self.evaluator,

@@ -50,6 +50,8 @@ __all__ = [
     "MAX_ANONYMOUS_POLLS_PER_IP",
     "MAX_POLLS_PER_ADDRESS",
     "MAX_WAIT_S",
+    "Askers",
+    "Published",
     "ServingConfig",
     "VersionServer",
 ]
@@ -112,34 +114,48 @@ class ServingConfig:
     peer_id: bytes
 
 
+@dataclass(frozen=True, slots=True)
+class Published:
+    """What this peer's owners publish: the ``owners`` (read only), the ``finals`` a ``final``
+    long-poll waits on, and per fragment the version a replica took from us and which replica
+    (``replica_took``: its learner needs no download)."""
+
+    owners: Mapping[int, FragmentOwner]
+    finals: FinalVersions
+    replica_took: Mapping[int, tuple[int, bytes]]
+
+
+@dataclass(frozen=True, slots=True)
+class Askers:
+    """How the server tells who asks: ``member_url`` is a member's address (a signer without one
+    is no peer others can fetch from); ``credentials`` the swarm's admission (None in a
+    development swarm, where a key costs nothing)."""
+
+    member_url: Callable[[bytes], str | None]
+    credentials: SwarmCredentials | None
+
+
 class VersionServer:
-    """The version routes of a peer: what its owners (``owners``, read only) publish, and what
-    its learner holds (``holdings``). ``replica_took``: per fragment, the version a replica took
-    from us and which replica (its learner needs no download); ``member_url``: a reachable
-    member's address; ``credentials``: the swarm's admission (None in a development swarm)."""
+    """The version routes of a peer: what its owners publish (``published``), what its learner
+    holds (``holdings``), with the spread counters (``spread``) and who asks (``askers``)."""
 
     def __init__(
         self,
         config: ServingConfig,
         transport: Transport,
-        owners: Mapping[int, FragmentOwner],
+        published: Published,
         holdings: Holdings,
         spread: SpreadStats,
-        finals: FinalVersions,
-        *,
-        replica_took: Mapping[int, tuple[int, bytes]],
-        member_url: Callable[[bytes], str | None],
-        credentials: SwarmCredentials | None,
+        askers: Askers,
     ) -> None:
         self.cfg, self.n_fragments, self.peer_id = config.run, config.n_fragments, config.peer_id
-        self.transport, self.owners, self.holdings, self.spread = (
-            transport,
-            owners,
-            holdings,
-            spread,
+        self.transport, self.holdings, self.spread = transport, holdings, spread
+        self.owners, self.finals, self.replica_took = (
+            published.owners,
+            published.finals,
+            published.replica_took,
         )
-        self.finals, self.replica_took, self._member_url = finals, replica_took, member_url
-        self.credentials = credentials
+        self._member_url, self.credentials = askers.member_url, askers.credentials
         self.model_bytes_served: collections.Counter[str] = (
             collections.Counter()
         )  # key hex -> bytes

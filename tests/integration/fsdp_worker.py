@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from node.api import SwarmIsland, exit_without_teardown
+from node.api import Network, Swarm, SwarmIsland, exit_without_teardown
 from node.config import RunConfig
 from node.diloco.sharding import held_bytes
 
@@ -91,7 +91,11 @@ def main() -> None:
     g = torch.Generator().manual_seed(1000 * len(args.name) + rank)  # each rank its own data
     initial = [args.initial_peer] if args.initial_peer else []
     with SwarmIsland(
-        model, opt, swarm="fsdp-test", tokens_per_step=BATCH, initial_peers=initial, config=CONFIG
+        model,
+        opt,
+        tokens_per_step=BATCH,
+        swarm=Swarm(name="fsdp-test", config=CONFIG),
+        network=Network(initial_peers=initial),
     ) as isl:
         if args.found:
             (args.out / "founder.url").write_text(isl.url)

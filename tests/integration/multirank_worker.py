@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from node.api import SwarmIsland, exit_without_teardown
+from node.api import Network, Swarm, SwarmIsland, exit_without_teardown
 from node.config import RunConfig
 
 DIM = 16
@@ -62,10 +62,9 @@ def main() -> None:
     with SwarmIsland(
         wrapped,
         opt,
-        swarm="multirank-test",
         tokens_per_step=32,
-        initial_peers=initial,
-        config=CONFIG,
+        swarm=Swarm(name="multirank-test", config=CONFIG),
+        network=Network(initial_peers=initial),
     ) as isl:
         if args.found:
             (args.out / "founder.url").write_text(isl.url)

@@ -22,7 +22,7 @@ from urllib.parse import parse_qs, urlsplit
 import torch
 from torch import nn
 
-from node.diloco.owner import Declined, FragmentOwner, OwnerConfig, OwnerStart
+from node.diloco.owner import Declined, FragmentOwner, OwnerClocks, OwnerConfig, OwnerStart
 from node.diloco.spread import DECLINED_STATUS, VERSION_HEADER
 from node.diloco.validation import OwnerValidation
 from node.wire.transport import LinkDropped, Transport
@@ -105,7 +105,7 @@ def make_owner(
             version=version,
         ),
         signer=who or signer(1),
-        clock=clock,
+        clocks=OwnerClocks(clock),
         validation=validation,
     )
 

@@ -253,8 +253,8 @@ KNOWN_MIXINS: set[str] = set()
 
 # a constructor takes a config object plus at most this many parameters (its collaborators)
 MAX_CONSTRUCTOR_PARAMETERS = 8
-# the public API's entry point keeps its keyword arguments: users' code and the examples call it
-WIDE_CONSTRUCTORS = {"node.api.SwarmIsland": 16}
+# none wider: the public API's SwarmIsland groups its arguments (Swarm, Network, Timing) too
+WIDE_CONSTRUCTORS: dict[str, int] = {}
 
 
 def _constructor_widths() -> dict[str, int]:

@@ -722,7 +722,7 @@ def _node_owner(
     """A ``FragmentOwner`` configured as the node configures one from ``RunConfig``'s defaults
     (``Ownership._merge_cfg``/``_outer_cfg``): plain averaging, ``normed``, K = 1 at half
     the learners, steps bounded to 2H, max_tokens_per_step set as a swarm sets it."""
-    from node.diloco.owner import FragmentOwner, OwnerConfig, OwnerStart
+    from node.diloco.owner import FragmentOwner, OwnerClocks, OwnerConfig, OwnerStart
     from protocol.diloco.merge import MergeConfig
     from protocol.diloco.outer import OuterConfig
     from tests.node.fakes import SWARM
@@ -757,7 +757,7 @@ def _node_owner(
             version=version,
         ),
         signer=signer(1),
-        clock=clock,
+        clocks=OwnerClocks(clock),
     )
 
 

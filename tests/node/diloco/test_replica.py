@@ -9,7 +9,7 @@ import dataclasses
 import torch
 
 from node.diloco.flat import flat_digest
-from node.diloco.owner import FragmentOwner, OwnerConfig, OwnerStart
+from node.diloco.owner import FragmentOwner, OwnerClocks, OwnerConfig, OwnerHooks, OwnerStart
 from node.diloco.replica import ReplicaStore, encode_state
 from protocol.diloco.merge import MergeConfig, Phase
 from protocol.diloco.outer import OuterConfig
@@ -46,8 +46,8 @@ def _owner(plan, shapes, clock, initial, *, who, replicate=None, version=0, epoc
             momentum=momentum,
         ),
         signer=who,
-        clock=clock,
-        replicate=replicate,
+        clocks=OwnerClocks(clock),
+        hooks=OwnerHooks(replicate=replicate),
     )
 
 
@@ -178,7 +178,7 @@ async def test_work_merged_into_a_handed_version_is_refused_by_the_successor_if_
                 theta=theta0,
             ),
             signer=signer(2),
-            clock=clock,
+            clocks=OwnerClocks(clock),
         )
 
     again = contribution(
@@ -289,8 +289,8 @@ async def test_a_whole_fp32_handoff_is_known_to_hash_to_its_digest_from_the_dige
             theta=theta0,
         ),
         signer=signer(1),
-        clock=clock,
-        replicate=to_replica,
+        clocks=OwnerClocks(clock),
+        hooks=OwnerHooks(replicate=to_replica),
     )
     await _merge_one(owner, clock, torch.linspace(-0.05, 0.05, theta0.numel()), shapes, A)
     ((state, theta_digest),) = handed
@@ -336,8 +336,8 @@ async def test_a_whole_fp32_handoff_is_known_to_hash_to_its_digest_from_the_dige
             theta=theta0,
         ),
         signer=signer(1),
-        clock=clock,
-        replicate=to_replica,
+        clocks=OwnerClocks(clock),
+        hooks=OwnerHooks(replicate=to_replica),
     )
     await _merge_one(bf16, clock, torch.linspace(-0.05, 0.05, theta0.numel()), shapes, A)
     assert handed[-1][1] is None
@@ -536,8 +536,8 @@ def _plain_owner(
             **carried,
         ),
         signer=who,
-        clock=clock,
-        replicate=replicate,
+        clocks=OwnerClocks(clock),
+        hooks=OwnerHooks(replicate=replicate),
     )
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from node.diloco.eventlog import replay
-from node.diloco.owner import FragmentOwner, OwnerConfig, OwnerStart
+from node.diloco.owner import FragmentOwner, OwnerClocks, OwnerConfig, OwnerStart
 from node.diloco.validation import OwnerValidation, WindowEvaluator, recheck
 from node.workload.corpus import split_corpus, validation_slice
 from node.workload.model import GPT, GPTConfig
@@ -81,7 +81,7 @@ def _owner(plan, shapes, model, clock, validation, event_log=None, quorum=2):  #
             theta=flat_of(model, plan, 0),
         ),
         signer=signer(1),
-        clock=clock,
+        clocks=OwnerClocks(clock),
         validation=validation,
     )
 
@@ -238,8 +238,8 @@ async def test_replay_finds_an_edited_check(world, tmp_path: Path) -> None:  # t
 
 
 def test_a_callable_validation_loss_checks_candidates_too() -> None:
-    """``SwarmIsland(validate=...)``'s evaluator: the user's ``validate(model) -> loss``, repeated;
-    a deterministic one has no spread, so the floor (``min_rise``) is the noise."""
+    """``Swarm(validate=...)``'s evaluator (``node.api``): the user's ``validate(model) -> loss``,
+    repeated; a deterministic one has no spread, so the floor (``min_rise``) is the noise."""
     from node.diloco.validation import CallableEvaluator
     from tests.node.fakes import tiny_model, tiny_plan
 
