@@ -116,7 +116,9 @@ class VersionServer:
     """The version routes of a peer: what its owners (``owners``, read only) publish, and what
     its learner holds (``holdings``). ``replica_took``: per fragment, the version a replica took
     from us and which replica (its learner needs no download); ``member_url``: a reachable
-    member's address; ``credentials``: the swarm's admission (None in a development swarm)."""
+    member's address; ``credentials``: the swarm's admission (None in a development swarm);
+    ``members``: how many members there are, ourselves included, by a whole view (0: unknown),
+    which decides whether an owner serves the swarm whole (``RunConfig.owner_serves_all``)."""
 
     def __init__(
         self,
@@ -130,6 +132,7 @@ class VersionServer:
         replica_took: Mapping[int, tuple[int, bytes]],
         member_url: Callable[[bytes], str | None],
         credentials: SwarmCredentials | None,
+        members: Callable[[], int] = lambda: 0,
     ) -> None:
         self.cfg, self.n_fragments, self.peer_id = config.run, config.n_fragments, config.peer_id
         self.transport, self.owners, self.holdings, self.spread = (
@@ -139,6 +142,7 @@ class VersionServer:
             spread,
         )
         self.finals, self.replica_took, self._member_url = finals, replica_took, member_url
+        self._members = members
         self.credentials = credentials
         self.model_bytes_served: collections.Counter[str] = (
             collections.Counter()
@@ -223,6 +227,7 @@ class VersionServer:
                 fanout = self._fanouts[p] = Fanout(
                     self.cfg.owner_fanout if self.cfg.spread_fanout else 0,
                     max_uploads=self.cfg.owner_max_uploads,
+                    whole_swarm=self.cfg.owner_serves_all,
                 )
             spent, owed = fanout.over_budget, owner.owes_resync(asker)
             decision = fanout.decide(
@@ -233,6 +238,7 @@ class VersionServer:
                 unit=owner.latest.size,
                 must=kind == "final",
                 direct=owed,
+                learners=max(self._members() - 1, 0),  # our own learner never asks
             )
             self.spread.over_budget += fanout.over_budget - spent
             if isinstance(decision, Serve):
