@@ -183,6 +183,9 @@ class RunConfig:
     # an owner's own direct uploads of each version before it points learners at holders (its
     # replica handoff is one more): owners stay off the hot path as swarms grow
     owner_fanout: int = 1
+    # a swarm with at most this many learners besides an owner gets each version from the owner
+    # directly, within owner_max_uploads (pointing there only adds a transfer to every round)
+    owner_serves_all: int = 3
     # validated publication (node.diloco.validation): windows of the pinned validation set an
     # owner checks each candidate version on (0: off), in a random one of validate_every merges
     validate_windows: int = 16
@@ -269,6 +272,13 @@ class RunConfig:
             )
         if not 1 <= self.owner_fanout <= 64:
             problems.append(f"--owner-fanout must be 1..64, got {self.owner_fanout}")
+        if not 0 <= self.owner_serves_all <= 64:
+            problems.append(f"--owner-serves-all must be 0..64, got {self.owner_serves_all}")
+        elif self.owner_max_uploads != 0 and self.owner_serves_all > self.owner_max_uploads:
+            problems.append(
+                f"--owner-serves-all ({self.owner_serves_all}) must not exceed --owner-max-uploads "
+                f"({self.owner_max_uploads:g}): each learner served is one upload of the version"
+            )
         if self.owner_max_uploads != 0 and not self.owner_fanout <= self.owner_max_uploads <= 1024:
             problems.append(
                 f"--owner-max-uploads must be 0 (no budget) or between --owner-fanout "
@@ -527,6 +537,9 @@ _HELP = {
     "validate_every": "validated publication: check a random one in this many merges (1: every merge)",
     "owner_fanout": "with versions spreading: the learners an owner uploads each version to itself before it "
     "points the others at holders (its replica handoff is one more upload)",
+    "owner_serves_all": "with versions spreading: a swarm with at most this many learners besides an owner "
+    "gets each version from the owner itself, none pointed at holders (each serve counts against "
+    "--owner-max-uploads, which it may not exceed; 0: never)",
     "owner_max_uploads": "with versions spreading: the most an owner uploads of one version to learners, for "
     "any reason (direct serves, repeats, fallbacks) and in any form (full, or an update), "
     "in multiples of its full size; past it, learners are pointed at peers likely to hold it, or take a later "

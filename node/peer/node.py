@@ -264,8 +264,17 @@ class PeerNode:
             Published(self.ownership.owners, self.finals, self.handoffs.replica_took),
             self.holdings,
             self.spread,
-            Askers(self.presence.member_url, self.credentials),
+            Askers(self.presence.member_url, self.credentials, self._members_seen),
         )
+
+    def _members_seen(self) -> int:
+        """How many members there are, ourselves included, when this peer reads the whole view
+        (an owner does); 0 otherwise: a bounded view holds only the members it looked up, and
+        a count too small would have an owner serve a large swarm whole."""
+        membership = self.membership
+        if membership is None or not membership.sees_all:
+            return 0
+        return len(membership.members)
 
     def _owner_checkpoints(self, directory: Path | None) -> OwnerCheckpoints | None:
         """Owner checkpoints in ``directory``; the states found there are taken as handed over."""

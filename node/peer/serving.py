@@ -129,10 +129,13 @@ class Published:
 class Askers:
     """How the server tells who asks: ``member_url`` is a member's address (a signer without one
     is no peer others can fetch from); ``credentials`` the swarm's admission (None in a
-    development swarm, where a key costs nothing)."""
+    development swarm, where a key costs nothing); ``members`` how many members there are,
+    ourselves included, by a whole view (0: unknown), which decides whether an owner serves the
+    swarm whole (``RunConfig.owner_serves_all``)."""
 
     member_url: Callable[[bytes], str | None]
     credentials: SwarmCredentials | None
+    members: Callable[[], int] = lambda: 0
 
 
 class VersionServer:
@@ -156,6 +159,7 @@ class VersionServer:
             published.replica_took,
         )
         self._member_url, self.credentials = askers.member_url, askers.credentials
+        self._members = askers.members
         self.model_bytes_served: collections.Counter[str] = (
             collections.Counter()
         )  # key hex -> bytes
@@ -239,6 +243,7 @@ class VersionServer:
                 fanout = self._fanouts[p] = Fanout(
                     self.cfg.owner_fanout if self.cfg.spread_fanout else 0,
                     max_uploads=self.cfg.owner_max_uploads,
+                    whole_swarm=self.cfg.owner_serves_all,
                 )
             spent, owed = fanout.over_budget, owner.owes_resync(asker)
             decision = fanout.decide(
@@ -249,6 +254,7 @@ class VersionServer:
                 unit=owner.latest.size,
                 must=kind == "final",
                 direct=owed,
+                learners=max(self._members() - 1, 0),  # our own learner never asks
             )
             self.spread.over_budget += fanout.over_budget - spent
             if isinstance(decision, Serve):

@@ -32,6 +32,14 @@ allowed): a final version, which every peer has to end on (one per learner and r
 version an owner has just told a learner to resync to (one per refusal the owner made: in a round
 that waits for every learner, no later version would come for it to take).
 
+A small swarm is served whole (``whole_swarm``): when the learners that may ask an owner for a
+version number at most ``whole_swarm``, the owner serves each of them itself instead of pointing
+any at a holder, since there a pointer only adds one more transfer, after a holder has checked
+its copy, to the end of every round (at 4 peers of 124M parameters, a tenth of a round's time).
+It is bounded like every other serve: ``whole_swarm`` may not exceed ``max_uploads``, and the
+budget still counts every upload, so an owner uploads a version at most ``max_uploads`` times
+its size either way; a swarm larger than ``whole_swarm`` spreads as above.
+
 Pure logic: versions are ints, peers are ids; the node maps ids to addresses and serves bytes.
 """
 
@@ -100,9 +108,18 @@ class Fanout:
     recent versions' bookkeeping is kept (older ones start afresh, which only allows more serves).
     ``max_uploads`` >= 1: the upload budget per version, in multiples of its size (the ``unit``
     given to ``decide``, else its first upload's size; 0: none; with spreading on only).
+    ``whole_swarm`` >= 0: with at most this many learners asking (``decide``'s ``learners``), every
+    one is served directly (0: never; at most ``max_uploads`` when there is a budget).
     """
 
-    def __init__(self, fanout: int, *, versions_kept: int = 4, max_uploads: float = 0.0) -> None:
+    def __init__(
+        self,
+        fanout: int,
+        *,
+        versions_kept: int = 4,
+        max_uploads: float = 0.0,
+        whole_swarm: int = 0,
+    ) -> None:
         if fanout < 0:
             raise ValueError(f"fanout must be >= 0 (0 turns spreading off), got {fanout}")
         if versions_kept < 1:
@@ -112,7 +129,13 @@ class Fanout:
                 f"max_uploads must be 0 (no budget) or at least the fanout ({max(fanout, 1)}), "
                 f"got {max_uploads}"
             )
+        if whole_swarm < 0 or (max_uploads != 0 and whole_swarm > max_uploads):
+            raise ValueError(
+                f"whole_swarm must be >= 0 and at most max_uploads ({max_uploads:g}) when there "
+                f"is a budget, got {whole_swarm}"
+            )
         self.fanout, self.versions_kept, self.max_uploads = fanout, versions_kept, max_uploads
+        self.whole_swarm = whole_swarm
         self._versions: collections.OrderedDict[int, _Version] = collections.OrderedDict()
         self.served = 0  # direct uploads decided, all versions
         self.pointed = 0  # pointers given, all versions
@@ -128,6 +151,7 @@ class Fanout:
         unit: int = 0,
         must: bool = False,
         direct: bool = False,
+        learners: int = 0,
     ) -> SpreadDecision:
         """What to do with a request for ``version``. ``requester``: the id of a reachable
         member (None for one that cannot serve others); ``fallback``: the requester says the
@@ -137,7 +161,8 @@ class Fanout:
         the budget, and never refuse it (a final version); ``direct``: serve it from here past the
         budget, never point it at holders either (a version owed to a resync: the learner's round
         waits on it, and the holders it would be pointed at may be stuck in the same round,
-        waiting for it too)."""
+        waiting for it too); ``learners``: how many learners may ask for it (0: unknown), which
+        decides whether the swarm is served whole (``fanout_for``)."""
         if self.fanout == 0:
             return self._serve("spreading is off: every learner is served")
         state = self._state(version)
@@ -153,7 +178,9 @@ class Fanout:
         if direct:
             decision: SpreadDecision = self._serve(f"version {version}: owed, served from here")
         else:
-            decision = self._decide(state, version, requester, fallback, spent)
+            decision = self._decide(
+                state, version, requester, fallback, spent, self.fanout_for(learners)
+            )
         if must and isinstance(decision, Refuse):
             decision = self._serve(f"{decision.reason}; served all the same (it must be)")
         if isinstance(decision, Serve):
@@ -161,10 +188,24 @@ class Fanout:
             state.uploaded += size
         return decision
 
+    def fanout_for(self, learners: int) -> int:
+        """Direct serves of a version with ``learners`` learners that may ask for it (0: unknown):
+        all of them in a swarm of at most ``whole_swarm``, else ``fanout``."""
+        if self.fanout and 0 < learners <= self.whole_swarm:
+            return max(self.fanout, learners)
+        return self.fanout
+
     def _decide(
-        self, state: _Version, version: int, requester: bytes | None, fallback: bool, spent: bool
+        self,
+        state: _Version,
+        version: int,
+        requester: bytes | None,
+        fallback: bool,
+        spent: bool,
+        fanout: int,
     ) -> SpreadDecision:
-        """The decision, state updated for a serve; ``spent``: a serve would pass the budget."""
+        """The decision, state updated for a serve; ``spent``: a serve would pass the budget;
+        ``fanout``: the direct serves this version gets."""
         if (
             requester is None and fallback
         ):  # cannot be told apart: served, as before versions spread
@@ -192,12 +233,12 @@ class Fanout:
                 return self._spent(state, version, requester)
             state.asked[requester] += 1
             return self._serve(f"version {version}: served again (a repeat of a direct serve)")
-        if requester is not None and len(state.served) < self.fanout:
+        if requester is not None and len(state.served) < fanout:
             if spent:
                 return self._spent(state, version, requester)
             state.served.append(requester)
             state.asked[requester] = 1
-            return self._serve(f"version {version}: direct serve {len(state.served)}/{self.fanout}")
+            return self._serve(f"version {version}: direct serve {len(state.served)}/{fanout}")
         if not state.served:
             if spent:
                 return self._spent(state, version, requester)
@@ -206,7 +247,7 @@ class Fanout:
                 f"version {version}: no holder yet; anonymous serve {state.anonymous}"
             )
         return self._point(
-            state, version, requester, f"{len(state.served)}/{self.fanout} direct serves done"
+            state, version, requester, f"{len(state.served)}/{fanout} direct serves done"
         )
 
     def _spent(self, state: _Version, version: int, requester: bytes | None) -> SpreadDecision:

@@ -308,3 +308,29 @@ def test_with_hostile_holders_every_honest_learner_gets_the_version_and_the_owne
     assert uploads[0] <= budget
     if not all(peer in holds for peer in honest):  # only when the budget went to hostile learners
         assert uploads[0] == budget and not from_owner - bad
+
+
+def test_a_small_swarm_is_served_whole_by_its_owner_and_a_larger_one_spreads() -> None:
+    # 3 learners asking, whole_swarm 3: none is pointed at a holder (one more transfer at the
+    # end of every round); 4 asking: the owner serves its fanout and points the rest
+    small = Fanout(1, max_uploads=3.0, whole_swarm=3)
+    assert all(isinstance(small.decide(1, _id(n), learners=3), Serve) for n in range(1, 4))
+    large = Fanout(1, max_uploads=3.0, whole_swarm=3)
+    decisions = [large.decide(1, _id(n), learners=4) for n in range(1, 5)]
+    assert isinstance(decisions[0], Serve)
+    assert all(isinstance(d, PointTo) and d.holders == (_id(1),) for d in decisions[1:])
+    unknown = Fanout(1, max_uploads=3.0, whole_swarm=3)  # no count: the fixed fanout
+    assert isinstance(unknown.decide(1, _id(1)), Serve)
+    assert isinstance(unknown.decide(1, _id(2)), PointTo)
+
+
+def test_a_small_swarm_served_whole_stays_within_the_upload_budget() -> None:
+    fan = Fanout(1, max_uploads=3.0, whole_swarm=3)
+    for n in range(1, 4):
+        assert isinstance(fan.decide(1, _id(n), size=100, learners=3), Serve)
+    # a repeat of a direct serve would be a fourth upload: past the budget, pointed elsewhere
+    again = fan.decide(1, _id(1), size=100, learners=3)
+    assert isinstance(again, PointTo) and _id(1) not in again.holders
+    assert fan.served == 3 and fan.over_budget == 1
+    with pytest.raises(ValueError, match="whole_swarm"):
+        Fanout(1, max_uploads=3.0, whole_swarm=4)
