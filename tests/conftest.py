@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -19,3 +21,11 @@ def _one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A run stopped with SIGTERM (a CI job's timeout, ``kill``) stops as Ctrl-C does, so each
+    running test's fixtures stop the ``atoll`` peer processes they started; the default SIGTERM
+    ends pytest at once and left them running."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
