@@ -388,17 +388,13 @@ class Handoffs:
         """Why this owner must not publish ``p``'s next version: our member record was last stored
         so long ago that others may see it expire (its TTL, less ``LEASE_MARGIN_S`` for their
         clocks), drop us, and hand the fragment to a successor; None while it is live."""
-        if self.view.record_published_at is None or self.membership is None:
+        at, ms = self.view.record_published_at, self.membership
+        if self.lease_live() or at is None or ms is None:
             return None
-        age, lease = (
-            time.monotonic() - self.view.record_published_at,
-            self.membership.ttl_s - LEASE_MARGIN_S,
-        )
-        if age <= lease:
-            return None
+        age = time.monotonic() - at
         self.lease_lapses += 1
         return (
-            f"fenced: our member record was last stored {age:.1f} s ago, past its {self.membership.ttl_s:g} s "
+            f"fenced: our member record was last stored {age:.1f} s ago, past its {ms.ttl_s:g} s "
             f"TTL less {LEASE_MARGIN_S:g} s: others may have handed fragment {p} to a successor"
         )
 
