@@ -109,10 +109,9 @@ REPLY_TIMEOUT_S = 30.0
 REPLY_SLACK_S_PER_MIB = 1.0
 REPLY_IDLE_S = 10.0
 MAX_REPLIES_PER_IP = 64
+# Request bodies are written in pieces of the same size (``writing_when_empty``): the part of a
+# piece the socket does not take at once is what asyncio copies
 REPLY_PIECE = 256 << 10
-# A request body is written in pieces of at most WRITE_PIECE bytes (``writing_when_empty``): the
-# part of a piece the socket does not take at once is what asyncio copies
-WRITE_PIECE = 256 << 10
 
 
 class Busy(RemoteProtocolError):
@@ -474,7 +473,7 @@ class Transport:
     async def _body(
         self, url: str, route: str, chunks: Iterable[memoryview | bytes]
     ) -> AsyncIterator[memoryview | bytes]:
-        for piece in pieces(chunks, WRITE_PIECE):
+        for piece in pieces(chunks):
             await self.link.throttle(url, piece.nbytes)
             self.count_sent(route, piece.nbytes)
             yield piece  # aiohttp writes buffer views as they are: no copy
