@@ -205,3 +205,18 @@ async def test_owners_publishing_at_once_share_one_fresh_read(
     before = view.reads
     await asyncio.gather(view.fresh(VIEW_FRESH_S), view.fresh(VIEW_FRESH_S))
     assert view.reads == before + 1
+
+
+async def test_a_read_that_fails_leaves_the_view_as_old_as_it_was() -> None:
+    # only a completed read makes the view fresh: a failed one must not let a stale view publish
+    _, view, dht, _ = _owner_a()
+    await view.refresh()
+    view.read_at = time.monotonic() - STALE_S
+
+    async def unreachable(key: bytes, **kw: object) -> list:
+        raise ConnectionError("no responder answered")
+
+    dht.get = unreachable  # type: ignore[method-assign]
+    with pytest.raises(ConnectionError):
+        await view.fresh(VIEW_FRESH_S)
+    assert view.read_age() >= STALE_S
