@@ -50,7 +50,11 @@ The parent turns them into one case per swarm size (``summarize``):
                               peaks summed, per peer)
 ``unowned_max_s``             the longest stretch in which no live peer ran an owner for a
                               fragment (``owner_gaps``), against ``lease_s``
-``versions_two_contents``     versions published with more than one digest (``two_contents``)
+``versions_two_contents``     versions published with more than one digest (``two_contents``);
+                              ``two_contents_by``: for each, the peer slots that published it
+``publication_fences``        versions the peers' owners did not publish, by gate (``/v1/status``
+                              "replicas": lease lapses, claimant and stale-view fences), and
+                              the reads of the members a publication awaited (``view_reads``)
 ``cpu``                       each worker's share of a core over the steady window and where
                               its loop's time went (``bench.swarm_scale_cpu``)
 ``cpu_ms_per_peer_s``         the workers' CPU time over the steady window, per peer measured
@@ -627,6 +631,7 @@ class Worker:
                 "spread": spread_counts(peer.node),
                 "owned": owned,
                 "published": peer.published,
+                "fences": publication_fences(peer.node),
                 "failure": repr(peer.node.failure) if peer.node.failure is not None else None,
             }
         rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -640,6 +645,13 @@ class Worker:
             "load_average": self.load,
             "stacks": self.sampler.report(),
         }
+
+
+def publication_fences(node: PeerNode) -> dict[str, int]:
+    """The versions this node's owners did not publish, by gate, and the reads of the members
+    its publications awaited (``Handoffs``; the counters its tree has)."""
+    names = ("lease_lapses", "claimant_fences", "stale_view_fences", "view_reads")
+    return {n: getattr(node.handoffs, n) for n in names if hasattr(node.handoffs, n)}
 
 
 def spread_counts(node: PeerNode) -> dict[str, int]:
@@ -870,6 +882,9 @@ def summarize(cfg: Config, reports: list[dict[str, Any]]) -> dict[str, Any]:
     firsts = [span[1] for span in spans]
     gaps = owner_gaps(spans, cfg.fragments, min(firsts), cfg.duration_s - 1.0) if firsts else {}
     published = [tuple(x) for p in peers.values() for x in p.get("published", [])]
+    fences: Counter[str] = Counter()
+    for p in peers.values():
+        fences.update(p.get("fences", {}))
     failures = [
         p["failure"] for p in peers.values() if p["failure"] and "Cancelled" not in p["failure"]
     ]
@@ -935,6 +950,8 @@ def summarize(cfg: Config, reports: list[dict[str, Any]]) -> dict[str, Any]:
         "lease_s": LEASE_S,
         "versions_published": len(contents_by_version(published)),
         "versions_two_contents": two_contents(published),  # type: ignore[arg-type]
+        "two_contents_by": two_contents_by(peers, two_contents(published)),  # type: ignore[arg-type]
+        "publication_fences": dict(sorted(fences.items())),
         "cpu": cpu,
         "joined": sum(1 for p in peers.values() if p["joined_at"] is not None),
         # the first peers: seconds from a join's scheduled time to its end, and the last one's end
@@ -945,6 +962,17 @@ def summarize(cfg: Config, reports: list[dict[str, Any]]) -> dict[str, Any]:
         "steady_window_s": [lo, hi],
         "config": asdict(cfg),
     }
+
+
+def two_contents_by(peers: dict[str, dict[str, Any]], versions: list[str]) -> dict[str, list[str]]:
+    """For each version ("p:v") published with two contents, who published which: "slot:digest"
+    (the digest's first 8 hex digits), sorted."""
+    out: dict[str, list[str]] = {v: [] for v in versions}
+    for slot, peer in peers.items():
+        for p, v, digest in peer.get("published", []):
+            if f"{p}:{v}" in out:
+                out[f"{p}:{v}"].append(f"{slot}:{digest[:8]}")
+    return {v: sorted(set(who)) for v, who in out.items()}
 
 
 def join_latency(

@@ -29,10 +29,12 @@ presented there belongs to another claimant, ``pin_mismatch`` hands the address 
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hashlib
 import json
 import logging
+import math
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
@@ -343,6 +345,10 @@ class Membership:
         self.addresses_moved = 0  # addresses handed to another claimant by a TLS handshake
         self.pin_mismatches = 0  # servers that presented another key than their member's pin
         self._claimed: dict[bytes, Member] = {}  # the last read's members, addresses as claimed
+        # monotonic time the newest completed read began: every record stored before it that
+        # the read's responders held is in the view (``read_age``; an owner's publication gate)
+        self.read_at: float | None = None
+        self._fresh_lock = asyncio.Lock()  # callers of ``fresh`` share one read
 
     async def publish(self, record: MemberRecord, on_held: Callable[[], None] | None = None) -> int:
         """Store our record at the nodes nearest its key (the roster's when it offers to own, the
@@ -480,6 +486,19 @@ class Membership:
         self._rebuild(now)
         return self.members
 
+    def read_age(self) -> float:
+        """Seconds since the newest completed read began (infinite before the first)."""
+        return math.inf if self.read_at is None else time.monotonic() - self.read_at
+
+    async def fresh(self, max_age_s: float) -> None:
+        """A view read within ``max_age_s``: a quorum read (``refresh(full=True)``: a record one
+        responder lacks is missed only if all ``READ_QUORUM`` lack it) unless the newest
+        completed read began less than ``max_age_s`` ago. Concurrent callers share one read.
+        Raises what ``refresh`` raises; bound it with a deadline."""
+        async with self._fresh_lock:
+            if self.read_age() >= max_age_s:
+                await self.refresh(full=True)
+
     async def refresh_if_due(self) -> dict[bytes, Member]:
         """The membership loop's pass: ``refresh`` when a read is due (``ReadCadence``, or a
         held record lapses); else only the wanted ids looked up and the view rebuilt from the
@@ -511,7 +530,7 @@ class Membership:
         held here, responders leave those out and send a refresh (expiry and signature) of
         those due within ``RENEW_SHARE`` of the ttl (``_read``). ``full`` asks for a full read
         now."""
-        now = time.time()
+        now, began = time.time(), time.monotonic()
         keys = self._whole_keys()
         full = full or self.reads % FULL_READ_EVERY == 0 or self._lapsing(now, unrenewed=True)
         self.reads += 1
@@ -525,6 +544,8 @@ class Membership:
             await self._look_up(now, renewing=True)
         self._rebuild(now)
         self.cadence.read(time.time(), changed=self._shape() != before)
+        # reads may overlap (the membership loop, a lookup, a publication): the newest start wins
+        self.read_at = max(began, self.read_at if self.read_at is not None else began)
         return self.members
 
     def _rebuild(self, now: float) -> None:

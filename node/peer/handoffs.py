@@ -38,7 +38,7 @@ from protocol.errors import DecodeError
 from protocol.wire.messages import ReplicaAck, ReplicaState
 from protocol.wire.signing import Opened, ReplayWindow, Signer
 
-__all__ = ["REPLICAS", "Handoffs", "Lapsed", "TakenIn", "supersedes"]
+__all__ = ["REPLICAS", "VIEW_FRESH_S", "Handoffs", "Lapsed", "TakenIn", "supersedes"]
 
 log = logging.getLogger("atoll.peer")
 
@@ -52,6 +52,12 @@ LEASE_MARGIN_S = (
 # dropping it lost the round's work (one H of every learner's steps; 32 peers at load ~50)
 LEASE_WAIT_S = 20.0
 LEASE_POLL_S = 0.25
+# An owner publishes only from a view of the members whose read began less than this long before
+# (one is awaited first when the last is older, within the same time). A better-ranked member
+# whose record that read missed took the fragment after it, and merges nothing for CATCH_UP_S
+# (6 s, ``node.peer.ownership``) while it fetches our versions: what we publish comes before its
+# first merge, with 2 s (its catch-up polls: 1 s long-polls, 0.5 s apart) to fetch it.
+VIEW_FRESH_S = 4.0
 
 
 class _FencedBy(Exception):
@@ -116,6 +122,8 @@ class Handoffs:
         self.replica_took: dict[int, tuple[int, bytes]] = {}  # fragment -> (version, replica)
         self.lease_lapses = 0  # versions not published: our record may have expired elsewhere
         self.claimant_fences = 0  # versions not published: the view named another owner by then
+        self.stale_view_fences = 0  # versions not published: no read of the members recent enough
+        self.view_reads = 0  # reads of the members a publication awaited (the last was too old)
         # per fragment fenced by a lapsed lease: the version its replica took meanwhile (None: none)
         self.lapsed: dict[int, Lapsed | None] = {}
         self.resumed = 0  # owners that resumed from the version their replica took meanwhile
@@ -273,7 +281,7 @@ class Handoffs:
             )
             if not ranked:
                 self.unreplicated += 1
-                return self._may_publish(p, state.version, None)
+                return await self._publication_gate(p, state.version, None)
             try:
                 # the update first: the replica holds its base if it took the version before from
                 # us, and its learner does once it has fetched that version (the whole state
@@ -287,7 +295,7 @@ class Handoffs:
                         state.version,
                         ranked[0][0],
                     )  # its learner needs no download
-                    return self._may_publish(p, state.version, Lapsed(state, ranked[0]))
+                    return await self._publication_gate(p, state.version, Lapsed(state, ranked[0]))
             except _FencedBy as exc:
                 bumped = (
                     self._above_stale_fence(p, state, exc.ack) if bumps < MAX_EPOCH_BUMPS else None
@@ -306,13 +314,37 @@ class Handoffs:
                 )
             tried.add(ranked[0][0])
 
+    async def _publication_gate(self, p: int, version: int, taken: Lapsed | None) -> str | None:
+        """``_may_publish``, from a view read less than ``VIEW_FRESH_S`` ago: a starved loop's
+        last read may predate a better-ranked member's record, and then its view still names us
+        (a 32-peer run at load ~8.6 published a version with two contents so)."""
+        await self._freshen_view()
+        return self._may_publish(p, version, taken)
+
+    async def _freshen_view(self) -> None:
+        """Read the members when the last read began ``VIEW_FRESH_S`` ago or more, within as
+        long (owners publishing at once share the read: ``Membership.fresh``). A read that fails
+        or comes too late is not raised: ``_may_publish`` measures the view's age and fences."""
+        ms = self.membership
+        if ms is None or ms.read_age() < VIEW_FRESH_S:
+            return
+        self.view_reads += 1
+        try:
+            async with asyncio.timeout(VIEW_FRESH_S):
+                await ms.fresh(VIEW_FRESH_S)
+        except Exception as exc:  # the DHT unreachable or slow: the age decides below
+            log.info(
+                "no read of the members within %g s before a publication: %r", VIEW_FRESH_S, exc
+            )
+
     def _may_publish(self, p: int, version: int, taken: Lapsed | None) -> str | None:
         """Why ``version`` of ``p``, which a replica has just taken (``taken``: the state and that
         replica; None: no replica was left), must not be published after all (None: it may). The
         handoff awaited the network, and a starved loop may have run seconds late: the lease is
         measured again (a lapse keeps ``taken`` to resume from: ``resume``), and the view must
         still name us ``p``'s owner (a better-ranked member that entered the roster meanwhile
-        publishes this version itself). The owner publishes on the same loop turn, with no
+        publishes this version itself) from a read begun less than ``VIEW_FRESH_S`` ago
+        (``_publication_gate`` awaits one). The owner publishes on the same loop turn, with no
         await in between."""
         lapsed = self._record_lapsed(p)
         if lapsed is not None:
@@ -324,6 +356,14 @@ class Handoffs:
             return (
                 f"fenced: this peer's view now names {owner[1]} as fragment {p}'s owner; "
                 f"version {version} is not published here"
+            )
+        age = self.membership.read_age() if self.membership is not None else 0.0
+        if age >= VIEW_FRESH_S:
+            self.stale_view_fences += 1
+            return (
+                f"fenced: this peer's view of the members was last read {age:.1f} s ago and no "
+                f"read came within {VIEW_FRESH_S:g} s: a better-ranked member it missed may "
+                f"publish fragment {p}'s version {version}; not published here"
             )
         return None
 

@@ -469,6 +469,9 @@ class PeerNode:
                 "unreplicated_versions": self.handoffs.unreplicated,
                 "lease_lapses": self.handoffs.lease_lapses,
                 "claimant_fences": self.handoffs.claimant_fences,
+                # versions not published for want of a read of the members begun < 4 s before
+                "stale_view_fences": self.handoffs.stale_view_fences,
+                "view_reads": self.handoffs.view_reads,  # reads a publication awaited
                 "resumed": self.handoffs.resumed,  # owners back from a lapsed lease, at once
             },
             "bytes_sent": self.transport.bytes_sent,

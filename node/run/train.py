@@ -1070,6 +1070,8 @@ def peer_result(
         owner_fences={
             "lease_lapses": node.handoffs.lease_lapses,
             "claimant_fences": node.handoffs.claimant_fences,
+            "stale_view_fences": node.handoffs.stale_view_fences,
+            "view_reads": node.handoffs.view_reads,
             "resumed": node.handoffs.resumed,
             "record_stores_cut": node.presence.renewal.cut_short if node.presence.renewal else 0,
         },

@@ -200,6 +200,7 @@ def test_summarize_divides_control_bytes_by_each_peers_window() -> None:
         "failure": None,
         "first_held": {},
         "published": [[0, 1, "aa"]],
+        "fences": {"view_reads": 1},
     }
     reports = [
         {
@@ -226,6 +227,7 @@ def test_summarize_divides_control_bytes_by_each_peers_window() -> None:
                 "1": {
                     **peer,
                     "published": [[0, 1, "bb"], [3, 5, "cc"]],
+                    "fences": {"claimant_fences": 1, "stale_view_fences": 2, "view_reads": 3},
                     "owned": [[0, 30.0, 50.0]],
                     "window": {
                         "s": 20.0,
@@ -255,6 +257,12 @@ def test_summarize_divides_control_bytes_by_each_peers_window() -> None:
     assert case["cpu_ms_per_peer_s"] == 25.0  # 0.05 of a core for 2 peers
     assert case["unowned_max_s"] == 0.0 and case["unowned_gaps_over_lease"] == 0
     assert case["versions_published"] == 2 and case["versions_two_contents"] == ["0:1"]
+    assert case["two_contents_by"] == {"0:1": ["0:aa", "1:bb"]}  # slot:digest, each publisher
+    assert case["publication_fences"] == {
+        "claimant_fences": 1,
+        "stale_view_fences": 2,
+        "view_reads": 4,
+    }
 
 
 @pytest.mark.integration

@@ -40,6 +40,10 @@ class FakeMembership:
     def want(self, peer_id: bytes) -> None:
         """A view that reads every record: nothing to look up by id."""
 
+    def read_age(self) -> float:
+        """``records`` are the view as a read just now would find them."""
+        return 0.0
+
     async def refresh_if_due(self) -> dict[bytes, Member]:
         """Every pass reads here (no cadence)."""
         return await self.refresh()

@@ -476,6 +476,9 @@ class FakeClock:
     def time(self) -> float:
         return self.now
 
+    def monotonic(self) -> float:  # the age of the last read, as the module measures it
+        return self.now
+
 
 async def test_reads_back_off_while_the_view_is_unchanged_and_come_back_when_it_changes(
     monkeypatch: pytest.MonkeyPatch,

@@ -55,6 +55,10 @@ class _RankedMembership:
         left = [p for p in self.rank if p not in exclude]  # type: ignore[operator]
         return [(p, self.members[p].record.url) for p in left[:n]]
 
+    def read_age(self) -> float:
+        """The rank is the view, as a read just now found it."""
+        return 0.0
+
 
 def _member(s, *, owner: bool = True) -> Member:  # type: ignore[no-untyped-def]
     record = MemberRecord(
