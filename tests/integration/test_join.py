@@ -19,9 +19,13 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 H = 20
 # the schedule's length is the manifest's: no joiner passes --steps, each follows the swarm's
 RECIPE = ["--model", "tiny", "--fragments", "4", "--inner-steps", str(H), "--steps", "100000"]
+# stand-in steps (0.1 s of wall each, no CPU): what this test shows is discovery, state sync and
+# the schedule, not the loss, and four islands training for real on 2 cores slowed every start-up.
+# A round is H x 0.1 = 2 s, so the late joiner's versions can be caught equal to another's
+# between two status reads on a busy box (at 0.05, 1 s rounds)
 TRAIN = [
-    "--corpus-max-bytes",
-    "2000000",
+    "--compute",
+    "standin=0.1",
     "--eval-every",
     "1000000",
     "--threads",
