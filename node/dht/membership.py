@@ -119,6 +119,7 @@ ROSTER_CAP = 8
 # A member outside the roster takes a place that opened in it only once it stayed open this long
 # (one record ttl): an owner whose record lapsed for a moment keeps its fragments.
 ROSTER_GRACE_S = 20.0
+RANKED_KEPT = 1024  # ``ranked`` answers kept for one members dict (fragments x r x exclude sets)
 ASSIGNMENTS_KEPT = (
     64  # owner assignments remembered (one per candidate set: the members, less each primary)
 )
@@ -310,6 +311,12 @@ class Membership:
             n_fragments  # owners by balanced_owners when given, else plain rendezvous
         )
         self._assignments: dict[tuple[str, frozenset[bytes]], tuple[bytes, ...]] = {}
+        # ``ranked``'s answers for the members dict they were computed from: every pass asks
+        # several times a second per fragment, and a read replaces the dict, never edits it
+        self._ranked_for: dict[bytes, Member] | None = None
+        self._ranked: dict[
+            tuple[str, int, int, frozenset[bytes], int | None], list[tuple[bytes, str]]
+        ] = {}
         self.swarm_manifest = swarm_manifest
         self.key = members_key(swarm)
         self.roster = roster_key(swarm)
@@ -693,7 +700,21 @@ class Membership:
         self, swarm: str, fragment: int, r: int, *, exclude: Collection[bytes] = ()
     ) -> list[tuple[bytes, str]]:
         """The first ``r`` candidate owners of ``fragment``: the primary, then its replicas (by
-        ``balanced_owners`` when the number of fragments is known, else by rendezvous hash)."""
+        ``balanced_owners`` when the number of fragments is known, else by rendezvous hash).
+        Remembered until ``members`` is replaced (a read): replace it, never edit it in place."""
+        if self._ranked_for is not self.members:
+            self._ranked_for, self._ranked = self.members, {}
+        key = (swarm, fragment, r, frozenset(exclude), self.n_fragments)
+        got = self._ranked.get(key)
+        if got is None:
+            if len(self._ranked) >= RANKED_KEPT:  # a bound against ever-new exclude sets
+                self._ranked.clear()
+            got = self._ranked[key] = self._rank(swarm, fragment, r, exclude)
+        return list(got)
+
+    def _rank(
+        self, swarm: str, fragment: int, r: int, exclude: Collection[bytes]
+    ) -> list[tuple[bytes, str]]:
         candidates = self.owner_candidates(exclude)
         if self.n_fragments is None or not 0 <= fragment < self.n_fragments:
             chain = owners_of(swarm, fragment, candidates, r) if candidates else ()

@@ -87,6 +87,30 @@ def test_owners_only_among_reachable_owner_role_members() -> None:
     assert ms.learners() == 4
 
 
+def test_owners_are_ranked_again_when_a_read_replaces_the_members() -> None:
+    """``ranked`` remembers its answers for one members dict: a new dict (every read makes one)
+    is ranked afresh, an exclude set is its own question, and a caller's edit of an answer is
+    not remembered."""
+    ms = Membership(None, "s", "m", n_fragments=4)  # type: ignore[arg-type]  # members only
+    far = time.time() + 60
+
+    def owner(c: bytes) -> Member:
+        return Member(c * 32, _record(url=f"http://{c.decode()}"), far, certified_owner=True)
+
+    ms.members = {c * 32: owner(c) for c in (b"a", b"b")}
+    first = ms.ranked("s", 0, 2)
+    assert {pid for pid, _ in first} == {b"a" * 32, b"b" * 32}
+    first.clear()  # the caller's list, not the remembered one
+    assert len(ms.ranked("s", 0, 2)) == 2
+    primary = ms.ranked("s", 0, 1)[0][0]
+    other = ({b"a" * 32, b"b" * 32} - {primary}).pop()
+    assert ms.ranked("s", 0, 1, exclude={primary}) == [(other, f"http://{other[:1].decode()}")]
+    ms.members = {c * 32: owner(c) for c in (b"a", b"b") if c * 32 != primary}  # it left
+    assert ms.ranked("s", 0, 2) == [(other, f"http://{other[:1].decode()}")]
+    ms.members = {c * 32: owner(c) for c in (b"a", b"b", b"c")}  # and a third joined
+    assert {pid for pid, _ in ms.ranked("s", 0, 3)} == {c * 32 for c in (b"a", b"b", b"c")}
+
+
 # --- certificates and merged reads, against a fake DHT ------------------------------------------
 
 
