@@ -338,6 +338,9 @@ class Membership:
         ] = {}  # the newest record seen per member, until it expires
         # held records the last whole read did not carry past its renewal horizon (LAPSE_GUARD_S)
         self._unrenewed: set[bytes] = set()
+        # each held record's value as last decoded (subkey -> value, record): a view is rebuilt
+        # at every read from every record held, and a record's value rarely changes
+        self._decoded: dict[bytes, tuple[bytes, MemberRecord]] = {}
         self._certs: dict[bytes, Certificate] = {}  # encoded certificate -> verified certificate
         self.reads = 0
         self.holders: dict[
@@ -542,7 +545,7 @@ class Membership:
                 del self._records[subkey]
                 continue
             try:
-                record = MemberRecord.decode(rec.value)
+                record = self._decode(rec.subkey, rec.value)
                 if record.manifest != self.manifest:
                     raise NotAuthorized(
                         f"recipe {record.manifest} differs from ours {self.manifest}"
@@ -557,6 +560,18 @@ class Membership:
                 self._refuse(rec.subkey, exc.reason)
         self._claimed = members
         self.members = self._settle_addresses()
+        for gone in self._decoded.keys() - self._records.keys():
+            del self._decoded[gone]
+
+    def _decode(self, subkey: bytes, value: bytes) -> MemberRecord:
+        """``MemberRecord.decode(value)``, remembered for ``subkey`` while its value stays the
+        same (a value that fails is decoded, and fails, every time)."""
+        got = self._decoded.get(subkey)
+        if got is not None and got[0] == value:
+            return got[1]
+        record = MemberRecord.decode(value)
+        self._decoded[subkey] = (bytes(value), record)
+        return record
 
     def _settle_addresses(self) -> dict[bytes, Member]:
         """The members with each address held by one of its claimants (see the module

@@ -188,6 +188,25 @@ async def test_owners_need_a_certificate_with_the_owner_role() -> None:
     assert members[owner.peer_id].lab == "lab" and members[anonymous.peer_id].cert is None
 
 
+async def test_a_view_follows_a_record_whose_value_changed_and_forgets_one_gone() -> None:
+    """Values are decoded once per change (``Membership._decode``): a member that stops
+    learning is seen so at the next read, and one whose record is gone is forgotten."""
+    ms = Membership(FakeDHT(), "s", "m")  # type: ignore[arg-type]
+    a, b = (Signer.from_seed(os.urandom(32)) for _ in range(2))
+
+    def rec(who: Signer, **kw: object) -> object:
+        return sign_record(who, members_key("s"), _record(**kw).encode(), time.time() + 20)
+
+    ms.dht.answer = [rec(a), rec(b)]  # type: ignore[attr-defined]
+    assert all(m.record.learning for m in (await ms.refresh(full=True)).values())
+    ms.dht.answer = [rec(a, learning=False, step=9)]  # type: ignore[attr-defined]
+    members = await ms.refresh(full=True)
+    assert not members[a.peer_id].record.learning and members[a.peer_id].record.step == 9
+    ms._records.pop(b.peer_id)  # b's record expired
+    ms._rebuild(time.time())
+    assert set(ms.members) == {a.peer_id} and set(ms._decoded) == {a.peer_id}
+
+
 async def test_certified_swarm_reads_only_valid_certificates_and_follows_revocations() -> None:
     swarm = Swarm("certified")
     good, anonymous, expired = (Signer.from_seed(os.urandom(32)) for _ in range(3))
