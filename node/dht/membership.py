@@ -317,6 +317,7 @@ class Membership:
         self._ranked: dict[
             tuple[str, int, int, frozenset[bytes], int | None], list[tuple[bytes, str]]
         ] = {}
+        self._candidates: list[bytes] | None = None  # ``owner_candidates`` of that dict
         self.swarm_manifest = swarm_manifest
         self.key = members_key(swarm)
         self.roster = roster_key(swarm)
@@ -329,6 +330,8 @@ class Membership:
         self.cadence = ReadCadence(base_s=READ_BASE_S, max_s=READ_MAX_S)
         self.seat = RosterSeat(cap=ROSTER_CAP, grace_s=ROSTER_GRACE_S)
         self._published_under: bytes | None = None  # the key our record was last stored under
+        # replaced by each rebuild, never edited in place: ``ranked``, ``owner_candidates`` and
+        # the transport's ``MemberAddresses`` remember answers for the dict they came from
         self.members: dict[bytes, Member] = {}
         self.refused: dict[
             bytes, str
@@ -703,7 +706,15 @@ class Membership:
         )
 
     def owner_candidates(self, exclude: Collection[bytes] = ()) -> list[bytes]:
-        return [m.peer_id for m in self.members.values() if m.can_own and m.peer_id not in exclude]
+        """The members that may own, less ``exclude``: the list is remembered for the members
+        dict (as ``ranked``'s answers), the exclusion made on each call."""
+        if self._ranked_for is not self.members:
+            self._ranked_for, self._ranked, self._candidates = self.members, {}, None
+        if self._candidates is None:
+            self._candidates = [m.peer_id for m in self.members.values() if m.can_own]
+        if not exclude:
+            return list(self._candidates)
+        return [pid for pid in self._candidates if pid not in exclude]
 
     def owner_of(
         self, swarm: str, fragment: int, *, exclude: Collection[bytes] = ()
@@ -718,7 +729,7 @@ class Membership:
         ``balanced_owners`` when the number of fragments is known, else by rendezvous hash).
         Remembered until ``members`` is replaced (a read): replace it, never edit it in place."""
         if self._ranked_for is not self.members:
-            self._ranked_for, self._ranked = self.members, {}
+            self._ranked_for, self._ranked, self._candidates = self.members, {}, None
         key = (swarm, fragment, r, frozenset(exclude), self.n_fragments)
         got = self._ranked.get(key)
         if got is None:
