@@ -77,6 +77,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import cProfile
 import dataclasses
 import json
 import logging
@@ -127,6 +128,7 @@ LEASE_S = 20.0  # a member record's ttl (``Membership.ttl_s``): an owner's lease
 # Views learn of an owner's move within this: reads at most ``READ_MAX_S`` = 6 s apart, the 2 s
 # membership pass, and the samples' own 2 s grid (``settled_agreement``)
 PROPAGATION_S = 10.0
+PROFILE_DIR = os.environ.get("SWARM_SCALE_PROFILE", "")  # cProfile each worker's steady window
 
 
 @dataclass(frozen=True)
@@ -418,6 +420,8 @@ class Worker:
         self.sampler = StackSampler()
         self.cpu_window: list[float] = []  # [CPU s at the window's open, wall s then, ...close]
         self.load: list[float] = []  # the box's 1-min load average at the window's open, close
+        # SWARM_SCALE_PROFILE=DIR: cProfile of the steady window, DIR/worker<index>.prof
+        self.profile = cProfile.Profile() if PROFILE_DIR else None
 
     def mine(self, slot: int) -> bool:
         return self.schedule.worker_of(slot, self.cfg.per_process, self.workers) == self.index
@@ -534,12 +538,17 @@ class Worker:
             self.cpu_window = [cpu_seconds(), t]
             self.load = [os.getloadavg()[0]]
             self.sampler.counting.set()
+            if self.profile is not None:
+                self.profile.enable()
 
     def close_cpu_window(self, t: float) -> None:
         if len(self.cpu_window) == 2:
             self.cpu_window += [cpu_seconds(), t]
             self.load.append(os.getloadavg()[0])
             self.sampler.counting.clear()
+            if self.profile is not None:
+                self.profile.disable()
+                self.profile.dump_stats(os.path.join(PROFILE_DIR, f"worker{self.index}.prof"))
 
     async def sample_loop(self) -> None:
         """Poll held versions and owners often (spread timing, unowned time), the rest every

@@ -121,6 +121,7 @@ ROSTER_CAP = 8
 # A member outside the roster takes a place that opened in it only once it stayed open this long
 # (one record ttl): an owner whose record lapsed for a moment keeps its fragments.
 ROSTER_GRACE_S = 20.0
+RANKED_KEPT = 1024  # ``ranked`` answers kept for one members dict (fragments x r x exclude sets)
 ASSIGNMENTS_KEPT = (
     64  # owner assignments remembered (one per candidate set: the members, less each primary)
 )
@@ -312,6 +313,13 @@ class Membership:
             n_fragments  # owners by balanced_owners when given, else plain rendezvous
         )
         self._assignments: dict[tuple[str, frozenset[bytes]], tuple[bytes, ...]] = {}
+        # ``ranked``'s answers for the members dict they were computed from: every pass asks
+        # several times a second per fragment, and a read replaces the dict, never edits it
+        self._ranked_for: dict[bytes, Member] | None = None
+        self._ranked: dict[
+            tuple[str, int, int, frozenset[bytes], int | None], list[tuple[bytes, str]]
+        ] = {}
+        self._candidates: list[bytes] | None = None  # ``owner_candidates`` of that dict
         self.swarm_manifest = swarm_manifest
         self.key = members_key(swarm)
         self.roster = roster_key(swarm)
@@ -324,6 +332,8 @@ class Membership:
         self.cadence = ReadCadence(base_s=READ_BASE_S, max_s=READ_MAX_S)
         self.seat = RosterSeat(cap=ROSTER_CAP, grace_s=ROSTER_GRACE_S)
         self._published_under: bytes | None = None  # the key our record was last stored under
+        # replaced by each rebuild, never edited in place: ``ranked``, ``owner_candidates`` and
+        # the transport's ``MemberAddresses`` remember answers for the dict they came from
         self.members: dict[bytes, Member] = {}
         self.refused: dict[
             bytes, str
@@ -333,6 +343,9 @@ class Membership:
         ] = {}  # the newest record seen per member, until it expires
         # held records the last whole read did not carry past its renewal horizon (LAPSE_GUARD_S)
         self._unrenewed: set[bytes] = set()
+        # each held record's value as last decoded (subkey -> value, record): a view is rebuilt
+        # at every read from every record held, and a record's value rarely changes
+        self._decoded: dict[bytes, tuple[bytes, MemberRecord]] = {}
         self._certs: dict[bytes, Certificate] = {}  # encoded certificate -> verified certificate
         self.reads = 0
         self.holders: dict[
@@ -556,7 +569,7 @@ class Membership:
                 del self._records[subkey]
                 continue
             try:
-                record = MemberRecord.decode(rec.value)
+                record = self._decode(rec.subkey, rec.value)
                 if record.manifest != self.manifest:
                     raise NotAuthorized(
                         f"recipe {record.manifest} differs from ours {self.manifest}"
@@ -571,6 +584,18 @@ class Membership:
                 self._refuse(rec.subkey, exc.reason)
         self._claimed = members
         self.members = self._settle_addresses()
+        for gone in self._decoded.keys() - self._records.keys():
+            del self._decoded[gone]
+
+    def _decode(self, subkey: bytes, value: bytes) -> MemberRecord:
+        """``MemberRecord.decode(value)``, remembered for ``subkey`` while its value stays the
+        same (a value that fails is decoded, and fails, every time)."""
+        got = self._decoded.get(subkey)
+        if got is not None and got[0] == value:
+            return got[1]
+        record = MemberRecord.decode(value)
+        self._decoded[subkey] = (bytes(value), record)
+        return record
 
     def _settle_addresses(self) -> dict[bytes, Member]:
         """The members with each address held by one of its claimants (see the module
@@ -702,7 +727,15 @@ class Membership:
         )
 
     def owner_candidates(self, exclude: Collection[bytes] = ()) -> list[bytes]:
-        return [m.peer_id for m in self.members.values() if m.can_own and m.peer_id not in exclude]
+        """The members that may own, less ``exclude``: the list is remembered for the members
+        dict (as ``ranked``'s answers), the exclusion made on each call."""
+        if self._ranked_for is not self.members:
+            self._ranked_for, self._ranked, self._candidates = self.members, {}, None
+        if self._candidates is None:
+            self._candidates = [m.peer_id for m in self.members.values() if m.can_own]
+        if not exclude:
+            return list(self._candidates)
+        return [pid for pid in self._candidates if pid not in exclude]
 
     def owner_of(
         self, swarm: str, fragment: int, *, exclude: Collection[bytes] = ()
@@ -714,7 +747,21 @@ class Membership:
         self, swarm: str, fragment: int, r: int, *, exclude: Collection[bytes] = ()
     ) -> list[tuple[bytes, str]]:
         """The first ``r`` candidate owners of ``fragment``: the primary, then its replicas (by
-        ``balanced_owners`` when the number of fragments is known, else by rendezvous hash)."""
+        ``balanced_owners`` when the number of fragments is known, else by rendezvous hash).
+        Remembered until ``members`` is replaced (a read): replace it, never edit it in place."""
+        if self._ranked_for is not self.members:
+            self._ranked_for, self._ranked, self._candidates = self.members, {}, None
+        key = (swarm, fragment, r, frozenset(exclude), self.n_fragments)
+        got = self._ranked.get(key)
+        if got is None:
+            if len(self._ranked) >= RANKED_KEPT:  # a bound against ever-new exclude sets
+                self._ranked.clear()
+            got = self._ranked[key] = self._rank(swarm, fragment, r, exclude)
+        return list(got)
+
+    def _rank(
+        self, swarm: str, fragment: int, r: int, exclude: Collection[bytes]
+    ) -> list[tuple[bytes, str]]:
         candidates = self.owner_candidates(exclude)
         if self.n_fragments is None or not 0 <= fragment < self.n_fragments:
             chain = owners_of(swarm, fragment, candidates, r) if candidates else ()

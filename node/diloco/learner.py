@@ -69,8 +69,9 @@ _FAILED = (aiohttp.ClientError, LinkDropped, TimeoutError, OSError, RemoteProtoc
 
 
 def _retrieved(task: asyncio.Future[Any]) -> None:
-    """Mark how a cancelled poll ended as seen: it may end with the error its closing connection
-    raised, which nobody awaits any more (asyncio would log it as never retrieved)."""
+    """Mark how a poll nobody awaits any more ended as seen: cancelled, or failed as we were
+    cancelled, it may end with the error its closing connection raised (asyncio would log it
+    as never retrieved)."""
     if not task.cancelled():
         task.exception()
 
@@ -255,7 +256,9 @@ class IslandNet:
         finally:
             if not poll.done():  # we were cancelled ourselves: so is the request
                 poll.cancel()
-                poll.add_done_callback(_retrieved)
+            # however it ends (it may have failed in the very turn we were cancelled), its
+            # error is taken: nobody awaits it any more
+            poll.add_done_callback(_retrieved)
 
     async def resync(self) -> int:
         """Fetch every fragment's latest version from its owner and have the island adopt them

@@ -19,6 +19,7 @@ deny service but not impersonate a member.
 from __future__ import annotations
 
 import datetime
+import functools
 import hashlib
 import os
 import ssl
@@ -46,6 +47,7 @@ class PinMismatch(aiohttp.ServerFingerprintMismatch):
         )
 
 
+@functools.lru_cache(maxsize=4096)  # asked per request sent and per member a read brings
 def origin(url: str) -> str:
     """``scheme://host:port`` of ``url`` (the key of the pin table)."""
     parts = urlsplit(url)

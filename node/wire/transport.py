@@ -435,6 +435,7 @@ class Transport:
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
             connector=aiohttp.TCPConnector(limit=64),
             skip_auto_headers=SKIPPED_REQUEST_HEADERS,
+            cookie_jar=aiohttp.DummyCookieJar(),  # peers set no cookies: none filtered a request
         )
         return self.url
 

@@ -29,6 +29,7 @@ Pure: strings in, strings out.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 from collections import Counter
 
@@ -44,6 +45,7 @@ PREFIX_SHARES = {64: 1, 56: 4, 48: 16}  # IPv6 prefix length -> how many caps it
 V4_GROUP, V6_GROUP = 24, 48
 
 
+@functools.lru_cache(maxsize=4096)  # every connection and request asks; the same few addresses
 def _ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
     try:
         addr = ipaddress.ip_address(text.partition("%")[0])  # no zone id

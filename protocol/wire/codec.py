@@ -81,9 +81,8 @@ def encode(msg: Message) -> Encoded:
     code = getattr(cls, "TYPE_CODE", None)
     if code is None or MESSAGE_TYPES.get(code) is not cls:
         raise LocalProtocolError(f"{cls.__name__} is not a registered message")
-    blobs: list[memoryview] = []
     try:
-        fields = _encode_fields(msg, blobs, cls.__name__)
+        fields, blobs = _fields_of(msg)
         header = msgpack.packb(
             [code, fields, [b.nbytes for b in blobs]], use_bin_type=True, strict_types=True
         )
@@ -107,20 +106,34 @@ def _frame(header: bytes, blobs: list[memoryview]) -> Encoded:
     return Encoded(parts=parts, size=size, blobs=tuple(blobs))
 
 
-def _encode_fields(obj: object, blobs: list[memoryview], where: str) -> dict[str, Any]:
+def _fields_of(msg: Message) -> tuple[dict[str, Any], list[memoryview]]:
+    """``msg``'s encoded fields and its blobs. No place names are built on the way that passes;
+    a failure is encoded again to name its place (outside the handler: no chained first error)."""
+    blobs: list[memoryview] = []
+    try:
+        return _encode_fields(msg, blobs, None), blobs
+    except (DecodeError, LocalProtocolError):
+        pass
+    blobs = []
+    return _encode_fields(msg, blobs, type(msg).__name__), blobs
+
+
+def _encode_fields(obj: object, blobs: list[memoryview], where: str | None) -> dict[str, Any]:
     added: frozenset[str] = getattr(
         type(obj), "ADDED", frozenset()
     )  # fields added later: left out when empty, as before them
     return {
-        name: _encode_value(kind, getattr(obj, name), blobs, f"{where}.{name}")
+        name: _encode_value(
+            kind, getattr(obj, name), blobs, None if where is None else f"{where}.{name}"
+        )
         for name, kind in schema_of(type(obj))
         if name not in added or getattr(obj, name) != ()
     }
 
 
-def _encode_value(kind: Kind, value: object, blobs: list[memoryview], where: str) -> object:
+def _encode_value(kind: Kind, value: object, blobs: list[memoryview], where: str | None) -> object:
     if isinstance(kind, Blob):
-        check_value(kind, value, where)
+        check_value(kind, value, "" if where is None else where)
         blobs.append(byte_view(value))  # type: ignore[arg-type]  # checked bytes-like above
         return len(blobs) - 1
     if isinstance(kind, Maybe):
@@ -128,8 +141,10 @@ def _encode_value(kind: Kind, value: object, blobs: list[memoryview], where: str
     if isinstance(kind, TupleOf):
         if type(value) is not tuple or len(value) > CAPS.max_tuple:
             raise LocalProtocolError(f"{where}: expected a tuple of <= {CAPS.max_tuple} items")
+        if where is None:
+            return [_encode_value(kind.inner, v, blobs, None) for v in value]
         return [_encode_value(kind.inner, v, blobs, f"{where}[{i}]") for i, v in enumerate(value)]
-    value = check_value(kind, value, where)
+    value = check_value(kind, value, "" if where is None else where)
     if isinstance(kind, Scalar):
         return value
     return [struct_code(type(value)), _encode_fields(value, blobs, where)]

@@ -44,7 +44,7 @@ class _Blobs:
         self.views = views
         self.next = 0
 
-    def take(self, index: object, where: str) -> memoryview:
+    def take(self, index: object, where: str | None) -> memoryview:
         if type(index) is not int or index != self.next or index >= len(self.views):
             raise DecodeError(f"{where}: blob reference {index!r} out of order (next {self.next})")
         self.next += 1
@@ -122,8 +122,17 @@ def _decode(mv: memoryview) -> Message:
     cls = MESSAGE_TYPES.get(code) if type(code) is int else None
     if cls is None:
         raise DecodeError(f"unknown message type code {code!r}")
-    blobs = _Blobs(_slice_blobs(mv, body_start, lengths))
-    msg: Message = _build(cls, fields, blobs, cls.__name__)
+    views = _slice_blobs(mv, body_start, lengths)
+    try:  # no place names are built on the way that passes...
+        return _built(cls, fields, views, None)
+    except DecodeError:
+        pass
+    return _built(cls, fields, views, cls.__name__)  # ...a failure is decoded again to name it
+
+
+def _built(cls: type, fields: object, views: list[memoryview], where: str | None) -> Message:
+    blobs = _Blobs(views)
+    msg: Message = _build(cls, fields, blobs, where)
     if blobs.next != len(blobs.views):
         raise DecodeError(f"{len(blobs.views) - blobs.next} blobs not referenced by any field")
     return msg
@@ -181,7 +190,9 @@ def _slice_blobs(mv: memoryview, offset: int, lengths: object) -> list[memoryvie
     return views
 
 
-def _build(cls: type, fields: object, blobs: _Blobs, where: str) -> Any:
+def _build(cls: type, fields: object, blobs: _Blobs, where: str | None) -> Any:
+    """``cls`` from its decoded ``fields``; ``where`` None: errors leave their place unnamed
+    (``_decode`` decodes a failure again, naming it)."""
     if type(fields) is not dict:
         raise DecodeError(f"{where}: fields must be a map")
     schema = schema_of(cls)
@@ -194,7 +205,9 @@ def _build(cls: type, fields: object, blobs: _Blobs, where: str) -> Any:
         unknown = sorted(str(k) for k in fields.keys() - names)
         raise DecodeError(f"{where}: missing fields {missing}, unknown fields {unknown}")
     kwargs = {
-        n: _decode_value(k, fields[n], blobs, f"{where}.{n}") for n, k in schema if n in fields
+        n: _decode_value(k, fields[n], blobs, None if where is None else f"{where}.{n}")
+        for n, k in schema
+        if n in fields
     }
     try:
         return cls(**kwargs)
@@ -204,11 +217,11 @@ def _build(cls: type, fields: object, blobs: _Blobs, where: str) -> Any:
         raise DecodeError(f"{where}: invalid values: {e}") from e
 
 
-def _decode_value(kind: Kind, raw: object, blobs: _Blobs, where: str) -> object:
+def _decode_value(kind: Kind, raw: object, blobs: _Blobs, where: str | None) -> object:
     if isinstance(kind, Scalar):
         if type(raw) is not kind.type:  # no int -> float leniency on the wire
             raise DecodeError(f"{where}: expected {kind.type.__name__}, got {type(raw).__name__}")
-        return check_value(kind, raw, where)
+        return check_value(kind, raw, "" if where is None else where)
     if isinstance(kind, Blob):
         return blobs.take(raw, where)
     if isinstance(kind, Maybe):
@@ -216,6 +229,8 @@ def _decode_value(kind: Kind, raw: object, blobs: _Blobs, where: str) -> object:
     if isinstance(kind, TupleOf):
         if type(raw) is not tuple:
             raise DecodeError(f"{where}: expected an array, got {type(raw).__name__}")
+        if where is None:
+            return tuple([_decode_value(kind.inner, v, blobs, None) for v in raw])
         return tuple(
             _decode_value(kind.inner, v, blobs, f"{where}[{i}]") for i, v in enumerate(raw)
         )

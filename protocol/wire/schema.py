@@ -233,6 +233,17 @@ def check_value(kind: Kind, value: object, where: str) -> object:
 
     Raises DecodeError naming ``where`` on a wrong type or a value beyond a cap.
     """
+    try:
+        return _check_value(kind, value, None)
+    except DecodeError:
+        pass
+    # the same checks again, naming where (outside the handler: no chained first error); on
+    # the way that passes, no place name is built at all
+    return _check_value(kind, value, where)
+
+
+def _check_value(kind: Kind, value: object, where: str | None) -> object:
+    """``check_value``; ``where`` None: the error's place left unnamed (the caller asks again)."""
     if isinstance(kind, Scalar):
         return _check_scalar(kind.type, value, where)
     if isinstance(kind, Blob):
@@ -240,46 +251,64 @@ def check_value(kind: Kind, value: object, where: str) -> object:
             raise DecodeError(f"{where}: expected a bytes-like buffer, got {type(value).__name__}")
         return value
     if isinstance(kind, Maybe):
-        return None if value is None else check_value(kind.inner, value, where)
+        return None if value is None else _check_value(kind.inner, value, where)
     if isinstance(kind, TupleOf):
         if type(value) is not tuple:
             raise DecodeError(f"{where}: expected a tuple, got {type(value).__name__}")
         if len(value) > CAPS.max_tuple:
             raise DecodeError(f"{where}: {len(value)} elements exceed the cap {CAPS.max_tuple}")
-        return tuple(check_value(kind.inner, v, f"{where}[{i}]") for i, v in enumerate(value))
+        inner = kind.inner
+        if isinstance(inner, Scalar) and inner.type is not float and where is None:
+            for v in value:  # nothing to convert: the tuple itself is the answer
+                _check_scalar(inner.type, v, None)
+            return value
+        if where is None:
+            return tuple([_check_value(inner, v, None) for v in value])
+        return tuple(_check_value(inner, v, f"{where}[{i}]") for i, v in enumerate(value))
     if type(value) not in kind.classes:
         names = "|".join(c.__name__ for c in kind.classes)
         raise DecodeError(f"{where}: expected {names}, got {type(value).__name__}")
     return value
 
 
-def _check_scalar(t: type, value: object, where: str) -> object:
+def _check_scalar(t: type, value: object, where: str | None) -> object:
     if t is float and type(value) is int:
         value = float(value) if abs(value) < 1 << 1000 else math.inf
     if type(value) is not t:
         raise DecodeError(f"{where}: expected {t.__name__}, got {type(value).__name__}")
-    if isinstance(value, int) and not isinstance(value, bool) and not INT_MIN <= value <= INT_MAX:
+    if t is bytes:  # the commonest (ids, tags, signatures): one cap to check
+        if len(value) > CAPS.max_bytes:  # type: ignore[arg-type]  # bytes, checked above
+            raise DecodeError(f"{where}: {len(value)} inline bytes exceed the cap {CAPS.max_bytes}")  # type: ignore[arg-type]
+        return value
+    if t is int and not INT_MIN <= value <= INT_MAX:  # type: ignore[operator]  # an int
         raise DecodeError(f"{where}: integer {value} outside signed 64-bit range")
-    if isinstance(value, float) and not math.isfinite(value):
+    if t is float and not math.isfinite(value):  # type: ignore[arg-type]  # a float
         raise DecodeError(f"{where}: float {value} is not finite")
-    if isinstance(value, str):
+    if t is str:
         try:
-            n = len(value.encode())
+            n = len(value.encode())  # type: ignore[attr-defined]  # a str
         except UnicodeEncodeError as e:
             raise DecodeError(f"{where}: string is not valid UTF-8") from e
         if n > CAPS.max_str:
             raise DecodeError(f"{where}: string of {n} bytes exceeds the cap {CAPS.max_str}")
-    if isinstance(value, bytes) and len(value) > CAPS.max_bytes:
-        raise DecodeError(f"{where}: {len(value)} inline bytes exceed the cap {CAPS.max_bytes}")
     return value
 
 
 def check_fields(obj: object) -> None:
     """Check every field of a wire dataclass against its schema; raises DecodeError."""
     cls = type(obj)
+    try:
+        _check_fields(obj, cls, None)
+        return
+    except DecodeError:
+        pass
+    _check_fields(obj, cls, cls.__name__)  # again, naming the field (see ``check_value``)
+
+
+def _check_fields(obj: object, cls: type, name_of: str | None) -> None:
     for name, kind in schema_of(cls):
         value = getattr(obj, name)
-        checked = check_value(kind, value, f"{cls.__name__}.{name}")
+        checked = _check_value(kind, value, None if name_of is None else f"{name_of}.{name}")
         if checked is not value:
             object.__setattr__(obj, name, checked)
 

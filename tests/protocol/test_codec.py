@@ -117,8 +117,9 @@ def test_a_contributions_last_mark_must_be_a_bool() -> None:
     header = contribution_header([[1, T_FIELDS]], [4, 0])
     assert isinstance(header[1], dict)
     header[1]["last"] = 1
-    with pytest.raises(DecodeError, match="last: expected bool, got int"):
+    with pytest.raises(DecodeError, match="^Contribution.last: expected bool, got int$") as bad:
         decode(frame(header, [b"\0\0\x80?", b""]), max_size=MAX)
+    assert bad.value.__context__ is None  # decoded again to name the place, not re-raised
     header[1]["last"] = True
     assert decode(frame(header, [b"\0\0\x80?", b""]), max_size=MAX).last is True
 
@@ -205,7 +206,9 @@ def test_encode_refuses_local_misuse() -> None:
         codec="none", shape=(1,), dtype="float32", block_size=0, data=bytes(4), scales=b""
     )
     object.__setattr__(bad_scale, "scales", 5)
-    with pytest.raises(LocalProtocolError, match="bytes-like"):
+    with pytest.raises(
+        LocalProtocolError, match=r"^cannot encode: Contribution.tensors\[0\].scales: .*bytes-like"
+    ):
         encode(contribution(tensors=(bad_scale,)))
 
 

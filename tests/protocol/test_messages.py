@@ -185,6 +185,17 @@ def test_contribution_refuses_bad_values(changes: dict[str, object], reason: str
         contribution(**changes)
 
 
+def test_a_refusal_names_the_field_and_element_and_chains_nothing() -> None:
+    """Checks run without building place names; a failure is checked again to name its place,
+    so the error is the one a check naming every place raises, with no first error behind it."""
+    with pytest.raises(DecodeError) as bad_role:
+        Hello(swarm="s", peer=PeerInfo(peer_id=bytes(32)), roles=("a", "b", 3), step=0)  # type: ignore[arg-type]
+    assert str(bad_role.value) == "Hello.roles[2]: expected str, got int"
+    assert bad_role.value.__context__ is None
+    with pytest.raises(DecodeError, match=r"^Contribution.tensors\[1\]: expected EncodedTensor"):
+        contribution(tensors=(tensor(), PeerInfo(peer_id=bytes(32))))
+
+
 def test_int_for_float_field_becomes_float() -> None:
     c = contribution(step_time=2)
     assert c.step_time == 2.0 and type(c.step_time) is float

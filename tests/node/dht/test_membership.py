@@ -87,6 +87,30 @@ def test_owners_only_among_reachable_owner_role_members() -> None:
     assert ms.learners() == 4
 
 
+def test_owners_are_ranked_again_when_a_read_replaces_the_members() -> None:
+    """``ranked`` remembers its answers for one members dict: a new dict (every read makes one)
+    is ranked afresh, an exclude set is its own question, and a caller's edit of an answer is
+    not remembered."""
+    ms = Membership(None, "s", "m", n_fragments=4)  # type: ignore[arg-type]  # members only
+    far = time.time() + 60
+
+    def owner(c: bytes) -> Member:
+        return Member(c * 32, _record(url=f"http://{c.decode()}"), far, certified_owner=True)
+
+    ms.members = {c * 32: owner(c) for c in (b"a", b"b")}
+    first = ms.ranked("s", 0, 2)
+    assert {pid for pid, _ in first} == {b"a" * 32, b"b" * 32}
+    first.clear()  # the caller's list, not the remembered one
+    assert len(ms.ranked("s", 0, 2)) == 2
+    primary = ms.ranked("s", 0, 1)[0][0]
+    other = ({b"a" * 32, b"b" * 32} - {primary}).pop()
+    assert ms.ranked("s", 0, 1, exclude={primary}) == [(other, f"http://{other[:1].decode()}")]
+    ms.members = {c * 32: owner(c) for c in (b"a", b"b") if c * 32 != primary}  # it left
+    assert ms.ranked("s", 0, 2) == [(other, f"http://{other[:1].decode()}")]
+    ms.members = {c * 32: owner(c) for c in (b"a", b"b", b"c")}  # and a third joined
+    assert {pid for pid, _ in ms.ranked("s", 0, 3)} == {c * 32 for c in (b"a", b"b", b"c")}
+
+
 # --- certificates and merged reads, against a fake DHT ------------------------------------------
 
 
@@ -162,6 +186,25 @@ async def test_owners_need_a_certificate_with_the_owner_role() -> None:
     }  # open: all may learn
     assert swarm.membership.owner_candidates() == [owner.peer_id]
     assert members[owner.peer_id].lab == "lab" and members[anonymous.peer_id].cert is None
+
+
+async def test_a_view_follows_a_record_whose_value_changed_and_forgets_one_gone() -> None:
+    """Values are decoded once per change (``Membership._decode``): a member that stops
+    learning is seen so at the next read, and one whose record is gone is forgotten."""
+    ms = Membership(FakeDHT(), "s", "m")  # type: ignore[arg-type]
+    a, b = (Signer.from_seed(os.urandom(32)) for _ in range(2))
+
+    def rec(who: Signer, **kw: object) -> object:
+        return sign_record(who, members_key("s"), _record(**kw).encode(), time.time() + 20)
+
+    ms.dht.answer = [rec(a), rec(b)]  # type: ignore[attr-defined]
+    assert all(m.record.learning for m in (await ms.refresh(full=True)).values())
+    ms.dht.answer = [rec(a, learning=False, step=9)]  # type: ignore[attr-defined]
+    members = await ms.refresh(full=True)
+    assert not members[a.peer_id].record.learning and members[a.peer_id].record.step == 9
+    ms._records.pop(b.peer_id)  # b's record expired
+    ms._rebuild(time.time())
+    assert set(ms.members) == {a.peer_id} and set(ms._decoded) == {a.peer_id}
 
 
 async def test_certified_swarm_reads_only_valid_certificates_and_follows_revocations() -> None:

@@ -637,6 +637,41 @@ async def test_a_new_owner_is_asked_within_one_owner_check_and_its_version_deliv
         await asyncio.gather(*polls, return_exceptions=True)
 
 
+async def test_a_poll_cancelled_as_its_request_fails_leaves_no_error_unretrieved() -> None:
+    """The learner is stopped (its task cancelled) in the very loop turn its request fails,
+    as a peer stopping at a swarm's end does while its connections close: the request's error
+    is taken all the same (a 128-peer run's end logged "Task exception was never retrieved")."""
+    import gc
+
+    from protocol.errors import RemoteProtocolError
+
+    rig = Rig()
+    rig.net.poll_wait_s, rig.net.owner_check_s = 20.0, 5.0
+    loop = asyncio.get_running_loop()
+    logged: list[dict[str, object]] = []
+    loop.set_exception_handler(lambda _loop, context: logged.append(context))
+    outer: list[asyncio.Task[object]] = []
+
+    async def fetch(p: int, **kw: object) -> tuple[int, torch.Tensor] | None:
+        await asyncio.sleep(0.05)
+        outer[0].cancel()  # the stop comes in the same turn as the failure
+        raise RemoteProtocolError("server disconnected")
+
+    rig.net.fetcher.reach.owner_of = lambda p: (rig.owner_key.peer_id, OWNER_URL)
+    rig.net.fetcher.fetch = fetch  # type: ignore[method-assign]
+    try:
+        outer.append(asyncio.create_task(rig.net._poll(0, 0)))
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(outer[0], 2.0)
+        outer.clear()
+        for _ in range(3):
+            gc.collect()
+            await asyncio.sleep(0)
+        assert not logged, logged
+    finally:
+        loop.set_exception_handler(None)
+
+
 async def test_a_reaimed_poll_that_ends_another_way_as_it_is_cancelled_loses_nothing() -> None:
     """A request cancelled as the view names a new owner may end otherwise: its connection's
     close raises, or its version arrives. The error is taken (asyncio logs no exception never

@@ -200,6 +200,30 @@ async def test_bodiless_replies_are_read_again_and_again() -> None:
         await t.close()
 
 
+async def test_a_cookie_a_peer_sets_is_never_sent_back() -> None:
+    """Peers use no cookies: the client keeps none (no jar to filter on every request), so a
+    cookie one peer sets does not follow the node to that peer or any other."""
+    t = Transport()
+    seen: list[str | None] = []
+
+    async def set_cookie(request: web.Request) -> web.StreamResponse:
+        seen.append(request.headers.get("Cookie"))
+        resp = web.Response(status=204)
+        resp.set_cookie("track", "me")
+        return resp
+
+    t.app.router.add_get("/c", set_cookie)
+    await t.start()
+    try:
+        for _ in range(2):
+            async with asyncio.timeout(10):
+                _, buf, _, _ = await t.request("GET", f"http://localhost:{t.port}/c", timeout_s=5)
+            t.pool.give(buf)
+    finally:
+        await t.close()
+    assert seen == [None, None]
+
+
 async def test_bytes_by_route_names_every_byte_sent() -> None:
     server = Transport()
 
