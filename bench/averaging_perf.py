@@ -79,7 +79,9 @@ def categorize(
     for line in script:
         if not line.strip():
             continue
-        if not line[0].isspace():  # a sample's head: "pid time:"
+        # a sample's head: "pid time:", the pid right-aligned (perf pads it with spaces); its
+        # frames: a tab, then "ip symbol+off (library)"
+        if not line.startswith("\t"):
             time = float(line.split()[1].rstrip(":"))
             inside, leaf = any(a <= time <= b for a, b in spans), True
             continue
