@@ -1,7 +1,8 @@
 """Where a ``bench.swarm_scale`` worker's CPU goes: a stack sampler on its event loop's thread.
 
-A daemon thread looks at the main thread's Python stack every ``period_s`` (50 Hz by default)
-while ``counting`` is set, and counts each look under an *activity* and a *module*:
+A real-time interval timer (``SIGALRM``, 50 Hz by default) interrupts the main thread, which runs
+the event loop; the signal's handler looks at the Python stack it interrupted while ``counting``
+is set, and counts each look under an *activity* and a *module*:
 
 activity  what the loop was running, named by the task or callback it was in: the first Atoll
           frame after the event loop's own (``asyncio/events.py`` ``Handle._run``), skipping the
@@ -11,14 +12,18 @@ activity  what the loop was running, named by the task or callback it was in: th
 module    the innermost frame's package (``protocol/wire/signing.py``, ``aiohttp``,
           ``cryptography``, ...): what the time was spent *in*
 
-The sampler holds the GIL only while it walks one stack (~40 frames, tens of microseconds), so
-its own cost is well under 1 % of a core. A look lands where the main thread gave up the GIL
-(every 5 ms at the latest, or in ``select``), so shares are estimates to a few percent.
+The stack is walked by the thread that owns it: a sampler thread walking the loop thread's frames
+(``sys._current_frames``) raced the frames it walked, which CPython 3.11 frees as their functions
+return (a 128-peer worker's sampler read a ``Member`` where a frame had been; a 96-peer worker
+segfaulted). A look lands between two bytecodes of the main thread (or in ``select``, which the
+signal interrupts and Python resumes), so shares are estimates to a few percent; the handler
+costs tens of microseconds a look, well under 1 % of a core.
 """
 
 from __future__ import annotations
 
 import functools
+import signal
 import sys
 import threading
 import time
@@ -103,33 +108,36 @@ def _stack(frame: FrameType | None, limit: int = 200) -> list[tuple[str, str]]:
 
 
 class StackSampler:
-    """Samples the thread that built it (the event loop's) from a daemon thread."""
+    """Samples the main thread's stack (the event loop's) from a ``SIGALRM`` timer."""
 
     def __init__(self, period_s: float = 0.02) -> None:
         self.period_s = period_s
-        self.target = threading.get_ident()
         self.counting = threading.Event()  # set: looks are counted
         self.activities: Counter[str] = Counter()
         self.modules: Counter[str] = Counter()
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="stack-sampler", daemon=True)
+        self._previous: Any = None
 
     def start(self) -> None:
-        self._thread.start()
+        """Raises RuntimeError off the main thread: only it runs Python signal handlers."""
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("StackSampler samples the main thread: start it there")
+        self._previous = signal.signal(signal.SIGALRM, self._look)
+        signal.setitimer(signal.ITIMER_REAL, self.period_s, self.period_s)
 
     def stop(self) -> None:
-        self._done.set()
-        self._thread.join(timeout=2.0)
+        signal.setitimer(signal.ITIMER_REAL, 0.0)
+        if self._previous is not None:
+            signal.signal(signal.SIGALRM, self._previous)
+            self._previous = None
 
-    def _run(self) -> None:
-        while not self._done.wait(self.period_s):
-            if not self.counting.is_set():
-                continue
-            frames = _stack(sys._current_frames().get(self.target))
-            activity = activity_of(frames)
-            self.activities[activity] += 1
-            if activity != IDLE:
-                self.modules[module_of(frames)] += 1
+    def _look(self, signum: int, frame: FrameType | None) -> None:
+        if not self.counting.is_set():
+            return
+        frames = _stack(frame)
+        activity = activity_of(frames)
+        self.activities[activity] += 1
+        if activity != IDLE:
+            self.modules[module_of(frames)] += 1
 
     def report(self, top: int = 24) -> dict[str, object]:
         """Counts of looks (idle included) by activity, and busy looks by module."""

@@ -5,8 +5,11 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -24,7 +27,7 @@ from bench.swarm_scale import (
     summarize,
     two_contents,
 )
-from bench.swarm_scale_cpu import activity_of, module_of, request_cost
+from bench.swarm_scale_cpu import StackSampler, activity_of, module_of, request_cost
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -190,6 +193,48 @@ def test_cpu_looks_are_named_by_the_task_they_ran_in() -> None:
     assert activity_of(fetch[:-1]) == "serve (admission, transport)"
     parsing = [*loop, ("/v/site-packages/aiohttp/web_protocol.py", "data_received")]
     assert activity_of(parsing) == "aiohttp/asyncio"
+
+
+def _spin_in_bench(until: float) -> int:
+    n = 0
+    while time.monotonic() < until:
+        n += 1
+    return n
+
+
+def test_the_sampler_looks_at_the_loop_thread_from_its_own_signal_handler() -> None:
+    # it used to walk the loop thread's frames from another thread, racing their release
+    sampler = StackSampler(period_s=0.005)
+    sampler.start()
+    try:
+        sampler.counting.set()
+
+        async def busy_then_idle() -> None:
+            _spin_in_bench(time.monotonic() + 0.3)
+            await asyncio.sleep(0.3)
+
+        asyncio.run(busy_then_idle())
+    finally:
+        sampler.stop()
+    report = sampler.report()
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)  # the timer is off again
+    assert report["by_activity"].get("idle", 0) > 0  # the loop in select
+    assert any(a.endswith("busy_then_idle") for a in report["by_activity"])  # the task named
+
+
+def test_the_sampler_refuses_to_start_off_the_main_thread() -> None:
+    errors: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            StackSampler().start()
+        except RuntimeError as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=start)
+    t.start()
+    t.join(timeout=10)
+    assert errors and "main thread" in str(errors[0])
 
 
 def test_summarize_divides_control_bytes_by_each_peers_window() -> None:
