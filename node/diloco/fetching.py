@@ -417,6 +417,10 @@ class VersionFetcher:
             except UpdateNotApplicable as exc:  # an update over another version: not its fault
                 log.debug("holder %s of fragment %d: %s", holder.hex()[:8], p, exc)
                 continue
+            except VersionRefused as exc:  # its upload budget for the version is spent: not bad
+                self.spread.holders_busy += 1
+                log.debug("holder %s of fragment %d: %s", holder.hex()[:8], p, exc)
+                continue
             except RemoteProtocolError as exc:
                 self.spread.bad_from_holders += 1
                 log.warning("holder %s served fragment %d badly: %s", holder.hex()[:8], p, exc)

@@ -9,6 +9,10 @@ owner, whose upload budget is a few learners per version: at 96-128 peers most v
 not reach 99 % of the learners within a minute (docs/scale_peers.md). Now the fetch looks the
 pointed ids up at once, one lookup by id (``FindValue.only``) for all it was pointed at.
 
+The same lookup serves a holder's requesters: a signer its view lacks (a learner pointed at it,
+mostly) is looked up before the holder decides, so that it is served and pointed at as a member,
+counted against the holder's fanout, not served as anonymous (``VersionServer``).
+
 Bounds: one lookup in flight per peer (a caller that waited for another's finds its ids looked
 up with it, or asks for what is still missing); ``MemberLookups`` asks for an id at most every
 ``LOOKUP_RETRY_S`` and for at most ``LOOKUPS_PER_READ`` ids a lookup, and keeps

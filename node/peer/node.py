@@ -264,7 +264,12 @@ class PeerNode:
             Published(self.ownership.owners, self.finals, self.handoffs.replica_took),
             self.holdings,
             self.spread,
-            Askers(self.presence.member_url, self.credentials, self._members_seen),
+            Askers(
+                self.presence.member_url,
+                self.credentials,
+                self._members_seen,
+                find=self.holder_lookup.find,
+            ),
         )
 
     def _members_seen(self) -> int:

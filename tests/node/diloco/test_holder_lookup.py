@@ -1,19 +1,30 @@
 """A pointed holder that a bounded view lacks is looked up at once (``HolderLookup``), not
 skipped for the owner: a real ``Membership`` over an in-memory DHT that answers lookups by id
-as a responder does (``KeyedDHT``), a learner fetching against in-memory peers (``Rig``)."""
+as a responder does (``KeyedDHT``), a learner fetching against in-memory peers (``Rig``). A
+holder looks up the requesters its view lacks the same way (``VersionServer``)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import make_mocked_request
+
+from node.config import RunConfig
 from node.dht.membership import Membership, members_key, roster_key
 from node.diloco.learner import Reach
+from node.diloco.spread import POINTER_STATUS, Holdings, SpreadStats, parse_pointer
 from node.peer.holder_lookup import HolderLookup
+from node.peer.serving import Askers, Published, ServingConfig, VersionServer
+from node.wire.admission import ADMITTED, Admitted
 from protocol.dht.records import sign_record
 from protocol.wire.signing import Signer
 from tests.node.dht.test_membership import KeyedDHT, _record
-from tests.node.diloco.test_spread import HOLDER, HOLDER2, OWNER, URLS, Rig
+from tests.node.diloco.test_spread import HOLDER, HOLDER2, OWNER, URLS, CountingPool, Rig
+from tests.node.fakes import signer
 
 SWARM = "s"
 # member records hold bare origins: the rig's peers answer at these too
@@ -135,3 +146,61 @@ async def test_concurrent_finds_share_one_lookup_and_a_whole_view_reads_nothing(
     await HolderLookup(lambda: whole).find([HOLDER2.peer_id])
     assert whole_dht.reads == []  # an id a view of every member lacks is no live member
     await HolderLookup(lambda: None).find([HOLDER.peer_id])  # not serving yet: nothing to do
+
+
+class Streams:
+    """A transport's ``stream_reply``: the body at once."""
+
+    async def stream_reply(self, request: Any, chunks: Any, size: int) -> web.StreamResponse:
+        return web.Response(status=200, body=b"".join(bytes(c) for c in chunks))
+
+
+def held_server(view: Membership, lookup: HolderLookup | None) -> VersionServer:
+    """The version routes of a learner holding versions, whose view is ``view``."""
+    me = signer(9).peer_id
+    return VersionServer(
+        ServingConfig(RunConfig(), 1, me),
+        Streams(),  # type: ignore[arg-type]
+        Published({}, None, {}),  # type: ignore[arg-type]
+        Holdings(1, CountingPool(), fanout=2),  # type: ignore[arg-type]
+        SpreadStats(),
+        Askers(url_in(view), None, find=lookup.find if lookup is not None else None),
+    )
+
+
+def held_request(who: Signer) -> web.Request:
+    request = make_mocked_request(
+        "GET", "/v1/fragments/0/held?after=3&wait=0", match_info={"p": "0", "kind": "held"}
+    ).clone(remote="127.0.0.1")
+    request[ADMITTED] = Admitted(who.public_key, None)
+    return request
+
+
+async def test_a_holder_looks_up_requesters_it_lacks_and_points_later_ones_at_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 52: a learner pointed at a holder is mostly one the holder's bounded view lacks.
+    As anonymous it was served (while no member had been) and never pointed at, so all six of
+    these learners got a full upload from the holder. Now the holder looks each signer up first:
+    the first two (its fanout) are served as members, the later ones pointed at them."""
+    learners = [signer(40 + n) for n in range(6)]
+    for n, s in enumerate(learners):
+        monkeypatch.setitem(ADDR, s.peer_id, f"http://127.0.0.1:{9200 + n}")
+    view, _ = bounded_view([HOLDER, *learners])
+    await view.refresh()
+    lookup = HolderLookup(lambda: view)
+    server = held_server(view, lookup)
+    await server.holdings.put(0, 4, bytearray(b"version"), 7, OWNER.peer_id)
+    replies = [await server.on_fetch(held_request(s)) for s in learners]
+    assert [r.status for r in replies] == [200, 200] + [POINTER_STATUS] * 4
+    served = {learners[0].peer_id, learners[1].peer_id}
+    assert all(set(parse_pointer(r.body)) == served for r in replies[2:])  # type: ignore[arg-type]
+    assert server.spread.held_bytes == 2 * 7 and server.spread.requesters_found == 6
+    # without the lookup the same six are anonymous: each one got a full upload, or (bounded
+    # now) the budget's worth, and no one was pointed at another holder
+    view, _ = bounded_view(learners)
+    await view.refresh()
+    blind = held_server(view, None)
+    await blind.holdings.put(0, 4, bytearray(b"version"), 7, OWNER.peer_id)
+    statuses = [(await blind.on_fetch(held_request(s))).status for s in learners]
+    assert POINTER_STATUS not in statuses and blind.spread.held_uploads_max == 4
