@@ -649,7 +649,11 @@ def spread_counts(node: PeerNode) -> dict[str, int]:
     """What the node's fetches and serves of versions did (``SpreadStats``), and the lookups
     of pointed holders it made (on trees that have them)."""
     lookup = getattr(node, "holder_lookup", None)
-    extra = {"holder_lookups": lookup.lookups} if lookup is not None else {}
+    extra = (
+        {"holder_lookups": lookup.lookups, "holder_lookups_shared": getattr(lookup, "shared", 0)}
+        if lookup is not None
+        else {}
+    )
     return {**node.spread.as_dict(), **extra}
 
 

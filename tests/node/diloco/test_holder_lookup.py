@@ -1,11 +1,13 @@
 """A pointed holder that a bounded view lacks is looked up at once (``HolderLookup``), not
 skipped for the owner: a real ``Membership`` over an in-memory DHT that answers lookups by id
 as a responder does (``KeyedDHT``), a learner fetching against in-memory peers (``Rig``). A
-holder looks up the requesters its view lacks the same way (``VersionServer``)."""
+holder looks up the requesters its view lacks the same way (``VersionServer``), and a find
+shares a lookup of its ids already in flight."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import Any
 
@@ -204,3 +206,77 @@ async def test_a_holder_looks_up_requesters_it_lacks_and_points_later_ones_at_th
     await blind.holdings.put(0, 4, bytearray(b"version"), 7, OWNER.peer_id)
     statuses = [(await blind.on_fetch(held_request(s))).status for s in learners]
     assert POINTER_STATUS not in statuses and blind.spread.held_uploads_max == 4
+
+
+class GatedDHT(KeyedDHT):
+    """Lookups by id wait for ``gate``: a lookup stays in flight until the test opens it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = asyncio.Event()
+        self.waiting = 0  # lookups by id in flight
+
+    async def get(self, key: bytes, **kw: Any) -> list:  # type: ignore[override]
+        if kw.get("only"):
+            self.waiting += 1
+            try:
+                await self.gate.wait()
+            finally:
+                self.waiting -= 1
+        return await super().get(key, **kw)
+
+
+async def test_a_find_shares_the_lookup_the_membership_loop_has_in_flight() -> None:
+    """The membership loop asked for a pointed holder's record a moment ago (its pass looks the
+    wanted ids up) and the answer is still on its way: ``MemberLookups`` asks for an id once per
+    ``LOOKUP_RETRY_S``, so the fetch's own lookup asked nothing and returned without the holder,
+    which was skipped (``holders_unknown``). Now the find waits for that lookup and reads its
+    answer: one request by id in all, and the holder known when the find returns."""
+    view, plain = bounded_view([HOLDER])
+    dht = GatedDHT()
+    dht.by_key = plain.by_key
+    view.dht = dht  # type: ignore[assignment]
+    await view.refresh()
+    view.want(HOLDER.peer_id)
+    loop_pass = asyncio.create_task(view.refresh_if_due())  # the membership loop's pass
+    await asyncio.sleep(0.01)
+    assert dht.waiting == 1  # its lookup by id is in flight
+    lookup = HolderLookup(lambda: view)
+    find = asyncio.create_task(lookup.find([HOLDER.peer_id]))
+    await asyncio.sleep(0.01)
+    assert not find.done()  # waiting for the loop's lookup, not back without the holder
+    dht.gate.set()
+    await asyncio.wait_for(find, 2.0)
+    assert HOLDER.peer_id in view.members and lookup.shared == 1
+    await loop_pass
+    assert [only for key, only in dht.reads if key == members_key(SWARM) and only] == [
+        (HOLDER.peer_id[:16],)
+    ]
+
+
+async def test_a_find_waits_for_a_lookup_in_flight_at_most_its_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A lookup in flight that never answers holds a find no longer than ``SHARED_WAIT_S``."""
+    import node.peer.holder_lookup as holder_lookup
+
+    monkeypatch.setattr(holder_lookup, "SHARED_WAIT_S", 0.2)
+    view, plain = bounded_view([HOLDER])
+    dht = GatedDHT()
+    dht.by_key = plain.by_key
+    view.dht = dht  # type: ignore[assignment]
+    await view.refresh()
+    view.want(HOLDER.peer_id)
+    stuck = asyncio.create_task(view.refresh_if_due())
+    await asyncio.sleep(0.01)
+    lookup = HolderLookup(lambda: view)
+    started = time.monotonic()
+    await asyncio.wait_for(lookup.find([HOLDER.peer_id]), 2.0)
+    assert 0.15 < time.monotonic() - started < 1.5
+    assert HOLDER.peer_id not in view.members and lookup.shared == 0
+    stuck.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await stuck
+    started = time.monotonic()  # a cancelled lookup leaves nothing in flight to wait for
+    await asyncio.wait_for(lookup.find([HOLDER.peer_id]), 2.0)
+    assert time.monotonic() - started < 0.15 and dht.waiting == 0
