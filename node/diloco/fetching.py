@@ -412,6 +412,7 @@ class VersionFetcher:
                         continue
                     got = await self._accept(p, owner_id, r, after=after, final=False)
             except (aiohttp.ClientError, LinkDropped, TimeoutError, OSError) as exc:
+                self.spread.holders_failed += 1
                 log.debug("holder %s of fragment %d failed: %r", holder.hex()[:8], p, exc)
                 continue
             except UpdateNotApplicable as exc:  # an update over another version: not its fault
@@ -428,6 +429,8 @@ class VersionFetcher:
             if got is not None:
                 self.spread.from_holders += 1
                 return got
+            self.spread.holders_empty += 1
+        self.spread.holders_exhausted += bool(queue)  # stopped at HOLDERS_TRIED, not run out
         return None
 
     async def _accept(

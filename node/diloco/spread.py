@@ -110,6 +110,11 @@ class SpreadStats:
     holders_unknown: int = 0  # learner side: a pointed holder skipped, not found in our view
     holders_found: int = 0  # learner side: a pointed holder our view lacked, found by a lookup
     holders_busy: int = 0  # learner side: a holder refused (429: its upload budget spent)
+    holders_empty: int = 0  # learner side: a holder had no version for us within the wait (204)
+    holders_failed: int = 0  # learner side: a holder unreachable, or its reply broke or was late
+    holders_exhausted: int = (
+        0  # learner side: a fetch followed HOLDERS_TRIED holders, with more named
+    )
     held_versions_bytes: int = 0  # holder side: the size of each version re-served, once
     held_uploads_max: int = 0  # holder side: the most uploads of one version (not a sum)
     requesters_found: int = 0  # holder side: a signer our view lacked, found by a lookup
