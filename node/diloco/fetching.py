@@ -416,6 +416,7 @@ class VersionFetcher:
                 log.debug("holder %s of fragment %d failed: %r", holder.hex()[:8], p, exc)
                 continue
             except UpdateNotApplicable as exc:  # an update over another version: not its fault
+                self.spread.holders_other_form += 1
                 log.debug("holder %s of fragment %d: %s", holder.hex()[:8], p, exc)
                 continue
             except VersionRefused as exc:  # its upload budget for the version is spent: not bad
@@ -430,7 +431,10 @@ class VersionFetcher:
                 self.spread.from_holders += 1
                 return got
             self.spread.holders_empty += 1
-        self.spread.holders_exhausted += bool(queue)  # stopped at HOLDERS_TRIED, not run out
+        if queue:
+            self.spread.holders_exhausted += 1  # stopped at HOLDERS_TRIED
+        else:
+            self.spread.holders_ran_out += 1  # every holder named was asked (or skipped)
         return None
 
     async def _accept(

@@ -112,9 +112,9 @@ class SpreadStats:
     holders_busy: int = 0  # learner side: a holder refused (429: its upload budget spent)
     holders_empty: int = 0  # learner side: a holder had no version for us within the wait (204)
     holders_failed: int = 0  # learner side: a holder unreachable, or its reply broke or was late
-    holders_exhausted: int = (
-        0  # learner side: a fetch followed HOLDERS_TRIED holders, with more named
-    )
+    holders_exhausted: int = 0  # learner side: HOLDERS_TRIED holders asked, more were named
+    holders_ran_out: int = 0  # learner side: a fetch asked every holder named, none served
+    holders_other_form: int = 0  # learner side: a holder held the version as an update over another
     held_versions_bytes: int = 0  # holder side: the size of each version re-served, once
     held_uploads_max: int = 0  # holder side: the most uploads of one version (not a sum)
     requesters_found: int = 0  # holder side: a signer our view lacked, found by a lookup

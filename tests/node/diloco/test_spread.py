@@ -191,6 +191,7 @@ async def test_a_holder_that_serves_nothing_costs_one_ask_then_the_owner_serves(
     got = await rig.net.fetch(0, after=-1, wait_s=0.0)
     assert got is not None and rig.net.spread.fallbacks_asked == 2
     assert rig.net.spread.holders_empty == 1 and rig.net.spread.holders_exhausted == 0
+    assert rig.net.spread.holders_ran_out == 2
 
 
 async def test_the_final_version_comes_from_a_holder_when_the_pointer_names_it() -> None:
