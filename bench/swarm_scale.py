@@ -38,6 +38,9 @@ The parent turns them into one case per swarm size (``summarize``):
                               ``versions_reaching_99_exact``): the strict one, counting only
                               learners seen holding v itself (sampled every 0.1 s)
 ``spread_counts``             what the peers' fetches did (pointers, fallbacks, holders, ...)
+``holder_uploads_per_version``  learners' uploads of the versions they re-served as holders,
+                              per version re-served (the mean; ``..._max``: the most of any one
+                              version by any one holder)
 ``owner_agreement``           per sample outside the join phase and churn, and per fragment,
                               the fraction of pairs of live peers that name the same owner;
                               the mean. ``owner_agreement_settled``: the same, leaving out the
@@ -667,7 +670,11 @@ def spread_counts(node: PeerNode) -> dict[str, int]:
     """What the node's fetches and serves of versions did (``SpreadStats``), and the lookups
     of pointed holders it made (on trees that have them)."""
     lookup = getattr(node, "holder_lookup", None)
-    extra = {"holder_lookups": lookup.lookups} if lookup is not None else {}
+    extra = (
+        {"holder_lookups": lookup.lookups, "holder_lookups_shared": getattr(lookup, "shared", 0)}
+        if lookup is not None
+        else {}
+    )
     return {**node.spread.as_dict(), **extra}
 
 
@@ -875,8 +882,11 @@ def summarize(cfg: Config, reports: list[dict[str, Any]]) -> dict[str, Any]:
     )
     versions = {v for p in peers.values() for v in p["first_held"]}
     spread_counts: Counter[str] = Counter()
+    held_max = 0  # the most uploads of one version by one holder (a maximum, not summed)
     for p in peers.values():
-        spread_counts.update(p.get("spread", {}))
+        counts = dict(p.get("spread", {}))
+        held_max = max(held_max, counts.pop("held_uploads_max", 0))
+        spread_counts.update(counts)
     rpc_rates: Counter[str] = Counter()
     for p in peers.values():
         w = p["window"]
@@ -921,6 +931,13 @@ def summarize(cfg: Config, reports: list[dict[str, Any]]) -> dict[str, Any]:
         "versions_reaching_99_exact": len(exact),
         # what the peers' fetches did, summed over peers (``node.diloco.spread.SpreadStats``)
         "spread_counts": dict(sorted(spread_counts.items())),
+        # holders' uploads per version they re-served: the mean, and the most of any one version
+        "holder_uploads_per_version": round(
+            spread_counts["held_bytes"] / spread_counts["held_versions_bytes"], 2
+        )
+        if spread_counts["held_versions_bytes"]
+        else None,
+        "holder_uploads_per_version_max": held_max,
         "owner_agreement": owner_agreement(calm_owners, cfg.fragments),
         # the same outside an owner move's propagation (``settled_agreement``)
         "owner_agreement_settled": settled["agreement"],

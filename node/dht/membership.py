@@ -329,6 +329,8 @@ class Membership:
         self.lookups = MemberLookups(
             per_read=LOOKUPS_PER_READ, kept=LOOKED_UP_KEPT, retry_s=LOOKUP_RETRY_S
         )
+        # id -> set when the lookup by id asking for it has answered (``in_flight``)
+        self._asking: dict[bytes, asyncio.Event] = {}
         self.cadence = ReadCadence(base_s=READ_BASE_S, max_s=READ_MAX_S)
         self.seat = RosterSeat(cap=ROSTER_CAP, grace_s=ROSTER_GRACE_S)
         self._published_under: bytes | None = None  # the key our record was last stored under
@@ -435,7 +437,17 @@ class Membership:
         if due:
             only = tuple(pid[:KNOWN_TAG_ID_BYTES] for pid in due)
             held = [self._records[pid] for pid in due if pid in self._records]
-            self._merge(await self.dht.get(self.key, only=only, held=held, renew_before=renew_at))
+            answered = asyncio.Event()
+            self._asking.update(dict.fromkeys(due, answered))
+            try:
+                self._merge(
+                    await self.dht.get(self.key, only=only, held=held, renew_before=renew_at)
+                )
+            finally:
+                for pid in due:
+                    if self._asking.get(pid) is answered:
+                        del self._asking[pid]
+                answered.set()
         others = [pid for pid, r in self._records.items() if r.key != self.roster]
         for pid in self.lookups.keep(others):
             del self._records[pid]
@@ -488,6 +500,18 @@ class Membership:
             )
             for pid, m in self.members.items()
         )
+
+    async def in_flight(self, peer_ids: Collection[bytes]) -> bool:
+        """Wait for the lookups by id in flight that ask for any of ``peer_ids`` (the membership
+        loop's, say: ``MemberLookups`` asks for an id once per ``LOOKUP_RETRY_S``, so another
+        lookup now would not ask for it), then rebuild the view with what they brought. Returns
+        whether there was one. Unbounded: the caller puts a deadline on it."""
+        waits = {id(e): e for pid in peer_ids if (e := self._asking.get(pid)) is not None}
+        for answered in waits.values():
+            await answered.wait()
+        if waits:
+            self._rebuild(time.time())
+        return bool(waits)
 
     async def look_up(self) -> dict[bytes, Member]:
         """A member we do not know asked us for something: ``refresh`` for a view of every

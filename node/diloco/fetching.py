@@ -412,9 +412,15 @@ class VersionFetcher:
                         continue
                     got = await self._accept(p, owner_id, r, after=after, final=False)
             except (aiohttp.ClientError, LinkDropped, TimeoutError, OSError) as exc:
+                self.spread.holders_failed += 1
                 log.debug("holder %s of fragment %d failed: %r", holder.hex()[:8], p, exc)
                 continue
             except UpdateNotApplicable as exc:  # an update over another version: not its fault
+                self.spread.holders_other_form += 1
+                log.debug("holder %s of fragment %d: %s", holder.hex()[:8], p, exc)
+                continue
+            except VersionRefused as exc:  # its upload budget for the version is spent: not bad
+                self.spread.holders_busy += 1
                 log.debug("holder %s of fragment %d: %s", holder.hex()[:8], p, exc)
                 continue
             except RemoteProtocolError as exc:
@@ -424,6 +430,11 @@ class VersionFetcher:
             if got is not None:
                 self.spread.from_holders += 1
                 return got
+            self.spread.holders_empty += 1
+        if queue:
+            self.spread.holders_exhausted += 1  # stopped at HOLDERS_TRIED
+        else:
+            self.spread.holders_ran_out += 1  # every holder named was asked (or skipped)
         return None
 
     async def _accept(

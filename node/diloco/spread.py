@@ -5,6 +5,9 @@ the very bytes the owner signed (the pooled receive buffer itself, not a copy), 
 ``GET /v1/fragments/{p}/held?after=A&wait=W`` (``serve_held``): it waits up to W for a version
 above A, then asks its ``Fanout`` whether to upload it or to point the requester at the peers it
 served. A buffer being streamed is given back to the pool only once its last reader is done.
+A holder uploads one version at most ``holder_max_uploads(fanout)`` times (its fanout plus
+``HOLDER_SPARE_UPLOADS`` for repeats, fallbacks and requesters it cannot point others at),
+whoever asks: past that it points at the peers it served, or answers 429.
 
 Owner side: ``answer`` turns a ``Fanout`` decision for a version the owner publishes into the
 reply: the sealed bytes, a pointer (303, a msgpack list of at most ``MAX_POINTERS`` peer ids;
@@ -35,6 +38,7 @@ from protocol.wire.codec import chunk_views
 
 __all__ = [
     "DECLINED_STATUS",
+    "HOLDER_SPARE_UPLOADS",
     "FINAL_HELD_STATUS",
     "POINTER_STATUS",
     "REPLICA_HELD_STATUS",
@@ -45,6 +49,7 @@ __all__ = [
     "SpreadStats",
     "answer",
     "encode_pointer",
+    "holder_max_uploads",
     "parse_pointer",
     "requester",
 ]
@@ -65,6 +70,16 @@ MAX_HELD_WAIT_S = 15.0
 VERSION_HEADER = (
     "Atoll-Version"  # on a pointer: the version the holders were served; declined: the base
 )
+# A holder's uploads of one version beyond its fanout: a repeat of a broken download, a fallback,
+# a requester it cannot point others at (anonymous, or a member its view could not find). Without
+# a budget those were unbounded: every requester its bounded view lacked got a full upload.
+HOLDER_SPARE_UPLOADS = 2
+
+
+def holder_max_uploads(fanout: int) -> float:
+    """A holder's upload budget per version, in multiples of its size (0: spreading off, where
+    no learner is pointed at a holder)."""
+    return float(fanout + HOLDER_SPARE_UPLOADS) if fanout else 0.0
 
 
 def pointed_version(headers: Mapping[str, str]) -> int | None:
@@ -94,6 +109,15 @@ class SpreadStats:
     bad_from_holders: int = 0  # learner side: a holder served bytes that failed the checks
     holders_unknown: int = 0  # learner side: a pointed holder skipped, not found in our view
     holders_found: int = 0  # learner side: a pointed holder our view lacked, found by a lookup
+    holders_busy: int = 0  # learner side: a holder refused (429: its upload budget spent)
+    holders_empty: int = 0  # learner side: a holder had no version for us within the wait (204)
+    holders_failed: int = 0  # learner side: a holder unreachable, or its reply broke or was late
+    holders_exhausted: int = 0  # learner side: HOLDERS_TRIED holders asked, more were named
+    holders_ran_out: int = 0  # learner side: a fetch asked every holder named, none served
+    holders_other_form: int = 0  # learner side: a holder held the version as an update over another
+    held_versions_bytes: int = 0  # holder side: the size of each version re-served, once
+    held_uploads_max: int = 0  # holder side: the most uploads of one version (not a sum)
+    requesters_found: int = 0  # holder side: a signer our view lacked, found by a lookup
     replica_held: int = (
         0  # owner side: learners told they hold the version as its replica (nothing sent)
     )
@@ -196,6 +220,7 @@ class _Held:
     base: int | None = None  # an update over this version (None: the full version)
     readers: int = 0
     replaced: bool = False
+    uploads: int = 0  # times served (200) as a holder
 
 
 class Holdings:
@@ -204,7 +229,9 @@ class Holdings:
     def __init__(self, fragments: int, pool: BufferPool, *, fanout: int) -> None:
         self.pool = pool
         self._held: list[_Held | None] = [None] * fragments
-        self.fanouts = [Fanout(fanout) for _ in range(fragments)]
+        self.fanouts = [
+            Fanout(fanout, max_uploads=holder_max_uploads(fanout)) for _ in range(fragments)
+        ]
         self._changed = asyncio.Condition()
         self._closed = False
         self._fetching = True  # False once this peer fetches no more versions
@@ -305,7 +332,11 @@ class Holdings:
                 status=UPDATE_NOT_HELD_STATUS,
             )
         decision = self.fanouts[p].decide(
-            held.version, who, fallback=request.query.get("fallback") == "1"
+            held.version,
+            who,
+            fallback=request.query.get("fallback") == "1",
+            size=held.used,
+            unit=held.used,
         )
         held.readers += 1
         try:
@@ -323,4 +354,7 @@ class Holdings:
             self._release(held)
         if resp.status == 200:
             stats.held_bytes += held.used
+            held.uploads += 1
+            stats.held_versions_bytes += held.used if held.uploads == 1 else 0
+            stats.held_uploads_max = max(stats.held_uploads_max, held.uploads)
         return resp

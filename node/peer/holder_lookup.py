@@ -9,6 +9,14 @@ owner, whose upload budget is a few learners per version: at 96-128 peers most v
 not reach 99 % of the learners within a minute (docs/scale_peers.md). Now the fetch looks the
 pointed ids up at once, one lookup by id (``FindValue.only``) for all it was pointed at.
 
+The same lookup serves a holder's requesters: a signer its view lacks (a learner pointed at it,
+mostly) is looked up before the holder decides, so that it is served and pointed at as a member,
+counted against the holder's fanout, not served as anonymous (``VersionServer``).
+
+An id the membership loop is looking up already is not asked for again (``MemberLookups`` asks
+for an id once per ``LOOKUP_RETRY_S``): the find waits for that lookup, at most
+``SHARED_WAIT_S``, and reads its answer (``Membership.in_flight``).
+
 Bounds: one lookup in flight per peer (a caller that waited for another's finds its ids looked
 up with it, or asks for what is still missing); ``MemberLookups`` asks for an id at most every
 ``LOOKUP_RETRY_S`` and for at most ``LOOKUPS_PER_READ`` ids a lookup, and keeps
@@ -25,9 +33,12 @@ from collections.abc import Callable, Sequence
 
 from node.dht.membership import Membership
 
-__all__ = ["HolderLookup"]
+__all__ = ["SHARED_WAIT_S", "HolderLookup"]
 
 log = logging.getLogger("atoll.peer")
+
+# The longest a find waits for a lookup of the same ids already in flight (one DHT request by id)
+SHARED_WAIT_S = 3.0
 
 
 class HolderLookup:
@@ -39,6 +50,7 @@ class HolderLookup:
         self._lock = asyncio.Lock()
         self.lookups = 0  # lookups made
         self.failed = 0  # lookups that raised (the DHT unreachable, a responder's bad reply)
+        self.shared = 0  # finds that waited for a lookup of their ids already in flight
 
     async def find(self, peer_ids: Sequence[bytes]) -> None:
         """Look up those of ``peer_ids`` the view lacks, into the view. Raises nothing: an id
@@ -56,7 +68,13 @@ class HolderLookup:
                 return  # found by the lookup we waited for
             self.lookups += 1
             try:
-                await ms.look_up()
+                await ms.look_up()  # asks for the ids not asked for lately
+                async with asyncio.timeout(SHARED_WAIT_S):
+                    self.shared += await ms.in_flight(
+                        [pid for pid in missing if pid not in ms.members]
+                    )
+            except TimeoutError:
+                log.debug("a lookup in flight for %d pointed holders took too long", len(missing))
             except Exception as exc:  # a lookup is best effort: the fetch asks the owner instead
                 self.failed += 1
                 log.debug("looking up %d pointed holders failed: %r", len(missing), exc)

@@ -264,7 +264,12 @@ class PeerNode:
             Published(self.ownership.owners, self.finals, self.handoffs.replica_took),
             self.holdings,
             self.spread,
-            Askers(self.presence.member_url, self.credentials, self._members_seen),
+            Askers(
+                self.presence.member_url,
+                self.credentials,
+                self._members_seen,
+                find=self.holder_lookup.find,
+            ),
         )
 
     def _members_seen(self) -> int:
@@ -456,7 +461,11 @@ class PeerNode:
             "admission": self.credentials.status() if self.credentials else None,
             "addresses": self.presence.address_status(),  # address disputes, pin mismatches, manifest claims
             "model_bytes_served": dict(self.serving.model_bytes_served),
-            "spread": {**self.spread.as_dict(), "holder_lookups": self.holder_lookup.lookups},
+            "spread": {
+                **self.spread.as_dict(),
+                "holder_lookups": self.holder_lookup.lookups,
+                "holder_lookups_shared": self.holder_lookup.shared,
+            },
             "dht_records_by_signer": self._records_by_signer(),
             "version_jumps_refused": self.net.stats.version_jumps if self.net else 0,
             "handoff_refusals": dict(self.replicas.refusals),  # handoffs refused here, by reason

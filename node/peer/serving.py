@@ -13,12 +13,14 @@ The next one gets 429 at once, never a queue. A ``final`` long-poll waits on eve
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import ipaddress
 import math
 import re
-from collections.abc import Callable, Iterator, Mapping
+import time
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -50,6 +52,7 @@ __all__ = [
     "MAX_ANONYMOUS_POLLS_PER_IP",
     "MAX_POLLS_PER_ADDRESS",
     "MAX_WAIT_S",
+    "REQUESTER_WAIT_S",
     "Askers",
     "Published",
     "ServingConfig",
@@ -57,6 +60,8 @@ __all__ = [
 ]
 
 MAX_WAIT_S = 30.0  # the longest a long-poll (/v1/fragments/p/next, /final) is held
+# how long a holder looks up a requester its view lacks before it decides (one DHT request by id)
+REQUESTER_WAIT_S = 3.0
 MAX_ANONYMOUS_POLLS_PER_IP = 64  # long-polls held at once for requests that name no key
 # long-polls held at once per address, keys or not, outside certified swarms: under the 128
 # connections an address may hold (a local swarm's peers all poll from 127.0.0.1)
@@ -131,11 +136,14 @@ class Askers:
     is no peer others can fetch from); ``credentials`` the swarm's admission (None in a
     development swarm, where a key costs nothing); ``members`` how many members there are,
     ourselves included, by a whole view (0: unknown), which decides whether an owner serves the
-    swarm whole (``RunConfig.owner_serves_all``)."""
+    swarm whole (``RunConfig.owner_serves_all``); ``find`` looks a signer the view lacks up
+    before a holder decides on its request (``VersionServer._held_requester``)."""
 
     member_url: Callable[[bytes], str | None]
     credentials: SwarmCredentials | None
     members: Callable[[], int] = lambda: 0
+    # look members up now, into the view ``member_url`` reads (``HolderLookup.find``; None: never)
+    find: Callable[[Sequence[bytes]], Awaitable[None]] | None = None
 
 
 class VersionServer:
@@ -159,7 +167,7 @@ class VersionServer:
             published.replica_took,
         )
         self._member_url, self.credentials = askers.member_url, askers.credentials
-        self._members = askers.members
+        self._members, self._find = askers.members, askers.find
         self.model_bytes_served: collections.Counter[str] = (
             collections.Counter()
         )  # key hex -> bytes
@@ -276,15 +284,34 @@ class VersionServer:
         p = self._fragment_index(request)
         after, wait_s = _long_poll_query(request)
         with self._long_poll(request):
+            started = time.monotonic()
+            who = await self._held_requester(request)
             return await self.holdings.serve(
                 request,
                 self.transport,
                 p,
                 after,
-                wait_s,
-                requester(request, self._member_url),
+                max(0.0, wait_s - (time.monotonic() - started)),
+                who,
                 self.spread,
             )
+
+    async def _held_requester(self, request: web.Request) -> bytes | None:
+        """Who asks for a held version, as its ``Fanout`` counts it: a member we can point others
+        at, or None. A signer our bounded view lacks (most learners pointed here) is looked up
+        first, at most ``REQUESTER_WAIT_S``: as anonymous it would be served and never pointed at,
+        and this holder's budget would go to dead ends instead of the tree. The lookup overlaps
+        nothing the poll needs: a version already held is served after it, one that is not is
+        waited for with what is left of the poll's wait."""
+        who, signer = requester(request, self._member_url), _signer_of(request)
+        if who is not None or signer is None or signer == self.peer_id or self._find is None:
+            return who
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(REQUESTER_WAIT_S):
+                await self._find([signer])
+        who = requester(request, self._member_url)
+        self.spread.requesters_found += who is not None
+        return who
 
     @contextlib.contextmanager
     def _long_poll(self, request: web.Request) -> Iterator[None]:

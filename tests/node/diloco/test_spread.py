@@ -186,6 +186,12 @@ async def test_a_holder_that_serves_nothing_costs_one_ask_then_the_owner_serves(
     rig.transport.down.add(URLS[HOLDER.peer_id])
     got = await rig.net.fetch(0, after=-1, wait_s=0.0)
     assert got is not None and rig.net.spread.fallbacks_asked == 1
+    assert rig.net.spread.holders_failed == 1 and rig.net.spread.holders_empty == 0
+    rig.transport.down.clear()  # up, but holding nothing newer: a 204 within its wait
+    got = await rig.net.fetch(0, after=-1, wait_s=0.0)
+    assert got is not None and rig.net.spread.fallbacks_asked == 2
+    assert rig.net.spread.holders_empty == 1 and rig.net.spread.holders_exhausted == 0
+    assert rig.net.spread.holders_ran_out == 2
 
 
 async def test_the_final_version_comes_from_a_holder_when_the_pointer_names_it() -> None:
@@ -409,3 +415,37 @@ async def test_a_holder_past_its_fanout_serves_a_fallback_once_per_requester() -
         resp = await held.serve(request, Streams(), 0, 3, 0.0, who, SpreadStats())  # type: ignore[arg-type]
         statuses.append(resp.status)
     assert statuses == [200, POINTER_STATUS, 200, 429]
+
+
+async def test_a_holder_uploads_a_version_at_most_its_budget_however_many_ask() -> None:
+    """Issue 52: a holder served every requester it could not point others at (anonymous: its
+    bounded view lacked them) while it had served no member, and every member's fallback: twelve
+    such requesters cost twelve full uploads of one version. Now each upload counts against the
+    holder's budget (its fanout plus ``HOLDER_SPARE_UPLOADS``); past it, the peers it served are
+    named, or it answers 429."""
+    from aiohttp import web
+    from aiohttp.test_utils import make_mocked_request
+
+    from node.diloco.spread import SpreadStats, holder_max_uploads
+
+    class Streams:
+        async def stream_reply(self, request: Any, chunks: Any, size: int) -> web.StreamResponse:
+            return web.Response(status=200, body=b"".join(bytes(c) for c in chunks))
+
+    budget = int(holder_max_uploads(2))
+    for asks in (
+        [(None, "after=3")] * 12,  # requesters the view lacks, one after another
+        [(signer(30 + n).peer_id, "after=3&fallback=1") for n in range(12)],  # members' fallbacks
+    ):
+        held, stats = Holdings(1, CountingPool(), fanout=2), SpreadStats()  # type: ignore[arg-type]
+        await held.put(0, 4, bytearray(b"version"), 7, OWNER.peer_id)
+        statuses = []
+        for who, query in asks:
+            request = make_mocked_request("GET", f"/v1/fragments/0/held?{query}")
+            resp = await held.serve(request, Streams(), 0, 3, 0.0, who, stats)  # type: ignore[arg-type]
+            statuses.append(resp.status)
+        # past the budget: pointed at the peers served (the members), or refused (anonymous)
+        assert statuses[:budget] == [200] * budget, statuses
+        assert set(statuses[budget:]) == ({429} if asks[0][0] is None else {POINTER_STATUS})
+        assert stats.held_bytes == budget * 7 and stats.held_uploads_max == budget
+        assert stats.held_versions_bytes == 7
