@@ -49,10 +49,10 @@ from node.dht.membership import Membership
 from node.dht.route import DHTRouter
 from node.dht.swarm import SwarmCredentials
 from node.diloco.island import Island, Outgoing
-from node.diloco.learner import IslandNet, LearnerNetConfig, Reach
+from node.diloco.learner import IslandNet, LearnerNetConfig, OwnerLinks, Reach
 from node.diloco.owner import FragmentOwner, OwnerCounts
 from node.diloco.replica import ReplicaStore
-from node.diloco.spread import Holdings, SpreadStats
+from node.diloco.spread import Holdings, Spreading, SpreadStats
 from node.diloco.validation import Evaluator
 from node.peer.expected import LearnerExpectations
 from node.peer.finals import FINAL_RECHECKS, FINAL_SETTLE_S, FinalFetch, FinalVersions
@@ -585,18 +585,19 @@ class PeerNode:
         opts = self.options
         net = IslandNet(
             island,
-            self.signer,
             self.learner_config(),
-            Reach(
-                self.transport,
-                self.presence.owner_of,
-                url_of=self.presence.member_url,
-                on_unreachable=self.presence.unreachable,
-                find=self.holder_lookup.find,
+            OwnerLinks(
+                self.signer,
+                Reach(
+                    self.transport,
+                    self.presence.owner_of,
+                    url_of=self.presence.member_url,
+                    on_unreachable=self.presence.unreachable,
+                    find=self.holder_lookup.find,
+                ),
+                self.ownership,
             ),
-            local=self.ownership,
-            holdings=self.holdings,
-            spread=self.spread,
+            spreading=Spreading(holdings=self.holdings, stats=self.spread),
             initial=opts.initial_global,
         )
         known_at = opts.versions_known_at
