@@ -53,7 +53,14 @@ from node.run.report import WARMUP
 from node.run.resume import IslandCheckpoints
 from node.state.artifacts import ArtifactStore
 from node.workload.baseline import TrainConfig, sampler_seed, train_config_for
-from node.workload.corpus import BatchSampler, evaluate, load_corpus, split_corpus, validation_slice
+from node.workload.corpus import (
+    BatchSampler,
+    CorpusShard,
+    evaluate,
+    load_corpus,
+    split_corpus,
+    validation_slice,
+)
 from node.workload.model import GPT, GPTConfig, embedding_parameter_names
 from node.workload.presets import resolved
 from node.workload.standin import StandinOptimizer
@@ -118,12 +125,10 @@ def island_sampler(
     )
     return BatchSampler(
         train,
+        CorpusShard(shard, n_shards, sharding),
         batch_size=cfg.batch_size,
         block_size=block_size,
         seed=seed + RANK_SEED_STRIDE * rank,
-        shard=shard,
-        n_shards=n_shards,
-        sharding=sharding,
     )
 
 
