@@ -402,7 +402,7 @@ def _recipe_workload(cfg: RunConfig, opts: PeerOptions, loaded: LoadedRecipe) ->
     import numpy as np
 
     from node.workload.recipe_model import build_recipe_model
-    from node.workload.token_data import RecipeData
+    from node.workload.token_data import RecipeData, RecipeFiles
 
     if cfg.standin is not None or int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise RuntimeError("a recipe swarm runs one process per island with real compute")
@@ -415,9 +415,7 @@ def _recipe_workload(cfg: RunConfig, opts: PeerOptions, loaded: LoadedRecipe) ->
     try:  # a dataset that cannot be read, a model that cannot be built: one line, no traceback
         data = RecipeData(
             _data_spec(recipe),
-            tokenizer_file=loaded.files[recipe.tokenizer],
-            artifact_path=loaded.store.path,
-            cache_dir=loaded.cache_dir,
+            RecipeFiles(loaded.files[recipe.tokenizer], loaded.store.path, loaded.cache_dir),
             seq_len=recipe.seq_len,
             batch_size=recipe.batch_size,
             me=me,
