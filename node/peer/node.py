@@ -61,7 +61,7 @@ from node.peer.holder_lookup import HolderLookup
 from node.peer.ownership import Ownership, OwnershipConfig
 from node.peer.presence import Presence, ViewScope
 from node.peer.serving import Askers, Published, ServingConfig, VersionServer
-from node.peer.started import Started
+from node.peer.started import PeerShared, Started
 from node.peer.status import PeerReader
 from node.state.artifact_serve import ArtifactServer
 from node.state.artifacts import ArtifactStore
@@ -232,11 +232,10 @@ class PeerNode:
     def _build_services(self) -> None:
         """The peer's services, each with what it calls; callbacks wired here explicitly."""
         cfg, signer, started = self.cfg, self.signer, self.started
+        shared = PeerShared(signer, self.transport, started)
         self.presence = Presence(
             cfg,
-            signer,
-            self.transport,
-            started,
+            shared,
             shapes=self.shapes,
             credentials=self.credentials,
             public_address=self.options.public_address,
