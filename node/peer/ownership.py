@@ -41,7 +41,7 @@ from node.diloco.succession import measured_updates
 from node.diloco.validation import Evaluator, OwnerValidation
 from node.peer.finals import FinalVersions
 from node.peer.handoffs import Handoffs, TakenIn, supersedes
-from node.peer.started import Started
+from node.peer.started import PeerShared, Started
 from node.peer.view import MemberView
 from node.wire.transport import Transport
 from protocol.diloco.fragments import FragmentPlan
@@ -114,9 +114,7 @@ class Ownership:
         self._last_owner: dict[int, bytes] = {}  # per fragment, the owner the last pass saw
         self.handoffs = Handoffs(
             self.cfg,
-            signer,
-            transport,
-            started,
+            PeerShared(signer, transport, started),
             view,
             self.replicas,
             owners=self.owners,
