@@ -231,8 +231,8 @@ class PeerNode:
 
     def _build_services(self) -> None:
         """The peer's services, each with what it calls; callbacks wired here explicitly."""
-        cfg, signer, started = self.cfg, self.signer, self.started
-        shared = PeerShared(signer, self.transport, started)
+        cfg, started = self.cfg, self.started
+        shared = PeerShared(self.signer, self.transport, started)
         self.presence = Presence(
             cfg,
             shared,
@@ -249,16 +249,14 @@ class PeerNode:
             OwnershipConfig(
                 cfg, self.plan, self.shapes, self.evaluator, self.options.event_log_dir
             ),
-            signer,
-            self.transport,
-            started,
+            shared,
             self.presence,
             self.finals,
             on_publish=self._published,
             on_taken=self._handoff_taken,
         )
         self.serving = VersionServer(
-            ServingConfig(cfg, len(self.plan.fragments), signer.peer_id),
+            ServingConfig(cfg, len(self.plan.fragments), self.signer.peer_id),
             self.transport,
             Published(self.ownership.owners, self.finals, self.handoffs.replica_took),
             self.holdings,
