@@ -139,7 +139,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     net = IslandNet(
         island,
         LearnerNetConfig(swarm="bench", shapes=frag_shapes, codec="int8"),
-        OwnerLinks(Signer.from_seed(bytes(32)), Reach(None, owner_of=lambda _p: None)),
+        # nothing is sent: no transport
+        OwnerLinks(Signer.from_seed(bytes(32)), Reach(None, owner_of=lambda _p: None)),  # type: ignore[arg-type]
     )
     p = max(range(len(plan.fragments)), key=lambda i: island.global_flat[i].numel())
     params, g = island.params[p], torch.Generator().manual_seed(0)
