@@ -26,7 +26,7 @@ import torch
 
 from node.diloco.flat import new_flat
 from node.diloco.island import Island, IslandConfig, Outgoing
-from node.diloco.learner import IslandNet, LearnerNetConfig, Reach
+from node.diloco.learner import IslandNet, LearnerNetConfig, OwnerLinks, Reach
 from node.workload.model import GPT, GPTConfig
 from protocol.diloco.compression import compress
 from protocol.diloco.fragments import plan_fragments
@@ -138,9 +138,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     frag_shapes = [[tuple(named[n].shape) for n in f.names] for f in plan.fragments]
     net = IslandNet(
         island,
-        Signer.from_seed(bytes(32)),
         LearnerNetConfig(swarm="bench", shapes=frag_shapes, codec="int8"),
-        Reach(None, owner_of=lambda _p: None),  # type: ignore[arg-type]  # nothing is sent
+        # nothing is sent: no transport
+        OwnerLinks(Signer.from_seed(bytes(32)), Reach(None, owner_of=lambda _p: None)),  # type: ignore[arg-type]
     )
     p = max(range(len(plan.fragments)), key=lambda i: island.global_flat[i].numel())
     params, g = island.params[p], torch.Generator().manual_seed(0)

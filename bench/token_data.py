@@ -39,7 +39,7 @@ import torch
 from tokenizers import Tokenizer
 
 from node.workload.corpus import stdlib_corpus_files
-from node.workload.token_data import DataSpec, RecipeData
+from node.workload.token_data import DataSpec, RecipeData, RecipeFiles
 from node.workload.tokenizer_train import TrainConfig, train_tokenizer
 
 
@@ -109,9 +109,7 @@ def run(cfg: Config) -> dict[str, object]:
         def make(me: bytes) -> RecipeData:
             return RecipeData(
                 spec,
-                tokenizer_file=tok_file,
-                artifact_path=store.__getitem__,
-                cache_dir=root / "cache",
+                RecipeFiles(tok_file, store.__getitem__, root / "cache"),
                 seq_len=cfg.seq_len,
                 batch_size=cfg.batch_size,
                 me=me,

@@ -42,7 +42,7 @@ from torch.nn import functional as F
 
 from node.api import Network, Swarm, SwarmIsland
 from node.config import RunConfig
-from node.workload.corpus import BatchSampler, evaluate, load_corpus, split_corpus
+from node.workload.corpus import BatchSampler, CorpusShard, evaluate, load_corpus, split_corpus
 from protocol.wire.certificates import Certificate
 from protocol.wire.membership import SwarmManifest
 from protocol.wire.signing import Signer
@@ -116,11 +116,10 @@ def island(shard: int, args: Args, credentials: mp.Queue, addresses: mp.Queue) -
     train, heldout = split_corpus(load_corpus(None, max_bytes=args.corpus_bytes))
     batches = BatchSampler(
         train,
+        CorpusShard(shard, 2),
         batch_size=args.batch_size,
         block_size=args.block_size,
         seed=1000 + shard,
-        shard=shard,
-        n_shards=2,
     )
 
     def eval_loss() -> float:

@@ -43,10 +43,9 @@ from dataclasses import dataclass, replace
 import aiohttp
 import torch
 
-from node.diloco.fetching import LocalOwners
+from node.diloco.fetching import OwnerLinks
 from node.diloco.island import Island, Outgoing
 from node.diloco.learner_config import LearnerNetConfig, LearnerStats
-from node.diloco.reach import Reach
 from node.diloco.received import ReceivedVersions
 from node.wire.transport import LinkDropped
 from protocol.diloco.compression import compress
@@ -54,10 +53,10 @@ from protocol.diloco.device_codec import ON_DEVICE, encode_on_device, wire_tenso
 from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.wire.codec import encode
 from protocol.wire.messages import Ack, Contribution
-from protocol.wire.signing import ReplayWindow, Sealed, Signer, open_sealed, seal
+from protocol.wire.signing import ReplayWindow, Sealed, open_sealed, seal
 from protocol.wire.tensors import EncodedTensor
 
-__all__ = ["RESEND_AFTER_S", "RESEND_MIN_S", "ContributionSender", "OwnerLinks"]
+__all__ = ["RESEND_AFTER_S", "RESEND_MIN_S", "ContributionSender"]
 
 log = logging.getLogger("node.diloco.learner")
 
@@ -79,17 +78,6 @@ class _Accepted:
     base: int
     keys: tuple[tuple[int, int], ...]
     at: float
-
-
-@dataclass(frozen=True, slots=True)
-class OwnerLinks:
-    """How a learner's contributions reach their owners: sealed with ``signer`` and sent over
-    ``reach``, or, to an owner that is this peer (``signer``'s id), handed in process to
-    ``local`` (None: this peer owns nothing)."""
-
-    signer: Signer
-    reach: Reach
-    local: LocalOwners | None = None
 
 
 class ContributionSender:

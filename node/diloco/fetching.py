@@ -44,8 +44,7 @@ from node.diloco.spread import (
     POINTER_STATUS,
     REPLICA_HELD_STATUS,
     UPDATE_NOT_HELD_STATUS,
-    Holdings,
-    SpreadStats,
+    Spreading,
     parse_pointer,
     pointed_version,
 )
@@ -55,11 +54,12 @@ from protocol.diloco.norms import all_finite
 from protocol.diloco.updates import apply_update
 from protocol.errors import DecodeError, RemoteProtocolError
 from protocol.wire.messages import Ack, Contribution, FragmentState, FragmentUpdate
-from protocol.wire.signing import split_sealed
+from protocol.wire.signing import Signer, split_sealed
 from protocol.wire.tensors import EncodedTensor
 
 __all__ = [
     "LocalOwners",
+    "OwnerLinks",
     "RoundDeclined",
     "UpdateNotApplicable",
     "VersionFetcher",
@@ -93,6 +93,17 @@ class LocalOwners(Protocol):
         """``p``'s state as ``owner_id`` handed it to this peer as its replica, else None. The
         flat state is never written to."""
         ...
+
+
+@dataclass(frozen=True, slots=True)
+class OwnerLinks:
+    """How a learner reaches the owners of its fragments: its contributions sealed with
+    ``signer`` and sent, and versions asked for, over ``reach``; or, to an owner that is this
+    peer (``signer``'s id), in process through ``local`` (None: this peer owns nothing)."""
+
+    signer: Signer
+    reach: Reach
+    local: LocalOwners | None = None
 
 
 class RoundDeclined(Exception):
@@ -142,20 +153,18 @@ class VersionFetcher:
     def __init__(
         self,
         cfg: LearnerNetConfig,
-        me: bytes,
-        reach: Reach,
+        links: OwnerLinks,
         known: ReceivedVersions,
         stats: LearnerStats,
         *,
-        spread: SpreadStats,
-        holdings: Holdings | None = None,
-        local: LocalOwners | None = None,
+        spreading: Spreading,
     ) -> None:
-        """``me``: this peer's id; ``known``: the versions received, which the checks read and
-        ``fetch`` adds digests to; ``holdings``: where fetched versions are kept for other
-        learners (None: not kept); ``local``: our own owners, reached in process."""
-        self.cfg, self.me, self.reach, self.known = cfg, me, reach, known
-        self.stats, self.spread, self.holdings, self.local = stats, spread, holdings, local
+        """``links``: the way to the owners (their signer's id is this peer's); ``known``: the
+        versions received, which the checks read and ``fetch`` adds digests to; ``spreading``:
+        where fetched versions are kept for other learners and what fetching from holders did."""
+        self.cfg, self.known, self.stats = cfg, known, stats
+        self.me, self.reach, self.local = links.signer.peer_id, links.reach, links.local
+        self.spread, self.holdings = spreading.stats, spreading.holdings
 
     async def fetch(
         self,

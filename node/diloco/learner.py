@@ -30,9 +30,10 @@ from typing import Any
 import aiohttp
 import torch
 
-from node.diloco.contributing import RESEND_AFTER_S, ContributionSender, OwnerLinks
+from node.diloco.contributing import RESEND_AFTER_S, ContributionSender
 from node.diloco.fetching import (
     LocalOwners,
+    OwnerLinks,
     RoundDeclined,
     UpdateNotApplicable,
     VersionFetcher,
@@ -42,10 +43,9 @@ from node.diloco.island import Island, Outgoing
 from node.diloco.learner_config import LearnerNetConfig, LearnerStats
 from node.diloco.reach import Reach
 from node.diloco.received import ReceivedVersions
-from node.diloco.spread import Holdings, SpreadStats
+from node.diloco.spread import Spreading
 from node.wire.transport import LinkDropped
 from protocol.errors import RemoteProtocolError
-from protocol.wire.signing import Signer
 
 __all__ = [
     "RESEND_AFTER_S",
@@ -53,6 +53,7 @@ __all__ = [
     "LearnerNetConfig",
     "LearnerStats",
     "LocalOwners",
+    "OwnerLinks",
     "Reach",
     "UpdateNotApplicable",
 ]
@@ -85,46 +86,31 @@ class IslandNet:
     def __init__(
         self,
         island: Island,
-        signer: Signer,
         cfg: LearnerNetConfig,
-        reach: Reach,
+        links: OwnerLinks,
         *,
-        local: LocalOwners | None = None,
-        holdings: Holdings | None = None,
-        spread: SpreadStats | None = None,
+        spreading: Spreading | None = None,
         initial: Sequence[torch.Tensor] | None = None,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
-        """``reach``: who owns what and how to ask them; ``local``: our own owners, reached in
-        process, not over HTTP; ``holdings``: where fetched versions are kept for other learners
-        (versions spread peer to peer); ``spread``: its counters; ``initial``: version 0 of every
-        fragment, for a first owner (the island's own unless it resumed)."""
+        """``links``: how to reach the owners (``OwnerLinks``: the signer, who owns what and how
+        to ask them, and our own owners, reached in process, not over HTTP); ``spreading``: where
+        fetched versions are kept for other learners and its counters (None: kept for nobody,
+        counted here); ``initial``: version 0 of every fragment, for a first owner (the island's
+        own unless it resumed)."""
         self.island, self.cfg = island, cfg
         self.stats = LearnerStats()
-        self.spread = spread if spread is not None else SpreadStats()
+        spreading = spreading if spreading is not None else Spreading()
+        self.spread = spreading.stats
         self.known = ReceivedVersions(
             initial if initial is not None else island.global_flat,
             wall_clock=wall_clock,
             created=cfg.created,
             max_rounds_per_s=cfg.max_rounds_per_s,
         )
-        self.fetcher = VersionFetcher(
-            cfg,
-            signer.peer_id,
-            reach,
-            self.known,
-            self.stats,
-            spread=self.spread,
-            holdings=holdings,
-            local=local,
-        )
+        self.fetcher = VersionFetcher(cfg, links, self.known, self.stats, spreading=spreading)
         self.sender = ContributionSender(
-            cfg,
-            island,
-            OwnerLinks(signer, reach, local),
-            self.known,
-            self.stats,
-            resync=self.resync,
+            cfg, island, links, self.known, self.stats, resync=self.resync
         )
 
     # --- what the peer's other parts call ------------------------------------------------------

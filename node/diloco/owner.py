@@ -158,14 +158,7 @@ class FragmentOwner:
         self.maker = VersionMaker(config, self.held, self.sealer, validation, self.log, self.counts)
         self.reputation = Reputation(config.fragment.index, self.merger, self.counts)
         self.succession = Succession(
-            config,
-            self.held,
-            self.merger,
-            self.sealer,
-            self.reputation,
-            self.counts,
-            clock,
-            on_final=self._held_final,
+            config, self.held, self.sealer, self.reputation, clock=clock, on_final=self._held_final
         )
         # when each sender's contributions were taken: a member claiming to learn that has long
         # sent nothing is not waited for (``protocol.diloco.activity``)

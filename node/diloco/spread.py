@@ -47,6 +47,7 @@ __all__ = [
     "pointed_version",
     "Holdings",
     "SpreadStats",
+    "Spreading",
     "answer",
     "encode_pointer",
     "holder_max_uploads",
@@ -358,3 +359,13 @@ class Holdings:
             stats.held_versions_bytes += held.used if held.uploads == 1 else 0
             stats.held_uploads_max = max(stats.held_uploads_max, held.uploads)
         return resp
+
+
+@dataclass(frozen=True, slots=True)
+class Spreading:
+    """A learner's part in spreading versions peer to peer: ``holdings`` keeps each version it
+    fetches for other learners (None: kept for nobody); ``stats`` counts what its fetches from
+    holders did (the peer's one ``SpreadStats``, which its serving side counts into too)."""
+
+    holdings: Holdings | None = None
+    stats: SpreadStats = field(default_factory=SpreadStats)

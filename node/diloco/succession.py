@@ -18,12 +18,12 @@ from dataclasses import dataclass
 
 import torch
 
-from node.diloco.owner_state import OwnerConfig, OwnerCounts, OwnerState
+from node.diloco.owner_state import OwnerConfig, OwnerState
 from node.diloco.replica import Handed
 from node.diloco.reputation import Reputation
 from node.diloco.sealing import Sealer
 from protocol.diloco.intake import FINAL_HOLD_S, FinalHold
-from protocol.diloco.merge import Decision, FragmentMerger, Phase
+from protocol.diloco.merge import Decision, Phase
 from protocol.diloco.norms import all_finite, norm64
 from protocol.diloco.reference import update_norm_estimate
 from protocol.wire.signing import Sealed
@@ -92,17 +92,18 @@ class Succession:
         self,
         config: OwnerConfig,
         held: OwnerState,
-        merger: FragmentMerger,
         sealer: Sealer,
         reputation: Reputation,
-        counts: OwnerCounts,
+        *,
         clock: Callable[[], float],
         on_final: Callable[[], None],
     ) -> None:
-        """``on_final``: called the first time the latest version is held final."""
+        """``reputation``: the owner's record of its senders, whose merger and counts are the
+        ones a takeover rebases and retiring reads; ``on_final``: called the first time the
+        latest version is held final."""
         self.fragment, self.lr = config.fragment.index, config.outer.lr
-        self.held, self.merger, self.sealer = held, merger, sealer
-        self.reputation, self.counts, self.clock = reputation, counts, clock
+        self.held, self.sealer, self.reputation, self.clock = held, sealer, reputation, clock
+        self.merger, self.counts = reputation.merger, reputation.counts
         self.on_final = on_final
         self.hold = FinalHold()
         self.retired = False

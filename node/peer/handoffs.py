@@ -30,13 +30,12 @@ from node.diloco.replica import (
     hand_over,
     handed_from,
 )
-from node.peer.started import Started
+from node.peer.started import PeerShared
 from node.peer.view import MemberView
-from node.wire.transport import Transport
 from protocol.diloco.replica import Admission, HandoffView, admit
 from protocol.errors import DecodeError
 from protocol.wire.messages import ReplicaAck, ReplicaState
-from protocol.wire.signing import Opened, ReplayWindow, Signer
+from protocol.wire.signing import Opened, ReplayWindow
 
 __all__ = ["REPLICAS", "VIEW_FRESH_S", "Handoffs", "Lapsed", "TakenIn", "supersedes"]
 
@@ -102,9 +101,7 @@ class Handoffs:
     def __init__(
         self,
         cfg: RunConfig,
-        signer: Signer,
-        transport: Transport,
-        started: Started,
+        shared: PeerShared,
         view: MemberView,
         replicas: ReplicaStore,
         *,
@@ -112,7 +109,8 @@ class Handoffs:
         last_owner: Mapping[int, bytes],
         on_taken: Callable[[int, int, bytes], None],
     ) -> None:
-        self.cfg, self.signer, self.transport, self.started = cfg, signer, transport, started
+        self.cfg, self.signer = cfg, shared.signer
+        self.transport, self.started = shared.transport, shared.started
         self.view, self.replicas, self.owners, self.last_owner = view, replicas, owners, last_owner
         self.on_taken = on_taken
         self.unreplicated = 0  # versions published with no replica reachable

@@ -49,10 +49,10 @@ from node.dht.membership import Membership
 from node.dht.route import DHTRouter
 from node.dht.swarm import SwarmCredentials
 from node.diloco.island import Island, Outgoing
-from node.diloco.learner import IslandNet, LearnerNetConfig, Reach
+from node.diloco.learner import IslandNet, LearnerNetConfig, OwnerLinks, Reach
 from node.diloco.owner import FragmentOwner, OwnerCounts
 from node.diloco.replica import ReplicaStore
-from node.diloco.spread import Holdings, SpreadStats
+from node.diloco.spread import Holdings, Spreading, SpreadStats
 from node.diloco.validation import Evaluator
 from node.peer.expected import LearnerExpectations
 from node.peer.finals import FINAL_RECHECKS, FINAL_SETTLE_S, FinalFetch, FinalVersions
@@ -61,7 +61,7 @@ from node.peer.holder_lookup import HolderLookup
 from node.peer.ownership import Ownership, OwnershipConfig
 from node.peer.presence import Presence, ViewScope
 from node.peer.serving import Askers, Published, ServingConfig, VersionServer
-from node.peer.started import Started
+from node.peer.started import PeerShared, Started
 from node.peer.status import PeerReader
 from node.state.artifact_serve import ArtifactServer
 from node.state.artifacts import ArtifactStore
@@ -231,12 +231,11 @@ class PeerNode:
 
     def _build_services(self) -> None:
         """The peer's services, each with what it calls; callbacks wired here explicitly."""
-        cfg, signer, started = self.cfg, self.signer, self.started
+        cfg, started = self.cfg, self.started
+        shared = PeerShared(self.signer, self.transport, started)
         self.presence = Presence(
             cfg,
-            signer,
-            self.transport,
-            started,
+            shared,
             shapes=self.shapes,
             credentials=self.credentials,
             public_address=self.options.public_address,
@@ -250,16 +249,14 @@ class PeerNode:
             OwnershipConfig(
                 cfg, self.plan, self.shapes, self.evaluator, self.options.event_log_dir
             ),
-            signer,
-            self.transport,
-            started,
+            shared,
             self.presence,
             self.finals,
             on_publish=self._published,
             on_taken=self._handoff_taken,
         )
         self.serving = VersionServer(
-            ServingConfig(cfg, len(self.plan.fragments), signer.peer_id),
+            ServingConfig(cfg, len(self.plan.fragments), self.signer.peer_id),
             self.transport,
             Published(self.ownership.owners, self.finals, self.handoffs.replica_took),
             self.holdings,
@@ -585,18 +582,19 @@ class PeerNode:
         opts = self.options
         net = IslandNet(
             island,
-            self.signer,
             self.learner_config(),
-            Reach(
-                self.transport,
-                self.presence.owner_of,
-                url_of=self.presence.member_url,
-                on_unreachable=self.presence.unreachable,
-                find=self.holder_lookup.find,
+            OwnerLinks(
+                self.signer,
+                Reach(
+                    self.transport,
+                    self.presence.owner_of,
+                    url_of=self.presence.member_url,
+                    on_unreachable=self.presence.unreachable,
+                    find=self.holder_lookup.find,
+                ),
+                self.ownership,
             ),
-            local=self.ownership,
-            holdings=self.holdings,
-            spread=self.spread,
+            spreading=Spreading(holdings=self.holdings, stats=self.spread),
             initial=opts.initial_global,
         )
         known_at = opts.versions_known_at

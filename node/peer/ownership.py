@@ -41,9 +41,8 @@ from node.diloco.succession import measured_updates
 from node.diloco.validation import Evaluator, OwnerValidation
 from node.peer.finals import FinalVersions
 from node.peer.handoffs import Handoffs, TakenIn, supersedes
-from node.peer.started import Started
+from node.peer.started import PeerShared
 from node.peer.view import MemberView
-from node.wire.transport import Transport
 from protocol.diloco.fragments import FragmentPlan
 from protocol.diloco.interval import interval
 from protocol.diloco.merge import MergeConfig
@@ -51,7 +50,7 @@ from protocol.diloco.outer import OuterConfig
 from protocol.diloco.validation import ValidationConfig
 from protocol.errors import NotAuthorized, UnknownFragment
 from protocol.wire.messages import Ack, Contribution, ReplicaAck, ReplicaState
-from protocol.wire.signing import Opened, Signer
+from protocol.wire.signing import Opened
 
 __all__ = [
     "CATCH_UP_S",
@@ -91,9 +90,7 @@ class Ownership:
     def __init__(
         self,
         config: OwnershipConfig,
-        signer: Signer,
-        transport: Transport,
-        started: Started,
+        shared: PeerShared,
         view: MemberView,
         finals: FinalVersions,
         *,
@@ -102,7 +99,8 @@ class Ownership:
     ) -> None:
         self.cfg, self.plan, self.shapes = config.run, config.plan, config.shapes
         self.evaluator, self.event_log_dir = config.evaluator, config.event_log_dir
-        self.signer, self.started, self.view, self.finals = signer, started, view, finals
+        self.signer, self.started = shared.signer, shared.started
+        self.view, self.finals = view, finals
         self.on_publish = on_publish
         numels = [sum(int(torch.Size(s).numel()) for s in shapes) for shapes in self.shapes]
         self.replicas = ReplicaStore(self.cfg.swarm, numels)
@@ -114,9 +112,7 @@ class Ownership:
         self._last_owner: dict[int, bytes] = {}  # per fragment, the owner the last pass saw
         self.handoffs = Handoffs(
             self.cfg,
-            signer,
-            transport,
-            started,
+            shared,
             view,
             self.replicas,
             owners=self.owners,

@@ -45,14 +45,13 @@ from node.dht.membership import Member, MemberRecord, Membership, manifest_hash
 from node.dht.swarm import MANIFEST_PATH, SwarmCredentials
 from node.diloco.flat import flat_digest
 from node.peer.renewal import RecordRenewal
-from node.peer.started import Started
+from node.peer.started import PeerShared
 from node.state.sync import SyncFailed, sync_fragments
 from node.wire.rpc import max_rpc_body
 from node.wire.tls import origin
-from node.wire.transport import Busy, Transport
+from node.wire.transport import Busy
 from protocol.errors import DecodeError
 from protocol.wire.membership import MAX_MANIFEST_BYTES
-from protocol.wire.signing import Signer
 
 __all__ = [
     "JOINING_PERIOD_S",
@@ -108,9 +107,7 @@ class Presence:
     def __init__(
         self,
         cfg: RunConfig,
-        signer: Signer,
-        transport: Transport,
-        started: Started,
+        shared: PeerShared,
         *,
         shapes: list[list[tuple[int, ...]]],
         credentials: SwarmCredentials | None,
@@ -118,7 +115,8 @@ class Presence:
         on_suspect: Callable[[], None],
         scope: ViewScope = ViewScope(),
     ) -> None:
-        self.cfg, self.signer, self.transport, self.started = cfg, signer, transport, started
+        self.cfg, self.signer = cfg, shared.signer
+        self.transport, self.started = shared.transport, shared.started
         self.shapes, self.credentials, self.public_address = shapes, credentials, public_address
         self.on_suspect = on_suspect
         self.may_own, self.whole_view = scope.may_own, scope.whole_view

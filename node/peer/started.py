@@ -11,8 +11,10 @@ from dataclasses import dataclass
 from node.dht.kademlia import DHTNode
 from node.dht.membership import Membership
 from node.diloco.learner import IslandNet
+from node.wire.transport import Transport
+from protocol.wire.signing import Signer
 
-__all__ = ["Started"]
+__all__ = ["PeerShared", "Started"]
 
 
 @dataclass(eq=False)
@@ -23,3 +25,13 @@ class Started:
     membership: Membership | None = None
     net: IslandNet | None = None
     tg: asyncio.TaskGroup | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PeerShared:
+    """What every service of one peer is built with: its key (``signer``), the ``transport`` it
+    asks and answers over, and the parts it ``started`` once serving (filled in later)."""
+
+    signer: Signer
+    transport: Transport
+    started: Started

@@ -192,7 +192,13 @@ def _check_corpus(cfg: RunConfig) -> None:
     readable, hold text, and be long enough for a held-out split and one window per island."""
     if cfg.corpus is None:
         return  # the Python standard library: always there
-    from node.workload.corpus import BatchSampler, heldout_windows, load_corpus, split_corpus
+    from node.workload.corpus import (
+        BatchSampler,
+        CorpusShard,
+        heldout_windows,
+        load_corpus,
+        split_corpus,
+    )
     from node.workload.model import GPTConfig
 
     cap = min(cfg.corpus_max_bytes or CORPUS_CHECK_BYTES, CORPUS_CHECK_BYTES)
@@ -203,12 +209,10 @@ def _check_corpus(cfg: RunConfig) -> None:
         heldout_windows(heldout, block_size=block, n_windows=1)
         BatchSampler(
             train,
+            CorpusShard(max(cfg.peers, 1) - 1, max(cfg.peers, 1), cfg.sharding),
             batch_size=cfg.batch_size,
             block_size=block,
             seed=0,
-            shard=max(cfg.peers, 1) - 1,
-            n_shards=max(cfg.peers, 1),
-            sharding=cfg.sharding,
         )
     except FileNotFoundError as exc:
         raise CheckError(str(exc)) from None

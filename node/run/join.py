@@ -45,6 +45,7 @@ from protocol.wire.membership import MAX_MANIFEST_BYTES, SwarmManifest
 from protocol.wire.signing import Signer
 
 __all__ = [
+    "LoadedSwarm",
     "SlowAnswer",
     "SwarmError",
     "bootstrap_main",
@@ -68,7 +69,10 @@ class SwarmError(Exception):
 
 
 @dataclass(frozen=True)
-class Swarm:
+class LoadedSwarm:
+    """What a command speaks to a swarm with, as ``load_swarm`` read and checked it: this peer's
+    key, the swarm's manifest (the newest an initial peer handed over) and its certificate."""
+
     signer: Signer
     manifest: SwarmManifest
     cert: Certificate | None
@@ -205,7 +209,7 @@ def fetch_manifest(
 
 def load_swarm(
     args: argparse.Namespace, *, initial_peers: list[str], require_answer: bool = False
-) -> Swarm:
+) -> LoadedSwarm:
     """Key, certificate and manifest from ``args`` (``--key``, ``--cert``, ``--manifest`` or
     ``--swarm``), the manifest updated from ``initial_peers``, and the certificate checked.
     ``require_answer``: fail when no initial peer answers (``fetch_manifest``)."""
@@ -256,7 +260,7 @@ def load_swarm(
         admit(manifest, cert, public_key=signer.public_key, role=None, now=time.time())
     except RemoteProtocolError as exc:
         raise SwarmError(f"cannot join swarm {manifest.name!r}: {exc.reason}") from None
-    return Swarm(signer, manifest, cert)
+    return LoadedSwarm(signer, manifest, cert)
 
 
 def _scheme(manifest: SwarmManifest) -> str:
@@ -427,7 +431,7 @@ def _join(args: argparse.Namespace) -> int:
     return 0
 
 
-def _recipe(swarm: Swarm, args: argparse.Namespace) -> LoadedRecipe:
+def _recipe(swarm: LoadedSwarm, args: argparse.Namespace) -> LoadedRecipe:
     """The swarm's recipe with every artifact held and checked: fetched by hash from the initial
     peers (and the members they name) where missing. Raises ``RecipeError`` with one line."""
     from node.run.recipes import prepare_recipe

@@ -53,7 +53,14 @@ from node.run.report import WARMUP
 from node.run.resume import IslandCheckpoints
 from node.state.artifacts import ArtifactStore
 from node.workload.baseline import TrainConfig, sampler_seed, train_config_for
-from node.workload.corpus import BatchSampler, evaluate, load_corpus, split_corpus, validation_slice
+from node.workload.corpus import (
+    BatchSampler,
+    CorpusShard,
+    evaluate,
+    load_corpus,
+    split_corpus,
+    validation_slice,
+)
 from node.workload.model import GPT, GPTConfig, embedding_parameter_names
 from node.workload.presets import resolved
 from node.workload.standin import StandinOptimizer
@@ -118,12 +125,10 @@ def island_sampler(
     )
     return BatchSampler(
         train,
+        CorpusShard(shard, n_shards, sharding),
         batch_size=cfg.batch_size,
         block_size=block_size,
         seed=seed + RANK_SEED_STRIDE * rank,
-        shard=shard,
-        n_shards=n_shards,
-        sharding=sharding,
     )
 
 
@@ -397,7 +402,7 @@ def _recipe_workload(cfg: RunConfig, opts: PeerOptions, loaded: LoadedRecipe) ->
     import numpy as np
 
     from node.workload.recipe_model import build_recipe_model
-    from node.workload.token_data import RecipeData
+    from node.workload.token_data import RecipeData, RecipeFiles
 
     if cfg.standin is not None or int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise RuntimeError("a recipe swarm runs one process per island with real compute")
@@ -410,9 +415,7 @@ def _recipe_workload(cfg: RunConfig, opts: PeerOptions, loaded: LoadedRecipe) ->
     try:  # a dataset that cannot be read, a model that cannot be built: one line, no traceback
         data = RecipeData(
             _data_spec(recipe),
-            tokenizer_file=loaded.files[recipe.tokenizer],
-            artifact_path=loaded.store.path,
-            cache_dir=loaded.cache_dir,
+            RecipeFiles(loaded.files[recipe.tokenizer], loaded.store.path, loaded.cache_dir),
             seq_len=recipe.seq_len,
             batch_size=recipe.batch_size,
             me=me,

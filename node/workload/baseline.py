@@ -30,7 +30,7 @@ import torch
 
 from node.config import SHARDINGS
 from node.diloco.inner import lr_at, make_inner_optimizer
-from node.workload.corpus import BatchSampler, evaluate, load_corpus, split_corpus
+from node.workload.corpus import BatchSampler, CorpusShard, evaluate, load_corpus, split_corpus
 from node.workload.model import GPT, PRESETS, GPTConfig
 
 if TYPE_CHECKING:
@@ -130,12 +130,10 @@ def train_data_parallel(
     samplers = [
         BatchSampler(
             train,
+            CorpusShard(m, n_learners, cfg.sharding),
             batch_size=cfg.batch_size,
             block_size=T,
             seed=sampler_seed(cfg.seed, m),
-            shard=m,
-            n_shards=n_learners,
-            sharding=cfg.sharding,
         )
         for m in range(n_learners)
     ]

@@ -25,6 +25,7 @@ import hashlib
 import math
 import os
 import sysconfig
+from dataclasses import dataclass
 from pathlib import Path, PurePath
 
 import torch
@@ -41,6 +42,7 @@ __all__ = [
     "load_corpus",
     "split_corpus",
     "BatchSampler",
+    "CorpusShard",
     "heldout_windows",
     "validation_slice",
     "evaluate",
@@ -195,41 +197,66 @@ def shard_spans(
     return [(a, min(a + stripe, n)) for a in range(shard * stripe, n, n_shards * stripe)]
 
 
+@dataclass(frozen=True, slots=True)
+class CorpusShard:
+    """The part of the train split one learner samples: shard ``index`` of ``count``, cut as
+    ``sharding`` says (``shard_spans``). Raises ValueError for an index outside ``[0, count)``
+    or an unknown sharding."""
+
+    index: int
+    count: int
+    sharding: str = "contiguous"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.index < self.count:
+            raise ValueError(
+                f"shard must be in [0, {self.count}), got {self.index}: pass an index below the "
+                "shard count"
+            )
+        if self.sharding not in SHARDINGS:
+            raise ValueError(
+                f"sharding must be one of {', '.join(SHARDINGS)}, got {self.sharding!r}"
+            )
+
+
 class BatchSampler:
     """Random (x, y) windows from one learner's shard of the train split.
 
-    Shard ``shard`` of ``n_shards`` holds the ranges ``shard_spans`` gives (``spans``), joined
-    into one tensor (a copy, for a striped shard); shards are disjoint. Window starts come from
-    this sampler's own ``torch.Generator(seed)``, so a sampler's stream depends only on (train,
-    batch_size, block_size, seed, shard, n_shards, sharding). The index buffers are reused
-    between calls; the returned x and y are fresh tensors.
+    The shard holds the ranges ``shard_spans`` gives (``spans``), joined into one tensor (a
+    copy, for a striped shard); shards are disjoint. Window starts come from this sampler's own
+    ``torch.Generator(seed)``, so a sampler's stream depends only on (train, shard, batch_size,
+    block_size, seed). The index buffers are reused between calls; the returned x and y are
+    fresh tensors.
     """
 
     def __init__(
         self,
         train: torch.Tensor,
+        shard: CorpusShard,
         *,
         batch_size: int,
         block_size: int,
         seed: int,
-        shard: int,
-        n_shards: int,
-        sharding: str = "contiguous",
     ) -> None:
         if batch_size < 1 or block_size < 1:
             raise ValueError(
                 f"batch_size and block_size must be >= 1, got {batch_size}, {block_size}"
             )
+        self.shard = shard
         self.spans = shard_spans(
-            train.numel(), shard=shard, n_shards=n_shards, sharding=sharding, block_size=block_size
+            train.numel(),
+            shard=shard.index,
+            n_shards=shard.count,
+            sharding=shard.sharding,
+            block_size=block_size,
         )
         pieces = [train[a:b] for a, b in self.spans]
         # (shard_len,) uint8: a view of one span; stripes joined (none: empty, refused below)
         self.data = pieces[0] if len(pieces) == 1 else torch.cat([train[:0], *pieces])
         if self.data.numel() < block_size + 2:
             raise ValueError(
-                f"shard {shard}/{n_shards} holds {self.data.numel()} bytes, fewer than a window "
-                f"of {block_size + 1}: use a bigger corpus or fewer shards"
+                f"shard {shard.index}/{shard.count} holds {self.data.numel()} bytes, fewer than "
+                f"a window of {block_size + 1}: use a bigger corpus or fewer shards"
             )
         self.batch_size, self.block_size = batch_size, block_size
         self.generator = torch.Generator().manual_seed(seed)

@@ -55,6 +55,7 @@ __all__ = [
     "DataError",
     "DataSpec",
     "RecipeData",
+    "RecipeFiles",
     "TrainStream",
     "read_token_file",
     "write_token_file",
@@ -628,11 +629,22 @@ def _cache_key(**parts: object) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
+@dataclass(frozen=True, slots=True)
+class RecipeFiles:
+    """Where a recipe's files lie on this peer: ``tokenizer_file``, the tokenizers JSON;
+    ``artifact_path(sha256_hex)``, where an artifact's file lies (it must exist); ``cache_dir``,
+    where tokenised shards and the marks of artifacts already hashed are kept."""
+
+    tokenizer_file: Path
+    artifact_path: Callable[[str], Path]
+    cache_dir: Path
+
+
 class RecipeData:
     """A recipe's tokenised data for one peer: the validation windows, and ``train_stream``.
 
-    ``artifact_path(sha256_hex)`` says where an artifact's file lies (it must exist); each is
-    hashed here once, and again whenever its size or mtime changes.
+    ``files`` says where the tokenizer, the artifacts and the cache lie; each artifact is hashed
+    here once, and again whenever its size or mtime changes.
     ``me`` is this peer's id (shards are dealt by it); ``seed`` with ``me`` seeds the window
     sampler. Building one reads the tokenizer, checks every artifact, cuts the shards and
     tokenises (or reuses) the validation set, so a recipe whose data cannot be read fails here,
@@ -642,15 +654,14 @@ class RecipeData:
     def __init__(
         self,
         spec: DataSpec,
+        files: RecipeFiles,
         *,
-        tokenizer_file: Path,
-        artifact_path: Callable[[str], Path],
-        cache_dir: Path,
         seq_len: int,
         batch_size: int,
         me: bytes,
         seed: int,
     ) -> None:
+        cache_dir, artifact_path = files.cache_dir, files.artifact_path
         if not 1 <= seq_len <= 1 << 20 or not 1 <= batch_size <= 1 << 16:
             raise ValueError(
                 f"seq_len must be 1 to {1 << 20} and batch_size 1 to {1 << 16}, "
@@ -658,7 +669,7 @@ class RecipeData:
             )
         self.spec, self.seq_len, self.batch_size = spec, seq_len, batch_size
         self.me, self.seed = me, seed
-        self.tokenizer = _Tokenizer(Path(tokenizer_file))
+        self.tokenizer = _Tokenizer(Path(files.tokenizer_file))
         self.vocab_size = self.tokenizer.vocab_size
         seen = _VerifiedArtifacts(Path(cache_dir) / "verified")
         paths = {h: seen.check(h, Path(artifact_path(h))) for h in spec.artifacts()}

@@ -598,13 +598,12 @@ def test_a_new_step_alone_changes_the_record_only_every_step_news_period() -> No
 def _presence(membership: Membership, signer: Signer, **kw: object) -> object:
     from node.config import RunConfig
     from node.peer.presence import Presence, ViewScope
-    from node.peer.started import Started
+    from node.peer.started import PeerShared, Started
 
     return Presence(
         RunConfig(swarm="s"),
-        signer,
-        None,  # type: ignore[arg-type]  # no request leaves in these tests
-        Started(membership=membership),
+        # no request leaves in these tests: no transport
+        PeerShared(signer, None, Started(membership=membership)),  # type: ignore[arg-type]
         shapes=[],
         credentials=None,
         public_address="http://127.0.0.1:1",

@@ -18,7 +18,7 @@ from torch import nn
 
 from node.diloco.device import DeviceLink, Landed, pinning_available
 from node.diloco.island import Island, IslandConfig, Outgoing
-from node.diloco.learner import IslandNet, LearnerNetConfig, Reach
+from node.diloco.learner import IslandNet, LearnerNetConfig, OwnerLinks, Reach
 from protocol.diloco.compression import compress
 from protocol.diloco.device_codec import ON_DEVICE, encode_on_device
 from protocol.diloco.fragments import plan_fragments
@@ -197,9 +197,11 @@ class _Sender:
         self.owners = owners
         self.net = IslandNet(
             island,
-            signer(7),
             LearnerNetConfig(swarm=SWARM, shapes=self.shapes, codec=codec, block_size=16),
-            Reach(transport, owner_of=lambda p: (owner_key.peer_id, "http://owner.test")),
+            OwnerLinks(
+                signer(7),
+                Reach(transport, owner_of=lambda p: (owner_key.peer_id, "http://owner.test")),
+            ),
         )
 
     def outgoing(self, delta: torch.Tensor) -> Outgoing:

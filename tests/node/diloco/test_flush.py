@@ -22,7 +22,7 @@ import torch
 from node.diloco.contributing import RESEND_AFTER_S
 from node.diloco.island import Island, IslandConfig, Outgoing
 from node.diloco.island_config import SHIP_WINDOW
-from node.diloco.learner import IslandNet, LearnerNetConfig, Reach
+from node.diloco.learner import IslandNet, LearnerNetConfig, OwnerLinks, Reach
 from node.diloco.ship_window import ShipWindow
 from protocol.wire.signing import Signer
 from tests.node.fakes import (
@@ -133,9 +133,13 @@ class FlushRig:
         self.island.next_due = [10**9] * FRAGMENTS  # fragment 0's offset is step 1 whatever H
         self.net = IslandNet(
             self.island,
-            self.me,
             LearnerNetConfig(swarm=SWARM, shapes=shapes, codec="int8"),
-            Reach(self.transport, owner_of=lambda p: (keys[p].peer_id, f"http://owner{p}.test")),
+            OwnerLinks(
+                self.me,
+                Reach(
+                    self.transport, owner_of=lambda p: (keys[p].peer_id, f"http://owner{p}.test")
+                ),
+            ),
         )
 
     def _submit(self, out: Outgoing) -> None:

@@ -17,7 +17,7 @@ import torch
 
 from node.diloco.flat import flat_digest
 from node.diloco.island import Island, IslandConfig, Outgoing
-from node.diloco.learner import IslandNet, LearnerNetConfig, Reach
+from node.diloco.learner import IslandNet, LearnerNetConfig, OwnerLinks, Reach
 from node.diloco.owner import FragmentOwner
 from protocol.errors import RemoteProtocolError
 from tests.node.fakes import (
@@ -70,9 +70,11 @@ class Rig:
         self.transport.add(OWNER_URL, self.peer)
         self.net = IslandNet(
             self.island,
-            self.me,
             LearnerNetConfig(swarm=SWARM, shapes=self.shapes, codec=codec),
-            Reach(self.transport, owner_of=lambda p: (self.owner_key.peer_id, OWNER_URL)),
+            OwnerLinks(
+                self.me,
+                Reach(self.transport, owner_of=lambda p: (self.owner_key.peer_id, OWNER_URL)),
+            ),
         )
 
     def step(self) -> None:
@@ -241,9 +243,10 @@ async def test_a_version_jump_is_refused_with_a_reason() -> None:
     created = rig.clock() - 10.0  # ten seconds at most 100 merges a second: at most version 1001
     net = IslandNet(
         rig.island,
-        rig.me,
         LearnerNetConfig(swarm=SWARM, shapes=rig.shapes, created=created),
-        Reach(rig.transport, owner_of=lambda p: (rig.owner_key.peer_id, OWNER_URL)),
+        OwnerLinks(
+            rig.me, Reach(rig.transport, owner_of=lambda p: (rig.owner_key.peer_id, OWNER_URL))
+        ),
         wall_clock=rig.clock,
     )
 

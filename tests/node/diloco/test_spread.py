@@ -14,11 +14,12 @@ import torch
 
 from node.diloco.fetching import VersionRefused
 from node.diloco.island import Island, IslandConfig
-from node.diloco.learner import IslandNet, LearnerNetConfig, Reach
+from node.diloco.learner import IslandNet, LearnerNetConfig, OwnerLinks, Reach
 from node.diloco.spread import (
     POINTER_STATUS,
     VERSION_HEADER,
     Holdings,
+    Spreading,
     encode_pointer,
     parse_pointer,
 )
@@ -111,14 +112,16 @@ class Rig:
         self.holdings = Holdings(len(plan.fragments), self.transport.pool, fanout=2)  # type: ignore[arg-type]
         self.net = IslandNet(
             island,
-            ME,
             LearnerNetConfig(swarm=SWARM, shapes=self.shapes),
-            Reach(
-                self.transport,
-                owner_of=lambda p: (OWNER.peer_id, URLS[OWNER.peer_id]),
-                url_of=URLS.get,
+            OwnerLinks(
+                ME,
+                Reach(
+                    self.transport,
+                    owner_of=lambda p: (OWNER.peer_id, URLS[OWNER.peer_id]),
+                    url_of=URLS.get,
+                ),
             ),
-            holdings=self.holdings,
+            spreading=Spreading(holdings=self.holdings),
         )
 
     def forged(self) -> bytes:

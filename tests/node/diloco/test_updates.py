@@ -13,7 +13,7 @@ import torch
 from node.diloco import fetching
 from node.diloco.flat import flat_digest
 from node.diloco.island import Island, IslandConfig, Outgoing
-from node.diloco.learner import IslandNet, LearnerNetConfig, Reach
+from node.diloco.learner import IslandNet, LearnerNetConfig, OwnerLinks, Reach
 from node.diloco.owner import FragmentOwner
 from node.diloco.replica import BaseNotHeld, Handed, ReplicaStore
 from protocol.errors import DecodeError
@@ -78,9 +78,13 @@ class Rig:
             self.nets.append(
                 IslandNet(
                     island,
-                    key,
                     LearnerNetConfig(swarm=SWARM, shapes=self.shapes, codec="int8"),
-                    Reach(self.transport, owner_of=lambda p: (self.owner_key.peer_id, OWNER_URL)),
+                    OwnerLinks(
+                        key,
+                        Reach(
+                            self.transport, owner_of=lambda p: (self.owner_key.peer_id, OWNER_URL)
+                        ),
+                    ),
                 )
             )
 
@@ -309,10 +313,12 @@ async def test_a_peer_reaches_the_fragments_it_owns_in_process() -> None:
     me = rig.owner_key
     net = IslandNet(
         rig.nets[0].island,
-        me,
         LearnerNetConfig(swarm=SWARM, shapes=rig.shapes, codec="int8"),
-        Reach(rig.transport, owner_of=lambda p: (me.peer_id, OWNER_URL)),
-        local=OwnOwners(rig.owners, me.peer_id),
+        OwnerLinks(
+            me,
+            Reach(rig.transport, owner_of=lambda p: (me.peer_id, OWNER_URL)),
+            OwnOwners(rig.owners, me.peer_id),
+        ),
     )
     rig.nets[0] = net
     before = rig.peer.requests
@@ -350,10 +356,12 @@ async def test_the_replicas_learner_takes_the_version_from_its_store_not_the_wir
     rig = Rig()
     net = IslandNet(
         rig.nets[0].island,
-        rig.keys[0],
         LearnerNetConfig(swarm=SWARM, shapes=rig.shapes, codec="int8"),
-        Reach(rig.transport, owner_of=lambda p: (rig.owner_key.peer_id, OWNER_URL)),
-        local=ReplicaOnly(rig.store),
+        OwnerLinks(
+            rig.keys[0],
+            Reach(rig.transport, owner_of=lambda p: (rig.owner_key.peer_id, OWNER_URL)),
+            ReplicaOnly(rig.store),
+        ),
     )
     rig.nets[0] = net
     owner = rig.owners[0]
@@ -394,10 +402,12 @@ async def test_a_resync_never_takes_a_replica_state_older_than_the_version_recei
     rig = Rig()
     net = IslandNet(
         rig.nets[0].island,
-        rig.keys[0],
         LearnerNetConfig(swarm=SWARM, shapes=rig.shapes, codec="int8"),
-        Reach(rig.transport, owner_of=lambda p: (rig.owner_key.peer_id, OWNER_URL)),
-        local=ReplicaOnly(rig.store),
+        OwnerLinks(
+            rig.keys[0],
+            Reach(rig.transport, owner_of=lambda p: (rig.owner_key.peer_id, OWNER_URL)),
+            ReplicaOnly(rig.store),
+        ),
     )
     rig.nets[0] = net
     await rig.merge()
@@ -420,10 +430,12 @@ async def test_a_replica_state_known_to_hash_to_its_digest_is_not_hashed_again(m
     rig = Rig()
     net = IslandNet(
         rig.nets[0].island,
-        rig.keys[0],
         LearnerNetConfig(swarm=SWARM, shapes=rig.shapes, codec="int8"),
-        Reach(rig.transport, owner_of=lambda p: (rig.owner_key.peer_id, OWNER_URL)),
-        local=ReplicaOnly(rig.store),
+        OwnerLinks(
+            rig.keys[0],
+            Reach(rig.transport, owner_of=lambda p: (rig.owner_key.peer_id, OWNER_URL)),
+            ReplicaOnly(rig.store),
+        ),
     )
     rig.nets[0] = net
     hashed: list[int] = []

@@ -15,7 +15,7 @@ from node.run.resume import IslandCheckpoints
 from node.run.train import inner_step
 from node.state.checkpoint import CheckpointError
 from node.workload.baseline import TrainConfig
-from node.workload.corpus import BatchSampler
+from node.workload.corpus import BatchSampler, CorpusShard
 from node.workload.model import GPT, GPTConfig, embedding_parameter_names
 from protocol.diloco.fragments import plan_fragments
 from protocol.diloco.versions import version_jump_reason
@@ -35,7 +35,7 @@ def _island(tcfg: TrainConfig):  # type: ignore[no-untyped-def]
     )
     island = Island(model, opt, plan, lambda _out: None, IslandConfig(inner_steps=4))
     sampler = BatchSampler(
-        TRAIN, batch_size=4, block_size=model.config.block_size, seed=7, shard=0, n_shards=1
+        TRAIN, CorpusShard(0, 1), batch_size=4, block_size=model.config.block_size, seed=7
     )
     return model, opt, island, sampler
 

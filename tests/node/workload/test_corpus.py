@@ -12,6 +12,7 @@ import torch
 from node.workload.corpus import (
     STRIPE_BYTES,
     BatchSampler,
+    CorpusShard,
     evaluate,
     heldout_windows,
     load_corpus,
@@ -107,7 +108,7 @@ def three_shards() -> torch.Tensor:
 def test_contiguous_shards_are_disjoint_slices_sampled_only_from_their_own() -> None:
     train = three_shards()
     samplers = [
-        BatchSampler(train, batch_size=8, block_size=32, seed=0, shard=m, n_shards=3)
+        BatchSampler(train, CorpusShard(m, 3), batch_size=8, block_size=32, seed=0)
         for m in range(3)
     ]
     assert [s.spans for s in samplers] == [[(0, 1000)], [(1000, 2000)], [(2000, 3000)]]
@@ -142,10 +143,8 @@ def test_a_striped_shard_samples_every_part_of_the_corpus_and_only_its_own_strip
     # ten regions of 10 KB, each one byte value: a contiguous third sees three or four of them,
     # a striped third sees all ten
     train = torch.cat([torch.full((10_000,), v, dtype=torch.uint8) for v in range(10)])
-    striped = BatchSampler(
-        train, batch_size=64, block_size=8, seed=0, shard=1, n_shards=3, sharding="striped"
-    )
-    contiguous = BatchSampler(train, batch_size=64, block_size=8, seed=0, shard=1, n_shards=3)
+    striped = BatchSampler(train, CorpusShard(1, 3, "striped"), batch_size=64, block_size=8, seed=0)
+    contiguous = BatchSampler(train, CorpusShard(1, 3), batch_size=64, block_size=8, seed=0)
     seen_striped = {v for _ in range(20) for v in striped.next()[0].unique().tolist()}
     seen_contiguous = {v for _ in range(20) for v in contiguous.next()[0].unique().tolist()}
     assert seen_striped == set(range(10)) and len(seen_contiguous) <= 4
@@ -159,7 +158,7 @@ def test_a_striped_shard_samples_every_part_of_the_corpus_and_only_its_own_strip
 def test_sampler_windows_are_shifted_and_seeded() -> None:
     train = torch.arange(5000, dtype=torch.int64).remainder(256).to(torch.uint8)
     a, b, c = (
-        BatchSampler(train, batch_size=4, block_size=16, seed=s, shard=1, n_shards=2)
+        BatchSampler(train, CorpusShard(1, 2), batch_size=4, block_size=16, seed=s)
         for s in (7, 7, 8)
     )
     xa, ya = next(a)
@@ -175,28 +174,16 @@ def test_sampler_windows_are_shifted_and_seeded() -> None:
 
 def test_sampler_refuses_bad_shards() -> None:
     with pytest.raises(ValueError, match="shard must be"):
-        BatchSampler(three_shards(), batch_size=1, block_size=8, seed=0, shard=3, n_shards=3)
+        BatchSampler(three_shards(), CorpusShard(3, 3), batch_size=1, block_size=8, seed=0)
     with pytest.raises(ValueError, match="fewer than a window"):
-        BatchSampler(three_shards(), batch_size=1, block_size=8, seed=0, shard=0, n_shards=1000)
+        BatchSampler(three_shards(), CorpusShard(0, 1000), batch_size=1, block_size=8, seed=0)
     with pytest.raises(ValueError, match="fewer than a window"):  # a striped shard with no stripe
         BatchSampler(
-            three_shards(),
-            batch_size=1,
-            block_size=8,
-            seed=0,
-            shard=999,
-            n_shards=1000,
-            sharding="striped",
+            three_shards(), CorpusShard(999, 1000, "striped"), batch_size=1, block_size=8, seed=0
         )
     with pytest.raises(ValueError, match="sharding must be one of contiguous, striped"):
         BatchSampler(
-            three_shards(),
-            batch_size=1,
-            block_size=8,
-            seed=0,
-            shard=0,
-            n_shards=3,
-            sharding="random",
+            three_shards(), CorpusShard(0, 3, "random"), batch_size=1, block_size=8, seed=0
         )
 
 

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +25,7 @@ from node.workload.token_data import (
     DataError,
     DataSpec,
     RecipeData,
+    RecipeFiles,
     _line_pieces,
     read_token_file,
     write_token_file,
@@ -75,16 +77,16 @@ def store(tmp_path: Path) -> Store:
 @pytest.fixture
 def make_data(store: Store, tokenizer_file: Path, tmp_path: Path) -> Callable[..., RecipeData]:
     def make(spec: DataSpec, **kw: object) -> RecipeData:
+        # tokenizer_file, artifact_path and cache_dir go to RecipeFiles, the rest to RecipeData
+        where = {k: kw.pop(k) for k in ("tokenizer_file", "artifact_path", "cache_dir") if k in kw}
+        files = replace(RecipeFiles(tokenizer_file, store.path, tmp_path / "cache"), **where)
         args: dict[str, object] = {
-            "tokenizer_file": tokenizer_file,
-            "artifact_path": store.path,
-            "cache_dir": tmp_path / "cache",
             "seq_len": 32,
             "batch_size": 4,
             "me": b"me",
             "seed": 0,
         }
-        return RecipeData(spec, **(args | kw))  # type: ignore[arg-type]
+        return RecipeData(spec, files, **(args | kw))  # type: ignore[arg-type]
 
     return make
 
@@ -555,11 +557,11 @@ def test_two_processes_filling_one_cache_leave_it_whole(
 ) -> None:
     code = (
         "import sys\nfrom pathlib import Path\n"
-        "from node.workload.token_data import DataSpec, RecipeData\n"
+        "from node.workload.token_data import DataSpec, RecipeData, RecipeFiles\n"
         f"spec = DataSpec.from_table({text_spec.to_table()!r})\n"
-        f"data = RecipeData(spec, tokenizer_file=Path({str(tokenizer_file)!r}), "
-        f"artifact_path=lambda h: Path({str(store.root)!r}) / h, "
-        f"cache_dir=Path({str(tmp_path / 'shared')!r}), seq_len=32, batch_size=4, "
+        f"files = RecipeFiles(Path({str(tokenizer_file)!r}), "
+        f"lambda h: Path({str(store.root)!r}) / h, Path({str(tmp_path / 'shared')!r}))\n"
+        "data = RecipeData(spec, files, seq_len=32, batch_size=4, "
         "me=sys.argv[1].encode(), seed=0)\n"
         "print(data.prepare())\n"
     )
