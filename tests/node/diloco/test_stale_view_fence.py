@@ -23,19 +23,17 @@ import asyncio
 import time
 
 import pytest
-import torch
 
 from node.config import RunConfig
 from node.dht.membership import READ_QUORUM, Membership, roster_key
-from node.diloco.flat import flat_digest
-from node.diloco.replica import encode_state
 from node.peer import PeerNode, handoffs
 from node.peer.handoffs import VIEW_FRESH_S
 from node.peer.ownership import CATCH_UP_S
 from protocol.dht.records import SignedRecord, sign_record
-from protocol.wire.messages import ReplicaAck, ReplicaState
+from protocol.wire.messages import ReplicaAck
 from protocol.wire.signing import Signer
 from tests.node.dht.test_membership import KeyedDHT, _record
+from tests.node.diloco.test_first_version_fence import _version
 from tests.node.fakes import signer, tiny_model, tiny_plan
 
 pytestmark = pytest.mark.timeout(60)
@@ -101,19 +99,6 @@ def _owner_a() -> tuple[PeerNode, Membership, _ViewDHT, Signer]:
     view = Membership(dht, node.cfg.swarm, "m", n_fragments=len(plan.fragments))  # type: ignore[arg-type]
     node.membership = view
     return node, view, dht, b
-
-
-def _version(node: PeerNode, version: int) -> ReplicaState:
-    theta = torch.full((node.replicas.numels[0],), float(version))
-    return encode_state(
-        swarm=node.cfg.swarm,
-        fragment=0,
-        epoch=0,
-        version=version,
-        digest=flat_digest(theta),
-        theta=theta,
-        momentum=None,
-    )
 
 
 def _replica_takes_every_version(monkeypatch: pytest.MonkeyPatch) -> list[int]:
