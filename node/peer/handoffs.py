@@ -75,8 +75,8 @@ def supersedes(msg: ReplicaState, own: FragmentOwner) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class Lapsed:
-    """A version a replica took that was not published because our lease had lapsed by then:
-    its state and the replica that holds it. Once our record is stored again, the owner resumes
+    """A version a replica took that was not published because our lease had lapsed by then (or
+    no read of the members came in time: ``VIEW_FRESH_S``): its state and the replica that holds it. Once our record is stored again, the owner resumes
     from it if that replica takes it again under the new owner's epoch (``Handoffs.resume``)."""
 
     state: ReplicaState
@@ -358,6 +358,11 @@ class Handoffs:
         age = self.membership.read_age() if self.membership is not None else 0.0
         if age >= VIEW_FRESH_S:
             self.stale_view_fences += 1
+            # as after a lapsed lease: own again from the version the replica took once a read
+            # still names us (``resume``), not from the one before, whose next merge would make
+            # this version number with another content, which the replica refuses (32 peers at
+            # load ~38: fragment 1 went 295 s without a version so)
+            self.lapsed[p] = taken
             return (
                 f"fenced: this peer's view of the members was last read {age:.1f} s ago and no "
                 f"read came within {VIEW_FRESH_S:g} s: a better-ranked member it missed may "
@@ -415,7 +420,7 @@ class Handoffs:
             return None
         self.resumed += 1
         log.info(
-            "fragment %d: resuming from version %d, which %s took while our lease lapsed",
+            "fragment %d: resuming from version %d, which %s took while we could not publish it",
             p,
             state.version,
             kept.replica[1],

@@ -142,7 +142,7 @@ class Ownership:
                 handed = self.replicas.states.get(p)
                 self._drop_owner(p)
                 if p in self.handoffs.lapsed:
-                    pass  # our lease lapsed, nobody is known to own p: own again once it is live
+                    pass  # lease lapsed or view stale, no other owner known: own again when live
                 elif handed is None or (handed.version, handed.epoch) <= (
                     running.version,
                     running.epoch,

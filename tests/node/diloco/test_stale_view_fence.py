@@ -180,6 +180,28 @@ async def test_a_stale_view_that_cannot_be_read_in_time_does_not_publish(
     assert node.status()["replicas"]["stale_view_fences"] == 1  # type: ignore[index]
 
 
+async def test_a_version_fenced_by_a_stale_view_is_owned_from_again_not_made_twice(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # the replica took version 1 before the gate fenced it: the owner must own on from that
+    # version 1 (as after a lapsed lease), never merge a version 1 of other content, which the
+    # replica refuses (32 peers at load ~38: fragment 1 went 295 s without a version so)
+    node, view, dht, _ = _owner_a()
+    took = _replica_takes_every_version(monkeypatch)
+    await view.refresh()
+    monkeypatch.setattr(handoffs, "VIEW_FRESH_S", 0.2)  # the deadline, short for the test
+    view.read_at = time.monotonic() - STALE_S
+    dht.stuck = True
+    fenced = _version(node, 1)
+    assert await node.handoffs.replicate(0, fenced) is not None
+    kept = node.handoffs.lapsed[0]
+    assert kept is not None and kept.state.digest == fenced.digest
+    dht.stuck = False
+    handed = await node.handoffs.resume(0, 1, after=0)  # the owner started again, epoch 1
+    assert handed is not None and handed.version == 1
+    assert took[-1] == 1 and node.handoffs.resumed == 1 and 0 not in node.handoffs.lapsed
+
+
 async def test_owners_publishing_at_once_share_one_fresh_read(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
