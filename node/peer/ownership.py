@@ -131,8 +131,7 @@ class Ownership:
 
     def reconcile_soon(self) -> None:
         """Reconcile now in a task of its own (a member was found dead, or handed us a state)."""
-        if self.started.tg is not None:
-            self.started.tg.create_task(self.reconcile())
+        self.started.spawn(self.reconcile())
 
     async def reconcile(self) -> None:
         now = time.monotonic()

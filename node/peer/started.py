@@ -6,7 +6,9 @@ service by hand)."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Coroutine
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from node.dht.kademlia import DHTNode
 from node.dht.membership import Membership
@@ -15,6 +17,8 @@ from node.wire.transport import Transport
 from protocol.wire.signing import Signer
 
 __all__ = ["PeerShared", "Started"]
+
+T = TypeVar("T")
 
 
 @dataclass(eq=False)
@@ -25,6 +29,18 @@ class Started:
     membership: Membership | None = None
     net: IslandNet | None = None
     tg: asyncio.TaskGroup | None = None
+
+    def spawn(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T] | None:
+        """``coro`` as a task of the peer's group; None (and ``coro`` closed, never run) when
+        the peer is not serving or its group is closing: work scheduled by a callback while the
+        peer stops is dropped, not left as a coroutine nobody awaits."""
+        if self.tg is not None:
+            try:
+                return self.tg.create_task(coro)
+            except RuntimeError:  # the group is finished or shutting down
+                pass
+        coro.close()
+        return None
 
 
 @dataclass(frozen=True, slots=True)
