@@ -226,18 +226,24 @@ class GatedDHT(KeyedDHT):
         return await super().get(key, **kw)
 
 
-async def test_a_find_shares_the_lookup_the_membership_loop_has_in_flight() -> None:
-    """The membership loop asked for a pointed holder's record a moment ago (its pass looks the
-    wanted ids up) and the answer is still on its way: ``MemberLookups`` asks for an id once per
-    ``LOOKUP_RETRY_S``, so the fetch's own lookup asked nothing and returned without the holder,
-    which was skipped (``holders_unknown``). Now the find waits for that lookup and reads its
-    answer: one request by id in all, and the holder known when the find returns."""
+async def _holder_wanted() -> tuple[Membership, GatedDHT]:
+    """A bounded view lacking ``HOLDER``, read once over a ``GatedDHT``, that wants it looked up."""
     view, plain = bounded_view([HOLDER])
     dht = GatedDHT()
     dht.by_key = plain.by_key
     view.dht = dht  # type: ignore[assignment]
     await view.refresh()
     view.want(HOLDER.peer_id)
+    return view, dht
+
+
+async def test_a_find_shares_the_lookup_the_membership_loop_has_in_flight() -> None:
+    """The membership loop asked for a pointed holder's record a moment ago (its pass looks the
+    wanted ids up) and the answer is still on its way: ``MemberLookups`` asks for an id once per
+    ``LOOKUP_RETRY_S``, so the fetch's own lookup asked nothing and returned without the holder,
+    which was skipped (``holders_unknown``). Now the find waits for that lookup and reads its
+    answer: one request by id in all, and the holder known when the find returns."""
+    view, dht = await _holder_wanted()
     loop_pass = asyncio.create_task(view.refresh_if_due())  # the membership loop's pass
     await asyncio.sleep(0.01)
     assert dht.waiting == 1  # its lookup by id is in flight
@@ -261,12 +267,7 @@ async def test_a_find_waits_for_a_lookup_in_flight_at_most_its_deadline(
     import node.peer.holder_lookup as holder_lookup
 
     monkeypatch.setattr(holder_lookup, "SHARED_WAIT_S", 0.2)
-    view, plain = bounded_view([HOLDER])
-    dht = GatedDHT()
-    dht.by_key = plain.by_key
-    view.dht = dht  # type: ignore[assignment]
-    await view.refresh()
-    view.want(HOLDER.peer_id)
+    view, dht = await _holder_wanted()
     stuck = asyncio.create_task(view.refresh_if_due())
     await asyncio.sleep(0.01)
     lookup = HolderLookup(lambda: view)

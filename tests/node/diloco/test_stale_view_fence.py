@@ -113,6 +113,18 @@ def _replica_takes_every_version(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return took
 
 
+async def _stale_owner_a(
+    monkeypatch: pytest.MonkeyPatch,
+) -> tuple[PeerNode, Membership, _ViewDHT, list[int]]:
+    """``_owner_a`` whose replica takes every version, read once, its last read ``STALE_S`` old;
+    with the versions its replica took."""
+    node, view, dht, _ = _owner_a()
+    took = _replica_takes_every_version(monkeypatch)
+    await view.refresh()
+    view.read_at = time.monotonic() - STALE_S
+    return node, view, dht, took
+
+
 def test_a_fresh_view_is_one_read_within_the_joiners_hold() -> None:
     # a member that displaces a live owner merges nothing for CATCH_UP_S, fetching its versions:
     # a version published from a view read VIEW_FRESH_S before comes within that hold
@@ -153,10 +165,7 @@ async def test_a_fresh_view_publishes_without_another_read(monkeypatch: pytest.M
 async def test_a_stale_view_read_again_that_still_names_us_publishes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    node, view, dht, _ = _owner_a()
-    _replica_takes_every_version(monkeypatch)
-    await view.refresh()
-    view.read_at = time.monotonic() - STALE_S
+    node, view, dht, _ = await _stale_owner_a(monkeypatch)
     reads = len(dht.reads)
     assert await node.handoffs.replicate(0, _version(node, 1)) is None
     assert len(dht.reads) > reads and view.read_age() < VIEW_FRESH_S
@@ -168,11 +177,8 @@ async def test_a_stale_view_read_again_that_still_names_us_publishes(
 async def test_a_stale_view_that_cannot_be_read_in_time_does_not_publish(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    node, view, dht, _ = _owner_a()
-    _replica_takes_every_version(monkeypatch)
-    await view.refresh()
+    node, view, dht, _ = await _stale_owner_a(monkeypatch)
     monkeypatch.setattr(handoffs, "VIEW_FRESH_S", 0.2)  # the deadline, short for the test
-    view.read_at = time.monotonic() - STALE_S
     dht.stuck = True
     reason = await node.handoffs.replicate(0, _version(node, 1))
     assert reason is not None and reason.startswith("fenced: this peer's view of the members")
@@ -186,11 +192,8 @@ async def test_a_version_fenced_by_a_stale_view_is_owned_from_again_not_made_twi
     # the replica took version 1 before the gate fenced it: the owner must own on from that
     # version 1 (as after a lapsed lease), never merge a version 1 of other content, which the
     # replica refuses (32 peers at load ~38: fragment 1 went 295 s without a version so)
-    node, view, dht, _ = _owner_a()
-    took = _replica_takes_every_version(monkeypatch)
-    await view.refresh()
+    node, view, dht, took = await _stale_owner_a(monkeypatch)
     monkeypatch.setattr(handoffs, "VIEW_FRESH_S", 0.2)  # the deadline, short for the test
-    view.read_at = time.monotonic() - STALE_S
     dht.stuck = True
     fenced = _version(node, 1)
     assert await node.handoffs.replicate(0, fenced) is not None
@@ -205,10 +208,7 @@ async def test_a_version_fenced_by_a_stale_view_is_owned_from_again_not_made_twi
 async def test_owners_publishing_at_once_share_one_fresh_read(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    node, view, dht, _ = _owner_a()
-    _replica_takes_every_version(monkeypatch)
-    await view.refresh()
-    view.read_at = time.monotonic() - STALE_S
+    _, view, _, _ = await _stale_owner_a(monkeypatch)
     before = view.reads
     await asyncio.gather(view.fresh(VIEW_FRESH_S), view.fresh(VIEW_FRESH_S))
     assert view.reads == before + 1
