@@ -750,11 +750,15 @@ class Membership:
             certified_owner=cert is not None and "owner" in cert.roles,
         )
 
+    def _forget_answers_for_old_members(self) -> None:
+        """Drop ``ranked``'s and ``owner_candidates``' answers once ``members`` was replaced."""
+        if self._ranked_for is not self.members:
+            self._ranked_for, self._ranked, self._candidates = self.members, {}, None
+
     def owner_candidates(self, exclude: Collection[bytes] = ()) -> list[bytes]:
         """The members that may own, less ``exclude``: the list is remembered for the members
         dict (as ``ranked``'s answers), the exclusion made on each call."""
-        if self._ranked_for is not self.members:
-            self._ranked_for, self._ranked, self._candidates = self.members, {}, None
+        self._forget_answers_for_old_members()
         if self._candidates is None:
             self._candidates = [m.peer_id for m in self.members.values() if m.can_own]
         if not exclude:
@@ -773,8 +777,7 @@ class Membership:
         """The first ``r`` candidate owners of ``fragment``: the primary, then its replicas (by
         ``balanced_owners`` when the number of fragments is known, else by rendezvous hash).
         Remembered until ``members`` is replaced (a read): replace it, never edit it in place."""
-        if self._ranked_for is not self.members:
-            self._ranked_for, self._ranked, self._candidates = self.members, {}, None
+        self._forget_answers_for_old_members()
         key = (swarm, fragment, r, frozenset(exclude), self.n_fragments)
         got = self._ranked.get(key)
         if got is None:
