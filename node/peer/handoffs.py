@@ -37,10 +37,19 @@ from protocol.errors import DecodeError
 from protocol.wire.messages import ReplicaAck, ReplicaState
 from protocol.wire.signing import Opened, ReplayWindow
 
-__all__ = ["REPLICAS", "VIEW_FRESH_S", "Handoffs", "Lapsed", "TakenIn", "supersedes"]
+__all__ = [
+    "CATCH_UP_SOURCES",
+    "REPLICAS",
+    "VIEW_FRESH_S",
+    "Handoffs",
+    "Lapsed",
+    "TakenIn",
+    "supersedes",
+]
 
 log = logging.getLogger("atoll.peer")
 
+CATCH_UP_SOURCES = 3  # members a new owner asks for its predecessor's newer versions, in turn
 REPLICAS = 1  # replicas per fragment beside its owner (r = 2): each holds the owner's last state
 MAX_EPOCH_BUMPS = 3  # per handoff: stale fences passed by adopting an epoch above them
 LEASE_MARGIN_S = (
@@ -545,14 +554,33 @@ class Handoffs:
         if last is not None:
             owners.add(last)
         own = self.owners.get(p)
-        took = self.replicas.took_from.get(p) if own is not None and not own.retired else None
+        owning = own is not None and not own.retired
+        took = self.replicas.took_from.get(p) if owning else None
         if took is not None:
             owners.add(took)
+        merged = own is not None and owning and own.merges_done > 0
+        sources: frozenset[bytes] = frozenset()
+        if owning and not merged and self.membership is not None:
+            sources = frozenset(c[0] for c in self.catch_up_sources(p))
         return HandoffView(
             me=me,
             owners=frozenset(owners),
             predecessor=predecessor,
-            merged=own is not None and not own.retired and own.merges_done > 0,
+            merged=merged,
+            sources=sources,
+        )
+
+    def catch_up_sources(self, p: int) -> list[tuple[bytes, str]]:
+        """The members a new owner of ``p`` asks for its predecessor's newer versions, and whose
+        handoff it takes as its predecessor's before its first merge: the first
+        ``CATCH_UP_SOURCES`` ranked without us and our suspects."""
+        if self.membership is None:
+            return []
+        return self.membership.ranked(
+            self.cfg.swarm,
+            p,
+            CATCH_UP_SOURCES,
+            exclude={self.signer.peer_id, *self.view.suspects()},
         )
 
     def _admit_handoff(self, sender: bytes, msg: ReplicaState) -> Admission:

@@ -63,7 +63,6 @@ __all__ = [
 log = logging.getLogger("atoll.peer")
 
 CATCH_UP_S = 6.0
-CATCH_UP_SOURCES = 3  # members a new owner asks for its predecessor's newer versions, in turn
 FENCE_BACKOFF_S = (
     5.0  # an owner fenced off does not claim the fragment again for this long (or until handed it)
 )
@@ -340,14 +339,7 @@ class Ownership:
                 await owner.take_over(resumed)
             if previous is not None and self.started.net is not None:
                 sources = [previous]
-                if self.membership is not None:
-                    ranked = self.membership.ranked(
-                        self.cfg.swarm,
-                        p,
-                        CATCH_UP_SOURCES,
-                        exclude={self.signer.peer_id, *self.view.suspects()},
-                    )
-                    sources += [c for c in ranked if c[0] != previous[0]]
+                sources += [c for c in self.handoffs.catch_up_sources(p) if c[0] != previous[0]]
                 deadline = time.monotonic() + CATCH_UP_S
                 for turn in itertools.count():
                     if time.monotonic() >= deadline or owner.merges_done:

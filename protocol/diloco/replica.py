@@ -110,12 +110,17 @@ class HandoffView:
     ``owners``: the peers named as the fragment's owner, by the view now or by the last ownership
     pass (and the owner this peer took the fragment from); this peer's own id is ignored.
     ``predecessor``: who would own the fragment without this peer (a replica's primary, or the
-    owner this peer displaces), or None. ``merged``: this peer owns the fragment and has merged."""
+    owner this peer displaces), or None. ``merged``: this peer owns the fragment and has merged.
+    ``sources``: while this peer owns the fragment and has not merged, the members it asks for its
+    predecessor's newer versions (its catch-up): the one that did own it may not be the one ranked
+    first without us (it owned while alone, say), and its handoff as it retires is what ends our
+    hold on the first merge. They hand over as a predecessor does (bounded epoch and version)."""
 
     me: bytes
     owners: frozenset[bytes]
     predecessor: bytes | None
     merged: bool = False
+    sources: frozenset[bytes] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +164,8 @@ def admit(
     is_owner = sender in owners
     predecessor = view.predecessor if view.predecessor != view.me else None
     p = fragment
+    if not is_owner and not view.merged and sender in view.sources - {view.me}:
+        predecessor = sender  # one of our catch-up sources, before our first merge
     if not is_owner and sender != predecessor:
         named = ", ".join(sorted(o.hex()[:8] for o in owners)) or "no one"
         return Admission(

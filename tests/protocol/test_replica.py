@@ -132,3 +132,25 @@ def test_an_owner_that_merged_takes_no_state_from_its_predecessor() -> None:
     view = HandoffView(me=ME, owners=frozenset({ME}), predecessor=PRED, merged=True)
     a = _admit(PRED, view, version=10, epoch=4)
     assert not a.accepted and a.kind == "owner-merged"
+
+
+def test_a_new_owner_takes_its_catch_up_sources_handoffs_as_a_predecessors_until_it_merges() -> (
+    None
+):
+    # B joined and ranks first; the member ranked first without B (PRED) never owned the
+    # fragment: the one that did (SOURCE, alone when it started) hands its state as it retires
+    SOURCE = b"s" * 32
+    view = HandoffView(
+        me=ME, owners=frozenset({ME}), predecessor=PRED, sources=frozenset({PRED, SOURCE})
+    )
+    assert _admit(SOURCE, view, epoch=4, version=10).accepted
+    # with a predecessor's bounds: no epoch jump, no version past the lead, nothing final
+    assert _admit(SOURCE, view, epoch=5, version=10).kind == "epoch-jump"
+    assert _admit(SOURCE, view, epoch=4, version=11 + PREDECESSOR_LEAD).kind == "ahead-of-known"
+    assert not _admit(SOURCE, view, epoch=4, version=10, final=True).final
+    assert _admit(ATTACKER, view, epoch=4, version=10).kind == "not-entitled"
+    merged = HandoffView(
+        me=ME, owners=frozenset({ME}), predecessor=PRED, merged=True, sources=view.sources
+    )
+    assert _admit(SOURCE, merged, epoch=4, version=10).kind == "not-entitled"
+    assert _admit(PRED, merged, epoch=4, version=10).kind == "owner-merged"

@@ -276,10 +276,13 @@ def test_the_peer_level_attacks_parse_and_the_address_attacker_is_learner_only(t
     assert roles == [("learner", "owner"), ("learner", "owner"), ("learner",)]
 
 
-def _coming_back(*, last_owner: bytes | None) -> tuple[PeerNode, Tasks]:
-    """This peer ranked first for fragment 0, OWNER next; its learner holds version 5 (as state
-    sync gives a peer that comes back); ``last_owner``: whom its last ownership pass saw."""
-    node = _peer([ME.peer_id, OWNER.peer_id, ATTACKER.peer_id])
+def _coming_back(
+    *, last_owner: bytes | None, rank: tuple[object, ...] = (ME, OWNER, ATTACKER)
+) -> tuple[PeerNode, Tasks]:
+    """This peer ranked first for fragment 0, OWNER next (or as ``rank`` says); its learner holds
+    version 5 (as state sync gives a peer that comes back); ``last_owner``: whom its last
+    ownership pass saw."""
+    node = _peer([s.peer_id for s in rank])  # type: ignore[attr-defined]
     theta = torch.zeros(node.replicas.numels[0])
     node.net = types.SimpleNamespace(  # type: ignore[assignment]
         latest={0: (5, theta)},
@@ -312,4 +315,26 @@ async def test_a_peer_that_comes_back_holds_final_what_the_owner_that_stood_in_h
     assert (await _offer(node, OWNER, handed)).accepted
     assert not node.owners[0].holds_final()
     assert node.replicas.status()["handoff_refusals"] == {"final-ignored": 1}
+    await tasks.cancel()
+
+
+async def test_the_owner_that_owned_while_alone_hands_its_state_to_a_joiner_and_ends_its_hold(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A 3-peer standin swarm in CI (a busy box) ended with two fragments at version 1: the first
+    peer owned every fragment while alone; the joiners that took two of them held their first
+    merge CATCH_UP_S for its state, but refused its handoff (their view named the member ranked
+    first without them as the predecessor, which never owned them), so the whole 3 s run went
+    by in the hold. A new owner takes its catch-up sources' handoffs before its first merge."""
+    node, tasks = _coming_back(last_owner=None, rank=(ME, ATTACKER, OWNER))
+    own = node.owners[0]
+    assert own.succession.merger.held_until is not None  # it displaces a live owner: held
+    state = _forged(node, epoch=1, version=5, theta=torch.zeros(node.replicas.numels[0]))
+    assert (await _offer(node, OWNER, state)).accepted  # the third ranked: a catch-up source
+    assert own.succession.merger.held_until is None and own.version == 5
+    await tasks.cancel()
+    monkeypatch.setattr("node.peer.handoffs.CATCH_UP_SOURCES", 2)
+    node, tasks = _coming_back(last_owner=None, rank=(ME, ATTACKER, LEARNER, OWNER))
+    ack = await _offer(node, OWNER, state)  # ranked past the two sources: not taken
+    assert not ack.accepted and node.owners[0].succession.merger.held_until is not None
     await tasks.cancel()
