@@ -146,19 +146,17 @@ def test_ctrl_c_stops_every_peer(tmp_path: Path) -> None:
     assert not left.stdout.strip(), f"peers still running: {left.stdout}"
 
 
-def test_swarm_converges_over_a_slow_lossy_emulated_link(tmp_path: Path) -> None:
-    _, report = _run_local(tmp_path, "--link", "latency=30ms,bandwidth=20mbit,drop=0.05", steps=300)
-    assert len(set(report["final_param_hash"].values())) == 1 and report["peers"] == 3
-    assert report["eval_loss"]["end"] <= 0.7 * report["eval_loss"]["start"]
-    assert report["stalled_steps"] == 0
-    assert min(report["global_versions"]) >= 8, report["global_versions"]
-
-
-def test_a_killed_peer_does_not_stall_the_rest(tmp_path: Path) -> None:
+def test_a_killed_peer_does_not_stall_the_rest_over_a_slow_lossy_link(tmp_path: Path) -> None:
     """Also with versions sent as int8 updates: the dead peer's fragments move to successors
     that start from the replica's state (built from update handoffs) with a fresh residual, and
-    every survivor still ends with the same state bit for bit."""
-    _, report = _run_local(tmp_path, "--kill", "1@60", "--update-codec", "int8", steps=300)
+    every survivor still ends with the same state bit for bit. Every request goes over an
+    emulated slow lossy link (30 ms each way, 20 Mbit/s, 5 % dropped): the swarm converges
+    through it, kill and all: one run shows both (29 s; apart they took 34 s and 24 s)."""
+    link = "latency=30ms,bandwidth=20mbit,drop=0.05"
+    _, report = _run_local(
+        tmp_path, "--link", link, "--kill", "1@60", "--update-codec", "int8", steps=300
+    )
+    assert report["config"]["link"] == link
     assert report["killed_peers"] == [1] and report["peers"] == 2
     assert len(set(report["final_param_hash"].values())) == 1
     came = report["versions_in"]
