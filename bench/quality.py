@@ -146,9 +146,10 @@ def parse_ablations(spec: str) -> list[tuple[str, str]]:
 
 
 def best_baseline(runner: Runner, setting: Setting, dp_lrs: list[float]) -> dict[str, Any]:
-    """The data-parallel run with the lowest final eval loss among ``dp_lrs``, with all of them."""
+    """The data-parallel run with the lowest final eval loss among ``dp_lrs``, with all of them
+    (up to ``runner.dp_jobs`` of them at once)."""
     cfg = setting.config()
-    runs = [runner.baseline(cfg, lr) for lr in (dp_lrs or [cfg.lr])]
+    runs = runner.baselines(cfg, list(dict.fromkeys(dp_lrs or [cfg.lr])))
     best = min(runs, key=lambda r: r["eval_loss_end"])
     return {**best, "tried": [{"lr": r["lr"], "eval_loss_end": r["eval_loss_end"]} for r in runs]}
 
@@ -251,6 +252,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--resume", action="store_true", help="read back runs whose report already exists"
     )
+    p.add_argument(
+        "--dp-jobs",
+        type=int,
+        default=1,
+        help="data-parallel baselines (one torch thread each) trained at once (default: 1)",
+    )
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds one run may take")
     p.add_argument(
         "--retries", type=int, default=1, help="times a failed run is tried again (default: 1)"
@@ -281,6 +288,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         journal=args.journal,
         timeout_s=args.timeout,
         retries=args.retries,
+        dp_jobs=args.dp_jobs,
     )
     t0 = time.monotonic()
     result: dict[str, Any] = {

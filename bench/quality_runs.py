@@ -15,8 +15,10 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -113,9 +115,14 @@ class Runner:
         journal: Path | None,
         timeout_s: float,
         retries: int = 1,
+        dp_jobs: int = 1,
     ) -> None:
+        if dp_jobs < 1:
+            raise ValueError(f"dp_jobs must be at least 1, got {dp_jobs}")
         self.out_dir = out_dir
         self.retries = retries
+        self.dp_jobs = dp_jobs
+        self._journal_lock = threading.Lock()  # baselines run on threads may finish together
         self.resume = resume
         self.journal = journal
         self.timeout_s = timeout_s
@@ -212,6 +219,14 @@ class Runner:
             self._journal({"kind": "baseline", "seed": cfg.seed, **_without_curve(out)})
         return out
 
+    def baselines(self, cfg: RunConfig, lrs: list[float]) -> list[dict[str, Any]]:
+        """``baseline(cfg, lr)`` for each of ``lrs`` (distinct), in that order, ``dp_jobs`` at a
+        time: each is a subprocess of one torch thread, so this process only waits on them."""
+        if self.dp_jobs == 1 or len(lrs) < 2:
+            return [self.baseline(cfg, lr) for lr in lrs]
+        with ThreadPoolExecutor(min(self.dp_jobs, len(lrs))) as pool:
+            return list(pool.map(lambda lr: self.baseline(cfg, lr), lrs))
+
     def _have(self, path: Path) -> bool:
         """Whether ``path`` may be read back instead of run; from now on it may."""
         have = path in self.done or (self.resume and path.exists())
@@ -256,7 +271,7 @@ class Runner:
             return
         self.journal.parent.mkdir(parents=True, exist_ok=True)
         record = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **record}
-        with self.journal.open("a") as f:
+        with self._journal_lock, self.journal.open("a") as f:
             f.write(json.dumps(record, default=str) + "\n")
 
 

@@ -74,6 +74,8 @@ def test_a_quick_run_reports_gaps_computed_from_its_reports(tmp_path: Path, caps
             "codec:int8",
             "--dp-lrs",
             "3e-3,6e-3",
+            "--dp-jobs",
+            "2",
             "--out",
             str(tmp_path / "reports"),
             "--journal",
@@ -152,6 +154,11 @@ def test_a_failed_run_is_tried_again_then_reported(tmp_path: Path) -> None:
         runner._call(
             [sys.executable, "-c", "import sys; sys.exit(4)"], tmp_path / "bad.log", "always"
         )
+
+
+def test_dp_jobs_below_one_is_refused_with_the_value(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="dp_jobs must be at least 1, got 0"):
+        Runner(tmp_path, resume=False, journal=None, timeout_s=60, dp_jobs=0)
 
 
 def test_a_baseline_claimed_by_another_live_process_is_waited_for(tmp_path: Path) -> None:
