@@ -93,7 +93,7 @@ import subprocess
 import sys
 import time
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -103,6 +103,7 @@ from torch import nn
 
 from bench.swarm_scale_cpu import StackSampler
 from node.config import RunConfig
+from node.dht.membership import Membership
 from node.diloco.island import Island
 from node.diloco.island_config import island_config
 from node.peer import NodeOptions, PeerNode
@@ -604,6 +605,7 @@ class Worker:
     def sample(self, t: float) -> dict[str, Any]:
         owners: dict[str, list[str]] = {}
         views: dict[str, int] = {}
+        seen: dict[str, tuple[Membership, set[bytes], list[bytes]]] = {}
         for peer in self.peers.values():
             ms = peer.node.membership
             if peer.gone_at is not None or not peer.node.joined.is_set() or ms is None:
@@ -614,7 +616,9 @@ class Worker:
                 row.append(o[0].hex()[:12] if o else "")
             owners[str(peer.slot)] = row
             views[str(peer.slot)] = len(ms.members)
-        return {"t": t, "owners": owners, "views": views}
+            suspects = peer.node.suspects()
+            seen[str(peer.slot)] = (ms, suspects, ms.owner_candidates(suspects))
+        return {"t": t, "owners": owners, "views": views, "rosters": roster_views(seen)}
 
     def report(self) -> dict[str, Any]:
         peers = {}
@@ -722,6 +726,32 @@ def warm_up(cfg: Config) -> None:
     peer.optimizer.step()
 
 
+def roster_views(
+    seen: dict[str, tuple[Membership, set[bytes], list[bytes]]],
+) -> dict[str, dict[str, Any]]:
+    """Per peer (slot -> its membership, suspects and candidate owners): the candidate owners it
+    ranks fragments over, each with the seconds its record has left (``c``), the age of its
+    last read (``age``), and why it lacks each candidate another peer of this worker has
+    (``m``: "suspect", "learner": held without the owner role, or "absent": no record held).
+    What a dissent is made of: ``dissent_causes`` compares a dissenter's with the majority's."""
+    now = time.time()
+    union = {pid for _, _, cands in seen.values() for pid in cands}
+    out: dict[str, dict[str, Any]] = {}
+    for slot, (ms, suspects, cands) in seen.items():
+        members, mine = ms.members, set(cands)
+        out[slot] = {
+            "c": {pid.hex()[:12]: round(members[pid].expires_at - now, 1) for pid in cands},
+            "age": round(min(ms.read_age(), 999.0), 1),
+            "m": {
+                pid.hex()[:12]: "suspect"
+                if pid in suspects
+                else ("learner" if pid in members else "absent")
+                for pid in union - mine
+            },
+        }
+    return out
+
+
 # --- the parent: start workers, merge their reports ------------------------------------------
 
 
@@ -782,6 +812,60 @@ def settled_agreement(
         "left_out": left_out,
         # (t, fragment, peer, the owner it names, the one most name) in the samples kept
         "dissent": sorted(dissent),
+    }
+
+
+def dissent_causes(
+    dissent: Sequence[tuple[float, int, str, str, str]],
+    samples: dict[float, dict[str, dict[str, Any]]],
+    slot_of: Callable[[str], str],
+) -> dict[str, Any]:
+    """Why each dissent (``settled_agreement``'s: t, fragment, peer, the owner it names, the one
+    most name) named another owner: its candidate owners (``roster_views``, in ``samples`` at
+    t) against those most of the peers naming the majority's owner rank over. A candidate the
+    dissenter lacks is "missing:<why it lacks it>"; one it has that they lack is "extra:<why
+    most of them lack it>"; "same candidates" names neither (a ranking that differs on one
+    set would be a bug). Returns counts by cause, by dissenting peer and by member, and the
+    first 40 as [t, fragment, peer, named, major, missing, extra, read age] (members as slots;
+    each extra with the seconds its record had left in the dissenter's view)."""
+    by_cause: Counter[str] = Counter()
+    by_peer: Counter[str] = Counter()
+    by_member: Counter[str] = Counter()
+    log: list[list[Any]] = []
+    for t, p, peer, named, major in dissent:
+        rosters, owners = samples[t]["rosters"], samples[t]["owners"]
+        mine = rosters.get(peer)
+        with_major = [q for q, row in owners.items() if row[p] == major and q in rosters]
+        if mine is None or not with_major:
+            by_cause["unsampled"] += 1
+            continue
+        sets = Counter(frozenset(rosters[q]["c"]) for q in with_major)
+        majority = max(sets.items(), key=lambda kv: (kv[1], sorted(kv[0])))[0]
+        missing = sorted(majority - set(mine["c"]))
+        extra = sorted(set(mine["c"]) - majority)
+        why_missing = [[slot_of(m), mine["m"].get(m, "?")] for m in missing]
+        why_extra = [
+            [
+                slot_of(x),
+                Counter(rosters[q]["m"].get(x, "?") for q in with_major).most_common(1)[0][0],
+                mine["c"][x],
+            ]
+            for x in extra
+        ]
+        kinds = sorted(
+            {f"missing:{w}" for _, w in why_missing} | {f"extra:{w}" for _, w, _ in why_extra}
+        )
+        by_cause[" + ".join(kinds) or "same candidates"] += 1
+        by_peer[peer] += 1
+        by_member.update(slot_of(m) for m in missing + extra)
+        if len(log) < 40:
+            log.append([round(t, 1), p, peer, slot_of(named), slot_of(major),
+                        why_missing, why_extra, mine["age"]])  # fmt: skip
+    return {
+        "owner_dissent_causes": dict(by_cause.most_common()),
+        "owner_dissents_by_peer": dict(by_peer.most_common(12)),
+        "owner_dissents_by_member": dict(by_member.most_common(12)),
+        "owner_dissent_why_log": log,
     }
 
 
@@ -849,12 +933,15 @@ def summarize(cfg: Config, reports: list[dict[str, Any]]) -> dict[str, Any]:
         if p["window"] is not None and p["window"]["s"] > 0
     ]
     # samples: merge the workers' samples taken in the same sample period
-    merged: dict[int, dict[str, dict[str, Any]]] = defaultdict(lambda: {"owners": {}, "views": {}})
+    merged: dict[int, dict[str, dict[str, Any]]] = defaultdict(
+        lambda: {"owners": {}, "views": {}, "rosters": {}}
+    )
     for r in reports:
         for s in r["samples"]:
             tick = int(s["t"] // cfg.sample_s)
             merged[tick]["owners"].update(s["owners"])
             merged[tick]["views"].update(s["views"])
+            merged[tick]["rosters"].update(s.get("rosters", {}))
     lo, hi = schedule.steady
 
     def calm(t: float) -> bool:
@@ -866,6 +953,11 @@ def summarize(cfg: Config, reports: list[dict[str, Any]]) -> dict[str, Any]:
     calm_timed = [(t, owners) for t, owners in calm_timed if calm(t)]
     calm_owners = [owners for _, owners in calm_timed]
     settled = settled_agreement(calm_timed, cfg.fragments, around_s=PROPAGATION_S)
+    causes = dissent_causes(
+        settled["dissent"],
+        {tick * cfg.sample_s: m for tick, m in merged.items()},
+        lambda pid: slots.get(pid, pid),
+    )
     views = [v for m in steady for v in m["views"].values()]
     lives = {pid: (p["joined_at"], p["gone_at"]) for pid, p in peers.items()}
     spread, judged = spread_times(
@@ -954,6 +1046,9 @@ def summarize(cfg: Config, reports: list[dict[str, Any]]) -> dict[str, Any]:
             for t, p, peer, a, b in settled["dissent"][:40]
         ],
         "owner_dissents": len(settled["dissent"]),
+        # what each dissent's candidate owners lacked or had beside the majority's
+        # (``dissent_causes``): counts by cause, by dissenting peer and by member, and a log
+        **causes,
         "peak_rss_mb": round(max(r["peak_rss_mb"] for r in reports), 1),
         "rss_mb_per_peer": round(sum(r["peak_rss_mb"] for r in reports) / schedule.slots, 2),
         "dht_requests_per_peer_s": {

@@ -18,6 +18,7 @@ from bench.swarm_scale import (
     Config,
     Schedule,
     bootstrap_peers,
+    dissent_causes,
     is_control,
     join_order,
     owner_agreement,
@@ -82,6 +83,30 @@ def test_settled_agreement_leaves_out_a_moves_propagation_and_nothing_else() -> 
     settled = settled_agreement(timed, 1, around_s=6.0)
     assert settled["agreement"] == pytest.approx(0.5)
     assert settled["dissent"][0] == (0.0, 0, "d", "z", "x") and len(settled["dissent"]) == 13
+
+
+def test_dissent_causes_name_the_candidate_a_dissenter_lacks_or_holds_beside_the_majority() -> None:
+    # a, b rank over {x, y}; c lacks y's record (it names x for fragment 1); d still holds
+    # w's owner record, 3 s from expiry, which a and b hold as a learner's
+    majority = {"c": {"x": 12.0, "y": 15.0}, "age": 1.0, "m": {"w": "learner"}}
+    sample = {
+        "owners": {"a": ["x", "y"], "b": ["x", "y"], "c": ["x", "x"], "d": ["w", "y"]},
+        "rosters": {
+            "a": majority,
+            "b": majority,
+            "c": {"c": {"x": 12.0}, "age": 5.0, "m": {"y": "absent"}},
+            "d": {"c": {"x": 12.0, "y": 15.0, "w": 3.0}, "age": 2.0, "m": {}},
+        },
+    }
+    dissent = settled_agreement([(4.0, sample["owners"])], 2, around_s=0.0)["dissent"]
+    assert dissent == [(4.0, 0, "d", "w", "x"), (4.0, 1, "c", "x", "y")]
+    got = dissent_causes(dissent, {4.0: sample}, lambda pid: {"w": "9"}.get(pid, pid))
+    assert got["owner_dissent_causes"] == {"extra:learner": 1, "missing:absent": 1}
+    assert got["owner_dissents_by_member"] == {"9": 1, "y": 1}
+    assert got["owner_dissent_why_log"] == [
+        [4.0, 0, "d", "9", "x", [], [["9", "learner", 3.0]], 2.0],
+        [4.0, 1, "c", "x", "y", [["y", "absent"]], [], 5.0],
+    ]
 
 
 def test_spread_counts_only_peers_live_through_the_horizon_and_versions_judged() -> None:
