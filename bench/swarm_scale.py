@@ -48,7 +48,10 @@ The parent turns them into one case per swarm size (``summarize``):
                               peers name (``owner_moves``; views learn of a move at their next
                               reads: that is propagation, not disagreement); each move and each
                               peer naming another owner outside one: ``owner_move_log``,
-                              ``owner_dissent_log``
+                              ``owner_dissent_log``; what each dissenter's candidate owners
+                              lacked or had beside the majority's: ``owner_dissent_causes``
+                              (``dissent_causes``). ``owner_agreement_churn``: the agreement
+                              over the churn windows' samples
 ``peak_rss_mb``               the largest worker's peak RSS (``rss_mb_per_peer``: all workers'
                               peaks summed, per peer)
 ``unowned_max_s``             the longest stretch in which no live peer ran an owner for a
@@ -952,6 +955,11 @@ def summarize(cfg: Config, reports: list[dict[str, Any]]) -> dict[str, Any]:
     calm_timed = [(tick * cfg.sample_s, m["owners"]) for tick, m in merged.items()]
     calm_timed = [(t, owners) for t, owners in calm_timed if calm(t)]
     calm_owners = [owners for _, owners in calm_timed]
+    churning = [
+        m["owners"]
+        for tick, m in merged.items()
+        if any(a <= tick * cfg.sample_s < b for a, b in schedule.churn_windows)
+    ]
     settled = settled_agreement(calm_timed, cfg.fragments, around_s=PROPAGATION_S)
     causes = dissent_causes(
         settled["dissent"],
@@ -1031,6 +1039,8 @@ def summarize(cfg: Config, reports: list[dict[str, Any]]) -> dict[str, Any]:
         else None,
         "holder_uploads_per_version_max": held_max,
         "owner_agreement": owner_agreement(calm_owners, cfg.fragments),
+        # the same over the churn windows' samples (None without churn)
+        "owner_agreement_churn": owner_agreement(churning, cfg.fragments),
         # the same outside an owner move's propagation (``settled_agreement``)
         "owner_agreement_settled": settled["agreement"],
         "owner_moves": settled["owner_moves"],

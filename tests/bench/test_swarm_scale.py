@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -333,6 +334,22 @@ def test_summarize_divides_control_bytes_by_each_peers_window() -> None:
         "stale_view_fences": 2,
         "view_reads": 4,
     }
+
+
+def test_agreement_in_churn_is_scored_apart_from_the_calm_samples() -> None:
+    cfg = Config(peers=2, duration_s=100.0, join_s=1.0, settle_s=1.0, churn_at=10.0, churn=0.5)
+    assert Schedule.of(cfg).churn_windows == ((10.0, 100.0),)
+    peer = {"joined_at": 1.0, "gone_at": None, "failure": None, "first_held": {}, "window": None}
+    samples = [
+        {"t": 4.0, "owners": {"0": ["x"], "1": ["x"]}, "views": {}},  # calm: they agree
+        {"t": 20.0, "owners": {"0": ["x"], "1": ["y"]}, "views": {}},  # in churn: they do not
+    ]
+    reports = [
+        {"worker": 0, "peak_rss_mb": 1.0, "samples": samples, "peers": {"0": peer, "1": peer}}
+    ]
+    case = summarize(dataclasses.replace(cfg, fragments=1), reports)
+    assert case["owner_agreement"] == 1.0 and case["owner_agreement_churn"] == 0.0
+    assert case["owner_dissents"] == 0  # the churn sample's dissent is not counted as calm
 
 
 @pytest.mark.integration
