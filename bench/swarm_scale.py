@@ -136,6 +136,7 @@ LEASE_S = 20.0  # a member record's ttl (``Membership.ttl_s``): an owner's lease
 # membership pass, and the samples' own 2 s grid (``settled_agreement``)
 PROPAGATION_S = 10.0
 PROFILE_DIR = os.environ.get("SWARM_SCALE_PROFILE", "")  # cProfile each worker's steady window
+SAMPLES_FILE = os.environ.get("SWARM_SCALE_SAMPLES", "")  # the merged samples, as JSON, for study
 
 
 @dataclass(frozen=True)
@@ -640,6 +641,7 @@ class Worker:
             owned = peer.owned + [(p, since, end) for p, since in peer.owning.items()]
             peers[str(peer.slot)] = {
                 "id": peer.node.signer.peer_id.hex()[:12],  # as samples name owners
+                "peer_id": peer.node.signer.peer_id.hex(),  # its roster rank: ``roster_score``
                 "joined_at": peer.joined_at,
                 "may_own": peer.may_own,
                 "gone_at": peer.gone_at,
@@ -735,7 +737,8 @@ def roster_views(
     """Per peer (slot -> its membership, suspects and candidate owners): the candidate owners it
     ranks fragments over, each with the seconds its record has left (``c``), the age of its
     last read (``age``), and why it lacks each candidate another peer of this worker has
-    (``m``: "suspect", "learner": held without the owner role, or "absent": no record held).
+    (``m``: "suspect", "learner": held without the owner role, or "absent": no record held),
+    and whether its own record offers to own (``o``).
     What a dissent is made of: ``dissent_causes`` compares a dissenter's with the majority's."""
     now = time.time()
     union = {pid for _, _, cands in seen.values() for pid in cands}
@@ -745,6 +748,7 @@ def roster_views(
         out[slot] = {
             "c": {pid.hex()[:12]: round(members[pid].expires_at - now, 1) for pid in cands},
             "age": round(min(ms.read_age(), 999.0), 1),
+            "o": int(ms._published_under == ms.roster),  # our record offers to own
             "m": {
                 pid.hex()[:12]: "suspect"
                 if pid in suspects
@@ -818,6 +822,35 @@ def settled_agreement(
     }
 
 
+def roster_sizes(samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Over ``samples`` (each with ``rosters``: ``roster_views``): how many candidate owners
+    the set most peers rank over holds, how many peers offer to own, and how old the peers'
+    last reads are (the median and the most of each; ages as the share of peer-samples over
+    6, 12 and 30 s)."""
+    majority, offering, ages = [], [], []
+    for m in samples:
+        rosters = m.get("rosters", {})
+        if not rosters:
+            continue
+        sets = Counter(frozenset(r["c"]) for r in rosters.values())
+        majority.append(len(max(sets.items(), key=lambda kv: (kv[1], sorted(kv[0])))[0]))
+        offering.append(sum(r.get("o", 0) for r in rosters.values()))
+        ages += [r["age"] for r in rosters.values()]
+
+    def spread(xs: list[int]) -> dict[str, float] | None:
+        return {"median": statistics.median(xs), "max": max(xs)} if xs else None
+
+    return {
+        "roster_candidates": spread(majority),
+        "roster_offering": spread(offering),
+        "read_age_over_s": {
+            str(s): round(sum(1 for a in ages if a > s) / len(ages), 4) for s in (6, 12, 30)
+        }
+        if ages
+        else None,
+    }
+
+
 def dissent_causes(
     dissent: Sequence[tuple[float, int, str, str, str]],
     samples: dict[float, dict[str, dict[str, Any]]],
@@ -835,6 +868,7 @@ def dissent_causes(
     by_peer: Counter[str] = Counter()
     by_member: Counter[str] = Counter()
     log: list[list[Any]] = []
+    ages: list[float] = []
     for t, p, peer, named, major in dissent:
         rosters, owners = samples[t]["rosters"], samples[t]["owners"]
         mine = rosters.get(peer)
@@ -860,6 +894,7 @@ def dissent_causes(
         )
         by_cause[" + ".join(kinds) or "same candidates"] += 1
         by_peer[peer] += 1
+        ages.append(mine["age"])
         by_member.update(slot_of(m) for m in missing + extra)
         if len(log) < 40:
             log.append([round(t, 1), p, peer, slot_of(named), slot_of(major),
@@ -869,6 +904,12 @@ def dissent_causes(
         "owner_dissents_by_peer": dict(by_peer.most_common(12)),
         "owner_dissents_by_member": dict(by_member.most_common(12)),
         "owner_dissent_why_log": log,
+        # the dissenters' last reads: the share older than 6, 12 and 30 s
+        "owner_dissent_read_age_over_s": {
+            str(s): round(sum(1 for a in ages if a > s) / len(ages), 4) for s in (6, 12, 30)
+        }
+        if ages
+        else None,
     }
 
 
@@ -961,6 +1002,10 @@ def summarize(cfg: Config, reports: list[dict[str, Any]]) -> dict[str, Any]:
         if any(a <= tick * cfg.sample_s < b for a, b in schedule.churn_windows)
     ]
     settled = settled_agreement(calm_timed, cfg.fragments, around_s=PROPAGATION_S)
+    if SAMPLES_FILE:
+        with open(SAMPLES_FILE, "w") as f:
+            json.dump({"ids": {slot: p.get("peer_id") for slot, p in peers.items()},
+                       "samples": {str(tick): m for tick, m in sorted(merged.items())}}, f)  # fmt: skip
     causes = dissent_causes(
         settled["dissent"],
         {tick * cfg.sample_s: m for tick, m in merged.items()},
@@ -1059,6 +1104,9 @@ def summarize(cfg: Config, reports: list[dict[str, Any]]) -> dict[str, Any]:
         # what each dissent's candidate owners lacked or had beside the majority's
         # (``dissent_causes``): counts by cause, by dissenting peer and by member, and a log
         **causes,
+        # per calm sample, the candidate owners most peers rank over and the peers whose
+        # records offer to own: the median and the most (the roster's cap is ``ROSTER_CAP``)
+        **roster_sizes([m for tick, m in merged.items() if calm(tick * cfg.sample_s)]),
         "peak_rss_mb": round(max(r["peak_rss_mb"] for r in reports), 1),
         "rss_mb_per_peer": round(sum(r["peak_rss_mb"] for r in reports) / schedule.slots, 2),
         "dht_requests_per_peer_s": {

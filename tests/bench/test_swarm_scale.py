@@ -24,6 +24,7 @@ from bench.swarm_scale import (
     join_order,
     owner_agreement,
     owner_gaps,
+    roster_sizes,
     settled_agreement,
     spread_times,
     summarize,
@@ -108,6 +109,18 @@ def test_dissent_causes_name_the_candidate_a_dissenter_lacks_or_holds_beside_the
         [4.0, 0, "d", "9", "x", [], [["9", "learner", 3.0]], 2.0],
         [4.0, 1, "c", "x", "y", [["y", "absent"]], [], 5.0],
     ]
+
+
+def test_roster_sizes_count_the_majoritys_candidates_the_offers_and_old_reads() -> None:
+    three = {"c": {"x": 9.0, "y": 9.0, "z": 9.0}, "age": 2.0, "o": 1}
+    samples = [
+        {"rosters": {"a": three, "b": three, "c": {"c": {}, "age": 40.0, "o": 1}}},
+        {"rosters": {"a": {**three, "o": 0}, "b": {"c": {"x": 9.0}, "age": 7.0, "o": 0}}},
+    ]
+    got = roster_sizes(samples)
+    assert got["roster_candidates"] == {"median": 3, "max": 3}  # a tie goes one way everywhere
+    assert got["roster_offering"] == {"median": 1.5, "max": 3}
+    assert got["read_age_over_s"] == {"6": 0.4, "12": 0.2, "30": 0.2}
 
 
 def test_spread_counts_only_peers_live_through_the_horizon_and_versions_judged() -> None:
