@@ -106,7 +106,7 @@ from torch import nn
 
 from bench.swarm_scale_cpu import StackSampler
 from node.config import RunConfig
-from node.dht.membership import Membership
+from node.dht.membership import MEMBER_REPLICAS, Membership
 from node.diloco.island import Island
 from node.diloco.island_config import island_config
 from node.peer import NodeOptions, PeerNode
@@ -738,7 +738,9 @@ def roster_views(
     ranks fragments over, each with the seconds its record has left (``c``), the age of its
     last read (``age``), and why it lacks each candidate another peer of this worker has
     (``m``: "suspect", "learner": held without the owner role, or "absent": no record held),
-    and whether its own record offers to own (``o``).
+    whether its own record offers to own (``o``), whether it counts itself among the roster's
+    holders (``n``: its reads of the roster stay local) and whose roster records its own DHT
+    store holds (``h``).
     What a dissent is made of: ``dissent_causes`` compares a dissenter's with the majority's."""
     now = time.time()
     union = {pid for _, _, cands in seen.values() for pid in cands}
@@ -749,6 +751,10 @@ def roster_views(
             "c": {pid.hex()[:12]: round(members[pid].expires_at - now, 1) for pid in cands},
             "age": round(min(ms.read_age(), 999.0), 1),
             "o": int(ms._published_under == ms.roster),  # our record offers to own
+            # whether we count ourselves among the roster's holders (reads of it stay local),
+            # and whose roster records our own DHT store holds
+            "n": int(ms.dht.held_near(ms.roster, MEMBER_REPLICAS) is not None),
+            "h": sorted(r.subkey.hex()[:12] for r in ms.dht.client.records.get(ms.roster, now)),
             "m": {
                 pid.hex()[:12]: "suspect"
                 if pid in suspects
