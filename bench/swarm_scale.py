@@ -406,6 +406,33 @@ def owner_gaps(
     return gaps
 
 
+def long_gaps(
+    peers: dict[str, dict[str, Any]], fragments: int, start: float, end: float, *, min_s: float
+) -> list[list[Any]]:
+    """The stretches of at least ``min_s`` in which no live peer ran an owner for a fragment
+    (``owner_gaps``), each as [fragment, from, to, the slot whose owner ended last before it,
+    when that peer was gone (None: live on), the slot whose owner began it]: who let it go, and
+    whether it had left."""
+    out: list[list[Any]] = []
+    for p in range(fragments):
+        spans = sorted(
+            (lo, hi, slot) for slot, peer in peers.items() for q, lo, hi in peer.get("owned", [])
+            if q == p
+        )  # fmt: skip
+        t, last = start, None
+        for lo, hi, slot in spans + [(end, end, None)]:
+            if hi <= t and slot is not None:
+                continue
+            if min(lo, end) - t >= min_s:
+                gone = peers[last]["gone_at"] if last is not None else None
+                out.append([p, round(t, 1), round(min(lo, end), 1), last, gone, slot])
+            if hi > t:
+                t, last = hi, slot
+            if t >= end:
+                break
+    return out
+
+
 def two_contents(published: Sequence[tuple[int, int, str]]) -> list[str]:
     """The versions ("p:v") published with more than one content (digest), by any owners."""
     contents = contents_by_version(published)
@@ -1132,6 +1159,13 @@ def summarize(cfg: Config, reports: list[dict[str, Any]]) -> dict[str, Any]:
         "unowned_max_s": max((max(g, default=0.0) for g in gaps.values()), default=None),
         "unowned_s_by_fragment": {str(p): round(sum(g), 1) for p, g in gaps.items()},
         "unowned_gaps_over_lease": sum(1 for g in gaps.values() for x in g if x > LEASE_S),
+        # each stretch of half a lease or more: [fragment, from, to, the slot whose owner ended
+        # last before it, when that peer was gone, the slot whose owner ended it]
+        "unowned_long_log": long_gaps(
+            peers, cfg.fragments, min(firsts), cfg.duration_s - 1.0, min_s=LEASE_S / 2
+        )
+        if firsts
+        else [],
         "lease_s": LEASE_S,
         "versions_published": len(contents_by_version(published)),
         "versions_two_contents": two_contents(published),  # type: ignore[arg-type]

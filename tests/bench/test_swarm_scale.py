@@ -22,6 +22,7 @@ from bench.swarm_scale import (
     dissent_causes,
     is_control,
     join_order,
+    long_gaps,
     owner_agreement,
     owner_gaps,
     roster_sizes,
@@ -187,6 +188,17 @@ def test_unowned_stretches_are_the_gaps_between_any_peers_owner_spans() -> None:
     assert gaps[1] == [10.0]  # before its first owner (from start)
     assert gaps[2] == [100.0]  # never owned
     assert owner_gaps([(0, 0.0, 40.0)], 1, start=0.0, end=100.0) == {0: [60.0]}
+    # the same spans by peer: who let fragment 0 go at 60 (gone at 61) and who took it at 85
+    peers = {
+        "a": {"owned": [[0, 0.0, 50.0]], "gone_at": None},
+        "b": {"owned": [[0, 45.0, 60.0], [1, 10.0, 100.0]], "gone_at": 61.0},
+        "c": {"owned": [[0, 85.0, 100.0]], "gone_at": None},
+    }
+    assert long_gaps(peers, 3, 0.0, 100.0, min_s=10.0) == [
+        [0, 60.0, 85.0, "b", 61.0, "c"],
+        [1, 0.0, 10.0, None, None, "b"],
+        [2, 0.0, 100.0, None, None, None],
+    ]
 
 
 def test_a_version_with_two_digests_is_named() -> None:
