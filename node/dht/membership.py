@@ -345,8 +345,10 @@ class Membership:
         ] = {}  # the newest record seen per member, until it expires
         # held records the last whole read did not carry past its renewal horizon (LAPSE_GUARD_S)
         self._unrenewed: set[bytes] = set()
-        # records of the keys read whole that expired in our view since the last quorum read: a
-        # responder (or our own store) lacked their renewals, or their members are gone
+        # roster records that expired in our view since the last quorum read: a responder (or
+        # our own store) lacked their renewals, or their members are gone. The roster alone:
+        # its records are the candidate owners every view must agree on, and a lapsed learner's
+        # record would cost an owner a quorum read of every member's
         self._lapsed: set[bytes] = set()
         # each held record's value as last decoded (subkey -> value, record): a view is rebuilt
         # at every read from every record held, and a record's value rarely changes
@@ -564,9 +566,9 @@ class Membership:
         responder can only omit, and an omitted member stays until its own record expires. The
         first read, every ``FULL_READ_EVERY``-th, one made while a record a read asked to
         renew and did not nears expiry (``LAPSE_GUARD_S``; asked again at once, in the same
-        pass), and the next after a record of the keys read whole expired in our view
-        (``_lapsed``: a rebuild between reads drops it where the guard no longer sees it; the
-        next pass reads) merge ``READ_QUORUM`` responders' records; the others read this node's own store when it is among the nodes nearest the swarm key
+        pass), and the next after a roster record expired in our view (``_lapsed``: a rebuild
+        between reads drops it where the guard no longer sees it; the next pass reads) merge
+        ``READ_QUORUM`` responders' records; the others read this node's own store when it is among the nodes nearest the swarm key
         (members publish there, ``MEMBER_REPLICAS`` of them: no request at all), else one
         responder's. Reads from responders are delta reads by content: they name the values
         held here, responders leave those out and send a refresh (expiry and signature) of
@@ -601,11 +603,10 @@ class Membership:
     def _rebuild(self, now: float) -> None:
         """The view from the records held: live, decoded, our manifest, certificates checked."""
         members: dict[bytes, Member] = {}
-        whole = self._whole_keys()
         for subkey, rec in list(self._records.items()):
             if rec.expires_at <= now:
                 del self._records[subkey]
-                if rec.key in whole:  # a rebuild between reads drops it unseen by the guard
+                if rec.key == self.roster:  # a rebuild between reads drops it unseen by the guard
                     self._lapsed.add(subkey)
                 continue
             try:
