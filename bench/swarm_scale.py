@@ -55,7 +55,12 @@ The parent turns them into one case per swarm size (``summarize``):
 ``peak_rss_mb``               the largest worker's peak RSS (``rss_mb_per_peer``: all workers'
                               peaks summed, per peer)
 ``unowned_max_s``             the longest stretch in which no live peer ran an owner for a
-                              fragment (``owner_gaps``), against ``lease_s``
+                              fragment (``owner_gaps``), against ``lease_s``; each of half a
+                              lease or more, with who let it go and who took it:
+                              ``unowned_long_log`` (``long_gaps``)
+``roster_candidates``         per calm sample, the size of the candidate set most peers rank
+                              over, the peers offering to own (``roster_offering``) and the age
+                              of the peers' reads (``read_age_over_s``): ``roster_sizes``
 ``versions_two_contents``     versions published with more than one digest (``two_contents``);
                               ``two_contents_by``: for each, the peer slots that published it
 ``publication_fences``        versions the peers' owners did not publish, by gate (``/v1/status``
