@@ -48,11 +48,19 @@ The parent turns them into one case per swarm size (``summarize``):
                               peers name (``owner_moves``; views learn of a move at their next
                               reads: that is propagation, not disagreement); each move and each
                               peer naming another owner outside one: ``owner_move_log``,
-                              ``owner_dissent_log``
+                              ``owner_dissent_log``; what each dissenter's candidate owners
+                              lacked or had beside the majority's: ``owner_dissent_causes``
+                              (``dissent_causes``). ``owner_agreement_churn``: the agreement
+                              over the churn windows' samples
 ``peak_rss_mb``               the largest worker's peak RSS (``rss_mb_per_peer``: all workers'
                               peaks summed, per peer)
 ``unowned_max_s``             the longest stretch in which no live peer ran an owner for a
-                              fragment (``owner_gaps``), against ``lease_s``
+                              fragment (``owner_gaps``), against ``lease_s``; each of half a
+                              lease or more, with who let it go and who took it:
+                              ``unowned_long_log`` (``long_gaps``)
+``roster_candidates``         per calm sample, the size of the candidate set most peers rank
+                              over, the peers offering to own (``roster_offering``) and the age
+                              of the peers' reads (``read_age_over_s``): ``roster_sizes``
 ``versions_two_contents``     versions published with more than one digest (``two_contents``);
                               ``two_contents_by``: for each, the peer slots that published it
 ``publication_fences``        versions the peers' owners did not publish, by gate (``/v1/status``
@@ -93,7 +101,7 @@ import subprocess
 import sys
 import time
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -103,6 +111,7 @@ from torch import nn
 
 from bench.swarm_scale_cpu import StackSampler
 from node.config import RunConfig
+from node.dht.membership import MEMBER_REPLICAS, Membership
 from node.diloco.island import Island
 from node.diloco.island_config import island_config
 from node.peer import NodeOptions, PeerNode
@@ -132,6 +141,7 @@ LEASE_S = 20.0  # a member record's ttl (``Membership.ttl_s``): an owner's lease
 # membership pass, and the samples' own 2 s grid (``settled_agreement``)
 PROPAGATION_S = 10.0
 PROFILE_DIR = os.environ.get("SWARM_SCALE_PROFILE", "")  # cProfile each worker's steady window
+SAMPLES_FILE = os.environ.get("SWARM_SCALE_SAMPLES", "")  # the merged samples, as JSON, for study
 
 
 @dataclass(frozen=True)
@@ -401,6 +411,33 @@ def owner_gaps(
     return gaps
 
 
+def long_gaps(
+    peers: dict[str, dict[str, Any]], fragments: int, start: float, end: float, *, min_s: float
+) -> list[list[Any]]:
+    """The stretches of at least ``min_s`` in which no live peer ran an owner for a fragment
+    (``owner_gaps``), each as [fragment, from, to, the slot whose owner ended last before it,
+    when that peer was gone (None: live on), the slot whose owner began it]: who let it go, and
+    whether it had left."""
+    out: list[list[Any]] = []
+    for p in range(fragments):
+        spans = sorted(
+            (lo, hi, slot) for slot, peer in peers.items() for q, lo, hi in peer.get("owned", [])
+            if q == p
+        )  # fmt: skip
+        t, last = start, None
+        for lo, hi, slot in spans + [(end, end, None)]:
+            if hi <= t and slot is not None:
+                continue
+            if min(lo, end) - t >= min_s:
+                gone = peers[last]["gone_at"] if last is not None else None
+                out.append([p, round(t, 1), round(min(lo, end), 1), last, gone, slot])
+            if hi > t:
+                t, last = hi, slot
+            if t >= end:
+                break
+    return out
+
+
 def two_contents(published: Sequence[tuple[int, int, str]]) -> list[str]:
     """The versions ("p:v") published with more than one content (digest), by any owners."""
     contents = contents_by_version(published)
@@ -604,6 +641,7 @@ class Worker:
     def sample(self, t: float) -> dict[str, Any]:
         owners: dict[str, list[str]] = {}
         views: dict[str, int] = {}
+        seen: dict[str, tuple[Membership, set[bytes], list[bytes]]] = {}
         for peer in self.peers.values():
             ms = peer.node.membership
             if peer.gone_at is not None or not peer.node.joined.is_set() or ms is None:
@@ -614,7 +652,9 @@ class Worker:
                 row.append(o[0].hex()[:12] if o else "")
             owners[str(peer.slot)] = row
             views[str(peer.slot)] = len(ms.members)
-        return {"t": t, "owners": owners, "views": views}
+            suspects = peer.node.suspects()
+            seen[str(peer.slot)] = (ms, suspects, ms.owner_candidates(suspects))
+        return {"t": t, "owners": owners, "views": views, "rosters": roster_views(seen)}
 
     def report(self) -> dict[str, Any]:
         peers = {}
@@ -633,6 +673,7 @@ class Worker:
             owned = peer.owned + [(p, since, end) for p, since in peer.owning.items()]
             peers[str(peer.slot)] = {
                 "id": peer.node.signer.peer_id.hex()[:12],  # as samples name owners
+                "peer_id": peer.node.signer.peer_id.hex(),  # its roster rank: ``roster_score``
                 "joined_at": peer.joined_at,
                 "may_own": peer.may_own,
                 "gone_at": peer.gone_at,
@@ -722,6 +763,40 @@ def warm_up(cfg: Config) -> None:
     peer.optimizer.step()
 
 
+def roster_views(
+    seen: dict[str, tuple[Membership, set[bytes], list[bytes]]],
+) -> dict[str, dict[str, Any]]:
+    """Per peer (slot -> its membership, suspects and candidate owners): the candidate owners it
+    ranks fragments over, each with the seconds its record has left (``c``), the age of its
+    last read (``age``), and why it lacks each candidate another peer of this worker has
+    (``m``: "suspect", "learner": held without the owner role, or "absent": no record held),
+    whether its own record offers to own (``o``), whether it counts itself among the roster's
+    holders (``n``: its reads of the roster stay local) and whose roster records its own DHT
+    store holds (``h``).
+    What a dissent is made of: ``dissent_causes`` compares a dissenter's with the majority's."""
+    now = time.time()
+    union = {pid for _, _, cands in seen.values() for pid in cands}
+    out: dict[str, dict[str, Any]] = {}
+    for slot, (ms, suspects, cands) in seen.items():
+        members, mine = ms.members, set(cands)
+        out[slot] = {
+            "c": {pid.hex()[:12]: round(members[pid].expires_at - now, 1) for pid in cands},
+            "age": round(min(ms.read_age(), 999.0), 1),
+            "o": int(ms._published_under == ms.roster),  # our record offers to own
+            # whether we count ourselves among the roster's holders (reads of it stay local),
+            # and whose roster records our own DHT store holds
+            "n": int(ms.dht.held_near(ms.roster, MEMBER_REPLICAS) is not None),
+            "h": sorted(r.subkey.hex()[:12] for r in ms.dht.client.records.get(ms.roster, now)),
+            "m": {
+                pid.hex()[:12]: "suspect"
+                if pid in suspects
+                else ("learner" if pid in members else "absent")
+                for pid in union - mine
+            },
+        }
+    return out
+
+
 # --- the parent: start workers, merge their reports ------------------------------------------
 
 
@@ -782,6 +857,97 @@ def settled_agreement(
         "left_out": left_out,
         # (t, fragment, peer, the owner it names, the one most name) in the samples kept
         "dissent": sorted(dissent),
+    }
+
+
+def roster_sizes(samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Over ``samples`` (each with ``rosters``: ``roster_views``): how many candidate owners
+    the set most peers rank over holds, how many peers offer to own, and how old the peers'
+    last reads are (the median and the most of each; ages as the share of peer-samples over
+    6, 12 and 30 s)."""
+    majority, offering, ages = [], [], []
+    for m in samples:
+        rosters = m.get("rosters", {})
+        if not rosters:
+            continue
+        sets = Counter(frozenset(r["c"]) for r in rosters.values())
+        majority.append(len(max(sets.items(), key=lambda kv: (kv[1], sorted(kv[0])))[0]))
+        offering.append(sum(r.get("o", 0) for r in rosters.values()))
+        ages += [r["age"] for r in rosters.values()]
+
+    def spread(xs: list[int]) -> dict[str, float] | None:
+        return {"median": statistics.median(xs), "max": max(xs)} if xs else None
+
+    return {
+        "roster_candidates": spread(majority),
+        "roster_offering": spread(offering),
+        "read_age_over_s": {
+            str(s): round(sum(1 for a in ages if a > s) / len(ages), 4) for s in (6, 12, 30)
+        }
+        if ages
+        else None,
+    }
+
+
+def dissent_causes(
+    dissent: Sequence[tuple[float, int, str, str, str]],
+    samples: dict[float, dict[str, dict[str, Any]]],
+    slot_of: Callable[[str], str],
+) -> dict[str, Any]:
+    """Why each dissent (``settled_agreement``'s: t, fragment, peer, the owner it names, the one
+    most name) named another owner: its candidate owners (``roster_views``, in ``samples`` at
+    t) against those most of the peers naming the majority's owner rank over. A candidate the
+    dissenter lacks is "missing:<why it lacks it>"; one it has that they lack is "extra:<why
+    most of them lack it>"; "same candidates" names neither (a ranking that differs on one
+    set would be a bug). Returns counts by cause, by dissenting peer and by member, and the
+    first 40 as [t, fragment, peer, named, major, missing, extra, read age] (members as slots;
+    each extra with the seconds its record had left in the dissenter's view)."""
+    by_cause: Counter[str] = Counter()
+    by_peer: Counter[str] = Counter()
+    by_member: Counter[str] = Counter()
+    log: list[list[Any]] = []
+    ages: list[float] = []
+    for t, p, peer, named, major in dissent:
+        rosters, owners = samples[t]["rosters"], samples[t]["owners"]
+        mine = rosters.get(peer)
+        with_major = [q for q, row in owners.items() if row[p] == major and q in rosters]
+        if mine is None or not with_major:
+            by_cause["unsampled"] += 1
+            continue
+        sets = Counter(frozenset(rosters[q]["c"]) for q in with_major)
+        majority = max(sets.items(), key=lambda kv: (kv[1], sorted(kv[0])))[0]
+        missing = sorted(majority - set(mine["c"]))
+        extra = sorted(set(mine["c"]) - majority)
+        why_missing = [[slot_of(m), mine["m"].get(m, "?")] for m in missing]
+        why_extra = [
+            [
+                slot_of(x),
+                Counter(rosters[q]["m"].get(x, "?") for q in with_major).most_common(1)[0][0],
+                mine["c"][x],
+            ]
+            for x in extra
+        ]
+        kinds = sorted(
+            {f"missing:{w}" for _, w in why_missing} | {f"extra:{w}" for _, w, _ in why_extra}
+        )
+        by_cause[" + ".join(kinds) or "same candidates"] += 1
+        by_peer[peer] += 1
+        ages.append(mine["age"])
+        by_member.update(slot_of(m) for m in missing + extra)
+        if len(log) < 40:
+            log.append([round(t, 1), p, peer, slot_of(named), slot_of(major),
+                        why_missing, why_extra, mine["age"]])  # fmt: skip
+    return {
+        "owner_dissent_causes": dict(by_cause.most_common()),
+        "owner_dissents_by_peer": dict(by_peer.most_common(12)),
+        "owner_dissents_by_member": dict(by_member.most_common(12)),
+        "owner_dissent_why_log": log,
+        # the dissenters' last reads: the share older than 6, 12 and 30 s
+        "owner_dissent_read_age_over_s": {
+            str(s): round(sum(1 for a in ages if a > s) / len(ages), 4) for s in (6, 12, 30)
+        }
+        if ages
+        else None,
     }
 
 
@@ -849,12 +1015,15 @@ def summarize(cfg: Config, reports: list[dict[str, Any]]) -> dict[str, Any]:
         if p["window"] is not None and p["window"]["s"] > 0
     ]
     # samples: merge the workers' samples taken in the same sample period
-    merged: dict[int, dict[str, dict[str, Any]]] = defaultdict(lambda: {"owners": {}, "views": {}})
+    merged: dict[int, dict[str, dict[str, Any]]] = defaultdict(
+        lambda: {"owners": {}, "views": {}, "rosters": {}}
+    )
     for r in reports:
         for s in r["samples"]:
             tick = int(s["t"] // cfg.sample_s)
             merged[tick]["owners"].update(s["owners"])
             merged[tick]["views"].update(s["views"])
+            merged[tick]["rosters"].update(s.get("rosters", {}))
     lo, hi = schedule.steady
 
     def calm(t: float) -> bool:
@@ -865,7 +1034,21 @@ def summarize(cfg: Config, reports: list[dict[str, Any]]) -> dict[str, Any]:
     calm_timed = [(tick * cfg.sample_s, m["owners"]) for tick, m in merged.items()]
     calm_timed = [(t, owners) for t, owners in calm_timed if calm(t)]
     calm_owners = [owners for _, owners in calm_timed]
+    churning = [
+        m["owners"]
+        for tick, m in merged.items()
+        if any(a <= tick * cfg.sample_s < b for a, b in schedule.churn_windows)
+    ]
     settled = settled_agreement(calm_timed, cfg.fragments, around_s=PROPAGATION_S)
+    if SAMPLES_FILE:
+        with open(SAMPLES_FILE, "w") as f:
+            json.dump({"ids": {slot: p.get("peer_id") for slot, p in peers.items()},
+                       "samples": {str(tick): m for tick, m in sorted(merged.items())}}, f)  # fmt: skip
+    causes = dissent_causes(
+        settled["dissent"],
+        {tick * cfg.sample_s: m for tick, m in merged.items()},
+        lambda pid: slots.get(pid, pid),
+    )
     views = [v for m in steady for v in m["views"].values()]
     lives = {pid: (p["joined_at"], p["gone_at"]) for pid, p in peers.items()}
     spread, judged = spread_times(
@@ -939,6 +1122,8 @@ def summarize(cfg: Config, reports: list[dict[str, Any]]) -> dict[str, Any]:
         else None,
         "holder_uploads_per_version_max": held_max,
         "owner_agreement": owner_agreement(calm_owners, cfg.fragments),
+        # the same over the churn windows' samples (None without churn)
+        "owner_agreement_churn": owner_agreement(churning, cfg.fragments),
         # the same outside an owner move's propagation (``settled_agreement``)
         "owner_agreement_settled": settled["agreement"],
         "owner_moves": settled["owner_moves"],
@@ -954,6 +1139,12 @@ def summarize(cfg: Config, reports: list[dict[str, Any]]) -> dict[str, Any]:
             for t, p, peer, a, b in settled["dissent"][:40]
         ],
         "owner_dissents": len(settled["dissent"]),
+        # what each dissent's candidate owners lacked or had beside the majority's
+        # (``dissent_causes``): counts by cause, by dissenting peer and by member, and a log
+        **causes,
+        # per calm sample, the candidate owners most peers rank over and the peers whose
+        # records offer to own: the median and the most (the roster's cap is ``ROSTER_CAP``)
+        **roster_sizes([m for tick, m in merged.items() if calm(tick * cfg.sample_s)]),
         "peak_rss_mb": round(max(r["peak_rss_mb"] for r in reports), 1),
         "rss_mb_per_peer": round(sum(r["peak_rss_mb"] for r in reports) / schedule.slots, 2),
         "dht_requests_per_peer_s": {
@@ -973,6 +1164,13 @@ def summarize(cfg: Config, reports: list[dict[str, Any]]) -> dict[str, Any]:
         "unowned_max_s": max((max(g, default=0.0) for g in gaps.values()), default=None),
         "unowned_s_by_fragment": {str(p): round(sum(g), 1) for p, g in gaps.items()},
         "unowned_gaps_over_lease": sum(1 for g in gaps.values() for x in g if x > LEASE_S),
+        # each stretch of half a lease or more: [fragment, from, to, the slot whose owner ended
+        # last before it, when that peer was gone, the slot whose owner ended it]
+        "unowned_long_log": long_gaps(
+            peers, cfg.fragments, min(firsts), cfg.duration_s - 1.0, min_s=LEASE_S / 2
+        )
+        if firsts
+        else [],
         "lease_s": LEASE_S,
         "versions_published": len(contents_by_version(published)),
         "versions_two_contents": two_contents(published),  # type: ignore[arg-type]

@@ -345,6 +345,11 @@ class Membership:
         ] = {}  # the newest record seen per member, until it expires
         # held records the last whole read did not carry past its renewal horizon (LAPSE_GUARD_S)
         self._unrenewed: set[bytes] = set()
+        # roster records that expired in our view since the last quorum read: a responder (or
+        # our own store) lacked their renewals, or their members are gone. The roster alone:
+        # its records are the candidate owners every view must agree on, and a lapsed learner's
+        # record would cost an owner a quorum read of every member's
+        self._lapsed: set[bytes] = set()
         # each held record's value as last decoded (subkey -> value, record): a view is rebuilt
         # at every read from every record held, and a record's value rarely changes
         self._decoded: dict[bytes, tuple[bytes, MemberRecord]] = {}
@@ -538,10 +543,10 @@ class Membership:
 
     async def refresh_if_due(self) -> dict[bytes, Member]:
         """The membership loop's pass: ``refresh`` when a read is due (``ReadCadence``, or a
-        held record lapses); else only the wanted ids looked up and the view rebuilt from the
+        held record lapses or lapsed); else only the wanted ids looked up and the view rebuilt from the
         records held (an expired one leaves it)."""
         now = time.time()
-        if self.cadence.due(now) or self._lapsing(now):
+        if self.cadence.due(now) or self._lapsing(now) or self._lapsed:
             return await self.refresh()
         before = self._shape()
         if not self.sees_all:
@@ -559,9 +564,11 @@ class Membership:
         Records are merged with the records already held (the newest expiry per member wins),
         so one responder that leaves members out cannot shrink the view: records are signed, a
         responder can only omit, and an omitted member stays until its own record expires. The
-        first read, every ``FULL_READ_EVERY``-th, and one made while a record a read asked to
+        first read, every ``FULL_READ_EVERY``-th, one made while a record a read asked to
         renew and did not nears expiry (``LAPSE_GUARD_S``; asked again at once, in the same
-        pass) merge ``READ_QUORUM`` responders' records; the others read this node's own store when it is among the nodes nearest the swarm key
+        pass), and the next after a roster record expired in our view (``_lapsed``: a rebuild
+        between reads drops it where the guard no longer sees it; the next pass reads) merge
+        ``READ_QUORUM`` responders' records; the others read this node's own store when it is among the nodes nearest the swarm key
         (members publish there, ``MEMBER_REPLICAS`` of them: no request at all), else one
         responder's. Reads from responders are delta reads by content: they name the values
         held here, responders leave those out and send a refresh (expiry and signature) of
@@ -569,17 +576,25 @@ class Membership:
         now."""
         now, began = time.time(), time.monotonic()
         keys = self._whole_keys()
-        full = full or self.reads % FULL_READ_EVERY == 0 or self._lapsing(now, unrenewed=True)
+        full = (
+            full
+            or self.reads % FULL_READ_EVERY == 0
+            or self._lapsing(now, unrenewed=True)
+            or bool(self._lapsed)  # a record lapsed from the view: ask whether it is renewed
+        )
         self.reads += 1
         before = self._shape()
         renew_at = self._renew_before(now)
         await self._read_whole(keys, full, now, renew_at)
         if not full and self._lapsing(time.time(), unrenewed=True):
             # the one responder lacked a lapsing record's newer copy: ask a quorum in this pass
+            full = True
             await self._read_whole(keys, True, now, renew_at)
         if not self.sees_all:
             await self._look_up(now, renewing=True)
         self._rebuild(now)
+        if full:  # what a quorum did not renew has gone: no further read for it
+            self._lapsed.clear()
         self.cadence.read(time.time(), changed=self._shape() != before)
         # reads may overlap (the membership loop, a lookup, a publication): the newest start wins
         self.read_at = max(began, self.read_at if self.read_at is not None else began)
@@ -591,6 +606,8 @@ class Membership:
         for subkey, rec in list(self._records.items()):
             if rec.expires_at <= now:
                 del self._records[subkey]
+                if rec.key == self.roster:  # a rebuild between reads drops it unseen by the guard
+                    self._lapsed.add(subkey)
                 continue
             try:
                 record = self._decode(rec.subkey, rec.value)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -18,10 +19,13 @@ from bench.swarm_scale import (
     Config,
     Schedule,
     bootstrap_peers,
+    dissent_causes,
     is_control,
     join_order,
+    long_gaps,
     owner_agreement,
     owner_gaps,
+    roster_sizes,
     settled_agreement,
     spread_times,
     summarize,
@@ -82,6 +86,42 @@ def test_settled_agreement_leaves_out_a_moves_propagation_and_nothing_else() -> 
     settled = settled_agreement(timed, 1, around_s=6.0)
     assert settled["agreement"] == pytest.approx(0.5)
     assert settled["dissent"][0] == (0.0, 0, "d", "z", "x") and len(settled["dissent"]) == 13
+
+
+def test_dissent_causes_name_the_candidate_a_dissenter_lacks_or_holds_beside_the_majority() -> None:
+    # a, b rank over {x, y}; c lacks y's record (it names x for fragment 1); d still holds
+    # w's owner record, 3 s from expiry, which a and b hold as a learner's
+    majority = {"c": {"x": 12.0, "y": 15.0}, "age": 1.0, "m": {"w": "learner"}}
+    sample = {
+        "owners": {"a": ["x", "y"], "b": ["x", "y"], "c": ["x", "x"], "d": ["w", "y"]},
+        "rosters": {
+            "a": majority,
+            "b": majority,
+            "c": {"c": {"x": 12.0}, "age": 5.0, "m": {"y": "absent"}},
+            "d": {"c": {"x": 12.0, "y": 15.0, "w": 3.0}, "age": 2.0, "m": {}},
+        },
+    }
+    dissent = settled_agreement([(4.0, sample["owners"])], 2, around_s=0.0)["dissent"]
+    assert dissent == [(4.0, 0, "d", "w", "x"), (4.0, 1, "c", "x", "y")]
+    got = dissent_causes(dissent, {4.0: sample}, lambda pid: {"w": "9"}.get(pid, pid))
+    assert got["owner_dissent_causes"] == {"extra:learner": 1, "missing:absent": 1}
+    assert got["owner_dissents_by_member"] == {"9": 1, "y": 1}
+    assert got["owner_dissent_why_log"] == [
+        [4.0, 0, "d", "9", "x", [], [["9", "learner", 3.0]], 2.0],
+        [4.0, 1, "c", "x", "y", [["y", "absent"]], [], 5.0],
+    ]
+
+
+def test_roster_sizes_count_the_majoritys_candidates_the_offers_and_old_reads() -> None:
+    three = {"c": {"x": 9.0, "y": 9.0, "z": 9.0}, "age": 2.0, "o": 1}
+    samples = [
+        {"rosters": {"a": three, "b": three, "c": {"c": {}, "age": 40.0, "o": 1}}},
+        {"rosters": {"a": {**three, "o": 0}, "b": {"c": {"x": 9.0}, "age": 7.0, "o": 0}}},
+    ]
+    got = roster_sizes(samples)
+    assert got["roster_candidates"] == {"median": 3, "max": 3}  # a tie goes one way everywhere
+    assert got["roster_offering"] == {"median": 1.5, "max": 3}
+    assert got["read_age_over_s"] == {"6": 0.4, "12": 0.2, "30": 0.2}
 
 
 def test_spread_counts_only_peers_live_through_the_horizon_and_versions_judged() -> None:
@@ -148,6 +188,17 @@ def test_unowned_stretches_are_the_gaps_between_any_peers_owner_spans() -> None:
     assert gaps[1] == [10.0]  # before its first owner (from start)
     assert gaps[2] == [100.0]  # never owned
     assert owner_gaps([(0, 0.0, 40.0)], 1, start=0.0, end=100.0) == {0: [60.0]}
+    # the same spans by peer: who let fragment 0 go at 60 (gone at 61) and who took it at 85
+    peers = {
+        "a": {"owned": [[0, 0.0, 50.0]], "gone_at": None},
+        "b": {"owned": [[0, 45.0, 60.0], [1, 10.0, 100.0]], "gone_at": 61.0},
+        "c": {"owned": [[0, 85.0, 100.0]], "gone_at": None},
+    }
+    assert long_gaps(peers, 3, 0.0, 100.0, min_s=10.0) == [
+        [0, 60.0, 85.0, "b", 61.0, "c"],
+        [1, 0.0, 10.0, None, None, "b"],
+        [2, 0.0, 100.0, None, None, None],
+    ]
 
 
 def test_a_version_with_two_digests_is_named() -> None:
@@ -308,6 +359,22 @@ def test_summarize_divides_control_bytes_by_each_peers_window() -> None:
         "stale_view_fences": 2,
         "view_reads": 4,
     }
+
+
+def test_agreement_in_churn_is_scored_apart_from_the_calm_samples() -> None:
+    cfg = Config(peers=2, duration_s=100.0, join_s=1.0, settle_s=1.0, churn_at=10.0, churn=0.5)
+    assert Schedule.of(cfg).churn_windows == ((10.0, 100.0),)
+    peer = {"joined_at": 1.0, "gone_at": None, "failure": None, "first_held": {}, "window": None}
+    samples = [
+        {"t": 4.0, "owners": {"0": ["x"], "1": ["x"]}, "views": {}},  # calm: they agree
+        {"t": 20.0, "owners": {"0": ["x"], "1": ["y"]}, "views": {}},  # in churn: they do not
+    ]
+    reports = [
+        {"worker": 0, "peak_rss_mb": 1.0, "samples": samples, "peers": {"0": peer, "1": peer}}
+    ]
+    case = summarize(dataclasses.replace(cfg, fragments=1), reports)
+    assert case["owner_agreement"] == 1.0 and case["owner_agreement_churn"] == 0.0
+    assert case["owner_dissents"] == 0  # the churn sample's dissent is not counted as calm
 
 
 @pytest.mark.integration

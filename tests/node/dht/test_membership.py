@@ -808,3 +808,48 @@ async def test_a_record_that_aged_into_the_guard_and_was_not_renewed_is_read_fro
     await swarm.membership.refresh_if_due()
     assert swarm.dht.quorums == [READ_QUORUM, 1, READ_QUORUM]
     assert b.peer_id in swarm.membership.members
+
+
+class NeverStoredDHT(RepublishingDHT):
+    """``RepublishingDHT`` whose single responder (or our own store, when we count ourselves
+    among the key's holders) holds no copy at all of the ``lacking`` members: their publishers
+    store at the nodes their lookups found nearest, and it is not one of them."""
+
+    async def get(self, key: bytes, *, quorum: int = 1, only: tuple[bytes, ...] = (),
+                  held: Sequence = (), renew_before: float = 0.0) -> list:  # fmt: skip
+        out = await super().get(key, quorum=quorum, only=only, held=held, renew_before=renew_before)
+        return out if quorum > 1 else [r for r in out if r.subkey not in self.lacking]
+
+
+async def test_a_record_that_lapsed_from_the_view_between_passes_is_read_from_a_quorum_next_pass(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A live member's record that expired in our view unrenewed, dropped by a rebuild between
+    passes (a requester's lookup, ``look_up``, as a starved loop's late passes let happen), is
+    asked of READ_QUORUM responders at the next pass: the responder a single read asks (or our
+    own store, when we count ourselves among the roster's holders) lacks its newer copies, and
+    the lapse guard no longer sees a record gone. Before, it stayed out of the view until the
+    every-FULL_READ_EVERY-th read, ~20 s at a loaded loop's pace: longer than ROSTER_GRACE_S, so
+    a view lacking one of the roster's cap members had every member it held take a place."""
+    import node.dht.membership as membership_module
+    from node.dht.membership import LAPSE_GUARD_S, READ_QUORUM
+
+    clock = FakeClock()
+    monkeypatch.setattr(membership_module, "time", clock)
+    signers = [Signer.from_seed(os.urandom(32)) for _ in range(4)]
+    dht = NeverStoredDHT(clock, signers, every_s=6.5, ttl_s=20.0)
+    view = Membership(dht, "s", "m", ttl_s=20.0)  # type: ignore[arg-type]
+    view.sees_all = False
+    lacking = signers[0].peer_id
+    for _ in range(6):
+        await view.refresh_if_due()  # a pass: the first read asks a quorum, then one responder
+        dht.lacking = {lacking}  # from now on that responder misses its republications
+        assert lacking in view.members
+        clock.now = view.members[lacking].expires_at + 0.5  # the next pass comes late...
+        await view.look_up()  # ...after a lookup for a requester rebuilt the view without it
+        assert lacking not in view.members
+        await view.refresh_if_due()
+        assert lacking in view.members, "a live member left out of the view for a whole pass"
+        assert view.members[lacking].expires_at - clock.now > LAPSE_GUARD_S
+        assert dht.quorums[-1] == READ_QUORUM
+        clock.now += 2.0
