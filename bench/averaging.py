@@ -50,6 +50,8 @@ import platform
 import statistics
 import sys
 import tempfile
+from collections import Counter
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -149,6 +151,10 @@ class Round:
                 out[key] = sum(x.get(key, 0) for x in replies)
             out["updates_applied_per_peer"] = [x.get("updates_applied", 0) for x in replies]
             out["versions_replica_per_peer"] = [x.get("versions_replica", 0) for x in replies]
+        if kill is None:  # where the round's CPU went, by thread role, summed over the peers
+            out["cpu_by_thread"] = _summed(x.get("threads", {}) for x in replies)
+        if system == "atoll" and kill is None:
+            out["messages"] = _added(x.get("messages", {}) for x in replies)
         errors = [x.get("error") for x in replies if not x.get("ok")]
         if errors:
             out["errors"] = errors[:3]
@@ -199,6 +205,25 @@ class Round:
         if "error" in reply:
             out["error"] = reply["error"]
         return out
+
+
+def _added(counts: Iterable[dict[str, int]]) -> dict[str, int]:
+    """The peers' counts by key, added (keys in order)."""
+    total: Counter[str] = Counter()
+    for c in counts:
+        total.update(c)
+    return dict(sorted(total.items()))
+
+
+def _summed(per_peer: Iterable[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """The peers' ``bench.averaging_threads`` figures by role, added (roles in order)."""
+    total: dict[str, dict[str, float]] = {}
+    for roles in per_peer:
+        for role, figures in roles.items():
+            mine = total.setdefault(role, {})
+            for key, value in figures.items():
+                mine[key] = round(mine.get(key, 0) + value, 3)
+    return dict(sorted(total.items()))
 
 
 def _median(runs: list[dict[str, Any]], key: str = "seconds") -> float | None:

@@ -257,6 +257,7 @@ class AtollSide:
         """Ship every fragment and step until each has its next version. Returns counts."""
         island, n = self.island, len(self.params)
         stats0 = self._net_stats()
+        sent0 = dict(self.api.node.transport.messages_by_route)
         marked = [time.monotonic()] * n
         for p in range(n):
             island.next_due[p] = island.stats.step + 1
@@ -284,7 +285,18 @@ class AtollSide:
             if not self._done():  # sleep until a version or a refusal comes, or a retry is due
                 island.wait_for_news(seen, POLL_S if due else RETRY_S)
         stats = {k: v - stats0[k] for k, v in self._net_stats().items()}
-        return {"ok": True, "retries": retries, "versions": list(island.versions), **stats}
+        sent = {  # requests sent and replies written in the round, by route
+            route: n - sent0.get(route, 0)
+            for route, n in self.api.node.transport.messages_by_route.items()
+            if n > sent0.get(route, 0)
+        }
+        return {
+            "ok": True,
+            "retries": retries,
+            "versions": list(island.versions),
+            "messages": sent,
+            **stats,
+        }
 
     def _net_stats(self) -> dict[str, int]:
         """Versions this learner received, and of them taken as updates / updates refused."""

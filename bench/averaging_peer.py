@@ -20,6 +20,7 @@ import torch
 
 from bench.averaging_inputs import Layout, initial
 from bench.averaging_profile import from_env
+from bench.averaging_threads import ThreadTimes
 
 __all__ = ["Peer", "main"]
 
@@ -101,7 +102,7 @@ class Peer:
                 side.prepare(cmd["round"])
             return {"prepare_s": time.perf_counter() - t0}
         if kind == "go":
-            t0 = time.perf_counter()
+            t0, threads0 = time.perf_counter(), ThreadTimes.now()
             profiled = self.sampler is not None and cmd["system"] == "atoll"
             if profiled:
                 self.sampler.active = True  # type: ignore[union-attr]
@@ -113,7 +114,8 @@ class Peer:
             finally:
                 if profiled:
                     self.sampler.active = False  # type: ignore[union-attr]
-            return {**out, "cycle_s": time.perf_counter() - t0}
+            threads = ThreadTimes.now().since(threads0)
+            return {**out, "cycle_s": time.perf_counter() - t0, "threads": threads}
         if kind == "check":
             sets = cmd["sets"]
             out = (

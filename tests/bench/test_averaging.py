@@ -120,6 +120,11 @@ def test_a_tiny_run_of_atoll_and_raw_checks_every_merge(tiny_runs) -> None:  # t
         run["ok"] and run["check"]["matches"] == ["all"] and run["check"]["identical_on_every_peer"]
     )
     assert {f["matches"] for f in run["check"]["fragments"]} == {"all"}
+    # where the round went: the node's loop and the trainer did work, and each peer sent its
+    # contribution for the fragment the other owns (2 peers x 2 fragments, one owned by each)
+    assert {"loop", "trainer"} <= set(run["cpu_by_thread"])
+    assert run["messages"]["/v1/rpc:Contribution"] == 2
+    assert "raw" in case["raw_runs"][0]["cpu_by_thread"]
     if "hivemind" in systems:
         assert case["hivemind_runs"][0]["check"]["matches"] == ["all"]
     else:
