@@ -554,13 +554,14 @@ class Handoffs:
         if last is not None:
             owners.add(last)
         own = self.owners.get(p)
-        owning = own is not None and not own.retired
-        took = self.replicas.took_from.get(p) if owning else None
+        if own is not None and own.retired:
+            own = None  # retired: we no longer own p
+        took = self.replicas.took_from.get(p) if own is not None else None
         if took is not None:
             owners.add(took)
-        merged = own is not None and owning and own.merges_done > 0
+        merged = own is not None and own.merges_done > 0
         sources: frozenset[bytes] = frozenset()
-        if owning and not merged and self.membership is not None:
+        if own is not None and not merged:
             sources = frozenset(c[0] for c in self.catch_up_sources(p))
         return HandoffView(
             me=me,

@@ -164,7 +164,7 @@ def admit(
     is_owner = sender in owners
     predecessor = view.predecessor if view.predecessor != view.me else None
     p = fragment
-    if not is_owner and not view.merged and sender in view.sources - {view.me}:
+    if not is_owner and not view.merged and sender != view.me and sender in view.sources:
         predecessor = sender  # one of our catch-up sources, before our first merge
     if not is_owner and sender != predecessor:
         named = ", ".join(sorted(o.hex()[:8] for o in owners)) or "no one"
