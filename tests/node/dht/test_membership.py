@@ -737,6 +737,26 @@ class RepublishingDHT:
         return None
 
 
+def _republished_view(
+    monkeypatch: pytest.MonkeyPatch,
+    members: int,
+    *,
+    every_s: float = 6.5,
+    dht_type: type[RepublishingDHT] = RepublishingDHT,
+) -> tuple[FakeClock, list[Signer], RepublishingDHT, Membership]:
+    """A bounded view (``sees_all`` off) of ``members`` roster members republishing every
+    ``every_s`` with a 20 s ttl over ``dht_type``, on a fake clock that membership reads too."""
+    import node.dht.membership as membership_module
+
+    clock = FakeClock()
+    monkeypatch.setattr(membership_module, "time", clock)
+    signers = [Signer.from_seed(os.urandom(32)) for _ in range(members)]
+    dht = dht_type(clock, signers, every_s=every_s, ttl_s=20.0)
+    view = Membership(dht, "s", "m", ttl_s=20.0)  # type: ignore[arg-type]
+    view.sees_all = False
+    return clock, signers, dht, view
+
+
 @pytest.mark.parametrize("every_s", [6.5, 7.5])
 async def test_a_steady_roster_read_asks_one_responder_but_every_fourth_read(
     monkeypatch: pytest.MonkeyPatch, every_s: float
@@ -747,15 +767,9 @@ async def test_a_steady_roster_read_asks_one_responder_but_every_fourth_read(
     only every FULL_READ_EVERY-th read asks READ_QUORUM (it asked three on nearly every read
     while any record aging between two reads counted as one a responder failed to renew). And
     no member ever leaves the view."""
-    import node.dht.membership as membership_module
     from node.dht.membership import FULL_READ_EVERY, READ_QUORUM, ROSTER_CAP
 
-    clock = FakeClock()
-    monkeypatch.setattr(membership_module, "time", clock)
-    signers = [Signer.from_seed(os.urandom(32)) for _ in range(ROSTER_CAP)]
-    dht = RepublishingDHT(clock, signers, every_s=every_s, ttl_s=20.0)
-    view = Membership(dht, "s", "m", ttl_s=20.0)  # type: ignore[arg-type]
-    view.sees_all = False
+    clock, _, dht, view = _republished_view(monkeypatch, ROSTER_CAP, every_s=every_s)
     for _ in range(150):  # 300 s of 2 s passes
         await view.refresh_if_due()
         assert len(view.members) == ROSTER_CAP
@@ -771,15 +785,9 @@ async def test_a_record_one_responder_does_not_renew_is_read_from_a_quorum_befor
     """The safety net kept: a member whose newer copies the responder read lacks is asked of
     READ_QUORUM responders once its held record nears expiry (in the same pass as the read that
     missed it), and stays in the view, though the passes come as late as a loaded loop's."""
-    import node.dht.membership as membership_module
     from node.dht.membership import READ_QUORUM
 
-    clock = FakeClock()
-    monkeypatch.setattr(membership_module, "time", clock)
-    signers = [Signer.from_seed(os.urandom(32)) for _ in range(4)]
-    dht = RepublishingDHT(clock, signers, every_s=6.5, ttl_s=20.0)
-    view = Membership(dht, "s", "m", ttl_s=20.0)  # type: ignore[arg-type]
-    view.sees_all = False
+    clock, signers, dht, view = _republished_view(monkeypatch, 4)
     dht.lacking = {signers[0].peer_id}
     for _ in range(120):
         await view.refresh_if_due()
@@ -831,15 +839,9 @@ async def test_a_record_that_lapsed_from_the_view_between_passes_is_read_from_a_
     the lapse guard no longer sees a record gone. Before, it stayed out of the view until the
     every-FULL_READ_EVERY-th read, ~20 s at a loaded loop's pace: longer than ROSTER_GRACE_S, so
     a view lacking one of the roster's cap members had every member it held take a place."""
-    import node.dht.membership as membership_module
     from node.dht.membership import LAPSE_GUARD_S, READ_QUORUM
 
-    clock = FakeClock()
-    monkeypatch.setattr(membership_module, "time", clock)
-    signers = [Signer.from_seed(os.urandom(32)) for _ in range(4)]
-    dht = NeverStoredDHT(clock, signers, every_s=6.5, ttl_s=20.0)
-    view = Membership(dht, "s", "m", ttl_s=20.0)  # type: ignore[arg-type]
-    view.sees_all = False
+    clock, signers, dht, view = _republished_view(monkeypatch, 4, dht_type=NeverStoredDHT)
     lacking = signers[0].peer_id
     for _ in range(6):
         await view.refresh_if_due()  # a pass: the first read asks a quorum, then one responder
