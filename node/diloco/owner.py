@@ -618,6 +618,16 @@ class FragmentOwner:
         if self.succession.hold_first_merge(seconds):
             self._wake.set()
 
+    async def release_first_merge(self, why: str) -> bool:
+        """End a ``hold_first_merge`` hold before its time (``why``: for the log), and merge what
+        waited on it. Returns whether a hold was released."""
+        decision = self.succession.release_first_merge()
+        if decision is None:
+            return False
+        log.info("fragment %d: first merge no longer held: %s", self.fragment.index, why)
+        await self._apply(decision)
+        return True
+
     # --- the end of a run, and of this term ------------------------------------------------------
     def idle(self) -> bool:
         """No contribution is waiting and no merge is running: the latest version is final."""

@@ -219,6 +219,14 @@ class Succession:
         self.merger.hold_until(now + seconds, now=now)  # setting a hold never merges
         return True
 
+    def release_first_merge(self) -> Decision | None:
+        """End a ``hold_first_merge`` hold now: the merger's decision (it may close the round
+        the hold kept open), or None when no first merge is held."""
+        if self.counts.merges_done or self.merger.held_until is None:
+            return None
+        now = self.clock()
+        return self.merger.hold_until(now, now=now)
+
     # --- the end of a run, and of this term ------------------------------------------------------
     @property
     def final_declared(self) -> tuple[int, float] | None:

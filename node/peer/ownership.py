@@ -109,6 +109,8 @@ class Ownership:
         self._owner_tasks: dict[int, asyncio.Task[None]] = {}
         self._fenced_until: dict[int, float] = {}
         self._last_owner: dict[int, bytes] = {}  # per fragment, the owner the last pass saw
+        # per fragment, the live owner we took it from and hold our first merge for (its handoff)
+        self._awaited: dict[int, bytes] = {}
         self.handoffs = Handoffs(
             self.cfg,
             shared,
@@ -172,8 +174,25 @@ class Ownership:
                     self.started.tg.create_task(self.handoffs.hand_on(p, owner, retired.snapshot()))
             if owner is not None:
                 self._last_owner[p] = owner[0]
+        await self._release_holds_for_gone_owners()
         if self.started.net is not None:
             self.started.net.owners_changed()  # work accepted by an owner that has gone is sent again now
+
+    async def _release_holds_for_gone_owners(self) -> None:
+        """End the first-merge hold of each owner whose predecessor is now a suspect (it refuses
+        connections: it left or died, and hands nothing over). Holding on would only idle the
+        fragment: a 2-peer CI run trained its whole 80 steps with a fragment held this way."""
+        suspects = self.view.suspects()
+        for p, awaited in list(self._awaited.items()):
+            owner = self.owners.get(p)
+            if owner is None or owner.merges_done:
+                del self._awaited[p]
+            elif awaited in suspects and p not in self.handoffs.lapsed:
+                del self._awaited[p]
+                await owner.release_first_merge(
+                    f"the previous owner {awaited.hex()[:8]} refuses connections: "
+                    "it hands nothing over"
+                )
 
     def _drop_owner(self, p: int, *, finish_merge: bool = False) -> FragmentOwner:
         """Stop owning ``p``. With ``finish_merge`` a merge under way is not cancelled: its
@@ -300,28 +319,32 @@ class Ownership:
             # a replica took a version we did not publish (our lease had lapsed): merge nothing
             # until it takes it again under our new epoch and we own from it (``_run_owner``)
             owner.hold_first_merge(CATCH_UP_S)
-        if not from_handoff and self._displaces_a_live_owner(p, previous):
+        self._awaited.pop(p, None)
+        displaced = None if from_handoff else self._displaced_live_owner(p, previous)
+        if displaced is not None:
             # it hands us its state as it retires, maybe a version it handed out as final: merge
             # nothing before. (A replica taking over from a dead owner starts from its last state,
             # handed before it was published.) At version 0 too: a joiner that has not yet fetched
             # the live owner's first version would publish version 1 with a second content
             # (96 peers on a starved box, docs/scale_peers.md "Two contents on a starved box").
             owner.hold_first_merge(CATCH_UP_S)
+            self._awaited[p] = displaced
         self.owners[p] = owner
         self._owner_tasks[p] = self.started.tg.create_task(self._run_owner(owner, previous))
         log.info("fragment %d: now the owner, from version %d", p, version)
 
-    def _displaces_a_live_owner(self, p: int, previous: tuple[bytes, str] | None) -> bool:
-        """Whether starting to own ``p`` takes it from a live owner. The owner our last ownership
-        pass saw is the one we take it from: live unless it is a suspect or no longer a member
-        (then it died, and hands nothing over). Without such a pass (we have just joined, or come
-        back) it is the one the members would rank first without us, ``previous``."""
+    def _displaced_live_owner(self, p: int, previous: tuple[bytes, str] | None) -> bytes | None:
+        """The live owner starting to own ``p`` takes it from, if any. The owner our last
+        ownership pass saw is the one we take it from: live unless it is a suspect or no longer a
+        member (then it died, and hands nothing over). Without such a pass (we have just joined,
+        or come back) it is the one the members would rank first without us, ``previous``."""
         seen = self._last_owner.get(p)
         if seen is None or seen == self.signer.peer_id:
-            return previous is not None
-        return seen not in self.view.suspects() and (
+            return None if previous is None else previous[0]
+        live = seen not in self.view.suspects() and (
             self.membership is None or seen in self.membership.members
         )
+        return seen if live else None
 
     async def _run_owner(self, owner: FragmentOwner, previous: tuple[bytes, str] | None) -> None:
         """Resume from the version our replica took while our lease lapsed, if any

@@ -12,6 +12,7 @@ owner published a version its view no longer gave it."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 import types
@@ -22,8 +23,10 @@ from node.diloco.flat import flat_digest
 from node.diloco.replica import encode_state
 from node.peer import PeerNode
 from node.peer.ownership import CATCH_UP_S
+from protocol.dht.member_reads import ReadCadence
 from protocol.wire.messages import ReplicaAck, ReplicaState
 from tests.node.diloco.test_handoff_admission import (
+    ATTACKER,
     ME,
     OWNER,
     _forged,
@@ -31,7 +34,7 @@ from tests.node.diloco.test_handoff_admission import (
     _peer,
     _start_owner_of_0,
 )
-from tests.node.fakes import Tasks
+from tests.node.fakes import Tasks, contribution
 
 
 def _joining(rank: list[bytes], *, last_owner: bytes | None) -> tuple[PeerNode, Tasks]:
@@ -142,3 +145,39 @@ async def test_a_late_loop_is_fenced_by_the_lease_measured_after_the_handoff(mon
     reason = await node.handoffs.replicate(0, dataclasses.replace(_version(node, 1)))
     assert reason is not None and reason.startswith("fenced: our member record")
     assert node.handoffs.lease_lapses == 1
+
+
+async def test_a_held_first_merge_goes_ahead_once_the_owner_it_waits_for_refuses_connections(
+    monkeypatch,  # type: ignore[no-untyped-def]
+) -> None:
+    """CI: a 2-peer join (tests/integration/test_join_nproc.py) ended with a fragment at version
+    0. The joiner took it from a member that had just left (its record not yet expired) and held
+    its first merge CATCH_UP_S for that member's handoff; the member refused the joiner's
+    catch-up fetches, yet the hold ran on, and the joiner's 80 steps went by inside it. A member
+    that refuses connections hands nothing over: the hold ends once it is a suspect (an
+    unrelated suspect does not end it)."""
+    from node.peer import handoffs
+
+    monkeypatch.setattr(handoffs, "hand_over", lambda *a, **kw: _accepted())
+    node, tasks = _joining([ME.peer_id, OWNER.peer_id, ATTACKER.peer_id], last_owner=None)
+    node.net.owners_changed = lambda: None  # type: ignore[union-attr]
+    node.membership.cadence = ReadCadence(base_s=2.0, max_s=6.0)  # type: ignore[union-attr]
+    members = node.membership.members  # type: ignore[union-attr]
+    for s in (OWNER, ATTACKER):  # records stored a while ago: a suspicion from now stands
+        members[s.peer_id] = dataclasses.replace(members[s.peer_id], expires_at=time.time() + 30)
+    own = node.owners[0]
+    delta = torch.full((node.replicas.numels[0],), 0.01)
+    await own.contribute(ME.peer_id, contribution(delta, node.shapes[0], owner=own))
+    assert own.version == 0 and own.merger.held_until is not None  # held for OWNER's handoff
+
+    node.presence.unreachable(ATTACKER.peer_id)  # not the owner we wait for
+    await asyncio.wait_for(tasks.tasks[-1], 10)  # the reconcile a new suspect starts
+    assert own.version == 0 and own.merger.held_until is not None
+
+    node.presence.unreachable(OWNER.peer_id)  # the owner we took it from has gone
+    await asyncio.wait_for(tasks.tasks[-1], 10)
+    assert own.merger.held_until is None
+    async with asyncio.timeout(10):  # the waiting work merges once its grace window closes
+        while own.version == 0:
+            await asyncio.sleep(0.05)
+    await tasks.cancel()
