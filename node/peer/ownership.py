@@ -330,7 +330,15 @@ class Ownership:
             owner.hold_first_merge(CATCH_UP_S)
             self._awaited[p] = displaced
         self.owners[p] = owner
-        self._owner_tasks[p] = self.started.tg.create_task(self._run_owner(owner, previous))
+        first = previous
+        member = self.membership.members.get(displaced) if self.membership and displaced else None
+        if (
+            member is not None
+            and member.record.url
+            and (previous is None or previous[0] != displaced)
+        ):
+            first = (member.peer_id, member.record.url)  # asked first: its refusal ends the hold
+        self._owner_tasks[p] = self.started.tg.create_task(self._run_owner(owner, first))
         log.info("fragment %d: now the owner, from version %d", p, version)
 
     def _displaced_live_owner(self, p: int, previous: tuple[bytes, str] | None) -> bytes | None:

@@ -181,3 +181,21 @@ async def test_a_held_first_merge_goes_ahead_once_the_owner_it_waits_for_refuses
         while own.version == 0:
             await asyncio.sleep(0.05)
     await tasks.cancel()
+
+
+async def test_the_catch_up_asks_the_owner_it_waits_for_first() -> None:
+    """The owner our last pass saw (OWNER) is the one whose handoff the hold waits for, while the
+    member ranked first without us is another (ATTACKER): the catch-up's first fetch goes to the
+    owner waited for, so that its refusal, if it has gone, ends the hold at once."""
+    asked: list[bytes] = []
+    node, tasks = _joining([ME.peer_id, ATTACKER.peer_id, OWNER.peer_id], last_owner=OWNER.peer_id)
+
+    async def fetch(p: int, *, owner: tuple[bytes, str], **kw: object) -> None:
+        asked.append(owner[0])
+
+    node.net.fetch = fetch  # type: ignore[union-attr]
+    async with asyncio.timeout(10):
+        while not asked:
+            await asyncio.sleep(0.05)
+    assert asked[0] == OWNER.peer_id and node.ownership._awaited == {0: OWNER.peer_id}
+    await tasks.cancel()
