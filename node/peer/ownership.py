@@ -330,14 +330,9 @@ class Ownership:
             owner.hold_first_merge(CATCH_UP_S)
             self._awaited[p] = displaced
         self.owners[p] = owner
-        first = previous
+        # the owner the hold waits for is asked first: its refusal, if it has gone, ends the hold
         member = self.membership.members.get(displaced) if self.membership and displaced else None
-        if (
-            member is not None
-            and member.record.url
-            and (previous is None or previous[0] != displaced)
-        ):
-            first = (member.peer_id, member.record.url)  # asked first: its refusal ends the hold
+        first = (member.peer_id, member.record.url) if member and member.record.url else previous
         self._owner_tasks[p] = self.started.tg.create_task(self._run_owner(owner, first))
         log.info("fragment %d: now the owner, from version %d", p, version)
 
