@@ -72,7 +72,9 @@ log = logging.getLogger(__name__)
 
 # The fields that must agree across a swarm: the model and how it is cut, merged and weighted.
 MANIFEST_FIELDS = SWARM_WIDE_FIELDS
-ROLES = ("learner", "owner")
+# "standby": a member of an open swarm that may own and would offer if it ranked among the capped
+# roster; members that outrank us and stand by lengthen our wait for an open place (RosterSeat)
+ROLES = ("learner", "owner", "standby")
 
 
 READ_QUORUM = 3  # responders whose member records are merged on a full read
@@ -285,6 +287,16 @@ class Member:
         )
 
     @property
+    def stands_by(self) -> bool:
+        """It may own and would offer if it ranked in: what ``can_own`` asks, but "standby"."""
+        return (
+            self.certified_owner
+            and bool(self.record.url)
+            and self.record.reachable
+            and "standby" in self.record.roles
+        )
+
+    @property
     def lab(self) -> str:
         return self.cert.lab if self.cert is not None else ""
 
@@ -333,6 +345,7 @@ class Membership:
         self._asking: dict[bytes, asyncio.Event] = {}
         self.cadence = ReadCadence(base_s=READ_BASE_S, max_s=READ_MAX_S)
         self.seat = RosterSeat(cap=ROSTER_CAP, grace_s=ROSTER_GRACE_S)
+        self.seat_clock: Callable[[], float] = time.monotonic  # the seat's waits (tests: a fake)
         self._published_under: bytes | None = None  # the key our record was last stored under
         # replaced by each rebuild, never edited in place: ``ranked``, ``owner_candidates`` and
         # the transport's ``MemberAddresses`` remember answers for the dict they came from
@@ -394,9 +407,13 @@ class Membership:
     def offers_to_own(self, me: bytes, exclude: Collection[bytes] = ()) -> bool:
         """Whether ``me`` may offer to own in an open swarm: fewer than ``ROSTER_CAP`` other
         candidate owners in our view (``exclude``: suspects) outrank it, and a place that opened
-        in an established roster stayed open ``ROSTER_GRACE_S`` (``RosterSeat``)."""
+        in an established roster stayed open ``ROSTER_GRACE_S``, once more for each member
+        standing by in our view that outranks us (``RosterSeat``)."""
         rivals = self.owner_candidates(exclude)
-        return self.seat.decide(self.swarm, me, rivals, time.monotonic())
+        waiting = [
+            m.peer_id for m in self.members.values() if m.stands_by and m.peer_id not in exclude
+        ]
+        return self.seat.decide(self.swarm, me, rivals, self.seat_clock(), waiting=waiting)
 
     async def _read(
         self, key: bytes, full: bool, now: float, renew_before: float

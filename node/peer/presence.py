@@ -224,9 +224,13 @@ class Presence:
         may_own = self.may_own and (
             cred is None or (cred.cert is not None and "owner" in cred.cert.roles)
         )
+        standby = False
         if may_own and self.reachable and (cred is None or not cred.certified):
-            may_own = self._ranks_in_roster()
-        roles = ("learner", "owner") if self.reachable and may_own else ("learner",)
+            standby = not (may_own := self._ranks_in_roster())
+        if self.reachable and may_own:
+            roles: tuple[str, ...] = ("learner", "owner")
+        else:
+            roles = ("learner", "standby") if standby else ("learner",)
         url = (
             origin(self.url) if self.reachable else ""
         )  # a bare origin: others refuse anything more

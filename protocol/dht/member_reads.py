@@ -22,6 +22,19 @@ place that opened in an established roster (at least half of ``cap`` others) onl
 open ``grace_s``. An owner's record that lapsed for a moment on a loaded machine (a slow store, a
 read that missed it) then costs nothing, where without the grace the next-ranked member took the
 place, the fragments moved to it, and moved back when the owner republished.
+
+*The line for a place.* A view that lacks one of the roster's records shows a place open to every
+member that holds it, whatever that member's rank (at 128 peers members ranked 73rd–118th took
+places so, and their offers moved fragments in the views that saw them). So the grace grows with
+the line: a member waits ``grace_s`` once for itself and once more for each member *standing by*
+(``RosterSeat.decide``'s ``waiting``: a member that may own and publishes that it would offer if
+it ranked in) that outranks it in its view, at most ``cap`` of them. Where the place is truly
+open, every view sees it: the best-ranked waiting member takes it after ``grace_s``, and then
+stops waiting (it offers), so the next one's line is one shorter: places fill in rank order, one
+``grace_s`` apart at most. Where only our view lacks a roster member, the members ahead of us see
+no place and take none, and our view has the missing record back long before a deep member's
+line is through. A member that claims to stand by but never takes a place delays us ``grace_s``
+while its record is live in our view, ``cap`` such claims at most ``(cap + 1) * grace_s``.
 """
 
 from __future__ import annotations
@@ -92,7 +105,8 @@ def offers_to_own(swarm: str, me: bytes, candidates: Iterable[bytes], cap: int) 
 
 class RosterSeat:
     """One member's place in a capped roster over time: ``offers_to_own``, except that a member
-    not offering waits ``grace_s`` before taking a place that opened in an established roster."""
+    not offering waits before taking a place that opened in an established roster: ``grace_s``,
+    and ``grace_s`` more for each waiting member that outranks it (module docstring)."""
 
     def __init__(self, *, cap: int, grace_s: float) -> None:
         if cap < 1 or grace_s < 0:
@@ -101,8 +115,17 @@ class RosterSeat:
         self.offering = False
         self._open_since: float | None = None  # when a place first looked open to us
 
-    def decide(self, swarm: str, me: bytes, candidates: Iterable[bytes], now: float) -> bool:
-        """Whether ``me`` offers to own at ``now``, given the members offering in our view."""
+    def decide(
+        self,
+        swarm: str,
+        me: bytes,
+        candidates: Iterable[bytes],
+        now: float,
+        *,
+        waiting: Iterable[bytes] = (),
+    ) -> bool:
+        """Whether ``me`` offers to own at ``now``, given the members offering in our view
+        (``candidates``) and those standing by to (``waiting``)."""
         others = {pid for pid in candidates if pid != me}
         ranks = offers_to_own(swarm, me, others, self.cap)
         if not ranks or self.offering:
@@ -114,5 +137,16 @@ class RosterSeat:
             return True
         if self._open_since is None:
             self._open_since = now
-        self.offering = now - self._open_since >= self.grace_s
+        self.offering = now - self._open_since >= self.grace_s * (
+            1 + self.ahead(swarm, me, others, waiting)
+        )
         return self.offering
+
+    def ahead(
+        self, swarm: str, me: bytes, candidates: Iterable[bytes], waiting: Iterable[bytes]
+    ) -> int:
+        """How many members standing by (``waiting``, less those already offering) outrank
+        ``me``: the line before us for an open place, at most ``cap``."""
+        mine, offering = roster_score(swarm, me), set(candidates)
+        line = {pid for pid in waiting if pid != me and pid not in offering}
+        return min(self.cap, sum(1 for pid in line if roster_score(swarm, pid) > mine))

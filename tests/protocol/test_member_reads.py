@@ -102,3 +102,35 @@ def test_a_place_that_opens_in_an_established_roster_is_taken_only_after_the_gra
     assert forming.decide(swarm, members[0], roster[:1], now=0.0)  # 1 other < cap / 2: at once
     with pytest.raises(ValueError, match="grace_s"):
         RosterSeat(cap=cap, grace_s=-1.0)
+
+
+def test_members_standing_by_that_outrank_us_each_add_a_grace_to_our_wait() -> None:
+    """A view that lacks one roster record shows a place open to every member holding it: a deep
+    member waits ``grace_s`` once for itself and once per member standing by ahead of it (at most
+    ``cap``), so the members ranked right below the roster take a truly open place first."""
+    swarm, cap, grace = "s", 4, 20.0
+    members = sorted((pid(i) for i in range(40)), key=lambda m: roster_score(swarm, m))
+    roster, line = members[-cap:], members[:-cap][::-1]  # line[0] ranks right below the roster
+    lapsed = roster[1:]
+    deep = RosterSeat(cap=cap, grace_s=grace)
+    me = line[3]  # three standing by ahead of it in its view
+    assert deep.ahead(swarm, me, lapsed, line) == 3
+    assert not deep.decide(swarm, me, lapsed, 0.0, waiting=line)
+    assert not deep.decide(swarm, me, lapsed, 79.9, waiting=line)  # 4 graces, not 1
+    assert deep.decide(swarm, me, lapsed, 80.0, waiting=line)
+    # the first in line waits one grace only; once it offers, the next one's line is shorter
+    first, second = RosterSeat(cap=cap, grace_s=grace), RosterSeat(cap=cap, grace_s=grace)
+    assert not first.decide(swarm, line[0], lapsed, 0.0, waiting=line)
+    assert not second.decide(swarm, line[1], lapsed, 0.0, waiting=line)
+    assert first.decide(swarm, line[0], lapsed, 20.0, waiting=line)
+    assert not second.decide(swarm, line[1], lapsed, 20.0, waiting=line)  # line[0] ahead
+    # line[0] took the place: the roster is full again for line[1] (cap others outrank it)
+    assert not second.decide(swarm, line[1], [*lapsed, line[0]], 21.0, waiting=line[1:])
+    # a second place opens: line[1] stands first in line now, one grace
+    assert not second.decide(swarm, line[1], [*lapsed[1:], line[0]], 22.0, waiting=line[1:])
+    assert second.decide(swarm, line[1], [*lapsed[1:], line[0]], 42.0, waiting=line[1:])
+    # members below us, and ourselves, are no line; the line is at most cap long
+    assert deep.ahead(swarm, line[0], lapsed, line) == 0
+    assert deep.ahead(swarm, line[-1], lapsed, line) == cap
+    forming = RosterSeat(cap=cap, grace_s=grace)
+    assert forming.decide(swarm, me, roster[:1], 0.0, waiting=line)  # a roster still forming

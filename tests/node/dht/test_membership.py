@@ -512,6 +512,76 @@ async def test_an_open_swarm_roster_holds_the_cap_best_ranked_candidates() -> No
     assert view.offers_to_own(nxt, exclude=gone)
 
 
+async def test_a_member_waits_a_grace_for_each_member_standing_by_ahead_of_it_in_its_view() -> None:
+    """A view that lacks one roster record shows a place open: a member ranked deep waits one
+    ``ROSTER_GRACE_S`` for itself and one for each member in its view that stands by (it may own,
+    publishes "standby") and outranks it; a learner that never stands by adds nothing. Before,
+    it took the place after one grace, whatever its rank (at 128 peers, members ranked 73rd–118th
+    did, and their offers moved fragments in the views that saw them)."""
+    from node.dht.membership import ROSTER_CAP, ROSTER_GRACE_S
+    from protocol.dht.member_reads import roster_score
+
+    dht = KeyedDHT()
+    signers = [Signer.from_seed(os.urandom(32)) for _ in range(ROSTER_CAP + 4)]
+    ranked = sorted(signers, key=lambda s: roster_score("s", s.peer_id), reverse=True)
+    roster, line, me = ranked[:ROSTER_CAP], ranked[ROSTER_CAP:-1], ranked[-1]
+    expiry = time.time() + 20
+    _roster(dht, roster, expiry)
+    roles = [("learner",), ("learner", "standby"), ("learner", "standby")]
+    dht.by_key[members_key("s")] = [
+        sign_record(
+            s,
+            members_key("s"),
+            _record(url=f"http://127.0.0.1:{9100 + i}", roles=r).encode(),
+            expiry,
+        )
+        for i, (s, r) in enumerate(zip(line, roles, strict=True))
+    ]
+    view = Membership(dht, "s", "m")  # type: ignore[arg-type]
+    await view.refresh()
+    assert [view.members[s.peer_id].stands_by for s in line] == [False, True, True]
+    clock = FakeClock()
+    view.seat_clock = clock.time
+    gone = {roster[0].peer_id}  # its record lapsed from this view only
+    assert not view.offers_to_own(me.peer_id, exclude=gone)
+    clock.now += 3 * ROSTER_GRACE_S - 0.1  # its own grace and two standing by ahead
+    assert not view.offers_to_own(me.peer_id, exclude=gone)
+    clock.now += 0.1
+    assert view.offers_to_own(me.peer_id, exclude=gone)
+    # the best of the line (a learner that does not stand by) would wait one grace
+    first = Membership(dht, "s", "m")  # type: ignore[arg-type]
+    await first.refresh()
+    first.seat_clock = clock.time
+    assert not first.offers_to_own(line[0].peer_id, exclude=gone)
+    clock.now += ROSTER_GRACE_S
+    assert first.offers_to_own(line[0].peer_id, exclude=gone)
+
+
+async def test_a_member_that_may_own_but_ranks_out_of_the_roster_publishes_that_it_stands_by() -> (
+    None
+):
+    from node.dht.membership import ROSTER_CAP
+    from protocol.dht.member_reads import roster_score
+
+    dht = KeyedDHT()
+    signers = [Signer.from_seed(os.urandom(32)) for _ in range(ROSTER_CAP + 1)]
+    ranked = sorted(signers, key=lambda s: roster_score("s", s.peer_id), reverse=True)
+    _roster(dht, ranked[:ROSTER_CAP], time.time() + 20)
+    view = Membership(dht, "s", "m")  # type: ignore[arg-type]
+    await view.refresh()
+    out = _presence(view, ranked[ROSTER_CAP])
+    out.reachable = True  # type: ignore[attr-defined]
+    assert out.my_record().roles == ("learner", "standby")  # type: ignore[attr-defined]
+    never = _presence(view, ranked[ROSTER_CAP], may_own=False)
+    never.reachable = True  # type: ignore[attr-defined]
+    assert never.my_record().roles == ("learner",)  # type: ignore[attr-defined]
+    hidden = _presence(view, ranked[ROSTER_CAP])  # not dialled back: it cannot own
+    assert hidden.my_record().roles == ("learner",)  # type: ignore[attr-defined]
+    # a record that stands by is read back as one
+    value = MemberRecord.decode(out.my_record().encode())  # type: ignore[attr-defined]
+    assert value.roles == ("learner", "standby")
+
+
 class FakeClock:
     def __init__(self) -> None:
         self.now = time.time()
@@ -630,7 +700,7 @@ async def test_in_an_open_swarm_a_member_outside_the_capped_roster_learns_from_a
     await view.refresh()
     presence = _presence(view, me)
     presence.reachable = True  # type: ignore[attr-defined]
-    assert presence.my_record().roles == ("learner",)  # type: ignore[attr-defined]
+    assert presence.my_record().roles == ("learner", "standby")  # type: ignore[attr-defined]
     presence.scope_view()  # type: ignore[attr-defined]
     assert view.sees_all is False
     presence.awaited_members = 40  # type: ignore[attr-defined]  # wait_for_members: count all
