@@ -410,9 +410,10 @@ class Membership:
         in an established roster stayed open ``ROSTER_GRACE_S``, once more for each member
         standing by in our view that outranks us (``RosterSeat``)."""
         rivals = self.owner_candidates(exclude)
-        waiting = [
+        # a generator: read only when a place looks open to us (``RosterSeat.decide``)
+        waiting = (
             m.peer_id for m in self.members.values() if m.stands_by and m.peer_id not in exclude
-        ]
+        )
         return self.seat.decide(self.swarm, me, rivals, self.seat_clock(), waiting=waiting)
 
     async def _read(
