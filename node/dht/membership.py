@@ -123,6 +123,10 @@ ROSTER_CAP = 8
 # A member outside the roster takes a place that opened in it only once it stayed open this long
 # (one record ttl): an owner whose record lapsed for a moment keeps its fragments.
 ROSTER_GRACE_S = 20.0
+# A member not offering takes a place only from a view whose newest completed read began this
+# recently: twice the longest gap between reads (READ_MAX_S), so a loop that keeps time always
+# may, and a starved one, whose records lapse for want of reads, does not (RosterSeat)
+ROSTER_FRESH_S = 2 * READ_MAX_S
 RANKED_KEPT = 1024  # ``ranked`` answers kept for one members dict (fragments x r x exclude sets)
 ASSIGNMENTS_KEPT = (
     64  # owner assignments remembered (one per candidate set: the members, less each primary)
@@ -414,7 +418,10 @@ class Membership:
         waiting = (
             m.peer_id for m in self.members.values() if m.stands_by and m.peer_id not in exclude
         )
-        return self.seat.decide(self.swarm, me, rivals, self.seat_clock(), waiting=waiting)
+        fresh = self.read_age() < ROSTER_FRESH_S
+        return self.seat.decide(
+            self.swarm, me, rivals, self.seat_clock(), waiting=waiting, fresh=fresh
+        )
 
     async def _read(
         self, key: bytes, full: bool, now: float, renew_before: float

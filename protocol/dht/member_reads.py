@@ -35,6 +35,10 @@ stops waiting (it offers), so the next one's line is one shorter: places fill in
 no place and take none, and our view has the missing record back long before a deep member's
 line is through. A member that claims to stand by but never takes a place delays us ``grace_s``
 while its record is live in our view, ``cap`` such claims at most ``(cap + 1) * grace_s``.
+And no place is taken from a stale view (``fresh``): on a starved loop whose reads do not
+complete, every record lapses from the view in turn, the roster looks empty ("still forming")
+and every member would take a place at once (at 128 peers on 1.95 cores, members ranked down to
+128th did, from views last read 23 s before, median).
 """
 
 from __future__ import annotations
@@ -123,15 +127,20 @@ class RosterSeat:
         now: float,
         *,
         waiting: Iterable[bytes] = (),
+        fresh: bool = True,
     ) -> bool:
         """Whether ``me`` offers to own at ``now``, given the members offering in our view
-        (``candidates``) and those standing by to (``waiting``)."""
+        (``candidates``) and those standing by to (``waiting``). ``fresh``: the view was read
+        lately; a member not offering takes no place from a stale view, whose records lapsed
+        for want of a read and so show every place open (a roster "still forming")."""
         others = {pid for pid in candidates if pid != me}
         ranks = offers_to_own(swarm, me, others, self.cap)
         if not ranks or self.offering:
             self._open_since = None
             self.offering = ranks
             return ranks
+        if not fresh:
+            return False
         if 2 * len(others) < self.cap:  # a roster still forming: take the place at once
             self.offering = True
             return True

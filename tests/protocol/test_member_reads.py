@@ -134,3 +134,19 @@ def test_members_standing_by_that_outrank_us_each_add_a_grace_to_our_wait() -> N
     assert deep.ahead(swarm, line[-1], lapsed, line) == cap
     forming = RosterSeat(cap=cap, grace_s=grace)
     assert forming.decide(swarm, me, roster[:1], 0.0, waiting=line)  # a roster still forming
+
+
+def test_a_member_takes_no_place_from_a_stale_view() -> None:
+    """A starved loop's view loses its records for want of reads: the roster looks empty, "still
+    forming". A member not offering takes no place from such a view, neither at once nor after
+    its grace; one offering keeps its place; a fresh read again decides as before."""
+    swarm, cap, grace = "s", 4, 20.0
+    members = sorted((pid(i) for i in range(cap + 4)), key=lambda m: roster_score(swarm, m))
+    me, roster = members[0], members[-cap:]
+    seat = RosterSeat(cap=cap, grace_s=grace)
+    assert not seat.decide(swarm, me, [], 0.0, fresh=False)  # an emptied view: not "forming"
+    assert not seat.decide(swarm, me, roster[1:], 1.0)  # fresh: a place looks open, the wait starts
+    assert not seat.decide(swarm, me, roster[1:], 30.0, fresh=False)  # past the grace, but stale
+    assert seat.decide(swarm, me, roster[1:], 31.0)  # read again: the place stayed open
+    assert seat.decide(swarm, me, [], 32.0, fresh=False)  # offering: a stale view keeps it
+    assert RosterSeat(cap=cap, grace_s=grace).decide(swarm, me, [], 0.0)  # forming, fresh

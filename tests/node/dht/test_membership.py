@@ -518,7 +518,7 @@ async def test_a_member_waits_a_grace_for_each_member_standing_by_ahead_of_it_in
     publishes "standby") and outranks it; a learner that never stands by adds nothing. Before,
     it took the place after one grace, whatever its rank (at 128 peers, members ranked 73rd–118th
     did, and their offers moved fragments in the views that saw them)."""
-    from node.dht.membership import ROSTER_CAP, ROSTER_GRACE_S
+    from node.dht.membership import ROSTER_CAP, ROSTER_FRESH_S, ROSTER_GRACE_S
     from protocol.dht.member_reads import roster_score
 
     dht = KeyedDHT()
@@ -547,6 +547,9 @@ async def test_a_member_waits_a_grace_for_each_member_standing_by_ahead_of_it_in
     clock.now += 3 * ROSTER_GRACE_S - 0.1  # its own grace and two standing by ahead
     assert not view.offers_to_own(me.peer_id, exclude=gone)
     clock.now += 0.1
+    view.read_at = time.monotonic() - ROSTER_FRESH_S  # the view's last read is stale: no place
+    assert not view.offers_to_own(me.peer_id, exclude=gone)
+    view.read_at = time.monotonic()
     assert view.offers_to_own(me.peer_id, exclude=gone)
     # the best of the line (a learner that does not stand by) would wait one grace
     first = Membership(dht, "s", "m")  # type: ignore[arg-type]
