@@ -770,11 +770,13 @@ def roster_views(
     ranks fragments over, each with the seconds its record has left (``c``), the age of its
     last read (``age``), and why it lacks each candidate another peer of this worker has
     (``m``: "suspect", "learner": held without the owner role, or "absent": no record held),
+    the oldest read in flight (``r``, s), reads ended in an error (``f``, by type), the seconds
+    since the membership loop's last pass began (``p``),
     whether its own record offers to own (``o``), whether it counts itself among the roster's
     holders (``n``: its reads of the roster stay local) and whose roster records its own DHT
     store holds (``h``).
     What a dissent is made of: ``dissent_causes`` compares a dissenter's with the majority's."""
-    now = time.time()
+    now, mono = time.time(), time.monotonic()
     union = {pid for _, _, cands in seen.values() for pid in cands}
     out: dict[str, dict[str, Any]] = {}
     for slot, (ms, suspects, cands) in seen.items():
@@ -782,6 +784,11 @@ def roster_views(
         out[slot] = {
             "c": {pid.hex()[:12]: round(members[pid].expires_at - now, 1) for pid in cands},
             "age": round(min(ms.read_age(), 999.0), 1),
+            # the oldest read still in flight (s), reads that ended in an error by type, and the
+            # seconds since the membership loop's last pass began: why a view went stale
+            "r": round(mono - min(ms.reads_in_flight), 1) if ms.reads_in_flight else 0.0,
+            "f": dict(ms.read_errors),
+            "p": round(mono - ms.pass_at, 1) if ms.pass_at is not None else None,
             "o": int(ms._published_under == ms.roster),  # our record offers to own
             # whether we count ourselves among the roster's holders (reads of it stay local),
             # and whose roster records our own DHT store holds

@@ -36,6 +36,7 @@ import json
 import logging
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
@@ -386,6 +387,12 @@ class Membership:
         # the read's responders held is in the view (``read_age``; an owner's publication gate)
         self.read_at: float | None = None
         self._fresh_lock = asyncio.Lock()  # callers of ``fresh`` share one read
+        # reads begun and not ended (monotonic starts), and those that ended in an error, by its
+        # type: a view whose reads never complete is stale whatever its cadence (an owner's at
+        # 128 peers went 80 s without one)
+        self.reads_in_flight: set[float] = set()
+        self.read_errors: Counter[str] = Counter()
+        self.pass_at: float | None = None  # monotonic start of the membership loop's last pass
 
     async def publish(self, record: MemberRecord, on_held: Callable[[], None] | None = None) -> int:
         """Store our record at the nodes nearest its key (the roster's when it offers to own, the
@@ -571,6 +578,7 @@ class Membership:
         held record lapses or lapsed); else only the wanted ids looked up and the view rebuilt from the
         records held (an expired one leaves it)."""
         now = time.time()
+        self.pass_at = time.monotonic()
         if self.cadence.due(now) or self._lapsing(now) or self._lapsed:
             return await self.refresh()
         before = self._shape()
@@ -600,6 +608,16 @@ class Membership:
         those due within ``RENEW_SHARE`` of the ttl (``_read``). ``full`` asks for a full read
         now."""
         now, began = time.time(), time.monotonic()
+        self.reads_in_flight.add(began)
+        try:
+            return await self._refresh(now, began, full)
+        except Exception as exc:
+            self.read_errors[type(exc).__name__] += 1
+            raise
+        finally:
+            self.reads_in_flight.discard(began)
+
+    async def _refresh(self, now: float, began: float, full: bool) -> dict[bytes, Member]:
         keys = self._whole_keys()
         full = (
             full

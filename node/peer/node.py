@@ -625,8 +625,10 @@ class PeerNode:
         try:
             while True:
                 self.presence.scope_view()
-                with contextlib.suppress(Exception):
+                try:
                     await membership.refresh_if_due()
+                except Exception as exc:  # the DHT unreachable or slow: the view ages, counted
+                    log.info("membership read failed (%s): %r", membership.read_errors, exc)
                 await self.presence.follow_manifest()
                 await self.presence.probe_disputes()
                 await self.ownership.reconcile()

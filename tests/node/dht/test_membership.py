@@ -928,3 +928,19 @@ async def test_a_record_that_lapsed_from_the_view_between_passes_is_read_from_a_
         assert view.members[lacking].expires_at - clock.now > LAPSE_GUARD_S
         assert dht.quorums[-1] == READ_QUORUM
         clock.now += 2.0
+
+
+async def test_a_read_that_fails_is_counted_by_its_error_and_leaves_the_view_s_age_alone() -> None:
+    """A view whose reads never complete is stale whatever its cadence: the membership loop
+    logs each failed read, and the view counts them by error and shows the reads in flight
+    (the harness samples both)."""
+
+    class Unreachable(KeyedDHT):
+        async def get(self, key: bytes, **kw: object) -> list:  # type: ignore[override]
+            raise TimeoutError("no responder answered")
+
+    view = Membership(Unreachable(), "s", "m")  # type: ignore[arg-type]
+    with pytest.raises(TimeoutError):
+        await view.refresh()
+    assert view.read_errors == {"TimeoutError": 1}
+    assert not view.reads_in_flight and view.read_age() == float("inf")
