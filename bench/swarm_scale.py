@@ -111,11 +111,12 @@ from torch import nn
 
 from bench.swarm_scale_cpu import StackSampler
 from node.config import RunConfig
-from node.dht.membership import MEMBER_REPLICAS, Membership
+from node.dht.membership import MEMBER_REPLICAS, ROSTER_CAP, Membership
 from node.diloco.island import Island
 from node.diloco.island_config import island_config
 from node.peer import NodeOptions, PeerNode
 from node.run.local_command import contents_by_version
+from protocol.dht.member_reads import roster_score
 from protocol.diloco.fragments import plan_fragments
 from protocol.wire.signing import Signer
 
@@ -141,6 +142,7 @@ LEASE_S = 20.0  # a member record's ttl (``Membership.ttl_s``): an owner's lease
 # membership pass, and the samples' own 2 s grid (``settled_agreement``)
 PROPAGATION_S = 10.0
 PROFILE_DIR = os.environ.get("SWARM_SCALE_PROFILE", "")  # cProfile each worker's steady window
+SWARM = "swarm-scale"  # the swarm id every run uses (it seeds the roster ranks)
 SAMPLES_FILE = os.environ.get("SWARM_SCALE_SAMPLES", "")  # the merged samples, as JSON, for study
 
 
@@ -254,7 +256,7 @@ class TinyModel(nn.Module):
 
 def run_config(cfg: Config) -> RunConfig:
     return RunConfig(
-        swarm="swarm-scale",
+        swarm=SWARM,
         fragments=cfg.fragments,
         inner_steps=cfg.inner_steps,
         max_tokens_per_step=64,
@@ -896,6 +898,29 @@ def roster_sizes(samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def roster_deep_starts(
+    samples: Sequence[tuple[float, dict[str, Any]]], ids: dict[str, str], swarm: str, *, cap: int
+) -> dict[str, Any]:
+    """Offers to own begun (a peer's record offering in a sample and not in the one before)
+    by peers ranked below ``1.5 * cap`` by ``roster_score`` among all the run's peers: places
+    a member took that, in a view holding the whole roster, it never would (a view lacking a
+    roster record, or a stale one). ``samples``: (t, sample) in time order; ``ids``: slot ->
+    peer id (hex)."""
+    known = {slot: bytes.fromhex(h) for slot, h in ids.items() if h}
+    order = sorted(known, key=lambda slot: -roster_score(swarm, known[slot]))
+    rank = {slot: i + 1 for i, slot in enumerate(order)}
+    deep = cap + cap // 2
+    before: dict[str, int] = {}
+    begun: list[list[Any]] = []
+    for t, m in samples:
+        for slot, r in m.get("rosters", {}).items():
+            o = r.get("o", 0)
+            if o and slot in before and not before[slot] and rank.get(slot, 0) > deep:
+                begun.append([round(t, 1), slot, rank[slot], r.get("age")])
+            before[slot] = o
+    return {"ranked_below": deep, "count": len(begun), "log": begun[:40]}
+
+
 def dissent_causes(
     dissent: Sequence[tuple[float, int, str, str, str]],
     samples: dict[float, dict[str, dict[str, Any]]],
@@ -1152,6 +1177,18 @@ def summarize(cfg: Config, reports: list[dict[str, Any]]) -> dict[str, Any]:
         # per calm sample, the candidate owners most peers rank over and the peers whose
         # records offer to own: the median and the most (the roster's cap is ``ROSTER_CAP``)
         **roster_sizes([m for tick, m in merged.items() if calm(tick * cfg.sample_s)]),
+        # places taken in the calm samples by members ranked below 1.5 x the cap: [t, slot,
+        # rank, its read's age] (``roster_deep_starts``)
+        "roster_deep_starts": roster_deep_starts(
+            [
+                (tick * cfg.sample_s, m)
+                for tick, m in sorted(merged.items())
+                if calm(tick * cfg.sample_s)
+            ],
+            {slot: p.get("peer_id", "") for slot, p in peers.items()},
+            SWARM,
+            cap=ROSTER_CAP,
+        ),
         "peak_rss_mb": round(max(r["peak_rss_mb"] for r in reports), 1),
         "rss_mb_per_peer": round(sum(r["peak_rss_mb"] for r in reports) / schedule.slots, 2),
         "dht_requests_per_peer_s": {

@@ -25,6 +25,7 @@ from bench.swarm_scale import (
     long_gaps,
     owner_agreement,
     owner_gaps,
+    roster_deep_starts,
     roster_sizes,
     settled_agreement,
     spread_times,
@@ -122,6 +123,23 @@ def test_roster_sizes_count_the_majoritys_candidates_the_offers_and_old_reads() 
     assert got["roster_candidates"] == {"median": 3, "max": 3}  # a tie goes one way everywhere
     assert got["roster_offering"] == {"median": 1.5, "max": 3}
     assert got["read_age_over_s"] == {"6": 0.4, "12": 0.2, "30": 0.2}
+
+
+def test_places_taken_by_members_ranked_far_below_the_cap_are_counted() -> None:
+    """A start is a record offering in a sample and not in the one before, by a peer ranked
+    below 1.5 x cap among the run's peers; a peer offering from its first sample is no start."""
+    from protocol.dht.member_reads import roster_score
+
+    ids = {str(i): bytes([i]).hex() * 32 for i in range(8)}
+    ranked = sorted(ids, key=lambda s: -roster_score("sw", bytes.fromhex(ids[s])))
+    top, deep = ranked[0], ranked[-1]  # 1st and 8th of 8, with a cap of 2: below 3rd is deep
+
+    def at(offering: set[str]) -> dict[str, object]:
+        return {"rosters": {s: {"o": int(s in offering), "age": 3.0} for s in ids}}
+
+    samples = [(0.0, at({deep})), (2.0, at(set())), (4.0, at({top, deep})), (6.0, at({deep}))]
+    got = roster_deep_starts(samples, ids, "sw", cap=2)
+    assert got == {"ranked_below": 3, "count": 1, "log": [[4.0, deep, 8, 3.0]]}
 
 
 def test_spread_counts_only_peers_live_through_the_horizon_and_versions_judged() -> None:
