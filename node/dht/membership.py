@@ -388,8 +388,7 @@ class Membership:
         self.read_at: float | None = None
         self._fresh_lock = asyncio.Lock()  # callers of ``fresh`` share one read
         # reads begun and not ended (monotonic starts), and those that ended in an error, by its
-        # type: a view whose reads never complete is stale whatever its cadence (an owner's at
-        # 128 peers went 80 s without one)
+        # type: a view whose reads never complete is stale whatever its cadence
         self.reads_in_flight: set[float] = set()
         self.read_errors: Counter[str] = Counter()
         self.pass_at: float | None = None  # monotonic start of the membership loop's last pass

@@ -24,8 +24,8 @@ read that missed it) then costs nothing, where without the grace the next-ranked
 place, the fragments moved to it, and moved back when the owner republished.
 
 *The line for a place.* A view that lacks one of the roster's records shows a place open to every
-member that holds it, whatever that member's rank (at 128 peers members ranked 73rd–118th took
-places so, and their offers moved fragments in the views that saw them). So the grace grows with
+member that holds it, whatever that member's rank, and a deep member's offer moves fragments in
+the views that see it (docs/scale_peers.md, "Places in the roster"). So the grace grows with
 the line: a member waits ``grace_s`` once for itself and once more for each member *standing by*
 (``RosterSeat.decide``'s ``waiting``: a member that may own and publishes that it would offer if
 it ranked in) that outranks it in its view, at most ``cap`` of them. Where the place is truly
@@ -37,8 +37,7 @@ line is through. A member that claims to stand by but never takes a place delays
 while its record is live in our view, ``cap`` such claims at most ``(cap + 1) * grace_s``.
 And no place is taken from a stale view (``fresh``): on a starved loop whose reads do not
 complete, every record lapses from the view in turn, the roster looks empty ("still forming")
-and every member would take a place at once (at 128 peers on 1.95 cores, members ranked down to
-128th did, from views last read 23 s before, median).
+and every member would take a place at once, whatever its rank.
 """
 
 from __future__ import annotations
