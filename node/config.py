@@ -20,6 +20,7 @@ from protocol.diloco.merge_config import LatePolicy
 
 __all__ = [
     "LARGE_MODEL_BYTES",
+    "RECIPE_FIELDS",
     "SCHEDULE_FIELDS",
     "SHARDINGS",
     "SWARM_WIDE_FIELDS",
@@ -89,6 +90,9 @@ SWARM_WIDE_FIELDS = (
 # another schedule is still a member (its steps only weigh its contributions), so peers need not
 # agree on it (``manifest_hash`` leaves it out).
 SCHEDULE_FIELDS = ("steps", "lr", "warmup_steps", "min_lr_ratio")
+# A signed manifest's recipe: the swarm-wide fields but the swarm's name, and the schedule (here,
+# not in node.dht.membership, so that ``atoll``'s parser reads it without the DHT's imports)
+RECIPE_FIELDS = tuple(name for name in SWARM_WIDE_FIELDS if name != "swarm") + SCHEDULE_FIELDS
 # A model of at least this many fp32 bytes is large: a peer then sizes its memory by the model's
 # (freed tensors go back to the kernel, ``node.diloco.allocator.bound_for_model``; the body pool
 # is a share of the model, ``node.wire.bodies.pool_bytes_for_model``; docs/scale.md)

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from node.state.artifacts import sha256_file
-from node.workload.corpus import stdlib_corpus_files
+from node.workload.corpus_files import stdlib_corpus_files  # without torch, which this needs not
 from node.workload.tokenizer_train import TrainConfig, train_tokenizer
 
 VALID_EVERY = 20

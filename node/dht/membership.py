@@ -44,7 +44,7 @@ from urllib.parse import urlsplit
 
 import msgpack
 
-from node.config import SCHEDULE_FIELDS, SWARM_WIDE_FIELDS, RunConfig
+from node.config import RECIPE_FIELDS, SCHEDULE_FIELDS, SWARM_WIDE_FIELDS, RunConfig
 from node.dht.kademlia import DHTNode
 from node.wire.tls import origin
 from protocol.dht.member_lookups import MemberLookups
@@ -132,8 +132,6 @@ RANKED_KEPT = 1024  # ``ranked`` answers kept for one members dict (fragments x 
 ASSIGNMENTS_KEPT = (
     64  # owner assignments remembered (one per candidate set: the members, less each primary)
 )
-
-RECIPE_FIELDS = tuple(name for name in MANIFEST_FIELDS if name != "swarm") + SCHEDULE_FIELDS
 
 
 def recipe_of(

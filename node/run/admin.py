@@ -21,9 +21,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from node.config import SCHEDULE_FIELDS, RunConfig, add_run_arguments
-from node.dht.membership import RECIPE_FIELDS, recipe_of
-from node.dht.swarm import MANIFEST_PATH, manifest_post_headers
+from node.config import RECIPE_FIELDS, SCHEDULE_FIELDS, RunConfig, add_run_arguments
 from node.wire.identity import (
     IdentityError,
     generate_key,
@@ -243,6 +241,8 @@ def _init(args: argparse.Namespace) -> int:
             f"{args.out} already exists; pass --force to overwrite it "
             "(or edit it with add-authority / revoke)"
         )
+    from node.dht.membership import recipe_of  # here: every atoll command builds these parsers
+
     founder = load_key(args.founder)
     recipe_sha256, cfg = "", _recipe_config(args)
     if args.recipe is not None:
@@ -401,6 +401,7 @@ def _publish(args: argparse.Namespace) -> int:
     base = args.peer.rstrip("/")
     if not base.startswith(("http://", "https://")):
         raise UsageError(f"--peer {args.peer!r} is not an http(s) URL, e.g. http://host:7000")
+    from node.dht.swarm import MANIFEST_PATH, manifest_post_headers
     from node.run.join import http_fetch
 
     try:

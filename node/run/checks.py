@@ -192,28 +192,14 @@ def _check_corpus(cfg: RunConfig) -> None:
     readable, hold text, and be long enough for a held-out split and one window per island."""
     if cfg.corpus is None:
         return  # the Python standard library: always there
-    from node.workload.corpus import (
-        BatchSampler,
-        CorpusShard,
-        heldout_windows,
-        load_corpus,
-        split_corpus,
-    )
-    from node.workload.model import GPTConfig
+    from node.workload.corpus_files import load_corpus
+    from node.workload.presets import GPTConfig
 
     cap = min(cfg.corpus_max_bytes or CORPUS_CHECK_BYTES, CORPUS_CHECK_BYTES)
     block = GPTConfig.preset(cfg.model).block_size
     try:
-        data = load_corpus(Path(cfg.corpus), max_bytes=cap)
-        train, heldout = split_corpus(data)
-        heldout_windows(heldout, block_size=block, n_windows=1)
-        BatchSampler(
-            train,
-            CorpusShard(max(cfg.peers, 1) - 1, max(cfg.peers, 1), cfg.sharding),
-            batch_size=cfg.batch_size,
-            block_size=block,
-            seed=0,
-        )
+        data = load_corpus(Path(cfg.corpus), max_bytes=cap)  # a missing corpus is told before torch
+        _check_corpus_cuts(cfg, data, block)
     except FileNotFoundError as exc:
         raise CheckError(str(exc)) from None
     except OSError as exc:
@@ -223,6 +209,21 @@ def _check_corpus(cfg: RunConfig) -> None:
     except ValueError as exc:
         advice = "" if "bigger corpus" in str(exc) else "; pass a longer text"
         raise CheckError(f"--corpus {cfg.corpus}: {exc}{advice}") from None
+
+
+def _check_corpus_cuts(cfg: RunConfig, data: bytes, block: int) -> None:
+    """Cut ``data`` as a peer does (imports torch); raises ValueError when it is too short."""
+    from node.workload.corpus import BatchSampler, CorpusShard, heldout_windows, split_corpus
+
+    train, heldout = split_corpus(data)
+    heldout_windows(heldout, block_size=block, n_windows=1)
+    BatchSampler(
+        train,
+        CorpusShard(max(cfg.peers, 1) - 1, max(cfg.peers, 1), cfg.sharding),
+        batch_size=cfg.batch_size,
+        block_size=block,
+        seed=0,
+    )
 
 
 def host_port(spec: str, flag: str) -> tuple[str, int]:

@@ -95,8 +95,8 @@ def train_tokenizer(config: TrainConfig) -> str:
 
 def _files(patterns: Sequence[str], stdlib: bool) -> tuple[Path, ...]:
     found: set[Path] = set()
-    if stdlib:  # imported here: node.workload.corpus imports torch (3 s), which nothing else needs
-        from node.workload.corpus import stdlib_corpus_files
+    if stdlib:
+        from node.workload.corpus_files import stdlib_corpus_files
 
         found.update(stdlib_corpus_files())
     for pattern in patterns:

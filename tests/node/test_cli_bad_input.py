@@ -63,7 +63,8 @@ class _Handler(BaseHTTPRequestHandler):
 def peer(body: bytes = b"", *, trickle: bool = False) -> Iterator[str]:
     server = _Peer(("127.0.0.1", 0), _Handler)
     server.body, server.trickle, server.stopping = body, trickle, threading.Event()
-    thread = threading.Thread(target=server.serve_forever)
+    # shutdown() waits for serve_forever's next poll: its default half second, paid per test
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.01})
     thread.start()
     try:
         yield f"http://127.0.0.1:{server.server_address[1]}"

@@ -13,6 +13,7 @@ and may not grow (none in node/peer/).
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -40,10 +41,26 @@ def _type_checking_lines(tree: ast.Module) -> set[int]:
     return lines
 
 
+@functools.cache
+def _parsed() -> dict[str, ast.Module]:
+    """node/'s modules (by name), each parsed once for every test here: each test parsed all of
+    them again, 1.2 to 2 s a test."""
+    return {_module_name(p): ast.parse(p.read_text()) for p in sorted(NODE.rglob("*.py"))}
+
+
 def imports_of(path: Path, known: set[str]) -> set[str]:
     """The node.* modules that ``path`` imports at run time (resolved to a module in ``known``)."""
-    tree = ast.parse(path.read_text())
-    skip = _type_checking_lines(tree)
+    return _imports_in(ast.parse(path.read_text()), known)
+
+
+@functools.cache
+def _skipped() -> dict[str, set[int]]:
+    """Each parsed module's ``if TYPE_CHECKING:`` lines, found once."""
+    return {name: _type_checking_lines(tree) for name, tree in _parsed().items()}
+
+
+def _imports_in(tree: ast.Module, known: set[str], skip: set[int] | None = None) -> set[str]:
+    skip = _type_checking_lines(tree) if skip is None else skip
     found: set[str] = set()
     for node in ast.walk(tree):
         if getattr(node, "lineno", None) in skip:
@@ -59,10 +76,12 @@ def imports_of(path: Path, known: set[str]) -> set[str]:
     return found
 
 
+@functools.cache
 def import_graph() -> dict[str, set[str]]:
-    files = {_module_name(p): p for p in NODE.rglob("*.py")}
-    known = set(files)
-    return {name: imports_of(path, known) - {name} for name, path in files.items()}
+    """Module -> the node.* modules it imports; built once, read by three tests."""
+    trees, skipped = _parsed(), _skipped()
+    known = set(trees)
+    return {name: _imports_in(tree, known, skipped[name]) - {name} for name, tree in trees.items()}
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -195,8 +214,7 @@ def _class_bases_across_modules() -> list[str]:
     """``module.Class(Base)`` for every class in node/ whose base is a class defined in another
     node/ module (a mixin spread over files). Protocols, exceptions, dataclasses and library
     bases are fine: only bases defined as plain classes in node/ count."""
-    files = {_module_name(p): p for p in NODE.rglob("*.py")}
-    trees = {name: ast.parse(path.read_text()) for name, path in files.items()}
+    trees = _parsed()
     allowed: dict[str, set[str]] = {}  # module -> its classes that may be subclassed elsewhere
     for name, tree in trees.items():
         allowed[name] = set()
@@ -212,7 +230,7 @@ def _class_bases_across_modules() -> list[str]:
                 allowed[name].add(c.name)
     wrong = []
     for name, tree in trees.items():
-        imported = _node_imports(tree, _type_checking_lines(tree))
+        imported = _node_imports(tree, _skipped()[name])
         for c in _classes(tree):
             for b in c.bases:
                 base = ast.unparse(b)
@@ -228,9 +246,8 @@ def _class_bases_across_modules() -> list[str]:
 def _type_checking_imports_into_node() -> dict[str, int]:
     """Per node/ module, the node.* imports under ``if TYPE_CHECKING:``."""
     out: dict[str, int] = {}
-    for path in NODE.rglob("*.py"):
-        tree = ast.parse(path.read_text())
-        skip = _type_checking_lines(tree)
+    for name, tree in _parsed().items():
+        skip = _skipped()[name]
         count = 0
         for n in ast.walk(tree):
             if getattr(n, "lineno", None) not in skip:
@@ -240,7 +257,7 @@ def _type_checking_imports_into_node() -> dict[str, int]:
             elif isinstance(n, ast.Import):
                 count += sum(1 for a in n.names if a.name.startswith("node."))
         if count:
-            out[_module_name(path)] = count
+            out[name] = count
     return out
 
 
@@ -261,15 +278,14 @@ WIDE_CONSTRUCTORS: dict[str, int] = {}
 def _constructor_widths() -> dict[str, int]:
     """Each node/ class's ``__init__`` parameters, less ``self`` and a ``config``/``cfg``."""
     widths = {}
-    for path in NODE.rglob("*.py"):
-        tree = ast.parse(path.read_text())
+    for name, tree in _parsed().items():
         for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
             for f in cls.body:
                 if isinstance(f, ast.FunctionDef) and f.name == "__init__":
                     a = f.args
                     names = [x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs)][1:]
                     width = len([n for n in names if n not in ("config", "cfg")])
-                    widths[f"{_module_name(path)}.{cls.name}"] = width
+                    widths[f"{name}.{cls.name}"] = width
     return widths
 
 

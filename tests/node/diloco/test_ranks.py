@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 
 from node.diloco.inner import lr_at
 from node.diloco.island import Island, IslandConfig
-from node.diloco.ranks import IslandRanks
+from node.diloco.ranks import IslandRanks, exit_without_teardown
 from node.workload.baseline import TrainConfig
 from tests.node.fakes import tiny_model, tiny_plan
 
@@ -46,6 +46,9 @@ def _rank(rank: int, rendezvous: str, results: mp.Queue) -> None:  # type: ignor
         ranks.close()
     finally:
         dist.destroy_process_group()
+    results.close()
+    results.join_thread()  # the results are out before the process ends
+    exit_without_teardown(0)  # not through torch's and gloo's teardown: 1-2 s, and it can abort
 
 
 def test_every_rank_starts_where_rank_0_joined_the_schedule(tmp_path: Path) -> None:

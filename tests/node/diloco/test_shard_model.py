@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from node.diloco.ranks import rank_memory
+from node.diloco.ranks import exit_without_teardown, rank_memory
 from node.diloco.sharding import full_parameters, held_bytes, is_sharded, reshard, shard_model
 
 pytestmark = pytest.mark.timeout(120)
@@ -66,6 +66,9 @@ def _rank(rank: int, rendezvous: str, results: mp.Queue) -> None:  # type: ignor
         )
     finally:
         dist.destroy_process_group()
+    results.close()
+    results.join_thread()  # the results are out before the process ends
+    exit_without_teardown(0)  # not through torch's and gloo's teardown: 1-2 s, and it can abort
 
 
 def test_shard_model_reshard_full_parameters_and_rank_memory(tmp_path: Path) -> None:

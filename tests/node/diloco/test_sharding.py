@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from node.diloco.island import Island, IslandConfig
-from node.diloco.ranks import IslandRanks
+from node.diloco.ranks import IslandRanks, exit_without_teardown
 from node.diloco.sharding import ShardedFragments, held_bytes, is_sharded
 from tests.node.fakes import tiny_plan
 
@@ -89,6 +89,9 @@ def _rank(rank: int, rendezvous: str, results: mp.Queue) -> None:  # type: ignor
         ranks.close()
     finally:
         dist.destroy_process_group()
+    results.close()
+    results.join_thread()  # the results are out before the process ends
+    exit_without_teardown(0)  # not through torch's and gloo's teardown: 1-2 s, and it can abort
 
 
 def test_rank_0_gathers_one_fragment_and_writes_an_adoption_into_every_shard(
