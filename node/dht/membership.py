@@ -282,21 +282,20 @@ class Member:
 
     @property
     def can_own(self) -> bool:
-        return (
-            self.certified_owner
-            and bool(self.record.url)
-            and self.record.reachable
-            and "owner" in self.record.roles
-        )
+        return self._owner_capable("owner")
 
     @property
     def stands_by(self) -> bool:
-        """It may own and would offer if it ranked in: what ``can_own`` asks, but "standby"."""
+        """It may own and would offer if it ranked in the capped roster."""
+        return self._owner_capable("standby")
+
+    def _owner_capable(self, role: str) -> bool:
+        """Its certificate grants the owner role, it can be dialled, and its record says ``role``."""
         return (
             self.certified_owner
             and bool(self.record.url)
             and self.record.reachable
-            and "standby" in self.record.roles
+            and role in self.record.roles
         )
 
     @property
