@@ -419,8 +419,7 @@ class Membership:
         if mine is None or (held is not None and held.expires_at >= mine.expires_at):
             return
         self._merge([mine])
-        if held is None or held.value != mine.value:  # a renewal alone waits for the next pass
-            self._rebuild(time.time())
+        self._rebuild(time.time())
 
     def want(self, peer_id: bytes) -> None:
         """``peer_id``'s record is needed: a peer that does not see all members looks it up at
