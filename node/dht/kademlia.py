@@ -115,7 +115,7 @@ class DHTNode:
 
     Serves requests (``handle``), keeps its routing table, and runs lookups through its
     ``client`` (whose API it offers: ``ping``, ``bootstrap``, ``find_node``, ``find_value``,
-    ``store``, ``get``, ``held_near``, ``forget``, ``own``)."""
+    ``store``, ``get``, ``held_near``, ``forget``)."""
 
     def __init__(
         self,
@@ -470,7 +470,3 @@ class DHTNode:
     def forget(self, key: bytes) -> None:
         """``DHTClient.forget``."""
         self.client.forget(key)
-
-    def own(self, key: bytes) -> SignedRecord | None:
-        """``DHTClient.own``."""
-        return self.client.own(key)

@@ -476,11 +476,6 @@ class DHTClient:
         """Stop republishing our record under ``key`` (it expires at its ttl)."""
         self._own.pop(key, None)
 
-    def own(self, key: bytes) -> SignedRecord | None:
-        """Our record under ``key`` as last signed (None: we publish none there)."""
-        mine = self._own.get(key)
-        return mine.record if mine is not None else None
-
     async def republish_due(self, now: float) -> int:
         """Re-sign and store again each of our records due at ``now``; how many were."""
         due = [(k, o) for k, o in self._own.items() if now >= o.due_at]

@@ -401,25 +401,9 @@ class Membership:
                 # roster alone keeps ranking us an owner until our old record there expires
                 await self.dht.store(old, value, self.ttl_s, replicas=MEMBER_REPLICAS)
             self.dht.forget(old)  # it expires there at its ttl
-
-        def held() -> None:
-            self._take_own(key)
-            if on_held is not None:
-                on_held()
-
-        return await self.dht.store(key, value, self.ttl_s, replicas=MEMBER_REPLICAS, on_held=held)
-
-    def _take_own(self, key: bytes) -> None:
-        """Our record as stored under ``key``, into our own view once a node holds it (what
-        others can read): else a member that took a place, or withdrew, ranked itself as before
-        until its own next read, which on a starved loop comes tens of seconds after the reads
-        of the owner it displaced (docs/scale_peers.md)."""
-        mine = self.dht.own(key)
-        held = self._records.get(mine.subkey) if mine is not None else None
-        if mine is None or (held is not None and held.expires_at >= mine.expires_at):
-            return
-        self._merge([mine])
-        self._rebuild(time.time())
+        return await self.dht.store(
+            key, value, self.ttl_s, replicas=MEMBER_REPLICAS, on_held=on_held
+        )
 
     def want(self, peer_id: bytes) -> None:
         """``peer_id``'s record is needed: a peer that does not see all members looks it up at

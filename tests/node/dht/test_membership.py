@@ -422,9 +422,6 @@ class KeyedDHT:
     def forget(self, key: bytes) -> None:
         self.forgotten.append(key)
 
-    def own(self, key: bytes) -> None:
-        return None  # it signs nothing: our own record reaches the view by a read here
-
 
 async def test_a_bounded_view_reads_the_roster_and_looks_others_up_by_id() -> None:
     from node.dht.membership import LOOKUPS_PER_READ, roster_key
@@ -947,40 +944,3 @@ async def test_a_read_that_fails_is_counted_by_its_error_and_leaves_the_view_s_a
         await view.refresh()
     assert view.read_errors == {"TimeoutError": 1}
     assert not view.reads_in_flight and view.read_age() == float("inf")
-
-
-async def test_our_own_record_is_in_our_view_once_a_node_holds_it_not_at_our_next_read() -> None:
-    """A member that takes a place ranks itself an owner as soon as a node holds its roster
-    record (what every reader can then see), and one that withdraws stops at once; before, only
-    its own next read brought its record back, tens of seconds late on a starved loop, while the
-    owner it displaced had already handed the fragment on."""
-    from node.dht.kademlia import DHTConfig, DHTNode
-    from node.dht.membership import roster_key
-    from node.dht.route import DHTRouter
-    from node.wire.transport import Transport
-
-    transport = Transport()
-    router = DHTRouter(transport)
-    await transport.start()
-    nodes = []
-    try:
-        for i in range(2):
-            cfg = DHTConfig(maintenance_period_s=0)
-            node = DHTNode(
-                Signer.from_seed(bytes([i + 1]) * 32), transport, router.url(str(i)), cfg
-            )
-            router.mount(node, str(i))
-            await node.start()
-            nodes.append(node)
-        assert await nodes[1].bootstrap([nodes[0].me.address]) == 1
-        view = Membership(nodes[1], "s", "m")  # type: ignore[arg-type]
-        me = nodes[1].signer.peer_id
-        assert await view.publish(_record(url="http://127.0.0.1:9001")) >= 1
-        assert view.members[me].can_own and view.read_at is None  # no read was made
-        assert view._published_under == roster_key("s")
-        await view.publish(_record(url="http://127.0.0.1:9001", roles=("learner", "standby")))
-        assert not view.members[me].can_own and view.members[me].stands_by
-    finally:
-        for node in nodes:
-            await node.close()
-        await transport.close()
