@@ -224,13 +224,16 @@ class Presence:
         may_own = self.may_own and (
             cred is None or (cred.cert is not None and "owner" in cred.cert.roles)
         )
-        standby = False
-        if may_own and self.reachable and (cred is None or not cred.certified):
-            standby = not (may_own := self._ranks_in_roster())
+        # an open swarm caps its roster: a member that may own offers only while it ranks in it,
+        # and stands by otherwise
+        capped = may_own and self.reachable and (cred is None or not cred.certified)
+        if capped:
+            may_own = self._ranks_in_roster()
+        roles: tuple[str, ...] = ("learner",)
         if self.reachable and may_own:
-            roles: tuple[str, ...] = ("learner", "owner")
-        else:
-            roles = ("learner", "standby") if standby else ("learner",)
+            roles = ("learner", "owner")
+        elif capped:
+            roles = ("learner", "standby")
         url = (
             origin(self.url) if self.reachable else ""
         )  # a bare origin: others refuse anything more
