@@ -1063,8 +1063,11 @@ def summarize(cfg: Config, reports: list[dict[str, Any]]) -> dict[str, Any]:
 
     steady = [m for tick, m in merged.items() if lo <= tick * cfg.sample_s < hi]
     slots = {p["id"]: pid for pid, p in peers.items() if p.get("id")}  # owner names -> slots
-    calm_timed = [(tick * cfg.sample_s, m["owners"]) for tick, m in merged.items()]
-    calm_timed = [(t, owners) for t, owners in calm_timed if calm(t)]
+    # the calm samples in time order, each with its time: what agreement and the roster are read from
+    calm_samples = [
+        (tick * cfg.sample_s, m) for tick, m in sorted(merged.items()) if calm(tick * cfg.sample_s)
+    ]
+    calm_timed = [(t, m["owners"]) for t, m in calm_samples]
     calm_owners = [owners for _, owners in calm_timed]
     churning = [
         m["owners"]
@@ -1176,15 +1179,11 @@ def summarize(cfg: Config, reports: list[dict[str, Any]]) -> dict[str, Any]:
         **causes,
         # per calm sample, the candidate owners most peers rank over and the peers whose
         # records offer to own: the median and the most (the roster's cap is ``ROSTER_CAP``)
-        **roster_sizes([m for tick, m in merged.items() if calm(tick * cfg.sample_s)]),
+        **roster_sizes([m for _, m in calm_samples]),
         # places taken in the calm samples by members ranked below 1.5 x the cap: [t, slot,
         # rank, its read's age] (``roster_deep_starts``)
         "roster_deep_starts": roster_deep_starts(
-            [
-                (tick * cfg.sample_s, m)
-                for tick, m in sorted(merged.items())
-                if calm(tick * cfg.sample_s)
-            ],
+            calm_samples,
             {slot: p.get("peer_id", "") for slot, p in peers.items()},
             SWARM,
             cap=ROSTER_CAP,
