@@ -57,6 +57,8 @@ crosses and this is the code as it was.
 from __future__ import annotations
 
 import contextlib
+import logging
+import threading
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
@@ -69,10 +71,12 @@ from node.diloco.adoption import Adoption
 from node.diloco.device import DeviceLink, Landed
 from node.diloco.flat import new_flat
 from node.diloco.inbox import Arrival, Inbox
-from node.diloco.run_delay import run_delay_s
+from node.diloco.run_delay import thread_run_delays, waited_for_cpu
 from node.diloco.sharding import ShardedFragments
 from node.diloco.ship_window import Handoff, ShipWindow
 from protocol.diloco.fragments import FragmentPlan, due_offset
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Island", "IslandConfig", "IslandStats", "Outgoing"]
 
@@ -392,9 +396,18 @@ class Island:
         self._last_blocked = blocked
         # time with the network side, excluding the local tensor copies of adoption and snapshots
         waited = (adopting - t0 - self._copy_s) + self._submit_s + blocked
-        self._copy_s = self._submit_s = 0.0
         if waited > max(STALL_MIN_S, 0.5 * self._step_ema):
             self.stats.stalled_steps += 1
+            log.info(
+                "step %d stalled %.0f ms on the network side: taking the inbox %.0f ms of CPU "
+                "(copies left out), handing off %.0f ms, waiting for merges %.0f ms",
+                self.stats.step,
+                1e3 * waited,
+                1e3 * (adopting - t0 - self._copy_s),
+                1e3 * self._submit_s,
+                1e3 * blocked,
+            )
+        self._copy_s = self._submit_s = 0.0
 
     def _waiting(self, among: Collection[int] | None = None) -> bool:
         """Some fragment (of ``among``, if given) is in flight and neither its next version nor
@@ -457,10 +470,12 @@ class Island:
             handoff=handoff,
         )
         # wall time, for a hand-off that blocks is a stall, less the time the scheduler kept this
-        # thread waiting for a CPU (a busy box, not the network side)
-        t0, queued = time.perf_counter(), run_delay_s()
+        # thread, or the one holding the GIL, waiting for a CPU (a busy box, not the network side)
+        t0, queued = time.perf_counter(), thread_run_delays()
         self._submit(out)
-        self._submit_s += max(0.0, time.perf_counter() - t0 - (run_delay_s() - queued))
+        wall = time.perf_counter() - t0
+        explained = waited_for_cpu(queued, thread_run_delays(), threading.get_native_id())
+        self._submit_s += max(0.0, wall - explained)
         return True
 
     def _pseudo_gradient(self, p: int) -> torch.Tensor:

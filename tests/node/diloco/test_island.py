@@ -400,24 +400,39 @@ def test_wait_for_news_wakes_on_a_delivery_or_a_refusal_and_not_on_what_it_alrea
 
 
 def _slow_submit(
-    sent: list[Outgoing], seconds: float, clock: list[float], queued: float
+    sent: list[Outgoing], seconds: float, clock: dict[str, float], queued: dict[str, float]
 ) -> Callable[[Outgoing], None]:
     def submit(out: Outgoing) -> None:
         time.sleep(seconds)
-        clock[0] += queued  # what the scheduler reports this thread waited for a CPU meanwhile
+        for thread, s in queued.items():  # what the scheduler reports each thread waited for a CPU
+            clock[thread] += s
         sent.append(out)
 
     return submit
 
 
-@pytest.mark.parametrize(("queued", "stalls"), [(0.0, True), (0.3, False)])
+@pytest.mark.parametrize(
+    ("queued", "stalls"),
+    [
+        ({}, True),
+        ({"trainer": 0.3}, False),
+        ({"holder": 0.3}, False),
+        ({"trainer": 0.1, "holder": 0.1}, True),
+    ],
+)
 def test_a_hand_off_counts_as_a_stall_only_for_the_time_not_spent_waiting_for_a_cpu(
-    monkeypatch: pytest.MonkeyPatch, queued: float, stalls: bool
+    monkeypatch: pytest.MonkeyPatch, queued: dict[str, float], stalls: bool
 ) -> None:
     """A hand-off that takes 0.3 s of wall time is a stall; one whose 0.3 s the scheduler says
-    the thread spent runnable, waiting for a CPU on a busy box, is not."""
-    clock = [0.0]
-    monkeypatch.setattr("node.diloco.island.run_delay_s", lambda: clock[0])
+    the trainer spent runnable, waiting for a CPU on a busy box, is not, nor one that another
+    thread of the process (it may hold the GIL the trainer waits for) spent so. Contention that
+    explains only part of the wait leaves the rest a stall."""
+    me = threading.get_native_id()
+    clock = {"trainer": 0.0, "holder": 0.0}
+    monkeypatch.setattr(
+        "node.diloco.island.thread_run_delays",
+        lambda: {me: clock["trainer"], me + 1: clock["holder"]},
+    )
     island, model, opt, sent = _island(h=4, fragments=1)
     island._submit = _slow_submit(sent, 0.3, clock, queued)
     _step(model, opt, island)  # fragment 0 is due at step 1
@@ -425,12 +440,17 @@ def test_a_hand_off_counts_as_a_stall_only_for_the_time_not_spent_waiting_for_a_
     assert (island.stats.stalled_steps == 1) is stalls
 
 
-def test_the_run_delay_of_a_thread_only_grows() -> None:
-    from node.diloco.run_delay import run_delay_s
+def test_the_run_delays_of_this_process_s_threads_are_read_and_only_grow() -> None:
+    from node.diloco.run_delay import thread_run_delays, waited_for_cpu
 
-    first = run_delay_s()
+    me = threading.get_native_id()
+    first = thread_run_delays()
     sum(range(200_000))
-    assert 0.0 <= first <= run_delay_s()
+    again = thread_run_delays()
+    assert me in first and me in again
+    assert all(0.0 <= first[t] <= again[t] for t in first.keys() & again.keys())
+    # a thread that ended between the snapshots, or began after the first, explains nothing
+    assert waited_for_cpu({me: 1.0, 7: 5.0}, {me: 1.5, 8: 9.0}, me) == 0.5
 
 
 def test_a_rebase_in_slices_writes_the_same_bits_and_nothing_when_not_finite() -> None:
