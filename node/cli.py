@@ -98,6 +98,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     local.add_argument("--quiet", action="store_true", help="no live progress lines")
     local.add_argument(
+        "--spawn",
+        choices=("fork", "exec"),
+        default="fork",
+        help="how peers start: fork (default) from one process that has imported torch once "
+        "(Linux 5.3+; elsewhere, or if it fails, exec), or exec: each peer a fresh interpreter",
+    )
+    local.add_argument(
         "--may-own",
         type=int,
         default=None,
@@ -548,6 +555,7 @@ def _local(args: argparse.Namespace) -> int:
             admission=args.admission,
             chaos=chaos,
             duration_s=args.duration,
+            spawn=args.spawn,
         )
     except Exception as exc:  # a peer's failure is one line; _one_line re-raises the rest
         print(f"atoll local: {_one_line(exc)}", file=sys.stderr)

@@ -1,6 +1,7 @@
 """``atoll local``: a multi-process swarm on 127.0.0.1.
 
-The launcher starts peer 0 (``python -m node peer``), waits for the address it bound, then
+The launcher starts peer 0 (``atoll peer``: forked from a warm process, ``node.run.prefork``, or
+with ``--spawn exec`` ``python -m node peer``), waits for the address it bound, then
 starts the other peers giving them only that address: they find each other and the fragments'
 owners through the DHT, as peers joining over the internet do. It shows live progress from the
 JSON lines the peers print, and when every peer has reported its final result it stops them,
@@ -49,6 +50,7 @@ from node.config import RunConfig
 from node.run.chaos import ChaosSpec
 from node.run.local_chaos import ChaosDriver, run_accounting
 from node.run.local_peers import PeerProcess, Timeline, last_error
+from node.run.prefork import ForkedProcess, PreforkServer, fork_supported
 
 __all__ = ["ENDLESS_STEPS", "LaunchPlan", "LocalSwarm", "PeerProcess", "last_error"]
 
@@ -70,6 +72,7 @@ class LaunchPlan:
     kill_at: dict[int, int] = dataclasses.field(default_factory=dict)
     chaos: ChaosSpec | None = None
     duration_s: float | None = None
+    spawn: str = "fork"  # "fork": from one warm process (node.run.prefork) where it can; "exec"
 
 
 class LocalSwarm:
@@ -120,6 +123,8 @@ class LocalSwarm:
             ChaosDriver(plan.chaos, self, self.timeline) if plan.chaos is not None else None
         )
         self.incarnations: list[PeerProcess] = []  # every process started, restarts included
+        self.spawn_mode = plan.spawn
+        self.forks: PreforkServer | None = None  # the prefork server, while the run lasts
 
     def accounting(self, results: list[dict[str, Any]]) -> dict[str, Any]:
         """The report's chaos, restarts, uptime and goodput (``node.run.local_chaos.run_accounting``)."""
@@ -232,13 +237,20 @@ class LocalSwarm:
             str(wait_members or self.cfg.peers),
             *self._peer_args(index),
         ]
-        proc = await asyncio.create_subprocess_exec(
-            *cmd,
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=log_path.open("wb"),
-            start_new_session=True,
-        )
+        proc: asyncio.subprocess.Process | ForkedProcess | None = None
+        if self.forks is not None:
+            try:
+                proc = await self.forks.spawn(cmd[3:], log_path)
+            except (RuntimeError, OSError, TimeoutError) as exc:
+                log.warning("peer %d not forked (%s): started by exec instead", index, exc)
+        if proc is None:
+            proc = await asyncio.create_subprocess_exec(
+                *cmd,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=log_path.open("wb"),
+                start_new_session=True,
+            )
         peer = PeerProcess(index, proc, log_path, incarnation=incarnation)
         self.incarnations.append(peer)
         return peer
@@ -346,8 +358,33 @@ class LocalSwarm:
         for i in range(self.cfg.peers):  # a new swarm: never resume another run's islands
             shutil.rmtree(self.run_dir / f"peer{i}-checkpoints", ignore_errors=True)
         config_path = self.run_dir / "config.json"
-        self.cfg = self.make_swarm()
-        config_path.write_text(self.cfg.to_json())
+        forks = asyncio.create_task(self._start_forks())  # its imports, while we make the swarm
+        try:
+            self.cfg = await asyncio.to_thread(self.make_swarm)
+            config_path.write_text(self.cfg.to_json())
+            await forks
+            return await self._run(config_path)
+        finally:
+            if not forks.done():
+                forks.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await forks
+            if self.forks is not None:
+                await self.forks.close()
+
+    async def _start_forks(self) -> None:
+        """Start the prefork server (``--spawn fork``, where this system can fork peers, for peers
+        on the CPU); on any failure the peers are started by exec, as with ``--spawn exec``."""
+        if self.spawn_mode != "fork" or not fork_supported():
+            return
+        if self.cfg.device != "cpu":  # CUDA in a process forked from one that touched it: exec
+            return
+        try:
+            self.forks = await PreforkServer.start(self.run_dir / "prefork.log")
+        except RuntimeError as exc:
+            log.warning("%s: peers are started by exec instead", exc)
+
+    async def _run(self, config_path: Path) -> list[dict[str, Any]]:
         async with asyncio.TaskGroup() as tg:
             readers: list[asyncio.Task[None]] = []
             progress = tg.create_task(self._show_progress())

@@ -72,6 +72,7 @@ def run_local(
     admission: str = "open",
     chaos: ChaosSpec | None = None,
     duration_s: float | None = None,
+    spawn: str = "fork",
 ) -> dict[str, Any]:
     """Run a local swarm end to end, write the report and plot, print the summary. With
     ``duration_s`` the peers train until that many seconds after launch instead of ``cfg.steps``.
@@ -93,6 +94,7 @@ def run_local(
         kill_at=kill_at or {},
         chaos=chaos,
         duration_s=duration_s,
+        spawn=spawn,
     )
     swarm = LocalSwarm(cfg, run_dir, plan, quiet=quiet)
     t0 = time.monotonic()

@@ -11,7 +11,10 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from node.run.prefork import ForkedProcess
 
 __all__ = ["PeerProcess", "Timeline", "last_error"]
 
@@ -19,7 +22,7 @@ __all__ = ["PeerProcess", "Timeline", "last_error"]
 @dataclass
 class PeerProcess:
     index: int
-    proc: asyncio.subprocess.Process
+    proc: asyncio.subprocess.Process | ForkedProcess  # exec'd, or forked (node.run.prefork)
     log_path: Path
     url: str = ""
     peer_id: str = ""

@@ -151,10 +151,13 @@ def test_a_killed_peer_does_not_stall_the_rest_over_a_slow_lossy_link(tmp_path: 
     that start from the replica's state (built from update handoffs) with a fresh residual, and
     every survivor still ends with the same state bit for bit. Every request goes over an
     emulated slow lossy link (30 ms each way, 20 Mbit/s, 5 % dropped): the swarm converges
-    through it, kill and all: one run shows both (29 s; apart they took 34 s and 24 s)."""
+    through it, kill and all: one run shows both (29 s; apart they took 34 s and 24 s). Its
+    peers are started by exec (``--spawn exec``); the other swarms' are forked (the default)."""
     link = "latency=30ms,bandwidth=20mbit,drop=0.05"
     _, report = _run_local(
-        tmp_path, "--link", link, "--kill", "1@60", "--update-codec", "int8", steps=300
+        tmp_path,
+        *("--link", link, "--kill", "1@60", "--update-codec", "int8", "--spawn", "exec"),
+        steps=300,
     )
     assert report["config"]["link"] == link
     assert report["killed_peers"] == [1] and report["peers"] == 2

@@ -1,0 +1,75 @@
+"""The prefork server of ``atoll local`` (``node.run.prefork``), over its real socket, with real
+forked ``atoll peer`` processes: their arguments, pipes, log, title and exit codes, signals
+through pidfds, and what is left when the server itself dies."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from node.config import RunConfig
+from node.run.prefork import PreforkServer, fork_supported
+
+pytestmark = pytest.mark.skipif(not fork_supported(), reason="no fork with pidfds here")
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def test_a_forked_peer_runs_as_an_exec_d_one_would_and_its_end_is_told_even_without_the_server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    config = tmp_path / "config.json"
+    config.write_text(RunConfig(peers=1, steps=5, model="tiny").to_json())
+    peer_args = ["peer", "--config", str(config), "--index", "0", "--initial-peers-from-stdin"]
+
+    async def scenario() -> None:
+        server = await PreforkServer.start(tmp_path / "prefork.log")
+        try:
+            # a mistake in its arguments: atoll's own message in its log, atoll's exit code
+            bad = await server.spawn(
+                ["peer", "--config", str(tmp_path / "none.json")], tmp_path / "bad.log"
+            )
+            assert await asyncio.wait_for(bad.wait(), 30) == 2
+            assert "--index" in (tmp_path / "bad.log").read_text()
+
+            # a peer: its stdin and stdout are the launcher's pipes, ps shows its command line
+            peer = await server.spawn(peer_args, tmp_path / "peer.log")
+            assert peer.pid != server._proc.pid
+            peer.stdin.write(b'{"initial_peers": []}\n')
+            await peer.stdin.drain()
+            event = json.loads(await asyncio.wait_for(peer.stdout.readline(), 60))
+            assert event["event"] == "listening" and event["url"].startswith("http://127.0.0.1:")
+            shown = subprocess.run(
+                ["pgrep", "-f", f"node peer --config {config}"], capture_output=True, text=True
+            ).stdout.split()
+            assert shown == [str(peer.pid)]
+            peer.terminate()  # through its pidfd; its parent, the server, tells how it ended
+            assert await asyncio.wait_for(peer.wait(), 30) == -signal.SIGTERM
+            assert await peer.stdout.read() == b""  # nobody else holds its stdout open
+            with pytest.raises(ProcessLookupError):
+                peer.kill()
+
+            # the server dies: no more forks, and a live child's end is still told (its code is
+            # lost with its parent)
+            orphan = await server.spawn(peer_args, tmp_path / "orphan.log")
+            os.kill(server._proc.pid, signal.SIGKILL)
+            await asyncio.wait_for(server._proc.wait(), 30)
+            for _ in range(100):
+                if server._gone:
+                    break
+                await asyncio.sleep(0.05)
+            with pytest.raises(RuntimeError, match="prefork server"):
+                await server.spawn(peer_args, tmp_path / "late.log")
+            orphan.kill()
+            assert await asyncio.wait_for(orphan.wait(), 30) == 255
+        finally:
+            await server.close()
+
+    asyncio.run(scenario())
