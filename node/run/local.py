@@ -127,8 +127,13 @@ class LocalSwarm:
         self.forks: PreforkServer | None = None  # the prefork server, while the run lasts
 
     def accounting(self, results: list[dict[str, Any]]) -> dict[str, Any]:
-        """The report's chaos, restarts, uptime and goodput (``node.run.local_chaos.run_accounting``)."""
-        return run_accounting(self.cfg, self.timeline, self.chaos_driver, results)
+        """The report's chaos, restarts, start-up, uptime and goodput
+        (``node.run.local_chaos.run_accounting``), and how many peer processes were forked."""
+        forked = sum(isinstance(p.proc, ForkedProcess) for p in self.incarnations)
+        return {
+            **run_accounting(self.cfg, self.timeline, self.chaos_driver, results),
+            "spawned": {"forked": forked, "exec": len(self.incarnations) - forked},
+        }
 
     def make_swarm(self) -> RunConfig:
         """A throw-away founder, one authority ("local") and a key and certificate per peer,

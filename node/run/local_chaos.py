@@ -203,6 +203,8 @@ def run_accounting(
         "chaos_events": chaos.events if chaos else [],
         "restarts": chaos.restarts if chaos else [],
         "duration_s": timeline.duration_s,
+        # the launch until every peer had joined and the launcher said start
+        "startup_s": start - timeline.t0_mono,
         "training_s": end - start,
         "median_step_s": step_s,
         "uptime_window_s": window,

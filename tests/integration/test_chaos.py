@@ -73,6 +73,7 @@ def test_killed_and_restarted_peers_rejoin_and_the_swarm_agrees(tmp_path: Path) 
     per_peer = {p["index"]: p for p in report["per_peer"]}
     killed = {r["peer"] for r in restarts}
     assert all(per_peer[i]["incarnation"] >= 1 for i in killed)
+    assert report["spawned"] == {"forked": 6, "exec": 0}  # the restarts forked as the first four
     assert any(per_peer[i]["resumed_from_step"] > 0 for i in killed), (
         per_peer
     )  # from its checkpoint

@@ -91,6 +91,7 @@ def test_three_peer_swarm_trains_to_one_global_model(tmp_path: Path) -> None:
     # swarm's run-to-run noise (measured +0.115, +0.141 nats/byte; +0.04 to +0.09 at 200 steps)
     proc, report = _run_local(tmp_path, "--alone", corpus_max_bytes=120_000, steps=300)
     assert report["peers"] == 3 and report["steps"] == 300
+    assert report["spawned"] == {"forked": 3, "exec": 0}  # node.run.prefork, not a fallback
     assert report["eval_loss"]["end"] <= 0.7 * report["eval_loss"]["start"], report["eval_loss"]
     hashes = set(report["final_param_hash"].values())
     assert len(hashes) == 1 and len(report["final_param_hash"]) == 3
@@ -161,6 +162,7 @@ def test_a_killed_peer_does_not_stall_the_rest_over_a_slow_lossy_link(tmp_path: 
     )
     assert report["config"]["link"] == link
     assert report["killed_peers"] == [1] and report["peers"] == 2
+    assert report["spawned"] == {"forked": 0, "exec": 3}  # peer 1 too
     assert len(set(report["final_param_hash"].values())) == 1
     came = report["versions_in"]
     # most versions downloaded came as updates (a peer takes its own fragments in process, and
