@@ -146,8 +146,6 @@ class FinalFetch:
                 for p in out
                 if (current := self.view.owner_of(p)) is not None and current[0] != answered[p]
             ]
-            if not moved:
-                break
             for p in moved:
                 log.warning(
                     "fragment %d: its owner changed after it declared version %d final; "
@@ -156,7 +154,45 @@ class FinalFetch:
                     out[p][0],
                 )
                 del out[p]
+            unsettled = await self._ask_again(out, answered)
+            if not moved and not unsettled:
+                break
         return out
+
+    async def _ask_again(
+        self, out: dict[int, tuple[int, torch.Tensor]], answered: dict[int, bytes]
+    ) -> int:
+        """Ask each fragment's owner, which has not moved, whether the final version we hold is
+        still its final one: an owner that declared an older version final (a successor that
+        split off, or came back from a checkpoint) may take over a newer one from a live owner's
+        handoff just after. Holding it costs the owner a short answer (its final is the version
+        we name by digest); a newer one replaces ours. Returns how many are not settled."""
+        net = self.started.net
+        assert net is not None
+        unsettled = 0
+        for p in sorted(out):
+            owner = self.view.owner_of(p)
+            if owner is None or owner[0] != answered[p]:  # moved since: the next check asks it
+                unsettled += 1
+                continue
+            try:
+                got = await net.fetch(p, after=out[p][0], wait_s=5.0, final=True, owner=owner)
+            except Exception as exc:  # the next check asks again
+                log.warning("final version of fragment %d not confirmed: %r", p, exc)
+                unsettled += 1
+                continue
+            if got is None:  # its owner no longer says its version is final
+                unsettled += 1
+            elif got[0] != out[p][0]:
+                log.warning(
+                    "fragment %d: its owner declared version %d final after version %d",
+                    p,
+                    got[0],
+                    out[p][0],
+                )
+                out[p] = got
+                unsettled += 1
+        return unsettled
 
     async def _fetch_missing(
         self, out: dict[int, tuple[int, torch.Tensor]], answered: dict[int, bytes]

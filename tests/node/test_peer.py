@@ -688,7 +688,8 @@ async def test_a_final_version_from_an_owner_that_moved_is_asked_of_the_new_one(
     node.net = types.SimpleNamespace(received=collections.defaultdict(int), fetch=fetch)  # type: ignore[assignment]
     out = await node.fetch_final(settle_s=0.01)
     assert {p: v for p, (v, _) in out.items()} == {p: 19 for p in range(len(node.shapes))}
-    assert [a for a in asked if a[0] == q] == [(q, x, 0), (q, y, 0)]
+    # and then asked whether 19 is still its final version (it is)
+    assert [a for a in asked if a[0] == q] == [(q, x, 0), (q, y, 0), (q, y, 19)]
     assert (
         membership.refreshes == refreshes_before + 2
     )  # one full read moved it, the next found it still
@@ -707,6 +708,40 @@ async def test_a_final_version_from_an_owner_that_moved_is_asked_of_the_new_one(
     asked.clear()
     await node.fetch_final(settle_s=0.01, rechecks=2)
     assert len([a for a in asked if a[0] == q]) == 3
+
+
+async def test_a_final_version_its_owner_replaced_with_a_newer_one_is_taken_again() -> None:
+    """Seen in a chaos run (4 peers, an owner killed and restarted from its checkpoint): the
+    restarted owner declared its checkpoint's version 32 of a fragment final, a learner took it,
+    and 50 ms later the owner took over version 53 from the live owner's handoff and held that
+    final; the learner ended on 32, the others on 53. The owner has not moved, so the learner
+    now asks it whether the final version it holds is still the final one."""
+    import types
+
+    import torch
+
+    node, membership = _node()
+    y = signer(6).peer_id
+    q = len(node.shapes) - 1
+    finals = {p: 53 for p in range(len(node.shapes))}
+    finals[q] = 32  # what the owner says first; it holds 53 final right after
+    node.presence.owner_of = lambda p: (y, "http://y")  # type: ignore[method-assign]
+    asked: list[tuple[int, int]] = []
+
+    async def fetch(p: int, *, after: int, wait_s: float, final: bool, owner: tuple[bytes, str]):  # type: ignore[no-untyped-def]
+        assert final and owner[0] == y
+        asked.append((p, after))
+        version = finals[p]
+        if p == q:
+            finals[q] = 53  # the handoff lands
+        return version, torch.full((4,), float(version))
+
+    node.net = types.SimpleNamespace(received=collections.defaultdict(int), fetch=fetch)  # type: ignore[assignment]
+    out = await node.fetch_final(settle_s=0.01)
+    assert {p: v for p, (v, _) in out.items()} == {p: 53 for p in range(len(node.shapes))}
+    assert torch.equal(out[q][1], torch.full((4,), 53.0))
+    # asked once, again over the 32 it got, and once more to see 53 is still the final one
+    assert [a for a in asked if a[0] == q] == [(q, 0), (q, 32), (q, 53)]
 
 
 async def test_our_record_is_republished_while_the_membership_loop_is_held_up(monkeypatch) -> None:
