@@ -630,7 +630,13 @@ class FragmentOwner:
 
     # --- the end of a run, and of this term ------------------------------------------------------
     def idle(self) -> bool:
-        """No contribution is waiting and no merge is running: the latest version is final."""
+        """No contribution is waiting, no merge is running and no predecessor's state is
+        awaited (``hold_first_merge``, by the clock: the merger sees time only at its events):
+        the latest version is final. A new owner's version may be behind the one its live
+        predecessor is about to hand it."""
+        held = self.merger.held_until
+        if held is not None and held > self.succession.clock():
+            return False
         return self.merger.phase is Phase.COLLECTING and self.merger.count == 0
 
     def declare_final(self) -> Sealed:

@@ -415,6 +415,32 @@ async def _hand(predecessor: FragmentOwner, successor: FragmentOwner, theta0: to
     return await successor.take_over(store.states[0])
 
 
+async def test_an_owner_awaiting_its_predecessor_s_state_has_no_final_version() -> None:
+    """Seen in a chaos run: a peer restarted from its checkpoint took a fragment from the live
+    owner at the checkpoint's version, declared that version final to a learner that asked,
+    and took the live owner's newer version over from its handoff 50 ms later: that learner
+    ended on the older one. An owner holding its first merge for its predecessor's state is not
+    idle (nothing is final) until the handoff comes, or the hold ends (a predecessor that died)."""
+    model = tiny_model()
+    plan, clock = tiny_plan(model), FakeClock()
+    shapes, theta0 = shapes_of(model, plan), flat_of(model, plan, 0)
+    delta = torch.linspace(-0.05, 0.05, theta0.numel())
+    live = _owner(plan, shapes, clock, theta0, who=signer(1))
+    await _merge_one(live, clock, delta, shapes, A)
+    successor = _owner(plan, shapes, clock, theta0, who=signer(2), epoch=1)
+    assert successor.idle()
+    successor.hold_first_merge(6.0)
+    assert not successor.idle()
+    assert await _hand(live, successor, theta0)  # the handoff releases the hold
+    assert successor.version == 1 and successor.idle()
+    orphan = _owner(plan, shapes, clock, theta0, who=signer(3), epoch=2)
+    orphan.hold_first_merge(6.0)
+    clock.advance(5.9)
+    assert not orphan.idle()
+    clock.advance(0.2)  # no event reached the owner: the hold ends by the clock alone
+    assert orphan.idle() and orphan.version == 0
+
+
 async def test_a_new_owner_merges_nothing_before_its_predecessors_handoff() -> None:
     """The race left after the final hold travelled with the fragment: a restarted owner took its
     fragment back and merged a late flush before its predecessor's handoff (final) arrived, a
