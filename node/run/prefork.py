@@ -45,7 +45,7 @@ import threading
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 __all__ = ["ForkedProcess", "PreforkServer", "fork_supported"]
 
@@ -305,7 +305,7 @@ def _send(sock: socket.socket, msg: dict[str, Any], fds: Sequence[int] = ()) -> 
     socket.send_fds(sock, [json.dumps(msg).encode()], list(fds))
 
 
-def _child(argv: list[str], fds: list[int], close: Sequence[int]) -> None:
+def _child(argv: list[str], fds: list[int], close: Sequence[int]) -> NoReturn:
     """In the forked child: become ``atoll <argv>`` on the launcher's pipes, then exit."""
     code = 1
     try:
@@ -372,47 +372,59 @@ def serve(fd: int) -> int:
     signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes the select below
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the launcher, which stops us
     children: set[int] = set()
-    _send(sock, {"ready": os.getpid()})
-    while True:
-        readable, _, _ = select.select([sock.fileno(), wake_r], [], [])
-        if wake_r in readable:
-            os.read(wake_r, 4096)
-        _reap(sock, children)
-        if sock.fileno() not in readable:
-            continue
-        try:
-            data, fds, _flags, _addr = socket.recv_fds(sock, MAX_MESSAGE, 3)
-        except ConnectionError:
-            return 0
-        if not data:
-            return 0  # the launcher is gone; the children live on in their own sessions
-        try:
-            request = json.loads(data)
-            seq, argv = int(request["seq"]), [str(a) for a in request["argv"]]
-        except (ValueError, KeyError, TypeError) as exc:
-            for f in fds:
-                os.close(f)
-            _send(sock, {"seq": -1, "error": f"a request not understood: {exc}"})
-            continue
-        if len(fds) != 3 or threading.active_count() != 1:
-            for f in fds:
-                os.close(f)
-            why = "three descriptors expected" if len(fds) != 3 else "threads running"
-            _send(sock, {"seq": seq, "error": f"not forked: {why}"})
-            continue
-        for stream in (sys.stdout, sys.stderr):
-            stream.flush()
-        pid = os.fork()
-        if pid == 0:
-            _child(argv, fds, (sock.fileno(), wake_r, wake_w))
-        children.add(pid)
+    try:
+        _send(sock, {"ready": os.getpid()})
+        while True:
+            readable, _, _ = select.select([sock.fileno(), wake_r], [], [])
+            if wake_r in readable:
+                os.read(wake_r, 4096)
+            _reap(sock, children)
+            if sock.fileno() in readable and not _serve_one(sock, children, (wake_r, wake_w)):
+                return 0  # the launcher is gone; the children live on in their own sessions
+    except ConnectionError:  # the launcher went away while we wrote to it
+        return 0
+
+
+def _serve_one(sock: socket.socket, children: set[int], wake: tuple[int, int]) -> bool:
+    """Read one request and fork its child, or say why not; False once the launcher is gone."""
+    data, fds, _flags, _addr = socket.recv_fds(sock, MAX_MESSAGE, 3)
+    if not data:
+        return False
+    try:
+        request = json.loads(data)
+        seq, argv = int(request["seq"]), [str(a) for a in request["argv"]]
+    except (ValueError, KeyError, TypeError) as exc:
         for f in fds:
             os.close(f)
-        pidfd = os.pidfd_open(pid)  # before any reap: the pid is still this child's
+        _send(sock, {"seq": -1, "error": f"a request not understood: {exc}"})
+        return True
+    why = None
+    if len(fds) != 3:
+        why = "three descriptors expected"
+    elif threading.active_count() != 1:
+        why = "threads running"
+    pid = -1
+    if why is None:
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
         try:
-            _send(sock, {"seq": seq, "pid": pid}, [pidfd])
-        finally:
-            os.close(pidfd)
+            pid = os.fork()
+        except OSError as exc:  # out of processes or memory: the launcher execs it instead
+            why = f"fork failed: {exc}"
+        if pid == 0:
+            _child(argv, fds, (sock.fileno(), *wake))
+    for f in fds:
+        os.close(f)
+    if why is not None:
+        _send(sock, {"seq": seq, "error": f"not forked: {why}"})
+        return True
+    children.add(pid)
+    pidfd = os.pidfd_open(pid)  # before any reap: the pid is still this child's
+    try:
+        _send(sock, {"seq": seq, "pid": pid}, [pidfd])
+    finally:
+        os.close(pidfd)
+    return True
 
 
 if __name__ == "__main__":

@@ -73,3 +73,26 @@ def test_a_forked_peer_runs_as_an_exec_d_one_would_and_its_end_is_told_even_with
             await server.close()
 
     asyncio.run(scenario())
+
+
+def test_a_launcher_whose_prefork_server_fails_starts_its_peers_by_exec(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from node.run.local import LaunchPlan, LocalSwarm
+
+    async def fails(log_path: Path) -> PreforkServer:
+        raise RuntimeError("the prefork server failed: it exited (log: prefork.log)")
+
+    monkeypatch.setattr(PreforkServer, "start", fails)
+
+    async def start(spawn: str, device: str = "cpu") -> PreforkServer | None:
+        cfg = RunConfig(peers=2, steps=5, model="tiny", device=device)
+        swarm = LocalSwarm(cfg, tmp_path, LaunchPlan(spawn=spawn))
+        await swarm._start_forks()
+        return swarm.forks
+
+    assert asyncio.run(start("fork")) is None
+    assert "peers are started by exec instead" in caplog.text
+    caplog.clear()
+    assert asyncio.run(start("exec")) is None and asyncio.run(start("fork", "cuda")) is None
+    assert not caplog.text  # asked for, or on a GPU: no server tried, nothing to warn of
