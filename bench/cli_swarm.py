@@ -3,6 +3,7 @@ shared by the process-level tests (``tests/integration``) and the benches that s
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import io
 import json
@@ -11,6 +12,7 @@ import queue
 import ssl
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -23,19 +25,53 @@ ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 
 
+# The process-level tests set this: their children are forked from one process that imported
+# torch once (node.run.prefork), ~7 s of CPU less each; a bench that times a joiner's start-up
+# (bench.late_join) leaves it False, as a person starting ``atoll join`` has a fresh interpreter.
+FORK_CHILDREN = False
+_fork_server: Any = None  # node.run.prefork.ForkServer, started by the first forked child
+
+
+def _forked(args: list[str], stdout: int, stderr: int) -> Any:
+    """``atoll ARGS`` forked from the shared prefork server (started once, stopped at exit)."""
+    global _fork_server
+    from node.run.prefork import ForkServer
+
+    if _fork_server is None:
+        folder = Path(tempfile.mkdtemp(prefix="atoll-prefork-"))
+        _fork_server = ForkServer(folder / "prefork.log", env=ENV, cwd=ROOT)
+        atexit.register(_fork_server.close)
+    with open(os.devnull, "rb") as devnull:
+        return _fork_server.spawn(args, devnull.fileno(), stdout, stderr)
+
+
 class Proc:
-    """A child ``python -m node ...`` whose stdout lines are read on a thread (JSON lines become events)."""
+    """A child ``python -m node ...`` whose stdout lines are read on a thread (JSON lines become
+    events). Forked from the shared prefork server under ``FORK_CHILDREN``, where forking works."""
 
     def __init__(self, args: list[str], log: Path) -> None:
+        from node.run.prefork import fork_supported
+
         self.log = log.open("wb")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "node", *args],
-            cwd=ROOT,
-            env=ENV,
-            stdout=subprocess.PIPE,
-            stderr=self.log,
-            stdin=subprocess.DEVNULL,
-        )
+        self.proc: Any = None
+        if FORK_CHILDREN and fork_supported():
+            out, child_out = os.pipe()
+            try:
+                self.proc = _forked(args, child_out, self.log.fileno())
+                self.proc.stdout = os.fdopen(out, "rb")
+            except RuntimeError:  # the server cannot fork it: a fresh interpreter, as before
+                os.close(out)
+            finally:
+                os.close(child_out)
+        if self.proc is None:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "node", *args],
+                cwd=ROOT,
+                env=ENV,
+                stdout=subprocess.PIPE,
+                stderr=self.log,
+                stdin=subprocess.DEVNULL,
+            )
         self.lines: queue.Queue[str] = queue.Queue()
         self.events: list[dict[str, Any]] = []
         threading.Thread(target=self._pump, daemon=True).start()

@@ -29,3 +29,8 @@ def pytest_configure(config: pytest.Config) -> None:
     ends pytest at once and left them running."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, signal.default_int_handler)
+    # the process-level tests' ``atoll`` children are forked from one process that imported
+    # torch once (node.run.prefork): ~7 s of CPU less each on the 2-core box
+    import bench.cli_swarm
+
+    bench.cli_swarm.FORK_CHILDREN = True

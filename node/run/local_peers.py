@@ -11,10 +11,9 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from node.run.prefork import ForkedProcess
+from node.run.prefork import ForkedProcess
 
 __all__ = ["PeerProcess", "Timeline", "last_error"]
 

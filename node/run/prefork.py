@@ -34,12 +34,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import json
 import logging
 import os
+import runpy
 import select
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import traceback
@@ -47,11 +50,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-__all__ = ["ForkedProcess", "PreforkServer", "fork_supported"]
+__all__ = ["ForkServer", "ForkedChild", "ForkedProcess", "PreforkServer", "fork_supported"]
 
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE = 64 * 1024  # one request: a peer's argv
+# what the server imports before it forks: what ``atoll peer`` and ``atoll join`` import, and
+# torch._dynamo, which a process's first AdamW imports (by name: the children run ``python -m
+# node`` as a program, so node/ does not depend on this module's imports)
+PRELOAD = ("setproctitle", "torch", "torch._dynamo", "node.cli", "node.run.train", "node.run.join")
 READY_TIMEOUT_S = 180.0  # the server's imports; a busy 2-core box has taken ~10 s
 SPAWN_TIMEOUT_S = 30.0  # one fork and its reply
 
@@ -261,6 +268,7 @@ class PreforkServer:
             return
         reply = self._pending.get(int(msg["seq"]))
         if "pid" in msg and fds:
+            self._exits.pop(int(msg["pid"]), None)  # an earlier child's, its pid reused
             if reply is None or reply.done():  # its spawn gave up: the child must not run on
                 with contextlib.suppress(OSError):
                     signal.pidfd_send_signal(fds[0], signal.SIGKILL)
@@ -300,6 +308,141 @@ class PreforkServer:
             child.exited(255)
 
 
+# --- a blocking client, for code without an event loop ------------------------------------------
+class ForkedChild:
+    """A child of a ``ForkServer``, with the part of ``subprocess.Popen`` its callers use:
+    ``pid``, ``returncode``, ``poll``, ``wait``, ``send_signal``, ``terminate``, ``kill``."""
+
+    def __init__(self, pid: int, pidfd: int, server: ForkServer) -> None:
+        self.pid, self._pidfd, self._server = pid, pidfd, server
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._server.code_of(self.pid)
+            if self.returncode is not None:
+                os.close(self._pidfd)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        """The exit code; ``subprocess.TimeoutExpired`` after ``timeout`` seconds."""
+        if self.poll() is None:
+            self._server.wait_for(self.pid, timeout)
+        code = self.poll()
+        if code is None:
+            raise subprocess.TimeoutExpired(f"forked pid {self.pid}", timeout or 0.0)
+        return code
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(self._pidfd, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class ForkServer:
+    """The prefork server for callers without an event loop (the process-level tests start
+    dozens of ``atoll`` children): requests sent under a lock, replies and exits read by a
+    thread. ``spawn`` raises ``RuntimeError`` when the server cannot fork."""
+
+    def __init__(self, log_path: Path, *, env: dict[str, str], cwd: Path) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        with log_path.open("ab") as err:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "node.run.prefork", str(theirs.fileno())],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+                pass_fds=(theirs.fileno(),),
+                env=env,
+                cwd=cwd,
+                start_new_session=True,
+            )
+        theirs.close()
+        self._sock = ours
+        self._lock = threading.Lock()  # one request at a time, matched to its reply
+        self._changed = threading.Condition()
+        self._codes: dict[int, int] = {}
+        self._reply: tuple[int, int] | str | None = None
+        self._gone = False
+        ours.settimeout(READY_TIMEOUT_S)
+        try:
+            data, fds, _flags, _addr = socket.recv_fds(ours, MAX_MESSAGE, 1)
+            msg = json.loads(data) if data else {"error": "it exited"}
+        except (OSError, ValueError) as exc:
+            msg = {"error": repr(exc)}
+        if "ready" not in msg:
+            self.close()
+            raise RuntimeError(f"the prefork server failed: {msg.get('error')} (log: {log_path})")
+        ours.settimeout(None)
+        threading.Thread(target=self._read, name="prefork-replies", daemon=True).start()
+
+    def spawn(self, argv: Sequence[str], stdin: int, stdout: int, stderr: int) -> ForkedChild:
+        """Fork ``atoll <argv>`` with these descriptors as its stdin, stdout and stderr."""
+        with self._lock:
+            with self._changed:
+                if self._gone:
+                    raise RuntimeError("the prefork server has exited")
+                self._reply = None
+            socket.send_fds(
+                self._sock,
+                [json.dumps({"seq": 0, "argv": list(argv)}).encode()],
+                [stdin, stdout, stderr],
+            )
+            with self._changed:
+                if not self._changed.wait_for(
+                    lambda: self._reply is not None or self._gone, SPAWN_TIMEOUT_S
+                ):
+                    raise RuntimeError(f"no fork within {SPAWN_TIMEOUT_S:.0f} s")
+                reply = self._reply
+            if not isinstance(reply, tuple):
+                raise RuntimeError(reply or "the prefork server has exited")
+            return ForkedChild(reply[0], reply[1], self)
+
+    def code_of(self, pid: int) -> int | None:
+        with self._changed:
+            return self._codes.get(pid)
+
+    def wait_for(self, pid: int, timeout: float | None) -> None:
+        with self._changed:
+            self._changed.wait_for(lambda: pid in self._codes or self._gone, timeout)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._proc.wait(5)
+            return
+        self._proc.kill()
+        self._proc.wait()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                data, fds, _flags, _addr = socket.recv_fds(self._sock, MAX_MESSAGE, 1)
+                msg = json.loads(data) if data else None
+            except (OSError, ValueError):
+                msg = None
+            with self._changed:
+                if msg is None:
+                    self._gone = True
+                elif "exited" in msg:
+                    self._codes[int(msg["exited"])] = int(msg["code"])
+                elif "pid" in msg and fds:
+                    self._codes.pop(int(msg["pid"]), None)  # an earlier child's, its pid reused
+                    self._reply = (int(msg["pid"]), fds[0])
+                else:
+                    self._reply = str(msg.get("error", msg))
+                self._changed.notify_all()
+            if msg is None:
+                return
+
+
 # --- server side ---------------------------------------------------------------------------------
 def _send(sock: socket.socket, msg: dict[str, Any], fds: Sequence[int] = ()) -> None:
     socket.send_fds(sock, [json.dumps(msg).encode()], list(fds))
@@ -320,14 +463,10 @@ def _child(argv: list[str], fds: list[int], close: Sequence[int]) -> NoReturn:
         signal.signal(signal.SIGINT, signal.default_int_handler)
         import setproctitle
 
-        import node
-        from node.cli import main
-
-        sys.argv = [str(Path(node.__file__).parent / "__main__.py"), *argv]  # as ``-m node`` has it
         # ps and pgrep -f see the command line an exec'd peer has, not the server's
         setproctitle.setproctitle(" ".join([sys.executable, "-m", "node", *argv]))
-
-        code = main(argv)
+        sys.argv = ["node", *argv]  # run_module puts the module's path first, as ``-m`` does
+        runpy.run_module("node", run_name="__main__", alter_sys=True)  # ``python -m node ARGV``
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
     except BaseException:
@@ -356,14 +495,10 @@ def _reap(sock: socket.socket, children: set[int]) -> None:
 def serve(fd: int) -> int:
     """The server's loop: import a peer's modules, say ready, fork on request, reap, until
     the launcher closes its end."""
-    import setproctitle  # noqa: F401
-    import torch._dynamo  # what a peer's first AdamW would import
-
-    import node.cli  # noqa: F401
-    import node.run.train  # noqa: F401
-
+    for name in PRELOAD:
+        importlib.import_module(name)
     sock = socket.socket(fileno=fd)
-    if torch.cuda.is_initialized():  # a forked child could not use it
+    if sys.modules["torch"].cuda.is_initialized():  # a forked child could not use it
         _send(sock, {"seq": -1, "error": "CUDA was initialised by the imports: not forking"})
         return 1
     wake_r, wake_w = os.pipe()

@@ -96,3 +96,26 @@ def test_a_launcher_whose_prefork_server_fails_starts_its_peers_by_exec(
     caplog.clear()
     assert asyncio.run(start("exec")) is None and asyncio.run(start("fork", "cuda")) is None
     assert not caplog.text  # asked for, or on a GPU: no server tried, nothing to warn of
+
+
+def test_the_blocking_client_forks_the_process_level_tests_children(tmp_path: Path) -> None:
+    """``ForkServer`` (threads, no event loop) as ``bench.cli_swarm.Proc`` uses it: a bootstrap
+    node forked, its first line read through the pipe, stopped as ``Popen`` is; a mistake's
+    exit code."""
+    import bench.cli_swarm as cli_swarm
+    from node.run.prefork import ForkedChild
+
+    assert cli_swarm.FORK_CHILDREN  # tests/conftest.py
+    procs: list[cli_swarm.Proc] = []
+    try:
+        url = cli_swarm.start_bootstrap(tmp_path, procs)
+        assert url.startswith("http://127.0.0.1:") and isinstance(procs[0].proc, ForkedChild)
+        bad = cli_swarm.Proc(["peer", "--config", str(tmp_path / "none.json")], tmp_path / "b.log")
+        procs.append(bad)
+        assert bad.proc.wait(30) == 2 and bad.proc.poll() == 2
+        with pytest.raises(subprocess.TimeoutExpired):
+            procs[0].proc.wait(0.1)
+    finally:
+        for p in procs:
+            p.stop()
+    assert procs[0].proc.returncode == 0  # atoll bootstrap ends cleanly on SIGTERM
