@@ -175,8 +175,9 @@ class PreforkServer:
         return server
 
     async def spawn(self, argv: Sequence[str], stderr_path: Path) -> ForkedProcess:
-        """Fork ``atoll`` with ``argv`` (``["peer", ...]``), its stderr appended to
-        ``stderr_path``. Raises ``RuntimeError`` when the server cannot fork it."""
+        """Fork ``atoll`` with ``argv`` (``["peer", ...]``), its stderr written to
+        ``stderr_path`` (from its start, as the exec'd peer's is). Raises ``RuntimeError`` when
+        the server cannot fork it."""
         if self._gone:
             raise RuntimeError("the prefork server has exited")
         child_in, our_in = os.pipe()
