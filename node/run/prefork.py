@@ -218,11 +218,9 @@ class PreforkServer:
 
     async def close(self) -> None:
         """Stop the server (its children live on: the launcher stops them); idempotent."""
-        with contextlib.suppress(ValueError, OSError):
-            self._loop.remove_reader(self._sock.fileno())
+        self._lost("the launcher closed it")  # no longer read: its reader is removed
         with contextlib.suppress(OSError):
             self._sock.close()
-        self._lost("the launcher closed it")
         with contextlib.suppress(TimeoutError, ProcessLookupError):
             async with asyncio.timeout(5.0):
                 await self._proc.wait()
@@ -318,9 +316,14 @@ class ForkedChild:
         self.pid, self._pidfd, self._server = pid, pidfd, server
         self.returncode: int | None = None
 
-    def poll(self) -> int | None:
+    def poll(self, timeout: float | None = 0.0) -> int | None:
+        """The exit code once the server reaped the child; with the server gone (and the code
+        with it), 255 once the child's pidfd says it ended (as ``PreforkServer``'s children)."""
         if self.returncode is None:
             self.returncode = self._server.code_of(self.pid)
+            ended = self.returncode is None and self._server.gone
+            if ended and select.select([self._pidfd], [], [], timeout)[0]:
+                self.returncode = 255
             if self.returncode is not None:
                 os.close(self._pidfd)
         return self.returncode
@@ -328,8 +331,8 @@ class ForkedChild:
     def wait(self, timeout: float | None = None) -> int:
         """The exit code; ``subprocess.TimeoutExpired`` after ``timeout`` seconds."""
         if self.poll() is None:
-            self._server.wait_for(self.pid, timeout)
-        code = self.poll()
+            self._server.wait_for(self.pid, timeout)  # returns early if the server is gone
+        code = self.poll(timeout)  # blocks (None: until the end) only with the server gone
         if code is None:
             raise subprocess.TimeoutExpired(f"forked pid {self.pid}", timeout or 0.0)
         return code
@@ -404,6 +407,12 @@ class ForkServer:
             if not isinstance(reply, tuple):
                 raise RuntimeError(reply or "the prefork server has exited")
             return ForkedChild(reply[0], reply[1], self)
+
+    @property
+    def gone(self) -> bool:
+        """The server has exited (or its socket failed): no exit code will come any more."""
+        with self._changed:
+            return self._gone
 
     def code_of(self, pid: int) -> int | None:
         with self._changed:

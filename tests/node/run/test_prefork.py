@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -119,3 +120,39 @@ def test_the_blocking_client_forks_the_process_level_tests_children(tmp_path: Pa
         for p in procs:
             p.stop()
     assert procs[0].proc.returncode == 0  # atoll bootstrap ends cleanly on SIGTERM
+
+
+def test_a_blocking_client_s_child_whose_server_died_still_ends_and_is_waited_for(
+    tmp_path: Path,
+) -> None:
+    """As with the launcher's client: the server's death loses its children's exit codes, and
+    their pidfds still say when they end (255), never a wait that cannot return."""
+    from bench.cli_swarm import ENV
+    from node.run.prefork import ForkServer
+
+    server = ForkServer(tmp_path / "prefork.log", env=ENV, cwd=ROOT)
+    log = (tmp_path / "boot.log").open("wb")
+    out, child_out = os.pipe()
+    try:
+        with open(os.devnull, "rb") as devnull:
+            child = server.spawn(
+                ["bootstrap", "--listen", "127.0.0.1:0"], devnull.fileno(), child_out, log.fileno()
+            )
+        os.kill(server._proc.pid, signal.SIGKILL)
+        server._proc.wait(30)
+        for _ in range(100):
+            if server.gone:
+                break
+            time.sleep(0.05)
+        assert server.gone
+        with pytest.raises(subprocess.TimeoutExpired):
+            child.wait(0.2)  # alive: not taken for ended
+        child.kill()
+        assert child.wait(30) == 255
+        with pytest.raises(RuntimeError, match="prefork server"):
+            server.spawn(["bootstrap"], 0, 1, 2)
+    finally:
+        os.close(child_out)
+        os.close(out)
+        log.close()
+        server.close()
