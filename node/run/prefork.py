@@ -46,13 +46,14 @@ import subprocess
 import sys
 import threading
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 __all__ = ["ForkServer", "ForkedChild", "ForkedProcess", "PreforkServer", "fork_supported"]
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 MAX_MESSAGE = 64 * 1024  # one request: a peer's argv
 # what the server imports before it forks: what ``atoll peer`` and ``atoll join`` import, and
@@ -75,30 +76,246 @@ def fork_supported() -> bool:
     return True
 
 
-# --- launcher side -------------------------------------------------------------------------------
+# --- the client: one, used from any thread --------------------------------------------------------
+class ForkedChild:
+    """A child of a ``ForkServer``, with the part of ``subprocess.Popen`` its callers use:
+    ``pid``, ``returncode``, ``poll``, ``wait``, ``send_signal``, ``terminate``, ``kill``.
+    ``returncode`` is set by the server's reader thread: the code the server reaped, or 255 once
+    the child's pidfd says it ended after the server (its parent, which held the code) died."""
+
+    def __init__(self, pid: int, pidfd: int, server: ForkServer) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+        self._pidfd = pidfd  # closed by the reader thread, under the server's lock, at the end
+        self._server = server
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        """The exit code; ``subprocess.TimeoutExpired`` after ``timeout`` seconds."""
+        with self._server._changed:
+            if not self._server._changed.wait_for(lambda: self.returncode is not None, timeout):
+                raise subprocess.TimeoutExpired(f"forked pid {self.pid}", timeout or 0.0)
+            assert self.returncode is not None
+            return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        """Signal it through its pidfd, never a pid another process may have taken since;
+        nothing once it has ended, as ``Popen``."""
+        with self._server._changed:
+            if self.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    signal.pidfd_send_signal(self._pidfd, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class ForkServer:
+    """The prefork server and its client, safe to call from any thread: the process-level tests
+    call it directly, the launcher (``PreforkServer``) from its event loop through a thread.
+    Requests go out under a lock, each matched to its reply by number; one reader thread takes
+    the replies and the children's exits, and once the server is gone, watches the live
+    children's pidfds. Every failure to start or to fork raises ``RuntimeError``."""
+
+    def __init__(
+        self,
+        log_path: Path,
+        *,
+        env: dict[str, str] | None = None,
+        cwd: Path | None = None,
+        on_exit: Callable[[ForkedChild], None] | None = None,
+    ) -> None:
+        """Start the server and wait until it has imported what a peer needs. ``on_exit`` is
+        called on the reader thread with each child once its ``returncode`` is set."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            with log_path.open("ab") as err:
+                self._proc = subprocess.Popen(
+                    [sys.executable, "-m", "node.run.prefork", str(theirs.fileno())],
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=err,
+                    pass_fds=(theirs.fileno(),),
+                    env=env,
+                    cwd=cwd,
+                    start_new_session=True,
+                )
+        except OSError as exc:
+            ours.close()
+            raise RuntimeError(f"the prefork server did not start: {exc}") from exc
+        finally:
+            theirs.close()
+        self._sock = ours
+        self._on_exit = on_exit
+        self._send_lock = threading.Lock()
+        self._changed = threading.Condition()  # guards what follows, and the children's ends
+        self._seq = 0
+        self._pending: dict[int, ForkedChild | str | None] = {}  # a spawn's reply, once it came
+        self._live: dict[int, ForkedChild] = {}
+        self._gone: str | None = None  # why, once the server is gone
+        self._closing = False
+        ours.settimeout(READY_TIMEOUT_S)
+        try:
+            data, fds, _flags, _addr = socket.recv_fds(ours, MAX_MESSAGE, 1)
+            msg = json.loads(data) if data else {"error": "it exited"}
+        except TimeoutError:
+            msg = {"error": f"not ready within {READY_TIMEOUT_S:.0f} s"}
+        except (OSError, ValueError) as exc:
+            msg = {"error": repr(exc)}
+        if "ready" not in msg:
+            self.close()
+            ours.close()
+            raise RuntimeError(f"the prefork server failed: {msg.get('error')} (log: {log_path})")
+        ours.settimeout(None)
+        threading.Thread(target=self._read, name="prefork-replies", daemon=True).start()
+
+    @property
+    def pid(self) -> int:
+        """The server process's pid."""
+        return self._proc.pid
+
+    @property
+    def gone(self) -> bool:
+        """The server has exited (or its socket failed): no fork and no exit code will come."""
+        with self._changed:
+            return self._gone is not None
+
+    def spawn(self, argv: Sequence[str], stdin: int, stdout: int, stderr: int) -> ForkedChild:
+        """Fork ``atoll <argv>`` with these descriptors as its stdin, stdout and stderr."""
+        with self._changed:
+            if self._gone is not None:
+                raise RuntimeError(f"the prefork server is gone: {self._gone}")
+            self._seq += 1
+            seq = self._seq
+            self._pending[seq] = None
+        try:
+            with self._send_lock:
+                message = json.dumps({"seq": seq, "argv": list(argv)}).encode()
+                socket.send_fds(self._sock, [message], [stdin, stdout, stderr])
+        except OSError as exc:
+            with self._changed:
+                self._pending.pop(seq, None)
+            raise RuntimeError(f"the prefork server is gone: {exc}") from exc
+        with self._changed:
+            self._changed.wait_for(
+                lambda: self._pending[seq] is not None or self._gone is not None, SPAWN_TIMEOUT_S
+            )
+            reply = self._pending.pop(seq)  # a reply after this kills its child (``_handle``)
+            gone = self._gone
+        if isinstance(reply, ForkedChild):
+            return reply
+        if reply is not None:
+            raise RuntimeError(reply)
+        if gone is not None:
+            raise RuntimeError(f"the prefork server is gone: {gone}")
+        raise RuntimeError(f"the prefork server forked nothing within {SPAWN_TIMEOUT_S:.0f} s")
+
+    def close(self) -> None:
+        """Stop the server; idempotent. Its children live on in their own sessions (their
+        owners stop them), and their ends are still told."""
+        with self._changed:
+            self._closing = True
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._proc.wait(5)
+            return
+        self._proc.kill()
+        self._proc.wait()
+
+    # --- the reader thread ------------------------------------------------------------------------
+    def _read(self) -> None:
+        why = self._read_replies()
+        self._sock.close()  # only now: no descriptor number reused under a blocked recv
+        with self._changed:
+            self._gone = "the launcher closed it" if self._closing else why
+            self._changed.notify_all()
+        self._watch_orphans()
+
+    def _read_replies(self) -> str:
+        while True:
+            try:
+                data, fds, _flags, _addr = socket.recv_fds(self._sock, MAX_MESSAGE, 1)
+            except OSError as exc:
+                return f"its socket failed: {exc}"
+            if not data:
+                return "it exited"
+            try:
+                self._handle(json.loads(data), fds)
+            except (ValueError, KeyError, TypeError) as exc:  # our own server: a bug, said once
+                log.error("prefork server: a message not understood (%r): %s", data[:200], exc)
+                for fd in fds:
+                    os.close(fd)
+
+    def _handle(self, msg: dict[str, Any], fds: list[int]) -> None:
+        if "exited" in msg:
+            self._ended(int(msg["exited"]), int(msg["code"]))
+            return
+        seq = int(msg["seq"])
+        with self._changed:
+            waiting = seq in self._pending and self._pending[seq] is None
+            if "pid" in msg and fds:
+                child = ForkedChild(int(msg["pid"]), fds[0], self)
+                if waiting:
+                    self._live[child.pid] = child
+                    self._pending[seq] = child
+                else:  # its spawn gave up: the child must not run on
+                    with contextlib.suppress(OSError):
+                        signal.pidfd_send_signal(fds[0], signal.SIGKILL)
+                    os.close(fds[0])
+            elif waiting:
+                self._pending[seq] = str(msg.get("error", "no pidfd came with it"))
+            self._changed.notify_all()
+
+    def _ended(self, pid: int, code: int) -> None:
+        with self._changed:
+            child = self._live.pop(pid, None)
+            if child is None:  # one whose spawn gave up
+                return
+            child.returncode = code
+            os.close(child._pidfd)
+            self._changed.notify_all()
+        if self._on_exit is not None:
+            self._on_exit(child)
+
+    def _watch_orphans(self) -> None:
+        """Without their parent, the live children's exit codes are lost; each one's pidfd still
+        says when it ends (told as 255). No child is added once the server is gone."""
+        while True:
+            with self._changed:
+                pidfds = {child._pidfd: child.pid for child in self._live.values()}
+            if not pidfds:
+                return
+            readable, _, _ = select.select(list(pidfds), [], [])
+            for fd in readable:
+                self._ended(pidfds[fd], 255)
+
+
+# --- the launcher's side: the same client on its event loop -----------------------------------------
 class ForkedProcess:
     """A peer the server forked, with the part of ``asyncio.subprocess.Process`` the launcher
     uses: ``pid``, ``stdin``, ``stdout``, ``returncode``, ``wait``, ``kill``, ``send_signal``."""
 
     def __init__(
-        self,
-        pid: int,
-        pidfd: int,
-        stdin: asyncio.StreamWriter,
-        stdout: asyncio.StreamReader,
+        self, child: ForkedChild, stdin: asyncio.StreamWriter, stdout: asyncio.StreamReader
     ) -> None:
-        self.pid = pid
+        self.pid = child.pid
         self.stdin = stdin
         self.stdout = stdout
-        self.returncode: int | None = None
-        self._pidfd = pidfd
+        self.returncode: int | None = None  # set on the loop, as asyncio's own processes'
+        self._child = child
         self._exited = asyncio.Event()
 
     def send_signal(self, sig: int) -> None:
         """Signal the child through its pidfd; ``ProcessLookupError`` once it has exited."""
-        if self.returncode is not None:
+        if self._child.returncode is not None:
             raise ProcessLookupError(self.pid)
-        signal.pidfd_send_signal(self._pidfd, sig)
+        self._child.send_signal(sig)
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
@@ -111,346 +328,127 @@ class ForkedProcess:
         assert self.returncode is not None
         return self.returncode
 
-    def exited(self, code: int) -> None:
-        """The server reaped the child (or, the server gone, its pidfd said it ended)."""
-        if self.returncode is None:
-            self.returncode = code
+    def exited(self) -> None:
+        """On the loop: take the child's exit code once it has one."""
+        if self.returncode is None and self._child.returncode is not None:
+            self.returncode = self._child.returncode
             self._exited.set()
-            with contextlib.suppress(OSError):
-                os.close(self._pidfd)
             self.stdin.close()
 
 
 class PreforkServer:
-    """The launcher's handle on the prefork server: ``start`` it, ``spawn`` peers, ``close``."""
+    """The launcher's handle on a ``ForkServer``: ``start`` it, ``spawn`` peers, ``close``. Its
+    blocking calls run on worker threads; exits reach the loop by ``call_soon_threadsafe``."""
 
-    def __init__(self, proc: asyncio.subprocess.Process, sock: socket.socket) -> None:
-        self._proc = proc
-        self._sock = sock
-        self._loop = asyncio.get_running_loop()
-        self._seq = 0
-        self._pending: dict[int, asyncio.Future[tuple[int, int]]] = {}
-        self._children: dict[int, ForkedProcess] = {}
-        self._exits: dict[int, int] = {}  # reaped before their ForkedProcess was made
-        self._ready: asyncio.Future[int] = self._loop.create_future()
-        self._gone = False
-        sock.setblocking(False)
-        self._loop.add_reader(sock.fileno(), self._on_readable)
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._server: ForkServer | None = None
+        self._children: dict[ForkedChild, ForkedProcess] = {}
 
     @classmethod
     async def start(cls, log_path: Path) -> PreforkServer:
         """Start the server and wait until it has imported what a peer needs. Raises
-        ``RuntimeError`` (what went wrong, and that the peers will be started by exec)."""
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        try:
-            with log_path.open("ab") as err:
-                proc = await asyncio.create_subprocess_exec(
-                    sys.executable,
-                    "-m",
-                    "node.run.prefork",
-                    str(theirs.fileno()),
-                    stdin=asyncio.subprocess.DEVNULL,
-                    stdout=asyncio.subprocess.DEVNULL,
-                    stderr=err,
-                    pass_fds=(theirs.fileno(),),
-                    start_new_session=True,
-                )
-        except OSError as exc:
-            ours.close()
-            raise RuntimeError(f"the prefork server did not start: {exc}") from exc
-        finally:
-            theirs.close()
-        server = cls(proc, ours)
-        try:
-            async with asyncio.timeout(READY_TIMEOUT_S):
-                await server._ready
-        except (TimeoutError, RuntimeError) as exc:
-            await server.close()
-            why = (
-                f"not ready within {READY_TIMEOUT_S:.0f} s"
-                if isinstance(exc, TimeoutError)
-                else exc
-            )
-            raise RuntimeError(f"the prefork server failed: {why} (log: {log_path})") from exc
-        return server
+        ``RuntimeError`` (what went wrong, and the server's log)."""
+        self = cls(asyncio.get_running_loop())
+        self._server = await _in_thread(
+            lambda: ForkServer(log_path, on_exit=self._on_exit), undo=ForkServer.close
+        )
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self._server is not None
+        return self._server.pid
+
+    @property
+    def gone(self) -> bool:
+        return self._server is None or self._server.gone
 
     async def spawn(self, argv: Sequence[str], stderr_path: Path) -> ForkedProcess:
         """Fork ``atoll`` with ``argv`` (``["peer", ...]``), its stderr written to
         ``stderr_path`` (from its start, as the exec'd peer's is). Raises ``RuntimeError`` when
         the server cannot fork it."""
-        if self._gone:
-            raise RuntimeError("the prefork server has exited")
-        child_in, our_in = os.pipe()
-        our_out, child_out = os.pipe()
-        err = os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        self._seq += 1
-        seq = self._seq
-        reply: asyncio.Future[tuple[int, int]] = self._loop.create_future()
-        self._pending[seq] = reply
+        child, our_in, our_out = await _in_thread(
+            lambda: self._fork(argv, stderr_path), undo=_abandon
+        )
         try:
-            message = json.dumps({"seq": seq, "argv": list(argv)}).encode()
-            socket.send_fds(self._sock, [message], [child_in, child_out, err])
-            async with asyncio.timeout(SPAWN_TIMEOUT_S):
-                pid, pidfd = await reply
+            reader = asyncio.StreamReader(limit=2**16, loop=self._loop)  # as create_subprocess_exec
+            await self._loop.connect_read_pipe(
+                lambda: asyncio.StreamReaderProtocol(reader, loop=self._loop),
+                os.fdopen(our_out, "rb", 0),
+            )
+            transport, protocol = await self._loop.connect_write_pipe(
+                lambda: asyncio.streams.FlowControlMixin(loop=self._loop),  # type: ignore[attr-defined]
+                os.fdopen(our_in, "wb", 0),
+            )
         except BaseException:
-            for fd in (our_in, our_out):
-                os.close(fd)
+            child.kill()
             raise
-        finally:
-            self._pending.pop(seq, None)
-            for fd in (child_in, child_out, err):  # the child has its own copies now
-                os.close(fd)
-        reader = asyncio.StreamReader(limit=2**16, loop=self._loop)  # as create_subprocess_exec
-        await self._loop.connect_read_pipe(
-            lambda: asyncio.StreamReaderProtocol(reader, loop=self._loop),
-            os.fdopen(our_out, "rb", 0),
+        proc = ForkedProcess(
+            child, asyncio.StreamWriter(transport, protocol, None, self._loop), reader
         )
-        transport, protocol = await self._loop.connect_write_pipe(
-            lambda: asyncio.streams.FlowControlMixin(loop=self._loop),  # type: ignore[attr-defined]
-            os.fdopen(our_in, "wb", 0),
-        )
-        writer = asyncio.StreamWriter(transport, protocol, None, self._loop)
-        child = ForkedProcess(pid, pidfd, writer, reader)
-        self._children[pid] = child
-        if pid in self._exits:  # it ended before we got here
-            child.exited(self._exits.pop(pid))
-        return child
+        self._children[child] = proc
+        proc.exited()  # it may have ended before it was ours to be told of
+        return proc
 
     async def close(self) -> None:
         """Stop the server (its children live on: the launcher stops them); idempotent."""
-        self._lost("the launcher closed it")  # no longer read: its reader is removed
-        with contextlib.suppress(OSError):
-            self._sock.close()
-        with contextlib.suppress(TimeoutError, ProcessLookupError):
-            async with asyncio.timeout(5.0):
-                await self._proc.wait()
-            return
-        with contextlib.suppress(ProcessLookupError):
-            self._proc.kill()
-        await self._proc.wait()
+        if self._server is not None:
+            await asyncio.to_thread(self._server.close)
 
-    # --- the socket ------------------------------------------------------------------------------
-    def _on_readable(self) -> None:
-        while True:
-            try:
-                data, fds, _flags, _addr = socket.recv_fds(self._sock, MAX_MESSAGE, 1)
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:
-                self._lost(f"its socket failed: {exc}")
-                return
-            if not data:
-                self._lost("it exited")
-                return
-            try:
-                self._handle(json.loads(data), fds)
-            except (ValueError, KeyError, TypeError) as exc:  # our own server: a bug, said once
-                log.error("prefork server: a message not understood (%r): %s", data[:200], exc)
-                for fd in fds:
-                    os.close(fd)
-
-    def _handle(self, msg: dict[str, Any], fds: list[int]) -> None:
-        if "ready" in msg:
-            if not self._ready.done():
-                self._ready.set_result(int(msg["ready"]))
-            return
-        if "exited" in msg:
-            pid, code = int(msg["exited"]), int(msg["code"])
-            child = self._children.pop(pid, None)
-            if child is not None:
-                child.exited(code)
-            else:
-                self._exits[pid] = code
-            return
-        if not self._ready.done():  # the server refuses to serve at all
-            self._ready.set_exception(RuntimeError(str(msg.get("error", msg))))
-            return
-        reply = self._pending.get(int(msg["seq"]))
-        if "pid" in msg and fds:
-            self._exits.pop(int(msg["pid"]), None)  # an earlier child's, its pid reused
-            if reply is None or reply.done():  # its spawn gave up: the child must not run on
-                with contextlib.suppress(OSError):
-                    signal.pidfd_send_signal(fds[0], signal.SIGKILL)
-                os.close(fds[0])
-                return
-            reply.set_result((int(msg["pid"]), fds[0]))
-        elif reply is not None and not reply.done():
-            reply.set_exception(RuntimeError(str(msg.get("error", "no pidfd came with it"))))
-
-    def _lost(self, why: str) -> None:
-        """The server is gone: spawns fail, and each live child's end is told by its pidfd."""
-        if self._gone:
-            return
-        self._gone = True
-        with contextlib.suppress(ValueError, OSError):
-            self._loop.remove_reader(self._sock.fileno())
-        if not self._ready.done():
-            self._ready.set_exception(RuntimeError(why))
-        for reply in self._pending.values():
-            if not reply.done():
-                reply.set_exception(RuntimeError(f"the prefork server is gone: {why}"))
-        for child in list(self._children.values()):
-            if child.returncode is None:
-                self._watch_pidfd(child)
-
-    def _watch_pidfd(self, child: ForkedProcess) -> None:
-        """Without its parent, a child's exit code is lost; its pidfd still says when it ends."""
-
-        def ended() -> None:
-            with contextlib.suppress(ValueError, OSError):
-                self._loop.remove_reader(child._pidfd)
-            child.exited(255)
-
+    def _fork(self, argv: Sequence[str], stderr_path: Path) -> tuple[ForkedChild, int, int]:
+        """On a worker thread: the child's pipes and log, and the fork."""
+        assert self._server is not None
+        child_in, our_in = os.pipe()
+        our_out, child_out = os.pipe()
         try:
-            self._loop.add_reader(child._pidfd, ended)
-        except (ValueError, OSError):
-            child.exited(255)
-
-
-# --- a blocking client, for code without an event loop ------------------------------------------
-class ForkedChild:
-    """A child of a ``ForkServer``, with the part of ``subprocess.Popen`` its callers use:
-    ``pid``, ``returncode``, ``poll``, ``wait``, ``send_signal``, ``terminate``, ``kill``."""
-
-    def __init__(self, pid: int, pidfd: int, server: ForkServer) -> None:
-        self.pid, self._pidfd, self._server = pid, pidfd, server
-        self.returncode: int | None = None
-
-    def poll(self, timeout: float | None = 0.0) -> int | None:
-        """The exit code once the server reaped the child; with the server gone (and the code
-        with it), 255 once the child's pidfd says it ended (as ``PreforkServer``'s children)."""
-        if self.returncode is None:
-            self.returncode = self._server.code_of(self.pid)
-            ended = self.returncode is None and self._server.gone
-            if ended and select.select([self._pidfd], [], [], timeout)[0]:
-                self.returncode = 255
-            if self.returncode is not None:
-                os.close(self._pidfd)
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        """The exit code; ``subprocess.TimeoutExpired`` after ``timeout`` seconds."""
-        if self.poll() is None:
-            self._server.wait_for(self.pid, timeout)  # returns early if the server is gone
-        code = self.poll(timeout)  # blocks (None: until the end) only with the server gone
-        if code is None:
-            raise subprocess.TimeoutExpired(f"forked pid {self.pid}", timeout or 0.0)
-        return code
-
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                signal.pidfd_send_signal(self._pidfd, sig)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
-
-class ForkServer:
-    """The prefork server for callers without an event loop (the process-level tests start
-    dozens of ``atoll`` children): requests sent under a lock, replies and exits read by a
-    thread. ``spawn`` raises ``RuntimeError`` when the server cannot fork."""
-
-    def __init__(self, log_path: Path, *, env: dict[str, str], cwd: Path) -> None:
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        with log_path.open("ab") as err:
-            self._proc = subprocess.Popen(
-                [sys.executable, "-m", "node.run.prefork", str(theirs.fileno())],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=err,
-                pass_fds=(theirs.fileno(),),
-                env=env,
-                cwd=cwd,
-                start_new_session=True,
-            )
-        theirs.close()
-        self._sock = ours
-        self._lock = threading.Lock()  # one request at a time, matched to its reply
-        self._changed = threading.Condition()
-        self._codes: dict[int, int] = {}
-        self._reply: tuple[int, int] | str | None = None
-        self._gone = False
-        ours.settimeout(READY_TIMEOUT_S)
-        try:
-            data, fds, _flags, _addr = socket.recv_fds(ours, MAX_MESSAGE, 1)
-            msg = json.loads(data) if data else {"error": "it exited"}
-        except (OSError, ValueError) as exc:
-            msg = {"error": repr(exc)}
-        if "ready" not in msg:
-            self.close()
-            raise RuntimeError(f"the prefork server failed: {msg.get('error')} (log: {log_path})")
-        ours.settimeout(None)
-        threading.Thread(target=self._read, name="prefork-replies", daemon=True).start()
-
-    def spawn(self, argv: Sequence[str], stdin: int, stdout: int, stderr: int) -> ForkedChild:
-        """Fork ``atoll <argv>`` with these descriptors as its stdin, stdout and stderr."""
-        with self._lock:
-            with self._changed:
-                if self._gone:
-                    raise RuntimeError("the prefork server has exited")
-                self._reply = None
-            socket.send_fds(
-                self._sock,
-                [json.dumps({"seq": 0, "argv": list(argv)}).encode()],
-                [stdin, stdout, stderr],
-            )
-            with self._changed:
-                if not self._changed.wait_for(
-                    lambda: self._reply is not None or self._gone, SPAWN_TIMEOUT_S
-                ):
-                    raise RuntimeError(f"no fork within {SPAWN_TIMEOUT_S:.0f} s")
-                reply = self._reply
-            if not isinstance(reply, tuple):
-                raise RuntimeError(reply or "the prefork server has exited")
-            return ForkedChild(reply[0], reply[1], self)
-
-    @property
-    def gone(self) -> bool:
-        """The server has exited (or its socket failed): no exit code will come any more."""
-        with self._changed:
-            return self._gone
-
-    def code_of(self, pid: int) -> int | None:
-        with self._changed:
-            return self._codes.get(pid)
-
-    def wait_for(self, pid: int, timeout: float | None) -> None:
-        with self._changed:
-            self._changed.wait_for(lambda: pid in self._codes or self._gone, timeout)
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self._proc.wait(5)
-            return
-        self._proc.kill()
-        self._proc.wait()
-
-    def _read(self) -> None:
-        while True:
+            err = os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
-                data, fds, _flags, _addr = socket.recv_fds(self._sock, MAX_MESSAGE, 1)
-                msg = json.loads(data) if data else None
-            except (OSError, ValueError):
-                msg = None
-            with self._changed:
-                if msg is None:
-                    self._gone = True
-                elif "exited" in msg:
-                    self._codes[int(msg["exited"])] = int(msg["code"])
-                elif "pid" in msg and fds:
-                    self._codes.pop(int(msg["pid"]), None)  # an earlier child's, its pid reused
-                    self._reply = (int(msg["pid"]), fds[0])
-                else:
-                    self._reply = str(msg.get("error", msg))
-                self._changed.notify_all()
-            if msg is None:
-                return
+                child = self._server.spawn(argv, child_in, child_out, err)
+            finally:
+                os.close(err)
+        except BaseException:
+            os.close(our_in)
+            os.close(our_out)
+            raise
+        finally:
+            os.close(child_in)  # the child has its own copies now
+            os.close(child_out)
+        return child, our_in, our_out
+
+    def _on_exit(self, child: ForkedChild) -> None:
+        """On the reader thread."""
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody is waiting
+            self._loop.call_soon_threadsafe(self._told, child)
+
+    def _told(self, child: ForkedChild) -> None:
+        proc = self._children.pop(child, None)
+        if proc is not None:
+            proc.exited()
+
+
+def _abandon(forked: tuple[ForkedChild, int, int]) -> None:
+    """A fork whose spawn was cancelled while it was made: the child must not run on."""
+    child, our_in, our_out = forked
+    child.kill()
+    os.close(our_in)
+    os.close(our_out)
+
+
+async def _in_thread(call: Callable[[], T], undo: Callable[[T], None]) -> T:
+    """``call()`` on a worker thread. If we are cancelled meanwhile, the call still ends (a
+    thread cannot be stopped), and ``undo`` is given its result."""
+    future = asyncio.get_running_loop().run_in_executor(None, call)
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+
+        def later(done: asyncio.Future[T]) -> None:
+            if not done.cancelled() and done.exception() is None:
+                undo(done.result())
+
+        future.add_done_callback(later)
+        raise
 
 
 # --- server side ---------------------------------------------------------------------------------

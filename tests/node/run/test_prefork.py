@@ -42,7 +42,7 @@ def test_a_forked_peer_runs_as_an_exec_d_one_would_and_its_end_is_told_even_with
 
             # a peer: its stdin and stdout are the launcher's pipes, ps shows its command line
             peer = await server.spawn(peer_args, tmp_path / "peer.log")
-            assert peer.pid != server._proc.pid
+            assert peer.pid != server.pid
             peer.stdin.write(b'{"initial_peers": []}\n')
             await peer.stdin.drain()
             event = json.loads(await asyncio.wait_for(peer.stdout.readline(), 60))
@@ -60,12 +60,12 @@ def test_a_forked_peer_runs_as_an_exec_d_one_would_and_its_end_is_told_even_with
             # the server dies: no more forks, and a live child's end is still told (its code is
             # lost with its parent)
             orphan = await server.spawn(peer_args, tmp_path / "orphan.log")
-            os.kill(server._proc.pid, signal.SIGKILL)
-            await asyncio.wait_for(server._proc.wait(), 30)
-            for _ in range(100):
-                if server._gone:
+            os.kill(server.pid, signal.SIGKILL)
+            for _ in range(600):
+                if server.gone:
                     break
                 await asyncio.sleep(0.05)
+            assert server.gone
             with pytest.raises(RuntimeError, match="prefork server"):
                 await server.spawn(peer_args, tmp_path / "late.log")
             orphan.kill()
@@ -156,3 +156,50 @@ def test_a_blocking_client_s_child_whose_server_died_still_ends_and_is_waited_fo
         os.close(out)
         log.close()
         server.close()
+
+
+def test_a_child_forked_after_its_spawn_gave_up_or_was_cancelled_does_not_run_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reply that comes after its spawn gave up (the blocking client's timeout), or a launcher's
+    spawn cancelled while the fork was made: the forked child is killed, not left running."""
+    import node.run.prefork as prefork
+
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    argv = ["bootstrap", "--listen", "127.0.0.1:0"]
+
+    def children(server: PreforkServer) -> list[int]:
+        """The server's live (unreaped) children, as the kernel lists them."""
+        path = Path(f"/proc/{server.pid}/task/{server.pid}/children")
+        return [int(pid) for pid in path.read_text().split()]
+
+    async def only(server: PreforkServer, pid: int) -> list[int]:
+        """Its children once the killed ones are reaped (the server forks in order, so those
+        asked for before ``pid`` exist by now, alive or not)."""
+        for _ in range(200):
+            if children(server) == [pid]:
+                break
+            await asyncio.sleep(0.05)
+        return children(server)
+
+    async def scenario() -> None:
+        server = await PreforkServer.start(tmp_path / "prefork.log")
+        try:
+            monkeypatch.setattr(prefork, "SPAWN_TIMEOUT_S", 0.0)
+            with pytest.raises(RuntimeError, match="forked nothing within 0 s"):
+                await server.spawn(argv, tmp_path / "late.log")
+            monkeypatch.setattr(prefork, "SPAWN_TIMEOUT_S", 30.0)
+            task = asyncio.create_task(server.spawn(argv, tmp_path / "cancelled.log"))
+            await asyncio.sleep(0)  # its fork is under way on a worker thread
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            # the server still forks: one that is waited for runs until it is stopped
+            kept = await server.spawn(argv, tmp_path / "kept.log")
+            assert await only(server, kept.pid) == [kept.pid]
+            kept.terminate()  # 0 once its handler is installed, -15 before
+            assert await asyncio.wait_for(kept.wait(), 30) in (0, -signal.SIGTERM)
+        finally:
+            await server.close()
+
+    asyncio.run(scenario())
