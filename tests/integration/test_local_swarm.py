@@ -8,6 +8,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -430,7 +431,10 @@ def test_identities_that_claim_to_learn_and_send_nothing_do_not_stall_the_swarm(
         if f"not waiting for member {f.peer_id.hex()[:8]}" in logs
     }
     assert named == {f.peer_id.hex()[:8] for f in fakes}
-    # the owners saw them: some round waited on a quorum only they could have made up
-    assert "0.5 of the 9 learners expected" in logs
+    # the owners saw them: some round waited on a quorum only they could have made up (half of 7
+    # or more learners is more than the three real ones; how many of the six an owner counted at
+    # once depends on when each one's record reached it: 8 at most in one run under load)
+    counted = [int(n) for n in re.findall(r"0\.5 of the (\d+) learners expected", logs)]
+    assert max(counted, default=0) >= 7, sorted(set(counted))
     # and merged again while the learners trained on: every fragment moved well past the stall
     assert min(min(r["global_versions"]) for r in results) >= 10
