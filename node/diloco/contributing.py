@@ -430,7 +430,9 @@ class ContributionSender:
         else:
             self.stats.contributions_refused += 1
             log.info("fragment %d contribution refused: %s", out.fragment, reply.reason)
-        self.island.resolved(out.fragment, accepted=reply.accepted)
+        self.island.resolved(
+            out.fragment, accepted=reply.accepted, joined=reply.version if reply.accepted else -1
+        )
         if not reply.accepted and reply.reason.startswith("resync"):
             self.stats.base_mismatches += 1
             await self.resync()  # our base state is not the owner's: take the owners' states whole

@@ -222,6 +222,9 @@ class Island:
         # rebase: per fragment in flight, θ_p as it shipped and the steps and tokens it covered
         # (None for the flush's last contributions: θ_p itself, no step follows them)
         self._shipped: list[tuple[torch.Tensor | None, int, int] | None] = [None] * len(self.params)
+        # per fragment, the round (by the version it merges on) that our last accepted
+        # contribution joined, and the step it was accepted at: written by the network side
+        self._joined: list[tuple[int, int] | None] = [None] * len(self.params)
         n, h = len(self.params), cfg.inner_steps
         self.next_due = [due_offset(p, n, h) + 1 for p in range(n)]
         self.stats = IslandStats()
@@ -266,8 +269,12 @@ class Island:
         }
         self._inbox.put_many(landed, force=force)
 
-    def resolved(self, fragment: int, accepted: bool) -> None:
-        """The owner answered a contribution; a refusal frees the fragment to be sent again."""
+    def resolved(self, fragment: int, accepted: bool, joined: int = -1) -> None:
+        """The owner answered a contribution; a refusal frees the fragment to be sent again.
+        ``joined``: the round an accepted one joined, by the version it merges on (the Ack's
+        version): the fragment is not sent again before that round's version is held."""
+        if accepted and joined >= 0:
+            self._joined[fragment] = (joined, self.stats.step)
         if not accepted:
             self.in_flight[fragment] = None
             self._shipped[fragment] = None
@@ -283,6 +290,7 @@ class Island:
     def resend(self, fragment: int) -> None:
         """The owner that accepted this fragment's contribution left before merging it: send the
         cumulative pseudo-gradient again at the next step (it still covers that work)."""
+        self._joined[fragment] = None  # the next owner holds no copy of it
         self.in_flight[fragment] = None
         self._shipped[fragment] = None
         self.next_due[fragment] = self.stats.step
@@ -426,9 +434,24 @@ class Island:
         owner left) ship only while the ship window has room, the rest at a later step."""
         shipped = False
         for p in due:
+            if self._awaits_round(p):
+                continue  # stays due: it ships at a step after that round's version is adopted
             if shipped and self.window is not None and not self.window.has_room():
                 return
             shipped = self._ship(p) or shipped
+
+    def _awaits_round(self, p: int) -> bool:
+        """Whether fragment ``p``'s last accepted work still waits in the round that work on
+        the version held would join: its owner would refuse that as a duplicate (an accepted
+        contribution carried into the next round while the owner merged, or one accepted stale
+        into a round whose base we do not hold yet). Given up, as work in flight is, when no
+        newer version has come within the in-flight timeout of its acceptance."""
+        held = self._joined[p]
+        if held is None:
+            return False
+        round_, accepted_at = held
+        timeout = self.cfg.in_flight_timeout_steps or 2 * self.cfg.inner_steps
+        return self.versions[p] <= round_ and self.stats.step - accepted_at < timeout
 
     def _wait_for_merges(self, deadline: float) -> None:
         """Synchronous mode: block until every fragment in flight has its merged version."""
@@ -559,7 +582,8 @@ class Island:
     def _unshipped(self, p: int, arrival: Arrival) -> bool:
         """Whether an arrival for ``p`` waits until ``p`` ships (``hold_until_shipped``): not
         forced, and ``p`` has trained since its last adoption with nothing in flight."""
-        return not arrival[2] and self.in_flight[p] is None and self.c_steps[p] > 0
+        trained = self.in_flight[p] is None and self.c_steps[p] > 0
+        return not arrival[2] and trained and not self._awaits_round(p)  # that may be its round's
 
     def _ships_first(self, p: int) -> bool:
         """Whether fragment ``p``'s work since its last adoption ships before a newer version
@@ -572,6 +596,7 @@ class Island:
         again, as if the round had published it (with ``rebase``, θ_p ← Θ_p + (θ_p − θ_shipped)
         keeps only the work trained since it shipped). The refused work is never sent again."""
         device = None if self._device_global is None else self._device_global[p]
+        self._joined[p] = None  # the owner dropped that work with its round's candidate
         self._adopt(p, self.versions[p], Landed(self.global_flat[p], device))
         self.stats.declined += 1
 

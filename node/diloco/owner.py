@@ -289,7 +289,14 @@ class FragmentOwner:
         if isinstance(decision, Ack):
             return decision
         await self._apply(decision)
-        return Ack(accepted=decision.accepted, reason=decision.reason, version=self.version)
+        return self._ack(decision)
+
+    def _ack(self, decision: Decision) -> Ack:
+        """The answer to a contribution the merger decided on: an accepted one names the round
+        it joined (its sender sends that fragment again once the round's version has come),
+        a refused one the version held."""
+        version = decision.joined if decision.accepted else self.version
+        return Ack(accepted=decision.accepted, reason=decision.reason, version=version)
 
     async def receive(
         self, sender: bytes, msg: Contribution, flat: torch.Tensor | None = None
@@ -301,7 +308,7 @@ class FragmentOwner:
         decision = await self._accept(sender, msg, flat)
         if isinstance(decision, Ack):
             return decision
-        ack = Ack(accepted=decision.accepted, reason=decision.reason, version=self.version)
+        ack = self._ack(decision)
         if decision.kind == "merge":
             task = asyncio.create_task(self._apply(decision))
             self._background.add(task)

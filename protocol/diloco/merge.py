@@ -356,6 +356,7 @@ class FragmentMerger:
             f"carried into round for version {self.version + 1} "
             f"(staleness {stale}; {len(self._carried)} carried)",
             accepted=True,
+            joined=self.version + 1,
         )
 
     def _tick(self, ev: Tick) -> Decision:
@@ -632,6 +633,7 @@ class FragmentMerger:
         refusal: Refusal | None = None,
         entries: tuple[Entry, ...] = (),
         scale: float = 1.0,
+        joined: int | None = None,
     ) -> Decision:
         return Decision(
             kind=kind,
@@ -641,6 +643,7 @@ class FragmentMerger:
             refusal=refusal,
             entries=entries,
             scale=scale,
+            joined=-1 if not accepted else self.version if joined is None else joined,
         )
 
 

@@ -51,6 +51,11 @@ class Decision:
     refusal: Refusal | None = None
     entries: tuple[Entry, ...] = ()
     scale: float = 1.0  # of the merge's aggregate: its share of the round's quorum (see ``protocol.diloco.merge``)
+    # the round an accepted contribution joined, by the version it merges on: ``version``, or
+    # ``version + 1`` for one carried while the round for ``version`` merges (-1: none accepted).
+    # Its sender sends that fragment again only once the round has closed: sooner, the owner
+    # would refuse it as a duplicate
+    joined: int = -1
 
     @property
     def ends_runs(self) -> bool:

@@ -540,6 +540,27 @@ def test_merge_entries_carry_weights_and_staleness() -> None:
     assert [e.norm for e in d.entries] == [None]  # none reported, none carried
 
 
+def test_an_accepted_contribution_names_the_round_it_joined() -> None:
+    """``Decision.joined``: the round an accepted contribution waits in, by the version it merges
+    on; one carried while the owner merges joins the next round, so its sender's next
+    contribution, on the version that merge makes, would be a duplicate there."""
+    m = FragmentMerger(0, MergeConfig(late_policy="carry", quorum=2, **EXACT), version=5, now=0.0)
+    m.set_expected(2, now=0.0)
+    d = apply(m, c(0.5, A, 4))  # stale by one: it joins the round on version 5
+    assert (d.kind, d.accepted, d.joined) == ("accept", True, 5)
+    d = apply(m, c(0.6, B, 5))  # the last one expected: it closes the round it joined
+    assert (d.kind, d.accepted, d.joined) == ("merge", True, 5)
+    d = apply(m, c(0.7, A, 5))  # while the round on version 5 merges: carried
+    assert d.reason.startswith("carried") and d.joined == 6
+    d = apply(m, c(0.8, A, 5))
+    assert (d.kind, d.refusal, d.joined) == ("refuse", "duplicate", -1)
+    m.on_published(6, sync_time=0.0, now=0.9)
+    d = apply(m, c(1.0, A, 6))  # the sender's next work, on version 6: where its carried one waits
+    assert (d.refusal, d.joined) == ("duplicate", -1)
+    d = apply(m, c(1.1, B, 6))
+    assert d.accepted and d.joined == 6
+
+
 def test_weights_clamped_by_tokens_per_step_and_median() -> None:
     cfg = MergeConfig(quorum=4, max_tokens_per_step=20)
     m = FragmentMerger(0, cfg, now=0.0)

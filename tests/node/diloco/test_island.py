@@ -110,6 +110,40 @@ def test_refusal_frees_the_fragment_after_h_steps() -> None:
     assert len(sent) == 2
 
 
+def test_work_carried_into_the_next_round_holds_the_fragment_until_that_round_s_version() -> None:
+    """An owner that carried our contribution into the round on version 1 (it came while the
+    round on 0 merged) would refuse work on version 1 as a duplicate: the fragment waits for
+    version 2, with the steps trained meanwhile kept (rebase) and shipped on it, also where a
+    trained fragment holds its versions until it ships; without a version for that round, it
+    gives up waiting 2H steps after the acceptance, as for work in flight."""
+    for carried, hold in ((False, False), (True, False), (True, True)):
+        island, model, opt, sent = _rebasing(h=3)
+        island.cfg = IslandConfig(inner_steps=3, rebase=True, hold_until_shipped=hold)
+        _step(model, opt, island)
+        assert [o.base_version for o in sent] == [0]
+        island.resolved(0, accepted=True, joined=1 if carried else 0)
+        island.deliver(0, 1, island.global_flat[0].clone())  # the round on 0, without our work
+        for _ in range(4):
+            _step(model, opt, island)
+        assert island.versions[0] == 1
+        if not carried:  # due H steps after the adoption, as always
+            assert [o.base_version for o in sent] == [0, 1]
+            continue
+        assert len(sent) == 1  # due, and held: our work still waits in the round on 1
+        island.deliver(0, 2, island.global_flat[0].clone())
+        for _ in range(2):  # adopted at the next step; its kept work is due 2H after it began
+            _step(model, opt, island)
+        assert island.versions[0] == 2 and [o.base_version for o in sent] == [0, 2]
+        assert sent[1].steps == sent[1].sender_step - sent[0].sender_step  # every step since
+        # no version for the round it joined: given up 2H steps after it was accepted
+        island.resolved(0, accepted=True, joined=3)
+        accepted_at = island.stats.step
+        island.deliver(0, 3, island.global_flat[0].clone())
+        while len(sent) == 2:
+            _step(model, opt, island)
+        assert island.stats.step == accepted_at + 6 and sent[-1].base_version == 3
+
+
 def test_detached_island_neither_ships_nor_adopts() -> None:
     island, model, opt, sent = _island(h=2, fragments=1)
     island.enabled = False

@@ -466,6 +466,27 @@ async def test_receive_answers_before_the_merge_it_completes_and_reused_buffers_
     assert torch.equal(flat2, owner.theta)  # the published bytes are the merged state
 
 
+async def test_an_ack_names_the_round_its_contribution_joined() -> None:
+    """An accepted contribution's Ack names the round it joined, by the version it merges on
+    (its sender sends that fragment again only once the round's version has come): the one
+    that closed a round says that round, not the version its merge made; one that came while a
+    merge ran joined the next round (carried, or stale once that merge published)."""
+    _, shapes, _, theta0, owner = _setup(quorum=1, late_policy="carry")
+    await owner.set_expected(2)
+    delta = torch.full_like(theta0, 0.25)
+    assert (await owner.contribute(A, contribution(delta, shapes[0], owner=owner))).version == 0
+    ack = await owner.contribute(B, contribution(delta, shapes[0], owner=owner))
+    assert ack.accepted and owner.version == 1 and ack.version == 0
+    for who in (A, B):  # the round on version 1: answered before its merge runs
+        ack = await owner.receive(who, contribution(delta, shapes[0], base_version=1, owner=owner))
+        assert ack.accepted and ack.version == 1
+    late = await owner.receive(C, contribution(delta, shapes[0], base_version=1, owner=owner))
+    assert late.accepted and late.version == 2, late.reason
+    await owner.settled()
+    refused = await owner.receive(C, contribution(delta, shapes[0], base_version=2, owner=owner))
+    assert not refused.accepted and "duplicate" in refused.reason and refused.version == 2
+
+
 async def test_a_successor_knows_a_version_by_the_digest_learners_verified_from_its_predecessor() -> (
     None
 ):
