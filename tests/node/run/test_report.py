@@ -123,6 +123,30 @@ def test_memory_reads_against_the_models_fp32_bytes_the_budget_and_the_ceiling()
     assert out["max_rss_x_model"] is None  # no peer sent its high-water mark
 
 
+def test_the_summary_compares_memory_with_the_budget_only_for_models_it_is_for() -> None:
+    """The main job's 84k-parameter model is 0.34 MB of fp32: a peer's ~430 MB are the
+    interpreter and torch, so the summary says that instead of "1272x the model (budget 8x)";
+    at 500 MB it compares. Small byte counts keep their digits."""
+    from node.run.report import _budget_note, _bytes, memory_summary
+
+    curve = [[t, 0, 430_000_000, -1, 0] for t in range(4)]
+    tiny = memory_summary([{"index": 0, "rss_curve": curve}], model_bytes=337_152)
+    assert tiny["budget_applies"] is False and tiny["max_peak_x_model"] > 1000  # JSON compares
+    note = _budget_note(tiny)
+    assert "337 kB" in note and "budget is for models of 250 MB or more" in note
+    assert "x the model" not in note
+    big = memory_summary([{"index": 0, "rss_curve": curve}], model_bytes=500_000_000)
+    assert big["budget_applies"] is True
+    assert _budget_note(big) == "; at most 0.86x the model's fp32 500 MB (budget 8x, ceiling 8x)"
+    assert [_bytes(n) for n in (0, 999, 1234, 4_900_000, 2.5e9)] == [
+        "0 B",
+        "999 B",
+        "1.23 kB",
+        "4.9 MB",
+        "2.5 GB",
+    ]
+
+
 def test_memory_shows_the_kernels_high_water_mark_beside_the_samples() -> None:
     """A peak between the 5 s samples (or after the last, at the end of the run) is in
     ``max_rss_x_model``; the budget and the ceiling still read the samples."""
