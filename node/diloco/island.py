@@ -216,6 +216,7 @@ class Island:
         # per fragment, how often its parameters were replaced by a global version (a final or a
         # resync may replace them at the version held): what the other ranks of an island follow
         self.adoptions: list[int] = [0] * len(self.params)
+        self._adopted_at: list[int] = [0] * len(self.params)  # the step of each one's last adoption
         self.c_steps = [0] * len(self.params)
         self.c_tokens = [0] * len(self.params)
         self.in_flight: list[int | None] = [None] * len(self.params)  # step it was sent at
@@ -444,14 +445,19 @@ class Island:
         """Whether fragment ``p``'s last accepted work still waits in the round that work on
         the version held would join: its owner would refuse that as a duplicate (an accepted
         contribution carried into the next round while the owner merged, or one accepted stale
-        into a round whose base we do not hold yet). Given up, as work in flight is, when no
-        newer version has come within the in-flight timeout of its acceptance."""
+        into a round whose base we do not hold yet). Given up, as work in flight is, when that
+        round has not closed within the in-flight timeout of its opening here (the adoption of
+        its base version) or of the acceptance, whichever came later: a round an owner's
+        validation declined and merged again opens late."""
         held = self._joined[p]
         if held is None:
             return False
         round_, accepted_at = held
+        if self.versions[p] > round_:
+            return False
+        opened = self._adopted_at[p] if self.versions[p] == round_ else accepted_at
         timeout = self.cfg.in_flight_timeout_steps or 2 * self.cfg.inner_steps
-        return self.versions[p] <= round_ and self.stats.step - accepted_at < timeout
+        return self.stats.step - max(accepted_at, opened) < timeout
 
     def _wait_for_merges(self, deadline: float) -> None:
         """Synchronous mode: block until every fragment in flight has its merged version."""
@@ -653,6 +659,7 @@ class Island:
         self._shipped[p] = None
         self.stats.adopted += 1
         self.adoptions[p] += 1
+        self._adopted_at[p] = self.stats.step
         self._copy_s += time.thread_time() - t0
 
     # --- the global model this island holds ----------------------------------------------------
