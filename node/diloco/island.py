@@ -334,9 +334,16 @@ class Island:
         self.flushing = True
         try:
             self.adopt_pending()
-            flying = {p for p, sent in enumerate(self.in_flight) if sent is not None}
-            shipped = self._ship_last(deadline)
-            self._inbox.wait_while(lambda: self._waiting(flying), deadline, poll_s=0.5)
+            # in flight, or accepted into the round it would ship into: its version comes first
+            flying = {
+                p
+                for p, sent in enumerate(self.in_flight)
+                if sent is not None or self._awaits_round(p)
+            }
+            shipped = self._ship_last(deadline, skip=flying)
+            self._inbox.wait_while(
+                lambda: any(self._flush_waits_for(p) for p in flying), deadline, poll_s=0.5
+            )
             self.adopt_pending()
             shipped += self._ship_last(deadline)
         finally:
@@ -344,11 +351,14 @@ class Island:
         self.stats.flushed += shipped
         return shipped
 
-    def _ship_last(self, deadline: float) -> int:
-        """Ship, marked last, every fragment trained since its version and not in flight, one
-        after another within the ship window (past ``deadline``, without waiting for room)."""
+    def _ship_last(self, deadline: float, skip: Collection[int] = ()) -> int:
+        """Ship, marked last, every fragment trained since its version and not in flight (nor
+        in ``skip``), one after another within the ship window (past ``deadline``, without
+        waiting for room)."""
         due = [
-            p for p in range(len(self.params)) if self.in_flight[p] is None and self.c_steps[p] > 0
+            p
+            for p in range(len(self.params))
+            if self.in_flight[p] is None and self.c_steps[p] > 0 and p not in skip
         ]
         for p in due:
             self._wait_for_room(deadline)
@@ -418,16 +428,27 @@ class Island:
             )
         self._copy_s = self._submit_s = 0.0
 
-    def _waiting(self, among: Collection[int] | None = None) -> bool:
-        """Some fragment (of ``among``, if given) is in flight and neither its next version nor
-        a refusal has come (called by ``Inbox.wait_while``, which holds its lock)."""
+    def _waiting(self) -> bool:
+        """Some fragment is in flight and neither its next version nor a refusal has come
+        (called by ``Inbox.wait_while``, which holds its lock)."""
         return any(
             sent is not None
             and not self._inbox.newer(p, self.versions[p])
             and not self._inbox.declined(p, self.versions[p])
             for p, sent in enumerate(self.in_flight)
-            if among is None or p in among
         )
+
+    def _flush_waits_for(self, p: int) -> bool:
+        """Whether the flush still waits for a version of ``p`` (called by ``Inbox.wait_while``,
+        which holds its lock): its work in flight, or its accepted work waiting in the round its
+        last contribution would join (a version above that round ends the wait), and no
+        decline of it."""
+        if self._inbox.declined(p, self.versions[p]):
+            return False
+        if self.in_flight[p] is not None:
+            return not self._inbox.newer(p, self.versions[p])
+        held = self._joined[p]
+        return held is not None and self._awaits_round(p) and not self._inbox.newer(p, held[0])
 
     def _ship_due(self, due: list[int]) -> None:
         """Decoupled: ship the fragments due at this step without waiting. The first always
