@@ -27,6 +27,8 @@ class DHTConfig:
     store_burst: float = 50.0  # ...a burst of this many
     store_ip_rate: float = 100.0  # records stored a second per requester IP (IPv6: per /64)...
     store_ip_burst: float = 1000.0  # ...after a burst of this many
+    read_ip_rate: float = 5_000.0  # records FindValue answers carry a second per requester IP...
+    read_ip_burst: float = 20_000.0  # ...after a burst of this many
     max_store_bytes: int = 64 << 20  # values plus 1 KiB a record (RECORD_OVERHEAD_BYTES)
     max_subkeys_per_key: int = 1_000
     max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES

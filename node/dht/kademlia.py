@@ -9,7 +9,8 @@ Serving. ``DHTRouter`` (``node.dht.route``) mounts nodes on one POST route of
 a ``Transport`` and verifies each request over its exact bytes with the addressed node's replay
 window. ``DHTNode.handle`` then checks that the message's ``sender`` is the envelope's signer
 (``check_sender``), meters Store per requester IP (records) and per signing key (requests)
-(``StoreLimits``; ``RateLimited``, 429), passes the sender to routing (below), and answers from
+(``StoreLimits``) and the records FindValue answers carry per requester IP (``ReadLimits``; both
+``RateLimited``, 429), passes the sender to routing (below), and answers from
 the explicit handler table; records are stored charged to the requester's IP (``RecordStore``'s
 byte cap and fair-share eviction). The reply is sealed with the node's own key. A peer's
 misbehaviour is a ``RemoteProtocolError``: 4xx, counted in ``metrics.refusals``. A named path
@@ -77,6 +78,7 @@ from protocol.dht.messages import (
 from protocol.dht.records import (
     PutResult,
     RateLimited,
+    ReadLimits,
     RecordStore,
     SignedRecord,
     StoreLimits,
@@ -149,6 +151,7 @@ class DHTNode:
             key_rate=cfg.store_rate,
             key_burst=cfg.store_burst,
         )
+        self.read_limits = ReadLimits(source_rate=cfg.read_ip_rate, source_burst=cfg.read_ip_burst)
         self.claims = ClaimQueue(
             max_pending=cfg.max_claims,
             rate=cfg.claim_rate,
@@ -265,6 +268,7 @@ class DHTNode:
         return NodesReply(peers=tuple(self._nearest(msg.target)))
 
     def _on_find_value(self, msg: FindValue, source: str) -> ValueReply:
+        self.read_limits.admit(source=source, now=self.clock())  # before anything is built
         held = only_subkeys(self.records.get(msg.key, self.clock()), msg.only)
         got = answer(held, known=msg.known, same=msg.same, renew=msg.renew)
         # A holder answers a delta read (one that names records: the asker has read the key
@@ -274,8 +278,12 @@ class DHTNode:
         named = msg.known or msg.same or msg.renew or msg.only
         holder = named and (got.records or got.refreshes or got.omitted)
         refreshes = tuple(got.refreshes[:MAX_REPLY_RECORDS])
+        records = tuple(got.records[: MAX_REPLY_RECORDS - len(refreshes)])
+        self.read_limits.charge(
+            source=source, records=len(records) + len(refreshes), now=self.clock()
+        )
         return ValueReply(
-            records=tuple(got.records[: MAX_REPLY_RECORDS - len(refreshes)]),
+            records=records,
             peers=() if holder else tuple(self._nearest(msg.key)),
             omitted=got.omitted,
             refreshes=refreshes,

@@ -32,7 +32,7 @@ from node.diloco.replica import (
 )
 from node.peer.started import PeerShared
 from node.peer.view import MemberView
-from protocol.diloco.replica import Admission, HandoffView, admit
+from protocol.diloco.replica import MAX_EPOCH, Admission, HandoffView, admit
 from protocol.errors import DecodeError
 from protocol.wire.messages import ReplicaAck, ReplicaState
 from protocol.wire.signing import Opened, ReplayWindow
@@ -245,10 +245,11 @@ class Handoffs:
             log.info(
                 "fragment %d: %s refused version %d: %s", p, target[1], state.version, ack.reason
             )
-            # a fence names what stands above us: a higher epoch, or this version (or a later one)
-            # held here; a "fenced" answer claiming neither fences nothing, and is routed around
+            # a fence names what stands above us: a higher epoch (one we may take: an owner bumps
+            # its own above it), or this version (or a later one) held here; a "fenced" answer
+            # claiming neither fences nothing, and is routed around
             if ack.reason.startswith("fenced") and (
-                ack.epoch > state.epoch or ack.version >= state.version
+                state.epoch < ack.epoch <= MAX_EPOCH or ack.version >= state.version
             ):
                 raise _FencedBy(ack)
         return ack.accepted

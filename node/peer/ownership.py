@@ -478,7 +478,15 @@ class Ownership:
     async def on_replica_state(self, opened: Opened) -> ReplicaAck:
         """A handoff (``Handoffs.take_in``), then what it means for the fragment we own, if any:
         an owner that has not merged yet starts from it; one it supersedes steps back; an owner
-        that stepped back for its sender takes over now; a refused successor is handed ours."""
+        that stepped back for its sender takes over now; a refused successor is handed ours.
+        Raises ``UnknownFragment`` for a fragment outside our plan (the replica store refuses
+        another swarm's)."""
+        msg = opened.message
+        assert isinstance(msg, ReplicaState)
+        if msg.fragment >= len(self.plan.fragments):  # every per-fragment table is this long
+            raise UnknownFragment(
+                f"handoff of fragment {msg.fragment}: the plan has {len(self.plan.fragments)}"
+            )
         taken = await self.handoffs.take_in(opened)
         if not isinstance(taken, TakenIn):
             return taken

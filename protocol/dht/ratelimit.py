@@ -1,6 +1,7 @@
 """Token buckets: a rate and a burst, per peer or per address, with ``now`` passed in.
 
-The DHT meters Store requests with them (``protocol.dht.records.StoreLimits``), the routing table
+The DHT meters Store requests and the records its reads answer with them
+(``protocol.dht.store_limits``), the routing table
 its pings, and nodes the requests they serve (manifest posts, bootstrap lookups).
 """
 
@@ -34,6 +35,12 @@ class TokenBucket:
             return True
         return False
 
+    def charge(self, now: float, cost: float) -> None:
+        """Spend ``cost`` tokens whether they are there or not, down to ``-burst``: a cost known
+        only once the work is done, which ``allow(now, 1)`` then refuses until it is paid back."""
+        self.allow(now, 0.0)  # refill to now
+        self.tokens = max(-self.burst, self.tokens - cost)
+
     def wait_s(self, now: float, cost: float = 1.0) -> float:
         """Seconds from ``now`` until ``cost`` tokens are there (0 now; inf if never)."""
         elapsed = max(0.0, now - self._last) if self._last is not None else 0.0
@@ -62,8 +69,12 @@ class RateLimiter:
 
     def allow(self, peer: bytes | str, now: float, cost: float = 1.0) -> bool:
         """Whether ``peer`` may make a request costing ``cost`` now."""
+        return self.bucket(peer).allow(now, cost)
+
+    def bucket(self, peer: bytes | str) -> TokenBucket:
+        """``peer``'s bucket (a full one for a peer not tracked), now the most recently used."""
         bucket = self._buckets.pop(peer, None) or TokenBucket(self.rate, self.burst)
         self._buckets[peer] = bucket
         while len(self._buckets) > self.max_peers:
             self._buckets.popitem(last=False)
-        return bucket.allow(now, cost)
+        return bucket

@@ -6,7 +6,8 @@ This module is the import point; the pieces, each with its theory of operation, 
   ``sign_record`` and ``verify_record``;
 - ``protocol.dht.record_store``: ``RecordStore``, its caps and room policy (fair share first,
   expiry second), ``PutResult`` and ``source_key``;
-- ``protocol.dht.store_limits``: ``StoreLimits``, the token buckets on STORE, and ``RateLimited``;
+- ``protocol.dht.store_limits``: ``StoreLimits``, the token buckets on STORE, ``ReadLimits`` on
+  the records FIND_VALUE answers carry, and ``RateLimited``;
 - ``protocol.dht.delta_reads``: ``known_tag``/``known_tags`` and ``unknown_to``, so a FIND_VALUE
   answer leaves out the records its reader already holds; ``only_subkeys`` for a FIND_VALUE
   that asks for a few subkeys by id.
@@ -40,7 +41,7 @@ from protocol.dht.signed_record import (
     verify_record,
 )
 from protocol.dht.signed_record import DOMAIN as DOMAIN
-from protocol.dht.store_limits import RateLimited, StoreLimits
+from protocol.dht.store_limits import RateLimited, ReadLimits, StoreLimits
 
 __all__ = [
     "CONTENT_TAG_BYTES",
@@ -53,6 +54,7 @@ __all__ = [
     "Answer",
     "PutResult",
     "RateLimited",
+    "ReadLimits",
     "RecordRefresh",
     "RecordSigner",
     "RecordStore",

@@ -23,7 +23,8 @@ immediate predecessor (who would own p without this peer: a replica's primary, o
 successor displaces). Only an owner may raise the epoch by more than one, hand a version more
 than ``PREDECESSOR_LEAD`` past the newest this peer knows, supersede an owner that has merged, or
 declare a version final; no
-one may hand a version above what the rounds since allow (``versions.version_jump_reason``), and
+one may hand an epoch above ``MAX_EPOCH`` (a takeover adds one to the epoch it holds, which past
+the wire's signed 64 bits made every later handoff, and so every merge, fail) nor a version above what the rounds since allow (``versions.version_jump_reason``), and
 the bases of its merged work are clamped below the handed version.
 """
 
@@ -33,13 +34,26 @@ from dataclasses import dataclass
 
 from protocol.diloco.versions import MAX_ROUNDS_PER_S, version_jump_reason
 
-__all__ = ["PREDECESSOR_LEAD", "Admission", "HandoffView", "Held", "Judgement", "admit", "judge"]
+__all__ = [
+    "MAX_EPOCH",
+    "PREDECESSOR_LEAD",
+    "Admission",
+    "HandoffView",
+    "Held",
+    "Judgement",
+    "admit",
+    "judge",
+]
 
 # A predecessor's handoff may be this many versions past the newest known here: an owner that has
 # not yet seen its successor hands it the version it merged next, before publishing it (a joiner
 # that synced version v and owns p at once is handed v + 1 by the owner it displaces); refusing
 # that split a late joiner's swarm in two (two contents of v + 1, and the successor fenced).
 PREDECESSOR_LEAD = 2
+# The highest epoch a peer takes from another (a handoff, or a fence it bumps its own above): a
+# takeover or a stale fence adds one each, so an honest epoch never nears it, and what is taken
+# leaves 2^62 increments below the wire's signed 64-bit cap.
+MAX_EPOCH = 1 << 62
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +196,12 @@ def admit(
             "epoch-jump",
             f"refused: fragment {p} is at epoch {held_epoch} here; only its owner may hand it "
             f"over at epoch {epoch} (its predecessor at most {held_epoch + 1})",
+        )
+    if epoch > MAX_EPOCH:
+        return Admission(
+            False,
+            "epoch-cap",
+            f"refused: fragment {p} handed at epoch {epoch}, past the {MAX_EPOCH} any peer takes",
         )
     jump = version_jump_reason(
         version,

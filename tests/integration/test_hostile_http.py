@@ -6,6 +6,7 @@ and the peer still answers ``/v1/status`` afterwards."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -18,12 +19,14 @@ import pytest
 import torch
 
 from node.config import RunConfig
+from node.dht.kademlia import DHTConfig, DHTNode
+from node.dht.membership import MemberRecord, Membership, manifest_hash
 from node.diloco.island import Island, IslandConfig
 from node.peer import PeerNode
-from node.wire.transport import ServeLimits
+from node.wire.transport import ServeLimits, Transport
 from protocol.wire.codec import encode
-from protocol.wire.messages import Ack
-from protocol.wire.signing import seal
+from protocol.wire.messages import Ack, ReplicaState
+from protocol.wire.signing import Signer, seal
 from tests.node.fakes import signer, tiny_model, tiny_plan
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
@@ -223,3 +226,66 @@ async def test_an_rpc_body_larger_than_the_fragment_plan_allows_is_refused_befor
         session.get(peer.transport.url + "/v1/status") as resp,
     ):
         assert resp.status == 200
+
+
+@contextlib.asynccontextmanager
+async def insider_of(peer: PeerNode) -> AsyncIterator[Signer]:
+    """A member of ``peer``'s development swarm (where any member may hand fragments over): a
+    fresh key whose member record it stores on ``peer``'s DHT, nothing more."""
+    insider = Signer.from_seed(os.urandom(32))
+    transport = Transport()
+    await transport.start()
+    dht = DHTNode(insider, transport, "", DHTConfig(maintenance_period_s=0))
+    await dht.start()
+    try:
+        assert await dht.bootstrap([peer.transport.url + "/v1/dht"]) == 1
+        record = MemberRecord(
+            url="",
+            roles=("learner",),
+            reachable=False,
+            manifest=manifest_hash(peer.cfg),
+            learning=True,
+        )
+        assert await Membership(dht, peer.cfg.swarm, manifest_hash(peer.cfg)).publish(record) >= 1
+        yield insider
+    finally:
+        await dht.close()
+        await transport.close()
+
+
+async def test_a_members_handoff_of_a_fragment_outside_the_plan_is_a_4xx_not_a_500(
+    peer: PeerNode, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A handoff (``ReplicaState``) naming a fragment index past the plan indexed the learner's
+    per-fragment table before anything checked it: an ``IndexError``, a 500 and a traceback for
+    one signed RPC from any member. It is refused by its claim (404) before admission."""
+    caplog.set_level(logging.INFO)
+    n = len(peer.plan.fragments)
+    assert peer.net is not None  # the learner's tables are what the index ran past
+    async with insider_of(peer) as insider, aiohttp.ClientSession() as session:
+        answers = []
+        for fragment in (n, 2**62):
+            digest = os.urandom(32)
+            state = ReplicaState(
+                swarm=peer.cfg.swarm,
+                fragment=fragment,
+                epoch=0,
+                version=1,
+                digest=digest,
+                theta=(),
+                momentum=(),
+                base_version=1,  # a handoff by reference: no tensors to build
+                base_digest=digest,
+            )
+            body = seal(
+                encode(state),
+                insider,
+                now=time.time(),
+                nonce=os.urandom(16),
+                recipient=peer.signer.peer_id,
+            ).tobytes()
+            async with session.post(peer.transport.url + "/v1/rpc", data=body) as resp:
+                answers.append((resp.status, reason_of(await resp.read())))
+    assert answers == [(404, f"handoff of fragment {f}: the plan has {n}") for f in (n, 2**62)]
+    unhandled = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+    assert not unhandled, unhandled

@@ -41,3 +41,12 @@ def test_token_bucket_says_how_long_to_wait() -> None:
     assert bucket.wait_s(0.0) == pytest.approx(0.5) and bucket.wait_s(0.25) == pytest.approx(0.25)
     assert bucket.wait_s(0.0, cost=3.0) == float("inf")
     assert TokenBucket(rate=0.0, burst=1.0).wait_s(0.0, cost=2.0) == float("inf")
+
+
+def test_a_charge_known_after_the_work_may_go_into_debt_and_is_paid_back_before_more() -> None:
+    bucket = TokenBucket(rate=10.0, burst=100.0)
+    bucket.charge(0.0, 150.0)  # an answer larger than what was left: the bucket owes 50
+    assert bucket.wait_s(0.0) == pytest.approx(5.1) and not bucket.allow(0.0)
+    assert not bucket.allow(5.0) and bucket.allow(5.2)  # paid back at the rate first
+    bucket.charge(5.2, 1e9)  # a debt is bounded by one burst
+    assert bucket.tokens == -100.0

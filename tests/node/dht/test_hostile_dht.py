@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from protocol.dht.messages import Ping, Pong, Store, StoreReply
+from protocol.dht.messages import FindValue, Ping, Pong, Store, StoreReply, ValueReply
 from protocol.dht.records import RECORD_OVERHEAD_BYTES, sign_record
 from protocol.ids import key_id
 from protocol.wire.signing import Signer
@@ -115,3 +115,41 @@ async def test_a_store_flood_from_fresh_keys_is_limited_per_ip_and_capped() -> N
         assert node.records.nbytes <= cap and node.records.held_by("127.0.0.1") >= cap - 2 * 2048
         assert node.records.counts["evicted: store full"] == 40 - 23  # its own records, by expiry
         assert honest in node.records.get(members, time.time())
+
+
+async def test_full_reads_of_a_large_key_from_one_address_are_refused_past_its_read_budget() -> (
+    None
+):
+    """A FindValue of a key holding 1,000 records costs the responder ~12 ms of its event loop
+    (the answer built and sealed) and the asker one signature (~0.1 ms): before reads were
+    metered, one address reading such a key a few dozen times a second held a peer's loop.
+    The records answers carry to one address are metered (``ReadLimits``): past the burst a read
+    is a 429 before its answer is built, and what the address got stays within the budget."""
+    async with network() as net:
+        # no refill: what one address may read is the burst, whatever the box's load
+        node = await net.add(0, dataclasses.replace(FAST, read_ip_rate=0.0, read_ip_burst=4500))
+        key, now = key_id("atoll/large"), time.time()
+        writers = [Signer.from_seed(i.to_bytes(32, "big")) for i in range(1, 1001)]
+        records = [sign_record(w, key, b"v" * 700, now + 600) for w in writers]
+        publisher = signer(90)
+        for i in range(0, len(records), 64):
+            status, reply = await raw(
+                net,
+                node.me.address,
+                publisher,
+                Store(sender=info(publisher), records=tuple(records[i : i + 64])),
+            )
+            assert status == 200 and isinstance(reply, StoreReply) and reply.accepted > 0, reply
+        assert len(node.records.get(key, time.time())) == 1000
+        reader, got, statuses = signer(91), 0, []
+        for _ in range(20):
+            status, reply = await raw(
+                net, node.me.address, reader, FindValue(sender=info(reader), key=key)
+            )
+            statuses.append(status)
+            if isinstance(reply, ValueReply):
+                got += len(reply.records)
+        assert node.metrics.refusals["RateLimited"] == 15
+        # four reads of 1,000 records leave 500 of the 4,500: the fifth is answered (charged
+        # after it, into debt), every later one refused before its answer is built
+        assert statuses == [200] * 5 + [429] * 15 and got == 5 * 1000

@@ -24,7 +24,7 @@ from node.diloco.replica import NOT_A_MEMBER, NotAMemberThere, encode_state, han
 from node.peer import PeerNode
 from node.peer.handoffs import _FencedBy
 from node.wire.transport import Reply
-from protocol.diloco.replica import PREDECESSOR_LEAD
+from protocol.diloco.replica import MAX_EPOCH, PREDECESSOR_LEAD
 from protocol.errors import RemoteProtocolError
 from protocol.wire.codec import encode
 from protocol.wire.messages import ReplicaAck, ReplicaState
@@ -338,3 +338,44 @@ async def test_the_owner_that_owned_while_alone_hands_its_state_to_a_joiner_and_
     ack = await _offer(node, OWNER, state)  # ranked past the two sources: not taken
     assert not ack.accepted and node.owners[0].succession.merger.held_until is not None
     await tasks.cancel()
+
+
+async def test_an_epoch_past_the_cap_is_taken_neither_from_an_owner_nor_from_a_replicas_fence(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An owner's handoff at epoch 2^63 - 1 was taken: the owner here adopted epoch 2^63, past the
+    wire's signed 64 bits, so its every replica state failed to build and every merge failed
+    with the round's work discarded, for good. A replica's "fenced" answer at that epoch did
+    the same through the owner's bump above a stale fence. Neither is taken past ``MAX_EPOCH``;
+    an epoch at the cap is, and leaves the owner's next handoff buildable."""
+    from node.peer import handoffs
+
+    node, tasks = _coming_back(last_owner=None, rank=(ME, OWNER, ATTACKER))  # OWNER: a predecessor
+    own = node.owners[0]
+    theta = torch.zeros(node.replicas.numels[0])
+    ack = await _offer(node, OWNER, _forged(node, epoch=2**63 - 1, version=5, theta=theta))
+    assert not ack.accepted and node.replicas.status()["handoff_refusals"] == {"epoch-cap": 1}
+    assert own.epoch == 0
+    assert (
+        await _offer(node, OWNER, _forged(node, epoch=MAX_EPOCH, version=5, theta=theta))
+    ).accepted
+    assert own.epoch == MAX_EPOCH + 1
+    encode_state(  # what its next merge hands its replica: still a valid message
+        swarm=node.cfg.swarm,
+        fragment=0,
+        epoch=own.epoch,
+        version=6,
+        digest=flat_digest(theta),
+        theta=theta,
+        momentum=None,
+    )
+    await tasks.cancel()
+
+    answer = ReplicaAck(accepted=False, reason="fenced: epoch 2^63 - 1", epoch=2**63 - 1, version=0)
+
+    async def answering(*a: object, **kw: object) -> ReplicaAck:
+        return answer
+
+    monkeypatch.setattr(handoffs, "hand_over", answering)
+    state = dataclasses.replace(_state(), epoch=3, version=9)
+    assert await node.handoffs._hand_to(0, (ATTACKER.peer_id, "http://x"), state) is False
