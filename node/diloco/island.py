@@ -428,14 +428,15 @@ class Island:
             )
         self._copy_s = self._submit_s = 0.0
 
-    def _waiting(self) -> bool:
-        """Some fragment is in flight and neither its next version nor a refusal has come
-        (called by ``Inbox.wait_while``, which holds its lock)."""
+    def _waiting(self, among: Collection[int] | None = None) -> bool:
+        """Some fragment (of ``among``, if given) is in flight and neither its next version nor
+        a refusal has come (called by ``Inbox.wait_while``, which holds its lock)."""
         return any(
             sent is not None
             and not self._inbox.newer(p, self.versions[p])
             and not self._inbox.declined(p, self.versions[p])
             for p, sent in enumerate(self.in_flight)
+            if among is None or p in among
         )
 
     def _flush_waits_for(self, p: int) -> bool:
