@@ -334,16 +334,14 @@ class Island:
         self.flushing = True
         try:
             self.adopt_pending()
-            # in flight, or accepted into the round it would ship into: its version comes first
-            flying = {
-                p
-                for p, sent in enumerate(self.in_flight)
-                if sent is not None or self._awaits_round(p)
-            }
-            shipped = self._ship_last(deadline, skip=flying)
-            self._inbox.wait_while(
-                lambda: any(self._flush_waits_for(p) for p in flying), deadline, poll_s=0.5
-            )
+            # work in flight first gets its version. Not a fragment whose accepted work waits in
+            # the round its last steps would join (``_awaits_round``): that round's owner waits
+            # for every learner's last contribution, ours included, a circular wait until the
+            # deadline (30 s at the end of every test swarm); they go now, and are refused as a
+            # duplicate, those steps lost
+            flying = {p for p, sent in enumerate(self.in_flight) if sent is not None}
+            shipped = self._ship_last(deadline)
+            self._inbox.wait_while(lambda: self._waiting(flying), deadline, poll_s=0.5)
             self.adopt_pending()
             shipped += self._ship_last(deadline)
         finally:
@@ -351,14 +349,11 @@ class Island:
         self.stats.flushed += shipped
         return shipped
 
-    def _ship_last(self, deadline: float, skip: Collection[int] = ()) -> int:
-        """Ship, marked last, every fragment trained since its version and not in flight (nor
-        in ``skip``), one after another within the ship window (past ``deadline``, without
-        waiting for room)."""
+    def _ship_last(self, deadline: float) -> int:
+        """Ship, marked last, every fragment trained since its version and not in flight, one
+        after another within the ship window (past ``deadline``, without waiting for room)."""
         due = [
-            p
-            for p in range(len(self.params))
-            if self.in_flight[p] is None and self.c_steps[p] > 0 and p not in skip
+            p for p in range(len(self.params)) if self.in_flight[p] is None and self.c_steps[p] > 0
         ]
         for p in due:
             self._wait_for_room(deadline)
@@ -438,18 +433,6 @@ class Island:
             for p, sent in enumerate(self.in_flight)
             if among is None or p in among
         )
-
-    def _flush_waits_for(self, p: int) -> bool:
-        """Whether the flush still waits for a version of ``p`` (called by ``Inbox.wait_while``,
-        which holds its lock): its work in flight, or its accepted work waiting in the round its
-        last contribution would join (a version above that round ends the wait), and no
-        decline of it."""
-        if self._inbox.declined(p, self.versions[p]):
-            return False
-        if self.in_flight[p] is not None:
-            return not self._inbox.newer(p, self.versions[p])
-        held = self._joined[p]
-        return held is not None and self._awaits_round(p) and not self._inbox.newer(p, held[0])
 
     def _ship_due(self, due: list[int]) -> None:
         """Decoupled: ship the fragments due at this step without waiting. The first always

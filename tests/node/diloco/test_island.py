@@ -377,28 +377,6 @@ def test_flush_ships_the_work_no_contribution_holds_measured_from_the_version_in
     assert island.flush(timeout_s=0.0) == 0  # nothing trained since: nothing more to send
 
 
-def test_flush_waits_for_the_round_its_accepted_work_joined_before_shipping_the_last() -> None:
-    """At the end of a run, a fragment whose accepted work was carried into the round on the
-    version it holds would have its last contribution refused as a duplicate, and its last
-    steps lost: the flush waits for that round's version (as for work in flight), then ships
-    the steps on top of it."""
-    island, model, opt, sent = _rebasing(h=3)
-    _step(model, opt, island)  # ships on version 0
-    island.resolved(0, accepted=True, joined=1)  # carried into the round on version 1
-    island.deliver(0, 1, island.global_flat[0].clone())
-    for _ in range(2):
-        _step(model, opt, island)
-    assert island.versions[0] == 1 and len(sent) == 1
-    closed = threading.Timer(0.3, island.deliver, (0, 2, island.global_flat[0] - 0.01))
-    closed.start()
-    try:
-        assert island.flush(timeout_s=30.0) == 1
-    finally:
-        closed.cancel()
-    last = sent[-1]
-    assert last.last and last.base_version == 2 and last.steps == 2  # both steps since the ship
-
-
 def test_flush_ships_a_fragment_with_nothing_in_flight_before_waiting_for_another() -> None:
     """Seen at the end of a chaos run: an owner's last round waits for every learner's last
     contribution, and a learner's flush waited for another fragment's version, held by such a
