@@ -461,8 +461,11 @@ class Island:
         if self.versions[p] > round_:
             return False
         opened = self._adopted_at[p] if self.versions[p] == round_ else accepted_at
-        timeout = self.cfg.in_flight_timeout_steps or 2 * self.cfg.inner_steps
-        return self.stats.step - max(accepted_at, opened) < timeout
+        return self.stats.step - max(accepted_at, opened) < self._in_flight_timeout()
+
+    def _in_flight_timeout(self) -> int:
+        """Steps after which work sent, or waiting for its round, is given up: 2H unless set."""
+        return self.cfg.in_flight_timeout_steps or 2 * self.cfg.inner_steps
 
     def _wait_for_merges(self, deadline: float) -> None:
         """Synchronous mode: block until every fragment in flight has its merged version."""
@@ -471,9 +474,8 @@ class Island:
 
     def _ship(self, p: int, *, last: bool = False) -> bool:
         """Snapshot fragment ``p``'s work and submit it; False if it is in flight (not given up)."""
-        timeout = self.cfg.in_flight_timeout_steps or 2 * self.cfg.inner_steps
         sent_at = self.in_flight[p]
-        if sent_at is not None and self.stats.step - sent_at < timeout:
+        if sent_at is not None and self.stats.step - sent_at < self._in_flight_timeout():
             return False
         if sent_at is not None:
             self.stats.gave_up_in_flight += 1
